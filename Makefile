@@ -1,0 +1,29 @@
+# Two entry points: `make demo` runs the main job on the embedded default, `make test` runs the suite.
+# Both build .venv themselves. torch==2.13.0 goes in first so pip keeps that build (the CPU wheel on
+# machines without a GPU) instead of pulling the newest CUDA build through the package's range.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/shardtune demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

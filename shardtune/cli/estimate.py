@@ -1,0 +1,135 @@
+"""``shardtune estimate``: per-GPU memory of a fine-tuning setup, before any GPU is rented."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shardtune import catalog
+from shardtune.errors import UsageError, check_choice
+from shardtune.memory.hardware import DEFAULT_GPU, GPUS, Gpu, custom_gpu, gpu_by_name
+from shardtune.memory.setup import (ATTENTION, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
+                                    STRATEGIES, Setup, validate)
+
+ZERO_STRATEGIES = {"zero1": "SHARD_GRAD_OP", "zero2": "SHARD_GRAD_OP", "zero3": "FULL_SHARD"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("estimate", help="per-GPU memory of a fine-tuning setup, and the setup to use",
+                       description=__doc__ + " MODEL is a catalog name (--list), a local model folder or a "
+                                             "config.json.")
+    p.add_argument("model", nargs="?", metavar="MODEL")
+    p.add_argument("--list", action="store_true", help="print the catalog of known models and exit")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--method", default="full", help=f"{' | '.join(METHODS)} (default: full)")
+    p.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default: 1)")
+    p.add_argument("--num-nodes", type=int, default=1, help="nodes (default: 1)")
+    hw = p.add_mutually_exclusive_group()
+    hw.add_argument("--gpu", default=None, help=f"{', '.join(GPUS)} (default: {DEFAULT_GPU})")
+    hw.add_argument("--gpu-memory", type=float, default=None, metavar="GIB", help="GPU memory in GiB")
+    p.add_argument("--strategy", default="auto",
+                   help="auto | single | ddp | fsdp | mp (zero1/zero2/zero3 map to FSDP); default: auto")
+    p.add_argument("--sharding-strategy", default="FULL_SHARD",
+                   help=f"{' | '.join(SHARDING_STRATEGIES)} (ZeRO-1/2/3 accepted); default: FULL_SHARD")
+    p.add_argument("--offload-params", action="store_true", help="FSDP CPU offload of params, grads, optimizer")
+    p.add_argument("--batch-size", type=int, default=1, help="micro-batch per device (default: 1)")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute each decoder layer in backward (default: on)")
+    p.add_argument("--mixed-precision", default="bf16", help=f"{' | '.join(MIXED_PRECISIONS)} (default: bf16)")
+    p.add_argument("--pure-bf16", action="store_true", help="keep weights and optimizer states in bf16 (no fp32 master)")
+    p.add_argument("--optimizer", default="adamw", help=f"{' | '.join(OPTIMIZERS)} (default: adamw)")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
+    p.add_argument("--lora-target-modules", default="all-linear", help="all-linear or e.g. q_proj,v_proj")
+    p.add_argument("--attn-implementation", default="sdpa", help=f"{' | '.join(ATTENTION)} (default: sdpa)")
+    p.set_defaults(func=main)
+
+
+def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
+    """The Setup the options describe, and whether the strategy is left to the recommender."""
+    strategy = args.strategy.lower()
+    sharding = args.sharding_strategy
+    if strategy in ZERO_STRATEGIES:
+        strategy, sharding = "fsdp", ZERO_STRATEGIES[strategy]
+    auto = strategy == "auto"
+    if not auto:
+        check_choice(strategy, STRATEGIES + ("auto",), "strategy")
+    world = args.num_gpus * args.num_nodes
+    setup = Setup(
+        method=args.method.lower(), strategy=("single" if world == 1 else "fsdp") if auto else strategy,
+        sharding_strategy=sharding, offload_params=args.offload_params, num_gpus=args.num_gpus,
+        num_nodes=args.num_nodes, batch_size=args.batch_size, seq_len=args.seq_len,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        gradient_checkpointing=args.gradient_checkpointing, mixed_precision=args.mixed_precision.lower(),
+        pure_bf16=args.pure_bf16, optimizer=args.optimizer.lower(), lora_r=args.lora_r,
+        lora_target_modules=args.lora_target_modules, attn_implementation=args.attn_implementation,
+    )
+    if auto and setup.offload_params:
+        setup = setup.with_(strategy="fsdp")
+    return validate(setup), auto
+
+
+def gpu_from_args(args: argparse.Namespace) -> Gpu:
+    if args.gpu_memory is not None:
+        if args.gpu_memory <= 0:
+            raise UsageError(f"--gpu-memory must be a positive number of GiB (got {args.gpu_memory:g}).")
+        return custom_gpu(args.gpu_memory)
+    return gpu_by_name(args.gpu or DEFAULT_GPU)
+
+
+def run_estimate(model: str, setup: Setup, gpu: Gpu, auto: bool = True):
+    """Estimate ``setup`` for ``model`` on ``gpu``; with ``auto`` the strategy is the recommended one."""
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import candidates, evaluate, max_batch_size, recommend
+    from shardtune.memory.report import Report
+
+    analysis = ModelAnalysis(model)
+    inv = analysis.inventory
+    trainable = inv.parameters
+    if setup.uses_lora:
+        trainable = analysis.lora(setup.lora_r, setup.lora_target_modules).total
+    rec = recommend(analysis, setup, gpu)
+    breakdown = rec.breakdown if auto else evaluate(analysis, setup)
+    rows = [(evaluate(analysis, s), max_batch_size(analysis, s, gpu)) for s in candidates(setup)]
+    return Report(inventory=inv, trainable_parameters=trainable, gpu=gpu, breakdown=breakdown, table=rows,
+                  recommendation=rec)
+
+
+def print_catalog() -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="shardtune catalog (shardtune estimate NAME)", title_justify="left")
+    for col in ("name", "Hugging Face id", "parameters"):
+        table.add_column(col, justify="right" if col == "parameters" else "left")
+    for name in catalog.names():
+        meta = catalog.metadata(name)
+        count = meta.get("published_parameters")
+        table.add_row(name, meta.get("hf_id", ""), f"{count:,}" if count else "")
+    Console().print(table)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.list:
+        print_catalog()
+        return 0
+    if not args.model:
+        raise UsageError("give a MODEL (a catalog name, a model folder or a config.json); "
+                         "'shardtune estimate --list' prints the catalog.")
+    setup, auto = setup_from_args(args)
+    gpu = gpu_from_args(args)
+    report = run_estimate(args.model, setup, gpu, auto)
+    if args.json:
+        from shardtune.memory.report import to_dict
+
+        json.dump(to_dict(report), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        from rich.console import Console
+
+        from shardtune.memory.report import render
+
+        render(report, Console())
+    return 0

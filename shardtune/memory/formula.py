@@ -1,0 +1,445 @@
+"""The analytic memory model: per-GPU bytes of one training step, phase by phase.
+
+A training step goes through phases whose live memory differs; the peak is the largest of them, and the breakdown
+shown is the one *at* that peak, so its parts add up to the total:
+
+- forward at the loss: saved activations of every layer, plus the logits and their fp32 upcast;
+- backward at the loss: saved activations, plus the gradients of the log-softmax (the worst moment for 128k vocabularies);
+- backward through the decoder layers: a recomputed layer (gradient checkpointing) and its gradient temporaries;
+- end of backward: every gradient allocated, one layer's activations still alive;
+- optimizer step: parameters, gradients and optimizer states, no activations.
+
+Where the bytes come from:
+- Bytes per parameter (4 fp32 master + 2 bf16 compute copy, 4 gradient, 8 AdamW) follow the Hugging Face
+  "Model training anatomy" accounting and Rajbhandari et al. 2020 (ZeRO, sec. 3.1); sharding divides them by the
+  shard group as in ZeRO stages 2/3 (FSDP SHARD_GRAD_OP / FULL_SHARD).
+- Saved activations per token and decoder layer are counted tensor by tensor from what the transformers
+  implementation saves for backward (RMSNorm upcasts to fp32; SDPA/flash keeps q, k, v, output and the fp32
+  log-sum-exp; the gated MLP keeps four intermediate-sized tensors). Korthikanti et al. 2022 ("Reducing Activation
+  Recomputation", eq. 1) gives the same structure for GPT; tests/test_activations.py checks these numbers against
+  the bytes the real model saves on CPU.
+- The loss follows transformers' ``ForCausalLMLoss``: logits in compute dtype, an fp32 upcast, log-softmax output
+  kept for backward, and two fp32 vocab-sized gradients at the start of backward.
+- FSDP2 (``fully_shard`` per decoder layer): a layer's parameters are all-gathered in the compute dtype while it
+  runs, the next one is prefetched, and the root (embeddings, final norm, head) is not resharded after forward
+  (torch/distributed/fsdp/_fully_shard/_fsdp_state.py); gradients are reduce-scattered in fp32.
+- NF4 (QLoRA): 4 bits per weight plus one absmax per 64 weights, stored in 8 bits with a second fp32 absmax per
+  256 blocks when double quantisation is on (Dettmers et al. 2023, sec. 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardtune.memory.hardware import GIB, MIB
+from shardtune.memory.inventory import LoraCount, ModelInventory
+from shardtune.memory.setup import Setup
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "overhead")
+
+# What the CUDA driver, cuBLAS/cuDNN kernels and NCCL hold outside PyTorch's allocator. nvidia-smi shows it,
+# torch.cuda.max_memory_reserved does not. Typical figures for CUDA 12 with lazy module loading.
+CUDA_CONTEXT_BYTES = 512 * MIB
+NCCL_BUFFER_BYTES = 256 * MIB
+# The caching allocator reserves more than it hands out: blocks are rounded (2 MiB granularity for large ones) and
+# freed blocks of other sizes stay cached. Applied to the memory that changes during the step.
+ALLOCATOR_SLACK = 0.08
+WORKSPACE_BYTES = 64 * MIB  # cuBLAS workspaces and small-allocation pools inside the allocator
+
+
+@dataclass(frozen=True)
+class Item:
+    category: str
+    label: str
+    bytes: int
+
+
+@dataclass
+class Breakdown:
+    """Per-GPU memory at the peak phase of one training step."""
+
+    setup: Setup
+    phase: str
+    items: list[Item]
+    cuda_context: int
+    cpu_bytes_per_node: int = 0  # what CPU offload keeps in host RAM
+    stage_note: str = ""
+    phases: dict[str, int] = field(default_factory=dict)
+
+    def category(self, name: str) -> int:
+        return sum(i.bytes for i in self.items if i.category == name)
+
+    @property
+    def total(self) -> int:
+        return sum(i.bytes for i in self.items)
+
+    def per_gpu(self) -> dict[str, int]:
+        out = {c: self.category(c) for c in CATEGORIES}
+        out["total"] = self.total
+        return out
+
+    def fits(self, gpu_bytes: int) -> bool:
+        return self.total + self.cuda_context <= gpu_bytes
+
+
+def nf4_bytes(numel: int, double_quant: bool) -> float:
+    """Bytes of a weight stored in NF4 with block size 64."""
+    per_block = 1 + 4 / 256 if double_quant else 4
+    return numel / 2 + numel / 64 * per_block
+
+
+@dataclass(frozen=True)
+class _Dtypes:
+    compute: int  # bytes of an activation / gathered weight (2 for bf16 and fp16)
+    master: int  # bytes of a trainable parameter as stored (and of its gradient)
+    frozen: int  # bytes of a frozen base weight (LoRA)
+    residual: int  # bytes of the residual stream between layers
+    autocast_copies: bool  # torch.autocast keeps a compute-dtype copy of each fp32 weight it casts
+
+
+def _dtypes(setup: Setup) -> _Dtypes:
+    if setup.mixed_precision == "no":
+        return _Dtypes(4, 4, 4, 4, False)
+    master = 2 if setup.pure_bf16 else 4
+    # Full fine-tuning with fp32 weights under autocast (single GPU, DDP, MP): the embedding runs in fp32, so the
+    # residual stream stays fp32. FSDP2's MixedPrecisionPolicy gathers bf16 weights instead, so everything is bf16;
+    # so is a LoRA model, whose frozen base (embeddings included) is stored in bf16.
+    autocast = setup.method == "full" and master == 4 and setup.strategy != "fsdp"
+    return _Dtypes(2, master, 2, 4 if autocast else 2, autocast)
+
+
+def _optimizer_bytes_per_param(setup: Setup, master: int) -> float:
+    # AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype; bitsandbytes' 8-bit AdamW keeps both in 8 bits
+    # with an fp32 absmax per 256-value block (Dettmers et al. 2022); SGD keeps one momentum buffer.
+    return {"adamw": 2 * master, "adamw-8bit": 2 * (1 + 4 / 256), "sgd": master}[setup.optimizer]
+
+
+class Activations:
+    """Bytes per token that one forward pass keeps for backward, by place in the model."""
+
+    def __init__(self, inv: ModelInventory, setup: Setup, dt: _Dtypes):
+        self.inv, self.setup, self.dt = inv, setup, dt
+
+    def norm(self) -> int:
+        """One RMSNorm: the fp32 upcast of its input, the normalised tensor, and 1/rms per token."""
+        h = self.inv.hidden_size
+        normalised = 4 if self.inv.norm_upcasts_weight else self.dt.residual
+        return 4 * h + normalised * h + 4
+
+    def attention(self) -> int:
+        inv, e, s = self.inv, self.dt.compute, self.setup.seq_len
+        v_stored = inv.q_dim + 2 * inv.kv_dim if inv.fused_qkv else inv.kv_dim  # a view keeps the fused qkv alive
+        if self.setup.attn_implementation == "eager":
+            repeated = inv.num_kv_heads != inv.num_heads  # repeat_kv copies k and v to every head
+            kv = 2 * inv.q_dim if repeated else inv.kv_dim + v_stored
+            # q, k, v, the output, plus softmax probabilities in fp32 and again in compute dtype (s per head).
+            return e * (inv.q_dim + kv + inv.q_dim) + (4 + e) * inv.num_heads * s
+        # SDPA / flash: rotated q and k, v, the output, and an fp32 log-sum-exp per head.
+        return e * (inv.q_dim + inv.kv_dim + v_stored + inv.q_dim) + 4 * inv.num_heads
+
+    def mlp(self) -> int:
+        inv, e = self.inv, self.dt.compute
+        dense = 4 * e * inv.intermediate_size  # gate output, activation output, up output, down input
+        if inv.num_experts > 1:
+            k = inv.experts_per_token
+            # Each token goes through k experts: their MLP tensors, the gathered token copies, router logits.
+            return k * (dense + e * inv.hidden_size) + 4 * inv.num_experts + 8 * k
+        return dense
+
+    def layer(self) -> int:
+        """A decoder layer without checkpointing."""
+        inv, e = self.inv, self.dt.compute
+        return (inv.norms_per_layer * self.norm() + inv.pre_norms_per_layer * e * inv.hidden_size
+                + self.attention() + self.mlp())
+
+    def layer_checkpointed(self) -> int:
+        """A checkpointed layer keeps only its input."""
+        return self.dt.residual * self.inv.hidden_size
+
+    def layer_backward_temporaries(self) -> int:
+        """Gradients alive inside one layer's backward: two intermediate-sized, two residual-sized."""
+        inv = self.inv
+        width = inv.intermediate_size * (inv.experts_per_token if inv.num_experts > 1 else 1)
+        return 2 * self.dt.compute * width + 2 * self.dt.residual * inv.hidden_size
+
+    def outside_layers(self) -> int:
+        """Final norm and the lm_head input, input ids and labels (int64), and the saved fp32 log-softmax."""
+        inv = self.inv
+        return self.norm() + self.dt.compute * inv.hidden_size + 16 + 4 * inv.vocab_size
+
+    def loss_forward_extra(self) -> int:
+        """Logits in compute dtype and their fp32 upcast, alive while the loss is computed."""
+        v, e = self.inv.vocab_size, self.dt.compute
+        return e * v + (4 * v if e != 4 else 0)
+
+    def loss_backward_extra(self) -> int:
+        """The fp32 gradients of nll_loss and log_softmax at the start of backward."""
+        return 8 * self.inv.vocab_size
+
+
+class _Model:
+    """Parameter bytes of the model as a given method stores it, per decoder layer and for the root."""
+
+    def __init__(self, inv: ModelInventory, setup: Setup, dt: _Dtypes, lora: LoraCount | None):
+        self.inv, self.setup, self.dt = inv, setup, dt
+        self.lora_layer = lora.per_layer if lora else (0,) * inv.num_layers
+        self.lora_root = lora.outside_layers if lora else 0
+
+    def layer_storage(self, i: int) -> float:
+        inv, s, dt = self.inv, self.setup, self.dt
+        if s.method == "full":
+            return inv.layer_params[i] * dt.master
+        base = inv.layer_params[i] * dt.frozen
+        if s.method == "qlora":
+            linear = inv.layer_linear_params[i]
+            base = (inv.layer_params[i] - linear) * dt.frozen + nf4_bytes(linear, s.nf4_double_quant)
+        return base + self.lora_layer[i] * dt.master
+
+    def root_storage(self) -> float:
+        if self.setup.method == "full":
+            return self.inv.root_params * self.dt.master
+        return self.inv.root_params * self.dt.frozen + self.lora_root * self.dt.master
+
+    def layer_gathered(self, i: int) -> float:
+        """A layer as FSDP gathers it: everything in compute dtype, NF4 weights as they are stored."""
+        inv, s, e = self.inv, self.setup, self.dt.compute
+        if s.method == "qlora":
+            linear = inv.layer_linear_params[i]
+            return (inv.layer_params[i] - linear + self.lora_layer[i]) * e + nf4_bytes(linear, s.nf4_double_quant)
+        return (inv.layer_params[i] + self.lora_layer[i]) * e
+
+    def root_gathered(self) -> float:
+        return (self.inv.root_params + self.lora_root) * self.dt.compute
+
+    def layer_trainable(self, i: int) -> int:
+        return self.inv.layer_params[i] if self.setup.method == "full" else self.lora_layer[i]
+
+    def root_trainable(self) -> int:
+        return self.inv.root_params if self.setup.method == "full" else self.lora_root
+
+    def autocast_copy_of_layer(self, i: int) -> float:
+        """torch.autocast's compute-dtype copy of a layer's fp32 matmul weights (kept while saved for backward)."""
+        if self.dt.autocast_copies:
+            return self.inv.layer_linear_params[i] * self.dt.compute
+        return self.lora_layer[i] * self.dt.compute if self.dt.master == 4 else 0
+
+    def autocast_copy_of_head(self) -> float:
+        if self.dt.autocast_copies:
+            return self.inv.vocab_size * self.inv.hidden_size * self.dt.compute
+        return 0
+
+
+def estimate(inv: ModelInventory, setup: Setup, lora: LoraCount | None = None) -> Breakdown:
+    """Per-GPU peak memory of ``setup`` for the model ``inv`` (``lora`` is required for lora/qlora)."""
+    if setup.uses_lora and lora is None:
+        raise ValueError("lora/qlora estimates need the LoRA trainable counts")
+    if setup.strategy == "mp":
+        return _estimate_model_parallel(inv, setup, lora)
+    return _estimate_data_parallel(inv, setup, lora)
+
+
+def _shard_group(setup: Setup) -> int:
+    if setup.strategy != "fsdp" or setup.sharding_strategy == "NO_SHARD":
+        return 1
+    if setup.sharding_strategy == "HYBRID_SHARD":
+        return setup.num_gpus  # shard inside a node, replicate across nodes
+    return setup.world_size
+
+
+def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount | None) -> Breakdown:
+    dt = _dtypes(setup)
+    model = _Model(inv, setup, dt, lora)
+    act = Activations(inv, setup, dt)
+    layers = range(inv.num_layers)
+    shard = _shard_group(setup)
+    fsdp = setup.strategy == "fsdp"
+    offload = fsdp and setup.offload_params
+    tokens = setup.batch_size * setup.seq_len
+
+    storage = sum(model.layer_storage(i) for i in layers) + model.root_storage()
+    trainable = sum(model.layer_trainable(i) for i in layers) + model.root_trainable()
+    grads = trainable * dt.master
+    optim = trainable * _optimizer_bytes_per_param(setup, dt.master)
+    on_gpu = 0 if offload else 1  # CPU offload keeps the sharded parameters, gradients and optimizer on the host
+    params_b = on_gpu * storage / shard
+    grads_b = on_gpu * grads / shard
+    optim_b = on_gpu * optim / shard
+
+    # Activations, per micro-batch.
+    per_layer = act.layer_checkpointed() if setup.gradient_checkpointing else act.layer()
+    saved = tokens * (inv.num_layers * per_layer + act.outside_layers())
+    loss_saved = tokens * 4 * inv.vocab_size
+    one_layer = tokens * act.layer()
+    layer_bwd = tokens * act.layer_backward_temporaries()
+    recompute = one_layer if setup.gradient_checkpointing else 0
+
+    # Compute-dtype copies of weights: torch.autocast's (single/DDP) or FSDP's gathered units.
+    biggest_layer = max(layers, key=model.layer_gathered)
+    if fsdp:
+        unit = model.layer_gathered(biggest_layer)
+        unit_grad = model.layer_trainable(biggest_layer) * (dt.compute + 4)  # unsharded grad + fp32 reduce copy
+        root = model.root_gathered()
+        if setup.sharding_strategy == "SHARD_GRAD_OP" and shard > 1:  # kept gathered from forward to backward
+            gathered_fwd = sum(model.layer_gathered(i) for i in layers)
+        else:
+            gathered_fwd = 2 * unit  # the running layer and the prefetched next one
+        gathered_bwd = gathered_fwd + unit_grad
+        copies_fwd, copies_bwd = root + gathered_fwd, root + gathered_bwd
+        copy_label = "FSDP all-gathered units (compute dtype)"
+    else:
+        layer_copies = sum(model.autocast_copy_of_layer(i) for i in layers)
+        if setup.gradient_checkpointing:  # recomputation re-casts: only one layer's copies at a time
+            layer_copies = model.autocast_copy_of_layer(biggest_layer)
+        copies_fwd = copies_bwd = layer_copies + model.autocast_copy_of_head()
+        copy_label = "autocast compute-dtype weight copies"
+    dequant = inv.largest_linear_params * dt.compute if setup.method == "qlora" else 0
+
+    carry = grads_b if setup.gradient_accumulation_steps > 1 else 0  # gradients from earlier micro-batches
+    head_grad = (inv.head_params or inv.embedding_params) * dt.master / shard if setup.method == "full" else 0
+    head_grad *= on_gpu
+    phases = {
+        "forward (loss)": dict(grads=carry, act=saved + tokens * act.loss_forward_extra(), copies=copies_fwd),
+        "backward (loss)": dict(grads=max(carry, head_grad), act=saved + tokens * act.loss_backward_extra(),
+                                copies=copies_bwd),
+        "backward (last layer)": dict(grads=max(carry, head_grad), act=saved - loss_saved + recompute + layer_bwd,
+                                      copies=copies_bwd),
+        "backward (end)": dict(grads=grads_b, act=one_layer + layer_bwd + tokens * act.layer_checkpointed(),
+                               copies=copies_bwd - (model.autocast_copy_of_head() if not fsdp else 0)),
+        "optimizer step": dict(grads=grads_b, act=0, copies=0),
+    }
+    totals = {}
+    for name, ph in phases.items():
+        dyn = ph["act"] + ph["copies"] + (dequant if ph["act"] else 0)
+        totals[name] = params_b + optim_b + ph["grads"] + dyn
+    phase = max(totals, key=totals.get)
+    ph = phases[phase]
+    items = [
+        Item("params", _param_label(setup, shard, offload), round(params_b)),
+        Item("grads", "gradients" + (f" (1/{shard} shard)" if shard > 1 else ""), round(ph["grads"])),
+        Item("optimizer", f"{setup.optimizer} states" + (f" (1/{shard} shard)" if shard > 1 else ""), round(optim_b)),
+        Item("activations", _activation_label(setup), round(ph["act"])),
+    ]
+    if dequant and ph["act"]:
+        items.append(Item("activations", "NF4 weight dequantised for its matmul", round(dequant)))
+    if ph["copies"]:
+        items.append(Item("overhead" if fsdp else "params", copy_label, round(ph["copies"])))
+    dynamic = ph["act"] + ph["copies"]  # gradients come back at the same sizes every step and reuse their blocks
+    items.append(Item("overhead", "allocator cache and workspaces", round(ALLOCATOR_SLACK * dynamic + WORKSPACE_BYTES)))
+    context = CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if setup.world_size > 1 else 0)
+    cpu = 0
+    if offload:
+        cpu = round((storage + grads + optim) / shard * setup.num_gpus)
+    return Breakdown(setup=setup, phase=phase, items=items, cuda_context=context, cpu_bytes_per_node=cpu,
+                     phases={k: round(v) for k, v in totals.items()})
+
+
+def _param_label(setup: Setup, shard: int, offload: bool) -> str:
+    kind = {"full": "weights", "lora": "frozen base + LoRA adapters", "qlora": "NF4 base + LoRA adapters"}
+    text = kind[setup.method]
+    if offload:
+        return text + " (on CPU)"
+    return text + (f" (1/{shard} shard)" if shard > 1 else "")
+
+
+def _activation_label(setup: Setup) -> str:
+    ckpt = "checkpointed layers" if setup.gradient_checkpointing else "all layers"
+    return f"activations ({ckpt}, logits and loss)"
+
+
+def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount | None) -> Breakdown:
+    """Naive model parallel: decoder layers split across the GPUs, balanced by memory; the fullest GPU is reported.
+
+    Each GPU holds its layers' weights, gradients, optimizer states and activations; the first also holds the
+    embeddings, the last the final norm, the head and the loss. Stages are contiguous and chosen to minimise the
+    largest per-GPU total (a small dynamic programme over layer boundaries). One micro-batch is in flight at a time.
+    """
+    gpus = setup.world_size
+    one = setup.with_(strategy="single", num_gpus=1, num_nodes=1)
+    if gpus == 1:
+        return estimate(inv, one, lora)
+    dt = _dtypes(one)
+    model = _Model(inv, one, dt, lora)
+    act = Activations(inv, one, dt)
+    tokens = setup.batch_size * setup.seq_len
+    opt = _optimizer_bytes_per_param(setup, dt.master)
+    per_layer_act = act.layer_checkpointed() if setup.gradient_checkpointing else act.layer()
+
+    def parts(storage: float, trainable: float, activations: float, copies: float) -> dict[str, float]:
+        return {"params": storage + copies, "grads": trainable * dt.master, "optimizer": trainable * opt,
+                "activations": activations}
+
+    layer_parts = [parts(model.layer_storage(i), model.layer_trainable(i), tokens * per_layer_act,
+                         0 if setup.gradient_checkpointing else model.autocast_copy_of_layer(i))
+                   for i in range(inv.num_layers)]
+    root_fraction = inv.embedding_params / max(inv.root_params, 1)
+    root = parts(model.root_storage(), model.root_trainable(), 0, 0)
+    first = {k: v * root_fraction for k, v in root.items()}
+    last = {k: v - first[k] for k, v in root.items()}
+    last["params"] += model.autocast_copy_of_head()
+    # The last stage runs the loss: its peak is the backward at the loss.
+    last["activations"] += tokens * (act.outside_layers() + act.loss_backward_extra())
+    # Every stage recomputes one layer and holds its gradient temporaries during backward.
+    transient = tokens * act.layer_backward_temporaries()
+    if setup.gradient_checkpointing:
+        transient += tokens * act.layer()
+
+    def stage_parts(a: int, b: int, is_first: bool, is_last: bool) -> dict[str, float]:
+        out = {c: sum(layer_parts[i][c] for i in range(a, b)) for c in ("params", "grads", "optimizer", "activations")}
+        for extra, on in ((first, is_first), (last, is_last)):
+            if on:
+                for c in out:
+                    out[c] += extra[c]
+        out["activations"] += transient
+        return out
+
+    def cost(a: int, b: int, is_first: bool, is_last: bool) -> float:
+        return sum(stage_parts(a, b, is_first, is_last).values())
+
+    layers = inv.num_layers
+    prefix_cost = [0.0]
+    for lp in layer_parts:
+        prefix_cost.append(prefix_cost[-1] + sum(lp.values()))
+
+    def fast_cost(a: int, b: int, is_first: bool, is_last: bool) -> float:
+        extra = (sum(first.values()) if is_first else 0) + (sum(last.values()) if is_last else 0)
+        return prefix_cost[b] - prefix_cost[a] + extra + transient
+
+    # best[g][j]: the smallest possible largest-stage cost placing the first j layers on g GPUs.
+    inf = float("inf")
+    best = [[inf] * (layers + 1) for _ in range(gpus + 1)]
+    cut = [[0] * (layers + 1) for _ in range(gpus + 1)]
+    best[0][0] = 0.0
+    for g in range(1, gpus + 1):
+        for j in range(1, layers + 1):
+            for i in range(0, j):
+                if best[g - 1][i] == inf:
+                    continue
+                c = max(best[g - 1][i], fast_cost(i, j, i == 0, j == layers))
+                if c < best[g][j]:
+                    best[g][j], cut[g][j] = c, i
+    used = min(range(1, gpus + 1), key=lambda g: best[g][layers])  # more GPUs than layers leaves some idle
+    bounds, j = [], layers
+    for g in range(used, 0, -1):
+        bounds.append((cut[g][j], j))
+        j = cut[g][j]
+    bounds.reverse()
+    stage_costs = [cost(a, b, a == 0, b == layers) for a, b in bounds]
+    worst = max(range(len(bounds)), key=stage_costs.__getitem__)
+    a, b = bounds[worst]
+    fullest = stage_parts(a, b, a == 0, b == layers)
+    items = [
+        Item("params", "weights of this GPU's layers" + (" + autocast copies" if dt.autocast_copies else ""),
+             round(fullest["params"])),
+        Item("grads", "gradients of this GPU's layers", round(fullest["grads"])),
+        Item("optimizer", f"{setup.optimizer} states of this GPU's layers", round(fullest["optimizer"])),
+        Item("activations", _activation_label(setup) + ", this GPU's layers", round(fullest["activations"])),
+    ]
+    dynamic = fullest["activations"]
+    items.append(Item("overhead", "allocator cache and workspaces", round(ALLOCATOR_SLACK * dynamic + WORKSPACE_BYTES)))
+    sizes = ", ".join(str(hi - lo) for lo, hi in bounds)
+    unused = gpus - len(bounds)
+    note = f"layers per GPU: {sizes}; GPU {worst} (layers {a}-{b - 1}) is the fullest"
+    if unused:
+        note += f"; {unused} GPU(s) left idle"
+    return Breakdown(setup=setup, phase="backward (loss)" if b == layers else "backward", items=items,
+                     cuda_context=CUDA_CONTEXT_BYTES, stage_note=note)

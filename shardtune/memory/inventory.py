@@ -1,0 +1,362 @@
+"""What a model is made of: exact parameter counts from the real model class built on the meta device.
+
+The model is built with ``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``: no memory, no weights,
+but the exact modules transformers would create (so an untied LM head counts, and tied embeddings count once).
+LoRA's trainable count applies PEFT's target rules (``all-linear`` expansion and name matching) and the shapes LoRA
+adds to each matched layer: A is r x in_features and B is out_features x r (Hu et al. 2021, sec. 4). Injecting the
+adapters with ``get_peft_model`` on meta gives the same number (the tests check it on catalog models), but importing
+PEFT and injecting takes ~8 s on 405B where this takes 0.1 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from pathlib import Path
+
+from shardtune import catalog
+from shardtune.errors import UsageError
+
+
+@dataclass(frozen=True)
+class LoraCount:
+    """Trainable LoRA parameters, split the way the memory formula needs them."""
+
+    r: int
+    target_modules: tuple[str, ...]
+    per_layer: tuple[int, ...]  # adapters inside each decoder layer
+    outside_layers: int  # adapters on modules outside the decoder stack (e.g. lm_head if targeted)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer) + self.outside_layers
+
+
+@dataclass(frozen=True)
+class ModelInventory:
+    """Exact parameter counts and the shape facts the activation formula needs."""
+
+    name: str
+    model_type: str
+    parameters: int
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int  # per expert for mixture-of-experts models
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    embedding_params: int
+    head_params: int  # 0 when tied to the embeddings
+    other_params: int  # outside the decoder layers, embeddings and head (final norm, ...)
+    layer_params: tuple[int, ...]
+    layer_linear_params: tuple[int, ...]  # nn.Linear weights per layer: what bitsandbytes quantises for QLoRA
+    largest_linear_params: int  # the biggest single weight matrix: QLoRA dequantises one at a time
+    num_experts: int = 1
+    experts_per_token: int = 1
+    fused_qkv: bool = False
+    norms_per_layer: int = 2
+    pre_norms_per_layer: int = 2  # norms whose output feeds a linear layer (saved again as its input)
+    norm_upcasts_weight: bool = False  # Gemma's RMSNorm multiplies in fp32 by (1 + weight)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the decoder layers: FSDP's root unit (embeddings, final norm, head)."""
+        return self.embedding_params + self.head_params + self.other_params
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"cannot read {path}: invalid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg}); "
+            "fix the file or point at another model."
+        ) from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}.") from None
+
+
+def load_config_dict(model: str) -> tuple[str, dict]:
+    """Resolve MODEL (catalog name, local folder, or config.json path) to a display name and a config dict."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise UsageError(f"{path} has no config.json: point at a Hugging Face model folder or its config.json.")
+        return path.name, _read_json(config_path)
+    if path.is_file():
+        return path.parent.name if path.name == "config.json" else path.stem, _read_json(path)
+    if path.suffix == ".json" or model.startswith((".", "/", "~")):
+        raise UsageError(f"{model}: no such file or folder.")
+    return model, catalog.load(model)
+
+
+def build_config(config_dict: dict, name: str):
+    """A transformers config object from a config dict, without running any remote code."""
+    from transformers import AutoConfig
+
+    model_type = config_dict.get("model_type")
+    if not model_type:
+        raise UsageError(f"{name}: config.json has no 'model_type' key, so its architecture is unknown.")
+    kwargs = {k: v for k, v in config_dict.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except ValueError as exc:
+        raise UsageError(
+            f"{name}: model_type '{model_type}' is not in this transformers version ({exc}); "
+            "upgrade transformers, or use a model whose architecture transformers ships (no remote code is run)."
+        ) from None
+
+
+def _decoder_layers(model, num_layers: int):
+    import torch.nn as nn
+
+    for _, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise UsageError(f"cannot find the {num_layers} decoder layers in {type(model).__name__}.")
+
+
+def cache_dir() -> Path:
+    """Where counts are cached: $SHARDTUNE_CACHE, else ~/.cache/shardtune."""
+    return Path(os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune")
+
+
+class _CountCache:
+    """Counts of one config, on disk: building the model needs torch and transformers (~3 s to import); a later
+    estimate of the same config reads the numbers instead. Keyed by the config and the transformers version, so a
+    transformers upgrade (which can change module layouts) recounts."""
+
+    def __init__(self, config_dict: dict):
+        try:
+            version = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            version = "none"
+        blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=1"
+        self.path = cache_dir() / "counts" / (hashlib.sha256(blob.encode()).hexdigest()[:24] + ".json")
+        try:
+            self.data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.data = {}
+
+    def get(self, key: str):
+        return self.data.get(key)
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        try:  # a cache that cannot be written only costs time
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(self.data))
+            tmp.replace(self.path)
+        except OSError:
+            pass
+
+
+class ModelAnalysis:
+    """A model built on the meta device, with its inventory and LoRA counts (cached per r and targets)."""
+
+    def __init__(self, model: str, use_cache: bool = True):
+        self.name, self.config_dict = load_config_dict(model)
+        self._cache = _CountCache(self.config_dict) if use_cache else None
+        self._lora_cache: dict[tuple[int, tuple[str, ...]], LoraCount] = {}
+
+    @cached_property
+    def config(self):
+        return build_config(self.config_dict, self.name)
+
+    @cached_property
+    def model(self):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.device("meta"):
+                try:
+                    return AutoModelForCausalLM.from_config(self.config)
+                except ValueError as exc:
+                    raise UsageError(f"{self.name}: transformers cannot build a causal LM from this config ({exc}).") from None
+
+    @cached_property
+    def inventory(self) -> ModelInventory:
+        cached = self._cache.get("inventory") if self._cache else None
+        if cached:
+            fields = {k: tuple(v) if isinstance(v, list) else v for k, v in cached.items()}
+            return ModelInventory(**(fields | {"name": self.name}))
+        inventory = self._count_inventory()
+        if self._cache:
+            self._cache.put("inventory", asdict(inventory))
+        return inventory
+
+    def _count_inventory(self) -> ModelInventory:
+        import torch.nn as nn
+
+        model, cfg = self.model, self.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        num_layers = text_cfg.num_hidden_layers
+        layers = _decoder_layers(model, num_layers)
+        embed = model.get_input_embeddings().weight
+        head_module = model.get_output_embeddings()
+        head = head_module.weight if head_module is not None else None
+        tied = head is None or head is embed
+        layer_param_ids = {id(p) for p in layers.parameters()}
+        all_params = list(model.parameters())  # de-duplicates tied weights
+        parameters = sum(p.numel() for p in all_params)
+        head_params = 0 if tied else head.numel()
+        other = sum(
+            p.numel() for p in all_params if id(p) not in layer_param_ids and p is not embed and p is not head
+        )
+        layer_params, layer_linear, largest = [], [], 0
+        fused_qkv, norms = False, 0
+        for layer in layers:
+            layer_params.append(sum(p.numel() for p in layer.parameters()))
+            linear = 0
+            for name, module in layer.named_modules():
+                if isinstance(module, nn.Linear):
+                    linear += module.weight.numel()
+                    largest = max(largest, module.weight.numel())
+                    fused_qkv |= name.endswith("qkv_proj")
+            layer_linear.append(linear)
+        for name, module in layers[0].named_modules():
+            if "norm" in type(module).__name__.lower() and not list(module.children()):
+                norms += 1
+        # Experts stored as one 3-D tensor (transformers 5) hold one matrix per expert: count the largest too.
+        for p in layers[0].parameters():
+            if p.dim() == 3:
+                largest = max(largest, p[0].numel())
+        num_heads = text_cfg.num_attention_heads
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // num_heads
+        is_gemma = self.config.model_type.startswith("gemma")
+        return ModelInventory(
+            name=self.name,
+            model_type=cfg.model_type,
+            parameters=parameters,
+            num_layers=num_layers,
+            hidden_size=text_cfg.hidden_size,
+            intermediate_size=getattr(text_cfg, "moe_intermediate_size", None) or text_cfg.intermediate_size,
+            num_heads=num_heads,
+            num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=text_cfg.vocab_size,
+            tied_embeddings=tied,
+            embedding_params=embed.numel(),
+            head_params=head_params,
+            other_params=other,
+            layer_params=tuple(layer_params),
+            layer_linear_params=tuple(layer_linear),
+            largest_linear_params=largest,
+            num_experts=getattr(text_cfg, "num_local_experts", None) or getattr(text_cfg, "num_experts", None) or 1,
+            experts_per_token=getattr(text_cfg, "num_experts_per_tok", None) or 1,
+            fused_qkv=fused_qkv,
+            norms_per_layer=norms,
+            pre_norms_per_layer=2,
+            norm_upcasts_weight=is_gemma,
+        )
+
+    def lora(self, r: int, target_modules: str | list[str] | tuple[str, ...]) -> LoraCount:
+        """Trainable parameters of LoRA rank ``r`` on ``target_modules``, matched exactly as PEFT matches them."""
+        targets = normalize_targets(target_modules)
+        key = (r, targets)
+        if key not in self._lora_cache:
+            disk_key = f"lora:{r}:{','.join(targets)}"
+            cached = self._cache.get(disk_key) if self._cache else None
+            if cached:
+                count = LoraCount(r=r, target_modules=targets, per_layer=tuple(cached["per_layer"]),
+                                  outside_layers=cached["outside_layers"])
+            else:
+                count = self._count_lora(r, targets)
+                if self._cache:
+                    self._cache.put(disk_key, {"per_layer": count.per_layer, "outside_layers": count.outside_layers})
+            self._lora_cache[key] = count
+        return self._lora_cache[key]
+
+    def _count_lora(self, r: int, targets: tuple[str, ...]) -> LoraCount:
+        import torch.nn as nn
+
+        model = self.model
+        layers = _decoder_layers(model, self.inventory.num_layers)
+        layer_of = {}
+        for name, module in model.named_modules():
+            for i, layer in enumerate(layers):
+                if module is layer:
+                    layer_of[name + "."] = i
+        output = model.get_output_embeddings()
+        per_layer = [0] * len(layers)
+        outside, matched = 0, 0
+        for name, module in model.named_modules():
+            if not name or not lora_targets(name, module, targets, output):
+                continue
+            if isinstance(module, nn.Linear):
+                added = r * (module.in_features + module.out_features)
+            else:  # nn.Embedding
+                added = r * (module.num_embeddings + module.embedding_dim)
+            matched += 1
+            index = next((i for prefix, i in layer_of.items() if name.startswith(prefix)), None)
+            if index is None:
+                outside += added
+            else:
+                per_layer[index] += added
+        if matched == 0:
+            raise UsageError(
+                f"--lora-target-modules {','.join(targets)} matches no linear layer of {self.name}; "
+                f"use all-linear or names such as {', '.join(self.linear_module_names()[:6])}."
+            )
+        return LoraCount(r=r, target_modules=targets, per_layer=tuple(per_layer), outside_layers=outside)
+
+    def linear_module_names(self) -> list[str]:
+        """Distinct short names of the linear layers inside a decoder layer (what LoRA can target)."""
+        import torch.nn as nn
+
+        layers = _decoder_layers(self.model, self.inventory.num_layers)
+        names = []
+        for name, module in layers[0].named_modules():
+            short = name.rsplit(".", 1)[-1]
+            if isinstance(module, nn.Linear) and short not in names:
+                names.append(short)
+        return names
+
+
+def lora_targets(name: str, module, targets: tuple[str, ...], output_layer) -> bool:
+    """Whether PEFT's LoRA would wrap ``module`` (called ``name``) for ``targets``.
+
+    The rules are PEFT's (peft/tuners/tuners_utils.py): ``all-linear`` is every nn.Linear except the output layer;
+    a listed name matches a module whose full name equals it or ends with ``.name``. Importing PEFT costs ~3 s, so the
+    estimator applies the rules itself; tests/test_inventory.py checks the counts against ``get_peft_model``.
+    """
+    import torch.nn as nn
+
+    if targets == ("all-linear",):
+        return isinstance(module, nn.Linear) and module is not output_layer
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        return False
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def normalize_targets(target_modules: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """'all-linear' or a comma-separated list (or a list) of module names, as a canonical tuple."""
+    if isinstance(target_modules, str):
+        items = [t.strip() for t in target_modules.split(",")]
+    else:
+        items = [str(t).strip() for t in target_modules]
+    items = [t for t in items if t]
+    if not items:
+        raise UsageError("--lora-target-modules is empty: use all-linear or names such as q_proj,v_proj.")
+    if "all-linear" in items:
+        return ("all-linear",)
+    return tuple(sorted(set(items)))

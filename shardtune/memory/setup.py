@@ -1,0 +1,96 @@
+"""The training setup the estimator evaluates: method, parallelism, precision, batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from shardtune.errors import UsageError, check_choice
+
+METHODS = ("full", "lora", "qlora")
+STRATEGIES = ("single", "ddp", "fsdp", "mp")
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+# DeepSpeed names, mapped to the FSDP strategy that keeps the same things sharded. FSDP has no optimizer-only
+# sharding, so ZeRO-1 maps to SHARD_GRAD_OP, which shards gradients as well (less memory than ZeRO-1, not more).
+ZERO_ALIASES = {"ZERO3": "FULL_SHARD", "ZERO-3": "FULL_SHARD", "ZERO2": "SHARD_GRAD_OP", "ZERO-2": "SHARD_GRAD_OP",
+                "ZERO1": "SHARD_GRAD_OP", "ZERO-1": "SHARD_GRAD_OP"}
+MIXED_PRECISIONS = ("bf16", "fp16", "no")
+OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
+ATTENTION = ("sdpa", "flash_attention_2", "eager")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One concrete way to train: everything the memory formula depends on."""
+
+    method: str = "full"
+    strategy: str = "single"
+    sharding_strategy: str = "FULL_SHARD"
+    offload_params: bool = False
+    num_gpus: int = 1  # per node
+    num_nodes: int = 1
+    batch_size: int = 1  # per device, per micro-batch
+    seq_len: int = 2048
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = True
+    mixed_precision: str = "bf16"
+    pure_bf16: bool = False
+    optimizer: str = "adamw"
+    lora_r: int = 8
+    lora_target_modules: str = "all-linear"
+    attn_implementation: str = "sdpa"
+    nf4_double_quant: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.num_gpus * self.num_nodes
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.method in ("lora", "qlora")
+
+    def with_(self, **changes) -> "Setup":
+        return replace(self, **changes)
+
+    def label(self) -> str:
+        """Short human name of the parallel setup, e.g. 'FSDP FULL_SHARD + offload'."""
+        if self.strategy == "fsdp":
+            text = f"FSDP {self.sharding_strategy}"
+            return text + " + CPU offload" if self.offload_params else text
+        return {"single": "single GPU", "ddp": "DDP", "mp": "model parallel"}[self.strategy]
+
+
+def normalize_sharding(value: str) -> str:
+    """FSDP sharding strategy name, accepting DeepSpeed's ZeRO-1/2/3 names."""
+    key = value.upper().replace("_", "-") if value.upper().startswith("ZERO") else value.upper()
+    if key in ZERO_ALIASES:
+        return ZERO_ALIASES[key]
+    return check_choice(value.upper(), SHARDING_STRATEGIES + ("ZERO1", "ZERO2", "ZERO3"), "sharding strategy")
+
+
+def validate(setup: Setup) -> Setup:
+    """Check every field, report all problems in one line, and return the setup with names normalised."""
+    problems = []
+    for name in ("num_gpus", "num_nodes", "batch_size", "seq_len", "gradient_accumulation_steps", "lora_r"):
+        value = getattr(setup, name)
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"--{name.replace('_', '-')} must be a whole number >= 1 (got {value})")
+    if problems:
+        raise UsageError("; ".join(problems) + ".")
+    setup = setup.with_(
+        method=check_choice(setup.method, METHODS, "method"),
+        strategy=check_choice(setup.strategy, STRATEGIES, "strategy"),
+        sharding_strategy=normalize_sharding(setup.sharding_strategy),
+        mixed_precision=check_choice(setup.mixed_precision, MIXED_PRECISIONS, "mixed precision"),
+        optimizer=check_choice(setup.optimizer, OPTIMIZERS, "optimizer"),
+        attn_implementation=check_choice(setup.attn_implementation, ATTENTION, "attention implementation"),
+    )
+    if setup.strategy == "single" and setup.world_size > 1:
+        raise UsageError(
+            f"--strategy single uses one GPU but --num-gpus x --num-nodes is {setup.world_size}: "
+            "use ddp, fsdp or mp, or --num-gpus 1."
+        )
+    if setup.pure_bf16 and setup.mixed_precision != "bf16":
+        raise UsageError("--pure-bf16 keeps weights in bfloat16: it needs --mixed-precision bf16.")
+    if setup.offload_params and setup.strategy != "fsdp":
+        raise UsageError("--offload-params is FSDP's CPU offload: use it with --strategy fsdp (or auto).")
+    return setup
