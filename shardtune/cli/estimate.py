@@ -9,7 +9,7 @@ import sys
 from shardtune import catalog
 from shardtune.errors import UsageError, check_choice
 from shardtune.memory.hardware import DEFAULT_GPU, GPUS, Gpu, custom_gpu, gpu_by_name
-from shardtune.memory.setup import (ATTENTION, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
+from shardtune.memory.setup import (ATTENTION, LOSSES, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
                                     STRATEGIES, Setup, validate)
 
 ZERO_STRATEGIES = {"zero1": "SHARD_GRAD_OP", "zero2": "SHARD_GRAD_OP", "zero3": "FULL_SHARD"}
@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
     p.add_argument("--lora-target-modules", default="all-linear", help="all-linear or e.g. q_proj,v_proj")
     p.add_argument("--attn-implementation", default="sdpa", help=f"{' | '.join(ATTENTION)} (default: sdpa)")
+    p.add_argument("--loss", default="full", choices=LOSSES,
+                   help="full: transformers' loss, fp32 logits of the whole micro-batch; chunked: torchtune's "
+                        "chunked cross-entropy, one of 8 chunks upcast at a time (default: full)")
     p.set_defaults(func=main)
 
 
@@ -65,6 +68,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
         gradient_checkpointing=args.gradient_checkpointing, mixed_precision=args.mixed_precision.lower(),
         pure_bf16=args.pure_bf16, optimizer=args.optimizer.lower(), lora_r=args.lora_r,
         lora_target_modules=args.lora_target_modules, attn_implementation=args.attn_implementation,
+        loss=args.loss,
     )
     if auto and setup.offload_params:
         setup = setup.with_(strategy="fsdp")

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from shardtune.memory.hardware import GIB, MIB
 from shardtune.memory.inventory import LoraCount, ModelInventory
-from shardtune.memory.setup import Setup
+from shardtune.memory.setup import LOSS_CHUNKS, Setup
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "overhead")
 
@@ -146,11 +146,22 @@ class Activations:
             return k * (dense + e * inv.hidden_size) + 4 * inv.num_experts + 8 * k
         return dense
 
+    def linear_inputs(self) -> int:
+        """Copies of the normalised hidden states that the projections after each pre-norm keep.
+
+        In compute dtype they share one tensor. Under torch.autocast each projection casts its fp32 input itself
+        (autocast caches casts of weights, not of activations), so q, k and v keep three copies and gate and up two.
+        """
+        inv = self.inv
+        copies = inv.pre_norms_per_layer
+        if self.dt.autocast_copies:
+            copies = (1 if inv.fused_qkv else 3) + (1 if inv.fused_gate_up else 2)
+        return copies * self.dt.compute * inv.hidden_size
+
     def layer(self) -> int:
         """A decoder layer without checkpointing."""
-        inv, e = self.inv, self.dt.compute
-        return (inv.norms_per_layer * self.norm() + inv.pre_norms_per_layer * e * inv.hidden_size
-                + self.attention() + self.mlp())
+        inv = self.inv
+        return inv.norms_per_layer * self.norm() + self.linear_inputs() + self.attention() + self.mlp()
 
     def layer_checkpointed(self) -> int:
         """A checkpointed layer keeps only its input."""
@@ -163,18 +174,32 @@ class Activations:
         return 2 * self.dt.compute * width + 2 * self.dt.residual * inv.hidden_size
 
     def outside_layers(self) -> int:
-        """Final norm and the lm_head input, input ids and labels (int64), and the saved fp32 log-softmax."""
+        """Final norm, the lm_head input, input ids and labels (int64), and what the loss keeps for backward.
+
+        The full loss keeps the fp32 log-softmax of every token; the chunked loss keeps the compute-dtype logits
+        and recomputes the softmax one chunk at a time in backward (torchtune's CEWithChunkedOutputLoss, compiled).
+        """
         inv = self.inv
-        return self.norm() + self.dt.compute * inv.hidden_size + 16 + 4 * inv.vocab_size
+        kept = 4 * inv.vocab_size if self.setup.loss == "full" else self.dt.compute * inv.vocab_size
+        return self.norm() + self.dt.compute * inv.hidden_size + 16 + kept
+
+    def rope_tables(self) -> int:
+        """RoPE's cos and sin for every position (shared by all layers and sequences of the batch)."""
+        return 2 * self.setup.seq_len * self.inv.head_dim * self.dt.residual
 
     def loss_forward_extra(self) -> int:
         """Logits in compute dtype and their fp32 upcast, alive while the loss is computed."""
         v, e = self.inv.vocab_size, self.dt.compute
+        if self.setup.loss == "chunked":
+            return 8 * v // LOSS_CHUNKS  # one chunk's fp32 upcast and log-softmax
         return e * v + (4 * v if e != 4 else 0)
 
     def loss_backward_extra(self) -> int:
         """The fp32 gradients of nll_loss and log_softmax at the start of backward."""
-        return 8 * self.inv.vocab_size
+        v = self.inv.vocab_size
+        if self.setup.loss == "chunked":  # one chunk's fp32 gradients, and the logits' gradient in compute dtype
+            return 8 * v // LOSS_CHUNKS + self.dt.compute * v
+        return 8 * v
 
 
 class _Model:
@@ -267,8 +292,8 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
 
     # Activations, per micro-batch.
     per_layer = act.layer_checkpointed() if setup.gradient_checkpointing else act.layer()
-    saved = tokens * (inv.num_layers * per_layer + act.outside_layers())
-    loss_saved = tokens * 4 * inv.vocab_size
+    saved = tokens * (inv.num_layers * per_layer + act.outside_layers()) + act.rope_tables()
+    loss_saved = tokens * (4 if setup.loss == "full" else dt.compute) * inv.vocab_size
     one_layer = tokens * act.layer()
     layer_bwd = tokens * act.layer_backward_temporaries()
     recompute = one_layer if setup.gradient_checkpointing else 0

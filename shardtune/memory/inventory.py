@@ -61,6 +61,7 @@ class ModelInventory:
     num_experts: int = 1
     experts_per_token: int = 1
     fused_qkv: bool = False
+    fused_gate_up: bool = False
     norms_per_layer: int = 2
     pre_norms_per_layer: int = 2  # norms whose output feeds a linear layer (saved again as its input)
     norm_upcasts_weight: bool = False  # Gemma's RMSNorm multiplies in fp32 by (1 + weight)
@@ -147,7 +148,7 @@ class _CountCache:
             version = importlib.metadata.version("transformers")
         except importlib.metadata.PackageNotFoundError:
             version = "none"
-        blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=1"
+        blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=2"
         self.path = cache_dir() / "counts" / (hashlib.sha256(blob.encode()).hexdigest()[:24] + ".json")
         try:
             self.data = json.loads(self.path.read_text())
@@ -223,7 +224,7 @@ class ModelAnalysis:
             p.numel() for p in all_params if id(p) not in layer_param_ids and p is not embed and p is not head
         )
         layer_params, layer_linear, largest = [], [], 0
-        fused_qkv, norms = False, 0
+        fused_qkv, fused_gate_up, norms = False, False, 0
         for layer in layers:
             layer_params.append(sum(p.numel() for p in layer.parameters()))
             linear = 0
@@ -232,6 +233,7 @@ class ModelAnalysis:
                     linear += module.weight.numel()
                     largest = max(largest, module.weight.numel())
                     fused_qkv |= name.endswith("qkv_proj")
+                    fused_gate_up |= name.endswith("gate_up_proj")
             layer_linear.append(linear)
         for name, module in layers[0].named_modules():
             if "norm" in type(module).__name__.lower() and not list(module.children()):
@@ -264,6 +266,7 @@ class ModelAnalysis:
             num_experts=getattr(text_cfg, "num_local_experts", None) or getattr(text_cfg, "num_experts", None) or 1,
             experts_per_token=getattr(text_cfg, "num_experts_per_tok", None) or 1,
             fused_qkv=fused_qkv,
+            fused_gate_up=fused_gate_up,
             norms_per_layer=norms,
             pre_norms_per_layer=2,
             norm_upcasts_weight=is_gemma,

@@ -16,6 +16,8 @@ ZERO_ALIASES = {"ZERO3": "FULL_SHARD", "ZERO-3": "FULL_SHARD", "ZERO2": "SHARD_G
 MIXED_PRECISIONS = ("bf16", "fp16", "no")
 OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
+LOSSES = ("full", "chunked")
+LOSS_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss default
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Setup:
     lora_target_modules: str = "all-linear"
     attn_implementation: str = "sdpa"
     nf4_double_quant: bool = True
+    loss: str = "full"  # full: fp32 logits of the whole micro-batch; chunked: one of LOSS_CHUNKS at a time
 
     @property
     def world_size(self) -> int:
@@ -83,6 +86,7 @@ def validate(setup: Setup) -> Setup:
         mixed_precision=check_choice(setup.mixed_precision, MIXED_PRECISIONS, "mixed precision"),
         optimizer=check_choice(setup.optimizer, OPTIMIZERS, "optimizer"),
         attn_implementation=check_choice(setup.attn_implementation, ATTENTION, "attention implementation"),
+        loss=check_choice(setup.loss, LOSSES, "loss"),
     )
     if setup.strategy == "single" and setup.world_size > 1:
         raise UsageError(

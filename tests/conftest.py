@@ -1,0 +1,24 @@
+import json
+import warnings
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    """Each test counts models afresh and never writes into the user's ~/.cache."""
+    monkeypatch.setenv("SHARDTUNE_CACHE", str(tmp_path / "cache"))
+    warnings.filterwarnings("ignore", module="transformers")
+
+
+@pytest.fixture
+def config_dir(tmp_path):
+    """Write a config dict as a model folder and return its path."""
+
+    def make(config: dict, name: str = "model"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        return str(folder)
+
+    return make

@@ -1,0 +1,104 @@
+"""The estimate command as a user runs it: JSON contract, tables, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardtune.cli import main
+
+DONE_WHEN = ["llama-2-70b", "--method", "lora", "--num-gpus", "8", "--gpu", "h100-80gb", "--batch-size", "8",
+             "--seq-len", "2048", "--gradient-checkpointing"]
+
+
+def run_json(capsys, args):
+    assert main(["estimate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_carries_the_contract_fields(capsys):
+    out = run_json(capsys, DONE_WHEN)
+    assert out["parameters"] == 68_976_648_192
+    assert out["trainable_parameters"] == 103_546_880  # LoRA r=8 on every linear layer of the 80 decoder layers
+    per_gpu = out["per_gpu"]
+    assert set(per_gpu) == {"params", "grads", "optimizer", "activations", "overhead", "total"}
+    parts = per_gpu["params"] + per_gpu["grads"] + per_gpu["optimizer"] + per_gpu["activations"] + per_gpu["overhead"]
+    assert per_gpu["total"] == parts == sum(i["bytes"] for i in out["items"])
+    assert out["fits"] is True and out["cuda_context"] > 0
+    assert out["recommendation"]["strategy"] == "fsdp" and out["recommendation"]["max_batch_size"] >= 8
+    # 70B in bf16 is 128 GiB: a replica cannot fit an 80 GB GPU, so DDP must be ruled out.
+    ddp = next(s for s in out["strategies"] if s["strategy"] == "ddp")
+    assert ddp["fits"] is False and ddp["per_gpu"]["params"] > 128 * 2**30
+
+
+def test_sharding_across_more_gpus_shrinks_model_states(capsys):
+    two = run_json(capsys, ["llama-3-8b", "--num-gpus", "2", "--strategy", "fsdp"])["per_gpu"]
+    eight = run_json(capsys, ["llama-3-8b", "--num-gpus", "8", "--strategy", "fsdp"])["per_gpu"]
+    for key in ("params", "grads", "optimizer"):
+        assert eight[key] == pytest.approx(two[key] / 4, rel=1e-6)
+    assert eight["activations"] == two["activations"]  # each GPU still runs its own micro-batch
+
+
+def test_full_finetune_model_states_are_16_bytes_per_parameter(capsys):
+    # fp32 weights (4), fp32 gradients (4), AdamW's two fp32 states (8): ZeRO paper, sec. 3.1.
+    out = run_json(capsys, ["llama-2-7b", "--strategy", "single", "--gpu-memory", "200"])
+    phases = out["phases"]
+    assert out["peak_phase"] in phases
+    step = phases["optimizer step"]
+    assert step == pytest.approx(16 * 6_738_415_616, rel=1e-6)
+
+
+def test_recommends_ddp_when_a_replica_fits(capsys):
+    out = run_json(capsys, ["llama-3.2-1b", "--num-gpus", "4", "--method", "lora"])
+    assert out["recommendation"]["strategy"] == "ddp"
+
+
+def test_what_would_fit_when_nothing_does(capsys):
+    out = run_json(capsys, ["llama-3.1-70b", "--gpu", "rtx4090", "--batch-size", "4"])
+    rec = out["recommendation"]
+    assert rec["fits"] is False and out["fits"] is False
+    # Batch 1 with CPU offload fits (the 2.1B embedding and head parameters are gathered, activations are small).
+    assert rec["suggestions"][0].startswith("batch size 1 with FSDP FULL_SHARD + CPU offload")
+    assert "--gradient-accumulation-steps 4" in rec["suggestions"][0]
+
+
+
+def test_table_output_names_the_recommendation(capsys):
+    assert main(["estimate", *DONE_WHEN]) == 0
+    text = capsys.readouterr().out
+    assert "Recommended:" in text and "FSDP FULL_SHARD" in text and "68,976,648,192" in text
+
+
+@pytest.mark.parametrize("args,message", [
+    (["llama-2-7x"], "did you mean 'llama-2-7b'"),
+    (["llama-2-7b", "--num-gpus", "0"], "--num-gpus must be a whole number >= 1"),
+    (["llama-2-7b", "--sharding-strategy", "FULL_SHARDING"], "unknown sharding strategy"),
+    (["llama-2-7b", "--method", "qlor"], "Did you mean 'qlora'"),
+    (["llama-2-7b", "--gpu", "h100"], "unknown GPU"),
+])
+def test_bad_input_exits_2_with_one_line(args, message):
+    proc = subprocess.run([sys.executable, "-m", "shardtune", "estimate", *args], capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unreadable_config_names_file_and_line(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{\n  "model_type": "llama",\n  "hidden_size": 64,,\n}')
+    proc = subprocess.run([sys.executable, "-m", "shardtune", "estimate", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "line 3" in proc.stderr and str(bad) in proc.stderr
+
+
+def test_zero_stage_names_map_to_fsdp(capsys):
+    zero3 = run_json(capsys, ["llama-3-8b", "--num-gpus", "8", "--strategy", "zero3"])
+    assert zero3["setup"]["strategy"] == "fsdp" and zero3["setup"]["sharding_strategy"] == "FULL_SHARD"
+    zero2 = run_json(capsys, ["llama-3-8b", "--num-gpus", "8", "--strategy", "fsdp", "--sharding-strategy", "zero2"])
+    assert zero2["setup"]["sharding_strategy"] == "SHARD_GRAD_OP"
+
+
+def test_list_prints_the_catalog(capsys):
+    assert main(["estimate", "--list"]) == 0
+    assert "llama-3.1-405b" in capsys.readouterr().out

@@ -1,0 +1,74 @@
+"""Exact parameter counts: the model built from the catalog config against the owners' published counts."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from shardtune import catalog
+from shardtune.errors import UsageError
+from shardtune.memory.inventory import ModelAnalysis
+
+
+@pytest.mark.parametrize("name", catalog.names())
+def test_catalog_model_has_its_published_parameter_count(name):
+    published = catalog.metadata(name)["published_parameters"]
+    assert ModelAnalysis(name).inventory.parameters == published
+
+
+def test_the_catalog_covers_the_models_people_ask_about():
+    wanted = {"llama-2-7b", "llama-2-13b", "llama-2-70b", "codellama-34b", "llama-3-8b", "llama-3-70b", "llama-3.1-8b",
+              "llama-3.1-70b", "llama-3.1-405b", "llama-3.2-1b", "llama-3.2-3b", "tinyllama-1.1b", "mistral-7b",
+              "mixtral-8x7b", "qwen2.5-7b", "qwen2.5-72b", "gemma-2-9b", "phi-3-mini"}
+    assert wanted <= set(catalog.names())
+
+
+def test_untied_head_counts_and_tied_embeddings_count_once():
+    llama3 = ModelAnalysis("llama-3-8b").inventory
+    assert not llama3.tied_embeddings and llama3.head_params == 128256 * 4096
+    small = ModelAnalysis("llama-3.2-1b").inventory
+    assert small.tied_embeddings and small.head_params == 0
+    assert small.root_params == 128256 * 2048 + 2048  # embeddings once, plus the final norm
+
+
+def test_llama2_7b_lora_r8_all_linear_trains_19988480():
+    assert ModelAnalysis("llama-2-7b").lora(8, "all-linear").total == 19_988_480
+
+
+@pytest.mark.parametrize("name,r,targets", [
+    ("llama-3.2-1b", 16, "all-linear"),
+    ("phi-3-mini", 8, "all-linear"),
+    ("qwen2.5-7b", 4, "q_proj,v_proj"),
+    ("gemma-2-9b", 8, "o_proj,down_proj"),
+    ("mixtral-8x7b", 8, "q_proj,k_proj,v_proj,o_proj"),  # all-linear also wraps 3-D experts: not modelled yet
+])
+def test_lora_count_equals_peft_injected_on_meta(name, r, targets):
+    analysis = ModelAnalysis(name)
+    ours = analysis.lora(r, targets).total
+    peft_targets = "all-linear" if targets == "all-linear" else targets.split(",")
+    with torch.device("meta"):
+        peft_model = get_peft_model(ModelAnalysis(name).model, LoraConfig(r=r, target_modules=peft_targets))
+    assert ours == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+
+def test_unknown_target_module_names_the_real_ones():
+    with pytest.raises(UsageError, match="q_proj"):
+        ModelAnalysis("tinyllama-1.1b").lora(8, "query,value")
+
+
+def test_local_folder_and_config_file(config_dir):
+    folder = config_dir({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "vocab_size": 100})
+    inv = ModelAnalysis(folder).inventory
+    # embeddings + head (100 x 64 each), 2 layers of 4 attention and 3 MLP matrices plus 2 norms, final norm
+    assert inv.parameters == 2 * 100 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    assert ModelAnalysis(folder + "/config.json").inventory.parameters == inv.parameters
+
+
+def test_counts_are_cached_on_disk_and_reused():
+    first = ModelAnalysis("llama-2-13b")
+    assert first.inventory.parameters == 13_015_864_320
+    first.lora(8, "all-linear")
+    second = ModelAnalysis("llama-2-13b")
+    assert second.inventory == first.inventory
+    assert second.lora(8, "all-linear") == first.lora(8, "all-linear")
+    assert "model" not in second.__dict__  # answered from the cache without building the model
