@@ -1,0 +1,146 @@
+"""``shardtune launch [launcher options] train ...``: start a training job on N processes and M machines.
+
+It runs torchrun (``python -m torch.distributed.run``), the launcher PyTorch users know, with the rendezvous
+that the options or an Accelerate config file describe. Run the same command on every machine, changing only
+``--machine_rank``. ``--max_restarts K`` restarts failed workers; with ``resume_from_checkpoint true`` they carry
+on from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from shardtune.errors import UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="run 'train' under torchrun on N processes / M machines",
+                       description=__doc__, add_help=False)
+    p.set_defaults(func=None)
+
+
+def launcher_parser() -> argparse.ArgumentParser:
+    from shardtune.cli import OneLineParser
+
+    p = OneLineParser(prog="shardtune launch", description=__doc__)
+    p.add_argument("--config_file", "--config-file", default=None,
+                   help="an Accelerate config file (num_processes, num_machines, distributed_type, fsdp_config...)")
+    p.add_argument("--num_processes", "--num-processes", type=int, default=None,
+                   help="processes in all, over all machines (Accelerate's meaning); default: the config "
+                        "file's, else the GPUs of this machine, else 1")
+    p.add_argument("--num_machines", "--num-machines", type=int, default=None)
+    p.add_argument("--machine_rank", "--machine-rank", type=int, default=None)
+    p.add_argument("--main_process_ip", "--main-process-ip", default=None)
+    p.add_argument("--main_process_port", "--main-process-port", type=int, default=None)
+    p.add_argument("--rdzv_backend", "--rdzv-backend", default=None, help="static (default) or c10d")
+    p.add_argument("--max_restarts", "--max-restarts", type=int, default=0)
+    p.add_argument("--monitor_interval", type=float, default=None)
+    p.add_argument("--dry_run", "--dry-run", action="store_true", help="print the torchrun command and exit")
+    return p
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[str]:
+    """The torchrun command line for ``opts``; the Accelerate file fills what the options leave out."""
+    file_values: dict = {}
+    if opts.config_file:
+        from shardtune.config import read_accelerate_config
+
+        file_values, _ = read_accelerate_config(opts.config_file)
+
+    def pick(name: str, default):
+        value = getattr(opts, name)
+        return value if value is not None else file_values.get(name, default)
+
+    num_machines = int(pick("num_machines", 1))
+    default_procs = num_machines * max(1, _local_gpus())
+    num_processes = int(pick("num_processes", default_procs))
+    if num_machines < 1 or num_processes < 1:
+        raise UsageError("--num_processes and --num_machines must be at least 1")
+    if num_processes % num_machines:
+        raise UsageError(f"--num_processes {num_processes} is the total over all machines and must be a multiple "
+                         f"of --num_machines {num_machines}")
+    cmd = TORCHRUN + ["--nnodes", str(num_machines),
+           "--nproc_per_node", str(num_processes // num_machines), "--max_restarts", str(opts.max_restarts)]
+    if opts.monitor_interval is not None:
+        cmd += ["--monitor_interval", str(opts.monitor_interval)]
+    rdzv = str(pick("rdzv_backend", "static"))
+    ip = pick("main_process_ip", None)
+    port = pick("main_process_port", None)
+    if num_machines > 1:
+        if not ip:
+            raise UsageError("multi-machine launch needs --main_process_ip (the address of machine rank 0) and "
+                             "--main_process_port")
+        port = port or 29500
+        if rdzv == "c10d":
+            cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{ip}:{port}"]
+        else:
+            rank = pick("machine_rank", None)
+            if rank is None:
+                raise UsageError("multi-machine launch needs --machine_rank (0 on the main machine, then 1, 2, ...)")
+            cmd += ["--node_rank", str(rank), "--master_addr", str(ip), "--master_port", str(port)]
+    elif port:
+        cmd += ["--master_addr", str(ip or "127.0.0.1"), "--master_port", str(port)]
+    else:
+        cmd += ["--standalone"]
+    cmd += ["-m", "shardtune", "train"]
+    if opts.config_file:
+        cmd += ["--config_file", opts.config_file]
+    cmd += ["--num_processes", str(num_processes), "--num_machines", str(num_machines)]
+    return cmd + train_args
+
+
+def _local_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable CUDA means CPU processes
+        return 0
+
+
+def run(argv: list[str]) -> int:
+    """Entry point of ``shardtune launch``."""
+    if "train" not in argv:
+        if any(a in ("-h", "--help") for a in argv):
+            launcher_parser().print_help()
+            return 0
+        raise UsageError("nothing to launch: write the job after the launcher options, e.g. "
+                         "'shardtune launch --num_processes 2 train --model_name_or_path M ...'")
+    split = argv.index("train")
+    opts = launcher_parser().parse_args(argv[:split])
+    cmd = torchrun_command(opts, argv[split + 1:])
+    if opts.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    return run_torchrun(cmd[len(TORCHRUN):])
+
+
+def run_torchrun(torchrun_args: list[str]) -> int:
+    """Run torchrun's agent in this process; a failed worker becomes one line and its exit code.
+
+    The agent forwards SIGTERM to every worker (they save a checkpoint and exit) and restarts failed workers
+    up to --max_restarts times. Workers print their own errors, so the agent's long report is cut to its gist.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    args = get_args_parser().parse_args(torchrun_args)
+    try:
+        torchrun(args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode
+        if code < 0:
+            what = f"was killed by signal {-code}"
+            code = 128 - code
+        else:
+            what = f"exited with code {code}"
+        print(f"shardtune launch: rank {rank} {what} (see its messages above)", file=sys.stderr)
+        return code
+    return 0

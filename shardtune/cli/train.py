@@ -1,0 +1,59 @@
+"""``shardtune train [CONFIG.yaml] [key=value ...] [--key value ...]``: supervised fine-tuning.
+
+Keys are Transformers / TRL / PEFT / Accelerate names (``shardtune train --help`` lists them with defaults).
+An Accelerate config file is read as it is with ``--config_file``. Precedence, lowest first: defaults <
+Accelerate config < YAML recipe < key=value < --key value. Run it directly for one process, or under
+``shardtune launch`` (torchrun) for DDP / FSDP2 on one or many machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from shardtune.errors import UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    # The keys are parsed by shardtune.config, not argparse (there are too many, and recipes pass them all).
+    p = sub.add_parser("train", help="fine-tune a model (LoRA, QLoRA or full; 1 process, DDP or FSDP2)",
+                       description=__doc__, add_help=False)
+    p.set_defaults(func=None)
+
+
+def keys_help() -> str:
+    """Every accepted key, by section, with its default."""
+    from shardtune.config import TrainConfig
+
+    cfg = TrainConfig()
+    lines = [__doc__.strip(), ""]
+    for section in dataclasses.fields(cfg):
+        lines.append(f"[{section.name}]")
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            lines.append(f"  --{f.name:<40} default: {getattr(getattr(cfg, section.name), f.name)!r}")
+    return "\n".join(lines)
+
+
+def run(argv: list[str]) -> int:
+    """Entry point of ``shardtune train`` (also what torchrun starts on every rank)."""
+    if any(a in ("-h", "--help", "--help-keys", "--help_keys") for a in argv):
+        print(keys_help())
+        return 0
+    from shardtune.config import load_train_config
+
+    cfg = load_train_config(argv)
+    if cfg.run.dry_run:
+        from shardtune.config import save_resolved
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_flat(), sort_keys=False), end="")
+        return 0
+    from shardtune.train.loop import TrainingStopped, train
+
+    try:
+        train(cfg)
+    except TrainingStopped as exc:
+        print(f"shardtune train: stopped: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,486 @@
+"""The training configuration: small typed sections, one precedence order, every problem reported at once.
+
+Names are the ones users know from Transformers' ``TrainingArguments``, TRL's ``SFTConfig``, PEFT and Accelerate's
+config files, so a recipe written for ``accelerate launch --config_file fsdp_config.yaml train.py --key value ...``
+carries over. Precedence, lowest first (written once, here, and tested):
+
+    defaults < Accelerate config file (--config_file) < YAML recipe < key=value overrides < --key value flags
+
+The resolved config is written beside every checkpoint as flat YAML that ``shardtune train`` reads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from shardtune.data.config import DataConfig
+from shardtune.errors import UsageError, closest
+
+DISTRIBUTED_TYPES = ("NO", "DDP", "FSDP", "MP")
+# Accelerate's names for data parallel; both mean one replica per process here.
+DISTRIBUTED_ALIASES = {"MULTI_GPU": "DDP", "MULTI_CPU": "DDP", "MULTI_XPU": "DDP", "MULTI_NPU": "DDP",
+                       "MULTI_MLU": "DDP", "MULTI_HPU": "DDP"}
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+# FSDP1's enum values, which older Accelerate configs write as numbers; HYBRID_SHARD_ZERO2 (5) keeps gathered
+# parameters inside the node like SHARD_GRAD_OP, which FSDP2 spells HYBRID_SHARD without resharding.
+SHARDING_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
+                    "5": "HYBRID_SHARD"}
+WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+STRATEGIES_STEPS = ("steps", "epoch", "no")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
+
+
+@dataclass
+class ModelConfig:
+    model_name_or_path: str | None = None
+    attn_implementation: str = "sdpa"
+    use_flash_attn: bool = False  # flash_attention_2 when installed and on CUDA; sdpa otherwise, with a warning
+    trust_remote_code: bool = False
+
+
+@dataclass
+class LoraConfig:
+    use_peft_lora: bool = False
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "all-linear"
+    use_4bit_quantization: bool = False
+    bnb_4bit_quant_type: str = "nf4"
+    use_nested_quant: bool = True  # double quantisation of the quantisation constants (QLoRA paper, sec. 3)
+    bnb_4bit_compute_dtype: str = "bfloat16"
+    # bf16 storage so the packed 4-bit weights share a dtype with the rest and FSDP can shard them.
+    bnb_4bit_quant_storage_dtype: str = "bfloat16"
+
+
+@dataclass
+class OptimConfig:
+    learning_rate: float = 5e-5
+    lr_scheduler_type: str = "linear"
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+
+
+@dataclass
+class RunConfig:
+    output_dir: str | None = None
+    seed: int = 42
+    num_train_epochs: float = 1.0
+    max_steps: int = -1
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    use_reentrant: bool = False
+    bf16: bool = False
+    fp16: bool = False
+    logging_steps: int = 10
+    logging_strategy: str = "steps"
+    log_level: str = "passive"
+    eval_strategy: str = "no"
+    eval_steps: int | None = None
+    report_to: str = "none"  # "tensorboard" writes event files beside metrics.jsonl
+    ddp_timeout: int = 1800  # seconds a collective may wait before the run stops naming the rank and operation
+    dry_run: bool = False
+    # Hub flags: accepted so recipes run unchanged; they act only where the hub is reachable.
+    push_to_hub: bool = False
+    hub_model_id: str | None = None
+    hub_token: str | None = None
+    hub_private_repo: bool | None = None
+    hub_strategy: str = "every_save"
+
+
+@dataclass
+class CheckpointConfig:
+    save_strategy: str = "steps"
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    resume_from_checkpoint: str | None = None  # a checkpoint folder, or "true" for the newest in output_dir
+
+
+@dataclass
+class DistributedConfig:
+    distributed_type: str | None = None  # None: DDP when launched on several processes, else NO
+    fsdp_sharding_strategy: str = "FULL_SHARD"
+    fsdp_offload_params: bool = False
+    fsdp_auto_wrap_policy: str = "TRANSFORMER_BASED_WRAP"
+    fsdp_transformer_layer_cls_to_wrap: str | None = None  # default: the model's own decoder layer class
+    fsdp_min_num_params: int = 100_000_000
+    fsdp_cpu_ram_efficient_loading: bool = True
+    fsdp_sync_module_states: bool = True
+    fsdp_state_dict_type: str = "SHARDED_STATE_DICT"
+    fsdp_reshard_after_forward: bool | None = None  # FSDP2's name; overrides what the sharding strategy implies
+    fsdp_activation_checkpointing: bool = False
+    # Accepted from FSDP1-era Accelerate configs; FSDP2 prefetches and keeps original parameters by design.
+    fsdp_backward_prefetch: str | None = None
+    fsdp_forward_prefetch: bool = False
+    fsdp_use_orig_params: bool = True
+    fsdp_version: int = 2
+    mixed_precision: str | None = None  # Accelerate's key; bf16/fp16 flags win when set
+    num_processes: int = 1
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    rdzv_backend: str = "static"
+
+
+@dataclass
+class TrainConfig:
+    """The whole job, one section per concern; functions receive only the section they need."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    @property
+    def mixed_precision(self) -> str:
+        """bf16 / fp16 / no, from TrainingArguments' flags first, then Accelerate's ``mixed_precision``."""
+        if self.run.bf16:
+            return "bf16"
+        if self.run.fp16:
+            return "fp16"
+        return (self.distributed.mixed_precision or "no").lower()
+
+    def to_flat(self) -> dict[str, Any]:
+        """Every key at the top level, as ``shardtune train`` reads it back."""
+        return {k: v for section in dataclasses.fields(self) for k, v in
+                dataclasses.asdict(getattr(self, section.name)).items()}
+
+
+
+
+def _section_classes() -> dict[str, type]:
+    return {f.name: type(getattr(TrainConfig(), f.name)) for f in dataclasses.fields(TrainConfig)}
+
+
+def known_keys() -> dict[str, str]:
+    """Every accepted key and the section that holds it."""
+    keys = {}
+    for section, cls in _section_classes().items():
+        for f in dataclasses.fields(cls):
+            keys[f.name] = section
+    return keys
+
+
+# Keys of Accelerate config files that describe the machine or other launchers; read and deliberately unused.
+ACCELERATE_IGNORED = {"compute_environment", "debug", "main_training_function", "downcast_bf16", "same_network",
+                      "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "gpu_ids", "enable_cpu_affinity",
+                      "dynamo_config", "megatron_lm_config", "ipex_config", "mpirun_config", "tpu_name",
+                      "tpu_zone", "commands", "command_file", "fp8_config", "parallelism_config",
+                      "fsdp_offload_optimizer"}
+# TrainingArguments / TRL keys that shardtune accepts and that change nothing here (logging of other tools).
+IGNORED_KEYS = {"logging_first_step", "logging_nan_inf_filter", "dataloader_num_workers", "remove_unused_columns",
+                "overwrite_output_dir", "do_train", "do_eval", "run_name", "disable_tqdm", "save_safetensors",
+                "optim", "include_num_input_tokens_seen", "ddp_find_unused_parameters"}
+
+
+@dataclass
+class Source:
+    """Where a value came from, for error messages: a file and line, or the command line."""
+
+    where: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.where}, line {self.line}" if self.line else self.where
+
+
+def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """Load a YAML mapping and the line of each top-level (and fsdp_config) key."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read config file {path}: {exc.strerror}; check the path") from None
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark else ""
+        raise UsageError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)}); fix the syntax") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a mapping of key: value lines, got {type(data).__name__}")
+    lines: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        lines[key_node.value] = key_node.start_mark.line + 1
+        if isinstance(value_node, yaml.MappingNode):
+            for k, _ in value_node.value:
+                lines[k.value] = k.start_mark.line + 1
+    return data, lines
+
+
+def _flatten(data: dict[str, Any]) -> dict[str, Any]:
+    """Lift Accelerate's nested ``fsdp_config`` (and DeepSpeed's zero stage) to top-level keys."""
+    flat = {}
+    for key, value in data.items():
+        if key == "fsdp_config" and isinstance(value, dict):
+            flat.update(value)
+        elif key == "deepspeed_config" and isinstance(value, dict):
+            # ZeRO-3 shards parameters like FULL_SHARD; ZeRO-1/2 keep them whole like SHARD_GRAD_OP.
+            stage = int(value.get("zero_stage", 3))
+            flat["fsdp_sharding_strategy"] = "FULL_SHARD" if stage == 3 else "SHARD_GRAD_OP"
+            if str(value.get("offload_param_device", "none")).lower() == "cpu":
+                flat["fsdp_offload_params"] = True
+        else:
+            flat[key] = value
+    return flat
+
+
+def read_accelerate_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Source]]:
+    """An Accelerate config file (``accelerate config`` output) as flat shardtune keys, read as it is."""
+    path = Path(path)
+    data, lines = _yaml_with_lines(path)
+    flat = _flatten(data)
+    if str(flat.get("distributed_type", "")).upper() == "DEEPSPEED":
+        flat["distributed_type"] = "FSDP"
+    values, sources = {}, {}
+    for key, value in flat.items():
+        if key in ACCELERATE_IGNORED:
+            continue
+        values[key] = value
+        sources[key] = Source(str(path), lines.get(key))
+    return values, sources
+
+
+def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Source]]:
+    """A shardtune YAML recipe: flat keys (an ``fsdp_config:`` block is also accepted)."""
+    path = Path(path)
+    data, lines = _yaml_with_lines(path)
+    flat = _flatten(data)
+    return flat, {k: Source(str(path), lines.get(k)) for k in flat}
+
+
+def parse_cli_pairs(argv: list[str]) -> tuple[list[str], dict[str, Any], dict[str, Source]]:
+    """Split ``[CONFIG.yaml] key=value ... --key value --flag ...`` into files, values and their sources.
+
+    A ``--key`` followed by another ``--key`` (or nothing) is a boolean flag set to true, as with HfArgumentParser.
+    """
+    files: list[str] = []
+    values: dict[str, Any] = {}
+    sources: dict[str, Source] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--"):
+            key, eq, value = arg[2:].partition("=")
+            key = key.replace("-", "_")
+            if not eq:
+                if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    value = argv[i + 1]
+                    i += 1
+                else:
+                    value = "true"
+            values[key] = value
+            sources[key] = Source(f"command line (--{key})")
+        elif "=" in arg:
+            key, _, value = arg.partition("=")
+            values[key] = value
+            sources[key] = Source(f"command line ({key}=...)")
+        else:
+            files.append(arg)
+        i += 1
+    return files, values, sources
+
+
+_TRUE = {"true", "1", "yes", "y", "on"}
+_FALSE = {"false", "0", "no", "n", "off"}
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """Turn a YAML or command-line value into the field's type; raises ValueError with the accepted form."""
+    text = str(hint)
+    optional = "None" in text
+    if value is None or (isinstance(value, str) and value.lower() in {"none", "null"} and optional):
+        if optional:
+            return None
+        raise ValueError("a value is required")
+    if "bool" in text and "int" not in text.replace("bool", ""):
+        if isinstance(value, bool):
+            return value
+        lowered = str(value).lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+        raise ValueError("expected true or false")
+    if text.startswith("int") or text == "<class 'int'>" or "int |" in text:
+        if isinstance(value, bool):
+            raise ValueError("expected an integer")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError("expected an integer") from None
+        if not number.is_integer():
+            raise ValueError("expected an integer")
+        return int(number)
+    if "float" in text:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError("expected a number") from None
+        if math.isnan(number):
+            raise ValueError("expected a number, got NaN")
+        return number
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def build_config(layers: list[tuple[dict[str, Any], dict[str, Source]]]) -> TrainConfig:
+    """Apply ``layers`` (lowest precedence first) onto the defaults; report every problem together."""
+    cfg = TrainConfig()
+    sections = _section_classes()
+    owner = known_keys()
+    hints = {name: get_type_hints(cls) for name, cls in sections.items()}
+    problems: list[str] = []
+    for values, sources in layers:
+        for key, value in values.items():
+            source = sources.get(key, Source("config"))
+            if key in IGNORED_KEYS or key in ACCELERATE_IGNORED:
+                continue
+            if key not in owner:
+                hint = closest(key, list(owner))
+                did_you_mean = f"; did you mean '{hint}'?" if hint else "; see 'shardtune train --help-keys'"
+                problems.append(f"{source}: unknown key '{key}'{did_you_mean}")
+                continue
+            section = owner[key]
+            try:
+                coerced = _coerce(value, hints[section][key])
+            except ValueError as exc:
+                problems.append(f"{source}: {key}={value!r}: {exc}")
+                continue
+            setattr(getattr(cfg, section), key, coerced)
+    _normalise(cfg)
+    problems += [p for p in validate(cfg)]
+    if problems:
+        raise UsageError(" | ".join(problems) if len(problems) > 1 else problems[0])
+    return cfg
+
+
+def _normalise(cfg: TrainConfig) -> None:
+    """Canonical spellings: upper-case enum names, Accelerate's aliases and FSDP1 numbers."""
+    d = cfg.distributed
+    if d.distributed_type is not None:
+        kind = str(d.distributed_type).upper()
+        d.distributed_type = DISTRIBUTED_ALIASES.get(kind, kind)
+    d.fsdp_sharding_strategy = SHARDING_NUMBERS.get(str(d.fsdp_sharding_strategy),
+                                                    str(d.fsdp_sharding_strategy).upper())
+    d.fsdp_auto_wrap_policy = str(d.fsdp_auto_wrap_policy).upper()
+    d.fsdp_state_dict_type = str(d.fsdp_state_dict_type).upper()
+    if d.mixed_precision is not None:
+        d.mixed_precision = d.mixed_precision.lower()
+    cfg.optim.lr_scheduler_type = cfg.optim.lr_scheduler_type.lower()
+    for name in ("logging_strategy", "eval_strategy", "log_level"):
+        setattr(cfg.run, name, getattr(cfg.run, name).lower())
+    cfg.checkpoint.save_strategy = cfg.checkpoint.save_strategy.lower()
+
+
+def _choice(problems: list[str], key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        problems.append(f"{key}={value!r} is not accepted; use one of {', '.join(choices)}")
+
+
+def validate(cfg: TrainConfig) -> list[str]:
+    """Every problem with the resolved config, one line each."""
+    problems: list[str] = []
+    d, r, o, lo, ck = cfg.distributed, cfg.run, cfg.optim, cfg.lora, cfg.checkpoint
+    if not cfg.model.model_name_or_path:
+        problems.append("model_name_or_path is required: a local model folder or a hub name "
+                        "(e.g. --model_name_or_path ./my-model)")
+    if not r.output_dir:
+        problems.append("output_dir is required (e.g. --output_dir out)")
+    if d.distributed_type is not None:
+        _choice(problems, "distributed_type", d.distributed_type, DISTRIBUTED_TYPES)
+    _choice(problems, "fsdp_sharding_strategy", d.fsdp_sharding_strategy, SHARDING_STRATEGIES)
+    _choice(problems, "fsdp_auto_wrap_policy", d.fsdp_auto_wrap_policy, WRAP_POLICIES)
+    _choice(problems, "fsdp_state_dict_type", d.fsdp_state_dict_type, STATE_DICT_TYPES)
+    if d.mixed_precision is not None:
+        _choice(problems, "mixed_precision", d.mixed_precision, MIXED_PRECISIONS)
+    if r.bf16 and r.fp16:
+        problems.append("bf16 and fp16 are both true; choose one")
+    _choice(problems, "lr_scheduler_type", o.lr_scheduler_type, SCHEDULERS)
+    _choice(problems, "logging_strategy", r.logging_strategy, STRATEGIES_STEPS)
+    _choice(problems, "eval_strategy", r.eval_strategy, STRATEGIES_STEPS)
+    _choice(problems, "save_strategy", ck.save_strategy, STRATEGIES_STEPS)
+    _choice(problems, "log_level", r.log_level, LOG_LEVELS)
+    _choice(problems, "bnb_4bit_quant_type", lo.bnb_4bit_quant_type, ("nf4", "fp4"))
+    for key, value in (("per_device_train_batch_size", r.per_device_train_batch_size),
+                       ("per_device_eval_batch_size", r.per_device_eval_batch_size),
+                       ("gradient_accumulation_steps", r.gradient_accumulation_steps),
+                       ("logging_steps", r.logging_steps), ("save_steps", ck.save_steps),
+                       ("lora_r", lo.lora_r), ("num_processes", d.num_processes),
+                       ("num_machines", d.num_machines), ("ddp_timeout", r.ddp_timeout)):
+        if value < 1:
+            problems.append(f"{key}={value} must be at least 1")
+    if r.max_steps == 0 or r.max_steps < -1:
+        problems.append(f"max_steps={r.max_steps} must be a positive number of optimizer steps, or -1 for epochs")
+    if r.num_train_epochs <= 0 and r.max_steps == -1:
+        problems.append(f"num_train_epochs={r.num_train_epochs} must be positive (or set max_steps)")
+    if o.learning_rate < 0:
+        problems.append(f"learning_rate={o.learning_rate} must not be negative")
+    if not 0 <= o.warmup_ratio <= 1:
+        problems.append(f"warmup_ratio={o.warmup_ratio} must be between 0 and 1")
+    if o.warmup_steps < 0 or o.weight_decay < 0 or o.max_grad_norm < 0:
+        problems.append("warmup_steps, weight_decay and max_grad_norm must not be negative")
+    if not 0 <= lo.lora_dropout < 1:
+        problems.append(f"lora_dropout={lo.lora_dropout} must be in [0, 1)")
+    if lo.use_4bit_quantization and not lo.use_peft_lora:
+        problems.append("use_4bit_quantization trains LoRA adapters on a frozen 4-bit base (QLoRA); "
+                        "set use_peft_lora true as well")
+    if r.eval_strategy == "steps" and (r.eval_steps or r.logging_steps) < 1:
+        problems.append("eval_steps must be at least 1")
+    if d.num_processes % d.num_machines:
+        problems.append(f"num_processes={d.num_processes} is the total over all machines and must be a multiple "
+                        f"of num_machines={d.num_machines}")
+    problems += cfg.data.validate()
+    return problems
+
+
+def load_train_config(argv: list[str]) -> TrainConfig:
+    """Resolve ``shardtune train`` arguments into a validated TrainConfig (see the module docstring)."""
+    files, cli_values, cli_sources = parse_cli_pairs(argv)
+    layers: list[tuple[dict[str, Any], dict[str, Source]]] = []
+    accelerate_file = cli_values.pop("config_file", None)
+    cli_sources.pop("config_file", None)
+    if accelerate_file:
+        layers.append(read_accelerate_config(accelerate_file))
+    for path in files:
+        if not path.endswith((".yaml", ".yml")):
+            raise UsageError(f"unexpected argument '{path}': give a YAML recipe (CONFIG.yaml), key=value or "
+                             f"--key value")
+        layers.append(read_yaml_recipe(path))
+    # key=value overrides, then --key value flags: split the command-line layer in two to keep the order.
+    overrides = {k: v for k, v in cli_values.items() if not str(cli_sources[k]).startswith("command line (--")}
+    flags = {k: v for k, v in cli_values.items() if k not in overrides}
+    layers.append((overrides, cli_sources))
+    layers.append((flags, cli_sources))
+    return build_config(layers)
+
+
+def save_resolved(cfg: TrainConfig, path: str | Path) -> None:
+    """Write the resolved config as flat YAML, atomically (temp file then rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_flat(), sort_keys=False))
+    tmp.replace(path)

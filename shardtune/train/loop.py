@@ -1,0 +1,289 @@
+"""``train(cfg)``: the whole fine-tune, top to bottom, for one process, DDP and FSDP2 alike.
+
+Read it in order: join the process group, make the data, build the model and parallelize it, build the optimizer,
+resume if asked, then loop over global batches (step, log, evaluate, save), and export the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from shardtune.config import TrainConfig, save_resolved
+from shardtune.train import checkpoint as ckpt
+from shardtune.train.dist import DistInfo, all_reduce_sum, init_distributed, shutdown
+from shardtune.train.metrics import MetricsLog, max_over_ranks, peak_memory_bytes, progress_bar
+from shardtune.train.model import (Precision, apply_lora, count_parameters, load_base_model,
+                                   resize_for_tokenizer)
+from shardtune.train.optim import build_optimizer, build_scheduler
+from shardtune.train.parallelize import Plan, load_from_rank0, make_plan, parallelize
+from shardtune.train.step import NonFiniteLoss, StepContext, evaluate, train_step
+
+log = logging.getLogger("shardtune")
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (non-finite loss, ...); the message says where and what to try."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup_logging(level: str, info: DistInfo) -> None:
+    """INFO on rank 0 ("passive" means info, as in Transformers), warnings only on the other ranks."""
+    chosen = logging.INFO if level == "passive" else getattr(logging, level.upper())
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[%(asctime)s shardtune rank {info.rank}] %(message)s", "%H:%M:%S"))
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(chosen if info.is_main else logging.WARNING)
+    # bitsandbytes announces at import that an optional CPU kernel package is missing; the fallback is fine.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+class SigtermFlag:
+    """Remembers a SIGTERM (what schedulers send before preemption) so the loop can save and exit cleanly."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        self.received = True
+
+    def any_rank(self, device: torch.device) -> bool:
+        return bool(all_reduce_sum([float(self.received)], device)[0].item() > 0)
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, vocab_size: int):
+    """The model, parallelized, with its weights (from disk, or from rank 0's copy on the other ranks)."""
+    lora = cfg.lora
+    on_meta = (plan.strategy == "FSDP" and info.distributed and cfg.distributed.fsdp_cpu_ram_efficient_loading
+               and not lora.use_4bit_quantization)
+    model = load_base_model(cfg.model, lora, precision, info.device, on_meta=on_meta and not info.is_main)
+    resize_for_tokenizer(model, vocab_size)
+    if lora.use_peft_lora:
+        model = apply_lora(model, lora, seed=cfg.run.seed)
+    trainable, total = count_parameters(model)
+    log.info("trainable parameters: %s of %s (%.4f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+    full_state = buffers = None
+    if on_meta and info.is_main:
+        full_state = {k: v for k, v in model.state_dict().items()}
+        buffers = {k: v.clone() for k, v in model.named_buffers()}
+    model = parallelize(model, plan, info)
+    if on_meta:
+        load_from_rank0(model, full_state, buffers, info)
+    model.train()
+    return model, trainable, total
+
+
+def fsdp_param_dtype(cfg: TrainConfig, precision: Precision) -> torch.dtype | None:
+    """FSDP's compute dtype: the mixed-precision one; QLoRA always computes in its bnb compute dtype."""
+    if precision.compute_dtype != torch.float32:
+        return precision.compute_dtype
+    if cfg.lora.use_4bit_quantization:
+        # The 4-bit weights are stored in bf16 and the adapters in fp32: FSDP gathers one dtype per unit.
+        return torch.bfloat16
+    return None
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    if cfg.run.max_steps > 0:
+        return cfg.run.max_steps
+    return max(1, math.ceil(cfg.run.num_train_epochs * steps_per_epoch))
+
+
+def _collate_steps(sampler, rows, collator):
+    for micro_indices in sampler:
+        yield [collator([rows[i] for i in indices]) for indices in micro_indices]
+
+
+def _eval_batches(data, cfg: TrainConfig, info: DistInfo, collator):
+    from shardtune.data import EvalSampler
+
+    sampler = EvalSampler(len(data), batch_size=cfg.run.per_device_eval_batch_size, world_size=info.world_size,
+                          rank=info.rank)
+    for indices in sampler:
+        yield collator([data[i] if i is not None else None for i in indices])
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run the fine-tune the config describes; returns the summary (also written to summary.json)."""
+    info = init_distributed(cfg.run.ddp_timeout)
+    setup_logging(cfg.run.log_level, info)
+    try:
+        return _train(cfg, info)
+    finally:
+        shutdown()
+
+
+def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
+    from shardtune.data import Collator, GlobalBatchSampler, load_tokenizer, prepare_datasets
+
+    out = Path(cfg.run.output_dir)
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_resolved(cfg, out / "config.yaml")
+    config_yaml = yaml.safe_dump(cfg.to_flat(), sort_keys=False)
+    seed_everything(cfg.run.seed)
+
+    # Data first: tokenisation may take long, and it happens before any collective with a timeout.
+    tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
+    data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed)
+    if info.is_main:
+        log.info("data: %s", data.report.format() if hasattr(data.report, "format") else data.report)
+    collator = Collator(tokenizer.pad_token_id)
+
+    precision = Precision(cfg.mixed_precision)
+    plan = make_plan(cfg.distributed, info, param_dtype=fsdp_param_dtype(cfg, precision),
+                     gradient_checkpointing=cfg.run.gradient_checkpointing, use_reentrant=cfg.run.use_reentrant)
+    log.info("strategy: %s%s on %d process(es), mixed precision %s", plan.strategy,
+             f" {plan.sharding}" if plan.strategy == "FSDP" else "", info.world_size, precision.mixed_precision)
+    model, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer))
+
+    sampler = GlobalBatchSampler(len(data.train), micro_batch_size=cfg.run.per_device_train_batch_size,
+                                 gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
+                                 world_size=info.world_size, rank=info.rank, seed=cfg.run.seed)
+    if sampler.steps_per_epoch < 1:
+        raise TrainingStopped(f"the train split has {len(data.train)} rows, fewer than one global batch of "
+                              f"{cfg.run.per_device_train_batch_size} x {cfg.run.gradient_accumulation_steps} x "
+                              f"{info.world_size} rows; lower per_device_train_batch_size or add data")
+    steps = total_steps(cfg, sampler.steps_per_epoch)
+    optimizer = build_optimizer(model, cfg.optim, info.device)
+    scheduler = build_scheduler(optimizer, cfg.optim, steps)
+    scaler = None
+    if precision.mixed_precision == "fp16":
+        if plan.strategy == "FSDP":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(info.device.type)
+        else:
+            scaler = torch.amp.GradScaler(info.device.type)
+    ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, plan=plan, info=info,
+                      compute_dtype=precision.compute_dtype, max_grad_norm=cfg.optim.max_grad_norm,
+                      pad_token_id=tokenizer.pad_token_id, scaler=scaler)
+    is_peft = cfg.lora.use_peft_lora
+
+    step, epoch = 0, 0
+    resume = ckpt.resolve_resume(cfg.checkpoint.resume_from_checkpoint, out)
+    if resume is not None:
+        state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, trainable_only=is_peft, info=info)
+        step, epoch = state["step"], state["epoch"]
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        log.info("resumed from %s at step %d (epoch %d)", resume, step, epoch)
+    last_checkpoint = str(resume) if resume else None
+
+    def save(reason: str) -> None:
+        nonlocal last_checkpoint
+        trainer_state = {"step": step, "epoch": epoch, "sampler": sampler.state_dict(),
+                         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None}
+        path = ckpt.save_checkpoint(out, step, model=model, optimizer=optimizer, trainable_only=is_peft,
+                                    trainer_state=trainer_state, config_yaml=config_yaml, info=info,
+                                    save_total_limit=cfg.checkpoint.save_total_limit)
+        last_checkpoint = str(path)
+        log.info("saved checkpoint %s (%s)", path, reason)
+
+    metrics = MetricsLog(out, info, tensorboard=cfg.run.report_to == "tensorboard")
+    eval_every = cfg.run.eval_steps or cfg.run.logging_steps
+
+    def run_eval() -> None:
+        if data.eval is None or len(data.eval) == 0:
+            return
+        result = evaluate(model, _eval_batches(data.eval, cfg, info, collator), plan, info, precision.compute_dtype)
+        metrics.write({"step": step, "epoch": epoch, **result})
+        log.info("step %d: eval_loss %.4f, perplexity %.3f", step, result["eval_loss"], result["eval_perplexity"])
+
+    sigterm = SigtermFlag()
+    bar = progress_bar(steps, step, info.is_main)
+    started = time.perf_counter()
+    window_tokens, window_start = 0, time.perf_counter()
+    run_tokens = 0
+    stopped_by_signal = False
+    try:
+        while step < steps and not stopped_by_signal:
+            sampler.set_epoch(epoch)
+            for micro_batches in _collate_steps(sampler, data.train, collator):
+                try:
+                    stats = train_step(ctx, micro_batches)
+                except NonFiniteLoss as exc:
+                    raise TrainingStopped(
+                        f"step {step + 1}: {exc}. Last good checkpoint: {last_checkpoint or 'none'}. Likely causes: "
+                        f"learning_rate {cfg.optim.learning_rate} too high, fp16 overflow (use bf16), or a bad "
+                        f"batch; resume from the checkpoint with a lower learning rate") from None
+                step += 1
+                window_tokens += stats.tokens
+                run_tokens += stats.tokens
+                bar.update(1)
+                last = step >= steps
+                if cfg.run.logging_strategy == "steps" and (step % cfg.run.logging_steps == 0 or last or step == 1):
+                    elapsed = time.perf_counter() - window_start
+                    record = {"step": step, "epoch": round(epoch + sampler.progress(), 4) if hasattr(sampler, "progress") else epoch,
+                              "loss": stats.loss, "lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm,
+                              "tokens": stats.tokens, "target_tokens": stats.target_tokens,
+                              "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                              "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device)}
+                    metrics.write(record)
+                    bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    window_tokens, window_start = 0, time.perf_counter()
+                if cfg.run.eval_strategy == "steps" and step % eval_every == 0:
+                    run_eval()
+                if cfg.checkpoint.save_strategy == "steps" and step % cfg.checkpoint.save_steps == 0:
+                    save("save_steps")
+                if sigterm.any_rank(info.device):
+                    save("SIGTERM")
+                    stopped_by_signal = True
+                    break
+                if last:
+                    break
+            else:
+                epoch += 1  # the epoch ran to its end
+                if cfg.run.eval_strategy == "epoch":
+                    run_eval()
+                if cfg.checkpoint.save_strategy == "epoch":
+                    save("end of epoch")
+                continue
+            # Stopped inside an epoch (max_steps): Transformers still evaluates and saves for epoch strategies.
+            if not stopped_by_signal:
+                if cfg.run.eval_strategy == "epoch":
+                    run_eval()
+                if cfg.checkpoint.save_strategy == "epoch":
+                    save("end of training")
+    finally:
+        bar.close()
+        sigterm.restore()
+        metrics.close()
+
+    wall = time.perf_counter() - started
+    summary = {"steps": step, "epochs": epoch, "wall_s": wall, "tokens": run_tokens,
+               "tokens_per_s": run_tokens / max(wall, 1e-9), "trainable_parameters": trainable,
+               "parameters": total, "world_size": info.world_size, "strategy": plan.strategy,
+               "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
+               "stopped_by": "SIGTERM" if stopped_by_signal else "completed", "last_checkpoint": last_checkpoint}
+    if not stopped_by_signal:
+        final = ckpt.export_final(out, model, tokenizer, is_peft=is_peft, info=info)
+        summary["final"] = str(final) if final else str(out / "final")
+    if info.is_main:
+        import json
+
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        log.info("done: %d steps in %.1f s, %.0f tokens/s, peak memory %.2f GiB per process", step, wall,
+                 summary["tokens_per_s"], summary["peak_memory_bytes"] / 2**30)
+    return summary

@@ -1,0 +1,66 @@
+"""What a run reports: one JSON line per logged step, a progress bar on rank 0, peak memory per device."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtune.train.dist import DistInfo
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak: CUDA's reserved memory (what nvidia-smi sees minus the context), else peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    # ru_maxrss is in KiB on Linux and bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    if torch.distributed.is_initialized():
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+    return value
+
+
+class MetricsLog:
+    """``metrics.jsonl`` in the output folder, appended (a resumed run continues the same file); rank 0 writes."""
+
+    def __init__(self, output_dir: str | Path, info: DistInfo, tensorboard: bool = False) -> None:
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.enabled = info.is_main
+        self._tb = None
+        if self.enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def progress_bar(total: int, initial: int, enabled: bool):
+    """A tqdm bar with loss, tokens/s and ETA on rank 0; a silent stand-in elsewhere."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not enabled, dynamic_ncols=True,
+                file=sys.stderr)

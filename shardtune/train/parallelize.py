@@ -1,0 +1,196 @@
+"""The one place that turns a plain model into a distributed one: checkpointing, then DDP or FSDP2.
+
+The order follows torchtitan's ``parallelize_llama``: activation checkpointing wraps the decoder layers first,
+then data parallelism wraps what checkpointing produced. FSDP2 (``fully_shard``) shards each decoder layer (or
+each block of ``fsdp_min_num_params`` parameters) and then the root, so one layer's parameters are gathered at a
+time.
+
+How Accelerate's FSDP1 sharding strategies map onto FSDP2:
+- FULL_SHARD (ZeRO-3): shard parameters, gradients and optimizer states; reshard after forward.
+- SHARD_GRAD_OP (ZeRO-2): the same shards, but parameters stay gathered from forward to backward.
+- HYBRID_SHARD: a 2-D mesh, sharded inside a node and replicated across nodes (cheap intra-node traffic).
+- NO_SHARD: a 2-D mesh whose shard dimension has size 1, i.e. DDP done by FSDP (every rank holds everything).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardtune.config import DistributedConfig
+from shardtune.train.dist import DistInfo
+
+log = logging.getLogger("shardtune")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``parallelize`` applies: resolved once from the config and the launch."""
+
+    strategy: str  # NO | DDP | FSDP
+    sharding: str = "FULL_SHARD"
+    reshard_after_forward: bool = True
+    offload: bool = False
+    wrap_policy: str = "TRANSFORMER_BASED_WRAP"
+    layer_classes: tuple[str, ...] = ()
+    min_num_params: int = 100_000_000
+    param_dtype: torch.dtype | None = None  # FSDP's compute dtype (mixed precision); None keeps the stored one
+    gradient_checkpointing: bool = False
+    use_reentrant: bool = False
+
+    @property
+    def defers_gradient_sync(self) -> bool:
+        """Whether gradients are reduced only on the last micro-batch of an accumulation.
+
+        DDP and FSDP without resharding hold full gradients anyway, so deferring saves communication for free.
+        FULL_SHARD / HYBRID_SHARD reduce-scatter every micro-batch instead: deferring would keep unsharded
+        gradients for the whole accumulation, the memory FULL_SHARD was chosen to save.
+        """
+        return self.strategy == "DDP" or (self.strategy == "FSDP" and not self.reshard_after_forward)
+
+
+def resolve_strategy(cfg: DistributedConfig, info: DistInfo) -> str:
+    """NO / DDP / FSDP / MP: the configured one, or DDP when launched on several processes."""
+    if cfg.distributed_type is None:
+        return "DDP" if info.distributed else "NO"
+    if cfg.distributed_type == "NO" and info.distributed:
+        return "DDP"
+    return cfg.distributed_type
+
+
+def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtype | None,
+              gradient_checkpointing: bool, use_reentrant: bool) -> Plan:
+    strategy = resolve_strategy(cfg, info)
+    reshard = cfg.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    if cfg.fsdp_reshard_after_forward is not None:
+        reshard = cfg.fsdp_reshard_after_forward
+    layers = tuple(c.strip() for c in (cfg.fsdp_transformer_layer_cls_to_wrap or "").split(",") if c.strip())
+    return Plan(strategy=strategy, sharding=cfg.fsdp_sharding_strategy, reshard_after_forward=reshard,
+                offload=cfg.fsdp_offload_params, wrap_policy=cfg.fsdp_auto_wrap_policy, layer_classes=layers,
+                min_num_params=cfg.fsdp_min_num_params, param_dtype=param_dtype,
+                gradient_checkpointing=gradient_checkpointing or cfg.fsdp_activation_checkpointing,
+                use_reentrant=use_reentrant)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under DDP and PEFT wrappers (FSDP2 wraps in place, so nothing to peel)."""
+    model = getattr(model, "module", model)  # DDP
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    return model
+
+
+def _layer_classes(model: nn.Module, plan: Plan) -> set[str]:
+    names = set(plan.layer_classes) or set(getattr(unwrap(model), "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError("cannot tell the decoder layer class of this model; set fsdp_transformer_layer_cls_to_wrap")
+    return names
+
+
+def _wrap_targets(model: nn.Module, plan: Plan) -> list[nn.Module]:
+    """Modules that become their own FSDP unit, children before parents (fully_shard needs that order)."""
+    if plan.wrap_policy == "NO_WRAP":
+        return []
+    if plan.wrap_policy == "TRANSFORMER_BASED_WRAP":
+        names = _layer_classes(model, plan)
+        return [m for m in model.modules() if type(m).__name__ in names]
+    # SIZE_BASED_WRAP: post-order, a module becomes a unit once the parameters not yet in a unit reach the minimum.
+    targets: list[nn.Module] = []
+    claimed: set[int] = set()
+
+    def visit(module: nn.Module) -> int:
+        free = sum(visit(child) for child in module.children())
+        free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in claimed)
+        if free >= plan.min_num_params and module is not model:
+            targets.append(module)
+            claimed.update(id(p) for p in module.parameters())
+            return 0
+        return free
+
+    visit(model)
+    return targets
+
+
+def _mesh(plan: Plan, info: DistInfo):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = info.device.type
+    if plan.sharding == "HYBRID_SHARD":
+        return init_device_mesh(device_type, (info.num_nodes, info.world_size // info.num_nodes),
+                                mesh_dim_names=("replicate", "shard"))
+    if plan.sharding == "NO_SHARD":
+        return init_device_mesh(device_type, (info.world_size, 1), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (info.world_size,), mesh_dim_names=("shard",))
+
+
+def apply_checkpointing(model: nn.Module, plan: Plan) -> None:
+    """Recompute each decoder layer in backward (transformers' own per-layer checkpointing)."""
+    base = unwrap(model)
+    kwargs = {"use_reentrant": plan.use_reentrant}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if plan.use_reentrant:
+        # Reentrant checkpointing only backpropagates through inputs that require grad; with a frozen
+        # embedding (LoRA) nothing would, and the adapters would get no gradient.
+        base.enable_input_require_grads()
+    base.config.use_cache = False
+
+
+def apply_fsdp(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = _mesh(plan, info)
+    # Gradients are reduced in fp32 whatever the compute dtype: bf16 sums over many ranks lose bits.
+    mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if plan.offload else OffloadPolicy()
+    for module in _wrap_targets(model, plan):
+        fully_shard(module, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp,
+                    offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp,
+                offload_policy=offload)
+    return model
+
+
+def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [info.device.index] if info.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
+    """Checkpointing, then DDP or FSDP2, as the plan says; a single process gets checkpointing only."""
+    if plan.gradient_checkpointing:
+        apply_checkpointing(model, plan)
+    if plan.strategy == "FSDP":
+        return apply_fsdp(model, plan, info)
+    if plan.strategy == "DDP" and info.distributed:
+        return apply_ddp(model, info)
+    return model
+
+
+def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None,
+                    buffers: dict[str, torch.Tensor] | None, info: DistInfo) -> None:
+    """Fill a model that was built on meta on every rank but 0 with rank 0's weights, shard by shard.
+
+    This is ``fsdp_cpu_ram_efficient_loading`` with ``fsdp_sync_module_states``: only rank 0 ever holds the full
+    weights in CPU RAM; the others receive just their shards, so host memory does not grow with the ranks.
+    Non-persistent buffers (rotary frequencies) are not in the state dict and are broadcast separately.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not info.is_main:
+        model.to_empty(device=info.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, full_state if info.is_main else {}, options=options)
+    for name, buf in model.named_buffers():
+        source = buffers[name].to(info.device) if info.is_main and buffers is not None else buf
+        if info.is_main:
+            buf.data.copy_(source)
+        dist.broadcast(buf.data, src=0)
