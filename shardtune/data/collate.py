@@ -1,0 +1,66 @@
+"""Rows to a batch: right padding, position ids that restart at every document, and attention that never crosses
+documents.
+
+For sdpa and eager the batch carries a 4-D block-diagonal causal mask ``[B, 1, L, L]`` (bool for sdpa, additive
+float for eager); transformers' ``create_causal_mask`` passes a 4-D mask through unchanged. For flash attention the
+batch carries no ``attention_mask``: transformers then finds the documents from the restarting ``position_ids`` and
+runs varlen attention with the matching cu_seqlens (call the model with ``use_cache=False``, as training does: with
+a KV cache transformers does not look for documents in the position ids). Padding at the end of a row is one more
+"document" with no targets, so no query row of the mask is ever empty (an empty row makes softmax return NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardtune.data.encode import IGNORE
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+class Collator:
+    """Callable that turns a list of rows (``None`` = a padding row) into model inputs and labels."""
+
+    def __init__(self, pad_token_id: int, *, pad_to_multiple_of: int | None = None, attn_implementation: str = "sdpa"):
+        if attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"attn_implementation '{attn_implementation}' is not supported for packed batches: "
+                             f"use one of {', '.join(ATTN_IMPLEMENTATIONS)}.")
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.attn_implementation = attn_implementation
+
+    def __call__(self, rows: list[dict | None]) -> dict[str, torch.Tensor]:
+        rows = [r if r is not None else {"input_ids": [self.pad_token_id], "labels": [IGNORE], "seq_lens": [1]}
+                for r in rows]
+        length = max(len(r["input_ids"]) for r in rows)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch = len(rows)
+        input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((batch, length), IGNORE, dtype=torch.long)
+        position_ids = torch.zeros((batch, length), dtype=torch.long)
+        segments = torch.zeros((batch, length), dtype=torch.long)
+        for b, row in enumerate(rows):
+            n = len(row["input_ids"])
+            assert sum(row["seq_lens"]) == n, "seq_lens must add up to the row length"
+            input_ids[b, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            labels[b, :n] = torch.as_tensor(row["labels"], dtype=torch.long)
+            doc_lens = list(row["seq_lens"]) + ([length - n] if length > n else [])
+            position_ids[b] = torch.cat([torch.arange(d) for d in doc_lens])
+            segments[b] = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.as_tensor(doc_lens))
+        out = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        if self.attn_implementation in ("sdpa", "eager"):
+            out["attention_mask"] = block_causal_mask(segments, additive=self.attn_implementation == "eager")
+        return out
+
+
+def block_causal_mask(segments: torch.Tensor, *, additive: bool = False) -> torch.Tensor:
+    """``[B, 1, L, L]``: query i may see key j when j <= i and both lie in the same document."""
+    length = segments.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = (segments[:, :, None] == segments[:, None, :]) & causal
+    allowed = allowed[:, None]
+    if not additive:
+        return allowed
+    mask = torch.zeros(allowed.shape, dtype=torch.float32)
+    return mask.masked_fill(~allowed, torch.finfo(torch.float32).min)

@@ -1,0 +1,95 @@
+"""Row formats: chat (``messages``), prompt/completion, Alpaca (instruction/input/output) and raw text.
+
+Every row is turned into one canonical example so that a single encoder handles all of them:
+``{"kind": "chat" | "prompt_completion" | "text", "messages": [...], "target_from": int, "prompt": str,
+"completion": str, "where": str}``.
+"""
+
+from __future__ import annotations
+
+from shardtune.data.readers import SKIP_HINT, BadRow
+from shardtune.data.templates import alpaca_prompt
+from shardtune.errors import UsageError, closest
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def detect_format(row: dict, text_field: str) -> str:
+    """The format a row's columns say it has: chat, prompt_completion, alpaca or text."""
+    # chat first: a chat data set with a `content` text field (the PEFT recipe) must still be read as chat
+    if isinstance(row.get("messages"), list) or isinstance(row.get("conversations"), list):
+        return "chat"
+    if "prompt" in row and "completion" in row:
+        return "prompt_completion"
+    if "instruction" in row and "output" in row:
+        return "alpaca"
+    if text_field in row:
+        return "chat" if isinstance(row[text_field], list) else "text"
+    raise UsageError(f"cannot tell the data format from the columns {sorted(row)}: give rows with 'messages', "
+                     f"'prompt'+'completion', 'instruction'+'output' or the text field '{text_field}' "
+                     "(set dataset_text_field or data_format).")
+
+
+def _messages(value, where: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise BadRow(where, f"'messages' must be a non-empty list of {{role, content}} objects; {SKIP_HINT}")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise BadRow(where, f"message {i} is not an object with role and content; {SKIP_HINT}")
+        if "from" in m and "value" in m and "role" not in m:  # ShareGPT
+            role = SHAREGPT_ROLES.get(str(m["from"]).lower())
+            if role is None:
+                raise BadRow(where, f"message {i} has unknown ShareGPT role '{m['from']}': use one of "
+                                    f"{', '.join(SHAREGPT_ROLES)}; {SKIP_HINT}")
+            m = {"role": role, "content": m["value"]}
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            hint = closest(str(role), ROLES) if role is not None else None
+            did = f" (did you mean '{hint}'?)" if hint else ""
+            raise BadRow(where, f"message {i} has role {role!r}{did}: roles must be one of {', '.join(ROLES)}; "
+                                f"{SKIP_HINT}")
+        if not isinstance(content, str):
+            raise BadRow(where, f"message {i} ({role}) has no text 'content'; {SKIP_HINT}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _text(row: dict, key: str, where: str, allow_empty: bool = False) -> str:
+    value = row.get(key)
+    if value is None and allow_empty:
+        return ""
+    if not isinstance(value, str) or (not value and not allow_empty):
+        raise BadRow(where, f"the field '{key}' is missing or not a non-empty string; {SKIP_HINT}")
+    return value
+
+
+def to_example(row: dict, where: str, fmt: str, text_field: str, alpaca_as_chat: bool) -> dict:
+    """The canonical example of one row in format ``fmt``; raises BadRow when the row does not fit it."""
+    base = {"kind": "chat", "messages": [], "target_from": 0, "prompt": "", "completion": "", "where": where}
+    if fmt == "chat":
+        key = next((k for k in ("messages", "conversations", text_field) if isinstance(row.get(k), list)), None)
+        if key is None:
+            raise BadRow(where, f"the field 'messages' is missing or not a list; {SKIP_HINT}")
+        return {**base, "messages": _messages(row[key], where)}
+    if fmt == "prompt_completion":
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if isinstance(prompt, list) and isinstance(completion, list):  # conversational prompt/completion
+            prompt_msgs = _messages(prompt, where) if prompt else []
+            return {**base, "messages": prompt_msgs + _messages(completion, where), "target_from": len(prompt_msgs)}
+        return {**base, "kind": "prompt_completion", "prompt": _text(row, "prompt", where, allow_empty=True),
+                "completion": _text(row, "completion", where)}
+    if fmt == "alpaca":
+        instruction, output = _text(row, "instruction", where), _text(row, "output", where)
+        input_text = _text(row, "input", where, allow_empty=True)
+        if alpaca_as_chat:
+            user = instruction + (f"\n\n{input_text}" if input_text else "")
+            messages = ([{"role": "system", "content": row["system"]}] if isinstance(row.get("system"), str) else [])
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+            return {**base, "messages": messages}
+        return {**base, "kind": "prompt_completion", "prompt": alpaca_prompt(instruction, input_text),
+                "completion": output}
+    if fmt == "text":
+        return {**base, "kind": "text", "completion": _text(row, text_field, where)}
+    raise UsageError(f"unknown data_format '{fmt}'.")

@@ -1,0 +1,298 @@
+"""``prepare_datasets``: read, format, tokenise, truncate and pack, once, cached on disk.
+
+The result is keyed by the data (file sizes and times, or the hub name), the tokenizer (its full definition and chat
+template), the settings and this package's encoding code, so a changed input never reuses a stale cache. Under
+torch.distributed the first process of each node builds it while the others wait on a gloo group with a long timeout
+(tokenising a large data set can outlast the collective timeout of the training process group), then all load it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import random
+import shutil
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from shardtune.data.config import DataConfig
+from shardtune.data.encode import IGNORE, encode_batch
+from shardtune.data.formats import detect_format, to_example
+from shardtune.data.readers import BadRow, Source, iter_split, resolve
+from shardtune.data.report import DataReport, length_histogram
+from shardtune.errors import UsageError
+
+CACHE_FORMAT = 1
+MAX_BAD_NOTES = 3
+WAIT_TIMEOUT = timedelta(hours=8)
+_wait_group = None
+
+
+@dataclass
+class PreparedData:
+    """Tokenised splits: ``train[i]`` / ``eval[i]`` are dicts with ``input_ids``, ``labels`` and ``seq_lens``."""
+
+    train: object  # datasets.Dataset, memory-mapped from the cache
+    eval: object | None
+    report: DataReport
+    cache_path: Path
+    from_cache: bool
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune") / "data"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of everything in the tokenizer that changes the ids it produces."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps([type(tokenizer).__name__, tokenizer.chat_template, tokenizer.bos_token,
+                         tokenizer.eos_token, tokenizer.pad_token], default=str).encode())
+    return h.hexdigest()
+
+
+def _code_fingerprint() -> str:
+    here = Path(__file__).parent
+    h = hashlib.sha256(str(CACHE_FORMAT).encode())
+    for name in ("encode.py", "formats.py", "readers.py", "templates.py", "pipeline.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()
+
+
+def cache_key(cfg: DataConfig, source: Source, tokenizer, seed: int) -> str:
+    settings = {k: v for k, v in asdict(cfg).items() if k != "dataset_num_proc"}
+    blob = json.dumps({"settings": settings, "data": source.fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer),
+                       "code": _code_fingerprint(), "seed": seed if cfg.eval_split_ratio > 0 else None},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def read_examples(source: Source, splits: list[str], cfg: DataConfig, fmt: str) -> tuple[list[dict], list[str], str]:
+    """Canonical examples of ``splits``, the bad rows skipped (a message each) and the format (detected if 'auto')."""
+    examples, skipped = [], []
+    alpaca_as_chat = cfg.chat_template_format != "none"
+    for split in splits:
+        for where, row in iter_split(source, split, cfg.dataset_config_name):
+            try:
+                if isinstance(row, BadRow):
+                    raise row
+                if fmt == "auto":
+                    fmt = detect_format(row, cfg.dataset_text_field)
+                examples.append(to_example(row, where, fmt, cfg.dataset_text_field, alpaca_as_chat))
+            except BadRow as exc:
+                if not cfg.skip_bad_rows:
+                    raise UsageError(str(exc)) from None
+                skipped.append(str(exc))
+    return examples, skipped, fmt
+
+
+def pack(lengths: list[int], max_seq_len: int) -> list[list[int]]:
+    """Best-fit decreasing: document indices per row, each row holding at most ``max_seq_len`` tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, bin), sorted, so the tightest bin that fits is found by bisect
+    for i in order:
+        n = lengths[i]
+        j = bisect.bisect_left(free, (n, -1))
+        if j < len(free):
+            room, b = free.pop(j)
+            bins[b].append(i)
+        else:
+            room, b = max_seq_len, len(bins)
+            bins.append([i])
+        if room - n > 0:
+            bisect.insort(free, (room - n, b))
+    return bins
+
+
+def _tokenise(examples: list[dict], cfg: DataConfig, tokenizer, split: str):
+    """``datasets.map`` over the examples, in ``dataset_num_proc`` processes, with a progress bar."""
+    import datasets
+
+    raw = datasets.Dataset.from_list(examples)
+    return raw.map(encode_batch, batched=True, batch_size=256, num_proc=cfg.dataset_num_proc,
+                   remove_columns=raw.column_names, desc=f"tokenising {split}",
+                   fn_kwargs=dict(tokenizer=tokenizer, max_seq_len=cfg.max_seq_len, train_on_prompt=cfg.train_on_prompt,
+                                  chat_template_format=cfg.chat_template_format),
+                   # the result is cached by prepare_datasets; skip hashing the tokenizer for datasets' own cache
+                   new_fingerprint=hashlib.sha256(f"{split}{id(raw)}".encode()).hexdigest()[:16])
+
+
+def _documents(encoded, cfg: DataConfig, eos_id: int, report: DataReport) -> tuple[list[list[int]], list[list[int]]]:
+    """The documents to keep (ids, labels), counting bad, truncated and target-less rows into ``report``."""
+    docs_ids, docs_labels = [], []
+    for ids, labels, dropped, bad in zip(encoded["input_ids"], encoded["labels"], encoded["dropped_tokens"],
+                                         encoded["bad"]):
+        if bad:
+            if not cfg.skip_bad_rows:
+                raise UsageError(bad)
+            report.bad_rows_skipped += 1
+            report.notes.append(f"skipped {bad}")
+            continue
+        if dropped:
+            report.truncated_rows += 1
+            report.dropped_tokens += dropped
+        if all(x == IGNORE for x in labels):
+            report.empty_rows_dropped += 1
+            continue
+        if cfg.packing and cfg.append_concat_token and ids[-1] != eos_id and len(ids) < cfg.max_seq_len:
+            ids, labels = ids + [eos_id], labels + [IGNORE]  # a separator, not a target
+        docs_ids.append(ids)
+        docs_labels.append(labels)
+    return docs_ids, docs_labels
+
+
+def build_split(examples: list[dict], cfg: DataConfig, tokenizer, split: str, fmt: str, skipped: list[str]):
+    """Tokenise, truncate and (optionally) pack ``examples``: the rows as a ``datasets.Dataset`` and its report."""
+    import datasets
+
+    report = DataReport(split=split, data_format=fmt, max_seq_len=cfg.max_seq_len, packing=cfg.packing,
+                        bad_rows_skipped=len(skipped), notes=[f"skipped {m}" for m in skipped])
+    docs_ids, docs_labels = _documents(_tokenise(examples, cfg, tokenizer, split), cfg, tokenizer.eos_token_id,
+                                       report)
+    lengths = [len(x) for x in docs_ids]
+    report.documents = len(docs_ids)
+    report.tokens = sum(lengths)
+    report.target_tokens = sum(sum(1 for x in lab if x != IGNORE) for lab in docs_labels)
+    report.length_histogram = length_histogram(lengths, cfg.max_seq_len)
+    groups = pack(lengths, cfg.max_seq_len) if cfg.packing else [[i] for i in range(len(lengths))]
+    rows = {"input_ids": [], "labels": [], "seq_lens": []}
+    for group in groups:
+        rows["input_ids"].append([t for i in group for t in docs_ids[i]])
+        rows["labels"].append([t for i in group for t in docs_labels[i]])
+        rows["seq_lens"].append([lengths[i] for i in group])
+    report.rows = len(groups)
+    if cfg.packing and groups:
+        report.packing_efficiency = report.tokens / (report.rows * cfg.max_seq_len)
+    if report.bad_rows_skipped > MAX_BAD_NOTES:  # the first few show what is wrong; the count says how much
+        report.notes = report.notes[:MAX_BAD_NOTES] + [f"... and {report.bad_rows_skipped - MAX_BAD_NOTES} more bad "
+                                                       "rows skipped"]
+    if report.truncated_rows:
+        report.notes.append(f"{report.truncated_rows} rows were longer than max_seq_len {cfg.max_seq_len} and "
+                            f"lost {report.dropped_tokens} tokens; raise max_seq_len to keep them.")
+    int_list = datasets.Sequence(datasets.Value("int32"))
+    features = datasets.Features({"input_ids": int_list, "labels": int_list, "seq_lens": int_list})
+    return datasets.Dataset.from_dict(rows, features=features), report
+
+
+def _build(cfg: DataConfig, source: Source, tokenizer, seed: int, path: Path) -> None:
+    train_examples, skipped, fmt = read_examples(source, cfg.train_split_names(), cfg, cfg.data_format)
+    eval_examples, eval_skipped, _ = read_examples(source, cfg.eval_split_names(), cfg, fmt)
+    notes = []
+    if not eval_examples and cfg.eval_split_ratio > 0 and train_examples:
+        order = list(range(len(train_examples)))
+        random.Random(seed).shuffle(order)
+        held = set(order[:max(1, round(cfg.eval_split_ratio * len(order)))])
+        eval_examples = [e for i, e in enumerate(train_examples) if i in held]
+        train_examples = [e for i, e in enumerate(train_examples) if i not in held]
+        notes.append(f"eval split: {len(eval_examples)} rows held out of train (eval_split_ratio "
+                     f"{cfg.eval_split_ratio}, seed {seed}).")
+    elif not eval_examples and cfg.eval_split_names():
+        notes.append(f"no eval rows in split(s) {', '.join(cfg.eval_split_names())}; set eval_split_ratio to hold "
+                     "some out of train.")
+    if not train_examples:
+        raise UsageError(f"dataset_name '{cfg.dataset_name}': no training rows in split(s) "
+                         f"{', '.join(cfg.train_split_names())} (empty data set, or every row skipped as bad); "
+                         "check the file and the splits setting.")
+    if any(e["kind"] == "chat" for e in train_examples[:1]) and not tokenizer.chat_template:
+        raise UsageError(f"dataset_name '{cfg.dataset_name}' holds conversations but the tokenizer has no chat "
+                         "template: set chat_template_format (chatml, llama-3, mistral, alpaca, zephyr).")
+    train, report = build_split(train_examples, cfg, tokenizer, "train", fmt, skipped)
+    if report.documents == 0:
+        raise UsageError(f"dataset_name '{cfg.dataset_name}': no row has a target token left (all prompts, or "
+                         f"replies truncated away at max_seq_len {cfg.max_seq_len}); raise max_seq_len or check "
+                         "the data.")
+    report.notes += notes
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.mkdir(parents=True)
+    try:
+        train.save_to_disk(str(tmp / "train"))
+        if eval_examples:
+            evaluation, report.eval = build_split(eval_examples, cfg, tokenizer, "eval", fmt, eval_skipped)
+            if report.eval.documents:
+                evaluation.save_to_disk(str(tmp / "eval"))
+        (tmp / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
+        try:
+            os.rename(tmp, path)  # atomic: a reader sees a complete cache or none
+        except OSError:
+            if not (path / "report.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load(path: Path, from_cache: bool) -> PreparedData:
+    import datasets
+
+    report = DataReport.from_dict(json.loads((path / "report.json").read_text()))
+    train = datasets.load_from_disk(str(path / "train"))
+    evaluation = datasets.load_from_disk(str(path / "eval")) if (path / "eval").exists() else None
+    return PreparedData(train=train, eval=evaluation, report=report, cache_path=path, from_cache=from_cache)
+
+
+def _long_wait_group():
+    """A gloo group whose timeout outlasts tokenisation; created once, by every rank (it is a collective)."""
+    import torch.distributed as dist
+
+    global _wait_group
+    if _wait_group is None:
+        _wait_group = dist.new_group(backend="gloo", timeout=WAIT_TIMEOUT)
+    return _wait_group
+
+
+def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | None = None) -> PreparedData:
+    """Tokenised (and packed) train/eval rows of ``cfg.dataset_name``, built once and cached."""
+    problems = cfg.validate()
+    if problems:
+        raise UsageError(" ".join(problems))
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+
+    def cache_path() -> tuple[Path, Source]:
+        source = resolve(cfg.dataset_name, [s.strip() for s in cfg.splits.split(",") if s.strip()],
+                         cfg.dataset_config_name)
+        root.mkdir(parents=True, exist_ok=True)
+        return root / cache_key(cfg, source, tokenizer, seed), source
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        path, source = cache_path()
+        cached = (path / "report.json").exists()
+        if not cached:
+            _build(cfg, source, tokenizer, seed, path)
+        return _load(path, cached)
+    # one builder per node (the cache may be node-local) hashes the data and builds; the others wait for its verdict
+    rank = dist.get_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    status: tuple[str, str, str] | None = None  # (cache path, error type, error message)
+    built = False
+    if local_rank == 0:
+        try:
+            path, source = cache_path()
+            if not (path / "report.json").exists():
+                _build(cfg, source, tokenizer, seed, path)
+                built = True
+            status = (str(path), "", "")
+        except Exception as exc:
+            status = ("", type(exc).__name__, str(exc))
+            own_error = exc
+    statuses: list = [None] * dist.get_world_size()
+    dist.all_gather_object(statuses, status, group=_long_wait_group())
+    if local_rank == 0 and status[1]:
+        raise own_error
+    failed = next((s for s in statuses if s is not None and s[1]), None)
+    if failed is not None:
+        _, kind, message = failed
+        raise UsageError(message) if kind == "UsageError" else RuntimeError(f"data preparation failed on another "
+                                                                            f"rank: {kind}: {message}")
+    # torchrun numbers the ranks of a node contiguously: this node's builder is rank - local_rank
+    return _load(Path(statuses[rank - local_rank][0]), not built)

@@ -1,0 +1,191 @@
+"""Readers: local JSONL / JSON / Parquet / CSV files and folders, saved ``datasets`` folders, and hub names.
+
+Every row comes out as ``(where, row)``: ``where`` names the file and line (or row) so that an error points the user
+at the exact place to fix.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardtune.errors import UsageError
+
+EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv",
+              ".tsv": "tsv"}
+SKIP_HINT = "fix it, or set skip_bad_rows true to drop bad rows"
+
+
+class BadRow(Exception):
+    """One malformed row: raised by readers and formatters, counted or reported by the caller."""
+
+    def __init__(self, where: str, problem: str):
+        super().__init__(f"{where}: {problem}")
+        self.where, self.problem = where, problem
+
+
+@dataclass
+class Source:
+    """Where the rows of every split come from, and a fingerprint that changes when they change."""
+
+    kind: str  # files | saved | hub
+    name: str
+    split_files: dict[str, list[Path]] = field(default_factory=dict)  # kind == files
+    fingerprint: str = ""
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_dict.json").exists() or (path / "state.json").exists()
+
+
+def _split_of(rel: Path, split_names: list[str]) -> str | None:
+    """The split a file in a folder belongs to: train.jsonl, train-00000.parquet and train/part.jsonl are 'train'."""
+    for part in rel.with_suffix("").parts:
+        for name in split_names:
+            if part == name or part.startswith((name + "-", name + "_", name + ".")):
+                return name
+    return None
+
+
+def _content_fingerprint(files: list[Path], root: Path) -> str:
+    # contents, not times: a copied or rewritten but identical file keeps its cache (one builder per node hashes)
+    h = hashlib.sha256()
+    for f in sorted(files):
+        h.update(f"{f.relative_to(root) if f != root else f.name}\0".encode())
+        with f.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve(dataset_name: str, split_names: list[str], config_name: str | None = None) -> Source:
+    """Find what ``dataset_name`` is (file, folder, saved data set or hub name) without reading its rows."""
+    path = Path(dataset_name).expanduser()
+    train_name = next((s for s in split_names if "train" in s), "train")
+    if path.is_file():
+        if path.suffix.lower() not in EXTENSIONS:
+            raise UsageError(f"dataset_name '{dataset_name}': unsupported file type '{path.suffix}'; use "
+                             f"{', '.join(EXTENSIONS)} or a folder of them.")
+        return Source("files", dataset_name, {train_name: [path]}, _content_fingerprint([path], path))
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        if _is_saved_dataset(path):
+            return Source("saved", dataset_name, fingerprint=_content_fingerprint(files, path))
+        data_files = [p for p in files if p.suffix.lower() in EXTENSIONS]
+        if not data_files:
+            raise UsageError(f"dataset_name '{dataset_name}': the folder holds no {', '.join(EXTENSIONS)} files and "
+                             "is not a saved `datasets` folder.")
+        split_files: dict[str, list[Path]] = {}
+        for f in data_files:
+            split = _split_of(f.relative_to(path), split_names)
+            if split is not None:
+                split_files.setdefault(split, []).append(f)
+        if not split_files:  # files not named after splits: all of them train
+            split_files = {train_name: data_files}
+        return Source("files", dataset_name, split_files, _content_fingerprint(data_files, path))
+    if dataset_name.startswith((".", "/", "~")) or dataset_name.count("/") > 1 or path.suffix.lower() in EXTENSIONS:
+        raise UsageError(f"dataset_name '{dataset_name}' does not exist: check the path.")
+    # a hub name: fingerprinted by its name; the `datasets` library caches the download itself
+    return Source("hub", dataset_name, fingerprint=f"hub:{dataset_name}:{config_name}")
+
+
+def iter_file(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
+    """Rows of one file as (where, row); a malformed row is yielded as a BadRow, not raised, so it can be skipped."""
+    kind = EXTENSIONS[path.suffix.lower()]
+    if kind == "jsonl":
+        yield from _iter_jsonl(path)
+    elif kind == "json":
+        yield from _iter_json(path)
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:
+            raise UsageError(f"{path}: not a readable Parquet file ({exc}).") from exc
+        for i, row in enumerate(table.to_pylist()):
+            yield f"{path} row {i + 1}", row
+    else:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter="\t" if kind == "tsv" else ",")
+            for row in reader:
+                where = f"{path}:{reader.line_num}"
+                if None in row or any(v is None for v in row.values()):
+                    yield where, BadRow(where, f"has a different number of fields than the header "
+                                               f"{reader.fieldnames}; {SKIP_HINT}")
+                else:
+                    yield where, row
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield where, BadRow(where, f"malformed JSON ({exc.msg} at column {exc.colno}); {SKIP_HINT}")
+                continue
+            if not isinstance(row, dict):
+                yield where, BadRow(where, f"a row must be a JSON object, got {type(row).__name__}; {SKIP_HINT}")
+                continue
+            yield where, row
+
+
+def _iter_json(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data":  # JSON lines saved as .json
+            yield from _iter_jsonl(path)
+            return
+        raise UsageError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno}); fix the file.") \
+            from exc
+    if isinstance(data, dict):
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) != 1:
+            raise UsageError(f"{path}: a JSON file must hold a list of rows (or an object with one list of rows); "
+                             "write one JSON object per row.")
+        data = lists[0]
+    if not isinstance(data, list):
+        raise UsageError(f"{path}: a JSON file must hold a list of rows, got {type(data).__name__}.")
+    for i, row in enumerate(data):
+        where = f"{path} row {i + 1}"
+        yield where, row if isinstance(row, dict) else BadRow(where, f"a row must be a JSON object; {SKIP_HINT}")
+
+
+def iter_split(source: Source, split: str, config_name: str | None = None) -> Iterator[tuple[str, dict | BadRow]]:
+    """Rows of one split, or nothing when the source has no such split."""
+    if source.kind == "files":
+        for f in source.split_files.get(split, []):
+            yield from iter_file(f)
+        return
+    import datasets
+
+    if source.kind == "saved":
+        loaded = datasets.load_from_disk(source.name)
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                return
+            loaded = loaded[split]
+        elif "train" not in split:
+            return
+    else:
+        try:
+            loaded = datasets.load_dataset(source.name, config_name, split=split)
+        except ValueError as exc:
+            if "split" in str(exc).lower():
+                return
+            raise UsageError(f"dataset_name '{source.name}': {str(exc).splitlines()[0]}") from exc
+        except FileNotFoundError as exc:
+            raise UsageError(f"dataset_name '{source.name}' is neither a local path nor a reachable hub data set "
+                             f"({str(exc).splitlines()[0]}).") from exc
+    for i, row in enumerate(loaded):
+        yield f"{source.name}[{split}] row {i + 1}", row

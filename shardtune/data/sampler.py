@@ -1,0 +1,111 @@
+"""Samplers that give the same global batches whatever the number of ranks and gradient-accumulation steps.
+
+Each epoch is one seeded permutation of the rows, cut into global batches of
+``micro_batch_size * gradient_accumulation_steps * world_size`` rows; the last incomplete global batch is dropped
+(those rows come back, in another order, next epoch). Optimizer step k always sees the same set of rows, so losses
+compare across setups, and a resumed run (with any split of the same global batch) continues at step k + 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from shardtune.errors import UsageError
+
+
+class GlobalBatchSampler:
+    """Yields, per optimizer step, this rank's ``gradient_accumulation_steps`` micro-batches of row indices."""
+
+    def __init__(self, num_rows: int, *, micro_batch_size: int, gradient_accumulation_steps: int, world_size: int,
+                 rank: int, seed: int, shuffle: bool = True):
+        if min(micro_batch_size, gradient_accumulation_steps, world_size) < 1 or not 0 <= rank < world_size:
+            raise ValueError("micro_batch_size, gradient_accumulation_steps and world_size must be >= 1 and "
+                             "0 <= rank < world_size")
+        self.num_rows = num_rows
+        self.micro_batch_size = micro_batch_size
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.global_batch_size = micro_batch_size * gradient_accumulation_steps * world_size
+        if num_rows < self.global_batch_size:
+            raise UsageError(f"the data set has {num_rows} rows, fewer than one global batch of "
+                             f"{self.global_batch_size} (per_device_train_batch_size x gradient_accumulation_steps "
+                             "x processes): lower them or add data.")
+        self.epoch = 0
+        self.step_in_epoch = 0  # optimizer steps of this epoch already handed out
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch (the incomplete last global batch is dropped)."""
+        return self.num_rows // self.global_batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch``; setting the epoch the sampler is already in keeps its position (resume)."""
+        if epoch != self.epoch:
+            self.epoch, self.step_in_epoch = epoch, 0
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_rows))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_rows, generator=generator).tolist()
+
+    def global_batch(self, step: int) -> list[int]:
+        """All rows of optimizer step ``step`` of the current epoch, over every rank."""
+        g = self.global_batch_size
+        return self._order()[step * g:(step + 1) * g]
+
+    def _split(self, rows: list[int]) -> list[list[int]]:
+        # micro-step a of rank r reads a contiguous slice; which slice is immaterial to the set of rows in the step
+        per_step = self.micro_batch_size * self.world_size
+        start = self.rank * self.micro_batch_size
+        return [rows[a * per_step + start:a * per_step + start + self.micro_batch_size]
+                for a in range(self.gradient_accumulation_steps)]
+
+    def __len__(self) -> int:
+        """Optimizer steps left in the current epoch."""
+        return self.steps_per_epoch - self.step_in_epoch
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        order = self._order()
+        g = self.global_batch_size
+        while self.step_in_epoch < self.steps_per_epoch:
+            step = self.step_in_epoch
+            # advance before yielding: a checkpoint taken after this step's update must point at the next one
+            self.step_in_epoch += 1
+            yield self._split(order[step * g:(step + 1) * g])
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed,
+                "num_rows": self.num_rows, "global_batch_size": self.global_batch_size, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where ``state`` stopped; the world size and accumulation may differ, the global batch may not."""
+        for key in ("seed", "num_rows", "global_batch_size", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise UsageError(f"cannot resume: the checkpoint's data order has {key}={state[key]}, this run has "
+                                 f"{getattr(self, key)}; keep the data set, seed and global batch size "
+                                 "(per_device_train_batch_size x gradient_accumulation_steps x processes).")
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+
+
+class EvalSampler:
+    """Yields this rank's eval batches; every row is evaluated exactly once and every rank runs as many batches.
+
+    Missing places are ``None`` (the Collator makes them padding rows without targets).
+    """
+
+    def __init__(self, num_rows: int, *, batch_size: int, world_size: int, rank: int):
+        self.num_rows, self.batch_size, self.world_size, self.rank = num_rows, batch_size, world_size, rank
+
+    def __len__(self) -> int:
+        return -(-self.num_rows // (self.batch_size * self.world_size))
+
+    def __iter__(self) -> Iterator[list[int | None]]:
+        for b in range(len(self)):
+            start = (b * self.world_size + self.rank) * self.batch_size
+            yield [i if i < self.num_rows else None for i in range(start, start + self.batch_size)]

@@ -1,0 +1,134 @@
+"""Named chat templates and the tokenizer they are applied to.
+
+Each template is written so that rendering the first ``i`` messages with ``add_generation_prompt=True`` gives a prefix
+of the whole conversation: that is how the encoder finds each assistant turn without ``{% generation %}`` markers.
+Templates that need the BOS token write ``bos_token``; the encoder never adds a second one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardtune.errors import UsageError
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    jinja: str
+    special_tokens: tuple[str, ...]  # added to the tokenizer with add_special_tokens
+    end_of_turn: str | None  # the token that ends an assistant turn; None: the tokenizer's EOS
+
+
+CHATML = ChatTemplate(
+    jinja=("{% for message in messages %}"
+           "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+           "{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+    special_tokens=("<|im_start|>", "<|im_end|>"), end_of_turn="<|im_end|>")
+
+LLAMA3 = ChatTemplate(
+    jinja=("{{ bos_token }}{% for message in messages %}"
+           "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}"
+           "{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"),
+    special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), end_of_turn="<|eot_id|>")
+
+# Mistral v0.1 style: a system message goes inside the first [INST] block.
+MISTRAL = ChatTemplate(
+    jinja=("{{ bos_token }}{% for message in messages %}"
+           "{% if message['role'] == 'system' %}{{ '[INST] ' + message['content'] + '\n\n' }}"
+           "{% elif message['role'] == 'user' %}"
+           "{% if loop.first or messages[loop.index0 - 1]['role'] != 'system' %}{{ '[INST] ' }}{% endif %}"
+           "{{ message['content'] + ' [/INST]' }}"
+           "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
+           "{% else %}{{ raise_exception('mistral template: unsupported role ' + message['role']) }}{% endif %}"
+           "{% endfor %}"),
+    special_tokens=("[INST]", "[/INST]"), end_of_turn=None)
+
+ALPACA = ChatTemplate(
+    jinja=("{% for message in messages %}"
+           "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
+           "{% elif message['role'] == 'user' %}{{ '### Instruction:\n' + message['content'] + '\n\n' }}"
+           "{% elif message['role'] == 'assistant' %}{{ '### Response:\n' + message['content'] + eos_token + '\n\n' }}"
+           "{% else %}{{ raise_exception('alpaca template: unsupported role ' + message['role']) }}{% endif %}"
+           "{% endfor %}"
+           "{% if add_generation_prompt %}{{ '### Response:\n' }}{% endif %}"),
+    special_tokens=(), end_of_turn=None)
+
+ZEPHYR = ChatTemplate(
+    jinja=("{% for message in messages %}"
+           "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+           "{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"),
+    special_tokens=("<|system|>", "<|user|>", "<|assistant|>"), end_of_turn=None)
+
+TEMPLATES: dict[str, ChatTemplate] = {"chatml": CHATML, "llama-3": LLAMA3, "mistral": MISTRAL, "alpaca": ALPACA,
+                                      "zephyr": ZEPHYR}
+
+# The prompt that turns an Alpaca row (instruction, input, output) into prompt/completion text.
+ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
+                 "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
+
+
+def alpaca_prompt(instruction: str, input_text: str) -> str:
+    """The Alpaca prompt for one row; the row's output follows it as the completion."""
+    if input_text:
+        return ALPACA_PROMPT.format(with_input=", paired with an input that provides further context",
+                                    instruction=instruction, input_block=f"### Input:\n{input_text}\n\n")
+    return ALPACA_PROMPT.format(with_input="", instruction=instruction, input_block="")
+
+
+def load_tokenizer(model_name_or_path: str, cfg, *, trust_remote_code: bool = False):
+    """The model's tokenizer with ``cfg``'s chat template, its special tokens if asked, and a pad token != EOS.
+
+    A token added here makes ``len(tokenizer)`` exceed the model's vocabulary: the trainer resizes the embeddings.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load a tokenizer from model_name_or_path '{model_name_or_path}': "
+                         f"{str(exc).splitlines()[0]} (give a local model folder or a hub id).") from exc
+    return configure_tokenizer(tokenizer, cfg)
+
+
+def configure_tokenizer(tokenizer, cfg):
+    """Apply ``cfg.chat_template_format`` / ``add_special_tokens`` and a distinct pad token to ``tokenizer``."""
+    name = cfg.chat_template_format
+    if name != "none":
+        if name not in TEMPLATES:
+            raise UsageError(f"chat_template_format '{name}' is unknown: choose none or one of "
+                             f"{', '.join(TEMPLATES)}.")
+        template = TEMPLATES[name]
+        tokenizer.chat_template = template.jinja
+        if cfg.add_special_tokens and template.special_tokens:
+            # add_tokens(special_tokens=True) keeps the tokens already registered (add_special_tokens may replace them)
+            tokenizer.add_tokens(list(template.special_tokens), special_tokens=True)
+            if template.end_of_turn is not None:
+                # as in the PEFT chat examples: generation stops at the end of the assistant turn
+                tokenizer.eos_token = template.end_of_turn
+    if tokenizer.eos_token_id is None:
+        raise UsageError("the tokenizer has no EOS token: the model could never learn to stop. Use a tokenizer "
+                         "with an eos_token.")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # pad == EOS makes collators that mask pad tokens also mask EOS, so the model never learns to stop
+        unk = tokenizer.unk_token_id
+        if unk is not None and unk not in (tokenizer.eos_token_id, tokenizer.bos_token_id):
+            tokenizer.pad_token = tokenizer.unk_token
+        else:
+            if "<|pad|>" not in tokenizer.get_vocab():
+                tokenizer.add_tokens(["<|pad|>"], special_tokens=True)
+            tokenizer.pad_token = "<|pad|>"
+    return tokenizer
+
+
+def end_of_turn_token_ids(tokenizer, cfg) -> list[int]:
+    """Token ids that end an assistant turn (EOS, plus the template's own end token): stop ids for generation."""
+    ids = [tokenizer.eos_token_id]
+    template = TEMPLATES.get(cfg.chat_template_format)
+    if template and template.end_of_turn:
+        tid = tokenizer.convert_tokens_to_ids(template.end_of_turn)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid not in ids:
+            ids.append(tid)
+    return ids

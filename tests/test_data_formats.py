@@ -1,0 +1,303 @@
+"""Formats, templates, masking rules, truncation, readers, bad input and the cache of the data pipeline."""
+
+import csv
+import json
+
+import pytest
+
+from shardtune.data import DataConfig, load_tokenizer, prepare_datasets
+from shardtune.data.encode import IGNORE
+from shardtune.data.templates import end_of_turn_token_ids
+from shardtune.errors import UsageError
+from shardtune.tiny import BOS, EOS, make_model_folder, make_tokenizer
+
+CHATS = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"},
+                  {"role": "assistant", "content": "Four."}]},
+    {"messages": [{"role": "user", "content": "Name a red thing."}, {"role": "assistant", "content": "A red car."},
+                  {"role": "user", "content": "And a blue one?"}, {"role": "assistant", "content": "The blue river."}]},
+    {"messages": [{"role": "user", "content": "How many cats?"},
+                  {"role": "assistant", "content": "Three cats and one dog."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_model_folder(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def prepare(model_dir, tmp_path, rows_or_path, *, seed=0, **settings):
+    name = rows_or_path if isinstance(rows_or_path, str) else write_jsonl(tmp_path / "data.jsonl", rows_or_path)
+    cfg = DataConfig(dataset_name=name, splits=settings.pop("splits", "train"), **settings)
+    tok = load_tokenizer(model_dir, cfg)
+    return prepare_datasets(cfg, tok, seed=seed, cache_dir=str(tmp_path / "cache")), tok
+
+
+def targets(tok, row):
+    return tok.decode([t for t in row["labels"] if t != IGNORE])
+
+
+def assistant_text(conv, end):
+    return "".join(m["content"] + end for m in conv["messages"] if m["role"] == "assistant")
+
+
+@pytest.mark.parametrize("template,end", [("none", "<|im_end|>"), ("chatml", "<|im_end|>"),
+                                          ("llama-3", "<|eot_id|>"), ("zephyr", EOS), ("alpaca", EOS)])
+def test_chat_targets_are_assistant_turns_with_their_end_token(model_dir, tmp_path, template, end):
+    data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format=template, max_seq_len=256)
+    assert len(data.train) == len(CHATS)
+    for row, conv in zip(data.train, CHATS):
+        assert targets(tok, row) == assistant_text(conv, end)  # multi-turn: every reply, no prompt text
+        assert row["input_ids"].count(tok.bos_token_id) == 1 and row["input_ids"][0] == tok.bos_token_id
+        assert row["labels"][0] == IGNORE and len(row["labels"]) == len(row["input_ids"]) == row["seq_lens"][0]
+        # labels are the inputs where they are targets (Hugging Face alignment: the loss shifts)
+        assert all(lab in (IGNORE, i) for lab, i in zip(row["labels"], row["input_ids"]))
+
+
+def test_mistral_template_keeps_eos_as_target_and_never_doubles_bos(model_dir, tmp_path):
+    data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format="mistral", max_seq_len=256)
+    row = data.train[1]
+    assert targets(tok, row) == " A red car." + EOS + " The blue river." + EOS
+    assert row["input_ids"][-1] == tok.eos_token_id and row["labels"][-1] == tok.eos_token_id
+    # the template writes bos_token itself; the tokenizer would add one too
+    assert row["input_ids"].count(tok.bos_token_id) == 1
+
+
+def test_llama3_special_tokens_added_and_eos_becomes_end_of_turn(model_dir, tmp_path):
+    plain = load_tokenizer(model_dir, DataConfig(chat_template_format="llama-3"))
+    cfg = DataConfig(chat_template_format="llama-3", add_special_tokens=True)
+    tok = load_tokenizer(model_dir, cfg)
+    assert len(tok) == len(plain) + 3
+    assert len(tok("<|eot_id|>", add_special_tokens=False).input_ids) == 1
+    assert len(plain("<|eot_id|>", add_special_tokens=False).input_ids) > 1
+    assert tok.eos_token == "<|eot_id|>" and tok.pad_token_id != tok.eos_token_id
+    assert end_of_turn_token_ids(tok, cfg) == [tok.convert_tokens_to_ids("<|eot_id|>")]
+    data, tok2 = prepare(model_dir, tmp_path, CHATS, chat_template_format="llama-3", add_special_tokens=True,
+                         max_seq_len=256)
+    row = data.train[0]
+    eot = tok2.convert_tokens_to_ids("<|eot_id|>")
+    assert row["labels"][-1] == eot and targets(tok2, row) == "Four.<|eot_id|>"
+
+
+def test_train_on_prompt_trains_every_token_but_the_first(model_dir, tmp_path):
+    data, _ = prepare(model_dir, tmp_path, CHATS, train_on_prompt=True, max_seq_len=256)
+    for row in data.train:
+        assert row["labels"][0] == IGNORE and row["labels"][1:] == row["input_ids"][1:]
+
+
+def test_prompt_completion_masks_prompt_and_appends_eos_target(model_dir, tmp_path):
+    rows = [{"prompt": "The sum of two and two is", "completion": " four."}, {"prompt": "Red or blue?",
+                                                                              "completion": " Blue."}]
+    data, tok = prepare(model_dir, tmp_path, rows, max_seq_len=256)
+    assert data.report.data_format == "prompt_completion"
+    for row, src in zip(data.train, rows):
+        assert tok.decode(row["input_ids"]) == BOS + src["prompt"] + src["completion"] + EOS
+        assert targets(tok, row) == src["completion"] + EOS
+        assert row["labels"][-1] == tok.eos_token_id
+
+
+def test_conversational_prompt_completion_trains_only_the_completion(model_dir, tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                        {"role": "user", "content": "Count to two."}],
+             "completion": [{"role": "assistant", "content": "One two."}]}]
+    data, tok = prepare(model_dir, tmp_path, rows, max_seq_len=256)
+    assert targets(tok, data.train[0]) == "One two.<|im_end|>"
+
+
+def test_alpaca_rows_plain_prompt_or_chat_template(model_dir, tmp_path):
+    rows = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+            {"instruction": "Say yes.", "input": "", "output": "Yes."}]
+    data, tok = prepare(model_dir, tmp_path, rows, max_seq_len=256)
+    assert data.report.data_format == "alpaca"
+    first = tok.decode(data.train[0]["input_ids"])
+    assert "### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n### Response:\n5" in first
+    assert "### Input" not in tok.decode(data.train[1]["input_ids"])
+    assert [targets(tok, r) for r in data.train] == ["5" + EOS, "Yes." + EOS]
+    chat, tok = prepare(model_dir, tmp_path, rows, max_seq_len=256, chat_template_format="chatml")
+    assert tok.decode(chat.train[0]["input_ids"]).startswith(BOS + "<|im_start|>user\nAdd the numbers.\n\n2 and 3")
+    assert targets(tok, chat.train[0]) == "5<|im_end|>"
+
+
+def test_raw_text_trains_all_tokens_and_ends_with_eos(model_dir, tmp_path):
+    rows = [{"body": "The quick cat is happy."}, {"body": "Two plus two is four."}]
+    data, tok = prepare(model_dir, tmp_path, rows, dataset_text_field="body", max_seq_len=256)
+    assert data.report.data_format == "text"
+    for row, src in zip(data.train, rows):
+        assert tok.decode(row["input_ids"]) == BOS + src["body"] + EOS
+        assert row["labels"][1:] == row["input_ids"][1:] and row["labels"][0] == IGNORE
+
+
+def test_seed_recipe_content_text_field_still_reads_chat(model_dir, tmp_path):
+    data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format="chatml", add_special_tokens=False,
+                        append_concat_token=False, max_seq_len=128, packing=True, dataset_text_field="content")
+    assert data.report.data_format == "chat" and data.report.packing
+    got = sorted(targets(tok, {"labels": r["labels"]}) for r in data.train)
+    assert "".join(got).count("<|im_end|>") == sum(1 for c in CHATS for m in c["messages"]
+                                                   if m["role"] == "assistant")
+
+
+def test_pad_token_never_eos(model_dir, tmp_path):
+    tok = make_tokenizer()
+    tok.pad_token = tok.eos_token  # the classic bug: collators masking pad also mask EOS
+    folder = tmp_path / "padeos"
+    tok.save_pretrained(folder)
+    fixed = load_tokenizer(str(folder), DataConfig())
+    assert fixed.pad_token_id is not None and fixed.pad_token_id != fixed.eos_token_id
+    # the vocabulary already holds <|pad|>: it is reused, so the embeddings need no resize
+    assert fixed.pad_token == "<|pad|>" and len(fixed) == len(tok)
+
+
+def test_truncation_is_reported(model_dir, tmp_path):
+    full, _ = prepare(model_dir, tmp_path, CHATS, max_seq_len=256)
+    lengths = [len(r["input_ids"]) for r in full.train]
+    limit = sorted(lengths)[1]  # the middle document fits exactly, the longest does not
+    cut, _ = prepare(model_dir, tmp_path, CHATS, max_seq_len=limit)
+    rep = cut.report
+    assert rep.truncated_rows == sum(n > limit for n in lengths)
+    assert rep.dropped_tokens == sum(max(0, n - limit) for n in lengths)
+    assert all(len(r["input_ids"]) <= limit for r in cut.train)
+    assert "truncated rows 1" in rep.format()
+
+
+def test_truncating_away_every_target_drops_the_row(model_dir, tmp_path):
+    rows = [{"prompt": "one two three four five six seven eight nine ten " * 3, "completion": " yes"},
+            {"prompt": "Red?", "completion": " Yes."}]
+    data, _ = prepare(model_dir, tmp_path, rows, max_seq_len=8)
+    assert data.report.empty_rows_dropped == 1 and data.report.documents == 1 and len(data.train) == 1
+
+
+def test_every_file_type_gives_the_same_rows(model_dir, tmp_path):
+    rows = [{"prompt": f"Question {i}?", "completion": f" Answer {i}."} for i in range(5)]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = {"jsonl": write_jsonl(tmp_path / "d.jsonl", rows)}
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    with (tmp_path / "d.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["prompt", "completion"])
+        w.writeheader()
+        w.writerows(rows)
+    paths.update({k: str(tmp_path / f"d.{k}") for k in ("json", "parquet", "csv")})
+    results = {k: prepare(model_dir, tmp_path, p, max_seq_len=64)[0].train.to_list() for k, p in paths.items()}
+    assert len(results["jsonl"]) == 5
+    assert all(v == results["jsonl"] for v in results.values())
+
+
+def test_folder_splits_and_saved_dataset(model_dir, tmp_path):
+    import datasets
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", CHATS[:2])
+    write_jsonl(folder / "test.jsonl", CHATS[2:])
+    data, _ = prepare(model_dir, tmp_path, str(folder), splits="train,test", max_seq_len=256)
+    assert len(data.train) == 2 and len(data.eval) == 1 and data.report.eval.documents == 1
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(CHATS[:2]),
+                          "test": datasets.Dataset.from_list(CHATS[2:])}).save_to_disk(str(saved))
+    data2, _ = prepare(model_dir, tmp_path, str(saved), splits="train,test", max_seq_len=256)
+    assert data2.train.to_list() == data.train.to_list() and data2.eval.to_list() == data.eval.to_list()
+
+
+def test_eval_split_ratio_holds_out_rows_by_seed(model_dir, tmp_path):
+    rows = [{"prompt": f"Q{i}", "completion": f" A{i}"} for i in range(20)]
+    a, _ = prepare(model_dir, tmp_path, rows, eval_split_ratio=0.25, max_seq_len=32, seed=1)
+    b, _ = prepare(model_dir, tmp_path, rows, eval_split_ratio=0.25, max_seq_len=32, seed=2)
+    assert len(a.train) == 15 and len(a.eval) == 5
+    held_a = sorted(map(tuple, a.eval["input_ids"]))
+    assert held_a != sorted(map(tuple, b.eval["input_ids"]))
+    assert not set(held_a) & set(map(tuple, a.train["input_ids"]))
+
+
+def test_bad_inputs_name_file_and_line(model_dir, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(CHATS[0]) + "\n{not json\n")
+    with pytest.raises(UsageError, match=r"bad\.jsonl:2: malformed JSON.*skip_bad_rows"):
+        prepare(model_dir, tmp_path, str(path))
+    path.write_text(json.dumps(CHATS[0]) + "\n" + json.dumps({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "asistant", "content": "yo"}]}) + "\n")
+    with pytest.raises(UsageError, match=r"bad\.jsonl:2: message 1 has role 'asistant' \(did you mean 'assistant'"):
+        prepare(model_dir, tmp_path, str(path))
+    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "a"}) + "\n")
+    with pytest.raises(UsageError, match=r"bad\.jsonl:2: the field 'completion' is missing"):
+        prepare(model_dir, tmp_path, str(path))
+    path.write_text("\n")
+    with pytest.raises(UsageError, match="no training rows"):
+        prepare(model_dir, tmp_path, str(path))
+    with pytest.raises(UsageError, match="does not exist"):
+        prepare(model_dir, tmp_path, str(tmp_path / "missing.jsonl"))
+    (tmp_path / "bad.csv").write_text("prompt,completion\nhi,there\nonly-one-field\n")
+    with pytest.raises(UsageError, match=r"bad\.csv:3: has a different number of fields"):
+        prepare(model_dir, tmp_path, str(tmp_path / "bad.csv"))
+
+
+def test_skip_bad_rows_counts_and_drops(model_dir, tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    lines = [json.dumps(CHATS[0]), "{oops", json.dumps({"messages": [{"role": "robot", "content": "x"}]}),
+             json.dumps(CHATS[1]), json.dumps({"messages": "not a list"})]
+    path.write_text("\n".join(lines) + "\n")
+    data, _ = prepare(model_dir, tmp_path, str(path), skip_bad_rows=True, max_seq_len=256)
+    assert data.report.bad_rows_skipped == 3 and data.report.documents == 2
+    text = data.report.format()
+    assert "bad rows skipped 3" in text and "note: skipped " + str(path) + ":2: malformed JSON" in text
+
+
+def test_cache_is_reused_and_invalidated(model_dir, tmp_path, monkeypatch):
+    from shardtune.data import pipeline
+
+    first, _ = prepare(model_dir, tmp_path, CHATS, max_seq_len=256)
+    assert not first.from_cache
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("tokenised again despite a valid cache")
+
+    monkeypatch.setattr(pipeline, "build_split", no_rebuild)
+    second, _ = prepare(model_dir, tmp_path, CHATS, max_seq_len=256)
+    assert second.from_cache and second.train.to_list() == first.train.to_list()
+    assert second.report == first.report
+    monkeypatch.undo()
+    other, _ = prepare(model_dir, tmp_path, CHATS, max_seq_len=255)  # another setting: another cache
+    assert not other.from_cache
+    changed, _ = prepare(model_dir, tmp_path, CHATS + CHATS[:1], max_seq_len=256)  # changed data: rebuilt
+    assert not changed.from_cache and len(changed.train) == 4
+
+
+def test_config_validate_reports_every_problem():
+    problems = DataConfig(data_format="chatty", chat_template_format="chatmlx", max_seq_len=0, splits="test",
+                          eval_split_ratio=1.5).validate()
+    assert len(problems) == 6  # dataset_name missing, format, template, max_seq_len, ratio, splits
+    assert any("chatml" in p for p in problems) and all("\n" not in p for p in problems)
+    assert DataConfig(dataset_name="x.jsonl").validate() == []
+
+
+def test_cli_inspect_prints_report_and_example(model_dir, tmp_path, capsys):
+    from shardtune.cli import main
+
+    path = write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    rc = main(["data", "inspect", path, "--model_name_or_path", model_dir, "--max_seq_len", "128", "--packing",
+               "--splits", "train", "--cache_dir", str(tmp_path / "c")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "packing efficiency" in out and "target tokens" in out and "⟦The blue river.<|im_end|>⟧" in out
+    rc = main(["data", "inspect", str(tmp_path / "nope.jsonl"), "--model_name_or_path", model_dir])
+    assert rc == 2 and "nope.jsonl" in capsys.readouterr().err
+
+
+def test_template_that_rewrites_history_falls_back_to_finding_replies(model_dir, tmp_path):
+    # marks only the last user turn, so the history rendered alone is not a prefix of the whole conversation
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+                "{% if m['role'] == 'user' and loop.revindex <= 2 %}{{ '[latest] ' }}{% endif %}"
+                "{{ m['content'] + '<|im_end|>\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    cfg = DataConfig(dataset_name=write_jsonl(tmp_path / "d.jsonl", CHATS), splits="train", max_seq_len=256)
+    tok = load_tokenizer(model_dir, cfg)
+    tok.chat_template = template
+    data = prepare_datasets(cfg, tok, seed=0, cache_dir=str(tmp_path / "cache"))
+    for row, conv in zip(data.train, CHATS):
+        assert "[latest]" in tok.decode(row["input_ids"])
+        assert targets(tok, row) == assistant_text(conv, "<|im_end|>")

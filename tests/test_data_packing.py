@@ -1,0 +1,140 @@
+"""Packing: documents share rows but never attention; the per-token losses prove it on a tiny model."""
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardtune.data import Collator, DataConfig, load_tokenizer, prepare_datasets
+from shardtune.data.encode import IGNORE
+from shardtune.data.pipeline import pack
+from shardtune.tiny import make_model_folder, sample_corpus
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny model folder and a packed chat data set of documents of varied length."""
+    root = tmp_path_factory.mktemp("packing")
+    model_dir = str(make_model_folder(root / "model"))
+    lines = sample_corpus(60, seed=3)
+    rng = random.Random(0)
+    rows = []
+    for i in range(0, 60, 3):
+        turns = [{"role": "user", "content": lines[i]}, {"role": "assistant", "content": lines[i + 1]}]
+        if rng.random() < 0.5:
+            turns += [{"role": "user", "content": "And?"}, {"role": "assistant", "content": lines[i + 2]}]
+        rows.append({"messages": turns})
+    path = root / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(dataset_name=str(path), splits="train", max_seq_len=160, packing=True,
+                     chat_template_format="chatml")
+    tok = load_tokenizer(model_dir, cfg)
+    data = prepare_datasets(cfg, tok, seed=0, cache_dir=str(root / "cache"))
+    return model_dir, tok, data, rows
+
+
+def token_losses(model, batch):
+    """Per-position loss of predicting the next token (0 where the next label is ignored)."""
+    # use_cache=False as in training: with a KV cache transformers does not look for documents in position ids
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                   position_ids=batch["position_ids"], use_cache=False).logits.float()
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], reduction="none",
+                           ignore_index=IGNORE)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flash_attention_2"])
+def test_packed_losses_equal_documents_run_one_by_one(setup, attn):
+    from transformers import AutoModelForCausalLM
+
+    model_dir, tok, data, _ = setup
+    # flash_attention_2 is not on CPU: its batch (no mask, restarting position ids) is run through sdpa, where
+    # transformers finds the documents from the position ids exactly as its varlen flash path does
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager" if attn == "eager" else "sdpa",
+                                                 dtype=torch.float32).eval()
+    collate = Collator(tok.pad_token_id, attn_implementation=attn)
+    rows = [r for r in data.train if len(r["seq_lens"]) >= 3][:2]
+    assert len(rows) == 2
+    with torch.no_grad():
+        packed = token_losses(model, collate(rows + [None]))
+        # the padding row and the padding tail are never targets
+        assert (packed[2] == 0).all()
+        for b, row in enumerate(rows):
+            start, compared = 0, 0
+            for n in row["seq_lens"]:
+                alone = token_losses(model, collate([{"input_ids": row["input_ids"][start:start + n],
+                                                      "labels": row["labels"][start:start + n], "seq_lens": [n]}]))[0]
+                torch.testing.assert_close(packed[b, start:start + n - 1], alone, rtol=0, atol=2e-5)
+                compared += int((alone > 0).sum())
+                if start + n < len(row["input_ids"]):
+                    assert packed[b, start + n - 1] == 0  # never predicts the next document's first token
+                start += n
+            assert compared == sum(1 for x in row["labels"] if x != IGNORE)
+
+
+def test_without_block_mask_documents_leak(setup):
+    """The check above can fail: with a plain causal mask the later documents' losses change."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, tok, data, _ = setup
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32).eval()
+    row = next(r for r in data.train if len(r["seq_lens"]) >= 2)
+    batch = Collator(tok.pad_token_id)([row])
+    leaky = dict(batch, attention_mask=torch.ones_like(batch["input_ids"]),
+                 position_ids=torch.arange(batch["input_ids"].shape[1])[None])
+    with torch.no_grad():
+        assert (token_losses(model, batch) - token_losses(model, leaky)).abs().max() > 1e-3
+
+
+def test_packing_report_and_rows(setup):
+    _, tok, data, rows = setup
+    rep = data.report
+    assert rep.documents == len(rows) and rep.rows == len(data.train) < len(rows)
+    tokens = sum(len(r["input_ids"]) for r in data.train)
+    assert rep.tokens == tokens and sum(sum(r["seq_lens"]) for r in data.train) == tokens
+    assert rep.packing_efficiency == pytest.approx(tokens / (rep.rows * 160))
+    assert rep.target_tokens == sum(1 for r in data.train for x in r["labels"] if x != IGNORE)
+    assert all(len(r["input_ids"]) <= 160 for r in data.train)
+    for r in data.train:  # the first token of every document is never a target
+        starts = [sum(r["seq_lens"][:i]) for i in range(len(r["seq_lens"]))]
+        assert all(r["labels"][s] == IGNORE for s in starts)
+        assert r["input_ids"].count(tok.bos_token_id) == len(r["seq_lens"])  # one BOS per document
+
+
+def test_append_concat_token_ends_documents_with_untrained_eos(setup, tmp_path):
+    model_dir, _, _, rows = setup
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(dataset_name=str(path), splits="train", max_seq_len=160, packing=True,
+                     chat_template_format="chatml", append_concat_token=True)
+    tok = load_tokenizer(model_dir, cfg)
+    data = prepare_datasets(cfg, tok, seed=0, cache_dir=str(tmp_path / "cache"))
+    for r in data.train:
+        ends = [sum(r["seq_lens"][:i + 1]) - 1 for i in range(len(r["seq_lens"]))]
+        assert all(r["input_ids"][e] == tok.eos_token_id and r["labels"][e] == IGNORE for e in ends)
+
+
+def test_pack_places_every_document_once_within_the_limit():
+    rng = random.Random(1)
+    lengths = [rng.randint(1, 100) for _ in range(500)]
+    bins = pack(lengths, 128)
+    assert sorted(i for b in bins for i in b) == list(range(500))
+    assert all(sum(lengths[i] for i in b) <= 128 for b in bins)
+    # best-fit decreasing is within 11/9 OPT + 1 of the optimum; OPT >= total / capacity
+    assert len(bins) <= 11 / 9 * (-(-sum(lengths) // 128)) + 1
+
+
+def test_collator_pads_and_restarts_positions():
+    collate = Collator(7, pad_to_multiple_of=8)
+    batch = collate([{"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE, 2, 3, IGNORE, 5], "seq_lens": [3, 2]}, None])
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 7, 7, 7], [7] * 8]
+    assert batch["labels"].tolist() == [[IGNORE, 2, 3, IGNORE, 5] + [IGNORE] * 3, [IGNORE] * 8]
+    assert batch["position_ids"].tolist()[0] == [0, 1, 2, 0, 1, 0, 1, 2]
+    mask = batch["attention_mask"][0, 0]
+    docs = [0, 0, 0, 1, 1, 2, 2, 2]
+    expected = [[docs[i] == docs[j] and j <= i for j in range(8)] for i in range(8)]
+    assert mask.tolist() == expected and mask.dtype == torch.bool
+    eager = Collator(7, attn_implementation="eager")([None])["attention_mask"]
+    assert eager.dtype == torch.float32 and eager.tolist() == [[[[0.0]]]]
+    assert "attention_mask" not in Collator(7, attn_implementation="flash_attention_2")([None])
