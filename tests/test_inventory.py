@@ -39,7 +39,10 @@ def test_llama2_7b_lora_r8_all_linear_trains_19988480():
     ("phi-3-mini", 8, "all-linear"),
     ("qwen2.5-7b", 4, "q_proj,v_proj"),
     ("gemma-2-9b", 8, "o_proj,down_proj"),
-    ("mixtral-8x7b", 8, "q_proj,k_proj,v_proj,o_proj"),  # all-linear also wraps 3-D experts: not modelled yet
+    ("mixtral-8x7b", 8, "q_proj,k_proj,v_proj,o_proj"),
+    ("mixtral-8x7b", 8, "all-linear"),  # PEFT also wraps the router and the 3-D expert tensors (gate_up at 2r)
+    ("mixtral-8x7b", 4, "q_proj,w1,w3"),  # transformers-4 expert names, mapped onto the fused tensors
+    ("mixtral-8x7b", 4, "w2,gate"),
 ])
 def test_lora_count_equals_peft_injected_on_meta(name, r, targets):
     analysis = ModelAnalysis(name)
@@ -64,11 +67,20 @@ def test_local_folder_and_config_file(config_dir):
     assert ModelAnalysis(folder + "/config.json").inventory.parameters == inv.parameters
 
 
-def test_counts_are_cached_on_disk_and_reused():
-    first = ModelAnalysis("llama-2-13b")
-    assert first.inventory.parameters == 13_015_864_320
+def test_counts_are_cached_on_disk_and_reused(config_dir):
+    # A local folder (catalog models are answered from the shipped counts without any cache).
+    folder = config_dir({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "vocab_size": 100})
+    first = ModelAnalysis(folder)
+    assert first.inventory.parameters == 2 * 100 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
     first.lora(8, "all-linear")
-    second = ModelAnalysis("llama-2-13b")
+    assert "model" in first.__dict__
+    second = ModelAnalysis(folder)
     assert second.inventory == first.inventory
     assert second.lora(8, "all-linear") == first.lora(8, "all-linear")
     assert "model" not in second.__dict__  # answered from the cache without building the model
+
+
+def test_mixtral_fused_expert_names_must_come_together():
+    with pytest.raises(UsageError, match="w3"):
+        ModelAnalysis("mixtral-8x7b").lora(8, "w1")

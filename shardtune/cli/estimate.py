@@ -46,7 +46,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attn-implementation", default="sdpa", help=f"{' | '.join(ATTENTION)} (default: sdpa)")
     p.add_argument("--loss", default="full", choices=LOSSES,
                    help="full: transformers' loss, fp32 logits of the whole micro-batch; chunked: torchtune's "
-                        "chunked cross-entropy, one of 8 chunks upcast at a time (default: full)")
+                        "compiled chunked cross-entropy (8 chunks; bf16 logits kept, one chunk's gradient at a time) "
+                        "(default: full)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also write a PNG: the per-GPU breakdown of each setup against the GPU's memory")
+    p.add_argument("--trace", action="store_true",
+                   help="also run the trainer's own step on fake tensors at this world size (no GPU, no memory) "
+                        "and report its exact per-GPU peak, by category and by module")
     p.set_defaults(func=main)
 
 
@@ -125,10 +131,15 @@ def main(args: argparse.Namespace) -> int:
     setup, auto = setup_from_args(args)
     gpu = gpu_from_args(args)
     report = run_estimate(args.model, setup, gpu, auto)
+    traced = None
+    if args.trace:
+        from shardtune.memory.trace_setup import trace_for_estimate
+
+        traced = trace_for_estimate(args.model, report.breakdown.setup, report.breakdown.total)
     if args.json:
         from shardtune.memory.report import to_dict
 
-        json.dump(to_dict(report), sys.stdout, indent=2)
+        json.dump(to_dict(report) | ({"trace": traced} if traced else {}), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         from rich.console import Console
@@ -136,4 +147,12 @@ def main(args: argparse.Namespace) -> int:
         from shardtune.memory.report import render
 
         render(report, Console())
+        if traced:
+            from shardtune.memory.trace_setup import render_text
+
+            print(render_text(traced, traced["formula_peak_bytes"]))
+    if args.plot:
+        from shardtune.memory.plot import write_plot
+
+        print(f"wrote {write_plot(report, args.plot)}", file=sys.stderr)
     return 0

@@ -18,11 +18,17 @@ Where the bytes come from:
   log-sum-exp; the gated MLP keeps four intermediate-sized tensors). Korthikanti et al. 2022 ("Reducing Activation
   Recomputation", eq. 1) gives the same structure for GPT; tests/test_activations.py checks these numbers against
   the bytes the real model saves on CPU.
+- With the base frozen (LoRA/QLoRA) autograd keeps an op's input only where a gradient needs it: frozen
+  projections and norms keep less, adapters keep their own inputs (bf16 adapters share one copy per norm, fp32
+  adapters each cast their own). tests/test_estimate_lora_activations.py checks this against real PEFT models.
 - The loss follows transformers' ``ForCausalLMLoss``: logits in compute dtype, an fp32 upcast, log-softmax output
-  kept for backward, and two fp32 vocab-sized gradients at the start of backward.
+  kept for backward, and two fp32 vocab-sized gradients at the start of backward. ``--loss chunked`` is torchtune's
+  CEWithChunkedOutputLoss as its recipes run it (8 chunks, compiled by training.compile_loss): the compute-dtype
+  logits are kept, no fp32 copy is materialised, and backward holds one chunk's gradient at a time.
 - FSDP2 (``fully_shard`` per decoder layer): a layer's parameters are all-gathered in the compute dtype while it
   runs, the next one is prefetched, and the root (embeddings, final norm, head) is not resharded after forward
-  (torch/distributed/fsdp/_fully_shard/_fsdp_state.py); gradients are reduce-scattered in fp32.
+  (torch/distributed/fsdp/_fully_shard/_fsdp_state.py); with FULL_SHARD no decoder layer is gathered while the
+  loss runs. Gradients are reduce-scattered in fp32 with fp32 master weights, in bf16 under pure bf16.
 - NF4 (QLoRA): 4 bits per weight plus one absmax per 64 weights, stored in 8 bits with a second fp32 absmax per
   256 blocks when double quantisation is on (Dettmers et al. 2023, sec. 3).
 """
@@ -31,9 +37,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardtune.memory.hardware import GIB, MIB
+from shardtune.memory.activations import Activations
+from shardtune.memory.hardware import MIB
 from shardtune.memory.inventory import LoraCount, ModelInventory
-from shardtune.memory.setup import LOSS_CHUNKS, Setup
+from shardtune.memory.setup import Setup
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "overhead")
 
@@ -64,6 +71,7 @@ class Breakdown:
     cuda_context: int
     cpu_bytes_per_node: int = 0  # what CPU offload keeps in host RAM
     stage_note: str = ""
+    stage_bounds: tuple[tuple[int, int], ...] = ()  # model parallel: [first, end) decoder layers per GPU
     phases: dict[str, int] = field(default_factory=dict)
 
     def category(self, name: str) -> int:
@@ -112,94 +120,6 @@ def _optimizer_bytes_per_param(setup: Setup, master: int) -> float:
     # AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype; bitsandbytes' 8-bit AdamW keeps both in 8 bits
     # with an fp32 absmax per 256-value block (Dettmers et al. 2022); SGD keeps one momentum buffer.
     return {"adamw": 2 * master, "adamw-8bit": 2 * (1 + 4 / 256), "sgd": master}[setup.optimizer]
-
-
-class Activations:
-    """Bytes per token that one forward pass keeps for backward, by place in the model."""
-
-    def __init__(self, inv: ModelInventory, setup: Setup, dt: _Dtypes):
-        self.inv, self.setup, self.dt = inv, setup, dt
-
-    def norm(self) -> int:
-        """One RMSNorm: the fp32 upcast of its input, the normalised tensor, and 1/rms per token."""
-        h = self.inv.hidden_size
-        normalised = 4 if self.inv.norm_upcasts_weight else self.dt.residual
-        return 4 * h + normalised * h + 4
-
-    def attention(self) -> int:
-        inv, e, s = self.inv, self.dt.compute, self.setup.seq_len
-        v_stored = inv.q_dim + 2 * inv.kv_dim if inv.fused_qkv else inv.kv_dim  # a view keeps the fused qkv alive
-        if self.setup.attn_implementation == "eager":
-            repeated = inv.num_kv_heads != inv.num_heads  # repeat_kv copies k and v to every head
-            kv = 2 * inv.q_dim if repeated else inv.kv_dim + v_stored
-            # q, k, v, the output, plus softmax probabilities in fp32 and again in compute dtype (s per head).
-            return e * (inv.q_dim + kv + inv.q_dim) + (4 + e) * inv.num_heads * s
-        # SDPA / flash: rotated q and k, v, the output, and an fp32 log-sum-exp per head.
-        return e * (inv.q_dim + inv.kv_dim + v_stored + inv.q_dim) + 4 * inv.num_heads
-
-    def mlp(self) -> int:
-        inv, e = self.inv, self.dt.compute
-        dense = 4 * e * inv.intermediate_size  # gate output, activation output, up output, down input
-        if inv.num_experts > 1:
-            k = inv.experts_per_token
-            # Each token goes through k experts: their MLP tensors, the gathered token copies, router logits.
-            return k * (dense + e * inv.hidden_size) + 4 * inv.num_experts + 8 * k
-        return dense
-
-    def linear_inputs(self) -> int:
-        """Copies of the normalised hidden states that the projections after each pre-norm keep.
-
-        In compute dtype they share one tensor. Under torch.autocast each projection casts its fp32 input itself
-        (autocast caches casts of weights, not of activations), so q, k and v keep three copies and gate and up two.
-        """
-        inv = self.inv
-        copies = inv.pre_norms_per_layer
-        if self.dt.autocast_copies:
-            copies = (1 if inv.fused_qkv else 3) + (1 if inv.fused_gate_up else 2)
-        return copies * self.dt.compute * inv.hidden_size
-
-    def layer(self) -> int:
-        """A decoder layer without checkpointing."""
-        inv = self.inv
-        return inv.norms_per_layer * self.norm() + self.linear_inputs() + self.attention() + self.mlp()
-
-    def layer_checkpointed(self) -> int:
-        """A checkpointed layer keeps only its input."""
-        return self.dt.residual * self.inv.hidden_size
-
-    def layer_backward_temporaries(self) -> int:
-        """Gradients alive inside one layer's backward: two intermediate-sized, two residual-sized."""
-        inv = self.inv
-        width = inv.intermediate_size * (inv.experts_per_token if inv.num_experts > 1 else 1)
-        return 2 * self.dt.compute * width + 2 * self.dt.residual * inv.hidden_size
-
-    def outside_layers(self) -> int:
-        """Final norm, the lm_head input, input ids and labels (int64), and what the loss keeps for backward.
-
-        The full loss keeps the fp32 log-softmax of every token; the chunked loss keeps the compute-dtype logits
-        and recomputes the softmax one chunk at a time in backward (torchtune's CEWithChunkedOutputLoss, compiled).
-        """
-        inv = self.inv
-        kept = 4 * inv.vocab_size if self.setup.loss == "full" else self.dt.compute * inv.vocab_size
-        return self.norm() + self.dt.compute * inv.hidden_size + 16 + kept
-
-    def rope_tables(self) -> int:
-        """RoPE's cos and sin for every position (shared by all layers and sequences of the batch)."""
-        return 2 * self.setup.seq_len * self.inv.head_dim * self.dt.residual
-
-    def loss_forward_extra(self) -> int:
-        """Logits in compute dtype and their fp32 upcast, alive while the loss is computed."""
-        v, e = self.inv.vocab_size, self.dt.compute
-        if self.setup.loss == "chunked":
-            return 8 * v // LOSS_CHUNKS  # one chunk's fp32 upcast and log-softmax
-        return e * v + (4 * v if e != 4 else 0)
-
-    def loss_backward_extra(self) -> int:
-        """The fp32 gradients of nll_loss and log_softmax at the start of backward."""
-        v = self.inv.vocab_size
-        if self.setup.loss == "chunked":  # one chunk's fp32 gradients, and the logits' gradient in compute dtype
-            return 8 * v // LOSS_CHUNKS + self.dt.compute * v
-        return 8 * v
 
 
 class _Model:
@@ -302,20 +222,25 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
     biggest_layer = max(layers, key=model.layer_gathered)
     if fsdp:
         unit = model.layer_gathered(biggest_layer)
-        unit_grad = model.layer_trainable(biggest_layer) * (dt.compute + 4)  # unsharded grad + fp32 reduce copy
+        # A layer's unsharded gradient in compute dtype, plus the fp32 copy reduce-scattered when the master
+        # weights are fp32 (MixedPrecisionPolicy reduce_dtype); pure bf16 reduces the bf16 gradient itself.
+        unit_grad = model.layer_trainable(biggest_layer) * (dt.compute + (4 if dt.master == 4 else 0))
         root = model.root_gathered()
         if setup.sharding_strategy == "SHARD_GRAD_OP" and shard > 1:  # kept gathered from forward to backward
-            gathered_fwd = sum(model.layer_gathered(i) for i in layers)
+            gathered_fwd = gathered_at_loss = sum(model.layer_gathered(i) for i in layers)
         else:
             gathered_fwd = 2 * unit  # the running layer and the prefetched next one
+            # Each layer is resharded after its forward, and the last one is gathered again only when backward
+            # reaches it (its pre-backward hook): while the loss runs, only the root is unsharded.
+            gathered_at_loss = 0 if shard > 1 else gathered_fwd
         gathered_bwd = gathered_fwd + unit_grad
-        copies_fwd, copies_bwd = root + gathered_fwd, root + gathered_bwd
+        copies_loss, copies_bwd = root + gathered_at_loss, root + gathered_bwd
         copy_label = "FSDP all-gathered units (compute dtype)"
     else:
         layer_copies = sum(model.autocast_copy_of_layer(i) for i in layers)
         if setup.gradient_checkpointing:  # recomputation re-casts: only one layer's copies at a time
             layer_copies = model.autocast_copy_of_layer(biggest_layer)
-        copies_fwd = copies_bwd = layer_copies + model.autocast_copy_of_head()
+        copies_loss = copies_bwd = layer_copies + model.autocast_copy_of_head()
         copy_label = "autocast compute-dtype weight copies"
     dequant = inv.largest_linear_params * dt.compute if setup.method == "qlora" else 0
 
@@ -323,9 +248,9 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
     head_grad = (inv.head_params or inv.embedding_params) * dt.master / shard if setup.method == "full" else 0
     head_grad *= on_gpu
     phases = {
-        "forward (loss)": dict(grads=carry, act=saved + tokens * act.loss_forward_extra(), copies=copies_fwd),
+        "forward (loss)": dict(grads=carry, act=saved + tokens * act.loss_forward_extra(), copies=copies_loss),
         "backward (loss)": dict(grads=max(carry, head_grad), act=saved + tokens * act.loss_backward_extra(),
-                                copies=copies_bwd),
+                                copies=copies_loss),
         "backward (last layer)": dict(grads=max(carry, head_grad), act=saved - loss_saved + recompute + layer_bwd,
                                       copies=copies_bwd),
         "backward (end)": dict(grads=grads_b, act=one_layer + layer_bwd + tokens * act.layer_checkpointed(),
@@ -467,4 +392,5 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
     if unused:
         note += f"; {unused} GPU(s) left idle"
     return Breakdown(setup=setup, phase="backward (loss)" if b == layers else "backward", items=items,
-                     cuda_context=CUDA_CONTEXT_BYTES, stage_note=note)
+                     cuda_context=CUDA_CONTEXT_BYTES, stage_note=note,
+                     stage_bounds=tuple(bounds))

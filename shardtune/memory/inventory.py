@@ -2,14 +2,18 @@
 
 The model is built with ``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``: no memory, no weights,
 but the exact modules transformers would create (so an untied LM head counts, and tied embeddings count once).
-LoRA's trainable count applies PEFT's target rules (``all-linear`` expansion and name matching) and the shapes LoRA
-adds to each matched layer: A is r x in_features and B is out_features x r (Hu et al. 2021, sec. 4). Injecting the
-adapters with ``get_peft_model`` on meta gives the same number (the tests check it on catalog models), but importing
-PEFT and injecting takes ~8 s on 405B where this takes 0.1 s.
+LoRA's trainable count applies PEFT's target rules to a table of the model's adaptable weights (lora_count.py);
+injecting the adapters with ``get_peft_model`` on meta gives the same number (the tests check it on catalog models),
+but importing PEFT and injecting takes ~8 s on 405B where this takes milliseconds.
+
+Where the answer comes from, fastest first: the on-disk cache of an earlier run; for a catalog model, the counts
+shipped with the package (catalog_data.py: computed by this same code, and rebuilt and compared by a test); else
+the model built on meta (importing torch and transformers costs ~3 s).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.metadata
 import json
@@ -21,20 +25,9 @@ from pathlib import Path
 
 from shardtune import catalog
 from shardtune.errors import UsageError
+from shardtune.memory.lora_count import LoraCount, count_lora, linear_names, module_table
 
-
-@dataclass(frozen=True)
-class LoraCount:
-    """Trainable LoRA parameters, split the way the memory formula needs them."""
-
-    r: int
-    target_modules: tuple[str, ...]
-    per_layer: tuple[int, ...]  # adapters inside each decoder layer
-    outside_layers: int  # adapters on modules outside the decoder stack (e.g. lm_head if targeted)
-
-    @property
-    def total(self) -> int:
-        return sum(self.per_layer) + self.outside_layers
+__all__ = ["LoraCount", "ModelAnalysis", "ModelInventory", "normalize_targets"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +58,7 @@ class ModelInventory:
     norms_per_layer: int = 2
     pre_norms_per_layer: int = 2  # norms whose output feeds a linear layer (saved again as its input)
     norm_upcasts_weight: bool = False  # Gemma's RMSNorm multiplies in fp32 by (1 + weight)
+    linear_names: tuple[str, ...] = ()  # short names of the nn.Linear modules of a decoder layer
 
     @property
     def q_dim(self) -> int:
@@ -78,6 +72,12 @@ class ModelInventory:
     def root_params(self) -> int:
         """Parameters outside the decoder layers: FSDP's root unit (embeddings, final norm, head)."""
         return self.embedding_params + self.head_params + self.other_params
+
+
+def inventory_from_dict(data: dict, name: str) -> ModelInventory:
+    """A ModelInventory from its ``asdict`` form (lists back to tuples), under the display name ``name``."""
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    return ModelInventory(**(fields | {"name": name}))
 
 
 def _read_json(path: Path) -> dict:
@@ -114,7 +114,8 @@ def build_config(config_dict: dict, name: str):
     model_type = config_dict.get("model_type")
     if not model_type:
         raise UsageError(f"{name}: config.json has no 'model_type' key, so its architecture is unknown.")
-    kwargs = {k: v for k, v in config_dict.items() if k != "model_type"}
+    # A deep copy: transformers rewrites nested entries (rope_scaling) in place, and the dict is a cache key.
+    kwargs = copy.deepcopy({k: v for k, v in config_dict.items() if k != "model_type"})
     try:
         return AutoConfig.for_model(model_type, **kwargs)
     except ValueError as exc:
@@ -148,7 +149,7 @@ class _CountCache:
             version = importlib.metadata.version("transformers")
         except importlib.metadata.PackageNotFoundError:
             version = "none"
-        blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=2"
+        blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=3"
         self.path = cache_dir() / "counts" / (hashlib.sha256(blob.encode()).hexdigest()[:24] + ".json")
         try:
             self.data = json.loads(self.path.read_text())
@@ -172,8 +173,9 @@ class _CountCache:
 class ModelAnalysis:
     """A model built on the meta device, with its inventory and LoRA counts (cached per r and targets)."""
 
-    def __init__(self, model: str, use_cache: bool = True):
+    def __init__(self, model: str, use_cache: bool = True, use_packaged: bool = True):
         self.name, self.config_dict = load_config_dict(model)
+        self.use_packaged = use_packaged
         self._cache = _CountCache(self.config_dict) if use_cache else None
         self._lora_cache: dict[tuple[int, tuple[str, ...]], LoraCount] = {}
 
@@ -197,9 +199,9 @@ class ModelAnalysis:
     @cached_property
     def inventory(self) -> ModelInventory:
         cached = self._cache.get("inventory") if self._cache else None
-        if cached:
-            fields = {k: tuple(v) if isinstance(v, list) else v for k, v in cached.items()}
-            return ModelInventory(**(fields | {"name": self.name}))
+        packaged = None if cached else self._packaged()
+        if cached or packaged:
+            return inventory_from_dict(cached or packaged["inventory"], self.name)
         inventory = self._count_inventory()
         if self._cache:
             self._cache.put("inventory", asdict(inventory))
@@ -235,9 +237,13 @@ class ModelAnalysis:
                     fused_qkv |= name.endswith("qkv_proj")
                     fused_gate_up |= name.endswith("gate_up_proj")
             layer_linear.append(linear)
+        linear_names: list[str] = []
         for name, module in layers[0].named_modules():
             if "norm" in type(module).__name__.lower() and not list(module.children()):
                 norms += 1
+            short = name.rsplit(".", 1)[-1]
+            if isinstance(module, nn.Linear) and short not in linear_names:
+                linear_names.append(short)
         # Experts stored as one 3-D tensor (transformers 5) hold one matrix per expert: count the largest too.
         for p in layers[0].parameters():
             if p.dim() == 3:
@@ -270,85 +276,41 @@ class ModelAnalysis:
             norms_per_layer=norms,
             pre_norms_per_layer=2,
             norm_upcasts_weight=is_gemma,
+            linear_names=tuple(linear_names),
         )
+
+    @cached_property
+    def table(self) -> dict:
+        """The adaptable weights of the model (lora_count.module_table), from a cache when possible."""
+        cached = self._cache.get("table") if self._cache else None
+        if cached:
+            return cached
+        packaged = self._packaged()
+        if packaged:
+            return packaged["table"]
+        table = module_table(self.model, _decoder_layers(self.model, self.inventory.num_layers),
+                             self.config.model_type)
+        if self._cache:
+            self._cache.put("table", table)
+        return table
 
     def lora(self, r: int, target_modules: str | list[str] | tuple[str, ...]) -> LoraCount:
         """Trainable parameters of LoRA rank ``r`` on ``target_modules``, matched exactly as PEFT matches them."""
         targets = normalize_targets(target_modules)
         key = (r, targets)
         if key not in self._lora_cache:
-            disk_key = f"lora:{r}:{','.join(targets)}"
-            cached = self._cache.get(disk_key) if self._cache else None
-            if cached:
-                count = LoraCount(r=r, target_modules=targets, per_layer=tuple(cached["per_layer"]),
-                                  outside_layers=cached["outside_layers"])
-            else:
-                count = self._count_lora(r, targets)
-                if self._cache:
-                    self._cache.put(disk_key, {"per_layer": count.per_layer, "outside_layers": count.outside_layers})
-            self._lora_cache[key] = count
+            self._lora_cache[key] = count_lora(self.table, r, targets, self.name)
         return self._lora_cache[key]
-
-    def _count_lora(self, r: int, targets: tuple[str, ...]) -> LoraCount:
-        import torch.nn as nn
-
-        model = self.model
-        layers = _decoder_layers(model, self.inventory.num_layers)
-        layer_of = {}
-        for name, module in model.named_modules():
-            for i, layer in enumerate(layers):
-                if module is layer:
-                    layer_of[name + "."] = i
-        output = model.get_output_embeddings()
-        per_layer = [0] * len(layers)
-        outside, matched = 0, 0
-        for name, module in model.named_modules():
-            if not name or not lora_targets(name, module, targets, output):
-                continue
-            if isinstance(module, nn.Linear):
-                added = r * (module.in_features + module.out_features)
-            else:  # nn.Embedding
-                added = r * (module.num_embeddings + module.embedding_dim)
-            matched += 1
-            index = next((i for prefix, i in layer_of.items() if name.startswith(prefix)), None)
-            if index is None:
-                outside += added
-            else:
-                per_layer[index] += added
-        if matched == 0:
-            raise UsageError(
-                f"--lora-target-modules {','.join(targets)} matches no linear layer of {self.name}; "
-                f"use all-linear or names such as {', '.join(self.linear_module_names()[:6])}."
-            )
-        return LoraCount(r=r, target_modules=targets, per_layer=tuple(per_layer), outside_layers=outside)
 
     def linear_module_names(self) -> list[str]:
         """Distinct short names of the linear layers inside a decoder layer (what LoRA can target)."""
-        import torch.nn as nn
+        return linear_names(self.table)
 
-        layers = _decoder_layers(self.model, self.inventory.num_layers)
-        names = []
-        for name, module in layers[0].named_modules():
-            short = name.rsplit(".", 1)[-1]
-            if isinstance(module, nn.Linear) and short not in names:
-                names.append(short)
-        return names
+    def _packaged(self) -> dict | None:
+        """The catalog's shipped counts for this model, when its config is exactly the catalog's."""
+        from shardtune.memory.catalog_data import packaged_counts
 
-
-def lora_targets(name: str, module, targets: tuple[str, ...], output_layer) -> bool:
-    """Whether PEFT's LoRA would wrap ``module`` (called ``name``) for ``targets``.
-
-    The rules are PEFT's (peft/tuners/tuners_utils.py): ``all-linear`` is every nn.Linear except the output layer;
-    a listed name matches a module whose full name equals it or ends with ``.name``. Importing PEFT costs ~3 s, so the
-    estimator applies the rules itself; tests/test_inventory.py checks the counts against ``get_peft_model``.
-    """
-    import torch.nn as nn
-
-    if targets == ("all-linear",):
-        return isinstance(module, nn.Linear) and module is not output_layer
-    if not isinstance(module, (nn.Linear, nn.Embedding)):
-        return False
-    return any(name == t or name.endswith("." + t) for t in targets)
+        return packaged_counts(self.name, self.config_dict) if self.use_packaged else None
 
 
 def normalize_targets(target_modules: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -57,6 +58,39 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
+def short_label(setup) -> str:
+    """A setup's name in at most 18 characters, for the side-by-side table."""
+    if setup.strategy == "fsdp":
+        return "FSDP FULL + offload" if setup.offload_params else f"FSDP {setup.sharding_strategy}"
+    return setup.label()
+
+
+SIDE_COLUMNS = ("setup", "params", "grads", "optim", "activ", "ovhd", "total", "fits", "max b")
+
+
+def side_by_side(r: Report) -> Table:
+    """Every compared setup on one row, in GiB per GPU; fits 80 columns (one decimal, short names)."""
+    side = Table(title="Setups side by side, GiB per GPU", title_justify="left", box=box.SIMPLE_HEAD,
+                 pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for col in SIDE_COLUMNS:
+        side.add_column(col, justify="left" if col == "setup" else "right", no_wrap=True)
+    for sb, batch in r.table:
+        pg = sb.per_gpu()
+        ok = sb.fits(r.gpu.memory_bytes)
+        chosen = sb.setup == r.recommendation.setup and r.recommendation.fits
+        side.add_row(short_label(sb.setup) + (" *" if chosen else ""),
+                     *(f"{pg[k] / GIB:.1f}" for k in ("params", "grads", "optimizer", "activations", "overhead",
+                                                       "total")),
+                     "[green]yes[/]" if ok else "[red]no[/]", str(batch))
+    return side
+
+
+def side_by_side_note(r: Report) -> str:
+    context = max((b.cuda_context for b, _ in r.table), default=0)
+    return (f"fits: total + {context / GIB:.2f} GiB CUDA context <= {r.gpu.memory_bytes / GIB:.1f} GiB. "
+            "max b: the largest micro-batch that fits. * recommended.")
+
+
 def render(r: Report, console: Console) -> None:
     b, inv, s = r.breakdown, r.inventory, r.breakdown.setup
     gpus = f"{s.world_size} GPU" + ("s" if s.world_size > 1 else "")
@@ -90,17 +124,8 @@ def render(r: Report, console: Console) -> None:
     if b.cpu_bytes_per_node:
         console.print(f"  CPU offload keeps {_gib(b.cpu_bytes_per_node)} GiB per node in host RAM.")
 
-    side = Table(title="Setups side by side (GiB per GPU, + context = nvidia-smi)", title_justify="left")
-    for col in ("setup", "params", "grads", "optim", "activ", "overhead", "total", "+ context", "fits",
-                "max batch"):
-        side.add_column(col, justify="left" if col == "setup" else "right")
-    for sb, batch in r.table:
-        pg = sb.per_gpu()
-        ok = sb.fits(r.gpu.memory_bytes)
-        side.add_row(sb.setup.label(), *(_gib(pg[k]) for k in ("params", "grads", "optimizer", "activations",
-                                                                   "overhead", "total")),
-                     _gib(sb.total + sb.cuda_context), "[green]yes[/]" if ok else "[red]no[/]", str(batch))
-    console.print(side)
+    console.print(side_by_side(r))
+    console.print(side_by_side_note(r))
 
     rec = r.recommendation
     if rec.fits:

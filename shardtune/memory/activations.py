@@ -1,0 +1,180 @@
+"""Activations: the bytes per token one forward pass keeps for backward, by place in the model.
+
+Counted tensor by tensor from what the transformers implementation saves for backward (sources and measurements:
+the docstring of formula.py, tests/test_activations.py and tests/test_estimate_lora_activations.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shardtune.memory.inventory import ModelInventory, normalize_targets
+from shardtune.memory.setup import LOSS_CHUNKS, Setup
+
+if TYPE_CHECKING:
+    from shardtune.memory.formula import _Dtypes
+
+# Projections grouped by the tensor they read, by the names transformers gives them (Llama-style models, Phi-3's
+# fused projections, Mixtral's router). An adapter on any member of a group keeps that group's input alive.
+ATTENTION_INPUT = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj"})
+MLP_INPUT = frozenset({"gate_proj", "up_proj", "gate_up_proj", "gate"})
+MLP_DOWN = frozenset({"down_proj"})
+_KNOWN_LINEARS = ATTENTION_INPUT | MLP_INPUT | MLP_DOWN | {"o_proj"}
+
+
+def adapted_linears(inv: ModelInventory, setup: Setup) -> frozenset[str] | None:
+    """Short names of a decoder layer's linear layers that carry a LoRA adapter; None for full fine-tuning.
+
+    A model with linear layers outside the known groups, or with experts, is counted as if every weight trained
+    (an over-estimate of its activations, never an under-estimate).
+    """
+    if (setup.method == "full" or inv.num_experts > 1 or not inv.linear_names
+            or not set(inv.linear_names) <= _KNOWN_LINEARS):
+        return None
+    targets = normalize_targets(setup.lora_target_modules)
+    if targets == ("all-linear",):
+        return frozenset(inv.linear_names)
+    return frozenset(t.rsplit(".", 1)[-1] for t in targets) & frozenset(inv.linear_names)
+
+
+class Activations:
+    """Bytes per token that one forward pass keeps for backward, by place in the model."""
+
+    def __init__(self, inv: ModelInventory, setup: Setup, dt: _Dtypes):
+        self.inv, self.setup, self.dt = inv, setup, dt
+        self.adapted = adapted_linears(inv, setup)  # None: every weight trains (full fine-tuning)
+
+    @property
+    def frozen(self) -> bool:
+        """Base weights frozen (LoRA/QLoRA): autograd saves an op's input only where a gradient needs it."""
+        return self.adapted is not None
+
+    def _adapts(self, names: frozenset[str]) -> bool:
+        return self.adapted is None or bool(self.adapted & names)
+
+    def norm(self) -> int:
+        """One RMSNorm: the fp32 upcast of its input, the normalised tensor, and 1/rms per token.
+
+        The normalised tensor is kept only for the gradient of the norm's weight, so a frozen norm keeps none.
+        """
+        h = self.inv.hidden_size
+        normalised = 4 if self.inv.norm_upcasts_weight else self.dt.residual
+        return 4 * h + (0 if self.frozen else normalised * h) + 4
+
+    def attention(self) -> int:
+        inv, e, s = self.inv, self.dt.compute, self.setup.seq_len
+        v_stored = inv.q_dim + 2 * inv.kv_dim if inv.fused_qkv else inv.kv_dim  # a view keeps the fused qkv alive
+        if self.setup.attn_implementation == "eager":
+            repeated = inv.num_kv_heads != inv.num_heads  # repeat_kv copies k and v to every head
+            kv = 2 * inv.q_dim if repeated else inv.kv_dim + v_stored
+            # q, k, v, the output, plus softmax probabilities in fp32 and again in compute dtype (s per head).
+            return e * (inv.q_dim + kv + inv.q_dim) + (4 + e) * inv.num_heads * s
+        # SDPA / flash: rotated q and k, v, the output, and an fp32 log-sum-exp per head.
+        return e * (inv.q_dim + inv.kv_dim + v_stored + inv.q_dim) + 4 * inv.num_heads
+
+    def mlp(self) -> int:
+        inv, e = self.inv, self.dt.compute
+        # Gate output, activation output, up output, and the down projection's input, which only the down weight's
+        # gradient needs (with a frozen base, adapters() counts what an adapter on it keeps).
+        dense = (3 if self.frozen else 4) * e * inv.intermediate_size
+        if inv.num_experts > 1:
+            k = inv.experts_per_token
+            # Each token goes through k experts: their MLP tensors, the gathered token copies, router logits.
+            return k * (dense + e * inv.hidden_size) + 4 * inv.num_experts + 8 * k
+        return dense
+
+    def linear_inputs(self) -> int:
+        """Copies of the normalised hidden states that the projections after each pre-norm keep.
+
+        In compute dtype they share one tensor. Under torch.autocast each projection casts its fp32 input itself
+        (autocast caches casts of weights, not of activations), so q, k and v keep three copies and gate and up two.
+        """
+        inv = self.inv
+        copies = inv.pre_norms_per_layer
+        if self.dt.autocast_copies:
+            copies = (1 if inv.fused_qkv else 3) + (1 if inv.fused_gate_up else 2)
+        elif self.frozen:  # a frozen projection keeps no input: adapters() counts what the adapters keep
+            copies = 0
+        return copies * self.dt.compute * inv.hidden_size
+
+    def _input_width(self, name: str) -> int:
+        if name in MLP_DOWN:
+            return self.inv.intermediate_size
+        return self.inv.q_dim if name == "o_proj" else self.inv.hidden_size
+
+    def adapters(self) -> int:
+        """What LoRA adapters keep for backward: the input of A (for A's gradient) and A's r-wide output (for B's).
+
+        Adapters in bf16 (pure bf16) read the projection's input as it is, so the projections behind one norm share
+        one copy, and o_proj's input is the attention output its kernel keeps anyway. Adapters in fp32 (PEFT's
+        default on a bf16 base) cast their input to fp32 one adapter at a time, so each keeps its own fp32 copy;
+        under FSDP the MixedPrecisionPolicy gathers them in bf16, so they behave as bf16 adapters.
+        Measured on real PEFT models in tests/test_estimate_lora_activations.py.
+        """
+        if not self.adapted:
+            return 0
+        r = self.setup.lora_r
+        if self.dt.master == 4 and self.setup.strategy != "fsdp":
+            return sum(4 * (self._input_width(name) + r) for name in self.adapted)
+        e = self.dt.compute
+        shared = int(bool(self.adapted & ATTENTION_INPUT)) + int(bool(self.adapted & MLP_INPUT))
+        down = e * self.inv.intermediate_size if self.adapted & MLP_DOWN else 0
+        return e * r * len(self.adapted) + shared * e * self.inv.hidden_size + down
+
+    def layer(self) -> int:
+        """A decoder layer without checkpointing."""
+        inv = self.inv
+        return (inv.norms_per_layer * self.norm() + self.linear_inputs() + self.attention() + self.mlp()
+                + self.adapters())
+
+    def layer_checkpointed(self) -> int:
+        """A checkpointed layer keeps only its input."""
+        return self.dt.residual * self.inv.hidden_size
+
+    def layer_backward_temporaries(self) -> int:
+        """Gradients alive inside one layer's backward: two intermediate-sized, two residual-sized."""
+        inv = self.inv
+        width = inv.intermediate_size * (inv.experts_per_token if inv.num_experts > 1 else 1)
+        return 2 * self.dt.compute * width + 2 * self.dt.residual * inv.hidden_size
+
+    def outside_layers(self) -> int:
+        """Final norm, the lm_head input, input ids and labels (int64), and what the loss keeps for backward.
+
+        The full loss keeps the fp32 log-softmax of every token; the chunked loss keeps the compute-dtype logits
+        and recomputes the softmax one chunk at a time in backward (torchtune's CEWithChunkedOutputLoss, compiled).
+        """
+        inv = self.inv
+        if self.setup.loss == "full":
+            kept = 4 * inv.vocab_size
+        else:  # the compute-dtype logits and the fp32 log-sum-exp of each token
+            kept = self.dt.compute * inv.vocab_size + 4
+        if self.frozen:
+            # A frozen head keeps no input; and nothing before the first layer's input norm needs a gradient (the
+            # embeddings are frozen), so that norm keeps nothing either.
+            return 16 + kept
+        return self.norm() + self.dt.compute * inv.hidden_size + 16 + kept
+
+    def rope_tables(self) -> int:
+        """RoPE's cos and sin for every position (shared by all layers and sequences of the batch)."""
+        return 2 * self.setup.seq_len * self.inv.head_dim * self.dt.residual
+
+    def loss_forward_extra(self) -> int:
+        """Logits in compute dtype and their fp32 upcast, alive while the loss is computed."""
+        v, e = self.inv.vocab_size, self.dt.compute
+        if self.setup.loss == "chunked":
+            # torchtune compiles the per-chunk upcast + cross-entropy (training.compile_loss): inductor fuses the
+            # upcast into the log-sum-exp reduction, so no fp32 copy of a chunk is materialised, only one fp32
+            # log-sum-exp per token (counted with the saved logits).
+            return 0
+        return e * v + (4 * v if e != 4 else 0)
+
+    def loss_backward_extra(self) -> int:
+        """The fp32 gradients of nll_loss and log_softmax at the start of backward."""
+        v = self.inv.vocab_size
+        if self.setup.loss == "chunked":
+            # Each chunk is its own branch of the graph: autograd runs one chunk's loss backward and then its slice
+            # of the output projection, and frees that chunk's gradient before the next one, so one chunk's
+            # gradient is alive, never all of them. The compiled backward writes it (softmax - one-hot) straight
+            # in compute dtype, with no fp32 intermediate.
+            return self.dt.compute * v // LOSS_CHUNKS
+        return 8 * v

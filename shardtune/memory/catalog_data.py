@@ -1,0 +1,71 @@
+"""Exact counts of every catalog model, shipped with the package so the first estimate needs no torch.
+
+Building a model on the meta device needs torch and transformers, whose imports alone take ~3 s: too slow for "an
+instant answer". So ``catalog_counts.json`` holds, per catalog model, the ``ModelInventory`` and the LoRA module
+table that ``ModelAnalysis`` computes from the meta model: the same code, run ahead of time. An entry is used only
+when the config is exactly the catalog's (its SHA-256 is stored beside it); tests/test_estimate_catalog_data.py
+rebuilds every model on meta with the installed transformers and asserts the shipped data equals what it computes.
+
+Regenerate after changing the catalog or the counting code:  python -m shardtune.memory.catalog_data
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from functools import cache
+from pathlib import Path
+
+DATA_PATH = Path(__file__).with_name("catalog_counts.json")
+
+
+def config_sha256(config_dict: dict) -> str:
+    """A stable digest of a config dict (key order does not matter)."""
+    return hashlib.sha256(json.dumps(config_dict, sort_keys=True).encode()).hexdigest()
+
+
+@cache
+def _load() -> dict:
+    try:
+        return json.loads(DATA_PATH.read_text())
+    except (OSError, ValueError):  # a missing or damaged file only costs time: the model is built instead
+        return {"models": {}}
+
+
+def packaged_counts(name: str, config_dict: dict) -> dict | None:
+    """The shipped {"inventory", "table"} of catalog model ``name``, if ``config_dict`` is exactly its config."""
+    entry = _load()["models"].get(name)
+    if entry and entry["config_sha256"] == config_sha256(config_dict):
+        return entry
+    return None
+
+
+def compute_entry(name: str) -> dict:
+    """Build catalog model ``name`` on meta and return what the package ships for it."""
+    from shardtune.memory.inventory import ModelAnalysis
+
+    analysis = ModelAnalysis(name, use_cache=False, use_packaged=False)  # count from the model itself
+    digest = config_sha256(analysis.config_dict)
+    inventory = asdict(analysis.inventory)
+    inventory.pop("name")
+    return {"config_sha256": digest, "inventory": inventory, "table": analysis.table}
+
+
+def write_catalog_counts(path: Path = DATA_PATH) -> None:
+    """Recompute every catalog model and write ``path`` (via a temporary file and a rename)."""
+    import importlib.metadata
+
+    from shardtune import catalog
+
+    data = {"transformers": importlib.metadata.version("transformers"),
+            "models": {name: compute_entry(name) for name in catalog.names()}}
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, separators=(",", ":"), sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+if __name__ == "__main__":
+    write_catalog_counts()
+    print(f"wrote {DATA_PATH}")

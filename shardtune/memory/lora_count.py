@@ -1,0 +1,154 @@
+"""LoRA's trainable parameters, counted from a table of the model's adaptable weights by PEFT's own target rules.
+
+The table lists every module and parameter LoRA can wrap, with its shape: ``nn.Linear`` and ``nn.Embedding``
+modules, and (transformers 5) the 3-D expert tensors and router weights of mixture-of-experts layers. It is built
+once from the model on the meta device (``module_table``) and is plain data, so counting needs neither torch nor
+PEFT: the catalog ships it (shardtune/memory/catalog_counts.json), and tests/test_estimate_catalog_data.py checks
+that the counts equal ``get_peft_model`` injected on meta.
+
+The rules are PEFT's (peft 0.21):
+- ``all-linear`` is every ``nn.Linear`` except the output head (tuners_utils._maybe_include_all_linear_layers);
+- a listed name matches a module whose full name equals it or ends with ``.name`` (check_target_module_exists);
+- an adapter of rank r adds A (r x in) and B (out x r) (Hu et al. 2021, sec. 4);
+- transformers 5 fused Mixtral's experts into 3-D tensors; PEFT maps the transformers-4 names onto them
+  (utils/transformers_weight_conversion.py, ``_MOE_TARGET_MODULE_MAPPING``): ``w1`` and ``w3`` onto
+  ``gate_up_proj`` at rank 2r (both must be targeted), ``w2`` onto ``down_proj``, ``gate`` onto the router's
+  weight, and ``all-linear`` onto all of them. A 3-D tensor of E experts gets A (E*r x in) and B (out x E*r).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardtune.errors import UsageError
+
+# PEFT's map from transformers-4 MoE names to transformers-5 parameters, and which of them are fused (rank x count).
+MOE_TARGETS: dict[str, dict[str, str]] = {
+    "mixtral": {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
+    "qwen2_moe": {"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+                  "down_proj": "down_proj"},
+}
+MOE_FUSED: dict[str, dict[str, tuple[str, ...]]] = {
+    "mixtral": {"gate_up_proj": ("w1", "w3")},
+    "qwen2_moe": {"gate_up_proj": ("gate_proj", "up_proj")},
+}
+
+
+@dataclass(frozen=True)
+class LoraCount:
+    """Trainable LoRA parameters, split the way the memory formula needs them."""
+
+    r: int
+    target_modules: tuple[str, ...]
+    per_layer: tuple[int, ...]  # adapters inside each decoder layer
+    outside_layers: int  # adapters on modules outside the decoder stack (e.g. lm_head if targeted)
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer) + self.outside_layers
+
+
+def module_table(model, layers, model_type: str) -> dict:
+    """The adaptable weights of ``model`` (built on meta) as plain data: see the module docstring.
+
+    Rows are ``[name, kind, dim_in, dim_out, experts]`` with kind ``linear``, ``embedding`` or ``param`` (a tensor
+    PEFT wraps as a parameter; a 3-D expert tensor has ``experts`` > 1 and its last two dims). Decoder-layer rows are
+    stored once, relative to the layer, when every layer has the same rows.
+    """
+    import torch.nn as nn
+
+    prefix = next(name for name, module in model.named_modules() if module is layers) + "."
+    output = model.get_output_embeddings()
+    output_name = next((n for n, m in model.named_modules() if m is output), None) if output is not None else None
+    moe_params = set(MOE_TARGETS.get(model_type, {}).values())
+    rows: list[list] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            rows.append([name, "linear", module.in_features, module.out_features, 1])
+        elif isinstance(module, nn.Embedding):
+            rows.append([name, "embedding", module.num_embeddings, module.embedding_dim, 1])
+        else:
+            for pname, p in module.named_parameters(recurse=False):
+                full = f"{name}.{pname}"
+                if any(full.endswith("." + t) for t in moe_params):
+                    experts, d1, d2 = (p.shape[0], p.shape[1], p.shape[2]) if p.dim() == 3 else (1, p.shape[1],
+                                                                                                p.shape[0])
+                    rows.append([full, "param", int(d1), int(d2), int(experts)])
+    per_layer: list[list[list]] = [[] for _ in layers]
+    outside: list[list] = []
+    for row in rows:
+        index, _, relative = row[0][len(prefix):].partition(".") if row[0].startswith(prefix) else ("", "", "")
+        if index.isdigit():
+            per_layer[int(index)].append([relative, *row[1:]])
+        else:
+            outside.append(row)
+    uniform = all(r == per_layer[0] for r in per_layer)
+    return {"layers_prefix": prefix, "num_layers": len(layers), "output_name": output_name,
+            "model_type": model_type, "outside_rows": outside,
+            "layer_rows": per_layer[0] if uniform else per_layer, "uniform": uniform}
+
+
+def _layer_rows(table: dict, i: int) -> list[list]:
+    return table["layer_rows"] if table["uniform"] else table["layer_rows"][i]
+
+
+def _moe_targets(table: dict, targets: tuple[str, ...]) -> dict[str, int]:
+    """PEFT's MoE remapping: parameter short name -> rank multiplier, for the targets that name MoE weights."""
+    mapping = MOE_TARGETS.get(table["model_type"], {})
+    if not mapping:
+        return {}
+    named = set(mapping) if targets == ("all-linear",) else {t for t in targets if t in mapping}
+    out: dict[str, int] = {}
+    for old in named:
+        out[mapping[old]] = 1
+    for fused, members in MOE_FUSED.get(table["model_type"], {}).items():
+        present = [m for m in members if m in named]
+        if 0 < len(present) < len(members):
+            raise UsageError(f"--lora-target-modules names {', '.join(present)} but not "
+                             f"{', '.join(m for m in members if m not in present)}: they are fused into one "
+                             f"'{fused}' tensor, so target all of {', '.join(members)} or none.")
+        if present:
+            out[fused] = len(members)
+    return out
+
+
+def _matches(full_name: str, kind: str, targets: tuple[str, ...], output_name: str | None) -> bool:
+    if targets == ("all-linear",):
+        return kind == "linear" and full_name != output_name
+    if kind not in ("linear", "embedding"):
+        return False
+    return any(full_name == t or full_name.endswith("." + t) for t in targets)
+
+
+def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str) -> LoraCount:
+    """Trainable parameters of LoRA rank ``r`` on ``targets`` for the model described by ``table``."""
+    moe = _moe_targets(table, targets)
+
+    def added(full_name: str, row: list) -> int:
+        _, kind, d_in, d_out, experts = row
+        if kind == "param":
+            times = next((n for t, n in moe.items() if full_name.endswith("." + t)), 0)
+            return r * times * experts * (d_in + d_out)
+        return r * (d_in + d_out) if _matches(full_name, kind, targets, table["output_name"]) else 0
+
+    prefix = table["layers_prefix"]
+    per_layer = []
+    for i in range(table["num_layers"]):
+        per_layer.append(sum(added(f"{prefix}{i}.{row[0]}", row) for row in _layer_rows(table, i)))
+    outside = sum(added(row[0], row) for row in table["outside_rows"])
+    if sum(per_layer) + outside == 0:
+        raise UsageError(
+            f"--lora-target-modules {','.join(targets)} matches no linear layer of {model_name}; "
+            f"use all-linear or names such as {', '.join(linear_names(table)[:6])}."
+        )
+    return LoraCount(r=r, target_modules=targets, per_layer=tuple(per_layer), outside_layers=outside)
+
+
+def linear_names(table: dict) -> list[str]:
+    """Distinct short names of the linear layers inside a decoder layer (what LoRA can target)."""
+    names: list[str] = []
+    for row in _layer_rows(table, 0):
+        short = row[0].rsplit(".", 1)[-1]
+        if row[1] == "linear" and short not in names:
+            names.append(short)
+    return names
