@@ -1,0 +1,132 @@
+"""``shardtune generate`` and ``shardtune chat``: talk to a model folder or a fine-tuned adapter, with the KV cache."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+from shardtune.errors import UsageError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL_OR_ADAPTER",
+                   help="a local Transformers model folder, or a PEFT adapter folder (e.g. OUTPUT_DIR/final)")
+    p.add_argument("--max_new_tokens", "--max-new-tokens", type=int, default=256, metavar="N",
+                   help="most tokens to generate per reply (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 is greedy; above 0 samples (default: 0)")
+    p.add_argument("--top_p", "--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: keep the most likely tokens up to this probability mass (default: 1)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampling generator (default: 0)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message put before the conversation")
+    p.add_argument("--no-cache", dest="use_cache", action="store_false",
+                   help="recompute the whole prefix every token instead of using the KV cache (slow; for checks)")
+    p.add_argument("--dtype", default="auto", help=f"{' | '.join(DTYPES)} (default: bf16 on a GPU, else float32)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
+                   help="run Python code shipped in the model folder (only for folders you trust)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="generate a reply to one prompt, streamed as it is decoded",
+                       description="Generate a reply to --prompt with a model folder or a PEFT adapter folder, "
+                                   "through the tokenizer's chat template, using the KV cache.")
+    _add_common(g)
+    g.add_argument("--prompt", required=True, metavar="TEXT",
+                   help="the user's message (plain text with --no-chat-template)")
+    g.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                   help="feed the prompt as plain text instead of through the chat template")
+    g.set_defaults(func=main_generate)
+    c = sub.add_parser("chat", help="chat with a model in the terminal (/reset, /exit)",
+                       description="An interactive conversation: type a message, the reply streams back. "
+                                   "/reset starts over, /exit or end of input (Ctrl-D) quits.")
+    _add_common(c)
+    c.set_defaults(func=main_chat)
+
+
+def _load(args: argparse.Namespace):
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per run is noise before a chat
+
+    from shardtune.errors import check_choice
+    from shardtune.generate import load_for_generation
+
+    dtype_name = check_choice(args.dtype, DTYPES, "--dtype")
+    dtype = None if dtype_name == "auto" else getattr(torch, dtype_name)
+    return load_for_generation(args.model, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+
+
+def _options(args: argparse.Namespace) -> dict:
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "seed": args.seed, "use_cache": args.use_cache}
+
+
+def _write(out: TextIO):
+    def stream(piece: str) -> None:
+        out.write(piece)
+        out.flush()
+
+    return stream
+
+
+def main_generate(args: argparse.Namespace) -> int:
+    from shardtune.generate import GenerationStats, encode_prompt, generate
+
+    model, tokenizer = _load(args)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, chat_template=args.chat_template, system=args.system)
+    stats = GenerationStats()
+    generate(model, tokenizer, prompt_ids, stream=_write(sys.stdout), stats=stats, **_options(args))
+    sys.stdout.write("\n")
+    print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_s * 1e3:.0f} ms; {stats.new_tokens} new "
+          f"tokens at {stats.tokens_per_s:.1f} tokens/s; stopped by {stats.stop_reason}; "
+          f"KV cache {'on' if args.use_cache else 'off'}]", file=sys.stderr)
+    return 0
+
+
+def run_chat(session, lines: TextIO, out: TextIO, prompt: str = "you> ") -> None:
+    """Read user turns from ``lines`` until /exit or end of input, streaming each reply to ``out``."""
+    interactive = lines.isatty()
+    while True:
+        if interactive:
+            try:
+                line = input(prompt) + "\n"  # input() gives line editing and history where readline exists
+            except EOFError:  # Ctrl-D
+                out.write("\n")
+                return
+        else:
+            line = lines.readline()  # a script piped in: no prompts echoed between its lines
+            if not line:
+                return
+        text = line.strip()
+        if text == "/exit":
+            return
+        if text == "/reset":
+            session.reset()
+            out.write("[conversation reset]\n")
+            continue
+        if not text:
+            continue
+        if text.startswith("/"):
+            out.write(f"[unknown command {text.split()[0]}: use /reset or /exit]\n")
+            continue
+        out.write("assistant> ")
+        session.reply(text, stream=_write(out))
+        out.write("\n")
+
+
+def main_chat(args: argparse.Namespace) -> int:
+    from shardtune.generate import ChatSession
+
+    model, tokenizer = _load(args)
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"the tokenizer of '{args.model}' has no chat template, so chat cannot tell the turns apart; "
+                         f"use 'shardtune generate --no-chat-template' for plain-text continuation.")
+    session = ChatSession(model, tokenizer, system=args.system, options=_options(args))
+    print("Chat with the model: /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
+    run_chat(session, sys.stdin, sys.stdout)
+    return 0

@@ -1,0 +1,21 @@
+"""shardtune plot: PNGs of a training run's loss (train and eval, against steps and tokens), learning rate and
+gradient norm, read from OUTPUT_DIR/metrics.jsonl."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="write PNGs of a run's loss, learning rate and grad norm", description=__doc__)
+    p.add_argument("output_dir", metavar="OUTPUT_DIR", help="a training run's output_dir (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, metavar="DIR", help="folder for the PNGs (default: OUTPUT_DIR/plots)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from shardtune.plot import write_plots
+
+    for path in write_plots(args.output_dir, args.out):
+        print(path)
+    return 0

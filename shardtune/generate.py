@@ -1,0 +1,321 @@
+"""Text generation with the model's KV cache: prefill the prompt once, then one position per new token.
+
+The loop is written out rather than delegated to ``model.generate`` so that what it costs is plain to read: the prompt
+goes through the model once and fills a ``DynamicCache``; every later step feeds only the newest token, at the next
+position, and attends to the cached keys and values. ``use_cache=False`` recomputes the whole prefix every step; it
+exists to check that the cache changes nothing but the speed, and to measure by how much.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+import warnings
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtune.errors import UsageError
+
+# End-of-turn markers of the common chat formats (ChatML, Llama-3, Phi-3, Gemma, Mistral); a model whose
+# generation_config lists only the end-of-text token would otherwise talk past the end of its own turn.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+
+
+@dataclass
+class GenerationStats:
+    """What one call to :func:`generate` cost."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stop_reason: str = ""  # "stop_token" or "max_new_tokens"
+    stop_token_id: int | None = None
+    decode_steps: int = 0  # forwards after the prefill (the first token comes out of the prefill)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decoding speed in forwards (one token each) per second, prefill excluded."""
+        return self.decode_steps / self.decode_s if self.decode_steps and self.decode_s > 0 else float("nan")
+
+
+# --------------------------------------------------------------------------------------------------------- loading
+
+
+def _read_adapter_base(adapter_dir: Path) -> Path:
+    """The base model folder an adapter names, resolved as given or relative to the adapter folder."""
+    config_file = adapter_dir / "adapter_config.json"
+    try:
+        base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{config_file}: not valid JSON ({exc}); re-save the adapter with save_pretrained.") from exc
+    if not base:
+        raise UsageError(f"{config_file}: no 'base_model_name_or_path'; set it to the local base model folder.")
+    for candidate in (Path(base).expanduser(), adapter_dir / base):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise UsageError(f"{config_file}: base_model_name_or_path '{base}' is not a local model folder (nothing is "
+                     f"downloaded); point it at the folder that holds the base model's config.json.")
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32  # CPU matmuls in bf16 are slow and lose the token-for-token match with training-time fp32
+
+
+def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                        trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """Load a local model folder, or a PEFT adapter folder on top of its base, in eval mode: (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise UsageError(f"MODEL_OR_ADAPTER '{path}' is not a folder; give a model folder (with config.json) or a "
+                         f"PEFT adapter folder (with adapter_config.json).")
+    is_adapter = (folder / "adapter_config.json").is_file()
+    if not is_adapter and not (folder / "config.json").is_file():
+        raise UsageError(f"'{path}' holds neither config.json nor adapter_config.json; give a Transformers model "
+                         f"folder or a PEFT adapter folder (e.g. a training run's final/).")
+    base = _read_adapter_base(folder) if is_adapter else folder
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, local_files_only=True,
+                                                 trust_remote_code=trust_remote_code)
+    if is_adapter:
+        from peft import PeftModel
+
+        with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing the user can fix
+            warnings.simplefilter("ignore", FutureWarning)
+            model = PeftModel.from_pretrained(model, folder, is_trainable=False, local_files_only=True)
+    # A fine-tune saves its tokenizer (and chat template) next to the adapter; prefer it to the base one.
+    tokenizer_dir = folder if _has_tokenizer(folder) else base
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    return model.to(device).eval(), tokenizer
+
+
+# ------------------------------------------------------------------------------------------------------ prompting
+
+
+def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends a reply: EOS of the tokenizer, config and generation config, and known end-of-turn tokens."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        vocab = tokenizer.get_vocab()
+        ids.update(vocab[token] for token in END_OF_TURN_TOKENS if token in vocab)
+    return ids
+
+
+def encode_prompt(tokenizer: Any, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+                  chat_template: bool = True, system: str | None = None) -> list[int]:
+    """Token ids of a prompt, through the tokenizer's chat template (with the assistant turn opened) unless told not to.
+
+    The template is rendered to text and then tokenized so that a tokenizer which adds BOS itself gets exactly one BOS,
+    whether or not the template writes it.
+    """
+    if messages is None:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    if chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UsageError("this tokenizer has no chat template; pass --no-chat-template to feed the prompt as "
+                             "plain text, or use a model whose tokenizer_config.json carries one.")
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    else:
+        text = "\n".join(m["content"] for m in messages)
+    bos = tokenizer.bos_token
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+
+
+class StreamDecoder:
+    """Turns token ids into text pieces as they arrive, holding back bytes of a character not yet complete.
+
+    Decoding each token alone splits multi-byte characters (and drops the spaces some tokenizers attach to the
+    next token), so each piece is the difference between decoding a short window with and without the new ids.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_start = 0  # the window starts here, so decoding stays O(window), not O(reply)
+        self.read_end = 0  # ids before this are already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_start:self.read_end])
+        text = self._decode(self.ids[self.prefix_start:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the rest of the character
+        self.prefix_start, self.read_end = self.read_end, len(self.ids)
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        """What is still held back at the end of the reply (bytes that never completed a character)."""
+        prefix = self._decode(self.ids[self.prefix_start:self.read_end])
+        text = self._decode(self.ids[self.prefix_start:])
+        self.prefix_start = self.read_end = len(self.ids)
+        return text[len(prefix):]
+
+
+# ------------------------------------------------------------------------------------------------------- decoding
+
+
+def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> int:
+    """The next token from 1-D ``logits``: argmax when temperature is 0, else nucleus (top-p) sampling."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # stable sort keeps equal probabilities in index order, so a tiny top_p picks the same token as argmax
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep = mass_before < top_p
+    keep[0] = True  # the most likely token always stays in the nucleus
+    kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    choice = torch.multinomial(kept / kept.sum(), 1, generator=generator)
+    return int(order[choice])
+
+
+def _forward_params(model: Any) -> set[str]:
+    """Names the underlying Transformers forward accepts (PeftModel's forward is ``*args, **kwargs``)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(inspect.signature(inner.forward).parameters)
+
+
+class _Stepper:
+    """One forward per step: with the cache only the new tokens are fed, without it the whole sequence is."""
+
+    def __init__(self, model: Any, use_cache: bool):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.use_cache = use_cache
+        params = _forward_params(model)
+        self.pass_cache_position = "cache_position" in params  # transformers 4.x models want it with a cache
+        self.logits_to_keep = "logits_to_keep" in params  # skip the vocab projection of every prompt position
+        self.cache = DynamicCache(config=getattr(model, "config", None)) if use_cache else None
+        self.seen = 0  # positions already in the cache
+        self.calls = 0
+
+    def __call__(self, all_ids: list[int], device: torch.device) -> torch.Tensor:
+        new = all_ids[self.seen:] if self.use_cache else all_ids
+        start = self.seen if self.use_cache else 0
+        positions = torch.arange(start, start + len(new), device=device)
+        kwargs: dict[str, Any] = {"input_ids": torch.tensor([new], device=device),
+                                  "position_ids": positions.unsqueeze(0), "use_cache": self.use_cache}
+        if self.use_cache:
+            kwargs["past_key_values"] = self.cache
+            if self.pass_cache_position:
+                kwargs["cache_position"] = positions
+        if self.logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        logits = self.model(**kwargs).logits[0, -1]
+        self.calls += 1
+        if self.use_cache:
+            self.seen = len(all_ids)
+        return logits
+
+
+def _model_device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.inference_mode()
+def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = 128,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, use_cache: bool = True,
+             stream: Callable[[str], None] | None = None, stop_ids: Collection[int] | None = None,
+             stats: GenerationStats | None = None) -> list[int]:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``; returns the new ids, without the stop token.
+
+    Greedy when ``temperature`` is 0, else temperature plus top-p sampling from a generator seeded with ``seed``.
+    ``stream`` receives the text as it is decoded. ``stop_ids`` defaults to :func:`stop_token_ids`; pass an empty
+    set to always run to ``max_new_tokens``. ``stats``, if given, is filled with timings.
+    """
+    if max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be at least 1 (got {max_new_tokens}).")
+    if temperature < 0:
+        raise UsageError(f"temperature must be >= 0 (got {temperature:g}); use 0 for greedy decoding.")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"top_p must be in (0, 1] (got {top_p:g}); 1 keeps every token.")
+    if not prompt_ids:
+        raise UsageError("the prompt is empty after tokenization; give some text.")
+    stops = stop_token_ids(model, tokenizer) if stop_ids is None else set(stop_ids)
+    device = _model_device(model)
+    generator = None
+    if temperature > 0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed if seed is not None else int(torch.seed()))
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens, stats.new_tokens = len(prompt_ids), 0
+    decoder = StreamDecoder(tokenizer) if stream is not None else None
+    step = _Stepper(model, use_cache)
+    ids = list(prompt_ids)
+    new_ids: list[int] = []
+    stats.stop_reason = "max_new_tokens"
+    start = time.perf_counter()
+    for i in range(max_new_tokens):
+        token = sample_next(step(ids, device), temperature=temperature, top_p=top_p, generator=generator)
+        if i == 0:
+            stats.prefill_s = time.perf_counter() - start
+            start = time.perf_counter()
+        if token in stops:
+            stats.stop_reason, stats.stop_token_id = "stop_token", token
+            break
+        ids.append(token)
+        new_ids.append(token)
+        if decoder is not None:
+            piece = decoder.push(token)
+            if piece:
+                stream(piece)
+    if decoder is not None and (rest := decoder.flush()):
+        stream(rest)
+    stats.decode_steps = max(step.calls - 1, 0)
+    stats.decode_s = time.perf_counter() - start if stats.decode_steps else 0.0
+    stats.new_tokens = len(new_ids)
+    return new_ids
+
+
+@dataclass
+class ChatSession:
+    """A conversation kept across turns; each turn re-encodes it through the chat template."""
+
+    model: Any
+    tokenizer: Any
+    system: str | None = None
+    options: dict = field(default_factory=dict)  # generate() keywords: max_new_tokens, temperature, top_p, seed ...
+    messages: list[dict] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reply(self, user_text: str, stream: Callable[[str], None] | None = None) -> str:
+        """Add the user's message, generate the assistant's answer, keep both, and return the answer."""
+        self.messages.append({"role": "user", "content": user_text})
+        prompt_ids = encode_prompt(self.tokenizer, messages=self.messages)
+        new_ids = generate(self.model, self.tokenizer, prompt_ids, stream=stream, **self.options)
+        answer = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        self.messages.append({"role": "assistant", "content": answer})
+        return answer

@@ -1,0 +1,213 @@
+"""Generation: the KV cache changes nothing but the speed; sampling, stopping, adapters and the CLI behave."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from shardtune.cli import main
+from shardtune.errors import UsageError
+from shardtune.generate import (ChatSession, GenerationStats, StreamDecoder, encode_prompt, generate,
+                                load_for_generation, sample_next, stop_token_ids)
+
+ANSWER = ("one two three four five six seven eight nine ten the cat and the dog are red green blue small large "
+          "quick slow happy sad tree house car road river bird fish")
+STORY_START = "Once upon a time"
+STORY = STORY_START + " the model was small and the batch was large and the memory was yes"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from two threads, and on a loaded machine a second thread makes every op wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny Llama folder trained to answer 'Count please' with ANSWER and to end STORY with EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.tiny import make_model_folder
+
+    folder = make_model_folder(tmp_path_factory.mktemp("trained") / "model", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    chat = encode_prompt(tokenizer, "Count please") + tokenizer(ANSWER + "<|im_end|>", add_special_tokens=False)[
+        "input_ids"]
+    story = tokenizer(STORY)["input_ids"] + [tokenizer.eos_token_id]
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(200):
+        for seq in (chat, story):
+            ids = torch.tensor([seq])
+            model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def loaded(trained):
+    return load_for_generation(trained, device="cpu")
+
+
+def test_kv_cache_matches_no_cache_token_for_token(loaded):
+    model, tokenizer = loaded
+    # a memorised reply, and text the model never saw (so it wanders far from anything learned)
+    for prompt in (encode_prompt(tokenizer, "Count please"),
+                   tokenizer("Seven blue birds and 42 red cars")["input_ids"]):
+        with_cache = generate(model, tokenizer, prompt, max_new_tokens=60, stop_ids=(), use_cache=True)
+        without = generate(model, tokenizer, prompt, max_new_tokens=60, stop_ids=(), use_cache=False)
+        assert len(with_cache) == 60
+        assert with_cache == without
+
+
+def test_greedy_reproduces_the_trained_reply_and_stops_at_end_of_turn(loaded):
+    model, tokenizer = loaded
+    stats = GenerationStats()
+    new = generate(model, tokenizer, encode_prompt(tokenizer, "Count please"), max_new_tokens=100, stats=stats)
+    assert len(new) >= 30
+    assert tokenizer.decode(new) == ANSWER
+    assert stats.stop_reason == "stop_token"
+    assert stats.stop_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert stats.new_tokens == len(new) and stats.decode_steps == len(new)
+
+
+def test_stops_at_eos_and_at_max_new_tokens(loaded):
+    model, tokenizer = loaded
+    prompt = tokenizer(STORY_START)["input_ids"]
+    stats = GenerationStats()
+    new = generate(model, tokenizer, prompt, max_new_tokens=100, stats=stats)
+    assert tokenizer.decode(prompt + new, skip_special_tokens=True) == STORY
+    assert stats.stop_token_id == tokenizer.eos_token_id
+    assert tokenizer.eos_token_id in stop_token_ids(model, tokenizer)
+    short = generate(model, tokenizer, prompt, max_new_tokens=5, stats=stats)
+    assert short == new[:5] and stats.stop_reason == "max_new_tokens"
+
+
+def test_sampling_is_reproducible_per_seed_and_differs_across_seeds(tmp_path):
+    from shardtune.tiny import make_model_folder
+
+    # the untrained model spreads its probability, so different seeds must give different text
+    model, tokenizer = load_for_generation(make_model_folder(tmp_path / "random"), device="cpu")
+    prompt = encode_prompt(tokenizer, "hello")
+    runs = {seed: generate(model, tokenizer, prompt, max_new_tokens=30, temperature=1.0, top_p=0.95, seed=seed,
+                           stop_ids=()) for seed in range(4)}
+    again = generate(model, tokenizer, prompt, max_new_tokens=30, temperature=1.0, top_p=0.95, seed=2, stop_ids=())
+    assert again == runs[2]
+    assert len({tuple(r) for r in runs.values()}) == 4
+    cached_off = generate(model, tokenizer, prompt, max_new_tokens=30, temperature=1.0, top_p=0.95, seed=2,
+                          stop_ids=(), use_cache=False)
+    assert cached_off == runs[2]
+    greedy = generate(model, tokenizer, prompt, max_new_tokens=30, stop_ids=())
+    tiny_p = generate(model, tokenizer, prompt, max_new_tokens=30, temperature=1.0, top_p=1e-6, seed=3, stop_ids=())
+    assert tiny_p == greedy
+
+
+def test_top_p_keeps_only_the_nucleus_and_renormalises():
+    probs = torch.tensor([0.1, 0.5, 0.05, 0.3, 0.05])
+    logits = probs.log()
+    generator = torch.Generator().manual_seed(0)
+    draws = [sample_next(logits, temperature=1.0, top_p=0.7, generator=generator) for _ in range(3000)]
+    counts = torch.bincount(torch.tensor(draws), minlength=5).float() / len(draws)
+    # 0.5 alone is below 0.7, so the nucleus is {1, 3}: renormalised to 0.5/0.8 and 0.3/0.8
+    assert counts[[0, 2, 4]].sum() == 0
+    assert abs(counts[1] - 0.5 / 0.8) < 0.03 and abs(counts[3] - 0.3 / 0.8) < 0.03
+    # temperature 2 flattens: the pair keeps the ratio of p**0.5
+    hot = [sample_next(logits, temperature=2.0, top_p=0.6, generator=generator) for _ in range(3000)]
+    share = sum(d == 1 for d in hot) / len(hot)
+    expected = 0.5 ** 0.5 / (0.5 ** 0.5 + 0.3 ** 0.5)
+    assert set(hot) <= {1, 3} and abs(share - expected) < 0.03
+
+
+def test_stream_pieces_join_to_the_decoded_reply_without_splitting_characters(loaded):
+    model, tokenizer = loaded
+    pieces: list[str] = []
+    new = generate(model, tokenizer, encode_prompt(tokenizer, "Count please"), max_new_tokens=100,
+                   stream=pieces.append)
+    assert len(pieces) > 10 and "".join(pieces) == tokenizer.decode(new)
+    text = "naïve café — 日本語 🙂 ok"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    decoder = StreamDecoder(tokenizer)
+    streamed = [decoder.push(i) for i in ids] + [decoder.flush()]
+    assert "".join(streamed) == text and not any("\ufffd" in piece for piece in streamed)
+
+
+def _make_adapter(base_folder, adapter_folder):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_folder)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # B starts at zero; make the adapter change the model
+                param.normal_(0, 0.3)
+    peft_model.save_pretrained(adapter_folder)
+    return peft_model
+
+
+def test_adapter_folder_loads_and_matches_the_merged_model(trained, loaded, tmp_path):
+    base_model, tokenizer = loaded
+    peft_model = _make_adapter(trained, tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    merged = peft_model.merge_and_unload().eval()
+    adapted, _ = load_for_generation(tmp_path / "adapter", device="cpu")
+    prompt = encode_prompt(tokenizer, "Count please")
+    from_adapter = generate(adapted, tokenizer, prompt, max_new_tokens=40, stop_ids=())
+    assert from_adapter == generate(merged, tokenizer, prompt, max_new_tokens=40, stop_ids=())
+    assert from_adapter != generate(base_model, tokenizer, prompt, max_new_tokens=40, stop_ids=())
+    assert from_adapter == generate(adapted, tokenizer, prompt, max_new_tokens=40, stop_ids=(), use_cache=False)
+
+
+def test_bad_paths_are_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match="not a folder"):
+        load_for_generation(tmp_path / "missing")
+    with pytest.raises(UsageError, match="neither config.json nor adapter_config.json"):
+        load_for_generation(tmp_path)
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/remote"}))
+    with pytest.raises(UsageError, match="base_model_name_or_path 'org/remote'"):
+        load_for_generation(tmp_path / "adapter")
+
+
+def test_cli_generate_streams_the_greedy_reply(trained, capsys):
+    assert main(["generate", str(trained), "--prompt", "Count please", "--max_new_tokens", "100"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ANSWER + "\n"
+    assert "stopped by stop_token" in captured.err and "KV cache on" in captured.err
+    assert main(["generate", str(trained), "--prompt", STORY_START, "--no-chat-template", "--no-cache"]) == 0
+    assert STORY_START + capsys.readouterr().out == STORY + "\n"
+
+
+def test_cli_rejects_bad_sampling_values(trained, capsys):
+    assert main(["generate", str(trained), "--prompt", "hi", "--top_p", "1.5"]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_chat_keeps_the_conversation_and_resets(trained, loaded, capsys, monkeypatch):
+    model, tokenizer = loaded
+    session = ChatSession(model, tokenizer, options={"max_new_tokens": 100})
+    assert session.reply("Count please") == ANSWER
+    second_prompt = encode_prompt(tokenizer, messages=session.messages + [{"role": "user", "content": "again"}])
+    # the second turn's prompt holds the first exchange: the model sees the whole conversation
+    assert tokenizer.decode(second_prompt).count(ANSWER) == 1
+    session.reset()
+    assert session.messages == []
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Count please\n/reset\n/bogus\nCount please\n/exit\nnever read\n"))
+    assert main(["chat", str(trained), "--max_new_tokens", "100"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("assistant> " + ANSWER + "\n") == 2
+    assert "[conversation reset]" in out and "unknown command /bogus" in out and "never read" not in out
+    monkeypatch.setattr("sys.stdin", io.StringIO("Count please\n"))  # end of input ends the chat
+    assert main(["chat", str(trained), "--max_new_tokens", "100"]) == 0
+    assert capsys.readouterr().out.count(ANSWER) == 1

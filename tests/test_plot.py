@@ -1,0 +1,134 @@
+"""``shardtune plot``: the PNGs are written, and the plotted lines hold exactly the values of metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from shardtune.cli import main
+from shardtune.errors import UsageError
+from shardtune.plot import figures, loss_figure, read_metrics, scalar_figure, write_plots
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def synthetic_run(num_steps: int = 40, eval_every: int = 10, seed: int = 0) -> list[dict]:
+    """Records shaped like the trainer's: a decaying loss, warm-up then cosine lr, varying tokens per step."""
+    import random
+
+    rng = random.Random(seed)
+    records = []
+    for step in range(1, num_steps + 1):
+        lr = 2e-4 * min(1.0, step / 5) * 0.5 * (1 + math.cos(math.pi * step / num_steps))
+        tokens = rng.randint(900, 1100)
+        records.append({"step": step, "loss": 3.0 * math.exp(-step / 15) + 0.5 + rng.uniform(-0.05, 0.05),
+                        "lr": lr, "grad_norm": rng.uniform(0.5, 2.0), "tokens": tokens,
+                        "tokens_per_s": tokens / 0.2, "peak_memory_bytes": 123_456_789})
+        if step % eval_every == 0:
+            records.append({"step": step, "eval_loss": 3.0 * math.exp(-step / 15) + 0.6 + rng.uniform(-0.05, 0.05)})
+    return records
+
+
+def write_metrics(folder, records, extra_lines=()):
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(r) for r in records] + list(extra_lines)
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def line(fig, label: str):
+    (match,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == label]
+    return list(match.get_xdata()), list(match.get_ydata())
+
+
+def test_plotted_lines_are_the_file_values(tmp_path):
+    records = synthetic_run()
+    run = write_metrics(tmp_path / "run", records)
+    metrics = read_metrics(run)
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+
+    steps, losses = line(loss_figure(metrics, "step"), "train loss")
+    assert steps == [r["step"] for r in train] and losses == [r["loss"] for r in train]
+    assert line(loss_figure(metrics, "step"), "eval loss") == ([r["step"] for r in evals],
+                                                               [r["eval_loss"] for r in evals])
+
+    cumulative, running = {}, 0
+    for r in train:
+        running += r["tokens"]
+        cumulative[r["step"]] = running
+    tokens_x, losses = line(loss_figure(metrics, "tokens"), "train loss")
+    assert tokens_x == [cumulative[r["step"]] for r in train] and losses == [r["loss"] for r in train]
+    eval_x, _ = line(loss_figure(metrics, "tokens"), "eval loss")
+    assert eval_x == [cumulative[r["step"]] for r in evals]
+
+    assert line(scalar_figure(metrics, "lr", "lr", "lr"), "lr") == ([r["step"] for r in train],
+                                                                    [r["lr"] for r in train])
+    assert line(scalar_figure(metrics, "grad_norm", "g", "g"), "grad_norm")[1] == [r["grad_norm"] for r in train]
+
+
+def test_resumed_run_keeps_the_last_record_of_a_step(tmp_path):
+    first = synthetic_run(num_steps=30, seed=1)
+    resumed = [r for r in synthetic_run(num_steps=40, seed=2) if r["step"] > 20]  # restarted from step 20
+    run = write_metrics(tmp_path / "run", first + resumed)
+    metrics = read_metrics(run)
+    by_step, eval_by_step = {}, {}
+    for r in first + resumed:
+        (by_step if "loss" in r else eval_by_step)[r["step"]] = r
+    assert [r["step"] for r in metrics.train] == list(range(1, 41))
+    assert [r["loss"] for r in metrics.train] == [by_step[s]["loss"] for s in range(1, 41)]
+    # steps 21-30 and the eval at step 30 were logged twice: the resumed run's values win
+    assert metrics.train[29]["loss"] == resumed[9]["loss"] != first[31]["loss"]
+    assert [r["step"] for r in metrics.eval] == [10, 20, 30, 40]
+    assert [r["eval_loss"] for r in metrics.eval] == [eval_by_step[s]["eval_loss"] for s in (10, 20, 30, 40)]
+    assert metrics.eval[2]["eval_loss"] == [r for r in resumed if r.get("eval_loss") and r["step"] == 30][0][
+        "eval_loss"]
+    tokens_x, _ = line(loss_figure(metrics, "tokens"), "train loss")
+    assert tokens_x[-1] == sum(by_step[s]["tokens"] for s in range(1, 41))
+
+
+def test_sparse_logging_scales_tokens_by_the_steps_between_records(tmp_path):
+    records = [{"step": s, "loss": 1.0 / s, "tokens": 100 + s} for s in (5, 10, 20)]
+    metrics = read_metrics(write_metrics(tmp_path / "run", records))
+    assert line(loss_figure(metrics, "tokens"), "train loss")[0] == [5 * 105, 5 * 105 + 5 * 110,
+                                                                     5 * 105 + 5 * 110 + 10 * 120]
+
+
+def test_write_plots_and_cli_print_non_empty_pngs(tmp_path, capsys):
+    run = write_metrics(tmp_path / "run", synthetic_run())
+    assert main(["plot", str(run), "--out", str(tmp_path / "pngs")]) == 0
+    printed = capsys.readouterr().out.split()
+    names = sorted(p.rsplit("/", 1)[-1] for p in printed)
+    assert names == ["grad_norm.png", "learning_rate.png", "loss_vs_step.png", "loss_vs_tokens.png"]
+    for path in printed:
+        data = open(path, "rb").read()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+    default = write_plots(run)
+    assert all(p.parent == run / "plots" and p.stat().st_size > 10_000 for p in default)
+    assert not list((run / "plots").glob(".*"))  # no temp files left behind
+
+
+def test_a_run_without_lr_or_eval_plots_what_it_has(tmp_path):
+    metrics = read_metrics(write_metrics(tmp_path / "run", [{"step": s, "loss": 2.0 - s / 10} for s in range(1, 6)]))
+    assert sorted(figures(metrics)) == ["loss_vs_step"]
+    assert [ln.get_label() for ln in loss_figure(metrics).axes[0].get_lines()] == ["train loss"]
+
+
+def test_missing_file_and_malformed_lines_are_usage_errors(tmp_path, capsys):
+    with pytest.raises(UsageError, match="no metrics.jsonl in"):
+        read_metrics(tmp_path)
+    good = [json.dumps(r) for r in synthetic_run(num_steps=3)]
+    for bad, message in (("{not json", "line 4 is not valid JSON"),
+                         ('{"loss": 1.0}', "line 4 has no integer 'step'"),
+                         ('[1, 2]', "line 4 is not a JSON object"),
+                         ('{"step": 4, "loss": "high"}', "line 4: 'loss' must be a number")):
+        (tmp_path / "metrics.jsonl").write_text("\n".join(good + [bad]) + "\n")
+        with pytest.raises(UsageError, match=message):
+            read_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("\n\n")
+    with pytest.raises(UsageError, match="holds no records"):
+        read_metrics(tmp_path)
+    assert main(["plot", str(tmp_path / "nowhere")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
