@@ -1,0 +1,87 @@
+"""``shardtune bench strategies CONFIG --strategies mp,pp,ddp,fsdp``: the same short job under each setup.
+
+Prints and saves a table per setup: wall time per step, tokens/s, how busy each device was, peak memory and the
+estimator's figure beside it, and one line that explains the result. ``--set key=value`` (repeatable) overrides a
+training key for every setup (e.g. ``--set per_device_train_batch_size=4``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from shardtune.errors import UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="compare MP, PP, DDP and FSDP on the same short job", description=__doc__)
+    what = p.add_subparsers(dest="bench_command", metavar="WHAT")
+    s = what.add_parser("strategies", help="run CONFIG under each setup and tabulate speed, busy fraction, memory",
+                        description=__doc__)
+    s.add_argument("config", metavar="CONFIG", help="a training YAML recipe (model, data, batch, ...)")
+    s.add_argument("--strategies", default="mp,pp,ddp,fsdp", help="comma-separated: mp, pp, ddp, fsdp")
+    s.add_argument("--num_processes", "--num-processes", type=int, default=2,
+                   help="processes for PP/DDP/FSDP and devices for MP (default: 2)")
+    s.add_argument("--steps", type=int, default=6, help="optimizer steps per setup (default: 6)")
+    s.add_argument("--warmup_steps", "--warmup-steps", type=int, default=1,
+                   help="first steps left out of the figures (default: 1)")
+    s.add_argument("--out", default=None, metavar="FILE.json",
+                   help="where to save the rows (a .md table is written beside it); default: print only")
+    s.add_argument("--plot", default=None, metavar="FILE.png", help="write a bar chart of tokens/s and busy fraction")
+    s.add_argument("--work_dir", "--work-dir", default=None, help="keep the runs' output folders here")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="extra",
+                   help="a training key applied to every setup (repeatable)")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per setup (default: 600)")
+    s.set_defaults(func=main)
+    p.set_defaults(func=lambda args: p.print_help() or 2)
+
+
+def parse_strategies(text: str) -> list[str]:
+    from shardtune.bench import STRATEGIES
+
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in STRATEGIES]
+    if bad or not names:
+        raise UsageError(f"--strategies {text!r}: unknown {', '.join(bad) or 'empty list'}; use a comma-separated "
+                         f"list of {', '.join(STRATEGIES)}")
+    return names
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the comparison and print (and save) the table."""
+    from shardtune.bench import bench_strategies, default_caveat, format_table, write_plot
+
+    strategies = parse_strategies(args.strategies)
+    if args.num_processes < 1 or args.steps <= args.warmup_steps:
+        raise UsageError("--num_processes must be at least 1 and --steps larger than --warmup_steps")
+    if not Path(args.config).is_file():
+        raise UsageError(f"CONFIG {args.config}: no such file; give a training YAML recipe")
+    extra = []
+    for pair in args.extra:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise UsageError(f"--set {pair!r}: write KEY=VALUE, e.g. --set per_device_train_batch_size=4")
+        extra += [f"--{key.strip()}", value]
+    with tempfile.TemporaryDirectory(prefix="shardtune-bench-") as tmp:
+        work = Path(args.work_dir or tmp)
+        results = bench_strategies(args.config, strategies, num_processes=args.num_processes, steps=args.steps,
+                                   warmup_steps=args.warmup_steps, work_dir=work, extra=extra,
+                                   timeout_s=args.timeout)
+    loads = [r.load_average for r in results if r.load_average is not None]
+    table = format_table(results, default_caveat(args.num_processes, sum(loads) / len(loads) if loads else None))
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for path, text in ((out, json.dumps([asdict(r) for r in results], indent=1)),
+                           (out.with_suffix(".md"), table + "\n")):
+            tmp_path = path.with_name("." + path.name + ".tmp")
+            tmp_path.write_text(text)
+            tmp_path.replace(path)
+        print(f"saved {out} and {out.with_suffix('.md')}")
+    if args.plot:
+        print(f"wrote {write_plot(results, Path(args.plot))}")
+    return 1 if any(r.error for r in results) else 0

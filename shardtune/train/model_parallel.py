@@ -1,0 +1,136 @@
+"""Naive model parallel (``distributed_type: MP``): one process, the decoder layers split across its devices.
+
+The split comes from the memory estimator: ``shardtune estimate --strategy mp`` chooses contiguous stages that
+minimise the fullest device (the first stage also holds the embeddings, the last the head and the loss), so the
+stages are balanced by memory, not by layer count. Each module then runs on its stage's device, and a forward
+pre-hook moves whatever tensors it receives (hidden states, rotary tables, the attention mask) there; the logits
+come back to the first device, where the loss is computed like on one device. Only one device works at a time:
+that is what makes it "naive" (pipeline parallel, ``PP``, keeps the stages busy with micro-batches).
+
+It also runs with several ``cpu`` entries in ``mp_devices``, which exercises the mechanics without GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from shardtune.config import TrainConfig
+from shardtune.errors import UsageError
+from shardtune.train.dist import DistInfo
+from shardtune.train.parallelize import Plan, unwrap
+
+log = logging.getLogger("shardtune")
+
+
+def mp_devices(spec: str | None) -> tuple[str, ...]:
+    """The devices of the stages: ``mp_devices`` as given, else every visible GPU, else one CPU."""
+    if spec:
+        names = tuple(d.strip() for d in spec.split(",") if d.strip())
+        for name in names:
+            try:
+                device = torch.device(name)
+            except RuntimeError:
+                raise UsageError(f"mp_devices: {name!r} is not a device; write e.g. cuda:0,cuda:1 or cpu,cpu") from None
+            if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+                raise UsageError(f"mp_devices: {name} does not exist ({torch.cuda.device_count()} GPU(s) visible); "
+                                 f"check CUDA_VISIBLE_DEVICES")
+        return names
+    count = torch.cuda.device_count()
+    return tuple(f"cuda:{i}" for i in range(count)) if count else ("cpu",)
+
+
+def equal_bounds(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous stages of (nearly) equal layer counts, the earlier stages taking the remainder."""
+    base, extra = divmod(num_layers, num_stages)
+    bounds, start = [], 0
+    for s in range(num_stages):
+        end = start + base + (1 if s < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return tuple(bounds)
+
+
+def estimator_bounds(cfg: TrainConfig, num_stages: int, batch_size: int) -> tuple[tuple[int, int], ...]:
+    """The estimator's model-parallel memory plan for this job on ``num_stages`` devices."""
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import evaluate
+    from shardtune.memory.setup import Setup
+
+    lora = cfg.lora
+    method = "qlora" if lora.use_4bit_quantization else "lora" if lora.use_peft_lora else "full"
+    setup = Setup(method=method, strategy="mp", num_gpus=num_stages, batch_size=batch_size,
+                  seq_len=cfg.data.max_seq_len, gradient_checkpointing=cfg.run.gradient_checkpointing,
+                  mixed_precision=cfg.mixed_precision, lora_r=lora.lora_r,
+                  lora_target_modules=lora.lora_target_modules)
+    analysis = ModelAnalysis(cfg.model.model_name_or_path)
+    breakdown = evaluate(analysis, setup)
+    return breakdown.stage_bounds or ((0, analysis.inventory.num_layers),)
+
+
+def plan_stages(plan: Plan, cfg: TrainConfig, info: DistInfo) -> Plan:
+    """Fill ``plan.stage_bounds`` (and, for MP, ``plan.devices``) for the MP and PP strategies."""
+    if plan.strategy == "MP":
+        if info.distributed:
+            raise UsageError("distributed_type=MP runs in one process over several devices; start it with "
+                             "'shardtune train' (not launch), or use PP to split the layers across processes")
+        devices = mp_devices(cfg.distributed.mp_devices)
+        stages, batch = len(devices), cfg.run.per_device_train_batch_size
+    elif plan.strategy == "PP":
+        devices, stages = (), info.world_size
+        batch = cfg.run.per_device_train_batch_size // cfg.distributed.pipeline_microbatches
+    else:
+        return plan
+    bounds = estimator_bounds(cfg, stages, max(batch, 1)) if stages > 1 else None
+    if bounds is None or len(bounds) != stages:
+        from transformers import AutoConfig
+
+        num_layers = AutoConfig.from_pretrained(cfg.model.model_name_or_path).num_hidden_layers
+        if num_layers < stages:
+            raise UsageError(f"distributed_type={plan.strategy}: {stages} stages for a model of {num_layers} "
+                             f"layers; use at most {num_layers} {'devices' if devices else 'processes'}")
+        bounds = equal_bounds(num_layers, stages)
+    log.info("%s stages (decoder layers per stage): %s", plan.strategy,
+             ", ".join(f"{a}-{b - 1}" for a, b in bounds))
+    return dataclasses.replace(plan, stage_bounds=bounds, devices=devices[:len(bounds)])
+
+
+def _move_to(device: torch.device):
+    def move(value):
+        return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):  # noqa: ARG001
+        return tree_map(move, args), tree_map(move, kwargs)
+
+    return hook
+
+
+def split_across_devices(model: nn.Module, plan: Plan) -> nn.Module:
+    """``parallelize`` for MP: each stage's layers on its device, inputs moved in, logits back to the first."""
+    devices = [torch.device(d) for d in plan.devices] or [torch.device("cpu")]
+    bounds = plan.stage_bounds or ((0, len(unwrap(model).model.layers)),)
+    causal_lm = unwrap(model)
+    inner = causal_lm.model
+    first, last = devices[0], devices[len(bounds) - 1]
+    inner.embed_tokens.to(first)
+    inner.rotary_emb.to(first)
+    for (start, end), device in zip(bounds, devices):
+        for i in range(start, end):
+            layer = inner.layers[i].to(device)
+            layer.register_forward_pre_hook(_move_to(device), with_kwargs=True)
+    # A head tied to the embeddings is one tensor: it stays on the first device and the hidden states go back.
+    head_device = first if causal_lm.config.tie_word_embeddings else last
+    for module in (inner.norm, causal_lm.lm_head):
+        module.to(head_device)
+        module.register_forward_pre_hook(_move_to(head_device), with_kwargs=True)
+
+    def logits_to_first(module: nn.Module, args, kwargs, output):  # noqa: ARG001
+        output.logits = output.logits.to(first)
+        return output
+
+    model.register_forward_hook(logits_to_first, with_kwargs=True)
+    return model

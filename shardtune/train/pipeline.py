@@ -1,0 +1,214 @@
+"""Pipeline parallel: one stage of consecutive decoder layers per process, micro-batches flowing through them.
+
+Every rank loads the whole model, then keeps only its stage: the first also keeps the embeddings, the last the
+final norm and the LM head. The kept modules stay where they were in the model tree (``model.layers`` becomes a
+``ModuleDict`` keyed by the original layer index), so parameter names, checkpoints and the exported model are those
+of the unsplit model. ``torch.distributed.pipelining`` runs the schedule (GPipe: all forwards then all backwards;
+1F1B: one forward, one backward once the pipeline is full, so fewer micro-batches' activations are alive).
+
+There is no data parallelism here: every rank reads the same global batch. Only the first stage feeds the token
+ids into the pipeline; each stage takes the per-token extras (position ids, the packed-document attention mask)
+of the micro-batch the schedule is running from its own copy of the batch, so only hidden states travel between
+processes.
+
+The loss and its normalisation stay in ``step.train_step``: the last stage's loss function returns
+``token_loss_sum * scale`` with the scale ``train_step`` computes for the whole global batch; gradients are not
+rescaled by the schedule (``scale_grads=False``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardtune.config import DistributedConfig
+from shardtune.errors import UsageError
+from shardtune.train.dist import DistInfo, barrier
+from shardtune.train.parallelize import Plan, unwrap
+from shardtune.train.step import token_loss_sum
+
+log = logging.getLogger("shardtune")
+
+
+def keep_stage(model: nn.Module, bounds: tuple[int, int], *, first: bool, last: bool) -> nn.Module:
+    """Drop every module this stage does not run; the kept ones keep their names. Returns ``model``."""
+    causal_lm = unwrap(model)
+    inner = causal_lm.model
+    if causal_lm.config.tie_word_embeddings and not (first and last):
+        raise UsageError("distributed_type=PP: this model ties its LM head to the input embeddings, which live on "
+                         "different stages; use DDP or FSDP for it")
+    start, end = bounds
+    inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(start, end)})
+    if not first:
+        inner.embed_tokens = None
+    if not last:
+        inner.norm = None
+        causal_lm.lm_head = None
+    return model
+
+
+class StageModule(nn.Module):
+    """What ``PipelineStage`` runs: embeddings (first stage), this stage's layers, norm and head (last stage)."""
+
+    def __init__(self, model: nn.Module, *, first: bool, last: bool, compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.model = model
+        self.first, self.last = first, last
+        self.compute_dtype = compute_dtype
+        self.extras: list[dict[str, torch.Tensor | None]] = []
+        # Set by the runner before each micro-batch's forward; 0 during the schedule's shape inference.
+        self.chunk = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        causal_lm = unwrap(self.model)
+        inner = causal_lm.model
+        extra = self.extras[self.chunk]
+        position_ids = extra["position_ids"]
+        autocast = (contextlib.nullcontext() if self.compute_dtype == torch.float32
+                    else torch.autocast(x.device.type, dtype=self.compute_dtype))
+        with autocast:
+            hidden = inner.embed_tokens(x) if self.first else x
+            mask = create_causal_mask(config=causal_lm.config, inputs_embeds=hidden,
+                                      attention_mask=extra.get("attention_mask"), past_key_values=None,
+                                      position_ids=position_ids)
+            rotary = inner.rotary_emb(hidden, position_ids=position_ids)
+            for layer in inner.layers.values():
+                hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids,
+                               past_key_values=None, use_cache=False)
+            if self.last:
+                hidden = causal_lm.lm_head(inner.norm(hidden))
+        return hidden
+
+
+class PipelineRunner:
+    """Runs one rank's stage through the schedule for each collated batch of a training step."""
+
+    def __init__(self, model: nn.Module, plan: Plan, info: DistInfo, cfg: DistributedConfig,
+                 compute_dtype: torch.dtype) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.info = info
+        self.num_stages = info.world_size
+        self.first, self.last = info.rank == 0, info.rank == info.world_size - 1
+        self.microbatches = cfg.pipeline_microbatches
+        self.module = StageModule(model, first=self.first, last=self.last, compute_dtype=compute_dtype)
+        self.stage = PipelineStage(self.module, info.rank, self.num_stages, info.device)
+        schedule_cls = ScheduleGPipe if cfg.pipeline_schedule.upper() == "GPIPE" else Schedule1F1B
+        # The loss is already scaled to the whole global batch (train_step), so the schedule must not average.
+        self.schedule = schedule_cls(self.stage, n_microbatches=self.microbatches, loss_fn=self._loss,
+                                     scale_grads=False)
+        self._scale = 1.0
+        self._loss_sums: list[torch.Tensor] = []
+        # The schedule's first step runs the stage (and the loss) once to learn shapes; that run is not counted.
+        self._counting = False
+        run_chunk = self.stage.forward_one_chunk
+
+        def forward_one_chunk(chunk_id: int, *args, **kwargs):
+            self.module.chunk, self._counting = chunk_id, True
+            return run_chunk(chunk_id, *args, **kwargs)
+
+        self.stage.forward_one_chunk = forward_one_chunk
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        micro_sum = token_loss_sum(logits, labels)
+        if self._counting:
+            self._loss_sums.append(micro_sum.detach().double())
+        return micro_sum * self._scale
+
+    def forward_backward(self, batches: list[dict[str, torch.Tensor]], scale: float) -> torch.Tensor:
+        """Forward and backward every batch through the pipeline; returns the summed token loss (last stage, else 0)."""
+        self._scale, self._loss_sums = scale, []
+        device = self.info.device
+        for batch in batches:
+            rows = batch["input_ids"].shape[0]
+            if rows % self.microbatches:
+                raise UsageError(f"a batch of {rows} rows cannot be split into pipeline_microbatches="
+                                 f"{self.microbatches}; make per_device_train_batch_size a multiple of it")
+            positions = batch["position_ids"].to(device).chunk(self.microbatches)
+            mask = batch.get("attention_mask")
+            masks = mask.to(device).chunk(self.microbatches) if mask is not None else [None] * self.microbatches
+            self.module.extras = [{"position_ids": p, "attention_mask": m} for p, m in zip(positions, masks)]
+            args = (batch["input_ids"].to(device),) if self.first else ()
+            target = batch["labels"].to(device) if self.last else None
+            self.schedule.step(*args, target=target, return_outputs=False)
+        if not self._loss_sums:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack(self._loss_sums).sum()
+
+    def grad_norm_and_clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        """The norm over every stage's gradients (each rank holds different parameters), clipped to ``max_norm``."""
+        grads = [p.grad for p in params if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.info.device)
+        squared = local.double().pow(2).reshape(1).to(self.info.device)
+        dist.all_reduce(squared)
+        norm = squared.sqrt()[0].float()
+        if max_norm > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+
+def split_for_stage(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
+    """``parallelize`` for PP: keep this rank's layers (``plan.stage_bounds``) and the ends it owns."""
+    if len(plan.stage_bounds) != info.world_size:
+        raise UsageError(f"distributed_type=PP needs one stage per process: {len(plan.stage_bounds)} stages for "
+                         f"{info.world_size} processes; launch as many processes as the model has layers or fewer")
+    last = info.world_size - 1
+    return keep_stage(model, plan.stage_bounds[info.rank], first=info.rank == 0, last=info.rank == last)
+
+
+def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft: bool, info: DistInfo) -> Path | None:
+    """``final/`` for a pipeline run: every stage's tensors gathered to rank 0, written as the unsplit model."""
+    # Plain tensors (no DTensor): each stage's own state dict is already complete for its modules.
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    gathered: list[Any] = [None] * info.world_size if info.is_main else []
+    dist.gather_object(state, gathered if info.is_main else None, dst=0)
+    target = Path(output_dir) / "final"
+    if not info.is_main:
+        barrier()
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    tmp = Path(output_dir) / ".tmp-final"
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    if is_peft:
+        _save_adapter(model, merged, tmp)
+    else:
+        unwrap(model).save_pretrained(str(tmp), state_dict=merged, safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp))
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+    barrier()
+    return target
+
+
+def _save_adapter(model: nn.Module, merged: dict[str, torch.Tensor], folder: Path) -> None:
+    """A PEFT adapter folder holding every stage's adapters.
+
+    PEFT keeps only the adapters of modules this rank's (partial) model has, so its file is replaced by all the
+    LoRA tensors under PEFT's saved names (the adapter name dropped: ``lora_A.default.weight`` -> ``lora_A.weight``).
+    """
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(str(folder), safe_serialization=True)
+    path = folder / "adapter_model.safetensors"
+    own = load_file(str(path))
+    adapters = {k.replace(".default.", "."): v.contiguous() for k, v in merged.items() if ".lora_" in k}
+    missing = set(own) - set(adapters)
+    if missing:
+        raise RuntimeError(f"pipeline export lost adapter tensors: {sorted(missing)[:3]}")
+    save_file(adapters, str(path), metadata={"format": "pt"})

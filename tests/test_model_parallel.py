@@ -1,0 +1,109 @@
+"""Naive model parallel: stages come from the estimator's memory plan, and the losses are those of one device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardtune.config import load_train_config
+from shardtune.errors import UsageError
+from shardtune.train.dist import DistInfo
+from shardtune.train.model_parallel import equal_bounds, estimator_bounds, mp_devices, plan_stages
+from shardtune.train.parallelize import make_plan
+from tests.trainutil import write_chat_data
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from shardtune.tiny import make_model_folder
+
+    root = tmp_path_factory.mktemp("mp")
+    model = make_model_folder(root / "model", num_layers=4)
+    data = write_chat_data(root / "chat.jsonl", rows=600)
+    return root, model, data
+
+
+def config(assets, out: str, extra: list[str]):
+    root, model, data = assets
+    return load_train_config(["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
+                              "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS),
+                              "--logging_steps", "1", "--learning_rate", "1e-2", "--save_strategy", "no",
+                              "--per_device_train_batch_size", "4", "--output_dir", str(root / out), *extra])
+
+
+def single(world_size: int = 1) -> DistInfo:
+    return DistInfo(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size,
+                    device=torch.device("cpu"))
+
+
+def test_equal_bounds_cover_every_layer_once():
+    for layers, stages in ((4, 2), (7, 3), (3, 3)):
+        bounds = equal_bounds(layers, stages)
+        assert [i for a, b in bounds for i in range(a, b)] == list(range(layers))
+        sizes = [b - a for a, b in bounds]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_stages_follow_the_estimator_memory_plan(assets):
+    cfg = config(assets, "plan", ["--distributed_type", "MP", "--mp_devices", "cpu,cpu"])
+    plan = plan_stages(make_plan(cfg.distributed, single(), param_dtype=None, gradient_checkpointing=False,
+                                 use_reentrant=False), cfg, single())
+    assert plan.stage_bounds == estimator_bounds(cfg, 2, 4)
+    assert plan.devices == ("cpu", "cpu")
+    # The same split as `shardtune estimate --strategy mp` reports for this job.
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import evaluate
+    from shardtune.memory.setup import Setup
+
+    analysis = ModelAnalysis(str(assets[1]))
+    setup = Setup(method="full", strategy="mp", num_gpus=2, batch_size=4, seq_len=64, gradient_checkpointing=False,
+                  mixed_precision="no")
+    assert plan.stage_bounds == evaluate(analysis, setup).stage_bounds
+    assert [i for a, b in plan.stage_bounds for i in range(a, b)] == list(range(4))
+
+
+def test_mp_losses_equal_one_device(assets):
+    from shardtune.train.loop import train
+
+    root = assets[0]
+    train(config(assets, "one", []))
+    train(config(assets, "mp", ["--distributed_type", "MP", "--mp_devices", "cpu,cpu"]))
+    read = lambda out: [json.loads(line) for line in (root / out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    one, mp = read("one"), read("mp")
+    assert len(one) == len(mp) == STEPS
+    for a, b in zip(one, mp):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]) and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4
+    assert one[0]["loss"] != one[-1]["loss"]  # it trained
+
+
+def test_split_moves_each_stage_and_hooks_its_inputs(assets):
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.train.model_parallel import split_across_devices
+    from shardtune.train.parallelize import Plan
+
+    model = AutoModelForCausalLM.from_pretrained(str(assets[1]))
+    ids = torch.randint(0, 100, (2, 16))
+    expected = model(input_ids=ids).logits
+    plan = Plan(strategy="MP", stage_bounds=((0, 3), (3, 4)), devices=("cpu", "cpu"))
+    split = split_across_devices(model, plan)
+    hooked = [len(layer._forward_pre_hooks) for layer in split.model.layers]
+    assert hooked == [1, 1, 1, 1]
+    assert torch.allclose(split(input_ids=ids).logits, expected)
+
+
+def test_mp_rejects_several_processes_and_bad_devices(assets):
+    cfg = config(assets, "x", ["--distributed_type", "MP"])
+    plan = make_plan(cfg.distributed, single(2), param_dtype=None, gradient_checkpointing=False, use_reentrant=False)
+    with pytest.raises(UsageError, match="one process"):
+        plan_stages(plan, cfg, single(2))
+    with pytest.raises(UsageError, match="mp_devices"):
+        mp_devices("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(UsageError, match="does not exist"):
+            mp_devices("cuda:0,cuda:1")
+        assert mp_devices(None) == ("cpu",)

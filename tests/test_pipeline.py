@@ -1,0 +1,124 @@
+"""Pipeline parallel on 2 gloo processes gives the losses, gradient norms and weights of one process.
+
+The one-process references run in this process (``train(cfg)``); the pipeline runs go through ``shardtune launch``
+(torchrun) like a user's. fp32, no dropout: the only differences are summation order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from shardtune.config import load_train_config
+from shardtune.errors import UsageError
+from tests.trainutil import run_shardtune, write_chat_data
+
+TOL = 1e-4
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from shardtune.tiny import make_model_folder
+
+    root = tmp_path_factory.mktemp("pipeline")
+    model = make_model_folder(root / "model", num_layers=4)
+    data = write_chat_data(root / "chat.jsonl")
+    return root, model, data
+
+
+def args(assets, out: str, extra: list[str]) -> list[str]:
+    root, model, data = assets
+    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
+            "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS), "--logging_steps", "1",
+            "--learning_rate", "1e-2", "--seed", "7", "--save_strategy", "no", "--output_dir", str(root / out),
+            "--per_device_train_batch_size", "4", *extra]
+
+
+def one_process(assets, out: str, extra: list[str]) -> list[dict]:
+    from shardtune.train.loop import train
+
+    train(load_train_config(args(assets, out, extra)))
+    return records(assets[0] / out)
+
+
+def pipeline(assets, out: str, extra: list[str]) -> list[dict]:
+    result = run_shardtune(["launch", "--num_processes", "2", "train", *args(assets, out, extra),
+                            "--distributed_type", "PP"], assets[0])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return records(assets[0] / out)
+
+
+def records(out) -> list[dict]:
+    found = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(found) == STEPS and all(math.isfinite(r["loss"]) for r in found)
+    return found
+
+
+def assert_same(reference: list[dict], other: list[dict]) -> None:
+    for ref, got in zip(reference, other):
+        for key in ("loss", "grad_norm"):
+            assert abs(ref[key] - got[key]) <= TOL * abs(ref[key]), f"step {ref['step']} {key}: {ref[key]} vs {got[key]}"
+        assert ref["tokens"] == got["tokens"] and ref["target_tokens"] == got["target_tokens"]
+
+
+def test_pp_1f1b_full_finetune_matches_one_process(assets):
+    reference = one_process(assets, "ref_full", [])
+    piped = pipeline(assets, "pp_1f1b", ["--pipeline_schedule", "1F1B", "--pipeline_microbatches", "2"])
+    assert_same(reference, piped)
+    # The exported model is the whole unsplit model with the weights one process trained.
+    from safetensors.torch import load_file
+
+    ref = load_file(str(assets[0] / "ref_full" / "final" / "model.safetensors"))
+    got = load_file(str(assets[0] / "pp_1f1b" / "final" / "model.safetensors"))
+    assert ref.keys() == got.keys()
+    assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-5
+    assert any((ref[k] != load_file(str(assets[1] / "model.safetensors"))[k]).any() for k in ref)  # it trained
+
+
+def test_pp_gpipe_lora_with_accumulation_matches_one_process(assets):
+    lora = ["--use_peft_lora", "True", "--gradient_accumulation_steps", "2"]
+    reference = one_process(assets, "ref_lora", lora)
+    piped = pipeline(assets, "pp_gpipe_lora", lora + ["--pipeline_schedule", "GPipe", "--pipeline_microbatches", "4"])
+    assert_same(reference, piped)
+    from safetensors.torch import load_file
+
+    ref = load_file(str(assets[0] / "ref_lora" / "final" / "adapter_model.safetensors"))
+    got = load_file(str(assets[0] / "pp_gpipe_lora" / "final" / "adapter_model.safetensors"))
+    assert ref.keys() == got.keys() and len(ref) > 0
+    assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-5
+
+
+def test_keep_stage_keeps_original_names(assets):
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.train.pipeline import keep_stage
+
+    full = AutoModelForCausalLM.from_pretrained(str(assets[1]))
+    names = set(full.state_dict())
+    first = keep_stage(AutoModelForCausalLM.from_pretrained(str(assets[1])), (0, 1), first=True, last=False)
+    last = keep_stage(AutoModelForCausalLM.from_pretrained(str(assets[1])), (1, 4), first=False, last=True)
+    first_names, last_names = set(first.state_dict()), set(last.state_dict())
+    assert first_names | last_names == names and not first_names & last_names
+    assert "model.layers.3.self_attn.q_proj.weight" in last_names and "lm_head.weight" in last_names
+    assert "model.embed_tokens.weight" in first_names and "model.layers.1.mlp.up_proj.weight" not in first_names
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--pipeline_microbatches", "3"], "multiple of pipeline_microbatches=3"),
+    (["--pipeline_schedule", "zigzag"], "pipeline_schedule='zigzag'"),
+    (["--eval_strategy", "steps"], "eval_strategy must be 'no'"),
+    (["--resume_from_checkpoint", "true"], "resume_from_checkpoint does not work"),
+])
+def test_pipeline_config_errors(assets, extra, message):
+    with pytest.raises(UsageError, match=message):
+        load_train_config(args(assets, "bad", ["--distributed_type", "PP", *extra]))
+
+
+def test_pp_config_is_accepted(assets):
+    cfg = load_train_config(args(assets, "ok", ["--distributed_type", "pp", "--pipeline_schedule", "gpipe"]))
+    assert cfg.distributed.distributed_type == "PP" and cfg.distributed.pipeline_microbatches == 2
+    assert torch.distributed.is_available()
