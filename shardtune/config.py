@@ -22,7 +22,8 @@ import yaml
 from shardtune.data.config import DataConfig
 from shardtune.errors import UsageError, closest
 
-DISTRIBUTED_TYPES = ("NO", "DDP", "FSDP", "MP")
+DISTRIBUTED_TYPES = ("NO", "DDP", "FSDP", "MP", "PP")
+PIPELINE_SCHEDULES = ("GPipe", "1F1B")
 # Accelerate's names for data parallel; both mean one replica per process here.
 DISTRIBUTED_ALIASES = {"MULTI_GPU": "DDP", "MULTI_CPU": "DDP", "MULTI_XPU": "DDP", "MULTI_NPU": "DDP",
                        "MULTI_MLU": "DDP", "MULTI_HPU": "DDP"}
@@ -137,6 +138,10 @@ class DistributedConfig:
     main_process_ip: str | None = None
     main_process_port: int | None = None
     rdzv_backend: str = "static"
+    # PP: one stage of decoder layers per process; each batch is split into this many pipeline micro-batches.
+    pipeline_schedule: str = "1F1B"
+    pipeline_microbatches: int = 2
+    mp_devices: str | None = None  # MP: comma-separated devices (cuda:0,cuda:1); default: every visible GPU
 
 
 @dataclass
@@ -453,7 +458,29 @@ def validate(cfg: TrainConfig) -> list[str]:
     if d.num_processes % d.num_machines:
         problems.append(f"num_processes={d.num_processes} is the total over all machines and must be a multiple "
                         f"of num_machines={d.num_machines}")
+    problems += _validate_pipeline(cfg)
     problems += cfg.data.validate()
+    return problems
+
+
+def _validate_pipeline(cfg: TrainConfig) -> list[str]:
+    """PP needs whole pipeline micro-batches and (for now) no evaluation pass."""
+    d, r = cfg.distributed, cfg.run
+    problems: list[str] = []
+    if d.pipeline_schedule.upper() not in {s.upper() for s in PIPELINE_SCHEDULES}:
+        problems.append(f"pipeline_schedule={d.pipeline_schedule!r} is not accepted; use one of "
+                        f"{', '.join(PIPELINE_SCHEDULES)}")
+    if d.pipeline_microbatches < 1:
+        problems.append(f"pipeline_microbatches={d.pipeline_microbatches} must be at least 1")
+    elif d.distributed_type == "PP" and r.per_device_train_batch_size % d.pipeline_microbatches:
+        problems.append(f"per_device_train_batch_size={r.per_device_train_batch_size} must be a multiple of "
+                        f"pipeline_microbatches={d.pipeline_microbatches} (each batch is split into them)")
+    if d.distributed_type == "PP" and r.eval_strategy != "no":
+        problems.append("eval_strategy must be 'no' with distributed_type PP (evaluation through the pipeline is "
+                        "not implemented); evaluate the final model with one process")
+    if d.distributed_type == "PP" and cfg.checkpoint.resume_from_checkpoint not in (None, "false", "False", "no"):
+        problems.append("resume_from_checkpoint does not work with distributed_type PP yet (the stages' optimizer "
+                        "states do not load back); restart the run, or train it with DDP or FSDP")
     return problems
 
 

@@ -9,7 +9,9 @@ on from the newest complete checkpoint.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import signal
 import sys
 
 from shardtune.errors import UsageError
@@ -126,11 +128,15 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     The agent forwards SIGTERM to every worker (they save a checkpoint and exit) and restarts failed workers
     up to --max_restarts times. Workers print their own errors, so the agent's long report is cut to its gist.
     """
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
     args = get_args_parser().parse_args(torchrun_args)
+    # Restarted workers sharing the agent's rendezvous store can read the previous attempt's addresses and fail
+    # to connect (pytorch/pytorch#135712): give the workers their own store.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         torchrun(args)
     except ChildFailedError as exc:
@@ -143,4 +149,9 @@ def run_torchrun(torchrun_args: list[str]) -> int:
             what = f"exited with code {code}"
         print(f"shardtune launch: rank {rank} {what} (see its messages above)", file=sys.stderr)
         return code
+    except SignalException as exc:
+        # The agent has already passed the signal on and waited for the workers; on SIGTERM they save and stop.
+        print(f"shardtune launch: stopped by signal {int(exc.sigval)}; workers were told to save a checkpoint",
+              file=sys.stderr)
+        return 0 if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
     return 0

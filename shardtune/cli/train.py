@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from shardtune.errors import UsageError
@@ -44,16 +45,30 @@ def run(argv: list[str]) -> int:
 
     cfg = load_train_config(argv)
     if cfg.run.dry_run:
-        from shardtune.config import save_resolved
         import yaml
 
+        from shardtune.memory.trace_setup import render_text, trace_or_formula
+
         print(yaml.safe_dump(cfg.to_flat(), sort_keys=False), end="")
+        # Trace the job this config describes (one step on fake tensors) instead of running it.
+        world_size = int(os.environ.get("WORLD_SIZE", cfg.distributed.num_processes))
+        nodes = cfg.distributed.num_machines if world_size % cfg.distributed.num_machines == 0 else 1
+        print(render_text(trace_or_formula(cfg, world_size, num_nodes=nodes)))
         return 0
     from shardtune.train.loop import TrainingStopped, train
 
+    rank = os.environ.get("RANK", "0")
     try:
         train(cfg)
     except TrainingStopped as exc:
-        print(f"shardtune train: stopped: {exc}", file=sys.stderr)
+        print(f"shardtune train: rank {rank}: stopped: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        print(f"shardtune train: rank {rank}: a collective timed out after ddp_timeout={cfg.run.ddp_timeout} s "
+              f"({first}). Another rank is stuck or died: read its messages above; if a step legitimately takes "
+              f"longer, raise ddp_timeout", file=sys.stderr)
         return 1
     return 0

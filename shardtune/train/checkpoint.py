@@ -1,24 +1,29 @@
-"""Checkpoints that resume exactly, and the final export in Hugging Face formats.
+"""Checkpoints that resume exactly, and the export in Hugging Face formats.
 
 A checkpoint ``output_dir/checkpoints/step-N/`` holds:
-- ``dcp/``: model (the trainable part only for LoRA/QLoRA) and optimizer, written by every rank with
-  ``torch.distributed.checkpoint`` (sharded, resharded on load, so a run may resume on another world size);
+- the model (the trainable part only for LoRA/QLoRA) and optimizer, either ``dcp/`` written by every rank with
+  ``torch.distributed.checkpoint`` (SHARDED_STATE_DICT: resharded on load, so a run may resume on another world
+  size) or ``model.safetensors`` + ``optimizer.pt`` gathered and written by rank 0 (FULL_STATE_DICT);
 - ``rng/rank-R.pt``: each rank's RNG states (dropout must draw the same masks after resume), tensors only;
 - ``trainer_state.json``: step, epoch, the data sampler's position, scheduler and gradient-scaler state;
 - ``config.yaml``: the resolved config; ``manifest.json``: written last, lists what a complete checkpoint holds.
 Everything is written into ``.tmp-step-N`` and renamed once every rank has finished, so a ``step-N`` folder is
 always complete; a leftover ``.tmp-*`` (a save that was killed) is ignored with a warning.
-Nothing is unpickled: DCP reads tensors, RNG files load with ``weights_only=True``, the rest is JSON and YAML.
+A resumed run appends to ``metrics.jsonl`` after dropping the records past the checkpoint's step (a killed run
+logged steps that the resumed run redoes), so every step appears once, with the loss of the run that kept it.
+Nothing is unpickled: DCP and safetensors read tensors, ``.pt`` files load with ``weights_only=True``, the rest is
+JSON and YAML.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import shutil
-import warnings
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +42,11 @@ log = logging.getLogger("shardtune")
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+SHARDED, FULL = "SHARDED_STATE_DICT", "FULL_STATE_DICT"
+# Test-only fault injection: "POINT:STEP[:RANK[:HOW]]", POINT during_save or after_save, SIGKILLs the rank(s)
+# there (HOW: TERM sends SIGTERM instead, TERM-LAUNCHER sends it to the parent launcher), on the first attempt
+# of an elastic job only, so a restarted job runs through.
+FAULT_ENV = "SHARDTUNE_TEST_KILL"
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -44,7 +54,23 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
 
 
 def _options(trainable_only: bool, full: bool = False) -> StateDictOptions:
-    return StateDictOptions(ignore_frozen_params=trainable_only, full_state_dict=full, cpu_offload=full)
+    # A LoRA checkpoint holds only the adapters, so loading it must not ask for the frozen base (strict=False).
+    return StateDictOptions(ignore_frozen_params=trainable_only, full_state_dict=full, cpu_offload=full,
+                            strict=not trainable_only)
+
+
+def _test_fault(point: str, step: int, info: DistInfo) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    want_point, want_step, want_rank, how = (spec.split(":") + ["", "", "", ""])[:4]
+    if want_point == point and int(want_step) == step and (not want_rank or int(want_rank) == info.rank):
+        if how == "TERM":  # what a scheduler sends this process before preemption
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif how == "TERM-LAUNCHER":  # ... or the launcher, which forwards it to every worker
+            os.kill(os.getppid(), signal.SIGTERM)
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def rng_state() -> dict[str, Any]:
@@ -66,9 +92,23 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _write_full(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool,
+                info: DistInfo) -> None:
+    """FULL_STATE_DICT: every rank helps gather, rank 0 writes one model file and one optimizer file."""
+    from safetensors.torch import save_file
+
+    options = _options(trainable_only, full=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    if info.is_main:
+        # Tied weights share storage, which safetensors refuses; each tensor gets its own copy.
+        save_file({k: v.detach().clone().contiguous() for k, v in model_state.items()}, folder / "model.safetensors")
+        torch.save(optim_state, folder / "optimizer.pt")
+
+
 def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                     trainable_only: bool, trainer_state: dict[str, Any], config_yaml: str, info: DistInfo,
-                    save_total_limit: int | None = None) -> Path:
+                    save_total_limit: int | None = None, state_dict_type: str = SHARDED) -> Path:
     """Write ``checkpoints/step-{step}`` from every rank; returns its path once it is complete."""
     root = checkpoints_dir(output_dir)
     final = root / f"step-{step}"
@@ -78,17 +118,21 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
             shutil.rmtree(tmp)
         (tmp / "rng").mkdir(parents=True)
     barrier()
-    options = _options(trainable_only)
-    state = {"model": get_model_state_dict(model, options=options),
-             "optim": get_optimizer_state_dict(model, optimizer, options=options)}
-    dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+    if state_dict_type == FULL:
+        _write_full(tmp, model, optimizer, trainable_only, info)
+    else:
+        options = _options(trainable_only)
+        state = {"model": get_model_state_dict(model, options=options),
+                 "optim": get_optimizer_state_dict(model, optimizer, options=options)}
+        dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not info.distributed)
     torch.save(rng_state(), tmp / "rng" / f"rank-{info.rank}.pt")
+    _test_fault("during_save", step, info)
     barrier()
     if info.is_main:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
         manifest = {"format": FORMAT_VERSION, "step": step, "world_size": info.world_size,
-                    "trainable_only": trainable_only, "complete": True}
+                    "trainable_only": trainable_only, "state_dict_type": state_dict_type, "complete": True}
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         if final.exists():
             shutil.rmtree(final)
@@ -97,6 +141,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
             for old in complete_checkpoints(output_dir)[:-save_total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
     barrier()
+    _test_fault("after_save", step, info)
     return final
 
 
@@ -111,7 +156,7 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
         if match and (entry / MANIFEST).is_file():
             found.append((int(match.group(1)), entry))
         elif entry.name.startswith(".tmp-step-") or match:
-            warnings.warn(f"ignoring incomplete checkpoint {entry} (its save was interrupted)", stacklevel=2)
+            log.warning("ignoring incomplete checkpoint %s (its save was interrupted)", entry)
     return [path for _, path in sorted(found)]
 
 
@@ -133,16 +178,33 @@ def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
     return path
 
 
+def _read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors"), torch.load(path / "optimizer.pt", weights_only=True)
+
+
 def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool,
                     info: DistInfo) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from ``path``; returns the trainer state."""
     manifest = json.loads((path / MANIFEST).read_text())
-    options = _options(trainable_only)
-    state = {"model": get_model_state_dict(model, options=options),
-             "optim": get_optimizer_state_dict(model, optimizer, options=options)}
-    dcp.load(state, checkpoint_id=str(path / "dcp"))
-    set_model_state_dict(model, state["model"], options=options)
-    set_optimizer_state_dict(model, optimizer, state["optim"], options=options)
+    if manifest.get("trainable_only", trainable_only) != trainable_only:
+        saved = "LoRA adapters only" if manifest["trainable_only"] else "all weights"
+        raise UsageError(f"resume_from_checkpoint={path}: the checkpoint holds {saved}, this run "
+                         f"{'trains LoRA' if trainable_only else 'is full fine-tuning'}; keep use_peft_lora as saved")
+    if manifest.get("state_dict_type", SHARDED) == FULL:
+        # Every rank reads the consolidated files and keeps its own shard of each tensor.
+        model_state, optim_state = _read_full(path)
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only,
+                                   strict=not trainable_only)
+    else:
+        options = _options(trainable_only)
+        state = {"model": get_model_state_dict(model, options=options),
+                 "optim": get_optimizer_state_dict(model, optimizer, options=options)}
+        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not info.distributed)
+        model_state, optim_state = state["model"], state["optim"]
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
     rng_file = path / "rng" / f"rank-{info.rank}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=True))
@@ -153,30 +215,142 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft: bool, info: DistInfo) -> Path | None:
-    """Write ``output_dir/final``: a Transformers model folder, or a PEFT adapter folder for LoRA/QLoRA.
+def trim_metrics(output_dir: str | Path, step: int) -> int:
+    """Drop ``metrics.jsonl`` records after ``step``: a killed run logged steps that the resumed run redoes.
 
-    The full (gathered) state dict is assembled on CPU from every rank's shards, then rank 0 writes it through
-    ``save_pretrained`` into a temporary folder that is renamed when complete.
+    Returns how many records were dropped. The file is rewritten to a temporary name and renamed.
     """
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the kill
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) != len(lines):
+        tmp = path.with_name(".tmp-metrics.jsonl")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+    return len(lines) - len(kept)
+
+
+def _write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor], tokenizer, is_peft: bool) -> Path:
+    """``save_pretrained`` of ``state`` into a temporary folder, renamed to ``target`` when complete."""
     from shardtune.train.parallelize import unwrap
 
-    state = get_model_state_dict(model, options=_options(trainable_only=is_peft, full=True))
-    target = Path(output_dir) / "final"
-    if not info.is_main:
-        barrier()
-        return None
-    tmp = Path(output_dir) / ".tmp-final"
+    tmp = target.with_name(f".tmp-{target.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    inner = getattr(model, "module", model)  # DDP
     if is_peft:
-        inner.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+        getattr(model, "module", model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
     else:
         unwrap(model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(str(tmp))
     if target.exists():
         shutil.rmtree(target)
     tmp.rename(target)
+    return target
+
+
+def _test_logits(model: nn.Module, path: str) -> None:
+    """Test-only: the logits of the trained model in memory on a fixed input, to compare exports against."""
+    ids = torch.arange(3, 35, dtype=torch.long).reshape(2, 16)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    model.train(was_training)
+    torch.save({"input_ids": ids, "logits": logits}, path)
+
+
+def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft: bool, info: DistInfo) -> Path | None:
+    """Write ``output_dir/final``: a Transformers model folder, or a PEFT adapter folder for LoRA/QLoRA.
+
+    The full (gathered) state dict is assembled on CPU from every rank's shards, then rank 0 writes it through
+    ``save_pretrained`` into a temporary folder that is renamed when complete.
+    """
+    state = get_model_state_dict(model, options=_options(trainable_only=is_peft, full=True))
+    logits_path = os.environ.get("SHARDTUNE_TEST_LOGITS")
+    if logits_path:  # every rank runs the forward (FSDP gathers), rank 0 writes
+        _test_logits(model, logits_path if info.is_main else os.devnull)
+    target = None
+    if info.is_main:
+        target = _write_export(Path(output_dir) / "final", model, state, tokenizer, is_peft)
     barrier()
     return target
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | None = None) -> Path:
+    """Write a checkpoint as ``final`` would be: a PEFT adapter folder, or a Transformers model folder.
+
+    One process, any world size the checkpoint was written with (DCP reshards). ``base`` replaces the
+    checkpoint's ``model_name_or_path`` when the base model has moved.
+    """
+    from shardtune.config import load_train_config
+    from shardtune.data import load_tokenizer
+    from shardtune.train.model import Precision, apply_lora, load_base_model, resize_for_tokenizer
+
+    path = Path(checkpoint)
+    if not (path / MANIFEST).is_file():
+        raise UsageError(f"{checkpoint}: not a complete shardtune checkpoint (no {MANIFEST}); give a "
+                         f"output_dir/checkpoints/step-N folder")
+    overrides = ["--model_name_or_path", base] if base else []
+    cfg = load_train_config([str(path / "config.yaml"), *overrides])
+    manifest = json.loads((path / MANIFEST).read_text())
+    is_peft = bool(manifest["trainable_only"])
+    try:
+        tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data,
+                                   trust_remote_code=cfg.model.trust_remote_code)
+        model = load_base_model(cfg.model, cfg.lora, Precision(cfg.mixed_precision), torch.device("cpu"))
+    except UsageError as exc:
+        raise UsageError(f"{checkpoint}: cannot load its base model ({exc}); run from the folder the training ran "
+                         f"in (the path may be relative) or give the base model folder with --base") from None
+    resize_for_tokenizer(model, len(tokenizer))
+    if is_peft:
+        model = apply_lora(model, cfg.lora, seed=cfg.run.seed)
+    options = _options(is_peft)
+    if manifest.get("state_dict_type", SHARDED) == FULL:
+        from safetensors.torch import load_file
+
+        state = load_file(path / "model.safetensors")
+    else:
+        state = {"model": get_model_state_dict(model, options=options)}
+        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=True)
+        state = state["model"]
+    set_model_state_dict(model, state, options=options)
+    return _write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft)
+
+
+def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Path:
+    """Fold a PEFT LoRA adapter into its base model and write a Transformers model folder (one process, CPU)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter, base, out = Path(adapter), Path(base), Path(out)
+    if not (adapter / "adapter_config.json").is_file():
+        raise UsageError(f"{adapter}: not a PEFT adapter folder (no adapter_config.json); give output_dir/final "
+                         f"of a LoRA run or the folder 'shardtune export' wrote")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--base {base}: cannot load a model ({str(exc).splitlines()[0]}); give the base "
+                         f"model folder the adapter was trained on") from None
+    tokenizer_src = adapter if (adapter / "tokenizer_config.json").is_file() else base
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_src))
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    tmp = out.with_name(f".tmp-{out.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    merged.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

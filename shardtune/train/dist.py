@@ -33,12 +33,13 @@ class DistInfo:
         return max(1, self.world_size // self.local_world_size)
 
 
-def init_distributed(timeout_s: int) -> DistInfo:
+def init_distributed(timeout_s: int, *, group_for_one: bool = False) -> DistInfo:
     """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU); a lone process joins nothing.
 
     The timeout bounds every collective, so a rank that hangs stops the job with an error naming the operation
     instead of waiting forever. Work that may legitimately take long (tokenisation) must not sit inside a
-    collective: the data pipeline waits on its own group.
+    collective: the data pipeline waits on its own group. ``group_for_one`` makes a one-process group when
+    nothing launched us, for FSDP on a single device (e.g. to offload parameters to the CPU).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -53,6 +54,10 @@ def init_distributed(timeout_s: int) -> DistInfo:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+    elif group_for_one and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank, world_size, local_rank, local_world_size, device)
 
 

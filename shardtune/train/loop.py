@@ -6,11 +6,14 @@ resume if asked, then loop over global batches (step, log, evaluate, save), and 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import random
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +45,7 @@ def seed_everything(seed: int) -> None:
 
 
 def setup_logging(level: str, info: DistInfo) -> None:
-    """INFO on rank 0 ("passive" means info, as in Transformers), warnings only on the other ranks."""
+    """INFO on rank 0 ("passive" means info, as in Transformers); the other ranks stay quiet unless it is serious."""
     chosen = logging.INFO if level == "passive" else getattr(logging, level.upper())
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"[%(asctime)s shardtune rank {info.rank}] %(message)s", "%H:%M:%S"))
@@ -51,6 +54,28 @@ def setup_logging(level: str, info: DistInfo) -> None:
     log.setLevel(chosen if info.is_main else logging.WARNING)
     # bitsandbytes announces at import that an optional CPU kernel package is missing; the fallback is fine.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # Library deprecation notices are for us, not for the user, and every rank would print them again.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if not info.is_main:
+        warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def inject_fault(step: int, info: DistInfo) -> None:
+    """Fault injection for the test suite: make one rank hang or die at a given step (never set by users).
+
+    SHARDTUNE_FAULT=hang:STEP:RANK sleeps forever; die:STEP:RANK exits at once with code 17 (only on the
+    first attempt of an elastic restart, so the restarted worker goes on).
+    """
+    spec = os.environ.get("SHARDTUNE_FAULT")
+    if not spec:
+        return
+    kind, at_step, at_rank = spec.split(":")
+    if int(at_step) != step or int(at_rank) != info.rank:
+        return
+    if kind == "hang":
+        time.sleep(10**6)
+    elif kind == "die" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os._exit(17)
 
 
 class SigtermFlag:
@@ -124,7 +149,7 @@ def _eval_batches(data, cfg: TrainConfig, info: DistInfo, collator):
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run the fine-tune the config describes; returns the summary (also written to summary.json)."""
-    info = init_distributed(cfg.run.ddp_timeout)
+    info = init_distributed(cfg.run.ddp_timeout, group_for_one=cfg.distributed.distributed_type == "FSDP")
     setup_logging(cfg.run.log_level, info)
     try:
         return _train(cfg, info)
@@ -147,22 +172,24 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed)
     if info.is_main:
         log.info("data: %s", data.report.format() if hasattr(data.report, "format") else data.report)
-    collator = Collator(tokenizer.pad_token_id)
-
     precision = Precision(cfg.mixed_precision)
     plan = make_plan(cfg.distributed, info, param_dtype=fsdp_param_dtype(cfg, precision),
                      gradient_checkpointing=cfg.run.gradient_checkpointing, use_reentrant=cfg.run.use_reentrant)
+    pipelined = plan.strategy == "PP"
+    if plan.strategy in ("MP", "PP"):
+        from shardtune.train import model_parallel, pipeline
+
+        plan = model_parallel.plan_stages(plan, cfg, info)
+    # Pipeline stages exchange fixed-shape activations: pad every batch to max_seq_len under PP.
+    collator = Collator(tokenizer.pad_token_id, pad_to_multiple_of=cfg.data.max_seq_len if pipelined else None)
     log.info("strategy: %s%s on %d process(es), mixed precision %s", plan.strategy,
              f" {plan.sharding}" if plan.strategy == "FSDP" else "", info.world_size, precision.mixed_precision)
     model, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer))
 
     sampler = GlobalBatchSampler(len(data.train), micro_batch_size=cfg.run.per_device_train_batch_size,
                                  gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
-                                 world_size=info.world_size, rank=info.rank, seed=cfg.run.seed)
-    if sampler.steps_per_epoch < 1:
-        raise TrainingStopped(f"the train split has {len(data.train)} rows, fewer than one global batch of "
-                              f"{cfg.run.per_device_train_batch_size} x {cfg.run.gradient_accumulation_steps} x "
-                              f"{info.world_size} rows; lower per_device_train_batch_size or add data")
+                                 world_size=1 if pipelined else info.world_size, rank=0 if pipelined else info.rank,
+                                 seed=cfg.run.seed)  # every pipeline stage reads the same global batch
     steps = total_steps(cfg, sampler.steps_per_epoch)
     optimizer = build_optimizer(model, cfg.optim, info.device)
     scheduler = build_scheduler(optimizer, cfg.optim, steps)
@@ -176,7 +203,9 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
             scaler = torch.amp.GradScaler(info.device.type)
     ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, plan=plan, info=info,
                       compute_dtype=precision.compute_dtype, max_grad_norm=cfg.optim.max_grad_norm,
-                      pad_token_id=tokenizer.pad_token_id, scaler=scaler)
+                      pad_token_id=tokenizer.pad_token_id, scaler=scaler,
+                      pipeline=pipeline.PipelineRunner(model, plan, info, cfg.distributed, precision.compute_dtype)
+                      if pipelined else None)
     is_peft = cfg.lora.use_peft_lora
 
     step, epoch = 0, 0
@@ -188,6 +217,11 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         sampler.load_state_dict(state["sampler"])
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
+        if info.is_main:
+            # A killed run may have logged steps after its last checkpoint: this run logs them again.
+            dropped = ckpt.trim_metrics(out, step)
+            if dropped:
+                log.info("metrics.jsonl: dropped %d record(s) after step %d, which this run redoes", dropped, step)
         log.info("resumed from %s at step %d (epoch %d)", resume, step, epoch)
     last_checkpoint = str(resume) if resume else None
 
@@ -197,7 +231,9 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                          "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None}
         path = ckpt.save_checkpoint(out, step, model=model, optimizer=optimizer, trainable_only=is_peft,
                                     trainer_state=trainer_state, config_yaml=config_yaml, info=info,
-                                    save_total_limit=cfg.checkpoint.save_total_limit)
+                                    save_total_limit=cfg.checkpoint.save_total_limit,
+                                    state_dict_type=cfg.distributed.fsdp_state_dict_type
+                                    if plan.strategy == "FSDP" else ckpt.SHARDED)
         last_checkpoint = str(path)
         log.info("saved checkpoint %s (%s)", path, reason)
 
@@ -221,6 +257,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         while step < steps and not stopped_by_signal:
             sampler.set_epoch(epoch)
             for micro_batches in _collate_steps(sampler, data.train, collator):
+                inject_fault(step + 1, info)
                 try:
                     stats = train_step(ctx, micro_batches)
                 except NonFiniteLoss as exc:
@@ -235,7 +272,8 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                 last = step >= steps
                 if cfg.run.logging_strategy == "steps" and (step % cfg.run.logging_steps == 0 or last or step == 1):
                     elapsed = time.perf_counter() - window_start
-                    record = {"step": step, "epoch": round(epoch + sampler.progress(), 4) if hasattr(sampler, "progress") else epoch,
+                    record = {"step": step,
+                              "epoch": round(epoch + sampler.step_in_epoch / sampler.steps_per_epoch, 4),
                               "loss": stats.loss, "lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm,
                               "tokens": stats.tokens, "target_tokens": stats.target_tokens,
                               "tokens_per_s": window_tokens / max(elapsed, 1e-9),
@@ -248,7 +286,8 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                 if cfg.checkpoint.save_strategy == "steps" and step % cfg.checkpoint.save_steps == 0:
                     save("save_steps")
                 if sigterm.any_rank(info.device):
-                    save("SIGTERM")
+                    if not last_checkpoint or Path(last_checkpoint).name != f"step-{step}":  # not just saved
+                        save("SIGTERM")
                     stopped_by_signal = True
                     break
                 if last:
@@ -278,11 +317,10 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
                "stopped_by": "SIGTERM" if stopped_by_signal else "completed", "last_checkpoint": last_checkpoint}
     if not stopped_by_signal:
-        final = ckpt.export_final(out, model, tokenizer, is_peft=is_peft, info=info)
+        export = pipeline.export_final if pipelined else ckpt.export_final
+        final = export(out, model, tokenizer, is_peft=is_peft, info=info)
         summary["final"] = str(final) if final else str(out / "final")
     if info.is_main:
-        import json
-
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         log.info("done: %d steps in %.1f s, %.0f tokens/s, peak memory %.2f GiB per process", step, wall,
                  summary["tokens_per_s"], summary["peak_memory_bytes"] / 2**30)

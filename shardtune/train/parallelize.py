@@ -31,7 +31,7 @@ log = logging.getLogger("shardtune")
 class Plan:
     """What ``parallelize`` applies: resolved once from the config and the launch."""
 
-    strategy: str  # NO | DDP | FSDP
+    strategy: str  # NO | DDP | FSDP | MP | PP
     sharding: str = "FULL_SHARD"
     reshard_after_forward: bool = True
     offload: bool = False
@@ -41,6 +41,9 @@ class Plan:
     param_dtype: torch.dtype | None = None  # FSDP's compute dtype (mixed precision); None keeps the stored one
     gradient_checkpointing: bool = False
     use_reentrant: bool = False
+    # MP and PP: [first, end) decoder layers of each stage, from the estimator's memory plan (model_parallel.py).
+    stage_bounds: tuple[tuple[int, int], ...] = ()
+    devices: tuple[str, ...] = ()  # MP: the device of each stage
 
     @property
     def defers_gradient_sync(self) -> bool:
@@ -145,7 +148,12 @@ def apply_checkpointing(model: nn.Module, plan: Plan) -> None:
 def apply_fsdp(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = _mesh(plan, info)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    # A DeviceMesh reads real rank tensors, so it is built outside fake mode (``shardtune estimate --trace``
+    # runs this function under FakeTensorMode); a no-op in a real run.
+    with unset_fake_temporarily():
+        mesh = _mesh(plan, info)
     # Gradients are reduced in fp32 whatever the compute dtype: bf16 sums over many ranks lose bits.
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if plan.offload else OffloadPolicy()
@@ -170,6 +178,14 @@ def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
         apply_checkpointing(model, plan)
     if plan.strategy == "FSDP":
         return apply_fsdp(model, plan, info)
+    if plan.strategy == "MP":
+        from shardtune.train.model_parallel import split_across_devices
+
+        return split_across_devices(model, plan)
+    if plan.strategy == "PP":
+        from shardtune.train.pipeline import split_for_stage
+
+        return split_for_stage(model, plan, info)
     if plan.strategy == "DDP" and info.distributed:
         return apply_ddp(model, info)
     return model

@@ -14,6 +14,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,7 @@ class StepContext:
     max_grad_norm: float
     pad_token_id: int  # never a real token (the data pipeline guarantees pad != eos), so it counts padding
     scaler: torch.amp.GradScaler | None = None
+    pipeline: Any = None  # PP: a pipeline.PipelineRunner that runs forward and backward through the stages
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -114,11 +116,17 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
     """Forward and backward every micro-batch of this rank, then one optimizer step."""
     info = ctx.info
     local = [num_targets(b["labels"]) for b in micro_batches]
-    global_targets = all_reduce_sum([float(sum(local))], info.device)[0].item()
+    # Under PP every rank reads the same batch: the sums over ranks count it once per stage.
+    copies = ctx.pipeline.num_stages if ctx.pipeline is not None else 1
+    global_targets = all_reduce_sum([float(sum(local))], info.device)[0].item() / copies
     # A global batch of prompts only (no targets anywhere) contributes no gradient; avoid 0/0.
     denominator = max(global_targets, 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
     tokens = 0
+    if ctx.pipeline is not None:  # no gradient averaging over ranks: the scale is 1 / global targets
+        loss_sum = ctx.pipeline.forward_backward(micro_batches, scale=1.0 / denominator)
+        tokens = sum(int((b["input_ids"] != ctx.pad_token_id).sum()) for b in micro_batches)
+        micro_batches = []  # forward and backward are done: skip the per-micro-batch loop below
     for i, batch in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
         labels = batch["labels"].to(info.device, non_blocking=True)
@@ -131,10 +139,12 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
         tokens += int((batch["input_ids"] != ctx.pad_token_id).sum())
     if ctx.scaler:
         ctx.scaler.unscale_(ctx.optimizer)
-    norm = grad_norm_and_clip(ctx.trainable, ctx.max_grad_norm)
+    norm = (ctx.pipeline.grad_norm_and_clip if ctx.pipeline is not None else grad_norm_and_clip)(
+        ctx.trainable, ctx.max_grad_norm)
     totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(tokens), dtype=torch.float64,
                                                                   device=info.device)]), info.device)
     mean_loss = totals[0].item() / denominator
+    totals[1] /= copies
     grad_norm = float(norm)
     if ctx.scaler:
         ctx.scaler.step(ctx.optimizer)

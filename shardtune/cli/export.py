@@ -1,0 +1,47 @@
+"""``shardtune export CHECKPOINT OUT`` and ``shardtune merge ADAPTER --base M OUT``: checkpoints to Hugging Face folders.
+
+``export`` turns any ``output_dir/checkpoints/step-N`` (sharded or full, written on any number of processes) into
+what ``output_dir/final`` holds: a PEFT adapter folder for LoRA/QLoRA, a Transformers model folder for full
+fine-tuning. ``merge`` folds a LoRA adapter into its base model and writes a plain Transformers model folder.
+Both run on one process and load weights without executing code (DCP, safetensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("export", help="write a checkpoint as a PEFT adapter or Transformers model folder",
+                       description="Write CHECKPOINT (OUTPUT_DIR/checkpoints/step-N) as OUTPUT_DIR/final would be: "
+                                   "a PEFT adapter folder for LoRA/QLoRA runs, a Transformers model folder for "
+                                   "full fine-tuning. One process, whatever the number the run used.")
+    e.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder (it holds manifest.json)")
+    e.add_argument("out", metavar="OUT", help="the folder to write (replaced if it exists)")
+    e.add_argument("--base", default=None,
+                   help="the base model folder, when it moved since training (default: the checkpoint's "
+                        "model_name_or_path)")
+    e.set_defaults(func=main_export)
+    m = sub.add_parser("merge", help="fold a LoRA adapter into its base model (a full Transformers folder)",
+                       description="Merge the LoRA adapter in ADAPTER (OUTPUT_DIR/final of a LoRA run, or a "
+                                   "'shardtune export' folder) into --base and write a Transformers model folder.")
+    m.add_argument("adapter", metavar="ADAPTER", help="a PEFT adapter folder")
+    m.add_argument("--base", required=True, help="the base model folder the adapter was trained on")
+    m.add_argument("out", metavar="OUT", help="the folder to write (replaced if it exists)")
+    m.set_defaults(func=main_merge)
+
+
+def main_export(args: argparse.Namespace) -> int:
+    from shardtune.train.checkpoint import export_checkpoint
+
+    path = export_checkpoint(args.checkpoint, args.out, base=args.base)
+    print(f"wrote {path}")
+    return 0
+
+
+def main_merge(args: argparse.Namespace) -> int:
+    from shardtune.train.checkpoint import merge_adapter
+
+    path = merge_adapter(args.adapter, args.base, args.out)
+    print(f"wrote {path}")
+    return 0

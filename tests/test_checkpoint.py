@@ -1,0 +1,115 @@
+"""Checkpoint files on one process: round trips, completeness, metrics trimming, the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from shardtune.errors import UsageError
+from shardtune.train import checkpoint as ckpt
+from shardtune.train.dist import DistInfo
+
+INFO = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+
+
+def _trained(frozen: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    if frozen:
+        model[0].requires_grad_(False)  # a frozen base, as under LoRA
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(2):
+        model(torch.randn(3, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _save(tmp_path: Path, step: int, model, optimizer, frozen: bool, kind: str) -> Path:
+    return ckpt.save_checkpoint(tmp_path, step, model=model, optimizer=optimizer, trainable_only=frozen,
+                                trainer_state={"step": step, "epoch": 0}, config_yaml="seed: 1\n", info=INFO,
+                                state_dict_type=kind)
+
+
+@pytest.mark.parametrize("kind", [ckpt.SHARDED, ckpt.FULL])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_round_trip_restores_weights_optimizer_and_rng(tmp_path: Path, kind: str, frozen: bool) -> None:
+    model, optimizer = _trained(frozen)
+    want_params = {k: v.clone() for k, v in model.state_dict().items()}
+    want_exp_avg = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters() if p.requires_grad]
+    path = _save(tmp_path, 2, model, optimizer, frozen, kind)
+    draws = (torch.rand(3), random.random(), np.random.rand())
+
+    # Train on, draw more random numbers: loading must bring all of it back.
+    model(torch.randn(3, 4)).square().sum().backward()
+    optimizer.step()
+    torch.rand(5), random.random(), np.random.rand()
+    state = ckpt.load_checkpoint(path, model=model, optimizer=optimizer, trainable_only=frozen, info=INFO)
+    assert state == {"step": 2, "epoch": 0}
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, want_params[name]), name
+    got_exp_avg = [optimizer.state[p]["exp_avg"] for p in model.parameters() if p.requires_grad]
+    assert all(torch.equal(a, b) for a, b in zip(got_exp_avg, want_exp_avg))
+    assert torch.equal(torch.rand(3), draws[0]) and random.random() == draws[1] and np.random.rand() == draws[2]
+    files = {p.name for p in path.iterdir()}
+    assert ("dcp" in files) == (kind == ckpt.SHARDED) and ("model.safetensors" in files) == (kind == ckpt.FULL)
+    if kind == ckpt.FULL:
+        from safetensors.torch import load_file
+
+        # LoRA-style checkpoints hold the trainable part only.
+        assert sorted(load_file(path / "model.safetensors")) == (["1.bias", "1.weight"] if frozen else
+                                                                 ["0.bias", "0.weight", "1.bias", "1.weight"])
+
+
+def test_save_total_limit_and_incomplete_checkpoints(tmp_path: Path, caplog) -> None:
+    model, optimizer = _trained(False)
+    for step in (2, 4, 6):
+        _save(tmp_path, step, model, optimizer, False, ckpt.SHARDED)
+    ckpt.save_checkpoint(tmp_path, 8, model=model, optimizer=optimizer, trainable_only=False, trainer_state={},
+                         config_yaml="", info=INFO, save_total_limit=2)
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-6", "step-8"]
+    # A save killed before its rename leaves .tmp-step-N; a step folder without a manifest is not complete either.
+    (tmp_path / "checkpoints" / ".tmp-step-10" / "dcp").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-12").mkdir()
+    with caplog.at_level("WARNING", logger="shardtune"):
+        assert ckpt.resolve_resume("true", tmp_path) == tmp_path / "checkpoints" / "step-8"
+    assert ".tmp-step-10" in caplog.text and "step-12" in caplog.text
+    assert ckpt.resolve_resume("false", tmp_path) is None
+    assert ckpt.resolve_resume(None, tmp_path) is None
+    assert ckpt.resolve_resume("true", tmp_path / "nowhere") is None
+    with pytest.raises(UsageError, match="step-12.*manifest.json"):
+        ckpt.resolve_resume(str(tmp_path / "checkpoints" / "step-12"), tmp_path)
+
+
+def test_lora_checkpoint_refuses_full_finetune_resume(tmp_path: Path) -> None:
+    model, optimizer = _trained(True)
+    path = _save(tmp_path, 2, model, optimizer, True, ckpt.SHARDED)
+    with pytest.raises(UsageError, match="use_peft_lora"):
+        ckpt.load_checkpoint(path, model=model, optimizer=optimizer, trainable_only=False, info=INFO)
+
+
+def test_trim_metrics_drops_records_after_the_checkpoint(tmp_path: Path) -> None:
+    lines = [{"step": s, "loss": 1.0 / s} for s in range(1, 6)] + [{"step": 4, "eval_loss": 0.5}]
+    text = "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 6, "lo'  # the kill cut the last line
+    (tmp_path / "metrics.jsonl").write_text(text)
+    assert ckpt.trim_metrics(tmp_path, 3) == 4
+    kept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == lines[:3]
+    assert ckpt.trim_metrics(tmp_path, 3) == 0
+    assert ckpt.trim_metrics(tmp_path / "none", 3) == 0
+
+
+def test_export_and_merge_cli_errors(tmp_path: Path, capsys) -> None:
+    from shardtune.cli import main
+
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "not a complete shardtune checkpoint" in capsys.readouterr().err
+    assert main(["merge", str(tmp_path), "--base", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "not a PEFT adapter folder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

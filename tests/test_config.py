@@ -1,0 +1,155 @@
+"""The training config: precedence, Accelerate files read as they are, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from shardtune.cli import main
+from shardtune.config import TrainConfig, known_keys, load_train_config
+from shardtune.errors import UsageError
+
+BASE = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "out"]
+
+ACCELERATE_FSDP = textwrap.dedent("""\
+    compute_environment: LOCAL_MACHINE
+    debug: false
+    distributed_type: FSDP
+    downcast_bf16: 'no'
+    enable_cpu_affinity: false
+    fsdp_config:
+      fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+      fsdp_backward_prefetch: BACKWARD_PRE
+      fsdp_cpu_ram_efficient_loading: true
+      fsdp_forward_prefetch: false
+      fsdp_offload_params: false
+      fsdp_sharding_strategy: FULL_SHARD
+      fsdp_state_dict_type: SHARDED_STATE_DICT
+      fsdp_sync_module_states: true
+      fsdp_use_orig_params: false
+    machine_rank: 0
+    main_training_function: main
+    mixed_precision: bf16
+    num_machines: 1
+    num_processes: 2
+    rdzv_backend: static
+    same_network: true
+    tpu_env: []
+    tpu_use_cluster: false
+    tpu_use_sudo: false
+    use_cpu: false
+    """)
+
+
+def test_defaults_follow_transformers():
+    cfg = TrainConfig()
+    assert (cfg.optim.learning_rate, cfg.optim.lr_scheduler_type, cfg.run.per_device_train_batch_size,
+            cfg.run.seed, cfg.optim.max_grad_norm) == (5e-5, "linear", 8, 42, 1.0)
+    assert cfg.mixed_precision == "no"
+
+
+def test_precedence_defaults_file_yaml_override_flag(tmp_path):
+    acc = tmp_path / "fsdp.yaml"
+    acc.write_text(ACCELERATE_FSDP)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("learning_rate: 0.001\nlora_r: 4\nseed: 3\nfsdp_sharding_strategy: SHARD_GRAD_OP\n")
+    cfg = load_train_config([str(recipe), "lora_r=16", "seed=5", "--seed", "9", "--config_file", str(acc), *BASE])
+    assert cfg.optim.learning_rate == 0.001  # YAML over default
+    assert cfg.lora.lora_r == 16  # key=value over YAML
+    assert cfg.run.seed == 9  # --flag over key=value over YAML
+    assert cfg.distributed.fsdp_sharding_strategy == "SHARD_GRAD_OP"  # YAML over the Accelerate file
+    assert cfg.distributed.distributed_type == "FSDP" and cfg.distributed.num_processes == 2
+    assert cfg.mixed_precision == "bf16"  # Accelerate's mixed_precision when no bf16/fp16 flag
+
+
+def test_accelerate_aliases_and_fsdp1_numbers(tmp_path):
+    acc = tmp_path / "acc.yaml"
+    acc.write_text("distributed_type: MULTI_GPU\nfsdp_config:\n  fsdp_sharding_strategy: 4\nnum_processes: 4\n")
+    cfg = load_train_config(["--config_file", str(acc), *BASE])
+    assert cfg.distributed.distributed_type == "DDP"
+    assert cfg.distributed.fsdp_sharding_strategy == "HYBRID_SHARD"
+
+
+def test_deepspeed_zero_stage_maps_to_fsdp(tmp_path):
+    acc = tmp_path / "ds.yaml"
+    acc.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n")
+    cfg = load_train_config(["--config_file", str(acc), *BASE])
+    assert (cfg.distributed.distributed_type, cfg.distributed.fsdp_sharding_strategy) == ("FSDP", "SHARD_GRAD_OP")
+
+
+def test_bare_flag_is_true_and_hub_flags_accepted():
+    cfg = load_train_config([*BASE, "--packing", "--push_to_hub", "False", "--hub_model_id", "me/x"])
+    assert cfg.data.packing is True and cfg.run.hub_model_id == "me/x"
+
+
+def test_every_key_has_one_section():
+    keys = known_keys()
+    assert {"model_name_or_path", "dataset_text_field", "lora_r", "learning_rate", "fsdp_sharding_strategy",
+            "resume_from_checkpoint", "max_seq_len"} <= set(keys)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--learning_rte", "1e-4"], "unknown key 'learning_rte'; did you mean 'learning_rate'?"),
+    (["--lr_scheduler_type", "cosin"], "use one of linear, cosine"),
+    (["--per_device_train_batch_size", "-2"], "per_device_train_batch_size=-2 must be at least 1"),
+    (["--bf16", "maybe"], "expected true or false"),
+    (["--fsdp_sharding_strategy", "FULL"], "use one of FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD"),
+])
+def test_bad_values_are_one_line_errors(argv, needle, capsys):
+    assert main(["train", *BASE, *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_yaml_error_names_file_and_line(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 1e-4\nlora_rank: 8\n")
+    assert main(["train", str(recipe), *BASE]) == 2
+    err = capsys.readouterr().err
+    assert f"{recipe}, line 2: unknown key 'lora_rank'" in err and "lora_r" in err
+
+
+def test_all_problems_reported_together():
+    with pytest.raises(UsageError) as info:
+        load_train_config(["--num_processes", "0", "--learning_rate", "-1"])
+    message = str(info.value)
+    for needle in ("model_name_or_path is required", "output_dir is required", "num_processes=0",
+                   "learning_rate=-1.0"):
+        assert needle in message
+
+
+def test_resolved_config_round_trips(tmp_path):
+    from shardtune.config import save_resolved
+
+    cfg = load_train_config([*BASE, "--lora_r", "12", "--bf16", "true", "--packing", "true"])
+    save_resolved(cfg, tmp_path / "config.yaml")
+    again = load_train_config([str(tmp_path / "config.yaml")])
+    assert again == cfg
+
+
+def test_launch_builds_multinode_torchrun_command(capsys):
+    assert main(["launch", "--num_processes", "16", "--num_machines", "2", "--machine_rank", "1",
+                 "--main_process_ip", "10.0.0.1", "--main_process_port", "29555", "--dry_run", "train",
+                 "--seed", "1"]) == 0
+    cmd = capsys.readouterr().out.split()
+    i = cmd.index("torch.distributed.run")
+    assert cmd[i + 1:i + 5] == ["--nnodes", "2", "--nproc_per_node", "8"]
+    joined = " ".join(cmd)
+    assert "--node_rank 1 --master_addr 10.0.0.1 --master_port 29555" in joined
+    assert joined.endswith("-m shardtune train --num_processes 16 --num_machines 2 --seed 1")
+
+
+def test_launch_reads_accelerate_file(tmp_path, capsys):
+    acc = tmp_path / "fsdp.yaml"
+    acc.write_text(ACCELERATE_FSDP)
+    assert main(["launch", "--config_file", str(acc), "--dry_run", "train", "--seed", "1"]) == 0
+    joined = capsys.readouterr().out
+    assert "--nproc_per_node 2" in joined and f"--config_file {acc}" in joined
+
+
+def test_launch_errors(capsys):
+    assert main(["launch", "--num_processes", "3", "--num_machines", "2", "train"]) == 2
+    assert "multiple of --num_machines 2" in capsys.readouterr().err
+    assert main(["launch", "--num_processes", "2"]) == 2
+    assert "nothing to launch" in capsys.readouterr().err

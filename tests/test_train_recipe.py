@@ -1,0 +1,87 @@
+"""The seed recipe people run with Accelerate + TRL runs unchanged (but for a local tiny model, data and a step cap),
+and the run's health checks: a hung rank times out naming itself, a NaN loss stops with advice."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_config import ACCELERATE_FSDP
+from tests.trainutil import losses, run_shardtune, shardtune_env, write_chat_data
+
+RECIPE = ("--seed 100 --chat_template_format chatml --add_special_tokens False --append_concat_token False "
+          "--splits train --max_seq_len 128 --num_train_epochs 1 --max_steps 3 --logging_steps 5 --log_level info "
+          "--logging_strategy steps --eval_strategy epoch --save_strategy epoch --bf16 True --packing True "
+          "--learning_rate 1e-4 --lr_scheduler_type cosine --weight_decay 1e-4 --warmup_ratio 0.0 --max_grad_norm 1.0 "
+          "--output_dir out --per_device_train_batch_size 8 --per_device_eval_batch_size 8 "
+          "--gradient_accumulation_steps 4 --gradient_checkpointing True --use_reentrant False "
+          "--dataset_text_field content --use_flash_attn True --use_peft_lora True --lora_r 8 --lora_alpha 16 "
+          "--lora_dropout 0.1 --lora_target_modules all-linear --use_4bit_quantization False").split()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from shardtune.tiny import make_model_folder
+
+    root = tmp_path_factory.mktemp("recipe")
+    model = make_model_folder(root / "model")
+    data = write_chat_data(root / "chat.jsonl", rows=2000)
+    (root / "fsdp_config.yaml").write_text(ACCELERATE_FSDP)
+    return root, model, data
+
+
+def test_seed_recipe_runs_unchanged(assets):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    root, model, data = assets
+    result = run_shardtune(["launch", "--config_file", "fsdp_config.yaml", "train", *RECIPE,
+                            "--model_name_or_path", str(model), "--dataset_name", str(data)], root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = root / "out"
+    assert "strategy: FSDP FULL_SHARD on 2 process(es), mixed precision bf16" in result.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # logging_steps 5 > max_steps 3: the first and the last step are still logged.
+    assert [r["step"] for r in records] == [1, 3]
+    for r in records:
+        assert r["loss"] > 0 and r["tokens"] > 0 and r["lr"] >= 0 and r["peak_memory_bytes"] > 0
+    assert (out / "checkpoints" / "step-3" / "manifest.json").is_file()  # save_strategy epoch at the end
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["strategy"] == "FSDP"
+    # The adapter folder loads with PEFT and changes nothing until trained weights differ from zero-init B.
+    base = AutoModelForCausalLM.from_pretrained(model)
+    tuned = PeftModel.from_pretrained(base, out / "final")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert torch.isfinite(tuned(input_ids=ids).logits).all()
+    lora_b = [p for n, p in tuned.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().sum() > 0 for p in lora_b)
+
+
+def test_hung_rank_times_out_naming_itself(assets):
+    root, model, data = assets
+    env = shardtune_env(root) | {"SHARDTUNE_FAULT": "hang:2:1"}
+    result = subprocess.run([sys.executable, "-m", "shardtune", "launch", "--num_processes", "2", "train",
+                             "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
+                             "--max_seq_len", "64", "--max_steps", "3", "--per_device_train_batch_size", "2",
+                             "--save_strategy", "no", "--output_dir", str(root / "hang"), "--ddp_timeout", "10"],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert "rank 0: a collective timed out after ddp_timeout=10 s" in result.stderr
+    assert os.path.exists(root / "hang" / "metrics.jsonl")
+
+
+def test_nan_loss_stops_with_step_and_advice(assets):
+    root, model, data = assets
+    result = run_shardtune(["train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits",
+                            "train", "--max_seq_len", "64", "--max_steps", "5", "--per_device_train_batch_size", "2",
+                            "--save_strategy", "no", "--output_dir", str(root / "nan"), "--learning_rate", "1e30",
+                            "--max_grad_norm", "0"], root)
+    assert result.returncode == 1
+    line = [x for x in result.stderr.splitlines() if "stopped:" in x][0]
+    assert "step " in line and "Last good checkpoint: none" in line and "learning_rate" in line
+    assert losses(root / "nan")  # the steps before the blow-up were logged

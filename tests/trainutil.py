@@ -1,0 +1,41 @@
+"""Shared helpers for trainer tests: a tiny model, chat data, and runs on 1 process or 2 gloo processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_chat_data(path: Path, rows: int = 1500, seed: int = 0) -> Path:
+    """Short addition dialogues: enough rows that packing at 64 tokens gives a few hundred training rows."""
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(rows):
+            a, b = rng.randint(0, 50), rng.randint(0, 50)
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                                             {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}) + "\n")
+    return path
+
+
+def shardtune_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", SHARDTUNE_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def run_shardtune(args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``shardtune ARGS`` as a user runs it (a separate process), output captured."""
+    return subprocess.run([sys.executable, "-m", "shardtune", *args], cwd=tmp_path, env=shardtune_env(tmp_path),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def losses(output_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
