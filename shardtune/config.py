@@ -429,6 +429,7 @@ def validate(cfg: TrainConfig) -> list[str]:
     _choice(problems, "eval_strategy", r.eval_strategy, STRATEGIES_STEPS)
     _choice(problems, "save_strategy", ck.save_strategy, STRATEGIES_STEPS)
     _choice(problems, "log_level", r.log_level, LOG_LEVELS)
+    _choice(problems, "report_to", r.report_to, ("none", "tensorboard"))
     _choice(problems, "bnb_4bit_quant_type", lo.bnb_4bit_quant_type, ("nf4", "fp4"))
     for key, value in (("per_device_train_batch_size", r.per_device_train_batch_size),
                        ("per_device_eval_batch_size", r.per_device_eval_batch_size),

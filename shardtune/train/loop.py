@@ -24,11 +24,12 @@ import yaml
 from shardtune.config import TrainConfig, save_resolved
 from shardtune.train import checkpoint as ckpt
 from shardtune.train.dist import DistInfo, all_reduce_sum, init_distributed, shutdown
-from shardtune.train.metrics import MetricsLog, max_over_ranks, peak_memory_bytes, progress_bar
+from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
+                                     progress_bar)
 from shardtune.train.model import (Precision, apply_lora, count_parameters, load_base_model,
                                    resize_for_tokenizer)
 from shardtune.train.optim import build_optimizer, build_scheduler
-from shardtune.train.parallelize import Plan, load_from_rank0, make_plan, parallelize
+from shardtune.train.parallelize import Plan, load_from_rank0, make_plan, parallelize, unwrap
 from shardtune.train.step import NonFiniteLoss, StepContext, evaluate, train_step
 
 log = logging.getLogger("shardtune")
@@ -311,10 +312,15 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         metrics.close()
 
     wall = time.perf_counter() - started
+    flops = peak_flops(info.device)
+    mfu = None
+    if flops and run_tokens:
+        per_token = flops_per_token(unwrap(model).config, total, trainable, cfg.data.max_seq_len)
+        mfu = per_token * run_tokens / wall / (flops * info.world_size)
     summary = {"steps": step, "epochs": epoch, "wall_s": wall, "tokens": run_tokens,
                "tokens_per_s": run_tokens / max(wall, 1e-9), "trainable_parameters": trainable,
                "parameters": total, "world_size": info.world_size, "strategy": plan.strategy,
-               "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
+               "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
                "stopped_by": "SIGTERM" if stopped_by_signal else "completed", "last_checkpoint": last_checkpoint}
     if not stopped_by_signal:
         export = pipeline.export_final if pipelined else ckpt.export_final
@@ -322,6 +328,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         summary["final"] = str(final) if final else str(out / "final")
     if info.is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        log.info("done: %d steps in %.1f s, %.0f tokens/s, peak memory %.2f GiB per process", step, wall,
-                 summary["tokens_per_s"], summary["peak_memory_bytes"] / 2**30)
+        log.info("done: %d steps in %.1f s, %.0f tokens/s%s, peak memory %.2f GiB per process", step, wall,
+                 summary["tokens_per_s"], f", MFU {mfu:.1%}" if mfu is not None else "",
+                 summary["peak_memory_bytes"] / 2**30)
     return summary

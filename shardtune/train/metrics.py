@@ -38,7 +38,13 @@ class MetricsLog:
         self.enabled = info.is_main
         self._tb = None
         if self.enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                from shardtune.errors import UsageError
+
+                raise UsageError("report_to=tensorboard needs the tensorboard package: pip install tensorboard "
+                                 "(or set report_to none)") from None
 
             self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
 
@@ -64,3 +70,28 @@ def progress_bar(total: int, initial: int, enabled: bool):
 
     return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not enabled, dynamic_ncols=True,
                 file=sys.stderr)
+
+
+# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, matched on the CUDA device name.
+PEAK_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A6000", 155e12),
+                   ("4090", 165e12), ("3090", 71e12), ("L4", 121e12), ("A10", 125e12))
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None where it is not known (and on CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def flops_per_token(config, parameters: int, trainable: int, seq_len: int) -> float:
+    """Model FLOPs per trained token (PaLM's accounting, appendix B; recomputation not counted).
+
+    Matmuls cost 2 FLOPs per weight per token forward and 4 backward; a frozen weight skips its own gradient
+    (2 of the 4), which is what LoRA saves. Attention adds 12 * layers * hidden * seq_len.
+    """
+    frozen = parameters - trainable
+    layers = getattr(config, "num_hidden_layers", 0)
+    hidden = getattr(config, "hidden_size", 0)
+    return 6.0 * trainable + 4.0 * frozen + 12.0 * layers * hidden * seq_len
