@@ -53,6 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", action="store_true",
                    help="also run the trainer's own step on fake tensors at this world size (no GPU, no memory) "
                         "and report its exact per-GPU peak, by category and by module")
+    p.add_argument("--find-batch-size", action="store_true",
+                   help="the largest micro-batch that fits, with the gradient accumulation that keeps the global "
+                        "batch (--batch-size x --gradient-accumulation-steps x GPUs)")
+    p.add_argument("--emit-config", default=None, metavar="FILE.yaml",
+                   help="write a ready-to-run 'shardtune train' recipe for the recommended setup (set dataset_name)")
     p.set_defaults(func=main)
 
 
@@ -121,6 +126,23 @@ def print_catalog() -> None:
     Console().print(table)
 
 
+def _batch_and_config(args: argparse.Namespace, setup: Setup, gpu: Gpu) -> dict:
+    """--find-batch-size and --emit-config (the emitted recipe uses the batch found, when searched)."""
+    out: dict = {}
+    if args.find_batch_size:
+        from shardtune.memory.batch_plan import find_batch_size
+
+        plan = find_batch_size(args.model, setup, gpu)
+        setup = setup.with_(batch_size=plan.micro_batch_size,
+                            gradient_accumulation_steps=plan.gradient_accumulation_steps)
+        out["batch_plan"] = plan.to_dict()
+    if args.emit_config:
+        from shardtune.memory.batch_plan import emit_config
+
+        out["emitted_config"] = str(emit_config(args.model, setup, args.emit_config))
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     if args.list:
         print_catalog()
@@ -136,10 +158,11 @@ def main(args: argparse.Namespace) -> int:
         from shardtune.memory.trace_setup import trace_for_estimate
 
         traced = trace_for_estimate(args.model, report.breakdown.setup, report.breakdown.total)
+    extras = _batch_and_config(args, report.breakdown.setup, gpu) | ({"trace": traced} if traced else {})
     if args.json:
         from shardtune.memory.report import to_dict
 
-        json.dump(to_dict(report) | ({"trace": traced} if traced else {}), sys.stdout, indent=2)
+        json.dump(to_dict(report) | extras, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         from rich.console import Console
@@ -151,6 +174,14 @@ def main(args: argparse.Namespace) -> int:
             from shardtune.memory.trace_setup import render_text
 
             print(render_text(traced, traced["formula_peak_bytes"]))
+        if "batch_plan" in extras:
+            bp = extras["batch_plan"]
+            print(f"batch: micro-batch {bp['micro_batch_size']} per GPU x {bp['gradient_accumulation_steps']} "
+                  f"accumulation steps = global batch {bp['global_batch_size']} (asked "
+                  f"{bp['requested_global_batch_size']}; at most {bp['largest_fitting_micro_batch']} fits per GPU)")
+        if "emitted_config" in extras:
+            emitted = extras["emitted_config"]
+            print(f"wrote {emitted} (set dataset_name, then: shardtune train {emitted})")
     if args.plot:
         from shardtune.memory.plot import write_plot
 

@@ -1,0 +1,71 @@
+"""``--find-batch-size`` and ``--emit-config``: the largest micro-batch that fits, and a config to run it.
+
+The micro-batch is searched with the analytic estimator (instant); gradient accumulation then restores the global
+batch the command line asked for (``--batch-size`` x ``--gradient-accumulation-steps`` x GPUs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardtune import catalog
+from shardtune.errors import UsageError
+from shardtune.memory.hardware import Gpu
+from shardtune.memory.setup import Setup
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro_batch_size: int  # per device
+    gradient_accumulation_steps: int
+    global_batch_size: int  # micro x accumulation x world size
+    requested_global_batch_size: int
+    largest_fitting_micro_batch: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def plan_batch(largest_fitting: int, setup: Setup) -> BatchPlan:
+    """Largest micro-batch <= ``largest_fitting`` that keeps the requested global batch (exactly when possible)."""
+    world = setup.world_size
+    requested = setup.batch_size * setup.gradient_accumulation_steps * world
+    per_rank = requested // world
+    cap = max(1, min(largest_fitting, per_rank))
+    # Prefer a micro-batch that divides this rank's share, so the global batch stays exactly what was asked.
+    micro = next(m for m in range(cap, 0, -1) if per_rank % m == 0)
+    if micro * 2 <= cap:  # an exact divisor would waste more than half the memory: take the cap and round up
+        micro = cap
+    accumulation = math.ceil(per_rank / micro)
+    return BatchPlan(micro, accumulation, micro * accumulation * world, requested, largest_fitting)
+
+
+def find_batch_size(model: str, setup: Setup, gpu: Gpu) -> BatchPlan:
+    """The batch plan for ``setup`` on ``gpu``; a UsageError when not even one sequence per GPU fits."""
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import max_batch_size
+
+    largest = max_batch_size(ModelAnalysis(model), setup, gpu)
+    if largest == 0:
+        raise UsageError(f"--find-batch-size: not even a micro-batch of 1 fits a {gpu.name} with {setup.label()}; "
+                         f"try --gradient-checkpointing, more GPUs with --strategy fsdp, --method lora or qlora, "
+                         f"or a shorter --seq-len")
+    return plan_batch(largest, setup)
+
+
+def emit_config(model: str, setup: Setup, path: str | Path) -> Path:
+    """Write the ``shardtune train`` recipe of ``setup`` to ``path`` (flat YAML, written to a temp name first)."""
+    from shardtune.config import save_resolved
+    from shardtune.memory.trace_setup import config_from_setup
+
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        raise UsageError(f"--emit-config {path}: folder {path.parent} does not exist; create it or pick another path")
+    cfg = config_from_setup(model, setup)
+    if not Path(model).expanduser().exists() and model in catalog.names():
+        # A catalog name is shardtune's; the trainer loads the weights by their Hugging Face id.
+        cfg.model.model_name_or_path = catalog.metadata(model).get("hf_id") or model
+    save_resolved(cfg, path)
+    return path

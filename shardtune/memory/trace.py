@@ -1,0 +1,403 @@
+"""Exact per-GPU memory of a training step: shardtune's own step run on fake tensors, every allocation counted.
+
+The model is built by the trainer's own functions (``Precision``, ``resize_for_tokenizer``, ``apply_lora``,
+``make_plan``, ``parallelize``, ``build_optimizer``) and one global batch goes through ``train_step``, the step
+``shardtune train`` runs, under PyTorch's ``FakeTensorMode``: tensors carry shapes, dtypes and storages but no data,
+so a 70B model costs no memory. Collectives go to the ``fake`` process group at the requested world size, so
+FSDP2 shards, gathers and reduce-scatters exactly as on rank 0 of the real job. PyTorch's trackers
+(``FSDPMemTracker`` for FSDP2, ``MemTracker`` otherwise) attribute each live storage to a category and record the
+peak, overall and per module. Two steps run, so the peak includes the optimizer states that AdamW creates lazily.
+
+What fake tensors cannot know is data: host-side scalars (``.item()`` of token counts, the loss, the gradient norm)
+read as 1 here. They steer no allocation in ``train_step``; anything else that needs data stops the trace with
+:class:`TraceUnsupported`, naming the operation, and the caller falls back to the analytic formula, saying so.
+
+The same function runs in real mode (``fake=False``) on the CPU with the same tracker: the test that the fake
+trace matches a real step's measured peak compares the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardtune.config import TrainConfig
+from shardtune.memory.trace_tracker import (fresh_module_stats_per_micro_batch, make_tracker, module_peaks,
+                                             peak_breakdown, track_inputs)
+
+log = logging.getLogger("shardtune")
+
+class TraceUnsupported(RuntimeError):
+    """Fake tensors could not follow the step; ``op`` names the operation and ``phase`` where it ran."""
+
+    def __init__(self, op: str, phase: str, detail: str = "") -> None:
+        self.op, self.phase = op, phase
+        super().__init__(f"fake tensors cannot follow {op} while {phase}" + (f" ({detail})" if detail else ""))
+
+
+@dataclass
+class TraceResult:
+    """Per-GPU memory of one rank over the traced steps, in bytes."""
+
+    peak_bytes: int
+    categories: dict[str, int]  # at the peak; they add up to peak_bytes
+    modules: list[tuple[str, int]]  # (module, peak while it ran) for the last step
+    world_size: int
+    strategy: str  # NO | DDP | FSDP (and the sharding strategy)
+    fake: bool
+    device: str  # the device the step was modelled for (cuda: fused AdamW, as the trainer picks on a GPU)
+    steps: int
+    seconds: float
+    parameters: int
+    trainable_parameters: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["modules"] = [{"module": m, "peak_bytes": b} for m, b in self.modules]
+        return out
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """The ``fake`` backend at ``world_size`` (rank 0): collectives cost nothing and move no data."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised; run the trace in a fresh process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _HostScalars(TorchDispatchMode):
+    """Answers ``.item()`` on a fake tensor with 1 (fake tensors hold no values); every other op passes through.
+
+    One is a value under which ``train_step`` takes its ordinary path: a finite loss and gradient norm, and AdamW's
+    step counts (its bias correction divides by ``1 - beta ** step``) are positive.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            return True if t.dtype == torch.bool else (1.0 if t.is_floating_point() else 1)
+        return func(*args, **(kwargs or {}))
+
+
+def _grad_scaler(fsdp: bool, fake: bool):
+    """The trainer's fp16 loss scaler; under fake tensors its overflow check reads "no overflow".
+
+    The scaler steps the optimizer only when the summed ``found_inf`` flags are 0, which no fake value can say, so
+    the fake run steps unconditionally. A small initial scale keeps the real-tensor check from skipping its steps on
+    overflow too (the scale changes no allocation; the trainer starts from the default 2**16 and backs off).
+    """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = ShardedGradScaler("cpu", init_scale=16.0) if fsdp else torch.amp.GradScaler("cpu", init_scale=16.0)
+    if fake:
+        scaler._maybe_opt_step = lambda optimizer, optimizer_state, *args, **kwargs: optimizer.step(*args, **kwargs)
+    return scaler
+
+
+@contextlib.contextmanager
+def _swappable_fake_parameters(fake_mode) -> Iterator[None]:
+    """Let ``Module.to`` cast fake parameters (PEFT casts its adapters to the base layer's dtype).
+
+    ``Module.to`` on a fake parameter swaps tensors, and ``torch.utils.swap_tensors`` refuses a tensor with a weak
+    reference; the fake converter's memo holds one to every parameter made under fake mode. The memo only matters
+    inside one real-to-fake conversion (no conversion is running at a swap), so it is emptied just before each swap.
+    """
+    if fake_mode is None:
+        yield
+        return
+    import torch.utils
+
+    memo = fake_mode.fake_tensor_converter.meta_converter.tensor_memo
+    original = torch.utils.swap_tensors
+
+    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        memo.clear()
+        original(t1, t2)
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
+def _model_config(cfg: TrainConfig):
+    """The transformers config of ``model_name_or_path``: a model folder, a config.json, a catalog name, or the
+    Hugging Face id of a catalog model (what ``--emit-config`` writes), read from the catalog without the hub."""
+    from transformers import AutoConfig
+
+    from shardtune import catalog
+    from shardtune.memory.inventory import build_config, load_config_dict
+
+    model = cfg.model.model_name_or_path
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    by_hub_id = {catalog.metadata(n).get("hf_id"): n for n in catalog.names()}
+    name, config_dict = load_config_dict(by_hub_id.get(model, model))
+    return build_config(config_dict, name)
+
+
+def _vocab_and_pad(cfg: TrainConfig, config) -> tuple[int, int]:
+    """The tokenizer's length and pad id as the trainer sees them (the model's vocabulary without a tokenizer)."""
+    path = Path(cfg.model.model_name_or_path).expanduser()
+    if path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from shardtune.data import load_tokenizer
+
+        tokenizer = load_tokenizer(str(path), cfg.data, trust_remote_code=cfg.model.trust_remote_code)
+        return len(tokenizer), tokenizer.pad_token_id
+    pad = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
+    return config.vocab_size, pad
+
+
+def _micro_batches(cfg: TrainConfig, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """A global batch of this rank at its largest: every row ``max_seq_len`` tokens, every token a target."""
+    from shardtune.data import Collator
+
+    seq_len = cfg.data.max_seq_len
+    row = {"input_ids": [pad_id + 1 if pad_id == 0 else 0] * seq_len, "labels": [1] * seq_len, "seq_lens": [seq_len]}
+    collator = Collator(pad_id)
+    return [collator([row] * cfg.run.per_device_train_batch_size) for _ in range(cfg.run.gradient_accumulation_steps)]
+
+
+def _build_model(cfg: TrainConfig, config, plan, precision, info, vocab_size: int) -> nn.Module:
+    """The trainer's model: same class, dtypes, attention, adapters and parallelisation as ``loop.build_model``.
+
+    The weights are initialised instead of loaded (their values do not change memory); under fake mode that
+    costs nothing.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.train.model import apply_lora, attn_implementation, resize_for_tokenizer
+    from shardtune.train.parallelize import parallelize
+
+    lora = cfg.lora
+    # Under fake mode, modules built outside a device context cannot later change dtype (PEFT casts its adapters).
+    with torch.device(info.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=precision.frozen_dtype(lora),
+                                                 attn_implementation=attn_implementation(cfg.model, info.device))
+        if lora.use_4bit_quantization:  # real tensors only (see nf4_fallback in trace_training_step)
+            from shardtune.memory.trace_qlora import quantize_linears
+
+            quantize_linears(model, lora)
+        resize_for_tokenizer(model, vocab_size)
+        if lora.use_peft_lora:
+            model = apply_lora(model, lora, seed=cfg.run.seed)
+    model = parallelize(model, plan, info)
+    model.train()
+    return model
+
+
+@contextlib.contextmanager
+def _phase(name: str, fake: bool) -> Iterator[None]:
+    """Turn failures under fake tensors into TraceUnsupported naming the operation (or the error) and the phase.
+
+    Besides the fake-tensor exceptions, an op's shape check can fail on fake inputs where real ones pass (and
+    the other way round cannot be told apart here), so any RuntimeError of a fake run is reported, not raised.
+    """
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               UnsupportedOperatorException)
+
+    try:
+        yield
+    except (UnsupportedOperatorException, DataDependentOutputException, DynamicOutputShapeException) as exc:
+        raise TraceUnsupported(str(getattr(exc, "func", exc)), name, type(exc).__name__) from exc
+    except RuntimeError as exc:
+        if not fake or isinstance(exc, TraceUnsupported):
+            raise
+        raise TraceUnsupported(_failing_call(exc), name,
+                               str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+
+
+_NAMED_PLACES = ("torch/optim/", "torch/nn/", "torch/distributed/", "transformers/", "peft/", "bitsandbytes/",
+                 "shardtune/")
+
+
+def _failing_call(exc: BaseException) -> str:
+    """The deepest call of the traceback in a library a user knows (not torch's internal checks), as file:function."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    # The trace's own dispatch modes and the trackers sit under every op: they are not where it failed.
+    named = [f for f in frames if any(place in f.co_filename for place in _NAMED_PLACES)
+             and "shardtune/memory/trace" not in f.co_filename and "distributed/_tools" not in f.co_filename]
+    named = named or frames
+    code = named[-1]
+    path = code.co_filename.replace("\\", "/")
+    short = "/".join(path.split("/")[-2:])
+    return f"{code.co_name} ({short})"
+
+
+def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1, fake: bool = True,
+                        target_device: str = "cuda", steps: int = 2) -> TraceResult:
+    """Run ``steps`` training steps of the job ``cfg`` describes as rank 0 of ``world_size`` and measure memory.
+
+    ``fake``: on fake tensors (any model size, no memory); otherwise on real CPU tensors (small models, to check
+    the fake trace). ``target_device``: the GPU job (``cuda``: fused AdamW) or a CPU one (``cpu``: foreach AdamW).
+    Tensors live on the CPU either way; the trace counts bytes, not where they are.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardtune.train.dist import DistInfo
+    from shardtune.train.loop import fsdp_param_dtype
+    from shardtune.train.model import Precision, count_parameters
+    from shardtune.train.optim import build_optimizer, build_scheduler
+    from shardtune.train.parallelize import make_plan
+    from shardtune.train.step import StepContext, train_step
+
+    if world_size < 1 or world_size % num_nodes:
+        raise ValueError(f"world size {world_size} must be a positive multiple of num_nodes {num_nodes}")
+    started = time.perf_counter()
+    device = torch.device("cpu")
+    info = DistInfo(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size // num_nodes,
+                    device=device)
+    precision = Precision(cfg.mixed_precision)
+    plan = make_plan(cfg.distributed, info, param_dtype=fsdp_param_dtype(cfg, precision),
+                     gradient_checkpointing=cfg.run.gradient_checkpointing, use_reentrant=cfg.run.use_reentrant)
+    if plan.strategy == "MP":
+        raise TraceUnsupported("model parallel (distributed_type MP)", "planning", "the trainer has no MP step")
+    if plan.strategy == "FSDP" and plan.offload:
+        # Every traced tensor lives on one device, so host-resident shards cannot be told from GPU memory.
+        raise TraceUnsupported("FSDP CPU offload (fsdp_offload_params)", "planning",
+                               "the trace cannot separate host RAM from GPU memory")
+    notes: list[str] = []
+    ddp = plan.strategy == "DDP" and world_size > 1
+    if ddp:
+        # DDP's C++ reducer reads parameter data when it is built, which fake tensors do not have: trace the
+        # replica as one process and add the reducer's gradient buckets (one copy of the trainable gradients).
+        plan = dataclasses.replace(plan, strategy="NO")
+    # bitsandbytes' Params4bit cannot wrap a fake tensor: trace the QLoRA job with its base in bf16 and put the
+    # formula's NF4 bytes in place of the quantised weights afterwards (see _nf4_adjustment).
+    nf4_fallback = fake and cfg.lora.use_4bit_quantization
+    if nf4_fallback:
+        cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, use_4bit_quantization=False))
+    config = _model_config(cfg)
+    vocab_size, pad_id = _vocab_and_pad(cfg, config)
+    real_batches = _micro_batches(cfg, pad_id)
+    fsdp = plan.strategy == "FSDP"
+    fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    with fake_process_group(world_size) if fsdp else contextlib.nullcontext(), \
+            torch.random.fork_rng(devices=[]), fake_mode:
+        with _phase("building the model", fake), _swappable_fake_parameters(fake_mode if fake else None):
+            model = _build_model(cfg, config, plan, precision, info, vocab_size)
+        trainable, total = count_parameters(model)
+        batches = real_batches
+        if fake:
+            batches = [{k: fake_mode.from_tensor(v) for k, v in b.items()} for b in real_batches]
+        optimizer = build_optimizer(model, cfg.optim, torch.device(target_device))
+        scheduler = build_scheduler(optimizer, cfg.optim, max(steps, 1))
+        scaler = None  # as the loop: a loss scaler for fp16 only
+        if precision.mixed_precision == "fp16":
+            scaler = _grad_scaler(fsdp, fake)
+        ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, plan=plan, info=info,
+                          compute_dtype=precision.compute_dtype, max_grad_norm=cfg.optim.max_grad_norm,
+                          pad_token_id=pad_id, scaler=scaler)
+        # On a GPU each micro-batch is copied to the device when its forward starts: one is there at a time.
+        on_device = batches[:1] if target_device == "cuda" else batches
+        scalars = _HostScalars() if fake else contextlib.nullcontext()
+        # The first steps are not measured: they create the optimizer states (AdamW makes them lazily) and fill
+        # DTensor's sharding-propagation cache, whose first run allocates under the trace's own fake mode. A
+        # later step holds everything the first one did plus the optimizer states, so its peak is the job's.
+        with scalars:
+            for step in range(steps - 1):
+                with _phase(f"running training step {step + 1}", fake):
+                    train_step(ctx, batches)
+        tracker = make_tracker(model, optimizer, fsdp)
+        track_inputs(tracker, fsdp, [t for b in on_device for t in b.values()])
+        with fresh_module_stats_per_micro_batch(tracker, model), tracker, scalars:
+            with _phase(f"running training step {steps}", fake):
+                train_step(ctx, batches)
+        peak, categories = peak_breakdown(tracker)
+        modules = module_peaks(tracker)
+    if ddp:
+        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        categories["ddp_gradient_buckets"] = buckets
+        peak += buckets
+        notes.append("DDP traced as one replica: its C++ reducer cannot be built on fake tensors; its gradient "
+                     "buckets (one copy of the trainable gradients) are added from the parameter count")
+    if nf4_fallback:
+        from shardtune.memory.trace_qlora import nf4_adjustment
+
+        saving, dequant = nf4_adjustment(model, cfg, plan, info)
+        key = "params_sharded" if fsdp else "params"
+        categories[key] = categories.get(key, 0) - saving
+        categories["nf4_dequantize_buffer"] = dequant
+        peak += dequant - saving
+        notes.append("QLoRA: bitsandbytes.nn.Params4bit (a tensor subclass) cannot wrap a fake tensor, so the base "
+                     "was traced in bf16 and its quantised weights' bytes replaced by the formula's NF4 bytes, plus "
+                     "one dequantised weight for the running matmul; FSDP's gathered layer copies are those of the "
+                     "bf16 stand-in")
+    if fake:
+        notes.append("host-side scalars (token counts, loss, gradient norm) read as 1 under fake tensors, and an "
+                     "fp16 loss scaler finds no overflow: the step takes its ordinary path")
+    strategy = plan.strategy + (f" {plan.sharding}" if fsdp else "")
+    return TraceResult(peak_bytes=peak, categories=categories, modules=modules, world_size=world_size,
+                       strategy=strategy, fake=fake, device=target_device, steps=steps,
+                       seconds=time.perf_counter() - started, parameters=total, trainable_parameters=trainable,
+                       notes=notes)
+
+
+def predict_peak_bytes(cfg: TrainConfig, world_size: int) -> int:
+    """The traced per-GPU (or per-process, on CPU) peak of the job ``cfg`` describes, at ``world_size``.
+
+    Inside a running distributed job (a process group already exists) the trace runs in a child process, since
+    it needs its own fake process group.
+    """
+    import torch.distributed as dist
+
+    target = "cuda" if torch.cuda.is_available() else "cpu"
+    nodes = max(1, cfg.distributed.num_machines)
+    if world_size % nodes:
+        nodes = 1
+    if not dist.is_initialized():
+        return trace_training_step(cfg, world_size, num_nodes=nodes, target_device=target).peak_bytes
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from shardtune.config import save_resolved
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        save_resolved(cfg, path)
+        out = subprocess.run([sys.executable, "-m", "shardtune.memory.trace", str(path), str(world_size),
+                              str(nodes), target], capture_output=True, text=True, check=True)
+    return int(json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"])
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m shardtune.memory.trace CONFIG.yaml WORLD_SIZE NUM_NODES DEVICE``: one JSON line."""
+    import json
+
+    from shardtune.config import load_train_config
+
+    cfg = load_train_config([argv[0]])
+    result = trace_training_step(cfg, int(argv[1]), num_nodes=int(argv[2]), target_device=argv[3])
+    print(json.dumps(result.to_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_main(sys.argv[1:]))

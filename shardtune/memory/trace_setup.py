@@ -1,0 +1,150 @@
+"""``shardtune estimate --trace`` and ``shardtune train --dry_run``: the traced peak, with the formula beside it.
+
+An estimate's Setup becomes the TrainConfig that ``shardtune train`` would run, the trace runs it, and where the
+trace cannot follow the step (an operation fake tensors do not support) the answer falls back to the analytic
+formula and says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardtune.config import TrainConfig, build_config
+from shardtune.errors import UsageError
+from shardtune.memory.hardware import GIB
+from shardtune.memory.setup import Setup
+
+STRATEGY_TO_TYPE = {"single": "NO", "ddp": "DDP", "fsdp": "FSDP"}
+
+
+def config_from_setup(model: str, setup: Setup) -> TrainConfig:
+    """The ``shardtune train`` config of ``setup`` (what --emit-config writes and --trace runs)."""
+    if setup.strategy == "mp":
+        raise UsageError("--trace runs the trainer's step, and the trainer has no model-parallel (mp) mode; "
+                         "use --strategy single, ddp or fsdp")
+    if setup.optimizer != "adamw":
+        raise UsageError(f"--optimizer {setup.optimizer}: the trainer uses AdamW, so --trace and --emit-config need "
+                         f"--optimizer adamw")
+    if setup.pure_bf16:
+        raise UsageError("--pure-bf16: the trainer keeps fp32 master weights, so --trace and --emit-config cannot "
+                         "use it; drop --pure-bf16")
+    values: dict[str, Any] = {
+        "model_name_or_path": model, "output_dir": "output", "dataset_name": "REPLACE_WITH_YOUR_DATASET",
+        "max_seq_len": setup.seq_len, "per_device_train_batch_size": setup.batch_size,
+        "gradient_accumulation_steps": setup.gradient_accumulation_steps,
+        "gradient_checkpointing": setup.gradient_checkpointing,
+        "bf16": setup.mixed_precision == "bf16", "fp16": setup.mixed_precision == "fp16",
+        # flash_attention_2 needs CUDA: the trainer (and the trace) then use sdpa, which keeps the same tensors.
+        "attn_implementation": "sdpa" if setup.attn_implementation == "flash_attention_2" else
+        setup.attn_implementation, "use_flash_attn": setup.attn_implementation == "flash_attention_2",
+        "use_peft_lora": setup.uses_lora, "use_4bit_quantization": setup.method == "qlora",
+        "lora_r": setup.lora_r, "lora_alpha": 2 * setup.lora_r, "lora_target_modules": setup.lora_target_modules,
+        "use_nested_quant": setup.nf4_double_quant,
+        "distributed_type": STRATEGY_TO_TYPE[setup.strategy],
+        "num_processes": setup.world_size, "num_machines": setup.num_nodes,
+    }
+    if setup.strategy == "fsdp":
+        values.update(fsdp_sharding_strategy=setup.sharding_strategy, fsdp_offload_params=setup.offload_params)
+    return build_config([(values, {})])
+
+
+def trace_or_formula(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -> dict[str, Any]:
+    """The traced memory of ``cfg`` as a dict; on an untraceable step, the formula's answer and the reason."""
+    from shardtune.memory.trace import TraceUnsupported, trace_training_step
+
+    try:
+        result = trace_training_step(cfg, world_size, num_nodes=num_nodes)
+    except TraceUnsupported as exc:
+        out = formula_for_config(cfg, world_size, num_nodes=num_nodes)
+        out.update(source="formula", fallback_reason=str(exc))
+        return out
+    return result.to_dict() | {"source": "trace"}
+
+
+def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> Setup:
+    """The estimator's Setup for a trainer config (the inverse of ``config_from_setup``)."""
+    lora = cfg.lora
+    method = "qlora" if lora.use_4bit_quantization else "lora" if lora.use_peft_lora else "full"
+    kind = cfg.distributed.distributed_type or ("DDP" if world_size > 1 else "NO")
+    strategy = {"NO": "single" if world_size == 1 else "ddp", "DDP": "ddp", "FSDP": "fsdp", "MP": "mp"}[kind]
+    return Setup(method=method, strategy=strategy, sharding_strategy=cfg.distributed.fsdp_sharding_strategy,
+                 offload_params=cfg.distributed.fsdp_offload_params and strategy == "fsdp",
+                 num_gpus=world_size // num_nodes, num_nodes=num_nodes, batch_size=cfg.run.per_device_train_batch_size,
+                 seq_len=cfg.data.max_seq_len, gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
+                 gradient_checkpointing=cfg.run.gradient_checkpointing, mixed_precision=cfg.mixed_precision,
+                 lora_r=lora.lora_r, lora_target_modules=lora.lora_target_modules,
+                 attn_implementation=cfg.model.attn_implementation, nf4_double_quant=lora.use_nested_quant,
+                 loss="chunked")
+
+
+def formula_for_config(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -> dict[str, Any]:
+    """The analytic estimate of the job ``cfg`` describes, in the trace's shape."""
+    from shardtune.memory.formula import estimate
+    from shardtune.memory.inventory import ModelAnalysis
+
+    setup = setup_from_config(cfg, world_size, num_nodes)
+    analysis = ModelAnalysis(cfg.model.model_name_or_path)
+    lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
+    breakdown = estimate(analysis.inventory, setup, lora)
+    return {"peak_bytes": breakdown.total, "categories": breakdown.per_gpu(), "world_size": world_size,
+            "strategy": setup.label(), "parameters": analysis.inventory.parameters}
+
+
+def render_text(result: dict[str, Any], formula_peak: int | None = None) -> str:
+    """A readable block: the peak, its parts and the largest modules."""
+    lines = []
+    if result.get("source") == "formula":
+        lines.append(f"trace not possible: {result['fallback_reason']}")
+        lines.append(f"analytic estimate instead: {result['peak_bytes'] / GIB:.2f} GiB per GPU")
+        return "\n".join(lines)
+    lines.append(f"traced peak per GPU: {result['peak_bytes'] / GIB:.3f} GiB  ({result['strategy']}, world size "
+                 f"{result['world_size']}, {result['steps']} steps traced in {result['seconds']:.1f} s)")
+    if formula_peak:
+        error = formula_peak / result["peak_bytes"] - 1 if result["peak_bytes"] else 0.0
+        lines.append(f"analytic estimate above (--loss {result.get('formula_loss', 'full')}): "
+                     f"{formula_peak / GIB:.3f} GiB, {error:+.1%} against the trace (it also counts allocator slack "
+                     f"and workspaces; the trace runs the trainer's own loss)")
+    lines.append("at the peak, by category:")
+    for name, nbytes in sorted(result["categories"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {name:<26} {nbytes / GIB:10.3f} GiB")
+    modules = result.get("modules") or []
+    if modules:
+        lines.append("peak while each module ran (last step):")
+        for item in modules[:12]:
+            lines.append(f"  {item['module']:<64} {item['peak_bytes'] / GIB:10.3f} GiB")
+        if len(modules) > 12:
+            lines.append(f"  ... {len(modules) - 12} more (--json lists all)")
+    for note in result.get("notes") or []:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def trace_for_estimate(model: str, setup: Setup, formula_peak: int) -> dict[str, Any]:
+    """``--trace``: the traced peak of ``setup`` (or the formula's, with the reason), and the formula's beside it.
+
+    The trace always runs the trainer's loss (``step.token_loss_sum``); ``formula_peak`` is the estimate's own
+    total, for the loss ``--loss`` named.
+    """
+    cfg = config_from_setup(model, setup)
+    out = trace_or_formula(cfg, setup.world_size, num_nodes=setup.num_nodes)
+    out["formula_peak_bytes"] = formula_peak
+    out["formula_loss"] = setup.loss
+    return out
+
+
+def formula_and_trace(model: str, setup: Setup) -> tuple[int, int]:
+    """(formula peak without its allocator/workspace item, traced peak) of ``setup``: the calibration pair.
+
+    The trace counts tensor bytes, as ``torch.cuda.max_memory_allocated`` would; the formula's "allocator cache and
+    workspaces" item models what the caching allocator reserves beyond that, which no trace can see.
+    """
+    from shardtune.memory.formula import estimate
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.trace import trace_training_step
+
+    traced = trace_training_step(config_from_setup(model, setup), setup.world_size, num_nodes=setup.num_nodes)
+    analysis = ModelAnalysis(model)
+    lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
+    breakdown = estimate(analysis.inventory, setup, lora)
+    slack = sum(i.bytes for i in breakdown.items if i.label == "allocator cache and workspaces")
+    return breakdown.total - slack, traced.peak_bytes

@@ -1,0 +1,203 @@
+"""The fake-tensor trace of the training step: against a real CPU step, against independent counts, and wired in.
+
+The real step runs the same code (``trace_training_step(..., fake=False)``) on real CPU tensors with the same
+tracker, so the comparison isolates what fake tensors change. Every traced number a test checks is compared
+with a count made another way (parameter numels, AdamW's state layout) or with the real run.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardtune.config import build_config
+from shardtune.memory.trace import TraceUnsupported, trace_training_step
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny (2 layers, width 64) and a small (4 layers, width 256) Llama with the shared byte-level tokenizer."""
+    from shardtune.tiny import make_model_folder, make_tokenizer
+
+    root = tmp_path_factory.mktemp("trace_models")
+    tokenizer = make_tokenizer()
+    return {"tiny": str(make_model_folder(root / "tiny", tokenizer=tokenizer)),
+            "small": str(make_model_folder(root / "small", tokenizer=tokenizer, hidden_size=256,
+                                           intermediate_size=512, num_layers=4, num_heads=8, num_kv_heads=4))}
+
+
+def config(model: str, **values):
+    base = {"model_name_or_path": model, "output_dir": "unused", "dataset_name": "unused", "max_seq_len": 64,
+            "per_device_train_batch_size": 2}
+    return build_config([(base | values, {})])
+
+
+GRID = [  # (model, world size, config values)
+    ("tiny", 1, {}),
+    ("small", 1, {"use_peft_lora": True, "bf16": True}),
+    ("tiny", 1, {"bf16": True, "gradient_checkpointing": True, "gradient_accumulation_steps": 2}),
+    ("tiny", 2, {"distributed_type": "FSDP"}),
+    ("small", 4, {"distributed_type": "FSDP", "bf16": True, "gradient_checkpointing": True}),
+    ("small", 2, {"distributed_type": "FSDP", "fsdp_sharding_strategy": "SHARD_GRAD_OP", "use_peft_lora": True,
+                  "bf16": True}),
+    ("tiny", 2, {"distributed_type": "DDP"}),
+    ("tiny", 2, {"distributed_type": "FSDP", "fp16": True}),
+    ("tiny", 1, {"use_peft_lora": True, "use_4bit_quantization": True, "bf16": True,
+                 "gradient_checkpointing": True}),
+]
+
+
+@pytest.mark.parametrize("model, world_size, values", GRID, ids=lambda v: str(v) if not isinstance(v, dict) else
+                         ",".join(f"{k}={x}" for k, x in v.items()) or "full-fp32")
+def test_fake_trace_matches_the_real_cpu_step_within_5_percent(models, model, world_size, values):
+    cfg = config(models[model], **values)
+    fake = trace_training_step(cfg, world_size, target_device="cpu")
+    real = trace_training_step(cfg, world_size, fake=False, target_device="cpu")
+    assert real.peak_bytes > 0
+    assert abs(fake.peak_bytes / real.peak_bytes - 1) <= 0.05, (fake.categories, real.categories)
+    assert sum(fake.categories.values()) == fake.peak_bytes
+    # QLoRA is traced with a formula stand-in for the NF4 weights: the trace says so.
+    assert any("Params4bit" in n for n in fake.notes) == bool(values.get("use_4bit_quantization"))
+
+
+def _param_bytes(model: str, dtype_bytes: int = 4) -> tuple[int, int]:
+    """Bytes and number of the parameter tensors of ``model``, counted on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    params = list(net.parameters())
+    return sum(p.numel() for p in params) * dtype_bytes, len(params)
+
+
+def test_fsdp_shards_parameters_and_adamw_keeps_two_states_per_shard(models):
+    total_bytes, num_tensors = _param_bytes(models["small"])
+    results = {ws: trace_training_step(config(models["small"], distributed_type="FSDP"), ws) for ws in (2, 4)}
+    for ws, result in results.items():
+        sharded = result.categories["params_sharded"]
+        # Each rank holds 1/ws of every parameter (FSDP pads dim 0 to a multiple of ws: at most a row each).
+        assert total_bytes / ws <= sharded <= total_bytes / ws * 1.01
+        # AdamW: exp_avg and exp_avg_sq per shard, plus one fp32 step counter per parameter tensor.
+        assert result.categories["optimizer"] == 2 * sharded + 4 * num_tensors
+    assert results[4].peak_bytes < results[2].peak_bytes
+
+
+def test_hybrid_shard_shards_inside_a_node_only(models):
+    total_bytes, _ = _param_bytes(models["tiny"])
+    cfg = config(models["tiny"], distributed_type="FSDP", fsdp_sharding_strategy="HYBRID_SHARD")
+    result = trace_training_step(cfg, 4, num_nodes=2)
+    assert total_bytes / 2 <= result.categories["params_sharded"] <= total_bytes / 2 * 1.01
+
+
+def test_fp16_traces_the_optimizer_states_the_loss_scaler_steps_into(models):
+    # The CPU job (foreach AdamW): fused AdamW with FSDP's loss scaler fails a shape check under fake tensors.
+    result = trace_training_step(config(models["tiny"], distributed_type="FSDP", fp16=True), 2, target_device="cpu")
+    _, num_tensors = _param_bytes(models["tiny"])
+    assert result.categories["optimizer"] == 2 * result.categories["params_sharded"] + 4 * num_tensors
+
+
+def test_ddp_adds_one_bucket_copy_of_the_trainable_gradients(models):
+    total_bytes, _ = _param_bytes(models["tiny"])
+    single = trace_training_step(config(models["tiny"]), 1)
+    ddp = trace_training_step(config(models["tiny"], distributed_type="DDP"), 2)
+    assert ddp.categories["ddp_gradient_buckets"] == total_bytes
+    assert ddp.peak_bytes == single.peak_bytes + total_bytes
+    assert any("reducer" in n for n in ddp.notes)
+
+
+def test_modules_report_each_decoder_layer_under_fsdp(models):
+    result = trace_training_step(config(models["small"], distributed_type="FSDP", bf16=True), 2)
+    layers = [m for m, _ in result.modules if m.split(".")[-1].isdigit()]
+    assert len(layers) == 4
+    assert all(0 < b <= result.peak_bytes for _, b in result.modules)
+
+
+def test_model_parallel_cannot_be_traced_and_estimate_falls_back_saying_why(models):
+    from shardtune.memory.trace_setup import trace_or_formula
+
+    cfg = config(models["tiny"], distributed_type="MP", num_processes=2)
+    with pytest.raises(TraceUnsupported, match="model parallel"):
+        trace_training_step(cfg, 2)
+    out = trace_or_formula(cfg, 2)
+    assert out["source"] == "formula" and "model parallel" in out["fallback_reason"]
+    assert out["peak_bytes"] > 0
+    offload = config(models["tiny"], distributed_type="FSDP", fsdp_offload_params=True)
+    out = trace_or_formula(offload, 2)
+    assert out["source"] == "formula" and "CPU offload" in out["fallback_reason"]
+
+
+def test_estimate_trace_json_and_text(models, capsys):
+    from shardtune.cli import main
+
+    args = ["estimate", models["tiny"], "--method", "lora", "--num-gpus", "2", "--strategy", "fsdp",
+            "--seq-len", "64", "--batch-size", "2", "--trace"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    traced = data["trace"]
+    assert traced["source"] == "trace" and traced["world_size"] == 2 and traced["strategy"] == "FSDP FULL_SHARD"
+    assert traced["trainable_parameters"] == data["trainable_parameters"]
+    assert sum(traced["categories"].values()) == traced["peak_bytes"]
+    assert main(args) == 0
+    assert "traced peak per GPU" in capsys.readouterr().out
+
+
+def test_estimate_trace_rejects_setups_the_trainer_cannot_run(models, capsys):
+    from shardtune.cli import main
+
+    assert main(["estimate", models["tiny"], "--optimizer", "sgd", "--trace"]) == 2
+    assert "--optimizer sgd" in capsys.readouterr().err
+
+
+def test_train_dry_run_traces_the_configured_job(models, tmp_path, capsys):
+    from shardtune.cli.train import run
+
+    argv = ["--model_name_or_path", models["tiny"], "--output_dir", str(tmp_path / "out"), "--dataset_name", "x",
+            "--max_seq_len", "64", "--per_device_train_batch_size", "2", "--distributed_type", "FSDP",
+            "--num_processes", "2", "--dry_run", "True"]
+    assert run(argv) == 0
+    out = capsys.readouterr().out
+    expected = trace_training_step(config(models["tiny"], distributed_type="FSDP", num_processes=2), 2)
+    assert f"traced peak per GPU: {expected.peak_bytes / 2**30:.3f} GiB" in out
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+def test_predict_peak_bytes_is_the_trace_for_this_machine(models):
+    from shardtune.memory.trace import predict_peak_bytes
+
+    cfg = config(models["tiny"], use_peft_lora=True)
+    target = "cuda" if torch.cuda.is_available() else "cpu"
+    assert predict_peak_bytes(cfg, 1) == trace_training_step(cfg, 1, target_device=target).peak_bytes
+
+
+def test_batch_plan_keeps_the_requested_global_batch():
+    from shardtune.memory.batch_plan import plan_batch
+    from shardtune.memory.setup import Setup
+
+    asked = Setup(num_gpus=2, strategy="ddp", batch_size=4, gradient_accumulation_steps=8)  # global 64
+    for fits in (1, 3, 5, 16, 17, 100):
+        plan = plan_batch(fits, asked)
+        assert plan.micro_batch_size <= fits
+        assert plan.global_batch_size == 64  # 32 per GPU has divisors 1, 2, 4, 8, 16, 32
+        assert plan.micro_batch_size * 2 > min(fits, 32)  # never less than half of what fits
+    odd = plan_batch(5, Setup(num_gpus=1, batch_size=7))  # 7 per GPU, 5 fit: 5 x 2 = 10 >= 7
+    assert (odd.micro_batch_size, odd.gradient_accumulation_steps, odd.global_batch_size) == (5, 2, 10)
+
+
+def test_find_batch_size_and_emit_config_write_a_recipe_the_trainer_reads(tmp_path, capsys):
+    from shardtune.cli import main
+    from shardtune.config import load_train_config
+
+    path = tmp_path / "recipe.yaml"
+    assert main(["estimate", "llama-3.1-8b", "--method", "lora", "--num-gpus", "2", "--strategy", "ddp",
+                 "--batch-size", "4", "--gradient-accumulation-steps", "8", "--find-batch-size",
+                 "--emit-config", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    plan = data["batch_plan"]
+    assert plan["largest_fitting_micro_batch"] == data["recommendation"]["max_batch_size"]
+    cfg = load_train_config([str(path)])
+    assert cfg.model.model_name_or_path == "meta-llama/Llama-3.1-8B"
+    assert (cfg.run.per_device_train_batch_size, cfg.run.gradient_accumulation_steps) == (
+        plan["micro_batch_size"], plan["gradient_accumulation_steps"])
+    assert cfg.distributed.distributed_type == "DDP" and cfg.lora.use_peft_lora
