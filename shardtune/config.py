@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -97,6 +98,9 @@ class RunConfig:
     report_to: str = "none"  # "tensorboard" writes event files beside metrics.jsonl
     ddp_timeout: int = 1800  # seconds a collective may wait before the run stops naming the rank and operation
     dry_run: bool = False
+    # Trace the job at the end and record the predicted peak beside the measured one. The environment variable
+    # SHARDTUNE_PREDICT_MEMORY=0 changes this default (test suites run hundreds of short jobs).
+    predict_memory: bool = field(default_factory=lambda: os.environ.get("SHARDTUNE_PREDICT_MEMORY", "1") != "0")
     # Hub flags: accepted so recipes run unchanged; they act only where the hub is reachable.
     push_to_hub: bool = False
     hub_model_id: str | None = None

@@ -8,6 +8,8 @@ import pytest
 def _isolated_cache(tmp_path, monkeypatch):
     """Each test counts models afresh and never writes into the user's ~/.cache."""
     monkeypatch.setenv("SHARDTUNE_CACHE", str(tmp_path / "cache"))
+    # Each training job would trace itself at the end (seconds); the test of that feature turns it back on.
+    monkeypatch.setenv("SHARDTUNE_PREDICT_MEMORY", "0")
     warnings.filterwarnings("ignore", module="transformers")
 
 

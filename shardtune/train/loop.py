@@ -128,6 +128,47 @@ def fsdp_param_dtype(cfg: TrainConfig, precision: Precision) -> torch.dtype | No
     return None
 
 
+PREDICTABLE_STRATEGIES = ("NO", "DDP", "FSDP")  # what ``shardtune estimate --trace`` follows
+
+
+def tracked_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]):
+    """One real training step under PyTorch's memory tracker: the per-rank peak of its tensors (CPU runs)."""
+    from shardtune.memory.trace_tracker import (fresh_module_stats_per_micro_batch, make_tracker, peak_breakdown,
+                                                track_inputs)
+
+    fsdp = ctx.plan.strategy == "FSDP"
+    tracker = make_tracker(ctx.model, ctx.optimizer, fsdp)
+    track_inputs(tracker, fsdp, [t for batch in micro_batches for t in batch.values()])
+    with fresh_module_stats_per_micro_batch(tracker, ctx.model), tracker:
+        stats = train_step(ctx, micro_batches)
+    return stats, peak_breakdown(tracker)[0]
+
+
+def memory_check(cfg: TrainConfig, info: DistInfo, plan: Plan, tracked_peak: int) -> dict[str, Any] | None:
+    """The traced prediction of this job's per-device peak beside the measured one (rank 0 gets the record).
+
+    Measured: ``torch.cuda.max_memory_reserved`` on CUDA; on CPU the memory tracker's peak of a real step.
+    A failed prediction is a warning, never a failed run.
+    """
+    if not cfg.run.predict_memory or plan.strategy not in PREDICTABLE_STRATEGIES:
+        return None
+    on_cuda = info.device.type == "cuda"
+    measured = max_over_ranks(peak_memory_bytes(info.device) if on_cuda else tracked_peak, info.device)
+    if not info.is_main or measured <= 0:
+        return None
+    from shardtune.memory.trace import predict_peak_bytes
+
+    try:
+        predicted = predict_peak_bytes(cfg, info.world_size)
+    except Exception as exc:  # noqa: BLE001 - the run succeeded; the check is a report, not a gate
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.warning("could not predict this job's peak memory (%s); the run itself is fine", first)
+        return None
+    return {"predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
+            "peak_error": (predicted - measured) / measured,
+            "measured_by": "torch.cuda.max_memory_reserved" if on_cuda else "memory tracker, real tensors"}
+
+
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     if cfg.run.max_steps > 0:
         return cfg.run.max_steps
@@ -254,13 +295,20 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     window_tokens, window_start = 0, time.perf_counter()
     run_tokens = 0
     stopped_by_signal = False
+    # The measured side of the memory check: CUDA's allocator counts; on CPU one step runs under the tracker.
+    measure_on_cpu = (cfg.run.predict_memory and info.device.type == "cpu"
+                      and plan.strategy in PREDICTABLE_STRATEGIES)
+    tracked_peak = 0
     try:
         while step < steps and not stopped_by_signal:
             sampler.set_epoch(epoch)
             for micro_batches in _collate_steps(sampler, data.train, collator):
                 inject_fault(step + 1, info)
                 try:
-                    stats = train_step(ctx, micro_batches)
+                    if measure_on_cpu and step + 1 == min(2, steps):  # step 2: the optimizer states exist
+                        stats, tracked_peak = tracked_step(ctx, micro_batches)
+                    else:
+                        stats = train_step(ctx, micro_batches)
                 except NonFiniteLoss as exc:
                     raise TrainingStopped(
                         f"step {step + 1}: {exc}. Last good checkpoint: {last_checkpoint or 'none'}. Likely causes: "
@@ -322,6 +370,13 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                "parameters": total, "world_size": info.world_size, "strategy": plan.strategy,
                "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
                "stopped_by": "SIGTERM" if stopped_by_signal else "completed", "last_checkpoint": last_checkpoint}
+    memory = memory_check(cfg, info, plan, tracked_peak)
+    if memory:
+        summary.update(memory)
+        metrics.write({"step": step, **memory})
+        log.info("peak memory per %s: predicted %.3f GiB, measured %.3f GiB (%s), error %+.1f%%",
+                 "GPU" if info.device.type == "cuda" else "process", memory["predicted_peak_bytes"] / 2**30,
+                 memory["measured_peak_bytes"] / 2**30, memory["measured_by"], 100 * memory["peak_error"])
     if not stopped_by_signal:
         export = pipeline.export_final if pipelined else ckpt.export_final
         final = export(out, model, tokenizer, is_peft=is_peft, info=info)

@@ -62,6 +62,7 @@ class MetricsLog:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
 
 
 def progress_bar(total: int, initial: int, enabled: bool):

@@ -1,0 +1,37 @@
+"""Closing the loop: a training run records its traced peak beside the measured one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.trainutil import run_shardtune, write_chat_data
+
+
+@pytest.mark.parametrize("nproc,extra", [
+    (1, ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]),
+    (2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP", "--use_peft_lora", "True",
+         "--gradient_checkpointing", "True"]),
+], ids=["one_process", "fsdp_lora"])
+def test_predicted_peak_recorded_beside_measured(tmp_path, monkeypatch, nproc, extra):
+    from shardtune.tiny import make_model_folder
+
+    monkeypatch.setenv("SHARDTUNE_PREDICT_MEMORY", "1")
+    model = make_model_folder(tmp_path / "model")
+    data = write_chat_data(tmp_path / "chat.jsonl", rows=600)
+    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train", "--max_seq_len",
+            "64", "--packing", "True", "--max_steps", "3", "--save_strategy", "no", "--output_dir",
+            str(tmp_path / "out"), *extra]
+    cmd = ["train", *args] if nproc == 1 else ["launch", "--num_processes", str(nproc), "train", *args]
+    result = run_shardtune(cmd, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert record["step"] == 3 and record["measured_by"] == "memory tracker, real tensors"
+    assert record["measured_peak_bytes"] > 100_000  # the tiny model's weights and optimizer alone exceed this
+    # The issue's bound for CPU runs: the traced peak within 5% of the tracker's measured peak of the real step.
+    assert abs(record["peak_error"]) <= 0.05
+    assert record["peak_error"] == pytest.approx(
+        (record["predicted_peak_bytes"] - record["measured_peak_bytes"]) / record["measured_peak_bytes"])
+    assert summary["predicted_peak_bytes"] == record["predicted_peak_bytes"]
