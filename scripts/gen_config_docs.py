@@ -1,0 +1,220 @@
+"""Write docs/config.md: every key of shardtune.config.TrainConfig with its section, type and default.
+
+    .venv/bin/python scripts/gen_config_docs.py          # rewrite docs/config.md
+    .venv/bin/python scripts/gen_config_docs.py --check  # exit 1 if docs/config.md is out of date
+
+Keys, types and defaults come from the dataclasses themselves, so they cannot drift; tests/test_docs_config.py
+fails when the file differs from what this script writes. Descriptions come from DESCRIPTIONS below, else from
+the comment beside the field in shardtune/config.py (or shardtune/data/config.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DOC_PATH = ROOT / "docs" / "config.md"
+
+DESCRIPTIONS = {
+    "model_name_or_path": "Local model folder (config.json + weights + tokenizer) or a hub name.",
+    "attn_implementation": "Attention kernel: sdpa, eager, flash_attention_2, flash_attention_3.",
+    "use_flash_attn": "Use flash_attention_2 when installed and on CUDA; sdpa otherwise, with a warning.",
+    "trust_remote_code": "Run a model's own Python code from its folder. Off unless you trust the model.",
+    "dataset_name": "A JSONL/JSON/Parquet/CSV file or folder, a saved `datasets` folder, or a hub name.",
+    "dataset_config_name": "The hub data set's configuration (subset).",
+    "splits": "Comma-separated split names; names containing `train` train, the others evaluate.",
+    "dataset_text_field": "The column of raw-text rows.",
+    "data_format": "The row format; auto looks at the first row.",
+    "chat_template_format": "none (the tokenizer's own template), chatml, llama-3, mistral, alpaca, zephyr.",
+    "add_special_tokens": "Add the named template's special tokens to the tokenizer (and resize the embeddings).",
+    "append_concat_token": "When packing, end every document with EOS if it does not already.",
+    "max_seq_len": "Tokens per row; longer examples are truncated, packed rows are filled up to it.",
+    "packing": "Pack several examples into each row (attention never crosses examples).",
+    "train_on_prompt": "Also compute the loss on system/user/prompt tokens, not only on the answers.",
+    "eval_split_ratio": "Hold out this fraction of the train rows for eval when there is no eval split.",
+    "dataset_num_proc": "Processes that tokenise (unset: one).",
+    "skip_bad_rows": "Drop malformed rows and count them instead of stopping at the first.",
+    "use_peft_lora": "Train LoRA adapters (PEFT) on a frozen base instead of every weight.",
+    "lora_r": "LoRA rank.",
+    "lora_alpha": "LoRA scaling numerator (the update is scaled by alpha / r).",
+    "lora_dropout": "Dropout on the LoRA input.",
+    "lora_target_modules": "all-linear, or comma-separated module names (q_proj,v_proj,...).",
+    "use_4bit_quantization": "QLoRA: load the frozen base in 4 bits (bitsandbytes); needs use_peft_lora.",
+    "bnb_4bit_quant_type": "The 4-bit data type.",
+    "use_nested_quant": "Double quantisation of the quantisation constants (QLoRA paper, section 3).",
+    "bnb_4bit_compute_dtype": "The dtype 4-bit weights are dequantised to for the matmuls.",
+    "bnb_4bit_quant_storage_dtype": "Storage dtype of the packed 4-bit weights; bf16 lets FSDP shard them with the "
+                                    "rest.",
+    "learning_rate": "Peak learning rate.",
+    "lr_scheduler_type": "The learning-rate schedule after warm-up.",
+    "warmup_ratio": "Fraction of the steps spent warming up (warmup_steps wins when set).",
+    "warmup_steps": "Steps of linear warm-up.",
+    "weight_decay": "AdamW weight decay.",
+    "max_grad_norm": "Clip the global gradient norm to this (0: no clipping).",
+    "adam_beta1": "AdamW beta1.",
+    "adam_beta2": "AdamW beta2.",
+    "adam_epsilon": "AdamW epsilon.",
+    "output_dir": "Where metrics.jsonl, config.yaml, checkpoints/ and final/ go.",
+    "seed": "Seeds data order, LoRA initialisation and dropout.",
+    "num_train_epochs": "Epochs to train when max_steps is -1.",
+    "max_steps": "Optimizer steps to train; -1 trains num_train_epochs.",
+    "per_device_train_batch_size": "Rows per micro-batch per process.",
+    "per_device_eval_batch_size": "Rows per eval batch per process.",
+    "gradient_accumulation_steps": "Micro-batches per optimizer step; the loss is normalised over all of them.",
+    "gradient_checkpointing": "Recompute activations in the backward pass: less memory, about a third more compute.",
+    "use_reentrant": "Use the reentrant checkpointing implementation (PyTorch's older one).",
+    "bf16": "bf16 mixed precision (fp32 master weights).",
+    "fp16": "fp16 mixed precision with a gradient scaler.",
+    "logging_steps": "Write a metrics.jsonl record every this many steps.",
+    "logging_strategy": "When to write metrics.jsonl records.",
+    "log_level": "Log level of rank 0 (passive: info); the other ranks log warnings only.",
+    "eval_strategy": "When to evaluate: every eval_steps, at the end of each epoch, or never.",
+    "eval_steps": "Evaluate every this many steps (unset: logging_steps).",
+    "report_to": "none, or tensorboard (event files beside metrics.jsonl).",
+    "ddp_timeout": "Seconds a collective may wait before the run stops, naming the rank and operation.",
+    "dry_run": "Print the resolved config and exit without training.",
+    "push_to_hub": "Accepted so recipes run unchanged; acts only where the hub is reachable.",
+    "hub_model_id": "Accepted so recipes run unchanged; acts only where the hub is reachable.",
+    "hub_token": "Accepted so recipes run unchanged; acts only where the hub is reachable.",
+    "hub_private_repo": "Accepted so recipes run unchanged; acts only where the hub is reachable.",
+    "hub_strategy": "Accepted so recipes run unchanged; acts only where the hub is reachable.",
+    "save_strategy": "When to save a resumable checkpoint: every save_steps, each epoch, or never.",
+    "save_steps": "Save a resumable checkpoint every this many steps.",
+    "save_total_limit": "Keep at most this many checkpoints (oldest deleted first).",
+    "resume_from_checkpoint": "A checkpoint folder, or true for the newest complete one in output_dir.",
+    "distributed_type": "How processes share the work (Accelerate's MULTI_GPU / MULTI_CPU mean DDP); unset: DDP "
+                        "when launched on several processes.",
+    "fsdp_sharding_strategy": "What FSDP shards (FSDP1's numbers 1-5 are accepted too); see "
+                              "docs/choosing-a-setup.md.",
+    "fsdp_offload_params": "Keep parameters, gradients and optimizer states in CPU memory.",
+    "fsdp_auto_wrap_policy": "What becomes one FSDP unit (gathered and freed together).",
+    "fsdp_transformer_layer_cls_to_wrap": "Class name of the unit to wrap (default: the model's decoder layer).",
+    "fsdp_min_num_params": "SIZE_BASED_WRAP: parameters per unit.",
+    "fsdp_cpu_ram_efficient_loading": "Only rank 0 reads the weights; the others build on the meta device and "
+                                      "receive them.",
+    "fsdp_sync_module_states": "Broadcast rank 0's weights so every rank starts identical.",
+    "fsdp_state_dict_type": "Checkpoints: each rank writes its shard (SHARDED) or rank 0 writes all (FULL).",
+    "fsdp_reshard_after_forward": "FSDP2's name; overrides what the sharding strategy implies.",
+    "fsdp_activation_checkpointing": "Checkpoint every wrapped unit (Accelerate's key; same as "
+                                     "gradient_checkpointing).",
+    "fsdp_backward_prefetch": "Accepted from FSDP1-era configs; FSDP2 prefetches by design.",
+    "fsdp_forward_prefetch": "Accepted from FSDP1-era configs; FSDP2 prefetches by design.",
+    "fsdp_use_orig_params": "Accepted from FSDP1-era configs; FSDP2 keeps the original parameters.",
+    "fsdp_version": "Accepted from Accelerate configs; shardtune always runs FSDP2 (fully_shard).",
+    "mixed_precision": "Accelerate's key; the bf16/fp16 flags win when set.",
+    "num_processes": "Processes over all machines (set by shardtune launch).",
+    "num_machines": "Machines in the job (set by shardtune launch).",
+    "machine_rank": "This machine's rank, 0 on the main one.",
+    "main_process_ip": "Address of machine rank 0.",
+    "main_process_port": "Port of the rendezvous on machine rank 0.",
+    "rdzv_backend": "static, or c10d (elastic rendezvous).",
+    "predict_memory": "At the end, trace the job and record the predicted peak memory beside the measured one "
+                      "(the environment variable SHARDTUNE_PREDICT_MEMORY=0 turns the default off).",
+    "pipeline_schedule": "Pipeline parallel (PP): the schedule.",
+    "pipeline_microbatches": "Pipeline parallel (PP): pipeline micro-batches each batch is split into.",
+}
+
+# Keys whose accepted values are a tuple in shardtune.config (or shardtune.data.config): listed from the code.
+CHOICES = {"distributed_type": "DISTRIBUTED_TYPES", "fsdp_sharding_strategy": "SHARDING_STRATEGIES",
+           "fsdp_auto_wrap_policy": "WRAP_POLICIES", "fsdp_state_dict_type": "STATE_DICT_TYPES",
+           "mixed_precision": "MIXED_PRECISIONS", "lr_scheduler_type": "SCHEDULERS",
+           "logging_strategy": "STRATEGIES_STEPS", "eval_strategy": "STRATEGIES_STEPS",
+           "save_strategy": "STRATEGIES_STEPS", "log_level": "LOG_LEVELS", "pipeline_schedule": "PIPELINE_SCHEDULES",
+           "data_format": "DATA_FORMATS"}
+_FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
+
+
+def _source_comments(cls: type) -> dict[str, str]:
+    """The ``# comment`` beside each field in the dataclass's source."""
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = _FIELD_COMMENT.match(line)
+        if match:
+            comments[match.group(1)] = match.group(2).strip()
+    return comments
+
+
+def _type_name(hint: object) -> str:
+    text = hint if isinstance(hint, str) else getattr(hint, "__name__", str(hint))
+    return text.replace("typing.", "").replace(" | None", " or unset")
+
+
+def _choices(key: str) -> str:
+    import shardtune.config as config
+    import shardtune.data.config as data_config
+
+    name = CHOICES.get(key)
+    values = getattr(config, name, None) or getattr(data_config, name, None) if name else None
+    return f" One of: {', '.join(values)}." if values else ""
+
+
+def _default_text(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def default_config():
+    """``TrainConfig()`` as a user without SHARDTUNE_* environment variables gets it (some defaults read them)."""
+    import os
+
+    from shardtune.config import TrainConfig
+
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("SHARDTUNE_")}
+    try:
+        return TrainConfig()
+    finally:
+        os.environ.update(saved)
+
+
+def render() -> str:
+    """docs/config.md as it should be for the code in this checkout."""
+    cfg = default_config()
+    out = ["# Configuration keys", "",
+           "Every key `shardtune train` accepts, with its default. Generated by `scripts/gen_config_docs.py` from",
+           "`shardtune.config.TrainConfig`; `tests/test_docs_config.py` fails when this file is out of date.", "",
+           "Give keys in a YAML recipe (`key: value`), as `key=value` or as `--key value`; an Accelerate config",
+           "file is read with `--config_file`. Precedence, lowest first: defaults < Accelerate config < YAML recipe",
+           "< `key=value` < `--key value`. `shardtune train --help` prints the same list. Unknown keys are an error",
+           "that names the closest known key.", ""]
+    for section in dataclasses.fields(cfg):
+        part = getattr(cfg, section.name)
+        comments = _source_comments(type(part))
+        out += [f"## {section.name}", "", "| key | type | default | what it does |", "|---|---|---|---|"]
+        for f in dataclasses.fields(part):
+            text = (DESCRIPTIONS.get(f.name) or comments.get(f.name) or "(not documented yet)") + _choices(f.name)
+            default = _default_text(getattr(part, f.name)).replace("|", "\\|")
+            out.append(f"| `{f.name}` | {_type_name(f.type)} | `{default}` | {text.replace('|', chr(92) + '|')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/config.md is out of date")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        current = DOC_PATH.read_text() if DOC_PATH.exists() else ""
+        if current != text:
+            print(f"{DOC_PATH} is out of date: run .venv/bin/python scripts/gen_config_docs.py", file=sys.stderr)
+            return 1
+        return 0
+    tmp = DOC_PATH.with_name(DOC_PATH.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(DOC_PATH)
+    print(f"wrote {DOC_PATH}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

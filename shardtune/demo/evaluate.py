@@ -1,0 +1,86 @@
+"""Did the fine-tune work? Eval loss on the held-out rows and exact-match accuracy of greedy answers.
+
+The loss is the trainer's own: the rows go through the same data pipeline (chat template, assistant-only labels)
+and the same per-token loss as ``shardtune train``'s eval, so the before and after numbers compare with the
+``eval_loss`` records in ``metrics.jsonl``. The accuracy asks each held-out question through the chat template,
+decodes greedily with the KV cache (``shardtune.generate``) and compares the stripped reply with the answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardtune.demo.task import Sum
+
+
+@dataclass
+class Answer:
+    question: str
+    expected: str
+    reply: str
+
+    @property
+    def correct(self) -> bool:
+        return self.reply.strip() == self.expected
+
+
+@dataclass
+class Evaluation:
+    """Eval loss (mean over answer tokens, EOS included) and exact-match accuracy on the held-out sums."""
+
+    eval_loss: float
+    answers: list[Answer] = field(default_factory=list)
+
+    @property
+    def accuracy(self) -> float:
+        return sum(a.correct for a in self.answers) / max(1, len(self.answers))
+
+
+@torch.inference_mode()
+def eval_loss(model: Any, tokenizer: Any, dataset_dir: str | Path, *, max_seq_len: int = 128,
+              batch_size: int = 16) -> float:
+    """Mean next-token loss over the target tokens of the dataset's test split, as ``shardtune train`` computes it."""
+    from shardtune.data import Collator, DataConfig, EvalSampler, prepare_datasets
+    from shardtune.train.step import model_inputs, num_targets, token_loss_sum
+
+    cfg = DataConfig(dataset_name=str(dataset_dir), splits="train,test", max_seq_len=max_seq_len)
+    data = prepare_datasets(cfg, tokenizer, seed=0)
+    collate = Collator(tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    loss_sum, targets = 0.0, 0
+    for indices in EvalSampler(len(data.eval), batch_size=batch_size, world_size=1, rank=0):
+        batch = collate([data.eval[i] for i in indices if i is not None])
+        logits = model(**model_inputs(batch, device), use_cache=False).logits
+        labels = batch["labels"].to(device)
+        loss_sum += float(token_loss_sum(logits, labels))
+        targets += num_targets(labels)
+    return loss_sum / max(1, targets)
+
+
+def answer_questions(model: Any, tokenizer: Any, sums: Sequence[Sum], *, max_new_tokens: int = 8) -> list[Answer]:
+    """Greedy replies to each sum's question, asked through the tokenizer's chat template."""
+    from shardtune.generate import encode_prompt, generate
+
+    answers = []
+    for s in sums:
+        ids = generate(model, tokenizer, encode_prompt(tokenizer, s.question()), max_new_tokens=max_new_tokens,
+                       temperature=0.0)
+        answers.append(Answer(s.question(), s.answer, tokenizer.decode(ids, skip_special_tokens=True)))
+    return answers
+
+
+def evaluate_model(model_or_adapter: str | Path, dataset_dir: str | Path, sums: Sequence[Sum]) -> Evaluation:
+    """Load a model folder (or an adapter on its base) on the CPU in fp32 and measure loss and accuracy."""
+    from shardtune.generate import load_for_generation
+
+    # PEFT imports bitsandbytes, which warns that an optional CPU kernel package is missing; the fallback is fine.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    model, tokenizer = load_for_generation(model_or_adapter, dtype=torch.float32, device="cpu")
+    return Evaluation(eval_loss=eval_loss(model, tokenizer, dataset_dir),
+                      answers=answer_questions(model, tokenizer, sums))
