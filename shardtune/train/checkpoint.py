@@ -24,6 +24,7 @@ import random
 import re
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -239,14 +240,20 @@ def trim_metrics(output_dir: str | Path, step: int) -> int:
     return len(lines) - len(kept)
 
 
-def _write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor], tokenizer, is_peft: bool) -> Path:
-    """``save_pretrained`` of ``state`` into a temporary folder, renamed to ``target`` when complete."""
+def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor], tokenizer, is_peft: bool, *,
+                 save_adapter: Callable[[nn.Module, dict[str, torch.Tensor], Path], None] | None = None) -> Path:
+    """``save_pretrained`` of ``state`` into a temporary folder, renamed to ``target`` when complete.
+
+    ``save_adapter`` replaces PEFT's own adapter writing (the pipeline's stages each hold part of the adapters).
+    """
     from shardtune.train.parallelize import unwrap
 
     tmp = target.with_name(f".tmp-{target.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    if is_peft:
+    if is_peft and save_adapter is not None:
+        save_adapter(model, state, tmp)
+    elif is_peft:
         getattr(model, "module", model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
     else:
         unwrap(model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
@@ -280,7 +287,7 @@ def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft
         _test_logits(model, logits_path if info.is_main else os.devnull)
     target = None
     if info.is_main:
-        target = _write_export(Path(output_dir) / "final", model, state, tokenizer, is_peft)
+        target = write_export(Path(output_dir) / "final", model, state, tokenizer, is_peft)
     barrier()
     return target
 
@@ -323,7 +330,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
         dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=True)
         state = state["model"]
     set_model_state_dict(model, state, options=options)
-    return _write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft)
+    return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft)
 
 
 def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Path:

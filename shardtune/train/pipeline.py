@@ -29,6 +29,7 @@ from torch import nn
 
 from shardtune.config import DistributedConfig
 from shardtune.errors import UsageError
+from shardtune.train.checkpoint import write_export
 from shardtune.train.dist import DistInfo, barrier
 from shardtune.train.parallelize import Plan, unwrap
 from shardtune.train.step import token_loss_sum
@@ -177,21 +178,7 @@ def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft
     merged: dict[str, torch.Tensor] = {}
     for part in gathered:
         merged.update(part)
-    tmp = Path(output_dir) / ".tmp-final"
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    if is_peft:
-        _save_adapter(model, merged, tmp)
-    else:
-        unwrap(model).save_pretrained(str(tmp), state_dict=merged, safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    if target.exists():
-        import shutil
-
-        shutil.rmtree(target)
-    tmp.rename(target)
+    write_export(target, model, merged, tokenizer, is_peft, save_adapter=_save_adapter)
     barrier()
     return target
 
