@@ -32,7 +32,7 @@ def compare(folder: str, method: str, strategy: str, world: int, sharding: str, 
     from shardtune.memory.trace_setup import formula_and_trace
 
     setup = Setup(method=method, strategy=strategy, sharding_strategy=sharding, num_gpus=world, batch_size=batch,
-                  seq_len=seq_len, gradient_checkpointing=checkpointing, mixed_precision="bf16", loss="chunked")
+                  seq_len=seq_len, gradient_checkpointing=checkpointing, mixed_precision="bf16", loss="shardtune")
     formula, traced = formula_and_trace(folder, setup)
     return {"method": method, "strategy": setup.label(), "world_size": world, "checkpointing": checkpointing,
             "trace_bytes": traced, "formula_bytes": formula, "ratio": formula / traced}

@@ -47,7 +47,7 @@ def _measure(config: dict, mode: str, checkpointing: bool, batch: int = 2, seq: 
 
 def _predict(folder: str, mode: str, checkpointing: bool, batch: int = 2, seq: int = 64) -> int:
     inv = ModelAnalysis(folder).inventory
-    setup = Setup(gradient_checkpointing=checkpointing, batch_size=batch, seq_len=seq, **MODES[mode])
+    setup = Setup(gradient_checkpointing=checkpointing, batch_size=batch, seq_len=seq, loss="full", **MODES[mode])
     dt = _dtypes(setup)
     act, model = Activations(inv, setup, dt), _Model(inv, setup, dt, None)
     per_layer = act.layer_checkpointed() if checkpointing else act.layer()
@@ -89,7 +89,8 @@ def test_eager_attention_keeps_the_score_matrices(config_dir):
     gc.collect()
     measured = live.live_bytes(parameter_storages(model)) + ids.nbytes - loss.nbytes
     inv = ModelAnalysis(folder).inventory
-    setup = Setup(gradient_checkpointing=False, batch_size=2, seq_len=64, pure_bf16=True, attn_implementation="eager")
+    setup = Setup(gradient_checkpointing=False, batch_size=2, seq_len=64, pure_bf16=True, attn_implementation="eager",
+                  loss="full")
     act = Activations(inv, setup, _dtypes(setup))
     predicted = 2 * 64 * (inv.num_layers * act.layer() + act.outside_layers()) + act.rope_tables()
     assert predicted == pytest.approx(measured, rel=0.005)

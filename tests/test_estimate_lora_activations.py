@@ -46,7 +46,7 @@ def _measure_lora(config: dict, targets: str, pure_bf16: bool = True) -> int:
 def _predict(folder: str, targets: str, method: str = "lora", pure_bf16: bool = True) -> int:
     inv = ModelAnalysis(folder).inventory
     setup = Setup(method=method, gradient_checkpointing=False, batch_size=BATCH, seq_len=SEQ, pure_bf16=pure_bf16,
-                  lora_r=RANK, lora_target_modules=targets)
+                  lora_r=RANK, lora_target_modules=targets, loss="full")
     act = Activations(inv, setup, _dtypes(setup))
     return BATCH * SEQ * (inv.num_layers * act.layer() + act.outside_layers()) + act.rope_tables()
 

@@ -44,10 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
     p.add_argument("--lora-target-modules", default="all-linear", help="all-linear or e.g. q_proj,v_proj")
     p.add_argument("--attn-implementation", default="sdpa", help=f"{' | '.join(ATTENTION)} (default: sdpa)")
-    p.add_argument("--loss", default="full", choices=LOSSES,
-                   help="full: transformers' loss, fp32 logits of the whole micro-batch; chunked: torchtune's "
-                        "compiled chunked cross-entropy (8 chunks; bf16 logits kept, one chunk's gradient at a time) "
-                        "(default: full)")
+    p.add_argument("--loss", default="shardtune", choices=LOSSES,
+                   help="shardtune: shardtune train's loss (bf16 logits kept, fp32 one chunk at a time, recomputed "
+                        "in backward); full: transformers' loss, fp32 logits of the whole micro-batch; chunked: "
+                        "torchtune's compiled chunked cross-entropy (default: shardtune)")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also write a PNG: the per-GPU breakdown of each setup against the GPU's memory")
     p.add_argument("--trace", action="store_true",

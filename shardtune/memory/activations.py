@@ -161,6 +161,10 @@ class Activations:
     def loss_forward_extra(self) -> int:
         """Logits in compute dtype and their fp32 upcast, alive while the loss is computed."""
         v, e = self.inv.vocab_size, self.dt.compute
+        if self.setup.loss == "shardtune":
+            # shardtune.train.step.token_loss_sum: one chunk's fp32 upcast and its log-softmax at a time (each
+            # chunk is checkpointed, so neither is kept).
+            return 8 * v // LOSS_CHUNKS
         if self.setup.loss == "chunked":
             # torchtune compiles the per-chunk upcast + cross-entropy (training.compile_loss): inductor fuses the
             # upcast into the log-sum-exp reduction, so no fp32 copy of a chunk is materialised, only one fp32
@@ -171,6 +175,10 @@ class Activations:
     def loss_backward_extra(self) -> int:
         """The fp32 gradients of nll_loss and log_softmax at the start of backward."""
         v = self.inv.vocab_size
+        if self.setup.loss == "shardtune":
+            # The chunks' gradients meet in one compute-dtype gradient of the whole logits (the backward of the
+            # split), while each chunk is recomputed: its fp32 upcast, log-softmax and their fp32 gradient.
+            return self.dt.compute * v + 12 * v // LOSS_CHUNKS
         if self.setup.loss == "chunked":
             # Each chunk is its own branch of the graph: autograd runs one chunk's loss backward and then its slice
             # of the output projection, and frees that chunk's gradient before the next one, so one chunk's

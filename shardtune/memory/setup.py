@@ -16,7 +16,7 @@ ZERO_ALIASES = {"ZERO3": "FULL_SHARD", "ZERO-3": "FULL_SHARD", "ZERO2": "SHARD_G
 MIXED_PRECISIONS = ("bf16", "fp16", "no")
 OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
-LOSSES = ("full", "chunked")
+LOSSES = ("shardtune", "full", "chunked")
 LOSS_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss default
 
 
@@ -41,7 +41,9 @@ class Setup:
     lora_target_modules: str = "all-linear"
     attn_implementation: str = "sdpa"
     nf4_double_quant: bool = True
-    loss: str = "full"  # full: fp32 logits of the whole micro-batch; chunked: one of LOSS_CHUNKS at a time
+    # shardtune: shardtune train's loss (compute-dtype logits kept, fp32 one chunk at a time, recomputed in
+    # backward); full: transformers' (fp32 logits of the whole micro-batch); chunked: torchtune's, compiled.
+    loss: str = "shardtune"
 
     @property
     def world_size(self) -> int:
