@@ -85,3 +85,15 @@ def test_nan_loss_stops_with_step_and_advice(assets):
     line = [x for x in result.stderr.splitlines() if "stopped:" in x][0]
     assert "step " in line and "Last good checkpoint: none" in line and "learning_rate" in line
     assert losses(root / "nan")  # the steps before the blow-up were logged
+
+
+def test_fp16_trains_with_a_gradient_scaler(assets):
+    root, model, data = assets
+    result = run_shardtune(["train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits",
+                            "train", "--max_seq_len", "64", "--packing", "True", "--max_steps", "6",
+                            "--per_device_train_batch_size", "4", "--logging_steps", "1", "--learning_rate", "1e-2",
+                            "--fp16", "True", "--save_strategy", "no", "--output_dir", str(root / "fp16")], root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "mixed precision fp16" in result.stderr
+    found = losses(root / "fp16")
+    assert len(found) == 6 and found[-1] < found[0]

@@ -108,7 +108,9 @@ def _wrap_targets(model: nn.Module, plan: Plan) -> list[nn.Module]:
     def visit(module: nn.Module) -> int:
         free = sum(visit(child) for child in module.children())
         free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in claimed)
-        if free >= plan.min_num_params and module is not model:
+        # Containers without a forward (ModuleList) cannot be units: their parameters go up to the parent.
+        runs = type(module).forward is not nn.Module.forward
+        if free >= plan.min_num_params and module is not model and runs:
             targets.append(module)
             claimed.update(id(p) for p in module.parameters())
             return 0
