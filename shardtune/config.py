@@ -38,6 +38,7 @@ STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 STRATEGIES_STEPS = ("steps", "epoch", "no")
+SECRET_KEYS = {"hub_token"}  # never written into config.yaml beside the checkpoints
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 
 
@@ -101,7 +102,7 @@ class RunConfig:
     # Trace the job at the end and record the predicted peak beside the measured one. The environment variable
     # SHARDTUNE_PREDICT_MEMORY=0 changes this default (test suites run hundreds of short jobs).
     predict_memory: bool = field(default_factory=lambda: os.environ.get("SHARDTUNE_PREDICT_MEMORY", "1") != "0")
-    # Hub flags: accepted so recipes run unchanged; they act only where the hub is reachable.
+    # Hub flags: the final model is uploaded where the hub is reachable (a warning, not a failure, where not).
     push_to_hub: bool = False
     hub_model_id: str | None = None
     hub_token: str | None = None
@@ -170,11 +171,9 @@ class TrainConfig:
         return (self.distributed.mixed_precision or "no").lower()
 
     def to_flat(self) -> dict[str, Any]:
-        """Every key at the top level, as ``shardtune train`` reads it back."""
+        """Every key at the top level, as ``shardtune train`` reads it back (secrets left out)."""
         return {k: v for section in dataclasses.fields(self) for k, v in
-                dataclasses.asdict(getattr(self, section.name)).items()}
-
-
+                dataclasses.asdict(getattr(self, section.name)).items() if k not in SECRET_KEYS}
 
 
 def _section_classes() -> dict[str, type]:
@@ -280,13 +279,15 @@ def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Source
     return flat, {k: Source(str(path), lines.get(k)) for k in flat}
 
 
-def parse_cli_pairs(argv: list[str]) -> tuple[list[str], dict[str, Any], dict[str, Source]]:
-    """Split ``[CONFIG.yaml] key=value ... --key value --flag ...`` into files, values and their sources.
+def parse_cli_pairs(argv: list[str]) -> tuple[list[str], dict[str, Any], dict[str, Any], dict[str, Source]]:
+    """Split ``[CONFIG.yaml] key=value ... --key value --flag ...`` into files, overrides, flags and sources.
 
+    ``key=value`` overrides and ``--key value`` flags are kept apart: flags win whatever their order on the line.
     A ``--key`` followed by another ``--key`` (or nothing) is a boolean flag set to true, as with HfArgumentParser.
     """
     files: list[str] = []
-    values: dict[str, Any] = {}
+    overrides: dict[str, Any] = {}
+    flags: dict[str, Any] = {}
     sources: dict[str, Source] = {}
     i = 0
     while i < len(argv):
@@ -300,16 +301,16 @@ def parse_cli_pairs(argv: list[str]) -> tuple[list[str], dict[str, Any], dict[st
                     i += 1
                 else:
                     value = "true"
-            values[key] = value
+            flags[key] = value
             sources[key] = Source(f"command line (--{key})")
         elif "=" in arg:
             key, _, value = arg.partition("=")
-            values[key] = value
-            sources[key] = Source(f"command line ({key}=...)")
+            overrides[key] = value
+            sources.setdefault(key, Source(f"command line ({key}=...)"))
         else:
             files.append(arg)
         i += 1
-    return files, values, sources
+    return files, overrides, flags, sources
 
 
 _TRUE = {"true", "1", "yes", "y", "on"}
@@ -348,8 +349,8 @@ def _coerce(value: Any, hint: Any) -> Any:
             number = float(value)
         except (TypeError, ValueError):
             raise ValueError("expected a number") from None
-        if math.isnan(number):
-            raise ValueError("expected a number, got NaN")
+        if not math.isfinite(number):
+            raise ValueError("expected a finite number")
         return number
     if isinstance(value, (list, tuple)):
         return ",".join(str(v) for v in value)
@@ -381,7 +382,7 @@ def build_config(layers: list[tuple[dict[str, Any], dict[str, Source]]]) -> Trai
                 continue
             setattr(getattr(cfg, section), key, coerced)
     _normalise(cfg)
-    problems += [p for p in validate(cfg)]
+    problems += validate(cfg)
     if problems:
         raise UsageError(" | ".join(problems) if len(problems) > 1 else problems[0])
     return cfg
@@ -440,7 +441,8 @@ def validate(cfg: TrainConfig) -> list[str]:
                        ("gradient_accumulation_steps", r.gradient_accumulation_steps),
                        ("logging_steps", r.logging_steps), ("save_steps", ck.save_steps),
                        ("lora_r", lo.lora_r), ("num_processes", d.num_processes),
-                       ("num_machines", d.num_machines), ("ddp_timeout", r.ddp_timeout)):
+                       ("num_machines", d.num_machines), ("ddp_timeout", r.ddp_timeout),
+                       ("save_total_limit", 1 if ck.save_total_limit is None else ck.save_total_limit)):
         if value < 1:
             problems.append(f"{key}={value} must be at least 1")
     if r.max_steps == 0 or r.max_steps < -1:
@@ -451,8 +453,10 @@ def validate(cfg: TrainConfig) -> list[str]:
         problems.append(f"learning_rate={o.learning_rate} must not be negative")
     if not 0 <= o.warmup_ratio <= 1:
         problems.append(f"warmup_ratio={o.warmup_ratio} must be between 0 and 1")
-    if o.warmup_steps < 0 or o.weight_decay < 0 or o.max_grad_norm < 0:
-        problems.append("warmup_steps, weight_decay and max_grad_norm must not be negative")
+    for key, value in (("warmup_steps", o.warmup_steps), ("weight_decay", o.weight_decay),
+                       ("max_grad_norm", o.max_grad_norm)):
+        if value < 0:
+            problems.append(f"{key}={value} must not be negative")
     if not 0 <= lo.lora_dropout < 1:
         problems.append(f"lora_dropout={lo.lora_dropout} must be in [0, 1)")
     if lo.use_4bit_quantization and not lo.use_peft_lora:
@@ -491,10 +495,9 @@ def _validate_pipeline(cfg: TrainConfig) -> list[str]:
 
 def load_train_config(argv: list[str]) -> TrainConfig:
     """Resolve ``shardtune train`` arguments into a validated TrainConfig (see the module docstring)."""
-    files, cli_values, cli_sources = parse_cli_pairs(argv)
+    files, overrides, flags, cli_sources = parse_cli_pairs(argv)
     layers: list[tuple[dict[str, Any], dict[str, Source]]] = []
-    accelerate_file = cli_values.pop("config_file", None)
-    cli_sources.pop("config_file", None)
+    accelerate_file = flags.pop("config_file", None) or overrides.pop("config_file", None)
     if accelerate_file:
         layers.append(read_accelerate_config(accelerate_file))
     for path in files:
@@ -502,9 +505,6 @@ def load_train_config(argv: list[str]) -> TrainConfig:
             raise UsageError(f"unexpected argument '{path}': give a YAML recipe (CONFIG.yaml), key=value or "
                              f"--key value")
         layers.append(read_yaml_recipe(path))
-    # key=value overrides, then --key value flags: split the command-line layer in two to keep the order.
-    overrides = {k: v for k, v in cli_values.items() if not str(cli_sources[k]).startswith("command line (--")}
-    flags = {k: v for k, v in cli_values.items() if k not in overrides}
     layers.append((overrides, cli_sources))
     layers.append((flags, cli_sources))
     return build_config(layers)

@@ -58,6 +58,8 @@ def test_precedence_defaults_file_yaml_override_flag(tmp_path):
     assert cfg.optim.learning_rate == 0.001  # YAML over default
     assert cfg.lora.lora_r == 16  # key=value over YAML
     assert cfg.run.seed == 9  # --flag over key=value over YAML
+    # Flags win over key=value whatever their order on the line.
+    assert load_train_config([*BASE, "--learning_rate", "1", "learning_rate=2"]).optim.learning_rate == 1.0
     assert cfg.distributed.fsdp_sharding_strategy == "SHARD_GRAD_OP"  # YAML over the Accelerate file
     assert cfg.distributed.distributed_type == "FSDP" and cfg.distributed.num_processes == 2
     assert cfg.mixed_precision == "bf16"  # Accelerate's mixed_precision when no bf16/fp16 flag
@@ -95,6 +97,9 @@ def test_every_key_has_one_section():
     (["--per_device_train_batch_size", "-2"], "per_device_train_batch_size=-2 must be at least 1"),
     (["--bf16", "maybe"], "expected true or false"),
     (["--fsdp_sharding_strategy", "FULL"], "use one of FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD"),
+    (["--save_total_limit", "-1"], "save_total_limit=-1 must be at least 1"),
+    (["--learning_rate", "inf"], "expected a finite number"),
+    (["--weight_decay", "-0.1"], "weight_decay=-0.1 must not be negative"),
 ])
 def test_bad_values_are_one_line_errors(argv, needle, capsys):
     assert main(["train", *BASE, *argv]) == 2
@@ -153,3 +158,12 @@ def test_launch_errors(capsys):
     assert "multiple of --num_machines 2" in capsys.readouterr().err
     assert main(["launch", "--num_processes", "2"]) == 2
     assert "nothing to launch" in capsys.readouterr().err
+
+
+def test_hub_token_is_never_written_beside_checkpoints(tmp_path):
+    from shardtune.config import save_resolved
+
+    cfg = load_train_config([*BASE, "--push_to_hub", "--hub_token", "hf_secret"])
+    assert cfg.run.hub_token == "hf_secret"
+    save_resolved(cfg, tmp_path / "config.yaml")
+    assert "hf_secret" not in (tmp_path / "config.yaml").read_text()

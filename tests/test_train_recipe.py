@@ -97,3 +97,20 @@ def test_fp16_trains_with_a_gradient_scaler(assets):
     assert "mixed precision fp16" in result.stderr
     found = losses(root / "fp16")
     assert len(found) == 6 and found[-1] < found[0]
+
+
+def test_epoch_logging_and_epoch_count(assets, tmp_path):
+    """logging_strategy epoch writes one record per epoch; a run that ends with its epoch counts that epoch."""
+    root, model, _ = assets
+    data = write_chat_data(tmp_path / "small.jsonl", rows=300)
+    out = root / "epochs"
+    result = run_shardtune(["train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits",
+                            "train", "--max_seq_len", "64", "--packing", "True", "--num_train_epochs", "2",
+                            "--per_device_train_batch_size", "8", "--logging_strategy", "epoch",
+                            "--save_strategy", "no", "--output_dir", str(out)], root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["epochs"] == 2 and len(records) == 2
+    assert records[-1]["step"] == summary["steps"] and records[0]["step"] * 2 == summary["steps"]
+    assert [r["epoch"] for r in records] == [1.0, 2.0]

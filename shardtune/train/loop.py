@@ -100,7 +100,7 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
     """The model, parallelized, with its weights (from disk, or from rank 0's copy on the other ranks)."""
     lora = cfg.lora
     on_meta = (plan.strategy == "FSDP" and info.distributed and cfg.distributed.fsdp_cpu_ram_efficient_loading
-               and not lora.use_4bit_quantization)
+               and cfg.distributed.fsdp_sync_module_states and not lora.use_4bit_quantization)
     model = load_base_model(cfg.model, lora, precision, info.device, on_meta=on_meta and not info.is_main)
     resize_for_tokenizer(model, vocab_size)
     if lora.use_peft_lora:
@@ -109,7 +109,7 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
     log.info("trainable parameters: %s of %s (%.4f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
     full_state = buffers = None
     if on_meta and info.is_main:
-        full_state = {k: v for k, v in model.state_dict().items()}
+        full_state = model.state_dict()
         buffers = {k: v.clone() for k, v in model.named_buffers()}
     model = parallelize(model, plan, info)
     if on_meta:
@@ -119,12 +119,17 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
 
 
 def fsdp_param_dtype(cfg: TrainConfig, precision: Precision) -> torch.dtype | None:
-    """FSDP's compute dtype: the mixed-precision one; QLoRA always computes in its bnb compute dtype."""
+    """FSDP's gather dtype: the mixed-precision one; for QLoRA always the 4-bit weights' storage dtype.
+
+    FSDP casts every floating-point parameter to this dtype when it gathers; the packed NF4 bytes are stored as
+    bf16 "numbers", so any other dtype would convert them and silently destroy the base weights.
+    """
+    if cfg.lora.use_4bit_quantization:
+        from shardtune.train.model import DTYPES
+
+        return DTYPES[cfg.lora.bnb_4bit_quant_storage_dtype]
     if precision.compute_dtype != torch.float32:
         return precision.compute_dtype
-    if cfg.lora.use_4bit_quantization:
-        # The 4-bit weights are stored in bf16 and the adapters in fp32: FSDP gathers one dtype per unit.
-        return torch.bfloat16
     return None
 
 
@@ -167,6 +172,24 @@ def memory_check(cfg: TrainConfig, info: DistInfo, plan: Plan, tracked_peak: int
     return {"predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
             "peak_error": (predicted - measured) / measured,
             "measured_by": "torch.cuda.max_memory_reserved" if on_cuda else "memory tracker, real tensors"}
+
+
+def push_to_hub(cfg: TrainConfig, folder: str | None) -> None:
+    """``push_to_hub``: upload ``final/`` to ``hub_model_id``; where the hub cannot be reached, a warning."""
+    if not cfg.run.push_to_hub or not folder:
+        return
+    repo_id = cfg.run.hub_model_id or Path(cfg.run.output_dir).resolve().name
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=cfg.run.hub_token)
+        api.create_repo(repo_id, private=bool(cfg.run.hub_private_repo), exist_ok=True)
+        api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message="shardtune: final model")
+        log.info("pushed %s to the hub as %s", folder, repo_id)
+    except Exception as exc:  # noqa: BLE001 - the run succeeded; the upload is best effort, said loudly
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.warning("push_to_hub: could not upload %s to %s (%s); the model is saved locally", folder, repo_id,
+                    first)
 
 
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
@@ -213,7 +236,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed)
     if info.is_main:
-        log.info("data: %s", data.report.format() if hasattr(data.report, "format") else data.report)
+        log.info("data: %s", data.report.format())
     precision = Precision(cfg.mixed_precision)
     plan = make_plan(cfg.distributed, info, param_dtype=fsdp_param_dtype(cfg, precision),
                      gradient_checkpointing=cfg.run.gradient_checkpointing, use_reentrant=cfg.run.use_reentrant)
@@ -289,6 +312,20 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         metrics.write({"step": step, "epoch": epoch, **result})
         log.info("step %d: eval_loss %.4f, perplexity %.3f", step, result["eval_loss"], result["eval_perplexity"])
 
+    def log_step(stats) -> None:
+        """One metrics.jsonl record for the step just taken; tokens/s over the steps since the last record."""
+        nonlocal window_tokens, window_start
+        elapsed = time.perf_counter() - window_start
+        # The sampler's epoch is the one this step belongs to, also after the loop counted the epoch done.
+        record = {"step": step, "epoch": round(sampler.epoch + sampler.step_in_epoch / sampler.steps_per_epoch, 4),
+                  "loss": stats.loss, "lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm,
+                  "tokens": stats.tokens, "target_tokens": stats.target_tokens,
+                  "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                  "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device)}
+        metrics.write(record)
+        bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        window_tokens, window_start = 0, time.perf_counter()
+
     sigterm = SigtermFlag()
     bar = progress_bar(steps, step, info.is_main)
     started = time.perf_counter()
@@ -299,6 +336,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     measure_on_cpu = (cfg.run.predict_memory and info.device.type == "cpu"
                       and plan.strategy in PREDICTABLE_STRATEGIES)
     tracked_peak = 0
+    stats = None  # the last step's; None until a step ran (a resume may start at an epoch's end)
     try:
         while step < steps and not stopped_by_signal:
             sampler.set_epoch(epoch)
@@ -320,16 +358,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                 bar.update(1)
                 last = step >= steps
                 if cfg.run.logging_strategy == "steps" and (step % cfg.run.logging_steps == 0 or last or step == 1):
-                    elapsed = time.perf_counter() - window_start
-                    record = {"step": step,
-                              "epoch": round(epoch + sampler.step_in_epoch / sampler.steps_per_epoch, 4),
-                              "loss": stats.loss, "lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm,
-                              "tokens": stats.tokens, "target_tokens": stats.target_tokens,
-                              "tokens_per_s": window_tokens / max(elapsed, 1e-9),
-                              "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device)}
-                    metrics.write(record)
-                    bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                    window_tokens, window_start = 0, time.perf_counter()
+                    log_step(stats)
                 if cfg.run.eval_strategy == "steps" and step % eval_every == 0:
                     run_eval()
                 if cfg.checkpoint.save_strategy == "steps" and step % cfg.checkpoint.save_steps == 0:
@@ -340,16 +369,22 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                     stopped_by_signal = True
                     break
                 if last:
+                    if sampler.step_in_epoch == sampler.steps_per_epoch:
+                        epoch += 1  # the last step also ended the epoch
                     break
             else:
                 epoch += 1  # the epoch ran to its end
+                if cfg.run.logging_strategy == "epoch" and stats is not None:
+                    log_step(stats)
                 if cfg.run.eval_strategy == "epoch":
                     run_eval()
                 if cfg.checkpoint.save_strategy == "epoch":
                     save("end of epoch")
                 continue
-            # Stopped inside an epoch (max_steps): Transformers still evaluates and saves for epoch strategies.
+            # Stopped by max_steps: Transformers still logs, evaluates and saves for epoch strategies.
             if not stopped_by_signal:
+                if cfg.run.logging_strategy == "epoch" and stats is not None:
+                    log_step(stats)
                 if cfg.run.eval_strategy == "epoch":
                     run_eval()
                 if cfg.checkpoint.save_strategy == "epoch":
@@ -382,7 +417,10 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         final = export(out, model, tokenizer, is_peft=is_peft, info=info)
         summary["final"] = str(final) if final else str(out / "final")
     if info.is_main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        tmp = out / ".tmp-summary.json"
+        tmp.write_text(json.dumps(summary, indent=1))
+        tmp.replace(out / "summary.json")
+        push_to_hub(cfg, summary.get("final"))
         log.info("done: %d steps in %.1f s, %.0f tokens/s%s, peak memory %.2f GiB per process", step, wall,
                  summary["tokens_per_s"], f", MFU {mfu:.1%}" if mfu is not None else "",
                  summary["peak_memory_bytes"] / 2**30)

@@ -81,6 +81,9 @@ def plan_stages(plan: Plan, cfg: TrainConfig, info: DistInfo) -> Plan:
         devices = mp_devices(cfg.distributed.mp_devices)
         stages, batch = len(devices), cfg.run.per_device_train_batch_size
     elif plan.strategy == "PP":
+        if not info.distributed:
+            raise UsageError("distributed_type=PP needs one process per pipeline stage: start it with "
+                             "'shardtune launch --num_processes N train ...'")
         devices, stages = (), info.world_size
         batch = cfg.run.per_device_train_batch_size // cfg.distributed.pipeline_microbatches
     else:

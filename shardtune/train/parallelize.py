@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune.config import DistributedConfig
+from shardtune.errors import UsageError
 from shardtune.train.dist import DistInfo
 
 log = logging.getLogger("shardtune")
@@ -90,7 +91,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 def _layer_classes(model: nn.Module, plan: Plan) -> set[str]:
     names = set(plan.layer_classes) or set(getattr(unwrap(model), "_no_split_modules", None) or ())
     if not names:
-        raise ValueError("cannot tell the decoder layer class of this model; set fsdp_transformer_layer_cls_to_wrap")
+        raise UsageError("fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP: cannot tell this model's decoder layer "
+                         "class; set fsdp_transformer_layer_cls_to_wrap (e.g. LlamaDecoderLayer) or use "
+                         "SIZE_BASED_WRAP")
     return names
 
 
@@ -100,7 +103,13 @@ def _wrap_targets(model: nn.Module, plan: Plan) -> list[nn.Module]:
         return []
     if plan.wrap_policy == "TRANSFORMER_BASED_WRAP":
         names = _layer_classes(model, plan)
-        return [m for m in model.modules() if type(m).__name__ in names]
+        targets = [m for m in model.modules() if type(m).__name__ in names]
+        if not targets:
+            # Otherwise only the root would be sharded: the whole model gathered at once, silently.
+            own = sorted(getattr(unwrap(model), "_no_split_modules", None) or ())
+            raise UsageError(f"fsdp_transformer_layer_cls_to_wrap={','.join(sorted(names))}: no module of this "
+                             f"model has that class; its decoder layers are {', '.join(own) or 'unknown'}")
+        return targets
     # SIZE_BASED_WRAP: post-order, a module becomes a unit once the parameters not yet in a unit reach the minimum.
     targets: list[nn.Module] = []
     claimed: set[int] = set()
