@@ -95,15 +95,20 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
     dtype = dtype or default_dtype(device)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, local_files_only=True,
                                                  trust_remote_code=trust_remote_code)
+    # A fine-tune saves its tokenizer (and chat template) next to the adapter; prefer it to the base one.
+    tokenizer_dir = folder if _has_tokenizer(folder) else base
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     if is_adapter:
         from peft import PeftModel
+
+        from shardtune.train.model import resize_for_tokenizer
+
+        # The run may have added tokens (a pad, a template's specials) and saved the grown embeddings.
+        resize_for_tokenizer(model, len(tokenizer))
 
         with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing the user can fix
             warnings.simplefilter("ignore", FutureWarning)
             model = PeftModel.from_pretrained(model, folder, is_trainable=False, local_files_only=True)
-    # A fine-tune saves its tokenizer (and chat template) next to the adapter; prefer it to the base one.
-    tokenizer_dir = folder if _has_tokenizer(folder) else base
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=trust_remote_code)
     return model.to(device).eval(), tokenizer
 
 

@@ -172,7 +172,9 @@ def figures(metrics: Metrics) -> dict[str, object]:
 def write_plots(output_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write the run's PNGs into ``out_dir`` (default ``OUTPUT_DIR/plots``) and return their paths."""
     metrics = read_metrics(output_dir)
-    target = Path(out_dir) if out_dir is not None else Path(output_dir) / "plots"
+    run = Path(output_dir)
+    run = run.parent if run.name == METRICS_FILE and run.is_file() else run  # the file itself was given
+    target = Path(out_dir) if out_dir is not None else run / "plots"
     target.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, fig in figures(metrics).items():

@@ -52,6 +52,9 @@ def assert_same(reference: list[float], other: list[float]) -> None:
 # (name, processes, options): every row trains on global batches of 8 rows.
 FULL = [
     ("accum", 1, ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"]),
+    # Eager attention adds the mask to the scores: the packed rows' block mask must reach it in that form.
+    ("eager_attention", 1, ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+                            "--attn_implementation", "eager"]),
     ("ddp", 2, ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
                 "--distributed_type", "DDP"]),
     ("fsdp_full_shard", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP"]),

@@ -152,6 +152,7 @@ def _write_folder(out_dir: str | Path, model, tokenizer, spec: BaseSpec, stats: 
     tokenizer.save_pretrained(tmp)
     (tmp / SPEC_FILE).write_text(json.dumps({"spec": dataclasses.asdict(spec), "stats": stats}, indent=1) + "\n")
     old = out_dir.with_name(out_dir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)  # left by an interrupted earlier swap
     if out_dir.exists():
         out_dir.rename(old)
     tmp.rename(out_dir)

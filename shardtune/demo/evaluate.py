@@ -51,7 +51,7 @@ def eval_loss(model: Any, tokenizer: Any, dataset_dir: str | Path, *, max_seq_le
 
     cfg = DataConfig(dataset_name=str(dataset_dir), splits="train,test", max_seq_len=max_seq_len)
     data = prepare_datasets(cfg, tokenizer, seed=0)
-    collate = Collator(tokenizer.pad_token_id)
+    collate = Collator(tokenizer.pad_token_id, attn_implementation=model.config._attn_implementation)
     device = next(model.parameters()).device
     loss_sum, targets = 0.0, 0
     for indices in EvalSampler(len(data.eval), batch_size=batch_size, world_size=1, rank=0):

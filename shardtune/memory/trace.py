@@ -173,7 +173,9 @@ def _micro_batches(cfg: TrainConfig, pad_id: int) -> list[dict[str, torch.Tensor
 
     seq_len = cfg.data.max_seq_len
     row = {"input_ids": [pad_id + 1 if pad_id == 0 else 0] * seq_len, "labels": [1] * seq_len, "seq_lens": [seq_len]}
-    collator = Collator(pad_id)
+    from shardtune.train.model import attn_implementation
+
+    collator = Collator(pad_id, attn_implementation=attn_implementation(cfg.model, torch.device("cpu")))
     return [collator([row] * cfg.run.per_device_train_batch_size) for _ in range(cfg.run.gradient_accumulation_steps)]
 
 
@@ -273,8 +275,10 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     precision = Precision(cfg.mixed_precision)
     plan = make_plan(cfg.distributed, info, param_dtype=fsdp_param_dtype(cfg, precision),
                      gradient_checkpointing=cfg.run.gradient_checkpointing, use_reentrant=cfg.run.use_reentrant)
-    if plan.strategy == "MP":
-        raise TraceUnsupported("model parallel (distributed_type MP)", "planning", "the trainer has no MP step")
+    if plan.strategy in ("MP", "PP"):
+        name = {"MP": "model parallel", "PP": "pipeline parallel"}[plan.strategy]
+        raise TraceUnsupported(f"{name} (distributed_type {plan.strategy})", "planning",
+                               "the trace follows the data-parallel step: one process, DDP or FSDP")
     if plan.strategy == "FSDP" and plan.offload:
         # Every traced tensor lives on one device, so host-resident shards cannot be told from GPU memory.
         raise TraceUnsupported("FSDP CPU offload (fsdp_offload_params)", "planning",
@@ -381,7 +385,11 @@ def predict_peak_bytes(cfg: TrainConfig, world_size: int) -> int:
         path = Path(tmp) / "config.yaml"
         save_resolved(cfg, path)
         out = subprocess.run([sys.executable, "-m", "shardtune.memory.trace", str(path), str(world_size),
-                              str(nodes), target], capture_output=True, text=True, check=True)
+                              str(nodes), target], capture_output=True, text=True)
+    if out.returncode != 0:
+        # The child's last words say why (a TraceUnsupported message, say); the exit status alone would not.
+        lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+        raise RuntimeError(lines[-1] if lines else f"the trace process exited with {out.returncode}")
     return int(json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"])
 
 

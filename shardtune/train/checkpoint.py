@@ -338,6 +338,8 @@ def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Pat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from shardtune.train.model import resize_for_tokenizer
+
     adapter, base, out = Path(adapter), Path(base), Path(out)
     if not (adapter / "adapter_config.json").is_file():
         raise UsageError(f"{adapter}: not a PEFT adapter folder (no adapter_config.json); give output_dir/final "
@@ -349,8 +351,7 @@ def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Pat
                          f"model folder the adapter was trained on") from None
     tokenizer_src = adapter if (adapter / "tokenizer_config.json").is_file() else base
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_src))
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    resize_for_tokenizer(model, len(tokenizer))
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     tmp = out.with_name(f".tmp-{out.name}")
     if tmp.exists():

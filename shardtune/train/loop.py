@@ -26,7 +26,7 @@ from shardtune.train import checkpoint as ckpt
 from shardtune.train.dist import DistInfo, all_reduce_sum, init_distributed, shutdown
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
                                      progress_bar)
-from shardtune.train.model import (Precision, apply_lora, count_parameters, load_base_model,
+from shardtune.train.model import (Precision, apply_lora, attn_implementation, count_parameters, load_base_model,
                                    resize_for_tokenizer)
 from shardtune.train.optim import build_optimizer, build_scheduler
 from shardtune.train.parallelize import Plan, load_from_rank0, make_plan, parallelize, unwrap
@@ -246,7 +246,9 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
 
         plan = model_parallel.plan_stages(plan, cfg, info)
     # Pipeline stages exchange fixed-shape activations: pad every batch to max_seq_len under PP.
-    collator = Collator(tokenizer.pad_token_id, pad_to_multiple_of=cfg.data.max_seq_len if pipelined else None)
+    # The collator writes the attention mask in the form the model's attention reads (eager adds it to scores).
+    collator = Collator(tokenizer.pad_token_id, pad_to_multiple_of=cfg.data.max_seq_len if pipelined else None,
+                        attn_implementation=attn_implementation(cfg.model, info.device))
     log.info("strategy: %s%s on %d process(es), mixed precision %s", plan.strategy,
              f" {plan.sharding}" if plan.strategy == "FSDP" else "", info.world_size, precision.mixed_precision)
     model, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer))

@@ -6,6 +6,7 @@ meta device (no memory) and its weights arrive later from rank 0 (see ``parallel
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -52,8 +53,14 @@ def attn_implementation(model_cfg: ModelConfig, device: torch.device) -> str:
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     why = "no CUDA device" if device.type != "cuda" else "the flash_attn package is not installed"
-    warnings.warn(f"use_flash_attn: {why}, using {model_cfg.attn_implementation} attention instead", stacklevel=2)
+    _warn_once(f"use_flash_attn: {why}, using {model_cfg.attn_implementation} attention instead")
     return model_cfg.attn_implementation
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    # The attention choice is asked for by the model loader and the collator: one warning is enough.
+    warnings.warn(message, stacklevel=3)
 
 
 def _quantization_config(lora: LoraConfig):
