@@ -353,12 +353,4 @@ def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Pat
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_src))
     resize_for_tokenizer(model, len(tokenizer))
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    tmp = out.with_name(f".tmp-{out.name}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    merged.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
+    return write_export(out, merged, merged.state_dict(), tokenizer, is_peft=False)

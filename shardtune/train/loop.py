@@ -328,6 +328,15 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         window_tokens, window_start = 0, time.perf_counter()
 
+    def epoch_boundary(reason: str) -> None:
+        """What the epoch strategies do at the end of an epoch, or of training stopped inside one."""
+        if cfg.run.logging_strategy == "epoch" and stats is not None:
+            log_step(stats)
+        if cfg.run.eval_strategy == "epoch":
+            run_eval()
+        if cfg.checkpoint.save_strategy == "epoch":
+            save(reason)
+
     sigterm = SigtermFlag()
     bar = progress_bar(steps, step, info.is_main)
     started = time.perf_counter()
@@ -376,21 +385,11 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                     break
             else:
                 epoch += 1  # the epoch ran to its end
-                if cfg.run.logging_strategy == "epoch" and stats is not None:
-                    log_step(stats)
-                if cfg.run.eval_strategy == "epoch":
-                    run_eval()
-                if cfg.checkpoint.save_strategy == "epoch":
-                    save("end of epoch")
+                epoch_boundary("end of epoch")
                 continue
             # Stopped by max_steps: Transformers still logs, evaluates and saves for epoch strategies.
             if not stopped_by_signal:
-                if cfg.run.logging_strategy == "epoch" and stats is not None:
-                    log_step(stats)
-                if cfg.run.eval_strategy == "epoch":
-                    run_eval()
-                if cfg.checkpoint.save_strategy == "epoch":
-                    save("end of training")
+                epoch_boundary("end of training")
     finally:
         bar.close()
         sigterm.restore()
