@@ -1,11 +1,19 @@
 """``shardtune bench strategies``: the same short job under MP, PP, DDP and FSDP, measured side by side.
 
 Each setup runs as a real training job (``shardtune train`` for MP, torchrun for the others) through a small worker
-that wraps the training step with a probe. The probe records, per rank and per optimizer step: wall time, the
-training thread's CPU time (``time.thread_time``: time spent computing; time blocked in a collective, in a pipeline
-receive or waiting for a free core does not count), and the step's tokens. Under MP, where one process drives every
-stage, hooks on each stage's first and last decoder layer time that stage's forward and backward, so the busy
-fraction is reported per device. On CUDA, NVML's utilisation of each GPU is sampled during the step instead.
+that wraps the training step with a probe. The probe records, per rank and per optimizer step, the wall time and
+the step's tokens, and (CPU ranks) runs PyTorch's profiler over every step to split each step's time three ways:
+
+- compute: time inside ATen operators on the training thread (matmuls, attention, the optimizer's kernels, the
+  copies into and out of communication buffers);
+- in collectives: time a collective or point-to-point transfer (gloo's all-reduce, all-gather, reduce-scatter,
+  send, recv: they run on gloo's own threads) was under way while the training thread computed nothing: waiting
+  for the other ranks and moving the bytes;
+- other: Python between operators, the data loader, and waiting outside any collective.
+
+Under MP, where one process drives every stage, hooks on each stage's first and last decoder layer mark which stage
+is running in the profiler's timeline, so compute is reported per device (stage). On CUDA, NVML's utilisation of
+each GPU is sampled during the steps instead.
 
 The first ``warmup_steps`` steps (allocation, schedule shape inference) are left out of every figure.
 """
@@ -25,37 +33,47 @@ from typing import Any
 STRATEGIES = ("mp", "pp", "ddp", "fsdp")
 DISTRIBUTED_TYPE = {"mp": "MP", "pp": "PP", "ddp": "DDP", "fsdp": "FSDP"}
 PROBE_ENV = "SHARDTUNE_BENCH_PROBE"  # the worker writes probe-rank-R.json into this folder
+STEP_MARK = "shardtune::step"
+STAGE_MARK = "shardtune::stage "
+# Profiler events of communication: the backends' own (gloo runs them on its threads) and c10d's dispatch.
+COMM_PREFIXES = ("gloo:", "nccl:", "mpi:", "ucc:", "c10d::", "record_param_comms")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The probe, inside the training processes
 # ----------------------------------------------------------------------------------------------------------------
 
-class StageClock:
-    """CPU seconds of the training thread spent on each MP stage, attributed by which stage is running.
+class StageMarks:
+    """Marks in the profiler's timeline which MP stage is running (``shardtune::stage S`` ranges).
 
     One thread drives every stage, one after the other: a stage becomes the running one when its first decoder
     layer starts its forward, and again when the gradient reaches its last layer's output in the backward; the
     backward pass ends with no stage running (the optimizer step is nobody's). The head and the loss count for the
-    last stage, the embeddings for none. Only time on a core counts (``time.thread_time``), as for the other setups.
+    last stage, the embeddings for none.
     """
 
     def __init__(self, model, bounds: tuple[tuple[int, int], ...]) -> None:
         from shardtune.train.parallelize import unwrap
 
         layers = unwrap(model).model.layers
-        self.seconds = [0.0] * len(bounds)
-        self._running: int | None = None
-        self._since = time.thread_time()
+        self.running: int | None = None
+        self._range = None
         for s, (start, end) in enumerate(bounds):
             layers[start].register_forward_pre_hook(lambda module, args, s=s: self.switch(s))
             layers[end - 1].register_forward_hook(self._on_output(s))
 
     def switch(self, stage: int | None) -> None:
-        now = time.thread_time()
-        if self._running is not None:
-            self.seconds[self._running] += now - self._since
-        self._running, self._since = stage, now
+        from torch.autograd.profiler import record_function
+
+        if stage == self.running:
+            return
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        self.running = stage
+        if stage is not None:
+            self._range = record_function(f"{STAGE_MARK}{stage}")
+            self._range.__enter__()
 
     def _on_output(self, s: int):
         def hook(module, args, output):  # noqa: ARG001
@@ -70,6 +88,67 @@ class StageClock:
         self.switch(s)
         if s == 0:  # the first stage's backward ends with the backward pass
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self.switch(None))
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, non-overlapping union of ``intervals``."""
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        elif hi > lo:
+            out.append((lo, hi))
+    return out
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two merged interval lists."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _clip(merged: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in merged if b > lo and a < hi]
+
+
+def split_step_time(events, num_stages: int = 0) -> dict[str, list]:
+    """Per step (one ``shardtune::step`` range each, in order): seconds of compute, of collectives not overlapped
+    by compute, and (MP) of compute while each stage ran. ``events`` are the profiler's ``FunctionEvent``s."""
+    steps = sorted((e.time_range.start, e.time_range.end, e.thread) for e in events if e.name == STEP_MARK)
+    if not steps:
+        return {"compute_s": [], "comm_s": [], "stage_compute_s": []}
+    main_thread = steps[0][2]
+
+    def is_comm(e) -> bool:
+        return e.name.startswith(COMM_PREFIXES)
+
+    def under_comm(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if is_comm(parent):
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    compute = _merge([(e.time_range.start, e.time_range.end) for e in events
+                      if e.thread == main_thread and e.name.startswith("aten::") and not under_comm(e)])
+    comm = _merge([(e.time_range.start, e.time_range.end) for e in events if is_comm(e)])
+    stages = [_merge([(e.time_range.start, e.time_range.end) for e in events if e.name == f"{STAGE_MARK}{s}"])
+              for s in range(num_stages)]
+    out: dict[str, list] = {"compute_s": [], "comm_s": [], "stage_compute_s": []}
+    for lo, hi, _ in steps:  # the profiler's times are microseconds
+        step_compute, step_comm = _clip(compute, lo, hi), _clip(comm, lo, hi)
+        out["compute_s"].append(sum(b - a for a, b in step_compute) / 1e6)
+        out["comm_s"].append((sum(b - a for a, b in step_comm) - _overlap(step_comm, step_compute)) / 1e6)
+        if stages:
+            out["stage_compute_s"].append([_overlap(_clip(st, lo, hi), step_compute) / 1e6 for st in stages])
+    return out
 
 
 class NvmlSampler:
@@ -105,15 +184,18 @@ class ProbeRecord:
     rank: int
     strategy: str
     wall_s: list[float] = field(default_factory=list)
-    cpu_s: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    stage_s: list[list[float]] = field(default_factory=list)  # MP: seconds per stage, per step
+    compute_s: list[float] = field(default_factory=list)  # CPU ranks, from the profiler
+    comm_s: list[float] = field(default_factory=list)
+    stage_compute_s: list[list[float]] = field(default_factory=list)  # MP: compute while each stage ran
     gpu_util: list[float] = field(default_factory=list)
 
 
 def install_probe(out_dir: Path) -> None:
-    """Wrap the loop's ``train_step`` so every step is timed; the records are written when training returns."""
+    """Wrap the loop's ``train_step`` so every step is timed (and profiled on CPU); the records are written when
+    training returns."""
     import torch
+    from torch.autograd.profiler import record_function
 
     from shardtune.train import loop
 
@@ -126,28 +208,27 @@ def install_probe(out_dir: Path) -> None:
         if not state:
             record.strategy = ctx.plan.strategy
             if ctx.plan.strategy == "MP" and ctx.plan.stage_bounds:
-                state["clock"] = StageClock(ctx.model, ctx.plan.stage_bounds)
-            if torch.cuda.is_available():
+                state["marks"] = StageMarks(ctx.model, ctx.plan.stage_bounds)
+                state["stages"] = len(ctx.plan.stage_bounds)
+            if ctx.info.device.type == "cuda":
                 indices = [torch.device(d).index or 0 for d in ctx.plan.devices] if ctx.plan.devices else \
                     [ctx.info.device.index or 0]
                 try:
                     state["nvml"] = NvmlSampler(indices)
-                except ImportError:  # no pynvml (nvidia-ml-py): fall back to the CPU-time figures
+                except ImportError:  # no pynvml (nvidia-ml-py): no busy figures
                     pass
-            state["started"] = time.perf_counter()
-        clock = state.get("clock")
-        before = list(clock.seconds) if clock else []
-        if clock:
-            clock.switch(None)
+            else:
+                state["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                state["profiler"].__enter__()
+        if "marks" in state:
+            state["marks"].switch(None)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        wall, cpu = time.perf_counter(), time.thread_time()
-        stats = original(ctx, micro_batches)  # .item() inside syncs the device before it returns
+        wall = time.perf_counter()
+        with record_function(STEP_MARK):
+            stats = original(ctx, micro_batches)  # .item() inside syncs the device before it returns
         record.wall_s.append(time.perf_counter() - wall)
-        record.cpu_s.append(time.thread_time() - cpu)
         record.tokens.append(stats.tokens)
-        if clock:
-            record.stage_s.append([a - b for a, b in zip(clock.seconds, before)])
         return stats
 
     loop.train_step = timed_step
@@ -159,6 +240,13 @@ def install_probe(out_dir: Path) -> None:
         finally:
             if "nvml" in state:
                 record.gpu_util = state["nvml"].means()
+            if "profiler" in state:
+                if "marks" in state:
+                    state["marks"].switch(None)
+                state["profiler"].__exit__(None, None, None)
+                split = split_step_time(state["profiler"].events(), state.get("stages", 0))
+                record.compute_s, record.comm_s = split["compute_s"], split["comm_s"]
+                record.stage_compute_s = split["stage_compute_s"]
             out_dir.mkdir(parents=True, exist_ok=True)
             tmp = out_dir / f".probe-rank-{rank}.json"
             tmp.write_text(json.dumps(asdict(record)))
@@ -196,6 +284,7 @@ class Result:
     wall_per_step_s: float | None = None
     tokens_per_s: float | None = None
     busy: list[float] = field(default_factory=list)  # per device (MP: per stage; else per rank)
+    in_collectives: list[float] = field(default_factory=list)  # per rank, CPU runs: waiting in communication
     busy_source: str = ""
     peak_memory_bytes: int | None = None
     estimate_bytes: int | None = None
@@ -256,15 +345,20 @@ def summarise(strategy: str, probe_dir: Path, warmup_steps: int) -> Result:
                  wall_per_step_s=wall_total / len(wall), tokens_per_s=tokens / wall_total)
     if any(r["gpu_util"] for r in records):
         res.busy = [u for r in records for u in r["gpu_util"]]
-        res.busy_source = "NVML utilisation"
-    elif main["stage_s"]:
-        per_stage = [sum(main["stage_s"][i][s] for i in steps) for s in range(len(main["stage_s"][0]))]
-        res.busy = [t / wall_total for t in per_stage]
-        res.stages_or_ranks = len(per_stage)
-        res.busy_source = "MP: training-thread CPU time while the stage runs / step time"
-    else:
-        res.busy = [sum(r["cpu_s"][i] for i in steps) / sum(r["wall_s"][i] for i in steps) for r in records]
-        res.busy_source = "training-thread CPU time of each rank / step time"
+        res.busy_source = "NVML utilisation of each GPU, sampled every 50 ms"
+    elif main["stage_compute_s"]:
+        stages = len(main["stage_compute_s"][0])
+        res.busy = [sum(main["stage_compute_s"][i][s] for i in steps) / wall_total for s in range(stages)]
+        res.stages_or_ranks = stages
+        res.busy_source = ("MP: profiler time inside ATen operators while each stage runs / step time (one process "
+                           "drives every stage)")
+    elif main["compute_s"]:
+        walls = [sum(r["wall_s"][i] for i in steps) for r in records]
+        res.busy = [sum(r["compute_s"][i] for i in steps) / w for r, w in zip(records, walls)]
+        res.in_collectives = [sum(r["comm_s"][i] for i in steps) / w for r, w in zip(records, walls)]
+        res.busy_source = ("profiler: time inside ATen operators on each rank's training thread / step time; "
+                           "in collectives: time a collective or send/recv was under way while that thread "
+                           "computed nothing")
     return res
 
 
@@ -274,10 +368,7 @@ def estimate_for(config_model: str, strategy: str, setup_kwargs: dict[str, Any],
     from shardtune.memory.recommend import evaluate
     from shardtune.memory.setup import Setup
 
-    # A PP stage holds its layers like an MP device; GPipe keeps every micro-batch's activations until the
-    # backward, as much as one whole batch, so MP's figure is PP's bound (1F1B holds fewer).
-    est = {"mp": "mp", "pp": "mp", "ddp": "ddp", "fsdp": "fsdp"}[strategy]
-    breakdown = evaluate(ModelAnalysis(config_model), Setup(strategy=est, num_gpus=n, **setup_kwargs))
+    breakdown = evaluate(ModelAnalysis(config_model), Setup(strategy=strategy, num_gpus=n, **setup_kwargs))
     return breakdown.total, breakdown.stage_note
 
 
@@ -289,18 +380,32 @@ def explain(res: Result, microbatches: int) -> str:
     if res.strategy == "mp":
         return (f"one stage busy at a time: stages busy {busy} of each step (together {sum(res.busy):.0%}); "
                 f"the others wait for the activations")
+    waiting = (f"; waiting in communication {', '.join(f'{c:.0%}' for c in res.in_collectives)}"
+               if res.in_collectives else "")
     if res.strategy == "pp":
-        return (f"{microbatches} micro-batches keep both stages working at once; stages busy {busy}, the rest is "
-                f"the pipeline's fill and drain (bubble) and the hand-over of activations")
+        return (f"{microbatches} micro-batches keep the stages working at once; stages busy {busy}{waiting} "
+                f"(the pipeline's fill and drain, the bubble, and the hand-over of activations)")
     if res.strategy == "ddp":
-        return f"every rank trains on its own rows and all-reduces gradients once per step; ranks busy {busy}"
+        return (f"every rank trains on its own rows and all-reduces gradients once per step; ranks busy "
+                f"{busy}{waiting}")
     return (f"every rank trains on its own rows and all-gathers each layer's weights and reduce-scatters its "
-            f"gradients; ranks busy {busy}")
+            f"gradients; ranks busy {busy}{waiting}")
+
+
+def device_name() -> str:
+    """What the setups ran on, for the saved results."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"cpu ({os.cpu_count()} cores)"
 
 
 def bench_strategies(config: str, strategies: list[str], *, num_processes: int, steps: int, warmup_steps: int,
-                     work_dir: Path, extra: list[str], timeout_s: float = 600.0) -> list[Result]:
-    """Run each setup and return its measured row (a row with ``error`` when the setup failed)."""
+                     work_dir: Path, extra: list[str], timeout_s: float = 600.0) -> tuple[list[Result], dict]:
+    """Run each setup; returns its measured rows (a row with ``error`` when the setup failed) and what the runs
+    were: model, method, batch, sequence length, processes and device (``shardtune estimate --measured`` reads
+    these from the saved file)."""
     from shardtune.config import load_train_config
 
     cfg = load_train_config([config, "--output_dir", str(work_dir), *extra])
@@ -331,7 +436,9 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
         res.explanation = explain(res, cfg.distributed.pipeline_microbatches)
         res.load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         results.append(res)
-    return results
+    meta = {"model": cfg.model.model_name_or_path, "num_processes": num_processes, "device": device_name(),
+            "steps": steps, "warmup_steps": warmup_steps} | setup_kwargs
+    return results, meta
 
 
 def _gib(value: int | None) -> str:
@@ -340,13 +447,14 @@ def _gib(value: int | None) -> str:
 
 def format_table(results: list[Result], caveat: str) -> str:
     """A Markdown table, one row per setup, then one explanation line per setup and the caveat."""
-    lines = ["| setup | procs | s/step | tokens/s | busy per device | peak memory GiB (measured) | "
-             "estimate GiB/device |", "|---|---|---|---|---|---|---|"]
+    lines = ["| setup | procs | s/step | tokens/s | busy per device | in collectives | peak memory GiB (measured) | "
+             "estimate GiB/device |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         busy = " / ".join(f"{b:.0%}" for b in r.busy) or "-"
+        comm = " / ".join(f"{c:.0%}" for c in r.in_collectives) or "-"
         lines.append(f"| {r.strategy.upper()} | {r.processes} | "
                      f"{'-' if r.wall_per_step_s is None else f'{r.wall_per_step_s:.3f}'} | "
-                     f"{'-' if r.tokens_per_s is None else f'{r.tokens_per_s:.0f}'} | {busy} | "
+                     f"{'-' if r.tokens_per_s is None else f'{r.tokens_per_s:.0f}'} | {busy} | {comm} | "
                      f"{_gib(r.peak_memory_bytes)} | {_gib(r.estimate_bytes)} |")
     lines.append("")
     lines += [f"- {r.strategy.upper()}: {r.explanation}" for r in results]

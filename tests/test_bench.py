@@ -3,67 +3,97 @@
 from __future__ import annotations
 
 import json
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from shardtune.bench import Result, StageClock, explain, format_table, summarise
+from shardtune.bench import STEP_MARK, Result, StageMarks, explain, format_table, split_step_time, summarise
 from shardtune.errors import UsageError
 from tests.trainutil import run_shardtune, write_chat_data
 
 
 def write_probe(folder, rank, **fields):
-    record = {"rank": rank, "strategy": "DDP", "wall_s": [], "cpu_s": [], "tokens": [], "stage_s": [],
-              "gpu_util": []} | fields
+    record = {"rank": rank, "strategy": "DDP", "wall_s": [], "tokens": [], "compute_s": [], "comm_s": [],
+              "stage_compute_s": [], "gpu_util": []} | fields
     (folder / f"probe-rank-{rank}.json").write_text(json.dumps(record))
 
 
 def test_summarise_skips_warmup_and_takes_the_slowest_rank(tmp_path):
-    write_probe(tmp_path, 0, wall_s=[9.0, 1.0, 2.0], cpu_s=[9.0, 0.5, 1.0], tokens=[100, 100, 300])
-    write_probe(tmp_path, 1, wall_s=[9.0, 1.5, 1.0], cpu_s=[1.0, 0.75, 0.25])
+    write_probe(tmp_path, 0, wall_s=[9.0, 1.0, 2.0], compute_s=[9.0, 0.5, 1.0], comm_s=[0.0, 0.25, 0.5],
+                tokens=[100, 100, 300])
+    write_probe(tmp_path, 1, wall_s=[9.0, 1.5, 1.0], compute_s=[1.0, 0.75, 0.25], comm_s=[0.0, 0.5, 0.5])
     res = summarise("ddp", tmp_path, warmup_steps=1)
     # Steps 2 and 3: the slower rank sets each step's wall time (1.5 s and 2.0 s).
     assert res.wall_per_step_s == pytest.approx((1.5 + 2.0) / 2)
     assert res.tokens_per_s == pytest.approx(400 / 3.5)
     assert res.busy == pytest.approx([1.5 / 3.0, 1.0 / 2.5])
+    assert res.in_collectives == pytest.approx([0.75 / 3.0, 1.0 / 2.5])
 
 
 def test_summarise_mp_reports_each_stage(tmp_path):
-    write_probe(tmp_path, 0, strategy="MP", wall_s=[5.0, 2.0, 2.0], cpu_s=[5.0, 2.0, 2.0], tokens=[1, 10, 10],
-                stage_s=[[1.0, 1.0], [0.6, 0.8], [0.4, 0.6]])
+    write_probe(tmp_path, 0, strategy="MP", wall_s=[5.0, 2.0, 2.0], compute_s=[5.0, 2.0, 2.0], tokens=[1, 10, 10],
+                stage_compute_s=[[1.0, 1.0], [0.6, 0.8], [0.4, 0.6]])
     res = summarise("mp", tmp_path, warmup_steps=1)
     assert res.stages_or_ranks == 2
     assert res.busy == pytest.approx([1.0 / 4.0, 1.4 / 4.0])
     assert "one stage busy at a time" in explain(res, 2)
 
 
-def test_stage_clock_attributes_forward_and_backward_to_each_stage(tmp_path):
+def event(name, start, end, thread=1, parent=None):
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), thread=thread,
+                           cpu_parent=parent)
+
+
+def test_split_step_time_counts_compute_and_uncovered_communication():
+    """Times in microseconds, as the profiler gives them; two steps on thread 1, gloo's work on thread 2."""
+    gather = event("c10d::_allgather_base_", 150, 170)
+    events = [
+        event(STEP_MARK, 0, 1000), event(STEP_MARK, 1000, 2000),
+        event("aten::mm", 100, 300), event("aten::add", 200, 400),  # overlapping: 300 us of compute
+        event("aten::copy_", 155, 165, parent=gather),  # inside a collective: not compute
+        event("aten::mm", 600, 700, thread=2),  # not the training thread
+        event("gloo:all_reduce", 350, 800, thread=2),  # 50 us under compute, 400 us waiting
+        event("aten::mm", 1100, 1600), event("gloo:all_gather", 1500, 2500, thread=2),  # cut at the step's end
+        gather,
+    ]
+    split = split_step_time(events)
+    assert split["compute_s"] == pytest.approx([300e-6, 500e-6])
+    assert split["comm_s"] == pytest.approx([400e-6, 400e-6])
+    assert split["stage_compute_s"] == []
+
+
+def test_stage_marks_split_a_real_step_between_stages(tmp_path):
     from shardtune.tiny import make_model_folder
+    from torch.autograd.profiler import record_function
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(make_model_folder(tmp_path / "m", num_layers=4)))
-    clock = StageClock(model, ((0, 1), (1, 4)))
+    model = AutoModelForCausalLM.from_pretrained(str(make_model_folder(tmp_path / "m", num_layers=6)))
+    marks = StageMarks(model, ((0, 1), (1, 6)))
     ids = torch.randint(0, 100, (4, 64))
     model(input_ids=ids, labels=ids).loss.backward()  # first calls initialise kernels: not what is measured
-    clock.seconds = [0.0, 0.0]
-    start = time.thread_time()
-    clock.switch(None)
-    model(input_ids=ids, labels=ids).loss.backward()
-    spent = time.thread_time() - start
-    assert clock._running is None  # the backward pass ended with no stage running
-    first, rest = clock.seconds
-    assert first > 0 and rest > 0 and first + rest <= spent
-    assert rest > first  # three layers (and the head) against one layer
+    marks.switch(None)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            with record_function(STEP_MARK):
+                model(input_ids=ids, labels=ids).loss.backward()
+            assert marks.running is None  # the backward pass ended with no stage running
+    split = split_step_time(prof.events(), num_stages=2)
+    assert split["comm_s"] == [0.0] * 5
+    for (first, rest), compute in zip(split["stage_compute_s"], split["compute_s"]):
+        assert first > 0 and rest > 0 and first + rest < compute  # the embeddings and the loss's start are nobody's
+    # Five layers and the head against one layer (the median step: a shared machine can stall any one of them).
+    assert sorted(rest / first for first, rest in split["stage_compute_s"])[2] > 2
 
 
 def test_table_has_a_row_and_a_line_per_setup():
-    rows = [Result("mp", 1, 2, 0.5, 1000.0, [0.4, 0.45], "x", 2**30, 2**29),
+    rows = [Result("mp", 1, 2, 0.5, 1000.0, busy=[0.4, 0.45], busy_source="x", peak_memory_bytes=2**30,
+                   estimate_bytes=2**29),
             Result("ddp", 2, 2, error="exit 1: boom")]
     rows[0].explanation = explain(rows[0], 2)
     rows[1].explanation = explain(rows[1], 2)
     table = format_table(rows, "CAVEAT")
-    assert "| MP | 1 | 0.500 | 1000 | 40% / 45% | 1.00 | 0.50 |" in table
+    assert "| MP | 1 | 0.500 | 1000 | 40% / 45% | - | 1.00 | 0.50 |" in table
     assert "- DDP: did not run: exit 1: boom" in table and table.endswith("CAVEAT")
 
 
@@ -75,7 +105,7 @@ def test_bad_strategy_is_a_usage_error():
         parse_strategies("mp,zero")
 
 
-def test_bench_command_end_to_end_mp(tmp_path):
+def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
     from shardtune.tiny import make_model_folder
 
     model = make_model_folder(tmp_path / "model", num_layers=4)
@@ -83,13 +113,28 @@ def test_bench_command_end_to_end_mp(tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"model_name_or_path: {model}\ndataset_name: {data}\nsplits: train\nmax_seq_len: 64\n"
                       f"packing: true\nper_device_train_batch_size: 4\n")
-    result = run_shardtune(["bench", "strategies", str(recipe), "--strategies", "mp", "--steps", "3",
+    result = run_shardtune(["bench", "strategies", str(recipe), "--strategies", "mp,ddp", "--steps", "3",
                             "--out", str(tmp_path / "res.json"), "--work_dir", str(tmp_path / "work")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    (row,) = json.loads((tmp_path / "res.json").read_text())
+    saved = json.loads((tmp_path / "res.json").read_text())
+    assert saved["model"] == str(model) and saved["num_processes"] == 2 and saved["batch_size"] == 4
+    mp, ddp = saved["results"]
     probe = json.loads((tmp_path / "work" / "mp" / "probe" / "probe-rank-0.json").read_text())
     walls = probe["wall_s"][1:]
-    assert row["tokens_per_s"] == pytest.approx(sum(probe["tokens"][1:]) / sum(walls))
-    assert len(row["busy"]) == 2 and all(0 < b <= 1 for b in row["busy"])
-    assert row["estimate_bytes"] > 0 and row["peak_memory_bytes"] > 0 and len(row["losses"]) == 3
-    assert "| MP |" in (tmp_path / "res.md").read_text()
+    assert mp["tokens_per_s"] == pytest.approx(sum(probe["tokens"][1:]) / sum(walls))
+    # One process drives both stages: each is busy part of the step, and never both at once.
+    assert len(mp["busy"]) == 2 and all(0 < b for b in mp["busy"]) and sum(mp["busy"]) <= 1
+    assert mp["estimate_bytes"] > 0 and mp["peak_memory_bytes"] > 0 and len(mp["losses"]) == 3
+    # DDP: each rank computes part of the step and waits in the gradient all-reduce for part of it.
+    ranks = [json.loads((tmp_path / "work" / "ddp" / "probe" / f"probe-rank-{r}.json").read_text()) for r in (0, 1)]
+    assert ddp["busy"] == pytest.approx([sum(r["compute_s"][1:]) / sum(r["wall_s"][1:]) for r in ranks])
+    assert all(c > 0 for c in ddp["in_collectives"])
+    assert all(0 < b and b + c <= 1 for b, c in zip(ddp["busy"], ddp["in_collectives"]))
+    table = (tmp_path / "res.md").read_text()
+    assert "| MP |" in table and "| DDP |" in table and "waiting in communication" in table
+    # The estimator ranks the setups that fit by these speeds: the faster of the two here.
+    out = run_shardtune(["estimate", str(model), "--num-gpus", "2", "--gpu-memory", "8", "--json",
+                         "--measured", str(tmp_path / "res.json")], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    faster = max((mp, ddp), key=lambda row: row["tokens_per_s"])["strategy"]
+    assert json.loads(out.stdout)["recommendation"]["strategy"] == faster

@@ -67,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
         extra += [f"--{key.strip()}", value]
     with tempfile.TemporaryDirectory(prefix="shardtune-bench-") as tmp:
         work = Path(args.work_dir or tmp)
-        results = bench_strategies(args.config, strategies, num_processes=args.num_processes, steps=args.steps,
+        results, meta = bench_strategies(args.config, strategies, num_processes=args.num_processes, steps=args.steps,
                                    warmup_steps=args.warmup_steps, work_dir=work, extra=extra,
                                    timeout_s=args.timeout)
     loads = [r.load_average for r in results if r.load_average is not None]
@@ -76,12 +76,14 @@ def main(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        for path, text in ((out, json.dumps([asdict(r) for r in results], indent=1)),
+        saved = meta | {"results": [asdict(r) for r in results]}
+        for path, text in ((out, json.dumps(saved, indent=1)),
                            (out.with_suffix(".md"), table + "\n")):
             tmp_path = path.with_name("." + path.name + ".tmp")
             tmp_path.write_text(text)
             tmp_path.replace(path)
-        print(f"saved {out} and {out.with_suffix('.md')}")
+        print(f"saved {out} and {out.with_suffix('.md')} (rank setups by these speeds: shardtune estimate "
+              f"MODEL --num-gpus {args.num_processes} --measured {out})")
     if args.plot:
         print(f"wrote {write_plot(results, Path(args.plot))}")
     return 1 if any(r.error for r in results) else 0
