@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     hw.add_argument("--gpu", default=None, help=f"{', '.join(GPUS)} (default: {DEFAULT_GPU})")
     hw.add_argument("--gpu-memory", type=float, default=None, metavar="GIB", help="GPU memory in GiB")
     p.add_argument("--strategy", default="auto",
-                   help="auto | single | ddp | fsdp | mp (zero1/zero2/zero3 map to FSDP); default: auto")
+                   help="auto | single | ddp | fsdp | mp | pp (zero1/zero2/zero3 map to FSDP); default: auto")
     p.add_argument("--sharding-strategy", default="FULL_SHARD",
                    help=f"{' | '.join(SHARDING_STRATEGIES)} (ZeRO-1/2/3 accepted); default: FULL_SHARD")
     p.add_argument("--offload-params", action="store_true", help="FSDP CPU offload of params, grads, optimizer")
@@ -58,6 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "batch (--batch-size x --gradient-accumulation-steps x GPUs)")
     p.add_argument("--emit-config", default=None, metavar="FILE.yaml",
                    help="write a ready-to-run 'shardtune train' recipe for the recommended setup (set dataset_name)")
+    p.add_argument("--measured", default=None, metavar="FILE.json",
+                   help="rank the setups that fit by the speeds 'shardtune bench strategies --out FILE.json' "
+                        "measured on your machine, instead of the usual order")
     p.set_defaults(func=main)
 
 
@@ -94,20 +97,24 @@ def gpu_from_args(args: argparse.Namespace) -> Gpu:
     return gpu_by_name(args.gpu or DEFAULT_GPU)
 
 
-def run_estimate(model: str, setup: Setup, gpu: Gpu, auto: bool = True):
-    """Estimate ``setup`` for ``model`` on ``gpu``; with ``auto`` the strategy is the recommended one."""
+def run_estimate(model: str, setup: Setup, gpu: Gpu, auto: bool = True, measured=None):
+    """Estimate ``setup`` for ``model`` on ``gpu``; with ``auto`` the strategy is the recommended one (ranked by
+    ``measured`` speeds, a ``recommend.Measured``, when given)."""
     from shardtune.memory.inventory import ModelAnalysis
     from shardtune.memory.recommend import candidates, evaluate, max_batch_size, recommend
     from shardtune.memory.report import Report
 
     analysis = ModelAnalysis(model)
     inv = analysis.inventory
+    if setup.strategy == "pp" and inv.tied_embeddings:
+        raise UsageError(f"--strategy pp: {model} ties its LM head to its input embeddings, which would live on "
+                         f"different pipeline stages; use ddp, fsdp or mp")
     trainable = inv.parameters
     if setup.uses_lora:
         trainable = analysis.lora(setup.lora_r, setup.lora_target_modules).total
-    rec = recommend(analysis, setup, gpu)
+    rec = recommend(analysis, setup, gpu, measured)
     breakdown = rec.breakdown if auto else evaluate(analysis, setup)
-    rows = [(evaluate(analysis, s), max_batch_size(analysis, s, gpu)) for s in candidates(setup)]
+    rows = [(evaluate(analysis, s), max_batch_size(analysis, s, gpu)) for s in candidates(setup, measured, analysis)]
     return Report(inventory=inv, trainable_parameters=trainable, gpu=gpu, breakdown=breakdown, table=rows,
                   recommendation=rec)
 
@@ -152,7 +159,12 @@ def main(args: argparse.Namespace) -> int:
                          "'shardtune estimate --list' prints the catalog.")
     setup, auto = setup_from_args(args)
     gpu = gpu_from_args(args)
-    report = run_estimate(args.model, setup, gpu, auto)
+    measured = None
+    if args.measured:
+        from shardtune.memory.recommend import Measured
+
+        measured = Measured.load(args.measured)
+    report = run_estimate(args.model, setup, gpu, auto, measured)
     traced = None
     if args.trace:
         from shardtune.memory.trace_setup import trace_for_estimate

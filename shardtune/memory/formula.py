@@ -178,7 +178,7 @@ def estimate(inv: ModelInventory, setup: Setup, lora: LoraCount | None = None) -
     """Per-GPU peak memory of ``setup`` for the model ``inv`` (``lora`` is required for lora/qlora)."""
     if setup.uses_lora and lora is None:
         raise ValueError("lora/qlora estimates need the LoRA trainable counts")
-    if setup.strategy == "mp":
+    if setup.splits_layers:  # a pipeline stage holds its layers as a model-parallel GPU does
         return _estimate_model_parallel(inv, setup, lora)
     return _estimate_data_parallel(inv, setup, lora)
 
@@ -389,6 +389,8 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
     sizes = ", ".join(str(hi - lo) for lo, hi in bounds)
     unused = gpus - len(bounds)
     note = f"layers per GPU: {sizes}; GPU {worst} (layers {a}-{b - 1}) is the fullest"
+    if setup.strategy == "pp":
+        note += " (GPipe keeps every micro-batch's activations until the backward, as counted here; 1F1B fewer)"
     if unused:
         note += f"; {unused} GPU(s) left idle"
     return Breakdown(setup=setup, phase="backward (loss)" if b == layers else "backward", items=items,

@@ -5,12 +5,20 @@ step). Otherwise shard with FSDP, preferring the variant that communicates least
 layers gathered from forward to backward; HYBRID_SHARD keeps all-gathers inside a node), then FULL_SHARD, then CPU
 offload (slowest: every step crosses PCIe). Where full fine-tuning cannot fit, LoRA, then QLoRA. The micro-batch is
 the largest that fits: the "start at batch 1 and grow until OOM" advice, done by the estimator instead of the GPU.
+
+That order is what measurements usually show (``shardtune bench strategies``; docs/choosing-a-setup.md), but
+hardware decides: with ``measured`` (the file ``shardtune bench strategies --out`` writes for the user's own model
+and machine), the setups that fit are ranked by the speed measured for their kind instead, and pipeline parallel
+joins the candidates when it was measured.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from shardtune.errors import UsageError
 from shardtune.memory.formula import Breakdown, estimate
 from shardtune.memory.hardware import Gpu
 from shardtune.memory.inventory import ModelAnalysis
@@ -46,14 +54,62 @@ class Recommendation:
         }
 
 
+@dataclass(frozen=True)
+class Measured:
+    """Tokens/s that ``shardtune bench strategies`` measured per kind of setup (mp, pp, ddp, fsdp)."""
+
+    path: str
+    tokens_per_s: dict[str, float]
+    model: str = ""
+    num_processes: int = 0
+    device: str = ""
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Measured":
+        """Read a ``shardtune bench strategies --out`` file; a bad file is a one-line UsageError."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise UsageError(f"--measured {path}: no such file; write one with 'shardtune bench strategies "
+                             f"RECIPE --out {path}'") from None
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--measured {path}: not a JSON file ({exc}); give the file 'shardtune bench "
+                             f"strategies --out' wrote") from None
+        rows = data.get("results") if isinstance(data, dict) else data
+        speeds = {r["strategy"]: float(r["tokens_per_s"]) for r in rows or []
+                  if isinstance(r, dict) and r.get("strategy") in ("mp", "pp", "ddp", "fsdp")
+                  and not r.get("error") and r.get("tokens_per_s")}
+        if not speeds:
+            raise UsageError(f"--measured {path}: no setup that ran to completion in it; give the file 'shardtune "
+                             f"bench strategies --out' wrote")
+        meta = data if isinstance(data, dict) else {}
+        return cls(str(path), speeds, str(meta.get("model", "")), int(meta.get("num_processes", 0)),
+                   str(meta.get("device", "")))
+
+    def speed(self, setup: Setup) -> float | None:
+        """The measured tokens/s of ``setup``'s kind (FSDP variants share FSDP's; CPU offload was not measured)."""
+        if setup.strategy == "fsdp" and setup.offload_params:
+            return None
+        return self.tokens_per_s.get(setup.strategy)
+
+    def describe(self) -> str:
+        ranked = sorted(self.tokens_per_s.items(), key=lambda kv: -kv[1])
+        where = f" on {self.device}" if self.device else ""
+        procs = f", {self.num_processes} processes" if self.num_processes else ""
+        return (", ".join(f"{k.upper()} {v:,.0f}" for k, v in ranked) +
+                f" tokens/s measured{where}{procs} ({self.path})")
+
+
 def evaluate(analysis: ModelAnalysis, setup: Setup) -> Breakdown:
     """Estimate ``setup`` for the analysed model (LoRA counts looked up when the method needs them)."""
     lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
     return estimate(analysis.inventory, setup, lora)
 
 
-def candidates(base: Setup) -> list[Setup]:
-    """The parallel setups worth comparing for ``base``'s GPU count, in order of preference when they fit."""
+def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAnalysis | None = None) -> list[Setup]:
+    """The parallel setups worth comparing for ``base``'s GPU count, in order of preference when they fit
+    (pipeline parallel too when ``measured`` has it and the model's head is not tied to its embeddings, which
+    live on different stages)."""
     if base.world_size == 1:
         return [base.with_(strategy="single", offload_params=False),
                 base.with_(strategy="fsdp", sharding_strategy="FULL_SHARD", offload_params=True)]
@@ -63,6 +119,8 @@ def candidates(base: Setup) -> list[Setup]:
         out.append(fsdp.with_(sharding_strategy="HYBRID_SHARD"))
     out += [fsdp.with_(sharding_strategy="FULL_SHARD"), fsdp.with_(sharding_strategy="FULL_SHARD", offload_params=True),
             base.with_(strategy="mp", offload_params=False)]
+    if measured and "pp" in measured.tokens_per_s and not (analysis and analysis.inventory.tied_embeddings):
+        out.append(base.with_(strategy="pp", offload_params=False))
     return out
 
 
@@ -96,6 +154,7 @@ _WHY = {
     "offload": "even fully sharded it does not fit in GPU memory; CPU offload keeps parameters, gradients and "
                "optimizer states in host RAM (slow: every step crosses PCIe)",
     "mp": "naive model parallel fits, but only one GPU works at a time",
+    "pp": "each GPU holds a run of layers, and micro-batches keep several GPUs working at once",
 }
 
 
@@ -105,14 +164,23 @@ def _why(setup: Setup) -> str:
     return _WHY[setup.strategy]
 
 
-def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> Recommendation:
-    """The preferred setup that fits ``gpu`` at ``base``'s batch size, or the closest one and what would fit."""
-    options = [s for s in candidates(base) if s.strategy != "mp"]  # MP is shown, never preferred over FSDP
+def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured | None = None) -> Recommendation:
+    """The preferred setup that fits ``gpu`` at ``base``'s batch size, or the closest one and what would fit.
+
+    Without ``measured``, preferred means the order of ``candidates`` (MP is shown, never preferred over FSDP);
+    with it, the fastest measured kind that fits, then the unmeasured ones in that order.
+    """
+    options = candidates(base, measured, analysis)
+    if measured is None:
+        options = [s for s in options if not s.splits_layers]
+    else:
+        options.sort(key=lambda s: -(measured.speed(s) or 0.0))  # stable: the usual order among equals
     for setup in options:
         breakdown = evaluate(analysis, setup)
         if breakdown.fits(gpu.memory_bytes):
             biggest = max_batch_size(analysis, setup, gpu)
-            reason = f"{setup.label()}: {_why(setup)}."
+            reason = (f"{setup.label()}: {_why(setup)}." if measured is None
+                      else _measured_reason(setup, measured, base, analysis, gpu))
             if setup.uses_lora or setup.method == "full":
                 reason += f" Micro-batch up to {biggest} fits (at sequence length {setup.seq_len})."
             return Recommendation(setup, breakdown, True, biggest, reason)
@@ -121,6 +189,25 @@ def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> Recommendation:
     return Recommendation(smallest.setup, smallest, False, 0,
                           f"Nothing fits {gpu.label or gpu.name} with {base.method} at batch {base.batch_size}.",
                           what_would_fit(analysis, base, gpu))
+
+
+def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: ModelAnalysis, gpu: Gpu) -> str:
+    """Why the measurements chose ``chosen``, and what they were measured on."""
+    usual = recommend(analysis, base, gpu)
+    same = usual.fits and usual.setup == chosen
+    if measured.speed(chosen) is None:
+        text = f"{chosen.label()}: no measured setup fits; this is the usual choice among the rest"
+    else:
+        text = f"{chosen.label()}: the fastest measured setup that fits"
+    text += f" ({measured.describe()})."
+    text += f" It is also the usual choice: {_why(chosen)}." if same else \
+        f" Without measurements it would be {usual.setup.label()}." if usual.fits else ""
+    if "pp" in measured.tokens_per_s and analysis.inventory.tied_embeddings:
+        text += " PP is left out: this model ties its LM head to its embeddings, which would be on different stages."
+    if measured.num_processes and measured.num_processes != base.world_size:
+        text += (f" The measurements used {measured.num_processes} processes, this estimate {base.world_size} GPUs: "
+                 f"re-run the benchmark at that size where you can.")
+    return text
 
 
 def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:

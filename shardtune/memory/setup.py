@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from shardtune.errors import UsageError, check_choice
 
 METHODS = ("full", "lora", "qlora")
-STRATEGIES = ("single", "ddp", "fsdp", "mp")
+STRATEGIES = ("single", "ddp", "fsdp", "mp", "pp")
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 # DeepSpeed names, mapped to the FSDP strategy that keeps the same things sharded. FSDP has no optimizer-only
 # sharding, so ZeRO-1 maps to SHARD_GRAD_OP, which shards gradients as well (less memory than ZeRO-1, not more).
@@ -61,7 +61,12 @@ class Setup:
         if self.strategy == "fsdp":
             text = f"FSDP {self.sharding_strategy}"
             return text + " + CPU offload" if self.offload_params else text
-        return {"single": "single GPU", "ddp": "DDP", "mp": "model parallel"}[self.strategy]
+        return {"single": "single GPU", "ddp": "DDP", "mp": "model parallel", "pp": "pipeline parallel"}[self.strategy]
+
+    @property
+    def splits_layers(self) -> bool:
+        """Model or pipeline parallel: each GPU holds a run of whole decoder layers."""
+        return self.strategy in ("mp", "pp")
 
 
 def normalize_sharding(value: str) -> str:
@@ -93,7 +98,7 @@ def validate(setup: Setup) -> Setup:
     if setup.strategy == "single" and setup.world_size > 1:
         raise UsageError(
             f"--strategy single uses one GPU but --num-gpus x --num-nodes is {setup.world_size}: "
-            "use ddp, fsdp or mp, or --num-gpus 1."
+            "use ddp, fsdp, mp or pp, or --num-gpus 1."
         )
     if setup.pure_bf16 and setup.mixed_precision != "bf16":
         raise UsageError("--pure-bf16 keeps weights in bfloat16: it needs --mixed-precision bf16.")

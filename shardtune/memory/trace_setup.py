@@ -14,14 +14,11 @@ from shardtune.errors import UsageError
 from shardtune.memory.hardware import GIB
 from shardtune.memory.setup import Setup
 
-STRATEGY_TO_TYPE = {"single": "NO", "ddp": "DDP", "fsdp": "FSDP"}
+STRATEGY_TO_TYPE = {"single": "NO", "ddp": "DDP", "fsdp": "FSDP", "mp": "MP", "pp": "PP"}
 
 
 def config_from_setup(model: str, setup: Setup) -> TrainConfig:
     """The ``shardtune train`` config of ``setup`` (what --emit-config writes and --trace runs)."""
-    if setup.strategy == "mp":
-        raise UsageError("--trace runs the trainer's step, and the trainer has no model-parallel (mp) mode; "
-                         "use --strategy single, ddp or fsdp")
     if setup.optimizer != "adamw":
         raise UsageError(f"--optimizer {setup.optimizer}: the trainer uses AdamW, so --trace and --emit-config need "
                          f"--optimizer adamw")
@@ -41,10 +38,13 @@ def config_from_setup(model: str, setup: Setup) -> TrainConfig:
         "lora_r": setup.lora_r, "lora_alpha": 2 * setup.lora_r, "lora_target_modules": setup.lora_target_modules,
         "use_nested_quant": setup.nf4_double_quant,
         "distributed_type": STRATEGY_TO_TYPE[setup.strategy],
-        "num_processes": setup.world_size, "num_machines": setup.num_nodes,
+        # MP is one process driving every GPU of the node; the others run one process per GPU.
+        "num_processes": 1 if setup.strategy == "mp" else setup.world_size, "num_machines": setup.num_nodes,
     }
     if setup.strategy == "fsdp":
         values.update(fsdp_sharding_strategy=setup.sharding_strategy, fsdp_offload_params=setup.offload_params)
+    if setup.strategy == "pp":  # one row per pipeline micro-batch: the most stages working at once
+        values.update(pipeline_microbatches=setup.batch_size)
     return build_config([(values, {})])
 
 
@@ -66,7 +66,7 @@ def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> 
     lora = cfg.lora
     method = "qlora" if lora.use_4bit_quantization else "lora" if lora.use_peft_lora else "full"
     kind = cfg.distributed.distributed_type or ("DDP" if world_size > 1 else "NO")
-    strategy = {"NO": "single" if world_size == 1 else "ddp", "DDP": "ddp", "FSDP": "fsdp", "MP": "mp", "PP": "mp"}[kind]
+    strategy = {"NO": "single" if world_size == 1 else "ddp", "DDP": "ddp", "FSDP": "fsdp", "MP": "mp", "PP": "pp"}[kind]
     return Setup(method=method, strategy=strategy, sharding_strategy=cfg.distributed.fsdp_sharding_strategy,
                  offload_params=cfg.distributed.fsdp_offload_params and strategy == "fsdp",
                  num_gpus=world_size // num_nodes, num_nodes=num_nodes, batch_size=cfg.run.per_device_train_batch_size,

@@ -1,0 +1,89 @@
+"""``shardtune estimate --measured``: the setups that fit are ranked by the speeds ``bench strategies`` measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardtune.cli import main
+from shardtune.errors import UsageError
+from shardtune.memory.hardware import gpu_by_name
+from shardtune.memory.inventory import ModelAnalysis
+from shardtune.memory.recommend import Measured, candidates, evaluate, recommend
+from shardtune.memory.setup import Setup, validate
+
+
+def measured_file(tmp_path, speeds: dict[str, float], failed: tuple[str, ...] = (), processes: int = 2):
+    rows = [{"strategy": k, "tokens_per_s": v, "error": "exit 1: out of memory" if k in failed else None}
+            for k, v in speeds.items()]
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({"model": "m", "num_processes": processes, "device": "2 x GPU", "results": rows}))
+    return path
+
+
+def fastest_fitting(analysis, base, gpu, measured):
+    """What the ranking must pick, worked out here from the estimator's own per-setup figures."""
+    fitting = [s for s in candidates(base, measured, analysis) if evaluate(analysis, s).fits(gpu.memory_bytes)]
+    best = max(measured.speed(s) or 0.0 for s in fitting)
+    return next(s for s in fitting if (measured.speed(s) or 0.0) == best)
+
+
+def test_measured_speeds_overrule_the_usual_order(tmp_path):
+    analysis, gpu = ModelAnalysis("llama-3.2-1b"), gpu_by_name("h100-80gb")
+    base = validate(Setup(method="lora", strategy="fsdp", num_gpus=2))
+    usual = recommend(analysis, base, gpu)
+    assert usual.setup.strategy == "ddp"  # everything fits: DDP is the usual choice
+    measured = Measured.load(measured_file(tmp_path, {"ddp": 900.0, "fsdp": 1200.0, "mp": 400.0}))
+    rec = recommend(analysis, base, gpu, measured)
+    assert rec.fits and rec.setup == fastest_fitting(analysis, base, gpu, measured)
+    assert rec.setup.strategy == "fsdp"
+    assert "fastest measured" in rec.reason and "Without measurements it would be DDP" in rec.reason
+    # With DDP measured fastest, the pick agrees with the usual one and says why.
+    agree = recommend(analysis, base, gpu, Measured.load(measured_file(tmp_path, {"ddp": 2000.0, "fsdp": 1200.0})))
+    assert agree.setup == usual.setup and "also the usual choice" in agree.reason
+
+
+def test_a_faster_setup_that_does_not_fit_is_passed_over(tmp_path):
+    # Full fine-tuning of a 7B model on two 80 GiB GPUs: no replica fits, so DDP cannot be used however fast.
+    analysis, gpu = ModelAnalysis("llama-2-7b"), gpu_by_name("a100-80gb")
+    base = validate(Setup(method="full", strategy="fsdp", num_gpus=2))
+    measured = Measured.load(measured_file(tmp_path, {"ddp": 5000.0, "fsdp": 800.0, "mp": 300.0, "pp": 700.0}))
+    assert not evaluate(analysis, base.with_(strategy="ddp")).fits(gpu.memory_bytes)
+    rec = recommend(analysis, base, gpu, measured)
+    expected = fastest_fitting(analysis, base, gpu, measured)
+    assert rec.fits and rec.setup == expected and rec.setup.strategy != "ddp"
+
+
+def test_pipeline_parallel_joins_only_when_measured_and_untied(tmp_path):
+    base = validate(Setup(method="lora", strategy="fsdp", num_gpus=4))
+    with_pp = Measured.load(measured_file(tmp_path, {"pp": 3000.0, "ddp": 1000.0}))
+    untied, tied = ModelAnalysis("llama-2-7b"), ModelAnalysis("llama-3.2-1b")
+    assert "pp" not in [s.strategy for s in candidates(base, None, untied)]
+    assert "pp" in [s.strategy for s in candidates(base, with_pp, untied)]
+    assert "pp" not in [s.strategy for s in candidates(base, with_pp, tied)]
+    gpu = gpu_by_name("h100-80gb")
+    assert recommend(untied, base, gpu, with_pp).setup.strategy == "pp"
+    rec = recommend(tied, base, gpu, with_pp)
+    assert rec.setup.strategy == "ddp" and "PP is left out" in rec.reason
+
+
+def test_failed_rows_are_not_measurements(tmp_path):
+    measured = Measured.load(measured_file(tmp_path, {"ddp": 5000.0, "fsdp": 800.0}, failed=("ddp",)))
+    assert measured.tokens_per_s == {"fsdp": 800.0}
+    with pytest.raises(UsageError, match="no setup that ran"):
+        Measured.load(measured_file(tmp_path, {"ddp": 5000.0}, failed=("ddp",)))
+
+
+def test_cli_measured_json_and_bad_files(tmp_path, capsys):
+    path = measured_file(tmp_path, {"ddp": 900.0, "fsdp": 1200.0}, processes=8)
+    assert main(["estimate", "llama-3.2-1b", "--method", "lora", "--num-gpus", "2", "--json",
+                 "--measured", str(path)]) == 0
+    rec = json.loads(capsys.readouterr().out)["recommendation"]
+    assert rec["strategy"] == "fsdp" and "used 8 processes, this estimate 2 GPUs" in rec["reason"]
+    assert main(["estimate", "llama-3.2-1b", "--num-gpus", "2", "--measured", str(tmp_path / "none.json")]) == 2
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main(["estimate", "llama-3.2-1b", "--num-gpus", "2", "--measured", str(tmp_path / "bad.json")]) == 2
+    assert main(["estimate", "llama-3.2-1b", "--num-gpus", "2", "--strategy", "pp"]) == 2  # tied embeddings
+    err = capsys.readouterr().err
+    assert "no such file" in err and "not a JSON file" in err and "ties its LM head" in err
