@@ -357,8 +357,9 @@ def _coerce(value: Any, hint: Any) -> Any:
     return str(value)
 
 
-def build_config(layers: list[tuple[dict[str, Any], dict[str, Source]]]) -> TrainConfig:
-    """Apply ``layers`` (lowest precedence first) onto the defaults; report every problem together."""
+def build_config(layers: list[tuple[dict[str, Any], dict[str, Source]]], *, training: bool = True) -> TrainConfig:
+    """Apply ``layers`` (lowest precedence first) onto the defaults; report every problem together. With
+    ``training`` False (``data inspect``), nothing will be written, so no output_dir is needed."""
     cfg = TrainConfig()
     sections = _section_classes()
     owner = known_keys()
@@ -382,7 +383,7 @@ def build_config(layers: list[tuple[dict[str, Any], dict[str, Source]]]) -> Trai
                 continue
             setattr(getattr(cfg, section), key, coerced)
     _normalise(cfg)
-    problems += validate(cfg)
+    problems += validate(cfg, training=training)
     if problems:
         raise UsageError(" | ".join(problems) if len(problems) > 1 else problems[0])
     return cfg
@@ -411,14 +412,14 @@ def _choice(problems: list[str], key: str, value: Any, choices: tuple[str, ...])
         problems.append(f"{key}={value!r} is not accepted; use one of {', '.join(choices)}")
 
 
-def validate(cfg: TrainConfig) -> list[str]:
+def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
     """Every problem with the resolved config, one line each."""
     problems: list[str] = []
     d, r, o, lo, ck = cfg.distributed, cfg.run, cfg.optim, cfg.lora, cfg.checkpoint
     if not cfg.model.model_name_or_path:
         problems.append("model_name_or_path is required: a local model folder or a hub name "
                         "(e.g. --model_name_or_path ./my-model)")
-    if not r.output_dir:
+    if training and not r.output_dir:
         problems.append("output_dir is required (e.g. --output_dir out)")
     if d.distributed_type is not None:
         _choice(problems, "distributed_type", d.distributed_type, DISTRIBUTED_TYPES)
@@ -507,7 +508,7 @@ def load_train_config(argv: list[str]) -> TrainConfig:
         layers.append(read_yaml_recipe(path))
     layers.append((overrides, cli_sources))
     layers.append((flags, cli_sources))
-    return build_config(layers)
+    return build_config(layers, training=training)
 
 
 def save_resolved(cfg: TrainConfig, path: str | Path) -> None:

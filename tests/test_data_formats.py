@@ -286,6 +286,15 @@ def test_cli_inspect_prints_report_and_example(model_dir, tmp_path, capsys):
     assert rc == 0 and "packing efficiency" in out and "target tokens" in out and "⟦The blue river.<|im_end|>⟧" in out
     rc = main(["data", "inspect", str(tmp_path / "nope.jsonl"), "--model_name_or_path", model_dir])
     assert rc == 2 and "nope.jsonl" in capsys.readouterr().err
+    # A training recipe is inspected as it will be trained: its keys, then the command line's on top.
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {model_dir}\ndataset_name: {path}\nsplits: train\nmax_seq_len: 64\n"
+                      f"output_dir: {tmp_path / 'out'}\npacking: true\n")
+    rc = main(["data", "inspect", str(recipe), "max_seq_len=128", "--example", "0", "--cache_dir", str(tmp_path / "c")])
+    assert rc == 0 and "max_seq_len 128, packed" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()  # inspecting writes no training output
+    rc = main(["data", "inspect", str(recipe), "--max_seq_lenn", "128"])
+    assert rc == 2 and "did you mean 'max_seq_len'" in capsys.readouterr().err
 
 
 def test_template_that_rewrites_history_falls_back_to_finding_replies(model_dir, tmp_path):

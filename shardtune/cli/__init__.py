@@ -38,10 +38,10 @@ PASSTHROUGH = ("train", "launch")
 
 
 def _passthrough(command: str, argv: list[str]) -> int:
-    from shardtune.cli import launch, train
+    from shardtune.cli import data, launch, train
 
     try:
-        return {"train": train.run, "launch": launch.run}[command](argv)
+        return {"train": train.run, "launch": launch.run, "data inspect": data.run_inspect}[command](argv)
     except UsageError as exc:
         # Every rank of a launched job checks the same config: one copy of the message is enough.
         if os.environ.get("RANK", "0") == "0":
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in PASSTHROUGH:
         return _passthrough(argv[0], argv[1:])
+    if argv[:2] == ["data", "inspect"]:  # reads training arguments too
+        return _passthrough("data inspect", argv[2:])
     # `estimate` promises an instant answer, so it is parsed without importing the other subcommands.
     parser = build_parser("estimate" if argv and argv[0] == "estimate" else None)
     args = parser.parse_args(argv)
