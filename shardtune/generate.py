@@ -19,11 +19,8 @@ from typing import Any
 
 import torch
 
+from shardtune.data.templates import END_OF_TURN_TOKENS
 from shardtune.errors import UsageError
-
-# End-of-turn markers of the common chat formats (ChatML, Llama-3, Phi-3, Gemma, Mistral); a model whose
-# generation_config lists only the end-of-text token would otherwise talk past the end of its own turn.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
 
 
 @dataclass
@@ -116,7 +113,8 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Every id that ends a reply: EOS of the tokenizer, config and generation config, and known end-of-turn tokens."""
+    """Every id that ends a reply: EOS of the tokenizer, config and generation config, and known end-of-turn tokens
+    (a model whose generation_config lists only the end-of-text token would otherwise talk past its own turn)."""
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
         eos = getattr(source, "eos_token_id", None)

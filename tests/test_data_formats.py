@@ -7,7 +7,6 @@ import pytest
 
 from shardtune.data import DataConfig, load_tokenizer, prepare_datasets
 from shardtune.data.encode import IGNORE
-from shardtune.data.templates import end_of_turn_token_ids
 from shardtune.errors import UsageError
 from shardtune.tiny import BOS, EOS, make_model_folder, make_tokenizer
 
@@ -76,7 +75,9 @@ def test_llama3_special_tokens_added_and_eos_becomes_end_of_turn(model_dir, tmp_
     assert len(tok("<|eot_id|>", add_special_tokens=False).input_ids) == 1
     assert len(plain("<|eot_id|>", add_special_tokens=False).input_ids) > 1
     assert tok.eos_token == "<|eot_id|>" and tok.pad_token_id != tok.eos_token_id
-    assert end_of_turn_token_ids(tok, cfg) == [tok.convert_tokens_to_ids("<|eot_id|>")]
+    from shardtune.generate import stop_token_ids
+
+    assert tok.convert_tokens_to_ids("<|eot_id|>") in stop_token_ids(None, tok)  # generation stops there
     data, tok2 = prepare(model_dir, tmp_path, CHATS, chat_template_format="llama-3", add_special_tokens=True,
                          max_seq_len=256)
     row = data.train[0]
@@ -310,3 +311,20 @@ def test_template_that_rewrites_history_falls_back_to_finding_replies(model_dir,
     for row, conv in zip(data.train, CHATS):
         assert "[latest]" in tok.decode(row["input_ids"])
         assert targets(tok, row) == assistant_text(conv, "<|im_end|>")
+
+
+def test_hub_cache_key_follows_the_datasets_revision(monkeypatch):
+    """A new upload to the hub (a new commit sha) must not reuse the tokenised cache of the old one."""
+    import huggingface_hub
+
+    from shardtune.data.readers import resolve
+
+    shas = iter(["aaa111", "bbb222"])
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info",
+                        lambda self, name, timeout=None: type("Info", (), {"sha": next(shas)})())
+    first, second = resolve("org/chats", ["train"], None), resolve("org/chats", ["train"], None)
+    assert first.kind == second.kind == "hub" and first.fingerprint != second.fingerprint
+    assert "aaa111" in first.fingerprint and "bbb222" in second.fingerprint
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: keyed by the name, with a warning
+    assert resolve("org/chats", ["train"], None).fingerprint.endswith(":unknown")

@@ -9,7 +9,7 @@ import importlib
 
 _EXPORTS = {"Collator": "collate", "DataConfig": "config", "DataReport": "report", "EvalSampler": "sampler",
             "GlobalBatchSampler": "sampler", "PreparedData": "pipeline", "prepare_datasets": "pipeline",
-            "load_tokenizer": "templates", "end_of_turn_token_ids": "templates"}
+            "load_tokenizer": "templates"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -8,10 +8,9 @@ across a document boundary.
 from __future__ import annotations
 
 from shardtune.data.readers import SKIP_HINT, BadRow
-from shardtune.data.templates import TEMPLATES
+from shardtune.data.templates import END_OF_TURN_TOKENS, TEMPLATES
 
 IGNORE = -100
-END_OF_TURN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>")
 
 
 def special_prefix(tokenizer) -> list[int]:
@@ -66,7 +65,7 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
                                  "chat_template_format chatml or another named template")
             end = start + len(m["content"])
             rest = full[end:]
-            for eot in (end_of_turn, tokenizer.eos_token, *END_OF_TURN_TEXTS):
+            for eot in (end_of_turn, tokenizer.eos_token, *END_OF_TURN_TOKENS):
                 if eot and rest.startswith(eot):
                     end += len(eot)
                     break

@@ -9,11 +9,15 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.errors import UsageError
+
+log = logging.getLogger("shardtune")
 
 EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv",
               ".tsv": "tsv"}
@@ -89,8 +93,29 @@ def resolve(dataset_name: str, split_names: list[str], config_name: str | None =
         return Source("files", dataset_name, split_files, _content_fingerprint(data_files, path))
     if dataset_name.startswith((".", "/", "~")) or dataset_name.count("/") > 1 or path.suffix.lower() in EXTENSIONS:
         raise UsageError(f"dataset_name '{dataset_name}' does not exist: check the path.")
-    # a hub name: fingerprinted by its name; the `datasets` library caches the download itself
-    return Source("hub", dataset_name, fingerprint=f"hub:{dataset_name}:{config_name}")
+    # A hub name: fingerprinted by the commit it resolves to now, so a new upload is tokenised again (the
+    # `datasets` library caches the download itself).
+    revision = hub_revision(dataset_name)
+    return Source("hub", dataset_name, fingerprint=f"hub:{dataset_name}:{config_name}:{revision or 'unknown'}")
+
+
+def hub_revision(name: str) -> str | None:
+    """The commit sha the hub data set ``name`` points at, or None offline (then the cache is keyed by the name, and
+    a warning says so)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+        sha = None
+    else:
+        try:
+            from huggingface_hub import HfApi
+
+            sha = HfApi().dataset_info(name, timeout=10).sha
+        except Exception:  # noqa: BLE001 - no network, no such repo (load_dataset reports that), no auth
+            sha = None
+    if sha is None:
+        log.warning(
+            "dataset %s: cannot read its current revision from the hub; its tokenised cache is keyed by the name "
+            "alone and will not notice a new upload (delete the cache folder to rebuild)", name)
+    return sha
 
 
 def iter_file(path: Path) -> Iterator[tuple[str, dict | BadRow]]:

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from shardtune.errors import UsageError
 
 
+# Tokens that end a turn in the common chat formats (ChatML/Qwen, Llama 3, Gemma, Phi-3, GPT-style, Llama 2/Mistral):
+# the encoder keeps the one after a reply as a target, generation stops on any of them.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     jinja: str
@@ -121,14 +126,3 @@ def configure_tokenizer(tokenizer, cfg):
                 tokenizer.add_tokens(["<|pad|>"], special_tokens=True)
             tokenizer.pad_token = "<|pad|>"
     return tokenizer
-
-
-def end_of_turn_token_ids(tokenizer, cfg) -> list[int]:
-    """Token ids that end an assistant turn (EOS, plus the template's own end token): stop ids for generation."""
-    ids = [tokenizer.eos_token_id]
-    template = TEMPLATES.get(cfg.chat_template_format)
-    if template and template.end_of_turn:
-        tid = tokenizer.convert_tokens_to_ids(template.end_of_turn)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid not in ids:
-            ids.append(tid)
-    return ids
