@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from shardtune.data.encode import special_prefix, with_prefix
 from shardtune.data.templates import END_OF_TURN_TOKENS
 from shardtune.errors import UsageError
 
@@ -131,8 +132,9 @@ def encode_prompt(tokenizer: Any, prompt: str | None = None, *, messages: Sequen
                   chat_template: bool = True, system: str | None = None) -> list[int]:
     """Token ids of a prompt, through the tokenizer's chat template (with the assistant turn opened) unless told not to.
 
-    The template is rendered to text and then tokenized so that a tokenizer which adds BOS itself gets exactly one BOS,
-    whether or not the template writes it.
+    The template is rendered to text and tokenized without special tokens, then the tokenizer's own prefix (BOS) is
+    put in front unless the template wrote it: exactly what the trainer does to a conversation (``data.encode``), so
+    the model sees at inference the ids it was trained on, with one BOS, and never an EOS the tokenizer appends.
     """
     if messages is None:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -143,8 +145,7 @@ def encode_prompt(tokenizer: Any, prompt: str | None = None, *, messages: Sequen
         text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
     else:
         text = "\n".join(m["content"] for m in messages)
-    bos = tokenizer.bos_token
-    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+    return with_prefix(special_prefix(tokenizer), tokenizer(text, add_special_tokens=False)["input_ids"])[0]
 
 
 class StreamDecoder:

@@ -211,3 +211,32 @@ def test_chat_keeps_the_conversation_and_resets(trained, loaded, capsys, monkeyp
     monkeypatch.setattr("sys.stdin", io.StringIO("Count please\n"))  # end of input ends the chat
     assert main(["chat", str(trained), "--max_new_tokens", "100"]) == 0
     assert capsys.readouterr().out.count(ANSWER) == 1
+
+
+@pytest.mark.parametrize("template,appends_eos", [("none", False), ("llama-3", False), ("none", True)])
+def test_prompt_ids_are_the_training_rows_prompt(tmp_path, template, appends_eos):
+    """What generation feeds the model is what the trainer put before the first target token of the same chat,
+    with one BOS, also for a tokenizer that appends EOS to whatever it encodes with special tokens."""
+    from tokenizers.processors import TemplateProcessing
+
+    from shardtune.data.config import DataConfig
+    from shardtune.data.encode import IGNORE, encode_example, special_prefix
+    from shardtune.data.templates import load_tokenizer
+    from shardtune.tiny import make_model_folder
+
+    folder = make_model_folder(tmp_path / "model", num_layers=1)
+    tokenizer = load_tokenizer(str(folder), DataConfig(chat_template_format=template))
+    if appends_eos:
+        bos, eos = tokenizer.bos_token, tokenizer.eos_token
+        tokenizer._tokenizer.post_processor = TemplateProcessing(
+            single=f"{bos} $A {eos}", special_tokens=[(bos, tokenizer.bos_token_id), (eos, tokenizer.eos_token_id)])
+        assert tokenizer("a").input_ids[-1] == tokenizer.eos_token_id
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "What is 2 plus 3?"}]
+    example = {"kind": "chat", "messages": messages + [{"role": "assistant", "content": "5"}], "target_from": 2,
+               "where": "test"}
+    ids, labels = encode_example(example, tokenizer, prefix=special_prefix(tokenizer), train_on_prompt=False,
+                                 chat_template_format=template)
+    first_target = next(i for i, label in enumerate(labels) if label != IGNORE)
+    prompt = encode_prompt(tokenizer, messages=messages)
+    assert prompt == ids[:first_target]
+    assert prompt.count(tokenizer.bos_token_id) == 1 and tokenizer.eos_token_id not in prompt

@@ -28,8 +28,10 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids if text else []
 
 
-def _with_prefix(tokenizer, prefix: list[int], ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
-    # a template that writes BOS itself already starts with it: adding the tokenizer's BOS again would double it
+def with_prefix(prefix: list[int], ids: list[int], labels: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """``ids`` (and ``labels``) behind the tokenizer's ``special_prefix``, unless they start with it already: a
+    template that writes BOS itself must not get a second one. Training rows and generation prompts both use it."""
+    labels = ids if labels is None else labels
     if prefix and ids[:len(prefix)] != prefix:
         ids, labels = prefix + ids, [IGNORE] * len(prefix) + labels
     return ids, labels
@@ -108,7 +110,7 @@ def encode_example(example: dict, tokenizer, *, prefix: list[int], train_on_prom
             completion_ids = completion_ids + [eos]  # EOS is a target: the model learns to stop
         ids = prompt_ids + completion_ids
         labels = (prompt_ids if train_on_prompt else [IGNORE] * len(prompt_ids)) + completion_ids
-    ids, labels = _with_prefix(tokenizer, prefix, ids, labels)
+    ids, labels = with_prefix(prefix, ids, labels)
     if labels:
         labels[0] = IGNORE
     return ids, labels
