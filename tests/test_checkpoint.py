@@ -113,3 +113,49 @@ def test_export_and_merge_cli_errors(tmp_path: Path, capsys) -> None:
     assert main(["merge", str(tmp_path), "--base", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "not a PEFT adapter folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_push_to_hub_uploads_final_and_only_warns_when_the_hub_fails(tmp_path, monkeypatch, caplog):
+    """No network here: the hub client is replaced by one that records what it was asked, or fails."""
+    import huggingface_hub
+
+    from shardtune.config import load_train_config
+    from shardtune.train.loop import push_to_hub
+
+    calls: list[tuple] = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("token", token))
+
+        def create_repo(self, repo_id, private=False, exist_ok=False):
+            calls.append(("create", repo_id, private, exist_ok))
+
+        def upload_folder(self, repo_id, folder_path, commit_message):
+            calls.append(("upload", repo_id, folder_path))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    cfg = load_train_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "run"), "--push_to_hub",
+                             "--hub_model_id", "me/tuned", "--hub_token", "hf_secret", "--hub_private_repo", "true"])
+    push_to_hub(cfg, str(final))
+    assert calls == [("token", "hf_secret"), ("create", "me/tuned", True, True), ("upload", "me/tuned", str(final))]
+    calls.clear()
+    # Without hub_model_id the repository is named after the output folder; nothing happens unless asked.
+    push_to_hub(load_train_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "run"),
+                                   "--push_to_hub"]), str(final))
+    assert calls[1] == ("create", "run", False, True)
+    calls.clear()
+    push_to_hub(load_train_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "run")]), str(final))
+    assert calls == []
+
+    class Offline(FakeApi):
+        def create_repo(self, *args, **kwargs):
+            raise ConnectionError("Name or service not known\nmore detail")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
+    with caplog.at_level("WARNING", logger="shardtune"):
+        push_to_hub(cfg, str(final))  # the run succeeded: a failed upload is a warning, not an error
+    assert "could not upload" in caplog.text and "Name or service not known" in caplog.text
+    assert "more detail" not in caplog.text
