@@ -137,17 +137,19 @@ def test_push_to_hub_uploads_final_and_only_warns_when_the_hub_fails(tmp_path, m
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     final = tmp_path / "run" / "final"
     final.mkdir(parents=True)
-    cfg = load_train_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "run"), "--push_to_hub",
-                             "--hub_model_id", "me/tuned", "--hub_token", "hf_secret", "--hub_private_repo", "true"])
+    def config(*extra: str):
+        return load_train_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir",
+                                  str(tmp_path / "run"), *extra])
+
+    cfg = config("--push_to_hub", "--hub_model_id", "me/tuned", "--hub_token", "hf_secret", "--hub_private_repo", "true")
     push_to_hub(cfg, str(final))
     assert calls == [("token", "hf_secret"), ("create", "me/tuned", True, True), ("upload", "me/tuned", str(final))]
     calls.clear()
     # Without hub_model_id the repository is named after the output folder; nothing happens unless asked.
-    push_to_hub(load_train_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "run"),
-                                   "--push_to_hub"]), str(final))
+    push_to_hub(config("--push_to_hub"), str(final))
     assert calls[1] == ("create", "run", False, True)
     calls.clear()
-    push_to_hub(load_train_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "run")]), str(final))
+    push_to_hub(config(), str(final))
     assert calls == []
 
     class Offline(FakeApi):
