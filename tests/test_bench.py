@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardtune.bench import STEP_MARK, Result, StageMarks, explain, format_table, split_step_time, summarise
+from shardtune.bench import Result, explain, format_table, summarise
+from shardtune.bench_probe import STEP_MARK, StageMarks, split_step_time
 from shardtune.errors import UsageError
 from tests.trainutil import run_shardtune, write_chat_data
 
