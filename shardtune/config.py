@@ -474,7 +474,7 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
 
 
 def _validate_pipeline(cfg: TrainConfig) -> list[str]:
-    """PP needs whole pipeline micro-batches and (for now) no evaluation pass."""
+    """PP needs a known schedule and batches that split into whole pipeline micro-batches."""
     d, r = cfg.distributed, cfg.run
     problems: list[str] = []
     if d.pipeline_schedule.upper() not in {s.upper() for s in PIPELINE_SCHEDULES}:
@@ -485,17 +485,16 @@ def _validate_pipeline(cfg: TrainConfig) -> list[str]:
     elif d.distributed_type == "PP" and r.per_device_train_batch_size % d.pipeline_microbatches:
         problems.append(f"per_device_train_batch_size={r.per_device_train_batch_size} must be a multiple of "
                         f"pipeline_microbatches={d.pipeline_microbatches} (each batch is split into them)")
-    if d.distributed_type == "PP" and r.eval_strategy != "no":
-        problems.append("eval_strategy must be 'no' with distributed_type PP (evaluation through the pipeline is "
-                        "not implemented); evaluate the final model with one process")
-    if d.distributed_type == "PP" and cfg.checkpoint.resume_from_checkpoint not in (None, "false", "False", "no"):
-        problems.append("resume_from_checkpoint does not work with distributed_type PP yet (the stages' optimizer "
-                        "states do not load back); restart the run, or train it with DDP or FSDP")
+    if (d.distributed_type == "PP" and r.eval_strategy != "no" and d.pipeline_microbatches >= 1
+            and r.per_device_eval_batch_size % d.pipeline_microbatches):
+        problems.append(f"per_device_eval_batch_size={r.per_device_eval_batch_size} must be a multiple of "
+                        f"pipeline_microbatches={d.pipeline_microbatches} (each eval batch is split into them)")
     return problems
 
 
-def load_train_config(argv: list[str]) -> TrainConfig:
-    """Resolve ``shardtune train`` arguments into a validated TrainConfig (see the module docstring)."""
+def load_train_config(argv: list[str], *, training: bool = True) -> TrainConfig:
+    """Resolve ``shardtune train`` arguments into a validated TrainConfig (see the module docstring); ``training``
+    False reads them for a command that writes nothing (no output_dir needed)."""
     files, overrides, flags, cli_sources = parse_cli_pairs(argv)
     layers: list[tuple[dict[str, Any], dict[str, Source]]] = []
     accelerate_file = flags.pop("config_file", None) or overrides.pop("config_file", None)

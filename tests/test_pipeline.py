@@ -1,4 +1,5 @@
-"""Pipeline parallel on 2 gloo processes gives the losses, gradient norms and weights of one process.
+"""Pipeline parallel on 2 gloo processes gives the losses, gradient norms, eval losses and weights of one process,
+and a killed pipeline run resumes exactly.
 
 The one-process references run in this process (``train(cfg)``); the pipeline runs go through ``shardtune launch``
 (torchrun) like a user's. fp32, no dropout: the only differences are summation order.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -18,6 +20,10 @@ from tests.trainutil import run_shardtune, write_chat_data
 
 TOL = 1e-4
 STEPS = 3
+# Evaluate after every step: eval batches of 8 rows (training: 4) and each switch between the schedule's training
+# and evaluation modes are exercised, and a resumed run evaluates again.
+EVAL = ["--eval_strategy", "steps", "--eval_steps", "1", "--eval_split_ratio", "0.05"]
+ONE_F_ONE_B = ["--pipeline_schedule", "1F1B", "--pipeline_microbatches", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +58,11 @@ def pipeline(assets, out: str, extra: list[str]) -> list[dict]:
     return records(assets[0] / out)
 
 
-def records(out) -> list[dict]:
+def records(out, key: str = "loss") -> list[dict]:
+    """The training records (``key`` loss) or the eval records (``eval_loss``): one per step."""
     found = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(found) == STEPS and all(math.isfinite(r["loss"]) for r in found)
+    found = [r for r in found if key in r]
+    assert [r["step"] for r in found] == list(range(1, STEPS + 1)) and all(math.isfinite(r[key]) for r in found)
     return found
 
 
@@ -65,10 +73,22 @@ def assert_same(reference: list[dict], other: list[dict]) -> None:
         assert ref["tokens"] == got["tokens"] and ref["target_tokens"] == got["target_tokens"]
 
 
-def test_pp_1f1b_full_finetune_matches_one_process(assets):
-    reference = one_process(assets, "ref_full", [])
-    piped = pipeline(assets, "pp_1f1b", ["--pipeline_schedule", "1F1B", "--pipeline_microbatches", "2"])
+def assert_same_eval(reference_out, other_out) -> None:
+    for ref, got in zip(records(reference_out, "eval_loss"), records(other_out, "eval_loss")):
+        assert abs(ref["eval_loss"] - got["eval_loss"]) <= TOL * ref["eval_loss"], f"step {ref['step']}: {ref} vs {got}"
+        assert ref["eval_tokens"] == got["eval_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def full_runs(assets) -> tuple[list[dict], list[dict]]:
+    """The one-process full fine-tune and its 1F1B pipeline twin, both evaluating after every step."""
+    return one_process(assets, "ref_full", EVAL), pipeline(assets, "pp_1f1b", EVAL + ONE_F_ONE_B)
+
+
+def test_pp_1f1b_full_finetune_matches_one_process(assets, full_runs):
+    reference, piped = full_runs
     assert_same(reference, piped)
+    assert_same_eval(assets[0] / "ref_full", assets[0] / "pp_1f1b")
     # The exported model is the whole unsplit model with the weights one process trained.
     from safetensors.torch import load_file
 
@@ -107,11 +127,33 @@ def test_keep_stage_keeps_original_names(assets):
     assert "model.embed_tokens.weight" in first_names and "model.layers.1.mlp.up_proj.weight" not in first_names
 
 
+def test_pp_resume_reproduces_the_uninterrupted_run(assets, full_runs, monkeypatch):
+    """Killed after its step-2 checkpoint, resumed on 2 stages: the uninterrupted run's losses, bitwise on CPU.
+
+    The same checkpoint resumed on one process (other stage bounds, the optimizer state resharded) also goes on
+    as one process would.
+    """
+    root = assets[0]
+    extra = [*EVAL, *ONE_F_ONE_B, "--save_strategy", "steps", "--save_steps", "2"]
+    monkeypatch.setenv("SHARDTUNE_TEST_KILL", "after_save:2")
+    killed = run_shardtune(["launch", "--num_processes", "2", "train", *args(assets, "pp_killed", extra),
+                            "--distributed_type", "PP"], root)
+    monkeypatch.delenv("SHARDTUNE_TEST_KILL")
+    assert killed.returncode != 0 and (root / "pp_killed" / "checkpoints" / "step-2").is_dir()
+    shutil.copytree(root / "pp_killed", root / "one_resumed")
+    resume = [*extra, "--resume_from_checkpoint", "true"]
+    resumed = pipeline(assets, "pp_killed", resume)
+    want = {r["step"]: r["loss"] for r in full_runs[1]}
+    assert {r["step"]: r["loss"] for r in resumed} == want
+    assert records(root / "pp_killed", "eval_loss") == records(root / "pp_1f1b", "eval_loss")
+    assert_same(full_runs[0], one_process(assets, "one_resumed", resume))
+    assert_same_eval(root / "ref_full", root / "one_resumed")
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--pipeline_microbatches", "3"], "multiple of pipeline_microbatches=3"),
     (["--pipeline_schedule", "zigzag"], "pipeline_schedule='zigzag'"),
-    (["--eval_strategy", "steps"], "eval_strategy must be 'no'"),
-    (["--resume_from_checkpoint", "true"], "resume_from_checkpoint does not work"),
+    (["--eval_strategy", "steps", "--per_device_eval_batch_size", "3"], "per_device_eval_batch_size=3 must be"),
 ])
 def test_pipeline_config_errors(assets, extra, message):
     with pytest.raises(UsageError, match=message):
@@ -119,6 +161,8 @@ def test_pipeline_config_errors(assets, extra, message):
 
 
 def test_pp_config_is_accepted(assets):
-    cfg = load_train_config(args(assets, "ok", ["--distributed_type", "pp", "--pipeline_schedule", "gpipe"]))
+    cfg = load_train_config(args(assets, "ok", ["--distributed_type", "pp", "--pipeline_schedule", "gpipe",
+                                                *EVAL, "--resume_from_checkpoint", "true"]))
     assert cfg.distributed.distributed_type == "PP" and cfg.distributed.pipeline_microbatches == 2
+    assert cfg.run.eval_strategy == "steps" and cfg.checkpoint.resume_from_checkpoint
     assert torch.distributed.is_available()

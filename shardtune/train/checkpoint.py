@@ -3,7 +3,9 @@
 A checkpoint ``output_dir/checkpoints/step-N/`` holds:
 - the model (the trainable part only for LoRA/QLoRA) and optimizer, either ``dcp/`` written by every rank with
   ``torch.distributed.checkpoint`` (SHARDED_STATE_DICT: resharded on load, so a run may resume on another world
-  size) or ``model.safetensors`` + ``optimizer.pt`` gathered and written by rank 0 (FULL_STATE_DICT);
+  size) or ``model.safetensors`` + ``optimizer.pt`` gathered and written by rank 0 (FULL_STATE_DICT); pipeline
+  stages key their optimizer state by parameter name (``flat_optimizer`` in the manifest), as each holds other
+  parameters;
 - ``rng/rank-R.pt``: each rank's RNG states (dropout must draw the same masks after resume), tensors only;
 - ``trainer_state.json``: step, epoch, the data sampler's position, scheduler and gradient-scaler state;
 - ``config.yaml``: the resolved config; ``manifest.json``: written last, lists what a complete checkpoint holds.
@@ -54,10 +56,14 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def _options(trainable_only: bool, full: bool = False) -> StateDictOptions:
+def _options(trainable_only: bool, full: bool = False, flat_optimizer: bool = False) -> StateDictOptions:
     # A LoRA checkpoint holds only the adapters, so loading it must not ask for the frozen base (strict=False).
+    # flat_optimizer keys the optimizer's param-group settings by parameter name ("param_groups.<name>.lr")
+    # instead of by group index: pipeline stages each hold different parameters, and DCP keeps a single copy
+    # of a key that every rank writes, so "param_groups.0.params" would keep one stage's list and the other
+    # stages would load their groups without lr, betas, ...
     return StateDictOptions(ignore_frozen_params=trainable_only, full_state_dict=full, cpu_offload=full,
-                            strict=not trainable_only)
+                            strict=not trainable_only, flatten_optimizer_state_dict=flat_optimizer)
 
 
 def _test_fault(point: str, step: int, info: DistInfo) -> None:
@@ -109,8 +115,12 @@ def _write_full(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 
 def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                     trainable_only: bool, trainer_state: dict[str, Any], config_yaml: str, info: DistInfo,
-                    save_total_limit: int | None = None, state_dict_type: str = SHARDED) -> Path:
-    """Write ``checkpoints/step-{step}`` from every rank; returns its path once it is complete."""
+                    save_total_limit: int | None = None, state_dict_type: str = SHARDED,
+                    flat_optimizer: bool = False) -> Path:
+    """Write ``checkpoints/step-{step}`` from every rank; returns its path once it is complete.
+
+    ``flat_optimizer`` (pipeline parallel, SHARDED only): optimizer state keyed by parameter name, see ``_options``.
+    """
     root = checkpoints_dir(output_dir)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -122,7 +132,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
     if state_dict_type == FULL:
         _write_full(tmp, model, optimizer, trainable_only, info)
     else:
-        options = _options(trainable_only)
+        options = _options(trainable_only, flat_optimizer=flat_optimizer)
         state = {"model": get_model_state_dict(model, options=options),
                  "optim": get_optimizer_state_dict(model, optimizer, options=options)}
         dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not info.distributed)
@@ -133,7 +143,8 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         (tmp / "config.yaml").write_text(config_yaml)
         manifest = {"format": FORMAT_VERSION, "step": step, "world_size": info.world_size,
-                    "trainable_only": trainable_only, "state_dict_type": state_dict_type, "complete": True}
+                    "trainable_only": trainable_only, "state_dict_type": state_dict_type,
+                    "flat_optimizer": flat_optimizer, "complete": True}
         (tmp / MANIFEST).write_text(json.dumps(manifest))
         if final.exists():
             shutil.rmtree(final)
@@ -199,7 +210,8 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
         options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only,
                                    strict=not trainable_only)
     else:
-        options = _options(trainable_only)
+        # The layout the checkpoint was written in (older checkpoints: param groups by index).
+        options = _options(trainable_only, flat_optimizer=manifest.get("flat_optimizer", False))
         state = {"model": get_model_state_dict(model, options=options),
                  "optim": get_optimizer_state_dict(model, optimizer, options=options)}
         dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not info.distributed)

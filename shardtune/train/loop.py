@@ -203,11 +203,12 @@ def _collate_steps(sampler, rows, collator):
         yield [collator([rows[i] for i in indices]) for indices in micro_indices]
 
 
-def _eval_batches(data, cfg: TrainConfig, info: DistInfo, collator):
+def _eval_batches(data, cfg: TrainConfig, info: DistInfo, collator, pipelined: bool):
     from shardtune.data import EvalSampler
 
-    sampler = EvalSampler(len(data), batch_size=cfg.run.per_device_eval_batch_size, world_size=info.world_size,
-                          rank=info.rank)
+    # Every pipeline stage reads the same batches, as in training.
+    sampler = EvalSampler(len(data), batch_size=cfg.run.per_device_eval_batch_size,
+                          world_size=1 if pipelined else info.world_size, rank=0 if pipelined else info.rank)
     for indices in sampler:
         yield collator([data[i] if i is not None else None for i in indices])
 
@@ -300,7 +301,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                                     trainer_state=trainer_state, config_yaml=config_yaml, info=info,
                                     save_total_limit=cfg.checkpoint.save_total_limit,
                                     state_dict_type=cfg.distributed.fsdp_state_dict_type
-                                    if plan.strategy == "FSDP" else ckpt.SHARDED)
+                                    if plan.strategy == "FSDP" else ckpt.SHARDED, flat_optimizer=pipelined)
         last_checkpoint = str(path)
         log.info("saved checkpoint %s (%s)", path, reason)
 
@@ -310,7 +311,8 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     def run_eval() -> None:
         if data.eval is None or len(data.eval) == 0:
             return
-        result = evaluate(model, _eval_batches(data.eval, cfg, info, collator), plan, info, precision.compute_dtype)
+        result = evaluate(model, _eval_batches(data.eval, cfg, info, collator, pipelined), plan, info,
+                          precision.compute_dtype, pipeline=ctx.pipeline)
         metrics.write({"step": step, "epoch": epoch, **result})
         log.info("step %d: eval_loss %.4f, perplexity %.3f", step, result["eval_loss"], result["eval_perplexity"])
 

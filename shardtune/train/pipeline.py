@@ -14,6 +14,11 @@ processes.
 The loss and its normalisation stay in ``step.train_step``: the last stage's loss function returns
 ``token_loss_sum * scale`` with the scale ``train_step`` computes for the whole global batch; gradients are not
 rescaled by the schedule (``scale_grads=False``).
+
+Evaluation runs the same schedule forward only (``schedule.eval``) through ``step.evaluate``: every rank reads the
+same eval batches, the last stage sums the token losses, and the sum over ranks gives every rank the eval loss.
+Checkpoints are the usual DCP ones under the unsplit model's names, with the optimizer state keyed by parameter
+name (``checkpoint._options``), so a run resumes exactly, also on another number of stages or on one process.
 """
 
 from __future__ import annotations
@@ -108,7 +113,7 @@ class PipelineRunner:
                                      scale_grads=False)
         self._scale = 1.0
         self._loss_sums: list[torch.Tensor] = []
-        # The schedule's first step runs the stage (and the loss) once to learn shapes; that run is not counted.
+        # Set when a micro-batch's forward starts: the shape inference before it also runs the loss, uncounted.
         self._counting = False
         run_chunk = self.stage.forward_one_chunk
 
@@ -127,21 +132,43 @@ class PipelineRunner:
     def forward_backward(self, batches: list[dict[str, torch.Tensor]], scale: float) -> torch.Tensor:
         """Forward and backward every batch through the pipeline; returns the summed token loss (last stage, else 0)."""
         self._scale, self._loss_sums = scale, []
-        device = self.info.device
         for batch in batches:
-            rows = batch["input_ids"].shape[0]
-            if rows % self.microbatches:
-                raise UsageError(f"a batch of {rows} rows cannot be split into pipeline_microbatches="
-                                 f"{self.microbatches}; make per_device_train_batch_size a multiple of it")
-            positions = batch["position_ids"].to(device).chunk(self.microbatches)
-            mask = batch.get("attention_mask")
-            masks = mask.to(device).chunk(self.microbatches) if mask is not None else [None] * self.microbatches
-            self.module.extras = [{"position_ids": p, "attention_mask": m} for p, m in zip(positions, masks)]
-            args = (batch["input_ids"].to(device),) if self.first else ()
-            target = batch["labels"].to(device) if self.last else None
+            args, target = self._feed(batch)
             self.schedule.step(*args, target=target, return_outputs=False)
+        return self._loss_total()
+
+    def forward_only(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Evaluation: forward one batch through the pipeline; returns its summed token loss (last stage, else 0).
+
+        The schedule's ``eval`` runs the same micro-batches without backward; call it under ``torch.no_grad``.
+        """
+        self._scale, self._loss_sums = 1.0, []
+        args, target = self._feed(batch)
+        self.schedule.eval(*args, target=target, return_outputs=False)
+        return self._loss_total()
+
+    def _feed(self, batch: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """Hand the stage this batch's per-micro-batch extras; returns the schedule's inputs and target."""
+        device = self.info.device
+        rows = batch["input_ids"].shape[0]
+        if rows % self.microbatches:
+            raise UsageError(f"a batch of {rows} rows cannot be split into pipeline_microbatches="
+                             f"{self.microbatches}; make per_device_train_batch_size and "
+                             f"per_device_eval_batch_size multiples of it")
+        positions = batch["position_ids"].to(device).chunk(self.microbatches)
+        mask = batch.get("attention_mask")
+        masks = mask.to(device).chunk(self.microbatches) if mask is not None else [None] * self.microbatches
+        self.module.extras = [{"position_ids": p, "attention_mask": m} for p, m in zip(positions, masks)]
+        # The schedule learns shapes again after each switch between training and evaluation (running the stage
+        # and, for training, the loss once); only the micro-batches' own forwards are counted.
+        self.module.chunk, self._counting = 0, False
+        args = (batch["input_ids"].to(device),) if self.first else ()
+        target = batch["labels"].to(device) if self.last else None
+        return args, target
+
+    def _loss_total(self) -> torch.Tensor:
         if not self._loss_sums:
-            return torch.zeros((), dtype=torch.float64, device=device)
+            return torch.zeros((), dtype=torch.float64, device=self.info.device)
         return torch.stack(self._loss_sums).sum()
 
     def grad_norm_and_clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -176,20 +176,28 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterator[dict[str, torch.Tensor]], plan: Plan, info: DistInfo,
-             compute_dtype: torch.dtype) -> dict[str, float]:
-    """Mean loss over every target token of the eval split (all ranks), and its perplexity."""
+             compute_dtype: torch.dtype, pipeline: Any = None) -> dict[str, float]:
+    """Mean loss over every target token of the eval split (all ranks), and its perplexity.
+
+    ``pipeline`` (PP): every rank reads the same batches and runs its stage; the last stage has the loss, and the
+    sums over ranks give every rank the same result.
+    """
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
     targets = 0
     for batch in batches:
         labels = batch["labels"].to(info.device)
-        with _autocast(plan, info, compute_dtype):
-            logits = model(**model_inputs(batch, info.device), use_cache=False).logits
-            loss_sum += token_loss_sum(logits, labels).double()
+        if pipeline is not None:
+            loss_sum += pipeline.forward_only(batch)
+        else:
+            with _autocast(plan, info, compute_dtype):
+                logits = model(**model_inputs(batch, info.device), use_cache=False).logits
+                loss_sum += token_loss_sum(logits, labels).double()
         targets += num_targets(labels)
     totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(targets), dtype=torch.float64,
                                                                   device=info.device)]), info.device)
+    totals[1] /= pipeline.num_stages if pipeline is not None else 1  # PP: each stage counted the same batches
     model.train(was_training)
     loss = totals[0].item() / max(totals[1].item(), 1.0)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": int(totals[1].item())}
