@@ -160,6 +160,7 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
     were: model, method, batch, sequence length, processes and device (``shardtune estimate --measured`` reads
     these from the saved file)."""
     from shardtune.config import load_train_config
+    from shardtune.plot import read_metrics
 
     cfg = load_train_config([config, "--output_dir", str(work_dir), *extra])
     method = "qlora" if cfg.lora.use_4bit_quantization else "lora" if cfg.lora.use_peft_lora else "full"
@@ -179,8 +180,7 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
             res = summarise(strategy, work_dir / strategy / "probe", warmup_steps)
             summary = json.loads((work_dir / strategy / "summary.json").read_text())
             res.peak_memory_bytes = summary["peak_memory_bytes"]
-            metrics = [json.loads(line) for line in (work_dir / strategy / "metrics.jsonl").read_text().splitlines()]
-            res.losses = [m["loss"] for m in metrics if "loss" in m]
+            res.losses = read_metrics(work_dir / strategy).series("loss")[1]
         try:
             res.estimate_bytes, res.layout = estimate_for(cfg.model.model_name_or_path, strategy, setup_kwargs,
                                                           num_processes)
