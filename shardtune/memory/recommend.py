@@ -94,10 +94,11 @@ class Measured:
 
     def describe(self) -> str:
         ranked = sorted(self.tokens_per_s.items(), key=lambda kv: -kv[1])
+        model = f" with {Path(self.model).name or self.model}" if self.model else ""
         where = f" on {self.device}" if self.device else ""
         procs = f", {self.num_processes} processes" if self.num_processes else ""
         return (", ".join(f"{k.upper()} {v:,.0f}" for k, v in ranked) +
-                f" tokens/s measured{where}{procs} ({self.path})")
+                f" tokens/s measured{model}{where}{procs} ({self.path})")
 
 
 def evaluate(analysis: ModelAnalysis, setup: Setup) -> Breakdown:
