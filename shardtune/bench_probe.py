@@ -206,8 +206,8 @@ def install_probe(out_dir: Path) -> None:
                     [ctx.info.device.index or 0]
                 try:
                     state["nvml"] = NvmlSampler(indices)
-                except ImportError:  # no pynvml (nvidia-ml-py): no busy figures
-                    pass
+                except Exception as exc:  # noqa: BLE001 - no NVML (driver, container): the table says "-"
+                    print(f"shardtune bench: no GPU utilisation figures: NVML unavailable ({exc})", file=sys.stderr)
             else:
                 state["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
                 state["profiler"].__enter__()
