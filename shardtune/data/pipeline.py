@@ -270,29 +270,26 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | 
         if not cached:
             _build(cfg, source, tokenizer, seed, path)
         return _load(path, cached)
+    from shardtune.train.dist import RankFailed, run_and_share
+
     # one builder per node (the cache may be node-local) hashes the data and builds; the others wait for its verdict
     rank = dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    status: tuple[str, str, str] | None = None  # (cache path, error type, error message)
     built = False
-    if local_rank == 0:
-        try:
-            path, source = cache_path()
-            if not (path / "report.json").exists():
-                _build(cfg, source, tokenizer, seed, path)
-                built = True
-            status = (str(path), "", "")
-        except Exception as exc:
-            status = ("", type(exc).__name__, str(exc))
-            own_error = exc
-    statuses: list = [None] * dist.get_world_size()
-    dist.all_gather_object(statuses, status, group=_long_wait_group())
-    if local_rank == 0 and status[1]:
-        raise own_error
-    failed = next((s for s in statuses if s is not None and s[1]), None)
-    if failed is not None:
-        _, kind, message = failed
-        raise UsageError(message) if kind == "UsageError" else RuntimeError(f"data preparation failed on another "
-                                                                            f"rank: {kind}: {message}")
+
+    def build() -> str:
+        nonlocal built
+        path, source = cache_path()
+        if not (path / "report.json").exists():
+            _build(cfg, source, tokenizer, seed, path)
+            built = True
+        return str(path)
+
+    try:
+        paths = run_and_share(build, runs=local_rank == 0, what="preparing the data", group=_long_wait_group())
+    except RankFailed as exc:
+        if exc.kind == "UsageError":  # bad data: every rank reports the builder's own message
+            raise UsageError(exc.message) from None
+        raise
     # torchrun numbers the ranks of a node contiguously: this node's builder is rank - local_rank
-    return _load(Path(statuses[rank - local_rank][0]), not built)
+    return _load(Path(paths[rank - local_rank]), not built)

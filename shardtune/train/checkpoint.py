@@ -10,7 +10,9 @@ A checkpoint ``output_dir/checkpoints/step-N/`` holds:
 - ``trainer_state.json``: step, epoch, the data sampler's position, scheduler and gradient-scaler state;
 - ``config.yaml``: the resolved config; ``manifest.json``: written last, lists what a complete checkpoint holds.
 Everything is written into ``.tmp-step-N`` and renamed once every rank has finished, so a ``step-N`` folder is
-always complete; a leftover ``.tmp-*`` (a save that was killed) is ignored with a warning.
+always complete; a leftover ``.tmp-*`` (a save that was killed) is ignored with a warning. A write that fails
+(disk full, no permission) removes the temporary folder and stops every rank at once, not at the next collective's
+timeout: rank 0 raises its own error, the others a ``RankFailed`` naming rank 0, the checkpoint and the cause.
 A resumed run appends to ``metrics.jsonl`` after dropping the records past the checkpoint's step (a killed run
 logged steps that the resumed run redoes), so every step appears once, with the loss of the run that kept it.
 Nothing is unpickled: DCP and safetensors read tensors, ``.pt`` files load with ``weights_only=True``, the rest is
@@ -19,6 +21,7 @@ JSON and YAML.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -39,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from shardtune.errors import UsageError
-from shardtune.train.dist import DistInfo, barrier
+from shardtune.train.dist import DistInfo, run_and_share
 
 log = logging.getLogger("shardtune")
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -48,7 +51,8 @@ FORMAT_VERSION = 1
 SHARDED, FULL = "SHARDED_STATE_DICT", "FULL_STATE_DICT"
 # Test-only fault injection: "POINT:STEP[:RANK[:HOW]]", POINT during_save or after_save, SIGKILLs the rank(s)
 # there (HOW: TERM sends SIGTERM instead, TERM-LAUNCHER sends it to the parent launcher), on the first attempt
-# of an elastic job only, so a restarted job runs through.
+# of an elastic job only, so a restarted job runs through. POINT write_full with HOW ENOSPC makes the writing of
+# the FULL_STATE_DICT files fail as a full disk does.
 FAULT_ENV = "SHARDTUNE_TEST_KILL"
 
 
@@ -66,12 +70,14 @@ def _options(trainable_only: bool, full: bool = False, flat_optimizer: bool = Fa
                             strict=not trainable_only, flatten_optimizer_state_dict=flat_optimizer)
 
 
-def _test_fault(point: str, step: int, info: DistInfo) -> None:
+def _test_fault(point: str, step: int, info: DistInfo, path: Path | None = None) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     want_point, want_step, want_rank, how = (spec.split(":") + ["", "", "", ""])[:4]
     if want_point == point and int(want_step) == step and (not want_rank or int(want_rank) == info.rank):
+        if how == "ENOSPC":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         if how == "TERM":  # what a scheduler sends this process before preemption
             os.kill(os.getpid(), signal.SIGTERM)
         elif how == "TERM-LAUNCHER":  # ... or the launcher, which forwards it to every worker
@@ -99,18 +105,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _write_full(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool,
-                info: DistInfo) -> None:
-    """FULL_STATE_DICT: every rank helps gather, rank 0 writes one model file and one optimizer file."""
+def _write_full(folder: Path, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
+    """FULL_STATE_DICT (rank 0): one model file and one optimizer file of the gathered state."""
     from safetensors.torch import save_file
 
-    options = _options(trainable_only, full=True)
-    model_state = get_model_state_dict(model, options=options)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
-    if info.is_main:
-        # Tied weights share storage, which safetensors refuses; each tensor gets its own copy.
-        save_file({k: v.detach().clone().contiguous() for k, v in model_state.items()}, folder / "model.safetensors")
-        torch.save(optim_state, folder / "optimizer.pt")
+    # Tied weights share storage, which safetensors refuses; each tensor gets its own copy.
+    save_file({k: v.detach().clone().contiguous() for k, v in model_state.items()}, folder / "model.safetensors")
+    torch.save(optim_state, folder / "optimizer.pt")
+
+
+def _fresh_folder(tmp: Path) -> None:
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (tmp / "rng").mkdir(parents=True)
+
+
+def _complete(tmp: Path, final: Path, trainer_state: dict[str, Any], config_yaml: str,
+              manifest: dict[str, Any]) -> None:
+    """Rank 0, once every rank has written its part: the small files, the manifest last, then the rename."""
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+    (tmp / "config.yaml").write_text(config_yaml)
+    (tmp / MANIFEST).write_text(json.dumps(manifest))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
 
 
 def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -124,35 +142,40 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
     root = checkpoints_dir(output_dir)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
-    if info.is_main:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "rng").mkdir(parents=True)
-    barrier()
-    if state_dict_type == FULL:
-        _write_full(tmp, model, optimizer, trainable_only, info)
+    what = f"saving checkpoint {final}"
+    manifest = {"format": FORMAT_VERSION, "step": step, "world_size": info.world_size,
+                "trainable_only": trainable_only, "state_dict_type": state_dict_type,
+                "flat_optimizer": flat_optimizer, "complete": True}
+
+    def drop_tmp() -> None:  # a failed write leaves nothing half-written (a killed save does: it is ignored)
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    run_and_share(lambda: _fresh_folder(tmp), runs=info.is_main, what=what, on_failure=drop_tmp)
+    full_state = None
+    if state_dict_type == FULL:  # every rank helps gather, rank 0 writes
+        options = _options(trainable_only, full=True)
+        full_state = (get_model_state_dict(model, options=options),
+                      get_optimizer_state_dict(model, optimizer, options=options))
     else:
         options = _options(trainable_only, flat_optimizer=flat_optimizer)
         state = {"model": get_model_state_dict(model, options=options),
                  "optim": get_optimizer_state_dict(model, optimizer, options=options)}
         dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not info.distributed)
-    torch.save(rng_state(), tmp / "rng" / f"rank-{info.rank}.pt")
-    _test_fault("during_save", step, info)
-    barrier()
-    if info.is_main:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        (tmp / "config.yaml").write_text(config_yaml)
-        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": info.world_size,
-                    "trainable_only": trainable_only, "state_dict_type": state_dict_type,
-                    "flat_optimizer": flat_optimizer, "complete": True}
-        (tmp / MANIFEST).write_text(json.dumps(manifest))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        if save_total_limit:
-            for old in complete_checkpoints(output_dir)[:-save_total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
-    barrier()
+
+    def write_own_part() -> None:
+        if full_state is not None and info.is_main:
+            _test_fault("write_full", step, info, tmp / "model.safetensors")
+            _write_full(tmp, *full_state)
+        torch.save(rng_state(), tmp / "rng" / f"rank-{info.rank}.pt")
+        _test_fault("during_save", step, info)
+
+    run_and_share(write_own_part, runs=True, what=what, on_failure=drop_tmp)
+    run_and_share(lambda: _complete(tmp, final, trainer_state, config_yaml, manifest), runs=info.is_main,
+                  what=what, on_failure=drop_tmp)
+    if info.is_main and save_total_limit:
+        for old in complete_checkpoints(output_dir)[:-save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
     _test_fault("after_save", step, info)
     return final
 
@@ -196,6 +219,15 @@ def _read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return load_file(path / "model.safetensors"), torch.load(path / "optimizer.pt", weights_only=True)
 
 
+def _read_full_on_rank0(path: Path, info: DistInfo) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Rank 0 reads the consolidated files; the other ranks get empty dicts and receive every tensor from it."""
+    if not info.distributed:
+        return _read_full(path)
+    full: list[tuple[dict[str, torch.Tensor], dict[str, Any]]] = []
+    run_and_share(lambda: full.append(_read_full(path)), runs=info.is_main, what=f"reading checkpoint {path}")
+    return full[0] if full else ({}, {})
+
+
 def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool,
                     info: DistInfo) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from ``path``; returns the trainer state."""
@@ -205,10 +237,10 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
         raise UsageError(f"resume_from_checkpoint={path}: the checkpoint holds {saved}, this run "
                          f"{'trains LoRA' if trainable_only else 'is full fine-tuning'}; keep use_peft_lora as saved")
     if manifest.get("state_dict_type", SHARDED) == FULL:
-        # Every rank reads the consolidated files and keeps its own shard of each tensor.
-        model_state, optim_state = _read_full(path)
+        # Rank 0 reads the consolidated files and broadcasts each tensor; every rank keeps its own shard of it.
+        model_state, optim_state = _read_full_on_rank0(path, info)
         options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only,
-                                   strict=not trainable_only)
+                                   strict=not trainable_only, broadcast_from_rank0=info.distributed)
     else:
         # The layout the checkpoint was written in (older checkpoints: param groups by index).
         options = _options(trainable_only, flat_optimizer=manifest.get("flat_optimizer", False))
@@ -263,16 +295,20 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
     tmp = target.with_name(f".tmp-{target.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    if is_peft and save_adapter is not None:
-        save_adapter(model, state, tmp)
-    elif is_peft:
-        getattr(model, "module", model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-    else:
-        unwrap(model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+    try:
+        if is_peft and save_adapter is not None:
+            save_adapter(model, state, tmp)
+        elif is_peft:
+            getattr(model, "module", model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+        else:
+            unwrap(model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        raise
     return target
 
 
@@ -291,17 +327,16 @@ def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft
     """Write ``output_dir/final``: a Transformers model folder, or a PEFT adapter folder for LoRA/QLoRA.
 
     The full (gathered) state dict is assembled on CPU from every rank's shards, then rank 0 writes it through
-    ``save_pretrained`` into a temporary folder that is renamed when complete.
+    ``save_pretrained`` into a temporary folder that is renamed when complete; every rank learns if that failed.
     """
     state = get_model_state_dict(model, options=_options(trainable_only=is_peft, full=True))
     logits_path = os.environ.get("SHARDTUNE_TEST_LOGITS")
     if logits_path:  # every rank runs the forward (FSDP gathers), rank 0 writes
         _test_logits(model, logits_path if info.is_main else os.devnull)
-    target = None
-    if info.is_main:
-        target = write_export(Path(output_dir) / "final", model, state, tokenizer, is_peft)
-    barrier()
-    return target
+    target = Path(output_dir) / "final"
+    run_and_share(lambda: write_export(target, model, state, tokenizer, is_peft), runs=info.is_main,
+                  what=f"writing {target}")
+    return target if info.is_main else None
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | None = None) -> Path:

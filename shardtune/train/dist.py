@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,11 +75,59 @@ def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> 
     return tensor
 
 
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+class RankFailed(RuntimeError):
+    """Work one rank did for the others failed there; raised on the other ranks, naming it, the work and the cause."""
+
+    def __init__(self, rank: int, what: str, kind: str, message: str) -> None:
+        first = (message.strip().splitlines() or [""])[0]
+        super().__init__(f"rank {rank} failed {what}: {kind}: {first}")
+        self.rank, self.kind, self.message = rank, kind, message
+
+
+def run_and_share(work: Callable[[], T], *, runs: bool, what: str, group: Any = None,
+                  on_failure: Callable[[], None] | None = None) -> list[T | None]:
+    """Run ``work`` on the ranks where ``runs`` is true, then tell every rank how it went, before anyone goes on.
+
+    Without this, the ranks that wait for a file rank 0 writes learn of its failure only at their next collective,
+    which fails without the cause, or waits until ``ddp_timeout`` (30 min by default) where the backend does not
+    notice that rank 0 left. A rank whose ``work`` raised re-raises its own error; every other rank raises
+    ``RankFailed`` naming the first rank that failed. ``on_failure`` runs on every rank before that, once all of
+    them know (so no rank still writes), to remove what was half-written. Returns every rank's result (None where
+    ``work`` did not run), gathered, so keep it small (a path). It is a collective: every rank of ``group`` must
+    call it. On one process it is just ``work()``.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        try:
+            return [work() if runs else None]
+        except Exception:
+            if on_failure is not None:
+                on_failure()
+            raise
+    status: tuple[T | None, str, str] | None = None  # (result, error type, error message)
+    error = None
+    if runs:
+        try:
+            status = (work(), "", "")
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it; re-raised below
+            status, error = (None, type(exc).__name__, str(exc)), exc
+    statuses: list[tuple[T | None, str, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(statuses, status, group=group)
+    failed = [(rank, other) for rank, other in enumerate(statuses) if other is not None and other[1]]
+    if failed and on_failure is not None:
+        on_failure()
+    if error is not None:
+        raise error
+    if failed:
+        rank, (_, kind, message) = failed[0]
+        raise RankFailed(rank, what, kind, message)
+    return [other[0] if other is not None else None for other in statuses]
 
 
 def shutdown() -> None:
     if dist.is_initialized():
+        # FSDP's device mesh holds the process group from inside reference cycles: collect them first, so that
+        # destroying the group joins gloo's worker threads now. Left to interpreter exit, a worker thread still
+        # releasing a collective's tensors (all_gather_object's) takes the GIL then and aborts the process
+        # ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()

@@ -23,7 +23,7 @@ import yaml
 
 from shardtune.config import TrainConfig, save_resolved
 from shardtune.train import checkpoint as ckpt
-from shardtune.train.dist import DistInfo, all_reduce_sum, init_distributed, shutdown
+from shardtune.train.dist import DistInfo, RankFailed, all_reduce_sum, init_distributed, shutdown
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
                                      progress_bar)
 from shardtune.train.model import (Precision, apply_lora, attn_implementation, count_parameters, load_base_model,
@@ -37,6 +37,13 @@ log = logging.getLogger("shardtune")
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (non-finite loss, ...); the message says where and what to try."""
+
+
+def write_failure(exc: Exception) -> str:
+    """One line for a failed write: another rank's ``RankFailed`` names that rank; this rank's own error its type."""
+    if isinstance(exc, RankFailed):
+        return str(exc)
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def seed_everything(seed: int) -> None:
@@ -297,11 +304,17 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         nonlocal last_checkpoint
         trainer_state = {"step": step, "epoch": epoch, "sampler": sampler.state_dict(),
                          "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None}
-        path = ckpt.save_checkpoint(out, step, model=model, optimizer=optimizer, trainable_only=is_peft,
-                                    trainer_state=trainer_state, config_yaml=config_yaml, info=info,
-                                    save_total_limit=cfg.checkpoint.save_total_limit,
-                                    state_dict_type=cfg.distributed.fsdp_state_dict_type
-                                    if plan.strategy == "FSDP" else ckpt.SHARDED, flat_optimizer=pipelined)
+        try:
+            path = ckpt.save_checkpoint(out, step, model=model, optimizer=optimizer, trainable_only=is_peft,
+                                        trainer_state=trainer_state, config_yaml=config_yaml, info=info,
+                                        save_total_limit=cfg.checkpoint.save_total_limit,
+                                        state_dict_type=cfg.distributed.fsdp_state_dict_type
+                                        if plan.strategy == "FSDP" else ckpt.SHARDED, flat_optimizer=pipelined)
+        except (OSError, RankFailed) as exc:
+            raise TrainingStopped(
+                f"step {step}: the checkpoint was not saved ({write_failure(exc)}). Last good checkpoint: "
+                f"{last_checkpoint or 'none'}; free disk space or fix the permissions under {out}, then run again "
+                f"with resume_from_checkpoint=true") from exc
         last_checkpoint = str(path)
         log.info("saved checkpoint %s (%s)", path, reason)
 
@@ -417,7 +430,13 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                  memory["measured_peak_bytes"] / 2**30, memory["measured_by"], 100 * memory["peak_error"])
     if not stopped_by_signal:
         export = pipeline.export_final if pipelined else ckpt.export_final
-        final = export(out, model, tokenizer, is_peft=is_peft, info=info)
+        try:
+            final = export(out, model, tokenizer, is_peft=is_peft, info=info)
+        except (OSError, RankFailed) as exc:
+            raise TrainingStopped(
+                f"training finished but {out / 'final'} was not written ({write_failure(exc)}). Last checkpoint: "
+                f"{last_checkpoint or 'none'} ('shardtune export CHECKPOINT OUT' writes one as final/ would be); "
+                f"free disk space or fix the permissions under {out}") from exc
         summary["final"] = str(final) if final else str(out / "final")
     if info.is_main:
         tmp = out / ".tmp-summary.json"

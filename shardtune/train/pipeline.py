@@ -35,7 +35,7 @@ from torch import nn
 from shardtune.config import DistributedConfig
 from shardtune.errors import UsageError
 from shardtune.train.checkpoint import write_export
-from shardtune.train.dist import DistInfo, barrier
+from shardtune.train.dist import DistInfo, run_and_share
 from shardtune.train.parallelize import Plan, unwrap
 from shardtune.train.step import token_loss_sum
 
@@ -199,15 +199,15 @@ def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft
     gathered: list[Any] = [None] * info.world_size if info.is_main else []
     dist.gather_object(state, gathered if info.is_main else None, dst=0)
     target = Path(output_dir) / "final"
-    if not info.is_main:
-        barrier()
-        return None
-    merged: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        merged.update(part)
-    write_export(target, model, merged, tokenizer, is_peft, save_adapter=_save_adapter)
-    barrier()
-    return target
+
+    def write() -> None:
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        write_export(target, model, merged, tokenizer, is_peft, save_adapter=_save_adapter)
+
+    run_and_share(write, runs=info.is_main, what=f"writing {target}")
+    return target if info.is_main else None
 
 
 def _save_adapter(model: nn.Module, merged: dict[str, torch.Tensor], folder: Path) -> None:
