@@ -230,24 +230,32 @@ def default_caveat(num_processes: int, load_average: float | None = None) -> str
             f"memory of one device, so the two are not comparable on CPU.")
 
 
-def write_plot(results: list[Result], path: Path) -> Path:
-    """Bars of tokens/s and of the mean busy fraction per setup."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def strategy_figure(results: list[Result]):
+    """Bars of tokens/s, and of each setup's mean step split: busy, waiting in collectives (CPU ranks), the rest."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     ok = [r for r in results if not r.error]
     names = [r.strategy.upper() for r in ok]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig = Figure(figsize=(9, 3.5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
     left.bar(names, [r.tokens_per_s for r in ok], color="tab:blue")
     left.set_title("tokens/s")
-    right.bar(names, [sum(r.busy) / len(r.busy) for r in ok], color="tab:orange")
+    busy = [sum(r.busy) / len(r.busy) if r.busy else 0.0 for r in ok]
+    waiting = [sum(r.in_collectives) / len(r.in_collectives) if r.in_collectives else 0.0 for r in ok]
+    right.bar(names, busy, color="tab:orange", label="busy")
+    if any(waiting):
+        right.bar(names, waiting, bottom=busy, color="tab:gray", label="in collectives")
+        right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncols=2, fontsize="small", frameon=False)
     right.set_ylim(0, 1)
-    right.set_title("mean busy fraction per device")
-    fig.tight_layout()
+    right.set_title("share of each step, mean per device")
+    return fig
+
+
+def write_plot(results: list[Result], path: Path) -> Path:
+    """``strategy_figure`` as a PNG (written to a temporary name, then renamed)."""
     tmp = path.with_name("." + path.name)
-    fig.savefig(tmp, format=path.suffix.lstrip(".") or "png")
-    plt.close(fig)
+    strategy_figure(results).savefig(tmp, format=path.suffix.lstrip(".") or "png")
     tmp.replace(path)
     return path

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardtune.bench import Result, explain, format_table, summarise
+from shardtune.bench import Result, explain, format_table, strategy_figure, summarise, write_plot
 from shardtune.bench_probe import STEP_MARK, StageMarks, split_step_time
 from shardtune.errors import UsageError
 from tests.trainutil import run_shardtune, write_chat_data
@@ -96,6 +96,19 @@ def test_table_has_a_row_and_a_line_per_setup():
     table = format_table(rows, "CAVEAT")
     assert "| MP | 1 | 0.500 | 1000 | 40% / 45% | - | 1.00 | 0.50 |" in table
     assert "- DDP: did not run: exit 1: boom" in table and table.endswith("CAVEAT")
+
+
+def test_plot_stacks_busy_and_waiting_per_setup(tmp_path):
+    rows = [Result("mp", 1, 2, 0.5, 1000.0, busy=[0.4, 0.5]),
+            Result("ddp", 2, 2, 0.4, 3000.0, busy=[0.9, 0.7], in_collectives=[0.05, 0.15]),
+            Result("fsdp", 2, 2, error="exit 1: boom")]
+    tokens, shares = strategy_figure(rows).axes
+    assert [b.get_height() for b in tokens.patches] == [1000.0, 3000.0]  # the failed setup has no bar
+    busy, waiting = shares.containers
+    assert [b.get_height() for b in busy] == pytest.approx([0.45, 0.8])
+    assert [b.get_height() for b in waiting] == pytest.approx([0.0, 0.1])
+    assert [b.get_y() for b in waiting] == pytest.approx([0.45, 0.8])  # stacked on the busy share
+    assert write_plot(rows, tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bad_strategy_is_a_usage_error():
