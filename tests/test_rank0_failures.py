@@ -58,7 +58,7 @@ def test_full_state_dict_write_failure_reaches_every_rank(work: Path) -> None:
 
 
 def test_final_export_failure_reaches_every_rank(work: Path) -> None:
-    # A file where final/ goes: rank 0's write fails after the model was saved into .tmp-final.
+    # A file where final/ goes: rank 0's export fails (found before it writes anything).
     out = work / "blocked"
     out.mkdir()
     (out / "final").write_text("not a folder")
@@ -67,7 +67,7 @@ def test_final_export_failure_reaches_every_rank(work: Path) -> None:
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
     assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"
-    cause = "NotADirectoryError: [Errno 20] Not a directory:"
+    cause = "NotADirectoryError: [Errno 20] a file is where the exported folder goes; move it away:"
     assert f"rank 0 failed writing blocked/final: {cause}" in stopped_line(proc.stderr, 1)
     assert f"blocked/final was not written ({cause}" in stopped_line(proc.stderr, 0)
     assert "Last checkpoint: blocked/checkpoints/step-2" in stopped_line(proc.stderr, 1)

@@ -292,6 +292,8 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
     """
     from shardtune.train.parallelize import unwrap
 
+    if target.exists() and not target.is_dir():  # found before the (long) write, not after it
+        raise NotADirectoryError(errno.ENOTDIR, "a file is where the exported folder goes; move it away", str(target))
     tmp = target.with_name(f".tmp-{target.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
