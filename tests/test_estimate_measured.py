@@ -87,3 +87,18 @@ def test_cli_measured_json_and_bad_files(tmp_path, capsys):
     assert main(["estimate", "llama-3.2-1b", "--num-gpus", "2", "--strategy", "pp"]) == 2  # tied embeddings
     err = capsys.readouterr().err
     assert "no such file" in err and "not a JSON file" in err and "ties its LM head" in err
+
+
+@pytest.mark.parametrize("strategy,kind,processes,microbatches", [("pp", "PP", 2, 4), ("mp", "MP", 1, None)])
+def test_emit_config_for_layer_splitting_setups_loads_as_a_training_recipe(tmp_path, strategy, kind, processes,
+                                                                             microbatches):
+    from shardtune.config import load_train_config
+
+    path = tmp_path / f"{strategy}.yaml"
+    assert main(["estimate", "llama-2-7b", "--method", "lora", "--num-gpus", "2", "--strategy", strategy,
+                 "--batch-size", "4", "--emit-config", str(path)]) == 0
+    cfg = load_train_config([str(path), "--dataset_name", "chat.jsonl"])
+    assert cfg.distributed.distributed_type == kind and cfg.distributed.num_processes == processes
+    assert cfg.run.per_device_train_batch_size == 4
+    if microbatches:  # one row per micro-batch: the batch splits evenly, as PP requires
+        assert cfg.distributed.pipeline_microbatches == microbatches
