@@ -196,7 +196,8 @@ def install_probe(out_dir: Path) -> None:
     state: dict[str, Any] = {}
 
     def timed_step(ctx, micro_batches):
-        if not state:
+        if not state:  # the first step: set up once (NVML may fail; "ready" keeps it from being retried)
+            state["ready"] = True
             record.strategy = ctx.plan.strategy
             if ctx.plan.strategy == "MP" and ctx.plan.stage_bounds:
                 state["marks"] = StageMarks(ctx.model, ctx.plan.stage_bounds)

@@ -113,6 +113,10 @@ def test_export_and_merge_cli_errors(tmp_path: Path, capsys) -> None:
     assert main(["merge", str(tmp_path), "--base", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "not a PEFT adapter folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    (tmp_path / "a-file").write_text("x")  # a file where OUT goes: refused before anything is loaded
+    for command in (["export", str(tmp_path)], ["merge", str(tmp_path), "--base", str(tmp_path)]):
+        assert main([*command, str(tmp_path / "a-file")]) == 2
+        assert "a file is there; give a folder path" in capsys.readouterr().err
 
 
 def test_push_to_hub_uploads_final_and_only_warns_when_the_hub_fails(tmp_path, monkeypatch, caplog):
@@ -161,3 +165,17 @@ def test_push_to_hub_uploads_final_and_only_warns_when_the_hub_fails(tmp_path, m
         push_to_hub(cfg, str(final))  # the run succeeded: a failed upload is a warning, not an error
     assert "could not upload" in caplog.text and "Name or service not known" in caplog.text
     assert "more detail" not in caplog.text
+
+
+def test_a_failed_sharded_write_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    """DCP raises CheckpointException (a BaseException) on every rank; the half-written folder goes with it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def full_disk(*args, **kwargs):
+        raise CheckpointException("write failed", {0: (OSError(28, "No space left on device"), None)})
+
+    monkeypatch.setattr(ckpt.dcp, "save", full_disk)
+    model, optimizer = _trained(frozen=False)
+    with pytest.raises(CheckpointException):
+        _save(tmp_path, 3, model, optimizer, frozen=False, kind=ckpt.SHARDED)
+    assert list(ckpt.checkpoints_dir(tmp_path).iterdir()) == []

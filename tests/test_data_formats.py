@@ -296,6 +296,9 @@ def test_cli_inspect_prints_report_and_example(model_dir, tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # inspecting writes no training output
     rc = main(["data", "inspect", str(recipe), "--max_seq_lenn", "128"])
     assert rc == 2 and "did you mean 'max_seq_len'" in capsys.readouterr().err
+    rc = main(["data", "inspect", str(recipe), "--example", "x"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--example: invalid int value: 'x'" in err
 
 
 def test_template_that_rewrites_history_falls_back_to_finding_replies(model_dir, tmp_path):

@@ -102,3 +102,19 @@ def test_emit_config_for_layer_splitting_setups_loads_as_a_training_recipe(tmp_p
     assert cfg.run.per_device_train_batch_size == 4
     if microbatches:  # one row per micro-batch: the batch splits evenly, as PP requires
         assert cfg.distributed.pipeline_microbatches == microbatches
+
+
+@pytest.mark.parametrize("content", ["5", '{"results": [{"strategy": "ddp", "tokens_per_s": "n/a"}]}',
+                                     '{"num_processes": "two", "results": [{"strategy": "ddp", "tokens_per_s": 9}]}'])
+def test_malformed_measurement_files_are_one_line_errors(tmp_path, content):
+    path = tmp_path / "m.json"
+    path.write_text(content)
+    with pytest.raises(UsageError, match="bench strategies --out"):
+        Measured.load(path)
+
+
+def test_measurements_do_not_apply_to_one_gpu(tmp_path):
+    measured = Measured.load(measured_file(tmp_path, {"ddp": 900.0, "fsdp": 1200.0}))
+    base = validate(Setup(method="lora", strategy="single", num_gpus=1))
+    rec = recommend(ModelAnalysis("llama-3.2-1b"), base, gpu_by_name("h100-80gb"), measured)
+    assert rec.setup.strategy == "single" and "do not apply to one" in rec.reason

@@ -29,8 +29,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
+class _OwnOptions(argparse.ArgumentParser):
+    """``data inspect``'s own options; a bad one is a one-line UsageError, not argparse's usage block."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message}; e.g. --example 3 (a train row) or --cache_dir ./cache")
+
+
 def inspect_options() -> argparse.ArgumentParser:
-    own = argparse.ArgumentParser(add_help=False)
+    own = _OwnOptions(add_help=False)
     own.add_argument("--example", type=int, default=0)
     own.add_argument("--cache_dir", "--cache-dir", default=None)
     return own
@@ -48,10 +55,7 @@ def run_inspect(argv: list[str]) -> int:
         from shardtune.cli import build_parser
 
         build_parser("data").parse_args(["data", "inspect", "--help"])
-    try:
-        own, rest = inspect_options().parse_known_args(argv)
-    except SystemExit:
-        raise UsageError("--example takes a row number and --cache_dir a folder") from None
+    own, rest = inspect_options().parse_known_args(argv)
     if rest and not rest[0].startswith("-") and "=" not in rest[0] and not rest[0].endswith((".yaml", ".yml")):
         rest = ["--dataset_name", rest[0], *rest[1:]]
     cfg = load_train_config(rest, training=False)

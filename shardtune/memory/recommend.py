@@ -75,16 +75,24 @@ class Measured:
         except (OSError, ValueError) as exc:
             raise UsageError(f"--measured {path}: not a JSON file ({exc}); give the file 'shardtune bench "
                              f"strategies --out' wrote") from None
+        bad = UsageError(f"--measured {path}: not what 'shardtune bench strategies --out' writes (a list of "
+                         f"setups with strategy and tokens_per_s); give that file")
         rows = data.get("results") if isinstance(data, dict) else data
-        speeds = {r["strategy"]: float(r["tokens_per_s"]) for r in rows or []
-                  if isinstance(r, dict) and r.get("strategy") in ("mp", "pp", "ddp", "fsdp")
-                  and not r.get("error") and r.get("tokens_per_s")}
+        if not isinstance(rows, list):
+            raise bad
+        try:
+            speeds = {r["strategy"]: float(r["tokens_per_s"]) for r in rows
+                      if isinstance(r, dict) and r.get("strategy") in ("mp", "pp", "ddp", "fsdp")
+                      and not r.get("error") and r.get("tokens_per_s")}
+            meta = data if isinstance(data, dict) else {}
+            measured = cls(str(path), speeds, str(meta.get("model") or ""), int(meta.get("num_processes") or 0),
+                           str(meta.get("device") or ""))
+        except (TypeError, ValueError):
+            raise bad from None
         if not speeds:
             raise UsageError(f"--measured {path}: no setup that ran to completion in it; give the file 'shardtune "
                              f"bench strategies --out' wrote")
-        meta = data if isinstance(data, dict) else {}
-        return cls(str(path), speeds, str(meta.get("model", "")), int(meta.get("num_processes", 0)),
-                   str(meta.get("device", "")))
+        return measured
 
     def speed(self, setup: Setup) -> float | None:
         """The measured tokens/s of ``setup``'s kind (FSDP variants share FSDP's; CPU offload was not measured)."""
@@ -196,6 +204,9 @@ def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: M
     """Why the measurements chose ``chosen``, and what they were measured on."""
     usual = recommend(analysis, base, gpu)
     same = usual.fits and usual.setup == chosen
+    if base.world_size == 1:
+        return (f"{chosen.label()}: {_why(chosen)}. The measurements ({measured.describe()}) compare setups of "
+                f"several GPUs, so they do not apply to one.")
     if measured.speed(chosen) is None:
         text = f"{chosen.label()}: no measured setup fits; this is the usual choice among the rest"
     else:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -161,7 +162,11 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
         options = _options(trainable_only, flat_optimizer=flat_optimizer)
         state = {"model": get_model_state_dict(model, options=options),
                  "optim": get_optimizer_state_dict(model, optimizer, options=options)}
-        dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not info.distributed)
+        try:  # DCP shares a failed write among the ranks itself (CheckpointException on every rank)
+            dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not info.distributed)
+        except CheckpointException:
+            drop_tmp()
+            raise
 
     def write_own_part() -> None:
         if full_state is not None and info.is_main:
@@ -341,6 +346,12 @@ def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft
     return target if info.is_main else None
 
 
+def _check_out(out: Path) -> None:
+    """``OUT`` of export and merge: refused before anything is loaded when a file is in the way."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"OUT {out}: a file is there; give a folder path (it is created, or replaced if a folder)")
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | None = None) -> Path:
     """Write a checkpoint as ``final`` would be: a PEFT adapter folder, or a Transformers model folder.
 
@@ -352,6 +363,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
     from shardtune.train.model import Precision, apply_lora, load_base_model, resize_for_tokenizer
 
     path = Path(checkpoint)
+    _check_out(Path(out))
     if not (path / MANIFEST).is_file():
         raise UsageError(f"{checkpoint}: not a complete shardtune checkpoint (no {MANIFEST}); give a "
                          f"output_dir/checkpoints/step-N folder")
@@ -390,6 +402,7 @@ def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Pat
     from shardtune.train.model import resize_for_tokenizer
 
     adapter, base, out = Path(adapter), Path(base), Path(out)
+    _check_out(out)
     if not (adapter / "adapter_config.json").is_file():
         raise UsageError(f"{adapter}: not a PEFT adapter folder (no adapter_config.json); give output_dir/final "
                          f"of a LoRA run or the folder 'shardtune export' wrote")

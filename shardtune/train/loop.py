@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shardtune.config import TrainConfig, save_resolved
 from shardtune.train import checkpoint as ckpt
@@ -310,7 +311,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                                         save_total_limit=cfg.checkpoint.save_total_limit,
                                         state_dict_type=cfg.distributed.fsdp_state_dict_type
                                         if plan.strategy == "FSDP" else ckpt.SHARDED, flat_optimizer=pipelined)
-        except (OSError, RankFailed) as exc:
+        except (OSError, RankFailed, CheckpointException) as exc:
             raise TrainingStopped(
                 f"step {step}: the checkpoint was not saved ({write_failure(exc)}). Last good checkpoint: "
                 f"{last_checkpoint or 'none'}; free disk space or fix the permissions under {out}, then run again "
