@@ -12,6 +12,11 @@ class UsageError(Exception):
     exit_code = 2
 
 
+def first_line(text: str, default: str = "") -> str:
+    """The first line of an error message (``default`` when it is empty): what a one-line report shows."""
+    return (text.strip().splitlines() or [default])[0]
+
+
 def closest(word: str, choices: Iterable[str]) -> str | None:
     """The choice nearest to ``word`` (case-insensitive), or None when nothing is close."""
     choices = list(choices)

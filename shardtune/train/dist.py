@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from shardtune.errors import first_line
+
 T = TypeVar("T")
 
 
@@ -79,8 +81,7 @@ class RankFailed(RuntimeError):
     """Work one rank did for the others failed there; raised on the other ranks, naming it, the work and the cause."""
 
     def __init__(self, rank: int, what: str, kind: str, message: str) -> None:
-        first = (message.strip().splitlines() or [""])[0]
-        super().__init__(f"rank {rank} failed {what}: {kind}: {first}")
+        super().__init__(f"rank {rank} failed {what}: {kind}: {first_line(message)}")
         self.rank, self.kind, self.message = rank, kind, message
 
 

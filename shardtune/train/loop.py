@@ -23,6 +23,7 @@ import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 from shardtune.config import TrainConfig, save_resolved
+from shardtune.errors import first_line
 from shardtune.train import checkpoint as ckpt
 from shardtune.train.dist import DistInfo, RankFailed, all_reduce_sum, init_distributed, shutdown
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
@@ -44,7 +45,7 @@ def write_failure(exc: Exception) -> str:
     """One line for a failed write: another rank's ``RankFailed`` names that rank; this rank's own error its type."""
     if isinstance(exc, RankFailed):
         return str(exc)
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    return f"{type(exc).__name__}: {first_line(str(exc))}"
 
 
 def seed_everything(seed: int) -> None:
@@ -174,7 +175,7 @@ def memory_check(cfg: TrainConfig, info: DistInfo, plan: Plan, tracked_peak: int
     try:
         predicted = predict_peak_bytes(cfg, info.world_size)
     except Exception as exc:  # noqa: BLE001 - the run succeeded; the check is a report, not a gate
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(str(exc), type(exc).__name__)
         log.warning("could not predict this job's peak memory (%s); the run itself is fine", first)
         return None
     return {"predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
@@ -195,7 +196,7 @@ def push_to_hub(cfg: TrainConfig, folder: str | None) -> None:
         api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message="shardtune: final model")
         log.info("pushed %s to the hub as %s", folder, repo_id)
     except Exception as exc:  # noqa: BLE001 - the run succeeded; the upload is best effort, said loudly
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(str(exc), type(exc).__name__)
         log.warning("push_to_hub: could not upload %s to %s (%s); the model is saved locally", folder, repo_id,
                     first)
 
