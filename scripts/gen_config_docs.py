@@ -79,7 +79,8 @@ DESCRIPTIONS = {
     "eval_steps": "Evaluate every this many steps (unset: logging_steps).",
     "report_to": "none, or tensorboard (event files beside metrics.jsonl).",
     "ddp_timeout": "Seconds a collective may wait before the run stops, naming the rank and operation.",
-    "dry_run": "Print the resolved config and exit without training.",
+    "dry_run": "Print the resolved config, trace one step of the job it describes on fake tensors (per-GPU peak: "
+               "tensors and reserved memory, by category and module), and exit without training.",
     "push_to_hub": "Accepted so recipes run unchanged; acts only where the hub is reachable.",
     "hub_model_id": "Accepted so recipes run unchanged; acts only where the hub is reachable.",
     "hub_token": "Accepted so recipes run unchanged; acts only where the hub is reachable.",

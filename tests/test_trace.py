@@ -139,8 +139,11 @@ def test_estimate_trace_json_and_text(models, capsys):
     assert traced["source"] == "trace" and traced["world_size"] == 2 and traced["strategy"] == "FSDP FULL_SHARD"
     assert traced["trainable_parameters"] == data["trainable_parameters"]
     assert sum(traced["categories"].values()) == traced["peak_bytes"]
+    assert traced["reserved_bytes"] > traced["peak_bytes"]  # an estimate is for a GPU: the allocator's view too
     assert main(args) == 0
-    assert "traced peak per GPU" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "traced peak per GPU" in out
+    assert f"reserved from the GPU: {traced['reserved_bytes'] / 2**30:.3f} GiB" in out
 
 
 def test_estimate_trace_rejects_setups_the_trainer_cannot_run(models, capsys):
@@ -168,7 +171,9 @@ def test_predict_peak_bytes_is_the_trace_for_this_machine(models):
 
     cfg = config(models["tiny"], use_peft_lora=True)
     target = "cuda" if torch.cuda.is_available() else "cpu"
-    assert predict_peak_bytes(cfg, 1) == trace_training_step(cfg, 1, target_device=target).peak_bytes
+    traced = trace_training_step(cfg, 1, target_device=target)
+    # On a GPU the check compares with torch.cuda.max_memory_reserved: the modelled reserved memory.
+    assert predict_peak_bytes(cfg, 1) == (traced.reserved_bytes if target == "cuda" else traced.peak_bytes)
 
 
 def test_batch_plan_keeps_the_requested_global_batch():
@@ -201,3 +206,46 @@ def test_find_batch_size_and_emit_config_write_a_recipe_the_trainer_reads(tmp_pa
     assert (cfg.run.per_device_train_batch_size, cfg.run.gradient_accumulation_steps) == (
         plan["micro_batch_size"], plan["gradient_accumulation_steps"])
     assert cfg.distributed.distributed_type == "DDP" and cfg.lora.use_peft_lora
+
+
+RESERVED_GRID = [("small", 1, {"bf16": True, "gradient_checkpointing": True}),
+                 ("small", 1, {"use_peft_lora": True, "bf16": True, "gradient_accumulation_steps": 2}),
+                 ("small", 2, {"distributed_type": "FSDP", "bf16": True})]
+
+
+@pytest.mark.parametrize("model, world_size, values", RESERVED_GRID,
+                         ids=lambda v: str(v) if not isinstance(v, dict) else ",".join(f"{k}={x}" for k, x in v.items()))
+def test_allocation_log_sees_every_tensor_the_tracker_counts_and_fake_replays_as_real(models, model, world_size,
+                                                                                      values, monkeypatch):
+    """The allocator model is fed a complete stream: its live bytes peak where the tracker's peak is, and the
+    fake trace's stream reserves what the real step's stream reserves."""
+    import shardtune.memory.trace as trace
+    from shardtune.memory.allocator import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, CachingAllocatorModel
+    from shardtune.memory.trace_tracker import AllocationLog
+
+    logs = []
+
+    class Recorded(AllocationLog):
+        def __init__(self):
+            super().__init__()
+            logs.append(self)
+
+    monkeypatch.setattr(trace, "AllocationLog", Recorded)
+    cfg = config(models[model], **values)
+    fake = trace_training_step(cfg, world_size, target_device="cuda")
+    real = trace_training_step(cfg, world_size, fake=False, target_device="cuda")
+    for result, log in zip((fake, real), logs):
+        live: dict[int, int] = {}
+        peak = 0
+        for key, nbytes in log.events:
+            live.pop(key, None)
+            if nbytes:
+                live[key] = nbytes
+            peak = max(peak, sum(live.values()))
+        assert peak == result.peak_bytes  # the tracker measures the last step; the log covers both
+        replayed = CachingAllocatorModel().replay(log.events)
+        assert result.reserved_bytes == replayed.peak_reserved + CUBLAS_WORKSPACES * CUBLAS_WORKSPACE_BYTES
+        assert replayed.peak_reserved >= replayed.peak_allocated >= result.peak_bytes
+    assert fake.reserved_bytes == real.reserved_bytes
+    assert any("caching allocator" in note for note in fake.notes)
+    assert trace_training_step(cfg, world_size, target_device="cpu").reserved_bytes is None

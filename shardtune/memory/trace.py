@@ -31,8 +31,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtune.config import TrainConfig
-from shardtune.memory.trace_tracker import (fresh_module_stats_per_micro_batch, make_tracker, module_peaks,
-                                             peak_breakdown, track_inputs)
+from shardtune.memory.allocator import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, CachingAllocatorModel
+from shardtune.memory.trace_tracker import (AllocationLog, fresh_module_stats_per_micro_batch, make_tracker,
+                                             module_peaks, peak_breakdown, track_inputs)
 
 log = logging.getLogger("shardtune")
 
@@ -48,7 +49,7 @@ class TraceUnsupported(RuntimeError):
 class TraceResult:
     """Per-GPU memory of one rank over the traced steps, in bytes."""
 
-    peak_bytes: int
+    peak_bytes: int  # the most tensor bytes alive at once (what torch.cuda.max_memory_allocated reports)
     categories: dict[str, int]  # at the peak; they add up to peak_bytes
     modules: list[tuple[str, int]]  # (module, peak while it ran) for the last step
     world_size: int
@@ -60,6 +61,9 @@ class TraceResult:
     parameters: int
     trainable_parameters: int
     notes: list[str] = field(default_factory=list)
+    # target_device cuda: the traced allocations replayed through a model of PyTorch's CUDA caching allocator, the
+    # prediction of torch.cuda.max_memory_reserved (what the job holds from the GPU, CUDA context excluded)
+    reserved_bytes: int | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -318,18 +322,24 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
         # On a GPU each micro-batch is copied to the device when its forward starts: one is there at a time.
         on_device = batches[:1] if target_device == "cuda" else batches
         scalars = _HostScalars() if fake else contextlib.nullcontext()
-        # The first steps are not measured: they create the optimizer states (AdamW makes them lazily) and fill
-        # DTensor's sharding-propagation cache, whose first run allocates under the trace's own fake mode. A
-        # later step holds everything the first one did plus the optimizer states, so its peak is the job's.
-        with scalars:
-            for step in range(steps - 1):
-                with _phase(f"running training step {step + 1}", fake):
+        # On a GPU, the order of every allocation decides what the caching allocator reserves: log them all.
+        log = AllocationLog() if target_device == "cuda" else None
+        if log is not None:
+            log.add(*model.parameters(), *model.buffers(), *(t for b in on_device for t in b.values()))
+        # The first steps are not measured by the tracker: they create the optimizer states (AdamW makes them
+        # lazily) and fill DTensor's sharding-propagation cache, whose first run allocates under the trace's own
+        # fake mode. A later step holds everything the first one did plus the optimizer states, so its peak is the
+        # job's. The allocation log covers every step: the first one shapes the allocator's cache.
+        with log or contextlib.nullcontext():
+            with scalars:
+                for step in range(steps - 1):
+                    with _phase(f"running training step {step + 1}", fake):
+                        train_step(ctx, batches)
+            tracker = make_tracker(model, optimizer, fsdp)
+            track_inputs(tracker, fsdp, [t for b in on_device for t in b.values()])
+            with fresh_module_stats_per_micro_batch(tracker, model), tracker, scalars:
+                with _phase(f"running training step {steps}", fake):
                     train_step(ctx, batches)
-        tracker = make_tracker(model, optimizer, fsdp)
-        track_inputs(tracker, fsdp, [t for b in on_device for t in b.values()])
-        with fresh_module_stats_per_micro_batch(tracker, model), tracker, scalars:
-            with _phase(f"running training step {steps}", fake):
-                train_step(ctx, batches)
         peak, categories = peak_breakdown(tracker)
         modules = module_peaks(tracker)
     if ddp:
@@ -350,6 +360,19 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
                      "was traced in bf16 and its quantised weights' bytes replaced by the formula's NF4 bytes, plus "
                      "one dequantised weight for the running matmul; FSDP's gathered layer copies are those of the "
                      "bf16 stand-in")
+    reserved = None
+    if log is not None:
+        extra = list(_ddp_bucket_sizes(categories.get("ddp_gradient_buckets", 0)))
+        allocator = CachingAllocatorModel()
+        for i, nbytes in enumerate([CUBLAS_WORKSPACE_BYTES] * CUBLAS_WORKSPACES + extra):
+            allocator.malloc(("before the steps", i), nbytes)
+        reserved = allocator.replay(log.events).peak_reserved
+        if nf4_fallback:
+            reserved += categories["nf4_dequantize_buffer"] - saving
+        notes.append(f"reserved memory: every allocation of the {steps} traced steps replayed through a model of "
+                     f"PyTorch's CUDA caching allocator (default settings, one stream), with {CUBLAS_WORKSPACES} "
+                     f"cuBLAS workspaces of {CUBLAS_WORKSPACE_BYTES // 2**20} MiB; "
+                     f"{reserved / max(peak, 1) - 1:+.1%} over the tensors' peak")
     if fake:
         notes.append("host-side scalars (token counts, loss, gradient norm) read as 1 under fake tensors, and an "
                      "fp16 loss scaler finds no overflow: the step takes its ordinary path")
@@ -357,11 +380,23 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     return TraceResult(peak_bytes=peak, categories=categories, modules=modules, world_size=world_size,
                        strategy=strategy, fake=fake, device=target_device, steps=steps,
                        seconds=time.perf_counter() - started, parameters=total, trainable_parameters=trainable,
-                       notes=notes)
+                       notes=notes, reserved_bytes=reserved)
+
+
+def _ddp_bucket_sizes(total: int) -> Iterator[int]:
+    """DDP's gradient buckets for ``total`` bytes: the first of 1 MiB, the others of ``bucket_cap_mb`` (25 MiB)."""
+    import torch.distributed as dist
+
+    cap = dist._DEFAULT_FIRST_BUCKET_BYTES
+    while total > 0:
+        yield min(cap, total)
+        total -= cap
+        cap = 25 * 2**20
 
 
 def predict_peak_bytes(cfg: TrainConfig, world_size: int) -> int:
-    """The traced per-GPU (or per-process, on CPU) peak of the job ``cfg`` describes, at ``world_size``.
+    """The traced per-GPU peak of the job ``cfg`` describes, at ``world_size``: on a GPU the modelled reserved
+    memory (what ``torch.cuda.max_memory_reserved`` reports), on the CPU the tensors' peak per process.
 
     Inside a running distributed job (a process group already exists) the trace runs in a child process, since
     it needs its own fake process group.
@@ -373,7 +408,8 @@ def predict_peak_bytes(cfg: TrainConfig, world_size: int) -> int:
     if world_size % nodes:
         nodes = 1
     if not dist.is_initialized():
-        return trace_training_step(cfg, world_size, num_nodes=nodes, target_device=target).peak_bytes
+        result = trace_training_step(cfg, world_size, num_nodes=nodes, target_device=target)
+        return result.reserved_bytes or result.peak_bytes
     import json
     import subprocess
     import sys
@@ -390,7 +426,8 @@ def predict_peak_bytes(cfg: TrainConfig, world_size: int) -> int:
         # The child's last words say why (a TraceUnsupported message, say); the exit status alone would not.
         lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
         raise RuntimeError(lines[-1] if lines else f"the trace process exited with {out.returncode}")
-    return int(json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return int(result["reserved_bytes"] or result["peak_bytes"])
 
 
 def _main(argv: list[str]) -> int:

@@ -7,7 +7,7 @@ formula and says why.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from shardtune.config import TrainConfig, build_config
 from shardtune.errors import UsageError
@@ -97,13 +97,18 @@ def render_text(result: dict[str, Any], formula_peak: int | None = None) -> str:
         lines.append(f"trace not possible: {result['fallback_reason']}")
         lines.append(f"analytic estimate instead: {result['peak_bytes'] / GIB:.2f} GiB per GPU")
         return "\n".join(lines)
-    lines.append(f"traced peak per GPU: {result['peak_bytes'] / GIB:.3f} GiB  ({result['strategy']}, world size "
-                 f"{result['world_size']}, {result['steps']} steps traced in {result['seconds']:.1f} s)")
+    lines.append(f"traced peak per GPU: {result['peak_bytes'] / GIB:.3f} GiB of tensors  ({result['strategy']}, "
+                 f"world size {result['world_size']}, {result['steps']} steps traced in {result['seconds']:.1f} s)")
+    reserved = result.get("reserved_bytes")
+    if reserved:
+        lines.append(f"reserved from the GPU: {reserved / GIB:.3f} GiB  (the caching allocator's segments, "
+                     f"torch.cuda.max_memory_reserved; nvidia-smi adds the CUDA context)")
     if formula_peak:
-        error = formula_peak / result["peak_bytes"] - 1 if result["peak_bytes"] else 0.0
+        against = reserved or result["peak_bytes"]
+        error = formula_peak / against - 1 if against else 0.0
         lines.append(f"analytic estimate above (--loss {result.get('formula_loss', 'full')}): "
-                     f"{formula_peak / GIB:.3f} GiB, {error:+.1%} against the trace (it also counts allocator slack "
-                     f"and workspaces; the trace runs the trainer's own loss)")
+                     f"{formula_peak / GIB:.3f} GiB, {error:+.1%} against the trace's "
+                     f"{'reserved' if reserved else 'tensor'} peak (the trace runs the trainer's own loss)")
     lines.append("at the peak, by category:")
     for name, nbytes in sorted(result["categories"].items(), key=lambda kv: -kv[1]):
         lines.append(f"  {name:<26} {nbytes / GIB:10.3f} GiB")
@@ -132,11 +137,19 @@ def trace_for_estimate(model: str, setup: Setup, formula_peak: int) -> dict[str,
     return out
 
 
-def formula_and_trace(model: str, setup: Setup) -> tuple[int, int]:
-    """(formula peak without its allocator/workspace item, traced peak) of ``setup``: the calibration pair.
+class Calibration(NamedTuple):
+    """The formula and the trace of one setup, in bytes per GPU."""
 
-    The trace counts tensor bytes, as ``torch.cuda.max_memory_allocated`` would; the formula's "allocator cache and
-    workspaces" item models what the caching allocator reserves beyond that, which no trace can see.
+    formula_tensors: int  # the formula's total without its "allocator cache and workspaces" item
+    formula_total: int
+    traced_tensors: int  # the trace's peak of tensor bytes
+    traced_reserved: int  # the trace's allocations replayed through the caching-allocator model
+
+
+def formula_and_trace(model: str, setup: Setup) -> Calibration:
+    """The calibration pair of ``setup``: tensor bytes against tensor bytes (what ``max_memory_allocated`` would
+    report), and what the caching allocator reserves beyond them (the formula's "allocator cache and workspaces"
+    item against the trace's replayed allocations).
     """
     from shardtune.memory.formula import estimate
     from shardtune.memory.inventory import ModelAnalysis
@@ -147,4 +160,4 @@ def formula_and_trace(model: str, setup: Setup) -> tuple[int, int]:
     lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
     breakdown = estimate(analysis.inventory, setup, lora)
     slack = sum(i.bytes for i in breakdown.items if i.label == "allocator cache and workspaces")
-    return breakdown.total - slack, traced.peak_bytes
+    return Calibration(breakdown.total - slack, breakdown.total, traced.peak_bytes, traced.reserved_bytes)

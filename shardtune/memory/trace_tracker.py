@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # The trackers' reference types, under the names the report uses (FSDPMemTracker's first, then MemTracker's).
 CATEGORY_NAMES = {
@@ -111,3 +112,111 @@ def peak_breakdown(tracker) -> tuple[int, dict[str, int]]:
         name = CATEGORY_NAMES.get(getattr(ref, "value", str(ref)), str(ref))
         categories[name] = categories.get(name, 0) + int(nbytes)
     return int(per_type["Total"]), {k: v for k, v in categories.items() if v}
+
+
+class AllocationLog(TorchDispatchMode):
+    """Every storage the traced step allocates, resizes and frees, in order, as ``(key, bytes)`` events (0: freed).
+
+    The trackers above keep totals by category; the CUDA caching allocator's reserved memory depends on the order
+    and sizes of the requests, so this records them for :class:`shardtune.memory.allocator.CachingAllocatorModel`.
+    New storages are seen as op outputs (DTensor ops are let through to their local ops first, and the global-shape
+    tensors of DTensor's sharding propagation, which exist only to compute output shapes, are not counted: under
+    fake tensors they are made in the trace's own fake mode and linger until a garbage collection), resizes through
+    ``UntypedStorage.resize_`` (FSDP2 frees and refills its unsharded parameters that way) and frees by a
+    finalizer on the storage. ``add`` registers tensors that exist before the log starts.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.events: list[tuple[int, int]] = []
+        self._keys = WeakIdKeyDictionary()  # storage -> (key, bytes)
+        self._finalizers: dict[int, object] = {}
+        self._next_key = 0
+        self._fake_mode_on_entry = None
+        self._original_resize = self._original_propagation = None
+        self._paused = 0
+
+    def add(self, *tensors: torch.Tensor | None) -> None:
+        from torch.distributed._tools.common_utils import get_untyped_storages
+
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                for storage in sorted(get_untyped_storages(t), key=id):
+                    self._see(storage)
+
+    def _see(self, storage: torch.UntypedStorage) -> None:
+        import weakref
+
+        if self._paused:
+            return
+        nbytes = storage.nbytes()
+        known = self._keys.get(storage)
+        if known is None:
+            key = self._next_key
+            self._next_key += 1
+            self._keys[storage] = (key, nbytes)
+            self._finalizers[key] = weakref.finalize(storage, self._freed, key)
+        elif known[1] != nbytes:
+            key = known[0]
+            self._keys[storage] = (key, nbytes)
+        else:
+            return
+        self.events.append((key, nbytes))
+
+    def _freed(self, key: int) -> None:
+        self._finalizers.pop(key, None)
+        self.events.append((key, 0))
+
+    def __enter__(self) -> AllocationLog:
+        from torch._guards import active_fake_mode
+
+        self._fake_mode_on_entry = active_fake_mode()
+        self._original_resize = original = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int):
+            out = original(storage, size)
+            if storage in self._keys:
+                self._see(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        self._original_propagation = propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def shapes_only(propagator, *args, **kwargs):
+            self._paused += 1
+            try:
+                return propagate(propagator, *args, **kwargs)
+            finally:
+                self._paused -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = shapes_only
+        return super().__enter__()
+
+    def __exit__(self, *args) -> None:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        torch.UntypedStorage.resize_ = self._original_resize
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._original_propagation
+        for finalizer in self._finalizers.values():
+            finalizer.detach()
+        self._finalizers.clear()
+        super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._guards import active_fake_mode
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_map_only
+
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode():
+            out = args[0]  # the fake kernel returns a new tensor; the real op waits on its input in place
+        else:
+            out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is self._fake_mode_on_entry:
+            tree_map_only(torch.Tensor, self.add, out)
+        return out
