@@ -98,8 +98,9 @@ DESCRIPTIONS = {
     "fsdp_auto_wrap_policy": "What becomes one FSDP unit (gathered and freed together).",
     "fsdp_transformer_layer_cls_to_wrap": "Class name of the unit to wrap (default: the model's decoder layer).",
     "fsdp_min_num_params": "SIZE_BASED_WRAP: parameters per unit.",
-    "fsdp_cpu_ram_efficient_loading": "Only rank 0 reads the weights; the others build on the meta device and "
-                                      "receive them.",
+    "fsdp_cpu_ram_efficient_loading": "Only rank 0 reads the weights (into CPU RAM, as every FSDP rank does: "
+                                      "each GPU only ever holds its shards); the others build on the meta device "
+                                      "and receive them.",
     "fsdp_sync_module_states": "Broadcast rank 0's weights so every rank starts identical.",
     "fsdp_state_dict_type": "Checkpoints: each rank writes its shard (SHARDED) or rank 0 writes all (FULL).",
     "fsdp_reshard_after_forward": "FSDP2's name; overrides what the sharding strategy implies.",

@@ -37,3 +37,48 @@ def test_size_based_wrap_units_reach_the_minimum_and_can_run(model, min_params):
 
 def test_no_wrap_leaves_only_the_root(model):
     assert _wrap_targets(model, Plan(strategy="FSDP", wrap_policy="NO_WRAP")) == []
+
+
+def test_setups_that_place_weights_themselves_load_into_cpu_ram():
+    """FSDP, MP and PP must not load the whole model onto one GPU first: a model larger than a GPU could not start."""
+    import torch
+
+    from shardtune.config import LoraConfig
+    from shardtune.train.dist import DistInfo
+    from shardtune.train.loop import load_device
+
+    info = DistInfo(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cuda", 0))
+    plain, qlora = LoraConfig(), LoraConfig(use_peft_lora=True, use_4bit_quantization=True)
+    where = {s: load_device(Plan(strategy=s), plain, info).type for s in ("NO", "DDP", "FSDP", "MP", "PP")}
+    assert where == {"NO": "cuda", "DDP": "cuda", "FSDP": "cpu", "MP": "cpu", "PP": "cpu"}
+    assert load_device(Plan(strategy="FSDP"), qlora, info).type == "cuda"  # bitsandbytes quantises on the GPU
+
+
+def test_model_parallel_moves_everything_off_the_cpu_including_unplaced_tensors():
+    """Loaded into CPU RAM, an MP model ends with every tensor on a stage device; one the split does not know by
+    name (an architecture's extra buffer) goes to the first. The meta device stands in for GPUs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.tiny import tiny_llama_config
+    from shardtune.train.model_parallel import split_across_devices
+
+    net = AutoModelForCausalLM.from_config(tiny_llama_config(512, num_layers=3))
+    net.model.register_buffer("extra_table", torch.ones(4))
+    split_across_devices(net, Plan(strategy="MP", stage_bounds=((0, 2), (2, 3)), devices=("meta", "meta")))
+    assert {t.device.type for t in [*net.parameters(), *net.buffers()]} == {"meta"}
+
+
+def test_a_pipeline_stage_moves_only_its_own_layers_to_the_device():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.tiny import tiny_llama_config
+    from shardtune.train.dist import DistInfo
+    from shardtune.train.pipeline import split_for_stage
+
+    net = AutoModelForCausalLM.from_config(tiny_llama_config(512, num_layers=3))
+    info = DistInfo(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("meta"))
+    stage = split_for_stage(net, Plan(strategy="PP", stage_bounds=((0, 2), (2, 3))), info)
+    assert list(stage.model.layers) == ["2"] and stage.model.embed_tokens is None
+    assert {t.device.type for t in [*stage.parameters(), *stage.buffers()]} == {"meta"}

@@ -105,12 +105,26 @@ class SigtermFlag:
         signal.signal(signal.SIGTERM, self._previous)
 
 
+def load_device(plan: Plan, lora, info: DistInfo) -> torch.device:
+    """Where the weights are loaded: this process's device, except where the setup places them itself.
+
+    FSDP2 moves each unit's weights to the GPU as it shards them, MP puts each stage on its device and PP keeps one
+    stage per process: loading the whole model onto one GPU first would need the very memory these setups exist
+    to avoid (a model larger than one GPU could not start). Those load into CPU RAM. QLoRA keeps its loading path:
+    bitsandbytes quantises the weights as they reach the GPU.
+    """
+    if plan.strategy in ("FSDP", "MP", "PP") and not lora.use_4bit_quantization:
+        return torch.device("cpu")
+    return info.device
+
+
 def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, vocab_size: int):
     """The model, parallelized, with its weights (from disk, or from rank 0's copy on the other ranks)."""
     lora = cfg.lora
     on_meta = (plan.strategy == "FSDP" and info.distributed and cfg.distributed.fsdp_cpu_ram_efficient_loading
                and cfg.distributed.fsdp_sync_module_states and not lora.use_4bit_quantization)
-    model = load_base_model(cfg.model, lora, precision, info.device, on_meta=on_meta and not info.is_main)
+    model = load_base_model(cfg.model, lora, precision, load_device(plan, lora, info),
+                            on_meta=on_meta and not info.is_main)
     resize_for_tokenizer(model, vocab_size)
     if lora.use_peft_lora:
         model = apply_lora(model, lora, seed=cfg.run.seed)

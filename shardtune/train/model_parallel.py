@@ -131,6 +131,13 @@ def split_across_devices(model: nn.Module, plan: Plan) -> nn.Module:
         module.to(head_device)
         module.register_forward_pre_hook(_move_to(head_device), with_kwargs=True)
 
+    # The model was loaded into CPU RAM; anything an architecture holds besides the parts placed above (extra
+    # buffers, a positional table) goes to the first device, where the forward starts.
+    if first.type != "cpu":
+        for module in model.modules():
+            if any(t.device.type == "cpu" for t in [*module.parameters(False), *module.buffers(False)]):
+                module._apply(lambda t: t.to(first), recurse=False)
+
     def logits_to_first(module: nn.Module, args, kwargs, output):  # noqa: ARG001
         output.logits = output.logits.to(first)
         return output

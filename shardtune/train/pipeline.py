@@ -189,7 +189,8 @@ def split_for_stage(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
         raise UsageError(f"distributed_type=PP needs one stage per process: {len(plan.stage_bounds)} stages for "
                          f"{info.world_size} processes; launch as many processes as the model has layers or fewer")
     last = info.world_size - 1
-    return keep_stage(model, plan.stage_bounds[info.rank], first=info.rank == 0, last=info.rank == last)
+    # The model was loaded into CPU RAM: only this stage's part goes to the device.
+    return keep_stage(model, plan.stage_bounds[info.rank], first=info.rank == 0, last=info.rank == last).to(info.device)
 
 
 def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft: bool, info: DistInfo) -> Path | None:
