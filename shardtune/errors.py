@@ -1,9 +1,14 @@
-"""Errors that reach the user as one line and exit code 2."""
+"""Errors that reach the user as one line: bad input (exit code 2), and failed writes named as OSErrors."""
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+import errno
+import os
+import re
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 
 class UsageError(Exception):
@@ -34,3 +39,44 @@ def check_choice(value: str, choices: Iterable[str], what: str) -> str:
     hint = closest(value, choices)
     did_you_mean = f" Did you mean '{hint}'?" if hint else ""
     raise UsageError(f"unknown {what} '{value}': choose one of {', '.join(choices)}.{did_you_mean}")
+
+
+# Rust's std::io::Error (safetensors) ends with "(os error 28)"; C and Python messages say "errno 28", "[Errno 28]".
+_OS_ERROR_CODE = re.compile(r"(?:os error|errno)\s*(\d+)", re.IGNORECASE)
+# torch.save's zip writer on a failed write. On a full disk (torch 2.13, a full tmpfs) it says only
+# "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598", with no word of the disk.
+_TORCH_WRITE_FAILED = ("PytorchStreamWriter failed", "file write failed", "unexpected pos")
+
+
+def as_write_error(exc: BaseException, path: str | Path) -> OSError | None:
+    """The OSError that ``exc``, raised while writing ``path``, stands for; None when it is no failed write.
+
+    safetensors (``SafetensorError``) and ``torch.save`` (``RuntimeError``) report a full disk or a denied write
+    in their own words and without the path. Only those two, and only with the marks of an I/O error in the
+    message, are failed writes: anything else raised while writing is a bug, and keeps its traceback.
+    """
+    from_safetensors = type(exc).__module__.split(".")[0] == "safetensors"
+    if isinstance(exc, OSError) or not (from_safetensors or isinstance(exc, RuntimeError)):
+        return None
+    text = str(exc)
+    code = errno.ENOSPC if "No space left on device" in text else None
+    if code is None and (found := _OS_ERROR_CODE.search(text)):
+        code = int(found.group(1))
+    if code is not None:
+        return OSError(code, os.strerror(code), str(path))
+    if any(mark in text for mark in _TORCH_WRITE_FAILED):
+        return OSError(errno.EIO, f"write failed, the disk may be full ({first_line(text)})", str(path))
+    return None
+
+
+@contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Inside: a failed write of ``path`` raises an OSError naming ``path`` (see ``as_write_error``), the
+    library's own error chained to it, so it is reported as one line like any other failed write."""
+    try:
+        yield
+    except Exception as exc:
+        failed = as_write_error(exc, path)
+        if failed is None:
+            raise
+        raise failed from exc

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import sys
 
-from shardtune.errors import UsageError
+from shardtune.errors import UsageError, first_line
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -64,7 +64,7 @@ def run(argv: list[str]) -> int:
         print(f"shardtune train: rank {rank}: stopped: {exc}", file=sys.stderr)
         return 1
     except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(str(exc), type(exc).__name__)
         if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
             raise
         print(f"shardtune train: rank {rank}: a collective timed out after ddp_timeout={cfg.run.ddp_timeout} s "

@@ -11,8 +11,10 @@ A checkpoint ``output_dir/checkpoints/step-N/`` holds:
 - ``config.yaml``: the resolved config; ``manifest.json``: written last, lists what a complete checkpoint holds.
 Everything is written into ``.tmp-step-N`` and renamed once every rank has finished, so a ``step-N`` folder is
 always complete; a leftover ``.tmp-*`` (a save that was killed) is ignored with a warning. A write that fails
-(disk full, no permission) removes the temporary folder and stops every rank at once, not at the next collective's
-timeout: rank 0 raises its own error, the others a ``RankFailed`` naming rank 0, the checkpoint and the cause.
+(disk full, no permission) or is interrupted (Ctrl-C on rank 0) removes the temporary folder and stops every rank at
+once, not at the next collective's timeout: rank 0 raises its own error, the others a ``RankFailed`` naming rank 0,
+the checkpoint and the cause. A failed write is an OSError naming the file, also where safetensors or torch.save
+said it in their own words (``errors.writing``), so the trainer reports it in one line.
 A resumed run appends to ``metrics.jsonl`` after dropping the records past the checkpoint's step (a killed run
 logged steps that the resumed run redoes), so every step appears once, with the loss of the run that kept it.
 Nothing is unpickled: DCP and safetensors read tensors, ``.pt`` files load with ``weights_only=True``, the rest is
@@ -42,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from shardtune.errors import UsageError
+from shardtune.errors import UsageError, writing
 from shardtune.train.dist import DistInfo, run_and_share
 
 log = logging.getLogger("shardtune")
@@ -53,7 +55,7 @@ SHARDED, FULL = "SHARDED_STATE_DICT", "FULL_STATE_DICT"
 # Test-only fault injection: "POINT:STEP[:RANK[:HOW]]", POINT during_save or after_save, SIGKILLs the rank(s)
 # there (HOW: TERM sends SIGTERM instead, TERM-LAUNCHER sends it to the parent launcher), on the first attempt
 # of an elastic job only, so a restarted job runs through. POINT write_full with HOW ENOSPC makes the writing of
-# the FULL_STATE_DICT files fail as a full disk does.
+# the FULL_STATE_DICT files fail as a full disk does; with HOW INT the rank gets SIGINT there (Ctrl-C).
 FAULT_ENV = "SHARDTUNE_TEST_KILL"
 
 
@@ -79,6 +81,8 @@ def _test_fault(point: str, step: int, info: DistInfo, path: Path | None = None)
     if want_point == point and int(want_step) == step and (not want_rank or int(want_rank) == info.rank):
         if how == "ENOSPC":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        if how == "INT":  # Ctrl-C where only this rank gets it: Python raises KeyboardInterrupt right here
+            os.kill(os.getpid(), signal.SIGINT)
         if how == "TERM":  # what a scheduler sends this process before preemption
             os.kill(os.getpid(), signal.SIGTERM)
         elif how == "TERM-LAUNCHER":  # ... or the launcher, which forwards it to every worker
@@ -111,8 +115,11 @@ def _write_full(folder: Path, model_state: dict[str, torch.Tensor], optim_state:
     from safetensors.torch import save_file
 
     # Tied weights share storage, which safetensors refuses; each tensor gets its own copy.
-    save_file({k: v.detach().clone().contiguous() for k, v in model_state.items()}, folder / "model.safetensors")
-    torch.save(optim_state, folder / "optimizer.pt")
+    tensors = {k: v.detach().clone().contiguous() for k, v in model_state.items()}
+    with writing(folder / "model.safetensors"):
+        save_file(tensors, folder / "model.safetensors")
+    with writing(folder / "optimizer.pt"):
+        torch.save(optim_state, folder / "optimizer.pt")
 
 
 def _fresh_folder(tmp: Path) -> None:
@@ -172,7 +179,8 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
         if full_state is not None and info.is_main:
             _test_fault("write_full", step, info, tmp / "model.safetensors")
             _write_full(tmp, *full_state)
-        torch.save(rng_state(), tmp / "rng" / f"rank-{info.rank}.pt")
+        with writing(tmp / "rng" / f"rank-{info.rank}.pt"):
+            torch.save(rng_state(), tmp / "rng" / f"rank-{info.rank}.pt")
         _test_fault("during_save", step, info)
 
     run_and_share(write_own_part, runs=True, what=what, on_failure=drop_tmp)
@@ -303,13 +311,14 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        if is_peft and save_adapter is not None:
-            save_adapter(model, state, tmp)
-        elif is_peft:
-            getattr(model, "module", model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-        else:
-            unwrap(model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
+        with writing(tmp):  # save_pretrained does not say which of its files failed
+            if is_peft and save_adapter is not None:
+                save_adapter(model, state, tmp)
+            elif is_peft:
+                getattr(model, "module", model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+            else:
+                unwrap(model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(str(tmp))
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)

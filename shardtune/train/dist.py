@@ -78,11 +78,15 @@ def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> 
 
 
 class RankFailed(RuntimeError):
-    """Work one rank did for the others failed there; raised on the other ranks, naming it, the work and the cause."""
+    """Work one rank did for the others failed there; raised on the other ranks, naming it, the work and the cause.
 
-    def __init__(self, rank: int, what: str, kind: str, message: str) -> None:
-        super().__init__(f"rank {rank} failed {what}: {kind}: {first_line(message)}")
-        self.rank, self.kind, self.message = rank, kind, message
+    ``interrupted``: that rank was stopped (KeyboardInterrupt, SystemExit), nothing is wrong with disk or input.
+    """
+
+    def __init__(self, rank: int, what: str, kind: str, message: str, interrupted: bool = False) -> None:
+        cause = f"{kind}: {first_line(message)}" if message.strip() else kind  # KeyboardInterrupt has no message
+        super().__init__(f"rank {rank} failed {what}: {cause}")
+        self.rank, self.kind, self.message, self.interrupted = rank, kind, message, interrupted
 
 
 def run_and_share(work: Callable[[], T], *, runs: bool, what: str, group: Any = None,
@@ -91,27 +95,29 @@ def run_and_share(work: Callable[[], T], *, runs: bool, what: str, group: Any = 
 
     Without this, the ranks that wait for a file rank 0 writes learn of its failure only at their next collective,
     which fails without the cause, or waits until ``ddp_timeout`` (30 min by default) where the backend does not
-    notice that rank 0 left. A rank whose ``work`` raised re-raises its own error; every other rank raises
-    ``RankFailed`` naming the first rank that failed. ``on_failure`` runs on every rank before that, once all of
-    them know (so no rank still writes), to remove what was half-written. Returns every rank's result (None where
-    ``work`` did not run), gathered, so keep it small (a path). It is a collective: every rank of ``group`` must
-    call it. On one process it is just ``work()``.
+    notice that rank 0 left. A rank whose ``work`` raised re-raises its own error, also a KeyboardInterrupt or
+    SystemExit (Ctrl-C on that rank alone stays Ctrl-C there); every other rank raises ``RankFailed`` naming the
+    first rank that failed. ``on_failure`` runs on every rank before that, once all of them know (so no rank
+    still writes), to remove what was half-written. Returns every rank's result (None where ``work`` did not
+    run), gathered, so keep it small (a path). It is a collective: every rank of ``group`` must call it. On one
+    process it is just ``work()``.
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         try:
             return [work() if runs else None]
-        except Exception:
+        except BaseException:
             if on_failure is not None:
                 on_failure()
             raise
-    status: tuple[T | None, str, str] | None = None  # (result, error type, error message)
+    # (result, error type, error message, interrupted: the error was no Exception, e.g. KeyboardInterrupt)
+    status: tuple[T | None, str, str, bool] | None = None
     error = None
     if runs:
         try:
-            status = (work(), "", "")
-        except Exception as exc:  # noqa: BLE001 - every rank must hear of it; re-raised below
-            status, error = (None, type(exc).__name__, str(exc)), exc
-    statuses: list[tuple[T | None, str, str] | None] = [None] * dist.get_world_size(group)
+            status = (work(), "", "", False)
+        except BaseException as exc:  # noqa: BLE001 - every rank must hear of it, even of Ctrl-C; re-raised below
+            status, error = (None, type(exc).__name__, str(exc), not isinstance(exc, Exception)), exc
+    statuses: list[tuple[T | None, str, str, bool] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(statuses, status, group=group)
     failed = [(rank, other) for rank, other in enumerate(statuses) if other is not None and other[1]]
     if failed and on_failure is not None:
@@ -119,8 +125,8 @@ def run_and_share(work: Callable[[], T], *, runs: bool, what: str, group: Any = 
     if error is not None:
         raise error
     if failed:
-        rank, (_, kind, message) = failed[0]
-        raise RankFailed(rank, what, kind, message)
+        rank, (_, kind, message, interrupted) = failed[0]
+        raise RankFailed(rank, what, kind, message, interrupted)
     return [other[0] if other is not None else None for other in statuses]
 
 

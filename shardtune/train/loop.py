@@ -41,11 +41,26 @@ class TrainingStopped(RuntimeError):
     """The run cannot go on (non-finite loss, ...); the message says where and what to try."""
 
 
-def write_failure(exc: Exception) -> str:
-    """One line for a failed write: another rank's ``RankFailed`` names that rank; this rank's own error its type."""
+def write_failure(exc: BaseException) -> str:
+    """One line for a failed write: another rank's ``RankFailed`` names that rank; this rank's own error its type.
+
+    A failed DCP save names the first rank that failed and its error (DCP's own message is a traceback per rank).
+    """
     if isinstance(exc, RankFailed):
         return str(exc)
-    return f"{type(exc).__name__}: {first_line(str(exc))}"
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (cause, _) = min(exc.failures.items())
+        return f"rank {rank}: {write_failure(cause)}"
+    message = first_line(str(exc))
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def write_fix(exc: BaseException, out: Path) -> str:
+    """What to do about a failed write: the disk or the permissions under ``out``; nothing where the rank that
+    wrote was interrupted (Ctrl-C there), which is no fault of the disk."""
+    if isinstance(exc, RankFailed) and exc.interrupted:
+        return f"rank {exc.rank} was interrupted, so this rank stopped too"
+    return f"free disk space or fix the permissions under {out}, or point output_dir elsewhere"
 
 
 def seed_everything(seed: int) -> None:
@@ -329,8 +344,8 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         except (OSError, RankFailed, CheckpointException) as exc:
             raise TrainingStopped(
                 f"step {step}: the checkpoint was not saved ({write_failure(exc)}). Last good checkpoint: "
-                f"{last_checkpoint or 'none'}; free disk space or fix the permissions under {out}, then run again "
-                f"with resume_from_checkpoint=true") from exc
+                f"{last_checkpoint or 'none'}; {write_fix(exc, out)}; then run again"
+                f"{f' with resume_from_checkpoint={last_checkpoint}' if last_checkpoint else ''}") from exc
         last_checkpoint = str(path)
         log.info("saved checkpoint %s (%s)", path, reason)
 
@@ -452,7 +467,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
             raise TrainingStopped(
                 f"training finished but {out / 'final'} was not written ({write_failure(exc)}). Last checkpoint: "
                 f"{last_checkpoint or 'none'} ('shardtune export CHECKPOINT OUT' writes one as final/ would be); "
-                f"free disk space or fix the permissions under {out}") from exc
+                f"{write_fix(exc, out)}") from exc
         summary["final"] = str(final) if final else str(out / "final")
     if info.is_main:
         tmp = out / ".tmp-summary.json"
