@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/strategies_cpu.py [--out bench/results/strategies_cpu.json]
 
-Builds the model and a chat data set in a temporary folder, writes a recipe, and runs
-``shardtune bench strategies`` on it. Each setup trains the same global batch per step for MP and PP (8 rows) and
-8 rows per rank for DDP and FSDP; tokens/s makes them comparable.
+Builds the model (folder ``tiny-llama``, the name the results give it) and a chat data set in a temporary
+folder, writes a recipe, and runs ``shardtune bench strategies`` on it. Each setup trains the same global batch per
+step for MP and PP (8 rows) and 8 rows per rank for DDP and FSDP; tokens/s makes them comparable.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-strategies-") as tmp:
         root = Path(tmp)
-        model = make_model_folder(root / "model", num_layers=4, hidden_size=256, intermediate_size=704,
+        # The folder's name is the model's name in the results ("measured with tiny-llama (4 layers x 256 ...)").
+        model = make_model_folder(root / "tiny-llama", num_layers=4, hidden_size=256, intermediate_size=704,
                                   num_heads=8, num_kv_heads=4)
         data = write_chat_data(root / "chat.jsonl", rows=3000)
         recipe = root / "recipe.yaml"

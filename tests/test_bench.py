@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardtune.bench import Result, explain, format_table, strategy_figure, summarise, write_plot
+from shardtune.bench import Result, explain, format_table, model_label, strategy_figure, summarise, write_plot
 from shardtune.bench_probe import STEP_MARK, StageMarks, split_step_time
 from shardtune.errors import UsageError
 from tests.trainutil import run_shardtune, write_chat_data
@@ -111,6 +111,23 @@ def test_plot_stacks_busy_and_waiting_per_setup(tmp_path):
     assert write_plot(rows, tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_results_name_the_model_not_the_folder_it_was_read_from(tmp_path):
+    # bench/strategies_cpu.py builds its model in a temporary folder; the estimate quotes what the file says.
+    from shardtune.memory.recommend import Measured
+    from shardtune.tiny import make_model_folder
+
+    model = make_model_folder(tmp_path / "bench-strategies-x1y2" / "tiny-llama", num_layers=4, hidden_size=256,
+                              intermediate_size=704, num_heads=8, num_kv_heads=4)
+    label = model_label(str(model))
+    assert label == "tiny-llama (4 layers x 256 hidden, 3.2 M parameters)"
+    other = make_model_folder(tmp_path / "model", num_layers=2)
+    assert model_label(str(other) + "/") == "model (llama, 2 layers x 64 hidden, 139.6 k parameters)"
+    assert model_label("meta-llama/Not-Downloaded-7B") == "Not-Downloaded-7B"  # no config to read: its name
+    measured = Measured("res.json", {"ddp": 3000.0, "mp": 1000.0}, label, 2, "cpu (2 cores)")
+    assert measured.describe() == ("DDP 3,000, MP 1,000 tokens/s measured with tiny-llama (4 layers x 256 hidden, "
+                                   "3.2 M parameters) on cpu (2 cores), 2 processes (res.json)")
+
+
 def test_bad_strategy_is_a_usage_error():
     from shardtune.cli.bench import parse_strategies
 
@@ -131,7 +148,8 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
                             "--out", str(tmp_path / "res.json"), "--work_dir", str(tmp_path / "work")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = json.loads((tmp_path / "res.json").read_text())
-    assert saved["model"] == str(model) and saved["num_processes"] == 2 and saved["batch_size"] == 4
+    assert saved["model"] == "model (llama, 4 layers x 64 hidden, 213.6 k parameters)"  # not the folder's path
+    assert saved["num_processes"] == 2 and saved["batch_size"] == 4
     mp, ddp = saved["results"]
     probe = json.loads((tmp_path / "work" / "mp" / "probe" / "probe-rank-0.json").read_text())
     walls = probe["wall_s"][1:]
@@ -151,4 +169,6 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
                          "--measured", str(tmp_path / "res.json")], tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     faster = max((mp, ddp), key=lambda row: row["tokens_per_s"])["strategy"]
-    assert json.loads(out.stdout)["recommendation"]["strategy"] == faster
+    recommendation = json.loads(out.stdout)["recommendation"]
+    assert recommendation["strategy"] == faster
+    assert f"tokens/s measured with {saved['model']} on cpu" in recommendation["reason"]
