@@ -11,6 +11,7 @@ import torch
 from shardtune.bench import Result, explain, format_table, model_label, strategy_figure, summarise, write_plot
 from shardtune.bench_probe import STEP_MARK, StageMarks, split_step_time
 from shardtune.errors import UsageError
+from shardtune.memory.recommend import MEASURED_TIE
 from tests.trainutil import run_shardtune, write_chat_data
 
 
@@ -168,7 +169,9 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
     out = run_shardtune(["estimate", str(model), "--num-gpus", "2", "--gpu-memory", "8", "--json",
                          "--measured", str(tmp_path / "res.json")], tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
-    faster = max((mp, ddp), key=lambda row: row["tokens_per_s"])["strategy"]
+    slower, faster = sorted((mp, ddp), key=lambda row: row["tokens_per_s"])
+    # Within the tie margin the usual order decides, and it puts DDP before MP.
+    clear = slower["tokens_per_s"] < faster["tokens_per_s"] * (1 - MEASURED_TIE)
     recommendation = json.loads(out.stdout)["recommendation"]
-    assert recommendation["strategy"] == faster
+    assert recommendation["strategy"] == (faster["strategy"] if clear else "ddp")
     assert f"tokens/s measured with {saved['model']} on cpu" in recommendation["reason"]

@@ -173,6 +173,28 @@ def _why(setup: Setup) -> str:
     return _WHY[setup.strategy]
 
 
+# Measured speeds this close count as equal: a benchmark re-run on a busy machine moves them more than that.
+MEASURED_TIE = 0.05
+
+
+def by_measured_speed(options: list[Setup], measured: Measured) -> list[Setup]:
+    """``options`` (in the usual order) fastest first by measured tokens/s, unmeasured ones last.
+
+    Speeds within ``MEASURED_TIE`` of the fastest of a band form one band, kept in the usual order: noise must not
+    pick a setup that the usual reasons would not.
+    """
+    ranked = sorted(options, key=lambda s: -(measured.speed(s) or 0.0))  # stable: the usual order among equals
+    bands: list[tuple[float, list[Setup]]] = []
+    for setup in ranked:
+        speed = measured.speed(setup) or 0.0
+        if bands and speed >= bands[-1][0] * (1 - MEASURED_TIE):
+            bands[-1][1].append(setup)
+        else:
+            bands.append((speed, [setup]))
+    usual = {id(s): i for i, s in enumerate(options)}
+    return [s for _, band in bands for s in sorted(band, key=lambda s: usual[id(s)])]
+
+
 def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured | None = None) -> Recommendation:
     """The preferred setup that fits ``gpu`` at ``base``'s batch size, or the closest one and what would fit.
 
@@ -183,7 +205,7 @@ def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured
     if measured is None:
         options = [s for s in options if not s.splits_layers]
     else:
-        options.sort(key=lambda s: -(measured.speed(s) or 0.0))  # stable: the usual order among equals
+        options = by_measured_speed(options, measured)
     for setup in options:
         breakdown = evaluate(analysis, setup)
         if breakdown.fits(gpu.memory_bytes):
@@ -207,8 +229,13 @@ def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: M
     if base.world_size == 1:
         return (f"{chosen.label()}: {_why(chosen)}. The measurements ({measured.describe()}) compare setups of "
                 f"several GPUs, so they do not apply to one.")
+    fitting = [measured.speed(s) or 0.0 for s in candidates(base, measured, analysis)
+               if evaluate(analysis, s).fits(gpu.memory_bytes)]
     if measured.speed(chosen) is None:
         text = f"{chosen.label()}: no measured setup fits; this is the usual choice among the rest"
+    elif measured.speed(chosen) < max(fitting):
+        text = (f"{chosen.label()}: within {MEASURED_TIE:.0%} of the fastest measured setup that fits, a tie the "
+                f"usual order decides")
     else:
         text = f"{chosen.label()}: the fastest measured setup that fits"
     text += f" ({measured.describe()})."
