@@ -119,6 +119,27 @@ def test_export_and_merge_cli_errors(tmp_path: Path, capsys) -> None:
         assert "a file is there; give a folder path" in capsys.readouterr().err
 
 
+def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, capsys) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli import main
+    from shardtune.tiny import make_model_folder, make_tokenizer
+
+    base = make_model_folder(tmp_path / "base", tokenizer=make_tokenizer())
+    adapter = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2)).save_pretrained(adapter)
+    (tmp_path / "a-file").write_text("x")
+    out = tmp_path / "a-file" / "merged"  # its parent is a file: the write fails, as on a full disk, with an OSError
+    assert main(["merge", str(adapter), "--base", str(base), str(out)]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert "shardtune merge: error: [Errno 20] Not a directory" in errors[0]
+    assert str(tmp_path / "a-file") in errors[0] and errors[0].endswith("give another path")
+    assert (tmp_path / "a-file").read_text() == "x"
+
+
 def test_push_to_hub_uploads_final_and_only_warns_when_the_hub_fails(tmp_path, monkeypatch, caplog):
     """No network here: the hub client is replaced by one that records what it was asked, or fails."""
     import huggingface_hub

@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"shardtune {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # a write that failed (full disk, no permission, a file where a folder goes)
+        print(f"shardtune {args.command}: error: {exc}; free disk space, fix the permissions or give another path",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
