@@ -35,6 +35,7 @@ def main() -> None:
     wall = time.perf_counter() - started
     record = {"model": args.model, "method": args.method, "world_size": args.world_size, "seq_len": args.seq_len,
               "peak_bytes": result.peak_bytes, "peak_gib": round(result.peak_bytes / 2**30, 3),
+              "reserved_bytes": result.reserved_bytes, "reserved_gib": round(result.reserved_bytes / 2**30, 3),
               "categories": result.categories, "trace_s": round(result.seconds, 1), "wall_s": round(wall, 1),
               "import_s": round(imported, 1), "cpus": os.cpu_count(), "python": platform.python_version()}
     print(json.dumps(record, indent=1))
