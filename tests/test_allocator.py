@@ -94,3 +94,13 @@ def test_at_capacity_wholly_free_segments_go_back_to_the_driver(capacity, out_of
     a.malloc("b", 30 * MIB)  # above 40 MiB: the cached segment is released first; above 30 MiB even that fails
     assert a.reserved == 30 * MIB and a.out_of_memory is out_of_memory
     assert a.peak_reserved == 30 * MIB
+
+
+def test_each_stream_reuses_only_its_own_freed_blocks():
+    a = CachingAllocatorModel()
+    a.malloc("gathered", 12 * MIB, stream=1)  # an all-gather buffer on FSDP2's all-gather stream
+    a.free("gathered")
+    a.malloc("activation", 12 * MIB)  # the default stream cannot take the cached block
+    a.malloc("next gather", 12 * MIB, stream=1)  # the all-gather stream can
+    assert (a.reserved, a.segments) == (24 * MIB, 2)
+    assert CachingAllocatorModel().replay([("x", 12 * MIB, 1), ("x", 0, 0), ("y", 12 * MIB, 0)]).reserved == 24 * MIB

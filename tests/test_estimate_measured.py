@@ -39,6 +39,9 @@ def test_measured_speeds_overrule_the_usual_order(tmp_path):
     assert rec.fits and rec.setup == fastest_fitting(analysis, base, gpu, measured)
     assert rec.setup.strategy == "fsdp"
     assert "fastest measured" in rec.reason and "Without measurements it would be DDP" in rec.reason
+    # The file was measured with another model ("m"), on GPUs: the reason cautions about the model only.
+    assert "Caution: the speeds were measured with m, not llama-3.2-1b" in rec.reason
+    assert "CPU measurements" not in rec.reason
     # With DDP measured fastest, the pick agrees with the usual one and says why.
     agree = recommend(analysis, base, gpu, Measured.load(measured_file(tmp_path, {"ddp": 2000.0, "fsdp": 1200.0})))
     assert agree.setup == usual.setup and "also the usual choice" in agree.reason
@@ -56,6 +59,17 @@ def test_speeds_within_the_tie_margin_leave_the_choice_to_the_usual_order(tmp_pa
     rec = recommend(analysis, base, gpu, Measured.load(measured_file(tmp_path, {"ddp": 2358.0, "fsdp": fsdp_speed})))
     assert rec.setup.strategy == picked
     assert ("a tie the usual order decides" in rec.reason) == (picked == "ddp")
+
+
+def test_measurements_of_the_same_model_on_cpu_say_what_they_show(tmp_path):
+    path = measured_file(tmp_path, {"ddp": 900.0, "fsdp": 1200.0})
+    data = json.loads(path.read_text()) | {"model": "llama-3.2-1b (llama, 16 layers x 2048 hidden)",
+                                           "device": "cpu (2 cores)"}
+    path.write_text(json.dumps(data))
+    base = validate(Setup(method="lora", strategy="fsdp", num_gpus=2))
+    rec = recommend(ModelAnalysis("llama-3.2-1b"), base, gpu_by_name("h100-80gb"), Measured.load(path))
+    assert "Caution" not in rec.reason
+    assert "CPU measurements show how the setups schedule their work, not how fast GPUs run them." in rec.reason
 
 
 def test_a_faster_setup_that_does_not_fit_is_passed_over(tmp_path):

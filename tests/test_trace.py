@@ -237,7 +237,7 @@ def test_allocation_log_sees_every_tensor_the_tracker_counts_and_fake_replays_as
     for result, log in zip((fake, real), logs):
         live: dict[int, int] = {}
         peak = 0
-        for key, nbytes in log.events:
+        for key, nbytes, _stream in log.events:
             live.pop(key, None)
             if nbytes:
                 live[key] = nbytes
@@ -247,5 +247,30 @@ def test_allocation_log_sees_every_tensor_the_tracker_counts_and_fake_replays_as
         assert result.reserved_bytes == replayed.peak_reserved + CUBLAS_WORKSPACES * CUBLAS_WORKSPACE_BYTES
         assert replayed.peak_reserved >= replayed.peak_allocated >= result.peak_bytes
     assert fake.reserved_bytes == real.reserved_bytes
+    # FSDP2 allocates its all-gather and reduce-scatter buffers on streams of their own; nothing else does.
+    streams = {stream for log in logs for _, nbytes, stream in log.events if nbytes}
+    assert streams == ({0, 1, 2} if values.get("distributed_type") == "FSDP" else {0})
     assert any("caching allocator" in note for note in fake.notes)
     assert trace_training_step(cfg, world_size, target_device="cpu").reserved_bytes is None
+
+
+def test_estimate_trace_judges_the_fit_by_the_traced_reserved_memory(models, capsys):
+    """Where the formula says it fits and the trace's reserved memory does not, the trace's verdict is shown,
+    with a warning (a GPU sized between the two figures)."""
+    from shardtune.cli import main
+
+    args = ["estimate", models["small"], "--method", "lora", "--seq-len", "256", "--batch-size", "4",
+            "--strategy", "single", "--trace"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    formula = data["nvidia_smi_bytes"]  # the formula's total and the CUDA context
+    traced = data["trace"]["reserved_bytes"] + data["trace"]["cuda_context_bytes"]
+    assert data["trace"]["cuda_context_bytes"] == data["cuda_context"]
+    assert traced > formula  # the allocator's fixed costs dominate on a model this small
+    between = (formula + traced) / 2 / 2**30
+    assert main([*args, "--gpu-memory", f"{between:.6f}"]) == 0
+    out = capsys.readouterr().out
+    assert f"by the trace it does NOT fit: {traced / 2**30:.2f} GiB with the CUDA context" in out
+    assert "warning: the analytic estimate says it fits and the trace says it does not" in out
+    assert main([*args, "--gpu-memory", f"{traced / 2**30 + 0.01:.6f}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trace"]["fits"] is True

@@ -133,8 +133,9 @@ def print_catalog() -> None:
     Console().print(table)
 
 
-def _batch_and_config(args: argparse.Namespace, setup: Setup, gpu: Gpu) -> dict:
-    """--find-batch-size and --emit-config (the emitted recipe uses the batch found, when searched)."""
+def _batch_and_config(args: argparse.Namespace, setup: Setup, gpu: Gpu) -> tuple[dict, Setup]:
+    """--find-batch-size and --emit-config (the emitted recipe uses the batch found, when searched); also the
+    setup they settled on, which --trace then traces."""
     out: dict = {}
     if args.find_batch_size:
         from shardtune.memory.batch_plan import find_batch_size
@@ -147,7 +148,7 @@ def _batch_and_config(args: argparse.Namespace, setup: Setup, gpu: Gpu) -> dict:
         from shardtune.memory.batch_plan import emit_config
 
         out["emitted_config"] = str(emit_config(args.model, setup, args.emit_config))
-    return out
+    return out, setup
 
 
 def main(args: argparse.Namespace) -> int:
@@ -165,12 +166,18 @@ def main(args: argparse.Namespace) -> int:
 
         measured = Measured.load(args.measured)
     report = run_estimate(args.model, setup, gpu, auto, measured)
+    extras, chosen = _batch_and_config(args, report.breakdown.setup, gpu)
     traced = None
     if args.trace:
+        from shardtune.memory.inventory import ModelAnalysis
+        from shardtune.memory.recommend import evaluate
         from shardtune.memory.trace_setup import trace_for_estimate
 
-        traced = trace_for_estimate(args.model, report.breakdown.setup, report.breakdown.total)
-    extras = _batch_and_config(args, report.breakdown.setup, gpu) | ({"trace": traced} if traced else {})
+        breakdown = (report.breakdown if chosen == report.breakdown.setup
+                     else evaluate(ModelAnalysis(args.model), chosen))
+        traced = trace_for_estimate(args.model, chosen, breakdown.total, gpu_memory=gpu.memory_bytes,
+                                    cuda_context=breakdown.cuda_context)
+        extras["trace"] = traced
     if args.json:
         from shardtune.memory.report import to_dict
 

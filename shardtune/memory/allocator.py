@@ -9,8 +9,11 @@ that. Freed blocks merge with free neighbours in their segment but stay cached: 
 to the driver, so the reserved total only grows. A long-lived tensor created in a hole that activations left (AdamW's
 states, made lazily after the first backward) can split a segment for good and force later steps into new ones.
 
-The rules are those of ``c10/cuda/CUDACachingAllocator.cpp`` with its default configuration (no ``max_split_size_mb``,
-no ``expandable_segments``, no garbage-collection threshold, one stream). Constants below are its constants.
+Each stream has its own pools: a block freed by one stream's work is only reused by that stream (FSDP2 allocates
+its all-gather and reduce-scatter buffers on streams of their own). The rules are those of
+``c10/cuda/CUDACachingAllocator.cpp`` with its default configuration (no ``max_split_size_mb``, no
+``expandable_segments``, no garbage-collection threshold); the constants below are its constants. Not modelled: a
+freed block that another stream still uses waits for that stream's work before it can be reused.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class _Block:
     addr: int
     size: int
     small: bool
+    stream: int = 0
     allocated: bool = False
     prev: _Block | None = None  # neighbours in the same segment
     next: _Block | None = None
@@ -72,24 +76,25 @@ class CachingAllocatorModel:
         self.peak_reserved = self.peak_allocated = 0
         self.segments = 0
         self.out_of_memory = False
-        self._pools: dict[bool, list[tuple[int, int]]] = {True: [], False: []}  # sorted (size, addr) of free blocks
+        # (stream, small) -> the sorted (size, addr) of its free blocks
+        self._pools: dict[tuple[int, bool], list[tuple[int, int]]] = {}
         self._free_at: dict[int, _Block] = {}
         self._live: dict[object, _Block] = {}
         self._next_addr = 0
 
     # -- the pools ---------------------------------------------------------------------------------------------
     def _insert(self, block: _Block) -> None:
-        insort(self._pools[block.small], (block.size, block.addr))
+        insort(self._pools.setdefault((block.stream, block.small), []), (block.size, block.addr))
         self._free_at[block.addr] = block
 
     def _remove(self, block: _Block) -> None:
-        pool = self._pools[block.small]
+        pool = self._pools[(block.stream, block.small)]
         del pool[bisect_left(pool, (block.size, block.addr))]
         del self._free_at[block.addr]
 
-    def _best_fit(self, size: int, small: bool) -> _Block | None:
+    def _best_fit(self, size: int, small: bool, stream: int) -> _Block | None:
         """The smallest cached free block of the pool that holds ``size`` (the lowest address among equals)."""
-        pool = self._pools[small]
+        pool = self._pools.get((stream, small), [])
         i = bisect_left(pool, (size, -1))
         if i == len(pool):
             return None
@@ -97,12 +102,12 @@ class CachingAllocatorModel:
         self._remove(block)
         return block
 
-    def _new_segment(self, size: int, small: bool) -> _Block:
+    def _new_segment(self, size: int, small: bool, stream: int) -> _Block:
         nbytes = segment_size(size)
         if self.capacity is not None and self.reserved + nbytes > self.capacity:
             self.release_cached()
             self.out_of_memory |= self.reserved + nbytes > self.capacity
-        block = _Block(self._next_addr, nbytes, small)
+        block = _Block(self._next_addr, nbytes, small, stream)
         self._next_addr += nbytes
         self.reserved += nbytes
         self.segments += 1
@@ -110,17 +115,17 @@ class CachingAllocatorModel:
         return block
 
     # -- the allocator's interface -----------------------------------------------------------------------------
-    def malloc(self, key: object, nbytes: int) -> None:
-        """Allocate ``nbytes`` for ``key`` (a zero-byte request holds no block, as in PyTorch)."""
+    def malloc(self, key: object, nbytes: int, stream: int = 0) -> None:
+        """Allocate ``nbytes`` for ``key`` on ``stream`` (a zero-byte request holds no block, as in PyTorch)."""
         if nbytes <= 0:
             return
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        block = self._best_fit(size, small) or self._new_segment(size, small)
+        block = self._best_fit(size, small, stream) or self._new_segment(size, small, stream)
         remaining = block.size - size
         # The small pool splits off any remainder; the large pool only one that could serve a large request.
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
-            rest = _Block(block.addr + size, remaining, small, prev=block, next=block.next)
+            rest = _Block(block.addr + size, remaining, small, stream, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, size
@@ -153,17 +158,17 @@ class CachingAllocatorModel:
                 nxt.next.prev = block
         self._insert(block)
 
-    def resize(self, key: object, nbytes: int) -> None:
+    def resize(self, key: object, nbytes: int, stream: int = 0) -> None:
         """A storage resized in place: the new block is allocated before the old one is freed (the data is copied)."""
         old = self._live.pop(key, None)
-        self.malloc(key, nbytes)
+        self.malloc(key, nbytes, stream)
         if old is not None:
             self._live[_Retired(key)] = old
             self.free(_Retired(key))
 
     def release_cached(self) -> None:
         """Return every wholly free segment to the driver (``torch.cuda.empty_cache``)."""
-        for small, pool in self._pools.items():
+        for pool in self._pools.values():
             for size, addr in list(pool):
                 block = self._free_at[addr]
                 if block.prev is None and block.next is None:
@@ -171,15 +176,16 @@ class CachingAllocatorModel:
                     self.reserved -= block.size
                     self.segments -= 1
 
-    def replay(self, events: Iterable[tuple[object, int]]) -> CachingAllocatorModel:
-        """Apply ``(key, nbytes)`` events: a new key allocates, a known key with another size resizes, 0 frees."""
-        for key, nbytes in events:
+    def replay(self, events: Iterable[tuple]) -> CachingAllocatorModel:
+        """Apply ``(key, nbytes)`` or ``(key, nbytes, stream)`` events: a new key allocates, a known key with another
+        size resizes, 0 frees."""
+        for key, nbytes, *stream in events:
             if nbytes == 0:
                 self.free(key)
             elif key in self._live:
-                self.resize(key, nbytes)
+                self.resize(key, nbytes, *stream)
             else:
-                self.malloc(key, nbytes)
+                self.malloc(key, nbytes, *stream)
         return self
 
 

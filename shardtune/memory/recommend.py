@@ -243,6 +243,12 @@ def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: M
         f" Without measurements it would be {usual.setup.label()}." if usual.fits else ""
     if "pp" in measured.tokens_per_s and analysis.inventory.tied_embeddings:
         text += " PP is left out: this model ties its LM head to its embeddings, which would be on different stages."
+    measured_name = measured.model.split(" (")[0]
+    if measured_name and measured_name != analysis.inventory.name:
+        text += (f" Caution: the speeds were measured with {measured_name}, not {analysis.inventory.name}; run "
+                 f"'shardtune bench strategies' with this model's recipe for figures that apply to it.")
+    if measured.device.startswith("cpu"):
+        text += " CPU measurements show how the setups schedule their work, not how fast GPUs run them."
     if measured.num_processes and measured.num_processes != base.world_size:
         text += (f" The measurements used {measured.num_processes} processes, this estimate {base.world_size} GPUs: "
                  f"re-run the benchmark at that size where you can.")

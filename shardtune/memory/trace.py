@@ -370,7 +370,7 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
         if nf4_fallback:
             reserved += categories["nf4_dequantize_buffer"] - saving
         notes.append(f"reserved memory: every allocation of the {steps} traced steps replayed through a model of "
-                     f"PyTorch's CUDA caching allocator (default settings, one stream), with {CUBLAS_WORKSPACES} "
+                     f"PyTorch's CUDA caching allocator (default settings, a pool per stream), with {CUBLAS_WORKSPACES} "
                      f"cuBLAS workspaces of {CUBLAS_WORKSPACE_BYTES // 2**20} MiB; "
                      f"{reserved / max(peak, 1) - 1:+.1%} over the tensors' peak")
     if fake:

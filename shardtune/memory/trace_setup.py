@@ -121,19 +121,34 @@ def render_text(result: dict[str, Any], formula_peak: int | None = None) -> str:
             lines.append(f"  ... {len(modules) - 12} more (--json lists all)")
     for note in result.get("notes") or []:
         lines.append(f"note: {note}")
+    if "fits" in result:
+        needed = (reserved or result["peak_bytes"]) + result["cuda_context_bytes"]
+        verdict = "fits" if result["fits"] else "does NOT fit"
+        lines.append(f"by the trace it {verdict}: {needed / GIB:.2f} GiB with the CUDA context against "
+                     f"{result['gpu_memory_bytes'] / GIB:.2f} GiB per GPU")
+        if not result["fits"] and formula_peak and formula_peak + result["cuda_context_bytes"] <= \
+                result["gpu_memory_bytes"]:
+            lines.append("warning: the analytic estimate says it fits and the trace says it does not; the trace "
+                         "ran the trainer's own step: take a smaller micro-batch (and more accumulation steps) "
+                         "until the trace fits")
     return "\n".join(lines)
 
 
-def trace_for_estimate(model: str, setup: Setup, formula_peak: int) -> dict[str, Any]:
+def trace_for_estimate(model: str, setup: Setup, formula_peak: int, *, gpu_memory: int | None = None,
+                       cuda_context: int = 0) -> dict[str, Any]:
     """``--trace``: the traced peak of ``setup`` (or the formula's, with the reason), and the formula's beside it.
 
     The trace always runs the trainer's loss (``step.token_loss_sum``); ``formula_peak`` is the estimate's own
-    total, for the loss ``--loss`` named.
+    total, for the loss ``--loss`` named. With ``gpu_memory``, ``fits`` says whether the traced reserved memory
+    plus ``cuda_context`` fits that GPU: the trace's verdict, which can differ from the formula's.
     """
     cfg = config_from_setup(model, setup)
     out = trace_or_formula(cfg, setup.world_size, num_nodes=setup.num_nodes)
     out["formula_peak_bytes"] = formula_peak
     out["formula_loss"] = setup.loss
+    if gpu_memory and out.get("source") == "trace":
+        out.update(gpu_memory_bytes=gpu_memory, cuda_context_bytes=cuda_context,
+                   fits=(out["reserved_bytes"] or out["peak_bytes"]) + cuda_context <= gpu_memory)
     return out
 
 

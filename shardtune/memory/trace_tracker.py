@@ -148,7 +148,8 @@ def peak_breakdown(tracker) -> tuple[int, dict[str, int]]:
 
 
 class AllocationLog(TorchDispatchMode):
-    """Every storage the traced step allocates, resizes and frees, in order, as ``(key, bytes)`` events (0: freed).
+    """Every storage the traced step allocates, resizes and frees, in order, as ``(key, bytes, stream)`` events
+    (bytes 0: freed; stream 0 is the default stream, others number the streams FSDP2 switches to).
 
     The trackers above keep totals by category; the CUDA caching allocator's reserved memory depends on the order
     and sizes of the requests, so this records them for :class:`shardtune.memory.allocator.CachingAllocatorModel`.
@@ -156,17 +157,20 @@ class AllocationLog(TorchDispatchMode):
     tensors of DTensor's sharding propagation, which exist only to compute output shapes, are not counted: under
     fake tensors they are made in the trace's own fake mode and linger until a garbage collection), resizes through
     ``UntypedStorage.resize_`` (FSDP2 frees and refills its unsharded parameters that way) and frees by a
-    finalizer on the storage. ``add`` registers tensors that exist before the log starts.
+    finalizer on the storage. ``add`` registers tensors that exist before the log starts. The trace runs on the
+    CPU, where FSDP2 selects its streams through ``torch.cpu``'s stand-ins exactly as it selects CUDA streams on a
+    GPU, so the stream current at each allocation is read from there.
     """
 
     def __init__(self) -> None:
         super().__init__()
         from torch.utils.weak import WeakIdKeyDictionary
 
-        self.events: list[tuple[int, int]] = []
+        self.events: list[tuple[int, int, int]] = []
         self._keys = WeakIdKeyDictionary()  # storage -> (key, bytes)
         self._finalizers: dict[int, object] = {}
         self._next_key = 0
+        self._streams: dict[int, int] = {}  # id of a torch.cpu.Stream -> its number
         self._fake_mode_on_entry = None
         self._original_resize = self._original_propagation = None
         self._paused = 0
@@ -196,11 +200,17 @@ class AllocationLog(TorchDispatchMode):
             self._keys[storage] = (key, nbytes)
         else:
             return
-        self.events.append((key, nbytes))
+        self.events.append((key, nbytes, self._stream()))
+
+    def _stream(self) -> int:
+        current = torch.cpu.current_stream()
+        if current is torch.cpu._default_cpu_stream:
+            return 0
+        return self._streams.setdefault(id(current), len(self._streams) + 1)
 
     def _freed(self, key: int) -> None:
         self._finalizers.pop(key, None)
-        self.events.append((key, 0))
+        self.events.append((key, 0, 0))
 
     def __enter__(self) -> AllocationLog:
         from torch._guards import active_fake_mode
