@@ -11,16 +11,67 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardtune.bench_probe import PROBE_ENV
 
+if TYPE_CHECKING:
+    from shardtune.config import TrainConfig
+
 STRATEGIES = ("mp", "pp", "ddp", "fsdp")
 DISTRIBUTED_TYPE = {"mp": "MP", "pp": "PP", "ddp": "DDP", "fsdp": "FSDP"}
+DATASET_PLACEHOLDER = "REPLACE_WITH_YOUR_DATASET"  # what ``shardtune estimate --emit-config`` writes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Before anything runs: the recipe must be able to train
+# ----------------------------------------------------------------------------------------------------------------
+
+def _where(config: str, key: str, extra: list[str]) -> str:
+    """Where ``key``'s value came from: ``--set`` or the recipe's line."""
+    if f"--{key}" in extra:
+        return f"--set {key}"
+    from shardtune.config import read_yaml_recipe
+
+    source = read_yaml_recipe(config)[1].get(key)
+    return f"{source}: {key}" if source else f"{config}: {key}"
+
+
+def _looks_like_path(name: str) -> bool:
+    """What ``shardtune train`` reads as a local path, not a hub name: ./x, /x, ~/x, a/b/c, or a data file."""
+    from shardtune.data.readers import EXTENSIONS
+
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).suffix.lower() in EXTENSIONS
+
+
+def load_recipe(config: str, extra: list[str], output_dir: Path) -> TrainConfig:
+    """The recipe loaded as ``shardtune train`` loads it, and checked for what would make every setup fail at once
+    (cheaply: no download, no network): the model and the data exist locally or are hub names, and the data is
+    not the placeholder ``--emit-config`` writes. Bad input is a UsageError, raised before any setup starts."""
+    from shardtune.config import load_train_config
+    from shardtune.errors import UsageError
+
+    cfg = load_train_config([config, "--output_dir", str(output_dir), *extra])
+    problems = []
+    model = cfg.model.model_name_or_path
+    if not Path(model).expanduser().exists() and _looks_like_path(model):
+        problems.append(f"{_where(config, 'model_name_or_path', extra)} '{model}' does not exist: give a local "
+                        f"model folder or a hub name (ORG/NAME)")
+    data = cfg.data.dataset_name
+    if data == DATASET_PLACEHOLDER:
+        problems.append(f"{_where(config, 'dataset_name', extra)} is still the placeholder {DATASET_PLACEHOLDER} that "
+                        f"'shardtune estimate --emit-config' writes: set it to your data (a JSONL/JSON/Parquet/CSV "
+                        f"file or folder, a saved datasets folder or a hub data set)")
+    elif data and not Path(data).expanduser().exists() and _looks_like_path(data):
+        problems.append(f"{_where(config, 'dataset_name', extra)} '{data}' does not exist: check the path")
+    if problems:
+        raise UsageError(f"CONFIG {config} cannot train, so no setup was started: {'; '.join(problems)}")
+    return cfg
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -56,8 +107,11 @@ def _cuda_devices() -> int:
 
 def job_args(config: str, strategy: str, out: Path, *, num_processes: int, steps: int, extra: list[str]) -> list[str]:
     """``shardtune train`` arguments of one setup."""
+    # No memory check: on CPU it runs step 2 of DDP and FSDP (not MP, PP) under the memory tracker, several times
+    # slower than the others, which would count against those two setups.
     args = [config, "--distributed_type", DISTRIBUTED_TYPE[strategy], "--output_dir", str(out),
-            "--max_steps", str(steps), "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no"]
+            "--max_steps", str(steps), "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no",
+            "--predict_memory", "false"]
     if strategy == "mp" and not _cuda_devices():
         # No GPUs: one CPU "device" per stage, the same count as the other setups' processes.
         args += ["--mp_devices", ",".join(["cpu"] * num_processes)]
@@ -66,7 +120,7 @@ def job_args(config: str, strategy: str, out: Path, *, num_processes: int, steps
 
 def run_setup(config: str, strategy: str, work: Path, *, num_processes: int, steps: int, extra: list[str],
               timeout_s: float) -> tuple[int, str]:
-    """Run one setup to completion; returns (exit code, the tail of its output)."""
+    """Run one setup to completion; returns (exit code, its output: stdout then stderr)."""
     out = work / strategy
     env = dict(os.environ, **{PROBE_ENV: str(out / "probe")})
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -80,7 +134,33 @@ def run_setup(config: str, strategy: str, work: Path, *, num_processes: int, ste
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return 124, f"timed out after {timeout_s:.0f} s"
-    return proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+# A rank's own report: ``shardtune train: rank 1: stopped: ...``, the probe's ``shardtune bench: rank 0: ...``,
+# or ``shardtune train: error: ...``; torch may prefix a rank's lines with ``[rank0]:``.
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s*")
+_SHARDTUNE_ERROR = re.compile(r"^shardtune [\w ]+: (?:rank \d+: |error: )")
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Failure)\b:? ?.*")
+_LAUNCHER_FAILED = "ChildFailedError"  # torchrun's own exception, which only says a rank failed
+
+
+def failure_line(output: str) -> str:
+    """The line that says why a setup failed: a rank's own error line, else the last exception a rank raised,
+    else the last line before torchrun's failure report (its traceback and ``====`` banner), which is torchrun's
+    own "failed (exitcode: -9)" where a rank was killed."""
+    lines = [_RANK_PREFIX.sub("", line).strip() for line in output.splitlines()]
+    lines = [line for line in lines if line]
+    own = [line for line in lines if _SHARDTUNE_ERROR.match(line)]
+    if own:
+        return own[0]  # the first: later ones are usually other ranks reacting to it
+    raised = [line for line in lines if _EXCEPTION.match(line) and _LAUNCHER_FAILED not in line]
+    if raised:
+        return raised[-1]
+    if "=" * 20 in output:  # torchrun's report runs from its traceback to the end; the line before says why
+        cut = next((i for i, line in enumerate(lines) if line.startswith(("Traceback", "=" * 20))), len(lines))
+        lines = lines[:cut]
+    return lines[-1] if lines else "no output"
 
 
 def summarise(strategy: str, probe_dir: Path, warmup_steps: int) -> Result:
@@ -183,10 +263,9 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
     """Run each setup; returns its measured rows (a row with ``error`` when the setup failed) and what the runs
     were: model, method, batch, sequence length, processes and device (``shardtune estimate --measured`` reads
     these from the saved file)."""
-    from shardtune.config import load_train_config
     from shardtune.plot import read_metrics
 
-    cfg = load_train_config([config, "--output_dir", str(work_dir), *extra])
+    cfg = load_recipe(config, extra, work_dir)
     method = "qlora" if cfg.lora.use_4bit_quantization else "lora" if cfg.lora.use_peft_lora else "full"
     setup_kwargs = dict(method=method, batch_size=cfg.run.per_device_train_batch_size, seq_len=cfg.data.max_seq_len,
                         gradient_checkpointing=cfg.run.gradient_checkpointing, mixed_precision=cfg.mixed_precision,
@@ -194,12 +273,11 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
                         gradient_accumulation_steps=cfg.run.gradient_accumulation_steps)
     results = []
     for strategy in strategies:
-        code, tail = run_setup(config, strategy, work_dir, num_processes=num_processes, steps=steps, extra=extra,
-                               timeout_s=timeout_s)
+        code, output = run_setup(config, strategy, work_dir, num_processes=num_processes, steps=steps, extra=extra,
+                                 timeout_s=timeout_s)
         if code != 0:
-            last = [line for line in tail.splitlines() if line.strip()][-1:] or ["no output"]
             res = Result(strategy=strategy, processes=num_processes, stages_or_ranks=num_processes,
-                         error=f"exit {code}: {last[0][:200]}")
+                         error=f"exit {code}: {failure_line(output)[:400]}")
         else:
             res = summarise(strategy, work_dir / strategy / "probe", warmup_steps)
             summary = json.loads((work_dir / strategy / "summary.json").read_text())
@@ -236,7 +314,7 @@ def format_table(results: list[Result], caveat: str) -> str:
     lines.append("")
     lines += [f"- {r.strategy.upper()}: {r.explanation}" for r in results]
     sources = sorted({r.busy_source for r in results if r.busy_source})
-    lines += ["", f"Busy fraction: {'; '.join(sources)}.", caveat]
+    lines += [""] + ([f"Busy fraction: {'; '.join(sources)}."] if sources else []) + [caveat]
     return "\n".join(lines)
 
 

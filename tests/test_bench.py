@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -175,3 +176,108 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
     recommendation = json.loads(out.stdout)["recommendation"]
     assert recommendation["strategy"] == (faster["strategy"] if clear else "ddp")
     assert f"tokens/s measured with {saved['model']} on cpu" in recommendation["reason"]
+
+
+# What torchrun printed when both DDP ranks of a bench setup stopped on bad data (torch 2.x, abridged paths).
+TORCHRUN_FAILED = """\
+shardtune bench: rank 0: cannot tell the data format from the columns ['foo']: give rows with 'messages'.
+shardtune bench: rank 1: cannot tell the data format from the columns ['foo']: give rows with 'messages'.
+E1122 22:55:04.068000 28039 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 0
+Traceback (most recent call last):
+  File "torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+shardtune.bench_probe FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 2 (pid: 28043)
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_a_failed_setup_reports_the_ranks_error_not_torchruns_banner():
+    from shardtune.bench import failure_line
+
+    assert failure_line(TORCHRUN_FAILED) == ("shardtune bench: rank 0: cannot tell the data format from the columns "
+                                             "['foo']: give rows with 'messages'.")
+    # A rank that raised: its exception (torch prefixes the rank's lines), not torchrun's ChildFailedError.
+    raised = TORCHRUN_FAILED.split("\n", 2)[2].replace(
+        "E1122", "[rank1]: Traceback (most recent call last):\n[rank1]:   File \"step.py\", line 9\n"
+                 "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:29500\nE1122", 1)
+    assert failure_line(raised) == "RuntimeError: Connection closed by peer [127.0.0.1]:29500"
+    # A rank killed (out of memory): no error of its own; torchrun's line above its report gives the exit code.
+    killed = TORCHRUN_FAILED.split("\n", 2)[2].replace("exitcode: 2", "exitcode: -9")
+    assert failure_line(killed).endswith("failed (exitcode: -9) local_rank: 0")
+    assert failure_line("loading...\nKilled\n") == "Killed"
+
+
+def tiny_recipe(tmp_path):
+    from shardtune.tiny import make_model_folder
+
+    model = make_model_folder(tmp_path / "model", num_layers=2)
+    data = write_chat_data(tmp_path / "chat.jsonl", rows=50)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {model}\ndataset_name: {data}\nsplits: train\nmax_seq_len: 64\n")
+    return recipe
+
+
+def test_bench_checks_the_recipe_before_starting_any_setup(tmp_path, monkeypatch, capsys):
+    """The recipe --emit-config writes (a hub model, the dataset placeholder) is refused at once, exit 2."""
+    from shardtune import bench
+    from shardtune.cli import main
+
+    def no_setup(*args, **kwargs):
+        raise AssertionError("a setup was started")
+
+    monkeypatch.setattr(bench, "run_setup", no_setup)
+    monkeypatch.chdir(tmp_path)
+    assert main(["estimate", "llama-3.1-8b", "--method", "lora", "--emit-config", "recipe.yaml"]) == 0
+    capsys.readouterr()
+    out = ["--out", "res.json", "--plot", "res.png"]
+    assert main(["bench", "strategies", "recipe.yaml", *out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "recipe.yaml, line 5: dataset_name is still the placeholder REPLACE_WITH_YOUR_DATASET" in err
+    assert "set it to your data" in err
+    # A local model folder that is not there (a hub name like the recipe's own is fine), named where it was set.
+    assert main(["bench", "strategies", "recipe.yaml", "--set", "model_name_or_path=./no-such-model",
+                 "--set", "dataset_name=data/chat.jsonl", *out]) == 2
+    err = capsys.readouterr().err
+    assert "--set model_name_or_path './no-such-model' does not exist" in err
+    assert "--set dataset_name 'data/chat.jsonl' does not exist" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def test_when_no_setup_runs_nothing_is_saved(tmp_path, monkeypatch, capsys):
+    """Every setup failed: each one's real error, one line saying none ran, exit 1, and no result files."""
+    from shardtune import bench
+    from shardtune.cli import main
+
+    recipe = tiny_recipe(tmp_path)
+    monkeypatch.setattr(bench, "run_setup", lambda *args, **kwargs: (1, TORCHRUN_FAILED))
+    code = main(["bench", "strategies", str(recipe), "--strategies", "ddp,fsdp", "--out", str(tmp_path / "r.json"),
+                 "--plot", str(tmp_path / "r.png")])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "- DDP: did not run: exit 1: shardtune bench: rank 0: cannot tell the data format" in captured.err
+    assert "- FSDP: did not run: exit 1: shardtune bench: rank 0: cannot tell the data format" in captured.err
+    assert "=====" not in captured.err + captured.out and "Busy fraction" not in captured.out
+    assert f"none of the setups ran (DDP, FSDP: errors above); nothing was written to {tmp_path / 'r.json'}" \
+        in captured.err
+    assert "saved" not in captured.out and "rank setups by these speeds" not in captured.out
+    assert not list(tmp_path.glob("r.*"))
+
+
+def test_setups_run_without_the_memory_check():
+    # On CPU it traces step 2 of DDP and FSDP only, several times slower: it would count against those two.
+    from shardtune.bench import job_args
+
+    args = job_args("r.yaml", "ddp", Path("out"), num_processes=2, steps=4, extra=[])
+    assert args[args.index("--predict_memory") + 1] == "false"

@@ -61,7 +61,7 @@ def losses(out: Path) -> dict[int, float]:
 
 def assert_same_losses(resumed: Path, reference: Path) -> None:
     """Every step logged exactly once, with the uninterrupted run's loss (bitwise on CPU)."""
-    steps = [r["step"] for r in records(resumed)]
+    steps = [r["step"] for r in records(resumed) if "loss" in r]
     assert steps == list(range(1, 7)), f"steps logged: {steps}"
     got, want = losses(resumed), losses(reference)
     worst = max(abs(got[s] - want[s]) for s in want)
@@ -103,8 +103,17 @@ def test_fsdp_lora_sigkill_after_checkpoint_resumes_exactly(work: Path, lora_ref
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
     assert not (out / "final").exists()
     ok(shardtune(work, "lora_kill", *args, "--resume_from_checkpoint", "true"))
-    assert "resumed from lora_kill/checkpoints/step-2 at step 2" in (work / "lora_kill.log").read_text()
+    log = (work / "lora_kill.log").read_text()
+    assert "resumed from lora_kill/checkpoints/step-2 at step 2" in log
+    assert "done: 4 steps (steps 3-6, resumed from step 2) in" in log  # this run's steps, not the whole job's
     assert_same_losses(out, lora_ref)
+
+
+def assert_memory_record(out: Path, step: int) -> None:
+    """The predicted-vs-measured peak memory record, once, at the run's last step."""
+    checks = [r for r in records(out) if "predicted_peak_bytes" in r]
+    assert [r["step"] for r in checks] == [step], checks
+    assert checks[0]["measured_peak_bytes"] > 0
 
 
 def test_full_finetune_killed_while_saving_resumes_from_previous_checkpoint(work: Path, full_ref: Path) -> None:
@@ -148,13 +157,39 @@ def test_elastic_restart_resumes_from_newest_complete_checkpoint(work: Path, lor
 def test_two_process_checkpoint_resumes_on_one_process(work: Path, lora_ref: Path) -> None:
     # Same global batch (2 x 4 x 1 = 2 x 2 x 2): the same rows per step; dropout masks differ on 1 process.
     proc = shardtune(work, "one_proc", "--distributed_type", "NO", *LORA, "--gradient_accumulation_steps", "4",
-                     "--resume_from_checkpoint", str(lora_ref / "checkpoints" / "step-4"), nproc=0)
+                     "--resume_from_checkpoint", str(lora_ref / "checkpoints" / "step-4"), "--predict_memory", "True",
+                     nproc=0)
     ok(proc)
     assert "resuming a 2-process checkpoint on 1 processes" in proc.stderr
     got, want = losses(work / "one_proc"), losses(lora_ref)
     assert sorted(got) == [5, 6]
     assert all(abs(got[s] - want[s]) < 5e-3 for s in got), (got, want)  # measured ~2e-4, 8e-4
     assert (work / "one_proc" / "final" / "adapter_model.safetensors").is_file()
+    assert "done: 2 steps (steps 5-6, resumed from step 4) in" in proc.stderr
+    # A resumed run checks the memory prediction too (on CPU it measures its first step, 5, under the tracker).
+    assert_memory_record(work / "one_proc", step=6)
+
+
+def test_eval_epochs_match_training_records_and_a_finished_run_resumes_to_nothing(work: Path) -> None:
+    args = ("--distributed_type", "NO", *LORA, "--max_steps", "2", "--eval_strategy", "steps", "--eval_steps", "1",
+            "--eval_split_ratio", "0.1")
+    ok(shardtune(work, "evals", *args, nproc=0))
+    out = work / "evals"
+    logged = records(out)
+    train = {r["step"]: r["epoch"] for r in logged if "loss" in r}
+    evals = {r["step"]: r["epoch"] for r in logged if "eval_loss" in r}
+    assert sorted(evals) == [1, 2] and all(0 < e < 1 for e in evals.values()), logged
+    assert evals == train  # the same epoch count as the training record of the same step (epoch 1 of N: 1/N)
+
+    # Resumed at its last step: nothing to train, said so; no record added, no "done: 2 steps".
+    proc = shardtune(work, "evals", *args, "--resume_from_checkpoint", "true", nproc=0)
+    ok(proc)
+    assert ("nothing to train: resumed at step 2, already max_steps (2), so no step was taken (final/ written from "
+            "evals/checkpoints/step-2); raise max_steps to train further") in proc.stderr
+    assert "done:" not in proc.stderr
+    assert records(out) == logged
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["steps"], summary["steps_this_run"], summary["resumed_from_step"]) == (2, 0, 2)
 
 
 def test_sigterm_to_launcher_saves_and_exits_cleanly(work: Path) -> None:

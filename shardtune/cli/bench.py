@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -70,6 +71,17 @@ def main(args: argparse.Namespace) -> int:
         results, meta = bench_strategies(args.config, strategies, num_processes=args.num_processes, steps=args.steps,
                                    warmup_steps=args.warmup_steps, work_dir=work, extra=extra,
                                    timeout_s=args.timeout)
+    if all(r.error for r in results):
+        # Nothing was measured: a table of dashes, files of dashes and "rank setups by these speeds" would only
+        # mislead. Each setup's error, then why nothing was saved.
+        for r in results:
+            print(f"- {r.strategy.upper()}: {r.explanation}", file=sys.stderr)
+        unsaved = " or ".join(path for path in (args.out, args.plot) if path)
+        print(f"shardtune bench: error: none of the setups ran ({', '.join(s.upper() for s in strategies)}: "
+              f"errors above){f'; nothing was written to {unsaved}' if unsaved else ''}; fix what they say "
+              f"in {args.config} and run again",
+              file=sys.stderr)
+        return 1
     loads = [r.load_average for r in results if r.load_average is not None]
     table = format_table(results, default_caveat(args.num_processes, sum(loads) / len(loads) if loads else None))
     print(table)

@@ -329,6 +329,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
             if dropped:
                 log.info("metrics.jsonl: dropped %d record(s) after step %d, which this run redoes", dropped, step)
         log.info("resumed from %s at step %d (epoch %d)", resume, step, epoch)
+    start_step = step  # what this run adds is counted from here (the summary, the memory check)
     last_checkpoint = str(resume) if resume else None
 
     def save(reason: str) -> None:
@@ -352,22 +353,25 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     metrics = MetricsLog(out, info, tensorboard=cfg.run.report_to == "tensorboard")
     eval_every = cfg.run.eval_steps or cfg.run.logging_steps
 
+    def epochs_done() -> float:
+        """Epochs trained so far, as Transformers counts them: 2.5 halfway through the third; 5.0 at the end of
+        the fifth. The sampler's epoch is the one the last step belongs to, also after the loop counted it done."""
+        return round(sampler.epoch + sampler.step_in_epoch / sampler.steps_per_epoch, 4)
+
     def run_eval() -> None:
         if data.eval is None or len(data.eval) == 0:
             return
         result = evaluate(model, _eval_batches(data.eval, cfg, info, collator, pipelined), plan, info,
                           precision.compute_dtype, pipeline=ctx.pipeline)
-        metrics.write({"step": step, "epoch": epoch, **result})
+        metrics.write({"step": step, "epoch": epochs_done(), **result})
         log.info("step %d: eval_loss %.4f, perplexity %.3f", step, result["eval_loss"], result["eval_perplexity"])
 
     def log_step(stats) -> None:
         """One metrics.jsonl record for the step just taken; tokens/s over the steps since the last record."""
         nonlocal window_tokens, window_start
         elapsed = time.perf_counter() - window_start
-        # The sampler's epoch is the one this step belongs to, also after the loop counted the epoch done.
-        record = {"step": step, "epoch": round(sampler.epoch + sampler.step_in_epoch / sampler.steps_per_epoch, 4),
-                  "loss": stats.loss, "lr": scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm,
-                  "tokens": stats.tokens, "target_tokens": stats.target_tokens,
+        record = {"step": step, "epoch": epochs_done(), "loss": stats.loss, "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": stats.grad_norm, "tokens": stats.tokens, "target_tokens": stats.target_tokens,
                   "tokens_per_s": window_tokens / max(elapsed, 1e-9),
                   "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device)}
         metrics.write(record)
@@ -389,9 +393,11 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     window_tokens, window_start = 0, time.perf_counter()
     run_tokens = 0
     stopped_by_signal = False
-    # The measured side of the memory check: CUDA's allocator counts; on CPU one step runs under the tracker.
+    # The measured side of the memory check: CUDA's allocator counts; on CPU one step runs under the tracker,
+    # one in which the optimizer states exist: step 2, or a resumed run's first (they came with the checkpoint).
     measure_on_cpu = (cfg.run.predict_memory and info.device.type == "cpu"
                       and plan.strategy in PREDICTABLE_STRATEGIES)
+    tracked_step_number = start_step + 1 if start_step else min(2, steps)
     tracked_peak = 0
     stats = None  # the last step's; None until a step ran (a resume may start at an epoch's end)
     try:
@@ -400,7 +406,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
             for micro_batches in _collate_steps(sampler, data.train, collator):
                 inject_fault(step + 1, info)
                 try:
-                    if measure_on_cpu and step + 1 == min(2, steps):  # step 2: the optimizer states exist
+                    if measure_on_cpu and step + 1 == tracked_step_number:
                         stats, tracked_peak = tracked_step(ctx, micro_batches)
                     else:
                         stats = train_step(ctx, micro_batches)
@@ -447,12 +453,15 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     if flops and run_tokens:
         per_token = flops_per_token(unwrap(model).config, total, trainable, cfg.data.max_seq_len)
         mfu = per_token * run_tokens / wall / (flops * info.world_size)
-    summary = {"steps": step, "epochs": epoch, "wall_s": wall, "tokens": run_tokens,
+    steps_this_run = step - start_step
+    summary = {"steps": step, "steps_this_run": steps_this_run, "resumed_from_step": start_step if resume else None,
+               "epochs": epoch, "wall_s": wall, "tokens": run_tokens,
                "tokens_per_s": run_tokens / max(wall, 1e-9), "trainable_parameters": trainable,
                "parameters": total, "world_size": info.world_size, "strategy": plan.strategy,
                "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
                "stopped_by": "SIGTERM" if stopped_by_signal else "completed", "last_checkpoint": last_checkpoint}
-    memory = memory_check(cfg, info, plan, tracked_peak)
+    # A run that trained nothing (resumed at its last step) has no step to measure: no record rather than a wrong one.
+    memory = memory_check(cfg, info, plan, tracked_peak) if steps_this_run else None
     if memory:
         summary.update(memory)
         metrics.write({"step": step, **memory})
@@ -474,7 +483,24 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         tmp.write_text(json.dumps(summary, indent=1))
         tmp.replace(out / "summary.json")
         push_to_hub(cfg, summary.get("final"))
-        log.info("done: %d steps in %.1f s, %.0f tokens/s%s, peak memory %.2f GiB per process", step, wall,
-                 summary["tokens_per_s"], f", MFU {mfu:.1%}" if mfu is not None else "",
-                 summary["peak_memory_bytes"] / 2**30)
+        log_summary(summary, cfg)
     return summary
+
+
+def log_summary(summary: dict[str, Any], cfg: TrainConfig) -> None:
+    """The run's last line: what this run did (a resumed run counts only its own steps), or that it did nothing."""
+    step, ran, resumed_from = summary["steps"], summary["steps_this_run"], summary["resumed_from_step"]
+    if ran == 0:
+        by_steps = cfg.run.max_steps > 0
+        limit = f"max_steps ({cfg.run.max_steps})" if by_steps else \
+            f"the last step of num_train_epochs {cfg.run.num_train_epochs:g}"
+        final = f" (final/ written from {summary['last_checkpoint']})" if summary.get("final") else ""
+        log.info("nothing to train: resumed at step %d, already %s, so no step was taken%s; raise %s to train "
+                 "further", step, limit, final, "max_steps" if by_steps else "num_train_epochs")
+        return
+    what = f"{ran} steps" if resumed_from is None else \
+        f"{ran} steps (steps {resumed_from + 1}-{step}, resumed from step {resumed_from})"
+    mfu = summary["mfu"]
+    log.info("done: %s in %.1f s, %.0f tokens/s%s, peak memory %.2f GiB per process", what, summary["wall_s"],
+             summary["tokens_per_s"], f", MFU {mfu:.1%}" if mfu is not None else "",
+             summary["peak_memory_bytes"] / 2**30)
