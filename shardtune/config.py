@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -40,6 +41,13 @@ SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 STRATEGIES_STEPS = ("steps", "epoch", "no")
 SECRET_KEYS = {"hub_token"}  # never written into config.yaml beside the checkpoints
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
+# The data set that ``shardtune estimate --emit-config`` writes (memory/trace_setup.py): the user fills it in.
+DATASET_PLACEHOLDER = "REPLACE_WITH_YOUR_DATASET"
+# resume_from_checkpoint values that name no folder (train/checkpoint.py resolve_resume reads them the same way).
+RESUME_NEWEST = ("true", "yes", "1", "latest")
+RESUME_OFF = ("false", "no", "0", "")
+MANIFEST = "manifest.json"  # written last into a checkpoint folder: its presence means the save completed
+STEP_FOLDER = re.compile(r"step-(\d+)$")
 
 
 @dataclass
@@ -357,10 +365,29 @@ def _coerce(value: Any, hint: Any) -> Any:
     return str(value)
 
 
-def build_config(layers: list[tuple[dict[str, Any], dict[str, Source]]], *, training: bool = True) -> TrainConfig:
+Layers = list[tuple[dict[str, Any], dict[str, Source]]]
+
+
+def build_config(layers: Layers, *, training: bool = True) -> TrainConfig:
     """Apply ``layers`` (lowest precedence first) onto the defaults; report every problem together. With
-    ``training`` False (``data inspect``), nothing will be written, so no output_dir is needed."""
+    ``training`` False (``data inspect``), nothing will be written, so no output_dir is needed, and the data set is
+    read next, so it must be real data."""
+    cfg, given, problems = _apply(layers, training=training)
+    if not training:
+        problems += _data_problems(cfg, given)
+    _raise(problems)
+    return cfg
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise UsageError(" | ".join(problems) if len(problems) > 1 else problems[0])
+
+
+def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Source], list[str]]:
+    """The config ``layers`` make, where each key's value came from, and every problem found."""
     cfg = TrainConfig()
+    given: dict[str, Source] = {}
     sections = _section_classes()
     owner = known_keys()
     hints = {name: get_type_hints(cls) for name, cls in sections.items()}
@@ -382,11 +409,55 @@ def build_config(layers: list[tuple[dict[str, Any], dict[str, Source]]], *, trai
                 problems.append(f"{source}: {key}={value!r}: {exc}")
                 continue
             setattr(getattr(cfg, section), key, coerced)
+            given[key] = source
     _normalise(cfg)
     problems += validate(cfg, training=training)
-    if problems:
-        raise UsageError(" | ".join(problems) if len(problems) > 1 else problems[0])
-    return cfg
+    return cfg, given, problems
+
+
+def _data_problems(cfg: TrainConfig, given: dict[str, Source]) -> list[str]:
+    if cfg.data.dataset_name != DATASET_PLACEHOLDER:
+        return []
+    return [f"{given.get('dataset_name', Source('config'))}: dataset_name is still the placeholder "
+            f"{DATASET_PLACEHOLDER} that 'shardtune estimate --emit-config' writes; set dataset_name to your data "
+            f"(a local file/folder or a hub data set)"]
+
+
+def checkpoint_folder_problem(folder: str | Path, label: str, *, or_else: str = "") -> str | None:
+    """Why ``folder`` is not a complete checkpoint, as one line starting with ``label``; None when it is one.
+
+    A folder that does not exist gets the step-N folders beside it listed, so a mistyped step is fixed at a glance.
+    """
+    path = Path(folder)
+    if (path / MANIFEST).is_file():
+        return None
+    if path.exists():
+        return (f"{label}: not a complete shardtune checkpoint (no {MANIFEST}); give an "
+                f"output_dir/checkpoints/step-N folder{or_else}")
+    parent = path.parent
+    steps = sorted((int(m.group(1)), p) for p in parent.iterdir() if (m := STEP_FOLDER.match(p.name))
+                   and p.is_dir()) if parent.is_dir() else []
+    complete = [p.name for _, p in steps if (p / MANIFEST).is_file()]
+    if complete:
+        return f"{label}: no such folder; {parent} holds {', '.join(complete)}: give one of those{or_else}"
+    if steps:
+        beside = f"{parent} holds only incomplete checkpoints: {', '.join(p.name for _, p in steps)}"
+    else:
+        beside = f"{parent} holds no step-N folder" if parent.is_dir() else f"{parent} does not exist either"
+    return f"{label}: no such folder ({beside}); give an output_dir/checkpoints/step-N folder{or_else}"
+
+
+def _run_problems(cfg: TrainConfig, given: dict[str, Source]) -> list[str]:
+    """What only a real run trips over, found before it loads a model: placeholder data, a missing checkpoint."""
+    problems = _data_problems(cfg, given)
+    spec = cfg.checkpoint.resume_from_checkpoint
+    if spec is not None and spec.lower() not in RESUME_NEWEST + RESUME_OFF:
+        where = given.get("resume_from_checkpoint", Source("config"))
+        problem = checkpoint_folder_problem(spec, f"{where}: resume_from_checkpoint={spec}",
+                                            or_else=", or true for the newest one")
+        if problem:
+            problems.append(problem)
+    return problems
 
 
 def _normalise(cfg: TrainConfig) -> None:
@@ -409,7 +480,9 @@ def _normalise(cfg: TrainConfig) -> None:
 
 def _choice(problems: list[str], key: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        problems.append(f"{key}={value!r} is not accepted; use one of {', '.join(choices)}")
+        hint = closest(str(value), choices)
+        did_you_mean = f" (did you mean {hint}?)" if hint else ""
+        problems.append(f"{key}={value!r} is not accepted; use one of {', '.join(choices)}{did_you_mean}")
 
 
 def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
@@ -495,8 +568,24 @@ def _validate_pipeline(cfg: TrainConfig) -> list[str]:
 def load_train_config(argv: list[str], *, training: bool = True) -> TrainConfig:
     """Resolve ``shardtune train`` arguments into a validated TrainConfig (see the module docstring); ``training``
     False reads them for a command that writes nothing (no output_dir needed)."""
+    return build_config(_layers(argv), training=training)
+
+
+def load_run_config(argv: list[str]) -> TrainConfig:
+    """``load_train_config`` for a job about to start (``shardtune train``, ``shardtune launch``): it also refuses,
+    before any model is loaded, the --emit-config dataset placeholder and a resume_from_checkpoint folder that is
+    no complete checkpoint. A dry run reads neither. (Plain loads stay lenient: ``export`` reads a run's saved
+    config, whose resume folder may since have been rotated away.)"""
+    cfg, given, problems = _apply(_layers(argv), training=True)
+    if not cfg.run.dry_run:
+        problems += _run_problems(cfg, given)
+    _raise(problems)
+    return cfg
+
+
+def _layers(argv: list[str]) -> Layers:
     files, overrides, flags, cli_sources = parse_cli_pairs(argv)
-    layers: list[tuple[dict[str, Any], dict[str, Source]]] = []
+    layers: Layers = []
     accelerate_file = flags.pop("config_file", None) or overrides.pop("config_file", None)
     if accelerate_file:
         layers.append(read_accelerate_config(accelerate_file))
@@ -507,7 +596,7 @@ def load_train_config(argv: list[str], *, training: bool = True) -> TrainConfig:
         layers.append(read_yaml_recipe(path))
     layers.append((overrides, cli_sources))
     layers.append((flags, cli_sources))
-    return build_config(layers, training=training)
+    return layers
 
 
 def save_resolved(cfg: TrainConfig, path: str | Path) -> None:

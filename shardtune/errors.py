@@ -22,11 +22,17 @@ def first_line(text: str, default: str = "") -> str:
     return (text.strip().splitlines() or [default])[0]
 
 
-def closest(word: str, choices: Iterable[str]) -> str | None:
-    """The choice nearest to ``word`` (case-insensitive), or None when nothing is close."""
+def closest(word: str, choices: Iterable[str], cutoff: float = 0.5) -> str | None:
+    """The choice nearest to ``word`` (case-insensitive), or None when nothing is ``cutoff`` close (difflib's ratio).
+
+    A word of three or more characters that begins some choices is a shortened name ('h100' for 'h100-80gb'):
+    one of those wins over a choice that is merely spelled alike ('h200').
+    """
     choices = list(choices)
     lowered = {c.lower(): c for c in choices}
-    match = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.5)
+    word = word.lower()
+    extended = [c for c in lowered if c.startswith(word)] if len(word) >= 3 else []
+    match = difflib.get_close_matches(word, extended or list(lowered), n=1, cutoff=0 if extended else cutoff)
     return lowered[match[0]] if match else None
 
 

@@ -3,18 +3,96 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import warnings
 
 from shardtune import __version__
-from shardtune.errors import UsageError
+from shardtune.errors import UsageError, closest
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad argument on one line (exit 2) instead of the usage block plus the error."""
+    """argparse that reports a bad argument on one line (exit 2) instead of the usage block plus the error.
+
+    A subcommand's parser reports an unknown option itself, naming the subcommand and the option meant, and
+    before a missing required argument (``--promt hi`` leaves --prompt missing, but the typo is the news).
+    """
+
+    _argv: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._argv = list(sys.argv[1:] if args is None else args)
+        namespace, extras = super().parse_known_args(self._argv, namespace)
+        if extras and self._subparsers is None:  # the last parser on the line: nobody else will take them
+            self.error(self._unrecognized(extras))
+        return namespace, extras
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("the following arguments are required"):
+            extras = self._extras_if_nothing_required()
+            if any(_is_option(a) for a in extras):
+                message = self._unrecognized(extras)
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def _extras_if_nothing_required(self) -> list[str]:
+        """What the last line leaves over when parsed with no argument required."""
+        required = [action for action in self._actions if action.required]
+        for action in required:
+            action.required = False
+        try:
+            return super().parse_known_args(self._argv, None)[1]
+        finally:
+            for action in required:
+                action.required = True
+
+    def _unrecognized(self, extras: list[str]) -> str:
+        option = next((a for a in extras if _is_option(a)), None)
+        if option is None:
+            return f"unrecognized arguments: {' '.join(extras)}"
+        name = option.split("=", 1)[0]
+        # Without the dashes every option shares, and stricter than for values: short names look alike by chance.
+        known = {s.lstrip("-"): s for action in self._actions for s in action.option_strings if s.startswith("--")}
+        hint = closest(name.lstrip("-"), known, cutoff=0.6)
+        return f"unknown option {name}" + (f"; did you mean {known[hint]}?" if hint else "")
+
+
+def _is_option(arg: str) -> bool:
+    if not arg.startswith("-") or arg == "-":
+        return False
+    try:
+        float(arg)  # a negative number is a value
+    except ValueError:
+        return True
+    return False
+
+
+class _DropMessage(logging.Filter):
+    """Drops a logger's records whose message starts with ``prefix``; the logger's other records pass."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+# bitsandbytes (imported by PEFT) on CPUs with AVX512-BF16: an optional kernel package is missing; the built-in
+# fallback is used and nothing is wrong.
+_BNB_KERNELS = _DropMessage("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+def quiet_library_noise() -> None:
+    """Silence three library messages that every normal run prints and that call for no action, and nothing else:
+    the bitsandbytes note above; transformers' FutureWarning about ``is_gradient_checkpointing``, which PEFT (not
+    shardtune) reads; and torch's UserWarning that distributed checkpointing runs on one process, which is the
+    intent of every single-process save and load."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_BNB_KERNELS)
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning,
+                            module="transformers")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                            category=UserWarning)
 
 
 SUBCOMMANDS = ("estimate", "train", "launch", "data", "generate", "plot", "demo", "export", "bench")
@@ -37,10 +115,17 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 PASSTHROUGH = ("train", "launch")
 
 
+TRAIN_HELP = ("-h", "--help", "--help-keys", "--help_keys")
+
+
 def _passthrough(command: str, argv: list[str]) -> int:
     from shardtune.cli import data, launch, train
 
     try:
+        if command == "train" and not any(a in TRAIN_HELP for a in argv):
+            from shardtune.config import load_run_config
+
+            load_run_config(argv)  # problems that would otherwise show only after the model has loaded
         return {"train": train.run, "launch": launch.run, "data inspect": data.run_inspect}[command](argv)
     except UsageError as exc:
         # Every rank of a launched job checks the same config: one copy of the message is enough.
@@ -53,6 +138,7 @@ def _passthrough(command: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    quiet_library_noise()  # before any subcommand imports them (torchrun's ranks come through here too)
     if argv and argv[0] in PASSTHROUGH:
         return _passthrough(argv[0], argv[1:])
     if argv[:2] == ["data", "inspect"]:  # reads training arguments too

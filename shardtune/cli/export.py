@@ -9,6 +9,9 @@ Both run on one process and load weights without executing code (DCP, safetensor
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from shardtune.errors import UsageError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.set_defaults(func=main_merge)
 
 
+def _check_base(base: str | None, fix: str) -> None:
+    """--base is a folder: a missing one is refused at once, not looked up on the hub (a minute of retries)."""
+    if base is not None and not Path(base).is_dir():
+        raise UsageError(f"--base {base}: no such folder; {fix}")
+
+
 def main_export(args: argparse.Namespace) -> int:
+    _check_base(args.base, "give the folder of the base model the run trained (or leave --base out)")
     from shardtune.train.checkpoint import export_checkpoint
 
     path = export_checkpoint(args.checkpoint, args.out, base=args.base)
@@ -40,6 +50,7 @@ def main_export(args: argparse.Namespace) -> int:
 
 
 def main_merge(args: argparse.Namespace) -> int:
+    _check_base(args.base, "give the base model folder the adapter was trained on")
     from shardtune.train.checkpoint import merge_adapter
 
     path = merge_adapter(args.adapter, args.base, args.out)

@@ -14,7 +14,7 @@ import shlex
 import signal
 import sys
 
-from shardtune.errors import UsageError
+from shardtune.errors import UsageError, closest
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +44,7 @@ def launcher_parser() -> argparse.ArgumentParser:
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+JOB = ["-m", "shardtune", "train"]  # what torchrun starts on every rank
 
 
 def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[str]:
@@ -89,11 +90,30 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
         cmd += ["--master_addr", str(ip or "127.0.0.1"), "--master_port", str(port)]
     else:
         cmd += ["--standalone"]
-    cmd += ["-m", "shardtune", "train"]
+    cmd += JOB
     if opts.config_file:
         cmd += ["--config_file", opts.config_file]
     cmd += ["--num_processes", str(num_processes), "--num_machines", str(num_machines)]
     return cmd + train_args
+
+
+# Launcher options that take no value; every other one takes one (or is written --option=value).
+LAUNCHER_FLAGS = ("--dry_run", "--dry-run", "-h", "--help")
+EXAMPLE = "'shardtune launch --num_processes 2 train --model_name_or_path M ...'"
+
+
+def _no_train(argv: list[str]) -> UsageError:
+    """The error for a launch line without 'train': a mistyped launcher option, or command, or no job at all."""
+    start = 0  # the first word that is neither a launcher option nor its value
+    while start < len(argv) and argv[start].startswith("-"):
+        start += 1 if argv[start] in LAUNCHER_FLAGS or "=" in argv[start] else 2
+    launcher_parser().parse_args(argv[:start])  # an unknown launcher option is reported first
+    if start >= len(argv):
+        return UsageError(f"nothing to launch: write the job after the launcher options, e.g. {EXAMPLE}")
+    word = argv[start]
+    if closest(word, ["train"]):
+        return UsageError(f"unknown command '{word}'; did you mean 'train'? (e.g. {EXAMPLE})")
+    return UsageError(f"unknown command '{word}': launch runs 'train' after its options, e.g. {EXAMPLE}")
 
 
 def _local_gpus() -> int:
@@ -111,14 +131,22 @@ def run(argv: list[str]) -> int:
         if any(a in ("-h", "--help") for a in argv):
             launcher_parser().print_help()
             return 0
-        raise UsageError("nothing to launch: write the job after the launcher options, e.g. "
-                         "'shardtune launch --num_processes 2 train --model_name_or_path M ...'")
+        raise _no_train(argv)
     split = argv.index("train")
     opts = launcher_parser().parse_args(argv[:split])
     cmd = torchrun_command(opts, argv[split + 1:])
     if opts.dry_run:
         print(shlex.join(cmd))
         return 0
+    from shardtune.cli import TRAIN_HELP
+    from shardtune.config import load_run_config
+
+    job = next(i for i in range(len(cmd)) if cmd[i:i + len(JOB)] == JOB)
+    train_argv = cmd[job + len(JOB):]  # what every rank's 'shardtune train' reads
+    if not any(a in TRAIN_HELP for a in train_argv):
+        # Checked once here, as one line, rather than on every rank amid torchrun's output. Keys and values
+        # only: neither the model nor the data is opened.
+        load_run_config(train_argv)
     return run_torchrun(cmd[len(TORCHRUN):])
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardtune.errors import UsageError
+from shardtune.errors import UsageError, first_line
 
 log = logging.getLogger("shardtune")
 
@@ -93,6 +93,11 @@ def resolve(dataset_name: str, split_names: list[str], config_name: str | None =
         return Source("files", dataset_name, split_files, _content_fingerprint(data_files, path))
     if dataset_name.startswith((".", "/", "~")) or dataset_name.count("/") > 1 or path.suffix.lower() in EXTENSIONS:
         raise UsageError(f"dataset_name '{dataset_name}' does not exist: check the path.")
+    # 'out/nodata' where ./out is a folder is a mistyped path, not an organisation on the hub.
+    owner = dataset_name.split("/", 1)[0]
+    if "/" in dataset_name and Path(owner).is_dir():
+        raise UsageError(f"dataset_name '{dataset_name}' does not exist: check the path ('{owner}' is a local "
+                         f"folder, so the name is read as a path, not a hub data set).")
     # A hub name: fingerprinted by the commit it resolves to now, so a new upload is tokenised again (the
     # `datasets` library caches the download itself).
     revision = hub_revision(dataset_name)
@@ -209,8 +214,9 @@ def iter_split(source: Source, split: str, config_name: str | None = None) -> It
             if "split" in str(exc).lower():
                 return
             raise UsageError(f"dataset_name '{source.name}': {str(exc).splitlines()[0]}") from exc
-        except FileNotFoundError as exc:
+        except OSError as exc:  # FileNotFoundError: no such data set; ConnectionError: hub offline or unreachable
             raise UsageError(f"dataset_name '{source.name}' is neither a local path nor a reachable hub data set "
-                             f"({str(exc).splitlines()[0]}).") from exc
+                             f"({first_line(str(exc), type(exc).__name__)}); give a local file or folder, or check "
+                             f"the hub name and the network.") from exc
     for i, row in enumerate(loaded):
         yield f"{source.name}[{split}] row {i + 1}", row

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from shardtune.config import checkpoint_folder_problem
 from shardtune.errors import UsageError, writing
 from shardtune.train.dist import DistInfo, run_and_share
 
@@ -220,9 +221,9 @@ def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
             return None
         return found[-1]
     path = Path(spec)
-    if not (path / MANIFEST).is_file():
-        raise UsageError(f"resume_from_checkpoint={spec!r}: not a complete shardtune checkpoint (no {MANIFEST}); "
-                         f"give a checkpoints/step-N folder or true for the newest one")
+    problem = checkpoint_folder_problem(path, f"resume_from_checkpoint={spec}", or_else=", or true for the newest one")
+    if problem:
+        raise UsageError(problem)
     return path
 
 
@@ -373,9 +374,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
 
     path = Path(checkpoint)
     _check_out(Path(out))
-    if not (path / MANIFEST).is_file():
-        raise UsageError(f"{checkpoint}: not a complete shardtune checkpoint (no {MANIFEST}); give a "
-                         f"output_dir/checkpoints/step-N folder")
+    if problem := checkpoint_folder_problem(path, str(checkpoint)):
+        raise UsageError(problem)
     overrides = ["--model_name_or_path", base] if base else []
     cfg = load_train_config([str(path / "config.yaml"), *overrides])
     manifest = json.loads((path / MANIFEST).read_text())

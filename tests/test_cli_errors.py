@@ -1,0 +1,280 @@
+"""Bad input found in a user walkthrough: each gets one line naming the input, the place and the fix, exit code 2,
+no traceback, and no minute of hub retries or model loading before it."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from shardtune.cli import main
+from shardtune.errors import UsageError, closest
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # a slip to the hub fails at once, not in ~50 s
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from shardtune.tiny import make_model_folder, make_tokenizer
+
+    return make_model_folder(tmp_path_factory.mktemp("tiny") / "model", tokenizer=make_tokenizer())
+
+
+def one_error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def exits_2(argv: list[str]) -> None:
+    """argparse subcommands end in SystemExit(2); the others return 2."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+
+
+# 1. data sets neither local nor on the hub
+
+
+def test_unreachable_hub_data_set_is_a_usage_error(monkeypatch):
+    import datasets
+
+    from shardtune.data.readers import Source, iter_split
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'someorg/somedata' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(UsageError, match=r"'someorg/somedata' is neither a local path nor a reachable hub data set "
+                                         r"\(Couldn't reach .*\); give a local file or folder"):
+        list(iter_split(Source("hub", "someorg/somedata"), "train"))
+
+
+def test_unreachable_hub_data_set_from_the_command_line(tiny, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "shardtune", "data", "inspect", "someorg/somedata",
+                           "--model_name_or_path", str(tiny)], capture_output=True, text=True, cwd=tmp_path,
+                          env=os.environ | OFFLINE, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert errors == [errors[0]] and "neither a local path nor a reachable hub data set" in errors[0]
+
+
+def test_name_under_an_existing_local_folder_is_a_missing_path(tmp_path, monkeypatch):
+    from shardtune.data.readers import resolve
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(UsageError, match=r"dataset_name 'out/nodata' does not exist: check the path \('out' is a "
+                                         r"local folder"):
+        resolve("out/nodata", ["train"])
+
+
+# 2. the --emit-config placeholder, and merge --base
+
+
+@pytest.fixture
+def emitted(tiny, tmp_path) -> Path:
+    recipe = tmp_path / "recipe.yaml"
+    assert main(["estimate", str(tiny), "--method", "lora", "--emit-config", str(recipe)]) == 0
+    return recipe
+
+
+def test_emitted_config_uses_the_placeholder_config_rejects(emitted):
+    from shardtune.config import DATASET_PLACEHOLDER
+
+    assert f"dataset_name: {DATASET_PLACEHOLDER}\n" in emitted.read_text()
+
+
+def test_placeholder_data_set_is_refused_before_the_model_loads(emitted, capsys, monkeypatch):
+    import shardtune.data.templates
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded before the placeholder was refused")
+
+    monkeypatch.setattr(shardtune.data.templates, "load_tokenizer", no_load)
+    line = [n for n, text in enumerate(emitted.read_text().splitlines(), 1) if text.startswith("dataset_name:")][0]
+    for command in (["train", str(emitted)], ["data", "inspect", str(emitted)]):
+        assert main(command) == 2
+        error = one_error_line(capsys)
+        assert f"{emitted}, line {line}: dataset_name is still the placeholder" in error
+        assert error.endswith("set dataset_name to your data (a local file/folder or a hub data set)")
+
+
+def test_placeholder_is_fine_where_no_data_is_read(emitted):
+    from shardtune.config import load_run_config, load_train_config
+
+    assert load_train_config([str(emitted)]).data.dataset_name  # what estimate's own tests read back
+    assert load_run_config([str(emitted), "--dry_run"]).run.dry_run  # a dry run traces, it reads no rows
+    assert load_run_config([str(emitted), "--dataset_name", "chat.jsonl"]).data.dataset_name == "chat.jsonl"
+
+
+def test_merge_and_export_refuse_a_missing_base_folder_at_once(tmp_path, capsys):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert main(["merge", str(adapter), "--base", str(tmp_path / "nosuchbase"), str(tmp_path / "out")]) == 2
+    assert one_error_line(capsys) == (f"shardtune merge: error: --base {tmp_path / 'nosuchbase'}: no such folder; "
+                                      f"give the base model folder the adapter was trained on")
+    assert main(["export", str(adapter), str(tmp_path / "out"), "--base", str(tmp_path / "nosuchbase")]) == 2
+    assert "no such folder" in one_error_line(capsys)
+
+
+# 3. mistyped options of argparse subcommands
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["estimate", "llama-3.1-8b", "--methd", "lora"],
+     "shardtune estimate: error: unknown option --methd; did you mean --method? (see 'shardtune estimate --help')"),
+    (["estimate", "llama-3.1-8b", "--num_gpus", "2"],
+     "shardtune estimate: error: unknown option --num_gpus; did you mean --num-gpus?"),
+    (["generate", "M", "--promt", "hi"], "shardtune generate: error: unknown option --promt; did you mean --prompt?"),
+    (["chat", "M", "--temprature", "1"], "shardtune chat: error: unknown option --temprature; did you mean"),
+    (["merge", "A", "--bsae", "X", "OUT"], "shardtune merge: error: unknown option --bsae; did you mean --base?"),
+    (["export", "C", "OUT", "--bsae", "X"], "shardtune export: error: unknown option --bsae; did you mean --base?"),
+    (["plot", "out", "--bogus"], "shardtune plot: error: unknown option --bogus (see 'shardtune plot --help')"),
+    (["demo", "--skip-estimte"], "shardtune demo: error: unknown option --skip-estimte; did you mean --skip-estimate?"),
+    (["bench", "strategies", "c.yaml", "--stratgies", "ddp"],
+     "shardtune bench strategies: error: unknown option --stratgies; did you mean --strategies?"),
+    (["launch", "--num_procesess", "2", "train"], "shardtune launch: error: unknown option --num_procesess; "
+                                                  "did you mean --num_processes?"),
+    (["estimate", "llama-3.1-8b", "extra"], "shardtune estimate: error: unrecognized arguments: extra"),
+])
+def test_unknown_option_names_the_subcommand_and_the_option_meant(argv, error, capsys):
+    exits_2(argv)
+    assert one_error_line(capsys).startswith(error)
+
+
+# 4. launch
+
+
+def test_launch_names_a_mistyped_command(capsys):
+    assert main(["launch", "--num_processes", "2", "trian", "--model_name_or_path", "M"]) == 2
+    assert one_error_line(capsys).startswith("shardtune launch: error: unknown command 'trian'; did you mean 'train'?")
+    assert main(["launch", "--num_processes", "2", "estimate"]) == 2
+    assert "unknown command 'estimate': launch runs 'train' after its options" in one_error_line(capsys)
+
+
+def test_launch_checks_the_training_keys_once_before_spawning(monkeypatch, capsys, tmp_path):
+    from shardtune.cli import launch
+
+    spawned = []
+    monkeypatch.setattr(launch, "run_torchrun", lambda args: spawned.append(args) or 0)
+    job = ["launch", "--num_processes", "2", "train", "--model_name_or_path", "no/such-model", "--dataset_name",
+           "nosuch.jsonl", "--output_dir", str(tmp_path / "out")]
+    assert main([*job, "--distributed_type", "FSPD"]) == 2
+    assert one_error_line(capsys) == ("shardtune launch: error: distributed_type='FSPD' is not accepted; use one of "
+                                      "NO, DDP, FSDP, MP, PP (did you mean FSDP?)")
+    assert spawned == []
+    assert main(job) == 0 and len(spawned) == 1  # keys and values only: neither model nor data need exist here
+
+
+# 5. GPU names
+
+
+def test_a_shortened_gpu_name_suggests_the_gpu_it_starts(capsys):
+    assert closest("h100", ["h100-80gb", "h200", "a100-80gb"]) == "h100-80gb"
+    assert closest("a100", ["h100-80gb", "a100-80gb", "a100-40gb"]) in ("a100-80gb", "a100-40gb")
+    assert closest("h20", ["h100-80gb", "h200"]) == "h200"
+    for command in (["estimate", "llama-3.1-8b", "--gpu", "h100"], ["demo", "--gpu", "h100"]):
+        assert main(command) == 2
+        assert one_error_line(capsys).endswith("Did you mean 'h100-80gb'?")
+
+
+# 6. checkpoint folders that do not exist
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    for step, complete in ((10, True), (20, True), (30, False)):
+        folder = tmp_path / "out" / "checkpoints" / f"step-{step}"
+        folder.mkdir(parents=True)
+        if complete:
+            (folder / "manifest.json").write_text(json.dumps({"step": step}))
+    return tmp_path / "out"
+
+
+def test_export_of_a_missing_checkpoint_lists_the_ones_there(run_dir, tmp_path, capsys):
+    missing = run_dir / "checkpoints" / "step-99"
+    assert main(["export", str(missing), str(tmp_path / "x")]) == 2
+    assert one_error_line(capsys) == (f"shardtune export: error: {missing}: no such folder; {missing.parent} holds "
+                                      f"step-10, step-20: give one of those")
+    assert main(["export", str(run_dir / "checkpoints" / "step-30"), str(tmp_path / "x")]) == 2
+    assert "not a complete shardtune checkpoint (no manifest.json); give an output_dir/" in one_error_line(capsys)
+    assert main(["export", str(tmp_path / "elsewhere" / "step-1"), str(tmp_path / "x")]) == 2
+    assert "does not exist either); give an output_dir/checkpoints/step-N folder" in one_error_line(capsys)
+
+
+def test_resume_from_a_missing_checkpoint_fails_before_the_model_loads(run_dir, capsys, monkeypatch):
+    import shardtune.train.loop
+
+    def no_training(cfg):
+        raise AssertionError("the job started before its resume folder was checked")
+
+    monkeypatch.setattr(shardtune.train.loop, "train", no_training)
+    missing = run_dir / "checkpoints" / "step-25"
+    assert main(["train", "--model_name_or_path", "M", "--dataset_name", "d.jsonl", "--output_dir", str(run_dir),
+                 "--resume_from_checkpoint", str(missing)]) == 2
+    error = one_error_line(capsys)
+    assert f"resume_from_checkpoint={missing}: no such folder; {missing.parent} holds step-10, step-20" in error
+    assert error.endswith("give one of those, or true for the newest one")
+
+
+def test_resolve_resume_says_the_folder_is_missing(run_dir):
+    from shardtune.train.checkpoint import resolve_resume
+
+    with pytest.raises(UsageError, match="step-99: no such folder; .* holds step-10, step-20"):
+        resolve_resume(str(run_dir / "checkpoints" / "step-99"), run_dir)
+    assert resolve_resume(str(run_dir / "checkpoints" / "step-20"), run_dir) == run_dir / "checkpoints" / "step-20"
+
+
+def test_a_saved_config_with_a_rotated_resume_folder_still_loads(run_dir):
+    from shardtune.config import load_train_config
+
+    # export reads a run's config.yaml, whose resume folder may since have been deleted (save_total_limit)
+    cfg = load_train_config(["--model_name_or_path", "M", "--dataset_name", "d.jsonl", "--output_dir", str(run_dir),
+                             "--resume_from_checkpoint", str(run_dir / "checkpoints" / "step-5")])
+    assert cfg.checkpoint.resume_from_checkpoint.endswith("step-5")
+
+
+# 7. library noise on stderr
+
+
+NOISE = ("Failed to load CPU gemm_4bit_forward", "is_gradient_checkpointing", "torch.distributed is disabled")
+
+
+def test_estimate_trace_prints_no_library_noise(tiny, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "shardtune", "estimate", str(tiny), "--method", "lora", "--trace"],
+                          capture_output=True, text=True, cwd=tmp_path, env=os.environ | OFFLINE, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not [noise for noise in NOISE if noise in proc.stderr], proc.stderr
+
+
+def test_only_those_library_messages_are_silenced(tiny, tmp_path, caplog):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")  # every warning the CLI's filters let through is recorded
+        assert main(["estimate", "--list"]) == 0  # the CLI's start-up puts its filters in front
+        assert model.is_gradient_checkpointing is False
+        state = {"w": torch.zeros(2)}
+        dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+        dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+        bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s.", "No module named 'kernels'")
+        bnb.warning("another bitsandbytes warning")
+        warnings.warn("another user warning", UserWarning)
+        warnings.warn("another future warning", FutureWarning)
+    shown = [str(w.message) for w in caught]
+    assert not [m for m in shown if any(noise in m for noise in NOISE)], shown
+    assert "another user warning" in shown and "another future warning" in shown
+    assert [r.getMessage() for r in caplog.records if r.name == bnb.name] == ["another bitsandbytes warning"]
