@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# shardtune's GPU benches, one stage per call, each well inside the device tool's 10 minutes a command.
+#
+#   bash bench/gpu_session.sh prepare    # on the dev machine (no GPU): what the GPU image lacks, into .whl/ (ignored)
+#   bash bench/gpu_session.sh memory-1   # GPU: estimate_cuda.py for llama-3.2-1b and tinyllama-1.1b (72 points)
+#   bash bench/gpu_session.sh memory-2   # GPU: estimate_cuda.py for llama-3.2-3b (36 points)
+#   bash bench/gpu_session.sh others     # GPU: train_vs_transformers.py and generate_kv_cache.py --device cuda
+#
+# From the device tool: run(command="bash bench/gpu_session.sh memory-1", carry=[".whl"], timeout_s=600).
+# Each stage writes into bench/results/ and copies the files it wrote to $OUT where that is set. Copy them back into
+# bench/results/ before the next stage: a fresh machine starts from the working tree, and memory-2 adds its rows to
+# the table memory-1 wrote. The predictions (bench/results/estimate_cuda_predictions.json) are made beforehand on a
+# CPU (estimate_cuda.py --predict-only); a memory stage computes only those missing, spending GPU time on them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+has_cuda_torch() { "$1" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; }
+
+# The interpreter: .venv where it has a CUDA torch; else the GPU image's python3 (CUDA torch, transformers and peft
+# installed, no package registry reachable); else a new .venv made by the Makefile, which needs the registry (PyPI's
+# Linux x86-64 torch==2.13.0 wheel is the CUDA build).
+python_for_gpu() {
+    if has_cuda_torch .venv/bin/python; then
+        echo .venv/bin/python
+    elif has_cuda_torch python3; then
+        echo python3
+    elif [ -e .venv ]; then
+        echo ".venv has no CUDA build of torch and neither has python3: move .venv away and run again" >&2
+        return 1
+    else
+        make install PYTHON=python3 >&2 && echo .venv/bin/python
+    fi
+}
+
+# The GPU image lacks bitsandbytes (QLoRA) and datasets (train_vs_transformers.py reads its rows through it), and
+# cannot download them: 'prepare' puts them in .whl/, which the device tool carries.
+use_carried_packages() {
+    if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+        PYTHONPATH="$PYTHONPATH:/tmp/site"
+    fi
+    if [ -d .whl/site ]; then
+        PYTHONPATH="$PYTHONPATH:$PWD/.whl/site"
+    fi
+    export PYTHONPATH
+}
+
+prepare() {
+    local py=.venv/bin/python site
+    # bitsandbytes' wheel holds a library for every CUDA release, more than one call carries (64 MiB): copy the
+    # installed package with the CUDA 13 libraries alone (the GPU image's torch is a CUDA 13.0 build).
+    site=$("$py" -c 'import os, bitsandbytes; print(os.path.dirname(os.path.dirname(bitsandbytes.__file__)))')
+    rm -rf .whl/site && mkdir -p .whl/site
+    cp -r "$site/bitsandbytes" "$site"/bitsandbytes-*.dist-info .whl/site/
+    find .whl/site/bitsandbytes -name 'libbitsandbytes_*.so' ! -name 'libbitsandbytes_cuda13*' \
+        ! -name 'libbitsandbytes_cpu.so' -delete
+    find .whl/site -name __pycache__ -prune -exec rm -rf {} +
+    # datasets and the two of its requirements the image lacks, as wheels for the image's Python 3.12.
+    local pins
+    pins=$("$py" -c 'from importlib.metadata import version as v; print(*(f"{n}=={v(n)}" for n in ("datasets", "dill", "multiprocess")))')
+    # shellcheck disable=SC2086 # one argument per pin
+    "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $pins
+    du -sh .whl
+}
+
+# Copies what this stage wrote under bench/results/ to $OUT (the device tool brings $OUT back).
+STARTED=$(mktemp)
+return_results() {
+    if [ -n "${OUT:-}" ]; then
+        find bench/results -maxdepth 1 -type f -newer "$STARTED" -exec cp {} "$OUT"/ \;
+        ls "$OUT"
+    fi
+}
+
+stage=${1:-}
+case "$stage" in
+    prepare) prepare; exit 0 ;;
+    memory-1|memory-2|others) ;;
+    *) echo "usage: bash bench/gpu_session.sh prepare|memory-1|memory-2|others (got '${stage}')" >&2; exit 2 ;;
+esac
+
+PY=$(python_for_gpu)
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+use_carried_packages
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+"$PY" - <<'EOF'
+import importlib.util, platform, torch, transformers
+missing = [m for m in ("bitsandbytes", "datasets", "peft") if importlib.util.find_spec(m) is None]
+print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"{torch.cuda.get_device_name()}; missing: {', '.join(missing) or 'nothing'}")
+EOF
+
+trap return_results EXIT
+case "$stage" in
+    # --max-minutes 8: no point starts after 8 minutes, so the stage ends inside the 10-minute limit.
+    memory-1) "$PY" bench/estimate_cuda.py --models llama-3.2-1b tinyllama-1.1b --max-minutes 8 --jobs 8 ;;
+    memory-2) "$PY" bench/estimate_cuda.py --models llama-3.2-3b --max-minutes 8 --jobs 8 ;;
+    others)
+        timeout 300 "$PY" bench/train_vs_transformers.py
+        timeout 240 "$PY" bench/generate_kv_cache.py --device cuda --dtype bfloat16 ;;
+esac
