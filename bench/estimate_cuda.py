@@ -74,8 +74,8 @@ DEFAULT_SHAPES = ["1x512", "2x1024", "1x4096", "8x512", "4x2048", "8x4096"]
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512, head_dim=16, bos_token_id=1, eos_token_id=2)
 DRY_RUN_MAX_SEQ = 64
-# The formula's description of shardtune train's loss (Setup.loss "shardtune": chunks checkpointed one at a time).
-# setup_from_config says "chunked", torchtune's compiled loss, which keeps less at the loss than the trainer does.
+# The formula's description of shardtune train's loss (Setup.loss "shardtune": chunks checkpointed one at a time),
+# as setup_from_config gives it; kept explicit because the table says which loss the formula modelled.
 FORMULA_LOSS = "shardtune"
 # What the predictions depend on besides torch and transformers: a stored prediction made from other sources is
 # stale, and --predict-only computes it again.
@@ -119,7 +119,7 @@ class Prediction:
     formula_phase: str
     formula_items: dict[str, int]  # its breakdown at that phase
     trace_allocated_bytes: int | None
-    trace_reserved_bytes: int | None  # None while the trace has no model of the caching allocator
+    trace_reserved_bytes: int | None  # its replay of the CUDA caching allocator (None where it has none)
     trace_categories: dict[str, int] | None  # what was alive at the traced peak
     trace_failed: str | None
     trace_seconds: float
@@ -242,7 +242,7 @@ def _prediction(entry: dict) -> Prediction:
 
 
 def _compute(points: list[Point], sources: dict[str, str], jobs: int) -> Iterator[tuple[Point, Prediction]]:
-    """Predictions of ``points`` as they finish; with ``jobs`` > 1 in that many fresh processes."""
+    """Predictions of ``points`` as they finish; with ``jobs`` > 1 in that many worker processes."""
     if jobs <= 1:
         for point in points:
             yield point, predict(point, sources[point.model])
@@ -406,7 +406,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if not args.predict_only and device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU machine, use --predict-only for the predictions, or --dry-run "
                          "to check the script on CPU")
-    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else math.inf
+    deadline = math.inf if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
     points = grid(args)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="estimate-cuda-") as tmp:
@@ -511,8 +511,9 @@ def write_predictions(path: Path, stored: dict[str, dict], args: argparse.Namesp
                      f"{_cell(e['formula_allocated_bytes'], error_alloc)} | {_gib(e['trace_reserved_bytes'])} | "
                      f"{_cell(e['formula_reserved_bytes'], error_reserved)} | {e['trace_seconds']:.0f} | "
                      f"{e['trace_failed'] or ''} |")
+    made = "; ".join(sorted({e["made_with"] for e in entries}))
     lines += ["", f"Formula and trace differ by more than 15% at {apart['allocated']} of {len(entries)} points "
-              f"(allocated) and at {apart['reserved']} (reserved). Made with {'; '.join(sorted({e['made_with'] for e in entries}))}."]
+              f"(allocated) and at {apart['reserved']} (reserved). Made with {made}."]
     _write(path.with_suffix(".md"), "\n".join(lines) + "\n")
 
 

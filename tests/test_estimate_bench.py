@@ -95,6 +95,12 @@ def test_stored_predictions_are_read_back_and_runs_add_up(tmp_path, monkeypatch)
     assert sorted(bench._key(r) for r in rows) == ["llama-3.2-1b/lora/1x16/ckpt-on", "llama-3.2-1b/lora/2x32/ckpt-on",
                                                    "llama-3.2-1b/qlora/1x16/ckpt-on"]
 
+    # Past --max-minutes no point starts: it is listed as not run, with its predictions.
+    assert bench.main([*DRY, "--methods", "qlora", "--shapes", "1x16", "--max-minutes", "0", *results]) == 0
+    rows = {bench._key(r): r for r in json.loads((tmp_path / "estimate_cuda_cpu-dry-run.json").read_text())["rows"]}
+    assert rows["llama-3.2-1b/qlora/1x16/ckpt-on"]["status"] == "not run: --max-minutes reached"
+    assert rows["llama-3.2-1b/qlora/1x16/ckpt-on"]["trace_allocated_bytes"] > 0 and len(rows) == 3
+
 
 def test_measured_model_is_the_trainers_qlora_model(tmp_path):
     import bitsandbytes as bnb

@@ -74,7 +74,7 @@ def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> 
                  gradient_checkpointing=cfg.run.gradient_checkpointing, mixed_precision=cfg.mixed_precision,
                  lora_r=lora.lora_r, lora_target_modules=lora.lora_target_modules,
                  attn_implementation=cfg.model.attn_implementation, nf4_double_quant=lora.use_nested_quant,
-                 loss="chunked")
+                 loss="shardtune")  # the trainer's own loss: 8 chunks, each checkpointed
 
 
 def formula_for_config(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -> dict[str, Any]:
