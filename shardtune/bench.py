@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 STRATEGIES = ("mp", "pp", "ddp", "fsdp")
 DISTRIBUTED_TYPE = {"mp": "MP", "pp": "PP", "ddp": "DDP", "fsdp": "FSDP"}
-DATASET_PLACEHOLDER = "REPLACE_WITH_YOUR_DATASET"  # what ``shardtune estimate --emit-config`` writes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -53,7 +52,7 @@ def load_recipe(config: str, extra: list[str], output_dir: Path) -> TrainConfig:
     """The recipe loaded as ``shardtune train`` loads it, and checked for what would make every setup fail at once
     (cheaply: no download, no network): the model and the data exist locally or are hub names, and the data is
     not the placeholder ``--emit-config`` writes. Bad input is a UsageError, raised before any setup starts."""
-    from shardtune.config import load_train_config
+    from shardtune.config import DATASET_PLACEHOLDER, load_train_config
     from shardtune.errors import UsageError
 
     cfg = load_train_config([config, "--output_dir", str(output_dir), *extra])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from shardtune.config import TrainConfig, build_config
+from shardtune.config import DATASET_PLACEHOLDER, TrainConfig, build_config
 from shardtune.errors import UsageError
 from shardtune.memory.hardware import GIB
 from shardtune.memory.setup import Setup
@@ -26,7 +26,7 @@ def config_from_setup(model: str, setup: Setup) -> TrainConfig:
         raise UsageError("--pure-bf16: the trainer keeps fp32 master weights, so --trace and --emit-config cannot "
                          "use it; drop --pure-bf16")
     values: dict[str, Any] = {
-        "model_name_or_path": model, "output_dir": "output", "dataset_name": "REPLACE_WITH_YOUR_DATASET",
+        "model_name_or_path": model, "output_dir": "output", "dataset_name": DATASET_PLACEHOLDER,
         "max_seq_len": setup.seq_len, "per_device_train_batch_size": setup.batch_size,
         "gradient_accumulation_steps": setup.gradient_accumulation_steps,
         "gradient_checkpointing": setup.gradient_checkpointing,

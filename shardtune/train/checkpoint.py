@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import signal
 from collections.abc import Callable
@@ -44,13 +43,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from shardtune.config import checkpoint_folder_problem
+from shardtune.config import (MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER,
+                              checkpoint_folder_problem)
 from shardtune.errors import UsageError, writing
 from shardtune.train.dist import DistInfo, run_and_share
 
 log = logging.getLogger("shardtune")
-STEP_DIR = re.compile(r"^step-(\d+)$")
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 SHARDED, FULL = "SHARDED_STATE_DICT", "FULL_STATE_DICT"
 # Test-only fault injection: "POINT:STEP[:RANK[:HOW]]", POINT during_save or after_save, SIGKILLs the rank(s)
@@ -201,7 +199,7 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
         return []
     found = []
     for entry in root.iterdir():
-        match = STEP_DIR.match(entry.name)
+        match = STEP_FOLDER.match(entry.name)
         if match and (entry / MANIFEST).is_file():
             found.append((int(match.group(1)), entry))
         elif entry.name.startswith(".tmp-step-") or match:
@@ -211,9 +209,9 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
 
 def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
     """``resume_from_checkpoint``: a folder, or true for the newest complete checkpoint in ``output_dir``."""
-    if spec is None or str(spec).lower() in ("false", "no", "0", ""):
+    if spec is None or str(spec).lower() in RESUME_OFF:
         return None
-    if str(spec).lower() in ("true", "yes", "1", "latest"):
+    if str(spec).lower() in RESUME_NEWEST:
         found = complete_checkpoints(output_dir)
         if not found:
             log.warning("resume_from_checkpoint=true: no complete checkpoint in %s; starting from scratch",
