@@ -192,6 +192,33 @@ def test_eval_epochs_match_training_records_and_a_finished_run_resumes_to_nothin
     assert (summary["steps"], summary["steps_this_run"], summary["resumed_from_step"]) == (2, 0, 2)
 
 
+def test_checkpoint_at_an_epochs_last_step_resumes_with_the_next_epoch(work: Path) -> None:
+    """A save_steps checkpoint that falls on an epoch's end records the epoch as done, and a run resumed from it
+    with more epochs trains the next epoch exactly as an uninterrupted run does."""
+    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus 3?"},
+                          {"role": "assistant", "content": f"{a} plus 3 is {a + 3}."}]} for a in range(12)]
+    (work / "small.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # 12 rows, global batch 4: 3 steps an epoch; max_steps -1 lets num_train_epochs decide.
+    args = ("--distributed_type", "NO", *LORA, "--dataset_name", "small.jsonl", "--packing", "False",
+            "--max_steps", "-1", "--save_steps", "3", "--lr_scheduler_type", "constant")
+    ok(shardtune(work, "epochs_ref", *args, "--num_train_epochs", "2", nproc=0))
+    ok(shardtune(work, "epochs", *args, "--num_train_epochs", "1", nproc=0))
+    state = json.loads((work / "epochs" / "checkpoints" / "step-3" / "trainer_state.json").read_text())
+    assert state["epoch"] == 1.0 and state["sampler"]["step_in_epoch"] == 3, state
+
+    again = shardtune(work, "epochs", *args, "--num_train_epochs", "1", "--resume_from_checkpoint", "true", nproc=0)
+    ok(again)
+    assert "at step 3 (epoch 1)" in again.stderr and "nothing to train" in again.stderr, again.stderr[-2000:]
+    assert json.loads((work / "epochs" / "summary.json").read_text())["epochs"] == 1
+
+    more = shardtune(work, "epochs", *args, "--num_train_epochs", "2", "--resume_from_checkpoint", "true", nproc=0)
+    ok(more)
+    got, want = losses(work / "epochs"), losses(work / "epochs_ref")
+    assert sorted(got) == list(range(1, 7)) and got == want  # epoch 2 in the uninterrupted run's order, bitwise
+    assert [r["epoch"] for r in records(work / "epochs") if "loss" in r] == [0.3333, 0.6667, 1.0, 1.3333, 1.6667, 2.0]
+    assert json.loads((work / "epochs" / "summary.json").read_text())["epochs"] == 2
+
+
 def test_sigterm_to_launcher_saves_and_exits_cleanly(work: Path) -> None:
     # Rank 0 sends SIGTERM to the launcher right after step-2 is saved, as a scheduler would before preemption.
     proc = shardtune(work, "sigterm", "--distributed_type", "FSDP", *LORA, fault="after_save:2:0:TERM-LAUNCHER")

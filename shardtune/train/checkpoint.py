@@ -7,7 +7,8 @@ A checkpoint ``output_dir/checkpoints/step-N/`` holds:
   stages key their optimizer state by parameter name (``flat_optimizer`` in the manifest), as each holds other
   parameters;
 - ``rng/rank-R.pt``: each rank's RNG states (dropout must draw the same masks after resume), tensors only;
-- ``trainer_state.json``: step, epoch, the data sampler's position, scheduler and gradient-scaler state;
+- ``trainer_state.json``: step, epochs done (a float, as in Transformers), the data sampler's position, scheduler
+  and gradient-scaler state;
 - ``config.yaml``: the resolved config; ``manifest.json``: written last, lists what a complete checkpoint holds.
 Everything is written into ``.tmp-step-N`` and renamed once every rank has finished, so a ``step-N`` folder is
 always complete; a leftover ``.tmp-*`` (a save that was killed) is ignored with a warning. A write that fails

@@ -314,13 +314,21 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                       if pipelined else None)
     is_peft = cfg.lora.use_peft_lora
 
+    def epochs_done() -> float:
+        """Epochs trained so far, as Transformers counts them: 2.5 halfway through the third; 5.0 at the end of
+        the fifth. The sampler's epoch is the one the last step belongs to, also after the loop counted it done."""
+        return round(sampler.epoch + sampler.step_in_epoch / sampler.steps_per_epoch, 4)
+
     step, epoch = 0, 0
     resume = ckpt.resolve_resume(cfg.checkpoint.resume_from_checkpoint, out)
     if resume is not None:
         state = ckpt.load_checkpoint(resume, model=model, optimizer=optimizer, trainable_only=is_peft, info=info)
-        step, epoch = state["step"], state["epoch"]
+        step = state["step"]
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
+        # Epochs completed, from where the sampler stopped: a checkpoint taken at an epoch's last step (save_steps
+        # or the run's last step) resumes with the next epoch, whichever strategy wrote it.
+        epoch = sampler.epoch + int(sampler.step_in_epoch == sampler.steps_per_epoch)
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         if info.is_main:
@@ -328,13 +336,13 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
             dropped = ckpt.trim_metrics(out, step)
             if dropped:
                 log.info("metrics.jsonl: dropped %d record(s) after step %d, which this run redoes", dropped, step)
-        log.info("resumed from %s at step %d (epoch %d)", resume, step, epoch)
+        log.info("resumed from %s at step %d (epoch %g)", resume, step, epochs_done())
     start_step = step  # what this run adds is counted from here (the summary, the memory check)
     last_checkpoint = str(resume) if resume else None
 
     def save(reason: str) -> None:
         nonlocal last_checkpoint
-        trainer_state = {"step": step, "epoch": epoch, "sampler": sampler.state_dict(),
+        trainer_state = {"step": step, "epoch": epochs_done(), "sampler": sampler.state_dict(),
                          "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None}
         try:
             path = ckpt.save_checkpoint(out, step, model=model, optimizer=optimizer, trainable_only=is_peft,
@@ -352,11 +360,6 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
 
     metrics = MetricsLog(out, info, tensorboard=cfg.run.report_to == "tensorboard")
     eval_every = cfg.run.eval_steps or cfg.run.logging_steps
-
-    def epochs_done() -> float:
-        """Epochs trained so far, as Transformers counts them: 2.5 halfway through the third; 5.0 at the end of
-        the fifth. The sampler's epoch is the one the last step belongs to, also after the loop counted it done."""
-        return round(sampler.epoch + sampler.step_in_epoch / sampler.steps_per_epoch, 4)
 
     def run_eval() -> None:
         if data.eval is None or len(data.eval) == 0:
