@@ -71,6 +71,14 @@ class TraceResult:
         return out
 
 
+def held_bytes(result: TraceResult | dict) -> int:
+    """What the traced job holds per GPU: the replayed reserved memory where there is one (a GPU target), else
+    the tensors' peak. ``result`` is a ``TraceResult`` or its ``to_dict()``."""
+    if isinstance(result, TraceResult):
+        return result.reserved_bytes or result.peak_bytes
+    return int(result.get("reserved_bytes") or result["peak_bytes"])
+
+
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """The ``fake`` backend at ``world_size`` (rank 0): collectives cost nothing and move no data."""
@@ -409,7 +417,7 @@ def predict_peak_bytes(cfg: TrainConfig, world_size: int) -> int:
         nodes = 1
     if not dist.is_initialized():
         result = trace_training_step(cfg, world_size, num_nodes=nodes, target_device=target)
-        return result.reserved_bytes or result.peak_bytes
+        return held_bytes(result)
     import json
     import subprocess
     import sys
@@ -427,7 +435,7 @@ def predict_peak_bytes(cfg: TrainConfig, world_size: int) -> int:
         lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
         raise RuntimeError(lines[-1] if lines else f"the trace process exited with {out.returncode}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    return int(result["reserved_bytes"] or result["peak_bytes"])
+    return held_bytes(result)
 
 
 def _main(argv: list[str]) -> int:

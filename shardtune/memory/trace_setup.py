@@ -92,6 +92,8 @@ def formula_for_config(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1)
 
 def render_text(result: dict[str, Any], formula_peak: int | None = None) -> str:
     """A readable block: the peak, its parts and the largest modules."""
+    from shardtune.memory.trace import held_bytes
+
     lines = []
     if result.get("source") == "formula":
         lines.append(f"trace not possible: {result['fallback_reason']}")
@@ -104,7 +106,7 @@ def render_text(result: dict[str, Any], formula_peak: int | None = None) -> str:
         lines.append(f"reserved from the GPU: {reserved / GIB:.3f} GiB  (the caching allocator's segments, "
                      f"torch.cuda.max_memory_reserved; nvidia-smi adds the CUDA context)")
     if formula_peak:
-        against = reserved or result["peak_bytes"]
+        against = held_bytes(result)
         error = formula_peak / against - 1 if against else 0.0
         lines.append(f"analytic estimate above (--loss {result.get('formula_loss', 'full')}): "
                      f"{formula_peak / GIB:.3f} GiB, {error:+.1%} against the trace's "
@@ -122,7 +124,7 @@ def render_text(result: dict[str, Any], formula_peak: int | None = None) -> str:
     for note in result.get("notes") or []:
         lines.append(f"note: {note}")
     if "fits" in result:
-        needed = (reserved or result["peak_bytes"]) + result["cuda_context_bytes"]
+        needed = held_bytes(result) + result["cuda_context_bytes"]
         verdict = "fits" if result["fits"] else "does NOT fit"
         lines.append(f"by the trace it {verdict}: {needed / GIB:.2f} GiB with the CUDA context against "
                      f"{result['gpu_memory_bytes'] / GIB:.2f} GiB per GPU")
@@ -142,13 +144,15 @@ def trace_for_estimate(model: str, setup: Setup, formula_peak: int, *, gpu_memor
     total, for the loss ``--loss`` named. With ``gpu_memory``, ``fits`` says whether the traced reserved memory
     plus ``cuda_context`` fits that GPU: the trace's verdict, which can differ from the formula's.
     """
+    from shardtune.memory.trace import held_bytes
+
     cfg = config_from_setup(model, setup)
     out = trace_or_formula(cfg, setup.world_size, num_nodes=setup.num_nodes)
     out["formula_peak_bytes"] = formula_peak
     out["formula_loss"] = setup.loss
     if gpu_memory and out.get("source") == "trace":
         out.update(gpu_memory_bytes=gpu_memory, cuda_context_bytes=cuda_context,
-                   fits=(out["reserved_bytes"] or out["peak_bytes"]) + cuda_context <= gpu_memory)
+                   fits=held_bytes(out) + cuda_context <= gpu_memory)
     return out
 
 
