@@ -31,46 +31,16 @@ DISTRIBUTED_TYPE = {"mp": "MP", "pp": "PP", "ddp": "DDP", "fsdp": "FSDP"}
 # Before anything runs: the recipe must be able to train
 # ----------------------------------------------------------------------------------------------------------------
 
-def _where(config: str, key: str, extra: list[str]) -> str:
-    """Where ``key``'s value came from: ``--set`` or the recipe's line."""
-    if f"--{key}" in extra:
-        return f"--set {key}"
-    from shardtune.config import read_yaml_recipe
-
-    source = read_yaml_recipe(config)[1].get(key)
-    return f"{source}: {key}" if source else f"{config}: {key}"
-
-
-def _looks_like_path(name: str) -> bool:
-    """What ``shardtune train`` reads as a local path, not a hub name: ./x, /x, ~/x, a/b/c, or a data file."""
-    from shardtune.data.readers import EXTENSIONS
-
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).suffix.lower() in EXTENSIONS
-
-
 def load_recipe(config: str, extra: list[str], output_dir: Path) -> TrainConfig:
-    """The recipe loaded as ``shardtune train`` loads it, and checked for what would make every setup fail at once
-    (cheaply: no download, no network): the model and the data exist locally or are hub names, and the data is
-    not the placeholder ``--emit-config`` writes. Bad input is a UsageError, raised before any setup starts."""
-    from shardtune.config import DATASET_PLACEHOLDER, load_train_config
+    """The recipe loaded and checked as ``shardtune train`` does before it loads a model (no download, no network):
+    what would make every setup fail at once is a UsageError here, before any setup starts."""
+    from shardtune.config import load_run_config
     from shardtune.errors import UsageError
 
-    cfg = load_train_config([config, "--output_dir", str(output_dir), *extra])
-    problems = []
-    model = cfg.model.model_name_or_path
-    if not Path(model).expanduser().exists() and _looks_like_path(model):
-        problems.append(f"{_where(config, 'model_name_or_path', extra)} '{model}' does not exist: give a local "
-                        f"model folder or a hub name (ORG/NAME)")
-    data = cfg.data.dataset_name
-    if data == DATASET_PLACEHOLDER:
-        problems.append(f"{_where(config, 'dataset_name', extra)} is still the placeholder {DATASET_PLACEHOLDER} that "
-                        f"'shardtune estimate --emit-config' writes: set it to your data (a JSONL/JSON/Parquet/CSV "
-                        f"file or folder, a saved datasets folder or a hub data set)")
-    elif data and not Path(data).expanduser().exists() and _looks_like_path(data):
-        problems.append(f"{_where(config, 'dataset_name', extra)} '{data}' does not exist: check the path")
-    if problems:
-        raise UsageError(f"CONFIG {config} cannot train, so no setup was started: {'; '.join(problems)}")
-    return cfg
+    try:
+        return load_run_config([config, "--output_dir", str(output_dir), *extra])
+    except UsageError as exc:
+        raise UsageError(f"CONFIG {config} cannot train, so no setup was started: {exc}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from shardtune.data.config import DataConfig
+from shardtune.data.readers import looks_like_local_path
 from shardtune.errors import UsageError, closest
 
 DISTRIBUTED_TYPES = ("NO", "DDP", "FSDP", "MP", "PP")
@@ -374,7 +375,7 @@ def build_config(layers: Layers, *, training: bool = True) -> TrainConfig:
     read next, so it must be real data."""
     cfg, given, problems = _apply(layers, training=training)
     if not training:
-        problems += _data_problems(cfg, given)
+        problems += _input_problems(cfg, given)
     _raise(problems)
     return cfg
 
@@ -415,12 +416,23 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, So
     return cfg, given, problems
 
 
-def _data_problems(cfg: TrainConfig, given: dict[str, Source]) -> list[str]:
-    if cfg.data.dataset_name != DATASET_PLACEHOLDER:
-        return []
-    return [f"{given.get('dataset_name', Source('config'))}: dataset_name is still the placeholder "
-            f"{DATASET_PLACEHOLDER} that 'shardtune estimate --emit-config' writes; set dataset_name to your data "
-            f"(a local file/folder or a hub data set)"]
+def _input_problems(cfg: TrainConfig, given: dict[str, Source]) -> list[str]:
+    """The model or data named as local paths that are not there, or the --emit-config data placeholder: checked
+    without any network call, since a hub name is only read when the job loads it."""
+    problems = []
+    where = {key: given.get(key, Source("config")) for key in ("model_name_or_path", "dataset_name")}
+    model = cfg.model.model_name_or_path
+    if looks_like_local_path(model) and not Path(model).expanduser().exists():
+        problems.append(f"{where['model_name_or_path']}: model_name_or_path '{model}' does not exist: give a local "
+                        f"model folder or a hub name (ORG/NAME)")
+    data = cfg.data.dataset_name
+    if data == DATASET_PLACEHOLDER:
+        problems.append(f"{where['dataset_name']}: dataset_name is still the placeholder {DATASET_PLACEHOLDER} that "
+                        f"'shardtune estimate --emit-config' writes; set dataset_name to your data (a local "
+                        f"file/folder or a hub data set)")
+    elif data and looks_like_local_path(data) and not Path(data).expanduser().exists():
+        problems.append(f"{where['dataset_name']}: dataset_name '{data}' does not exist: check the path")
+    return problems
 
 
 def checkpoint_folder_problem(folder: str | Path, label: str, *, or_else: str = "") -> str | None:
@@ -448,8 +460,9 @@ def checkpoint_folder_problem(folder: str | Path, label: str, *, or_else: str = 
 
 
 def _run_problems(cfg: TrainConfig, given: dict[str, Source]) -> list[str]:
-    """What only a real run trips over, found before it loads a model: placeholder data, a missing checkpoint."""
-    problems = _data_problems(cfg, given)
+    """What only a real run trips over, found before it loads a model: a missing model or data path, placeholder
+    data, a missing checkpoint."""
+    problems = _input_problems(cfg, given)
     spec = cfg.checkpoint.resume_from_checkpoint
     if spec is not None and spec.lower() not in RESUME_NEWEST + RESUME_OFF:
         where = given.get("resume_from_checkpoint", Source("config"))

@@ -245,13 +245,14 @@ def test_bench_checks_the_recipe_before_starting_any_setup(tmp_path, monkeypatch
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "recipe.yaml, line 5: dataset_name is still the placeholder REPLACE_WITH_YOUR_DATASET" in err
-    assert "set it to your data" in err
+    assert "set dataset_name to your data" in err
     # A local model folder that is not there (a hub name like the recipe's own is fine), named where it was set.
     assert main(["bench", "strategies", "recipe.yaml", "--set", "model_name_or_path=./no-such-model",
                  "--set", "dataset_name=data/chat.jsonl", *out]) == 2
     err = capsys.readouterr().err
-    assert "--set model_name_or_path './no-such-model' does not exist" in err
-    assert "--set dataset_name 'data/chat.jsonl' does not exist" in err
+    assert ("command line (--model_name_or_path): model_name_or_path './no-such-model' does not exist: give a "
+            "local model folder or a hub name (ORG/NAME)") in err
+    assert "command line (--dataset_name): dataset_name 'data/chat.jsonl' does not exist: check the path" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
 
 

@@ -112,7 +112,27 @@ def test_placeholder_is_fine_where_no_data_is_read(emitted):
 
     assert load_train_config([str(emitted)]).data.dataset_name  # what estimate's own tests read back
     assert load_run_config([str(emitted), "--dry_run"]).run.dry_run  # a dry run traces, it reads no rows
-    assert load_run_config([str(emitted), "--dataset_name", "chat.jsonl"]).data.dataset_name == "chat.jsonl"
+    data = emitted.parent / "chat.jsonl"
+    data.write_text("")
+    assert load_run_config([str(emitted), "--dataset_name", str(data)]).data.dataset_name == str(data)
+
+
+def test_missing_local_model_or_data_is_refused_before_anything_loads(emitted, capsys, monkeypatch):
+    """Paths that are not there fail at once with where they were set; hub names (ORG/NAME) are not looked up."""
+    import shardtune.data.templates
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded before the missing path was refused")
+
+    monkeypatch.setattr(shardtune.data.templates, "load_tokenizer", no_load)
+    monkeypatch.chdir(emitted.parent)
+    assert main(["train", str(emitted), "--model_name_or_path", "./models/llama", "--dataset_name", "meta/data"]) == 2
+    assert one_error_line(capsys) == ("shardtune train: error: command line (--model_name_or_path): model_name_or_path "
+                                      "'./models/llama' does not exist: give a local model folder or a hub name "
+                                      "(ORG/NAME)")
+    assert main(["train", str(emitted), "--dataset_name", "data/train.jsonl"]) == 2
+    assert one_error_line(capsys) == ("shardtune train: error: command line (--dataset_name): dataset_name "
+                                      "'data/train.jsonl' does not exist: check the path")
 
 
 def test_merge_and_export_refuse_a_missing_base_folder_at_once(tmp_path, capsys):
@@ -167,12 +187,14 @@ def test_launch_checks_the_training_keys_once_before_spawning(monkeypatch, capsy
     spawned = []
     monkeypatch.setattr(launch, "run_torchrun", lambda args: spawned.append(args) or 0)
     job = ["launch", "--num_processes", "2", "train", "--model_name_or_path", "no/such-model", "--dataset_name",
-           "nosuch.jsonl", "--output_dir", str(tmp_path / "out")]
+           "no/such-data", "--output_dir", str(tmp_path / "out")]
     assert main([*job, "--distributed_type", "FSPD"]) == 2
     assert one_error_line(capsys) == ("shardtune launch: error: distributed_type='FSPD' is not accepted; use one of "
                                       "NO, DDP, FSDP, MP, PP (did you mean FSDP?)")
+    assert main([*job, "--dataset_name", str(tmp_path / "nosuch.jsonl")]) == 2  # a local path: it must be there
+    assert one_error_line(capsys).endswith(f"dataset_name '{tmp_path / 'nosuch.jsonl'}' does not exist: check the path")
     assert spawned == []
-    assert main(job) == 0 and len(spawned) == 1  # keys and values only: neither model nor data need exist here
+    assert main(job) == 0 and len(spawned) == 1  # hub names are not looked up before the job starts
 
 
 # 5. GPU names

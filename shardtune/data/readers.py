@@ -91,7 +91,7 @@ def resolve(dataset_name: str, split_names: list[str], config_name: str | None =
         if not split_files:  # files not named after splits: all of them train
             split_files = {train_name: data_files}
         return Source("files", dataset_name, split_files, _content_fingerprint(data_files, path))
-    if dataset_name.startswith((".", "/", "~")) or dataset_name.count("/") > 1 or path.suffix.lower() in EXTENSIONS:
+    if looks_like_local_path(dataset_name):
         raise UsageError(f"dataset_name '{dataset_name}' does not exist: check the path.")
     # 'out/nodata' where ./out is a folder is a mistyped path, not an organisation on the hub.
     owner = dataset_name.split("/", 1)[0]
@@ -102,6 +102,11 @@ def resolve(dataset_name: str, split_names: list[str], config_name: str | None =
     # `datasets` library caches the download itself).
     revision = hub_revision(dataset_name)
     return Source("hub", dataset_name, fingerprint=f"hub:{dataset_name}:{config_name}:{revision or 'unknown'}")
+
+
+def looks_like_local_path(name: str) -> bool:
+    """A name read as a local path, never a hub name: ./x, /x, ~/x, a/b/c, or one ending like a data file."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).suffix.lower() in EXTENSIONS
 
 
 def hub_revision(name: str) -> str | None:
