@@ -54,6 +54,26 @@ def test_setups_that_place_weights_themselves_load_into_cpu_ram():
     assert load_device(Plan(strategy="FSDP"), qlora, info).type == "cuda"  # bitsandbytes quantises on the GPU
 
 
+def test_attention_is_chosen_for_the_device_the_model_runs_on_not_where_it_loads(tmp_path, monkeypatch):
+    """FSDP loads into CPU RAM but trains on the GPU: flash attention (and the collator's matching masks) must follow
+    the GPU. Loaded onto the CPU, the weights stay there until the setup moves them."""
+    import torch
+
+    from shardtune.config import LoraConfig, ModelConfig
+    from shardtune.tiny import make_model_folder
+    from shardtune.train import model as model_module
+
+    asked = []
+    monkeypatch.setattr(model_module, "attn_implementation", lambda cfg, device: asked.append(device) or "eager")
+    folder = make_model_folder(tmp_path / "M")
+    loaded = model_module.load_base_model(ModelConfig(model_name_or_path=str(folder), use_flash_attn=True),
+                                          LoraConfig(), model_module.Precision("no"), torch.device("cuda", 0),
+                                          load_on=torch.device("cpu"))
+    assert asked == [torch.device("cuda", 0)]
+    assert loaded.config._attn_implementation == "eager"
+    assert {p.device.type for p in loaded.parameters()} == {"cpu"}
+
+
 def test_model_parallel_moves_everything_off_the_cpu_including_unplaced_tensors():
     """Loaded into CPU RAM, an MP model ends with every tensor on a stage device; one the split does not know by
     name (an architecture's extra buffer) goes to the first. The meta device stands in for GPUs."""

@@ -138,7 +138,7 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
     lora = cfg.lora
     on_meta = (plan.strategy == "FSDP" and info.distributed and cfg.distributed.fsdp_cpu_ram_efficient_loading
                and cfg.distributed.fsdp_sync_module_states and not lora.use_4bit_quantization)
-    model = load_base_model(cfg.model, lora, precision, load_device(plan, lora, info),
+    model = load_base_model(cfg.model, lora, precision, info.device, load_on=load_device(plan, lora, info),
                             on_meta=on_meta and not info.is_main)
     resize_for_tokenizer(model, vocab_size)
     if lora.use_peft_lora:

@@ -73,13 +73,18 @@ def _quantization_config(lora: LoraConfig):
 
 
 def load_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precision, device: torch.device, *,
-                    on_meta: bool = False) -> nn.Module:
-    """The pretrained causal LM, on ``device`` (or on meta, to be filled from rank 0)."""
+                    load_on: torch.device | None = None, on_meta: bool = False) -> nn.Module:
+    """The pretrained causal LM for training on ``device``, its weights loaded onto ``load_on`` (default
+    ``device``; the CPU where the setup places them itself), or on meta, to be filled from rank 0.
+
+    The attention implementation follows ``device``, where the model will run, not where it is loaded: the
+    collator builds its masks for that same choice."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = model_cfg.model_name_or_path
     dtype = precision.frozen_dtype(lora)
     attn = attn_implementation(model_cfg, device)
+    device = load_on or device
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
