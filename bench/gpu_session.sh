@@ -5,6 +5,7 @@
 #   bash bench/gpu_session.sh memory-1   # GPU: estimate_cuda.py for llama-3.2-1b and tinyllama-1.1b (72 points)
 #   bash bench/gpu_session.sh memory-2   # GPU: estimate_cuda.py for llama-3.2-3b (36 points)
 #   bash bench/gpu_session.sh others     # GPU: train_vs_transformers.py and generate_kv_cache.py --device cuda
+#   bash bench/gpu_session.sh loading    # GPU: qlora_load_cuda.py (QLoRA quantised in CPU RAM, moved by FSDP2)
 #
 # From the device tool: run(command="bash bench/gpu_session.sh memory-1", carry=[".whl"], timeout_s=600).
 # Each stage writes into bench/results/ and copies the files it wrote to $OUT where that is set. Copy them back into
@@ -77,8 +78,9 @@ return_results() {
 stage=${1:-}
 case "$stage" in
     prepare) prepare; exit 0 ;;
-    memory-1|memory-2|others) ;;
-    *) echo "usage: bash bench/gpu_session.sh prepare|memory-1|memory-2|others (got '${stage}')" >&2; exit 2 ;;
+    memory-1|memory-2|others|loading) ;;
+    *) echo "usage: bash bench/gpu_session.sh prepare|memory-1|memory-2|others|loading (got '${stage}')" >&2
+       exit 2 ;;
 esac
 
 PY=$(python_for_gpu)
@@ -101,4 +103,5 @@ case "$stage" in
     others)
         timeout 300 "$PY" bench/train_vs_transformers.py
         timeout 240 "$PY" bench/generate_kv_cache.py --device cuda --dtype bfloat16 ;;
+    loading) timeout 540 "$PY" bench/qlora_load_cuda.py ;;
 esac

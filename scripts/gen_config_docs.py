@@ -100,7 +100,8 @@ DESCRIPTIONS = {
     "fsdp_min_num_params": "SIZE_BASED_WRAP: parameters per unit.",
     "fsdp_cpu_ram_efficient_loading": "Only rank 0 reads the weights (into CPU RAM, as every FSDP rank does: "
                                       "each GPU only ever holds its shards); the others build on the meta device "
-                                      "and receive them.",
+                                      "and receive them. Not with QLoRA: each rank quantises its own copy in CPU "
+                                      "RAM.",
     "fsdp_sync_module_states": "Broadcast rank 0's weights so every rank starts identical.",
     "fsdp_state_dict_type": "Checkpoints: each rank writes its shard (SHARDED) or rank 0 writes all (FULL).",
     "fsdp_reshard_after_forward": "FSDP2's name; overrides what the sharding strategy implies.",

@@ -120,15 +120,16 @@ class SigtermFlag:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-def load_device(plan: Plan, lora, info: DistInfo) -> torch.device:
+def load_device(plan: Plan, info: DistInfo) -> torch.device:
     """Where the weights are loaded: this process's device, except where the setup places them itself.
 
     FSDP2 moves each unit's weights to the GPU as it shards them, MP puts each stage on its device and PP keeps one
     stage per process: loading the whole model onto one GPU first would need the very memory these setups exist
-    to avoid (a model larger than one GPU could not start). Those load into CPU RAM. QLoRA keeps its loading path:
-    bitsandbytes quantises the weights as they reach the GPU.
+    to avoid (a model larger than one GPU could not start). Those load into CPU RAM. QLoRA too: bitsandbytes
+    quantises on the CPU, and moving a quantised weight (``Params4bit.to``) moves its quantisation state with it,
+    so a 4-bit model larger than one GPU (QLoRA + FSDP's reason to exist) can start.
     """
-    if plan.strategy in ("FSDP", "MP", "PP") and not lora.use_4bit_quantization:
+    if plan.strategy in ("FSDP", "MP", "PP"):
         return torch.device("cpu")
     return info.device
 
@@ -138,7 +139,7 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
     lora = cfg.lora
     on_meta = (plan.strategy == "FSDP" and info.distributed and cfg.distributed.fsdp_cpu_ram_efficient_loading
                and cfg.distributed.fsdp_sync_module_states and not lora.use_4bit_quantization)
-    model = load_base_model(cfg.model, lora, precision, info.device, load_on=load_device(plan, lora, info),
+    model = load_base_model(cfg.model, lora, precision, info.device, load_on=load_device(plan, info),
                             on_meta=on_meta and not info.is_main)
     resize_for_tokenizer(model, vocab_size)
     if lora.use_peft_lora:
