@@ -289,11 +289,11 @@ class Trainee:
 def build(cfg: TrainConfig, device: torch.device) -> Trainee:
     """The model ``shardtune train`` would train for ``cfg``, on ``device``, with initialised weights.
 
-    The trace's own builder: ``loop.build_model``'s steps (dtypes by ``Precision``, bitsandbytes NF4 layers for QLoRA,
+    The trace's own builder: ``build.build_model``'s steps (dtypes by ``Precision``, bitsandbytes NF4 layers for QLoRA,
     ``apply_lora``, ``parallelize`` with the plan's checkpointing) on a model made from its config instead of loaded.
     """
     from shardtune.memory.trace import _build_model, _model_config, _vocab_and_pad
-    from shardtune.train.loop import fsdp_param_dtype
+    from shardtune.train.build import fsdp_param_dtype
     from shardtune.train.model import Precision
     from shardtune.train.parallelize import make_plan
 

@@ -44,7 +44,7 @@ def test_setups_that_place_weights_themselves_load_into_cpu_ram():
     import torch
 
     from shardtune.train.dist import DistInfo
-    from shardtune.train.loop import load_device
+    from shardtune.train.build import load_device
 
     info = DistInfo(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cuda", 0))
     where = {s: load_device(Plan(strategy=s), info).type for s in ("NO", "DDP", "FSDP", "MP", "PP")}

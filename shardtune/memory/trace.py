@@ -192,7 +192,7 @@ def _micro_batches(cfg: TrainConfig, pad_id: int) -> list[dict[str, torch.Tensor
 
 
 def _build_model(cfg: TrainConfig, config, plan, precision, info, vocab_size: int) -> nn.Module:
-    """The trainer's model: same class, dtypes, attention, adapters and parallelisation as ``loop.build_model``.
+    """The trainer's model: same class, dtypes, attention, adapters and parallelisation as ``build.build_model``.
 
     The weights are initialised instead of loaded (their values do not change memory); under fake mode that
     costs nothing.
@@ -272,7 +272,7 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from shardtune.train.dist import DistInfo
-    from shardtune.train.loop import fsdp_param_dtype
+    from shardtune.train.build import fsdp_param_dtype
     from shardtune.train.model import Precision, count_parameters
     from shardtune.train.optim import build_optimizer, build_scheduler
     from shardtune.train.parallelize import make_plan

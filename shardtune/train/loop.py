@@ -26,12 +26,13 @@ from shardtune.config import TrainConfig, save_resolved
 from shardtune.errors import first_line
 from shardtune.train import checkpoint as ckpt
 from shardtune.train.dist import DistInfo, RankFailed, all_reduce_sum, init_distributed, shutdown
+from shardtune.train.build import build_model, fsdp_param_dtype
+from shardtune.train.memory_check import PREDICTABLE_STRATEGIES, memory_check, tracked_step
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
                                      progress_bar)
-from shardtune.train.model import (Precision, apply_lora, attn_implementation, count_parameters, load_base_model,
-                                   resize_for_tokenizer)
+from shardtune.train.model import Precision, attn_implementation
 from shardtune.train.optim import build_optimizer, build_scheduler
-from shardtune.train.parallelize import Plan, load_from_rank0, make_plan, parallelize, unwrap
+from shardtune.train.parallelize import make_plan, unwrap
 from shardtune.train.step import NonFiniteLoss, StepContext, evaluate, train_step
 
 log = logging.getLogger("shardtune")
@@ -118,99 +119,6 @@ class SigtermFlag:
 
     def restore(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)
-
-
-def load_device(plan: Plan, info: DistInfo) -> torch.device:
-    """Where the weights are loaded: this process's device, except where the setup places them itself.
-
-    FSDP2 moves each unit's weights to the GPU as it shards them, MP puts each stage on its device and PP keeps one
-    stage per process: loading the whole model onto one GPU first would need the very memory these setups exist
-    to avoid (a model larger than one GPU could not start). Those load into CPU RAM. QLoRA too: bitsandbytes
-    quantises on the CPU, and moving a quantised weight (``Params4bit.to``) moves its quantisation state with it,
-    so a 4-bit model larger than one GPU (QLoRA + FSDP's reason to exist) can start.
-    """
-    if plan.strategy in ("FSDP", "MP", "PP"):
-        return torch.device("cpu")
-    return info.device
-
-
-def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, vocab_size: int):
-    """The model, parallelized, with its weights (from disk, or from rank 0's copy on the other ranks)."""
-    lora = cfg.lora
-    on_meta = (plan.strategy == "FSDP" and info.distributed and cfg.distributed.fsdp_cpu_ram_efficient_loading
-               and cfg.distributed.fsdp_sync_module_states and not lora.use_4bit_quantization)
-    model = load_base_model(cfg.model, lora, precision, info.device, load_on=load_device(plan, info),
-                            on_meta=on_meta and not info.is_main)
-    resize_for_tokenizer(model, vocab_size)
-    if lora.use_peft_lora:
-        model = apply_lora(model, lora, seed=cfg.run.seed)
-    trainable, total = count_parameters(model)
-    log.info("trainable parameters: %s of %s (%.4f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
-    full_state = buffers = None
-    if on_meta and info.is_main:
-        full_state = model.state_dict()
-        buffers = {k: v.clone() for k, v in model.named_buffers()}
-    model = parallelize(model, plan, info)
-    if on_meta:
-        load_from_rank0(model, full_state, buffers, info)
-    model.train()
-    return model, trainable, total
-
-
-def fsdp_param_dtype(cfg: TrainConfig, precision: Precision) -> torch.dtype | None:
-    """FSDP's gather dtype: the mixed-precision one; for QLoRA always the 4-bit weights' storage dtype.
-
-    FSDP casts every floating-point parameter to this dtype when it gathers; the packed NF4 bytes are stored as
-    bf16 "numbers", so any other dtype would convert them and silently destroy the base weights.
-    """
-    if cfg.lora.use_4bit_quantization:
-        from shardtune.train.model import DTYPES
-
-        return DTYPES[cfg.lora.bnb_4bit_quant_storage_dtype]
-    if precision.compute_dtype != torch.float32:
-        return precision.compute_dtype
-    return None
-
-
-PREDICTABLE_STRATEGIES = ("NO", "DDP", "FSDP")  # what ``shardtune estimate --trace`` follows
-
-
-def tracked_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]):
-    """One real training step under PyTorch's memory tracker: the per-rank peak of its tensors (CPU runs)."""
-    from shardtune.memory.trace_tracker import (fresh_module_stats_per_micro_batch, make_tracker, peak_breakdown,
-                                                track_inputs)
-
-    fsdp = ctx.plan.strategy == "FSDP"
-    tracker = make_tracker(ctx.model, ctx.optimizer, fsdp)
-    track_inputs(tracker, fsdp, [t for batch in micro_batches for t in batch.values()])
-    with fresh_module_stats_per_micro_batch(tracker, ctx.model), tracker:
-        stats = train_step(ctx, micro_batches)
-    return stats, peak_breakdown(tracker)[0]
-
-
-def memory_check(cfg: TrainConfig, info: DistInfo, plan: Plan, tracked_peak: int) -> dict[str, Any] | None:
-    """The traced prediction of this job's per-device peak beside the measured one (rank 0 gets the record).
-
-    Measured: ``torch.cuda.max_memory_reserved`` on CUDA; on CPU the memory tracker's peak of a real step.
-    A failed prediction is a warning, never a failed run.
-    """
-    if not cfg.run.predict_memory or plan.strategy not in PREDICTABLE_STRATEGIES:
-        return None
-    on_cuda = info.device.type == "cuda"
-    measured = max_over_ranks(peak_memory_bytes(info.device) if on_cuda else tracked_peak, info.device)
-    if not info.is_main or measured <= 0:
-        return None
-    from shardtune.memory.trace import predict_peak_bytes
-
-    try:
-        predicted = predict_peak_bytes(cfg, info.world_size)
-    except Exception as exc:  # noqa: BLE001 - the run succeeded; the check is a report, not a gate
-        first = first_line(str(exc), type(exc).__name__)
-        log.warning("could not predict this job's peak memory (%s); the run itself is fine", first)
-        return None
-    return {"predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
-            "peak_error": (predicted - measured) / measured,
-            "measured_by": "torch.cuda.max_memory_reserved" if on_cuda else "memory tracker, real tensors"}
 
 
 def push_to_hub(cfg: TrainConfig, folder: str | None) -> None:
