@@ -319,7 +319,8 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
         batches = real_batches
         if fake:
             batches = [{k: fake_mode.from_tensor(v) for k, v in b.items()} for b in real_batches]
-        optimizer = build_optimizer(model, cfg.optim, torch.device(target_device))
+        optimizer = build_optimizer(model, cfg.optim, torch.device(target_device),
+                                    sharded_scaler=fsdp and precision.mixed_precision == "fp16")
         scheduler = build_scheduler(optimizer, cfg.optim, max(steps, 1))
         scaler = None  # as the loop: a loss scaler for fp16 only
         if precision.mixed_precision == "fp16":

@@ -206,10 +206,11 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                                  world_size=1 if pipelined else info.world_size, rank=0 if pipelined else info.rank,
                                  seed=cfg.run.seed)  # every pipeline stage reads the same global batch
     steps = total_steps(cfg, sampler.steps_per_epoch)
-    optimizer = build_optimizer(model, cfg.optim, info.device)
+    fp16 = precision.mixed_precision == "fp16"
+    optimizer = build_optimizer(model, cfg.optim, info.device, sharded_scaler=fp16 and plan.strategy == "FSDP")
     scheduler = build_scheduler(optimizer, cfg.optim, steps)
     scaler = None
-    if precision.mixed_precision == "fp16":
+    if fp16:
         if plan.strategy == "FSDP":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

@@ -22,9 +22,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; the fused kernel on CUDA, the multi-tensor one elsewhere."""
-    fused = device.type == "cuda"
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, *,
+                    sharded_scaler: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; the fused kernel on CUDA, the multi-tensor one elsewhere.
+
+    ``sharded_scaler`` (FSDP with fp16): FSDP's ``ShardedGradScaler`` hands the optimizer a ``found_inf`` of shape
+    [1], which fused AdamW cannot subtract from its 0-d step counts; the multi-tensor kernel takes it."""
+    fused = device.type == "cuda" and not sharded_scaler
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
                              fused=fused or None, foreach=None if fused else True)
