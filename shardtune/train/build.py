@@ -47,7 +47,7 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
         buffers = {k: v.clone() for k, v in model.named_buffers()}
     model = parallelize(model, plan, info)
     if on_meta:
-        load_from_rank0(model, full_state, buffers, info)
+        load_from_rank0(model, full_state, buffers, info, offload=plan.offload)
     model.train()
     return model, trainable, total
 

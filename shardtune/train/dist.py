@@ -57,12 +57,14 @@ def init_distributed(timeout_s: int, *, group_for_one: bool = False) -> DistInfo
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    # On CUDA, NCCL for CUDA tensors and gloo for CPU ones: FSDP's CPU offload reduces the gradient norm of CPU
+    # shards, and object collectives (checkpoint and export gathers) then travel through host memory, not
+    # through a GPU buffer the size of what is gathered.
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     elif group_for_one and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank, world_size, local_rank, local_world_size, device)

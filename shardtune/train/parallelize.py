@@ -203,17 +203,23 @@ def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
 
 
 def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None,
-                    buffers: dict[str, torch.Tensor] | None, info: DistInfo) -> None:
+                    buffers: dict[str, torch.Tensor] | None, info: DistInfo, *, offload: bool = False) -> None:
     """Fill a model that was built on meta on every rank but 0 with rank 0's weights, shard by shard.
 
     This is ``fsdp_cpu_ram_efficient_loading`` with ``fsdp_sync_module_states``: only rank 0 ever holds the full
     weights in CPU RAM; the others receive just their shards, so host memory does not grow with the ranks.
     Non-persistent buffers (rotary frequencies) are not in the state dict and are broadcast separately.
+    With ``offload`` (FSDP's CPU offload) the shards are made in CPU RAM, where FSDP keeps them (it refuses GPU
+    shards at the first forward), and only the buffers go to the GPU, as FSDP puts them on rank 0.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if not info.is_main:
-        model.to_empty(device=info.device)
+        model.to_empty(device=torch.device("cpu") if offload else info.device)
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.device != info.device:
+                    module._buffers[key] = buf.to(info.device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     set_model_state_dict(model, full_state if info.is_main else {}, options=options)
     for name, buf in model.named_buffers():
