@@ -575,6 +575,10 @@ def _validate_pipeline(cfg: TrainConfig) -> list[str]:
             and r.per_device_eval_batch_size % d.pipeline_microbatches):
         problems.append(f"per_device_eval_batch_size={r.per_device_eval_batch_size} must be a multiple of "
                         f"pipeline_microbatches={d.pipeline_microbatches} (each eval batch is split into them)")
+    if d.distributed_type == "PP" and cfg.mixed_precision == "fp16":
+        # Each stage would need the loss scale in its backward and a skip decision shared by every stage.
+        problems.append("fp16 with distributed_type=PP: the pipeline's stages do not scale the loss, so fp16 "
+                        "gradients would underflow; use bf16 (or mixed_precision no)")
     return problems
 
 

@@ -194,9 +194,13 @@ def split_for_stage(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
 
 
 def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft: bool, info: DistInfo) -> Path | None:
-    """``final/`` for a pipeline run: every stage's tensors gathered to rank 0, written as the unsplit model."""
+    """``final/`` for a pipeline run: every stage's tensors gathered to rank 0, written as the unsplit model.
+
+    LoRA/QLoRA gather only the adapters (the frozen base is not exported); a full fine-tune gathers every stage's
+    weights into rank 0's CPU RAM (the object gather travels through host memory, see ``dist.init_distributed``).
+    """
     # Plain tensors (no DTensor): each stage's own state dict is already complete for its modules.
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not is_peft or ".lora_" in k}
     gathered: list[Any] = [None] * info.world_size if info.is_main else []
     dist.gather_object(state, gathered if info.is_main else None, dst=0)
     target = Path(output_dir) / "final"
