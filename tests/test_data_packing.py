@@ -2,6 +2,7 @@
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,22 +39,62 @@ def setup(tmp_path_factory):
 def token_losses(model, batch):
     """Per-position loss of predicting the next token (0 where the next label is ignored)."""
     # use_cache=False as in training: with a KV cache transformers does not look for documents in position ids
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                   position_ids=batch["position_ids"], use_cache=False).logits.float()
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs, use_cache=False).logits.float()
     return F.cross_entropy(logits[:, :-1].transpose(1, 2), batch["labels"][:, 1:], reduction="none",
                            ignore_index=IGNORE)
 
 
+def _varlen_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q=None, max_length_q=None,
+                      scaling=None, dropout=0.0, **kwargs):
+    """flash-attn's varlen contract on the CPU: the flattened batch split at ``cu_seq_lens_q``, causal attention
+    inside each piece. Without the offsets it refuses, so a test through it proves they reach every layer."""
+    assert attention_mask is None and cu_seq_lens_q is not None and max_length_q is not None
+    batch, heads, length, dim = query.shape
+    groups = heads // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    flat = [t.transpose(1, 2).reshape(batch * length, heads, dim) for t in (query, key, value)]
+    out = torch.empty_like(flat[0])
+    bounds = cu_seq_lens_q.tolist()
+    assert max(b - a for a, b in zip(bounds, bounds[1:])) == max_length_q
+    for start, end in zip(bounds, bounds[1:]):
+        q, k, v = (t[start:end].transpose(0, 1) for t in flat)
+        out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling).transpose(0, 1)
+    return out.view(batch, length, heads, dim), None
+
+
+@pytest.fixture(scope="module")
+def varlen_attention():
+    """The name of ``_varlen_attention`` for transformers (flash attention's mask function: no mask)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    AttentionInterface.register("varlen_cpu_test", _varlen_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("varlen_cpu_test", flash_attention_mask)
+    return "varlen_cpu_test"
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "flash_attention_2"])
-def test_packed_losses_equal_documents_run_one_by_one(setup, attn):
+def test_packed_losses_equal_documents_run_one_by_one(setup, attn, varlen_attention):
     from transformers import AutoModelForCausalLM
 
+    from shardtune.train.step import model_inputs, uses_varlen_attention
+
     model_dir, tok, data, _ = setup
-    # flash_attention_2 is not on CPU: its batch (no mask, restarting position ids) is run through sdpa, where
-    # transformers finds the documents from the position ids exactly as its varlen flash path does
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager" if attn == "eager" else "sdpa",
-                                                 dtype=torch.float32).eval()
-    collate = Collator(tok.pad_token_id, attn_implementation=attn)
+    # flash_attention_2 is not on CPU: its batch (no mask) goes through the step's model_inputs, which adds the
+    # documents' offsets, into _varlen_attention, which keeps flash-attn's varlen contract
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation=varlen_attention if attn == "flash_attention_2" else attn,
+        dtype=torch.float32).eval()
+    # transformers reserves names with "flash" for its kernels: the stand-in has another, so say what it is
+    varlen = attn == "flash_attention_2"
+    assert uses_varlen_attention(SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn))) == varlen
+    collator = Collator(tok.pad_token_id, attn_implementation=attn)
+
+    def collate(rows):
+        batch = collator(rows)
+        return {**model_inputs(batch, torch.device("cpu"), varlen=varlen), "labels": batch["labels"]}
+
     rows = [r for r in data.train if len(r["seq_lens"]) >= 3][:2]
     assert len(rows) == 2
     with torch.no_grad():

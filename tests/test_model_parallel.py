@@ -107,3 +107,18 @@ def test_mp_rejects_several_processes_and_bad_devices(assets):
         with pytest.raises(UsageError, match="does not exist"):
             mp_devices("cuda:0,cuda:1")
         assert mp_devices(None) == ("cpu",)
+
+
+def test_the_step_runs_on_the_first_stage_device_not_local_ranks():
+    """mp_devices cuda:2,cuda:3: the batch, the logits and the loss sums go to cuda:2, not to LOCAL_RANK's cuda:0.
+    The meta device stands in for the first stage's GPU."""
+    import torch
+
+    from shardtune.train.dist import DistInfo
+    from shardtune.train.model_parallel import step_info
+    from shardtune.train.parallelize import Plan
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    moved = step_info(info, Plan(strategy="MP", devices=("meta", "cpu")))
+    assert moved.device == torch.device("meta") and (moved.rank, moved.world_size) == (0, 1)
+    assert step_info(info, Plan(strategy="MP")).device == torch.device("cpu")

@@ -61,7 +61,7 @@ def test_attention_is_chosen_for_the_device_the_model_runs_on_not_where_it_loads
     from shardtune.train import model as model_module
 
     asked = []
-    monkeypatch.setattr(model_module, "attn_implementation", lambda cfg, device: asked.append(device) or "eager")
+    monkeypatch.setattr(model_module, "attn_implementation", lambda cfg, device, dtype: asked.append(device) or "eager")
     folder = make_model_folder(tmp_path / "M")
     loaded = model_module.load_base_model(ModelConfig(model_name_or_path=str(folder), use_flash_attn=True),
                                           LoraConfig(), model_module.Precision("no"), torch.device("cuda", 0),
@@ -69,6 +69,27 @@ def test_attention_is_chosen_for_the_device_the_model_runs_on_not_where_it_loads
     assert asked == [torch.device("cuda", 0)]
     assert loaded.config._attn_implementation == "eager"
     assert {p.device.type for p in loaded.parameters()} == {"cpu"}
+
+
+def test_flash_attention_only_where_its_kernels_run(monkeypatch):
+    """flash-attn needs CUDA and bf16/fp16 compute (it has no fp32 kernels); elsewhere the configured attention."""
+    import importlib.util
+
+    import torch
+
+    from shardtune.config import ModelConfig
+    from shardtune.train.model import attn_implementation
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
+                        else real_find_spec(name, *a))
+    cfg, gpu = ModelConfig(use_flash_attn=True), torch.device("cuda", 0)
+    assert attn_implementation(cfg, gpu, torch.bfloat16) == "flash_attention_2"
+    assert attn_implementation(cfg, gpu, torch.float16) == "flash_attention_2"
+    with pytest.warns(UserWarning, match="flash-attn computes in bf16/fp16 only and mixed precision is off"):
+        assert attn_implementation(cfg, gpu, torch.float32) == "sdpa"
+    assert attn_implementation(cfg, torch.device("cpu"), torch.bfloat16) == "sdpa"
+    assert attn_implementation(ModelConfig(), gpu, torch.bfloat16) == "sdpa"
 
 
 def test_model_parallel_moves_everything_off_the_cpu_including_unplaced_tensors():

@@ -3,10 +3,11 @@ documents.
 
 For sdpa and eager the batch carries a 4-D block-diagonal causal mask ``[B, 1, L, L]`` (bool for sdpa, additive
 float for eager); transformers' ``create_causal_mask`` passes a 4-D mask through unchanged. For flash attention the
-batch carries no ``attention_mask``: transformers then finds the documents from the restarting ``position_ids`` and
-runs varlen attention with the matching cu_seqlens (call the model with ``use_cache=False``, as training does: with
-a KV cache transformers does not look for documents in the position ids). Padding at the end of a row is one more
-"document" with no targets, so no query row of the mask is ever empty (an empty row makes softmax return NaN).
+batch carries no ``attention_mask``, and the step adds ``varlen_kwargs``: the documents' boundaries over all rows
+(``cu_seq_lens_q/k``), with which transformers runs flash-attn's varlen kernel on the flattened batch. (Left to
+itself, transformers finds documents in the position ids of a one-row batch only; with more rows it would run
+plain causal attention across the documents of each row.) Padding at the end of a row is one more "document" with
+no targets, so no query row of the mask is ever empty (an empty row makes softmax return NaN).
 """
 
 from __future__ import annotations
@@ -64,3 +65,15 @@ def block_causal_mask(segments: torch.Tensor, *, additive: bool = False) -> torc
         return allowed
     mask = torch.zeros(allowed.shape, dtype=torch.float32)
     return mask.masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def varlen_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor | int]:
+    """flash-attn's varlen arguments for a collated batch: every document of every row (a row's padding included)
+    starts where its position id is 0, so the flattened batch splits at those offsets."""
+    flat = position_ids.flatten().cpu()
+    starts = (flat == 0).nonzero().flatten()
+    cu = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    cu = cu.to(device, non_blocking=True)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+

@@ -187,7 +187,9 @@ def _micro_batches(cfg: TrainConfig, pad_id: int) -> list[dict[str, torch.Tensor
     row = {"input_ids": [pad_id + 1 if pad_id == 0 else 0] * seq_len, "labels": [1] * seq_len, "seq_lens": [seq_len]}
     from shardtune.train.model import attn_implementation
 
-    collator = Collator(pad_id, attn_implementation=attn_implementation(cfg.model, torch.device("cpu")))
+    # The mask of the configured attention: asked as for a CPU, the flash-attention choice is never made here.
+    collator = Collator(pad_id, attn_implementation=attn_implementation(cfg.model, torch.device("cpu"),
+                                                                        torch.float32))
     return [collator([row] * cfg.run.per_device_train_batch_size) for _ in range(cfg.run.gradient_accumulation_steps)]
 
 
@@ -206,7 +208,8 @@ def _build_model(cfg: TrainConfig, config, plan, precision, info, vocab_size: in
     # Under fake mode, modules built outside a device context cannot later change dtype (PEFT casts its adapters).
     with torch.device(info.device):
         model = AutoModelForCausalLM.from_config(config, dtype=precision.frozen_dtype(lora),
-                                                 attn_implementation=attn_implementation(cfg.model, info.device))
+                                                 attn_implementation=attn_implementation(cfg.model, info.device,
+                                                                                         precision.compute_dtype))
         if lora.use_4bit_quantization:  # real tensors only (see nf4_fallback in trace_training_step)
             from shardtune.memory.trace_qlora import quantize_linears
 

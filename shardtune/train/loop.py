@@ -29,7 +29,7 @@ from shardtune.train.dist import DistInfo, RankFailed, all_reduce_sum, init_dist
 from shardtune.train.build import build_model, fsdp_param_dtype
 from shardtune.train.memory_check import PREDICTABLE_STRATEGIES, memory_check, tracked_step
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
-                                     progress_bar)
+                                     progress_bar, start_peak_memory)
 from shardtune.train.model import Precision, attn_implementation
 from shardtune.train.optim import build_optimizer, build_scheduler
 from shardtune.train.parallelize import make_plan, unwrap
@@ -193,10 +193,13 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         from shardtune.train import model_parallel, pipeline
 
         plan = model_parallel.plan_stages(plan, cfg, info)
+    if plan.strategy == "MP":
+        info = model_parallel.step_info(info, plan)  # batches, the loss and its sums live on the first stage
     # Pipeline stages exchange fixed-shape activations: pad every batch to max_seq_len under PP.
     # The collator writes the attention mask in the form the model's attention reads (eager adds it to scores).
+    attention = attn_implementation(cfg.model, info.device, precision.compute_dtype)
     collator = Collator(tokenizer.pad_token_id, pad_to_multiple_of=cfg.data.max_seq_len if pipelined else None,
-                        attn_implementation=attn_implementation(cfg.model, info.device))
+                        attn_implementation=attention)
     log.info("strategy: %s%s on %d process(es), mixed precision %s", plan.strategy,
              f" {plan.sharding}" if plan.strategy == "FSDP" else "", info.world_size, precision.mixed_precision)
     model, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer))
@@ -300,6 +303,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
         if cfg.checkpoint.save_strategy == "epoch":
             save(reason)
 
+    start_peak_memory(info.device)
     sigterm = SigtermFlag()
     bar = progress_bar(steps, step, info.is_main)
     started = time.perf_counter()

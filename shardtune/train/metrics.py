@@ -22,6 +22,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def start_peak_memory(device: torch.device) -> None:
+    """Count the training peak from here: loading left cached blocks (FSDP's unsharded staging of each unit,
+    rank 0's broadcasts) and a peak that belong to no step; CUDA only (the CPU's peak RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def max_over_ranks(value: int, device: torch.device) -> int:
     if torch.distributed.is_initialized():
         t = torch.tensor([value], dtype=torch.int64, device=device)

@@ -44,15 +44,19 @@ class Precision:
         return self.compute_dtype if lora.use_peft_lora else torch.float32
 
 
-def attn_implementation(model_cfg: ModelConfig, device: torch.device) -> str:
-    """flash_attention_2 when asked, installed and on CUDA; otherwise the configured one (sdpa by default)."""
+def attn_implementation(model_cfg: ModelConfig, device: torch.device, compute_dtype: torch.dtype) -> str:
+    """flash_attention_2 when asked, installed, on CUDA and computing in bf16/fp16 (flash-attn has no fp32
+    kernels); otherwise the configured one (sdpa by default), with a warning saying why."""
     if not model_cfg.use_flash_attn:
         return model_cfg.attn_implementation
     import importlib.util
 
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    fp32 = compute_dtype == torch.float32
+    if device.type == "cuda" and not fp32 and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    why = "no CUDA device" if device.type != "cuda" else "the flash_attn package is not installed"
+    why = ("no CUDA device" if device.type != "cuda" else
+           "flash-attn computes in bf16/fp16 only and mixed precision is off" if fp32 else
+           "the flash_attn package is not installed")
     _warn_once(f"use_flash_attn: {why}, using {model_cfg.attn_implementation} attention instead")
     return model_cfg.attn_implementation
 
@@ -83,7 +87,7 @@ def load_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precisi
 
     path = model_cfg.model_name_or_path
     dtype = precision.frozen_dtype(lora)
-    attn = attn_implementation(model_cfg, device)
+    attn = attn_implementation(model_cfg, device, precision.compute_dtype)
     device = load_on or device
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)

@@ -112,6 +112,16 @@ def _move_to(device: torch.device):
     return hook
 
 
+def step_info(info: DistInfo, plan: Plan) -> DistInfo:
+    """``info`` with the first stage's device: where the step puts the batch (the embeddings are there), where the
+    logits come back and the loss is summed. torchrun's LOCAL_RANK device is another GPU when ``mp_devices``
+    does not start at cuda:0 (e.g. cuda:2,cuda:3)."""
+    first = torch.device(plan.devices[0]) if plan.devices else info.device
+    if first.type == "cuda":
+        torch.cuda.set_device(first)
+    return dataclasses.replace(info, device=first)
+
+
 def split_across_devices(model: nn.Module, plan: Plan) -> nn.Module:
     """``parallelize`` for MP: each stage's layers on its device, inputs moved in, logits back to the first."""
     devices = [torch.device(d) for d in plan.devices] or [torch.device("cpu")]

@@ -33,11 +33,12 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtune.config import DistributedConfig
+from shardtune.data.collate import varlen_kwargs
 from shardtune.errors import UsageError
 from shardtune.train.checkpoint import write_export
 from shardtune.train.dist import DistInfo, run_and_share
 from shardtune.train.parallelize import Plan, unwrap
-from shardtune.train.step import token_loss_sum
+from shardtune.train.step import token_loss_sum, uses_varlen_attention
 
 log = logging.getLogger("shardtune")
 
@@ -88,7 +89,7 @@ class StageModule(nn.Module):
             rotary = inner.rotary_emb(hidden, position_ids=position_ids)
             for layer in inner.layers.values():
                 hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids,
-                               past_key_values=None, use_cache=False)
+                               past_key_values=None, use_cache=False, **extra["varlen"])
             if self.last:
                 hidden = causal_lm.lm_head(inner.norm(hidden))
         return hidden
@@ -155,10 +156,12 @@ class PipelineRunner:
             raise UsageError(f"a batch of {rows} rows cannot be split into pipeline_microbatches="
                              f"{self.microbatches}; make per_device_train_batch_size and "
                              f"per_device_eval_batch_size multiples of it")
-        positions = batch["position_ids"].to(device).chunk(self.microbatches)
+        positions = batch["position_ids"].chunk(self.microbatches)
         mask = batch.get("attention_mask")
         masks = mask.to(device).chunk(self.microbatches) if mask is not None else [None] * self.microbatches
-        self.module.extras = [{"position_ids": p, "attention_mask": m} for p, m in zip(positions, masks)]
+        varlen = uses_varlen_attention(self.module.model)
+        self.module.extras = [{"position_ids": p.to(device), "attention_mask": m,
+                               "varlen": varlen_kwargs(p, device) if varlen else {}} for p, m in zip(positions, masks)]
         # The schedule learns shapes again after each switch between training and evaluation (running the stage
         # and, for training, the loss once); only the micro-batches' own forwards are counted.
         self.module.chunk, self._counting = 0, False

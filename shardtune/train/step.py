@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardtune.data.collate import varlen_kwargs
 from shardtune.train.dist import DistInfo, all_reduce_sum
-from shardtune.train.parallelize import Plan
+from shardtune.train.parallelize import Plan, unwrap
 
 IGNORE_INDEX = -100
 LOSS_CHUNKS = 8  # the fp32 upcast of the logits happens one chunk at a time (128k vocabularies make it huge)
@@ -70,8 +71,20 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def model_inputs(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "labels" and v is not None}
+def uses_varlen_attention(model: nn.Module) -> bool:
+    """Whether the model runs flash attention, which reads the batch's documents from ``varlen_kwargs``."""
+    implementation = getattr(getattr(unwrap(model), "config", None), "_attn_implementation", None) or ""
+    return implementation.startswith("flash_attention")
+
+
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, *,
+                 varlen: bool = False) -> dict[str, torch.Tensor | int]:
+    """The batch on ``device`` without its labels; with ``varlen`` (flash attention) also the documents' bounds."""
+    inputs: dict[str, torch.Tensor | int] = {k: v.to(device, non_blocking=True) for k, v in batch.items()
+                                             if k != "labels" and v is not None}
+    if varlen:
+        inputs.update(varlen_kwargs(batch["position_ids"], device))
+    return inputs
 
 
 def _autocast(plan: Plan, info: DistInfo, compute_dtype: torch.dtype):
@@ -142,11 +155,13 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
         loss_sum = ctx.pipeline.forward_backward(micro_batches, scale=1.0 / denominator)
         tokens = sum(int((b["input_ids"] != ctx.pad_token_id).sum()) for b in micro_batches)
         micro_batches = []  # forward and backward are done: skip the per-micro-batch loop below
+    varlen = uses_varlen_attention(ctx.model)
     for i, batch in enumerate(micro_batches):
         is_last = i == len(micro_batches) - 1
         labels = batch["labels"].to(info.device, non_blocking=True)
         with _sync_context(ctx.model, ctx.plan, is_last), _autocast(ctx.plan, info, ctx.compute_dtype):
-            logits = ctx.model(**model_inputs(batch, info.device), use_cache=False).logits
+            inputs = model_inputs(batch, info.device, varlen=varlen)
+            logits = ctx.model(**inputs, use_cache=False).logits
             micro_sum = token_loss_sum(logits, labels)
         loss = micro_sum * (info.world_size / denominator)
         (ctx.scaler.scale(loss) if ctx.scaler else loss).backward()
@@ -192,7 +207,8 @@ def evaluate(model: nn.Module, batches: Iterator[dict[str, torch.Tensor]], plan:
             loss_sum += pipeline.forward_only(batch)
         else:
             with _autocast(plan, info, compute_dtype):
-                logits = model(**model_inputs(batch, info.device), use_cache=False).logits
+                inputs = model_inputs(batch, info.device, varlen=uses_varlen_attention(model))
+                logits = model(**inputs, use_cache=False).logits
                 loss_sum += token_loss_sum(logits, labels).double()
         targets += num_targets(labels)
     totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(targets), dtype=torch.float64,
