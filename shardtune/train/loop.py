@@ -369,7 +369,8 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     mfu = None
     if flops and run_tokens:
         per_token = flops_per_token(unwrap(model).config, total, trainable, cfg.data.max_seq_len)
-        mfu = per_token * run_tokens / wall / (flops * info.world_size)
+        gpus = len(plan.devices) if plan.strategy == "MP" else info.world_size  # MP: one process, several GPUs
+        mfu = per_token * run_tokens / wall / (flops * gpus)
     steps_this_run = step - start_step
     summary = {"steps": step, "steps_this_run": steps_this_run, "resumed_from_step": start_step if resume else None,
                "epochs": epoch, "wall_s": wall, "tokens": run_tokens,

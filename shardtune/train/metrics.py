@@ -81,9 +81,12 @@ def progress_bar(total: int, initial: int, enabled: bool):
                 file=sys.stderr)
 
 
-# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, matched on the CUDA device name.
-PEAK_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A6000", 155e12),
-                   ("4090", 165e12), ("3090", 71e12), ("L4", 121e12), ("A10", 125e12))
+# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, matched on the CUDA device name in
+# this order (a variant before the name it contains: "H100 PCIe" before "H100", "L40S" and "L40" before "L4").
+# None: a variant whose peak we do not state (no MFU rather than a wrong one).
+PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
+                   ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A6000", 155e12),
+                   ("4090", 165e12), ("3090", 71e12), ("A10G", None), ("A10", 125e12))
 
 
 def peak_flops(device: torch.device) -> float | None:
