@@ -44,3 +44,35 @@ def test_fsdp_fp16_gets_an_optimizer_its_sharded_scaler_can_step(one_process_gro
     before = model.weight.detach().clone()
     _scaled_step(paired, model, ShardedGradScaler("cpu"))
     assert not torch.equal(before, model.weight)  # the step was taken
+
+
+def test_an_overflowed_fp16_step_leaves_the_learning_rate_schedule_where_it_was():
+    """The loss scaler skips an update whose gradients overflowed; the schedule must not advance for it."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.tiny import tiny_llama_config
+    from shardtune.train.dist import DistInfo
+    from shardtune.train.optim import build_scheduler
+    from shardtune.train.parallelize import Plan
+    from shardtune.train.step import StepContext, train_step
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(64, num_layers=1))
+    cfg = OptimConfig(learning_rate=1e-3, warmup_steps=0, lr_scheduler_type="linear")
+    optimizer = build_optimizer(model, cfg, torch.device("cpu"))
+    scheduler = build_scheduler(optimizer, cfg, total_steps=10)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    ids = torch.randint(1, 64, (2, 12))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(12).expand(2, 12)}
+
+    def step(init_scale: float) -> None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, plan=Plan(strategy="NO"), info=info,
+                          compute_dtype=torch.float32, max_grad_norm=0.0, pad_token_id=0, scaler=scaler)
+        train_step(ctx, [batch])
+
+    before = [p.detach().clone() for p in model.parameters()]
+    step(init_scale=3e38)  # the scaled gradients overflow: no update
+    assert scheduler.last_epoch == 0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    step(init_scale=1.0)
+    assert scheduler.last_epoch == 1 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -176,12 +176,18 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
     mean_loss = totals[0].item() / denominator
     totals[1] /= copies
     grad_norm = float(norm)
+    stepped = True
     if ctx.scaler:
+        scale = ctx.scaler.get_scale()
         ctx.scaler.step(ctx.optimizer)
         ctx.scaler.update()
+        # An overflow skips the update and backs the scale off; the schedule then waits too (as in Transformers'
+        # Trainer and Accelerate), so the learning rate follows the updates actually made.
+        stepped = ctx.scaler.get_scale() >= scale
     elif math.isfinite(grad_norm):
         ctx.optimizer.step()
-    ctx.scheduler.step()
+    if stepped:
+        ctx.scheduler.step()
     ctx.optimizer.zero_grad(set_to_none=True)
     if not math.isfinite(mean_loss) or (not ctx.scaler and not math.isfinite(grad_norm)):
         raise NonFiniteLoss(f"loss {mean_loss}, gradient norm {grad_norm}")
