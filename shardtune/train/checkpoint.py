@@ -97,7 +97,10 @@ def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]]}
     if torch.cuda.is_available():
+        # Every visible GPU's generator (host-side state, no context is made): MP's stages draw dropout masks on
+        # their own devices.
         state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_all"] = torch.cuda.get_rng_state_all()
     return state
 
 
@@ -107,6 +110,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy(), *rest))
     if "cuda" in state and torch.cuda.is_available():
+        if len(state.get("cuda_all", ())) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda_all"])
         torch.cuda.set_rng_state(state["cuda"])
 
 
@@ -330,13 +335,13 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
 
 def _test_logits(model: nn.Module, path: str) -> None:
     """Test-only: the logits of the trained model in memory on a fixed input, to compare exports against."""
-    ids = torch.arange(3, 35, dtype=torch.long).reshape(2, 16)
+    ids = torch.arange(3, 35, dtype=torch.long).reshape(2, 16).to(next(model.parameters()).device)
     was_training = model.training
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
     model.train(was_training)
-    torch.save({"input_ids": ids, "logits": logits}, path)
+    torch.save({"input_ids": ids.cpu(), "logits": logits.cpu()}, path)
 
 
 def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft: bool, info: DistInfo) -> Path | None:
