@@ -143,14 +143,17 @@ def split_step_time(events, num_stages: int = 0) -> dict[str, list]:
 
 
 class NvmlSampler:
-    """Mean NVML utilisation of each visible GPU while it runs (CUDA only)."""
+    """Mean NVML utilisation of each of the torch GPUs ``indices`` while it runs (CUDA only)."""
 
     def __init__(self, indices: list[int], period_s: float = 0.05) -> None:
         import pynvml
 
         pynvml.nvmlInit()
         self._nvml = pynvml
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+        # NVML numbers every GPU of the machine; torch only the visible ones (CUDA_VISIBLE_DEVICES, its order).
+        import torch
+
+        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(i)) for i in indices]
         self.sums = [0.0] * len(indices)
         self.samples = 0
         self._period = period_s
