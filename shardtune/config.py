@@ -422,7 +422,7 @@ def _input_problems(cfg: TrainConfig, given: dict[str, Source]) -> list[str]:
     problems = []
     where = {key: given.get(key, Source("config")) for key in ("model_name_or_path", "dataset_name")}
     model = cfg.model.model_name_or_path
-    if looks_like_local_path(model) and not Path(model).expanduser().exists():
+    if model and looks_like_local_path(model) and not Path(model).expanduser().exists():
         problems.append(f"{where['model_name_or_path']}: model_name_or_path '{model}' does not exist: give a local "
                         f"model folder or a hub name (ORG/NAME)")
     data = cfg.data.dataset_name

@@ -133,6 +133,9 @@ def test_missing_local_model_or_data_is_refused_before_anything_loads(emitted, c
     assert main(["train", str(emitted), "--dataset_name", "data/train.jsonl"]) == 2
     assert one_error_line(capsys) == ("shardtune train: error: command line (--dataset_name): dataset_name "
                                       "'data/train.jsonl' does not exist: check the path")
+    for command in (["train", "--dataset_name", "org/data", "--output_dir", "out"], ["data", "inspect", "org/data"]):
+        assert main(command) == 2  # no model at all: said so, no traceback from the path check
+        assert "model_name_or_path is required" in one_error_line(capsys)
 
 
 def test_merge_and_export_refuse_a_missing_base_folder_at_once(tmp_path, capsys):
