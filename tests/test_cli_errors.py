@@ -303,3 +303,24 @@ def test_only_those_library_messages_are_silenced(tiny, tmp_path, caplog):
     assert not [m for m in shown if any(noise in m for noise in NOISE)], shown
     assert "another user warning" in shown and "another future warning" in shown
     assert [r.getMessage() for r in caplog.records if r.name == bnb.name] == ["another bitsandbytes warning"]
+
+
+def test_ctrl_c_on_a_single_process_run_says_how_to_go_on(tiny, tmp_path, capsys, monkeypatch):
+    from shardtune.cli import train
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "run", interrupted)
+    monkeypatch.delenv("RANK", raising=False)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("")
+    assert main(["train", "--model_name_or_path", str(tiny), "--dataset_name", str(data), "--output_dir",
+                 str(tmp_path / "out")]) == 130
+    assert one_error_line(capsys) == ("shardtune train: interrupted; no checkpoint was saved for it: "
+                                      "resume_from_checkpoint true carries on from the newest one under "
+                                      "output_dir/checkpoints")
+    monkeypatch.setenv("RANK", "0")  # a rank of a launched job: the launcher says it, once
+    assert main(["train", "--model_name_or_path", str(tiny), "--dataset_name", str(data), "--output_dir",
+                 str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == ""

@@ -133,6 +133,9 @@ def _passthrough(command: str, argv: list[str]) -> int:
             print(f"shardtune {command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        if command == "train" and "RANK" not in os.environ:  # under launch, the launcher says it once
+            print("shardtune train: interrupted; no checkpoint was saved for it: resume_from_checkpoint true "
+                  "carries on from the newest one under output_dir/checkpoints", file=sys.stderr)
         return 130
 
 

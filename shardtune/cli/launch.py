@@ -178,8 +178,14 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         print(f"shardtune launch: rank {rank} {what} (see its messages above)", file=sys.stderr)
         return code
     except SignalException as exc:
-        # The agent has already passed the signal on and waited for the workers; on SIGTERM they save and stop.
-        print(f"shardtune launch: stopped by signal {int(exc.sigval)}; workers were told to save a checkpoint",
-              file=sys.stderr)
-        return 0 if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
+        # The agent has already passed the signal on and waited for the workers; on SIGTERM they save and stop,
+        # on anything else (Ctrl-C) they stop where they are.
+        if exc.sigval == signal.SIGTERM:
+            print("shardtune launch: stopped by SIGTERM; the workers saved a checkpoint of their last step",
+                  file=sys.stderr)
+            return 0
+        name = signal.Signals(int(exc.sigval)).name
+        print(f"shardtune launch: interrupted ({name}); no checkpoint was saved for it: resume_from_checkpoint true "
+              f"carries on from the newest one under output_dir/checkpoints", file=sys.stderr)
+        return 128 + int(exc.sigval)
     return 0
