@@ -10,10 +10,13 @@ from tests.trainutil import run_shardtune, write_chat_data
 
 
 @pytest.mark.parametrize("nproc,extra", [
-    (1, ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]),
+    # unpacked rows are padded to their batch's longest (~20 tokens here), far below max_seq_len: the trace must
+    # run that shape, not max_seq_len rows
+    (1, ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--packing", "False",
+         "--max_seq_len", "256"]),
     (2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP", "--use_peft_lora", "True",
          "--gradient_checkpointing", "True"]),
-], ids=["one_process", "fsdp_lora"])
+], ids=["one_process_unpacked", "fsdp_lora"])
 def test_predicted_peak_recorded_beside_measured(tmp_path, monkeypatch, nproc, extra):
     from shardtune.tiny import make_model_folder
 
@@ -35,3 +38,5 @@ def test_predicted_peak_recorded_beside_measured(tmp_path, monkeypatch, nproc, e
     assert record["peak_error"] == pytest.approx(
         (record["predicted_peak_bytes"] - record["measured_peak_bytes"]) / record["measured_peak_bytes"])
     assert summary["predicted_peak_bytes"] == record["predicted_peak_bytes"]
+    packed = "--packing" not in extra
+    assert record["traced_seq_len"] == 64 if packed else 8 < record["traced_seq_len"] < 64

@@ -316,6 +316,9 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                       and plan.strategy in PREDICTABLE_STRATEGIES)
     tracked_step_number = start_step + 1 if start_step else min(2, steps)
     tracked_peak = 0
+    # The padded length of the longest micro-batch measured (unpacked rows are padded to the batch's longest, not
+    # to max_seq_len): the prediction traces that shape. On CPU the tracked step's; on CUDA the run's longest.
+    measured_seq_len = 0
     stats = None  # the last step's; None until a step ran (a resume may start at an epoch's end)
     try:
         while step < steps and not stopped_by_signal:
@@ -323,10 +326,14 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
             for micro_batches in _collate_steps(sampler, data.train, collator):
                 inject_fault(step + 1, info)
                 try:
+                    longest = max(b["input_ids"].shape[1] for b in micro_batches)
                     if measure_on_cpu and step + 1 == tracked_step_number:
                         stats, tracked_peak = tracked_step(ctx, micro_batches)
+                        measured_seq_len = longest
                     else:
                         stats = train_step(ctx, micro_batches)
+                        if not measure_on_cpu:
+                            measured_seq_len = max(measured_seq_len, longest)
                 except NonFiniteLoss as exc:
                     raise TrainingStopped(
                         f"step {step + 1}: {exc}. Last good checkpoint: {last_checkpoint or 'none'}. Likely causes: "
@@ -379,12 +386,13 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
                "stopped_by": "SIGTERM" if stopped_by_signal else "completed", "last_checkpoint": last_checkpoint}
     # A run that trained nothing (resumed at its last step) has no step to measure: no record rather than a wrong one.
-    memory = memory_check(cfg, info, plan, tracked_peak) if steps_this_run else None
+    memory = memory_check(cfg, info, plan, tracked_peak, measured_seq_len) if steps_this_run else None
     if memory:
         summary.update(memory)
         metrics.write({"step": step, **memory})
-        log.info("peak memory per %s: predicted %.3f GiB, measured %.3f GiB (%s), error %+.1f%%",
-                 "GPU" if info.device.type == "cuda" else "process", memory["predicted_peak_bytes"] / 2**30,
+        log.info("peak memory per %s: predicted %.3f GiB (traced at %d-token rows), measured %.3f GiB (%s), "
+                 "error %+.1f%%", "GPU" if info.device.type == "cuda" else "process",
+                 memory["predicted_peak_bytes"] / 2**30, memory["traced_seq_len"],
                  memory["measured_peak_bytes"] / 2**30, memory["measured_by"], 100 * memory["peak_error"])
     if not stopped_by_signal:
         export = pipeline.export_final if pipelined else ckpt.export_final
