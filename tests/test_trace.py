@@ -208,6 +208,28 @@ def test_find_batch_size_and_emit_config_write_a_recipe_the_trainer_reads(tmp_pa
     assert cfg.distributed.distributed_type == "DDP" and cfg.lora.use_peft_lora
 
 
+def test_find_batch_size_with_the_setup_left_open_picks_the_setup_for_the_micro_batch_it_finds(tmp_path, capsys):
+    """A global batch only CPU offload holds as one micro-batch: the search splits it into micro-batches one GPU
+    holds, and the report and the recipe name that setup, not offload (the walkthrough found both disagreeing)."""
+    from shardtune.cli import main
+    from shardtune.config import load_train_config
+
+    path = tmp_path / "recipe.yaml"
+    common = ["estimate", "llama-3.1-8b", "--method", "lora", "--gpu", "a100-80gb", "--json"]
+    assert main([*common, "--batch-size", "64"]) == 0
+    as_one = json.loads(capsys.readouterr().out)["recommendation"]
+    assert as_one["offload_params"]  # the premise: 64 sequences at once need offload
+    assert main([*common, "--batch-size", "64", "--find-batch-size", "--emit-config", str(path)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rec, plan = data["recommendation"], data["batch_plan"]
+    assert not rec["offload_params"] and rec["strategy"] == "single"
+    assert plan["global_batch_size"] == 64 and plan["micro_batch_size"] == rec["batch_size"] <= rec["max_batch_size"]
+    assert plan["largest_fitting_micro_batch"] == rec["max_batch_size"]
+    cfg = load_train_config([str(path)])
+    assert not cfg.distributed.fsdp_offload_params and cfg.distributed.distributed_type == "NO"
+    assert cfg.run.per_device_train_batch_size * cfg.run.gradient_accumulation_steps == 64
+
+
 RESERVED_GRID = [("small", 1, {"bf16": True, "gradient_checkpointing": True}),
                  ("small", 1, {"use_peft_lora": True, "bf16": True, "gradient_accumulation_steps": 2}),
                  ("small", 2, {"distributed_type": "FSDP", "bf16": True})]

@@ -133,6 +133,23 @@ def print_catalog() -> None:
     Console().print(table)
 
 
+def _recommend_for_global_batch(model: str, setup: Setup, gpu: Gpu, measured):
+    """--find-batch-size with the setup left to shardtune: the micro-batch is free, only the global batch is
+    asked. The setup is the one recommended where any micro-batch fits (1), and the report is made again at
+    the micro-batch found for it, so the table, the recommendation and an emitted recipe all agree. (Chosen at
+    the asked micro-batch instead, a batch only CPU offload could hold would keep offload after the search
+    found that one GPU holds a smaller micro-batch.)"""
+    from shardtune.memory.batch_plan import find_batch_size
+
+    free = run_estimate(model, setup.with_(batch_size=1, gradient_accumulation_steps=1), gpu, True, measured)
+    asked = free.breakdown.setup.with_(batch_size=setup.batch_size,
+                                       gradient_accumulation_steps=setup.gradient_accumulation_steps)
+    plan = find_batch_size(model, asked, gpu)
+    return run_estimate(model, setup.with_(batch_size=plan.micro_batch_size,
+                                           gradient_accumulation_steps=plan.gradient_accumulation_steps),
+                        gpu, True, measured)
+
+
 def _batch_and_config(args: argparse.Namespace, setup: Setup, gpu: Gpu) -> tuple[dict, Setup]:
     """--find-batch-size and --emit-config (the emitted recipe uses the batch found, when searched); also the
     setup they settled on, which --trace then traces."""
@@ -165,7 +182,10 @@ def main(args: argparse.Namespace) -> int:
         from shardtune.memory.recommend import Measured
 
         measured = Measured.load(args.measured)
-    report = run_estimate(args.model, setup, gpu, auto, measured)
+    if args.find_batch_size and auto:
+        report = _recommend_for_global_batch(args.model, setup, gpu, measured)
+    else:
+        report = run_estimate(args.model, setup, gpu, auto, measured)
     extras, chosen = _batch_and_config(args, report.breakdown.setup, gpu)
     traced = None
     if args.trace:
