@@ -48,6 +48,7 @@ def run_inspect(argv: list[str]) -> int:
     from rich.console import Console
 
     from shardtune.config import load_train_config
+    from shardtune.hub import offline_unless_reachable
     from shardtune.data.pipeline import prepare_datasets
     from shardtune.data.templates import load_tokenizer
 
@@ -59,6 +60,7 @@ def run_inspect(argv: list[str]) -> int:
     if rest and not rest[0].startswith("-") and "=" not in rest[0] and not rest[0].endswith((".yaml", ".yml")):
         rest = ["--dataset_name", rest[0], *rest[1:]]
     cfg = load_train_config(rest, training=False)
+    offline_unless_reachable(cfg.model.model_name_or_path, cfg.data.dataset_name)
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed, cache_dir=own.cache_dir)
     console = Console()

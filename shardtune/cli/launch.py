@@ -140,13 +140,16 @@ def run(argv: list[str]) -> int:
         return 0
     from shardtune.cli import TRAIN_HELP
     from shardtune.config import load_run_config
+    from shardtune.hub import offline_unless_reachable
 
     job = next(i for i in range(len(cmd)) if cmd[i:i + len(JOB)] == JOB)
     train_argv = cmd[job + len(JOB):]  # what every rank's 'shardtune train' reads
     if not any(a in TRAIN_HELP for a in train_argv):
         # Checked once here, as one line, rather than on every rank amid torchrun's output. Keys and values
         # only: neither the model nor the data is opened.
-        load_run_config(train_argv)
+        cfg = load_run_config(train_argv)
+        # Decided once for every rank (they inherit the environment), before torchrun starts them.
+        offline_unless_reachable(cfg.model.model_name_or_path, cfg.data.dataset_name)
     return run_torchrun(cmd[len(TORCHRUN):])
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import sys
 
-from shardtune.errors import UsageError, first_line
+from shardtune.errors import first_line
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,8 +42,10 @@ def run(argv: list[str]) -> int:
         print(keys_help())
         return 0
     from shardtune.config import load_train_config
+    from shardtune.hub import offline_unless_reachable
 
     cfg = load_train_config(argv)
+    offline_unless_reachable(cfg.model.model_name_or_path, None if cfg.run.dry_run else cfg.data.dataset_name)
     if cfg.run.dry_run:
         import yaml
 

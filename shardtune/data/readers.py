@@ -112,7 +112,9 @@ def looks_like_local_path(name: str) -> bool:
 def hub_revision(name: str) -> str | None:
     """The commit sha the hub data set ``name`` points at, or None offline (then the cache is keyed by the name, and
     a warning says so)."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+    from shardtune.hub import offline_already
+
+    if offline_already():
         sha = None
     else:
         try:
