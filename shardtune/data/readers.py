@@ -10,7 +10,6 @@ import csv
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
