@@ -260,8 +260,9 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
         res.explanation = explain(res, cfg.distributed.pipeline_microbatches)
         res.load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         results.append(res)
-    meta = {"model": model_label(cfg.model.model_name_or_path), "num_processes": num_processes, "device": device_name(),
-            "steps": steps, "warmup_steps": warmup_steps} | setup_kwargs
+    method = "qlora" if cfg.lora.use_4bit_quantization else "lora" if cfg.lora.use_peft_lora else "full"
+    meta = {"model": model_label(cfg.model.model_name_or_path), "method": method, "num_processes": num_processes,
+            "device": device_name(), "steps": steps, "warmup_steps": warmup_steps} | setup_kwargs
     return results, meta
 
 

@@ -152,6 +152,7 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
     saved = json.loads((tmp_path / "res.json").read_text())
     assert saved["model"] == "model (llama, 4 layers x 64 hidden, 213.6 k parameters)"  # not the folder's path
     assert saved["num_processes"] == 2 and saved["batch_size"] == 4
+    assert saved["method"] == "full"  # the recipe sets no use_peft_lora: every weight trains
     mp, ddp = saved["results"]
     probe = json.loads((tmp_path / "work" / "mp" / "probe" / "probe-rank-0.json").read_text())
     walls = probe["wall_s"][1:]

@@ -14,11 +14,13 @@ from shardtune.memory.recommend import Measured, candidates, evaluate, recommend
 from shardtune.memory.setup import Setup, validate
 
 
-def measured_file(tmp_path, speeds: dict[str, float], failed: tuple[str, ...] = (), processes: int = 2):
+def measured_file(tmp_path, speeds: dict[str, float], failed: tuple[str, ...] = (), processes: int = 2,
+                  method: str = "lora"):
     rows = [{"strategy": k, "tokens_per_s": v, "error": "exit 1: out of memory" if k in failed else None}
             for k, v in speeds.items()]
     path = tmp_path / "measured.json"
-    path.write_text(json.dumps({"model": "m", "num_processes": processes, "device": "2 x GPU", "results": rows}))
+    path.write_text(json.dumps({"model": "m", "method": method, "num_processes": processes, "device": "2 x GPU",
+                                "results": rows}))
     return path
 
 
@@ -41,7 +43,10 @@ def test_measured_speeds_overrule_the_usual_order(tmp_path):
     assert "fastest measured" in rec.reason and "Without measurements it would be DDP" in rec.reason
     # The file was measured with another model ("m"), on GPUs: the reason cautions about the model only.
     assert "Caution: the speeds were measured with m, not llama-3.2-1b" in rec.reason
-    assert "CPU measurements" not in rec.reason
+    assert "CPU measurements" not in rec.reason and "--method" not in rec.reason  # both LoRA
+    full = recommend(analysis, base, gpu, Measured.load(measured_file(tmp_path, {"ddp": 900.0}, method="full")))
+    assert ("Caution: the speeds were measured with --method full, this estimate is for lora; give --method full "
+            "to compare like with like.") in full.reason
     # With DDP measured fastest, the pick agrees with the usual one and says why.
     agree = recommend(analysis, base, gpu, Measured.load(measured_file(tmp_path, {"ddp": 2000.0, "fsdp": 1200.0})))
     assert agree.setup == usual.setup and "also the usual choice" in agree.reason

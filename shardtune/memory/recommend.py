@@ -63,6 +63,7 @@ class Measured:
     model: str = ""
     num_processes: int = 0
     device: str = ""
+    method: str = ""  # full | lora | qlora of the benchmarked recipe (files before it was recorded: "")
 
     @classmethod
     def load(cls, path: str | Path) -> "Measured":
@@ -86,7 +87,7 @@ class Measured:
                       and not r.get("error") and r.get("tokens_per_s")}
             meta = data if isinstance(data, dict) else {}
             measured = cls(str(path), speeds, str(meta.get("model") or ""), int(meta.get("num_processes") or 0),
-                           str(meta.get("device") or ""))
+                           str(meta.get("device") or ""), str(meta.get("method") or ""))
         except (TypeError, ValueError):
             raise bad from None
         if not speeds:
@@ -247,6 +248,9 @@ def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: M
     if measured_name and measured_name != analysis.inventory.name:
         text += (f" Caution: the speeds were measured with {measured_name}, not {analysis.inventory.name}; run "
                  f"'shardtune bench strategies' with this model's recipe for figures that apply to it.")
+    if measured.method and measured.method != base.method:
+        text += (f" Caution: the speeds were measured with --method {measured.method}, this estimate is for "
+                 f"{base.method}; give --method {measured.method} to compare like with like.")
     if measured.device.startswith("cpu"):
         text += " CPU measurements show how the setups schedule their work, not how fast GPUs run them."
     if measured.num_processes and measured.num_processes != base.world_size:
