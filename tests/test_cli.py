@@ -102,3 +102,16 @@ def test_zero_stage_names_map_to_fsdp(capsys):
 def test_list_prints_the_catalog(capsys):
     assert main(["estimate", "--list"]) == 0
     assert "llama-3.1-405b" in capsys.readouterr().out
+
+
+def test_estimate_takes_a_catalog_models_hub_id_as_its_name(capsys):
+    """--list prints the hub ids and --emit-config writes them: estimate accepts them back, in any case."""
+    import json
+
+    from shardtune.cli import main
+
+    outputs = []
+    for name in ("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "META-LLAMA/llama-3.1-8b"):
+        assert main(["estimate", name, "--method", "lora", "--json"]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0]["model"] == "llama-3.1-8b" and outputs[1] == outputs[0] == outputs[2]

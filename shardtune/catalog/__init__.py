@@ -26,8 +26,18 @@ def _read(name: str) -> dict:
     return json.loads((CATALOG_DIR / f"{name}.json").read_text())
 
 
+def canonical(name: str) -> str:
+    """The catalog name of ``name``: a catalog name as it is, or the model's Hugging Face id (any case), which is
+    what ``--list`` prints and ``--emit-config`` writes; anything else unchanged."""
+    if name in names():
+        return name
+    by_hub_id = {str(metadata(n).get("hf_id", "")).lower(): n for n in names()}
+    return by_hub_id.get(name.lower(), name)
+
+
 def load(name: str) -> dict:
-    """The config dict of a catalog model (without shardtune's own metadata)."""
+    """The config dict of a catalog model (without shardtune's own metadata); ``name`` may be its hub id."""
+    name = canonical(name)
     if name not in names():
         hint = closest(name, names())
         did_you_mean = f"did you mean '{hint}'? " if hint else ""

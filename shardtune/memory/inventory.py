@@ -104,7 +104,7 @@ def load_config_dict(model: str) -> tuple[str, dict]:
         return path.parent.name if path.name == "config.json" else path.stem, _read_json(path)
     if path.suffix == ".json" or model.startswith((".", "/", "~")):
         raise UsageError(f"{model}: no such file or folder.")
-    return model, catalog.load(model)
+    return catalog.canonical(model), catalog.load(model)
 
 
 def build_config(config_dict: dict, name: str):

@@ -162,8 +162,7 @@ def _model_config(cfg: TrainConfig):
     path = Path(model).expanduser()
     if path.is_dir():
         return AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    by_hub_id = {catalog.metadata(n).get("hf_id"): n for n in catalog.names()}
-    name, config_dict = load_config_dict(by_hub_id.get(model, model))
+    name, config_dict = load_config_dict(catalog.canonical(model))
     return build_config(config_dict, name)
 
 
