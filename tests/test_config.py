@@ -151,6 +151,12 @@ def test_launch_reads_accelerate_file(tmp_path, capsys):
     assert main(["launch", "--config_file", str(acc), "--dry_run", "train", "--seed", "1"]) == 0
     joined = capsys.readouterr().out
     assert "--nproc_per_node 2" in joined and f"--config_file {acc}" in joined
+    # train's spelling (--dry_run True) works here too; a word that is no boolean is refused
+    assert main(["launch", "--config_file", str(acc), "--dry_run", "True", "train", "--seed", "1"]) == 0
+    assert capsys.readouterr().out == joined
+    with pytest.raises(SystemExit):
+        main(["launch", "--dry_run", "maybe", "train", "--seed", "1"])
+    assert "--dry_run/--dry-run: expected true or false, got 'maybe'" in capsys.readouterr().err
 
 
 def test_launch_errors(capsys):

@@ -39,7 +39,8 @@ def launcher_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv_backend", "--rdzv-backend", default=None, help="static (default) or c10d")
     p.add_argument("--max_restarts", "--max-restarts", type=int, default=0)
     p.add_argument("--monitor_interval", type=float, default=None)
-    p.add_argument("--dry_run", "--dry-run", action="store_true", help="print the torchrun command and exit")
+    p.add_argument("--dry_run", "--dry-run", nargs="?", const=True, default=False, type=_true_or_false,
+                   metavar="BOOL", help="print the torchrun command and exit (also --dry_run true, as train takes it)")
     return p
 
 
@@ -97,8 +98,17 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
     return cmd + train_args
 
 
-# Launcher options that take no value; every other one takes one (or is written --option=value).
+def _true_or_false(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("true", "1", "yes", "false", "0", "no"):
+        return word in ("true", "1", "yes")
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+# Launcher options that take no value (--dry_run may take true/false); every other one takes one (or is written
+# --option=value).
 LAUNCHER_FLAGS = ("--dry_run", "--dry-run", "-h", "--help")
+BOOL_WORDS = ("true", "1", "yes", "false", "0", "no")
 EXAMPLE = "'shardtune launch --num_processes 2 train --model_name_or_path M ...'"
 
 
@@ -106,7 +116,10 @@ def _no_train(argv: list[str]) -> UsageError:
     """The error for a launch line without 'train': a mistyped launcher option, or command, or no job at all."""
     start = 0  # the first word that is neither a launcher option nor its value
     while start < len(argv) and argv[start].startswith("-"):
-        start += 1 if argv[start] in LAUNCHER_FLAGS or "=" in argv[start] else 2
+        if argv[start] in LAUNCHER_FLAGS:
+            start += 2 if start + 1 < len(argv) and argv[start + 1].lower() in BOOL_WORDS else 1
+        else:
+            start += 1 if "=" in argv[start] else 2
     launcher_parser().parse_args(argv[:start])  # an unknown launcher option is reported first
     if start >= len(argv):
         return UsageError(f"nothing to launch: write the job after the launcher options, e.g. {EXAMPLE}")
@@ -165,6 +178,10 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     from torch.distributed.run import run as torchrun
 
     args = get_args_parser().parse_args(torchrun_args)
+    # torchrun sets OMP_NUM_THREADS=1 for every worker with a four-line banner; the cores shared out instead, and
+    # said by nothing (a value the user set stays).
+    per_node = max(1, int(args.nproc_per_node)) if str(args.nproc_per_node).isdigit() else 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
     # Restarted workers sharing the agent's rendezvous store can read the previous attempt's addresses and fail
     # to connect (pytorch/pytorch#135712): give the workers their own store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
