@@ -228,6 +228,9 @@ def test_bad_inputs_name_file_and_line(model_dir, tmp_path):
     path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "a"}) + "\n")
     with pytest.raises(UsageError, match=r"bad\.jsonl:2: the field 'completion' is missing"):
         prepare(model_dir, tmp_path, str(path))
+    path.write_text(json.dumps({"question": "a", "answer": "b"}) + "\n")
+    with pytest.raises(UsageError, match=r"bad\.jsonl:1: cannot tell the data format from the columns \['answer'"):
+        prepare(model_dir, tmp_path, str(path))
     path.write_text("\n")
     with pytest.raises(UsageError, match="no training rows"):
         prepare(model_dir, tmp_path, str(path))

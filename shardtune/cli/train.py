@@ -18,8 +18,8 @@ from shardtune.errors import first_line
 
 def register(sub: argparse._SubParsersAction) -> None:
     # The keys are parsed by shardtune.config, not argparse (there are too many, and recipes pass them all).
-    p = sub.add_parser("train", help="fine-tune a model (LoRA, QLoRA or full; 1 process, DDP or FSDP2)",
-                       description=__doc__, add_help=False)
+    p = sub.add_parser("train", help="fine-tune a model (LoRA, QLoRA or full; 1 process, DDP, FSDP2, model or "
+                                     "pipeline parallel)", description=__doc__, add_help=False)
     p.set_defaults(func=None)
 
 

@@ -86,7 +86,10 @@ def read_examples(source: Source, splits: list[str], cfg: DataConfig, fmt: str) 
                 if isinstance(row, BadRow):
                     raise row
                 if fmt == "auto":
-                    fmt = detect_format(row, cfg.dataset_text_field)
+                    try:
+                        fmt = detect_format(row, cfg.dataset_text_field)
+                    except UsageError as exc:  # the first row decides: name where it is
+                        raise UsageError(f"{where}: {exc}") from None
                 examples.append(to_example(row, where, fmt, cfg.dataset_text_field, alpaca_as_chat))
             except BadRow as exc:
                 if not cfg.skip_bad_rows:

@@ -99,7 +99,8 @@ def render_text(result: dict[str, Any], formula_peak: int | None = None) -> str:
         lines.append(f"trace not possible: {result['fallback_reason']}")
         lines.append(f"analytic estimate instead: {result['peak_bytes'] / GIB:.2f} GiB per GPU")
         return "\n".join(lines)
-    lines.append(f"traced peak per GPU: {result['peak_bytes'] / GIB:.3f} GiB of tensors  ({result['strategy']}, "
+    strategy = "single process" if result["strategy"] == "NO" else result["strategy"]
+    lines.append(f"traced peak per GPU: {result['peak_bytes'] / GIB:.3f} GiB of tensors  ({strategy}, "
                  f"world size {result['world_size']}, {result['steps']} steps traced in {result['seconds']:.1f} s)")
     reserved = result.get("reserved_bytes")
     if reserved:

@@ -200,8 +200,11 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
     attention = attn_implementation(cfg.model, info.device, precision.compute_dtype)
     collator = Collator(tokenizer.pad_token_id, pad_to_multiple_of=cfg.data.max_seq_len if pipelined else None,
                         attn_implementation=attention)
-    log.info("strategy: %s%s on %d process(es), mixed precision %s", plan.strategy,
-             f" {plan.sharding}" if plan.strategy == "FSDP" else "", info.world_size, precision.mixed_precision)
+    if plan.strategy == "NO":
+        log.info("strategy: a single process, mixed precision %s", precision.mixed_precision)
+    else:
+        log.info("strategy: %s%s on %d process(es), mixed precision %s", plan.strategy,
+                 f" {plan.sharding}" if plan.strategy == "FSDP" else "", info.world_size, precision.mixed_precision)
     model, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer))
 
     sampler = GlobalBatchSampler(len(data.train), micro_batch_size=cfg.run.per_device_train_batch_size,
@@ -383,6 +386,7 @@ def _train(cfg: TrainConfig, info: DistInfo) -> dict[str, Any]:
                "epochs": epoch, "wall_s": wall, "tokens": run_tokens,
                "tokens_per_s": run_tokens / max(wall, 1e-9), "trainable_parameters": trainable,
                "parameters": total, "world_size": info.world_size, "strategy": plan.strategy,
+               "device_type": info.device.type,
                "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
                "stopped_by": "SIGTERM" if stopped_by_signal else "completed", "last_checkpoint": last_checkpoint}
     # A run that trained nothing (resumed at its last step) has no step to measure: no record rather than a wrong one.
@@ -427,6 +431,8 @@ def log_summary(summary: dict[str, Any], cfg: TrainConfig) -> None:
     what = f"{ran} steps" if resumed_from is None else \
         f"{ran} steps (steps {resumed_from + 1}-{step}, resumed from step {resumed_from})"
     mfu = summary["mfu"]
-    log.info("done: %s in %.1f s, %.0f tokens/s%s, peak memory %.2f GiB per process", what, summary["wall_s"],
+    on_gpu = summary.get("device_type") == "cuda"
+    log.info("done: %s in %.1f s, %.0f tokens/s%s, peak memory %.2f GiB per %s", what, summary["wall_s"],
              summary["tokens_per_s"], f", MFU {mfu:.1%}" if mfu is not None else "",
-             summary["peak_memory_bytes"] / 2**30)
+             summary["peak_memory_bytes"] / 2**30,
+             "GPU (reserved by PyTorch)" if on_gpu else "process (resident memory, the whole process)")
