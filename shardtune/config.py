@@ -412,8 +412,16 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, So
             setattr(getattr(cfg, section), key, coerced)
             given[key] = source
     _normalise(cfg)
-    problems += validate(cfg, training=training)
+    problems += [_located(problem, given) for problem in validate(cfg, training=training)]
     return cfg, given, problems
+
+
+def _located(problem: str, given: dict[str, Source]) -> str:
+    """``problem`` led by the file and line that set the key it names first (the command line needs no pointer:
+    the key is on it)."""
+    key = re.match(r"[a-z][a-z0-9_]*", problem)
+    source = given.get(key.group(0)) if key else None
+    return f"{source}: {problem}" if source and source.line else problem
 
 
 def _input_problems(cfg: TrainConfig, given: dict[str, Source]) -> list[str]:

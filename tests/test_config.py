@@ -173,3 +173,16 @@ def test_hub_token_is_never_written_beside_checkpoints(tmp_path):
     assert cfg.run.hub_token == "hf_secret"
     save_resolved(cfg, tmp_path / "config.yaml")
     assert "hf_secret" not in (tmp_path / "config.yaml").read_text()
+
+
+def test_a_bad_value_in_a_recipe_names_its_file_and_line(tmp_path):
+    """Wrong types named their line already; wrong values (a choice, a range, a conflict) now do too."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("output_dir: out\nlr_scheduler_type: cosin\nper_device_train_batch_size: -1\nbf16: true\n"
+                      "fp16: true\n")
+    with pytest.raises(UsageError) as err:
+        load_train_config([str(recipe), "--model_name_or_path", "m"])
+    message = str(err.value)
+    assert f"{recipe}, line 2: lr_scheduler_type='cosin' is not accepted" in message
+    assert f"{recipe}, line 3: per_device_train_batch_size=-1 must be at least 1" in message
+    assert f"{recipe}, line 4: bf16 and fp16 are both true" in message
