@@ -1,8 +1,9 @@
 """The activation formula against the bytes real transformers models keep for backward on CPU.
 
-Each case builds a small model of a catalog architecture, runs a real forward pass with labels, and measures the
-storages still alive afterwards (what autograd keeps for backward, plus autocast's weight copies). The formula
-must predict that number.
+Each case builds a small model of a catalog architecture, runs a real forward pass with labels on a batch made
+by shardtune's collator (as the trainer feeds it: position ids and the block-causal attention mask of packed
+documents), and measures the storages still alive afterwards (what autograd keeps for backward, plus autocast's
+weight copies), with the batch itself. The formula must predict that number.
 """
 
 import gc
@@ -11,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from shardtune.data.collate import Collator
 from shardtune.memory.formula import Activations, _dtypes, _Model
 from shardtune.memory.inventory import ModelAnalysis
 from shardtune.memory.measure import LiveStorages, parameter_storages, saved_tensor_bytes
@@ -27,7 +29,18 @@ ARCHS = {
 MODES = {"pure bf16": dict(pure_bf16=True), "bf16 autocast": dict(), "fp32": dict(mixed_precision="no")}
 
 
-def _measure(config: dict, mode: str, checkpointing: bool, batch: int = 2, seq: int = 64) -> int:
+def trainer_batch(ids: torch.Tensor, attn_implementation: str = "sdpa") -> dict[str, torch.Tensor]:
+    """``ids`` as the trainer's collator hands them to the model: each row one document, every token a target."""
+    rows = [{"input_ids": row, "labels": row, "seq_lens": [len(row)]} for row in ids.tolist()]
+    return Collator(0, attn_implementation=attn_implementation)(rows)
+
+
+def batch_bytes(batch: dict[str, torch.Tensor]) -> int:
+    """The model's inputs, made outside the recorder (the labels count as the loss's shifted copy of them)."""
+    return sum(t.nbytes for name, t in batch.items() if name != "labels")
+
+
+def _measure(config: dict, mode: str, checkpointing: bool, batch: int = 2, seq: int = 64, collate: bool = True):
     kwargs = {k: v for k, v in config.items() if k != "model_type"}
     cfg = AutoConfig.for_model(config["model_type"], **kwargs)
     torch.manual_seed(0)
@@ -36,13 +49,14 @@ def _measure(config: dict, mode: str, checkpointing: bool, batch: int = 2, seq: 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    inputs = trainer_batch(ids) if collate else {"input_ids": ids, "labels": ids}
     with LiveStorages() as live, torch.autocast("cpu", torch.bfloat16, enabled=mode == "bf16 autocast"):
-        out = model(input_ids=ids, labels=ids)
+        out = model(**inputs)
     loss = out.loss
     del out  # the logits are not kept for backward
     gc.collect()
-    # The ids were made outside the recorder; the loss scalar is alive but not kept for backward.
-    return live.live_bytes(parameter_storages(model)) + ids.nbytes - loss.nbytes, loss, model
+    # The batch was made outside the recorder; the loss scalar is alive but not kept for backward.
+    return live.live_bytes(parameter_storages(model)) + batch_bytes(inputs) - loss.nbytes, loss, model
 
 
 def _predict(folder: str, mode: str, checkpointing: bool, batch: int = 2, seq: int = 64) -> int:
@@ -71,7 +85,7 @@ def test_saved_activations_match_the_real_model(arch, mode, checkpointing, confi
 
 def test_live_storages_agree_with_the_autograd_graph():
     """Two independent measurements of the same thing: what the graph saved, and what is still alive."""
-    measured, loss, model = _measure(ARCHS["llama"], "pure bf16", checkpointing=False)
+    measured, loss, model = _measure(ARCHS["llama"], "pure bf16", checkpointing=False, collate=False)
     assert measured == saved_tensor_bytes(loss, parameter_storages(model))
 
 
@@ -81,13 +95,13 @@ def test_eager_attention_keeps_the_score_matrices(config_dir):
     kwargs = {k: v for k, v in config.items() if k != "model_type"}
     cfg = AutoConfig.for_model("llama", **kwargs)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).train()
-    ids = torch.randint(0, cfg.vocab_size, (2, 64))
+    inputs = trainer_batch(torch.randint(0, cfg.vocab_size, (2, 64)), "eager")
     with LiveStorages() as live:
-        out = model(input_ids=ids, labels=ids)
+        out = model(**inputs)
     loss = out.loss
     del out
     gc.collect()
-    measured = live.live_bytes(parameter_storages(model)) + ids.nbytes - loss.nbytes
+    measured = live.live_bytes(parameter_storages(model)) + batch_bytes(inputs) - loss.nbytes
     inv = ModelAnalysis(folder).inventory
     setup = Setup(gradient_checkpointing=False, batch_size=2, seq_len=64, pure_bf16=True, attn_implementation="eager",
                   loss="full")

@@ -1,7 +1,8 @@
 """LoRA's activations: with the base frozen, autograd keeps an op's input only where a gradient needs it.
 
 A frozen projection keeps no input, a frozen norm keeps no normalised copy, and each adapter keeps its r-wide A
-output. The formula must predict the bytes a real PEFT model keeps for backward, for several target sets.
+output. The formula must predict the bytes a real PEFT model keeps for backward, for several target sets, on a
+batch from shardtune's collator and, for fp32 adapters, under torch.autocast: as the trainer runs them.
 """
 
 import gc
@@ -11,10 +12,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shardtune.memory.formula import Activations, _dtypes
+from shardtune.memory.formula import Activations, _dtypes, _Model
 from shardtune.memory.inventory import ModelAnalysis
 from shardtune.memory.measure import LiveStorages, parameter_storages
 from shardtune.memory.setup import Setup
+from tests.test_activations import batch_bytes, trainer_batch
 
 CONFIGS = {
     "llama": dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=3,
@@ -34,25 +36,32 @@ def _measure_lora(config: dict, targets: str, pure_bf16: bool = True) -> int:
     # PEFT keeps the adapters of a bf16 model in fp32; pure bf16 casts them down too.
     model = get_peft_model(model, LoraConfig(r=RANK, target_modules=peft_targets))
     model = (model.to(torch.bfloat16) if pure_bf16 else model).train()
-    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
-    with LiveStorages() as live:
-        out = model(input_ids=ids, labels=ids)
+    inputs = trainer_batch(torch.randint(0, cfg.vocab_size, (BATCH, SEQ)))
+    # The trainer runs fp32 adapters on a bf16 base under autocast (shardtune.train.step._autocast).
+    with LiveStorages() as live, torch.autocast("cpu", torch.bfloat16, enabled=not pure_bf16):
+        out = model(**inputs)
     loss = out.loss
     del out
     gc.collect()
-    return live.live_bytes(parameter_storages(model)) + ids.nbytes - loss.nbytes
+    return live.live_bytes(parameter_storages(model)) + batch_bytes(inputs) - loss.nbytes
 
 
 def _predict(folder: str, targets: str, method: str = "lora", pure_bf16: bool = True) -> int:
-    inv = ModelAnalysis(folder).inventory
+    analysis = ModelAnalysis(folder)
+    inv = analysis.inventory
     setup = Setup(method=method, gradient_checkpointing=False, batch_size=BATCH, seq_len=SEQ, pure_bf16=pure_bf16,
                   lora_r=RANK, lora_target_modules=targets, loss="full")
-    act = Activations(inv, setup, _dtypes(setup))
-    return BATCH * SEQ * (inv.num_layers * act.layer() + act.outside_layers()) + act.rope_tables()
+    dt = _dtypes(setup)
+    act = Activations(inv, setup, dt)
+    saved = BATCH * SEQ * (inv.num_layers * act.layer() + act.outside_layers()) + act.rope_tables()
+    if method == "full":
+        return saved
+    model = _Model(inv, setup, dt, analysis.lora(RANK, targets))  # autocast's copies of fp32 adapters' weights
+    return saved + sum(model.autocast_copy_of_layer(i) for i in range(inv.num_layers))
 
 
 CASES = [(arch, targets, True) for arch in CONFIGS for targets in TARGETS] + [
-    ("llama", targets, False) for targets in TARGETS]  # PEFT's default: fp32 adapters on the bf16 base
+    ("llama", targets, False) for targets in TARGETS]  # the trainer's: fp32 adapters on the bf16 base, autocast
 
 
 @pytest.mark.parametrize("arch,targets,pure_bf16", CASES,

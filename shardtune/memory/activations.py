@@ -63,13 +63,21 @@ class Activations:
 
     def attention(self) -> int:
         inv, e, s = self.inv, self.dt.compute, self.setup.seq_len
+        repeated = inv.num_kv_heads != inv.num_heads
         v_stored = inv.q_dim + 2 * inv.kv_dim if inv.fused_qkv else inv.kv_dim  # a view keeps the fused qkv alive
         if self.setup.attn_implementation == "eager":
-            repeated = inv.num_kv_heads != inv.num_heads  # repeat_kv copies k and v to every head
-            kv = 2 * inv.q_dim if repeated else inv.kv_dim + v_stored
+            kv = 2 * inv.q_dim if repeated else inv.kv_dim + v_stored  # repeat_kv copies k and v to every head
             # q, k, v, the output, plus softmax probabilities in fp32 and again in compute dtype (s per head).
             return e * (inv.q_dim + kv + inv.q_dim) + (4 + e) * inv.num_heads * s
-        # SDPA / flash: rotated q and k, v, the output, and an fp32 log-sum-exp per head.
+        if self.setup.attn_implementation == "sdpa":
+            # shardtune's collator hands sdpa a block-causal boolean mask [B, 1, L, L] (packed documents never
+            # attend to each other). SDPA's own GQA takes no mask, so transformers repeats k and v to every head
+            # (sdpa_attention.use_gqa_in_sdpa), and SDPA turns the mask into an additive one in the compute dtype,
+            # which its kernel keeps for backward: seq_len values per token, in every layer.
+            kv = 2 * inv.q_dim if repeated else inv.kv_dim + v_stored
+            return e * (inv.q_dim + kv + inv.q_dim + s) + 4 * inv.num_heads
+        # Flash attention: no mask (documents come from the position ids) and GQA inside the kernel: rotated q and
+        # k, v, the output, and an fp32 log-sum-exp per head.
         return e * (inv.q_dim + inv.kv_dim + v_stored + inv.q_dim) + 4 * inv.num_heads
 
     def mlp(self) -> int:
@@ -102,21 +110,28 @@ class Activations:
             return self.inv.intermediate_size
         return self.inv.q_dim if name == "o_proj" else self.inv.hidden_size
 
+    @property
+    def autocast_adapters(self) -> bool:
+        """fp32 adapters (PEFT's, and the trainer's) run under torch.autocast: single GPU, DDP and model parallel
+        with a 16-bit compute dtype. Under FSDP the MixedPrecisionPolicy gathers them in the compute dtype instead."""
+        dt = self.dt
+        return bool(self.adapted) and dt.master == 4 and dt.compute != 4 and self.setup.strategy != "fsdp"
+
     def adapters(self) -> int:
         """What LoRA adapters keep for backward: the input of A (for A's gradient) and A's r-wide output (for B's).
 
-        Adapters in bf16 (pure bf16) read the projection's input as it is, so the projections behind one norm share
-        one copy, and o_proj's input is the attention output its kernel keeps anyway. Adapters in fp32 (PEFT's
-        default on a bf16 base) cast their input to fp32 one adapter at a time, so each keeps its own fp32 copy;
-        under FSDP the MixedPrecisionPolicy gathers them in bf16, so they behave as bf16 adapters.
-        Measured on real PEFT models in tests/test_estimate_lora_activations.py.
+        Adapters in the activations' dtype (bf16 under pure bf16 or FSDP, fp32 without mixed precision) read the
+        projection's input as it is, so the projections behind one norm share one copy, and o_proj's input is the
+        attention output its kernel keeps anyway. fp32 adapters under torch.autocast (the trainer's default) each
+        make their own copy: PEFT casts the input up to the adapter's fp32 and autocast casts that back to the
+        compute dtype for A's matmul, which keeps it (autocast caches casts of weights, not of activations); the
+        fp32 cast itself is not kept. Measured on real PEFT models in tests/test_estimate_lora_activations.py.
         """
         if not self.adapted:
             return 0
-        r = self.setup.lora_r
-        if self.dt.master == 4 and self.setup.strategy != "fsdp":
-            return sum(4 * (self._input_width(name) + r) for name in self.adapted)
-        e = self.dt.compute
+        r, e = self.setup.lora_r, self.dt.compute
+        if self.autocast_adapters:
+            return sum(e * (self._input_width(name) + r) for name in self.adapted)
         shared = int(bool(self.adapted & ATTENTION_INPUT)) + int(bool(self.adapted & MLP_INPUT))
         down = e * self.inv.intermediate_size if self.adapted & MLP_DOWN else 0
         return e * r * len(self.adapted) + shared * e * self.inv.hidden_size + down
@@ -131,14 +146,36 @@ class Activations:
         """A checkpointed layer keeps only its input."""
         return self.dt.residual * self.inv.hidden_size
 
+    def layer_recomputed(self) -> int:
+        """A checkpointed layer while backward recomputes it: what ``layer()`` keeps, less its input where the
+        first norm keeps the input itself (an fp32 residual stream needs no upcast): the checkpoint holds it."""
+        return self.layer() - (self.layer_checkpointed() if self.dt.residual == 4 else 0)
+
     def layer_backward_temporaries(self) -> int:
-        """Gradients alive inside one layer's backward: two intermediate-sized, two residual-sized."""
-        inv = self.inv
+        """What one layer holds beyond its saved activations while backward runs through it, at its fullest.
+
+        Its MLP's backward: two intermediate-sized gradients (of the down projection's input and of one of its
+        factors) and two residual-sized ones. With checkpointing, fp32 adapters under autocast top that while the
+        layer is recomputed: at the down projection, PEFT's fp32 copy of its input (4 bytes x intermediate) stands
+        beside that input and the base projection's output, while the decoder layer's forward still holds the
+        post-attention norm's output and the mid-layer residual, and the gradient of the layer's output waits.
+        """
+        inv, e, res, h = self.inv, self.dt.compute, self.dt.residual, self.inv.hidden_size
         width = inv.intermediate_size * (inv.experts_per_token if inv.num_experts > 1 else 1)
-        return 2 * self.dt.compute * width + 2 * self.dt.residual * inv.hidden_size
+        gradients = 2 * e * width + 2 * res * h
+        if not (self.setup.gradient_checkpointing and self.autocast_adapters and self.adapted & MLP_DOWN):
+            return gradients
+        return max(gradients, (4 + e) * width + 2 * e * h + 2 * res * h)
+
+    def batch_inputs(self) -> int:
+        """The micro-batch on the GPU: input ids, labels and position ids (int64), and the attention mask that
+        shardtune's collator builds for packed documents, [B, 1, L, L]: boolean for sdpa, additive fp32 for eager,
+        none for flash attention (it finds the documents from the position ids)."""
+        mask = {"sdpa": 1, "eager": 4}.get(self.setup.attn_implementation, 0) * self.setup.seq_len
+        return 24 + mask
 
     def outside_layers(self) -> int:
-        """Final norm, the lm_head input, input ids and labels (int64), and what the loss keeps for backward.
+        """Final norm, the lm_head input, the micro-batch itself, and what the loss keeps for backward.
 
         The full loss keeps the fp32 log-softmax of every token; the chunked loss keeps the compute-dtype logits
         and recomputes the softmax one chunk at a time in backward (torchtune's CEWithChunkedOutputLoss, compiled).
@@ -149,14 +186,17 @@ class Activations:
         else:  # the compute-dtype logits and the fp32 log-sum-exp of each token
             kept = self.dt.compute * inv.vocab_size + 4
         if self.frozen:
-            # A frozen head keeps no input; and nothing before the first layer's input norm needs a gradient (the
-            # embeddings are frozen), so that norm keeps nothing either.
-            return 16 + kept
-        return self.norm() + self.dt.compute * inv.hidden_size + 16 + kept
+            # A frozen head keeps no input. The final norm keeps its fp32 upcast (the adapters below need the
+            # gradient of its input); without checkpointing that cancels against the first layer's input norm,
+            # which keeps nothing (nothing before it needs a gradient: the embeddings are frozen).
+            final_norm = self.norm() if self.setup.gradient_checkpointing else 0
+            return final_norm + self.batch_inputs() + kept
+        return self.norm() + self.dt.compute * inv.hidden_size + self.batch_inputs() + kept
 
     def rope_tables(self) -> int:
-        """RoPE's cos and sin for every position (shared by all layers and sequences of the batch)."""
-        return 2 * self.setup.seq_len * self.inv.head_dim * self.dt.residual
+        """RoPE's cos and sin, shared by all layers: one row per token, since the trainer passes position ids for
+        every sequence of the batch (they restart at each packed document)."""
+        return 2 * self.setup.batch_size * self.setup.seq_len * self.inv.head_dim * self.dt.residual
 
     def loss_forward_extra(self) -> int:
         """Logits in compute dtype and their fp32 upcast, alive while the loss is computed."""
@@ -173,12 +213,15 @@ class Activations:
         return e * v + (4 * v if e != 4 else 0)
 
     def loss_backward_extra(self) -> int:
-        """The fp32 gradients of nll_loss and log_softmax at the start of backward."""
+        """The gradients of the logits at the start of backward (beyond the saved activations)."""
         v = self.inv.vocab_size
         if self.setup.loss == "shardtune":
-            # The chunks' gradients meet in one compute-dtype gradient of the whole logits (the backward of the
-            # split), while each chunk is recomputed: its fp32 upcast, log-softmax and their fp32 gradient.
-            return self.dt.compute * v + 12 * v // LOSS_CHUNKS
+            # Each chunk's gradient (compute dtype) waits until all eight are there; the split's backward then
+            # concatenates them into one gradient of logits[:, :-1], and the slice's backward pads that to the
+            # logits' full shape: two compute-dtype gradients of the whole logits at once. (Recomputing a chunk
+            # costs less: its fp32 upcast, log-softmax and their fp32 gradient, 12 v / 8, beside 7/8 of the
+            # chunk gradients.)
+            return 2 * self.dt.compute * v
         if self.setup.loss == "chunked":
             # Each chunk is its own branch of the graph: autograd runs one chunk's loss backward and then its slice
             # of the output projection, and frees that chunk's gradient before the next one, so one chunk's

@@ -4,27 +4,33 @@ A training step goes through phases whose live memory differs; the peak is the l
 shown is the one *at* that peak, so its parts add up to the total:
 
 - forward at the loss: saved activations of every layer, plus the logits and their fp32 upcast;
-- backward at the loss: saved activations, plus the gradients of the log-softmax (the worst moment for 128k vocabularies);
-- backward through the decoder layers: a recomputed layer (gradient checkpointing) and its gradient temporaries;
-- end of backward: every gradient allocated, one layer's activations still alive;
+- backward at the loss: saved activations, plus the gradients of the logits (the worst moment for 128k vocabularies);
+- backward through the last decoder layer: a recomputed layer (gradient checkpointing) and its temporaries;
+- backward through the first decoder layer: nearly every gradient made, that layer's activations still alive;
+- backward through the embeddings: every gradient, and a tied head's waiting to be summed with the embedding's;
 - optimizer step: parameters, gradients and optimizer states, no activations.
 
 Where the bytes come from:
 - Bytes per parameter (4 fp32 master + 2 bf16 compute copy, 4 gradient, 8 AdamW) follow the Hugging Face
   "Model training anatomy" accounting and Rajbhandari et al. 2020 (ZeRO, sec. 3.1); sharding divides them by the
-  shard group as in ZeRO stages 2/3 (FSDP SHARD_GRAD_OP / FULL_SHARD).
+  shard group as in ZeRO stages 2/3 (FSDP SHARD_GRAD_OP / FULL_SHARD). DDP adds its reducer's gradient buckets.
 - Saved activations per token and decoder layer are counted tensor by tensor from what the transformers
   implementation saves for backward (RMSNorm upcasts to fp32; SDPA/flash keeps q, k, v, output and the fp32
-  log-sum-exp; the gated MLP keeps four intermediate-sized tensors). Korthikanti et al. 2022 ("Reducing Activation
-  Recomputation", eq. 1) gives the same structure for GPT; tests/test_activations.py checks these numbers against
-  the bytes the real model saves on CPU.
+  log-sum-exp, and sdpa under the block-causal mask of shardtune's packed batches also keeps that mask in the
+  compute dtype and k, v repeated to every head; the gated MLP keeps four intermediate-sized tensors). Korthikanti
+  et al. 2022 ("Reducing Activation Recomputation", eq. 1) gives the same structure for GPT; tests/test_activations.py
+  checks these numbers against the bytes the real model saves on CPU, on the trainer's batches.
 - With the base frozen (LoRA/QLoRA) autograd keeps an op's input only where a gradient needs it: frozen
-  projections and norms keep less, adapters keep their own inputs (bf16 adapters share one copy per norm, fp32
-  adapters each cast their own). tests/test_estimate_lora_activations.py checks this against real PEFT models.
-- The loss follows transformers' ``ForCausalLMLoss``: logits in compute dtype, an fp32 upcast, log-softmax output
-  kept for backward, and two fp32 vocab-sized gradients at the start of backward. ``--loss chunked`` is torchtune's
-  CEWithChunkedOutputLoss as its recipes run it (8 chunks, compiled by training.compile_loss): the compute-dtype
-  logits are kept, no fp32 copy is materialised, and backward holds one chunk's gradient at a time.
+  projections and norms keep less, adapters keep their own inputs (adapters in the activations' dtype share one
+  copy per norm; fp32 adapters under autocast each keep their own compute-dtype copy).
+  tests/test_estimate_lora_activations.py checks this against real PEFT models.
+- ``--loss shardtune`` is the trainer's own (shardtune.train.step.token_loss_sum): the compute-dtype logits are kept
+  (and held by the step until the next micro-batch's forward), the fp32 upcast exists one checkpointed chunk at a
+  time, and backward gathers the chunks' gradients into two compute-dtype gradients of the whole logits.
+  ``--loss full`` follows transformers' ``ForCausalLMLoss``: logits in compute dtype, an fp32 upcast, log-softmax
+  output kept for backward, and two fp32 vocab-sized gradients at the start of backward. ``--loss chunked`` is
+  torchtune's CEWithChunkedOutputLoss as its recipes run it (8 chunks, compiled by training.compile_loss): the
+  compute-dtype logits are kept, no fp32 copy is materialised, and backward holds one chunk's gradient at a time.
 - FSDP2 (``fully_shard`` per decoder layer): a layer's parameters are all-gathered in the compute dtype while it
   runs, the next one is prefetched, and the root (embeddings, final norm, head) is not resharded after forward
   (torch/distributed/fsdp/_fully_shard/_fsdp_state.py); with FULL_SHARD no decoder layer is gathered while the
@@ -211,12 +217,17 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
     optim_b = on_gpu * optim / shard
 
     # Activations, per micro-batch.
-    per_layer = act.layer_checkpointed() if setup.gradient_checkpointing else act.layer()
-    saved = tokens * (inv.num_layers * per_layer + act.outside_layers()) + act.rope_tables()
+    ckpt = setup.gradient_checkpointing
+    per_layer = act.layer_checkpointed() if ckpt else act.layer()
+    layers_saved = tokens * inv.num_layers * per_layer + act.rope_tables()
+    saved = layers_saved + tokens * act.outside_layers()
     loss_saved = tokens * (4 if setup.loss == "full" else dt.compute) * inv.vocab_size
-    one_layer = tokens * act.layer()
     layer_bwd = tokens * act.layer_backward_temporaries()
-    recompute = one_layer if setup.gradient_checkpointing else 0
+    recompute = tokens * act.layer_recomputed() if ckpt else 0
+    # Once backward is past the head and the final norm, what is left outside the layers is the micro-batch itself.
+    batch = tokens * act.batch_inputs()
+    # The first layer at the end of backward: its saved tensors (recomputed, beside its checkpointed input).
+    first_layer = tokens * act.layer_checkpointed() + recompute if ckpt else tokens * act.layer()
 
     # Compute-dtype copies of weights: torch.autocast's (single/DDP) or FSDP's gathered units.
     biggest_layer = max(layers, key=model.layer_gathered)
@@ -247,25 +258,67 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
     carry = grads_b if setup.gradient_accumulation_steps > 1 else 0  # gradients from earlier micro-batches
     head_grad = (inv.head_params or inv.embedding_params) * dt.master / shard if setup.method == "full" else 0
     head_grad *= on_gpu
+    # shardtune.train.step.train_step holds the model's logits in a local variable until the next micro-batch's
+    # forward returns: they outlive the loss, through the whole backward (and, with accumulation, the next forward).
+    logits_held = loss_saved if setup.loss == "shardtune" else 0
+    previous_logits = logits_held if setup.gradient_accumulation_steps > 1 else 0
+    # Gradients not yet made while the first decoder layer runs its backward. FSDP2 makes a unit's sharded
+    # gradients by reduce-scattering them after its backward, and the root's (embeddings, head) after the whole
+    # backward. Otherwise the layer's own backward peaks in its MLP, after the down projection's weight gradient
+    # and before the others (gate, up, attention); and the embedding's gradient is the last one backward makes.
+    # A tied embedding has the head's gradient instead: cast up to the master dtype, it waits in autograd's input
+    # buffer until the embedding's backward makes the other one, and the two are summed in place, so the very end
+    # of backward holds one embedding-sized gradient more than the gradients themselves.
+    tied_pending = 0
+    if fsdp:
+        not_yet = (model.layer_trainable(0) + model.root_trainable()) * dt.master / shard * on_gpu
+    else:
+        down = inv.hidden_size * inv.intermediate_size if setup.method == "full" and inv.num_experts == 1 else 0
+        not_yet = max(model.layer_trainable(0) - down, 0) * dt.master * on_gpu
+        if setup.method == "full":
+            embedding_grad = inv.embedding_params * dt.master * on_gpu
+            if inv.tied_embeddings:
+                tied_pending = embedding_grad
+            else:
+                not_yet += embedding_grad
+    end_copies = copies_bwd if fsdp else model.autocast_copy_of_layer(biggest_layer)
     phases = {
-        "forward (loss)": dict(grads=carry, act=saved + tokens * act.loss_forward_extra(), copies=copies_loss),
-        "backward (loss)": dict(grads=max(carry, head_grad), act=saved + tokens * act.loss_backward_extra(),
-                                copies=copies_loss),
-        "backward (last layer)": dict(grads=max(carry, head_grad), act=saved - loss_saved + recompute + layer_bwd,
+        "forward (loss)": dict(grads=carry, act=saved + max(previous_logits, tokens * act.loss_forward_extra()),
+                               copies=copies_loss),
+        # With shardtune's loss the head's gradient comes after the logits' gradients peak (see loss_backward_extra).
+        "backward (loss)": dict(grads=carry if setup.loss == "shardtune" else max(carry, head_grad),
+                                act=saved + tokens * act.loss_backward_extra(), copies=copies_loss),
+        "backward (last layer)": dict(grads=max(carry, head_grad),
+                                      act=layers_saved + batch + logits_held + recompute + layer_bwd,
                                       copies=copies_bwd),
-        "backward (end)": dict(grads=grads_b, act=one_layer + layer_bwd + tokens * act.layer_checkpointed(),
-                               copies=copies_bwd - (model.autocast_copy_of_head() if not fsdp else 0)),
+        # The first layer's backward: the other layers' saved tensors (their autocast weight copies among them)
+        # are gone, and nearly every gradient is there.
+        "backward (first layer)": dict(grads=grads_b - not_yet,
+                                       act=act.rope_tables() + batch + logits_held + first_layer + layer_bwd,
+                                       copies=end_copies),
+        # The embedding's backward reads the gradient of its output (the residual stream's first tensor).
+        "backward (embeddings)": dict(grads=grads_b + tied_pending,
+                                      act=act.rope_tables() + batch + logits_held + tokens * act.layer_checkpointed(),
+                                      copies=0),
         "optimizer step": dict(grads=grads_b, act=0, copies=0),
     }
+    # DDP's reducer copies every gradient into flat buckets for its all-reduce (gradient_as_bucket_view is off), a
+    # second copy of the trainable gradients that it allocates when the model is wrapped and keeps.
+    buckets = grads if setup.strategy == "ddp" and setup.world_size > 1 else 0
     totals = {}
     for name, ph in phases.items():
         dyn = ph["act"] + ph["copies"] + (dequant if ph["act"] else 0)
-        totals[name] = params_b + optim_b + ph["grads"] + dyn
+        totals[name] = params_b + optim_b + buckets + ph["grads"] + dyn
     phase = max(totals, key=totals.get)
     ph = phases[phase]
+    pending = " + the tied head's, not yet summed" if tied_pending and phase == "backward (embeddings)" else ""
     items = [
         Item("params", _param_label(setup, shard, offload), round(params_b)),
-        Item("grads", "gradients" + (f" (1/{shard} shard)" if shard > 1 else ""), round(ph["grads"])),
+        Item("grads", "gradients" + (f" (1/{shard} shard)" if shard > 1 else "") + pending, round(ph["grads"])),
+    ]
+    if buckets:
+        items.append(Item("grads", "DDP gradient buckets (a copy of the gradients)", round(buckets)))
+    items += [
         Item("optimizer", f"{setup.optimizer} states" + (f" (1/{shard} shard)" if shard > 1 else ""), round(optim_b)),
         Item("activations", _activation_label(setup), round(ph["act"])),
     ]
@@ -331,7 +384,7 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
     # Every stage recomputes one layer and holds its gradient temporaries during backward.
     transient = tokens * act.layer_backward_temporaries()
     if setup.gradient_checkpointing:
-        transient += tokens * act.layer()
+        transient += tokens * act.layer_recomputed()
 
     def stage_parts(a: int, b: int, is_first: bool, is_last: bool) -> dict[str, float]:
         out = {c: sum(layer_parts[i][c] for i in range(a, b)) for c in ("params", "grads", "optimizer", "activations")}
