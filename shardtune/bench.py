@@ -260,9 +260,8 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
         res.explanation = explain(res, cfg.distributed.pipeline_microbatches)
         res.load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         results.append(res)
-    method = "qlora" if cfg.lora.use_4bit_quantization else "lora" if cfg.lora.use_peft_lora else "full"
-    meta = {"model": model_label(cfg.model.model_name_or_path), "method": method, "num_processes": num_processes,
-            "device": device_name(), "steps": steps, "warmup_steps": warmup_steps} | setup_kwargs
+    meta = {"model": model_label(cfg.model.model_name_or_path), "num_processes": num_processes,
+            "device": device_name(), "steps": steps, "warmup_steps": warmup_steps} | setup_kwargs  # with the method
     return results, meta
 
 

@@ -1,0 +1,57 @@
+"""The ``shardtune estimate`` outputs quoted in the docs are what the command prints now.
+
+Every console block of README.md and docs/*.md that runs ``shardtune estimate`` is run again at the docs' width (80
+columns); each stretch of the quoted output between ``...`` elisions must appear in the real output, whitespace
+aside. A formula change that moves a figure fails here until the page is regenerated.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def estimate_blocks() -> list[tuple[str, str, list[str]]]:
+    """(page, command line, quoted stretches) of every console block that runs shardtune estimate."""
+    found = []
+    for page in PAGES:
+        for block in re.findall(r"```console\n(.*?)```", page.read_text(), flags=re.S):
+            lines = block.splitlines()
+            if not lines or not lines[0].startswith("$ shardtune estimate "):
+                continue
+            stretches, current = [], []
+            for line in lines[1:]:
+                if line.strip() == "...":
+                    stretches.append(current)
+                    current = []
+                else:
+                    current.append(line)
+            stretches.append(current)
+            quoted = [" ".join(" ".join(s).split()) for s in stretches if any(x.strip() for x in s)]
+            found.append((page.name, lines[0][2:], quoted))
+    return found
+
+
+BLOCKS = estimate_blocks()
+
+
+def test_the_docs_quote_estimate_outputs():
+    assert len(BLOCKS) >= 4  # choosing-a-setup.md alone quotes four
+
+
+@pytest.mark.parametrize("page, command, quoted", BLOCKS, ids=[f"{p}: {c[19:70]}" for p, c, _ in BLOCKS])
+def test_quoted_estimate_output_is_current(page, command, quoted, capsys, monkeypatch):
+    from shardtune.cli import main
+
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.chdir(ROOT)  # paths in the commands are the repository's
+    assert main(shlex.split(command)[1:]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    for stretch in quoted:
+        assert stretch in printed, f"{page}: '{command}' no longer prints:\n{stretch}\n\nit prints:\n{printed}"
