@@ -31,7 +31,9 @@ def config_from_setup(model: str, setup: Setup) -> TrainConfig:
         "gradient_accumulation_steps": setup.gradient_accumulation_steps,
         "gradient_checkpointing": setup.gradient_checkpointing,
         "bf16": setup.mixed_precision == "bf16", "fp16": setup.mixed_precision == "fp16",
-        # flash_attention_2 needs CUDA: the trainer (and the trace) then use sdpa, which keeps the same tensors.
+        # flash_attention_2: use_flash_attn, with sdpa where flash-attn cannot run. The trace (fake tensors, no
+        # flash-attn kernels) then follows sdpa, which keeps more than flash does: the batch's 4-D mask per layer
+        # and k/v repeated to every head, so a traced flash setup reads high by those.
         "attn_implementation": "sdpa" if setup.attn_implementation == "flash_attention_2" else
         setup.attn_implementation, "use_flash_attn": setup.attn_implementation == "flash_attention_2",
         "use_peft_lora": setup.uses_lora, "use_4bit_quantization": setup.method == "qlora",
