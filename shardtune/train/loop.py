@@ -99,6 +99,9 @@ def inject_fault(step: int, info: DistInfo) -> None:
     if int(at_step) != step or int(at_rank) != info.rank:
         return
     if kind == "hang":
+        # A rank stuck in its work, which the launcher's SIGTERM ends (the trainer's own handler would only set a
+        # flag for a step that never ends, and torchrun would wait 30 s before SIGKILL).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(10**6)
     elif kind == "die" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         os._exit(17)
