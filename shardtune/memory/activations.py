@@ -216,12 +216,14 @@ class Activations:
         """The gradients of the logits at the start of backward (beyond the saved activations)."""
         v = self.inv.vocab_size
         if self.setup.loss == "shardtune":
-            # Each chunk's gradient (compute dtype) waits until all eight are there; the split's backward then
-            # concatenates them into one gradient of logits[:, :-1], and the slice's backward pads that to the
-            # logits' full shape: two compute-dtype gradients of the whole logits at once. (Recomputing a chunk
-            # costs less: its fp32 upcast, log-softmax and their fp32 gradient, 12 v / 8, beside 7/8 of the
-            # chunk gradients.)
-            return 2 * self.dt.compute * v
+            # Each chunk's gradient (compute dtype) waits until all eight are there. The last chunk's recompute
+            # holds its fp32 upcast, log-softmax and their fp32 gradient (12 v / 8) beside 7/8 of the chunk
+            # gradients, with the logits still saved. The split's backward then concatenates the chunks into one
+            # gradient of logits[:, :-1] and the slice's backward pads it to the logits' shape: two compute-dtype
+            # gradients of the whole logits, but the logits are gone by then (the trainer keeps no name on them;
+            # only the chunks' checkpoints did), so one more than the saved activations.
+            e = self.dt.compute
+            return max(7 * e * v // 8 + 12 * v // 8, e * v)
         if self.setup.loss == "chunked":
             # Each chunk is its own branch of the graph: autograd runs one chunk's loss backward and then its slice
             # of the output projection, and frees that chunk's gradient before the next one, so one chunk's

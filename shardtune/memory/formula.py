@@ -5,6 +5,7 @@ shown is the one *at* that peak, so its parts add up to the total:
 
 - forward at the loss: saved activations of every layer, plus the logits and their fp32 upcast;
 - backward at the loss: saved activations, plus the gradients of the logits (the worst moment for 128k vocabularies);
+- backward at the head: the logits' gradient complete, the logits gone; FSDP gathers its root unit again here;
 - backward through the last decoder layer: a recomputed layer (gradient checkpointing) and its temporaries;
 - backward through the first decoder layer: nearly every gradient made, that layer's activations still alive;
 - backward through the embeddings: every gradient, and a tied head's waiting to be summed with the embedding's;
@@ -221,7 +222,6 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
     per_layer = act.layer_checkpointed() if ckpt else act.layer()
     layers_saved = tokens * inv.num_layers * per_layer + act.rope_tables()
     saved = layers_saved + tokens * act.outside_layers()
-    loss_saved = tokens * (4 if setup.loss == "full" else dt.compute) * inv.vocab_size
     layer_bwd = tokens * act.layer_backward_temporaries()
     recompute = tokens * act.layer_recomputed() if ckpt else 0
     # Once backward is past the head and the final norm, what is left outside the layers is the micro-batch itself.
@@ -258,10 +258,6 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
     carry = grads_b if setup.gradient_accumulation_steps > 1 else 0  # gradients from earlier micro-batches
     head_grad = (inv.head_params or inv.embedding_params) * dt.master / shard if setup.method == "full" else 0
     head_grad *= on_gpu
-    # shardtune.train.step.train_step holds the model's logits in a local variable until the next micro-batch's
-    # forward returns: they outlive the loss, through the whole backward (and, with accumulation, the next forward).
-    logits_held = loss_saved if setup.loss == "shardtune" else 0
-    previous_logits = logits_held if setup.gradient_accumulation_steps > 1 else 0
     # Gradients not yet made while the first decoder layer runs its backward. FSDP2 makes a unit's sharded
     # gradients by reduce-scattering them after its backward, and the root's (embeddings, head) after the whole
     # backward. Otherwise the layer's own backward peaks in its MLP, after the down projection's weight gradient
@@ -282,23 +278,34 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
             else:
                 not_yet += embedding_grad
     end_copies = copies_bwd if fsdp else model.autocast_copy_of_layer(biggest_layer)
+    loss_backward_copies, head_copies = copies_loss, copies_loss
+    if fsdp and shard > 1 and setup.loss == "shardtune" and setup.sharding_strategy != "SHARD_GRAD_OP":
+        # FSDP2 reshards the root after forward (not under SHARD_GRAD_OP) and gathers it again when the gradient
+        # of its output (the logits) is complete, after the loss's own backward (the trace shows the root sharded
+        # through the chunks' recompute); the other losses are modelled as before, since no trace checks them.
+        loss_backward_copies, head_copies = gathered_at_loss, 2 * root + gathered_at_loss
     phases = {
-        "forward (loss)": dict(grads=carry, act=saved + max(previous_logits, tokens * act.loss_forward_extra()),
+        "forward (loss)": dict(grads=carry, act=saved + tokens * act.loss_forward_extra(),
                                copies=copies_loss),
         # With shardtune's loss the head's gradient comes after the logits' gradients peak (see loss_backward_extra).
         "backward (loss)": dict(grads=carry if setup.loss == "shardtune" else max(carry, head_grad),
-                                act=saved + tokens * act.loss_backward_extra(), copies=copies_loss),
+                                act=saved + tokens * act.loss_backward_extra(),
+                                copies=loss_backward_copies),
+        # The gradient of the logits is complete and the logits are gone (the gradient takes their place in
+        # ``saved``): the head's backward begins, and under FSDP the root's pre-backward hook (on its output)
+        # gathers it now, the all-gather's output beside the unsharded parameters it is copied into.
+        "backward (head)": dict(grads=carry, act=saved, copies=head_copies),
         "backward (last layer)": dict(grads=max(carry, head_grad),
-                                      act=layers_saved + batch + logits_held + recompute + layer_bwd,
+                                      act=layers_saved + batch + recompute + layer_bwd,
                                       copies=copies_bwd),
         # The first layer's backward: the other layers' saved tensors (their autocast weight copies among them)
         # are gone, and nearly every gradient is there.
         "backward (first layer)": dict(grads=grads_b - not_yet,
-                                       act=act.rope_tables() + batch + logits_held + first_layer + layer_bwd,
+                                       act=act.rope_tables() + batch + first_layer + layer_bwd,
                                        copies=end_copies),
         # The embedding's backward reads the gradient of its output (the residual stream's first tensor).
         "backward (embeddings)": dict(grads=grads_b + tied_pending,
-                                      act=act.rope_tables() + batch + logits_held + tokens * act.layer_checkpointed(),
+                                      act=act.rope_tables() + batch + tokens * act.layer_checkpointed(),
                                       copies=0),
         "optimizer step": dict(grads=grads_b, act=0, copies=0),
     }

@@ -161,8 +161,9 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
         labels = batch["labels"].to(info.device, non_blocking=True)
         with _sync_context(ctx.model, ctx.plan, is_last), _autocast(ctx.plan, info, ctx.compute_dtype):
             inputs = model_inputs(batch, info.device, varlen=varlen)
-            logits = ctx.model(**inputs, use_cache=False).logits
-            micro_sum = token_loss_sum(logits, labels)
+            # No name holds the logits: the loss's graph frees them once its chunks' backward has run, instead of
+            # their living through the whole backward of the layers (a vocabulary-sized tensor per token).
+            micro_sum = token_loss_sum(ctx.model(**inputs, use_cache=False).logits, labels)
         loss = micro_sum * (info.world_size / denominator)
         (ctx.scaler.scale(loss) if ctx.scaler else loss).backward()
         loss_sum += micro_sum.detach().double()
