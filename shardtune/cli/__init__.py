@@ -122,10 +122,6 @@ def _passthrough(command: str, argv: list[str]) -> int:
     from shardtune.cli import data, launch, train
 
     try:
-        if command == "train" and not any(a in TRAIN_HELP for a in argv):
-            from shardtune.config import load_run_config
-
-            load_run_config(argv)  # problems that would otherwise show only after the model has loaded
         return {"train": train.run, "launch": launch.run, "data inspect": data.run_inspect}[command](argv)
     except UsageError as exc:
         # Every rank of a launched job checks the same config: one copy of the message is enough.

@@ -38,13 +38,16 @@ def keys_help() -> str:
 
 def run(argv: list[str]) -> int:
     """Entry point of ``shardtune train`` (also what torchrun starts on every rank)."""
-    if any(a in ("-h", "--help", "--help-keys", "--help_keys") for a in argv):
+    from shardtune.cli import TRAIN_HELP
+
+    if any(a in TRAIN_HELP for a in argv):
         print(keys_help())
         return 0
-    from shardtune.config import load_train_config
+    from shardtune.config import load_run_config
     from shardtune.hub import offline_unless_reachable
 
-    cfg = load_train_config(argv)
+    # The run's own checks (placeholder data, missing paths, the resume folder) before any model is loaded.
+    cfg = load_run_config(argv)
     offline_unless_reachable(cfg.model.model_name_or_path, None if cfg.run.dry_run else cfg.data.dataset_name)
     if cfg.run.dry_run:
         import yaml
