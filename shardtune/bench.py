@@ -235,9 +235,9 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
     from shardtune.plot import read_metrics
 
     cfg = load_recipe(config, extra, work_dir)
-    method = "qlora" if cfg.lora.use_4bit_quantization else "lora" if cfg.lora.use_peft_lora else "full"
-    setup_kwargs = dict(method=method, batch_size=cfg.run.per_device_train_batch_size, seq_len=cfg.data.max_seq_len,
-                        gradient_checkpointing=cfg.run.gradient_checkpointing, mixed_precision=cfg.mixed_precision,
+    setup_kwargs = dict(method=cfg.lora.method, batch_size=cfg.run.per_device_train_batch_size,
+                        seq_len=cfg.data.max_seq_len, gradient_checkpointing=cfg.run.gradient_checkpointing,
+                        mixed_precision=cfg.mixed_precision,
                         lora_r=cfg.lora.lora_r, lora_target_modules=cfg.lora.lora_target_modules,
                         gradient_accumulation_steps=cfg.run.gradient_accumulation_steps)
     results = []

@@ -73,6 +73,11 @@ class LoraConfig:
     # bf16 storage so the packed 4-bit weights share a dtype with the rest and FSDP can shard them.
     bnb_4bit_quant_storage_dtype: str = "bfloat16"
 
+    @property
+    def method(self) -> str:
+        """What trains, in the estimator's words (``Setup.method``): full, lora or qlora."""
+        return "qlora" if self.use_4bit_quantization else "lora" if self.use_peft_lora else "full"
+
 
 @dataclass
 class OptimConfig:

@@ -66,10 +66,9 @@ def trace_or_formula(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -
 def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> Setup:
     """The estimator's Setup for a trainer config (the inverse of ``config_from_setup``)."""
     lora = cfg.lora
-    method = "qlora" if lora.use_4bit_quantization else "lora" if lora.use_peft_lora else "full"
     kind = cfg.distributed.distributed_type or ("DDP" if world_size > 1 else "NO")
     strategy = {"NO": "single" if world_size == 1 else "ddp", "DDP": "ddp", "FSDP": "fsdp", "MP": "mp", "PP": "pp"}[kind]
-    return Setup(method=method, strategy=strategy, sharding_strategy=cfg.distributed.fsdp_sharding_strategy,
+    return Setup(method=lora.method, strategy=strategy, sharding_strategy=cfg.distributed.fsdp_sharding_strategy,
                  offload_params=cfg.distributed.fsdp_offload_params and strategy == "fsdp",
                  num_gpus=world_size // num_nodes, num_nodes=num_nodes, batch_size=cfg.run.per_device_train_batch_size,
                  seq_len=cfg.data.max_seq_len, gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,

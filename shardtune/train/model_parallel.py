@@ -62,8 +62,7 @@ def estimator_bounds(cfg: TrainConfig, num_stages: int, batch_size: int) -> tupl
     from shardtune.memory.setup import Setup
 
     lora = cfg.lora
-    method = "qlora" if lora.use_4bit_quantization else "lora" if lora.use_peft_lora else "full"
-    setup = Setup(method=method, strategy="mp", num_gpus=num_stages, batch_size=batch_size,
+    setup = Setup(method=lora.method, strategy="mp", num_gpus=num_stages, batch_size=batch_size,
                   seq_len=cfg.data.max_seq_len, gradient_checkpointing=cfg.run.gradient_checkpointing,
                   mixed_precision=cfg.mixed_precision, lora_r=lora.lora_r,
                   lora_target_modules=lora.lora_target_modules)
