@@ -331,6 +331,18 @@ _TRUE = {"true", "1", "yes", "y", "on"}
 _FALSE = {"false", "0", "no", "n", "off"}
 
 
+def parse_bool(value: Any) -> bool:
+    """A boolean as recipes and the command line write it (true/false, yes/no, on/off, 1/0, any case)."""
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError("expected true or false")
+
+
 def _coerce(value: Any, hint: Any) -> Any:
     """Turn a YAML or command-line value into the field's type; raises ValueError with the accepted form."""
     text = str(hint)
@@ -340,14 +352,7 @@ def _coerce(value: Any, hint: Any) -> Any:
             return None
         raise ValueError("a value is required")
     if "bool" in text and "int" not in text.replace("bool", ""):
-        if isinstance(value, bool):
-            return value
-        lowered = str(value).lower()
-        if lowered in _TRUE:
-            return True
-        if lowered in _FALSE:
-            return False
-        raise ValueError("expected true or false")
+        return parse_bool(value)
     if text.startswith("int") or text == "<class 'int'>" or "int |" in text:
         if isinstance(value, bool):
             raise ValueError("expected an integer")

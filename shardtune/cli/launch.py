@@ -99,16 +99,26 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
 
 
 def _true_or_false(text: str) -> bool:
-    word = text.strip().lower()
-    if word in ("true", "1", "yes", "false", "0", "no"):
-        return word in ("true", "1", "yes")
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    """--dry_run's optional value, read as train reads its booleans."""
+    from shardtune.config import parse_bool
+
+    try:
+        return parse_bool(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
+
+
+def _is_bool_word(text: str) -> bool:
+    try:
+        _true_or_false(text)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
 
 
 # Launcher options that take no value (--dry_run may take true/false); every other one takes one (or is written
 # --option=value).
 LAUNCHER_FLAGS = ("--dry_run", "--dry-run", "-h", "--help")
-BOOL_WORDS = ("true", "1", "yes", "false", "0", "no")
 EXAMPLE = "'shardtune launch --num_processes 2 train --model_name_or_path M ...'"
 
 
@@ -117,7 +127,7 @@ def _no_train(argv: list[str]) -> UsageError:
     start = 0  # the first word that is neither a launcher option nor its value
     while start < len(argv) and argv[start].startswith("-"):
         if argv[start] in LAUNCHER_FLAGS:
-            start += 2 if start + 1 < len(argv) and argv[start + 1].lower() in BOOL_WORDS else 1
+            start += 2 if start + 1 < len(argv) and _is_bool_word(argv[start + 1]) else 1
         else:
             start += 1 if "=" in argv[start] else 2
     launcher_parser().parse_args(argv[:start])  # an unknown launcher option is reported first
