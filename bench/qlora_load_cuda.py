@@ -23,13 +23,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = 8
 
 
-def chat_rows(n: int = 600) -> str:
-    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
-                          {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}
-            for a, b in ((i * 7 % 50, i * 13 % 50) for i in range(n))]
-    return "".join(json.dumps(r) + "\n" for r in rows)
-
-
 def train(work: Path, out: str, launch: list[str], extra: list[str]) -> dict:
     args = ["--model_name_or_path", "M", "--dataset_name", "chat.jsonl", "--splits", "train", "--max_seq_len", "128",
             "--max_steps", str(STEPS), "--logging_steps", "1", "--save_strategy", "no", "--packing", "True",
@@ -49,6 +42,7 @@ def train(work: Path, out: str, launch: list[str], extra: list[str]) -> dict:
 def main() -> int:
     import torch
 
+    from shardtune.demo.task import all_sums, write_jsonl
     from shardtune.tiny import make_model_folder
 
     if not torch.cuda.is_available():
@@ -58,7 +52,7 @@ def main() -> int:
         work = Path(tmp)
         make_model_folder(work / "M", hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8,
                           num_kv_heads=4)
-        (work / "chat.jsonl").write_text(chat_rows())
+        write_jsonl((s.row() for s in all_sums(max_operand=24)), work / "chat.jsonl")  # the demo's task, 625 rows
         on_gpu = train(work, "gpu_load", [], [])
         on_cpu = train(work, "cpu_load", ["launch", "--num_processes", "1"], ["--distributed_type", "FSDP"])
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": STEPS,

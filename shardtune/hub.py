@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -52,8 +53,6 @@ def offline_unless_reachable(*names: str | None) -> None:
         return
     os.environ["HF_HUB_OFFLINE"] = "1"
     # huggingface_hub and datasets read the variable when imported; either may already be
-    import sys
-
     for module, attribute in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE")):
         if module in sys.modules:
             setattr(sys.modules[module], attribute, True)

@@ -76,4 +76,3 @@ def varlen_kwargs(position_ids: torch.Tensor, device: torch.device) -> dict[str,
     longest = int((cu[1:] - cu[:-1]).max())
     cu = cu.to(device, non_blocking=True)
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
-

@@ -208,13 +208,14 @@ def evaluate(model: nn.Module, batches: Iterator[dict[str, torch.Tensor]], plan:
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
     targets = 0
+    varlen = uses_varlen_attention(model)
     for batch in batches:
         labels = batch["labels"].to(info.device)
         if pipeline is not None:
             loss_sum += pipeline.forward_only(batch)
         else:
             with _autocast(plan, info, compute_dtype):
-                inputs = model_inputs(batch, info.device, varlen=uses_varlen_attention(model))
+                inputs = model_inputs(batch, info.device, varlen=varlen)
                 logits = model(**inputs, use_cache=False).logits
                 loss_sum += token_loss_sum(logits, labels).double()
         targets += num_targets(labels)
