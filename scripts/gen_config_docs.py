@@ -5,7 +5,7 @@
 
 Keys, types and defaults come from the dataclasses themselves, so they cannot drift; tests/test_docs_config.py
 fails when the file differs from what this script writes. Descriptions come from DESCRIPTIONS below, else from
-the comment beside the field in shardtune/config.py (or shardtune/data/config.py).
+the comment beside the field in shardtune/config/schema.py (or shardtune/data/config.py).
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ DESCRIPTIONS = {
     "bnb_4bit_quant_storage_dtype": "Storage dtype of the packed 4-bit weights; bf16 lets FSDP shard them with the "
                                     "rest.",
     "learning_rate": "Peak learning rate.",
+    "optim": "Transformers' optimizer name: the trainer runs torch's AdamW (the fused kernel on CUDA, the "
+             "multi-tensor one elsewhere), which both accepted names mean; 8-bit and paged optimizers are refused "
+             "(not yet supported).",
     "lr_scheduler_type": "The learning-rate schedule after warm-up.",
     "warmup_ratio": "Fraction of the steps spent warming up (warmup_steps wins when set).",
     "warmup_steps": "Steps of linear warm-up.",
@@ -85,7 +88,10 @@ DESCRIPTIONS = {
     "hub_model_id": "Accepted so recipes run unchanged; acts only where the hub is reachable.",
     "hub_token": "Accepted so recipes run unchanged; acts only where the hub is reachable.",
     "hub_private_repo": "Accepted so recipes run unchanged; acts only where the hub is reachable.",
-    "hub_strategy": "Accepted so recipes run unchanged; acts only where the hub is reachable.",
+    "callbacks": "Your callback classes, package.module:Class (a YAML list, or comma-separated on the command "
+                 "line); every process makes its own, with no arguments. See docs/callbacks.md.",
+    "hub_strategy": "When push_to_hub uploads: end, the final model once, after training (Transformers' every_save, "
+                    "checkpoint and all_checkpoints are refused).",
     "save_strategy": "When to save a resumable checkpoint: every save_steps, each epoch, or never.",
     "save_steps": "Save a resumable checkpoint every this many steps.",
     "save_total_limit": "Keep at most this many checkpoints (oldest deleted first).",
@@ -107,10 +113,13 @@ DESCRIPTIONS = {
     "fsdp_reshard_after_forward": "FSDP2's name; overrides what the sharding strategy implies.",
     "fsdp_activation_checkpointing": "Checkpoint every wrapped unit (Accelerate's key; same as "
                                      "gradient_checkpointing).",
-    "fsdp_backward_prefetch": "Accepted from FSDP1-era configs; FSDP2 prefetches by design.",
-    "fsdp_forward_prefetch": "Accepted from FSDP1-era configs; FSDP2 prefetches by design.",
-    "fsdp_use_orig_params": "Accepted from FSDP1-era configs; FSDP2 keeps the original parameters.",
-    "fsdp_version": "Accepted from Accelerate configs; shardtune always runs FSDP2 (fully_shard).",
+    "fsdp_backward_prefetch": "BACKWARD_PRE (what FSDP2 does: the next unit is gathered before this one's "
+                              "backward); BACKWARD_POST and NO_PREFETCH are refused.",
+    "fsdp_forward_prefetch": "Gather the next decoder layer while this one runs forward (FSDP2's explicit forward "
+                             "prefetch); needs TRANSFORMER_BASED_WRAP.",
+    "fsdp_use_orig_params": "A no-op kept for Accelerate files: FSDP2 has no flat parameters, so both values train "
+                            "the same way.",
+    "fsdp_version": "2: shardtune runs FSDP2 (fully_shard); 1 (FSDP1's FullyShardedDataParallel) is refused.",
     "mixed_precision": "Accelerate's key; the bf16/fp16 flags win when set.",
     "num_processes": "Processes over all machines (set by shardtune launch).",
     "num_machines": "Machines in the job (set by shardtune launch).",
@@ -130,7 +139,7 @@ CHOICES = {"distributed_type": "DISTRIBUTED_TYPES", "fsdp_sharding_strategy": "S
            "mixed_precision": "MIXED_PRECISIONS", "lr_scheduler_type": "SCHEDULERS",
            "logging_strategy": "STRATEGIES_STEPS", "eval_strategy": "STRATEGIES_STEPS",
            "save_strategy": "STRATEGIES_STEPS", "log_level": "LOG_LEVELS", "pipeline_schedule": "PIPELINE_SCHEDULES",
-           "data_format": "DATA_FORMATS"}
+           "data_format": "DATA_FORMATS", "optim": "ACCEPTED_OPTIMS", "hub_strategy": "HUB_STRATEGIES"}
 _FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
 
 

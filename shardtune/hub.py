@@ -4,6 +4,9 @@ Without a network, huggingface_hub retries every request with back-off (about 50
 warnings per name) before it falls back to its local cache. One short request decides instead: when the hub
 cannot be reached, this process (and the ranks a launcher starts, which inherit its environment) read the local
 cache only (``HF_HUB_OFFLINE=1``), so a cached model loads at once and a missing one fails at once.
+
+Also which names are hub names at all: a local path is never looked up there. A leaf module: the config checks,
+the data readers and the commands ask it, and it asks none of them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ from pathlib import Path
 log = logging.getLogger("shardtune")
 
 PROBE_TIMEOUT_S = 3.0
+# Data files by suffix: a name ending like one is a local path, never a hub data set.
+EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv",
+              ".tsv": "tsv"}
+
+
+def looks_like_local_path(name: str) -> bool:
+    """A name read as a local path, never a hub name: ./x, /x, ~/x, a/b/c, or one ending like a data file."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).suffix.lower() in EXTENSIONS
 
 
 def offline_already() -> bool:
@@ -26,8 +37,6 @@ def offline_already() -> bool:
 
 def hub_names(*names: str | None) -> list[str]:
     """The names that would be read from the hub: neither local paths nor existing folders."""
-    from shardtune.data.readers import looks_like_local_path
-
     return [n for n in names if n and not looks_like_local_path(n) and not Path(n).expanduser().exists()]
 
 

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardtune.data.collate import Collator
-from shardtune.memory.formula import Activations, _dtypes, _Model
+from shardtune.memory.formula import Activations, _Model
+from shardtune.memory.setup import dtypes
 from shardtune.memory.inventory import ModelAnalysis
 from shardtune.memory.measure import LiveStorages, parameter_storages, saved_tensor_bytes
 from shardtune.memory.setup import Setup
@@ -62,7 +63,7 @@ def _measure(config: dict, mode: str, checkpointing: bool, batch: int = 2, seq: 
 def _predict(folder: str, mode: str, checkpointing: bool, batch: int = 2, seq: int = 64) -> int:
     inv = ModelAnalysis(folder).inventory
     setup = Setup(gradient_checkpointing=checkpointing, batch_size=batch, seq_len=seq, loss="full", **MODES[mode])
-    dt = _dtypes(setup)
+    dt = dtypes(setup)
     act, model = Activations(inv, setup, dt), _Model(inv, setup, dt, None)
     per_layer = act.layer_checkpointed() if checkpointing else act.layer()
     saved = batch * seq * (inv.num_layers * per_layer + act.outside_layers()) + act.rope_tables()
@@ -105,8 +106,8 @@ def test_eager_attention_keeps_the_score_matrices(config_dir):
     inv = ModelAnalysis(folder).inventory
     setup = Setup(gradient_checkpointing=False, batch_size=2, seq_len=64, pure_bf16=True, attn_implementation="eager",
                   loss="full")
-    act = Activations(inv, setup, _dtypes(setup))
+    act = Activations(inv, setup, dtypes(setup))
     predicted = 2 * 64 * (inv.num_layers * act.layer() + act.outside_layers()) + act.rope_tables()
     assert predicted == pytest.approx(measured, rel=0.005)
     sdpa = Setup(gradient_checkpointing=False, batch_size=2, seq_len=64, pure_bf16=True)
-    assert act.attention() > Activations(inv, sdpa, _dtypes(sdpa)).attention()
+    assert act.attention() > Activations(inv, sdpa, dtypes(sdpa)).attention()

@@ -19,7 +19,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # a slip to the h
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from shardtune.tiny import make_model_folder, make_tokenizer
+    from shardtune.testing.tiny import make_model_folder, make_tokenizer
 
     return make_model_folder(tmp_path_factory.mktemp("tiny") / "model", tokenizer=make_tokenizer())
 

@@ -107,6 +107,50 @@ def test_bad_values_are_one_line_errors(argv, needle, capsys):
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--optim", "paged_adamw_8bit"], "optim='paged_adamw_8bit' is not accepted: the trainer uses torch's AdamW"),
+    (["--optim", "adafactor"], "8-bit and paged optimizers are not yet supported; use optim adamw_torch or "
+                               "adamw_torch_fused"),
+    (["--hub_strategy", "every_save"], "hub_strategy='every_save' is not accepted: push_to_hub uploads the final "
+                                       "model once, at the end of training; use hub_strategy end"),
+    (["--fsdp_version", "1"], "fsdp_version=1 is not accepted: shardtune runs FSDP2 (fully_shard); fsdp_version 1 "
+                              "(FullyShardedDataParallel) is not available; set fsdp_version 2"),
+    (["--fsdp_backward_prefetch", "BACKWARD_POST"], "fsdp_backward_prefetch='BACKWARD_POST' is not accepted: FSDP2 "
+                                                    "always prefetches"),
+    (["--fsdp_backward_prefetch", "NO_PREFETCH"], "set fsdp_backward_prefetch BACKWARD_PRE or leave it out"),
+    (["--fsdp_forward_prefetch", "true", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP"],
+     "fsdp_forward_prefetch=true prefetches the next decoder layer, which needs fsdp_auto_wrap_policy "
+     "TRANSFORMER_BASED_WRAP (not SIZE_BASED_WRAP)"),
+])
+def test_keys_for_what_the_trainer_does_not_run_are_refused(argv, needle, capsys):
+    assert main(["train", *BASE, *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_keys_for_what_the_trainer_runs_are_accepted(tmp_path):
+    cfg = load_train_config([*BASE, "--optim", "ADAMW_TORCH_FUSED", "--hub_strategy", "End", "--fsdp_version", "2"])
+    assert (cfg.optim.optim, cfg.run.hub_strategy, cfg.distributed.fsdp_version) == ("adamw_torch_fused", "end", 2)
+    acc = tmp_path / "fsdp2.yaml"
+    acc.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n")
+    with pytest.raises(UsageError, match=rf"{acc}, line 3: fsdp_version=1 is not accepted"):
+        load_train_config(["--config_file", str(acc), *BASE])
+
+
+def test_callbacks_from_a_yaml_list_or_a_comma_separated_flag(tmp_path):
+    assert TrainConfig().run.callbacks == []
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("callbacks:\n  - pkg.hooks:Stop\n  - other.mod:Log\n")
+    assert load_train_config([str(recipe), *BASE]).run.callbacks == ["pkg.hooks:Stop", "other.mod:Log"]
+    recipe.write_text("callbacks: pkg.hooks:Stop\n")
+    assert load_train_config([str(recipe), *BASE]).run.callbacks == ["pkg.hooks:Stop"]
+    cfg = load_train_config([*BASE, "--callbacks", "a.b:C, d.e:F"])
+    assert cfg.run.callbacks == ["a.b:C", "d.e:F"]
+    from shardtune.config import save_resolved
+
+    save_resolved(cfg, tmp_path / "config.yaml")  # read back as a list
+    assert load_train_config([str(tmp_path / "config.yaml")]).run.callbacks == ["a.b:C", "d.e:F"]
+
+
 def test_yaml_error_names_file_and_line(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("learning_rate: 1e-4\nlora_rank: 8\n")

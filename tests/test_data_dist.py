@@ -43,7 +43,7 @@ def _worker(rank, world, init_file, data_path, model_dir, cache_dir, out_dir):
 
 @pytest.mark.timeout(180)
 def test_rank0_builds_others_wait_and_load(tmp_path):
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     model_dir = str(make_model_folder(tmp_path / "model"))
     data_path = tmp_path / "d.jsonl"

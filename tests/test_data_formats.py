@@ -8,7 +8,7 @@ import pytest
 from shardtune.data import DataConfig, load_tokenizer, prepare_datasets
 from shardtune.data.encode import IGNORE
 from shardtune.errors import UsageError
-from shardtune.tiny import BOS, EOS, make_model_folder, make_tokenizer
+from shardtune.testing.tiny import BOS, EOS, make_model_folder, make_tokenizer
 
 CHATS = [
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is two plus two?"},
@@ -75,7 +75,7 @@ def test_llama3_special_tokens_added_and_eos_becomes_end_of_turn(model_dir, tmp_
     assert len(tok("<|eot_id|>", add_special_tokens=False).input_ids) == 1
     assert len(plain("<|eot_id|>", add_special_tokens=False).input_ids) > 1
     assert tok.eos_token == "<|eot_id|>" and tok.pad_token_id != tok.eos_token_id
-    from shardtune.generate import stop_token_ids
+    from shardtune.infer.generate import stop_token_ids
 
     assert tok.convert_tokens_to_ids("<|eot_id|>") in stop_token_ids(None, tok)  # generation stops there
     data, tok2 = prepare(model_dir, tmp_path, CHATS, chat_template_format="llama-3", add_special_tokens=True,

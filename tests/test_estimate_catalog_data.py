@@ -13,7 +13,8 @@ import time
 import pytest
 
 from shardtune import catalog
-from shardtune.memory.catalog_data import _load, compute_entry, config_sha256
+from shardtune.memory.catalog_build import compute_entry
+from shardtune.memory.catalog_data import _load, config_sha256
 
 
 @pytest.mark.parametrize("name", catalog.names())

@@ -12,7 +12,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shardtune.memory.formula import Activations, _dtypes, _Model
+from shardtune.memory.formula import Activations, _Model
+from shardtune.memory.setup import dtypes
 from shardtune.memory.inventory import ModelAnalysis
 from shardtune.memory.measure import LiveStorages, parameter_storages
 from shardtune.memory.setup import Setup
@@ -51,7 +52,7 @@ def _predict(folder: str, targets: str, method: str = "lora", pure_bf16: bool = 
     inv = analysis.inventory
     setup = Setup(method=method, gradient_checkpointing=False, batch_size=BATCH, seq_len=SEQ, pure_bf16=pure_bf16,
                   lora_r=RANK, lora_target_modules=targets, loss="full")
-    dt = _dtypes(setup)
+    dt = dtypes(setup)
     act = Activations(inv, setup, dt)
     saved = BATCH * SEQ * (inv.num_layers * act.layer() + act.outside_layers()) + act.rope_tables()
     if method == "full":

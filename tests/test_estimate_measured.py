@@ -8,9 +8,9 @@ import pytest
 
 from shardtune.cli import main
 from shardtune.errors import UsageError
-from shardtune.memory.hardware import gpu_by_name
+from shardtune.hardware import gpu_by_name
 from shardtune.memory.inventory import ModelAnalysis
-from shardtune.memory.recommend import Measured, candidates, evaluate, recommend
+from shardtune.memory.recommend import Measured, candidates, evaluate_setup, recommend
 from shardtune.memory.setup import Setup, validate
 
 
@@ -26,7 +26,7 @@ def measured_file(tmp_path, speeds: dict[str, float], failed: tuple[str, ...] = 
 
 def fastest_fitting(analysis, base, gpu, measured):
     """What the ranking must pick, worked out here from the estimator's own per-setup figures."""
-    fitting = [s for s in candidates(base, measured, analysis) if evaluate(analysis, s).fits(gpu.memory_bytes)]
+    fitting = [s for s in candidates(base, measured, analysis) if evaluate_setup(analysis, s).fits(gpu.memory_bytes)]
     best = max(measured.speed(s) or 0.0 for s in fitting)
     return next(s for s in fitting if (measured.speed(s) or 0.0) == best)
 
@@ -82,7 +82,7 @@ def test_a_faster_setup_that_does_not_fit_is_passed_over(tmp_path):
     analysis, gpu = ModelAnalysis("llama-2-7b"), gpu_by_name("a100-80gb")
     base = validate(Setup(method="full", strategy="fsdp", num_gpus=2))
     measured = Measured.load(measured_file(tmp_path, {"ddp": 5000.0, "fsdp": 800.0, "mp": 300.0, "pp": 700.0}))
-    assert not evaluate(analysis, base.with_(strategy="ddp")).fits(gpu.memory_bytes)
+    assert not evaluate_setup(analysis, base.with_(strategy="ddp")).fits(gpu.memory_bytes)
     rec = recommend(analysis, base, gpu, measured)
     expected = fastest_fitting(analysis, base, gpu, measured)
     assert rec.fits and rec.setup == expected and rec.setup.strategy != "ddp"

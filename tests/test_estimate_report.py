@@ -7,8 +7,8 @@ import pytest
 from rich.console import Console
 
 from shardtune.cli import main
-from shardtune.cli.estimate import run_estimate
-from shardtune.memory.hardware import GIB, gpu_by_name
+from shardtune.memory.report import estimate_report
+from shardtune.hardware import GIB, gpu_by_name
 from shardtune.memory.plot import bar_totals, breakdown_figure
 from shardtune.memory.report import render
 from shardtune.memory.setup import Setup, validate
@@ -22,7 +22,7 @@ CASES = {
 
 def _report(case: str):
     model, setup, gpu = CASES[case]
-    return run_estimate(model, validate(setup), gpu_by_name(gpu), auto=True)
+    return estimate_report(model, validate(setup), gpu_by_name(gpu), auto=True)
 
 
 @pytest.mark.parametrize("case", CASES)

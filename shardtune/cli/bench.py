@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def parse_strategies(text: str) -> list[str]:
-    from shardtune.bench import STRATEGIES
+    from shardtune.bench.strategies import STRATEGIES
 
     names = [n.strip().lower() for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in STRATEGIES]
@@ -53,7 +53,7 @@ def parse_strategies(text: str) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Run the comparison and print (and save) the table."""
-    from shardtune.bench import bench_strategies, default_caveat, format_table, write_plot
+    from shardtune.bench.strategies import bench_strategies, default_caveat, format_table, write_plot
 
     strategies = parse_strategies(args.strategies)
     if args.num_processes < 1 or args.steps <= args.warmup_steps:

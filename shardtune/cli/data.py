@@ -53,7 +53,7 @@ def run_inspect(argv: list[str]) -> int:
     from shardtune.data.templates import load_tokenizer
 
     if any(a in ("-h", "--help") for a in argv):
-        from shardtune.cli import build_parser
+        from shardtune.cli.common import build_parser
 
         build_parser("data").parse_args(["data", "inspect", "--help"])
     own, rest = inspect_options().parse_known_args(argv)

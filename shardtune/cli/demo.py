@@ -35,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
 
     from shardtune.demo.run import DemoSettings, FineTuneFailed, print_comparison, print_estimates, run_demo
     from shardtune.errors import UsageError
-    from shardtune.memory.hardware import gpu_by_name
+    from shardtune.hardware import gpu_by_name
 
     started = time.perf_counter()
     console = Console()
@@ -59,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     console.print(Rule("3. Did it work?"))
     print_comparison(console, result.before, result.after)
     console.print(Rule("4. Plots"))
-    from shardtune.plot import write_plots
+    from shardtune.train.plot import write_plots
 
     for path in write_plots(result.run_dir):
         console.print(f"  {path}")

@@ -8,7 +8,8 @@ import sys
 
 from shardtune import catalog
 from shardtune.errors import UsageError, check_choice
-from shardtune.memory.hardware import DEFAULT_GPU, GPUS, Gpu, custom_gpu, gpu_by_name
+from shardtune.hardware import DEFAULT_GPU, GPUS, Gpu, custom_gpu, gpu_by_name
+from shardtune.memory.report import estimate_report
 from shardtune.memory.setup import (ATTENTION, LOSSES, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
                                     STRATEGIES, Setup, validate)
 
@@ -97,28 +98,6 @@ def gpu_from_args(args: argparse.Namespace) -> Gpu:
     return gpu_by_name(args.gpu or DEFAULT_GPU)
 
 
-def run_estimate(model: str, setup: Setup, gpu: Gpu, auto: bool = True, measured=None):
-    """Estimate ``setup`` for ``model`` on ``gpu``; with ``auto`` the strategy is the recommended one (ranked by
-    ``measured`` speeds, a ``recommend.Measured``, when given)."""
-    from shardtune.memory.inventory import ModelAnalysis
-    from shardtune.memory.recommend import candidates, evaluate, max_batch_size, recommend
-    from shardtune.memory.report import Report
-
-    analysis = ModelAnalysis(model)
-    inv = analysis.inventory
-    if setup.strategy == "pp" and inv.tied_embeddings:
-        raise UsageError(f"--strategy pp: {model} ties its LM head to its input embeddings, which would live on "
-                         f"different pipeline stages; use ddp, fsdp or mp")
-    trainable = inv.parameters
-    if setup.uses_lora:
-        trainable = analysis.lora(setup.lora_r, setup.lora_target_modules).total
-    rec = recommend(analysis, setup, gpu, measured)
-    breakdown = rec.breakdown if auto else evaluate(analysis, setup)
-    rows = [(evaluate(analysis, s), max_batch_size(analysis, s, gpu)) for s in candidates(setup, measured, analysis)]
-    return Report(inventory=inv, trainable_parameters=trainable, gpu=gpu, breakdown=breakdown, table=rows,
-                  recommendation=rec)
-
-
 def print_catalog() -> None:
     from rich.console import Console
     from rich.table import Table
@@ -141,11 +120,11 @@ def _recommend_for_global_batch(model: str, setup: Setup, gpu: Gpu, measured):
     found that one GPU holds a smaller micro-batch.)"""
     from shardtune.memory.batch_plan import find_batch_size
 
-    free = run_estimate(model, setup.with_(batch_size=1, gradient_accumulation_steps=1), gpu, True, measured)
+    free = estimate_report(model, setup.with_(batch_size=1, gradient_accumulation_steps=1), gpu, True, measured)
     asked = free.breakdown.setup.with_(batch_size=setup.batch_size,
                                        gradient_accumulation_steps=setup.gradient_accumulation_steps)
     plan = find_batch_size(model, asked, gpu)
-    return run_estimate(model, setup.with_(batch_size=plan.micro_batch_size,
+    return estimate_report(model, setup.with_(batch_size=plan.micro_batch_size,
                                            gradient_accumulation_steps=plan.gradient_accumulation_steps),
                         gpu, True, measured)
 
@@ -185,16 +164,16 @@ def main(args: argparse.Namespace) -> int:
     if args.find_batch_size and auto:
         report = _recommend_for_global_batch(args.model, setup, gpu, measured)
     else:
-        report = run_estimate(args.model, setup, gpu, auto, measured)
+        report = estimate_report(args.model, setup, gpu, auto, measured)
     extras, chosen = _batch_and_config(args, report.breakdown.setup, gpu)
     traced = None
     if args.trace:
         from shardtune.memory.inventory import ModelAnalysis
-        from shardtune.memory.recommend import evaluate
+        from shardtune.memory.recommend import evaluate_setup
         from shardtune.memory.trace_setup import trace_for_estimate
 
         breakdown = (report.breakdown if chosen == report.breakdown.setup
-                     else evaluate(ModelAnalysis(args.model), chosen))
+                     else evaluate_setup(ModelAnalysis(args.model), chosen))
         traced = trace_for_estimate(args.model, chosen, breakdown.total, gpu_memory=gpu.memory_bytes,
                                     cuda_context=breakdown.cuda_context)
         extras["trace"] = traced

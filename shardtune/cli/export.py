@@ -42,7 +42,7 @@ def _check_base(base: str | None, fix: str) -> None:
 
 def main_export(args: argparse.Namespace) -> int:
     _check_base(args.base, "give the folder of the base model the run trained (or leave --base out)")
-    from shardtune.train.checkpoint import export_checkpoint
+    from shardtune.train.export import export_checkpoint
 
     path = export_checkpoint(args.checkpoint, args.out, base=args.base)
     print(f"wrote {path}")
@@ -51,7 +51,7 @@ def main_export(args: argparse.Namespace) -> int:
 
 def main_merge(args: argparse.Namespace) -> int:
     _check_base(args.base, "give the base model folder the adapter was trained on")
-    from shardtune.train.checkpoint import merge_adapter
+    from shardtune.train.export import merge_adapter
 
     path = merge_adapter(args.adapter, args.base, args.out)
     print(f"wrote {path}")

@@ -54,7 +54,7 @@ def _load(args: argparse.Namespace):
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per run is noise before a chat
 
     from shardtune.errors import check_choice
-    from shardtune.generate import load_for_generation
+    from shardtune.infer.generate import load_for_generation
 
     dtype_name = check_choice(args.dtype, DTYPES, "--dtype")
     dtype = None if dtype_name == "auto" else getattr(torch, dtype_name)
@@ -75,7 +75,7 @@ def _write(out: TextIO):
 
 
 def main_generate(args: argparse.Namespace) -> int:
-    from shardtune.generate import GenerationStats, encode_prompt, generate
+    from shardtune.infer.generate import GenerationStats, encode_prompt, generate
 
     model, tokenizer = _load(args)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat_template=args.chat_template, system=args.system)
@@ -120,7 +120,7 @@ def run_chat(session, lines: TextIO, out: TextIO, prompt: str = "you> ") -> None
 
 
 def main_chat(args: argparse.Namespace) -> int:
-    from shardtune.generate import ChatSession
+    from shardtune.infer.generate import ChatSession
 
     model, tokenizer = _load(args)
     if not getattr(tokenizer, "chat_template", None):

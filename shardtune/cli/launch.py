@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def launcher_parser() -> argparse.ArgumentParser:
-    from shardtune.cli import OneLineParser
+    from shardtune.cli.common import OneLineParser
 
     p = OneLineParser(prog="shardtune launch", description=__doc__)
     p.add_argument("--config_file", "--config-file", default=None,
@@ -161,8 +161,7 @@ def run(argv: list[str]) -> int:
     if opts.dry_run:
         print(shlex.join(cmd))
         return 0
-    from shardtune.cli import TRAIN_HELP
-    from shardtune.config import load_run_config
+    from shardtune.cli.common import TRAIN_HELP, load_job_config
     from shardtune.hub import offline_unless_reachable
 
     job = next(i for i in range(len(cmd)) if cmd[i:i + len(JOB)] == JOB)
@@ -170,7 +169,7 @@ def run(argv: list[str]) -> int:
     if not any(a in TRAIN_HELP for a in train_argv):
         # Checked once here, as one line, rather than on every rank amid torchrun's output. Keys and values
         # only: neither the model nor the data is opened.
-        cfg = load_run_config(train_argv)
+        cfg = load_job_config(train_argv)
         # Decided once for every rank (they inherit the environment), before torchrun starts them.
         offline_unless_reachable(cfg.model.model_name_or_path, cfg.data.dataset_name)
     return run_torchrun(cmd[len(TORCHRUN):])

@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from shardtune.plot import write_plots
+    from shardtune.train.plot import write_plots
 
     for path in write_plots(args.output_dir, args.out):
         print(path)

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 
+from shardtune.cli.common import TRAIN_HELP, load_job_config
 from shardtune.errors import first_line
 
 
@@ -38,16 +39,13 @@ def keys_help() -> str:
 
 def run(argv: list[str]) -> int:
     """Entry point of ``shardtune train`` (also what torchrun starts on every rank)."""
-    from shardtune.cli import TRAIN_HELP
-
     if any(a in TRAIN_HELP for a in argv):
         print(keys_help())
         return 0
-    from shardtune.config import load_run_config
     from shardtune.hub import offline_unless_reachable
 
     # The run's own checks (placeholder data, missing paths, the resume folder) before any model is loaded.
-    cfg = load_run_config(argv)
+    cfg = load_job_config(argv)
     offline_unless_reachable(cfg.model.model_name_or_path, None if cfg.run.dry_run else cfg.data.dataset_name)
     if cfg.run.dry_run:
         import yaml
@@ -60,11 +58,12 @@ def run(argv: list[str]) -> int:
         nodes = cfg.distributed.num_machines if world_size % cfg.distributed.num_machines == 0 else 1
         print(render_text(trace_or_formula(cfg, world_size, num_nodes=nodes)))
         return 0
-    from shardtune.train.loop import TrainingStopped, train
+    from shardtune.errors import TrainingStopped
+    from shardtune.train.loop import train
 
     rank = os.environ.get("RANK", "0")
     try:
-        train(cfg)
+        train(cfg, job_callbacks(cfg), stage_bounds=job_stage_bounds(cfg))
     except TrainingStopped as exc:
         print(f"shardtune train: rank {rank}: stopped: {exc}", file=sys.stderr)
         return 1
@@ -77,3 +76,21 @@ def run(argv: list[str]) -> int:
               f"longer, raise ddp_timeout", file=sys.stderr)
         return 1
     return 0
+
+
+def job_callbacks(cfg) -> list:
+    """What the command adds to the loop: the end-of-run memory check, unless ``predict_memory`` is off."""
+    if not cfg.run.predict_memory:
+        return []
+    from shardtune.memory.run_check import MemoryCheck
+
+    return [MemoryCheck()]
+
+
+def job_stage_bounds(cfg) -> tuple[tuple[int, int], ...] | None:
+    """MP/PP: stages balanced by memory (the estimator's model-parallel plan), for the trainer to apply."""
+    if cfg.distributed.distributed_type not in ("MP", "PP"):
+        return None
+    from shardtune.memory.stages import stage_bounds_for_run
+
+    return stage_bounds_for_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))

@@ -273,7 +273,7 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | 
         if not cached:
             _build(cfg, source, tokenizer, seed, path)
         return _load(path, cached)
-    from shardtune.train.dist import RankFailed, run_and_share
+    from shardtune.dist import RankFailed, run_and_share
 
     # one builder per node (the cache may be node-local) hashes the data and builds; the others wait for its verdict
     rank = dist.get_rank()

@@ -14,12 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardtune.hub import EXTENSIONS, looks_like_local_path
 from shardtune.errors import UsageError, first_line
 
 log = logging.getLogger("shardtune")
 
-EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv",
-              ".tsv": "tsv"}
 SKIP_HINT = "fix it, or set skip_bad_rows true to drop bad rows"
 
 
@@ -101,11 +100,6 @@ def resolve(dataset_name: str, split_names: list[str], config_name: str | None =
     # `datasets` library caches the download itself).
     revision = hub_revision(dataset_name)
     return Source("hub", dataset_name, fingerprint=f"hub:{dataset_name}:{config_name}:{revision or 'unknown'}")
-
-
-def looks_like_local_path(name: str) -> bool:
-    """A name read as a local path, never a hub name: ./x, /x, ~/x, a/b/c, or one ending like a data file."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).suffix.lower() in EXTENSIONS
 
 
 def hub_revision(name: str) -> str | None:

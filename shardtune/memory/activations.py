@@ -6,13 +6,9 @@ the docstring of formula.py, tests/test_activations.py and tests/test_estimate_l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from shardtune.memory.inventory import ModelInventory, normalize_targets
-from shardtune.memory.setup import LOSS_CHUNKS, Setup
-
-if TYPE_CHECKING:
-    from shardtune.memory.formula import _Dtypes
+from shardtune.memory.setup import Dtypes, Setup
+from shardtune.train.loss import LOSS_CHUNKS
 
 # Projections grouped by the tensor they read, by the names transformers gives them (Llama-style models, Phi-3's
 # fused projections, Mixtral's router). An adapter on any member of a group keeps that group's input alive.
@@ -40,7 +36,7 @@ def adapted_linears(inv: ModelInventory, setup: Setup) -> frozenset[str] | None:
 class Activations:
     """Bytes per token that one forward pass keeps for backward, by place in the model."""
 
-    def __init__(self, inv: ModelInventory, setup: Setup, dt: _Dtypes):
+    def __init__(self, inv: ModelInventory, setup: Setup, dt: Dtypes):
         self.inv, self.setup, self.dt = inv, setup, dt
         self.adapted = adapted_linears(inv, setup)  # None: every weight trains (full fine-tuning)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from shardtune import catalog
 from shardtune.errors import UsageError
-from shardtune.memory.hardware import Gpu
+from shardtune.hardware import Gpu
 from shardtune.memory.setup import Setup
 
 

@@ -6,15 +6,13 @@ table that ``ModelAnalysis`` computes from the meta model: the same code, run ah
 when the config is exactly the catalog's (its SHA-256 is stored beside it); tests/test_estimate_catalog_data.py
 rebuilds every model on meta with the installed transformers and asserts the shipped data equals what it computes.
 
-Regenerate after changing the catalog or the counting code:  python -m shardtune.memory.catalog_data
+Regenerate after changing the catalog or the counting code:  python -m shardtune.memory.catalog_build
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-from dataclasses import asdict
 from functools import cache
 from pathlib import Path
 
@@ -40,32 +38,3 @@ def packaged_counts(name: str, config_dict: dict) -> dict | None:
     if entry and entry["config_sha256"] == config_sha256(config_dict):
         return entry
     return None
-
-
-def compute_entry(name: str) -> dict:
-    """Build catalog model ``name`` on meta and return what the package ships for it."""
-    from shardtune.memory.inventory import ModelAnalysis
-
-    analysis = ModelAnalysis(name, use_cache=False, use_packaged=False)  # count from the model itself
-    digest = config_sha256(analysis.config_dict)
-    inventory = asdict(analysis.inventory)
-    inventory.pop("name")
-    return {"config_sha256": digest, "inventory": inventory, "table": analysis.table}
-
-
-def write_catalog_counts(path: Path = DATA_PATH) -> None:
-    """Recompute every catalog model and write ``path`` (via a temporary file and a rename)."""
-    import importlib.metadata
-
-    from shardtune import catalog
-
-    data = {"transformers": importlib.metadata.version("transformers"),
-            "models": {name: compute_entry(name) for name in catalog.names()}}
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, separators=(",", ":"), sort_keys=True) + "\n")
-    tmp.replace(path)
-
-
-if __name__ == "__main__":
-    write_catalog_counts()
-    print(f"wrote {DATA_PATH}")

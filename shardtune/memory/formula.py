@@ -44,10 +44,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardtune.hardware import MIB
 from shardtune.memory.activations import Activations
-from shardtune.memory.hardware import MIB
 from shardtune.memory.inventory import LoraCount, ModelInventory
-from shardtune.memory.setup import Setup
+from shardtune.memory.setup import Dtypes, Setup, dtypes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "overhead")
 
@@ -103,26 +103,6 @@ def nf4_bytes(numel: int, double_quant: bool) -> float:
     return numel / 2 + numel / 64 * per_block
 
 
-@dataclass(frozen=True)
-class _Dtypes:
-    compute: int  # bytes of an activation / gathered weight (2 for bf16 and fp16)
-    master: int  # bytes of a trainable parameter as stored (and of its gradient)
-    frozen: int  # bytes of a frozen base weight (LoRA)
-    residual: int  # bytes of the residual stream between layers
-    autocast_copies: bool  # torch.autocast keeps a compute-dtype copy of each fp32 weight it casts
-
-
-def _dtypes(setup: Setup) -> _Dtypes:
-    if setup.mixed_precision == "no":
-        return _Dtypes(4, 4, 4, 4, False)
-    master = 2 if setup.pure_bf16 else 4
-    # Full fine-tuning with fp32 weights under autocast (single GPU, DDP, MP): the embedding runs in fp32, so the
-    # residual stream stays fp32. FSDP2's MixedPrecisionPolicy gathers bf16 weights instead, so everything is bf16;
-    # so is a LoRA model, whose frozen base (embeddings included) is stored in bf16.
-    autocast = setup.method == "full" and master == 4 and setup.strategy != "fsdp"
-    return _Dtypes(2, master, 2, 4 if autocast else 2, autocast)
-
-
 def _optimizer_bytes_per_param(setup: Setup, master: int) -> float:
     # AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype; bitsandbytes' 8-bit AdamW keeps both in 8 bits
     # with an fp32 absmax per 256-value block (Dettmers et al. 2022); SGD keeps one momentum buffer.
@@ -132,7 +112,7 @@ def _optimizer_bytes_per_param(setup: Setup, master: int) -> float:
 class _Model:
     """Parameter bytes of the model as a given method stores it, per decoder layer and for the root."""
 
-    def __init__(self, inv: ModelInventory, setup: Setup, dt: _Dtypes, lora: LoraCount | None):
+    def __init__(self, inv: ModelInventory, setup: Setup, dt: Dtypes, lora: LoraCount | None):
         self.inv, self.setup, self.dt = inv, setup, dt
         self.lora_layer = lora.per_layer if lora else (0,) * inv.num_layers
         self.lora_root = lora.outside_layers if lora else 0
@@ -199,7 +179,7 @@ def _shard_group(setup: Setup) -> int:
 
 
 def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount | None) -> Breakdown:
-    dt = _dtypes(setup)
+    dt = dtypes(setup)
     model = _Model(inv, setup, dt, lora)
     act = Activations(inv, setup, dt)
     layers = range(inv.num_layers)
@@ -367,7 +347,7 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
     one = setup.with_(strategy="single", num_gpus=1, num_nodes=1)
     if gpus == 1:
         return estimate(inv, one, lora)
-    dt = _dtypes(one)
+    dt = dtypes(one)
     model = _Model(inv, one, dt, lora)
     act = Activations(inv, one, dt)
     tokens = setup.batch_size * setup.seq_len

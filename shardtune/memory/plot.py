@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 
 from shardtune.errors import UsageError
+from shardtune.hardware import GIB
 from shardtune.memory.formula import CATEGORIES
-from shardtune.memory.hardware import GIB
 from shardtune.memory.report import Report, short_label
 
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52",

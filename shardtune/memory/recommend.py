@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.errors import UsageError
+from shardtune.hardware import Gpu
 from shardtune.memory.formula import Breakdown, estimate
-from shardtune.memory.hardware import Gpu
 from shardtune.memory.inventory import ModelAnalysis
 from shardtune.memory.setup import Setup
 
@@ -110,7 +110,7 @@ class Measured:
                 f" tokens/s measured{model}{where}{procs} ({self.path})")
 
 
-def evaluate(analysis: ModelAnalysis, setup: Setup) -> Breakdown:
+def evaluate_setup(analysis: ModelAnalysis, setup: Setup) -> Breakdown:
     """Estimate ``setup`` for the analysed model (LoRA counts looked up when the method needs them)."""
     lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
     return estimate(analysis.inventory, setup, lora)
@@ -138,7 +138,7 @@ def max_batch_size(analysis: ModelAnalysis, setup: Setup, gpu: Gpu) -> int:
     """The largest per-device micro-batch that fits ``gpu`` (0 when even batch 1 does not)."""
 
     def fits(b: int) -> bool:
-        return evaluate(analysis, setup.with_(batch_size=b)).fits(gpu.memory_bytes)
+        return evaluate_setup(analysis, setup.with_(batch_size=b)).fits(gpu.memory_bytes)
 
     if not fits(1):
         return 0
@@ -208,7 +208,7 @@ def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured
     else:
         options = by_measured_speed(options, measured)
     for setup in options:
-        breakdown = evaluate(analysis, setup)
+        breakdown = evaluate_setup(analysis, setup)
         if breakdown.fits(gpu.memory_bytes):
             biggest = max_batch_size(analysis, setup, gpu)
             reason = (f"{setup.label()}: {_why(setup)}." if measured is None
@@ -217,7 +217,7 @@ def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured
                 reason += f" Micro-batch up to {biggest} fits (at sequence length {setup.seq_len})."
             return Recommendation(setup, breakdown, True, biggest, reason)
     # Nothing fits as asked: show the least memory-hungry setup and say what would fit.
-    smallest = min((evaluate(analysis, s) for s in options), key=lambda b: b.total)
+    smallest = min((evaluate_setup(analysis, s) for s in options), key=lambda b: b.total)
     return Recommendation(smallest.setup, smallest, False, 0,
                           f"Nothing fits {gpu.label or gpu.name} with {base.method} at batch {base.batch_size}.",
                           what_would_fit(analysis, base, gpu))
@@ -231,7 +231,7 @@ def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: M
         return (f"{chosen.label()}: {_why(chosen)}. The measurements ({measured.describe()}) compare setups of "
                 f"several GPUs, so they do not apply to one.")
     fitting = [measured.speed(s) or 0.0 for s in candidates(base, measured, analysis)
-               if evaluate(analysis, s).fits(gpu.memory_bytes)]
+               if evaluate_setup(analysis, s).fits(gpu.memory_bytes)]
     if measured.speed(chosen) is None:
         text = f"{chosen.label()}: no measured setup fits; this is the usual choice among the rest"
     elif measured.speed(chosen) < max(fitting):
@@ -265,7 +265,7 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
 
     def first_fit(setups: list[Setup]) -> tuple[Setup, Breakdown] | None:
         for s in setups:
-            b = evaluate(analysis, s)
+            b = evaluate_setup(analysis, s)
             if b.fits(gpu.memory_bytes):
                 return s, b
         return None
@@ -296,7 +296,7 @@ def _more_gpus(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> str | None:
         setup = base.with_(strategy="fsdp", sharding_strategy="FULL_SHARD", num_gpus=gpus, num_nodes=nodes,
                            offload_params=False)
         if world > base.world_size:
-            b = evaluate(analysis, setup)
+            b = evaluate_setup(analysis, setup)
             if b.fits(gpu.memory_bytes):
                 where = f"{gpus} GPUs" if nodes == 1 else f"{nodes} nodes x {gpus} GPUs"
                 return f"{where} with FSDP FULL_SHARD ({(b.total + b.cuda_context) / 2**30:.1f} GiB per GPU)"

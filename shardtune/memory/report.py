@@ -8,10 +8,12 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from shardtune.errors import UsageError
+from shardtune.hardware import GIB, Gpu
 from shardtune.memory.formula import Breakdown
-from shardtune.memory.hardware import GIB, Gpu
 from shardtune.memory.inventory import ModelInventory
 from shardtune.memory.recommend import Recommendation
+from shardtune.memory.setup import Setup
 
 
 @dataclass
@@ -134,3 +136,25 @@ def render(r: Report, console: Console) -> None:
         console.print(f"[bold red]{rec.reason}[/] What would fit:")
         for line in rec.suggestions:
             console.print(f"  - {line}")
+
+
+def estimate_report(model: str, setup: Setup, gpu: Gpu, auto: bool = True, measured=None) -> Report:
+    """Estimate ``setup`` for ``model`` on ``gpu``; with ``auto`` the strategy is the recommended one (ranked by
+    ``measured`` speeds, a ``recommend.Measured``, when given)."""
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import candidates, evaluate_setup, max_batch_size, recommend
+
+    analysis = ModelAnalysis(model)
+    inv = analysis.inventory
+    if setup.strategy == "pp" and inv.tied_embeddings:
+        raise UsageError(f"--strategy pp: {model} ties its LM head to its input embeddings, which would live on "
+                         f"different pipeline stages; use ddp, fsdp or mp")
+    trainable = inv.parameters
+    if setup.uses_lora:
+        trainable = analysis.lora(setup.lora_r, setup.lora_target_modules).total
+    rec = recommend(analysis, setup, gpu, measured)
+    breakdown = rec.breakdown if auto else evaluate_setup(analysis, setup)
+    rows = [(evaluate_setup(analysis, s), max_batch_size(analysis, s, gpu))
+            for s in candidates(setup, measured, analysis)]
+    return Report(inventory=inv, trainable_parameters=trainable, gpu=gpu, breakdown=breakdown, table=rows,
+                  recommendation=rec)

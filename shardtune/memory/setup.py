@@ -4,20 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shardtune.config.schema import MIXED_PRECISIONS, SHARDING_STRATEGIES
 from shardtune.errors import UsageError, check_choice
 
 METHODS = ("full", "lora", "qlora")
 STRATEGIES = ("single", "ddp", "fsdp", "mp", "pp")
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 # DeepSpeed names, mapped to the FSDP strategy that keeps the same things sharded. FSDP has no optimizer-only
 # sharding, so ZeRO-1 maps to SHARD_GRAD_OP, which shards gradients as well (less memory than ZeRO-1, not more).
 ZERO_ALIASES = {"ZERO3": "FULL_SHARD", "ZERO-3": "FULL_SHARD", "ZERO2": "SHARD_GRAD_OP", "ZERO-2": "SHARD_GRAD_OP",
                 "ZERO1": "SHARD_GRAD_OP", "ZERO-1": "SHARD_GRAD_OP"}
-MIXED_PRECISIONS = ("bf16", "fp16", "no")
 OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
 LOSSES = ("shardtune", "full", "chunked")
-LOSS_CHUNKS = 8  # torchtune's CEWithChunkedOutputLoss default
 
 
 @dataclass(frozen=True)
@@ -67,6 +65,29 @@ class Setup:
     def splits_layers(self) -> bool:
         """Model or pipeline parallel: each GPU holds a run of whole decoder layers."""
         return self.strategy in ("mp", "pp")
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element of what a setup stores, by role."""
+
+    compute: int  # bytes of an activation / gathered weight (2 for bf16 and fp16)
+    master: int  # bytes of a trainable parameter as stored (and of its gradient)
+    frozen: int  # bytes of a frozen base weight (LoRA)
+    residual: int  # bytes of the residual stream between layers
+    autocast_copies: bool  # torch.autocast keeps a compute-dtype copy of each fp32 weight it casts
+
+
+def dtypes(setup: Setup) -> Dtypes:
+    """The element sizes ``setup`` trains with (mixed precision, pure bf16, autocast copies)."""
+    if setup.mixed_precision == "no":
+        return Dtypes(4, 4, 4, 4, False)
+    master = 2 if setup.pure_bf16 else 4
+    # Full fine-tuning with fp32 weights under autocast (single GPU, DDP, MP): the embedding runs in fp32, so the
+    # residual stream stays fp32. FSDP2's MixedPrecisionPolicy gathers bf16 weights instead, so everything is bf16;
+    # so is a LoRA model, whose frozen base (embeddings included) is stored in bf16.
+    autocast = setup.method == "full" and master == 4 and setup.strategy != "fsdp"
+    return Dtypes(2, master, 2, 4 if autocast else 2, autocast)
 
 
 def normalize_sharding(value: str) -> str:

@@ -1,0 +1,106 @@
+"""What the subcommand modules share: the one-line-error parser, the full parser, and the train job's checks.
+
+A leaf below ``shardtune.cli`` (``__init__`` dispatches to the subcommands, which import this, never ``__init__``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from shardtune import __version__
+from shardtune.errors import closest
+
+if TYPE_CHECKING:
+    from shardtune.config import TrainConfig
+
+# What asks ``shardtune train`` (and ``launch ... train``) for its list of keys instead of a run.
+TRAIN_HELP = ("-h", "--help", "--help-keys", "--help_keys")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument on one line (exit 2) instead of the usage block plus the error.
+
+    A subcommand's parser reports an unknown option itself, naming the subcommand and the option meant, and
+    before a missing required argument (``--promt hi`` leaves --prompt missing, but the typo is the news).
+    """
+
+    _argv: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self._argv = list(sys.argv[1:] if args is None else args)
+        namespace, extras = super().parse_known_args(self._argv, namespace)
+        if extras and self._subparsers is None:  # the last parser on the line: nobody else will take them
+            self.error(self._unrecognized(extras))
+        return namespace, extras
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("the following arguments are required"):
+            extras = self._extras_if_nothing_required()
+            if any(_is_option(a) for a in extras):
+                message = self._unrecognized(extras)
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def _extras_if_nothing_required(self) -> list[str]:
+        """What the last line leaves over when parsed with no argument required."""
+        required = [action for action in self._actions if action.required]
+        for action in required:
+            action.required = False
+        try:
+            return super().parse_known_args(self._argv, None)[1]
+        finally:
+            for action in required:
+                action.required = True
+
+    def _unrecognized(self, extras: list[str]) -> str:
+        option = next((a for a in extras if _is_option(a)), None)
+        if option is None:
+            return f"unrecognized arguments: {' '.join(extras)}"
+        name = option.split("=", 1)[0]
+        # Without the dashes every option shares, and stricter than for values: short names look alike by chance.
+        known = {s.lstrip("-"): s for action in self._actions for s in action.option_strings if s.startswith("--")}
+        hint = closest(name.lstrip("-"), known, cutoff=0.6)
+        return f"unknown option {name}" + (f"; did you mean {known[hint]}?" if hint else "")
+
+
+def _is_option(arg: str) -> bool:
+    if not arg.startswith("-") or arg == "-":
+        return False
+    try:
+        float(arg)  # a negative number is a value
+    except ValueError:
+        return True
+    return False
+
+
+SUBCOMMANDS = ("estimate", "train", "launch", "data", "generate", "plot", "demo", "export", "bench")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or of ``only`` that one (some subcommand modules import torch: ~3 s)."""
+    import importlib
+
+    parser = OneLineParser(prog="shardtune", description="Fine-tune open LLMs, and know before you rent GPUs "
+                                                         "whether it fits.")
+    parser.add_argument("--version", action="version", version=f"shardtune {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    for name in SUBCOMMANDS if only is None else (only,):
+        importlib.import_module(f"shardtune.cli.{name}").register(sub)
+    return parser
+
+
+def load_job_config(argv: list[str]) -> TrainConfig:
+    """The config a ``train`` job is about to run, checked before any model loads: ``load_run_config``'s checks and
+    the resume_from_checkpoint folder (train/layout.py), every problem reported together. A dry run reads neither
+    data nor checkpoint, so neither is checked for it."""
+    from shardtune.config import raise_problems, run_config_problems
+    from shardtune.train.layout import resume_problem
+
+    cfg, given, problems = run_config_problems(argv)
+    spec = cfg.checkpoint.resume_from_checkpoint
+    where = given.get("resume_from_checkpoint", "config")
+    if not cfg.run.dry_run and (problem := resume_problem(spec, f"{where}: resume_from_checkpoint={spec}")):
+        problems.append(problem)
+    raise_problems(problems)
+    return cfg

@@ -1,0 +1,202 @@
+"""The training configuration's schema: one small typed section per concern, and the values each key accepts.
+
+Names are the ones users know from Transformers' ``TrainingArguments``, TRL's ``SFTConfig``, PEFT and Accelerate's
+config files, so a recipe carries over. Reading (``loading``) and checking (``validation``) live beside this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardtune.data.config import DataConfig
+
+DISTRIBUTED_TYPES = ("NO", "DDP", "FSDP", "MP", "PP")
+PIPELINE_SCHEDULES = ("GPipe", "1F1B")
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+MIXED_PRECISIONS = ("bf16", "fp16", "no")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+STRATEGIES_STEPS = ("steps", "epoch", "no")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
+# Transformers' names for what the trainer runs: torch's AdamW (fused kernel on CUDA, multi-tensor elsewhere).
+ACCEPTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# The final model is uploaded once, after training (train/loop.py push_to_hub): Transformers calls that "end".
+HUB_STRATEGIES = ("end",)
+BACKWARD_PREFETCH = ("BACKWARD_PRE",)
+FSDP_VERSIONS = (2,)  # the trainer shards with FSDP2's fully_shard
+SECRET_KEYS = {"hub_token"}  # never written into config.yaml beside the checkpoints
+# The data set that ``shardtune estimate --emit-config`` writes (memory/trace_setup.py): the user fills it in.
+DATASET_PLACEHOLDER = "REPLACE_WITH_YOUR_DATASET"
+
+
+@dataclass
+class ModelConfig:
+    model_name_or_path: str | None = None
+    attn_implementation: str = "sdpa"
+    use_flash_attn: bool = False  # flash_attention_2 when installed and on CUDA; sdpa otherwise, with a warning
+    trust_remote_code: bool = False
+
+
+@dataclass
+class LoraConfig:
+    use_peft_lora: bool = False
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "all-linear"
+    use_4bit_quantization: bool = False
+    bnb_4bit_quant_type: str = "nf4"
+    use_nested_quant: bool = True  # double quantisation of the quantisation constants (QLoRA paper, sec. 3)
+    bnb_4bit_compute_dtype: str = "bfloat16"
+    # bf16 storage so the packed 4-bit weights share a dtype with the rest and FSDP can shard them.
+    bnb_4bit_quant_storage_dtype: str = "bfloat16"
+
+    @property
+    def method(self) -> str:
+        """What trains, in the estimator's words (``Setup.method``): full, lora or qlora."""
+        return "qlora" if self.use_4bit_quantization else "lora" if self.use_peft_lora else "full"
+
+
+@dataclass
+class OptimConfig:
+    learning_rate: float = 5e-5
+    lr_scheduler_type: str = "linear"
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    optim: str = "adamw_torch"  # the trainer runs torch's AdamW; 8-bit and paged optimizers are refused
+
+
+@dataclass
+class RunConfig:
+    output_dir: str | None = None
+    seed: int = 42
+    num_train_epochs: float = 1.0
+    max_steps: int = -1
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    use_reentrant: bool = False
+    bf16: bool = False
+    fp16: bool = False
+    logging_steps: int = 10
+    logging_strategy: str = "steps"
+    log_level: str = "passive"
+    eval_strategy: str = "no"
+    eval_steps: int | None = None
+    report_to: str = "none"  # "tensorboard" writes event files beside metrics.jsonl
+    ddp_timeout: int = 1800  # seconds a collective may wait before the run stops naming the rank and operation
+    dry_run: bool = False
+    # Trace the job at the end and record the predicted peak beside the measured one. The environment variable
+    # SHARDTUNE_PREDICT_MEMORY=0 changes this default (test suites run hundreds of short jobs).
+    predict_memory: bool = field(default_factory=lambda: os.environ.get("SHARDTUNE_PREDICT_MEMORY", "1") != "0")
+    # Hub flags: the final model is uploaded where the hub is reachable (a warning, not a failure, where not).
+    push_to_hub: bool = False
+    hub_model_id: str | None = None
+    hub_token: str | None = None
+    hub_private_repo: bool | None = None
+    hub_strategy: str = "end"  # the final model is uploaded once, at the end of training
+    # Callbacks made on every rank: importable classes, package.module:Class (see shardtune/train/callbacks.py).
+    callbacks: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointConfig:
+    save_strategy: str = "steps"
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    resume_from_checkpoint: str | None = None  # a checkpoint folder, or "true" for the newest in output_dir
+
+
+@dataclass
+class DistributedConfig:
+    distributed_type: str | None = None  # None: DDP when launched on several processes, else NO
+    fsdp_sharding_strategy: str = "FULL_SHARD"
+    fsdp_offload_params: bool = False
+    fsdp_auto_wrap_policy: str = "TRANSFORMER_BASED_WRAP"
+    fsdp_transformer_layer_cls_to_wrap: str | None = None  # default: the model's own decoder layer class
+    fsdp_min_num_params: int = 100_000_000
+    fsdp_cpu_ram_efficient_loading: bool = True
+    fsdp_sync_module_states: bool = True
+    fsdp_state_dict_type: str = "SHARDED_STATE_DICT"
+    fsdp_reshard_after_forward: bool | None = None  # FSDP2's name; overrides what the sharding strategy implies
+    fsdp_activation_checkpointing: bool = False
+    # FSDP2 prefetches the next unit's parameters before the current one's backward: BACKWARD_PRE, the only one.
+    fsdp_backward_prefetch: str | None = None
+    fsdp_forward_prefetch: bool = False  # also all-gather the next decoder layer while this one runs forward
+    # A pure no-op kept for Accelerate files: FSDP2 has no flat parameters, every parameter stays itself.
+    fsdp_use_orig_params: bool = True
+    fsdp_version: int = 2  # shardtune runs FSDP2 (fully_shard); 1 is refused
+    mixed_precision: str | None = None  # Accelerate's key; bf16/fp16 flags win when set
+    num_processes: int = 1
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    rdzv_backend: str = "static"
+    # PP: one stage of decoder layers per process; each batch is split into this many pipeline micro-batches.
+    pipeline_schedule: str = "1F1B"
+    pipeline_microbatches: int = 2
+    mp_devices: str | None = None  # MP: comma-separated devices (cuda:0,cuda:1); default: every visible GPU
+
+
+@dataclass
+class TrainConfig:
+    """The whole job, one section per concern; functions receive only the section they need."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    @property
+    def mixed_precision(self) -> str:
+        """bf16 / fp16 / no, from TrainingArguments' flags first, then Accelerate's ``mixed_precision``."""
+        if self.run.bf16:
+            return "bf16"
+        if self.run.fp16:
+            return "fp16"
+        return (self.distributed.mixed_precision or "no").lower()
+
+    def to_flat(self) -> dict[str, Any]:
+        """Every key at the top level, as ``shardtune train`` reads it back (secrets left out)."""
+        return {k: v for section in dataclasses.fields(self) for k, v in
+                dataclasses.asdict(getattr(self, section.name)).items() if k not in SECRET_KEYS}
+
+
+def section_classes() -> dict[str, type]:
+    """Each section's name and its dataclass."""
+    return {f.name: type(getattr(TrainConfig(), f.name)) for f in dataclasses.fields(TrainConfig)}
+
+
+def known_keys() -> dict[str, str]:
+    """Every accepted key and the section that holds it."""
+    keys = {}
+    for section, cls in section_classes().items():
+        for f in dataclasses.fields(cls):
+            keys[f.name] = section
+    return keys
+
+
+# Keys of Accelerate config files that describe the machine or other launchers; read and deliberately unused.
+ACCELERATE_IGNORED = {"compute_environment", "debug", "main_training_function", "downcast_bf16", "same_network",
+                      "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "gpu_ids", "enable_cpu_affinity",
+                      "dynamo_config", "megatron_lm_config", "ipex_config", "mpirun_config", "tpu_name",
+                      "tpu_zone", "commands", "command_file", "fp8_config", "parallelism_config",
+                      "fsdp_offload_optimizer"}
+# TrainingArguments / TRL keys that shardtune accepts and that change nothing here (logging of other tools).
+IGNORED_KEYS = {"logging_first_step", "logging_nan_inf_filter", "dataloader_num_workers", "remove_unused_columns",
+                "overwrite_output_dir", "do_train", "do_eval", "run_name", "disable_tqdm", "save_safetensors",
+                "include_num_input_tokens_seen", "ddp_find_unused_parameters"}

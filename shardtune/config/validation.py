@@ -1,0 +1,152 @@
+"""Checks of a resolved config: every problem found, one line each, so they are reported together."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from shardtune.config.schema import (ACCEPTED_OPTIMS, BACKWARD_PREFETCH, DATASET_PLACEHOLDER, DISTRIBUTED_TYPES, FSDP_VERSIONS,
+                                     HUB_STRATEGIES, LOG_LEVELS, MIXED_PRECISIONS, PIPELINE_SCHEDULES, SCHEDULERS,
+                                     SHARDING_STRATEGIES, STATE_DICT_TYPES, STRATEGIES_STEPS, WRAP_POLICIES,
+                                     TrainConfig)
+from shardtune.hub import looks_like_local_path
+from shardtune.errors import closest
+
+
+def _choice(problems: list[str], key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        hint = closest(str(value), choices)
+        did_you_mean = f" (did you mean {hint}?)" if hint else ""
+        problems.append(f"{key}={value!r} is not accepted; use one of {', '.join(choices)}{did_you_mean}")
+
+
+def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
+    """Every problem with the resolved config, one line each."""
+    problems: list[str] = []
+    d, r, o, lo, ck = cfg.distributed, cfg.run, cfg.optim, cfg.lora, cfg.checkpoint
+    if not cfg.model.model_name_or_path:
+        problems.append("model_name_or_path is required: a local model folder or a hub name "
+                        "(e.g. --model_name_or_path ./my-model)")
+    if training and not r.output_dir:
+        problems.append("output_dir is required (e.g. --output_dir out)")
+    if d.distributed_type is not None:
+        _choice(problems, "distributed_type", d.distributed_type, DISTRIBUTED_TYPES)
+    _choice(problems, "fsdp_sharding_strategy", d.fsdp_sharding_strategy, SHARDING_STRATEGIES)
+    _choice(problems, "fsdp_auto_wrap_policy", d.fsdp_auto_wrap_policy, WRAP_POLICIES)
+    _choice(problems, "fsdp_state_dict_type", d.fsdp_state_dict_type, STATE_DICT_TYPES)
+    if d.mixed_precision is not None:
+        _choice(problems, "mixed_precision", d.mixed_precision, MIXED_PRECISIONS)
+    if r.bf16 and r.fp16:
+        problems.append("bf16 and fp16 are both true; choose one")
+    _choice(problems, "lr_scheduler_type", o.lr_scheduler_type, SCHEDULERS)
+    _choice(problems, "logging_strategy", r.logging_strategy, STRATEGIES_STEPS)
+    _choice(problems, "eval_strategy", r.eval_strategy, STRATEGIES_STEPS)
+    _choice(problems, "save_strategy", ck.save_strategy, STRATEGIES_STEPS)
+    _choice(problems, "log_level", r.log_level, LOG_LEVELS)
+    _choice(problems, "report_to", r.report_to, ("none", "tensorboard"))
+    _choice(problems, "bnb_4bit_quant_type", lo.bnb_4bit_quant_type, ("nf4", "fp4"))
+    for key, value in (("per_device_train_batch_size", r.per_device_train_batch_size),
+                       ("per_device_eval_batch_size", r.per_device_eval_batch_size),
+                       ("gradient_accumulation_steps", r.gradient_accumulation_steps),
+                       ("logging_steps", r.logging_steps), ("save_steps", ck.save_steps),
+                       ("lora_r", lo.lora_r), ("num_processes", d.num_processes),
+                       ("num_machines", d.num_machines), ("ddp_timeout", r.ddp_timeout),
+                       ("save_total_limit", 1 if ck.save_total_limit is None else ck.save_total_limit)):
+        if value < 1:
+            problems.append(f"{key}={value} must be at least 1")
+    if r.max_steps == 0 or r.max_steps < -1:
+        problems.append(f"max_steps={r.max_steps} must be a positive number of optimizer steps, or -1 for epochs")
+    if r.num_train_epochs <= 0 and r.max_steps == -1:
+        problems.append(f"num_train_epochs={r.num_train_epochs} must be positive (or set max_steps)")
+    if o.learning_rate < 0:
+        problems.append(f"learning_rate={o.learning_rate} must not be negative")
+    if not 0 <= o.warmup_ratio <= 1:
+        problems.append(f"warmup_ratio={o.warmup_ratio} must be between 0 and 1")
+    for key, value in (("warmup_steps", o.warmup_steps), ("weight_decay", o.weight_decay),
+                       ("max_grad_norm", o.max_grad_norm)):
+        if value < 0:
+            problems.append(f"{key}={value} must not be negative")
+    if not 0 <= lo.lora_dropout < 1:
+        problems.append(f"lora_dropout={lo.lora_dropout} must be in [0, 1)")
+    if lo.use_4bit_quantization and not lo.use_peft_lora:
+        problems.append("use_4bit_quantization trains LoRA adapters on a frozen 4-bit base (QLoRA); "
+                        "set use_peft_lora true as well")
+    if r.eval_strategy == "steps" and (r.eval_steps or r.logging_steps) < 1:
+        problems.append("eval_steps must be at least 1")
+    if d.num_processes % d.num_machines:
+        problems.append(f"num_processes={d.num_processes} is the total over all machines and must be a multiple "
+                        f"of num_machines={d.num_machines}")
+    problems += _validate_pipeline(cfg)
+    problems += _unsupported(cfg)
+    problems += cfg.data.validate()
+    return problems
+
+
+def _validate_pipeline(cfg: TrainConfig) -> list[str]:
+    """PP needs a known schedule and batches that split into whole pipeline micro-batches."""
+    d, r = cfg.distributed, cfg.run
+    problems: list[str] = []
+    if d.pipeline_schedule.upper() not in {s.upper() for s in PIPELINE_SCHEDULES}:
+        problems.append(f"pipeline_schedule={d.pipeline_schedule!r} is not accepted; use one of "
+                        f"{', '.join(PIPELINE_SCHEDULES)}")
+    if d.pipeline_microbatches < 1:
+        problems.append(f"pipeline_microbatches={d.pipeline_microbatches} must be at least 1")
+    elif d.distributed_type == "PP" and r.per_device_train_batch_size % d.pipeline_microbatches:
+        problems.append(f"per_device_train_batch_size={r.per_device_train_batch_size} must be a multiple of "
+                        f"pipeline_microbatches={d.pipeline_microbatches} (each batch is split into them)")
+    if (d.distributed_type == "PP" and r.eval_strategy != "no" and d.pipeline_microbatches >= 1
+            and r.per_device_eval_batch_size % d.pipeline_microbatches):
+        problems.append(f"per_device_eval_batch_size={r.per_device_eval_batch_size} must be a multiple of "
+                        f"pipeline_microbatches={d.pipeline_microbatches} (each eval batch is split into them)")
+    if d.distributed_type == "PP" and cfg.mixed_precision == "fp16":
+        # Each stage would need the loss scale in its backward and a skip decision shared by every stage.
+        problems.append("fp16 with distributed_type=PP: the pipeline's stages do not scale the loss, so fp16 "
+                        "gradients would underflow; use bf16 (or mixed_precision no)")
+    return problems
+
+
+def _unsupported(cfg: TrainConfig) -> list[str]:
+    """Keys that recipes for other trainers carry, with a value this trainer does not run: refused, never ignored."""
+    d, r, o = cfg.distributed, cfg.run, cfg.optim
+    problems = []
+    if d.fsdp_version not in FSDP_VERSIONS:
+        fsdp1 = "; fsdp_version 1 (FullyShardedDataParallel) is not available" if d.fsdp_version == 1 else ""
+        problems.append(f"fsdp_version={d.fsdp_version} is not accepted: shardtune runs FSDP2 (fully_shard){fsdp1}; "
+                        f"set fsdp_version 2 or leave it out (the fsdp_* keys keep their meaning)")
+    if d.fsdp_backward_prefetch is not None and d.fsdp_backward_prefetch.upper() not in BACKWARD_PREFETCH:
+        problems.append(f"fsdp_backward_prefetch={d.fsdp_backward_prefetch!r} is not accepted: FSDP2 always "
+                        f"prefetches the next unit's parameters before the current one's backward (BACKWARD_PRE); "
+                        f"set fsdp_backward_prefetch BACKWARD_PRE or leave it out")
+    if d.fsdp_forward_prefetch and d.fsdp_auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
+        problems.append(f"fsdp_forward_prefetch=true prefetches the next decoder layer, which needs "
+                        f"fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP (not {d.fsdp_auto_wrap_policy}); change the "
+                        f"policy or leave fsdp_forward_prefetch false")
+    if r.hub_strategy not in HUB_STRATEGIES:
+        problems.append(f"hub_strategy={r.hub_strategy!r} is not accepted: push_to_hub uploads the final model once, "
+                        f"at the end of training; use hub_strategy end or leave it out")
+    if o.optim not in ACCEPTED_OPTIMS:
+        problems.append(f"optim={o.optim!r} is not accepted: the trainer uses torch's AdamW (fused on CUDA, foreach "
+                        f"elsewhere); 8-bit and paged optimizers are not yet supported; use optim "
+                        f"{' or '.join(ACCEPTED_OPTIMS)}, or leave it out")
+    return problems
+
+
+def input_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
+    """The model or data named as local paths that are not there, or the --emit-config data placeholder: checked
+    without any network call, since a hub name is only read when the job loads it. ``given`` says where each key
+    was set (a file and line, or the command line)."""
+    problems = []
+    where = {key: given.get(key, "config") for key in ("model_name_or_path", "dataset_name")}
+    model = cfg.model.model_name_or_path
+    if model and looks_like_local_path(model) and not Path(model).expanduser().exists():
+        problems.append(f"{where['model_name_or_path']}: model_name_or_path '{model}' does not exist: give a local "
+                        f"model folder or a hub name (ORG/NAME)")
+    data = cfg.data.dataset_name
+    if data == DATASET_PLACEHOLDER:
+        problems.append(f"{where['dataset_name']}: dataset_name is still the placeholder {DATASET_PLACEHOLDER} that "
+                        f"'shardtune estimate --emit-config' writes; set dataset_name to your data (a local "
+                        f"file/folder or a hub data set)")
+    elif data and looks_like_local_path(data) and not Path(data).expanduser().exists():
+        problems.append(f"{where['dataset_name']}: dataset_name '{data}' does not exist: check the path")
+    return problems
