@@ -54,13 +54,13 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from shardtune import catalog  # noqa: E402
 from shardtune.config import TrainConfig  # noqa: E402
+from shardtune.dist import DistInfo  # noqa: E402
 from shardtune.memory.formula import estimate  # noqa: E402
 from shardtune.memory.inventory import ModelAnalysis  # noqa: E402
 from shardtune.memory.setup import Setup, validate  # noqa: E402
 from shardtune.memory.trace import TraceUnsupported, trace_training_step  # noqa: E402
 from shardtune.memory.trace_setup import config_from_setup, setup_from_config  # noqa: E402
-from shardtune.train.dist import DistInfo  # noqa: E402
-from shardtune.train.parallelize import Plan  # noqa: E402
+from shardtune.train.parallelize import Runner  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 GIB = 2**30
@@ -80,7 +80,7 @@ FORMULA_LOSS = "shardtune"
 # What the predictions depend on besides torch and transformers: a stored prediction made from other sources is
 # stale, and --predict-only computes it again.
 CODE_GLOBS = ("shardtune/memory/*.py", "shardtune/memory/*.json", "shardtune/train/*.py", "shardtune/catalog/*.json",
-              "shardtune/config.py", "shardtune/data/collate.py")
+              "shardtune/config/*.py", "shardtune/hardware.py", "shardtune/data/collate.py")
 # Each prediction against its measured peak: (error field, predicted field, measured field).
 ERROR_COLUMNS = (("error_trace_reserved", "trace_reserved_bytes", "measured_reserved_bytes"),
                  ("error_trace_allocated", "trace_allocated_bytes", "measured_allocated_bytes"),
@@ -280,32 +280,29 @@ class Trainee:
     """The trainer's model on the measuring device, and what its step needs besides the optimizer."""
 
     model: torch.nn.Module
-    plan: Plan
+    runner: Runner
     info: DistInfo
-    compute_dtype: torch.dtype
     pad_token_id: int
 
 
 def build(cfg: TrainConfig, device: torch.device) -> Trainee:
     """The model ``shardtune train`` would train for ``cfg``, on ``device``, with initialised weights.
 
-    The trace's own builder: ``build.build_model``'s steps (dtypes by ``Precision``, bitsandbytes NF4 layers for QLoRA,
-    ``apply_lora``, ``parallelize`` with the plan's checkpointing) on a model made from its config instead of loaded.
+    ``build.build_model`` itself (dtypes by ``Precision``, bitsandbytes NF4 layers for QLoRA, ``apply_lora``,
+    ``parallelize`` with the plan's checkpointing), as the trace calls it: from the model's config, not its weights.
     """
-    from shardtune.memory.trace import _build_model, _model_config, _vocab_and_pad
-    from shardtune.train.build import fsdp_param_dtype
+    from shardtune.memory.trace import _model_config, _vocab_and_pad
+    from shardtune.train.build import build_model, plan_for
     from shardtune.train.model import Precision
-    from shardtune.train.parallelize import make_plan
 
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device)
     precision = Precision(cfg.mixed_precision)
-    plan = make_plan(cfg.distributed, info, param_dtype=fsdp_param_dtype(cfg, precision),
-                     gradient_checkpointing=cfg.run.gradient_checkpointing, use_reentrant=cfg.run.use_reentrant)
     config = _model_config(cfg)
     vocab_size, pad_id = _vocab_and_pad(cfg, config)
     torch.manual_seed(cfg.run.seed)
-    model = _build_model(cfg, config, plan, precision, info, vocab_size)
-    return Trainee(model, plan, info, precision.compute_dtype, pad_id)
+    model, runner, _, _ = build_model(cfg, plan_for(cfg, info, precision), precision, info, vocab_size,
+                                      weights="init", config=config)
+    return Trainee(model, runner, info, pad_id)
 
 
 def measure(trainee: Trainee, cfg: TrainConfig, steps: int) -> tuple[int | None, int | None]:
@@ -322,9 +319,8 @@ def measure(trainee: Trainee, cfg: TrainConfig, steps: int) -> tuple[int | None,
     optimizer = build_optimizer(trainee.model, cfg.optim, device)
     # The grid is bf16 (autocast over fp32 master weights, or a bf16 base under LoRA): no loss scaler, as the loop.
     ctx = StepContext(model=trainee.model, optimizer=optimizer,
-                      scheduler=build_scheduler(optimizer, cfg.optim, steps + 1), plan=trainee.plan,
-                      info=trainee.info, compute_dtype=trainee.compute_dtype, max_grad_norm=cfg.optim.max_grad_norm,
-                      pad_token_id=trainee.pad_token_id)
+                      scheduler=build_scheduler(optimizer, cfg.optim, steps + 1), runner=trainee.runner,
+                      info=trainee.info, max_grad_norm=cfg.optim.max_grad_norm, pad_token_id=trainee.pad_token_id)
     batches = _micro_batches(cfg, trainee.pad_token_id)
     train_step(ctx, batches)
     if device.type != "cuda":

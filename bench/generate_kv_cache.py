@@ -1,8 +1,8 @@
 """Greedy generation with the KV cache against recomputing the whole prefix every token, side by side.
 
 A Llama of a few million parameters is built from a config here (random weights, nothing downloaded) and both paths
-of ``shardtune.generate.generate`` decode the same prompt. The script checks that they produce the same tokens, then
-reports the median time of each and their ratio, and writes bench/results/generate_kv_cache_<device>.json and .md.
+of ``shardtune.infer.generate.generate`` decode the same prompt. The script checks that they produce the same tokens,
+then reports the median time of each and their ratio, and writes bench/results/generate_kv_cache_<device>.json and .md.
 
     .venv/bin/python bench/generate_kv_cache.py                      # defaults: CPU, 2 threads
     .venv/bin/python bench/generate_kv_cache.py --new-tokens 64 256 --hidden-size 512 --num-layers 8
@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from shardtune.generate import generate  # noqa: E402
-from shardtune.tiny import tiny_llama_config  # noqa: E402
+from shardtune.infer.generate import generate  # noqa: E402
+from shardtune.testing.tiny import tiny_llama_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
               f"speed-up x{best_full / best_cached:.2f} (medians: x{full_s / cached_s:.2f})   same tokens: {same}",
               flush=True)
     return {
-        "benchmark": "greedy generation, KV cache vs recomputing the prefix (shardtune.generate.generate)",
+        "benchmark": "greedy generation, KV cache vs recomputing the prefix (shardtune.infer.generate.generate)",
         "device": args.device if args.device != "cpu" else f"cpu ({platform.processor() or platform.machine()}, "
                                                             f"{args.threads} thread{'s' if args.threads > 1 else ''})",
         "torch": torch.__version__, "dtype": args.dtype, "parameters": parameters,

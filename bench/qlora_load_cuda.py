@@ -43,7 +43,7 @@ def main() -> int:
     import torch
 
     from shardtune.demo.task import all_sums, write_jsonl
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     if not torch.cuda.is_available():
         print("qlora_load_cuda.py needs a CUDA GPU", file=sys.stderr)

@@ -27,7 +27,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from shardtune.cli import main as shardtune
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
     from tests.trainutil import write_chat_data
 
     with tempfile.TemporaryDirectory(prefix="bench-strategies-") as tmp:

@@ -48,7 +48,7 @@ def make_models(root: Path) -> dict[str, str]:
     the trace then uses the config's vocabulary), where the loss dominates the activations."""
     from transformers import LlamaConfig
 
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     big_vocab = root / "vocab-32k"
     LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,

@@ -29,7 +29,7 @@ def make_assets(root: Path, hidden: int, layers: int, rows: int) -> tuple[Path, 
     """A small Llama (random weights) with the project's tokenizer, and chat rows of short sums."""
     import random
 
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     model = make_model_folder(root / "model", hidden_size=hidden, intermediate_size=hidden * 4 // 1,
                               num_layers=layers, num_heads=max(1, hidden // 64), num_kv_heads=max(1, hidden // 128))

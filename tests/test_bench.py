@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardtune.bench import Result, explain, format_table, model_label, strategy_figure, summarise, write_plot
-from shardtune.bench_probe import STEP_MARK, StageMarks, split_step_time
+from shardtune.bench.probe import STEP_MARK, Probe, StageMarks, split_step_time
+from shardtune.bench.strategies import (Result, explain, format_table, model_label, strategy_figure, summarise,
+                                        write_plot)
 from shardtune.errors import UsageError
 from shardtune.memory.recommend import MEASURED_TIE
 from tests.trainutil import run_shardtune, write_chat_data
@@ -67,7 +68,7 @@ def test_split_step_time_counts_compute_and_uncovered_communication():
 
 
 def test_stage_marks_split_a_real_step_between_stages(tmp_path):
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
     from torch.autograd.profiler import record_function
     from transformers import AutoModelForCausalLM
 
@@ -87,6 +88,38 @@ def test_stage_marks_split_a_real_step_between_stages(tmp_path):
         assert first > 0 and rest > 0 and first + rest < compute  # the embeddings and the loss's start are nobody's
     # Five layers and the head against one layer (the median step: a shared machine can stall any one of them).
     assert sorted(rest / first for first, rest in split["stage_compute_s"])[2] > 2
+
+
+def test_probe_callback_records_each_step_as_the_bench_reads_it(tmp_path):
+    """The loop's events driven by hand around real MP steps on CPU: one record per rank, in the bench's format."""
+    from shardtune.config import TrainConfig
+    from shardtune.dist import DistInfo
+    from shardtune.testing.tiny import make_model_folder
+    from shardtune.train.plan import Plan
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(make_model_folder(tmp_path / "m", num_layers=4)))
+    args = TrainConfig()
+    args.run.output_dir = str(tmp_path / "out")
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    probe, control, ids = Probe(), None, torch.randint(0, 100, (2, 32))
+    probe.on_train_begin(args, None, control, model=model, optimizer=None, info=info,
+                         plan=Plan(strategy="MP", stage_bounds=((0, 2), (2, 4)), devices=("cpu", "cpu")))
+    for step in range(3):
+        probe.on_step_begin(args, None, control, micro_batches=[], model=model, optimizer=None)
+        model(input_ids=ids, labels=ids).loss.backward()
+        probe.on_step_end(args, None, control, stats=SimpleNamespace(tokens=64 + step))
+    probe.on_train_end(args, None, control, model=model, summary={}, log=print)
+    record = json.loads((tmp_path / "out" / "probe" / "probe-rank-0.json").read_text())
+    assert sorted(record) == ["comm_s", "compute_s", "gpu_util", "rank", "stage_compute_s", "strategy", "tokens",
+                              "wall_s"]
+    assert (record["rank"], record["strategy"], record["tokens"]) == (0, "MP", [64, 65, 66])
+    assert len(record["wall_s"]) == len(record["compute_s"]) == len(record["stage_compute_s"]) == 3
+    assert all(0 < c < w for c, w in zip(record["compute_s"], record["wall_s"]))  # compute inside the step's time
+    assert all(len(stages) == 2 and min(stages) > 0 for stages in record["stage_compute_s"])
+    res = summarise("mp", tmp_path / "out" / "probe", warmup_steps=1)
+    assert res.tokens_per_s == pytest.approx((65 + 66) / sum(record["wall_s"][1:]))
+    assert res.stages_or_ranks == 2 and 0 < sum(res.busy) <= 1
 
 
 def test_table_has_a_row_and_a_line_per_setup():
@@ -116,7 +149,7 @@ def test_plot_stacks_busy_and_waiting_per_setup(tmp_path):
 def test_results_name_the_model_not_the_folder_it_was_read_from(tmp_path):
     # bench/strategies_cpu.py builds its model in a temporary folder; the estimate quotes what the file says.
     from shardtune.memory.recommend import Measured
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     model = make_model_folder(tmp_path / "bench-strategies-x1y2" / "tiny-llama", num_layers=4, hidden_size=256,
                               intermediate_size=704, num_heads=8, num_kv_heads=4)
@@ -139,7 +172,7 @@ def test_bad_strategy_is_a_usage_error():
 
 
 def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     model = make_model_folder(tmp_path / "model", num_layers=4)
     data = write_chat_data(tmp_path / "chat.jsonl", rows=400)
@@ -179,7 +212,8 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
     assert f"tokens/s measured with {saved['model']} on cpu" in recommendation["reason"]
 
 
-# What torchrun printed when both DDP ranks of a bench setup stopped on bad data (torch 2.x, abridged paths).
+# What torchrun printed when both DDP ranks of a bench setup stopped on bad data (torch 2.x, abridged paths), from
+# when the bench started torchrun itself; a rank's error may still come with such a report around it.
 TORCHRUN_FAILED = """\
 shardtune bench: rank 0: cannot tell the data format from the columns ['foo']: give rows with 'messages'.
 shardtune bench: rank 1: cannot tell the data format from the columns ['foo']: give rows with 'messages'.
@@ -202,10 +236,20 @@ Root Cause (first observed failure):
 ============================================================
 """
 
+# What a bench setup prints now, through 'shardtune launch' (which cuts torchrun's report to its last line).
+LAUNCH_FAILED = """\
+shardtune train: error: bad.jsonl:1: cannot tell the data format from the columns ['foo']: give rows with 'messages'.
+W1123 21:44:57.977000 5177 torch/distributed/elastic/.../api.py:1028] Sending process 5199 closing signal SIGTERM
+E1123 21:44:58.010000 5177 torch/distributed/elastic/.../api.py:1002] failed (exitcode: 2) local_rank: 0
+shardtune launch: rank 0 exited with code 2 (see its messages above)
+"""
+
 
 def test_a_failed_setup_reports_the_ranks_error_not_torchruns_banner():
-    from shardtune.bench import failure_line
+    from shardtune.bench.strategies import failure_line
 
+    assert failure_line(LAUNCH_FAILED) == ("shardtune train: error: bad.jsonl:1: cannot tell the data format from "
+                                           "the columns ['foo']: give rows with 'messages'.")
     assert failure_line(TORCHRUN_FAILED) == ("shardtune bench: rank 0: cannot tell the data format from the columns "
                                              "['foo']: give rows with 'messages'.")
     # A rank that raised: its exception (torch prefixes the rank's lines), not torchrun's ChildFailedError.
@@ -220,7 +264,7 @@ def test_a_failed_setup_reports_the_ranks_error_not_torchruns_banner():
 
 
 def tiny_recipe(tmp_path):
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     model = make_model_folder(tmp_path / "model", num_layers=2)
     data = write_chat_data(tmp_path / "chat.jsonl", rows=50)
@@ -231,13 +275,13 @@ def tiny_recipe(tmp_path):
 
 def test_bench_checks_the_recipe_before_starting_any_setup(tmp_path, monkeypatch, capsys):
     """The recipe --emit-config writes (a hub model, the dataset placeholder) is refused at once, exit 2."""
-    from shardtune import bench
+    from shardtune.bench import strategies
     from shardtune.cli import main
 
     def no_setup(*args, **kwargs):
         raise AssertionError("a setup was started")
 
-    monkeypatch.setattr(bench, "run_setup", no_setup)
+    monkeypatch.setattr(strategies, "run_setup", no_setup)
     monkeypatch.chdir(tmp_path)
     assert main(["estimate", "llama-3.1-8b", "--method", "lora", "--emit-config", "recipe.yaml"]) == 0
     capsys.readouterr()
@@ -259,11 +303,11 @@ def test_bench_checks_the_recipe_before_starting_any_setup(tmp_path, monkeypatch
 
 def test_when_no_setup_runs_nothing_is_saved(tmp_path, monkeypatch, capsys):
     """Every setup failed: each one's real error, one line saying none ran, exit 1, and no result files."""
-    from shardtune import bench
+    from shardtune.bench import strategies
     from shardtune.cli import main
 
     recipe = tiny_recipe(tmp_path)
-    monkeypatch.setattr(bench, "run_setup", lambda *args, **kwargs: (1, TORCHRUN_FAILED))
+    monkeypatch.setattr(strategies, "run_setup", lambda *args, **kwargs: (1, TORCHRUN_FAILED))
     code = main(["bench", "strategies", str(recipe), "--strategies", "ddp,fsdp", "--out", str(tmp_path / "r.json"),
                  "--plot", str(tmp_path / "r.png")])
     captured = capsys.readouterr()
@@ -279,7 +323,15 @@ def test_when_no_setup_runs_nothing_is_saved(tmp_path, monkeypatch, capsys):
 
 def test_setups_run_without_the_memory_check():
     # On CPU it traces step 2 of DDP and FSDP only, several times slower: it would count against those two.
-    from shardtune.bench import job_args
+    from shardtune.bench.strategies import job_args
 
     args = job_args("r.yaml", "ddp", Path("out"), num_processes=2, steps=4, extra=[])
     assert args[args.index("--predict_memory") + 1] == "false"
+
+
+def test_setups_run_the_recipes_callbacks_and_the_probe():
+    from shardtune.bench.strategies import job_args
+
+    args = job_args("r.yaml", "ddp", Path("out"), num_processes=2, steps=4, callbacks=["my.hooks:Stop"],
+                    extra=["--callbacks", "my.hooks:Stop"])  # what --set callbacks=... adds: the recipe's too
+    assert args[-2:] == ["--callbacks", "my.hooks:Stop,shardtune.bench.probe:Probe"]

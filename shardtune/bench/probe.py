@@ -1,7 +1,7 @@
-"""The probe of ``shardtune bench strategies``, inside each training process: ``python -m shardtune.bench_probe``.
+"""The probe of ``shardtune bench strategies``: a training callback (``--callbacks shardtune.bench.probe:Probe``).
 
-It runs ``shardtune train`` with the loop's ``train_step`` wrapped: per rank and per optimizer step, the wall time
-and the step's tokens, and (CPU ranks) PyTorch's profiler over every step, which splits each step's time three ways:
+On every rank it records, per optimizer step, the wall time and the step's tokens, and (CPU ranks) runs PyTorch's
+profiler over the steps, which splits each step's time three ways:
 
 - compute: time inside ATen operators on the training thread (matmuls, attention, the optimizer's kernels, the
   copies into and out of communication buffers);
@@ -12,26 +12,39 @@ and the step's tokens, and (CPU ranks) PyTorch's profiler over every step, which
 
 Under MP, where one process drives every stage, hooks on each stage's first and last decoder layer mark which stage
 is running in the profiler's timeline, so compute is reported per device (stage). On CUDA, NVML's utilisation of
-each GPU is sampled during the steps instead. The records go to ``probe-rank-R.json`` in ``$SHARDTUNE_BENCH_PROBE``.
+each GPU is sampled during the steps instead. The records go to ``OUTPUT_DIR/probe/probe-rank-R.json`` when
+training ends. Any ``shardtune train`` run can carry it; the bench adds it to every setup it starts.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-PROBE_ENV = "SHARDTUNE_BENCH_PROBE"  # the worker writes probe-rank-R.json into this folder
-STEP_MARK = "shardtune::step"
+import torch
+from torch.autograd.profiler import record_function
+
+from shardtune.bench import PROBE_DIR
+from shardtune.train.callbacks import TrainerCallback
+from shardtune.train.plan import unwrap
+
+if TYPE_CHECKING:
+    from shardtune.config import TrainConfig
+    from shardtune.dist import DistInfo
+    from shardtune.train.callbacks import TrainerControl
+    from shardtune.train.plan import Plan
+    from shardtune.train.state import TrainState
+    from shardtune.train.step import StepStats
+
+STEP_MARK = "shardtune::step"  # one profiler range per optimizer step
 STAGE_MARK = "shardtune::stage "
 # Profiler events of communication: the backends' own (gloo runs them on its threads) and c10d's dispatch.
 COMM_PREFIXES = ("gloo:", "nccl:", "mpi:", "ucc:", "c10d::", "record_param_comms")
-
 
 
 class StageMarks:
@@ -43,9 +56,7 @@ class StageMarks:
     last stage, the embeddings for none.
     """
 
-    def __init__(self, model, bounds: tuple[tuple[int, int], ...]) -> None:
-        from shardtune.train.parallelize import unwrap
-
+    def __init__(self, model: torch.nn.Module, bounds: tuple[tuple[int, int], ...]) -> None:
         layers = unwrap(model).model.layers
         self.running: int | None = None
         self._range = None
@@ -54,8 +65,6 @@ class StageMarks:
             layers[end - 1].register_forward_hook(self._on_output(s))
 
     def switch(self, stage: int | None) -> None:
-        from torch.autograd.profiler import record_function
-
         if stage == self.running:
             return
         if self._range is not None:
@@ -74,8 +83,6 @@ class StageMarks:
         return hook
 
     def _backward_reaches(self, s: int) -> None:
-        import torch
-
         self.switch(s)
         if s == 0:  # the first stage's backward ends with the backward pass
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self.switch(None))
@@ -151,8 +158,6 @@ class NvmlSampler:
         pynvml.nvmlInit()
         self._nvml = pynvml
         # NVML numbers every GPU of the machine; torch only the visible ones (CUDA_VISIBLE_DEVICES, its order).
-        import torch
-
         self._handles = [pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(i)) for i in indices]
         self.sums = [0.0] * len(indices)
         self.samples = 0
@@ -185,85 +190,82 @@ class ProbeRecord:
     gpu_util: list[float] = field(default_factory=list)
 
 
-def install_probe(out_dir: Path) -> None:
-    """Wrap the loop's ``train_step`` so every step is timed (and profiled on CPU); the records are written when
-    training returns."""
-    import torch
-    from torch.autograd.profiler import record_function
+class Probe(TrainerCallback):
+    """Times every step and, once training ends, writes this rank's ``ProbeRecord`` to ``OUTPUT_DIR/probe``.
 
-    from shardtune.train import loop
+    The loop calls ``on_step_begin`` right before a step's forward, backward and optimizer work and
+    ``on_step_end`` right after it, so the time between the two is the step. The profiler and NVML start with the
+    first step, not with training, so that loading and setup count in neither.
+    """
 
-    original = loop.train_step
-    rank = int(os.environ.get("RANK", "0"))
-    record = ProbeRecord(rank=rank, strategy="")
-    state: dict[str, Any] = {}
+    def __init__(self) -> None:
+        self.record = ProbeRecord(rank=0, strategy="")
+        self._out_dir = Path(PROBE_DIR)
+        self._gpu_indices: list[int] = []  # the torch GPUs this rank drives (MP: one per stage); none on CPU
+        self._marks: StageMarks | None = None
+        self._num_stages = 0
+        self._profiler: torch.profiler.profile | None = None
+        self._nvml: NvmlSampler | None = None
+        self._watching = False
+        self._step: record_function | None = None
+        self._step_start_s = 0.0
 
-    def timed_step(ctx, micro_batches):
-        if not state:  # the first step: set up once (NVML may fail; "ready" keeps it from being retried)
-            state["ready"] = True
-            record.strategy = ctx.plan.strategy
-            if ctx.plan.strategy == "MP" and ctx.plan.stage_bounds:
-                state["marks"] = StageMarks(ctx.model, ctx.plan.stage_bounds)
-                state["stages"] = len(ctx.plan.stage_bounds)
-            if ctx.info.device.type == "cuda":
-                indices = [torch.device(d).index or 0 for d in ctx.plan.devices] if ctx.plan.devices else \
-                    [ctx.info.device.index or 0]
-                try:
-                    state["nvml"] = NvmlSampler(indices)
-                except Exception as exc:  # noqa: BLE001 - no NVML (driver, container): the table says "-"
-                    print(f"shardtune bench: no GPU utilisation figures: NVML unavailable ({exc})", file=sys.stderr)
-            else:
-                state["profiler"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-                state["profiler"].__enter__()
-        if "marks" in state:
-            state["marks"].switch(None)
+    def on_train_begin(self, args: TrainConfig, state: TrainState, control: TrainerControl, *, model: torch.nn.Module,
+                       plan: Plan, info: DistInfo, **kwargs: Any) -> None:
+        self.record = ProbeRecord(rank=info.rank, strategy=plan.strategy)
+        self._out_dir = Path(args.run.output_dir) / PROBE_DIR
+        if info.device.type == "cuda":
+            devices = [torch.device(d) for d in plan.devices] or [info.device]
+            self._gpu_indices = [d.index or 0 for d in devices]
+        if plan.strategy == "MP" and plan.stage_bounds:
+            self._marks = StageMarks(model, plan.stage_bounds)
+            self._num_stages = len(plan.stage_bounds)
+
+    def on_step_begin(self, args: TrainConfig, state: TrainState, control: TrainerControl, **kwargs: Any) -> None:
+        if not self._watching:
+            self._start_watching()
+        if self._marks is not None:
+            self._marks.switch(None)  # an evaluation's forward may have left a stage running
         if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        wall = time.perf_counter()
-        with record_function(STEP_MARK):
-            stats = original(ctx, micro_batches)  # .item() inside syncs the device before it returns
-        record.wall_s.append(time.perf_counter() - wall)
-        record.tokens.append(stats.tokens)
-        return stats
+            torch.cuda.synchronize()  # work queued before the step is not the step's
+        self._step_start_s = time.perf_counter()
+        self._step = record_function(STEP_MARK)
+        self._step.__enter__()
 
-    loop.train_step = timed_step
-    original_train = loop.train
+    def on_step_end(self, args: TrainConfig, state: TrainState, control: TrainerControl, *, stats: StepStats,
+                    **kwargs: Any) -> None:
+        # The step's loss is already a Python float (its .item() waited for the device), so the clock is fair.
+        self._step.__exit__(None, None, None)
+        self.record.wall_s.append(time.perf_counter() - self._step_start_s)
+        self.record.tokens.append(stats.tokens)
 
-    def train_and_write(cfg):
-        try:
-            return original_train(cfg)
-        finally:
-            if "nvml" in state:
-                record.gpu_util = state["nvml"].means()
-            if "profiler" in state:
-                if "marks" in state:
-                    state["marks"].switch(None)
-                state["profiler"].__exit__(None, None, None)
-                split = split_step_time(state["profiler"].events(), state.get("stages", 0))
-                record.compute_s, record.comm_s = split["compute_s"], split["comm_s"]
-                record.stage_compute_s = split["stage_compute_s"]
-            out_dir.mkdir(parents=True, exist_ok=True)
-            tmp = out_dir / f".probe-rank-{rank}.json"
-            tmp.write_text(json.dumps(asdict(record)))
-            tmp.replace(out_dir / f"probe-rank-{rank}.json")
+    def on_train_end(self, args: TrainConfig, state: TrainState, control: TrainerControl, **kwargs: Any) -> None:
+        if self._nvml is not None:
+            self.record.gpu_util = self._nvml.means()
+        if self._profiler is not None:
+            if self._marks is not None:
+                self._marks.switch(None)
+            self._profiler.__exit__(None, None, None)
+            split = split_step_time(self._profiler.events(), self._num_stages)
+            self.record.compute_s, self.record.comm_s = split["compute_s"], split["comm_s"]
+            self.record.stage_compute_s = split["stage_compute_s"]
+        self._write()
 
-    loop.train = train_and_write
+    def _start_watching(self) -> None:
+        """NVML on CUDA (it may be missing: the table then says "-"), the profiler on CPU."""
+        self._watching = True
+        if self._gpu_indices:
+            try:
+                self._nvml = NvmlSampler(self._gpu_indices)
+            except Exception as exc:  # noqa: BLE001 - no NVML (driver, container): the table says "-"
+                print(f"shardtune bench: no GPU utilisation figures: NVML unavailable ({exc})", file=sys.stderr)
+        else:
+            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self._profiler.__enter__()
 
-
-def worker_main(argv: list[str]) -> int:
-    """``python -m shardtune.bench_probe TRAIN_ARGS...``: ``shardtune train`` with the probe installed."""
-    install_probe(Path(os.environ[PROBE_ENV]))
-    from shardtune.config import load_train_config
-    from shardtune.errors import UsageError
-    from shardtune.train import loop
-
-    try:
-        loop.train(load_train_config(argv))
-    except (UsageError, loop.TrainingStopped) as exc:
-        print(f"shardtune bench: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, UsageError) else 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1:]))
+    def _write(self) -> None:
+        # Written under a temporary name, then renamed: the bench never reads half a record.
+        self._out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self._out_dir / f".probe-rank-{self.record.rank}.json"
+        tmp.write_text(json.dumps(asdict(self.record)))
+        tmp.replace(self._out_dir / f"probe-rank-{self.record.rank}.json")

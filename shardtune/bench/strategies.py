@@ -1,8 +1,8 @@
 """``shardtune bench strategies``: the same short job under MP, PP, DDP and FSDP, measured side by side.
 
-Each setup runs as a real training job (``shardtune train`` for MP, torchrun for the others) through the probe in
-``bench_probe``, which records every step's wall time and tokens and, on CPU ranks, the profiler's split of the
-step into compute, waiting in collectives and other time (NVML utilisation on CUDA). This module runs the setups,
+Each setup runs as a real training job (``shardtune train`` for MP, ``shardtune launch`` for the others) with the
+callback in ``probe``, which records every step's wall time and tokens and, on CPU ranks, the profiler's split of
+the step into compute, waiting in collectives and other time (NVML utilisation on CUDA). This module runs the setups,
 turns the records into one row each (the first ``warmup_steps`` steps left out), asks the estimator for each
 setup's figure, and explains the result in one line per setup.
 """
@@ -14,11 +14,12 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardtune.bench_probe import PROBE_ENV
+from shardtune.bench import PROBE_CALLBACK, PROBE_DIR
 
 if TYPE_CHECKING:
     from shardtune.config import TrainConfig
@@ -74,8 +75,9 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
-def job_args(config: str, strategy: str, out: Path, *, num_processes: int, steps: int, extra: list[str]) -> list[str]:
-    """``shardtune train`` arguments of one setup."""
+def job_args(config: str, strategy: str, out: Path, *, num_processes: int, steps: int, extra: list[str],
+             callbacks: Sequence[str] = ()) -> list[str]:
+    """``shardtune train`` arguments of one setup; ``callbacks``: the recipe's own, which run beside the probe."""
     # No memory check: on CPU it runs step 2 of DDP and FSDP (not MP, PP) under the memory tracker, several times
     # slower than the others, which would count against those two setups.
     args = [config, "--distributed_type", DISTRIBUTED_TYPE[strategy], "--output_dir", str(out),
@@ -84,21 +86,22 @@ def job_args(config: str, strategy: str, out: Path, *, num_processes: int, steps
     if strategy == "mp" and not _cuda_devices():
         # No GPUs: one CPU "device" per stage, the same count as the other setups' processes.
         args += ["--mp_devices", ",".join(["cpu"] * num_processes)]
-    return args + extra
+    # Last, so that a --set callbacks=... cannot leave the probe out (its classes are in ``callbacks`` already).
+    return args + extra + ["--callbacks", ",".join(dict.fromkeys([*callbacks, PROBE_CALLBACK]))]
 
 
 def run_setup(config: str, strategy: str, work: Path, *, num_processes: int, steps: int, extra: list[str],
-              timeout_s: float) -> tuple[int, str]:
+              timeout_s: float, callbacks: Sequence[str] = ()) -> tuple[int, str]:
     """Run one setup to completion; returns (exit code, its output: stdout then stderr)."""
-    out = work / strategy
-    env = dict(os.environ, **{PROBE_ENV: str(out / "probe")})
+    env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    args = job_args(config, strategy, out, num_processes=num_processes, steps=steps, extra=extra)
-    if strategy == "mp":
-        cmd = [sys.executable, "-m", "shardtune.bench_probe", *args]
+    args = job_args(config, strategy, work / strategy, num_processes=num_processes, steps=steps, extra=extra,
+                    callbacks=callbacks)
+    shardtune = [sys.executable, "-m", "shardtune"]
+    if strategy == "mp":  # one process drives every stage
+        cmd = [*shardtune, "train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               str(num_processes), "-m", "shardtune.bench_probe", *args, "--num_processes", str(num_processes)]
+        cmd = [*shardtune, "launch", "--num_processes", str(num_processes), "train", *args]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -106,8 +109,8 @@ def run_setup(config: str, strategy: str, work: Path, *, num_processes: int, ste
     return proc.returncode, proc.stdout + proc.stderr
 
 
-# A rank's own report: ``shardtune train: rank 1: stopped: ...``, the probe's ``shardtune bench: rank 0: ...``,
-# or ``shardtune train: error: ...``; torch may prefix a rank's lines with ``[rank0]:``.
+# A rank's own report: ``shardtune train: rank 1: stopped: ...`` or ``shardtune train: error: ...``; torch may
+# prefix a rank's lines with ``[rank0]:``.
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:\s*")
 _SHARDTUNE_ERROR = re.compile(r"^shardtune [\w ]+: (?:rank \d+: |error: )")
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Failure)\b:? ?.*")
@@ -167,10 +170,10 @@ def summarise(strategy: str, probe_dir: Path, warmup_steps: int) -> Result:
 def estimate_for(config_model: str, strategy: str, setup_kwargs: dict[str, Any], n: int) -> tuple[int, str]:
     """The estimator's per-device total for this setup and, for MP/PP, its layer layout."""
     from shardtune.memory.inventory import ModelAnalysis
-    from shardtune.memory.recommend import evaluate
+    from shardtune.memory.recommend import evaluate_setup
     from shardtune.memory.setup import Setup
 
-    breakdown = evaluate(ModelAnalysis(config_model), Setup(strategy=strategy, num_gpus=n, **setup_kwargs))
+    breakdown = evaluate_setup(ModelAnalysis(config_model), Setup(strategy=strategy, num_gpus=n, **setup_kwargs))
     return breakdown.total, breakdown.stage_note
 
 
@@ -232,7 +235,7 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
     """Run each setup; returns its measured rows (a row with ``error`` when the setup failed) and what the runs
     were: model, method, batch, sequence length, processes and device (``shardtune estimate --measured`` reads
     these from the saved file)."""
-    from shardtune.plot import read_metrics
+    from shardtune.train.plot import read_metrics
 
     cfg = load_recipe(config, extra, work_dir)
     setup_kwargs = dict(method=cfg.lora.method, batch_size=cfg.run.per_device_train_batch_size,
@@ -243,12 +246,12 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
     results = []
     for strategy in strategies:
         code, output = run_setup(config, strategy, work_dir, num_processes=num_processes, steps=steps, extra=extra,
-                                 timeout_s=timeout_s)
+                                 timeout_s=timeout_s, callbacks=cfg.run.callbacks)
         if code != 0:
             res = Result(strategy=strategy, processes=num_processes, stages_or_ranks=num_processes,
                          error=f"exit {code}: {failure_line(output)[:400]}")
         else:
-            res = summarise(strategy, work_dir / strategy / "probe", warmup_steps)
+            res = summarise(strategy, work_dir / strategy / PROBE_DIR, warmup_steps)
             summary = json.loads((work_dir / strategy / "summary.json").read_text())
             res.peak_memory_bytes = summary["peak_memory_bytes"]
             res.losses = read_metrics(work_dir / strategy).series("loss")[1]
@@ -293,9 +296,9 @@ def default_caveat(num_processes: int, load_average: float | None = None) -> str
     if torch.cuda.is_available():
         return ("Peak memory is torch.cuda.max_memory_reserved of the fullest device; the estimate excludes the "
                 "CUDA context.")
+    load = f" (1-minute load average {load_average:.1f} during the runs)" if load_average is not None else ""
     return (f"CPU run: the {num_processes} ranks (or MP's {num_processes} CPU 'devices', which share one process) "
-            f"share {os.cpu_count()} cores with each other and with anything else on the machine"
-            f"{f' (1-minute load average {load_average:.1f} during the runs)' if load_average is not None else ''}, so busy "
+            f"share {os.cpu_count()} cores with each other and with anything else on the machine{load}, so busy "
             f"fractions and speeds say how the setups schedule work, not what GPUs would do. Measured memory is "
             f"each process's peak RSS (Python, torch and the data included); the estimate is the GPU-side "
             f"memory of one device, so the two are not comparable on CPU.")
