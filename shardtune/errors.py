@@ -17,6 +17,10 @@ class UsageError(Exception):
     exit_code = 2
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (non-finite loss, a failed save, ...); the message says where and what to try."""
+
+
 def first_line(text: str, default: str = "") -> str:
     """The first line of an error message (``default`` when it is empty): what a one-line report shows."""
     return (text.strip().splitlines() or [default])[0]

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
 from shardtune.train import checkpoint as ckpt
-from shardtune.train.dist import DistInfo
 
 INFO = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
@@ -124,7 +124,7 @@ def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, ca
     from transformers import AutoModelForCausalLM
 
     from shardtune.cli import main
-    from shardtune.tiny import make_model_folder, make_tokenizer
+    from shardtune.testing.tiny import make_model_folder, make_tokenizer
 
     base = make_model_folder(tmp_path / "base", tokenizer=make_tokenizer())
     adapter = tmp_path / "adapter"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from shardtune.data import Collator, DataConfig, load_tokenizer, prepare_datasets
 from shardtune.data.encode import IGNORE
 from shardtune.data.pipeline import pack
-from shardtune.tiny import make_model_folder, sample_corpus
+from shardtune.testing.tiny import make_model_folder, sample_corpus
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def varlen_attention():
 def test_packed_losses_equal_documents_run_one_by_one(setup, attn, varlen_attention):
     from transformers import AutoModelForCausalLM
 
-    from shardtune.train.step import model_inputs, uses_varlen_attention
+    from shardtune.train.runner import model_inputs, uses_varlen_attention
 
     model_dir, tok, data, _ = setup
     # flash_attention_2 is not on CPU: its batch (no mask) goes through the step's model_inputs, which adds the

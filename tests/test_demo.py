@@ -32,7 +32,7 @@ def test_shipped_base_model_matches_the_pretraining_spec():
     """The committed weights were made by scripts/pretrain_demo_base.py with BASE_SPEC, shape and tokenizer alike."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from shardtune.tiny import make_tokenizer
+    from shardtune.testing.tiny import make_tokenizer
 
     assert dataclasses.asdict(shipped_spec()) == dataclasses.asdict(BASE_SPEC)
     config = AutoConfig.from_pretrained(BASE_MODEL_DIR, local_files_only=True)

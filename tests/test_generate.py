@@ -10,7 +10,7 @@ import torch
 
 from shardtune.cli import main
 from shardtune.errors import UsageError
-from shardtune.generate import (ChatSession, GenerationStats, StreamDecoder, encode_prompt, generate,
+from shardtune.infer.generate import (ChatSession, GenerationStats, StreamDecoder, encode_prompt, generate,
                                 load_for_generation, sample_next, stop_token_ids)
 
 ANSWER = ("one two three four five six seven eight nine ten the cat and the dog are red green blue small large "
@@ -33,7 +33,7 @@ def trained(tmp_path_factory):
     """A tiny Llama folder trained to answer 'Count please' with ANSWER and to end STORY with EOS."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     folder = make_model_folder(tmp_path_factory.mktemp("trained") / "model", seed=0)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -93,7 +93,7 @@ def test_stops_at_eos_and_at_max_new_tokens(loaded):
 
 
 def test_sampling_is_reproducible_per_seed_and_differs_across_seeds(tmp_path):
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     # the untrained model spreads its probability, so different seeds must give different text
     model, tokenizer = load_for_generation(make_model_folder(tmp_path / "random"), device="cpu")
@@ -222,7 +222,7 @@ def test_prompt_ids_are_the_training_rows_prompt(tmp_path, template, appends_eos
     from shardtune.data.config import DataConfig
     from shardtune.data.encode import IGNORE, encode_example, special_prefix
     from shardtune.data.templates import load_tokenizer
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     folder = make_model_folder(tmp_path / "model", num_layers=1)
     tokenizer = load_tokenizer(str(folder), DataConfig(chat_template_format=template))

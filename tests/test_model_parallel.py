@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from shardtune.config import load_train_config
+from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
-from shardtune.train.dist import DistInfo
-from shardtune.train.model_parallel import equal_bounds, estimator_bounds, mp_devices, plan_stages
-from shardtune.train.parallelize import make_plan
+from shardtune.memory.stages import stage_bounds, stage_bounds_for_run
+from shardtune.train.model_parallel import equal_bounds, mp_devices, place_stages
+from shardtune.train.plan import make_plan
 from tests.trainutil import write_chat_data
 
 STEPS = 3
@@ -19,7 +20,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     root = tmp_path_factory.mktemp("mp")
     model = make_model_folder(root / "model", num_layers=4)
@@ -50,19 +51,21 @@ def test_equal_bounds_cover_every_layer_once():
 
 def test_stages_follow_the_estimator_memory_plan(assets):
     cfg = config(assets, "plan", ["--distributed_type", "MP", "--mp_devices", "cpu,cpu"])
-    plan = plan_stages(make_plan(cfg.distributed, single(), param_dtype=None, gradient_checkpointing=False,
-                                 use_reentrant=False), cfg, single())
-    assert plan.stage_bounds == estimator_bounds(cfg, 2, 4)
+    bounds = stage_bounds_for_run(cfg, world_size=1)  # what `shardtune train` hands the trainer
+    assert bounds == stage_bounds(cfg, 2, 4)
+    plan, _ = place_stages(make_plan(cfg.distributed, single(), param_dtype=None, gradient_checkpointing=False,
+                                     use_reentrant=False), cfg, single(), bounds)
+    assert plan.stage_bounds == bounds
     assert plan.devices == ("cpu", "cpu")
     # The same split as `shardtune estimate --strategy mp` reports for this job.
     from shardtune.memory.inventory import ModelAnalysis
-    from shardtune.memory.recommend import evaluate
+    from shardtune.memory.recommend import evaluate_setup
     from shardtune.memory.setup import Setup
 
     analysis = ModelAnalysis(str(assets[1]))
     setup = Setup(method="full", strategy="mp", num_gpus=2, batch_size=4, seq_len=64, gradient_checkpointing=False,
                   mixed_precision="no")
-    assert plan.stage_bounds == evaluate(analysis, setup).stage_bounds
+    assert plan.stage_bounds == evaluate_setup(analysis, setup).stage_bounds
     assert [i for a, b in plan.stage_bounds for i in range(a, b)] == list(range(4))
 
 
@@ -84,7 +87,7 @@ def test_split_moves_each_stage_and_hooks_its_inputs(assets):
     from transformers import AutoModelForCausalLM
 
     from shardtune.train.model_parallel import split_across_devices
-    from shardtune.train.parallelize import Plan
+    from shardtune.train.plan import Plan
 
     model = AutoModelForCausalLM.from_pretrained(str(assets[1]))
     ids = torch.randint(0, 100, (2, 16))
@@ -100,7 +103,7 @@ def test_mp_rejects_several_processes_and_bad_devices(assets):
     cfg = config(assets, "x", ["--distributed_type", "MP"])
     plan = make_plan(cfg.distributed, single(2), param_dtype=None, gradient_checkpointing=False, use_reentrant=False)
     with pytest.raises(UsageError, match="one process"):
-        plan_stages(plan, cfg, single(2))
+        place_stages(plan, cfg, single(2))
     with pytest.raises(UsageError, match="mp_devices"):
         mp_devices("gpu0")
     if not torch.cuda.is_available():
@@ -114,9 +117,9 @@ def test_the_step_runs_on_the_first_stage_device_not_local_ranks():
     The meta device stands in for the first stage's GPU."""
     import torch
 
-    from shardtune.train.dist import DistInfo
+    from shardtune.dist import DistInfo
     from shardtune.train.model_parallel import step_info
-    from shardtune.train.parallelize import Plan
+    from shardtune.train.plan import Plan
 
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     moved = step_info(info, Plan(strategy="MP", devices=("meta", "cpu")))

@@ -50,10 +50,11 @@ def test_an_overflowed_fp16_step_leaves_the_learning_rate_schedule_where_it_was(
     """The loss scaler skips an update whose gradients overflowed; the schedule must not advance for it."""
     from transformers import AutoModelForCausalLM
 
-    from shardtune.tiny import tiny_llama_config
-    from shardtune.train.dist import DistInfo
+    from shardtune.dist import DistInfo
+    from shardtune.testing.tiny import tiny_llama_config
     from shardtune.train.optim import build_scheduler
-    from shardtune.train.parallelize import Plan
+    from shardtune.train.plan import Plan
+    from shardtune.train.runner import LocalRunner
     from shardtune.train.step import StepContext, train_step
 
     torch.manual_seed(0)
@@ -66,9 +67,10 @@ def test_an_overflowed_fp16_step_leaves_the_learning_rate_schedule_where_it_was(
     batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(12).expand(2, 12)}
 
     def step(init_scale: float) -> None:
-        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
-        ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, plan=Plan(strategy="NO"), info=info,
-                          compute_dtype=torch.float32, max_grad_norm=0.0, pad_token_id=0, scaler=scaler)
+        runner = LocalRunner(model, Plan(strategy="NO"), info)
+        runner.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, runner=runner, info=info,
+                          max_grad_norm=0.0, pad_token_id=0)
         train_step(ctx, [batch])
 
     before = [p.detach().clone() for p in model.parameters()]

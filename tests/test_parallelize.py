@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
-from shardtune.train.parallelize import Plan, _wrap_targets
+from shardtune.train.parallelize import _wrap_targets
+from shardtune.train.plan import Plan
 
 
 @pytest.fixture(scope="module")
 def model():
     from transformers import AutoModelForCausalLM
 
-    from shardtune.tiny import tiny_llama_config
+    from shardtune.testing.tiny import tiny_llama_config
 
     return AutoModelForCausalLM.from_config(tiny_llama_config(512, num_layers=3))
 
@@ -43,7 +45,7 @@ def test_setups_that_place_weights_themselves_load_into_cpu_ram():
     """FSDP, MP and PP must not load the whole model onto one GPU first: a model larger than a GPU could not start."""
     import torch
 
-    from shardtune.train.dist import DistInfo
+    from shardtune.dist import DistInfo
     from shardtune.train.build import load_device
 
     info = DistInfo(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cuda", 0))
@@ -57,7 +59,7 @@ def test_attention_is_chosen_for_the_device_the_model_runs_on_not_where_it_loads
     import torch
 
     from shardtune.config import LoraConfig, ModelConfig
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
     from shardtune.train import model as model_module
 
     asked = []
@@ -98,7 +100,7 @@ def test_model_parallel_moves_everything_off_the_cpu_including_unplaced_tensors(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardtune.tiny import tiny_llama_config
+    from shardtune.testing.tiny import tiny_llama_config
     from shardtune.train.model_parallel import split_across_devices
 
     net = AutoModelForCausalLM.from_config(tiny_llama_config(512, num_layers=3))
@@ -111,12 +113,34 @@ def test_a_pipeline_stage_moves_only_its_own_layers_to_the_device():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardtune.tiny import tiny_llama_config
-    from shardtune.train.dist import DistInfo
-    from shardtune.train.pipeline import split_for_stage
+    from shardtune.testing.tiny import tiny_llama_config
+    from shardtune.dist import DistInfo
+    from shardtune.train.pipeline_parallel import split_for_stage
 
     net = AutoModelForCausalLM.from_config(tiny_llama_config(512, num_layers=3))
     info = DistInfo(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("meta"))
     stage = split_for_stage(net, Plan(strategy="PP", stage_bounds=((0, 2), (2, 3))), info)
     assert list(stage.model.layers) == ["2"] and stage.model.embed_tokens is None
     assert {t.device.type for t in [*stage.parameters(), *stage.buffers()]} == {"meta"}
+
+
+def test_forward_prefetch_chains_each_decoder_layer_to_the_next(tmp_path):
+    """fsdp_forward_prefetch: every decoder layer's FSDP unit prefetches the next layer's, the last none."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.dist import DistInfo
+    from shardtune.testing.tiny import tiny_llama_config
+    from shardtune.train.parallelize import apply_fsdp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = AutoModelForCausalLM.from_config(tiny_llama_config(64, num_layers=3))
+        info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+        apply_fsdp(model, Plan(strategy="FSDP", forward_prefetch=True), info)
+        layers = list(model.model.layers)
+        states = [layer._get_fsdp_state() for layer in layers]
+        prefetched = [[states.index(s) for s in state._states_to_forward_prefetch] for state in states]
+        assert prefetched == [[1], [2], []]
+    finally:
+        dist.destroy_process_group()

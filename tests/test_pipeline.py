@@ -16,6 +16,8 @@ import torch
 
 from shardtune.config import load_train_config
 from shardtune.errors import UsageError
+from tests.faults import CALLBACK as FAULTS
+from tests.faults import fault_env
 from tests.trainutil import run_shardtune, write_chat_data
 
 TOL = 1e-4
@@ -28,7 +30,7 @@ ONE_F_ONE_B = ["--pipeline_schedule", "1F1B", "--pipeline_microbatches", "2"]
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     root = tmp_path_factory.mktemp("pipeline")
     model = make_model_folder(root / "model", num_layers=4)
@@ -115,7 +117,7 @@ def test_pp_gpipe_lora_with_accumulation_matches_one_process(assets):
 def test_keep_stage_keeps_original_names(assets):
     from transformers import AutoModelForCausalLM
 
-    from shardtune.train.pipeline import keep_stage
+    from shardtune.train.pipeline_parallel import keep_stage
 
     full = AutoModelForCausalLM.from_pretrained(str(assets[1]))
     names = set(full.state_dict())
@@ -135,10 +137,11 @@ def test_pp_resume_reproduces_the_uninterrupted_run(assets, full_runs, monkeypat
     """
     root = assets[0]
     extra = [*EVAL, *ONE_F_ONE_B, "--save_strategy", "steps", "--save_steps", "2"]
-    monkeypatch.setenv("SHARDTUNE_TEST_KILL", "after_save:2")
+    for key, value in fault_env(save="after_save:2").items():
+        monkeypatch.setenv(key, value)
     killed = run_shardtune(["launch", "--num_processes", "2", "train", *args(assets, "pp_killed", extra),
-                            "--distributed_type", "PP"], root)
-    monkeypatch.delenv("SHARDTUNE_TEST_KILL")
+                            "--distributed_type", "PP", "--callbacks", FAULTS], root)
+    monkeypatch.delenv("FAULT_SAVE")
     assert killed.returncode != 0 and (root / "pp_killed" / "checkpoints" / "step-2").is_dir()
     shutil.copytree(root / "pp_killed", root / "one_resumed")
     resume = [*extra, "--resume_from_checkpoint", "true"]

@@ -9,7 +9,7 @@ import pytest
 
 from shardtune.cli import main
 from shardtune.errors import UsageError
-from shardtune.plot import figures, loss_figure, read_metrics, scalar_figure, write_plots
+from shardtune.train.plot import figures, loss_figure, read_metrics, scalar_figure, write_plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

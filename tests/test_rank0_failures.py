@@ -26,7 +26,7 @@ QUICK = ["--max_steps", "2", "--save_steps", "2", "--ddp_timeout", "600"]
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
     from tests.trainutil import write_chat_data
 
     root = tmp_path_factory.mktemp("rank0")
@@ -109,7 +109,7 @@ def test_safetensors_full_disk_is_one_line_on_every_rank(work: Path, tmp_path: P
     cmd = [sys.executable, "-c", launcher, "--standalone", "--nproc_per_node", "2", "--max_restarts", "0",
            str(worker), "--model_name_or_path", "M", "--dataset_name", "chat.jsonl", *COMMON, "--distributed_type",
            "FSDP", *FULL, "--fsdp_state_dict_type", "FULL_STATE_DICT", *QUICK, "--output_dir", out]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDTUNE_TEST_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAULT_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -182,7 +182,7 @@ def _resume_worker(rank: int, world: int, init_file: str, folder: str, frozen: b
     import torch
     import torch.distributed as dist
 
-    from shardtune.train.dist import DistInfo, shutdown
+    from shardtune.dist import DistInfo, shutdown
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     info = DistInfo(rank=rank, world_size=world, local_rank=rank, local_world_size=world,
@@ -204,7 +204,7 @@ def _save_and_resume(folder: Path, frozen: bool, info) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from shardtune.train import checkpoint as ckpt
-    from shardtune.train.dist import RankFailed
+    from shardtune.dist import RankFailed
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
@@ -264,7 +264,7 @@ def _interrupted_worker(rank: int, world: int, init_file: str, folder: str, kind
 
     import torch.distributed as dist
 
-    from shardtune.train.dist import run_and_share, shutdown
+    from shardtune.dist import run_and_share, shutdown
 
     timeout_s = 60
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -309,7 +309,7 @@ def test_interrupted_rank0_write_reaches_every_rank(tmp_path: Path, kind: str) -
 
 def test_failed_export_leaves_the_previous_folder_and_no_temporary_one(tmp_path: Path) -> None:
     # export / merge / final/ write into .tmp-NAME and rename; a write that fails half-way removes .tmp-NAME.
-    from shardtune.train import checkpoint as ckpt
+    from shardtune.train.export import write_export
 
     def disk_fills_up(model, state, folder: Path) -> None:  # noqa: ARG001
         folder.mkdir()
@@ -319,6 +319,6 @@ def test_failed_export_leaves_the_previous_folder_and_no_temporary_one(tmp_path:
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "adapter_config.json").write_text("{}")
     with pytest.raises(OSError, match="No space left on device"):
-        ckpt.write_export(tmp_path / "final", None, {}, None, True, save_adapter=disk_fills_up)
+        write_export(tmp_path / "final", None, {}, None, True, save_adapter=disk_fills_up)
     assert [p.name for p in tmp_path.iterdir()] == ["final"]
     assert (tmp_path / "final" / "adapter_config.json").read_text() == "{}"

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults import CALLBACK as FAULTS
+from tests.faults import fault_env
+
 SHARDTUNE = [sys.executable, "-m", "shardtune"]
 COMMON = ["--splits", "train", "--max_seq_len", "64", "--max_steps", "6", "--logging_steps", "1",
           "--save_steps", "2", "--lr_scheduler_type", "cosine", "--gradient_accumulation_steps", "2",
@@ -25,7 +28,7 @@ FULL = ["--use_peft_lora", "False"]
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     root = tmp_path_factory.mktemp("resume")
     make_model_folder(root / "M")
@@ -39,13 +42,12 @@ def work(tmp_path_factory) -> Path:
 def shardtune(work: Path, out: str, *args: str, nproc: int = 2, fault: str | None = None,
               launcher: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run one training job in ``work`` (through ``shardtune launch`` unless nproc is 0: plain ``train``)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDTUNE_TEST_")}
-    full_env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **(env or {}))
-    if fault:
-        full_env["SHARDTUNE_TEST_KILL"] = fault
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("FAULT_")}
+    full_env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **fault_env(**({"save": fault} if fault else {})),
+                    **(env or {}))
     head = ["train"] if nproc == 0 else ["launch", "--num_processes", str(nproc), *launcher, "train"]
     cmd = [*SHARDTUNE, *head, "--model_name_or_path", "M", "--dataset_name", "chat.jsonl", *COMMON, *args,
-           "--output_dir", out]
+           "--output_dir", out, "--callbacks", FAULTS]
     proc = subprocess.run(cmd, cwd=work, env=full_env, capture_output=True, text=True, timeout=600)
     (work / f"{out}.log").write_text(proc.stdout + proc.stderr)
     return proc
@@ -83,7 +85,7 @@ def ok(proc: subprocess.CompletedProcess) -> None:
 def lora_ref(work: Path) -> Path:
     """FSDP x2 LoRA with dropout, cosine schedule and accumulation, uninterrupted; logits of the final model."""
     ok(shardtune(work, "lora_ref", "--distributed_type", "FSDP", *LORA,
-                 env={"SHARDTUNE_TEST_LOGITS": str(work / "lora_ref_logits.pt")}))
+                 env={"FAULT_LOGITS": str(work / "lora_ref_logits.pt")}))
     return work / "lora_ref"
 
 
@@ -91,7 +93,7 @@ def lora_ref(work: Path) -> Path:
 def full_ref(work: Path) -> Path:
     """FSDP x2 full fine-tuning with FULL_STATE_DICT checkpoints, uninterrupted."""
     ok(shardtune(work, "full_ref", "--distributed_type", "FSDP", *FULL, "--fsdp_state_dict_type", "FULL_STATE_DICT",
-                 env={"SHARDTUNE_TEST_LOGITS": str(work / "full_ref_logits.pt")}))
+                 env={"FAULT_LOGITS": str(work / "full_ref_logits.pt")}))
     return work / "full_ref"
 
 

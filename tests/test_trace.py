@@ -19,7 +19,7 @@ from shardtune.memory.trace import TraceUnsupported, trace_training_step
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny (2 layers, width 64) and a small (4 layers, width 256) Llama with the shared byte-level tokenizer."""
-    from shardtune.tiny import make_model_folder, make_tokenizer
+    from shardtune.testing.tiny import make_model_folder, make_tokenizer
 
     root = tmp_path_factory.mktemp("trace_models")
     tokenizer = make_tokenizer()

@@ -24,7 +24,7 @@ PATTERN_BOUND = 0.03
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     return str(make_model_folder(tmp_path_factory.mktemp("calib") / "small", hidden_size=256,
                                  intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4))

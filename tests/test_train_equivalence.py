@@ -18,7 +18,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     root = tmp_path_factory.mktemp("equivalence")
     model = make_model_folder(root / "model")
@@ -57,7 +57,9 @@ FULL = [
                             "--attn_implementation", "eager"]),
     ("ddp", 2, ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
                 "--distributed_type", "DDP"]),
-    ("fsdp_full_shard", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP"]),
+    # With FSDP2's explicit forward prefetch (fsdp_forward_prefetch): the next layer is gathered early, same math.
+    ("fsdp_full_shard", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP",
+                            "--fsdp_forward_prefetch", "True"]),
     ("fsdp_shard_grad_op", 2, ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
                                "--distributed_type", "FSDP", "--fsdp_sharding_strategy", "SHARD_GRAD_OP"]),
 ]

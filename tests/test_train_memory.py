@@ -18,7 +18,7 @@ from tests.trainutil import run_shardtune, write_chat_data
          "--gradient_checkpointing", "True"]),
 ], ids=["one_process_unpacked", "fsdp_lora"])
 def test_predicted_peak_recorded_beside_measured(tmp_path, monkeypatch, nproc, extra):
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     monkeypatch.setenv("SHARDTUNE_PREDICT_MEMORY", "1")
     model = make_model_folder(tmp_path / "model")

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests.faults import CALLBACK as FAULTS
+from tests.faults import fault_env
 from tests.test_config import ACCELERATE_FSDP
 from tests.trainutil import losses, run_shardtune, shardtune_env, write_chat_data
 
@@ -25,7 +27,7 @@ RECIPE = ("--seed 100 --chat_template_format chatml --add_special_tokens False -
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from shardtune.tiny import make_model_folder
+    from shardtune.testing.tiny import make_model_folder
 
     root = tmp_path_factory.mktemp("recipe")
     model = make_model_folder(root / "model")
@@ -64,11 +66,12 @@ def test_seed_recipe_runs_unchanged(assets):
 
 def test_hung_rank_times_out_naming_itself(assets):
     root, model, data = assets
-    env = shardtune_env(root) | {"SHARDTUNE_FAULT": "hang:2:1"}
+    env = shardtune_env(root) | fault_env(step="hang:2:1")
     result = subprocess.run([sys.executable, "-m", "shardtune", "launch", "--num_processes", "2", "train",
                              "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
                              "--max_seq_len", "64", "--max_steps", "3", "--per_device_train_batch_size", "2",
-                             "--save_strategy", "no", "--output_dir", str(root / "hang"), "--ddp_timeout", "10"],
+                             "--save_strategy", "no", "--output_dir", str(root / "hang"), "--ddp_timeout", "10",
+                             "--callbacks", FAULTS],
                             cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode != 0
     assert "rank 0: a collective timed out after ddp_timeout=10 s" in result.stderr

@@ -38,7 +38,7 @@ class BaseSpec:
     num_kv_heads: int = 2
     max_position_embeddings: int = 256
     max_operand: int = MAX_OPERAND
-    filler_lines: int = 600  # English-like lines from shardtune.tiny.sample_corpus, so it is a language model too
+    filler_lines: int = 600  # English-like lines from testing.tiny.sample_corpus, so it is a language model too
     seq_len: int = 64
     batch_size: int = 32
     steps: int = 700
@@ -53,7 +53,7 @@ BASE_SPEC = BaseSpec()
 
 def corpus(spec: BaseSpec) -> list[str]:
     """The pre-training lines: every sum in four phrasings, plus filler text."""
-    from shardtune.tiny import sample_corpus
+    from shardtune.testing.tiny import sample_corpus
 
     return pretraining_lines(all_sums(spec.max_operand)) + sample_corpus(spec.filler_lines, seed=spec.seed)
 
@@ -86,7 +86,7 @@ def pretrain(out_dir: str | Path, spec: BaseSpec = BASE_SPEC, *,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardtune.tiny import make_tokenizer, tiny_llama_config
+    from shardtune.testing.tiny import make_tokenizer, tiny_llama_config
 
     lines = corpus(spec)
     tokenizer = make_tokenizer(lines, vocab_size=spec.vocab_size)
@@ -134,7 +134,7 @@ def pretrain(out_dir: str | Path, spec: BaseSpec = BASE_SPEC, *,
 
 def plain_text_accuracy(model, tokenizer, sums: list) -> float:
     """The fraction of ``A + B =`` prompts the model completes with the right number (greedy): does it know its sums?"""
-    from shardtune.generate import generate
+    from shardtune.infer.generate import generate
 
     correct = 0
     for s in sums:

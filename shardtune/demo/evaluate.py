@@ -3,7 +3,7 @@
 The loss is the trainer's own: the rows go through the same data pipeline (chat template, assistant-only labels)
 and the same per-token loss as ``shardtune train``'s eval, so the before and after numbers compare with the
 ``eval_loss`` records in ``metrics.jsonl``. The accuracy asks each held-out question through the chat template,
-decodes greedily with the KV cache (``shardtune.generate``) and compares the stripped reply with the answer.
+decodes greedily with the KV cache (``shardtune.infer.generate``) and compares the stripped reply with the answer.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def eval_loss(model: Any, tokenizer: Any, dataset_dir: str | Path, *, max_seq_le
               batch_size: int = 16) -> float:
     """Mean next-token loss over the target tokens of the dataset's test split, as ``shardtune train`` computes it."""
     from shardtune.data import Collator, DataConfig, EvalSampler, prepare_datasets
-    from shardtune.train.step import model_inputs, num_targets, token_loss_sum
+    from shardtune.train.loss import num_targets, token_loss_sum
+    from shardtune.train.runner import model_inputs
 
     cfg = DataConfig(dataset_name=str(dataset_dir), splits="train,test", max_seq_len=max_seq_len)
     data = prepare_datasets(cfg, tokenizer, seed=0)
@@ -65,7 +66,7 @@ def eval_loss(model: Any, tokenizer: Any, dataset_dir: str | Path, *, max_seq_le
 
 def answer_questions(model: Any, tokenizer: Any, sums: Sequence[Sum], *, max_new_tokens: int = 8) -> list[Answer]:
     """Greedy replies to each sum's question, asked through the tokenizer's chat template."""
-    from shardtune.generate import encode_prompt, generate
+    from shardtune.infer.generate import encode_prompt, generate
 
     answers = []
     for s in sums:
@@ -77,7 +78,7 @@ def answer_questions(model: Any, tokenizer: Any, sums: Sequence[Sum], *, max_new
 
 def evaluate_model(model_or_adapter: str | Path, dataset_dir: str | Path, sums: Sequence[Sum]) -> Evaluation:
     """Load a model folder (or an adapter on its base) on the CPU in fp32 and measure loss and accuracy."""
-    from shardtune.generate import load_for_generation
+    from shardtune.infer.generate import load_for_generation
 
     # PEFT imports bitsandbytes, which warns that an optional CPU kernel package is missing; the fallback is fine.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

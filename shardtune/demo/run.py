@@ -2,7 +2,7 @@
 
 Every step is the real product path: the estimate is ``shardtune estimate``'s code, the fine-tune runs
 ``shardtune launch --num_processes 2 train ...`` as a subprocess (torchrun, gloo, FSDP2), the evaluation loads the
-adapter it wrote with ``shardtune.generate``, and the plots are ``shardtune plot``'s.
+adapter it wrote with ``shardtune.infer.generate``, and the plots are ``shardtune plot``'s.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ class FineTuneFailed(RuntimeError):
 
 def print_estimates(console: Console, gpu_name: str | None) -> None:
     """One line per case: the recommended setup, its per-GPU peak and whether it fits."""
-    from shardtune.cli.estimate import run_estimate
-    from shardtune.memory.hardware import GIB, gpu_by_name
+    from shardtune.memory.report import estimate_report
+    from shardtune.hardware import GIB, gpu_by_name
     from shardtune.memory.report import short_label
     from shardtune.memory.setup import Setup, validate
 
@@ -82,7 +82,7 @@ def print_estimates(console: Console, gpu_name: str | None) -> None:
         gpu = gpu_by_name(gpu_name or default_gpu)
         setup = validate(Setup(method=method, num_gpus=gpus, batch_size=batch,
                                strategy="single" if gpus == 1 else "fsdp"))
-        rec = run_estimate(model, setup, gpu, auto=True).recommendation
+        rec = estimate_report(model, setup, gpu, auto=True).recommendation
         peak_gib = (rec.breakdown.total + rec.breakdown.cuda_context) / GIB
         table.add_row(model, method, f"{gpus} x {gpu.name}", short_label(rec.setup),
                       f"{peak_gib:.1f}/{gpu.memory_bytes / GIB:.0f}",

@@ -1,54 +1,93 @@
 """The end-of-run memory check: the traced prediction of the job's per-device peak beside the measured one.
 
-On CUDA the measured side is the caching allocator's ``max_memory_reserved``; on the CPU one real step runs under
-PyTorch's memory tracker (``tracked_step``), the same accounting the trace does under fake tensors.
+A callback of the training loop (``shardtune train`` adds it unless ``predict_memory`` is off). On CUDA the
+measured side is the caching allocator's ``max_memory_reserved``; on the CPU one real step runs under PyTorch's
+memory tracker, the same accounting the trace does under fake tensors: step 2, the first in which the optimizer
+states exist, or a resumed run's first (they came with the checkpoint).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any
 
-import torch
-
 from shardtune.config import TrainConfig
 from shardtune.errors import first_line
-from shardtune.train.dist import DistInfo
 from shardtune.train.metrics import max_over_ranks, peak_memory_bytes
-from shardtune.train.parallelize import Plan
-from shardtune.train.step import StepContext, train_step
 
-log = logging.getLogger("shardtune")
-
+logger = logging.getLogger("shardtune")
 
 PREDICTABLE_STRATEGIES = ("NO", "DDP", "FSDP")  # what ``shardtune estimate --trace`` follows
 
 
-def tracked_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]):
-    """One real training step under PyTorch's memory tracker: the per-rank peak of its tensors (CPU runs)."""
-    from shardtune.memory.trace_tracker import (fresh_module_stats_per_micro_batch, make_tracker, peak_breakdown,
-                                                track_inputs)
+class MemoryCheck:
+    """Measures the run's per-device peak and, at the end, compares it with the trace of the same job."""
 
-    fsdp = ctx.plan.strategy == "FSDP"
-    tracker = make_tracker(ctx.model, ctx.optimizer, fsdp)
-    track_inputs(tracker, fsdp, [t for batch in micro_batches for t in batch.values()])
-    with fresh_module_stats_per_micro_batch(tracker, ctx.model), tracker:
-        stats = train_step(ctx, micro_batches)
-    return stats, peak_breakdown(tracker)[0]
+    def __init__(self) -> None:
+        self.active = False
+        self.tracked_peak = 0
+        # The padded length of the longest micro-batch measured (unpacked rows are padded to the batch's longest,
+        # not to max_seq_len): the prediction traces that shape. On CPU the tracked step's; on CUDA the run's.
+        self.seq_len = 0
+        self._tracking: contextlib.ExitStack | None = None
+        self._tracker = None
+
+    def on_train_begin(self, args: TrainConfig, state, control, *, model, optimizer, plan, info, **kwargs) -> None:
+        self.active = plan.strategy in PREDICTABLE_STRATEGIES
+        self.model, self.optimizer, self.plan, self.info = model, optimizer, plan, info
+        self.on_cpu = info.device.type == "cpu"
+        self.start_step = state.step
+        self.tracked_step = state.step + 1 if state.step else min(2, state.max_steps)
+
+    def on_step_begin(self, args, state, control, *, micro_batches, **kwargs) -> None:
+        if not self.active:
+            return
+        longest = max(b["input_ids"].shape[1] for b in micro_batches)
+        if not self.on_cpu:
+            self.seq_len = max(self.seq_len, longest)
+        elif state.step + 1 == self.tracked_step:
+            from shardtune.memory.trace_tracker import fresh_module_stats_per_micro_batch, make_tracker, track_inputs
+
+            self.seq_len = longest
+            fsdp = self.plan.strategy == "FSDP"
+            self._tracker = make_tracker(self.model, self.optimizer, fsdp)
+            track_inputs(self._tracker, fsdp, [t for batch in micro_batches for t in batch.values()])
+            self._tracking = contextlib.ExitStack()
+            self._tracking.enter_context(fresh_module_stats_per_micro_batch(self._tracker, self.model))
+            self._tracking.enter_context(self._tracker)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self._tracking is not None:
+            from shardtune.memory.trace_tracker import peak_breakdown
+
+            self._tracking.close()
+            self._tracking = None
+            self.tracked_peak = peak_breakdown(self._tracker)[0]
+
+    def on_train_end(self, args: TrainConfig, state, control, *, summary: dict[str, Any], log, **kwargs) -> None:
+        # A run that trained nothing (resumed at its last step) has no step to measure: no record, not a wrong one.
+        if not self.active or state.step == self.start_step:
+            return
+        memory = memory_check(args, self.info, self.tracked_peak, self.seq_len)
+        if memory:
+            summary.update(memory)
+            log({"step": state.step, **memory})
+            logger.info(
+                "peak memory per %s: predicted %.3f GiB (traced at %d-token rows), measured %.3f GiB (%s), error "
+                "%+.1f%%", "GPU" if self.info.device.type == "cuda" else "process",
+                memory["predicted_peak_bytes"] / 2**30, memory["traced_seq_len"],
+                memory["measured_peak_bytes"] / 2**30, memory["measured_by"], 100 * memory["peak_error"])
 
 
-def memory_check(cfg: TrainConfig, info: DistInfo, plan: Plan, tracked_peak: int,
-                 seq_len: int) -> dict[str, Any] | None:
+def memory_check(cfg: TrainConfig, info, tracked_peak: int, seq_len: int) -> dict[str, Any] | None:
     """The traced prediction of this job's per-device peak beside the measured one (rank 0 gets the record).
 
     Measured: ``torch.cuda.max_memory_reserved`` on CUDA; on CPU the memory tracker's peak of a real step.
     ``seq_len``: the padded length of the longest micro-batch measured; the trace runs micro-batches of that
-    length (rows without packing are padded to their batch's longest, often far below max_seq_len).
-    A failed prediction is a warning, never a failed run.
+    length. A failed prediction is a warning, never a failed run.
     """
-    if not cfg.run.predict_memory or plan.strategy not in PREDICTABLE_STRATEGIES:
-        return None
     on_cuda = info.device.type == "cuda"
     measured = max_over_ranks(peak_memory_bytes(info.device) if on_cuda else tracked_peak, info.device)
     seq_len = max_over_ranks(seq_len, info.device)
@@ -61,7 +100,7 @@ def memory_check(cfg: TrainConfig, info: DistInfo, plan: Plan, tracked_peak: int
         predicted = predict_peak_bytes(traced, info.world_size)
     except Exception as exc:  # noqa: BLE001 - the run succeeded; the check is a report, not a gate
         first = first_line(str(exc), type(exc).__name__)
-        log.warning("could not predict this job's peak memory (%s); the run itself is fine", first)
+        logger.warning("could not predict this job's peak memory (%s); the run itself is fine", first)
         return None
     return {"predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
             "peak_error": (predicted - measured) / measured, "traced_seq_len": seq_len,

@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtune.config import TrainConfig
@@ -192,35 +191,6 @@ def _micro_batches(cfg: TrainConfig, pad_id: int) -> list[dict[str, torch.Tensor
     return [collator([row] * cfg.run.per_device_train_batch_size) for _ in range(cfg.run.gradient_accumulation_steps)]
 
 
-def _build_model(cfg: TrainConfig, config, plan, precision, info, vocab_size: int) -> nn.Module:
-    """The trainer's model: same class, dtypes, attention, adapters and parallelisation as ``build.build_model``.
-
-    The weights are initialised instead of loaded (their values do not change memory); under fake mode that
-    costs nothing.
-    """
-    from transformers import AutoModelForCausalLM
-
-    from shardtune.train.model import apply_lora, attn_implementation, resize_for_tokenizer
-    from shardtune.train.parallelize import parallelize
-
-    lora = cfg.lora
-    # Under fake mode, modules built outside a device context cannot later change dtype (PEFT casts its adapters).
-    with torch.device(info.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=precision.frozen_dtype(lora),
-                                                 attn_implementation=attn_implementation(cfg.model, info.device,
-                                                                                         precision.compute_dtype))
-        if lora.use_4bit_quantization:  # real tensors only (see nf4_fallback in trace_training_step)
-            from shardtune.memory.trace_qlora import quantize_linears
-
-            quantize_linears(model, lora)
-        resize_for_tokenizer(model, vocab_size)
-        if lora.use_peft_lora:
-            model = apply_lora(model, lora, seed=cfg.run.seed)
-    model = parallelize(model, plan, info)
-    model.train()
-    return model
-
-
 @contextlib.contextmanager
 def _phase(name: str, fake: bool) -> Iterator[None]:
     """Turn failures under fake tensors into TraceUnsupported naming the operation (or the error) and the phase.
@@ -273,11 +243,10 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shardtune.train.dist import DistInfo
-    from shardtune.train.build import fsdp_param_dtype
-    from shardtune.train.model import Precision, count_parameters
+    from shardtune.dist import DistInfo
+    from shardtune.train.build import build_model, plan_for
+    from shardtune.train.model import Precision
     from shardtune.train.optim import build_optimizer, build_scheduler
-    from shardtune.train.parallelize import make_plan
     from shardtune.train.step import StepContext, train_step
 
     if world_size < 1 or world_size % num_nodes:
@@ -287,8 +256,7 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     info = DistInfo(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size // num_nodes,
                     device=device)
     precision = Precision(cfg.mixed_precision)
-    plan = make_plan(cfg.distributed, info, param_dtype=fsdp_param_dtype(cfg, precision),
-                     gradient_checkpointing=cfg.run.gradient_checkpointing, use_reentrant=cfg.run.use_reentrant)
+    plan = plan_for(cfg, info, precision)
     if plan.strategy in ("MP", "PP"):
         name = {"MP": "model parallel", "PP": "pipeline parallel"}[plan.strategy]
         raise TraceUnsupported(f"{name} (distributed_type {plan.strategy})", "planning",
@@ -316,20 +284,19 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     with fake_process_group(world_size) if fsdp else contextlib.nullcontext(), \
             torch.random.fork_rng(devices=[]), fake_mode:
         with _phase("building the model", fake), _swappable_fake_parameters(fake_mode if fake else None):
-            model = _build_model(cfg, config, plan, precision, info, vocab_size)
-        trainable, total = count_parameters(model)
+            # The trainer's own model building, with initialised weights (their values do not change memory).
+            model, runner, trainable, total = build_model(cfg, plan, precision, info, vocab_size, weights="init",
+                                                          config=config)
         batches = real_batches
         if fake:
             batches = [{k: fake_mode.from_tensor(v) for k, v in b.items()} for b in real_batches]
         optimizer = build_optimizer(model, cfg.optim, torch.device(target_device),
-                                    sharded_scaler=fsdp and precision.mixed_precision == "fp16")
+                                    sharded_scaler=plan.sharded_grad_scaler)
         scheduler = build_scheduler(optimizer, cfg.optim, max(steps, 1))
-        scaler = None  # as the loop: a loss scaler for fp16 only
-        if precision.mixed_precision == "fp16":
-            scaler = _grad_scaler(fsdp, fake)
-        ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, plan=plan, info=info,
-                          compute_dtype=precision.compute_dtype, max_grad_norm=cfg.optim.max_grad_norm,
-                          pad_token_id=pad_id, scaler=scaler)
+        if runner.scaler is not None:  # fp16's loss scaler, in a form fake tensors can run
+            runner.scaler = _grad_scaler(fsdp, fake)
+        ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, runner=runner, info=info,
+                          max_grad_norm=cfg.optim.max_grad_norm, pad_token_id=pad_id)
         # On a GPU each micro-batch is copied to the device when its forward starts: one is there at a time.
         on_device = batches[:1] if target_device == "cuda" else batches
         scalars = _HostScalars() if fake else contextlib.nullcontext()

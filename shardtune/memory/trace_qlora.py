@@ -1,8 +1,7 @@
 """QLoRA's 4-bit base in the trace.
 
-Real tensors (``fake=False``, the CPU check): transformers' own layer swap (``replace_with_bnb_linear``, as
-``from_pretrained(quantization_config=...)`` does) and bitsandbytes' own quantiser (``Params4bit(...).to(device)``),
-on the initialised weights since the trace loads none.
+Real tensors (``fake=False``, the CPU check): the trainer's own ``build_model(weights="init")`` quantises the
+initialised weights (``model.quantize_linears``), since the trace loads none.
 
 Fake tensors: ``Params4bit`` is a tensor subclass that cannot wrap a FakeTensor (``Tensor._make_subclass`` refuses
 it), so the base is traced in bf16 and ``nf4_adjustment`` swaps the quantised weights' bytes for the formula's NF4
@@ -11,36 +10,9 @@ bytes (``formula.nf4_bytes``), adding one dequantised weight for the running mat
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from shardtune.config import LoraConfig, TrainConfig
-from shardtune.train.model import _quantization_config
-
-
-def _output_head_names(model: nn.Module) -> list[str]:
-    head = model.get_output_embeddings()
-    return [name for name, module in model.named_modules() if module is head]
-
-
-def quantize_linears(model: nn.Module, lora: LoraConfig) -> None:
-    """Swap ``model``'s linear layers (the head excepted) for bitsandbytes 4-bit ones holding quantised weights."""
-    import bitsandbytes as bnb
-    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-
-    originals = {name: module.weight for name, module in model.named_modules() if type(module) is nn.Linear}
-    config = _quantization_config(lora)
-    replace_with_bnb_linear(model, modules_to_not_convert=_output_head_names(model), quantization_config=config)
-    for name, module in model.named_modules():
-        if not isinstance(module, bnb.nn.Linear4bit) or name not in originals:
-            continue
-        weight = originals[name]
-        meta = module.weight
-        module.weight = bnb.nn.Params4bit(weight.detach(), requires_grad=False, **meta.__dict__).to(weight.device)
-        if module.bias is not None and module.bias.device.type == "meta":
-            module.bias = nn.Parameter(torch.zeros(module.bias.shape, dtype=weight.dtype, device=weight.device),
-                                       requires_grad=False)
-    model.is_loaded_in_4bit = True  # what from_pretrained sets; PEFT reads it
+from shardtune.config import TrainConfig
 
 
 def nf4_adjustment(model: nn.Module, cfg: TrainConfig, plan, info) -> tuple[int, int]:
@@ -49,7 +21,7 @@ def nf4_adjustment(model: nn.Module, cfg: TrainConfig, plan, info) -> tuple[int,
     The weights bitsandbytes quantises are the base model's linear layers except the output head.
     """
     from shardtune.memory.formula import nf4_bytes
-    from shardtune.train.parallelize import unwrap
+    from shardtune.train.plan import unwrap
 
     head = unwrap(model).get_output_embeddings()
     weights = [m.weight for name, m in model.named_modules()

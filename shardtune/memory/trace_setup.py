@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from shardtune.config import DATASET_PLACEHOLDER, TrainConfig, build_config
 from shardtune.errors import UsageError
-from shardtune.memory.hardware import GIB
+from shardtune.hardware import GIB
 from shardtune.memory.setup import Setup
 
 STRATEGY_TO_TYPE = {"single": "NO", "ddp": "DDP", "fsdp": "FSDP", "mp": "MP", "pp": "PP"}

@@ -1,55 +1,66 @@
-"""The model as a training job builds it: where its weights load, its adapters, its parallelisation and FSDP's
-gather dtype. ``shardtune estimate --trace`` follows the same steps under fake tensors (``memory.trace``)."""
+"""The model as a training job builds it: where its weights come from, its adapters, its parallelisation and
+FSDP's gather dtype. ``shardtune estimate --trace`` calls the same ``build_model`` with ``weights="init"`` under
+fake tensors, so there is one place that builds the model."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import Literal
 
 import torch
+from torch import nn
 
 from shardtune.config import TrainConfig
-from shardtune.train.dist import DistInfo
-from shardtune.train.model import Precision, apply_lora, count_parameters, load_base_model, resize_for_tokenizer
-from shardtune.train.parallelize import Plan, load_from_rank0, parallelize
+from shardtune.dist import DistInfo
+from shardtune.train.model import (DTYPES, Precision, apply_lora, count_parameters, init_base_model, load_base_model,
+                                   resize_for_tokenizer)
+from shardtune.train.parallelize import Runner, load_from_rank0, parallelize
+from shardtune.train.plan import Plan
 
 log = logging.getLogger("shardtune")
 
 
 def load_device(plan: Plan, info: DistInfo) -> torch.device:
-    """Where the weights are loaded: this process's device, except where the setup places them itself.
+    """Where the weights are loaded: this process's device, except where the setup places them itself (see
+    ``Plan.places_weights_itself``). QLoRA quantises in CPU RAM there too: moving a quantised weight
+    (``Params4bit.to``) moves its quantisation state with it, so a 4-bit model larger than one GPU (QLoRA + FSDP's
+    reason to exist) can start."""
+    return torch.device("cpu") if plan.places_weights_itself else info.device
 
-    FSDP2 moves each unit's weights to the GPU as it shards them, MP puts each stage on its device and PP keeps one
-    stage per process: loading the whole model onto one GPU first would need the very memory these setups exist
-    to avoid (a model larger than one GPU could not start). Those load into CPU RAM. QLoRA too: bitsandbytes
-    quantises on the CPU, and moving a quantised weight (``Params4bit.to``) moves its quantisation state with it,
-    so a 4-bit model larger than one GPU (QLoRA + FSDP's reason to exist) can start.
+
+def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, vocab_size: int, *,
+                weights: Literal["load", "init"] = "load", config=None) -> tuple[nn.Module, Runner, int, int]:
+    """The model, parallelized, and the runner that steps it; with its (trainable, total) parameter counts.
+
+    ``weights="load"``: the pretrained weights (from disk, or from rank 0's copy on the other ranks).
+    ``weights="init"``: initialised from ``config`` on ``info.device`` (the trace, under fake tensors).
     """
-    if plan.strategy in ("FSDP", "MP", "PP"):
-        return torch.device("cpu")
-    return info.device
-
-
-def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, vocab_size: int):
-    """The model, parallelized, with its weights (from disk, or from rank 0's copy on the other ranks)."""
     lora = cfg.lora
-    on_meta = (plan.strategy == "FSDP" and info.distributed and cfg.distributed.fsdp_cpu_ram_efficient_loading
-               and cfg.distributed.fsdp_sync_module_states and not lora.use_4bit_quantization)
-    model = load_base_model(cfg.model, lora, precision, info.device, load_on=load_device(plan, info),
-                            on_meta=on_meta and not info.is_main)
-    resize_for_tokenizer(model, vocab_size)
-    if lora.use_peft_lora:
-        model = apply_lora(model, lora, seed=cfg.run.seed)
+    # QLoRA quantises while it loads, on every rank (a meta model has nothing to quantise).
+    on_meta = weights == "load" and plan.loads_from_rank0 and not lora.use_4bit_quantization
+    # Under fake tensors, modules made outside a device context cannot change dtype later (PEFT casts adapters).
+    with torch.device(info.device) if weights == "init" else contextlib.nullcontext():
+        if weights == "init":
+            model = init_base_model(cfg.model, lora, precision, info.device, config)
+        else:
+            model = load_base_model(cfg.model, lora, precision, info.device, load_on=load_device(plan, info),
+                                    on_meta=on_meta and not info.is_main)
+        resize_for_tokenizer(model, vocab_size)
+        if lora.use_peft_lora:
+            model = apply_lora(model, lora, seed=cfg.run.seed)
     trainable, total = count_parameters(model)
-    log.info("trainable parameters: %s of %s (%.4f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+    if weights == "load":
+        log.info("trainable parameters: %s of %s (%.4f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
     full_state = buffers = None
     if on_meta and info.is_main:
         full_state = model.state_dict()
         buffers = {k: v.clone() for k, v in model.named_buffers()}
-    model = parallelize(model, plan, info)
+    model, runner = parallelize(model, plan, info)
     if on_meta:
         load_from_rank0(model, full_state, buffers, info, offload=plan.offload)
     model.train()
-    return model, trainable, total
+    return model, runner, trainable, total
 
 
 def fsdp_param_dtype(cfg: TrainConfig, precision: Precision) -> torch.dtype | None:
@@ -59,9 +70,16 @@ def fsdp_param_dtype(cfg: TrainConfig, precision: Precision) -> torch.dtype | No
     bf16 "numbers", so any other dtype would convert them and silently destroy the base weights.
     """
     if cfg.lora.use_4bit_quantization:
-        from shardtune.train.model import DTYPES
-
         return DTYPES[cfg.lora.bnb_4bit_quant_storage_dtype]
     if precision.compute_dtype != torch.float32:
         return precision.compute_dtype
     return None
+
+
+def plan_for(cfg: TrainConfig, info: DistInfo, precision: Precision) -> Plan:
+    """The run's plan from its config and launch (before MP/PP stages are placed)."""
+    from shardtune.train.plan import make_plan
+
+    return make_plan(cfg.distributed, info, param_dtype=fsdp_param_dtype(cfg, precision),
+                     compute_dtype=precision.compute_dtype, gradient_checkpointing=cfg.run.gradient_checkpointing,
+                     use_reentrant=cfg.run.use_reentrant)

@@ -24,19 +24,14 @@ JSON and YAML.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import os
-import random
 import shutil
-import signal
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+import yaml
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -44,26 +39,23 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from shardtune.config import (MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER,
-                              checkpoint_folder_problem)
-from shardtune.errors import UsageError, writing
-from shardtune.train.dist import DistInfo, run_and_share
+from shardtune.config import TrainConfig
+from shardtune.dist import DistInfo, RankFailed, run_and_share
+from shardtune.errors import TrainingStopped, UsageError, first_line, writing
+from shardtune.train.layout import MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, resume_problem
+from shardtune.train.plan import Plan
+from shardtune.train.state import TrainState, rng_state, set_rng_state
 
 log = logging.getLogger("shardtune")
 FORMAT_VERSION = 1
 SHARDED, FULL = "SHARDED_STATE_DICT", "FULL_STATE_DICT"
-# Test-only fault injection: "POINT:STEP[:RANK[:HOW]]", POINT during_save or after_save, SIGKILLs the rank(s)
-# there (HOW: TERM sends SIGTERM instead, TERM-LAUNCHER sends it to the parent launcher), on the first attempt
-# of an elastic job only, so a restarted job runs through. POINT write_full with HOW ENOSPC makes the writing of
-# the FULL_STATE_DICT files fail as a full disk does; with HOW INT the rank gets SIGINT there (Ctrl-C).
-FAULT_ENV = "SHARDTUNE_TEST_KILL"
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def _options(trainable_only: bool, full: bool = False, flat_optimizer: bool = False) -> StateDictOptions:
+def state_dict_options(trainable_only: bool, full: bool = False, flat_optimizer: bool = False) -> StateDictOptions:
     # A LoRA checkpoint holds only the adapters, so loading it must not ask for the frozen base (strict=False).
     # flat_optimizer keys the optimizer's param-group settings by parameter name ("param_groups.<name>.lr")
     # instead of by group index: pipeline stages each hold different parameters, and DCP keeps a single copy
@@ -71,48 +63,6 @@ def _options(trainable_only: bool, full: bool = False, flat_optimizer: bool = Fa
     # stages would load their groups without lr, betas, ...
     return StateDictOptions(ignore_frozen_params=trainable_only, full_state_dict=full, cpu_offload=full,
                             strict=not trainable_only, flatten_optimizer_state_dict=flat_optimizer)
-
-
-def _test_fault(point: str, step: int, info: DistInfo, path: Path | None = None) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    want_point, want_step, want_rank, how = (spec.split(":") + ["", "", "", ""])[:4]
-    if want_point == point and int(want_step) == step and (not want_rank or int(want_rank) == info.rank):
-        if how == "ENOSPC":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        if how == "INT":  # Ctrl-C where only this rank gets it: Python raises KeyboardInterrupt right here
-            os.kill(os.getpid(), signal.SIGINT)
-        if how == "TERM":  # what a scheduler sends this process before preemption
-            os.kill(os.getpid(), signal.SIGTERM)
-        elif how == "TERM-LAUNCHER":  # ... or the launcher, which forwards it to every worker
-            os.kill(os.getppid(), signal.SIGTERM)
-        else:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG that training draws from, as tensors and plain values (loadable with weights_only=True)."""
-    np_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-             "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]]}
-    if torch.cuda.is_available():
-        # Every visible GPU's generator (host-side state, no context is made): MP's stages draw dropout masks on
-        # their own devices.
-        state["cuda"] = torch.cuda.get_rng_state()
-        state["cuda_all"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy(), *rest))
-    if "cuda" in state and torch.cuda.is_available():
-        if len(state.get("cuda_all", ())) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(state["cuda_all"])
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _write_full(folder: Path, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
@@ -167,11 +117,11 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
     run_and_share(lambda: _fresh_folder(tmp), runs=info.is_main, what=what, on_failure=drop_tmp)
     full_state = None
     if state_dict_type == FULL:  # every rank helps gather, rank 0 writes
-        options = _options(trainable_only, full=True)
+        options = state_dict_options(trainable_only, full=True)
         full_state = (get_model_state_dict(model, options=options),
                       get_optimizer_state_dict(model, optimizer, options=options))
     else:
-        options = _options(trainable_only, flat_optimizer=flat_optimizer)
+        options = state_dict_options(trainable_only, flat_optimizer=flat_optimizer)
         state = {"model": get_model_state_dict(model, options=options),
                  "optim": get_optimizer_state_dict(model, optimizer, options=options)}
         try:  # DCP shares a failed write among the ranks itself (CheckpointException on every rank)
@@ -182,11 +132,9 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
 
     def write_own_part() -> None:
         if full_state is not None and info.is_main:
-            _test_fault("write_full", step, info, tmp / "model.safetensors")
             _write_full(tmp, *full_state)
         with writing(tmp / "rng" / f"rank-{info.rank}.pt"):
             torch.save(rng_state(), tmp / "rng" / f"rank-{info.rank}.pt")
-        _test_fault("during_save", step, info)
 
     run_and_share(write_own_part, runs=True, what=what, on_failure=drop_tmp)
     run_and_share(lambda: _complete(tmp, final, trainer_state, config_yaml, manifest), runs=info.is_main,
@@ -194,7 +142,6 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
     if info.is_main and save_total_limit:
         for old in complete_checkpoints(output_dir)[:-save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
-    _test_fault("after_save", step, info)
     return final
 
 
@@ -224,11 +171,10 @@ def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
                         checkpoints_dir(output_dir))
             return None
         return found[-1]
-    path = Path(spec)
-    problem = checkpoint_folder_problem(path, f"resume_from_checkpoint={spec}", or_else=", or true for the newest one")
+    problem = resume_problem(str(spec), f"resume_from_checkpoint={spec}")
     if problem:
         raise UsageError(problem)
-    return path
+    return Path(spec)
 
 
 def _read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -261,7 +207,7 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
                                    strict=not trainable_only, broadcast_from_rank0=info.distributed)
     else:
         # The layout the checkpoint was written in (older checkpoints: param groups by index).
-        options = _options(trainable_only, flat_optimizer=manifest.get("flat_optimizer", False))
+        options = state_dict_options(trainable_only, flat_optimizer=manifest.get("flat_optimizer", False))
         state = {"model": get_model_state_dict(model, options=options),
                  "optim": get_optimizer_state_dict(model, optimizer, options=options)}
         dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not info.distributed)
@@ -302,130 +248,82 @@ def trim_metrics(output_dir: str | Path, step: int) -> int:
     return len(lines) - len(kept)
 
 
-def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor], tokenizer, is_peft: bool, *,
-                 save_adapter: Callable[[nn.Module, dict[str, torch.Tensor], Path], None] | None = None) -> Path:
-    """``save_pretrained`` of ``state`` into a temporary folder, renamed to ``target`` when complete.
+def write_failure(exc: BaseException) -> str:
+    """One line for a failed write: another rank's ``RankFailed`` names that rank; this rank's own error its type.
 
-    ``save_adapter`` replaces PEFT's own adapter writing (the pipeline's stages each hold part of the adapters).
+    A failed DCP save names the first rank that failed and its error (DCP's own message is a traceback per rank).
     """
-    from shardtune.train.parallelize import unwrap
-
-    if target.exists() and not target.is_dir():  # found before the (long) write, not after it
-        raise NotADirectoryError(errno.ENOTDIR, "a file is where the exported folder goes; move it away", str(target))
-    tmp = target.with_name(f".tmp-{target.name}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        with writing(tmp):  # save_pretrained does not say which of its files failed
-            if is_peft and save_adapter is not None:
-                save_adapter(model, state, tmp)
-            elif is_peft:
-                getattr(model, "module", model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-            else:
-                unwrap(model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(str(tmp))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
-        raise
-    return target
+    if isinstance(exc, RankFailed):
+        return str(exc)
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (cause, _) = min(exc.failures.items())
+        return f"rank {rank}: {write_failure(cause)}"
+    message = first_line(str(exc))
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def _test_logits(model: nn.Module, path: str) -> None:
-    """Test-only: the logits of the trained model in memory on a fixed input, to compare exports against."""
-    ids = torch.arange(3, 35, dtype=torch.long).reshape(2, 16).to(next(model.parameters()).device)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits.float()
-    model.train(was_training)
-    torch.save({"input_ids": ids.cpu(), "logits": logits.cpu()}, path)
+def write_fix(exc: BaseException, out: Path) -> str:
+    """What to do about a failed write: the disk or the permissions under ``out``; nothing where the rank that
+    wrote was interrupted (Ctrl-C there), which is no fault of the disk."""
+    if isinstance(exc, RankFailed) and exc.interrupted:
+        return f"rank {exc.rank} was interrupted, so this rank stopped too"
+    return f"free disk space or fix the permissions under {out}, or point output_dir elsewhere"
 
 
-def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft: bool, info: DistInfo) -> Path | None:
-    """Write ``output_dir/final``: a Transformers model folder, or a PEFT adapter folder for LoRA/QLoRA.
+class Checkpointer:
+    """Saves when ``save_strategy`` says so, resumes a run, and remembers the last complete checkpoint."""
 
-    The full (gathered) state dict is assembled on CPU from every rank's shards, then rank 0 writes it through
-    ``save_pretrained`` into a temporary folder that is renamed when complete; every rank learns if that failed.
-    """
-    state = get_model_state_dict(model, options=_options(trainable_only=is_peft, full=True))
-    logits_path = os.environ.get("SHARDTUNE_TEST_LOGITS")
-    if logits_path:  # every rank runs the forward (FSDP gathers), rank 0 writes
-        _test_logits(model, logits_path if info.is_main else os.devnull)
-    target = Path(output_dir) / "final"
-    run_and_share(lambda: write_export(target, model, state, tokenizer, is_peft), runs=info.is_main,
-                  what=f"writing {target}")
-    return target if info.is_main else None
+    def __init__(self, cfg: TrainConfig, info: DistInfo, plan: Plan, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, state: TrainState, *, flat_optimizer: bool) -> None:
+        self.out = Path(cfg.run.output_dir)
+        self.settings = cfg.checkpoint
+        self.config_yaml = yaml.safe_dump(cfg.to_flat(), sort_keys=False)
+        self.info, self.plan, self.model, self.optimizer, self.state = info, plan, model, optimizer, state
+        self.trainable_only = cfg.lora.use_peft_lora
+        self.flat_optimizer = flat_optimizer
+        self.resumed_from: Path | None = None
+        self.last: str | None = None
 
+    def should_save(self, step: int, *, at_epoch_end: bool) -> bool:
+        if self.settings.save_strategy == "epoch":
+            return at_epoch_end
+        return self.settings.save_strategy == "steps" and not at_epoch_end and step % self.settings.save_steps == 0
 
-def _check_out(out: Path) -> None:
-    """``OUT`` of export and merge: refused before anything is loaded when a file is in the way."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"OUT {out}: a file is there; give a folder path (it is created, or replaced if a folder)")
+    def resume(self) -> Path | None:
+        """Restore model, optimizer and ``state`` from ``resume_from_checkpoint`` when it names one."""
+        path = resolve_resume(self.settings.resume_from_checkpoint, self.out)
+        if path is None:
+            return None
+        trainer_state = load_checkpoint(path, model=self.model, optimizer=self.optimizer,
+                                        trainable_only=self.trainable_only, info=self.info)
+        self.state.load_state_dict(trainer_state)
+        if self.info.is_main:
+            # A killed run may have logged steps after its last checkpoint: this run logs them again.
+            dropped = trim_metrics(self.out, self.state.step)
+            if dropped:
+                log.info("metrics.jsonl: dropped %d record(s) after step %d, which this run redoes", dropped,
+                         self.state.step)
+        log.info("resumed from %s at step %d (epoch %g)", path, self.state.step, self.state.epochs_done)
+        self.resumed_from, self.last = path, str(path)
+        return path
 
+    def save(self, reason: str) -> Path:
+        """Write ``checkpoints/step-N`` for the current step; a failed write stops the run in one line."""
+        step = self.state.step
+        try:
+            path = save_checkpoint(self.out, step, model=self.model, optimizer=self.optimizer,
+                                   trainable_only=self.trainable_only, trainer_state=self.state.state_dict(),
+                                   config_yaml=self.config_yaml, info=self.info,
+                                   save_total_limit=self.settings.save_total_limit,
+                                   state_dict_type=self.plan.state_dict_type, flat_optimizer=self.flat_optimizer)
+        except (OSError, RankFailed, CheckpointException) as exc:
+            raise TrainingStopped(
+                f"step {step}: the checkpoint was not saved ({write_failure(exc)}). Last good checkpoint: "
+                f"{self.last or 'none'}; {write_fix(exc, self.out)}; then run again"
+                f"{f' with resume_from_checkpoint={self.last}' if self.last else ''}") from exc
+        self.last = str(path)
+        log.info("saved checkpoint %s (%s)", path, reason)
+        return path
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | None = None) -> Path:
-    """Write a checkpoint as ``final`` would be: a PEFT adapter folder, or a Transformers model folder.
-
-    One process, any world size the checkpoint was written with (DCP reshards). ``base`` replaces the
-    checkpoint's ``model_name_or_path`` when the base model has moved.
-    """
-    from shardtune.config import load_train_config
-    from shardtune.data import load_tokenizer
-    from shardtune.train.model import Precision, apply_lora, load_base_model, resize_for_tokenizer
-
-    path = Path(checkpoint)
-    _check_out(Path(out))
-    if problem := checkpoint_folder_problem(path, str(checkpoint)):
-        raise UsageError(problem)
-    overrides = ["--model_name_or_path", base] if base else []
-    cfg = load_train_config([str(path / "config.yaml"), *overrides])
-    manifest = json.loads((path / MANIFEST).read_text())
-    is_peft = bool(manifest["trainable_only"])
-    try:
-        tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data,
-                                   trust_remote_code=cfg.model.trust_remote_code)
-        model = load_base_model(cfg.model, cfg.lora, Precision(cfg.mixed_precision), torch.device("cpu"))
-    except UsageError as exc:
-        raise UsageError(f"{checkpoint}: cannot load its base model ({exc}); run from the folder the training ran "
-                         f"in (the path may be relative) or give the base model folder with --base") from None
-    resize_for_tokenizer(model, len(tokenizer))
-    if is_peft:
-        model = apply_lora(model, cfg.lora, seed=cfg.run.seed)
-    options = _options(is_peft)
-    if manifest.get("state_dict_type", SHARDED) == FULL:
-        from safetensors.torch import load_file
-
-        state = load_file(path / "model.safetensors")
-    else:
-        state = {"model": get_model_state_dict(model, options=options)}
-        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=True)
-        state = state["model"]
-    set_model_state_dict(model, state, options=options)
-    return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft)
-
-
-def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Path:
-    """Fold a PEFT LoRA adapter into its base model and write a Transformers model folder (one process, CPU)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shardtune.train.model import resize_for_tokenizer
-
-    adapter, base, out = Path(adapter), Path(base), Path(out)
-    _check_out(out)
-    if not (adapter / "adapter_config.json").is_file():
-        raise UsageError(f"{adapter}: not a PEFT adapter folder (no adapter_config.json); give output_dir/final "
-                         f"of a LoRA run or the folder 'shardtune export' wrote")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--base {base}: cannot load a model ({str(exc).splitlines()[0]}); give the base "
-                         f"model folder the adapter was trained on") from None
-    tokenizer_src = adapter if (adapter / "tokenizer_config.json").is_file() else base
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_src))
-    resize_for_tokenizer(model, len(tokenizer))
-    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    return write_export(out, merged, merged.state_dict(), tokenizer, is_peft=False)
+    def just_saved(self) -> bool:
+        return bool(self.last) and Path(self.last).name == f"step-{self.state.step}"

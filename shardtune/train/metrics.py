@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shardtune.train.dist import DistInfo
+from shardtune.dist import DistInfo
+from shardtune.hardware import peak_bf16_flops
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -41,9 +43,13 @@ def max_over_ranks(value: int, device: torch.device) -> int:
 class MetricsLog:
     """``metrics.jsonl`` in the output folder, appended (a resumed run continues the same file); rank 0 writes."""
 
-    def __init__(self, output_dir: str | Path, info: DistInfo, tensorboard: bool = False) -> None:
+    def __init__(self, output_dir: str | Path, info: DistInfo, tensorboard: bool = False, *,
+                 strategy: str = "steps", every: int = 1) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.info = info
         self.enabled = info.is_main
+        self.strategy, self.every = strategy, every  # logging_strategy, logging_steps
+        self._window_tokens, self._window_start = 0, time.perf_counter()
         self._tb = None
         if self.enabled and tensorboard:
             try:
@@ -55,6 +61,28 @@ class MetricsLog:
                                  "(or set report_to none)") from None
 
             self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+
+    def should_log(self, step: int, *, at_epoch_end: bool, last: bool) -> bool:
+        """``logging_strategy`` steps: every ``logging_steps``, the first and the last step; epoch: each epoch's end."""
+        if self.strategy == "epoch":
+            return at_epoch_end
+        return self.strategy == "steps" and not at_epoch_end and (step % self.every == 0 or last or step == 1)
+
+    def count(self, tokens: int) -> None:
+        """Tokens of a step just taken, for the tokens/s of the next record."""
+        self._window_tokens += tokens
+
+    def log_step(self, state, stats) -> dict[str, Any]:
+        """The record of the step just taken (written on rank 0); tokens/s over the steps since the last record.
+        Every rank must call it: the peak memory is the maximum over ranks."""
+        elapsed = time.perf_counter() - self._window_start
+        record = {"step": state.step, "epoch": state.epochs_done, "loss": stats.loss,
+                  "lr": state.scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "tokens": stats.tokens,
+                  "target_tokens": stats.target_tokens, "tokens_per_s": self._window_tokens / max(elapsed, 1e-9),
+                  "peak_memory_bytes": max_over_ranks(peak_memory_bytes(self.info.device), self.info.device)}
+        self.write(record)
+        self._window_tokens, self._window_start = 0, time.perf_counter()
+        return record
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -81,20 +109,11 @@ def progress_bar(total: int, initial: int, enabled: bool):
                 file=sys.stderr)
 
 
-# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, matched on the CUDA device name in
-# this order (a variant before the name it contains: "H100 PCIe" before "H100", "L40S" and "L40" before "L4").
-# None: a variant whose peak we do not state (no MFU rather than a wrong one).
-PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
-                   ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A6000", 155e12),
-                   ("4090", 165e12), ("3090", 71e12), ("A10G", None), ("A10", 125e12))
-
-
 def peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak, or None where it is not known (and on CPU)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+    return peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
 def flops_per_token(config, parameters: int, trainable: int, seq_len: int) -> float:

@@ -106,6 +106,48 @@ def load_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precisi
     return model if lora.use_4bit_quantization else model.to(device)
 
 
+def init_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precision, device: torch.device,
+                    config) -> nn.Module:
+    """The causal LM of ``config`` with initialised weights instead of loaded ones (their values do not change
+    memory; under fake tensors they cost nothing), quantised as QLoRA's would be: what the trace builds."""
+    from transformers import AutoModelForCausalLM
+
+    # Under fake mode, modules built outside a device context cannot later change dtype (PEFT casts its adapters).
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=precision.frozen_dtype(lora),
+                                                 attn_implementation=attn_implementation(model_cfg, device,
+                                                                                         precision.compute_dtype))
+        if lora.use_4bit_quantization:
+            quantize_linears(model, lora)
+    return model
+
+
+def _output_head_names(model: nn.Module) -> list[str]:
+    head = model.get_output_embeddings()
+    return [name for name, module in model.named_modules() if module is head]
+
+
+def quantize_linears(model: nn.Module, lora: LoraConfig) -> None:
+    """Swap ``model``'s linear layers (the head excepted) for bitsandbytes 4-bit ones holding quantised weights."""
+    import bitsandbytes as bnb
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    originals = {name: module.weight for name, module in model.named_modules() if type(module) is nn.Linear}
+    config = _quantization_config(lora)
+    replace_with_bnb_linear(model, modules_to_not_convert=_output_head_names(model), quantization_config=config)
+    for name, module in model.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit) or name not in originals:
+            continue
+        weight = originals[name]
+        meta = module.weight
+        module.weight = bnb.nn.Params4bit(weight.detach(), requires_grad=False, **meta.__dict__).to(weight.device)
+        if module.bias is not None and module.bias.device.type == "meta":
+            module.bias = nn.Parameter(torch.zeros(module.bias.shape, dtype=weight.dtype, device=weight.device),
+                                       requires_grad=False)
+    model.is_loaded_in_4bit = True  # what from_pretrained sets; PEFT reads it
+
+
+
 def resize_for_tokenizer(model: nn.Module, vocab_size: int) -> None:
     """Grow the embeddings when the tokenizer gained tokens (chat template specials, a pad token)."""
     if vocab_size > model.get_input_embeddings().num_embeddings:

@@ -1,7 +1,7 @@
 """Naive model parallel (``distributed_type: MP``): one process, the decoder layers split across its devices.
 
-The split comes from the memory estimator: ``shardtune estimate --strategy mp`` chooses contiguous stages that
-minimise the fullest device (the first stage also holds the embeddings, the last the head and the loss), so the
+The split comes from the memory estimator (``shardtune train`` asks it and passes the bounds in):
+``shardtune estimate --strategy mp`` chooses contiguous stages that minimise the fullest device (the first stage also holds the embeddings, the last the head and the loss), so the
 stages are balanced by memory, not by layer count. Each module then runs on its stage's device, and a forward
 pre-hook moves whatever tensors it receives (hidden states, rotary tables, the attention mask) there; the logits
 come back to the first device, where the loss is computed like on one device. Only one device works at a time:
@@ -20,9 +20,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from shardtune.config import TrainConfig
+from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
-from shardtune.train.dist import DistInfo
-from shardtune.train.parallelize import Plan, unwrap
+from shardtune.train.plan import Plan, unwrap
 
 log = logging.getLogger("shardtune")
 
@@ -55,39 +55,27 @@ def equal_bounds(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...
     return tuple(bounds)
 
 
-def estimator_bounds(cfg: TrainConfig, num_stages: int, batch_size: int) -> tuple[tuple[int, int], ...]:
-    """The estimator's model-parallel memory plan for this job on ``num_stages`` devices."""
-    from shardtune.memory.inventory import ModelAnalysis
-    from shardtune.memory.recommend import evaluate
-    from shardtune.memory.setup import Setup
+def place_stages(plan: Plan, cfg: TrainConfig, info: DistInfo,
+                 bounds: tuple[tuple[int, int], ...] | None = None) -> tuple[Plan, DistInfo]:
+    """Fill ``plan.stage_bounds`` (and, for MP, ``plan.devices``) for MP and PP; other plans pass through.
 
-    lora = cfg.lora
-    setup = Setup(method=lora.method, strategy="mp", num_gpus=num_stages, batch_size=batch_size,
-                  seq_len=cfg.data.max_seq_len, gradient_checkpointing=cfg.run.gradient_checkpointing,
-                  mixed_precision=cfg.mixed_precision, lora_r=lora.lora_r,
-                  lora_target_modules=lora.lora_target_modules)
-    analysis = ModelAnalysis(cfg.model.model_name_or_path)
-    breakdown = evaluate(analysis, setup)
-    return breakdown.stage_bounds or ((0, analysis.inventory.num_layers),)
-
-
-def plan_stages(plan: Plan, cfg: TrainConfig, info: DistInfo) -> Plan:
-    """Fill ``plan.stage_bounds`` (and, for MP, ``plan.devices``) for the MP and PP strategies."""
+    ``bounds``: the stages the caller chose (``shardtune train`` asks the memory estimator for stages balanced
+    by memory); without them, or when they do not match the stage count, equal numbers of layers. MP returns
+    ``info`` on its first stage's device (see ``step_info``).
+    """
     if plan.strategy == "MP":
         if info.distributed:
             raise UsageError("distributed_type=MP runs in one process over several devices; start it with "
                              "'shardtune train' (not launch), or use PP to split the layers across processes")
         devices = mp_devices(cfg.distributed.mp_devices)
-        stages, batch = len(devices), cfg.run.per_device_train_batch_size
+        stages = len(devices)
     elif plan.strategy == "PP":
         if not info.distributed:
             raise UsageError("distributed_type=PP needs one process per pipeline stage: start it with "
                              "'shardtune launch --num_processes N train ...'")
         devices, stages = (), info.world_size
-        batch = cfg.run.per_device_train_batch_size // cfg.distributed.pipeline_microbatches
     else:
-        return plan
-    bounds = estimator_bounds(cfg, stages, max(batch, 1)) if stages > 1 else None
+        return plan, info
     if bounds is None or len(bounds) != stages:
         from transformers import AutoConfig
 
@@ -98,7 +86,25 @@ def plan_stages(plan: Plan, cfg: TrainConfig, info: DistInfo) -> Plan:
         bounds = equal_bounds(num_layers, stages)
     log.info("%s stages (decoder layers per stage): %s", plan.strategy,
              ", ".join(f"{a}-{b - 1}" for a, b in bounds))
-    return dataclasses.replace(plan, stage_bounds=bounds, devices=devices[:len(bounds)])
+    plan = dataclasses.replace(plan, stage_bounds=bounds, devices=devices[:len(bounds)])
+    return plan, step_info(info, plan) if plan.strategy == "MP" else info
+
+
+def stage_count(cfg: TrainConfig, world_size: int) -> int:
+    """How many stages MP (its devices) or PP (its processes) splits the layers into; 1 for the other setups."""
+    if cfg.distributed.distributed_type == "MP":
+        return len(mp_devices(cfg.distributed.mp_devices))
+    if cfg.distributed.distributed_type == "PP":
+        return world_size
+    return 1
+
+
+def stage_batch_size(cfg: TrainConfig) -> int:
+    """The rows one stage holds at once: the micro-batch, or under PP one pipeline micro-batch of it."""
+    batch = cfg.run.per_device_train_batch_size
+    if cfg.distributed.distributed_type == "PP":
+        batch //= cfg.distributed.pipeline_microbatches
+    return max(batch, 1)
 
 
 def _move_to(device: torch.device):

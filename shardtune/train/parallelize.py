@@ -1,4 +1,4 @@
-"""The one place that turns a plain model into a distributed one: checkpointing, then DDP or FSDP2.
+"""The one place that turns a plain model into a distributed one: checkpointing, then DDP, FSDP2, MP or PP.
 
 The order follows torchtitan's ``parallelize_llama``: activation checkpointing wraps the decoder layers first,
 then data parallelism wraps what checkpointing produced. FSDP2 (``fully_shard``) shards each decoder layer (or
@@ -15,77 +15,21 @@ How Accelerate's FSDP1 sharding strategies map onto FSDP2:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtune.config import DistributedConfig
+from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
-from shardtune.train.dist import DistInfo
+from shardtune.train.model_parallel import split_across_devices
+from shardtune.train.pipeline_parallel import PipelineRunner, split_for_stage
+from shardtune.train.plan import Plan, unwrap
+from shardtune.train.runner import LocalRunner
+
+Runner = LocalRunner | PipelineRunner
 
 log = logging.getLogger("shardtune")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What ``parallelize`` applies: resolved once from the config and the launch."""
-
-    strategy: str  # NO | DDP | FSDP | MP | PP
-    sharding: str = "FULL_SHARD"
-    reshard_after_forward: bool = True
-    offload: bool = False
-    wrap_policy: str = "TRANSFORMER_BASED_WRAP"
-    layer_classes: tuple[str, ...] = ()
-    min_num_params: int = 100_000_000
-    param_dtype: torch.dtype | None = None  # FSDP's compute dtype (mixed precision); None keeps the stored one
-    gradient_checkpointing: bool = False
-    use_reentrant: bool = False
-    # MP and PP: [first, end) decoder layers of each stage, from the estimator's memory plan (model_parallel.py).
-    stage_bounds: tuple[tuple[int, int], ...] = ()
-    devices: tuple[str, ...] = ()  # MP: the device of each stage
-
-    @property
-    def defers_gradient_sync(self) -> bool:
-        """Whether gradients are reduced only on the last micro-batch of an accumulation.
-
-        DDP and FSDP without resharding hold full gradients anyway, so deferring saves communication for free.
-        FULL_SHARD / HYBRID_SHARD reduce-scatter every micro-batch instead: deferring would keep unsharded
-        gradients for the whole accumulation, the memory FULL_SHARD was chosen to save.
-        """
-        return self.strategy == "DDP" or (self.strategy == "FSDP" and not self.reshard_after_forward)
-
-
-def resolve_strategy(cfg: DistributedConfig, info: DistInfo) -> str:
-    """NO / DDP / FSDP / MP: the configured one, or DDP when launched on several processes."""
-    if cfg.distributed_type is None:
-        return "DDP" if info.distributed else "NO"
-    if cfg.distributed_type == "NO" and info.distributed:
-        return "DDP"
-    return cfg.distributed_type
-
-
-def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtype | None,
-              gradient_checkpointing: bool, use_reentrant: bool) -> Plan:
-    strategy = resolve_strategy(cfg, info)
-    reshard = cfg.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
-    if cfg.fsdp_reshard_after_forward is not None:
-        reshard = cfg.fsdp_reshard_after_forward
-    layers = tuple(c.strip() for c in (cfg.fsdp_transformer_layer_cls_to_wrap or "").split(",") if c.strip())
-    return Plan(strategy=strategy, sharding=cfg.fsdp_sharding_strategy, reshard_after_forward=reshard,
-                offload=cfg.fsdp_offload_params, wrap_policy=cfg.fsdp_auto_wrap_policy, layer_classes=layers,
-                min_num_params=cfg.fsdp_min_num_params, param_dtype=param_dtype,
-                gradient_checkpointing=gradient_checkpointing or cfg.fsdp_activation_checkpointing,
-                use_reentrant=use_reentrant)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model under DDP and PEFT wrappers (FSDP2 wraps in place, so nothing to peel)."""
-    model = getattr(model, "module", model)  # DDP
-    if hasattr(model, "get_base_model"):  # PEFT
-        model = model.get_base_model()
-    return model
 
 
 def _layer_classes(model: nn.Module, plan: Plan) -> set[str]:
@@ -168,11 +112,17 @@ def apply_fsdp(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
     # Gradients are reduced in fp32 whatever the compute dtype: bf16 sums over many ranks lose bits.
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if plan.offload else OffloadPolicy()
-    for module in _wrap_targets(model, plan):
+    units = _wrap_targets(model, plan)
+    for module in units:
         fully_shard(module, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp,
                     offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=mp,
                 offload_policy=offload)
+    if plan.forward_prefetch:
+        # Decoder layers run in model order: each starts the next one's all-gather before its own forward
+        # (torchtitan's explicit prefetch), overlapping communication that FSDP2 would otherwise issue on demand.
+        for layer, following in zip(units, units[1:]):
+            layer.set_modules_to_forward_prefetch([following])
     return model
 
 
@@ -183,23 +133,24 @@ def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
-    """Checkpointing, then DDP or FSDP2, as the plan says; a single process gets checkpointing only."""
+def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> tuple[nn.Module, Runner]:
+    """Checkpointing, then DDP, FSDP2, MP's split or PP's stage, as the plan says; and the runner that steps it.
+
+    A single process gets checkpointing only. PP's runner drives the pipeline schedule; the others run the whole
+    (wrapped) model on each rank's own micro-batches.
+    """
     if plan.gradient_checkpointing:
         apply_checkpointing(model, plan)
     if plan.strategy == "FSDP":
-        return apply_fsdp(model, plan, info)
-    if plan.strategy == "MP":
-        from shardtune.train.model_parallel import split_across_devices
-
-        return split_across_devices(model, plan)
-    if plan.strategy == "PP":
-        from shardtune.train.pipeline import split_for_stage
-
-        return split_for_stage(model, plan, info)
-    if plan.strategy == "DDP" and info.distributed:
-        return apply_ddp(model, info)
-    return model
+        model = apply_fsdp(model, plan, info)
+    elif plan.strategy == "MP":
+        model = split_across_devices(model, plan)
+    elif plan.strategy == "PP":
+        model = split_for_stage(model, plan, info)
+        return model, PipelineRunner(model, plan, info)
+    elif plan.strategy == "DDP" and info.distributed:
+        model = apply_ddp(model, info)
+    return model, LocalRunner(model, plan, info)
 
 
 def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None,

@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtune.config import DistributedConfig
 from shardtune.data.collate import varlen_kwargs
+from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError
-from shardtune.train.checkpoint import write_export
-from shardtune.train.dist import DistInfo, run_and_share
-from shardtune.train.parallelize import Plan, unwrap
-from shardtune.train.step import token_loss_sum, uses_varlen_attention
+from shardtune.train.export import write_export
+from shardtune.train.loss import token_loss_sum
+from shardtune.train.plan import Plan, unwrap
+from shardtune.train.runner import uses_varlen_attention
 
 log = logging.getLogger("shardtune")
 
@@ -98,17 +98,20 @@ class StageModule(nn.Module):
 class PipelineRunner:
     """Runs one rank's stage through the schedule for each collated batch of a training step."""
 
-    def __init__(self, model: nn.Module, plan: Plan, info: DistInfo, cfg: DistributedConfig,
-                 compute_dtype: torch.dtype) -> None:
+    flat_optimizer = True  # each stage holds other parameters: optimizer state keyed by name (checkpoint.py)
+    scaler = None  # fp16 is refused under PP (the stages do not scale the loss)
+
+    def __init__(self, model: nn.Module, plan: Plan, info: DistInfo) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        self.info = info
+        self.model, self.info = model, info
         self.num_stages = info.world_size
+        self.copies = self.num_stages  # every stage reads the same batch: sums over ranks count it once per stage
         self.first, self.last = info.rank == 0, info.rank == info.world_size - 1
-        self.microbatches = cfg.pipeline_microbatches
-        self.module = StageModule(model, first=self.first, last=self.last, compute_dtype=compute_dtype)
+        self.microbatches = plan.pipeline_microbatches
+        self.module = StageModule(model, first=self.first, last=self.last, compute_dtype=plan.compute_dtype)
         self.stage = PipelineStage(self.module, info.rank, self.num_stages, info.device)
-        schedule_cls = ScheduleGPipe if cfg.pipeline_schedule.upper() == "GPIPE" else Schedule1F1B
+        schedule_cls = ScheduleGPipe if plan.pipeline_schedule.upper() == "GPIPE" else Schedule1F1B
         # The loss is already scaled to the whole global batch (train_step), so the schedule must not average.
         self.schedule = schedule_cls(self.stage, n_microbatches=self.microbatches, loss_fn=self._loss,
                                      scale_grads=False)
@@ -138,7 +141,7 @@ class PipelineRunner:
             self.schedule.step(*args, target=target, return_outputs=False)
         return self._loss_total()
 
-    def forward_only(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Evaluation: forward one batch through the pipeline; returns its summed token loss (last stage, else 0).
 
         The schedule's ``eval`` runs the same micro-batches without backward; call it under ``torch.no_grad``.
@@ -174,6 +177,9 @@ class PipelineRunner:
             return torch.zeros((), dtype=torch.float64, device=self.info.device)
         return torch.stack(self._loss_sums).sum()
 
+    def export_final(self, output_dir: str | Path, tokenizer, *, is_peft: bool) -> Path | None:
+        return export_stages(output_dir, self.model, tokenizer, is_peft=is_peft, info=self.info)
+
     def grad_norm_and_clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The norm over every stage's gradients (each rank holds different parameters), clipped to ``max_norm``."""
         grads = [p.grad for p in params if p.grad is not None]
@@ -196,7 +202,8 @@ def split_for_stage(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
     return keep_stage(model, plan.stage_bounds[info.rank], first=info.rank == 0, last=info.rank == last).to(info.device)
 
 
-def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft: bool, info: DistInfo) -> Path | None:
+def export_stages(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft: bool,
+                  info: DistInfo) -> Path | None:
     """``final/`` for a pipeline run: every stage's tensors gathered to rank 0, written as the unsplit model.
 
     LoRA/QLoRA gather only the adapters (the frozen base is not exported); a full fine-tune gathers every stage's

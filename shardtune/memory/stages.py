@@ -1,0 +1,33 @@
+"""MP and PP stages balanced by memory: the estimator's model-parallel plan for a training job.
+
+``shardtune train`` asks for them before it starts the trainer, which takes them as given (``train(stage_bounds=)``)
+and falls back to equal layer counts without them.
+"""
+
+from __future__ import annotations
+
+from shardtune.config import TrainConfig
+
+
+def stage_bounds(cfg: TrainConfig, num_stages: int, batch_size: int) -> tuple[tuple[int, int], ...]:
+    """[first, end) decoder layers of each of ``num_stages`` stages holding ``batch_size`` rows at once."""
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import evaluate_setup
+    from shardtune.memory.setup import Setup
+
+    lora = cfg.lora
+    setup = Setup(method=lora.method, strategy="mp", num_gpus=num_stages, batch_size=batch_size,
+                  seq_len=cfg.data.max_seq_len, gradient_checkpointing=cfg.run.gradient_checkpointing,
+                  mixed_precision=cfg.mixed_precision, lora_r=lora.lora_r,
+                  lora_target_modules=lora.lora_target_modules)
+    analysis = ModelAnalysis(cfg.model.model_name_or_path)
+    breakdown = evaluate_setup(analysis, setup)
+    return breakdown.stage_bounds or ((0, analysis.inventory.num_layers),)
+
+
+def stage_bounds_for_run(cfg: TrainConfig, world_size: int) -> tuple[tuple[int, int], ...] | None:
+    """The stages of an MP or PP run (None for the other strategies and for a single stage)."""
+    from shardtune.train.model_parallel import stage_batch_size, stage_count
+
+    stages = stage_count(cfg, world_size)
+    return stage_bounds(cfg, stages, stage_batch_size(cfg)) if stages > 1 else None

@@ -1,0 +1,106 @@
+"""Callbacks: code of yours that runs at fixed points of the training loop, on every rank.
+
+The shape is Transformers' ``TrainerCallback``: each event is a method ``on_<event>(self, args, state, control,
+**kwargs)``, where ``args`` is the run's ``TrainConfig``, ``state`` the ``TrainState`` (``state.step`` optimizer
+steps done, also readable as ``state.global_step``; ``state.epoch``, a float as in Transformers; ``state.max_steps``)
+and ``control`` a ``TrainerControl`` whose flags a callback may set: ``should_training_stop`` ends the run after
+this step (with a checkpoint and ``final/``, as reaching ``max_steps`` does), ``should_save`` and ``should_evaluate``
+ask for a checkpoint or an evaluation after this step. A callback defines only the events it needs; a
+``transformers.TrainerCallback`` subclass works as it is (its other methods are no-ops).
+
+Events and their keyword arguments:
+- ``on_train_begin``: ``model``, ``optimizer``, ``plan`` (the strategy), ``info`` (rank, world size, device)
+- ``on_step_begin``: ``micro_batches`` (this rank's collated micro-batches of the step), ``model``, ``optimizer``
+- ``on_step_end``: ``stats`` (loss, grad_norm, tokens, target_tokens of the global batch)
+- ``on_log``: ``logs`` (the record written to metrics.jsonl)
+- ``on_evaluate``: ``metrics`` (eval_loss, eval_perplexity, eval_tokens)
+- ``on_save``: ``checkpoint`` (the folder just completed)
+- ``on_train_end``: ``model``, ``summary`` (the dict written to summary.json; a callback may add keys), ``log`` (a
+  function that appends one record to metrics.jsonl)
+
+Give them to ``train(cfg, callbacks=[...])``, or name them in the config (``callbacks: [pkg.module:Class]``, or
+``--callbacks pkg.module:Class,other.module:Other``) so that every process torchrun starts makes its own: the class
+is imported and called with no arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardtune.errors import UsageError
+
+log = logging.getLogger("shardtune")
+
+EVENTS = ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_evaluate", "on_save", "on_train_end")
+
+
+@dataclass
+class TrainerControl:
+    """Flags callbacks set to steer the loop; the loop clears ``should_save``/``should_evaluate`` once acted on."""
+
+    should_training_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+
+
+class TrainerCallback:
+    """Base class with every event as a no-op (subclassing it is optional: any object with some ``on_*`` works)."""
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None: ...
+    def on_step_begin(self, args, state, control, **kwargs) -> None: ...
+    def on_step_end(self, args, state, control, **kwargs) -> None: ...
+    def on_log(self, args, state, control, **kwargs) -> None: ...
+    def on_evaluate(self, args, state, control, **kwargs) -> None: ...
+    def on_save(self, args, state, control, **kwargs) -> None: ...
+    def on_train_end(self, args, state, control, **kwargs) -> None: ...
+
+
+def load_callbacks(specs: Sequence[str]) -> list[Any]:
+    """The config's ``callbacks``, made before the (long) data and model work so a bad name stops the run at once."""
+    return [load_callback(spec) for spec in specs]
+
+
+def load_callback(spec: str) -> Any:
+    """An instance of the class ``spec`` names (``package.module:Class``), made with no arguments."""
+    module_name, sep, class_name = spec.partition(":")
+    if not sep or not module_name or not class_name:
+        raise UsageError(f"callbacks: {spec!r} is not 'package.module:Class'; name an importable class, e.g. "
+                         f"mypkg.hooks:StopOnPlateau")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"callbacks: cannot import {module_name!r} for {spec!r} ({exc}); install it or put its "
+                         f"folder on PYTHONPATH (every process torchrun starts imports it)") from None
+    cls = getattr(module, class_name, None)
+    if cls is None or not callable(cls):
+        raise UsageError(f"callbacks: {module_name} has no class {class_name!r} (for {spec!r})")
+    return cls()
+
+
+class CallbackList:
+    """Calls an event on every callback in order: those named in the config first, then those passed in code."""
+
+    def __init__(self, callbacks: Sequence[Any], args, state) -> None:
+        self.callbacks = list(callbacks)
+        self.args, self.state = args, state
+        self.control = TrainerControl()
+        for callback in self.callbacks:
+            if not any(callable(getattr(callback, event, None)) for event in EVENTS):
+                raise UsageError(f"callbacks: {type(callback).__name__} has none of the events {', '.join(EVENTS)}")
+
+    def __getattr__(self, event: str):
+        if event not in EVENTS:
+            raise AttributeError(event)
+
+        def call(**kwargs) -> TrainerControl:
+            for callback in self.callbacks:
+                method = getattr(callback, event, None)
+                if method is not None:
+                    method(self.args, self.state, self.control, **kwargs)
+            return self.control
+
+        return call

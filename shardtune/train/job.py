@@ -1,0 +1,84 @@
+"""Everything a run needs, made in order: the data, the plan, the model and its runner, the optimizer.
+
+Data first: tokenisation may take long, and it happens before any collective with a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardtune.config import TrainConfig
+from shardtune.dist import DistInfo
+from shardtune.train.build import build_model, plan_for
+from shardtune.train.model import Precision, attn_implementation
+from shardtune.train.model_parallel import place_stages
+from shardtune.train.optim import build_optimizer, build_scheduler
+from shardtune.train.parallelize import Runner
+from shardtune.train.plan import Plan
+from shardtune.train.state import TrainState
+from shardtune.train.step import StepContext
+
+log = logging.getLogger("shardtune")
+
+
+@dataclass
+class Job:
+    """What ``train`` works with, built once by ``make_job``."""
+
+    cfg: TrainConfig
+    info: DistInfo  # under MP: on the first stage's device, where batches and the loss live
+    plan: Plan
+    tokenizer: Any
+    data: Any  # data.PreparedData: train, eval, report
+    collator: Any
+    model: nn.Module
+    runner: Runner
+    optimizer: torch.optim.Optimizer
+    state: TrainState
+    step: StepContext
+    trainable_parameters: int
+    parameters: int
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    import math
+
+    if cfg.run.max_steps > 0:
+        return cfg.run.max_steps
+    return max(1, math.ceil(cfg.run.num_train_epochs * steps_per_epoch))
+
+
+def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, int], ...] | None = None) -> Job:
+    """Tokenise the data, resolve the plan, build and parallelize the model, make the optimizer and schedule."""
+    from shardtune.data import Collator, GlobalBatchSampler, load_tokenizer, prepare_datasets
+
+    tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
+    data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed)
+    if info.is_main:
+        log.info("data: %s", data.report.format())
+    precision = Precision(cfg.mixed_precision)
+    plan, info = place_stages(plan_for(cfg, info, precision), cfg, info, stage_bounds)
+    # Pipeline stages exchange fixed-shape activations: every batch is padded to max_seq_len there. The collator
+    # writes the attention mask in the form the model's attention reads (eager adds it to the scores).
+    collator = Collator(tokenizer.pad_token_id, pad_to_multiple_of=None if plan.shards_batch else cfg.data.max_seq_len,
+                        attn_implementation=attn_implementation(cfg.model, info.device, precision.compute_dtype))
+    log.info("strategy: %s, mixed precision %s", plan.describe(info), precision.mixed_precision)
+    model, runner, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer))
+    world, rank = plan.data_split(info)
+    sampler = GlobalBatchSampler(len(data.train), micro_batch_size=cfg.run.per_device_train_batch_size,
+                                 gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
+                                 world_size=world, rank=rank, seed=cfg.run.seed)
+    steps = total_steps(cfg, sampler.steps_per_epoch)
+    optimizer = build_optimizer(model, cfg.optim, info.device, sharded_scaler=plan.sharded_grad_scaler)
+    scheduler = build_scheduler(optimizer, cfg.optim, steps)
+    state = TrainState(sampler, scheduler, runner.scaler, max_steps=steps)
+    step = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, runner=runner, info=info,
+                       max_grad_norm=cfg.optim.max_grad_norm, pad_token_id=tokenizer.pad_token_id)
+    return Job(cfg=cfg, info=info, plan=plan, tokenizer=tokenizer, data=data, collator=collator, model=model,
+               runner=runner, optimizer=optimizer, state=state, step=step, trainable_parameters=trainable,
+               parameters=total)

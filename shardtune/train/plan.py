@@ -1,0 +1,131 @@
+"""The plan: which strategy a run uses and how, resolved once from the config and the launch.
+
+Every fact about a strategy that code outside ``parallelize`` needs is a property here (where weights load, whether
+each rank reads its own slice of the batch, how optimizer state is keyed), so the loop, the step and the
+checkpoint never branch on the strategy's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardtune.config import DistributedConfig
+from shardtune.dist import DistInfo
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``parallelize`` applies."""
+
+    strategy: str  # NO | DDP | FSDP | MP | PP
+    sharding: str = "FULL_SHARD"
+    reshard_after_forward: bool = True
+    offload: bool = False
+    wrap_policy: str = "TRANSFORMER_BASED_WRAP"
+    layer_classes: tuple[str, ...] = ()
+    min_num_params: int = 100_000_000
+    param_dtype: torch.dtype | None = None  # FSDP's gather dtype (mixed precision); None keeps the stored one
+    compute_dtype: torch.dtype = torch.float32  # autocast's dtype (one process, DDP, MP, each PP stage)
+    gradient_checkpointing: bool = False
+    use_reentrant: bool = False
+    # MP and PP: [first, end) decoder layers of each stage (model_parallel.plan_stages).
+    stage_bounds: tuple[tuple[int, int], ...] = ()
+    devices: tuple[str, ...] = ()  # MP: the device of each stage
+    pipeline_schedule: str = "1F1B"
+    pipeline_microbatches: int = 1
+    forward_prefetch: bool = False  # FSDP: gather the next decoder layer while this one runs forward
+    # FSDP's fsdp_cpu_ram_efficient_loading with fsdp_sync_module_states on several ranks: rank 0 loads the
+    # weights, the others build on meta and receive their shards (parallelize.load_from_rank0).
+    loads_from_rank0: bool = False
+    # How checkpoints hold the weights: FSDP may gather them (FULL_STATE_DICT); every other strategy writes shards.
+    state_dict_type: str = "SHARDED_STATE_DICT"
+
+    @property
+    def defers_gradient_sync(self) -> bool:
+        """Whether gradients are reduced only on the last micro-batch of an accumulation.
+
+        DDP and FSDP without resharding hold full gradients anyway, so deferring saves communication for free.
+        FULL_SHARD / HYBRID_SHARD reduce-scatter every micro-batch instead: deferring would keep unsharded
+        gradients for the whole accumulation, the memory FULL_SHARD was chosen to save.
+        """
+        return self.strategy == "DDP" or (self.strategy == "FSDP" and not self.reshard_after_forward)
+
+    @property
+    def places_weights_itself(self) -> bool:
+        """Whether the weights load into CPU RAM and ``parallelize`` moves them where they belong.
+
+        FSDP2 moves each unit's weights to the GPU as it shards them, MP puts each stage on its device and PP keeps
+        one stage per process: loading the whole model onto one GPU first would need the very memory these setups
+        exist to avoid (a model larger than one GPU could not start).
+        """
+        return self.strategy in ("FSDP", "MP", "PP")
+
+    @property
+    def shards_batch(self) -> bool:
+        """Whether each rank reads its own slice of the global batch (data parallel); pipeline stages read it all."""
+        return self.strategy != "PP"
+
+    def data_split(self, info: DistInfo) -> tuple[int, int]:
+        """(world size, rank) the samplers split batches over: every pipeline stage reads the whole batch."""
+        return (info.world_size, info.rank) if self.shards_batch else (1, 0)
+
+    @property
+    def sharded_grad_scaler(self) -> bool:
+        """FSDP's fp16 loss scaler (``ShardedGradScaler``), whose [1]-shaped ``found_inf`` fused AdamW refuses."""
+        return self.strategy == "FSDP" and self.compute_dtype == torch.float16
+
+    def num_devices(self, info: DistInfo) -> int:
+        """The devices the job computes on: one per process, except MP's one process driving several."""
+        return len(self.devices) if self.strategy == "MP" else info.world_size
+
+    def describe(self, info: DistInfo) -> str:
+        """The strategy in the start-up log: "a single process", "FSDP FULL_SHARD on 2 process(es)"."""
+        if self.strategy == "NO":
+            return "a single process"
+        sharding = f" {self.sharding}" if self.strategy == "FSDP" else ""
+        return f"{self.strategy}{sharding} on {info.world_size} process(es)"
+
+
+def needs_process_group(cfg: DistributedConfig) -> bool:
+    """FSDP2 needs a process group (a device mesh) even in a single process, e.g. to offload to the CPU."""
+    return cfg.distributed_type == "FSDP"
+
+
+def resolve_strategy(cfg: DistributedConfig, info: DistInfo) -> str:
+    """NO / DDP / FSDP / MP / PP: the configured one, or DDP when launched on several processes."""
+    if cfg.distributed_type is None:
+        return "DDP" if info.distributed else "NO"
+    if cfg.distributed_type == "NO" and info.distributed:
+        return "DDP"
+    return cfg.distributed_type
+
+
+def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtype | None,
+              gradient_checkpointing: bool, use_reentrant: bool,
+              compute_dtype: torch.dtype = torch.float32) -> Plan:
+    strategy = resolve_strategy(cfg, info)
+    reshard = cfg.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    if cfg.fsdp_reshard_after_forward is not None:
+        reshard = cfg.fsdp_reshard_after_forward
+    layers = tuple(c.strip() for c in (cfg.fsdp_transformer_layer_cls_to_wrap or "").split(",") if c.strip())
+    return Plan(strategy=strategy, sharding=cfg.fsdp_sharding_strategy, reshard_after_forward=reshard,
+                offload=cfg.fsdp_offload_params, wrap_policy=cfg.fsdp_auto_wrap_policy, layer_classes=layers,
+                min_num_params=cfg.fsdp_min_num_params, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                gradient_checkpointing=gradient_checkpointing or cfg.fsdp_activation_checkpointing,
+                use_reentrant=use_reentrant, pipeline_schedule=cfg.pipeline_schedule,
+                pipeline_microbatches=cfg.pipeline_microbatches,
+                state_dict_type=cfg.fsdp_state_dict_type if strategy == "FSDP" else "SHARDED_STATE_DICT",
+                forward_prefetch=cfg.fsdp_forward_prefetch,
+                loads_from_rank0=(strategy == "FSDP" and info.distributed and cfg.fsdp_cpu_ram_efficient_loading
+                                  and cfg.fsdp_sync_module_states))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under DDP and PEFT wrappers (FSDP2 wraps in place, so nothing to peel)."""
+    model = getattr(model, "module", model)  # DDP
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    return model

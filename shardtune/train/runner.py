@@ -1,0 +1,124 @@
+"""How one rank runs forward and backward: ``LocalRunner`` for one process, DDP, FSDP2 and MP.
+
+Every rank runs the whole model (FSDP2 gathers each unit as it runs; MP moves the activations between its
+devices) on its own micro-batches. The pipeline's runner (``pipeline_parallel.PipelineRunner``) has the same
+methods; ``parallelize`` returns the one the plan needs, and ``step.train_step`` calls it without knowing which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardtune.data.collate import varlen_kwargs
+from shardtune.dist import DistInfo
+from shardtune.train.export import export_final
+from shardtune.train.loss import token_loss_sum
+from shardtune.train.plan import Plan, unwrap
+
+
+def uses_varlen_attention(model: nn.Module) -> bool:
+    """Whether the model runs flash attention, which reads the batch's documents from ``varlen_kwargs``."""
+    implementation = getattr(getattr(unwrap(model), "config", None), "_attn_implementation", None) or ""
+    return implementation.startswith("flash_attention")
+
+
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, *,
+                 varlen: bool = False) -> dict[str, torch.Tensor | int]:
+    """The batch on ``device`` without its labels; with ``varlen`` (flash attention) also the documents' bounds."""
+    inputs: dict[str, torch.Tensor | int] = {k: v.to(device, non_blocking=True) for k, v in batch.items()
+                                             if k != "labels" and v is not None}
+    if varlen:
+        inputs.update(varlen_kwargs(batch["position_ids"], device))
+    return inputs
+
+
+def grad_scaler(plan: Plan, device: torch.device):
+    """fp16's loss scaler (FSDP's sharded one under FSDP); None for bf16 and fp32, which need none."""
+    if plan.compute_dtype != torch.float16:
+        return None
+    if plan.sharded_grad_scaler:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
+
+
+def grad_norm_and_clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The global gradient norm (correct for sharded DTensor gradients), clipped to ``max_norm`` when > 0."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(norm, DTensor):
+        # Each rank holds the norm of its shards: full_tensor() reduces the partial squares across ranks.
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+class LocalRunner:
+    """Runs the whole model on this rank's micro-batches; DDP and FSDP average gradients over the ranks."""
+
+    copies = 1  # each rank reads its own rows, so sums over ranks count every row once
+    flat_optimizer = False
+
+    def __init__(self, model: nn.Module, plan: Plan, info: DistInfo) -> None:
+        self.model, self.plan, self.info = model, plan, info
+        self.scaler = grad_scaler(plan, info.device)
+        self.varlen = uses_varlen_attention(model)
+
+    def _autocast(self):
+        """autocast for one process, DDP and MP; FSDP2 casts parameters itself (MixedPrecisionPolicy)."""
+        if self.plan.compute_dtype == torch.float32 or self.plan.strategy == "FSDP":
+            return contextlib.nullcontext()
+        return torch.autocast(self.info.device.type, dtype=self.plan.compute_dtype)
+
+    def _sync(self, is_last: bool):
+        """Hold back the gradient reduction on all but the last micro-batch, where that costs no memory."""
+        if not self.plan.defers_gradient_sync or not torch.distributed.is_initialized():
+            return contextlib.nullcontext()
+        if self.plan.strategy == "DDP":
+            return contextlib.nullcontext() if is_last else self.model.no_sync()
+        self.model.set_requires_gradient_sync(is_last)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], scale: float) -> torch.Tensor:
+        """Backward of ``scale`` x each micro-batch's token-loss sum; returns this rank's summed loss (fp64).
+
+        DDP and FSDP average gradients over ranks: the world size in the backward loss turns that average back
+        into the sum the global normalisation needs.
+        """
+        device = self.info.device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for i, batch in enumerate(micro_batches):
+            labels = batch["labels"].to(device, non_blocking=True)
+            with self._sync(i == len(micro_batches) - 1), self._autocast():
+                # No name holds the logits: the loss's graph frees them once its chunks' backward has run, instead
+                # of their living through the whole backward of the layers (a vocabulary-sized tensor per token).
+                micro_sum = token_loss_sum(self.model(**model_inputs(batch, device, varlen=self.varlen),
+                                                      use_cache=False).logits, labels)
+            loss = micro_sum * (self.info.world_size * scale)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += micro_sum.detach().double()
+        return loss_sum
+
+    def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The summed token loss of one eval batch (call under ``torch.no_grad``)."""
+        device = self.info.device
+        with self._autocast():
+            inputs = model_inputs(batch, device, varlen=self.varlen)
+            logits = self.model(**inputs, use_cache=False).logits
+            return token_loss_sum(logits, batch["labels"].to(device)).double()
+
+    def grad_norm_and_clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+        return grad_norm_and_clip(params, max_norm)
+
+    def export_final(self, output_dir: str | Path, tokenizer, *, is_peft: bool) -> Path | None:
+        return export_final(output_dir, self.model, tokenizer, is_peft=is_peft, info=self.info)

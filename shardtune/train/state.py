@@ -1,0 +1,90 @@
+"""``TrainState``: where a run stands, everything a checkpoint must hold to resume it exactly.
+
+The optimizer step, the epoch, the data sampler's position, the learning-rate schedule, fp16's loss scaler, and
+every random generator. It follows DCP's ``Stateful`` protocol (``state_dict`` / ``load_state_dict``); the
+checkpoint stores the plain values as JSON (``trainer_state.json``, readable and never unpickled) and each rank's
+RNG states as tensors (``rng/rank-R.pt``, loaded with ``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardtune.data.sampler import GlobalBatchSampler
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG that training draws from, as tensors and plain values (loadable with weights_only=True)."""
+    np_state = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]]}
+    if torch.cuda.is_available():
+        # Every visible GPU's generator (host-side state, no context is made): MP's stages draw dropout masks on
+        # their own devices.
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_all"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy(), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        if len(state.get("cuda_all", ())) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(state["cuda_all"])
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class TrainState:
+    """The run's position: ``step`` (optimizer steps done), ``epoch`` (epochs completed, the sampler's next one),
+    the sampler, scheduler and loss scaler. ``last_stats`` (the last step's) is not saved."""
+
+    def __init__(self, sampler: GlobalBatchSampler, scheduler, scaler, max_steps: int) -> None:
+        self.sampler, self.scheduler, self.scaler = sampler, scheduler, scaler
+        self.max_steps = max_steps
+        self.step = 0
+        self.epoch = 0
+        self.last_stats = None
+
+    @property
+    def global_step(self) -> int:
+        """Transformers' name for ``step``, for callbacks written against ``TrainerState``."""
+        return self.step
+
+    @property
+    def epochs_done(self) -> float:
+        """Epochs trained so far, as Transformers counts them: 2.5 halfway through the third; 5.0 at the end of the
+        fifth. The sampler's epoch is the one the last step belongs to, also after the loop counted it done."""
+        sampler = self.sampler
+        return round(sampler.epoch + sampler.step_in_epoch / sampler.steps_per_epoch, 4)
+
+    def epoch_batches(self) -> Iterator[list[list[int]]]:
+        """The rows of each remaining step of the current epoch (a resumed run starts where it stopped)."""
+        self.sampler.set_epoch(self.epoch)
+        return iter(self.sampler)
+
+    def end_epoch_if_complete(self) -> None:
+        """After the run's last step: count the epoch as done when that step was also the epoch's last."""
+        if self.sampler.step_in_epoch == self.sampler.steps_per_epoch:
+            self.epoch += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epochs_done, "sampler": self.sampler.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        # Epochs completed, from where the sampler stopped: a checkpoint taken at an epoch's last step (save_steps
+        # or the run's last step) resumes with the next epoch, whichever strategy wrote it.
+        self.epoch = self.sampler.epoch + int(self.sampler.step_in_epoch == self.sampler.steps_per_epoch)
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

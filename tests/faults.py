@@ -1,0 +1,127 @@
+"""Fault injection for the test suite, plugged into real training jobs as callbacks (``--callbacks``).
+
+The trainer carries no test hooks: a test names ``tests.faults:Faults`` (and puts the repository on PYTHONPATH, so
+every process torchrun starts can import it) and says where the fault strikes in an environment variable:
+
+- ``FAULT_STEP=hang:STEP:RANK`` sleeps forever when that rank begins step STEP; ``die:STEP:RANK`` exits with 17.
+- ``FAULT_SAVE=POINT:STEP[:RANK[:HOW]]``: POINT ``after_save`` (the checkpoint of step STEP is complete) or
+  ``during_save`` (its tensors are written, its manifest not yet) SIGKILLs the rank(s); HOW ``TERM`` sends SIGTERM
+  instead, ``TERM-LAUNCHER`` sends it to the launcher. POINT ``write_full`` (rank 0 writing a FULL_STATE_DICT
+  checkpoint) with HOW ``ENOSPC`` fails as a full disk does, with ``INT`` the rank gets SIGINT (Ctrl-C) there.
+- ``FAULT_LOGITS=PATH``: at the end of training, the trained model's logits on a fixed input go to PATH (every rank
+  runs the forward, as FSDP must gather; rank 0 writes).
+
+Faults strike on the first attempt of an elastic job only, so a restarted job runs through.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+import shardtune.train.checkpoint as checkpoint
+
+CALLBACK = "tests.faults:Faults"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fault_env(**faults: str) -> dict[str, str]:
+    """The environment a job needs for ``faults`` (FAULT_STEP=..., FAULT_SAVE=..., FAULT_LOGITS=...)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, **{f"FAULT_{k.upper()}": v for k, v in faults.items()}}
+
+
+def _first_attempt() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def _parse(spec: str) -> tuple[str, int, int | None, str]:
+    point, step, rank, how = (spec.split(":") + ["", "", "", ""])[:4]
+    return point, int(step), int(rank) if rank else None, how
+
+
+class Faults:
+    """One fault of each kind the environment names (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.step_fault = _parse(os.environ["FAULT_STEP"]) if os.environ.get("FAULT_STEP") else None
+        self.save_fault = _parse(os.environ["FAULT_SAVE"]) if os.environ.get("FAULT_SAVE") else None
+        self.logits_path = os.environ.get("FAULT_LOGITS")
+
+    def _mine(self, fault, step: int) -> bool:
+        return fault is not None and fault[1] == step and fault[2] in (None, self.rank) and _first_attempt()
+
+    def on_train_begin(self, args, state, control, *, info, **kwargs) -> None:
+        self.rank, self.state = info.rank, state
+        if self.save_fault and self.save_fault[0] in ("during_save", "write_full"):
+            self._patch_checkpoint_writes()
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if not self._mine(self.step_fault, state.step + 1):
+            return
+        if self.step_fault[0] == "hang":
+            # A rank stuck in its work, which the launcher's SIGTERM ends (the trainer's handler would only set a
+            # flag for a step that never ends).
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(10**6)
+        elif self.step_fault[0] == "die":
+            os._exit(17)
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        if self.save_fault and self.save_fault[0] == "after_save" and self._mine(self.save_fault, state.step):
+            _strike(self.save_fault[3])
+
+    def on_train_end(self, args, state, control, *, model, **kwargs) -> None:
+        if self.logits_path:
+            _dump_logits(model, self.logits_path if self.rank == 0 else os.devnull)
+
+    def _patch_checkpoint_writes(self) -> None:
+        """Make the checkpoint writer fail at the named point: these are the seams where a save is half done."""
+        point, _, _, how = self.save_fault
+        if point == "during_save":  # each rank's RNG file is written after the tensors, before the manifest
+            original = checkpoint.rng_state
+
+            def rng_state():
+                if self._mine(self.save_fault, self.state.step):
+                    _strike(how)
+                return original()
+
+            checkpoint.rng_state = rng_state
+        else:
+            original_write = checkpoint._write_full
+
+            def write_full(folder, *states):
+                if self._mine(self.save_fault, self.state.step):
+                    if how == "ENOSPC":
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "model.safetensors"))
+                    _strike(how)
+                return original_write(folder, *states)
+
+            checkpoint._write_full = write_full
+
+
+def _strike(how: str) -> None:
+    if how == "INT":  # Ctrl-C where only this rank gets it: Python raises KeyboardInterrupt right here
+        os.kill(os.getpid(), signal.SIGINT)
+    elif how == "TERM":  # what a scheduler sends this process before preemption
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif how == "TERM-LAUNCHER":  # ... or the launcher, which forwards it to every worker
+        os.kill(os.getppid(), signal.SIGTERM)
+    else:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _dump_logits(model: torch.nn.Module, path: str) -> None:
+    """The logits of the trained model in memory on a fixed input, to compare exports against."""
+    ids = torch.arange(3, 35, dtype=torch.long).reshape(2, 16).to(next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    model.train(was_training)
+    torch.save({"input_ids": ids.cpu(), "logits": logits.cpu()}, path)
