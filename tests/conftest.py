@@ -1,4 +1,5 @@
 import json
+import logging
 import warnings
 
 import pytest
@@ -24,3 +25,18 @@ def config_dir(tmp_path):
         return str(folder)
 
     return make
+
+
+@pytest.fixture
+def restore_logging():
+    """``train`` in this process sets up logging and warning filters as a training process does: undo it, so
+    the tests after these see the interpreter as it was."""
+    saved = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
+                    logging.getLogger(name).propagate) for name in ("shardtune", "bitsandbytes")}
+    with warnings.catch_warnings():
+        yield
+    for name, (level, handlers, propagate) in saved.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+        logger.propagate = propagate

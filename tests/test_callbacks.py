@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import logging
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,18 +19,8 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "callbacks.md"
 
 
 @pytest.fixture(autouse=True)
-def restore_logging():
-    """``train`` in this process sets up logging and warning filters as a training process does: undo it, so
-    the tests after these see the interpreter as it was."""
-    saved = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
-                    logging.getLogger(name).propagate) for name in ("shardtune", "bitsandbytes")}
-    with warnings.catch_warnings():
-        yield
-    for name, (level, handlers, propagate) in saved.items():
-        logger = logging.getLogger(name)
-        logger.setLevel(level)
-        logger.handlers[:] = handlers
-        logger.propagate = propagate
+def _restore(restore_logging):
+    """These tests run ``train`` in this process."""
 
 
 @pytest.fixture(scope="module")

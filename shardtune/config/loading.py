@@ -48,6 +48,9 @@ def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         text = path.read_text()
     except OSError as exc:
         raise UsageError(f"cannot read config file {path}: {exc.strerror}; check the path") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not a YAML text file (byte {exc.start} is not UTF-8); give the recipe "
+                         f"itself") from None
     try:
         node = yaml.compose(text)
         data = yaml.safe_load(text)

@@ -18,8 +18,9 @@ the checkpoint and the cause. A failed write is an OSError naming the file, also
 said it in their own words (``errors.writing``), so the trainer reports it in one line.
 A resumed run appends to ``metrics.jsonl`` after dropping the records past the checkpoint's step (a killed run
 logged steps that the resumed run redoes), so every step appears once, with the loss of the run that kept it.
-Nothing is unpickled: DCP and safetensors read tensors, ``.pt`` files load with ``weights_only=True``, the rest is
-JSON and YAML.
+Loading runs no code from the files (``safe_load.py``): DCP's metadata is unpickled through an allow-list of the
+classes DCP writes, its non-tensor values and every ``.pt`` file load with ``weights_only=True``, safetensors holds
+tensors only, and the rest is JSON and YAML (``yaml.safe_load``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from shardtune.dist import DistInfo, RankFailed, run_and_share
 from shardtune.errors import TrainingStopped, UsageError, first_line, writing
 from shardtune.train.layout import MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, resume_problem
 from shardtune.train.plan import Plan
+from shardtune.train.safe_load import load_dcp, load_pt, load_safetensors, read_json
 from shardtune.train.state import TrainState, rng_state, set_rng_state
 
 log = logging.getLogger("shardtune")
@@ -178,9 +180,7 @@ def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
 
 
 def _read_full(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from safetensors.torch import load_file
-
-    return load_file(path / "model.safetensors"), torch.load(path / "optimizer.pt", weights_only=True)
+    return load_safetensors(path / "model.safetensors"), load_pt(path / "optimizer.pt")
 
 
 def _read_full_on_rank0(path: Path, info: DistInfo) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -195,7 +195,7 @@ def _read_full_on_rank0(path: Path, info: DistInfo) -> tuple[dict[str, torch.Ten
 def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, trainable_only: bool,
                     info: DistInfo) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG from ``path``; returns the trainer state."""
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = read_json(path / MANIFEST)
     if manifest.get("trainable_only", trainable_only) != trainable_only:
         saved = "LoRA adapters only" if manifest["trainable_only"] else "all weights"
         raise UsageError(f"resume_from_checkpoint={path}: the checkpoint holds {saved}, this run "
@@ -210,18 +210,18 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
         options = state_dict_options(trainable_only, flat_optimizer=manifest.get("flat_optimizer", False))
         state = {"model": get_model_state_dict(model, options=options),
                  "optim": get_optimizer_state_dict(model, optimizer, options=options)}
-        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not info.distributed)
+        load_dcp(state, path / "dcp", no_dist=not info.distributed)
         model_state, optim_state = state["model"], state["optim"]
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optimizer, optim_state, options=options)
     rng_file = path / "rng" / f"rank-{info.rank}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        set_rng_state(load_pt(rng_file))
     if manifest["world_size"] != info.world_size:
         log.warning("resuming a %d-process checkpoint on %d processes: weights and optimizer are resharded; "
                     "the data order is kept (same global batch), random draws such as dropout masks differ",
                     manifest["world_size"], info.world_size)
-    return json.loads((path / "trainer_state.json").read_text())
+    return read_json(path / "trainer_state.json")
 
 
 def trim_metrics(output_dir: str | Path, step: int) -> int:

@@ -8,13 +8,11 @@ nothing half-written; a failed write names its file (``errors.writing``).
 from __future__ import annotations
 
 import errno
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -23,6 +21,7 @@ from shardtune.errors import UsageError, writing
 from shardtune.train.checkpoint import FULL, SHARDED, state_dict_options
 from shardtune.train.layout import MANIFEST, checkpoint_folder_problem
 from shardtune.train.plan import unwrap
+from shardtune.train.safe_load import load_dcp, load_safetensors, read_json
 
 
 def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor], tokenizer, is_peft: bool, *,
@@ -89,7 +88,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
         raise UsageError(problem)
     overrides = ["--model_name_or_path", base] if base else []
     cfg = load_train_config([str(path / "config.yaml"), *overrides])
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = read_json(path / MANIFEST)
     is_peft = bool(manifest["trainable_only"])
     try:
         tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data,
@@ -103,12 +102,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
         model = apply_lora(model, cfg.lora, seed=cfg.run.seed)
     options = state_dict_options(is_peft)
     if manifest.get("state_dict_type", SHARDED) == FULL:
-        from safetensors.torch import load_file
-
-        state = load_file(path / "model.safetensors")
+        state = load_safetensors(path / "model.safetensors")
     else:
         state = {"model": get_model_state_dict(model, options=options)}
-        dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=True)
+        load_dcp(state, path / "dcp", no_dist=True)
         state = state["model"]
     set_model_state_dict(model, state, options=options)
     return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft)
