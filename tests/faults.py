@@ -6,7 +6,8 @@ every process torchrun starts can import it) and says where the fault strikes in
 - ``FAULT_STEP=hang:STEP:RANK`` sleeps forever when that rank begins step STEP; ``die:STEP:RANK`` exits with 17.
 - ``FAULT_SAVE=POINT:STEP[:RANK[:HOW]]``: POINT ``after_save`` (the checkpoint of step STEP is complete) or
   ``during_save`` (its tensors are written, its manifest not yet) SIGKILLs the rank(s); HOW ``TERM`` sends SIGTERM
-  instead, ``TERM-LAUNCHER`` sends it to the launcher. POINT ``write_full`` (rank 0 writing a FULL_STATE_DICT
+  instead, ``TERM-LAUNCHER`` sends it to the launcher, ``TRUNCATE`` cuts the checkpoint's first shard to half its
+  size and then SIGKILLs (a disk that lost the end of a file). POINT ``write_full`` (rank 0 writing a FULL_STATE_DICT
   checkpoint) with HOW ``ENOSPC`` fails as a full disk does, with ``INT`` the rank gets SIGINT (Ctrl-C) there.
 - ``FAULT_LOGITS=PATH``: at the end of training, the trained model's logits on a fixed input go to PATH (every rank
   runs the forward, as FSDP must gather; rank 0 writes).
@@ -72,8 +73,12 @@ class Faults:
         elif self.step_fault[0] == "die":
             os._exit(17)
 
-    def on_save(self, args, state, control, **kwargs) -> None:
+    def on_save(self, args, state, control, *, checkpoint, **kwargs) -> None:
         if self.save_fault and self.save_fault[0] == "after_save" and self._mine(self.save_fault, state.step):
+            if self.save_fault[3] == "TRUNCATE":
+                shard = min(Path(checkpoint).glob("dcp/*.distcp"))
+                with shard.open("r+b") as f:
+                    f.truncate(shard.stat().st_size // 2)
             _strike(self.save_fault[3])
 
     def on_train_end(self, args, state, control, *, model, **kwargs) -> None:

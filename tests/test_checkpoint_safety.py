@@ -7,7 +7,9 @@ optimizer.pt); resume and export must then stop with one line naming the file an
 
 from __future__ import annotations
 
+import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 
 from shardtune.config import load_train_config
 from shardtune.errors import UsageError
+from shardtune.train.safe_load import file_digests
 from tests.trainutil import write_chat_data
 
 
@@ -96,6 +99,10 @@ def test_a_planted_pickle_in_any_checkpoint_file_never_runs(tmp_path, runs, run,
         planted = tmp_path / "planted" / str(relative).replace("/", "_")
         shutil.copytree(source, planted)
         (planted / relative).write_bytes(pickle.dumps(Planted(marker)))
+        if relative.name != "manifest.json":  # an attacker rewrites the manifest too: it is a checksum, no signature
+            manifest = json.loads((planted / "manifest.json").read_text())
+            manifest["files"] = file_digests(planted, skip="manifest.json")
+            (planted / "manifest.json").write_text(json.dumps(manifest))
         # export reads the config, the manifest and the weights; resume reads every file.
         try:
             export_checkpoint(planted, tmp_path / "exported")
@@ -109,5 +116,45 @@ def test_a_planted_pickle_in_any_checkpoint_file_never_runs(tmp_path, runs, run,
             refused_by_resume += 1
             assert "\n" not in str(exc) and (str(relative.name) in str(exc) or str(planted) in str(exc)), str(exc)
         assert not marker.exists(), f"a pickle planted in {relative} ran"
-    # Every file a resume needs was refused (config.yaml is the saved copy; the run uses its own config).
+    # Every file a resume reads was refused by its loader (config.yaml is the saved copy; the run uses its own).
     assert refused_by_resume == len(files) - 1
+
+
+def flip_bytes(path: Path, count: int = 64) -> None:
+    """Invert ``count`` bytes in the middle of ``path`` (inside a tensor's data), keeping its size."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(b ^ 0xFF for b in data[middle:middle + count])
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_are_found_and_resume_true_takes_the_checkpoint_before(tmp_path, runs, restore_logging):
+    """64 flipped bytes inside a saved LoRA tensor (once: loss frozen at 6.2, final/ up to 9.9e36, exit 0): named
+    when the checkpoint is asked for, skipped with a warning by resume_from_checkpoint true, whose run then gives
+    the uninterrupted run's losses from the checkpoint before."""
+    from shardtune.train.export import export_checkpoint
+    from shardtune.train.loop import train
+
+    steps = ["--max_steps", "4", "--save_steps", "2", "--logging_steps", "1"]
+    train(load_train_config(args(runs, "reference", *LORA, *steps)))
+    reference = runs / "reference"
+    manifest = json.loads((reference / "checkpoints" / "step-4" / "manifest.json").read_text())
+    assert all(len(entry["sha256"]) == 64 for entry in manifest["files"].values())
+    damaged = tmp_path / "damaged"
+    shutil.copytree(reference, damaged)
+    shutil.rmtree(damaged / "final")
+    shard = next((damaged / "checkpoints" / "step-4" / "dcp").glob("*.distcp"))
+    flip_bytes(shard)
+
+    named = args(runs, "named", *LORA, *steps, "--resume_from_checkpoint", str(shard.parents[1]))
+    with pytest.raises(UsageError, match=re.escape(f"{shard} has changed since it was saved")):
+        train(load_train_config(named))
+    with pytest.raises(UsageError, match=r"has changed since it was saved \(.*\); export an earlier checkpoint"):
+        export_checkpoint(shard.parents[1], tmp_path / "exported")
+
+    summary = train(load_train_config([*args(runs, "x", *LORA, *steps, "--resume_from_checkpoint", "true"),
+                                       "--output_dir", str(damaged)]))
+    assert summary["resumed_from_step"] == 2  # step-4 was skipped
+    read = lambda out: {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                        if "loss" in r}  # noqa: E731
+    assert read(damaged) == read(reference)  # steps 3 and 4 again, bitwise as the uninterrupted run

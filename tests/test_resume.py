@@ -156,6 +156,18 @@ def test_elastic_restart_resumes_from_newest_complete_checkpoint(work: Path, lor
     assert_same_losses(work / "elastic", lora_ref)
 
 
+def test_elastic_restart_skips_a_damaged_newest_checkpoint(work: Path, lora_ref: Path) -> None:
+    # Step-4 is complete but its first shard loses its second half, and rank 0 dies: the restarted workers find
+    # step-4 damaged against its manifest, say so, and go on from step-2 with the uninterrupted run's losses.
+    proc = shardtune(work, "elastic_cut", "--distributed_type", "FSDP", *LORA, "--resume_from_checkpoint", "true",
+                     fault="after_save:4:0:TRUNCATE", launcher=("--max_restarts", "1"))
+    ok(proc)
+    log = (work / "elastic_cut.log").read_text()
+    assert "resume_from_checkpoint=true: skipping step-4: elastic_cut/checkpoints/step-4/dcp/__0_0.distcp has " in log
+    assert "resumed from elastic_cut/checkpoints/step-2 at step 2" in log
+    assert_same_losses(work / "elastic_cut", lora_ref)
+
+
 def test_two_process_checkpoint_resumes_on_one_process(work: Path, lora_ref: Path) -> None:
     # Same global batch (2 x 4 x 1 = 2 x 2 x 2): the same rows per step; dropout masks differ on 1 process.
     proc = shardtune(work, "one_proc", "--distributed_type", "NO", *LORA, "--gradient_accumulation_steps", "4",

@@ -9,7 +9,9 @@ A checkpoint ``output_dir/checkpoints/step-N/`` holds:
 - ``rng/rank-R.pt``: each rank's RNG states (dropout must draw the same masks after resume), tensors only;
 - ``trainer_state.json``: step, epochs done (a float, as in Transformers), the data sampler's position, scheduler
   and gradient-scaler state;
-- ``config.yaml``: the resolved config; ``manifest.json``: written last, lists what a complete checkpoint holds.
+- ``config.yaml``: the resolved config; ``manifest.json``: written last, lists what a complete checkpoint holds,
+  with the size and SHA-256 of every other file: a checkpoint is checked against it before it loads, a damaged
+  one is refused in one line naming the file, and ``resume_from_checkpoint true`` takes the newest intact one.
 Everything is written into ``.tmp-step-N`` and renamed once every rank has finished, so a ``step-N`` folder is
 always complete; a leftover ``.tmp-*`` (a save that was killed) is ignored with a warning. A write that fails
 (disk full, no permission) or is interrupted (Ctrl-C on rank 0) removes the temporary folder and stops every rank at
@@ -45,11 +47,11 @@ from shardtune.dist import DistInfo, RankFailed, run_and_share
 from shardtune.errors import TrainingStopped, UsageError, first_line, writing
 from shardtune.train.layout import MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, resume_problem
 from shardtune.train.plan import Plan
-from shardtune.train.safe_load import load_dcp, load_pt, load_safetensors, read_json
+from shardtune.train.safe_load import damage, file_digests, load_dcp, load_pt, load_safetensors, read_json
 from shardtune.train.state import TrainState, rng_state, set_rng_state
 
 log = logging.getLogger("shardtune")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest lists every file with its size and SHA-256
 SHARDED, FULL = "SHARDED_STATE_DICT", "FULL_STATE_DICT"
 
 
@@ -87,9 +89,11 @@ def _fresh_folder(tmp: Path) -> None:
 
 def _complete(tmp: Path, final: Path, trainer_state: dict[str, Any], config_yaml: str,
               manifest: dict[str, Any]) -> None:
-    """Rank 0, once every rank has written its part: the small files, the manifest last, then the rename."""
+    """Rank 0, once every rank has written its part: the small files, the manifest last (with every other file's
+    size and SHA-256, so damage is found before a load), then the rename."""
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
     (tmp / "config.yaml").write_text(config_yaml)
+    manifest = {**manifest, "files": file_digests(tmp, skip=MANIFEST)}
     (tmp / MANIFEST).write_text(json.dumps(manifest))
     if final.exists():
         shutil.rmtree(final)
@@ -162,8 +166,26 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
-    """``resume_from_checkpoint``: a folder, or true for the newest complete checkpoint in ``output_dir``."""
+def checkpoint_damage(path: Path, info: DistInfo | None = None) -> str | None:
+    """What in checkpoint ``path`` differs from its manifest (one line), or None. Rank 0 reads the files and tells
+    the others. A checkpoint written before manifests listed their files (format 1) cannot be checked: None."""
+    problem: list[str | None] = [None]
+    if info is None or info.is_main:
+        digests = read_json(path / MANIFEST).get("files")
+        problem[0] = damage(path, digests) if digests is not None else None
+    if info is not None and info.distributed:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(problem, src=0)
+    return problem[0]
+
+
+def resolve_resume(spec: str | None, output_dir: str | Path, info: DistInfo | None = None) -> Path | None:
+    """``resume_from_checkpoint``: a folder, or true for the newest intact checkpoint in ``output_dir``.
+
+    A damaged checkpoint (a file cut short, changed or missing against its manifest) is refused when named; with
+    true, the newest one before it is taken, with a warning naming what was wrong.
+    """
     if spec is None or str(spec).lower() in RESUME_OFF:
         return None
     if str(spec).lower() in RESUME_NEWEST:
@@ -172,8 +194,17 @@ def resolve_resume(spec: str | None, output_dir: str | Path) -> Path | None:
             log.warning("resume_from_checkpoint=true: no complete checkpoint in %s; starting from scratch",
                         checkpoints_dir(output_dir))
             return None
-        return found[-1]
+        for path in reversed(found):
+            problem = checkpoint_damage(path, info)
+            if problem is None:
+                return path
+            log.warning("resume_from_checkpoint=true: skipping %s: %s", path.name, problem)
+        raise UsageError(f"resume_from_checkpoint=true: every checkpoint in {checkpoints_dir(output_dir)} is damaged "
+                         f"(the oldest: {problem}); start afresh with resume_from_checkpoint false")
     problem = resume_problem(str(spec), f"resume_from_checkpoint={spec}")
+    if problem is None:
+        damaged = checkpoint_damage(Path(spec), info)
+        problem = damaged and f"resume_from_checkpoint={spec}: {damaged}; resume from an earlier checkpoint"
     if problem:
         raise UsageError(problem)
     return Path(spec)
@@ -291,7 +322,7 @@ class Checkpointer:
 
     def resume(self) -> Path | None:
         """Restore model, optimizer and ``state`` from ``resume_from_checkpoint`` when it names one."""
-        path = resolve_resume(self.settings.resume_from_checkpoint, self.out)
+        path = resolve_resume(self.settings.resume_from_checkpoint, self.out, self.info)
         if path is None:
             return None
         trainer_state = load_checkpoint(path, model=self.model, optimizer=self.optimizer,

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
-from shardtune.train.checkpoint import FULL, SHARDED, state_dict_options
+from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
 from shardtune.train.layout import MANIFEST, checkpoint_folder_problem
 from shardtune.train.plan import unwrap
 from shardtune.train.safe_load import load_dcp, load_safetensors, read_json
@@ -88,6 +88,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
         raise UsageError(problem)
     overrides = ["--model_name_or_path", base] if base else []
     cfg = load_train_config([str(path / "config.yaml"), *overrides])
+    if damaged := checkpoint_damage(path):
+        raise UsageError(f"{checkpoint}: {damaged}; export an earlier checkpoint")
     manifest = read_json(path / MANIFEST)
     is_peft = bool(manifest["trainable_only"])
     try:

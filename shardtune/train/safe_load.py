@@ -153,3 +153,33 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError) as exc:
         raise UnsafeCheckpoint(f"{path}: cannot be read ({first_line(str(exc))}); the checkpoint is damaged: resume "
                                f"from another checkpoint") from None
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def file_digests(folder: Path, *, skip: str) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file under ``folder`` but ``skip`` (the manifest that will hold them)."""
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != skip}
+
+
+def damage(folder: Path, digests: dict[str, dict[str, Any]]) -> str | None:
+    """What in ``folder`` differs from the manifest's ``digests`` (one line naming the file), or None if intact."""
+    for name, want in digests.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            return f"{path} has {size} bytes, {want['bytes']} were saved (cut short or overwritten)"
+        if _sha256(path) != want["sha256"]:
+            return f"{path} has changed since it was saved (its SHA-256 differs from the manifest's)"
+    return None
