@@ -116,8 +116,8 @@ def test_a_planted_pickle_in_any_checkpoint_file_never_runs(tmp_path, runs, run,
             refused_by_resume += 1
             assert "\n" not in str(exc) and (str(relative.name) in str(exc) or str(planted) in str(exc)), str(exc)
         assert not marker.exists(), f"a pickle planted in {relative} ran"
-    # Every file a resume reads was refused by its loader (config.yaml is the saved copy; the run uses its own).
-    assert refused_by_resume == len(files) - 1
+    # Resume reads every file (config.yaml to compare the saved settings with the new ones): each was refused.
+    assert refused_by_resume == len(files)
 
 
 def flip_bytes(path: Path, count: int = 64) -> None:
@@ -158,3 +158,34 @@ def test_flipped_bytes_are_found_and_resume_true_takes_the_checkpoint_before(tmp
     read = lambda out: {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                         if "loss" in r}  # noqa: E731
     assert read(damaged) == read(reference)  # steps 3 and 4 again, bitwise as the uninterrupted run
+
+
+def test_resume_applies_a_new_learning_rate_and_refuses_new_lora_targets(tmp_path, runs, restore_logging, capfd):
+    """A changed learning_rate takes effect from the resumed step and is logged (it used to be written to
+    config.yaml while the schedule kept the old one); changed LoRA targets are refused in one line naming both
+    values, before config.yaml is touched."""
+    from shardtune.train.loop import train
+
+    steps = ["--max_steps", "4", "--save_steps", "2", "--logging_steps", "1", "--learning_rate", "1e-3",
+             "--lr_scheduler_type", "constant"]
+    first = tmp_path / "first"
+    train(load_train_config([*args(runs, "x", *LORA, *steps), "--output_dir", str(first)]))
+    step_2 = str(first / "checkpoints" / "step-2")
+
+    moved = [*args(runs, "x", *LORA, *steps, "--resume_from_checkpoint", step_2, "--learning_rate", "5e-3"),
+             "--output_dir", str(tmp_path / "faster")]
+    capfd.readouterr()
+    train(load_train_config(moved))
+    said = capfd.readouterr().err  # the trainer logs to stderr, as its processes do
+    assert "resume: learning_rate changed from 0.001 to 0.005; the new value takes effect from here" in said
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "faster" / "metrics.jsonl").read_text().splitlines())
+           if "lr" in r}
+    assert lrs == {3: 5e-3, 4: 5e-3}
+
+    saved_config = (first / "config.yaml").read_bytes()
+    retargeted = [*args(runs, "x", "--use_peft_lora", "True", "--lora_r", "4", "--lora_target_modules", "q_proj",
+                        *steps, "--resume_from_checkpoint", "true"), "--output_dir", str(first)]
+    with pytest.raises(UsageError, match=re.escape("lora_target_modules was 'q_proj,v_proj' when the checkpoint "
+                                                   "was saved and is 'q_proj' now")):
+        train(load_train_config(retargeted))
+    assert (first / "config.yaml").read_bytes() == saved_config

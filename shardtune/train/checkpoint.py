@@ -42,11 +42,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from shardtune.config import TrainConfig
+from shardtune.config import TrainConfig, load_train_config
 from shardtune.dist import DistInfo, RankFailed, run_and_share
 from shardtune.errors import TrainingStopped, UsageError, first_line, writing
 from shardtune.train.layout import MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, resume_problem
 from shardtune.train.plan import Plan
+from shardtune.train.resume import apply_learning_rate, check_resume
 from shardtune.train.safe_load import damage, file_digests, load_dcp, load_pt, load_safetensors, read_json
 from shardtune.train.state import TrainState, rng_state, set_rng_state
 
@@ -301,6 +302,19 @@ def write_fix(exc: BaseException, out: Path) -> str:
     return f"free disk space or fix the permissions under {out}, or point output_dir elsewhere"
 
 
+def resume_point(cfg: TrainConfig, info) -> Path | None:
+    """The checkpoint this run resumes from (None for a fresh run), checked against the new config before
+    anything is written: damaged files and settings the checkpoint is tied to are refused in one line."""
+    path = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.run.output_dir, info)
+    if path is None:
+        return None
+    old = load_train_config([str(path / "config.yaml")])
+    saved_world = 1 if old.distributed.distributed_type == "PP" else int(read_json(path / MANIFEST)["world_size"])
+    world = 1 if cfg.distributed.distributed_type == "PP" else info.world_size
+    check_resume(path, old, cfg, saved_world=saved_world, world=world)
+    return path
+
+
 class Checkpointer:
     """Saves when ``save_strategy`` says so, resumes a run, and remembers the last complete checkpoint."""
 
@@ -311,6 +325,7 @@ class Checkpointer:
         self.config_yaml = yaml.safe_dump(cfg.to_flat(), sort_keys=False)
         self.info, self.plan, self.model, self.optimizer, self.state = info, plan, model, optimizer, state
         self.trainable_only = cfg.lora.use_peft_lora
+        self.learning_rate = cfg.optim.learning_rate
         self.flat_optimizer = flat_optimizer
         self.resumed_from: Path | None = None
         self.last: str | None = None
@@ -320,14 +335,15 @@ class Checkpointer:
             return at_epoch_end
         return self.settings.save_strategy == "steps" and not at_epoch_end and step % self.settings.save_steps == 0
 
-    def resume(self) -> Path | None:
-        """Restore model, optimizer and ``state`` from ``resume_from_checkpoint`` when it names one."""
-        path = resolve_resume(self.settings.resume_from_checkpoint, self.out, self.info)
+    def resume(self, path: Path | None) -> Path | None:
+        """Restore model, optimizer and ``state`` from ``path`` (``resume_point``'s answer), if any."""
         if path is None:
             return None
         trainer_state = load_checkpoint(path, model=self.model, optimizer=self.optimizer,
                                         trainable_only=self.trainable_only, info=self.info)
         self.state.load_state_dict(trainer_state)
+        if load_train_config([str(path / "config.yaml")]).optim.learning_rate != self.learning_rate:
+            apply_learning_rate(self.optimizer, self.state.scheduler, self.learning_rate)
         if self.info.is_main:
             # A killed run may have logged steps after its last checkpoint: this run logs them again.
             dropped = trim_metrics(self.out, self.state.step)

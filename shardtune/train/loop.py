@@ -24,7 +24,7 @@ from shardtune.config import TrainConfig, save_resolved
 from shardtune.dist import DistInfo, RankFailed, all_reduce_sum, init_distributed, shutdown
 from shardtune.errors import TrainingStopped, first_line
 from shardtune.train.callbacks import CallbackList, load_callbacks
-from shardtune.train.checkpoint import Checkpointer, write_failure, write_fix
+from shardtune.train.checkpoint import Checkpointer, resume_point, write_failure, write_fix
 from shardtune.train.evaluate import Evaluator
 from shardtune.train.job import Job, make_job
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
@@ -93,6 +93,7 @@ def train(cfg: TrainConfig, callbacks: Sequence[Any] = (), *,
 
 def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bounds) -> dict[str, Any]:
     named = load_callbacks(cfg.run.callbacks)  # a bad name stops the run before anything is written
+    resume = resume_point(cfg, info)  # so does a damaged checkpoint, or a setting it cannot change
     out = Path(cfg.run.output_dir)
     if info.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +102,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     job = make_job(cfg, info, stage_bounds)
     checkpointer = Checkpointer(cfg, job.info, job.plan, job.model, job.optimizer, job.state,
                                 flat_optimizer=job.runner.flat_optimizer)
-    checkpointer.resume()
+    checkpointer.resume(resume)
     start_step = job.state.step  # what this run adds is counted from here
     metrics = MetricsLog(out, job.info, tensorboard=cfg.run.report_to == "tensorboard",
                          strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps)

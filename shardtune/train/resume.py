@@ -1,0 +1,79 @@
+"""What a resumed run may change: the checkpoint's config against the new one, before anything is written.
+
+The trained weights, the optimizer's moments and the data position only mean something for the model, adapters and
+data they were made with: changing those on resume is refused in one line naming the key and both values. The
+rest (learning rate, max_steps, the logging, eval and save cadence, ...) takes effect and is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from shardtune.config import TrainConfig
+from shardtune.errors import UsageError
+
+log = logging.getLogger("shardtune")
+
+# What the checkpoint's tensors and data position are tied to.
+FIXED = ("model_name_or_path", "use_peft_lora", "use_4bit_quantization", "lora_r", "lora_target_modules",
+         "dataset_name", "max_seq_len", "packing", "seed")
+LORA_ONLY = ("lora_r", "lora_target_modules")
+
+
+def _same_model(old: Any, new: Any) -> bool:
+    """Two model names: equal as written, or the same local folder reached by two paths."""
+    if old == new:
+        return True
+    old_path, new_path = Path(str(old)).expanduser(), Path(str(new)).expanduser()
+    return old_path.exists() and new_path.exists() and old_path.resolve() == new_path.resolve()
+
+
+def global_batch(values: dict[str, Any], data_world: int) -> int:
+    return int(values["per_device_train_batch_size"]) * int(values["gradient_accumulation_steps"]) * data_world
+
+
+def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, saved_world: int, world: int) -> list[str]:
+    """Refuse a resume from ``checkpoint`` (saved with the config ``saved``) that changes what it is tied to;
+    return the changed keys, which take effect.
+
+    ``saved_world`` / ``world``: how many ranks split each global batch then and now (pipeline stages read it
+    whole, so they count as one).
+    """
+    old, new = saved.to_flat(), cfg.to_flat()
+    label = f"resume_from_checkpoint={checkpoint}"
+    for key in FIXED:
+        if key in LORA_ONLY and not old["use_peft_lora"]:
+            continue
+        same = _same_model(old.get(key), new.get(key)) if key == "model_name_or_path" else old.get(key) == new.get(key)
+        if not same:
+            raise UsageError(f"{label}: {key} was {old.get(key)!r} when the checkpoint was saved and is "
+                             f"{new.get(key)!r} now; its weights, optimizer state and data position belong to "
+                             f"the first. Set {key} back, or start a new run in another output_dir")
+    before, now = global_batch(old, saved_world), global_batch(new, world)
+    if before != now:
+        raise UsageError(f"{label}: the global batch was {before} rows per step (per_device_train_batch_size x "
+                         f"gradient_accumulation_steps x {saved_world} process(es)) and is {now} now; the data "
+                         f"position counts steps of the first. Keep the global batch, e.g. with "
+                         f"gradient_accumulation_steps")
+    ignore = {"resume_from_checkpoint", "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
+              "num_processes", "num_machines", "distributed_type"}
+    changed = [k for k in new if k not in ignore and k not in FIXED and old.get(k) != new.get(k)]
+    for key in changed:
+        log.info("resume: %s changed from %r to %r; the new value takes effect from here", key, old.get(key),
+                 new.get(key))
+    return changed
+
+
+def apply_learning_rate(optimizer, scheduler, learning_rate: float) -> None:
+    """Make a changed ``learning_rate`` the schedule's base from the resumed step on.
+
+    The checkpoint's optimizer and scheduler state carry the old base rate (``initial_lr``, ``base_lrs``), which
+    would otherwise win over the new config silently.
+    """
+    scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"] = learning_rate
+        group["lr"] = learning_rate * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
