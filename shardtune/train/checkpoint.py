@@ -31,7 +31,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import yaml
@@ -302,7 +302,12 @@ def write_fix(exc: BaseException, out: Path) -> str:
     return f"free disk space or fix the permissions under {out}, or point output_dir elsewhere"
 
 
-def resume_point(cfg: TrainConfig, info) -> Path | None:
+class ResumePoint(NamedTuple):
+    path: Path
+    changed: list[str]  # the settings that differ from the checkpoint's and take effect from here
+
+
+def resume_point(cfg: TrainConfig, info) -> ResumePoint | None:
     """The checkpoint this run resumes from (None for a fresh run), checked against the new config before
     anything is written: damaged files and settings the checkpoint is tied to are refused in one line."""
     path = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.run.output_dir, info)
@@ -311,8 +316,7 @@ def resume_point(cfg: TrainConfig, info) -> Path | None:
     old = load_train_config([str(path / "config.yaml")])
     saved_world = 1 if old.distributed.distributed_type == "PP" else int(read_json(path / MANIFEST)["world_size"])
     world = 1 if cfg.distributed.distributed_type == "PP" else info.world_size
-    check_resume(path, old, cfg, saved_world=saved_world, world=world)
-    return path
+    return ResumePoint(path, check_resume(path, old, cfg, saved_world=saved_world, world=world))
 
 
 class Checkpointer:
@@ -335,14 +339,15 @@ class Checkpointer:
             return at_epoch_end
         return self.settings.save_strategy == "steps" and not at_epoch_end and step % self.settings.save_steps == 0
 
-    def resume(self, path: Path | None) -> Path | None:
-        """Restore model, optimizer and ``state`` from ``path`` (``resume_point``'s answer), if any."""
-        if path is None:
+    def resume(self, point: ResumePoint | None) -> Path | None:
+        """Restore model, optimizer and ``state`` from ``resume_point``'s answer, if any."""
+        if point is None:
             return None
+        path = point.path
         trainer_state = load_checkpoint(path, model=self.model, optimizer=self.optimizer,
                                         trainable_only=self.trainable_only, info=self.info)
         self.state.load_state_dict(trainer_state)
-        if load_train_config([str(path / "config.yaml")]).optim.learning_rate != self.learning_rate:
+        if "learning_rate" in point.changed:
             apply_learning_rate(self.optimizer, self.state.scheduler, self.learning_rate)
         if self.info.is_main:
             # A killed run may have logged steps after its last checkpoint: this run logs them again.

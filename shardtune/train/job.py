@@ -6,6 +6,7 @@ Data first: tokenisation may take long, and it happens before any collective wit
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +47,6 @@ class Job:
 
 
 def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
-    import math
-
     if cfg.run.max_steps > 0:
         return cfg.run.max_steps
     return max(1, math.ceil(cfg.run.num_train_epochs * steps_per_epoch))
