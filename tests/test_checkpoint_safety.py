@@ -1,8 +1,10 @@
-"""A checkpoint never runs code when it is loaded: a pickle planted in any of its files is refused, not run.
+"""A checkpoint or final/ folder never runs code when it is loaded: a pickle planted in any of its files is refused,
+not run.
 
 The payload, unpickled, opens (creates) a marker file: proof enough that code ran. It is planted in turn in every
 file of a LoRA checkpoint (DCP shards) and of a full fine-tune's FULL_STATE_DICT checkpoint (model.safetensors,
-optimizer.pt); resume and export must then stop with one line naming the file and leave no marker.
+optimizer.pt); resume and export must then stop with one line naming the file and leave no marker. The same in
+every file of each run's final/ (adapter and full model), for generate and merge.
 """
 
 from __future__ import annotations
@@ -189,3 +191,45 @@ def test_resume_applies_a_new_learning_rate_and_refuses_new_lora_targets(tmp_pat
                                                    "was saved and is 'q_proj' now")):
         train(load_train_config(retargeted))
     assert (first / "config.yaml").read_bytes() == saved_config
+
+
+def refused_or_ran_clean(argv: list[str], capsys, planted: Path) -> int:
+    """Run a command; it either loads (exit 0) or refuses in one line naming the planted file (exit 2)."""
+    from shardtune.cli import main
+
+    code = main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardtune ")]
+    if code != 0:
+        assert code == 2 and len(err) == 1 and str(planted) in err[0], (code, err)
+    return code
+
+
+@pytest.mark.parametrize("run", ["lora", "full"])
+def test_a_planted_pickle_in_any_final_file_never_runs(tmp_path, runs, run, capsys):
+    """Every file of ``final/`` in turn holds the payload: ``generate`` and ``merge`` (of the adapter, or onto the
+    full model as its base) load without running it or refuse in one line naming the file. So do weights saved
+    as a pickle (``*.bin``) in place of the safetensors, which torch's weights-only unpickler refuses."""
+    import torch
+
+    final = runs / run / "final"
+    weights = "adapter_model" if run == "lora" else "model"
+    files = checkpoint_files(final)
+    assert Path(f"{weights}.safetensors") in files
+    bin_file = Path("adapter_model.bin" if run == "lora" else "pytorch_model.bin")
+    loaded = 0
+    for relative in [*files, bin_file]:
+        marker = tmp_path / f"ran-{relative.name}"
+        planted = tmp_path / "planted" / relative.name
+        shutil.copytree(final, planted)
+        if relative == bin_file:
+            (planted / f"{weights}.safetensors").unlink()
+            torch.save({"weight": Planted(marker)}, planted / relative)
+        else:
+            (planted / relative).write_bytes(pickle.dumps(Planted(marker)))
+        generate = ["generate", str(planted), "--prompt", "hi", "--max_new_tokens", "2", "--device", "cpu"]
+        merged = str(tmp_path / "merged")
+        merge = (["merge", str(planted), "--base", str(runs / "model"), merged] if run == "lora" else
+                 ["merge", str(runs / "lora" / "final"), "--base", str(planted), merged])
+        loaded += sum(refused_or_ran_clean(argv, capsys, planted / relative) == 0 for argv in (generate, merge))
+        assert not marker.exists(), f"a pickle planted in final/{relative} ran"
+    assert loaded == (2 if run == "lora" else 0)  # the adapter's README.md, read by neither command

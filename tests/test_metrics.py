@@ -18,3 +18,32 @@ def test_a_variant_is_not_taken_for_the_gpu_whose_name_it_contains(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops(torch.device("cuda", 0)) == peak
     assert peak_flops(torch.device("cpu")) is None
+
+
+def test_a_full_disk_leaves_metrics_whole_and_the_run_going(tmp_path, monkeypatch, caplog):
+    """A write cut short by a full disk is taken back: the file holds whole records only, and one warning says so."""
+    import errno
+    import json
+    import os
+
+    from shardtune.dist import DistInfo
+    from shardtune.train import metrics
+
+    log = metrics.MetricsLog(tmp_path, DistInfo(0, 1, 0, 1, torch.device("cpu")))
+    log.write({"step": 1, "loss": 2.5})
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(metrics.os, "write", half_then_full)
+    with caplog.at_level("WARNING", logger="shardtune"):
+        log.write({"step": 2, "loss": 2.4})
+        log.write({"step": 3, "loss": 2.3})
+    monkeypatch.setattr(metrics.os, "write", real_write)
+    log.write({"step": 4, "loss": 2.2})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 4]
+    warned = [r.getMessage() for r in caplog.records if r.name == "shardtune"]
+    assert len(warned) == 1 and "the record of step 2 was not written (No space left on device)" in warned[0]

@@ -18,7 +18,7 @@ from shardtune.config import load_train_config
 from shardtune.errors import UsageError
 from tests.faults import CALLBACK as FAULTS
 from tests.faults import fault_env
-from tests.trainutil import run_shardtune, write_chat_data
+from tests.trainutil import flags, run_shardtune, write_chat_data
 
 TOL = 1e-4
 STEPS = 3
@@ -40,10 +40,10 @@ def assets(tmp_path_factory):
 
 def args(assets, out: str, extra: list[str]) -> list[str]:
     root, model, data = assets
-    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
-            "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS), "--logging_steps", "1",
-            "--learning_rate", "1e-2", "--seed", "7", "--save_strategy", "no", "--output_dir", str(root / out),
-            "--per_device_train_batch_size", "4", *extra]
+    return flags("--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
+                 "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS), "--logging_steps", "1",
+                 "--learning_rate", "1e-2", "--seed", "7", "--save_strategy", "no", "--output_dir", str(root / out),
+                 "--per_device_train_batch_size", "4", *extra)
 
 
 def one_process(assets, out: str, extra: list[str]) -> list[dict]:

@@ -20,6 +20,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.test_resume import COMMON, FULL, shardtune
+from tests.trainutil import flags
 
 QUICK = ["--max_steps", "2", "--save_steps", "2", "--ddp_timeout", "600"]
 
@@ -107,8 +108,9 @@ def test_safetensors_full_disk_is_one_line_on_every_rank(work: Path, tmp_path: P
     out = "st_enospc"
     launcher = "import sys; from shardtune.cli.launch import run_torchrun; sys.exit(run_torchrun(sys.argv[1:]))"
     cmd = [sys.executable, "-c", launcher, "--standalone", "--nproc_per_node", "2", "--max_restarts", "0",
-           str(worker), "--model_name_or_path", "M", "--dataset_name", "chat.jsonl", *COMMON, "--distributed_type",
-           "FSDP", *FULL, "--fsdp_state_dict_type", "FULL_STATE_DICT", *QUICK, "--output_dir", out]
+           str(worker), *flags("--model_name_or_path", "M", "--dataset_name", "chat.jsonl", *COMMON,
+                               "--distributed_type", "FSDP", *FULL, "--fsdp_state_dict_type", "FULL_STATE_DICT", *QUICK,
+                               "--output_dir", out)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAULT_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.trainutil import run_shardtune, write_chat_data
+from tests.trainutil import flags, run_shardtune, write_chat_data
 
 
 @pytest.mark.parametrize("nproc,extra", [
@@ -23,9 +23,9 @@ def test_predicted_peak_recorded_beside_measured(tmp_path, monkeypatch, nproc, e
     monkeypatch.setenv("SHARDTUNE_PREDICT_MEMORY", "1")
     model = make_model_folder(tmp_path / "model")
     data = write_chat_data(tmp_path / "chat.jsonl", rows=600)
-    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train", "--max_seq_len",
-            "64", "--packing", "True", "--max_steps", "3", "--save_strategy", "no", "--output_dir",
-            str(tmp_path / "out"), *extra]
+    args = flags("--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
+                 "--max_seq_len", "64", "--packing", "True", "--max_steps", "3", "--save_strategy", "no",
+                 "--output_dir", str(tmp_path / "out"), *extra)
     cmd = ["train", *args] if nproc == 1 else ["launch", "--num_processes", str(nproc), "train", *args]
     result = run_shardtune(cmd, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

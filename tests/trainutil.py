@@ -23,6 +23,26 @@ def write_chat_data(path: Path, rows: int = 1500, seed: int = 0) -> Path:
     return path
 
 
+def flags(*args: str) -> list[str]:
+    """``--key value`` arguments with a later value of a key replacing the earlier one in place.
+
+    ``shardtune train`` refuses a key given two values on its command line, so tests that add to a shared base
+    command line build it with this (a ``--key`` followed by another ``--key``, or by nothing, is a boolean flag).
+    """
+    pairs: dict[str, list[str]] = {}
+    i = 0
+    while i < len(args):
+        key = args[i]
+        assert key.startswith("--"), f"expected --key, got {key!r} in {args}"
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            pairs[key.replace("-", "_")] = [key, args[i + 1]]
+            i += 2
+        else:
+            pairs[key.replace("-", "_")] = [key]
+            i += 1
+    return [item for pair in pairs.values() for item in pair]
+
+
 def shardtune_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", SHARDTUNE_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1",

@@ -90,17 +90,25 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# What ``shardtune launch`` passes on to train itself, ahead of the user's train arguments: a different value for
+# one of them after 'train' would configure the job for processes the launcher does not start.
+LAUNCHER_KEYS = {key: f" (under 'shardtune launch', write --{key} before 'train': the launcher's value decides "
+                      f"what starts)" for key in ("num_processes", "num_machines", "config_file")}
+
+
 def load_job_config(argv: list[str]) -> TrainConfig:
-    """The config a ``train`` job is about to run, checked before any model loads: ``load_run_config``'s checks and
-    the resume_from_checkpoint folder (train/layout.py), every problem reported together. A dry run reads neither
-    data nor checkpoint, so neither is checked for it."""
+    """The config a ``train`` job is about to run, checked before any model loads: a key the command line gives
+    two values, ``load_run_config``'s checks and the resume_from_checkpoint folder (train/layout.py), every
+    problem reported together. A dry run reads neither data nor checkpoint, so neither is checked for it."""
     from shardtune.config import raise_problems, run_config_problems
+    from shardtune.config.loading import repeated_cli_keys
     from shardtune.train.layout import resume_problem
 
+    repeated = repeated_cli_keys(argv, LAUNCHER_KEYS)
     cfg, given, problems = run_config_problems(argv)
     spec = cfg.checkpoint.resume_from_checkpoint
     where = given.get("resume_from_checkpoint", "config")
     if not cfg.run.dry_run and (problem := resume_problem(spec, f"{where}: resume_from_checkpoint={spec}")):
         problems.append(problem)
-    raise_problems(problems)
+    raise_problems(repeated + problems)
     return cfg

@@ -51,8 +51,28 @@ def main_export(args: argparse.Namespace) -> int:
 
 def main_merge(args: argparse.Namespace) -> int:
     _check_base(args.base, "give the base model folder the adapter was trained on")
+    _check_merge_inputs(Path(args.adapter), args.base, Path(args.out))
+    from shardtune.hub import pickled_weights_refused
     from shardtune.train.export import merge_adapter
 
-    path = merge_adapter(args.adapter, args.base, args.out)
+    with pickled_weights_refused(Path(args.adapter), Path(args.base)):
+        path = merge_adapter(args.adapter, args.base, args.out)
     print(f"wrote {path}")
     return 0
+
+
+def _check_merge_inputs(adapter: Path, base: str, out: Path) -> None:
+    """What ``merge`` reads and writes, checked before anything is loaded: OUT, the adapter's files and the base
+    model folder (config.json, weights, no code of its own: merge runs none)."""
+    from shardtune.hub import damaged_file_problem, model_folder_problem
+    from shardtune.train.export import check_out, adapter_problem
+
+    check_out(out)
+    if problem := adapter_problem(adapter):
+        raise UsageError(problem)
+    if problem := damaged_file_problem(adapter):
+        raise UsageError(problem)
+    if problem := model_folder_problem(base, f"--base {base}", trust_remote_code=False,
+                                       trust_fix="merge it in Python with PEFT (PeftModel.from_pretrained(...)"
+                                                 ".merge_and_unload()), where trust_remote_code=True can be passed"):
+        raise UsageError(problem)

@@ -5,6 +5,10 @@ Precedence, lowest first (written once, here, and tested):
 
     defaults < Accelerate config file (--config_file) < YAML recipe < key=value overrides < --key value flags
 
+A key set twice in one file is refused (naming both lines), and so is, on the ``train`` and ``launch`` command
+lines, a key given two different values (naming both arguments): one of them would be dropped without a word.
+Setting a key in a file and again on the command line is the override above, and stays legal.
+
 The resolved config is written beside every checkpoint as flat YAML that ``shardtune train`` reads back.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -19,7 +24,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from shardtune.config.schema import ACCELERATE_IGNORED, IGNORED_KEYS, TrainConfig, known_keys, section_classes
-from shardtune.config.validation import input_problems, validate
+from shardtune.config.validation import input_problems, model_folder_problems, validate
 from shardtune.errors import UsageError, closest
 
 # Accelerate's names for data parallel; both mean one replica per process here.
@@ -42,8 +47,37 @@ class Origin:
         return f"{self.where}, line {self.line}" if self.line else self.where
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that notes every key a mapping sets more than once (``safe_load`` keeps the last one
+    silently, so a recipe edited in two places trains with whichever comes lower)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.repeated: list[tuple[Any, list[int]]] = []  # (key, its lines), in the order found
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, list[int]] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *defaults' then a key: YAML's own override
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                lines.setdefault(key, []).append(key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the constructor below says so
+                pass
+        self.repeated += [(key, at) for key, at in lines.items() if len(at) > 1]
+        return super().construct_mapping(node, deep=deep)
+
+
+def _repeated_key(path: Path, key: Any, lines: list[int]) -> str:
+    times = "twice" if len(lines) == 2 else f"{len(lines)} times"
+    where = ", ".join(map(str, lines[:-1])) + f" and {lines[-1]}"
+    return f"{path}: key '{key}' is set {times} (lines {where}); keep one"
+
+
 def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """Load a YAML mapping and the line of each top-level (and fsdp_config) key."""
+    """Load a YAML mapping and the line of each top-level (and fsdp_config) key; a key set twice is refused, also
+    once at the top and once under fsdp_config (both become the same flat key)."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -51,24 +85,40 @@ def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     except UnicodeDecodeError as exc:
         raise UsageError(f"{path}: not a YAML text file (byte {exc.start} is not UTF-8); give the recipe "
                          f"itself") from None
+    loader = _UniqueKeyLoader(text)
     try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
+        node = loader.get_single_node()
+        flat_lines = _flat_key_lines(node)  # before constructing, which folds '<<' merges into the mapping
+        data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f", line {mark.line + 1}" if mark else ""
         raise UsageError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)}); fix the syntax") from None
+    finally:
+        loader.dispose()
     if data is None:
         return {}, {}
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a mapping of key: value lines, got {type(data).__name__}")
-    lines: dict[str, int] = {}
+    found = {key for key, _ in loader.repeated}
+    repeated = loader.repeated + [(key, at) for key, at in flat_lines.items() if len(at) > 1 and key not in found]
+    raise_problems([_repeated_key(path, key, at) for key, at in repeated])
+    return data, {key: at[0] for key, at in flat_lines.items()}
+
+
+def _flat_key_lines(node: yaml.Node | None) -> dict[str, list[int]]:
+    """The lines of each key written at the top level or under ``fsdp_config`` (both become flat keys)."""
+    lines: dict[str, list[int]] = {}
+    if not isinstance(node, yaml.MappingNode):
+        return lines
     for key_node, value_node in node.value:
-        lines[key_node.value] = key_node.start_mark.line + 1
-        if isinstance(value_node, yaml.MappingNode):
-            for k, _ in value_node.value:
-                lines[k.value] = k.start_mark.line + 1
-    return data, lines
+        pairs = [(key_node, value_node)]
+        if key_node.value == "fsdp_config" and isinstance(value_node, yaml.MappingNode):
+            pairs += value_node.value
+        for key, _ in pairs:
+            if key.tag != "tag:yaml.org,2002:merge" and isinstance(key, yaml.ScalarNode):
+                lines.setdefault(key.value, []).append(key.start_mark.line + 1)
+    return lines
 
 
 def _flatten(data: dict[str, Any]) -> dict[str, Any]:
@@ -112,38 +162,74 @@ def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin
     return flat, {k: Origin(str(path), lines.get(k)) for k in flat}
 
 
-def parse_cli_pairs(argv: list[str]) -> tuple[list[str], dict[str, Any], dict[str, Any], dict[str, Origin]]:
-    """Split ``[CONFIG.yaml] key=value ... --key value --flag ...`` into files, overrides, flags and sources.
-
-    ``key=value`` overrides and ``--key value`` flags are kept apart: flags win whatever their order on the line.
-    A ``--key`` followed by another ``--key`` (or nothing) is a boolean flag set to true, as with HfArgumentParser.
-    """
-    files: list[str] = []
-    overrides: dict[str, Any] = {}
-    flags: dict[str, Any] = {}
-    sources: dict[str, Origin] = {}
+def _cli_items(argv: list[str]) -> list[tuple[str, str, Any, str]]:
+    """Each argument as (kind, key, value, as typed): kind is ``file``, ``override`` (key=value) or ``flag``
+    (--key value, whose dashes in the key read as underscores: --foo-bar is --foo_bar)."""
+    items = []
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg.startswith("--"):
             key, eq, value = arg[2:].partition("=")
-            key = key.replace("-", "_")
+            typed = arg
             if not eq:
                 if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                     value = argv[i + 1]
+                    typed = f"{arg} {value}"
                     i += 1
                 else:
                     value = "true"
-            flags[key] = value
-            sources[key] = Origin(f"command line (--{key})")
+            items.append(("flag", key.replace("-", "_"), value, typed))
         elif "=" in arg:
             key, _, value = arg.partition("=")
+            items.append(("override", key, value, arg))
+        else:
+            items.append(("file", arg, None, arg))
+        i += 1
+    return items
+
+
+def parse_cli_pairs(argv: list[str]) -> tuple[list[str], dict[str, Any], dict[str, Any], dict[str, Origin]]:
+    """Split ``[CONFIG.yaml] key=value ... --key value --flag ...`` into files, overrides, flags and sources.
+
+    ``key=value`` overrides and ``--key value`` flags are kept apart: flags win whatever their order on the line.
+    A ``--key`` followed by another ``--key`` (or nothing) is a boolean flag set to true, as with HfArgumentParser.
+    A key given twice keeps its last value here; the commands refuse that first (``repeated_cli_keys``).
+    """
+    files: list[str] = []
+    overrides: dict[str, Any] = {}
+    flags: dict[str, Any] = {}
+    sources: dict[str, Origin] = {}
+    for kind, key, value, _ in _cli_items(argv):
+        if kind == "flag":
+            flags[key] = value
+            sources[key] = Origin(f"command line (--{key})")
+        elif kind == "override":
             overrides[key] = value
             sources.setdefault(key, Origin(f"command line ({key}=...)"))
         else:
-            files.append(arg)
-        i += 1
+            files.append(key)
     return files, overrides, flags, sources
+
+
+def repeated_cli_keys(argv: list[str], hints: Mapping[str, str] | None = None) -> list[str]:
+    """One problem per key that the command line gives two different values (as ``--key v``, ``--key=v``,
+    ``key=v`` or a spelling with dashes): the one that would win depends on rules nobody should have to recall.
+    The same value twice loses nothing and passes (``shardtune launch`` repeats its --num_processes this way).
+    ``hints`` adds a word to the problem of a key, after the fix."""
+    given: dict[str, list[tuple[str, Any]]] = {}
+    for kind, key, value, typed in _cli_items(argv):
+        if kind != "file":
+            given.setdefault(key, []).append((typed, value))
+    problems = []
+    for key, uses in given.items():
+        if len({str(value) for _, value in uses}) < 2:
+            continue
+        times = "twice" if len(uses) == 2 else f"{len(uses)} times"
+        listed = ", ".join(typed for typed, _ in uses[:-1]) + f" and {uses[-1][0]}"
+        hint = (hints or {}).get(key, "")
+        problems.append(f"command line: key '{key}' is given {times} ({listed}); keep one{hint}")
+    return problems
 
 
 _TRUE = {"true", "1", "yes", "y", "on"}
@@ -284,9 +370,10 @@ def load_train_config(argv: list[str], *, training: bool = True) -> TrainConfig:
 
 def load_run_config(argv: list[str]) -> TrainConfig:
     """``load_train_config`` for a job about to start: it also refuses, before any model is loaded, the
-    --emit-config dataset placeholder and a model or data path that is not there. A dry run reads no data, so it is
-    not checked. (Plain loads stay lenient: ``export`` reads a run's saved config.) The train and launch commands
-    check the resume folder as well (``shardtune.cli.common.load_job_config``)."""
+    --emit-config dataset placeholder, a model or data path that is not there, and a model folder that cannot load
+    (no config.json, no weights, its own code not allowed). A dry run reads neither, so they are not checked.
+    (Plain loads stay lenient: ``export`` reads a run's saved config.) The train and launch commands check the
+    resume folder, and a key given two values on their command line, as well (``cli.common.load_job_config``)."""
     cfg, _, problems = run_config_problems(argv)
     raise_problems(problems)
     return cfg
@@ -296,7 +383,7 @@ def run_config_problems(argv: list[str]) -> tuple[TrainConfig, dict[str, Origin]
     """The config of a job about to start, where each key was set, and every problem ``load_run_config`` reports."""
     cfg, given, problems = _apply(_layers(argv), training=True)
     if not cfg.run.dry_run:
-        problems += input_problems(cfg, given)
+        problems += input_problems(cfg, given) + model_folder_problems(cfg, given)
     return cfg, given, problems
 
 

@@ -10,7 +10,7 @@ from shardtune.config.schema import (ACCEPTED_OPTIMS, BACKWARD_PREFETCH, DATASET
                                      HUB_STRATEGIES, LOG_LEVELS, MIXED_PRECISIONS, PIPELINE_SCHEDULES, SCHEDULERS,
                                      SHARDING_STRATEGIES, STATE_DICT_TYPES, STRATEGIES_STEPS, WRAP_POLICIES,
                                      TrainConfig)
-from shardtune.hub import looks_like_local_path
+from shardtune.hub import looks_like_local_path, model_folder_problem
 from shardtune.errors import closest
 
 
@@ -150,3 +150,15 @@ def input_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
     elif data and looks_like_local_path(data) and not Path(data).expanduser().exists():
         problems.append(f"{where['dataset_name']}: dataset_name '{data}' does not exist: check the path")
     return problems
+
+
+def model_folder_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
+    """A local model folder that a training job could not load: no config.json, no weights, or its own code not
+    allowed (``hub.model_folder_problem``), told before any tokenizer or data is read. (``data inspect`` reads
+    only the tokenizer, so it does not ask.)"""
+    model = cfg.model.model_name_or_path
+    if not model or not Path(model).expanduser().is_dir():  # transformers reads an existing folder, whatever its name
+        return []
+    problem = model_folder_problem(model, f"model_name_or_path '{model}'", trust_fix="set trust_remote_code true",
+                                   trust_remote_code=cfg.model.trust_remote_code)
+    return [f"{given.get('model_name_or_path', 'config')}: {problem}"] if problem else []

@@ -11,6 +11,9 @@ from shardtune.data.readers import SKIP_HINT, BadRow
 from shardtune.data.templates import END_OF_TURN_TOKENS, TEMPLATES
 
 IGNORE = -100
+# Tokens past the kept ones that a text cut before tokenising must still give: the cut changes the last few tokens
+# (a word or a merge cut in two), never tokens this far before it.
+CUT_MARGIN = 64
 
 
 def special_prefix(tokenizer) -> list[int]:
@@ -26,6 +29,30 @@ def special_prefix(tokenizer) -> list[int]:
 
 def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids if text else []
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest entry of the vocabulary, in characters: no token covers more of a text (a byte-level token's
+    entry has a character per byte, so it is at least as long as the text it covers)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
+
+
+def ids_upto(tokenizer, text: str, limit: int, token_chars: int) -> tuple[list[int], int]:
+    """``text``'s ids as tokenising it whole gives them, and how many it has: all of them, or, for a text far longer
+    than ``limit`` tokens can cover, only the first ``limit`` and an estimate of the count.
+
+    Truncation keeps only the first tokens, so a 20 MB row need not be tokenised whole (a minute and gigabytes).
+    A prefix of ``(limit + CUT_MARGIN) * token_chars`` characters is tokenised instead; it is trusted only when it
+    gives ``CUT_MARGIN`` tokens more than are kept, and grows until it does or is the whole text.
+    """
+    chars = max(limit + CUT_MARGIN, 1) * max(token_chars, 1)
+    while chars < len(text):
+        ids = _ids(tokenizer, text[:chars])
+        if len(ids) >= limit + CUT_MARGIN:
+            return ids[:limit], max(round(len(ids) * len(text) / chars), len(ids))
+        chars *= 4
+    ids = _ids(tokenizer, text)
+    return ids, len(ids)
 
 
 def with_prefix(prefix: list[int], ids: list[int], labels: list[int] | None = None) -> tuple[list[int], list[int]]:
@@ -56,7 +83,7 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
         try:
             before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
             after = _render(tokenizer, messages[:i + 1]).rstrip()
-        except Exception:  # a template that refuses a partial conversation (e.g. one that must end with a user)
+        except Exception:  # noqa: BLE001 - a template that refuses a partial conversation (must end with a user)
             before = after = None
         if before is not None and full.startswith(before) and full.startswith(after) and cursor <= len(before):
             start, end = len(before), len(after)
@@ -83,7 +110,29 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
 def encode_example(example: dict, tokenizer, *, prefix: list[int], train_on_prompt: bool,
                    chat_template_format: str) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of one canonical example, before truncation."""
+    ids, labels, _, _ = _encode(example, tokenizer, prefix=prefix, train_on_prompt=train_on_prompt,
+                                chat_template_format=chat_template_format, keep=None, token_chars=0)
+    return ids, labels
+
+
+def _encode(example: dict, tokenizer, *, prefix: list[int], train_on_prompt: bool, chat_template_format: str,
+            keep: int | None, token_chars: int) -> tuple[list[int], list[int], int, bool]:
+    """(input_ids, labels, length, estimated): the ids and labels are exact for the first ``keep`` tokens (all
+    when None); a text far longer than that is cut before tokenising, and then ``length`` is an estimate."""
     eos = tokenizer.eos_token_id
+    length, estimated = 0, False  # tokens of the texts so far, counted or (after a cut) estimated
+
+    def tokens(text: str) -> list[int]:
+        nonlocal length, estimated
+        if keep is None:
+            piece = _ids(tokenizer, text)
+            count = len(piece)
+        else:  # once a text is cut, the budget is spent: the texts after it are only counted
+            piece, count = ids_upto(tokenizer, text, max(0, keep - length), token_chars)
+        length += count
+        estimated |= count > len(piece)
+        return piece
+
     if example["kind"] == "chat":
         if not tokenizer.chat_template:
             raise BadRow(example["where"], "the tokenizer has no chat template: set chat_template_format "
@@ -94,50 +143,56 @@ def encode_example(example: dict, tokenizer, *, prefix: list[int], train_on_prom
                                      template.end_of_turn if template else None)
         except BadRow as exc:
             raise BadRow(example["where"], f"{exc.problem}; {SKIP_HINT}") from None
-        except Exception as exc:  # jinja raise_exception from the template, e.g. an unsupported role order
+        except Exception as exc:  # noqa: BLE001 - jinja raise_exception, e.g. an unsupported role order
             raise BadRow(example["where"], f"the chat template rejects this conversation ({exc}); {SKIP_HINT}") \
                 from None
         ids: list[int] = []
         labels: list[int] = []
         for text, is_target in segments:
-            piece = _ids(tokenizer, text)
+            piece = tokens(text)
             ids += piece
             labels += piece if (is_target or train_on_prompt) else [IGNORE] * len(piece)
     else:
-        prompt_ids = _ids(tokenizer, example["prompt"])
-        completion_ids = _ids(tokenizer, example["completion"])
+        prompt_ids = tokens(example["prompt"])
+        completion_ids = tokens(example["completion"])
+        # a cut completion's last token is unknown, but its EOS lies past the kept tokens either way
         if not completion_ids or completion_ids[-1] != eos:
             completion_ids = completion_ids + [eos]  # EOS is a target: the model learns to stop
+            length += 1
         ids = prompt_ids + completion_ids
         labels = (prompt_ids if train_on_prompt else [IGNORE] * len(prompt_ids)) + completion_ids
+    unprefixed = len(ids)
     ids, labels = with_prefix(prefix, ids, labels)
     if labels:
         labels[0] = IGNORE
-    return ids, labels
+    return ids, labels, length + len(ids) - unprefixed, estimated
 
 
-def encode_batch(batch: dict, *, tokenizer, max_seq_len: int, train_on_prompt: bool, chat_template_format: str) -> dict:
+def encode_batch(batch: dict, *, tokenizer, max_seq_len: int, train_on_prompt: bool, chat_template_format: str,
+                 token_chars: int | None = None) -> dict:
     """``datasets.map`` function: canonical examples to truncated ids/labels plus per-row statistics.
 
     A row the template rejects is recorded in ``bad`` (not raised: exceptions do not cross worker processes well).
+    ``dropped_estimated`` marks rows whose ``dropped_tokens`` is estimated: a text cut before tokenising (see
+    ``ids_upto``; ``token_chars`` is ``max_token_chars(tokenizer)``, found here when not given).
     """
     prefix = special_prefix(tokenizer)
-    out: dict[str, list] = {"input_ids": [], "labels": [], "dropped_tokens": [], "bad": []}
+    token_chars = token_chars or max_token_chars(tokenizer)
+    out: dict[str, list] = {"input_ids": [], "labels": [], "dropped_tokens": [], "dropped_estimated": [], "bad": []}
     keys = list(batch)
     for values in zip(*(batch[k] for k in keys)):
         example = dict(zip(keys, values))
         try:
-            ids, labels = encode_example(example, tokenizer, prefix=prefix, train_on_prompt=train_on_prompt,
-                                         chat_template_format=chat_template_format)
+            ids, labels, length, estimated = _encode(
+                example, tokenizer, prefix=prefix, train_on_prompt=train_on_prompt,
+                chat_template_format=chat_template_format, keep=max_seq_len, token_chars=token_chars)
         except BadRow as exc:
-            out["input_ids"].append([])
-            out["labels"].append([])
-            out["dropped_tokens"].append(0)
+            ids, labels, length, estimated = [], [], 0, False
             out["bad"].append(str(exc))
-            continue
-        dropped = max(0, len(ids) - max_seq_len)
+        else:
+            out["bad"].append("")
         out["input_ids"].append(ids[:max_seq_len])
         out["labels"].append(labels[:max_seq_len])
-        out["dropped_tokens"].append(dropped)
-        out["bad"].append("")
+        out["dropped_tokens"].append(max(0, length - max_seq_len))
+        out["dropped_estimated"].append(estimated)
     return out

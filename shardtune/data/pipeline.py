@@ -1,7 +1,9 @@
 """``prepare_datasets``: read, format, tokenise, truncate and pack, once, cached on disk.
 
-The result is keyed by the data (file sizes and times, or the hub name), the tokenizer (its full definition and chat
-template), the settings and this package's encoding code, so a changed input never reuses a stale cache. Under
+The result is keyed by the data (its files' contents, or the hub revision), the tokenizer (its full definition and chat
+template), the settings and this package's encoding code, so a changed input never reuses a stale cache. A cache
+entry lists its files' sizes and SHA-256s: one that no longer matches is named in a warning and built again, and
+where the cache cannot be written the run keeps the data in memory. Cache files are JSON and Arrow, never pickles. Under
 torch.distributed the first process of each node builds it while the others wait on a gloo group with a long timeout
 (tokenising a large data set can outlast the collective timeout of the training process group), then all load it.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -20,16 +23,18 @@ from datetime import timedelta
 from pathlib import Path
 
 from shardtune.data.config import DataConfig
-from shardtune.data.encode import IGNORE, encode_batch
+from shardtune.data.encode import IGNORE, encode_batch, max_token_chars
 from shardtune.data.formats import detect_format, to_example
 from shardtune.data.readers import BadRow, Source, iter_split, resolve
 from shardtune.data.report import DataReport, length_histogram
 from shardtune.errors import UsageError
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: a manifest of sizes and SHA-256s
+MANIFEST = "manifest.json"
 MAX_BAD_NOTES = 3
 WAIT_TIMEOUT = timedelta(hours=8)
 _wait_group = None
+log = logging.getLogger("shardtune")
 
 
 @dataclass
@@ -39,7 +44,7 @@ class PreparedData:
     train: object  # datasets.Dataset, memory-mapped from the cache
     eval: object | None
     report: DataReport
-    cache_path: Path
+    cache_path: Path | None  # None: the cache could not be written, the rows are in memory
     from_cache: bool
 
 
@@ -124,8 +129,9 @@ def _tokenise(examples: list[dict], cfg: DataConfig, tokenizer, split: str):
     raw = datasets.Dataset.from_list(examples)
     return raw.map(encode_batch, batched=True, batch_size=256, num_proc=cfg.dataset_num_proc,
                    remove_columns=raw.column_names, desc=f"tokenising {split}",
-                   fn_kwargs=dict(tokenizer=tokenizer, max_seq_len=cfg.max_seq_len, train_on_prompt=cfg.train_on_prompt,
-                                  chat_template_format=cfg.chat_template_format),
+                   fn_kwargs={"tokenizer": tokenizer, "max_seq_len": cfg.max_seq_len,
+                              "train_on_prompt": cfg.train_on_prompt, "chat_template_format": cfg.chat_template_format,
+                              "token_chars": max_token_chars(tokenizer)},
                    # the result is cached by prepare_datasets; skip hashing the tokenizer for datasets' own cache
                    new_fingerprint=hashlib.sha256(f"{split}{id(raw)}".encode()).hexdigest()[:16])
 
@@ -133,8 +139,9 @@ def _tokenise(examples: list[dict], cfg: DataConfig, tokenizer, split: str):
 def _documents(encoded, cfg: DataConfig, eos_id: int, report: DataReport) -> tuple[list[list[int]], list[list[int]]]:
     """The documents to keep (ids, labels), counting bad, truncated and target-less rows into ``report``."""
     docs_ids, docs_labels = [], []
-    for ids, labels, dropped, bad in zip(encoded["input_ids"], encoded["labels"], encoded["dropped_tokens"],
-                                         encoded["bad"]):
+    for ids, labels, dropped, estimated, bad in zip(encoded["input_ids"], encoded["labels"],
+                                                    encoded["dropped_tokens"], encoded["dropped_estimated"],
+                                                    encoded["bad"]):
         if bad:
             if not cfg.skip_bad_rows:
                 raise UsageError(bad)
@@ -144,6 +151,7 @@ def _documents(encoded, cfg: DataConfig, eos_id: int, report: DataReport) -> tup
         if dropped:
             report.truncated_rows += 1
             report.dropped_tokens += dropped
+            report.estimated_rows += estimated
         if all(x == IGNORE for x in labels):
             report.empty_rows_dropped += 1
             continue
@@ -177,17 +185,19 @@ def build_split(examples: list[dict], cfg: DataConfig, tokenizer, split: str, fm
     if cfg.packing and groups:
         report.packing_efficiency = report.tokens / (report.rows * cfg.max_seq_len)
     if report.bad_rows_skipped > MAX_BAD_NOTES:  # the first few show what is wrong; the count says how much
-        report.notes = report.notes[:MAX_BAD_NOTES] + [f"... and {report.bad_rows_skipped - MAX_BAD_NOTES} more bad "
-                                                       "rows skipped"]
+        more = report.bad_rows_skipped - MAX_BAD_NOTES
+        report.notes = report.notes[:MAX_BAD_NOTES] + [f"... and {more} more bad rows skipped"]
     if report.truncated_rows:
+        about = "about " if report.estimated_rows else ""
         report.notes.append(f"{report.truncated_rows} rows were longer than max_seq_len {cfg.max_seq_len} and "
-                            f"lost {report.dropped_tokens} tokens; raise max_seq_len to keep them.")
+                            f"lost {about}{report.dropped_tokens} tokens; raise max_seq_len to keep them.")
     int_list = datasets.Sequence(datasets.Value("int32"))
     features = datasets.Features({"input_ids": int_list, "labels": int_list, "seq_lens": int_list})
     return datasets.Dataset.from_dict(rows, features=features), report
 
 
-def _build(cfg: DataConfig, source: Source, tokenizer, seed: int, path: Path) -> None:
+def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedData:
+    """Read, tokenise and pack every split, in memory."""
     train_examples, skipped, fmt = read_examples(source, cfg.train_split_names(), cfg, cfg.data_format)
     eval_examples, eval_skipped, _ = read_examples(source, cfg.eval_split_names(), cfg, fmt)
     notes = []
@@ -215,22 +225,78 @@ def _build(cfg: DataConfig, source: Source, tokenizer, seed: int, path: Path) ->
                          f"replies truncated away at max_seq_len {cfg.max_seq_len}); raise max_seq_len or check "
                          "the data.")
     report.notes += notes
+    evaluation = None
+    if eval_examples:
+        evaluation, report.eval = build_split(eval_examples, cfg, tokenizer, "eval", fmt, eval_skipped)
+        if not report.eval.documents:
+            evaluation = None
+    return PreparedData(train=train, eval=evaluation, report=report, cache_path=None, from_cache=False)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _save(data: PreparedData, path: Path, *, replace: bool) -> bool:
+    """Write ``data`` as the cache entry ``path``, whole or not at all, and ``replace`` a damaged one there.
+
+    Returns False, after one warning, when the cache cannot be written (a read-only or full disk): the run goes on
+    with the data in memory. The manifest, written last, holds every file's size and SHA-256 for ``_damage``.
+    """
     tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.mkdir(parents=True)
+    old = tmp.with_suffix(".old")
     try:
-        train.save_to_disk(str(tmp / "train"))
-        if eval_examples:
-            evaluation, report.eval = build_split(eval_examples, cfg, tokenizer, "eval", fmt, eval_skipped)
-            if report.eval.documents:
-                evaluation.save_to_disk(str(tmp / "eval"))
-        (tmp / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
+        tmp.mkdir(parents=True)
+        data.train.save_to_disk(str(tmp / "train"))
+        if data.eval is not None:
+            data.eval.save_to_disk(str(tmp / "eval"))
+        (tmp / "report.json").write_text(json.dumps(data.report.to_dict(), indent=1))
+        files = {f.relative_to(tmp).as_posix(): [f.stat().st_size, _sha256(f)]
+                 for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps(files, indent=1))
+        if replace:
+            os.rename(path, old)
         try:
             os.rename(tmp, path)  # atomic: a reader sees a complete cache or none
         except OSError:
-            if not (path / "report.json").exists():
+            if not (path / MANIFEST).exists():  # else another process wrote the same entry first
                 raise
+    except OSError as exc:
+        log.warning("cannot write the tokenised data cache in %s (%s): this run keeps the data in memory and the "
+                    "next one tokenises it again; make the folder writable, or point SHARDTUNE_CACHE (data "
+                    "inspect: --cache_dir) at a writable one", path.parent, exc)
+        return False
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return True
+
+
+def _damage(path: Path) -> str | None:
+    """What is wrong with the cache entry ``path``, or None when every file is as it was written: a disk that
+    filled up, a copy cut short or a stray write must make it tokenise again, not train on wrong tokens."""
+    manifest = path / MANIFEST
+    try:
+        files = json.loads(manifest.read_text())
+        entries = [(path / name, int(size), str(digest)) for name, (size, digest) in files.items()]
+    except FileNotFoundError:
+        return f"{manifest} is missing"
+    except (OSError, ValueError, TypeError, AttributeError) as exc:  # garbage: not JSON, or not the manifest's shape
+        return f"{manifest} is unreadable ({type(exc).__name__})"
+    for file, size, digest in entries:
+        try:
+            actual = file.stat().st_size
+        except OSError:
+            return f"{file} is missing"
+        if actual != size:
+            return f"{file} has {actual} bytes, {size} were written"
+        if _sha256(file) != digest:
+            return f"{file} differs from what was written (SHA-256)"
+    return None
 
 
 def _load(path: Path, from_cache: bool) -> PreparedData:
@@ -259,40 +325,52 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | 
         raise UsageError(" ".join(problems))
     root = Path(cache_dir) if cache_dir else default_cache_dir()
 
-    def cache_path() -> tuple[Path, Source]:
-        source = resolve(cfg.dataset_name, [s.strip() for s in cfg.splits.split(",") if s.strip()],
-                         cfg.dataset_config_name)
-        root.mkdir(parents=True, exist_ok=True)
-        return root / cache_key(cfg, source, tokenizer, seed), source
+    def source() -> Source:
+        return resolve(cfg.dataset_name, [s.strip() for s in cfg.splits.split(",") if s.strip()],
+                       cfg.dataset_config_name)
+
+    def find_or_build() -> tuple[str, PreparedData | None]:
+        """(the whole cache entry, or "" when it cannot be written; the data when built here)."""
+        src = source()
+        path = root / cache_key(cfg, src, tokenizer, seed)
+        damage = _damage(path) if path.exists() else "absent"
+        if damage is None:
+            return str(path), None
+        if damage != "absent":
+            log.warning("the tokenised data cache is damaged: %s; tokenising the data again", damage)
+        data = _build(cfg, src, tokenizer, seed)
+        return (str(path) if _save(data, path, replace=damage != "absent") else ""), data
 
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        path, source = cache_path()
-        cached = (path / "report.json").exists()
-        if not cached:
-            _build(cfg, source, tokenizer, seed, path)
-        return _load(path, cached)
+        found, data = find_or_build()
+        return _load(Path(found), from_cache=data is None) if found else data
     from shardtune.dist import RankFailed, run_and_share
 
     # one builder per node (the cache may be node-local) hashes the data and builds; the others wait for its verdict
     rank = dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    built = False
+    data = None
 
     def build() -> str:
-        nonlocal built
-        path, source = cache_path()
-        if not (path / "report.json").exists():
-            _build(cfg, source, tokenizer, seed, path)
-            built = True
-        return str(path)
+        nonlocal data
+        found, data = find_or_build()
+        return found
+
+    def build_here() -> None:  # this node's cache could not be written: its other ranks tokenise too
+        nonlocal data
+        data = _build(cfg, source(), tokenizer, seed)
 
     try:
         paths = run_and_share(build, runs=local_rank == 0, what="preparing the data", group=_long_wait_group())
+        # torchrun numbers the ranks of a node contiguously: this node's builder is rank - local_rank
+        found = paths[rank - local_rank]
+        if "" in paths:  # every rank takes part (a collective), so none trains while others still tokenise
+            run_and_share(build_here, runs=not found and data is None, what="preparing the data",
+                          group=_long_wait_group())
     except RankFailed as exc:
         if exc.kind == "UsageError":  # bad data: every rank reports the builder's own message
             raise UsageError(exc.message) from None
         raise
-    # torchrun numbers the ranks of a node contiguously: this node's builder is rank - local_rank
-    return _load(Path(paths[rank - local_rank]), not built)
+    return _load(Path(found), from_cache=data is None) if found else data

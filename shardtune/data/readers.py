@@ -10,16 +10,22 @@ import csv
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardtune.hub import EXTENSIONS, looks_like_local_path
 from shardtune.errors import UsageError, first_line
+from shardtune.hub import EXTENSIONS, looks_like_local_path
 
 log = logging.getLogger("shardtune")
 
 SKIP_HINT = "fix it, or set skip_bad_rows true to drop bad rows"
+# iconv's source encoding is a guess: Windows tools write cp1252, the commonest encoding that is not UTF-8
+REENCODE = "re-encode the file as UTF-8 (e.g. iconv -f cp1252 -t utf-8 IN > OUT)"
+UTF8_HINT = f"{REENCODE}, or set skip_bad_rows true to drop bad rows"
+# bytes that are not UTF-8, as errors="surrogateescape" decodes them: valid UTF-8 never decodes to these
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
 
 
 class BadRow(Exception):
@@ -140,23 +146,52 @@ def iter_file(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
         for i, row in enumerate(table.to_pylist()):
             yield f"{path} row {i + 1}", row
     else:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f, delimiter="\t" if kind == "tsv" else ",")
-            for row in reader:
-                where = f"{path}:{reader.line_num}"
-                if None in row or any(v is None for v in row.values()):
-                    yield where, BadRow(where, f"has a different number of fields than the header "
-                                               f"{reader.fieldnames}; {SKIP_HINT}")
-                else:
-                    yield where, row
+        yield from _iter_csv(path, delimiter="\t" if kind == "tsv" else ",")
+
+
+def _not_utf8(line: bytes, start: int) -> str:
+    """The first byte of ``line`` that is not UTF-8 (at ``start``, from UnicodeDecodeError) and its column, in
+    characters as an editor counts them: everything before it decodes."""
+    column = len(line[:start].decode("utf-8")) + 1
+    return f"not valid UTF-8 (byte 0x{line[start]:02x} at column {column})"
+
+
+def _iter_csv(path: Path, delimiter: str) -> Iterator[tuple[str, dict | BadRow]]:
+    # csv reads in blocks, not lines: the bytes that are not UTF-8 are kept as escapes and looked for in each row
+    with path.open(newline="", encoding="utf-8", errors="surrogateescape") as f:
+        reader = csv.DictReader(f, delimiter=delimiter)
+        if reader.fieldnames and any(_ESCAPED_BYTE.search(name) for name in reader.fieldnames):
+            raise UsageError(f"{path}:1: the header is not valid UTF-8; {REENCODE}.")
+        for row in reader:
+            where = f"{path}:{reader.line_num}"
+            if None in row or any(v is None for v in row.values()):
+                yield where, BadRow(where, f"has a different number of fields than the header "
+                                           f"{reader.fieldnames}; {SKIP_HINT}")
+                continue
+            bad = next(((k, m) for k, v in row.items() if (m := _ESCAPED_BYTE.search(v))), None)
+            if bad:
+                key, match = bad
+                byte = ord(match.group()) - 0xdc00
+                yield where, BadRow(where, f"not valid UTF-8 (byte 0x{byte:02x} in the field '{key}'); {UTF8_HINT}")
+                continue
+            yield where, row
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    # bytes, decoded line by line: a byte that is not UTF-8 is then one bad row with its line number, not a
+    # traceback from the middle of the file (and costs nothing next to json.loads)
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield where, BadRow(where, f"{_not_utf8(raw, exc.start)}; {UTF8_HINT}")
+                continue
+            if line_no == 1:
+                line = line.removeprefix("\ufeff")  # the byte-order mark Windows editors write
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -169,7 +204,17 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if _is_json_lines(raw):  # JSON lines saved as .json: the bad line can be skipped
+            yield from _iter_jsonl(path)
+            return
+        line_start = raw.rfind(b"\n", 0, exc.start) + 1
+        line_no = raw.count(b"\n", 0, line_start) + 1
+        raise UsageError(f"{path}:{line_no}: {_not_utf8(raw[line_start:], exc.start - line_start)}; {REENCODE}.") \
+            from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -189,6 +234,14 @@ def _iter_json(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
     for i, row in enumerate(data):
         where = f"{path} row {i + 1}"
         yield where, row if isinstance(row, dict) else BadRow(where, f"a row must be a JSON object; {SKIP_HINT}")
+
+
+def _is_json_lines(raw: bytes) -> bool:
+    try:
+        json.loads(raw.decode("utf-8", errors="replace"))
+    except json.JSONDecodeError as exc:
+        return exc.msg == "Extra data"
+    return False
 
 
 def iter_split(source: Source, split: str, config_name: str | None = None) -> Iterator[tuple[str, dict | BadRow]]:

@@ -19,6 +19,7 @@ class DataReport:
     target_tokens: int = 0  # tokens with a label
     truncated_rows: int = 0
     dropped_tokens: int = 0  # tokens cut by truncation
+    estimated_rows: int = 0  # truncated rows cut before tokenising: their dropped tokens are an estimate
     bad_rows_skipped: int = 0
     empty_rows_dropped: int = 0  # rows with no target token left (e.g. the reply truncated away)
     length_histogram: list[tuple[int, int, int]] = field(default_factory=list)  # (low, high, documents), high incl.
@@ -38,13 +39,15 @@ class DataReport:
 
     def lines(self) -> list[str]:
         pct = f" ({100 * self.truncated_rows / max(self.documents + self.empty_rows_dropped, 1):.1f}%)"
-        out = [f"{self.split}: {self.documents:,} documents -> {self.rows:,} rows ({self.data_format}, "
-               f"max_seq_len {self.max_seq_len}{', packed' if self.packing else ''})",
-               f"  tokens {self.tokens:,}, target tokens {self.target_tokens:,} "
-               f"({100 * self.target_tokens / max(self.tokens, 1):.1f}%)",
-               f"  truncated rows {self.truncated_rows:,}{pct}, dropped tokens {self.dropped_tokens:,}",
-               f"  bad rows skipped {self.bad_rows_skipped:,}, rows without targets dropped "
-               f"{self.empty_rows_dropped:,}"]
+        estimated = (f" (estimated for {self.estimated_rows:,} rows cut before tokenising)" if self.estimated_rows
+                     else "")
+        out = [(f"{self.split}: {self.documents:,} documents -> {self.rows:,} rows ({self.data_format}, "
+                f"max_seq_len {self.max_seq_len}{', packed' if self.packing else ''})"),
+               (f"  tokens {self.tokens:,}, target tokens {self.target_tokens:,} "
+                f"({100 * self.target_tokens / max(self.tokens, 1):.1f}%)"),
+               f"  truncated rows {self.truncated_rows:,}{pct}, dropped tokens {self.dropped_tokens:,}{estimated}",
+               (f"  bad rows skipped {self.bad_rows_skipped:,}, rows without targets dropped "
+                f"{self.empty_rows_dropped:,}")]
         if self.packing_efficiency is not None:
             out.append(f"  packing efficiency {100 * self.packing_efficiency:.1f}% (real tokens / "
                        f"{self.rows:,} rows x {self.max_seq_len} slots)")

@@ -22,6 +22,11 @@ import torch
 from shardtune.data.encode import special_prefix, with_prefix
 from shardtune.data.templates import END_OF_TURN_TOKENS
 from shardtune.errors import UsageError
+from shardtune.hub import (
+    damaged_file_problem,
+    model_folder_problem,
+    pickled_weights_refused,
+)
 
 
 @dataclass
@@ -88,25 +93,33 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
     if not is_adapter and not (folder / "config.json").is_file():
         raise UsageError(f"'{path}' holds neither config.json nor adapter_config.json; give a Transformers model "
                          f"folder or a PEFT adapter folder (e.g. a training run's final/).")
+    if is_adapter and (damaged := damaged_file_problem(folder)):
+        raise UsageError(damaged)
     base = _read_adapter_base(folder) if is_adapter else folder
+    name = f"{folder / 'adapter_config.json'}: base model folder '{base}'" if is_adapter else f"'{path}'"
+    if problem := model_folder_problem(base, name, trust_remote_code=trust_remote_code,
+                                       trust_fix="pass --trust_remote_code"):
+        raise UsageError(problem)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, local_files_only=True,
-                                                 trust_remote_code=trust_remote_code)
-    # A fine-tune saves its tokenizer (and chat template) next to the adapter; prefer it to the base one.
-    tokenizer_dir = folder if _has_tokenizer(folder) else base
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=trust_remote_code)
-    if is_adapter:
-        from peft import PeftModel
+    with pickled_weights_refused(folder, base):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, local_files_only=True,
+                                                     trust_remote_code=trust_remote_code)
+        # A fine-tune saves its tokenizer (and chat template) next to the adapter; prefer it to the base one.
+        tokenizer_dir = folder if _has_tokenizer(folder) else base
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
+        if is_adapter:
+            from peft import PeftModel
 
-        from shardtune.train.model import resize_for_tokenizer
+            from shardtune.train.model import resize_for_tokenizer
 
-        # The run may have added tokens (a pad, a template's specials) and saved the grown embeddings.
-        resize_for_tokenizer(model, len(tokenizer))
+            # The run may have added tokens (a pad, a template's specials) and saved the grown embeddings.
+            resize_for_tokenizer(model, len(tokenizer))
 
-        with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing the user can fix
-            warnings.simplefilter("ignore", FutureWarning)
-            model = PeftModel.from_pretrained(model, folder, is_trainable=False, local_files_only=True)
+            with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing the user can fix
+                warnings.simplefilter("ignore", FutureWarning)
+                model = PeftModel.from_pretrained(model, folder, is_trainable=False, local_files_only=True)
     return model.to(device).eval(), tokenizer
 
 

@@ -66,7 +66,7 @@ def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft
     return target if info.is_main else None
 
 
-def _check_out(out: Path) -> None:
+def check_out(out: Path) -> None:
     """``OUT`` of export and merge: refused before anything is loaded when a file is in the way."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"OUT {out}: a file is there; give a folder path (it is created, or replaced if a folder)")
@@ -83,7 +83,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
     from shardtune.train.model import Precision, apply_lora, load_base_model, resize_for_tokenizer
 
     path = Path(checkpoint)
-    _check_out(Path(out))
+    check_out(Path(out))
     if problem := checkpoint_folder_problem(path, str(checkpoint)):
         raise UsageError(problem)
     overrides = ["--model_name_or_path", base] if base else []
@@ -113,6 +113,14 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
     return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft)
 
 
+def adapter_problem(adapter: Path) -> str | None:
+    """Why ``adapter`` is not a PEFT adapter folder, in one line; None when it is one."""
+    if (adapter / "adapter_config.json").is_file():
+        return None
+    return (f"{adapter}: not a PEFT adapter folder (no adapter_config.json); give output_dir/final of a LoRA run or "
+            f"the folder 'shardtune export' wrote")
+
+
 def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Path:
     """Fold a PEFT LoRA adapter into its base model and write a Transformers model folder (one process, CPU)."""
     from peft import PeftModel
@@ -121,10 +129,9 @@ def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Pat
     from shardtune.train.model import resize_for_tokenizer
 
     adapter, base, out = Path(adapter), Path(base), Path(out)
-    _check_out(out)
-    if not (adapter / "adapter_config.json").is_file():
-        raise UsageError(f"{adapter}: not a PEFT adapter folder (no adapter_config.json); give output_dir/final "
-                         f"of a LoRA run or the folder 'shardtune export' wrote")
+    check_out(out)
+    if problem := adapter_problem(adapter):
+        raise UsageError(problem)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     except (OSError, ValueError) as exc:

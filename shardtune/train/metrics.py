@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import resource
 import sys
 import time
@@ -13,6 +15,8 @@ import torch
 
 from shardtune.dist import DistInfo
 from shardtune.hardware import peak_bf16_flops
+
+log = logging.getLogger("shardtune")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -51,6 +55,7 @@ class MetricsLog:
         self.strategy, self.every = strategy, every  # logging_strategy, logging_steps
         self._window_tokens, self._window_start = 0, time.perf_counter()
         self._tb = None
+        self._write_failed = False
         if self.enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -85,10 +90,19 @@ class MetricsLog:
         return record
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append one record as a whole line. A failed write (a full disk) leaves the file as it was and the run
+        going, with one warning: the next checkpoint's save says in one line whether the disk is still full."""
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            append_line(self.path, json.dumps(record))
+        except OSError as exc:
+            if not self._write_failed:
+                log.warning("%s: the record of step %s was not written (%s); the file keeps only whole records and "
+                            "training goes on; free disk space (the next checkpoint needs it too)", self.path,
+                            record.get("step"), exc.strerror or exc)
+            self._write_failed = True
+            return
         if self._tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "step":
@@ -99,6 +113,23 @@ class MetricsLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def append_line(path: Path, text: str) -> None:
+    """Append ``text`` and a newline to ``path``, all of it or nothing: a write cut short is taken back."""
+    data = (text + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 def progress_bar(total: int, initial: int, enabled: bool):

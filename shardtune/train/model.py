@@ -10,6 +10,7 @@ import functools
 import logging
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -85,10 +86,19 @@ def load_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precisi
     collator builds its masks for that same choice."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from shardtune.hub import model_folder_problem, pickled_weights_refused
+
     path = model_cfg.model_name_or_path
     dtype = precision.frozen_dtype(lora)
     attn = attn_implementation(model_cfg, device, precision.compute_dtype)
     device = load_on or device
+    # A folder without weights, with a damaged file or with code not allowed to run is one line here, not
+    # transformers' traceback. Only where weights are read: a rank built on meta needs config.json alone.
+    folder = Path(path).expanduser()
+    if not on_meta and folder.is_dir() and (problem := model_folder_problem(
+            folder, f"model_name_or_path={path!r}", trust_remote_code=model_cfg.trust_remote_code,
+            trust_fix="set trust_remote_code true")):
+        raise UsageError(problem)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -102,7 +112,8 @@ def load_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precisi
     if lora.use_4bit_quantization:
         kwargs.update(quantization_config=_quantization_config(lora),
                       device_map={"": device.index if device.type == "cuda" else "cpu"})
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+    with pickled_weights_refused(folder):
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
     return model if lora.use_4bit_quantization else model.to(device)
 
 
