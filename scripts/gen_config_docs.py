@@ -65,6 +65,8 @@ DESCRIPTIONS = {
     "adam_beta2": "AdamW beta2.",
     "adam_epsilon": "AdamW epsilon.",
     "output_dir": "Where metrics.jsonl, config.yaml, checkpoints/ and final/ go.",
+    "overwrite_output_dir": ("A folder holding an earlier run is refused unless resuming; true deletes that run's "
+                             "files (checkpoints/, final/, metrics.jsonl, ...) first."),
     "seed": "Seeds data order, LoRA initialisation and dropout.",
     "num_train_epochs": "Epochs to train when max_steps is -1.",
     "max_steps": "Optimizer steps to train; -1 trains num_train_epochs.",

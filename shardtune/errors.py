@@ -14,11 +14,24 @@ from pathlib import Path
 class UsageError(Exception):
     """Bad input from the user: the CLI prints the message on one line and exits with code 2."""
 
-    exit_code = 2
+    exit_code = 2  # EXIT_USAGE
 
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (non-finite loss, a failed save, ...); the message says where and what to try."""
+
+
+class Terminated(BaseException):
+    """SIGTERM before the first step: there is nothing to save yet, so the run stops at once. A BaseException, as
+    KeyboardInterrupt is, so that no library's ``except Exception`` swallows it."""
+
+
+# Exit codes of ``shardtune train`` and ``shardtune launch`` (the README's table). 0 means training finished.
+EXIT_FAILED = 1  # the run stopped without finishing; nothing new to resume from unless the message names it
+EXIT_USAGE = 2  # bad input, found before anything was written
+# Stopped by SIGTERM (preemption, scancel, a pod's deletion) after a checkpoint that was saved and verified: run the
+# same command with resume_from_checkpoint true to finish. 128 + SIGTERM, what a shell reports for it.
+EXIT_PREEMPTED = 143
 
 
 def first_line(text: str, default: str = "") -> str:

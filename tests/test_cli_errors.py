@@ -324,3 +324,27 @@ def test_ctrl_c_on_a_single_process_run_says_how_to_go_on(tiny, tmp_path, capsys
     assert main(["train", "--model_name_or_path", str(tiny), "--dataset_name", str(data), "--output_dir",
                  str(tmp_path / "out")]) == 130
     assert capsys.readouterr().err == ""
+
+
+def test_output_dir_that_is_a_file_or_read_only_is_one_line(tiny, tmp_path, capsys, monkeypatch, restore_logging):
+    import errno
+    from pathlib import Path
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    taken = tmp_path / "out"
+    taken.write_text("a file")
+    argv = ["train", "--model_name_or_path", str(tiny), "--dataset_name", str(data), "--max_steps", "1"]
+    assert main([*argv, "--output_dir", str(taken)]) == 2
+    assert one_error_line(capsys) == (f"shardtune train: error: output_dir {taken} is a file, not a folder: give a "
+                                      f"folder (it is created if missing)")
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    assert main([*argv, "--output_dir", str(tmp_path / "new")]) == 2
+    assert one_error_line(capsys) == (f"shardtune train: error: output_dir {tmp_path / 'new'} cannot be written "
+                                      f"(read-only: Read-only file system): fix its permissions or give another "
+                                      f"output_dir")

@@ -17,6 +17,7 @@ import torch
 
 from tests.faults import CALLBACK as FAULTS
 from tests.faults import fault_env
+from tests.trainutil import flags
 
 SHARDTUNE = [sys.executable, "-m", "shardtune"]
 COMMON = ["--splits", "train", "--max_seq_len", "64", "--max_steps", "6", "--logging_steps", "1",
@@ -46,8 +47,8 @@ def shardtune(work: Path, out: str, *args: str, nproc: int = 2, fault: str | Non
     full_env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **fault_env(**({"save": fault} if fault else {})),
                     **(env or {}))
     head = ["train"] if nproc == 0 else ["launch", "--num_processes", str(nproc), *launcher, "train"]
-    cmd = [*SHARDTUNE, *head, "--model_name_or_path", "M", "--dataset_name", "chat.jsonl", *COMMON, *args,
-           "--output_dir", out, "--callbacks", FAULTS]
+    cmd = [*SHARDTUNE, *head, *flags("--model_name_or_path", "M", "--dataset_name", "chat.jsonl", *COMMON, *args,
+                                     "--output_dir", out, "--callbacks", FAULTS)]
     proc = subprocess.run(cmd, cwd=work, env=full_env, capture_output=True, text=True, timeout=600)
     (work / f"{out}.log").write_text(proc.stdout + proc.stderr)
     return proc
@@ -235,24 +236,138 @@ def test_checkpoint_at_an_epochs_last_step_resumes_with_the_next_epoch(work: Pat
     assert json.loads((work / "epochs" / "summary.json").read_text())["epochs"] == 2
 
 
-def test_sigterm_to_launcher_saves_and_exits_cleanly(work: Path) -> None:
+def test_sigterm_to_launcher_saves_and_exits_preempted(work: Path) -> None:
     # Rank 0 sends SIGTERM to the launcher right after step-2 is saved, as a scheduler would before preemption.
     proc = shardtune(work, "sigterm", "--distributed_type", "FSDP", *LORA, fault="after_save:2:0:TERM-LAUNCHER")
-    ok(proc)
     summary = json.loads((work / "sigterm" / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM" and summary["steps"] < 6
     last = Path(work / summary["last_checkpoint"])
     assert last.name == f"step-{summary['steps']}" and (last / "manifest.json").is_file()
     assert not (work / "sigterm" / "final").exists()
+    # Not 0: a scheduler must not count a run stopped at step 2 of 6 as complete.
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert (f"stopped by SIGTERM at step {summary['steps']} of 6; checkpoint {summary['last_checkpoint']} saved and "
+            f"verified") in proc.stderr
 
 
-def test_sigterm_single_process_exits_zero(work: Path) -> None:
-    proc = shardtune(work, "sigterm1", "--distributed_type", "NO", *LORA, "--gradient_accumulation_steps", "4",
+@pytest.fixture(scope="module")
+def sigterm_single(work: Path) -> subprocess.CompletedProcess:
+    """One process, SIGTERM to itself right after step-2 is saved."""
+    return shardtune(work, "sigterm1", "--distributed_type", "NO", *LORA, "--gradient_accumulation_steps", "4",
                      fault="after_save:2:0:TERM", nproc=0)
-    ok(proc)
+
+
+def test_sigterm_single_process_exits_preempted(work: Path, sigterm_single) -> None:
+    proc = sigterm_single
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "stopped by SIGTERM at step 2 of 6; checkpoint sigterm1/checkpoints/step-2 saved and verified" in proc.stderr
     summary = json.loads((work / "sigterm1" / "summary.json").read_text())
     assert (summary["stopped_by"], summary["steps"]) == ("SIGTERM", 2)
     assert summary["last_checkpoint"].endswith("step-2")
+
+
+def test_a_second_run_in_a_used_folder_is_refused_before_writing(work: Path, sigterm_single) -> None:
+    # A folder another run is using: its lock is held (here by this test process).
+    from shardtune.train.output_dir import OutputDirLock
+
+    (work / "busy").mkdir()
+    lock = OutputDirLock(work / "busy")
+    lock.acquire()
+    try:
+        busy = shardtune(work, "busy", *LORA, nproc=0)
+    finally:
+        lock.release()
+    assert busy.returncode == 2, busy.stderr[-3000:]
+    assert f"output_dir busy is in use by another run (pid {os.getpid()} on host" in busy.stderr
+    assert sorted(p.name for p in (work / "busy").iterdir()) == []
+
+    # A folder holding a finished run (sigterm1's step-2 checkpoint and its records), whose lock was left behind by a
+    # process that died: the lock is taken over with a warning, and the run refused, nothing written.
+    used = work / "sigterm1"
+    before = {p.name: p.read_bytes() for p in used.iterdir() if p.is_file()}
+    (used / ".shardtune.lock").write_text('{"host": "gone", "pid": 4242, "started": "yesterday"}\n')
+    again = shardtune(work, "sigterm1", *LORA, nproc=0)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert "taking over the lock of a run that is no longer running (pid 4242 on host gone, started yesterday)" \
+        in again.stderr
+    assert ("output_dir sigterm1 holds an earlier run (checkpoints step-2, metrics.jsonl, summary.json): set "
+            "resume_from_checkpoint true") in again.stderr
+    assert {p.name: p.read_bytes() for p in used.iterdir() if p.is_file()} == before  # lock released too
+
+    # overwrite_output_dir true: the earlier run's files go, and this run's are the only ones there.
+    fresh = shardtune(work, "sigterm1", *LORA, "--max_steps", "1", "--overwrite_output_dir", "true", nproc=0)
+    ok(fresh)
+    assert "overwrite_output_dir: deleted the earlier run in sigterm1" in fresh.stderr
+    assert [r["step"] for r in records(used)] == [1]
+    assert not (used / "checkpoints").exists() and (used / "final").is_dir()  # step 1 saves none (save_steps 2)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _launch(work: Path, out: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [*SHARDTUNE, "launch", "--num_processes", "2", "train", "--model_name_or_path", "M", "--dataset_name",
+           "chat.jsonl", *COMMON, *LORA, "--output_dir", out, *args]
+    return subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(condition, timeout: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_sigterm_during_start_up_says_no_checkpoint_was_saved(work: Path) -> None:
+    import signal
+
+    proc = _launch(work, "early")
+    _wait_for(lambda: len(_children(proc.pid)) == 2, 60)  # the workers are importing or loading
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "stopped by SIGTERM before the workers saved a checkpoint: no checkpoint was saved for it" in stderr
+    assert not (work / "early" / "checkpoints").exists()
+
+
+def test_sigkill_of_the_launcher_kills_its_workers(work: Path) -> None:
+    import time
+
+    proc = _launch(work, "orphans", "--max_steps", "100000", "--save_steps", "100000")
+    _wait_for(lambda: (work / "orphans" / "metrics.jsonl").is_file(), 120)  # both workers are training
+    workers = _children(proc.pid)
+    assert len(workers) == 2
+    proc.kill()
+    proc.communicate()
+    killed = time.monotonic()
+    _wait_for(lambda: not any(_alive(pid) for pid in workers), 10)
+    assert time.monotonic() - killed < 10
+    # The dead run's lock is taken over by the next run in the folder, which resumes (from nothing saved).
+    again = shardtune(work, "orphans", *LORA, "--max_steps", "1", "--resume_from_checkpoint", "true", nproc=0)
+    ok(again)
+    assert "taking over the lock of a run that is no longer running" in again.stderr
+    assert [r["step"] for r in records(work / "orphans")] == [1]
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import sys
 import warnings
 
 from shardtune.cli.common import build_parser
-from shardtune.errors import UsageError
+from shardtune.errors import EXIT_FAILED, Terminated, UsageError
 
 
 class _DropMessage(logging.Filter):
@@ -53,6 +53,11 @@ def _passthrough(command: str, argv: list[str]) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"shardtune {command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Terminated:  # SIGTERM before the first step (shardtune train)
+        from shardtune.cli.launch import report_stop
+
+        report_stop(None, f"shardtune {command}: stopped by SIGTERM during start-up: no checkpoint was saved for it")
+        return EXIT_FAILED
     except KeyboardInterrupt:
         if command == "train" and "RANK" not in os.environ:  # under launch, the launcher says it once
             print("shardtune train: interrupted; no checkpoint was saved for it: resume_from_checkpoint true "

@@ -175,16 +175,82 @@ def run(argv: list[str]) -> int:
     return run_torchrun(cmd[len(TORCHRUN):])
 
 
+# Set by the launcher for its workers: its pid (they die with it) and where they report how a SIGTERM ended them.
+LAUNCHER_PID = "SHARDTUNE_LAUNCHER_PID"
+STOP_REPORT = "SHARDTUNE_STOP_REPORT"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher() -> None:
+    """A worker of ``shardtune launch`` is killed when the launcher dies, even by SIGKILL (the kernel's parent-death
+    signal): nothing trains on, unseen, holding GPUs and the output folder. Linux only; elsewhere nothing happens."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != int(launcher):  # it died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def report_stop(summary: dict | None, message: str) -> None:
+    """How a SIGTERM ended this worker: for the launcher to say (each machine's first worker writes it), or, for
+    ``shardtune train`` run on its own, printed on rank 0. ``summary`` None: it stopped before any checkpoint."""
+    path = os.environ.get(STOP_REPORT)
+    if not path:
+        if os.environ.get("RANK", "0") == "0":
+            print(message, file=sys.stderr)
+        return
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    import json
+
+    report = {k: summary[k] for k in ("steps", "max_steps", "last_checkpoint")} if summary else {}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, path)
+
+
+def _stopped_by_sigterm(report: str) -> int:
+    """The launcher's line and exit code after SIGTERM, from what its workers reported."""
+    import json
+
+    from shardtune.errors import EXIT_FAILED, EXIT_PREEMPTED
+
+    try:
+        with open(report) as f:
+            stop = json.load(f)
+    except (OSError, ValueError):
+        stop = {}
+    if stop.get("last_checkpoint"):
+        print(f"shardtune launch: stopped by SIGTERM at step {stop['steps']} of {stop['max_steps']}; checkpoint "
+              f"{stop['last_checkpoint']} saved and verified: run the same command with resume_from_checkpoint "
+              f"true to finish (exit code {EXIT_PREEMPTED})", file=sys.stderr)
+        return EXIT_PREEMPTED
+    print("shardtune launch: stopped by SIGTERM before the workers saved a checkpoint: no checkpoint was saved for "
+          "it; resume_from_checkpoint true carries on from the newest earlier one under output_dir/checkpoints, "
+          "if any", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def run_torchrun(torchrun_args: list[str]) -> int:
     """Run torchrun's agent in this process; a failed worker becomes one line and its exit code.
 
     The agent forwards SIGTERM to every worker (they save a checkpoint and exit) and restarts failed workers
     up to --max_restarts times. Workers print their own errors, so the agent's long report is cut to its gist.
+    The workers die with this process, even when it is killed with SIGKILL.
     """
+    import shutil
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
+
+    from shardtune.errors import EXIT_PREEMPTED
 
     args = get_args_parser().parse_args(torchrun_args)
     # torchrun sets OMP_NUM_THREADS=1 for every worker with a four-line banner; the cores shared out instead, and
@@ -194,11 +260,17 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     # Restarted workers sharing the agent's rendezvous store can read the previous attempt's addresses and fail
     # to connect (pytorch/pytorch#135712): give the workers their own store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    scratch = tempfile.mkdtemp(prefix="shardtune-launch-")
+    report = os.path.join(scratch, "stop.json")
+    os.environ[STOP_REPORT] = report
+    os.environ[LAUNCHER_PID] = str(os.getpid())
     try:
         torchrun(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
+        if code == EXIT_PREEMPTED and os.path.exists(report):  # the workers had the SIGTERM, not this process
+            return _stopped_by_sigterm(report)
         if code < 0:
             what = f"was killed by signal {-code}"
             code = 128 - code
@@ -210,11 +282,11 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         # The agent has already passed the signal on and waited for the workers; on SIGTERM they save and stop,
         # on anything else (Ctrl-C) they stop where they are.
         if exc.sigval == signal.SIGTERM:
-            print("shardtune launch: stopped by SIGTERM; the workers saved a checkpoint of their last step",
-                  file=sys.stderr)
-            return 0
+            return _stopped_by_sigterm(report)
         name = signal.Signals(int(exc.sigval)).name
         print(f"shardtune launch: interrupted ({name}); no checkpoint was saved for it: resume_from_checkpoint true "
               f"carries on from the newest one under output_dir/checkpoints", file=sys.stderr)
         return 128 + int(exc.sigval)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return 0

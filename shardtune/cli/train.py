@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 
 from shardtune.cli.common import TRAIN_HELP, load_job_config
@@ -42,6 +43,17 @@ def run(argv: list[str]) -> int:
     if any(a in TRAIN_HELP for a in argv):
         print(keys_help())
         return 0
+    from shardtune.cli.launch import die_with_launcher
+
+    die_with_launcher()
+    previous = signal.signal(signal.SIGTERM, _terminate)  # until the training loop can answer it with a checkpoint
+    try:
+        return _run(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(argv: list[str]) -> int:
     from shardtune.hub import offline_unless_reachable
 
     # The run's own checks (placeholder data, missing paths, the resume folder) before any model is loaded.
@@ -58,15 +70,16 @@ def run(argv: list[str]) -> int:
         nodes = cfg.distributed.num_machines if world_size % cfg.distributed.num_machines == 0 else 1
         print(render_text(trace_or_formula(cfg, world_size, num_nodes=nodes)))
         return 0
-    from shardtune.errors import TrainingStopped
+    from shardtune.cli.launch import report_stop
+    from shardtune.errors import EXIT_FAILED, EXIT_PREEMPTED, TrainingStopped
     from shardtune.train.loop import train
 
     rank = os.environ.get("RANK", "0")
     try:
-        train(cfg, job_callbacks(cfg), stage_bounds=job_stage_bounds(cfg))
+        summary = train(cfg, job_callbacks(cfg), stage_bounds=job_stage_bounds(cfg))
     except TrainingStopped as exc:
         print(f"shardtune train: rank {rank}: stopped: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     except RuntimeError as exc:
         first = first_line(str(exc), type(exc).__name__)
         if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
@@ -74,8 +87,19 @@ def run(argv: list[str]) -> int:
         print(f"shardtune train: rank {rank}: a collective timed out after ddp_timeout={cfg.run.ddp_timeout} s "
               f"({first}). Another rank is stuck or died: read its messages above; if a step legitimately takes "
               f"longer, raise ddp_timeout", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
+    if summary["stopped_by"] == "SIGTERM":
+        report_stop(summary, f"shardtune train: stopped by SIGTERM at step {summary['steps']} of "
+                             f"{summary['max_steps']}; checkpoint {summary['last_checkpoint']} saved and verified: "
+                             f"run the same command with resume_from_checkpoint true to finish")
+        return EXIT_PREEMPTED
     return 0
+
+
+def _terminate(signum, frame) -> None:  # noqa: ARG001
+    from shardtune.errors import Terminated
+
+    raise Terminated
 
 
 def job_callbacks(cfg) -> list:

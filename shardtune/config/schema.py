@@ -78,6 +78,8 @@ class OptimConfig:
 @dataclass
 class RunConfig:
     output_dir: str | None = None
+    # A folder holding an earlier run is refused unless resuming; true deletes that run's files first.
+    overwrite_output_dir: bool = False
     seed: int = 42
     num_train_epochs: float = 1.0
     max_steps: int = -1
@@ -198,5 +200,5 @@ ACCELERATE_IGNORED = {"compute_environment", "debug", "main_training_function", 
                       "fsdp_offload_optimizer"}
 # TrainingArguments / TRL keys that shardtune accepts and that change nothing here (logging of other tools).
 IGNORED_KEYS = {"logging_first_step", "logging_nan_inf_filter", "dataloader_num_workers", "remove_unused_columns",
-                "overwrite_output_dir", "do_train", "do_eval", "run_name", "disable_tqdm", "save_safetensors",
+                "do_train", "do_eval", "run_name", "disable_tqdm", "save_safetensors",
                 "include_num_input_tokens_seen", "ddp_find_unused_parameters"}

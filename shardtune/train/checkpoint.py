@@ -342,6 +342,8 @@ class Checkpointer:
     def resume(self, point: ResumePoint | None) -> Path | None:
         """Restore model, optimizer and ``state`` from ``resume_point``'s answer, if any."""
         if point is None:
+            if self.info.is_main and str(self.settings.resume_from_checkpoint).lower() in RESUME_NEWEST:
+                trim_metrics(self.out, 0)  # killed before its first checkpoint: the run starts again at step 1
             return None
         path = point.path
         trainer_state = load_checkpoint(path, model=self.model, optimizer=self.optimizer,

@@ -13,7 +13,8 @@ import random
 import signal
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,15 @@ import numpy as np
 import torch
 
 from shardtune.config import TrainConfig, save_resolved
-from shardtune.dist import DistInfo, RankFailed, all_reduce_sum, init_distributed, shutdown
-from shardtune.errors import TrainingStopped, first_line
+from shardtune.dist import DistInfo, RankFailed, all_reduce_sum, init_distributed, run_and_share, shutdown
+from shardtune.errors import Terminated, TrainingStopped, UsageError, first_line
 from shardtune.train.callbacks import CallbackList, load_callbacks
-from shardtune.train.checkpoint import Checkpointer, resume_point, write_failure, write_fix
+from shardtune.train.checkpoint import Checkpointer, checkpoint_damage, resume_point, write_failure, write_fix
 from shardtune.train.evaluate import Evaluator
 from shardtune.train.job import Job, make_job
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
                                      progress_bar, start_peak_memory)
+from shardtune.train.output_dir import OutputDirLock, claim_output_dir
 from shardtune.train.plan import needs_process_group, unwrap
 from shardtune.train.step import NonFiniteLoss, train_step
 
@@ -60,14 +62,18 @@ def setup_logging(level: str, info: DistInfo) -> None:
 
 
 class SigtermFlag:
-    """Remembers a SIGTERM (what schedulers send before preemption) so the loop can save and exit cleanly."""
+    """SIGTERM, what schedulers send before preemption: before the first step it stops the run at once (there is
+    nothing to save, ``Terminated``); from ``in_loop`` on it is remembered, and the loop saves and stops cleanly."""
 
     def __init__(self) -> None:
         self.received = False
+        self.in_loop = False
         self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002
         self.received = True
+        if not self.in_loop:
+            raise Terminated
 
     def any_rank(self, device: torch.device) -> bool:
         return bool(all_reduce_sum([float(self.received)], device)[0].item() > 0)
@@ -83,20 +89,25 @@ def train(cfg: TrainConfig, callbacks: Sequence[Any] = (), *,
     ``callbacks``: objects with ``on_*`` events (``train.callbacks``), after those the config's ``callbacks``
     names. ``stage_bounds``: MP/PP's decoder layers per stage (``shardtune train`` asks the memory estimator).
     """
-    info = init_distributed(cfg.run.ddp_timeout, group_for_one=needs_process_group(cfg.distributed))
-    setup_logging(cfg.run.log_level, info)
+    sigterm = SigtermFlag()
     try:
-        return _train(cfg, info, callbacks, stage_bounds)
+        info = init_distributed(cfg.run.ddp_timeout, group_for_one=needs_process_group(cfg.distributed))
+        setup_logging(cfg.run.log_level, info)
+        try:
+            named = load_callbacks(cfg.run.callbacks)  # a bad name stops the run before anything is written
+            with output_dir_claimed(cfg, info):  # so does a folder in use, or one holding another run
+                return _train(cfg, info, [*named, *callbacks], stage_bounds, sigterm)
+        finally:
+            shutdown()
     finally:
-        shutdown()
+        sigterm.restore()
 
 
-def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bounds) -> dict[str, Any]:
-    named = load_callbacks(cfg.run.callbacks)  # a bad name stops the run before anything is written
-    resume = resume_point(cfg, info)  # so does a damaged checkpoint, or a setting it cannot change
+def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bounds,
+           sigterm: SigtermFlag) -> dict[str, Any]:
+    resume = resume_point(cfg, info)  # a damaged checkpoint, or a setting it cannot change, stops the run here
     out = Path(cfg.run.output_dir)
     if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
         save_resolved(cfg, out / "config.yaml")
     seed_everything(cfg.run.seed)
     job = make_job(cfg, info, stage_bounds)
@@ -106,10 +117,10 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     start_step = job.state.step  # what this run adds is counted from here
     metrics = MetricsLog(out, job.info, tensorboard=cfg.run.report_to == "tensorboard",
                          strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps)
-    hooks = CallbackList([*named, *callbacks], cfg, job.state)
+    hooks = CallbackList(callbacks, cfg, job.state)
     hooks.on_train_begin(model=job.model, optimizer=job.optimizer, plan=job.plan, info=job.info)
     start_peak_memory(job.info.device)
-    loop = Loop(job, checkpointer, Evaluator(cfg, job), metrics, hooks)
+    loop = Loop(job, checkpointer, Evaluator(cfg, job), metrics, hooks, sigterm)
     started = time.perf_counter()
     try:
         stopped_by = loop.run()
@@ -118,7 +129,9 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     summary = run_summary(job, checkpointer, stopped_by=stopped_by, start_step=start_step, tokens=loop.tokens,
                           wall=time.perf_counter() - started)
     hooks.on_train_end(model=job.model, summary=summary, log=metrics.write)
-    if stopped_by != "SIGTERM":
+    if stopped_by == "SIGTERM":
+        verify_stop_checkpoint(job, checkpointer)
+    else:
         summary["final"] = export_final(job, checkpointer)
     if job.info.is_main:
         tmp = out / ".tmp-summary.json"
@@ -137,17 +150,18 @@ class Loop:
     """
 
     def __init__(self, job: Job, checkpointer: Checkpointer, evaluator: Evaluator, metrics: MetricsLog,
-                 hooks: CallbackList) -> None:
+                 hooks: CallbackList, sigterm: SigtermFlag) -> None:
         self.job, self.checkpointer, self.evaluator, self.metrics, self.hooks = (job, checkpointer, evaluator,
                                                                                 metrics, hooks)
+        self.sigterm = sigterm
         self.tokens = 0  # trained by this run
         self.bar = None
 
     def run(self) -> str:
         """Train to ``max_steps`` (or a callback's stop); returns ``"completed"`` or ``"SIGTERM"``."""
-        job, state = self.job, self.job.state
-        sigterm = SigtermFlag()
+        job, state, sigterm = self.job, self.job.state, self.sigterm
         self.bar = progress_bar(state.max_steps, state.step, job.info.is_main)
+        sigterm.in_loop = True  # from here a SIGTERM is answered with a checkpoint
         try:
             while state.step < state.max_steps:
                 for rows in state.epoch_batches():
@@ -164,13 +178,13 @@ class Loop:
                     state.epoch += 1  # the epoch ran to its end
                     self.after_step(at_epoch_end=True, last=False)
                     continue
-                # Stopped inside an epoch (max_steps): Transformers still logs, evaluates and saves for epoch strategies.
+                # Stopped inside an epoch (max_steps): Transformers still logs, evaluates and saves for epoch
+                # strategies.
                 self.after_step(at_epoch_end=True, last=True)
                 break
             return "completed"
         finally:
             self.bar.close()
-            sigterm.restore()
 
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> bool:
         """One optimizer step; returns whether it was the run's last."""
@@ -209,6 +223,32 @@ class Loop:
             self.hooks.on_save(checkpoint=self.checkpointer.save(reason))
 
 
+@contextmanager
+def output_dir_claimed(cfg: TrainConfig, info: DistInfo) -> Iterator[None]:
+    """Rank 0 holds ``output_dir``'s lock for the run (``claim_output_dir``); every rank hears of a refusal."""
+    held: list[OutputDirLock] = []
+    try:
+        run_and_share(lambda: held.append(claim_output_dir(cfg)), runs=info.is_main,
+                      what=f"claiming output_dir {cfg.run.output_dir}")
+    except RankFailed as exc:
+        if exc.kind != "UsageError":
+            raise
+        raise UsageError(exc.message) from None  # rank 0 prints it; the others exit 2 with it
+    try:
+        yield
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def verify_stop_checkpoint(job: Job, checkpointer: Checkpointer) -> None:
+    """After SIGTERM: the checkpoint just saved must read back as its manifest says, or the run says none was."""
+    damaged = checkpoint_damage(Path(checkpointer.last), job.info)
+    if damaged:
+        raise TrainingStopped(f"stopped by SIGTERM at step {job.state.step}, but its checkpoint is damaged "
+                              f"({damaged}): no checkpoint was saved for this stop")
+
+
 def export_final(job: Job, checkpointer: Checkpointer) -> str:
     """``final/``: the runner gathers what each rank holds and rank 0 writes it."""
     out = Path(job.cfg.run.output_dir)
@@ -233,7 +273,7 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
                                     job.cfg.data.max_seq_len)
         mfu = per_token * tokens / wall / (flops * job.plan.num_devices(info))
     resumed = checkpointer.resumed_from is not None
-    return {"steps": state.step, "steps_this_run": state.step - start_step,
+    return {"steps": state.step, "max_steps": state.max_steps, "steps_this_run": state.step - start_step,
             "resumed_from_step": start_step if resumed else None, "epochs": state.epoch, "wall_s": wall,
             "tokens": tokens, "tokens_per_s": tokens / max(wall, 1e-9),
             "trainable_parameters": job.trainable_parameters, "parameters": job.parameters,

@@ -1,0 +1,157 @@
+"""The run's claim on ``output_dir``: one run at a time (a lock), and never on top of another run's files.
+
+Two runs writing one folder mix silently: checkpoints of one, config.yaml of the other, every step twice in
+metrics.jsonl, and a later ``resume_from_checkpoint true`` picks up whichever checkpoint is newest. So rank 0
+holds ``output_dir/.shardtune.lock`` for the whole run (an ``flock`` the kernel releases when the process dies,
+plus host, pid and start time for the message a second run prints), and a folder that holds an earlier run is
+used only when the config says how: ``resume_from_checkpoint`` (carry on from it) or ``overwrite_output_dir``
+(delete its files first, as Transformers users know the key).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from shardtune.errors import UsageError
+from shardtune.train.layout import RESUME_OFF, STEP_FOLDER
+
+log = logging.getLogger("shardtune")
+
+LOCK = ".shardtune.lock"
+# What a run writes into output_dir; overwrite_output_dir removes these and nothing else.
+RUN_FILES = ("checkpoints", "final", "tensorboard", "config.yaml", "metrics.jsonl", "summary.json")
+
+
+class OutputDirLock:
+    """``output_dir/.shardtune.lock``, held (``flock``) from ``acquire`` until ``release`` or the process's death."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / LOCK
+        self._fd: int | None = None
+        self.restarted = False  # the lock was taken over from an earlier attempt of this torchrun job
+
+    def acquire(self) -> None:
+        """Take the lock, or refuse in one line naming the run that holds it; a dead holder's lock is taken over."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UsageError(_unwritable(self.path.parent, exc)) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(os.read(fd, 4096))
+            os.close(fd)
+            raise UsageError(f"output_dir {self.path.parent} is in use by another run ({holder}): wait for it to "
+                             f"finish, stop it, or give another output_dir") from None
+        previous = os.read(fd, 4096)
+        if previous.strip():
+            # The kernel dropped the holder's flock, so it is no longer running (killed, or its machine died).
+            self.restarted = _restarted_from(previous)
+            (log.info if self.restarted else log.warning)(
+                "output_dir %s: taking over the lock of a run that is no longer running (%s)", self.path.parent,
+                _describe(previous))
+        mine = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "run_id": _run_id()})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, mine.encode() + b"\n", 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
+def claim_output_dir(cfg) -> OutputDirLock:
+    """Rank 0, before anything is written: create ``output_dir``, lock it, and check it holds no other run.
+
+    A folder with an earlier run's files is refused unless ``resume_from_checkpoint`` is set (the run carries on
+    from it) or ``overwrite_output_dir`` is true (its files are deleted first, and said so).
+    """
+    folder = Path(cfg.run.output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"output_dir {folder} is a file, not a folder: give a folder (it is created if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(_unwritable(folder, exc)) from None
+    lock = OutputDirLock(folder)
+    lock.acquire()
+    try:
+        earlier = earlier_run(folder)
+        resuming = str(cfg.checkpoint.resume_from_checkpoint or "").lower() not in RESUME_OFF
+        if earlier and not resuming:
+            if not (cfg.run.overwrite_output_dir or lock.restarted):  # a restart without resume starts over
+                raise UsageError(
+                    f"output_dir {folder} holds an earlier run ({', '.join(earlier)}): set resume_from_checkpoint "
+                    f"true to carry on from its newest checkpoint, overwrite_output_dir true to delete it and start "
+                    f"afresh, or give another output_dir")
+            for name in RUN_FILES:
+                path = folder / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+            (log.info if lock.restarted else log.warning)(
+                "%s: deleted the earlier run in %s (%s)", "restart" if lock.restarted else "overwrite_output_dir",
+                folder, ", ".join(earlier))
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def earlier_run(folder: Path) -> list[str]:
+    """What of an earlier run ``folder`` holds, in words ('checkpoints step-10..step-20', 'metrics.jsonl')."""
+    found = []
+    steps = sorted(int(m.group(1)) for p in (folder / "checkpoints").glob("step-*")
+                   if (m := STEP_FOLDER.match(p.name)))
+    if steps:
+        found.append(f"checkpoints step-{steps[0]}" + (f"..step-{steps[-1]}" if len(steps) > 1 else ""))
+    found += [name for name in RUN_FILES if name not in ("checkpoints", "config.yaml") and (folder / name).exists()]
+    return found
+
+
+def _run_id() -> str | None:
+    """torchrun's id of this job, written into the lock."""
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+def _restarted_from(previous: bytes) -> bool:
+    """Whether this is torchrun restarting the job whose worker left ``previous``: the same job id, and this worker
+    is a restart (ids such as static rendezvous's 'none' are shared by separate launches; restarts are not)."""
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return restarts != "0" and _run_id() is not None and _field(previous, "run_id") == _run_id()
+
+
+def _field(raw: bytes, key: str):
+    try:
+        return json.loads(raw.decode()).get(key)
+    except (ValueError, AttributeError):
+        return None
+
+
+def _describe(raw: bytes) -> str:
+    """'pid 123 on host h, started 2026-11-24 01:00:00 UTC' from a lock file's contents."""
+    pid, host, started = (_field(raw, k) for k in ("pid", "host", "started"))
+    if pid is None:
+        return "its lock file holds no details"
+    return f"pid {pid} on host {host}, started {started}"
+
+
+def _unwritable(folder: Path, exc: OSError) -> str:
+    reason = "read-only" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else exc.strerror
+    return (f"output_dir {folder} cannot be written ({reason}: {exc.strerror}): fix its permissions or give another "
+            f"output_dir")
