@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from shardtune.memory.inventory import ModelInventory, normalize_targets
 from shardtune.memory.setup import Dtypes, Setup
-from shardtune.train.loss import LOSS_CHUNKS
+from shardtune.train.loss import LOSS_CHUNKS, loss_chunk_tokens
 
 # Projections grouped by the tensor they read, by the names transformers gives them (Llama-style models, Phi-3's
 # fused projections, Mixtral's router). An adapter on any member of a group keeps that group's input alive.
@@ -173,57 +173,65 @@ class Activations:
     def outside_layers(self) -> int:
         """Final norm, the lm_head input, the micro-batch itself, and what the loss keeps for backward.
 
-        The full loss keeps the fp32 log-softmax of every token; the chunked loss keeps the compute-dtype logits
-        and recomputes the softmax one chunk at a time in backward (torchtune's CEWithChunkedOutputLoss, compiled).
+        shardtune's loss keeps no logits: its checkpointed chunks keep their input, the final norm's output (in
+        the residual stream's dtype, frozen head or not), and the shifted labels (int64). The full loss keeps the
+        fp32 log-softmax of every token; the chunked loss keeps the compute-dtype logits and recomputes the
+        softmax one chunk at a time in backward (torchtune's CEWithChunkedOutputLoss, compiled).
         """
         inv = self.inv
-        if self.setup.loss == "full":
-            kept = 4 * inv.vocab_size
+        if self.setup.loss == "shardtune":
+            kept, head_input = 8, self.dt.residual * inv.hidden_size
+        elif self.setup.loss == "full":
+            kept, head_input = 4 * inv.vocab_size, self.dt.compute * inv.hidden_size
         else:  # the compute-dtype logits and the fp32 log-sum-exp of each token
-            kept = self.dt.compute * inv.vocab_size + 4
+            kept, head_input = self.dt.compute * inv.vocab_size + 4, self.dt.compute * inv.hidden_size
         if self.frozen:
-            # A frozen head keeps no input. The final norm keeps its fp32 upcast (the adapters below need the
-            # gradient of its input); without checkpointing that cancels against the first layer's input norm,
-            # which keeps nothing (nothing before it needs a gradient: the embeddings are frozen).
+            # A frozen head keeps no input (shardtune's chunks do). The final norm keeps its fp32 upcast (the
+            # adapters below need the gradient of its input); without checkpointing that cancels against the
+            # first layer's input norm, which keeps nothing (nothing before it needs a gradient: the embeddings
+            # are frozen).
             final_norm = self.norm() if self.setup.gradient_checkpointing else 0
+            kept += head_input if self.setup.loss == "shardtune" else 0
             return final_norm + self.batch_inputs() + kept
-        return self.norm() + self.dt.compute * inv.hidden_size + self.batch_inputs() + kept
+        return self.norm() + head_input + self.batch_inputs() + kept
 
     def rope_tables(self) -> int:
         """RoPE's cos and sin, shared by all layers: one row per token, since the trainer passes position ids for
         every sequence of the batch (they restart at each packed document)."""
         return 2 * self.setup.batch_size * self.setup.seq_len * self.inv.head_dim * self.dt.residual
 
-    def loss_forward_extra(self) -> int:
-        """Logits in compute dtype and their fp32 upcast, alive while the loss is computed."""
+    def loss_chunk_tokens(self, tokens: int) -> int:
+        """Tokens in one chunk of shardtune's loss for a micro-batch of ``tokens`` (``head_loss_sum``)."""
+        return min(tokens, loss_chunk_tokens(tokens, self.inv.vocab_size))
+
+    def loss_forward_bytes(self, tokens: int) -> int:
+        """Logits in compute dtype and their fp32 upcast, alive while the loss of ``tokens`` is computed."""
         v, e = self.inv.vocab_size, self.dt.compute
         if self.setup.loss == "shardtune":
-            # shardtune.train.step.token_loss_sum: one chunk's fp32 upcast and its log-softmax at a time (each
-            # chunk is checkpointed, so neither is kept).
-            return 8 * v // LOSS_CHUNKS
+            # shardtune.train.loss.head_loss_sum: one chunk's fp32 logits and their log-softmax at a time (the
+            # upcast frees the compute-dtype logits; each chunk is checkpointed, so nothing is kept).
+            return 8 * v * self.loss_chunk_tokens(tokens)
         if self.setup.loss == "chunked":
             # torchtune compiles the per-chunk upcast + cross-entropy (training.compile_loss): inductor fuses the
             # upcast into the log-sum-exp reduction, so no fp32 copy of a chunk is materialised, only one fp32
             # log-sum-exp per token (counted with the saved logits).
             return 0
-        return e * v + (4 * v if e != 4 else 0)
+        return tokens * (e * v + (4 * v if e != 4 else 0))
 
-    def loss_backward_extra(self) -> int:
+    def loss_backward_bytes(self, tokens: int) -> int:
         """The gradients of the logits at the start of backward (beyond the saved activations)."""
         v = self.inv.vocab_size
         if self.setup.loss == "shardtune":
-            # Each chunk's gradient (compute dtype) waits until all eight are there. The last chunk's recompute
-            # holds its fp32 upcast, log-softmax and their fp32 gradient (12 v / 8) beside 7/8 of the chunk
-            # gradients, with the logits still saved. The split's backward then concatenates the chunks into one
-            # gradient of logits[:, :-1] and the slice's backward pads it to the logits' shape: two compute-dtype
-            # gradients of the whole logits, but the logits are gone by then (the trainer keeps no name on them;
-            # only the chunks' checkpoints did), so one more than the saved activations.
-            e = self.dt.compute
-            return max(7 * e * v // 8 + 12 * v // 8, e * v)
+            # Backward recomputes one chunk: its log-softmax, that output's gradient and the gradient of the fp32
+            # logits (12 bytes a value) at the log-softmax's backward. The chunks run last to first, and the
+            # gradients of the head's input wait for all of them (the split's backward joins them): at the first
+            # chunk, those of every other chunk are there.
+            chunk = self.loss_chunk_tokens(tokens)
+            return 12 * v * chunk + (tokens - chunk) * self.dt.residual * self.inv.hidden_size
         if self.setup.loss == "chunked":
             # Each chunk is its own branch of the graph: autograd runs one chunk's loss backward and then its slice
             # of the output projection, and frees that chunk's gradient before the next one, so one chunk's
             # gradient is alive, never all of them. The compiled backward writes it (softmax - one-hot) straight
             # in compute dtype, with no fp32 intermediate.
-            return self.dt.compute * v // LOSS_CHUNKS
-        return 8 * v
+            return tokens * self.dt.compute * v // LOSS_CHUNKS
+        return tokens * 8 * v

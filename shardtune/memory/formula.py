@@ -3,12 +3,16 @@
 A training step goes through phases whose live memory differs; the peak is the largest of them, and the breakdown
 shown is the one *at* that peak, so its parts add up to the total:
 
-- forward at the loss: saved activations of every layer, plus the logits and their fp32 upcast;
-- backward at the loss: saved activations, plus the gradients of the logits (the worst moment for 128k vocabularies);
-- backward at the head: the logits' gradient complete, the logits gone; FSDP gathers its root unit again here;
+- forward at the loss: saved activations of every layer, plus the logits and their fp32 upcast (shardtune's loss:
+  one chunk's);
+- backward at the loss: saved activations, plus the gradients of the logits (shardtune's loss: one recomputed
+  chunk's, beside the head's weight gradient being summed);
+- backward at the head: the logits' gradient complete, the logits gone (shardtune's loss: just before its
+  backward); FSDP gathers its root unit again here;
 - backward through the last decoder layer: a recomputed layer (gradient checkpointing) and its temporaries;
 - backward through the first decoder layer: nearly every gradient made, that layer's activations still alive;
 - backward through the embeddings: every gradient, and a tied head's waiting to be summed with the embedding's;
+- FSDP after backward: the root's unsharded gradients and their fp32 copy, reduce-scattered;
 - optimizer step: parameters, gradients and optimizer states, no activations.
 
 Where the bytes come from:
@@ -25,9 +29,10 @@ Where the bytes come from:
   projections and norms keep less, adapters keep their own inputs (adapters in the activations' dtype share one
   copy per norm; fp32 adapters under autocast each keep their own compute-dtype copy).
   tests/test_estimate_lora_activations.py checks this against real PEFT models.
-- ``--loss shardtune`` is the trainer's own (shardtune.train.step.token_loss_sum): the compute-dtype logits are kept
-  (and held by the step until the next micro-batch's forward), the fp32 upcast exists one checkpointed chunk at a
-  time, and backward gathers the chunks' gradients into two compute-dtype gradients of the whole logits.
+- ``--loss shardtune`` is the trainer's own (shardtune.train.loss.head_loss_sum, the head fused with the loss): no
+  logits are kept; the head runs on one checkpointed chunk of tokens at a time (``loss_chunk_tokens``), so forward
+  holds one chunk's fp32 logits and log-softmax, and backward recomputes them chunk by chunk (12 bytes a value at
+  the log-softmax's backward) while the gradients of the head's input and weight are summed.
   ``--loss full`` follows transformers' ``ForCausalLMLoss``: logits in compute dtype, an fp32 upcast, log-softmax
   output kept for backward, and two fp32 vocab-sized gradients at the start of backward. ``--loss chunked`` is
   torchtune's CEWithChunkedOutputLoss as its recipes run it (8 chunks, compiled by training.compile_loss): the
@@ -259,21 +264,28 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
                 not_yet += embedding_grad
     end_copies = copies_bwd if fsdp else model.autocast_copy_of_layer(biggest_layer)
     loss_backward_copies, head_copies = copies_loss, copies_loss
-    if fsdp and shard > 1 and setup.loss == "shardtune" and setup.sharding_strategy != "SHARD_GRAD_OP":
-        # FSDP2 reshards the root after forward (not under SHARD_GRAD_OP) and gathers it again when the gradient
-        # of its output (the logits) is complete, after the loss's own backward (the trace shows the root sharded
-        # through the chunks' recompute); the other losses are modelled as before, since no trace checks them.
-        loss_backward_copies, head_copies = gathered_at_loss, 2 * root + gathered_at_loss
+    head_buffer = 0
+    if setup.loss == "shardtune":
+        if fsdp and shard > 1 and setup.sharding_strategy != "SHARD_GRAD_OP":
+            # FSDP2 reshards the root after forward (not under SHARD_GRAD_OP) and gathers it again from the
+            # pre-backward hook on its output, the loss: before the chunks' backward, the all-gather's output
+            # beside the unsharded parameters it is copied into; the chunks then run with the root gathered.
+            loss_backward_copies, head_copies = root + gathered_at_loss, 2 * root + gathered_at_loss
+        if setup.method == "full":
+            # The head's weight gradient is made chunk by chunk: autograd sums the chunks' gradients in a buffer
+            # of the matmul's dtype (the compute dtype under autocast and for FSDP's gathered weights).
+            head_buffer = (inv.head_params or inv.embedding_params) * (
+                dt.compute if dt.autocast_copies or fsdp else dt.master)
     phases = {
-        "forward (loss)": dict(grads=carry, act=saved + tokens * act.loss_forward_extra(),
+        "forward (loss)": dict(grads=carry, act=saved + act.loss_forward_bytes(tokens),
                                copies=copies_loss),
-        # With shardtune's loss the head's gradient comes after the logits' gradients peak (see loss_backward_extra).
         "backward (loss)": dict(grads=carry if setup.loss == "shardtune" else max(carry, head_grad),
-                                act=saved + tokens * act.loss_backward_extra(),
+                                act=saved + act.loss_backward_bytes(tokens) + head_buffer,
                                 copies=loss_backward_copies),
-        # The gradient of the logits is complete and the logits are gone (the gradient takes their place in
-        # ``saved``): the head's backward begins, and under FSDP the root's pre-backward hook (on its output)
-        # gathers it now, the all-gather's output beside the unsharded parameters it is copied into.
+        # The loss's backward is about to start (shardtune's: before its chunks, with the head inside them) or
+        # the gradient of the logits is complete and the logits are gone (the other losses: the gradient takes
+        # their place in ``saved``) and the head's backward begins; under FSDP the root's pre-backward hook (on
+        # its output) gathers it now, the all-gather's output beside the unsharded parameters it is copied into.
         "backward (head)": dict(grads=carry, act=saved, copies=head_copies),
         "backward (last layer)": dict(grads=max(carry, head_grad),
                                       act=layers_saved + batch + recompute + layer_bwd,
@@ -289,6 +301,14 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
                                       copies=0),
         "optimizer step": dict(grads=grads_b, act=0, copies=0),
     }
+    if fsdp:
+        # After the whole backward FSDP2 reduce-scatters the root's gradients (embeddings, head): its unsharded
+        # gradient in compute dtype beside the fp32 copy it reduce-scatters (pure bf16 reduces the bf16 one), the
+        # root's gradient shards not made yet. Large for full fine-tuning of a large vocabulary.
+        root_trainable = model.root_trainable()
+        phases["backward (root gradients)"] = {
+            "grads": grads_b - root_trainable * dt.master / shard * on_gpu, "act": batch,
+            "copies": root_trainable * (dt.compute + (4 if dt.master == 4 else 0))}
     # DDP's reducer copies every gradient into flat buckets for its all-reduce (gradient_as_bucket_view is off), a
     # second copy of the trainable gradients that it allocates when the model is wrapped and keeps.
     buckets = grads if setup.strategy == "ddp" and setup.world_size > 1 else 0
@@ -367,7 +387,7 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
     last = {k: v - first[k] for k, v in root.items()}
     last["params"] += model.autocast_copy_of_head()
     # The last stage runs the loss: its peak is the backward at the loss.
-    last["activations"] += tokens * (act.outside_layers() + act.loss_backward_extra())
+    last["activations"] += tokens * act.outside_layers() + act.loss_backward_bytes(tokens)
     # Every stage recomputes one layer and holds its gradient temporaries during backward.
     transient = tokens * act.layer_backward_temporaries()
     if setup.gradient_checkpointing:

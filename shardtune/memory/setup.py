@@ -39,8 +39,9 @@ class Setup:
     lora_target_modules: str = "all-linear"
     attn_implementation: str = "sdpa"
     nf4_double_quant: bool = True
-    # shardtune: shardtune train's loss (compute-dtype logits kept, fp32 one chunk at a time, recomputed in
-    # backward); full: transformers' (fp32 logits of the whole micro-batch); chunked: torchtune's, compiled.
+    # shardtune: shardtune train's loss (the head fused with the loss: no logits kept, one chunk's fp32 logits at
+    # a time, recomputed in backward); full: transformers' (fp32 logits of the whole micro-batch); chunked:
+    # torchtune's, compiled.
     loss: str = "shardtune"
 
     @property

@@ -142,7 +142,7 @@ def trace_for_estimate(model: str, setup: Setup, formula_peak: int, *, gpu_memor
                        cuda_context: int = 0) -> dict[str, Any]:
     """``--trace``: the traced peak of ``setup`` (or the formula's, with the reason), and the formula's beside it.
 
-    The trace always runs the trainer's loss (``step.token_loss_sum``); ``formula_peak`` is the estimate's own
+    The trace always runs the trainer's loss (``loss.head_loss_sum``); ``formula_peak`` is the estimate's own
     total, for the loss ``--loss`` named. With ``gpu_memory``, ``fits`` says whether the traced reserved memory
     plus ``cuda_context`` fits that GPU: the trace's verdict, which can differ from the formula's.
     """

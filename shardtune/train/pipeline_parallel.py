@@ -11,9 +11,10 @@ ids into the pipeline; each stage takes the per-token extras (position ids, the 
 of the micro-batch the schedule is running from its own copy of the batch, so only hidden states travel between
 processes.
 
-The loss and its normalisation stay in ``step.train_step``: the last stage's loss function returns
-``token_loss_sum * scale`` with the scale ``train_step`` computes for the whole global batch; gradients are not
-rescaled by the schedule (``scale_grads=False``).
+The loss and its normalisation stay in ``step.train_step``: the last stage's module ends at the final norm, and
+its loss function runs the head fused with the loss (``loss.head_loss_sum``, one chunk of tokens at a time, so no
+stage ever holds a micro-batch's whole logits) and returns that sum times the scale ``train_step`` computes for
+the whole global batch; gradients are not rescaled by the schedule (``scale_grads=False``).
 
 Evaluation runs the same schedule forward only (``schedule.eval``) through ``step.evaluate``: every rank reads the
 same eval batches, the last stage sums the token losses, and the sum over ranks gives every rank the eval loss.
@@ -36,7 +37,7 @@ from shardtune.data.collate import varlen_kwargs
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError
 from shardtune.train.export import write_export
-from shardtune.train.loss import token_loss_sum
+from shardtune.train.loss import head_loss_sum, logit_transform
 from shardtune.train.plan import Plan, unwrap
 from shardtune.train.runner import uses_varlen_attention
 
@@ -61,7 +62,9 @@ def keep_stage(model: nn.Module, bounds: tuple[int, int], *, first: bool, last: 
 
 
 class StageModule(nn.Module):
-    """What ``PipelineStage`` runs: embeddings (first stage), this stage's layers, norm and head (last stage)."""
+    """What ``PipelineStage`` runs: embeddings (first stage), this stage's layers, the final norm (last stage).
+
+    The head is left to the loss function (``PipelineRunner._loss``), which runs it fused with the loss."""
 
     def __init__(self, model: nn.Module, *, first: bool, last: bool, compute_dtype: torch.dtype) -> None:
         super().__init__()
@@ -79,9 +82,7 @@ class StageModule(nn.Module):
         inner = causal_lm.model
         extra = self.extras[self.chunk]
         position_ids = extra["position_ids"]
-        autocast = (contextlib.nullcontext() if self.compute_dtype == torch.float32
-                    else torch.autocast(x.device.type, dtype=self.compute_dtype))
-        with autocast:
+        with self.autocast(x.device):
             hidden = inner.embed_tokens(x) if self.first else x
             mask = create_causal_mask(config=causal_lm.config, inputs_embeds=hidden,
                                       attention_mask=extra.get("attention_mask"), past_key_values=None,
@@ -91,8 +92,14 @@ class StageModule(nn.Module):
                 hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids,
                                past_key_values=None, use_cache=False, **extra["varlen"])
             if self.last:
-                hidden = causal_lm.lm_head(inner.norm(hidden))
+                hidden = inner.norm(hidden)
         return hidden
+
+    def autocast(self, device: torch.device):
+        """The stage's mixed precision (also the head's and the loss's, which run in ``PipelineRunner._loss``)."""
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.compute_dtype)
 
 
 class PipelineRunner:
@@ -127,8 +134,11 @@ class PipelineRunner:
 
         self.stage.forward_one_chunk = forward_one_chunk
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        micro_sum = token_loss_sum(logits, labels)
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        causal_lm = unwrap(self.model)
+        with self.module.autocast(hidden.device):
+            micro_sum = head_loss_sum(hidden, labels, causal_lm.get_output_embeddings(),
+                                      logit_transform(causal_lm.config))
         if self._counting:
             self._loss_sums.append(micro_sum.detach().double())
         return micro_sum * self._scale

@@ -16,7 +16,7 @@ from torch import nn
 from shardtune.data.collate import varlen_kwargs
 from shardtune.dist import DistInfo
 from shardtune.train.export import export_final
-from shardtune.train.loss import token_loss_sum
+from shardtune.train.loss import install_fused_loss, token_loss_sum
 from shardtune.train.plan import Plan, unwrap
 
 
@@ -73,6 +73,8 @@ class LocalRunner:
         self.model, self.plan, self.info = model, plan, info
         self.scaler = grad_scaler(plan, info.device)
         self.varlen = uses_varlen_attention(model)
+        # The model's own forward returns the loss, the head fused into it one chunk of tokens at a time (loss.py).
+        self.fused_loss = install_fused_loss(model)
 
     def _autocast(self):
         """autocast for one process, DDP and MP; FSDP2 casts parameters itself (MixedPrecisionPolicy)."""
@@ -98,12 +100,8 @@ class LocalRunner:
         device = self.info.device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, batch in enumerate(micro_batches):
-            labels = batch["labels"].to(device, non_blocking=True)
             with self._sync(i == len(micro_batches) - 1), self._autocast():
-                # No name holds the logits: the loss's graph frees them once its chunks' backward has run, instead
-                # of their living through the whole backward of the layers (a vocabulary-sized tensor per token).
-                micro_sum = token_loss_sum(self.model(**model_inputs(batch, device, varlen=self.varlen),
-                                                      use_cache=False).logits, labels)
+                micro_sum = self._loss_sum(batch)
             loss = micro_sum * (self.info.world_size * scale)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += micro_sum.detach().double()
@@ -111,11 +109,19 @@ class LocalRunner:
 
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The summed token loss of one eval batch (call under ``torch.no_grad``)."""
-        device = self.info.device
         with self._autocast():
-            inputs = model_inputs(batch, device, varlen=self.varlen)
-            logits = self.model(**inputs, use_cache=False).logits
-            return token_loss_sum(logits, batch["labels"].to(device)).double()
+            return self._loss_sum(batch).double()
+
+    def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One micro-batch's summed token loss, on this rank's device (MP's head may sit on another one)."""
+        device = self.info.device
+        inputs = model_inputs(batch, device, varlen=self.varlen)
+        labels = batch["labels"].to(device, non_blocking=True)
+        if self.fused_loss:
+            return self.model(**inputs, use_cache=False, loss_labels=labels).loss.to(device)
+        # No name holds the logits: the loss's graph frees them once its chunks' backward has run, instead of
+        # their living through the whole backward of the layers (a vocabulary-sized tensor per token).
+        return token_loss_sum(self.model(**inputs, use_cache=False).logits, labels)
 
     def grad_norm_and_clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         return grad_norm_and_clip(params, max_norm)

@@ -1,0 +1,248 @@
+"""The fused linear cross-entropy (train/loss.py) gives the loss and gradients of the loss on full logits.
+
+The reference is ``token_loss_sum`` on the logits of the model's own forward (what the trainer computed before the
+loss was fused with the head). fp32, packed rows (position ids restarting, prompts and padding labelled IGNORE)
+and chunks of 64 tokens that cross row boundaries; one process, then FSDP2 on two gloo processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardtune.data.collate import Collator
+from shardtune.data.encode import IGNORE
+from shardtune.train import loss as loss_module
+from shardtune.train.loss import (
+    head_loss_sum,
+    install_fused_loss,
+    loss_chunk_tokens,
+    token_loss_sum,
+)
+
+REL_TOL = 1e-5
+VOCAB = 700
+
+
+@pytest.fixture(autouse=True)
+def _small_chunks(monkeypatch):
+    """64-token chunks (the smallest), so a batch of 3 x 48 tokens runs three, the last one short."""
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_VALUES", 1)
+
+
+def _batch(seed: int = 0, rows: int = 3, length: int = 48) -> dict[str, torch.Tensor]:
+    """Packed rows: two or three documents each, a masked prompt in every document, one row padded."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(rows):
+        docs = [12, 20, length - 32] if r != 1 else [30, 10]  # row 1 ends in 8 tokens of padding
+        ids = torch.randint(3, VOCAB, (sum(docs),), generator=gen).tolist()
+        labels, start = list(ids), 0
+        for d in docs:
+            labels[start:start + 4] = [IGNORE] * 4  # the document's prompt
+            start += d
+        out.append({"input_ids": ids, "labels": labels, "seq_lens": docs})
+    return Collator(0)(out)
+
+
+def _llama(**overrides):
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.testing.tiny import tiny_llama_config
+
+    config = tiny_llama_config(VOCAB, pad_token_id=0)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _with_lora(model, targets: str):
+    from shardtune.config import LoraConfig
+    from shardtune.train.model import apply_lora
+
+    return apply_lora(model, LoraConfig(use_peft_lora=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                                        lora_target_modules=targets), seed=1)
+
+
+def _other_family(kind: str):
+    """Families whose forward scales or soft-caps the head's output (caps and scales that matter at these sizes)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        CohereConfig,
+        Gemma2Config,
+        GraniteConfig,
+    )
+
+    sizes = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0}
+    config = {"gemma2": lambda: Gemma2Config(**sizes, head_dim=16, final_logit_softcapping=0.5),
+              "cohere": lambda: CohereConfig(**sizes, logit_scale=4.0),
+              "granite": lambda: GraniteConfig(**sizes, logits_scaling=0.25)}[kind]()
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _inputs(batch):
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_close(reference: torch.Tensor, other: torch.Tensor, what: str, rel: float = REL_TOL) -> None:
+    error = (other.double() - reference.double()).abs().max().item()
+    assert error <= rel * reference.double().abs().max().item(), f"{what}: max difference {error}"
+
+
+def _compare(model) -> None:
+    batch = _batch()
+    reference = token_loss_sum(model(**_inputs(batch)).logits, batch["labels"])
+    reference.backward()
+    expected = _grads(model)
+    assert install_fused_loss(model)
+    fused = model(**_inputs(batch), loss_labels=batch["labels"]).loss
+    fused.backward()
+    got = _grads(model)
+    _assert_close(reference, fused, "loss")
+    assert got.keys() == expected.keys() and expected
+    for name in expected:
+        _assert_close(expected[name], got[name], name)
+    with torch.no_grad():
+        _assert_close(reference, model(**_inputs(batch), loss_labels=batch["labels"]).loss, "eval loss")
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied", "lora_all_linear", "lora_on_head", "lora_on_tied_head"])
+def test_fused_loss_and_gradients_equal_the_full_logits_ones(kind):
+    tied = kind in ("tied", "lora_on_tied_head")
+    model = _llama(tie_word_embeddings=tied)
+    if tied:
+        model.tie_weights()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    if kind.startswith("lora"):
+        targets = "all-linear" if kind == "lora_all_linear" else "q_proj,v_proj,down_proj,lm_head"
+        model = _with_lora(model, targets)
+    _compare(model)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
+def test_families_that_scale_or_cap_their_logits(kind):
+    _compare(_other_family(kind))
+
+
+def test_a_logit_transform_the_loss_does_not_know_stops_the_run():
+    model = _llama()
+    assert install_fused_loss(model)
+    # Llama's forward ignores this field; the fused loss would cap: its first call sees the logits differ.
+    model.config.final_logit_softcapping = 0.1
+    model.forward.transform = loss_module.logit_transform(model.config)
+    batch = _batch()
+    with pytest.raises(RuntimeError, match="model_type llama: its forward changes its logits after the head"):
+        model(**_inputs(batch), loss_labels=batch["labels"])
+
+
+class _LargestLogits(TorchDispatchMode):
+    """The most rows of any vocabulary-wide tensor an op makes (forward and backward)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == self.vocab and t.dim() <= 3:
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out
+
+
+def test_no_op_makes_more_than_one_chunk_of_logits():
+    model = _llama()
+    install_fused_loss(model)
+    batch = _batch()
+    with _LargestLogits(VOCAB) as seen:
+        model(**_inputs(batch), loss_labels=batch["labels"]).loss.backward()
+    # The head's weight [vocab, hidden] and its gradient are the only other vocabulary-wide tensors.
+    tokens = batch["input_ids"].numel()
+    assert seen.rows == max(loss_chunk_tokens(tokens, VOCAB), model.config.hidden_size)
+    assert loss_chunk_tokens(tokens, VOCAB) < tokens
+
+
+def test_mixed_precision_upcasts_each_chunk_like_the_full_logits_loss():
+    """bf16 autocast and a bf16 frozen base with fp32 adapters: the same loss as the bf16 logits upcast whole
+    (the head's bf16 matmul on a chunk may round differently from the whole one's)."""
+    batch = _batch()
+    for model in (_llama(), _with_lora(_llama().to(torch.bfloat16), "all-linear")):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            reference = token_loss_sum(model(**_inputs(batch)).logits, batch["labels"])
+            install_fused_loss(model)
+            fused = model(**_inputs(batch), loss_labels=batch["labels"]).loss
+        assert fused.dtype == torch.float32
+        _assert_close(reference, fused, "bf16 loss", rel=2e-3)
+
+
+def test_head_loss_sum_ignores_the_last_position_of_each_row():
+    hidden = torch.randn(2, 5, 8)
+    head = torch.nn.Linear(8, 11, bias=False)
+    labels = torch.randint(0, 11, (2, 5))
+    expected = token_loss_sum(head(hidden), labels)
+    _assert_close(expected, head_loss_sum(hidden, labels, head, chunk_tokens=3), "loss")
+
+
+def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from shardtune.dist import DistInfo
+    from shardtune.train.parallelize import parallelize
+    from shardtune.train.plan import Plan
+
+    loss_module.LOSS_CHUNK_VALUES = 1  # the fixture's 64-token chunks, in this process too
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    info = DistInfo(rank=rank, world_size=2, local_rank=rank, local_world_size=2, device=torch.device("cpu"))
+    errors = {}
+    cases = {"tied_full_shard_checkpointed": (True, None, True), "lora_on_head": (False, "q_proj,lm_head", False)}
+    for case, (tied, lora, checkpointing) in cases.items():
+        model = _llama(tie_word_embeddings=tied)
+        model.tie_weights()
+        if lora:
+            model = _with_lora(model, lora)
+        model, runner = parallelize(model, Plan(strategy="FSDP", gradient_checkpointing=checkpointing), info)
+        results = []
+        for fused in (False, True):
+            runner.fused_loss = fused
+            loss = runner.forward_backward([_batch(seed=rank)], scale=1.0)
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                eval_loss = runner.eval_loss_sum(_batch(seed=2 + rank))
+            results.append((loss, grads, eval_loss))
+        (ref_loss, ref_grads, ref_eval), (loss, grads, eval_loss) = results
+        # Relative to each tensor's largest entry (LoRA's A starts with a zero gradient: B is zero).
+        worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in ref_grads.items())
+        errors[case] = {"loss": abs(loss.item() / ref_loss.item() - 1), "grads": worst,
+                        "eval_loss": abs(eval_loss.item() / ref_eval.item() - 1),
+                        "same_names": sorted(grads) == sorted(ref_grads), "tensors": len(grads)}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(errors, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_two_processes_fused_equals_full_logits(tmp_path):
+    """FSDP2 FULL_SHARD on 2 gloo ranks, the root (embeddings, norm, head) resharded after forward: a tied head
+    under gradient checkpointing, and LoRA on the head; every gradient gathered and compared, and an eval loss."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for case, found in errors.items():
+            assert found["same_names"] and found["tensors"] > 0, case
+            assert max(found["loss"], found["grads"], found["eval_loss"]) <= REL_TOL, (case, found)
