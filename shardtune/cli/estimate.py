@@ -8,10 +8,12 @@ import sys
 
 from shardtune import catalog
 from shardtune.errors import UsageError, check_choice
-from shardtune.hardware import DEFAULT_GPU, GPUS, Gpu, custom_gpu, gpu_by_name
+from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_LINKS, PRICES_AS_OF, Gpu, custom_gpu,
+                                gpu_by_name)
 from shardtune.memory.report import estimate_report
 from shardtune.memory.setup import (ATTENTION, LOSSES, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
                                     STRATEGIES, Setup, validate)
+from shardtune.memory.timing import DEFAULT_PIPELINE_MICROBATCHES
 
 ZERO_STRATEGIES = {"zero1": "SHARD_GRAD_OP", "zero2": "SHARD_GRAD_OP", "zero3": "FULL_SHARD"}
 
@@ -40,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each decoder layer in backward (default: on)")
     p.add_argument("--mixed-precision", default="bf16", help=f"{' | '.join(MIXED_PRECISIONS)} (default: bf16)")
-    p.add_argument("--pure-bf16", action="store_true", help="keep weights and optimizer states in bf16 (no fp32 master)")
+    p.add_argument("--pure-bf16", action="store_true",
+                   help="keep weights and optimizer states in bf16 (no fp32 master)")
     p.add_argument("--optimizer", default="adamw", help=f"{' | '.join(OPTIMIZERS)} (default: adamw)")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
     p.add_argument("--lora-target-modules", default="all-linear", help="all-linear or e.g. q_proj,v_proj")
@@ -50,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "in backward); full: transformers' loss, fp32 logits of the whole micro-batch; chunked: "
                         "torchtune's compiled chunked cross-entropy (default: shardtune)")
     p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="also write a PNG: the per-GPU breakdown of each setup against the GPU's memory")
+                   help="also write a PNG: the per-GPU breakdown of each setup against the GPU's memory; with "
+                        "--time also FILE-time.png, each setup's time and cost")
     p.add_argument("--trace", action="store_true",
                    help="also run the trainer's own step on fake tensors at this world size (no GPU, no memory) "
                         "and report its exact per-GPU peak, by category and by module")
@@ -62,7 +66,69 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--measured", default=None, metavar="FILE.json",
                    help="rank the setups that fit by the speeds 'shardtune bench strategies --out FILE.json' "
                         "measured on your machine, instead of the usual order")
+    tm = p.add_argument_group("time and cost (--time; any of these options turns it on)")
+    tm.add_argument("--time", action="store_true",
+                    help="also predict each setup's step time, tokens/s, MFU, and the data's time and cost "
+                         "(docs/estimator.md says how)")
+    data = tm.add_mutually_exclusive_group()
+    data.add_argument("--tokens", type=_token_count, default=None, metavar="N",
+                      help="trained tokens, e.g. 250M or 2e9 (default: time and cost per billion tokens)")
+    data.add_argument("--data", default=None, metavar="FILE.jsonl",
+                      help="count the tokens of this data file (jsonl, json, parquet, csv): with the model's "
+                           "tokenizer when MODEL is a local folder, else about 4 characters a token")
+    tm.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="USD",
+                    help=f"what one GPU costs per hour (default: a typical on-demand list price, {PRICES_AS_OF})")
+    tm.add_argument("--interconnect", default=None, metavar="NAME",
+                    help=f"link between a node's GPUs: nvlink, pcie or {', '.join(INTRA_NODE_LINKS)} (default: the "
+                         f"card's usual one, NVLink on H100/H200/A100, PCIe on the others)")
+    tm.add_argument("--inter-node", default=None, metavar="NAME",
+                    help=f"network between nodes: {', '.join(INTER_NODE_LINKS)} (default: infiniband for "
+                         f"H100/H200, infiniband-hdr for A100, ethernet-100g otherwise)")
+    tm.add_argument("--pipeline-microbatches", type=int, default=DEFAULT_PIPELINE_MICROBATCHES, metavar="M",
+                    help=f"micro-batches per batch under --strategy pp (default: {DEFAULT_PIPELINE_MICROBATCHES})")
     p.set_defaults(func=main)
+
+
+_SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def _token_count(text: str) -> int:
+    """A token count as people write it: 1000000, 1e6, 250M, 1.5B."""
+    scale = _SUFFIXES.get(text[-1:].lower(), 1)
+    try:
+        value = float(text[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a token count (e.g. 1000000, 2e9, 250M, 1.5B)") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"'{text}': give at least 1 token")
+    return int(value)
+
+
+def wants_time(args: argparse.Namespace) -> bool:
+    return bool(args.time or args.tokens or args.data or args.price_per_gpu_hour is not None or args.interconnect
+                or args.inter_node)
+
+
+def time_from_args(args: argparse.Namespace, report):
+    """The --time report for ``report``: links, data and price as the options say."""
+    from shardtune.hardware import host_link, inter_node_link, intra_node_link
+    from shardtune.memory.report import time_report
+    from shardtune.memory.timing import Links, count_data_tokens
+
+    if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
+        raise UsageError(f"--price-per-gpu-hour must be 0 or more US dollars (got {args.price_per_gpu_hour:g}).")
+    if args.pipeline_microbatches < 1:
+        raise UsageError(f"--pipeline-microbatches must be a whole number >= 1 (got {args.pipeline_microbatches}).")
+    gpu = report.gpu
+    links = Links(intra_node_link(gpu, args.interconnect), inter_node_link(gpu, args.inter_node), host_link(gpu))
+    data = None
+    if args.data:
+        data = count_data_tokens(args.data, args.model, report.breakdown.setup.seq_len)
+    elif args.tokens:
+        from shardtune.memory.timing import DataTokens
+
+        data = DataTokens(args.tokens)
+    return time_report(report, links, data, args.price_per_gpu_hour, args.pipeline_microbatches)
 
 
 def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
@@ -177,6 +243,11 @@ def main(args: argparse.Namespace) -> int:
         traced = trace_for_estimate(args.model, chosen, breakdown.total, gpu_memory=gpu.memory_bytes,
                                     cuda_context=breakdown.cuda_context)
         extras["trace"] = traced
+    timed = time_from_args(args, report) if wants_time(args) else None
+    if timed:
+        from shardtune.memory.report import time_to_dict
+
+        extras["timing"] = time_to_dict(timed, report.gpu)
     if args.json:
         from shardtune.memory.report import to_dict
 
@@ -187,7 +258,12 @@ def main(args: argparse.Namespace) -> int:
 
         from shardtune.memory.report import render
 
-        render(report, Console())
+        console = Console()
+        render(report, console)
+        if timed:
+            from shardtune.memory.report import render_time
+
+            render_time(report, timed, console)
         if traced:
             from shardtune.memory.trace_setup import render_text
 
@@ -204,4 +280,12 @@ def main(args: argparse.Namespace) -> int:
         from shardtune.memory.plot import write_plot
 
         print(f"wrote {write_plot(report, args.plot)}", file=sys.stderr)
+        if timed:
+            from pathlib import Path
+
+            from shardtune.memory.report import write_time_plot
+
+            path = Path(args.plot)
+            print(f"wrote {write_time_plot(report, timed, path.with_name(path.stem + '-time.png'))}",
+                  file=sys.stderr)
     return 0

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from shardtune.errors import UsageError
-from shardtune.hardware import GIB, Gpu
+from shardtune.hardware import GIB, GPUS, PRICES_AS_OF, TYPICAL_PRICE_PER_GPU_HOUR, Gpu
 from shardtune.memory.formula import Breakdown
-from shardtune.memory.inventory import ModelInventory
+from shardtune.memory.inventory import LoraCount, ModelInventory
 from shardtune.memory.recommend import Recommendation
 from shardtune.memory.setup import Setup
+from shardtune.memory.timing import DEFAULT_PIPELINE_MICROBATCHES, OVERLAP, DataTokens, Links, StepTime, duration
 
 
 @dataclass
@@ -24,6 +27,7 @@ class Report:
     breakdown: Breakdown  # the setup asked for (or the recommended one with --strategy auto)
     table: list[tuple[Breakdown, int]]  # every compared setup with its largest micro-batch
     recommendation: Recommendation
+    lora: LoraCount | None = None  # the adapters' counts, with --method lora or qlora
 
 
 def to_dict(r: Report) -> dict:
@@ -149,12 +153,188 @@ def estimate_report(model: str, setup: Setup, gpu: Gpu, auto: bool = True, measu
     if setup.strategy == "pp" and inv.tied_embeddings:
         raise UsageError(f"--strategy pp: {model} ties its LM head to its input embeddings, which would live on "
                          f"different pipeline stages; use ddp, fsdp or mp")
-    trainable = inv.parameters
-    if setup.uses_lora:
-        trainable = analysis.lora(setup.lora_r, setup.lora_target_modules).total
+    lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
+    trainable = lora.total if lora else inv.parameters
     rec = recommend(analysis, setup, gpu, measured)
     breakdown = rec.breakdown if auto else evaluate_setup(analysis, setup)
     rows = [(evaluate_setup(analysis, s), max_batch_size(analysis, s, gpu))
             for s in candidates(setup, measured, analysis)]
     return Report(inventory=inv, trainable_parameters=trainable, gpu=gpu, breakdown=breakdown, table=rows,
-                  recommendation=rec)
+                  recommendation=rec, lora=lora)
+
+
+# --- Time and cost (--time) -------------------------------------------------------------------------------------
+
+PER_TOKENS = 1_000_000_000  # without a data set, time and cost are shown per billion tokens
+
+
+@dataclass
+class TimeReport:
+    """Every compared setup's step time, and what the data set takes and costs with it."""
+
+    rows: list[tuple[Breakdown, StepTime]]  # Report.table's setups (and the asked one where it is not among them)
+    links: Links
+    data: DataTokens | None
+    price_per_gpu_hour: float | None
+    price_given: bool  # False: the typical list price of the card
+
+    @property
+    def tokens(self) -> int:
+        return self.data.tokens if self.data else PER_TOKENS
+
+    def seconds(self, t: StepTime) -> float:
+        return t.seconds_for(self.tokens)
+
+    def cost(self, t: StepTime) -> float | None:
+        if self.price_per_gpu_hour is None:
+            return None
+        return self.seconds(t) / 3600 * t.setup.world_size * self.price_per_gpu_hour
+
+    def price_text(self) -> str:
+        if self.price_per_gpu_hour is None:
+            return "no price known for this GPU: give --price-per-gpu-hour"
+        if self.price_given:
+            return f"${self.price_per_gpu_hour:.2f} per GPU-hour (--price-per-gpu-hour)"
+        return (f"${self.price_per_gpu_hour:.2f} per GPU-hour, a typical on-demand list price ({PRICES_AS_OF}; "
+                f"--price-per-gpu-hour sets yours)")
+
+
+def time_report(r: Report, links: Links, data: DataTokens | None = None, price_per_gpu_hour: float | None = None,
+                pipeline_microbatches: int = DEFAULT_PIPELINE_MICROBATCHES) -> TimeReport:
+    """Step time of every setup in ``r.table`` at its asked micro-batch, and the data set's time and cost."""
+    from shardtune.memory.timing import step_time
+
+    if not r.gpu.peak_bf16_flops:
+        raise UsageError(f"--time needs the GPU's peak FLOPs, unknown for {r.gpu.label or r.gpu.name}: name the "
+                         f"card with --gpu (one of {', '.join(GPUS)})")
+    compared = [b for b, _ in r.table]
+    if all(b.setup != r.breakdown.setup for b in compared):  # an asked setup the table leaves out (PP)
+        compared.append(r.breakdown)
+    rows = [(b, step_time(r.inventory, b.setup, r.gpu, links, r.lora, b.stage_bounds, pipeline_microbatches))
+            for b in compared]
+    given = price_per_gpu_hour is not None
+    price = price_per_gpu_hour if given else TYPICAL_PRICE_PER_GPU_HOUR.get(r.gpu.name)
+    return TimeReport(rows, links, data, price, given)
+
+
+def time_to_dict(t: TimeReport, gpu: Gpu) -> dict:
+    return {
+        "data_tokens": t.tokens,
+        "data_tokens_counted": None if t.data is None else "given" if not t.data.rows else
+        "tokenizer" if t.data.exact else "approximate (4 characters per token)",
+        "data": t.data.describe() if t.data else f"per {PER_TOKENS:,} tokens",
+        "price_per_gpu_hour": t.price_per_gpu_hour,
+        "price_source": "given" if t.price_given else f"typical on-demand list price ({PRICES_AS_OF})",
+        "links": {"intra_node": t.links.intra.name, "inter_node": t.links.inter.name, "host": t.links.host.name},
+        "overlap": OVERLAP,
+        "setups": [{"setup": b.setup.label(), "fits": b.fits(gpu.memory_bytes), **st.to_dict(),
+                    "data_seconds": t.seconds(st), "cost_usd": t.cost(st)} for b, st in t.rows],
+    }
+
+
+def _money(usd: float | None) -> str:
+    if usd is None:
+        return "-"
+    return f"${usd:,.0f}" if usd >= 100 else f"${usd:,.2f}"
+
+
+def _mfu(mfu: float) -> str:
+    return f"{mfu:.0%}" if mfu >= 0.1 else f"{mfu:.1%}"
+
+
+def time_table(r: Report, t: TimeReport) -> Table:
+    """Every compared setup's step time, speed, MFU, and the data set's time and cost; fits 80 columns."""
+    per = "" if t.data else " /1B tok"
+    table = Table(title="Time and cost side by side", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1), collapse_padding=True)
+    for col in ("setup", "fits", "step", "tokens/s", "MFU", "time" + per, "cost" + per):
+        table.add_column(col, justify="left" if col == "setup" else "right", no_wrap=True)
+    for b, st in t.rows:
+        ok = b.fits(r.gpu.memory_bytes)
+        chosen = b.setup == r.recommendation.setup and r.recommendation.fits
+        cells = [duration(st.step_s), f"{st.tokens_per_s:,.0f}", _mfu(st.mfu), duration(t.seconds(st)),
+                 _money(t.cost(st))]
+        table.add_row(short_label(b.setup) + (" *" if chosen else ""), "[green]yes[/]" if ok else "[red]no[/]",
+                      *(c if ok else f"[dim]{c}[/]" for c in cells))
+    return table
+
+
+def time_notes(r: Report, t: TimeReport) -> list[str]:
+    s = r.breakdown.setup
+    accum = s.gradient_accumulation_steps
+    lines = [f"data: {t.data.describe()}." if t.data else
+             "data: per billion trained tokens (--tokens N or --data FILE for yours).",
+             f"step: micro-batch {s.batch_size} x {s.seq_len} tokens x {accum} accumulation step"
+             f"{'s' if accum > 1 else ''} per GPU" + (f"; MFU counts all {s.world_size} GPUs of a setup."
+                                                       if s.world_size > 1 else ".")]
+    link = f"links: {t.links.intra.label} in a node"
+    if s.num_nodes > 1:
+        link += f", {t.links.inter.label} between nodes"
+    if any(b.setup.offload_params for b, _ in t.rows):
+        link += f", {t.links.host.label} to the host"
+    lines.append(link + f"; communication hides behind up to {OVERLAP:.0%} of compute.")
+    lines.append(f"cost: {t.price_text()}.")
+    fitting = [(b, st) for b, st in t.rows if b.fits(r.gpu.memory_bytes)]
+    if fitting:
+        b, st = max(fitting, key=lambda row: row[1].tokens_per_s)
+        cost = t.cost(st)
+        lines.append(f"fastest that fits: {b.setup.label()} ({duration(t.seconds(st))}"
+                     + (f", {_money(cost)}" if cost is not None else "") + ")" + (f"; {st.note}" if st.note else "")
+                     + ".")
+    if len(fitting) < len(t.rows):
+        lines.append("dim: does not fit; timed as if it did.")
+    return lines
+
+
+def render_time(r: Report, t: TimeReport, console: Console) -> None:
+    console.print(time_table(r, t))
+    for line in time_notes(r, t):
+        console.print(line)
+
+
+def time_figure(r: Report, t: TimeReport):
+    """Two bar charts: the data set's time (hours) and cost per setup; setups that do not fit are hatched."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(8.0, 1.6 * len(t.rows) + 3), 4.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    names = [short_label(b.setup).replace(" ", "\n", 1) for b, _ in t.rows]
+    fits = [b.fits(r.gpu.memory_bytes) for b, _ in t.rows]
+    per = "" if t.data else " per 1B tokens"
+    seconds = [t.seconds(st) for _, st in t.rows]
+    panels = [("time" + per + " (hours)", [x / 3600 for x in seconds], [duration(x) for x in seconds], "#4c72b0")]
+    if t.price_per_gpu_hour is not None:
+        costs = [t.cost(st) for _, st in t.rows]
+        panels.append(("cost" + per + " (US$)", costs, [_money(c) for c in costs], "#55a868"))
+    rec = r.recommendation
+    chosen = [rec.fits and b.setup == rec.setup for b, _ in t.rows]
+    for i, (title, values, labels, color) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        bars = ax.bar(range(len(values)), values, color=[color if ok else "white" for ok in fits],
+                      edgecolor=color, width=0.6, gid="setup")
+        for bar, ok, pick, value, label in zip(bars, fits, chosen, values, labels):
+            if not ok:
+                bar.set_hatch("//")
+            if pick:
+                bar.set_edgecolor("black")
+                bar.set_linewidth(2.5)
+            text = label + ("" if ok else "\nno fit") + ("\nrecommended" if pick else "")
+            ax.text(bar.get_x() + bar.get_width() / 2, value, text, ha="center", va="bottom", fontsize=8,
+                    fontweight="bold" if pick else "normal")
+        ax.set_xticks(range(len(values)), names, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(0, max(values) * 1.25 or 1)
+    s = r.breakdown.setup
+    data = t.data.describe() if t.data else "per billion tokens"
+    fig.suptitle(f"{r.inventory.name}, {s.method}, {s.world_size} x {r.gpu.label or r.gpu.name}: {data}", fontsize=10)
+    return fig
+
+
+def write_time_plot(r: Report, t: TimeReport, path: str | Path) -> Path:
+    """Write ``time_figure`` as a PNG at ``path`` (through a temporary file and a rename)."""
+    path = Path(path).expanduser()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    time_figure(r, t).savefig(tmp, format="png", dpi=110)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,400 @@
+"""How long a training step takes, and what a data set costs: ``shardtune estimate --time``.
+
+The step is built from first principles; the constants it needs are stated here and calibrated against published
+runs in docs/estimator.md ("How long it takes"):
+
+- **FLOPs.** Per trained token, PaLM's accounting (Chowdhery et al. 2022, appendix B), the formula the trainer's MFU
+  uses (shardtune/train/metrics.py ``flops_per_token``, repeated in ``model_flops_per_token`` because that module
+  imports torch): 6 per trainable weight, 4 per frozen one (it skips its own gradient: what LoRA saves), and
+  12 x layers x hidden x seq_len for attention. A mixture-of-experts model counts the experts a token runs.
+  Gradient checkpointing runs each decoder layer's forward again in backward (2 per layer weight and 4 x hidden x
+  seq_len per layer): hardware FLOPs, not in the MFU, which counts the model's FLOPs as PaLM and the trainer do.
+- **Compute** runs at the GPU's dense peak times ``ACHIEVABLE[gpu.efficiency_class]``, the share of the peak that
+  eager PyTorch training steps reach on that class of card.
+- **Communication** per GPU, ring collectives as NCCL runs them (an all-reduce sends 2(n-1)/n of the bytes, an
+  all-gather or a reduce-scatter (n-1)/n), hierarchical across nodes: inside a node over its links, and 1/G of the
+  bytes per GPU between nodes (G GPUs per node). Per strategy:
+  DDP and NO_SHARD all-reduce the trainable gradients once per optimizer step (no_sync on the other micro-batches);
+  FSDP FULL_SHARD all-gathers every unit in forward and the decoder layers again in backward, every micro-batch
+  (with LoRA the frozen weights too), and reduce-scatters the trainable gradients once per optimizer step;
+  SHARD_GRAD_OP gathers in forward only; HYBRID_SHARD gathers inside the node, reduce-scatters there and
+  all-reduces its shard between nodes; CPU offload first copies each shard from host memory over PCIe, copies the
+  gradients back, and runs the optimizer on the CPU; model parallel (MP) runs one stage at a time, so the step is
+  one GPU's work, and each stage boundary passes activations forward and gradients back; pipeline parallel (PP)
+  idles for its bubble, (stages - 1) / (micro-batches + stages - 1) of the step, at the pace of its slowest stage.
+- **Overlap.** FSDP prefetches the next unit's all-gather and DDP reduces its buckets during backward, so a
+  micro-batch's communication hides behind up to ``OVERLAP`` (80%) of its compute; at least 1 - ``OVERLAP`` of it
+  stays exposed (the first gather and the last reduce have nothing to hide behind, and NCCL's kernels take SMs).
+  MP's and PP's hand-overs and the CPU optimizer step are not overlapped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardtune.errors import UsageError
+from shardtune.hardware import Gpu, Link
+from shardtune.memory.formula import _Model, _optimizer_bytes_per_param, nf4_bytes
+from shardtune.memory.inventory import LoraCount, ModelInventory
+from shardtune.memory.setup import Setup, dtypes
+
+# Share of the dense peak a step's compute reaches, by class of card (docs/estimator.md, "How long it takes").
+# Hopper and A100 boards: below what tuned stacks publish (torchtitan's eager FSDP on H100: 33% MFU, LLM Foundry:
+# 40-46% on H100, 55-64% on A100), since shardtune train runs transformers' eager modules. PCIe cards (Ada and
+# Ampere workstation and consumer cards, L40S): fitted to the published 4 x RTX 6000 Ada LoRA runs.
+ACHIEVABLE = {"hopper": 0.40, "ampere-sxm": 0.50, "pcie-card": 0.14}
+OVERLAP = 0.8
+# The memory-bound parts of a step (optimizer update, NF4 dequantisation) reach this share of the data sheet's
+# memory bandwidth.
+MEMORY_EFFICIENCY = 0.8
+# PyTorch's AdamW on the CPU (what runs under CPU offload): about a dozen unfused elementwise passes over the fp32
+# parameter, gradient and two states, ~100 bytes of memory traffic per parameter, at the ~100 GB/s a server's
+# memory delivers (~50 GB/s on a desktop board's two channels). Per node: its GPUs' ranks share the CPU.
+CPU_OPTIMIZER_PARAMS_PER_S = {"server": 1e9, "desktop": 0.5e9}
+DEFAULT_PIPELINE_MICROBATCHES = 2  # shardtune train's pipeline_microbatches default
+
+
+@dataclass(frozen=True)
+class Links:
+    """The links a setup's traffic crosses."""
+
+    intra: Link  # between the GPUs of a node
+    inter: Link  # between nodes
+    host: Link  # between a GPU and host memory (CPU offload)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One optimizer step of a setup: its time and what it is made of (seconds; bytes per GPU)."""
+
+    setup: Setup
+    tokens_per_step: int  # trained tokens per optimizer step, all GPUs together
+    model_flops_per_token: float
+    hardware_flops_per_token: float  # with the recomputation of gradient checkpointing
+    compute_s: float  # the step's compute (MP: every stage in turn; PP: with its bubble)
+    comm_s: float  # what the collectives, hand-overs and offload copies take on their links
+    exposed_comm_s: float  # the part of comm_s not hidden behind compute
+    optimizer_s: float  # the optimizer update (on the CPU with offload)
+    step_s: float
+    peak_flops: float  # per GPU
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # per GPU per step, by link: intra, inter, host
+    note: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation over every GPU of the setup (MP's idle stages included)."""
+        return self.tokens_per_s * self.model_flops_per_token / (self.setup.world_size * self.peak_flops)
+
+    def seconds_for(self, tokens: float) -> float:
+        return tokens / self.tokens_per_s
+
+    def to_dict(self) -> dict:
+        return {"step_s": self.step_s, "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu, "model_flops_per_token": self.model_flops_per_token,
+                "hardware_flops_per_token": self.hardware_flops_per_token, "compute_s": self.compute_s,
+                "comm_s": self.comm_s, "exposed_comm_s": self.exposed_comm_s, "optimizer_s": self.optimizer_s,
+                "comm_bytes_per_gpu": dict(self.comm_bytes), "note": self.note}
+
+
+def inactive_expert_params(inv: ModelInventory) -> int:
+    """Weights of the experts a token does not run (gated MLP experts: 3 x hidden x intermediate each)."""
+    if inv.num_experts <= 1:
+        return 0
+    return inv.num_layers * (inv.num_experts - inv.experts_per_token) * 3 * inv.hidden_size * inv.intermediate_size
+
+
+def model_flops_per_token(inv: ModelInventory, trainable: int, seq_len: int, frozen_base: bool) -> float:
+    """PaLM's FLOPs per trained token (shardtune/train/metrics.py ``flops_per_token``, for the active weights).
+
+    ``trainable`` counts the weights with gradients; with ``frozen_base`` (LoRA, QLoRA) they are adapters on top of
+    the model's frozen ``inv.parameters``, otherwise they are the model's own."""
+    active = inv.parameters - inactive_expert_params(inv)
+    trained, frozen = (trainable, active) if frozen_base else (active, 0)
+    return 6.0 * trained + 4.0 * frozen + 12.0 * inv.num_layers * inv.hidden_size * seq_len
+
+
+def recompute_flops_per_token(inv: ModelInventory, layer_adapters: int, seq_len: int) -> float:
+    """The forward of every decoder layer once more (gradient checkpointing): weights and attention."""
+    layer_weights = sum(inv.layer_params) - inactive_expert_params(inv) + layer_adapters
+    return 2.0 * layer_weights + 4.0 * inv.num_layers * inv.hidden_size * seq_len
+
+
+def collective_s(nbytes: float, gpus_per_node: int, nodes: int, links: Links) -> tuple[float, dict[str, float]]:
+    """An all-gather (or a reduce-scatter) of a ``nbytes`` tensor over ``gpus_per_node`` x ``nodes`` GPUs: its
+    seconds, and the bytes each GPU sends per link. Hierarchical: (nodes-1)/nodes of the GPU's 1/G slice between
+    nodes, then (G-1)/G of the whole inside the node."""
+    intra = (gpus_per_node - 1) / gpus_per_node * nbytes
+    inter = (nodes - 1) / nodes * nbytes / gpus_per_node
+    return intra / links.intra.bytes_per_s + inter / _inter_rate(links, gpus_per_node), {"intra": intra,
+                                                                                         "inter": inter}
+
+
+def _inter_rate(links: Links, gpus_per_node: int) -> float:
+    """Each GPU's share of the network between nodes while all of a node's GPUs use it at once."""
+    return links.inter.bytes_per_s / (gpus_per_node if links.inter.shared_by_node else 1)
+
+
+def exposed_s(comm: float, compute: float) -> float:
+    """The part of ``comm`` seconds that ``compute`` seconds running beside it do not hide."""
+    return max(comm - OVERLAP * compute, (1 - OVERLAP) * comm) if comm > 0 else 0.0
+
+
+@dataclass
+class _Traffic:
+    """Per-GPU communication of one micro-batch and of one optimizer step (seconds, bytes by link)."""
+
+    per_microbatch_s: float = 0.0
+    per_step_s: float = 0.0
+    bytes: dict[str, float] = field(default_factory=lambda: {"intra": 0.0, "inter": 0.0, "host": 0.0})
+
+    def add(self, seconds: float, nbytes: dict[str, float], times: float, per_step: bool) -> None:
+        if per_step:
+            self.per_step_s += seconds
+        else:
+            self.per_microbatch_s += seconds
+        for link, n in nbytes.items():
+            self.bytes[link] += n * times
+
+
+def _data_parallel_traffic(model: _Model, setup: Setup, links: Links) -> _Traffic:
+    """DDP and FSDP: what each GPU sends and copies per micro-batch and per optimizer step."""
+    traffic = _Traffic()
+    inv, accum = model.inv, setup.gradient_accumulation_steps
+    gpus, nodes = setup.num_gpus, setup.num_nodes
+    layers = sum(model.layer_gathered(i) for i in range(inv.num_layers))
+    root = model.root_gathered()
+    trainable = sum(model.layer_trainable(i) for i in range(inv.num_layers)) + model.root_trainable()
+    grads = trainable * model.dt.master  # fp32 with fp32 master weights, bf16 under pure bf16
+    if links.intra.name == "nvlink-bridge" and gpus > 2:  # a bridge joins pairs: the ring crosses PCIe too
+        links = Links(links.host, links.inter, links.host)
+    if setup.strategy == "ddp" or setup.sharding_strategy == "NO_SHARD":
+        s, b = collective_s(grads, gpus, nodes, links)
+        traffic.add(2 * s, {k: 2 * v for k, v in b.items()}, 1, per_step=True)  # all-reduce
+        return traffic
+    hybrid = setup.sharding_strategy == "HYBRID_SHARD"
+    shard_nodes = 1 if hybrid else nodes  # HYBRID_SHARD shards inside a node
+    gathered = root + layers + (layers if setup.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD") else 0)
+    s, b = collective_s(gathered, gpus, shard_nodes, links)
+    traffic.add(s, b, accum, per_step=False)
+    s, b = collective_s(grads, gpus, shard_nodes, links)
+    traffic.add(s, b, 1, per_step=True)  # reduce-scatter
+    if hybrid and nodes > 1:  # each GPU's gradient shard all-reduced with its peers on the other nodes
+        inter = 2 * (nodes - 1) / nodes * grads / gpus
+        traffic.add(inter / _inter_rate(links, gpus), {"inter": inter}, 1, per_step=True)
+    if setup.offload_params:
+        world = setup.world_size
+        storage = sum(model.layer_storage(i) for i in range(inv.num_layers))
+        copied_in = (model.root_storage() + 2 * storage) / world  # the shard, before each all-gather
+        traffic.add(copied_in / links.host.bytes_per_s, {"host": copied_in}, accum, per_step=False)
+        copied_out = trainable * model.dt.master / world
+        traffic.add(copied_out / links.host.bytes_per_s, {"host": copied_out}, 1, per_step=True)
+    return traffic
+
+
+def _stage_share(inv: ModelInventory, bounds: tuple[tuple[int, int], ...]) -> float:
+    """The largest stage's share of the model's matmul work (the LM head runs on the last stage)."""
+    head = inv.vocab_size * inv.hidden_size
+    work = [sum(inv.layer_params[a:b]) + (head if b == inv.num_layers else 0) for a, b in bounds]
+    return max(work) / sum(work)
+
+
+def step_time(inv: ModelInventory, setup: Setup, gpu: Gpu, links: Links, lora: LoraCount | None = None,
+              stage_bounds: tuple[tuple[int, int], ...] = (),
+              pipeline_microbatches: int = DEFAULT_PIPELINE_MICROBATCHES) -> StepTime:
+    """One optimizer step of ``setup`` on ``gpu``s joined by ``links``. ``stage_bounds`` are MP/PP's layers per
+    stage (the memory estimate's); without them the layers are split evenly."""
+    peak = gpu.peak_fp32_flops if setup.mixed_precision == "no" else gpu.peak_bf16_flops
+    if not peak:
+        raise ValueError(f"no peak FLOPs known for {gpu.name}")
+    dt = dtypes(setup)
+    adapters = lora.total if lora else 0
+    model_flops = model_flops_per_token(inv, adapters, setup.seq_len, setup.uses_lora)
+    hw_flops = model_flops + (recompute_flops_per_token(inv, sum(lora.per_layer) if lora else 0, setup.seq_len)
+                              if setup.gradient_checkpointing else 0.0)
+    work = _Work(micro_tokens=setup.batch_size * setup.seq_len,
+                 micro_s=(setup.batch_size * setup.seq_len * hw_flops / (peak * ACHIEVABLE[gpu.efficiency_class])
+                          + _dequantise_s(inv, setup, gpu)),
+                 trainable=adapters if setup.uses_lora else inv.parameters)
+    # The optimizer update reads and writes the weight and its states and reads the gradient.
+    work.optimizer_bytes = work.trainable * (3 * dt.master + 2 * _optimizer_bytes_per_param(setup, dt.master))
+    if setup.splits_layers:
+        parts = _split_layers_step(inv, setup, gpu, links, work, stage_bounds, pipeline_microbatches)
+    else:
+        parts = _data_parallel_step(_Model(inv, setup, dt, lora), setup, gpu, links, work)
+    step = parts.compute_s + parts.exposed_comm_s + parts.optimizer_s
+    return StepTime(setup, parts.tokens_per_step, model_flops, hw_flops, parts.compute_s, parts.comm_s,
+                    parts.exposed_comm_s, parts.optimizer_s, step, peak, parts.comm_bytes, parts.note)
+
+
+@dataclass
+class _Work:
+    """What one micro-batch asks of a GPU, before any parallelism."""
+
+    micro_tokens: int
+    micro_s: float  # its compute, the whole model on one GPU
+    trainable: int
+    optimizer_bytes: float = 0.0  # memory traffic of the optimizer update over every trainable weight
+
+
+@dataclass
+class _Parts:
+    tokens_per_step: int
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+    comm_bytes: dict[str, float]
+    note: str
+
+
+def _split_layers_step(inv: ModelInventory, setup: Setup, gpu: Gpu, links: Links, work: _Work,
+                       stage_bounds: tuple[tuple[int, int], ...], microbatches: int) -> _Parts:
+    """MP and PP: stages of whole layers; one batch, no data parallelism; hand-overs not overlapped."""
+    world, accum = setup.world_size, setup.gradient_accumulation_steps
+    bounds = stage_bounds or _even_stages(inv.num_layers, world)
+    stages = len(bounds)
+    handover = work.micro_tokens * inv.hidden_size * dtypes(setup).residual * 2  # activations on, gradients back
+    comm = accum * (stages - 1) * handover / links.intra.bytes_per_s
+    optimizer_s = work.optimizer_bytes / stages / _memory_rate(gpu)  # each stage updates its own layers
+    if setup.strategy == "mp":
+        compute = accum * work.micro_s  # the stages run one after another
+        idle = world - stages
+        note = f"one of {world} GPUs computes at a time" + (
+            f" ({idle} {'holds' if idle == 1 else 'hold'} no layers)" if idle else "")
+    else:
+        per_turn = _stage_share(inv, bounds) * work.micro_s / microbatches  # the slowest stage sets the pace
+        compute = accum * (microbatches + stages - 1) * per_turn
+        bubble = (stages - 1) / (microbatches + stages - 1)
+        note = f"pipeline bubble {bubble:.0%} ({stages} stages, {microbatches} micro-batches)"
+    return _Parts(work.micro_tokens * accum, compute, comm, comm, optimizer_s,
+                  {"intra": accum * (stages - 1) * handover}, note)
+
+
+def _data_parallel_step(model: _Model, setup: Setup, gpu: Gpu, links: Links, work: _Work) -> _Parts:
+    """One GPU, DDP and FSDP: every GPU computes its own micro-batches; communication partly hidden."""
+    world, accum = setup.world_size, setup.gradient_accumulation_steps
+    traffic = _Traffic() if setup.strategy == "single" else _data_parallel_traffic(model, setup, links)
+    compute = accum * work.micro_s
+    comm = accum * traffic.per_microbatch_s + traffic.per_step_s
+    # The per-step collective (all-reduce, reduce-scatter) runs in the last micro-batch's backward.
+    exposed = ((accum - 1) * exposed_s(traffic.per_microbatch_s, work.micro_s)
+               + exposed_s(traffic.per_microbatch_s + traffic.per_step_s, work.micro_s))
+    if setup.offload_params:
+        optimizer_s = work.trainable / setup.num_nodes / CPU_OPTIMIZER_PARAMS_PER_S[gpu.host]  # its GPUs' shards
+        note = f"CPU optimizer step {optimizer_s:.1f} s"
+        if optimizer_s > compute:
+            note += ": more tokens per step (micro-batch, accumulation) spread it thinner"
+    else:
+        shard = 1
+        if setup.strategy == "fsdp" and setup.sharding_strategy != "NO_SHARD":
+            shard = setup.num_gpus if setup.sharding_strategy == "HYBRID_SHARD" else world
+        optimizer_s = work.optimizer_bytes / shard / _memory_rate(gpu)
+        note = f"communication {exposed / (compute + exposed):.0%} of the step" if comm else ""
+    data_parallel = world if setup.strategy in ("ddp", "fsdp") else 1
+    return _Parts(work.micro_tokens * accum * data_parallel, compute, comm, exposed, optimizer_s,
+                  {k: v for k, v in traffic.bytes.items() if v}, note)
+
+
+def _even_stages(layers: int, stages: int) -> tuple[tuple[int, int], ...]:
+    stages = min(stages, layers)
+    cuts = [round(i * layers / stages) for i in range(stages + 1)]
+    return tuple((cuts[i], cuts[i + 1]) for i in range(stages))
+
+
+def _memory_rate(gpu: Gpu) -> float:
+    return (gpu.memory_bandwidth or 1e12) * MEMORY_EFFICIENCY
+
+
+def _dequantise_s(inv: ModelInventory, setup: Setup, gpu: Gpu) -> float:
+    """QLoRA dequantises each NF4 weight to bf16 before its matmul: in forward, in backward and in the recompute."""
+    if setup.method != "qlora":
+        return 0.0
+    passes = 3 if setup.gradient_checkpointing else 2
+    linear = sum(inv.layer_linear_params)
+    return passes * (nf4_bytes(linear, setup.nf4_double_quant) + 2 * linear) / _memory_rate(gpu)
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` as people read a duration: 950 ms, 42 s, 12 min, 3.5 h, 4.2 d."""
+    if not math.isfinite(seconds):
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 100:
+        return f"{seconds:.3g} s"
+    if seconds < 100 * 60:
+        return f"{seconds / 60:.3g} min" if seconds < 600 else f"{seconds / 60:.0f} min"
+    if seconds < 72 * 3600:
+        return f"{seconds / 3600:.3g} h"
+    return f"{seconds / 86400:.3g} d"
+
+
+@dataclass(frozen=True)
+class DataTokens:
+    """The tokens one pass over a data set trains on, and how they were counted."""
+
+    tokens: int
+    rows: int = 0
+    exact: bool = True  # counted with the model's tokenizer (else about 4 characters per token)
+    source: str = ""
+
+    def describe(self) -> str:
+        if not self.rows:
+            return f"{self.tokens:,} tokens"
+        how = "the model's tokenizer" if self.exact else "about 4 characters per token, approximate"
+        return f"{self.tokens:,} tokens in {self.rows:,} rows of {self.source} ({how})"
+
+
+CHARS_PER_TOKEN = 4  # English text with a Llama-style BPE vocabulary: a rough figure, shown as approximate
+
+
+def _row_text(value) -> str:
+    """Every string in a row (messages' contents, prompt and completion, text), one per line."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, list):
+        return ""
+    return "\n".join(t for t in (_row_text(v) for v in value) if t)
+
+
+def _tokenizer_file(model: str) -> Path | None:
+    """The fast tokenizer of a local model folder (or of the folder of its config.json), if it has one."""
+    path = Path(model).expanduser()
+    folder = path if path.is_dir() else path.parent if path.is_file() else None
+    found = folder / "tokenizer.json" if folder else None
+    return found if found and found.is_file() else None
+
+
+def count_data_tokens(data: str, model: str, seq_len: int) -> DataTokens:
+    """Tokens of one pass over the data file ``data``, each row cut at ``seq_len`` as the trainer truncates it.
+
+    With a local model folder holding ``tokenizer.json`` the rows are tokenised by it (the ``tokenizers`` library,
+    no torch); otherwise about 4 characters make a token, which the result says is approximate. A chat template's
+    own tokens are not counted."""
+    from shardtune.data.readers import BadRow, iter_file
+    from shardtune.hub import EXTENSIONS
+
+    path = Path(data).expanduser()
+    if not path.is_file() or path.suffix.lower() not in EXTENSIONS:
+        raise UsageError(f"--data {data}: not a data file; give a {', '.join(EXTENSIONS)} file, or the token "
+                         f"count with --tokens N")
+    texts = [_row_text(row) for _, row in iter_file(path) if not isinstance(row, BadRow)]
+    if not texts:
+        raise UsageError(f"--data {data}: no readable rows in it; give the file you will train on, or --tokens N")
+    tokenizer_file = _tokenizer_file(model)
+    if tokenizer_file is None:
+        lengths = [math.ceil(len(t) / CHARS_PER_TOKEN) for t in texts]
+    else:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        lengths = [len(e.ids) for e in tokenizer.encode_batch(texts)]
+    return DataTokens(sum(min(n, seq_len) for n in lengths), len(texts), tokenizer_file is not None, path.name)
