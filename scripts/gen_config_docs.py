@@ -37,6 +37,9 @@ DESCRIPTIONS = {
     "append_concat_token": "When packing, end every document with EOS if it does not already.",
     "max_seq_len": "Tokens per row; longer examples are truncated, packed rows are filled up to it.",
     "packing": "Pack several examples into each row (attention never crosses examples).",
+    "group_by_length": ("Unpacked rows: each global batch holds rows of about one length, longest first, so "
+                        "micro-batches carry less padding; the batches stay the same for any world size and "
+                        "accumulation, and resume exactly (packing must be false)."),
     "train_on_prompt": "Also compute the loss on system/user/prompt tokens, not only on the answers.",
     "eval_split_ratio": "Hold out this fraction of the train rows for eval when there is no eval split.",
     "dataset_num_proc": "Processes that tokenise (unset: one).",

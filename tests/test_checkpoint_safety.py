@@ -19,7 +19,7 @@ import pytest
 
 from shardtune.config import load_train_config
 from shardtune.errors import UsageError
-from shardtune.train.safe_load import file_digests
+from shardtune.train.safe_load import damage, file_digests
 from tests.trainutil import write_chat_data
 
 
@@ -160,6 +160,24 @@ def test_flipped_bytes_are_found_and_resume_true_takes_the_checkpoint_before(tmp
     read = lambda out: {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                         if "loss" in r}  # noqa: E731
     assert read(damaged) == read(reference)  # steps 3 and 4 again, bitwise as the uninterrupted run
+
+
+def test_ranks_share_the_hashing_and_checking_of_a_checkpoint(tmp_path):
+    """Each of the world's ranks hashes every world-th file; together they hash each file once, and the rank whose
+    share holds a damaged file is the one that finds it."""
+    for i in range(7):
+        (tmp_path / "dcp" if i % 2 else tmp_path).mkdir(exist_ok=True)
+        ((tmp_path / "dcp" if i % 2 else tmp_path) / f"f{i}.bin").write_bytes(bytes([i]) * (100 + i))
+    (tmp_path / "manifest.json").write_text("{}")
+    whole = file_digests(tmp_path, skip="manifest.json")
+    shares = [file_digests(tmp_path, skip="manifest.json", share=(rank, 3)) for rank in range(3)]
+    assert sorted(name for share in shares for name in share) == sorted(whole) and len(whole) == 7
+    assert {name: d for share in shares for name, d in share.items()} == whole
+    victim = sorted(whole)[4]  # in rank 1's share of 3 (names in order: 4 % 3 == 1)
+    flip_bytes(tmp_path / victim, count=8)
+    found = [damage(tmp_path, whole, share=(rank, 3)) for rank in range(3)]
+    assert found[0] is None and found[2] is None
+    assert found[1] == f"{tmp_path / victim} has changed since it was saved (its SHA-256 differs from the manifest's)"
 
 
 def test_resume_applies_a_new_learning_rate_and_refuses_new_lora_targets(tmp_path, runs, restore_logging, capfd):

@@ -325,8 +325,9 @@ def _alive(pid: int) -> bool:
 
 def _launch(work: Path, out: str, *args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [*SHARDTUNE, "launch", "--num_processes", "2", "train", "--model_name_or_path", "M", "--dataset_name",
-           "chat.jsonl", *COMMON, *LORA, "--output_dir", out, *args]
+    cmd = [*SHARDTUNE, "launch", "--num_processes", "2", "train",
+           *flags("--model_name_or_path", "M", "--dataset_name", "chat.jsonl", *COMMON, *LORA, "--output_dir", out,
+                  *args)]
     return subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

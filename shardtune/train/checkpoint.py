@@ -48,7 +48,7 @@ from shardtune.errors import TrainingStopped, UsageError, first_line, writing
 from shardtune.train.layout import MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, resume_problem
 from shardtune.train.plan import Plan
 from shardtune.train.resume import apply_learning_rate, check_resume
-from shardtune.train.safe_load import damage, file_digests, load_dcp, load_pt, load_safetensors, read_json
+from shardtune.train.safe_load import damage, file_digest, file_digests, load_dcp, load_pt, load_safetensors, read_json
 from shardtune.train.state import TrainState, rng_state, set_rng_state
 
 log = logging.getLogger("shardtune")
@@ -89,12 +89,14 @@ def _fresh_folder(tmp: Path) -> None:
 
 
 def _complete(tmp: Path, final: Path, trainer_state: dict[str, Any], config_yaml: str,
-              manifest: dict[str, Any]) -> None:
-    """Rank 0, once every rank has written its part: the small files, the manifest last (with every other file's
-    size and SHA-256, so damage is found before a load), then the rename."""
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-    (tmp / "config.yaml").write_text(config_yaml)
-    manifest = {**manifest, "files": file_digests(tmp, skip=MANIFEST)}
+              manifest: dict[str, Any], digests: dict[str, dict[str, Any]]) -> None:
+    """Rank 0, once every rank has written and hashed its part (``digests``): the small files, the manifest last
+    (with every file's size and SHA-256, so damage is found before a load), then the rename."""
+    small = ("trainer_state.json", "config.yaml")
+    (tmp / small[0]).write_text(json.dumps(trainer_state, indent=1))
+    (tmp / small[1]).write_text(config_yaml)
+    digests = {**digests, **{name: file_digest(tmp / name) for name in small}}
+    manifest = {**manifest, "files": dict(sorted(digests.items()))}
     (tmp / MANIFEST).write_text(json.dumps(manifest))
     if final.exists():
         shutil.rmtree(final)
@@ -144,7 +146,12 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
             torch.save(rng_state(), tmp / "rng" / f"rank-{info.rank}.pt")
 
     run_and_share(write_own_part, runs=True, what=what, on_failure=drop_tmp)
-    run_and_share(lambda: _complete(tmp, final, trainer_state, config_yaml, manifest), runs=info.is_main,
+    # Every rank hashes its share of the files (each reads 1/world of the checkpoint), rank 0 gathers them.
+    mine: dict[str, dict[str, Any]] = {}
+    run_and_share(lambda: mine.update(file_digests(tmp, skip=MANIFEST, share=_share(info))), runs=True, what=what,
+                  on_failure=drop_tmp)
+    digests = {name: digest for part in _gather(mine, info) for name, digest in part.items()}
+    run_and_share(lambda: _complete(tmp, final, trainer_state, config_yaml, manifest, digests), runs=info.is_main,
                   what=what, on_failure=drop_tmp)
     if info.is_main and save_total_limit:
         for old in complete_checkpoints(output_dir)[:-save_total_limit]:
@@ -168,17 +175,30 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
 
 
 def checkpoint_damage(path: Path, info: DistInfo | None = None) -> str | None:
-    """What in checkpoint ``path`` differs from its manifest (one line), or None. Rank 0 reads the files and tells
-    the others. A checkpoint written before manifests listed their files (format 1) cannot be checked: None."""
-    problem: list[str | None] = [None]
-    if info is None or info.is_main:
-        digests = read_json(path / MANIFEST).get("files")
-        problem[0] = damage(path, digests) if digests is not None else None
-    if info is not None and info.distributed:
-        import torch.distributed as dist
+    """What in checkpoint ``path`` differs from its manifest (one line), or None. Every rank checks its share of
+    the files and all hear the first problem (in name order), so every rank reads 1/world of the checkpoint. A
+    checkpoint written before manifests listed their files (format 1) cannot be checked: None."""
+    digests = read_json(path / MANIFEST).get("files")
+    if digests is None:
+        return None
+    found = [problem for problem in _gather(damage(path, digests, share=_share(info)), info) if problem]
+    return min(found) if found else None
 
-        dist.broadcast_object_list(problem, src=0)
-    return problem[0]
+
+def _share(info: DistInfo | None) -> tuple[int, int]:
+    """(rank, world size): which share of a checkpoint's files this rank hashes or checks."""
+    return (info.rank, info.world_size) if info is not None and info.distributed else (0, 1)
+
+
+def _gather(part: Any, info: DistInfo | None) -> list[Any]:
+    """Every rank's ``part``, in rank order, on every rank (just ``[part]`` without a process group)."""
+    if info is None or not info.distributed:
+        return [part]
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * info.world_size
+    dist.all_gather_object(parts, part)
+    return parts
 
 
 def resolve_resume(spec: str | None, output_dir: str | Path, info: DistInfo | None = None) -> Path | None:

@@ -165,15 +165,27 @@ def _sha256(path: Path) -> str:
     return sha.hexdigest()
 
 
-def file_digests(folder: Path, *, skip: str) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of every file under ``folder`` but ``skip`` (the manifest that will hold them)."""
-    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != skip}
+def file_digests(folder: Path, *, skip: str, share: tuple[int, int] = (0, 1)) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file under ``folder`` but ``skip`` (the manifest that will hold them).
+
+    ``share`` (rank, world size): this rank's share of the files, every world-size-th of them in name order, so
+    that the ranks of a run hash a checkpoint together, each reading 1/world of it.
+    """
+    rank, world = share
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != skip)
+    return {p.relative_to(folder).as_posix(): file_digest(p) for p in files[rank::world]}
 
 
-def damage(folder: Path, digests: dict[str, dict[str, Any]]) -> str | None:
-    """What in ``folder`` differs from the manifest's ``digests`` (one line naming the file), or None if intact."""
-    for name, want in digests.items():
+def file_digest(path: Path) -> dict[str, Any]:
+    """A manifest's entry for one file: its size and SHA-256."""
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def damage(folder: Path, digests: dict[str, dict[str, Any]], share: tuple[int, int] = (0, 1)) -> str | None:
+    """What in ``folder`` differs from the manifest's ``digests`` (one line naming the file), or None if intact.
+    ``share`` (rank, world size): check only this rank's share of the files, as ``file_digests`` hashes them."""
+    rank, world = share
+    for name, want in sorted(digests.items())[rank::world]:
         path = folder / name
         if not path.is_file():
             return f"{path} is missing"
