@@ -91,3 +91,62 @@ def test_eval_sampler_covers_every_row_once_with_equal_batches(num_rows, batch, 
     assert len({len(p) for p in per_rank}) == 1 and all(len(b) == batch for p in per_rank for b in p)
     seen = [i for p in per_rank for b in p for i in b if i is not None]
     assert sorted(seen) == list(range(num_rows))
+
+
+def grouped_steps(lengths, world, accum, micro, seed=0, state=None):
+    """``global_steps`` with ``group_by_length``: the rows of each length-grouped step, per rank."""
+    samplers = [GlobalBatchSampler(len(lengths), micro_batch_size=micro, gradient_accumulation_steps=accum,
+                                   world_size=world, rank=r, seed=seed, lengths=lengths) for r in range(world)]
+    for s in samplers:
+        if state:
+            s.load_state_dict(state)
+    return [list(per_rank) for per_rank in zip(*samplers)], samplers
+
+
+LENGTHS = [(i * 37) % 97 + 3 for i in range(1000)]  # 3..99 tokens, in no order
+
+
+def padded_tokens(steps, lengths) -> int:
+    """Tokens a step's micro-batches hold once each is padded to its longest row, summed over the epoch."""
+    return sum(len(mb) * max(lengths[i] for i in mb) for per_rank in steps for batches in per_rank for mb in batches)
+
+
+def test_group_by_length_keeps_the_global_batches_of_every_split():
+    reference = None
+    for world, accum, micro in SPLITS:
+        steps, samplers = grouped_steps(LENGTHS, world, accum, micro, seed=3)
+        assert len(steps) == samplers[0].steps_per_epoch == 1000 // 8
+        sets = [frozenset(i for batches in per_rank for mb in batches for i in mb) for per_rank in steps]
+        reference = reference or sets
+        assert sets == reference
+    every = [i for s in reference for i in s]
+    assert len(every) == len(set(every)) == 1000 // 8 * 8
+
+
+def test_group_by_length_cuts_padding_and_puts_the_longest_row_first():
+    plain, _ = global_steps(1000, 2, 2, 2, seed=3)
+    grouped, _ = grouped_steps(LENGTHS, 2, 2, 2, seed=3)
+    real = sum(LENGTHS[i] for per_rank in grouped for batches in per_rank for mb in batches for i in mb)
+    # Random micro-batches of 2 rows pad to the longer of two random lengths; grouped ones to almost their own.
+    assert padded_tokens(grouped, LENGTHS) < 1.05 * real < 1.2 * padded_tokens(plain, LENGTHS)
+    first = [i for batches in grouped[0] for mb in batches for i in mb]
+    assert max(LENGTHS) in [LENGTHS[i] for i in first]
+    # The steps are not in length order: the grouped batches are shuffled.
+    longest = [max(LENGTHS[i] for batches in per_rank for mb in batches for i in mb) for per_rank in grouped]
+    assert longest != sorted(longest, reverse=True)
+
+
+def test_group_by_length_resumes_exactly_and_refuses_a_changed_setting():
+    whole, _ = grouped_steps(LENGTHS, 2, 2, 2, seed=5)
+    sampler = GlobalBatchSampler(1000, micro_batch_size=2, gradient_accumulation_steps=2, world_size=2, rank=0,
+                                 seed=5, lengths=LENGTHS)
+    for _ in zip(range(7), iter(sampler)):
+        pass
+    state = sampler.state_dict()
+    assert state["step_in_epoch"] == 7
+    resumed, _ = grouped_steps(LENGTHS, 1, 4, 2, seed=5, state=state)  # another split of the same global batch
+    flat = lambda steps: [frozenset(i for batches in p for mb in batches for i in mb) for p in steps]  # noqa: E731
+    assert flat(resumed) == flat(whole)[7:]
+    plain = GlobalBatchSampler(1000, micro_batch_size=2, gradient_accumulation_steps=2, world_size=2, rank=0, seed=5)
+    with pytest.raises(UsageError, match="group_by_length=True, this run has False"):
+        plain.load_state_dict(state)

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from tests.trainutil import losses, run_shardtune, write_chat_data
+from tests.trainutil import flags, losses, run_shardtune, write_chat_data
 
 REL_TOL = 1e-4
 STEPS = 4
@@ -35,7 +35,7 @@ def common(model, data, out) -> list[str]:
 def train(assets, name: str, nproc: int, extra: list[str]) -> list[float]:
     root, model, data = assets
     out = root / name
-    args = common(model, data, out) + extra
+    args = flags(*common(model, data, out), *extra)
     cmd = ["train", *args] if nproc == 1 else ["launch", "--num_processes", str(nproc), "train", *args]
     result = run_shardtune(cmd, root)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -99,6 +99,18 @@ def test_full_fine_tuning_same_losses(assets, full_reference, name, nproc, extra
 def test_lora_same_losses(assets, lora_reference, name, nproc, extra):
     assert lora_reference[-1] < lora_reference[0]
     assert_same(lora_reference, train(assets, name, nproc, [*extra, *LORA]))
+
+
+def test_length_grouped_unpacked_rows_train_alike_on_one_process_and_ddp(assets):
+    """group_by_length on unpacked rows: every split of the global batch trains on the same steps, so DDP x2
+    gives one process's losses, and the rows of each micro-batch are of about one length."""
+    grouped = ["--packing", "False", "--group_by_length", "True", "--max_seq_len", "48", *LORA]
+    single = train(assets, "grouped_single", 1, ["--per_device_train_batch_size", "4",
+                                                 "--gradient_accumulation_steps", "2", *grouped])
+    ddp = train(assets, "grouped_ddp", 2, ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
+                                           "2", "--distributed_type", "DDP", *grouped])
+    assert single[-1] < single[0]
+    assert_same(single, ddp)
 
 
 def test_qlora_under_fsdp_trains_like_one_process(assets):

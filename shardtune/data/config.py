@@ -21,6 +21,7 @@ class DataConfig:
     append_concat_token: bool = False  # when packing, end every document with EOS (untrained) if it does not already
     max_seq_len: int = 2048
     packing: bool = False
+    group_by_length: bool = False  # unpacked rows: each batch holds rows of about one length (less padding)
     train_on_prompt: bool = False  # also train on system/user/prompt tokens
     eval_split_ratio: float = 0.0  # hold out this fraction of train rows for eval when no eval split exists
     dataset_num_proc: int | None = None  # processes that tokenise (None: one)
@@ -43,6 +44,9 @@ class DataConfig:
         if self.add_special_tokens and self.chat_template_format == "none":
             problems.append("add_special_tokens needs a named chat_template_format (chatml, llama-3, ...): the "
                             "tokenizer's own template already has its tokens.")
+        if self.group_by_length and self.packing:
+            problems.append("group_by_length groups unpacked rows by length, and packed rows all have max_seq_len "
+                            "tokens: set packing false to group, or leave group_by_length out.")
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
             problems.append(f"max_seq_len must be an integer of at least 2 (got {self.max_seq_len!r}).")
         if not 0.0 <= self.eval_split_ratio < 1.0:

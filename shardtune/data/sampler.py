@@ -4,22 +4,33 @@ Each epoch is one seeded permutation of the rows, cut into global batches of
 ``micro_batch_size * gradient_accumulation_steps * world_size`` rows; the last incomplete global batch is dropped
 (those rows come back, in another order, next epoch). Optimizer step k always sees the same set of rows, so losses
 compare across setups, and a resumed run (with any split of the same global batch) continues at step k + 1.
+
+``group_by_length`` (unpacked rows, Transformers' key) keeps that contract while cutting padding: the permutation is
+cut into groups of ``LENGTH_GROUP_BATCHES`` global batches, each group sorted by row length and cut into global
+batches, the global batches shuffled (the one holding the longest row first, so a batch that does not fit shows
+at step 1), and every global batch keeps its rows longest first, so each micro-batch, padded to its own longest
+row, holds rows of about one length. All of it depends on the seed, the epoch, the lengths and the global batch
+size only, so any world size and accumulation see the same steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from shardtune.errors import UsageError
+
+# Global batches sorted together by group_by_length: Transformers' LengthGroupedSampler sorts 50 batches at a time.
+LENGTH_GROUP_BATCHES = 50
 
 
 class GlobalBatchSampler:
     """Yields, per optimizer step, this rank's ``gradient_accumulation_steps`` micro-batches of row indices."""
 
     def __init__(self, num_rows: int, *, micro_batch_size: int, gradient_accumulation_steps: int, world_size: int,
-                 rank: int, seed: int, shuffle: bool = True):
+                 rank: int, seed: int, shuffle: bool = True, lengths: Sequence[int] | None = None):
+        """``lengths``: each row's length in tokens, to group rows of similar length (``group_by_length``)."""
         if min(micro_batch_size, gradient_accumulation_steps, world_size) < 1 or not 0 <= rank < world_size:
             raise ValueError("micro_batch_size, gradient_accumulation_steps and world_size must be >= 1 and "
                              "0 <= rank < world_size")
@@ -30,6 +41,9 @@ class GlobalBatchSampler:
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
+        if lengths is not None and len(lengths) != num_rows:
+            raise ValueError(f"lengths has {len(lengths)} entries for {num_rows} rows")
+        self.lengths = list(lengths) if lengths is not None else None
         self.global_batch_size = micro_batch_size * gradient_accumulation_steps * world_size
         if num_rows < self.global_batch_size:
             raise UsageError(f"the data set has {num_rows} rows, fewer than one global batch of "
@@ -49,10 +63,24 @@ class GlobalBatchSampler:
             self.epoch, self.step_in_epoch = epoch, 0
 
     def _order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_rows))
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_rows, generator=generator).tolist()
+        order = (torch.randperm(self.num_rows, generator=generator).tolist() if self.shuffle
+                 else list(range(self.num_rows)))
+        return order if self.lengths is None else self._grouped_by_length(order, generator)
+
+    def _grouped_by_length(self, order: list[int], generator: torch.Generator) -> list[int]:
+        """``order`` with each global batch made of rows of about one length (see the module's docstring)."""
+        g, lengths = self.global_batch_size, self.lengths
+        used = self.steps_per_epoch * g  # the rows past the last whole global batch stay out, as without grouping
+        batches = []
+        for start in range(0, used, g * LENGTH_GROUP_BATCHES):
+            group = sorted(order[start:min(start + g * LENGTH_GROUP_BATCHES, used)], key=lambda i: -lengths[i])
+            batches += [group[i:i + g] for i in range(0, len(group), g)]
+        if self.shuffle:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+        longest = max(range(len(batches)), key=lambda b: lengths[batches[b][0]])
+        batches.insert(0, batches.pop(longest))
+        return [row for batch in batches for row in batch] + order[used:]
 
     def global_batch(self, step: int) -> list[int]:
         """All rows of optimizer step ``step`` of the current epoch, over every rank."""
@@ -81,15 +109,17 @@ class GlobalBatchSampler:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed,
-                "num_rows": self.num_rows, "global_batch_size": self.global_batch_size, "shuffle": self.shuffle}
+                "num_rows": self.num_rows, "global_batch_size": self.global_batch_size, "shuffle": self.shuffle,
+                "group_by_length": self.lengths is not None}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where ``state`` stopped; the world size and accumulation may differ, the global batch may not."""
-        for key in ("seed", "num_rows", "global_batch_size", "shuffle"):
-            if state[key] != getattr(self, key):
-                raise UsageError(f"cannot resume: the checkpoint's data order has {key}={state[key]}, this run has "
-                                 f"{getattr(self, key)}; keep the data set, seed and global batch size "
-                                 "(per_device_train_batch_size x gradient_accumulation_steps x processes).")
+        mine = self.state_dict()
+        for key in ("seed", "num_rows", "global_batch_size", "shuffle", "group_by_length"):
+            if state.get(key, False) != mine[key]:  # checkpoints from before group_by_length did not group
+                raise UsageError(f"cannot resume: the checkpoint's data order has {key}={state.get(key, False)}, this "
+                                 f"run has {mine[key]}; keep the data set, seed, group_by_length and global batch "
+                                 "size (per_device_train_batch_size x gradient_accumulation_steps x processes).")
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
 
 

@@ -69,9 +69,10 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     log.info("strategy: %s, mixed precision %s", plan.describe(info), precision.mixed_precision)
     model, runner, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer))
     world, rank = plan.data_split(info)
+    lengths = [sum(lens) for lens in data.train["seq_lens"]] if cfg.data.group_by_length else None
     sampler = GlobalBatchSampler(len(data.train), micro_batch_size=cfg.run.per_device_train_batch_size,
                                  gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
-                                 world_size=world, rank=rank, seed=cfg.run.seed)
+                                 world_size=world, rank=rank, seed=cfg.run.seed, lengths=lengths)
     steps = total_steps(cfg, sampler.steps_per_epoch)
     optimizer = build_optimizer(model, cfg.optim, info.device, sharded_scaler=plan.sharded_grad_scaler)
     scheduler = build_scheduler(optimizer, cfg.optim, steps)

@@ -18,7 +18,7 @@ log = logging.getLogger("shardtune")
 
 # What the checkpoint's tensors and data position are tied to.
 FIXED = ("model_name_or_path", "use_peft_lora", "use_4bit_quantization", "lora_r", "lora_target_modules",
-         "dataset_name", "max_seq_len", "packing", "seed")
+         "dataset_name", "max_seq_len", "packing", "group_by_length", "seed")
 LORA_ONLY = ("lora_r", "lora_target_modules")
 
 
