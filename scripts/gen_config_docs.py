@@ -85,6 +85,12 @@ DESCRIPTIONS = {
     "log_level": "Log level of rank 0 (passive: info); the other ranks log warnings only.",
     "eval_strategy": "When to evaluate: every eval_steps, at the end of each epoch, or never.",
     "eval_steps": "Evaluate every this many steps (unset: logging_steps).",
+    "eval_on_start": "Evaluate once before the first step, as a baseline (it takes no part in early stopping).",
+    "early_stopping_patience": ("Stop when metric_for_best_model has not improved for this many evaluations "
+                                "(the run then finishes as usual: final/ is written, exit 0)."),
+    "early_stopping_threshold": "How much an evaluation must beat the best one by to count as an improvement.",
+    "neftune_noise_alpha": ("NEFTune: uniform noise of +-alpha/sqrt(seq_len x hidden) on the input embeddings "
+                            "while training (the paper uses 5); none in evaluation and generation."),
     "report_to": "none, or tensorboard (event files beside metrics.jsonl).",
     "ddp_timeout": "Seconds a collective may wait before the run stops, naming the rank and operation.",
     "dry_run": "Print the resolved config, trace one step of the job it describes on fake tensors (per-GPU peak: "
@@ -99,7 +105,12 @@ DESCRIPTIONS = {
                     "checkpoint and all_checkpoints are refused).",
     "save_strategy": "When to save a resumable checkpoint: every save_steps, each epoch, or never.",
     "save_steps": "Save a resumable checkpoint every this many steps.",
-    "save_total_limit": "Keep at most this many checkpoints (oldest deleted first).",
+    "save_total_limit": ("Keep at most this many checkpoints (oldest deleted first); the best one is kept beyond "
+                         "it with load_best_model_at_end."),
+    "load_best_model_at_end": ("Write final/ from the best checkpoint by metric_for_best_model, not the last step "
+                               "(needs save_strategy equal to eval_strategy, save_steps a multiple of eval_steps)."),
+    "metric_for_best_model": "The eval metric that picks the best checkpoint: eval_loss (default) or eval_perplexity.",
+    "greater_is_better": "Whether a larger metric is better (default: false for a loss or perplexity).",
     "resume_from_checkpoint": "A checkpoint folder, or true for the newest complete one in output_dir.",
     "distributed_type": "How processes share the work (Accelerate's MULTI_GPU / MULTI_CPU mean DDP); unset: DDP "
                         "when launched on several processes.",

@@ -95,6 +95,11 @@ class RunConfig:
     log_level: str = "passive"
     eval_strategy: str = "no"
     eval_steps: int | None = None
+    eval_on_start: bool = False  # evaluate once before the first step (a baseline for the curve)
+    # Stop when metric_for_best_model has not improved by more than the threshold for this many evaluations.
+    early_stopping_patience: int | None = None
+    early_stopping_threshold: float = 0.0
+    neftune_noise_alpha: float | None = None  # NEFTune: uniform noise on the input embeddings while training
     report_to: str = "none"  # "tensorboard" writes event files beside metrics.jsonl
     ddp_timeout: int = 1800  # seconds a collective may wait before the run stops naming the rank and operation
     dry_run: bool = False
@@ -115,7 +120,10 @@ class RunConfig:
 class CheckpointConfig:
     save_strategy: str = "steps"
     save_steps: int = 500
-    save_total_limit: int | None = None
+    save_total_limit: int | None = None  # the best checkpoint is kept beyond it (load_best_model_at_end)
+    load_best_model_at_end: bool = False  # final/ holds the best checkpoint's weights, not the last step's
+    metric_for_best_model: str | None = None  # an eval record's key (eval_loss, eval_perplexity); default eval_loss
+    greater_is_better: bool | None = None  # default: false for a loss or perplexity, true otherwise
     resume_from_checkpoint: str | None = None  # a checkpoint folder, or "true" for the newest in output_dir
 
 

@@ -78,8 +78,50 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
         problems.append(f"num_processes={d.num_processes} is the total over all machines and must be a multiple "
                         f"of num_machines={d.num_machines}")
     problems += _validate_pipeline(cfg)
+    problems += _best_model_problems(cfg)
     problems += _unsupported(cfg)
     problems += cfg.data.validate()
+    return problems
+
+
+# The eval record's metrics (step.evaluate); Transformers users may write them without "eval_".
+EVAL_METRICS = ("eval_loss", "eval_perplexity")
+
+
+def metric_name(given: str | None) -> str:
+    """``metric_for_best_model`` as the eval record names it: "loss" and "eval_loss" are both eval_loss."""
+    name = given or "eval_loss"
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
+def _best_model_problems(cfg: TrainConfig) -> list[str]:
+    """The settings that cannot work together, one line each (exit 2 before anything runs)."""
+    ck, r = cfg.checkpoint, cfg.run
+    problems: list[str] = []
+    wanted = ck.load_best_model_at_end or r.early_stopping_patience is not None
+    if ck.metric_for_best_model is not None and metric_name(ck.metric_for_best_model) not in EVAL_METRICS:
+        problems.append(f"metric_for_best_model={ck.metric_for_best_model!r} is not a metric evaluation writes; "
+                        f"use one of {', '.join(EVAL_METRICS)}")
+    if (ck.metric_for_best_model is not None or ck.greater_is_better is not None) and not wanted:
+        problems.append("metric_for_best_model and greater_is_better choose the best evaluation, which only "
+                        "load_best_model_at_end or early_stopping_patience use: set one of them, or leave these out")
+    if wanted and r.eval_strategy == "no":
+        problems.append("load_best_model_at_end and early_stopping_patience compare evaluations: set eval_strategy "
+                        "(steps or epoch) and an eval split")
+    if ck.load_best_model_at_end and r.eval_strategy != "no":
+        every = r.eval_steps or r.logging_steps
+        if ck.save_strategy != r.eval_strategy:
+            problems.append(f"load_best_model_at_end needs save_strategy equal to eval_strategy (they are "
+                            f"{ck.save_strategy} and {r.eval_strategy}), so that every checkpoint has its evaluation")
+        elif ck.save_strategy == "steps" and ck.save_steps % every:
+            problems.append(f"load_best_model_at_end needs save_steps ({ck.save_steps}) to be a multiple of "
+                            f"eval_steps ({every}), so that every checkpoint has its evaluation")
+    if r.early_stopping_patience is not None and r.early_stopping_patience < 1:
+        problems.append(f"early_stopping_patience={r.early_stopping_patience} must be at least 1 evaluation")
+    if r.early_stopping_threshold < 0:
+        problems.append(f"early_stopping_threshold={r.early_stopping_threshold} must not be negative")
+    if r.neftune_noise_alpha is not None and not r.neftune_noise_alpha > 0:
+        problems.append(f"neftune_noise_alpha={r.neftune_noise_alpha} must be positive (NEFTune's paper uses 5)")
     return problems
 
 

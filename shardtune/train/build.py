@@ -49,6 +49,8 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
         resize_for_tokenizer(model, vocab_size)
         if lora.use_peft_lora:
             model = apply_lora(model, lora, seed=cfg.run.seed)
+        if cfg.run.neftune_noise_alpha:
+            add_neftune_noise(model, cfg.run.neftune_noise_alpha)
     trainable, total = count_parameters(model)
     if weights == "load":
         log.info("trainable parameters: %s of %s (%.4f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
@@ -61,6 +63,20 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
         load_from_rank0(model, full_state, buffers, info, offload=plan.offload)
     model.train()
     return model, runner, trainable, total
+
+
+def add_neftune_noise(model: nn.Module, alpha: float) -> None:
+    """NEFTune (Jain et al. 2023, as TRL's ``neftune_noise_alpha``): while training, the input embeddings get
+    uniform noise in +-alpha / sqrt(seq_len * hidden). Drawn from torch's generator, so a resumed run draws the
+    same noise; evaluation and generation (``model.eval()``) see none."""
+
+    def noisy(module: nn.Module, _args, output: torch.Tensor) -> torch.Tensor:
+        if not module.training:
+            return output
+        bound = alpha / (output.size(-2) * output.size(-1)) ** 0.5
+        return output + torch.empty_like(output).uniform_(-bound, bound)
+
+    model.get_input_embeddings().register_forward_hook(noisy)
 
 
 def fsdp_param_dtype(cfg: TrainConfig, precision: Precision) -> torch.dtype | None:

@@ -106,8 +106,10 @@ def _complete(tmp: Path, final: Path, trainer_state: dict[str, Any], config_yaml
 def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                     trainable_only: bool, trainer_state: dict[str, Any], config_yaml: str, info: DistInfo,
                     save_total_limit: int | None = None, state_dict_type: str = SHARDED,
-                    flat_optimizer: bool = False) -> Path:
+                    flat_optimizer: bool = False, keep: Path | None = None) -> Path:
     """Write ``checkpoints/step-{step}`` from every rank; returns its path once it is complete.
+
+    ``save_total_limit`` then deletes the oldest complete checkpoints beyond it, but never ``keep`` (the best one).
 
     ``flat_optimizer`` (pipeline parallel, SHARDED only): optimizer state keyed by parameter name, see ``_options``.
     """
@@ -155,7 +157,8 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
                   what=what, on_failure=drop_tmp)
     if info.is_main and save_total_limit:
         for old in complete_checkpoints(output_dir)[:-save_total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
+            if keep is None or old.resolve() != keep.resolve():
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -384,12 +387,14 @@ class Checkpointer:
     def save(self, reason: str) -> Path:
         """Write ``checkpoints/step-N`` for the current step; a failed write stops the run in one line."""
         step = self.state.step
+        best = self.state.best.checkpoint_step
         try:
             path = save_checkpoint(self.out, step, model=self.model, optimizer=self.optimizer,
                                    trainable_only=self.trainable_only, trainer_state=self.state.state_dict(),
                                    config_yaml=self.config_yaml, info=self.info,
                                    save_total_limit=self.settings.save_total_limit,
-                                   state_dict_type=self.plan.state_dict_type, flat_optimizer=self.flat_optimizer)
+                                   state_dict_type=self.plan.state_dict_type, flat_optimizer=self.flat_optimizer,
+                                   keep=checkpoints_dir(self.out) / f"step-{best}" if best is not None else None)
         except (OSError, RankFailed, CheckpointException) as exc:
             raise TrainingStopped(
                 f"step {step}: the checkpoint was not saved ({write_failure(exc)}). Last good checkpoint: "
@@ -397,6 +402,22 @@ class Checkpointer:
                 f"{f' with resume_from_checkpoint={self.last}' if self.last else ''}") from exc
         self.last = str(path)
         log.info("saved checkpoint %s (%s)", path, reason)
+        return path
+
+    def load_best(self) -> Path | None:
+        """``load_best_model_at_end``: put the best checkpoint's weights in the model (None when the last step's
+        are the best). Its files are checked against its manifest first."""
+        best = self.state.best
+        if best.checkpoint_step is None or best.checkpoint_step == self.state.step:
+            return None
+        path = checkpoints_dir(self.out) / f"step-{best.checkpoint_step}"
+        if problem := checkpoint_damage(path, self.info):
+            raise TrainingStopped(f"load_best_model_at_end: the best checkpoint is damaged ({problem}); final/ "
+                                  f"was not written. Export an intact checkpoint with 'shardtune export'")
+        load_checkpoint(path, model=self.model, optimizer=self.optimizer, trainable_only=self.trainable_only,
+                        info=self.info)
+        log.info("load_best_model_at_end: final/ holds %s (%s %.6g), not the last step's weights", path,
+                 best.metric, best.checkpoint_value)
         return path
 
     def just_saved(self) -> bool:

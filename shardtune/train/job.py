@@ -55,6 +55,7 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
 def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, int], ...] | None = None) -> Job:
     """Tokenise the data, resolve the plan, build and parallelize the model, make the optimizer and schedule."""
     from shardtune.data import Collator, GlobalBatchSampler, load_tokenizer, prepare_datasets
+    from shardtune.train.best import best_for
 
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed)
@@ -76,7 +77,7 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     steps = total_steps(cfg, sampler.steps_per_epoch)
     optimizer = build_optimizer(model, cfg.optim, info.device, sharded_scaler=plan.sharded_grad_scaler)
     scheduler = build_scheduler(optimizer, cfg.optim, steps)
-    state = TrainState(sampler, scheduler, runner.scaler, max_steps=steps)
+    state = TrainState(sampler, scheduler, runner.scaler, max_steps=steps, best=best_for(cfg))
     step = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, runner=runner, info=info,
                        max_grad_norm=cfg.optim.max_grad_norm, pad_token_id=tokenizer.pad_token_id)
     return Job(cfg=cfg, info=info, plan=plan, tokenizer=tokenizer, data=data, collator=collator, model=model,

@@ -132,6 +132,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     if stopped_by == "SIGTERM":
         verify_stop_checkpoint(job, checkpointer)
     else:
+        if cfg.checkpoint.load_best_model_at_end and (best := checkpointer.load_best()):
+            summary["best_model_checkpoint"] = str(best)
         summary["final"] = export_final(job, checkpointer)
     if job.info.is_main:
         tmp = out / ".tmp-summary.json"
@@ -156,14 +158,20 @@ class Loop:
         self.sigterm = sigterm
         self.tokens = 0  # trained by this run
         self.bar = None
+        self.last_eval: dict[str, Any] | None = None  # the latest eval record, for the best checkpoint
+        self.early_stopped = False
 
     def run(self) -> str:
-        """Train to ``max_steps`` (or a callback's stop); returns ``"completed"`` or ``"SIGTERM"``."""
+        """Train to ``max_steps`` (or a callback's stop); returns ``"completed"``, ``"early stopping"`` or
+        ``"SIGTERM"``."""
         job, state, sigterm = self.job, self.job.state, self.sigterm
         self.bar = progress_bar(state.max_steps, state.step, job.info.is_main)
         sigterm.in_loop = True  # from here a SIGTERM is answered with a checkpoint
+        control = self.hooks.control
+        if job.cfg.run.eval_on_start and state.step == 0:
+            self.evaluate(counted=False)  # a baseline: it takes no part in early stopping or the best checkpoint
         try:
-            while state.step < state.max_steps:
+            while state.step < state.max_steps and not control.should_training_stop:
                 for rows in state.epoch_batches():
                     last = self.step([job.collator([job.data.train[i] for i in indices]) for indices in rows])
                     self.after_step(at_epoch_end=False, last=last)
@@ -171,7 +179,7 @@ class Loop:
                         if not self.checkpointer.just_saved():
                             self.checkpointer.save("SIGTERM")
                         return "SIGTERM"
-                    if last:
+                    if last or control.should_training_stop:
                         state.end_epoch_if_complete()
                         break
                 else:
@@ -182,7 +190,7 @@ class Loop:
                 # strategies.
                 self.after_step(at_epoch_end=True, last=True)
                 break
-            return "completed"
+            return "early stopping" if self.early_stopped else "completed"
         finally:
             self.bar.close()
 
@@ -213,14 +221,29 @@ class Loop:
             self.hooks.on_log(logs=record)
         if self.evaluator.should_evaluate(state.step, at_epoch_end=at_epoch_end) or control.should_evaluate:
             control.should_evaluate = False
-            result = self.evaluator.run()
-            if result is not None:
-                self.metrics.write(result)
-                self.hooks.on_evaluate(metrics=result)
+            self.evaluate(counted=True)
         if self.checkpointer.should_save(state.step, at_epoch_end=at_epoch_end) or control.should_save:
             control.should_save = False
             reason = ("end of training" if last else "end of epoch") if at_epoch_end else "save_steps"
+            state.best.on_save(state.step, self.last_eval)  # before the save: the checkpoint carries it
             self.hooks.on_save(checkpoint=self.checkpointer.save(reason))
+
+    def evaluate(self, *, counted: bool) -> None:
+        """One eval pass, logged; ``counted``: it takes part in early stopping and the choice of the best."""
+        state, patience = self.job.state, self.job.cfg.run.early_stopping_patience
+        result = self.evaluator.run()
+        if result is None:
+            return
+        self.metrics.write(result)
+        self.hooks.on_evaluate(metrics=result)
+        if not counted:
+            return
+        self.last_eval = result
+        state.best.on_evaluate(result)
+        if patience is not None and state.best.evals_without_improvement >= patience:
+            log.info("early stopping at step %d: %s has not improved on %.6g for %d evaluations "
+                     "(early_stopping_patience)", state.step, state.best.metric, state.best.eval_value, patience)
+            self.hooks.control.should_training_stop = self.early_stopped = True
 
 
 @contextmanager
@@ -262,6 +285,15 @@ def export_final(job: Job, checkpointer: Checkpointer) -> str:
     return str(final) if final else str(out / "final")
 
 
+def best_summary(job: Job) -> dict[str, Any]:
+    """The best checkpoint and metric, when load_best_model_at_end or early stopping asked for them."""
+    cfg, best = job.cfg, job.state.best
+    if not (cfg.checkpoint.load_best_model_at_end or cfg.run.early_stopping_patience):
+        return {}
+    return {"metric_for_best_model": best.metric, "best_metric": best.checkpoint_value,
+            "best_step": best.checkpoint_step, "best_eval_metric": best.eval_value}
+
+
 def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_step: int, tokens: int,
                 wall: float) -> dict[str, Any]:
     """What summary.json says of the run: steps, throughput, MFU on known GPUs, peak memory, how it ended."""
@@ -279,7 +311,7 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
             "trainable_parameters": job.trainable_parameters, "parameters": job.parameters,
             "world_size": info.world_size, "strategy": job.plan.strategy, "device_type": info.device.type,
             "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
-            "stopped_by": stopped_by, "last_checkpoint": checkpointer.last}
+            "stopped_by": stopped_by, "last_checkpoint": checkpointer.last, **best_summary(job)}
 
 
 def push_to_hub(cfg: TrainConfig, folder: str | None) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from shardtune.data.sampler import GlobalBatchSampler
+from shardtune.train.best import Best
 
 
 def rng_state() -> dict[str, Any]:
@@ -44,11 +45,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class TrainState:
     """The run's position: ``step`` (optimizer steps done), ``epoch`` (epochs completed, the sampler's next one),
-    the sampler, scheduler and loss scaler. ``last_stats`` (the last step's) is not saved."""
+    the sampler, scheduler and loss scaler, and the best checkpoint and early-stopping count (``best``).
+    ``last_stats`` (the last step's) is not saved."""
 
-    def __init__(self, sampler: GlobalBatchSampler, scheduler, scaler, max_steps: int) -> None:
+    def __init__(self, sampler: GlobalBatchSampler, scheduler, scaler, max_steps: int,
+                 best: Best | None = None) -> None:
         self.sampler, self.scheduler, self.scaler = sampler, scheduler, scaler
         self.max_steps = max_steps
+        self.best = best or Best()
         self.step = 0
         self.epoch = 0
         self.last_stats = None
@@ -77,7 +81,8 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epochs_done, "sampler": self.sampler.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None}
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
+                "best": self.best.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
@@ -88,3 +93,5 @@ class TrainState:
         self.epoch = self.sampler.epoch + int(self.sampler.step_in_epoch == self.sampler.steps_per_epoch)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if state.get("best"):  # checkpoints from before best-model tracking have none
+            self.best.load_state_dict(state["best"])

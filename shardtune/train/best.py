@@ -1,0 +1,72 @@
+"""The best checkpoint and early stopping: ``load_best_model_at_end``, ``metric_for_best_model``,
+``greater_is_better``, ``early_stopping_patience`` and ``early_stopping_threshold``, as Transformers names them.
+
+The best checkpoint is decided when a checkpoint is saved, from the evaluation of that same step (the config check
+makes every save step an eval step), so the best is always a checkpoint that exists; ``save_total_limit`` never
+deletes it. Early stopping counts evaluations, saved or not, that do not beat the best evaluation so far by more
+than the threshold. Both live in ``TrainState`` (as ``best``), so a resumed run carries on with them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shardtune.config import TrainConfig
+from shardtune.config.validation import metric_name
+
+log = logging.getLogger("shardtune")
+
+
+@dataclass
+class Best:
+    """What the run has seen of its metric: the best checkpoint, and the evaluations since the best evaluation."""
+
+    metric: str = "eval_loss"
+    greater_is_better: bool = False
+    threshold: float = 0.0
+    checkpoint_step: int | None = None  # checkpoints/step-N holds the best weights saved so far
+    checkpoint_value: float | None = None
+    eval_value: float | None = None  # the best evaluation so far, saved or not
+    evals_without_improvement: int = 0
+
+    def better(self, value: float, than: float | None, threshold: float = 0.0) -> bool:
+        if than is None:
+            return math.isfinite(value)
+        return value > than + threshold if self.greater_is_better else value < than - threshold
+
+    def on_evaluate(self, record: dict[str, Any]) -> None:
+        """Count an evaluation for early stopping."""
+        value = record[self.metric]
+        if self.better(value, self.eval_value, self.threshold):
+            self.eval_value, self.evals_without_improvement = value, 0
+        else:
+            self.evals_without_improvement += 1
+
+    def on_save(self, step: int, record: dict[str, Any] | None) -> None:
+        """Before checkpoint ``step`` is saved: is it the best so far (by ``record``, that step's evaluation)?"""
+        if record is None or record["step"] != step:
+            return
+        if self.better(record[self.metric], self.checkpoint_value):
+            self.checkpoint_step, self.checkpoint_value = step, record[self.metric]
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("checkpoint_step", "checkpoint_value", "eval_value", "evals_without_improvement"):
+            setattr(self, key, state[key])
+
+
+def greater_is_better(cfg: TrainConfig) -> bool:
+    """``greater_is_better``, or Transformers' default for the metric: lower is better for a loss."""
+    if cfg.checkpoint.greater_is_better is not None:
+        return cfg.checkpoint.greater_is_better
+    return not metric_name(cfg.checkpoint.metric_for_best_model).endswith(("loss", "perplexity"))
+
+
+def best_for(cfg: TrainConfig) -> Best:
+    return Best(metric=metric_name(cfg.checkpoint.metric_for_best_model), greater_is_better=greater_is_better(cfg),
+                threshold=cfg.run.early_stopping_threshold)

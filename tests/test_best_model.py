@@ -1,0 +1,138 @@
+"""load_best_model_at_end, metric_for_best_model, greater_is_better, early stopping, eval_on_start and NEFTune."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtune.config import load_train_config
+from shardtune.errors import UsageError
+from tests.trainutil import flags, write_chat_data
+
+LORA = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj"]
+# Eval and save every 2 steps; the eval loss falls as training goes on, so with greater_is_better true the first
+# evaluation (step 2) is the "best" and every later one a non-improvement: a run whose best is not its last step.
+# A constant learning rate: the resumed test stops a run at max_steps 4, and a schedule would depend on it.
+WATCH = ["--eval_strategy", "steps", "--eval_steps", "2", "--save_steps", "2", "--eval_split_ratio", "0.1",
+         "--load_best_model_at_end", "true", "--greater_is_better", "true", "--early_stopping_patience", "2",
+         "--save_total_limit", "1", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant", *LORA]
+
+
+def args(root: Path, out: str, *extra: str) -> list[str]:
+    return flags("--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "chat.jsonl"),
+                 "--splits", "train", "--max_seq_len", "64", "--packing", "True", "--max_steps", "20",
+                 "--per_device_train_batch_size", "2", "--logging_steps", "1", "--output_dir", str(root / out),
+                 *extra)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    from shardtune.testing.tiny import make_model_folder
+
+    root = tmp_path_factory.mktemp("best")
+    make_model_folder(root / "model")
+    write_chat_data(root / "chat.jsonl", rows=300)
+    return root
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def adapter(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--load_best_model_at_end", "true"], "compare evaluations: set eval_strategy"),
+    (["--load_best_model_at_end", "true", "--eval_strategy", "steps", "--save_strategy", "epoch"],
+     "needs save_strategy equal to eval_strategy (they are epoch and steps)"),
+    (["--load_best_model_at_end", "true", "--eval_strategy", "steps", "--eval_steps", "3", "--save_steps", "4"],
+     "save_steps (4) to be a multiple of eval_steps (3)"),
+    (["--metric_for_best_model", "accuracy", "--early_stopping_patience", "1", "--eval_strategy", "steps"],
+     "metric_for_best_model='accuracy' is not a metric evaluation writes; use one of eval_loss, eval_perplexity"),
+    (["--greater_is_better", "true"], "which only load_best_model_at_end or early_stopping_patience use"),
+    (["--early_stopping_patience", "0", "--eval_strategy", "steps"], "early_stopping_patience=0 must be at least 1"),
+    (["--neftune_noise_alpha", "-1"], "neftune_noise_alpha=-1.0 must be positive"),
+])
+def test_settings_that_cannot_work_are_refused(root, extra, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_train_config(args(root, "refused", *extra))
+
+
+@pytest.fixture(scope="module")
+def watched(root):
+    """The run of the next test: (its output_dir, its summary)."""
+    import logging
+    import warnings
+
+    from shardtune.train.loop import train
+
+    level = logging.getLogger("shardtune").level
+    with warnings.catch_warnings():
+        summary = train(load_train_config(args(root, "watched", *WATCH, "--eval_on_start", "true")))
+    logging.getLogger("shardtune").setLevel(level)
+    return root / "watched", summary
+
+
+def test_early_stopping_keeps_the_best_checkpoint_and_final_holds_it(root, watched):
+    """eval_on_start gives a step-0 baseline that is not counted (counted, it would be the "best" and stop the run
+    at step 4). Evaluations at 2 (best), 4 and 6 (no improvement: patience 2) stop the run at step 6 of 20;
+    save_total_limit 1 keeps step-6 and, beyond the limit, the best step-2, whose weights final/ holds."""
+    from shardtune.train.export import export_checkpoint
+
+    out, summary = watched
+    evals = [r for r in records(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 2, 4, 6]
+    assert evals[1]["eval_loss"] > evals[2]["eval_loss"] > evals[3]["eval_loss"]  # it learns: step 2 is "best"
+    assert max(r["step"] for r in records(out) if "loss" in r) == 6
+    assert summary["stopped_by"] == "early stopping" and summary["steps"] == 6
+    assert (summary["best_step"], summary["best_metric"]) == (2, evals[1]["eval_loss"])
+    assert summary["best_model_checkpoint"].endswith("checkpoints/step-2")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-6"]
+    export_checkpoint(out / "checkpoints" / "step-2", root / "step2")
+    export_checkpoint(out / "checkpoints" / "step-6", root / "step6")
+    final, best, last = adapter(out / "final"), adapter(root / "step2"), adapter(root / "step6")
+    assert all(torch.equal(final[k], best[k]) for k in best)
+    assert not all(torch.equal(final[k], last[k]) for k in last)
+
+
+def test_a_resumed_run_keeps_the_best_and_the_patience_count(root, watched, restore_logging):
+    """Stopped at step 4 (the best at step 2, one evaluation without improvement), resumed with max_steps 20: the
+    next evaluation (step 6) is the second without improvement, so it stops there with step 2's weights, as the
+    run above did without the interruption."""
+    from shardtune.train.loop import train
+
+    out = root / "resumed"
+    train(load_train_config(args(root, "resumed", *WATCH, "--max_steps", "4")))
+    state = json.loads((out / "checkpoints" / "step-4" / "trainer_state.json").read_text())
+    assert (state["best"]["checkpoint_step"], state["best"]["evals_without_improvement"]) == (2, 1)
+    shutil.rmtree(out / "final")
+    summary = train(load_train_config(args(root, "resumed", *WATCH, "--resume_from_checkpoint", "true")))
+    assert (summary["stopped_by"], summary["steps"], summary["best_step"]) == ("early stopping", 6, 2)
+    final, reference = adapter(out / "final"), adapter(root / "watched" / "final")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+def test_neftune_noises_training_embeddings_only_within_its_bound():
+    from torch import nn
+
+    from shardtune.train.build import add_neftune_noise
+
+    model = nn.Module()
+    model.embed = nn.Embedding(50, 16)
+    model.get_input_embeddings = lambda: model.embed
+    ids = torch.randint(0, 50, (2, 8))
+    plain = model.embed(ids).detach()
+    add_neftune_noise(model, alpha=5.0)
+    noisy = model.embed(ids).detach()
+    bound = 5.0 / (8 * 16) ** 0.5
+    assert 0.5 * bound < (noisy - plain).abs().max() <= bound
+    model.eval()
+    assert torch.equal(model.embed(ids), plain)
