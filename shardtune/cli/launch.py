@@ -1,11 +1,9 @@
 """``shardtune launch [launcher options] train ...``: start a training job on N processes and M machines.
 
-It runs torchrun (``python -m torch.distributed.run``), the launcher PyTorch users know, with the rendezvous
-that the options or an Accelerate config file describe. Run the same command on every machine, changing only
-``--machine_rank``. ``--max_restarts K`` restarts failed workers; with ``resume_from_checkpoint true`` they carry
-on from the newest complete checkpoint.
+``run`` reads the launcher options (``launch_command.py``: the options and the torchrun command they make) and
+either runs torchrun's agent in this process (``run_torchrun``: a stop becomes one line and an exit code) or
+writes the job for a cluster scheduler (``schedulers.py``). The workers' side of a stop is here too.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -13,104 +11,22 @@ import os
 import shlex
 import signal
 import sys
-
+from shardtune.cli.launch_command import (DESCRIPTION, JOB, TORCHRUN, launcher_parser, torchrun_command,
+                                          true_or_false)
 from shardtune.errors import UsageError, closest
+
+__all__ = ["JOB", "TORCHRUN", "launcher_parser", "run", "run_torchrun", "torchrun_command"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="run 'train' under torchrun on N processes / M machines",
-                       description=__doc__, add_help=False)
+                       description=DESCRIPTION, add_help=False)
     p.set_defaults(func=None)
-
-
-def launcher_parser() -> argparse.ArgumentParser:
-    from shardtune.cli.common import OneLineParser
-
-    p = OneLineParser(prog="shardtune launch", description=__doc__)
-    p.add_argument("--config_file", "--config-file", default=None,
-                   help="an Accelerate config file (num_processes, num_machines, distributed_type, fsdp_config...)")
-    p.add_argument("--num_processes", "--num-processes", type=int, default=None,
-                   help="processes in all, over all machines (Accelerate's meaning); default: the config "
-                        "file's, else the GPUs of this machine, else 1")
-    p.add_argument("--num_machines", "--num-machines", type=int, default=None)
-    p.add_argument("--machine_rank", "--machine-rank", type=int, default=None)
-    p.add_argument("--main_process_ip", "--main-process-ip", default=None)
-    p.add_argument("--main_process_port", "--main-process-port", type=int, default=None)
-    p.add_argument("--rdzv_backend", "--rdzv-backend", default=None, help="static (default) or c10d")
-    p.add_argument("--max_restarts", "--max-restarts", type=int, default=0)
-    p.add_argument("--monitor_interval", type=float, default=None)
-    p.add_argument("--dry_run", "--dry-run", nargs="?", const=True, default=False, type=_true_or_false,
-                   metavar="BOOL", help="print the torchrun command and exit (also --dry_run true, as train takes it)")
-    return p
-
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-JOB = ["-m", "shardtune", "train"]  # what torchrun starts on every rank
-
-
-def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[str]:
-    """The torchrun command line for ``opts``; the Accelerate file fills what the options leave out."""
-    file_values: dict = {}
-    if opts.config_file:
-        from shardtune.config import read_accelerate_config
-
-        file_values, _ = read_accelerate_config(opts.config_file)
-
-    def pick(name: str, default):
-        value = getattr(opts, name)
-        return value if value is not None else file_values.get(name, default)
-
-    num_machines = int(pick("num_machines", 1))
-    default_procs = num_machines * max(1, _local_gpus())
-    num_processes = int(pick("num_processes", default_procs))
-    if num_machines < 1 or num_processes < 1:
-        raise UsageError("--num_processes and --num_machines must be at least 1")
-    if num_processes % num_machines:
-        raise UsageError(f"--num_processes {num_processes} is the total over all machines and must be a multiple "
-                         f"of --num_machines {num_machines}")
-    cmd = TORCHRUN + ["--nnodes", str(num_machines),
-           "--nproc_per_node", str(num_processes // num_machines), "--max_restarts", str(opts.max_restarts)]
-    if opts.monitor_interval is not None:
-        cmd += ["--monitor_interval", str(opts.monitor_interval)]
-    rdzv = str(pick("rdzv_backend", "static"))
-    ip = pick("main_process_ip", None)
-    port = pick("main_process_port", None)
-    if num_machines > 1:
-        if not ip:
-            raise UsageError("multi-machine launch needs --main_process_ip (the address of machine rank 0) and "
-                             "--main_process_port")
-        port = port or 29500
-        if rdzv == "c10d":
-            cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{ip}:{port}"]
-        else:
-            rank = pick("machine_rank", None)
-            if rank is None:
-                raise UsageError("multi-machine launch needs --machine_rank (0 on the main machine, then 1, 2, ...)")
-            cmd += ["--node_rank", str(rank), "--master_addr", str(ip), "--master_port", str(port)]
-    elif port:
-        cmd += ["--master_addr", str(ip or "127.0.0.1"), "--master_port", str(port)]
-    else:
-        cmd += ["--standalone"]
-    cmd += JOB
-    if opts.config_file:
-        cmd += ["--config_file", opts.config_file]
-    cmd += ["--num_processes", str(num_processes), "--num_machines", str(num_machines)]
-    return cmd + train_args
-
-
-def _true_or_false(text: str) -> bool:
-    """--dry_run's optional value, read as train reads its booleans."""
-    from shardtune.config import parse_bool
-
-    try:
-        return parse_bool(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
 
 
 def _is_bool_word(text: str) -> bool:
     try:
-        _true_or_false(text)
+        true_or_false(text)
     except argparse.ArgumentTypeError:
         return False
     return True
@@ -118,7 +34,7 @@ def _is_bool_word(text: str) -> bool:
 
 # Launcher options that take no value (--dry_run may take true/false); every other one takes one (or is written
 # --option=value).
-LAUNCHER_FLAGS = ("--dry_run", "--dry-run", "-h", "--help")
+LAUNCHER_FLAGS = ("--dry_run", "--dry-run", "-h", "--help", "--submit", "--requeue")
 EXAMPLE = "'shardtune launch --num_processes 2 train --model_name_or_path M ...'"
 
 
@@ -139,15 +55,6 @@ def _no_train(argv: list[str]) -> UsageError:
     return UsageError(f"unknown command '{word}': launch runs 'train' after its options, e.g. {EXAMPLE}")
 
 
-def _local_gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - no usable CUDA means CPU processes
-        return 0
-
-
 def run(argv: list[str]) -> int:
     """Entry point of ``shardtune launch``."""
     if "train" not in argv:
@@ -157,6 +64,11 @@ def run(argv: list[str]) -> int:
         raise _no_train(argv)
     split = argv.index("train")
     opts = launcher_parser().parse_args(argv[:split])
+    from shardtune.cli.schedulers import check_scheduler_options, write_cluster_job
+
+    check_scheduler_options(opts)
+    if opts.slurm is not None or opts.kubernetes is not None:
+        return write_cluster_job(opts, argv[split + 1:])
     cmd = torchrun_command(opts, argv[split + 1:])
     if opts.dry_run:
         print(shlex.join(cmd))

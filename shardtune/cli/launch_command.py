@@ -1,0 +1,185 @@
+"""The launcher's options and the torchrun command they make: shared by ``shardtune launch``, which runs it
+here, and by its cluster jobs (``schedulers.py``), whose nodes run ``shardtune launch`` with it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from shardtune.errors import UsageError
+
+DESCRIPTION = """``shardtune launch [launcher options] train ...``: start a training job on N processes and M machines.
+
+It runs torchrun (``python -m torch.distributed.run``), the launcher PyTorch users know, with the rendezvous
+that the options or an Accelerate config file describe. Run the same command on every machine, changing only
+``--machine_rank``. ``--max_restarts K`` restarts failed workers; with ``resume_from_checkpoint true`` they carry
+on from the newest complete checkpoint. ``--slurm [FILE]`` and ``--kubernetes [FILE]`` write the same job as an
+sbatch script or a Kubeflow PyTorchJob instead (``--submit`` hands it to sbatch / kubectl).
+"""
+
+DEFAULT_GRACE_S = 300
+DEFAULT_JOB_NAME = "shardtune"
+
+
+def launcher_parser() -> argparse.ArgumentParser:
+    from shardtune.cli.common import OneLineParser
+
+    p = OneLineParser(prog="shardtune launch", description=DESCRIPTION)
+    p.add_argument("--config_file", "--config-file", default=None,
+                   help="an Accelerate config file (num_processes, num_machines, distributed_type, fsdp_config...)")
+    p.add_argument("--num_processes", "--num-processes", type=int, default=None,
+                   help="processes in all, over all machines (Accelerate's meaning); default: the config "
+                        "file's, else the GPUs of this machine, else 1")
+    p.add_argument("--num_machines", "--num-machines", type=int, default=None)
+    p.add_argument("--machine_rank", "--machine-rank", type=int, default=None)
+    p.add_argument("--main_process_ip", "--main-process-ip", default=None)
+    p.add_argument("--main_process_port", "--main-process-port", type=int, default=None)
+    p.add_argument("--rdzv_backend", "--rdzv-backend", default=None, help="static (default) or c10d")
+    p.add_argument("--rdzv_id", "--rdzv-id", default=None,
+                   help="c10d only: the job's rendezvous id, the same on every machine (torchrun's --rdzv_id)")
+    p.add_argument("--max_restarts", "--max-restarts", type=int, default=0)
+    p.add_argument("--monitor_interval", type=float, default=None)
+    p.add_argument("--dry_run", "--dry-run", nargs="?", const=True, default=False, type=true_or_false,
+                   metavar="BOOL", help="print the torchrun command and exit (also --dry_run true, as train takes it)")
+    add_scheduler_options(p)
+    return p
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+JOB = ["-m", "shardtune", "train"]  # what torchrun starts on every rank
+
+
+def option_picker(opts: argparse.Namespace) -> Callable[[str, Any], Any]:
+    """``pick(name, default)``: the launcher option ``name``, else the Accelerate file's value, else ``default``."""
+    file_values: dict = {}
+    if opts.config_file:
+        from shardtune.config import read_accelerate_config
+
+        file_values, _ = read_accelerate_config(opts.config_file)
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(opts, name)
+        return value if value is not None else file_values.get(name, default)
+
+    return pick
+
+
+def launch_size(pick: Callable[[str, Any], Any], default_per_machine: int | None = None) -> tuple[int, int]:
+    """(num_machines, num_processes) of the job, checked; processes default to ``default_per_machine`` per
+    machine, else this machine's GPUs (at least 1)."""
+    num_machines = int(pick("num_machines", 1))
+    num_processes = pick("num_processes", None)
+    if num_processes is None:
+        per_machine = max(1, _local_gpus()) if default_per_machine is None else default_per_machine
+        num_processes = num_machines * per_machine
+    num_processes = int(num_processes)
+    if num_machines < 1 or num_processes < 1:
+        raise UsageError("--num_processes and --num_machines must be at least 1")
+    if num_processes % num_machines:
+        raise UsageError(f"--num_processes {num_processes} is the total over all machines and must be a multiple "
+                         f"of --num_machines {num_machines}")
+    return num_machines, num_processes
+
+
+def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[str]:
+    """The torchrun command line for ``opts``; the Accelerate file fills what the options leave out."""
+    pick = option_picker(opts)
+    num_machines, num_processes = launch_size(pick)
+    cmd = TORCHRUN + ["--nnodes", str(num_machines),
+           "--nproc_per_node", str(num_processes // num_machines), "--max_restarts", str(opts.max_restarts)]
+    if opts.monitor_interval is not None:
+        cmd += ["--monitor_interval", str(opts.monitor_interval)]
+    rdzv = str(pick("rdzv_backend", "static"))
+    if opts.rdzv_id and not (num_machines > 1 and rdzv == "c10d"):
+        raise UsageError(f"--rdzv_id {opts.rdzv_id} names a c10d rendezvous of several machines: add "
+                         f"--rdzv_backend c10d and --num_machines 2 or more, or leave --rdzv_id out")
+    ip = pick("main_process_ip", None)
+    port = pick("main_process_port", None)
+    if num_machines > 1:
+        if not ip:
+            raise UsageError("multi-machine launch needs --main_process_ip (the address of machine rank 0) and "
+                             "--main_process_port")
+        port = port or 29500
+        if rdzv == "c10d":
+            cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{ip}:{port}"]
+            if opts.rdzv_id:
+                cmd += ["--rdzv_id", opts.rdzv_id]
+        else:
+            rank = pick("machine_rank", None)
+            if rank is None:
+                raise UsageError("multi-machine launch needs --machine_rank (0 on the main machine, then 1, 2, ...)")
+            cmd += ["--node_rank", str(rank), "--master_addr", str(ip), "--master_port", str(port)]
+    elif port:
+        cmd += ["--master_addr", str(ip or "127.0.0.1"), "--master_port", str(port)]
+    else:
+        cmd += ["--standalone"]
+    cmd += JOB
+    if opts.config_file:
+        cmd += ["--config_file", opts.config_file]
+    cmd += ["--num_processes", str(num_processes), "--num_machines", str(num_machines)]
+    return cmd + train_args
+
+
+def true_or_false(text: str) -> bool:
+    """--dry_run's optional value, read as train reads its booleans."""
+    from shardtune.config import parse_bool
+
+    try:
+        return parse_bool(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
+
+
+
+def _local_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no usable CUDA means CPU processes
+        return 0
+
+
+# Which options belong to which form; each is refused, named, where it would change nothing.
+SLURM_ONLY = ("time", "partition", "account", "output", "error", "requeue")
+KUBERNETES_ONLY = ("image", "namespace", "pvc", "mount_path")
+CLUSTER = ("submit", "job_name", "gpus_per_node", "cpus_per_task", "grace_period", "python", "network_interface")
+
+
+def add_scheduler_options(p: argparse.ArgumentParser) -> None:
+    """The launcher's cluster-job options, in the words Slurm and Kubernetes users know."""
+    g = p.add_argument_group("cluster jobs (instead of starting torchrun here)")
+    g.add_argument("--slurm", nargs="?", const="", default=None, metavar="FILE",
+                   help="write an sbatch script for the job (default FILE: JOB_NAME.sbatch)")
+    g.add_argument("--kubernetes", nargs="?", const="", default=None, metavar="FILE",
+                   help="write a Kubeflow PyTorchJob manifest for the job (default FILE: JOB_NAME.yaml)")
+    g.add_argument("--submit", action="store_true", default=None,
+                   help="then submit it: sbatch FILE / kubectl apply -f FILE")
+    g.add_argument("--job_name", "--job-name", default=None, help=f"default: {DEFAULT_JOB_NAME}")
+    g.add_argument("--gpus_per_node", "--gpus-per-node", type=int, default=None,
+                   help="GPUs per node, one process each (default: --num_processes / --num_machines); 0: CPU only")
+    g.add_argument("--cpus_per_task", "--cpus-per-task", type=int, default=None,
+                   help="CPU cores per node (Slurm --cpus-per-task; Kubernetes cpu request)")
+    g.add_argument("--grace_period", "--grace-period", type=int, default=None, metavar="SECONDS",
+                   help="time to save a checkpoint after SIGTERM: Slurm --signal=TERM@SECONDS before the time limit, "
+                        f"Kubernetes terminationGracePeriodSeconds (default {DEFAULT_GRACE_S})")
+    g.add_argument("--python", default=None,
+                   help="the nodes' Python with shardtune installed (default: this one for Slurm, python3 in the "
+                        "image for Kubernetes)")
+    g.add_argument("--network_interface", "--network-interface", default=None, metavar="IFACE",
+                   help="the interface the nodes talk over (NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME)")
+    g.add_argument("--time", default=None, help="Slurm time limit (minutes, HH:MM:SS, D-HH:MM, ...)")
+    g.add_argument("--partition", default=None, help="Slurm partition")
+    g.add_argument("--account", default=None, help="Slurm account")
+    g.add_argument("--output", default=None, help="Slurm output file pattern (default: %%x-%%j.out)")
+    g.add_argument("--error", default=None, help="Slurm error file pattern (default: with the output)")
+    g.add_argument("--requeue", action="store_true", default=None,
+                   help="Slurm: requeue on preemption, and after a stop at the time limit (it resumes)")
+    g.add_argument("--image", default=None, help="Kubernetes: the container image with shardtune (required)")
+    g.add_argument("--namespace", default=None, help="Kubernetes namespace")
+    g.add_argument("--pvc", default=None, metavar="CLAIM",
+                   help="Kubernetes: a ReadWriteMany PersistentVolumeClaim mounted on every pod as the working "
+                        "directory, so output_dir and its checkpoints outlive the pods")
+    g.add_argument("--mount_path", "--mount-path", default=None, help="where --pvc is mounted (default /workspace)")

@@ -1,0 +1,426 @@
+"""``shardtune launch --slurm [FILE]`` and ``--kubernetes [FILE]``: the launch as a cluster job.
+
+``job_shape`` turns the launch options into the job's shape (nodes, processes and GPUs per node, rendezvous
+port, restarts, the seconds a stop leaves for the checkpoint) once; ``sbatch_script`` and ``pytorchjob_manifest``
+render it. Every node runs ``python -m shardtune launch`` with a c10d rendezvous on the job's first node, so each
+node's torchrun command, its checks and its exit codes are those of ``shardtune launch`` itself. The train
+arguments get ``resume_from_checkpoint true`` unless they say otherwise, so a requeued, restarted or re-submitted
+job carries on from its newest verified checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shardtune.cli.launch_command import CLUSTER, DEFAULT_GRACE_S, DEFAULT_JOB_NAME, KUBERNETES_ONLY, SLURM_ONLY
+from shardtune.errors import UsageError
+
+if TYPE_CHECKING:
+    from shardtune.config import TrainConfig
+
+DEFAULT_PORT = 29500  # the rendezvous port when --main_process_port is not given (torchrun's own default)
+# Names of the Kubeflow training operator (training-operator v1.9, pkg/apis/kubeflow.org/v1/pytorch_types.go):
+# the container it reads the port from, and that port's name.
+KUBE_CONTAINER = "pytorch"
+KUBE_PORT_NAME = "pytorchjob-port"
+
+
+def _given(opts: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return [f"--{name}" for name in names if getattr(opts, name) is not None]
+
+
+def check_scheduler_options(opts: argparse.Namespace) -> None:
+    """Refuse, in one line, a cluster option without its form and a combination the cluster decides itself."""
+    slurm, kube = opts.slurm is not None, opts.kubernetes is not None
+    if slurm and kube:
+        raise UsageError("--slurm and --kubernetes each write one job: give one of them")
+    form = "--slurm" if slurm else "--kubernetes"
+    if not (slurm or kube):
+        if stray := _given(opts, CLUSTER + SLURM_ONLY + KUBERNETES_ONLY):
+            raise UsageError(f"{stray[0]} is an option of a cluster job: add --slurm [FILE] or --kubernetes [FILE], "
+                             f"or leave {stray[0]} out")
+        return
+    if stray := _given(opts, KUBERNETES_ONLY if slurm else SLURM_ONLY):
+        other = "--kubernetes" if slurm else "--slurm"
+        raise UsageError(f"{stray[0]} is an option of {other}, not of {form}: leave it out")
+    if decided := _given(opts, ("machine_rank", "main_process_ip", "rdzv_id")):
+        raise UsageError(f"{decided[0]}: with {form} the cluster decides each node's rank, and the rendezvous "
+                         f"is the job's first node (c10d, named after the job): leave {decided[0]} out")
+    if opts.rdzv_backend not in (None, "c10d"):
+        raise UsageError(f"--rdzv_backend {opts.rdzv_backend}: a {form} job always meets through c10d on its "
+                         f"first node: leave --rdzv_backend out")
+    if kube and not opts.image:
+        raise UsageError("--kubernetes needs --image IMAGE: a container image with shardtune installed "
+                         "(e.g. --image registry.example.com/team/shardtune:0.1)")
+    if opts.submit:
+        if opts.dry_run:
+            raise UsageError("--dry_run prints the job without writing it and --submit submits the written file: "
+                             "give one of them")
+        tool = "sbatch" if slurm else "kubectl"
+        if shutil.which(tool) is None:
+            raise UsageError(f"--submit runs {tool}, which is not on PATH here: leave --submit out and run "
+                             f"'{submit_command(slurm, 'FILE')}' where {tool} is installed")
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What both renderers need: the size of the job and how it stops and restarts."""
+
+    name: str
+    num_machines: int
+    procs_per_node: int
+    gpus_per_node: int  # 0: CPU processes, no GPU requested
+    port: int
+    max_restarts: int
+    grace_s: int
+    cpus_per_task: int | None
+    network_interface: str | None
+
+    @property
+    def num_processes(self) -> int:
+        return self.num_machines * self.procs_per_node
+
+    def describe(self, machines: str = "nodes") -> str:
+        per_node = f"{self.gpus_per_node} GPUs" if self.gpus_per_node else f"{self.procs_per_node} CPU processes"
+        return f"{self.num_machines} {machines} x {per_node}, {self.num_processes} processes"
+
+
+def job_shape(opts: argparse.Namespace) -> JobShape:
+    """The job's shape from the launch options (the Accelerate file fills what they leave out), checked."""
+    from shardtune.cli.launch_command import launch_size, option_picker
+
+    pick = option_picker(opts)
+    gpus = opts.gpus_per_node
+    if gpus is not None and gpus < 0:
+        raise UsageError(f"--gpus_per_node {gpus}: give 0 (CPU processes) or more")
+    if pick("num_processes", None) is None and not gpus:
+        raise UsageError("a cluster job needs its size: --gpus_per_node G (one process per GPU), or "
+                         "--num_processes N (over all machines; with --gpus_per_node 0 for CPU processes)")
+    num_machines, num_processes = launch_size(pick, default_per_machine=gpus)
+    per_node = num_processes // num_machines
+    if gpus is None:
+        gpus = per_node
+    elif gpus and gpus != per_node:
+        raise UsageError(f"--gpus_per_node {gpus} but --num_processes {num_processes} over {num_machines} machines "
+                         f"is {per_node} per node: shardtune runs one process per GPU; give one of the two")
+    for name in ("grace_period", "cpus_per_task"):
+        if getattr(opts, name) is not None and getattr(opts, name) < 1:
+            raise UsageError(f"--{name} {getattr(opts, name)}: give 1 or more")
+    return JobShape(name=opts.job_name or DEFAULT_JOB_NAME, num_machines=num_machines, procs_per_node=per_node,
+                    gpus_per_node=gpus, port=int(pick("main_process_port", None) or DEFAULT_PORT),
+                    max_restarts=opts.max_restarts, grace_s=opts.grace_period or DEFAULT_GRACE_S,
+                    cpus_per_task=opts.cpus_per_task, network_interface=opts.network_interface)
+
+
+class ShellExpr(str):
+    """A word of a generated script that the shell expands (``$head_node``): written in double quotes."""
+
+
+def shell_word(word: str) -> str:
+    return f'"{word}"' if isinstance(word, ShellExpr) else shlex.quote(word)
+
+
+def node_command(shape: JobShape, opts: argparse.Namespace, host: str, rdzv_id: str,
+                 train_args: list[str]) -> list[str]:
+    """What every node runs after its Python: ``-m shardtune launch ... train ...``, a c10d rendezvous on
+    ``host``. It is checked here by building the torchrun command that ``shardtune launch`` will build there."""
+    from shardtune.cli.launch_command import launcher_parser, torchrun_command
+
+    launch = ["--num_machines", str(shape.num_machines), "--num_processes", str(shape.num_processes)]
+    if shape.num_machines > 1:
+        launch += ["--rdzv_backend", "c10d", "--main_process_ip", host, "--main_process_port", str(shape.port),
+                   "--rdzv_id", rdzv_id]
+    launch += ["--max_restarts", str(shape.max_restarts)]
+    if opts.monitor_interval is not None:
+        launch += ["--monitor_interval", str(opts.monitor_interval)]
+    if opts.config_file:
+        launch += ["--config_file", opts.config_file]
+    torchrun_command(launcher_parser().parse_args(launch), train_args)
+    return ["-m", "shardtune", "launch", *launch, "train", *train_args]
+
+
+def node_train_config(opts: argparse.Namespace, shape: JobShape, train_args: list[str]) -> TrainConfig:
+    """The config every node's ``shardtune train`` will read, checked here before it waits in a queue: keys and
+    values only, for the model, data and checkpoint paths are the nodes' (they check them when they start)."""
+    from shardtune.cli.common import LAUNCHER_KEYS, TRAIN_HELP
+    from shardtune.config import load_train_config, raise_problems
+    from shardtune.config.loading import repeated_cli_keys
+
+    if any(a in TRAIN_HELP for a in train_args):
+        raise UsageError("a cluster job runs training: ask 'shardtune train --help' for the train arguments")
+    node_view = ["--num_processes", str(shape.num_processes), "--num_machines", str(shape.num_machines),
+                 *(["--config_file", opts.config_file] if opts.config_file else []), *train_args]
+    raise_problems(repeated_cli_keys(node_view, LAUNCHER_KEYS))
+    return load_train_config(node_view)
+
+
+def resumable_train_args(cfg: TrainConfig, train_args: list[str]) -> tuple[list[str], str]:
+    """The train arguments with ``resume_from_checkpoint true`` added unless they set it; and a note, if any."""
+    spec = cfg.checkpoint.resume_from_checkpoint
+    if spec is None:
+        return [*train_args, "--resume_from_checkpoint", "true"], ""
+    from shardtune.train.layout import RESUME_NEWEST, RESUME_OFF
+
+    if str(spec).lower() in RESUME_NEWEST:
+        return train_args, ""
+    if str(spec).lower() in RESUME_OFF:
+        return train_args, (f"note: resume_from_checkpoint {spec}: a requeued or restarted job does not carry on, and "
+                            f"its output_dir, holding the first run, is refused; leave the key out to resume")
+    return train_args, (f"note: resume_from_checkpoint {spec}: a requeued or restarted job starts again from it; "
+                        f"resume_from_checkpoint true carries on from the newest checkpoint instead")
+
+
+SLURM_TIME = re.compile(r"^(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
+                        r"|(?:(?:(?P<h>\d+):)?(?P<m>\d+):)?(?P<mm>\d+))$")
+
+
+def slurm_time_s(text: str) -> int | None:
+    """Seconds of a Slurm time limit (``minutes``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``); None: unlimited."""
+    if text.upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    m = SLURM_TIME.match(text)
+    if not m:
+        raise UsageError(f"--time {text}: not a Slurm time limit; write minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or "
+                         f"D-HH:MM:SS (e.g. --time 2-00:00:00)")
+    v = {k: int(x) for k, x in m.groupdict().items() if x is not None}
+    if "d" in v:
+        return ((v["d"] * 24 + v["dh"]) * 60 + v.get("dm", 0)) * 60 + v.get("ds", 0)
+    if "m" not in v:  # a lone number is minutes
+        return v["mm"] * 60
+    return (v.get("h", 0) * 60 + v["m"]) * 60 + v["mm"]
+
+
+def _directives(shape: JobShape, opts: argparse.Namespace) -> list[str]:
+    """The ``#SBATCH`` lines."""
+    lines = [f"--job-name={shape.name}", f"--nodes={shape.num_machines}", "--ntasks-per-node=1"]
+    if shape.gpus_per_node:
+        lines.append(f"--gres=gpu:{shape.gpus_per_node}")
+    for flag, value in (("cpus-per-task", shape.cpus_per_task), ("time", opts.time),
+                        ("partition", opts.partition), ("account", opts.account),
+                        ("output", opts.output or "%x-%j.out"), ("error", opts.error)):
+        if value is not None:
+            lines.append(f"--{flag}={value}")
+    lines.append(f"--signal=TERM@{shape.grace_s}")
+    if opts.requeue:
+        lines += ["--requeue", "--open-mode=append"]
+    return [f"#SBATCH {_directive(line)}" for line in lines]
+
+
+def _directive(line: str) -> str:
+    """One ``--flag=value`` for an ``#SBATCH`` line: sbatch reads a value with spaces in double quotes."""
+    flag, _, value = line.partition("=")
+    if any(c in value for c in '"\n'):
+        raise UsageError(f"{flag} {value!r}: a Slurm directive cannot hold a double quote or a line break")
+    return f'{flag}="{value}"' if any(c.isspace() for c in value) else line
+
+
+def wrap_words(words: list[str], width: int = 100, indent: str = "    ") -> str:
+    """Shell words joined into continued lines of at most ``width`` columns; an option keeps its value with it
+    and 'train' starts a line of its own."""
+    groups: list[str] = []
+    i = 0
+    while i < len(words):
+        take = 2 if (words[i].startswith("-") and i + 1 < len(words) and not words[i + 1].startswith("-")
+                     and words[i + 1] != "train") else 1
+        groups.append(" ".join(shell_word(w) for w in words[i:i + take]))
+        i += take
+    lines, line = [], ""
+    for group in groups:
+        if line and (len(indent) + len(line) + 1 + len(group) + 2 > width or group == "train"):
+            lines.append(line)
+            line = group
+        else:
+            line = f"{line} {group}" if line else group
+    lines.append(line)
+    return " \\\n".join(indent + text for text in lines)
+
+
+SLURM_HEAD = """\
+#!/bin/bash
+# {describe}. Submit it with: sbatch {file}
+# Written by 'shardtune launch'. Each node runs 'shardtune launch' (torchrun) with a c10d rendezvous on the
+# job's first node. On SIGTERM ({grace_s} s before the time limit, on preemption or scancel) the workers save a
+# verified checkpoint and exit 143; resume_from_checkpoint true makes a requeued or re-submitted job carry on.
+"""
+
+SLURM_BODY = """\
+set -euo pipefail
+
+{env}
+# The first of the job's hosts (no pipe into head: scontrol could die of SIGPIPE under pipefail).
+hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+head_node=${{hosts%%$'\n'*}}
+
+# Slurm signals this shell itself only when the whole job is cancelled or preempted (the time-limit warning
+# goes to the nodes' launchers alone): it then waits while they save{leave_requeue}.
+{trap}
+
+srun {srun_options} \\
+{command} &
+launchers=$!
+while :; do
+    status=0
+    wait "$launchers" || status=$?
+    # A trapped signal ends 'wait' early: wait on while the launchers save.
+    kill -0 "$launchers" 2>/dev/null || break
+done
+{requeue}exit "$status"
+"""
+
+SLURM_REQUEUE = """\
+if [ "$status" -eq 143 ] && [ "$stopping" -eq 0 ]; then
+    # Stopped by the time-limit warning after a verified checkpoint: queue the job again to carry on from it.
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+"""
+
+
+def sbatch_script(shape: JobShape, opts: argparse.Namespace, file: str, train_args: list[str]) -> str:
+    """The sbatch script: one ``srun`` task per node, each running ``shardtune launch`` for its node."""
+    if opts.time and (limit := slurm_time_s(opts.time)) is not None and limit <= shape.grace_s:
+        raise UsageError(f"--time {opts.time} leaves no training before the SIGTERM {shape.grace_s} s ahead of "
+                         f"the limit (--grace_period): give a longer --time or a shorter --grace_period")
+    words = [opts.python or sys.executable,
+             *node_command(shape, opts, ShellExpr("$head_node"), ShellExpr("$SLURM_JOB_ID"), train_args)]
+    srun = [f"--nodes={shape.num_machines}", "--ntasks-per-node=1"]
+    if shape.cpus_per_task:  # srun no longer inherits sbatch's --cpus-per-task (Slurm 22.05)
+        srun.append(f"--cpus-per-task={shape.cpus_per_task}")
+    head = SLURM_HEAD.format(describe=f"Slurm job '{shape.name}': {shape.describe()}", file=file,
+                             grace_s=shape.grace_s)
+    env = ["PYTHONUNBUFFERED=1", *job_env(shape)]  # the training operator sets PYTHONUNBUFFERED in the pods
+    body = SLURM_BODY.format(env="".join(f"export {shlex.quote(line)}\n" for line in env), srun_options=" ".join(srun),
+                             command=wrap_words(words), requeue=SLURM_REQUEUE if opts.requeue else "",
+                             leave_requeue=", and leaves any requeue to Slurm" if opts.requeue else "",
+                             trap="stopping=0\ntrap 'stopping=1' TERM" if opts.requeue else "trap 'true' TERM")
+    return head + "\n".join(_directives(shape, opts)) + "\n" + body
+
+
+def job_env(shape: JobShape) -> list[str]:
+    """``NAME=value`` for the workers' environment, the same in both forms."""
+    env = []
+    if shape.cpus_per_task:  # the node's cores shared out among its processes
+        env.append(f"OMP_NUM_THREADS={max(1, shape.cpus_per_task // shape.procs_per_node)}")
+    if shape.network_interface:
+        env += [f"NCCL_SOCKET_IFNAME={shape.network_interface}", f"GLOO_SOCKET_IFNAME={shape.network_interface}"]
+    return env
+
+
+def _container(shape: JobShape, opts: argparse.Namespace, train_args: list[str]) -> dict:
+    """The one container of every pod, named and with the port the training operator looks for."""
+    host = f"{shape.name}-worker-0"  # the operator's name for the first pod, and its service
+    container: dict = {"name": KUBE_CONTAINER, "image": opts.image,
+                       "command": [opts.python or "python3", *node_command(shape, opts, host, shape.name, train_args)],
+                       "ports": [{"name": KUBE_PORT_NAME, "containerPort": shape.port}]}
+    if env := job_env(shape):
+        container["env"] = [dict(zip(("name", "value"), line.split("=", 1))) for line in env]
+    if opts.pvc:
+        container["workingDir"] = opts.mount_path or "/workspace"
+    resources: dict = {}
+    if shape.gpus_per_node:
+        resources["limits"] = {"nvidia.com/gpu": shape.gpus_per_node}
+    if shape.cpus_per_task:
+        resources["requests"] = {"cpu": shape.cpus_per_task}
+    if resources:
+        container["resources"] = resources
+    container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if opts.pvc:
+        container["volumeMounts"].append({"name": "shared", "mountPath": opts.mount_path or "/workspace"})
+    return container
+
+
+KUBE_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def pytorchjob_manifest(shape: JobShape, opts: argparse.Namespace, train_args: list[str]) -> dict:
+    """The PyTorchJob (kubeflow.org/v1): ``num_machines`` Worker pods meeting through c10d on worker 0."""
+    longest = 63 - len(f"-worker-{shape.num_machines - 1}")  # pods and their services are NAME-worker-I
+    if not KUBE_NAME.match(shape.name) or len(shape.name) > longest:
+        raise UsageError(f"--job_name {shape.name}: a PyTorchJob name is lower-case letters, digits and '-', "
+                         f"starts with a letter and has at most {longest} characters (e.g. --job_name llama-sft)")
+    volumes: list[dict] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]  # the DataLoader's shared memory
+    if opts.pvc:
+        volumes.append({"name": "shared", "persistentVolumeClaim": {"claimName": opts.pvc}})
+    pod = {"terminationGracePeriodSeconds": shape.grace_s, "containers": [_container(shape, opts, train_args)],
+           "volumes": volumes}
+    metadata = {"name": shape.name, **({"namespace": opts.namespace} if opts.namespace else {})}
+    # ExitCode: 143 (stopped after a checkpoint) and other signals restart the pod, which resumes; 1 and 2 do not.
+    worker = {"replicas": shape.num_machines, "restartPolicy": "ExitCode", "template": {"spec": pod}}
+    elastic = {"rdzvBackend": "c10d", "minReplicas": shape.num_machines, "maxReplicas": shape.num_machines,
+               "maxRestarts": shape.max_restarts}
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": metadata,
+            "spec": {"nprocPerNode": str(shape.procs_per_node), "elasticPolicy": elastic,
+                     "pytorchReplicaSpecs": {"Worker": worker}}}
+
+
+def manifest_text(shape: JobShape, opts: argparse.Namespace, file: str, train_args: list[str],
+                  output_dir: str | None) -> str:
+    import yaml
+
+    head = [f"# PyTorchJob '{shape.name}': {shape.describe('pods')}. Apply it with: kubectl apply -f {file}",
+            "# Written by 'shardtune launch'. Each pod runs 'shardtune launch' (torchrun) with a c10d rendezvous on",
+            f"# {shape.name}-worker-0. On SIGTERM the workers save a verified checkpoint within "
+            f"terminationGracePeriodSeconds",
+            "# and exit 143; the pod restarts and resume_from_checkpoint true carries on from it."]
+    if output_dir and not opts.pvc:
+        head.append(f"# output_dir {output_dir} is on each pod's own disk and goes with the pod: give --pvc CLAIM "
+                    f"to share it.")
+    body = yaml.safe_dump(pytorchjob_manifest(shape, opts, train_args), sort_keys=False, width=1000)
+    return "\n".join(head) + "\n" + body
+
+
+@dataclass(frozen=True)
+class ClusterJob:
+    """A rendered job: which form, the file it goes to, its text, and notes to print."""
+
+    slurm: bool
+    file: str
+    text: str
+    notes: list[str]
+
+
+def render_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> ClusterJob:
+    """The sbatch script or PyTorchJob manifest for the launch options ``opts`` and ``train_args``."""
+    slurm = opts.slurm is not None
+    shape = job_shape(opts)
+    file = (opts.slurm if slurm else opts.kubernetes) or f"{shape.name}.{'sbatch' if slurm else 'yaml'}"
+    cfg = node_train_config(opts, shape, train_args)
+    args, note = resumable_train_args(cfg, train_args)
+    notes = [note] if note else []
+    if slurm:
+        return ClusterJob(True, file, sbatch_script(shape, opts, file, args), notes)
+    output_dir = cfg.run.output_dir
+    if output_dir and not opts.pvc:
+        notes.append(f"note: output_dir {output_dir} is on each pod's own disk and goes with the pod: give --pvc "
+                     f"CLAIM (a ReadWriteMany claim) to keep checkpoints for restarts")
+    return ClusterJob(False, file, manifest_text(shape, opts, file, args, output_dir), notes)
+
+
+def submit_command(slurm: bool, file: str) -> str:
+    return f"sbatch {shlex.quote(file)}" if slurm else f"kubectl apply -f {shlex.quote(file)}"
+
+
+def write_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> int:
+    """``shardtune launch --slurm/--kubernetes``: write the job (print it with --dry_run), submit with --submit."""
+    job = render_cluster_job(opts, train_args)
+    for note in job.notes:
+        print(note, file=sys.stderr)
+    if opts.dry_run:
+        print(job.text, end="")
+        return 0
+    Path(job.file).write_text(job.text)
+    if job.slurm:
+        Path(job.file).chmod(0o755)
+    command = submit_command(job.slurm, job.file)
+    if not opts.submit:
+        print(f"shardtune launch: wrote {job.file}; submit it with: {command}")
+        return 0
+    print(f"shardtune launch: wrote {job.file}; running: {command}")
+    return subprocess.run(shlex.split(command), check=False).returncode

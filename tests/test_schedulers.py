@@ -1,0 +1,347 @@
+"""``shardtune launch --slurm / --kubernetes``: the sbatch script and the PyTorchJob it writes.
+
+The sbatch script is checked by shellcheck, by what its srun line hands each node (the exact words, quoting
+included), by its requeue logic, and by running it: stand-in ``srun`` and ``scontrol`` start a real 2-node x
+1-process gloo training job of the tiny model on this machine. The manifest is validated against the PyTorchJob
+v1 fields of the training-operator CRD (tests/data/pytorchjob_v1_schema.json, see its $comment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardtune.cli import main
+from shardtune.cli.launch import launcher_parser, torchrun_command
+from shardtune.cli.schedulers import check_scheduler_options, render_cluster_job, slurm_time_s
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "tests" / "data" / "pytorchjob_v1_schema.json"
+TRAIN = ["--model_name_or_path", "M", "--dataset_name", "chat.jsonl", "--output_dir", "out"]
+TWO_BY_EIGHT = ["--num_machines", "2", "--gpus_per_node", "8"]
+
+
+def render(argv: list[str]):
+    """The cluster job that ``shardtune launch ARGV`` writes (argv holds 'train' and the train arguments)."""
+    split = argv.index("train")
+    opts = launcher_parser().parse_args(argv[:split])
+    check_scheduler_options(opts)
+    return render_cluster_job(opts, argv[split + 1:])
+
+
+def srun_words(script: str) -> list[str]:
+    """The words of the script's srun line, as the shell reads them, with $head_node and $SLURM_JOB_ID left as
+    names (they expand to one word each)."""
+    text = script.replace("\\\n", " ")
+    line = next(x for x in text.splitlines() if x.startswith("srun "))
+    return shlex.split(line.rstrip(" &").replace('"$', "'$").replace('_node"', "_node'").replace('_ID"', "_ID'"))
+
+
+def test_sbatch_script_2x8_numbers_and_words():
+    job = render(["--slurm", "job.sbatch", *TWO_BY_EIGHT, "--python", "/venv/bin/python", "--time", "1-00:00",
+                  "--partition", "gpu", "--account", "proj", "--cpus_per_task", "32", "--grace_period", "240",
+                  "train", *TRAIN, "--dataset_text_field", "it's a \"text\" $HOME"])
+    text = job.text
+    directives = re.findall(r"^#SBATCH (\S+)$", text, flags=re.M)
+    assert directives == ["--job-name=shardtune", "--nodes=2", "--ntasks-per-node=1", "--gres=gpu:8",
+                          "--cpus-per-task=32", "--time=1-00:00", "--partition=gpu", "--account=proj",
+                          "--output=%x-%j.out", "--signal=TERM@240"]
+    assert "export OMP_NUM_THREADS=4\n" in text  # 32 cores / 8 processes
+    words = srun_words(text)
+    assert words[:4] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=32"]
+    assert words[4:8] == ["/venv/bin/python", "-m", "shardtune", "launch"]
+    train_at = words.index("train")
+    assert words[train_at + 1:] == [*TRAIN, "--dataset_text_field", "it's a \"text\" $HOME",
+                                    "--resume_from_checkpoint", "true"]
+    # What each node's 'shardtune launch' makes of its options: torchrun on 2 nodes x 8, c10d on the first node.
+    cmd = torchrun_command(launcher_parser().parse_args(words[8:train_at]), words[train_at + 1:])
+    joined = " ".join(cmd)
+    assert "--nnodes 2 --nproc_per_node 8 --max_restarts 0" in joined
+    assert "--rdzv_backend c10d --rdzv_endpoint $head_node:29500 --rdzv_id $SLURM_JOB_ID" in joined
+    assert "-m shardtune train --num_processes 16 --num_machines 2" in joined
+    assert "scontrol requeue" not in text  # only with --requeue
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None,
+                    reason="shellcheck is not installed (apt-get install shellcheck; `make test` installs it)")
+@pytest.mark.parametrize("extra", [[], ["--requeue", "--network_interface", "ib0", "--cpus_per_task", "64",
+                                        "--job_name", "my sft", "--error", "%x-%j.err"]])
+def test_sbatch_script_is_shellcheck_clean(extra, tmp_path):
+    job = render(["--slurm", *TWO_BY_EIGHT, *extra, "train", *TRAIN])
+    (tmp_path / "job.sbatch").write_text(job.text)
+    proc = subprocess.run(["shellcheck", "--severity=style", str(tmp_path / "job.sbatch")], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+FAKE_SRUN = """#!{python}
+# Stand-in srun: runs its command once per node on this machine, as Slurm's srun runs one task per node.
+import os, signal, subprocess, sys, json
+args = sys.argv[1:]
+nodes = int(os.environ["SLURM_JOB_NUM_NODES"])
+while args and args[0].startswith("-"):
+    if args[0].startswith("--nodes="):
+        nodes = int(args[0].split("=")[1])
+    args.pop(0)
+mode = os.environ.get("FAKE_SRUN", "run")
+if mode == "dump":
+    open(os.environ["FAKE_SRUN_DUMP"], "w").write(json.dumps(args))
+    sys.exit(0)
+if mode.startswith("exit:"):  # the launchers' exit code, after the test's go-ahead file appears
+    open(os.environ["FAKE_SRUN_STARTED"], "w").close()
+    while not os.path.exists(os.environ["FAKE_SRUN_GO"]):
+        __import__("time").sleep(0.02)
+    sys.exit(int(mode[5:]))
+procs = [subprocess.Popen(args, env={{**os.environ, "SLURM_NODEID": str(i), "SLURM_PROCID": str(i),
+                                      "SLURM_LOCALID": "0"}}) for i in range(nodes)]
+signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in procs])
+codes = [p.wait() for p in procs]
+sys.exit(max(c if c >= 0 else 128 - c for c in codes))
+"""
+
+FAKE_SCONTROL = """#!/bin/bash
+# Stand-in scontrol: every node is this machine; other commands are logged.
+if [ "$1 $2" = "show hostnames" ]; then
+    for _ in $(seq "$SLURM_JOB_NUM_NODES"); do echo 127.0.0.1; done
+else
+    echo "$*" >> "$FAKE_SCONTROL_LOG"
+fi
+"""
+
+
+def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """PATH with the stand-ins first, and the variables Slurm gives a batch script."""
+    bin_dir = tmp_path / "bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
+        (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
+        for tool in ("srun", "scontrol"):
+            (bin_dir / tool).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAULT_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
+               SLURM_JOB_NODELIST="node[01-02]", FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), **extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sbatch_script_runs_two_nodes_of_real_training(tmp_path):
+    """The script as Slurm would run it, with srun and scontrol stood in: 2 nodes x 1 CPU process, gloo."""
+    from shardtune.testing.tiny import make_model_folder
+    from tests.trainutil import write_chat_data
+
+    make_model_folder(tmp_path / "M")
+    write_chat_data(tmp_path / "chat.jsonl", rows=200)
+    train = ["--model_name_or_path", "M", "--dataset_name", "chat.jsonl", "--output_dir", "out", "--max_steps", "2",
+             "--max_seq_len", "64", "--per_device_train_batch_size", "2", "--logging_steps", "1",
+             "--save_strategy", "no", "--distributed_type", "DDP", "--use_peft_lora", "False"]
+    job = render(["--slurm", "job.sbatch", "--num_machines", "2", "--num_processes", "2", "--gpus_per_node", "0",
+                  "--main_process_port", str(free_port()), "--python", sys.executable, "--requeue", "train", *train])
+    (tmp_path / "job.sbatch").write_text(job.text)
+    env = slurm_env(tmp_path, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "strategy: DDP on 2 process(es)" in proc.stderr  # one world of both nodes' processes
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert all(r["loss"] > 0 for r in records if "loss" in r)
+    assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["num_processes"] == 2
+    assert (tmp_path / "out" / "final").is_dir()
+    assert not (tmp_path / "scontrol.log").exists()  # finished: nothing requeued
+
+
+def run_stopping(tmp_path: Path, exit_code: int, *, cancel: bool, requeue: bool = True) -> tuple[int, str]:
+    """The script with launchers that exit with ``exit_code``; ``cancel``: the batch shell itself gets SIGTERM
+    first, as on scancel or preemption. Returns its exit code and what it asked scontrol."""
+    job = render(["--slurm", "job.sbatch", *TWO_BY_EIGHT, *(["--requeue"] if requeue else []), "train", *TRAIN])
+    (tmp_path / "job.sbatch").write_text(job.text)
+    started, go = tmp_path / "started", tmp_path / "go"
+    env = slurm_env(tmp_path, FAKE_SRUN=f"exit:{exit_code}", FAKE_SRUN_STARTED=str(started), FAKE_SRUN_GO=str(go))
+    proc = subprocess.Popen(["bash", "job.sbatch"], cwd=tmp_path, env=env)
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if cancel:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)  # the shell takes the signal while it waits on the launchers
+    go.touch()
+    code = proc.wait(timeout=30)
+    log = tmp_path / "scontrol.log"
+    return code, log.read_text() if log.exists() else ""
+
+
+def test_stop_at_the_time_limit_requeues_the_job(tmp_path):
+    assert run_stopping(tmp_path, 143, cancel=False) == (143, "requeue 4242\n")
+
+
+def test_cancel_or_preemption_waits_for_the_save_and_does_not_requeue(tmp_path):
+    assert run_stopping(tmp_path, 143, cancel=True) == (143, "")
+
+
+def test_no_requeue_without_requeue_option_or_on_failure(tmp_path):
+    assert run_stopping(tmp_path, 143, cancel=False, requeue=False) == (143, "")
+    (tmp_path / "started").unlink()
+    assert run_stopping(tmp_path, 1, cancel=False) == (1, "")
+
+
+def manifest(argv: list[str]) -> dict:
+    return yaml.safe_load(render(["--kubernetes", *argv]).text)
+
+
+def validate(doc: dict) -> list[str]:
+    import jsonschema
+
+    validator = jsonschema.Draft7Validator(json.loads(SCHEMA.read_text()))
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+MANIFESTS = {
+    "plain": [*TWO_BY_EIGHT, "--image", "img:1", "train", *TRAIN],
+    "pvc": [*TWO_BY_EIGHT, "--image", "img:1", "--pvc", "runs", "--namespace", "ml", "--cpus_per_task", "16",
+            "--network_interface", "eth0", "--max_restarts", "3", "--job_name", "llama-sft", "train", *TRAIN],
+    "cpu": ["--num_machines", "3", "--num_processes", "6", "--gpus_per_node", "0", "--image", "img:1", "train", *TRAIN],
+}
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_pytorchjob_manifest_matches_the_crd(name):
+    doc = manifest(MANIFESTS[name])
+    assert validate(doc) == []
+
+
+def test_pytorchjob_manifest_numbers():
+    doc = manifest(MANIFESTS["pvc"])
+    spec = doc["spec"]
+    assert spec["nprocPerNode"] == "8"
+    assert spec["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 2, "maxRestarts": 3}
+    worker = spec["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == 2 and worker["restartPolicy"] == "ExitCode"
+    pod = worker["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}, "requests": {"cpu": 16}}
+    assert container["env"] == [{"name": "OMP_NUM_THREADS", "value": "2"}, {"name": "NCCL_SOCKET_IFNAME",
+                                 "value": "eth0"}, {"name": "GLOO_SOCKET_IFNAME", "value": "eth0"}]
+    assert container["workingDir"] == "/workspace"
+    assert pod["volumes"][1] == {"name": "shared", "persistentVolumeClaim": {"claimName": "runs"}}
+    command = container["command"]
+    assert command[:4] == ["python3", "-m", "shardtune", "launch"]
+    train_at = command.index("train")
+    cmd = " ".join(torchrun_command(launcher_parser().parse_args(command[4:train_at]), command[train_at + 1:]))
+    assert "--nnodes 2 --nproc_per_node 8 --max_restarts 3" in cmd
+    assert f"--rdzv_endpoint llama-sft-worker-0:{container['ports'][0]['containerPort']} --rdzv_id llama-sft" in cmd
+    assert command[train_at + 1:] == [*TRAIN, "--resume_from_checkpoint", "true"]
+    assert manifest(MANIFESTS["cpu"])["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][
+        0].get("resources") is None
+
+
+def test_the_schema_refuses_what_the_crd_does_not_define():
+    doc = manifest(MANIFESTS["plain"])
+    doc["spec"]["nprocsPerNode"] = "8"  # misspelt
+    doc["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "2"  # wrong type
+    del doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["name"]
+    problems = validate(doc)
+    assert len(problems) == 3, problems
+    assert any("nprocsPerNode" in p for p in problems) and any("'name' is a required" in p for p in problems)
+
+
+BAD = [
+    (["--slurm", "--kubernetes", "--gpus_per_node", "8"], "--slurm and --kubernetes"),
+    (["--slurm", "--machine_rank", "1", "--gpus_per_node", "8"], "--machine_rank"),
+    (["--slurm", "--main_process_ip", "10.0.0.1", "--gpus_per_node", "8"], "--main_process_ip"),
+    (["--slurm", "--rdzv_backend", "static", "--gpus_per_node", "8"], "--rdzv_backend static"),
+    (["--slurm", "--num_machines", "2", "--num_processes", "15"], "must be a multiple of --num_machines 2"),
+    (["--slurm", "--num_machines", "2", "--num_processes", "8", "--gpus_per_node", "8"], "--gpus_per_node 8"),
+    (["--slurm", "--num_machines", "2"], "needs its size"),
+    (["--slurm", "--gpus_per_node", "8", "--image", "x"], "--image is an option of --kubernetes"),
+    (["--kubernetes", "--gpus_per_node", "8", "--image", "x", "--time", "10"], "--time is an option of --slurm"),
+    (["--kubernetes", "--gpus_per_node", "8"], "--kubernetes needs --image"),
+    (["--kubernetes", "--gpus_per_node", "8", "--image", "x", "--job_name", "My_Job"], "--job_name My_Job"),
+    (["--time", "10", "--num_processes", "2"], "--time is an option of a cluster job"),
+    (["--slurm", "--gpus_per_node", "8", "--time", "3 days"], "--time 3 days: not a Slurm time limit"),
+    (["--slurm", "--gpus_per_node", "8", "--time", "5"], "leaves no training"),
+    (["--slurm", "--gpus_per_node", "8", "--submit"], "--submit runs sbatch, which is not on PATH"),
+    (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--submit"], "--submit runs kubectl"),
+]
+
+
+@pytest.mark.parametrize("argv, says", BAD, ids=[b[1][:40] for b in BAD])
+def test_bad_combinations_exit_2_with_one_line(argv, says, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither sbatch nor kubectl
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", *argv, "train", *TRAIN]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and says in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_bad_train_key_is_refused_before_writing(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", "--slurm", "--gpus_per_node", "8", "train", *TRAIN, "--learning_rat", "1e-4"]) == 2
+    assert "learning_rate" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_and_submit(tmp_path, monkeypatch, capsys):
+    """The file is written where asked, and --submit hands it to sbatch (a stand-in that records its argument)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/sbatch.args\necho "Submitted batch job 7"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", "--slurm", "--gpus_per_node", "4", "train", *TRAIN]) == 0
+    wrote = "shardtune launch: wrote shardtune.sbatch; submit it with: sbatch shardtune.sbatch\n"
+    assert capsys.readouterr().out == wrote
+    assert "#SBATCH --gres=gpu:4" in (tmp_path / "shardtune.sbatch").read_text()
+    assert main(["launch", "--slurm", "j.sh", "--submit", "--gpus_per_node", "4", "train", *TRAIN]) == 0
+    assert (tmp_path / "sbatch.args").read_text() == "j.sh\n"
+    assert os.access(tmp_path / "j.sh", os.X_OK)
+
+
+def test_resume_given_by_the_user_is_kept_with_a_note(capsys):
+    job = render(["--slurm", "--gpus_per_node", "8", "train", *TRAIN, "--resume_from_checkpoint", "out/ck/step-9"])
+    assert srun_words(job.text)[-2:] == ["--resume_from_checkpoint", "out/ck/step-9"]
+    assert job.notes and "starts again from it" in job.notes[0]
+    assert srun_words(render(["--slurm", "--gpus_per_node", "8", "train", *TRAIN, "--resume_from_checkpoint",
+                              "latest"]).text).count("--resume_from_checkpoint") == 1
+    off = render(["--slurm", "--gpus_per_node", "8", "train", *TRAIN, "--resume_from_checkpoint", "false"])
+    assert srun_words(off.text)[-2:] == ["--resume_from_checkpoint", "false"] and "does not carry on" in off.notes[0]
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 5400), ("10:30", 630), ("2:00:00", 7200), ("1-12", 129600),
+                                           ("1-00:30", 88200), ("0-00:00:45", 45), ("UNLIMITED", None)])
+def test_slurm_time_limits(text, seconds):
+    assert slurm_time_s(text) == seconds
+
+
+def doc_examples() -> list[tuple[str, str]]:
+    """(command, the file it writes) for each cluster-job example in docs/clusters.md."""
+    page = (ROOT / "docs" / "clusters.md").read_text()
+    pattern = r"```console\n\$ (shardtune launch --(?:slurm|kubernetes).*?)\n```\n.*?```(?:bash|yaml)\n(.*?)```"
+    return [(cmd.replace("\\\n", " "), body) for cmd, body in re.findall(pattern, page, flags=re.S)]
+
+
+def test_docs_show_what_the_tool_writes():
+    examples = doc_examples()
+    assert len(examples) == 2
+    for command, body in examples:
+        argv = shlex.split(command)[2:]
+        assert render(argv).text == body, f"docs/clusters.md is stale for: {command}"
