@@ -137,6 +137,8 @@ DESCRIPTIONS = {
                             "the same way.",
     "fsdp_version": "2: shardtune runs FSDP2 (fully_shard); 1 (FSDP1's FullyShardedDataParallel) is refused.",
     "mixed_precision": "Accelerate's key; the bf16/fp16 flags win when set.",
+    "deepspeed": ("A DeepSpeed config JSON (Transformers/TRL's --deepspeed), mapped onto FSDP2 and printed at "
+                  "start; what cannot be mapped is refused (docs/deepspeed.md)."),
     "num_processes": "Processes over all machines (set by shardtune launch).",
     "num_machines": "Machines in the job (set by shardtune launch).",
     "machine_rank": "This machine's rank, 0 on the main one.",

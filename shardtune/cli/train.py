@@ -58,6 +58,7 @@ def _run(argv: list[str]) -> int:
 
     # The run's own checks (placeholder data, missing paths, the resume folder) before any model is loaded.
     cfg = load_job_config(argv)
+    print_deepspeed_mapping(argv)
     offline_unless_reachable(cfg.model.model_name_or_path, None if cfg.run.dry_run else cfg.data.dataset_name)
     if cfg.run.dry_run:
         import yaml
@@ -94,6 +95,19 @@ def _run(argv: list[str]) -> int:
                              f"run the same command with resume_from_checkpoint true to finish")
         return EXIT_PREEMPTED
     return 0
+
+
+def print_deepspeed_mapping(argv: list[str]) -> None:
+    """Rank 0: what a DeepSpeed config became (config/deepspeed.py), one line per key, before anything runs."""
+    from shardtune.config.loading import deepspeed_mapping
+
+    mapping = deepspeed_mapping(argv)
+    if mapping is None or os.environ.get("RANK", "0") != "0":
+        return
+    source, lines = mapping
+    print(f"DeepSpeed config {source}, as shardtune runs it:", file=sys.stderr)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
 
 
 def _terminate(signum, frame) -> None:  # noqa: ARG001

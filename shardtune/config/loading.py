@@ -23,6 +23,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
 from shardtune.config.schema import ACCELERATE_IGNORED, IGNORED_KEYS, TrainConfig, known_keys, section_classes
 from shardtune.config.validation import input_problems, model_folder_problems, validate
 from shardtune.errors import UsageError, closest
@@ -128,11 +129,7 @@ def _flatten(data: dict[str, Any]) -> dict[str, Any]:
         if key == "fsdp_config" and isinstance(value, dict):
             flat.update(value)
         elif key == "deepspeed_config" and isinstance(value, dict):
-            # ZeRO-3 shards parameters like FULL_SHARD; ZeRO-1/2 keep them whole like SHARD_GRAD_OP.
-            stage = int(value.get("zero_stage", 3))
-            flat["fsdp_sharding_strategy"] = "FULL_SHARD" if stage == 3 else "SHARD_GRAD_OP"
-            if str(value.get("offload_param_device", "none")).lower() == "cpu":
-                flat["fsdp_offload_params"] = True
+            flat[key] = value  # read_accelerate_config maps it (config/deepspeed.py)
         else:
             flat[key] = value
     return flat
@@ -143,15 +140,99 @@ def read_accelerate_config(path: str | Path) -> tuple[dict[str, Any], dict[str, 
     path = Path(path)
     data, lines = _yaml_with_lines(path)
     flat = _flatten(data)
+    block = flat.pop("deepspeed_config", None)
     if str(flat.get("distributed_type", "")).upper() == "DEEPSPEED":
-        flat["distributed_type"] = "FSDP"
+        flat["distributed_type"] = "FSDP"  # ZeRO-3 unless the block says otherwise
     values, sources = {}, {}
     for key, value in flat.items():
         if key in ACCELERATE_IGNORED:
             continue
         values[key] = value
         sources[key] = Origin(str(path), lines.get(key))
+    if block is not None:
+        mapped = map_accelerate_block(block, str(path))
+        raise_problems(mapped.problems)
+        values.update(mapped.values)
+        sources.update({key: Origin(f"{path} (deepspeed_config)", lines.get("deepspeed_config"))
+                        for key in mapped.values})
     return values, sources
+
+
+def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] | None:
+    """The DeepSpeed JSON that ``deepspeed`` names (the highest layer that sets it), mapped, as a layer; None
+    when no layer names one. Values its file sets that a higher layer sets otherwise are refused, as Transformers
+    refuses them; ``train_batch_size`` must be micro-batch x accumulation x processes (accumulation is derived from
+    it where nothing else sets it)."""
+    named = [(values["deepspeed"], sources.get("deepspeed")) for values, sources in layers
+             if values.get("deepspeed") not in (None, "", "none", "None")]
+    if not named:
+        return None
+    path, origin = named[-1]
+    mapped = read_deepspeed_file(path)
+    problems = list(mapped.problems)
+    for key, value in mapped.values.items():
+        for values, sources in layers:
+            if key in values and key != "deepspeed" and not _same_value(values[key], value):
+                problems.append(f"{sources.get(key, Origin('config'))}: {key}={values[key]!r}, but the DeepSpeed "
+                                f"config {path} sets {value!r}: make them agree, or write auto in {path}")
+    if mapped.train_batch_size is not None:
+        problems += _check_train_batch_size(mapped, layers)
+    raise_problems(problems)
+    where = Origin(f"{path} (DeepSpeed, named at {origin})" if origin else f"{path} (DeepSpeed)")
+    return mapped.values, {key: where for key in mapped.values}
+
+
+def deepspeed_mapping(argv: list[str]) -> tuple[str, list[str]] | None:
+    """(which DeepSpeed config, the line of each of its keys) for the job ``argv`` describes; None without one.
+    What ``shardtune train`` prints at start, so that a mapping is never silent."""
+    files, overrides, flags, _ = parse_cli_pairs(argv)
+    accelerate_file = flags.get("config_file") or overrides.get("config_file")
+    named = flags.get("deepspeed") or overrides.get("deepspeed")
+    for path in reversed(files):
+        if named is None and path.endswith((".yaml", ".yml")):
+            named = read_yaml_recipe(path)[0].get("deepspeed")
+    if named not in (None, "", "none", "None"):
+        return str(named), read_deepspeed_file(named).lines
+    if accelerate_file:
+        data, _ = _yaml_with_lines(Path(accelerate_file))
+        if isinstance(data.get("deepspeed_config"), dict):
+            block = data["deepspeed_config"]
+            return f"{accelerate_file} (deepspeed_config)", map_accelerate_block(block, accelerate_file).lines
+    return None
+
+
+def _latest(layers: Layers, key: str, default: Any) -> Any:
+    found = [values[key] for values, _ in layers if key in values]
+    return found[-1] if found else default
+
+
+def _check_train_batch_size(mapped, layers: Layers) -> list[str]:
+    """DeepSpeed's train_batch_size against the config's micro-batch x accumulation x processes."""
+    defaults = TrainConfig()
+    micro = int(mapped.values.get("per_device_train_batch_size", _latest(
+        layers, "per_device_train_batch_size", defaults.run.per_device_train_batch_size)))
+    procs = int(_latest(layers, "num_processes", defaults.distributed.num_processes))
+    accum = mapped.values.get("gradient_accumulation_steps", _latest(layers, "gradient_accumulation_steps", None))
+    if accum is None and mapped.train_batch_size % (micro * procs) == 0:
+        mapped.values["gradient_accumulation_steps"] = mapped.train_batch_size // (micro * procs)
+        mapped.lines.append(f"train_batch_size {mapped.train_batch_size} -> gradient_accumulation_steps "
+                            f"{mapped.values['gradient_accumulation_steps']} (= {mapped.train_batch_size} / "
+                            f"({micro} x {procs} processes))")
+        return []
+    accum = int(accum if accum is not None else defaults.run.gradient_accumulation_steps)
+    if micro * accum * procs == mapped.train_batch_size:
+        mapped.lines.append(f"train_batch_size {mapped.train_batch_size} = {micro} x {accum} x {procs} processes")
+        return []
+    return [f"{mapped.where}: train_batch_size {mapped.train_batch_size} is not per_device_train_batch_size {micro} "
+            f"x gradient_accumulation_steps {accum} x {procs} processes ({micro * accum * procs}): make them agree, "
+            f"or write auto"]
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return str(a).lower() == str(b).lower()
 
 
 def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin]]:
@@ -400,6 +481,9 @@ def _layers(argv: list[str]) -> Layers:
         layers.append(read_yaml_recipe(path))
     layers.append((overrides, cli_sources))
     layers.append((flags, cli_sources))
+    deepspeed = deepspeed_layer(layers)
+    if deepspeed is not None:  # above the Accelerate file, below everything the user writes for shardtune
+        layers.insert(1 if accelerate_file else 0, deepspeed)
     return layers
 
 

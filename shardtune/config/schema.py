@@ -147,6 +147,9 @@ class DistributedConfig:
     fsdp_use_orig_params: bool = True
     fsdp_version: int = 2  # shardtune runs FSDP2 (fully_shard); 1 is refused
     mixed_precision: str | None = None  # Accelerate's key; bf16/fp16 flags win when set
+    # A DeepSpeed config JSON (Transformers/TRL's --deepspeed), mapped onto FSDP2 when the config is read
+    # (config/deepspeed.py); the mapped values are in this config, the path is kept to say where they came from.
+    deepspeed: str | None = None
     num_processes: int = 1
     num_machines: int = 1
     machine_rank: int = 0

@@ -1,0 +1,259 @@
+"""DeepSpeed configs, mapped onto what shardtune runs: FSDP2, torch's AdamW and its schedules.
+
+Read from ``--deepspeed FILE.json`` (the Transformers/TRL flag; also ``deepspeed: FILE`` in a recipe) and from an
+Accelerate file's ``deepspeed_config`` block (its ``deepspeed_config_file``, or the block's own keys). Every key
+of the file is mapped, listed as a DeepSpeed-engine tuning knob that FSDP2 does without (bucket sizes, overlap,
+prefetch thresholds: they change speed, not results), or refused in one line naming it. ``auto`` takes the value
+from the rest of the config, as with Transformers. The mapping is printed when training starts
+(``mapping_lines``), e.g. "zero_optimization.stage 2 -> FSDP SHARD_GRAD_OP".
+
+ZeRO-1 shards only the optimizer states; FSDP2 has no such mode. It becomes SHARD_GRAD_OP, which also shards the
+gradients: less memory per GPU than ZeRO-1 (gradients / world size instead of whole), and the same traffic
+(reduce-scatter + all-gather instead of all-reduce).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardtune.errors import UsageError
+
+ZERO_STAGES = {0: ("DDP", None), 1: ("FSDP", "SHARD_GRAD_OP"), 2: ("FSDP", "SHARD_GRAD_OP"), 3: ("FSDP", "FULL_SHARD")}
+# DeepSpeed-engine tuning with no FSDP2 counterpart: speed and logging, never the math. Accepted and listed.
+TUNING = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
+          "allgather_partitions", "reduce_scatter", "round_robin_gradients", "sub_group_size",
+          "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+          "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "steps_per_print",
+          "wall_clock_breakdown", "zero_allow_untested_optimizer", "memory_breakdown", "pin_memory", "buffer_count",
+          "fast_init", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients"}
+SCHEDULERS = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
+
+
+@dataclass
+class Mapped:
+    """What a DeepSpeed config becomes: shardtune keys, one printed line per decision, and the problems."""
+
+    where: str
+    values: dict[str, Any] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    train_batch_size: int | None = None  # checked against micro-batch x accumulation x processes once known
+
+    def set(self, ds_key: str, value: Any, key: str, shown: Any = None) -> None:
+        """``ds_key`` sets shardtune's ``key``; ``auto`` leaves it to the rest of the config."""
+        if _is_auto(value):
+            self.lines.append(f"{ds_key} auto -> {key} from the config")
+            return
+        self.values[key] = value
+        self.lines.append(f"{ds_key} {_show(value)} -> {key} {_show(shown if shown is not None else value)}")
+
+    def refuse(self, ds_key: str, value: Any, why: str) -> None:
+        self.problems.append(f"{self.where}: DeepSpeed key '{ds_key}' = {_show(value)} {why}")
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.lower() == "auto"
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else str(value)
+
+
+def read_deepspeed_file(path: str | Path) -> Mapped:
+    """A DeepSpeed JSON file, mapped; an unreadable one is one line naming it."""
+    path = Path(path).expanduser()
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"deepspeed {path}: cannot be read ({exc.strerror}); give the DeepSpeed config JSON") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"deepspeed {path}: not valid JSON ({exc}); fix the file") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"deepspeed {path}: expected a JSON object of DeepSpeed settings")
+    return map_deepspeed(data, str(path))
+
+
+def map_deepspeed(data: dict[str, Any], where: str) -> Mapped:
+    """Every key of a DeepSpeed config as shardtune keys (``Mapped.values``), listed or refused."""
+    out = Mapped(where)
+    handlers = {"train_micro_batch_size_per_gpu": lambda v: out.set(
+                    "train_micro_batch_size_per_gpu", v, "per_device_train_batch_size"),
+                "gradient_accumulation_steps": lambda v: out.set(
+                    "gradient_accumulation_steps", v, "gradient_accumulation_steps"),
+                "gradient_clipping": lambda v: out.set("gradient_clipping", v, "max_grad_norm"),
+                "train_batch_size": lambda v: _train_batch_size(out, v),
+                "bf16": lambda v: _precision(out, "bf16", v), "fp16": lambda v: _precision(out, "fp16", v),
+                "zero_optimization": lambda v: _zero(out, v),
+                "optimizer": lambda v: _optimizer(out, v), "scheduler": lambda v: _scheduler(out, v)}
+    for key, value in data.items():
+        if key in handlers:
+            handlers[key](value)
+        elif key in TUNING:
+            out.lines.append(f"{key} {_show(value)}: DeepSpeed-engine tuning, not used (FSDP2 tunes itself)")
+        else:
+            out.refuse(key, value, "has no counterpart in shardtune's FSDP2 trainer: remove it (docs/deepspeed.md "
+                                   "lists what maps)")
+    return out
+
+
+def _train_batch_size(out: Mapped, value: Any) -> None:
+    if _is_auto(value):
+        out.lines.append("train_batch_size auto -> per_device_train_batch_size x gradient_accumulation_steps x "
+                         "processes")
+    elif isinstance(value, int) and value >= 1:
+        out.train_batch_size = value
+    else:
+        out.refuse("train_batch_size", value, "must be a whole number of rows or auto")
+
+
+def _precision(out: Mapped, name: str, block: Any) -> None:
+    if not isinstance(block, dict):
+        out.refuse(name, block, 'must be an object such as {"enabled": true}')
+        return
+    for key, value in block.items():
+        if key == "enabled":
+            if not _is_auto(value) and not isinstance(value, bool):
+                out.refuse(f"{name}.enabled", value, "must be true, false or auto")
+            elif value is True:
+                out.set(f"{name}.enabled", True, name, shown="true (autocast, fp32 master weights)")
+            else:
+                out.lines.append(f"{name}.enabled {_show(value)} -> {name} from the config")
+        elif name == "fp16" and key == "loss_scale" and value == 0:
+            out.lines.append("fp16.loss_scale 0 -> dynamic loss scaling (torch's GradScaler)")
+        elif not _is_auto(value):
+            out.refuse(f"{name}.{key}", value, "tunes DeepSpeed's loss scaler; shardtune runs torch's GradScaler "
+                                               "with its defaults: remove it or set it to auto")
+
+
+def _zero(out: Mapped, block: Any) -> None:
+    if not isinstance(block, dict):
+        out.refuse("zero_optimization", block, 'must be an object such as {"stage": 2}')
+        return
+    stage = block.get("stage", 0)
+    if stage not in ZERO_STAGES:
+        out.refuse("zero_optimization.stage", stage, "must be 0, 1, 2 or 3")
+    else:
+        kind, sharding = ZERO_STAGES[stage]
+        out.values["distributed_type"] = kind
+        if sharding:
+            out.values["fsdp_sharding_strategy"] = sharding
+        name = {0: "ZeRO-0 (off)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[stage]
+        target = f"FSDP {sharding}" if sharding else "DDP"
+        note = (" (ZeRO-1 shards only optimizer states; SHARD_GRAD_OP also shards gradients: less memory, same "
+                "traffic)") if stage == 1 else ""
+        out.lines.append(f"zero_optimization.stage {stage}: {name} -> {target}{note}")
+    for key, value in block.items():
+        if key == "stage":
+            continue
+        if key in ("offload_param", "offload_optimizer"):
+            _offload(out, f"zero_optimization.{key}", value)
+        elif key in TUNING:
+            out.lines.append(f"zero_optimization.{key} {_show(value)}: DeepSpeed-engine tuning, not used")
+        else:
+            out.refuse(f"zero_optimization.{key}", value, "has no counterpart in FSDP2: remove it")
+
+
+def _offload(out: Mapped, ds_key: str, block: Any) -> None:
+    device = str(block.get("device", "none")).lower() if isinstance(block, dict) else None
+    if device not in ("cpu", "none"):
+        out.refuse(ds_key, block, 'must be {"device": "cpu"} or {"device": "none"} (NVMe offload is not run)')
+        return
+    for key, value in block.items():
+        if key not in ("device", *TUNING):
+            out.refuse(f"{ds_key}.{key}", value, "has no counterpart in FSDP2's CPU offload: remove it")
+    if device == "cpu":
+        out.values["fsdp_offload_params"] = True
+        extra = "" if ds_key.endswith("param") else " (FSDP2 offloads parameters, gradients and optimizer together)"
+        out.lines.append(f"{ds_key}.device cpu -> fsdp_offload_params true{extra}")
+
+
+def _optimizer(out: Mapped, block: Any) -> None:
+    kind = str(block.get("type", "")).lower() if isinstance(block, dict) else ""
+    if kind not in ("adam", "adamw"):
+        out.refuse("optimizer", block, "is not run: shardtune maps DeepSpeed's Adam/AdamW (to optim adamw_torch); "
+                                       "for others remove the block and set optim")
+        return
+    out.values["optim"] = "adamw_torch"
+    out.lines.append(f"optimizer.type {block['type']} -> optim adamw_torch")
+    params = block.get("params", {})
+    names = {"lr": "learning_rate", "eps": "adam_epsilon", "weight_decay": "weight_decay"}
+    for key, value in params.items():
+        if key in names:
+            out.set(f"optimizer.params.{key}", value, names[key])
+        elif key == "betas" and _is_auto(value):
+            out.lines.append("optimizer.params.betas auto -> adam_beta1, adam_beta2 from the config")
+        elif key == "betas" and isinstance(value, list) and len(value) == 2:
+            out.set("optimizer.params.betas[0]", value[0], "adam_beta1")
+            out.set("optimizer.params.betas[1]", value[1], "adam_beta2")
+        elif key in ("torch_adam", "adam_w_mode") and value in (True, "auto"):
+            out.lines.append(f"optimizer.params.{key} {_show(value)}: torch's AdamW (decoupled weight decay)")
+        else:
+            out.refuse(f"optimizer.params.{key}", value, "is not a setting of torch's AdamW: remove it")
+
+
+def _scheduler(out: Mapped, block: Any) -> None:
+    kind = str(block.get("type", "")).lower() if isinstance(block, dict) else ""
+    if kind not in SCHEDULERS:
+        out.refuse("scheduler", block, f"is not run: the types shardtune maps are WarmupLR, WarmupDecayLR and "
+                                       f"WarmupCosineLR; otherwise remove the block and set lr_scheduler_type")
+        return
+    out.values["lr_scheduler_type"] = SCHEDULERS[kind]
+    out.lines.append(f"scheduler.type {block['type']} -> lr_scheduler_type {SCHEDULERS[kind]}")
+    for key, value in block.get("params", {}).items():
+        if key == "warmup_num_steps":
+            out.set("scheduler.params.warmup_num_steps", value, "warmup_steps")
+        elif key == "warmup_max_lr":
+            out.set("scheduler.params.warmup_max_lr", value, "learning_rate")
+        elif key == "warmup_type" and value == "linear":
+            out.lines.append("scheduler.params.warmup_type linear: the warm-up shardtune runs")
+        elif key in ("warmup_min_lr", "warmup_min_ratio", "cos_min_ratio") and (_is_auto(value) or value == 0):
+            out.lines.append(f"scheduler.params.{key} {_show(value)}: warm-up starts, and decay ends, at 0")
+        elif key == "total_num_steps" and _is_auto(value):
+            out.lines.append("scheduler.params.total_num_steps auto -> the run's max_steps")
+        else:
+            out.refuse(f"scheduler.params.{key}", value, "is not what shardtune's schedules do (linear warm-up "
+                                                         "from 0, decay to 0 over max_steps): remove it or use auto")
+
+
+# Keys of Accelerate's deepspeed_config block (accelerate config writes them), as DeepSpeed JSON paths.
+ACCELERATE_BLOCK = {"zero_stage": ("zero_optimization", "stage"),
+                    "offload_optimizer_device": ("zero_optimization", "offload_optimizer", "device"),
+                    "offload_param_device": ("zero_optimization", "offload_param", "device"),
+                    "gradient_accumulation_steps": ("gradient_accumulation_steps",),
+                    "gradient_clipping": ("gradient_clipping",),
+                    "zero3_save_16bit_model": ("stage3_gather_16bit_weights_on_model_save",)}
+
+
+def map_accelerate_block(block: dict[str, Any], where: str) -> Mapped:
+    """Accelerate's ``deepspeed_config`` block: its ``deepspeed_config_file``, or its own keys."""
+    if block.get("deepspeed_config_file"):
+        others = sorted(set(block) - {"deepspeed_config_file", "deepspeed_multinode_launcher", "zero3_init_flag"})
+        if others:
+            raise UsageError(f"{where}: deepspeed_config sets deepspeed_config_file and {', '.join(others)}; the "
+                             f"file decides those: keep one place")
+        mapped = read_deepspeed_file(Path(where).parent / Path(block["deepspeed_config_file"]).expanduser()
+                                     if not Path(block["deepspeed_config_file"]).is_absolute()
+                                     else block["deepspeed_config_file"])
+    else:
+        data: dict[str, Any] = {}
+        for key, value in block.items():
+            if key in ACCELERATE_BLOCK:
+                *parents, leaf = ACCELERATE_BLOCK[key]
+                node = data
+                for parent in parents:
+                    node = node.setdefault(parent, {})
+                node[leaf] = value
+        mapped = map_deepspeed(data, where)
+        extra = sorted(set(block) - set(ACCELERATE_BLOCK) - {"deepspeed_multinode_launcher", "zero3_init_flag"})
+        mapped.problems += [f"{where}: deepspeed_config.{key} has no counterpart in FSDP2: remove it" for key in extra]
+    if block.get("zero3_init_flag") is not None:
+        mapped.values["fsdp_cpu_ram_efficient_loading"] = bool(block["zero3_init_flag"])
+        mapped.lines.append(f"zero3_init_flag {_show(block['zero3_init_flag'])} -> fsdp_cpu_ram_efficient_loading")
+    launcher = str(block.get("deepspeed_multinode_launcher", "standard")).lower()
+    if launcher != "standard":
+        mapped.problems.append(f"{where}: deepspeed_multinode_launcher {launcher}: shardtune launches through "
+                               f"torchrun (shardtune launch, or --slurm): remove it")
+    return mapped

@@ -1,0 +1,153 @@
+"""DeepSpeed configs (--deepspeed FILE, an Accelerate deepspeed_config block) mapped onto FSDP2, listed or refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardtune.config import load_train_config
+from shardtune.errors import UsageError
+from tests.trainutil import losses, shardtune_env, write_chat_data
+
+BASE = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
+# A ZeRO-2 file as Transformers' docs write one: everything the trainer arguments decide is "auto".
+ZERO2 = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}, "overlap_comm": True,
+                               "contiguous_gradients": True, "reduce_bucket_size": "auto"},
+         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                   "weight_decay": "auto"}},
+         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                           "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+         "steps_per_print": 10}
+
+
+def write(path: Path, data) -> Path:
+    path.write_text(json.dumps(data) if isinstance(data, dict) else data)
+    return path
+
+
+def flat(argv: list[str]) -> dict:
+    values = load_train_config(argv).to_flat()
+    values.pop("deepspeed")
+    return values
+
+
+def test_zero2_with_auto_values_is_fsdp_shard_grad_op_and_leaves_the_rest_to_the_config(tmp_path):
+    ds = write(tmp_path / "ds.json", ZERO2)
+    extra = ["--learning_rate", "3e-4", "--gradient_accumulation_steps", "4", "--bf16", "true"]
+    expected = flat([*BASE, *extra, "--distributed_type", "FSDP", "--fsdp_sharding_strategy", "SHARD_GRAD_OP",
+                     "--lr_scheduler_type", "linear"])
+    assert flat([*BASE, *extra, "--deepspeed", str(ds)]) == expected
+
+
+@pytest.mark.parametrize("stage, kind, sharding", [(0, "DDP", "FULL_SHARD"), (1, "FSDP", "SHARD_GRAD_OP"),
+                                                   (2, "FSDP", "SHARD_GRAD_OP"), (3, "FSDP", "FULL_SHARD")])
+def test_each_zero_stage_and_the_values_a_file_sets(tmp_path, stage, kind, sharding):
+    ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}},
+                                      "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+                                      "gradient_clipping": 0.5, "bf16": {"enabled": True},
+                                      "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.8, 0.95],
+                                                                                "eps": 1e-6, "weight_decay": 0.1}},
+                                      "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 7}}})
+    cfg = load_train_config([*BASE, "--deepspeed", str(ds)])
+    d, r, o = cfg.distributed, cfg.run, cfg.optim
+    assert (d.distributed_type, d.fsdp_sharding_strategy, d.fsdp_offload_params) == (kind, sharding, True)
+    assert (r.per_device_train_batch_size, r.gradient_accumulation_steps, r.bf16) == (2, 3, True)
+    assert (o.max_grad_norm, o.learning_rate, o.adam_beta1, o.adam_beta2, o.adam_epsilon, o.weight_decay) == \
+        (0.5, 2e-4, 0.8, 0.95, 1e-6, 0.1)
+    assert (o.lr_scheduler_type, o.warmup_steps) == ("cosine", 7)
+
+
+def test_train_batch_size_gives_the_accumulation_or_must_agree(tmp_path):
+    ds = write(tmp_path / "ds.json", {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4})
+    cfg = load_train_config([*BASE, "--deepspeed", str(ds), "--num_processes", "2"])
+    assert cfg.run.gradient_accumulation_steps == 4  # 32 / (4 x 2 processes)
+    with pytest.raises(UsageError, match=r"train_batch_size 32 is not per_device_train_batch_size 4 x "
+                                         r"gradient_accumulation_steps 2 x 2 processes \(16\)"):
+        load_train_config([*BASE, "--deepspeed", str(ds), "--num_processes", "2", "--gradient_accumulation_steps",
+                           "2"])
+
+
+def test_a_value_the_file_and_the_command_line_set_differently_is_refused(tmp_path):
+    ds = write(tmp_path / "ds.json", {"gradient_accumulation_steps": 4})
+    with pytest.raises(UsageError, match=r"command line \(--gradient_accumulation_steps\): "
+                                         r"gradient_accumulation_steps='3', but the DeepSpeed config .* sets 4"):
+        load_train_config([*BASE, "--deepspeed", str(ds), "--gradient_accumulation_steps", "3"])
+    assert load_train_config([*BASE, "--deepspeed", str(ds), "--gradient_accumulation_steps", "4"])  # agree
+
+
+@pytest.mark.parametrize("data, named", [
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
+     "zero_optimization.offload_param"),
+    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
+    ({"optimizer": {"type": "OneBitAdam"}}, "optimizer"),
+    ({"fp16": {"enabled": True, "loss_scale_window": 500}}, "fp16.loss_scale_window"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "log"}}}, "scheduler.params.warmup_type"),
+    ({"zero_optimization": {"stage": 2, "elastic_checkpoint": True}}, "zero_optimization.elastic_checkpoint"),
+])
+def test_what_cannot_be_mapped_exits_2_naming_the_key(tmp_path, capsys, data, named):
+    from shardtune.cli import main
+
+    ds = write(tmp_path / "ds.json", data)
+    assert main(["train", *BASE, "--deepspeed", str(ds)]) == 2
+    err = capsys.readouterr().err
+    assert f"{ds}: DeepSpeed key '{named}'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_unreadable_file_is_one_line(tmp_path):
+    with pytest.raises(UsageError, match="not valid JSON"):
+        load_train_config([*BASE, "--deepspeed", str(write(tmp_path / "ds.json", "{oops"))])
+    with pytest.raises(UsageError, match="cannot be read"):
+        load_train_config([*BASE, "--deepspeed", str(tmp_path / "missing.json")])
+
+
+def test_an_accelerate_file_with_a_deepspeed_config_file(tmp_path):
+    """The case that used to become FULL_SHARD with mixed precision 'no', dropping accumulation, clipping and
+    offload: ZeRO-1, bf16, accumulation 4, clipping 0.7, optimizer offload."""
+    write(tmp_path / "ds.json", {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+                                 "bf16": {"enabled": True}, "gradient_accumulation_steps": 4,
+                                 "gradient_clipping": 0.7})
+    acc = tmp_path / "accelerate.yaml"
+    acc.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 2\n"
+                   "deepspeed_config:\n  deepspeed_config_file: ds.json\n  zero3_init_flag: false\n")
+    cfg = load_train_config(["--config_file", str(acc), *BASE])
+    d, r = cfg.distributed, cfg.run
+    assert (d.distributed_type, d.fsdp_sharding_strategy, d.fsdp_offload_params) == ("FSDP", "SHARD_GRAD_OP", True)
+    assert (cfg.mixed_precision, r.gradient_accumulation_steps, cfg.optim.max_grad_norm) == ("bf16", 4, 0.7)
+    assert d.fsdp_cpu_ram_efficient_loading is False
+    inline = tmp_path / "inline.yaml"
+    inline.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n  gradient_clipping: 1.5\n"
+                      "  offload_param_device: none\n  deepspeed_moe_layer_cls_names: X\n")
+    with pytest.raises(UsageError, match=r"deepspeed_config.deepspeed_moe_layer_cls_names has no counterpart"):
+        load_train_config(["--config_file", str(inline), *BASE])
+
+
+def test_a_zero2_run_prints_its_mapping_and_trains_like_the_keys_it_maps_to(tmp_path):
+    """One process, FSDP on it: the --deepspeed run prints the mapping and has the losses of the run given the
+    same keys directly."""
+    from shardtune.testing.tiny import make_model_folder
+
+    model = make_model_folder(tmp_path / "model")
+    data = write_chat_data(tmp_path / "chat.jsonl", rows=300)
+    ds = write(tmp_path / "ds.json", ZERO2)
+    common = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
+              "--max_seq_len", "64", "--packing", "true", "--max_steps", "3", "--save_strategy", "no",
+              "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--logging_steps", "1",
+              "--learning_rate", "1e-3", "--use_peft_lora", "true"]
+    runs = {}
+    for name, extra in (("deepspeed", ["--deepspeed", str(ds)]),
+                        ("direct", ["--distributed_type", "FSDP", "--fsdp_sharding_strategy", "SHARD_GRAD_OP",
+                                    "--lr_scheduler_type", "linear"])):
+        proc = subprocess.run([sys.executable, "-m", "shardtune", "train", *common, *extra, "--output_dir",
+                               str(tmp_path / name)], cwd=tmp_path, env=shardtune_env(tmp_path), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = (proc.stderr, losses(tmp_path / name))
+    assert f"DeepSpeed config {ds}, as shardtune runs it:" in runs["deepspeed"][0]
+    assert "zero_optimization.stage 2: ZeRO-2 -> FSDP SHARD_GRAD_OP" in runs["deepspeed"][0]
+    assert runs["deepspeed"][1] == runs["direct"][1] and len(runs["direct"][1]) == 3
