@@ -56,17 +56,19 @@ DESCRIPTIONS = {
     "bnb_4bit_quant_storage_dtype": "Storage dtype of the packed 4-bit weights; bf16 lets FSDP shard them with the "
                                     "rest.",
     "learning_rate": "Peak learning rate.",
-    "optim": "Transformers' optimizer name: the trainer runs torch's AdamW (the fused kernel on CUDA, the "
-             "multi-tensor one elsewhere), which both accepted names mean; 8-bit and paged optimizers are refused "
-             "(not yet supported).",
+    "optim": "Transformers' optimizer name, run as Transformers runs it: adamw_torch(_fused) is torch's AdamW "
+             "(fused on CUDA); adamw_8bit/adamw_bnb_8bit, paged_adamw_8bit, paged_adamw_32bit, lion_8bit, "
+             "lion_32bit, paged_lion_8bit, paged_lion_32bit are bitsandbytes' (paged ones need CUDA; under FSDP "
+             "each rank steps its shard); adafactor is Transformers' Adafactor (not with FSDP); sgd is torch's SGD "
+             "without momentum. State bytes per weight: docs/estimator.md.",
     "lr_scheduler_type": "The learning-rate schedule after warm-up.",
     "warmup_ratio": "Fraction of the steps spent warming up (warmup_steps wins when set).",
     "warmup_steps": "Steps of linear warm-up.",
-    "weight_decay": "AdamW weight decay.",
+    "weight_decay": "Weight decay of the matrices (biases and norms are not decayed), for every optimizer.",
     "max_grad_norm": "Clip the global gradient norm to this (0: no clipping).",
-    "adam_beta1": "AdamW beta1.",
-    "adam_beta2": "AdamW beta2.",
-    "adam_epsilon": "AdamW epsilon.",
+    "adam_beta1": "AdamW's and Lion's beta1; refused with adafactor and sgd, which have none.",
+    "adam_beta2": "AdamW's and Lion's beta2; refused with adafactor and sgd, which have none.",
+    "adam_epsilon": "AdamW's epsilon; refused with Lion, adafactor and sgd, which have none.",
     "output_dir": "Where metrics.jsonl, config.yaml, checkpoints/ and final/ go.",
     "overwrite_output_dir": ("A folder holding an earlier run is refused unless resuming; true deletes that run's "
                              "files (checkpoints/, final/, metrics.jsonl, ...) first."),

@@ -108,9 +108,10 @@ def test_bad_values_are_one_line_errors(argv, needle, capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--optim", "paged_adamw_8bit"], "optim='paged_adamw_8bit' is not accepted: the trainer uses torch's AdamW"),
-    (["--optim", "adafactor"], "8-bit and paged optimizers are not yet supported; use optim adamw_torch or "
-                               "adamw_torch_fused"),
+    (["--optim", "adamw_apex_fused"], "optim='adamw_apex_fused' is not accepted; use one of adamw_torch, "
+                                      "adamw_torch_fused, adamw_8bit"),
+    (["--optim", "adafactor", "--distributed_type", "FSDP"], "optim adafactor with distributed_type FSDP: "
+                                                             "Adafactor's factored state needs whole rows"),
     (["--hub_strategy", "every_save"], "hub_strategy='every_save' is not accepted: push_to_hub uploads the final "
                                        "model once, at the end of training; use hub_strategy end"),
     (["--fsdp_version", "1"], "fsdp_version=1 is not accepted: shardtune runs FSDP2 (fully_shard); fsdp_version 1 "

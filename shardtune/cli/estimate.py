@@ -44,7 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mixed-precision", default="bf16", help=f"{' | '.join(MIXED_PRECISIONS)} (default: bf16)")
     p.add_argument("--pure-bf16", action="store_true",
                    help="keep weights and optimizer states in bf16 (no fp32 master)")
-    p.add_argument("--optimizer", default="adamw", help=f"{' | '.join(OPTIMIZERS)} (default: adamw)")
+    p.add_argument("--optimizer", default="adamw_torch",
+                   help=f"the trainer's optim names: {' | '.join(OPTIMIZERS)} (adamw and adamw-8bit are the "
+                        f"earlier spellings of adamw_torch and adamw_8bit; default: adamw_torch)")
     p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
     p.add_argument("--lora-target-modules", default="all-linear", help="all-linear or e.g. q_proj,v_proj")
     p.add_argument("--attn-implementation", default="sdpa", help=f"{' | '.join(ATTENTION)} (default: sdpa)")

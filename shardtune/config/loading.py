@@ -25,7 +25,7 @@ import yaml
 
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
 from shardtune.config.schema import ACCELERATE_IGNORED, IGNORED_KEYS, TrainConfig, known_keys, section_classes
-from shardtune.config.validation import input_problems, model_folder_problems, validate
+from shardtune.config.validation import device_problems, input_problems, model_folder_problems, validate
 from shardtune.errors import UsageError, closest
 
 # Accelerate's names for data parallel; both mean one replica per process here.
@@ -464,7 +464,7 @@ def run_config_problems(argv: list[str]) -> tuple[TrainConfig, dict[str, Origin]
     """The config of a job about to start, where each key was set, and every problem ``load_run_config`` reports."""
     cfg, given, problems = _apply(_layers(argv), training=True)
     if not cfg.run.dry_run:
-        problems += input_problems(cfg, given) + model_folder_problems(cfg, given)
+        problems += input_problems(cfg, given) + model_folder_problems(cfg, given) + device_problems(cfg)
     return cfg, given, problems
 
 

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardtune.config.optimizers import OPTIMIZERS
 from shardtune.data.config import DataConfig
 
 DISTRIBUTED_TYPES = ("NO", "DDP", "FSDP", "MP", "PP")
@@ -22,8 +23,8 @@ MIXED_PRECISIONS = ("bf16", "fp16", "no")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 STRATEGIES_STEPS = ("steps", "epoch", "no")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
-# Transformers' names for what the trainer runs: torch's AdamW (fused kernel on CUDA, multi-tensor elsewhere).
-ACCEPTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# Transformers' optimizer names the trainer runs: config/optimizers.py's table (built in train/optim.py).
+ACCEPTED_OPTIMS = tuple(OPTIMIZERS)
 # The final model is uploaded once, after training (train/loop.py push_to_hub): Transformers calls that "end".
 HUB_STRATEGIES = ("end",)
 BACKWARD_PREFETCH = ("BACKWARD_PRE",)
@@ -72,7 +73,7 @@ class OptimConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
-    optim: str = "adamw_torch"  # the trainer runs torch's AdamW; 8-bit and paged optimizers are refused
+    optim: str = "adamw_torch"  # Transformers' optimizer names: torch's AdamW, bitsandbytes' 8-bit/paged, ...
 
 
 @dataclass

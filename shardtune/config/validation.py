@@ -6,10 +6,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, non_cuda_alternative
 from shardtune.config.schema import (ACCEPTED_OPTIMS, BACKWARD_PREFETCH, DATASET_PLACEHOLDER, DISTRIBUTED_TYPES, FSDP_VERSIONS,
                                      HUB_STRATEGIES, LOG_LEVELS, MIXED_PRECISIONS, PIPELINE_SCHEDULES, SCHEDULERS,
                                      SHARDING_STRATEGIES, STATE_DICT_TYPES, STRATEGIES_STEPS, WRAP_POLICIES,
-                                     TrainConfig)
+                                     OptimConfig, TrainConfig)
 from shardtune.hub import looks_like_local_path, model_folder_problem
 from shardtune.errors import closest
 
@@ -150,7 +151,7 @@ def _validate_pipeline(cfg: TrainConfig) -> list[str]:
 
 def _unsupported(cfg: TrainConfig) -> list[str]:
     """Keys that recipes for other trainers carry, with a value this trainer does not run: refused, never ignored."""
-    d, r, o = cfg.distributed, cfg.run, cfg.optim
+    d, r = cfg.distributed, cfg.run
     problems = []
     if d.fsdp_version not in FSDP_VERSIONS:
         fsdp1 = "; fsdp_version 1 (FullyShardedDataParallel) is not available" if d.fsdp_version == 1 else ""
@@ -167,11 +168,45 @@ def _unsupported(cfg: TrainConfig) -> list[str]:
     if r.hub_strategy not in HUB_STRATEGIES:
         problems.append(f"hub_strategy={r.hub_strategy!r} is not accepted: push_to_hub uploads the final model once, "
                         f"at the end of training; use hub_strategy end or leave it out")
-    if o.optim not in ACCEPTED_OPTIMS:
-        problems.append(f"optim={o.optim!r} is not accepted: the trainer uses torch's AdamW (fused on CUDA, foreach "
-                        f"elsewhere); 8-bit and paged optimizers are not yet supported; use optim "
-                        f"{' or '.join(ACCEPTED_OPTIMS)}, or leave it out")
+    problems += _optim_problems(cfg)
     return problems
+
+
+def _optim_problems(cfg: TrainConfig) -> list[str]:
+    """An optimizer name the trainer does not run, a setting it would not read, or a pairing that cannot run."""
+    o = cfg.optim
+    if o.optim not in ACCEPTED_OPTIMS:
+        hint = closest(o.optim, ACCEPTED_OPTIMS)
+        return [f"optim={o.optim!r} is not accepted; use one of {', '.join(ACCEPTED_OPTIMS)}"
+                + (f" (did you mean {hint}?)" if hint else "")]
+    spec = OPTIMIZERS[o.optim]
+    problems = []
+    defaults = OptimConfig()
+    for key in ADAM_KEYS:  # Transformers passes these only to the optimizers that have them; here that is told
+        if key not in spec.reads and getattr(o, key) != getattr(defaults, key):
+            problems.append(f"{key}={getattr(o, key)} does nothing with optim {o.optim} (it has no such setting); "
+                            f"leave {key} out or pick an optimizer that reads it (e.g. adamw_torch)")
+    if spec.kind == "adafactor" and cfg.distributed.distributed_type == "FSDP":
+        # Transformers' Adafactor averages the squared gradient over whole rows and columns and keeps that state
+        # as plain tensors, which FSDP2's sharded (DTensor) parameters cannot mix with.
+        problems.append("optim adafactor with distributed_type FSDP: Adafactor's factored state needs whole rows "
+                        "and columns of each weight, which FSDP shards; use DDP (or one process) for adafactor, or "
+                        "a low-memory optimizer that shards: adamw_8bit or lion_8bit")
+    return problems
+
+
+def device_problems(cfg: TrainConfig) -> list[str]:
+    """What this machine cannot run, for a job about to start here (an emitted or traced config is not checked):
+    a paged optimizer without CUDA, which bitsandbytes would silently run unpaged."""
+    name = cfg.optim.optim
+    if name not in OPTIMIZERS or not OPTIMIZERS[name].needs_cuda:
+        return []
+    import torch  # only asked for a paged optimizer: the other checks need no torch
+
+    if torch.cuda.is_available():
+        return []
+    return [f"optim={name} pages its state through CUDA unified memory, and no CUDA GPU is visible; use optim "
+            f"{non_cuda_alternative(name)} (the same optimizer, not paged)"]
 
 
 def input_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:

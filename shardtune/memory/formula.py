@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardtune.config.optimizers import bytes_per_param
 from shardtune.hardware import MIB
 from shardtune.memory.activations import Activations
 from shardtune.memory.inventory import LoraCount, ModelInventory
@@ -108,10 +109,12 @@ def nf4_bytes(numel: int, double_quant: bool) -> float:
     return numel / 2 + numel / 64 * per_block
 
 
-def _optimizer_bytes_per_param(setup: Setup, master: int) -> float:
-    # AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype; bitsandbytes' 8-bit AdamW keeps both in 8 bits
-    # with an fp32 absmax per 256-value block (Dettmers et al. 2022); SGD keeps one momentum buffer.
-    return {"adamw": 2 * master, "adamw-8bit": 2 * (1 + 4 / 256), "sgd": master}[setup.optimizer]
+def _optimizer_bytes_per_param(setup: Setup, master: int, inv: ModelInventory) -> float:
+    """State bytes per trainable weight: the table the trainer builds its optimizers from (config/optimizers.py).
+    Only Adafactor's factored state depends on shape: LoRA trains r x hidden adapters, full fine-tuning
+    hidden-sized matrices."""
+    matrix = (setup.lora_r, inv.hidden_size) if setup.uses_lora else (inv.hidden_size, inv.hidden_size)
+    return bytes_per_param(setup.optimizer, master, matrix)
 
 
 class _Model:
@@ -196,7 +199,7 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
     storage = sum(model.layer_storage(i) for i in layers) + model.root_storage()
     trainable = sum(model.layer_trainable(i) for i in layers) + model.root_trainable()
     grads = trainable * dt.master
-    optim = trainable * _optimizer_bytes_per_param(setup, dt.master)
+    optim = trainable * _optimizer_bytes_per_param(setup, dt.master, inv)
     on_gpu = 0 if offload else 1  # CPU offload keeps the sharded parameters, gradients and optimizer on the host
     params_b = on_gpu * storage / shard
     grads_b = on_gpu * grads / shard
@@ -371,7 +374,7 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
     model = _Model(inv, one, dt, lora)
     act = Activations(inv, one, dt)
     tokens = setup.batch_size * setup.seq_len
-    opt = _optimizer_bytes_per_param(setup, dt.master)
+    opt = _optimizer_bytes_per_param(setup, dt.master, inv)
     per_layer_act = act.layer_checkpointed() if setup.gradient_checkpointing else act.layer()
 
     def parts(storage: float, trainable: float, activations: float, copies: float) -> dict[str, float]:

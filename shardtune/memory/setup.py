@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shardtune.config.optimizers import ESTIMATE_ALIASES, OPTIMIZERS as OPTIMIZER_TABLE, canonical
 from shardtune.config.schema import MIXED_PRECISIONS, SHARDING_STRATEGIES
 from shardtune.errors import UsageError, check_choice
 
@@ -13,7 +14,8 @@ STRATEGIES = ("single", "ddp", "fsdp", "mp", "pp")
 # sharding, so ZeRO-1 maps to SHARD_GRAD_OP, which shards gradients as well (less memory than ZeRO-1, not more).
 ZERO_ALIASES = {"ZERO3": "FULL_SHARD", "ZERO-3": "FULL_SHARD", "ZERO2": "SHARD_GRAD_OP", "ZERO-2": "SHARD_GRAD_OP",
                 "ZERO1": "SHARD_GRAD_OP", "ZERO-1": "SHARD_GRAD_OP"}
-OPTIMIZERS = ("adamw", "adamw-8bit", "sgd")
+# The trainer's optim names (config/optimizers.py), and the estimator's earlier spellings as aliases.
+OPTIMIZERS = (*OPTIMIZER_TABLE, *ESTIMATE_ALIASES)
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
 LOSSES = ("shardtune", "full", "chunked")
 
@@ -34,7 +36,7 @@ class Setup:
     gradient_checkpointing: bool = True
     mixed_precision: str = "bf16"
     pure_bf16: bool = False
-    optimizer: str = "adamw"
+    optimizer: str = "adamw_torch"  # a name of config/optimizers.py's table (Transformers' optim names)
     lora_r: int = 8
     lora_target_modules: str = "all-linear"
     attn_implementation: str = "sdpa"
@@ -113,7 +115,7 @@ def validate(setup: Setup) -> Setup:
         strategy=check_choice(setup.strategy, STRATEGIES, "strategy"),
         sharding_strategy=normalize_sharding(setup.sharding_strategy),
         mixed_precision=check_choice(setup.mixed_precision, MIXED_PRECISIONS, "mixed precision"),
-        optimizer=check_choice(setup.optimizer, OPTIMIZERS, "optimizer"),
+        optimizer=canonical(check_choice(setup.optimizer, OPTIMIZERS, "optimizer")),
         attn_implementation=check_choice(setup.attn_implementation, ATTENTION, "attention implementation"),
         loss=check_choice(setup.loss, LOSSES, "loss"),
     )

@@ -222,7 +222,8 @@ def step_time(inv: ModelInventory, setup: Setup, gpu: Gpu, links: Links, lora: L
                           + _dequantise_s(inv, setup, gpu)),
                  trainable=adapters if setup.uses_lora else inv.parameters)
     # The optimizer update reads and writes the weight and its states and reads the gradient.
-    work.optimizer_bytes = work.trainable * (3 * dt.master + 2 * _optimizer_bytes_per_param(setup, dt.master))
+    states = _optimizer_bytes_per_param(setup, dt.master, inv)
+    work.optimizer_bytes = work.trainable * (3 * dt.master + 2 * states)
     if setup.splits_layers:
         parts = _split_layers_step(inv, setup, gpu, links, work, stage_bounds, pipeline_microbatches)
     else:

@@ -290,8 +290,9 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
         batches = real_batches
         if fake:
             batches = [{k: fake_mode.from_tensor(v) for k, v in b.items()} for b in real_batches]
-        optimizer = build_optimizer(model, cfg.optim, torch.device(target_device),
-                                    sharded_scaler=plan.sharded_grad_scaler)
+        with _phase("building the optimizer", fake):  # bitsandbytes' 8-bit maps are made from real values
+            optimizer = build_optimizer(model, cfg.optim, torch.device(target_device),
+                                        sharded_scaler=plan.sharded_grad_scaler)
         scheduler = build_scheduler(optimizer, cfg.optim, max(steps, 1))
         if runner.scaler is not None:  # fp16's loss scaler, in a form fake tensors can run
             runner.scaler = _grad_scaler(fsdp, fake)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from shardtune.config import DATASET_PLACEHOLDER, TrainConfig, build_config
+from shardtune.config.optimizers import canonical
 from shardtune.errors import UsageError
 from shardtune.hardware import GIB
 from shardtune.memory.setup import Setup
@@ -19,9 +20,6 @@ STRATEGY_TO_TYPE = {"single": "NO", "ddp": "DDP", "fsdp": "FSDP", "mp": "MP", "p
 
 def config_from_setup(model: str, setup: Setup) -> TrainConfig:
     """The ``shardtune train`` config of ``setup`` (what --emit-config writes and --trace runs)."""
-    if setup.optimizer != "adamw":
-        raise UsageError(f"--optimizer {setup.optimizer}: the trainer uses AdamW, so --trace and --emit-config need "
-                         f"--optimizer adamw")
     if setup.pure_bf16:
         raise UsageError("--pure-bf16: the trainer keeps fp32 master weights, so --trace and --emit-config cannot "
                          "use it; drop --pure-bf16")
@@ -38,7 +36,7 @@ def config_from_setup(model: str, setup: Setup) -> TrainConfig:
         setup.attn_implementation, "use_flash_attn": setup.attn_implementation == "flash_attention_2",
         "use_peft_lora": setup.uses_lora, "use_4bit_quantization": setup.method == "qlora",
         "lora_r": setup.lora_r, "lora_alpha": 2 * setup.lora_r, "lora_target_modules": setup.lora_target_modules,
-        "use_nested_quant": setup.nf4_double_quant,
+        "use_nested_quant": setup.nf4_double_quant, "optim": canonical(setup.optimizer),
         "distributed_type": STRATEGY_TO_TYPE[setup.strategy],
         # MP is one process driving every GPU of the node; the others run one process per GPU.
         "num_processes": 1 if setup.strategy == "mp" else setup.world_size, "num_machines": setup.num_nodes,
@@ -75,7 +73,7 @@ def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> 
                  gradient_checkpointing=cfg.run.gradient_checkpointing, mixed_precision=cfg.mixed_precision,
                  lora_r=lora.lora_r, lora_target_modules=lora.lora_target_modules,
                  attn_implementation=cfg.model.attn_implementation, nf4_double_quant=lora.use_nested_quant,
-                 loss="shardtune")  # the trainer's own loss: 8 chunks, each checkpointed
+                 optimizer=cfg.optim.optim, loss="shardtune")  # the trainer's own loss: 8 chunks, each checkpointed
 
 
 def formula_for_config(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""AdamW and the learning-rate schedule, with Transformers' conventions so recipes keep their meaning."""
+"""The optimizer and the learning-rate schedule, with Transformers' names and conventions so recipes keep their
+meaning. Which optimizer each ``optim`` name is, and the state it keeps, is config/optimizers.py's table."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import torch
 from torch import nn
 
 from shardtune.config import OptimConfig
+from shardtune.config.optimizers import OPTIMIZERS, OptimizerSpec, non_cuda_alternative
+from shardtune.errors import UsageError
+from shardtune.train.optim_shards import LocalShardSteps
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -24,14 +28,49 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, *,
                     sharded_scaler: bool = False) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; the fused kernel on CUDA, the multi-tensor one elsewhere.
+    """The optimizer ``cfg.optim`` names (Transformers' names, config/optimizers.py) over the trainable parameters,
+    with Transformers' arguments: learning_rate and weight_decay (matrices only) for all, the Adam betas and
+    epsilon where the optimizer has them.
 
     ``sharded_scaler`` (FSDP with fp16): FSDP's ``ShardedGradScaler`` hands the optimizer a ``found_inf`` of shape
     [1], which fused AdamW cannot subtract from its 0-d step counts; the multi-tensor kernel takes it."""
+    spec = OPTIMIZERS[cfg.optim]
+    groups = param_groups(model, cfg.weight_decay)
+    if spec.library == "bitsandbytes":
+        if spec.paged and device.type != "cuda":  # bitsandbytes would page nothing and say so only in a warning
+            raise UsageError(f"optim={cfg.optim} pages its state through CUDA unified memory and this run is on "
+                             f"{device.type}; use optim {non_cuda_alternative(cfg.optim)} (the same, not paged)")
+        return _bitsandbytes(spec, groups, cfg)
+    if spec.kind == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # Transformers' adafactor: the given learning rate, no relative step, no parameter scaling.
+        return Adafactor(groups, lr=cfg.learning_rate, scale_parameter=False, relative_step=False)
+    if spec.kind == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.learning_rate)
     fused = device.type == "cuda" and not sharded_scaler
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.learning_rate,
-                             betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                             fused=fused or None, foreach=None if fused else True)
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_epsilon, fused=fused or None, foreach=None if fused else True)
+
+
+def _bitsandbytes(spec: OptimizerSpec, groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW or Lion, 8 or 32-bit, paged or not; FSDP2's DTensor shards are stepped shard by shard
+    (optim_shards.py), plain tensors as bitsandbytes always does."""
+    import bitsandbytes as bnb
+
+    base = {"adamw": bnb.optim.AdamW, "lion": bnb.optim.Lion}[spec.kind]
+    if base not in _SHARD_CLASSES:
+        _SHARD_CLASSES[base] = type(f"Sharded{base.__name__}", (LocalShardSteps, base), {})
+    cls = _SHARD_CLASSES[base]
+    kwargs = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), optim_bits=spec.state_bits,
+                  is_paged=spec.paged)
+    if spec.kind == "adamw":
+        kwargs["eps"] = cfg.adam_epsilon
+    # bitsandbytes' AdamW defaults weight_decay to 1e-2: every group carries its own, so none is defaulted.
+    return cls(groups, **kwargs)
+
+
+_SHARD_CLASSES: dict[type, type] = {}
 
 
 def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.config import TrainConfig
+from shardtune.config.optimizers import OPTIMIZERS
 from shardtune.errors import UsageError
 
 log = logging.getLogger("shardtune")
 
 # What the checkpoint's tensors and data position are tied to.
 FIXED = ("model_name_or_path", "use_peft_lora", "use_4bit_quantization", "lora_r", "lora_target_modules",
-         "dataset_name", "max_seq_len", "packing", "group_by_length", "seed")
+         "dataset_name", "max_seq_len", "packing", "group_by_length", "seed", "optim")
 LORA_ONLY = ("lora_r", "lora_target_modules")
 
 
@@ -28,6 +29,16 @@ def _same_model(old: Any, new: Any) -> bool:
         return True
     old_path, new_path = Path(str(old)).expanduser(), Path(str(new)).expanduser()
     return old_path.exists() and new_path.exists() and old_path.resolve() == new_path.resolve()
+
+
+def _same(key: str, old: Any, new: Any) -> bool:
+    """A FIXED key unchanged: the same model folder by another path, or another name of the same optimizer
+    (adamw_torch and adamw_torch_fused keep the same state) count as unchanged."""
+    if key == "model_name_or_path":
+        return _same_model(old, new)
+    if key == "optim":
+        return old == new or (old in OPTIMIZERS and OPTIMIZERS.get(old) == OPTIMIZERS.get(new))
+    return old == new
 
 
 def global_batch(values: dict[str, Any], data_world: int) -> int:
@@ -46,8 +57,7 @@ def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, save
     for key in FIXED:
         if key in LORA_ONLY and not old["use_peft_lora"]:
             continue
-        same = _same_model(old.get(key), new.get(key)) if key == "model_name_or_path" else old.get(key) == new.get(key)
-        if not same:
+        if not _same(key, old.get(key), new.get(key)):
             raise UsageError(f"{label}: {key} was {old.get(key)!r} when the checkpoint was saved and is "
                              f"{new.get(key)!r} now; its weights, optimizer state and data position belong to "
                              f"the first. Set {key} back, or start a new run in another output_dir")
