@@ -29,5 +29,8 @@ test: $(STAMP)
 		apt-get install -y -qq shellcheck >/dev/null; } || echo "shellcheck not installed: its test is skipped"
 	$(PY) -m pytest -q
 
+	@# iproute2 (ip netns) makes the two hosts of tests/test_multihost.py; the same rule as shellcheck.
+	@command -v ip >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		apt-get install -y -qq iproute2 >/dev/null; } || echo "iproute2 not installed: the two-host tests are skipped"
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,9 +6,11 @@ every process torchrun starts can import it) and says where the fault strikes in
 - ``FAULT_STEP=hang:STEP:RANK`` sleeps forever when that rank begins step STEP; ``die:STEP:RANK`` exits with 17.
 - ``FAULT_SAVE=POINT:STEP[:RANK[:HOW]]``: POINT ``after_save`` (the checkpoint of step STEP is complete) or
   ``during_save`` (its tensors are written, its manifest not yet) SIGKILLs the rank(s); HOW ``TERM`` sends SIGTERM
-  instead, ``TERM-LAUNCHER`` sends it to the launcher, ``TRUNCATE`` cuts the checkpoint's first shard to half its
-  size and then SIGKILLs (a disk that lost the end of a file). POINT ``write_full`` (rank 0 writing a FULL_STATE_DICT
-  checkpoint) with HOW ``ENOSPC`` fails as a full disk does, with ``INT`` the rank gets SIGINT (Ctrl-C) there.
+  instead, ``TERM-LAUNCHER`` sends it to the launcher, ``HOST`` SIGKILLs the launcher and then the rank(s), as a
+  machine that loses power (set it in one host's environment only, to lose that host), ``TRUNCATE`` cuts the
+  checkpoint's first shard to half its size and then SIGKILLs (a disk that lost the end of a file). POINT
+  ``write_full`` (rank 0 writing a FULL_STATE_DICT checkpoint) with HOW ``ENOSPC`` fails as a full disk does, with
+  ``INT`` the rank gets SIGINT (Ctrl-C) there.
 - ``FAULT_LOGITS=PATH``: at the end of training, the trained model's logits on a fixed input go to PATH (every rank
   runs the forward, as FSDP must gather; rank 0 writes).
 
@@ -117,6 +119,9 @@ def _strike(how: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     elif how == "TERM-LAUNCHER":  # ... or the launcher, which forwards it to every worker
         os.kill(os.getppid(), signal.SIGTERM)
+    elif how == "HOST":  # the whole machine goes: its launcher (and so its other workers) and this rank
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     else:
         os.kill(os.getpid(), signal.SIGKILL)
 

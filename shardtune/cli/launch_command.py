@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from shardtune.errors import UsageError
 
@@ -15,8 +15,10 @@ DESCRIPTION = """``shardtune launch [launcher options] train ...``: start a trai
 It runs torchrun (``python -m torch.distributed.run``), the launcher PyTorch users know, with the rendezvous
 that the options or an Accelerate config file describe. Run the same command on every machine, changing only
 ``--machine_rank``. ``--max_restarts K`` restarts failed workers; with ``resume_from_checkpoint true`` they carry
-on from the newest complete checkpoint. ``--slurm [FILE]`` and ``--kubernetes [FILE]`` write the same job as an
-sbatch script or a Kubeflow PyTorchJob instead (``--submit`` hands it to sbatch / kubectl).
+on from the newest complete checkpoint. With ``--rdzv_backend c10d``, ``--num_machines MIN:MAX`` lets the job go on
+with fewer machines when one is lost (or start with MIN), keeping the global batch (docs/clusters.md).
+``--slurm [FILE]`` and ``--kubernetes [FILE]`` write the same job as an sbatch script or a Kubeflow PyTorchJob
+instead (``--submit`` hands it to sbatch / kubectl).
 """
 
 DEFAULT_GRACE_S = 300
@@ -32,13 +34,17 @@ def launcher_parser() -> argparse.ArgumentParser:
     p.add_argument("--num_processes", "--num-processes", type=int, default=None,
                    help="processes in all, over all machines (Accelerate's meaning); default: the config "
                         "file's, else the GPUs of this machine, else 1")
-    p.add_argument("--num_machines", "--num-machines", type=int, default=None)
+    p.add_argument("--num_machines", "--num-machines", default=None, metavar="N|MIN:MAX",
+                   help="machines in the job; MIN:MAX (with --rdzv_backend c10d): an elastic job that runs on "
+                        "any number of machines in that range")
     p.add_argument("--machine_rank", "--machine-rank", type=int, default=None)
     p.add_argument("--main_process_ip", "--main-process-ip", default=None)
     p.add_argument("--main_process_port", "--main-process-port", type=int, default=None)
     p.add_argument("--rdzv_backend", "--rdzv-backend", default=None, help="static (default) or c10d")
     p.add_argument("--rdzv_id", "--rdzv-id", default=None,
                    help="c10d only: the job's rendezvous id, the same on every machine (torchrun's --rdzv_id)")
+    p.add_argument("--rdzv_conf", "--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                   help="c10d only: torchrun's rendezvous settings, in seconds: " + ", ".join(RDZV_CONF_KEYS))
     p.add_argument("--max_restarts", "--max-restarts", type=int, default=0)
     p.add_argument("--monitor_interval", type=float, default=None)
     p.add_argument("--dry_run", "--dry-run", nargs="?", const=True, default=False, type=true_or_false,
@@ -66,10 +72,37 @@ def option_picker(opts: argparse.Namespace) -> Callable[[str, Any], Any]:
     return pick
 
 
+class MachineRange(NamedTuple):
+    """How many machines the job runs on: ``min == max`` for a fixed size, else an elastic range."""
+
+    min: int
+    max: int
+
+    @property
+    def elastic(self) -> bool:
+        return self.min != self.max
+
+    def __str__(self) -> str:  # torchrun's --nnodes
+        return f"{self.min}:{self.max}" if self.elastic else str(self.max)
+
+
+def machine_range(value: Any) -> MachineRange:
+    """``--num_machines`` as given: a count ``N`` or an elastic range ``MIN:MAX`` (torchrun's ``--nnodes``)."""
+    text = str(value).strip()
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.strip().isdigit() for p in parts):
+        raise UsageError(f"--num_machines {text}: give a number of machines N, or a range MIN:MAX such as 1:2 "
+                         "(with --rdzv_backend c10d)")
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1 or high < low:
+        raise UsageError(f"--num_machines {text}: the range MIN:MAX needs 1 <= MIN <= MAX, e.g. 1:2")
+    return MachineRange(low, high)
+
+
 def launch_size(pick: Callable[[str, Any], Any], default_per_machine: int | None = None) -> tuple[int, int]:
     """(num_machines, num_processes) of the job, checked; processes default to ``default_per_machine`` per
-    machine, else this machine's GPUs (at least 1)."""
-    num_machines = int(pick("num_machines", 1))
+    machine, else this machine's GPUs (at least 1). An elastic range counts its largest size."""
+    num_machines = machine_range(pick("num_machines", 1)).max
     num_processes = pick("num_processes", None)
     if num_processes is None:
         per_machine = max(1, _local_gpus()) if default_per_machine is None else default_per_machine
@@ -87,11 +120,18 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
     """The torchrun command line for ``opts``; the Accelerate file fills what the options leave out."""
     pick = option_picker(opts)
     num_machines, num_processes = launch_size(pick)
-    cmd = TORCHRUN + ["--nnodes", str(num_machines),
+    machines = machine_range(pick("num_machines", 1))
+    cmd = TORCHRUN + ["--nnodes", str(machines),
            "--nproc_per_node", str(num_processes // num_machines), "--max_restarts", str(opts.max_restarts)]
     if opts.monitor_interval is not None:
         cmd += ["--monitor_interval", str(opts.monitor_interval)]
     rdzv = str(pick("rdzv_backend", "static"))
+    if machines.elastic and rdzv != "c10d":
+        raise UsageError(f"--num_machines {machines} is an elastic range: add --rdzv_backend c10d (a static "
+                         f"rendezvous waits for a fixed number of machines), or give one number")
+    if opts.rdzv_conf is not None and not (num_machines > 1 and rdzv == "c10d"):
+        raise UsageError(f"--rdzv_conf {opts.rdzv_conf} configures a c10d rendezvous of several machines: add "
+                         f"--rdzv_backend c10d and --num_machines 2 or more, or leave --rdzv_conf out")
     if opts.rdzv_id and not (num_machines > 1 and rdzv == "c10d"):
         raise UsageError(f"--rdzv_id {opts.rdzv_id} names a c10d rendezvous of several machines: add "
                          f"--rdzv_backend c10d and --num_machines 2 or more, or leave --rdzv_id out")
@@ -106,6 +146,8 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
             cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{ip}:{port}"]
             if opts.rdzv_id:
                 cmd += ["--rdzv_id", opts.rdzv_id]
+            if opts.rdzv_conf is not None:
+                cmd += ["--rdzv_conf", rdzv_conf(opts.rdzv_conf)]
         else:
             rank = pick("machine_rank", None)
             if rank is None:
@@ -120,6 +162,30 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
         cmd += ["--config_file", opts.config_file]
     cmd += ["--num_processes", str(num_processes), "--num_machines", str(num_machines)]
     return cmd + train_args
+
+
+# torchrun's c10d rendezvous settings (torch.distributed.elastic.rendezvous.dynamic_rendezvous), all in seconds:
+# join_timeout (wait for MIN machines), last_call_timeout (then for more, up to MAX), close_timeout, and
+# keep_alive_interval x keep_alive_max_attempt (how soon a lost machine is dropped from the next round), and the
+# store's read_timeout.
+RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval",
+                  "keep_alive_max_attempt", "read_timeout")
+
+
+def rdzv_conf(text: str) -> str:
+    """``--rdzv_conf`` checked: known keys with whole positive values; torchrun would ignore a mistyped key."""
+    from shardtune.errors import closest
+
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if key not in RDZV_CONF_KEYS:
+            near = closest(key, list(RDZV_CONF_KEYS))
+            hint = f"did you mean {near}? " if near else ""
+            raise UsageError(f"--rdzv_conf: unknown setting {key!r}; {hint}known: {', '.join(RDZV_CONF_KEYS)}")
+        if not sep or not value.isdigit() or int(value) < 1:
+            raise UsageError(f"--rdzv_conf {key}={value}: give a whole number of seconds (or attempts), 1 or more, "
+                             f"e.g. {key}=30")
+    return ",".join(item.replace(" ", "") for item in text.split(","))
 
 
 def true_or_false(text: str) -> bool:

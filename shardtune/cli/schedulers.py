@@ -54,6 +54,9 @@ def check_scheduler_options(opts: argparse.Namespace) -> None:
     if decided := _given(opts, ("machine_rank", "main_process_ip", "rdzv_id")):
         raise UsageError(f"{decided[0]}: with {form} the cluster decides each node's rank, and the rendezvous "
                          f"is the job's first node (c10d, named after the job): leave {decided[0]} out")
+    if opts.num_machines is not None and ":" in str(opts.num_machines):
+        raise UsageError(f"--num_machines {opts.num_machines}: a {form} job asks the cluster for a fixed number of "
+                         f"nodes: give one number (an elastic range runs with 'shardtune launch' on each machine)")
     if opts.rdzv_backend not in (None, "c10d"):
         raise UsageError(f"--rdzv_backend {opts.rdzv_backend}: a {form} job always meets through c10d on its "
                          f"first node: leave --rdzv_backend out")
@@ -138,6 +141,8 @@ def node_command(shape: JobShape, opts: argparse.Namespace, host: str, rdzv_id: 
     if shape.num_machines > 1:
         launch += ["--rdzv_backend", "c10d", "--main_process_ip", host, "--main_process_port", str(shape.port),
                    "--rdzv_id", rdzv_id]
+    if opts.rdzv_conf is not None:  # refused below on one node, where no rendezvous is held
+        launch += ["--rdzv_conf", opts.rdzv_conf]
     launch += ["--max_restarts", str(shape.max_restarts)]
     if opts.monitor_interval is not None:
         launch += ["--monitor_interval", str(opts.monitor_interval)]

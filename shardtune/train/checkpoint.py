@@ -328,6 +328,7 @@ def write_fix(exc: BaseException, out: Path) -> str:
 class ResumePoint(NamedTuple):
     path: Path
     changed: list[str]  # the settings that differ from the checkpoint's and take effect from here
+    gradient_accumulation_steps: int  # keeps the checkpoint's global batch on this run's processes
 
 
 def resume_point(cfg: TrainConfig, info) -> ResumePoint | None:
@@ -339,7 +340,7 @@ def resume_point(cfg: TrainConfig, info) -> ResumePoint | None:
     old = load_train_config([str(path / "config.yaml")])
     saved_world = 1 if old.distributed.distributed_type == "PP" else int(read_json(path / MANIFEST)["world_size"])
     world = 1 if cfg.distributed.distributed_type == "PP" else info.world_size
-    return ResumePoint(path, check_resume(path, old, cfg, saved_world=saved_world, world=world))
+    return ResumePoint(path, *check_resume(path, old, cfg, saved_world=saved_world, world=world))
 
 
 class Checkpointer:

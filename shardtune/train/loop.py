@@ -32,6 +32,7 @@ from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks
                                      progress_bar, start_peak_memory)
 from shardtune.train.output_dir import OutputDirLock, claim_output_dir
 from shardtune.train.plan import needs_process_group, unwrap
+from shardtune.train.resume import with_accumulation
 from shardtune.train.step import NonFiniteLoss, train_step
 
 __all__ = ["TrainingStopped", "train"]
@@ -107,6 +108,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
            sigterm: SigtermFlag) -> dict[str, Any]:
     resume = resume_point(cfg, info)  # a damaged checkpoint, or a setting it cannot change, stops the run here
     out = Path(cfg.run.output_dir)
+    if resume is not None:  # on another number of processes, accumulation keeps the checkpoint's global batch
+        cfg = with_accumulation(cfg, resume.gradient_accumulation_steps)
     if info.is_main:
         save_resolved(cfg, out / "config.yaml")
     seed_everything(cfg.run.seed)

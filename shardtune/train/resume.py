@@ -3,13 +3,20 @@
 The trained weights, the optimizer's moments and the data position only mean something for the model, adapters and
 data they were made with: changing those on resume is refused in one line naming the key and both values. The
 rest (learning rate, max_steps, the logging, eval and save cadence, ...) takes effect and is logged.
+
+The global batch (per_device_train_batch_size x gradient_accumulation_steps x processes) is tied to the data
+position too. On as many processes as the checkpoint was saved on, changing it is refused. On another number of
+processes (an elastic job that lost or regained a machine, or a resume elsewhere), gradient_accumulation_steps is
+derived from the checkpoint's global batch, with a logged line, and where no whole number of accumulation steps
+keeps it the resume is refused naming the fix.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 from shardtune.config import TrainConfig
 from shardtune.config.optimizers import OPTIMIZERS
@@ -45,9 +52,41 @@ def global_batch(values: dict[str, Any], data_world: int) -> int:
     return int(values["per_device_train_batch_size"]) * int(values["gradient_accumulation_steps"]) * data_world
 
 
-def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, saved_world: int, world: int) -> list[str]:
+def accumulation_for(label: str, old: dict[str, Any], new: dict[str, Any], *, saved_world: int, world: int) -> int:
+    """The gradient_accumulation_steps that keeps the checkpoint's global batch on ``world`` processes (see the
+    module's docstring); ``old`` / ``new``: the checkpoint's and this run's flat configs."""
+    before, now = global_batch(old, saved_world), global_batch(new, world)
+    configured = int(new["gradient_accumulation_steps"])
+    if before == now:
+        return configured
+    if world == saved_world:
+        raise UsageError(f"{label}: the global batch was {before} rows per step (per_device_train_batch_size x "
+                         f"gradient_accumulation_steps x {saved_world} process(es)) and is {now} now; the data "
+                         f"position counts steps of the first. Keep the global batch, e.g. with "
+                         f"gradient_accumulation_steps")
+    per_micro_step = int(new["per_device_train_batch_size"]) * world  # rows one micro-step reads on all ranks
+    if before % per_micro_step:
+        raise UsageError(f"{label}: the checkpoint's global batch of {before} rows per step ({saved_world} "
+                         f"process(es)) cannot be kept on {world}: {before} is not a multiple of "
+                         f"per_device_train_batch_size {new['per_device_train_batch_size']} x {world} process(es). "
+                         f"Resume on a number of processes that divides it, or set per_device_train_batch_size so "
+                         f"that it does")
+    steps = before // per_micro_step
+    log.warning("resume on %d process(es), the checkpoint was saved on %d: gradient_accumulation_steps %d -> %d "
+                "keeps its global batch of %d rows per step (per_device_train_batch_size %s x %d x %d)", world,
+                saved_world, configured, steps, before, new["per_device_train_batch_size"], steps, world)
+    return steps
+
+
+class ResumeCheck(NamedTuple):
+    changed: list[str]  # settings that differ from the checkpoint's and take effect from here
+    gradient_accumulation_steps: int  # what keeps the checkpoint's global batch on this run's processes
+
+
+def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, saved_world: int,
+                 world: int) -> ResumeCheck:
     """Refuse a resume from ``checkpoint`` (saved with the config ``saved``) that changes what it is tied to;
-    return the changed keys, which take effect.
+    return the changed keys, which take effect, and the accumulation that keeps the global batch.
 
     ``saved_world`` / ``world``: how many ranks split each global batch then and now (pipeline stages read it
     whole, so they count as one).
@@ -61,19 +100,21 @@ def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, save
             raise UsageError(f"{label}: {key} was {old.get(key)!r} when the checkpoint was saved and is "
                              f"{new.get(key)!r} now; its weights, optimizer state and data position belong to "
                              f"the first. Set {key} back, or start a new run in another output_dir")
-    before, now = global_batch(old, saved_world), global_batch(new, world)
-    if before != now:
-        raise UsageError(f"{label}: the global batch was {before} rows per step (per_device_train_batch_size x "
-                         f"gradient_accumulation_steps x {saved_world} process(es)) and is {now} now; the data "
-                         f"position counts steps of the first. Keep the global batch, e.g. with "
-                         f"gradient_accumulation_steps")
+    accumulation = accumulation_for(label, old, new, saved_world=saved_world, world=world)
     ignore = {"resume_from_checkpoint", "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
               "num_processes", "num_machines", "distributed_type"}
     changed = [k for k in new if k not in ignore and k not in FIXED and old.get(k) != new.get(k)]
     for key in changed:
         log.info("resume: %s changed from %r to %r; the new value takes effect from here", key, old.get(key),
                  new.get(key))
-    return changed
+    return ResumeCheck(changed, accumulation)
+
+
+def with_accumulation(cfg: TrainConfig, gradient_accumulation_steps: int) -> TrainConfig:
+    """``cfg`` running ``gradient_accumulation_steps`` (the resolved config and checkpoints then say so)."""
+    if gradient_accumulation_steps == cfg.run.gradient_accumulation_steps:
+        return cfg
+    return replace(cfg, run=replace(cfg.run, gradient_accumulation_steps=gradient_accumulation_steps))
 
 
 def apply_learning_rate(optimizer, scheduler, learning_rate: float) -> None:
