@@ -93,7 +93,14 @@ DESCRIPTIONS = {
     "early_stopping_threshold": "How much an evaluation must beat the best one by to count as an improvement.",
     "neftune_noise_alpha": ("NEFTune: uniform noise of +-alpha/sqrt(seq_len x hidden) on the input embeddings "
                             "while training (the paper uses 5); none in evaluation and generation."),
-    "report_to": "none, or tensorboard (event files beside metrics.jsonl).",
+    "report_to": ("Experiment trackers that get every metrics.jsonl record (at its step) and this config, on rank 0: "
+                  "tensorboard, wandb, mlflow, trackio, a list of them (comma-separated on the command line), "
+                  "all (every installed one) or none. A tracker whose package is missing is refused at start "
+                  "(pip install 'shardtune[trackers]'). None needs the network: wandb runs offline in "
+                  "output_dir/wandb unless WANDB_MODE or credentials say otherwise; mlflow writes a file store "
+                  "in output_dir/mlruns unless MLFLOW_TRACKING_URI is set; trackio its local store "
+                  "(TRACKIO_DIR); tensorboard event files in output_dir/tensorboard/RUN_NAME."),
+    "run_name": "The run's name in every report_to tracker (default: the output_dir's folder name).",
     "ddp_timeout": "Seconds a collective may wait before the run stops, naming the rank and operation.",
     "dry_run": "Print the resolved config, trace one step of the job it describes on fake tensors (per-GPU peak: "
                "tensors and reserved memory, by category and module), and exit without training.",

@@ -25,7 +25,8 @@ import yaml
 
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
 from shardtune.config.schema import ACCELERATE_IGNORED, IGNORED_KEYS, TrainConfig, known_keys, section_classes
-from shardtune.config.validation import device_problems, input_problems, model_folder_problems, validate
+from shardtune.config.validation import (device_problems, input_problems, model_folder_problems, resolve_report_to,
+                                         tracker_problems, validate)
 from shardtune.errors import UsageError, closest
 
 # Accelerate's names for data parallel; both mean one replica per process here.
@@ -441,6 +442,7 @@ def _normalise(cfg: TrainConfig) -> None:
     for name in ("logging_strategy", "eval_strategy", "log_level", "hub_strategy"):
         setattr(cfg.run, name, getattr(cfg.run, name).lower())
     cfg.checkpoint.save_strategy = cfg.checkpoint.save_strategy.lower()
+    cfg.run.report_to = resolve_report_to(cfg.run.report_to)
 
 
 def load_train_config(argv: list[str], *, training: bool = True) -> TrainConfig:
@@ -464,7 +466,8 @@ def run_config_problems(argv: list[str]) -> tuple[TrainConfig, dict[str, Origin]
     """The config of a job about to start, where each key was set, and every problem ``load_run_config`` reports."""
     cfg, given, problems = _apply(_layers(argv), training=True)
     if not cfg.run.dry_run:
-        problems += input_problems(cfg, given) + model_folder_problems(cfg, given) + device_problems(cfg)
+        problems += (input_problems(cfg, given) + model_folder_problems(cfg, given) + device_problems(cfg)
+                     + tracker_problems(cfg, given))
     return cfg, given, problems
 
 

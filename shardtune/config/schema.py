@@ -27,6 +27,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 ACCEPTED_OPTIMS = tuple(OPTIMIZERS)
 # The final model is uploaded once, after training (train/loop.py push_to_hub): Transformers calls that "end".
 HUB_STRATEGIES = ("end",)
+# report_to: each experiment tracker, the module it imports and the PyPI package that provides it.
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                    "mlflow": ("mlflow", "mlflow-skinny"), "trackio": ("trackio", "trackio")}
 BACKWARD_PREFETCH = ("BACKWARD_PRE",)
 FSDP_VERSIONS = (2,)  # the trainer shards with FSDP2's fully_shard
 SECRET_KEYS = {"hub_token"}  # never written into config.yaml beside the checkpoints
@@ -101,7 +104,10 @@ class RunConfig:
     early_stopping_patience: int | None = None
     early_stopping_threshold: float = 0.0
     neftune_noise_alpha: float | None = None  # NEFTune: uniform noise on the input embeddings while training
-    report_to: str = "none"  # "tensorboard" writes event files beside metrics.jsonl
+    # Experiment trackers that get every metrics.jsonl record and the config, on rank 0: names of TRACKER_PACKAGES,
+    # "all" (every installed one) or "none"; resolved to the list of names at load.
+    report_to: list[str] = field(default_factory=list)
+    run_name: str | None = None  # the run's name in every tracker; default: the output_dir's folder name
     ddp_timeout: int = 1800  # seconds a collective may wait before the run stops naming the rank and operation
     dry_run: bool = False
     # Trace the job at the end and record the predicted peak beside the measured one. The environment variable
@@ -212,5 +218,5 @@ ACCELERATE_IGNORED = {"compute_environment", "debug", "main_training_function", 
                       "fsdp_offload_optimizer"}
 # TrainingArguments / TRL keys that shardtune accepts and that change nothing here (logging of other tools).
 IGNORED_KEYS = {"logging_first_step", "logging_nan_inf_filter", "dataloader_num_workers", "remove_unused_columns",
-                "do_train", "do_eval", "run_name", "disable_tqdm", "save_safetensors",
+                "do_train", "do_eval", "disable_tqdm", "save_safetensors",
                 "include_num_input_tokens_seen", "ddp_find_unused_parameters"}

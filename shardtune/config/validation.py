@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,8 @@ from typing import Any
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, non_cuda_alternative
 from shardtune.config.schema import (ACCEPTED_OPTIMS, BACKWARD_PREFETCH, DATASET_PLACEHOLDER, DISTRIBUTED_TYPES, FSDP_VERSIONS,
                                      HUB_STRATEGIES, LOG_LEVELS, MIXED_PRECISIONS, PIPELINE_SCHEDULES, SCHEDULERS,
-                                     SHARDING_STRATEGIES, STATE_DICT_TYPES, STRATEGIES_STEPS, WRAP_POLICIES,
+                                     SHARDING_STRATEGIES, STATE_DICT_TYPES, STRATEGIES_STEPS, TRACKER_PACKAGES,
+                                     WRAP_POLICIES,
                                      OptimConfig, TrainConfig)
 from shardtune.hub import looks_like_local_path, model_folder_problem
 from shardtune.errors import closest
@@ -45,7 +47,7 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
     _choice(problems, "eval_strategy", r.eval_strategy, STRATEGIES_STEPS)
     _choice(problems, "save_strategy", ck.save_strategy, STRATEGIES_STEPS)
     _choice(problems, "log_level", r.log_level, LOG_LEVELS)
-    _choice(problems, "report_to", r.report_to, ("none", "tensorboard"))
+    problems += report_to_problems(r.report_to)
     _choice(problems, "bnb_4bit_quant_type", lo.bnb_4bit_quant_type, ("nf4", "fp4"))
     for key, value in (("per_device_train_batch_size", r.per_device_train_batch_size),
                        ("per_device_eval_batch_size", r.per_device_eval_batch_size),
@@ -239,3 +241,43 @@ def model_folder_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list
     problem = model_folder_problem(model, f"model_name_or_path '{model}'", trust_fix="set trust_remote_code true",
                                    trust_remote_code=cfg.model.trust_remote_code)
     return [f"{given.get('model_name_or_path', 'config')}: {problem}"] if problem else []
+def resolve_report_to(names: list[str]) -> list[str]:
+    """``report_to`` as Transformers reads it: "none" alone is no tracker, "all" alone every installed one (in
+    TRACKER_PACKAGES' order); other names lower-cased, repeats dropped, for ``report_to_problems`` to check."""
+    lowered = list(dict.fromkeys(name.strip().lower() for name in names if name.strip()))
+    if lowered == ["none"]:
+        return []
+    if lowered == ["all"]:
+        return [name for name in TRACKER_PACKAGES if tracker_installed(name)]
+    return lowered
+
+
+def report_to_problems(names: list[str]) -> list[str]:
+    """A name that is no tracker, or "none"/"all" beside other names."""
+    choices = (*TRACKER_PACKAGES, "all", "none")
+    problems: list[str] = []
+    for name in names:
+        _choice(problems, "report_to", name, choices)
+    if len(names) > 1 and {"none", "all"} & set(names):
+        problems.append(f"report_to={','.join(names)}: none and all stand alone; give one of them, or tracker names")
+    return problems
+
+
+def tracker_installed(name: str) -> bool:
+    return importlib.util.find_spec(TRACKER_PACKAGES[name][0]) is not None
+
+
+def missing_tracker_message(name: str) -> str:
+    """One line for a tracker whose package is not installed: what to install, or what to drop."""
+    package = TRACKER_PACKAGES[name][1]
+    return (f"report_to {name} needs the {package} package, which is not installed: pip install {package} (or pip "
+            f"install 'shardtune[trackers]' for all of them), or remove {name} from report_to")
+
+
+def tracker_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
+    """Trackers named in ``report_to`` whose package is missing, found before anything is written."""
+    where = given.get("report_to", "config")
+    return [f"{where}: {missing_tracker_message(name)}" for name in cfg.run.report_to
+            if name in TRACKER_PACKAGES and not tracker_installed(name)]
+
+

@@ -34,6 +34,7 @@ from shardtune.train.output_dir import OutputDirLock, claim_output_dir
 from shardtune.train.plan import needs_process_group, unwrap
 from shardtune.train.resume import with_accumulation
 from shardtune.train.step import NonFiniteLoss, train_step
+from shardtune.train.trackers import start_trackers
 
 __all__ = ["TrainingStopped", "train"]
 
@@ -107,9 +108,9 @@ def train(cfg: TrainConfig, callbacks: Sequence[Any] = (), *,
 def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bounds,
            sigterm: SigtermFlag) -> dict[str, Any]:
     resume = resume_point(cfg, info)  # a damaged checkpoint, or a setting it cannot change, stops the run here
-    out = Path(cfg.run.output_dir)
     if resume is not None:  # on another number of processes, accumulation keeps the checkpoint's global batch
         cfg = with_accumulation(cfg, resume.gradient_accumulation_steps)
+    out = Path(cfg.run.output_dir)
     if info.is_main:
         save_resolved(cfg, out / "config.yaml")
     seed_everything(cfg.run.seed)
@@ -118,8 +119,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
                                 flat_optimizer=job.runner.flat_optimizer)
     checkpointer.resume(resume)
     start_step = job.state.step  # what this run adds is counted from here
-    metrics = MetricsLog(out, job.info, tensorboard=cfg.run.report_to == "tensorboard",
-                         strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps)
+    trackers = start_trackers(cfg.run.report_to, out, cfg.run.run_name, cfg.to_flat(), enabled=job.info.is_main)
+    metrics = MetricsLog(out, job.info, trackers, strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps)
     hooks = CallbackList(callbacks, cfg, job.state)
     hooks.on_train_begin(model=job.model, optimizer=job.optimizer, plan=job.plan, info=job.info)
     start_peak_memory(job.info.device)
@@ -127,11 +128,13 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     started = time.perf_counter()
     try:
         stopped_by = loop.run()
-    finally:
-        metrics.close()
-    summary = run_summary(job, checkpointer, stopped_by=stopped_by, start_step=start_step, tokens=loop.tokens,
-                          wall=time.perf_counter() - started)
-    hooks.on_train_end(model=job.model, summary=summary, log=metrics.write)
+        summary = run_summary(job, checkpointer, stopped_by=stopped_by, start_step=start_step, tokens=loop.tokens,
+                              wall=time.perf_counter() - started)
+        hooks.on_train_end(model=job.model, summary=summary, log=metrics.write)  # trackers get these records too
+    except BaseException:
+        metrics.close(failed=True)
+        raise
+    metrics.close()
     if stopped_by == "SIGTERM":
         verify_stop_checkpoint(job, checkpointer)
     else:

@@ -15,6 +15,7 @@ import torch
 
 from shardtune.dist import DistInfo
 from shardtune.hardware import peak_bf16_flops
+from shardtune.train.trackers import Trackers
 
 log = logging.getLogger("shardtune")
 
@@ -45,27 +46,18 @@ def max_over_ranks(value: int, device: torch.device) -> int:
 
 
 class MetricsLog:
-    """``metrics.jsonl`` in the output folder, appended (a resumed run continues the same file); rank 0 writes."""
+    """``metrics.jsonl`` in the output folder, appended (a resumed run continues the same file); rank 0 writes,
+    and hands each record to the ``report_to`` trackers (``trackers.py``)."""
 
-    def __init__(self, output_dir: str | Path, info: DistInfo, tensorboard: bool = False, *,
+    def __init__(self, output_dir: str | Path, info: DistInfo, trackers: Trackers | None = None, *,
                  strategy: str = "steps", every: int = 1) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.info = info
         self.enabled = info.is_main
         self.strategy, self.every = strategy, every  # logging_strategy, logging_steps
         self._window_tokens, self._window_start = 0, time.perf_counter()
-        self._tb = None
+        self.trackers = trackers if trackers is not None else Trackers()
         self._write_failed = False
-        if self.enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                from shardtune.errors import UsageError
-
-                raise UsageError("report_to=tensorboard needs the tensorboard package: pip install tensorboard "
-                                 "(or set report_to none)") from None
-
-            self._tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
 
     def should_log(self, step: int, *, at_epoch_end: bool, last: bool) -> bool:
         """``logging_strategy`` steps: every ``logging_steps``, the first and the last step; epoch: each epoch's end."""
@@ -94,6 +86,7 @@ class MetricsLog:
         going, with one warning: the next checkpoint's save says in one line whether the disk is still full."""
         if not self.enabled:
             return
+        self.trackers.log(record)  # each tracker's own failures are its own: they never stop this file
         try:
             append_line(self.path, json.dumps(record))
         except OSError as exc:
@@ -102,17 +95,10 @@ class MetricsLog:
                             "training goes on; free disk space (the next checkpoint needs it too)", self.path,
                             record.get("step"), exc.strerror or exc)
             self._write_failed = True
-            return
-        if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tb.add_scalar(key, value, record["step"])
-            self._tb.flush()
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+    def close(self, failed: bool = False) -> None:
+        """Finish the trackers' runs (``failed``: the run stopped with an error); a second call does nothing."""
+        self.trackers.finish(failed)
 
 
 def append_line(path: Path, text: str) -> None:

@@ -27,7 +27,9 @@ log = logging.getLogger("shardtune")
 
 LOCK = ".shardtune.lock"
 # What a run writes into output_dir; overwrite_output_dir removes these and nothing else.
-RUN_FILES = ("checkpoints", "final", "tensorboard", "config.yaml", "metrics.jsonl", "summary.json")
+# (wandb/ and mlruns/: report_to wandb and mlflow's local runs; MLFLOW_TRACKING_URI elsewhere is not touched.)
+RUN_FILES = ("checkpoints", "final", "tensorboard", "wandb", "mlruns", "config.yaml", "metrics.jsonl",
+             "summary.json")
 
 
 class OutputDirLock:

@@ -1,0 +1,248 @@
+"""Experiment trackers named by ``report_to``: TensorBoard, Weights & Biases, MLflow and Trackio.
+
+Each gets what ``metrics.jsonl`` gets (every numeric value of every record, at the record's ``step``) and the
+resolved config, on rank 0 only. Each is one small class: ``start(run_name, config)`` returns where the run is
+written, ``log(scalars, step)``, ``finish(failed)``. None of them needs the network: W&B runs offline unless it
+has credentials or WANDB_MODE says otherwise, MLflow writes a file store in the output folder unless
+MLFLOW_TRACKING_URI names another, Trackio writes its local SQLite store, TensorBoard event files. Their packages
+are optional (``pip install 'shardtune[trackers]'``) and imported only when named.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import netrc
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+from shardtune.config.validation import missing_tracker_message
+from shardtune.errors import TrainingStopped, UsageError, first_line
+
+log = logging.getLogger("shardtune")
+
+PROJECT = "shardtune"  # the W&B project, MLflow experiment and Trackio project unless their env variables say
+MLFLOW_MAX_PARAMS = 100  # MLflow's limit of params in one log_batch call
+
+
+class Tracker(Protocol):
+    name: str
+
+    def start(self, run_name: str, config: dict[str, Any]) -> str:
+        """Open the run with ``config`` as its parameters; returns where it is written, in words."""
+
+    def log(self, scalars: dict[str, float], step: int) -> None: ...
+
+    def finish(self, failed: bool) -> None: ...
+
+
+class TensorBoardTracker:
+    """Event files under ``output_dir/tensorboard/RUN_NAME``, the config as a text summary."""
+
+    name = "tensorboard"
+
+    def __init__(self, output_dir: Path) -> None:
+        self.root = output_dir / "tensorboard"
+        self.writer = None
+
+    def start(self, run_name: str, config: dict[str, Any]) -> str:
+        from torch.utils.tensorboard import SummaryWriter
+
+        folder = self.root / run_name.replace(os.sep, "_")
+        self.writer = SummaryWriter(log_dir=str(folder))
+        # Markdown shows a code block as it is; the reader strips the fence.
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```")
+        return f"event files in {folder} (tensorboard --logdir {self.root})"
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def finish(self, failed: bool) -> None:
+        self.writer.close()
+
+
+def wandb_has_credentials() -> bool:
+    """An API key or identity token in the environment, or a ~/.netrc login for the W&B host."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    base = os.environ.get("WANDB_BASE_URL")
+    hosts = {urlparse(base).hostname} if base else {"api.wandb.ai", wandb_default_host()}
+    try:
+        logins = netrc.netrc(os.environ.get("NETRC") or None)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return any(host and logins.authenticators(host) for host in hosts)
+
+
+def wandb_default_host() -> str | None:
+    import wandb
+
+    return urlparse(wandb.Settings().base_url).hostname
+
+
+class WandbTracker:
+    """A W&B run in ``output_dir/wandb``; offline unless WANDB_MODE is set or credentials are configured."""
+
+    name = "wandb"
+
+    def __init__(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
+        self.run = None
+
+    def start(self, run_name: str, config: dict[str, Any]) -> str:
+        import wandb
+
+        offline = not os.environ.get("WANDB_MODE") and not wandb_has_credentials()
+        if offline:  # the global settings too: with only the run's, wandb's telemetry still calls its server
+            wandb.setup(settings=wandb.Settings(mode="offline"))
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, config=config,
+                              dir=str(self.output_dir))
+        folder = self.run.settings.sync_dir
+        if offline:
+            return (f"offline run in {folder} (no WANDB_API_KEY or ~/.netrc login, WANDB_MODE unset); "
+                    f"'wandb sync {folder}' uploads it")
+        return f"run {self.run.id} ({self.run.settings.mode}), files in {folder}"
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def finish(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class MlflowTracker:
+    """An MLflow run at MLFLOW_TRACKING_URI, else in a file store at ``output_dir/mlruns``."""
+
+    name = "mlflow"
+
+    def __init__(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
+        self.client, self.run_id = None, None
+
+    def start(self, run_name: str, config: dict[str, Any]) -> str:
+        # Before the import: MLflow's usage telemetry would otherwise call its server.
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = (self.output_dir / "mlruns").resolve().as_uri()
+            # MLflow 3 keeps the file store working only on request; it needs no server and no database package.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
+        experiment = self.client.get_experiment_by_name(experiment_name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(experiment_name)
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        params = [Param(key, str(value)) for key, value in config.items()]
+        for first in range(0, len(params), MLFLOW_MAX_PARAMS):
+            self.client.log_batch(self.run_id, params=params[first:first + MLFLOW_MAX_PARAMS])
+        return f"run {self.run_id} in experiment {experiment_name} at {uri}"
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now_ms, step) for k, v in scalars.items()])
+
+    def finish(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+class TrackioTracker:
+    """A Trackio run in its local store (TRACKIO_DIR, else HF_HOME/trackio); remote only where TRACKIO_SPACE_ID
+    or TRACKIO_SERVER_URL ask for it."""
+
+    name = "trackio"
+
+    def __init__(self, output_dir: Path) -> None:
+        self.run = None
+
+    def start(self, run_name: str, config: dict[str, Any]) -> str:
+        import trackio
+        from trackio.utils import TRACKIO_DIR
+
+        project = os.environ.get("TRACKIO_PROJECT", PROJECT)
+        self.run = trackio.init(project=project, name=run_name, config=config, embed=False)
+        remote = os.environ.get("TRACKIO_SPACE_ID") or os.environ.get("TRACKIO_SERVER_URL")
+        where = f"sent to {remote}" if remote else f"stored in {TRACKIO_DIR}"
+        return f"run {run_name} in project {project}, {where} (trackio show --project {project})"
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def finish(self, failed: bool) -> None:
+        self.run.finish()
+
+
+TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker,
+                             "trackio": TrackioTracker}
+
+
+def scalars_of(record: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics.jsonl record, ``step`` aside (it is the x axis); booleans and text left out."""
+    return {key: value for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+class Trackers:
+    """The started trackers of a run. A tracker that fails mid-run (a full disk, a dropped connection) is warned
+    about once and kept; training goes on and metrics.jsonl stays the record."""
+
+    def __init__(self, trackers: Sequence[Tracker] = ()) -> None:
+        self.trackers = list(trackers)
+        self._warned: set[str] = set()
+
+    def log(self, record: dict[str, Any]) -> None:
+        scalars = scalars_of(record)
+        if "step" not in record or not scalars:
+            return
+        for tracker in self.trackers:
+            self._guard(tracker, "log", lambda t=tracker: t.log(scalars, int(record["step"])))
+
+    def finish(self, failed: bool = False) -> None:
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            self._guard(tracker, "finish", lambda t=tracker: t.finish(failed))
+
+    def _guard(self, tracker: Tracker, what: str, call) -> None:
+        try:
+            call()
+        except Exception as exc:  # a tracker's trouble must never stop training
+            if tracker.name not in self._warned:
+                log.warning("report_to %s: %s failed (%s); training goes on, metrics.jsonl keeps every record",
+                            tracker.name, what, first_line(str(exc), type(exc).__name__))
+            self._warned.add(tracker.name)
+
+
+def start_trackers(names: Sequence[str], output_dir: str | Path, run_name: str | None, config: dict[str, Any],
+                   *, enabled: bool) -> Trackers:
+    """Start the trackers ``report_to`` names (``enabled``: on rank 0 only). One that cannot start stops the run
+    in one line, after the ones already started are closed."""
+    started = Trackers()
+    if not enabled:
+        return started
+    output_dir = Path(output_dir)
+    name_of_run = run_name or output_dir.resolve().name
+    for name in names:
+        tracker = TRACKERS[name](output_dir)
+        try:
+            where = tracker.start(name_of_run, config)
+        except ImportError:
+            started.finish(failed=True)
+            raise UsageError(missing_tracker_message(name)) from None
+        except Exception as exc:
+            started.finish(failed=True)
+            why = first_line(str(exc), type(exc).__name__)
+            raise TrainingStopped(f"report_to {name}: could not start the run ({why}); fix that, or remove {name} "
+                                  f"from report_to") from exc
+        log.info("report_to %s: %s", name, where)
+        started.trackers.append(tracker)
+    return started

@@ -1,0 +1,266 @@
+"""report_to: one short run logged to TensorBoard, W&B (offline), MLflow (file store) and Trackio (local), each read
+back with its own reader and compared with metrics.jsonl; and the config checks of report_to."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardtune.config import load_train_config
+from shardtune.config.schema import TRACKER_PACKAGES
+from tests.trainutil import flags, write_chat_data
+
+ALL = ",".join(TRACKER_PACKAGES)
+pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m, _ in TRACKER_PACKAGES.values()),
+                                reason="pip install 'shardtune[trackers]' (the dev extra has them)")
+
+
+def args(root: Path, *extra: str) -> list[str]:
+    return flags("--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "chat.jsonl"),
+                 "--splits", "train", "--max_seq_len", "64", "--packing", "True", "--max_steps", "4",
+                 "--per_device_train_batch_size", "2", "--logging_steps", "1", "--eval_strategy", "steps",
+                 "--eval_steps", "2", "--eval_split_ratio", "0.1", "--save_strategy", "no",
+                 "--learning_rate", "3e-3", "--output_dir", str(root / "out"), *extra)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    from shardtune.testing.tiny import make_model_folder
+
+    root = tmp_path_factory.mktemp("trackers")
+    make_model_folder(root / "model")
+    write_chat_data(root / "chat.jsonl", rows=200)
+    return root
+
+
+def offline_env(monkeypatch, tmp: Path) -> None:
+    """No credentials, no tracking server, every tracker's files under ``tmp``; variables the product sets for
+    itself are put back afterwards (set, then deleted: monkeypatch restores both)."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_PROJECT",
+                 "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL",
+                 "TRACKIO_PROJECT", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_DISABLE_TELEMETRY"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    (tmp / "netrc").write_text("")
+    monkeypatch.setenv("NETRC", str(tmp / "netrc"))
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp / name.lower()))
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp / "trackio"))  # read when trackio is first imported
+
+
+NETWORK_CALLS: list[tuple[str, str]] = []
+LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", ""}
+
+
+def watch_network(event: str, event_args: tuple) -> None:
+    """An audit hook: name lookups and connections to other hosts made by Python code of this process while the
+    run trains. (It cannot see wandb-core, another process, nor threads that call out after the run.)"""
+    if not WATCHING or event not in ("socket.getaddrinfo", "socket.connect"):
+        return
+    address = event_args[0] if event == "socket.getaddrinfo" else event_args[1]
+    host = address if isinstance(address, str) else address[0] if isinstance(address, tuple) else ""
+    if event == "socket.connect" and isinstance(address, str):
+        return  # a Unix socket: wandb's service
+    if str(host) not in LOCAL_HOSTS:
+        NETWORK_CALLS.append((event, str(host)))
+
+
+WATCHING = False
+
+
+def expected(out: Path) -> dict[tuple[str, int], float]:
+    """(key, step) -> value of every number metrics.jsonl holds."""
+    from shardtune.train.trackers import scalars_of
+
+    found = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        found.update({(key, record["step"]): value for key, value in scalars_of(record).items()})
+    return found
+
+
+def wandb_records(path: Path):
+    """The records of a .wandb transaction log. wandb 0.31 ships no Python reader for it (wandb-core writes it;
+    the old ``wandb.sdk.internal.datastore`` is gone), so this walks its framing (LevelDB's log format after a
+    7-byte W&B header: 32 KiB blocks, chunks of crc32, length, type) and parses each record with wandb's own
+    protobuf class, ``wandb.proto.wandb_internal_pb2.Record``."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, pos, pending = path.read_bytes(), 32768, 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def read_wandb(out: Path) -> tuple[str, dict, dict]:
+    (log_file,) = glob.glob(str(out / "wandb" / "offline-run-*" / "*.wandb"))
+    name, config, history = None, {}, {}
+    for record in wandb_records(Path(log_file)):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            name = record.run.display_name
+            config.update({i.key: json.loads(i.value_json) for i in record.run.config.update})
+        elif kind == "history":
+            row = {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            history.update({(k, row["_step"]): v for k, v in row.items() if not k.startswith("_")})
+    return name, config, history
+
+
+def read_tensorboard(out: Path, run_name: str) -> tuple[dict, dict]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard" / run_name), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    scalars = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    text = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    return scalars, json.loads(text.strip("`\n"))
+
+
+def read_mlflow(out: Path) -> tuple[str, dict, dict]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("shardtune").experiment_id])
+    metrics = {(key, m.step): m.value for key in run.data.metrics
+               for m in client.get_metric_history(run.info.run_id, key)}
+    return run.info.run_name, run.data.params, metrics
+
+
+def read_trackio(run_name: str) -> tuple[dict, dict]:
+    from trackio.sqlite_storage import SQLiteStorage
+
+    rows = SQLiteStorage.get_logs("shardtune", run_name)
+    metrics = {(k, row["step"]): v for row in rows for k, v in row.items() if k not in ("step", "timestamp")}
+    return SQLiteStorage.get_run_config("shardtune", run_name), metrics
+
+
+def test_every_tracker_holds_the_losses_and_config_of_metrics_jsonl(root, tmp_path, monkeypatch, restore_logging):
+    from shardtune.train.loop import train
+
+    offline_env(monkeypatch, tmp_path)
+    out = root / "out"
+    cfg = load_train_config(args(root, "--report_to", ALL, "--run_name", "tiny-run"))
+    global WATCHING
+    sys.addaudithook(watch_network)  # hooks stay for the process's life: WATCHING keeps it to this run
+    WATCHING = True
+    try:
+        train(cfg)
+    finally:
+        WATCHING = False
+    assert NETWORK_CALLS == []
+    want = expected(out)
+    losses = {k: v for k, v in want.items() if k[0] in ("loss", "eval_loss")}
+    assert sorted(s for k, s in losses if k == "loss") == [1, 2, 3, 4]
+    assert sorted(s for k, s in losses if k == "eval_loss") == [2, 4]
+
+    name, config, history = read_wandb(out)
+    assert name == "tiny-run" and history == want  # every number, float64 as written
+    assert (config["learning_rate"], config["report_to"], config["run_name"]) == (3e-3, list(TRACKER_PACKAGES),
+                                                                                  "tiny-run")
+    scalars, tb_config = read_tensorboard(out, "tiny-run")
+    import numpy as np
+
+    assert scalars == {k: float(np.float32(v)) for k, v in want.items()}  # event files keep float32
+    assert tb_config == json.loads(json.dumps(cfg.to_flat(), default=str))
+    name, params, metrics = read_mlflow(out)
+    assert name == "tiny-run" and metrics == want
+    assert params == {key: str(value) for key, value in cfg.to_flat().items()}
+    trackio_config, metrics = read_trackio("tiny-run")
+    assert metrics == want
+    assert trackio_config["learning_rate"] == 3e-3 and trackio_config["max_steps"] == 4
+
+
+def test_report_to_all_none_and_lists(root):
+    installed = [name for name, (module, _) in TRACKER_PACKAGES.items() if importlib.util.find_spec(module)]
+    assert load_train_config(args(root, "--report_to", "all")).run.report_to == installed
+    assert load_train_config(args(root, "--report_to", "none")).run.report_to == []
+    assert load_train_config(args(root)).run.report_to == []
+    assert load_train_config(args(root, "--report_to", "WandB,mlflow")).run.report_to == ["wandb", "mlflow"]
+    recipe = root / "recipe.yaml"
+    recipe.write_text("report_to: [trackio, tensorboard]\nrun_name: named\n")
+    cfg = load_train_config([str(recipe), *args(root)])
+    assert (cfg.run.report_to, cfg.run.run_name) == (["trackio", "tensorboard"], "named")
+
+
+@pytest.mark.parametrize("value, message", [
+    ("wandbb", "report_to='wandbb' is not accepted; use one of tensorboard, wandb, mlflow, trackio, all, none "
+               "(did you mean wandb?)"),
+    ("none,wandb", "none and all stand alone"),
+])
+def test_a_bad_name_is_exit_2_in_one_line(root, capsys, value, message):
+    from shardtune.cli import main
+
+    assert main(["train", *args(root, "--report_to", value)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_missing_package_is_exit_2_naming_it_before_anything_is_written(root, tmp_path, capsys, monkeypatch):
+    from shardtune.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    out = tmp_path / "never"
+    assert main(["train", *args(root, "--report_to", "tensorboard,mlflow", "--output_dir", str(out))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "report_to mlflow needs the mlflow-skinny package, which is not installed: pip install mlflow-skinny" in err
+    assert "tensorboard" not in err.split("report_to mlflow")[1] and not out.exists()
+    # "all" takes only the installed ones, so it never refuses
+    assert "mlflow" not in load_train_config(args(root, "--report_to", "all")).run.report_to
+
+
+def test_a_failing_tracker_warns_once_and_the_others_go_on(caplog):
+    from shardtune.train.trackers import Trackers
+
+    class Broken:
+        name = "broken"
+
+        def log(self, scalars, step):
+            raise OSError(28, "No space left on device")
+
+        def finish(self, failed):
+            raise OSError(28, "No space left on device")
+
+    class Kept:
+        name = "kept"
+        seen: list = []
+
+        def log(self, scalars, step):
+            self.seen.append((step, scalars))
+
+        def finish(self, failed):
+            self.seen.append(("finished", failed))
+
+    trackers = Trackers([Broken(), Kept()])
+    with caplog.at_level("WARNING", logger="shardtune"):
+        for step in (1, 2):
+            trackers.log({"step": step, "loss": 1.0 / step, "note": "text", "flag": True})
+        trackers.finish()
+    assert Kept.seen == [(1, {"loss": 1.0}), (2, {"loss": 0.5}), ("finished", False)]
+    warnings = [r.getMessage() for r in caplog.records if "broken" in r.getMessage()]
+    assert warnings == ["report_to broken: log failed ([Errno 28] No space left on device); training goes on, "
+                        "metrics.jsonl keeps every record"]
+
+
+def test_other_ranks_start_no_tracker(tmp_path, monkeypatch):
+    from shardtune.train import trackers
+
+    monkeypatch.setattr(trackers, "TRACKERS", {})  # any tracker made would be a KeyError
+    assert trackers.start_trackers(list(TRACKER_PACKAGES), tmp_path, None, {}, enabled=False).trackers == []
