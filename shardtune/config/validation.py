@@ -75,6 +75,7 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
     if lo.use_4bit_quantization and not lo.use_peft_lora:
         problems.append("use_4bit_quantization trains LoRA adapters on a frozen 4-bit base (QLoRA); "
                         "set use_peft_lora true as well")
+    problems += lora_variant_problems(cfg)
     if r.eval_strategy == "steps" and (r.eval_steps or r.logging_steps) < 1:
         problems.append("eval_steps must be at least 1")
     if d.num_processes % d.num_machines:
@@ -84,6 +85,60 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
     problems += _best_model_problems(cfg)
     problems += _unsupported(cfg)
     problems += cfg.data.validate()
+    return problems
+
+
+LORA_BIASES = ("none", "all", "lora_only")
+LORA_INITS = ("true", "false", "gaussian", "pissa", "pissa_niter_N", "olora")
+# init_lora_weights methods of PEFT that need more than the weights (data, a loftq_config): not run here.
+LORA_INITS_REFUSED = {"eva": "it initialises from activations on data", "corda": "it needs a data pass",
+                      "loftq": "it needs a loftq_config", "lora_ga": "it needs gradients of a data pass"}
+
+
+def lora_variant_problems(cfg: TrainConfig) -> list[str]:
+    """PEFT's LoRA variants (DoRA, rsLoRA, modules_to_save, init, bias, regex targets): bad values and the
+    pairings that cannot work, one line each."""
+    import re
+
+    lo = cfg.lora
+    problems = []
+    init = lo.init_lora_weights.strip().lower()
+    bias = lo.lora_bias.strip().lower()
+    if bias == "true":
+        problems.append("lora_bias=true: here lora_bias is PEFT's `bias` (none, all, lora_only); PEFT's boolean "
+                        "lora_bias (a bias on lora_B) is not run; use lora_bias all or lora_only, or leave it out")
+    elif bias != "false":
+        _choice(problems, "lora_bias", bias, LORA_BIASES)
+    if init in LORA_INITS_REFUSED:
+        problems.append(f"init_lora_weights={lo.init_lora_weights!r} is not run by shardtune ({LORA_INITS_REFUSED[init]}); "
+                        f"use one of {', '.join(LORA_INITS)}")
+    elif init not in LORA_INITS and not re.fullmatch(r"pissa_niter_[1-9][0-9]*", init):
+        _choice(problems, "init_lora_weights", init, LORA_INITS)
+    mutating = init.startswith(("pissa", "olora"))
+    if mutating and lo.use_4bit_quantization:
+        problems.append(f"init_lora_weights={init} with use_4bit_quantization: the base would be re-quantised "
+                        f"after taking the adapter out of it, so the adapter no longer fits the 4-bit base it is "
+                        f"loaded on; use init_lora_weights true (or gaussian) for QLoRA")
+    if mutating and lo.use_dora:
+        problems.append(f"init_lora_weights={init} with use_dora: a DoRA adapter cannot be converted back to one "
+                        f"for the unmodified base; use init_lora_weights true with DoRA")
+    if mutating and cfg.distributed.distributed_type == "PP":
+        problems.append(f"init_lora_weights={init} with distributed_type PP: the stages' adapters are not "
+                        f"converted for the unmodified base; use FSDP or DDP, or init_lora_weights true")
+    target = lo.lora_target_modules.strip()
+    if target.startswith("re:"):
+        try:
+            re.compile(target[3:])
+        except re.error as exc:
+            problems.append(f"lora_target_modules={target!r}: not a regular expression ({exc}); "
+                            f"write re:<pattern>, e.g. re:.*\\.(q_proj|v_proj)")
+    changed = [key for key, value in (("use_dora", lo.use_dora), ("use_rslora", lo.use_rslora),
+                                      ("lora_modules_to_save", lo.lora_modules_to_save),
+                                      ("init_lora_weights", init != "true"), ("lora_bias", bias not in ("none", "false")))
+               if value]
+    if changed and not lo.use_peft_lora:
+        problems.append(f"{', '.join(changed)} set without use_peft_lora: they shape LoRA adapters; set "
+                        f"use_peft_lora true (full fine-tuning trains every weight already)")
     return problems
 
 
@@ -211,36 +266,6 @@ def device_problems(cfg: TrainConfig) -> list[str]:
             f"{non_cuda_alternative(name)} (the same optimizer, not paged)"]
 
 
-def input_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
-    """The model or data named as local paths that are not there, or the --emit-config data placeholder: checked
-    without any network call, since a hub name is only read when the job loads it. ``given`` says where each key
-    was set (a file and line, or the command line)."""
-    problems = []
-    where = {key: given.get(key, "config") for key in ("model_name_or_path", "dataset_name")}
-    model = cfg.model.model_name_or_path
-    if model and looks_like_local_path(model) and not Path(model).expanduser().exists():
-        problems.append(f"{where['model_name_or_path']}: model_name_or_path '{model}' does not exist: give a local "
-                        f"model folder or a hub name (ORG/NAME)")
-    data = cfg.data.dataset_name
-    if data == DATASET_PLACEHOLDER:
-        problems.append(f"{where['dataset_name']}: dataset_name is still the placeholder {DATASET_PLACEHOLDER} that "
-                        f"'shardtune estimate --emit-config' writes; set dataset_name to your data (a local "
-                        f"file/folder or a hub data set)")
-    elif data and looks_like_local_path(data) and not Path(data).expanduser().exists():
-        problems.append(f"{where['dataset_name']}: dataset_name '{data}' does not exist: check the path")
-    return problems
-
-
-def model_folder_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
-    """A local model folder that a training job could not load: no config.json, no weights, or its own code not
-    allowed (``hub.model_folder_problem``), told before any tokenizer or data is read. (``data inspect`` reads
-    only the tokenizer, so it does not ask.)"""
-    model = cfg.model.model_name_or_path
-    if not model or not Path(model).expanduser().is_dir():  # transformers reads an existing folder, whatever its name
-        return []
-    problem = model_folder_problem(model, f"model_name_or_path '{model}'", trust_fix="set trust_remote_code true",
-                                   trust_remote_code=cfg.model.trust_remote_code)
-    return [f"{given.get('model_name_or_path', 'config')}: {problem}"] if problem else []
 def resolve_report_to(names: list[str]) -> list[str]:
     """``report_to`` as Transformers reads it: "none" alone is no tracker, "all" alone every installed one (in
     TRACKER_PACKAGES' order); other names lower-cased, repeats dropped, for ``report_to_problems`` to check."""
@@ -281,3 +306,33 @@ def tracker_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]
             if name in TRACKER_PACKAGES and not tracker_installed(name)]
 
 
+def input_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
+    """The model or data named as local paths that are not there, or the --emit-config data placeholder: checked
+    without any network call, since a hub name is only read when the job loads it. ``given`` says where each key
+    was set (a file and line, or the command line)."""
+    problems = []
+    where = {key: given.get(key, "config") for key in ("model_name_or_path", "dataset_name")}
+    model = cfg.model.model_name_or_path
+    if model and looks_like_local_path(model) and not Path(model).expanduser().exists():
+        problems.append(f"{where['model_name_or_path']}: model_name_or_path '{model}' does not exist: give a local "
+                        f"model folder or a hub name (ORG/NAME)")
+    data = cfg.data.dataset_name
+    if data == DATASET_PLACEHOLDER:
+        problems.append(f"{where['dataset_name']}: dataset_name is still the placeholder {DATASET_PLACEHOLDER} that "
+                        f"'shardtune estimate --emit-config' writes; set dataset_name to your data (a local "
+                        f"file/folder or a hub data set)")
+    elif data and looks_like_local_path(data) and not Path(data).expanduser().exists():
+        problems.append(f"{where['dataset_name']}: dataset_name '{data}' does not exist: check the path")
+    return problems
+
+
+def model_folder_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
+    """A local model folder that a training job could not load: no config.json, no weights, or its own code not
+    allowed (``hub.model_folder_problem``), told before any tokenizer or data is read. (``data inspect`` reads
+    only the tokenizer, so it does not ask.)"""
+    model = cfg.model.model_name_or_path
+    if not model or not Path(model).expanduser().is_dir():  # transformers reads an existing folder, whatever its name
+        return []
+    problem = model_folder_problem(model, f"model_name_or_path '{model}'", trust_fix="set trust_remote_code true",
+                                   trust_remote_code=cfg.model.trust_remote_code)
+    return [f"{given.get('model_name_or_path', 'config')}: {problem}"] if problem else []

@@ -90,6 +90,10 @@ def load_tokenizer(model_name_or_path: str, cfg, *, trust_remote_code: bool = Fa
     """
     from transformers import AutoTokenizer
 
+    from shardtune.gguf_source import find_gguf, load_tokenizer as load_gguf_tokenizer
+
+    if gguf := find_gguf(model_name_or_path):  # vocabulary, merges and chat template from the file's metadata
+        return configure_tokenizer(load_gguf_tokenizer(gguf), cfg)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:

@@ -22,6 +22,9 @@ import torch
 from shardtune.data.encode import special_prefix, with_prefix
 from shardtune.data.templates import END_OF_TURN_TOKENS
 from shardtune.errors import UsageError
+from shardtune.gguf_source import find_gguf
+from shardtune.gguf_source import load_model as load_gguf_model
+from shardtune.gguf_source import load_tokenizer as load_gguf_tokenizer
 from shardtune.hub import (
     damaged_file_problem,
     model_folder_problem,
@@ -60,7 +63,7 @@ def _read_adapter_base(adapter_dir: Path) -> Path:
     if not base:
         raise UsageError(f"{config_file}: no 'base_model_name_or_path'; set it to the local base model folder.")
     for candidate in (Path(base).expanduser(), adapter_dir / base):
-        if (candidate / "config.json").is_file():
+        if (candidate / "config.json").is_file() or find_gguf(candidate):  # a GGUF base: its .gguf file
             return candidate
     raise UsageError(f"{config_file}: base_model_name_or_path '{base}' is not a local model folder (nothing is "
                      f"downloaded); point it at the folder that holds the base model's config.json.")
@@ -86,6 +89,10 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(path).expanduser()
+    if gguf := find_gguf(folder):  # a .gguf file, or a folder holding one
+        device = torch.device(device) if device is not None else default_device()
+        model = load_gguf_model(gguf, dtype=dtype or default_dtype(device))
+        return model.to(device).eval(), load_gguf_tokenizer(gguf)
     if not folder.is_dir():
         raise UsageError(f"MODEL_OR_ADAPTER '{path}' is not a folder; give a model folder (with config.json) or a "
                          f"PEFT adapter folder (with adapter_config.json).")
@@ -102,13 +109,14 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
         raise UsageError(problem)
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
+    base_gguf = find_gguf(base)
     with pickled_weights_refused(folder, base):
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, local_files_only=True,
-                                                     trust_remote_code=trust_remote_code)
+        model = load_gguf_model(base_gguf, dtype=dtype) if base_gguf else AutoModelForCausalLM.from_pretrained(
+            base, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code)
         # A fine-tune saves its tokenizer (and chat template) next to the adapter; prefer it to the base one.
         tokenizer_dir = folder if _has_tokenizer(folder) else base
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True,
-                                                  trust_remote_code=trust_remote_code)
+        tokenizer = load_gguf_tokenizer(base_gguf) if tokenizer_dir is base and base_gguf else \
+            AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=trust_remote_code)
         if is_adapter:
             from peft import PeftModel
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from shardtune import catalog
 from shardtune.errors import UsageError
+from shardtune.gguf_source import GgufFile, find_gguf, load_config, parameter_count
 from shardtune.memory.lora_count import LoraCount, count_lora, linear_names, module_table
 
 __all__ = ["LoraCount", "ModelAnalysis", "ModelInventory", "normalize_targets"]
@@ -93,8 +94,11 @@ def _read_json(path: Path) -> dict:
 
 
 def load_config_dict(model: str) -> tuple[str, dict]:
-    """Resolve MODEL (catalog name, local folder, or config.json path) to a display name and a config dict."""
+    """Resolve MODEL (catalog name, local folder, config.json path, or GGUF file) to a display name and a config
+    dict."""
     path = Path(model).expanduser()
+    if gguf := find_gguf(path):
+        return gguf.path.stem, gguf_config_dict(gguf)
     if path.is_dir():
         config_path = path / "config.json"
         if not config_path.is_file():
@@ -105,6 +109,24 @@ def load_config_dict(model: str) -> tuple[str, dict]:
     if path.suffix == ".json" or model.startswith((".", "/", "~")):
         raise UsageError(f"{model}: no such file or folder.")
     return catalog.canonical(model), catalog.load(model)
+
+
+def gguf_config_dict(gguf: GgufFile) -> dict:
+    """The config a GGUF's metadata describes, as config.json would hold it; its parameter count is checked
+    against the file's own tensors, so an estimate never counts a model other than the one in the file."""
+    config = load_config(gguf)
+    config_dict = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "_model_name_or_path")}
+    built = build_config(config_dict, gguf.path.name)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        counted = sum(p.numel() for p in AutoModelForCausalLM.from_config(built).parameters())
+    if counted != (stored := parameter_count(gguf)):
+        raise UsageError(f"{gguf.path}: its config describes {counted:,} parameters but the file holds {stored:,}; "
+                         f"the estimate cannot count this architecture from a GGUF: give its config.json instead")
+    return config_dict
 
 
 def build_config(config_dict: dict, name: str):
@@ -315,6 +337,8 @@ class ModelAnalysis:
 
 def normalize_targets(target_modules: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     """'all-linear' or a comma-separated list (or a list) of module names, as a canonical tuple."""
+    if isinstance(target_modules, str) and target_modules.strip().startswith("re:"):
+        return (target_modules.strip(),)  # one regex (commas belong to it), as train/model.py reads it
     if isinstance(target_modules, str):
         items = [t.strip() for t in target_modules.split(",")]
     else:

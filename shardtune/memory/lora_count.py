@@ -18,6 +18,7 @@ The rules are PEFT's (peft 0.21):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from shardtune.errors import UsageError
@@ -117,6 +118,8 @@ def _matches(full_name: str, kind: str, targets: tuple[str, ...], output_name: s
         return kind == "linear" and full_name != output_name
     if kind not in ("linear", "embedding"):
         return False
+    if len(targets) == 1 and targets[0].startswith("re:"):  # the trainer's regex form: PEFT full-matches it
+        return re.fullmatch(targets[0][3:], full_name) is not None
     return any(full_name == t or full_name.endswith("." + t) for t in targets)
 
 

@@ -155,11 +155,12 @@ def _model_config(cfg: TrainConfig):
     from transformers import AutoConfig
 
     from shardtune import catalog
+    from shardtune.gguf_source import find_gguf
     from shardtune.memory.inventory import build_config, load_config_dict
 
     model = cfg.model.model_name_or_path
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() and not find_gguf(path):  # a GGUF's config is read from its metadata below
         return AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     name, config_dict = load_config_dict(catalog.canonical(model))
     return build_config(config_dict, name)

@@ -46,9 +46,9 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
         else:
             model = load_base_model(cfg.model, lora, precision, info.device, load_on=load_device(plan, info),
                                     on_meta=on_meta and not info.is_main)
-        resize_for_tokenizer(model, vocab_size)
+        added_token_ids = resize_for_tokenizer(model, vocab_size)
         if lora.use_peft_lora:
-            model = apply_lora(model, lora, seed=cfg.run.seed)
+            model = apply_lora(model, lora, seed=cfg.run.seed, added_token_ids=added_token_ids)
         if cfg.run.neftune_noise_alpha:
             add_neftune_noise(model, cfg.run.neftune_noise_alpha)
     trainable, total = count_parameters(model)

@@ -42,7 +42,10 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
             elif is_peft:
                 getattr(model, "module", model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
             else:
-                unwrap(model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+                unwrap(model).save_pretrained(str(tmp), state_dict=drop_tied_copies(model, state),
+                                              safe_serialization=True)
+            if is_peft:
+                finish_adapter(tmp, getattr(getattr(model, "module", model), "initial_adapter", None))
             tokenizer.save_pretrained(str(tmp))
         if target.exists():
             shutil.rmtree(target)
@@ -51,6 +54,51 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
         raise
     return target
+
+
+def drop_tied_copies(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the second name of a tied weight (lm_head tied to the embeddings): a gathered state dict
+    holds separate copies, which save_pretrained would write twice; loading ties them again from the config."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in unwrap(model).named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    aliases = {name for names in names_of.values() for name in names[1:]}
+    return {key: value for key, value in state.items() if key not in aliases}
+
+
+def finish_adapter(folder: Path, initial: dict[str, torch.Tensor] | None) -> None:
+    """Make the adapter folder travel: a local base recorded as an absolute path (a relative one only works from
+    the folder training ran in; a hub name stays a name), and a PiSSA/OLoRA adapter converted into a plain LoRA
+    adapter for the unmodified base (``initial``: the adapters' values right after injection)."""
+    import json
+
+    config_file = folder / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    base = config.get("base_model_name_or_path")
+    if base and Path(base).expanduser().exists():
+        config["base_model_name_or_path"] = str(Path(base).expanduser().resolve())
+    if initial:
+        _convert_mutated_init(folder / "adapter_model.safetensors", initial, config)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def _convert_mutated_init(weights: Path, initial: dict[str, torch.Tensor], config: dict) -> None:
+    """PiSSA/OLoRA trained ``B A`` on a base from which ``B0 A0`` was taken: the same model is the original base
+    plus ``B A - B0 A0`` = [B, -B0] [A; A0], a plain adapter of rank 2r with the scaling kept (alpha doubled, or
+    times sqrt(2) under rsLoRA), which ``PeftModel.from_pretrained`` loads onto the unmodified base."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    start = {key.replace(".default.", "."): value for key, value in initial.items()}
+    for key in [k for k in tensors if ".lora_A." in k]:
+        key_b = key.replace(".lora_A.", ".lora_B.")
+        a0, b0 = start[key].to(tensors[key].dtype), start[key_b].to(tensors[key_b].dtype)
+        tensors[key] = torch.cat([tensors[key], a0], dim=0).contiguous()
+        tensors[key_b] = torch.cat([tensors[key_b], -b0], dim=1).contiguous()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    config["r"] *= 2
+    config["lora_alpha"] *= 2 ** 0.5 if config.get("use_rslora") else 2
+    config["init_lora_weights"] = True
 
 
 def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft: bool, info: DistInfo) -> Path | None:
@@ -78,12 +126,20 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
     One process, any world size the checkpoint was written with (DCP reshards). ``base`` replaces the
     checkpoint's ``model_name_or_path`` when the base model has moved.
     """
+    check_out(Path(out))
+    model, tokenizer, is_peft, _ = load_checkpoint_model(checkpoint, base=base)
+    options = state_dict_options(is_peft)
+    return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft)
+
+
+def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) -> tuple[nn.Module, object, bool, str]:
+    """(model with the checkpoint's weights, its tokenizer, whether it is a PEFT model, the base model path) of
+    ``checkpoint``, on CPU, one process."""
     from shardtune.config import load_train_config
     from shardtune.data import load_tokenizer
     from shardtune.train.model import Precision, apply_lora, load_base_model, resize_for_tokenizer
 
     path = Path(checkpoint)
-    check_out(Path(out))
     if problem := checkpoint_folder_problem(path, str(checkpoint)):
         raise UsageError(problem)
     overrides = ["--model_name_or_path", base] if base else []
@@ -99,9 +155,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
     except UsageError as exc:
         raise UsageError(f"{checkpoint}: cannot load its base model ({exc}); run from the folder the training ran "
                          f"in (the path may be relative) or give the base model folder with --base") from None
-    resize_for_tokenizer(model, len(tokenizer))
+    added_token_ids = resize_for_tokenizer(model, len(tokenizer))
     if is_peft:
-        model = apply_lora(model, cfg.lora, seed=cfg.run.seed)
+        model = apply_lora(model, cfg.lora, seed=cfg.run.seed, added_token_ids=added_token_ids)
     options = state_dict_options(is_peft)
     if manifest.get("state_dict_type", SHARDED) == FULL:
         state = load_safetensors(path / "model.safetensors")
@@ -110,7 +166,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
         load_dcp(state, path / "dcp", no_dist=True)
         state = state["model"]
     set_model_state_dict(model, state, options=options)
-    return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft)
+    return model, tokenizer, is_peft, cfg.model.model_name_or_path
 
 
 def adapter_problem(adapter: Path) -> str | None:
@@ -123,22 +179,40 @@ def adapter_problem(adapter: Path) -> str | None:
 
 def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Path:
     """Fold a PEFT LoRA adapter into its base model and write a Transformers model folder (one process, CPU)."""
-    from peft import PeftModel
+    out = Path(out)
+    check_out(out)
+    merged, tokenizer = merged_model(adapter, base)
+    return write_export(out, merged, merged.state_dict(), tokenizer, is_peft=False)
+
+
+def load_plain_model(path: str | Path, what: str, fix: str):
+    """A model folder or GGUF file as a float32 causal LM on CPU, and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.gguf_source import find_gguf, load_model, load_tokenizer
+
+    if gguf := find_gguf(path):
+        return load_model(gguf, dtype=torch.float32), load_tokenizer(gguf)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{what} {path}: cannot load a model ({str(exc).splitlines()[0]}); {fix}") from None
+    return model, AutoTokenizer.from_pretrained(str(path))
+
+
+def merged_model(adapter: str | Path, base: str | Path):
+    """(the base model, a folder or GGUF file, with the LoRA adapter folded in; the adapter's tokenizer, or the
+    base's where the adapter has none)."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
 
     from shardtune.train.model import resize_for_tokenizer
 
-    adapter, base, out = Path(adapter), Path(base), Path(out)
-    check_out(out)
+    adapter = Path(adapter)
     if problem := adapter_problem(adapter):
         raise UsageError(problem)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--base {base}: cannot load a model ({str(exc).splitlines()[0]}); give the base "
-                         f"model folder the adapter was trained on") from None
-    tokenizer_src = adapter if (adapter / "tokenizer_config.json").is_file() else base
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_src))
+    model, tokenizer = load_plain_model(base, "--base", "give the base model folder the adapter was trained on")
+    if (adapter / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(adapter))
     resize_for_tokenizer(model, len(tokenizer))
-    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    return write_export(out, merged, merged.state_dict(), tokenizer, is_peft=False)
+    return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload(), tokenizer

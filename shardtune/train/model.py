@@ -86,12 +86,15 @@ def load_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precisi
     collator builds its masks for that same choice."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from shardtune.gguf_source import find_gguf
     from shardtune.hub import model_folder_problem, pickled_weights_refused
 
     path = model_cfg.model_name_or_path
     dtype = precision.frozen_dtype(lora)
     attn = attn_implementation(model_cfg, device, precision.compute_dtype)
     device = load_on or device
+    if gguf := find_gguf(path):
+        return _load_gguf_model(gguf, lora, dtype, attn, device, on_meta=on_meta)
     # A folder without weights, with a damaged file or with code not allowed to run is one line here, not
     # transformers' traceback. Only where weights are read: a rank built on meta needs config.json alone.
     folder = Path(path).expanduser()
@@ -115,6 +118,26 @@ def load_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precisi
     with pickled_weights_refused(folder):
         model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
     return model if lora.use_4bit_quantization else model.to(device)
+
+
+def _load_gguf_model(gguf, lora: LoraConfig, dtype: torch.dtype, attn: str, device: torch.device, *,
+                     on_meta: bool) -> nn.Module:
+    """The causal LM of a GGUF file, its weights dequantized to ``dtype``; on meta its config comes from the
+    file's metadata (a GGUF has no config.json), so every rank builds the same model."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.gguf_source import load_config, load_model
+
+    if lora.use_4bit_quantization:
+        raise UsageError(f"use_4bit_quantization=true with model_name_or_path={str(gguf.path)!r}: QLoRA of a GGUF "
+                         f"base is not supported; train LoRA (use_4bit_quantization false) on it")
+    if on_meta:
+        config = load_config(gguf)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        model.name_or_path = config._name_or_path  # what PEFT records as the adapter's base on every rank
+        return model
+    return load_model(gguf, dtype=dtype, attn_implementation=attn).to(device)
 
 
 def init_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precision, device: torch.device,
@@ -159,40 +182,105 @@ def quantize_linears(model: nn.Module, lora: LoraConfig) -> None:
 
 
 
-def resize_for_tokenizer(model: nn.Module, vocab_size: int) -> None:
-    """Grow the embeddings when the tokenizer gained tokens (chat template specials, a pad token)."""
-    if vocab_size > model.get_input_embeddings().num_embeddings:
-        log.info("resizing token embeddings to %d for the added tokens", vocab_size)
-        model.resize_token_embeddings(vocab_size, mean_resizing=True)
+def resize_for_tokenizer(model: nn.Module, vocab_size: int) -> list[int]:
+    """Grow the embeddings when the tokenizer gained tokens (chat template specials, a pad token); the ids of the
+    rows added (their values are drawn at random around the mean of the others)."""
+    old_size = model.get_input_embeddings().num_embeddings
+    if vocab_size <= old_size:
+        return []
+    log.info("resizing token embeddings to %d for the added tokens", vocab_size)
+    # A model built on meta (FSDP ranks filled from rank 0 later) has no values to take a mean of.
+    on_meta = model.get_input_embeddings().weight.is_meta
+    model.resize_token_embeddings(vocab_size, mean_resizing=not on_meta)
+    return list(range(old_size, vocab_size))
+
+
+def added_token_targets(model: nn.Module, token_ids: list[int], lora: LoraConfig) -> dict[str, list[int]]:
+    """PEFT's ``trainable_token_indices`` for rows the tokenizer added: the input embeddings, and an untied head
+    (a tied one follows its embeddings in PEFT), except a module trained whole (``lora_modules_to_save``). Without
+    them LoRA would leave the new rows frozen at their random values and outside the adapter, and every load of
+    the adapter would draw different ones."""
+    if not token_ids:
+        return {}
+    names = {module: name for name, module in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    modules = [embed] + ([head] if head is not None and head.weight is not embed.weight else [])
+    short = [names[module].rsplit(".", 1)[-1] for module in modules]
+    return {name: list(token_ids) for name in short if name not in lora.lora_modules_to_save}
+
+
+REGEX_PREFIX = "re:"  # lora_target_modules "re:<pattern>": PEFT's regex form, matched against full module names
+# init_lora_weights values that rewrite the base weights from an SVD/QR of them (the adapter starts non-zero).
+MUTATING_INITS = ("pissa", "olora")
 
 
 def target_modules(spec: str) -> str | list[str]:
-    """PEFT's ``target_modules``: 'all-linear' as it is, otherwise a comma-separated list of module names."""
+    """PEFT's ``target_modules``: 'all-linear' as it is; ``re:<pattern>`` as the regex string PEFT full-matches
+    against each module's name; otherwise a comma-separated list of module names (each matches as a name suffix)."""
     spec = spec.strip()
+    if spec.startswith(REGEX_PREFIX):
+        return spec[len(REGEX_PREFIX):]
     return spec if spec == "all-linear" else [name.strip() for name in spec.split(",") if name.strip()]
 
 
-def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int) -> nn.Module:
+def peft_init(value: str) -> bool | str:
+    """``init_lora_weights`` as PEFT takes it: the booleans as booleans, the named methods as names."""
+    lowered = value.strip().lower()
+    return {"true": True, "false": False}.get(lowered, lowered)
+
+
+def mutates_base(lora: LoraConfig) -> bool:
+    """PiSSA and OLoRA move part of each base weight into the adapter, so the trained adapter only fits the
+    modified base until it is converted back (``initial_adapter``)."""
+    return str(peft_init(lora.init_lora_weights)).startswith(MUTATING_INITS)
+
+
+def peft_lora_config(lora: LoraConfig, added_tokens: dict[str, list[int]] | None = None):
+    """PEFT's LoraConfig of ``lora``; ``added_tokens`` (``added_token_targets``) train and are saved in the
+    adapter, so loading it restores them instead of drawing new random rows."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    bias = "none" if lora.lora_bias.lower() == "false" else lora.lora_bias.lower()
+    return PeftLoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+                          target_modules=target_modules(lora.lora_target_modules), bias=bias,
+                          use_dora=lora.use_dora, use_rslora=lora.use_rslora,
+                          modules_to_save=list(lora.lora_modules_to_save) or None,
+                          init_lora_weights=peft_init(lora.init_lora_weights),
+                          trainable_token_indices=added_tokens or None, task_type="CAUSAL_LM")
+
+
+def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids: list[int] | None = None
+               ) -> nn.Module:
     """Wrap ``model`` with PEFT LoRA adapters (fp32 weights); the base is frozen.
 
-    The seed is set just before injection so every rank and every setup starts from the same adapters.
+    The seed is set just before injection so every rank and every setup starts from the same adapters. With
+    PiSSA/OLoRA the adapters' initial values are kept (``initial_adapter``): export converts the trained adapter
+    into a plain one for the unmodified base with them.
     """
-    from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    peft_config = PeftLoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
-                                 target_modules=target_modules(lora.lora_target_modules), bias="none",
-                                 task_type="CAUSAL_LM")
+    peft_config = peft_lora_config(lora, added_token_targets(model, added_token_ids or [], lora))
+    if mutates_base(lora) and next(model.parameters()).is_meta:
+        # A rank built on meta gets all of rank 0's weights, its decomposed base included: nothing to take apart
+        # here (PEFT's SVD/QR cannot run on meta tensors).
+        peft_config.init_lora_weights = True
     torch.manual_seed(seed)
     try:
-        model = get_peft_model(model, peft_config)
+        with warnings.catch_warnings():
+            # PEFT warns that a PiSSA/OLoRA adapter needs converting before it is shared: export does that.
+            warnings.filterwarnings("ignore", message=".*(pissa|olora|PiSSA|OLoRA).*")
+            model = get_peft_model(model, peft_config)
     except ValueError as exc:
-        raise UsageError(f"lora_target_modules={lora.lora_target_modules!r}: {str(exc).splitlines()[0]}; use "
-                         f"all-linear or names of the model's linear layers (e.g. q_proj,v_proj)") from None
+        raise UsageError(f"lora_target_modules={lora.lora_target_modules!r}, lora_modules_to_save="
+                         f"{','.join(lora.lora_modules_to_save) or None}: {str(exc).splitlines()[0]}; use all-linear, "
+                         f"names of the model's linear layers (e.g. q_proj,v_proj) or re:<regex>") from None
     # Adapters train in fp32 whatever the base dtype: their updates are tiny and would vanish in bf16.
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.float()
+    if mutates_base(lora):
+        model.initial_adapter = {name: param.detach().cpu().clone() for name, param in model.named_parameters()
+                                 if param.requires_grad and ".lora_" in name and not param.is_meta}
     return model
 
 

@@ -1,0 +1,94 @@
+"""``shardtune export RUN_OR_CHECKPOINT OUT --format gguf --quantize f16|bf16|q8_0``: a run as one GGUF file.
+
+Whatever the source (a run's output_dir, its ``final/``, a checkpoint, a merged model folder, a GGUF), it becomes
+one float32 transformers model on CPU, any LoRA adapter merged into its base, and ``gguf_export.write_gguf``
+writes it; an Ollama ``Modelfile`` goes beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from shardtune.errors import UsageError
+from shardtune.gguf_export import QUANTIZE, family_of, write_gguf
+from shardtune.gguf_vocab import template_for_gguf
+from shardtune.ollama import write_modelfile
+from shardtune.train.export import adapter_problem, load_checkpoint_model, load_plain_model, merged_model
+from shardtune.train.layout import MANIFEST
+
+log = logging.getLogger("shardtune")
+
+
+def gguf_target(out: str | Path, quantize: str) -> Path:
+    """OUT ending in .gguf is the file; any other OUT is a folder that gets ``model-QUANTIZE.gguf``."""
+    out = Path(out)
+    if out.suffix.lower() == ".gguf":
+        if out.is_dir():
+            raise UsageError(f"OUT {out}: a folder has that name; give a file path ending in .gguf or a folder")
+        return out
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"OUT {out}: a file is there; give a folder, or a file path ending in .gguf")
+    return out / f"model-{quantize}.gguf"
+
+
+def _adapter_base(adapter: Path, base: str | None) -> str:
+    if base:
+        return base
+    recorded = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not recorded:
+        raise UsageError(f"{adapter}/adapter_config.json names no base model; give it with --base")
+    return recorded
+
+
+def load_source(source: str | Path, base: str | None = None) -> tuple[object, object, str | None]:
+    """(a float32 model with any adapter merged, its tokenizer, the base model path it came from or None) of a
+    run's output_dir, a final/ folder, a checkpoint, a PEFT adapter, a model folder or a GGUF file."""
+    from shardtune.gguf_source import find_gguf
+
+    path = Path(source)
+    if not path.exists():
+        raise UsageError(f"RUN_OR_CHECKPOINT {source}: no such file or folder; give a run's output_dir, its final/, "
+                         f"a checkpoint folder or a model folder")
+    if path.is_dir() and (path / "final").is_dir() and not (path / "config.json").is_file():
+        path = path / "final"
+    if path.is_dir() and (path / MANIFEST).is_file():
+        model, tokenizer, is_peft, model_path = load_checkpoint_model(path, base=base)
+        return (model.merge_and_unload() if is_peft else model), tokenizer, model_path
+    if path.is_dir() and adapter_problem(path) is None:
+        base_path = _adapter_base(path, base)
+        model, tokenizer = merged_model(path, base_path)
+        return model, tokenizer, base_path
+    if find_gguf(path) or (path / "config.json").is_file():
+        model, tokenizer = load_plain_model(path, "RUN_OR_CHECKPOINT", "give a Transformers model folder")
+        return model, tokenizer, str(path)
+    raise UsageError(f"RUN_OR_CHECKPOINT {source}: holds no final/, manifest.json, adapter_config.json or "
+                     f"config.json; give a run's output_dir, its final/, a checkpoint or a model folder")
+
+
+def _source_pre(base_path: str | None) -> str | None:
+    """llama.cpp's pre-tokenizer name of a GGUF base, kept as the file stated it: transformers' tokenizer built
+    from it may not spell that split in a way the name can be read back from."""
+    from shardtune.gguf_source import find_gguf, metadata
+
+    try:
+        gguf = find_gguf(base_path)
+    except UsageError:
+        return None
+    return metadata(gguf)[0].get("tokenizer.ggml.pre") if gguf else None
+
+
+def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", base: str | None = None) -> Path:
+    """Write ``source`` as a GGUF file (OUT, or OUT/model-QUANTIZE.gguf) and an Ollama Modelfile beside it."""
+    if quantize not in QUANTIZE:
+        raise UsageError(f"--quantize {quantize}: not a GGUF type shardtune writes; use one of {', '.join(QUANTIZE)}")
+    target = gguf_target(out, quantize)
+    model, tokenizer, base_path = load_source(source, base)
+    family_of(model.config)  # refused before the folder is made
+    target.parent.mkdir(parents=True, exist_ok=True)
+    name = Path(source).resolve().name
+    name = Path(source).resolve().parent.name if name == "final" else name
+    write_gguf(model.eval(), tokenizer, target, quantize, name=name, tokenizer_pre=_source_pre(base_path))
+    write_modelfile(target, template_for_gguf(tokenizer.chat_template), tokenizer.eos_token)
+    return target

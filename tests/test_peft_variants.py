@@ -1,0 +1,225 @@
+"""PEFT's LoRA variants end to end: DoRA, rsLoRA, lora_bias, modules_to_save, added-token rows, PiSSA/OLoRA init,
+regex targets; on one process and FSDP2 x2, through checkpoint, resume, final/, merge and generate; and the tied
+full fine-tune that writes its shared weight once.
+
+Few real runs, each covering several variants at once (CPU time is shared): one LoRA recipe turns on DoRA, rsLoRA,
+trainable biases, a whole module to save and added tokens together, trained on one process (with checkpoints and a
+resume) and on FSDP x2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.faults import CALLBACK, fault_env
+from tests.trainutil import flags, losses, shardtune_env, write_chat_data
+
+REL_TOL = 1e-4
+STEPS = 4
+# Every variant at once; the tiny model gets attention biases so lora_bias all has biases to train, and the
+# llama-3 template's special tokens grow the vocabulary (their rows must train and travel in the adapter).
+VARIANTS = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--use_dora", "True",
+            "--use_rslora", "True", "--lora_bias", "all", "--lora_modules_to_save", "lm_head",
+            "--chat_template_format", "llama-3", "--add_special_tokens", "True"]
+
+
+def shardtune(args: list[str], cwd, **faults: str) -> subprocess.CompletedProcess:
+    env = {**shardtune_env(cwd), **fault_env(**faults)}
+    return subprocess.run([sys.executable, "-m", "shardtune", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def model_folder(path, **overrides) -> None:
+    """The tiny Llama folder with ``overrides`` set on its config (biases, tied embeddings)."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.testing.tiny import make_tokenizer, tiny_llama_config
+
+    tokenizer = make_tokenizer()
+    config = tiny_llama_config(len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peft")
+    model_folder(root / "model", attention_bias=True)
+    model_folder(root / "tied", tie_word_embeddings=True)
+    write_chat_data(root / "chat.jsonl", rows=300)
+    (root / "elsewhere").mkdir()
+    return root
+
+
+def train(root, out: str, extra: list[str], nproc: int = 1, model: str = "model", steps: int = STEPS
+          ) -> list[float]:
+    """A run with a relative model path (as users type it), logging ``steps`` losses; the trained logits go to
+    OUT.logits.pt."""
+    args = flags("--model_name_or_path", model, "--dataset_name", "chat.jsonl", "--splits", "train",
+                 "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS), "--logging_steps", "1",
+                 "--learning_rate", "1e-2", "--seed", "7", "--save_strategy", "no", "--output_dir", out,
+                 "--per_device_train_batch_size", "4", "--callbacks", CALLBACK, *extra)
+    cmd = ["train", *args] if nproc == 1 else ["launch", "--num_processes", str(nproc), "train", *args]
+    result = shardtune(cmd, root, logits=str(root / f"{out}.logits.pt"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = losses(root / out)
+    assert len(found) == steps and all(math.isfinite(x) for x in found)
+    return found
+
+
+def trained_logits(root, out: str) -> tuple[torch.Tensor, torch.Tensor]:
+    saved = torch.load(root / f"{out}.logits.pt", weights_only=True)
+    return saved["input_ids"], saved["logits"]
+
+
+def adapter_logits(base, adapter, ids) -> torch.Tensor:
+    """PEFT's own loading of the adapter onto the unmodified base (grown to the adapter's tokenizer)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.resize_token_embeddings(len(AutoTokenizer.from_pretrained(adapter)), mean_resizing=False)
+    model = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def model_logits(folder, ids) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
+    assert a.shape == b.shape
+    assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item()), (a - b).abs().max().item()
+
+
+def assert_same_losses(reference: list[float], other: list[float]) -> None:
+    for step, (a, b) in enumerate(zip(reference, other), start=1):
+        assert abs(a - b) <= REL_TOL * abs(a), f"step {step}: {a} vs {b}"
+
+
+@pytest.fixture(scope="module")
+def variants_single(root):
+    return train(root, "single", [*VARIANTS, "--gradient_accumulation_steps", "2", "--save_strategy", "steps",
+                                  "--save_steps", "2"])
+
+
+def test_variants_train_and_fsdp_x2_equals_one_process(root, variants_single):
+    """DoRA + rsLoRA + biases + lm_head saved whole + added-token rows: FSDP x2 gives one process's losses."""
+    assert variants_single[-1] < variants_single[0]
+    fsdp = train(root, "fsdp", [*VARIANTS, "--distributed_type", "FSDP"], nproc=2)
+    assert_same_losses(variants_single, fsdp)
+    ids, single_logits = trained_logits(root, "single")
+    assert_close(trained_logits(root, "fsdp")[1], single_logits)
+
+
+def test_variants_adapter_holds_every_trainable_part_and_resumes_exactly(root, variants_single):
+    from safetensors.torch import load_file
+
+    final = root / "single" / "final"
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert (config["use_dora"], config["use_rslora"], config["bias"]) == (True, True, "all")
+    assert config["modules_to_save"] == ["lm_head"]
+    from transformers import AutoConfig, AutoTokenizer
+
+    base_vocab = AutoConfig.from_pretrained(root / "model").vocab_size
+    added = list(range(base_vocab, len(AutoTokenizer.from_pretrained(final))))
+    assert added and config["trainable_token_indices"] == {"embed_tokens": added}  # lm_head is saved whole
+    keys = load_file(final / "adapter_model.safetensors")
+    for part in ("lora_magnitude_vector", "modules_to_save", "self_attn.q_proj.base_layer.bias", "trainable_tokens_delta"):
+        assert any(part in key for key in keys), part
+    # The same run resumed from its step-2 checkpoint: the same losses and the same adapter, to the bit.
+    resumed = train(root, "resumed", [*VARIANTS, "--gradient_accumulation_steps", "2",
+                                      "--resume_from_checkpoint", "single/checkpoints/step-2"], steps=2)
+    assert resumed == variants_single[2:]
+    again = load_file(root / "resumed" / "final" / "adapter_model.safetensors")
+    assert keys.keys() == again.keys() and all(torch.equal(keys[k], again[k]) for k in keys)
+
+
+def test_variants_merge_and_peft_load_give_the_trained_logits(root, variants_single):
+    ids, trained = trained_logits(root, "single")
+    final = root / "single" / "final"
+    # Loaded by PEFT onto the untouched base: the added rows come from the adapter, not from a new random draw.
+    assert_close(adapter_logits(root / "model", final, ids), trained)
+    result = shardtune(["merge", "--base", "model", str(final), "merged"], root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert_close(model_logits(root / "merged", ids), trained)
+
+
+def test_adapter_trained_with_a_relative_base_generates_from_another_folder(root, variants_single):
+    config = json.loads((root / "single" / "final" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((root / "model").resolve())
+    if not (root / "merged").exists():
+        assert shardtune(["merge", "--base", "model", "single/final", "merged"], root).returncode == 0
+    replies = []
+    for folder in (root / "single" / "final", root / "merged"):
+        result = shardtune(["generate", str(folder), "--prompt", "What is 2 plus 3?", "--max_new_tokens", "8"],
+                           root / "elsewhere")
+        assert result.returncode == 0, result.stderr[-2000:]
+        replies.append(result.stdout)
+    assert replies[0].strip() and replies[0] == replies[1]
+
+
+@pytest.mark.parametrize("init,nproc", [("pissa", 1), ("olora", 2)])
+def test_mutating_init_adapter_is_converted_for_the_untouched_base(root, init, nproc):
+    """PiSSA/OLoRA rewrite the base: final/ holds the equivalent plain adapter (rank 2r), which PEFT loads onto the
+    original base with the trained logits. OLoRA runs on FSDP x2, whose ranks 1.. are built on meta."""
+    extra = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--init_lora_weights", init]
+    if nproc == 2:
+        extra += ["--distributed_type", "FSDP"]
+    found = train(root, init, extra, nproc=nproc)
+    assert found[-1] < found[0]
+    final = root / init / "final"
+    config = json.loads((final / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["init_lora_weights"]) == (8, 16, True)
+    ids, trained = trained_logits(root, init)
+    assert_close(adapter_logits(root / "model", final, ids), trained)
+
+
+def test_tied_full_fine_tune_writes_the_shared_weight_once(root):
+    from safetensors import safe_open
+
+    train(root, "tied_full", ["--max_steps", "2"], model="tied", steps=2)
+    with safe_open(root / "tied_full" / "final" / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    ids, trained = trained_logits(root, "tied_full")
+    assert_close(model_logits(root / "tied_full" / "final", ids), trained)
+
+
+def test_bad_lora_values_exit_2_with_one_line(root):
+    result = shardtune(["train", "--model_name_or_path", "model", "--dataset_name", "chat.jsonl", "--output_dir",
+                        "bad", "--use_peft_lora", "True", "--lora_bias", "some", "--init_lora_weights", "eva",
+                        "--lora_target_modules", "re:(q_proj"], root)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    for key in ("lora_bias='some'", "init_lora_weights='eva'", "lora_target_modules='re:(q_proj'"):
+        assert key in lines[0]
+
+
+def test_estimator_counts_regex_targets_as_peft_does(root):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    spec = r"re:.*layers\.1\..*(q_proj|v_proj)"
+    result = shardtune(["estimate", "model", "--method", "lora", "--lora-r", "4", "--lora-target-modules", spec,
+                        "--json"], root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "model"),
+                                LoraConfig(r=4, target_modules=spec[3:]))
+    assert json.loads(result.stdout)["trainable_parameters"] == peft_model.get_nb_trainable_parameters()[0]
