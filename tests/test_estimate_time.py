@@ -306,3 +306,29 @@ def test_time_stays_instant_and_torch_free(tmp_path):
     env = dict(os.environ, SHARDTUNE_CACHE=str(tmp_path / "fresh"))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert proc.stdout.strip() == "0 False False", proc.stderr
+
+
+def test_measured_speeds_are_shown_beside_the_predicted_ones(tmp_path, capsys, monkeypatch):
+    """--time with --measured: each setup the bench file measured gets its measured tokens/s and the ratio, with
+    a caution where the file's model and device differ from the estimate's."""
+    from shardtune.cli import main
+
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"model": "tiny", "device": "cpu (2 cores)", "num_processes": 2, "method": "lora",
+                                 "results": [{"strategy": "ddp", "tokens_per_s": 1000.0},
+                                             {"strategy": "fsdp", "tokens_per_s": 500.0}]}))
+    argv = ["estimate", "llama-3.1-8b", "--method", "lora", "--num-gpus", "2", "--gpu", "h100-80gb",
+            "--measured", str(bench), "--tokens", "1M"]
+    assert main([*argv, "--json"]) == 0
+    rows = {r["setup"]: r for r in json.loads(capsys.readouterr().out)["timing"]["setups"]}
+    ddp, fsdp = rows["DDP"], rows["FSDP FULL_SHARD"]
+    assert ddp["measured_tokens_per_s"] == 1000.0 and fsdp["measured_tokens_per_s"] == 500.0
+    assert ddp["predicted_over_measured"] == pytest.approx(ddp["tokens_per_s"] / 1000.0)
+    assert "measured_tokens_per_s" not in rows["FSDP FULL_SHARD + CPU offload"]  # offload was not measured
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Tokens/s predicted against measured (--measured)" in out
+    assert f"{ddp['tokens_per_s']:,.0f}" in out and f"{ddp['predicted_over_measured']:.2f}" in out
+    assert "Caution: measured with tiny, predicted for llama-3.1-8b" in out
+    assert "Caution: measured on cpu (2 cores)" in out

@@ -111,7 +111,7 @@ def wants_time(args: argparse.Namespace) -> bool:
                 or args.inter_node)
 
 
-def time_from_args(args: argparse.Namespace, report):
+def time_from_args(args: argparse.Namespace, report, measured=None):
     """The --time report for ``report``: links, data and price as the options say."""
     from shardtune.hardware import host_link, inter_node_link, intra_node_link
     from shardtune.memory.report import time_report
@@ -130,7 +130,7 @@ def time_from_args(args: argparse.Namespace, report):
         from shardtune.memory.timing import DataTokens
 
         data = DataTokens(args.tokens)
-    return time_report(report, links, data, args.price_per_gpu_hour, args.pipeline_microbatches)
+    return time_report(report, links, data, args.price_per_gpu_hour, args.pipeline_microbatches, measured)
 
 
 def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
@@ -245,7 +245,7 @@ def main(args: argparse.Namespace) -> int:
         traced = trace_for_estimate(args.model, chosen, breakdown.total, gpu_memory=gpu.memory_bytes,
                                     cuda_context=breakdown.cuda_context)
         extras["trace"] = traced
-    timed = time_from_args(args, report) if wants_time(args) else None
+    timed = time_from_args(args, report, measured) if wants_time(args) else None
     if timed:
         from shardtune.memory.report import time_to_dict
 

@@ -14,7 +14,7 @@ from shardtune.errors import UsageError
 from shardtune.hardware import GIB, GPUS, PRICES_AS_OF, TYPICAL_PRICE_PER_GPU_HOUR, Gpu
 from shardtune.memory.formula import Breakdown
 from shardtune.memory.inventory import LoraCount, ModelInventory
-from shardtune.memory.recommend import Recommendation
+from shardtune.memory.recommend import Measured, Recommendation
 from shardtune.memory.setup import Setup
 from shardtune.memory.timing import DEFAULT_PIPELINE_MICROBATCHES, OVERLAP, DataTokens, Links, StepTime, duration
 
@@ -177,6 +177,7 @@ class TimeReport:
     data: DataTokens | None
     price_per_gpu_hour: float | None
     price_given: bool  # False: the typical list price of the card
+    measured: Measured | None = None  # --measured: what 'shardtune bench strategies' measured, to compare
 
     @property
     def tokens(self) -> int:
@@ -200,8 +201,10 @@ class TimeReport:
 
 
 def time_report(r: Report, links: Links, data: DataTokens | None = None, price_per_gpu_hour: float | None = None,
-                pipeline_microbatches: int = DEFAULT_PIPELINE_MICROBATCHES) -> TimeReport:
-    """Step time of every setup in ``r.table`` at its asked micro-batch, and the data set's time and cost."""
+                pipeline_microbatches: int = DEFAULT_PIPELINE_MICROBATCHES,
+                measured: Measured | None = None) -> TimeReport:
+    """Step time of every setup in ``r.table`` at its asked micro-batch, and the data set's time and cost; with
+    ``measured``, the measured speeds beside the predicted ones."""
     from shardtune.memory.timing import step_time
 
     if not r.gpu.peak_bf16_flops:
@@ -214,7 +217,7 @@ def time_report(r: Report, links: Links, data: DataTokens | None = None, price_p
             for b in compared]
     given = price_per_gpu_hour is not None
     price = price_per_gpu_hour if given else TYPICAL_PRICE_PER_GPU_HOUR.get(r.gpu.name)
-    return TimeReport(rows, links, data, price, given)
+    return TimeReport(rows, links, data, price, given, measured)
 
 
 def time_to_dict(t: TimeReport, gpu: Gpu) -> dict:
@@ -228,8 +231,50 @@ def time_to_dict(t: TimeReport, gpu: Gpu) -> dict:
         "links": {"intra_node": t.links.intra.name, "inter_node": t.links.inter.name, "host": t.links.host.name},
         "overlap": OVERLAP,
         "setups": [{"setup": b.setup.label(), "fits": b.fits(gpu.memory_bytes), **st.to_dict(),
-                    "data_seconds": t.seconds(st), "cost_usd": t.cost(st)} for b, st in t.rows],
+                    "data_seconds": t.seconds(st), "cost_usd": t.cost(st), **_against_measured(t, st)}
+                   for b, st in t.rows],
+        "measured_file": t.measured.path if t.measured else None,
     }
+
+
+def _against_measured(t: TimeReport, st: StepTime) -> dict:
+    speed = t.measured.speed(st.setup) if t.measured else None
+    if speed is None:
+        return {}
+    return {"measured_tokens_per_s": speed, "predicted_over_measured": st.tokens_per_s / speed}
+
+
+def measured_table(t: TimeReport) -> Table | None:
+    """Predicted tokens/s beside what 'shardtune bench strategies' measured, per setup it measured."""
+    rows = [(st, _against_measured(t, st)) for _, st in t.rows]
+    rows = [(st, m) for st, m in rows if m]
+    if not rows:
+        return None
+    table = Table(title="Tokens/s predicted against measured (--measured)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for col in ("setup", "predicted", "measured", "predicted/measured"):
+        table.add_column(col, justify="left" if col == "setup" else "right", no_wrap=True)
+    for st, m in rows:
+        table.add_row(short_label(st.setup), f"{st.tokens_per_s:,.0f}", f"{m['measured_tokens_per_s']:,.0f}",
+                      f"{m['predicted_over_measured']:.2f}")
+    return table
+
+
+def measured_notes(r: Report, t: TimeReport) -> list[str]:
+    """What the measured speeds are comparable with, so a ratio is read for what it is."""
+    m = t.measured
+    lines = [f"measured: {m.describe()}."]
+    model_name = Path(m.model).name if m.model else ""
+    if model_name and model_name not in (r.inventory.name, Path(r.inventory.name).name):
+        lines.append(f"Caution: measured with {model_name}, predicted for {r.inventory.name}: compare the ratios "
+                     f"between setups, not the figures.")
+    if m.device and not m.device.startswith("cuda"):
+        lines.append(f"Caution: measured on {m.device}; the prediction is for {r.gpu.label or r.gpu.name}. CPU "
+                     f"runs show how the setups schedule their work, not how fast a GPU runs them.")
+    if m.num_processes and m.num_processes != r.breakdown.setup.world_size:
+        lines.append(f"Caution: measured on {m.num_processes} processes, predicted for "
+                     f"{r.breakdown.setup.world_size} GPUs.")
+    return lines
 
 
 def _money(usd: float | None) -> str:
@@ -290,6 +335,10 @@ def render_time(r: Report, t: TimeReport, console: Console) -> None:
     console.print(time_table(r, t))
     for line in time_notes(r, t):
         console.print(line)
+    if t.measured and (table := measured_table(t)) is not None:
+        console.print(table)
+        for line in measured_notes(r, t):
+            console.print(line)
 
 
 def time_figure(r: Report, t: TimeReport):
