@@ -155,10 +155,12 @@ DESCRIPTIONS = {
                               "backward); BACKWARD_POST and NO_PREFETCH are refused.",
     "fsdp_forward_prefetch": "Gather the next decoder layer while this one runs forward (FSDP2's explicit forward "
                              "prefetch); needs TRANSFORMER_BASED_WRAP.",
-    "fsdp_use_orig_params": "A no-op kept for Accelerate files: FSDP2 has no flat parameters, so both values train "
-                            "the same way.",
     "fsdp_version": "2: shardtune runs FSDP2 (fully_shard); 1 (FSDP1's FullyShardedDataParallel) is refused.",
     "mixed_precision": "Accelerate's key; the bf16/fp16 flags win when set.",
+    "ddp_find_unused_parameters": "DDP's find_unused_parameters (true when some parameters get no gradient).",
+    "logging_first_step": "Log the first step (shardtune's default; Transformers' is false).",
+    "disable_tqdm": "No progress bar; log lines and metrics.jsonl are unchanged.",
+    "save_safetensors": "Weights are written as safetensors; false (pickled .bin files) is refused.",
     "deepspeed": ("A DeepSpeed config JSON (Transformers/TRL's --deepspeed), mapped onto FSDP2 and printed at "
                   "start; what cannot be mapped is refused (docs/deepspeed.md)."),
     "num_processes": "Processes over all machines (set by shardtune launch).",
@@ -247,7 +249,21 @@ def render() -> str:
             default = _default_text(getattr(part, f.name)).replace("|", "\\|")
             out.append(f"| `{f.name}` | {_type_name(f.type)} | `{default}` | {text.replace('|', chr(92) + '|')} |")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out + _no_op_section())
+
+
+def _no_op_section() -> list[str]:
+    """The keys accepted from recipes and Accelerate files that change nothing here (shardtune/config/no_ops.py)."""
+    from shardtune.config.no_ops import NO_OPS
+
+    out = ["## Accepted, changing nothing", "",
+           "Recipes and `accelerate config` files carry these; shardtune reads them and does nothing with them. A",
+           "value that would change what runs is refused, naming what to do instead.", "",
+           "| key | why it changes nothing | refused values |", "|---|---|---|"]
+    for key, entry in NO_OPS.items():
+        refused = entry.instead and f"anything else: {entry.instead}"
+        out.append(f"| `{key}` | {entry.why} | {refused or '-'} |")
+    return out + [""]
 
 
 def main() -> int:

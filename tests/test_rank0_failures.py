@@ -163,12 +163,14 @@ def test_library_write_errors_become_oserrors_naming_the_file(tmp_path: Path, mo
 
 
 def test_final_export_failure_reaches_every_rank(work: Path) -> None:
-    # A file where final/ goes: rank 0's export fails (found before it writes anything).
+    # A file where final/ goes: rank 0's export fails (found before it writes anything). resume_from_checkpoint
+    # true lets the run use the folder (it holds no checkpoint, so it starts from step 1).
     out = work / "blocked"
     out.mkdir()
     (out / "final").write_text("not a folder")
     started = time.monotonic()
-    proc = shardtune(work, "blocked", "--distributed_type", "DDP", "--use_peft_lora", "True", *QUICK)
+    proc = shardtune(work, "blocked", "--distributed_type", "DDP", "--use_peft_lora", "True", *QUICK,
+                     "--resume_from_checkpoint", "true")
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
     assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"

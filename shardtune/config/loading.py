@@ -24,7 +24,8 @@ from typing import Any, get_type_hints
 import yaml
 
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
-from shardtune.config.schema import ACCELERATE_IGNORED, IGNORED_KEYS, TrainConfig, known_keys, section_classes
+from shardtune.config.no_ops import NO_OPS, no_op_problem
+from shardtune.config.schema import TrainConfig, known_keys, section_classes
 from shardtune.config.validation import (device_problems, input_problems, model_folder_problems, resolve_report_to,
                                          tracker_problems, validate)
 from shardtune.errors import UsageError, closest
@@ -146,8 +147,6 @@ def read_accelerate_config(path: str | Path) -> tuple[dict[str, Any], dict[str, 
         flat["distributed_type"] = "FSDP"  # ZeRO-3 unless the block says otherwise
     values, sources = {}, {}
     for key, value in flat.items():
-        if key in ACCELERATE_IGNORED:
-            continue
         values[key] = value
         sources[key] = Origin(str(path), lines.get(key))
     if block is not None:
@@ -397,7 +396,9 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
     for values, sources in layers:
         for key, value in values.items():
             source = sources.get(key, Origin("config"))
-            if key in IGNORED_KEYS or key in ACCELERATE_IGNORED:
+            if key in NO_OPS:  # accepted from recipes and Accelerate files; a value that would act is refused
+                if problem := no_op_problem(key, value):
+                    problems.append(f"{source}: {problem}")
                 continue
             if key not in owner:
                 hint = closest(key, list(owner))

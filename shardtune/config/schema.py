@@ -116,6 +116,10 @@ class RunConfig:
     run_name: str | None = None  # the run's name in every tracker; default: the output_dir's folder name
     ddp_timeout: int = 1800  # seconds a collective may wait before the run stops naming the rank and operation
     dry_run: bool = False
+    # shardtune logs the first step by default (Transformers does not): false leaves step 1 to logging_steps.
+    logging_first_step: bool = True
+    disable_tqdm: bool = False  # no progress bar (the log lines and metrics.jsonl stay)
+    save_safetensors: bool = True  # final/ and checkpoints hold no pickles: false is refused
     # Trace the job at the end and record the predicted peak beside the measured one. The environment variable
     # SHARDTUNE_PREDICT_MEMORY=0 changes this default (test suites run hundreds of short jobs).
     predict_memory: bool = field(default_factory=lambda: os.environ.get("SHARDTUNE_PREDICT_MEMORY", "1") != "0")
@@ -156,9 +160,8 @@ class DistributedConfig:
     # FSDP2 prefetches the next unit's parameters before the current one's backward: BACKWARD_PRE, the only one.
     fsdp_backward_prefetch: str | None = None
     fsdp_forward_prefetch: bool = False  # also all-gather the next decoder layer while this one runs forward
-    # A pure no-op kept for Accelerate files: FSDP2 has no flat parameters, every parameter stays itself.
-    fsdp_use_orig_params: bool = True
     fsdp_version: int = 2  # shardtune runs FSDP2 (fully_shard); 1 is refused
+    ddp_find_unused_parameters: bool | None = None  # DDP's find_unused_parameters (None: false)
     mixed_precision: str | None = None  # Accelerate's key; bf16/fp16 flags win when set
     # A DeepSpeed config JSON (Transformers/TRL's --deepspeed), mapped onto FSDP2 when the config is read
     # (config/deepspeed.py); the mapped values are in this config, the path is kept to say where they came from.
@@ -214,15 +217,3 @@ def known_keys() -> dict[str, str]:
         for f in dataclasses.fields(cls):
             keys[f.name] = section
     return keys
-
-
-# Keys of Accelerate config files that describe the machine or other launchers; read and deliberately unused.
-ACCELERATE_IGNORED = {"compute_environment", "debug", "main_training_function", "downcast_bf16", "same_network",
-                      "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "gpu_ids", "enable_cpu_affinity",
-                      "dynamo_config", "megatron_lm_config", "ipex_config", "mpirun_config", "tpu_name",
-                      "tpu_zone", "commands", "command_file", "fp8_config", "parallelism_config",
-                      "fsdp_offload_optimizer"}
-# TrainingArguments / TRL keys that shardtune accepts and that change nothing here (logging of other tools).
-IGNORED_KEYS = {"logging_first_step", "logging_nan_inf_filter", "dataloader_num_workers", "remove_unused_columns",
-                "do_train", "do_eval", "disable_tqdm", "save_safetensors",
-                "include_num_input_tokens_seen", "ddp_find_unused_parameters"}

@@ -58,6 +58,9 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
                        ("save_total_limit", 1 if ck.save_total_limit is None else ck.save_total_limit)):
         if value < 1:
             problems.append(f"{key}={value} must be at least 1")
+    if not r.save_safetensors:
+        problems.append("save_safetensors=false asks for pickled .bin weights, which can run code when loaded; "
+                        "shardtune writes safetensors only: leave save_safetensors out")
     if r.max_steps == 0 or r.max_steps < -1:
         problems.append(f"max_steps={r.max_steps} must be a positive number of optimizer steps, or -1 for epochs")
     if r.num_train_epochs <= 0 and r.max_steps == -1:

@@ -120,7 +120,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     checkpointer.resume(resume)
     start_step = job.state.step  # what this run adds is counted from here
     trackers = start_trackers(cfg.run.report_to, out, cfg.run.run_name, cfg.to_flat(), enabled=job.info.is_main)
-    metrics = MetricsLog(out, job.info, trackers, strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps)
+    metrics = MetricsLog(out, job.info, trackers, strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps,
+                         first_step=cfg.run.logging_first_step)
     hooks = CallbackList(callbacks, cfg, job.state)
     hooks.on_train_begin(model=job.model, optimizer=job.optimizer, plan=job.plan, info=job.info)
     start_peak_memory(job.info.device)
@@ -171,7 +172,7 @@ class Loop:
         """Train to ``max_steps`` (or a callback's stop); returns ``"completed"``, ``"early stopping"`` or
         ``"SIGTERM"``."""
         job, state, sigterm = self.job, self.job.state, self.sigterm
-        self.bar = progress_bar(state.max_steps, state.step, job.info.is_main)
+        self.bar = progress_bar(state.max_steps, state.step, job.info.is_main and not job.cfg.run.disable_tqdm)
         sigterm.in_loop = True  # from here a SIGTERM is answered with a checkpoint
         control = self.hooks.control
         if job.cfg.run.eval_on_start and state.step == 0:

@@ -50,20 +50,23 @@ class MetricsLog:
     and hands each record to the ``report_to`` trackers (``trackers.py``)."""
 
     def __init__(self, output_dir: str | Path, info: DistInfo, trackers: Trackers | None = None, *,
-                 strategy: str = "steps", every: int = 1) -> None:
+                 strategy: str = "steps", every: int = 1, first_step: bool = True) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.info = info
         self.enabled = info.is_main
         self.strategy, self.every = strategy, every  # logging_strategy, logging_steps
+        self.first_step = first_step  # logging_first_step
         self._window_tokens, self._window_start = 0, time.perf_counter()
         self.trackers = trackers if trackers is not None else Trackers()
         self._write_failed = False
 
     def should_log(self, step: int, *, at_epoch_end: bool, last: bool) -> bool:
-        """``logging_strategy`` steps: every ``logging_steps``, the first and the last step; epoch: each epoch's end."""
+        """``logging_strategy`` steps: every ``logging_steps``, the last step and (``logging_first_step``) the
+        first; epoch: each epoch's end."""
         if self.strategy == "epoch":
             return at_epoch_end
-        return self.strategy == "steps" and not at_epoch_end and (step % self.every == 0 or last or step == 1)
+        first = step == 1 and self.first_step
+        return self.strategy == "steps" and not at_epoch_end and (step % self.every == 0 or last or first)
 
     def count(self, tokens: int) -> None:
         """Tokens of a step just taken, for the tokens/s of the next record."""

@@ -126,11 +126,11 @@ def apply_fsdp(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
     return model
 
 
-def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
+def apply_ddp(model: nn.Module, info: DistInfo, *, find_unused_parameters: bool = False) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [info.device.index] if info.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters)
 
 
 def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> tuple[nn.Module, Runner]:
@@ -149,7 +149,7 @@ def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> tuple[nn.Module
         model = split_for_stage(model, plan, info)
         return model, PipelineRunner(model, plan, info)
     elif plan.strategy == "DDP" and info.distributed:
-        model = apply_ddp(model, info)
+        model = apply_ddp(model, info, find_unused_parameters=plan.find_unused_parameters)
     return model, LocalRunner(model, plan, info)
 
 

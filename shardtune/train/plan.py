@@ -37,6 +37,7 @@ class Plan:
     pipeline_schedule: str = "1F1B"
     pipeline_microbatches: int = 1
     forward_prefetch: bool = False  # FSDP: gather the next decoder layer while this one runs forward
+    find_unused_parameters: bool = False  # DDP: ddp_find_unused_parameters
     # FSDP's fsdp_cpu_ram_efficient_loading with fsdp_sync_module_states on several ranks: rank 0 loads the
     # weights, the others build on meta and receive their shards (parallelize.load_from_rank0).
     loads_from_rank0: bool = False
@@ -118,7 +119,7 @@ def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtyp
                 use_reentrant=use_reentrant, pipeline_schedule=cfg.pipeline_schedule,
                 pipeline_microbatches=cfg.pipeline_microbatches,
                 state_dict_type=cfg.fsdp_state_dict_type if strategy == "FSDP" else "SHARDED_STATE_DICT",
-                forward_prefetch=cfg.fsdp_forward_prefetch,
+                forward_prefetch=cfg.fsdp_forward_prefetch, find_unused_parameters=bool(cfg.ddp_find_unused_parameters),
                 loads_from_rank0=(strategy == "FSDP" and info.distributed and cfg.fsdp_cpu_ram_efficient_loading
                                   and cfg.fsdp_sync_module_states))
 

@@ -1,0 +1,98 @@
+"""Keys that recipes and Accelerate files carry and that change nothing in shardtune, with the values that would.
+
+Every other accepted key acts (tests/test_key_vocabulary.py holds that). These are accepted, so copied recipes and
+``accelerate config`` files load as they are, but only with values that mean nothing here: a value that would
+change what runs (``use_cpu: true``, a TP size in ``parallelism_config``) is refused in one line naming the key and
+what to use instead. docs/config.md lists them (scripts/gen_config_docs.py reads ``NO_OPS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_OFF = {"", "false", "no", "0", "none", "null", "off"}
+
+
+def _off(value: Any) -> bool:
+    """False, empty or unset, as YAML files and command lines write it."""
+    if isinstance(value, (dict, list, tuple)):
+        return all(_off(v) for v in (value.values() if isinstance(value, dict) else value))
+    return value is None or value is False or str(value).strip().lower() in _OFF
+
+
+def _any(_value: Any) -> bool:
+    return True
+
+
+def _one_of(*words: str) -> Callable[[Any], bool]:
+    return lambda value: _off(value) or str(value).strip().lower() in words
+
+
+def _dynamo_off(value: Any) -> bool:
+    backend = value.get("dynamo_backend", "NO") if isinstance(value, dict) else value
+    return _off(value) or str(backend).upper() == "NO"
+
+
+def _sizes_one(value: Any) -> bool:
+    """Accelerate's parallelism_config: every *_size is 1 (data parallel size aside, which the launch decides)."""
+    if not isinstance(value, dict):
+        return _off(value)
+    return all(str(v) in ("1", "None", "none") or k.startswith("parallelism_config_dp")
+               for k, v in value.items() if k.endswith("_size"))
+
+
+@dataclass(frozen=True)
+class NoOp:
+    why: str  # what the key means elsewhere and why it changes nothing here
+    inert: Callable[[Any], bool] = _any  # the values that change nothing; others are refused
+    instead: str = ""  # for a refused value: what to do instead
+
+
+NO_OPS: dict[str, NoOp] = {
+    # TrainingArguments / TRL
+    "do_train": NoOp("read by example scripts, not by the trainer"),
+    "do_eval": NoOp("read by example scripts; shardtune evaluates when eval_strategy says"),
+    "remove_unused_columns": NoOp("shardtune reads only the columns its data format needs"),
+    "dataloader_num_workers": NoOp("speed only: rows are tokenised once, before training, and collated in-process"),
+    "include_num_input_tokens_seen": NoOp("metrics.jsonl always records tokens per step"),
+    "logging_nan_inf_filter": NoOp("a non-finite loss stops the run with its step, so none is ever averaged in"),
+    # Accelerate config files
+    "compute_environment": NoOp("where Accelerate runs", _one_of("local_machine"),
+                                "launch on the cluster with shardtune launch (--slurm / --kubernetes)"),
+    "debug": NoOp("Accelerate's collective-shape checks; shardtune names a stuck rank on a timeout itself"),
+    "main_training_function": NoOp("Accelerate's notebook launcher"),
+    "downcast_bf16": NoOp("TPU-only", _one_of("no"), "shardtune does not run on TPUs"),
+    "same_network": NoOp("a hint for Accelerate's multi-machine set-up"),
+    "enable_cpu_affinity": NoOp("speed only (NUMA pinning)"),
+    "tpu_env": NoOp("TPU-only", _off, "shardtune does not run on TPUs"),
+    "tpu_use_cluster": NoOp("TPU-only", _off, "shardtune does not run on TPUs"),
+    "tpu_use_sudo": NoOp("TPU-only", _off, "shardtune does not run on TPUs"),
+    "tpu_name": NoOp("TPU-only", _off, "shardtune does not run on TPUs"),
+    "tpu_zone": NoOp("TPU-only", _off, "shardtune does not run on TPUs"),
+    "commands": NoOp("TPU pod commands", _off, "shardtune does not run on TPUs"),
+    "command_file": NoOp("TPU pod commands", _off, "shardtune does not run on TPUs"),
+    "use_cpu": NoOp("Accelerate's switch to the CPU", _off,
+                    "hide the GPUs instead: CUDA_VISIBLE_DEVICES= shardtune train ..."),
+    "gpu_ids": NoOp("which GPUs Accelerate uses", _one_of("all"), "choose them with CUDA_VISIBLE_DEVICES=0,1"),
+    "dynamo_config": NoOp("torch.compile through Accelerate", _dynamo_off,
+                          "shardtune's trainer runs eager (torch.compile is not wired in yet): remove it"),
+    "megatron_lm_config": NoOp("Megatron-LM", _off, "shardtune does not run Megatron-LM: remove it"),
+    "ipex_config": NoOp("Intel Extension for PyTorch", _off, "remove it"),
+    "mpirun_config": NoOp("mpirun launching", _off, "launch with shardtune launch (torchrun)"),
+    "fp8_config": NoOp("FP8 training", _off, "shardtune trains in bf16, fp16 or fp32: remove it"),
+    "parallelism_config": NoOp("tensor/context parallel sizes", _sizes_one,
+                               "shardtune runs data parallel, FSDP, MP and PP: set tp/cp sizes to 1 or remove it"),
+    "fsdp_use_orig_params": NoOp("FSDP1's flat parameters; FSDP2 keeps every parameter itself, whatever the value"),
+    "fsdp_offload_optimizer": NoOp("FSDP2 offloads the optimizer step with the parameters", _off,
+                                   "set fsdp_offload_params true, which offloads both"),
+}
+
+
+def no_op_problem(key: str, value: Any) -> str | None:
+    """Why ``key: value`` is refused (a value of a no-op key that would change what runs), or None."""
+    entry = NO_OPS[key]
+    if entry.inert(value):
+        return None
+    return f"{key}={value!r} would change what runs ({entry.why}), and shardtune does not do it: {entry.instead}"
