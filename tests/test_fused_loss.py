@@ -207,18 +207,21 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     info = DistInfo(rank=rank, world_size=2, local_rank=rank, local_world_size=2, device=torch.device("cpu"))
     errors = {}
-    cases = {"tied_full_shard_checkpointed": (True, None, True), "lora_on_head": (False, "q_proj,lm_head", False)}
-    for case, (tied, lora, checkpointing) in cases.items():
+    cases = {"tied_full_shard_checkpointed": ("FSDP", True, None, True),
+             "lora_on_head": ("FSDP", False, "q_proj,lm_head", False), "ddp_untied_full": ("DDP", False, None, False),
+             "ddp_lora_tied_head": ("DDP", True, "all-linear", True)}
+    for case, (strategy, tied, lora, checkpointing) in cases.items():
         model = _llama(tie_word_embeddings=tied)
         model.tie_weights()
         if lora:
             model = _with_lora(model, lora)
-        model, runner = parallelize(model, Plan(strategy="FSDP", gradient_checkpointing=checkpointing), info)
+        model, runner = parallelize(model, Plan(strategy=strategy, gradient_checkpointing=checkpointing), info)
         results = []
         for fused in (False, True):
             runner.fused_loss = fused
             loss = runner.forward_backward([_batch(seed=rank)], scale=1.0)
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+            grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                     for n, p in model.named_parameters() if p.grad is not None}
             model.zero_grad(set_to_none=True)
             with torch.no_grad():
                 eval_loss = runner.eval_loss_sum(_batch(seed=2 + rank))
@@ -237,7 +240,8 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
 @pytest.mark.timeout(180)
 def test_fsdp2_two_processes_fused_equals_full_logits(tmp_path):
     """FSDP2 FULL_SHARD on 2 gloo ranks, the root (embeddings, norm, head) resharded after forward: a tied head
-    under gradient checkpointing, and LoRA on the head; every gradient gathered and compared, and an eval loss."""
+    under gradient checkpointing, and LoRA on the head; and DDP on the same 2 ranks, full fine-tuning with an
+    untied head and LoRA with a tied one; every gradient (gathered) compared, and an eval loss."""
     import torch.multiprocessing as mp
 
     mp.spawn(_fsdp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
