@@ -17,6 +17,7 @@ import torch
 
 from tests.faults import CALLBACK as FAULTS
 from tests.faults import fault_env
+from tests.netns import children
 from tests.trainutil import flags
 
 SHARDTUNE = [sys.executable, "-m", "shardtune"]
@@ -302,19 +303,6 @@ def test_a_second_run_in_a_used_folder_is_refused_before_writing(work: Path, sig
     assert not (used / "checkpoints").exists() and (used / "final").is_dir()  # step 1 saves none (save_steps 2)
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -344,7 +332,7 @@ def test_sigterm_during_start_up_says_no_checkpoint_was_saved(work: Path) -> Non
     import signal
 
     proc = _launch(work, "early")
-    _wait_for(lambda: len(_children(proc.pid)) == 2, 60)  # the workers are importing or loading
+    _wait_for(lambda: len(children(proc.pid)) == 2, 60)  # the workers are importing or loading
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 1, stderr[-3000:]
@@ -357,7 +345,7 @@ def test_sigkill_of_the_launcher_kills_its_workers(work: Path) -> None:
 
     proc = _launch(work, "orphans", "--max_steps", "100000", "--save_steps", "100000")
     _wait_for(lambda: (work / "orphans" / "metrics.jsonl").is_file(), 120)  # both workers are training
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     assert len(workers) == 2
     proc.kill()
     proc.communicate()

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from shardtune.checksums import sha256_file
 from shardtune.data.config import DataConfig
 from shardtune.data.encode import IGNORE, encode_batch, max_token_chars
 from shardtune.data.formats import detect_format, to_example
@@ -233,14 +234,6 @@ def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedDat
     return PreparedData(train=train, eval=evaluation, report=report, cache_path=None, from_cache=False)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _save(data: PreparedData, path: Path, *, replace: bool) -> bool:
     """Write ``data`` as the cache entry ``path``, whole or not at all, and ``replace`` a damaged one there.
 
@@ -255,7 +248,7 @@ def _save(data: PreparedData, path: Path, *, replace: bool) -> bool:
         if data.eval is not None:
             data.eval.save_to_disk(str(tmp / "eval"))
         (tmp / "report.json").write_text(json.dumps(data.report.to_dict(), indent=1))
-        files = {f.relative_to(tmp).as_posix(): [f.stat().st_size, _sha256(f)]
+        files = {f.relative_to(tmp).as_posix(): [f.stat().st_size, sha256_file(f)]
                  for f in sorted(tmp.rglob("*")) if f.is_file()}
         (tmp / MANIFEST).write_text(json.dumps(files, indent=1))
         if replace:
@@ -294,7 +287,7 @@ def _damage(path: Path) -> str | None:
             return f"{file} is missing"
         if actual != size:
             return f"{file} has {actual} bytes, {size} were written"
-        if _sha256(file) != digest:
+        if sha256_file(file) != digest:
             return f"{file} differs from what was written (SHA-256)"
     return None
 

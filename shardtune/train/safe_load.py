@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from shardtune.checksums import sha256_file
 from shardtune.errors import UsageError, first_line
 
 # (module, name) pairs DCP's metadata may name besides the classes of torch.distributed.checkpoint.metadata.
@@ -155,16 +156,6 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
                                f"from another checkpoint") from None
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 20):
-            sha.update(block)
-    return sha.hexdigest()
-
-
 def file_digests(folder: Path, *, skip: str, share: tuple[int, int] = (0, 1)) -> dict[str, dict[str, Any]]:
     """Size and SHA-256 of every file under ``folder`` but ``skip`` (the manifest that will hold them).
 
@@ -178,7 +169,7 @@ def file_digests(folder: Path, *, skip: str, share: tuple[int, int] = (0, 1)) ->
 
 def file_digest(path: Path) -> dict[str, Any]:
     """A manifest's entry for one file: its size and SHA-256."""
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def damage(folder: Path, digests: dict[str, dict[str, Any]], share: tuple[int, int] = (0, 1)) -> str | None:
@@ -192,6 +183,6 @@ def damage(folder: Path, digests: dict[str, dict[str, Any]], share: tuple[int, i
         size = path.stat().st_size
         if size != want["bytes"]:
             return f"{path} has {size} bytes, {want['bytes']} were saved (cut short or overwritten)"
-        if _sha256(path) != want["sha256"]:
+        if sha256_file(path) != want["sha256"]:
             return f"{path} has changed since it was saved (its SHA-256 differs from the manifest's)"
     return None
