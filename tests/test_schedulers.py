@@ -104,16 +104,20 @@ if mode.startswith("exit:"):  # the launchers' exit code, after the test's go-ah
     while not os.path.exists(os.environ["FAKE_SRUN_GO"]):
         __import__("time").sleep(0.02)
     sys.exit(int(mode[5:]))
-procs = [subprocess.Popen(args, env={{**os.environ, "SLURM_NODEID": str(i), "SLURM_PROCID": str(i),
-                                      "SLURM_LOCALID": "0"}}) for i in range(nodes)]
+# FAKE_SRUN_HOSTS: a command prefix per node (ip netns exec ...), so that each node's task runs on its own host.
+hosts = json.loads(os.environ.get("FAKE_SRUN_HOSTS") or "null") or [[]] * nodes
+procs = [subprocess.Popen(hosts[i] + args, env={{**os.environ, "SLURM_NODEID": str(i), "SLURM_PROCID": str(i),
+                                                 "SLURM_LOCALID": "0"}}) for i in range(nodes)]
 signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in procs])
 codes = [p.wait() for p in procs]
 sys.exit(max(c if c >= 0 else 128 - c for c in codes))
 """
 
 FAKE_SCONTROL = """#!/bin/bash
-# Stand-in scontrol: every node is this machine; other commands are logged.
-if [ "$1 $2" = "show hostnames" ]; then
+# Stand-in scontrol: the nodes are FAKE_NODE_NAMES (namespace hosts) or this machine; other commands are logged.
+if [ "$1 $2" = "show hostnames" ] && [ -n "$FAKE_NODE_NAMES" ]; then
+    for name in $FAKE_NODE_NAMES; do echo "$name"; done
+elif [ "$1 $2" = "show hostnames" ]; then
     for _ in $(seq "$SLURM_JOB_NUM_NODES"); do echo 127.0.0.1; done
 else
     echo "$*" >> "$FAKE_SCONTROL_LOG"
@@ -143,8 +147,11 @@ def free_port() -> int:
 
 
 def test_sbatch_script_runs_two_nodes_of_real_training(tmp_path):
-    """The script as Slurm would run it, with srun and scontrol stood in: 2 nodes x 1 CPU process, gloo."""
+    """The script as Slurm would run it, with srun and scontrol stood in: 2 nodes x 1 CPU process, gloo. Where
+    network namespaces can be made (root, iproute2: CI), each node is its own host (tests/netns.py) and srun
+    starts each node's task in its namespace; elsewhere both nodes are this machine."""
     from shardtune.testing.tiny import make_model_folder
+    from tests import netns
     from tests.trainutil import write_chat_data
 
     make_model_folder(tmp_path / "M")
@@ -156,8 +163,20 @@ def test_sbatch_script_runs_two_nodes_of_real_training(tmp_path):
                   "--main_process_port", str(free_port()), "--python", sys.executable, "--requeue", "train", *train])
     (tmp_path / "job.sbatch").write_text(job.text)
     env = slurm_env(tmp_path, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
+    if netns.unavailable() is None:
+        with netns.two_hosts("sb") as hosts:
+            seen = tmp_path / "seen"  # each node's task writes the host it runs on
+            note = ["sh", "-c", 'echo "$(hostname) $(ip -4 -o addr show dev "$GLOO_SOCKET_IFNAME")" >> "$0"; '
+                    'exec "$@"', str(seen)]
+            env.update(FAKE_NODE_NAMES=" ".join(h.hostname for h in hosts), FAKE_SRUN_HOSTS=json.dumps(
+                [h.command(["env", f"GLOO_SOCKET_IFNAME={h.iface}", *note]) for h in hosts]))
+            proc = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=240)
+        ran_on = sorted((line.split()[0], line.split()[4]) for line in seen.read_text().splitlines())
+        assert ran_on == [(h.hostname, f"{h.addr}/24") for h in hosts], ran_on
+    else:
+        proc = subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=240)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "strategy: DDP on 2 process(es)" in proc.stderr  # one world of both nodes' processes
     records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
