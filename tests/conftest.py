@@ -1,5 +1,4 @@
 import json
-import logging
 import warnings
 
 import pytest
@@ -29,14 +28,8 @@ def config_dir(tmp_path):
 
 @pytest.fixture
 def restore_logging():
-    """``train`` in this process sets up logging and warning filters as a training process does: undo it, so
-    the tests after these see the interpreter as it was."""
-    saved = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
-                    logging.getLogger(name).propagate) for name in ("shardtune", "bitsandbytes")}
-    with warnings.catch_warnings():
+    """``train`` in this process sets up logging and warning filters as a training process does: undo it."""
+    from tests.trainutil import logging_restored
+
+    with logging_restored():
         yield
-    for name, (level, handlers, propagate) in saved.items():
-        logger = logging.getLogger(name)
-        logger.setLevel(level)
-        logger.handlers[:] = handlers
-        logger.propagate = propagate

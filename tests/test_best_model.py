@@ -69,15 +69,11 @@ def test_settings_that_cannot_work_are_refused(root, extra, message):
 @pytest.fixture(scope="module")
 def watched(root):
     """The run of the next test: (its output_dir, its summary)."""
-    import logging
-    import warnings
-
     from shardtune.train.loop import train
+    from tests.trainutil import logging_restored
 
-    level = logging.getLogger("shardtune").level
-    with warnings.catch_warnings():
+    with logging_restored():
         summary = train(load_train_config(args(root, "watched", *WATCH, "--eval_on_start", "true")))
-    logging.getLogger("shardtune").setLevel(level)
     return root / "watched", summary
 
 

@@ -20,7 +20,7 @@ import pytest
 from shardtune.config import load_train_config
 from shardtune.errors import UsageError
 from shardtune.train.safe_load import damage, file_digests
-from tests.trainutil import write_chat_data
+from tests.trainutil import logging_restored, write_chat_data
 
 
 class Planted:
@@ -46,20 +46,15 @@ FULL_STATE = ["--distributed_type", "FSDP", "--fsdp_state_dict_type", "FULL_STAT
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A LoRA run (DCP shards) and a full FSDP run on one process (FULL_STATE_DICT files), 2 steps each."""
-    import logging
-    import warnings
-
     from shardtune.testing.tiny import make_model_folder
     from shardtune.train.loop import train
 
     root = tmp_path_factory.mktemp("safety")
     make_model_folder(root / "model")
     write_chat_data(root / "chat.jsonl", rows=200)
-    level = logging.getLogger("bitsandbytes").level
-    with warnings.catch_warnings():
+    with logging_restored():
         train(load_train_config(args(root, "lora", *LORA)))
         train(load_train_config(args(root, "full", *FULL_STATE)))
-    logging.getLogger("bitsandbytes").setLevel(level)
     return root
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import random
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,6 +25,23 @@ def write_chat_data(path: Path, rows: int = 1500, seed: int = 0) -> Path:
             f.write(json.dumps({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
                                              {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}) + "\n")
     return path
+
+
+@contextlib.contextmanager
+def logging_restored() -> Iterator[None]:
+    """``train`` in this process sets up logging and warning filters as a training process does: undo it, so
+    the tests after these see the interpreter as it was."""
+    saved = {name: (logging.getLogger(name).level, list(logging.getLogger(name).handlers),
+                    logging.getLogger(name).propagate) for name in ("shardtune", "bitsandbytes")}
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        for name, (level, handlers, propagate) in saved.items():
+            logger = logging.getLogger(name)
+            logger.setLevel(level)
+            logger.handlers[:] = handlers
+            logger.propagate = propagate
 
 
 def flags(*args: str) -> list[str]:
