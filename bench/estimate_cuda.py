@@ -296,7 +296,7 @@ def build(cfg: TrainConfig, device: torch.device) -> Trainee:
     from shardtune.train.model import Precision
 
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device)
-    precision = Precision(cfg.mixed_precision)
+    precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
     config = _model_config(cfg)
     vocab_size, pad_id = _vocab_and_pad(cfg, config)
     torch.manual_seed(cfg.run.seed)
@@ -316,7 +316,7 @@ def measure(trainee: Trainee, cfg: TrainConfig, steps: int) -> tuple[int | None,
     from shardtune.train.step import StepContext, train_step
 
     device = trainee.info.device
-    optimizer = build_optimizer(trainee.model, cfg.optim, device)
+    optimizer = build_optimizer(trainee.model, cfg.optim, device, pure_bf16=cfg.model.pure_bf16)
     # The grid is bf16 (autocast over fp32 master weights, or a bf16 base under LoRA): no loss scaler, as the loop.
     ctx = StepContext(model=trainee.model, optimizer=optimizer,
                       scheduler=build_scheduler(optimizer, cfg.optim, steps + 1), runner=trainee.runner,

@@ -27,6 +27,13 @@ DESCRIPTIONS = {
     "attn_implementation": "Attention kernel: sdpa, eager, flash_attention_2, flash_attention_3.",
     "use_flash_attn": "Use flash_attention_2 when installed and on CUDA; sdpa otherwise, with a warning.",
     "trust_remote_code": "Run a model's own Python code from its folder. Off unless you trust the model.",
+    "torch_dtype": "TRL's model dtype: auto or float32 (unset) train fp32 weights under mixed precision; bfloat16 "
+                   "trains pure bf16: weights, gradients and AdamW moments in bf16, no fp32 master (half the "
+                   "optimizer memory), updates stochastically rounded so small steps are kept, FSDP reducing "
+                   "gradients in bf16, final/ saved in bf16. With LoRA the base and the adapters are bf16. Runs "
+                   "adamw_torch/adamw_torch_fused with every distributed_type; float16 is refused (use fp16 mixed "
+                   "precision).",
+    "dtype": "Transformers 5's name for torch_dtype; give one of the two (different values are refused).",
     "dataset_name": "A JSONL/JSON/Parquet/CSV file or folder, a saved `datasets` folder, or a hub name.",
     "dataset_config_name": "The hub data set's configuration (subset).",
     "splits": "Comma-separated split names; names containing `train` train, the others evaluate.",

@@ -43,7 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="recompute each decoder layer in backward (default: on)")
     p.add_argument("--mixed-precision", default="bf16", help=f"{' | '.join(MIXED_PRECISIONS)} (default: bf16)")
     p.add_argument("--pure-bf16", action="store_true",
-                   help="keep weights and optimizer states in bf16 (no fp32 master)")
+                   help="keep weights and optimizer states in bf16 (no fp32 master): the trainer's "
+                        "torch_dtype bfloat16, with adamw_torch")
     p.add_argument("--optimizer", default="adamw_torch",
                    help=f"the trainer's optim names: {' | '.join(OPTIMIZERS)} (adamw and adamw-8bit are the "
                         f"earlier spellings of adamw_torch and adamw_8bit; default: adamw_torch)")

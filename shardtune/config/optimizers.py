@@ -63,6 +63,10 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adafactor": OptimizerSpec("transformers", "adafactor", 1, 32),
     "sgd": OptimizerSpec("torch", "sgd", 0, 0),
 }
+# What pure bf16 (torch_dtype bfloat16) runs: AdamW with stochastically rounded bf16 updates (train/bf16_adamw.py).
+# The others would round every small update of a bf16 weight away (bitsandbytes', Adafactor and SGD write their
+# result back to nearest), so they are refused with it.
+PURE_BF16_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # The estimator's earlier spellings, kept working.
 ESTIMATE_ALIASES = {"adamw": "adamw_torch", "adamw-8bit": "adamw_8bit"}
 

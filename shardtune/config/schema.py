@@ -20,6 +20,7 @@ SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 MIXED_PRECISIONS = ("bf16", "fp16", "no")
+TORCH_DTYPES = ("auto", "float32", "bfloat16")  # float16 is refused: pure fp16 diverges without an fp32 master
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 STRATEGIES_STEPS = ("steps", "epoch", "no")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
@@ -43,6 +44,19 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     use_flash_attn: bool = False  # flash_attention_2 when installed and on CUDA; sdpa otherwise, with a warning
     trust_remote_code: bool = False
+    # TRL's model dtype: auto/float32 keep fp32 trainable weights under mixed precision; bfloat16 trains pure bf16
+    # (weights, gradients and optimizer states in bf16, no fp32 master; stochastically rounded AdamW updates).
+    torch_dtype: str | None = None
+    dtype: str | None = None  # Transformers 5's name for torch_dtype
+
+    @property
+    def weights_dtype(self) -> str:
+        """auto, float32 or bfloat16: torch_dtype or its alias dtype (validation refuses the two disagreeing)."""
+        return str(self.torch_dtype or self.dtype or "auto").lower().removeprefix("torch.")
+
+    @property
+    def pure_bf16(self) -> bool:
+        return self.weights_dtype == "bfloat16"
 
 
 @dataclass

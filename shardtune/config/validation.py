@@ -7,11 +7,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, non_cuda_alternative
+from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
 from shardtune.config.schema import (ACCEPTED_OPTIMS, BACKWARD_PREFETCH, DATASET_PLACEHOLDER, DISTRIBUTED_TYPES, FSDP_VERSIONS,
                                      HUB_STRATEGIES, LOG_LEVELS, MIXED_PRECISIONS, PIPELINE_SCHEDULES, SCHEDULERS,
                                      SHARDING_STRATEGIES, STATE_DICT_TYPES, STRATEGIES_STEPS, TRACKER_PACKAGES,
-                                     WRAP_POLICIES,
+                                     TORCH_DTYPES, WRAP_POLICIES,
                                      OptimConfig, TrainConfig)
 from shardtune.hub import looks_like_local_path, model_folder_problem
 from shardtune.errors import closest
@@ -87,6 +87,7 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
     problems += _validate_pipeline(cfg)
     problems += _best_model_problems(cfg)
     problems += _unsupported(cfg)
+    problems += dtype_problems(cfg)
     problems += cfg.data.validate()
     return problems
 
@@ -229,6 +230,37 @@ def _unsupported(cfg: TrainConfig) -> list[str]:
         problems.append(f"hub_strategy={r.hub_strategy!r} is not accepted: push_to_hub uploads the final model once, "
                         f"at the end of training; use hub_strategy end or leave it out")
     problems += _optim_problems(cfg)
+    return problems
+
+
+def dtype_problems(cfg: TrainConfig) -> list[str]:
+    """torch_dtype / dtype (TRL's and Transformers 5's names): a value the trainer runs, and what pure bf16 pairs
+    with."""
+    m = cfg.model
+    same = {str(v).lower().removeprefix("torch.") for v in (m.torch_dtype, m.dtype)}
+    if m.torch_dtype and m.dtype and len(same) > 1:
+        return [f"torch_dtype={m.torch_dtype} and dtype={m.dtype} disagree (dtype is Transformers 5's name for "
+                f"torch_dtype); give one of them"]
+    key = "torch_dtype" if m.torch_dtype else "dtype"
+    if m.weights_dtype in ("float16", "half"):
+        return [f"{key}=float16: pure fp16 training diverges without an fp32 master copy (fp16's range overflows "
+                f"and small updates vanish); leave {key} out and set fp16 true for fp16 mixed precision, or use "
+                f"{key} bfloat16"]
+    if m.weights_dtype not in TORCH_DTYPES:
+        return [f"{key}={getattr(m, key)!r} is not accepted; use one of {', '.join(TORCH_DTYPES)}"]
+    if not m.pure_bf16:
+        return []
+    problems = []
+    if cfg.optim.optim not in PURE_BF16_OPTIMS:
+        problems.append(f"{key}=bfloat16 with optim {cfg.optim.optim}: in pure bf16 only "
+                        f"{' and '.join(PURE_BF16_OPTIMS)} keep small updates (stochastic rounding); use one of them, "
+                        f"or leave {key} out for fp32 master weights")
+    if cfg.mixed_precision == "fp16":
+        problems.append(f"{key}=bfloat16 with fp16 mixed precision: bf16 weights compute in bf16; set fp16 false "
+                        f"(and mixed_precision bf16 or no)")
+    if cfg.lora.use_4bit_quantization:
+        problems.append(f"{key}=bfloat16 with use_4bit_quantization: QLoRA's base is 4-bit and its small adapters "
+                        f"keep fp32 weights; leave {key} out")
     return problems
 
 

@@ -256,7 +256,7 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     device = torch.device("cpu")
     info = DistInfo(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size // num_nodes,
                     device=device)
-    precision = Precision(cfg.mixed_precision)
+    precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
     plan = plan_for(cfg, info, precision)
     if plan.strategy in ("MP", "PP"):
         name = {"MP": "model parallel", "PP": "pipeline parallel"}[plan.strategy]
@@ -293,7 +293,7 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
             batches = [{k: fake_mode.from_tensor(v) for k, v in b.items()} for b in real_batches]
         with _phase("building the optimizer", fake):  # bitsandbytes' 8-bit maps are made from real values
             optimizer = build_optimizer(model, cfg.optim, torch.device(target_device),
-                                        sharded_scaler=plan.sharded_grad_scaler)
+                                        sharded_scaler=plan.sharded_grad_scaler, pure_bf16=precision.pure_bf16)
         scheduler = build_scheduler(optimizer, cfg.optim, max(steps, 1))
         if runner.scaler is not None:  # fp16's loss scaler, in a form fake tensors can run
             runner.scaler = _grad_scaler(fsdp, fake)

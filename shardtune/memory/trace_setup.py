@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 
 from shardtune.config import DATASET_PLACEHOLDER, TrainConfig, build_config
 from shardtune.config.optimizers import canonical
-from shardtune.errors import UsageError
 from shardtune.hardware import GIB
 from shardtune.memory.setup import Setup
 
@@ -20,9 +19,6 @@ STRATEGY_TO_TYPE = {"single": "NO", "ddp": "DDP", "fsdp": "FSDP", "mp": "MP", "p
 
 def config_from_setup(model: str, setup: Setup) -> TrainConfig:
     """The ``shardtune train`` config of ``setup`` (what --emit-config writes and --trace runs)."""
-    if setup.pure_bf16:
-        raise UsageError("--pure-bf16: the trainer keeps fp32 master weights, so --trace and --emit-config cannot "
-                         "use it; drop --pure-bf16")
     values: dict[str, Any] = {
         "model_name_or_path": model, "output_dir": "output", "dataset_name": DATASET_PLACEHOLDER,
         "max_seq_len": setup.seq_len, "per_device_train_batch_size": setup.batch_size,
@@ -41,6 +37,8 @@ def config_from_setup(model: str, setup: Setup) -> TrainConfig:
         # MP is one process driving every GPU of the node; the others run one process per GPU.
         "num_processes": 1 if setup.strategy == "mp" else setup.world_size, "num_machines": setup.num_nodes,
     }
+    if setup.pure_bf16:  # no fp32 master: TRL's torch_dtype
+        values.update(torch_dtype="bfloat16")
     if setup.strategy == "fsdp":
         values.update(fsdp_sharding_strategy=setup.sharding_strategy, fsdp_offload_params=setup.offload_params)
     if setup.strategy == "pp":  # one row per pipeline micro-batch: the most stages working at once
@@ -70,7 +68,8 @@ def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> 
                  offload_params=cfg.distributed.fsdp_offload_params and strategy == "fsdp",
                  num_gpus=world_size // num_nodes, num_nodes=num_nodes, batch_size=cfg.run.per_device_train_batch_size,
                  seq_len=cfg.data.max_seq_len, gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
-                 gradient_checkpointing=cfg.run.gradient_checkpointing, mixed_precision=cfg.mixed_precision,
+                 gradient_checkpointing=cfg.run.gradient_checkpointing,
+                 mixed_precision="bf16" if cfg.model.pure_bf16 else cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16,
                  lora_r=lora.lora_r, lora_target_modules=lora.lora_target_modules,
                  attn_implementation=cfg.model.attn_implementation, nf4_double_quant=lora.use_nested_quant,
                  optimizer=cfg.optim.optim, loss="shardtune")  # the trainer's own loss: 8 chunks, each checkpointed

@@ -48,7 +48,8 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
                                     on_meta=on_meta and not info.is_main)
         added_token_ids = resize_for_tokenizer(model, vocab_size)
         if lora.use_peft_lora:
-            model = apply_lora(model, lora, seed=cfg.run.seed, added_token_ids=added_token_ids)
+            model = apply_lora(model, lora, seed=cfg.run.seed, added_token_ids=added_token_ids,
+                               trainable_dtype=precision.trainable_dtype)
         if cfg.run.neftune_noise_alpha:
             add_neftune_noise(model, cfg.run.neftune_noise_alpha)
     trainable, total = count_parameters(model)
@@ -97,5 +98,5 @@ def plan_for(cfg: TrainConfig, info: DistInfo, precision: Precision) -> Plan:
     from shardtune.train.plan import make_plan
 
     return make_plan(cfg.distributed, info, param_dtype=fsdp_param_dtype(cfg, precision),
-                     compute_dtype=precision.compute_dtype, gradient_checkpointing=cfg.run.gradient_checkpointing,
-                     use_reentrant=cfg.run.use_reentrant)
+                     compute_dtype=precision.autocast_dtype, reduce_dtype=precision.reduce_dtype,
+                     gradient_checkpointing=cfg.run.gradient_checkpointing, use_reentrant=cfg.run.use_reentrant)

@@ -151,7 +151,8 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
     try:
         tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data,
                                    trust_remote_code=cfg.model.trust_remote_code)
-        model = load_base_model(cfg.model, cfg.lora, Precision(cfg.mixed_precision), torch.device("cpu"))
+        precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
+        model = load_base_model(cfg.model, cfg.lora, precision, torch.device("cpu"))
     except UsageError as exc:
         raise UsageError(f"{checkpoint}: cannot load its base model ({exc}); run from the folder the training ran "
                          f"in (the path may be relative) or give the base model folder with --base") from None

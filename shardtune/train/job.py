@@ -61,13 +61,13 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed)
     if info.is_main:
         log.info("data: %s", data.report.format())
-    precision = Precision(cfg.mixed_precision)
+    precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
     plan, info = place_stages(plan_for(cfg, info, precision), cfg, info, stage_bounds)
     # Pipeline stages exchange fixed-shape activations: every batch is padded to max_seq_len there. The collator
     # writes the attention mask in the form the model's attention reads (eager adds it to the scores).
     collator = Collator(tokenizer.pad_token_id, pad_to_multiple_of=None if plan.shards_batch else cfg.data.max_seq_len,
                         attn_implementation=attn_implementation(cfg.model, info.device, precision.compute_dtype))
-    log.info("strategy: %s, mixed precision %s", plan.describe(info), precision.mixed_precision)
+    log.info("strategy: %s, %s", plan.describe(info), precision.describe())
     model, runner, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer))
     world, rank = plan.data_split(info)
     lengths = [sum(lens) for lens in data.train["seq_lens"]] if cfg.data.group_by_length else None
@@ -75,7 +75,8 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
                                  gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
                                  world_size=world, rank=rank, seed=cfg.run.seed, lengths=lengths)
     steps = total_steps(cfg, sampler.steps_per_epoch)
-    optimizer = build_optimizer(model, cfg.optim, info.device, sharded_scaler=plan.sharded_grad_scaler)
+    optimizer = build_optimizer(model, cfg.optim, info.device, sharded_scaler=plan.sharded_grad_scaler,
+                                pure_bf16=precision.pure_bf16)
     scheduler = build_scheduler(optimizer, cfg.optim, steps)
     state = TrainState(sampler, scheduler, runner.scaler, max_steps=steps, best=best_for(cfg))
     step = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, runner=runner, info=info,

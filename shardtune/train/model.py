@@ -34,15 +34,41 @@ class Precision:
     """
 
     mixed_precision: str  # no | bf16 | fp16
+    # torch_dtype bfloat16: every weight, gradient and optimizer state in bf16, no fp32 master copy (the updates
+    # are stochastically rounded, train/bf16_adamw.py); compute runs in bf16 without autocast.
+    pure_bf16: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
+        if self.pure_bf16:
+            return torch.bfloat16
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision, torch.float32)
 
+    @property
+    def trainable_dtype(self) -> torch.dtype:
+        """What trained weights (and so their gradients and AdamW moments) are stored in."""
+        return torch.bfloat16 if self.pure_bf16 else torch.float32
+
+    @property
+    def autocast_dtype(self) -> torch.dtype:
+        """autocast's dtype; fp32 means none: pure bf16 weights already compute in bf16."""
+        return torch.float32 if self.pure_bf16 else self.compute_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """FSDP2's gradient reduce-scatter dtype: fp32 for fp32 master weights; pure bf16 reduces its bf16
+        gradients as they are (as DDP does), since the sharded gradient is stored in bf16 anyway and an fp32 copy
+        of each unit's gradient is the memory pure bf16 is chosen to save."""
+        return torch.bfloat16 if self.pure_bf16 else torch.float32
+
+    def describe(self) -> str:
+        return "pure bf16 (no fp32 master)" if self.pure_bf16 else f"mixed precision {self.mixed_precision}"
+
     def frozen_dtype(self, lora: LoraConfig) -> torch.dtype:
+        """The dtype the model loads in: the frozen base's (LoRA), or the trained weights' (full)."""
         if lora.use_4bit_quantization:
             return DTYPES[lora.bnb_4bit_quant_storage_dtype]
-        return self.compute_dtype if lora.use_peft_lora else torch.float32
+        return self.compute_dtype if lora.use_peft_lora else self.trainable_dtype
 
 
 def attn_implementation(model_cfg: ModelConfig, device: torch.device, compute_dtype: torch.dtype) -> str:
@@ -249,9 +275,10 @@ def peft_lora_config(lora: LoraConfig, added_tokens: dict[str, list[int]] | None
                           trainable_token_indices=added_tokens or None, task_type="CAUSAL_LM")
 
 
-def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids: list[int] | None = None
-               ) -> nn.Module:
-    """Wrap ``model`` with PEFT LoRA adapters (fp32 weights); the base is frozen.
+def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids: list[int] | None = None,
+               trainable_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Wrap ``model`` with PEFT LoRA adapters (``trainable_dtype`` weights: fp32, bf16 in pure bf16); the base is
+    frozen.
 
     The seed is set just before injection so every rank and every setup starts from the same adapters. With
     PiSSA/OLoRA the adapters' initial values are kept (``initial_adapter``): export converts the trained adapter
@@ -274,10 +301,11 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids
         raise UsageError(f"lora_target_modules={lora.lora_target_modules!r}, lora_modules_to_save="
                          f"{','.join(lora.lora_modules_to_save) or None}: {str(exc).splitlines()[0]}; use all-linear, "
                          f"names of the model's linear layers (e.g. q_proj,v_proj) or re:<regex>") from None
-    # Adapters train in fp32 whatever the base dtype: their updates are tiny and would vanish in bf16.
+    # Adapters train in fp32 whatever the base dtype: their updates are tiny and would vanish in bf16, unless pure
+    # bf16 was asked for, whose optimizer rounds them stochastically instead.
     for param in model.parameters():
         if param.requires_grad:
-            param.data = param.data.float()
+            param.data = param.data.to(trainable_dtype)
     if mutates_base(lora):
         model.initial_adapter = {name: param.detach().cpu().clone() for name, param in model.named_parameters()
                                  if param.requires_grad and ".lora_" in name and not param.is_meta}

@@ -27,15 +27,22 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, *,
-                    sharded_scaler: bool = False) -> torch.optim.Optimizer:
+                    sharded_scaler: bool = False, pure_bf16: bool = False) -> torch.optim.Optimizer:
     """The optimizer ``cfg.optim`` names (Transformers' names, config/optimizers.py) over the trainable parameters,
     with Transformers' arguments: learning_rate and weight_decay (matrices only) for all, the Adam betas and
     epsilon where the optimizer has them.
 
     ``sharded_scaler`` (FSDP with fp16): FSDP's ``ShardedGradScaler`` hands the optimizer a ``found_inf`` of shape
-    [1], which fused AdamW cannot subtract from its 0-d step counts; the multi-tensor kernel takes it."""
+    [1], which fused AdamW cannot subtract from its 0-d step counts; the multi-tensor kernel takes it.
+
+    ``pure_bf16`` (torch_dtype bfloat16; validation allows AdamW only): AdamW with stochastically rounded bf16
+    updates (bf16_adamw.py), so that small steps are not rounded away."""
     spec = OPTIMIZERS[cfg.optim]
     groups = param_groups(model, cfg.weight_decay)
+    if pure_bf16:
+        from shardtune.train.bf16_adamw import BF16AdamW
+
+        return BF16AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     if spec.library == "bitsandbytes":
         if spec.paged and device.type != "cuda":  # bitsandbytes would page nothing and say so only in a warning
             raise UsageError(f"optim={cfg.optim} pages its state through CUDA unified memory and this run is on "

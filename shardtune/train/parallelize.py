@@ -109,8 +109,9 @@ def apply_fsdp(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
     # runs this function under FakeTensorMode); a no-op in a real run.
     with unset_fake_temporarily():
         mesh = _mesh(plan, info)
-    # Gradients are reduced in fp32 whatever the compute dtype: bf16 sums over many ranks lose bits.
-    mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=torch.float32)
+    # Gradients of fp32 master weights are reduced in fp32 whatever the compute dtype (bf16 sums over many ranks
+    # lose bits); pure bf16 reduces in bf16, the dtype its sharded gradients are kept in (Precision.reduce_dtype).
+    mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=info.device.type == "cuda") if plan.offload else OffloadPolicy()
     units = _wrap_targets(model, plan)
     for module in units:

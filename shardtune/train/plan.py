@@ -29,6 +29,7 @@ class Plan:
     min_num_params: int = 100_000_000
     param_dtype: torch.dtype | None = None  # FSDP's gather dtype (mixed precision); None keeps the stored one
     compute_dtype: torch.dtype = torch.float32  # autocast's dtype (one process, DDP, MP, each PP stage)
+    reduce_dtype: torch.dtype = torch.float32  # FSDP's gradient reduce-scatter dtype (bf16 in pure bf16)
     gradient_checkpointing: bool = False
     use_reentrant: bool = False
     # MP and PP: [first, end) decoder layers of each stage (model_parallel.plan_stages).
@@ -106,7 +107,7 @@ def resolve_strategy(cfg: DistributedConfig, info: DistInfo) -> str:
 
 def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtype | None,
               gradient_checkpointing: bool, use_reentrant: bool,
-              compute_dtype: torch.dtype = torch.float32) -> Plan:
+              compute_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32) -> Plan:
     strategy = resolve_strategy(cfg, info)
     reshard = cfg.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
     if cfg.fsdp_reshard_after_forward is not None:
@@ -115,6 +116,7 @@ def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtyp
     return Plan(strategy=strategy, sharding=cfg.fsdp_sharding_strategy, reshard_after_forward=reshard,
                 offload=cfg.fsdp_offload_params, wrap_policy=cfg.fsdp_auto_wrap_policy, layer_classes=layers,
                 min_num_params=cfg.fsdp_min_num_params, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                reduce_dtype=reduce_dtype,
                 gradient_checkpointing=gradient_checkpointing or cfg.fsdp_activation_checkpointing,
                 use_reentrant=use_reentrant, pipeline_schedule=cfg.pipeline_schedule,
                 pipeline_microbatches=cfg.pipeline_microbatches,

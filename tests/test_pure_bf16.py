@@ -1,0 +1,251 @@
+"""Pure bf16 training (``torch_dtype: bfloat16``): bf16 weights, gradients and AdamW moments, no fp32 master.
+
+- The update: plain bf16 AdamW rounds small steps away; the stochastically rounded one follows fp32 AdamW.
+- The state: bf16 everywhere, the moments half of fp32 AdamW's bytes, the total what the estimator's table counts.
+- Real runs: one process against FSDP2 on two gloo processes (losses within one bf16 rounding unit), an exact
+  resume (losses and final weights bitwise), bf16 export; the trace against the formula; refusals, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardtune.config import load_train_config
+from shardtune.errors import UsageError
+from shardtune.train.bf16_adamw import BF16AdamW, round_to_bf16
+from tests.trainutil import flags, losses, run_shardtune, shardtune_env, write_chat_data
+
+# One bf16 rounding unit (8 significant bits): one process and FSDP2 run the same bf16 arithmetic in another
+# order (the loss's per-rank partial sums, bf16 gradients reduced over two ranks), so their mean losses differ by
+# rounding alone; a real divergence (a lost or doubled gradient at lr 1e-3) moves the loss by ~1e-2 relative.
+BF16_REL_TOL = 2.0 ** -9
+STEPS = 4
+
+
+def _quadratic_run(kind: str, w0: torch.Tensor, target: torch.Tensor, lr: float, steps: int) -> torch.Tensor:
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    param = torch.nn.Parameter(w0.to(dtype, copy=True))
+    opt = (BF16AdamW([param], lr=lr) if kind == "stochastic" else
+           torch.optim.AdamW([param], lr=lr, weight_decay=0.0, foreach=False))
+    for _ in range(steps):
+        param.grad = (param.detach().float() - target).to(dtype)  # gradient of 0.5 |w - target|^2
+        opt.step()
+    return param.detach().float()
+
+
+def test_plain_bf16_adamw_stalls_where_stochastic_rounding_follows_fp32():
+    """lr 1e-5 on weights ~1 (bf16 spacing 2^-7): each step is ~1/800 of a spacing. Measured on the fp32 run's
+    displacement d: plain bf16 moves 0.4% of it, the stochastic rounding 100.7% (seed 0)."""
+    gen = torch.Generator().manual_seed(0)
+    w0 = torch.randn(64, 64, generator=gen).bfloat16().float()
+    target = w0 + 0.01 * torch.randn(64, 64, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 4096-value ops: waking a second thread on busy shared cores costs more than they do
+    try:
+        fp32, plain, rounded = (_quadratic_run(kind, w0, target, 1e-5, 300)
+                                for kind in ("fp32", "bf16", "stochastic"))
+    finally:
+        torch.set_num_threads(threads)
+    d = fp32 - w0
+
+    def share(w):  # the part of fp32's displacement this run made
+        return float((w - w0).mul(d).sum() / d.square().sum())
+
+    assert abs(share(plain)) < 0.05
+    assert 0.9 < share(rounded) < 1.1
+    # Its distance to the target closes most of what fp32's does; plain bf16's hardly moves.
+    start, reached = (w0 - target).norm(), (fp32 - target).norm()
+    assert (start - (rounded - target).norm()) > 0.6 * (start - reached)
+    assert (start - (plain - target).norm()) < 0.05 * (start - reached)
+
+
+def test_stochastic_rounding_is_unbiased_and_exact_on_bf16_values():
+    """A quarter of a spacing above each of the 128 bf16 values in [1, 2), rounded at 400 steps (a weight that
+    keeps getting the same small update): rounding to nearest loses it every time, the stochastic rounding keeps it
+    on average (the mean of 51,200 draws has a standard deviation of 0.002 spacings; the bound is 0.01); values
+    that are bf16 already come back unchanged (DCP's lr-0 step)."""
+    grid = 1 + torch.arange(128, dtype=torch.float32) / 128
+    spacing = 2.0 ** -7
+    values = grid + spacing / 4
+    assert float((values.bfloat16().float() - values).mean()) == pytest.approx(-spacing / 4)
+    for sign in (1, -1):
+        errors = [round_to_bf16(sign * values, step).float() - sign * values for step in range(1, 401)]
+        assert abs(float(torch.stack(errors).mean())) < spacing / 100
+    assert all(torch.equal(round_to_bf16(grid, step), grid.bfloat16()) for step in (1, 7))
+
+
+def _one_step(model, *, pure: bool):
+    from shardtune.config import OptimConfig
+    from shardtune.train.optim import build_optimizer
+
+    opt = build_optimizer(model, OptimConfig(learning_rate=1e-3), torch.device("cpu"), pure_bf16=pure)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.ones_like(p)
+    opt.step()
+    return opt
+
+
+def test_weights_and_optimizer_state_are_bf16_and_half_of_fp32(tiny_model):
+    from shardtune.config import LoraConfig, ModelConfig
+    from shardtune.config.optimizers import state_bytes
+    from shardtune.train.model import Precision, apply_lora, load_base_model
+
+    model_cfg = ModelConfig(model_name_or_path=str(tiny_model), torch_dtype="bfloat16")
+    cpu = torch.device("cpu")
+    pure = load_base_model(model_cfg, LoraConfig(), Precision("no", pure_bf16=True), cpu)
+    mixed = load_base_model(model_cfg, LoraConfig(), Precision("bf16"), cpu)
+    assert {p.dtype for p in pure.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in mixed.parameters()} == {torch.float32}  # the fp32 master copy of mixed precision
+    pure_opt, mixed_opt = _one_step(pure, pure=True), _one_step(mixed, pure=False)
+    assert {p.grad.dtype for p in pure.parameters()} == {torch.bfloat16}
+
+    def moment_bytes(opt):
+        return sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+
+    states = [s for s in pure_opt.state.values()]
+    assert {s["exp_avg"].dtype for s in states} | {s["exp_avg_sq"].dtype for s in states} == {torch.bfloat16}
+    assert 2 * moment_bytes(pure_opt) == moment_bytes(mixed_opt)
+    # Everything the optimizer holds (moments and the 0-d fp32 step) is what the estimator's table counts.
+    shapes = [tuple(p.shape) for p in pure.parameters()]
+    held = sum(t.numel() * t.element_size() for s in states for t in s.values())
+    assert held == state_bytes("adamw_torch", shapes, 2)
+
+    lora = LoraConfig(use_peft_lora=True, lora_r=4)
+    base = load_base_model(model_cfg, lora, Precision("no", pure_bf16=True), cpu)
+    adapted = apply_lora(base, lora, seed=0, trainable_dtype=Precision("no", pure_bf16=True).trainable_dtype)
+    trained = [p for p in adapted.parameters() if p.requires_grad]
+    assert trained and {p.dtype for p in adapted.parameters()} == {torch.bfloat16}
+
+
+def _config(*extra: str):
+    return load_train_config(["--model_name_or_path", "m", "--output_dir", "o", "--dataset_name", "d", *extra])
+
+
+def test_dtype_is_an_alias_and_bfloat16_selects_pure_bf16():
+    assert _config("--dtype", "bfloat16").model.pure_bf16
+    assert _config("--torch_dtype", "bfloat16", "--dtype", "bfloat16").model.pure_bf16
+    assert not _config("--torch_dtype", "auto").model.pure_bf16
+    assert not _config("--torch_dtype", "float32", "--bf16", "true").model.pure_bf16
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--torch_dtype", "float16"], "torch_dtype=float16: pure fp16 training diverges"),
+    (["--torch_dtype", "bfloat16", "--dtype", "float32"], "torch_dtype=bfloat16 and dtype=float32 disagree"),
+    (["--dtype", "int8"], "dtype='int8' is not accepted; use one of auto, float32, bfloat16"),
+    (["--torch_dtype", "bfloat16", "--optim", "adamw_8bit"], "torch_dtype=bfloat16 with optim adamw_8bit"),
+    (["--torch_dtype", "bfloat16", "--optim", "sgd"], "torch_dtype=bfloat16 with optim sgd"),
+    (["--torch_dtype", "bfloat16", "--fp16", "true"], "torch_dtype=bfloat16 with fp16 mixed precision"),
+    (["--torch_dtype", "bfloat16", "--use_peft_lora", "true", "--use_4bit_quantization", "true"],
+     "torch_dtype=bfloat16 with use_4bit_quantization"),
+])
+def test_refusals_are_one_line(extra, needle):
+    with pytest.raises(UsageError) as exc:
+        _config(*extra)
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_train_refuses_float16_with_exit_2(tmp_path, capsys):
+    from shardtune.cli import main
+
+    code = main(["train", "--model_name_or_path", "m", "--output_dir", str(tmp_path / "o"), "--dataset_name", "d",
+                 "--torch_dtype", "float16"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "fp16 mixed precision" in err and len(err.splitlines()) == 1
+
+
+def test_trace_of_a_pure_bf16_job_agrees_with_the_formula(small_model):
+    """The trainer's step traced on fake tensors (bf16 weights, gradients, moments, the bf16 reduce-scatter; the
+    stochastically rounded update's temporaries) against ``--pure-bf16``'s formula, within test_trace_formula.py's
+    7% (measured -1.3%; one process with checkpointing -4.4%, DDP x2 -3.7%, LoRA -1.6% to +2.3%)."""
+    from shardtune.memory.setup import Setup
+    from shardtune.memory.trace_setup import config_from_setup, formula_and_trace
+
+    setup = Setup(method="full", strategy="fsdp", num_gpus=4, batch_size=2, seq_len=256,
+                  gradient_checkpointing=True, mixed_precision="bf16", pure_bf16=True, loss="shardtune")
+    assert config_from_setup(small_model, setup).model.torch_dtype == "bfloat16"  # what --emit-config writes
+    formula, _, traced, _ = formula_and_trace(small_model, setup)
+    assert abs(formula / traced - 1) <= 0.07, f"formula {formula:,} B vs trace {traced:,} B"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from shardtune.testing.tiny import make_model_folder
+
+    return make_model_folder(tmp_path_factory.mktemp("pure_bf16") / "model")
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from shardtune.testing.tiny import make_model_folder
+
+    return str(make_model_folder(tmp_path_factory.mktemp("pure_bf16") / "small", hidden_size=256,
+                                 intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model):
+    """One process (checkpoint at step 2), FSDP2 on two processes, and the first resumed from its step 2."""
+    root = tmp_path_factory.mktemp("pure_bf16_runs")
+    data = write_chat_data(root / "chat.jsonl", rows=300)  # 4 steps of 8 packed rows need ~100 dialogues
+
+    def command(name: str, *extra: str) -> list[str]:
+        return ["train", *flags("--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--splits",
+                                "train", "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS),
+                                "--logging_steps", "1", "--learning_rate", "1e-3", "--seed", "7", "--save_steps", "2",
+                                "--torch_dtype", "bfloat16", "--output_dir", str(root / name), *extra)]
+
+    def ok(result) -> None:
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    # The two-process job runs beside the single-process ones: much of each run is single-threaded start-up.
+    fsdp = subprocess.Popen([sys.executable, "-m", "shardtune", "launch", "--num_processes", "2",
+                             *command("fsdp", "--per_device_train_batch_size", "2", "--distributed_type", "FSDP",
+                                      "--save_strategy", "no")],
+                            cwd=root, env=shardtune_env(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        ok(run_shardtune(command("single", "--per_device_train_batch_size", "4"), root))
+        # The resumed run continues the single run's own step-2 checkpoint, in a copy of its folder.
+        shutil.copytree(root / "single", root / "resumed", ignore=shutil.ignore_patterns("final", "step-4"))
+        ok(run_shardtune(command("resumed", "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "true"),
+                         root))
+        stdout, stderr = fsdp.communicate(timeout=300)
+    finally:
+        if fsdp.poll() is None:  # a single-process run failed: torchrun passes SIGTERM on to its workers
+            fsdp.terminate()
+            fsdp.wait(timeout=60)
+    ok(subprocess.CompletedProcess(fsdp.args, fsdp.returncode, stdout, stderr))
+    return root / "single", root / "fsdp", root / "resumed"
+
+
+def test_one_process_and_fsdp_losses_agree_within_bf16_rounding(runs):
+    single, fsdp, _ = runs
+    ref, other = losses(single), losses(fsdp)
+    assert len(ref) == len(other) == STEPS and all(math.isfinite(x) for x in ref)
+    assert ref[-1] < ref[0] - 0.1  # it trains
+    for step, (a, b) in enumerate(zip(ref, other), start=1):
+        assert abs(a - b) <= BF16_REL_TOL * abs(a), f"step {step}: {a} vs {b}"
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "final" / "model.safetensors"))
+
+
+def test_resume_is_bitwise_and_export_is_bf16(runs):
+    single, _, resumed = runs
+    assert losses(resumed) == losses(single)  # steps 3-4 redone from the checkpoint: bitwise
+    want, got = _weights(single), _weights(resumed)
+    assert want.keys() == got.keys() and {t.dtype for t in want.values()} == {torch.bfloat16}
+    assert all(torch.equal(want[k].view(torch.int16), got[k].view(torch.int16)) for k in want)
+    config = json.loads((single / "final" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
