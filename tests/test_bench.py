@@ -289,7 +289,9 @@ def test_bench_checks_the_recipe_before_starting_any_setup(tmp_path, monkeypatch
     assert main(["bench", "strategies", "recipe.yaml", *out]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "recipe.yaml, line 5: dataset_name is still the placeholder REPLACE_WITH_YOUR_DATASET" in err
+    line = next(i for i, text in enumerate((tmp_path / "recipe.yaml").read_text().splitlines(), 1)
+                if text.startswith("dataset_name:"))
+    assert f"recipe.yaml, line {line}: dataset_name is still the placeholder REPLACE_WITH_YOUR_DATASET" in err
     assert "set dataset_name to your data" in err
     # A local model folder that is not there (a hub name like the recipe's own is fine), named where it was set.
     assert main(["bench", "strategies", "recipe.yaml", "--set", "model_name_or_path=./no-such-model",

@@ -72,3 +72,32 @@ def test_plot_option_writes_a_png(tmp_path, capsys):
 
 def test_plot_to_a_missing_folder_is_a_usage_error(tmp_path):
     assert main(["estimate", "llama-3.2-1b", "--plot", str(tmp_path / "no" / "such.png")]) == 2
+
+
+def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
+    """--config: a recipe, an Accelerate file and a DeepSpeed JSON give the estimate of exactly that job, the same
+    as the options that describe it; setup options beside --config are refused."""
+    import json
+
+    from shardtune.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: llama-3.1-8b\nuse_peft_lora: true\nlora_r: 16\nlora_target_modules: "
+                      "all-linear\nper_device_train_batch_size: 2\ngradient_accumulation_steps: 4\nmax_seq_len: 4096\n"
+                      "gradient_checkpointing: true\nbf16: true\ndataset_name: d\n")
+    acc = tmp_path / "accelerate.yaml"
+    acc.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 8\n"
+                   "num_machines: 1\nmixed_precision: bf16\n")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
+    argv = ["estimate", "--gpu", "h100-80gb", "--json"]
+    assert main([*argv, "--config", str(recipe), "--config", str(acc), "--config", str(ds)]) == 0
+    from_files = json.loads(capsys.readouterr().out)
+    assert main([*argv, "llama-3.1-8b", "--method", "lora", "--lora-r", "16", "--num-gpus", "8", "--strategy", "fsdp",
+                 "--sharding-strategy", "FULL_SHARD", "--batch-size", "2", "--gradient-accumulation-steps", "4",
+                 "--seq-len", "4096"]) == 0
+    from_options = json.loads(capsys.readouterr().out)
+    assert from_files["per_gpu"] == from_options["per_gpu"] and from_files["per_gpu"]["total"] > 0
+    assert from_files["trainable_parameters"] == from_options["trainable_parameters"]
+    assert main(["estimate", "--config", str(recipe), "--method", "full", "--num-gpus", "2"]) == 2
+    assert "--method, --num-gpus: with --config the files describe the setup" in capsys.readouterr().err

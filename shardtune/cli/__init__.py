@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     # `estimate` promises an instant answer, so it is parsed without importing the other subcommands.
     parser = build_parser("estimate" if argv and argv[0] == "estimate" else None)
     args = parser.parse_args(argv)
+    args.argv = argv  # what was typed, for a command that must know which options were given at all
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from shardtune import catalog
 from shardtune.errors import UsageError, check_choice
@@ -24,6 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                              "config.json.")
     p.add_argument("model", nargs="?", metavar="MODEL")
     p.add_argument("--list", action="store_true", help="print the catalog of known models and exit")
+    p.add_argument("--config", action="append", default=[], metavar="FILE",
+                   help="estimate exactly the job these files describe: a shardtune/TRL YAML recipe, an Accelerate "
+                        "config file, a DeepSpeed JSON (repeat for several); MODEL defaults to its "
+                        "model_name_or_path, and the setup options come from the files, not the command line")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--method", default="full", help=f"{' | '.join(METHODS)} (default: full)")
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default: 1)")
@@ -89,7 +94,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                          f"H100/H200, infiniband-hdr for A100, ethernet-100g otherwise)")
     tm.add_argument("--pipeline-microbatches", type=int, default=DEFAULT_PIPELINE_MICROBATCHES, metavar="M",
                     help=f"micro-batches per batch under --strategy pp (default: {DEFAULT_PIPELINE_MICROBATCHES})")
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, setup_options={action.dest: tuple(action.option_strings) for action in p._actions
+                                             if action.dest in SETUP_OPTIONS})
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -132,6 +138,58 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
 
         data = DataTokens(args.tokens)
     return time_report(report, links, data, args.price_per_gpu_hour, args.pipeline_microbatches, measured)
+
+
+# The options that describe the setup: with --config, the files describe it instead.
+SETUP_OPTIONS = ("method", "num_gpus", "num_nodes", "strategy", "sharding_strategy", "offload_params", "batch_size",
+                 "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "pure_bf16",
+                 "optimizer", "lora_r", "lora_target_modules", "attn_implementation")
+ACCELERATE_KEYS = {"compute_environment", "fsdp_config", "deepspeed_config", "machine_rank", "num_machines",
+                   "main_training_function"}
+
+
+def config_argv(files: list[str]) -> list[str]:
+    """``--config`` files as ``shardtune train`` takes them: a DeepSpeed JSON is --deepspeed, an Accelerate file
+    --config_file, anything else a recipe."""
+    import yaml
+
+    argv: list[str] = []
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise UsageError(f"--config {name}: no such file; give a training recipe, an Accelerate config file "
+                             f"or a DeepSpeed JSON")
+        if path.suffix == ".json":
+            argv += ["--deepspeed", name]
+            continue
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError):
+            data = None  # the recipe reader says what is wrong, with the line
+        argv += ["--config_file", name] if isinstance(data, dict) and ACCELERATE_KEYS & set(data) else [name]
+    return argv
+
+
+def setup_from_config_files(args: argparse.Namespace) -> Setup:
+    """``--config``: the Setup of the job the files describe (what ``shardtune train`` with them would run), and
+    MODEL from them when not given. Setup options on the command line are refused: the files decide."""
+    from shardtune.config import load_train_config
+    from shardtune.memory.trace_setup import setup_from_config
+
+    typed = getattr(args, "argv", [])
+    given = [options[0] for dest, options in args.setup_options.items()
+             if any(arg == o or arg.startswith(o + "=") for arg in typed for o in options)]
+    if given:
+        raise UsageError(f"{', '.join(given)}: with --config the files describe the setup; set "
+                         f"{'it' if len(given) == 1 else 'them'} there (or leave --config out)")
+    argv = config_argv(args.config)
+    if args.model:
+        argv += ["--model_name_or_path", args.model]
+    cfg = load_train_config([*argv, "--output_dir", "unused-by-estimate"])
+    args.model = cfg.model.model_name_or_path
+    d = cfg.distributed
+    return validate(setup_from_config(cfg, d.num_processes, d.num_machines if d.num_processes % d.num_machines == 0
+                                      else 1))
 
 
 def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
@@ -220,10 +278,13 @@ def main(args: argparse.Namespace) -> int:
     if args.list:
         print_catalog()
         return 0
-    if not args.model:
+    if args.config:
+        setup, auto = setup_from_config_files(args), False
+    elif not args.model:
         raise UsageError("give a MODEL (a catalog name, a model folder or a config.json); "
                          "'shardtune estimate --list' prints the catalog.")
-    setup, auto = setup_from_args(args)
+    else:
+        setup, auto = setup_from_args(args)
     gpu = gpu_from_args(args)
     measured = None
     if args.measured:
