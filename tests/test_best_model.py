@@ -11,7 +11,7 @@ import torch
 
 from shardtune.config import load_train_config
 from shardtune.errors import UsageError
-from tests.trainutil import flags, write_chat_data
+from tests.trainutil import flags, tiny_workspace
 
 LORA = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj"]
 # Eval and save every 2 steps; the eval loss falls as training goes on, so with greater_is_better true the first
@@ -31,12 +31,7 @@ def args(root: Path, out: str, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    from shardtune.testing.tiny import make_model_folder
-
-    root = tmp_path_factory.mktemp("best")
-    make_model_folder(root / "model")
-    write_chat_data(root / "chat.jsonl", rows=300)
-    return root
+    return tiny_workspace(tmp_path_factory, "best", rows=300)
 
 
 def records(out: Path) -> list[dict]:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.faults import CALLBACK, fault_env
 from tests.netns import Host, two_hosts, unavailable
-from tests.trainutil import flags, run_shardtune, shardtune_env, write_chat_data
+from tests.trainutil import flags, run_shardtune, shardtune_env, tiny_workspace
 
 REASON = unavailable()
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(REASON is not None, reason=f"two namespace hosts: {REASON}")]
@@ -40,12 +40,7 @@ HYBRID = ["--distributed_type", "FSDP", "--fsdp_sharding_strategy", "HYBRID_SHAR
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    from shardtune.testing.tiny import make_model_folder
-
-    root = tmp_path_factory.mktemp("multihost")
-    make_model_folder(root / "M")
-    write_chat_data(root / "chat.jsonl", rows=400)
-    return root
+    return tiny_workspace(tmp_path_factory, "multihost", model="M", rows=400)
 
 
 def losses(out: Path) -> list[tuple[int, float]]:

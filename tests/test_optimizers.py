@@ -175,15 +175,12 @@ def _free_ports(count: int) -> list[int]:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> Path:
     """Every case of CASES trained on two gloo processes: uninterrupted, and resumed from its step 2 (optim_cases)."""
-    from tests.trainutil import shardtune_env
     from shardtune.testing.tiny import make_model_folder
+    from tests.trainutil import shardtune_env, write_sum_rows
 
     work = tmp_path_factory.mktemp("optim_resume")
     make_model_folder(work / "M")
-    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
-                          {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}
-            for a, b in ((i * 7 % 50, i * 13 % 50) for i in range(400))]
-    (work / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_sum_rows(work / "chat.jsonl")
     ports = ",".join(map(str, _free_ports(2 * len(CASES))))
     env = shardtune_env(work) | {"PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.optim_cases", str(work), ports, json.dumps(CASES)],

@@ -20,20 +20,14 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.test_resume import COMMON, FULL, shardtune
-from tests.trainutil import flags
+from tests.trainutil import flags, tiny_workspace
 
 QUICK = ["--max_steps", "2", "--save_steps", "2", "--ddp_timeout", "600"]
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    from shardtune.testing.tiny import make_model_folder
-    from tests.trainutil import write_chat_data
-
-    root = tmp_path_factory.mktemp("rank0")
-    make_model_folder(root / "M")
-    write_chat_data(root / "chat.jsonl", rows=200)
-    return root
+    return tiny_workspace(tmp_path_factory, "rank0", model="M")
 
 
 def stopped_line(stderr: str, rank: int) -> str:

@@ -18,7 +18,7 @@ import torch
 from tests.faults import CALLBACK as FAULTS
 from tests.faults import fault_env
 from tests.netns import children
-from tests.trainutil import flags
+from tests.trainutil import flags, write_sum_rows
 
 SHARDTUNE = [sys.executable, "-m", "shardtune"]
 COMMON = ["--splits", "train", "--max_seq_len", "64", "--max_steps", "6", "--logging_steps", "1",
@@ -34,10 +34,7 @@ def work(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("resume")
     make_model_folder(root / "M")
-    rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
-                          {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}
-            for a, b in ((i * 7 % 50, i * 13 % 50) for i in range(400))]
-    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_sum_rows(root / "chat.jsonl")
     return root
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from shardtune.config import load_train_config
 from shardtune.config.schema import TRACKER_PACKAGES
-from tests.trainutil import flags, write_chat_data
+from tests.trainutil import flags, tiny_workspace
 
 ALL = ",".join(TRACKER_PACKAGES)
 pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m, _ in TRACKER_PACKAGES.values()),
@@ -31,12 +31,7 @@ def args(root: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    from shardtune.testing.tiny import make_model_folder
-
-    root = tmp_path_factory.mktemp("trackers")
-    make_model_folder(root / "model")
-    write_chat_data(root / "chat.jsonl", rows=200)
-    return root
+    return tiny_workspace(tmp_path_factory, "trackers")
 
 
 def offline_env(monkeypatch, tmp: Path) -> None:

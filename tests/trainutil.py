@@ -64,6 +64,25 @@ def flags(*args: str) -> list[str]:
     return [item for pair in pairs.values() for item in pair]
 
 
+def write_sum_rows(path: Path, rows: int = 400) -> Path:
+    """Addition dialogues in a fixed order (no random generator): the resume and optimizer tests' data."""
+    dialogues = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                               {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}
+                 for a, b in ((i * 7 % 50, i * 13 % 50) for i in range(rows))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in dialogues))
+    return path
+
+
+def tiny_workspace(tmp_path_factory, name: str, *, model: str = "model", rows: int = 200) -> Path:
+    """A folder with the tiny model (``model``) and ``rows`` chat rows (``chat.jsonl``), for a module's runs."""
+    from shardtune.testing.tiny import make_model_folder
+
+    root = tmp_path_factory.mktemp(name)
+    make_model_folder(root / model)
+    write_chat_data(root / "chat.jsonl", rows=rows)
+    return root
+
+
 def shardtune_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", SHARDTUNE_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1",
