@@ -110,12 +110,3 @@ def test_keys_that_used_to_be_ignored_now_act(tmp_path, capsys):
     assert [s for s in range(1, 11) if log.should_log(s, at_epoch_end=False, last=False)] == [5, 10]
     with pytest.raises(UsageError, match="save_safetensors=false asks for pickled .bin weights"):
         load_train_config([*BASE, "--save_safetensors", "false"])
-
-
-def test_size_based_wrap_is_refused_on_more_than_one_process():
-    """Refused (not hung) until the desynchronised collectives it shows on 2 processes are fixed; one process
-    (CPU offload on a single GPU) keeps it."""
-    args = [*BASE, "--distributed_type", "FSDP", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP"]
-    with pytest.raises(UsageError, match="SIZE_BASED_WRAP on more than one process is not reliable yet"):
-        load_train_config([*args, "--num_processes", "2"])
-    assert load_train_config(args).distributed.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP"

@@ -37,6 +37,18 @@ def test_size_based_wrap_units_reach_the_minimum_and_can_run(model, min_params):
         assert targets == []
 
 
+@pytest.mark.parametrize("policy", ["SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP"])
+def test_the_head_is_never_its_own_unit(model, policy):
+    """The fused loss calls the head once per chunk of tokens, a count that differs between ranks: as its own unit
+    the head would all-gather that many times and the ranks' collectives would go out of step."""
+    plan = Plan(strategy="FSDP", wrap_policy=policy, min_num_params=1,
+                layer_classes=("LlamaDecoderLayer", "Linear") if policy == "TRANSFORMER_BASED_WRAP" else ())
+    targets = _wrap_targets(model, plan)
+    assert model.lm_head not in targets
+    assert model.model.embed_tokens in targets or policy == "TRANSFORMER_BASED_WRAP"
+    assert model.model.layers[0].mlp.down_proj in targets  # a Linear like the head, but not the head
+
+
 def test_no_wrap_leaves_only_the_root(model):
     assert _wrap_targets(model, Plan(strategy="FSDP", wrap_policy="NO_WRAP")) == []
 

@@ -222,12 +222,6 @@ def _unsupported(cfg: TrainConfig) -> list[str]:
         problems.append(f"fsdp_backward_prefetch={d.fsdp_backward_prefetch!r} is not accepted: FSDP2 always "
                         f"prefetches the next unit's parameters before the current one's backward (BACKWARD_PRE); "
                         f"set fsdp_backward_prefetch BACKWARD_PRE or leave it out")
-    if (d.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP" and d.distributed_type == "FSDP"
-            and d.num_processes * d.num_machines > 1):
-        # tests/test_train_equivalence.py found the ranks' collectives going out of step at step 3 (LoRA) or
-        # hanging (full fine-tuning) on 2 processes; refused until that is fixed, rather than hanging a job.
-        problems.append("fsdp_auto_wrap_policy=SIZE_BASED_WRAP on more than one process is not reliable yet (the "
-                        "ranks' collectives can go out of step); use TRANSFORMER_BASED_WRAP (the default)")
     if d.fsdp_forward_prefetch and d.fsdp_auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
         problems.append(f"fsdp_forward_prefetch=true prefetches the next decoder layer, which needs "
                         f"fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP (not {d.fsdp_auto_wrap_policy}); change the "

@@ -41,13 +41,26 @@ def _layer_classes(model: nn.Module, plan: Plan) -> set[str]:
     return names
 
 
+def _head_modules(model: nn.Module) -> set[int]:
+    """Ids of the LM head and every module inside it (PEFT's LoRA layers of it).
+
+    The fused loss (train/loss.py) calls the head once per chunk of tokens, and a rank's chunk count follows its
+    own token count. As its own FSDP unit the head would all-gather on every call, so ranks with different
+    counts would issue different collectives and hang or mismatch; inside its parent's unit it is gathered once.
+    """
+    get_head = getattr(unwrap(model), "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    return {id(m) for m in head.modules()} if head is not None else set()
+
+
 def _wrap_targets(model: nn.Module, plan: Plan) -> list[nn.Module]:
     """Modules that become their own FSDP unit, children before parents (fully_shard needs that order)."""
     if plan.wrap_policy == "NO_WRAP":
         return []
+    head = _head_modules(model)
     if plan.wrap_policy == "TRANSFORMER_BASED_WRAP":
         names = _layer_classes(model, plan)
-        targets = [m for m in model.modules() if type(m).__name__ in names]
+        targets = [m for m in model.modules() if type(m).__name__ in names and id(m) not in head]
         if not targets:
             # Otherwise only the root would be sharded: the whole model gathered at once, silently.
             own = sorted(getattr(unwrap(model), "_no_split_modules", None) or ())
@@ -63,7 +76,7 @@ def _wrap_targets(model: nn.Module, plan: Plan) -> list[nn.Module]:
         free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in claimed)
         # Containers without a forward (ModuleList) cannot be units: their parameters go up to the parent.
         runs = type(module).forward is not nn.Module.forward
-        if free >= plan.min_num_params and module is not model and runs:
+        if free >= plan.min_num_params and module is not model and runs and id(module) not in head:
             targets.append(module)
             claimed.update(id(p) for p in module.parameters())
             return 0
