@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from shardtune.cli import main as shardtune_main
-from tests.trainutil import run_shardtune, write_chat_data
+from tests.trainutil import losses, run_shardtune, write_chat_data
 
 PROMPTS = ("The quick red fox", "What is 3 plus 4?", "Hello world 123", "Tell me about the river.", "a b c")
 TOLERANCE = {"f16": 5e-3, "q8_0": 5e-2}
@@ -118,6 +118,87 @@ def test_smollm2_round_trips_through_gguf(smol_merged, tmp_path, quantize):
     path = write_gguf(merged, tokenizer, tmp_path / f"smol-{quantize}.gguf", quantize, name="smol",
                       tokenizer_pre="smollm")
     compare(merged, tokenizer, path, quantize, new_tokens=4)
+
+
+def test_fsdp_x2_from_a_gguf_gives_one_processs_losses(smol_run):
+    """The real model sharded by FSDP2 on 2 ranks (each reading the GGUF), half the batch each: the same global
+    batches give the one-process run's losses."""
+    tmp = smol_run.parent
+    result = run_shardtune(["launch", "--num_processes", "2", "train", "--model_name_or_path", str(smollm2_gguf()),
+                            "--dataset_name", "chat.jsonl", "--max_seq_len", "64", "--max_steps", "2",
+                            "--per_device_train_batch_size", "1", "--use_peft_lora", "true", "--learning_rate", "1e-3",
+                            "--bf16", "false", "--output_dir", "run_fsdp", "--logging_steps", "1",
+                            "--predict_memory", "false", "--distributed_type", "FSDP"], tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, fsdp = losses(smol_run), losses(tmp / "run_fsdp")
+    assert len(single) == len(fsdp) == 2 and single[1] != single[0]
+    for step, (a, b) in enumerate(zip(single, fsdp), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one process {a}, FSDP x2 {b}"
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 12 plus 30?"}, {"role": "assistant", "content": "12 plus 30 is 42."}],
+    [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Bonjour, ça va ?"},
+     {"role": "assistant", "content": "Très bien, merci ! 😊"}, {"role": "user", "content": "Et toi?"},
+     {"role": "assistant", "content": "Moi aussi.\n\nÀ bientôt."}],
+    [{"role": "user", "content": "  leading spaces and a tab\t"}, {"role": "assistant", "content": "ok"},
+     {"role": "user", "content": "<b>html</b>"}, {"role": "assistant", "content": "`code` {braces}"}],
+]
+
+
+def assistant_targets(ids: list[int], tokenizer) -> list[bool]:
+    """Which positions of a ChatML rendering are targets, read off the token ids: every token after
+    ``<|im_start|>assistant\n`` up to and including its ``<|im_end|>``; nothing else (not the newline after it)."""
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    header = tokenizer("assistant\n", add_special_tokens=False).input_ids
+    targets, i = [False] * len(ids), 0
+    while i < len(ids):
+        if ids[i] == start and ids[i + 1:i + 1 + len(header)] == header:
+            i += 1 + len(header)
+            while i < len(ids):
+                targets[i] = True
+                if ids[i] == end:
+                    break
+                i += 1
+        i += 1
+    return targets
+
+
+def test_smollm2_training_rows_are_its_chat_template_token_for_token(tmp_path):
+    """The rows shardtune trains on are SmolLM2's own ``apply_chat_template`` ids (its default system prompt
+    included), and the targets are exactly the assistant replies with their ``<|im_end|>``."""
+    from shardtune.data.config import DataConfig
+    from shardtune.data.pipeline import prepare_datasets
+    from shardtune.data.templates import load_tokenizer
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
+    cfg = DataConfig(dataset_name=str(data), splits="train", max_seq_len=512)
+    tokenizer = load_tokenizer(str(smollm2_gguf()), cfg)
+    rows = prepare_datasets(cfg, tokenizer, seed=0, cache_dir=str(tmp_path / "cache")).train
+    expected = [tokenizer.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"] for m in CONVERSATIONS]
+    assert "You are a helpful AI assistant named SmolLM" in tokenizer.decode(expected[0])
+    got = {tuple(row["input_ids"]): row["labels"] for row in rows}
+    assert sorted(got) == sorted(tuple(ids) for ids in expected)
+    for ids in expected:
+        labels, targets = got[tuple(ids)], assistant_targets(ids, tokenizer)
+        assert sum(targets) > 0
+        for i, (token, label, target) in enumerate(zip(ids, labels, targets)):
+            assert label == (token if target else -100), (i, tokenizer.decode(ids[:i + 1])[-40:])
+
+
+def test_shardtune_generate_is_transformers_generate_on_smollm2(smol_merged):
+    """Greedy decoding with shardtune's KV-cached loop gives transformers' ``generate`` token for token."""
+    from shardtune.infer.generate import encode_prompt, generate
+
+    merged, tokenizer, _ = smol_merged
+    for prompt in PROMPTS[:2]:
+        ids = encode_prompt(tokenizer, prompt)
+        ours = generate(merged, tokenizer, ids, max_new_tokens=8, stop_ids=set())
+        with torch.no_grad():
+            theirs = merged.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                     pad_token_id=tokenizer.pad_token_id)[0, len(ids):].tolist()
+        assert ours == theirs, (prompt, tokenizer.decode(ours), tokenizer.decode(theirs))
 
 
 # ------------------------------------------------------------------------------------------ GGUF out (tiny Llama)
