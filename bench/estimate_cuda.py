@@ -211,7 +211,7 @@ def predict(point: Point, source: str) -> Prediction:
     cfg = train_config(point, source)
     setup = setup_from_config(cfg, 1).with_(loss=FORMULA_LOSS)
     analysis = ModelAnalysis(source, use_cache=False)
-    lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
+    lora = analysis.lora_of(setup)
     breakdown = estimate(analysis.inventory, setup, lora)
     cache = sum(i.bytes for i in breakdown.items if i.label == "allocator cache and workspaces")
     started = time.perf_counter()

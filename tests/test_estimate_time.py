@@ -131,7 +131,7 @@ FACTOR = 2.0
 def predict(model: str, setup: Setup, gpu: str) -> timing.StepTime:
     analysis = ModelAnalysis(model)
     setup = validate(setup)
-    lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
+    lora = analysis.lora_of(setup)
     card = gpu_by_name(gpu)
     breakdown = evaluate_setup(analysis, setup)
     assert breakdown.fits(card.memory_bytes), f"{model} {setup.label()} must fit {gpu} as it did in the run"

@@ -316,13 +316,23 @@ class ModelAnalysis:
             self._cache.put("table", table)
         return table
 
-    def lora(self, r: int, target_modules: str | list[str] | tuple[str, ...]) -> LoraCount:
-        """Trainable parameters of LoRA rank ``r`` on ``target_modules``, matched exactly as PEFT matches them."""
+    def lora(self, r: int, target_modules: str | list[str] | tuple[str, ...], *, dora: bool = False,
+             modules_to_save: tuple[str, ...] = ()) -> LoraCount:
+        """Trainable parameters of LoRA rank ``r`` on ``target_modules``, matched exactly as PEFT matches them
+        (with DoRA's magnitudes and the trained copies of ``modules_to_save``, see ``count_lora``)."""
         targets = normalize_targets(target_modules)
-        key = (r, targets)
+        key = (r, targets, dora, tuple(modules_to_save))
         if key not in self._lora_cache:
-            self._lora_cache[key] = count_lora(self.table, r, targets, self.name)
+            self._lora_cache[key] = count_lora(self.table, r, targets, self.name, dora=dora,
+                                               modules_to_save=tuple(modules_to_save))
         return self._lora_cache[key]
+
+    def lora_of(self, setup) -> LoraCount | None:
+        """The LoRA count of an estimator ``Setup`` (None when it trains no adapters)."""
+        if not setup.uses_lora:
+            return None
+        return self.lora(setup.lora_r, setup.lora_target_modules, dora=setup.use_dora,
+                         modules_to_save=setup.lora_modules_to_save)
 
     def linear_module_names(self) -> list[str]:
         """Distinct short names of the linear layers inside a decoder layer (what LoRA can target)."""

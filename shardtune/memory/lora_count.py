@@ -123,16 +123,27 @@ def _matches(full_name: str, kind: str, targets: tuple[str, ...], output_name: s
     return any(full_name == t or full_name.endswith("." + t) for t in targets)
 
 
-def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str) -> LoraCount:
-    """Trainable parameters of LoRA rank ``r`` on ``targets`` for the model described by ``table``."""
+def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *, dora: bool = False,
+               modules_to_save: tuple[str, ...] = ()) -> LoraCount:
+    """Trainable parameters of LoRA rank ``r`` on ``targets`` for the model described by ``table``.
+
+    ``dora``: each adapted linear or embedding also trains a magnitude per output feature (PEFT's
+    ``lora_magnitude_vector``). ``modules_to_save``: PEFT trains a full copy of each module whose name ends with
+    one of these (``ModulesToSaveWrapper``), beside the frozen original.
+    """
     moe = _moe_targets(table, targets)
+    saved = _saved_rows(table, modules_to_save)
 
     def added(full_name: str, row: list) -> int:
         _, kind, d_in, d_out, experts = row
+        if full_name in saved:
+            return d_in * d_out
         if kind == "param":
             times = next((n for t, n in moe.items() if full_name.endswith("." + t)), 0)
             return r * times * experts * (d_in + d_out)
-        return r * (d_in + d_out) if _matches(full_name, kind, targets, table["output_name"]) else 0
+        if not _matches(full_name, kind, targets, table["output_name"]):
+            return 0
+        return r * (d_in + d_out) + (d_out if dora else 0)
 
     prefix = table["layers_prefix"]
     per_layer = []
@@ -145,6 +156,23 @@ def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str) -
             f"use all-linear or names such as {', '.join(linear_names(table)[:6])}."
         )
     return LoraCount(r=r, target_modules=targets, per_layer=tuple(per_layer), outside_layers=outside)
+
+
+def _saved_rows(table: dict, modules_to_save: tuple[str, ...]) -> set[str]:
+    """Full names of the table's modules that ``modules_to_save`` names (PEFT: the name ends with the entry)."""
+    if not modules_to_save:
+        return set()
+    prefix = table["layers_prefix"]
+    names = [row[0] for row in table["outside_rows"]]
+    for i in range(table["num_layers"]):
+        names += [f"{prefix}{i}.{row[0]}" for row in _layer_rows(table, i)]
+    found = {n for n in names if any(n == m or n.endswith("." + m) for m in modules_to_save)}
+    missing = [m for m in modules_to_save if not any(n == m or n.endswith("." + m) for n in found)]
+    if missing:
+        raise UsageError(f"lora_modules_to_save {','.join(missing)}: the estimator counts linear and embedding "
+                         f"modules only, and no such module has that name (e.g. lm_head, embed_tokens); use "
+                         f"--trace for any other module")
+    return found
 
 
 def linear_names(table: dict) -> list[str]:

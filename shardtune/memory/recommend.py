@@ -112,7 +112,7 @@ class Measured:
 
 def evaluate_setup(analysis: ModelAnalysis, setup: Setup) -> Breakdown:
     """Estimate ``setup`` for the analysed model (LoRA counts looked up when the method needs them)."""
-    lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
+    lora = analysis.lora_of(setup)
     return estimate(analysis.inventory, setup, lora)
 
 

@@ -153,7 +153,7 @@ def estimate_report(model: str, setup: Setup, gpu: Gpu, auto: bool = True, measu
     if setup.strategy == "pp" and inv.tied_embeddings:
         raise UsageError(f"--strategy pp: {model} ties its LM head to its input embeddings, which would live on "
                          f"different pipeline stages; use ddp, fsdp or mp")
-    lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
+    lora = analysis.lora_of(setup)
     trainable = lora.total if lora else inv.parameters
     rec = recommend(analysis, setup, gpu, measured)
     breakdown = rec.breakdown if auto else evaluate_setup(analysis, setup)

@@ -41,6 +41,8 @@ class Setup:
     lora_target_modules: str = "all-linear"
     attn_implementation: str = "sdpa"
     nf4_double_quant: bool = True
+    use_dora: bool = False  # DoRA's trained magnitudes (counted; its extra activations only the trace measures)
+    lora_modules_to_save: tuple[str, ...] = ()  # modules PEFT trains a full copy of
     # shardtune: shardtune train's loss (the head fused with the loss: no logits kept, one chunk's fp32 logits at
     # a time, recomputed in backward); full: transformers' (fp32 logits of the whole micro-batch); chunked:
     # torchtune's, compiled.

@@ -70,7 +70,8 @@ def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> 
                  seq_len=cfg.data.max_seq_len, gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
                  gradient_checkpointing=cfg.run.gradient_checkpointing,
                  mixed_precision="bf16" if cfg.model.pure_bf16 else cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16,
-                 lora_r=lora.lora_r, lora_target_modules=lora.lora_target_modules,
+                 lora_r=lora.lora_r, lora_target_modules=lora.lora_target_modules, use_dora=lora.use_dora,
+                 lora_modules_to_save=tuple(lora.lora_modules_to_save),
                  attn_implementation=cfg.model.attn_implementation, nf4_double_quant=lora.use_nested_quant,
                  optimizer=cfg.optim.optim, loss="shardtune")  # the trainer's own loss: 8 chunks, each checkpointed
 
@@ -82,7 +83,7 @@ def formula_for_config(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1)
 
     setup = setup_from_config(cfg, world_size, num_nodes)
     analysis = ModelAnalysis(cfg.model.model_name_or_path)
-    lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
+    lora = analysis.lora_of(setup)
     breakdown = estimate(analysis.inventory, setup, lora)
     return {"peak_bytes": breakdown.total, "categories": breakdown.per_gpu(), "world_size": world_size,
             "strategy": setup.label(), "parameters": analysis.inventory.parameters}
@@ -175,7 +176,7 @@ def formula_and_trace(model: str, setup: Setup) -> Calibration:
 
     traced = trace_training_step(config_from_setup(model, setup), setup.world_size, num_nodes=setup.num_nodes)
     analysis = ModelAnalysis(model)
-    lora = analysis.lora(setup.lora_r, setup.lora_target_modules) if setup.uses_lora else None
+    lora = analysis.lora_of(setup)
     breakdown = estimate(analysis.inventory, setup, lora)
     slack = sum(i.bytes for i in breakdown.items if i.label == "allocator cache and workspaces")
     return Calibration(breakdown.total - slack, breakdown.total, traced.peak_bytes, traced.reserved_bytes)
