@@ -88,6 +88,23 @@ def attn_implementation(model_cfg: ModelConfig, device: torch.device, compute_dt
     return model_cfg.attn_implementation
 
 
+def family_attention(config, attn: str) -> str:
+    """``attn``, or eager where it is sdpa and the family has no sdpa attention (Gemma 2: sdpa cannot soft-cap
+    the scores), with a warning; transformers would refuse to build the model instead."""
+    if attn != "sdpa":
+        return attn
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:  # a family of its own code (trust_remote_code): transformers decides
+        return attn
+    if getattr(model_class, "_supports_sdpa", True):
+        return attn
+    _warn_once(f"attn_implementation sdpa: {model_class.__name__} has no sdpa attention, using eager instead")
+    return "eager"
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     # The attention choice is asked for by the model loader and the collator: one warning is enough.
@@ -133,6 +150,7 @@ def load_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precisi
     except (OSError, ValueError) as exc:
         raise UsageError(f"model_name_or_path={path!r}: cannot load its config ({str(exc).splitlines()[0]}); "
                          f"give a local model folder with config.json or a hub name you can reach") from None
+    attn = family_attention(config, attn)
     if on_meta:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
@@ -172,11 +190,11 @@ def init_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precisi
     memory; under fake tensors they cost nothing), quantised as QLoRA's would be: what the trace builds."""
     from transformers import AutoModelForCausalLM
 
+    attn = family_attention(config, attn_implementation(model_cfg, device, precision.compute_dtype))
     # Under fake mode, modules built outside a device context cannot later change dtype (PEFT casts its adapters).
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=precision.frozen_dtype(lora),
-                                                 attn_implementation=attn_implementation(model_cfg, device,
-                                                                                         precision.compute_dtype))
+                                                 attn_implementation=attn)
         if lora.use_4bit_quantization:
             quantize_linears(model, lora)
     return model

@@ -8,7 +8,9 @@ methods; ``parallelize`` returns the one the plan needs, and ``step.train_step``
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,14 +28,53 @@ def uses_varlen_attention(model: nn.Module) -> bool:
     return implementation.startswith("flash_attention")
 
 
-def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, *,
-                 varlen: bool = False) -> dict[str, torch.Tensor | int]:
-    """The batch on ``device`` without its labels; with ``varlen`` (flash attention) also the documents' bounds."""
-    inputs: dict[str, torch.Tensor | int] = {k: v.to(device, non_blocking=True) for k, v in batch.items()
-                                             if k != "labels" and v is not None}
+def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, *, varlen: bool = False,
+                 masks: Callable[[torch.Tensor], Any] | None = None) -> dict[str, Any]:
+    """The batch on ``device`` without its labels; with ``varlen`` (flash attention) also the documents' bounds;
+    ``masks`` (``attention_masks``) turns the collator's block-causal mask into what the model's layers read."""
+    inputs: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in batch.items()
+                              if k != "labels" and v is not None}
     if varlen:
         inputs.update(varlen_kwargs(batch["position_ids"], device))
+    if masks is not None and "attention_mask" in inputs:
+        inputs["attention_mask"] = masks(inputs["attention_mask"])
     return inputs
+
+
+def attention_masks(model: nn.Module) -> Callable[[torch.Tensor], Any] | None:
+    """What the packed rows' 4-D mask must become for this model's attention; None where it is right as it is.
+
+    transformers passes a 4-D mask through unchanged, so what it would add itself is added here: the sliding window
+    (Mistral's on every layer; Gemma's and Qwen's only on their ``sliding_attention`` layers, which read a mask per
+    layer type from a dict), and the additive form eager attention adds to its scores (a family that has no sdpa,
+    as Gemma 2, runs eager whatever the collator was told). Without it a packed row attends past the window.
+    """
+    config = getattr(unwrap(model), "config", None)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None  # e.g. Qwen2 without use_sliding_window: every layer attends in full
+    additive = getattr(config, "_attn_implementation", None) == "eager"
+    if not window and not additive:
+        return None
+
+    def masks(mask: torch.Tensor) -> Any:
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+        full = _in_form(allowed, additive)
+        if not window:
+            return full
+        positions = torch.arange(allowed.shape[-1], device=allowed.device)
+        sliding = _in_form(allowed & (positions[:, None] - positions[None, :] < window), additive)
+        return {"full_attention": full, "sliding_attention": sliding} if layer_types is not None else sliding
+
+    return masks
+
+
+def _in_form(allowed: torch.Tensor, additive: bool) -> torch.Tensor:
+    if not additive:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(torch.float32).min)
 
 
 def grad_scaler(plan: Plan, device: torch.device):
@@ -73,6 +114,7 @@ class LocalRunner:
         self.model, self.plan, self.info = model, plan, info
         self.scaler = grad_scaler(plan, info.device)
         self.varlen = uses_varlen_attention(model)
+        self.masks = attention_masks(model)
         # The model's own forward returns the loss, the head fused into it one chunk of tokens at a time (loss.py).
         self.fused_loss = install_fused_loss(model)
 
@@ -115,7 +157,7 @@ class LocalRunner:
     def _loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """One micro-batch's summed token loss, on this rank's device (MP's head may sit on another one)."""
         device = self.info.device
-        inputs = model_inputs(batch, device, varlen=self.varlen)
+        inputs = model_inputs(batch, device, varlen=self.varlen, masks=self.masks)
         labels = batch["labels"].to(device, non_blocking=True)
         if self.fused_loss:
             return self.model(**inputs, use_cache=False, loss_labels=labels).loss.to(device)
