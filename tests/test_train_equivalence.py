@@ -136,3 +136,21 @@ def test_qlora_under_fsdp_trains_like_one_process(assets):
                                            *qlora])
     assert fsdp[-1] < fsdp[0]
     assert_same(single, fsdp)
+
+
+def test_added_tokens_of_a_tied_head_train_alike_under_fsdp(tmp_path):
+    """A tied head and a tokenizer that gains tokens (llama-3's template tokens): PEFT's trainable token rows are
+    one parameter held by the embeddings' and the head's adapters. Filled from rank 0 it once met a plain tensor
+    under its second name; now FSDP x2 trains like one process, the new rows included (<|eot_id|> is a target)."""
+    from shardtune.testing.families import make_family_folder
+
+    model = make_family_folder(tmp_path / "model", "llama3")
+    data = write_chat_data(tmp_path / "chat.jsonl", rows=200)
+    added = ["--chat_template_format", "llama-3", "--add_special_tokens", "True", *LORA]
+    assets = (tmp_path, model, data)
+    single = train(assets, "tied_single", 1, ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
+                                             "2", *added])
+    fsdp = train(assets, "tied_fsdp", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP",
+                                          *added])
+    assert single[-1] < single[0]
+    assert_same(single, fsdp)

@@ -167,6 +167,22 @@ def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> tuple[nn.Module
     return model, LocalRunner(model, plan, info)
 
 
+def _first_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each tensor under its first name only. A tensor shared by two modules (PEFT's trainable
+    token rows of a tied head: the embeddings' and the head's adapter hold one parameter) is one parameter after
+    fully_shard; loaded under both names, the second copy would meet a plain tensor where FSDP2 put a DTensor.
+    Loading it once fills both places."""
+    seen: set[tuple] = set()
+    first = {}
+    for name, tensor in state.items():
+        # state_dict() detaches each entry into a new tensor object: the memory tells the shared ones apart
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        if where not in seen:
+            seen.add(where)
+            first[name] = tensor
+    return first
+
+
 def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None,
                     buffers: dict[str, torch.Tensor] | None, info: DistInfo, *, offload: bool = False) -> None:
     """Fill a model that was built on meta on every rank but 0 with rank 0's weights, shard by shard.
@@ -186,7 +202,7 @@ def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None
                 if buf is not None and buf.device != info.device:
                     module._buffers[key] = buf.to(info.device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    set_model_state_dict(model, full_state if info.is_main else {}, options=options)
+    set_model_state_dict(model, _first_names(full_state) if info.is_main else {}, options=options)
     for name, buf in model.named_buffers():
         source = buffers[name].to(info.device) if info.is_main and buffers is not None else buf
         if info.is_main:
