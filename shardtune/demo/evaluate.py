@@ -12,11 +12,18 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from shardtune.demo.task import Sum
+
+class Question(Protocol):
+    """A held-out item of a demo task (a sum, a name to convert): its question and the exact expected reply."""
+
+    @property
+    def answer(self) -> str: ...
+
+    def question(self) -> str: ...
 
 
 @dataclass
@@ -64,10 +71,15 @@ def eval_loss(model: Any, tokenizer: Any, dataset_dir: str | Path, *, max_seq_le
     return loss_sum / max(1, targets)
 
 
-def answer_questions(model: Any, tokenizer: Any, sums: Sequence[Sum], *, max_new_tokens: int = 8) -> list[Answer]:
-    """Greedy replies to each sum's question, asked through the tokenizer's chat template."""
+def answer_questions(model: Any, tokenizer: Any, sums: Sequence[Question], *,
+                     max_new_tokens: int | None = 8) -> list[Answer]:
+    """Greedy replies to each question, asked through the tokenizer's chat template. ``max_new_tokens`` None: the
+    longest expected answer's tokens plus 4, room for the stop token and for a too-long reply to show as one (a base
+    model that rambles costs seconds per token on a CPU)."""
     from shardtune.infer.generate import encode_prompt, generate
 
+    if max_new_tokens is None:
+        max_new_tokens = 4 + max(len(tokenizer(s.answer, add_special_tokens=False)["input_ids"]) for s in sums)
     answers = []
     for s in sums:
         ids = generate(model, tokenizer, encode_prompt(tokenizer, s.question()), max_new_tokens=max_new_tokens,
@@ -76,12 +88,13 @@ def answer_questions(model: Any, tokenizer: Any, sums: Sequence[Sum], *, max_new
     return answers
 
 
-def evaluate_model(model_or_adapter: str | Path, dataset_dir: str | Path, sums: Sequence[Sum]) -> Evaluation:
+def evaluate_model(model_or_adapter: str | Path, dataset_dir: str | Path, sums: Sequence[Question], *,
+                   max_seq_len: int = 128, max_new_tokens: int | None = 8) -> Evaluation:
     """Load a model folder (or an adapter on its base) on the CPU in fp32 and measure loss and accuracy."""
     from shardtune.infer.generate import load_for_generation
 
     # PEFT imports bitsandbytes, which warns that an optional CPU kernel package is missing; the fallback is fine.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     model, tokenizer = load_for_generation(model_or_adapter, dtype=torch.float32, device="cpu")
-    return Evaluation(eval_loss=eval_loss(model, tokenizer, dataset_dir),
-                      answers=answer_questions(model, tokenizer, sums))
+    return Evaluation(eval_loss=eval_loss(model, tokenizer, dataset_dir, max_seq_len=max_seq_len),
+                      answers=answer_questions(model, tokenizer, sums, max_new_tokens=max_new_tokens))

@@ -137,8 +137,9 @@ def fine_tune(settings: DemoSettings, base_dir: Path, data_dir: Path, run_dir: P
 # ------------------------------------------------------------------------------------------------------ report
 
 
-def print_comparison(console: Console, before: Evaluation, after: Evaluation, num_examples: int = 6) -> None:
-    table = Table(title="Before and after the fine-tune (held-out sums, never seen in training)", title_justify="left")
+def print_comparison(console: Console, before: Evaluation, after: Evaluation, num_examples: int = 6, *,
+                     held_out: str = "held-out sums") -> None:
+    table = Table(title=f"Before and after the fine-tune ({held_out}, never seen in training)", title_justify="left")
     for col in ("", "base model", "fine-tuned"):
         table.add_column(col, justify="right" if col else "left")
     table.add_row("eval loss (assistant tokens)", f"{before.eval_loss:.3f}", f"{after.eval_loss:.3f}")
