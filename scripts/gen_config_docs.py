@@ -100,8 +100,28 @@ DESCRIPTIONS = {
     "gradient_accumulation_steps": "Micro-batches per optimizer step; the loss is normalised over all of them.",
     "gradient_checkpointing": "Recompute activations in the backward pass: less memory, about a third more compute.",
     "use_reentrant": "Use the reentrant checkpointing implementation (PyTorch's older one).",
+    "activation_offloading": "Keep the input each checkpointed decoder layer saves (batch x seq x hidden per layer) "
+                             "in pinned CPU memory: copied on a side CUDA stream while the forward goes on, brought "
+                             "back one layer ahead in backward. The GPU holds about two layers' inputs instead of "
+                             "all; host RAM holds the rest. Needs gradient_checkpointing (refused without it). "
+                             "torchtune's name (enable_activation_offloading).",
+    "use_liger_kernel": "Liger's Triton kernels (RMSNorm, RoPE, SwiGLU) patched into the model on CUDA; needs "
+                        "`pip install liger-kernel` (or `shardtune[liger]`). On a CPU: a warning and transformers' "
+                        "modules. The loss stays shardtune's fused one (no logits kept). TRL's key.",
     "bf16": "bf16 mixed precision (fp32 master weights).",
     "fp16": "fp16 mixed precision with a gradient scaler.",
+    "torch_compile": "Compile each decoder layer with torch.compile (its forward, checkpointing included; FSDP2's "
+                     "hooks stay outside), the sequence length dynamic so packed batches do not recompile; the "
+                     "count of compilations and recompilations is logged at the end and written to summary.json. "
+                     "If the backend cannot compile (no C++ compiler, a backend error), one warning and the run goes "
+                     "on eager. Off by default: on a CPU it did not pay for a real model "
+                     "(docs/choosing-a-setup.md, 'torch_compile: when it pays'). Accelerate's `dynamo_config` / `dynamo_backend` / `dynamo_mode` set this and the "
+                     "two keys below (NO: off); `dynamo_use_dynamic` and `dynamo_use_regional_compilation` are "
+                     "accepted (compilation is always per layer, dynamic); `dynamo_use_fullgraph: true` is refused.",
+    "torch_compile_backend": "The torch.compile backend (inductor, aot_eager, eager, cudagraphs, or one registered "
+                             "in the process); setting it turns torch_compile on. Unset: inductor.",
+    "torch_compile_mode": "inductor's mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs, "
+                          "lite; setting it turns torch_compile on.",
     "logging_steps": "Write a metrics.jsonl record every this many steps.",
     "logging_strategy": "When to write metrics.jsonl records.",
     "log_level": "Log level of rank 0 (passive: info); the other ranks log warnings only.",

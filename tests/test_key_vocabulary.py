@@ -75,7 +75,7 @@ def test_no_op_keys_load_with_the_values_that_change_nothing(tmp_path):
 ACTING = {"compute_environment": "AMAZON_SAGEMAKER", "downcast_bf16": "yes", "tpu_env": ["X=1"],
           "tpu_use_cluster": True, "tpu_use_sudo": True, "tpu_name": "pod", "tpu_zone": "us-central2-b",
           "commands": ["python x.py"], "command_file": "cmds.sh", "use_cpu": True, "gpu_ids": "0,1",
-          "dynamo_config": {"dynamo_backend": "INDUCTOR"}, "megatron_lm_config": {"megatron_lm_tp_degree": 2},
+          "megatron_lm_config": {"megatron_lm_tp_degree": 2},
           "ipex_config": {"ipex": True}, "mpirun_config": {"mpirun_hostfile": "hosts"},
           "fp8_config": {"backend": "TE"}, "parallelism_config": {"parallelism_config_tp_size": 2},
           "fsdp_offload_optimizer": True}

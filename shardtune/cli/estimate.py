@@ -46,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gradient-accumulation-steps", type=int, default=1)
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each decoder layer in backward (default: on)")
+    p.add_argument("--activation-offloading", action="store_true",
+                   help="keep the checkpointed layers' inputs in pinned host memory (the trainer's "
+                        "activation_offloading; needs gradient checkpointing)")
     p.add_argument("--mixed-precision", default="bf16", help=f"{' | '.join(MIXED_PRECISIONS)} (default: bf16)")
     p.add_argument("--pure-bf16", action="store_true",
                    help="keep weights and optimizer states in bf16 (no fp32 master): the trainer's "
@@ -142,7 +145,8 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
 
 # The options that describe the setup: with --config, the files describe it instead.
 SETUP_OPTIONS = ("method", "num_gpus", "num_nodes", "strategy", "sharding_strategy", "offload_params", "batch_size",
-                 "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "mixed_precision", "pure_bf16",
+                 "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "activation_offloading",
+                 "mixed_precision", "pure_bf16",
                  "optimizer", "lora_r", "lora_target_modules", "attn_implementation")
 ACCELERATE_KEYS = {"compute_environment", "fsdp_config", "deepspeed_config", "machine_rank", "num_machines",
                    "main_training_function"}
@@ -207,8 +211,9 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
         sharding_strategy=sharding, offload_params=args.offload_params, num_gpus=args.num_gpus,
         num_nodes=args.num_nodes, batch_size=args.batch_size, seq_len=args.seq_len,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_checkpointing=args.gradient_checkpointing, mixed_precision=args.mixed_precision.lower(),
-        pure_bf16=args.pure_bf16, optimizer=args.optimizer.lower(), lora_r=args.lora_r,
+        gradient_checkpointing=args.gradient_checkpointing, activation_offloading=args.activation_offloading,
+        mixed_precision=args.mixed_precision.lower(), pure_bf16=args.pure_bf16, optimizer=args.optimizer.lower(),
+        lora_r=args.lora_r,
         lora_target_modules=args.lora_target_modules, attn_implementation=args.attn_implementation,
         loss=args.loss,
     )

@@ -23,6 +23,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
+from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
 from shardtune.config.no_ops import NO_OPS, no_op_problem
 from shardtune.config.schema import TrainConfig, known_keys, section_classes
@@ -396,6 +397,13 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
     for values, sources in layers:
         for key, value in values.items():
             source = sources.get(key, Origin("config"))
+            if key in DYNAMO_KEYS:  # Accelerate's torch.compile settings, read as torch_compile* (compile.py)
+                values_meant, refused = dynamo_values(key, value)
+                problems += [f"{source}: {problem}" for problem in refused]
+                for meant, setting in values_meant.items():
+                    setattr(cfg.run, meant, setting)
+                    given[meant] = source
+                continue
             if key in NO_OPS:  # accepted from recipes and Accelerate files; a value that would act is refused
                 if problem := no_op_problem(key, value):
                     problems.append(f"{source}: {problem}")
@@ -414,6 +422,7 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
             setattr(getattr(cfg, section), key, coerced)
             given[key] = source
     _normalise(cfg)
+    normalise_compile(cfg.run, compile_set="torch_compile" in given)
     problems += [_located(problem, given) for problem in validate(cfg, training=training)]
     return cfg, given, problems
 

@@ -30,11 +30,6 @@ def _one_of(*words: str) -> Callable[[Any], bool]:
     return lambda value: _off(value) or str(value).strip().lower() in words
 
 
-def _dynamo_off(value: Any) -> bool:
-    backend = value.get("dynamo_backend", "NO") if isinstance(value, dict) else value
-    return _off(value) or str(backend).upper() == "NO"
-
-
 def _sizes_one(value: Any) -> bool:
     """Accelerate's parallelism_config: every *_size is 1 (data parallel size aside, which the launch decides)."""
     if not isinstance(value, dict):
@@ -76,8 +71,6 @@ NO_OPS: dict[str, NoOp] = {
     "use_cpu": NoOp("Accelerate's switch to the CPU", _off,
                     "hide the GPUs instead: CUDA_VISIBLE_DEVICES= shardtune train ..."),
     "gpu_ids": NoOp("which GPUs Accelerate uses", _one_of("all"), "choose them with CUDA_VISIBLE_DEVICES=0,1"),
-    "dynamo_config": NoOp("torch.compile through Accelerate", _dynamo_off,
-                          "shardtune's trainer runs eager (torch.compile is not wired in yet): remove it"),
     "megatron_lm_config": NoOp("Megatron-LM", _off, "shardtune does not run Megatron-LM: remove it"),
     "ipex_config": NoOp("Intel Extension for PyTorch", _off, "remove it"),
     "mpirun_config": NoOp("mpirun launching", _off, "launch with shardtune launch (torchrun)"),

@@ -112,6 +112,17 @@ class RunConfig:
     gradient_accumulation_steps: int = 1
     gradient_checkpointing: bool = False
     use_reentrant: bool = False
+    # Keep the inputs that gradient checkpointing saves of each decoder layer in pinned CPU memory, copied on a side
+    # stream while compute goes on and brought back one layer ahead in backward (torchtune's name; needs checkpointing).
+    activation_offloading: bool = False
+    # Liger's Triton kernels for RMSNorm, RoPE and SwiGLU on CUDA (TRL's key; pip install liger-kernel); on a CPU a
+    # warning and transformers' modules. The loss stays shardtune's fused one.
+    use_liger_kernel: bool = False
+    # Compile each decoder layer with torch.compile (dynamic shapes, so packed lengths do not recompile); off by
+    # default: on a CPU it did not pay (docs/choosing-a-setup.md). A backend that cannot compile: a warning, then eager.
+    torch_compile: bool = False
+    torch_compile_backend: str | None = None  # a torch.compile backend (default inductor); setting it turns compile on
+    torch_compile_mode: str | None = None  # default, reduce-overhead, max-autotune, ...; setting it turns compile on
     bf16: bool = False
     fp16: bool = False
     logging_steps: int = 10

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardtune.config.compile import compile_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
 from shardtune.config.schema import (ACCEPTED_OPTIMS, BACKWARD_PREFETCH, DATASET_PLACEHOLDER, DISTRIBUTED_TYPES, FSDP_VERSIONS,
                                      HUB_STRATEGIES, LOG_LEVELS, MIXED_PRECISIONS, PIPELINE_SCHEDULES, SCHEDULERS,
@@ -78,6 +79,11 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
     if lo.use_4bit_quantization and not lo.use_peft_lora:
         problems.append("use_4bit_quantization trains LoRA adapters on a frozen 4-bit base (QLoRA); "
                         "set use_peft_lora true as well")
+    if r.activation_offloading and not (r.gradient_checkpointing or d.fsdp_activation_checkpointing):
+        # Without checkpointing every saved tensor of every op would cross the host bus twice a step: slower than
+        # a smaller micro-batch. Offloading moves the layer inputs that checkpointing keeps.
+        problems.append("activation_offloading=true moves the layer inputs that gradient checkpointing keeps to CPU "
+                        "memory; set gradient_checkpointing true as well (or leave activation_offloading out)")
     problems += lora_variant_problems(cfg)
     if r.eval_strategy == "steps" and (r.eval_steps or r.logging_steps) < 1:
         problems.append("eval_steps must be at least 1")
@@ -85,6 +91,7 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
         problems.append(f"num_processes={d.num_processes} is the total over all machines and must be a multiple "
                         f"of num_machines={d.num_machines}")
     problems += _validate_pipeline(cfg)
+    problems += compile_problems(r)
     problems += _best_model_problems(cfg)
     problems += _unsupported(cfg)
     problems += dtype_problems(cfg)

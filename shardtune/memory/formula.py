@@ -56,6 +56,9 @@ from shardtune.memory.inventory import LoraCount, ModelInventory
 from shardtune.memory.setup import Dtypes, Setup, dtypes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "overhead")
+# Activation offloading: the checkpointed layer inputs on the GPU at once, the rest in host memory. In backward,
+# the layer being recomputed and the next one, whose copy back starts early (train/offload.py's prefetch).
+OFFLOADED_LAYERS_ON_GPU = 2
 
 # What the CUDA driver, cuBLAS/cuDNN kernels and NCCL hold outside PyTorch's allocator. nvidia-smi shows it,
 # torch.cuda.max_memory_reserved does not. Typical figures for CUDA 12 with lazy module loading.
@@ -82,7 +85,7 @@ class Breakdown:
     phase: str
     items: list[Item]
     cuda_context: int
-    cpu_bytes_per_node: int = 0  # what CPU offload keeps in host RAM
+    cpu_bytes_per_node: int = 0  # what CPU offload (parameters, activations) keeps in host RAM
     stage_note: str = ""
     stage_bounds: tuple[tuple[int, int], ...] = ()  # model parallel: [first, end) decoder layers per GPU
     phases: dict[str, int] = field(default_factory=dict)
@@ -208,7 +211,8 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
     # Activations, per micro-batch.
     ckpt = setup.gradient_checkpointing
     per_layer = act.layer_checkpointed() if ckpt else act.layer()
-    layers_saved = tokens * inv.num_layers * per_layer + act.rope_tables()
+    layers_on_gpu = _layers_on_gpu(setup, inv.num_layers)
+    layers_saved = tokens * layers_on_gpu * per_layer + act.rope_tables()
     saved = layers_saved + tokens * act.outside_layers()
     layer_bwd = tokens * act.layer_backward_temporaries()
     recompute = tokens * act.layer_recomputed() if ckpt else 0
@@ -342,6 +346,7 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
     cpu = 0
     if offload:
         cpu = round((storage + grads + optim) / shard * setup.num_gpus)
+    cpu += _offloaded_activation_bytes(inv, setup, act, setup.num_gpus)
     return Breakdown(setup=setup, phase=phase, items=items, cuda_context=context, cpu_bytes_per_node=cpu,
                      phases={k: round(v) for k, v in totals.items()})
 
@@ -354,8 +359,23 @@ def _param_label(setup: Setup, shard: int, offload: bool) -> str:
     return text + (f" (1/{shard} shard)" if shard > 1 else "")
 
 
+def _layers_on_gpu(setup: Setup, num_layers: int) -> int:
+    """Decoder layers whose saved activations are on the GPU at once: all, or the few offloading brings back."""
+    return min(num_layers, OFFLOADED_LAYERS_ON_GPU) if setup.activation_offloading else num_layers
+
+
+def _offloaded_activation_bytes(inv: ModelInventory, setup: Setup, act: Activations, replicas: int) -> int:
+    """Pinned host memory per node that activation offloading fills: every layer's checkpointed input, for each of
+    the node's ``replicas`` (one per GPU in data parallel; one model split over the GPUs in model parallel)."""
+    if not setup.activation_offloading:
+        return 0
+    return setup.batch_size * setup.seq_len * inv.num_layers * act.layer_checkpointed() * replicas
+
+
 def _activation_label(setup: Setup) -> str:
     ckpt = "checkpointed layers" if setup.gradient_checkpointing else "all layers"
+    if setup.activation_offloading:
+        ckpt = f"checkpointed layers offloaded to CPU, {OFFLOADED_LAYERS_ON_GPU} back at a time"
     return f"activations ({ckpt}, logits and loss)"
 
 
@@ -376,6 +396,8 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
     tokens = setup.batch_size * setup.seq_len
     opt = _optimizer_bytes_per_param(setup, dt.master, inv)
     per_layer_act = act.layer_checkpointed() if setup.gradient_checkpointing else act.layer()
+    if setup.activation_offloading:  # the layers' inputs wait in host memory; a few are back (``transient``)
+        per_layer_act = 0
 
     def parts(storage: float, trainable: float, activations: float, copies: float) -> dict[str, float]:
         return {"params": storage + copies, "grads": trainable * dt.master, "optimizer": trainable * opt,
@@ -395,6 +417,8 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
     transient = tokens * act.layer_backward_temporaries()
     if setup.gradient_checkpointing:
         transient += tokens * act.layer_recomputed()
+    if setup.activation_offloading:
+        transient += tokens * _layers_on_gpu(setup, inv.num_layers) * act.layer_checkpointed()
 
     def stage_parts(a: int, b: int, is_first: bool, is_last: bool) -> dict[str, float]:
         out = {c: sum(layer_parts[i][c] for i in range(a, b)) for c in ("params", "grads", "optimizer", "activations")}
@@ -458,4 +482,4 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
         note += f"; {unused} GPU(s) left idle"
     return Breakdown(setup=setup, phase="backward (loss)" if b == layers else "backward", items=items,
                      cuda_context=CUDA_CONTEXT_BYTES, stage_note=note,
-                     stage_bounds=tuple(bounds))
+                     stage_bounds=tuple(bounds), cpu_bytes_per_node=_offloaded_activation_bytes(inv, setup, act, 1))

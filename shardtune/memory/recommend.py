@@ -45,6 +45,7 @@ class Recommendation:
             "sharding_strategy": s.sharding_strategy if s.strategy == "fsdp" else None,
             "offload_params": s.offload_params,
             "gradient_checkpointing": s.gradient_checkpointing,
+            "activation_offloading": s.activation_offloading,
             "num_gpus": s.num_gpus,
             "num_nodes": s.num_nodes,
             "batch_size": s.batch_size,

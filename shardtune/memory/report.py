@@ -109,7 +109,8 @@ def render(r: Report, console: Console) -> None:
                   + (f", r={s.lora_r} on {s.lora_target_modules}" if s.uses_lora else "") + ")")
     console.print(f"{gpus} x {r.gpu.label or r.gpu.name} ({r.gpu.memory_bytes / GIB:.1f} GiB), micro-batch "
                   f"{s.batch_size} x {s.seq_len} tokens, {precision}, {s.optimizer}, gradient checkpointing "
-                  f"{'on' if s.gradient_checkpointing else 'off'}, {s.attn_implementation} attention")
+                  f"{'on' if s.gradient_checkpointing else 'off'}"
+                  f"{' (inputs offloaded to CPU)' if s.activation_offloading else ''}, {s.attn_implementation} attention")
 
     table = Table(title=f"Per-GPU memory: {s.label()} (peak at {b.phase})", title_justify="left")
     table.add_column("category")

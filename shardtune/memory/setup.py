@@ -34,15 +34,17 @@ class Setup:
     seq_len: int = 2048
     gradient_accumulation_steps: int = 1
     gradient_checkpointing: bool = True
+    # The checkpointed layers' inputs wait in pinned host memory (shardtune train's activation_offloading).
+    activation_offloading: bool = False
     mixed_precision: str = "bf16"
     pure_bf16: bool = False
     optimizer: str = "adamw_torch"  # a name of config/optimizers.py's table (Transformers' optim names)
     lora_r: int = 8
     lora_target_modules: str = "all-linear"
-    attn_implementation: str = "sdpa"
-    nf4_double_quant: bool = True
     use_dora: bool = False  # DoRA's trained magnitudes (counted; its extra activations only the trace measures)
     lora_modules_to_save: tuple[str, ...] = ()  # modules PEFT trains a full copy of
+    attn_implementation: str = "sdpa"
+    nf4_double_quant: bool = True
     # shardtune: shardtune train's loss (the head fused with the loss: no logits kept, one chunk's fp32 logits at
     # a time, recomputed in backward); full: transformers' (fp32 logits of the whole micro-batch); chunked:
     # torchtune's, compiled.
@@ -128,6 +130,9 @@ def validate(setup: Setup) -> Setup:
         )
     if setup.pure_bf16 and setup.mixed_precision != "bf16":
         raise UsageError("--pure-bf16 keeps weights in bfloat16: it needs --mixed-precision bf16.")
+    if setup.activation_offloading and not setup.gradient_checkpointing:
+        raise UsageError("--activation-offloading moves the layer inputs that gradient checkpointing keeps to host "
+                         "memory: use it with --gradient-checkpointing.")
     if setup.offload_params and setup.strategy != "fsdp":
         raise UsageError("--offload-params is FSDP's CPU offload: use it with --strategy fsdp (or auto).")
     return setup

@@ -24,6 +24,7 @@ def config_from_setup(model: str, setup: Setup) -> TrainConfig:
         "max_seq_len": setup.seq_len, "per_device_train_batch_size": setup.batch_size,
         "gradient_accumulation_steps": setup.gradient_accumulation_steps,
         "gradient_checkpointing": setup.gradient_checkpointing,
+        "activation_offloading": setup.activation_offloading,
         "bf16": setup.mixed_precision == "bf16", "fp16": setup.mixed_precision == "fp16",
         # flash_attention_2: use_flash_attn, with sdpa where flash-attn cannot run. The trace (fake tensors, no
         # flash-attn kernels) then follows sdpa, which keeps more than flash does: the batch's 4-D mask per layer
@@ -68,7 +69,8 @@ def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> 
                  offload_params=cfg.distributed.fsdp_offload_params and strategy == "fsdp",
                  num_gpus=world_size // num_nodes, num_nodes=num_nodes, batch_size=cfg.run.per_device_train_batch_size,
                  seq_len=cfg.data.max_seq_len, gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
-                 gradient_checkpointing=cfg.run.gradient_checkpointing,
+                 gradient_checkpointing=cfg.run.gradient_checkpointing or cfg.distributed.fsdp_activation_checkpointing,
+                 activation_offloading=cfg.run.activation_offloading,
                  mixed_precision="bf16" if cfg.model.pure_bf16 else cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16,
                  lora_r=lora.lora_r, lora_target_modules=lora.lora_target_modules, use_dora=lora.use_dora,
                  lora_modules_to_save=tuple(lora.lora_modules_to_save),

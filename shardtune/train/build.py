@@ -99,4 +99,7 @@ def plan_for(cfg: TrainConfig, info: DistInfo, precision: Precision) -> Plan:
 
     return make_plan(cfg.distributed, info, param_dtype=fsdp_param_dtype(cfg, precision),
                      compute_dtype=precision.autocast_dtype, reduce_dtype=precision.reduce_dtype,
-                     gradient_checkpointing=cfg.run.gradient_checkpointing, use_reentrant=cfg.run.use_reentrant)
+                     gradient_checkpointing=cfg.run.gradient_checkpointing, use_reentrant=cfg.run.use_reentrant,
+                     activation_offloading=cfg.run.activation_offloading, liger_kernel=cfg.run.use_liger_kernel,
+                     compile_backend=cfg.run.torch_compile_backend if cfg.run.torch_compile else None,
+                     compile_mode=cfg.run.torch_compile_mode)

@@ -318,7 +318,17 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
             "trainable_parameters": job.trainable_parameters, "parameters": job.parameters,
             "world_size": info.world_size, "strategy": job.plan.strategy, "device_type": info.device.type,
             "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
-            "stopped_by": stopped_by, "last_checkpoint": checkpointer.last, **best_summary(job)}
+            "stopped_by": stopped_by, "last_checkpoint": checkpointer.last, **best_summary(job),
+            "compile": compile_summary(job)}
+
+
+def compile_summary(job: Job) -> dict[str, Any] | None:
+    """torch_compile's record (layers, graphs, recompilations), logged here once; None when it is off."""
+    report = job.runner.compiled
+    if report is None:
+        return None
+    log.info("%s", report.describe())
+    return report.summary()
 
 
 def push_to_hub(cfg: TrainConfig, folder: str | None) -> None:

@@ -1,9 +1,9 @@
 """The one place that turns a plain model into a distributed one: checkpointing, then DDP, FSDP2, MP or PP.
 
 The order follows torchtitan's ``parallelize_llama``: activation checkpointing wraps the decoder layers first,
-then data parallelism wraps what checkpointing produced. FSDP2 (``fully_shard``) shards each decoder layer (or
-each block of ``fsdp_min_num_params`` parameters) and then the root, so one layer's parameters are gathered at a
-time.
+``torch_compile`` compiles each of them (``compile.py``), then data parallelism wraps what those produced.
+FSDP2 (``fully_shard``) shards each decoder layer (or each block of ``fsdp_min_num_params`` parameters) and then
+the root, so one layer's parameters are gathered at a time.
 
 How Accelerate's FSDP1 sharding strategies map onto FSDP2:
 - FULL_SHARD (ZeRO-3): shard parameters, gradients and optimizer states; reshard after forward.
@@ -22,7 +22,10 @@ from torch import nn
 
 from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
+from shardtune.train.compile import apply_compile
+from shardtune.train.liger import apply_liger_kernel
 from shardtune.train.model_parallel import split_across_devices
+from shardtune.train.offload import offload_checkpointed_inputs
 from shardtune.train.pipeline_parallel import PipelineRunner, split_for_stage
 from shardtune.train.plan import Plan, unwrap
 from shardtune.train.runner import LocalRunner
@@ -111,6 +114,9 @@ def apply_checkpointing(model: nn.Module, plan: Plan) -> None:
         # embedding (LoRA) nothing would, and the adapters would get no gradient.
         base.enable_input_require_grads()
     base.config.use_cache = False
+    if plan.activation_offloading:
+        # The inputs each checkpointed layer keeps wait in (pinned) host memory until backward recomputes it.
+        offload_checkpointed_inputs(base)
 
 
 def apply_fsdp(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
@@ -148,23 +154,27 @@ def apply_ddp(model: nn.Module, info: DistInfo, *, find_unused_parameters: bool 
 
 
 def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> tuple[nn.Module, Runner]:
-    """Checkpointing, then DDP, FSDP2, MP's split or PP's stage, as the plan says; and the runner that steps it.
+    """Checkpointing, compiled decoder layers (torch_compile), then DDP, FSDP2, MP's split or PP's stage, as the
+    plan says; and the runner that steps it (which keeps the compile report for the end of the run).
 
     A single process gets checkpointing only. PP's runner drives the pipeline schedule; the others run the whole
     (wrapped) model on each rank's own micro-batches.
     """
+    if plan.liger_kernel:  # Liger patches the layers' modules, so before anything wraps or checkpoints them
+        apply_liger_kernel(model, info.device)
     if plan.gradient_checkpointing:
         apply_checkpointing(model, plan)
+    compiled = apply_compile(model, plan)  # each decoder layer, before FSDP2 wraps it (torchtitan's order)
     if plan.strategy == "FSDP":
         model = apply_fsdp(model, plan, info)
     elif plan.strategy == "MP":
         model = split_across_devices(model, plan)
     elif plan.strategy == "PP":
         model = split_for_stage(model, plan, info)
-        return model, PipelineRunner(model, plan, info)
+        return model, PipelineRunner(model, plan, info, compiled=compiled)
     elif plan.strategy == "DDP" and info.distributed:
         model = apply_ddp(model, info, find_unused_parameters=plan.find_unused_parameters)
-    return model, LocalRunner(model, plan, info)
+    return model, LocalRunner(model, plan, info, compiled=compiled)
 
 
 def _first_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -32,6 +32,8 @@ class Plan:
     reduce_dtype: torch.dtype = torch.float32  # FSDP's gradient reduce-scatter dtype (bf16 in pure bf16)
     gradient_checkpointing: bool = False
     use_reentrant: bool = False
+    activation_offloading: bool = False  # checkpointed layers' inputs wait in host memory (train/offload.py)
+    liger_kernel: bool = False  # Liger's RMSNorm, RoPE and SwiGLU kernels on CUDA (train/liger.py)
     # MP and PP: [first, end) decoder layers of each stage (model_parallel.plan_stages).
     stage_bounds: tuple[tuple[int, int], ...] = ()
     devices: tuple[str, ...] = ()  # MP: the device of each stage
@@ -39,6 +41,8 @@ class Plan:
     pipeline_microbatches: int = 1
     forward_prefetch: bool = False  # FSDP: gather the next decoder layer while this one runs forward
     find_unused_parameters: bool = False  # DDP: ddp_find_unused_parameters
+    compile_backend: str | None = None  # torch_compile: the backend that compiles each decoder layer; None: eager
+    compile_mode: str | None = None  # torch_compile_mode
     # FSDP's fsdp_cpu_ram_efficient_loading with fsdp_sync_module_states on several ranks: rank 0 loads the
     # weights, the others build on meta and receive their shards (parallelize.load_from_rank0).
     loads_from_rank0: bool = False
@@ -106,8 +110,10 @@ def resolve_strategy(cfg: DistributedConfig, info: DistInfo) -> str:
 
 
 def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtype | None,
-              gradient_checkpointing: bool, use_reentrant: bool,
-              compute_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32) -> Plan:
+              gradient_checkpointing: bool, use_reentrant: bool, activation_offloading: bool = False,
+              liger_kernel: bool = False, compute_dtype: torch.dtype = torch.float32,
+              reduce_dtype: torch.dtype = torch.float32,
+              compile_backend: str | None = None, compile_mode: str | None = None) -> Plan:
     strategy = resolve_strategy(cfg, info)
     reshard = cfg.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
     if cfg.fsdp_reshard_after_forward is not None:
@@ -118,10 +124,12 @@ def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtyp
                 min_num_params=cfg.fsdp_min_num_params, param_dtype=param_dtype, compute_dtype=compute_dtype,
                 reduce_dtype=reduce_dtype,
                 gradient_checkpointing=gradient_checkpointing or cfg.fsdp_activation_checkpointing,
-                use_reentrant=use_reentrant, pipeline_schedule=cfg.pipeline_schedule,
+                use_reentrant=use_reentrant, activation_offloading=activation_offloading,
+                liger_kernel=liger_kernel, pipeline_schedule=cfg.pipeline_schedule,
                 pipeline_microbatches=cfg.pipeline_microbatches,
                 state_dict_type=cfg.fsdp_state_dict_type if strategy == "FSDP" else "SHARDED_STATE_DICT",
                 forward_prefetch=cfg.fsdp_forward_prefetch, find_unused_parameters=bool(cfg.ddp_find_unused_parameters),
+                compile_backend=compile_backend, compile_mode=compile_mode,
                 loads_from_rank0=(strategy == "FSDP" and info.distributed and cfg.fsdp_cpu_ram_efficient_loading
                                   and cfg.fsdp_sync_module_states))
 

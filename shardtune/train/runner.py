@@ -17,6 +17,7 @@ from torch import nn
 
 from shardtune.data.collate import varlen_kwargs
 from shardtune.dist import DistInfo
+from shardtune.train.compile import CompileReport
 from shardtune.train.export import export_final
 from shardtune.train.loss import install_fused_loss, token_loss_sum
 from shardtune.train.plan import Plan, unwrap
@@ -110,8 +111,9 @@ class LocalRunner:
     copies = 1  # each rank reads its own rows, so sums over ranks count every row once
     flat_optimizer = False
 
-    def __init__(self, model: nn.Module, plan: Plan, info: DistInfo) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, info: DistInfo, *, compiled: CompileReport | None = None) -> None:
         self.model, self.plan, self.info = model, plan, info
+        self.compiled = compiled  # torch_compile's report (None when off), for the end of the run
         self.scaler = grad_scaler(plan, info.device)
         self.varlen = uses_varlen_attention(model)
         self.masks = attention_masks(model)
