@@ -360,6 +360,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                    / "shardtune-bench", help="where the converted model and the rows are kept between runs")
     p.add_argument("--gguf", type=Path, default=None, help=f"the model's GGUF (default: the wheel's {GGUF_NAME})")
+    p.add_argument("--name", default=None, help="results file name, without .json/.md (default: vs_trl_DEVICE)")
     p.add_argument("--work", type=Path, default=None, help="output folders and logs (default: a new temp folder)")
     args = p.parse_args()
     unknown = [c for c in args.cases.split(",") if c not in CASES]
@@ -405,8 +406,9 @@ def main() -> None:
     text = markdown(report)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"vs_trl_{args.device}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (RESULTS / f"vs_trl_{args.device}.md").write_text(text)
+    name = args.name or f"vs_trl_{args.device}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (RESULTS / f"{name}.md").write_text(text)
 
 
 if __name__ == "__main__":
