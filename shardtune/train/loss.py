@@ -118,29 +118,6 @@ def _head_chunk_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, head: nn.M
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _target_positions(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Only the positions that have a target: prompts, padding and each row's last position never reach the head.
-
-    The head is the largest matmul of a small model (vocab x hidden per token), so skipping the ignored positions
-    (often a third of a chat row) saves that share of the head's forward, its recomputation and its backward. The
-    hidden states of the kept positions are gathered (a copy of [targets, hidden], far smaller than one chunk's
-    logits). Under FakeTensorMode (the estimator's trace) the count is unknown, so every position is kept: the
-    traced head work is an upper bound.
-    """
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    keep = targets != IGNORE_INDEX
-    if isinstance(keep, FakeTensor):
-        return hidden, targets
-    index = keep.nonzero().squeeze(1)
-    if index.numel() == targets.numel():
-        return hidden, targets
-    if index.numel() == 0:  # one ignored position keeps the loss in the graph: every rank's backward hooks run
-        index = keep.new_zeros(1, dtype=torch.long)
-    return hidden.index_select(0, index), targets.index_select(0, index)
-
-
 def head_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
                   transform: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
                   chunk_tokens: int | None = None) -> torch.Tensor:
@@ -157,7 +134,8 @@ def head_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
     # Shift the labels, not the hidden states: position t predicts label t+1, and the last position of each row
     # predicts nothing. The flattened hidden states stay a view (a shifted slice would be copied).
     targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
-    hidden, targets = _target_positions(hidden.flatten(0, 1), targets.flatten().to(hidden.device))
+    hidden = hidden.flatten(0, 1)
+    targets = targets.flatten().to(hidden.device)
     vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]  # nn.Linear's, PEFT's LoRA layer's
     rows = chunk_tokens or loss_chunk_tokens(hidden.shape[0], vocab_size)
     total = hidden.new_zeros((), dtype=torch.float32)
