@@ -192,7 +192,7 @@ def test_shardtune_generate_is_transformers_generate_on_smollm2(smol_merged):
     from shardtune.infer.generate import encode_prompt, generate
 
     merged, tokenizer, _ = smol_merged
-    for prompt in PROMPTS[:2]:
+    for prompt in PROMPTS[1:2]:  # a chat question: the template's prompt, then the model's reply
         ids = encode_prompt(tokenizer, prompt)
         ours = generate(merged, tokenizer, ids, max_new_tokens=8, stop_ids=set())
         with torch.no_grad():

@@ -231,26 +231,31 @@ def test_estimator_counts_regex_targets_as_peft_does(root):
     ({"use_dora": True, "lora_modules_to_save": ["embed_tokens", "lm_head"]},
      {"use_dora": True, "modules_to_save": ["embed_tokens", "lm_head"]}),
 ])
-def test_estimate_of_a_recipe_counts_dora_and_modules_to_save_as_peft_does(root, tmp_path, extra, peft_kwargs):
+def test_estimate_of_a_recipe_counts_dora_and_modules_to_save_as_peft_does(root, tmp_path, capsys, extra,
+                                                                           peft_kwargs):
     """DoRA's magnitudes and the trained copies of modules_to_save are trainable weights with gradients and
     optimizer states: `estimate --config` counts them, equal to PEFT's own count."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from shardtune.cli import main as shardtune_main
+
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(json.dumps({"model_name_or_path": str(root / "model"), "dataset_name": "unused.jsonl",
                                   "use_peft_lora": True, "lora_r": 4, "lora_target_modules": "q_proj,v_proj",
                                   **extra}))
-    result = shardtune(["estimate", "--config", str(recipe), "--json"], root)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert shardtune_main(["estimate", "--config", str(recipe), "--json"]) == 0
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "model"),
                                 LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **peft_kwargs))
-    assert json.loads(result.stdout)["trainable_parameters"] == peft_model.get_nb_trainable_parameters()[0]
+    trainable = json.loads(capsys.readouterr().out)["trainable_parameters"]
+    assert trainable == peft_model.get_nb_trainable_parameters()[0]
 
 
-def test_estimate_refuses_modules_to_save_it_cannot_count(root, tmp_path):
+def test_estimate_refuses_modules_to_save_it_cannot_count(root, tmp_path, capsys):
+    from shardtune.cli import main as shardtune_main
+
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(json.dumps({"model_name_or_path": str(root / "model"), "dataset_name": "unused.jsonl",
                                   "use_peft_lora": True, "lora_modules_to_save": ["norm"]}))
-    result = shardtune(["estimate", "--config", str(recipe), "--json"], root)
-    assert result.returncode == 2 and "lora_modules_to_save norm" in result.stderr, result.stderr[-2000:]
+    assert shardtune_main(["estimate", "--config", str(recipe), "--json"]) == 2
+    assert "lora_modules_to_save norm" in capsys.readouterr().err

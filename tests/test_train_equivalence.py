@@ -60,8 +60,6 @@ FULL = [
     # With FSDP2's explicit forward prefetch (fsdp_forward_prefetch): the next layer is gathered early, same math.
     ("fsdp_full_shard", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP",
                             "--fsdp_forward_prefetch", "True"]),
-    ("fsdp_size_based_wrap", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP",
-                                 "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "20000"]),
     ("fsdp_shard_grad_op", 2, ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
                                "--distributed_type", "FSDP", "--fsdp_sharding_strategy", "SHARD_GRAD_OP"]),
 ]
