@@ -147,14 +147,19 @@ def add_tensors(writer, model, family: Family, quantize: str) -> int:
     return written
 
 
+def check_quantize(quantize: str) -> None:
+    """Refuse (exit 2) a ``--quantize`` value shardtune cannot write, before anything is loaded or trained."""
+    if quantize not in QUANTIZE:
+        raise UsageError(f"--quantize {quantize}: not a GGUF type shardtune writes; use one of {', '.join(QUANTIZE)}")
+
+
 def write_gguf(model, tokenizer, path: str | Path, quantize: str, *, name: str,
                tokenizer_pre: str | None = None) -> Path:
     """Write ``model`` (a transformers causal LM, adapters merged) and ``tokenizer`` as the GGUF file ``path``,
     its weights as ``quantize`` says; under a temporary name, renamed when complete."""
     import gguf
 
-    if quantize not in QUANTIZE:
-        raise UsageError(f"--quantize {quantize}: not a GGUF type shardtune writes; use one of {', '.join(QUANTIZE)}")
+    check_quantize(quantize)
     family = family_of(model.config)
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")

@@ -47,9 +47,9 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.rule import Rule
 
-    from shardtune.cli.export import QUANTIZE
     from shardtune.demo.run import DemoSettings, FineTuneFailed, print_comparison, print_estimates, run_demo
     from shardtune.errors import UsageError
+    from shardtune.gguf_export import check_quantize
     from shardtune.hardware import gpu_by_name
 
     started = time.perf_counter()
@@ -63,9 +63,8 @@ def main(args: argparse.Namespace) -> int:
     if args.real is None and args.quantize is not None:
         raise UsageError(f"--quantize {args.quantize}: applies to --real only (the GGUF it writes); add --real or "
                          f"leave --quantize out")
-    if args.quantize is not None and args.quantize not in QUANTIZE:
-        raise UsageError(f"--quantize {args.quantize}: not a GGUF type shardtune writes; use one of "
-                         f"{', '.join(QUANTIZE)}")
+    if args.quantize is not None:
+        check_quantize(args.quantize)
     if args.gpu:
         gpu_by_name(args.gpu)  # a bad name fails here, before minutes of training
     real_model = real_model_path(args.real) if args.real is not None else None  # a missing model fails here too

@@ -86,11 +86,10 @@ def run_real_demo(output_dir: str | Path, model: str | Path, *, settings: DemoSe
                   capture_training: bool = False) -> RealDemoResult:
     """Evaluate ``model`` on held-out names, fine-tune it through ``shardtune launch``, evaluate the adapter, and
     write the tuned model as ``output_dir/gguf/model-QUANTIZE.gguf`` with a Modelfile."""
-    from shardtune.gguf_export import QUANTIZE
+    from shardtune.gguf_export import check_quantize
     from shardtune.train.export_gguf import export_gguf
 
-    if quantize not in QUANTIZE:  # before the fine-tune, not after it
-        raise UsageError(f"--quantize {quantize}: not a GGUF type shardtune writes; use one of {', '.join(QUANTIZE)}")
+    check_quantize(quantize)  # before the fine-tune, not after it
     console = console or Console()
     output_dir = Path(output_dir).resolve()
     data_dir, run_dir = output_dir / "data", output_dir / "run"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardtune.train.plan import Plan, unwrap
+from shardtune.train.plan import Plan, layer_class_names
 
 log = logging.getLogger("shardtune")
 
@@ -119,7 +119,7 @@ class CompileReport:
 def decoder_layers(model: nn.Module, plan: Plan) -> list[nn.Module]:
     """The decoder layers: the classes fsdp_transformer_layer_cls_to_wrap names, else the model's own
     ``_no_split_modules`` (the same layers FSDP2 shards one by one)."""
-    names = set(plan.layer_classes) or set(getattr(unwrap(model), "_no_split_modules", None) or ())
+    names = layer_class_names(model, plan)
     return [m for m in model.modules() if type(m).__name__ in names]
 
 

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from shardtune.errors import UsageError
-from shardtune.gguf_export import QUANTIZE, family_of, write_gguf
+from shardtune.gguf_export import check_quantize, family_of, write_gguf
 from shardtune.gguf_vocab import template_for_gguf
 from shardtune.ollama import write_modelfile
 from shardtune.train.export import adapter_problem, load_checkpoint_model, load_plain_model, merged_model
@@ -81,8 +81,7 @@ def _source_pre(base_path: str | None) -> str | None:
 
 def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", base: str | None = None) -> Path:
     """Write ``source`` as a GGUF file (OUT, or OUT/model-QUANTIZE.gguf) and an Ollama Modelfile beside it."""
-    if quantize not in QUANTIZE:
-        raise UsageError(f"--quantize {quantize}: not a GGUF type shardtune writes; use one of {', '.join(QUANTIZE)}")
+    check_quantize(quantize)
     target = gguf_target(out, quantize)
     model, tokenizer, base_path = load_source(source, base)
     family_of(model.config)  # refused before the folder is made

@@ -27,7 +27,7 @@ from shardtune.train.liger import apply_liger_kernel
 from shardtune.train.model_parallel import split_across_devices
 from shardtune.train.offload import offload_checkpointed_inputs
 from shardtune.train.pipeline_parallel import PipelineRunner, split_for_stage
-from shardtune.train.plan import Plan, unwrap
+from shardtune.train.plan import Plan, layer_class_names, unwrap
 from shardtune.train.runner import LocalRunner
 
 Runner = LocalRunner | PipelineRunner
@@ -36,7 +36,7 @@ log = logging.getLogger("shardtune")
 
 
 def _layer_classes(model: nn.Module, plan: Plan) -> set[str]:
-    names = set(plan.layer_classes) or set(getattr(unwrap(model), "_no_split_modules", None) or ())
+    names = layer_class_names(model, plan)
     if not names:
         raise UsageError("fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP: cannot tell this model's decoder layer "
                          "class; set fsdp_transformer_layer_cls_to_wrap (e.g. LlamaDecoderLayer) or use "

@@ -134,6 +134,12 @@ def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtyp
                                   and cfg.fsdp_sync_module_states))
 
 
+def layer_class_names(model: nn.Module, plan: Plan) -> set[str]:
+    """The decoder layers' class names: those fsdp_transformer_layer_cls_to_wrap gives, else the model's own
+    ``_no_split_modules`` (empty when neither says)."""
+    return set(plan.layer_classes) or set(getattr(unwrap(model), "_no_split_modules", None) or ())
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The transformers model under DDP and PEFT wrappers (FSDP2 wraps in place, so nothing to peel)."""
     model = getattr(model, "module", model)  # DDP
