@@ -1,5 +1,5 @@
 import sys
 
-from shardtune.cli import main
+from shardtune.cli import command
 
-sys.exit(main())
+sys.exit(command())

@@ -65,6 +65,18 @@ def _passthrough(command: str, argv: list[str]) -> int:
         return 130
 
 
+# Whether this process runs one subcommand and ends (the `shardtune` command, torchrun's ranks) rather than being
+# another program calling main(): only then may a subcommand leave out a library its job does not use.
+OWNS_PROCESS = False
+
+
+def command() -> int:
+    """The ``shardtune`` executable and ``python -m shardtune``."""
+    global OWNS_PROCESS
+    OWNS_PROCESS = True
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_library_noise()  # before any subcommand imports them (torchrun's ranks come through here too)
@@ -93,4 +105,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

@@ -58,6 +58,11 @@ def _run(argv: list[str]) -> int:
 
     # The run's own checks (placeholder data, missing paths, the resume folder) before any model is loaded.
     cfg = load_job_config(argv)
+    from shardtune import cli
+    from shardtune.bitsandbytes_use import leave_out_unless_needed
+
+    if cli.OWNS_PROCESS:
+        leave_out_unless_needed(cfg)
     print_deepspeed_mapping(argv)
     offline_unless_reachable(cfg.model.model_name_or_path, None if cfg.run.dry_run else cfg.data.dataset_name)
     if cfg.run.dry_run:
