@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,7 +120,8 @@ def load_config(source: GgufFile):
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(source.folder, gguf_file=source.name)
+        with _shared_reader():
+            config = AutoConfig.from_pretrained(source.folder, gguf_file=source.name)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise _unsupported(source, exc) from None
     _forget_quantization(config)
@@ -142,7 +144,7 @@ def load_model(source: GgufFile, **kwargs):
 
     kwargs.setdefault("quantization_config", GgufConfig(dequantize=True))
     try:
-        with _cached_tensor_name_maps():
+        with _cached_tensor_name_maps(), _shared_reader():
             model = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.name, **kwargs)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise _unsupported(source, exc) from None
@@ -170,12 +172,57 @@ def _cached_tensor_name_maps() -> Iterator[None]:
         gguf.get_tensor_name_map = original
 
 
+# The parsed metadata of the last GGUF file read, while a ``parsed_once`` block is open: (key, reader).
+_READER: list[tuple[tuple, object]] = []
+_OPEN_BLOCKS = [0]
+
+
+@contextlib.contextmanager
+def parsed_once() -> Iterator[None]:
+    """Within this block each GGUF file is parsed once. transformers' loader parses the whole file, every string
+    of the vocabulary included, each time it is asked, and the tokenizer, the config and the model each ask
+    (three parses of 4 s each for SmolLM2's 49,152 tokens). The parsed reader (about 160 MB of Python objects
+    for that file) is dropped when the outermost block closes: a training run does not carry it."""
+    _OPEN_BLOCKS[0] += 1
+    try:
+        yield
+    finally:
+        _OPEN_BLOCKS[0] -= 1
+        if not _OPEN_BLOCKS[0]:
+            _READER.clear()
+
+
+@contextlib.contextmanager
+def _shared_reader() -> Iterator[None]:
+    """gguf's ``GGUFReader``, as transformers' loader makes it, handed out again for a file unchanged since it
+    was parsed (same path, size and modification time) inside a ``parsed_once`` block."""
+    import gguf
+
+    original = gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        stat = os.stat(path)
+        key = (os.path.realpath(path), mode, stat.st_size, stat.st_mtime_ns)
+        if not _READER or _READER[0][0] != key:
+            _READER[:] = [(key, original(path, mode))]
+        return _READER[0][1]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+        if not _OPEN_BLOCKS[0]:
+            _READER.clear()
+
+
 def load_tokenizer(source: GgufFile, **kwargs):
     """The tokenizer (vocabulary, merges, special tokens and chat template) the file's metadata holds."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.name, **kwargs)
+        with _shared_reader():
+            return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.name, **kwargs)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise UsageError(f"{source.path}: transformers cannot build its tokenizer ({str(exc).splitlines()[0]}); "
                          f"use a GGUF whose tokenizer transformers reads, or the original model folder") from None

@@ -246,6 +246,39 @@ def test_export_of_a_lora_run_merges_the_adapter(tiny, tmp_path):
     assert (tmp_path / "Modelfile").is_file()
 
 
+def test_tokenizer_config_and_model_share_one_parse_of_a_gguf(tiny, tmp_path, monkeypatch):
+    """Within ``parsed_once`` the file is parsed once for all three loads (outside, once per load), the loaded
+    weights are the same, a file rewritten in between is parsed again, and nothing is kept after the block."""
+    import gguf
+
+    from shardtune.gguf_export import write_gguf
+    from shardtune.gguf_source import find_gguf, load_config, load_model, load_tokenizer, parsed_once
+
+    folder, model, tokenizer = tiny
+    path = write_gguf(model, tokenizer, tmp_path / "m.gguf", "f16", name="m")
+    source = find_gguf(path)
+    parses = []
+    original = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda file, mode="r": parses.append(file) or original(file, mode))
+
+    def load_all():
+        load_tokenizer(source), load_config(source)
+        return load_model(source).state_dict()
+
+    apart = load_all()
+    assert len(parses) >= 3
+    parses.clear()
+    with parsed_once():
+        together = load_all()
+        assert len(parses) == 1
+        write_gguf(model, tokenizer, path, "q8_0", name="m")  # the same path, another file
+        load_config(source)
+        assert len(parses) == 2
+    assert apart.keys() == together.keys() and all(torch.equal(apart[k], together[k]) for k in apart)
+    load_config(source)
+    assert len(parses) == 3  # the block kept nothing
+
+
 def test_modelfile_keeps_smollm2s_default_system_prompt():
     from shardtune.ollama import modelfile_text
 

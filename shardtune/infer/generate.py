@@ -22,7 +22,7 @@ import torch
 from shardtune.data.encode import special_prefix, with_prefix
 from shardtune.data.templates import END_OF_TURN_TOKENS
 from shardtune.errors import UsageError
-from shardtune.gguf_source import find_gguf
+from shardtune.gguf_source import find_gguf, parsed_once
 from shardtune.gguf_source import load_model as load_gguf_model
 from shardtune.gguf_source import load_tokenizer as load_gguf_tokenizer
 from shardtune.hub import (
@@ -83,6 +83,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32  # CPU matmuls in bf16 are slow and lose the token-for-token match with training-time fp32
 
 
+@parsed_once()  # a GGUF's metadata, read by the model and the tokenizer alike
 def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                         trust_remote_code: bool = False) -> tuple[Any, Any]:
     """Load a local model folder, or a PEFT adapter folder on top of its base, in eval mode: (model, tokenizer)."""

@@ -190,10 +190,11 @@ def load_plain_model(path: str | Path, what: str, fix: str):
     """A model folder or GGUF file as a float32 causal LM on CPU, and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shardtune.gguf_source import find_gguf, load_model, load_tokenizer
+    from shardtune.gguf_source import find_gguf, load_model, load_tokenizer, parsed_once
 
     if gguf := find_gguf(path):
-        return load_model(gguf, dtype=torch.float32), load_tokenizer(gguf)
+        with parsed_once():
+            return load_model(gguf, dtype=torch.float32), load_tokenizer(gguf)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     except (OSError, ValueError) as exc:

@@ -15,6 +15,7 @@ from torch import nn
 
 from shardtune.config import TrainConfig
 from shardtune.dist import DistInfo
+from shardtune.gguf_source import parsed_once
 from shardtune.train.build import build_model, plan_for
 from shardtune.train.model import Precision, attn_implementation
 from shardtune.train.model_parallel import place_stages
@@ -52,6 +53,7 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     return max(1, math.ceil(cfg.run.num_train_epochs * steps_per_epoch))
 
 
+@parsed_once()  # a GGUF's metadata, read by the tokenizer and the model alike
 def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, int], ...] | None = None) -> Job:
     """Tokenise the data, resolve the plan, build and parallelize the model, make the optimizer and schedule."""
     from shardtune.data import Collator, GlobalBatchSampler, load_tokenizer, prepare_datasets
