@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 # What asks ``shardtune train`` (and ``launch ... train``) for its list of keys instead of a run.
 TRAIN_HELP = ("-h", "--help", "--help-keys", "--help_keys")
+# "owned": this process runs one subcommand and ends (the `shardtune` command, torchrun's ranks), rather than being
+# another program calling cli.main(); only then may a subcommand leave out a library its job does not use.
+PROCESS = {"owned": False}
 
 
 class OneLineParser(argparse.ArgumentParser):

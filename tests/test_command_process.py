@@ -1,5 +1,6 @@
-"""A ``shardtune train`` process leaves bitsandbytes out when its job does not use it (shardtune/bitsandbytes_use.py)
-and keeps it for every job that does."""
+"""What the ``shardtune`` command does because it owns its process: a ``train`` process leaves bitsandbytes out when
+its job does not use it (shardtune/bitsandbytes_use.py) and keeps it for every job that does; every command leaves
+its objects to the OS at exit."""
 
 from __future__ import annotations
 
@@ -66,3 +67,26 @@ def test_a_lora_run_never_imports_it_and_trains(work):
     assert not [name for name in imported if name.startswith("bitsandbytes.")]
     assert len((work / "lora" / "metrics.jsonl").read_text().splitlines()) >= 2
     assert os.path.isfile(work / "lora" / "final" / "adapter_model.safetensors")
+
+
+def test_the_command_freezes_its_objects_before_the_interpreter_exits(work, monkeypatch, capsys):
+    """``command`` (the executable, ``python -m shardtune``) freezes the garbage collector's objects once the
+    subcommand has returned; ``main``, called by another program, leaves that program's collector alone."""
+    import gc
+
+    from shardtune.cli import command, main
+    from shardtune.cli.common import PROCESS
+
+    monkeypatch.setitem(PROCESS, "owned", False)
+    args = ["estimate", str(work / "model"), "--json"]
+    gc.unfreeze()
+    try:
+        assert main(args) == 0 and gc.get_freeze_count() == 0
+        by_main = json.loads(capsys.readouterr().out)
+        monkeypatch.setattr(sys, "argv", ["shardtune", *args])
+        assert command() == 0
+        assert gc.get_freeze_count() > 0 and PROCESS["owned"]
+        assert json.loads(capsys.readouterr().out) == by_main  # the command's own work is the same
+    finally:
+        gc.unfreeze()
+
