@@ -6,7 +6,9 @@ with an 11-bit mantissa (relative error <= 2^-11 ~ 5e-4 per weight): 5e-3 leaves
 stack; q8_0 stores blocks of 32 weights as int8 times one f16 scale (relative error up to 1/254 per weight):
 5e-2. Writing Q/K without llama.cpp's RoPE permutation gives 1.3e-2 on the tiny model and far more on SmolLM2,
 so the f16 check also catches a missing permutation. With f16 the next token and the whole greedy text must be the
-same on every prompt; with q8_0 the next token wherever the reference's top-2 margin exceeds twice the error.
+same on every prompt. With q8_0, the next token wherever the reference's top-2 margin exceeds twice the error, and
+the greedy text up to the first near-tie: a position where the reference's top-2 margin is under twice q8_0's logit
+error there, which any 8-bit quantisation (llama.cpp's own q8_0 too) may flip.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ def smollm2_gguf() -> Path:
 def compare(reference, tokenizer, gguf_path: Path, quantize: str, new_tokens: int = 6) -> float:
     """The written file read back: its tokenizer encodes the prompts as ``tokenizer`` does, its logits stay within
     the tolerance and its greedy text is the same. Returns the worst relative logit difference."""
-    from shardtune.gguf_source import find_gguf, load_model, load_tokenizer
+    from shardtune.gguf_source import find_gguf, load_model, load_tokenizer, parsed_once
 
     source = find_gguf(gguf_path)
-    model, read_tokenizer = load_model(source, dtype=torch.float32).eval(), load_tokenizer(source)
+    with parsed_once():
+        model, read_tokenizer = load_model(source, dtype=torch.float32).eval(), load_tokenizer(source)
     worst = 0.0
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
@@ -51,10 +54,17 @@ def compare(reference, tokenizer, gguf_path: Path, quantize: str, new_tokens: in
             # q8_0 may flip a near-tie: the next token is held where the reference's margin exceeds twice the error
             if quantize != "q8_0" or top2[0] - top2[1] > 2 * (want - got)[0, -1].abs().max():
                 assert got[0, -1].argmax() == want[0, -1].argmax(), prompt
-            if quantize != "q8_0":  # q8_0's noise may flip a near-tie a few tokens on, so its text is not held
-                greedy = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-                assert model.generate(torch.tensor([ids]), **greedy).tolist() == \
-                    reference.generate(torch.tensor([ids]), **greedy).tolist(), prompt
+            greedy = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            got_text = model.generate(torch.tensor([ids]), **greedy)[0].tolist()
+            want_text = reference.generate(torch.tensor([ids]), **greedy)[0].tolist()
+            if quantize != "q8_0":
+                assert got_text == want_text, prompt
+            elif got_text != want_text:  # the same text up to a near-tie of the reference, where they part
+                first = next(i for i, (a, b) in enumerate(zip(got_text, want_text)) if a != b)
+                prefix = torch.tensor([want_text[:first]])
+                want, got = reference(prefix).logits[0, -1], model(prefix).logits[0, -1]
+                top2 = want.topk(2).values
+                assert top2[0] - top2[1] < 2 * (want - got).abs().max(), (prompt, first, top2, want_text, got_text)
     assert worst <= TOLERANCE[quantize], (quantize, worst)
     return worst
 
@@ -110,7 +120,7 @@ def test_lora_on_a_gguf_trains_and_its_adapter_loads_in_peft(smol_run, smol_merg
     assert adapter_effect > 1e-4  # the trained adapter changes the base's logits
 
 
-@pytest.mark.parametrize("quantize", ["f16"])  # q8_0 is held on the tiny model: SmolLM2's costs ~30 s more
+@pytest.mark.parametrize("quantize", ["f16", "q8_0"])
 def test_smollm2_round_trips_through_gguf(smol_merged, tmp_path, quantize):
     from shardtune.gguf_export import write_gguf
 
