@@ -108,3 +108,14 @@ def test_real_demo_end_to_end_on_a_model_path(tmp_path):
     written = evaluate_model(result.gguf, tmp_path / "data", test_rows, max_new_tokens=None)
     assert [a.reply for a in written.answers] == [a.reply for a in result.after.answers]
     assert written.eval_loss == pytest.approx(result.after.eval_loss, rel=5e-3)
+
+
+def test_the_max_steps_help_states_both_demos_defaults(capsys):
+    """The help's numbers are typed in the parser (building it imports no demo code): they are the settings'."""
+    from shardtune.demo.real import REAL_SETTINGS
+    from shardtune.demo.run import DemoSettings
+
+    with pytest.raises(SystemExit):
+        shardtune_main(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"(default: {DemoSettings().max_steps}, with --real {REAL_SETTINGS.max_steps})" in help_text
