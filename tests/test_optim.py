@@ -78,3 +78,49 @@ def test_an_overflowed_fp16_step_leaves_the_learning_rate_schedule_where_it_was(
     assert scheduler.last_epoch == 0 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     step(init_scale=1.0)
     assert scheduler.last_epoch == 1 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_adamw_steps_fsdp2_shards_locally_exactly_as_torchs_adamw_steps_dtensors(one_process_group, monkeypatch):
+    """The trainer's AdamW (LocalShardAdamW) hands torch's multi-tensor kernel the local shards of FSDP2's DTensor
+    parameters: the same parameters and moments as torch's AdamW stepping the DTensors, bit for bit, with the
+    state still DTensors (what DCP saves per rank)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from shardtune.train.optim import param_groups
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (1,))
+    models = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))]
+    models.append(copy.deepcopy(models[0]))
+    for model in models:
+        fully_shard(model, mesh=mesh)
+    cfg = OptimConfig(learning_rate=1e-2, weight_decay=0.1)
+    ours = build_optimizer(models[0], cfg, torch.device("cpu"))
+    theirs = torch.optim.AdamW(param_groups(models[1], cfg.weight_decay), lr=cfg.learning_rate, foreach=True,
+                               betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    import torch.optim.adam as adam_module
+
+    kernel, seen = adam_module._multi_tensor_adam, []
+    monkeypatch.setattr(adam_module, "_multi_tensor_adam",
+                        lambda params, *args, **kwargs: seen.append(type(params[0])) or kernel(params, *args, **kwargs))
+    initial = [p.full_tensor().clone() for p in models[0].parameters()]
+    handed = []
+    for model, optimizer in zip(models, (ours, theirs)):
+        seen.clear()
+        for step in range(3):
+            model(torch.randn(5, 8, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        handed.append(set(seen))
+    assert handed == [{torch.Tensor}, {DTensor}]  # what the kernel was given: local shards, against DTensors
+    for a, b, before in zip(models[0].parameters(), models[1].parameters(), initial):
+        assert isinstance(a, DTensor) and torch.equal(a.full_tensor(), b.full_tensor())
+        assert not torch.equal(a.full_tensor(), before)  # the steps were taken
+    for a, b in zip(ours.state.values(), theirs.state.values()):
+        assert a.keys() == b.keys() and isinstance(a["exp_avg"], DTensor)
+        assert all(torch.equal(torch.as_tensor(a[k].full_tensor() if isinstance(a[k], DTensor) else a[k]),
+                               torch.as_tensor(b[k].full_tensor() if isinstance(b[k], DTensor) else b[k])) for k in a)

@@ -11,7 +11,7 @@ from torch import nn
 from shardtune.config import OptimConfig
 from shardtune.config.optimizers import OPTIMIZERS, OptimizerSpec, non_cuda_alternative
 from shardtune.errors import UsageError
-from shardtune.train.optim_shards import LocalShardSteps
+from shardtune.train.optim_shards import LocalShardAdamW, LocalShardSteps
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -56,7 +56,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, *,
     if spec.kind == "sgd":
         return torch.optim.SGD(groups, lr=cfg.learning_rate)
     fused = device.type == "cuda" and not sharded_scaler
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+    return LocalShardAdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                              eps=cfg.adam_epsilon, fused=fused or None, foreach=None if fused else True)
 
 

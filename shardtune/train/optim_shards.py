@@ -34,6 +34,23 @@ _SHARED = ("qmap1", "qmap2")  # the same 256-entry map on every rank
 SHARD_COUNT = "shard_count"  # our entry in every 8-bit state: how many shards its blocks were made over
 
 
+class LocalShardAdamW(torch.optim.AdamW):
+    """torch's AdamW stepping FSDP2's DTensor parameters through their local shards.
+
+    AdamW is elementwise, so each rank updating its own shard (``to_local()``, the same storage) is the whole
+    update, computed by the same multi-tensor kernels as on one process, and the state stays the DTensors torch
+    makes, which DCP saves and loads per rank as before. Handed DTensors instead, every foreach op of the kernel
+    goes through DTensor's sharding propagation, whose first pass over a list of hundreds of LoRA tensors takes
+    seconds: 6 s of SmolLM2-135M's first FSDP2 step on CPU, with its 420 adapter matrices. Plain tensors pass
+    through unchanged."""
+
+    def _init_group(self, group, *lists):
+        has_complex = super()._init_group(group, *lists)
+        for values in lists:  # parameters, gradients, moments, step counts: as the kernel will read them
+            values[:] = [value.to_local() if isinstance(value, DTensor) else value for value in values]
+        return has_complex
+
+
 class LocalShardSteps:
     """Mixin placed before a bitsandbytes optimizer class: DTensor parameters are stepped shard by shard."""
 
