@@ -48,10 +48,8 @@ def _declares_quantization(name: str) -> bool:
         return True
 
 
-def leave_out_unless_needed(cfg) -> bool:
+def leave_out_unless_needed(cfg) -> None:
     """Mark bitsandbytes as not installed in this process when ``cfg``'s job does not use it and nothing has
-    imported it yet; returns whether it did."""
-    if "bitsandbytes" in sys.modules or "peft" in sys.modules or needs_bitsandbytes(cfg):
-        return False
-    sys.modules["bitsandbytes"] = None  # importlib's mark for "not importable": import raises, find_spec is None
-    return True
+    imported it yet."""
+    if "bitsandbytes" not in sys.modules and "peft" not in sys.modules and not needs_bitsandbytes(cfg):
+        sys.modules["bitsandbytes"] = None  # importlib's mark for "not importable": import raises, find_spec is None
