@@ -249,7 +249,8 @@ def summarise(name: str, job: dict, runs: dict[str, list[dict]], loads: list[flo
     ours, theirs = runs["shardtune"][0], runs["trl"][0]
     diffs = [abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])]
     median = {tool: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
-                     "peak_memory_bytes": statistics.median(r["peak_memory_bytes"] for r in rs)}
+                     "peak_memory_bytes": statistics.median(r["peak_memory_bytes"] for r in rs),
+                     "process_wall_s": statistics.median(r["process_wall_s"] for r in rs)}
               for tool, rs in runs.items()}
     return {"case": name, "method": job["method"], "seq_len": job["seq_len"],
             "same_tokens": ours["tokens"] == theirs["tokens"],
@@ -259,6 +260,7 @@ def summarise(name: str, job: dict, runs: dict[str, list[dict]], loads: list[flo
             "median": median,
             "tokens_per_s_ratio": median["shardtune"]["tokens_per_s"] / median["trl"]["tokens_per_s"],
             "peak_memory_ratio": median["shardtune"]["peak_memory_bytes"] / median["trl"]["peak_memory_bytes"],
+            "process_wall_ratio": median["shardtune"]["process_wall_s"] / median["trl"]["process_wall_s"],
             "load_before_runs": loads, "runs": runs}
 
 
@@ -302,13 +304,15 @@ def markdown(report: dict) -> str:
              f"seed {report['job']['seed']}, packing off, loss on assistant replies and their <|im_end|>. LoRA r "
              f"{report['job']['lora_r']}, alpha {report['job']['lora_alpha']}, dropout 0, {LORA_TARGETS}. "
              f"Median of {report['repeats']} alternating runs per tool; memory is the {memory}.", "",
-             "| case | shardtune tok/s | TRL tok/s | ratio | shardtune peak MiB | TRL peak MiB | ratio | "
-             "same tokens | max loss diff |", "|---|---|---|---|---|---|---|---|---|"]
+             "| case | shardtune tok/s | TRL tok/s | ratio | shardtune peak MiB | TRL peak MiB | ratio | shardtune "
+             "process s, start to exit | TRL process s | ratio | same tokens | max loss diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["results"]:
         o, t = row["median"]["shardtune"], row["median"]["trl"]
         lines.append(f"| {row['case']} | {o['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | "
                      f"{row['tokens_per_s_ratio']:.2f}x | {o['peak_memory_bytes'] / 2**20:.0f} | "
                      f"{t['peak_memory_bytes'] / 2**20:.0f} | {row['peak_memory_ratio']:.2f}x | "
+                     f"{o['process_wall_s']:.1f} | {t['process_wall_s']:.1f} | {row['process_wall_ratio']:.2f}x | "
                      f"{'yes' if row['same_tokens'] and row['same_target_tokens'] else 'NO'} | "
                      f"{row['max_loss_diff']:.1e}{'' if row['losses_agree'] else ' (over tolerance)'} |")
     lines += ["", "1-minute load average before each run: " + "; ".join(
