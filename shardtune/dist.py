@@ -132,11 +132,30 @@ def run_and_share(work: Callable[[], T], *, runs: bool, what: str, group: Any = 
     return [other[0] if other is not None else None for other in statuses]
 
 
+_long_groups: dict[timedelta, Any] = {}
+
+
+def long_wait_group(timeout: timedelta) -> Any:
+    """A gloo group of every rank whose collectives wait up to ``timeout`` (the default group's may be shorter).
+
+    Made once per process and timeout, by every rank (making it is a collective); ``shutdown`` destroys it.
+    """
+    if timeout not in _long_groups:
+        _long_groups[timeout] = dist.new_group(backend="gloo", timeout=timeout)
+    return _long_groups[timeout]
+
+
 def shutdown() -> None:
+    """Destroy every process group now, while the interpreter can still run gloo's worker threads to the end.
+
+    A group left for interpreter exit (held by a reference cycle, as FSDP's device mesh holds it, or by a module
+    global) is destroyed during finalisation: a worker thread still releasing a collective's tensors
+    (all_gather_object's) takes the GIL then and aborts the process ("terminate called without an active
+    exception") after the run's work is done, with a failed exit status.
+    """
     if dist.is_initialized():
-        # FSDP's device mesh holds the process group from inside reference cycles: collect them first, so that
-        # destroying the group joins gloo's worker threads now. Left to interpreter exit, a worker thread still
-        # releasing a collective's tensors (all_gather_object's) takes the GIL then and aborts the process
-        # ("terminate called without an active exception").
+        for group in _long_groups.values():
+            dist.destroy_process_group(group)
+        _long_groups.clear()  # their last references
         gc.collect()
         dist.destroy_process_group()

@@ -104,7 +104,7 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from shardtune.config import LoraConfig
-    from shardtune.dist import DistInfo
+    from shardtune.dist import DistInfo, shutdown
     from shardtune.train.model import apply_lora
     from shardtune.train.parallelize import parallelize
     from shardtune.train.plan import Plan
@@ -128,7 +128,7 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
         result[str(offloading)] = step_losses
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
+    shutdown()  # not destroy_process_group alone: see test_dist_shutdown (SIGABRT at exit)
 
 
 @pytest.mark.timeout(180)

@@ -15,6 +15,7 @@ def _worker(rank, world, init_file, data_path, model_dir, cache_dir, out_dir):
     import torch.distributed as dist
 
     from shardtune.data import DataConfig, load_tokenizer, pipeline, prepare_datasets
+    from shardtune.dist import shutdown
 
     os.environ["LOCAL_RANK"] = str(rank)
     # a 2 s collective timeout: waiting on the default group for a 4 s tokenisation would fail
@@ -38,7 +39,7 @@ def _worker(rank, world, init_file, data_path, model_dir, cache_dir, out_dir):
             result[name] = {"error": f"{type(exc).__name__}: {exc}"}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
+    shutdown()  # not destroy_process_group alone: see test_dist_shutdown (SIGABRT at exit)
 
 
 @pytest.mark.timeout(180)

@@ -296,6 +296,8 @@ def _rank(rank, init_file, data_path, model_dir, cache_dir, out_dir):
 
     import torch.distributed as dist
 
+    from shardtune.dist import shutdown
+
     os.environ["LOCAL_RANK"] = str(rank)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     warnings = []
@@ -306,7 +308,7 @@ def _rank(rank, init_file, data_path, model_dir, cache_dir, out_dir):
     result = {"rows": data.train.to_list(), "cache_path": data.cache_path, "warnings": warnings}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
+    shutdown()  # not destroy_process_group alone: see test_dist_shutdown (SIGABRT at exit)
 
 
 @pytest.mark.timeout(120)

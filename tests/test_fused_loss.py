@@ -199,7 +199,7 @@ def test_head_loss_sum_ignores_the_last_position_of_each_row():
 def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from shardtune.dist import DistInfo
+    from shardtune.dist import DistInfo, shutdown
     from shardtune.train.parallelize import parallelize
     from shardtune.train.plan import Plan
 
@@ -234,7 +234,7 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
                         "same_names": sorted(grads) == sorted(ref_grads), "tensors": len(grads)}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(errors, f)
-    dist.destroy_process_group()
+    shutdown()  # not destroy_process_group alone: see test_dist_shutdown (SIGABRT at exit)
 
 
 @pytest.mark.timeout(180)

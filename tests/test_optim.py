@@ -21,9 +21,11 @@ def _scaled_step(optimizer: torch.optim.Optimizer, model: nn.Module, scaler) -> 
 def one_process_group(tmp_path):
     import torch.distributed as dist
 
+    from shardtune.dist import shutdown
+
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    shutdown()
 
 
 def test_fsdp_fp16_gets_an_optimizer_its_sharded_scaler_can_step(one_process_group):

@@ -141,7 +141,7 @@ def test_forward_prefetch_chains_each_decoder_layer_to_the_next(tmp_path):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from shardtune.dist import DistInfo
+    from shardtune.dist import DistInfo, shutdown
     from shardtune.testing.tiny import tiny_llama_config
     from shardtune.train.parallelize import apply_fsdp
 
@@ -155,4 +155,4 @@ def test_forward_prefetch_chains_each_decoder_layer_to_the_next(tmp_path):
         prefetched = [[states.index(s) for s in state._states_to_forward_prefetch] for state in states]
         assert prefetched == [[1], [2], []]
     finally:
-        dist.destroy_process_group()
+        shutdown()

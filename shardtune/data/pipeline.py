@@ -34,7 +34,6 @@ CACHE_FORMAT = 2  # 2: a manifest of sizes and SHA-256s
 MANIFEST = "manifest.json"
 MAX_BAD_NOTES = 3
 WAIT_TIMEOUT = timedelta(hours=8)
-_wait_group = None
 log = logging.getLogger("shardtune")
 
 
@@ -301,16 +300,6 @@ def _load(path: Path, from_cache: bool) -> PreparedData:
     return PreparedData(train=train, eval=evaluation, report=report, cache_path=path, from_cache=from_cache)
 
 
-def _long_wait_group():
-    """A gloo group whose timeout outlasts tokenisation; created once, by every rank (it is a collective)."""
-    import torch.distributed as dist
-
-    global _wait_group
-    if _wait_group is None:
-        _wait_group = dist.new_group(backend="gloo", timeout=WAIT_TIMEOUT)
-    return _wait_group
-
-
 def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | None = None) -> PreparedData:
     """Tokenised (and packed) train/eval rows of ``cfg.dataset_name``, built once and cached."""
     problems = cfg.validate()
@@ -339,7 +328,7 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         found, data = find_or_build()
         return _load(Path(found), from_cache=data is None) if found else data
-    from shardtune.dist import RankFailed, run_and_share
+    from shardtune.dist import RankFailed, long_wait_group, run_and_share
 
     # one builder per node (the cache may be node-local) hashes the data and builds; the others wait for its verdict
     rank = dist.get_rank()
@@ -356,12 +345,12 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | 
         data = _build(cfg, source(), tokenizer, seed)
 
     try:
-        paths = run_and_share(build, runs=local_rank == 0, what="preparing the data", group=_long_wait_group())
+        group = long_wait_group(WAIT_TIMEOUT)  # tokenising may outlast the default group's timeout
+        paths = run_and_share(build, runs=local_rank == 0, what="preparing the data", group=group)
         # torchrun numbers the ranks of a node contiguously: this node's builder is rank - local_rank
         found = paths[rank - local_rank]
         if "" in paths:  # every rank takes part (a collective), so none trains while others still tokenise
-            run_and_share(build_here, runs=not found and data is None, what="preparing the data",
-                          group=_long_wait_group())
+            run_and_share(build_here, runs=not found and data is None, what="preparing the data", group=group)
     except RankFailed as exc:
         if exc.kind == "UsageError":  # bad data: every rank reports the builder's own message
             raise UsageError(exc.message) from None
