@@ -1,17 +1,19 @@
-"""bitsandbytes left out of a training process whose job does not use it.
+"""bitsandbytes left out of a process whose work does not use it.
 
 PEFT imports bitsandbytes whenever it is installed (``peft/helpers.py``), and bitsandbytes wraps its CPU kernels
-in ``torch.compile`` as it is imported, which loads TorchInductor: about 1.5 s of every rank's start, and three
-lines of output, for a job that never touches it. A ``shardtune train`` process whose job uses nothing of
-bitsandbytes (no 4-bit base, no bitsandbytes optimizer, no model saved quantised) marks it as not installed before
-PEFT is imported, and PEFT goes on as it does on a machine without it. Only a process the ``shardtune`` command
-owns does this: ``train`` called inside another program (a notebook, the tests) leaves its modules alone.
+in ``torch.compile`` as it is imported, which loads TorchInductor: about 1.5 s of every process's start, and three
+lines of output, for work that never touches it. A ``shardtune train`` process whose job uses nothing of
+bitsandbytes (no 4-bit base, no bitsandbytes optimizer, no model saved quantised), and a ``generate``, ``chat`` or
+``merge`` process whose base model was not saved quantised, marks it as not installed before PEFT is imported, and
+PEFT goes on as it does on a machine without it. Only a process the ``shardtune`` command owns does this: the same
+work called inside another program (a notebook, the tests) leaves its modules alone.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from shardtune.config.optimizers import OPTIMIZERS
@@ -24,6 +26,12 @@ def needs_bitsandbytes(cfg) -> bool:
     if cfg.lora.use_4bit_quantization or OPTIMIZERS[cfg.optim.optim].library == "bitsandbytes":
         return True
     return _declares_quantization(cfg.model.model_name_or_path)
+
+
+def model_needs_bitsandbytes(model: str | Path | None) -> bool:
+    """Whether loading ``model`` (a folder, a GGUF file or a hub name; None where it is not known before loading)
+    may load bitsandbytes: it was saved quantised, or its config cannot be read first."""
+    return model is None or _declares_quantization(str(model))
 
 
 def _declares_quantization(name: str) -> bool:
@@ -51,5 +59,14 @@ def _declares_quantization(name: str) -> bool:
 def leave_out_unless_needed(cfg) -> None:
     """Mark bitsandbytes as not installed in this process when ``cfg``'s job does not use it and nothing has
     imported it yet."""
-    if "bitsandbytes" not in sys.modules and "peft" not in sys.modules and not needs_bitsandbytes(cfg):
+    _leave_out_unless(lambda: needs_bitsandbytes(cfg))
+
+
+def leave_out_unless_model_needs(model: str | Path | None) -> None:
+    """The same for a process whose only use of bitsandbytes could be loading ``model``."""
+    _leave_out_unless(lambda: model_needs_bitsandbytes(model))
+
+
+def _leave_out_unless(needed: Callable[[], bool]) -> None:
+    if "bitsandbytes" not in sys.modules and "peft" not in sys.modules and not needed():
         sys.modules["bitsandbytes"] = None  # importlib's mark for "not importable": import raises, find_spec is None

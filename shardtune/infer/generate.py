@@ -69,6 +69,18 @@ def _read_adapter_base(adapter_dir: Path) -> Path:
                      f"downloaded); point it at the folder that holds the base model's config.json.")
 
 
+def weights_source(path: str | Path) -> Path | None:
+    """The model folder or GGUF whose weights ``load_for_generation(path)`` loads: an adapter's base, else ``path``
+    itself; None where the adapter's config does not tell (loading says what is wrong)."""
+    folder = Path(path).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        return folder
+    try:
+        return _read_adapter_base(folder)
+    except UsageError:
+        return None
+
+
 def _has_tokenizer(folder: Path) -> bool:
     return any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
