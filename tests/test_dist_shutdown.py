@@ -28,15 +28,19 @@ def store(tmp_path):
 
 def test_shutdown_releases_the_long_wait_group_so_its_threads_end_before_exit(store):
     dist.init_process_group("gloo", store=store("a"), rank=0, world_size=1)
-    group = long_wait_group(timedelta(hours=8))
-    assert long_wait_group(timedelta(hours=8)) is group  # made once: making it is a collective
-    assert long_wait_group(timedelta(hours=1)) is not group
-    assert dist.all_reduce(torch.ones(2), group=group) is None
-    released = weakref.ref(group)
-    del group
-    gc.collect()
-    assert released() is not None  # still held for the next prepare_datasets of this run
-    shutdown()
+    try:
+        group = long_wait_group(timedelta(hours=8))
+        assert long_wait_group(timedelta(hours=8)) is group  # made once: making it is a collective
+        assert long_wait_group(timedelta(hours=1)) is not group
+        summed = torch.tensor([1.0, 2.0])
+        dist.all_reduce(summed, group=group)
+        assert summed.tolist() == [1.0, 2.0]  # a working group of the one rank
+        released = weakref.ref(group)
+        del group
+        gc.collect()
+        assert released() is not None  # still held for the next prepare_datasets of this run
+    finally:
+        shutdown()
     assert released() is None and not dist.is_initialized()
     # a later job in the same process gets a live group of its own world, not the destroyed one
     dist.init_process_group("gloo", store=store("b"), rank=0, world_size=1)
