@@ -56,17 +56,8 @@ def _declares_quantization(name: str) -> bool:
         return True
 
 
-def leave_out_unless_needed(cfg) -> None:
-    """Mark bitsandbytes as not installed in this process when ``cfg``'s job does not use it and nothing has
-    imported it yet."""
-    _leave_out_unless(lambda: needs_bitsandbytes(cfg))
-
-
-def leave_out_unless_model_needs(model: str | Path | None) -> None:
-    """The same for a process whose only use of bitsandbytes could be loading ``model``."""
-    _leave_out_unless(lambda: model_needs_bitsandbytes(model))
-
-
-def _leave_out_unless(needed: Callable[[], bool]) -> None:
+def leave_out_unless(needed: Callable[[], bool]) -> None:
+    """Mark bitsandbytes as not installed in this process when ``needed()`` (does the work use it?) is false and
+    nothing has imported it or PEFT yet."""
     if "bitsandbytes" not in sys.modules and "peft" not in sys.modules and not needed():
         sys.modules["bitsandbytes"] = None  # importlib's mark for "not importable": import raises, find_spec is None

@@ -13,6 +13,8 @@ from shardtune import __version__
 from shardtune.errors import closest
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from shardtune.config import TrainConfig
 
 # What asks ``shardtune train`` (and ``launch ... train``) for its list of keys instead of a run.
@@ -20,6 +22,15 @@ TRAIN_HELP = ("-h", "--help", "--help-keys", "--help_keys")
 # "owned": this process runs one subcommand and ends (the `shardtune` command, torchrun's ranks), rather than being
 # another program calling cli.main(); only then may a subcommand leave out a library its job does not use.
 PROCESS = {"owned": False}
+
+
+def leave_out_bitsandbytes_unless(needed: Callable[[], bool]) -> None:
+    """In a process the ``shardtune`` command owns, mark bitsandbytes as not installed unless ``needed()`` says the
+    work uses it (shardtune/bitsandbytes_use.py); call it before PEFT is imported."""
+    if PROCESS["owned"]:
+        from shardtune.bitsandbytes_use import leave_out_unless
+
+        leave_out_unless(needed)
 
 
 class OneLineParser(argparse.ArgumentParser):

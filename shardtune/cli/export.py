@@ -79,12 +79,11 @@ def main_export(args: argparse.Namespace) -> int:
 def main_merge(args: argparse.Namespace) -> int:
     _check_base(args.base, "give the base model folder the adapter was trained on")
     _check_merge_inputs(Path(args.adapter), args.base, Path(args.out))
-    from shardtune.bitsandbytes_use import leave_out_unless_model_needs
-    from shardtune.cli.common import PROCESS
+    from shardtune.bitsandbytes_use import model_needs_bitsandbytes
+    from shardtune.cli.common import leave_out_bitsandbytes_unless
     from shardtune.hub import pickled_weights_refused
 
-    if PROCESS["owned"]:
-        leave_out_unless_model_needs(args.base)  # before PEFT is imported
+    leave_out_bitsandbytes_unless(lambda: model_needs_bitsandbytes(args.base))  # before PEFT is imported
     from shardtune.train.export import merge_adapter
 
     with pickled_weights_refused(Path(args.adapter), Path(args.base)):

@@ -53,13 +53,12 @@ def _load(args: argparse.Namespace):
 
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per run is noise before a chat
 
-    from shardtune.bitsandbytes_use import leave_out_unless_model_needs
-    from shardtune.cli.common import PROCESS
+    from shardtune.bitsandbytes_use import model_needs_bitsandbytes
+    from shardtune.cli.common import leave_out_bitsandbytes_unless
     from shardtune.errors import check_choice
     from shardtune.infer.generate import load_for_generation, weights_source
 
-    if PROCESS["owned"]:
-        leave_out_unless_model_needs(weights_source(args.model))
+    leave_out_bitsandbytes_unless(lambda: model_needs_bitsandbytes(weights_source(args.model)))
     dtype_name = check_choice(args.dtype, DTYPES, "--dtype")
     dtype = None if dtype_name == "auto" else getattr(torch, dtype_name)
     return load_for_generation(args.model, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)

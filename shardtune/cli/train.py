@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from shardtune.cli.common import PROCESS, TRAIN_HELP, load_job_config
+from shardtune.cli.common import TRAIN_HELP, leave_out_bitsandbytes_unless, load_job_config
 from shardtune.errors import first_line
 
 
@@ -58,10 +58,9 @@ def _run(argv: list[str]) -> int:
 
     # The run's own checks (placeholder data, missing paths, the resume folder) before any model is loaded.
     cfg = load_job_config(argv)
-    from shardtune.bitsandbytes_use import leave_out_unless_needed
+    from shardtune.bitsandbytes_use import needs_bitsandbytes
 
-    if PROCESS["owned"]:
-        leave_out_unless_needed(cfg)
+    leave_out_bitsandbytes_unless(lambda: needs_bitsandbytes(cfg))
     print_deepspeed_mapping(argv)
     offline_unless_reachable(cfg.model.model_name_or_path, None if cfg.run.dry_run else cfg.data.dataset_name)
     if cfg.run.dry_run:
