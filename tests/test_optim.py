@@ -88,6 +88,7 @@ def test_adamw_steps_fsdp2_shards_locally_exactly_as_torchs_adamw_steps_dtensors
     state still DTensors (what DCP saves per rank)."""
     import copy
 
+    import torch.optim.adam as adam_module
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -104,8 +105,6 @@ def test_adamw_steps_fsdp2_shards_locally_exactly_as_torchs_adamw_steps_dtensors
     ours = build_optimizer(models[0], cfg, torch.device("cpu"))
     theirs = torch.optim.AdamW(param_groups(models[1], cfg.weight_decay), lr=cfg.learning_rate, foreach=True,
                                betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
-    import torch.optim.adam as adam_module
-
     kernel, seen = adam_module._multi_tensor_adam, []
     monkeypatch.setattr(adam_module, "_multi_tensor_adam",
                         lambda params, *args, **kwargs: seen.append(type(params[0])) or kernel(params, *args, **kwargs))

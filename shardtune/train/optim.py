@@ -57,7 +57,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, *,
         return torch.optim.SGD(groups, lr=cfg.learning_rate)
     fused = device.type == "cuda" and not sharded_scaler
     return LocalShardAdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_epsilon, fused=fused or None, foreach=None if fused else True)
+                           eps=cfg.adam_epsilon, fused=fused or None, foreach=None if fused else True)
 
 
 def _bitsandbytes(spec: OptimizerSpec, groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
