@@ -36,6 +36,9 @@ test: $(STAMP)
 	@# iproute2 (ip netns) makes the two hosts of tests/test_multihost.py; the same rule as shellcheck.
 	@command -v ip >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 		apt-get install -y -qq iproute2 >/dev/null; } || echo "iproute2 not installed: the two-host tests are skipped"
+	@# Go's text/template renders the exported Modelfiles as Ollama does (tests/test_gguf_ollama.py); the same rule.
+	@command -v go >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		apt-get install -y -qq golang-go >/dev/null; } || echo "golang-go not installed: the Ollama template tests are skipped"
 	$(PY) -m pytest -q
 
 clean:

@@ -15,9 +15,13 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardtune.errors import UsageError
 from shardtune.gguf_vocab import add_vocab
+
+if TYPE_CHECKING:
+    from shardtune.gguf_source import Described
 
 log = logging.getLogger("shardtune")
 
@@ -154,9 +158,11 @@ def check_quantize(quantize: str) -> None:
 
 
 def write_gguf(model, tokenizer, path: str | Path, quantize: str, *, name: str,
-               tokenizer_pre: str | None = None) -> Path:
+               tokenizer_pre: str | None = None, source: Described | None = None) -> Path:
     """Write ``model`` (a transformers causal LM, adapters merged) and ``tokenizer`` as the GGUF file ``path``,
-    its weights as ``quantize`` says; under a temporary name, renamed when complete."""
+    its weights as ``quantize`` says; under a temporary name, renamed when complete. ``source``: what the GGUF the
+    model was made from says of itself (license, organization, its name as the base model, its padding id),
+    kept rather than dropped."""
     import gguf
 
     check_quantize(quantize)
@@ -166,9 +172,12 @@ def write_gguf(model, tokenizer, path: str | Path, quantize: str, *, name: str,
     writer = gguf.GGUFWriter(str(tmp), family.arch)
     try:
         add_hparams(writer, model.config, family, name)
+        for key, value, types in (source.general if source else ()):
+            writer.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)
         writer.add_file_type(int(gguf.LlamaFileType[FILE_TYPES[quantize]]))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        add_vocab(writer, tokenizer, model.config.vocab_size, pre=tokenizer_pre)
+        add_vocab(writer, tokenizer, model.config.vocab_size, pre=tokenizer_pre,
+                  pad_token_id=source.pad_token_id if source else None)
         count = add_tensors(writer, model, family, quantize)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -226,3 +226,39 @@ def load_tokenizer(source: GgufFile, **kwargs):
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise UsageError(f"{source.path}: transformers cannot build its tokenizer ({str(exc).splitlines()[0]}); "
                          f"use a GGUF whose tokenizer transformers reads, or the original model folder") from None
+
+
+# general.* keys an export writes for itself (what the new file is), not copied from the file it was made from.
+OWN_GENERAL_KEYS = ("general.architecture", "general.type", "general.name", "general.file_type",
+                    "general.quantization_version", "general.finetune")
+
+
+@dataclass(frozen=True)
+class Described:
+    """What a GGUF says of itself that a model made from it keeps: its general.* description (license,
+    organization, languages, ...) as (key, value, gguf value types), and its padding token id."""
+
+    general: tuple[tuple[str, object, tuple], ...]
+    pad_token_id: int | None
+
+
+def described(source: GgufFile) -> Described:
+    """The ``general.*`` fields (but ``OWN_GENERAL_KEYS``) and padding id of ``source``; its name is kept as the
+    new file's base model. Within ``parsed_once`` the file is not parsed again."""
+    import gguf
+
+    with _shared_reader():
+        reader = gguf.GGUFReader(str(source.path))
+    general = []
+    for key, field in reader.fields.items():
+        if key.startswith("general.") and key not in OWN_GENERAL_KEYS and not key.startswith("general.base_model"):
+            general.append((key, field.contents(), tuple(field.types)))
+    for key, base_key in (("general.name", "general.base_model.0.name"),
+                          ("general.organization", "general.base_model.0.organization"),
+                          ("general.repo_url", "general.base_model.0.repo_url")):
+        if key in reader.fields:
+            general.append((base_key, reader.fields[key].contents(), tuple(reader.fields[key].types)))
+    if any(key.startswith("general.base_model.0.") for key, _, _ in general):
+        general.append(("general.base_model.count", 1, (gguf.GGUFValueType.UINT32,)))
+    pad = reader.fields.get("tokenizer.ggml.padding_token_id")
+    return Described(tuple(general), int(pad.contents()) if pad is not None else None)

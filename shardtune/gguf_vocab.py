@@ -99,8 +99,9 @@ def _adds(tokenizer) -> tuple[bool, bool]:
     return bool(ids) and bos is not None and ids[0] == bos, bool(ids) and eos is not None and ids[-1] == eos
 
 
-def add_vocab(writer, tokenizer, vocab_size: int, *, pre: str | None = None) -> None:
-    """The tokenizer, its special ids and its chat template under llama.cpp's ``tokenizer.*`` keys."""
+def add_vocab(writer, tokenizer, vocab_size: int, *, pre: str | None = None, pad_token_id: int | None = None) -> None:
+    """The tokenizer, its special ids and its chat template under llama.cpp's ``tokenizer.*`` keys; ``pad_token_id``
+    (the source GGUF's own) wins over the tokenizer's, which training may have changed (pad must not be EOS)."""
     spec = backend_json(tokenizer)
     kind = tokenizer_kind(spec)
     tokens, types = token_table(tokenizer, vocab_size, kind)
@@ -117,7 +118,7 @@ def add_vocab(writer, tokenizer, vocab_size: int, *, pre: str | None = None) -> 
     for token_id, add in ((tokenizer.bos_token_id, writer.add_bos_token_id),
                           (tokenizer.eos_token_id, writer.add_eos_token_id),
                           (tokenizer.unk_token_id, writer.add_unk_token_id),
-                          (tokenizer.pad_token_id, writer.add_pad_token_id)):
+                          (tokenizer.pad_token_id if pad_token_id is None else pad_token_id, writer.add_pad_token_id)):
         if token_id is not None:
             add(token_id)
     add_bos, add_eos = _adds(tokenizer)

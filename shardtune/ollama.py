@@ -17,42 +17,46 @@ from pathlib import Path
 @dataclass(frozen=True)
 class ChatFormat:
     name: str
-    marker: str  # a string only this format's Jinja template holds
+    markers: tuple[str, ...]  # strings only this format's Jinja templates hold (any one of them)
     go_template: str
     stops: tuple[str, ...]
     system_pattern: str  # a default system prompt the Jinja template writes as literal text
 
 
+# Each template writes every message once: Ollama hands a template the system prompt twice, as .System and as the
+# first of .Messages (the Modelfile's SYSTEM too, when the conversation has none), so the system turn is written from
+# .Messages only. Rendered through Go's text/template the way Ollama calls it, each equals the Jinja template it
+# stands for on the same conversation (tests/test_ollama_template.py).
 CHATML = ChatFormat(
-    "chatml", "<|im_start|>",
-    "{{- if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
+    "chatml", ("<|im_start|>",),
     "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n",
     ("<|im_start|>", "<|im_end|>"), r"<\|im_start\|>system\n([^{}'\"<]+?)<\|im_end\|>")
 LLAMA3 = ChatFormat(
-    "llama3", "<|start_header_id|>",
-    "{{- if .System }}<|start_header_id|>system<|end_header_id|>\n\n{{ .System }}<|eot_id|>{{ end }}"
+    "llama3", ("<|start_header_id|>",),
     "{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>{{ end }}"
     "<|start_header_id|>assistant<|end_header_id|>\n\n",
     ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     r"<\|start_header_id\|>system<\|end_header_id\|>\n\n([^{}'\"<]+?)<\|eot_id\|>")
+# Mistral's [INST] format: a system message opens the first [INST] block and the user's turn follows inside it.
 INST = ChatFormat(
-    "inst", "[INST]",
-    "{{- range $i, $m := .Messages }}{{- if eq $m.Role \"user\" }}[INST] {{ if and (eq $i 0) $.System }}"
-    "{{ $.System }}\n\n{{ end }}{{ $m.Content }} [/INST]{{- else if eq $m.Role \"assistant\" }} {{ $m.Content }}"
-    "</s>{{- end }}{{- end }}",
+    "inst", ("[INST]",),
+    "{{- $previous := \"\" }}{{- range .Messages }}"
+    "{{ if eq .Role \"system\" }}[INST] {{ .Content }}\n\n"
+    "{{ else if eq .Role \"user\" }}{{ if ne $previous \"system\" }}[INST] {{ end }}{{ .Content }} [/INST]"
+    "{{ else if eq .Role \"assistant\" }} {{ .Content }}</s>{{ end }}{{ $previous = .Role }}{{ end }}",
     ("[INST]", "[/INST]", "</s>"), r"<<SYS>>\n([^{}'\"<]+?)\n<</SYS>>")
 ZEPHYR = ChatFormat(
-    "zephyr", "<|user|>",
-    "{{- if .System }}<|system|>\n{{ .System }}</s>\n{{ end }}"
+    "zephyr", ("<|user|>", "'<|' + message['role'] + '|>"),
     "{{- range .Messages }}<|{{ .Role }}|>\n{{ .Content }}</s>\n{{ end }}<|assistant|>\n",
     ("<|system|>", "<|user|>", "<|assistant|>", "</s>"), r"<\|system\|>\n([^{}'\"<]+?)</s>")
 FORMATS = (CHATML, LLAMA3, INST, ZEPHYR)
+SIGNATURE = "(written by shardtune export)"  # the first line's mark: --overwrite replaces only such a Modelfile
 
 
 def chat_format(chat_template: str | None) -> tuple[ChatFormat, bool]:
     """(the format of ``chat_template``, whether it was recognised); ChatML when it was not."""
     for fmt in FORMATS:
-        if chat_template and fmt.marker in chat_template:
+        if chat_template and any(marker in chat_template for marker in fmt.markers):
             return fmt, True
     return CHATML, False
 
@@ -64,7 +68,7 @@ def _quoted(text: str) -> str:
 def modelfile_text(gguf_name: str, chat_template: str | None, eos_token: str | None) -> str:
     """The Modelfile for the GGUF file ``gguf_name`` in the same folder."""
     fmt, known = chat_format(chat_template)
-    lines = [f"# Ollama: ollama create NAME -f Modelfile && ollama run NAME   (written by shardtune export)",
+    lines = [f"# Ollama: ollama create NAME -f Modelfile && ollama run NAME   {SIGNATURE}",
              f"FROM ./{gguf_name}"]
     if not known:
         lines.append("# The model's chat template is none of ChatML, Llama 3, [INST] or Zephyr"
@@ -75,6 +79,15 @@ def modelfile_text(gguf_name: str, chat_template: str | None, eos_token: str | N
     stops = list(fmt.stops) + ([eos_token] if eos_token and eos_token not in fmt.stops else [])
     lines += [f'PARAMETER stop "{stop}"' for stop in stops]
     return "\n".join(lines) + "\n"
+
+
+def written_by_shardtune(modelfile: Path) -> bool:
+    """Whether ``modelfile`` is one ``shardtune export`` wrote (its first line says so), not the user's own."""
+    try:
+        with modelfile.open(encoding="utf-8", errors="replace") as f:
+            return SIGNATURE in f.readline()
+    except OSError:
+        return False
 
 
 def write_modelfile(gguf_path: Path, chat_template: str | None, eos_token: str | None) -> Path:

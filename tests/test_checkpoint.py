@@ -31,9 +31,15 @@ def _trained(frozen: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
+def _state(step: int) -> dict:
+    """A trainer state a run at ``step`` could save: 100 rows, one a step (resume checks the values)."""
+    return {"step": step, "epoch": step / 100,
+            "sampler": {"epoch": 0, "step_in_epoch": step, "num_rows": 100, "global_batch_size": 1}}
+
+
 def _save(tmp_path: Path, step: int, model, optimizer, frozen: bool, kind: str) -> Path:
     return ckpt.save_checkpoint(tmp_path, step, model=model, optimizer=optimizer, trainable_only=frozen,
-                                trainer_state={"step": step, "epoch": 0}, config_yaml="seed: 1\n", info=INFO,
+                                trainer_state=_state(step), config_yaml="seed: 1\n", info=INFO,
                                 state_dict_type=kind)
 
 
@@ -51,7 +57,7 @@ def test_round_trip_restores_weights_optimizer_and_rng(tmp_path: Path, kind: str
     optimizer.step()
     torch.rand(5), random.random(), np.random.rand()
     state = ckpt.load_checkpoint(path, model=model, optimizer=optimizer, trainable_only=frozen, info=INFO)
-    assert state == {"step": 2, "epoch": 0}
+    assert state == _state(2)
     for name, value in model.state_dict().items():
         assert torch.equal(value, want_params[name]), name
     got_exp_avg = [optimizer.state[p]["exp_avg"] for p in model.parameters() if p.requires_grad]
@@ -71,7 +77,7 @@ def test_save_total_limit_and_incomplete_checkpoints(tmp_path: Path, caplog) -> 
     model, optimizer = _trained(False)
     for step in (2, 4, 6):
         _save(tmp_path, step, model, optimizer, False, ckpt.SHARDED)
-    ckpt.save_checkpoint(tmp_path, 8, model=model, optimizer=optimizer, trainable_only=False, trainer_state={},
+    ckpt.save_checkpoint(tmp_path, 8, model=model, optimizer=optimizer, trainable_only=False, trainer_state=_state(8),
                          config_yaml="", info=INFO, save_total_limit=2)
     assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-6", "step-8"]
     # A save killed before its rename leaves .tmp-step-N; a step folder without a manifest is not complete either.
@@ -116,7 +122,7 @@ def test_export_and_merge_cli_errors(tmp_path: Path, capsys) -> None:
     (tmp_path / "a-file").write_text("x")  # a file where OUT goes: refused before anything is loaded
     for command in (["export", str(tmp_path)], ["merge", str(tmp_path), "--base", str(tmp_path)]):
         assert main([*command, str(tmp_path / "a-file")]) == 2
-        assert "a file is there; give a folder path" in capsys.readouterr().err
+        assert "a file is there; give a new or empty folder" in capsys.readouterr().err
 
 
 def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, capsys) -> None:

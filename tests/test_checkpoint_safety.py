@@ -241,8 +241,8 @@ def test_a_planted_pickle_in_any_final_file_never_runs(tmp_path, runs, run, caps
             (planted / relative).write_bytes(pickle.dumps(Planted(marker)))
         generate = ["generate", str(planted), "--prompt", "hi", "--max_new_tokens", "2", "--device", "cpu"]
         merged = str(tmp_path / "merged")
-        merge = (["merge", str(planted), "--base", str(runs / "model"), merged] if run == "lora" else
-                 ["merge", str(runs / "lora" / "final"), "--base", str(planted), merged])
+        merge = (["merge", str(planted), "--base", str(runs / "model"), merged, "--overwrite"] if run == "lora" else
+                 ["merge", str(runs / "lora" / "final"), "--base", str(planted), merged, "--overwrite"])
         loaded += sum(refused_or_ran_clean(argv, capsys, planted / relative) == 0 for argv in (generate, merge))
         assert not marker.exists(), f"a pickle planted in final/{relative} ran"
     assert loaded == (2 if run == "lora" else 0)  # the adapter's README.md, read by neither command

@@ -14,6 +14,8 @@ from pathlib import Path
 from shardtune.errors import UsageError
 
 QUANTIZE = ("f16", "bf16", "q8_0")  # shardtune.gguf_export.QUANTIZE, without importing gguf for --help
+OVERWRITE_HELP = ("replace an earlier shardtune export in OUT: only the files it wrote are replaced or removed, "
+                  "nothing else there is touched (without it, an OUT that holds anything is refused)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,8 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT",
                    help="a checkpoint folder (it holds manifest.json); with --format gguf also a run's output_dir, "
                         "a final/ folder or a model folder")
-    e.add_argument("out", metavar="OUT", help="the folder to write (replaced if it exists); with --format gguf a "
-                                              "file ending in .gguf, or a folder that gets model-QUANTIZE.gguf")
+    e.add_argument("out", metavar="OUT", help="the folder to write: new or empty (see --overwrite); with --format "
+                                              "gguf a file ending in .gguf, or a folder that gets model-QUANTIZE.gguf "
+                                              "and a Modelfile")
     e.add_argument("--format", default="hf", choices=("hf", "gguf"),
                    help="hf: a Transformers/PEFT folder (default); gguf: one GGUF file for llama.cpp, Ollama, "
                         "LM Studio")
@@ -39,13 +42,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--base", default=None,
                    help="the base model folder, when it moved since training (default: the checkpoint's "
                         "model_name_or_path)")
+    e.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     e.set_defaults(func=main_export)
     m = sub.add_parser("merge", help="fold a LoRA adapter into its base model (a full Transformers folder)",
                        description="Merge the LoRA adapter in ADAPTER (OUTPUT_DIR/final of a LoRA run, or a "
                                    "'shardtune export' folder) into --base and write a Transformers model folder.")
     m.add_argument("adapter", metavar="ADAPTER", help="a PEFT adapter folder")
     m.add_argument("--base", required=True, help="the base model folder the adapter was trained on")
-    m.add_argument("out", metavar="OUT", help="the folder to write (replaced if it exists)")
+    m.add_argument("out", metavar="OUT", help="the folder to write: new or empty (see --overwrite)")
+    m.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     m.set_defaults(func=main_merge)
 
 
@@ -63,7 +68,8 @@ def main_export(args: argparse.Namespace) -> int:
     if args.format == "gguf":
         from shardtune.train.export_gguf import export_gguf
 
-        path = export_gguf(args.checkpoint, args.out, quantize=args.quantize or "q8_0", base=args.base)
+        path = export_gguf(args.checkpoint, args.out, quantize=args.quantize or "q8_0", base=args.base,
+                           overwrite=args.overwrite)
         print(f"wrote {path} and {path.parent / 'Modelfile'}")
         return 0
     if args.quantize is not None:
@@ -71,14 +77,14 @@ def main_export(args: argparse.Namespace) -> int:
                          f"--quantize out")
     from shardtune.train.export import export_checkpoint
 
-    path = export_checkpoint(args.checkpoint, args.out, base=args.base)
+    path = export_checkpoint(args.checkpoint, args.out, base=args.base, overwrite=args.overwrite)
     print(f"wrote {path}")
     return 0
 
 
 def main_merge(args: argparse.Namespace) -> int:
     _check_base(args.base, "give the base model folder the adapter was trained on")
-    _check_merge_inputs(Path(args.adapter), args.base, Path(args.out))
+    _check_merge_inputs(Path(args.adapter), args.base, Path(args.out), overwrite=args.overwrite)
     from shardtune.bitsandbytes_use import model_needs_bitsandbytes
     from shardtune.cli.common import leave_out_bitsandbytes_unless
     from shardtune.hub import pickled_weights_refused
@@ -87,18 +93,19 @@ def main_merge(args: argparse.Namespace) -> int:
     from shardtune.train.export import merge_adapter
 
     with pickled_weights_refused(Path(args.adapter), Path(args.base)):
-        path = merge_adapter(args.adapter, args.base, args.out)
+        path = merge_adapter(args.adapter, args.base, args.out, overwrite=args.overwrite)
     print(f"wrote {path}")
     return 0
 
 
-def _check_merge_inputs(adapter: Path, base: str, out: Path) -> None:
+def _check_merge_inputs(adapter: Path, base: str, out: Path, *, overwrite: bool) -> None:
     """What ``merge`` reads and writes, checked before anything is loaded: OUT, the adapter's files and the base
     model folder (config.json, weights, no code of its own: merge runs none)."""
     from shardtune.hub import damaged_file_problem, model_folder_problem
-    from shardtune.train.export import check_out, adapter_problem
+    from shardtune.train.destination import refuse_destination
+    from shardtune.train.export import adapter_problem
 
-    check_out(out)
+    refuse_destination(out, "OUT", sources=[adapter, base], overwrite=overwrite)
     if problem := adapter_problem(adapter):
         raise UsageError(problem)
     if problem := damaged_file_problem(adapter):

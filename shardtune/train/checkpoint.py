@@ -49,7 +49,7 @@ from shardtune.train.layout import MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOL
 from shardtune.train.plan import Plan
 from shardtune.train.resume import apply_learning_rate, check_resume
 from shardtune.train.safe_load import damage, file_digest, file_digests, load_dcp, load_pt, load_safetensors, read_json
-from shardtune.train.state import TrainState, rng_state, set_rng_state
+from shardtune.train.state import TrainState, rng_state, set_rng_state, trainer_state_problem
 
 log = logging.getLogger("shardtune")
 FORMAT_VERSION = 2  # 2: the manifest lists every file with its size and SHA-256
@@ -188,6 +188,23 @@ def checkpoint_damage(path: Path, info: DistInfo | None = None) -> str | None:
     return min(found) if found else None
 
 
+def state_problem(path: Path) -> str | None:
+    """What in checkpoint ``path``'s trainer_state.json no run could have saved (``trainer_state_problem``), or
+    None; a file that is not JSON is damage, said so."""
+    try:
+        state, manifest = read_json(path / "trainer_state.json"), read_json(path / MANIFEST)
+    except (OSError, UsageError) as exc:
+        return str(exc)
+    match = STEP_FOLDER.match(path.name)
+    return trainer_state_problem(state, folder_step=int(match.group(1)) if match else None,
+                                 manifest_step=manifest.get("step") if isinstance(manifest, dict) else None)
+
+
+def checkpoint_problem(path: Path, info: DistInfo | None = None) -> str | None:
+    """Why checkpoint ``path`` cannot be resumed: its files against the manifest, then its trainer state."""
+    return checkpoint_damage(path, info) or state_problem(path)
+
+
 def _share(info: DistInfo | None) -> tuple[int, int]:
     """(rank, world size): which share of a checkpoint's files this rank hashes or checks."""
     return (info.rank, info.world_size) if info is not None and info.distributed else (0, 1)
@@ -207,8 +224,9 @@ def _gather(part: Any, info: DistInfo | None) -> list[Any]:
 def resolve_resume(spec: str | None, output_dir: str | Path, info: DistInfo | None = None) -> Path | None:
     """``resume_from_checkpoint``: a folder, or true for the newest intact checkpoint in ``output_dir``.
 
-    A damaged checkpoint (a file cut short, changed or missing against its manifest) is refused when named; with
-    true, the newest one before it is taken, with a warning naming what was wrong.
+    A damaged checkpoint (a file cut short, changed or missing against its manifest, or a trainer state no run
+    could have saved) is refused when named; with true, the newest one before it is taken, with a warning naming
+    what was wrong.
     """
     if spec is None or str(spec).lower() in RESUME_OFF:
         return None
@@ -219,7 +237,7 @@ def resolve_resume(spec: str | None, output_dir: str | Path, info: DistInfo | No
                         checkpoints_dir(output_dir))
             return None
         for path in reversed(found):
-            problem = checkpoint_damage(path, info)
+            problem = checkpoint_problem(path, info)
             if problem is None:
                 return path
             log.warning("resume_from_checkpoint=true: skipping %s: %s", path.name, problem)
@@ -227,7 +245,7 @@ def resolve_resume(spec: str | None, output_dir: str | Path, info: DistInfo | No
                          f"(the oldest: {problem}); start afresh with resume_from_checkpoint false")
     problem = resume_problem(str(spec), f"resume_from_checkpoint={spec}")
     if problem is None:
-        damaged = checkpoint_damage(Path(spec), info)
+        damaged = checkpoint_problem(Path(spec), info)
         problem = damaged and f"resume_from_checkpoint={spec}: {damaged}; resume from an earlier checkpoint"
     if problem:
         raise UsageError(problem)
@@ -327,6 +345,7 @@ def write_fix(exc: BaseException, out: Path) -> str:
 
 class ResumePoint(NamedTuple):
     path: Path
+    step: int  # the checkpoint's optimizer step (checked against its folder and manifest)
     changed: list[str]  # the settings that differ from the checkpoint's and take effect from here
     gradient_accumulation_steps: int  # keeps the checkpoint's global batch on this run's processes
 
@@ -340,7 +359,8 @@ def resume_point(cfg: TrainConfig, info) -> ResumePoint | None:
     old = load_train_config([str(path / "config.yaml")])
     saved_world = 1 if old.distributed.distributed_type == "PP" else int(read_json(path / MANIFEST)["world_size"])
     world = 1 if cfg.distributed.distributed_type == "PP" else info.world_size
-    return ResumePoint(path, *check_resume(path, old, cfg, saved_world=saved_world, world=world))
+    step = read_json(path / "trainer_state.json")["step"]
+    return ResumePoint(path, step, *check_resume(path, old, cfg, saved_world=saved_world, world=world))
 
 
 class Checkpointer:
@@ -356,6 +376,7 @@ class Checkpointer:
         self.learning_rate = cfg.optim.learning_rate
         self.flat_optimizer = flat_optimizer
         self.resumed_from: Path | None = None
+        self.resumed_step: int | None = None  # the step the run resumed at
         self.last: str | None = None
 
     def should_save(self, step: int, *, at_epoch_end: bool) -> bool:
@@ -382,7 +403,7 @@ class Checkpointer:
                 log.info("metrics.jsonl: dropped %d record(s) after step %d, which this run redoes", dropped,
                          self.state.step)
         log.info("resumed from %s at step %d (epoch %g)", path, self.state.step, self.state.epochs_done)
-        self.resumed_from, self.last = path, str(path)
+        self.resumed_from, self.resumed_step, self.last = path, self.state.step, str(path)
         return path
 
     def save(self, reason: str) -> Path:

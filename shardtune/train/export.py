@@ -19,22 +19,24 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
+from shardtune.train.destination import publish, refuse_destination, temporary_sibling
 from shardtune.train.layout import MANIFEST, checkpoint_folder_problem
 from shardtune.train.plan import unwrap
 from shardtune.train.safe_load import load_dcp, load_safetensors, read_json
 
 
 def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor], tokenizer, is_peft: bool, *,
-                 save_adapter: Callable[[nn.Module, dict[str, torch.Tensor], Path], None] | None = None) -> Path:
-    """``save_pretrained`` of ``state`` into a temporary folder, renamed to ``target`` when complete.
+                 save_adapter: Callable[[nn.Module, dict[str, torch.Tensor], Path], None] | None = None,
+                 label: str = "OUT") -> Path:
+    """``save_pretrained`` of ``state`` into a temporary sibling folder, moved to ``target`` when complete
+    (``destination.publish``: only an earlier export's files are ever replaced there).
 
     ``save_adapter`` replaces PEFT's own adapter writing (the pipeline's stages each hold part of the adapters).
     """
     if target.exists() and not target.is_dir():  # found before the (long) write, not after it
         raise NotADirectoryError(errno.ENOTDIR, "a file is where the exported folder goes; move it away", str(target))
-    tmp = target.with_name(f".tmp-{target.name}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    with writing(target):
+        tmp = temporary_sibling(target)
     try:
         with writing(tmp):  # save_pretrained does not say which of its files failed
             if is_peft and save_adapter is not None:
@@ -47,13 +49,9 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
             if is_peft:
                 finish_adapter(tmp, getattr(getattr(model, "module", model), "initial_adapter", None))
             tokenizer.save_pretrained(str(tmp))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
-        raise
-    return target
+        return publish(tmp, target, label)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind (gone already when published)
 
 
 def drop_tied_copies(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -114,19 +112,16 @@ def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft
     return target if info.is_main else None
 
 
-def check_out(out: Path) -> None:
-    """``OUT`` of export and merge: refused before anything is loaded when a file is in the way."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"OUT {out}: a file is there; give a folder path (it is created, or replaced if a folder)")
-
-
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | None = None) -> Path:
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | None = None,
+                      overwrite: bool = False) -> Path:
     """Write a checkpoint as ``final`` would be: a PEFT adapter folder, or a Transformers model folder.
 
     One process, any world size the checkpoint was written with (DCP reshards). ``base`` replaces the
-    checkpoint's ``model_name_or_path`` when the base model has moved.
+    checkpoint's ``model_name_or_path`` when the base model has moved. ``out`` must be new or empty, or (with
+    ``overwrite``) hold an earlier export, and never the checkpoint, its run or the current folder
+    (``destination``).
     """
-    check_out(Path(out))
+    refuse_destination(out, "OUT", sources=[checkpoint], overwrite=overwrite)
     model, tokenizer, is_peft, _ = load_checkpoint_model(checkpoint, base=base)
     options = state_dict_options(is_peft)
     return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft)
@@ -178,10 +173,11 @@ def adapter_problem(adapter: Path) -> str | None:
             f"the folder 'shardtune export' wrote")
 
 
-def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path) -> Path:
-    """Fold a PEFT LoRA adapter into its base model and write a Transformers model folder (one process, CPU)."""
+def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Fold a PEFT LoRA adapter into its base model and write a Transformers model folder (one process, CPU);
+    ``out`` as for ``export_checkpoint``."""
     out = Path(out)
-    check_out(out)
+    refuse_destination(out, "OUT", sources=[adapter, base], overwrite=overwrite)
     merged, tokenizer = merged_model(adapter, base)
     return write_export(out, merged, merged.state_dict(), tokenizer, is_peft=False)
 

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from shardtune.errors import UsageError
 from shardtune.gguf_export import check_quantize, family_of, write_gguf
+from shardtune.gguf_source import described, find_gguf, metadata, parsed_once
 from shardtune.gguf_vocab import template_for_gguf
-from shardtune.ollama import write_modelfile
+from shardtune.ollama import write_modelfile, written_by_shardtune
 from shardtune.train.export import adapter_problem, load_checkpoint_model, load_plain_model, merged_model
 from shardtune.train.layout import MANIFEST
 
@@ -45,8 +46,6 @@ def _adapter_base(adapter: Path, base: str | None) -> str:
 def load_source(source: str | Path, base: str | None = None) -> tuple[object, object, str | None]:
     """(a float32 model with any adapter merged, its tokenizer, the base model path it came from or None) of a
     run's output_dir, a final/ folder, a checkpoint, a PEFT adapter, a model folder or a GGUF file."""
-    from shardtune.gguf_source import find_gguf
-
     path = Path(source)
     if not path.exists():
         raise UsageError(f"RUN_OR_CHECKPOINT {source}: no such file or folder; give a run's output_dir, its final/, "
@@ -67,27 +66,59 @@ def load_source(source: str | Path, base: str | None = None) -> tuple[object, ob
                      f"config.json; give a run's output_dir, its final/, a checkpoint or a model folder")
 
 
-def _source_pre(base_path: str | None) -> str | None:
-    """llama.cpp's pre-tokenizer name of a GGUF base, kept as the file stated it: transformers' tokenizer built
-    from it may not spell that split in a way the name can be read back from."""
-    from shardtune.gguf_source import find_gguf, metadata
-
+def _source_gguf(base_path: str | None):
+    """The GGUF file the model was made from (a GGUF base), or None."""
     try:
-        gguf = find_gguf(base_path)
+        return find_gguf(base_path)
     except UsageError:
         return None
-    return metadata(gguf)[0].get("tokenizer.ggml.pre") if gguf else None
 
 
-def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", base: str | None = None) -> Path:
-    """Write ``source`` as a GGUF file (OUT, or OUT/model-QUANTIZE.gguf) and an Ollama Modelfile beside it."""
+def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite: bool) -> str | None:
+    """Why the GGUF file ``target`` and the Modelfile beside it may not be written (one line); None when they may.
+
+    Either already there is refused unless ``overwrite``; even then a Modelfile shardtune did not write (the
+    user's own) and a GGUF that is a source of this export are kept, and refused.
+    """
+    modelfile = target.parent / "Modelfile"
+    for source in sources:
+        path = Path(source).expanduser()
+        read = [path] if path.is_file() else sorted(path.glob("*.gguf")) if path.is_dir() else []
+        if target.resolve() in [p.resolve() for p in read]:
+            return f"OUT {target}: is what the export reads ({source}), which it never writes over; give another OUT"
+    if modelfile.exists() and not written_by_shardtune(modelfile):
+        return (f"OUT {target}: {modelfile} is there and shardtune did not write it; move it away or export into "
+                f"another folder")
+    if overwrite:
+        return None
+    there = [path for path in (target, modelfile) if path.exists()]
+    if there:
+        return (f"OUT {target}: {' and '.join(str(p) for p in there)} already exist{'s' if len(there) == 1 else ''}; "
+                f"add --overwrite to replace {'it' if len(there) == 1 else 'them'}, or give another OUT")
+    return None
+
+
+def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", base: str | None = None,
+                overwrite: bool = False) -> Path:
+    """Write ``source`` as a GGUF file (OUT, or OUT/model-QUANTIZE.gguf) and an Ollama Modelfile beside it; what
+    is there already is refused unless ``overwrite`` (``gguf_destination_problem``)."""
     check_quantize(quantize)
     target = gguf_target(out, quantize)
-    model, tokenizer, base_path = load_source(source, base)
+    if problem := gguf_destination_problem(target, [source, *([base] if base else [])], overwrite):
+        raise UsageError(problem)
+    with parsed_once():  # the base GGUF, read for its weights, is not parsed again for its description
+        model, tokenizer, base_path = load_source(source, base)
+        if base_path and (problem := gguf_destination_problem(target, [base_path], overwrite)):
+            raise UsageError(problem)  # the base an adapter names, known only now
+        gguf = _source_gguf(base_path)
+        # llama.cpp's pre-tokenizer name as the base stated it: transformers' tokenizer built from it may not spell
+        # the split in a way the name can be read back from
+        pre = metadata(gguf)[0].get("tokenizer.ggml.pre") if gguf else None
+        kept = described(gguf) if gguf else None
     family_of(model.config)  # refused before the folder is made
     target.parent.mkdir(parents=True, exist_ok=True)
     name = Path(source).resolve().name
     name = Path(source).resolve().parent.name if name == "final" else name
-    write_gguf(model.eval(), tokenizer, target, quantize, name=name, tokenizer_pre=_source_pre(base_path))
+    write_gguf(model.eval(), tokenizer, target, quantize, name=name, tokenizer_pre=pre, source=kept)
     write_modelfile(target, template_for_gguf(tokenizer.chat_template), tokenizer.eos_token)
     return target

@@ -30,7 +30,8 @@ from shardtune.train.evaluate import Evaluator
 from shardtune.train.job import Job, make_job
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
                                      progress_bar, start_peak_memory)
-from shardtune.train.output_dir import OutputDirLock, claim_output_dir
+from shardtune.train.layout import RESUME_OFF
+from shardtune.train.output_dir import OutputDirLock, claim_output_dir, set_aside_newer
 from shardtune.train.plan import needs_process_group, unwrap
 from shardtune.train.resume import with_accumulation
 from shardtune.train.step import NonFiniteLoss, train_step
@@ -111,13 +112,17 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     if resume is not None:  # on another number of processes, accumulation keeps the checkpoint's global batch
         cfg = with_accumulation(cfg, resume.gradient_accumulation_steps)
     out = Path(cfg.run.output_dir)
-    if info.is_main:
-        save_resolved(cfg, out / "config.yaml")
     seed_everything(cfg.run.seed)
-    job = make_job(cfg, info, stage_bounds)
+    job = make_job(cfg, info, stage_bounds)  # a refusal here has written nothing into output_dir
     checkpointer = Checkpointer(cfg, job.info, job.plan, job.model, job.optimizer, job.state,
                                 flat_optimizer=job.runner.flat_optimizer)
+    if str(cfg.checkpoint.resume_from_checkpoint or "").lower() not in RESUME_OFF:
+        # Later checkpoints, final/ and summary.json of the run are moved aside before this run replaces any.
+        run_and_share(lambda: set_aside_newer(out, resume.step if resume else 0), runs=info.is_main,
+                      what=f"setting aside what {out} holds from after the resumed step")
     checkpointer.resume(resume)
+    if info.is_main:
+        save_resolved(cfg, out / "config.yaml")
     start_step = job.state.step  # what this run adds is counted from here
     trackers = start_trackers(cfg.run.report_to, out, cfg.run.run_name, cfg.to_flat(), enabled=job.info.is_main)
     metrics = MetricsLog(out, job.info, trackers, strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps,
@@ -208,10 +213,7 @@ class Loop:
         try:
             stats = train_step(job.step, micro_batches)
         except NonFiniteLoss as exc:
-            raise TrainingStopped(
-                f"step {state.step + 1}: {exc}. Last good checkpoint: {self.checkpointer.last or 'none'}. Likely "
-                f"causes: learning_rate {job.cfg.optim.learning_rate} too high, fp16 overflow (use bf16), or a bad "
-                f"batch; resume from the checkpoint with a lower learning rate") from None
+            raise TrainingStopped(non_finite_message(exc, job, self.checkpointer)) from None
         state.step += 1
         state.last_stats = stats
         self.tokens += stats.tokens
@@ -255,8 +257,11 @@ class Loop:
 
 @contextmanager
 def output_dir_claimed(cfg: TrainConfig, info: DistInfo) -> Iterator[None]:
-    """Rank 0 holds ``output_dir``'s lock for the run (``claim_output_dir``); every rank hears of a refusal."""
+    """Rank 0 holds ``output_dir``'s lock for the run (``claim_output_dir``); every rank hears of a refusal. A run
+    that stops on bad input leaves no folder it made: an output_dir that did not exist and is empty goes again."""
     held: list[OutputDirLock] = []
+    folder = Path(cfg.run.output_dir)
+    made = info.is_main and not folder.exists()
     try:
         run_and_share(lambda: held.append(claim_output_dir(cfg)), runs=info.is_main,
                       what=f"claiming output_dir {cfg.run.output_dir}")
@@ -266,6 +271,12 @@ def output_dir_claimed(cfg: TrainConfig, info: DistInfo) -> Iterator[None]:
         raise UsageError(exc.message) from None  # rank 0 prints it; the others exit 2 with it
     try:
         yield
+    except UsageError:
+        for lock in held:
+            lock.release()
+        if made and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
     finally:
         for lock in held:
             lock.release()
@@ -290,6 +301,34 @@ def export_final(job: Job, checkpointer: Checkpointer) -> str:
             f"{checkpointer.last or 'none'} ('shardtune export CHECKPOINT OUT' writes one as final/ would be); "
             f"{write_fix(exc, out)}") from exc
     return str(final) if final else str(out / "final")
+
+
+def non_finite_message(exc: NonFiniteLoss, job: Job, checkpointer: Checkpointer) -> str:
+    """A non-finite loss, in one line: right after a resume the checkpoint is the suspect (its hashes prove it
+    unchanged since the save, not sane), with the first non-finite tensor it put in the model or optimizer."""
+    step = job.state.step + 1
+    resumed = checkpointer.resumed_from
+    if resumed is None or job.state.step != checkpointer.resumed_step:
+        return (f"step {step}: {exc}. Last good checkpoint: {checkpointer.last or 'none'}. Likely causes: "
+                f"learning_rate {job.cfg.optim.learning_rate} too high, fp16 overflow (use bf16), or a bad batch; "
+                f"resume from the checkpoint with a lower learning rate")
+    bad = first_non_finite(job.model, job.optimizer)
+    found = f"it put non-finite values in {bad}" if bad else "its weights and optimizer state are finite on this rank"
+    return (f"step {step}: {exc}, on the first step after resuming from {resumed}: that checkpoint is suspect "
+            f"({found}). Resume from an earlier checkpoint, or start afresh; lowering learning_rate will not help")
+
+
+def first_non_finite(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    """The name of the first parameter, or optimizer state of one, holding NaN or inf (this rank's shards)."""
+    for name, param in model.named_parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if not torch.isfinite(local.detach()).all():
+            return name
+        for key, value in optimizer.state.get(param, {}).items():
+            value = value.to_local() if hasattr(value, "to_local") else value
+            if torch.is_tensor(value) and value.is_floating_point() and not torch.isfinite(value).all():
+                return f"the optimizer's {key} of {name}"
+    return None
 
 
 def best_summary(job: Job) -> dict[str, Any]:

@@ -199,6 +199,8 @@ class FusedLossForward:
 
         with torch.no_grad():
             last = seen["hidden"][:, -1:].float()
+            if not bool(torch.isfinite(last).all()):
+                return  # NaN/inf weights or input: the step stops on the non-finite loss, with its own message
             same_input = bool((seen["head_input"].float() - last).abs().max() <= 1e-3 * last.abs().max())
             ours = seen["head_output"].float()
             if self.transform is not None:

@@ -115,6 +115,52 @@ def claim_output_dir(cfg) -> OutputDirLock:
     return lock
 
 
+SUPERSEDED = "superseded-"  # checkpoints/superseded-<time>/: what a resume from an older checkpoint set aside
+
+
+def set_aside(output_dir: Path, paths: list[Path]) -> Path | None:
+    """Move ``paths`` (inside ``output_dir``) into ``checkpoints/superseded-<time>/`` with their relative paths,
+    and a copy of ``metrics.jsonl`` beside them: nothing of the run is deleted. None when none exists."""
+    paths = [path for path in paths if path.exists()]
+    if not paths:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = output_dir / "checkpoints" / f"{SUPERSEDED}{stamp}"
+    suffix = 1
+    while folder.exists():
+        suffix += 1
+        folder = output_dir / "checkpoints" / f"{SUPERSEDED}{stamp}-{suffix}"
+    folder.mkdir(parents=True)
+    for path in paths:
+        moved = folder / path.relative_to(output_dir)
+        moved.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(moved)
+    if (output_dir / "metrics.jsonl").is_file():
+        shutil.copy2(output_dir / "metrics.jsonl", folder / "metrics.jsonl")
+    return folder
+
+
+def newer_than(output_dir: Path, step: int) -> list[Path]:
+    """What a later point of the run left when it resumes at ``step``: its checkpoints after ``step``
+    (complete or not), and final/ and summary.json."""
+    later = [path for path in (output_dir / "checkpoints").glob("step-*")
+             if (m := STEP_FOLDER.match(path.name)) and int(m.group(1)) > step]
+    ends = [output_dir / name for name in ("final", "summary.json") if (output_dir / name).exists()]
+    return sorted(later, key=lambda p: int(STEP_FOLDER.match(p.name).group(1))) + ends
+
+
+def set_aside_newer(output_dir: Path, step: int) -> Path | None:
+    """Resuming at ``step``: what the run made after it is moved aside (``set_aside``), said before anything is
+    replaced, so that this run's own checkpoints and final/ never land on them."""
+    later = newer_than(output_dir, step)
+    names = ", ".join(str(path.relative_to(output_dir)) for path in later)
+    folder = set_aside(output_dir, later)
+    if folder is not None:
+        log.warning("resuming at step %d, but the run holds %s from later on: moved to %s (with a copy of "
+                    "metrics.jsonl) rather than replaced; this run writes its own", step, names, folder)
+    return folder
+
+
 def earlier_run(folder: Path) -> list[str]:
     """What of an earlier run ``folder`` holds, in words ('checkpoints step-10..step-20', 'metrics.jsonl')."""
     found = []

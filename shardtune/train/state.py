@@ -95,3 +95,42 @@ class TrainState:
             self.scaler.load_state_dict(state["scaler"])
         if state.get("best"):  # checkpoints from before best-model tracking have none
             self.best.load_state_dict(state["best"])
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def trainer_state_problem(state: Any, *, folder_step: int | None, manifest_step: Any) -> str | None:
+    """What in a checkpoint's ``trainer_state.json`` cannot be a real run's position (one line), or None.
+
+    The manifest's hashes prove a file unchanged since it was saved, not that it was saved right (or that whoever
+    made the folder wrote sane values): the step must be a whole number matching the folder's ``step-N`` and the
+    manifest, and the sampler's position must lie within its data and add up to that step.
+    """
+    if not isinstance(state, dict):
+        return "trainer_state.json holds no object"
+    step, sampler = state.get("step"), state.get("sampler")
+    if not _whole(step):
+        return f"trainer_state.json: step {step!r} is not a whole number >= 0"
+    if folder_step is not None and step != folder_step:
+        return f"trainer_state.json: step {step} does not match the folder's step-{folder_step}"
+    if manifest_step is not None and step != manifest_step:
+        return f"trainer_state.json: step {step} does not match manifest.json's step {manifest_step}"
+    epoch = state.get("epoch")
+    if not isinstance(epoch, (int, float)) or isinstance(epoch, bool) or not 0 <= epoch < float("inf"):
+        return f"trainer_state.json: epoch {epoch!r} is not a finite number >= 0"
+    if not isinstance(sampler, dict) or not all(_whole(sampler.get(k)) for k in
+                                                ("epoch", "step_in_epoch", "num_rows", "global_batch_size")):
+        return "trainer_state.json: the sampler's position (epoch, step_in_epoch, num_rows, global_batch_size) is " \
+               "missing or not whole numbers >= 0"
+    if sampler["global_batch_size"] == 0:
+        return "trainer_state.json: the sampler's global_batch_size is 0"
+    per_epoch = sampler["num_rows"] // sampler["global_batch_size"]
+    if sampler["step_in_epoch"] > per_epoch:
+        return (f"trainer_state.json: the sampler is at step {sampler['step_in_epoch']} of an epoch that has "
+                f"{per_epoch} ({sampler['num_rows']} rows, {sampler['global_batch_size']} a step)")
+    if sampler["epoch"] * per_epoch + sampler["step_in_epoch"] != step:
+        return (f"trainer_state.json: the sampler's position (epoch {sampler['epoch']}, step {sampler['step_in_epoch']}"
+                f" of {per_epoch}) is not step {step}")
+    return None

@@ -1,0 +1,132 @@
+"""Where ``export`` and ``merge`` write: only their own files, never over what a user made.
+
+A destination folder must be new or empty. ``--overwrite`` accepts one that holds an earlier export: the files that
+export listed in ``.shardtune-export.json`` are replaced or removed, every other file stays untouched, and a new
+file that would land on one of those is refused. The current folder, a folder that holds it, and a folder that
+holds the source (or the run it belongs to) are refused whatever the flags: an export never lands on what it reads.
+
+The export is written into a fresh temporary sibling (``.tmp-NAME-XXXX``) and moved in when complete, so a failed
+or interrupted export leaves the destination as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from fnmatch import fnmatch
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from shardtune.errors import UsageError
+
+EXPORT_LIST = ".shardtune-export.json"  # the files an export wrote, so that --overwrite touches those only
+# What save_pretrained writes for a model, an adapter and a tokenizer: such a file in OUT that an earlier export did
+# not write is refused before the export's work starts, not only when it would be replaced at the end.
+EXPORT_NAMES = ("README.md", "config.json", "generation_config.json", "adapter_config.json", "adapter_model.*",
+                "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "added_tokens.json",
+                "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _holds(outer: Path, inner: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def _listing(folder: Path, limit: int = 3) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _stamp(path: Path) -> dict[str, int]:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def listed_files(folder: Path) -> set[str]:
+    """The files (relative paths) an earlier export listed in ``folder`` and nobody changed since (same size and
+    modification time): a model card the user edited is the user's now. None when it wrote no list."""
+    try:
+        listed = json.loads((folder / EXPORT_LIST).read_text())["files"]
+        return {name for name, stamp in listed.items()
+                if (folder / name).is_file() and _stamp(folder / name) == stamp}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
+def protected_paths(sources: Iterable[str | Path]) -> list[tuple[Path, str]]:
+    """(path, what it is) that no destination may hold: the current folder and each source (a folder holding a
+    source's run holds the source too)."""
+    return [(Path.cwd().resolve(), "the current folder"),
+            *((Path(source).expanduser().resolve(), f"the source {source}") for source in sources)]
+
+
+def destination_problem(out: str | Path, label: str, *, sources: Sequence[str | Path],
+                        overwrite: bool) -> str | None:
+    """Why the folder ``out`` may not receive an export (one line led by ``label``); None when it may."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        return f"{label} {out}: a file is there; give a new or empty folder"
+    where = out.expanduser().resolve()
+    for protected, what in protected_paths(sources):
+        if _holds(where, protected):
+            place = f"is {what}" if where == protected else f"holds {what}"
+            return f"{label} {out}: {place}, which an export never writes over; give a new folder, such as ./exported"
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    if overwrite:
+        ours = listed_files(out)
+        theirs = sorted(p.name for p in out.iterdir() if p.name not in ours and any(fnmatch(p.name, pattern)
+                                                                                  for pattern in EXPORT_NAMES))
+        return _not_ours(label, out, theirs) if theirs else None
+    return (f"{label} {out}: not empty (it holds {_listing(out)}); give a new or empty folder, or add --overwrite to "
+            f"replace the files of an earlier shardtune export there (nothing else is touched)")
+
+
+def _not_ours(label: str, out: Path, theirs: list[str]) -> str:
+    one = len(theirs) == 1
+    return (f"{label} {out}: {', '.join(theirs[:3])} there {'was' if one else 'were'} not written by a shardtune "
+            f"export (or changed since), and --overwrite replaces only those; move {'it' if one else 'them'} away or "
+            f"give a new folder")
+
+
+def refuse_destination(out: str | Path, label: str, *, sources: Sequence[str | Path], overwrite: bool) -> None:
+    if problem := destination_problem(out, label, sources=sources, overwrite=overwrite):
+        raise UsageError(problem)
+
+
+def temporary_sibling(target: Path) -> Path:
+    """A new, empty folder beside ``target`` (unique, so nothing of anyone else's is ever reused or removed)."""
+    if not target.parent.exists():
+        target.parent.mkdir(parents=True)
+    return Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def publish(tmp: Path, target: Path, label: str) -> Path:
+    """Move the complete export in ``tmp`` to ``target``: a rename where ``target`` is new or empty; else (an
+    earlier export, ``--overwrite`` having been checked) file by file, replacing and removing only the files
+    the earlier export listed. ``tmp`` is gone afterwards."""
+    written = _files(tmp)
+    stamps = {name: _stamp(tmp / name) for name in written}  # a rename keeps them
+    (tmp / EXPORT_LIST).write_text(json.dumps({"written_by": "shardtune export", "files": stamps}, indent=1))
+    if target.is_dir() and not any(target.iterdir()):
+        target.rmdir()
+    if not target.exists():
+        tmp.rename(target)
+        return target
+    ours = listed_files(target)
+    theirs = [name for name in written if (target / name).exists() and name not in ours]
+    if theirs:
+        raise UsageError(_not_ours(label, target, theirs))
+    for name in sorted(ours - set(written)):  # an earlier export's files this one does not write (old shards)
+        (target / name).unlink(missing_ok=True)
+    for name in [*written, EXPORT_LIST]:
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp / name, target / name)
+    shutil.rmtree(tmp)
+    return target

@@ -1,0 +1,247 @@
+"""Nothing a user already has is lost: export and merge write only their own files, resume sets aside what it would
+replace, a refusal writes nothing, and a checkpoint's contents are checked as well as its hashes.
+
+Each case snapshots every file (SHA-256) of the destination and of the source run before the command and compares
+after it: a refusal leaves both exactly as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtune.cli import main
+from shardtune.config import load_train_config
+from shardtune.errors import TrainingStopped, UsageError
+from tests.trainutil import flags, logging_restored, write_chat_data
+
+
+def snapshot(*folders: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``folders`` (hidden ones included), by path."""
+    return {str(path): hashlib.sha256(path.read_bytes()).hexdigest() for folder in folders
+            for path in sorted(Path(folder).rglob("*")) if path.is_file()}
+
+
+def one_error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def args(root: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "chat.jsonl"), "--splits",
+            "train", "--max_seq_len", "64", "--packing", "True", "--max_steps", "4", "--save_steps", "2",
+            "--per_device_train_batch_size", "2", "--use_peft_lora", "True", "--lora_r", "4",
+            "--lora_target_modules", "q_proj,v_proj", "--output_dir", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    """A tiny model, chat data, and a finished LoRA run (checkpoints step-2 and step-4, final/)."""
+    from shardtune.testing.tiny import make_model_folder
+    from shardtune.train.loop import train
+
+    root = tmp_path_factory.mktemp("keep")
+    make_model_folder(root / "model")
+    write_chat_data(root / "chat.jsonl", rows=200)
+    with logging_restored():
+        train(load_train_config(args(root, root / "run")))
+    return root
+
+
+@pytest.fixture
+def run(made, tmp_path) -> Path:
+    """A copy of the finished run that the test may damage."""
+    return Path(shutil.copytree(made / "run", tmp_path / "run"))
+
+
+def test_export_and_merge_refuse_to_write_over_their_source_run(made, run, capsys):
+    before = snapshot(run)
+    assert main(["merge", str(run / "final"), "--base", str(made / "model"), str(run)]) == 2
+    assert one_error_line(capsys) == (f"shardtune merge: error: OUT {run}: holds the source {run / 'final'}, which an "
+                                      f"export never writes over; give a new folder, such as ./exported")
+    assert main(["export", str(run / "checkpoints" / "step-2"), str(run), "--overwrite"]) == 2
+    assert f"OUT {run}: holds the source {run / 'checkpoints' / 'step-2'}" in one_error_line(capsys)
+    assert main(["merge", str(run / "final"), "--base", str(made / "model"), str(run.parent), "--overwrite"]) == 2
+    assert f"OUT {run.parent}: holds the source {run / 'final'}" in one_error_line(capsys)
+    assert snapshot(run) == before
+
+
+def test_export_refuses_the_current_folder_and_a_folder_with_the_users_files(run, tmp_path, monkeypatch, capsys):
+    here, notes = tmp_path / "here", tmp_path / "notes"
+    for folder in (here, notes):
+        folder.mkdir()
+        (folder / "notes.txt").write_text("three weeks of notes")
+    before = snapshot(run, here, notes)
+    monkeypatch.chdir(here)
+    assert main(["export", str(run / "checkpoints" / "step-2"), "."]) == 2
+    assert one_error_line(capsys) == ("shardtune export: error: OUT .: is the current folder, which an export never "
+                                      "writes over; give a new folder, such as ./exported")
+    assert main(["export", str(run / "checkpoints" / "step-2"), "..", "--overwrite"]) == 2
+    assert "OUT ..: holds the current folder" in one_error_line(capsys)
+    assert main(["export", str(run / "checkpoints" / "step-2"), "../notes"]) == 2
+    assert one_error_line(capsys).endswith("OUT ../notes: not empty (it holds notes.txt); give a new or empty folder, "
+                                           "or add --overwrite to replace the files of an earlier shardtune export "
+                                           "there (nothing else is touched)")
+    assert snapshot(run, here, notes) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "notes", "run"]  # no temporary folder left
+
+
+def test_overwrite_replaces_an_earlier_exports_files_and_nothing_else(made, run, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["export", str(run / "checkpoints" / "step-2"), str(out)]) == 0
+    capsys.readouterr()
+    first = snapshot(out)
+    (out / "notes.txt").write_text("mine")
+    assert main(["export", str(run / "checkpoints" / "step-4"), str(out)]) == 2  # not without --overwrite
+    assert "not empty" in one_error_line(capsys)
+    assert main(["export", str(run / "checkpoints" / "step-4"), str(out), "--overwrite"]) == 0
+    capsys.readouterr()
+    after = snapshot(out)
+    assert after[str(out / "notes.txt")] == hashlib.sha256(b"mine").hexdigest()
+    assert after[str(out / "adapter_model.safetensors")] != first[str(out / "adapter_model.safetensors")]
+    # a merge over the adapter export: the adapter's files (listed by the export) go, the user's file stays
+    assert main(["merge", str(run / "final"), "--base", str(made / "model"), str(out), "--overwrite"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert "adapter_model.safetensors" not in names and "adapter_config.json" not in names
+    assert "model.safetensors" in names and (out / "notes.txt").read_text() == "mine"
+    capsys.readouterr()
+    # a file the earlier export wrote and the user then changed is the user's: refused, untouched
+    (out / "config.json").write_text('{"edited": true}')
+    before = snapshot(out)
+    assert main(["merge", str(run / "final"), "--base", str(made / "model"), str(out), "--overwrite"]) == 2
+    assert one_error_line(capsys).endswith("config.json there was not written by a shardtune export (or changed "
+                                           "since), and --overwrite replaces only those; move it away or give a new "
+                                           "folder")
+    assert snapshot(out) == before
+
+
+def test_gguf_export_keeps_an_existing_gguf_and_the_users_modelfile(run, tmp_path, capsys):
+    out = tmp_path / "gguf"
+    out.mkdir()
+    (out / "Modelfile").write_text("FROM ./mine.gguf\nSYSTEM my own prompt\n")
+    before = snapshot(run, out)
+    for extra in ([], ["--overwrite"]):
+        assert main(["export", str(run), str(out), "--format", "gguf", "--quantize", "f16", *extra]) == 2
+        assert one_error_line(capsys) == (f"shardtune export: error: OUT {out / 'model-f16.gguf'}: {out / 'Modelfile'} "
+                                          f"is there and shardtune did not write it; move it away or export into "
+                                          f"another folder")
+    assert snapshot(run, out) == before
+    (out / "Modelfile").unlink()
+    assert main(["export", str(run), str(out), "--format", "gguf", "--quantize", "f16"]) == 0
+    capsys.readouterr()
+    written = snapshot(out)
+    assert main(["export", str(run), str(out), "--format", "gguf", "--quantize", "f16"]) == 2
+    assert one_error_line(capsys).endswith("already exist; add --overwrite to replace them, or give another OUT")
+    assert snapshot(out) == written
+    assert main(["export", str(out / "model-f16.gguf"), str(out / "model-f16.gguf"), "--format", "gguf",
+                 "--quantize", "f16", "--overwrite"]) == 2
+    assert "is what the export reads" in one_error_line(capsys)
+    assert main(["export", str(run), str(out), "--format", "gguf", "--quantize", "f16", "--overwrite"]) == 0
+    assert set(snapshot(out)) == set(written)
+
+
+def train_in_process(argv: list[str], callbacks=()) -> dict:
+    from shardtune.train.loop import train
+
+    with logging_restored():
+        return train(load_train_config(argv), callbacks)
+
+
+def test_resume_from_an_older_checkpoint_sets_the_newer_ones_and_final_aside(made, run, capfd):
+    later = snapshot(run / "checkpoints" / "step-4", run / "final")
+    summary = (run / "summary.json").read_bytes()
+    metrics = (run / "metrics.jsonl").read_bytes()
+    train_in_process(args(made, run, "--resume_from_checkpoint", str(run / "checkpoints" / "step-2")))
+    aside = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("superseded-")]
+    assert len(aside) == 1
+    kept = snapshot(aside[0] / "checkpoints" / "step-4", aside[0] / "final")
+    assert sorted(kept.values()) == sorted(later.values()) and len(kept) == len(later)
+    assert (aside[0] / "summary.json").read_bytes() == summary
+    assert (aside[0] / "metrics.jsonl").read_bytes() == metrics
+    said = [line for line in capfd.readouterr().err.splitlines() if "superseded" in line]
+    assert len(said) == 1 and (f"resuming at step 2, but the run holds checkpoints/step-4, final, summary.json from "
+                               f"later on: moved to {aside[0]} (with a copy of metrics.jsonl) rather than replaced"
+                               in said[0])
+    # the resumed run wrote its own step-4 and final/, and the old ones are still aside
+    assert (run / "checkpoints" / "step-4" / "manifest.json").is_file() and (run / "final").is_dir()
+
+
+def test_a_refusal_writes_nothing(made, run, tmp_path, capsys):
+    new = tmp_path / "new-run"
+    assert main(["train", *flags(*args(made, new, "--lora_target_modules", "no_such_proj"))]) == 2
+    assert "Target modules {'no_such_proj'} not found in the base model" in capsys.readouterr().err
+    assert not new.exists()
+    before = snapshot(run)
+    assert main(["train", *flags(*args(made, run, "--resume_from_checkpoint", "true", "--lora_r", "8"))]) == 2
+    assert "lora_r was 4 when the checkpoint was saved and is 8 now" in capsys.readouterr().err
+    assert snapshot(run) == before
+
+
+def rewrite_state(checkpoint: Path, change) -> None:
+    """Change ``trainer_state.json`` and record its new digest in the manifest, as a forger (or a buggy tool)
+    would: the hashes then agree, so only a check of the values can tell."""
+    from shardtune.train.safe_load import file_digest
+
+    state_file = checkpoint / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    change(state)
+    state_file.write_text(json.dumps(state))
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"]["trainer_state.json"] = file_digest(state_file)
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda s: s.update(step=-3), "trainer_state.json: step -3 is not a whole number >= 0"),
+    (lambda s: s.update(step=3), "trainer_state.json: step 3 does not match the folder's step-4"),
+    (lambda s: s["sampler"].update(step_in_epoch=900),
+     "trainer_state.json: the sampler is at step 900 of an epoch that has 68 (136 rows, 2 a step)"),
+    (lambda s: s["sampler"].update(epoch=2), "trainer_state.json: the sampler's position (epoch 2, step 4 of 68) is "
+                                             "not step 4"),
+    (lambda s: s.update(epoch=float("nan")), "trainer_state.json: epoch nan is not a finite number >= 0"),
+])
+def test_a_checkpoints_trainer_state_is_range_checked(made, run, change, problem, caplog):
+    from shardtune.train.checkpoint import checkpoint_problem, resolve_resume
+
+    newest = run / "checkpoints" / "step-4"
+    assert checkpoint_problem(newest) is None
+    rewrite_state(newest, change)
+    assert problem in checkpoint_problem(newest)
+    with pytest.raises(UsageError, match=f"resume_from_checkpoint={newest}: .*{problem}".replace("(", r"\(")
+                       .replace(")", r"\)")):
+        resolve_resume(str(newest), run)
+    assert resolve_resume("true", run) == run / "checkpoints" / "step-2"  # the newest sane one
+    assert f"skipping step-4: {problem}" in caplog.text
+
+
+class PoisonAtStep:
+    """Puts a NaN into a LoRA weight after step ``step``: the checkpoint saved next holds it, hashed and all."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.model = step, None
+
+    def on_train_begin(self, args, state, control, model, **kwargs) -> None:
+        self.model = model
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if state.step == self.step:
+            with torch.no_grad():
+                next(p for n, p in self.model.named_parameters() if "lora_B" in n).fill_(float("nan"))
+
+
+def test_a_nan_right_after_a_resume_names_the_checkpoint(made, tmp_path):
+    out = tmp_path / "poisoned"
+    train_in_process(flags(*args(made, out, "--max_steps", "2")), [PoisonAtStep(2)])
+    with pytest.raises(TrainingStopped) as stopped:
+        train_in_process(args(made, out, "--resume_from_checkpoint", "true"))
+    message = str(stopped.value)
+    assert message.startswith(f"step 3: loss nan, gradient norm nan, on the first step after resuming from "
+                              f"{out / 'checkpoints' / 'step-2'}: that checkpoint is suspect (it put non-finite "
+                              f"values in base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight)")
+    assert "learning_rate" in message and "will not help" in message
