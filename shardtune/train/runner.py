@@ -73,9 +73,10 @@ def attention_masks(model: nn.Module) -> Callable[[torch.Tensor], Any] | None:
 
 
 def refuse_router_aux_loss(model: nn.Module) -> None:
-    """Stop a mixture-of-experts model whose config asks for the router's auxiliary (load-balancing) loss: the
-    trainer's loss is the head's cross-entropy alone (``loss.head_loss_sum``), so it would be left out silently,
-    and a pipeline stage sees only its own layers' routers."""
+    """Stop a mixture-of-experts model whose config asks for the router's auxiliary (load-balancing) loss, in one
+    line: the trainer's loss is the head's cross-entropy alone (``loss.head_loss_sum``), so the auxiliary loss
+    would be left out (with flash attention silently; with the packed rows' 4-D mask transformers' own computation
+    of it fails on the mask's shape), and a pipeline stage sees only its own layers' routers."""
     config = getattr(unwrap(model), "config", None)
     if getattr(config, "output_router_logits", False):
         where = Path(getattr(config, "_name_or_path", "") or ".") / "config.json"
