@@ -1,10 +1,13 @@
 """Every family x {full, LoRA} trained in this one process, one case after another (tests/test_families.py).
 
-``python -m tests.families_worker ROOT single`` runs each case on one process (global batch 4 rows x 2 accumulation
-steps) and records, per case, the first batch's loss as transformers computes it one document at a time and the
-trained model's logits; ``python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.families_worker
-ROOT fsdp`` runs the same cases under FSDP2 FULL_SHARD with gradient checkpointing (4 rows per rank). One process
-per mode, not per case: importing torch and transformers is most of a tiny run's time.
+``python -m tests.families_worker ROOT single mp`` runs each case on one process (global batch 4 rows x 2
+accumulation steps), recording per case the first batch's loss as transformers computes it one document at a time
+and the trained model's logits, then the same cases under naive model parallel over two CPU "devices" (``mp``);
+``python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.families_worker ROOT fsdp ddp pp`` runs
+them under FSDP2 FULL_SHARD with gradient checkpointing (4 rows per rank), DDP (2 rows x 2 accumulation steps per
+rank), then as a 2-stage pipeline (every stage reads the 4 rows x 2 accumulation steps, 2 pipeline micro-batches
+each). One process per launch, not per case: importing
+torch and transformers is most of a tiny run's time.
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ METHODS = ("full", "lora")
 LORA = ["--use_peft_lora", "True", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear"]
 MODES = {"single": ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"],
          "fsdp": ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP",
-                  "--gradient_checkpointing", "True"]}
+                  "--gradient_checkpointing", "True"],
+         "ddp": ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--distributed_type",
+                 "DDP"],
+         "mp": ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--distributed_type", "MP",
+                "--mp_devices", "cpu,cpu"],
+         "pp": ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--distributed_type", "PP",
+                "--pipeline_microbatches", "2"]}
 # Longer than the families' 16-token sliding window, so the trained logits depend on it too.
 LOGITS_INPUT = torch.arange(3, 83, dtype=torch.long).reshape(2, 40)
 
@@ -72,7 +81,7 @@ class Record:
         (self.out / "first_batch.json").write_text(json.dumps({"document_loss": self.first_loss}))
 
 
-def main(root: Path, mode: str) -> None:
+def main(root: Path, modes: list[str]) -> None:
     from shardtune import dist
     from shardtune.config import load_train_config
     from shardtune.train import loop
@@ -81,14 +90,13 @@ def main(root: Path, mode: str) -> None:
     # (torchrun's rendezvous store does not take a second group on the same ranks after the first is destroyed).
     loop.shutdown = lambda: None
     try:
-        for family in FAMILIES:
-            for method in METHODS:
-                cfg = load_train_config(case_args(root, family, method, mode))
-                callbacks = [Record(Path(cfg.run.output_dir))] if mode == "single" else []
-                loop.train(cfg, callbacks=callbacks)
+        for mode, family, method in ((m, f, x) for m in modes for f in FAMILIES for x in METHODS):
+            cfg = load_train_config(case_args(root, family, method, mode))
+            callbacks = [Record(Path(cfg.run.output_dir))] if mode == "single" else []
+            loop.train(cfg, callbacks=callbacks)
     finally:
         dist.shutdown()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2:])

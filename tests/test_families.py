@@ -3,12 +3,15 @@ a tiny model built from transformers' own config class (shardtune/testing/famili
 with LoRA (all-linear, r 4).
 
 For every family x method: FSDP2 on 2 gloo processes, gradient checkpointing on, gives one process's losses
-(fp32, ``REL_TOL`` per step); ``final/`` and ``shardtune export`` of the run's checkpoint (single and FSDP) load in
-transformers/PEFT and give the trained model's logits; ``shardtune merge`` of the adapter gives them too (a full
-run's final/ is refused by merge); ``shardtune estimate`` counts what ``get_peft_model`` on meta and the trainer
-count. The first step's loss equals transformers' own loss with every packed document run alone, which holds only
-if the fused loss applies the family's logit transforms (Gemma's soft cap) and the packed masks carry the family's
-sliding window. All cases of a mode run in one process (tests/families_worker.py): two processes in all.
+(fp32, ``REL_TOL`` per step), and so do DDP x2, naive model parallel over two CPU "devices" (MP) and a 2-stage
+pipeline on 2 processes (PP), gradient norms too; ``final/`` and ``shardtune export`` of the run's checkpoint
+(single, FSDP and PP) load in transformers/PEFT and give the trained model's logits; ``shardtune merge`` of the
+adapter gives them too (a full run's final/ is refused by merge); ``shardtune estimate`` counts what
+``get_peft_model`` on meta and the trainer count. The first step's loss equals transformers' own loss with every
+packed document run alone, which holds only if the fused loss applies the family's logit transforms (Gemma's soft
+cap) and the packed masks carry the family's sliding window. All cases run in two launches
+(tests/families_worker.py): one process for one process and MP, two for FSDP, DDP and PP. What PP and MP cannot
+carry is refused in one line, tested here too.
 """
 
 from __future__ import annotations
@@ -22,17 +25,18 @@ import torch
 
 from shardtune.testing.families import FAMILIES, make_family_folder
 from shardtune.testing.tiny import make_tokenizer
-from tests.families_worker import METHODS, STEPS
+from tests.families_worker import METHODS, STEPS, case_args
 from tests.trainutil import REPO, losses, shardtune_env, write_chat_data
 
 REL_TOL = 1e-4  # losses per step, FSDP x2 against one process: only the summation order differs
 # Logits of a reloaded folder against the trained model in memory, relative to the largest logit: the same fp32
 # weights, so only the order of a few sums differs (a merged adapter adds B @ A into the weight once).
 SAME_WEIGHTS_TOL = 1e-5
-# FSDP's final/ against the single process's trained model: three steps from weights equal to ~1e-7 apart.
+# FSDP's and PP's final/ against the single process's trained model: three steps from weights ~1e-7 apart.
 FSDP_WEIGHTS_TOL = 1e-3
 CASES = [(family, method) for family in FAMILIES for method in METHODS]
 IDS = [f"{family}-{method}" for family, method in CASES]
+OTHER_SETUPS = ("ddp", "mp", "pp")
 
 
 @pytest.fixture(autouse=True)
@@ -51,17 +55,24 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory, tokenizer):
-    """Every family's model folder, the chat data, and both runs of all cases (one process; FSDP x2)."""
+def models(tmp_path_factory, tokenizer):
+    """Every family's model folder (``models/<family>``) and the chat data, nothing trained yet."""
     root = tmp_path_factory.mktemp("families")
     for family in FAMILIES:
         make_family_folder(root / "models" / family, family, tokenizer=tokenizer)
     write_chat_data(root / "chat.jsonl", rows=120)
+    return root
+
+
+@pytest.fixture(scope="module")
+def root(models):
+    """``models`` and all runs of all cases (one process and MP; FSDP, DDP and PP x2)."""
+    root = models
     env = shardtune_env(root) | {"PYTHONPATH": str(REPO)}
     worker = ["-m", "tests.families_worker", str(root)]
-    for command in ([sys.executable, *worker, "single"],
+    for command in ([sys.executable, *worker, "single", "mp"],
                     [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                     *worker, "fsdp"]):
+                     *worker, "fsdp", "ddp", "pp"]):
         result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
         assert result.returncode == 0, result.stderr[-4000:]
     return root
@@ -113,6 +124,26 @@ def test_fsdp_two_processes_checkpointed_equal_one_process(root, family, method)
         assert abs(a - b) <= REL_TOL * abs(a), f"step {step}: one process {a}, FSDP x2 {b}"
 
 
+@pytest.mark.parametrize("mode", OTHER_SETUPS)
+@pytest.mark.parametrize("family,method", CASES, ids=IDS)
+def test_ddp_mp_and_pp_equal_one_process(root, family, method, mode):
+    """DDP x2 with accumulation, MP (two CPU "devices") and PP (2 stages of 2 micro-batches), all running the
+    model's own decoder forward with the runner's masks: packed rows of 64 tokens against a 16-token window,
+    Gemma's local/global layers and per-type RoPE, soft caps, Phi-3's fused projections, Mixtral's routing, and the
+    heads tied to the embeddings (Llama 3.2, Qwen, Gemma: PP adds both ends' gradients of the weight and counts it
+    once in the norm)."""
+    single = records(run_dir(root, "single", family, method))
+    split = records(run_dir(root, mode, family, method))
+    assert [r["step"] for r in split] == [r["step"] for r in single] == list(range(1, STEPS + 1))
+    for a, b in zip(single, split):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= REL_TOL * abs(a[key]), f"step {a['step']} {key}: {a[key]} vs {mode} {b[key]}"
+
+
+def records(run) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
 @pytest.mark.parametrize("family,method", CASES, ids=IDS)
 def test_first_loss_is_transformers_own_loss_document_by_document(root, family, method):
     """The trainer's step-1 loss (fused head + loss, packed rows under one 4-D mask) against transformers' forward
@@ -125,11 +156,12 @@ def test_first_loss_is_transformers_own_loss_document_by_document(root, family, 
 
 @pytest.mark.parametrize("family,method", CASES, ids=IDS)
 def test_final_and_exported_checkpoints_give_the_trained_logits(root, family, method, tmp_path, capsys):
-    """final/ and ``shardtune export`` of the last checkpoint (one process's, and FSDP's sharded DCP from 2 ranks)
-    load in transformers (PEFT for adapters) and give the trained model's logits."""
+    """final/ and ``shardtune export`` of the last checkpoint (one process's, FSDP's sharded DCP from 2 ranks, and
+    the pipeline's stages keyed by the unsplit model's names) load in transformers (PEFT for adapters) and give the
+    trained model's logits; a tied head is saved once (the pipeline's last stage holds a copy)."""
     expected = trained(run_dir(root, "single", family, method))
     ids = expected["input_ids"]
-    for mode in ("single", "fsdp"):
+    for mode in ("single", "fsdp", "pp"):
         run = run_dir(root, mode, family, method)
         code, output = shardtune("export", str(run / "checkpoints" / f"step-{STEPS}"), str(tmp_path / mode),
                                  capsys=capsys)
@@ -139,6 +171,17 @@ def test_final_and_exported_checkpoints_give_the_trained_logits(root, family, me
         assert relative_error(final, exported) <= SAME_WEIGHTS_TOL, (mode, "export vs final")
         tolerance = SAME_WEIGHTS_TOL if mode == "single" else FSDP_WEIGHTS_TOL
         assert relative_error(expected["logits"], final) <= tolerance, (mode, "final vs trained")
+        assert saved_names(run / "final") == saved_names(run_dir(root, "single", family, method) / "final"), mode
+
+
+def saved_names(folder) -> set[str]:
+    """The tensor names in a final/ folder's weights file (a tied head's weight is saved once, as one process
+    saves it)."""
+    from safetensors import safe_open
+
+    name = "adapter_model.safetensors" if (folder / "adapter_config.json").exists() else "model.safetensors"
+    with safe_open(folder / name, framework="pt") as weights:
+        return set(weights.keys())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -262,3 +305,56 @@ def test_packed_masks_carry_the_sliding_window(family, tokenizer):
         bare = token_loss_sum(model(**model_inputs(batch, torch.device("cpu"))).logits, batch["labels"])
     assert abs(masked / alone - 1) <= 1e-5
     assert abs(bare / alone - 1) > 10 * 1e-5
+
+
+def with_config(root, family: str, folder, **changes):
+    """A copy of ``family``'s model folder whose config.json has ``changes``."""
+    import shutil
+
+    shutil.copytree(root / "models" / family, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | changes))
+    return folder
+
+
+def test_the_router_auxiliary_loss_is_refused_not_dropped(models, tmp_path, capsys):
+    """A Mixtral whose config asks for the router's auxiliary loss, which the trainer's loss does not add: one
+    process (the runner of MP, DDP and FSDP too) and a pipeline stage refuse it in one line, before any step."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.errors import UsageError
+    from shardtune.train.pipeline_parallel import keep_stage
+
+    model_dir = with_config(models, "mixtral", tmp_path / "mixtral", output_router_logits=True)
+    out = tmp_path / "run"
+    args = case_args(models, "mixtral", "full", "single")
+    args[args.index("--model_name_or_path") + 1], args[args.index("--output_dir") + 1] = str(model_dir), str(out)
+    code, output = shardtune("train", *args, capsys=capsys)
+    refusal = [line for line in output.splitlines() if "output_router_logits is true" in line]
+    assert code == 2 and len(refusal) == 1 and str(model_dir / "config.json") in refusal[0], output[-2000:]
+    assert "Traceback" not in output and not (out / "metrics.jsonl").exists()
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with pytest.raises(UsageError, match="output_router_logits is true"):
+        keep_stage(model, (0, 1), first=True, last=False)
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral"])
+def test_pipeline_refuses_added_token_rows_shared_by_a_tied_head(models, family):
+    """PEFT trains the rows of tokens a tokenizer added in the embeddings, and a tied head holds the same tensor:
+    the pipeline's two ends would train it apart, so PP refuses it in one line. An untied head (Mistral) has rows
+    of its own, and a tied head's own weight (full fine-tuning, above) is trained as one: both are split."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.errors import UsageError
+    from shardtune.train.pipeline_parallel import keep_stage
+
+    model = AutoModelForCausalLM.from_pretrained(models / "models" / family)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"],
+                                             trainable_token_indices={"embed_tokens": [1, 2]}))
+    if family == "mistral":
+        keep_stage(model, (0, 1), first=True, last=False)
+        return
+    with pytest.raises(UsageError, match="ties its LM head") as refused:
+        keep_stage(model, (0, 1), first=True, last=False)
+    assert "\n" not in str(refused.value)

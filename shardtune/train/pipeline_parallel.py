@@ -1,10 +1,13 @@
 """Pipeline parallel: one stage of consecutive decoder layers per process, micro-batches flowing through them.
 
 Every rank loads the whole model, then keeps only its stage: the first also keeps the embeddings, the last the
-final norm and the LM head. The kept modules stay where they were in the model tree (``model.layers`` becomes a
-``ModuleDict`` keyed by the original layer index), so parameter names, checkpoints and the exported model are those
-of the unsplit model. ``torch.distributed.pipelining`` runs the schedule (GPipe: all forwards then all backwards;
-1F1B: one forward, one backward once the pipeline is full, so fewer micro-batches' activations are alive).
+final norm and the LM head. The kept modules stay where they were in the model tree (the other stages' layers
+become parameterless ``OtherStage`` placeholders), so parameter names, checkpoints and the exported model are
+those of the unsplit model, and each stage runs the model's own decoder forward: the family's masks, per-layer-type
+position embeddings and layers as one process runs them. A head tied to the input embeddings is held by the first
+and the last stage, which add their gradients of it. ``torch.distributed.pipelining`` runs the schedule (GPipe:
+all forwards then all backwards; 1F1B: one forward, one backward once the pipeline is full, so fewer
+micro-batches' activations are alive).
 
 There is no data parallelism here: every rank reads the same global batch. Only the first stage feeds the token
 ids into the pipeline; each stage takes the per-token extras (position ids, the packed-document attention mask)
@@ -33,37 +36,85 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtune.data.collate import varlen_kwargs
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError
 from shardtune.train.compile import CompileReport
 from shardtune.train.export import write_export
 from shardtune.train.loss import head_loss_sum, logit_transform
 from shardtune.train.plan import Plan, unwrap
-from shardtune.train.runner import uses_varlen_attention
+from shardtune.train.runner import attention_masks, model_inputs, refuse_router_aux_loss, uses_varlen_attention
 
 log = logging.getLogger("shardtune")
 
 
 def keep_stage(model: nn.Module, bounds: tuple[int, int], *, first: bool, last: bool) -> nn.Module:
-    """Drop every module this stage does not run; the kept ones keep their names. Returns ``model``."""
+    """Drop every module this stage does not run; the kept ones keep their names. Returns ``model``.
+
+    The layers of other stages become ``OtherStage`` placeholders, so ``model.layers`` keeps its length and the
+    model's own forward loops over it as on one process. A head tied to the input embeddings stays on the last
+    stage as a copy of them (``tied_weight``: the two ends add their gradients of it), the embedding module kept
+    there too (it runs only on the first stage) so that the stage's state dict names the weight as one process's
+    does: under ``model.embed_tokens`` and ``lm_head``, or (frozen, trainable tensors only) ``lm_head`` alone.
+    """
     causal_lm = unwrap(model)
     inner = causal_lm.model
-    if causal_lm.config.tie_word_embeddings and not (first and last):
-        raise UsageError("distributed_type=PP: this model ties its LM head to the input embeddings, which live on "
-                         "different stages; use DDP or FSDP for it")
+    refuse_router_aux_loss(causal_lm)
+    if not (first and last):
+        _refuse_trained_tied_adapters(causal_lm)
     start, end = bounds
-    inner.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(start, end)})
-    if not first:
+    for i in [*range(start), *range(end, len(inner.layers))]:
+        inner.layers[i] = OtherStage()
+    if not first and not (last and _is_tied(causal_lm)):
         inner.embed_tokens = None
     if not last:
-        inner.norm = None
+        inner.norm = nn.Identity()
         causal_lm.lm_head = None
     return model
 
 
+class OtherStage(nn.Module):
+    """Where a decoder layer of another stage was: hands the hidden states on (it holds no parameters)."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # noqa: ARG002
+        return hidden_states
+
+
+def _is_tied(causal_lm: nn.Module) -> bool:
+    return bool(getattr(causal_lm.config, "tie_word_embeddings", False))
+
+
+def _refuse_trained_tied_adapters(causal_lm: nn.Module) -> None:
+    """A tied head is supported with its weight frozen or trained whole (``tied_weight``); another trained tensor
+    that the embeddings and the head share (PEFT's rows for added tokens follow the embeddings into a tied head)
+    would be trained apart on the two ends of the pipeline."""
+    if not _is_tied(causal_lm):
+        return
+    embed, head = causal_lm.get_input_embeddings(), causal_lm.get_output_embeddings()
+    in_embed = {id(p) for p in embed.parameters()}
+    shared = sorted(name for name, p in head.named_parameters()
+                    if id(p) in in_embed and p.requires_grad and p is not embed.weight)
+    if shared:
+        raise UsageError(f"distributed_type=PP: this model ties its LM head to the input embeddings, and the head "
+                         f"shares trained tensors with them ({', '.join(shared)}: PEFT's rows for tokens the "
+                         f"tokenizer added) that the pipeline's two ends would train apart; use FSDP or DDP, or a "
+                         f"tokenizer without added tokens")
+
+
+def tied_weight(model: nn.Module, *, first: bool, last: bool) -> nn.Parameter | None:
+    """The trained weight that a tied head shares with the input embeddings, on a stage that holds one end of it
+    (the first holds the embeddings, the last the head); None on one stage, a middle stage, or when it is frozen."""
+    causal_lm = unwrap(model)
+    if not _is_tied(causal_lm) or first == last:
+        return None
+    end = causal_lm.get_input_embeddings() if first else causal_lm.get_output_embeddings()
+    return end.weight if end.weight.requires_grad else None
+
+
 class StageModule(nn.Module):
-    """What ``PipelineStage`` runs: embeddings (first stage), this stage's layers, the final norm (last stage).
+    """What ``PipelineStage`` runs: the model's own decoder forward over this stage's layers (the others are
+    ``OtherStage``), from the token ids on the first stage and from the hidden states elsewhere, ending at the
+    final norm on the last stage (an identity elsewhere). The family's masks (``runner.attention_masks``: sliding
+    windows, one mask per layer type) and position embeddings are what that forward makes of them on one process.
 
     The head is left to the loss function (``PipelineRunner._loss``), which runs it fused with the loss."""
 
@@ -72,29 +123,15 @@ class StageModule(nn.Module):
         self.model = model
         self.first, self.last = first, last
         self.compute_dtype = compute_dtype
-        self.extras: list[dict[str, torch.Tensor | None]] = []
+        self.extras: list[dict[str, Any]] = []
         # Set by the runner before each micro-batch's forward; 0 during the schedule's shape inference.
         self.chunk = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        causal_lm = unwrap(self.model)
-        inner = causal_lm.model
-        extra = self.extras[self.chunk]
-        position_ids = extra["position_ids"]
+        inner = unwrap(self.model).model
+        fed = {"input_ids": x} if self.first else {"inputs_embeds": x}
         with self.autocast(x.device):
-            hidden = inner.embed_tokens(x) if self.first else x
-            mask = create_causal_mask(config=causal_lm.config, inputs_embeds=hidden,
-                                      attention_mask=extra.get("attention_mask"), past_key_values=None,
-                                      position_ids=position_ids)
-            rotary = inner.rotary_emb(hidden, position_ids=position_ids)
-            for layer in inner.layers.values():
-                hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids,
-                               past_key_values=None, use_cache=False, **extra["varlen"])
-            if self.last:
-                hidden = inner.norm(hidden)
-        return hidden
+            return inner(**fed, **self.extras[self.chunk], use_cache=False).last_hidden_state
 
     def autocast(self, device: torch.device):
         """The stage's mixed precision (also the head's and the loss's, which run in ``PipelineRunner._loss``)."""
@@ -119,6 +156,10 @@ class PipelineRunner:
         self.first, self.last = info.rank == 0, info.rank == info.world_size - 1
         self.microbatches = plan.pipeline_microbatches
         self.module = StageModule(model, first=self.first, last=self.last, compute_dtype=plan.compute_dtype)
+        self.varlen, self.masks = uses_varlen_attention(model), attention_masks(model)
+        self.tied = tied_weight(model, first=self.first, last=self.last)
+        # The two ends of a trained tied head add their gradients of it (every rank creates the group).
+        self.ends = _ends_group(info.world_size) if _is_tied(unwrap(model)) else None
         self.stage = PipelineStage(self.module, info.rank, self.num_stages, info.device)
         schedule_cls = ScheduleGPipe if plan.pipeline_schedule.upper() == "GPIPE" else Schedule1F1B
         # The loss is already scaled to the whole global batch (train_step), so the schedule must not average.
@@ -151,6 +192,11 @@ class PipelineRunner:
         for batch in batches:
             args, target = self._feed(batch)
             self.schedule.step(*args, target=target, return_outputs=False)
+        if self.tied is not None:
+            # The embeddings' gradient (first stage) plus the head's (last): both ends step with the same one.
+            if self.tied.grad is None:
+                self.tied.grad = torch.zeros_like(self.tied)
+            dist.all_reduce(self.tied.grad, group=self.ends)
         return self._loss_total()
 
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -171,12 +217,11 @@ class PipelineRunner:
             raise UsageError(f"a batch of {rows} rows cannot be split into pipeline_microbatches="
                              f"{self.microbatches}; make per_device_train_batch_size and "
                              f"per_device_eval_batch_size multiples of it")
-        positions = batch["position_ids"].chunk(self.microbatches)
-        mask = batch.get("attention_mask")
-        masks = mask.to(device).chunk(self.microbatches) if mask is not None else [None] * self.microbatches
-        varlen = uses_varlen_attention(self.module.model)
-        self.module.extras = [{"position_ids": p.to(device), "attention_mask": m,
-                               "varlen": varlen_kwargs(p, device) if varlen else {}} for p, m in zip(positions, masks)]
+        # What the model's forward reads besides the tokens, as one process gives it (runner.model_inputs).
+        extras = {k: batch[k].chunk(self.microbatches) for k in ("position_ids", "attention_mask")
+                  if batch.get(k) is not None}
+        self.module.extras = [model_inputs({k: parts[i] for k, parts in extras.items()}, device, varlen=self.varlen,
+                                           masks=self.masks) for i in range(self.microbatches)]
         # The schedule learns shapes again after each switch between training and evaluation (running the stage
         # and, for training, the loss once); only the micro-batches' own forwards are counted.
         self.module.chunk, self._counting = 0, False
@@ -194,7 +239,8 @@ class PipelineRunner:
 
     def grad_norm_and_clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
         """The norm over every stage's gradients (each rank holds different parameters), clipped to ``max_norm``."""
-        grads = [p.grad for p in params if p.grad is not None]
+        # The last stage's copy of a tied head's weight holds the first stage's gradient: counted there once.
+        grads = [p.grad for p in params if p.grad is not None and (p is not self.tied or self.first)]
         local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.info.device)
         squared = local.double().pow(2).reshape(1).to(self.info.device)
         dist.all_reduce(squared)
@@ -202,6 +248,11 @@ class PipelineRunner:
         if max_norm > 0 and grads:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
+
+
+def _ends_group(world_size: int):
+    """The process group of the first and the last stage (the whole world for two stages)."""
+    return None if world_size <= 2 else dist.new_group([0, world_size - 1])
 
 
 def split_for_stage(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
@@ -221,8 +272,11 @@ def export_stages(output_dir: str | Path, model: nn.Module, tokenizer, *, is_pef
     LoRA/QLoRA gather only the adapters (the frozen base is not exported); a full fine-tune gathers every stage's
     weights into rank 0's CPU RAM (the object gather travels through host memory, see ``dist.init_distributed``).
     """
-    # Plain tensors (no DTensor): each stage's own state dict is already complete for its modules.
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if not is_peft or ".lora_" in k}
+    # Plain tensors (no DTensor): each stage's own state dict is already complete for its modules. The last
+    # stage's copy of a tied head is the first stage's embeddings again: the exported model ties them.
+    copy = _head_names(model) if info.rank > 0 and _is_tied(unwrap(model)) else set()
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()
+             if (not is_peft or ".lora_" in k) and k not in copy}
     gathered: list[Any] = [None] * info.world_size if info.is_main else []
     dist.gather_object(state, gathered if info.is_main else None, dst=0)
     target = Path(output_dir) / "final"
@@ -235,6 +289,13 @@ def export_stages(output_dir: str | Path, model: nn.Module, tokenizer, *, is_pef
 
     run_and_share(write, runs=info.is_main, what=f"writing {target}")
     return target if info.is_main else None
+
+
+def _head_names(model: nn.Module) -> set[str]:
+    """The state-dict names of the LM head's weight in ``model`` (a stage that holds the head)."""
+    head = unwrap(model).get_output_embeddings()
+    return {name for name, param in model.named_parameters(remove_duplicate=False)
+            if head is not None and param is head.weight}
 
 
 def _save_adapter(model: nn.Module, merged: dict[str, torch.Tensor], folder: Path) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from shardtune.data.collate import varlen_kwargs
 from shardtune.dist import DistInfo
+from shardtune.errors import UsageError
 from shardtune.train.compile import CompileReport
 from shardtune.train.export import export_final
 from shardtune.train.loss import install_fused_loss, token_loss_sum
@@ -71,6 +72,19 @@ def attention_masks(model: nn.Module) -> Callable[[torch.Tensor], Any] | None:
     return masks
 
 
+def refuse_router_aux_loss(model: nn.Module) -> None:
+    """Stop a mixture-of-experts model whose config asks for the router's auxiliary (load-balancing) loss, in one
+    line: the trainer's loss is the head's cross-entropy alone (``loss.head_loss_sum``), so the auxiliary loss
+    would be left out (with flash attention silently; with the packed rows' 4-D mask transformers' own computation
+    of it fails on the mask's shape), and a pipeline stage sees only its own layers' routers."""
+    config = getattr(unwrap(model), "config", None)
+    if getattr(config, "output_router_logits", False):
+        where = Path(getattr(config, "_name_or_path", "") or ".") / "config.json"
+        raise UsageError(f"{where}: output_router_logits is true, but shardtune's loss does not add the router's "
+                         f"auxiliary loss (router_aux_loss_coef); set output_router_logits to false there to "
+                         f"train without it")
+
+
 def _in_form(allowed: torch.Tensor, additive: bool) -> torch.Tensor:
     if not additive:
         return allowed
@@ -117,6 +131,7 @@ class LocalRunner:
         self.scaler = grad_scaler(plan, info.device)
         self.varlen = uses_varlen_attention(model)
         self.masks = attention_masks(model)
+        refuse_router_aux_loss(model)
         # The model's own forward returns the loss, the head fused into it one chunk of tokens at a time (loss.py).
         self.fused_loss = install_fused_loss(model)
 
