@@ -10,8 +10,8 @@ import torch
 
 from shardtune.cli import main
 from shardtune.errors import UsageError
-from shardtune.infer.generate import (ChatSession, GenerationStats, StreamDecoder, encode_prompt, generate,
-                                load_for_generation, sample_next, stop_token_ids)
+from shardtune.infer.generate import (ChatSession, GenerationStats, _Streamer, encode_prompt, generate,
+                                      load_for_generation, stop_token_ids)
 
 ANSWER = ("one two three four five six seven eight nine ten the cat and the dog are red green blue small large "
           "quick slow happy sad tree house car road river bird fish")
@@ -58,6 +58,15 @@ def loaded(trained):
     return load_for_generation(trained, device="cpu")
 
 
+def greedy_reference(model, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy decoding written out: the whole sequence through the model, the argmax of the last position."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def test_kv_cache_matches_no_cache_token_for_token(loaded):
     model, tokenizer = loaded
     # a memorised reply, and text the model never saw (so it wanders far from anything learned)
@@ -66,7 +75,21 @@ def test_kv_cache_matches_no_cache_token_for_token(loaded):
         with_cache = generate(model, tokenizer, prompt, max_new_tokens=60, stop_ids=(), use_cache=True)
         without = generate(model, tokenizer, prompt, max_new_tokens=60, stop_ids=(), use_cache=False)
         assert len(with_cache) == 60
-        assert with_cache == without
+        assert with_cache == without == greedy_reference(model, prompt, 60)
+
+
+def test_the_models_own_generation_defaults_do_not_change_what_is_asked(loaded):
+    """A generation_config.json may ask for sampling, top-k or a repetition penalty: greedy stays greedy."""
+    model, tokenizer = loaded
+    prompt = tokenizer("Seven blue birds and 42 red cars")["input_ids"]
+    saved = model.generation_config
+    try:
+        model.generation_config = type(saved)(do_sample=True, temperature=0.3, top_k=2, repetition_penalty=5.0,
+                                              no_repeat_ngram_size=1, max_new_tokens=3)
+        assert generate(model, tokenizer, prompt, max_new_tokens=40, stop_ids=()) == \
+            greedy_reference(model, prompt, 40)
+    finally:
+        model.generation_config = saved
 
 
 def test_greedy_reproduces_the_trained_reply_and_stops_at_end_of_turn(loaded):
@@ -111,32 +134,20 @@ def test_sampling_is_reproducible_per_seed_and_differs_across_seeds(tmp_path):
     assert tiny_p == greedy
 
 
-def test_top_p_keeps_only_the_nucleus_and_renormalises():
-    probs = torch.tensor([0.1, 0.5, 0.05, 0.3, 0.05])
-    logits = probs.log()
-    generator = torch.Generator().manual_seed(0)
-    draws = [sample_next(logits, temperature=1.0, top_p=0.7, generator=generator) for _ in range(3000)]
-    counts = torch.bincount(torch.tensor(draws), minlength=5).float() / len(draws)
-    # 0.5 alone is below 0.7, so the nucleus is {1, 3}: renormalised to 0.5/0.8 and 0.3/0.8
-    assert counts[[0, 2, 4]].sum() == 0
-    assert abs(counts[1] - 0.5 / 0.8) < 0.03 and abs(counts[3] - 0.3 / 0.8) < 0.03
-    # temperature 2 flattens: the pair keeps the ratio of p**0.5
-    hot = [sample_next(logits, temperature=2.0, top_p=0.6, generator=generator) for _ in range(3000)]
-    share = sum(d == 1 for d in hot) / len(hot)
-    expected = 0.5 ** 0.5 / (0.5 ** 0.5 + 0.3 ** 0.5)
-    assert set(hot) <= {1, 3} and abs(share - expected) < 0.03
-
-
 def test_stream_pieces_join_to_the_decoded_reply_without_splitting_characters(loaded):
     model, tokenizer = loaded
     pieces: list[str] = []
     new = generate(model, tokenizer, encode_prompt(tokenizer, "Count please"), max_new_tokens=100,
                    stream=pieces.append)
     assert len(pieces) > 10 and "".join(pieces) == tokenizer.decode(new)
+    # one token at a time, as generate hands them on: no piece splits a character
     text = "naïve café — 日本語 🙂 ok"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    decoder = StreamDecoder(tokenizer)
-    streamed = [decoder.push(i) for i in ids] + [decoder.flush()]
+    streamed: list[str] = []
+    streamer = _Streamer(tokenizer, streamed.append, stops={tokenizer.eos_token_id})
+    for value in ([1, 2], *([i] for i in ids), [tokenizer.eos_token_id]):  # the prompt first, a stop token last
+        streamer.put(torch.tensor([value]))
+    streamer.end()
     assert "".join(streamed) == text and not any("\ufffd" in piece for piece in streamed)
 
 

@@ -1,18 +1,19 @@
-"""Text generation with the model's KV cache: prefill the prompt once, then one position per new token.
+"""Text generation for ``shardtune generate`` and ``chat``: loading a model or adapter folder (or a GGUF), the
+prompt as training encoded it, and ``model.generate`` with its KV cache, streamed through transformers'
+``TextStreamer``.
 
-The loop is written out rather than delegated to ``model.generate`` so that what it costs is plain to read: the prompt
-goes through the model once and fills a ``DynamicCache``; every later step feeds only the newest token, at the next
-position, and attends to the cached keys and values. ``use_cache=False`` recomputes the whole prefix every step; it
-exists to check that the cache changes nothing but the speed, and to measure by how much.
+The prompt goes through the model once and fills the cache; every later step feeds only the newest token.
+``use_cache=False`` recomputes the whole prefix every step; it exists to check that the cache changes nothing but
+the speed, and to measure by how much.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,113 +183,73 @@ def encode_prompt(tokenizer: Any, prompt: str | None = None, *, messages: Sequen
     return with_prefix(special_prefix(tokenizer), tokenizer(text, add_special_tokens=False)["input_ids"])[0]
 
 
-class StreamDecoder:
-    """Turns token ids into text pieces as they arrive, holding back bytes of a character not yet complete.
+class _Streamer:
+    """What ``model.generate`` hands its streamer: the prompt, then each new token. It times the prefill (until the
+    first new token) and the decoding, keeps the stop token out of the text, and passes text on through
+    transformers' ``TextStreamer``, which holds back a piece until it cannot change (an incomplete character, a
+    word still growing)."""
 
-    Decoding each token alone splits multi-byte characters (and drops the spaces some tokenizers attach to the
-    next token), so each piece is the difference between decoding a short window with and without the new ids.
-    """
+    def __init__(self, tokenizer: Any, write: Callable[[str], None] | None, stops: Collection[int]) -> None:
+        from transformers import TextStreamer
 
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix_start = 0  # the window starts here, so decoding stays O(window), not O(reply)
-        self.read_end = 0  # ids before this are already emitted
+        self.stops = stops
+        self.text = None
+        if write is not None:
+            self.text = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+            self.text.on_finalized_text = lambda piece, stream_end=False: piece and write(piece)
+        self.started = time.perf_counter()
+        self.prompt_seen = False
+        self.marks: list[float] = []  # when each new token arrived
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def put(self, value: torch.Tensor) -> None:
+        if self.text is not None and (not self.prompt_seen or int(value.reshape(-1)[-1]) not in self.stops):
+            self.text.put(value)
+        if self.prompt_seen:
+            self.marks.append(time.perf_counter())
+        self.prompt_seen = True
 
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_start:self.read_end])
-        text = self._decode(self.ids[self.prefix_start:])
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 sequence: wait for the rest of the character
-        self.prefix_start, self.read_end = self.read_end, len(self.ids)
-        return text[len(prefix):]
+    def end(self) -> None:
+        if self.text is not None:
+            self.text.end()
 
-    def flush(self) -> str:
-        """What is still held back at the end of the reply (bytes that never completed a character)."""
-        prefix = self._decode(self.ids[self.prefix_start:self.read_end])
-        text = self._decode(self.ids[self.prefix_start:])
-        self.prefix_start = self.read_end = len(self.ids)
-        return text[len(prefix):]
-
-
-# ------------------------------------------------------------------------------------------------------- decoding
-
-
-def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
-                generator: torch.Generator | None) -> int:
-    """The next token from 1-D ``logits``: argmax when temperature is 0, else nucleus (top-p) sampling."""
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    # stable sort keeps equal probabilities in index order, so a tiny top_p picks the same token as argmax
-    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    keep = mass_before < top_p
-    keep[0] = True  # the most likely token always stays in the nucleus
-    kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-    choice = torch.multinomial(kept / kept.sum(), 1, generator=generator)
-    return int(order[choice])
+    def timings(self) -> tuple[float, float]:
+        """(prefill seconds, decode seconds): until the first new token, and from it to the last."""
+        if not self.marks:
+            return 0.0, 0.0
+        return self.marks[0] - self.started, self.marks[-1] - self.marks[0]
 
 
-def _forward_params(model: Any) -> set[str]:
-    """Names the underlying Transformers forward accepts (PeftModel's forward is ``*args, **kwargs``)."""
+def generation_config(tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float,
+                      stops: Collection[int], use_cache: bool):
+    """Exactly what ``generate`` asks for, nothing the model's own generation_config.json adds (a default
+    temperature, top_k or repetition penalty would change what ``--temperature 0`` means; ``_own_defaults_only``)."""
+    from transformers import GenerationConfig
+
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": None} if temperature > 0 \
+        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    stop_list = sorted(stops)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_list or [0])[0]
+    return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=stop_list or None,
+                            pad_token_id=pad, use_cache=use_cache, **sampling)
+
+
+@contextmanager
+def _own_defaults_only(model: Any) -> Iterator[None]:
+    """transformers fills what a passed GenerationConfig leaves at its default from the model's own
+    generation_config.json (a repetition penalty of 1.0 is taken as unset): for the call, the model's is plain."""
+    from transformers import GenerationConfig
+
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return set(inspect.signature(inner.forward).parameters)
+    saved = inner.generation_config
+    inner.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        inner.generation_config = saved
 
 
-class _Stepper:
-    """One forward per step: with the cache only the new tokens are fed, without it the whole sequence is."""
-
-    def __init__(self, model: Any, use_cache: bool):
-        from transformers import DynamicCache
-
-        self.model = model
-        self.use_cache = use_cache
-        params = _forward_params(model)
-        self.pass_cache_position = "cache_position" in params  # transformers 4.x models want it with a cache
-        self.logits_to_keep = "logits_to_keep" in params  # skip the vocab projection of every prompt position
-        self.cache = DynamicCache(config=getattr(model, "config", None)) if use_cache else None
-        self.seen = 0  # positions already in the cache
-        self.calls = 0
-
-    def __call__(self, all_ids: list[int], device: torch.device) -> torch.Tensor:
-        new = all_ids[self.seen:] if self.use_cache else all_ids
-        start = self.seen if self.use_cache else 0
-        positions = torch.arange(start, start + len(new), device=device)
-        kwargs: dict[str, Any] = {"input_ids": torch.tensor([new], device=device),
-                                  "position_ids": positions.unsqueeze(0), "use_cache": self.use_cache}
-        if self.use_cache:
-            kwargs["past_key_values"] = self.cache
-            if self.pass_cache_position:
-                kwargs["cache_position"] = positions
-        if self.logits_to_keep:
-            kwargs["logits_to_keep"] = 1
-        logits = self.model(**kwargs).logits[0, -1]
-        self.calls += 1
-        if self.use_cache:
-            self.seen = len(all_ids)
-        return logits
-
-
-def _model_device(model: Any) -> torch.device:
-    return next(model.parameters()).device
-
-
-@torch.inference_mode()
-def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = 128,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, use_cache: bool = True,
-             stream: Callable[[str], None] | None = None, stop_ids: Collection[int] | None = None,
-             stats: GenerationStats | None = None) -> list[int]:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids``; returns the new ids, without the stop token.
-
-    Greedy when ``temperature`` is 0, else temperature plus top-p sampling from a generator seeded with ``seed``.
-    ``stream`` receives the text as it is decoded. ``stop_ids`` defaults to :func:`stop_token_ids`; pass an empty
-    set to always run to ``max_new_tokens``. ``stats``, if given, is filled with timings.
-    """
+def _check_options(prompt_ids: Sequence[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
     if max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be at least 1 (got {max_new_tokens}).")
     if temperature < 0:
@@ -297,40 +258,49 @@ def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_t
         raise UsageError(f"top_p must be in (0, 1] (got {top_p:g}); 1 keeps every token.")
     if not prompt_ids:
         raise UsageError("the prompt is empty after tokenization; give some text.")
+
+
+@torch.inference_mode()
+def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = 128,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, use_cache: bool = True,
+             stream: Callable[[str], None] | None = None, stop_ids: Collection[int] | None = None,
+             stats: GenerationStats | None = None) -> list[int]:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids`` with ``model.generate``; returns the new ids, without
+    the stop token.
+
+    Greedy when ``temperature`` is 0, else temperature plus top-p sampling, drawn from torch's generator seeded
+    with ``seed`` (the caller's random state is left as it was). ``stream`` receives the text as it is decoded.
+    ``stop_ids`` defaults to :func:`stop_token_ids`; pass an empty set to always run to ``max_new_tokens``.
+    ``use_cache=False`` recomputes the whole prefix at every step (the cache must change nothing but the speed).
+    ``stats``, if given, is filled with timings.
+    """
+    _check_options(prompt_ids, max_new_tokens, temperature, top_p)
     stops = stop_token_ids(model, tokenizer) if stop_ids is None else set(stop_ids)
     device = _model_device(model)
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed if seed is not None else int(torch.seed()))
+    config = generation_config(tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                               stops=stops, use_cache=use_cache)
+    streamer = _Streamer(tokenizer, stream, stops)
+    input_ids = torch.tensor([list(prompt_ids)], device=device)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=temperature > 0), _own_defaults_only(model):
+        if temperature > 0:
+            torch.manual_seed(seed if seed is not None else int(torch.seed()))
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                             generation_config=config, streamer=streamer)
+    produced = out[0, input_ids.shape[1]:].tolist()
     stats = stats if stats is not None else GenerationStats()
-    stats.prompt_tokens, stats.new_tokens = len(prompt_ids), 0
-    decoder = StreamDecoder(tokenizer) if stream is not None else None
-    step = _Stepper(model, use_cache)
-    ids = list(prompt_ids)
-    new_ids: list[int] = []
-    stats.stop_reason = "max_new_tokens"
-    start = time.perf_counter()
-    for i in range(max_new_tokens):
-        token = sample_next(step(ids, device), temperature=temperature, top_p=top_p, generator=generator)
-        if i == 0:
-            stats.prefill_s = time.perf_counter() - start
-            start = time.perf_counter()
-        if token in stops:
-            stats.stop_reason, stats.stop_token_id = "stop_token", token
-            break
-        ids.append(token)
-        new_ids.append(token)
-        if decoder is not None:
-            piece = decoder.push(token)
-            if piece:
-                stream(piece)
-    if decoder is not None and (rest := decoder.flush()):
-        stream(rest)
-    stats.decode_steps = max(step.calls - 1, 0)
-    stats.decode_s = time.perf_counter() - start if stats.decode_steps else 0.0
-    stats.new_tokens = len(new_ids)
+    stopped = bool(produced) and produced[-1] in stops
+    new_ids = produced[:-1] if stopped else produced
+    stats.prompt_tokens, stats.new_tokens = len(prompt_ids), len(new_ids)
+    stats.stop_reason = "stop_token" if stopped else "max_new_tokens"
+    stats.stop_token_id = produced[-1] if stopped else None
+    stats.decode_steps = max(len(produced) - 1, 0)  # the first token comes out of the prefill
+    stats.prefill_s, stats.decode_s = streamer.timings()
     return new_ids
+
+
+def _model_device(model: Any) -> torch.device:
+    return next(model.parameters()).device
 
 
 @dataclass
