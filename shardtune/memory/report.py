@@ -209,6 +209,8 @@ def time_report(r: Report, links: Links, data: DataTokens | None = None, price_p
     from shardtune.memory.timing import step_time
 
     precision = r.breakdown.setup.mixed_precision
+    if precision == "bf16" and not r.gpu.bf16 and r.gpu.peak_flops("fp16"):
+        raise UsageError(f"--time: the {r.gpu.label or r.gpu.name} has no bf16; give --mixed-precision fp16 (or no)")
     if not r.gpu.peak_flops(precision):
         known = ", ".join(name for name, gpu in GPUS.items() if gpu.peak_flops(precision))
         raise UsageError(f"--time needs the GPU's peak FLOPs ({precision}), unknown for {r.gpu.label or r.gpu.name}: "
