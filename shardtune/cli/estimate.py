@@ -9,8 +9,8 @@ from pathlib import Path
 
 from shardtune import catalog
 from shardtune.errors import UsageError, check_choice
-from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_LINKS, PRICES_AS_OF, Gpu, custom_gpu,
-                                gpu_by_name)
+from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_LINKS, PRICES_AS_OF, SPEC_EXAMPLE, Gpu,
+                                custom_gpu, gpu_by_name, gpu_from_spec)
 from shardtune.memory.report import estimate_report
 from shardtune.memory.setup import (ATTENTION, LOSSES, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
                                     STRATEGIES, Setup, validate)
@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     hw = p.add_mutually_exclusive_group()
     hw.add_argument("--gpu", default=None, help=f"{', '.join(GPUS)} (default: {DEFAULT_GPU})")
     hw.add_argument("--gpu-memory", type=float, default=None, metavar="GIB", help="GPU memory in GiB")
+    hw.add_argument("--gpu-spec", default=None, metavar="SPEC",
+                    help="a card outside --gpu's list, by its data sheet's numbers: tflops= (dense bf16 TFLOP/s), "
+                         "memory= (GiB), bandwidth= (GB/s), optionally link= and host=; e.g. " + SPEC_EXAMPLE[11:])
     p.add_argument("--strategy", default="auto",
                    help="auto | single | ddp | fsdp | mp | pp (zero1/zero2/zero3 map to FSDP); default: auto")
     p.add_argument("--sharding-strategy", default="FULL_SHARD",
@@ -223,6 +226,8 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
 
 
 def gpu_from_args(args: argparse.Namespace) -> Gpu:
+    if args.gpu_spec is not None:
+        return gpu_from_spec(args.gpu_spec)
     if args.gpu_memory is not None:
         if args.gpu_memory <= 0:
             raise UsageError(f"--gpu-memory must be a positive number of GiB (got {args.gpu_memory:g}).")

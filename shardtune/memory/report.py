@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardtune.errors import UsageError
-from shardtune.hardware import GIB, GPUS, PRICES_AS_OF, TYPICAL_PRICE_PER_GPU_HOUR, Gpu
+from shardtune.hardware import GIB, GPUS, PRICES_AS_OF, SPEC_EXAMPLE, TYPICAL_PRICE_PER_GPU_HOUR, Gpu
 from shardtune.memory.formula import Breakdown
 from shardtune.memory.inventory import LoraCount, ModelInventory
 from shardtune.memory.recommend import Measured, Recommendation
@@ -208,9 +208,13 @@ def time_report(r: Report, links: Links, data: DataTokens | None = None, price_p
     ``measured``, the measured speeds beside the predicted ones."""
     from shardtune.memory.timing import step_time
 
-    if not r.gpu.peak_bf16_flops:
-        raise UsageError(f"--time needs the GPU's peak FLOPs, unknown for {r.gpu.label or r.gpu.name}: name the "
-                         f"card with --gpu (one of {', '.join(GPUS)})")
+    precision = r.breakdown.setup.mixed_precision
+    if precision == "bf16" and not r.gpu.bf16 and r.gpu.peak_flops("fp16"):
+        raise UsageError(f"--time: the {r.gpu.label or r.gpu.name} has no bf16; give --mixed-precision fp16 (or no)")
+    if not r.gpu.peak_flops(precision):
+        known = ", ".join(name for name, gpu in GPUS.items() if gpu.peak_flops(precision))
+        raise UsageError(f"--time needs the GPU's peak FLOPs ({precision}), unknown for {r.gpu.label or r.gpu.name}: "
+                         f"name the card with --gpu (one of {known}) or give its numbers with {SPEC_EXAMPLE}")
     compared = [b for b, _ in r.table]
     if all(b.setup != r.breakdown.setup for b in compared):  # an asked setup the table leaves out (PP)
         compared.append(r.breakdown)
@@ -228,7 +232,8 @@ def time_to_dict(t: TimeReport, gpu: Gpu) -> dict:
         "tokenizer" if t.data.exact else "approximate (4 characters per token)",
         "data": t.data.describe() if t.data else f"per {PER_TOKENS:,} tokens",
         "price_per_gpu_hour": t.price_per_gpu_hour,
-        "price_source": "given" if t.price_given else f"typical on-demand list price ({PRICES_AS_OF})",
+        "price_source": "given" if t.price_given else f"typical on-demand list price ({PRICES_AS_OF})"
+        if t.price_per_gpu_hour is not None else "none known for this GPU: give --price-per-gpu-hour",
         "links": {"intra_node": t.links.intra.name, "inter_node": t.links.inter.name, "host": t.links.host.name},
         "overlap": OVERLAP,
         "setups": [{"setup": b.setup.label(), "fits": b.fits(gpu.memory_bytes), **st.to_dict(),

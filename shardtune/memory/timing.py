@@ -9,8 +9,8 @@ runs in docs/estimator.md ("How long it takes"):
   12 x layers x hidden x seq_len for attention. A mixture-of-experts model counts the experts a token runs.
   Gradient checkpointing runs each decoder layer's forward again in backward (2 per layer weight and 4 x hidden x
   seq_len per layer): hardware FLOPs, not in the MFU, which counts the model's FLOPs as PaLM and the trainer do.
-- **Compute** runs at the GPU's dense peak times ``ACHIEVABLE[gpu.efficiency_class]``, the share of the peak that
-  eager PyTorch training steps reach on that class of card.
+- **Compute**: each micro-batch's matmuls, attention and memory-bound kernels, timed by shardtune/memory/compute.py
+  from the shapes and the card's peak and memory bandwidth, with constants fitted to published runs.
 - **Communication** per GPU, ring collectives as NCCL runs them (an all-reduce sends 2(n-1)/n of the bytes, an
   all-gather or a reduce-scatter (n-1)/n), hierarchical across nodes: inside a node over its links, and 1/G of the
   bytes per GPU between nodes (G GPUs per node). Per strategy:
@@ -22,37 +22,36 @@ runs in docs/estimator.md ("How long it takes"):
   gradients back, and runs the optimizer on the CPU; model parallel (MP) runs one stage at a time, so the step is
   one GPU's work, and each stage boundary passes activations forward and gradients back; pipeline parallel (PP)
   idles for its bubble, (stages - 1) / (micro-batches + stages - 1) of the step, at the pace of its slowest stage.
+- **Latency.** Each collective also costs its link's fixed latency (``Link.latency_s``): FSDP runs one per unit
+  per pass, DDP one per 25 MB gradient bucket.
 - **Overlap.** FSDP prefetches the next unit's all-gather and DDP reduces its buckets during backward, so a
-  micro-batch's communication hides behind up to ``OVERLAP`` (80%) of its compute; at least 1 - ``OVERLAP`` of it
-  stays exposed (the first gather and the last reduce have nothing to hide behind, and NCCL's kernels take SMs).
-  MP's and PP's hand-overs and the CPU optimizer step are not overlapped.
+  micro-batch's communication hides behind up to ``overlap`` (fitted, compute.py) of its compute; at least
+  1 - ``overlap`` of it stays exposed (the first gather and the last reduce have nothing to hide behind, and NCCL's
+  kernels take SMs). MP's and PP's hand-overs and the CPU optimizer step are not overlapped.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shardtune.errors import UsageError
-from shardtune.hardware import Gpu, Link
-from shardtune.memory.formula import _Model, _optimizer_bytes_per_param, nf4_bytes
+from shardtune.hardware import PCIE_X16_BYTES_PER_S, Gpu, Link
+from shardtune.memory.compute import CALIBRATED, Kernels, TimingParams, inactive_expert_params, kernels_of, \
+    memory_rate, microbatch
+from shardtune.memory.formula import _Model, _optimizer_bytes_per_param
 from shardtune.memory.inventory import LoraCount, ModelInventory
 from shardtune.memory.setup import Setup, dtypes
 
-# Share of the dense peak a step's compute reaches, by class of card (docs/estimator.md, "How long it takes").
-# Hopper and A100 boards: below what tuned stacks publish (torchtitan's eager FSDP on H100: 33% MFU, LLM Foundry:
-# 40-46% on H100, 55-64% on A100), since shardtune train runs transformers' eager modules. PCIe cards (Ada and
-# Ampere workstation and consumer cards, L40S): fitted to the published 4 x RTX 6000 Ada LoRA runs.
-ACHIEVABLE = {"hopper": 0.40, "ampere-sxm": 0.50, "pcie-card": 0.14}
-OVERLAP = 0.8
-# The memory-bound parts of a step (optimizer update, NF4 dequantisation) reach this share of the data sheet's
-# memory bandwidth.
-MEMORY_EFFICIENCY = 0.8
-# PyTorch's AdamW on the CPU (what runs under CPU offload): about a dozen unfused elementwise passes over the fp32
-# parameter, gradient and two states, ~100 bytes of memory traffic per parameter, at the ~100 GB/s a server's
-# memory delivers (~50 GB/s on a desktop board's two channels). Per node: its GPUs' ranks share the CPU.
-CPU_OPTIMIZER_PARAMS_PER_S = {"server": 1e9, "desktop": 0.5e9}
+OVERLAP = CALIBRATED.overlap  # what the report states
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb: one all-reduce per bucket
+# AdamW on the CPU (what runs under CPU offload) is memory-bound: PyTorch's default makes about a dozen unfused
+# elementwise passes over the fp32 parameter, gradient and two states (~100 bytes of traffic per parameter); the
+# fused kernel (adamw_torch_fused) reads the four once and writes three back (28 bytes). At the ~100 GB/s a
+# server's memory delivers (~50 GB/s on a desktop board's two channels). Per node: its GPUs' ranks share the CPU.
+CPU_OPTIMIZER_BYTES_PER_PARAM = {"fused": 28.0, "unfused": 100.0}
+HOST_MEMORY_BYTES_PER_S = {"server": 100e9, "desktop": 50e9}
 DEFAULT_PIPELINE_MICROBATCHES = 2  # shardtune train's pipeline_microbatches default
 
 
@@ -102,13 +101,6 @@ class StepTime:
                 "comm_bytes_per_gpu": dict(self.comm_bytes), "note": self.note}
 
 
-def inactive_expert_params(inv: ModelInventory) -> int:
-    """Weights of the experts a token does not run (gated MLP experts: 3 x hidden x intermediate each)."""
-    if inv.num_experts <= 1:
-        return 0
-    return inv.num_layers * (inv.num_experts - inv.experts_per_token) * 3 * inv.hidden_size * inv.intermediate_size
-
-
 def model_flops_per_token(inv: ModelInventory, trainable: int, seq_len: int, frozen_base: bool) -> float:
     """PaLM's FLOPs per trained token (shardtune/train/metrics.py ``flops_per_token``, for the active weights).
 
@@ -125,14 +117,17 @@ def recompute_flops_per_token(inv: ModelInventory, layer_adapters: int, seq_len:
     return 2.0 * layer_weights + 4.0 * inv.num_layers * inv.hidden_size * seq_len
 
 
-def collective_s(nbytes: float, gpus_per_node: int, nodes: int, links: Links) -> tuple[float, dict[str, float]]:
-    """An all-gather (or a reduce-scatter) of a ``nbytes`` tensor over ``gpus_per_node`` x ``nodes`` GPUs: its
-    seconds, and the bytes each GPU sends per link. Hierarchical: (nodes-1)/nodes of the GPU's 1/G slice between
-    nodes, then (G-1)/G of the whole inside the node."""
+def collective_s(nbytes: float, gpus_per_node: int, nodes: int, links: Links,
+                 count: float = 1) -> tuple[float, dict[str, float]]:
+    """``count`` all-gathers (or reduce-scatters) moving ``nbytes`` in all over ``gpus_per_node`` x ``nodes`` GPUs:
+    their seconds, and the bytes each GPU sends per link. Hierarchical: (nodes-1)/nodes of the GPU's 1/G slice
+    between nodes, then (G-1)/G of the whole inside the node; each collective pays its links' latency."""
     intra = (gpus_per_node - 1) / gpus_per_node * nbytes
     inter = (nodes - 1) / nodes * nbytes / gpus_per_node
-    return intra / links.intra.bytes_per_s + inter / _inter_rate(links, gpus_per_node), {"intra": intra,
-                                                                                         "inter": inter}
+    latency = count * ((links.intra.latency_s if gpus_per_node > 1 else 0.0)
+                       + (links.inter.latency_s if nodes > 1 else 0.0))
+    seconds = intra / links.intra.bytes_per_s + inter / _inter_rate(links, gpus_per_node) + latency
+    return seconds, {"intra": intra, "inter": inter}
 
 
 def _inter_rate(links: Links, gpus_per_node: int) -> float:
@@ -140,9 +135,9 @@ def _inter_rate(links: Links, gpus_per_node: int) -> float:
     return links.inter.bytes_per_s / (gpus_per_node if links.inter.shared_by_node else 1)
 
 
-def exposed_s(comm: float, compute: float) -> float:
+def exposed_s(comm: float, compute: float, overlap: float = OVERLAP) -> float:
     """The part of ``comm`` seconds that ``compute`` seconds running beside it do not hide."""
-    return max(comm - OVERLAP * compute, (1 - OVERLAP) * comm) if comm > 0 else 0.0
+    return max(comm - overlap * compute, (1 - overlap) * comm) if comm > 0 else 0.0
 
 
 @dataclass
@@ -162,31 +157,34 @@ class _Traffic:
             self.bytes[link] += n * times
 
 
-def _data_parallel_traffic(model: _Model, setup: Setup, links: Links) -> _Traffic:
+def _data_parallel_traffic(model: _Model, setup: Setup, links: Links, reduce_bytes: int | None = None) -> _Traffic:
     """DDP and FSDP: what each GPU sends and copies per micro-batch and per optimizer step."""
     traffic = _Traffic()
     inv, accum = model.inv, setup.gradient_accumulation_steps
-    gpus, nodes = setup.num_gpus, setup.num_nodes
+    gpus, nodes, units = setup.num_gpus, setup.num_nodes, inv.num_layers + 1  # FSDP: each layer and the root
     layers = sum(model.layer_gathered(i) for i in range(inv.num_layers))
     root = model.root_gathered()
     trainable = sum(model.layer_trainable(i) for i in range(inv.num_layers)) + model.root_trainable()
-    grads = trainable * model.dt.master  # fp32 with fp32 master weights, bf16 under pure bf16
+    grads = trainable * (reduce_bytes or model.dt.master)  # fp32 with fp32 master weights, bf16 under pure bf16
     if links.intra.name == "nvlink-bridge" and gpus > 2:  # a bridge joins pairs: the ring crosses PCIe too
         links = Links(links.host, links.inter, links.host)
     if setup.strategy == "ddp" or setup.sharding_strategy == "NO_SHARD":
-        s, b = collective_s(grads, gpus, nodes, links)
+        buckets = units if setup.strategy == "fsdp" else max(1.0, math.ceil(grads / DDP_BUCKET_BYTES))
+        s, b = collective_s(grads, gpus, nodes, links, buckets)
         traffic.add(2 * s, {k: 2 * v for k, v in b.items()}, 1, per_step=True)  # all-reduce
         return traffic
     hybrid = setup.sharding_strategy == "HYBRID_SHARD"
     shard_nodes = 1 if hybrid else nodes  # HYBRID_SHARD shards inside a node
-    gathered = root + layers + (layers if setup.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD") else 0)
-    s, b = collective_s(gathered, gpus, shard_nodes, links)
+    regather = setup.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    s, b = collective_s(root + layers * (2 if regather else 1), gpus, shard_nodes, links,
+                        units + (inv.num_layers if regather else 0))
     traffic.add(s, b, accum, per_step=False)
-    s, b = collective_s(grads, gpus, shard_nodes, links)
+    s, b = collective_s(grads, gpus, shard_nodes, links, units)
     traffic.add(s, b, 1, per_step=True)  # reduce-scatter
     if hybrid and nodes > 1:  # each GPU's gradient shard all-reduced with its peers on the other nodes
         inter = 2 * (nodes - 1) / nodes * grads / gpus
-        traffic.add(inter / _inter_rate(links, gpus), {"inter": inter}, 1, per_step=True)
+        traffic.add(inter / _inter_rate(links, gpus) + units * links.inter.latency_s, {"inter": inter}, 1,
+                    per_step=True)
     if setup.offload_params:
         world = setup.world_size
         storage = sum(model.layer_storage(i) for i in range(inv.num_layers))
@@ -206,10 +204,12 @@ def _stage_share(inv: ModelInventory, bounds: tuple[tuple[int, int], ...]) -> fl
 
 def step_time(inv: ModelInventory, setup: Setup, gpu: Gpu, links: Links, lora: LoraCount | None = None,
               stage_bounds: tuple[tuple[int, int], ...] = (),
-              pipeline_microbatches: int = DEFAULT_PIPELINE_MICROBATCHES) -> StepTime:
+              pipeline_microbatches: int = DEFAULT_PIPELINE_MICROBATCHES, kernels: Kernels | None = None,
+              params: TimingParams = CALIBRATED) -> StepTime:
     """One optimizer step of ``setup`` on ``gpu``s joined by ``links``. ``stage_bounds`` are MP/PP's layers per
-    stage (the memory estimate's); without them the layers are split evenly."""
-    peak = gpu.peak_fp32_flops if setup.mixed_precision == "no" else gpu.peak_bf16_flops
+    stage (the memory estimate's); without them the layers are split evenly. ``kernels`` say how the step's
+    kernels run (default: shardtune train's), ``params`` the time model's fitted constants."""
+    peak = gpu.peak_flops(setup.mixed_precision)
     if not peak:
         raise ValueError(f"no peak FLOPs known for {gpu.name}")
     dt = dtypes(setup)
@@ -217,10 +217,14 @@ def step_time(inv: ModelInventory, setup: Setup, gpu: Gpu, links: Links, lora: L
     model_flops = model_flops_per_token(inv, adapters, setup.seq_len, setup.uses_lora)
     hw_flops = model_flops + (recompute_flops_per_token(inv, sum(lora.per_layer) if lora else 0, setup.seq_len)
                               if setup.gradient_checkpointing else 0.0)
-    work = _Work(micro_tokens=setup.batch_size * setup.seq_len,
-                 micro_s=(setup.batch_size * setup.seq_len * hw_flops / (peak * ACHIEVABLE[gpu.efficiency_class])
-                          + _dequantise_s(inv, setup, gpu)),
-                 trainable=adapters if setup.uses_lora else inv.parameters)
+    kernels = kernels or kernels_of(setup)
+    if links.intra.name in PCIE_X16_BYTES_PER_S:  # peer-to-peer PCIe: its achieved share is fitted
+        links = replace(links, intra=replace(links.intra, bytes_per_s=PCIE_X16_BYTES_PER_S[links.intra.name]
+                                             * params.pcie_share))
+    micro = microbatch(inv, setup, gpu, peak, lora, kernels, params)
+    work = _Work(micro_tokens=setup.batch_size * setup.seq_len, micro_s=micro.seconds,
+                 trainable=adapters if setup.uses_lora else inv.parameters,
+                 overlap=params.overlap if kernels.overlap_comm else 0.0, reduce_bytes=kernels.reduce_bytes)
     # The optimizer update reads and writes the weight and its states and reads the gradient.
     states = _optimizer_bytes_per_param(setup, dt.master, inv)
     work.optimizer_bytes = work.trainable * (3 * dt.master + 2 * states)
@@ -240,6 +244,8 @@ class _Work:
     micro_tokens: int
     micro_s: float  # its compute, the whole model on one GPU
     trainable: int
+    overlap: float = OVERLAP
+    reduce_bytes: int | None = None  # of a reduced gradient element, where not the master weights' size
     optimizer_bytes: float = 0.0  # memory traffic of the optimizer update over every trainable weight
 
 
@@ -262,7 +268,7 @@ def _split_layers_step(inv: ModelInventory, setup: Setup, gpu: Gpu, links: Links
     stages = len(bounds)
     handover = work.micro_tokens * inv.hidden_size * dtypes(setup).residual * 2  # activations on, gradients back
     comm = accum * (stages - 1) * handover / links.intra.bytes_per_s
-    optimizer_s = work.optimizer_bytes / stages / _memory_rate(gpu)  # each stage updates its own layers
+    optimizer_s = work.optimizer_bytes / stages / memory_rate(gpu)  # each stage updates its own layers
     if setup.strategy == "mp":
         compute = accum * work.micro_s  # the stages run one after another
         idle = world - stages
@@ -280,14 +286,17 @@ def _split_layers_step(inv: ModelInventory, setup: Setup, gpu: Gpu, links: Links
 def _data_parallel_step(model: _Model, setup: Setup, gpu: Gpu, links: Links, work: _Work) -> _Parts:
     """One GPU, DDP and FSDP: every GPU computes its own micro-batches; communication partly hidden."""
     world, accum = setup.world_size, setup.gradient_accumulation_steps
-    traffic = _Traffic() if setup.strategy == "single" else _data_parallel_traffic(model, setup, links)
+    traffic = (_Traffic() if setup.strategy == "single"
+               else _data_parallel_traffic(model, setup, links, work.reduce_bytes))
     compute = accum * work.micro_s
     comm = accum * traffic.per_microbatch_s + traffic.per_step_s
     # The per-step collective (all-reduce, reduce-scatter) runs in the last micro-batch's backward.
-    exposed = ((accum - 1) * exposed_s(traffic.per_microbatch_s, work.micro_s)
-               + exposed_s(traffic.per_microbatch_s + traffic.per_step_s, work.micro_s))
+    exposed = ((accum - 1) * exposed_s(traffic.per_microbatch_s, work.micro_s, work.overlap)
+               + exposed_s(traffic.per_microbatch_s + traffic.per_step_s, work.micro_s, work.overlap))
     if setup.offload_params:
-        optimizer_s = work.trainable / setup.num_nodes / CPU_OPTIMIZER_PARAMS_PER_S[gpu.host]  # its GPUs' shards
+        kind = "fused" if setup.optimizer == "adamw_torch_fused" else "unfused"
+        optimizer_s = (work.trainable / setup.num_nodes * CPU_OPTIMIZER_BYTES_PER_PARAM[kind]  # its GPUs' shards
+                       / HOST_MEMORY_BYTES_PER_S[gpu.host])
         note = f"CPU optimizer step {optimizer_s:.1f} s"
         if optimizer_s > compute:
             note += ": more tokens per step (micro-batch, accumulation) spread it thinner"
@@ -295,7 +304,7 @@ def _data_parallel_step(model: _Model, setup: Setup, gpu: Gpu, links: Links, wor
         shard = 1
         if setup.strategy == "fsdp" and setup.sharding_strategy != "NO_SHARD":
             shard = setup.num_gpus if setup.sharding_strategy == "HYBRID_SHARD" else world
-        optimizer_s = work.optimizer_bytes / shard / _memory_rate(gpu)
+        optimizer_s = work.optimizer_bytes / shard / memory_rate(gpu)
         note = f"communication {exposed / (compute + exposed):.0%} of the step" if comm else ""
     data_parallel = world if setup.strategy in ("ddp", "fsdp") else 1
     return _Parts(work.micro_tokens * accum * data_parallel, compute, comm, exposed, optimizer_s,
@@ -306,19 +315,6 @@ def _even_stages(layers: int, stages: int) -> tuple[tuple[int, int], ...]:
     stages = min(stages, layers)
     cuts = [round(i * layers / stages) for i in range(stages + 1)]
     return tuple((cuts[i], cuts[i + 1]) for i in range(stages))
-
-
-def _memory_rate(gpu: Gpu) -> float:
-    return (gpu.memory_bandwidth or 1e12) * MEMORY_EFFICIENCY
-
-
-def _dequantise_s(inv: ModelInventory, setup: Setup, gpu: Gpu) -> float:
-    """QLoRA dequantises each NF4 weight to bf16 before its matmul: in forward, in backward and in the recompute."""
-    if setup.method != "qlora":
-        return 0.0
-    passes = 3 if setup.gradient_checkpointing else 2
-    linear = sum(inv.layer_linear_params)
-    return passes * (nf4_bytes(linear, setup.nf4_double_quant) + 2 * linear) / _memory_rate(gpu)
 
 
 def duration(seconds: float) -> str:

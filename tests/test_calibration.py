@@ -1,0 +1,161 @@
+"""The calibration set (shardtune/memory/calibration/): every point loads and is checked, a bad field is named, the
+hardware table's figures have their provenance, and a card given by its numbers (--gpu-spec) is estimated as the
+table's card with those numbers."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shardtune.cli import main
+from shardtune.errors import UsageError
+from shardtune.hardware import CARDS, GIB, GPUS, INTRA_NODE_LINKS, MIB, gpu_from_spec
+from shardtune.memory import calibration
+from shardtune.memory.calibration import FOLDER, architecture_inventory, load_points
+from shardtune.memory.compute import CALIBRATED
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_loader_reads_every_point_and_checks_it():
+    points = load_points()
+    files = [p for p in FOLDER.glob("*.yaml") if p.name not in calibration.PROVENANCE_FILES]
+    raw = sum(len(yaml.safe_load(f.read_text())["points"]) for f in files)
+    assert len(points) == raw  # nothing skipped
+    speed, memory = [p for p in points if p.kind == "speed"], [p for p in points if p.kind == "memory"]
+    assert len(speed) >= 25 and len(memory) >= 15
+    assert len({p.id for p in points}) == len(points)
+    for p in points:
+        assert p.quote.strip() and p.source.url.startswith("https://") and p.source.published
+        assert set(p.assumed) <= {f for f in vars(p)}, p.id
+        p.setup(), p.kernels(), p.links()  # the estimator's objects build
+        if p.kind == "speed":
+            assert p.tokens_per_s() > 0
+    # The sizes the issue asks the set to span: 1 to 64+ GPUs, consumer and data-centre cards, every method.
+    assert {p.method for p in speed} == {"full", "lora", "qlora"}
+    assert min(p.world_size for p in speed) == 1 and max(p.world_size for p in speed) >= 64
+    assert {"rtx4090", "rtx3090", "a100-80gb", "h100-80gb"} <= {p.card.name for p in points}
+
+
+def test_measured_speeds_convert_as_their_sources_state():
+    """Each form of a measured speed, converted by hand: the source's rows over its seconds, sequences a second,
+    per-GPU figures."""
+    by_id = {p.id: p for p in load_points()}
+    assert by_id["answerai-3090-7b-qlora-b10"].tokens_per_s() == pytest.approx(1020 * 2048 / 936)
+    assert by_id["answerai-4090-mistral-24k-offload"].tokens_per_s() == pytest.approx(1024 * 24576 / 7809)
+    assert by_id["megatron-v100-dp32"].tokens_per_s() == pytest.approx(93.63 * 2048)
+    assert by_id["titan-a100-llama3-70b-full"].tokens_per_s() == pytest.approx(331 * 64)
+    assert by_id["tune-70b-lora-8xa100"].tokens_per_s() == 3497
+    assert by_id["tune-mem-405b-qlora-8xa100"].peak_bytes() == pytest.approx(44.8e9)
+    assert by_id["tune-mem-8b-lora-4090"].peak_bytes() == pytest.approx(16.2 * GIB)
+
+
+def test_architectures_count_the_published_parameters():
+    """MPT's shapes (with biases and learned positions) give exactly the table's NumParams: 7B by hand."""
+    h, layers, vocab, positions = 4096, 32, 50368, 2048
+    layer = 4 * h * h + 2 * h * 4 * h + (5 * h + 4 * h) + 2 * 2 * h  # weights, biases, two LayerNorms
+    by_hand = layers * layer + vocab * h + positions * h + 2 * h
+    arch = {"family": "gpt", "hidden": h, "layers": layers, "heads": 32, "intermediate": 4 * h, "vocab": vocab,
+            "tied": True, "positions": positions, "bias": True}
+    assert architecture_inventory("mpt-7b", arch).parameters == by_hand == 6658859008
+
+
+def _write(tmp_path, point: dict, **extra) -> Path:
+    source = {"id": "s", "title": "t", "url": "https://example.org/x", "published": "2024", "context": "c"}
+    base = {"id": "p1", "source": "s", "kind": "speed", "model": "llama-3.2-1b", "gpu": "a100-80gb",
+            "method": "full", "precision": "bf16-amp", "micro_batch": 1, "seq_len": 2048, "checkpointing": "full",
+            "measured": {"tokens_per_s_per_gpu": 100}, "quote": "| row |", "strategy": "single"}
+    path = tmp_path / "points.yaml"
+    path.write_text(yaml.safe_dump({"sources": [source], "points": [{**base, **point}], **extra}))
+    return path
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"checkpointing": "sometimes"}, ["points.yaml", "p1", "checkpointing='sometimes'"]),
+    ({"quote": ""}, ["p1", "missing quote"]),
+    ({"gpu": "h900"}, ["p1", "gpu 'h900'"]),
+    ({"measured": {"peak": 3, "unit": "GiB", "counter": "reserved"}}, ["p1", "a speed point measures"]),
+    ({"kind": "memory", "measured": {"peak": 3, "unit": "MB", "counter": "reserved"}}, ["p1", "unit"]),
+    ({"micro_batch": 0}, ["p1", "micro_batch=0"]),
+    ({"model": "llama-9"}, ["p1", "model 'llama-9'"]),
+    ({"strategy": "ddp", "num_gpus": 2, "num_nodes": 2}, ["p1", "inter_node"]),
+    ({"frobnicate": True}, ["p1", "unknown key frobnicate"]),
+])
+def test_a_bad_point_is_refused_naming_file_point_and_field(tmp_path, change, words):
+    _write(tmp_path, change)
+    with pytest.raises(UsageError) as e:
+        load_points(tmp_path)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    path = _write(tmp_path, {})
+    path.write_text(path.read_text().replace("quote: '| row |'", "quote: '| row |'\n  quote: '| other |'"))
+    with pytest.raises(UsageError, match="key quote given twice"):
+        load_points(tmp_path)
+
+
+def test_every_card_has_its_provenance_recorded():
+    cards = yaml.safe_load((FOLDER / "cards.yaml").read_text())["cards"]
+    assert set(cards) == {g.name for g in CARDS}
+    for name, entry in cards.items():
+        assert entry["datasheet"].startswith("https://"), name
+        assert entry["read"] or entry.get("not_confirmed") or entry.get("note"), name
+        assert all(r["url"].startswith("https://") and r["quote"] for r in entry["read"]), name
+
+
+def test_the_shipped_constants_are_the_committed_fit():
+    """CALIBRATED is bench/calibration.py's fit on every speed point, as bench/results/calibration.json holds it."""
+    fitted = json.loads((ROOT / "bench/results/calibration.json").read_text())["fitted_params"]
+    for name, value in vars(CALIBRATED).items():
+        assert math.isclose(value, fitted[name], rel_tol=5e-4, abs_tol=1e-6), name
+
+
+# --- Any card: --gpu-spec ------------------------------------------------------------------------------------------
+
+TABLE_AS_SPEC = {  # a table card and the same card described by its numbers
+    "l40s": "tflops=362.05,memory=44.98828125,bandwidth=864,link=pcie4,host=pcie4",
+    "a100-80gb": "tflops=312,memory=80,bandwidth=2039,link=nvlink3,host=pcie4",
+}
+
+
+@pytest.mark.parametrize("card", TABLE_AS_SPEC)
+def test_a_card_given_by_its_numbers_is_estimated_as_the_table_card(card, capsys):
+    args = ["estimate", "llama-3.2-3b", "--method", "lora", "--num-gpus", "4", "--tokens", "10M", "--json"]
+    out = {}
+    for how in (["--gpu", card], ["--gpu-spec", TABLE_AS_SPEC[card]]):
+        assert main([*args, *how]) == 0
+        out[how[0]] = json.loads(capsys.readouterr().out)
+    table, spec = out["--gpu"], out["--gpu-spec"]
+    assert spec["per_gpu"] == table["per_gpu"] and spec["fits"] == table["fits"]
+    assert [s["per_gpu"] for s in spec["strategies"]] == [s["per_gpu"] for s in table["strategies"]]
+    for a, b in zip(spec["timing"]["setups"], table["timing"]["setups"]):
+        assert (a["setup"], a["step_s"], a["tokens_per_s"], a["mfu"]) == (b["setup"], b["step_s"], b["tokens_per_s"],
+                                                                         b["mfu"])
+
+
+def test_the_spec_sets_what_it_names():
+    gpu = gpu_from_spec("tflops=121, memory=24, bandwidth=300, link=pcie4-host")
+    assert (gpu.peak_bf16_flops, gpu.memory_bytes, gpu.memory_bandwidth) == (121e12, 24 * GIB, 300e9)
+    assert gpu.interconnect == "pcie4-host" and INTRA_NODE_LINKS[gpu.interconnect]
+    assert GPUS["l40s"].memory_bytes == 46068 * MIB == int(44.98828125 * GIB)  # the table row the test above uses
+
+
+@pytest.mark.parametrize("spec, named", [
+    ("tflops=121,memory=24", "missing bandwidth="),
+    ("memory=24,bandwidth=300", "missing tflops="),
+    ("tflops=lots,memory=24,bandwidth=300", "tflops=lots is not a positive number"),
+    ("tflops=121,memory=-3,bandwidth=300", "memory=-3 is not a positive number"),
+    ("tflops=121,memory=24,bandwidth=300,color=green", "'color=green' is not one of"),
+    ("tflops=121,memory=24,bandwidth=300,link=carrier-pigeon", "unknown --gpu-spec link 'carrier-pigeon'"),
+])
+def test_a_bad_spec_is_one_line_naming_the_field(spec, named):
+    proc = subprocess.run([sys.executable, "-m", "shardtune", "estimate", "llama-3.2-1b", "--gpu-spec", spec,
+                           "--time"], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert named in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
