@@ -104,10 +104,10 @@ class Point:
                 f"ckpt-{'on' if self.gradient_checkpointing else 'off'}")
 
     def setup(self) -> Setup:
-        return validate(Setup(method=self.method, strategy="single", batch_size=self.batch_size,
-                              seq_len=self.seq_len, gradient_checkpointing=self.gradient_checkpointing,
-                              mixed_precision="bf16", lora_r=LORA_R, lora_target_modules="all-linear",
-                              attn_implementation="sdpa"))
+        return validate(Setup.of(method=self.method, distributed_type="NO", per_device_train_batch_size=self.batch_size,
+                                 max_seq_len=self.seq_len, gradient_checkpointing=self.gradient_checkpointing,
+                                 mixed_precision="bf16", lora_r=LORA_R, lora_target_modules="all-linear",
+                                 attn_implementation="sdpa"))
 
 
 @dataclass

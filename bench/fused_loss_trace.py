@@ -35,7 +35,8 @@ def trace(model: str, args, fused: bool):
     from shardtune.memory.trace import trace_training_step
     from shardtune.memory.trace_setup import config_from_setup
 
-    setup = Setup(method=args.method, batch_size=args.batch, seq_len=args.seq_len, gradient_checkpointing=True)
+    setup = Setup.of(method=args.method, per_device_train_batch_size=args.batch, max_seq_len=args.seq_len,
+                     gradient_checkpointing=True, mixed_precision="bf16")
     cfg = config_from_setup(model, setup)
     if fused:
         return trace_training_step(cfg, 1)

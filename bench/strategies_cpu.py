@@ -40,7 +40,7 @@ def main() -> int:
         recipe.write_text(f"model_name_or_path: {model}\ndataset_name: {data}\nsplits: train\nmax_seq_len: 128\n"
                           f"packing: true\nper_device_train_batch_size: 8\npipeline_microbatches: 4\n"
                           f"pipeline_schedule: 1F1B\nlearning_rate: 1.0e-4\n")
-        return shardtune(["bench", "strategies", str(recipe), "--strategies", "mp,pp,ddp,fsdp",
+        return shardtune(["bench", "strategies", str(recipe), "--strategies", "MP,PP,DDP,FSDP",
                           "--num_processes", str(args.num_processes), "--steps", str(args.steps),
                           "--warmup_steps", "2", "--out", args.out, "--plot", args.plot])
 

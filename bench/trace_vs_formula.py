@@ -19,11 +19,11 @@ from pathlib import Path
 # (hidden, intermediate, layers, heads, kv heads): two small Llama shapes.
 MODELS = {"small-256": (256, 688, 4, 8, 4), "small-512": (512, 1376, 4, 8, 2)}
 SETUPS = [  # (method, strategy, world size, sharding, checkpointing)
-    ("full", "single", 1, "FULL_SHARD", False), ("full", "single", 1, "FULL_SHARD", True),
-    ("lora", "single", 1, "FULL_SHARD", False), ("lora", "single", 1, "FULL_SHARD", True),
-    ("full", "fsdp", 4, "FULL_SHARD", True), ("full", "fsdp", 4, "SHARD_GRAD_OP", False),
-    ("lora", "fsdp", 4, "FULL_SHARD", True), ("qlora", "single", 1, "FULL_SHARD", True),
-    ("full", "ddp", 2, "FULL_SHARD", True),
+    ("full", "NO", 1, "FULL_SHARD", False), ("full", "NO", 1, "FULL_SHARD", True),
+    ("lora", "NO", 1, "FULL_SHARD", False), ("lora", "NO", 1, "FULL_SHARD", True),
+    ("full", "FSDP", 4, "FULL_SHARD", True), ("full", "FSDP", 4, "SHARD_GRAD_OP", False),
+    ("lora", "FSDP", 4, "FULL_SHARD", True), ("qlora", "NO", 1, "FULL_SHARD", True),
+    ("full", "DDP", 2, "FULL_SHARD", True),
 ]
 
 
@@ -34,8 +34,9 @@ def compare(folder: str, method: str, strategy: str, world: int, sharding: str, 
     from shardtune.memory.setup import Setup
     from shardtune.memory.trace_setup import formula_and_trace
 
-    setup = Setup(method=method, strategy=strategy, sharding_strategy=sharding, num_gpus=world, batch_size=batch,
-                  seq_len=seq_len, gradient_checkpointing=checkpointing, mixed_precision="bf16", loss="shardtune")
+    setup = Setup.of(method=method, distributed_type=strategy, fsdp_sharding_strategy=sharding, num_gpus=world,
+                     per_device_train_batch_size=batch, max_seq_len=seq_len, gradient_checkpointing=checkpointing,
+                     mixed_precision="bf16", loss="shardtune")
     c = formula_and_trace(folder, setup)
     return {"method": method, "strategy": setup.label(), "world_size": world, "checkpointing": checkpointing,
             "trace_bytes": c.traced_tensors, "formula_bytes": c.formula_tensors, "ratio": c.formula_tensors /

@@ -20,7 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from shardtune.strategies import STRATEGIES  # noqa: E402
+
 DOC_PATH = ROOT / "docs" / "config.md"
+# Other tools' names that the registry reads as its strategies (Accelerate's MULTI_GPU, ...).
+STRATEGY_ALIASES = "; ".join(f"Accelerate's {' / '.join(s.aliases)} mean {s.name}" for s in STRATEGIES if s.aliases)
 
 DESCRIPTIONS = {
     "model_name_or_path": "Local model folder (config.json + weights + tokenizer) or a hub name.",
@@ -161,8 +165,8 @@ DESCRIPTIONS = {
     "metric_for_best_model": "The eval metric that picks the best checkpoint: eval_loss (default) or eval_perplexity.",
     "greater_is_better": "Whether a larger metric is better (default: false for a loss or perplexity).",
     "resume_from_checkpoint": "A checkpoint folder, or true for the newest complete one in output_dir.",
-    "distributed_type": "How processes share the work (Accelerate's MULTI_GPU / MULTI_CPU mean DDP); unset: DDP "
-                        "when launched on several processes.",
+    "distributed_type": f"How processes share the work, one of the strategies of shardtune/strategies.py "
+                        f"({STRATEGY_ALIASES}); unset: DDP when launched on several processes.",
     "fsdp_sharding_strategy": "What FSDP shards (FSDP1's numbers 1-5 are accepted too); see "
                               "docs/choosing-a-setup.md.",
     "fsdp_offload_params": "Keep parameters, gradients and optimizer states in CPU memory.",

@@ -148,10 +148,11 @@ def test_fsdp2_two_processes_lora_checkpointing_same_losses_with_offloading(tmp_
 def _formula(**changes):
     from shardtune.memory.formula import estimate
     from shardtune.memory.inventory import ModelAnalysis
-    from shardtune.memory.setup import Setup, validate
+    from shardtune.memory.setup import validate
+    from tests.setups import checked_setup
 
     analysis = ModelAnalysis("llama-3.2-1b")
-    setup = validate(Setup(method="lora", batch_size=4, seq_len=4096, **changes))
+    setup = validate(checked_setup(method="lora", per_device_train_batch_size=4, max_seq_len=4096, **changes))
     lora = analysis.lora(setup.lora_r, setup.lora_target_modules)
     return analysis.inventory, estimate(analysis.inventory, setup, lora)
 

@@ -17,7 +17,7 @@ from shardtune.memory.formula import Activations, _Model
 from shardtune.memory.setup import dtypes
 from shardtune.memory.inventory import ModelAnalysis
 from shardtune.memory.measure import LiveStorages, parameter_storages, saved_tensor_bytes
-from shardtune.memory.setup import Setup
+from tests.setups import checked_setup
 
 ARCHS = {
     "llama": dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=3,
@@ -27,7 +27,7 @@ ARCHS = {
     "qwen2": dict(model_type="qwen2", hidden_size=128, intermediate_size=320, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000),
 }
-MODES = {"pure bf16": dict(pure_bf16=True), "bf16 autocast": dict(), "fp32": dict(mixed_precision="no")}
+MODES = {"pure bf16": dict(torch_dtype="bfloat16"), "bf16 autocast": dict(), "fp32": dict(mixed_precision="no")}
 
 
 def trainer_batch(ids: torch.Tensor, attn_implementation: str = "sdpa") -> dict[str, torch.Tensor]:
@@ -62,7 +62,8 @@ def _measure(config: dict, mode: str, checkpointing: bool, batch: int = 2, seq: 
 
 def _predict(folder: str, mode: str, checkpointing: bool, batch: int = 2, seq: int = 64) -> int:
     inv = ModelAnalysis(folder).inventory
-    setup = Setup(gradient_checkpointing=checkpointing, batch_size=batch, seq_len=seq, loss="full", **MODES[mode])
+    setup = checked_setup(gradient_checkpointing=checkpointing, per_device_train_batch_size=batch, max_seq_len=seq,
+                          loss="full", **MODES[mode])
     dt = dtypes(setup)
     act, model = Activations(inv, setup, dt), _Model(inv, setup, dt, None)
     per_layer = act.layer_checkpointed() if checkpointing else act.layer()
@@ -104,10 +105,11 @@ def test_eager_attention_keeps_the_score_matrices(config_dir):
     gc.collect()
     measured = live.live_bytes(parameter_storages(model)) + batch_bytes(inputs) - loss.nbytes
     inv = ModelAnalysis(folder).inventory
-    setup = Setup(gradient_checkpointing=False, batch_size=2, seq_len=64, pure_bf16=True, attn_implementation="eager",
-                  loss="full")
+    setup = checked_setup(gradient_checkpointing=False, per_device_train_batch_size=2, max_seq_len=64,
+                          torch_dtype="bfloat16", attn_implementation="eager", loss="full")
     act = Activations(inv, setup, dtypes(setup))
     predicted = 2 * 64 * (inv.num_layers * act.layer() + act.outside_layers()) + act.rope_tables()
     assert predicted == pytest.approx(measured, rel=0.005)
-    sdpa = Setup(gradient_checkpointing=False, batch_size=2, seq_len=64, pure_bf16=True)
+    sdpa = checked_setup(gradient_checkpointing=False, per_device_train_batch_size=2, max_seq_len=64,
+                         torch_dtype="bfloat16")
     assert act.attention() > Activations(inv, sdpa, dtypes(sdpa)).attention()

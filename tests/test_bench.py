@@ -27,7 +27,7 @@ def test_summarise_skips_warmup_and_takes_the_slowest_rank(tmp_path):
     write_probe(tmp_path, 0, wall_s=[9.0, 1.0, 2.0], compute_s=[9.0, 0.5, 1.0], comm_s=[0.0, 0.25, 0.5],
                 tokens=[100, 100, 300])
     write_probe(tmp_path, 1, wall_s=[9.0, 1.5, 1.0], compute_s=[1.0, 0.75, 0.25], comm_s=[0.0, 0.5, 0.5])
-    res = summarise("ddp", tmp_path, warmup_steps=1)
+    res = summarise("DDP", tmp_path, warmup_steps=1)
     # Steps 2 and 3: the slower rank sets each step's wall time (1.5 s and 2.0 s).
     assert res.wall_per_step_s == pytest.approx((1.5 + 2.0) / 2)
     assert res.tokens_per_s == pytest.approx(400 / 3.5)
@@ -38,7 +38,7 @@ def test_summarise_skips_warmup_and_takes_the_slowest_rank(tmp_path):
 def test_summarise_mp_reports_each_stage(tmp_path):
     write_probe(tmp_path, 0, strategy="MP", wall_s=[5.0, 2.0, 2.0], compute_s=[5.0, 2.0, 2.0], tokens=[1, 10, 10],
                 stage_compute_s=[[1.0, 1.0], [0.6, 0.8], [0.4, 0.6]])
-    res = summarise("mp", tmp_path, warmup_steps=1)
+    res = summarise("MP", tmp_path, warmup_steps=1)
     assert res.stages_or_ranks == 2
     assert res.busy == pytest.approx([1.0 / 4.0, 1.4 / 4.0])
     assert "one stage busy at a time" in explain(res, 2)
@@ -117,15 +117,15 @@ def test_probe_callback_records_each_step_as_the_bench_reads_it(tmp_path):
     assert len(record["wall_s"]) == len(record["compute_s"]) == len(record["stage_compute_s"]) == 3
     assert all(0 < c < w for c, w in zip(record["compute_s"], record["wall_s"]))  # compute inside the step's time
     assert all(len(stages) == 2 and min(stages) > 0 for stages in record["stage_compute_s"])
-    res = summarise("mp", tmp_path / "out" / "probe", warmup_steps=1)
+    res = summarise("MP", tmp_path / "out" / "probe", warmup_steps=1)
     assert res.tokens_per_s == pytest.approx((65 + 66) / sum(record["wall_s"][1:]))
     assert res.stages_or_ranks == 2 and 0 < sum(res.busy) <= 1
 
 
 def test_table_has_a_row_and_a_line_per_setup():
-    rows = [Result("mp", 1, 2, 0.5, 1000.0, busy=[0.4, 0.45], busy_source="x", peak_memory_bytes=2**30,
+    rows = [Result("MP", 1, 2, 0.5, 1000.0, busy=[0.4, 0.45], busy_source="x", peak_memory_bytes=2**30,
                    estimate_bytes=2**29),
-            Result("ddp", 2, 2, error="exit 1: boom")]
+            Result("DDP", 2, 2, error="exit 1: boom")]
     rows[0].explanation = explain(rows[0], 2)
     rows[1].explanation = explain(rows[1], 2)
     table = format_table(rows, "CAVEAT")
@@ -134,9 +134,9 @@ def test_table_has_a_row_and_a_line_per_setup():
 
 
 def test_plot_stacks_busy_and_waiting_per_setup(tmp_path):
-    rows = [Result("mp", 1, 2, 0.5, 1000.0, busy=[0.4, 0.5]),
-            Result("ddp", 2, 2, 0.4, 3000.0, busy=[0.9, 0.7], in_collectives=[0.05, 0.15]),
-            Result("fsdp", 2, 2, error="exit 1: boom")]
+    rows = [Result("MP", 1, 2, 0.5, 1000.0, busy=[0.4, 0.5]),
+            Result("DDP", 2, 2, 0.4, 3000.0, busy=[0.9, 0.7], in_collectives=[0.05, 0.15]),
+            Result("FSDP", 2, 2, error="exit 1: boom")]
     tokens, shares = strategy_figure(rows).axes
     assert [b.get_height() for b in tokens.patches] == [1000.0, 3000.0]  # the failed setup has no bar
     busy, waiting = shares.containers
@@ -158,7 +158,7 @@ def test_results_name_the_model_not_the_folder_it_was_read_from(tmp_path):
     other = make_model_folder(tmp_path / "model", num_layers=2)
     assert model_label(str(other) + "/") == "model (llama, 2 layers x 64 hidden, 139.6 k parameters)"
     assert model_label("meta-llama/Not-Downloaded-7B") == "Not-Downloaded-7B"  # no config to read: its name
-    measured = Measured("res.json", {"ddp": 3000.0, "mp": 1000.0}, label, 2, "cpu (2 cores)")
+    measured = Measured("res.json", {"DDP": 3000.0, "MP": 1000.0}, label, 2, "cpu (2 cores)")
     assert measured.describe() == ("DDP 3,000, MP 1,000 tokens/s measured with tiny-llama (4 layers x 256 hidden, "
                                    "3.2 M parameters) on cpu (2 cores), 2 processes (res.json)")
 
@@ -166,7 +166,8 @@ def test_results_name_the_model_not_the_folder_it_was_read_from(tmp_path):
 def test_bad_strategy_is_a_usage_error():
     from shardtune.cli.bench import parse_strategies
 
-    assert parse_strategies("MP, fsdp") == ["mp", "fsdp"]
+    assert parse_strategies("MP, fsdp") == ["MP", "FSDP"]  # any case in, the registry's names out
+    assert parse_strategies(None) == ["DDP", "FSDP", "MP", "PP"]  # every strategy that spreads a job
     with pytest.raises(UsageError, match="zero"):
         parse_strategies("mp,zero")
 
@@ -187,14 +188,14 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
     assert saved["num_processes"] == 2 and saved["batch_size"] == 4
     assert saved["method"] == "full"  # the recipe sets no use_peft_lora: every weight trains
     mp, ddp = saved["results"]
-    probe = json.loads((tmp_path / "work" / "mp" / "probe" / "probe-rank-0.json").read_text())
+    probe = json.loads((tmp_path / "work" / "MP" / "probe" / "probe-rank-0.json").read_text())
     walls = probe["wall_s"][1:]
     assert mp["tokens_per_s"] == pytest.approx(sum(probe["tokens"][1:]) / sum(walls))
     # One process drives both stages: each is busy part of the step, and never both at once.
     assert len(mp["busy"]) == 2 and all(0 < b for b in mp["busy"]) and sum(mp["busy"]) <= 1
     assert mp["estimate_bytes"] > 0 and mp["peak_memory_bytes"] > 0 and len(mp["losses"]) == 3
     # DDP: each rank computes part of the step and waits in the gradient all-reduce for part of it.
-    ranks = [json.loads((tmp_path / "work" / "ddp" / "probe" / f"probe-rank-{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((tmp_path / "work" / "DDP" / "probe" / f"probe-rank-{r}.json").read_text()) for r in (0, 1)]
     assert ddp["busy"] == pytest.approx([sum(r["compute_s"][1:]) / sum(r["wall_s"][1:]) for r in ranks])
     assert all(c > 0 for c in ddp["in_collectives"])
     assert all(0 < b and b + c <= 1 for b, c in zip(ddp["busy"], ddp["in_collectives"]))
@@ -208,7 +209,7 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
     # Within the tie margin the usual order decides, and it puts DDP before MP.
     clear = slower["tokens_per_s"] < faster["tokens_per_s"] * (1 - MEASURED_TIE)
     recommendation = json.loads(out.stdout)["recommendation"]
-    assert recommendation["strategy"] == (faster["strategy"] if clear else "ddp")
+    assert recommendation["strategy"] == (faster["strategy"] if clear else "DDP")
     assert f"tokens/s measured with {saved['model']} on cpu" in recommendation["reason"]
 
 
@@ -327,13 +328,13 @@ def test_setups_run_without_the_memory_check():
     # On CPU it traces step 2 of DDP and FSDP only, several times slower: it would count against those two.
     from shardtune.bench.strategies import job_args
 
-    args = job_args("r.yaml", "ddp", Path("out"), num_processes=2, steps=4, extra=[])
+    args = job_args("r.yaml", "DDP", Path("out"), num_processes=2, steps=4, extra=[])
     assert args[args.index("--predict_memory") + 1] == "false"
 
 
 def test_setups_run_the_recipes_callbacks_and_the_probe():
     from shardtune.bench.strategies import job_args
 
-    args = job_args("r.yaml", "ddp", Path("out"), num_processes=2, steps=4, callbacks=["my.hooks:Stop"],
+    args = job_args("r.yaml", "DDP", Path("out"), num_processes=2, steps=4, callbacks=["my.hooks:Stop"],
                     extra=["--callbacks", "my.hooks:Stop"])  # what --set callbacks=... adds: the recipe's too
     assert args[-2:] == ["--callbacks", "my.hooks:Stop,shardtune.bench.probe:Probe"]

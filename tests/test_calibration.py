@@ -17,6 +17,7 @@ from shardtune.hardware import CARDS, GIB, GPUS, INTRA_NODE_LINKS, MIB, gpu_from
 from shardtune.memory import calibration
 from shardtune.memory.calibration import FOLDER, architecture_inventory, load_points
 from shardtune.memory.compute import CALIBRATED
+from tests.setups import CHECKED_AT_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +69,7 @@ def _write(tmp_path, point: dict, **extra) -> Path:
     source = {"id": "s", "title": "t", "url": "https://example.org/x", "published": "2024", "context": "c"}
     base = {"id": "p1", "source": "s", "kind": "speed", "model": "llama-3.2-1b", "gpu": "a100-80gb",
             "method": "full", "precision": "bf16-amp", "micro_batch": 1, "seq_len": 2048, "checkpointing": "full",
-            "measured": {"tokens_per_s_per_gpu": 100}, "quote": "| row |", "strategy": "single"}
+            "measured": {"tokens_per_s_per_gpu": 100}, "quote": "| row |", "strategy": "NO"}
     path = tmp_path / "points.yaml"
     path.write_text(yaml.safe_dump({"sources": [source], "points": [{**base, **point}], **extra}))
     return path
@@ -82,7 +83,8 @@ def _write(tmp_path, point: dict, **extra) -> Path:
     ({"kind": "memory", "measured": {"peak": 3, "unit": "MB", "counter": "reserved"}}, ["p1", "unit"]),
     ({"micro_batch": 0}, ["p1", "micro_batch=0"]),
     ({"model": "llama-9"}, ["p1", "model 'llama-9'"]),
-    ({"strategy": "ddp", "num_gpus": 2, "num_nodes": 2}, ["p1", "inter_node"]),
+    ({"strategy": "DDP", "num_gpus": 2, "num_nodes": 2}, ["p1", "inter_node"]),
+    ({"strategy": "single"}, ["p1", "strategy='single' is not one of NO, DDP, FSDP"]),
     ({"frobnicate": True}, ["p1", "unknown key frobnicate"]),
 ])
 def test_a_bad_point_is_refused_naming_file_point_and_field(tmp_path, change, words):
@@ -125,7 +127,8 @@ TABLE_AS_SPEC = {  # a table card and the same card described by its numbers
 
 @pytest.mark.parametrize("card", TABLE_AS_SPEC)
 def test_a_card_given_by_its_numbers_is_estimated_as_the_table_card(card, capsys):
-    args = ["estimate", "llama-3.2-3b", "--method", "lora", "--num-gpus", "4", "--tokens", "10M", "--json"]
+    args = ["estimate", "llama-3.2-3b", "--method", "lora", "--num-gpus", "4", "--tokens", "10M", "--json",
+            *CHECKED_AT_ARGS]  # a spec's tflops= is the bf16 peak
     out = {}
     for how in (["--gpu", card], ["--gpu-spec", TABLE_AS_SPEC[card]]):
         assert main([*args, *how]) == 0

@@ -7,9 +7,10 @@ import sys
 import pytest
 
 from shardtune.cli import main
+from tests.setups import CHECKED_AT_ARGS
 
 DONE_WHEN = ["llama-2-70b", "--method", "lora", "--num-gpus", "8", "--gpu", "h100-80gb", "--batch-size", "8",
-             "--seq-len", "2048", "--gradient-checkpointing"]
+             "--seq-len", "2048", "--gradient-checkpointing", "--mixed-precision", "bf16"]
 
 
 def run_json(capsys, args):
@@ -26,9 +27,9 @@ def test_json_carries_the_contract_fields(capsys):
     parts = per_gpu["params"] + per_gpu["grads"] + per_gpu["optimizer"] + per_gpu["activations"] + per_gpu["overhead"]
     assert per_gpu["total"] == parts == sum(i["bytes"] for i in out["items"])
     assert out["fits"] is True and out["cuda_context"] > 0
-    assert out["recommendation"]["strategy"] == "fsdp" and out["recommendation"]["max_batch_size"] >= 8
+    assert out["recommendation"]["strategy"] == "FSDP" and out["recommendation"]["max_batch_size"] >= 8
     # 70B in bf16 is 128 GiB: a replica cannot fit an 80 GB GPU, so DDP must be ruled out.
-    ddp = next(s for s in out["strategies"] if s["strategy"] == "ddp")
+    ddp = next(s for s in out["strategies"] if s["strategy"] == "DDP")
     assert ddp["fits"] is False and ddp["per_gpu"]["params"] > 128 * 2**30
 
 
@@ -42,7 +43,7 @@ def test_sharding_across_more_gpus_shrinks_model_states(capsys):
 
 def test_full_finetune_model_states_are_16_bytes_per_parameter(capsys):
     # fp32 weights (4), fp32 gradients (4), AdamW's two fp32 states (8): ZeRO paper, sec. 3.1.
-    out = run_json(capsys, ["llama-2-7b", "--strategy", "single", "--gpu-memory", "200"])
+    out = run_json(capsys, ["llama-2-7b", "--strategy", "NO", "--gpu-memory", "200", *CHECKED_AT_ARGS])
     phases = out["phases"]
     assert out["peak_phase"] in phases
     step = phases["optimizer step"]
@@ -50,12 +51,12 @@ def test_full_finetune_model_states_are_16_bytes_per_parameter(capsys):
 
 
 def test_recommends_ddp_when_a_replica_fits(capsys):
-    out = run_json(capsys, ["llama-3.2-1b", "--num-gpus", "4", "--method", "lora"])
-    assert out["recommendation"]["strategy"] == "ddp"
+    out = run_json(capsys, ["llama-3.2-1b", "--num-gpus", "4", "--method", "lora", *CHECKED_AT_ARGS])
+    assert out["recommendation"]["strategy"] == "DDP"
 
 
 def test_what_would_fit_when_nothing_does(capsys):
-    out = run_json(capsys, ["llama-3.1-70b", "--gpu", "rtx4090", "--batch-size", "4"])
+    out = run_json(capsys, ["llama-3.1-70b", "--gpu", "rtx4090", *CHECKED_AT_ARGS, "--batch-size", "4"])
     rec = out["recommendation"]
     assert rec["fits"] is False and out["fits"] is False
     # Batch 1 with CPU offload fits (the 2.1B embedding and head parameters are gathered, activations are small).
@@ -76,6 +77,9 @@ def test_table_output_names_the_recommendation(capsys):
     (["llama-2-7b", "--sharding-strategy", "FULL_SHARDING"], "unknown sharding strategy"),
     (["llama-2-7b", "--method", "qlor"], "Did you mean 'qlora'"),
     (["llama-2-7b", "--gpu", "h100"], "unknown GPU"),
+    # The estimator's earlier word for one GPU is no strategy's name; the strategy it meant is suggested.
+    (["llama-2-7b", "--strategy", "single"], "unknown strategy 'single': choose one of NO, DDP, FSDP, MP, PP. Did "
+                                             "you mean 'NO'?"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     proc = subprocess.run([sys.executable, "-m", "shardtune", "estimate", *args], capture_output=True, text=True)
@@ -94,7 +98,7 @@ def test_unreadable_config_names_file_and_line(tmp_path):
 
 def test_zero_stage_names_map_to_fsdp(capsys):
     zero3 = run_json(capsys, ["llama-3-8b", "--num-gpus", "8", "--strategy", "zero3"])
-    assert zero3["setup"]["strategy"] == "fsdp" and zero3["setup"]["sharding_strategy"] == "FULL_SHARD"
+    assert zero3["setup"]["strategy"] == "FSDP" and zero3["setup"]["sharding_strategy"] == "FULL_SHARD"
     zero2 = run_json(capsys, ["llama-3-8b", "--num-gpus", "8", "--strategy", "fsdp", "--sharding-strategy", "zero2"])
     assert zero2["setup"]["sharding_strategy"] == "SHARD_GRAD_OP"
 
@@ -115,3 +119,16 @@ def test_estimate_takes_a_catalog_models_hub_id_as_its_name(capsys):
         assert main(["estimate", name, "--method", "lora", "--json"]) == 0
         outputs.append(json.loads(capsys.readouterr().out))
     assert outputs[0]["model"] == "llama-3.1-8b" and outputs[1] == outputs[0] == outputs[2]
+
+
+def test_estimate_without_options_describes_the_job_train_runs_without_options(capsys):
+    # Both read config/schema.py's defaults: the estimate's setup is the job `shardtune train` resolves from a
+    # recipe that names only the model and the data, on one process (the GPU is large enough to keep one GPU).
+    from shardtune.config import load_train_config
+    from shardtune.memory.trace_setup import setup_from_config
+
+    out = run_json(capsys, ["llama-3.2-1b", "--gpu-memory", "1000"])
+    trained = load_train_config(["--model_name_or_path", "llama-3.2-1b", "--dataset_name", "rows.jsonl",
+                                 "--output_dir", "out"])
+    assert out["setup"] == setup_from_config(trained, 1).to_dict()
+    assert out["setup"]["strategy"] == "NO" and out["setup"]["batch_size"] == trained.run.per_device_train_batch_size

@@ -32,7 +32,7 @@ def _tiny_folder(bench, root: Path) -> str:
 def test_dry_run_rows_carry_the_trace_and_formula_numbers(tmp_path):
     from shardtune.memory.formula import estimate
     from shardtune.memory.inventory import ModelAnalysis
-    from shardtune.memory.setup import Setup
+    from tests.setups import checked_setup
     from shardtune.memory.trace import trace_training_step
     from shardtune.memory.trace_setup import config_from_setup
 
@@ -48,8 +48,9 @@ def test_dry_run_rows_carry_the_trace_and_formula_numbers(tmp_path):
     folder = _tiny_folder(bench, tmp_path / "model")
     analysis = ModelAnalysis(folder, use_cache=False)
     for row in rows:
-        setup = Setup(method=row["method"], batch_size=2, seq_len=32, gradient_checkpointing=True,
-                      mixed_precision="bf16", lora_r=bench.LORA_R, lora_target_modules="all-linear")
+        setup = checked_setup(method=row["method"], per_device_train_batch_size=2, max_seq_len=32,
+                              gradient_checkpointing=True, mixed_precision="bf16", lora_r=bench.LORA_R,
+                              lora_target_modules="all-linear")
         traced = trace_training_step(config_from_setup(folder, setup), 1, target_device="cuda")
         assert (row["trace_allocated_bytes"], row["trace_reserved_bytes"]) == (traced.peak_bytes, traced.reserved_bytes)
         breakdown = estimate(analysis.inventory, setup, analysis.lora(bench.LORA_R, "all-linear"))

@@ -16,7 +16,7 @@ from shardtune.memory.formula import Activations, _Model
 from shardtune.memory.setup import dtypes
 from shardtune.memory.inventory import ModelAnalysis
 from shardtune.memory.measure import LiveStorages, parameter_storages
-from shardtune.memory.setup import Setup
+from tests.setups import checked_setup
 from tests.test_activations import batch_bytes, trainer_batch
 
 CONFIGS = {
@@ -50,8 +50,9 @@ def _measure_lora(config: dict, targets: str, pure_bf16: bool = True) -> int:
 def _predict(folder: str, targets: str, method: str = "lora", pure_bf16: bool = True) -> int:
     analysis = ModelAnalysis(folder)
     inv = analysis.inventory
-    setup = Setup(method=method, gradient_checkpointing=False, batch_size=BATCH, seq_len=SEQ, pure_bf16=pure_bf16,
-                  lora_r=RANK, lora_target_modules=targets, loss="full")
+    setup = checked_setup(method=method, gradient_checkpointing=False, per_device_train_batch_size=BATCH,
+                          max_seq_len=SEQ, torch_dtype="bfloat16" if pure_bf16 else None, lora_r=RANK,
+                          lora_target_modules=targets, loss="full")
     dt = dtypes(setup)
     act = Activations(inv, setup, dt)
     saved = BATCH * SEQ * (inv.num_layers * act.layer() + act.outside_layers()) + act.rope_tables()

@@ -11,7 +11,8 @@ from shardtune.errors import UsageError
 from shardtune.hardware import gpu_by_name
 from shardtune.memory.inventory import ModelAnalysis
 from shardtune.memory.recommend import Measured, candidates, evaluate_setup, recommend
-from shardtune.memory.setup import Setup, validate
+from shardtune.memory.setup import validate
+from tests.setups import checked_setup
 
 
 def measured_file(tmp_path, speeds: dict[str, float], failed: tuple[str, ...] = (), processes: int = 2,
@@ -33,45 +34,45 @@ def fastest_fitting(analysis, base, gpu, measured):
 
 def test_measured_speeds_overrule_the_usual_order(tmp_path):
     analysis, gpu = ModelAnalysis("llama-3.2-1b"), gpu_by_name("h100-80gb")
-    base = validate(Setup(method="lora", strategy="fsdp", num_gpus=2))
+    base = validate(checked_setup(method="lora", distributed_type="FSDP", num_gpus=2))
     usual = recommend(analysis, base, gpu)
-    assert usual.setup.strategy == "ddp"  # everything fits: DDP is the usual choice
-    measured = Measured.load(measured_file(tmp_path, {"ddp": 900.0, "fsdp": 1200.0, "mp": 400.0}))
+    assert usual.setup.strategy == "DDP"  # everything fits: DDP is the usual choice
+    measured = Measured.load(measured_file(tmp_path, {"DDP": 900.0, "FSDP": 1200.0, "MP": 400.0}))
     rec = recommend(analysis, base, gpu, measured)
     assert rec.fits and rec.setup == fastest_fitting(analysis, base, gpu, measured)
-    assert rec.setup.strategy == "fsdp"
+    assert rec.setup.strategy == "FSDP"
     assert "fastest measured" in rec.reason and "Without measurements it would be DDP" in rec.reason
     # The file was measured with another model ("m"), on GPUs: the reason cautions about the model only.
     assert "Caution: the speeds were measured with m, not llama-3.2-1b" in rec.reason
     assert "CPU measurements" not in rec.reason and "--method" not in rec.reason  # both LoRA
-    full = recommend(analysis, base, gpu, Measured.load(measured_file(tmp_path, {"ddp": 900.0}, method="full")))
+    full = recommend(analysis, base, gpu, Measured.load(measured_file(tmp_path, {"DDP": 900.0}, method="full")))
     assert ("Caution: the speeds were measured with --method full, this estimate is for lora; give --method full "
             "to compare like with like.") in full.reason
     # With DDP measured fastest, the pick agrees with the usual one and says why.
-    agree = recommend(analysis, base, gpu, Measured.load(measured_file(tmp_path, {"ddp": 2000.0, "fsdp": 1200.0})))
+    agree = recommend(analysis, base, gpu, Measured.load(measured_file(tmp_path, {"DDP": 2000.0, "FSDP": 1200.0})))
     assert agree.setup == usual.setup and "also the usual choice" in agree.reason
 
 
-@pytest.mark.parametrize("fsdp_speed, picked", [(2359.0, "ddp"), (2358.0 / 0.95 - 1, "ddp"),
-                                                 (2358.0 / 0.95 + 1, "fsdp")])
+@pytest.mark.parametrize("fsdp_speed, picked", [(2359.0, "DDP"), (2358.0 / 0.95 - 1, "DDP"),
+                                                 (2358.0 / 0.95 + 1, "FSDP")])
 def test_speeds_within_the_tie_margin_leave_the_choice_to_the_usual_order(tmp_path, fsdp_speed, picked):
     # bench/results/strategies_cpu.json once measured DDP 2,358 and FSDP 2,359 tokens/s on a busy machine: noise.
     from shardtune.memory.recommend import MEASURED_TIE
 
     assert MEASURED_TIE == 0.05
     analysis, gpu = ModelAnalysis("llama-3.2-1b"), gpu_by_name("h100-80gb")
-    base = validate(Setup(method="lora", strategy="fsdp", num_gpus=2))
-    rec = recommend(analysis, base, gpu, Measured.load(measured_file(tmp_path, {"ddp": 2358.0, "fsdp": fsdp_speed})))
+    base = validate(checked_setup(method="lora", distributed_type="FSDP", num_gpus=2))
+    rec = recommend(analysis, base, gpu, Measured.load(measured_file(tmp_path, {"DDP": 2358.0, "FSDP": fsdp_speed})))
     assert rec.setup.strategy == picked
-    assert ("a tie the usual order decides" in rec.reason) == (picked == "ddp")
+    assert ("a tie the usual order decides" in rec.reason) == (picked == "DDP")
 
 
 def test_measurements_of_the_same_model_on_cpu_say_what_they_show(tmp_path):
-    path = measured_file(tmp_path, {"ddp": 900.0, "fsdp": 1200.0})
+    path = measured_file(tmp_path, {"DDP": 900.0, "FSDP": 1200.0})
     data = json.loads(path.read_text()) | {"model": "llama-3.2-1b (llama, 16 layers x 2048 hidden)",
                                            "device": "cpu (2 cores)"}
     path.write_text(json.dumps(data))
-    base = validate(Setup(method="lora", strategy="fsdp", num_gpus=2))
+    base = validate(checked_setup(method="lora", distributed_type="FSDP", num_gpus=2))
     rec = recommend(ModelAnalysis("llama-3.2-1b"), base, gpu_by_name("h100-80gb"), Measured.load(path))
     assert "Caution" not in rec.reason
     assert "CPU measurements show how the setups schedule their work, not how fast GPUs run them." in rec.reason
@@ -80,40 +81,45 @@ def test_measurements_of_the_same_model_on_cpu_say_what_they_show(tmp_path):
 def test_a_faster_setup_that_does_not_fit_is_passed_over(tmp_path):
     # Full fine-tuning of a 7B model on two 80 GiB GPUs: no replica fits, so DDP cannot be used however fast.
     analysis, gpu = ModelAnalysis("llama-2-7b"), gpu_by_name("a100-80gb")
-    base = validate(Setup(method="full", strategy="fsdp", num_gpus=2))
-    measured = Measured.load(measured_file(tmp_path, {"ddp": 5000.0, "fsdp": 800.0, "mp": 300.0, "pp": 700.0}))
-    assert not evaluate_setup(analysis, base.with_(strategy="ddp")).fits(gpu.memory_bytes)
+    base = validate(checked_setup(method="full", distributed_type="FSDP", num_gpus=2))
+    measured = Measured.load(measured_file(tmp_path, {"DDP": 5000.0, "FSDP": 800.0, "MP": 300.0, "PP": 700.0}))
+    assert not evaluate_setup(analysis, base.with_(distributed_type="DDP")).fits(gpu.memory_bytes)
     rec = recommend(analysis, base, gpu, measured)
     expected = fastest_fitting(analysis, base, gpu, measured)
-    assert rec.fits and rec.setup == expected and rec.setup.strategy != "ddp"
+    assert rec.fits and rec.setup == expected and rec.setup.strategy != "DDP"
 
 
 def test_pipeline_parallel_joins_only_when_measured_and_untied(tmp_path):
-    base = validate(Setup(method="lora", strategy="fsdp", num_gpus=4))
-    with_pp = Measured.load(measured_file(tmp_path, {"pp": 3000.0, "ddp": 1000.0}))
+    base = validate(checked_setup(method="lora", distributed_type="FSDP", num_gpus=4))
+    with_pp = Measured.load(measured_file(tmp_path, {"PP": 3000.0, "DDP": 1000.0}))
     untied, tied = ModelAnalysis("llama-2-7b"), ModelAnalysis("llama-3.2-1b")
-    assert "pp" not in [s.strategy for s in candidates(base, None, untied)]
-    assert "pp" in [s.strategy for s in candidates(base, with_pp, untied)]
-    assert "pp" not in [s.strategy for s in candidates(base, with_pp, tied)]
+    assert "PP" not in [s.strategy for s in candidates(base, None, untied)]
+    assert "PP" in [s.strategy for s in candidates(base, with_pp, untied)]
+    assert "PP" not in [s.strategy for s in candidates(base, with_pp, tied)]
     gpu = gpu_by_name("h100-80gb")
-    assert recommend(untied, base, gpu, with_pp).setup.strategy == "pp"
+    assert recommend(untied, base, gpu, with_pp).setup.strategy == "PP"
     rec = recommend(tied, base, gpu, with_pp)
-    assert rec.setup.strategy == "ddp" and "PP is left out" in rec.reason
+    assert rec.setup.strategy == "DDP" and "PP is left out" in rec.reason
+
+
+def test_files_from_before_the_strategies_were_spelled_one_way_still_load(tmp_path):
+    measured = Measured.load(measured_file(tmp_path, {"ddp": 900.0, "fsdp": 1200.0, "mp": 400.0}))
+    assert measured.tokens_per_s == {"DDP": 900.0, "FSDP": 1200.0, "MP": 400.0}
 
 
 def test_failed_rows_are_not_measurements(tmp_path):
-    measured = Measured.load(measured_file(tmp_path, {"ddp": 5000.0, "fsdp": 800.0}, failed=("ddp",)))
-    assert measured.tokens_per_s == {"fsdp": 800.0}
+    measured = Measured.load(measured_file(tmp_path, {"DDP": 5000.0, "FSDP": 800.0}, failed=("DDP",)))
+    assert measured.tokens_per_s == {"FSDP": 800.0}
     with pytest.raises(UsageError, match="no setup that ran"):
-        Measured.load(measured_file(tmp_path, {"ddp": 5000.0}, failed=("ddp",)))
+        Measured.load(measured_file(tmp_path, {"DDP": 5000.0}, failed=("DDP",)))
 
 
 def test_cli_measured_json_and_bad_files(tmp_path, capsys):
-    path = measured_file(tmp_path, {"ddp": 900.0, "fsdp": 1200.0}, processes=8)
+    path = measured_file(tmp_path, {"DDP": 900.0, "FSDP": 1200.0}, processes=8)
     assert main(["estimate", "llama-3.2-1b", "--method", "lora", "--num-gpus", "2", "--json",
                  "--measured", str(path)]) == 0
     rec = json.loads(capsys.readouterr().out)["recommendation"]
-    assert rec["strategy"] == "fsdp" and "used 8 processes, this estimate 2 GPUs" in rec["reason"]
+    assert rec["strategy"] == "FSDP" and "used 8 processes, this estimate 2 GPUs" in rec["reason"]
     assert main(["estimate", "llama-3.2-1b", "--num-gpus", "2", "--measured", str(tmp_path / "none.json")]) == 2
     (tmp_path / "bad.json").write_text("{not json")
     assert main(["estimate", "llama-3.2-1b", "--num-gpus", "2", "--measured", str(tmp_path / "bad.json")]) == 2
@@ -147,7 +153,7 @@ def test_malformed_measurement_files_are_one_line_errors(tmp_path, content):
 
 
 def test_measurements_do_not_apply_to_one_gpu(tmp_path):
-    measured = Measured.load(measured_file(tmp_path, {"ddp": 900.0, "fsdp": 1200.0}))
-    base = validate(Setup(method="lora", strategy="single", num_gpus=1))
+    measured = Measured.load(measured_file(tmp_path, {"DDP": 900.0, "FSDP": 1200.0}))
+    base = validate(checked_setup(method="lora", distributed_type="NO", num_gpus=1))
     rec = recommend(ModelAnalysis("llama-3.2-1b"), base, gpu_by_name("h100-80gb"), measured)
-    assert rec.setup.strategy == "single" and "do not apply to one" in rec.reason
+    assert rec.setup.strategy == "NO" and "do not apply to one" in rec.reason

@@ -11,12 +11,14 @@ from shardtune.memory.report import estimate_report
 from shardtune.hardware import GIB, gpu_by_name
 from shardtune.memory.plot import bar_totals, breakdown_figure
 from shardtune.memory.report import render
-from shardtune.memory.setup import Setup, validate
+from shardtune.memory.setup import validate
+from tests.setups import checked_setup
 
 CASES = {
-    "70b lora 8 gpus": ("llama-2-70b", Setup(method="lora", strategy="fsdp", num_gpus=8, batch_size=8), "h100-80gb"),
-    "8b full 2 nodes": ("llama-3.1-8b", Setup(strategy="fsdp", num_gpus=8, num_nodes=2), "a100-80gb"),
-    "8b qlora 4090": ("llama-3.1-8b", Setup(method="qlora", batch_size=2), "rtx4090"),
+    "70b lora 8 gpus": ("llama-2-70b", checked_setup(method="lora", distributed_type="FSDP", num_gpus=8,
+                                             per_device_train_batch_size=8), "h100-80gb"),
+    "8b full 2 nodes": ("llama-3.1-8b", checked_setup(distributed_type="FSDP", num_gpus=8, num_nodes=2), "a100-80gb"),
+    "8b qlora 4090": ("llama-3.1-8b", checked_setup(method="qlora", per_device_train_batch_size=2), "rtx4090"),
 }
 
 
@@ -95,7 +97,7 @@ def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
     from_files = json.loads(capsys.readouterr().out)
     assert main([*argv, "llama-3.1-8b", "--method", "lora", "--lora-r", "16", "--num-gpus", "8", "--strategy", "fsdp",
                  "--sharding-strategy", "FULL_SHARD", "--batch-size", "2", "--gradient-accumulation-steps", "4",
-                 "--seq-len", "4096"]) == 0
+                 "--seq-len", "4096", "--gradient-checkpointing", "--mixed-precision", "bf16"]) == 0
     from_options = json.loads(capsys.readouterr().out)
     assert from_files["per_gpu"] == from_options["per_gpu"] and from_files["per_gpu"]["total"] > 0
     assert from_files["trainable_parameters"] == from_options["trainable_parameters"]

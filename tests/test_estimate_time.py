@@ -19,6 +19,7 @@ from shardtune.memory import compute, timing
 from shardtune.memory.inventory import LoraCount, ModelAnalysis, ModelInventory
 from shardtune.memory.recommend import evaluate_setup
 from shardtune.memory.setup import Setup, validate
+from tests.setups import CHECKED_AT_ARGS, checked_setup
 from shardtune.memory.timing import Links, count_data_tokens, step_time
 
 # --- The arithmetic, worked by hand ------------------------------------------------------------------------------
@@ -52,7 +53,7 @@ def micro_seconds(setup: Setup, lora: LoraCount | None = None) -> float:
 def test_microbatch_by_hand():
     """One micro-batch of full fine-tuning with checkpointing, shardtune train's kernels (SDPA with the packed
     rows' mask, eager modules, its chunked loss): matmuls, attention and memory-bound bytes counted by hand."""
-    setup = validate(Setup(batch_size=3, seq_len=SEQ))
+    setup = validate(checked_setup(per_device_train_batch_size=3, max_seq_len=SEQ))
     tokens, bandwidth = 3 * SEQ, 2e12 * compute.MEMORY_EFFICIENCY
     streamed = 1 / (P.tile_intensity * bandwidth)  # each FLOP also streams operand tiles
     linear = LAYERS * (LAYER - 2 * HIDDEN)
@@ -70,8 +71,8 @@ def test_microbatch_by_hand():
 
 
 def test_ddp_step_by_hand():
-    setup = validate(Setup(strategy="ddp", num_gpus=4, batch_size=3, seq_len=SEQ, gradient_accumulation_steps=2,
-                           gradient_checkpointing=False))
+    setup = validate(checked_setup(distributed_type="DDP", num_gpus=4, per_device_train_batch_size=3, max_seq_len=SEQ,
+                                   gradient_accumulation_steps=2, gradient_checkpointing=False))
     t = step_time(TINY, setup, CARD, LINKS)
     assert t.tokens_per_step == 3 * SEQ * 2 * 4  # rows x tokens x accumulation x GPUs
     flops = 6 * PARAMS + 12 * LAYERS * HIDDEN * SEQ  # every weight trains; attention over SEQ tokens
@@ -94,8 +95,9 @@ def test_fsdp_lora_across_nodes_by_hand():
     """With LoRA the frozen weights are still gathered, in bf16, forward and backward; only adapters reduce."""
     per_layer = 8 * (4 * (HIDDEN + HIDDEN) + 2 * (HIDDEN + INTER) + (INTER + HIDDEN))  # r=8 on all seven
     lora = LoraCount(8, ("all-linear",), (per_layer,) * LAYERS, 0)
-    setup = validate(Setup(method="lora", strategy="fsdp", sharding_strategy="FULL_SHARD", num_gpus=2, num_nodes=3,
-                           batch_size=2, seq_len=SEQ, gradient_accumulation_steps=4))
+    setup = validate(checked_setup(method="lora", distributed_type="FSDP", fsdp_sharding_strategy="FULL_SHARD",
+                                   num_gpus=2, num_nodes=3, per_device_train_batch_size=2, max_seq_len=SEQ,
+                                   gradient_accumulation_steps=4))
     t = step_time(TINY, setup, CARD, LINKS, lora)
     adapters = LAYERS * per_layer
     assert t.tokens_per_step == 2 * SEQ * 4 * 6
@@ -123,7 +125,8 @@ def test_fsdp_lora_across_nodes_by_hand():
 
 
 def test_offload_copies_shards_over_pcie_and_steps_on_the_cpu():
-    setup = validate(Setup(strategy="fsdp", offload_params=True, num_gpus=2, batch_size=1, seq_len=SEQ))
+    setup = validate(checked_setup(distributed_type="FSDP", fsdp_offload_params=True, num_gpus=2,
+                                   per_device_train_batch_size=1, max_seq_len=SEQ))
     t = step_time(TINY, setup, CARD, LINKS)
     fp32_layers, fp32_root = 4 * LAYERS * LAYER, 4 * (2 * EMBED + HIDDEN)
     copied_in = (fp32_root + 2 * fp32_layers) / 2  # the GPU's shard, before each all-gather
@@ -131,13 +134,14 @@ def test_offload_copies_shards_over_pcie_and_steps_on_the_cpu():
     assert t.comm_bytes["host"] == pytest.approx(copied_in + copied_out)
     # PyTorch's unfused CPU AdamW: ~100 bytes of memory traffic per parameter at a server's ~100 GB/s.
     assert t.optimizer_s == pytest.approx(PARAMS * 100 / 100e9)
-    fused = step_time(TINY, setup.with_(optimizer="adamw_torch_fused"), CARD, LINKS)
+    fused = step_time(TINY, setup.with_(optim="adamw_torch_fused"), CARD, LINKS)
     assert fused.optimizer_s == pytest.approx(PARAMS * 28 / 100e9)  # read 4 fp32 values, write 3
 
 
 def test_model_parallel_is_one_gpus_speed_and_pipeline_idles_for_its_bubble():
-    single = step_time(TINY, validate(Setup(batch_size=4, seq_len=SEQ)), CARD, LINKS)
-    mp = step_time(TINY, validate(Setup(strategy="mp", num_gpus=2, batch_size=4, seq_len=SEQ)), CARD, LINKS,
+    single = step_time(TINY, validate(checked_setup(per_device_train_batch_size=4, max_seq_len=SEQ)), CARD, LINKS)
+    mp = step_time(TINY, validate(checked_setup(distributed_type="MP", num_gpus=2, per_device_train_batch_size=4,
+                                                max_seq_len=SEQ)), CARD, LINKS,
                    stage_bounds=((0, 1), (1, 2)))
     assert mp.tokens_per_step == single.tokens_per_step  # one process, one batch: no data parallelism
     assert mp.compute_s == pytest.approx(single.compute_s)  # the stages compute one after another
@@ -146,7 +150,8 @@ def test_model_parallel_is_one_gpus_speed_and_pipeline_idles_for_its_bubble():
     # Each stage updates its own layers' weights, at the same time as the other.
     assert mp.step_s == pytest.approx(mp.compute_s + handover / 1e11 + single.optimizer_s / 2)
     assert mp.mfu == pytest.approx(mp.tokens_per_s * mp.model_flops_per_token / (2 * 1e15))  # both GPUs count
-    pp = step_time(TINY, validate(Setup(strategy="pp", num_gpus=2, batch_size=4, seq_len=SEQ)), CARD, LINKS,
+    pp = step_time(TINY, validate(checked_setup(distributed_type="PP", num_gpus=2, per_device_train_batch_size=4,
+                                                max_seq_len=SEQ)), CARD, LINKS,
                    stage_bounds=((0, 1), (1, 2)), pipeline_microbatches=4)
     share = (LAYER + VOCAB * HIDDEN) / (2 * LAYER + VOCAB * HIDDEN)  # the last stage runs the head too
     assert pp.compute_s == pytest.approx((4 + 2 - 1) * share * single.compute_s / 4)
@@ -177,14 +182,15 @@ def within(predicted: float, published: float, factor: float = FACTOR) -> bool:
 
 
 def trelis(model: str, batch: int, accumulation: int, strategy: str) -> timing.StepTime:
-    base = Setup(method="lora", num_gpus=4, batch_size=batch, gradient_accumulation_steps=accumulation, seq_len=1024)
-    return predict(model, base.with_(strategy=strategy), "a6000-ada")
+    base = checked_setup(method="lora", num_gpus=4, per_device_train_batch_size=batch,
+                         gradient_accumulation_steps=accumulation, max_seq_len=1024)
+    return predict(model, base.with_(distributed_type=strategy), "a6000-ada")
 
 
 def test_tinyllama_model_parallel_against_ddp_as_published():
     """Published: MP 3 min 53 s at ~24% utilisation, DDP 59 s at ~90% (batch 16, accumulation 2): MP is one of
     four GPUs busy at a time."""
-    ddp, mp = trelis("tinyllama-1.1b", 16, 2, "ddp"), trelis("tinyllama-1.1b", 16, 2, "mp")
+    ddp, mp = trelis("tinyllama-1.1b", 16, 2, "DDP"), trelis("tinyllama-1.1b", 16, 2, "MP")
     published_ratio = (3 * 60 + 53) / 59  # 3.95
     assert within(mp.seconds_for(TRELIS_TOKENS) / ddp.seconds_for(TRELIS_TOKENS), published_ratio, 1.25)
 
@@ -193,29 +199,30 @@ def test_tinyllama_model_parallel_against_ddp_as_published():
                    "predicts these RTX 6000 Ada runs ~2.5x faster than Trelis published (22 s for DDP, 95 s for "
                    "MP); the Trelis figures could not be re-read, so they are not in the calibration set")
 def test_tinyllama_times_as_published():
-    assert within(trelis("tinyllama-1.1b", 16, 2, "ddp").seconds_for(TRELIS_TOKENS), 59)
-    assert within(trelis("tinyllama-1.1b", 16, 2, "mp").seconds_for(TRELIS_TOKENS), 3 * 60 + 53)
+    assert within(trelis("tinyllama-1.1b", 16, 2, "DDP").seconds_for(TRELIS_TOKENS), 59)
+    assert within(trelis("tinyllama-1.1b", 16, 2, "MP").seconds_for(TRELIS_TOKENS), 3 * 60 + 53)
 
 
 def test_codellama_34b_fsdp_and_model_parallel_times_as_published():
     """Published: MP 47 min at ~20% utilisation, FSDP 30 min at ~100% (batch 4, accumulation 4)."""
-    assert within(trelis("codellama-34b", 4, 4, "fsdp").seconds_for(TRELIS_TOKENS), 30 * 60)
-    assert within(trelis("codellama-34b", 4, 4, "mp").seconds_for(TRELIS_TOKENS), 47 * 60)
+    assert within(trelis("codellama-34b", 4, 4, "FSDP").seconds_for(TRELIS_TOKENS), 30 * 60)
+    assert within(trelis("codellama-34b", 4, 4, "MP").seconds_for(TRELIS_TOKENS), 47 * 60)
 
 
 @pytest.mark.xfail(strict=True, reason="FSDP's time is predicted as published (29 min against 30), model "
                    "parallel's too fast (26 min against 47): one RTX 6000 Ada computes slower than the model says")
 def test_codellama_34b_fsdp_beats_model_parallel_as_published():
-    assert (trelis("codellama-34b", 4, 4, "fsdp").seconds_for(TRELIS_TOKENS)
-            < trelis("codellama-34b", 4, 4, "mp").seconds_for(TRELIS_TOKENS))
+    assert (trelis("codellama-34b", 4, 4, "FSDP").seconds_for(TRELIS_TOKENS)
+            < trelis("codellama-34b", 4, 4, "MP").seconds_for(TRELIS_TOKENS))
 
 
 def test_offloaded_full_fine_tune_on_two_4090s_is_tens_of_times_slower_than_one_h100():
     """Issue 19: Llama-3-8B fully fine-tuned with parameter offload on 2 x RTX 4090 took ~72 h, where one H100
     takes an hour or two: 36 to 72 times longer. The H100 run keeps weights and AdamW states in bf16 to fit."""
-    offload = predict("llama-3-8b", Setup(strategy="fsdp", offload_params=True, num_gpus=2, seq_len=2048),
+    offload = predict("llama-3-8b", checked_setup(distributed_type="FSDP", fsdp_offload_params=True, num_gpus=2,
+                                                  max_seq_len=2048),
                       "rtx4090")
-    h100 = predict("llama-3-8b", Setup(pure_bf16=True, seq_len=2048), "h100-80gb")
+    h100 = predict("llama-3-8b", checked_setup(torch_dtype="bfloat16", max_seq_len=2048), "h100-80gb")
     assert 36 / FACTOR <= h100.tokens_per_s / offload.tokens_per_s <= 72 * FACTOR
 
 
@@ -225,10 +232,12 @@ def test_h100_and_a100_speeds_of_tuned_stacks_bound_the_prediction():
     Llama-3-8B on 64 A100 80GB, batch 1 of 8192, selective checkpointing: 2,904 tokens/s per GPU (56.8% MFU).
     shardtune checkpoints whole layers (more recomputation than selective checkpointing): the prediction is for
     that, and must still land within the factor."""
-    h100 = predict("llama-3.1-8b", Setup(strategy="fsdp", num_gpus=8, batch_size=2, seq_len=8192), "h100-80gb")
+    h100 = predict("llama-3.1-8b", checked_setup(distributed_type="FSDP", num_gpus=8, per_device_train_batch_size=2,
+                                                 max_seq_len=8192), "h100-80gb")
     assert within(h100.tokens_per_s / 8, 5762)
     assert 0.33 / FACTOR <= h100.mfu <= 0.46  # LLM Foundry's best H100 bf16 MFU is 46%
-    a100 = predict("llama-3-8b", Setup(strategy="fsdp", num_gpus=8, num_nodes=8, batch_size=1, seq_len=8192),
+    a100 = predict("llama-3-8b", checked_setup(distributed_type="FSDP", num_gpus=8, num_nodes=8,
+                                               per_device_train_batch_size=1, max_seq_len=8192),
                    "a100-80gb")
     assert within(a100.tokens_per_s / 64, 2904)
     assert a100.mfu < 0.568  # eager transformers modules stay under torchtitan's tuned figure
@@ -288,7 +297,7 @@ def test_a_card_without_a_typical_price_asks_for_yours(capsys):
 
 
 def test_a_slower_network_slows_multi_node_fsdp():
-    base = ["llama-3-8b", "--num-gpus", "8", "--num-nodes", "4", "--strategy", "fsdp", "--json"]
+    base = ["llama-3-8b", "--num-gpus", "8", "--num-nodes", "4", "--strategy", "fsdp", "--json", *CHECKED_AT_ARGS]
     steps = {}
     for net in ("infiniband", "ethernet-100g"):
         out = io.StringIO()
@@ -302,7 +311,7 @@ def test_a_slower_network_slows_multi_node_fsdp():
 
 # --- The command ----------------------------------------------------------------------------------------------------
 
-ARGS = ["llama-3-8b", "--num-gpus", "8", "--tokens", "250M"]
+ARGS = ["llama-3-8b", "--num-gpus", "8", "--tokens", "250M", *CHECKED_AT_ARGS]
 
 
 def test_json_carries_each_setups_time_and_cost(capsys):
@@ -351,7 +360,7 @@ def test_plot_writes_the_time_and_cost_chart_beside_the_memory_one(tmp_path, cap
     (["--data", "missing.jsonl"], "not a data file"),
 ])
 def test_bad_time_options_are_one_line_errors(args, message):
-    proc = subprocess.run([sys.executable, "-m", "shardtune", "estimate", "llama-3-8b", *args],
+    proc = subprocess.run([sys.executable, "-m", "shardtune", "estimate", "llama-3-8b", *CHECKED_AT_ARGS, *args],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
@@ -374,8 +383,8 @@ def test_measured_speeds_are_shown_beside_the_predicted_ones(tmp_path, capsys, m
 
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"model": "tiny", "device": "cpu (2 cores)", "num_processes": 2, "method": "lora",
-                                 "results": [{"strategy": "ddp", "tokens_per_s": 1000.0},
-                                             {"strategy": "fsdp", "tokens_per_s": 500.0}]}))
+                                 "results": [{"strategy": "DDP", "tokens_per_s": 1000.0},
+                                             {"strategy": "FSDP", "tokens_per_s": 500.0}]}))
     argv = ["estimate", "llama-3.1-8b", "--method", "lora", "--num-gpus", "2", "--gpu", "h100-80gb",
             "--measured", str(bench), "--tokens", "1M"]
     assert main([*argv, "--json"]) == 0

@@ -60,11 +60,11 @@ def test_stages_follow_the_estimator_memory_plan(assets):
     # The same split as `shardtune estimate --strategy mp` reports for this job.
     from shardtune.memory.inventory import ModelAnalysis
     from shardtune.memory.recommend import evaluate_setup
-    from shardtune.memory.setup import Setup
+    from tests.setups import checked_setup
 
     analysis = ModelAnalysis(str(assets[1]))
-    setup = Setup(method="full", strategy="mp", num_gpus=2, batch_size=4, seq_len=64, gradient_checkpointing=False,
-                  mixed_precision="no")
+    setup = checked_setup(method="full", distributed_type="MP", num_gpus=2, per_device_train_batch_size=4,
+                          max_seq_len=64, gradient_checkpointing=False, mixed_precision="no")
     assert plan.stage_bounds == evaluate_setup(analysis, setup).stage_bounds
     assert [i for a, b in plan.stage_bounds for i in range(a, b)] == list(range(4))
 

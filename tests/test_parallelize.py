@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardtune.train.parallelize import _wrap_targets
+from shardtune.train.fsdp import _wrap_targets
 from shardtune.train.plan import Plan
 
 
@@ -144,7 +144,7 @@ def test_forward_prefetch_chains_each_decoder_layer_to_the_next(tmp_path):
 
     from shardtune.dist import DistInfo, shutdown
     from shardtune.testing.tiny import tiny_llama_config
-    from shardtune.train.parallelize import apply_fsdp
+    from shardtune.train.fsdp import apply_fsdp
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

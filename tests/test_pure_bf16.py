@@ -165,11 +165,12 @@ def test_trace_of_a_pure_bf16_job_agrees_with_the_formula(small_model):
     """The trainer's step traced on fake tensors (bf16 weights, gradients, moments, the bf16 reduce-scatter; the
     stochastically rounded update's temporaries) against ``--pure-bf16``'s formula, within test_trace_formula.py's
     7% (measured -1.3%; one process with checkpointing -4.4%, DDP x2 -3.7%, LoRA -1.6% to +2.3%)."""
-    from shardtune.memory.setup import Setup
+    from tests.setups import checked_setup
     from shardtune.memory.trace_setup import config_from_setup, formula_and_trace
 
-    setup = Setup(method="full", strategy="fsdp", num_gpus=4, batch_size=2, seq_len=256,
-                  gradient_checkpointing=True, mixed_precision="bf16", pure_bf16=True, loss="shardtune")
+    setup = checked_setup(method="full", distributed_type="FSDP", num_gpus=4, per_device_train_batch_size=2,
+                          max_seq_len=256, gradient_checkpointing=True, mixed_precision="bf16", torch_dtype="bfloat16",
+                          loss="shardtune")
     assert config_from_setup(small_model, setup).model.torch_dtype == "bfloat16"  # what --emit-config writes
     formula, _, traced, _ = formula_and_trace(small_model, setup)
     assert abs(formula / traced - 1) <= 0.07, f"formula {formula:,} B vs trace {traced:,} B"

@@ -14,6 +14,7 @@ import torch
 
 from shardtune.config import build_config
 from shardtune.memory.trace import TraceUnsupported, trace_training_step
+from tests.setups import CHECKED_AT_ARGS
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_model_parallel_cannot_be_traced_and_estimate_falls_back_saying_why(mode
 def test_estimate_trace_json_and_text(models, capsys):
     from shardtune.cli import main
 
-    args = ["estimate", models["tiny"], "--method", "lora", "--num-gpus", "2", "--strategy", "fsdp",
+    args = ["estimate", models["tiny"], *CHECKED_AT_ARGS, "--method", "lora", "--num-gpus", "2", "--strategy", "fsdp",
             "--seq-len", "64", "--batch-size", "2", "--trace"]
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -179,15 +180,16 @@ def test_predict_peak_bytes_is_the_trace_for_this_machine(models):
 
 def test_batch_plan_keeps_the_requested_global_batch():
     from shardtune.memory.batch_plan import plan_batch
-    from shardtune.memory.setup import Setup
+    from tests.setups import checked_setup
 
-    asked = Setup(num_gpus=2, strategy="ddp", batch_size=4, gradient_accumulation_steps=8)  # global 64
+    asked = checked_setup(num_gpus=2, distributed_type="DDP", per_device_train_batch_size=4,
+                          gradient_accumulation_steps=8)  # global 64
     for fits in (1, 3, 5, 16, 17, 100):
         plan = plan_batch(fits, asked)
         assert plan.micro_batch_size <= fits
         assert plan.global_batch_size == 64  # 32 per GPU has divisors 1, 2, 4, 8, 16, 32
         assert plan.micro_batch_size * 2 > min(fits, 32)  # never less than half of what fits
-    odd = plan_batch(5, Setup(num_gpus=1, batch_size=7))  # 7 per GPU, 5 fit: 5 x 2 = 10 >= 7
+    odd = plan_batch(5, checked_setup(num_gpus=1, per_device_train_batch_size=7))  # 7 per GPU, 5 fit: 5 x 2 = 10 >= 7
     assert (odd.micro_batch_size, odd.gradient_accumulation_steps, odd.global_batch_size) == (5, 2, 10)
 
 
@@ -196,8 +198,8 @@ def test_find_batch_size_and_emit_config_write_a_recipe_the_trainer_reads(tmp_pa
     from shardtune.config import load_train_config
 
     path = tmp_path / "recipe.yaml"
-    assert main(["estimate", "llama-3.1-8b", "--method", "lora", "--num-gpus", "2", "--strategy", "ddp",
-                 "--batch-size", "4", "--gradient-accumulation-steps", "8", "--find-batch-size",
+    assert main(["estimate", "llama-3.1-8b", *CHECKED_AT_ARGS, "--method", "lora", "--num-gpus", "2", "--strategy",
+                 "ddp", "--batch-size", "4", "--gradient-accumulation-steps", "8", "--find-batch-size",
                  "--emit-config", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     plan = data["batch_plan"]
@@ -216,14 +218,14 @@ def test_find_batch_size_with_the_setup_left_open_picks_the_setup_for_the_micro_
     from shardtune.config import load_train_config
 
     path = tmp_path / "recipe.yaml"
-    common = ["estimate", "llama-3.1-8b", "--method", "lora", "--gpu", "a100-80gb", "--json"]
+    common = ["estimate", "llama-3.1-8b", *CHECKED_AT_ARGS, "--method", "lora", "--gpu", "a100-80gb", "--json"]
     assert main([*common, "--batch-size", "64"]) == 0
     as_one = json.loads(capsys.readouterr().out)["recommendation"]
     assert as_one["offload_params"]  # the premise: 64 sequences at once need offload
     assert main([*common, "--batch-size", "64", "--find-batch-size", "--emit-config", str(path)]) == 0
     data = json.loads(capsys.readouterr().out)
     rec, plan = data["recommendation"], data["batch_plan"]
-    assert not rec["offload_params"] and rec["strategy"] == "single"
+    assert not rec["offload_params"] and rec["strategy"] == "NO"
     assert plan["global_batch_size"] == 64 and plan["micro_batch_size"] == rec["batch_size"] <= rec["max_batch_size"]
     assert plan["largest_fitting_micro_batch"] == rec["max_batch_size"]
     cfg = load_train_config([str(path)])
@@ -282,8 +284,8 @@ def test_estimate_trace_judges_the_fit_by_the_traced_reserved_memory(models, cap
     with a warning (a GPU sized between the two figures)."""
     from shardtune.cli import main
 
-    args = ["estimate", models["small"], "--method", "lora", "--seq-len", "256", "--batch-size", "4",
-            "--strategy", "single", "--trace"]
+    args = ["estimate", models["small"], *CHECKED_AT_ARGS, "--method", "lora", "--seq-len", "256", "--batch-size", "4",
+            "--strategy", "NO", "--trace"]
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     formula = data["nvidia_smi_bytes"]  # the formula's total and the CUDA context

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from shardtune.memory.inventory import ModelAnalysis
-from shardtune.memory.setup import Setup
+from tests.setups import checked_setup
 from shardtune.memory.trace_setup import formula_and_trace
 
 BOUND = 0.07
@@ -31,9 +31,9 @@ def small_model(tmp_path_factory):
 
 
 GRID = [  # (method, strategy, GPUs, checkpointing)
-    ("full", "single", 1, False), ("full", "single", 1, True), ("lora", "single", 1, False),
-    ("lora", "single", 1, True), ("qlora", "single", 1, True), ("full", "fsdp", 4, True),
-    ("lora", "fsdp", 4, True), ("full", "ddp", 2, True),
+    ("full", "NO", 1, False), ("full", "NO", 1, True), ("lora", "NO", 1, False),
+    ("lora", "NO", 1, True), ("qlora", "NO", 1, True), ("full", "FSDP", 4, True),
+    ("lora", "FSDP", 4, True), ("full", "DDP", 2, True),
 ]
 
 
@@ -50,17 +50,18 @@ def big_vocab_model(tmp_path_factory):
 
 @pytest.mark.parametrize("method, strategy, gpus, checkpointing", GRID)
 def test_formula_agrees_with_the_trace(small_model, method, strategy, gpus, checkpointing):
-    setup = Setup(method=method, strategy=strategy, num_gpus=gpus, batch_size=2, seq_len=256,
-                  gradient_checkpointing=checkpointing, mixed_precision="bf16", loss="shardtune")
+    setup = checked_setup(method=method, distributed_type=strategy, num_gpus=gpus, per_device_train_batch_size=2,
+                          max_seq_len=256, gradient_checkpointing=checkpointing, mixed_precision="bf16",
+                          loss="shardtune")
     formula, _, traced, _ = formula_and_trace(small_model, setup)
     assert abs(formula / traced - 1) <= BOUND, f"formula {formula:,} B vs trace {traced:,} B"
 
 
-@pytest.mark.parametrize("method, strategy, gpus", [("full", "single", 1), ("lora", "fsdp", 4),
-                                                    ("qlora", "single", 1)])
+@pytest.mark.parametrize("method, strategy, gpus", [("full", "NO", 1), ("lora", "FSDP", 4),
+                                                    ("qlora", "NO", 1)])
 def test_formula_agrees_with_the_trace_where_the_loss_dominates(big_vocab_model, method, strategy, gpus):
-    setup = Setup(method=method, strategy=strategy, num_gpus=gpus, batch_size=2, seq_len=256,
-                  gradient_checkpointing=True, mixed_precision="bf16", loss="shardtune")
+    setup = checked_setup(method=method, distributed_type=strategy, num_gpus=gpus, per_device_train_batch_size=2,
+                          max_seq_len=256, gradient_checkpointing=True, mixed_precision="bf16", loss="shardtune")
     formula, _, traced, _ = formula_and_trace(big_vocab_model, setup)
     assert abs(formula / traced - 1) <= BOUND, f"formula {formula:,} B vs trace {traced:,} B"
 
@@ -96,8 +97,8 @@ def test_tied_embeddings_hold_two_gradients_at_the_end_of_backward(tied_model, c
     gradients of one tensor in place only while no Python dispatch mode is active, so the trace sums them out of
     place where a GPU step does not. That copy, one fp32 embedding, is added to the formula.
     """
-    setup = Setup(method="full", batch_size=1, seq_len=256, gradient_checkpointing=checkpointing,
-                  mixed_precision="bf16", loss="shardtune")
+    setup = checked_setup(method="full", per_device_train_batch_size=1, max_seq_len=256,
+                          gradient_checkpointing=checkpointing, mixed_precision="bf16", loss="shardtune")
     formula, _, traced, _ = formula_and_trace(tied_model, setup)
     out_of_place_sum = ModelAnalysis(tied_model).inventory.embedding_params * 4
     assert abs((formula + out_of_place_sum) / traced - 1) <= PATTERN_BOUND, f"formula {formula:,} B vs {traced:,} B"
@@ -114,7 +115,7 @@ PATTERNS = [  # (model fixture, method, checkpointing): 1 x 2048 tokens
 
 @pytest.mark.parametrize("fixture, method, checkpointing", PATTERNS)
 def test_formula_follows_the_trace_at_a_long_sequence(request, fixture, method, checkpointing):
-    setup = Setup(method=method, batch_size=1, seq_len=2048, gradient_checkpointing=checkpointing,
-                  mixed_precision="bf16", lora_r=16, loss="shardtune")
+    setup = checked_setup(method=method, per_device_train_batch_size=1, max_seq_len=2048,
+                          gradient_checkpointing=checkpointing, mixed_precision="bf16", lora_r=16, loss="shardtune")
     formula, _, traced, _ = formula_and_trace(request.getfixturevalue(fixture), setup)
     assert abs(formula / traced - 1) <= PATTERN_BOUND, f"formula {formula:,} B vs trace {traced:,} B"

@@ -212,12 +212,12 @@ class Probe(TrainerCallback):
 
     def on_train_begin(self, args: TrainConfig, state: TrainState, control: TrainerControl, *, model: torch.nn.Module,
                        plan: Plan, info: DistInfo, **kwargs: Any) -> None:
-        self.record = ProbeRecord(rank=info.rank, strategy=plan.strategy)
+        self.record = ProbeRecord(rank=info.rank, strategy=plan.strategy.name)
         self._out_dir = Path(args.run.output_dir) / PROBE_DIR
         if info.device.type == "cuda":
             devices = [torch.device(d) for d in plan.devices] or [info.device]
             self._gpu_indices = [d.index or 0 for d in devices]
-        if plan.strategy == "MP" and plan.stage_bounds:
+        if plan.strategy.drives_several_devices and plan.stage_bounds:
             self._marks = StageMarks(model, plan.stage_bounds)
             self._num_stages = len(plan.stage_bounds)
 

@@ -17,15 +17,16 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shardtune.bench import PROBE_CALLBACK, PROBE_DIR
+from shardtune.strategies import STRATEGIES, Strategy, strategy_named
 
 if TYPE_CHECKING:
     from shardtune.config import TrainConfig
 
-STRATEGIES = ("mp", "pp", "ddp", "fsdp")
-DISTRIBUTED_TYPE = {"mp": "MP", "pp": "PP", "ddp": "DDP", "fsdp": "FSDP"}
+# What the bench compares: every strategy that spreads a job over several devices, by its registry name.
+BENCHED = tuple(s.name for s in STRATEGIES if not s.one_device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -52,7 +53,7 @@ def load_recipe(config: str, extra: list[str], output_dir: Path) -> TrainConfig:
 class Result:
     """One row of the table."""
 
-    strategy: str
+    strategy: str  # its registry name
     processes: int
     stages_or_ranks: int
     wall_per_step_s: float | None = None
@@ -75,30 +76,32 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
-def job_args(config: str, strategy: str, out: Path, *, num_processes: int, steps: int, extra: list[str],
-             callbacks: Sequence[str] = ()) -> list[str]:
+def job_args(config: str, strategy: Strategy | str, out: Path, *, num_processes: int, steps: int,
+             extra: list[str], callbacks: Sequence[str] = ()) -> list[str]:
     """``shardtune train`` arguments of one setup; ``callbacks``: the recipe's own, which run beside the probe."""
     # No memory check: on CPU it runs step 2 of DDP and FSDP (not MP, PP) under the memory tracker, several times
     # slower than the others, which would count against those two setups.
-    args = [config, "--distributed_type", DISTRIBUTED_TYPE[strategy], "--output_dir", str(out),
+    strategy = strategy_named(strategy)
+    args = [config, "--distributed_type", strategy.name, "--output_dir", str(out),
             "--max_steps", str(steps), "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no",
             "--predict_memory", "false"]
-    if strategy == "mp" and not _cuda_devices():
+    if strategy.drives_several_devices and not _cuda_devices():
         # No GPUs: one CPU "device" per stage, the same count as the other setups' processes.
         args += ["--mp_devices", ",".join(["cpu"] * num_processes)]
     # Last, so that a --set callbacks=... cannot leave the probe out (its classes are in ``callbacks`` already).
     return args + extra + ["--callbacks", ",".join(dict.fromkeys([*callbacks, PROBE_CALLBACK]))]
 
 
-def run_setup(config: str, strategy: str, work: Path, *, num_processes: int, steps: int, extra: list[str],
-              timeout_s: float, callbacks: Sequence[str] = ()) -> tuple[int, str]:
+def run_setup(config: str, strategy: Strategy | str, work: Path, *, num_processes: int, steps: int,
+              extra: list[str], timeout_s: float, callbacks: Sequence[str] = ()) -> tuple[int, str]:
     """Run one setup to completion; returns (exit code, its output: stdout then stderr)."""
+    strategy = strategy_named(strategy)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    args = job_args(config, strategy, work / strategy, num_processes=num_processes, steps=steps, extra=extra,
+    args = job_args(config, strategy, work / strategy.name, num_processes=num_processes, steps=steps, extra=extra,
                     callbacks=callbacks)
     shardtune = [sys.executable, "-m", "shardtune"]
-    if strategy == "mp":  # one process drives every stage
+    if strategy.drives_several_devices:  # one process drives every stage
         cmd = [*shardtune, "train", *args]
     else:
         cmd = [*shardtune, "launch", "--num_processes", str(num_processes), "train", *args]
@@ -167,13 +170,15 @@ def summarise(strategy: str, probe_dir: Path, warmup_steps: int) -> Result:
     return res
 
 
-def estimate_for(config_model: str, strategy: str, setup_kwargs: dict[str, Any], n: int) -> tuple[int, str]:
-    """The estimator's per-device total for this setup and, for MP/PP, its layer layout."""
+def estimate_for(cfg: TrainConfig, strategy: str, n: int) -> tuple[int, str]:
+    """The estimator's per-device total for the recipe ``cfg`` under ``strategy`` on ``n`` devices and, for MP/PP,
+    its layer layout."""
     from shardtune.memory.inventory import ModelAnalysis
     from shardtune.memory.recommend import evaluate_setup
     from shardtune.memory.setup import Setup
 
-    breakdown = evaluate_setup(ModelAnalysis(config_model), Setup(strategy=strategy, num_gpus=n, **setup_kwargs))
+    setup = Setup(cfg, num_gpus=n).with_(distributed_type=strategy)
+    breakdown = evaluate_setup(ModelAnalysis(cfg.model.model_name_or_path), setup)
     return breakdown.total, breakdown.stage_note
 
 
@@ -206,15 +211,16 @@ def explain(res: Result, microbatches: int) -> str:
     if res.error:
         return f"did not run: {res.error}"
     busy = ", ".join(f"{b:.0%}" for b in res.busy)
-    if res.strategy == "mp":
+    strategy = strategy_named(res.strategy)
+    if strategy.drives_several_devices:
         return (f"one stage busy at a time: stages busy {busy} of each step (together {sum(res.busy):.0%}); "
                 f"the others wait for the activations")
     waiting = (f"; waiting in communication {', '.join(f'{c:.0%}' for c in res.in_collectives)}"
                if res.in_collectives else "")
-    if res.strategy == "pp":
+    if strategy.pipelined:
         return (f"{microbatches} micro-batches keep the stages working at once; stages busy {busy}{waiting} "
                 f"(the pipeline's fill and drain, the bubble, and the hand-over of activations)")
-    if res.strategy == "ddp":
+    if strategy.replicates:
         return (f"every rank trains on its own rows and all-reduces gradients once per step; ranks busy "
                 f"{busy}{waiting}")
     return (f"every rank trains on its own rows and all-gathers each layer's weights and reduce-scatters its "
@@ -237,14 +243,15 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
     these from the saved file)."""
     from shardtune.train.plot import read_metrics
 
+    from shardtune.memory.setup import Setup
+
     cfg = load_recipe(config, extra, work_dir)
-    setup_kwargs = dict(method=cfg.lora.method, batch_size=cfg.run.per_device_train_batch_size,
-                        seq_len=cfg.data.max_seq_len, gradient_checkpointing=cfg.run.gradient_checkpointing,
-                        mixed_precision=cfg.mixed_precision,
-                        lora_r=cfg.lora.lora_r, lora_target_modules=cfg.lora.lora_target_modules,
-                        gradient_accumulation_steps=cfg.run.gradient_accumulation_steps)
+    described = Setup(cfg).to_dict()
+    setup_kwargs = {key: described[key] for key in ("method", "batch_size", "seq_len", "gradient_checkpointing",
+                                                     "mixed_precision", "lora_r", "lora_target_modules",
+                                                     "gradient_accumulation_steps")}
     results = []
-    for strategy in strategies:
+    for strategy in (strategy_named(s).name for s in strategies):
         code, output = run_setup(config, strategy, work_dir, num_processes=num_processes, steps=steps, extra=extra,
                                  timeout_s=timeout_s, callbacks=cfg.run.callbacks)
         if code != 0:
@@ -256,8 +263,7 @@ def bench_strategies(config: str, strategies: list[str], *, num_processes: int, 
             res.peak_memory_bytes = summary["peak_memory_bytes"]
             res.losses = read_metrics(work_dir / strategy).series("loss")[1]
         try:
-            res.estimate_bytes, res.layout = estimate_for(cfg.model.model_name_or_path, strategy, setup_kwargs,
-                                                          num_processes)
+            res.estimate_bytes, res.layout = estimate_for(cfg, strategy, num_processes)
         except Exception as exc:  # noqa: BLE001 - an architecture the estimator cannot read still gets its row
             res.layout = f"no estimate ({type(exc).__name__})"
         res.explanation = explain(res, cfg.distributed.pipeline_microbatches)
@@ -279,12 +285,12 @@ def format_table(results: list[Result], caveat: str) -> str:
     for r in results:
         busy = " / ".join(f"{b:.0%}" for b in r.busy) or "-"
         comm = " / ".join(f"{c:.0%}" for c in r.in_collectives) or "-"
-        lines.append(f"| {r.strategy.upper()} | {r.processes} | "
+        lines.append(f"| {r.strategy} | {r.processes} | "
                      f"{'-' if r.wall_per_step_s is None else f'{r.wall_per_step_s:.3f}'} | "
                      f"{'-' if r.tokens_per_s is None else f'{r.tokens_per_s:.0f}'} | {busy} | {comm} | "
                      f"{_gib(r.peak_memory_bytes)} | {_gib(r.estimate_bytes)} |")
     lines.append("")
-    lines += [f"- {r.strategy.upper()}: {r.explanation}" for r in results]
+    lines += [f"- {r.strategy}: {r.explanation}" for r in results]
     sources = sorted({r.busy_source for r in results if r.busy_source})
     lines += [""] + ([f"Busy fraction: {'; '.join(sources)}."] if sources else []) + [caveat]
     return "\n".join(lines)
@@ -310,7 +316,7 @@ def strategy_figure(results: list[Result]):
     from matplotlib.figure import Figure
 
     ok = [r for r in results if not r.error]
-    names = [r.strategy.upper() for r in ok]
+    names = [r.strategy for r in ok]
     fig = Figure(figsize=(9, 3.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2)

@@ -1,4 +1,4 @@
-"""``shardtune bench strategies CONFIG --strategies mp,pp,ddp,fsdp``: the same short job under each setup.
+"""``shardtune bench strategies CONFIG --strategies MP,PP,DDP,FSDP``: the same short job under each setup.
 
 Prints and saves a table per setup: wall time per step, tokens/s, how busy each device was, peak memory and the
 estimator's figure beside it, and one line that explains the result. ``--set key=value`` (repeatable) overrides a
@@ -14,7 +14,9 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+from shardtune.bench.strategies import BENCHED
 from shardtune.errors import UsageError
+from shardtune.strategies import lookup
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = what.add_parser("strategies", help="run CONFIG under each setup and tabulate speed, busy fraction, memory",
                         description=__doc__)
     s.add_argument("config", metavar="CONFIG", help="a training YAML recipe (model, data, batch, ...)")
-    s.add_argument("--strategies", default="mp,pp,ddp,fsdp", help="comma-separated: mp, pp, ddp, fsdp")
+    s.add_argument("--strategies", default=None,
+                   help=f"comma-separated, any case: {', '.join(BENCHED)} (default: all of them)")
     s.add_argument("--num_processes", "--num-processes", type=int, default=2,
                    help="processes for PP/DDP/FSDP and devices for MP (default: 2)")
     s.add_argument("--steps", type=int, default=6, help="optimizer steps per setup (default: 6)")
@@ -40,15 +43,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda args: p.print_help() or 2)
 
 
-def parse_strategies(text: str) -> list[str]:
-    from shardtune.bench.strategies import STRATEGIES
-
-    names = [n.strip().lower() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in STRATEGIES]
+def parse_strategies(text: str | None) -> list[str]:
+    """The strategies' registry names that ``--strategies`` lists (any case); all the bench compares without it."""
+    if text is None:
+        return list(BENCHED)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    found = [lookup(n) for n in names]
+    bad = [n for n, s in zip(names, found) if s is None or s.name not in BENCHED]
     if bad or not names:
         raise UsageError(f"--strategies {text!r}: unknown {', '.join(bad) or 'empty list'}; use a comma-separated "
-                         f"list of {', '.join(STRATEGIES)}")
-    return names
+                         f"list of {', '.join(BENCHED)}")
+    return [s.name for s in found]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -75,9 +80,9 @@ def main(args: argparse.Namespace) -> int:
         # Nothing was measured: a table of dashes, files of dashes and "rank setups by these speeds" would only
         # mislead. Each setup's error, then why nothing was saved.
         for r in results:
-            print(f"- {r.strategy.upper()}: {r.explanation}", file=sys.stderr)
+            print(f"- {r.strategy}: {r.explanation}", file=sys.stderr)
         unsaved = " or ".join(path for path in (args.out, args.plot) if path)
-        print(f"shardtune bench: error: none of the setups ran ({', '.join(s.upper() for s in strategies)}: "
+        print(f"shardtune bench: error: none of the setups ran ({', '.join(strategies)}: "
               f"errors above){f'; nothing was written to {unsaved}' if unsaved else ''}; fix what they say "
               f"in {args.config} and run again",
               file=sys.stderr)

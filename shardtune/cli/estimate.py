@@ -8,21 +8,23 @@ import sys
 from pathlib import Path
 
 from shardtune import catalog
-from shardtune.errors import UsageError, check_choice
+from shardtune.config.schema import LoraConfig, TrainConfig, default_of
+from shardtune.errors import UsageError
 from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_LINKS, PRICES_AS_OF, SPEC_EXAMPLE, Gpu,
                                 custom_gpu, gpu_by_name, gpu_from_spec)
-from shardtune.memory.report import estimate_report
+from shardtune.memory.report import Report, TimeReport, estimate_report
 from shardtune.memory.setup import (ATTENTION, LOSSES, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
-                                    STRATEGIES, Setup, validate)
+                                    Setup, validate)
 from shardtune.memory.timing import DEFAULT_PIPELINE_MICROBATCHES
-
-ZERO_STRATEGIES = {"zero1": "SHARD_GRAD_OP", "zero2": "SHARD_GRAD_OP", "zero3": "FULL_SHARD"}
+from shardtune.strategies import FSDP, NAMES, NO, ZERO_STAGES, strategy_named, zero_stage
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("estimate", help="per-GPU memory of a fine-tuning setup, and the setup to use",
                        description=__doc__ + " MODEL is a catalog name (--list), a local model folder or a "
-                                             "config.json.")
+                                             "config.json. The job options set the 'shardtune train' keys they "
+                                             "name, and default to train's defaults: with none, the estimate is "
+                                             "of the job 'shardtune train' runs with none.")
     p.add_argument("model", nargs="?", metavar="MODEL")
     p.add_argument("--list", action="store_true", help="print the catalog of known models and exit")
     p.add_argument("--config", action="append", default=[], metavar="FILE",
@@ -30,38 +32,67 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "config file, a DeepSpeed JSON (repeat for several); MODEL defaults to its "
                         "model_name_or_path, and the setup options come from the files, not the command line")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--method", default="full", help=f"{' | '.join(METHODS)} (default: full)")
-    p.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default: 1)")
-    p.add_argument("--num-nodes", type=int, default=1, help="nodes (default: 1)")
     hw = p.add_mutually_exclusive_group()
     hw.add_argument("--gpu", default=None, help=f"{', '.join(GPUS)} (default: {DEFAULT_GPU})")
     hw.add_argument("--gpu-memory", type=float, default=None, metavar="GIB", help="GPU memory in GiB")
     hw.add_argument("--gpu-spec", default=None, metavar="SPEC",
                     help="a card outside --gpu's list, by its data sheet's numbers: tflops= (dense bf16 TFLOP/s), "
                          "memory= (GiB), bandwidth= (GB/s), optionally link= and host=; e.g. " + SPEC_EXAMPLE[11:])
-    p.add_argument("--strategy", default="auto",
-                   help="auto | single | ddp | fsdp | mp | pp (zero1/zero2/zero3 map to FSDP); default: auto")
-    p.add_argument("--sharding-strategy", default="FULL_SHARD",
-                   help=f"{' | '.join(SHARDING_STRATEGIES)} (ZeRO-1/2/3 accepted); default: FULL_SHARD")
-    p.add_argument("--offload-params", action="store_true", help="FSDP CPU offload of params, grads, optimizer")
-    p.add_argument("--batch-size", type=int, default=1, help="micro-batch per device (default: 1)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
-    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="recompute each decoder layer in backward (default: on)")
-    p.add_argument("--activation-offloading", action="store_true",
-                   help="keep the checkpointed layers' inputs in pinned host memory (the trainer's "
-                        "activation_offloading; needs gradient checkpointing)")
-    p.add_argument("--mixed-precision", default="bf16", help=f"{' | '.join(MIXED_PRECISIONS)} (default: bf16)")
-    p.add_argument("--pure-bf16", action="store_true",
-                   help="keep weights and optimizer states in bf16 (no fp32 master): the trainer's "
-                        "torch_dtype bfloat16, with adamw_torch")
-    p.add_argument("--optimizer", default="adamw_torch",
-                   help=f"the trainer's optim names: {' | '.join(OPTIMIZERS)} (adamw and adamw-8bit are the "
-                        f"earlier spellings of adamw_torch and adamw_8bit; default: adamw_torch)")
-    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
-    p.add_argument("--lora-target-modules", default="all-linear", help="all-linear or e.g. q_proj,v_proj")
-    p.add_argument("--attn-implementation", default="sdpa", help=f"{' | '.join(ATTENTION)} (default: sdpa)")
+    job = p.add_argument_group("the job (with --config the files describe it instead)")
+    _job_options(job)
+    _output_options(p)
+    _time_options(p.add_argument_group("time and cost (--time; any of these options turns it on)"))
+    p.set_defaults(func=main, setup_options={action.dest: tuple(action.option_strings)
+                                             for action in job._group_actions})
+
+
+def _default(key: str) -> str:
+    """``key``'s default in a help text: the trainer's, read from config/schema.py."""
+    return f"default: {default_of(key)}"
+
+
+def _job_options(job: argparse._ArgumentGroup) -> None:
+    """The options that describe the job. Each one's dest is the train key it sets (``method`` sets
+    use_peft_lora and use_4bit_quantization), left None when not given so that the key keeps train's default."""
+    job.add_argument("--method", default=None, help=f"{' | '.join(METHODS)} (default: {LoraConfig().method})")
+    job.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default: 1)")
+    job.add_argument("--num-nodes", type=int, default=1, help="nodes (default: 1)")
+    job.add_argument("--strategy", default="auto",
+                     help=f"auto | {' | '.join(NAMES)}, in any case (zero1/zero2/zero3: DeepSpeed's ZeRO stages, "
+                          f"run as FSDP); default: auto")
+    job.add_argument("--sharding-strategy", dest="fsdp_sharding_strategy", default=None,
+                     help=f"{' | '.join(SHARDING_STRATEGIES)} (ZeRO-1/2/3 accepted); "
+                          f"{_default('fsdp_sharding_strategy')}")
+    job.add_argument("--offload-params", dest="fsdp_offload_params", action="store_const", const=True,
+                     help="FSDP CPU offload of params, grads, optimizer")
+    job.add_argument("--batch-size", dest="per_device_train_batch_size", type=int, default=None,
+                     help=f"micro-batch per device ({_default('per_device_train_batch_size')})")
+    job.add_argument("--seq-len", dest="max_seq_len", type=int, default=None,
+                     help=f"tokens per sequence ({_default('max_seq_len')})")
+    job.add_argument("--gradient-accumulation-steps", type=int, default=None,
+                     help=f"micro-batches per optimizer step ({_default('gradient_accumulation_steps')})")
+    job.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                     help=f"recompute each decoder layer in backward ({_default('gradient_checkpointing')})")
+    job.add_argument("--activation-offloading", action="store_const", const=True,
+                     help="keep the checkpointed layers' inputs in pinned host memory (the trainer's "
+                          "activation_offloading; needs gradient checkpointing)")
+    job.add_argument("--mixed-precision", default=None,
+                     help=f"{' | '.join(MIXED_PRECISIONS)} (default: {TrainConfig().mixed_precision})")
+    job.add_argument("--pure-bf16", dest="torch_dtype", action="store_const", const="bfloat16",
+                     help="keep weights and optimizer states in bf16 (no fp32 master): the trainer's "
+                          "torch_dtype bfloat16, with adamw_torch")
+    job.add_argument("--optimizer", dest="optim", default=None,
+                     help=f"the trainer's optim names: {' | '.join(OPTIMIZERS)} (adamw and adamw-8bit are the "
+                          f"earlier spellings of adamw_torch and adamw_8bit; {_default('optim')})")
+    job.add_argument("--lora-r", type=int, default=None, help=f"LoRA rank ({_default('lora_r')})")
+    job.add_argument("--lora-target-modules", default=None,
+                     help=f"all-linear or e.g. q_proj,v_proj ({_default('lora_target_modules')})")
+    job.add_argument("--attn-implementation", default=None,
+                     help=f"{' | '.join(ATTENTION)} ({_default('attn_implementation')})")
+
+
+def _output_options(p: argparse.ArgumentParser) -> None:
+    """What the estimate models besides the job, and what it writes."""
     p.add_argument("--loss", default="shardtune", choices=LOSSES,
                    help="shardtune: shardtune train's loss (bf16 logits kept, fp32 one chunk at a time, recomputed "
                         "in backward); full: transformers' loss, fp32 logits of the whole micro-batch; chunked: "
@@ -80,7 +111,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--measured", default=None, metavar="FILE.json",
                    help="rank the setups that fit by the speeds 'shardtune bench strategies --out FILE.json' "
                         "measured on your machine, instead of the usual order")
-    tm = p.add_argument_group("time and cost (--time; any of these options turns it on)")
+
+
+def _time_options(tm: argparse._ArgumentGroup) -> None:
     tm.add_argument("--time", action="store_true",
                     help="also predict each setup's step time, tokens/s, MFU, and the data's time and cost "
                          "(docs/estimator.md says how)")
@@ -99,9 +132,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help=f"network between nodes: {', '.join(INTER_NODE_LINKS)} (default: infiniband for "
                          f"H100/H200, infiniband-hdr for A100, ethernet-100g otherwise)")
     tm.add_argument("--pipeline-microbatches", type=int, default=DEFAULT_PIPELINE_MICROBATCHES, metavar="M",
-                    help=f"micro-batches per batch under --strategy pp (default: {DEFAULT_PIPELINE_MICROBATCHES})")
-    p.set_defaults(func=main, setup_options={action.dest: tuple(action.option_strings) for action in p._actions
-                                             if action.dest in SETUP_OPTIONS})
+                    help=f"micro-batches per batch under --strategy PP (default: {DEFAULT_PIPELINE_MICROBATCHES})")
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -146,11 +177,6 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
     return time_report(report, links, data, args.price_per_gpu_hour, args.pipeline_microbatches, measured)
 
 
-# The options that describe the setup: with --config, the files describe it instead.
-SETUP_OPTIONS = ("method", "num_gpus", "num_nodes", "strategy", "sharding_strategy", "offload_params", "batch_size",
-                 "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "activation_offloading",
-                 "mixed_precision", "pure_bf16",
-                 "optimizer", "lora_r", "lora_target_modules", "attn_implementation")
 ACCELERATE_KEYS = {"compute_environment", "fsdp_config", "deepspeed_config", "machine_rank", "num_machines",
                    "main_training_function"}
 
@@ -200,28 +226,21 @@ def setup_from_config_files(args: argparse.Namespace) -> Setup:
 
 
 def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
-    """The Setup the options describe, and whether the strategy is left to the recommender."""
-    strategy = args.strategy.lower()
-    sharding = args.sharding_strategy
-    if strategy in ZERO_STRATEGIES:
-        strategy, sharding = "fsdp", ZERO_STRATEGIES[strategy]
-    auto = strategy == "auto"
-    if not auto:
-        check_choice(strategy, STRATEGIES + ("auto",), "strategy")
-    world = args.num_gpus * args.num_nodes
-    setup = Setup(
-        method=args.method.lower(), strategy=("single" if world == 1 else "fsdp") if auto else strategy,
-        sharding_strategy=sharding, offload_params=args.offload_params, num_gpus=args.num_gpus,
-        num_nodes=args.num_nodes, batch_size=args.batch_size, seq_len=args.seq_len,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        gradient_checkpointing=args.gradient_checkpointing, activation_offloading=args.activation_offloading,
-        mixed_precision=args.mixed_precision.lower(), pure_bf16=args.pure_bf16, optimizer=args.optimizer.lower(),
-        lora_r=args.lora_r,
-        lora_target_modules=args.lora_target_modules, attn_implementation=args.attn_implementation,
-        loss=args.loss,
-    )
-    if auto and setup.offload_params:
-        setup = setup.with_(strategy="fsdp")
+    """The Setup the options describe (train's defaults for the keys they leave out), and whether the strategy is
+    left to the recommender."""
+    keys = {dest: getattr(args, dest) for dest in args.setup_options
+            if dest not in ("num_gpus", "num_nodes", "strategy") and getattr(args, dest) is not None}
+    auto = args.strategy.lower() == "auto"
+    stage = zero_stage(args.strategy)
+    if stage is not None:
+        keys["distributed_type"], sharding = ZERO_STAGES[stage]
+        keys.update({"fsdp_sharding_strategy": sharding} if sharding else {})
+    elif auto:  # what is estimated first; the recommender then compares the candidates
+        several = args.num_gpus * args.num_nodes > 1 or keys.get("fsdp_offload_params")
+        keys["distributed_type"] = FSDP if several else NO
+    else:
+        keys["distributed_type"] = strategy_named(args.strategy)
+    setup = Setup(num_gpus=args.num_gpus, num_nodes=args.num_nodes, loss=args.loss).with_(**keys)
     return validate(setup), auto
 
 
@@ -257,11 +276,12 @@ def _recommend_for_global_batch(model: str, setup: Setup, gpu: Gpu, measured):
     found that one GPU holds a smaller micro-batch.)"""
     from shardtune.memory.batch_plan import find_batch_size
 
-    free = estimate_report(model, setup.with_(batch_size=1, gradient_accumulation_steps=1), gpu, True, measured)
-    asked = free.breakdown.setup.with_(batch_size=setup.batch_size,
+    free = estimate_report(model, setup.with_(per_device_train_batch_size=1, gradient_accumulation_steps=1), gpu,
+                           True, measured)
+    asked = free.breakdown.setup.with_(per_device_train_batch_size=setup.batch_size,
                                        gradient_accumulation_steps=setup.gradient_accumulation_steps)
     plan = find_batch_size(model, asked, gpu)
-    return estimate_report(model, setup.with_(batch_size=plan.micro_batch_size,
+    return estimate_report(model, setup.with_(per_device_train_batch_size=plan.micro_batch_size,
                                            gradient_accumulation_steps=plan.gradient_accumulation_steps),
                         gpu, True, measured)
 
@@ -274,7 +294,7 @@ def _batch_and_config(args: argparse.Namespace, setup: Setup, gpu: Gpu) -> tuple
         from shardtune.memory.batch_plan import find_batch_size
 
         plan = find_batch_size(args.model, setup, gpu)
-        setup = setup.with_(batch_size=plan.micro_batch_size,
+        setup = setup.with_(per_device_train_batch_size=plan.micro_batch_size,
                             gradient_accumulation_steps=plan.gradient_accumulation_steps)
         out["batch_plan"] = plan.to_dict()
     if args.emit_config:
@@ -285,6 +305,7 @@ def _batch_and_config(args: argparse.Namespace, setup: Setup, gpu: Gpu) -> tuple
 
 
 def main(args: argparse.Namespace) -> int:
+    """The estimate the options (or --config files) describe: the report, then what the extra options add."""
     if args.list:
         print_catalog()
         return 0
@@ -306,17 +327,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         report = estimate_report(args.model, setup, gpu, auto, measured)
     extras, chosen = _batch_and_config(args, report.breakdown.setup, gpu)
-    traced = None
     if args.trace:
-        from shardtune.memory.inventory import ModelAnalysis
-        from shardtune.memory.recommend import evaluate_setup
-        from shardtune.memory.trace_setup import trace_for_estimate
-
-        breakdown = (report.breakdown if chosen == report.breakdown.setup
-                     else evaluate_setup(ModelAnalysis(args.model), chosen))
-        traced = trace_for_estimate(args.model, chosen, breakdown.total, gpu_memory=gpu.memory_bytes,
-                                    cuda_context=breakdown.cuda_context)
-        extras["trace"] = traced
+        extras["trace"] = _trace(args.model, report, chosen, gpu)
     timed = time_from_args(args, report, measured) if wants_time(args) else None
     if timed:
         from shardtune.memory.report import time_to_dict
@@ -328,38 +340,55 @@ def main(args: argparse.Namespace) -> int:
         json.dump(to_dict(report) | extras, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        from rich.console import Console
-
-        from shardtune.memory.report import render
-
-        console = Console()
-        render(report, console)
-        if timed:
-            from shardtune.memory.report import render_time
-
-            render_time(report, timed, console)
-        if traced:
-            from shardtune.memory.trace_setup import render_text
-
-            print(render_text(traced, traced["formula_peak_bytes"]))
-        if "batch_plan" in extras:
-            bp = extras["batch_plan"]
-            print(f"batch: micro-batch {bp['micro_batch_size']} per GPU x {bp['gradient_accumulation_steps']} "
-                  f"accumulation steps = global batch {bp['global_batch_size']} (asked "
-                  f"{bp['requested_global_batch_size']}; at most {bp['largest_fitting_micro_batch']} fits per GPU)")
-        if "emitted_config" in extras:
-            emitted = extras["emitted_config"]
-            print(f"wrote {emitted} (set dataset_name, then: shardtune train {emitted})")
+        _print_tables(report, timed, extras)
     if args.plot:
-        from shardtune.memory.plot import write_plot
-
-        print(f"wrote {write_plot(report, args.plot)}", file=sys.stderr)
-        if timed:
-            from pathlib import Path
-
-            from shardtune.memory.report import write_time_plot
-
-            path = Path(args.plot)
-            print(f"wrote {write_time_plot(report, timed, path.with_name(path.stem + '-time.png'))}",
-                  file=sys.stderr)
+        _write_plots(args.plot, report, timed)
     return 0
+
+
+def _trace(model: str, report: Report, chosen: Setup, gpu: Gpu) -> dict:
+    """--trace: the traced peak of the setup the report settled on (``chosen``), with the formula's beside it."""
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import evaluate_setup
+    from shardtune.memory.trace_setup import trace_for_estimate
+
+    breakdown = report.breakdown if chosen == report.breakdown.setup else evaluate_setup(ModelAnalysis(model), chosen)
+    return trace_for_estimate(model, chosen, breakdown.total, gpu_memory=gpu.memory_bytes,
+                              cuda_context=breakdown.cuda_context)
+
+
+def _print_tables(report: Report, timed: TimeReport | None, extras: dict) -> None:
+    """The tables for people: the report, the time and cost, the trace, the batch found, the recipe written."""
+    from rich.console import Console
+
+    from shardtune.memory.report import render
+
+    console = Console()
+    render(report, console)
+    if timed:
+        from shardtune.memory.report import render_time
+
+        render_time(report, timed, console)
+    if "trace" in extras:
+        from shardtune.memory.trace_setup import render_text
+
+        print(render_text(extras["trace"], extras["trace"]["formula_peak_bytes"]))
+    if "batch_plan" in extras:
+        bp = extras["batch_plan"]
+        print(f"batch: micro-batch {bp['micro_batch_size']} per GPU x {bp['gradient_accumulation_steps']} "
+              f"accumulation steps = global batch {bp['global_batch_size']} (asked "
+              f"{bp['requested_global_batch_size']}; at most {bp['largest_fitting_micro_batch']} fits per GPU)")
+    if "emitted_config" in extras:
+        emitted = extras["emitted_config"]
+        print(f"wrote {emitted} (set dataset_name, then: shardtune train {emitted})")
+
+
+def _write_plots(plot: str, report: Report, timed: TimeReport | None) -> None:
+    from shardtune.memory.plot import write_plot
+
+    print(f"wrote {write_plot(report, plot)}", file=sys.stderr)
+    if timed:
+        from shardtune.memory.report import write_time_plot
+
+        path = Path(plot)
+        print(f"wrote {write_time_plot(report, timed, path.with_name(path.stem + '-time.png'))}", file=sys.stderr)

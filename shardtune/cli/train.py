@@ -16,6 +16,7 @@ import sys
 
 from shardtune.cli.common import TRAIN_HELP, leave_out_bitsandbytes_unless, load_job_config
 from shardtune.errors import first_line
+from shardtune.strategies import resolve
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -130,7 +131,7 @@ def job_callbacks(cfg) -> list:
 
 def job_stage_bounds(cfg) -> tuple[tuple[int, int], ...] | None:
     """MP/PP: stages balanced by memory (the estimator's model-parallel plan), for the trainer to apply."""
-    if cfg.distributed.distributed_type not in ("MP", "PP"):
+    if not resolve(cfg.distributed.distributed_type, False).splits_layers:
         return None
     from shardtune.memory.stages import stage_bounds_for_run
 

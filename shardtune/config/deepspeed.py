@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from shardtune.errors import UsageError
+from shardtune.strategies import ZERO_STAGES
 
-ZERO_STAGES = {0: ("DDP", None), 1: ("FSDP", "SHARD_GRAD_OP"), 2: ("FSDP", "SHARD_GRAD_OP"), 3: ("FSDP", "FULL_SHARD")}
 # DeepSpeed-engine tuning with no FSDP2 counterpart: speed and logging, never the math. Accepted and listed.
 TUNING = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
           "allgather_partitions", "reduce_scatter", "round_robin_gradients", "sub_group_size",
@@ -136,12 +136,12 @@ def _zero(out: Mapped, block: Any) -> None:
     if stage not in ZERO_STAGES:
         out.refuse("zero_optimization.stage", stage, "must be 0, 1, 2 or 3")
     else:
-        kind, sharding = ZERO_STAGES[stage]
-        out.values["distributed_type"] = kind
+        strategy, sharding = ZERO_STAGES[stage]
+        out.values["distributed_type"] = strategy.name
         if sharding:
             out.values["fsdp_sharding_strategy"] = sharding
-        name = {0: "ZeRO-0 (off)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[stage]
-        target = f"FSDP {sharding}" if sharding else "DDP"
+        name = f"ZeRO-{stage}" if stage else "ZeRO-0 (off)"
+        target = f"{strategy.name} {sharding}" if sharding else strategy.name
         note = (" (ZeRO-1 shards only optimizer states; SHARD_GRAD_OP also shards gradients: less memory, same "
                 "traffic)") if stage == 1 else ""
         out.lines.append(f"zero_optimization.stage {stage}: {name} -> {target}{note}")

@@ -30,10 +30,8 @@ from shardtune.config.schema import TrainConfig, known_keys, section_classes
 from shardtune.config.validation import (device_problems, input_problems, model_folder_problems, resolve_report_to,
                                          tracker_problems, validate)
 from shardtune.errors import UsageError, closest
+from shardtune.strategies import FSDP, lookup
 
-# Accelerate's names for data parallel; both mean one replica per process here.
-DISTRIBUTED_ALIASES = {"MULTI_GPU": "DDP", "MULTI_CPU": "DDP", "MULTI_XPU": "DDP", "MULTI_NPU": "DDP",
-                       "MULTI_MLU": "DDP", "MULTI_HPU": "DDP"}
 # FSDP1's enum values, which older Accelerate configs write as numbers; HYBRID_SHARD_ZERO2 (5) keeps gathered
 # parameters inside the node like SHARD_GRAD_OP, which FSDP2 spells HYBRID_SHARD without resharding.
 SHARDING_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
@@ -145,7 +143,7 @@ def read_accelerate_config(path: str | Path) -> tuple[dict[str, Any], dict[str, 
     flat = _flatten(data)
     block = flat.pop("deepspeed_config", None)
     if str(flat.get("distributed_type", "")).upper() == "DEEPSPEED":
-        flat["distributed_type"] = "FSDP"  # ZeRO-3 unless the block says otherwise
+        flat["distributed_type"] = FSDP.name  # ZeRO-3 unless the block says otherwise
     values, sources = {}, {}
     for key, value in flat.items():
         values[key] = value
@@ -436,11 +434,11 @@ def _located(problem: str, given: dict[str, Origin]) -> str:
 
 
 def _normalise(cfg: TrainConfig) -> None:
-    """Canonical spellings: upper-case enum names, Accelerate's aliases and FSDP1 numbers."""
+    """Canonical spellings: upper-case enum names, Accelerate's aliases (the strategies' own) and FSDP1 numbers."""
     d = cfg.distributed
     if d.distributed_type is not None:
-        kind = str(d.distributed_type).upper()
-        d.distributed_type = DISTRIBUTED_ALIASES.get(kind, kind)
+        found = lookup(d.distributed_type)
+        d.distributed_type = found.name if found else str(d.distributed_type).upper()
     d.fsdp_sharding_strategy = SHARDING_NUMBERS.get(str(d.fsdp_sharding_strategy),
                                                     str(d.fsdp_sharding_strategy).upper())
     d.fsdp_auto_wrap_policy = str(d.fsdp_auto_wrap_policy).upper()

@@ -7,14 +7,17 @@ config files, so a recipe carries over. Reading (``loading``) and checking (``va
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from shardtune.config.optimizers import OPTIMIZERS
 from shardtune.data.config import DataConfig
+from shardtune.strategies import NAMES
 
-DISTRIBUTED_TYPES = ("NO", "DDP", "FSDP", "MP", "PP")
+DISTRIBUTED_TYPES = NAMES  # the strategies' names (shardtune/strategies.py)
 PIPELINE_SCHEDULES = ("GPipe", "1F1B")
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
@@ -36,6 +39,7 @@ FSDP_VERSIONS = (2,)  # the trainer shards with FSDP2's fully_shard
 SECRET_KEYS = {"hub_token"}  # never written into config.yaml beside the checkpoints
 # The data set that ``shardtune estimate --emit-config`` writes (memory/trace_setup.py): the user fills it in.
 DATASET_PLACEHOLDER = "REPLACE_WITH_YOUR_DATASET"
+METHODS = ("full", "lora", "qlora")  # what trains: LoraConfig.method, and method_keys' inverse
 
 
 @dataclass
@@ -83,6 +87,11 @@ class LoraConfig:
     def method(self) -> str:
         """What trains, in the estimator's words (``Setup.method``): full, lora or qlora."""
         return "qlora" if self.use_4bit_quantization else "lora" if self.use_peft_lora else "full"
+
+
+def method_keys(method: str) -> dict[str, bool]:
+    """The keys that train ``method`` (full, lora or qlora): the inverse of ``LoraConfig.method``."""
+    return {"use_peft_lora": method != "full", "use_4bit_quantization": method == "qlora"}
 
 
 @dataclass
@@ -224,10 +233,34 @@ class TrainConfig:
             return "fp16"
         return (self.distributed.mixed_precision or "no").lower()
 
+    def with_keys(self, **keys: Any) -> TrainConfig:
+        """A copy with ``keys`` (flat names, as ``to_flat`` gives them) changed; the sections they leave alone are
+        shared with this config, so neither is to be changed in place afterwards."""
+        owner = _key_sections()
+        unknown = sorted(set(keys) - set(owner))
+        if unknown:
+            raise TypeError(f"not config keys: {', '.join(unknown)}")
+        sections: dict[str, dict[str, Any]] = {}
+        for key, value in keys.items():
+            sections.setdefault(owner[key], {})[key] = value
+        return dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name), **values)
+                                            for name, values in sections.items()})
+
     def to_flat(self) -> dict[str, Any]:
         """Every key at the top level, as ``shardtune train`` reads it back (secrets left out)."""
         return {k: v for section in dataclasses.fields(self) for k, v in
                 dataclasses.asdict(getattr(self, section.name)).items() if k not in SECRET_KEYS}
+
+
+def mixed_precision_keys(mixed_precision: str) -> dict[str, Any]:
+    """The keys that ask for ``mixed_precision`` (bf16, fp16 or no) whatever they held before: the inverse of
+    ``TrainConfig.mixed_precision`` (TrainingArguments' flags, Accelerate's key left unset)."""
+    return {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16", "mixed_precision": None}
+
+
+def default_of(key: str) -> Any:
+    """The default of the config key ``key`` (what a job that does not set it runs)."""
+    return TrainConfig().to_flat()[key]
 
 
 def section_classes() -> dict[str, type]:
@@ -237,8 +270,11 @@ def section_classes() -> dict[str, type]:
 
 def known_keys() -> dict[str, str]:
     """Every accepted key and the section that holds it."""
-    keys = {}
-    for section, cls in section_classes().items():
-        for f in dataclasses.fields(cls):
-            keys[f.name] = section
-    return keys
+    return dict(_key_sections())
+
+
+@functools.cache
+def _key_sections() -> MappingProxyType:
+    """``known_keys``, read once: the estimator changes keys thousands of times per recommendation."""
+    return MappingProxyType({f.name: section for section, cls in section_classes().items()
+                             for f in dataclasses.fields(cls)})

@@ -13,9 +13,10 @@ from shardtune.config.schema import (ACCEPTED_OPTIMS, BACKWARD_PREFETCH, DATASET
                                      HUB_STRATEGIES, LOG_LEVELS, MIXED_PRECISIONS, PIPELINE_SCHEDULES, SCHEDULERS,
                                      SHARDING_STRATEGIES, STATE_DICT_TYPES, STRATEGIES_STEPS, TRACKER_PACKAGES,
                                      TORCH_DTYPES, WRAP_POLICIES,
-                                     OptimConfig, TrainConfig)
+                                     DistributedConfig, OptimConfig, TrainConfig)
 from shardtune.hub import looks_like_local_path, model_folder_problem
 from shardtune.errors import closest
+from shardtune.strategies import NO, Strategy, lookup
 
 
 def _choice(problems: list[str], key: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -23,6 +24,11 @@ def _choice(problems: list[str], key: str, value: Any, choices: tuple[str, ...])
         hint = closest(str(value), choices)
         did_you_mean = f" (did you mean {hint}?)" if hint else ""
         problems.append(f"{key}={value!r} is not accepted; use one of {', '.join(choices)}{did_you_mean}")
+
+
+def _strategy(d: DistributedConfig) -> Strategy:
+    """The configured strategy's entry, NO for none or an unknown name (that name is a problem of its own)."""
+    return lookup(d.distributed_type or NO) or NO
 
 
 def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
@@ -133,9 +139,10 @@ def lora_variant_problems(cfg: TrainConfig) -> list[str]:
     if mutating and lo.use_dora:
         problems.append(f"init_lora_weights={init} with use_dora: a DoRA adapter cannot be converted back to one "
                         f"for the unmodified base; use init_lora_weights true with DoRA")
-    if mutating and cfg.distributed.distributed_type == "PP":
-        problems.append(f"init_lora_weights={init} with distributed_type PP: the stages' adapters are not "
-                        f"converted for the unmodified base; use FSDP or DDP, or init_lora_weights true")
+    if mutating and _strategy(cfg.distributed).pipelined:
+        problems.append(f"init_lora_weights={init} with distributed_type {cfg.distributed.distributed_type}: the "
+                        f"stages' adapters are not converted for the unmodified base; use FSDP or DDP, or "
+                        f"init_lora_weights true")
     target = lo.lora_target_modules.strip()
     if target.startswith("re:"):
         try:
@@ -201,19 +208,20 @@ def _validate_pipeline(cfg: TrainConfig) -> list[str]:
     if d.pipeline_schedule.upper() not in {s.upper() for s in PIPELINE_SCHEDULES}:
         problems.append(f"pipeline_schedule={d.pipeline_schedule!r} is not accepted; use one of "
                         f"{', '.join(PIPELINE_SCHEDULES)}")
+    pipeline = _strategy(d).pipelined
     if d.pipeline_microbatches < 1:
         problems.append(f"pipeline_microbatches={d.pipeline_microbatches} must be at least 1")
-    elif d.distributed_type == "PP" and r.per_device_train_batch_size % d.pipeline_microbatches:
+    elif pipeline and r.per_device_train_batch_size % d.pipeline_microbatches:
         problems.append(f"per_device_train_batch_size={r.per_device_train_batch_size} must be a multiple of "
                         f"pipeline_microbatches={d.pipeline_microbatches} (each batch is split into them)")
-    if (d.distributed_type == "PP" and r.eval_strategy != "no" and d.pipeline_microbatches >= 1
+    if (pipeline and r.eval_strategy != "no" and d.pipeline_microbatches >= 1
             and r.per_device_eval_batch_size % d.pipeline_microbatches):
         problems.append(f"per_device_eval_batch_size={r.per_device_eval_batch_size} must be a multiple of "
                         f"pipeline_microbatches={d.pipeline_microbatches} (each eval batch is split into them)")
-    if d.distributed_type == "PP" and cfg.mixed_precision == "fp16":
+    if pipeline and cfg.mixed_precision == "fp16":
         # Each stage would need the loss scale in its backward and a skip decision shared by every stage.
-        problems.append("fp16 with distributed_type=PP: the pipeline's stages do not scale the loss, so fp16 "
-                        "gradients would underflow; use bf16 (or mixed_precision no)")
+        problems.append(f"fp16 with distributed_type={d.distributed_type}: the pipeline's stages do not scale the "
+                        f"loss, so fp16 gradients would underflow; use bf16 (or mixed_precision no)")
     return problems
 
 
@@ -285,12 +293,13 @@ def _optim_problems(cfg: TrainConfig) -> list[str]:
         if key not in spec.reads and getattr(o, key) != getattr(defaults, key):
             problems.append(f"{key}={getattr(o, key)} does nothing with optim {o.optim} (it has no such setting); "
                             f"leave {key} out or pick an optimizer that reads it (e.g. adamw_torch)")
-    if spec.kind == "adafactor" and cfg.distributed.distributed_type == "FSDP":
+    if spec.kind == "adafactor" and _strategy(cfg.distributed).shards_parameters:
         # Transformers' Adafactor averages the squared gradient over whole rows and columns and keeps that state
         # as plain tensors, which FSDP2's sharded (DTensor) parameters cannot mix with.
-        problems.append("optim adafactor with distributed_type FSDP: Adafactor's factored state needs whole rows "
-                        "and columns of each weight, which FSDP shards; use DDP (or one process) for adafactor, or "
-                        "a low-memory optimizer that shards: adamw_8bit or lion_8bit")
+        problems.append(f"optim adafactor with distributed_type {cfg.distributed.distributed_type}: Adafactor's "
+                        f"factored state needs whole rows and columns of each weight, which FSDP shards; use DDP "
+                        f"(or one process) for adafactor, or a low-memory optimizer that shards: adamw_8bit or "
+                        f"lion_8bit")
     return problems
 
 

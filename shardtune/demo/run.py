@@ -24,6 +24,7 @@ from shardtune.demo.base import BASE_MODEL_DIR
 from shardtune.demo.evaluate import Evaluation, evaluate_model
 from shardtune.demo.task import MAX_OPERAND, split_task, write_dataset
 from shardtune.errors import UsageError
+from shardtune.strategies import FSDP, NO
 
 # (model, method, GPUs per node, micro-batch, GPU when the user names none): the questions people ask first.
 ESTIMATE_CASES = (
@@ -80,8 +81,9 @@ def print_estimates(console: Console, gpu_name: str | None) -> None:
         table.add_column(col, no_wrap=True, justify="right" if col in ("GiB/GPU", "max b") else "left")
     for model, method, gpus, batch, default_gpu in ESTIMATE_CASES:
         gpu = gpu_by_name(gpu_name or default_gpu)
-        setup = validate(Setup(method=method, num_gpus=gpus, batch_size=batch,
-                               strategy="single" if gpus == 1 else "fsdp"))
+        setup = validate(Setup.of(method=method, num_gpus=gpus, per_device_train_batch_size=batch, max_seq_len=2048,
+                                  mixed_precision="bf16", gradient_checkpointing=True,
+                                  distributed_type=NO if gpus == 1 else FSDP))
         rec = estimate_report(model, setup, gpu, auto=True).recommendation
         peak_gib = (rec.breakdown.total + rec.breakdown.cuda_context) / GIB
         table.add_row(model, method, f"{gpus} x {gpu.name}", short_label(rec.setup),
@@ -103,7 +105,7 @@ def train_args(settings: DemoSettings, base_dir: Path, data_dir: Path, run_dir: 
     keys = {"model_name_or_path": base_dir, "dataset_name": data_dir, "splits": "train,test",
             "max_seq_len": settings.max_seq_len, "packing": True,
             "per_device_train_batch_size": settings.per_device_train_batch_size, "max_steps": settings.max_steps,
-            "distributed_type": "FSDP", "use_peft_lora": True, "lora_r": settings.lora_r,
+            "distributed_type": FSDP.name, "use_peft_lora": True, "lora_r": settings.lora_r,
             "lora_alpha": settings.lora_alpha, "learning_rate": settings.learning_rate,
             "lr_scheduler_type": "cosine", "warmup_ratio": 0.05, "logging_steps": settings.logging_steps,
             "eval_strategy": "steps", "eval_steps": settings.eval_steps, "save_strategy": "no",

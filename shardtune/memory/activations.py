@@ -111,7 +111,7 @@ class Activations:
         """fp32 adapters (PEFT's, and the trainer's) run under torch.autocast: single GPU, DDP and model parallel
         with a 16-bit compute dtype. Under FSDP the MixedPrecisionPolicy gathers them in the compute dtype instead."""
         dt = self.dt
-        return bool(self.adapted) and dt.master == 4 and dt.compute != 4 and self.setup.strategy != "fsdp"
+        return bool(self.adapted) and dt.master == 4 and dt.compute != 4 and self.setup.strategy.autocasts
 
     def adapters(self) -> int:
         """What LoRA adapters keep for backward: the input of A (for A's gradient) and A's r-wide output (for B's).

@@ -50,7 +50,7 @@ def find_batch_size(model: str, setup: Setup, gpu: Gpu) -> BatchPlan:
     largest = max_batch_size(ModelAnalysis(model), setup, gpu)
     if largest == 0:
         raise UsageError(f"--find-batch-size: not even a micro-batch of 1 fits a {gpu.name} with {setup.label()}; "
-                         f"try --gradient-checkpointing, more GPUs with --strategy fsdp, --method lora or qlora, "
+                         f"try --gradient-checkpointing, more GPUs with --strategy FSDP, --method lora or qlora, "
                          f"or a shorter --seq-len")
     return plan_batch(largest, setup)
 

@@ -54,6 +54,7 @@ from shardtune.hardware import MIB
 from shardtune.memory.activations import Activations
 from shardtune.memory.inventory import LoraCount, ModelInventory
 from shardtune.memory.setup import Dtypes, Setup, dtypes
+from shardtune.strategies import NO
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "overhead")
 # Activation offloading: the checkpointed layer inputs on the GPU at once, the rest in host memory. In backward,
@@ -182,7 +183,7 @@ def estimate(inv: ModelInventory, setup: Setup, lora: LoraCount | None = None) -
 
 
 def _shard_group(setup: Setup) -> int:
-    if setup.strategy != "fsdp" or setup.sharding_strategy == "NO_SHARD":
+    if not setup.strategy.shards_parameters or setup.sharding_strategy == "NO_SHARD":
         return 1
     if setup.sharding_strategy == "HYBRID_SHARD":
         return setup.num_gpus  # shard inside a node, replicate across nodes
@@ -195,7 +196,7 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
     act = Activations(inv, setup, dt)
     layers = range(inv.num_layers)
     shard = _shard_group(setup)
-    fsdp = setup.strategy == "fsdp"
+    fsdp = setup.strategy.shards_parameters
     offload = fsdp and setup.offload_params
     tokens = setup.batch_size * setup.seq_len
 
@@ -318,7 +319,7 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
             "copies": root_trainable * (dt.compute + (4 if dt.master == 4 else 0))}
     # DDP's reducer copies every gradient into flat buckets for its all-reduce (gradient_as_bucket_view is off), a
     # second copy of the trainable gradients that it allocates when the model is wrapped and keeps.
-    buckets = grads if setup.strategy == "ddp" and setup.world_size > 1 else 0
+    buckets = grads if setup.strategy.replicates and setup.world_size > 1 else 0
     totals = {}
     for name, ph in phases.items():
         dyn = ph["act"] + ph["copies"] + (dequant if ph["act"] else 0)
@@ -387,7 +388,7 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
     largest per-GPU total (a small dynamic programme over layer boundaries). One micro-batch is in flight at a time.
     """
     gpus = setup.world_size
-    one = setup.with_(strategy="single", num_gpus=1, num_nodes=1)
+    one = setup.with_(distributed_type=NO, num_gpus=1, num_nodes=1)
     if gpus == 1:
         return estimate(inv, one, lora)
     dt = dtypes(one)
@@ -476,7 +477,7 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
     sizes = ", ".join(str(hi - lo) for lo, hi in bounds)
     unused = gpus - len(bounds)
     note = f"layers per GPU: {sizes}; GPU {worst} (layers {a}-{b - 1}) is the fullest"
-    if setup.strategy == "pp":
+    if setup.strategy.pipelined:
         note += " (GPipe keeps every micro-batch's activations until the backward, as counted here; 1F1B fewer)"
     if unused:
         note += f"; {unused} GPU(s) left idle"

@@ -23,6 +23,7 @@ from shardtune.hardware import Gpu
 from shardtune.memory.formula import Breakdown, estimate
 from shardtune.memory.inventory import ModelAnalysis
 from shardtune.memory.setup import Setup
+from shardtune.strategies import DDP, FSDP, MP, NO, PP, lookup
 
 MAX_BATCH = 4096
 
@@ -41,8 +42,8 @@ class Recommendation:
         return {
             "fits": self.fits,
             "method": s.method,
-            "strategy": s.strategy,
-            "sharding_strategy": s.sharding_strategy if s.strategy == "fsdp" else None,
+            "strategy": s.strategy.name,
+            "sharding_strategy": s.sharding_strategy if s.strategy.shards_parameters else None,
             "offload_params": s.offload_params,
             "gradient_checkpointing": s.gradient_checkpointing,
             "activation_offloading": s.activation_offloading,
@@ -57,7 +58,7 @@ class Recommendation:
 
 @dataclass(frozen=True)
 class Measured:
-    """Tokens/s that ``shardtune bench strategies`` measured per kind of setup (mp, pp, ddp, fsdp)."""
+    """Tokens/s that ``shardtune bench strategies`` measured per strategy (by its name: MP, PP, DDP, FSDP)."""
 
     path: str
     tokens_per_s: dict[str, float]
@@ -83,8 +84,9 @@ class Measured:
         if not isinstance(rows, list):
             raise bad
         try:
-            speeds = {r["strategy"]: float(r["tokens_per_s"]) for r in rows
-                      if isinstance(r, dict) and r.get("strategy") in ("mp", "pp", "ddp", "fsdp")
+            # Any case: files written before the strategies were spelled one way name them in lower case.
+            speeds = {lookup(r["strategy"]).name: float(r["tokens_per_s"]) for r in rows
+                      if isinstance(r, dict) and isinstance(r.get("strategy"), str) and lookup(r["strategy"])
                       and not r.get("error") and r.get("tokens_per_s")}
             meta = data if isinstance(data, dict) else {}
             measured = cls(str(path), speeds, str(meta.get("model") or ""), int(meta.get("num_processes") or 0),
@@ -97,17 +99,17 @@ class Measured:
         return measured
 
     def speed(self, setup: Setup) -> float | None:
-        """The measured tokens/s of ``setup``'s kind (FSDP variants share FSDP's; CPU offload was not measured)."""
-        if setup.strategy == "fsdp" and setup.offload_params:
+        """The measured tokens/s of ``setup``'s strategy (FSDP variants share FSDP's; CPU offload was not measured)."""
+        if setup.offload_params:
             return None
-        return self.tokens_per_s.get(setup.strategy)
+        return self.tokens_per_s.get(setup.strategy.name)
 
     def describe(self) -> str:
         ranked = sorted(self.tokens_per_s.items(), key=lambda kv: -kv[1])
         model = f" with {Path(self.model).name or self.model}" if self.model else ""
         where = f" on {self.device}" if self.device else ""
         procs = f", {self.num_processes} processes" if self.num_processes else ""
-        return (", ".join(f"{k.upper()} {v:,.0f}" for k, v in ranked) +
+        return (", ".join(f"{k} {v:,.0f}" for k, v in ranked) +
                 f" tokens/s measured{model}{where}{procs} ({self.path})")
 
 
@@ -121,17 +123,16 @@ def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAna
     """The parallel setups worth comparing for ``base``'s GPU count, in order of preference when they fit
     (pipeline parallel too when ``measured`` has it and the model's head is not tied to its embeddings, which
     live on different stages)."""
+    plain = base.with_(fsdp_offload_params=False)
+    fsdp = plain.with_(distributed_type=FSDP, fsdp_sharding_strategy="FULL_SHARD")
     if base.world_size == 1:
-        return [base.with_(strategy="single", offload_params=False),
-                base.with_(strategy="fsdp", sharding_strategy="FULL_SHARD", offload_params=True)]
-    fsdp = base.with_(strategy="fsdp", offload_params=False)
-    out = [base.with_(strategy="ddp", offload_params=False), fsdp.with_(sharding_strategy="SHARD_GRAD_OP")]
+        return [plain.with_(distributed_type=NO), fsdp.with_(fsdp_offload_params=True)]
+    out = [plain.with_(distributed_type=DDP), fsdp.with_(fsdp_sharding_strategy="SHARD_GRAD_OP")]
     if base.num_nodes > 1:
-        out.append(fsdp.with_(sharding_strategy="HYBRID_SHARD"))
-    out += [fsdp.with_(sharding_strategy="FULL_SHARD"), fsdp.with_(sharding_strategy="FULL_SHARD", offload_params=True),
-            base.with_(strategy="mp", offload_params=False)]
-    if measured and "pp" in measured.tokens_per_s and not (analysis and analysis.inventory.tied_embeddings):
-        out.append(base.with_(strategy="pp", offload_params=False))
+        out.append(fsdp.with_(fsdp_sharding_strategy="HYBRID_SHARD"))
+    out += [fsdp, fsdp.with_(fsdp_offload_params=True), plain.with_(distributed_type=MP)]
+    if measured and PP.name in measured.tokens_per_s and not (analysis and analysis.inventory.tied_embeddings):
+        out.append(plain.with_(distributed_type=PP))
     return out
 
 
@@ -139,7 +140,7 @@ def max_batch_size(analysis: ModelAnalysis, setup: Setup, gpu: Gpu) -> int:
     """The largest per-device micro-batch that fits ``gpu`` (0 when even batch 1 does not)."""
 
     def fits(b: int) -> bool:
-        return evaluate_setup(analysis, setup.with_(batch_size=b)).fits(gpu.memory_bytes)
+        return evaluate_setup(analysis, setup.with_(per_device_train_batch_size=b)).fits(gpu.memory_bytes)
 
     if not fits(1):
         return 0
@@ -153,26 +154,24 @@ def max_batch_size(analysis: ModelAnalysis, setup: Setup, gpu: Gpu) -> int:
     return lo
 
 
-_WHY = {
-    "single": "it fits on the one GPU",
-    "ddp": "the model, gradients and optimizer states fit on one GPU, so DDP replicates them and only all-reduces "
-           "gradients (fastest)",
+# Why each FSDP sharding strategy (the other strategies' reasons are their registry entries' ``why``).
+_SHARDING_WHY = {
     "SHARD_GRAD_OP": "a full replica does not fit one GPU; sharding gradients and optimizer states (ZeRO-2) does, "
                      "and keeping layers gathered from forward to backward saves one all-gather per layer",
     "HYBRID_SHARD": "sharding inside each node and replicating across nodes fits, and keeps the all-gathers on the "
                     "fast intra-node links",
     "FULL_SHARD": "only sharding parameters too (ZeRO-3) fits: each layer is gathered just before it runs",
-    "offload": "even fully sharded it does not fit in GPU memory; CPU offload keeps parameters, gradients and "
-               "optimizer states in host RAM (slow: every step crosses PCIe)",
-    "mp": "naive model parallel fits, but only one GPU works at a time",
-    "pp": "each GPU holds a run of layers, and micro-batches keep several GPUs working at once",
 }
+_OFFLOAD_WHY = ("even fully sharded it does not fit in GPU memory; CPU offload keeps parameters, gradients and "
+                "optimizer states in host RAM (slow: every step crosses PCIe)")
 
 
 def _why(setup: Setup) -> str:
-    if setup.strategy == "fsdp":
-        return _WHY["offload"] if setup.offload_params else _WHY[setup.sharding_strategy]
-    return _WHY[setup.strategy]
+    if setup.offload_params:
+        return _OFFLOAD_WHY
+    if setup.strategy.shards_parameters:
+        return _SHARDING_WHY.get(setup.sharding_strategy, setup.strategy.why)
+    return setup.strategy.why
 
 
 # Measured speeds this close count as equal: a benchmark re-run on a busy machine moves them more than that.
@@ -243,7 +242,7 @@ def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: M
     text += f" ({measured.describe()})."
     text += f" It is also the usual choice: {_why(chosen)}." if same else \
         f" Without measurements it would be {usual.setup.label()}." if usual.fits else ""
-    if "pp" in measured.tokens_per_s and analysis.inventory.tied_embeddings:
+    if PP.name in measured.tokens_per_s and analysis.inventory.tied_embeddings:
         text += " PP is left out: this model ties its LM head to its embeddings, which would be on different stages."
     measured_name = measured.model.split(" (")[0]
     if measured_name and measured_name != analysis.inventory.name:
@@ -274,7 +273,7 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
     def gib(b: Breakdown) -> str:
         return f"{(b.total + b.cuda_context) / 2**30:.1f} GiB"
 
-    if base.batch_size > 1 and (hit := first_fit(candidates(base.with_(batch_size=1)))):
+    if base.batch_size > 1 and (hit := first_fit(candidates(base.with_(per_device_train_batch_size=1)))):
         out.append(f"batch size 1 with {hit[0].label()} ({gib(hit[1])}); keep the global batch with "
                    f"--gradient-accumulation-steps {base.batch_size * base.gradient_accumulation_steps}")
     if not base.gradient_checkpointing and (hit := first_fit(candidates(base.with_(gradient_checkpointing=True)))):
@@ -294,8 +293,8 @@ def _more_gpus(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> str | None:
     world = 2
     while world <= 4096:
         gpus, nodes = (world, 1) if world <= per_node else (per_node, world // per_node)
-        setup = base.with_(strategy="fsdp", sharding_strategy="FULL_SHARD", num_gpus=gpus, num_nodes=nodes,
-                           offload_params=False)
+        setup = base.with_(distributed_type=FSDP, fsdp_sharding_strategy="FULL_SHARD", num_gpus=gpus,
+                           num_nodes=nodes, fsdp_offload_params=False)
         if world > base.world_size:
             b = evaluate_setup(analysis, setup)
             if b.fits(gpu.memory_bytes):

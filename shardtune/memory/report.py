@@ -38,7 +38,7 @@ def to_dict(r: Report) -> dict:
         "model_type": inv.model_type,
         "parameters": inv.parameters,
         "trainable_parameters": r.trainable_parameters,
-        "setup": asdict(b.setup) | {"world_size": b.setup.world_size},
+        "setup": b.setup.to_dict(),
         "gpu": {"name": r.gpu.name, "memory_bytes": r.gpu.memory_bytes},
         "per_gpu": b.per_gpu(),
         "cuda_context": b.cuda_context,
@@ -50,8 +50,8 @@ def to_dict(r: Report) -> dict:
         "cpu_bytes_per_node": b.cpu_bytes_per_node,
         "stage_note": b.stage_note or None,
         "strategies": [
-            {"setup": s.setup.label(), "strategy": s.setup.strategy,
-             "sharding_strategy": s.setup.sharding_strategy if s.setup.strategy == "fsdp" else None,
+            {"setup": s.setup.label(), "strategy": s.setup.strategy.name,
+             "sharding_strategy": s.setup.sharding_strategy if s.setup.strategy.shards_parameters else None,
              "offload_params": s.setup.offload_params, "per_gpu": s.per_gpu(), "cuda_context": s.cuda_context,
              "fits": s.fits(r.gpu.memory_bytes), "max_batch_size": batch}
             for s, batch in r.table
@@ -66,8 +66,8 @@ def _gib(n: float) -> str:
 
 def short_label(setup) -> str:
     """A setup's name in at most 18 characters, for the side-by-side table."""
-    if setup.strategy == "fsdp":
-        return "FSDP FULL + offload" if setup.offload_params else f"FSDP {setup.sharding_strategy}"
+    if setup.offload_params:
+        return f"{setup.strategy.label} FULL + offload"
     return setup.label()
 
 
@@ -151,9 +151,9 @@ def estimate_report(model: str, setup: Setup, gpu: Gpu, auto: bool = True, measu
 
     analysis = ModelAnalysis(model)
     inv = analysis.inventory
-    if setup.strategy == "pp" and inv.tied_embeddings:
-        raise UsageError(f"--strategy pp: {model} ties its LM head to its input embeddings, which would live on "
-                         f"different pipeline stages; use ddp, fsdp or mp")
+    if setup.strategy.pipelined and inv.tied_embeddings:
+        raise UsageError(f"--strategy {setup.strategy}: {model} ties its LM head to its input embeddings, which "
+                         f"would live on different pipeline stages; use DDP, FSDP or MP")
     lora = analysis.lora_of(setup)
     trainable = lora.total if lora else inv.parameters
     rec = recommend(analysis, setup, gpu, measured)

@@ -19,8 +19,6 @@ from shardtune.train.metrics import max_over_ranks, peak_memory_bytes
 
 logger = logging.getLogger("shardtune")
 
-PREDICTABLE_STRATEGIES = ("NO", "DDP", "FSDP")  # what ``shardtune estimate --trace`` follows
-
 
 class MemoryCheck:
     """Measures the run's per-device peak and, at the end, compares it with the trace of the same job."""
@@ -35,7 +33,7 @@ class MemoryCheck:
         self._tracker = None
 
     def on_train_begin(self, args: TrainConfig, state, control, *, model, optimizer, plan, info, **kwargs) -> None:
-        self.active = plan.strategy in PREDICTABLE_STRATEGIES
+        self.active = not plan.strategy.splits_layers  # ``shardtune estimate --trace`` follows the data-parallel step
         self.model, self.optimizer, self.plan, self.info = model, optimizer, plan, info
         self.on_cpu = info.device.type == "cpu"
         self.start_step = state.step
@@ -51,7 +49,7 @@ class MemoryCheck:
             from shardtune.memory.trace_tracker import fresh_module_stats_per_micro_batch, make_tracker, track_inputs
 
             self.seq_len = longest
-            fsdp = self.plan.strategy == "FSDP"
+            fsdp = self.plan.strategy.shards_parameters
             self._tracker = make_tracker(self.model, self.optimizer, fsdp)
             track_inputs(self._tracker, fsdp, [t for batch in micro_batches for t in batch.values()])
             self._tracking = contextlib.ExitStack()

@@ -1,77 +1,182 @@
-"""The training setup the estimator evaluates: method, parallelism, precision, batch."""
+"""The training setup the estimator evaluates: the job a ``TrainConfig`` describes, on a number of GPUs.
+
+A ``Setup`` is a view over a ``TrainConfig`` (config/schema.py): every training setting the formula depends on is
+the config's own key, with the config's default and spelling, so ``shardtune estimate`` with no flags describes
+the job ``shardtune train`` with no flags runs, and a recipe (``estimate --config``) is read as the trainer reads
+it. What a config cannot say is declared here: the GPUs per node and the nodes (a launch's business), and which
+loss to model (``shardtune``: the trainer's own; ``full`` and ``chunked``: other trainers', for comparisons). The
+properties give the formula short names for the keys it reads; ``with_`` changes keys.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from shardtune.config.optimizers import ESTIMATE_ALIASES, OPTIMIZERS as OPTIMIZER_TABLE, canonical
-from shardtune.config.schema import MIXED_PRECISIONS, SHARDING_STRATEGIES
+from shardtune.config.schema import (METHODS, MIXED_PRECISIONS, SHARDING_STRATEGIES, TrainConfig, method_keys,
+                                     mixed_precision_keys)
 from shardtune.errors import UsageError, check_choice
+from shardtune.strategies import ZERO_STAGES, Strategy, resolve, strategy_named, zero_stage
 
-METHODS = ("full", "lora", "qlora")
-STRATEGIES = ("single", "ddp", "fsdp", "mp", "pp")
-# DeepSpeed names, mapped to the FSDP strategy that keeps the same things sharded. FSDP has no optimizer-only
-# sharding, so ZeRO-1 maps to SHARD_GRAD_OP, which shards gradients as well (less memory than ZeRO-1, not more).
-ZERO_ALIASES = {"ZERO3": "FULL_SHARD", "ZERO-3": "FULL_SHARD", "ZERO2": "SHARD_GRAD_OP", "ZERO-2": "SHARD_GRAD_OP",
-                "ZERO1": "SHARD_GRAD_OP", "ZERO-1": "SHARD_GRAD_OP"}
 # The trainer's optim names (config/optimizers.py), and the estimator's earlier spellings as aliases.
 OPTIMIZERS = (*OPTIMIZER_TABLE, *ESTIMATE_ALIASES)
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
 LOSSES = ("shardtune", "full", "chunked")
+# What ``Setup.to_dict`` reports (the estimate's JSON "setup"): the properties below, by the CLI's option names.
+SUMMARY = ("method", "strategy", "sharding_strategy", "offload_params", "num_gpus", "num_nodes", "batch_size",
+           "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "activation_offloading",
+           "mixed_precision", "pure_bf16", "optimizer", "lora_r", "lora_target_modules", "use_dora",
+           "lora_modules_to_save", "attn_implementation", "nf4_double_quant", "loss", "world_size")
 
 
 @dataclass(frozen=True)
 class Setup:
-    """One concrete way to train: everything the memory formula depends on."""
+    """One concrete way to train: the job ``config`` describes on ``num_gpus`` x ``num_nodes`` GPUs."""
 
-    method: str = "full"
-    strategy: str = "single"
-    sharding_strategy: str = "FULL_SHARD"
-    offload_params: bool = False
+    config: TrainConfig = field(default_factory=TrainConfig)  # never changed in place: ``with_`` makes a new one
     num_gpus: int = 1  # per node
     num_nodes: int = 1
-    batch_size: int = 1  # per device, per micro-batch
-    seq_len: int = 2048
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = True
-    # The checkpointed layers' inputs wait in pinned host memory (shardtune train's activation_offloading).
-    activation_offloading: bool = False
-    mixed_precision: str = "bf16"
-    pure_bf16: bool = False
-    optimizer: str = "adamw_torch"  # a name of config/optimizers.py's table (Transformers' optim names)
-    lora_r: int = 8
-    lora_target_modules: str = "all-linear"
-    use_dora: bool = False  # DoRA's trained magnitudes (counted; its extra activations only the trace measures)
-    lora_modules_to_save: tuple[str, ...] = ()  # modules PEFT trains a full copy of
-    attn_implementation: str = "sdpa"
-    nf4_double_quant: bool = True
     # shardtune: shardtune train's loss (the head fused with the loss: no logits kept, one chunk's fp32 logits at
     # a time, recomputed in backward); full: transformers' (fp32 logits of the whole micro-batch); chunked:
     # torchtune's, compiled.
     loss: str = "shardtune"
+
+    @classmethod
+    def of(cls, **changes: Any) -> Setup:
+        """The default job with ``changes`` (see ``with_``)."""
+        return cls().with_(**changes)
+
+    def with_(self, **changes: Any) -> Setup:
+        """This setup with ``changes``: config keys by their own names (``per_device_train_batch_size=4``,
+        ``distributed_type=FSDP``), ``method`` (full/lora/qlora: ``use_peft_lora`` and ``use_4bit_quantization``),
+        ``mixed_precision`` (bf16/fp16/no, whatever the bf16 and fp16 flags said), or this class's own fields."""
+        own = _OWN_FIELDS
+        keys = {k: v for k, v in changes.items() if k not in own}
+        if "method" in keys:
+            keys.update(method_keys(check_choice(keys.pop("method"), METHODS, "method")))
+        if "mixed_precision" in keys:
+            keys.update(mixed_precision_keys(check_choice(keys.pop("mixed_precision"), MIXED_PRECISIONS,
+                                                          "mixed precision")))
+        if isinstance(keys.get("distributed_type"), Strategy):
+            keys["distributed_type"] = keys["distributed_type"].name
+        return replace(self, config=self.config.with_keys(**keys) if keys else self.config,
+                       **{k: v for k, v in changes.items() if k in own})
+
+    # --- the strategy, and the GPUs it runs on ---
+    @property
+    def strategy(self) -> Strategy:
+        """The registry's entry for the configured strategy (none configured: as ``shardtune launch`` resolves)."""
+        return resolve(self.config.distributed.distributed_type, self.world_size > 1)
 
     @property
     def world_size(self) -> int:
         return self.num_gpus * self.num_nodes
 
     @property
+    def splits_layers(self) -> bool:
+        """Model or pipeline parallel: each GPU holds a run of whole decoder layers."""
+        return self.strategy.splits_layers
+
+    @property
+    def sharding_strategy(self) -> str:
+        return self.config.distributed.fsdp_sharding_strategy
+
+    @property
+    def offload_params(self) -> bool:
+        """FSDP's CPU offload of parameters, gradients and optimizer states (the key means nothing elsewhere)."""
+        return self.strategy.shards_parameters and self.config.distributed.fsdp_offload_params
+
+    # --- what trains ---
+    @property
+    def method(self) -> str:
+        return self.config.lora.method
+
+    @property
     def uses_lora(self) -> bool:
         return self.method in ("lora", "qlora")
 
-    def with_(self, **changes) -> "Setup":
-        return replace(self, **changes)
-
-    def label(self) -> str:
-        """Short human name of the parallel setup, e.g. 'FSDP FULL_SHARD + offload'."""
-        if self.strategy == "fsdp":
-            text = f"FSDP {self.sharding_strategy}"
-            return text + " + CPU offload" if self.offload_params else text
-        return {"single": "single GPU", "ddp": "DDP", "mp": "model parallel", "pp": "pipeline parallel"}[self.strategy]
+    @property
+    def lora_r(self) -> int:
+        return self.config.lora.lora_r
 
     @property
-    def splits_layers(self) -> bool:
-        """Model or pipeline parallel: each GPU holds a run of whole decoder layers."""
-        return self.strategy in ("mp", "pp")
+    def lora_target_modules(self) -> str:
+        return self.config.lora.lora_target_modules
+
+    @property
+    def use_dora(self) -> bool:
+        """DoRA's trained magnitudes (counted; its extra activations only the trace measures)."""
+        return self.config.lora.use_dora
+
+    @property
+    def lora_modules_to_save(self) -> tuple[str, ...]:
+        """Modules PEFT trains a full copy of."""
+        return tuple(self.config.lora.lora_modules_to_save)
+
+    @property
+    def nf4_double_quant(self) -> bool:
+        return self.config.lora.use_nested_quant
+
+    # --- the batch ---
+    @property
+    def batch_size(self) -> int:
+        """Rows per device, per micro-batch."""
+        return self.config.run.per_device_train_batch_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.data.max_seq_len
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.run.gradient_accumulation_steps
+
+    # --- precision, memory savers, kernels ---
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.config.run.gradient_checkpointing or self.config.distributed.fsdp_activation_checkpointing
+
+    @property
+    def activation_offloading(self) -> bool:
+        """The checkpointed layers' inputs wait in pinned host memory."""
+        return self.config.run.activation_offloading
+
+    @property
+    def pure_bf16(self) -> bool:
+        return self.config.model.pure_bf16
+
+    @property
+    def mixed_precision(self) -> str:
+        """bf16, fp16 or no; pure bf16 computes in bf16 whatever the flags say, as the trainer does."""
+        return "bf16" if self.pure_bf16 else self.config.mixed_precision
+
+    @property
+    def optimizer(self) -> str:
+        """A name of config/optimizers.py's table (Transformers' optim names)."""
+        return self.config.optim.optim
+
+    @property
+    def attn_implementation(self) -> str:
+        """The attention the trainer asks for: flash_attention_2 with use_flash_attn, else attn_implementation."""
+        model = self.config.model
+        return "flash_attention_2" if model.use_flash_attn else model.attn_implementation
+
+    def label(self) -> str:
+        """Short human name of the parallel setup, e.g. 'FSDP FULL_SHARD + CPU offload'."""
+        if not self.strategy.shards_parameters:
+            return self.strategy.label
+        text = f"{self.strategy.label} {self.sharding_strategy}"
+        return text + " + CPU offload" if self.offload_params else text
+
+    def to_dict(self) -> dict[str, Any]:
+        """The setup by the CLI's option names, the strategy by its name (the estimate's JSON)."""
+        out = {name: getattr(self, name) for name in SUMMARY}
+        out.update(strategy=self.strategy.name, lora_modules_to_save=list(self.lora_modules_to_save))
+        return out
+
+
+_OWN_FIELDS = frozenset(f.name for f in fields(Setup)) - {"config"}  # what a config cannot say
 
 
 @dataclass(frozen=True)
@@ -93,20 +198,19 @@ def dtypes(setup: Setup) -> Dtypes:
     # Full fine-tuning with fp32 weights under autocast (single GPU, DDP, MP): the embedding runs in fp32, so the
     # residual stream stays fp32. FSDP2's MixedPrecisionPolicy gathers bf16 weights instead, so everything is bf16;
     # so is a LoRA model, whose frozen base (embeddings included) is stored in bf16.
-    autocast = setup.method == "full" and master == 4 and setup.strategy != "fsdp"
+    autocast = setup.method == "full" and master == 4 and setup.strategy.autocasts
     return Dtypes(2, master, 2, 4 if autocast else 2, autocast)
 
 
 def normalize_sharding(value: str) -> str:
     """FSDP sharding strategy name, accepting DeepSpeed's ZeRO-1/2/3 names."""
-    key = value.upper().replace("_", "-") if value.upper().startswith("ZERO") else value.upper()
-    if key in ZERO_ALIASES:
-        return ZERO_ALIASES[key]
+    stage = zero_stage(value)
+    if stage is not None and ZERO_STAGES[stage][1]:
+        return ZERO_STAGES[stage][1]
     return check_choice(value.upper(), SHARDING_STRATEGIES + ("ZERO1", "ZERO2", "ZERO3"), "sharding strategy")
 
 
-def validate(setup: Setup) -> Setup:
-    """Check every field, report all problems in one line, and return the setup with names normalised."""
+def _checked_numbers(setup: Setup) -> None:
     problems = []
     for name in ("num_gpus", "num_nodes", "batch_size", "seq_len", "gradient_accumulation_steps", "lora_r"):
         value = getattr(setup, name)
@@ -114,25 +218,33 @@ def validate(setup: Setup) -> Setup:
             problems.append(f"--{name.replace('_', '-')} must be a whole number >= 1 (got {value})")
     if problems:
         raise UsageError("; ".join(problems) + ".")
+
+
+def validate(setup: Setup) -> Setup:
+    """Check every setting the estimate reads, report the numbers' problems in one line, and return the setup with
+    names normalised (the strategy by its registry name, the optimizer by the trainer's)."""
+    _checked_numbers(setup)
+    d = setup.config.distributed
+    asked = strategy_named(d.distributed_type) if d.distributed_type is not None else None
     setup = setup.with_(
-        method=check_choice(setup.method, METHODS, "method"),
-        strategy=check_choice(setup.strategy, STRATEGIES, "strategy"),
-        sharding_strategy=normalize_sharding(setup.sharding_strategy),
-        mixed_precision=check_choice(setup.mixed_precision, MIXED_PRECISIONS, "mixed precision"),
-        optimizer=canonical(check_choice(setup.optimizer, OPTIMIZERS, "optimizer")),
-        attn_implementation=check_choice(setup.attn_implementation, ATTENTION, "attention implementation"),
-        loss=check_choice(setup.loss, LOSSES, "loss"),
-    )
-    if setup.strategy == "single" and setup.world_size > 1:
-        raise UsageError(
-            f"--strategy single uses one GPU but --num-gpus x --num-nodes is {setup.world_size}: "
-            "use ddp, fsdp, mp or pp, or --num-gpus 1."
-        )
-    if setup.pure_bf16 and setup.mixed_precision != "bf16":
+        distributed_type=asked, fsdp_sharding_strategy=normalize_sharding(d.fsdp_sharding_strategy),
+        mixed_precision=check_choice(setup.config.mixed_precision, MIXED_PRECISIONS, "mixed precision"),
+        optim=canonical(check_choice(setup.optimizer, OPTIMIZERS, "optimizer")),
+        attn_implementation=check_choice(setup.config.model.attn_implementation, ATTENTION,
+                                         "attention implementation"),
+        loss=check_choice(setup.loss, LOSSES, "loss"))
+    if asked is not None and asked.one_device and setup.world_size > 1:
+        raise UsageError(f"--strategy {asked} uses one GPU but --num-gpus x --num-nodes is {setup.world_size}: "
+                         f"use another strategy, or --num-gpus 1.")
+    if setup.pure_bf16 and setup.config.mixed_precision == "fp16":
         raise UsageError("--pure-bf16 keeps weights in bfloat16: it needs --mixed-precision bf16.")
     if setup.activation_offloading and not setup.gradient_checkpointing:
         raise UsageError("--activation-offloading moves the layer inputs that gradient checkpointing keeps to host "
                          "memory: use it with --gradient-checkpointing.")
-    if setup.offload_params and setup.strategy != "fsdp":
-        raise UsageError("--offload-params is FSDP's CPU offload: use it with --strategy fsdp (or auto).")
+    if d.fsdp_offload_params and not setup.strategy.shards_parameters:
+        raise UsageError("--offload-params is FSDP's CPU offload: use it with --strategy FSDP (or auto).")
     return setup
+
+
+__all__ = ["ATTENTION", "LOSSES", "METHODS", "MIXED_PRECISIONS", "OPTIMIZERS", "SHARDING_STRATEGIES", "Dtypes",
+           "Setup", "dtypes", "normalize_sharding", "validate"]

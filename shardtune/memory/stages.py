@@ -15,11 +15,8 @@ def stage_bounds(cfg: TrainConfig, num_stages: int, batch_size: int) -> tuple[tu
     from shardtune.memory.recommend import evaluate_setup
     from shardtune.memory.setup import Setup
 
-    lora = cfg.lora
-    setup = Setup(method=lora.method, strategy="mp", num_gpus=num_stages, batch_size=batch_size,
-                  seq_len=cfg.data.max_seq_len, gradient_checkpointing=cfg.run.gradient_checkpointing,
-                  mixed_precision=cfg.mixed_precision, lora_r=lora.lora_r,
-                  lora_target_modules=lora.lora_target_modules)
+    # The job's own config: its strategy splits the layers, so the estimate is the model-parallel one.
+    setup = Setup(cfg, num_gpus=num_stages).with_(per_device_train_batch_size=batch_size)
     analysis = ModelAnalysis(cfg.model.model_name_or_path)
     breakdown = evaluate_setup(analysis, setup)
     return breakdown.stage_bounds or ((0, analysis.inventory.num_layers),)

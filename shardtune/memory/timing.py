@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from shardtune.config.schema import default_of
 from shardtune.errors import UsageError
 from shardtune.hardware import PCIE_X16_BYTES_PER_S, Gpu, Link
 from shardtune.memory.compute import CALIBRATED, Kernels, TimingParams, inactive_expert_params, kernels_of, \
@@ -52,7 +53,7 @@ DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb: one all-redu
 # server's memory delivers (~50 GB/s on a desktop board's two channels). Per node: its GPUs' ranks share the CPU.
 CPU_OPTIMIZER_BYTES_PER_PARAM = {"fused": 28.0, "unfused": 100.0}
 HOST_MEMORY_BYTES_PER_S = {"server": 100e9, "desktop": 50e9}
-DEFAULT_PIPELINE_MICROBATCHES = 2  # shardtune train's pipeline_microbatches default
+DEFAULT_PIPELINE_MICROBATCHES = default_of("pipeline_microbatches")  # shardtune train's
 
 
 @dataclass(frozen=True)
@@ -168,8 +169,8 @@ def _data_parallel_traffic(model: _Model, setup: Setup, links: Links, reduce_byt
     grads = trainable * (reduce_bytes or model.dt.master)  # fp32 with fp32 master weights, bf16 under pure bf16
     if links.intra.name == "nvlink-bridge" and gpus > 2:  # a bridge joins pairs: the ring crosses PCIe too
         links = Links(links.host, links.inter, links.host)
-    if setup.strategy == "ddp" or setup.sharding_strategy == "NO_SHARD":
-        buckets = units if setup.strategy == "fsdp" else max(1.0, math.ceil(grads / DDP_BUCKET_BYTES))
+    if setup.strategy.replicates or setup.sharding_strategy == "NO_SHARD":
+        buckets = units if setup.strategy.shards_parameters else max(1.0, math.ceil(grads / DDP_BUCKET_BYTES))
         s, b = collective_s(grads, gpus, nodes, links, buckets)
         traffic.add(2 * s, {k: 2 * v for k, v in b.items()}, 1, per_step=True)  # all-reduce
         return traffic
@@ -269,7 +270,7 @@ def _split_layers_step(inv: ModelInventory, setup: Setup, gpu: Gpu, links: Links
     handover = work.micro_tokens * inv.hidden_size * dtypes(setup).residual * 2  # activations on, gradients back
     comm = accum * (stages - 1) * handover / links.intra.bytes_per_s
     optimizer_s = work.optimizer_bytes / stages / memory_rate(gpu)  # each stage updates its own layers
-    if setup.strategy == "mp":
+    if not setup.strategy.pipelined:
         compute = accum * work.micro_s  # the stages run one after another
         idle = world - stages
         note = f"one of {world} GPUs computes at a time" + (
@@ -286,7 +287,7 @@ def _split_layers_step(inv: ModelInventory, setup: Setup, gpu: Gpu, links: Links
 def _data_parallel_step(model: _Model, setup: Setup, gpu: Gpu, links: Links, work: _Work) -> _Parts:
     """One GPU, DDP and FSDP: every GPU computes its own micro-batches; communication partly hidden."""
     world, accum = setup.world_size, setup.gradient_accumulation_steps
-    traffic = (_Traffic() if setup.strategy == "single"
+    traffic = (_Traffic() if not setup.strategy.data_parallel
                else _data_parallel_traffic(model, setup, links, work.reduce_bytes))
     compute = accum * work.micro_s
     comm = accum * traffic.per_microbatch_s + traffic.per_step_s
@@ -302,11 +303,11 @@ def _data_parallel_step(model: _Model, setup: Setup, gpu: Gpu, links: Links, wor
             note += ": more tokens per step (micro-batch, accumulation) spread it thinner"
     else:
         shard = 1
-        if setup.strategy == "fsdp" and setup.sharding_strategy != "NO_SHARD":
+        if setup.strategy.shards_parameters and setup.sharding_strategy != "NO_SHARD":
             shard = setup.num_gpus if setup.sharding_strategy == "HYBRID_SHARD" else world
         optimizer_s = work.optimizer_bytes / shard / memory_rate(gpu)
         note = f"communication {exposed / (compute + exposed):.0%} of the step" if comm else ""
-    data_parallel = world if setup.strategy in ("ddp", "fsdp") else 1
+    data_parallel = world if setup.strategy.data_parallel else 1
     return _Parts(work.micro_tokens * accum * data_parallel, compute, comm, exposed, optimizer_s,
                   {k: v for k, v in traffic.bytes.items() if v}, note)
 

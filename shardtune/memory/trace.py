@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtune.config import TrainConfig
+from shardtune.strategies import NO
 from shardtune.memory.allocator import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, CachingAllocatorModel
 from shardtune.memory.trace_tracker import (AllocationLog, fresh_module_stats_per_micro_batch, make_tracker,
                                              module_peaks, peak_breakdown, track_inputs)
@@ -258,20 +259,19 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
                     device=device)
     precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
     plan = plan_for(cfg, info, precision)
-    if plan.strategy in ("MP", "PP"):
-        name = {"MP": "model parallel", "PP": "pipeline parallel"}[plan.strategy]
-        raise TraceUnsupported(f"{name} (distributed_type {plan.strategy})", "planning",
+    if plan.strategy.splits_layers:
+        raise TraceUnsupported(f"{plan.strategy.label} (distributed_type {plan.strategy})", "planning",
                                "the trace follows the data-parallel step: one process, DDP or FSDP")
-    if plan.strategy == "FSDP" and plan.offload:
+    if plan.strategy.shards_parameters and plan.offload:
         # Every traced tensor lives on one device, so host-resident shards cannot be told from GPU memory.
         raise TraceUnsupported("FSDP CPU offload (fsdp_offload_params)", "planning",
                                "the trace cannot separate host RAM from GPU memory")
     notes: list[str] = []
-    ddp = plan.strategy == "DDP" and world_size > 1
+    ddp = plan.strategy.replicates and world_size > 1
     if ddp:
         # DDP's C++ reducer reads parameter data when it is built, which fake tensors do not have: trace the
         # replica as one process and add the reducer's gradient buckets (one copy of the trainable gradients).
-        plan = dataclasses.replace(plan, strategy="NO")
+        plan = dataclasses.replace(plan, strategy=NO)
     # bitsandbytes' Params4bit cannot wrap a fake tensor: trace the QLoRA job with its base in bf16 and put the
     # formula's NF4 bytes in place of the quantised weights afterwards (see _nf4_adjustment).
     nf4_fallback = fake and cfg.lora.use_4bit_quantization
@@ -280,7 +280,7 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     config = _model_config(cfg)
     vocab_size, pad_id = _vocab_and_pad(cfg, config)
     real_batches = _micro_batches(cfg, pad_id)
-    fsdp = plan.strategy == "FSDP"
+    fsdp = plan.strategy.shards_parameters
     fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with fake_process_group(world_size) if fsdp else contextlib.nullcontext(), \
             torch.random.fork_rng(devices=[]), fake_mode:
@@ -356,7 +356,7 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     if fake:
         notes.append("host-side scalars (token counts, loss, gradient norm) read as 1 under fake tensors, and an "
                      "fp16 loss scaler finds no overflow: the step takes its ordinary path")
-    strategy = plan.strategy + (f" {plan.sharding}" if fsdp else "")
+    strategy = plan.strategy.name + (f" {plan.sharding}" if fsdp else "")
     return TraceResult(peak_bytes=peak, categories=categories, modules=modules, world_size=world_size,
                        strategy=strategy, fake=fake, device=target_device, steps=steps,
                        seconds=time.perf_counter() - started, parameters=total, trainable_parameters=trainable,

@@ -29,7 +29,7 @@ def nf4_adjustment(model: nn.Module, cfg: TrainConfig, plan, info) -> tuple[int,
     numel = sum(w.numel() for w in weights)
     stored = sum(w.numel() * w.element_size() for w in weights)
     shard = 1
-    if plan.strategy == "FSDP" and plan.sharding != "NO_SHARD":
+    if plan.strategy.shards_parameters and plan.sharding != "NO_SHARD":
         shard = info.local_world_size if plan.sharding == "HYBRID_SHARD" else info.world_size
     saving = (stored - nf4_bytes(numel, cfg.lora.use_nested_quant)) / shard
     compute_bytes = 2  # bitsandbytes dequantises to its compute dtype (bf16 / fp16)

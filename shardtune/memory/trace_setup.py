@@ -10,39 +10,29 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from shardtune.config import DATASET_PLACEHOLDER, TrainConfig, build_config
-from shardtune.config.optimizers import canonical
 from shardtune.hardware import GIB
 from shardtune.memory.setup import Setup
-
-STRATEGY_TO_TYPE = {"single": "NO", "ddp": "DDP", "fsdp": "FSDP", "mp": "MP", "pp": "PP"}
+from shardtune.strategies import NO, resolve
 
 
 def config_from_setup(model: str, setup: Setup) -> TrainConfig:
-    """The ``shardtune train`` config of ``setup`` (what --emit-config writes and --trace runs)."""
-    values: dict[str, Any] = {
-        "model_name_or_path": model, "output_dir": "output", "dataset_name": DATASET_PLACEHOLDER,
-        "max_seq_len": setup.seq_len, "per_device_train_batch_size": setup.batch_size,
-        "gradient_accumulation_steps": setup.gradient_accumulation_steps,
-        "gradient_checkpointing": setup.gradient_checkpointing,
-        "activation_offloading": setup.activation_offloading,
-        "bf16": setup.mixed_precision == "bf16", "fp16": setup.mixed_precision == "fp16",
+    """The ``shardtune train`` config of ``setup`` (what --emit-config writes and --trace runs): its config's keys
+    that differ from the defaults, the model, an output folder, and the processes it launches."""
+    flat, defaults = setup.config.to_flat(), TrainConfig().to_flat()
+    values: dict[str, Any] = {key: value for key, value in flat.items() if value != defaults[key]}
+    values.update(model_name_or_path=model, output_dir="output",
+                  dataset_name=setup.config.data.dataset_name or DATASET_PLACEHOLDER,
+                  # MP is one process driving every GPU of the node; the others run one process per GPU.
+                  num_processes=1 if setup.strategy.drives_several_devices else setup.world_size,
+                  num_machines=setup.num_nodes, distributed_type=setup.strategy.name)
+    if setup.attn_implementation == "flash_attention_2":
         # flash_attention_2: use_flash_attn, with sdpa where flash-attn cannot run. The trace (fake tensors, no
         # flash-attn kernels) then follows sdpa, which keeps more than flash does: the batch's 4-D mask per layer
         # and k/v repeated to every head, so a traced flash setup reads high by those.
-        "attn_implementation": "sdpa" if setup.attn_implementation == "flash_attention_2" else
-        setup.attn_implementation, "use_flash_attn": setup.attn_implementation == "flash_attention_2",
-        "use_peft_lora": setup.uses_lora, "use_4bit_quantization": setup.method == "qlora",
-        "lora_r": setup.lora_r, "lora_alpha": 2 * setup.lora_r, "lora_target_modules": setup.lora_target_modules,
-        "use_nested_quant": setup.nf4_double_quant, "optim": canonical(setup.optimizer),
-        "distributed_type": STRATEGY_TO_TYPE[setup.strategy],
-        # MP is one process driving every GPU of the node; the others run one process per GPU.
-        "num_processes": 1 if setup.strategy == "mp" else setup.world_size, "num_machines": setup.num_nodes,
-    }
-    if setup.pure_bf16:  # no fp32 master: TRL's torch_dtype
-        values.update(torch_dtype="bfloat16")
-    if setup.strategy == "fsdp":
-        values.update(fsdp_sharding_strategy=setup.sharding_strategy, fsdp_offload_params=setup.offload_params)
-    if setup.strategy == "pp":  # one row per pipeline micro-batch: the most stages working at once
+        values.update(attn_implementation="sdpa", use_flash_attn=True)
+    if setup.uses_lora and "lora_alpha" not in values:
+        values.update(lora_alpha=2 * setup.lora_r)
+    if setup.strategy.pipelined:  # one row per pipeline micro-batch: the most stages working at once
         values.update(pipeline_microbatches=setup.batch_size)
     return build_config([(values, {})])
 
@@ -61,21 +51,11 @@ def trace_or_formula(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -
 
 
 def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> Setup:
-    """The estimator's Setup for a trainer config (the inverse of ``config_from_setup``)."""
-    lora = cfg.lora
-    kind = cfg.distributed.distributed_type or ("DDP" if world_size > 1 else "NO")
-    strategy = {"NO": "single" if world_size == 1 else "ddp", "DDP": "ddp", "FSDP": "fsdp", "MP": "mp", "PP": "pp"}[kind]
-    return Setup(method=lora.method, strategy=strategy, sharding_strategy=cfg.distributed.fsdp_sharding_strategy,
-                 offload_params=cfg.distributed.fsdp_offload_params and strategy == "fsdp",
-                 num_gpus=world_size // num_nodes, num_nodes=num_nodes, batch_size=cfg.run.per_device_train_batch_size,
-                 seq_len=cfg.data.max_seq_len, gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
-                 gradient_checkpointing=cfg.run.gradient_checkpointing or cfg.distributed.fsdp_activation_checkpointing,
-                 activation_offloading=cfg.run.activation_offloading,
-                 mixed_precision="bf16" if cfg.model.pure_bf16 else cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16,
-                 lora_r=lora.lora_r, lora_target_modules=lora.lora_target_modules, use_dora=lora.use_dora,
-                 lora_modules_to_save=tuple(lora.lora_modules_to_save),
-                 attn_implementation=cfg.model.attn_implementation, nf4_double_quant=lora.use_nested_quant,
-                 optimizer=cfg.optim.optim, loss="shardtune")  # the trainer's own loss: 8 chunks, each checkpointed
+    """The estimator's Setup of the job ``cfg`` describes on ``world_size`` processes (the inverse of
+    ``config_from_setup``): the config itself, its strategy resolved as the launch resolves it, the trainer's
+    own loss."""
+    strategy = resolve(cfg.distributed.distributed_type, world_size > 1)
+    return Setup(cfg, num_gpus=world_size // num_nodes, num_nodes=num_nodes).with_(distributed_type=strategy)
 
 
 def formula_for_config(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -> dict[str, Any]:
@@ -100,7 +80,7 @@ def render_text(result: dict[str, Any], formula_peak: int | None = None) -> str:
         lines.append(f"trace not possible: {result['fallback_reason']}")
         lines.append(f"analytic estimate instead: {result['peak_bytes'] / GIB:.2f} GiB per GPU")
         return "\n".join(lines)
-    strategy = "single process" if result["strategy"] == "NO" else result["strategy"]
+    strategy = "single process" if result["strategy"] == NO.name else result["strategy"]
     lines.append(f"traced peak per GPU: {result['peak_bytes'] / GIB:.3f} GiB of tensors  ({strategy}, "
                  f"world size {result['world_size']}, {result['steps']} steps traced in {result['seconds']:.1f} s)")
     reserved = result.get("reserved_bytes")

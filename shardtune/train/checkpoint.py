@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from shardtune.config import TrainConfig, load_train_config
 from shardtune.dist import DistInfo, RankFailed, run_and_share
 from shardtune.errors import TrainingStopped, UsageError, first_line, writing
+from shardtune.strategies import resolve
 from shardtune.train.layout import MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, resume_problem
 from shardtune.train.plan import Plan
 from shardtune.train.resume import apply_learning_rate, check_resume
@@ -357,8 +358,10 @@ def resume_point(cfg: TrainConfig, info) -> ResumePoint | None:
     if path is None:
         return None
     old = load_train_config([str(path / "config.yaml")])
-    saved_world = 1 if old.distributed.distributed_type == "PP" else int(read_json(path / MANIFEST)["world_size"])
-    world = 1 if cfg.distributed.distributed_type == "PP" else info.world_size
+    # A pipeline's stages all read the whole batch: its data is split over one rank, whatever the processes.
+    saved_world = (int(read_json(path / MANIFEST)["world_size"])
+                   if resolve(old.distributed.distributed_type, False).shards_batch else 1)
+    world = info.world_size if resolve(cfg.distributed.distributed_type, False).shards_batch else 1
     step = read_json(path / "trainer_state.json")["step"]
     return ResumePoint(path, step, *check_resume(path, old, cfg, saved_world=saved_world, world=world))
 

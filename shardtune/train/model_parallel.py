@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map
 from shardtune.config import TrainConfig
 from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
+from shardtune.strategies import resolve
 from shardtune.train.plan import Plan, unwrap
 
 log = logging.getLogger("shardtune")
@@ -66,19 +67,19 @@ def place_stages(plan: Plan, cfg: TrainConfig, info: DistInfo,
     by memory); without them, or when they do not match the stage count, equal numbers of layers. MP returns
     ``info`` on its first stage's device (see ``step_info``).
     """
-    if plan.strategy == "MP":
+    if not plan.strategy.splits_layers:
+        return plan, info
+    if plan.strategy.drives_several_devices:
         if info.distributed:
-            raise UsageError("distributed_type=MP runs in one process over several devices; start it with "
-                             "'shardtune train' (not launch), or use PP to split the layers across processes")
+            raise UsageError(f"distributed_type={plan.strategy} runs in one process over several devices; start it "
+                             f"with 'shardtune train' (not launch), or use PP to split the layers across processes")
         devices = mp_devices(cfg.distributed.mp_devices)
         stages = len(devices)
-    elif plan.strategy == "PP":
-        if not info.distributed:
-            raise UsageError("distributed_type=PP needs one process per pipeline stage: start it with "
-                             "'shardtune launch --num_processes N train ...'")
-        devices, stages = (), info.world_size
     else:
-        return plan, info
+        if not info.distributed:
+            raise UsageError(f"distributed_type={plan.strategy} needs one process per pipeline stage: start it with "
+                             f"'shardtune launch --num_processes N train ...'")
+        devices, stages = (), info.world_size
     if bounds is None or len(bounds) != stages:
         from transformers import AutoConfig
 
@@ -90,22 +91,21 @@ def place_stages(plan: Plan, cfg: TrainConfig, info: DistInfo,
     log.info("%s stages (decoder layers per stage): %s", plan.strategy,
              ", ".join(f"{a}-{b - 1}" for a, b in bounds))
     plan = dataclasses.replace(plan, stage_bounds=bounds, devices=devices[:len(bounds)])
-    return plan, step_info(info, plan) if plan.strategy == "MP" else info
+    return plan, step_info(info, plan) if plan.strategy.drives_several_devices else info
 
 
 def stage_count(cfg: TrainConfig, world_size: int) -> int:
     """How many stages MP (its devices) or PP (its processes) splits the layers into; 1 for the other setups."""
-    if cfg.distributed.distributed_type == "MP":
+    strategy = resolve(cfg.distributed.distributed_type, world_size > 1)
+    if strategy.drives_several_devices:
         return len(mp_devices(cfg.distributed.mp_devices))
-    if cfg.distributed.distributed_type == "PP":
-        return world_size
-    return 1
+    return world_size if strategy.splits_layers else 1
 
 
 def stage_batch_size(cfg: TrainConfig) -> int:
-    """The rows one stage holds at once: the micro-batch, or under PP one pipeline micro-batch of it."""
+    """The rows one stage holds at once: the micro-batch, or in a pipeline one pipeline micro-batch of it."""
     batch = cfg.run.per_device_train_batch_size
-    if cfg.distributed.distributed_type == "PP":
+    if resolve(cfg.distributed.distributed_type, False).pipelined:
         batch //= cfg.distributed.pipeline_microbatches
     return max(batch, 1)
 
@@ -130,8 +130,9 @@ def step_info(info: DistInfo, plan: Plan) -> DistInfo:
     return dataclasses.replace(info, device=first)
 
 
-def split_across_devices(model: nn.Module, plan: Plan) -> nn.Module:
-    """``parallelize`` for MP: each stage's layers on its device, inputs moved in, logits back to the first."""
+def split_across_devices(model: nn.Module, plan: Plan, info: DistInfo | None = None) -> nn.Module:  # noqa: ARG001
+    """``parallelize`` for MP: each stage's layers on its device, inputs moved in, logits back to the first (the
+    devices are the plan's: ``info``, one process, adds nothing)."""
     devices = [torch.device(d) for d in plan.devices] or [torch.device("cpu")]
     bounds = plan.stage_bounds or ((0, len(unwrap(model).model.layers)),)
     causal_lm = unwrap(model)

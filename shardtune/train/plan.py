@@ -1,8 +1,8 @@
 """The plan: which strategy a run uses and how, resolved once from the config and the launch.
 
 Every fact about a strategy that code outside ``parallelize`` needs is a property here (where weights load, whether
-each rank reads its own slice of the batch, how optimizer state is keyed), so the loop, the step and the
-checkpoint never branch on the strategy's name.
+each rank reads its own slice of the batch, how optimizer state is keyed), derived from the strategy's entry in
+``shardtune/strategies.py``, so the loop, the step and the checkpoint never branch on the strategy's name.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from torch import nn
 
 from shardtune.config import DistributedConfig
 from shardtune.dist import DistInfo
+from shardtune.strategies import Strategy, resolve, strategy_named
 
 
 @dataclass(frozen=True)
 class Plan:
     """What ``parallelize`` applies."""
 
-    strategy: str  # NO | DDP | FSDP | MP | PP
+    strategy: Strategy  # its entry in shardtune/strategies.py (a name, NO/DDP/FSDP/MP/PP, is looked up)
     sharding: str = "FULL_SHARD"
     reshard_after_forward: bool = True
     offload: bool = False
@@ -49,6 +50,9 @@ class Plan:
     # How checkpoints hold the weights: FSDP may gather them (FULL_STATE_DICT); every other strategy writes shards.
     state_dict_type: str = "SHARDED_STATE_DICT"
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", strategy_named(self.strategy, "distributed_type"))
+
     @property
     def defers_gradient_sync(self) -> bool:
         """Whether gradients are reduced only on the last micro-batch of an accumulation.
@@ -57,7 +61,7 @@ class Plan:
         FULL_SHARD / HYBRID_SHARD reduce-scatter every micro-batch instead: deferring would keep unsharded
         gradients for the whole accumulation, the memory FULL_SHARD was chosen to save.
         """
-        return self.strategy == "DDP" or (self.strategy == "FSDP" and not self.reshard_after_forward)
+        return self.strategy.replicates or (self.strategy.shards_parameters and not self.reshard_after_forward)
 
     @property
     def places_weights_itself(self) -> bool:
@@ -67,12 +71,12 @@ class Plan:
         one stage per process: loading the whole model onto one GPU first would need the very memory these setups
         exist to avoid (a model larger than one GPU could not start).
         """
-        return self.strategy in ("FSDP", "MP", "PP")
+        return self.strategy.places_weights_itself
 
     @property
     def shards_batch(self) -> bool:
         """Whether each rank reads its own slice of the global batch (data parallel); pipeline stages read it all."""
-        return self.strategy != "PP"
+        return self.strategy.shards_batch
 
     def data_split(self, info: DistInfo) -> tuple[int, int]:
         """(world size, rank) the samplers split batches over: every pipeline stage reads the whole batch."""
@@ -81,32 +85,28 @@ class Plan:
     @property
     def sharded_grad_scaler(self) -> bool:
         """FSDP's fp16 loss scaler (``ShardedGradScaler``), whose [1]-shaped ``found_inf`` fused AdamW refuses."""
-        return self.strategy == "FSDP" and self.compute_dtype == torch.float16
+        return self.strategy.shards_parameters and self.compute_dtype == torch.float16
 
     def num_devices(self, info: DistInfo) -> int:
         """The devices the job computes on: one per process, except MP's one process driving several."""
-        return len(self.devices) if self.strategy == "MP" else info.world_size
+        return len(self.devices) if self.strategy.drives_several_devices else info.world_size
 
     def describe(self, info: DistInfo) -> str:
         """The strategy in the start-up log: "a single process", "FSDP FULL_SHARD on 2 process(es)"."""
-        if self.strategy == "NO":
+        if self.strategy.one_device:
             return "a single process"
-        sharding = f" {self.sharding}" if self.strategy == "FSDP" else ""
-        return f"{self.strategy}{sharding} on {info.world_size} process(es)"
+        sharding = f" {self.sharding}" if self.strategy.shards_parameters else ""
+        return f"{self.strategy.name}{sharding} on {info.world_size} process(es)"
 
 
 def needs_process_group(cfg: DistributedConfig) -> bool:
     """FSDP2 needs a process group (a device mesh) even in a single process, e.g. to offload to the CPU."""
-    return cfg.distributed_type == "FSDP"
+    return resolve(cfg.distributed_type, False).shards_parameters
 
 
-def resolve_strategy(cfg: DistributedConfig, info: DistInfo) -> str:
-    """NO / DDP / FSDP / MP / PP: the configured one, or DDP when launched on several processes."""
-    if cfg.distributed_type is None:
-        return "DDP" if info.distributed else "NO"
-    if cfg.distributed_type == "NO" and info.distributed:
-        return "DDP"
-    return cfg.distributed_type
+def resolve_strategy(cfg: DistributedConfig, info: DistInfo) -> Strategy:
+    """The configured strategy, or DDP when launched on several processes (``strategies.resolve``)."""
+    return resolve(cfg.distributed_type, info.distributed)
 
 
 def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtype | None,
@@ -127,10 +127,10 @@ def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtyp
                 use_reentrant=use_reentrant, activation_offloading=activation_offloading,
                 liger_kernel=liger_kernel, pipeline_schedule=cfg.pipeline_schedule,
                 pipeline_microbatches=cfg.pipeline_microbatches,
-                state_dict_type=cfg.fsdp_state_dict_type if strategy == "FSDP" else "SHARDED_STATE_DICT",
+                state_dict_type=cfg.fsdp_state_dict_type if strategy.shards_parameters else "SHARDED_STATE_DICT",
                 forward_prefetch=cfg.fsdp_forward_prefetch, find_unused_parameters=bool(cfg.ddp_find_unused_parameters),
                 compile_backend=compile_backend, compile_mode=compile_mode,
-                loads_from_rank0=(strategy == "FSDP" and info.distributed and cfg.fsdp_cpu_ram_efficient_loading
+                loads_from_rank0=(strategy.shards_parameters and info.distributed and cfg.fsdp_cpu_ram_efficient_loading
                                   and cfg.fsdp_sync_module_states))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -22,6 +22,22 @@ from shardtune.train.compile import CompileReport
 from shardtune.train.export import export_final
 from shardtune.train.loss import install_fused_loss, token_loss_sum
 from shardtune.train.plan import Plan, unwrap
+
+
+class Runner(Protocol):
+    """What ``step.train_step``, the loop and the checkpoint call on a runner, whichever strategy made it."""
+
+    copies: int  # how many ranks read the same rows (sums over ranks divide by it)
+    flat_optimizer: bool  # the checkpoint keys optimizer state by parameter name
+    scaler: Any  # fp16's loss scaler, or None
+
+    def forward_backward(self, micro_batches: list[dict[str, torch.Tensor]], scale: float) -> torch.Tensor: ...
+
+    def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def grad_norm_and_clip(self, params: list[nn.Parameter], max_norm: float) -> torch.Tensor: ...
+
+    def export_final(self, output_dir: str | Path, tokenizer, *, is_peft: bool) -> Path | None: ...
 
 
 def uses_varlen_attention(model: nn.Module) -> bool:
@@ -137,15 +153,16 @@ class LocalRunner:
 
     def _autocast(self):
         """autocast for one process, DDP and MP; FSDP2 casts parameters itself (MixedPrecisionPolicy)."""
-        if self.plan.compute_dtype == torch.float32 or self.plan.strategy == "FSDP":
+        if self.plan.compute_dtype == torch.float32 or not self.plan.strategy.autocasts:
             return contextlib.nullcontext()
         return torch.autocast(self.info.device.type, dtype=self.plan.compute_dtype)
 
     def _sync(self, is_last: bool):
-        """Hold back the gradient reduction on all but the last micro-batch, where that costs no memory."""
+        """Hold back the gradient reduction on all but the last micro-batch, where that costs no memory: DDP's
+        ``no_sync``, FSDP2's ``set_requires_gradient_sync``."""
         if not self.plan.defers_gradient_sync or not torch.distributed.is_initialized():
             return contextlib.nullcontext()
-        if self.plan.strategy == "DDP":
+        if self.plan.strategy.replicates:
             return contextlib.nullcontext() if is_last else self.model.no_sync()
         self.model.set_requires_gradient_sync(is_last)
         return contextlib.nullcontext()

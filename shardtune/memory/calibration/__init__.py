@@ -21,6 +21,7 @@ from shardtune.memory.compute import ATTENTION_KERNELS, RECOMPUTE, Kernels
 from shardtune.memory.inventory import ModelInventory
 from shardtune.memory.setup import METHODS, OPTIMIZERS, Setup, validate
 from shardtune.memory.timing import Links
+from shardtune.strategies import STRATEGIES
 
 FOLDER = Path(__file__).parent
 KINDS = ("speed", "memory")
@@ -30,6 +31,8 @@ MEASURES = {"tokens_per_s_per_gpu", "tokens_per_s_total", "rows", "seconds", "se
             "counter"}
 SPEED_FORMS = ({"tokens_per_s_per_gpu"}, {"tokens_per_s_total"}, {"rows", "seconds"}, {"sequences_per_s"})
 UNITS = {"GiB": GIB, "GB": 1e9}
+# The strategies a point can name: the published runs are one GPU, DDP and FSDP (each GPU its own rows).
+DATA_PARALLEL = tuple(s.name for s in STRATEGIES if not s.splits_layers)
 # The attention kernel as the memory estimate's attn_implementation: flash keeps no mask and no scores.
 ATTN_IMPLEMENTATION = {"flash": "flash_attention_2", "sdpa-mask": "sdpa", "eager": "eager"}
 
@@ -59,7 +62,7 @@ class Point:
     checkpointing: str
     measured: dict
     quote: str
-    strategy: str = "fsdp"
+    strategy: str = "FSDP"  # a data-parallel strategy's name (shardtune/strategies.py)
     num_gpus: int = 1
     num_nodes: int = 1
     grad_accum: int = 1
@@ -84,13 +87,15 @@ class Point:
     def setup(self) -> Setup:
         """The estimator's Setup of this run (validated)."""
         mixed, pure = PRECISIONS[self.precision]
-        return validate(Setup(
-            method=self.method, strategy=self.strategy, sharding_strategy=self.sharding, offload_params=self.offload,
-            num_gpus=self.num_gpus, num_nodes=self.num_nodes, batch_size=self.micro_batch, seq_len=self.seq_len,
+        return validate(Setup.of(
+            method=self.method, distributed_type=self.strategy, fsdp_sharding_strategy=self.sharding,
+            fsdp_offload_params=self.offload, num_gpus=self.num_gpus, num_nodes=self.num_nodes,
+            per_device_train_batch_size=self.micro_batch, max_seq_len=self.seq_len,
             gradient_accumulation_steps=self.grad_accum, gradient_checkpointing=self.checkpointing != "none",
-            activation_offloading=self.activation_offloading, mixed_precision=mixed, pure_bf16=pure,
-            optimizer=self.optimizer, lora_r=self.lora_r, lora_target_modules=self.lora_targets,
-            loss=self.loss, attn_implementation=ATTN_IMPLEMENTATION[self.attention]))
+            activation_offloading=self.activation_offloading, mixed_precision=mixed,
+            torch_dtype="bfloat16" if pure else None, optim=self.optimizer, lora_r=self.lora_r,
+            lora_target_modules=self.lora_targets, loss=self.loss,
+            attn_implementation=ATTN_IMPLEMENTATION[self.attention]))
 
     def kernels(self) -> Kernels:
         return Kernels(attention=self.attention, fused=self.elementwise == "fused", recompute=self.checkpointing,
@@ -234,7 +239,7 @@ def _check(p: Point, place: str) -> None:
     problems = []
     choices = {"kind": KINDS, "method": METHODS, "precision": tuple(PRECISIONS), "checkpointing": tuple(RECOMPUTE),
                "attention": ATTENTION_KERNELS, "elementwise": ("eager", "fused"), "optimizer": OPTIMIZERS,
-               "strategy": ("single", "ddp", "fsdp")}
+               "strategy": DATA_PARALLEL}
     problems += [f"{k}={getattr(p, k)!r} is not one of {', '.join(v)}" for k, v in choices.items()
                  if getattr(p, k) not in v]
     problems += [f"{k}={getattr(p, k)!r} must be a whole number >= 1" for k in
