@@ -191,163 +191,260 @@ def _shard_group(setup: Setup) -> int:
 
 
 def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount | None) -> Breakdown:
-    dt = dtypes(setup)
-    model = _Model(inv, setup, dt, lora)
-    act = Activations(inv, setup, dt)
-    layers = range(inv.num_layers)
-    shard = _shard_group(setup)
-    fsdp = setup.strategy.shards_parameters
-    offload = fsdp and setup.offload_params
-    tokens = setup.batch_size * setup.seq_len
+    """One GPU, DDP and FSDP: every GPU runs the whole model on its own micro-batch. The peak is the fullest of
+    the step's phases (module docstring), each the model states plus what that phase holds besides."""
+    dp = _DataParallel.of(inv, setup, lora)
+    states, saved, copies = _model_states(dp), _saved_activations(dp), _weight_copies(dp)
+    grads = _pending_gradients(dp, states)
+    return _at_peak(dp, states, copies, grads, _phases(dp, states, saved, copies, grads))
 
+
+@dataclass(frozen=True)
+class _DataParallel:
+    """What every phase of a data-parallel step reads: the setup, its element sizes and its parts."""
+
+    inv: ModelInventory
+    setup: Setup
+    dt: Dtypes
+    model: _Model
+    act: Activations
+    shard: int  # the GPUs each parameter, gradient and optimizer state is sharded over (1: replicated)
+    fsdp: bool
+    offload: bool  # FSDP's CPU offload
+    tokens: int  # per micro-batch
+
+    @classmethod
+    def of(cls, inv: ModelInventory, setup: Setup, lora: LoraCount | None) -> _DataParallel:
+        dt = dtypes(setup)
+        fsdp = setup.strategy.shards_parameters
+        return cls(inv, setup, dt, _Model(inv, setup, dt, lora), Activations(inv, setup, dt), _shard_group(setup),
+                   fsdp, fsdp and setup.offload_params, setup.batch_size * setup.seq_len)
+
+    @property
+    def biggest_layer(self) -> int:
+        return max(range(self.inv.num_layers), key=self.model.layer_gathered)
+
+
+@dataclass(frozen=True)
+class _States:
+    """The model states: unsharded bytes of all of them, and what one GPU holds of them."""
+
+    storage: float  # every parameter as stored
+    grads: float  # every trainable parameter's gradient
+    optim: float  # the optimizer's states
+    shard: int
+    on_gpu: int  # 0: CPU offload keeps the sharded parameters, gradients and optimizer states on the host
+
+    @property
+    def params_b(self) -> float:
+        return self.on_gpu * self.storage / self.shard
+
+    @property
+    def grads_b(self) -> float:
+        return self.on_gpu * self.grads / self.shard
+
+    @property
+    def optim_b(self) -> float:
+        return self.on_gpu * self.optim / self.shard
+
+
+def _model_states(dp: _DataParallel) -> _States:
+    model, layers = dp.model, range(dp.inv.num_layers)
     storage = sum(model.layer_storage(i) for i in layers) + model.root_storage()
     trainable = sum(model.layer_trainable(i) for i in layers) + model.root_trainable()
-    grads = trainable * dt.master
-    optim = trainable * _optimizer_bytes_per_param(setup, dt.master, inv)
-    on_gpu = 0 if offload else 1  # CPU offload keeps the sharded parameters, gradients and optimizer on the host
-    params_b = on_gpu * storage / shard
-    grads_b = on_gpu * grads / shard
-    optim_b = on_gpu * optim / shard
+    optim = trainable * _optimizer_bytes_per_param(dp.setup, dp.dt.master, dp.inv)
+    return _States(storage, trainable * dp.dt.master, optim, dp.shard, 0 if dp.offload else 1)
 
-    # Activations, per micro-batch.
-    ckpt = setup.gradient_checkpointing
+
+@dataclass(frozen=True)
+class _Saved:
+    """Activation bytes of one micro-batch, by when they are alive."""
+
+    layers: float  # every decoder layer's saved tensors (the checkpointed inputs only, with checkpointing)
+    all: float  # those and what is saved outside the layers (embeddings, final norm, head input)
+    layer_backward: float  # a layer's temporaries during its backward
+    recompute: float  # a recomputed layer's saved tensors (gradient checkpointing)
+    batch: float  # the micro-batch itself: what is left outside the layers once backward is past the head
+    first_layer: float  # the first layer at the end of backward: its saved tensors beside its checkpointed input
+
+
+def _saved_activations(dp: _DataParallel) -> _Saved:
+    act, tokens, ckpt = dp.act, dp.tokens, dp.setup.gradient_checkpointing
     per_layer = act.layer_checkpointed() if ckpt else act.layer()
-    layers_on_gpu = _layers_on_gpu(setup, inv.num_layers)
-    layers_saved = tokens * layers_on_gpu * per_layer + act.rope_tables()
-    saved = layers_saved + tokens * act.outside_layers()
-    layer_bwd = tokens * act.layer_backward_temporaries()
+    layers = tokens * _layers_on_gpu(dp.setup, dp.inv.num_layers) * per_layer + act.rope_tables()
     recompute = tokens * act.layer_recomputed() if ckpt else 0
-    # Once backward is past the head and the final norm, what is left outside the layers is the micro-batch itself.
-    batch = tokens * act.batch_inputs()
-    # The first layer at the end of backward: its saved tensors (recomputed, beside its checkpointed input).
     first_layer = tokens * act.layer_checkpointed() + recompute if ckpt else tokens * act.layer()
+    return _Saved(layers, layers + tokens * act.outside_layers(), tokens * act.layer_backward_temporaries(),
+                  recompute, tokens * act.batch_inputs(), first_layer)
 
-    # Compute-dtype copies of weights: torch.autocast's (single/DDP) or FSDP's gathered units.
-    biggest_layer = max(layers, key=model.layer_gathered)
-    if fsdp:
-        unit = model.layer_gathered(biggest_layer)
-        # A layer's unsharded gradient in compute dtype, plus the fp32 copy reduce-scattered when the master
-        # weights are fp32 (MixedPrecisionPolicy reduce_dtype); pure bf16 reduces the bf16 gradient itself.
-        unit_grad = model.layer_trainable(biggest_layer) * (dt.compute + (4 if dt.master == 4 else 0))
-        root = model.root_gathered()
-        if setup.sharding_strategy == "SHARD_GRAD_OP" and shard > 1:  # kept gathered from forward to backward
-            gathered_fwd = gathered_at_loss = sum(model.layer_gathered(i) for i in layers)
-        else:
-            gathered_fwd = 2 * unit  # the running layer and the prefetched next one
-            # Each layer is resharded after its forward, and the last one is gathered again only when backward
-            # reaches it (its pre-backward hook): while the loss runs, only the root is unsharded.
-            gathered_at_loss = 0 if shard > 1 else gathered_fwd
-        gathered_bwd = gathered_fwd + unit_grad
-        copies_loss, copies_bwd = root + gathered_at_loss, root + gathered_bwd
-        copy_label = "FSDP all-gathered units (compute dtype)"
+
+@dataclass(frozen=True)
+class _Copies:
+    """Compute-dtype copies of weights (torch.autocast's, or FSDP's gathered units) in each phase."""
+
+    label: str
+    loss: float  # while the loss runs forward
+    loss_backward: float  # while the loss runs backward
+    head: float  # as the head's backward begins
+    backward: float  # through the last decoder layer
+    end: float  # through the first decoder layer
+
+
+def _weight_copies(dp: _DataParallel) -> _Copies:
+    return _fsdp_gathered(dp) if dp.fsdp else _autocast_copies(dp)
+
+
+def _autocast_copies(dp: _DataParallel) -> _Copies:
+    """torch.autocast's compute-dtype copy of each fp32 weight it casts, kept while saved for backward."""
+    model, biggest = dp.model, dp.biggest_layer
+    layer_copies = sum(model.autocast_copy_of_layer(i) for i in range(dp.inv.num_layers))
+    if dp.setup.gradient_checkpointing:  # recomputation re-casts: only one layer's copies at a time
+        layer_copies = model.autocast_copy_of_layer(biggest)
+    copies = layer_copies + model.autocast_copy_of_head()
+    return _Copies("autocast compute-dtype weight copies", copies, copies, copies, copies,
+                   model.autocast_copy_of_layer(biggest))
+
+
+def _fsdp_gathered(dp: _DataParallel) -> _Copies:
+    """FSDP2's units gathered in the compute dtype: the running layer and the prefetched next one, the root."""
+    model, setup, biggest = dp.model, dp.setup, dp.biggest_layer
+    unit = model.layer_gathered(biggest)
+    # A layer's unsharded gradient in compute dtype, plus the fp32 copy reduce-scattered when the master weights
+    # are fp32 (MixedPrecisionPolicy reduce_dtype); pure bf16 reduces the bf16 gradient itself.
+    unit_grad = model.layer_trainable(biggest) * (dp.dt.compute + (4 if dp.dt.master == 4 else 0))
+    root = model.root_gathered()
+    if setup.sharding_strategy == "SHARD_GRAD_OP" and dp.shard > 1:  # kept gathered from forward to backward
+        gathered_fwd = gathered_at_loss = sum(model.layer_gathered(i) for i in range(dp.inv.num_layers))
     else:
-        layer_copies = sum(model.autocast_copy_of_layer(i) for i in layers)
-        if setup.gradient_checkpointing:  # recomputation re-casts: only one layer's copies at a time
-            layer_copies = model.autocast_copy_of_layer(biggest_layer)
-        copies_loss = copies_bwd = layer_copies + model.autocast_copy_of_head()
-        copy_label = "autocast compute-dtype weight copies"
-    dequant = inv.largest_linear_params * dt.compute if setup.method == "qlora" else 0
+        gathered_fwd = 2 * unit  # the running layer and the prefetched next one
+        # Each layer is resharded after its forward, and the last one is gathered again only when backward
+        # reaches it (its pre-backward hook): while the loss runs, only the root is unsharded.
+        gathered_at_loss = 0 if dp.shard > 1 else gathered_fwd
+    loss, backward = root + gathered_at_loss, root + gathered_fwd + unit_grad
+    loss_backward = head = loss
+    if setup.loss == "shardtune" and dp.shard > 1 and setup.sharding_strategy != "SHARD_GRAD_OP":
+        # FSDP2 reshards the root after forward (not under SHARD_GRAD_OP) and gathers it again from the
+        # pre-backward hook on its output, the loss: before the chunks' backward, the all-gather's output
+        # beside the unsharded parameters it is copied into; the chunks then run with the root gathered.
+        loss_backward, head = root + gathered_at_loss, 2 * root + gathered_at_loss
+    return _Copies("FSDP all-gathered units (compute dtype)", loss, loss_backward, head, backward, backward)
 
-    carry = grads_b if setup.gradient_accumulation_steps > 1 else 0  # gradients from earlier micro-batches
-    head_grad = (inv.head_params or inv.embedding_params) * dt.master / shard if setup.method == "full" else 0
-    head_grad *= on_gpu
-    # Gradients not yet made while the first decoder layer runs its backward. FSDP2 makes a unit's sharded
-    # gradients by reduce-scattering them after its backward, and the root's (embeddings, head) after the whole
-    # backward. Otherwise the layer's own backward peaks in its MLP, after the down projection's weight gradient
-    # and before the others (gate, up, attention); and the embedding's gradient is the last one backward makes.
-    # A tied embedding has the head's gradient instead: cast up to the master dtype, it waits in autograd's input
-    # buffer until the embedding's backward makes the other one, and the two are summed in place, so the very end
-    # of backward holds one embedding-sized gradient more than the gradients themselves.
+
+@dataclass(frozen=True)
+class _Gradients:
+    """Gradient bytes on a GPU besides the finished ones, and those not made yet, at given points."""
+
+    carry: float  # from earlier micro-batches of the accumulation
+    head: float  # the head's, made first in backward (full fine-tuning)
+    not_yet: float  # not yet made while the first decoder layer runs its backward
+    tied_pending: float  # a tied head's gradient waiting to be summed with the embedding's
+    head_buffer: float  # the fused loss's sum of the head's weight gradient over its chunks
+
+
+def _pending_gradients(dp: _DataParallel, states: _States) -> _Gradients:
+    """FSDP2 makes a unit's sharded gradients by reduce-scattering them after its backward, and the root's
+    (embeddings, head) after the whole backward. Otherwise the layer's own backward peaks in its MLP, after the
+    down projection's weight gradient and before the others (gate, up, attention); and the embedding's gradient is
+    the last one backward makes. A tied embedding has the head's gradient instead: cast up to the master dtype, it
+    waits in autograd's input buffer until the embedding's backward makes the other one, and the two are summed in
+    place, so the very end of backward holds one embedding-sized gradient more than the gradients themselves."""
+    inv, setup, model, dt, on_gpu = dp.inv, dp.setup, dp.model, dp.dt, states.on_gpu
+    full = setup.method == "full"
+    carry = states.grads_b if setup.gradient_accumulation_steps > 1 else 0
+    head = (inv.head_params or inv.embedding_params) * dt.master / dp.shard if full else 0
+    head *= on_gpu
     tied_pending = 0
-    if fsdp:
-        not_yet = (model.layer_trainable(0) + model.root_trainable()) * dt.master / shard * on_gpu
+    if dp.fsdp:
+        not_yet = (model.layer_trainable(0) + model.root_trainable()) * dt.master / dp.shard * on_gpu
     else:
-        down = inv.hidden_size * inv.intermediate_size if setup.method == "full" and inv.num_experts == 1 else 0
+        down = inv.hidden_size * inv.intermediate_size if full and inv.num_experts == 1 else 0
         not_yet = max(model.layer_trainable(0) - down, 0) * dt.master * on_gpu
-        if setup.method == "full":
+        if full:
             embedding_grad = inv.embedding_params * dt.master * on_gpu
             if inv.tied_embeddings:
                 tied_pending = embedding_grad
             else:
                 not_yet += embedding_grad
-    end_copies = copies_bwd if fsdp else model.autocast_copy_of_layer(biggest_layer)
-    loss_backward_copies, head_copies = copies_loss, copies_loss
-    head_buffer = 0
-    if setup.loss == "shardtune":
-        if fsdp and shard > 1 and setup.sharding_strategy != "SHARD_GRAD_OP":
-            # FSDP2 reshards the root after forward (not under SHARD_GRAD_OP) and gathers it again from the
-            # pre-backward hook on its output, the loss: before the chunks' backward, the all-gather's output
-            # beside the unsharded parameters it is copied into; the chunks then run with the root gathered.
-            loss_backward_copies, head_copies = root + gathered_at_loss, 2 * root + gathered_at_loss
-        if setup.method == "full":
-            # The head's weight gradient is made chunk by chunk: autograd sums the chunks' gradients in a buffer
-            # of the matmul's dtype (the compute dtype under autocast and for FSDP's gathered weights).
-            head_buffer = (inv.head_params or inv.embedding_params) * (
-                dt.compute if dt.autocast_copies or fsdp else dt.master)
+    buffer = 0
+    if setup.loss == "shardtune" and full:
+        # The head's weight gradient is made chunk by chunk: autograd sums the chunks' gradients in a buffer of
+        # the matmul's dtype (the compute dtype under autocast and for FSDP's gathered weights).
+        buffer = (inv.head_params or inv.embedding_params) * (dt.compute if dt.autocast_copies or dp.fsdp
+                                                              else dt.master)
+    return _Gradients(carry, head, not_yet, tied_pending, buffer)
+
+
+def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
+            grads: _Gradients) -> dict[str, dict[str, float]]:
+    """The bytes of each phase besides the parameters and optimizer states: gradients, activations, copies."""
+    act, tokens, fused = dp.act, dp.tokens, dp.setup.loss == "shardtune"
     phases = {
-        "forward (loss)": dict(grads=carry, act=saved + act.loss_forward_bytes(tokens),
-                               copies=copies_loss),
-        "backward (loss)": dict(grads=carry if setup.loss == "shardtune" else max(carry, head_grad),
-                                act=saved + act.loss_backward_bytes(tokens) + head_buffer,
-                                copies=loss_backward_copies),
+        "forward (loss)": dict(grads=grads.carry, act=saved.all + act.loss_forward_bytes(tokens),
+                               copies=copies.loss),
+        "backward (loss)": dict(grads=grads.carry if fused else max(grads.carry, grads.head),
+                                act=saved.all + act.loss_backward_bytes(tokens) + grads.head_buffer,
+                                copies=copies.loss_backward),
         # The loss's backward is about to start (shardtune's: before its chunks, with the head inside them) or
         # the gradient of the logits is complete and the logits are gone (the other losses: the gradient takes
         # their place in ``saved``) and the head's backward begins; under FSDP the root's pre-backward hook (on
         # its output) gathers it now, the all-gather's output beside the unsharded parameters it is copied into.
-        "backward (head)": dict(grads=carry, act=saved, copies=head_copies),
-        "backward (last layer)": dict(grads=max(carry, head_grad),
-                                      act=layers_saved + batch + recompute + layer_bwd,
-                                      copies=copies_bwd),
+        "backward (head)": dict(grads=grads.carry, act=saved.all, copies=copies.head),
+        "backward (last layer)": dict(grads=max(grads.carry, grads.head),
+                                      act=saved.layers + saved.batch + saved.recompute + saved.layer_backward,
+                                      copies=copies.backward),
         # The first layer's backward: the other layers' saved tensors (their autocast weight copies among them)
         # are gone, and nearly every gradient is there.
-        "backward (first layer)": dict(grads=grads_b - not_yet,
-                                       act=act.rope_tables() + batch + first_layer + layer_bwd,
-                                       copies=end_copies),
+        "backward (first layer)": dict(grads=states.grads_b - grads.not_yet,
+                                       act=act.rope_tables() + saved.batch + saved.first_layer + saved.layer_backward,
+                                       copies=copies.end),
         # The embedding's backward reads the gradient of its output (the residual stream's first tensor).
-        "backward (embeddings)": dict(grads=grads_b + tied_pending,
-                                      act=act.rope_tables() + batch + tokens * act.layer_checkpointed(),
+        "backward (embeddings)": dict(grads=states.grads_b + grads.tied_pending,
+                                      act=act.rope_tables() + saved.batch + tokens * act.layer_checkpointed(),
                                       copies=0),
-        "optimizer step": dict(grads=grads_b, act=0, copies=0),
+        "optimizer step": dict(grads=states.grads_b, act=0, copies=0),
     }
-    if fsdp:
+    if dp.fsdp:
         # After the whole backward FSDP2 reduce-scatters the root's gradients (embeddings, head): its unsharded
         # gradient in compute dtype beside the fp32 copy it reduce-scatters (pure bf16 reduces the bf16 one), the
         # root's gradient shards not made yet. Large for full fine-tuning of a large vocabulary.
-        root_trainable = model.root_trainable()
+        root_trainable = dp.model.root_trainable()
         phases["backward (root gradients)"] = {
-            "grads": grads_b - root_trainable * dt.master / shard * on_gpu, "act": batch,
-            "copies": root_trainable * (dt.compute + (4 if dt.master == 4 else 0))}
+            "grads": states.grads_b - root_trainable * dp.dt.master / dp.shard * states.on_gpu, "act": saved.batch,
+            "copies": root_trainable * (dp.dt.compute + (4 if dp.dt.master == 4 else 0))}
+    return phases
+
+
+def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradients,
+             phases: dict[str, dict[str, float]]) -> Breakdown:
+    """The breakdown at the fullest phase, its items adding up to the total."""
+    setup, inv, shard = dp.setup, dp.inv, dp.shard
+    dequant = inv.largest_linear_params * dp.dt.compute if setup.method == "qlora" else 0
     # DDP's reducer copies every gradient into flat buckets for its all-reduce (gradient_as_bucket_view is off), a
     # second copy of the trainable gradients that it allocates when the model is wrapped and keeps.
-    buckets = grads if setup.strategy.replicates and setup.world_size > 1 else 0
+    buckets = states.grads if setup.strategy.replicates and setup.world_size > 1 else 0
     totals = {}
     for name, ph in phases.items():
         dyn = ph["act"] + ph["copies"] + (dequant if ph["act"] else 0)
-        totals[name] = params_b + optim_b + buckets + ph["grads"] + dyn
+        totals[name] = states.params_b + states.optim_b + buckets + ph["grads"] + dyn
     phase = max(totals, key=totals.get)
     ph = phases[phase]
-    pending = " + the tied head's, not yet summed" if tied_pending and phase == "backward (embeddings)" else ""
-    items = [
-        Item("params", _param_label(setup, shard, offload), round(params_b)),
-        Item("grads", "gradients" + (f" (1/{shard} shard)" if shard > 1 else "") + pending, round(ph["grads"])),
-    ]
+    part = f" (1/{shard} shard)" if shard > 1 else ""
+    pending = " + the tied head's, not yet summed" if grads.tied_pending and phase == "backward (embeddings)" else ""
+    items = [Item("params", _param_label(setup, shard, dp.offload), round(states.params_b)),
+             Item("grads", "gradients" + part + pending, round(ph["grads"]))]
     if buckets:
         items.append(Item("grads", "DDP gradient buckets (a copy of the gradients)", round(buckets)))
-    items += [
-        Item("optimizer", f"{setup.optimizer} states" + (f" (1/{shard} shard)" if shard > 1 else ""), round(optim_b)),
-        Item("activations", _activation_label(setup), round(ph["act"])),
-    ]
+    items += [Item("optimizer", f"{setup.optimizer} states" + part, round(states.optim_b)),
+              Item("activations", _activation_label(setup), round(ph["act"]))]
     if dequant and ph["act"]:
         items.append(Item("activations", "NF4 weight dequantised for its matmul", round(dequant)))
     if ph["copies"]:
-        items.append(Item("overhead" if fsdp else "params", copy_label, round(ph["copies"])))
+        items.append(Item("overhead" if dp.fsdp else "params", copies.label, round(ph["copies"])))
     dynamic = ph["act"] + ph["copies"]  # gradients come back at the same sizes every step and reuse their blocks
     items.append(Item("overhead", "allocator cache and workspaces", round(ALLOCATOR_SLACK * dynamic + WORKSPACE_BYTES)))
     context = CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if setup.world_size > 1 else 0)
-    cpu = 0
-    if offload:
-        cpu = round((storage + grads + optim) / shard * setup.num_gpus)
-    cpu += _offloaded_activation_bytes(inv, setup, act, setup.num_gpus)
+    cpu = round((states.storage + states.grads + states.optim) / shard * setup.num_gpus) if dp.offload else 0
+    cpu += _offloaded_activation_bytes(inv, setup, dp.act, setup.num_gpus)
     return Breakdown(setup=setup, phase=phase, items=items, cuda_context=context, cpu_bytes_per_node=cpu,
                      phases={k: round(v) for k, v in totals.items()})
 
@@ -387,100 +484,123 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
     embeddings, the last the final norm, the head and the loss. Stages are contiguous and chosen to minimise the
     largest per-GPU total (a small dynamic programme over layer boundaries). One micro-batch is in flight at a time.
     """
-    gpus = setup.world_size
     one = setup.with_(distributed_type=NO, num_gpus=1, num_nodes=1)
-    if gpus == 1:
+    if setup.world_size == 1:
         return estimate(inv, one, lora)
-    dt = dtypes(one)
-    model = _Model(inv, one, dt, lora)
-    act = Activations(inv, one, dt)
-    tokens = setup.batch_size * setup.seq_len
-    opt = _optimizer_bytes_per_param(setup, dt.master, inv)
-    per_layer_act = act.layer_checkpointed() if setup.gradient_checkpointing else act.layer()
-    if setup.activation_offloading:  # the layers' inputs wait in host memory; a few are back (``transient``)
-        per_layer_act = 0
+    stages = _Stages.of(inv, setup, one, lora)
+    return stages.breakdown(stages.balanced(setup.world_size))
 
-    def parts(storage: float, trainable: float, activations: float, copies: float) -> dict[str, float]:
-        return {"params": storage + copies, "grads": trainable * dt.master, "optimizer": trainable * opt,
-                "activations": activations}
 
-    layer_parts = [parts(model.layer_storage(i), model.layer_trainable(i), tokens * per_layer_act,
-                         0 if setup.gradient_checkpointing else model.autocast_copy_of_layer(i))
-                   for i in range(inv.num_layers)]
-    root_fraction = inv.embedding_params / max(inv.root_params, 1)
-    root = parts(model.root_storage(), model.root_trainable(), 0, 0)
-    first = {k: v * root_fraction for k, v in root.items()}
-    last = {k: v - first[k] for k, v in root.items()}
-    last["params"] += model.autocast_copy_of_head()
-    # The last stage runs the loss: its peak is the backward at the loss.
-    last["activations"] += tokens * act.outside_layers() + act.loss_backward_bytes(tokens)
-    # Every stage recomputes one layer and holds its gradient temporaries during backward.
-    transient = tokens * act.layer_backward_temporaries()
-    if setup.gradient_checkpointing:
-        transient += tokens * act.layer_recomputed()
-    if setup.activation_offloading:
-        transient += tokens * _layers_on_gpu(setup, inv.num_layers) * act.layer_checkpointed()
+PARTS = ("params", "grads", "optimizer", "activations")  # what a stage holds, by category
 
-    def stage_parts(a: int, b: int, is_first: bool, is_last: bool) -> dict[str, float]:
-        out = {c: sum(layer_parts[i][c] for i in range(a, b)) for c in ("params", "grads", "optimizer", "activations")}
-        for extra, on in ((first, is_first), (last, is_last)):
+
+@dataclass(frozen=True)
+class _Stages:
+    """The bytes each decoder layer adds to the GPU that holds it, and what the first and last GPUs hold more."""
+
+    inv: ModelInventory
+    setup: Setup
+    dt: Dtypes
+    act: Activations
+    layer_parts: list[dict[str, float]]
+    first: dict[str, float]  # the embeddings
+    last: dict[str, float]  # the final norm, the head and the loss
+    transient: float  # every stage recomputes one layer and holds its gradient temporaries during backward
+
+    @classmethod
+    def of(cls, inv: ModelInventory, setup: Setup, one: Setup, lora: LoraCount | None) -> _Stages:
+        """``one``: ``setup`` on one GPU, whose element sizes and activations each stage has."""
+        dt = dtypes(one)
+        model, act = _Model(inv, one, dt, lora), Activations(inv, one, dt)
+        tokens, ckpt = setup.batch_size * setup.seq_len, setup.gradient_checkpointing
+        opt = _optimizer_bytes_per_param(setup, dt.master, inv)
+        per_layer_act = act.layer_checkpointed() if ckpt else act.layer()
+        if setup.activation_offloading:  # the layers' inputs wait in host memory; a few are back (``transient``)
+            per_layer_act = 0
+
+        def parts(storage: float, trainable: float, activations: float, copies: float) -> dict[str, float]:
+            return {"params": storage + copies, "grads": trainable * dt.master, "optimizer": trainable * opt,
+                    "activations": activations}
+
+        layer_parts = [parts(model.layer_storage(i), model.layer_trainable(i), tokens * per_layer_act,
+                             0 if ckpt else model.autocast_copy_of_layer(i)) for i in range(inv.num_layers)]
+        root_fraction = inv.embedding_params / max(inv.root_params, 1)
+        root = parts(model.root_storage(), model.root_trainable(), 0, 0)
+        first = {k: v * root_fraction for k, v in root.items()}
+        last = {k: v - first[k] for k, v in root.items()}
+        last["params"] += model.autocast_copy_of_head()
+        # The last stage runs the loss: its peak is the backward at the loss.
+        last["activations"] += tokens * act.outside_layers() + act.loss_backward_bytes(tokens)
+        transient = tokens * act.layer_backward_temporaries()
+        if ckpt:
+            transient += tokens * act.layer_recomputed()
+        if setup.activation_offloading:
+            transient += tokens * _layers_on_gpu(setup, inv.num_layers) * act.layer_checkpointed()
+        return cls(inv, setup, dt, act, layer_parts, first, last, transient)
+
+    def parts(self, a: int, b: int) -> dict[str, float]:
+        """What the GPU holding layers [a, b) holds, by category."""
+        out = {c: sum(self.layer_parts[i][c] for i in range(a, b)) for c in PARTS}
+        for extra, on in ((self.first, a == 0), (self.last, b == self.inv.num_layers)):
             if on:
                 for c in out:
                     out[c] += extra[c]
-        out["activations"] += transient
+        out["activations"] += self.transient
         return out
 
-    def cost(a: int, b: int, is_first: bool, is_last: bool) -> float:
-        return sum(stage_parts(a, b, is_first, is_last).values())
+    def balanced(self, gpus: int) -> list[tuple[int, int]]:
+        """Contiguous [first, end) layers per GPU that minimise the fullest GPU (more GPUs than layers: some
+        idle). ``best[g][j]``: the smallest possible largest-stage total placing the first j layers on g GPUs."""
+        layers = self.inv.num_layers
+        prefix = [0.0]
+        for lp in self.layer_parts:
+            prefix.append(prefix[-1] + sum(lp.values()))
+        first, last = sum(self.first.values()), sum(self.last.values())
 
-    layers = inv.num_layers
-    prefix_cost = [0.0]
-    for lp in layer_parts:
-        prefix_cost.append(prefix_cost[-1] + sum(lp.values()))
+        def cost(a: int, b: int) -> float:
+            return prefix[b] - prefix[a] + ((first if a == 0 else 0) + (last if b == layers else 0)) + self.transient
 
-    def fast_cost(a: int, b: int, is_first: bool, is_last: bool) -> float:
-        extra = (sum(first.values()) if is_first else 0) + (sum(last.values()) if is_last else 0)
-        return prefix_cost[b] - prefix_cost[a] + extra + transient
+        inf = float("inf")
+        best = [[inf] * (layers + 1) for _ in range(gpus + 1)]
+        cut = [[0] * (layers + 1) for _ in range(gpus + 1)]
+        best[0][0] = 0.0
+        for g in range(1, gpus + 1):
+            for j in range(1, layers + 1):
+                for i in range(0, j):
+                    if best[g - 1][i] == inf:
+                        continue
+                    c = max(best[g - 1][i], cost(i, j))
+                    if c < best[g][j]:
+                        best[g][j], cut[g][j] = c, i
+        used = min(range(1, gpus + 1), key=lambda g: best[g][layers])
+        bounds, j = [], layers
+        for g in range(used, 0, -1):
+            bounds.append((cut[g][j], j))
+            j = cut[g][j]
+        return bounds[::-1]
 
-    # best[g][j]: the smallest possible largest-stage cost placing the first j layers on g GPUs.
-    inf = float("inf")
-    best = [[inf] * (layers + 1) for _ in range(gpus + 1)]
-    cut = [[0] * (layers + 1) for _ in range(gpus + 1)]
-    best[0][0] = 0.0
-    for g in range(1, gpus + 1):
-        for j in range(1, layers + 1):
-            for i in range(0, j):
-                if best[g - 1][i] == inf:
-                    continue
-                c = max(best[g - 1][i], fast_cost(i, j, i == 0, j == layers))
-                if c < best[g][j]:
-                    best[g][j], cut[g][j] = c, i
-    used = min(range(1, gpus + 1), key=lambda g: best[g][layers])  # more GPUs than layers leaves some idle
-    bounds, j = [], layers
-    for g in range(used, 0, -1):
-        bounds.append((cut[g][j], j))
-        j = cut[g][j]
-    bounds.reverse()
-    stage_costs = [cost(a, b, a == 0, b == layers) for a, b in bounds]
-    worst = max(range(len(bounds)), key=stage_costs.__getitem__)
-    a, b = bounds[worst]
-    fullest = stage_parts(a, b, a == 0, b == layers)
-    items = [
-        Item("params", "weights of this GPU's layers" + (" + autocast copies" if dt.autocast_copies else ""),
-             round(fullest["params"])),
-        Item("grads", "gradients of this GPU's layers", round(fullest["grads"])),
-        Item("optimizer", f"{setup.optimizer} states of this GPU's layers", round(fullest["optimizer"])),
-        Item("activations", _activation_label(setup) + ", this GPU's layers", round(fullest["activations"])),
-    ]
-    dynamic = fullest["activations"]
-    items.append(Item("overhead", "allocator cache and workspaces", round(ALLOCATOR_SLACK * dynamic + WORKSPACE_BYTES)))
-    sizes = ", ".join(str(hi - lo) for lo, hi in bounds)
-    unused = gpus - len(bounds)
-    note = f"layers per GPU: {sizes}; GPU {worst} (layers {a}-{b - 1}) is the fullest"
-    if setup.strategy.pipelined:
-        note += " (GPipe keeps every micro-batch's activations until the backward, as counted here; 1F1B fewer)"
-    if unused:
-        note += f"; {unused} GPU(s) left idle"
-    return Breakdown(setup=setup, phase="backward (loss)" if b == layers else "backward", items=items,
-                     cuda_context=CUDA_CONTEXT_BYTES, stage_note=note,
-                     stage_bounds=tuple(bounds), cpu_bytes_per_node=_offloaded_activation_bytes(inv, setup, act, 1))
+    def breakdown(self, bounds: list[tuple[int, int]]) -> Breakdown:
+        """The fullest GPU's bytes, and the layers per GPU."""
+        setup, layers = self.setup, self.inv.num_layers
+        totals = [sum(self.parts(a, b).values()) for a, b in bounds]
+        worst = max(range(len(bounds)), key=totals.__getitem__)
+        a, b = bounds[worst]
+        fullest = self.parts(a, b)
+        items = [
+            Item("params", "weights of this GPU's layers" + (" + autocast copies" if self.dt.autocast_copies else ""),
+                 round(fullest["params"])),
+            Item("grads", "gradients of this GPU's layers", round(fullest["grads"])),
+            Item("optimizer", f"{setup.optimizer} states of this GPU's layers", round(fullest["optimizer"])),
+            Item("activations", _activation_label(setup) + ", this GPU's layers", round(fullest["activations"])),
+            Item("overhead", "allocator cache and workspaces",
+                 round(ALLOCATOR_SLACK * fullest["activations"] + WORKSPACE_BYTES)),
+        ]
+        note = (f"layers per GPU: {', '.join(str(hi - lo) for lo, hi in bounds)}; GPU {worst} (layers {a}-{b - 1}) "
+                f"is the fullest")
+        if setup.strategy.pipelined:
+            note += " (GPipe keeps every micro-batch's activations until the backward, as counted here; 1F1B fewer)"
+        if setup.world_size > len(bounds):
+            note += f"; {setup.world_size - len(bounds)} GPU(s) left idle"
+        return Breakdown(setup=setup, phase="backward (loss)" if b == layers else "backward", items=items,
+                         cuda_context=CUDA_CONTEXT_BYTES, stage_note=note, stage_bounds=tuple(bounds),
+                         cpu_bytes_per_node=_offloaded_activation_bytes(self.inv, setup, self.act, 1))

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,6 +35,11 @@ from shardtune.strategies import NO
 from shardtune.memory.allocator import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, CachingAllocatorModel
 from shardtune.memory.trace_tracker import (AllocationLog, fresh_module_stats_per_micro_batch, make_tracker,
                                              module_peaks, peak_breakdown, track_inputs)
+
+if TYPE_CHECKING:
+    from shardtune.dist import DistInfo
+    from shardtune.train.model import Precision
+    from shardtune.train.plan import Plan
 
 log = logging.getLogger("shardtune")
 
@@ -243,22 +249,41 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     the fake trace). ``target_device``: the GPU job (``cuda``: fused AdamW) or a CPU one (``cpu``: foreach AdamW).
     Tensors live on the CPU either way; the trace counts bytes, not where they are.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from shardtune.dist import DistInfo
-    from shardtune.train.build import build_model, plan_for
+    from shardtune.train.build import plan_for
     from shardtune.train.model import Precision
-    from shardtune.train.optim import build_optimizer, build_scheduler
-    from shardtune.train.step import StepContext, train_step
 
     if world_size < 1 or world_size % num_nodes:
         raise ValueError(f"world size {world_size} must be a positive multiple of num_nodes {num_nodes}")
     started = time.perf_counter()
-    device = torch.device("cpu")
     info = DistInfo(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size // num_nodes,
-                    device=device)
+                    device=torch.device("cpu"))
     precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
-    plan = plan_for(cfg, info, precision)
+    plan, ddp = _traceable_plan(plan_for(cfg, info, precision), world_size)
+    # bitsandbytes' Params4bit cannot wrap a fake tensor: trace the QLoRA job with its base in bf16 and put the
+    # formula's NF4 bytes in place of the quantised weights afterwards (see _nf4_adjustment).
+    nf4_fallback = fake and cfg.lora.use_4bit_quantization
+    if nf4_fallback:
+        cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, use_4bit_quantization=False))
+    run = _run_steps(cfg, plan, precision, info, fake=fake, target_device=target_device, steps=steps)
+    notes: list[str] = []
+    if ddp:
+        _add_ddp_buckets(run, notes)
+    saving = _add_nf4_bytes(run, cfg, plan, info, notes) if nf4_fallback else 0
+    reserved = None if run.log is None else _replayed_reserved(run, steps, saving, notes)
+    if fake:
+        notes.append("host-side scalars (token counts, loss, gradient norm) read as 1 under fake tensors, and an "
+                     "fp16 loss scaler finds no overflow: the step takes its ordinary path")
+    strategy = plan.strategy.name + (f" {plan.sharding}" if run.fsdp else "")
+    return TraceResult(peak_bytes=run.peak, categories=run.categories, modules=run.modules, world_size=world_size,
+                       strategy=strategy, fake=fake, device=target_device, steps=steps,
+                       seconds=time.perf_counter() - started, parameters=run.total, trainable_parameters=run.trainable,
+                       notes=notes, reserved_bytes=reserved)
+
+
+def _traceable_plan(plan: Plan, world_size: int) -> tuple[Plan, bool]:
+    """The plan the trace runs, and whether it is DDP traced as one replica; TraceUnsupported for the setups the
+    trace cannot follow (a split model, host-resident shards)."""
     if plan.strategy.splits_layers:
         raise TraceUnsupported(f"{plan.strategy.label} (distributed_type {plan.strategy})", "planning",
                                "the trace follows the data-parallel step: one process, DDP or FSDP")
@@ -266,23 +291,43 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
         # Every traced tensor lives on one device, so host-resident shards cannot be told from GPU memory.
         raise TraceUnsupported("FSDP CPU offload (fsdp_offload_params)", "planning",
                                "the trace cannot separate host RAM from GPU memory")
-    notes: list[str] = []
     ddp = plan.strategy.replicates and world_size > 1
     if ddp:
         # DDP's C++ reducer reads parameter data when it is built, which fake tensors do not have: trace the
         # replica as one process and add the reducer's gradient buckets (one copy of the trainable gradients).
         plan = dataclasses.replace(plan, strategy=NO)
-    # bitsandbytes' Params4bit cannot wrap a fake tensor: trace the QLoRA job with its base in bf16 and put the
-    # formula's NF4 bytes in place of the quantised weights afterwards (see _nf4_adjustment).
-    nf4_fallback = fake and cfg.lora.use_4bit_quantization
-    if nf4_fallback:
-        cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, use_4bit_quantization=False))
+    return plan, ddp
+
+
+@dataclass
+class _Run:
+    """What the traced steps left: the model, the peak and where it was, every allocation (a GPU target)."""
+
+    model: torch.nn.Module
+    fsdp: bool
+    peak: int
+    categories: dict[str, int]
+    modules: list[tuple[str, int]]
+    log: AllocationLog | None
+    total: int
+    trainable: int
+
+
+def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, *, fake: bool,
+               target_device: str, steps: int) -> _Run:
+    """Build the job as the trainer does and run ``steps`` of ``train_step`` under the tracker (the last one)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardtune.train.build import build_model
+    from shardtune.train.optim import build_optimizer, build_scheduler
+    from shardtune.train.step import StepContext, train_step
+
     config = _model_config(cfg)
     vocab_size, pad_id = _vocab_and_pad(cfg, config)
     real_batches = _micro_batches(cfg, pad_id)
     fsdp = plan.strategy.shards_parameters
     fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    with fake_process_group(world_size) if fsdp else contextlib.nullcontext(), \
+    with fake_process_group(info.world_size) if fsdp else contextlib.nullcontext(), \
             torch.random.fork_rng(devices=[]), fake_mode:
         with _phase("building the model", fake), _swappable_fake_parameters(fake_mode if fake else None):
             # The trainer's own model building, with initialised weights (their values do not change memory).
@@ -322,45 +367,48 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
                     train_step(ctx, batches)
         peak, categories = peak_breakdown(tracker)
         modules = module_peaks(tracker)
-    if ddp:
-        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        categories["ddp_gradient_buckets"] = buckets
-        peak += buckets
-        notes.append("DDP traced as one replica: its C++ reducer cannot be built on fake tensors; its gradient "
-                     "buckets (one copy of the trainable gradients) are added from the parameter count")
-    if nf4_fallback:
-        from shardtune.memory.trace_qlora import nf4_adjustment
+    return _Run(model, fsdp, peak, categories, modules, log, total, trainable)
 
-        saving, dequant = nf4_adjustment(model, cfg, plan, info)
-        key = "params_sharded" if fsdp else "params"
-        categories[key] = categories.get(key, 0) - saving
-        categories["nf4_dequantize_buffer"] = dequant
-        peak += dequant - saving
-        notes.append("QLoRA: bitsandbytes.nn.Params4bit (a tensor subclass) cannot wrap a fake tensor, so the base "
-                     "was traced in bf16 and its quantised weights' bytes replaced by the formula's NF4 bytes, plus "
-                     "one dequantised weight for the running matmul; FSDP's gathered layer copies are those of the "
-                     "bf16 stand-in")
-    reserved = None
-    if log is not None:
-        extra = list(_ddp_bucket_sizes(categories.get("ddp_gradient_buckets", 0)))
-        allocator = CachingAllocatorModel()
-        for i, nbytes in enumerate([CUBLAS_WORKSPACE_BYTES] * CUBLAS_WORKSPACES + extra):
-            allocator.malloc(("before the steps", i), nbytes)
-        reserved = allocator.replay(log.events).peak_reserved
-        if nf4_fallback:
-            reserved += categories["nf4_dequantize_buffer"] - saving
-        notes.append(f"reserved memory: every allocation of the {steps} traced steps replayed through a model of "
-                     f"PyTorch's CUDA caching allocator (default settings, a pool per stream), with {CUBLAS_WORKSPACES} "
-                     f"cuBLAS workspaces of {CUBLAS_WORKSPACE_BYTES // 2**20} MiB; "
-                     f"{reserved / max(peak, 1) - 1:+.1%} over the tensors' peak")
-    if fake:
-        notes.append("host-side scalars (token counts, loss, gradient norm) read as 1 under fake tensors, and an "
-                     "fp16 loss scaler finds no overflow: the step takes its ordinary path")
-    strategy = plan.strategy.name + (f" {plan.sharding}" if fsdp else "")
-    return TraceResult(peak_bytes=peak, categories=categories, modules=modules, world_size=world_size,
-                       strategy=strategy, fake=fake, device=target_device, steps=steps,
-                       seconds=time.perf_counter() - started, parameters=total, trainable_parameters=trainable,
-                       notes=notes, reserved_bytes=reserved)
+
+def _add_ddp_buckets(run: _Run, notes: list[str]) -> None:
+    buckets = sum(p.numel() * p.element_size() for p in run.model.parameters() if p.requires_grad)
+    run.categories["ddp_gradient_buckets"] = buckets
+    run.peak += buckets
+    notes.append("DDP traced as one replica: its C++ reducer cannot be built on fake tensors; its gradient "
+                 "buckets (one copy of the trainable gradients) are added from the parameter count")
+
+
+def _add_nf4_bytes(run: _Run, cfg: TrainConfig, plan: Plan, info: DistInfo, notes: list[str]) -> int:
+    """The QLoRA job traced with a bf16 base: its quantised weights' bytes in place of the bf16 ones; returns the
+    bytes saved (the reserved memory is adjusted by the same)."""
+    from shardtune.memory.trace_qlora import nf4_adjustment
+
+    saving, dequant = nf4_adjustment(run.model, cfg, plan, info)
+    key = "params_sharded" if run.fsdp else "params"
+    run.categories[key] = run.categories.get(key, 0) - saving
+    run.categories["nf4_dequantize_buffer"] = dequant
+    run.peak += dequant - saving
+    notes.append("QLoRA: bitsandbytes.nn.Params4bit (a tensor subclass) cannot wrap a fake tensor, so the base "
+                 "was traced in bf16 and its quantised weights' bytes replaced by the formula's NF4 bytes, plus "
+                 "one dequantised weight for the running matmul; FSDP's gathered layer copies are those of the "
+                 "bf16 stand-in")
+    return saving
+
+
+def _replayed_reserved(run: _Run, steps: int, nf4_saving: int, notes: list[str]) -> int:
+    """Every traced allocation replayed through the caching-allocator model: what the GPU job reserves."""
+    extra = list(_ddp_bucket_sizes(run.categories.get("ddp_gradient_buckets", 0)))
+    allocator = CachingAllocatorModel()
+    for i, nbytes in enumerate([CUBLAS_WORKSPACE_BYTES] * CUBLAS_WORKSPACES + extra):
+        allocator.malloc(("before the steps", i), nbytes)
+    reserved = allocator.replay(run.log.events).peak_reserved
+    if "nf4_dequantize_buffer" in run.categories:
+        reserved += run.categories["nf4_dequantize_buffer"] - nf4_saving
+    notes.append(f"reserved memory: every allocation of the {steps} traced steps replayed through a model of "
+                 f"PyTorch's CUDA caching allocator (default settings, a pool per stream), with {CUBLAS_WORKSPACES} "
+                 f"cuBLAS workspaces of {CUBLAS_WORKSPACE_BYTES // 2**20} MiB; "
+                 f"{reserved / max(run.peak, 1) - 1:+.1%} over the tensors' peak")
+    return reserved
 
 
 def _ddp_bucket_sizes(total: int) -> Iterator[int]:
