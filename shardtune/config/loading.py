@@ -27,8 +27,8 @@ from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compi
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
 from shardtune.config.no_ops import NO_OPS, no_op_problem
 from shardtune.config.schema import TrainConfig, known_keys, section_classes
-from shardtune.config.validation import (context_problems, device_problems, input_problems, model_folder_problems, resolve_report_to,
-                                         tracker_problems, validate)
+from shardtune.config.validation import (context_problems, device_problems, input_problems, model_folder_problems,
+                                         resolve_report_to, tracker_problems, validate)
 from shardtune.errors import UsageError, closest
 
 # Accelerate's names for data parallel; both mean one replica per process here.

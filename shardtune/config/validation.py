@@ -329,10 +329,10 @@ def bitsandbytes_problems(cfg: TrainConfig) -> list[str]:
         import bitsandbytes  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - ImportError, or the RuntimeError of a build that cannot load here
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}" if str(exc).strip() else type(exc).__name__
+        optim_too = len(users) > cfg.lora.use_4bit_quantization
         instead = " and ".join(fix for fix, used in (("use_4bit_quantization false (plain LoRA)",
                                                        cfg.lora.use_4bit_quantization),
-                                                      ("optim adamw_torch", len(users) > cfg.lora.use_4bit_quantization))
-                               if used)
+                                                      ("optim adamw_torch", optim_too)) if used)
         return [f"{' and '.join(users)} need{'s' if len(users) == 1 else ''} bitsandbytes, which does not import "
                 f"here ({why}): pip install -U 'bitsandbytes>=0.46', or train with {instead}"]
     return []
