@@ -191,8 +191,9 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
 
 
 RDZV_BACKENDS = ("static", "c10d")  # what shardtune starts torchrun with (etcd needs a server of its own)
-# A host name or an IPv4/IPv6 address: letters, digits, dots, dashes, colons (no spaces, no URL).
-HOST = re.compile(r"^[A-Za-z0-9_.:%-]+$|^\[[0-9A-Fa-f:.%]+\]$")
+# A host name or an IPv4/IPv6 address: letters, digits, dots, dashes, colons (no spaces, no URL); or a shell variable
+# that a cluster job's script expands on each node ("$head_node").
+HOST = re.compile(r"^[A-Za-z0-9_.:%-]+$|^\[[0-9A-Fa-f:.%]+\]$|^\$\{?\w+\}?$")
 
 
 def check_agent_options(opts: argparse.Namespace) -> None:
