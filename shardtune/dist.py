@@ -158,37 +158,40 @@ def process_table(info: DistInfo) -> list[tuple[str, int]]:
     return [tuple(entry) for entry in table]
 
 
-def ended_ranks(table: list[tuple[str, int]], rank: int, wait_s: float = 5.0) -> list[int] | None:
-    """The ranks on this host whose processes have ended, waiting up to ``wait_s`` for the first (a rank that
-    failed closes its connections a moment before its process ends); None when every rank here is running, so the
-    one that is gone ran on another host."""
+def ended_ranks(table: list[tuple[str, int]], rank: int, wait_s: float = 10.0) -> list[int] | None:
+    """The ranks on this host whose processes have ended; None when every rank here still runs, so the one that is
+    gone ran on another host. A rank that failed closes its connections a moment before its process ends, and its
+    launcher sees the end when it reaps the process: this waits up to ``wait_s`` for a rank's process to be gone
+    (a zombie, ended but not yet reaped, counts once the wait is over), so that the launcher has seen that death
+    before this rank's own exit and names the right rank first."""
     host = socket.gethostname()
     here = [r for r, (h, _) in enumerate(table) if h == host and r != rank]
     deadline = time.monotonic() + wait_s
     while True:
-        gone = [r for r in here if not _running(table[r][1])]
-        if gone:
-            return gone
-        if not here or time.monotonic() > deadline:
-            return None
+        states = {r: _state(table[r][1]) for r in here}
+        gone = [r for r, state in states.items() if state == "gone"]
+        if gone or not here:
+            return gone or None
+        if time.monotonic() > deadline:
+            return [r for r, state in states.items() if state == "zombie"] or None
         time.sleep(0.05)
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` runs; a zombie (ended, its parent not told yet) does not."""
+def _state(pid: int) -> str:
+    """'running', 'zombie' (ended, its parent not told yet) or 'gone'."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return False
+        return "gone"
     except (OSError, IndexError):  # no /proc (macOS): ask the kernel whether the pid exists
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return False
+            return "gone"
         except PermissionError:
-            return True
-        return True
-    return state not in ("Z", "X")
+            return "running"
+        return "running"
+    return "zombie" if state in ("Z", "X") else "running"
 
 
 _long_groups: dict[timedelta, Any] = {}

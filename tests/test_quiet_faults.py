@@ -109,6 +109,7 @@ def test_the_launcher_names_the_rank_that_died_not_the_one_that_lost_it(monkeypa
     first_failure = launch.first_failure
     assert first_failure({0: failure(5, 1), 1: failure(5, -9)})[0] == 1
     assert first_failure({0: failure(4, 1), 1: failure(5, -9)})[0] == 0  # rank 0 failed first, on its own
-    # The agent's own SIGTERM to the others never wins a tie; between equals, the lower rank.
+    # Rank 1 exited with its own error, rank 0 then lost it: the agent saw rank 1 first, and says so.
+    assert first_failure({1: failure(5, 17), 0: failure(5, 1)})[0] == 1
+    # The agent's own SIGTERM to the others never wins a tie.
     assert first_failure({0: failure(5, -15), 1: failure(5, 1)})[0] == 1
-    assert first_failure({0: failure(5, 1), 1: failure(5, 2)})[0] == 0

@@ -154,17 +154,20 @@ def _stopped_by_sigterm(report: str) -> int:
 
 
 def first_failure(failures: dict) -> tuple[int, Any]:
-    """(rank, failure) that ended the job. torchrun stamps failures in whole seconds and lists ranks in order, so a
-    rank killed by a signal and a survivor that then exited (its collective failed) can tie: the killed one comes
-    first. SIGTERM is what the agent itself sends the others, so a death by SIGTERM comes last in a tie."""
+    """(rank, failure) that ended the job. torchrun stamps failures in whole seconds, so the rank that died and a
+    survivor that then exited (its collective failed) can tie; its dict lists them in the order its agent saw them,
+    which breaks the tie (a survivor waits for the agent to see the dead rank: ``dist.ended_ranks``), and a rank
+    killed by a signal comes before an exit. SIGTERM is what the agent itself sends the others: such a death comes
+    last."""
     first = min(f.timestamp for f in failures.values())
-    tied = [(rank, f) for rank, f in failures.items() if f.timestamp == first]
+    tied = [(seen, rank, f) for seen, (rank, f) in enumerate(failures.items()) if f.timestamp == first]
 
-    def cause_first(item: tuple[int, Any]) -> tuple[int, int]:  # killed by a signal, exited, killed by the agent
-        code = item[1].exitcode
+    def cause_first(item: tuple[int, int, Any]) -> tuple[int, int]:
+        code = item[2].exitcode
         return (2 if code == -signal.SIGTERM else 0 if code < 0 else 1), item[0]
 
-    return min(tied, key=cause_first)
+    _, rank, failure = min(tied, key=cause_first)
+    return rank, failure
 
 
 def run_torchrun(torchrun_args: list[str]) -> int:
