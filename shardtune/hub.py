@@ -268,9 +268,9 @@ def tokenizer_problem(name: str, *folders: str | Path) -> str | None:
 
 
 def adapter_folder_problem(folder: str | Path) -> str | None:
-    """What keeps the PEFT adapter folder ``folder`` from loading, as one line naming the file: no
-    adapter_config.json, one that is not a JSON object, no adapter weights, or a damaged file
-    (``damaged_file_problem``); None when nothing does."""
+    """What keeps the PEFT adapter folder ``folder`` from being read, as one line naming the file: no
+    adapter_config.json, one that is not a JSON object, or a damaged file (``damaged_file_problem``); None when
+    nothing does. Its weights are asked for apart (``adapter_weights_problem``), once its base has been checked."""
     import json
 
     folder = Path(folder).expanduser()
@@ -283,10 +283,16 @@ def adapter_folder_problem(folder: str | Path) -> str | None:
     if not isinstance(json.loads(config.read_text()), dict):
         return (f"{config}: not a JSON object (PEFT's adapter settings: peft_type, r, target_modules, ...); the "
                 f"folder is damaged or was altered: save the adapter again, or use a copy you trust")
-    if not any((folder / name).is_file() for name in ADAPTER_WEIGHTS):
-        return (f"{folder}: holds adapter_config.json but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}); "
-                f"copy them into it, or export the checkpoint again ('shardtune export CHECKPOINT OUT')")
     return None
+
+
+def adapter_weights_problem(folder: str | Path) -> str | None:
+    """An adapter folder without its weights, as one line; None when they are there."""
+    folder = Path(folder).expanduser()
+    if any((folder / name).is_file() for name in ADAPTER_WEIGHTS):
+        return None
+    return (f"{folder}: holds adapter_config.json but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}); copy "
+            f"them into it, or export the checkpoint again ('shardtune export CHECKPOINT OUT')")
 
 
 # The libraries that read model, tokenizer and adapter folders: what they raise about a folder's contents.

@@ -129,7 +129,8 @@ def main_merge(args: argparse.Namespace) -> int:
 def _check_merge_inputs(adapter: Path, base: str, out: Path) -> None:
     """What ``merge`` reads and writes, checked before anything is loaded: OUT, the adapter's files and the base
     model folder (config.json, weights, no code of its own: merge runs none)."""
-    from shardtune.hub import adapter_folder_problem, model_folder_problem, tokenizer_problem
+    from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, model_folder_problem,
+                               tokenizer_problem)
     from shardtune.train.export import check_out
 
     check_out(out)
@@ -139,5 +140,5 @@ def _check_merge_inputs(adapter: Path, base: str, out: Path) -> None:
                                        trust_fix="merge it in Python with PEFT (PeftModel.from_pretrained(...)"
                                                  ".merge_and_unload()), where trust_remote_code=True can be passed"):
         raise UsageError(problem)
-    if problem := tokenizer_problem(f"--base {base}", adapter, base):
+    if problem := tokenizer_problem(f"--base {base}", adapter, base) or adapter_weights_problem(adapter):
         raise UsageError(problem)

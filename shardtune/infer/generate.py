@@ -28,6 +28,7 @@ from shardtune.gguf_source import load_model as load_gguf_model
 from shardtune.gguf_source import load_tokenizer as load_gguf_tokenizer
 from shardtune.hub import (
     adapter_folder_problem,
+    adapter_weights_problem,
     has_tokenizer,
     loading_refused,
     model_folder_problem,
@@ -116,7 +117,8 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
     base = _read_adapter_base(folder) if is_adapter else folder
     name = f"{folder / 'adapter_config.json'}: base model folder '{base}'" if is_adapter else f"'{path}'"
     if problem := model_folder_problem(base, name, trust_remote_code=trust_remote_code,
-                                       trust_fix="pass --trust_remote_code") or tokenizer_problem(name, folder, base):
+                                       trust_fix="pass --trust_remote_code") or tokenizer_problem(name, folder, base) \
+            or (is_adapter and adapter_weights_problem(folder)):
         raise UsageError(problem)
     device = torch.device(device) if device is not None else default_device()
     with pickled_weights_refused(folder, base), loading_refused(

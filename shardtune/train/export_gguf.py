@@ -14,7 +14,8 @@ from pathlib import Path
 from shardtune.errors import UsageError
 from shardtune.gguf_export import check_quantize, family_of, write_gguf
 from shardtune.gguf_vocab import template_for_gguf
-from shardtune.hub import adapter_folder_problem, loading_refused, model_folder_problem, tokenizer_problem
+from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, loading_refused, model_folder_problem,
+                           tokenizer_problem)
 from shardtune.ollama import write_modelfile
 from shardtune.train.export import adapter_problem, load_checkpoint_model, load_plain_model, merged_model
 from shardtune.train.layout import MANIFEST
@@ -61,7 +62,7 @@ def load_source(source: str | Path, base: str | None = None) -> tuple[object, ob
         if problem := adapter_folder_problem(path):  # before PEFT or safetensors stop on it with a traceback
             raise UsageError(problem)
         base_path = _adapter_base(path, base)
-        if problem := tokenizer_problem(f"--base {base_path}", path, base_path):
+        if problem := tokenizer_problem(f"--base {base_path}", path, base_path) or adapter_weights_problem(path):
             raise UsageError(problem)
         model, tokenizer = merged_model(path, base_path)
         return model, tokenizer, base_path
