@@ -137,9 +137,19 @@ def test_full_finetune_killed_while_saving_resumes_from_previous_checkpoint(work
 
 
 def test_ddp_lora_resumes_exactly(work: Path) -> None:
+    """Rank 1 is SIGKILLed after step-4 is saved: rank 0, the survivor, says so in one line (which rank, the newest
+    complete checkpoint), not the backend's traceback; the launcher exits 128 + 9, as the README's table says."""
     args = ("--distributed_type", "DDP", *LORA)
     ok(shardtune(work, "ddp_ref", *args))
-    assert shardtune(work, "ddp_kill", *args, fault="after_save:4").returncode != 0
+    killed = shardtune(work, "ddp_kill", *args, fault="after_save:4:1")
+    assert killed.returncode == 137, killed.stderr[-3000:]
+    said = [line for line in killed.stderr.splitlines() if line.startswith("shardtune ")]
+    assert said == ["shardtune train: rank 0: stopped: rank 1 is gone (the process ended: killed, out of memory, or "
+                    "stopped by its own error, printed above), and training cannot go on without it; newest complete "
+                    "checkpoint: ddp_kill/checkpoints/step-4; run the same command with resume_from_checkpoint true to "
+                    "carry on from it (its files are checked first)",
+                    "shardtune launch: rank 1 was killed by signal 9 (see its messages above)"], said
+    assert "Traceback" not in killed.stderr and "Connection closed by peer" not in killed.stderr
     ok(shardtune(work, "ddp_kill", *args, "--resume_from_checkpoint", "true"))
     assert_same_losses(work / "ddp_kill", work / "ddp_ref")
 
