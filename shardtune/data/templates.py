@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardtune.data.config import DataConfig
 from shardtune.errors import UsageError
 
 
@@ -83,7 +84,7 @@ def alpaca_prompt(instruction: str, input_text: str) -> str:
     return ALPACA_PROMPT.format(with_input="", instruction=instruction, input_block="")
 
 
-def load_tokenizer(model_name_or_path: str, cfg, *, trust_remote_code: bool = False):
+def load_tokenizer(model_name_or_path: str, cfg: DataConfig, *, trust_remote_code: bool = False):
     """The model's tokenizer with ``cfg``'s chat template, its special tokens if asked, and a pad token != EOS.
 
     A token added here makes ``len(tokenizer)`` exceed the model's vocabulary: the trainer resizes the embeddings.
@@ -102,7 +103,7 @@ def load_tokenizer(model_name_or_path: str, cfg, *, trust_remote_code: bool = Fa
     return configure_tokenizer(tokenizer, cfg)
 
 
-def configure_tokenizer(tokenizer, cfg):
+def configure_tokenizer(tokenizer, cfg: DataConfig):
     """Apply ``cfg.chat_template_format`` / ``add_special_tokens`` and a distinct pad token to ``tokenizer``."""
     name = cfg.chat_template_format
     if name != "none":
