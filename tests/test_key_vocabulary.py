@@ -208,8 +208,9 @@ def test_the_reader_scan_follows_sections_into_names_attributes_and_properties()
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))
-def test_a_key_accepted_at_one_value_refuses_every_other(key, capsys):
+def test_a_key_accepted_at_one_value_refuses_every_other(key, capsys, tmp_path, monkeypatch):
     """The keys the scan lets through because they are refused: every value but the one that runs exits 2."""
+    monkeypatch.chdir(tmp_path)  # the output_dir, were the value let through
     value, message = REFUSED[key]
     assert main(["train", *BASE, f"--{key}", value]) == 2
     err = capsys.readouterr().err
