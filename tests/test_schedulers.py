@@ -216,6 +216,8 @@ def run_stopping(tmp_path: Path, exit_code: int, *, cancel: bool, requeue: bool 
     job = render(["--slurm", "job.sbatch", *TWO_BY_EIGHT, *(["--requeue"] if requeue else []), "train", *TRAIN])
     (tmp_path / "job.sbatch").write_text(job.text)
     started, go = tmp_path / "started", tmp_path / "go"
+    for left in (started, go):  # an earlier call's
+        left.unlink(missing_ok=True)
     env = slurm_env(tmp_path, FAKE_SRUN=f"exit:{exit_code}", FAKE_SRUN_STARTED=str(started), FAKE_SRUN_GO=str(go))
     proc = subprocess.Popen(["bash", "job.sbatch"], cwd=tmp_path, env=env)
     deadline = time.monotonic() + 30
@@ -237,11 +239,13 @@ def test_stop_at_the_time_limit_requeues_the_job(tmp_path):
 
 def test_cancel_or_preemption_waits_for_the_save_and_does_not_requeue(tmp_path):
     assert run_stopping(tmp_path, 143, cancel=True) == (143, "")
+    # The launchers end only after the go-ahead, which comes after the shell took SIGTERM: the shell's status is
+    # theirs (not the 143 of its interrupted wait) only if it waited for them.
+    assert run_stopping(tmp_path, 7, cancel=True) == (7, "")
 
 
 def test_no_requeue_without_requeue_option_or_on_failure(tmp_path):
     assert run_stopping(tmp_path, 143, cancel=False, requeue=False) == (143, "")
-    (tmp_path / "started").unlink()
     assert run_stopping(tmp_path, 1, cancel=False) == (1, "")
 
 
