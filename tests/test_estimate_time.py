@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -282,15 +281,9 @@ def test_table_reads_at_80_columns_and_shows_the_price_as_typical(capsys):
 def test_plot_writes_the_time_and_cost_chart_beside_the_memory_one(tmp_path, capsys, monkeypatch):
     """The time chart's bars are the --json rows' hours and dollars, setup by setup in their order, and each PNG
     written is the figure drawn (its size in pixels)."""
-    from matplotlib.figure import Figure
+    from tests.pictures import drawn_size, keep_saved_figures, png_size
 
-    drawn, savefig = {}, Figure.savefig
-
-    def keep(fig, fname, *args, **kwargs):
-        drawn[Path(fname).name.split(".tmp")[0].lstrip(".")] = fig, kwargs["dpi"]
-        return savefig(fig, fname, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", keep)
+    drawn = keep_saved_figures(monkeypatch)
     assert main(["estimate", *ARGS, "--json", "--plot", str(tmp_path / "setups.png")]) == 0
     captured = capsys.readouterr()
     rows = json.loads(captured.out)["timing"]["setups"]
@@ -300,10 +293,7 @@ def test_plot_writes_the_time_and_cost_chart_beside_the_memory_one(tmp_path, cap
         heights = [bar.get_height() for bar in ax.patches if bar.get_gid() == "setup"]
         assert heights == pytest.approx([row[key] / unit for row in rows], rel=1e-12)
     for name, (fig, dpi) in drawn.items():
-        header = (tmp_path / name).read_bytes()[:24]  # the PNG signature, then IHDR: width, height
-        assert header[:8] == b"\x89PNG\r\n\x1a\n"
-        size = int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
-        assert size == tuple(round(x * dpi) for x in fig.get_size_inches()), name
+        assert png_size(tmp_path / name) == drawn_size(fig, dpi), name
 
 
 @pytest.mark.parametrize("args, message", [
