@@ -91,7 +91,6 @@ def test_plot_to_a_missing_folder_is_a_usage_error(tmp_path, capsys):
 def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
     """--config: a recipe, an Accelerate file and a DeepSpeed JSON give the estimate of exactly that job, the same
     as the options that describe it; setup options beside --config are refused."""
-
     from shardtune.cli import main
 
     recipe = tmp_path / "recipe.yaml"
