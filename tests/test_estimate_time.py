@@ -4,7 +4,6 @@ reproduce, and the command as a user runs it."""
 import io
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -313,14 +312,11 @@ def test_bad_time_options_are_one_line_errors(args, message):
 def test_time_of_a_catalog_model_imports_no_torch_transformers_or_numpy(tmp_path):
     """Counted, not timed: a fresh interpreter running ``estimate --time`` on a catalog model imports, beside the
     standard library, only shardtune, rich and yaml (the catalog holds the model's numbers; nothing is built)."""
-    code = ("import sys, io, contextlib; from shardtune.cli import main; out = io.StringIO()\n"
-            "with contextlib.redirect_stdout(out): rc = main(['estimate', 'llama-3.1-70b', '--method', 'lora', "
-            "'--num-gpus', '8', '--num-nodes', '2', '--time', '--tokens', '1B'])\n"
-            "top = {name.split('.')[0] for name in sys.modules} - set(sys.stdlib_module_names)\n"
-            "print(rc, sorted(name for name in top if not name.startswith(('_', 'cython'))))")
-    env = dict(os.environ, SHARDTUNE_CACHE=str(tmp_path / "fresh"))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert proc.stdout.strip() == "0 ['rich', 'shardtune', 'yaml']", proc.stderr
+    from tests.fresh import run_fresh
+
+    ran = run_fresh(["estimate", "llama-3.1-70b", "--method", "lora", "--num-gpus", "8", "--num-nodes", "2", "--time",
+                     "--tokens", "1B"], tmp_path / "fresh")
+    assert (ran["rc"], ran["packages"]) == (0, ["rich", "shardtune", "yaml"])
 
 
 def test_measured_speeds_are_shown_beside_the_predicted_ones(tmp_path, capsys, monkeypatch):
