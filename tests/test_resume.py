@@ -338,17 +338,15 @@ def test_sigterm_during_start_up_says_no_checkpoint_was_saved(work: Path) -> Non
 
 
 def test_sigkill_of_the_launcher_kills_its_workers(work: Path) -> None:
-    import time
-
     proc = _launch(work, "orphans", "--max_steps", "100000", "--save_steps", "100000")
     _wait_for(lambda: (work / "orphans" / "metrics.jsonl").is_file(), 120)  # both workers are training
     workers = children(proc.pid)
     assert len(workers) == 2
     proc.kill()
     proc.communicate()
-    killed = time.monotonic()
-    _wait_for(lambda: not any(_alive(pid) for pid in workers), 10)
-    assert time.monotonic() - killed < 10
+    # Gone, where left alone they would train on for 100000 steps (the wait's limit only keeps a failure from
+    # hanging the suite; nothing is timed).
+    _wait_for(lambda: not any(_alive(pid) for pid in workers), 120)
     # The dead run's lock is taken over by the next run in the folder, which resumes (from nothing saved).
     again = shardtune(work, "orphans", *LORA, "--max_steps", "1", "--resume_from_checkpoint", "true", nproc=0)
     ok(again)
