@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -326,8 +327,6 @@ def _wait_for(condition, timeout: float) -> None:
 
 
 def test_sigterm_during_start_up_says_no_checkpoint_was_saved(work: Path) -> None:
-    import signal
-
     proc = _launch(work, "early")
     _wait_for(lambda: len(children(proc.pid)) == 2, 60)  # the workers are importing or loading
     proc.send_signal(signal.SIGTERM)
@@ -343,10 +342,16 @@ def test_sigkill_of_the_launcher_kills_its_workers(work: Path) -> None:
     workers = children(proc.pid)
     assert len(workers) == 2
     proc.kill()
-    proc.communicate()
-    # Gone, where left alone they would train on for 100000 steps (the wait's limit only keeps a failure from
-    # hanging the suite; nothing is timed).
-    _wait_for(lambda: not any(_alive(pid) for pid in workers), 120)
+    proc.wait()  # not communicate(): workers that outlived it would hold its pipes open
+    proc.stdout.close()
+    proc.stderr.close()
+    try:
+        # Gone, where left alone they would train on for 100000 steps (the wait's limit only keeps a failure from
+        # hanging the suite; nothing is timed).
+        _wait_for(lambda: not any(_alive(pid) for pid in workers), 120)
+    finally:
+        for pid in filter(_alive, workers):  # a failed check leaves no training behind
+            os.kill(pid, signal.SIGKILL)
     # The dead run's lock is taken over by the next run in the folder, which resumes (from nothing saved).
     again = shardtune(work, "orphans", *LORA, "--max_steps", "1", "--resume_from_checkpoint", "true", nproc=0)
     ok(again)
