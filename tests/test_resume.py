@@ -352,7 +352,8 @@ def test_sigkill_of_the_launcher_kills_its_workers(work: Path) -> None:
     finally:
         for pid in filter(_alive, workers):  # a failed check leaves no training behind
             os.kill(pid, signal.SIGKILL)
-    # The dead run's lock is taken over by the next run in the folder, which resumes (from nothing saved).
+    # The dead run's lock is taken over by the next run in the folder, which resumes (from nothing saved): the
+    # workers were killed, not left to stop on their own, which would have released it.
     again = shardtune(work, "orphans", *LORA, "--max_steps", "1", "--resume_from_checkpoint", "true", nproc=0)
     ok(again)
     assert "taking over the lock of a run that is no longer running" in again.stderr
