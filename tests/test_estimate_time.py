@@ -258,7 +258,10 @@ def test_json_carries_each_setups_time_and_cost(capsys):
     for row in timing_out["setups"]:
         assert row["data_seconds"] == pytest.approx(250_000_000 / row["tokens_per_s"])
         assert row["cost_usd"] == pytest.approx(row["data_seconds"] / 3600 * 8 * timing_out["price_per_gpu_hour"])
-        assert 0 < row["mfu"] < 0.6
+        # MFU: the model's FLOPs per second over the 8 GPUs' bf16 peak (the hardware table's).
+        assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
+        assert row["mfu"] == pytest.approx(row["tokens_per_s"] * row["model_flops_per_token"]
+                                           / (8 * GPUS["h100-80gb"].peak_bf16_flops))
 
 
 def test_table_reads_at_80_columns_and_shows_the_price_as_typical(capsys):
