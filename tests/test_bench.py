@@ -90,7 +90,8 @@ def test_stage_marks_split_a_real_step_between_stages(tmp_path):
     matmuls = [e.time_range.start for e in events if e.name == "aten::mm"]
     for stage, (start, end) in enumerate(bounds):
         marked = [(e.time_range.start, e.time_range.end) for e in events if e.name == f"{STAGE_MARK}{stage}"]
-        linears = sum(isinstance(m, torch.nn.Linear) for layer in model.model.layers[start:end] for m in layer.modules())
+        layers = model.model.layers[start:end]
+        linears = sum(isinstance(m, torch.nn.Linear) for layer in layers for m in layer.modules())
         linears += stage == len(bounds) - 1  # the head
         inside = sum(any(lo <= t < hi for lo, hi in marked) for t in matmuls)
         assert inside == steps * 3 * linears, (stage, inside, linears)

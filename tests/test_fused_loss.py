@@ -1,8 +1,9 @@
 """The fused linear cross-entropy (train/loss.py) gives the loss and gradients of the loss on full logits.
 
 The reference is ``token_loss_sum`` on the logits of the model's own forward (what the trainer computed before the
-loss was fused with the head), itself pinned to ``F.cross_entropy`` and to transformers' own loss. fp32, packed rows (position ids restarting, prompts and padding labelled IGNORE)
-and chunks of 64 tokens that cross row boundaries; one process, then FSDP2 on two gloo processes.
+loss was fused with the head), itself pinned to ``F.cross_entropy`` and to transformers' own loss. fp32, packed
+rows (position ids restarting, prompts and padding labelled IGNORE) and chunks of 64 tokens that cross row
+boundaries; one process, then FSDP2 on two gloo processes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Every key shardtune accepts acts, or is refused (exit 2, naming the key) where it would change what runs.
 
 A key acts where product code outside the config package reads it from the config: ``cfg.<section>.<key>``, a
-section held in a name whose annotation or assignment says so (``run: RunConfig``, ``d = cfg.distributed``), a
-section's property that product code reads (``cfg.model.pure_bf16`` reads ``torch_dtype``), or the flat config
-read by key (the launcher's ``pick("machine_rank", ...)``). Code in shardtune/config/ declares, loads and checks
+section held in a name whose annotation or assignment says so (``run: RunConfig``, ``d = cfg.distributed``) or
+that a call passes it to (``load_tokenizer(path, cfg.data)``), a section's property that product code reads
+(``cfg.model.pure_bf16`` reads ``torch_dtype``), or the flat config read by key (the launcher's
+``pick("machine_rank", ...)``). Code in shardtune/config/ declares, loads and checks
 keys: a key read only there changes nothing, unless it is a listed one accepted only at the value that runs (every
 other value refused, tested here) or one translated into other keys at load (tested here).
 
@@ -59,8 +60,10 @@ class ConfigReads(ast.NodeVisitor):
     """The (section, attribute) pairs one module reads off config sections, and the keys it reads from the flat
     config by name."""
 
-    def __init__(self, types: dict[str, str], attribute_sections: dict[str, str]) -> None:
+    def __init__(self, types: dict[str, str], attribute_sections: dict[str, str],
+                 passed: dict[tuple[str, str], str]) -> None:
         self.types, self.attribute_sections = types, attribute_sections  # class name -> section; obj.attr -> section
+        self.passed = passed  # (function name, "#position" or keyword) -> the section some call passes there
         self.sections = set(types.values())
         self.names: dict[str, str] = {}  # local name -> section, in the function being read
         self.reads: set[tuple[str, str]] = set()
@@ -75,8 +78,11 @@ class ConfigReads(ast.NodeVisitor):
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         outer = dict(self.names)
+        positional = [a for a in [*node.args.posonlyargs, *node.args.args] if a.arg not in ("self", "cls")]
         for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
-            section = _annotated_section(arg.annotation, self.types)
+            where = f"#{positional.index(arg)}" if arg in positional else arg.arg
+            section = (_annotated_section(arg.annotation, self.types) or self.passed.get((node.name, where))
+                       or self.passed.get((node.name, arg.arg)))
             self.names.pop(arg.arg, None)
             if section:
                 self.names[arg.arg] = section
@@ -116,6 +122,11 @@ class ConfigReads(ast.NodeVisitor):
         name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
         if name in FLAT_READERS and node.args and isinstance(node.args[0], ast.Constant):
             self.flat.add(str(node.args[0].value))
+        # A section handed to a function (load_tokenizer(path, cfg.data)) is read there under the parameter's name.
+        given = [*((f"#{i}", a) for i, a in enumerate(node.args)), *((k.arg, k.value) for k in node.keywords)]
+        for where, arg in given:
+            if name and where and (section := self.section_of(arg)):
+                self.passed[name, where] = section
         self.generic_visit(node)
 
 
@@ -162,12 +173,18 @@ def keys_read_from_sections(sections: dict[str, type]) -> set[str]:
     types = {klass.__name__: name for name, cls in sections.items() for klass in cls.__mro__[:-1]}
     keys = {f.name for name, cls in sections.items() if name != "*" for f in dataclasses.fields(cls)}
     methods = method_reads(sections)
-    found: set[str] = set()
-    for tree in product_modules():
-        attribute_sections: dict[str, str] = {}
-        for _ in range(2):  # the second pass knows the attributes every method assigns (self.settings = ...)
-            scan = ConfigReads(types, attribute_sections)
+    modules = product_modules()
+    attribute_sections: list[dict[str, str]] = [{} for _ in modules]
+    passed: dict[tuple[str, str], str] = {}
+    while True:  # again until no pass learns more: attributes methods assign, sections passed on through calls
+        learnt = (len(passed), sum(map(len, attribute_sections)))
+        scans = [ConfigReads(types, attributes, passed) for attributes in attribute_sections]
+        for scan, tree in zip(scans, modules):
             scan.visit(tree)
+        if (len(passed), sum(map(len, attribute_sections))) == learnt:
+            break
+    found: set[str] = set()
+    for scan in scans:
         for read in scan.reads:
             found |= methods.get(read, {read[1]})
         found |= scan.flat
@@ -204,7 +221,8 @@ def test_the_reader_scan_follows_sections_into_names_attributes_and_properties()
     assert {"save_strategy",  # self.settings = cfg.checkpoint, then self.settings.save_strategy
             "torch_dtype", "dtype",  # cfg.model.pure_bf16, a property reading both
             "bf16", "fp16", "mixed_precision",  # cfg.mixed_precision, TrainConfig's property
-            "machine_rank", "rdzv_backend"} <= read  # the launcher's pick("machine_rank", None)
+            "machine_rank", "rdzv_backend",  # the launcher's pick("machine_rank", None)
+            "add_special_tokens"} <= read  # load_tokenizer(path, cfg.data) -> configure_tokenizer(tokenizer, cfg)
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardtune.data.config import DataConfig
 from shardtune.errors import UsageError
 
 
@@ -84,7 +83,7 @@ def alpaca_prompt(instruction: str, input_text: str) -> str:
     return ALPACA_PROMPT.format(with_input="", instruction=instruction, input_block="")
 
 
-def load_tokenizer(model_name_or_path: str, cfg: DataConfig, *, trust_remote_code: bool = False):
+def load_tokenizer(model_name_or_path: str, cfg, *, trust_remote_code: bool = False):
     """The model's tokenizer with ``cfg``'s chat template, its special tokens if asked, and a pad token != EOS.
 
     A token added here makes ``len(tokenizer)`` exceed the model's vocabulary: the trainer resizes the embeddings.
@@ -103,7 +102,7 @@ def load_tokenizer(model_name_or_path: str, cfg: DataConfig, *, trust_remote_cod
     return configure_tokenizer(tokenizer, cfg)
 
 
-def configure_tokenizer(tokenizer, cfg: DataConfig):
+def configure_tokenizer(tokenizer, cfg):
     """Apply ``cfg.chat_template_format`` / ``add_special_tokens`` and a distinct pad token to ``tokenizer``."""
     name = cfg.chat_template_format
     if name != "none":
