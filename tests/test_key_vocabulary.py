@@ -4,9 +4,9 @@ A key acts where product code outside the config package reads it from the confi
 section held in a name whose annotation or assignment says so (``run: RunConfig``, ``d = cfg.distributed``) or
 that a call passes it to (``load_tokenizer(path, cfg.data)``), a section's property that product code reads
 (``cfg.model.pure_bf16`` reads ``torch_dtype``), or the flat config read by key (the launcher's
-``pick("machine_rank", ...)``). Code in shardtune/config/ declares, loads and checks
-keys: a key read only there changes nothing, unless it is a listed one accepted only at the value that runs (every
-other value refused, tested here) or one translated into other keys at load (tested here).
+``pick("machine_rank", ...)``). Code in shardtune/config/ declares, loads and checks keys: a key read only there
+changes nothing, unless it is a listed one accepted only at the value that runs (every other value refused, tested
+here) or one translated into other keys at load (tested here).
 
 Walks the whole vocabulary: the train keys (TrainConfig), the TrainingArguments/TRL and Accelerate keys accepted
 as no-ops (config/no_ops.py), and, in tests/test_deepspeed.py, every DeepSpeed key shardtune maps.
