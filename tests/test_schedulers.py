@@ -156,7 +156,7 @@ def test_sbatch_script_runs_two_nodes_of_real_training(tmp_path):
              "--save_strategy", "no", "--distributed_type", "DDP", "--use_peft_lora", "False"]
     env = slurm_env(tmp_path, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
-    def run_job(port: int, hosts=()) -> subprocess.CompletedProcess:
+    def run_job(port: int) -> subprocess.CompletedProcess:
         job = render(["--slurm", "job.sbatch", "--num_machines", "2", "--num_processes", "2", "--gpus_per_node", "0",
                       "--main_process_port", str(port), "--python", sys.executable, "--requeue", "train", *train])
         (tmp_path / "job.sbatch").write_text(job.text)
