@@ -35,7 +35,7 @@ BASE = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
 # Where keys are declared, loaded and validated: a key read only here changes nothing that runs.
 CONFIG_CODE = ("shardtune/config/", "shardtune/data/config.py")
 NOT_ACTING = {"validate"}  # a section's method that checks every key acts on none of them
-FLAT_READERS = {"pick"}  # the flat config read by key: the launcher's pick("machine_rank", default)
+FLAT_READERS = {"pick"}  # the flat config read by key: the launcher's pick("machine_rank", default), pick.whole(...)
 
 # Keys accepted only at the value that is what shardtune runs; every other value is refused (tested below).
 REFUSED = {"hub_strategy": ("every_save", "hub_strategy='every_save' is not accepted"),
@@ -120,7 +120,10 @@ class ConfigReads(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-        if name in FLAT_READERS and node.args and isinstance(node.args[0], ast.Constant):
+        # pick("key", default), or one of the picker's typed readers: pick.whole("key", ...)
+        reader = name in FLAT_READERS or (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                                          and func.value.id in FLAT_READERS)
+        if reader and node.args and isinstance(node.args[0], ast.Constant):
             self.flat.add(str(node.args[0].value))
         # A section handed to a function (load_tokenizer(path, cfg.data)) is read there under the parameter's name.
         given = [*((f"#{i}", a) for i, a in enumerate(node.args)), *((k.arg, k.value) for k in node.keywords)]
@@ -221,7 +224,7 @@ def test_the_reader_scan_follows_sections_into_names_attributes_and_properties()
     assert {"save_strategy",  # self.settings = cfg.checkpoint, then self.settings.save_strategy
             "torch_dtype", "dtype",  # cfg.model.pure_bf16, a property reading both
             "bf16", "fp16", "mixed_precision",  # cfg.mixed_precision, TrainConfig's property
-            "machine_rank", "rdzv_backend",  # the launcher's pick("machine_rank", None)
+            "machine_rank", "rdzv_backend",  # the launcher's pick.whole("machine_rank", ...), pick("rdzv_backend", ...)
             "add_special_tokens"} <= read  # load_tokenizer(path, cfg.data) -> configure_tokenizer(tokenizer, cfg)
 
 

@@ -91,6 +91,14 @@ class LauncherOptions:
             raise UsageError(f"{self.named(name)}: give a whole number {bounds}{fix}")
         return number
 
+    def host(self, name: str) -> str | None:
+        """A host option (--main_process_ip) as given, refused when it cannot be a host name or address."""
+        value = self(name, None)
+        if value is not None and not HOST.match(str(value)):
+            raise UsageError(f"{self.named(name)}: not a host name or IP address; give the address of machine rank "
+                             f"0, e.g. 10.0.0.1 or node-0")
+        return None if value is None else str(value)
+
 
 def option_picker(opts: argparse.Namespace) -> LauncherOptions:
     """The launcher's options, with the Accelerate file filling what they leave out."""
@@ -163,7 +171,7 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
     if opts.rdzv_id and not (num_machines > 1 and rdzv == "c10d"):
         raise UsageError(f"--rdzv_id {opts.rdzv_id} names a c10d rendezvous of several machines: add "
                          f"--rdzv_backend c10d and --num_machines 2 or more, or leave --rdzv_id out")
-    ip = host(pick, "main_process_ip")
+    ip = pick.host("main_process_ip")
     if num_machines > 1:
         if not ip:
             raise UsageError("multi-machine launch needs --main_process_ip (the address of machine rank 0) and "
@@ -204,15 +212,6 @@ def check_agent_options(opts: argparse.Namespace) -> None:
     if interval is not None and not (math.isfinite(interval) and interval > 0):
         raise UsageError(f"--monitor_interval {interval}: give a number of seconds above 0 (torchrun's default is "
                          f"0.1)")
-
-
-def host(pick: LauncherOptions, name: str) -> str | None:
-    """A host option (--main_process_ip) as given, refused when it cannot be a host name or address."""
-    value = pick(name, None)
-    if value is not None and not HOST.match(str(value)):
-        raise UsageError(f"{pick.named(name)}: not a host name or IP address; give the address of machine rank 0, "
-                         f"e.g. 10.0.0.1 or node-0")
-    return None if value is None else str(value)
 
 
 # torchrun's c10d rendezvous settings (torch.distributed.elastic.rendezvous.dynamic_rendezvous), all in seconds:
