@@ -46,7 +46,8 @@ DESCRIPTIONS = {
     "chat_template_format": "none (the tokenizer's own template), chatml, llama-3, mistral, alpaca, zephyr.",
     "add_special_tokens": "Add the named template's special tokens to the tokenizer (and resize the embeddings).",
     "append_concat_token": "When packing, end every document with EOS if it does not already.",
-    "max_seq_len": "Tokens per row; longer examples are truncated, packed rows are filled up to it.",
+    "max_seq_len": "Tokens per row; longer examples are truncated, packed rows are filled up to it. Refused (not "
+                   "capped) beyond the positions the model covers (its config's max_position_embeddings).",
     "packing": "Pack several examples into each row (attention never crosses examples).",
     "group_by_length": ("Unpacked rows: each global batch holds rows of about one length, longest first, so "
                         "micro-batches carry less padding; the batches stay the same for any world size and "
@@ -129,7 +130,8 @@ DESCRIPTIONS = {
     "logging_steps": "Write a metrics.jsonl record every this many steps.",
     "logging_strategy": "When to write metrics.jsonl records.",
     "log_level": "Log level of rank 0 (passive: info); the other ranks log warnings only.",
-    "eval_strategy": "When to evaluate: every eval_steps, at the end of each epoch, or never.",
+    "eval_strategy": "When to evaluate: every eval_steps, at the end of each epoch, or never. steps or epoch "
+                     "with no eval rows (no eval split, eval_split_ratio 0) is refused.",
     "eval_steps": "Evaluate every this many steps (unset: logging_steps).",
     "eval_on_start": "Evaluate once before the first step, as a baseline (it takes no part in early stopping).",
     "early_stopping_patience": ("Stop when metric_for_best_model has not improved for this many evaluations "

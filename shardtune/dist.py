@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -130,6 +133,65 @@ def run_and_share(work: Callable[[], T], *, runs: bool, what: str, group: Any = 
         rank, (_, kind, message, interrupted) = failed[0]
         raise RankFailed(rank, what, kind, message, interrupted)
     return [other[0] if other is not None else None for other in statuses]
+
+
+# What a collective raises once a peer's process has ended: gloo's connection to it closed or reset, NCCL's
+# communicator torn down. (A collective that times out says so instead; a failure shared by run_and_share is a
+# RankFailed.)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+             "communicator was aborted")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a collective, says that a peer's process is gone."""
+    return isinstance(exc, RuntimeError) and not isinstance(exc, RankFailed) and \
+        any(mark in str(exc) for mark in PEER_GONE)
+
+
+def process_table(info: DistInfo) -> list[tuple[str, int]]:
+    """(host, pid) of every rank, gathered once at the start: when a collective fails because a rank is gone,
+    the others can tell which one. A collective; ``[]`` on one process."""
+    if not info.distributed:
+        return []
+    table: list[Any] = [None] * info.world_size
+    dist.all_gather_object(table, (socket.gethostname(), os.getpid()))
+    return [tuple(entry) for entry in table]
+
+
+def ended_ranks(table: list[tuple[str, int]], rank: int, wait_s: float = 10.0) -> list[int] | None:
+    """The ranks on this host whose processes have ended; None when every rank here still runs, so the one that is
+    gone ran on another host. A rank that failed closes its connections a moment before its process ends, and its
+    launcher sees the end when it reaps the process: this waits up to ``wait_s`` for a rank's process to be gone
+    (a zombie, ended but not yet reaped, counts once the wait is over), so that the launcher has seen that death
+    before this rank's own exit and names the right rank first."""
+    host = socket.gethostname()
+    here = [r for r, (h, _) in enumerate(table) if h == host and r != rank]
+    deadline = time.monotonic() + wait_s
+    while True:
+        states = {r: _state(table[r][1]) for r in here}
+        gone = [r for r, state in states.items() if state == "gone"]
+        if gone or not here:
+            return gone or None
+        if time.monotonic() > deadline:
+            return [r for r, state in states.items() if state == "zombie"] or None
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    """'running', 'zombie' (ended, its parent not told yet) or 'gone'."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):  # no /proc (macOS): ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "gone"
+        except PermissionError:
+            return "running"
+        return "running"
+    return "zombie" if state in ("Z", "X") else "running"
 
 
 _long_groups: dict[timedelta, Any] = {}

@@ -21,6 +21,15 @@ class TrainingStopped(RuntimeError):
     """The run cannot go on (non-finite loss, a failed save, ...); the message says where and what to try."""
 
 
+class PeerLost(TrainingStopped):
+    """A rank's process ended mid-run, so the others' collectives failed. ``quiet``: another survivor (the lowest
+    rank still running) says it, so this one exits without a word."""
+
+    def __init__(self, message: str, *, quiet: bool = False) -> None:
+        super().__init__(message)
+        self.quiet = quiet
+
+
 class Terminated(BaseException):
     """SIGTERM before the first step: there is nothing to save yet, so the run stops at once. A BaseException, as
     KeyboardInterrupt is, so that no library's ``except Exception`` swallows it."""
@@ -30,7 +39,8 @@ class Terminated(BaseException):
 EXIT_FAILED = 1  # the run stopped without finishing; nothing new to resume from unless the message names it
 EXIT_USAGE = 2  # bad input, found before anything was written
 # Stopped by SIGTERM (preemption, scancel, a pod's deletion) after a checkpoint that was saved and verified: run the
-# same command with resume_from_checkpoint true to finish. 128 + SIGTERM, what a shell reports for it.
+# same command with resume_from_checkpoint true to finish. 128 + SIGTERM, what a shell reports for it. ``export`` and
+# ``merge`` stopped by SIGTERM exit with it too, their temporary files removed.
 EXIT_PREEMPTED = 143
 
 

@@ -58,20 +58,62 @@ def find_gguf(name_or_path: str | Path | None) -> GgufFile | None:
         path = found[0]
     elif not (path.suffix.lower() == SUFFIX and path.is_file()):
         return None
-    check_magic(path)
+    check_complete(path)
     return GgufFile(path.resolve())
 
 
-def check_magic(path: Path) -> None:
-    """A file named .gguf that does not start with GGUF's magic bytes is refused before any loader reads it."""
+AGAIN = "the download or copy did not finish: download (or export) the .gguf again"
+
+
+def check_complete(path: Path) -> None:
+    """A file named .gguf is refused before any loader reads it unless it starts with GGUF's magic bytes and holds
+    everything its header promises: the header itself and every tensor's bytes. A file cut short (an interrupted
+    download or copy) would otherwise stop a loader with a parser error that names neither the file nor the cause."""
     try:
         with open(path, "rb") as f:
             head = f.read(4)
+        stat = path.stat()
     except OSError as exc:
         raise UsageError(f"{path}: cannot read it ({exc.strerror}); check the path and its permissions") from None
     if head != MAGIC:
         raise UsageError(f"{path}: not a GGUF file (it starts with {head!r}, not {MAGIC!r}); the download may be "
                          f"incomplete or the file is of another format: download the .gguf again")
+    end = _bytes_promised(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if end is None:
+        raise UsageError(f"{path}: truncated GGUF file: its header ends early ({stat.st_size:,} bytes); {AGAIN}")
+    if end > stat.st_size:
+        raise UsageError(f"{path}: truncated GGUF file: {stat.st_size:,} bytes of the {end:,} its header and "
+                         f"tensors need; {AGAIN}")
+
+
+@functools.lru_cache(maxsize=8)
+def _bytes_promised(path: str, size: int, mtime_ns: int) -> int | None:  # noqa: ARG001 - the cache's key
+    """Where the file's last tensor ends, as its header says; None when the header itself is cut short. A header
+    that parses but that this reader cannot handle (a newer GGUF version, an unknown type) is left to the loaders,
+    which say so: 0."""
+    import struct
+
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader
+    except ImportError:  # transformers before its fast reader: the gguf package's own one
+        return _bytes_promised_by_gguf(path)
+    try:
+        header = GgufHeader.from_file(path)
+    except (struct.error, UnicodeDecodeError):
+        return None
+    except ValueError:
+        return 0
+    return header.data_start + max((t.offset + t.nbytes for t in header.tensors), default=0)
+
+
+def _bytes_promised_by_gguf(path: str) -> int | None:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError):  # its parser's ways of running off the end of a cut file
+        return None
+    return max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
 
 
 def metadata(source: GgufFile) -> tuple[dict, dict[str, tuple[int, ...]]]:

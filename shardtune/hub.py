@@ -33,8 +33,10 @@ EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet"
 
 
 def looks_like_local_path(name: str) -> bool:
-    """A name read as a local path, never a hub name: ./x, /x, ~/x, a/b/c, or one ending like a data file."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).suffix.lower() in EXTENSIONS
+    """A name read as a local path, never a hub name: ./x, /x, ~/x, a/b/c, or one ending like a data file or a
+    GGUF file."""
+    suffix = Path(name).suffix.lower()
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or suffix in EXTENSIONS or suffix == ".gguf"
 
 
 def offline_already() -> bool:
@@ -104,6 +106,9 @@ def model_folder_problem(folder: str | Path, name: str, *, trust_remote_code: bo
             return None
     except UsageError as exc:
         return str(exc)
+    if folder.is_file():
+        return (f"{name} is a file, not a model folder: give the folder that holds config.json and the weights (the "
+                f"one save_pretrained wrote), or a .gguf file")
     if not config_file.is_file():
         return (f"{name} holds no config.json (it holds {_holds(folder)}): give a Transformers model folder, "
                 f"the one save_pretrained wrote")
@@ -114,13 +119,79 @@ def model_folder_problem(folder: str | Path, name: str, *, trust_remote_code: bo
     if damaged := damaged_file_problem(folder):
         return damaged
     config = json.loads(config_file.read_text())
-    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    auto_map = config.get("auto_map")
+    if not auto_map and (problem := _model_type_problem(config.get("model_type"), f"{name}: {config_file.name}")):
+        return problem
     if trust_remote_code or not auto_map or not _needs_own_code(config.get("model_type"), auto_map):
         return None
     classes = ", ".join(f"{cls} -> {ref}" for cls, ref in auto_map.items()) if isinstance(auto_map, dict) else auto_map
     return (f"{name} needs its own Python code to load (config.json: model_type {config.get('model_type')!r}, "
             f"auto_map {classes}), and shardtune does not run code from a model folder unless asked: if you "
             f"trust that code, {trust_fix}")
+
+
+# Where configs state the longest sequence a model's positions cover (GPT-2 and its kin say n_positions or n_ctx).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def context_length(model: str) -> tuple[int, str] | None:
+    """(the longest sequence ``model``'s positions cover, where that was read) from its config.json (a local
+    folder, or a hub model already in the local cache) or its GGUF metadata; None where no config can be read
+    without loading the model. A ``rope_scaling`` factor counts: the config then covers that much more."""
+    import json
+
+    from shardtune.gguf_source import find_gguf, metadata
+
+    try:
+        if gguf := find_gguf(model):
+            meta = metadata(gguf)[0]
+            length = meta.get(f"{meta.get('general.architecture')}.context_length")
+            return (int(length), f"{gguf.path.name}: context_length") if isinstance(length, int) else None
+    except UsageError:  # a damaged GGUF is reported by the folder checks
+        return None
+    config_file = _config_file(model)
+    try:
+        config = json.loads(config_file.read_text()) if config_file else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    key = next((k for k in CONTEXT_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
+    if key is None:
+        return None
+    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else {}
+    factor = scaling.get("factor") if isinstance(scaling.get("factor"), (int, float)) else 1
+    return int(config[key] * max(1, factor)), f"{config_file}: {key}" + (" x rope_scaling factor" if factor > 1 else "")
+
+
+def _config_file(model: str) -> Path | None:
+    """config.json of a local model folder, or of a hub model in the local cache (no network); None otherwise."""
+    local = Path(model).expanduser() / "config.json"
+    if local.is_file():
+        return local
+    if looks_like_local_path(model) or Path(model).expanduser().exists():
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except ValueError:  # not a hub name
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def _model_type_problem(model_type: object, where: str) -> str | None:
+    """A config.json (without code of its own) whose model_type this transformers does not know, or none at all."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if not model_type:
+        return f"{where} has no model_type, so its architecture is unknown: give the config.json the model came with"
+    if model_type in CONFIG_MAPPING_NAMES:
+        return None
+    import transformers
+
+    return (f"{where}: model_type {model_type!r} is not one transformers {transformers.__version__} knows: upgrade "
+            f"it (pip install -U transformers), or give a model of an architecture it has")
 
 
 def _needs_own_code(model_type: object, auto_map: object) -> bool:
@@ -137,7 +208,7 @@ def _needs_own_code(model_type: object, auto_map: object) -> bool:
 
 def damaged_file_problem(folder: str | Path) -> str | None:
     """The first file of a model or adapter folder that cannot be what its name says, as one line naming it: a
-    JSON file that is no UTF-8 JSON, a chat template that is no UTF-8 text, a safetensors file without a readable
+    JSON file that is no UTF-8 JSON object, a chat template that is no UTF-8 text, a safetensors file without a readable
     header. Read before the libraries read them (they would stop with a traceback that names no file). Weights
     in pickle files (``*.bin``) are left to transformers and PEFT, which read them with torch's weights-only
     unpickler."""
@@ -145,7 +216,7 @@ def damaged_file_problem(folder: str | Path) -> str | None:
 
     from safetensors import SafetensorError, safe_open
 
-    kinds = {".json": "JSON", ".jinja": "UTF-8 text", ".safetensors": "a safetensors file"}
+    kinds = {".json": "a JSON object", ".jinja": "UTF-8 text", ".safetensors": "a safetensors file"}
     for path in sorted(Path(folder).expanduser().iterdir()):
         if path.suffix not in kinds or not path.is_file():
             continue
@@ -155,20 +226,97 @@ def damaged_file_problem(folder: str | Path) -> str | None:
                     f.keys()
             else:
                 text = path.read_bytes().decode("utf-8")
-                if path.suffix == ".json":
-                    json.loads(text)
-        except (ValueError, OSError, SafetensorError) as exc:  # UnicodeDecodeError and JSONDecodeError included
+                if path.suffix == ".json" and not isinstance(found := json.loads(text), dict):
+                    # every JSON file of a model or adapter folder holds one object (settings, a vocabulary)
+                    raise TypeError(f"it holds a {type(found).__name__}")
+        except (ValueError, TypeError, OSError, SafetensorError) as exc:  # UnicodeDecodeError, JSONDecodeError too
             return (f"{path}: not {kinds[path.suffix]} ({_why(exc)}); the folder is damaged or was altered, and "
                     f"nothing of it was loaded: save the model again, or use a copy you trust")
     return None
 
 
 def _why(exc: Exception) -> str:
+    if isinstance(exc, TypeError):
+        return str(exc)
     if isinstance(exc, UnicodeDecodeError):
         return f"byte {exc.start} is not UTF-8"
     if isinstance(exc, ValueError) and hasattr(exc, "lineno"):  # json.JSONDecodeError
         return f"line {exc.lineno}: {exc.msg}"
     return f"{type(exc).__name__}: {first_line(str(exc))[:120]}"
+
+
+# Files a folder's tokenizer is read from (fast, slow sentencepiece, or the config naming the class).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# An adapter's weights, as PEFT's save_pretrained writes them.
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a tokenizer to load: one of its files, or a GGUF (its metadata holds one)."""
+    from shardtune.gguf_source import find_gguf
+
+    folder = Path(folder).expanduser()
+    return any((folder / name).is_file() for name in TOKENIZER_FILES) or find_gguf(folder) is not None
+
+
+def tokenizer_problem(name: str, *folders: str | Path) -> str | None:
+    """None when one of ``folders`` (read in that order) holds a tokenizer; else one line for ``name``."""
+    if any(has_tokenizer(folder) for folder in folders):
+        return None
+    return (f"{name} holds no tokenizer (no {', '.join(TOKENIZER_FILES)}): copy the base model's tokenizer files "
+            f"into it (tokenizer.save_pretrained(folder) writes them)")
+
+
+def adapter_folder_problem(folder: str | Path) -> str | None:
+    """What keeps the PEFT adapter folder ``folder`` from being read, as one line naming the file: no
+    adapter_config.json, one that is not a JSON object, or a damaged file (``damaged_file_problem``); None when
+    nothing does. Its weights are asked for apart (``adapter_weights_problem``), once its base has been checked."""
+    import json
+
+    folder = Path(folder).expanduser()
+    config = folder / "adapter_config.json"
+    if not config.is_file():
+        return (f"{folder}: not a PEFT adapter folder (no adapter_config.json); give output_dir/final of a LoRA run "
+                f"or the folder 'shardtune export' wrote")
+    if damaged := damaged_file_problem(folder):
+        return damaged
+    if not isinstance(json.loads(config.read_text()), dict):
+        return (f"{config}: not a JSON object (PEFT's adapter settings: peft_type, r, target_modules, ...); the "
+                f"folder is damaged or was altered: save the adapter again, or use a copy you trust")
+    return None
+
+
+def adapter_weights_problem(folder: str | Path) -> str | None:
+    """An adapter folder without its weights, as one line; None when they are there."""
+    folder = Path(folder).expanduser()
+    if any((folder / name).is_file() for name in ADAPTER_WEIGHTS):
+        return None
+    return (f"{folder}: holds adapter_config.json but no adapter weights ({' or '.join(ADAPTER_WEIGHTS)}); copy "
+            f"them into it, or export the checkpoint again ('shardtune export CHECKPOINT OUT')")
+
+
+# The libraries that read model, tokenizer and adapter folders: what they raise about a folder's contents.
+_LOADERS = ("transformers", "peft", "tokenizers", "huggingface_hub", "safetensors")
+
+
+@contextmanager
+def loading_refused(what: str, fix: str) -> Iterator[None]:
+    """Inside: an error that transformers, PEFT or the tokenizers raise about what a folder holds (a value of the
+    wrong type in a config, an unknown model or PEFT type, a file it cannot parse) is one UsageError naming
+    ``what`` and the library's own first line, then ``fix``. An error raised in shardtune's own code keeps its
+    traceback: it is a bug, not bad input."""
+    import traceback
+
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = Path(frames[-1].filename).parts if frames else ()
+        if isinstance(exc, UsageError) or not any(name in where for name in _LOADERS):
+            raise
+        message = f"no {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise UsageError(f"{what}: cannot be loaded ({type(exc).__name__}: {first_line(message)[:160]}); "
+                         f"{fix}") from None
 
 
 @contextmanager

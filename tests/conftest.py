@@ -33,3 +33,14 @@ def restore_logging():
 
     with logging_restored():
         yield
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch):
+    """Fails the test if ``shardtune launch`` starts torchrun: the refusal under test comes before it."""
+    import shardtune.cli.launch as launch
+
+    def started(args):
+        raise AssertionError(f"torchrun started with {args}")
+
+    monkeypatch.setattr(launch, "run_torchrun", started)

@@ -5,7 +5,8 @@ twice through ``shardtune.train.loop.train``: uninterrupted, writing beside its 
 state it held when saving; and resumed from that checkpoint into another output_dir by a new job, which builds
 model and optimizer afresh and loads them from disk (all a killed run leaves is that checkpoint), and whose
 loaded state is compared with the written one, tensor by tensor. Every run joins a new process
-group on its own port (gloo cannot rejoin the group it left on the same store).
+group on its own store (gloo cannot rejoin the group it left on the same store): the TCPStores that the test holds
+on ports the OS chose (tests/ports.py), one per run.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def run(work: Path, port: int, out: str, args: list[str], callbacks=()) -> None:
 
 def main() -> None:
     work, ports, cases = Path(sys.argv[1]), [int(p) for p in sys.argv[2].split(",")], json.loads(sys.argv[3])
-    os.environ.update(MASTER_ADDR="127.0.0.1", SHARDTUNE_PREDICT_MEMORY="0", HF_HUB_OFFLINE="1")
+    os.environ.update(SHARDTUNE_PREDICT_MEMORY="0", HF_HUB_OFFLINE="1")
     rank = os.environ["RANK"]
     for i, (name, args) in enumerate(cases.items()):
         saved, report = work / f"{name}_state_{rank}.pt", work / f"{name}_loaded_{rank}.json"

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardtune.bench.probe import STEP_MARK, Probe, StageMarks, split_step_time
+from shardtune.bench.probe import STAGE_MARK, STEP_MARK, Probe, StageMarks, split_step_time
 from shardtune.bench.strategies import (Result, explain, format_table, model_label, strategy_figure, summarise,
                                         write_plot)
+from shardtune.cli import main as shardtune_main
 from shardtune.errors import UsageError
 from shardtune.memory.recommend import MEASURED_TIE
 from tests.trainutil import run_shardtune, write_chat_data
@@ -68,26 +69,37 @@ def test_split_step_time_counts_compute_and_uncovered_communication():
 
 
 def test_stage_marks_split_a_real_step_between_stages(tmp_path):
+    """Counted, not timed: the matmuls the profiler records inside each stage's marks are exactly its layers'
+    (one per nn.Linear in forward, two in backward), the head's in the last stage; none is outside a stage."""
     from shardtune.testing.tiny import make_model_folder
     from torch.autograd.profiler import record_function
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(make_model_folder(tmp_path / "m", num_layers=6)))
-    marks = StageMarks(model, ((0, 1), (1, 6)))
+    bounds, steps = ((0, 1), (1, 6)), 2
+    marks = StageMarks(model, bounds)
     ids = torch.randint(0, 100, (4, 64))
     model(input_ids=ids, labels=ids).loss.backward()  # first calls initialise kernels: not what is measured
     marks.switch(None)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
+        for _ in range(steps):
             with record_function(STEP_MARK):
                 model(input_ids=ids, labels=ids).loss.backward()
             assert marks.running is None  # the backward pass ended with no stage running
-    split = split_step_time(prof.events(), num_stages=2)
-    assert split["comm_s"] == [0.0] * 5
+    events = prof.events()
+    matmuls = [e.time_range.start for e in events if e.name == "aten::mm"]
+    for stage, (start, end) in enumerate(bounds):
+        marked = [(e.time_range.start, e.time_range.end) for e in events if e.name == f"{STAGE_MARK}{stage}"]
+        layers = model.model.layers[start:end]
+        linears = sum(isinstance(m, torch.nn.Linear) for layer in layers for m in layer.modules())
+        linears += stage == len(bounds) - 1  # the head
+        inside = sum(any(lo <= t < hi for lo, hi in marked) for t in matmuls)
+        assert inside == steps * 3 * linears, (stage, inside, linears)
+    assert len(matmuls) == steps * 3 * sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    split = split_step_time(events, num_stages=2)
+    assert split["comm_s"] == [0.0] * steps
     for (first, rest), compute in zip(split["stage_compute_s"], split["compute_s"]):
         assert first > 0 and rest > 0 and first + rest < compute  # the embeddings and the loss's start are nobody's
-    # Five layers and the head against one layer (the median step: a shared machine can stall any one of them).
-    assert sorted(rest / first for first, rest in split["stage_compute_s"])[2] > 2
 
 
 def test_probe_callback_records_each_step_as_the_bench_reads_it(tmp_path):
@@ -146,6 +158,17 @@ def test_plot_stacks_busy_and_waiting_per_setup(tmp_path):
     assert write_plot(rows, tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def size_of(folder: Path) -> str:
+    """"L layers x H hidden, N parameters" read off the model transformers loads from ``folder``: its config, and
+    the numel of its parameters (a tied head once), written as people say it (3.2 M, 139.6 k)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    n = sum(p.numel() for p in model.parameters())
+    count = f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.1f} k"
+    return f"{model.config.num_hidden_layers} layers x {model.config.hidden_size} hidden, {count} parameters"
+
+
 def test_results_name_the_model_not_the_folder_it_was_read_from(tmp_path):
     # bench/strategies_cpu.py builds its model in a temporary folder; the estimate quotes what the file says.
     from shardtune.memory.recommend import Measured
@@ -154,13 +177,13 @@ def test_results_name_the_model_not_the_folder_it_was_read_from(tmp_path):
     model = make_model_folder(tmp_path / "bench-strategies-x1y2" / "tiny-llama", num_layers=4, hidden_size=256,
                               intermediate_size=704, num_heads=8, num_kv_heads=4)
     label = model_label(str(model))
-    assert label == "tiny-llama (4 layers x 256 hidden, 3.2 M parameters)"
+    assert label == f"tiny-llama ({size_of(model)})"
     other = make_model_folder(tmp_path / "model", num_layers=2)
-    assert model_label(str(other) + "/") == "model (llama, 2 layers x 64 hidden, 139.6 k parameters)"
+    assert model_label(str(other) + "/") == f"model (llama, {size_of(other)})"
     assert model_label("meta-llama/Not-Downloaded-7B") == "Not-Downloaded-7B"  # no config to read: its name
     measured = Measured("res.json", {"DDP": 3000.0, "MP": 1000.0}, label, 2, "cpu (2 cores)")
-    assert measured.describe() == ("DDP 3,000, MP 1,000 tokens/s measured with tiny-llama (4 layers x 256 hidden, "
-                                   "3.2 M parameters) on cpu (2 cores), 2 processes (res.json)")
+    assert measured.describe() == (f"DDP 3,000, MP 1,000 tokens/s measured with tiny-llama ({size_of(model)}) on "
+                                   f"cpu (2 cores), 2 processes (res.json)")
 
 
 def test_bad_strategy_is_a_usage_error():
@@ -172,7 +195,7 @@ def test_bad_strategy_is_a_usage_error():
         parse_strategies("mp,zero")
 
 
-def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
+def test_bench_command_end_to_end_mp_and_ddp(tmp_path, capsys):
     from shardtune.testing.tiny import make_model_folder
 
     model = make_model_folder(tmp_path / "model", num_layers=4)
@@ -184,21 +207,30 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path):
                             "--out", str(tmp_path / "res.json"), "--work_dir", str(tmp_path / "work")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = json.loads((tmp_path / "res.json").read_text())
-    assert saved["model"] == "model (llama, 4 layers x 64 hidden, 213.6 k parameters)"  # not the folder's path
+    assert saved["model"] == f"model (llama, {size_of(model)})"  # not the folder's path
     assert saved["num_processes"] == 2 and saved["batch_size"] == 4
     assert saved["method"] == "full"  # the recipe sets no use_peft_lora: every weight trains
     mp, ddp = saved["results"]
-    probe = json.loads((tmp_path / "work" / "MP" / "probe" / "probe-rank-0.json").read_text())
+    work = tmp_path / "work"
+    probe = json.loads((work / "MP" / "probe" / "probe-rank-0.json").read_text())
     walls = probe["wall_s"][1:]
     assert mp["tokens_per_s"] == pytest.approx(sum(probe["tokens"][1:]) / sum(walls))
-    # One process drives both stages: each is busy part of the step, and never both at once.
-    assert len(mp["busy"]) == 2 and all(0 < b for b in mp["busy"]) and sum(mp["busy"]) <= 1
-    assert mp["estimate_bytes"] > 0 and mp["peak_memory_bytes"] > 0 and len(mp["losses"]) == 3
+    # One process drives both stages: each stage's share is its compute over the step time.
+    assert mp["busy"] == pytest.approx([sum(step[s] for step in probe["stage_compute_s"][1:]) / sum(walls)
+                                        for s in (0, 1)])
+    records = [json.loads(line) for line in (work / "MP" / "metrics.jsonl").read_text().splitlines()]
+    assert mp["losses"] == [r["loss"] for r in records] and len(records) == 3
+    assert mp["peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in records)
     # DDP: each rank computes part of the step and waits in the gradient all-reduce for part of it.
-    ranks = [json.loads((tmp_path / "work" / "DDP" / "probe" / f"probe-rank-{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((work / "DDP" / "probe" / f"probe-rank-{r}.json").read_text()) for r in (0, 1)]
     assert ddp["busy"] == pytest.approx([sum(r["compute_s"][1:]) / sum(r["wall_s"][1:]) for r in ranks])
-    assert all(c > 0 for c in ddp["in_collectives"])
-    assert all(0 < b and b + c <= 1 for b, c in zip(ddp["busy"], ddp["in_collectives"]))
+    assert ddp["in_collectives"] == pytest.approx([sum(r["comm_s"][1:]) / sum(r["wall_s"][1:]) for r in ranks])
+    # The memory column: what `shardtune estimate` says of the same setup.
+    for row in (mp, ddp):
+        assert shardtune_main(["estimate", str(model), "--strategy", row["strategy"], "--num-gpus", "2",
+                               "--batch-size", "4", "--seq-len", "64", "--method", "full",
+                               "--no-gradient-checkpointing", "--mixed-precision", "no", "--json"]) == 0
+        assert row["estimate_bytes"] == json.loads(capsys.readouterr().out)["per_gpu"]["total"]
     table = (tmp_path / "res.md").read_text()
     assert "| MP |" in table and "| DDP |" in table and "waiting in communication" in table
     # The estimator ranks the setups that fit by these speeds: the faster of the two here.

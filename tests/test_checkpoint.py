@@ -122,10 +122,13 @@ def test_export_and_merge_cli_errors(tmp_path: Path, capsys) -> None:
     (tmp_path / "a-file").write_text("x")  # a file where OUT goes: refused before anything is loaded
     for command in (["export", str(tmp_path)], ["merge", str(tmp_path), "--base", str(tmp_path)]):
         assert main([*command, str(tmp_path / "a-file")]) == 2
-        assert "a file is there; give a new or empty folder" in capsys.readouterr().err
+        assert "a file is there, where the folder goes; give another path" in capsys.readouterr().err
 
 
-def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, capsys) -> None:
+def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, capsys, monkeypatch) -> None:
+    import errno
+
+    import transformers.modeling_utils
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -135,15 +138,19 @@ def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, ca
     base = make_model_folder(tmp_path / "base", tokenizer=make_tokenizer())
     adapter = tmp_path / "adapter"
     get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2)).save_pretrained(adapter)
-    (tmp_path / "a-file").write_text("x")
-    out = tmp_path / "a-file" / "merged"  # its parent is a file: the write fails, as on a full disk, with an OSError
+
+    def disk_full(tensors, filename, *args, **kwargs):  # what safetensors raises when the disk fills up
+        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", disk_full)  # save_pretrained's writer
+    out = tmp_path / "merged"
     assert main(["merge", str(adapter), "--base", str(base), str(out)]) == 1
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
-    assert "shardtune merge: error: [Errno 20] Not a directory" in errors[0]
-    assert str(tmp_path / "a-file") in errors[0] and errors[0].endswith("give another path")
-    assert (tmp_path / "a-file").read_text() == "x"
+    assert "shardtune merge: error: [Errno 28] No space left on device" in errors[0]
+    assert str(tmp_path) in errors[0] and errors[0].endswith("give another path")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base"]  # no OUT, no temporary folder
 
 
 def test_push_to_hub_uploads_final_and_only_warns_when_the_hub_fails(tmp_path, monkeypatch, caplog):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
 
 from shardtune.cli import main
-from shardtune.config import TrainConfig, known_keys, load_train_config
+from shardtune.config import ModelConfig, TrainConfig, known_keys, load_train_config
+from shardtune.config.schema import section_classes
 from shardtune.errors import UsageError
 
 BASE = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "out"]
@@ -85,10 +87,31 @@ def test_bare_flag_is_true_and_hub_flags_accepted():
     assert cfg.data.packing is True and cfg.run.hub_model_id == "me/x"
 
 
+def sections_of_each_key(sections: dict[str, type]) -> dict[str, list[str]]:
+    """Every field of every section and the sections that declare it, read off the dataclasses themselves."""
+    where: dict[str, list[str]] = {}
+    for name, cls in sections.items():
+        for f in dataclasses.fields(cls):
+            where.setdefault(f.name, []).append(name)
+    return where
+
+
 def test_every_key_has_one_section():
-    keys = known_keys()
-    assert {"model_name_or_path", "dataset_text_field", "lora_r", "learning_rate", "fsdp_sharding_strategy",
-            "resume_from_checkpoint", "max_seq_len"} <= set(keys)
+    """known_keys() is a dict, so a key declared in two sections would collapse into one entry there: count the
+    declarations on the dataclasses instead."""
+    where = sections_of_each_key(section_classes())
+    assert {key: names for key, names in where.items() if len(names) > 1} == {}
+    assert known_keys() == {key: names[0] for key, names in where.items()}
+
+
+def test_a_key_declared_in_two_sections_is_found():
+    @dataclasses.dataclass
+    class ModelConfigWithSeed(ModelConfig):
+        seed: int = 0  # also RunConfig's
+
+    planted = {**section_classes(), "model": ModelConfigWithSeed}
+    assert {key: names for key, names in sections_of_each_key(planted).items() if len(names) > 1} == {
+        "seed": ["model", "run"]}
 
 
 @pytest.mark.parametrize("argv,needle", [

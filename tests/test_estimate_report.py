@@ -1,6 +1,7 @@
 """What people read: the side-by-side table at 80 columns, and the --plot picture against the estimator's numbers."""
 
 import io
+import json
 import re
 
 import pytest
@@ -63,24 +64,35 @@ def test_plot_bars_are_the_estimated_totals(case):
         assert framed[0].get_height() == pytest.approx(drawn[index])
 
 
-def test_plot_option_writes_a_png(tmp_path, capsys):
+def test_plot_option_writes_a_png(tmp_path, capsys, monkeypatch):
+    """The PNG is the figure drawn (its pixel size), whose bars are the --json setups' totals."""
+    from tests.pictures import drawn_size, keep_saved_figures, png_size
+
+    saved = keep_saved_figures(monkeypatch)
     path = tmp_path / "memory.png"
     assert main(["estimate", "llama-3.2-1b", "--num-gpus", "4", "--json", "--plot", str(path)]) == 0
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    assert not list(tmp_path.glob(".*tmp*"))  # the temporary file was renamed, not left behind
-    assert "wrote" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    fig, dpi = saved["memory.png"]
+    assert png_size(path) == drawn_size(fig, dpi)
+    setups = json.loads(captured.out)["strategies"]
+    assert bar_totals(fig) == pytest.approx([s["per_gpu"]["total"] / GIB for s in setups], rel=1e-9)
+    assert list(tmp_path.iterdir()) == [path]  # the temporary file was renamed, not left behind
+    assert f"wrote {path}" in captured.err
 
 
-def test_plot_to_a_missing_folder_is_a_usage_error(tmp_path):
-    assert main(["estimate", "llama-3.2-1b", "--plot", str(tmp_path / "no" / "such.png")]) == 2
+def test_plot_to_a_missing_folder_is_a_usage_error(tmp_path, capsys):
+    """Exit 2 and one line naming the option, the folder that is missing and the fix; nothing made on disk."""
+    path = tmp_path / "no" / "such.png"
+    assert main(["estimate", "llama-3.2-1b", "--plot", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"--plot {path}: the folder {path.parent} does not exist; create it or pick another" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
     """--config: a recipe, an Accelerate file and a DeepSpeed JSON give the estimate of exactly that job, the same
     as the options that describe it; setup options beside --config are refused."""
-    import json
-
     from shardtune.cli import main
 
     recipe = tmp_path / "recipe.yaml"

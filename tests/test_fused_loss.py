@@ -1,8 +1,9 @@
 """The fused linear cross-entropy (train/loss.py) gives the loss and gradients of the loss on full logits.
 
 The reference is ``token_loss_sum`` on the logits of the model's own forward (what the trainer computed before the
-loss was fused with the head). fp32, packed rows (position ids restarting, prompts and padding labelled IGNORE)
-and chunks of 64 tokens that cross row boundaries; one process, then FSDP2 on two gloo processes.
+loss was fused with the head), itself pinned to ``F.cross_entropy`` and to transformers' own loss. fp32, packed
+rows (position ids restarting, prompts and padding labelled IGNORE) and chunks of 64 tokens that cross row
+boundaries; one process, then FSDP2 on two gloo processes.
 """
 
 from __future__ import annotations
@@ -85,6 +86,41 @@ def _other_family(kind: str):
               "granite": lambda: GraniteConfig(**sizes, logits_scaling=0.25)}[kind]()
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config)
+
+
+def _pinned_model(kind: str):
+    return _llama() if kind == "llama" else _other_family(kind)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "cohere", "granite"])
+def test_the_reference_loss_is_cross_entropy_and_transformers_own_loss(kind):
+    """``token_loss_sum``, the reference of these tests and of the family matrix, and the fused loss, pinned to
+    what does not come from shardtune: ``F.cross_entropy`` on the logits shifted by hand, and transformers'
+    ``model(labels=...).loss`` (mean over the targets, labels -100 ignored), with its gradients. Packed rows
+    (position ids restarting at each document, prompts and padding labelled -100), fp32, to 1e-6."""
+    import torch.nn.functional as F
+
+    model, batch = _pinned_model(kind), _batch()
+    labels = batch["labels"]
+    assert (labels == -100).any() and int((batch["position_ids"] == 0).sum()) > labels.shape[0]
+    targets = int((labels[:, 1:] != -100).sum())
+    theirs = model(**batch)  # transformers shifts the labels and averages over the targets itself
+    theirs.loss.backward()
+    their_grads = _grads(model)
+    logits = model(**_inputs(batch)).logits
+    by_hand = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(), labels[:, 1:].reshape(-1),
+                              ignore_index=-100, reduction="sum")
+    ours = token_loss_sum(logits, labels)
+    (ours / targets).backward()
+    our_grads = _grads(model)
+    assert loss_module.num_targets(labels) == targets
+    _assert_close(by_hand, ours, "token_loss_sum against F.cross_entropy", rel=1e-6)
+    _assert_close(theirs.loss, ours / targets, "token_loss_sum against transformers' loss", rel=1e-6)
+    for name, grad in their_grads.items():
+        _assert_close(grad, our_grads[name], f"{name}'s gradient", rel=1e-6)
+    assert install_fused_loss(model)
+    fused = model(**_inputs(batch), loss_labels=labels).loss
+    _assert_close(theirs.loss, fused / targets, "fused loss against transformers' loss", rel=1e-6)
 
 
 def _inputs(batch):

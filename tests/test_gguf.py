@@ -110,20 +110,41 @@ def test_estimate_counts_the_parameters_of_a_gguf(capsys):
 
 @pytest.fixture(scope="module")
 def smol_run(tmp_path_factory):
-    """Two LoRA steps of ``shardtune train --model_name_or_path SmolLM2.gguf`` (one process)."""
+    """Two LoRA steps of ``shardtune train --model_name_or_path SmolLM2.gguf`` (one process), evaluated on a test
+    split before the first step and after the last."""
     tmp = tmp_path_factory.mktemp("smol")
-    write_chat_data(tmp / "chat.jsonl", rows=24)
-    result = run_shardtune(["train", "--model_name_or_path", str(smollm2_gguf()), "--dataset_name", "chat.jsonl",
+    (tmp / "data").mkdir()
+    write_chat_data(tmp / "data" / "train.jsonl", rows=24)
+    write_chat_data(tmp / "data" / "test.jsonl", rows=2, seed=1)
+    result = run_shardtune(["train", "--model_name_or_path", str(smollm2_gguf()), "--dataset_name", "data",
                             "--max_seq_len", "64", "--max_steps", "2", "--per_device_train_batch_size", "2",
                             "--use_peft_lora", "true", "--learning_rate", "1e-3", "--bf16", "false",
-                            "--output_dir", "run", "--logging_steps", "1", "--predict_memory", "false"], tmp)
+                            "--output_dir", "run", "--logging_steps", "1", "--predict_memory", "false",
+                            "--eval_strategy", "steps", "--eval_steps", "2", "--eval_on_start", "true",
+                            "--per_device_eval_batch_size", "2"], tmp)
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp / "run"
 
 
+def transformers_loss(model, tokenizer, rows: Path) -> float:
+    """transformers' own loss of ``model`` over the target tokens of ``rows``: the chat template's ids, labelled by
+    ``assistant_targets``, the mean of ``model(labels=...).loss`` weighted by each row's targets."""
+    total, count = 0.0, 0
+    for line in rows.read_text().splitlines():
+        ids = tokenizer.apply_chat_template(json.loads(line)["messages"], tokenize=True, return_dict=True)["input_ids"]
+        assert len(ids) <= 64  # the run's max_seq_len cuts nothing
+        labels = [token if target else -100 for token, target in zip(ids, assistant_targets(ids, tokenizer))]
+        targets = sum(label != -100 for label in labels[1:])
+        with torch.no_grad():
+            total += model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels])).loss.item() * targets
+        count += targets
+    return total / count
+
+
 @pytest.fixture(scope="module")
 def smol_merged(smol_run):
-    """The trained adapter on its GGUF base, as ``shardtune generate`` loads it, and merged."""
+    """The trained adapter on its GGUF base, as ``shardtune generate`` loads it, and merged; how much the adapter
+    changes the base's logits; and transformers' loss of the base (the adapter disabled) on the test rows."""
     from shardtune.infer.generate import load_for_generation
 
     peft_model, tokenizer = load_for_generation(smol_run / "final", dtype=torch.float32, device="cpu")
@@ -132,18 +153,24 @@ def smol_merged(smol_run):
         adapted = peft_model(ids).logits
         with peft_model.disable_adapter():
             base = peft_model(ids).logits
+            base_loss = transformers_loss(peft_model, tokenizer, smol_run.parent / "data" / "test.jsonl")
     merged = peft_model.merge_and_unload().eval()
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, adapted, atol=1e-4)
-    return merged, tokenizer, (adapted - base).abs().max().item()
+    return merged, tokenizer, (adapted - base).abs().max().item(), base_loss
 
 
 def test_lora_on_a_gguf_trains_and_its_adapter_loads_in_peft(smol_run, smol_merged):
-    losses = [json.loads(line)["loss"] for line in (smol_run / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 2 and all(0 < loss < 20 for loss in losses)
+    """Before the first step (LoRA's B is zero) the run's eval loss is transformers' own loss of the GGUF base on
+    the test rows; after two steps it is lower; the adapter loads in PEFT and changes the base's logits."""
+    records = [json.loads(line) for line in (smol_run / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    assert [step for step, _ in evals] == [0, 2] and len(losses(smol_run)) == 2
+    _, _, adapter_effect, reference = smol_merged
+    assert abs(evals[0][1] - reference) <= 1e-5 * reference, (evals, reference)
+    assert evals[1][1] < evals[0][1]
     adapter = json.loads((smol_run / "final" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(smollm2_gguf().resolve())
-    _, _, adapter_effect = smol_merged
     assert adapter_effect > 1e-4  # the trained adapter changes the base's logits
 
 
@@ -151,7 +178,7 @@ def test_lora_on_a_gguf_trains_and_its_adapter_loads_in_peft(smol_run, smol_merg
 def test_smollm2_round_trips_through_gguf(smol_merged, tmp_path, quantize):
     from shardtune.gguf_export import write_gguf
 
-    merged, tokenizer, _ = smol_merged
+    merged, tokenizer, _, _ = smol_merged
     path = write_gguf(merged, tokenizer, tmp_path / f"smol-{quantize}.gguf", quantize, name="smol",
                       tokenizer_pre="smollm")
     compare(merged, tokenizer, path, quantize, new_tokens=4)
@@ -162,7 +189,7 @@ def test_fsdp_x2_from_a_gguf_gives_one_processs_losses(smol_run):
     batches give the one-process run's losses."""
     tmp = smol_run.parent
     result = run_shardtune(["launch", "--num_processes", "2", "train", "--model_name_or_path", str(smollm2_gguf()),
-                            "--dataset_name", "chat.jsonl", "--max_seq_len", "64", "--max_steps", "2",
+                            "--dataset_name", "data", "--max_seq_len", "64", "--max_steps", "2",
                             "--per_device_train_batch_size", "1", "--use_peft_lora", "true", "--learning_rate", "1e-3",
                             "--bf16", "false", "--output_dir", "run_fsdp", "--logging_steps", "1",
                             "--predict_memory", "false", "--distributed_type", "FSDP"], tmp)
@@ -228,7 +255,7 @@ def test_shardtune_generate_is_transformers_generate_on_smollm2(smol_merged):
     """Greedy decoding with shardtune's KV-cached loop gives transformers' ``generate`` token for token."""
     from shardtune.infer.generate import encode_prompt, generate
 
-    merged, tokenizer, _ = smol_merged
+    merged, tokenizer, _, _ = smol_merged
     for prompt in PROMPTS[1:2]:  # a chat question: the template's prompt, then the model's reply
         ids = encode_prompt(tokenizer, prompt)
         ours = generate(merged, tokenizer, ids, max_new_tokens=8, stop_ids=set())

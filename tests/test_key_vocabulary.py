@@ -1,4 +1,12 @@
-"""Every key shardtune accepts acts, or is a listed no-op whose acting values are refused (exit 2, naming the key).
+"""Every key shardtune accepts acts, or is refused (exit 2, naming the key) where it would change what runs.
+
+A key acts where product code outside the config package reads it from the config: ``cfg.<section>.<key>``, a
+section held in a name whose annotation or assignment says so (``run: RunConfig``, ``d = cfg.distributed``) or
+that a call passes it to (``load_tokenizer(path, cfg.data)``), a section's property that product code reads
+(``cfg.model.pure_bf16`` reads ``torch_dtype``), or the flat config read by key (the launcher's
+``pick("machine_rank", ...)``). Code in shardtune/config/ declares, loads and checks keys: a key read only there
+changes nothing, unless it is a listed one accepted only at the value that runs (every other value refused, tested
+here) or one translated into other keys at load (tested here).
 
 Walks the whole vocabulary: the train keys (TrainConfig), the TrainingArguments/TRL and Accelerate keys accepted
 as no-ops (config/no_ops.py), and, in tests/test_deepspeed.py, every DeepSpeed key shardtune maps.
@@ -7,47 +15,240 @@ as no-ops (config/no_ops.py), and, in tests/test_deepspeed.py, every DeepSpeed k
 from __future__ import annotations
 
 import ast
+import dataclasses
+import functools
+import inspect
 import json
+import textwrap
 from pathlib import Path
 
 import pytest
 
+from shardtune.cli import main
 from shardtune.config import load_train_config
 from shardtune.config.no_ops import NO_OPS
-from shardtune.config.schema import known_keys
+from shardtune.config.schema import RunConfig, TrainConfig, known_keys, section_classes
 from shardtune.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
-# Where a key is declared or documented, not read: a key named only here changes nothing.
-DECLARING = {"shardtune/config/schema.py", "shardtune/data/config.py"}
+# Where keys are declared, loaded and validated: a key read only here changes nothing that runs.
+CONFIG_CODE = ("shardtune/config/", "shardtune/data/config.py")
+NOT_ACTING = {"validate"}  # a section's method that checks every key acts on none of them
+FLAT_READERS = {"pick"}  # the flat config read by key: the launcher's pick("machine_rank", default), pick.whole(...)
+
+# Keys accepted only at the value that is what shardtune runs; every other value is refused (tested below).
+REFUSED = {"hub_strategy": ("every_save", "hub_strategy='every_save' is not accepted"),
+           "fsdp_version": ("1", "fsdp_version=1 is not accepted"),
+           "fsdp_backward_prefetch": ("BACKWARD_POST", "fsdp_backward_prefetch='BACKWARD_POST' is not accepted"),
+           "save_safetensors": ("false", "save_safetensors=false asks for pickled .bin weights")}
+# Keys that config loading translates into other keys (config/deepspeed.py), checked below by what they become.
+TRANSLATED_AT_LOAD = {"deepspeed"}
 
 
-def names_read_by_product_code() -> set[str]:
-    """Attribute names read (``cfg.run.key``) and exact string constants (``values["key"]``, key tuples) in
-    shardtune/, outside the files that declare the keys."""
+def _annotated_section(annotation: ast.expr | None, types: dict[str, str]) -> str | None:
+    """The section an annotation names (``RunConfig``, ``RunConfig | None``, ``"RunConfig"``), "*" for the whole
+    TrainConfig, None for anything else."""
+    for node in ast.walk(annotation) if annotation is not None else ():
+        name = node.id if isinstance(node, ast.Name) else node.value if isinstance(node, ast.Constant) else None
+        if isinstance(name, str) and name.split(" ")[0] in types:
+            return types[name.split(" ")[0]]
+    return None
+
+
+class ConfigReads(ast.NodeVisitor):
+    """The (section, attribute) pairs one module reads off config sections, and the keys it reads from the flat
+    config by name."""
+
+    def __init__(self, types: dict[str, str], attribute_sections: dict[str, str],
+                 passed: dict[tuple[str, str], str]) -> None:
+        self.types, self.attribute_sections = types, attribute_sections  # class name -> section; obj.attr -> section
+        self.passed = passed  # (function name, "#position" or keyword) -> the section some call passes there
+        self.sections = set(types.values())
+        self.names: dict[str, str] = {}  # local name -> section, in the function being read
+        self.reads: set[tuple[str, str]] = set()
+        self.flat: set[str] = set()
+
+    def section_of(self, node: ast.expr) -> str | None:
+        if isinstance(node, ast.Name):
+            return self.names.get(node.id)
+        if isinstance(node, ast.Attribute):
+            return node.attr if node.attr in self.sections else self.attribute_sections.get(node.attr)
+        return None
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        outer = dict(self.names)
+        positional = [a for a in [*node.args.posonlyargs, *node.args.args] if a.arg not in ("self", "cls")]
+        for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
+            where = f"#{positional.index(arg)}" if arg in positional else arg.arg
+            section = (_annotated_section(arg.annotation, self.types) or self.passed.get((node.name, where))
+                       or self.passed.get((node.name, arg.arg)))
+            self.names.pop(arg.arg, None)
+            if section:
+                self.names[arg.arg] = section
+        self.generic_visit(node)
+        self.names = outer
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def bind(self, target: ast.expr, value: ast.expr) -> None:
+        if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) and len(target.elts) == len(value.elts):
+            for t, v in zip(target.elts, value.elts):
+                self.bind(t, v)
+        elif (section := self.section_of(value)) and isinstance(target, ast.Name):
+            self.names[target.id] = section
+        elif section and isinstance(target, ast.Attribute):  # self.settings = cfg.checkpoint
+            self.attribute_sections[target.attr] = section
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        self.generic_visit(node)
+        for target in node.targets:
+            self.bind(target, node.value)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self.generic_visit(node)
+        section = _annotated_section(node.annotation, self.types)
+        if section and isinstance(node.target, ast.Name):
+            self.names[node.target.id] = section  # also a class field: obj.<field> holds that section
+            self.attribute_sections[node.target.id] = section
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if isinstance(node.ctx, ast.Load) and (section := self.section_of(node.value)):
+            self.reads.add((section, node.attr))
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+        # pick("key", default), or one of the picker's typed readers: pick.whole("key", ...)
+        reader = name in FLAT_READERS or (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                                          and func.value.id in FLAT_READERS)
+        if reader and node.args and isinstance(node.args[0], ast.Constant):
+            self.flat.add(str(node.args[0].value))
+        # A section handed to a function (load_tokenizer(path, cfg.data)) is read there under the parameter's name.
+        given = [*((f"#{i}", a) for i, a in enumerate(node.args)), *((k.arg, k.value) for k in node.keywords)]
+        for where, arg in given:
+            if name and where and (section := self.section_of(arg)):
+                self.passed[name, where] = section
+        self.generic_visit(node)
+
+
+SECTIONS = {**section_classes(), "*": TrainConfig}  # "*": the whole config, whose properties read several sections
+
+
+def method_reads(sections: dict[str, type]) -> dict[tuple[str, str], set[str]]:
+    """The keys each section's method or property reads (``self.<key>``, ``self.<section>.<key>``, other methods
+    followed), by (section, method name)."""
+    direct: dict[tuple[str, str], set[tuple[str, str]]] = {}
+    for section, cls in sections.items():
+        for klass in cls.__mro__[:-1]:
+            for node in ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body:
+                if isinstance(node, ast.FunctionDef) and node.name not in NOT_ACTING:
+                    direct[section, node.name] = {
+                        (sub.value.attr, sub.attr) if isinstance(sub.value, ast.Attribute) else (section, sub.attr)
+                        for sub in ast.walk(node) if isinstance(sub, ast.Attribute)
+                        and (isinstance(sub.value, ast.Name) and sub.value.id == "self"
+                             or isinstance(sub.value, ast.Attribute) and sub.value.attr in sections)}
+
+    def keys(method: tuple[str, str], seen: frozenset[tuple[str, str]]) -> set[str]:
+        found = set()
+        for read in direct[method] - seen:
+            found |= keys(read, seen | {method}) if read in direct else {read[1]}
+        return found
+    return {method: keys(method, frozenset()) for method in direct}
+
+
+@functools.cache
+def product_modules() -> tuple[ast.Module, ...]:
+    """Every module of shardtune/ outside the config code, parsed."""
+    return tuple(ast.parse(path.read_text()) for path in sorted((ROOT / "shardtune").rglob("*.py"))
+                 if not path.relative_to(ROOT).as_posix().startswith(CONFIG_CODE))
+
+
+@functools.cache
+def keys_read_by_product_code() -> frozenset[str]:
+    """The schema's keys that code outside shardtune/config/ reads from a config (read once per session)."""
+    return frozenset(keys_read_from_sections(SECTIONS))
+
+
+def keys_read_from_sections(sections: dict[str, type]) -> set[str]:
+    """The keys of ``sections`` that code outside shardtune/config/ reads from a config."""
+    types = {klass.__name__: name for name, cls in sections.items() for klass in cls.__mro__[:-1]}
+    keys = {f.name for name, cls in sections.items() if name != "*" for f in dataclasses.fields(cls)}
+    methods = method_reads(sections)
+    modules = product_modules()
+    attribute_sections: list[dict[str, str]] = [{} for _ in modules]
+    passed: dict[tuple[str, str], str] = {}
+    while True:  # again until no pass learns more: attributes methods assign, sections passed on through calls
+        learnt = (len(passed), sum(map(len, attribute_sections)))
+        scans = [ConfigReads(types, attributes, passed) for attributes in attribute_sections]
+        for scan, tree in zip(scans, modules):
+            scan.visit(tree)
+        if (len(passed), sum(map(len, attribute_sections))) == learnt:
+            break
     found: set[str] = set()
-    for path in (ROOT / "shardtune").rglob("*.py"):
-        if path.relative_to(ROOT).as_posix() in DECLARING:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute):
-                found.add(node.attr)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                found.add(node.value)
-    return found
+    for scan in scans:
+        for read in scan.reads:
+            found |= methods.get(read, {read[1]})
+        found |= scan.flat
+    return found & keys
 
 
 def test_every_train_key_is_read_by_the_code_that_runs():
     """A key no code reads is accepted and changes nothing: the defect this test exists for."""
-    unread = sorted(set(known_keys()) - names_read_by_product_code())
-    assert not unread, f"accepted but read by nothing: {unread}; make each act, or refuse it (config/no_ops.py)"
+    unread = sorted(set(known_keys()) - keys_read_by_product_code() - set(REFUSED) - TRANSLATED_AT_LOAD)
+    assert not unread, f"accepted but read by nothing outside shardtune/config/: {unread}; make each act, or " \
+                       f"refuse it (config/no_ops.py)"
 
 
-def test_the_reader_scan_finds_an_unread_key(tmp_path, monkeypatch):
-    """The scan itself: a key only the schema mentions is reported."""
-    assert "output_dir" in names_read_by_product_code()
-    assert "a_key_nobody_reads_f3" not in names_read_by_product_code()
+@dataclasses.dataclass
+class PlantedRunConfig(RunConfig):
+    """RunConfig with two keys no product code reads from a config: one nobody mentions, and one named like an
+    attribute product code reads all over, off tensors (``x.shape``), never off a config."""
+
+    a_key_only_the_schema_mentions: bool = False
+    shape: int = 0
+
+
+def test_the_reader_scan_reports_a_key_only_the_schema_mentions():
+    """The scan itself: planted keys are reported, and so are the run keys read only inside shardtune/config/."""
+    planted = {**SECTIONS, "run": PlantedRunConfig}
+    run_keys = {f.name for f in dataclasses.fields(PlantedRunConfig)}
+    assert run_keys - keys_read_from_sections(planted) == {"a_key_only_the_schema_mentions", "shape",
+                                                             "hub_strategy", "save_safetensors"}
+
+
+def test_the_reader_scan_follows_sections_into_names_attributes_and_properties():
+    """Each way product code reads a key, with keys that product code reads only that way."""
+    read = keys_read_by_product_code()
+    assert {"save_strategy",  # self.settings = cfg.checkpoint, then self.settings.save_strategy
+            "torch_dtype", "dtype",  # cfg.model.pure_bf16, a property reading both
+            "bf16", "fp16", "mixed_precision",  # cfg.mixed_precision, TrainConfig's property
+            "machine_rank", "rdzv_backend",  # the launcher's pick.whole("machine_rank", ...), pick("rdzv_backend", ...)
+            "add_special_tokens"} <= read  # load_tokenizer(path, cfg.data) -> configure_tokenizer(tokenizer, cfg)
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_a_key_accepted_at_one_value_refuses_every_other(key, capsys, tmp_path, monkeypatch):
+    """The keys the scan lets through because they are refused: every value but the one that runs exits 2."""
+    monkeypatch.chdir(tmp_path)  # the output_dir, were the value let through
+    value, message = REFUSED[key]
+    assert main(["train", *BASE, f"--{key}", value]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert key not in keys_read_by_product_code()  # else it belongs with the keys that act, not here
+
+
+def test_deepspeed_is_translated_into_the_keys_that_run(tmp_path):
+    """The key the scan lets through because loading translates it: a ZeRO-2 file becomes FSDP SHARD_GRAD_OP."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}))
+    plain, mapped = load_train_config(BASE), load_train_config([*BASE, "--deepspeed", str(ds)])
+    assert (plain.distributed.distributed_type, plain.distributed.fsdp_sharding_strategy,
+            plain.run.gradient_accumulation_steps) == (None, "FULL_SHARD", 1)
+    assert (mapped.distributed.distributed_type, mapped.distributed.fsdp_sharding_strategy,
+            mapped.run.gradient_accumulation_steps) == ("FSDP", "SHARD_GRAD_OP", 4)
+    assert TRANSLATED_AT_LOAD == {"deepspeed"}
 
 
 def test_no_op_keys_are_not_train_keys_and_are_documented():

@@ -172,7 +172,7 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_ones_and_final_aside(mad
     assert (run / "checkpoints" / "step-4" / "manifest.json").is_file() and (run / "final").is_dir()
 
 
-def test_a_refusal_writes_nothing(made, run, tmp_path, capsys):
+def test_a_refusal_writes_nothing(made, run, tmp_path, capsys, restore_logging):
     new = tmp_path / "new-run"
     assert main(["train", *flags(*args(made, new, "--lora_target_modules", "no_such_proj"))]) == 2
     assert "Target modules {'no_such_proj'} not found in the base model" in capsys.readouterr().err

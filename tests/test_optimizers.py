@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -162,27 +161,19 @@ def test_estimator_refuses_an_optimizer_it_does_not_know(model_dir, capsys):
     assert "unknown optimizer 'rmsprop'" in err and "adamw_8bit" in err
 
 
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> Path:
     """Every case of CASES trained on two gloo processes: uninterrupted, and resumed from its step 2 (optim_cases)."""
     from shardtune.testing.tiny import make_model_folder
+    from tests.ports import AGENT_STORE_ENV, held_stores
     from tests.trainutil import shardtune_env, write_sum_rows
 
     work = tmp_path_factory.mktemp("optim_resume")
     make_model_folder(work / "M")
     write_sum_rows(work / "chat.jsonl")
-    ports = ",".join(map(str, _free_ports(2 * len(CASES))))
-    env = shardtune_env(work) | {"PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    stores = held_stores(2 * len(CASES))  # one per run, held here until both ranks are done
+    ports = ",".join(str(store.port) for store in stores)
+    env = shardtune_env(work) | AGENT_STORE_ENV | {"PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.optim_cases", str(work), ports, json.dumps(CASES)],
                               cwd=REPO, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=(work / f"rank{r}.log").open("w"), stderr=subprocess.STDOUT)

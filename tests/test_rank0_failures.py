@@ -1,8 +1,9 @@
 """Writes and reads that only rank 0 performs: a failure reaches every rank at once, and nothing half-written stays.
 
-The jobs run with ddp_timeout=600, so stopping within a minute is never a collective's timeout. On gloo a waiting
-rank also stops soon after rank 0's process exits, but only with "Connection closed by peer": what shows that the
-failure was shared is the other rank's message, naming rank 0, the path and the cause.
+The jobs run with ddp_timeout=600, and no rank stops by a collective's timeout (its own message, checked absent). On
+gloo a waiting rank also stops soon after rank 0's process exits, but only with "Connection closed by peer": what
+shows that the failure was shared is the other rank's message, naming rank 0, the path and the cause. Nothing here
+is timed: which rank said what, and in which order, is what is checked.
 """
 
 from __future__ import annotations
@@ -37,16 +38,18 @@ def stopped_line(stderr: str, rank: int) -> str:
     return lines[0]
 
 
-def fsdp_full_state_job_that_fails(work: Path, name: str, fault: str):
-    """A 2-process FSDP job saving FULL_STATE_DICT checkpoints with ``fault`` injected; it must fail, and stop
-    within a minute (the collective timeout is far longer)."""
-    started = time.monotonic()
-    proc = shardtune(work, name, "--distributed_type", "FSDP", *FULL, "--fsdp_state_dict_type", "FULL_STATE_DICT",
-                     *QUICK, fault=fault)
-    elapsed = time.monotonic() - started
+def failed_without_a_timeout(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """``proc`` failed, and no rank of it stopped because a collective timed out."""
     assert proc.returncode != 0
-    assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"
+    assert "a collective timed out" not in proc.stderr, proc.stderr[-3000:]
     return proc
+
+
+def fsdp_full_state_job_that_fails(work: Path, name: str, fault: str):
+    """A 2-process FSDP job saving FULL_STATE_DICT checkpoints with ``fault`` injected; it must fail, and not by a
+    collective's timeout."""
+    return failed_without_a_timeout(shardtune(work, name, "--distributed_type", "FSDP", *FULL,
+                                              "--fsdp_state_dict_type", "FULL_STATE_DICT", *QUICK, fault=fault))
 
 
 def test_full_state_dict_write_failure_reaches_every_rank(work: Path) -> None:
@@ -162,12 +165,8 @@ def test_final_export_failure_reaches_every_rank(work: Path) -> None:
     out = work / "blocked"
     out.mkdir()
     (out / "final").write_text("not a folder")
-    started = time.monotonic()
-    proc = shardtune(work, "blocked", "--distributed_type", "DDP", "--use_peft_lora", "True", *QUICK,
-                     "--resume_from_checkpoint", "true")
-    elapsed = time.monotonic() - started
-    assert proc.returncode != 0
-    assert elapsed < 60, f"the job took {elapsed:.0f} s to stop"
+    proc = failed_without_a_timeout(shardtune(work, "blocked", "--distributed_type", "DDP", "--use_peft_lora", "True",
+                                              *QUICK, "--resume_from_checkpoint", "true"))
     cause = "NotADirectoryError: [Errno 20] a file is where the exported folder goes; move it away:"
     assert f"rank 0 failed writing blocked/final: {cause}" in stopped_line(proc.stderr, 1)
     assert f"blocked/final was not written ({cause}" in stopped_line(proc.stderr, 0)
@@ -256,7 +255,8 @@ def test_full_state_dict_resume_reads_the_files_on_rank0_only(tmp_path: Path, fr
 
 
 def _interrupted_worker(rank: int, world: int, init_file: str, folder: str, kind: str) -> None:
-    """rank 0's shared write stops with ``kind`` (no Exception); what each rank raised and how soon, to a file."""
+    """rank 0's shared write stops with ``kind`` (no Exception); what each rank raised, to a file, and whether rank
+    1 had written its file while rank 0 was still in the group."""
     import shutil
     from datetime import timedelta
 
@@ -277,18 +277,18 @@ def _interrupted_worker(rank: int, world: int, init_file: str, folder: str, kind
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    started = time.monotonic()
     try:
         run_and_share(write, runs=rank == 0, what=f"saving checkpoint {folder}/step-1", on_failure=drop_tmp)
         raised = "nothing"
     except BaseException as exc:  # noqa: BLE001 - what each rank raised is the result
         raised = f"{type(exc).__name__}: {exc}"
-    result = {"raised": raised, "elapsed_s": time.monotonic() - started, "timeout_s": timeout_s}
-    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(result))
+    result = {"raised": raised}
     if rank == 0:  # rank 0 stays (as a real one still cleaning up would): the other rank must not need it gone
         waited = time.monotonic()
         while not (Path(folder) / "rank1.json").exists() and time.monotonic() - waited < timeout_s + 30:
             time.sleep(0.1)
+        result["rank1_done_before_rank0_left"] = (Path(folder) / "rank1.json").exists()
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(result))
     shutdown()
 
 
@@ -297,11 +297,12 @@ def _interrupted_worker(rank: int, world: int, init_file: str, folder: str, kind
 def test_interrupted_rank0_write_reaches_every_rank(tmp_path: Path, kind: str) -> None:
     mp.spawn(_interrupted_worker, args=(2, str(tmp_path / "init"), str(tmp_path), kind), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    # Rank 0 keeps its own BaseException (Ctrl-C stays Ctrl-C); rank 1 hears of it at once, not at the timeout.
+    # Rank 0 keeps its own BaseException (Ctrl-C stays Ctrl-C); rank 1 hears of it from rank 0 (a timeout or rank
+    # 0 leaving would raise another error), while rank 0 is still in the group.
     assert r0["raised"] == ("KeyboardInterrupt: " if kind == "KeyboardInterrupt" else "SystemExit: 3")
     assert r1["raised"] == f"RankFailed: rank 0 failed saving checkpoint {tmp_path}/step-1: {kind}" + \
         ("" if kind == "KeyboardInterrupt" else ": 3")
-    assert r1["elapsed_s"] < r1["timeout_s"] / 4, r1
+    assert r0["rank1_done_before_rank0_left"]
     assert not (tmp_path / ".tmp-step-1").exists()  # removed by on_failure, also for an interrupted write
 
 

@@ -10,13 +10,14 @@ import sys
 
 import pytest
 
+from shardtune.cli import main
 from tests.faults import CALLBACK as FAULTS
 from tests.faults import fault_env
 from tests.test_config import ACCELERATE_FSDP
-from tests.trainutil import losses, run_shardtune, shardtune_env, write_chat_data
+from tests.trainutil import flags, losses, run_shardtune, shardtune_env, write_chat_data
 
 RECIPE = ("--seed 100 --chat_template_format chatml --add_special_tokens False --append_concat_token False "
-          "--splits train --max_seq_len 128 --num_train_epochs 1 --max_steps 3 --logging_steps 5 --log_level info "
+          "--splits train,test --max_seq_len 128 --num_train_epochs 1 --max_steps 3 --logging_steps 5 --log_level info "
           "--logging_strategy steps --eval_strategy epoch --save_strategy epoch --bf16 True --packing True "
           "--learning_rate 1e-4 --lr_scheduler_type cosine --weight_decay 1e-4 --warmup_ratio 0.0 --max_grad_norm 1.0 "
           "--output_dir out --per_device_train_batch_size 8 --per_device_eval_batch_size 8 "
@@ -31,12 +32,15 @@ def assets(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("recipe")
     model = make_model_folder(root / "model")
-    data = write_chat_data(root / "chat.jsonl", rows=2000)
+    (root / "chat").mkdir()
+    write_chat_data(root / "chat" / "train.jsonl", rows=2000)
+    write_chat_data(root / "chat" / "test.jsonl", rows=40, seed=1)  # the recipe's eval_strategy epoch evaluates it
+    data = root / "chat"
     (root / "fsdp_config.yaml").write_text(ACCELERATE_FSDP)
     return root, model, data
 
 
-def test_seed_recipe_runs_unchanged(assets):
+def test_seed_recipe_runs_unchanged(assets, restore_logging):
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -47,11 +51,20 @@ def test_seed_recipe_runs_unchanged(assets):
     assert result.returncode == 0, result.stderr[-3000:]
     out = root / "out"
     assert "strategy: FSDP FULL_SHARD on 2 process(es), mixed precision bf16" in result.stderr
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in logged if "loss" in r]
     # logging_steps 5 > max_steps 3: the first and the last step are still logged.
     assert [r["step"] for r in records] == [1, 3]
-    for r in records:
-        assert r["loss"] > 0 and r["tokens"] > 0 and r["lr"] >= 0 and r["peak_memory_bytes"] > 0
+    # The reference: the same recipe's first step on one process, the global batch of 2 x 8 x 4 rows made of
+    # 8 x 8. The sampler gives both the same rows; LoRA's B starts at zero, so lora_dropout cannot change step 1.
+    one = flags(*RECIPE, "--output_dir", str(root / "one_process"), "--gradient_accumulation_steps", "8",
+                "--max_steps", "1", "--model_name_or_path", str(model), "--dataset_name", str(data))
+    assert main(["train", *one]) == 0  # in this process: no second interpreter to start
+    reference = json.loads((root / "one_process" / "metrics.jsonl").read_text().splitlines()[0])
+    assert (records[0]["tokens"], records[0]["target_tokens"]) == (reference["tokens"], reference["target_tokens"])
+    assert abs(records[0]["loss"] - reference["loss"]) <= 1e-5 * reference["loss"], (records[0], reference)
+    # eval_strategy epoch: the run stops inside its epoch at max_steps, and evaluates there, as Transformers does.
+    assert [r["step"] for r in logged if "eval_loss" in r] == [3]
     assert (out / "checkpoints" / "step-3" / "manifest.json").is_file()  # save_strategy epoch at the end
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["strategy"] == "FSDP"

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import re
 import subprocess
 import sys
 import warnings
@@ -99,3 +100,36 @@ def run_shardtune(args: list[str], tmp_path: Path, timeout: int = 300) -> subpro
 def losses(output_dir: Path) -> list[float]:
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if "loss" in r]
+
+
+# What a command may print on stderr around its one line: progress bars, the training log, library loading bars.
+NOISE = re.compile(r"it/s\]|s/it\]|step/s\]|examples/s\]|^\[\d\d:\d\d:\d\d shardtune rank \d+\]|^Loading weights"
+                   r"|^Writing model|^\s*$|^  ")
+
+
+def refused(capsys, argv: list[str], *expected: str) -> str:
+    """Run ``shardtune ARGV`` in this process: it must exit with code 2 and print one line (besides progress
+    bars and the training log) holding every ``expected`` text; that line is returned."""
+    from shardtune.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not NOISE.search(line)]
+    assert code == 2, err
+    assert len(lines) == 1, lines
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def make_lora_adapter(model: Path, out: Path) -> Path:
+    """A LoRA adapter folder for the model folder ``model`` (q_proj and v_proj, rank 4), as PEFT saves one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model)
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(out)
+    return out

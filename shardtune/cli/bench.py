@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from dataclasses import asdict
@@ -65,6 +66,14 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("--num_processes must be at least 1 and --steps larger than --warmup_steps")
     if not Path(args.config).is_file():
         raise UsageError(f"CONFIG {args.config}: no such file; give a training YAML recipe")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError(f"--timeout {args.timeout:g}: give the seconds allowed per setup, above 0 (default 600)")
+    from shardtune.cli.common import check_output_path
+
+    for option, path, folder in (("--out", args.out, False), ("--plot", args.plot, False),
+                                 ("--work_dir", args.work_dir, True)):
+        if path:
+            check_output_path(path, option, folder=folder)  # before minutes of runs, not after them
     extra = []
     for pair in args.extra:
         key, eq, value = pair.partition("=")

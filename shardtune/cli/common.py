@@ -6,11 +6,15 @@ A leaf below ``shardtune.cli`` (``__init__`` dispatches to the subcommands, whic
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune import __version__
-from shardtune.errors import closest
+from shardtune.errors import UsageError, closest
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -102,6 +106,45 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name in SUBCOMMANDS if only is None else (only,):
         importlib.import_module(f"shardtune.cli.{name}").register(sub)
     return parser
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside: SIGTERM (a scheduler's stop, ``kill``) raises ``Terminated`` in the main thread, so the ``finally``
+    and ``except BaseException`` blocks on the way out run (a write's temporary files are removed) before the
+    command reports it. A second SIGTERM during that clean-up is ignored: it would cut the clean-up short."""
+    from shardtune.errors import Terminated
+
+    def terminate(signum, frame) -> None:  # noqa: ARG001
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def check_output_path(path: str | Path, what: str, *, folder: bool) -> None:
+    """An output path (a ``folder`` to make, or a file to write), refused before any work when it cannot be made:
+    a symlink to nothing (or a loop of symlinks) in its place, a file where the folder goes (or a folder where the
+    file goes), or a file where one of its parent folders goes. ``what`` names the option, as the user gave it."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise UsageError(f"{what} {path}: a symlink that leads nowhere (or a loop of symlinks) is in its place; "
+                         f"remove it or give another path")
+    if path.exists() and path.is_dir() != folder:
+        raise UsageError(f"{what} {path}: a {'file' if folder else 'folder'} is there, where the "
+                         f"{'folder' if folder else 'file'} goes; give another path")
+    for parent in path.parents:
+        if parent.is_symlink() and not parent.exists():
+            raise UsageError(f"{what} {path}: {parent} is a symlink that leads nowhere (or a loop of symlinks); "
+                             f"fix it or give another path")
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{what} {path}: {parent} is a file, not a folder; give another path")
+            return
 
 
 # What ``shardtune launch`` passes on to train itself, ahead of the user's train arguments: a different value for

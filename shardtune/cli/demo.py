@@ -67,6 +67,10 @@ def main(args: argparse.Namespace) -> int:
         check_quantize(args.quantize)
     if args.gpu:
         gpu_by_name(args.gpu)  # a bad name fails here, before minutes of training
+    if args.output_dir:
+        from shardtune.cli.common import check_output_path
+
+        check_output_path(args.output_dir, "--output-dir", folder=True)
     real_model = real_model_path(args.real) if args.real is not None else None  # a missing model fails here too
     if not args.skip_estimate:
         console.print(Rule("1. Will it fit?"))

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from shardtune import catalog
+from shardtune.cli.common import check_output_path
 from shardtune.config.schema import LoraConfig, TrainConfig, default_of
 from shardtune.errors import UsageError
 from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_LINKS, PRICES_AS_OF, SPEC_EXAMPLE, Gpu,
@@ -163,8 +165,6 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
 
     if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
         raise UsageError(f"--price-per-gpu-hour must be 0 or more US dollars (got {args.price_per_gpu_hour:g}).")
-    if args.pipeline_microbatches < 1:
-        raise UsageError(f"--pipeline-microbatches must be a whole number >= 1 (got {args.pipeline_microbatches}).")
     gpu = report.gpu
     links = Links(intra_node_link(gpu, args.interconnect), inter_node_link(gpu, args.inter_node), host_link(gpu))
     data = None
@@ -248,7 +248,7 @@ def gpu_from_args(args: argparse.Namespace) -> Gpu:
     if args.gpu_spec is not None:
         return gpu_from_spec(args.gpu_spec)
     if args.gpu_memory is not None:
-        if args.gpu_memory <= 0:
+        if not math.isfinite(args.gpu_memory) or args.gpu_memory <= 0:
             raise UsageError(f"--gpu-memory must be a positive number of GiB (got {args.gpu_memory:g}).")
         return custom_gpu(args.gpu_memory)
     return gpu_by_name(args.gpu or DEFAULT_GPU)
@@ -309,6 +309,11 @@ def main(args: argparse.Namespace) -> int:
     if args.list:
         print_catalog()
         return 0
+    if args.pipeline_microbatches < 1:
+        raise UsageError(f"--pipeline-microbatches must be a whole number >= 1 (got {args.pipeline_microbatches}).")
+    for option, path in (("--emit-config", args.emit_config), ("--plot", args.plot)):
+        if path:
+            check_output_path(path, option, folder=False)  # before the estimate, not after it
     if args.config:
         setup, auto = setup_from_config_files(args), False
     elif not args.model:

@@ -9,6 +9,9 @@ Both run on one process and load weights without executing code (DCP, safetensor
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from shardtune.errors import UsageError
@@ -43,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the base model folder, when it moved since training (default: the checkpoint's "
                         "model_name_or_path)")
     e.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    e.set_defaults(func=main_export)
+    e.set_defaults(func=stopped_by_sigterm_reported(main_export))
     m = sub.add_parser("merge", help="fold a LoRA adapter into its base model (a full Transformers folder)",
                        description="Merge the LoRA adapter in ADAPTER (OUTPUT_DIR/final of a LoRA run, or a "
                                    "'shardtune export' folder) into --base and write a Transformers model folder.")
@@ -51,7 +54,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--base", required=True, help="the base model folder the adapter was trained on")
     m.add_argument("out", metavar="OUT", help="the folder to write: new or empty (see --overwrite)")
     m.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
-    m.set_defaults(func=main_merge)
+    m.set_defaults(func=stopped_by_sigterm_reported(main_merge))
+
+
+def stopped_by_sigterm_reported(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``command`` with SIGTERM answered: the write it interrupts removes its temporary files on the way out
+    (``sigterm_raises``), then one line says so, and the exit code is 143 (128 + SIGTERM, what a shell reports)."""
+    from shardtune.cli.common import sigterm_raises
+    from shardtune.errors import EXIT_PREEMPTED, Terminated
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            with sigterm_raises():
+                return command(args)
+        except Terminated:
+            print(f"shardtune {args.command}: stopped by SIGTERM before {args.out} was complete; the temporary "
+                  f"files of the write in progress were removed: run the command again", file=sys.stderr)
+            return EXIT_PREEMPTED
+
+    return run
 
 
 def _check_base(base: str | None, fix: str) -> None:
@@ -63,8 +85,18 @@ def _check_base(base: str | None, fix: str) -> None:
         raise UsageError(f"--base {base}: no such folder; {fix}")
 
 
+def _check_out(out: str, *, whole_folder: bool) -> None:
+    """OUT refused before anything loads when it cannot be made: a file or a dangling symlink in the way. What a
+    folder may already hold (nothing, or an earlier export with --overwrite; never the current folder or a source)
+    is ``train.destination``'s to say."""
+    from shardtune.cli.common import check_output_path
+
+    check_output_path(out, "OUT", folder=whole_folder or not out.lower().endswith(".gguf"))
+
+
 def main_export(args: argparse.Namespace) -> int:
     _check_base(args.base, "give the folder of the base model the run trained (or leave --base out)")
+    _check_out(args.out, whole_folder=args.format != "gguf")
     if args.format == "gguf":
         from shardtune.train.export_gguf import export_gguf
 
@@ -84,6 +116,7 @@ def main_export(args: argparse.Namespace) -> int:
 
 def main_merge(args: argparse.Namespace) -> int:
     _check_base(args.base, "give the base model folder the adapter was trained on")
+    _check_out(args.out, whole_folder=True)
     _check_merge_inputs(Path(args.adapter), args.base, Path(args.out), overwrite=args.overwrite)
     from shardtune.bitsandbytes_use import model_needs_bitsandbytes
     from shardtune.cli.common import leave_out_bitsandbytes_unless
@@ -101,16 +134,16 @@ def main_merge(args: argparse.Namespace) -> int:
 def _check_merge_inputs(adapter: Path, base: str, out: Path, *, overwrite: bool) -> None:
     """What ``merge`` reads and writes, checked before anything is loaded: OUT, the adapter's files and the base
     model folder (config.json, weights, no code of its own: merge runs none)."""
-    from shardtune.hub import damaged_file_problem, model_folder_problem
+    from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, model_folder_problem,
+                               tokenizer_problem)
     from shardtune.train.destination import refuse_destination
-    from shardtune.train.export import adapter_problem
 
     refuse_destination(out, "OUT", sources=[adapter, base], overwrite=overwrite)
-    if problem := adapter_problem(adapter):
-        raise UsageError(problem)
-    if problem := damaged_file_problem(adapter):
+    if problem := adapter_folder_problem(adapter):
         raise UsageError(problem)
     if problem := model_folder_problem(base, f"--base {base}", trust_remote_code=False,
                                        trust_fix="merge it in Python with PEFT (PeftModel.from_pretrained(...)"
                                                  ".merge_and_unload()), where trust_remote_code=True can be passed"):
+        raise UsageError(problem)
+    if problem := tokenizer_problem(f"--base {base}", adapter, base) or adapter_weights_problem(adapter):
         raise UsageError(problem)

@@ -56,12 +56,14 @@ def _load(args: argparse.Namespace):
     from shardtune.bitsandbytes_use import model_needs_bitsandbytes
     from shardtune.cli.common import leave_out_bitsandbytes_unless
     from shardtune.errors import check_choice
-    from shardtune.infer.generate import load_for_generation, weights_source
+    from shardtune.infer.generate import check_device, check_sampling, load_for_generation, weights_source
 
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p)  # before the model loads, and before a chat
+    device = check_device(args.device)
     leave_out_bitsandbytes_unless(lambda: model_needs_bitsandbytes(weights_source(args.model)))
     dtype_name = check_choice(args.dtype, DTYPES, "--dtype")
     dtype = None if dtype_name == "auto" else getattr(torch, dtype_name)
-    return load_for_generation(args.model, dtype=dtype, device=args.device, trust_remote_code=args.trust_remote_code)
+    return load_for_generation(args.model, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
 
 
 def _options(args: argparse.Namespace) -> dict:

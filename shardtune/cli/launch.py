@@ -11,6 +11,8 @@ import os
 import shlex
 import signal
 import sys
+from typing import Any
+
 from shardtune.cli.launch_command import (DESCRIPTION, JOB, TORCHRUN, launcher_parser, torchrun_command,
                                           true_or_false)
 from shardtune.errors import UsageError, closest
@@ -70,14 +72,18 @@ def run(argv: list[str]) -> int:
     if opts.slurm is not None or opts.kubernetes is not None:
         return write_cluster_job(opts, argv[split + 1:])
     cmd = torchrun_command(opts, argv[split + 1:])
-    if opts.dry_run:
-        print(shlex.join(cmd))
-        return 0
     from shardtune.cli.common import TRAIN_HELP, load_job_config
     from shardtune.hub import offline_unless_reachable
 
     job = next(i for i in range(len(cmd)) if cmd[i:i + len(JOB)] == JOB)
     train_argv = cmd[job + len(JOB):]  # what every rank's 'shardtune train' reads
+    if opts.dry_run:
+        if not any(a in TRAIN_HELP for a in train_argv):
+            from shardtune.config.loading import check_given_values
+
+            check_given_values(train_argv)  # a bad value is refused in a dry run too; missing paths are not
+        print(shlex.join(cmd))
+        return 0
     if not any(a in TRAIN_HELP for a in train_argv):
         # Checked once here, as one line, rather than on every rank amid torchrun's output. Keys and values
         # only: neither the model nor the data is opened.
@@ -147,6 +153,23 @@ def _stopped_by_sigterm(report: str) -> int:
     return EXIT_FAILED
 
 
+def first_failure(failures: dict) -> tuple[int, Any]:
+    """(rank, failure) that ended the job. torchrun stamps failures in whole seconds, so the rank that died and a
+    survivor that then exited (its collective failed) can tie; its dict lists them in the order its agent saw them,
+    which breaks the tie (a survivor waits for the agent to see the dead rank: ``dist.ended_ranks``), and a rank
+    killed by a signal comes before an exit. SIGTERM is what the agent itself sends the others: such a death comes
+    last."""
+    first = min(f.timestamp for f in failures.values())
+    tied = [(seen, rank, f) for seen, (rank, f) in enumerate(failures.items()) if f.timestamp == first]
+
+    def cause_first(item: tuple[int, int, Any]) -> tuple[int, int]:
+        code = item[2].exitcode
+        return (2 if code == -signal.SIGTERM else 0 if code < 0 else 1), item[0]
+
+    _, rank, failure = min(tied, key=cause_first)
+    return rank, failure
+
+
 def run_torchrun(torchrun_args: list[str]) -> int:
     """Run torchrun's agent in this process; a failed worker becomes one line and its exit code.
 
@@ -179,7 +202,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     try:
         torchrun(args)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = first_failure(exc.failures)
         code = failure.exitcode
         if code == EXIT_PREEMPTED and os.path.exists(report):  # the workers had the SIGTERM, not this process
             return _stopped_by_sigterm(report)

@@ -4,11 +4,12 @@ here, and by its cluster jobs (``schedulers.py``), whose nodes run ``shardtune l
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from shardtune.errors import UsageError
+from shardtune.errors import UsageError, check_choice
 
 DESCRIPTION = """``shardtune launch [launcher options] train ...``: start a training job on N processes and M machines.
 
@@ -57,19 +58,51 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 JOB = ["-m", "shardtune", "train"]  # what torchrun starts on every rank
 
 
-def option_picker(opts: argparse.Namespace) -> Callable[[str, Any], Any]:
-    """``pick(name, default)``: the launcher option ``name``, else the Accelerate file's value, else ``default``."""
-    file_values: dict = {}
-    if opts.config_file:
-        from shardtune.config import read_accelerate_config
+class LauncherOptions:
+    """``pick(name, default)``: the launcher option ``name``, else the Accelerate file's value, else ``default``;
+    ``named(name)`` says where a value came from, for a message about it."""
 
-        file_values, _ = read_accelerate_config(opts.config_file)
+    def __init__(self, opts: argparse.Namespace) -> None:
+        self.opts = opts
+        self.file_values: dict = {}
+        if opts.config_file:
+            from shardtune.config import read_accelerate_config
 
-    def pick(name: str, default: Any) -> Any:
-        value = getattr(opts, name)
-        return value if value is not None else file_values.get(name, default)
+            self.file_values, _ = read_accelerate_config(opts.config_file)
 
-    return pick
+    def __call__(self, name: str, default: Any) -> Any:
+        value = getattr(self.opts, name)
+        return value if value is not None else self.file_values.get(name, default)
+
+    def named(self, name: str) -> str:
+        if getattr(self.opts, name) is not None or name not in self.file_values:
+            return f"--{name} {self(name, None)}"
+        return f"{self.opts.config_file}: {name} {self.file_values[name]}"
+
+    def whole(self, name: str, default: int | None, low: int, high: int | None = None, fix: str = "") -> int | None:
+        """The option as a whole number in [low, high], or a UsageError naming it, where it was set and the range."""
+        value = self(name, default)
+        if value is None:
+            return None
+        text = str(value).strip()
+        number = int(text) if text.lstrip("-").isdigit() else None
+        if number is None or number < low or (high is not None and number > high):
+            bounds = f"from {low} to {high}" if high is not None else f"{low} or more"
+            raise UsageError(f"{self.named(name)}: give a whole number {bounds}{fix}")
+        return number
+
+    def host(self, name: str) -> str | None:
+        """A host option (--main_process_ip) as given, refused when it cannot be a host name or address."""
+        value = self(name, None)
+        if value is not None and not HOST.match(str(value)):
+            raise UsageError(f"{self.named(name)}: not a host name or IP address; give the address of machine rank "
+                             f"0, e.g. 10.0.0.1 or node-0")
+        return None if value is None else str(value)
+
+
+def option_picker(opts: argparse.Namespace) -> LauncherOptions:
+    """The launcher's options, with the Accelerate file filling what they leave out."""
+    return LauncherOptions(opts)
 
 
 class MachineRange(NamedTuple):
@@ -99,16 +132,15 @@ def machine_range(value: Any) -> MachineRange:
     return MachineRange(low, high)
 
 
-def launch_size(pick: Callable[[str, Any], Any], default_per_machine: int | None = None) -> tuple[int, int]:
+def launch_size(pick: LauncherOptions, default_per_machine: int | None = None) -> tuple[int, int]:
     """(num_machines, num_processes) of the job, checked; processes default to ``default_per_machine`` per
     machine, else this machine's GPUs (at least 1). An elastic range counts its largest size."""
     num_machines = machine_range(pick("num_machines", 1)).max
-    num_processes = pick("num_processes", None)
+    num_processes = pick.whole("num_processes", None, 1)
     if num_processes is None:
         per_machine = max(1, _local_gpus()) if default_per_machine is None else default_per_machine
         num_processes = num_machines * per_machine
-    num_processes = int(num_processes)
-    if num_machines < 1 or num_processes < 1:
+    if num_processes < 1:
         raise UsageError("--num_processes and --num_machines must be at least 1")
     if num_processes % num_machines:
         raise UsageError(f"--num_processes {num_processes} is the total over all machines and must be a multiple "
@@ -121,11 +153,15 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
     pick = option_picker(opts)
     num_machines, num_processes = launch_size(pick)
     machines = machine_range(pick("num_machines", 1))
+    check_agent_options(opts)
     cmd = TORCHRUN + ["--nnodes", str(machines),
            "--nproc_per_node", str(num_processes // num_machines), "--max_restarts", str(opts.max_restarts)]
     if opts.monitor_interval is not None:
         cmd += ["--monitor_interval", str(opts.monitor_interval)]
-    rdzv = str(pick("rdzv_backend", "static"))
+    rdzv = check_choice(str(pick("rdzv_backend", "static")), RDZV_BACKENDS, "--rdzv_backend")
+    port = pick.whole("main_process_port", None, 1, 65535, fix=" (the TCP port of machine rank 0; default 29500)")
+    rank = pick.whole("machine_rank", None, 0, num_machines - 1,
+                      fix=f" (--num_machines {num_machines}: 0 on the main machine, then 1, 2, ...)")
     if machines.elastic and rdzv != "c10d":
         raise UsageError(f"--num_machines {machines} is an elastic range: add --rdzv_backend c10d (a static "
                          f"rendezvous waits for a fixed number of machines), or give one number")
@@ -135,8 +171,7 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
     if opts.rdzv_id and not (num_machines > 1 and rdzv == "c10d"):
         raise UsageError(f"--rdzv_id {opts.rdzv_id} names a c10d rendezvous of several machines: add "
                          f"--rdzv_backend c10d and --num_machines 2 or more, or leave --rdzv_id out")
-    ip = pick("main_process_ip", None)
-    port = pick("main_process_port", None)
+    ip = pick.host("main_process_ip")
     if num_machines > 1:
         if not ip:
             raise UsageError("multi-machine launch needs --main_process_ip (the address of machine rank 0) and "
@@ -149,7 +184,6 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
             if opts.rdzv_conf is not None:
                 cmd += ["--rdzv_conf", rdzv_conf(opts.rdzv_conf)]
         else:
-            rank = pick("machine_rank", None)
             if rank is None:
                 raise UsageError("multi-machine launch needs --machine_rank (0 on the main machine, then 1, 2, ...)")
             cmd += ["--node_rank", str(rank), "--master_addr", str(ip), "--master_port", str(port)]
@@ -162,6 +196,22 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
         cmd += ["--config_file", opts.config_file]
     cmd += ["--num_processes", str(num_processes), "--num_machines", str(num_machines)]
     return cmd + train_args
+
+
+RDZV_BACKENDS = ("static", "c10d")  # what shardtune starts torchrun with (etcd needs a server of its own)
+# A host name or an IPv4/IPv6 address: letters, digits, dots, dashes, colons (no spaces, no URL); or a shell variable
+# that a cluster job's script expands on each node ("$head_node").
+HOST = re.compile(r"^[A-Za-z0-9_.:%-]+$|^\[[0-9A-Fa-f:.%]+\]$|^\$\{?\w+\}?$")
+
+
+def check_agent_options(opts: argparse.Namespace) -> None:
+    """torchrun's own numbers, refused in one line where torchrun would stop with an AssertionError."""
+    if opts.max_restarts < 0:
+        raise UsageError(f"--max_restarts {opts.max_restarts}: give 0 (no restart) or more")
+    interval = opts.monitor_interval
+    if interval is not None and not (math.isfinite(interval) and interval > 0):
+        raise UsageError(f"--monitor_interval {interval}: give a number of seconds above 0 (torchrun's default is "
+                         f"0.1)")
 
 
 # torchrun's c10d rendezvous settings (torch.distributed.elastic.rendezvous.dynamic_rendezvous), all in seconds:

@@ -14,7 +14,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from shardtune.cli.common import check_output_path
     from shardtune.train.plot import write_plots
+
+    if args.out is not None:
+        check_output_path(args.out, "--out", folder=True)
 
     for path in write_plots(args.output_dir, args.out):
         print(path)

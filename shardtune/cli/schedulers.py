@@ -118,7 +118,7 @@ def job_shape(opts: argparse.Namespace) -> JobShape:
         if getattr(opts, name) is not None and getattr(opts, name) < 1:
             raise UsageError(f"--{name} {getattr(opts, name)}: give 1 or more")
     return JobShape(name=opts.job_name or DEFAULT_JOB_NAME, num_machines=num_machines, procs_per_node=per_node,
-                    gpus_per_node=gpus, port=int(pick("main_process_port", None) or DEFAULT_PORT),
+                    gpus_per_node=gpus, port=pick.whole("main_process_port", DEFAULT_PORT, 1, 65535),
                     max_restarts=opts.max_restarts, grace_s=opts.grace_period or DEFAULT_GRACE_S,
                     cpus_per_task=opts.cpus_per_task, network_interface=opts.network_interface)
 

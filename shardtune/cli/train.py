@@ -11,10 +11,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import signal
 import sys
 
-from shardtune.cli.common import TRAIN_HELP, leave_out_bitsandbytes_unless, load_job_config
+from shardtune.cli.common import TRAIN_HELP, leave_out_bitsandbytes_unless, load_job_config, sigterm_raises
 from shardtune.errors import first_line
 from shardtune.strategies import resolve
 
@@ -47,11 +46,8 @@ def run(argv: list[str]) -> int:
     from shardtune.cli.launch import die_with_launcher
 
     die_with_launcher()
-    previous = signal.signal(signal.SIGTERM, _terminate)  # until the training loop can answer it with a checkpoint
-    try:
+    with sigterm_raises():  # until the training loop can answer it with a checkpoint
         return _run(argv)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(argv: list[str]) -> int:
@@ -83,7 +79,8 @@ def _run(argv: list[str]) -> int:
     try:
         summary = train(cfg, job_callbacks(cfg), stage_bounds=job_stage_bounds(cfg))
     except TrainingStopped as exc:
-        print(f"shardtune train: rank {rank}: stopped: {exc}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):  # a rank that died: the lowest survivor says it, once
+            print(f"shardtune train: rank {rank}: stopped: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except RuntimeError as exc:
         first = first_line(str(exc), type(exc).__name__)
@@ -112,12 +109,6 @@ def print_deepspeed_mapping(argv: list[str]) -> None:
     print(f"DeepSpeed config {source}, as shardtune runs it:", file=sys.stderr)
     for line in lines:
         print(f"  {line}", file=sys.stderr)
-
-
-def _terminate(signum, frame) -> None:  # noqa: ARG001
-    from shardtune.errors import Terminated
-
-    raise Terminated
 
 
 def job_callbacks(cfg) -> list:

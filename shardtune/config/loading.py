@@ -27,8 +27,8 @@ from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compi
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
 from shardtune.config.no_ops import NO_OPS, no_op_problem
 from shardtune.config.schema import TrainConfig, known_keys, section_classes
-from shardtune.config.validation import (device_problems, input_problems, model_folder_problems, resolve_report_to,
-                                         tracker_problems, validate)
+from shardtune.config.validation import (context_problems, device_problems, input_problems, model_folder_problems,
+                                         resolve_report_to, tracker_problems, validate)
 from shardtune.errors import UsageError, closest
 from shardtune.strategies import FSDP, lookup
 
@@ -102,6 +102,11 @@ def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         return {}, {}
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a mapping of key: value lines, got {type(data).__name__}")
+    for section in NESTED_SECTIONS:  # a scalar or a list there would be read as an unknown key named after it
+        if data.get(section) is not None and not isinstance(data[section], dict):
+            line = flat_lines.get(section, [0])[0]
+            raise UsageError(f"{path}{f', line {line}' if line else ''}: {section} must be a mapping of keys "
+                             f"(as 'accelerate config' writes it), got {type(data[section]).__name__}")
     found = {key for key, _ in loader.repeated}
     repeated = loader.repeated + [(key, at) for key, at in flat_lines.items() if len(at) > 1 and key not in found]
     raise_problems([_repeated_key(path, key, at) for key, at in repeated])
@@ -121,6 +126,9 @@ def _flat_key_lines(node: yaml.Node | None) -> dict[str, list[int]]:
             if key.tag != "tag:yaml.org,2002:merge" and isinstance(key, yaml.ScalarNode):
                 lines.setdefault(key.value, []).append(key.start_mark.line + 1)
     return lines
+
+
+NESTED_SECTIONS = ("fsdp_config", "deepspeed_config")  # the blocks of an Accelerate file that _flatten lifts
 
 
 def _flatten(data: dict[str, Any]) -> dict[str, Any]:
@@ -470,12 +478,22 @@ def load_run_config(argv: list[str]) -> TrainConfig:
     return cfg
 
 
+def check_given_values(argv: list[str]) -> None:
+    """The training keys ``argv`` gives, checked as keys and values only, with the model, data and output_dir
+    allowed to be left out: what a dry run of ``shardtune launch`` shows the command for. Nothing is read."""
+    placeholders: tuple[dict[str, Any], dict[str, Origin]] = ({"model_name_or_path": "MODEL", "dataset_name": "DATA"},
+                                                              {})
+    _, _, problems = _apply([placeholders, *_layers(argv)], training=False)
+    raise_problems(problems)
+
+
 def run_config_problems(argv: list[str]) -> tuple[TrainConfig, dict[str, Origin], list[str]]:
     """The config of a job about to start, where each key was set, and every problem ``load_run_config`` reports."""
     cfg, given, problems = _apply(_layers(argv), training=True)
     if not cfg.run.dry_run:
-        problems += (input_problems(cfg, given) + model_folder_problems(cfg, given) + device_problems(cfg)
-                     + tracker_problems(cfg, given))
+        folder = model_folder_problems(cfg, given)
+        problems += (input_problems(cfg, given) + folder + (context_problems(cfg, given) if not folder else [])
+                     + device_problems(cfg) + tracker_problems(cfg, given))
     return cfg, given, problems
 
 

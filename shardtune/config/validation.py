@@ -19,6 +19,9 @@ from shardtune.errors import closest
 from shardtune.strategies import NO, Strategy, lookup
 
 
+MAX_SEED = 2**32 - 1
+
+
 def _choice(problems: list[str], key: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         hint = closest(str(value), choices)
@@ -70,8 +73,10 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[str]:
                         "shardtune writes safetensors only: leave save_safetensors out")
     if r.max_steps == 0 or r.max_steps < -1:
         problems.append(f"max_steps={r.max_steps} must be a positive number of optimizer steps, or -1 for epochs")
-    if r.num_train_epochs <= 0 and r.max_steps == -1:
+    if r.num_train_epochs < 0 or (r.num_train_epochs == 0 and r.max_steps == -1):  # max_steps wins over 0 epochs
         problems.append(f"num_train_epochs={r.num_train_epochs} must be positive (or set max_steps)")
+    if not 0 <= r.seed <= MAX_SEED:  # what numpy's and torch's generators take
+        problems.append(f"seed={r.seed} must be from 0 to {MAX_SEED} (2**32 - 1)")
     if o.learning_rate < 0:
         problems.append(f"learning_rate={o.learning_rate} must not be negative")
     if not 0 <= o.warmup_ratio <= 1:
@@ -305,16 +310,41 @@ def _optim_problems(cfg: TrainConfig) -> list[str]:
 
 def device_problems(cfg: TrainConfig) -> list[str]:
     """What this machine cannot run, for a job about to start here (an emitted or traced config is not checked):
-    a paged optimizer without CUDA, which bitsandbytes would silently run unpaged."""
+    bitsandbytes that QLoRA or the optimizer needs and that does not import, and a paged optimizer without CUDA,
+    which bitsandbytes would silently run unpaged."""
     name = cfg.optim.optim
-    if name not in OPTIMIZERS or not OPTIMIZERS[name].needs_cuda:
-        return []
+    problems = bitsandbytes_problems(cfg)
+    if problems or name not in OPTIMIZERS or not OPTIMIZERS[name].needs_cuda:
+        return problems
     import torch  # only asked for a paged optimizer: the other checks need no torch
 
     if torch.cuda.is_available():
         return []
     return [f"optim={name} pages its state through CUDA unified memory, and no CUDA GPU is visible; use optim "
             f"{non_cuda_alternative(name)} (the same optimizer, not paged)"]
+
+
+def bitsandbytes_problems(cfg: TrainConfig) -> list[str]:
+    """QLoRA's 4-bit base and bitsandbytes' optimizers need the package to import (a missing one, or a build
+    that does not load on this machine), found before anything is written rather than as a traceback after the
+    data is tokenised. Imported only for a job that uses it."""
+    users = [f"optim {cfg.optim.optim}"] if OPTIMIZERS.get(cfg.optim.optim) and \
+        OPTIMIZERS[cfg.optim.optim].library == "bitsandbytes" else []
+    if cfg.lora.use_4bit_quantization:
+        users.insert(0, "use_4bit_quantization (QLoRA)")
+    if not users:
+        return []
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError, or the RuntimeError of a build that cannot load here
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}" if str(exc).strip() else type(exc).__name__
+        optim_too = len(users) > cfg.lora.use_4bit_quantization
+        instead = " and ".join(fix for fix, used in (("use_4bit_quantization false (plain LoRA)",
+                                                       cfg.lora.use_4bit_quantization),
+                                                      ("optim adamw_torch", optim_too)) if used)
+        return [f"{' and '.join(users)} need{'s' if len(users) == 1 else ''} bitsandbytes, which does not import "
+                f"here ({why}): pip install -U 'bitsandbytes>=0.46', or train with {instead}"]
+    return []
 
 
 def resolve_report_to(names: list[str]) -> list[str]:
@@ -377,12 +407,31 @@ def input_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
     return problems
 
 
+def context_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
+    """max_seq_len beyond the positions the model covers (its config's max_position_embeddings): refused, not
+    capped, since a row that long would train positions the model never learned (and a model with learned
+    position embeddings would stop mid-run on the first such row). A model whose config cannot be read before
+    loading (a hub model not yet downloaded) is not checked."""
+    from shardtune.hub import context_length
+
+    model, seq_len = cfg.model.model_name_or_path, cfg.data.max_seq_len
+    found = context_length(model) if model and isinstance(seq_len, int) else None
+    if found is None or seq_len <= found[0]:
+        return []
+    limit, where = found
+    named = f"{given['max_seq_len']}: max_seq_len {seq_len}" if "max_seq_len" in given else \
+        f"max_seq_len {seq_len} (the default)"
+    return [f"{named} is beyond the {limit} positions model_name_or_path '{model}' covers ({where}); set "
+            f"max_seq_len {limit} or less, or give the model a longer context first (rope_scaling in its config.json)"]
+
+
 def model_folder_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
-    """A local model folder that a training job could not load: no config.json, no weights, or its own code not
-    allowed (``hub.model_folder_problem``), told before any tokenizer or data is read. (``data inspect`` reads
+    """A local model folder or file that a training job could not load: no config.json, no weights, its own code
+    not allowed, a GGUF cut short, a file that is neither (``hub.model_folder_problem``), told before any tokenizer
+    or data is read. (``data inspect`` reads
     only the tokenizer, so it does not ask.)"""
     model = cfg.model.model_name_or_path
-    if not model or not Path(model).expanduser().is_dir():  # transformers reads an existing folder, whatever its name
+    if not model or not Path(model).expanduser().exists():  # an existing path is read, whatever its name
         return []
     problem = model_folder_problem(model, f"model_name_or_path '{model}'", trust_fix="set trust_remote_code true",
                                    trust_remote_code=cfg.model.trust_remote_code)

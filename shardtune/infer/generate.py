@@ -10,6 +10,7 @@ the speed, and to measure by how much.
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -27,9 +28,13 @@ from shardtune.gguf_source import find_gguf, parsed_once
 from shardtune.gguf_source import load_model as load_gguf_model
 from shardtune.gguf_source import load_tokenizer as load_gguf_tokenizer
 from shardtune.hub import (
-    damaged_file_problem,
+    adapter_folder_problem,
+    adapter_weights_problem,
+    has_tokenizer,
+    loading_refused,
     model_folder_problem,
     pickled_weights_refused,
+    tokenizer_problem,
 )
 
 
@@ -82,10 +87,6 @@ def weights_source(path: str | Path) -> Path | None:
         return None
 
 
-def _has_tokenizer(folder: Path) -> bool:
-    return any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-
-
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -100,8 +101,6 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                         trust_remote_code: bool = False) -> tuple[Any, Any]:
     """Load a local model folder, or a PEFT adapter folder on top of its base, in eval mode: (model, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = Path(path).expanduser()
     if gguf := find_gguf(folder):  # a .gguf file, or a folder holding one
         device = torch.device(device) if device is not None else default_device()
@@ -114,35 +113,43 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
     if not is_adapter and not (folder / "config.json").is_file():
         raise UsageError(f"'{path}' holds neither config.json nor adapter_config.json; give a Transformers model "
                          f"folder or a PEFT adapter folder (e.g. a training run's final/).")
-    if is_adapter and (damaged := damaged_file_problem(folder)):
-        raise UsageError(damaged)
+    if is_adapter and (problem := adapter_folder_problem(folder)):
+        raise UsageError(problem)
     base = _read_adapter_base(folder) if is_adapter else folder
     name = f"{folder / 'adapter_config.json'}: base model folder '{base}'" if is_adapter else f"'{path}'"
     if problem := model_folder_problem(base, name, trust_remote_code=trust_remote_code,
-                                       trust_fix="pass --trust_remote_code"):
+                                       trust_fix="pass --trust_remote_code") or tokenizer_problem(name, folder, base) \
+            or (is_adapter and adapter_weights_problem(folder)):
         raise UsageError(problem)
     device = torch.device(device) if device is not None else default_device()
-    dtype = dtype or default_dtype(device)
-    base_gguf = find_gguf(base)
-    with pickled_weights_refused(folder, base):
-        model = load_gguf_model(base_gguf, dtype=dtype) if base_gguf else AutoModelForCausalLM.from_pretrained(
-            base, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code)
-        # A fine-tune saves its tokenizer (and chat template) next to the adapter; prefer it to the base one.
-        tokenizer_dir = folder if _has_tokenizer(folder) else base
-        tokenizer = load_gguf_tokenizer(base_gguf) if tokenizer_dir is base and base_gguf else \
-            AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=trust_remote_code)
-        if is_adapter:
-            from peft import PeftModel
-
-            from shardtune.train.model import resize_for_tokenizer
-
-            # The run may have added tokens (a pad, a template's specials) and saved the grown embeddings.
-            resize_for_tokenizer(model, len(tokenizer))
-
-            with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing the user can fix
-                warnings.simplefilter("ignore", FutureWarning)
-                model = PeftModel.from_pretrained(model, folder, is_trainable=False, local_files_only=True)
+    with pickled_weights_refused(folder, base), loading_refused(
+            f"'{path}'", "the folder is damaged or was altered: save it again, or use a copy you trust"):
+        model, tokenizer = _load(folder, base, is_adapter, dtype or default_dtype(device), trust_remote_code)
     return model.to(device).eval(), tokenizer
+
+
+def _load(folder: Path, base: Path, is_adapter: bool, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, Any]:
+    """The base model (a folder or GGUF), the adapter on it, and the adapter's tokenizer or else the base's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_gguf = find_gguf(base)
+    model = load_gguf_model(base_gguf, dtype=dtype) if base_gguf else AutoModelForCausalLM.from_pretrained(
+        base, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code)
+    # A fine-tune saves its tokenizer (and chat template) next to the adapter; prefer it to the base one.
+    tokenizer_dir = folder if has_tokenizer(folder) else base
+    tokenizer = load_gguf_tokenizer(base_gguf) if tokenizer_dir is base and base_gguf else \
+        AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    if not is_adapter:
+        return model, tokenizer
+    from peft import PeftModel
+
+    from shardtune.train.model import resize_for_tokenizer
+
+    # The run may have added tokens (a pad, a template's specials) and saved the grown embeddings.
+    resize_for_tokenizer(model, len(tokenizer))
+    with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing the user can fix
+        warnings.simplefilter("ignore", FutureWarning)
+        return PeftModel.from_pretrained(model, folder, is_trainable=False, local_files_only=True), tokenizer
 
 
 # ------------------------------------------------------------------------------------------------------ prompting
@@ -249,13 +256,53 @@ def _own_defaults_only(model: Any) -> Iterator[None]:
         inner.generation_config = saved
 
 
-def _check_options(prompt_ids: Sequence[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """The sampling settings, refused in one line when no generation could use them (NaN included)."""
     if max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be at least 1 (got {max_new_tokens}).")
-    if temperature < 0:
-        raise UsageError(f"temperature must be >= 0 (got {temperature:g}); use 0 for greedy decoding.")
+    if not temperature >= 0 or math.isinf(temperature):
+        raise UsageError(f"temperature must be a number >= 0 (got {temperature:g}); use 0 for greedy decoding.")
     if not 0 < top_p <= 1:
         raise UsageError(f"top_p must be in (0, 1] (got {top_p:g}); 1 keeps every token.")
+
+
+def _check_options(prompt_ids: Sequence[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
+    check_sampling(max_new_tokens, temperature, top_p)
+    if not prompt_ids:
+        raise UsageError("the prompt is empty after tokenization; give some text.")
+
+
+def check_device(name: str | None) -> torch.device:
+    """``--device`` as a torch device this machine has (default: CUDA where there is one), or a UsageError."""
+    if name is None:
+        return default_device()
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name}: not a device; give cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu: each says if it has a device
+    count = backend.device_count() if backend and hasattr(backend, "device_count") and backend.is_available() else 0
+    if (device.index or 0) >= count:
+        kind = device.type.upper() if device.type == "cuda" else device.type
+        raise UsageError(f"--device {name}: this machine has {count or 'no'} {kind} device{'' if count == 1 else 's'} "
+                         f"torch can use; give cpu{f', or {device.type}:0' if count else ''}")
+    return device
+
+
+@torch.inference_mode()
+def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = 128,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, use_cache: bool = True,
+             stream: Callable[[str], None] | None = None, stop_ids: Collection[int] | None = None,
+             stats: GenerationStats | None = None) -> list[int]:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``; returns the new ids, without the stop token.
+
+    Greedy when ``temperature`` is 0, else temperature plus top-p sampling from a generator seeded with ``seed``.
+    ``stream`` receives the text as it is decoded. ``stop_ids`` defaults to :func:`stop_token_ids`; pass an empty
+    set to always run to ``max_new_tokens``. ``stats``, if given, is filled with timings.
+    """
+    check_sampling(max_new_tokens, temperature, top_p)
     if not prompt_ids:
         raise UsageError("the prompt is empty after tokenization; give some text.")
 

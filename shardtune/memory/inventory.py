@@ -83,7 +83,10 @@ def inventory_from_dict(data: dict, name: str) -> ModelInventory:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"cannot read {path}: not UTF-8 text (byte {exc.start}); point at a model's config.json") \
+            from None
     except json.JSONDecodeError as exc:
         raise UsageError(
             f"cannot read {path}: invalid JSON at line {exc.lineno}, column {exc.colno} ({exc.msg}); "
@@ -91,6 +94,10 @@ def _read_json(path: Path) -> dict:
         ) from None
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}.") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{path}: holds a JSON {type(config).__name__}, not the object of a model's config "
+                         f"(model_type, hidden_size, ...); point at a Hugging Face model folder or its config.json.")
+    return config
 
 
 def load_config_dict(model: str) -> tuple[str, dict]:

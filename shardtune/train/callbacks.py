@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shardtune.errors import UsageError
+from shardtune.errors import UsageError, first_line
 
 log = logging.getLogger("shardtune")
 
@@ -78,7 +78,14 @@ def load_callback(spec: str) -> Any:
     cls = getattr(module, class_name, None)
     if cls is None or not callable(cls):
         raise UsageError(f"callbacks: {module_name} has no class {class_name!r} (for {spec!r})")
-    return cls()
+    try:
+        return cls()
+    except Exception as exc:  # noqa: BLE001 - the user's class: whatever it raised, the run has not started
+        why = f"{type(exc).__name__}: {first_line(str(exc))}" if str(exc).strip() else type(exc).__name__
+        fix = (f"a callback named in the config is made as {class_name}(): give its arguments defaults (or read "
+               f"them from the environment), or pass an instance in code (train(cfg, [{class_name}(...)]))"
+               if isinstance(exc, TypeError) else f"fix {class_name}.__init__, or leave it out of callbacks")
+        raise UsageError(f"callbacks: {spec} failed as it was made, {class_name}() ({why}); {fix}") from None
 
 
 class CallbackList:

@@ -163,8 +163,8 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
     return final
 
 
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first; warns about any save that was killed half-way."""
+def complete_checkpoints(output_dir: str | Path, *, warn: bool = True) -> list[Path]:
+    """Complete checkpoints, oldest first; ``warn``s about any save that was killed half-way."""
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
@@ -173,7 +173,7 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
         match = STEP_FOLDER.match(entry.name)
         if match and (entry / MANIFEST).is_file():
             found.append((int(match.group(1)), entry))
-        elif entry.name.startswith(".tmp-step-") or match:
+        elif warn and (entry.name.startswith(".tmp-step-") or match):
             log.warning("ignoring incomplete checkpoint %s (its save was interrupted)", entry)
     return [path for _, path in sorted(found)]
 

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
+from shardtune.hub import adapter_folder_problem, adapter_weights_problem, loading_refused
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
 from shardtune.train.destination import publish, refuse_destination, temporary_sibling
 from shardtune.train.layout import MANIFEST, checkpoint_folder_problem
@@ -207,10 +208,12 @@ def merged_model(adapter: str | Path, base: str | Path):
     from shardtune.train.model import resize_for_tokenizer
 
     adapter = Path(adapter)
-    if problem := adapter_problem(adapter):
+    if problem := adapter_folder_problem(adapter) or adapter_weights_problem(adapter):
         raise UsageError(problem)
-    model, tokenizer = load_plain_model(base, "--base", "give the base model folder the adapter was trained on")
-    if (adapter / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(str(adapter))
-    resize_for_tokenizer(model, len(tokenizer))
-    return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload(), tokenizer
+    with loading_refused(f"adapter {adapter} on --base {base}", "the folders are damaged or do not belong together: "
+                                                                 "save them again, or use copies you trust"):
+        model, tokenizer = load_plain_model(base, "--base", "give the base model folder the adapter was trained on")
+        if (adapter / "tokenizer_config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(str(adapter))
+        resize_for_tokenizer(model, len(tokenizer))
+        return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload(), tokenizer

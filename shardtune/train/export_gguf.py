@@ -15,6 +15,8 @@ from shardtune.errors import UsageError
 from shardtune.gguf_export import check_quantize, family_of, write_gguf
 from shardtune.gguf_source import described, find_gguf, metadata, parsed_once
 from shardtune.gguf_vocab import template_for_gguf
+from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, loading_refused, model_folder_problem,
+                           tokenizer_problem)
 from shardtune.ollama import write_modelfile, written_by_shardtune
 from shardtune.train.export import adapter_problem, load_checkpoint_model, load_plain_model, merged_model
 from shardtune.train.layout import MANIFEST
@@ -56,11 +58,21 @@ def load_source(source: str | Path, base: str | None = None) -> tuple[object, ob
         model, tokenizer, is_peft, model_path = load_checkpoint_model(path, base=base)
         return (model.merge_and_unload() if is_peft else model), tokenizer, model_path
     if path.is_dir() and adapter_problem(path) is None:
+        if problem := adapter_folder_problem(path):  # before PEFT or safetensors stop on it with a traceback
+            raise UsageError(problem)
         base_path = _adapter_base(path, base)
+        if problem := tokenizer_problem(f"--base {base_path}", path, base_path) or adapter_weights_problem(path):
+            raise UsageError(problem)
         model, tokenizer = merged_model(path, base_path)
         return model, tokenizer, base_path
     if find_gguf(path) or (path / "config.json").is_file():
-        model, tokenizer = load_plain_model(path, "RUN_OR_CHECKPOINT", "give a Transformers model folder")
+        name = f"RUN_OR_CHECKPOINT {source}"
+        if problem := model_folder_problem(path, name, trust_remote_code=False, trust_fix="load it in Python with "
+                                           "trust_remote_code=True and save_pretrained it without its code first") \
+                or tokenizer_problem(name, path):
+            raise UsageError(problem)
+        with loading_refused(name, "the folder is damaged or was altered: save it again, or use a copy you trust"):
+            model, tokenizer = load_plain_model(path, "RUN_OR_CHECKPOINT", "give a Transformers model folder")
         return model, tokenizer, str(path)
     raise UsageError(f"RUN_OR_CHECKPOINT {source}: holds no final/, manifest.json, adapter_config.json or "
                      f"config.json; give a run's output_dir, its final/, a checkpoint or a model folder")

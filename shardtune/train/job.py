@@ -15,6 +15,7 @@ from torch import nn
 
 from shardtune.config import TrainConfig
 from shardtune.dist import DistInfo
+from shardtune.errors import UsageError
 from shardtune.gguf_source import parsed_once
 from shardtune.train.build import build_model, plan_for
 from shardtune.train.model import Precision, attn_implementation
@@ -53,6 +54,17 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     return max(1, math.ceil(cfg.run.num_train_epochs * steps_per_epoch))
 
 
+def no_eval_split(cfg: TrainConfig) -> str:
+    """eval_strategy asks for evaluations and the data has no eval rows: refused (as Transformers' Trainer refuses
+    an eval_strategy without an eval_dataset) rather than a run that never evaluates what the user asked for."""
+    d = cfg.data
+    named = ", ".join(d.eval_split_names())
+    where = f"no rows in split(s) {named}" if named else f"splits {d.splits} names none besides train"
+    return (f"eval_strategy {cfg.run.eval_strategy} evaluates on the eval split, and dataset_name '{d.dataset_name}' "
+            f"has no eval rows ({where}); add an eval split (e.g. test.jsonl beside train.jsonl), hold rows out of "
+            f"train with eval_split_ratio 0.05, or set eval_strategy no")
+
+
 @parsed_once()  # a GGUF's metadata, read by the tokenizer and the model alike
 def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, int], ...] | None = None) -> Job:
     """Tokenise the data, resolve the plan, build and parallelize the model, make the optimizer and schedule."""
@@ -61,6 +73,8 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
 
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed)
+    if cfg.run.eval_strategy != "no" and not (data.eval is not None and len(data.eval)):
+        raise UsageError(no_eval_split(cfg))
     if info.is_main:
         log.info("data: %s", data.report.format())
     precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)

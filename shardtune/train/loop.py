@@ -22,10 +22,12 @@ import numpy as np
 import torch
 
 from shardtune.config import TrainConfig, save_resolved
-from shardtune.dist import DistInfo, RankFailed, all_reduce_sum, init_distributed, run_and_share, shutdown
-from shardtune.errors import Terminated, TrainingStopped, UsageError, first_line
+from shardtune.dist import (DistInfo, RankFailed, all_reduce_sum, ended_ranks, init_distributed, lost_peer,
+                            process_table, run_and_share, shutdown)
+from shardtune.errors import PeerLost, Terminated, TrainingStopped, UsageError, first_line
 from shardtune.train.callbacks import CallbackList, load_callbacks
-from shardtune.train.checkpoint import Checkpointer, checkpoint_damage, resume_point, write_failure, write_fix
+from shardtune.train.checkpoint import (Checkpointer, checkpoint_damage, complete_checkpoints, resume_point,
+                                        write_failure, write_fix)
 from shardtune.train.evaluate import Evaluator
 from shardtune.train.job import Job, make_job
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
@@ -96,14 +98,39 @@ def train(cfg: TrainConfig, callbacks: Sequence[Any] = (), *,
     try:
         info = init_distributed(cfg.run.ddp_timeout, group_for_one=needs_process_group(cfg.distributed))
         setup_logging(cfg.run.log_level, info)
+        processes: list[tuple[str, int]] = []
         try:
+            processes = process_table(info)  # who runs where: to name a rank that dies
             named = load_callbacks(cfg.run.callbacks)  # a bad name stops the run before anything is written
             with output_dir_claimed(cfg, info):  # so does a folder in use, or one holding another run
                 return _train(cfg, info, [*named, *callbacks], stage_bounds, sigterm)
+        except RuntimeError as exc:
+            if not (info.distributed and lost_peer(exc)):
+                raise
+            raise peer_lost(cfg, info, processes) from None  # one line, not the backend's traceback
         finally:
             shutdown()
     finally:
         sigterm.restore()
+
+
+def peer_lost(cfg: TrainConfig, info: DistInfo, processes: list[tuple[str, int]]) -> PeerLost:
+    """What a survivor says when a collective failed because another rank's process ended: which rank (those on
+    this host are looked up; one elsewhere is named by its host's absence) and the newest complete checkpoint.
+    The lowest rank still running says it; the others stay quiet."""
+    gone = ended_ranks(processes, info.rank) if processes else None
+    if gone:
+        who = f"rank {', '.join(map(str, gone))} {'is' if len(gone) == 1 else 'are'} gone (the process ended: " \
+              f"killed, out of memory, or stopped by its own error, printed above)"
+        quiet = any(r < info.rank and r not in gone for r in range(info.world_size))
+    else:
+        who = "a rank on another machine is gone (the connection to it closed): see that machine's messages"
+        quiet = info.rank != 0
+    found = complete_checkpoints(cfg.run.output_dir, warn=False)
+    after = (f"newest complete checkpoint: {found[-1]}; run the same command with resume_from_checkpoint true to "
+             f"carry on from it (its files are checked first)" if found else
+             "no checkpoint was saved yet: run the same command to start again")
+    return PeerLost(f"{who}, and training cannot go on without it; {after}", quiet=quiet)
 
 
 def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bounds,

@@ -46,10 +46,15 @@ class Metrics:
         return seen
 
 
-def _parse_line(text: str, path: Path, line_number: int) -> dict | None:
+def _parse_line(raw: bytes, path: Path, line_number: int) -> dict | None:
+    where = f"{path}: line {line_number}"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{where} is not UTF-8 text (byte {exc.start}); the file is damaged: give the "
+                         f"metrics.jsonl a training run wrote") from None
     if not text.strip():
         return None
-    where = f"{path}: line {line_number}"
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -75,9 +80,9 @@ def read_metrics(output_dir: str | Path) -> Metrics:
         raise UsageError(f"no {METRICS_FILE} in '{output_dir}'; give the output_dir of a training run "
                          f"(the folder 'shardtune train' writes metrics.jsonl into).")
     latest: dict[tuple[str, int], dict] = {}
-    with path.open() as f:
-        for line_number, text in enumerate(f, start=1):
-            record = _parse_line(text, path, line_number)
+    with path.open("rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            record = _parse_line(raw, path, line_number)
             if record is None:
                 continue
             # a resumed run re-logs steps: the last one is the truth; records with neither loss are other events

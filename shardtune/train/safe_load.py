@@ -133,15 +133,20 @@ def load_pt(path: Path) -> Any:
                                f"checkpoint is damaged: resume from an earlier one") from None
 
 
-def read_json(path: Path) -> Any:
-    """A checkpoint's JSON file (manifest, trainer state); a damaged one is one line naming it."""
+def read_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file (manifest, trainer state: each one object); a damaged one is one line naming it."""
     import json
 
     try:
-        return json.loads(path.read_text())
+        found = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as exc:
-        raise UnsafeCheckpoint(f"{path}: not the JSON shardtune writes ({type(exc).__name__}); the checkpoint is "
-                               f"damaged: resume from another checkpoint") from None
+        found, why = None, type(exc).__name__
+    else:
+        why = f"a JSON {type(found).__name__}, not an object"
+    if not isinstance(found, dict):
+        raise UnsafeCheckpoint(f"{path}: not the JSON shardtune writes ({why}); the checkpoint is damaged: resume "
+                               f"from another checkpoint")
+    return found
 
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:

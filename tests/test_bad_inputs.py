@@ -1,0 +1,316 @@
+"""Every bad input answers in one line with exit code 2, no traceback (issue 27, item 3): the known cases.
+
+A GGUF cut short, for every command that reads one; a damaged adapter under GGUF export; ``export CKPT .``; launcher
+options out of range; a callback class that cannot be made; bitsandbytes that does not import; eval_strategy without
+an eval split; max_seq_len beyond the model's positions. Each runs the command in this process (``cli.main``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardtune.cli import main
+from tests.trainutil import logging_restored, refused, write_chat_data
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A tiny model, chat data, and a 2-step LoRA run (checkpoints/step-1, step-2, final/) trained here."""
+    from shardtune.testing.tiny import make_model_folder
+
+    root = tmp_path_factory.mktemp("bad-inputs")
+    make_model_folder(root / "model")
+    write_chat_data(root / "chat.jsonl", rows=16)
+    with logging_restored():
+        assert main(["train", "--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "chat.jsonl"),
+                     "--output_dir", str(root / "run"), "--use_peft_lora", "true", "--max_steps", "2",
+                     "--save_steps", "1", "--max_seq_len", "64", "--per_device_train_batch_size", "2"]) == 0
+    return root
+
+
+def train_argv(work: Path, out: Path, *extra: str, model: Path | None = None) -> list[str]:
+    return ["train", "--model_name_or_path", str(model or work / "model"), "--dataset_name",
+            str(work / "chat.jsonl"), "--output_dir", str(out), "--max_steps", "1", *extra]
+
+
+# ------------------------------------------------------------------------------------------- GGUF files cut short
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A well-formed GGUF: a few metadata keys and one 16x8 float32 tensor."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_tensor("token_embd.weight", np.arange(128, dtype=np.float32).reshape(16, 8))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory) -> dict[str, Path]:
+    """The whole file, its first 64 bytes (the header cut), and all of it but its last 100 bytes (a tensor cut)."""
+    root = tmp_path_factory.mktemp("gguf")
+    whole = write_tiny_gguf(root / "whole.gguf").read_bytes()
+    (root / "header.gguf").write_bytes(whole[:64])
+    (root / "tensors.gguf").write_bytes(whole[:-100])
+    return {"whole": root / "whole.gguf", "header": root / "header.gguf", "tensors": root / "tensors.gguf"}
+
+
+def gguf_commands(work: Path, gguf: Path, out: Path) -> dict[str, list[str]]:
+    """Every command that reads a GGUF, reading ``gguf``."""
+    return {"train": train_argv(work, out / "run", "--max_seq_len", "32", model=gguf),
+            "estimate": ["estimate", str(gguf)],
+            "generate": ["generate", str(gguf), "--prompt", "hi"],
+            "chat": ["chat", str(gguf)],
+            "export": ["export", str(gguf), str(out / "x.gguf"), "--format", "gguf"],
+            "export --base": ["export", str(work / "run"), str(out / "y.gguf"), "--format", "gguf", "--base",
+                              str(gguf)],
+            "merge --base": ["merge", str(work / "run" / "final"), "--base", str(gguf), str(out / "merged")],
+            "data inspect": ["data", "inspect", str(work / "chat.jsonl"), "--model_name_or_path", str(gguf)]}
+
+
+@pytest.mark.parametrize("cut", ["header", "tensors"])
+def test_a_gguf_cut_short_is_one_line_for_every_command_that_reads_one(work, ggufs, cut, tmp_path, capsys):
+    gguf = ggufs[cut]
+    for name, argv in gguf_commands(work, gguf, tmp_path).items():
+        line = refused(capsys, argv, str(gguf), "truncated GGUF file", "download (or export) the .gguf again")
+        assert "tokenizer" not in line, (name, line)
+    assert not (tmp_path / "run").exists()  # train refused it before writing anything
+
+
+def test_the_whole_gguf_passes_and_the_end_is_read_from_its_header(ggufs):
+    from shardtune.gguf_source import find_gguf
+
+    assert find_gguf(ggufs["whole"]).path == ggufs["whole"].resolve()
+    # The header's own account: the first 64 bytes hold the magic, version and counts, and nothing of the rest.
+    size = ggufs["whole"].stat().st_size
+    from shardtune.gguf_source import _bytes_promised, _bytes_promised_by_gguf
+
+    assert _bytes_promised(str(ggufs["whole"]), size, 0) == size == _bytes_promised_by_gguf(str(ggufs["whole"]))
+    assert _bytes_promised(str(ggufs["tensors"]), size - 100, 0) == size
+    assert _bytes_promised(str(ggufs["header"]), 64, 0) is None
+
+
+def test_the_gguf_package_reader_finds_the_same_cut(ggufs, monkeypatch, capsys):
+    """transformers before its fast GGUF reader: the gguf package's reader tells the same."""
+    import shardtune.gguf_source as gguf_source
+
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.reader", None)
+    gguf_source._bytes_promised.cache_clear()
+    try:
+        for cut in ("header", "tensors"):
+            refused(capsys, ["estimate", str(ggufs[cut])], "truncated GGUF file")
+    finally:
+        gguf_source._bytes_promised.cache_clear()
+
+
+# -------------------------------------------------------------------------------- GGUF export of a damaged adapter
+
+
+def damaged_run(work: Path, tmp_path: Path, file: str, content: bytes | None) -> Path:
+    """A copy of the run whose final/``file`` holds ``content`` (None: cut to all but its last 100 bytes)."""
+    run = tmp_path / "run"
+    shutil.copytree(work / "run", run)
+    target = run / "final" / file
+    target.write_bytes(target.read_bytes()[:-100] if content is None else content)
+    return run
+
+
+@pytest.mark.parametrize("file,content,says", [
+    ("adapter_model.safetensors", None, "adapter_model.safetensors: not a safetensors file"),
+    ("adapter_model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{}", "not a safetensors file"),
+    ("adapter_config.json", b'{"r": ', "adapter_config.json: not a JSON object (line 1"),
+    ("adapter_config.json", b"[]", "adapter_config.json: not a JSON object (it holds a list)"),
+])
+def test_gguf_export_of_a_damaged_adapter_is_one_line(work, tmp_path, capsys, file, content, says):
+    run = damaged_run(work, tmp_path, file, content)
+    refused(capsys, ["export", str(run), str(tmp_path / "x.gguf"), "--format", "gguf"], says,
+            "the folder is damaged or was altered")
+    refused(capsys, ["export", str(run / "final"), str(tmp_path / "x.gguf"), "--format", "gguf"], says)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+# ------------------------------------------------------------------------------------------------ export CKPT .
+
+
+def test_export_into_the_current_folder_is_one_line(work, tmp_path, monkeypatch, capsys):
+    checkpoint = work / "run" / "checkpoints" / "step-1"
+    for where, out, says in ((tmp_path, ".", "OUT .: is the current folder"),
+                             (tmp_path, "sub/..", "OUT sub/..: is the current folder"),
+                             (tmp_path / "deeper", "..", "OUT ..: holds the current folder")):
+        where.mkdir(exist_ok=True)
+        monkeypatch.chdir(where)
+        before = sorted(p.name for p in where.iterdir())
+        refused(capsys, ["export", str(checkpoint), out, "--base", str(work / "model")], says, "a new folder")
+        refused(capsys, ["merge", str(work / "run" / "final"), "--base", str(work / "model"), out], says)
+        assert sorted(p.name for p in where.iterdir()) == before
+
+
+# --------------------------------------------------------------------------------------------- launch options
+
+
+@pytest.mark.parametrize("options,says", [
+    (["--main_process_port", "70000"], "--main_process_port 70000: give a whole number from 1 to 65535"),
+    (["--main_process_port", "0"], "--main_process_port 0: give a whole number from 1 to 65535"),
+    (["--main_process_port", "-1"], "--main_process_port -1: give a whole number from 1 to 65535"),
+    (["--num_machines", "2", "--machine_rank", "2", "--main_process_ip", "127.0.0.1"],
+     "--machine_rank 2: give a whole number from 0 to 1 (--num_machines 2: 0 on the main machine"),
+    (["--num_machines", "2", "--machine_rank", "-1", "--main_process_ip", "127.0.0.1"],
+     "--machine_rank -1: give a whole number from 0 to 1"),
+    (["--machine_rank", "1"], "--machine_rank 1: give a whole number from 0 to 0"),
+])
+def test_launcher_ports_and_machine_ranks_out_of_range_are_one_line(work, tmp_path, capsys, no_torchrun, options,
+                                                                     says):
+    """Before, a port out of range ended in torchrun's ValueError traceback, and a machine rank past the last
+    machine waited forever for machines that would never join."""
+    job = train_argv(work, tmp_path / "out")
+    refused(capsys, ["launch", *options, "--dry_run", *job], says)
+    refused(capsys, ["launch", *options, *job], says)
+
+
+def test_an_accelerate_file_port_out_of_range_names_the_file(work, tmp_path, capsys, no_torchrun):
+    acc = tmp_path / "acc.yaml"
+    acc.write_text("main_process_port: 99999\nnum_processes: 2\n")
+    refused(capsys, ["launch", "--config_file", str(acc), *train_argv(work, tmp_path / "out")],
+            f"{acc}: main_process_port 99999: give a whole number from 1 to 65535")
+
+
+# ------------------------------------------------------------------------------- callbacks that cannot be made
+
+
+CALLBACKS = '''
+class NeedsArgs:
+    def __init__(self, path):
+        self.path = path
+
+    def on_step_end(self, args, state, control, **kwargs):
+        pass
+
+
+class Raises:
+    def __init__(self):
+        raise RuntimeError("no connection to the dashboard")
+'''
+
+
+@pytest.mark.parametrize("name,says", [
+    ("NeedsArgs", "missing 1 required positional argument: 'path'); a callback named in the config is made as "
+                  "NeedsArgs(): give its arguments defaults"),
+    ("Raises", "(RuntimeError: no connection to the dashboard); fix Raises.__init__, or leave it out of callbacks"),
+])
+def test_a_callback_class_that_cannot_be_made_is_named_in_one_line(work, tmp_path, capsys, monkeypatch, name, says):
+    (tmp_path / "my_hooks.py").write_text(CALLBACKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    with logging_restored():
+        refused(capsys, [*train_argv(work, out), "--callbacks", f"my_hooks:{name}"],
+                f"callbacks: my_hooks:{name} failed as it was made, {name}()", says)
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------ bitsandbytes that does not import
+
+
+@pytest.fixture
+def broken_bitsandbytes(tmp_path, monkeypatch):
+    """A bitsandbytes whose import fails as a build for another CUDA does: a RuntimeError."""
+    package = tmp_path / "site" / "bitsandbytes"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise RuntimeError('CUDA Setup failed despite GPU being available.')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
+
+
+@pytest.mark.parametrize("extra,uses,instead", [
+    (["--optim", "adamw_8bit"], "optim adamw_8bit needs", "optim adamw_torch"),
+    (["--use_peft_lora", "true", "--use_4bit_quantization", "true"], "use_4bit_quantization (QLoRA) needs",
+     "use_4bit_quantization false (plain LoRA)"),
+])
+def test_bitsandbytes_that_does_not_import_says_what_to_install(work, tmp_path, capsys, monkeypatch, extra, uses,
+                                                                 instead):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # not installed: import raises ImportError
+    out = tmp_path / "out"
+    refused(capsys, [*train_argv(work, out), *extra], uses,
+            "bitsandbytes, which does not import here (ModuleNotFoundError", "pip install -U 'bitsandbytes>=0.46'",
+            instead)
+    assert not out.exists()
+
+
+def test_a_bitsandbytes_build_that_fails_to_load_is_named_too(work, tmp_path, capsys, broken_bitsandbytes):
+    refused(capsys, [*train_argv(work, tmp_path / "out"), "--optim", "lion_8bit"],
+            "optim lion_8bit needs bitsandbytes, which does not import here (RuntimeError: CUDA Setup failed")
+
+
+def test_a_job_without_bitsandbytes_does_not_import_it(work, tmp_path, monkeypatch):
+    """Only a job that uses it asks: the check imports nothing for plain AdamW."""
+    from shardtune.config import load_run_config
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    load_run_config(train_argv(work, tmp_path / "out")[1:])  # no ImportError reached it
+
+
+# ------------------------------------------------------------------------------ eval_strategy with no eval split
+
+
+def test_eval_strategy_without_an_eval_split_is_refused(work, tmp_path, capsys):
+    """Transformers' Trainer refuses an eval_strategy without an eval_dataset; so does shardtune, naming the three
+    ways out, instead of a run that never evaluates."""
+    with logging_restored():
+        line = refused(capsys, [*train_argv(work, tmp_path / "out"), "--eval_strategy", "steps", "--eval_steps", "1"],
+                       "eval_strategy steps evaluates on the eval split", f"'{work / 'chat.jsonl'}' has no eval rows "
+                       "(no rows in split(s) test)", "eval_split_ratio 0.05, or set eval_strategy no")
+    assert line.startswith("shardtune train: error: ")
+
+
+def test_eval_split_ratio_gives_the_eval_split_it_needs(work, tmp_path):
+    out = tmp_path / "out"
+    with logging_restored():
+        assert main([*train_argv(work, out), "--eval_strategy", "steps", "--eval_steps", "1",
+                     "--eval_split_ratio", "0.25", "--max_seq_len", "64"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [1]
+
+
+# ------------------------------------------------------------------------ max_seq_len beyond the model's positions
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory) -> Path:
+    from shardtune.testing.tiny import make_model_folder
+
+    return make_model_folder(tmp_path_factory.mktemp("short") / "model", max_position_embeddings=48)
+
+
+def test_max_seq_len_beyond_the_models_positions_is_refused(work, short_model, tmp_path, capsys):
+    """Refused, not capped: the user asked for rows that long, and a row past 48 positions would train positions
+    the model never learned."""
+    argv = train_argv(work, tmp_path / "out", model=short_model)
+    refused(capsys, [*argv, "--max_seq_len", "64"], "command line (--max_seq_len): max_seq_len 64 is beyond the 48 "
+            f"positions model_name_or_path '{short_model}' covers ({short_model / 'config.json'}: "
+            "max_position_embeddings); set max_seq_len 48 or less")
+    refused(capsys, argv, "max_seq_len 2048 (the default) is beyond the 48 positions")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rope_scaling_factor_extends_what_the_model_covers(tmp_path):
+    from shardtune.hub import context_length
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 4096,
+                                                    "rope_scaling": {"type": "linear", "factor": 4.0}}))
+    assert context_length(str(folder)) == (16384, f"{folder / 'config.json'}: max_position_embeddings x rope_scaling "
+                                                  f"factor")
+    (folder / "config.json").write_text(json.dumps({"n_positions": 1024}))  # GPT-2's name for it
+    assert context_length(str(folder)) == (1024, f"{folder / 'config.json'}: n_positions")

@@ -1,0 +1,115 @@
+"""Faults stay quiet and honest (issue 27, item 4): SIGTERM during ``export`` and ``merge`` removes what they had
+half-written and says so in one line (exit code 143), and the launcher names the rank whose death ended a job.
+
+The rank-death case itself (a 2-process job, rank 1 SIGKILLed: the survivor's one line and the launcher's exit code
+137) shares the launch of ``test_resume.py::test_ddp_lora_resumes_exactly``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.trainutil import REPO, make_lora_adapter, shardtune_env
+
+# Loaded by the command's interpreter (sitecustomize on PYTHONPATH): a temporary file or folder about to be renamed
+# into place waits there, complete, so that the test's SIGTERM finds the write in progress however fast it ran.
+HOLD_RENAMES = '''
+import os
+import time
+
+
+def _held(rename):
+    def rename_later(src, dst, *args, **kwargs):
+        if os.path.basename(os.fspath(src)).startswith(".tmp"):
+            time.sleep(3600)  # a signal handler that raises ends the wait
+        return rename(src, dst, *args, **kwargs)
+    return rename_later
+
+
+os.rename, os.replace = _held(os.rename), _held(os.replace)
+'''
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    from shardtune.testing.tiny import make_model_folder
+
+    root = tmp_path_factory.mktemp("sigterm")
+    make_model_folder(root / "model")
+    make_lora_adapter(root / "model", root / "adapter")
+    (root / "hold").mkdir()
+    (root / "hold" / "sitecustomize.py").write_text(HOLD_RENAMES)
+    return root
+
+
+def temporaries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(".tmp"))
+
+
+@pytest.mark.parametrize("command,out", [
+    (["export", "{model}", "out.gguf", "--format", "gguf", "--quantize", "f16"], "out.gguf"),  # write_gguf's file
+    (["merge", "{adapter}", "--base", "{model}", "merged"], "merged"),  # write_export's folder
+])
+def test_sigterm_during_export_removes_its_temporary_files_and_says_so(models, tmp_path, command, out):
+    argv = [a.format(model=models / "model", adapter=models / "adapter") for a in command]
+    env = shardtune_env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(models / "hold"), str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, "-m", "shardtune", *argv], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300  # a guard against a command that never writes, not a measured bound
+        while not temporaries(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert temporaries(tmp_path), f"no temporary appeared; {proc.poll()=}"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    said = [line for line in err.splitlines() if line.startswith("shardtune")]
+    assert said == [f"shardtune {argv[0]}: stopped by SIGTERM before {out} was complete; the temporary files of the "
+                    f"write in progress were removed: run the command again"], err
+    assert "Traceback" not in err
+    assert temporaries(tmp_path) == [] and not (tmp_path / out).exists()
+
+
+def failure(timestamp: int, exitcode: int) -> SimpleNamespace:
+    return SimpleNamespace(timestamp=timestamp, exitcode=exitcode)
+
+
+def test_the_launcher_names_the_rank_that_died_not_the_one_that_lost_it(monkeypatch, capsys):
+    """torchrun stamps failures in whole seconds and lists ranks in order: rank 1 SIGKILLed and rank 0 exiting
+    (its collective failed) in the same second tie, and the killed rank is the news, with 128 + 9."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from shardtune.cli import launch
+
+    failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="<N/A>")
+                for rank, code in ((0, 1), (1, -9))}
+    for each in failures.values():
+        each.timestamp = 5
+
+    def torchrun(args):
+        raise ChildFailedError("shardtune", failures)
+
+    monkeypatch.setattr(torch.distributed.run, "run", torchrun)
+    for name in (launch.LAUNCHER_PID, launch.STOP_REPORT, "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        monkeypatch.setenv(name, "")  # what run_torchrun sets for its workers is undone after the test
+    assert launch.run_torchrun(["--standalone", "--nproc_per_node", "2", "-m", "shardtune", "train"]) == 137
+    assert capsys.readouterr().err == "shardtune launch: rank 1 was killed by signal 9 (see its messages above)\n"
+    first_failure = launch.first_failure
+    assert first_failure({0: failure(5, 1), 1: failure(5, -9)})[0] == 1
+    assert first_failure({0: failure(4, 1), 1: failure(5, -9)})[0] == 0  # rank 0 failed first, on its own
+    # Rank 1 exited with its own error, rank 0 then lost it: the agent saw rank 1 first, and says so.
+    assert first_failure({1: failure(5, 17), 0: failure(5, 1)})[0] == 1
+    # The agent's own SIGTERM to the others never wins a tie.
+    assert first_failure({0: failure(5, -15), 1: failure(5, 1)})[0] == 1
