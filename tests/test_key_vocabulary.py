@@ -35,7 +35,9 @@ BASE = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
 # Where keys are declared, loaded and validated: a key read only here changes nothing that runs.
 CONFIG_CODE = ("shardtune/config/", "shardtune/data/config.py")
 NOT_ACTING = {"validate"}  # a section's method that checks every key acts on none of them
-FLAT_READERS = {"pick"}  # the flat config read by key: the launcher's pick("machine_rank", default)
+# The flat config read by key: the launcher's pick("num_machines", 1), its pick.whole("machine_rank", ...), and a
+# function handed pick with the key to read, host(pick, "main_process_ip").
+FLAT_READERS = {"pick"}
 
 # Keys accepted only at the value that is what shardtune runs; every other value is refused (tested below).
 REFUSED = {"hub_strategy": ("every_save", "hub_strategy='every_save' is not accepted"),
@@ -120,8 +122,10 @@ class ConfigReads(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-        if name in FLAT_READERS and node.args and isinstance(node.args[0], ast.Constant):
-            self.flat.add(str(node.args[0].value))
+        reader = func.value if isinstance(func, ast.Attribute) else func
+        handed = any(isinstance(a, ast.Name) and a.id in FLAT_READERS for a in node.args)
+        if (handed or isinstance(reader, ast.Name) and reader.id in FLAT_READERS) and node.args:
+            self.flat |= {str(a.value) for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
         # A section handed to a function (load_tokenizer(path, cfg.data)) is read there under the parameter's name.
         given = [*((f"#{i}", a) for i, a in enumerate(node.args)), *((k.arg, k.value) for k in node.keywords)]
         for where, arg in given:
