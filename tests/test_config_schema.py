@@ -138,3 +138,13 @@ def test_the_docs_generator_describes_no_key_itself():
     texts = [node.value for node in ast.walk(source) if isinstance(node, ast.Constant) and isinstance(node.value, str)]
     named = {k for k in known_keys() for text in texts if re.search(rf"(?<![\w-]){re.escape(k)}(?![\w-])", text)}
     assert named == set()
+
+
+def test_an_unquoted_no_reads_as_no(tmp_path):
+    """PyYAML (YAML 1.1) reads ``eval_strategy: no`` as false; for a key whose choices hold "no", that is what the
+    recipe says (it was refused as 'false' before)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("save_strategy: no\neval_strategy: no\nlogging_strategy: no\nmixed_precision: no\n")
+    cfg = load_train_config([str(recipe), *BASE])
+    assert (cfg.checkpoint.save_strategy, cfg.run.eval_strategy, cfg.run.logging_strategy,
+            cfg.distributed.mixed_precision) == ("no", "no", "no", "no")

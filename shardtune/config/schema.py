@@ -55,6 +55,8 @@ ACCELERATE_DDP = dict.fromkeys(("MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NP
 SHARDING_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD"}
 FLOAT16 = ("pure fp16 training diverges without an fp32 master copy (fp16's range overflows and small updates "
            "vanish); leave {key} out and set fp16 true for fp16 mixed precision, or use {key} bfloat16")
+# YAML 1.1 (PyYAML) reads an unquoted no as false: for keys whose choices include "no", that is what was written.
+NO = {"FALSE": "no"}
 HUB = "Accepted so recipes run unchanged; acts only where the hub is reachable."
 DTYPE_SPELLINGS = {"TORCH.FLOAT32": "float32", "TORCH.BFLOAT16": "bfloat16", "TORCH.FLOAT16": "float16",
                    "HALF": "float16"}
@@ -236,11 +238,11 @@ class RunConfig:
     bf16: bool = key(False, "bf16 mixed precision (fp32 master weights).")
     fp16: bool = key(False, "fp16 mixed precision with a gradient scaler.")
     logging_steps: int = key(10, "Write a metrics.jsonl record every this many steps.", ge=1)
-    logging_strategy: Every = key("steps", "When to write metrics.jsonl records.")
+    logging_strategy: Every = key("steps", "When to write metrics.jsonl records.", spellings=NO)
     log_level: LogLevel = key("passive", "Log level of rank 0 (passive: info); the other ranks log warnings only.")
     eval_strategy: Every = key("no", "When to evaluate: every eval_steps, at the end of each epoch, or never. steps "
                                      "or epoch with no eval rows (no eval split, eval_split_ratio 0) is refused.",
-                               aliases={"evaluation_strategy": "Transformers' former"})
+                               spellings=NO, aliases={"evaluation_strategy": "Transformers' former"})
     eval_steps: int | None = key(None, "Evaluate every this many steps (unset: logging_steps).", ge=1)
     eval_on_start: bool = key(False, "Evaluate once before the first step, as a baseline (it takes no part in early "
                                      "stopping).")
@@ -290,7 +292,7 @@ class RunConfig:
 @dataclass
 class CheckpointConfig:
     save_strategy: Every = key("steps", "When to save a resumable checkpoint: every save_steps, each epoch, or "
-                                        "never.")
+                                        "never.", spellings=NO)
     save_steps: int = key(500, "Save a resumable checkpoint every this many steps.", ge=1)
     save_total_limit: int | None = key(None, "Keep at most this many checkpoints (oldest deleted first); the best one "
                                              "is kept beyond it with load_best_model_at_end.", ge=1)
@@ -342,7 +344,8 @@ class DistributedConfig:
                                            "it out (the fsdp_* keys keep their meaning)")
     ddp_find_unused_parameters: bool | None = key(None, "DDP's find_unused_parameters (true when some parameters get "
                                                         "no gradient).")
-    mixed_precision: MixedPrecision | None = key(None, "Accelerate's key; the bf16/fp16 flags win when set.")
+    mixed_precision: MixedPrecision | None = key(None, "Accelerate's key; the bf16/fp16 flags win when set.",
+                                                 spellings=NO)
     deepspeed: str | None = key(None, "A DeepSpeed config JSON (Transformers/TRL's --deepspeed), mapped onto FSDP2 "
                                       "and printed at start; what cannot be mapped is refused (docs/deepspeed.md).")
     num_processes: int = key(1, "Processes over all machines (set by shardtune launch).", ge=1)
