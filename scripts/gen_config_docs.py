@@ -24,6 +24,10 @@ Give keys in a YAML recipe (`key: value`), as `key=value` or as `--key value`; a
 file is read with `--config_file`. Precedence, lowest first: defaults < Accelerate config < YAML recipe
 < `key=value` < `--key value`. `shardtune train --help` prints the same list. Unknown keys are an error
 that names the closest known key.
+
+`shardtune config schema > shardtune.schema.json` writes the JSON Schema of a recipe, from the same declarations,
+so that an editor completes and checks the keys as you type: [recipe.yaml](recipe.yaml) is an example whose first
+line points VS Code's YAML support at it.
 """
 
 

@@ -1,20 +1,24 @@
 """Each key is declared once (shardtune/config/schema.py), and everything else is read from that declaration: the
-coercion and checks of a value, a problem's key, --help-keys and docs/config.md."""
+coercion and checks of a value, a problem's key, --help-keys, docs/config.md and the recipe's JSON Schema, which
+the repository's example recipes satisfy."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Literal
 
+import jsonschema
 import pytest
 import yaml
 
 from shardtune.cli import main
-from shardtune.config import load_train_config
+from shardtune.config import load_train_config, save_resolved
 from shardtune.config.keys import Problem, declared, key
+from shardtune.config.recipe_schema import recipe_schema
 from shardtune.config.schema import ALIASES, CHAT_TEMPLATES, TrainConfig, all_keys, known_keys
 from shardtune.config.validation import validate
 from shardtune.errors import UsageError
@@ -124,11 +128,13 @@ def test_a_key_and_its_other_name_disagreeing_in_one_place_are_refused(tmp_path)
 def test_each_description_is_the_declarations_own_everywhere_it_is_shown(capsys):
     doc = (ROOT / "docs" / "config.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| [^|]+ \| `[^`]*` \| (.*) \|$", doc, re.M))
+    properties = recipe_schema()["properties"]
     assert main(["train", "--help-keys"]) == 0
     shown = " ".join(capsys.readouterr().out.split())
     for d in all_keys():
         assert d.meta.help, f"{d.name} has no description"
         assert rows[d.name].replace("\\|", "|") == d.described()
+        assert properties[d.name]["description"] == d.described()
         assert f"--{d.name} ({d.type_text()}, default " in shown and " ".join(d.described().split()) in shown
 
 
@@ -138,6 +144,101 @@ def test_the_docs_generator_describes_no_key_itself():
     texts = [node.value for node in ast.walk(source) if isinstance(node, ast.Constant) and isinstance(node.value, str)]
     named = {k for k in known_keys() for text in texts if re.search(rf"(?<![\w-]){re.escape(k)}(?![\w-])", text)}
     assert named == set()
+
+
+# ----------------------------------------------------------------------------------------- the JSON Schema
+
+
+@pytest.fixture(scope="module")
+def schema(tmp_path_factory) -> dict:
+    """What ``shardtune config schema > shardtune.schema.json`` writes, read back."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "shardtune", "config", "schema"], capture_output=True, text=True,
+                         check=True).stdout
+    document = json.loads(out)
+    jsonschema.Draft202012Validator.check_schema(document)
+    return document
+
+
+class Yaml12Loader(yaml.SafeLoader):
+    """YAML as editors read it (1.2): 2e-4 is a number and an unquoted no a string, where PyYAML's 1.1 reads a
+    string and false (shardtune takes both)."""
+
+    yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+                               for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                   list("-+0123456789."))
+
+
+def example_recipes(tmp_path: Path) -> dict[str, str]:
+    """The repository's recipes: docs/recipe.yaml, the YAML recipes its pages show, the Accelerate file and the
+    demo's keys of the tests and the demo, and what shardtune writes for a user to train again (--emit-config,
+    config.yaml)."""
+    from shardtune.demo.run import DemoSettings, train_args
+    from tests.test_config import ACCELERATE_FSDP
+
+    found = {}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for i, block in enumerate(re.findall(r"```yaml\n(.*?)```", page.read_text(), flags=re.S)):
+            if "apiVersion:" not in block:  # a Kubernetes manifest is no recipe
+                found[f"{page.name} block {i}"] = block
+    found.update({path.name: path.read_text() for path in sorted((ROOT / "docs").glob("*.yaml"))})
+    found["Accelerate's fsdp_config.yaml (tests/test_config.py)"] = ACCELERATE_FSDP
+    flags = train_args(DemoSettings(), Path("base"), Path("data"), Path("run"))
+    found["the demo's keys"] = "".join(f"{k[2:]}: {v}\n" for k, v in zip(flags[::2], flags[1::2]))
+    assert main(["estimate", "llama-3.2-1b", "--method", "qlora", "--num-gpus", "2", "--strategy", "fsdp",
+                 "--emit-config", str(tmp_path / "emitted.yaml")]) == 0
+    found["estimate --emit-config"] = (tmp_path / "emitted.yaml").read_text()
+    busy = load_train_config([*BASE, "--use_peft_lora", "true", "--report_to", "none", "--callbacks", "a.b:C",
+                              "--distributed_type", "multi_gpu", "--fsdp_sharding_strategy", "2"])
+    for name, cfg in (("default", TrainConfig()), ("busy", busy)):
+        save_resolved(cfg, tmp_path / f"{name}.yaml")
+        found[f"config.yaml ({name})"] = (tmp_path / f"{name}.yaml").read_text()
+    return found
+
+
+def test_the_example_recipes_satisfy_the_schema_and_load(schema, tmp_path, capsys):
+    examples = example_recipes(tmp_path)
+    capsys.readouterr()
+    assert len(examples) >= 7 and any("yaml-language-server: $schema" in text for text in examples.values())
+    validator = jsonschema.Draft202012Validator(schema)
+    for name, text in examples.items():
+        errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(yaml.load(text, Yaml12Loader))]
+        assert errors == [], f"{name}: {errors}"
+        (tmp_path / "recipe.yaml").write_text(text)
+        load_train_config([str(tmp_path / "recipe.yaml"), *BASE])  # and shardtune reads each
+
+
+@pytest.mark.parametrize("recipe, where", [
+    ({"lora_rank": 8}, ""),  # an unknown key
+    ({"lr_scheduler_type": "cosin"}, "lr_scheduler_type"),
+    ({"per_device_train_batch_size": 0}, "per_device_train_batch_size"),
+    ({"torch_dtype": "float16"}, "torch_dtype"),  # refused with its reason by shardtune too
+    ({"fsdp_version": 1}, "fsdp_version"),
+    ({"fsdp_config": {"fsdp_sharding_strategy": "FULL"}}, "fsdp_config.fsdp_sharding_strategy"),
+    ({"learning_rate": "fast"}, "learning_rate"),
+])
+def test_the_schema_refuses_what_shardtune_refuses(schema, recipe, where, tmp_path):
+    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(recipe))
+    assert errors and {".".join(map(str, e.path)) for e in errors} == {where}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    with pytest.raises(UsageError):
+        load_train_config([str(tmp_path / "r.yaml"), *BASE])
+
+
+def test_the_schema_takes_every_spelling_shardtune_reads(schema):
+    """A choice in any case and the other spellings (Accelerate's MULTI_GPU, FSDP1's numbers), unset keys, a list
+    as comma-separated names, other tools' names and the no-op keys."""
+    recipe = {"distributed_type": "multi_gpu", "fsdp_sharding_strategy": 4, "optim": "ADAMW_TORCH", "eval_steps": None,
+              "report_to": "tensorboard,wandb", "max_length": 512, "do_train": True, "dynamo_backend": "INDUCTOR",
+              "fsdp_config": {"fsdp_offload_params": True, "fsdp_use_orig_params": False}}
+    assert list(jsonschema.Draft202012Validator(schema).iter_errors(recipe)) == []
 
 
 def test_an_unquoted_no_reads_as_no(tmp_path):
