@@ -31,22 +31,18 @@ line points VS Code's YAML support at it.
 """
 
 
-def _row(d, default: object) -> str:
-    from shardtune.config.keys import shown
-
-    cells = (d.type_text(), f"`{shown(default)}`", d.described())
-    return f"| `{d.name}` | " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
-
-
 def render() -> str:
     """docs/config.md as it should be for the code in this checkout."""
+    from shardtune.config.keys import shown
     from shardtune.config.schema import all_keys, published_defaults, section_classes
 
-    cfg = published_defaults()
-    out = [HEADER]
+    cfg, out = published_defaults(), [HEADER]
     for section in section_classes():
         out += [f"## {section}", "", "| key | type | default | what it does |", "|---|---|---|---|"]
-        out += [_row(d, getattr(getattr(cfg, section), d.name)) for d in all_keys() if d.section == section] + [""]
+        for d in (d for d in all_keys() if d.section == section):
+            cells = (d.type_text(), f"`{shown(getattr(getattr(cfg, section), d.name))}`", d.described())
+            out.append(f"| `{d.name}` | " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+        out.append("")
     return "\n".join(out + _no_op_section())
 
 

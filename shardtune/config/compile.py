@@ -19,6 +19,8 @@ from shardtune.errors import closest
 # Accelerate's keys that become torch_compile, torch_compile_backend and torch_compile_mode.
 DYNAMO_KEYS = ("dynamo_config", "dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
                "dynamo_use_regional_compilation")
+
+
 def dynamo_values(key: str, value: Any) -> tuple[dict[str, Any], list[str]]:
     """``key: value`` of Accelerate as shardtune's run keys, and the problems of a value that cannot run here."""
     if key == "dynamo_config":

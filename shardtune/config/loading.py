@@ -183,11 +183,9 @@ def deepspeed_mapping(argv: list[str]) -> tuple[str, list[str]] | None:
             named = read_yaml_recipe(path)[0].get("deepspeed")
     if named not in (None, "", "none", "None"):
         return str(named), read_deepspeed_file(named).lines
-    if accelerate_file:
-        data, _ = _yaml_with_lines(Path(accelerate_file))
-        if isinstance(data.get("deepspeed_config"), dict):
-            block = data["deepspeed_config"]
-            return f"{accelerate_file} (deepspeed_config)", map_accelerate_block(block, accelerate_file).lines
+    block = _yaml_with_lines(Path(accelerate_file))[0].get("deepspeed_config") if accelerate_file else None
+    if isinstance(block, dict):
+        return f"{accelerate_file} (deepspeed_config)", map_accelerate_block(block, accelerate_file).lines
     return None
 
 
@@ -227,10 +225,8 @@ def _same_value(a: Any, b: Any) -> bool:
 
 def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin]]:
     """A shardtune YAML recipe: flat keys (an ``fsdp_config:`` block is also accepted)."""
-    path = Path(path)
-    data, lines = _yaml_with_lines(path)
-    flat = _flatten(data)
-    return flat, {k: Origin(str(path), lines.get(k)) for k in flat}
+    data, lines = _yaml_with_lines(Path(path))
+    return _flatten(data), {k: Origin(str(path), lines.get(k)) for k in _flatten(data)}
 
 
 def _cli_items(argv: list[str]) -> list[tuple[str, str, Any, str]]:
@@ -400,8 +396,7 @@ def load_run_config(argv: list[str]) -> TrainConfig:
 def check_given_values(argv: list[str]) -> None:
     """The training keys ``argv`` gives, checked as keys and values only, with the model, data and output_dir
     allowed to be left out: what a dry run of ``shardtune launch`` shows the command for. Nothing is read."""
-    placeholders: tuple[dict[str, Any], dict[str, Origin]] = ({"model_name_or_path": "MODEL", "dataset_name": "DATA"},
-                                                              {})
+    placeholders = ({"model_name_or_path": "MODEL", "dataset_name": "DATA"}, {})
     _, _, problems = _apply([placeholders, *_layers(argv)], training=False)
     raise_problems(problems)
 
@@ -427,8 +422,7 @@ def _layers(argv: list[str]) -> Layers:
             raise UsageError(f"unexpected argument '{path}': give a YAML recipe (CONFIG.yaml), key=value or "
                              f"--key value")
         layers.append(read_yaml_recipe(path))
-    layers.append((overrides, cli_sources))
-    layers.append((flags, cli_sources))
+    layers += [(overrides, cli_sources), (flags, cli_sources)]
     deepspeed = deepspeed_layer(layers)
     if deepspeed is not None:  # above the Accelerate file, below everything the user writes for shardtune
         layers.insert(1 if accelerate_file else 0, deepspeed)

@@ -32,14 +32,14 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[Problem]:
         problems.append(Problem("output_dir", "output_dir is required (e.g. --output_dir out)"))
     problems += [p for f in dataclasses.fields(cfg) if f.name != "data" for p in value_problems(getattr(cfg, f.name))]
     problems += data_problems(cfg.data)
-    for rules in (_run_problems, _report_to_problems, lora_variant_problems, _validate_pipeline, _best_model_problems,
-                  _unsupported, dtype_problems):
+    for rules in (_run_problems, lora_variant_problems, _validate_pipeline, _best_model_problems, _optim_problems,
+                  dtype_problems):
         problems += rules(cfg)
     return problems + compile_problems(cfg.run)
 
 
 def _run_problems(cfg: TrainConfig) -> list[Problem]:
-    """Training length, precision and the pairings of run keys that cannot work."""
+    """Training length and precision, and the pairings of run and distributed keys that cannot work."""
     r, d = cfg.run, cfg.distributed
     problems = []
     if r.bf16 and r.fp16:
@@ -66,6 +66,14 @@ def _run_problems(cfg: TrainConfig) -> list[Problem]:
     if d.num_processes % d.num_machines:
         problems.append(Problem(("num_processes", "num_machines"), f"num_processes={d.num_processes} is the total "
                                 f"over all machines and must be a multiple of num_machines={d.num_machines}"))
+    if d.fsdp_forward_prefetch and d.fsdp_auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
+        problems.append(Problem(("fsdp_forward_prefetch", "fsdp_auto_wrap_policy"), f"fsdp_forward_prefetch=true "
+                                f"prefetches the next decoder layer, which needs fsdp_auto_wrap_policy "
+                                f"TRANSFORMER_BASED_WRAP (not {d.fsdp_auto_wrap_policy}); change the policy or leave "
+                                f"fsdp_forward_prefetch false"))
+    if len(r.report_to) > 1 and {"none", "all"} & set(r.report_to):  # a name that is no tracker: its own value
+        problems.append(Problem("report_to", f"report_to={','.join(r.report_to)}: none and all stand alone; give one "
+                                             f"of them, or tracker names"))
     return problems
 
 
@@ -206,18 +214,6 @@ def _validate_pipeline(cfg: TrainConfig) -> list[Problem]:
     return problems
 
 
-def _unsupported(cfg: TrainConfig) -> list[Problem]:
-    """Settings of other trainers that this one does not run together: refused, never ignored."""
-    d = cfg.distributed
-    problems = []
-    if d.fsdp_forward_prefetch and d.fsdp_auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
-        problems.append(Problem(("fsdp_forward_prefetch", "fsdp_auto_wrap_policy"), f"fsdp_forward_prefetch=true "
-                                f"prefetches the next decoder layer, which needs fsdp_auto_wrap_policy "
-                                f"TRANSFORMER_BASED_WRAP (not {d.fsdp_auto_wrap_policy}); change the policy or leave "
-                                f"fsdp_forward_prefetch false"))
-    return problems + _optim_problems(cfg)
-
-
 def dtype_problems(cfg: TrainConfig) -> list[Problem]:
     """torch_dtype / dtype (TRL's and Transformers 5's names): the two agreeing, and what pure bf16 pairs with."""
     m = cfg.model
@@ -312,15 +308,6 @@ def resolve_report_to(names: list[str]) -> list[str]:
     if names == ["all"]:
         return [name for name in TRACKER_PACKAGES if tracker_installed(name)]
     return names
-
-
-def _report_to_problems(cfg: TrainConfig) -> list[Problem]:
-    """"none" or "all" beside other names (a name that is no tracker is a problem of its own value)."""
-    names = cfg.run.report_to
-    if len(names) > 1 and {"none", "all"} & set(names):
-        return [Problem("report_to", f"report_to={','.join(names)}: none and all stand alone; give one of them, or "
-                                     f"tracker names")]
-    return []
 
 
 def tracker_installed(name: str) -> bool:
