@@ -50,7 +50,8 @@ def test_values_are_coerced_and_checked_as_their_type_and_metadata_declare():
             d.coerce(value)
     assert kind.problems(kind.coerce("EF")) == ["kind=ef: not that"]
     assert kind.problems("GH") == ["kind='GH' is not accepted; use one of AB, CD"]
-    assert count.problems(0) == ["count=0 must be at least 1"] and ratio.problems(1.0) == ["ratio=1.0 must be in [0, 1)"]
+    assert count.problems(0) == ["count=0 must be at least 1"]
+    assert ratio.problems(1.0) == ["ratio=1.0 must be in [0, 1)"]
     assert names.problems(["x", "q"]) == ["names='q' is not accepted; use one of x, y"]
     assert all(p.keys == (p.split("=")[0],) for d in (kind, count) for p in d.problems("GH" if d is kind else 0))
 
@@ -150,7 +151,7 @@ def test_the_docs_generator_describes_no_key_itself():
 
 
 @pytest.fixture(scope="module")
-def schema(tmp_path_factory) -> dict:
+def schema() -> dict:
     """What ``shardtune config schema > shardtune.schema.json`` writes, read back."""
     import subprocess
     import sys
@@ -177,9 +178,8 @@ Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]
 
 
 def example_recipes(tmp_path: Path) -> dict[str, str]:
-    """The repository's recipes: docs/recipe.yaml, the YAML recipes its pages show, the Accelerate file and the
-    demo's keys of the tests and the demo, and what shardtune writes for a user to train again (--emit-config,
-    config.yaml)."""
+    """The repository's recipes: docs/recipe.yaml, the YAML recipes its pages show, the tests' Accelerate file, the
+    demo's keys, and what shardtune writes for a user to train again (--emit-config, config.yaml)."""
     from shardtune.demo.run import DemoSettings, train_args
     from tests.test_config import ACCELERATE_FSDP
 
@@ -209,7 +209,8 @@ def test_the_example_recipes_satisfy_the_schema_and_load(schema, tmp_path, capsy
     assert len(examples) >= 7 and any("yaml-language-server: $schema" in text for text in examples.values())
     validator = jsonschema.Draft202012Validator(schema)
     for name, text in examples.items():
-        errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(yaml.load(text, Yaml12Loader))]
+        document = yaml.load(text, Yaml12Loader)  # noqa: S506 - a SafeLoader
+        errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(document)]
         assert errors == [], f"{name}: {errors}"
         (tmp_path / "recipe.yaml").write_text(text)
         load_train_config([str(tmp_path / "recipe.yaml"), *BASE])  # and shardtune reads each

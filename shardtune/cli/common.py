@@ -108,7 +108,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def action_parsers(sub: argparse._SubParsersAction, name: str, help: str, description: str):  # noqa: A002
+def action_parsers(sub: argparse._SubParsersAction, name: str, help: str,  # noqa: A002
+                   description: str) -> argparse._SubParsersAction:
     """The actions of a subcommand made of actions (``data inspect``, ``config schema``); the subcommand without
     one prints its help and exits 2."""
     p = sub.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -226,7 +226,8 @@ def _same_value(a: Any, b: Any) -> bool:
 def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin]]:
     """A shardtune YAML recipe: flat keys (an ``fsdp_config:`` block is also accepted)."""
     data, lines = _yaml_with_lines(Path(path))
-    return _flatten(data), {k: Origin(str(path), lines.get(k)) for k in _flatten(data)}
+    flat = _flatten(data)
+    return flat, {k: Origin(str(path), lines.get(k)) for k in flat}
 
 
 def _cli_items(argv: list[str]) -> list[tuple[str, str, Any, str]]:
