@@ -494,6 +494,7 @@ def option_cases() -> list[Case]:
     cases += [Case("generate", "options", ["generate", "model", "--prompt", "hi", *o]) for o in generate]
     cases += [Case("chat", "options", ["chat", "model", "--temperature", "-1"], stdin="hi\n"),
               Case("generate", "options", ["generate", "model"])]
+    cases += [Case("config", "options", ["config", *o]) for o in (["scheme"], ["schema", "--bogus"], ["schema", "x"])]
     demo = [["--max-steps", "-1"], ["--max-steps", "0"], ["--num-processes", "0"], ["--gpu", "h9000"],
             ["--quantize", "q2"], ["--quantize", "f16"]]
     cases += [Case("demo", "options", ["demo", *o, "--skip-estimate"]) for o in demo]

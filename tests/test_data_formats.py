@@ -273,11 +273,13 @@ def test_cache_is_reused_and_invalidated(model_dir, tmp_path, monkeypatch):
 
 
 def test_config_validate_reports_every_problem():
-    problems = DataConfig(data_format="chatty", chat_template_format="chatmlx", max_seq_len=0, splits="test",
-                          eval_split_ratio=1.5).validate()
+    from shardtune.config.validation import data_problems
+
+    problems = data_problems(DataConfig(data_format="chatty", chat_template_format="chatmlx", max_seq_len=0,
+                                        splits="test", eval_split_ratio=1.5))
     assert len(problems) == 6  # dataset_name missing, format, template, max_seq_len, ratio, splits
     assert any("chatml" in p for p in problems) and all("\n" not in p for p in problems)
-    assert DataConfig(dataset_name="x.jsonl").validate() == []
+    assert data_problems(DataConfig(dataset_name="x.jsonl")) == []
 
 
 def test_cli_inspect_prints_report_and_example(model_dir, tmp_path, capsys):

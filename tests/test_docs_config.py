@@ -44,4 +44,4 @@ def test_every_key_has_its_default_in_the_doc(monkeypatch):
 def test_every_key_says_what_it_does():
     undocumented = re.findall(r"^\| `(\w+)` \|.*\(not documented yet\)", (ROOT / "docs" / "config.md").read_text(),
                               re.M)
-    assert not undocumented, f"give these keys a description in scripts/gen_config_docs.py: {undocumented}"
+    assert not undocumented, f"give these keys a description in shardtune/config/schema.py: {undocumented}"

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from shardtune.config import OptimConfig
-from shardtune.config.optimizers import OPTIMIZERS, bytes_per_param, state_bytes
+from shardtune.config.optimizers import OPTIMIZERS
+from shardtune.memory.optimizer_state import bytes_per_param, state_bytes
 from shardtune.train.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]

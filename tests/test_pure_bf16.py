@@ -95,7 +95,7 @@ def _one_step(model, *, pure: bool):
 
 def test_weights_and_optimizer_state_are_bf16_and_half_of_fp32(tiny_model):
     from shardtune.config import LoraConfig, ModelConfig
-    from shardtune.config.optimizers import state_bytes
+    from shardtune.memory.optimizer_state import state_bytes
     from shardtune.train.model import Precision, apply_lora, load_base_model
 
     model_cfg = ModelConfig(model_name_or_path=str(tiny_model), torch_dtype="bfloat16")

@@ -92,7 +92,7 @@ def _is_option(arg: str) -> bool:
     return False
 
 
-SUBCOMMANDS = ("estimate", "train", "launch", "data", "generate", "plot", "demo", "export", "bench")
+SUBCOMMANDS = ("estimate", "train", "launch", "data", "generate", "plot", "demo", "export", "bench", "config")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -106,6 +106,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name in SUBCOMMANDS if only is None else (only,):
         importlib.import_module(f"shardtune.cli.{name}").register(sub)
     return parser
+
+
+def action_parsers(sub: argparse._SubParsersAction, name: str, help: str,  # noqa: A002
+                   description: str) -> argparse._SubParsersAction:
+    """The actions of a subcommand made of actions (``data inspect``, ``config schema``); the subcommand without
+    one prints its help and exits 2."""
+    p = sub.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    return p.add_subparsers(dest=f"{name}_command", metavar="ACTION", parser_class=type(p))
 
 
 @contextmanager

@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import argparse
 
+from shardtune.cli.common import action_parsers
 from shardtune.data.encode import IGNORE
 from shardtune.errors import UsageError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("data", help="inspect a fine-tuning data set", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    data_sub = p.add_subparsers(dest="data_command", metavar="ACTION", parser_class=type(p))
-    q = data_sub.add_parser("inspect", help="print the data report and one rendered example",
-                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = action_parsers(sub, "data", "inspect a fine-tuning data set", __doc__)
+    q = actions.add_parser("inspect", help="print the data report and one rendered example",
+                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     q.add_argument("train_args", nargs="*", metavar="[RECIPE.yaml | DATASET] [KEY=VALUE | --KEY VALUE ...]",
                    help="the training arguments whose data is inspected")
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
 class _OwnOptions(argparse.ArgumentParser):

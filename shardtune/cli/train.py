@@ -9,7 +9,6 @@ Accelerate config < YAML recipe < key=value < --key value. Run it directly for o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -26,15 +25,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def keys_help() -> str:
-    """Every accepted key, by section, with its default."""
-    from shardtune.config import TrainConfig
+    """Every accepted key, by section: its type, default and what it does (its declaration's own words)."""
+    import textwrap
 
-    cfg = TrainConfig()
-    lines = [__doc__.strip(), ""]
-    for section in dataclasses.fields(cfg):
-        lines.append(f"[{section.name}]")
-        for f in dataclasses.fields(getattr(cfg, section.name)):
-            lines.append(f"  --{f.name:<40} default: {getattr(getattr(cfg, section.name), f.name)!r}")
+    from shardtune.config.keys import shown
+    from shardtune.config.schema import all_keys, published_defaults
+
+    cfg, lines, section = published_defaults(), [__doc__.strip()], None
+    for d in all_keys():
+        if d.section != section:
+            lines += ["", f"[{d.section}]"]
+        section = d.section
+        lines.append(f"  --{d.name} ({d.type_text()}, default {shown(getattr(getattr(cfg, d.section), d.name))})")
+        lines += textwrap.wrap(d.described(), 110, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                               break_on_hyphens=False, break_long_words=False)
     return "\n".join(lines)
 
 

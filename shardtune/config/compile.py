@@ -11,17 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardtune.config.keys import Problem
+from shardtune.config.no_ops import off
 from shardtune.config.schema import RunConfig
 from shardtune.errors import closest
 
 # Accelerate's keys that become torch_compile, torch_compile_backend and torch_compile_mode.
 DYNAMO_KEYS = ("dynamo_config", "dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
                "dynamo_use_regional_compilation")
-_OFF = {"", "no", "none", "null", "false", "0", "off"}
-
-
-def _off(value: Any) -> bool:
-    return value is None or value is False or str(value).strip().lower() in _OFF
 
 
 def dynamo_values(key: str, value: Any) -> tuple[dict[str, Any], list[str]]:
@@ -29,7 +26,7 @@ def dynamo_values(key: str, value: Any) -> tuple[dict[str, Any], list[str]]:
     if key == "dynamo_config":
         if not isinstance(value, dict):
             return {}, [f"dynamo_config={value!r}: expected a mapping (dynamo_backend: INDUCTOR, ...)"]
-        if _off(value.get("dynamo_backend", "NO")):
+        if off(value.get("dynamo_backend", "NO")):
             return {"torch_compile": False}, []
         values: dict[str, Any] = {}
         problems: list[str] = []
@@ -40,12 +37,12 @@ def dynamo_values(key: str, value: Any) -> tuple[dict[str, Any], list[str]]:
             problems += refused
         return values, problems
     if key == "dynamo_backend":
-        if _off(value):
+        if off(value):
             return {"torch_compile": False}, []
         return {"torch_compile": True, "torch_compile_backend": str(value).strip().lower()}, []
     if key == "dynamo_mode":
-        return ({} if _off(value) else {"torch_compile_mode": str(value).strip().lower()}), []
-    if key == "dynamo_use_fullgraph" and not _off(value):
+        return ({} if off(value) else {"torch_compile_mode": str(value).strip().lower()}), []
+    if key == "dynamo_use_fullgraph" and not off(value):
         return {}, [f"dynamo_use_fullgraph={value!r}: shardtune compiles each decoder layer and lets the graph break "
                     f"where it must (FSDP's hooks, PEFT); remove it"]
     return {}, []  # dynamo_use_dynamic, dynamo_use_regional_compilation: what always runs (module docstring)
@@ -60,7 +57,7 @@ def normalise_compile(run: RunConfig, *, compile_set: bool) -> None:
         run.torch_compile_backend = "inductor"
 
 
-def compile_problems(run: RunConfig) -> list[str]:
+def compile_problems(run: RunConfig) -> list[Problem]:
     """A backend torch does not know, a mode inductor does not know, or a mode given to another backend."""
     if not run.torch_compile:
         return []
@@ -72,12 +69,15 @@ def compile_problems(run: RunConfig) -> list[str]:
     if run.torch_compile_backend not in backends:
         usual = sorted({*torch._dynamo.list_backends(), "eager", "aot_eager"})
         hint = closest(str(run.torch_compile_backend), usual)
-        problems.append(f"torch_compile_backend={run.torch_compile_backend!r} is not a torch.compile backend"
-                        f"{f'; did you mean {hint!r}?' if hint else ''} (e.g. {', '.join(usual)})")
+        problems.append(Problem("torch_compile_backend", f"torch_compile_backend={run.torch_compile_backend!r} is not "
+                                f"a torch.compile backend{f'; did you mean {hint!r}?' if hint else ''} (e.g. "
+                                f"{', '.join(usual)})"))
     modes = sorted(torch._inductor.list_mode_options())
     if run.torch_compile_mode is not None and run.torch_compile_mode not in modes:
-        problems.append(f"torch_compile_mode={run.torch_compile_mode!r} is not one of {', '.join(modes)}")
+        problems.append(Problem("torch_compile_mode", f"torch_compile_mode={run.torch_compile_mode!r} is not one of "
+                                                      f"{', '.join(modes)}"))
     elif run.torch_compile_mode not in (None, "default") and run.torch_compile_backend != "inductor":
-        problems.append(f"torch_compile_mode={run.torch_compile_mode!r} applies to the inductor backend only, not "
-                        f"to {run.torch_compile_backend!r}: leave torch_compile_mode out or use inductor")
+        problems.append(Problem(("torch_compile_mode", "torch_compile_backend"), f"torch_compile_mode="
+                                f"{run.torch_compile_mode!r} applies to the inductor backend only, not to "
+                                f"{run.torch_compile_backend!r}: leave torch_compile_mode out or use inductor"))
     return problems

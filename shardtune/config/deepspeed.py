@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardtune.config.schema import all_keys
 from shardtune.errors import UsageError
 from shardtune.strategies import ZERO_STAGES
 
@@ -30,6 +31,8 @@ TUNING = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgath
           "wall_clock_breakdown", "zero_allow_untested_optimizer", "memory_breakdown", "pin_memory", "buffer_count",
           "fast_init", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients"}
 SCHEDULERS = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
+# The entries that set a key to their value, as the keys declare them (shardtune/config/schema.py).
+AS_IS = {path: d.name for d in all_keys() for path in d.meta.deepspeed}
 
 
 @dataclass
@@ -79,11 +82,7 @@ def read_deepspeed_file(path: str | Path) -> Mapped:
 def map_deepspeed(data: dict[str, Any], where: str) -> Mapped:
     """Every key of a DeepSpeed config as shardtune keys (``Mapped.values``), listed or refused."""
     out = Mapped(where)
-    handlers = {"train_micro_batch_size_per_gpu": lambda v: out.set(
-                    "train_micro_batch_size_per_gpu", v, "per_device_train_batch_size"),
-                "gradient_accumulation_steps": lambda v: out.set(
-                    "gradient_accumulation_steps", v, "gradient_accumulation_steps"),
-                "gradient_clipping": lambda v: out.set("gradient_clipping", v, "max_grad_norm"),
+    handlers = {**{path: lambda v, path=path: out.set(path, v, AS_IS[path]) for path in AS_IS if "." not in path},
                 "train_batch_size": lambda v: _train_batch_size(out, v),
                 "bf16": lambda v: _precision(out, "bf16", v), "fp16": lambda v: _precision(out, "fp16", v),
                 "zero_optimization": lambda v: _zero(out, v),
@@ -178,16 +177,15 @@ def _optimizer(out: Mapped, block: Any) -> None:
         return
     out.values["optim"] = "adamw_torch"
     out.lines.append(f"optimizer.type {block['type']} -> optim adamw_torch")
-    params = block.get("params", {})
-    names = {"lr": "learning_rate", "eps": "adam_epsilon", "weight_decay": "weight_decay"}
-    for key, value in params.items():
-        if key in names:
-            out.set(f"optimizer.params.{key}", value, names[key])
+    for key, value in block.get("params", {}).items():
+        path = f"optimizer.params.{key}"
+        if path in AS_IS:
+            out.set(path, value, AS_IS[path])
         elif key == "betas" and _is_auto(value):
             out.lines.append("optimizer.params.betas auto -> adam_beta1, adam_beta2 from the config")
         elif key == "betas" and isinstance(value, list) and len(value) == 2:
-            out.set("optimizer.params.betas[0]", value[0], "adam_beta1")
-            out.set("optimizer.params.betas[1]", value[1], "adam_beta2")
+            for i, beta in enumerate(value):
+                out.set(f"{path}[{i}]", beta, AS_IS[f"{path}[{i}]"])
         elif key in ("torch_adam", "adam_w_mode") and value in (True, "auto"):
             out.lines.append(f"optimizer.params.{key} {_show(value)}: torch's AdamW (decoupled weight decay)")
         else:
@@ -203,10 +201,8 @@ def _scheduler(out: Mapped, block: Any) -> None:
     out.values["lr_scheduler_type"] = SCHEDULERS[kind]
     out.lines.append(f"scheduler.type {block['type']} -> lr_scheduler_type {SCHEDULERS[kind]}")
     for key, value in block.get("params", {}).items():
-        if key == "warmup_num_steps":
-            out.set("scheduler.params.warmup_num_steps", value, "warmup_steps")
-        elif key == "warmup_max_lr":
-            out.set("scheduler.params.warmup_max_lr", value, "learning_rate")
+        if f"scheduler.params.{key}" in AS_IS:
+            out.set(f"scheduler.params.{key}", value, AS_IS[f"scheduler.params.{key}"])
         elif key == "warmup_type" and value == "linear":
             out.lines.append("scheduler.params.warmup_type linear: the warm-up shardtune runs")
         elif key in ("warmup_min_lr", "warmup_min_ratio", "cos_min_ratio") and (_is_auto(value) or value == 0):

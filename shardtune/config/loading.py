@@ -14,28 +14,24 @@ The resolved config is written beside every checkpoint as flat YAML that ``shard
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any
 
 import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
+from shardtune.config.keys import parse_bool
 from shardtune.config.no_ops import NO_OPS, no_op_problem
-from shardtune.config.schema import TrainConfig, known_keys, section_classes
+from shardtune.config.schema import ALIASES, TrainConfig, all_keys
 from shardtune.config.validation import (context_problems, device_problems, input_problems, model_folder_problems,
                                          resolve_report_to, tracker_problems, validate)
 from shardtune.errors import UsageError, closest
-from shardtune.strategies import FSDP, lookup
+from shardtune.strategies import FSDP
 
-# FSDP1's enum values, which older Accelerate configs write as numbers; HYBRID_SHARD_ZERO2 (5) keeps gathered
-# parameters inside the node like SHARD_GRAD_OP, which FSDP2 spells HYBRID_SHARD without resharding.
-SHARDING_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
-                    "5": "HYBRID_SHARD"}
+__all__ = ["parse_bool"]  # read by the launcher, as the keys read booleans
 
 
 @dataclass
@@ -132,36 +128,24 @@ NESTED_SECTIONS = ("fsdp_config", "deepspeed_config")  # the blocks of an Accele
 
 
 def _flatten(data: dict[str, Any]) -> dict[str, Any]:
-    """Lift Accelerate's nested ``fsdp_config`` (and DeepSpeed's zero stage) to top-level keys."""
-    flat = {}
+    """Lift Accelerate's nested ``fsdp_config`` block to top-level keys (``deepspeed_config`` is mapped whole)."""
+    flat: dict[str, Any] = {}
     for key, value in data.items():
-        if key == "fsdp_config" and isinstance(value, dict):
-            flat.update(value)
-        elif key == "deepspeed_config" and isinstance(value, dict):
-            flat[key] = value  # read_accelerate_config maps it (config/deepspeed.py)
-        else:
-            flat[key] = value
+        flat.update(value if key == "fsdp_config" and isinstance(value, dict) else {key: value})
     return flat
 
 
 def read_accelerate_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin]]:
     """An Accelerate config file (``accelerate config`` output) as flat shardtune keys, read as it is."""
-    path = Path(path)
-    data, lines = _yaml_with_lines(path)
-    flat = _flatten(data)
-    block = flat.pop("deepspeed_config", None)
-    if str(flat.get("distributed_type", "")).upper() == "DEEPSPEED":
-        flat["distributed_type"] = FSDP.name  # ZeRO-3 unless the block says otherwise
-    values, sources = {}, {}
-    for key, value in flat.items():
-        values[key] = value
-        sources[key] = Origin(str(path), lines.get(key))
+    values, sources = read_yaml_recipe(path)
+    block, where = values.pop("deepspeed_config", None), sources.pop("deepspeed_config", Origin(str(path)))
+    if str(values.get("distributed_type", "")).upper() == "DEEPSPEED":
+        values["distributed_type"] = FSDP.name  # ZeRO-3 unless the block says otherwise
     if block is not None:
         mapped = map_accelerate_block(block, str(path))
         raise_problems(mapped.problems)
         values.update(mapped.values)
-        sources.update({key: Origin(f"{path} (deepspeed_config)", lines.get("deepspeed_config"))
-                        for key in mapped.values})
+        sources.update({key: Origin(f"{path} (deepspeed_config)", where.line) for key in mapped.values})
     return values, sources
 
 
@@ -200,11 +184,9 @@ def deepspeed_mapping(argv: list[str]) -> tuple[str, list[str]] | None:
             named = read_yaml_recipe(path)[0].get("deepspeed")
     if named not in (None, "", "none", "None"):
         return str(named), read_deepspeed_file(named).lines
-    if accelerate_file:
-        data, _ = _yaml_with_lines(Path(accelerate_file))
-        if isinstance(data.get("deepspeed_config"), dict):
-            block = data["deepspeed_config"]
-            return f"{accelerate_file} (deepspeed_config)", map_accelerate_block(block, accelerate_file).lines
+    block = _yaml_with_lines(Path(accelerate_file))[0].get("deepspeed_config") if accelerate_file else None
+    if isinstance(block, dict):
+        return f"{accelerate_file} (deepspeed_config)", map_accelerate_block(block, accelerate_file).lines
     return None
 
 
@@ -244,8 +226,7 @@ def _same_value(a: Any, b: Any) -> bool:
 
 def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin]]:
     """A shardtune YAML recipe: flat keys (an ``fsdp_config:`` block is also accepted)."""
-    path = Path(path)
-    data, lines = _yaml_with_lines(path)
+    data, lines = _yaml_with_lines(Path(path))
     flat = _flatten(data)
     return flat, {k: Origin(str(path), lines.get(k)) for k in flat}
 
@@ -320,58 +301,6 @@ def repeated_cli_keys(argv: list[str], hints: Mapping[str, str] | None = None) -
     return problems
 
 
-_TRUE = {"true", "1", "yes", "y", "on"}
-_FALSE = {"false", "0", "no", "n", "off"}
-
-
-def parse_bool(value: Any) -> bool:
-    """A boolean as recipes and the command line write it (true/false, yes/no, on/off, 1/0, any case)."""
-    if isinstance(value, bool):
-        return value
-    lowered = str(value).lower()
-    if lowered in _TRUE:
-        return True
-    if lowered in _FALSE:
-        return False
-    raise ValueError("expected true or false")
-
-
-def _coerce(value: Any, hint: Any) -> Any:
-    """Turn a YAML or command-line value into the field's type; raises ValueError with the accepted form."""
-    text = str(hint)
-    if text.startswith("list"):  # a YAML list, or one string of comma-separated items (the command line's form)
-        items = value if isinstance(value, (list, tuple)) else str(value or "").split(",")
-        return [str(item).strip() for item in items if str(item).strip()]
-    optional = "None" in text
-    if value is None or (isinstance(value, str) and value.lower() in {"none", "null"} and optional):
-        if optional:
-            return None
-        raise ValueError("a value is required")
-    if "bool" in text and "int" not in text.replace("bool", ""):
-        return parse_bool(value)
-    if text.startswith("int") or text == "<class 'int'>" or "int |" in text:
-        if isinstance(value, bool):
-            raise ValueError("expected an integer")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError("expected an integer") from None
-        if not number.is_integer():
-            raise ValueError("expected an integer")
-        return int(number)
-    if "float" in text:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError("expected a number") from None
-        if not math.isfinite(number):
-            raise ValueError("expected a finite number")
-        return number
-    if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)
-    return str(value)
-
-
 Layers = list[tuple[dict[str, Any], dict[str, Origin]]]
 
 
@@ -396,69 +325,57 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
     """The config ``layers`` make, where each key's value came from, and every problem found."""
     cfg = TrainConfig()
     given: dict[str, Origin] = {}
-    sections = section_classes()
-    owner = known_keys()
-    hints = {name: get_type_hints(cls) for name, cls in sections.items()}
+    declared = {d.name: d for d in all_keys()}
     problems: list[str] = []
     for values, sources in layers:
-        for key, value in values.items():
-            source = sources.get(key, Origin("config"))
+        problems += _alias_problems(values, sources)
+        for name, value in values.items():
+            source, key = sources.get(name, Origin("config")), ALIASES.get(name, name)
             if key in DYNAMO_KEYS:  # Accelerate's torch.compile settings, read as torch_compile* (compile.py)
                 values_meant, refused = dynamo_values(key, value)
                 problems += [f"{source}: {problem}" for problem in refused]
                 for meant, setting in values_meant.items():
                     setattr(cfg.run, meant, setting)
                     given[meant] = source
-                continue
-            if key in NO_OPS:  # accepted from recipes and Accelerate files; a value that would act is refused
+            elif key in NO_OPS:  # accepted from recipes and Accelerate files; a value that would act is refused
                 if problem := no_op_problem(key, value):
                     problems.append(f"{source}: {problem}")
-                continue
-            if key not in owner:
-                hint = closest(key, list(owner))
+            elif key not in declared:
+                hint = closest(key, list(declared))
                 did_you_mean = f"; did you mean '{hint}'?" if hint else "; see 'shardtune train --help-keys'"
                 problems.append(f"{source}: unknown key '{key}'{did_you_mean}")
-                continue
-            section = owner[key]
-            try:
-                coerced = _coerce(value, hints[section][key])
-            except ValueError as exc:
-                problems.append(f"{source}: {key}={value!r}: {exc}")
-                continue
-            setattr(getattr(cfg, section), key, coerced)
-            given[key] = source
-    _normalise(cfg)
+            else:
+                try:
+                    setattr(getattr(cfg, declared[key].section), key, declared[key].coerce(value))
+                    given[key] = source
+                except ValueError as exc:
+                    problems.append(f"{source}: {name}={value!r}: {exc}")
+    cfg.run.report_to = resolve_report_to(cfg.run.report_to)
     normalise_compile(cfg.run, compile_set="torch_compile" in given)
     problems += [_located(problem, given) for problem in validate(cfg, training=training)]
     return cfg, given, problems
 
 
+def _alias_problems(values: dict[str, Any], sources: dict[str, Origin]) -> list[str]:
+    """Two names of one key in one layer (TRL's max_length beside max_seq_len) with different values: which one
+    was meant cannot be told. Unset (null) is no value."""
+    problems, named = [], {}
+    for name, value in values.items():
+        key = ALIASES.get(name, name)
+        first = named.setdefault(key, name)
+        if first != name and None not in (value, values[first]) and str(value) != str(values[first]):
+            whose = next(d.meta.aliases for d in all_keys() if d.name == key)
+            said = "; ".join(f"{n} is {whose[n]} name for {key}" for n in (first, name) if n != key)
+            problems.append(f"{sources.get(name, Origin('config'))}: {first}={values[first]} and {name}={value} "
+                            f"disagree ({said}); give one of them")
+    return problems
+
+
 def _located(problem: str, given: dict[str, Origin]) -> str:
-    """``problem`` led by the file and line that set the key it names first (the command line needs no pointer:
-    the key is on it)."""
-    key = re.match(r"[a-z][a-z0-9_]*", problem)
-    source = given.get(key.group(0)) if key else None
-    return f"{source}: {problem}" if source and source.line else problem
-
-
-def _normalise(cfg: TrainConfig) -> None:
-    """Canonical spellings: upper-case enum names, Accelerate's aliases (the strategies' own) and FSDP1 numbers."""
-    d = cfg.distributed
-    if d.distributed_type is not None:
-        found = lookup(d.distributed_type)
-        d.distributed_type = found.name if found else str(d.distributed_type).upper()
-    d.fsdp_sharding_strategy = SHARDING_NUMBERS.get(str(d.fsdp_sharding_strategy),
-                                                    str(d.fsdp_sharding_strategy).upper())
-    d.fsdp_auto_wrap_policy = str(d.fsdp_auto_wrap_policy).upper()
-    d.fsdp_state_dict_type = str(d.fsdp_state_dict_type).upper()
-    if d.mixed_precision is not None:
-        d.mixed_precision = d.mixed_precision.lower()
-    cfg.optim.lr_scheduler_type = cfg.optim.lr_scheduler_type.lower()
-    cfg.optim.optim = cfg.optim.optim.lower()
-    for name in ("logging_strategy", "eval_strategy", "log_level", "hub_strategy"):
-        setattr(cfg.run, name, getattr(cfg.run, name).lower())
-    cfg.checkpoint.save_strategy = cfg.checkpoint.save_strategy.lower()
-    cfg.run.report_to = resolve_report_to(cfg.run.report_to)
+    """``problem`` led by the file and line that set the first of its keys set in a file (the command line needs
+    no pointer: the key is on it)."""
+    lines = [given[key] for key in getattr(problem, "keys", ()) if key in given and given[key].line]
+    return f"{lines[0]}: {problem}" if lines else problem
 
 
 def load_train_config(argv: list[str], *, training: bool = True) -> TrainConfig:
@@ -481,8 +398,7 @@ def load_run_config(argv: list[str]) -> TrainConfig:
 def check_given_values(argv: list[str]) -> None:
     """The training keys ``argv`` gives, checked as keys and values only, with the model, data and output_dir
     allowed to be left out: what a dry run of ``shardtune launch`` shows the command for. Nothing is read."""
-    placeholders: tuple[dict[str, Any], dict[str, Origin]] = ({"model_name_or_path": "MODEL", "dataset_name": "DATA"},
-                                                              {})
+    placeholders = ({"model_name_or_path": "MODEL", "dataset_name": "DATA"}, {})
     _, _, problems = _apply([placeholders, *_layers(argv)], training=False)
     raise_problems(problems)
 
@@ -493,7 +409,7 @@ def run_config_problems(argv: list[str]) -> tuple[TrainConfig, dict[str, Origin]
     if not cfg.run.dry_run:
         folder = model_folder_problems(cfg, given)
         problems += (input_problems(cfg, given) + folder + (context_problems(cfg, given) if not folder else [])
-                     + device_problems(cfg) + tracker_problems(cfg, given))
+                     + [_located(problem, given) for problem in device_problems(cfg)] + tracker_problems(cfg, given))
     return cfg, given, problems
 
 
@@ -508,8 +424,7 @@ def _layers(argv: list[str]) -> Layers:
             raise UsageError(f"unexpected argument '{path}': give a YAML recipe (CONFIG.yaml), key=value or "
                              f"--key value")
         layers.append(read_yaml_recipe(path))
-    layers.append((overrides, cli_sources))
-    layers.append((flags, cli_sources))
+    layers += [(overrides, cli_sources), (flags, cli_sources)]
     deepspeed = deepspeed_layer(layers)
     if deepspeed is not None:  # above the Accelerate file, below everything the user writes for shardtune
         layers.insert(1 if accelerate_file else 0, deepspeed)

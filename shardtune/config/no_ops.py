@@ -15,10 +15,10 @@ from typing import Any
 _OFF = {"", "false", "no", "0", "none", "null", "off"}
 
 
-def _off(value: Any) -> bool:
+def off(value: Any) -> bool:
     """False, empty or unset, as YAML files and command lines write it."""
     if isinstance(value, (dict, list, tuple)):
-        return all(_off(v) for v in (value.values() if isinstance(value, dict) else value))
+        return all(off(v) for v in (value.values() if isinstance(value, dict) else value))
     return value is None or value is False or str(value).strip().lower() in _OFF
 
 
@@ -27,13 +27,13 @@ def _any(_value: Any) -> bool:
 
 
 def _one_of(*words: str) -> Callable[[Any], bool]:
-    return lambda value: _off(value) or str(value).strip().lower() in words
+    return lambda value: off(value) or str(value).strip().lower() in words
 
 
 def _sizes_one(value: Any) -> bool:
     """Accelerate's parallelism_config: every *_size is 1 (data parallel size aside, which the launch decides)."""
     if not isinstance(value, dict):
-        return _off(value)
+        return off(value)
     return all(str(v) in ("1", "None", "none") or k.startswith("parallelism_config_dp")
                for k, v in value.items() if k.endswith("_size"))
 
@@ -61,24 +61,24 @@ NO_OPS: dict[str, NoOp] = {
     "downcast_bf16": NoOp("TPU-only", _one_of("no"), "shardtune does not run on TPUs"),
     "same_network": NoOp("a hint for Accelerate's multi-machine set-up"),
     "enable_cpu_affinity": NoOp("speed only (NUMA pinning)"),
-    "tpu_env": NoOp("TPU-only", _off, "shardtune does not run on TPUs"),
-    "tpu_use_cluster": NoOp("TPU-only", _off, "shardtune does not run on TPUs"),
-    "tpu_use_sudo": NoOp("TPU-only", _off, "shardtune does not run on TPUs"),
-    "tpu_name": NoOp("TPU-only", _off, "shardtune does not run on TPUs"),
-    "tpu_zone": NoOp("TPU-only", _off, "shardtune does not run on TPUs"),
-    "commands": NoOp("TPU pod commands", _off, "shardtune does not run on TPUs"),
-    "command_file": NoOp("TPU pod commands", _off, "shardtune does not run on TPUs"),
-    "use_cpu": NoOp("Accelerate's switch to the CPU", _off,
+    "tpu_env": NoOp("TPU-only", off, "shardtune does not run on TPUs"),
+    "tpu_use_cluster": NoOp("TPU-only", off, "shardtune does not run on TPUs"),
+    "tpu_use_sudo": NoOp("TPU-only", off, "shardtune does not run on TPUs"),
+    "tpu_name": NoOp("TPU-only", off, "shardtune does not run on TPUs"),
+    "tpu_zone": NoOp("TPU-only", off, "shardtune does not run on TPUs"),
+    "commands": NoOp("TPU pod commands", off, "shardtune does not run on TPUs"),
+    "command_file": NoOp("TPU pod commands", off, "shardtune does not run on TPUs"),
+    "use_cpu": NoOp("Accelerate's switch to the CPU", off,
                     "hide the GPUs instead: CUDA_VISIBLE_DEVICES= shardtune train ..."),
     "gpu_ids": NoOp("which GPUs Accelerate uses", _one_of("all"), "choose them with CUDA_VISIBLE_DEVICES=0,1"),
-    "megatron_lm_config": NoOp("Megatron-LM", _off, "shardtune does not run Megatron-LM: remove it"),
-    "ipex_config": NoOp("Intel Extension for PyTorch", _off, "remove it"),
-    "mpirun_config": NoOp("mpirun launching", _off, "launch with shardtune launch (torchrun)"),
-    "fp8_config": NoOp("FP8 training", _off, "shardtune trains in bf16, fp16 or fp32: remove it"),
+    "megatron_lm_config": NoOp("Megatron-LM", off, "shardtune does not run Megatron-LM: remove it"),
+    "ipex_config": NoOp("Intel Extension for PyTorch", off, "remove it"),
+    "mpirun_config": NoOp("mpirun launching", off, "launch with shardtune launch (torchrun)"),
+    "fp8_config": NoOp("FP8 training", off, "shardtune trains in bf16, fp16 or fp32: remove it"),
     "parallelism_config": NoOp("tensor/context parallel sizes", _sizes_one,
                                "shardtune runs data parallel, FSDP, MP and PP: set tp/cp sizes to 1 or remove it"),
     "fsdp_use_orig_params": NoOp("FSDP1's flat parameters; FSDP2 keeps every parameter itself, whatever the value"),
-    "fsdp_offload_optimizer": NoOp("FSDP2 offloads the optimizer step with the parameters", _off,
+    "fsdp_offload_optimizer": NoOp("FSDP2 offloads the optimizer step with the parameters", off,
                                    "set fsdp_offload_params true, which offloads both"),
 }
 

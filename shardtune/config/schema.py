@@ -1,7 +1,11 @@
-"""The training configuration's schema: one small typed section per concern, and the values each key accepts.
+"""The training configuration's schema: one small typed section per concern, each key declared once.
+
+Each field is a key: its annotation is its type (a ``Literal`` lists the values it accepts), its default is the
+default, and ``key(default, what it does, bounds, other spellings, other tools' names)`` says the rest (``keys``).
+Loading, checking, ``--help-keys``, docs/config.md and the recipe JSON Schema all read these declarations.
 
 Names are the ones users know from Transformers' ``TrainingArguments``, TRL's ``SFTConfig``, PEFT and Accelerate's
-config files, so a recipe carries over. Reading (``loading``) and checking (``validation``) live beside this module.
+config files, so a recipe carries over.
 """
 
 from __future__ import annotations
@@ -10,48 +14,73 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal, get_args
 
+from shardtune.config.keys import Declared, declared, key
 from shardtune.config.optimizers import OPTIMIZERS
-from shardtune.data.config import DataConfig
-from shardtune.strategies import NAMES
+from shardtune.strategies import NAMES, STRATEGIES
 
-DISTRIBUTED_TYPES = NAMES  # the strategies' names (shardtune/strategies.py)
-PIPELINE_SCHEDULES = ("GPipe", "1F1B")
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
-WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
-STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
-MIXED_PRECISIONS = ("bf16", "fp16", "no")
-TORCH_DTYPES = ("auto", "float32", "bfloat16")  # float16 is refused: pure fp16 diverges without an fp32 master
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
-STRATEGIES_STEPS = ("steps", "epoch", "no")
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
-# Transformers' optimizer names the trainer runs: config/optimizers.py's table (built in train/optim.py).
-ACCEPTED_OPTIMS = tuple(OPTIMIZERS)
-# The final model is uploaded once, after training (train/loop.py push_to_hub): Transformers calls that "end".
-HUB_STRATEGIES = ("end",)
+DistributedType = Literal[NAMES]  # the strategies' names (shardtune/strategies.py)
+PipelineSchedule = Literal["GPipe", "1F1B"]
+ShardingStrategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+WrapPolicy = Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"]
+StateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
+MixedPrecision = Literal["bf16", "fp16", "no"]
+TorchDtype = Literal["auto", "float32", "bfloat16"]  # float16 is refused: pure fp16 diverges without an fp32 master
+Scheduler = Literal["linear", "cosine", "constant", "constant_with_warmup"]
+Every = Literal["steps", "epoch", "no"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
+HubStrategy = Literal["end"]  # the final model is uploaded once, after training (train/loop.py push_to_hub)
+FsdpVersion = Literal[2]  # the trainer shards with FSDP2's fully_shard
+DataFormat = Literal["auto", "chat", "prompt_completion", "alpaca", "text"]
+# none: the tokenizer's own template; the others are data/templates.py's TEMPLATES (a test holds them equal).
+ChatTemplateFormat = Literal["none", "chatml", "llama-3", "mistral", "alpaca", "zephyr"]
+
+# The values each choice key accepts, under the names the rest of the code imports.
+DISTRIBUTED_TYPES, PIPELINE_SCHEDULES = get_args(DistributedType), get_args(PipelineSchedule)
+SHARDING_STRATEGIES, WRAP_POLICIES = get_args(ShardingStrategy), get_args(WrapPolicy)
+STATE_DICT_TYPES, MIXED_PRECISIONS = get_args(StateDictType), get_args(MixedPrecision)
+SCHEDULERS, STRATEGIES_STEPS, LOG_LEVELS = get_args(Scheduler), get_args(Every), get_args(LogLevel)
+HUB_STRATEGIES, FSDP_VERSIONS, DATA_FORMATS = get_args(HubStrategy), get_args(FsdpVersion), get_args(DataFormat)
+CHAT_TEMPLATES, TORCH_DTYPES = get_args(ChatTemplateFormat), get_args(TorchDtype)
+ACCEPTED_OPTIMS = tuple(OPTIMIZERS)  # Transformers' optimizer names the trainer runs (config/optimizers.py)
 # report_to: each experiment tracker, the module it imports and the PyPI package that provides it.
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
                     "mlflow": ("mlflow", "mlflow-skinny"), "trackio": ("trackio", "trackio")}
-BACKWARD_PREFETCH = ("BACKWARD_PRE",)
-FSDP_VERSIONS = (2,)  # the trainer shards with FSDP2's fully_shard
-SECRET_KEYS = {"hub_token"}  # never written into config.yaml beside the checkpoints
+MAX_SEED = 2**32 - 1  # what numpy's and torch's generators take
 # The data set that ``shardtune estimate --emit-config`` writes (memory/trace_setup.py): the user fills it in.
 DATASET_PLACEHOLDER = "REPLACE_WITH_YOUR_DATASET"
 METHODS = ("full", "lora", "qlora")  # what trains: LoraConfig.method, and method_keys' inverse
+STRATEGY_SPELLINGS = {alias: s.name for s in STRATEGIES for alias in s.aliases}  # Accelerate's MULTI_GPU -> DDP
+# FSDP1's enum values, which older Accelerate files write as numbers; HYBRID_SHARD_ZERO2 (5) keeps gathered
+# parameters inside the node like SHARD_GRAD_OP, which FSDP2 spells HYBRID_SHARD without resharding.
+SHARDING_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD"}
+FLOAT16 = ("pure fp16 training diverges without an fp32 master copy (fp16's range overflows and small updates "
+           "vanish); leave {key} out and set fp16 true for fp16 mixed precision, or use {key} bfloat16")
+# YAML 1.1 (PyYAML) reads an unquoted no as false: for keys whose choices include "no", that is what was written.
+NO = {"FALSE": "no"}
+HUB = "Accepted so recipes run unchanged; acts only where the hub is reachable."
+DTYPE_SPELLINGS = {"TORCH.FLOAT32": "float32", "TORCH.BFLOAT16": "bfloat16", "TORCH.FLOAT16": "float16",
+                   "HALF": "float16"}
 
 
 @dataclass
 class ModelConfig:
-    model_name_or_path: str | None = None
-    attn_implementation: str = "sdpa"
-    use_flash_attn: bool = False  # flash_attention_2 when installed and on CUDA; sdpa otherwise, with a warning
-    trust_remote_code: bool = False
-    # TRL's model dtype: auto/float32 keep fp32 trainable weights under mixed precision; bfloat16 trains pure bf16
-    # (weights, gradients and optimizer states in bf16, no fp32 master; stochastically rounded AdamW updates).
-    torch_dtype: str | None = None
-    dtype: str | None = None  # Transformers 5's name for torch_dtype
+    model_name_or_path: str | None = key(None, "Local model folder (config.json + weights + tokenizer) or a hub name.")
+    attn_implementation: str = key("sdpa", "Attention kernel: sdpa, eager, flash_attention_2, flash_attention_3.")
+    use_flash_attn: bool = key(False, "Use flash_attention_2 when installed and on CUDA; sdpa otherwise, with a "
+                                      "warning.")
+    trust_remote_code: bool = key(False, "Run a model's own Python code from its folder. Off unless you trust the "
+                                         "model.")
+    torch_dtype: TorchDtype | None = key(
+        None, "TRL's model dtype: auto or float32 (unset) train fp32 weights under mixed precision; bfloat16 trains "
+        "pure bf16: weights, gradients and AdamW moments in bf16, no fp32 master (half the optimizer memory), updates "
+        "stochastically rounded so small steps are kept, FSDP reducing gradients in bf16, final/ saved in bf16. With "
+        "LoRA the base and the adapters are bf16. Runs adamw_torch/adamw_torch_fused with every distributed_type; "
+        "float16 is refused (use fp16 mixed precision).", spellings=DTYPE_SPELLINGS, refused={"float16": FLOAT16})
+    dtype: TorchDtype | None = key(None, "Transformers 5's name for torch_dtype; give one of the two (different "
+                                         "values are refused).", spellings=DTYPE_SPELLINGS,
+                                   refused={"float16": FLOAT16})
 
     @property
     def weights_dtype(self) -> str:
@@ -64,24 +93,79 @@ class ModelConfig:
 
 
 @dataclass
+class DataConfig:
+    """Data settings, named as in TRL's SFT recipes and the Hugging Face PEFT examples."""
+
+    dataset_name: str | None = key(None, "A JSONL/JSON/Parquet/CSV file or folder, a saved `datasets` folder, or a "
+                                         "hub name.")
+    dataset_config_name: str | None = key(None, "The hub data set's configuration (subset).",
+                                          aliases={"dataset_config": "TRL's"})
+    splits: str = key("train,test", "Comma-separated split names; names containing `train` train, the others "
+                                    "evaluate.")
+    dataset_text_field: str = key("text", "The column of raw-text rows.")
+    data_format: DataFormat = key("auto", "The row format; auto looks at the first row.")
+    chat_template_format: ChatTemplateFormat = key("none", "The chat template: none is the tokenizer's own.")
+    add_special_tokens: bool = key(False, "Add the named template's special tokens to the tokenizer (and resize the "
+                                          "embeddings).")
+    append_concat_token: bool = key(False, "When packing, end every document with EOS if it does not already.")
+    max_seq_len: int = key(2048, "Tokens per row; longer examples are truncated, packed rows are filled up to it. "
+                                 "Refused (not capped) beyond the positions the model covers (its config's "
+                                 "max_position_embeddings).", ge=2,
+                           aliases={"max_length": "TRL's", "max_seq_length": "TRL's former"})
+    packing: bool = key(False, "Pack several examples into each row (attention never crosses examples).")
+    group_by_length: bool = key(False, "Unpacked rows: each global batch holds rows of about one length, longest "
+                                       "first, so micro-batches carry less padding; the batches stay the same for "
+                                       "any world size and accumulation, and resume exactly (packing must be "
+                                       "false).")
+    train_on_prompt: bool = key(False, "Also compute the loss on system/user/prompt tokens, not only on the answers.")
+    eval_split_ratio: float = key(0.0, "Hold out this fraction of the train rows for eval when there is no eval "
+                                       "split.", ge=0, lt=1)
+    dataset_num_proc: int | None = key(None, "Processes that tokenise (unset: one).", ge=1)
+    skip_bad_rows: bool = key(False, "Drop malformed rows and count them instead of stopping at the first.")
+
+    def train_split_names(self) -> list[str]:
+        return [s.strip() for s in self.splits.split(",") if "train" in s.strip()]
+
+    def eval_split_names(self) -> list[str]:
+        return [s.strip() for s in self.splits.split(",") if s.strip() and "train" not in s.strip()]
+
+
+@dataclass
 class LoraConfig:
-    use_peft_lora: bool = False
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_target_modules: str = "all-linear"
-    use_dora: bool = False  # DoRA: a trained magnitude per output feature on top of the LoRA direction update
-    use_rslora: bool = False  # rank-stabilised LoRA: scale the update by alpha / sqrt(r) instead of alpha / r
-    # Modules trained in full beside the adapters and saved in the adapter folder (PEFT's modules_to_save).
-    lora_modules_to_save: list[str] = field(default_factory=list)
-    init_lora_weights: str = "true"  # PEFT's init_lora_weights: true, false, gaussian, pissa, pissa_niter_N, olora
-    lora_bias: str = "none"  # PEFT's bias: none, all (every bias trains) or lora_only (biases of adapted layers)
-    use_4bit_quantization: bool = False
-    bnb_4bit_quant_type: str = "nf4"
-    use_nested_quant: bool = True  # double quantisation of the quantisation constants (QLoRA paper, sec. 3)
-    bnb_4bit_compute_dtype: str = "bfloat16"
-    # bf16 storage so the packed 4-bit weights share a dtype with the rest and FSDP can shard them.
-    bnb_4bit_quant_storage_dtype: str = "bfloat16"
+    use_peft_lora: bool = key(False, "Train LoRA adapters (PEFT) on a frozen base instead of every weight.",
+                              aliases={"use_peft": "TRL's"})
+    lora_r: int = key(8, "LoRA rank.", ge=1)
+    lora_alpha: int = key(16, "LoRA scaling numerator (the update is scaled by alpha / r).")
+    lora_dropout: float = key(0.0, "Dropout on the LoRA input.", ge=0, lt=1)
+    lora_target_modules: str = key(
+        "all-linear", "all-linear; comma-separated module names (q_proj,v_proj: each matches a module whose name ends "
+        "with it); or `re:` and a regular expression that must match a module's whole name (PEFT's regex form), e.g. "
+        "`re:.*layers\\.[0-3]\\..*(q_proj|v_proj)`.")
+    use_dora: bool = key(False, "DoRA (Liu et al. 2024): a trained magnitude per output feature of each adapted "
+                                "layer; sharded by FSDP with its layer, saved in checkpoints and final/, folded in by "
+                                "merge.")
+    use_rslora: bool = key(False, "rsLoRA: scale the update by lora_alpha / sqrt(r) instead of lora_alpha / r.")
+    lora_modules_to_save: list[str] = key(
+        help="Modules trained in full beside the adapters and saved in the adapter (PEFT's modules_to_save), e.g. "
+        "lm_head or embed_tokens; a list or comma-separated names.", factory=list)
+    init_lora_weights: str = key(
+        "true", "true (A random, B zero), false (both random: for tests), gaussian, pissa or pissa_niter_N (A, B from "
+        "the base's top singular vectors), olora (from a QR of the base). PiSSA/OLoRA change the base: final/ and "
+        "export hold the equivalent plain adapter of rank 2r for the unmodified base. Not with "
+        "use_4bit_quantization, use_dora or PP.")
+    lora_bias: Literal["none", "all", "lora_only"] = key(
+        "none", "PEFT's bias: which biases train, all of the model's or lora_only those of adapted layers; trained "
+        "biases are saved in the adapter. PEFT's boolean lora_bias is refused.", spellings={"FALSE": "none"},
+        refused={"true": "here lora_bias is PEFT's `bias` (none, all, lora_only); PEFT's boolean lora_bias (a bias "
+                         "on lora_B) is not run; use lora_bias all or lora_only, or leave it out"})
+    use_4bit_quantization: bool = key(False, "QLoRA: load the frozen base in 4 bits (bitsandbytes); needs "
+                                             "use_peft_lora.", aliases={"load_in_4bit": "TRL's"})
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = key("nf4", "The 4-bit data type.")
+    use_nested_quant: bool = key(True, "Double quantisation of the quantisation constants (QLoRA paper, section 3).",
+                                 aliases={"use_bnb_nested_quant": "TRL's"})
+    bnb_4bit_compute_dtype: str = key("bfloat16", "The dtype 4-bit weights are dequantised to for the matmuls.")
+    bnb_4bit_quant_storage_dtype: str = key("bfloat16", "Storage dtype of the packed 4-bit weights; bf16 lets FSDP "
+                                                        "shard them with the rest.")
 
     @property
     def method(self) -> str:
@@ -96,120 +180,192 @@ def method_keys(method: str) -> dict[str, bool]:
 
 @dataclass
 class OptimConfig:
-    learning_rate: float = 5e-5
-    lr_scheduler_type: str = "linear"
-    warmup_ratio: float = 0.0
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    optim: str = "adamw_torch"  # Transformers' optimizer names: torch's AdamW, bitsandbytes' 8-bit/paged, ...
+    learning_rate: float = key(5e-5, "Peak learning rate.", ge=0,
+                               deepspeed=("optimizer.params.lr", "scheduler.params.warmup_max_lr"))
+    lr_scheduler_type: Scheduler = key("linear", "The learning-rate schedule after warm-up.")
+    warmup_ratio: float = key(0.0, "Fraction of the steps spent warming up (warmup_steps wins when set).", ge=0, le=1)
+    warmup_steps: int = key(0, "Steps of linear warm-up.", ge=0, deepspeed=("scheduler.params.warmup_num_steps",))
+    weight_decay: float = key(0.0, "Weight decay of the matrices (biases and norms are not decayed), for every "
+                                   "optimizer.", ge=0, deepspeed=("optimizer.params.weight_decay",))
+    max_grad_norm: float = key(1.0, "Clip the global gradient norm to this (0: no clipping).", ge=0,
+                               deepspeed=("gradient_clipping",))
+    adam_beta1: float = key(0.9, "AdamW's and Lion's beta1; refused with adafactor and sgd, which have none.",
+                            deepspeed=("optimizer.params.betas[0]",))
+    adam_beta2: float = key(0.999, "AdamW's and Lion's beta2; refused with adafactor and sgd, which have none.",
+                            deepspeed=("optimizer.params.betas[1]",))
+    adam_epsilon: float = key(1e-8, "AdamW's epsilon; refused with Lion, adafactor and sgd, which have none.",
+                              deepspeed=("optimizer.params.eps",))
+    optim: str = key(
+        "adamw_torch", "Transformers' optimizer name, run as Transformers runs it: adamw_torch(_fused) is torch's "
+        "AdamW (fused on CUDA); the 8-bit, 32-bit and paged AdamW and Lion are bitsandbytes' (paged ones need CUDA; "
+        "under FSDP each rank steps its shard); adafactor is Transformers' Adafactor (not with FSDP); sgd is torch's "
+        "SGD without momentum. State bytes per weight: docs/estimator.md.", choices=ACCEPTED_OPTIMS)
 
 
 @dataclass
 class RunConfig:
-    output_dir: str | None = None
-    # A folder holding an earlier run is refused unless resuming; true deletes that run's files first.
-    overwrite_output_dir: bool = False
-    seed: int = 42
-    num_train_epochs: float = 1.0
-    max_steps: int = -1
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = False
-    use_reentrant: bool = False
-    # Keep the inputs that gradient checkpointing saves of each decoder layer in pinned CPU memory, copied on a side
-    # stream while compute goes on and brought back one layer ahead in backward (torchtune's name; needs checkpointing).
-    activation_offloading: bool = False
-    # Liger's Triton kernels for RMSNorm, RoPE and SwiGLU on CUDA (TRL's key; pip install liger-kernel); on a CPU a
-    # warning and transformers' modules. The loss stays shardtune's fused one.
-    use_liger_kernel: bool = False
-    # Compile each decoder layer with torch.compile (dynamic shapes, so packed lengths do not recompile); off by
-    # default: on a CPU it did not pay (docs/choosing-a-setup.md). A backend that cannot compile: a warning, then eager.
-    torch_compile: bool = False
-    torch_compile_backend: str | None = None  # a torch.compile backend (default inductor); setting it turns compile on
-    torch_compile_mode: str | None = None  # default, reduce-overhead, max-autotune, ...; setting it turns compile on
-    bf16: bool = False
-    fp16: bool = False
-    logging_steps: int = 10
-    logging_strategy: str = "steps"
-    log_level: str = "passive"
-    eval_strategy: str = "no"
-    eval_steps: int | None = None
-    eval_on_start: bool = False  # evaluate once before the first step (a baseline for the curve)
-    # Stop when metric_for_best_model has not improved by more than the threshold for this many evaluations.
-    early_stopping_patience: int | None = None
-    early_stopping_threshold: float = 0.0
-    neftune_noise_alpha: float | None = None  # NEFTune: uniform noise on the input embeddings while training
-    # Experiment trackers that get every metrics.jsonl record and the config, on rank 0: names of TRACKER_PACKAGES,
-    # "all" (every installed one) or "none"; resolved to the list of names at load.
-    report_to: list[str] = field(default_factory=list)
-    run_name: str | None = None  # the run's name in every tracker; default: the output_dir's folder name
-    ddp_timeout: int = 1800  # seconds a collective may wait before the run stops naming the rank and operation
-    dry_run: bool = False
-    # shardtune logs the first step by default (Transformers does not): false leaves step 1 to logging_steps.
-    logging_first_step: bool = True
-    disable_tqdm: bool = False  # no progress bar (the log lines and metrics.jsonl stay)
-    save_safetensors: bool = True  # final/ and checkpoints hold no pickles: false is refused
-    # Trace the job at the end and record the predicted peak beside the measured one. The environment variable
-    # SHARDTUNE_PREDICT_MEMORY=0 changes this default (test suites run hundreds of short jobs).
-    predict_memory: bool = field(default_factory=lambda: os.environ.get("SHARDTUNE_PREDICT_MEMORY", "1") != "0")
-    # Hub flags: the final model is uploaded where the hub is reachable (a warning, not a failure, where not).
-    push_to_hub: bool = False
-    hub_model_id: str | None = None
-    hub_token: str | None = None
-    hub_private_repo: bool | None = None
-    hub_strategy: str = "end"  # the final model is uploaded once, at the end of training
-    # Callbacks made on every rank: importable classes, package.module:Class (see shardtune/train/callbacks.py).
-    callbacks: list[str] = field(default_factory=list)
+    output_dir: str | None = key(None, "Where metrics.jsonl, config.yaml, checkpoints/ and final/ go.")
+    overwrite_output_dir: bool = key(False, "A folder holding an earlier run is refused unless resuming; true "
+                                            "deletes that run's files (checkpoints/, final/, metrics.jsonl, ...) "
+                                            "first.")
+    seed: int = key(42, "Seeds data order, LoRA initialisation and dropout.", ge=0, le=MAX_SEED)
+    num_train_epochs: float = key(1.0, "Epochs to train when max_steps is -1.")
+    max_steps: int = key(-1, "Optimizer steps to train; -1 trains num_train_epochs.")
+    per_device_train_batch_size: int = key(8, "Rows per micro-batch per process.", ge=1,
+                                           deepspeed=("train_micro_batch_size_per_gpu",))
+    per_device_eval_batch_size: int = key(8, "Rows per eval batch per process.", ge=1)
+    gradient_accumulation_steps: int = key(1, "Micro-batches per optimizer step; the loss is normalised over all of "
+                                              "them.", ge=1, deepspeed=("gradient_accumulation_steps",))
+    gradient_checkpointing: bool = key(False, "Recompute activations in the backward pass: less memory, about a "
+                                              "third more compute.")
+    use_reentrant: bool = key(False, "Use the reentrant checkpointing implementation (PyTorch's older one).")
+    activation_offloading: bool = key(
+        False, "Keep the input each checkpointed decoder layer saves (batch x seq x hidden per layer) in pinned CPU "
+        "memory: copied on a side CUDA stream while the forward goes on, brought back one layer ahead in backward. "
+        "The GPU holds about two layers' inputs instead of all; host RAM holds the rest. Needs gradient_checkpointing "
+        "(refused without it). torchtune's name (enable_activation_offloading).")
+    use_liger_kernel: bool = key(
+        False, "Liger's Triton kernels (RMSNorm, RoPE, SwiGLU) patched into the model on CUDA; needs `pip install "
+        "liger-kernel` (or `shardtune[liger]`). On a CPU: a warning and transformers' modules. The loss stays "
+        "shardtune's fused one (no logits kept). TRL's key.")
+    torch_compile: bool = key(
+        False, "Compile each decoder layer with torch.compile (its forward, checkpointing included; FSDP2's hooks "
+        "stay outside), the sequence length dynamic so packed batches do not recompile; the count of compilations "
+        "and recompilations is logged at the end and written to summary.json. If the backend cannot compile (no C++ "
+        "compiler, a backend error), one warning and the run goes on eager. Off by default: on a CPU it did not pay "
+        "for a real model (docs/choosing-a-setup.md, 'torch_compile: when it pays'). Accelerate's `dynamo_config` / "
+        "`dynamo_backend` / `dynamo_mode` set this and the two keys below (NO: off); `dynamo_use_dynamic` and "
+        "`dynamo_use_regional_compilation` are accepted (compilation is always per layer, dynamic); "
+        "`dynamo_use_fullgraph: true` is refused.")
+    torch_compile_backend: str | None = key(
+        None, "The torch.compile backend (inductor, aot_eager, eager, cudagraphs, or one registered in the process); "
+        "setting it turns torch_compile on. Unset: inductor.")
+    torch_compile_mode: str | None = key(None, "inductor's mode: default, reduce-overhead, max-autotune, "
+                                               "max-autotune-no-cudagraphs, lite; setting it turns torch_compile on.")
+    bf16: bool = key(False, "bf16 mixed precision (fp32 master weights).")
+    fp16: bool = key(False, "fp16 mixed precision with a gradient scaler.")
+    logging_steps: int = key(10, "Write a metrics.jsonl record every this many steps.", ge=1)
+    logging_strategy: Every = key("steps", "When to write metrics.jsonl records.", spellings=NO)
+    log_level: LogLevel = key("passive", "Log level of rank 0 (passive: info); the other ranks log warnings only.")
+    eval_strategy: Every = key("no", "When to evaluate: every eval_steps, at the end of each epoch, or never. steps "
+                                     "or epoch with no eval rows (no eval split, eval_split_ratio 0) is refused.",
+                               spellings=NO, aliases={"evaluation_strategy": "Transformers' former"})
+    eval_steps: int | None = key(None, "Evaluate every this many steps (unset: logging_steps).", ge=1)
+    eval_on_start: bool = key(False, "Evaluate once before the first step, as a baseline (it takes no part in early "
+                                     "stopping).")
+    early_stopping_patience: int | None = key(None, "Stop when metric_for_best_model has not improved for this many "
+                                                    "evaluations (the run then finishes as usual: final/ is written, "
+                                                    "exit 0).", ge=1)
+    early_stopping_threshold: float = key(0.0, "How much an evaluation must beat the best one by to count as an "
+                                               "improvement.", ge=0)
+    neftune_noise_alpha: float | None = key(None, "NEFTune: uniform noise of +-alpha/sqrt(seq_len x hidden) on the "
+                                                  "input embeddings while training (the paper uses 5); none in "
+                                                  "evaluation and generation.", gt=0)
+    report_to: list[str] = key(
+        help="Experiment trackers that get every metrics.jsonl record (at its step) and this config, on rank 0: "
+        "a list of the names below (comma-separated on the command line); all is every installed one. A tracker "
+        "whose package is missing is refused at start (pip install 'shardtune[trackers]'). None needs the network: "
+        "wandb runs offline in output_dir/wandb unless WANDB_MODE or credentials say otherwise; mlflow writes a file "
+        "store in output_dir/mlruns unless MLFLOW_TRACKING_URI is set; trackio its local store (TRACKIO_DIR); "
+        "tensorboard event files in output_dir/tensorboard/RUN_NAME.",
+        factory=list, choices=(*TRACKER_PACKAGES, "all", "none"))
+    run_name: str | None = key(None, "The run's name in every report_to tracker (default: the output_dir's folder "
+                                     "name).")
+    ddp_timeout: int = key(1800, "Seconds a collective may wait before the run stops, naming the rank and "
+                                 "operation.", ge=1)
+    dry_run: bool = key(False, "Print the resolved config, trace one step of the job it describes on fake tensors "
+                               "(per-GPU peak: tensors and reserved memory, by category and module), and exit "
+                               "without training.")
+    logging_first_step: bool = key(True, "Log the first step (shardtune's default; Transformers' is false).")
+    disable_tqdm: bool = key(False, "No progress bar; log lines and metrics.jsonl are unchanged.")
+    save_safetensors: bool = key(True, "Weights are written as safetensors; false (pickled .bin files) is refused.")
+    predict_memory: bool = key(help="At the end, trace the job and record the predicted peak memory beside the "
+                                    "measured one (the environment variable SHARDTUNE_PREDICT_MEMORY=0 turns the "
+                                    "default off).",
+                               factory=lambda: os.environ.get("SHARDTUNE_PREDICT_MEMORY", "1") != "0")
+    push_to_hub: bool = key(False, HUB)
+    hub_model_id: str | None = key(None, HUB)
+    hub_token: str | None = key(None, HUB, secret=True)
+    hub_private_repo: bool | None = key(None, HUB)
+    hub_strategy: HubStrategy = key("end", "When push_to_hub uploads: end, the final model once, after training "
+                                           "(Transformers' every_save, checkpoint and all_checkpoints are refused).",
+                                    refusal="push_to_hub uploads the final model once, at the end of training; use "
+                                            "hub_strategy end or leave it out")
+    callbacks: list[str] = key(help="Your callback classes, package.module:Class (a YAML list, or comma-separated on "
+                                    "the command line); every process makes its own, with no arguments. See "
+                                    "docs/callbacks.md.", factory=list)
 
 
 @dataclass
 class CheckpointConfig:
-    save_strategy: str = "steps"
-    save_steps: int = 500
-    save_total_limit: int | None = None  # the best checkpoint is kept beyond it (load_best_model_at_end)
-    load_best_model_at_end: bool = False  # final/ holds the best checkpoint's weights, not the last step's
-    metric_for_best_model: str | None = None  # an eval record's key (eval_loss, eval_perplexity); default eval_loss
-    greater_is_better: bool | None = None  # default: false for a loss or perplexity, true otherwise
-    resume_from_checkpoint: str | None = None  # a checkpoint folder, or "true" for the newest in output_dir
+    save_strategy: Every = key("steps", "When to save a resumable checkpoint: every save_steps, each epoch, or "
+                                        "never.", spellings=NO)
+    save_steps: int = key(500, "Save a resumable checkpoint every this many steps.", ge=1)
+    save_total_limit: int | None = key(None, "Keep at most this many checkpoints (oldest deleted first); the best one "
+                                             "is kept beyond it with load_best_model_at_end.", ge=1)
+    load_best_model_at_end: bool = key(False, "Write final/ from the best checkpoint by metric_for_best_model, not "
+                                              "the last step (needs save_strategy equal to eval_strategy, save_steps "
+                                              "a multiple of eval_steps).")
+    metric_for_best_model: str | None = key(None, "The eval metric that picks the best checkpoint: eval_loss "
+                                                  "(default) or eval_perplexity.")
+    greater_is_better: bool | None = key(None, "Whether a larger metric is better (default: false for a loss or "
+                                               "perplexity).")
+    resume_from_checkpoint: str | None = key(None, "A checkpoint folder, or true for the newest complete one in "
+                                                   "output_dir.")
 
 
 @dataclass
 class DistributedConfig:
-    distributed_type: str | None = None  # None: DDP when launched on several processes, else NO
-    fsdp_sharding_strategy: str = "FULL_SHARD"
-    fsdp_offload_params: bool = False
-    fsdp_auto_wrap_policy: str = "TRANSFORMER_BASED_WRAP"
-    fsdp_transformer_layer_cls_to_wrap: str | None = None  # default: the model's own decoder layer class
-    fsdp_min_num_params: int = 100_000_000
-    fsdp_cpu_ram_efficient_loading: bool = True
-    fsdp_sync_module_states: bool = True
-    fsdp_state_dict_type: str = "SHARDED_STATE_DICT"
-    fsdp_reshard_after_forward: bool | None = None  # FSDP2's name; overrides what the sharding strategy implies
-    fsdp_activation_checkpointing: bool = False
-    # FSDP2 prefetches the next unit's parameters before the current one's backward: BACKWARD_PRE, the only one.
-    fsdp_backward_prefetch: str | None = None
-    fsdp_forward_prefetch: bool = False  # also all-gather the next decoder layer while this one runs forward
-    fsdp_version: int = 2  # shardtune runs FSDP2 (fully_shard); 1 is refused
-    ddp_find_unused_parameters: bool | None = None  # DDP's find_unused_parameters (None: false)
-    mixed_precision: str | None = None  # Accelerate's key; bf16/fp16 flags win when set
-    # A DeepSpeed config JSON (Transformers/TRL's --deepspeed), mapped onto FSDP2 when the config is read
-    # (config/deepspeed.py); the mapped values are in this config, the path is kept to say where they came from.
-    deepspeed: str | None = None
-    num_processes: int = 1
-    num_machines: int = 1
-    machine_rank: int = 0
-    main_process_ip: str | None = None
-    main_process_port: int | None = None
-    rdzv_backend: str = "static"
-    # PP: one stage of decoder layers per process; each batch is split into this many pipeline micro-batches.
-    pipeline_schedule: str = "1F1B"
-    pipeline_microbatches: int = 2
-    mp_devices: str | None = None  # MP: comma-separated devices (cuda:0,cuda:1); default: every visible GPU
+    distributed_type: DistributedType | None = key(
+        None, f"How processes share the work: one of the strategies {', '.join(NAMES)} (Accelerate's "
+        f"{' / '.join(STRATEGY_SPELLINGS)} mean DDP); unset: DDP when launched on several processes.",
+        spellings=STRATEGY_SPELLINGS)
+    fsdp_sharding_strategy: ShardingStrategy = key("FULL_SHARD", "What FSDP shards (FSDP1's numbers 1-5 are accepted "
+                                                                 "too); see docs/choosing-a-setup.md.",
+                                                   spellings=SHARDING_NUMBERS)
+    fsdp_offload_params: bool = key(False, "Keep parameters, gradients and optimizer states in CPU memory.")
+    fsdp_auto_wrap_policy: WrapPolicy = key("TRANSFORMER_BASED_WRAP", "What becomes one FSDP unit (gathered and "
+                                                                      "freed together).")
+    fsdp_transformer_layer_cls_to_wrap: str | None = key(None, "Class name of the unit to wrap (default: the model's "
+                                                               "decoder layer).")
+    fsdp_min_num_params: int = key(100_000_000, "SIZE_BASED_WRAP: parameters per unit.")
+    fsdp_cpu_ram_efficient_loading: bool = key(
+        True, "Only rank 0 reads the weights (into CPU RAM, as every FSDP rank does: each GPU only ever holds its "
+        "shards); the others build on the meta device and receive them. Not with QLoRA: each rank quantises its own "
+        "copy in CPU RAM.")
+    fsdp_sync_module_states: bool = key(True, "Broadcast rank 0's weights so every rank starts identical.")
+    fsdp_state_dict_type: StateDictType = key("SHARDED_STATE_DICT", "Checkpoints: each rank writes its shard "
+                                                                    "(SHARDED) or rank 0 writes all (FULL).")
+    fsdp_reshard_after_forward: bool | None = key(None, "FSDP2's name; overrides what the sharding strategy implies.")
+    fsdp_activation_checkpointing: bool = key(False, "Checkpoint every wrapped unit (Accelerate's key; same as "
+                                                     "gradient_checkpointing).")
+    fsdp_backward_prefetch: Literal["BACKWARD_PRE"] | None = key(
+        None, "BACKWARD_PRE (what FSDP2 does: the next unit is gathered before this one's backward); BACKWARD_POST "
+        "and NO_PREFETCH are refused.", refusal="FSDP2 always prefetches the next unit's parameters before the "
+        "current one's backward (BACKWARD_PRE); set fsdp_backward_prefetch BACKWARD_PRE or leave it out")
+    fsdp_forward_prefetch: bool = key(False, "Gather the next decoder layer while this one runs forward (FSDP2's "
+                                             "explicit forward prefetch); needs TRANSFORMER_BASED_WRAP.")
+    fsdp_version: FsdpVersion = key(2, "2: shardtune runs FSDP2 (fully_shard); 1 (FSDP1's FullyShardedDataParallel) "
+                                      "is refused.",
+                                   refusal="shardtune runs FSDP2 (fully_shard); fsdp_version 1 "
+                                           "(FullyShardedDataParallel) is not available; set fsdp_version 2 or leave "
+                                           "it out (the fsdp_* keys keep their meaning)")
+    ddp_find_unused_parameters: bool | None = key(None, "DDP's find_unused_parameters (true when some parameters get "
+                                                        "no gradient).")
+    mixed_precision: MixedPrecision | None = key(None, "Accelerate's key; the bf16/fp16 flags win when set.",
+                                                 spellings=NO)
+    deepspeed: str | None = key(None, "A DeepSpeed config JSON (Transformers/TRL's --deepspeed), mapped onto FSDP2 "
+                                      "and printed at start; what cannot be mapped is refused (docs/deepspeed.md).")
+    num_processes: int = key(1, "Processes over all machines (set by shardtune launch).", ge=1)
+    num_machines: int = key(1, "Machines in the job (set by shardtune launch).", ge=1)
+    machine_rank: int = key(0, "This machine's rank, 0 on the main one.")
+    main_process_ip: str | None = key(None, "Address of machine rank 0.")
+    main_process_port: int | None = key(None, "Port of the rendezvous on machine rank 0.")
+    rdzv_backend: str = key("static", "static, or c10d (elastic rendezvous).")
+    pipeline_schedule: PipelineSchedule = key("1F1B", "Pipeline parallel (PP): the schedule.")
+    pipeline_microbatches: int = key(2, "Pipeline parallel (PP): pipeline micro-batches each batch is split into.",
+                                     ge=1)
+    mp_devices: str | None = key(None, "MP: comma-separated devices (cuda:0,cuda:1); default: every visible GPU.")
 
 
 @dataclass
@@ -263,9 +419,24 @@ def default_of(key: str) -> Any:
     return TrainConfig().to_flat()[key]
 
 
+def published_defaults() -> TrainConfig:
+    """``TrainConfig()`` as a user without SHARDTUNE_* environment variables gets it (predict_memory reads one):
+    the defaults docs/config.md, --help-keys and the JSON Schema show."""
+    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith("SHARDTUNE_")}
+    try:
+        return TrainConfig()
+    finally:
+        os.environ.update(saved)
+
+
 def section_classes() -> dict[str, type]:
     """Each section's name and its dataclass."""
     return {f.name: type(getattr(TrainConfig(), f.name)) for f in dataclasses.fields(TrainConfig)}
+
+
+def all_keys() -> tuple[Declared, ...]:
+    """Every key's declaration, section by section."""
+    return tuple(d for section, cls in section_classes().items() for d in declared(cls, section))
 
 
 def known_keys() -> dict[str, str]:
@@ -274,7 +445,11 @@ def known_keys() -> dict[str, str]:
 
 
 @functools.cache
-def _key_sections() -> MappingProxyType:
+def _key_sections() -> dict[str, str]:
     """``known_keys``, read once: the estimator changes keys thousands of times per recommendation."""
-    return MappingProxyType({f.name: section for section, cls in section_classes().items()
-                             for f in dataclasses.fields(cls)})
+    return {d.name: d.section for d in all_keys()}
+
+
+SECRET_KEYS = {d.name for d in all_keys() if d.meta.secret}  # never written into config.yaml
+# Other tools' names for keys (TRL's max_length), each with the key it means.
+ALIASES = {alias: d.name for d in all_keys() for alias in d.meta.aliases}

@@ -23,7 +23,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from shardtune.checksums import sha256_file
-from shardtune.data.config import DataConfig
+from shardtune.config.loading import raise_problems
+from shardtune.config.schema import DataConfig
+from shardtune.config.validation import data_problems
 from shardtune.data.encode import IGNORE, encode_batch, max_token_chars
 from shardtune.data.formats import detect_format, to_example
 from shardtune.data.readers import BadRow, Source, iter_split, resolve
@@ -302,9 +304,7 @@ def _load(path: Path, from_cache: bool) -> PreparedData:
 
 def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | None = None) -> PreparedData:
     """Tokenised (and packed) train/eval rows of ``cfg.dataset_name``, built once and cached."""
-    problems = cfg.validate()
-    if problems:
-        raise UsageError(" ".join(problems))
+    raise_problems(data_problems(cfg))
     root = Path(cache_dir) if cache_dir else default_cache_dir()
 
     def source() -> Source:

@@ -49,10 +49,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardtune.config.optimizers import bytes_per_param
 from shardtune.hardware import MIB
 from shardtune.memory.activations import Activations
 from shardtune.memory.inventory import LoraCount, ModelInventory
+from shardtune.memory.optimizer_state import bytes_per_param
 from shardtune.memory.setup import Dtypes, Setup, dtypes
 from shardtune.strategies import NO
 

@@ -1,0 +1,71 @@
+"""The JSON Schema of a recipe, made from the keys' declarations: editors validate and complete recipe YAML with it.
+
+    shardtune config schema > shardtune.schema.json
+    # yaml-language-server: $schema=shardtune.schema.json      (a recipe's first line, for VS Code's YAML support)
+
+It holds what a recipe file may say: every key (its type, values, bounds, default and description), the other
+tools' names for keys, Accelerate's ``fsdp_config`` and ``deepspeed_config`` blocks and dynamo keys, and the keys
+accepted as no-ops. Rules between keys (``validation``) are left to ``shardtune train``, which also reads a choice
+in any case: the schema offers the canonical spellings and accepts the others.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from shardtune.config.compile import DYNAMO_KEYS
+from shardtune.config.keys import Declared
+from shardtune.config.no_ops import NO_OPS
+from shardtune.config.schema import ALIASES, all_keys, published_defaults
+
+JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+BOUNDS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
+
+
+def _any_case(words: list[str]) -> str:
+    """A pattern matching any of ``words`` in any case (JSON Schema's regular expressions have no flag for it)."""
+    spelled = ("".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else re.escape(c) for c in w) for w in words)
+    return f"^(?:{'|'.join(spelled)})$"
+
+
+def _value_schema(d: Declared) -> dict[str, Any]:
+    """One value of ``d`` (one item of a list key)."""
+    if not d.choices:
+        bounds = {BOUNDS[name]: getattr(d.meta, name) for name in BOUNDS if getattr(d.meta, name) is not None}
+        return {"type": JSON_TYPES[d.base], **bounds}
+    numbers = [int(word) for word in d.meta.spellings if word.isdigit()]  # FSDP1's sharding numbers
+    canonical = {"enum": [*d.choices, *numbers]}
+    if d.base is not str:
+        return canonical
+    words = [str(c) for c in d.choices] + [word for word, meant in d.meta.spellings.items() if meant in d.choices]
+    return {"anyOf": [canonical, {"type": "string", "pattern": _any_case(words)}]}
+
+
+def key_schema(d: Declared, default: Any) -> dict[str, Any]:
+    """The schema of key ``d``: its values, unset where allowed, a list's comma-separated form, its default."""
+    one = _value_schema(d)
+    if d.is_list:
+        one = {"anyOf": [{"type": "array", "items": one}, {"type": "string"}]}
+    elif d.optional:
+        one = {"anyOf": [one, {"type": "null"}]}
+    return {**one, "default": default, "description": d.described()}
+
+
+def recipe_schema() -> dict[str, Any]:
+    """The whole document (draft 2020-12)."""
+    cfg = published_defaults()
+    keys = {d.name: key_schema(d, getattr(getattr(cfg, d.section), d.name)) for d in all_keys()}
+    aliases = {alias: {**keys[key], "description": f"Another name for {key}: {keys[key]['description']}"}
+               for alias, key in ALIASES.items()}
+    accepted = {name: {"description": f"Accepted, changing nothing: {entry.why}."} for name, entry in NO_OPS.items()}
+    dynamo = {name: {"description": "Accelerate's torch.compile setting, read as torch_compile, torch_compile_backend "
+                                    "and torch_compile_mode."} for name in DYNAMO_KEYS}
+    fsdp = {name: schema for name, schema in {**keys, **accepted}.items() if name.startswith("fsdp_")}
+    blocks = {"fsdp_config": {"type": "object", "properties": fsdp, "additionalProperties": False,
+                              "description": "Accelerate's FSDP block: its keys are read as top-level keys."},
+              "deepspeed_config": {"type": "object", "description": "Accelerate's DeepSpeed block, mapped onto FSDP2 "
+                                                                    "(docs/deepspeed.md)."}}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "shardtune recipe",
+            "description": "A recipe for shardtune train: flat keys (docs/config.md).", "type": "object",
+            "properties": {**keys, **aliases, **dynamo, **blocks, **accepted}, "additionalProperties": False}
