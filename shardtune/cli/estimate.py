@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shardtune import catalog
 from shardtune.cli.common import check_output_path
-from shardtune.config.schema import LoraConfig, TrainConfig, default_of
+from shardtune.config.schema import LoraConfig, TrainConfig, published_defaults
 from shardtune.errors import UsageError
 from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_LINKS, PRICES_AS_OF, SPEC_EXAMPLE, Gpu,
                                 custom_gpu, gpu_by_name, gpu_from_spec)
@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _default(key: str) -> str:
     """``key``'s default in a help text: the trainer's, read from config/schema.py."""
-    return f"default: {default_of(key)}"
+    return f"default: {published_defaults().to_flat()[key]}"
 
 
 def _job_options(job: argparse._ArgumentGroup) -> None:

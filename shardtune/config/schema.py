@@ -11,7 +11,6 @@ config files, so a recipe carries over.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -50,7 +49,6 @@ TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wa
 MAX_SEED = 2**32 - 1  # what numpy's and torch's generators take
 # The data set that ``shardtune estimate --emit-config`` writes (memory/trace_setup.py): the user fills it in.
 DATASET_PLACEHOLDER = "REPLACE_WITH_YOUR_DATASET"
-METHODS = ("full", "lora", "qlora")  # what trains: LoraConfig.method, and method_keys' inverse
 STRATEGY_SPELLINGS = {alias: s.name for s in STRATEGIES for alias in s.aliases}  # Accelerate's MULTI_GPU -> DDP
 # FSDP1's enum values, which older Accelerate files write as numbers; HYBRID_SHARD_ZERO2 (5) keeps gathered
 # parameters inside the node like SHARD_GRAD_OP, which FSDP2 spells HYBRID_SHARD without resharding.
@@ -171,11 +169,6 @@ class LoraConfig:
     def method(self) -> str:
         """What trains, in the estimator's words (``Setup.method``): full, lora or qlora."""
         return "qlora" if self.use_4bit_quantization else "lora" if self.use_peft_lora else "full"
-
-
-def method_keys(method: str) -> dict[str, bool]:
-    """The keys that train ``method`` (full, lora or qlora): the inverse of ``LoraConfig.method``."""
-    return {"use_peft_lora": method != "full", "use_4bit_quantization": method == "qlora"}
 
 
 @dataclass
@@ -389,34 +382,10 @@ class TrainConfig:
             return "fp16"
         return (self.distributed.mixed_precision or "no").lower()
 
-    def with_keys(self, **keys: Any) -> TrainConfig:
-        """A copy with ``keys`` (flat names, as ``to_flat`` gives them) changed; the sections they leave alone are
-        shared with this config, so neither is to be changed in place afterwards."""
-        owner = _key_sections()
-        unknown = sorted(set(keys) - set(owner))
-        if unknown:
-            raise TypeError(f"not config keys: {', '.join(unknown)}")
-        sections: dict[str, dict[str, Any]] = {}
-        for key, value in keys.items():
-            sections.setdefault(owner[key], {})[key] = value
-        return dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name), **values)
-                                            for name, values in sections.items()})
-
     def to_flat(self) -> dict[str, Any]:
         """Every key at the top level, as ``shardtune train`` reads it back (secrets left out)."""
         return {k: v for section in dataclasses.fields(self) for k, v in
                 dataclasses.asdict(getattr(self, section.name)).items() if k not in SECRET_KEYS}
-
-
-def mixed_precision_keys(mixed_precision: str) -> dict[str, Any]:
-    """The keys that ask for ``mixed_precision`` (bf16, fp16 or no) whatever they held before: the inverse of
-    ``TrainConfig.mixed_precision`` (TrainingArguments' flags, Accelerate's key left unset)."""
-    return {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16", "mixed_precision": None}
-
-
-def default_of(key: str) -> Any:
-    """The default of the config key ``key`` (what a job that does not set it runs)."""
-    return TrainConfig().to_flat()[key]
 
 
 def published_defaults() -> TrainConfig:
@@ -441,12 +410,6 @@ def all_keys() -> tuple[Declared, ...]:
 
 def known_keys() -> dict[str, str]:
     """Every accepted key and the section that holds it."""
-    return dict(_key_sections())
-
-
-@functools.cache
-def _key_sections() -> dict[str, str]:
-    """``known_keys``, read once: the estimator changes keys thousands of times per recommendation."""
     return {d.name: d.section for d in all_keys()}
 
 

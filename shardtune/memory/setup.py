@@ -10,15 +10,17 @@ properties give the formula short names for the keys it reads; ``with_`` changes
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from shardtune.config.optimizers import ESTIMATE_ALIASES, OPTIMIZERS as OPTIMIZER_TABLE, canonical
-from shardtune.config.schema import (METHODS, MIXED_PRECISIONS, SHARDING_STRATEGIES, TrainConfig, method_keys,
-                                     mixed_precision_keys)
+from shardtune.config.schema import MIXED_PRECISIONS, SHARDING_STRATEGIES, TrainConfig, known_keys
 from shardtune.errors import UsageError, check_choice
 from shardtune.strategies import ZERO_STAGES, Strategy, resolve, strategy_named, zero_stage
 
+METHODS = ("full", "lora", "qlora")  # what trains: LoraConfig.method, and method_keys' inverse
 # The trainer's optim names (config/optimizers.py), and the estimator's earlier spellings as aliases.
 OPTIMIZERS = (*OPTIMIZER_TABLE, *ESTIMATE_ALIASES)
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
@@ -28,6 +30,37 @@ SUMMARY = ("method", "strategy", "sharding_strategy", "offload_params", "num_gpu
            "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "activation_offloading",
            "mixed_precision", "pure_bf16", "optimizer", "lora_r", "lora_target_modules", "use_dora",
            "lora_modules_to_save", "attn_implementation", "nf4_double_quant", "loss", "world_size")
+
+
+def method_keys(method: str) -> dict[str, bool]:
+    """The keys that train ``method`` (full, lora or qlora): the inverse of ``LoraConfig.method``."""
+    return {"use_peft_lora": method != "full", "use_4bit_quantization": method == "qlora"}
+
+
+def mixed_precision_keys(mixed_precision: str) -> dict[str, Any]:
+    """The keys that ask for ``mixed_precision`` (bf16, fp16 or no) whatever they held before: the inverse of
+    ``TrainConfig.mixed_precision`` (TrainingArguments' flags, Accelerate's key left unset)."""
+    return {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16", "mixed_precision": None}
+
+
+@functools.cache
+def _key_sections() -> dict[str, str]:
+    """``known_keys``, read once: a recommendation changes keys thousands of times."""
+    return known_keys()
+
+
+def with_keys(config: TrainConfig, **keys: Any) -> TrainConfig:
+    """``config`` with ``keys`` (flat names, as ``to_flat`` gives them) changed; the sections they leave alone are
+    shared with ``config``, so neither is to be changed in place afterwards."""
+    owner = _key_sections()
+    unknown = sorted(set(keys) - set(owner))
+    if unknown:
+        raise TypeError(f"not config keys: {', '.join(unknown)}")
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in keys.items():
+        sections.setdefault(owner[key], {})[key] = value
+    return dataclasses.replace(config, **{name: dataclasses.replace(getattr(config, name), **values)
+                                          for name, values in sections.items()})
 
 
 @dataclass(frozen=True)
@@ -60,7 +93,7 @@ class Setup:
                                                           "mixed precision")))
         if isinstance(keys.get("distributed_type"), Strategy):
             keys["distributed_type"] = keys["distributed_type"].name
-        return replace(self, config=self.config.with_keys(**keys) if keys else self.config,
+        return replace(self, config=with_keys(self.config, **keys) if keys else self.config,
                        **{k: v for k, v in changes.items() if k in own})
 
     # --- the strategy, and the GPUs it runs on ---

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from shardtune.config.schema import default_of
+from shardtune.config.schema import published_defaults
 from shardtune.errors import UsageError
 from shardtune.hardware import PCIE_X16_BYTES_PER_S, Gpu, Link
 from shardtune.memory.compute import CALIBRATED, Kernels, TimingParams, inactive_expert_params, kernels_of, \
@@ -53,7 +53,7 @@ DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb: one all-redu
 # server's memory delivers (~50 GB/s on a desktop board's two channels). Per node: its GPUs' ranks share the CPU.
 CPU_OPTIMIZER_BYTES_PER_PARAM = {"fused": 28.0, "unfused": 100.0}
 HOST_MEMORY_BYTES_PER_S = {"server": 100e9, "desktop": 50e9}
-DEFAULT_PIPELINE_MICROBATCHES = default_of("pipeline_microbatches")  # shardtune train's
+DEFAULT_PIPELINE_MICROBATCHES = published_defaults().distributed.pipeline_microbatches  # shardtune train's
 
 
 @dataclass(frozen=True)
