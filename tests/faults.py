@@ -8,7 +8,8 @@ every process torchrun starts can import it) and says where the fault strikes in
   ``during_save`` (its tensors are written, its manifest not yet) SIGKILLs the rank(s); HOW ``TERM`` sends SIGTERM
   instead, ``TERM-LAUNCHER`` sends it to the launcher, ``HOST`` SIGKILLs the launcher and then the rank(s), as a
   machine that loses power (set it in one host's environment only, to lose that host), ``TRUNCATE`` cuts the
-  checkpoint's first shard to half its size and then SIGKILLs (a disk that lost the end of a file). POINT
+  checkpoint's first shard to half its size and then SIGKILLs (a disk that lost the end of a file), ``BLOCK-FINAL``
+  puts a file where final/ goes and lets the job go on (rank 0's export of final/ then fails). POINT
   ``write_full`` (rank 0 writing a FULL_STATE_DICT checkpoint) with HOW ``ENOSPC`` fails as a full disk does, with
   ``INT`` the rank gets SIGINT (Ctrl-C) there.
 - ``FAULT_LOGITS=PATH``: at the end of training, the trained model's logits on a fixed input go to PATH (every rank
@@ -77,6 +78,9 @@ class Faults:
 
     def on_save(self, args, state, control, *, checkpoint, **kwargs) -> None:
         if self.save_fault and self.save_fault[0] == "after_save" and self._mine(self.save_fault, state.step):
+            if self.save_fault[3] == "BLOCK-FINAL":
+                (Path(checkpoint).parents[1] / "final").write_text("not a folder")
+                return
             if self.save_fault[3] == "TRUNCATE":
                 shard = min(Path(checkpoint).glob("dcp/*.distcp"))
                 with shard.open("r+b") as f:

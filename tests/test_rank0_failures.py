@@ -160,13 +160,11 @@ def test_library_write_errors_become_oserrors_naming_the_file(tmp_path: Path, mo
 
 
 def test_final_export_failure_reaches_every_rank(work: Path) -> None:
-    # A file where final/ goes: rank 0's export fails (found before it writes anything). resume_from_checkpoint
-    # true lets the run use the folder (it holds no checkpoint, so it starts from step 1).
+    # A file appears where final/ goes after the last checkpoint: rank 0's export fails (found before it writes
+    # anything). A file there before the run would be an earlier run's, moved aside by a resume or refused.
     out = work / "blocked"
-    out.mkdir()
-    (out / "final").write_text("not a folder")
     proc = failed_without_a_timeout(shardtune(work, "blocked", "--distributed_type", "DDP", "--use_peft_lora", "True",
-                                              *QUICK, "--resume_from_checkpoint", "true"))
+                                              *QUICK, fault="after_save:2:0:BLOCK-FINAL"))
     cause = "NotADirectoryError: [Errno 20] a file is where the exported folder goes; move it away:"
     assert f"rank 0 failed writing blocked/final: {cause}" in stopped_line(proc.stderr, 1)
     assert f"blocked/final was not written ({cause}" in stopped_line(proc.stderr, 0)
@@ -311,7 +309,7 @@ def test_failed_export_leaves_the_previous_folder_and_no_temporary_one(tmp_path:
     from shardtune.train.export import write_export
 
     def disk_fills_up(model, state, folder: Path) -> None:  # noqa: ARG001
-        folder.mkdir()
+        folder.mkdir(exist_ok=True)  # the temporary folder exists already, as save_pretrained finds it
         (folder / "adapter_model.safetensors").write_bytes(b"half a file")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / "adapter_model.safetensors"))
 
