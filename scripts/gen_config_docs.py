@@ -108,7 +108,11 @@ DESCRIPTIONS = {
     "use_liger_kernel": "Liger's Triton kernels (RMSNorm, RoPE, SwiGLU) patched into the model on CUDA; needs "
                         "`pip install liger-kernel` (or `shardtune[liger]`). On a CPU: a warning and transformers' "
                         "modules. The loss stays shardtune's fused one (no logits kept). TRL's key.",
-    "bf16": "bf16 mixed precision (fp32 master weights).",
+    "bf16": "bf16 mixed precision (fp32 master weights). Unset: on where the hardware computes bf16 natively (CUDA "
+            "compute capability 8.0+, CPUs with AVX512-BF16 or AMX), off elsewhere; the run prints its choice and why, "
+            "and config.yaml records it. false opts out (fp32); true where the hardware only emulates bf16 runs as "
+            "asked, with a warning that fp32 is faster there. Under autocast a LoRA/QLoRA base keeps its matmul "
+            "weights in bf16 and its embeddings, norms and biases in fp32, so the residual stream runs in fp32.",
     "fp16": "fp16 mixed precision with a gradient scaler.",
     "torch_compile": "Compile each decoder layer with torch.compile (its forward, checkpointing included; FSDP2's "
                      "hooks stay outside), the sequence length dynamic so packed batches do not recompile; the "
@@ -183,7 +187,8 @@ DESCRIPTIONS = {
     "fsdp_forward_prefetch": "Gather the next decoder layer while this one runs forward (FSDP2's explicit forward "
                              "prefetch); needs TRANSFORMER_BASED_WRAP.",
     "fsdp_version": "2: shardtune runs FSDP2 (fully_shard); 1 (FSDP1's FullyShardedDataParallel) is refused.",
-    "mixed_precision": "Accelerate's key; the bf16/fp16 flags win when set.",
+    "mixed_precision": "Accelerate's key; the bf16/fp16 flags win when set (bf16 false opts out of it); unset with "
+                       "them, the hardware decides (see bf16).",
     "ddp_find_unused_parameters": "DDP's find_unused_parameters (true when some parameters get no gradient).",
     "logging_first_step": "Log the first step (shardtune's default; Transformers' is false).",
     "disable_tqdm": "No progress bar; log lines and metrics.jsonl are unchanged.",

@@ -123,7 +123,9 @@ class RunConfig:
     torch_compile: bool = False
     torch_compile_backend: str | None = None  # a torch.compile backend (default inductor); setting it turns compile on
     torch_compile_mode: str | None = None  # default, reduce-overhead, max-autotune, ...; setting it turns compile on
-    bf16: bool = False
+    # None: bf16 mixed precision where the hardware computes bf16 natively (CUDA 8.0+, CPUs with AVX512-BF16 or AMX),
+    # fp32 elsewhere (TrainConfig.precision_on); a run records what it chose (config.yaml). false opts out.
+    bf16: bool | None = None
     fp16: bool = False
     logging_steps: int = 10
     logging_strategy: str = "steps"
@@ -215,14 +217,34 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
-    @property
-    def mixed_precision(self) -> str:
-        """bf16 / fp16 / no, from TrainingArguments' flags first, then Accelerate's ``mixed_precision``."""
+    def precision_on(self, native_bf16: bool) -> str:
+        """bf16 / fp16 / no on hardware that does (or does not) compute bf16 natively: TrainingArguments' flags
+        first, then Accelerate's ``mixed_precision``; where neither says, bf16 if native, else no (fp32)."""
         if self.run.bf16:
             return "bf16"
         if self.run.fp16:
             return "fp16"
-        return (self.distributed.mixed_precision or "no").lower()
+        asked = self.distributed.mixed_precision
+        if self.run.bf16 is False:  # the opt-out: a recipe's mixed_precision bf16 does not bring bf16 back
+            return "fp16" if asked == "fp16" else "no"
+        if asked is not None:
+            return asked.lower()
+        return "bf16" if native_bf16 else "no"
+
+    @property
+    def precision_left_to_hardware(self) -> bool:
+        """Nothing in the config chooses the precision: the device decides (``precision_on``)."""
+        return self.run.bf16 is None and not self.run.fp16 and self.distributed.mixed_precision is None
+
+    @property
+    def mixed_precision(self) -> str:
+        """bf16 / fp16 / no for a job on this machine: ``precision_on`` this process's device, asked only where
+        the config leaves the choice to the hardware."""
+        if not self.precision_left_to_hardware:
+            return self.precision_on(False)
+        from shardtune.hardware import local_native_bf16
+
+        return self.precision_on(local_native_bf16()[0])
 
     def to_flat(self) -> dict[str, Any]:
         """Every key at the top level, as ``shardtune train`` reads it back (secrets left out)."""

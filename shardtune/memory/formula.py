@@ -220,6 +220,8 @@ def _estimate_data_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount |
     batch = tokens * act.batch_inputs()
     # The first layer at the end of backward: its saved tensors (recomputed, beside its checkpointed input).
     first_layer = tokens * act.layer_checkpointed() + recompute if ckpt else tokens * act.layer()
+    if setup.activation_offloading:  # at the second layer's backward the first one's input is back already
+        first_layer += tokens * act.layer_checkpointed()
 
     # Compute-dtype copies of weights: torch.autocast's (single/DDP) or FSDP's gathered units.
     biggest_layer = max(layers, key=model.layer_gathered)

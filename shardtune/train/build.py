@@ -14,7 +14,7 @@ from torch import nn
 from shardtune.config import TrainConfig
 from shardtune.dist import DistInfo
 from shardtune.train.model import (DTYPES, Precision, apply_lora, count_parameters, init_base_model, load_base_model,
-                                   resize_for_tokenizer)
+                                   resize_for_tokenizer, upcast_embeddings_output)
 from shardtune.train.parallelize import Runner, load_from_rank0, parallelize
 from shardtune.train.plan import Plan
 
@@ -50,6 +50,8 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
         if lora.use_peft_lora:
             model = apply_lora(model, lora, seed=cfg.run.seed, added_token_ids=added_token_ids,
                                trainable_dtype=precision.trainable_dtype)
+        if precision.upcasts_residual(lora, fsdp=plan.strategy == "FSDP"):
+            upcast_embeddings_output(model)
         if cfg.run.neftune_noise_alpha:
             add_neftune_noise(model, cfg.run.neftune_noise_alpha)
     trainable, total = count_parameters(model)
