@@ -91,11 +91,12 @@ def dtypes(setup: Setup) -> Dtypes:
         return Dtypes(4, 4, 4, 4, False)
     master = 2 if setup.pure_bf16 else 4
     # fp32 weights under autocast (single GPU, DDP, MP, PP): the residual stream stays fp32, from fp32 embeddings
-    # (full fine-tuning) or from the fp32 upcast of a bf16 base's embeddings (LoRA/QLoRA, train/model.py
-    # Precision.upcasts_residual). FSDP2's MixedPrecisionPolicy gathers bf16 weights and casts each layer's input,
-    # so everything is bf16 there. Only full fine-tuning's fp32 matmul weights get autocast copies.
+    # (full fine-tuning) or from the fp32 upcast of a bf16 base's embeddings (LoRA, train/model.py
+    # Precision.upcasts_residual; not QLoRA). FSDP2's MixedPrecisionPolicy gathers bf16 weights and casts each
+    # layer's input, so everything is bf16 there. Only full fine-tuning's fp32 matmul weights get autocast copies.
     autocast = master == 4 and setup.strategy != "fsdp"
-    return Dtypes(2, master, 2, 4 if autocast else 2, autocast and setup.method == "full")
+    fp32_stream = autocast and setup.method != "qlora"
+    return Dtypes(2, master, 2, 4 if fp32_stream else 2, autocast and setup.method == "full")
 
 
 def normalize_sharding(value: str) -> str:

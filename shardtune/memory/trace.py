@@ -298,6 +298,7 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     # bitsandbytes' Params4bit cannot wrap a fake tensor: trace the QLoRA job with its base in bf16 and put the
     # formula's NF4 bytes in place of the quantised weights afterwards (see _nf4_adjustment).
     nf4_fallback = fake and cfg.lora.use_4bit_quantization
+    job = cfg  # what the stand-in stands in for
     if nf4_fallback:
         cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, use_4bit_quantization=False))
     config = _model_config(cfg)
@@ -310,7 +311,7 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
         with _phase("building the model", fake), _swappable_fake_parameters(fake_mode if fake else None):
             # The trainer's own model building, with initialised weights (their values do not change memory).
             model, runner, trainable, total = build_model(cfg, plan, precision, info, vocab_size, weights="init",
-                                                          config=config)
+                                                          config=config, stands_in_for=job)
         batches = real_batches
         if fake:
             batches = [{k: fake_mode.from_tensor(v) for k, v in b.items()} for b in real_batches]

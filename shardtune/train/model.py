@@ -73,7 +73,7 @@ class Precision:
 
     def upcasts_residual(self, lora: LoraConfig, *, fsdp: bool) -> bool:
         """Whether the embeddings' output is cast up to fp32, so the residual stream runs in fp32: under autocast
-        (one process, DDP, MP, PP) with a LoRA or QLoRA base stored in the compute dtype.
+        (one process, DDP, MP, PP) with a LoRA base stored in the compute dtype.
 
         autocast runs only matmuls in bf16; every other operation runs in its inputs' dtype. With bf16 embeddings
         the whole residual stream (each layer's additions, the norms, the head's input) would run in bf16: on
@@ -81,8 +81,11 @@ class Precision:
         under autocast (TRL's default), while the base keeps half the memory: the same loss where the checkpoint
         is stored in bf16 (its values are then what fp32 weights hold), 5.7e-4 from fp32's for SmolLM2's fp32
         folder (TRL's: 1.3e-4). FSDP2 casts each decoder layer's input to its mixed-precision dtype, so there
-        the upcast would buy nothing."""
-        return lora.use_peft_lora and not fsdp and not self.pure_bf16 and self.compute_dtype != torch.float32
+        the upcast would buy nothing. Nor under QLoRA: its 4-bit weights round far more than a bf16 stream does,
+        and bitsandbytes hands each layer's output back in its input's dtype, so an fp32 stream would hold its
+        projections' outputs in fp32."""
+        return (lora.use_peft_lora and not lora.use_4bit_quantization and not fsdp and not self.pure_bf16
+                and self.compute_dtype != torch.float32)
 
 
 def decide_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
