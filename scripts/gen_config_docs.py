@@ -111,8 +111,9 @@ DESCRIPTIONS = {
     "bf16": "bf16 mixed precision (fp32 master weights). Unset: on where the hardware computes bf16 natively (CUDA "
             "compute capability 8.0+, CPUs with AVX512-BF16 or AMX), off elsewhere; the run prints its choice and why, "
             "and config.yaml records it. false opts out (fp32); true where the hardware only emulates bf16 runs as "
-            "asked, with a warning that fp32 is faster there. Under autocast a LoRA/QLoRA base keeps its matmul "
-            "weights in bf16 and its embeddings, norms and biases in fp32, so the residual stream runs in fp32.",
+            "asked, with a warning that fp32 is faster there. A LoRA base is stored in bf16 (no fp32 copy), and "
+            "under autocast its embeddings' output is cast up to fp32, so the residual stream runs in fp32 as with "
+            "fp32 weights.",
     "fp16": "fp16 mixed precision with a gradient scaler.",
     "torch_compile": "Compile each decoder layer with torch.compile (its forward, checkpointing included; FSDP2's "
                      "hooks stay outside), the sequence length dynamic so packed batches do not recompile; the "
