@@ -95,7 +95,7 @@ def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
     from_files = json.loads(capsys.readouterr().out)
     assert main([*argv, "llama-3.1-8b", "--method", "lora", "--lora-r", "16", "--num-gpus", "8", "--strategy", "fsdp",
                  "--sharding-strategy", "FULL_SHARD", "--batch-size", "2", "--gradient-accumulation-steps", "4",
-                 "--seq-len", "4096"]) == 0
+                 "--seq-len", "4096", "--gradient-checkpointing"]) == 0
     from_options = json.loads(capsys.readouterr().out)
     assert from_files["per_gpu"] == from_options["per_gpu"] and from_files["per_gpu"]["total"] > 0
     assert from_files["trainable_parameters"] == from_options["trainable_parameters"]

@@ -13,10 +13,12 @@ from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_
                                 gpu_by_name)
 from shardtune.memory.report import estimate_report
 from shardtune.memory.setup import (ATTENTION, LOSSES, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
-                                    STRATEGIES, Setup, validate)
+                                    STRATEGIES, Setup, default_mixed_precision, validate)
 from shardtune.memory.timing import DEFAULT_PIPELINE_MICROBATCHES
 
 ZERO_STRATEGIES = {"zero1": "SHARD_GRAD_OP", "zero2": "SHARD_GRAD_OP", "zero3": "FULL_SHARD"}
+# Every setup option defaults to what ``shardtune train`` runs with no flags (memory/setup.py reads config/schema.py).
+DEFAULTS = Setup()
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "config file, a DeepSpeed JSON (repeat for several); MODEL defaults to its "
                         "model_name_or_path, and the setup options come from the files, not the command line")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--method", default="full", help=f"{' | '.join(METHODS)} (default: full)")
+    p.add_argument("--method", default=DEFAULTS.method, help=f"{' | '.join(METHODS)} (default: {DEFAULTS.method})")
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default: 1)")
     p.add_argument("--num-nodes", type=int, default=1, help="nodes (default: 1)")
     hw = p.add_mutually_exclusive_group()
@@ -38,27 +40,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     hw.add_argument("--gpu-memory", type=float, default=None, metavar="GIB", help="GPU memory in GiB")
     p.add_argument("--strategy", default="auto",
                    help="auto | single | ddp | fsdp | mp | pp (zero1/zero2/zero3 map to FSDP); default: auto")
-    p.add_argument("--sharding-strategy", default="FULL_SHARD",
-                   help=f"{' | '.join(SHARDING_STRATEGIES)} (ZeRO-1/2/3 accepted); default: FULL_SHARD")
+    p.add_argument("--sharding-strategy", default=DEFAULTS.sharding_strategy,
+                   help=f"{' | '.join(SHARDING_STRATEGIES)} (ZeRO-1/2/3 accepted); default: {DEFAULTS.sharding_strategy}")
     p.add_argument("--offload-params", action="store_true", help="FSDP CPU offload of params, grads, optimizer")
-    p.add_argument("--batch-size", type=int, default=1, help="micro-batch per device (default: 1)")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default: 2048)")
-    p.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="recompute each decoder layer in backward (default: on)")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS.batch_size,
+                   help=f"micro-batch per device (default: {DEFAULTS.batch_size})")
+    p.add_argument("--seq-len", type=int, default=DEFAULTS.seq_len,
+                   help=f"tokens per sequence (default: {DEFAULTS.seq_len})")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=DEFAULTS.gradient_accumulation_steps)
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
+                   default=DEFAULTS.gradient_checkpointing, help="recompute each decoder layer in backward "
+                   f"(default: {'on' if DEFAULTS.gradient_checkpointing else 'off'})")
     p.add_argument("--activation-offloading", action="store_true",
                    help="keep the checkpointed layers' inputs in pinned host memory (the trainer's "
                         "activation_offloading; needs gradient checkpointing)")
-    p.add_argument("--mixed-precision", default="bf16", help=f"{' | '.join(MIXED_PRECISIONS)} (default: bf16)")
+    p.add_argument("--mixed-precision", default=None,
+                   help=f"{' | '.join(MIXED_PRECISIONS)} (default: {default_mixed_precision(True)} on a GPU that "
+                        f"computes bf16, as every --gpu does, {default_mixed_precision(False)} elsewhere)")
     p.add_argument("--pure-bf16", action="store_true",
                    help="keep weights and optimizer states in bf16 (no fp32 master): the trainer's "
                         "torch_dtype bfloat16, with adamw_torch")
-    p.add_argument("--optimizer", default="adamw_torch",
+    p.add_argument("--optimizer", default=DEFAULTS.optimizer,
                    help=f"the trainer's optim names: {' | '.join(OPTIMIZERS)} (adamw and adamw-8bit are the "
-                        f"earlier spellings of adamw_torch and adamw_8bit; default: adamw_torch)")
-    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
-    p.add_argument("--lora-target-modules", default="all-linear", help="all-linear or e.g. q_proj,v_proj")
-    p.add_argument("--attn-implementation", default="sdpa", help=f"{' | '.join(ATTENTION)} (default: sdpa)")
+                        f"earlier spellings of adamw_torch and adamw_8bit; default: {DEFAULTS.optimizer})")
+    p.add_argument("--lora-r", type=int, default=DEFAULTS.lora_r, help=f"LoRA rank (default: {DEFAULTS.lora_r})")
+    p.add_argument("--lora-target-modules", default=DEFAULTS.lora_target_modules,
+                   help=f"all-linear or e.g. q_proj,v_proj (default: {DEFAULTS.lora_target_modules})")
+    p.add_argument("--attn-implementation", default=DEFAULTS.attn_implementation,
+                   help=f"{' | '.join(ATTENTION)} (default: {DEFAULTS.attn_implementation})")
     p.add_argument("--loss", default="shardtune", choices=LOSSES,
                    help="shardtune: shardtune train's loss (bf16 logits kept, fp32 one chunk at a time, recomputed "
                         "in backward); full: transformers' loss, fp32 logits of the whole micro-batch; chunked: "
@@ -193,7 +202,7 @@ def setup_from_config_files(args: argparse.Namespace) -> Setup:
     args.model = cfg.model.model_name_or_path
     d = cfg.distributed
     return validate(setup_from_config(cfg, d.num_processes, d.num_machines if d.num_processes % d.num_machines == 0
-                                      else 1))
+                                      else 1, native_bf16=gpu_from_args(args).bf16))
 
 
 def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
@@ -212,7 +221,8 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
         num_nodes=args.num_nodes, batch_size=args.batch_size, seq_len=args.seq_len,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         gradient_checkpointing=args.gradient_checkpointing, activation_offloading=args.activation_offloading,
-        mixed_precision=args.mixed_precision.lower(), pure_bf16=args.pure_bf16, optimizer=args.optimizer.lower(),
+        mixed_precision=(args.mixed_precision or default_mixed_precision(gpu_from_args(args).bf16)).lower(),
+        pure_bf16=args.pure_bf16, optimizer=args.optimizer.lower(),
         lora_r=args.lora_r,
         lora_target_modules=args.lora_target_modules, attn_implementation=args.attn_implementation,
         loss=args.loss,

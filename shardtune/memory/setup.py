@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardtune.config.optimizers import ESTIMATE_ALIASES, OPTIMIZERS as OPTIMIZER_TABLE, canonical
-from shardtune.config.schema import MIXED_PRECISIONS, SHARDING_STRATEGIES
+from shardtune.config.schema import MIXED_PRECISIONS, SHARDING_STRATEGIES, TrainConfig
 from shardtune.errors import UsageError, check_choice
 
 METHODS = ("full", "lora", "qlora")
@@ -18,33 +18,42 @@ ZERO_ALIASES = {"ZERO3": "FULL_SHARD", "ZERO-3": "FULL_SHARD", "ZERO2": "SHARD_G
 OPTIMIZERS = (*OPTIMIZER_TABLE, *ESTIMATE_ALIASES)
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
 LOSSES = ("shardtune", "full", "chunked")
+# What ``shardtune train`` runs with no flags, from the one place defaults live (config/schema.py): the Setup's
+# defaults read it, so ``shardtune estimate MODEL`` with no options describes that very job.
+TRAIN_DEFAULTS = TrainConfig()
+
+
+def default_mixed_precision(native_bf16: bool) -> str:
+    """The precision ``shardtune train`` picks with no flags on a GPU that does (or does not) compute bf16."""
+    return TRAIN_DEFAULTS.precision_on(native_bf16)
 
 
 @dataclass(frozen=True)
 class Setup:
     """One concrete way to train: everything the memory formula depends on."""
 
-    method: str = "full"
+    method: str = TRAIN_DEFAULTS.lora.method
     strategy: str = "single"
-    sharding_strategy: str = "FULL_SHARD"
-    offload_params: bool = False
+    sharding_strategy: str = TRAIN_DEFAULTS.distributed.fsdp_sharding_strategy
+    offload_params: bool = TRAIN_DEFAULTS.distributed.fsdp_offload_params
     num_gpus: int = 1  # per node
     num_nodes: int = 1
-    batch_size: int = 1  # per device, per micro-batch
-    seq_len: int = 2048
-    gradient_accumulation_steps: int = 1
-    gradient_checkpointing: bool = True
+    batch_size: int = TRAIN_DEFAULTS.run.per_device_train_batch_size  # per device, per micro-batch
+    seq_len: int = TRAIN_DEFAULTS.data.max_seq_len
+    gradient_accumulation_steps: int = TRAIN_DEFAULTS.run.gradient_accumulation_steps
+    gradient_checkpointing: bool = TRAIN_DEFAULTS.run.gradient_checkpointing
     # The checkpointed layers' inputs wait in pinned host memory (shardtune train's activation_offloading).
-    activation_offloading: bool = False
-    mixed_precision: str = "bf16"
-    pure_bf16: bool = False
-    optimizer: str = "adamw_torch"  # a name of config/optimizers.py's table (Transformers' optim names)
-    lora_r: int = 8
-    lora_target_modules: str = "all-linear"
-    use_dora: bool = False  # DoRA's trained magnitudes (counted; its extra activations only the trace measures)
+    activation_offloading: bool = TRAIN_DEFAULTS.run.activation_offloading
+    # On a GPU that computes bf16 (every card --gpu offers); the CLI asks default_mixed_precision for others.
+    mixed_precision: str = default_mixed_precision(True)
+    pure_bf16: bool = TRAIN_DEFAULTS.model.pure_bf16
+    optimizer: str = TRAIN_DEFAULTS.optim.optim  # a name of config/optimizers.py's table (Transformers' optim names)
+    lora_r: int = TRAIN_DEFAULTS.lora.lora_r
+    lora_target_modules: str = TRAIN_DEFAULTS.lora.lora_target_modules
+    use_dora: bool = TRAIN_DEFAULTS.lora.use_dora  # DoRA's trained magnitudes (counted; extra activations traced)
     lora_modules_to_save: tuple[str, ...] = ()  # modules PEFT trains a full copy of
-    attn_implementation: str = "sdpa"
-    nf4_double_quant: bool = True
+    attn_implementation: str = TRAIN_DEFAULTS.model.attn_implementation
+    nf4_double_quant: bool = TRAIN_DEFAULTS.lora.use_nested_quant
     # shardtune: shardtune train's loss (the head fused with the loss: no logits kept, one chunk's fp32 logits at
     # a time, recomputed in backward); full: transformers' (fp32 logits of the whole micro-batch); chunked:
     # torchtune's, compiled.

@@ -60,8 +60,11 @@ def trace_or_formula(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -
     return result.to_dict() | {"source": "trace"}
 
 
-def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> Setup:
-    """The estimator's Setup for a trainer config (the inverse of ``config_from_setup``)."""
+def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1, *,
+                      native_bf16: bool | None = None) -> Setup:
+    """The estimator's Setup for a trainer config (the inverse of ``config_from_setup``), its precision as
+    ``shardtune train`` would pick it on a GPU that does (or does not: ``native_bf16``) compute bf16, or on this
+    machine (None)."""
     lora = cfg.lora
     kind = cfg.distributed.distributed_type or ("DDP" if world_size > 1 else "NO")
     strategy = {"NO": "single" if world_size == 1 else "ddp", "DDP": "ddp", "FSDP": "fsdp", "MP": "mp", "PP": "pp"}[kind]
@@ -71,7 +74,9 @@ def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> 
                  seq_len=cfg.data.max_seq_len, gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
                  gradient_checkpointing=cfg.run.gradient_checkpointing or cfg.distributed.fsdp_activation_checkpointing,
                  activation_offloading=cfg.run.activation_offloading,
-                 mixed_precision="bf16" if cfg.model.pure_bf16 else cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16,
+                 mixed_precision="bf16" if cfg.model.pure_bf16 else
+                 cfg.mixed_precision if native_bf16 is None else cfg.precision_on(native_bf16),
+                 pure_bf16=cfg.model.pure_bf16,
                  lora_r=lora.lora_r, lora_target_modules=lora.lora_target_modules, use_dora=lora.use_dora,
                  lora_modules_to_save=tuple(lora.lora_modules_to_save),
                  attn_implementation=cfg.model.attn_implementation, nf4_double_quant=lora.use_nested_quant,
