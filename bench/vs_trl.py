@@ -7,10 +7,19 @@ the assistant reply and its end-of-turn token only, the same LoRA, AdamW, batch,
 seed, no packing, no gradient checkpointing. Each run is a fresh process; the tools alternate (shardtune, TRL,
 shardtune, TRL) and the median of the repeats is kept. Per-step losses of both are printed and compared.
 
-    .venv/bin/python -m pip install trl==1.16.0      # TRL is the bench's, not the project's, dependency
-    .venv/bin/python bench/vs_trl.py                 # CPU, fp32: bench/results/vs_trl_cpu.{json,md}
-    .venv/bin/python bench/vs_trl.py --device cuda   # CUDA, bf16 autocast, memory = max_memory_reserved
-    .venv/bin/python bench/vs_trl.py --cases lora-256 --repeats 1 --profile   # quick look, with a profile
+With ``--defaults`` a second mode runs beside that matched one: each tool as a user starts it. Both still get the
+same model folder, rows, order, chat template and loss masks, LoRA, lengths, batch, accumulation, steps, learning
+rate and seed (the recipe a user writes); everything else is left to the tool: TRL's ``SFTConfig`` defaults (bf16
+autocast, gradient checkpointing on, the model loaded in fp32 from its path, linear schedule; ``use_cpu`` on a CPU,
+without which Transformers refuses bf16 there) and ``shardtune train``'s (its hardware's precision, no gradient
+checkpointing, the end-of-run memory check). The report then holds both modes, measured in alternation.
+
+    # TRL is the bench's, not the project's, dependency: keep it out of the project's environment
+    .venv/bin/python -m pip install --no-deps --target /tmp/trl-site trl==1.16.0
+    PYTHONPATH=/tmp/trl-site .venv/bin/python bench/vs_trl.py                 # CPU, fp32: results/vs_trl_cpu.*
+    PYTHONPATH=/tmp/trl-site .venv/bin/python bench/vs_trl.py --defaults      # both modes: vs_trl_cpu_defaults.*
+    PYTHONPATH=/tmp/trl-site .venv/bin/python bench/vs_trl.py --device cuda   # CUDA, bf16 autocast
+    PYTHONPATH=/tmp/trl-site .venv/bin/python bench/vs_trl.py --cases lora-256 --repeats 1 --profile  # quick look
 
 Tokens/s counts the same tokens for both (the non-padding input tokens of the timed steps, checked equal step by
 step) over the wall time from the end of the last warm-up step to the end of the last step. CPU memory is the
@@ -40,6 +49,9 @@ LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # The agreement the losses must reach where both tools compute the same thing (fp32 on CPU); bf16 rounds each
 # matmul differently in the two forwards, so there the losses only agree to about a percent.
 LOSS_TOL = {"cpu": 1e-4, "cuda": 2e-2}
+# At each tool's defaults both compute in bf16 with their own roundings: relative agreement of every step's loss.
+DEFAULTS_LOSS_REL_TOL = 1e-2
+MODES = {"matched": "the same settings, fp32 on CPU", "defaults": "each tool's defaults"}
 DOC_MODULES = ("argparse", "collections", "csv", "datetime", "decimal", "difflib", "email.message", "fractions",
                "functools", "heapq", "http.client", "inspect", "itertools", "json", "logging", "os", "pathlib",
                "pickle", "random", "re", "shutil", "socket", "statistics", "string", "subprocess", "tarfile",
@@ -171,15 +183,19 @@ def child_env(job: dict, clock: Path) -> dict:
 
 
 def shardtune_cmd(job: dict, out: Path) -> list[str]:
+    """``shardtune train`` of ``job``: in the defaults mode only the recipe a user writes, else every setting."""
     cmd = [sys.executable, "-m", "shardtune", "train", "--model_name_or_path", job["model"],
            "--dataset_name", job["data"], "--splits", "train", "--max_seq_len", str(job["seq_len"]),
            "--per_device_train_batch_size", str(job["batch"]), "--gradient_accumulation_steps", str(job["accum"]),
-           "--max_steps", str(job["steps"]), "--learning_rate", str(job["lr"]), "--lr_scheduler_type", "constant",
-           "--weight_decay", "0", "--max_grad_norm", "1.0", "--optim", "adamw_torch", "--seed", str(job["seed"]),
-           "--packing", "False", "--group_by_length", "False", "--gradient_checkpointing", "False",
-           "--bf16", str(job["bf16"]), "--logging_steps", "1", "--save_strategy", "no",
-           # the memory check re-runs step 2 under its tracker: TRL has no such step
-           "--predict_memory", "False", "--output_dir", str(out), "--callbacks", "vs_trl_worker:StepClock"]
+           "--max_steps", str(job["steps"]), "--learning_rate", str(job["lr"]), "--seed", str(job["seed"]),
+           "--logging_steps", "1", "--save_strategy", "no", "--output_dir", str(out),
+           "--callbacks", "vs_trl_worker:StepClock"]
+    if job["mode"] == "matched":
+        cmd += ["--lr_scheduler_type", "constant", "--weight_decay", "0", "--max_grad_norm", "1.0",
+                "--optim", "adamw_torch", "--packing", "False", "--group_by_length", "False",
+                "--gradient_checkpointing", "False", "--bf16", str(job["bf16"]),
+                # the memory check re-runs step 2 under its tracker: TRL has no such step
+                "--predict_memory", "False"]
     if job["method"] == "lora":
         cmd += ["--use_peft_lora", "True", "--lora_r", str(job["lora_r"]), "--lora_alpha", str(job["lora_alpha"]),
                 "--lora_dropout", "0", "--lora_target_modules", job["lora_target_modules"]]
@@ -225,55 +241,65 @@ def measured(job: dict, clock: dict, steps: list[dict], wall: float, rss: int, c
             "command": " ".join(cmd)}
 
 
-def run_case(name: str, base: dict, root: Path, args: argparse.Namespace) -> dict:
-    """Both tools on one case, alternating, ``args.repeats`` times each; the medians and the loss comparison."""
+def run_case(name: str, base: dict, root: Path, args: argparse.Namespace) -> list[dict]:
+    """Both tools on one case in each mode, alternating (tool inside mode inside repeat), ``args.repeats`` times
+    each; per mode the medians and the loss comparison. The load average is read before and after every run."""
     method, seq_len = CASES[name]
-    job = base | {"method": method, "seq_len": seq_len}
-    runs: dict[str, list[dict]] = {"shardtune": [], "trl": []}
-    loads = []
+    runs = {mode: {"shardtune": [], "trl": []} for mode in args.modes}
+    loads: dict[str, list] = {mode: [] for mode in args.modes}
     for repeat in range(args.repeats):
-        for tool, run in (("shardtune", run_shardtune), ("trl", run_trl)):
-            load = wait_for_quiet(args.max_load, args.load_wait_s)
-            loads.append(round(load, 2))
-            profile = args.profile and repeat == args.repeats - 1
-            # the last warm-up step: the profiler's overhead stays out of the timed steps
-            result = run(job | {"profile_step": job["warmup"] if profile else 0},
-                         root / f"{name}-{tool}-{repeat}")
-            runs[tool].append(result)
-            print(f"  {name} {tool} #{repeat + 1}: {result['tokens_per_s']:.0f} tok/s, "
-                  f"peak {result['peak_memory_bytes'] / 2**20:.0f} MiB (load before: {load:.2f})", flush=True)
-    return summarise(name, job, runs, loads)
+        for mode in args.modes:
+            job = base | {"method": method, "seq_len": seq_len, "mode": mode}
+            for tool, run in (("shardtune", run_shardtune), ("trl", run_trl)):
+                load = wait_for_quiet(args.max_load, args.load_wait_s)
+                profile = args.profile and repeat == args.repeats - 1
+                # the last warm-up step: the profiler's overhead stays out of the timed steps
+                result = run(job | {"profile_step": job["warmup"] if profile else 0},
+                             root / f"{name}-{mode}-{tool}-{repeat}")
+                after = os.getloadavg()[0]
+                loads[mode].append([round(load, 2), round(after, 2)])
+                runs[mode][tool].append(result)
+                print(f"  {name} {mode} {tool} #{repeat + 1}: {result['tokens_per_s']:.0f} tok/s, peak "
+                      f"{result['peak_memory_bytes'] / 2**20:.0f} MiB (load before {load:.2f}, after {after:.2f})",
+                      flush=True)
+    return [summarise(name, base | {"method": method, "seq_len": seq_len, "mode": mode}, runs[mode], loads[mode])
+            for mode in args.modes]
 
 
-def summarise(name: str, job: dict, runs: dict[str, list[dict]], loads: list[float]) -> dict:
+def summarise(name: str, job: dict, runs: dict[str, list[dict]], loads: list[list[float]]) -> dict:
     ours, theirs = runs["shardtune"][0], runs["trl"][0]
     diffs = [abs(a - b) for a, b in zip(ours["losses"], theirs["losses"])]
+    relative = [abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"])]
+    agree = (max(relative) <= DEFAULTS_LOSS_REL_TOL if job["mode"] == "defaults"
+             else max(diffs) <= LOSS_TOL[job["device"]])
     median = {tool: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
                      "peak_memory_bytes": statistics.median(r["peak_memory_bytes"] for r in rs),
                      "process_wall_s": statistics.median(r["process_wall_s"] for r in rs)}
               for tool, rs in runs.items()}
-    return {"case": name, "method": job["method"], "seq_len": job["seq_len"],
+    return {"case": name, "mode": job["mode"], "method": job["method"], "seq_len": job["seq_len"],
             "same_tokens": ours["tokens"] == theirs["tokens"],
             "same_target_tokens": ours["target_tokens"] == theirs["target_tokens"],
             "first_batch_target_tokens": {"shardtune": ours["target_tokens"][0], "trl": theirs["target_tokens"][0]},
-            "max_loss_diff": max(diffs), "losses_agree": max(diffs) <= LOSS_TOL[job["device"]],
+            "max_loss_diff": max(diffs), "max_loss_rel_diff": max(relative), "losses_agree": agree,
             "median": median,
             "tokens_per_s_ratio": median["shardtune"]["tokens_per_s"] / median["trl"]["tokens_per_s"],
             "peak_memory_ratio": median["shardtune"]["peak_memory_bytes"] / median["trl"]["peak_memory_bytes"],
             "process_wall_ratio": median["shardtune"]["process_wall_s"] / median["trl"]["process_wall_s"],
-            "load_before_runs": loads, "runs": runs}
+            "load_before_after_runs": loads, "runs": runs}
 
 
 def loss_table(row: dict) -> list[str]:
     ours, theirs = row["runs"]["shardtune"][0], row["runs"]["trl"][0]
-    lines = [f"Per-step losses, {row['case']} (first repeat):", "",
-             "| step | tokens | target tokens | shardtune loss | TRL loss | abs diff |", "|---|---|---|---|---|---|"]
+    lines = [f"Per-step losses, {row['case']}, {MODES[row['mode']]} (first repeat):", "",
+             "| step | tokens | target tokens | shardtune loss | TRL loss | abs diff | rel diff |",
+             "|---|---|---|---|---|---|---|"]
     for i, (a, b) in enumerate(zip(ours["losses"], theirs["losses"])):
         tokens = f"{ours['tokens'][i]}" + ("" if ours["tokens"][i] == theirs["tokens"][i]
                                            else f" / TRL {theirs['tokens'][i]}")
         targets = f"{ours['target_tokens'][i]}" + ("" if ours["target_tokens"][i] == theirs["target_tokens"][i]
                                                    else f" / TRL {theirs['target_tokens'][i]}")
-        lines.append(f"| {i + 1} | {tokens} | {targets} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} |")
+        lines.append(f"| {i + 1} | {tokens} | {targets} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} | "
+                     f"{abs(a - b) / abs(b):.2e} |")
     return lines + [""]
 
 
@@ -286,37 +312,45 @@ def profile_lines(rows: list[dict]) -> list[str]:
                 continue
             parts = ", ".join(f"{k} {v:.3f}" for k, v in profile["parts_s"].items())
             ops = "; ".join(f"{o['name']} {o['self_s']:.3f}" for o in profile["top_ops"][:6])
-            lines += [f"- {row['case']} {tool}: step {profile['wall_s']:.3f} s = {parts} (s). Top self time: {ops}"]
+            lines += [f"- {row['case']} {row['mode']} {tool}: step {profile['wall_s']:.3f} s = {parts} (s). "
+                      f"Top self time: {ops}"]
     return ["## Profile of the last warm-up step (torch.profiler, top-level ranges of the training thread)", ""] + lines + [""] \
         if lines else []
 
 
-def markdown(report: dict) -> str:
-    m = report["machine"]
+def header(report: dict) -> list[str]:
+    m, job = report["machine"], report["job"]
     memory = "peak RSS of the child process" if report["device"] == "cpu" else "torch.cuda.max_memory_reserved"
-    lines = [f"# shardtune vs TRL {report['trl_version']} SFTTrainer ({report['device']}, {report['precision']})", "",
-             f"{report['date']}; {m['cpu']}, {m['cores']} cores, {report['threads']} threads per run; torch "
-             f"{m['torch']}, transformers {m['transformers']}, peft {m['peft']}, Python {m['python']}.",
-             f"Model SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32, one folder for both); "
-             f"{report['rows']} chat rows of standard-library docstrings; batch {report['job']['batch']} x "
-             f"accumulation {report['job']['accum']}, {report['job']['steps']} steps ({report['job']['warmup']} "
-             f"warm-up, the rest timed), AdamW lr {report['job']['lr']} constant, no weight decay, max grad norm 1, "
-             f"seed {report['job']['seed']}, packing off, loss on assistant replies and their <|im_end|>. LoRA r "
-             f"{report['job']['lora_r']}, alpha {report['job']['lora_alpha']}, dropout 0, {LORA_TARGETS}. "
-             f"Median of {report['repeats']} alternating runs per tool; memory is the {memory}.", "",
-             "| case | shardtune tok/s | TRL tok/s | ratio | shardtune peak MiB | TRL peak MiB | ratio | shardtune "
-             "process s, start to exit | TRL process s | ratio | same tokens | max loss diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    modes = "; ".join(f"{mode}: {MODES[mode]}" for mode in report["modes"])
+    return [f"# shardtune vs TRL {report['trl_version']} SFTTrainer ({report['device']}; {modes})", "",
+            f"{report['date']}; {m['cpu']}, {m['cores']} cores, {report['threads']} threads per run; torch "
+            f"{m['torch']}, transformers {m['transformers']}, peft {m['peft']}, Python {m['python']}.",
+            f"Model SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32, one folder for both); "
+            f"{report['rows']} chat rows of standard-library docstrings; batch {job['batch']} x accumulation "
+            f"{job['accum']}, {job['steps']} steps ({job['warmup']} warm-up, the rest timed), AdamW lr {job['lr']}, "
+            f"seed {job['seed']}, loss on assistant replies and their <|im_end|>, LoRA r {job['lora_r']}, alpha "
+            f"{job['lora_alpha']}, dropout 0, {LORA_TARGETS}. Matched: {report['precision']}, constant schedule, no "
+            f"weight decay, max grad norm 1, packing and gradient checkpointing off. Defaults: nothing else set "
+            f"(see the commands). Median of {report['repeats']} alternating runs per tool; memory is the {memory}.",
+            ""]
+
+
+def markdown(report: dict) -> str:
+    lines = header(report) + [
+        "| case | mode | shardtune tok/s | TRL tok/s | ratio | shardtune peak MiB | TRL peak MiB | ratio | shardtune "
+        "process s, start to exit | TRL process s | ratio | same tokens | max loss diff (rel) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["results"]:
         o, t = row["median"]["shardtune"], row["median"]["trl"]
-        lines.append(f"| {row['case']} | {o['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | "
+        lines.append(f"| {row['case']} | {row['mode']} | {o['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | "
                      f"{row['tokens_per_s_ratio']:.2f}x | {o['peak_memory_bytes'] / 2**20:.0f} | "
                      f"{t['peak_memory_bytes'] / 2**20:.0f} | {row['peak_memory_ratio']:.2f}x | "
                      f"{o['process_wall_s']:.1f} | {t['process_wall_s']:.1f} | {row['process_wall_ratio']:.2f}x | "
                      f"{'yes' if row['same_tokens'] and row['same_target_tokens'] else 'NO'} | "
-                     f"{row['max_loss_diff']:.1e}{'' if row['losses_agree'] else ' (over tolerance)'} |")
-    lines += ["", "1-minute load average before each run: " + "; ".join(
-        f"{r['case']} {r['load_before_runs']}" for r in report["results"]), ""]
+                     f"{row['max_loss_diff']:.1e} ({row['max_loss_rel_diff']:.1e})"
+                     f"{'' if row['losses_agree'] else ' (over tolerance)'} |")
+    lines += ["", "1-minute load average [before, after] each run, in run order (2 cores): " + "; ".join(
+        f"{r['case']} {r['mode']} {r['load_before_after_runs']}" for r in report["results"]), ""]
     for row in report["results"]:
         lines += loss_table(row)
     lines += profile_lines(report["results"])
@@ -364,7 +398,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                    / "shardtune-bench", help="where the converted model and the rows are kept between runs")
     p.add_argument("--gguf", type=Path, default=None, help=f"the model's GGUF (default: the wheel's {GGUF_NAME})")
-    p.add_argument("--name", default=None, help="results file name, without .json/.md (default: vs_trl_DEVICE)")
+    p.add_argument("--defaults", action="store_true",
+                   help="also run each tool at its own defaults (see above), alternating with the matched runs")
+    p.add_argument("--name", default=None,
+                   help="results file name, without .json/.md (default: vs_trl_DEVICE, with --defaults "
+                        "vs_trl_DEVICE_defaults)")
     p.add_argument("--work", type=Path, default=None, help="output folders and logs (default: a new temp folder)")
     args = p.parse_args()
     unknown = [c for c in args.cases.split(",") if c not in CASES]
@@ -374,6 +412,7 @@ def parse_args() -> argparse.Namespace:
         fail("--repeats, --timed, --batch, --accum and --warmup must be at least 1")
     if args.profile and args.warmup < 2:
         fail("--profile profiles the last warm-up step after a first one: give --warmup 2 or more")
+    args.modes = ("matched", "defaults") if args.defaults else ("matched",)
     return args
 
 
@@ -382,7 +421,8 @@ def main() -> None:
     try:
         import trl
     except ImportError:
-        fail("TRL is not installed: .venv/bin/python -m pip install trl==1.16.0 (the bench's dependency only)")
+        fail("TRL is not installed: .venv/bin/python -m pip install --no-deps --target /tmp/trl-site trl==1.16.0, "
+             "then PYTHONPATH=/tmp/trl-site (the bench's dependency only)")
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -401,16 +441,16 @@ def main() -> None:
             "accum": args.accum, "lr": args.lr, "seed": args.seed, "lora_r": args.lora_r,
             "lora_alpha": args.lora_alpha, "lora_target_modules": LORA_TARGETS, "threads": args.threads}
     print(f"model {model}, {sum(1 for _ in data.open())} rows in {data}; runs in {root}", flush=True)
-    results = [run_case(name, base, root, args) for name in args.cases.split(",")]
+    results = [row for name in args.cases.split(",") for row in run_case(name, base, root, args)]
     report = {"device": args.device, "precision": "bf16 autocast" if bf16 else "fp32",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "trl_version": trl.__version__, "threads": args.threads, "job": base,
-              "rows": sum(1 for _ in data.open()), "repeats": args.repeats,
+              "rows": sum(1 for _ in data.open()), "repeats": args.repeats, "modes": list(args.modes),
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "results": results}
     text = markdown(report)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = args.name or f"vs_trl_{args.device}"
+    name = args.name or f"vs_trl_{args.device}" + ("_defaults" if args.defaults else "")
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     (RESULTS / f"{name}.md").write_text(text)
 

@@ -98,17 +98,35 @@ def _sampler_order(num_rows: int, spec: dict) -> list[int]:
 
 
 def _trl_config(spec: dict):
+    """TRL's SFTConfig: every setting pinned (matched mode), or only the recipe a user writes (defaults mode)."""
     from trl import SFTConfig
 
     cuda = spec["device"] == "cuda"
+    recipe = dict(output_dir=spec["output_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
+                  gradient_accumulation_steps=spec["accum"], learning_rate=spec["lr"], seed=spec["seed"],
+                  max_length=spec["seq_len"], assistant_only_loss=True, chat_template_path=spec["chat_template"],
+                  # Transformers refuses SFTConfig's default bf16 on a machine without a GPU unless told use_cpu
+                  use_cpu=not cuda, logging_steps=1, save_strategy="no", report_to=[])
+    if spec["mode"] == "defaults":
+        return SFTConfig(**recipe)
     return SFTConfig(
-        output_dir=spec["output_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch"],
-        gradient_accumulation_steps=spec["accum"], learning_rate=spec["lr"], lr_scheduler_type="constant",
-        weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999,
-        adam_epsilon=1e-8, seed=spec["seed"], max_length=spec["seq_len"], packing=False, padding_free=False,
-        assistant_only_loss=True, chat_template_path=spec["chat_template"], gradient_checkpointing=False,
-        bf16=spec["bf16"], use_cpu=not cuda, logging_steps=1, save_strategy="no", report_to=[],
-        dataloader_num_workers=0, disable_tqdm=True, dataset_num_proc=None)
+        **recipe, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, packing=False, padding_free=False,
+        gradient_checkpointing=False, bf16=spec["bf16"], dataloader_num_workers=0, disable_tqdm=True,
+        dataset_num_proc=None)
+
+
+def _model_and_tokenizer(spec: dict):
+    """As a user gives them: the folder's path in the defaults mode (TRL loads both, the model in its default
+    dtype), else loaded here in the matched dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec["mode"] == "defaults":
+        return spec["model"], None
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    dtype = torch.bfloat16 if spec["bf16"] and spec["method"] == "lora" and spec["device"] == "cuda" else torch.float32
+    return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype, attn_implementation="sdpa"), tokenizer
 
 
 def trl_main(spec_path: str) -> None:
@@ -120,15 +138,12 @@ def trl_main(spec_path: str) -> None:
     try:
         from trl import SFTTrainer
     except ImportError:
-        sys.exit("TRL is not installed: .venv/bin/python -m pip install trl==1.16.0")
+        sys.exit("TRL is not installed: see bench/vs_trl.py")
     from datasets import load_dataset
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     dataset = load_dataset("json", data_files=spec["data"], split="train")
-    dtype = torch.bfloat16 if spec["bf16"] and spec["method"] == "lora" and spec["device"] == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype, attn_implementation="sdpa")
+    model, tokenizer = _model_and_tokenizer(spec)
     peft_config = None
     if spec["method"] == "lora":
         peft_config = LoraConfig(r=spec["lora_r"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0,

@@ -20,6 +20,7 @@ A leaf: the estimator (memory/) and the trainer (train/metrics.py) both read it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from shardtune.errors import UsageError, check_choice
@@ -272,3 +273,40 @@ def inter_node_link(gpu: Gpu, name: str | None = None) -> Link:
 def host_link(gpu: Gpu) -> Link:
     """The PCIe link between ``gpu`` and its host's memory (what CPU offload crosses)."""
     return HOST_LINKS[gpu.host_link]
+
+
+# What makes a device compute bfloat16 natively (matmuls in bf16 at more than fp32's speed): NVIDIA GPUs from
+# Ampere on (compute capability 8.0), x86 CPUs with AVX512-BF16 or AMX (Intel Cooper Lake, Sapphire Rapids and
+# later; AMD Zen 4 and later). Elsewhere bf16 is emulated and slower than fp32, so fp32 is the default there.
+CUDA_BF16_CAPABILITY = (8, 0)
+CPU_BF16_FEATURES = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
+
+
+def native_bf16(device_type: str) -> tuple[bool, str]:
+    """Whether this machine's ``device_type`` (cuda, cpu, ...) computes bf16 natively, and the words that say why.
+
+    Asked of torch, never guessed: ``torch.cuda.get_device_capability`` for CUDA (the current device), the CPU
+    features ``torch.cpu.get_capabilities`` reads (CPUID) for the CPU."""
+    import torch
+
+    if device_type == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        name = torch.cuda.get_device_name()
+        native = (major, minor) >= CUDA_BF16_CAPABILITY
+        relation = ">=" if native else "<"
+        return native, f"{name}, compute capability {major}.{minor} {relation} 8.0"
+    if device_type == "cpu":
+        capabilities = getattr(torch.cpu, "get_capabilities", lambda: {})()
+        found = [label for key, label in CPU_BF16_FEATURES.items() if capabilities.get(key)]
+        if found:
+            return True, f"this CPU has {' and '.join(found)}"
+        return False, "this CPU has neither AVX512-BF16 nor AMX-BF16"
+    return False, f"device {device_type}: bf16 is not known to run natively there"
+
+
+@functools.lru_cache(maxsize=None)
+def local_native_bf16() -> tuple[bool, str]:
+    """``native_bf16`` of the device a job started here trains on: the GPU where torch sees one, else the CPU."""
+    import torch
+
+    return native_bf16("cuda" if torch.cuda.is_available() else "cpu")

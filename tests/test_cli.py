@@ -58,13 +58,18 @@ def test_recommends_ddp_when_a_replica_fits(capsys):
 
 
 def test_what_would_fit_when_nothing_does(capsys):
-    out = run_json(capsys, ["llama-3.1-70b", "--gpu", "rtx4090", *CHECKED_AT_ARGS, "--batch-size", "4"])
+    # train's defaults but batch 4 (no gradient checkpointing)
+    out = run_json(capsys, ["llama-3.1-70b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "4"])
     rec = out["recommendation"]
     assert rec["fits"] is False and out["fits"] is False
-    # Batch 1 with CPU offload fits (the 2.1B embedding and head parameters are gathered, activations are small).
-    assert rec["suggestions"][0].startswith("batch size 1 with FSDP FULL_SHARD + CPU offload")
+    # Batch 1 with CPU offload fits, checkpointed (the 2.1B embedding and head parameters are gathered,
+    # activations are small); at shardtune train's defaults checkpointing is off, so the suggestion turns it on.
+    assert rec["suggestions"][0].startswith("batch size 1 and --gradient-checkpointing with FSDP FULL_SHARD + CPU "
+                                            "offload")
     assert "--gradient-accumulation-steps 4" in rec["suggestions"][0]
-
+    # Checkpointed already: the suggestion is batch 1 alone.
+    out = run_json(capsys, ["llama-3.1-70b", "--gpu", "rtx4090", *CHECKED_AT_ARGS, "--batch-size", "4"])
+    assert out["recommendation"]["suggestions"][0].startswith("batch size 1 with FSDP FULL_SHARD + CPU offload")
 
 
 def test_table_output_names_the_recommendation(capsys):

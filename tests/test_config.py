@@ -48,7 +48,8 @@ def test_defaults_follow_transformers():
     cfg = TrainConfig()
     assert (cfg.optim.learning_rate, cfg.optim.lr_scheduler_type, cfg.run.per_device_train_batch_size,
             cfg.run.seed, cfg.optim.max_grad_norm) == (5e-5, "linear", 8, 42, 1.0)
-    assert cfg.mixed_precision == "no"
+    # Precision is not Transformers' fp32: left to the hardware (tests/test_precision_default.py).
+    assert cfg.precision_left_to_hardware and cfg.precision_on(False) == "no" and cfg.precision_on(True) == "bf16"
 
 
 def test_precedence_defaults_file_yaml_override_flag(tmp_path):

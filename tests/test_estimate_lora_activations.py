@@ -16,6 +16,7 @@ from shardtune.memory.formula import Activations, _Model
 from shardtune.memory.setup import dtypes
 from shardtune.memory.inventory import ModelAnalysis
 from shardtune.memory.measure import LiveStorages, parameter_storages
+from shardtune.train.model import upcast_embeddings_output
 from tests.setups import checked_setup
 from tests.test_activations import batch_bytes, trainer_batch
 
@@ -37,8 +38,10 @@ def _measure_lora(config: dict, targets: str, pure_bf16: bool = True) -> int:
     # PEFT keeps the adapters of a bf16 model in fp32; pure bf16 casts them down too.
     model = get_peft_model(model, LoraConfig(r=RANK, target_modules=peft_targets))
     model = (model.to(torch.bfloat16) if pure_bf16 else model).train()
+    if not pure_bf16:  # under autocast the trainer runs the residual stream in fp32 from the embeddings' output
+        upcast_embeddings_output(model)
     inputs = trainer_batch(torch.randint(0, cfg.vocab_size, (BATCH, SEQ)))
-    # The trainer runs fp32 adapters on a bf16 base under autocast (shardtune.train.step._autocast).
+    # The trainer runs fp32 adapters on a bf16 base under autocast (shardtune.train.runner.LocalRunner._autocast).
     with LiveStorages() as live, torch.autocast("cpu", torch.bfloat16, enabled=not pure_bf16):
         out = model(**inputs)
     loss = out.loss

@@ -1,9 +1,10 @@
 """The fused linear cross-entropy (train/loss.py) gives the loss and gradients of the loss on full logits.
 
 The reference is ``token_loss_sum`` on the logits of the model's own forward (what the trainer computed before the
-loss was fused with the head), itself pinned to ``F.cross_entropy`` and to transformers' own loss. fp32, packed
-rows (position ids restarting, prompts and padding labelled IGNORE) and chunks of 64 tokens that cross row
-boundaries; one process, then FSDP2 on two gloo processes.
+loss was fused with the head), which projects every position, itself pinned to ``F.cross_entropy`` and to
+transformers' own loss. fp32, packed rows (position ids restarting, prompts and padding labelled IGNORE, so the
+fused loss projects only part of them) and chunks of 64 tokens that cross row boundaries; one process, then FSDP2
+and DDP on two gloo processes, and a two-stage pipeline.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from shardtune.train.loss import (
     head_loss_sum,
     install_fused_loss,
     loss_chunk_tokens,
+    num_targets,
     token_loss_sum,
 )
 
@@ -33,6 +35,12 @@ VOCAB = 700
 def _small_chunks(monkeypatch):
     """64-token chunks (the smallest), so a batch of 3 x 48 tokens runs three, the last one short."""
     monkeypatch.setattr(loss_module, "LOSS_CHUNK_VALUES", 1)
+
+
+def _head_rows(targets: int, positions: int) -> int:
+    """The positions the head should project for ``targets`` targets among ``positions``: the targets, rounded
+    up to whole 64-row tiles with positions that have none (train/loss.py target_index), at most every one."""
+    return min(-(-targets // 64) * 64 or 64, positions)
 
 
 def _batch(seed: int = 0, rows: int = 3, length: int = 48) -> dict[str, torch.Tensor]:
@@ -206,9 +214,35 @@ def test_no_op_makes_more_than_one_chunk_of_logits():
     with _LargestLogits(VOCAB) as seen:
         model(**_inputs(batch), loss_labels=batch["labels"]).loss.backward()
     # The head's weight [vocab, hidden] and its gradient are the only other vocabulary-wide tensors.
-    tokens = batch["input_ids"].numel()
-    assert seen.rows == max(loss_chunk_tokens(tokens, VOCAB), model.config.hidden_size)
-    assert loss_chunk_tokens(tokens, VOCAB) < tokens
+    projected = _head_rows(num_targets(batch["labels"]), batch["input_ids"].numel())
+    assert seen.rows == max(loss_chunk_tokens(projected, VOCAB), model.config.hidden_size)
+    assert loss_chunk_tokens(projected, VOCAB) < projected
+
+
+def test_the_head_runs_only_on_positions_with_a_target():
+    """Prompts, padding and each row's last position never reach the head, and the loss and gradients are those
+    of every position's logits; a micro-batch without any target still gives a loss in the graph (0, zero
+    gradients), so every rank's backward hooks run."""
+    torch.manual_seed(0)
+    hidden = torch.randn(4, 50, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 11, bias=False)
+    labels = torch.randint(0, 11, (4, 50))
+    labels[:, :32] = IGNORE  # each row's prompt: 18 targets a row, 72 in all, of 200 positions
+    rows_seen = []
+    hook = head.register_forward_hook(lambda _m, args, _out: rows_seen.append(args[0].shape[0]))
+    expected = token_loss_sum(head(hidden), labels)
+    want_hidden, want_head = torch.autograd.grad(expected, (hidden, head.weight))
+    rows_seen.clear()
+    fused = head_loss_sum(hidden, labels, head, chunk_tokens=64)
+    got_hidden, got_head = torch.autograd.grad(fused, (hidden, head.weight))
+    _assert_close(expected, fused, "loss")
+    _assert_close(want_hidden, got_hidden, "gradient of the hidden states")
+    _assert_close(want_head, got_head, "gradient of the head")
+    assert num_targets(labels) == 72 and rows_seen == [64, 64] * 2  # 128 rows: forward, then the recomputation
+    none = head_loss_sum(hidden, torch.full_like(labels, IGNORE), head)
+    assert none.item() == 0 and none.requires_grad
+    assert not torch.autograd.grad(none, hidden)[0].any()
+    hook.remove()
 
 
 def test_mixed_precision_upcasts_each_chunk_like_the_full_logits_loss():
@@ -237,7 +271,7 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
 
     from shardtune.dist import DistInfo, shutdown
     from shardtune.train.parallelize import parallelize
-    from shardtune.train.plan import Plan
+    from shardtune.train.plan import Plan, unwrap
 
     loss_module.LOSS_CHUNK_VALUES = 1  # the fixture's 64-token chunks, in this process too
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -252,22 +286,32 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
         if lora:
             model = _with_lora(model, lora)
         model, runner = parallelize(model, Plan(strategy=strategy, gradient_checkpointing=checkpointing), info)
+        rows = []
+        head = unwrap(model).get_output_embeddings()
+        hook = head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
         results = []
         for fused in (False, True):
             runner.fused_loss = fused
+            rows.clear()
             loss = runner.forward_backward([_batch(seed=rank)], scale=1.0)
+            # the model's own forward (its last position per row), then the chunks, then their recomputation
+            projected = sum(rows[1:]) // 2
             grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
                      for n, p in model.named_parameters() if p.grad is not None}
             model.zero_grad(set_to_none=True)
             with torch.no_grad():
                 eval_loss = runner.eval_loss_sum(_batch(seed=2 + rank))
             results.append((loss, grads, eval_loss))
+        hook.remove()
         (ref_loss, ref_grads, ref_eval), (loss, grads, eval_loss) = results
         # Relative to each tensor's largest entry (LoRA's A starts with a zero gradient: B is zero).
         worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in ref_grads.items())
+        batch = _batch(seed=rank)
         errors[case] = {"loss": abs(loss.item() / ref_loss.item() - 1), "grads": worst,
                         "eval_loss": abs(eval_loss.item() / ref_eval.item() - 1),
-                        "same_names": sorted(grads) == sorted(ref_grads), "tensors": len(grads)}
+                        "same_names": sorted(grads) == sorted(ref_grads), "tensors": len(grads),
+                        "head_rows": projected, "positions": batch["input_ids"].numel(),
+                        "expected_rows": _head_rows(num_targets(batch["labels"]), batch["input_ids"].numel())}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(errors, f)
     shutdown()  # not destroy_process_group alone: see test_dist_shutdown (SIGABRT at exit)
@@ -286,3 +330,74 @@ def test_fsdp2_two_processes_fused_equals_full_logits(tmp_path):
         for case, found in errors.items():
             assert found["same_names"] and found["tensors"] > 0, case
             assert max(found["loss"], found["grads"], found["eval_loss"]) <= REL_TOL, (case, found)
+            # the head projected the targets (in 64-row tiles) only, fewer than every position
+            assert found["head_rows"] == found["expected_rows"] < found["positions"], (case, found)
+
+
+def _all_positions(labels: torch.Tensor) -> torch.Tensor:
+    return torch.arange(labels.numel())
+
+
+def _pipeline_batch() -> dict[str, torch.Tensor]:
+    """Four rows whose first half is prompt: each pipeline micro-batch (two rows) has at most 64 targets of its
+    96 positions, so the head projects one 64-row tile of each."""
+    batch = _batch(rows=4)
+    batch["labels"][:, :24] = IGNORE
+    return batch
+
+
+def _pipeline_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from shardtune.dist import DistInfo, shutdown
+    from shardtune.train.parallelize import parallelize
+    from shardtune.train.plan import Plan, unwrap
+
+    loss_module.LOSS_CHUNK_VALUES = 1
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    info = DistInfo(rank=rank, world_size=2, local_rank=rank, local_world_size=2, device=torch.device("cpu"))
+    select = loss_module.target_index
+    errors = {}
+    for case, lora in {"pp_full": None, "pp_lora": "all-linear"}.items():
+        results = []
+        for projected in (_all_positions, select):  # every position (the full head's work), then the targets only
+            loss_module.target_index = projected
+            model = _llama()
+            if lora:
+                model = _with_lora(model, lora)
+            plan = Plan(strategy="PP", stage_bounds=((0, 1), (1, 2)), pipeline_microbatches=2)
+            model, runner = parallelize(model, plan, info)
+            rows = []
+            if rank == 1:
+                unwrap(model).get_output_embeddings().register_forward_hook(
+                    lambda _m, args, _out: rows.append(args[0].shape[0]))
+            loss = runner.forward_backward([_pipeline_batch()], scale=1.0)
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results.append((loss, grads, sum(rows)))
+        loss_module.target_index = select
+        (ref_loss, ref_grads, all_rows), (loss, grads, target_rows) = results
+        worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in ref_grads.items())
+        errors[case] = {"loss": abs(loss.item() / ref_loss.item() - 1) if rank == 1 else 0.0, "grads": worst,
+                        "same_names": sorted(grads) == sorted(ref_grads), "tensors": len(grads),
+                        "rows": [all_rows, target_rows]}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(errors, f)
+    shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_target_only_head_equals_every_position(tmp_path):
+    """Two pipeline stages, two micro-batches: the last stage's head projects only the targets of each pipeline
+    micro-batch, and the loss and every stage's gradients (full fine-tuning, LoRA) are those of projecting
+    every position."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_pipeline_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    labels = _pipeline_batch()["labels"]
+    assert all(0 < num_targets(half) <= 64 for half in (labels[:2], labels[2:]))
+    for rank in range(2):
+        for case, found in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
+            assert found["same_names"] and found["tensors"] > 0, case
+            assert max(found["loss"], found["grads"]) <= REL_TOL, (rank, case, found)
+            if rank == 1:  # the head's rows over the schedule's shape inference, forwards and recomputations
+                assert found["rows"][1] * 96 == found["rows"][0] * 64, found

@@ -27,6 +27,10 @@ COMMON = ["--splits", "train", "--max_seq_len", "64", "--max_steps", "6", "--log
           "--per_device_train_batch_size", "2", "--packing", "True", "--learning_rate", "1e-3"]
 LORA = ["--use_peft_lora", "True", "--lora_dropout", "0.1"]
 FULL = ["--use_peft_lora", "False"]
+# The reference runs the export tests read compare the exported model's fp32 logits with the trained one's at 1e-6:
+# they, and the runs compared with them, train in fp32 (the default is bf16 where the CPU has it). The other
+# scenarios (DDP, a resumed evaluation, SIGTERM) resume bitwise at the defaults.
+FP32 = ["--bf16", "false"]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +88,7 @@ def ok(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture(scope="module")
 def lora_ref(work: Path) -> Path:
     """FSDP x2 LoRA with dropout, cosine schedule and accumulation, uninterrupted; logits of the final model."""
-    ok(shardtune(work, "lora_ref", "--distributed_type", "FSDP", *LORA,
+    ok(shardtune(work, "lora_ref", "--distributed_type", "FSDP", *LORA, *FP32,
                  env={"FAULT_LOGITS": str(work / "lora_ref_logits.pt")}))
     return work / "lora_ref"
 
@@ -93,12 +97,12 @@ def lora_ref(work: Path) -> Path:
 def full_ref(work: Path) -> Path:
     """FSDP x2 full fine-tuning with FULL_STATE_DICT checkpoints, uninterrupted."""
     ok(shardtune(work, "full_ref", "--distributed_type", "FSDP", *FULL, "--fsdp_state_dict_type", "FULL_STATE_DICT",
-                 env={"FAULT_LOGITS": str(work / "full_ref_logits.pt")}))
+                 *FP32, env={"FAULT_LOGITS": str(work / "full_ref_logits.pt")}))
     return work / "full_ref"
 
 
 def test_fsdp_lora_sigkill_after_checkpoint_resumes_exactly(work: Path, lora_ref: Path) -> None:
-    args = ("--distributed_type", "FSDP", *LORA)
+    args = ("--distributed_type", "FSDP", *LORA, *FP32)
     killed = shardtune(work, "lora_kill", *args, fault="after_save:2")
     assert killed.returncode != 0
     out = work / "lora_kill"
@@ -119,7 +123,7 @@ def assert_memory_record(out: Path, step: int) -> None:
 
 
 def test_full_finetune_killed_while_saving_resumes_from_previous_checkpoint(work: Path, full_ref: Path) -> None:
-    args = ("--distributed_type", "FSDP", *FULL, "--fsdp_state_dict_type", "FULL_STATE_DICT")
+    args = ("--distributed_type", "FSDP", *FULL, "--fsdp_state_dict_type", "FULL_STATE_DICT", *FP32)
     out = work / "full_kill"
     killed = shardtune(work, "full_kill", *args, fault="during_save:4")
     assert killed.returncode != 0
@@ -158,7 +162,7 @@ def test_ddp_lora_resumes_exactly(work: Path) -> None:
 def elastic_restart_from_step_2(work: Path, lora_ref: Path, out: str, fault: str) -> str:
     """A 2-process FSDP LoRA job with ``fault``, restarted once by torchrun: it must go on from step-2 with the
     uninterrupted run's losses. Returns its log."""
-    proc = shardtune(work, out, "--distributed_type", "FSDP", *LORA, "--resume_from_checkpoint", "true",
+    proc = shardtune(work, out, "--distributed_type", "FSDP", *LORA, *FP32, "--resume_from_checkpoint", "true",
                      fault=fault, launcher=("--max_restarts", "1"))
     ok(proc)
     log = (work / f"{out}.log").read_text()
@@ -182,7 +186,7 @@ def test_elastic_restart_skips_a_damaged_newest_checkpoint(work: Path, lora_ref:
 
 def test_two_process_checkpoint_resumes_on_one_process(work: Path, lora_ref: Path) -> None:
     # Same global batch (2 x 4 x 1 = 2 x 2 x 2): the same rows per step; dropout masks differ on 1 process.
-    proc = shardtune(work, "one_proc", "--distributed_type", "NO", *LORA, "--gradient_accumulation_steps", "4",
+    proc = shardtune(work, "one_proc", "--distributed_type", "NO", *LORA, *FP32, "--gradient_accumulation_steps", "4",
                      "--resume_from_checkpoint", str(lora_ref / "checkpoints" / "step-4"), "--predict_memory", "True",
                      nproc=0)
     ok(proc)

@@ -1,7 +1,8 @@
 """The same global batch gives the same losses on 1 process, with accumulation, on DDP x2 and FSDP2 x2.
 
 Real runs: single-process runs call ``shardtune train``; two-process runs go through ``shardtune launch``
-(torchrun, gloo on CPU). fp32 throughout and no dropout, so the only differences are summation order.
+(torchrun, gloo on CPU). fp32 throughout (``--bf16 false``, pinned: the default is bf16 where the CPU has it, and
+bf16 rounds each strategy's sums differently) and no dropout, so the only differences are summation order.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def assets(tmp_path_factory):
 def common(model, data, out) -> list[str]:
     return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
             "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS), "--logging_steps", "1",
-            "--learning_rate", "1e-2", "--seed", "7", "--save_strategy", "no", "--output_dir", str(out)]
+            "--learning_rate", "1e-2", "--seed", "7", "--save_strategy", "no", "--output_dir", str(out),
+            "--bf16", "false"]
 
 
 def train(assets, name: str, nproc: int, extra: list[str]) -> list[float]:

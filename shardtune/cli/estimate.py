@@ -79,7 +79,8 @@ def _job_options(job: argparse._ArgumentGroup) -> None:
                      help="keep the checkpointed layers' inputs in pinned host memory (the trainer's "
                           "activation_offloading; needs gradient checkpointing)")
     job.add_argument("--mixed-precision", default=None,
-                     help=f"{' | '.join(MIXED_PRECISIONS)} (default: {TrainConfig().mixed_precision})")
+                     help=f"{' | '.join(MIXED_PRECISIONS)} (default: train's, {TrainConfig().precision_on(True)} on a "
+                          f"GPU that computes bf16, {TrainConfig().precision_on(False)} on one that does not)")
     job.add_argument("--pure-bf16", dest="torch_dtype", action="store_const", const="bfloat16",
                      help="keep weights and optimizer states in bf16 (no fp32 master): the trainer's "
                           "torch_dtype bfloat16, with adamw_torch")
@@ -222,7 +223,7 @@ def setup_from_config_files(args: argparse.Namespace) -> Setup:
     args.model = cfg.model.model_name_or_path
     d = cfg.distributed
     return validate(setup_from_config(cfg, d.num_processes, d.num_machines if d.num_processes % d.num_machines == 0
-                                      else 1))
+                                      else 1, native_bf16=gpu_from_args(args).bf16))
 
 
 def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
@@ -240,7 +241,8 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
         keys["distributed_type"] = FSDP if several else NO
     else:
         keys["distributed_type"] = strategy_named(args.strategy)
-    setup = Setup(num_gpus=args.num_gpus, num_nodes=args.num_nodes, loss=args.loss).with_(**keys)
+    setup = Setup(num_gpus=args.num_gpus, num_nodes=args.num_nodes, loss=args.loss,
+                  native_bf16=gpu_from_args(args).bf16).with_(**keys)
     return validate(setup), auto
 
 

@@ -235,7 +235,13 @@ class RunConfig:
         "setting it turns torch_compile on. Unset: inductor.")
     torch_compile_mode: str | None = key(None, "inductor's mode: default, reduce-overhead, max-autotune, "
                                                "max-autotune-no-cudagraphs, lite; setting it turns torch_compile on.")
-    bf16: bool = key(False, "bf16 mixed precision (fp32 master weights).")
+    bf16: bool | None = key(
+        None, "bf16 mixed precision (fp32 master weights). Unset: on where the hardware computes bf16 natively (CUDA "
+        "compute capability 8.0+, CPUs with AVX512-BF16 or AMX), off elsewhere; the run prints its choice and why, "
+        "and config.yaml records it. false opts out (fp32); true where the hardware only emulates bf16 runs as "
+        "asked, with a warning that fp32 is faster there. A LoRA base is stored in bf16 (no fp32 copy), and under "
+        "autocast its embeddings' output is cast up to fp32, so the residual stream runs in fp32 as with fp32 "
+        "weights.")
     fp16: bool = key(False, "fp16 mixed precision with a gradient scaler.")
     logging_steps: int = key(10, "Write a metrics.jsonl record every this many steps.", ge=1)
     logging_strategy: Every = key("steps", "When to write metrics.jsonl records.", spellings=NO)
@@ -345,7 +351,9 @@ class DistributedConfig:
                                            "it out (the fsdp_* keys keep their meaning)")
     ddp_find_unused_parameters: bool | None = key(None, "DDP's find_unused_parameters (true when some parameters get "
                                                         "no gradient).")
-    mixed_precision: MixedPrecision | None = key(None, "Accelerate's key; the bf16/fp16 flags win when set.",
+    mixed_precision: MixedPrecision | None = key(None, "Accelerate's key; the bf16/fp16 flags win when set (bf16 "
+                                                       "false opts out of it); unset with them, the hardware decides "
+                                                       "(see bf16).",
                                                  spellings=NO)
     deepspeed: str | None = key(None, "A DeepSpeed config JSON (Transformers/TRL's --deepspeed), mapped onto FSDP2 "
                                       "and printed at start; what cannot be mapped is refused (docs/deepspeed.md).")
@@ -373,14 +381,34 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
-    @property
-    def mixed_precision(self) -> str:
-        """bf16 / fp16 / no, from TrainingArguments' flags first, then Accelerate's ``mixed_precision``."""
+    def precision_on(self, native_bf16: bool) -> str:
+        """bf16 / fp16 / no on hardware that does (or does not) compute bf16 natively: TrainingArguments' flags
+        first, then Accelerate's ``mixed_precision``; where neither says, bf16 if native, else no (fp32)."""
         if self.run.bf16:
             return "bf16"
         if self.run.fp16:
             return "fp16"
-        return (self.distributed.mixed_precision or "no").lower()
+        asked = self.distributed.mixed_precision
+        if self.run.bf16 is False:  # the opt-out: a recipe's mixed_precision bf16 does not bring bf16 back
+            return "fp16" if asked == "fp16" else "no"
+        if asked is not None:
+            return asked.lower()
+        return "bf16" if native_bf16 else "no"
+
+    @property
+    def precision_left_to_hardware(self) -> bool:
+        """Nothing in the config chooses the precision: the device decides (``precision_on``)."""
+        return self.run.bf16 is None and not self.run.fp16 and self.distributed.mixed_precision is None
+
+    @property
+    def mixed_precision(self) -> str:
+        """bf16 / fp16 / no for a job on this machine: ``precision_on`` this process's device, asked only where
+        the config leaves the choice to the hardware."""
+        if not self.precision_left_to_hardware:
+            return self.precision_on(False)
+        from shardtune.hardware import local_native_bf16
+
+        return self.precision_on(local_native_bf16()[0])
 
     def to_flat(self) -> dict[str, Any]:
         """Every key at the top level, as ``shardtune train`` reads it back (secrets left out)."""

@@ -75,7 +75,9 @@ def print_estimates(console: Console, gpu_name: str | None) -> None:
     from shardtune.memory.report import short_label
     from shardtune.memory.setup import Setup, validate
 
-    table = Table(title="Will it fit? shardtune estimate (seq-len 2048, bf16, gradient checkpointing)",
+    defaults = Setup()  # shardtune train's defaults, which the estimate takes
+    table = Table(title=f"Will it fit? shardtune estimate (seq-len {defaults.seq_len}, {defaults.mixed_precision}, "
+                        f"gradient checkpointing {'on' if defaults.gradient_checkpointing else 'off'})",
                   title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in ("model", "method", "GPUs", "recommended", "GiB/GPU", "fits", "max b"):
         table.add_column(col, no_wrap=True, justify="right" if col in ("GiB/GPU", "max b") else "left")

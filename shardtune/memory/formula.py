@@ -274,6 +274,8 @@ def _saved_activations(dp: _DataParallel) -> _Saved:
     layers = tokens * _layers_on_gpu(dp.setup, dp.inv.num_layers) * per_layer + act.rope_tables()
     recompute = tokens * act.layer_recomputed() if ckpt else 0
     first_layer = tokens * act.layer_checkpointed() + recompute if ckpt else tokens * act.layer()
+    if dp.setup.activation_offloading:  # at the second layer's backward the first one's input is back already
+        first_layer += tokens * act.layer_checkpointed()
     return _Saved(layers, layers + tokens * act.outside_layers(), tokens * act.layer_backward_temporaries(),
                   recompute, tokens * act.batch_inputs(), first_layer)
 

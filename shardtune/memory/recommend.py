@@ -273,8 +273,12 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
     def gib(b: Breakdown) -> str:
         return f"{(b.total + b.cuda_context) / 2**30:.1f} GiB"
 
-    if base.batch_size > 1 and (hit := first_fit(candidates(base.with_(per_device_train_batch_size=1)))):
-        out.append(f"batch size 1 with {hit[0].label()} ({gib(hit[1])}); keep the global batch with "
+    # One row alone, or (shardtune train's default is without it) with checkpointing as well.
+    one_row = base.with_(per_device_train_batch_size=1)
+    smaller = [one_row] + ([] if base.gradient_checkpointing else [one_row.with_(gradient_checkpointing=True)])
+    if base.batch_size > 1 and (hit := next(filter(None, (first_fit(candidates(s)) for s in smaller)), None)):
+        also = " and --gradient-checkpointing" if hit[0].gradient_checkpointing != base.gradient_checkpointing else ""
+        out.append(f"batch size 1{also} with {hit[0].label()} ({gib(hit[1])}); keep the global batch with "
                    f"--gradient-accumulation-steps {base.batch_size * base.gradient_accumulation_steps}")
     if not base.gradient_checkpointing and (hit := first_fit(candidates(base.with_(gradient_checkpointing=True)))):
         out.append(f"--gradient-checkpointing with {hit[0].label()} ({gib(hit[1])})")

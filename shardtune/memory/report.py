@@ -97,20 +97,32 @@ def side_by_side_note(r: Report) -> str:
             "max b: the largest micro-batch that fits. * recommended.")
 
 
+def training_words(s: Setup) -> str:
+    """The batch, precision, optimizer, checkpointing and attention of ``s``, as the header states them."""
+    precision = "pure bf16" if s.pure_bf16 else {"no": "fp32", "bf16": "bf16 mixed (fp32 master)",
+                                                  "fp16": "fp16 mixed (fp32 master)"}[s.mixed_precision]
+    return (f"micro-batch {s.batch_size} x {s.seq_len} tokens, {precision}, {s.optimizer}, gradient checkpointing "
+            f"{'on' if s.gradient_checkpointing else 'off'}"
+            f"{' (inputs offloaded to CPU)' if s.activation_offloading else ''}, {s.attn_implementation} attention")
+
+
+def train_defaults(gpu: Gpu) -> Setup:
+    """What ``shardtune train`` runs with no flags on ``gpu`` (its precision follows the card's bf16)."""
+    return Setup(native_bf16=gpu.bf16)
+
+
 def render(r: Report, console: Console) -> None:
     b, inv, s = r.breakdown, r.inventory, r.breakdown.setup
     gpus = f"{s.world_size} GPU" + ("s" if s.world_size > 1 else "")
     if s.num_nodes > 1:
         gpus += f" ({s.num_nodes} nodes x {s.num_gpus})"
-    precision = "pure bf16" if s.pure_bf16 else {"no": "fp32", "bf16": "bf16 mixed (fp32 master)",
-                                                  "fp16": "fp16 mixed (fp32 master)"}[s.mixed_precision]
     console.print(f"[bold]{inv.name}[/] ({inv.model_type}): {inv.parameters:,} parameters, "
                   f"{r.trainable_parameters:,} trainable ({s.method}"
                   + (f", r={s.lora_r} on {s.lora_target_modules}" if s.uses_lora else "") + ")")
-    console.print(f"{gpus} x {r.gpu.label or r.gpu.name} ({r.gpu.memory_bytes / GIB:.1f} GiB), micro-batch "
-                  f"{s.batch_size} x {s.seq_len} tokens, {precision}, {s.optimizer}, gradient checkpointing "
-                  f"{'on' if s.gradient_checkpointing else 'off'}"
-                  f"{' (inputs offloaded to CPU)' if s.activation_offloading else ''}, {s.attn_implementation} attention")
+    console.print(f"{gpus} x {r.gpu.label or r.gpu.name} ({r.gpu.memory_bytes / GIB:.1f} GiB), {training_words(s)}")
+    defaults = training_words(train_defaults(r.gpu))
+    console.print("  (what shardtune train runs with no flags)" if defaults == training_words(s)
+                  else f"  (shardtune train with no flags runs: {defaults})")
 
     table = Table(title=f"Per-GPU memory: {s.label()} (peak at {b.phase})", title_justify="left")
     table.add_column("category")

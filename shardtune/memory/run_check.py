@@ -29,6 +29,9 @@ class MemoryCheck:
         # The padded length of the longest micro-batch measured (unpacked rows are padded to the batch's longest,
         # not to max_seq_len): the prediction traces that shape. On CPU the tracked step's; on CUDA the run's.
         self.seq_len = 0
+        # The targets of each micro-batch measured (the head projects only those): on CPU the tracked step's, on
+        # CUDA the most any step had at that place.
+        self.target_tokens: list[int] = []
         self._tracking: contextlib.ExitStack | None = None
         self._tracker = None
 
@@ -42,10 +45,15 @@ class MemoryCheck:
     def on_step_begin(self, args, state, control, *, micro_batches, **kwargs) -> None:
         if not self.active:
             return
+        from shardtune.train.loss import num_targets
+
         longest = max(b["input_ids"].shape[1] for b in micro_batches)
+        targets = [num_targets(b["labels"]) for b in micro_batches]
         if not self.on_cpu:
             self.seq_len = max(self.seq_len, longest)
+            self.target_tokens = [max(pair) for pair in zip(targets, self.target_tokens or targets)]
         elif state.step + 1 == self.tracked_step:
+            self.target_tokens = targets
             from shardtune.memory.trace_tracker import fresh_module_stats_per_micro_batch, make_tracker, track_inputs
 
             self.seq_len = longest
@@ -68,7 +76,7 @@ class MemoryCheck:
         # A run that trained nothing (resumed at its last step) has no step to measure: no record, not a wrong one.
         if not self.active or state.step == self.start_step:
             return
-        memory = memory_check(args, self.info, self.tracked_peak, self.seq_len)
+        memory = memory_check(args, self.info, self.tracked_peak, self.seq_len, self.target_tokens)
         if memory:
             summary.update(memory)
             log({"step": state.step, **memory})
@@ -79,27 +87,30 @@ class MemoryCheck:
                 memory["measured_peak_bytes"] / 2**30, memory["measured_by"], 100 * memory["peak_error"])
 
 
-def memory_check(cfg: TrainConfig, info, tracked_peak: int, seq_len: int) -> dict[str, Any] | None:
+def memory_check(cfg: TrainConfig, info, tracked_peak: int, seq_len: int,
+                 target_tokens: list[int] | None = None) -> dict[str, Any] | None:
     """The traced prediction of this job's per-device peak beside the measured one (rank 0 gets the record).
 
     Measured: ``torch.cuda.max_memory_reserved`` on CUDA; on CPU the memory tracker's peak of a real step.
     ``seq_len``: the padded length of the longest micro-batch measured; the trace runs micro-batches of that
-    length. A failed prediction is a warning, never a failed run.
+    length, with ``target_tokens`` targets each (the most any rank had there), as the head projects only those.
+    A failed prediction is a warning, never a failed run.
     """
     on_cuda = info.device.type == "cuda"
     measured = max_over_ranks(peak_memory_bytes(info.device) if on_cuda else tracked_peak, info.device)
     seq_len = max_over_ranks(seq_len, info.device)
+    targets = [max_over_ranks(count, info.device) for count in target_tokens] if target_tokens else None
     if not info.is_main or measured <= 0 or seq_len <= 0:
         return None
     from shardtune.memory.trace import predict_peak_bytes
 
     traced = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_seq_len=seq_len))
     try:
-        predicted = predict_peak_bytes(traced, info.world_size)
+        predicted = predict_peak_bytes(traced, info.world_size, targets)
     except Exception as exc:  # noqa: BLE001 - the run succeeded; the check is a report, not a gate
         first = first_line(str(exc), type(exc).__name__)
         logger.warning("could not predict this job's peak memory (%s); the run itself is fine", first)
         return None
     return {"predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
-            "peak_error": (predicted - measured) / measured, "traced_seq_len": seq_len,
+            "peak_error": (predicted - measured) / measured, "traced_seq_len": seq_len, "traced_target_tokens": targets,
             "measured_by": "torch.cuda.max_memory_reserved" if on_cuda else "memory tracker, real tensors"}

@@ -70,6 +70,9 @@ class Setup:
     config: TrainConfig = field(default_factory=TrainConfig)  # never changed in place: ``with_`` makes a new one
     num_gpus: int = 1  # per node
     num_nodes: int = 1
+    # Whether those GPUs compute bf16 natively (the card's Gpu.bf16): where the config leaves the precision to the
+    # hardware, train picks bf16 on them and fp32 elsewhere (TrainConfig.precision_on). None: this machine's device.
+    native_bf16: bool | None = True
     # shardtune: shardtune train's loss (the head fused with the loss: no logits kept, one chunk's fp32 logits at
     # a time, recomputed in backward); full: transformers' (fp32 logits of the whole micro-batch); chunked:
     # torchtune's, compiled.
@@ -182,7 +185,12 @@ class Setup:
     @property
     def mixed_precision(self) -> str:
         """bf16, fp16 or no; pure bf16 computes in bf16 whatever the flags say, as the trainer does."""
-        return "bf16" if self.pure_bf16 else self.config.mixed_precision
+        return "bf16" if self.pure_bf16 else self.precision_asked
+
+    @property
+    def precision_asked(self) -> str:
+        """What the config's keys pick on these GPUs (TrainConfig.precision_on), pure bf16 aside."""
+        return self.config.mixed_precision if self.native_bf16 is None else self.config.precision_on(self.native_bf16)
 
     @property
     def optimizer(self) -> str:
@@ -228,11 +236,13 @@ def dtypes(setup: Setup) -> Dtypes:
     if setup.mixed_precision == "no":
         return Dtypes(4, 4, 4, 4, False)
     master = 2 if setup.pure_bf16 else 4
-    # Full fine-tuning with fp32 weights under autocast (single GPU, DDP, MP): the embedding runs in fp32, so the
-    # residual stream stays fp32. FSDP2's MixedPrecisionPolicy gathers bf16 weights instead, so everything is bf16;
-    # so is a LoRA model, whose frozen base (embeddings included) is stored in bf16.
-    autocast = setup.method == "full" and master == 4 and setup.strategy.autocasts
-    return Dtypes(2, master, 2, 4 if autocast else 2, autocast)
+    # fp32 weights under autocast (single GPU, DDP, MP, PP): the residual stream stays fp32, from fp32 embeddings
+    # (full fine-tuning) or from the fp32 upcast of a bf16 base's embeddings (LoRA, train/model.py
+    # Precision.upcasts_residual; not QLoRA). FSDP2's MixedPrecisionPolicy gathers bf16 weights and casts each
+    # layer's input, so everything is bf16 there. Only full fine-tuning's fp32 matmul weights get autocast copies.
+    autocast = master == 4 and setup.strategy.autocasts
+    fp32_stream = autocast and setup.method != "qlora"
+    return Dtypes(2, master, 2, 4 if fp32_stream else 2, autocast and setup.method == "full")
 
 
 def normalize_sharding(value: str) -> str:
@@ -261,7 +271,7 @@ def validate(setup: Setup) -> Setup:
     asked = strategy_named(d.distributed_type) if d.distributed_type is not None else None
     setup = setup.with_(
         distributed_type=asked, fsdp_sharding_strategy=normalize_sharding(d.fsdp_sharding_strategy),
-        mixed_precision=check_choice(setup.config.mixed_precision, MIXED_PRECISIONS, "mixed precision"),
+        mixed_precision=check_choice(setup.precision_asked, MIXED_PRECISIONS, "mixed precision"),
         optim=canonical(check_choice(setup.optimizer, OPTIMIZERS, "optimizer")),
         attn_implementation=check_choice(setup.config.model.attn_implementation, ATTENTION,
                                          "attention implementation"),
@@ -269,7 +279,7 @@ def validate(setup: Setup) -> Setup:
     if asked is not None and asked.one_device and setup.world_size > 1:
         raise UsageError(f"--strategy {asked} uses one GPU but --num-gpus x --num-nodes is {setup.world_size}: "
                          f"use another strategy, or --num-gpus 1.")
-    if setup.pure_bf16 and setup.config.mixed_precision == "fp16":
+    if setup.pure_bf16 and setup.precision_asked == "fp16":
         raise UsageError("--pure-bf16 keeps weights in bfloat16: it needs --mixed-precision bf16.")
     if setup.activation_offloading and not setup.gradient_checkpointing:
         raise UsageError("--activation-offloading moves the layer inputs that gradient checkpointing keeps to host "

@@ -185,18 +185,39 @@ def _vocab_and_pad(cfg: TrainConfig, config) -> tuple[int, int]:
     return config.vocab_size, pad
 
 
-def _micro_batches(cfg: TrainConfig, pad_id: int) -> list[dict[str, torch.Tensor]]:
-    """A global batch of this rank at its largest: every row ``max_seq_len`` tokens, every token a target."""
+def _micro_batches(cfg: TrainConfig, pad_id: int, target_tokens: list[int] | None = None) -> list[dict[str, torch.Tensor]]:
+    """A global batch of this rank at its largest: every row ``max_seq_len`` tokens, every token a target, or
+    ``target_tokens[i]`` targets in micro-batch ``i`` (what a real step had). Each carries its ``target_index``,
+    computed here from the real labels: the head's work follows the targets, and fake labels hold no values."""
     from shardtune.data import Collator
-
-    seq_len = cfg.data.max_seq_len
-    row = {"input_ids": [pad_id + 1 if pad_id == 0 else 0] * seq_len, "labels": [1] * seq_len, "seq_lens": [seq_len]}
+    from shardtune.train.loss import TARGET_INDEX, target_index
     from shardtune.train.model import attn_implementation
 
+    seq_len, rows = cfg.data.max_seq_len, cfg.run.per_device_train_batch_size
     # The mask of the configured attention: asked as for a CPU, the flash-attention choice is never made here.
     collator = Collator(pad_id, attn_implementation=attn_implementation(cfg.model, torch.device("cpu"),
                                                                         torch.float32))
-    return [collator([row] * cfg.run.per_device_train_batch_size) for _ in range(cfg.run.gradient_accumulation_steps)]
+    row = {"input_ids": [pad_id + 1 if pad_id == 0 else 0] * seq_len, "labels": [1] * seq_len, "seq_lens": [seq_len]}
+    batches = []
+    for i in range(cfg.run.gradient_accumulation_steps):
+        batch = collator([row] * rows)
+        if target_tokens is not None:
+            batch["labels"] = _labels_with_targets(rows, seq_len, target_tokens[i])
+        batch[TARGET_INDEX] = target_index(batch["labels"])
+        batches.append(batch)
+    return batches
+
+
+def _labels_with_targets(rows: int, seq_len: int, count: int) -> torch.Tensor:
+    """Labels [rows, seq_len] with ``count`` targets after the shift by one (row by row, from the first)."""
+    from shardtune.data.encode import IGNORE
+
+    labels = torch.full((rows, seq_len), IGNORE, dtype=torch.long)
+    for r in range(rows):
+        take = min(count, seq_len - 1)
+        labels[r, 1:1 + take] = 1
+        count -= take
+    return labels
 
 
 @contextlib.contextmanager
@@ -242,12 +263,14 @@ def _failing_call(exc: BaseException) -> str:
 
 
 def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1, fake: bool = True,
-                        target_device: str = "cuda", steps: int = 2) -> TraceResult:
+                        target_device: str = "cuda", steps: int = 2,
+                        target_tokens: list[int] | None = None) -> TraceResult:
     """Run ``steps`` training steps of the job ``cfg`` describes as rank 0 of ``world_size`` and measure memory.
 
     ``fake``: on fake tensors (any model size, no memory); otherwise on real CPU tensors (small models, to check
     the fake trace). ``target_device``: the GPU job (``cuda``: fused AdamW) or a CPU one (``cpu``: foreach AdamW).
-    Tensors live on the CPU either way; the trace counts bytes, not where they are.
+    Tensors live on the CPU either way; the trace counts bytes, not where they are. ``target_tokens``: the
+    targets of each micro-batch (the head projects only those); default every token.
     """
     from shardtune.dist import DistInfo
     from shardtune.train.build import plan_for
@@ -263,9 +286,11 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     # bitsandbytes' Params4bit cannot wrap a fake tensor: trace the QLoRA job with its base in bf16 and put the
     # formula's NF4 bytes in place of the quantised weights afterwards (see _nf4_adjustment).
     nf4_fallback = fake and cfg.lora.use_4bit_quantization
+    job = cfg  # what the stand-in stands in for
     if nf4_fallback:
         cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, use_4bit_quantization=False))
-    run = _run_steps(cfg, plan, precision, info, fake=fake, target_device=target_device, steps=steps)
+    run = _run_steps(cfg, plan, precision, info, fake=fake, target_device=target_device, steps=steps, job=job,
+                     target_tokens=target_tokens)
     notes: list[str] = []
     if ddp:
         _add_ddp_buckets(run, notes)
@@ -314,8 +339,9 @@ class _Run:
 
 
 def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, *, fake: bool,
-               target_device: str, steps: int) -> _Run:
-    """Build the job as the trainer does and run ``steps`` of ``train_step`` under the tracker (the last one)."""
+               target_device: str, steps: int, job: TrainConfig, target_tokens: list[int] | None) -> _Run:
+    """Build the job as the trainer does and run ``steps`` of ``train_step`` under the tracker (the last one).
+    ``cfg`` may be a stand-in for ``job`` (QLoRA's base in bf16 under fake tensors)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from shardtune.train.build import build_model
@@ -324,7 +350,7 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
 
     config = _model_config(cfg)
     vocab_size, pad_id = _vocab_and_pad(cfg, config)
-    real_batches = _micro_batches(cfg, pad_id)
+    real_batches = _micro_batches(cfg, pad_id, target_tokens)
     fsdp = plan.strategy.shards_parameters
     fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with fake_process_group(info.world_size) if fsdp else contextlib.nullcontext(), \
@@ -332,7 +358,7 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
         with _phase("building the model", fake), _swappable_fake_parameters(fake_mode if fake else None):
             # The trainer's own model building, with initialised weights (their values do not change memory).
             model, runner, trainable, total = build_model(cfg, plan, precision, info, vocab_size, weights="init",
-                                                          config=config)
+                                                          config=config, stands_in_for=job)
         batches = real_batches
         if fake:
             batches = [{k: fake_mode.from_tensor(v) for k, v in b.items()} for b in real_batches]
@@ -422,9 +448,10 @@ def _ddp_bucket_sizes(total: int) -> Iterator[int]:
         cap = 25 * 2**20
 
 
-def predict_peak_bytes(cfg: TrainConfig, world_size: int) -> int:
+def predict_peak_bytes(cfg: TrainConfig, world_size: int, target_tokens: list[int] | None = None) -> int:
     """The traced per-GPU peak of the job ``cfg`` describes, at ``world_size``: on a GPU the modelled reserved
     memory (what ``torch.cuda.max_memory_reserved`` reports), on the CPU the tensors' peak per process.
+    ``target_tokens``: each micro-batch's targets (``trace_training_step``).
 
     Inside a running distributed job (a process group already exists) the trace runs in a child process, since
     it needs its own fake process group.
@@ -436,7 +463,8 @@ def predict_peak_bytes(cfg: TrainConfig, world_size: int) -> int:
     if world_size % nodes:
         nodes = 1
     if not dist.is_initialized():
-        result = trace_training_step(cfg, world_size, num_nodes=nodes, target_device=target)
+        result = trace_training_step(cfg, world_size, num_nodes=nodes, target_device=target,
+                                     target_tokens=target_tokens)
         return held_bytes(result)
     import json
     import subprocess
@@ -449,7 +477,7 @@ def predict_peak_bytes(cfg: TrainConfig, world_size: int) -> int:
         path = Path(tmp) / "config.yaml"
         save_resolved(cfg, path)
         out = subprocess.run([sys.executable, "-m", "shardtune.memory.trace", str(path), str(world_size),
-                              str(nodes), target], capture_output=True, text=True)
+                              str(nodes), target, json.dumps(target_tokens)], capture_output=True, text=True)
     if out.returncode != 0:
         # The child's last words say why (a TraceUnsupported message, say); the exit status alone would not.
         lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
@@ -459,13 +487,15 @@ def predict_peak_bytes(cfg: TrainConfig, world_size: int) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m shardtune.memory.trace CONFIG.yaml WORLD_SIZE NUM_NODES DEVICE``: one JSON line."""
+    """``python -m shardtune.memory.trace CONFIG.yaml WORLD_SIZE NUM_NODES DEVICE TARGET_TOKENS``: one JSON line
+    (TARGET_TOKENS: a JSON list of each micro-batch's targets, or null)."""
     import json
 
     from shardtune.config import load_train_config
 
     cfg = load_train_config([argv[0]])
-    result = trace_training_step(cfg, int(argv[1]), num_nodes=int(argv[2]), target_device=argv[3])
+    result = trace_training_step(cfg, int(argv[1]), num_nodes=int(argv[2]), target_device=argv[3],
+                                 target_tokens=json.loads(argv[4]))
     print(json.dumps(result.to_dict()))
     return 0
 

@@ -25,6 +25,8 @@ def config_from_setup(model: str, setup: Setup) -> TrainConfig:
                   # MP is one process driving every GPU of the node; the others run one process per GPU.
                   num_processes=1 if setup.strategy.drives_several_devices else setup.world_size,
                   num_machines=setup.num_nodes, distributed_type=setup.strategy.name)
+    if setup.config.precision_left_to_hardware:  # the precision train picks on the estimate's GPU, not on this host
+        values.update(bf16=setup.mixed_precision == "bf16")
     if setup.attn_implementation == "flash_attention_2":
         # flash_attention_2: use_flash_attn, with sdpa where flash-attn cannot run. The trace (fake tensors, no
         # flash-attn kernels) then follows sdpa, which keeps more than flash does: the batch's 4-D mask per layer
@@ -50,12 +52,15 @@ def trace_or_formula(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -
     return result.to_dict() | {"source": "trace"}
 
 
-def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1) -> Setup:
+def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1, *,
+                      native_bf16: bool | None = None) -> Setup:
     """The estimator's Setup of the job ``cfg`` describes on ``world_size`` processes (the inverse of
     ``config_from_setup``): the config itself, its strategy resolved as the launch resolves it, the trainer's
-    own loss."""
+    own loss, and its precision as ``shardtune train`` picks it on GPUs that do (or do not: ``native_bf16``)
+    compute bf16, or on this machine (None)."""
     strategy = resolve(cfg.distributed.distributed_type, world_size > 1)
-    return Setup(cfg, num_gpus=world_size // num_nodes, num_nodes=num_nodes).with_(distributed_type=strategy)
+    return Setup(cfg, num_gpus=world_size // num_nodes, num_nodes=num_nodes,
+                 native_bf16=native_bf16).with_(distributed_type=strategy)
 
 
 def formula_for_config(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from torch import nn
 from shardtune.config import TrainConfig
 from shardtune.dist import DistInfo
 from shardtune.train.model import (DTYPES, Precision, apply_lora, count_parameters, init_base_model, load_base_model,
-                                   resize_for_tokenizer)
+                                   resize_for_tokenizer, upcast_embeddings_output)
 from shardtune.train.parallelize import Runner, load_from_rank0, parallelize
 from shardtune.train.plan import Plan
 
@@ -30,11 +30,14 @@ def load_device(plan: Plan, info: DistInfo) -> torch.device:
 
 
 def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, vocab_size: int, *,
-                weights: Literal["load", "init"] = "load", config=None) -> tuple[nn.Module, Runner, int, int]:
+                weights: Literal["load", "init"] = "load", config=None,
+                stands_in_for: TrainConfig | None = None) -> tuple[nn.Module, Runner, int, int]:
     """The model, parallelized, and the runner that steps it; with its (trainable, total) parameter counts.
 
     ``weights="load"``: the pretrained weights (from disk, or from rank 0's copy on the other ranks).
     ``weights="init"``: initialised from ``config`` on ``info.device`` (the trace, under fake tensors).
+    ``stands_in_for``: the job whose precision rules apply, where ``cfg`` stands in for it (the trace's bf16
+    stand-in for a QLoRA job).
     """
     lora = cfg.lora
     # QLoRA quantises while it loads, on every rank (a meta model has nothing to quantise).
@@ -50,6 +53,8 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
         if lora.use_peft_lora:
             model = apply_lora(model, lora, seed=cfg.run.seed, added_token_ids=added_token_ids,
                                trainable_dtype=precision.trainable_dtype)
+        if precision.upcasts_residual((stands_in_for or cfg).lora, fsdp=plan.strategy == "FSDP"):
+            upcast_embeddings_output(model)
         if cfg.run.neftune_noise_alpha:
             add_neftune_noise(model, cfg.run.neftune_noise_alpha)
     trainable, total = count_parameters(model)

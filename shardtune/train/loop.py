@@ -30,6 +30,7 @@ from shardtune.train.checkpoint import (Checkpointer, checkpoint_damage, complet
                                         write_failure, write_fix)
 from shardtune.train.evaluate import Evaluator
 from shardtune.train.job import Job, make_job
+from shardtune.train.model import decide_precision
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
                                      progress_bar, start_peak_memory)
 from shardtune.train.layout import RESUME_OFF
@@ -135,6 +136,7 @@ def peer_lost(cfg: TrainConfig, info: DistInfo, processes: list[tuple[str, int]]
 
 def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bounds,
            sigterm: SigtermFlag) -> dict[str, Any]:
+    cfg = decide_precision(cfg, info.device)  # bf16 where the hardware has it, unless the config says; recorded
     resume = resume_point(cfg, info)  # a damaged checkpoint, or a setting it cannot change, stops the run here
     if resume is not None:  # on another number of processes, accumulation keeps the checkpoint's global batch
         cfg = with_accumulation(cfg, resume.gradient_accumulation_steps)

@@ -31,6 +31,8 @@ LOSS_CHUNKS = 8  # token_loss_sum's chunks; head_loss_sum runs at least this man
 # vocabulary, 1024 of a 32k one (rows enough for a GPU matmul, by the usual rule; not yet timed on one here).
 LOSS_CHUNK_VALUES = 2**25
 _ROWS_MULTIPLE = 64  # chunks of whole tiles for the matmul
+# A batch's key for its ``target_index``, given where its labels hold no values (the trace's fake tensors).
+TARGET_INDEX = "target_index"
 
 
 def loss_chunk_tokens(num_tokens: int, vocab_size: int) -> int:
@@ -118,24 +120,58 @@ def _head_chunk_loss_sum(hidden: torch.Tensor, targets: torch.Tensor, head: nn.M
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The target of every position of ``labels`` [batch, seq], flattened: position t predicts label t+1, and the
+    last position of each row predicts nothing (IGNORE_INDEX)."""
+    import torch
+
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1).flatten()
+
+
+def target_index(labels: torch.Tensor) -> torch.Tensor:
+    """The flat positions of ``labels`` [batch, seq] whose prediction has a target, for ``head_loss_sum`` (every
+    position, which it then takes without gathering, where rounding up reaches them all).
+
+    Their number is rounded up to a whole number of ``_ROWS_MULTIPLE`` rows with positions that have no target
+    (they add 0 to the loss and its gradients): the head's matmuls then see the same row counts however a batch
+    is split (one process, DDP, a pipeline's micro-batches), and a micro-batch without any target still has a
+    loss in the graph, so every rank's backward hooks run. Computed from the labels' values, so it must be given
+    to the trace, whose labels have none (``memory/trace.py``).
+    """
+    import torch
+
+    targets = shifted_targets(labels)
+    keep = targets != IGNORE_INDEX
+    wanted = -(-int(keep.sum()) // _ROWS_MULTIPLE) * _ROWS_MULTIPLE or _ROWS_MULTIPLE
+    if wanted >= targets.numel():
+        return torch.arange(targets.numel(), device=labels.device)
+    # The positions with a target first, then the first ones without (a stable sort keeps them in order).
+    order = torch.sort((~keep).to(torch.uint8), stable=True).indices
+    return order[:wanted].sort().values
+
+
 def head_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
                   transform: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
-                  chunk_tokens: int | None = None) -> torch.Tensor:
+                  chunk_tokens: int | None = None, index: torch.Tensor | None = None) -> torch.Tensor:
     """Sum of next-token cross-entropies of the final hidden states [batch, seq, hidden] under ``head``.
 
-    The head (any module: a Linear, PEFT's LoRA wrapper of it, a head tied to the embeddings) runs on one chunk
-    of tokens at a time inside a checkpoint: forward keeps only the chunk's hidden states, and backward recomputes
-    the chunk's logits, so at most one chunk's logits (and their fp32 upcast and gradients) are alive at once.
-    Values and gradients are those of ``token_loss_sum`` on the full logits, up to summation order.
+    Only the positions that have a target go through the head (``target_index``; ``index`` gives them where the
+    labels hold no values, as in the trace): prompts, padding and each
+    row's last position are never projected to the vocabulary, the largest matmul of a small model. The head (any
+    module: a Linear, PEFT's LoRA wrapper of it, a head tied to the embeddings) runs on one chunk of those at a
+    time inside a checkpoint: forward keeps only the chunk's hidden states, and backward recomputes the chunk's
+    logits, so at most one chunk's logits (and their fp32 upcast and gradients) are alive at once. Values and
+    gradients are those of ``token_loss_sum`` on the full logits, up to summation order.
     """
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    # Shift the labels, not the hidden states: position t predicts label t+1, and the last position of each row
-    # predicts nothing. The flattened hidden states stay a view (a shifted slice would be copied).
-    targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
-    hidden = hidden.flatten(0, 1)
-    targets = targets.flatten().to(hidden.device)
+    targets = shifted_targets(labels).to(hidden.device)
+    hidden = hidden.flatten(0, 1)  # a view: shifting the labels, not the hidden states, copies nothing
+    index = target_index(labels) if index is None else index
+    if index.numel() < hidden.shape[0]:
+        index = index.to(hidden.device)
+        hidden, targets = hidden.index_select(0, index), targets.index_select(0, index)
     vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]  # nn.Linear's, PEFT's LoRA layer's
     rows = chunk_tokens or loss_chunk_tokens(hidden.shape[0], vocab_size)
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -150,7 +186,8 @@ def head_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
 
 class FusedLossForward:
     """A causal LM's own forward, plus the keyword ``loss_labels``: with it, ``.loss`` is ``head_loss_sum`` of the
-    final hidden states, and ``.logits`` only the last position's (transformers' ``logits_to_keep=1``).
+    final hidden states (``loss_index``: their ``target_index``, where the labels hold no values), and ``.logits``
+    only the last position's (transformers' ``logits_to_keep=1``).
 
     Installed as the model's ``forward`` (``install_fused_loss``), so that it runs inside whatever wraps the model
     (PEFT, DDP, FSDP2's root hooks) and every family's forward keeps its own inputs. Without ``loss_labels`` it is
@@ -169,7 +206,8 @@ class FusedLossForward:
         self.transform = logit_transform(causal_lm.config)
         self.checked = False
 
-    def __call__(self, *args: Any, loss_labels: torch.Tensor | None = None, **kwargs: Any):
+    def __call__(self, *args: Any, loss_labels: torch.Tensor | None = None, loss_index: torch.Tensor | None = None,
+                 **kwargs: Any):
         if loss_labels is None:
             return self.forward(*args, **kwargs)
         seen: dict[str, torch.Tensor] = {}
@@ -191,7 +229,7 @@ class FusedLossForward:
         if not self.checked:
             self._check(seen, out.logits)
             self.checked = True
-        out.loss = head_loss_sum(seen["hidden"], loss_labels, head, self.transform)
+        out.loss = head_loss_sum(seen["hidden"], loss_labels, head, self.transform, index=loss_index)
         return out
 
     def _check(self, seen: dict[str, torch.Tensor], logits: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
 from shardtune.train.compile import CompileReport
 from shardtune.train.export import export_final
-from shardtune.train.loss import install_fused_loss, token_loss_sum
+from shardtune.train.loss import TARGET_INDEX, install_fused_loss, token_loss_sum
 from shardtune.train.plan import Plan, unwrap
 
 
@@ -46,12 +46,16 @@ def uses_varlen_attention(model: nn.Module) -> bool:
     return implementation.startswith("flash_attention")
 
 
+# What a batch holds for the loss, not the model: the labels and, where given, their ``loss.target_index``.
+LOSS_KEYS = ("labels", TARGET_INDEX)
+
+
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, *, varlen: bool = False,
                  masks: Callable[[torch.Tensor], Any] | None = None) -> dict[str, Any]:
     """The batch on ``device`` without its labels; with ``varlen`` (flash attention) also the documents' bounds;
     ``masks`` (``attention_masks``) turns the collator's block-causal mask into what the model's layers read."""
     inputs: dict[str, Any] = {k: v.to(device, non_blocking=True) for k, v in batch.items()
-                              if k != "labels" and v is not None}
+                              if k not in LOSS_KEYS and v is not None}
     if varlen:
         inputs.update(varlen_kwargs(batch["position_ids"], device))
     if masks is not None and "attention_mask" in inputs:
@@ -194,7 +198,8 @@ class LocalRunner:
         inputs = model_inputs(batch, device, varlen=self.varlen, masks=self.masks)
         labels = batch["labels"].to(device, non_blocking=True)
         if self.fused_loss:
-            return self.model(**inputs, use_cache=False, loss_labels=labels).loss.to(device)
+            return self.model(**inputs, use_cache=False, loss_labels=labels,
+                              loss_index=batch.get(TARGET_INDEX)).loss.to(device)
         # No name holds the logits: the loss's graph frees them once its chunks' backward has run, instead of
         # their living through the whole backward of the layers (a vocabulary-sized tensor per token).
         return token_loss_sum(self.model(**inputs, use_cache=False).logits, labels)

@@ -1,0 +1,74 @@
+"""``shardtune estimate MODEL`` with no options describes the job ``shardtune train`` runs with no flags.
+
+Both read their defaults from one place, the config schema: the estimator's Setup is compared with the Setup of
+train's default config (``setup_from_config``, the mapping ``--config`` uses), field by field, through the CLI's
+JSON; and the header says whether the estimated job is train's defaults, or what those are.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardtune.cli import main as shardtune_main
+from shardtune.config import load_train_config
+from shardtune.config.schema import TrainConfig
+from shardtune.memory.setup import Setup
+from shardtune.memory.trace_setup import setup_from_config
+
+
+def _train_defaults(model: str, native_bf16: bool) -> Setup:
+    """The Setup of ``shardtune train`` given nothing but a model, data and a folder."""
+    cfg = load_train_config(["--model_name_or_path", model, "--dataset_name", "d", "--output_dir", "o"])
+    return setup_from_config(cfg, 1, native_bf16=native_bf16)
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    from shardtune.testing.tiny import make_model_folder
+
+    return str(make_model_folder(tmp_path / "model"))
+
+
+def test_the_estimators_setup_defaults_are_trains(tiny_model):
+    assert Setup().to_dict() == _train_defaults(tiny_model, native_bf16=True).to_dict()
+    assert Setup(native_bf16=False).to_dict() == _train_defaults(tiny_model, native_bf16=False).to_dict()
+    assert TrainConfig().precision_on(True) == "bf16" and TrainConfig().precision_on(False) == "no"
+
+
+def test_estimate_with_no_options_estimates_train_with_no_flags(tiny_model, capsys):
+    assert shardtune_main(["estimate", tiny_model, "--json"]) == 0
+    estimated = json.loads(capsys.readouterr().out)["setup"]
+    expected = _train_defaults(tiny_model, native_bf16=True).to_dict()
+    assert {k: estimated[k] for k in expected} == expected
+    # what train does with no flags, stated: micro-batch, length, precision, checkpointing, optimizer
+    assert (estimated["batch_size"], estimated["seq_len"], estimated["mixed_precision"],
+            estimated["gradient_checkpointing"], estimated["optimizer"]) == (8, 2048, "bf16", False, "adamw_torch")
+
+
+def test_the_header_states_trains_defaults(tiny_model, capsys):
+    assert shardtune_main(["estimate", tiny_model]) == 0
+    assert "(what shardtune train runs with no flags)" in capsys.readouterr().out
+    assert shardtune_main(["estimate", tiny_model, "--seq-len", "512", "--gradient-checkpointing"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert ("micro-batch 8 x 512 tokens, bf16 mixed (fp32 master), adamw_torch, gradient checkpointing on" in out
+            and "(shardtune train with no flags runs: micro-batch 8 x 2048 tokens, bf16 mixed (fp32 master), "
+                "adamw_torch, gradient checkpointing off, sdpa attention)" in out)
+
+
+def test_a_recipe_without_precision_is_estimated_as_the_gpu_would_train_it(tiny_model, tmp_path, capsys,
+                                                                          monkeypatch):
+    # This machine without bf16: the estimate still follows the GPU it is for.
+    monkeypatch.setattr("shardtune.hardware.local_native_bf16", lambda: (False, "no bf16 here"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {tiny_model}\ndataset_name: d\n")
+    assert shardtune_main(["estimate", "--config", str(recipe), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["mixed_precision"] == "bf16"  # the H100 computes bf16
+
+
+def test_on_a_card_without_bf16_the_estimate_is_fp32_as_train_would_run(tiny_model, capsys):
+    assert shardtune_main(["estimate", tiny_model, "--gpu", "v100-32gb", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["mixed_precision"] == "no"
+    assert shardtune_main(["estimate", tiny_model, "--gpu", "v100-32gb", "--mixed-precision", "fp16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["mixed_precision"] == "fp16"
