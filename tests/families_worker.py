@@ -43,6 +43,8 @@ def case_args(root: Path, family: str, method: str, mode: str) -> list[str]:
             "--splits", "train", "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS),
             "--logging_steps", "1", "--learning_rate", "1e-2", "--seed", "7", "--save_steps", str(STEPS),
             "--output_dir", str(root / mode / f"{family}-{method}"), *MODES[mode],
+            # fp32: every layout must compute what one process does (bf16 rounds layouts differently)
+            "--bf16", "false",
             *(LORA if method == "lora" else [])]
 
 

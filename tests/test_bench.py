@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 from shardtune.bench.probe import STAGE_MARK, STEP_MARK, Probe, StageMarks, split_step_time
 from shardtune.bench.strategies import (Result, explain, format_table, model_label, strategy_figure, summarise,
@@ -225,11 +226,13 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path, capsys):
     ranks = [json.loads((work / "DDP" / "probe" / f"probe-rank-{r}.json").read_text()) for r in (0, 1)]
     assert ddp["busy"] == pytest.approx([sum(r["compute_s"][1:]) / sum(r["wall_s"][1:]) for r in ranks])
     assert ddp["in_collectives"] == pytest.approx([sum(r["comm_s"][1:]) / sum(r["wall_s"][1:]) for r in ranks])
-    # The memory column: what `shardtune estimate` says of the same setup.
+    # The memory column: what `shardtune estimate` says of the same setup, in the precision the run chose.
     for row in (mp, ddp):
+        bf16 = yaml.safe_load((work / row["strategy"] / "config.yaml").read_text())["bf16"]
         assert shardtune_main(["estimate", str(model), "--strategy", row["strategy"], "--num-gpus", "2",
                                "--batch-size", "4", "--seq-len", "64", "--method", "full",
-                               "--no-gradient-checkpointing", "--mixed-precision", "no", "--json"]) == 0
+                               "--no-gradient-checkpointing", "--mixed-precision", "bf16" if bf16 else "no",
+                               "--json"]) == 0
         assert row["estimate_bytes"] == json.loads(capsys.readouterr().out)["per_gpu"]["total"]
     table = (tmp_path / "res.md").read_text()
     assert "| MP |" in table and "| DDP |" in table and "waiting in communication" in table

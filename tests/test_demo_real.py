@@ -8,6 +8,7 @@ import io
 import json
 
 import pytest
+import yaml
 
 from shardtune.cli import main as shardtune_main
 from shardtune.demo.snake_case import Identifier, class_names, harvest, snake_case, split_identifiers
@@ -93,7 +94,10 @@ def test_real_demo_end_to_end_on_a_model_path(tmp_path):
     evals = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
              if "eval_loss" in line]
     assert evals[-1]["step"] == 2
-    assert result.after.eval_loss == pytest.approx(evals[-1]["eval_loss"], rel=1e-5)
+    # The trainer evaluates in the precision it trained in: fp32, or bf16 autocast (this machine's default where
+    # the CPU computes bf16), whose fp32 residual stream keeps the loss within 1.5e-3 of fp32's; the demo in fp32.
+    bf16 = yaml.safe_load((result.run_dir / "config.yaml").read_text())["bf16"]
+    assert result.after.eval_loss == pytest.approx(evals[-1]["eval_loss"], rel=1.5e-3 if bf16 else 1e-5)
     assert result.after.eval_loss < result.before.eval_loss  # 2 steps at lr 2e-3 already lower it
     print_comparison(console, result.before, result.after, held_out="held-out class names")
     print_next_steps(console, result, "XMLParser")

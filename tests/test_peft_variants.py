@@ -68,7 +68,9 @@ def train(root, out: str, extra: list[str], nproc: int = 1, model: str = "model"
     args = flags("--model_name_or_path", model, "--dataset_name", "chat.jsonl", "--splits", "train",
                  "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS), "--logging_steps", "1",
                  "--learning_rate", "1e-2", "--seed", "7", "--save_strategy", "no", "--output_dir", out,
-                 "--per_device_train_batch_size", "4", "--callbacks", CALLBACK, *extra)
+                 "--per_device_train_batch_size", "4", "--callbacks", CALLBACK,
+                 # fp32: FSDP x2 and one process must agree to 1e-4, and the exported logits to the trained ones
+                 "--bf16", "false", *extra)
     cmd = ["train", *args] if nproc == 1 else ["launch", "--num_processes", str(nproc), "train", *args]
     result = shardtune(cmd, root, logits=str(root / f"{out}.logits.pt"))
     assert result.returncode == 0, result.stderr[-3000:]

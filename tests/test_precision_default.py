@@ -203,6 +203,25 @@ def test_the_frozen_base_is_bf16_and_never_cast_in_a_step(workspace, restore_log
     assert stored_bf16.casts == 0 and stored_fp32.casts >= len(linears) > 0
 
 
+def test_a_forward_outside_autocast_runs_on_the_bf16_base(workspace, restore_logging):
+    """The fp32 residual stream is autocast's: a forward outside it (a callback's evaluation, say) runs the bf16
+    base in bf16 instead of meeting it with fp32 activations in a plain matmul, and gives the logits of autocast
+    to within bf16's rounding."""
+    from shardtune.train.job import make_job
+
+    cfg = model_module.decide_precision(load_train_config(_argv(workspace, "unused", "--bf16", "true")), CPU.device)
+    model = make_job(cfg, CPU).model.eval()
+    embedded = []
+    model.get_input_embeddings().register_forward_hook(lambda _m, _a, out: embedded.append(out.dtype))
+    ids = torch.arange(3, 35).reshape(2, 16)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits.float()
+        with torch.autocast("cpu", torch.bfloat16):
+            autocast = model(input_ids=ids).logits.float()
+    assert embedded == [torch.bfloat16, torch.float32]  # the stream: bf16 outside autocast, fp32 inside
+    assert (plain - autocast).abs().max() <= 0.05 * autocast.abs().max()
+
+
 class RecordDtypes:
     """A callback (``--callbacks tests.test_precision_default:RecordDtypes``): after step 1 each rank writes the
     dtypes of its frozen and trained parameter shards, of its AdamW moments, and FSDP2's gather and reduce dtypes,

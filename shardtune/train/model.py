@@ -235,9 +235,13 @@ def init_base_model(model_cfg: ModelConfig, lora: LoraConfig, precision: Precisi
 
 
 def upcast_embeddings_output(model: nn.Module) -> None:
-    """Cast the input embeddings' output to fp32, so the residual stream runs in fp32 under autocast
-    (``Precision.upcasts_residual``)."""
-    model.get_input_embeddings().register_forward_hook(lambda _module, _args, output: output.float())
+    """Cast the input embeddings' output to fp32 under autocast, so the residual stream runs in fp32 there
+    (``Precision.upcasts_residual``). A forward outside autocast (a callback's, say) keeps the base's dtype: the
+    fp32 stream would meet the bf16 weights in a plain matmul."""
+    def upcast(_module: nn.Module, _args, output: torch.Tensor) -> torch.Tensor:
+        return output.float() if torch.is_autocast_enabled(output.device.type) else output
+
+    model.get_input_embeddings().register_forward_hook(upcast)
 
 
 def _output_head_names(model: nn.Module) -> list[str]:
