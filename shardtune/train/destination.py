@@ -59,7 +59,13 @@ def protected_paths(sources: Iterable[str | Path]) -> list[tuple[Path, str]]:
     """(path, what it is) that no destination may hold: the current folder and each source (a folder holding a
     source's run holds the source too)."""
     return [(Path.cwd().resolve(), "the current folder"),
-            *((Path(source).expanduser().resolve(), f"the source {source}") for source in sources)]
+            *((_real(source), f"the source {source}") for source in sources)]
+
+
+def _real(path: str | Path) -> Path:
+    """``path`` with its symlinks followed; a loop of symlinks (which Path.resolve raises on) is left as it is,
+    for the command's own check of that path to name."""
+    return Path(os.path.realpath(Path(path).expanduser()))
 
 
 def destination_problem(out: str | Path, label: str, *, sources: Sequence[str | Path],
@@ -68,7 +74,7 @@ def destination_problem(out: str | Path, label: str, *, sources: Sequence[str | 
     out = Path(out)
     if out.exists() and not out.is_dir():
         return f"{label} {out}: a file is there; give a new or empty folder"
-    where = out.expanduser().resolve()
+    where = _real(out)
     for protected, what in protected_paths(sources):
         if _holds(where, protected):
             place = f"is {what}" if where == protected else f"holds {what}"
