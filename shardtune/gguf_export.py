@@ -12,12 +12,12 @@ other graphs with other tensors, which this writer does not produce; they are re
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune.errors import UsageError
+from shardtune.files import replacing
 from shardtune.gguf_vocab import add_vocab
 
 if TYPE_CHECKING:
@@ -168,25 +168,21 @@ def write_gguf(model, tokenizer, path: str | Path, quantize: str, *, name: str,
     check_quantize(quantize)
     family = family_of(model.config)
     path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
-    writer = gguf.GGUFWriter(str(tmp), family.arch)
-    try:
-        add_hparams(writer, model.config, family, name)
-        for key, value, types in (source.general if source else ()):
-            writer.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)
-        writer.add_file_type(int(gguf.LlamaFileType[FILE_TYPES[quantize]]))
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        add_vocab(writer, tokenizer, model.config.vocab_size, pre=tokenizer_pre,
-                  pad_token_id=source.pad_token_id if source else None)
-        count = add_tensors(writer, model, family, quantize)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+    with replacing(path) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), family.arch)
+        try:
+            add_hparams(writer, model.config, family, name)
+            for key, value, types in (source.general if source else ()):
+                writer.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)
+            writer.add_file_type(int(gguf.LlamaFileType[FILE_TYPES[quantize]]))
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            add_vocab(writer, tokenizer, model.config.vocab_size, pre=tokenizer_pre,
+                      pad_token_id=source.pad_token_id if source else None)
+            count = add_tensors(writer, model, family, quantize)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
     log.info("wrote %s: %s parameters, %s", path, f"{count:,}", quantize)
     return path

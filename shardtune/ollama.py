@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from shardtune.files import write_text
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,4 @@ def written_by_shardtune(modelfile: Path) -> bool:
 
 def write_modelfile(gguf_path: Path, chat_template: str | None, eos_token: str | None) -> Path:
     """``Modelfile`` beside ``gguf_path`` (written under a temporary name, then renamed)."""
-    target = gguf_path.parent / "Modelfile"
-    tmp = target.with_name(".tmp-Modelfile")
-    tmp.write_text(modelfile_text(gguf_path.name, chat_template, eos_token))
-    tmp.replace(target)
-    return target
+    return write_text(gguf_path.parent / "Modelfile", modelfile_text(gguf_path.name, chat_template, eos_token))

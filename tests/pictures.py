@@ -16,7 +16,8 @@ def keep_saved_figures(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[objec
     savefig = Figure.savefig
 
     def keep(fig, fname, *args, **kwargs):
-        saved[Path(fname).name.split(".tmp")[0].lstrip(".")] = fig, kwargs["dpi"]
+        name = Path(fname).name  # .tmp-NAME.PID while it is written (shardtune.files.replacing)
+        saved[name.removeprefix(".tmp-").rsplit(".", 1)[0] if name.startswith(".tmp-") else name] = fig, kwargs["dpi"]
         return savefig(fig, fname, *args, **kwargs)
 
     monkeypatch.setattr(Figure, "savefig", keep)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from shardtune.bench.strategies import BENCHED
 from shardtune.errors import UsageError
+from shardtune.files import write_text
 from shardtune.strategies import lookup
 
 
@@ -59,7 +60,12 @@ def parse_strategies(text: str | None) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     """Run the comparison and print (and save) the table."""
-    from shardtune.bench.strategies import bench_strategies, default_caveat, format_table, write_plot
+    from shardtune.bench.strategies import (
+        bench_strategies,
+        default_caveat,
+        format_table,
+        write_plot,
+    )
 
     strategies = parse_strategies(args.strategies)
     if args.num_processes < 1 or args.steps <= args.warmup_steps:
@@ -105,9 +111,7 @@ def main(args: argparse.Namespace) -> int:
         saved = meta | {"results": [asdict(r) for r in results]}
         for path, text in ((out, json.dumps(saved, indent=1)),
                            (out.with_suffix(".md"), table + "\n")):
-            tmp_path = path.with_name("." + path.name + ".tmp")
-            tmp_path.write_text(text)
-            tmp_path.replace(path)
+            write_text(path, text)
         print(f"saved {out} and {out.with_suffix('.md')} (rank setups by these speeds: shardtune estimate "
               f"MODEL --num-gpus {args.num_processes} --measured {out})")
     if args.plot:

@@ -124,11 +124,10 @@ def report_stop(summary: dict | None, message: str) -> None:
         return
     import json
 
+    from shardtune.files import write_text
+
     report = {k: summary[k] for k in ("steps", "max_steps", "last_checkpoint")} if summary else {}
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(report))
 
 
 def _stopped_by_sigterm(report: str) -> int:

@@ -29,6 +29,7 @@ from shardtune.config.schema import ALIASES, TrainConfig, all_keys
 from shardtune.config.validation import (context_problems, device_problems, input_problems, model_folder_problems,
                                          resolve_report_to, tracker_problems, validate)
 from shardtune.errors import UsageError, closest
+from shardtune.files import write_text
 from shardtune.strategies import FSDP
 
 __all__ = ["parse_bool"]  # read by the launcher, as the keys read booleans
@@ -433,7 +434,4 @@ def _layers(argv: list[str]) -> Layers:
 
 def save_resolved(cfg: TrainConfig, path: str | Path) -> None:
     """Write the resolved config as flat YAML, atomically (temp file then rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_flat(), sort_keys=False))
-    tmp.replace(path)
+    write_text(path, yaml.safe_dump(cfg.to_flat(), sort_keys=False))

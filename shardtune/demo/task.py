@@ -11,11 +11,11 @@ This is instruction tuning in miniature: knowledge from pre-training, behaviour 
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from shardtune.files import write_text
 
 MAX_OPERAND = 12  # operands 0..12: 169 sums, few enough for a ~1M-parameter model to learn in minutes on a CPU
 
@@ -78,10 +78,7 @@ def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
     """Write rows as JSON lines, to a temp name then renamed so a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
-    return path
+    return write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def write_dataset(splits: TaskSplits, folder: str | Path) -> Path:

@@ -6,10 +6,10 @@ Run after changing the catalog or the counting code:  python -m shardtune.memory
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
+from shardtune.files import write_text
 from shardtune.memory.catalog_data import DATA_PATH, config_sha256
 from shardtune.memory.inventory import ModelAnalysis
 
@@ -31,9 +31,7 @@ def write_catalog_counts(path: Path = DATA_PATH) -> None:
 
     data = {"transformers": importlib.metadata.version("transformers"),
             "models": {name: compute_entry(name) for name in catalog.names()}}
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, separators=(",", ":"), sort_keys=True) + "\n")
-    tmp.replace(path)
+    write_text(path, json.dumps(data, separators=(",", ":"), sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

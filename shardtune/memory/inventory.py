@@ -25,6 +25,7 @@ from pathlib import Path
 
 from shardtune import catalog
 from shardtune.errors import UsageError
+from shardtune.files import write_text
 from shardtune.gguf_source import GgufFile, find_gguf, load_config, parameter_count
 from shardtune.memory.lora_count import LoraCount, count_lora, linear_names, module_table
 
@@ -192,9 +193,7 @@ class _CountCache:
         self.data[key] = value
         try:  # a cache that cannot be written only costs time
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(self.data))
-            tmp.replace(self.path)
+            write_text(self.path, json.dumps(self.data))
         except OSError:
             pass
 

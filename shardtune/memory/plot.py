@@ -5,10 +5,10 @@ Built on ``matplotlib.figure.Figure`` with the Agg canvas, never through ``pyplo
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from shardtune.errors import UsageError
+from shardtune.files import replacing
 from shardtune.hardware import GIB
 from shardtune.memory.formula import CATEGORIES
 from shardtune.memory.report import Report, short_label
@@ -81,7 +81,6 @@ def write_plot(r: Report, path: str | Path) -> Path:
         raise UsageError(f"--plot {path}: the picture is a PNG; give a file name ending in .png.")
     if not path.parent.is_dir():
         raise UsageError(f"--plot {path}: the folder {path.parent} does not exist; create it or pick another.")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    breakdown_figure(r).savefig(tmp, format="png", dpi=110)
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        breakdown_figure(r).savefig(tmp, format="png", dpi=110)
     return path

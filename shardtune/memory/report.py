@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardtune.errors import UsageError
+from shardtune.files import replacing
 from shardtune.hardware import GIB, GPUS, PRICES_AS_OF, SPEC_EXAMPLE, TYPICAL_PRICE_PER_GPU_HOUR, Gpu
 from shardtune.memory.formula import Breakdown
 from shardtune.memory.inventory import LoraCount, ModelInventory
@@ -159,7 +159,12 @@ def estimate_report(model: str, setup: Setup, gpu: Gpu, auto: bool = True, measu
     """Estimate ``setup`` for ``model`` on ``gpu``; with ``auto`` the strategy is the recommended one (ranked by
     ``measured`` speeds, a ``recommend.Measured``, when given)."""
     from shardtune.memory.inventory import ModelAnalysis
-    from shardtune.memory.recommend import candidates, evaluate_setup, max_batch_size, recommend
+    from shardtune.memory.recommend import (
+        candidates,
+        evaluate_setup,
+        max_batch_size,
+        recommend,
+    )
 
     analysis = ModelAnalysis(model)
     inv = analysis.inventory
@@ -401,7 +406,6 @@ def time_figure(r: Report, t: TimeReport):
 def write_time_plot(r: Report, t: TimeReport, path: str | Path) -> Path:
     """Write ``time_figure`` as a PNG at ``path`` (through a temporary file and a rename)."""
     path = Path(path).expanduser()
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    time_figure(r, t).savefig(tmp, format="png", dpi=110)
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        time_figure(r, t).savefig(tmp, format="png", dpi=110)
     return path

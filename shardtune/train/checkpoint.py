@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from shardtune.config import TrainConfig, load_train_config
 from shardtune.dist import DistInfo, RankFailed, run_and_share
 from shardtune.errors import TrainingStopped, UsageError, first_line, writing
+from shardtune.files import write_text
 from shardtune.strategies import resolve
 from shardtune.train.layout import MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, resume_problem
 from shardtune.train.plan import Plan
@@ -316,9 +317,7 @@ def trim_metrics(output_dir: str | Path, step: int) -> int:
         if record.get("step", 0) <= step:
             kept.append(line)
     if len(kept) != len(lines):
-        tmp = path.with_name(".tmp-metrics.jsonl")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)
+        write_text(path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
 
 

@@ -25,6 +25,7 @@ from shardtune.config import TrainConfig, save_resolved
 from shardtune.dist import (DistInfo, RankFailed, all_reduce_sum, ended_ranks, init_distributed, lost_peer,
                             process_table, run_and_share, shutdown)
 from shardtune.errors import PeerLost, Terminated, TrainingStopped, UsageError, first_line
+from shardtune.files import write_text
 from shardtune.train.callbacks import CallbackList, load_callbacks
 from shardtune.train.checkpoint import (Checkpointer, checkpoint_damage, complete_checkpoints, resume_point,
                                         write_failure, write_fix)
@@ -177,9 +178,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
             summary["best_model_checkpoint"] = str(best)
         summary["final"] = export_final(job, checkpointer)
     if job.info.is_main:
-        tmp = out / ".tmp-summary.json"
-        tmp.write_text(json.dumps(summary, indent=1))
-        tmp.replace(out / "summary.json")
+        write_text(out / "summary.json", json.dumps(summary, indent=1))
         push_to_hub(cfg, summary.get("final"))
         log_summary(summary, cfg)
     return summary

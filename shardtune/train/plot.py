@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.errors import UsageError
+from shardtune.files import replacing
 
 METRICS_FILE = "metrics.jsonl"
 TRAIN_COLOR, EVAL_COLOR = "tab:blue", "tab:orange"
@@ -184,8 +184,7 @@ def write_plots(output_dir: str | Path, out_dir: str | Path | None = None) -> li
     paths = []
     for name, fig in figures(metrics).items():
         path = target / f"{name}.png"
-        tmp = target / f".{name}.tmp.png"  # a reader never sees half a file
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
+        with replacing(path) as tmp:  # a reader never sees half a file
+            fig.savefig(tmp, format="png")
         paths.append(path)
     return paths
