@@ -39,7 +39,8 @@ test: $(STAMP)
 	@# Go's text/template renders the exported Modelfiles as Ollama does (tests/test_gguf_ollama.py); the same rule.
 	@command -v go >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 		apt-get install -y -qq golang-go >/dev/null; } || echo "golang-go not installed: the Ollama template tests are skipped"
-	$(PY) -m pytest -q
+	@# Two workers, one test file each at a time (tests/conftest.py: one thread each): CI has two cores.
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -44,3 +44,15 @@ def no_torchrun(monkeypatch):
         raise AssertionError(f"torchrun started with {args}")
 
     monkeypatch.setattr(launch, "run_torchrun", started)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs two workers on two cores) each worker computes on one thread, and so
+    does every process it starts: two workers of two threads each would contend for the two cores."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
