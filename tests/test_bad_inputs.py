@@ -15,17 +15,13 @@ from pathlib import Path
 import pytest
 
 from shardtune.cli import main
-from tests.trainutil import logging_restored, refused, write_chat_data
+from tests.trainutil import logging_restored, refused, tiny_workspace
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     """A tiny model, chat data, and a 2-step LoRA run (checkpoints/step-1, step-2, final/) trained here."""
-    from shardtune.testing.tiny import make_model_folder
-
-    root = tmp_path_factory.mktemp("bad-inputs")
-    make_model_folder(root / "model")
-    write_chat_data(root / "chat.jsonl", rows=16)
+    root = tiny_workspace(tmp_path_factory, "bad-inputs", rows=16)
     with logging_restored():
         assert main(["train", "--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "chat.jsonl"),
                      "--output_dir", str(root / "run"), "--use_peft_lora", "true", "--max_steps", "2",

@@ -18,7 +18,7 @@ import torch
 from shardtune.cli import main
 from shardtune.config import load_train_config
 from shardtune.errors import TrainingStopped, UsageError
-from tests.trainutil import flags, logging_restored, write_chat_data
+from tests.trainutil import flags, logging_restored, tiny_workspace
 
 
 def snapshot(*folders: Path) -> dict[str, str]:
@@ -43,12 +43,9 @@ def args(root: Path, out: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> Path:
     """A tiny model, chat data, and a finished LoRA run (checkpoints step-2 and step-4, final/)."""
-    from shardtune.testing.tiny import make_model_folder
     from shardtune.train.loop import train
 
-    root = tmp_path_factory.mktemp("keep")
-    make_model_folder(root / "model")
-    write_chat_data(root / "chat.jsonl", rows=200)
+    root = tiny_workspace(tmp_path_factory, "keep", rows=200)
     with logging_restored():
         train(load_train_config(args(root, root / "run")))
     return root
