@@ -97,17 +97,19 @@ class Point:
     batch_size: int
     seq_len: int
     gradient_checkpointing: bool
+    pure_bf16: bool = False  # weights, gradients and AdamW states in bf16 (torch_dtype bfloat16), no autocast
 
     @property
     def key(self) -> str:
         return (f"{self.model}/{self.method}/{self.batch_size}x{self.seq_len}/"
-                f"ckpt-{'on' if self.gradient_checkpointing else 'off'}")
+                f"ckpt-{'on' if self.gradient_checkpointing else 'off'}{'/pure-bf16' if self.pure_bf16 else ''}")
 
     def setup(self) -> Setup:
         return validate(Setup.of(method=self.method, distributed_type="NO", per_device_train_batch_size=self.batch_size,
                                  max_seq_len=self.seq_len, gradient_checkpointing=self.gradient_checkpointing,
                                  mixed_precision="bf16", lora_r=LORA_R, lora_target_modules="all-linear",
-                                 attn_implementation="sdpa"))
+                                 attn_implementation="sdpa",
+                                 torch_dtype="bfloat16" if self.pure_bf16 else None))
 
 
 @dataclass
@@ -134,6 +136,10 @@ class Measurement:
     measured_allocated_bytes: int | None = None
     status: str = "ok"
     seconds: float = 0.0
+    # nvidia-smi's used memory for the whole GPU right after the steps, and what torch's allocator held then: their
+    # difference is the memory outside the caching allocator (CUDA context, kernels' modules, NCCL/cuBLAS handles).
+    smi_used_bytes: int | None = None
+    reserved_at_smi_bytes: int | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -143,6 +149,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES,
                    help="micro-batch x sequence length, e.g. 2x2048 (default: %(default)s)")
     p.add_argument("--checkpointing", nargs="+", default=["on", "off"], choices=["on", "off"])
+    p.add_argument("--precisions", nargs="+", default=["autocast"], choices=["autocast", "pure"],
+                   help="bf16 autocast over fp32 master weights (LoRA: a bf16 base), or pure bf16 (default: "
+                        "%(default)s)")
     p.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up step")
     p.add_argument("--predict-only", action="store_true",
                    help="compute the predictions the stored file lacks (or made from other code) on the CPU, and stop")
@@ -169,8 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def grid(args: argparse.Namespace) -> list[Point]:
     """Every point of the run, grouped by (model, method, checkpointing): one model build serves each group."""
     shapes = [(b, min(s, DRY_RUN_MAX_SEQ) if args.dry_run else s) for b, s in args.shapes]
-    return [Point(m, method, b, s, ckpt == "on") for m in args.models for method in args.methods
-            for ckpt in args.checkpointing for b, s in dict.fromkeys(shapes)]
+    return [Point(m, method, b, s, ckpt == "on", precision == "pure") for m in args.models
+            for precision in args.precisions for method in args.methods for ckpt in args.checkpointing
+            for b, s in dict.fromkeys(shapes)]
 
 
 def model_sources(models: list[str], dry_run: bool, folder: Path) -> dict[str, str]:
@@ -305,8 +315,22 @@ def build(cfg: TrainConfig, device: torch.device) -> Trainee:
     return Trainee(model, runner, info, pad_id)
 
 
-def measure(trainee: Trainee, cfg: TrainConfig, steps: int) -> tuple[int | None, int | None]:
-    """(max_memory_reserved, max_memory_allocated) over ``steps`` training steps after a warm-up step.
+def smi_used_bytes() -> int | None:
+    """nvidia-smi's used memory of the GPU this process runs on (None where nvidia-smi is missing or fails)."""
+    import subprocess
+
+    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", index, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(out.split()[0]) * 2**20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def measure(trainee: Trainee, cfg: TrainConfig, steps: int, row: Measurement) -> None:
+    """Fill ``row``: max_memory_reserved and max_memory_allocated over ``steps`` training steps after a warm-up
+    step, and nvidia-smi's used memory beside the allocator's reserve right after them.
 
     The warm-up creates AdamW's states and cuBLAS's workspaces, as the trainer's first step does; the optimizer is
     new for every point, so each starts from the weights alone. On a CPU the steps run and nothing is measured.
@@ -326,13 +350,15 @@ def measure(trainee: Trainee, cfg: TrainConfig, steps: int) -> tuple[int | None,
     if device.type != "cuda":
         for _ in range(steps):
             train_step(ctx, batches)
-        return None, None
+        return
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     for _ in range(steps):
         train_step(ctx, batches)
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
+    row.measured_reserved_bytes, row.measured_allocated_bytes = (torch.cuda.max_memory_reserved(),
+                                                                 torch.cuda.max_memory_allocated())
+    row.reserved_at_smi_bytes, row.smi_used_bytes = torch.cuda.memory_reserved(), smi_used_bytes()
 
 
 def _free(device: torch.device) -> None:
@@ -383,8 +409,7 @@ def measure_group(group: list[Point], source: str, predictions: dict[str, Predic
         row = Measurement()
         started = time.perf_counter()
         try:
-            row.measured_reserved_bytes, row.measured_allocated_bytes = measure(
-                trainee, train_config(point, source), args.steps)
+            measure(trainee, train_config(point, source), args.steps, row)
         except Exception as exc:  # noqa: BLE001 - out of memory and the like are results, not the end of the run
             row.status = _failure(exc)
         row.seconds = time.perf_counter() - started
@@ -411,7 +436,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         if args.predict_only:
             return rows
         capacity = torch.cuda.mem_get_info()[1] if device.type == "cuda" else None
-        for _, points_of_build in itertools.groupby(points, lambda p: (p.model, p.method, p.gradient_checkpointing)):
+        for _, points_of_build in itertools.groupby(points, lambda p: (p.model, p.pure_bf16, p.method,
+                                                                            p.gradient_checkpointing)):
             group = list(points_of_build)
             for point, measured in measure_group(group, sources[group[0].model], predictions, args, device,
                                                  capacity, deadline):
@@ -442,8 +468,8 @@ def _pct(x: float | None) -> str:
 
 
 def _point_cells(r: dict) -> str:
-    return (f"| {r['model']} | {r['method']} | {r['batch_size']} x {r['seq_len']} | "
-            f"{'on' if r['gradient_checkpointing'] else 'off'} |")
+    return (f"| {r['model']} | {r['method']}{' (pure bf16)' if r.get('pure_bf16') else ''} | "
+            f"{r['batch_size']} x {r['seq_len']} | {'on' if r['gradient_checkpointing'] else 'off'} |")
 
 
 def _prediction_line(point: Point, p: Prediction) -> str:
@@ -470,11 +496,12 @@ def _write(path: Path, text: str) -> None:
 
 def _key(entry: dict) -> str:
     """The point key of a stored prediction or a result row."""
-    return Point(*(entry[f.name] for f in fields(Point))).key
+    return Point(*(entry.get(f.name, f.default) for f in fields(Point))).key
 
 
 def _order(entry: dict) -> tuple:
-    return (entry["model"], METHODS.index(entry["method"]), not entry["gradient_checkpointing"],
+    return (entry["model"], entry.get("pure_bf16", False), METHODS.index(entry["method"]),
+            not entry["gradient_checkpointing"],
             entry["batch_size"] * entry["seq_len"], entry["batch_size"])
 
 
@@ -552,11 +579,13 @@ def write_results(rows: list[dict], args: argparse.Namespace) -> None:
              f"less its allocator item for allocated. Predictions made with "
              f"{'; '.join(sorted({r['made_with'] for r in rows}))}." + (f" {meta['note']}." if meta["note"] else ""),
              "", "| model | method | batch x seq | ckpt | measured reserved GiB | measured alloc GiB | trace reserved "
-             "| trace alloc | formula reserved | formula alloc | status |", "|" + "---|" * 11]
+             "| trace alloc | formula reserved | formula alloc | outside allocator GiB | status |", "|" + "---|" * 12]
     for r in rows:
         cells = " | ".join(_cell(r[predicted], r[error]) for error, predicted, _ in ERROR_COLUMNS)
+        outside = (r["smi_used_bytes"] - r["reserved_at_smi_bytes"]
+                   if r.get("smi_used_bytes") is not None and r.get("reserved_at_smi_bytes") is not None else None)
         lines.append(f"{_point_cells(r)} {_gib(r['measured_reserved_bytes'])} | "
-                     f"{_gib(r['measured_allocated_bytes'])} | {cells} | {r['status']} |")
+                     f"{_gib(r['measured_allocated_bytes'])} | {cells} | {_gib(outside)} | {r['status']} |")
     lines += ["", *_summary(rows)]
     _write(path, json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     _write(path.with_suffix(".md"), "\n".join(lines) + "\n")

@@ -2,22 +2,23 @@
 # shardtune's GPU benches, one stage per call, each well inside the device tool's 10 minutes a command.
 #
 #   bash bench/gpu_session.sh prepare    # on the dev machine (no GPU): what the GPU image lacks, into .whl/ (ignored)
-#   bash bench/gpu_session.sh memory-1   # GPU: estimate_cuda.py for llama-3.2-1b and tinyllama-1.1b (72 points)
-#   bash bench/gpu_session.sh memory-2   # GPU: estimate_cuda.py for llama-3.2-3b (36 points)
+#   bash bench/gpu_session.sh memory     # GPU: estimate_cuda.py, 1B-3B models, full/LoRA/QLoRA, 1x512 to 8x8192,
+#                                        #      checkpointing on/off, autocast and pure bf16 (up to 140 points, 7 min)
 #   bash bench/gpu_session.sh others     # GPU: train_vs_transformers.py and generate_kv_cache.py --device cuda
 #   bash bench/gpu_session.sh loading    # GPU: qlora_load_cuda.py (QLoRA quantised in CPU RAM, moved by FSDP2)
 #   bash bench/gpu_session.sh vs-trl     # GPU: vs_trl.py --device cuda (shardtune vs TRL, bf16, max_memory_reserved)
 #   bash bench/gpu_session.sh compile    # GPU: compile_speed.py --device cuda (tokens/s with and without torch_compile)
 #   bash bench/gpu_session.sh kernels    # GPU: memory_kernels_cuda.py (activation offloading, Liger; SmolLM2 as vs-trl)
 #
-# From the device tool: run(command="bash bench/gpu_session.sh memory-1", carry=[".whl"], timeout_s=600).
+# From the device tool: run(command="bash bench/gpu_session.sh memory", carry=[".whl/site"], timeout_s=480).
 # Each stage writes into bench/results/ and copies the files it wrote to $OUT where that is set. Copy them back into
-# bench/results/ before the next stage: a fresh machine starts from the working tree, and memory-2 adds its rows to
-# the table memory-1 wrote. vs-trl needs the SmolLM2 GGUF (94 MiB, over one call's 64 MiB): 'prepare' cuts it into
+# bench/results/ before the next stage: a fresh machine starts from the working tree, and a memory run adds its rows
+# to the table an earlier one wrote. vs-trl needs the SmolLM2 GGUF (94 MiB, over one call's 64 MiB): 'prepare' cuts it into
 # .model/gguf.part-* (ignored); carry one part per call (run(command="true", carry=[".model/gguf.part-aa"]), ...,
 # the last one with the stage's command: a warm machine keeps what earlier calls carried), and the stage joins them.
 # The predictions (bench/results/estimate_cuda_predictions.json) are made beforehand on a
-# CPU (estimate_cuda.py --predict-only); a memory stage computes only those missing, spending GPU time on them.
+# CPU (estimate_cuda.py --predict-only, with the stage's arguments); a memory stage computes only those missing,
+# spending GPU time on them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -92,8 +93,8 @@ return_results() {
 stage=${1:-}
 case "$stage" in
     prepare) prepare; exit 0 ;;
-    memory-1|memory-2|others|loading|vs-trl|kernels|compile) ;;
-    *) echo "usage: bash bench/gpu_session.sh prepare|memory-1|memory-2|others|loading|vs-trl|kernels|compile (got '${stage}')" >&2
+    memory|others|loading|vs-trl|kernels|compile) ;;
+    *) echo "usage: bash bench/gpu_session.sh prepare|memory|others|loading|vs-trl|kernels|compile (got '${stage}')" >&2
        exit 2 ;;
 esac
 
@@ -112,8 +113,17 @@ trap return_results EXIT
 case "$stage" in
     # No point starts after 8 minutes, so the stage ends inside the 10-minute limit; the results are written after
     # every point, so even the timeout's kill leaves them.
-    memory-1) timeout 570 "$PY" bench/estimate_cuda.py --models llama-3.2-1b tinyllama-1.1b --max-minutes 8 --jobs 8 ;;
-    memory-2) timeout 570 "$PY" bench/estimate_cuda.py --models llama-3.2-3b --max-minutes 8 --jobs 8 ;;
+    # Four grids, each with its own minutes (the most asked-about first): 1B and TinyLlama, 3B, pure bf16 on 1B
+    # (full and LoRA: QLoRA's adapters stay fp32), and the longest rows (8x8192) under LoRA/QLoRA.
+    memory)
+        nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+        EC=(timeout 200 "$PY" bench/estimate_cuda.py --jobs 8)
+        "${EC[@]}" --models llama-3.2-1b tinyllama-1.1b --max-minutes 2.8 || echo "memory: 1B/TinyLlama grid failed" >&2
+        "${EC[@]}" --models llama-3.2-3b --max-minutes 1.6 || echo "memory: 3B grid failed" >&2
+        "${EC[@]}" --models llama-3.2-1b --precisions pure --methods full lora --max-minutes 1.0 \
+            || echo "memory: pure bf16 grid failed" >&2
+        "${EC[@]}" --models llama-3.2-1b llama-3.2-3b --methods lora qlora --shapes 8x8192 --checkpointing on \
+            --max-minutes 0.6 || echo "memory: 8x8192 grid failed" >&2 ;;
     others)
         timeout 300 "$PY" bench/train_vs_transformers.py
         timeout 240 "$PY" bench/generate_kv_cache.py --device cuda --dtype bfloat16 ;;
