@@ -162,9 +162,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "listed as not run)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny models (2 layers, hidden 64) on CPU: checks the script end to end, measures nothing")
+    p.add_argument("--rescore", action="store_true",
+                   help="no GPU: put the stored predictions (made beforehand by --predict-only with the current code) "
+                        "beside the measured peaks of --out's results, keeping the measuring run's errors as 'before'")
     p.add_argument("--out", default=None, help="result name (default: estimate_cuda_<device>)")
     p.add_argument("--results-dir", default=str(RESULTS), help="where the JSON and markdown go (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.rescore and not args.out:
+        p.error("--rescore needs --out, the measured results to rescore (e.g. estimate_cuda_nvidia-h200)")
     unknown = sorted(set(args.models) - set(catalog.names()))
     if unknown:
         p.error(f"--models {' '.join(unknown)}: not in the catalog; choose from {', '.join(catalog.names())}")
@@ -541,22 +546,46 @@ def write_predictions(path: Path, stored: dict[str, dict], args: argparse.Namesp
 
 
 def _summary(rows: list[dict]) -> list[str]:
-    """Per prediction, over the measured points: median and largest absolute error, and how many are within 10%."""
-    lines = ["| prediction | measured points | median abs error | max abs error | within 10% |",
-             "|---|---|---|---|---|"]
+    """Per prediction, over the measured points: median and largest absolute error, and how many are within 5% and
+    within 10%."""
+    lines = ["| prediction | measured points | median abs error | max abs error | within 5% | within 10% |",
+             "|---|---|---|---|---|---|"]
     for name, _, _ in ERROR_COLUMNS:
         errors = [abs(r[name]) for r in rows if r[name] is not None]
         label = name.removeprefix("error_").replace("_", " ")
         lines.append(f"| {label} | {len(errors)} | " + (
-            f"{statistics.median(errors):.1%} | {max(errors):.1%} | {sum(e <= 0.10 for e in errors)} of {len(errors)} |"
-            if errors else " | | |"))
+            f"{statistics.median(errors):.1%} | {max(errors):.1%} | {sum(e <= 0.05 for e in errors)} of {len(errors)} "
+            f"| {sum(e <= 0.10 for e in errors)} of {len(errors)} |" if errors else " | | | |"))
     return lines
 
 
 def results_path(args: argparse.Namespace) -> Path:
     """bench/results/estimate_cuda_<device>.json (or --out); the markdown table goes beside it."""
+    if args.out:
+        return Path(args.results_dir) / f"{args.out}.json"
     device = "cpu-dry-run" if args.dry_run else torch.cuda.get_device_name().replace(" ", "-").lower()
-    return Path(args.results_dir) / f"{args.out or f'estimate_cuda_{device}'}.json"
+    return Path(args.results_dir) / f"estimate_cuda_{device}.json"
+
+
+def rescore(args: argparse.Namespace) -> list[dict]:
+    """The measured rows of ``--out`` with the stored predictions in place of those the measuring run used; each
+    row keeps the errors of the predictions it was first measured against under ``before``."""
+    path = results_path(args)
+    if not path.is_file():
+        raise SystemExit(f"--rescore: {path} does not exist; measure on a GPU first (see bench/gpu_session.sh)")
+    stored = load_predictions(predictions_path(args))
+    rows = []
+    for row in json.loads(path.read_text())["rows"]:
+        key = _key(row)
+        if key not in stored:
+            raise SystemExit(f"--rescore: no stored prediction for {key}: run --predict-only with that point's "
+                             "arguments first")
+        before = row.get("before") or {"made_with": row["made_with"],
+                                        **{name: row[name] for name, _, _ in ERROR_COLUMNS}}
+        measured = Measurement(**{f.name: row.get(f.name, f.default) for f in fields(Measurement)})
+        rows.append(make_row(Point(**{f.name: row.get(f.name, f.default) for f in fields(Point)}),
+                             _prediction(stored[key]), measured) | {"before": before})
+    return rows
 
 
 def write_results(rows: list[dict], args: argparse.Namespace) -> None:
@@ -564,13 +593,16 @@ def write_results(rows: list[dict], args: argparse.Namespace) -> None:
     import transformers
 
     path = results_path(args)
+    earlier = json.loads(path.read_text()) if path.is_file() else {"rows": []}
     ours = {_key(r) for r in rows}
-    kept = [r for r in json.loads(path.read_text())["rows"] if _key(r) not in ours] if path.is_file() else []
+    kept = [r for r in earlier["rows"] if _key(r) not in ours]
     rows = sorted(kept + rows, key=_order)
     meta = {"device": path.stem.removeprefix("estimate_cuda_"), "torch": torch.__version__,
             "transformers": transformers.__version__, "cuda": torch.version.cuda,
             "python": platform.python_version(), "steps": args.steps, "lora_r": LORA_R, "formula_loss": FORMULA_LOSS,
             "note": "dry run on CPU: tiny models, nothing measured" if args.dry_run else ""}
+    if args.rescore:  # the measurement's machine, not this one's
+        meta = earlier["meta"]
     lines = [f"# shardtune's memory predictions against measured CUDA peaks ({meta['device']})", "",
              f"torch {meta['torch']}, transformers {meta['transformers']}, CUDA {meta['cuda']}. shardtune's training "
              f"step (single GPU, bf16, AdamW, LoRA/QLoRA r={LORA_R} on all linear layers, random weights); peaks of "
@@ -587,12 +619,21 @@ def write_results(rows: list[dict], args: argparse.Namespace) -> None:
         lines.append(f"{_point_cells(r)} {_gib(r['measured_reserved_bytes'])} | "
                      f"{_gib(r['measured_allocated_bytes'])} | {cells} | {_gib(outside)} | {r['status']} |")
     lines += ["", *_summary(rows)]
+    if any("before" in r for r in rows):
+        lines += ["", "The same errors for the predictions the measuring run was held against (made with "
+                  f"{'; '.join(sorted({r['before']['made_with'] for r in rows if 'before' in r}))}):", "",
+                  *_summary([r["before"] | {"status": r["status"]} for r in rows if "before" in r])]
     _write(path, json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     _write(path.with_suffix(".md"), "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rescore:
+        write_results(rescore(args), args)
+        path = results_path(args)
+        print(f"wrote {path} and {path.with_suffix('.md').name}")
+        return 0
     run(args)
     path = predictions_path(args) if args.predict_only else results_path(args)
     print(f"wrote {path} and {path.with_suffix('.md').name}")
