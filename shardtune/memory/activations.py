@@ -108,10 +108,14 @@ class Activations:
 
     @property
     def autocast_adapters(self) -> bool:
-        """fp32 adapters (PEFT's, and the trainer's) run under torch.autocast: single GPU, DDP and model parallel
-        with a 16-bit compute dtype. Under FSDP the MixedPrecisionPolicy gathers them in the compute dtype instead."""
+        """fp32 adapters (PEFT's, and the trainer's) run under torch.autocast, PEFT casting their input up to fp32
+        first: single GPU, DDP and model parallel with a 16-bit compute dtype. Under FSDP the MixedPrecisionPolicy
+        gathers them in the compute dtype instead, and PEFT's bitsandbytes 4-bit layers (QLoRA) skip that cast under
+        CUDA autocast (peft/tuners/lora/bnb.py), so their adapters read the input as it is (measured on an H200:
+        bench/results/estimate_cuda_nvidia-h200.md)."""
         dt = self.dt
-        return bool(self.adapted) and dt.master == 4 and dt.compute != 4 and self.setup.strategy.autocasts
+        return (bool(self.adapted) and dt.master == 4 and dt.compute != 4 and self.setup.strategy.autocasts
+                and self.setup.method != "qlora")
 
     def adapters(self) -> int:
         """What LoRA adapters keep for backward: the input of A (for A's gradient) and A's r-wide output (for B's).

@@ -62,13 +62,28 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "overhead")
 OFFLOADED_LAYERS_ON_GPU = 2
 
 # What the CUDA driver, cuBLAS/cuDNN kernels and NCCL hold outside PyTorch's allocator. nvidia-smi shows it,
-# torch.cuda.max_memory_reserved does not. Typical figures for CUDA 12 with lazy module loading.
-CUDA_CONTEXT_BYTES = 512 * MIB
+# torch.cuda.max_memory_reserved does not. Measured: 767-771 MiB beside the allocator's reserve on every one of 133
+# training steps on an H200 (torch 2.11, CUDA 13.0, lazy module loading; bench/results/estimate_cuda_nvidia-h200.md).
+CUDA_CONTEXT_BYTES = 768 * MIB
 NCCL_BUFFER_BYTES = 256 * MIB
-# The caching allocator reserves more than it hands out: blocks are rounded (2 MiB granularity for large ones) and
-# freed blocks of other sizes stay cached. Applied to the memory that changes during the step.
-ALLOCATOR_SLACK = 0.08
-WORKSPACE_BYTES = 64 * MIB  # cuBLAS workspaces and small-allocation pools inside the allocator
+# The caching allocator reserves more than the tensors' peak: freed blocks stay cached, split and rounded, and a
+# request that fits none of them reserves a new segment. Fitted to the reserved-minus-allocated of 133 measured
+# single-GPU steps on an H200 (docs/estimator.md, "Against a real GPU"), in four parts of the step that come and go:
+RESERVE_FIXED_BYTES = 160 * MIB  # cuBLAS workspaces, the small-block pool, and rounding
+RESERVE_PER_GRADIENT = 0.17  # gradients are freed (set to None) and allocated again every step, among activations
+RESERVE_PER_ACTIVATION = 0.05  # activations saved to the end of forward, freed layer by layer in backward
+RESERVE_PER_RECOMPUTED = 0.12  # checkpointing: each layer's activations made again and freed in backward
+RESERVE_PER_RECOMPUTED_NF4 = 0.22  # QLoRA with checkpointing: dequantised weights come and go between them
+
+
+def allocator_reserve(setup: Setup, activations: float, grads: float) -> int:
+    """What the caching allocator holds beyond the tensors' peak, for a step whose peak holds ``activations``
+    bytes that come and go (saved activations, gathered or dequantised weights) and ``grads`` bytes of gradients."""
+    if not setup.gradient_checkpointing:
+        per_activation = RESERVE_PER_ACTIVATION
+    else:
+        per_activation = RESERVE_PER_RECOMPUTED_NF4 if setup.method == "qlora" else RESERVE_PER_RECOMPUTED
+    return round(RESERVE_FIXED_BYTES + per_activation * activations + RESERVE_PER_GRADIENT * grads)
 
 
 @dataclass(frozen=True)
@@ -442,8 +457,10 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
         items.append(Item("activations", "NF4 weight dequantised for its matmul", round(dequant)))
     if ph["copies"]:
         items.append(Item("overhead" if dp.fsdp else "params", copies.label, round(ph["copies"])))
-    dynamic = ph["act"] + ph["copies"]  # gradients come back at the same sizes every step and reuse their blocks
-    items.append(Item("overhead", "allocator cache and workspaces", round(ALLOCATOR_SLACK * dynamic + WORKSPACE_BYTES)))
+    # Weight copies (autocast's, FSDP's gathered layers) come back at the same sizes layer after layer and step
+    # after step: they reuse their blocks.
+    dynamic = ph["act"] + (dequant if ph["act"] else 0)
+    items.append(Item("overhead", "allocator cache and workspaces", allocator_reserve(setup, dynamic, ph["grads"])))
     context = CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if setup.world_size > 1 else 0)
     cpu = round((states.storage + states.grads + states.optim) / shard * setup.num_gpus) if dp.offload else 0
     cpu += _offloaded_activation_bytes(inv, setup, dp.act, setup.num_gpus)
@@ -595,7 +612,7 @@ class _Stages:
             Item("optimizer", f"{setup.optimizer} states of this GPU's layers", round(fullest["optimizer"])),
             Item("activations", _activation_label(setup) + ", this GPU's layers", round(fullest["activations"])),
             Item("overhead", "allocator cache and workspaces",
-                 round(ALLOCATOR_SLACK * fullest["activations"] + WORKSPACE_BYTES)),
+                 allocator_reserve(setup, fullest["activations"], fullest["grads"])),
         ]
         note = (f"layers per GPU: {', '.join(str(hi - lo) for lo, hi in bounds)}; GPU {worst} (layers {a}-{b - 1}) "
                 f"is the fullest")

@@ -222,7 +222,8 @@ class ModelAnalysis:
                 try:
                     return AutoModelForCausalLM.from_config(self.config)
                 except ValueError as exc:
-                    raise UsageError(f"{self.name}: transformers cannot build a causal LM from this config ({exc}).") from None
+                    raise UsageError(f"{self.name}: transformers cannot build a causal LM from this config "
+                                     f"({exc}).") from None
 
     @cached_property
     def inventory(self) -> ModelInventory:

@@ -185,7 +185,8 @@ def _vocab_and_pad(cfg: TrainConfig, config) -> tuple[int, int]:
     return config.vocab_size, pad
 
 
-def _micro_batches(cfg: TrainConfig, pad_id: int, target_tokens: list[int] | None = None) -> list[dict[str, torch.Tensor]]:
+def _micro_batches(cfg: TrainConfig, pad_id: int,
+                   target_tokens: list[int] | None = None) -> list[dict[str, torch.Tensor]]:
     """A global batch of this rank at its largest: every row ``max_seq_len`` tokens, every token a target, or
     ``target_tokens[i]`` targets in micro-batch ``i`` (what a real step had). Each carries its ``target_index``,
     computed here from the real labels: the head's work follows the targets, and fake labels hold no values."""
@@ -345,6 +346,7 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from shardtune.train.build import build_model
+    from shardtune.train.model import keep_lora_input_dtype
     from shardtune.train.optim import build_optimizer, build_scheduler
     from shardtune.train.step import StepContext, train_step
 
@@ -359,6 +361,9 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
             # The trainer's own model building, with initialised weights (their values do not change memory).
             model, runner, trainable, total = build_model(cfg, plan, precision, info, vocab_size, weights="init",
                                                           config=config, stands_in_for=job)
+            if job.lora.use_4bit_quantization and not cfg.lora.use_4bit_quantization and target_device == "cuda":
+                # bitsandbytes' 4-bit LoRA layers skip PEFT's input cast under CUDA autocast (peft/tuners/lora/bnb.py)
+                keep_lora_input_dtype(model)
         batches = real_batches
         if fake:
             batches = [{k: fake_mode.from_tensor(v) for k, v in b.items()} for b in real_batches]

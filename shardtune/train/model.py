@@ -244,6 +244,18 @@ def upcast_embeddings_output(model: nn.Module) -> None:
     model.get_input_embeddings().register_forward_hook(upcast)
 
 
+def keep_lora_input_dtype(model: nn.Module) -> None:
+    """Make PEFT's LoRA layers feed their adapters the layer's input as it is, as its bitsandbytes 4-bit layers do
+    under autocast (the trace's bf16 stand-in for a QLoRA job). PEFT's plain ``Linear`` first casts the input to
+    the adapter's dtype (fp32), and autocast casts that back to a bf16 copy which the adapter's matmul keeps for
+    backward: one copy per adapted linear, where the 4-bit layers of q/k/v (and gate/up) share one input."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.cast_input_dtype_enabled = False
+
+
 def _output_head_names(model: nn.Module) -> list[str]:
     head = model.get_output_embeddings()
     return [name for name, module in model.named_modules() if module is head]
