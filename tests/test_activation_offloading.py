@@ -66,10 +66,11 @@ def test_each_step_moves_every_checkpointed_layer_input_and_frees_it():
 def test_offloading_without_checkpointing_is_refused_naming_the_fix(tmp_path):
     base = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path / "o")]
     with pytest.raises(UsageError, match="activation_offloading=true .* set gradient_checkpointing true"):
-        load_train_config([*base, "--activation_offloading", "true"])
+        load_train_config([*base, "--activation_offloading", "true", "--gradient_checkpointing", "false"])
     cfg = load_train_config([*base, "--activation_offloading", "true", "--distributed_type", "FSDP",
-                             "--fsdp_activation_checkpointing", "true"])
+                             "--gradient_checkpointing", "false", "--fsdp_activation_checkpointing", "true"])
     assert cfg.run.activation_offloading
+    assert load_train_config([*base, "--activation_offloading", "true"]).run.activation_offloading  # the default
 
 
 def test_runs_with_offloading_or_liger_on_cpu_have_the_same_losses(tmp_path, restore_logging, capfd):

@@ -228,11 +228,11 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path, capsys):
     assert ddp["in_collectives"] == pytest.approx([sum(r["comm_s"][1:]) / sum(r["wall_s"][1:]) for r in ranks])
     # The memory column: what `shardtune estimate` says of the same setup, in the precision the run chose.
     for row in (mp, ddp):
-        bf16 = yaml.safe_load((work / row["strategy"] / "config.yaml").read_text())["bf16"]
+        ran = yaml.safe_load((work / row["strategy"] / "config.yaml").read_text())
+        checkpointing = "--gradient-checkpointing" if ran["gradient_checkpointing"] else "--no-gradient-checkpointing"
         assert shardtune_main(["estimate", str(model), "--strategy", row["strategy"], "--num-gpus", "2",
-                               "--batch-size", "4", "--seq-len", "64", "--method", "full",
-                               "--no-gradient-checkpointing", "--mixed-precision", "bf16" if bf16 else "no",
-                               "--json"]) == 0
+                               "--batch-size", "4", "--seq-len", "64", "--method", "full", checkpointing,
+                               "--mixed-precision", "bf16" if ran["bf16"] else "no", "--json"]) == 0
         assert row["estimate_bytes"] == json.loads(capsys.readouterr().out)["per_gpu"]["total"]
     table = (tmp_path / "res.md").read_text()
     assert "| MP |" in table and "| DDP |" in table and "waiting in communication" in table

@@ -44,17 +44,17 @@ def test_estimate_with_no_options_estimates_train_with_no_flags(tiny_model, caps
     assert {k: estimated[k] for k in expected} == expected
     # what train does with no flags, stated: micro-batch, length, precision, checkpointing, optimizer
     assert (estimated["batch_size"], estimated["seq_len"], estimated["mixed_precision"],
-            estimated["gradient_checkpointing"], estimated["optimizer"]) == (8, 2048, "bf16", False, "adamw_torch")
+            estimated["gradient_checkpointing"], estimated["optimizer"]) == (8, 2048, "bf16", True, "adamw_torch")
 
 
 def test_the_header_states_trains_defaults(tiny_model, capsys):
     assert shardtune_main(["estimate", tiny_model]) == 0
     assert "(what shardtune train runs with no flags)" in capsys.readouterr().out
-    assert shardtune_main(["estimate", tiny_model, "--seq-len", "512", "--gradient-checkpointing"]) == 0
+    assert shardtune_main(["estimate", tiny_model, "--seq-len", "512", "--no-gradient-checkpointing"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
-    assert ("micro-batch 8 x 512 tokens, bf16 mixed (fp32 master), adamw_torch, gradient checkpointing on" in out
+    assert ("micro-batch 8 x 512 tokens, bf16 mixed (fp32 master), adamw_torch, gradient checkpointing off" in out
             and "(shardtune train with no flags runs: micro-batch 8 x 2048 tokens, bf16 mixed (fp32 master), "
-                "adamw_torch, gradient checkpointing off, sdpa attention)" in out)
+                "adamw_torch, gradient checkpointing on, sdpa attention)" in out)
 
 
 def test_a_recipe_without_precision_is_estimated_as_the_gpu_would_train_it(tiny_model, tmp_path, capsys,

@@ -50,7 +50,8 @@ def test_equal_bounds_cover_every_layer_once():
 
 
 def test_stages_follow_the_estimator_memory_plan(assets):
-    cfg = config(assets, "plan", ["--distributed_type", "MP", "--mp_devices", "cpu,cpu"])
+    cfg = config(assets, "plan", ["--distributed_type", "MP", "--mp_devices", "cpu,cpu", "--gradient_checkpointing",
+                                  "false"])
     bounds = stage_bounds_for_run(cfg, world_size=1)  # what `shardtune train` hands the trainer
     assert bounds == stage_bounds(cfg, 2, 4)
     plan, _ = place_stages(make_plan(cfg.distributed, single(), param_dtype=None, gradient_checkpointing=False,
