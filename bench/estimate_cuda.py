@@ -576,15 +576,14 @@ def rescore(args: argparse.Namespace) -> list[dict]:
     stored = load_predictions(predictions_path(args))
     rows = []
     for row in json.loads(path.read_text())["rows"]:
-        key = _key(row)
-        if key not in stored:
-            raise SystemExit(f"--rescore: no stored prediction for {key}: run --predict-only with that point's "
-                             "arguments first")
+        point = Point(**{f.name: row.get(f.name, f.default) for f in fields(Point)})
+        if point.key not in stored:
+            raise SystemExit(f"--rescore: no stored prediction for {point.key}: run --predict-only with that "
+                             "point's arguments first")
         before = row.get("before") or {"made_with": row["made_with"],
                                         **{name: row[name] for name, _, _ in ERROR_COLUMNS}}
         measured = Measurement(**{f.name: row.get(f.name, f.default) for f in fields(Measurement)})
-        rows.append(make_row(Point(**{f.name: row.get(f.name, f.default) for f in fields(Point)}),
-                             _prediction(stored[key]), measured) | {"before": before})
+        rows.append(make_row(point, _prediction(stored[point.key]), measured) | {"before": before})
     return rows
 
 
@@ -631,10 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rescore:
         write_results(rescore(args), args)
-        path = results_path(args)
-        print(f"wrote {path} and {path.with_suffix('.md').name}")
-        return 0
-    run(args)
+    else:
+        run(args)
     path = predictions_path(args) if args.predict_only else results_path(args)
     print(f"wrote {path} and {path.with_suffix('.md').name}")
     return 0

@@ -15,3 +15,17 @@ def checked_setup(**changes) -> Setup:
 
 # The same on the command line of ``shardtune estimate``.
 CHECKED_AT_ARGS = ["--batch-size", "1", "--seq-len", "2048", "--gradient-checkpointing", "--mixed-precision", "bf16"]
+
+
+def load_estimate_cuda_bench():
+    """bench/estimate_cuda.py as a module (it is a script, not part of the package), loaded afresh."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "estimate_cuda", Path(__file__).resolve().parents[1] / "bench" / "estimate_cuda.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -2,23 +2,18 @@
 predictions it reports are the trace's and the formula's own, and stored predictions are read back, not recomputed."""
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "estimate_cuda.py"
 DRY = ["--dry-run", "--models", "llama-3.2-1b", "--checkpointing", "on", "--steps", "1"]
 
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("estimate_cuda", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from tests.setups import load_estimate_cuda_bench
+
+    return load_estimate_cuda_bench()
 
 
 def _tiny_folder(bench, root: Path) -> str:

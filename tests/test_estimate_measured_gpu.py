@@ -4,10 +4,8 @@ off, autocast and pure bf16). The predictions are computed here, by the current 
 the committed ones. docs/estimator.md ("Against a real GPU") says what each bound means and why the named points
 are outside it."""
 
-import importlib.util
 import json
 import statistics
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -33,11 +31,9 @@ TRACED = ["llama-3.2-1b/qlora/2x1024/ckpt-off", "tinyllama-1.1b/full/1x512/ckpt-
 
 @cache
 def _bench():
-    spec = importlib.util.spec_from_file_location("estimate_cuda", REPO / "bench" / "estimate_cuda.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from tests.setups import load_estimate_cuda_bench
+
+    return load_estimate_cuda_bench()
 
 
 def _point(row: dict):
