@@ -61,10 +61,9 @@ def _no_op_section() -> list[str]:
 
 
 def main() -> int:
-    tmp = DOC_PATH.with_name(DOC_PATH.name + ".tmp")
-    tmp.write_text(render())
-    tmp.replace(DOC_PATH)
-    print(f"wrote {DOC_PATH}")
+    from shardtune.files import write_text
+
+    print(f"wrote {write_text(DOC_PATH, render())}")
     return 0
 
 

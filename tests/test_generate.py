@@ -230,7 +230,7 @@ def test_prompt_ids_are_the_training_rows_prompt(tmp_path, template, appends_eos
     with one BOS, also for a tokenizer that appends EOS to whatever it encodes with special tokens."""
     from tokenizers.processors import TemplateProcessing
 
-    from shardtune.data.config import DataConfig
+    from shardtune.config.schema import DataConfig
     from shardtune.data.encode import IGNORE, encode_example, special_prefix
     from shardtune.data.templates import load_tokenizer
     from shardtune.testing.tiny import make_model_folder

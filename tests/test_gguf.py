@@ -231,7 +231,7 @@ def assistant_targets(ids: list[int], tokenizer) -> list[bool]:
 def test_smollm2_training_rows_are_its_chat_template_token_for_token(tmp_path):
     """The rows shardtune trains on are SmolLM2's own ``apply_chat_template`` ids (its default system prompt
     included), and the targets are exactly the assistant replies with their ``<|im_end|>``."""
-    from shardtune.data.config import DataConfig
+    from shardtune.config.schema import DataConfig
     from shardtune.data.pipeline import prepare_datasets
     from shardtune.data.templates import load_tokenizer
 

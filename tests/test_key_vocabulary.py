@@ -33,7 +33,7 @@ from shardtune.errors import UsageError
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o"]
 # Where keys are declared, loaded and validated: a key read only here changes nothing that runs.
-CONFIG_CODE = ("shardtune/config/", "shardtune/data/config.py")
+CONFIG_CODE = ("shardtune/config/",)
 NOT_ACTING = {"validate"}  # a section's method that checks every key acts on none of them
 FLAT_READERS = {"pick"}  # the flat config read by key: the launcher's pick("machine_rank", default), pick.whole(...)
 
@@ -222,7 +222,7 @@ def test_the_reader_scan_follows_sections_into_names_attributes_and_properties()
     """Each way product code reads a key, with keys that product code reads only that way."""
     read = keys_read_by_product_code()
     assert {"save_strategy",  # self.settings = cfg.checkpoint, then self.settings.save_strategy
-            "torch_dtype", "dtype",  # cfg.model.pure_bf16, a property reading both
+            "torch_dtype",  # cfg.model.pure_bf16, a property reading it
             "bf16", "fp16", "mixed_precision",  # cfg.mixed_precision, TrainConfig's property
             "machine_rank", "rdzv_backend",  # the launcher's pick.whole("machine_rank", ...), pick("rdzv_backend", ...)
             "add_special_tokens"} <= read  # load_tokenizer(path, cfg.data) -> configure_tokenizer(tokenizer, cfg)

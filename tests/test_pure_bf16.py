@@ -250,3 +250,11 @@ def test_resume_is_bitwise_and_export_is_bf16(runs):
     assert all(torch.equal(want[k].view(torch.int16), got[k].view(torch.int16)) for k in want)
     config = json.loads((single / "final" / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+
+
+def test_an_older_config_yaml_with_dtype_unset_keeps_torch_dtype(tmp_path):
+    """config.yaml written before dtype became torch_dtype's alias holds both keys, dtype null after torch_dtype:
+    the unset alias must not undo the run's pure bf16 when it is read back (resume, export)."""
+    saved = tmp_path / "config.yaml"
+    saved.write_text("model_name_or_path: m\ndataset_name: d\noutput_dir: o\ntorch_dtype: bfloat16\ndtype: null\n")
+    assert load_train_config([str(saved)]).model.pure_bf16

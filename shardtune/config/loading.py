@@ -14,7 +14,7 @@ The resolved config is written beside every checkpoint as flat YAML that ``shard
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,6 @@ import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
-from shardtune.config.keys import parse_bool
 from shardtune.config.no_ops import NO_OPS, no_op_problem
 from shardtune.config.schema import ALIASES, TrainConfig, all_keys
 from shardtune.config.validation import (context_problems, device_problems, input_problems, model_folder_problems,
@@ -31,8 +30,6 @@ from shardtune.config.validation import (context_problems, device_problems, inpu
 from shardtune.errors import UsageError, closest
 from shardtune.files import write_text
 from shardtune.strategies import FSDP
-
-__all__ = ["parse_bool"]  # read by the launcher, as the keys read booleans
 
 
 @dataclass
@@ -44,28 +41,6 @@ class Origin:
 
     def __str__(self) -> str:
         return f"{self.where}, line {self.line}" if self.line else self.where
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader that notes every key a mapping sets more than once (``safe_load`` keeps the last one
-    silently, so a recipe edited in two places trains with whichever comes lower)."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self.repeated: list[tuple[Any, list[int]]] = []  # (key, its lines), in the order found
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        lines: dict[Any, list[int]] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *defaults' then a key: YAML's own override
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                lines.setdefault(key, []).append(key_node.start_mark.line + 1)
-            except TypeError:  # an unhashable key: the constructor below says so
-                pass
-        self.repeated += [(key, at) for key, at in lines.items() if len(at) > 1]
-        return super().construct_mapping(node, deep=deep)
 
 
 def _repeated_key(path: Path, key: Any, lines: list[int]) -> str:
@@ -84,10 +59,11 @@ def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     except UnicodeDecodeError as exc:
         raise UsageError(f"{path}: not a YAML text file (byte {exc.start} is not UTF-8); give the recipe "
                          f"itself") from None
-    loader = _UniqueKeyLoader(text)
+    loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
-        flat_lines = _flat_key_lines(node)  # before constructing, which folds '<<' merges into the mapping
+        repeated = [(key, at) for mapping in _mappings(node) for key, at in _key_lines(mapping).items() if len(at) > 1]
+        flat_lines = _key_lines(node, lift="fsdp_config")  # before constructing, which folds '<<' merges in
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -104,24 +80,36 @@ def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
             line = flat_lines.get(section, [0])[0]
             raise UsageError(f"{path}{f', line {line}' if line else ''}: {section} must be a mapping of keys "
                              f"(as 'accelerate config' writes it), got {type(data[section]).__name__}")
-    found = {key for key, _ in loader.repeated}
-    repeated = loader.repeated + [(key, at) for key, at in flat_lines.items() if len(at) > 1 and key not in found]
+    found = {key for key, _ in repeated}
+    repeated += [(key, at) for key, at in flat_lines.items() if len(at) > 1 and key not in found]
     raise_problems([_repeated_key(path, key, at) for key, at in repeated])
     return data, {key: at[0] for key, at in flat_lines.items()}
 
 
-def _flat_key_lines(node: yaml.Node | None) -> dict[str, list[int]]:
-    """The lines of each key written at the top level or under ``fsdp_config`` (both become flat keys)."""
+MERGE = "tag:yaml.org,2002:merge"  # '<<: *defaults' then a key: YAML's own override, not a key set twice
+
+
+def _mappings(node: yaml.Node | None, seen: set[int] | None = None) -> Iterator[yaml.MappingNode]:
+    """Every mapping in the tree under ``node``, once each (an alias is the node it points at)."""
+    seen = set() if seen is None else seen
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and id(node) not in seen:
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            yield node
+        for child in node.value:
+            for part in child if isinstance(child, tuple) else (child,):
+                yield from _mappings(part, seen)
+
+
+def _key_lines(node: yaml.Node | None, lift: str = "") -> dict[str, list[int]]:
+    """The lines of each key a mapping writes (before '<<' merges fold in), and those of its ``lift`` block."""
     lines: dict[str, list[int]] = {}
-    if not isinstance(node, yaml.MappingNode):
-        return lines
-    for key_node, value_node in node.value:
-        pairs = [(key_node, value_node)]
-        if key_node.value == "fsdp_config" and isinstance(value_node, yaml.MappingNode):
-            pairs += value_node.value
-        for key, _ in pairs:
-            if key.tag != "tag:yaml.org,2002:merge" and isinstance(key, yaml.ScalarNode):
-                lines.setdefault(key.value, []).append(key.start_mark.line + 1)
+    for key, value in node.value if isinstance(node, yaml.MappingNode) else ():
+        if key.tag != MERGE and isinstance(key, yaml.ScalarNode):
+            lines.setdefault(key.value, []).append(key.start_mark.line + 1)
+        if lift and key.value == lift:
+            for name, at in _key_lines(value).items():
+                lines.setdefault(name, []).extend(at)
     return lines
 
 
@@ -191,30 +179,24 @@ def deepspeed_mapping(argv: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-def _latest(layers: Layers, key: str, default: Any) -> Any:
-    found = [values[key] for values, _ in layers if key in values]
-    return found[-1] if found else default
-
-
 def _check_train_batch_size(mapped, layers: Layers) -> list[str]:
     """DeepSpeed's train_batch_size against the config's micro-batch x accumulation x processes."""
-    defaults = TrainConfig()
-    micro = int(mapped.values.get("per_device_train_batch_size", _latest(
-        layers, "per_device_train_batch_size", defaults.run.per_device_train_batch_size)))
-    procs = int(_latest(layers, "num_processes", defaults.distributed.num_processes))
-    accum = mapped.values.get("gradient_accumulation_steps", _latest(layers, "gradient_accumulation_steps", None))
-    if accum is None and mapped.train_batch_size % (micro * procs) == 0:
-        mapped.values["gradient_accumulation_steps"] = mapped.train_batch_size // (micro * procs)
-        mapped.lines.append(f"train_batch_size {mapped.train_batch_size} -> gradient_accumulation_steps "
-                            f"{mapped.values['gradient_accumulation_steps']} (= {mapped.train_batch_size} / "
-                            f"({micro} x {procs} processes))")
+    said = {key: value for values, _ in layers for key, value in values.items()} | mapped.values  # the latest
+    defaults, total = TrainConfig(), mapped.train_batch_size
+    micro = int(said.get("per_device_train_batch_size", defaults.run.per_device_train_batch_size))
+    procs = int(said.get("num_processes", defaults.distributed.num_processes))
+    accum = said.get("gradient_accumulation_steps")
+    if accum is None and total % (micro * procs) == 0:
+        accum = mapped.values["gradient_accumulation_steps"] = total // (micro * procs)
+        mapped.lines.append(f"train_batch_size {total} -> gradient_accumulation_steps {accum} (= {total} / ({micro} x "
+                            f"{procs} processes))")
         return []
-    accum = int(accum if accum is not None else defaults.run.gradient_accumulation_steps)
-    if micro * accum * procs == mapped.train_batch_size:
-        mapped.lines.append(f"train_batch_size {mapped.train_batch_size} = {micro} x {accum} x {procs} processes")
+    accum = int(defaults.run.gradient_accumulation_steps if accum is None else accum)
+    if micro * accum * procs == total:
+        mapped.lines.append(f"train_batch_size {total} = {micro} x {accum} x {procs} processes")
         return []
-    return [f"{mapped.where}: train_batch_size {mapped.train_batch_size} is not per_device_train_batch_size {micro} "
-            f"x gradient_accumulation_steps {accum} x {procs} processes ({micro * accum * procs}): make them agree, "
+    return [f"{mapped.where}: train_batch_size {total} is not per_device_train_batch_size {micro} x "
+            f"gradient_accumulation_steps {accum} x {procs} processes ({micro * accum * procs}): make them agree, "
             f"or write auto"]
 
 
@@ -332,6 +314,8 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
         problems += _alias_problems(values, sources)
         for name, value in values.items():
             source, key = sources.get(name, Origin("config")), ALIASES.get(name, name)
+            if value is None and key != name:  # another tool's name left unset (an older config.yaml's dtype: null)
+                continue
             if key in DYNAMO_KEYS:  # Accelerate's torch.compile settings, read as torch_compile* (compile.py)
                 values_meant, refused = dynamo_values(key, value)
                 problems += [f"{source}: {problem}" for problem in refused]

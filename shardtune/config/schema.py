@@ -35,14 +35,9 @@ DataFormat = Literal["auto", "chat", "prompt_completion", "alpaca", "text"]
 # none: the tokenizer's own template; the others are data/templates.py's TEMPLATES (a test holds them equal).
 ChatTemplateFormat = Literal["none", "chatml", "llama-3", "mistral", "alpaca", "zephyr"]
 
-# The values each choice key accepts, under the names the rest of the code imports.
-DISTRIBUTED_TYPES, PIPELINE_SCHEDULES = get_args(DistributedType), get_args(PipelineSchedule)
-SHARDING_STRATEGIES, WRAP_POLICIES = get_args(ShardingStrategy), get_args(WrapPolicy)
-STATE_DICT_TYPES, MIXED_PRECISIONS = get_args(StateDictType), get_args(MixedPrecision)
-SCHEDULERS, STRATEGIES_STEPS, LOG_LEVELS = get_args(Scheduler), get_args(Every), get_args(LogLevel)
-HUB_STRATEGIES, FSDP_VERSIONS, DATA_FORMATS = get_args(HubStrategy), get_args(FsdpVersion), get_args(DataFormat)
-CHAT_TEMPLATES, TORCH_DTYPES = get_args(ChatTemplateFormat), get_args(TorchDtype)
-ACCEPTED_OPTIMS = tuple(OPTIMIZERS)  # Transformers' optimizer names the trainer runs (config/optimizers.py)
+# The values of the choice keys that other modules read (the estimator's, data/templates.py's test).
+SHARDING_STRATEGIES, MIXED_PRECISIONS = get_args(ShardingStrategy), get_args(MixedPrecision)
+CHAT_TEMPLATES = get_args(ChatTemplateFormat)
 # report_to: each experiment tracker, the module it imports and the PyPI package that provides it.
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
                     "mlflow": ("mlflow", "mlflow-skinny"), "trackio": ("trackio", "trackio")}
@@ -75,15 +70,13 @@ class ModelConfig:
         "pure bf16: weights, gradients and AdamW moments in bf16, no fp32 master (half the optimizer memory), updates "
         "stochastically rounded so small steps are kept, FSDP reducing gradients in bf16, final/ saved in bf16. With "
         "LoRA the base and the adapters are bf16. Runs adamw_torch/adamw_torch_fused with every distributed_type; "
-        "float16 is refused (use fp16 mixed precision).", spellings=DTYPE_SPELLINGS, refused={"float16": FLOAT16})
-    dtype: TorchDtype | None = key(None, "Transformers 5's name for torch_dtype; give one of the two (different "
-                                         "values are refused).", spellings=DTYPE_SPELLINGS,
-                                   refused={"float16": FLOAT16})
+        "float16 is refused (use fp16 mixed precision).", spellings=DTYPE_SPELLINGS, refused={"float16": FLOAT16},
+        aliases={"dtype": "Transformers 5's"})
 
     @property
     def weights_dtype(self) -> str:
-        """auto, float32 or bfloat16: torch_dtype or its alias dtype (validation refuses the two disagreeing)."""
-        return str(self.torch_dtype or self.dtype or "auto").lower().removeprefix("torch.")
+        """auto, float32 or bfloat16."""
+        return str(self.torch_dtype or "auto").lower().removeprefix("torch.")
 
     @property
     def pure_bf16(self) -> bool:
@@ -192,7 +185,7 @@ class OptimConfig:
         "adamw_torch", "Transformers' optimizer name, run as Transformers runs it: adamw_torch(_fused) is torch's "
         "AdamW (fused on CUDA); the 8-bit, 32-bit and paged AdamW and Lion are bitsandbytes' (paged ones need CUDA; "
         "under FSDP each rank steps its shard); adafactor is Transformers' Adafactor (not with FSDP); sgd is torch's "
-        "SGD without momentum. State bytes per weight: docs/estimator.md.", choices=ACCEPTED_OPTIMS)
+        "SGD without momentum. State bytes per weight: docs/estimator.md.", choices=tuple(OPTIMIZERS))
 
 
 @dataclass

@@ -221,15 +221,10 @@ def _validate_pipeline(cfg: TrainConfig) -> list[Problem]:
 
 
 def dtype_problems(cfg: TrainConfig) -> list[Problem]:
-    """torch_dtype / dtype (TRL's and Transformers 5's names): the two agreeing, and what pure bf16 pairs with."""
-    m = cfg.model
-    if m.torch_dtype and m.dtype and m.torch_dtype != m.dtype:
-        return [Problem(("torch_dtype", "dtype"), f"torch_dtype={m.torch_dtype} and dtype={m.dtype} disagree (dtype "
-                                                  f"is Transformers 5's name for torch_dtype); give one of them")]
-    key = "torch_dtype" if m.torch_dtype else "dtype"
-    if not m.pure_bf16:
+    """What pure bf16 (torch_dtype bfloat16) pairs with."""
+    if not cfg.model.pure_bf16:
         return []
-    problems = []
+    key, problems = "torch_dtype", []
     if cfg.optim.optim not in PURE_BF16_OPTIMS:
         problems.append(Problem((key, "optim"), f"{key}=bfloat16 with optim {cfg.optim.optim}: in pure bf16 only "
                                 f"{' and '.join(PURE_BF16_OPTIMS)} keep small updates (stochastic rounding); use one "
@@ -285,23 +280,19 @@ def bitsandbytes_problems(cfg: TrainConfig) -> list[Problem]:
     """QLoRA's 4-bit base and bitsandbytes' optimizers need the package to import (a missing one, or a build
     that does not load on this machine), found before anything is written rather than as a traceback after the
     data is tokenised. Imported only for a job that uses it."""
-    users = [f"optim {cfg.optim.optim}"] if OPTIMIZERS.get(cfg.optim.optim) and \
-        OPTIMIZERS[cfg.optim.optim].library == "bitsandbytes" else []
-    if cfg.lora.use_4bit_quantization:
-        users.insert(0, "use_4bit_quantization (QLoRA)")
-    if not users:
-        return []
+    qlora, spec = cfg.lora.use_4bit_quantization, OPTIMIZERS.get(cfg.optim.optim)
+    users = {"use_4bit_quantization (QLoRA)": "use_4bit_quantization false (plain LoRA)"} if qlora else {}
+    if spec and spec.library == "bitsandbytes":
+        users[f"optim {cfg.optim.optim}"] = "optim adamw_torch"
     try:
-        import bitsandbytes  # noqa: F401
+        if users:
+            import bitsandbytes  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - ImportError, or the RuntimeError of a build that cannot load here
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}" if str(exc).strip() else type(exc).__name__
-        optim_too = len(users) > cfg.lora.use_4bit_quantization
-        instead = " and ".join(fix for fix, used in (("use_4bit_quantization false (plain LoRA)",
-                                                       cfg.lora.use_4bit_quantization),
-                                                      ("optim adamw_torch", optim_too)) if used)
-        return [Problem(("use_4bit_quantization", "optim") if cfg.lora.use_4bit_quantization else "optim",
+        return [Problem(("use_4bit_quantization", "optim") if qlora else "optim",
                         f"{' and '.join(users)} need{'s' if len(users) == 1 else ''} bitsandbytes, which does not "
-                        f"import here ({why}): pip install -U 'bitsandbytes>=0.46', or train with {instead}")]
+                        f"import here ({why}): pip install -U 'bitsandbytes>=0.46', or train with "
+                        f"{' and '.join(users.values())}")]
     return []
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {"Collator": "collate", "DataConfig": "config", "DataReport": "report", "EvalSampler": "sampler",
-            "GlobalBatchSampler": "sampler", "PreparedData": "pipeline", "prepare_datasets": "pipeline",
-            "load_tokenizer": "templates"}
+_EXPORTS = {"Collator": ".collate", "DataConfig": "..config.schema", "DataReport": ".report", "EvalSampler": ".sampler",
+            "GlobalBatchSampler": ".sampler", "PreparedData": ".pipeline", "prepare_datasets": ".pipeline",
+            "load_tokenizer": ".templates"}
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'shardtune.data' has no attribute '{name}'")
-    return getattr(importlib.import_module(f"shardtune.data.{_EXPORTS[name]}"), name)
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
