@@ -13,7 +13,7 @@ prediction.
 
 Writes bench/results/calibration.{json,md} and calibration.png (log-log, predicted against measured).
 
-    .venv/bin/python bench/calibration.py [--trace] [--out bench/results/calibration]
+    .venv/bin/python bench/calibration.py [--trace] [--memory-only] [--out bench/results/calibration]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from shardtune.memory.calibration import Point, load_points
@@ -319,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results/calibration")
     parser.add_argument("--trace", action="store_true", help="also trace each memory point (slow: minutes each)")
     parser.add_argument("--speed-only", action="store_true")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="recompute the memory points; the speed fit and rows are kept from the .json")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the .md and .png from the .json an earlier run wrote, computing nothing")
     args = parser.parse_args(argv)
@@ -326,11 +328,15 @@ def main(argv: list[str] | None = None) -> int:
         write(json.loads(Path(args.out).with_suffix(".json").read_text()), Path(args.out))
         return 0
     points = load_points()
-    print(f"{len(points)} points: fitting the speed model with each left out", file=sys.stderr)
-    cases = [speed_case(p) for p in points if p.kind == "speed"]
-    full, speed = speed_rows(cases)
+    if args.memory_only:
+        kept = json.loads(Path(args.out).with_suffix(".json").read_text())
+        fitted, speed = kept["fitted_params"], kept["speed"]
+    else:
+        print(f"{len(points)} points: fitting the speed model with each left out", file=sys.stderr)
+        full, speed = speed_rows([speed_case(p) for p in points if p.kind == "speed"])
+        fitted = asdict(full)
     memory = [] if args.speed_only else memory_rows([p for p in points if p.kind == "memory"], args.trace)
-    result = {"fitted_params": asdict(full), "speed": speed, "speed_summary": speed_summary(speed),
+    result = {"fitted_params": fitted, "speed": speed, "speed_summary": speed_summary(speed),
               "memory": memory, "memory_summary": memory_summary(memory) if memory else {}}
     write(result, Path(args.out))
     print(json.dumps({"fitted_params": result["fitted_params"], "speed_summary": result["speed_summary"],

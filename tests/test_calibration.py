@@ -162,3 +162,18 @@ def test_a_bad_spec_is_one_line_naming_the_field(spec, named):
     assert proc.returncode == 2, proc.stderr
     assert named in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_embeddings_and_head_as_their_own_units_are_not_gathered_through_backward():
+    """torchtune's custom_sharded_layers (its 70B full recipe): the embeddings and the head are FSDP units of their
+    own, resharded after forward, so the layers' backward (the peak) holds the root's bf16 copy no more."""
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import evaluate_setup
+    from shardtune.memory.setup import Setup, validate
+
+    model = ModelAnalysis("llama-3.1-70b")
+    job = dict(method="full", distributed_type="FSDP", fsdp_offload_params=True, num_gpus=8, max_seq_len=2048,
+               per_device_train_batch_size=2, gradient_checkpointing=True, mixed_precision="bf16", loss="chunked")
+    kept, separate = (evaluate_setup(model, validate(Setup.of(**job, separate_root_units=own))) for own in (0, 1))
+    assert kept.phase == separate.phase == "backward (last layer)"
+    assert kept.total - separate.total == model.inventory.root_params * 2

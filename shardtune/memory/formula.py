@@ -170,6 +170,11 @@ class _Model:
     def root_gathered(self) -> float:
         return (self.inv.root_params + self.lora_root) * self.dt.compute
 
+    def head_gathered(self) -> float:
+        """The head as its own FSDP unit gathers it (the embeddings when tied)."""
+        inv = self.inv
+        return (inv.head_params or inv.embedding_params) * self.dt.compute
+
     def layer_trainable(self, i: int) -> int:
         return self.inv.layer_params[i] if self.setup.method == "full" else self.lora_layer[i]
 
@@ -339,6 +344,14 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
         gathered_at_loss = 0 if dp.shard > 1 else gathered_fwd
     loss, backward = root + gathered_at_loss, root + gathered_fwd + unit_grad
     loss_backward = head = loss
+    if setup.separate_root_units and dp.shard > 1 and setup.sharding_strategy != "SHARD_GRAD_OP":
+        # Embeddings and head are units of their own (torchtune custom_sharded_layers), resharded after their
+        # forward: nothing of them is gathered while the decoder layers run backward. The head is gathered again
+        # by its pre-backward hook (with its unsharded gradient beside it when it trains).
+        head_unit = model.head_gathered()
+        head_grad = (dp.inv.head_params or dp.inv.embedding_params) * dp.dt.compute if setup.method == "full" else 0
+        loss, backward = gathered_at_loss, gathered_fwd + unit_grad
+        loss_backward, head = loss, head_unit + head_grad
     if setup.loss == "shardtune" and dp.shard > 1 and setup.sharding_strategy != "SHARD_GRAD_OP":
         # FSDP2 reshards the root after forward (not under SHARD_GRAD_OP) and gathers it again from the
         # pre-backward hook on its output, the loss: before the chunks' backward, the all-gather's output

@@ -77,6 +77,10 @@ class Setup:
     # a time, recomputed in backward); full: transformers' (fp32 logits of the whole micro-batch); chunked:
     # torchtune's, compiled.
     loss: str = "shardtune"
+    # FSDP2: the embeddings and the head wrapped as FSDP units of their own (torchtune's ``custom_sharded_layers:
+    # ['tok_embeddings', 'output']``, full_finetune_distributed.py), so they are resharded after their forward
+    # like a decoder layer, instead of staying gathered in the root unit from forward to the end of backward.
+    separate_root_units: bool = False
 
     @classmethod
     def of(cls, **changes: Any) -> Setup:

@@ -68,6 +68,7 @@ class Point:
     grad_accum: int = 1
     sharding: str = "FULL_SHARD"
     offload: bool = False
+    separate_root_units: bool = False  # embeddings and head as FSDP2 units (torchtune's custom_sharded_layers)
     activation_offloading: bool = False
     lora_r: int = 8
     lora_targets: str = "all-linear"
@@ -95,7 +96,7 @@ class Point:
             activation_offloading=self.activation_offloading, mixed_precision=mixed,
             torch_dtype="bfloat16" if pure else None, optim=self.optimizer, lora_r=self.lora_r,
             lora_target_modules=self.lora_targets, loss=self.loss,
-            attn_implementation=ATTN_IMPLEMENTATION[self.attention]))
+            attn_implementation=ATTN_IMPLEMENTATION[self.attention], separate_root_units=self.separate_root_units))
 
     def kernels(self) -> Kernels:
         return Kernels(attention=self.attention, fused=self.elementwise == "fused", recompute=self.checkpointing,
