@@ -177,3 +177,32 @@ def test_embeddings_and_head_as_their_own_units_are_not_gathered_through_backwar
     kept, separate = (evaluate_setup(model, validate(Setup.of(**job, separate_root_units=own))) for own in (0, 1))
     assert kept.phase == separate.phase == "backward (last layer)"
     assert kept.total - separate.total == model.inventory.root_params * 2
+
+
+def _formula_gib(point_id: str) -> float:
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import evaluate_setup
+
+    point = next(p for p in load_points() if p.id == point_id)
+    return evaluate_setup(ModelAnalysis(point.model_ref()), point.setup()).total / 2**30
+
+
+def test_fsdp1_wrapping_cache_makes_the_reserved_peak_independent_of_the_context():
+    """Answer.AI's 7B LoRA reserved 10.24 GiB at 512 tokens and 10.22 at 2048: FSDP1's wrapping of a CPU model
+    leaves more cached on the default stream than the step's activations need, so they fit inside it."""
+    short, long = _formula_gib("answerai-mem-3090-7b-lora-512"), _formula_gib("answerai-mem-3090-7b-lora-2048")
+    assert abs(short - long) < 0.02 and 0.9 < long / 10.22 < 1.0
+
+
+def test_held_fp32_logits_add_one_fp32_vocabulary_row_per_token_to_the_loss_backward():
+    """transformers 4.38's loss upcasts the logits (kept in the output until after backward by fsdp_qlora's loop)
+    and shifts them into a second fp32 copy."""
+    from shardtune.memory.activations import Activations
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.setup import Setup, dtypes, validate
+
+    inv = ModelAnalysis("llama-2-7b").inventory
+    job = dict(method="lora", max_seq_len=512, loss="full-shifted", mixed_precision="bf16")
+    setups = [validate(Setup.of(**job, logits_held=on)) for on in (True, False)]
+    held, dropped = (Activations(inv, setup, dtypes(setup)) for setup in setups)
+    assert held.loss_backward_bytes(1000) - dropped.loss_backward_bytes(1000) == 1000 * 4 * inv.vocab_size

@@ -185,7 +185,7 @@ class Activations:
         inv = self.inv
         if self.setup.loss == "shardtune":
             kept, head_input = 8, self.dt.residual * inv.hidden_size
-        elif self.setup.loss == "full":
+        elif self.setup.loss in ("full", "full-shifted"):
             kept, head_input = 4 * inv.vocab_size, self.dt.compute * inv.hidden_size
         else:  # the compute-dtype logits and the fp32 log-sum-exp of each token
             kept, head_input = self.dt.compute * inv.vocab_size + 4, self.dt.compute * inv.hidden_size
@@ -220,6 +220,11 @@ class Activations:
             # upcast into the log-sum-exp reduction, so no fp32 copy of a chunk is materialised, only one fp32
             # log-sum-exp per token (counted with the saved logits).
             return 0
+        if self.setup.loss == "full-shifted":
+            # transformers <= 4.44 LlamaForCausalLM: ``logits.float()`` (returned with the output), then
+            # ``logits[..., :-1, :].contiguous()``: two fp32 copies while the log-softmax runs (the compute-dtype
+            # logits are gone by then; at the upcast they are beside one fp32 copy, which is less).
+            return tokens * max(8 * v, e * v + 4 * v)
         return tokens * (e * v + (4 * v if e != 4 else 0))
 
     def loss_backward_bytes(self, tokens: int) -> int:
@@ -238,4 +243,5 @@ class Activations:
             # gradient is alive, never all of them. The compiled backward writes it (softmax - one-hot) straight
             # in compute dtype, with no fp32 intermediate.
             return tokens * self.dt.compute * v // LOSS_CHUNKS
-        return tokens * 8 * v
+        held = 4 * v if self.setup.loss == "full-shifted" and self.setup.logits_held else 0
+        return tokens * (8 * v + held)

@@ -86,6 +86,69 @@ def allocator_reserve(setup: Setup, activations: float, grads: float) -> int:
     return round(RESERVE_FIXED_BYTES + per_activation * activations + RESERVE_PER_GRADIENT * grads)
 
 
+# torch/distributed/fsdp/_init_utils.py: PARAM_BROADCAST_BUCKET_SIZE, the bucket of sync_module_states' broadcast.
+FSDP1_BROADCAST_BUCKET = 250 * 1024 * 1024
+
+
+def _broadcast_buckets(sizes: list[int]) -> list[list[int]]:
+    """c10d compute_bucket_assignment_by_size: tensors in order, a bucket closed once it holds >= the limit."""
+    buckets, cur, total = [], [], 0
+    for n in sizes:
+        cur.append(n)
+        total += n
+        if total >= FSDP1_BROADCAST_BUCKET:
+            buckets.append(cur)
+            cur, total = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def fsdp1_init_cache(units: list[list[int]], shard: int, offload: bool) -> int:
+    """Bytes the caching allocator keeps cached (not allocated) on the default stream after FSDP1 wraps a model
+    held on the CPU with ``device_id`` and ``sync_module_states`` (torch 2.2 _init_utils.py
+    _init_param_handle_from_module): for each unit, innermost first and the root last, its tensors are moved to the
+    GPU one by one, broadcast from rank 0 in buckets (_sync_params_and_buffers -> broadcast_coalesced flattens each
+    bucket of more than one tensor into a new buffer), flattened into one FlatParameter (torch.cat) and sharded
+    (the local chunk cloned, the unsharded storage freed; flat_param.py FlatParamHandle.shard). The originals are
+    held by the caller's ``managed_params`` list until the handle is built. CPU offload moves each shard to the
+    host. ``units``: each unit's tensor sizes in bytes, as stored."""
+    from shardtune.memory.allocator import CachingAllocatorModel
+
+    alloc = CachingAllocatorModel()
+    for u, sizes in enumerate(units):
+        for t, n in enumerate(sizes):
+            alloc.malloc(("orig", u, t), n)
+        for b, bucket in enumerate(_broadcast_buckets(sizes)):
+            if len(bucket) > 1:
+                alloc.malloc(("bucket", u, b), sum(bucket))
+                alloc.free(("bucket", u, b))
+        flat = sum(sizes)
+        alloc.malloc(("flat", u), flat)
+        if shard > 1:
+            alloc.malloc(("shard", u), -(-flat // shard))
+            alloc.free(("flat", u))
+        for t in range(len(sizes)):
+            alloc.free(("orig", u, t))
+        if offload:
+            alloc.free(("shard", u))
+            alloc.free(("flat", u))
+    return alloc.reserved - alloc.allocated
+
+
+def _fsdp1_units(dp: "_DataParallel") -> list[list[int]]:
+    """The frozen units of a LoRA/QLoRA model as fsdp_qlora wraps it: a decoder layer each (its linear weights
+    as stored, then its two norms), the root last (embeddings, final norm, head). The adapters' own tiny units are
+    left out (small pool)."""
+    inv, s, fr = dp.inv, dp.setup, dp.dt.frozen
+    h, i = inv.hidden_size, inv.intermediate_size
+    q, kv = h * inv.num_heads * inv.head_dim, h * inv.num_kv_heads * inv.head_dim
+    linear = [q, kv, kv, q, h * i, h * i, h * i]
+    per = [(n // 2 if s.method == "qlora" else n * fr) for n in linear] + [h * fr, h * fr]
+    root = [inv.embedding_params * fr, h * fr] + ([inv.head_params * fr] if inv.head_params else [])
+    return [per] * inv.num_layers + [root]
+
+
 @dataclass(frozen=True)
 class Item:
     category: str
@@ -473,7 +536,14 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
     # Weight copies (autocast's, FSDP's gathered layers) come back at the same sizes layer after layer and step
     # after step: they reuse their blocks.
     dynamic = ph["act"] + (dequant if ph["act"] else 0)
-    items.append(Item("overhead", "allocator cache and workspaces", allocator_reserve(setup, dynamic, ph["grads"])))
+    reserve = allocator_reserve(setup, dynamic, ph["grads"])
+    if setup.fsdp1_init_cache and dp.fsdp:
+        # What FSDP1's wrapping left cached on the default stream is in the reserved peak from the start; the
+        # step's default-stream tensors made after it (gradients, optimizer states, activations) reuse it first.
+        # FSDP1 gathers units on its unshard stream, whose pool cannot use these blocks.
+        init = fsdp1_init_cache(_fsdp1_units(dp), shard, dp.offload)
+        reserve = max(reserve, round(init - states.optim_b - ph["grads"] - dynamic))
+    items.append(Item("overhead", "allocator cache and workspaces", reserve))
     context = CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if setup.world_size > 1 else 0)
     cpu = round((states.storage + states.grads + states.optim) / shard * setup.num_gpus) if dp.offload else 0
     cpu += _offloaded_activation_bytes(inv, setup, dp.act, setup.num_gpus)

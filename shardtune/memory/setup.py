@@ -24,7 +24,7 @@ METHODS = ("full", "lora", "qlora")  # what trains: LoraConfig.method, and metho
 # The trainer's optim names (config/optimizers.py), and the estimator's earlier spellings as aliases.
 OPTIMIZERS = (*OPTIMIZER_TABLE, *ESTIMATE_ALIASES)
 ATTENTION = ("sdpa", "flash_attention_2", "eager")
-LOSSES = ("shardtune", "full", "chunked")
+LOSSES = ("shardtune", "full", "full-shifted", "chunked")
 # What ``Setup.to_dict`` reports (the estimate's JSON "setup"): the properties below, by the CLI's option names.
 SUMMARY = ("method", "strategy", "sharding_strategy", "offload_params", "num_gpus", "num_nodes", "batch_size",
            "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "activation_offloading",
@@ -81,6 +81,13 @@ class Setup:
     # ['tok_embeddings', 'output']``, full_finetune_distributed.py), so they are resharded after their forward
     # like a decoder layer, instead of staying gathered in the root unit from forward to the end of backward.
     separate_root_units: bool = False
+    # The training loop keeps the model's output (its fp32 logits, "full-shifted") until after backward
+    # (fsdp_qlora train.py: ``output = None`` only after ``loss.backward()``).
+    logits_held: bool = False
+    # FSDP1 wrapping a model that sits on the CPU (or meta) with sync_module_states: every unit is moved to the GPU,
+    # broadcast in 250 MB buckets, flattened and sharded there; the blocks this leaves cached on the default stream
+    # are inside the reserved peak when the peak counter is reset without emptying the cache first.
+    fsdp1_init_cache: bool = False
 
     @classmethod
     def of(cls, **changes: Any) -> Setup:

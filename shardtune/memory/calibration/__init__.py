@@ -78,6 +78,8 @@ class Point:
     attention: str = "flash"
     elementwise: str = "eager"
     loss: str = "full"
+    logits_held: bool = False  # the loop keeps the model's output (its fp32 logits) until after backward
+    fsdp1_init: bool = False  # FSDP1 wrapped a CPU/meta model (sync_module_states); no empty_cache before the peak
     overlap_comm: bool = True
     reduce_bytes: int | None = None
     conversion: str = ""
@@ -96,7 +98,8 @@ class Point:
             activation_offloading=self.activation_offloading, mixed_precision=mixed,
             torch_dtype="bfloat16" if pure else None, optim=self.optimizer, lora_r=self.lora_r,
             lora_target_modules=self.lora_targets, loss=self.loss,
-            attn_implementation=ATTN_IMPLEMENTATION[self.attention], separate_root_units=self.separate_root_units))
+            attn_implementation=ATTN_IMPLEMENTATION[self.attention], separate_root_units=self.separate_root_units,
+            logits_held=self.logits_held, fsdp1_init_cache=self.fsdp1_init))
 
     def kernels(self) -> Kernels:
         return Kernels(attention=self.attention, fused=self.elementwise == "fused", recompute=self.checkpointing,
