@@ -412,7 +412,7 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
         # forward: nothing of them is gathered while the decoder layers run backward. The head is gathered again
         # by its pre-backward hook (with its unsharded gradient beside it when it trains).
         head_unit = model.head_gathered()
-        head_grad = (dp.inv.head_params or dp.inv.embedding_params) * dp.dt.compute if setup.method == "full" else 0
+        head_grad = head_unit if setup.method == "full" else 0  # its unsharded gradient, the same size
         loss, backward = gathered_at_loss, gathered_fwd + unit_grad
         loss_backward, head = loss, head_unit + head_grad
     if setup.loss == "shardtune" and dp.shard > 1 and setup.sharding_strategy != "SHARD_GRAD_OP":
