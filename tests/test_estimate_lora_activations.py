@@ -30,13 +30,13 @@ TARGETS = ["q_proj,v_proj", "q_proj,k_proj,v_proj,o_proj", "q_proj,down_proj", "
 BATCH, SEQ, RANK = 2, 64, 8
 
 
-def _measure_lora(config: dict, targets: str, pure_bf16: bool = True) -> int:
+def _measure_lora(config: dict, targets: str, pure_bf16: bool = True, dropout: float = 0.0) -> int:
     cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     peft_targets = "all-linear" if targets == "all-linear" else targets.split(",")
     # PEFT keeps the adapters of a bf16 model in fp32; pure bf16 casts them down too.
-    model = get_peft_model(model, LoraConfig(r=RANK, target_modules=peft_targets))
+    model = get_peft_model(model, LoraConfig(r=RANK, target_modules=peft_targets, lora_dropout=dropout))
     model = (model.to(torch.bfloat16) if pure_bf16 else model).train()
     if not pure_bf16:  # under autocast the trainer runs the residual stream in fp32 from the embeddings' output
         upcast_embeddings_output(model)
@@ -50,12 +50,12 @@ def _measure_lora(config: dict, targets: str, pure_bf16: bool = True) -> int:
     return live.live_bytes(parameter_storages(model)) + batch_bytes(inputs) - loss.nbytes
 
 
-def _predict(folder: str, targets: str, method: str = "lora", pure_bf16: bool = True) -> int:
+def _predict(folder: str, targets: str, method: str = "lora", pure_bf16: bool = True, dropout: float = 0.0) -> int:
     analysis = ModelAnalysis(folder)
     inv = analysis.inventory
     setup = checked_setup(method=method, gradient_checkpointing=False, per_device_train_batch_size=BATCH,
                           max_seq_len=SEQ, torch_dtype="bfloat16" if pure_bf16 else None, lora_r=RANK,
-                          lora_target_modules=targets, loss="full")
+                          lora_target_modules=targets, lora_dropout=dropout, loss="full")
     dt = dtypes(setup)
     act = Activations(inv, setup, dt)
     saved = BATCH * SEQ * (inv.num_layers * act.layer() + act.outside_layers()) + act.rope_tables()
@@ -75,6 +75,29 @@ def test_lora_activations_match_the_real_peft_model(arch, targets, pure_bf16, co
     folder = config_dir(CONFIGS[arch])
     measured = _measure_lora(CONFIGS[arch], targets, pure_bf16)
     assert _predict(folder, targets, pure_bf16=pure_bf16) == pytest.approx(measured, rel=0.005)
+
+
+def _cuda_dropout(x, p=0.5, training=True, inplace=False):
+    """What F.dropout runs on CUDA (the fused kernel, which keeps a boolean mask); on the CPU it keeps a mask in
+    the input's dtype instead."""
+    return torch.native_dropout(x, p, training)[0] if training and p > 0 else x
+
+
+@pytest.mark.parametrize("targets,pure_bf16", [("q_proj,k_proj,v_proj,o_proj", True), ("all-linear", True),
+                                               ("all-linear", False)])
+def test_lora_dropout_gives_each_adapter_its_own_input_and_mask(targets, pure_bf16, config_dir, monkeypatch):
+    """PEFT's dropout (lora_dropout > 0) hands each adapter its own copy of the input and keeps its mask, where
+    without it the projections behind one norm share one copy: the formula follows a real PEFT model."""
+    monkeypatch.setattr(torch.nn.functional, "dropout", _cuda_dropout)
+    folder = config_dir(CONFIGS["llama"])
+    measured = _measure_lora(CONFIGS["llama"], targets, pure_bf16, dropout=0.1)
+    assert measured > _measure_lora(CONFIGS["llama"], targets, pure_bf16)
+    # The first layer's q, k and v read the norm of the frozen embeddings, which needs no gradient, so their
+    # dropout keeps no mask there; the formula counts every layer alike (over by 1 byte a value of those three).
+    unkept_masks = 3 * BATCH * SEQ * CONFIGS["llama"]["hidden_size"]
+    predicted = _predict(folder, targets, pure_bf16=pure_bf16, dropout=0.1)
+    assert predicted - unkept_masks == pytest.approx(measured, rel=0.005)
+    assert predicted != pytest.approx(measured, rel=0.005)  # the test sees masks of 1 byte a value
 
 
 def test_frozen_base_keeps_less_than_full_finetuning(config_dir):

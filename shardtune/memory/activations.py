@@ -125,13 +125,16 @@ class Activations:
         attention output its kernel keeps anyway. fp32 adapters under torch.autocast (the trainer's default) each
         make their own copy: PEFT casts the input up to the adapter's fp32 and autocast casts that back to the
         compute dtype for A's matmul, which keeps it (autocast caches casts of weights, not of activations); the
-        fp32 cast itself is not kept. Measured on real PEFT models in tests/test_estimate_lora_activations.py.
+        fp32 cast itself is not kept. With ``lora_dropout`` each adapter's dropout keeps its boolean mask and hands
+        A its own copy of the input, shared with no other adapter. Measured on real PEFT models in
+        tests/test_estimate_lora_activations.py.
         """
         if not self.adapted:
             return 0
         r, e = self.setup.lora_r, self.dt.compute
-        if self.autocast_adapters:
-            return sum(e * (self._input_width(name) + r) for name in self.adapted)
+        if self.autocast_adapters or self.setup.lora_dropout:
+            mask = 1 if self.setup.lora_dropout else 0
+            return sum((e + mask) * self._input_width(name) + e * r for name in self.adapted)
         shared = int(bool(self.adapted & ATTENTION_INPUT)) + int(bool(self.adapted & MLP_INPUT))
         down = e * self.inv.intermediate_size if self.adapted & MLP_DOWN else 0
         return e * r * len(self.adapted) + shared * e * self.inv.hidden_size + down

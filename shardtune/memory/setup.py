@@ -152,6 +152,10 @@ class Setup:
         return self.config.lora.lora_target_modules
 
     @property
+    def lora_dropout(self) -> float:
+        return self.config.lora.lora_dropout
+
+    @property
     def use_dora(self) -> bool:
         """DoRA's trained magnitudes (counted; its extra activations only the trace measures)."""
         return self.config.lora.use_dora
