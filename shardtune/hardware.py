@@ -45,7 +45,7 @@ class Link:
 # (shardtune/memory/compute.py ``TimingParams.pcie_share``; bench/results/calibration.md). Published multi-GPU PCIe
 # machines move FSDP's traffic at a few GB/s, far below the line rate (dual-socket boards, switches, no P2P).
 PCIE_X16_BYTES_PER_S = {"pcie3": 15.75e9, "pcie4": 31.5e9, "pcie5": 63e9}
-PCIE_P2P_SHARE = 0.1309
+PCIE_P2P_SHARE = 0.147
 # The other achieved rates, each from a measurement where one was read (shardtune/memory/calibration/links.yaml
 # quotes them): NVLink 3, 195 GB/s per direction (nccl-tests sendrecv, 8 x A100); NVLink 4, 339 GB/s (nccl-tests
 # all_reduce bus bandwidth over 2 x 8 H100, so a lower bound for one node); PCIe 3.0 x16 between GeForce cards,
@@ -105,6 +105,13 @@ class Gpu:
     inter_node: str = "ethernet-100g"
     host: str = "server"
     peak_fp16_flops: float | None = None  # fp16 tensor peak where it differs from bf16's (cards without bf16)
+    # hopper or blackwell: data-centre cards whose tensor peak needs warp-group MMA (sm_90 wgmma, sm_100 tcgen05),
+    # which FlashAttention-2-class kernels do not issue; any other value (or none) for cards without it.
+    arch: str = ""
+
+    @property
+    def warpgroup_mma(self) -> bool:
+        return self.arch in WARPGROUP_ARCHS
 
     def peak_flops(self, mixed_precision: str) -> float | None:
         """The dense tensor-core peak a step in ``mixed_precision`` (bf16, fp16, no) computes at."""
@@ -119,7 +126,8 @@ class Gpu:
 # memory bandwidth. shardtune/memory/calibration/cards.yaml records for every card where each figure was read.
 # memory_bytes is nvidia-smi's memory.total (MiB) where one is recorded, else the data sheet's GB as 10^9 bytes.
 # GeForce cards compute bf16 with fp32 accumulation at half their fp16-accumulate rate, the rate used here.
-_HOPPER = {"interconnect": "nvlink4", "nvlink": "nvlink4", "host_link": "pcie5", "inter_node": "infiniband"}
+_HOPPER = {"interconnect": "nvlink4", "nvlink": "nvlink4", "host_link": "pcie5", "inter_node": "infiniband",
+           "arch": "hopper"}
 _A100 = {"interconnect": "nvlink3", "nvlink": "nvlink3", "host_link": "pcie4", "inter_node": "infiniband-hdr"}
 _GEFORCE = {"host": "desktop"}
 CARDS = (
@@ -127,12 +135,12 @@ CARDS = (
         peak_fp32_flops=67e12, memory_bandwidth=3.35e12, **_HOPPER),
     Gpu("h100-80gb-pcie", 81559 * MIB, label="NVIDIA H100 PCIe 80GB", device_key="H100 PCIe", peak_bf16_flops=756e12,
         peak_fp32_flops=51e12, memory_bandwidth=2.0e12, interconnect="pcie5", host_link="pcie5",
-        inter_node="infiniband"),
+        inter_node="infiniband", arch="hopper"),
     Gpu("h200", 143771 * MIB, label="NVIDIA H200 141GB", device_key="H200", peak_bf16_flops=989e12,
         peak_fp32_flops=67e12, memory_bandwidth=4.8e12, **_HOPPER),
     Gpu("b200", 192_000_000_000, label="NVIDIA B200 192GB", device_key="B200", peak_bf16_flops=2250e12,
         peak_fp32_flops=80e12, memory_bandwidth=8.0e12, interconnect="nvlink5", nvlink="nvlink5",
-        host_link="pcie5", inter_node="infiniband"),
+        host_link="pcie5", inter_node="infiniband", arch="blackwell"),
     Gpu("mi300x", 192_000_000_000, label="AMD Instinct MI300X 192GB", device_key="MI300X", peak_bf16_flops=1300e12,
         peak_fp32_flops=None, memory_bandwidth=5.3e12, interconnect="infinity-fabric", nvlink=None,
         host_link="pcie5", inter_node="infiniband"),
@@ -168,7 +176,7 @@ CARDS = (
         peak_fp32_flops=35.6e12, memory_bandwidth=936e9, interconnect="pcie4-host", nvlink="nvlink-bridge",
         **_GEFORCE),
     # Known to the MFU only.
-    Gpu("h100-nvl", None, label="NVIDIA H100 NVL", device_key="H100 NVL", peak_bf16_flops=835e12),
+    Gpu("h100-nvl", None, label="NVIDIA H100 NVL", device_key="H100 NVL", peak_bf16_flops=835e12, arch="hopper"),
     Gpu("l40", None, label="NVIDIA L40", device_key="L40", peak_bf16_flops=181.05e12),
     Gpu("a10", None, label="NVIDIA A10", device_key="A10", peak_bf16_flops=125e12),
 )
@@ -191,10 +199,13 @@ def gpu_by_name(name: str) -> Gpu:
     return GPUS[check_choice(name, GPUS, "GPU")]
 
 
+WARPGROUP_ARCHS = ("hopper", "blackwell")
 SPEC_KEYS = {"tflops": "dense bf16 tensor-core TFLOP/s (half the data sheet's 'with sparsity' figure)",
              "memory": "memory in GiB", "bandwidth": "memory bandwidth in GB/s",
              "link": f"the link between a node's GPUs ({', '.join(INTRA_NODE_LINKS)}; default pcie4)",
-             "host": "the PCIe link to the host: pcie5, pcie4 or pcie3 (default pcie4)"}
+             "host": "the PCIe link to the host: pcie5, pcie4 or pcie3 (default pcie4)",
+             "arch": "hopper or blackwell for a data-centre card of those generations (H100, H200, B200: "
+                     "attention kernels reach less of their peak), else other (default)"}
 SPEC_REQUIRED = ("tflops", "memory", "bandwidth")
 SPEC_EXAMPLE = "--gpu-spec tflops=121,memory=24,bandwidth=300,link=pcie4"
 
@@ -217,10 +228,12 @@ def gpu_from_spec(text: str) -> Gpu:
     tflops, memory_gib, bandwidth_gbs = (_spec_number(fields, k) for k in SPEC_REQUIRED)
     link = check_choice(fields.get("link", "pcie4"), INTRA_NODE_LINKS, "--gpu-spec link")
     host = check_choice(fields.get("host", "pcie4"), ("pcie5", "pcie4", "pcie3"), "--gpu-spec host link")
+    arch = check_choice(fields.get("arch", "other"), (*WARPGROUP_ARCHS, "other"), "--gpu-spec arch")
     return Gpu(f"spec:{text}", int(memory_gib * GIB),
                label=f"GPU of {tflops:g} TFLOP/s, {memory_gib:g} GiB, {bandwidth_gbs:g} GB/s (--gpu-spec)",
                peak_bf16_flops=tflops * 1e12, memory_bandwidth=bandwidth_gbs * 1e9, interconnect=link,
-               nvlink=link if link.startswith("nvlink") else None, host_link=host)
+               nvlink=link if link.startswith("nvlink") else None, host_link=host,
+               arch="" if arch == "other" else arch)
 
 
 def _spec_number(fields: dict[str, str], key: str) -> float:

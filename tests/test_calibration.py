@@ -122,6 +122,7 @@ def test_the_shipped_constants_are_the_committed_fit():
 TABLE_AS_SPEC = {  # a table card and the same card described by its numbers
     "l40s": "tflops=362.05,memory=44.98828125,bandwidth=864,link=pcie4,host=pcie4",
     "a100-80gb": "tflops=312,memory=80,bandwidth=2039,link=nvlink3,host=pcie4",
+    "h100-80gb": "tflops=989,memory=79.6474609375,bandwidth=3350,link=nvlink4,host=pcie5,arch=hopper",
 }
 
 
@@ -146,6 +147,28 @@ def test_the_spec_sets_what_it_names():
     assert (gpu.peak_bf16_flops, gpu.memory_bytes, gpu.memory_bandwidth) == (121e12, 24 * GIB, 300e9)
     assert gpu.interconnect == "pcie4-host" and INTRA_NODE_LINKS[gpu.interconnect]
     assert GPUS["l40s"].memory_bytes == 46068 * MIB == int(44.98828125 * GIB)  # the table row the test above uses
+    assert GPUS["h100-80gb"].memory_bytes == int(79.6474609375 * GIB)
+    assert not gpu.warpgroup_mma and gpu_from_spec(TABLE_AS_SPEC["h100-80gb"]).warpgroup_mma
+
+
+def test_attention_on_a_hopper_card_runs_at_flashattention2s_share_of_its_peak():
+    """The same numbers with arch=hopper: the matmuls and memory-bound work take as long, attention longer, by the
+    FlashAttention-2 paper's H100 against A100 utilisation."""
+    from shardtune.memory.compute import WARPGROUP_ATTENTION, Kernels, microbatch
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.setup import Setup
+
+    spec = "tflops=989,memory=80,bandwidth=3350"
+    inv = ModelAnalysis("llama-3-8b").inventory
+    setup = Setup.of(method="full", per_device_train_batch_size=1, max_seq_len=8192)
+    other, hopper = (microbatch(inv, setup, gpu_from_spec(s), 989e12, kernels=Kernels(attention="flash"))
+                     for s in (spec, spec + ",arch=hopper"))
+    assert (hopper.matmul_s, hopper.memory_s) == (other.matmul_s, other.memory_s)
+    streamed = 1 / (CALIBRATED.tile_intensity * 3350e9 * 0.8)
+    compute_only = [m.attention_s / (1 / (share * 989e12) + streamed) for m, share in
+                    ((other, CALIBRATED.attention), (hopper, CALIBRATED.attention * WARPGROUP_ATTENTION))]
+    assert compute_only[0] == pytest.approx(compute_only[1])  # the same FLOPs, each at its rate
+    assert hopper.attention_s > 1.5 * other.attention_s
 
 
 @pytest.mark.parametrize("spec, named", [
@@ -155,6 +178,7 @@ def test_the_spec_sets_what_it_names():
     ("tflops=121,memory=-3,bandwidth=300", "memory=-3 is not a positive number"),
     ("tflops=121,memory=24,bandwidth=300,color=green", "'color=green' is not one of"),
     ("tflops=121,memory=24,bandwidth=300,link=carrier-pigeon", "unknown --gpu-spec link 'carrier-pigeon'"),
+    ("tflops=121,memory=24,bandwidth=300,arch=pascal", "unknown --gpu-spec arch 'pascal'"),
 ])
 def test_a_bad_spec_is_one_line_naming_the_field(spec, named):
     proc = subprocess.run([sys.executable, "-m", "shardtune", "estimate", "llama-3.2-1b", "--gpu-spec", spec,

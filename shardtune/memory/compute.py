@@ -12,9 +12,10 @@ kernels; a GPU runs one at a time on the critical path):
   memory-bound too: per micro-batch, so small micro-batches pay more of it per token.
 - **Attention** (QK^T and PV, 4 x seq_len x heads x head_dim FLOPs per token per layer forward; backward 2x
   that eager, 2.5x in fused kernels, which recompute QK^T) runs at ``attention`` x the peak, with the same
-  bandwidth term. A causal kernel (flash attention, torch's causal SDPA, flex attention) skips the masked half;
-  SDPA handed an explicit mask (what transformers does with packed rows) computes all of it and reads the mask;
-  eager attention also writes and reads the L x L scores in memory.
+  bandwidth term; on Hopper and Blackwell data-centre cards at less (``WARPGROUP_ATTENTION``: their peak needs
+  instructions FlashAttention-2-class kernels do not use). A causal kernel (flash attention, torch's causal SDPA,
+  flex attention) skips the masked half; SDPA handed an explicit mask (what transformers does with packed rows)
+  computes all of it and reads the mask; eager attention also writes and reads the L x L scores in memory.
 - **Memory-bound work** moves bytes at ``MEMORY_EFFICIENCY`` x the data sheet's bandwidth: norms, activations,
   residual adds, RoPE and casts (``elementwise_bytes`` per token per layer per unit of 2 x hidden + intermediate,
   fewer when torch.compile or hand-written kernels fuse them: ``fused_elementwise_bytes``), the cross-entropy
@@ -40,9 +41,11 @@ MEMORY_EFFICIENCY = 0.8
 # Bytes moved per logit by the cross-entropy, forward and backward (counted, not fitted): transformers' loss
 # upcasts the bf16 logits (read 2, write 4), log-softmaxes them (4 + 4), and backward writes and reads the fp32
 # gradient twice and casts it down (4 + 4 + 4 + 4 + 4 + 2); shardtune train's loss does the upcast and the
-# log-softmax once more in backward (its chunks are checkpointed) and gathers the chunk gradients (+ 22); a
-# compiled chunked loss (torchtune) fuses it to a read of the logits and a write of their gradient, each twice.
-LOSS_BYTES_PER_LOGIT = {"full": 36.0, "shardtune": 58.0, "chunked": 8.0}
+# log-softmax once more in backward (its chunks are checkpointed) and gathers the chunk gradients (+ 22);
+# transformers <= 4.44's shifts the fp32 logits into a contiguous copy (read 4, write 4) and backward scatters the
+# gradient back into a zeroed full-size one (write 4, then read 4 and write 4: + 20); a compiled chunked loss
+# (torchtune) fuses it to a read of the logits and a write of their gradient, each twice.
+LOSS_BYTES_PER_LOGIT = {"full": 36.0, "full-shifted": 56.0, "shardtune": 58.0, "chunked": 8.0}
 # Eager attention's scores, bytes per score per layer, forward and backward: the bf16 scores written and read,
 # the fp32 softmax written and read, its bf16 copy, and backward twice that; fused softmax kernels half of it.
 EAGER_SCORE_BYTES = {"eager": 48.0, "fused": 24.0}
@@ -57,6 +60,12 @@ LORA_BYTES_PER_DIM = {"eager": 19.0, "fused": 8.0}
 # checkpointing saves every other matmul's output: about half the matmul work is recomputed).
 RECOMPUTE = {"none": 0.0, "full": 1.0, "selective-layer": 0.5, "selective-op": 0.5}
 ATTENTION_KERNELS = ("flash", "sdpa-mask", "eager")
+# FlashAttention-2-class kernels (flash-attn 2, PyTorch's SDPA flash and memory-efficient backends, Triton ports)
+# issue Ampere's warp-level MMA, not the warp-group MMA a Hopper or Blackwell data-centre card needs for its peak.
+# The FlashAttention-2 paper (Dao 2023, section 4.1) measures its best forward at 73% of an A100's peak and, run
+# unchanged on an H100, at "up to 335 TFLOPs/s", 34% of 989: on those cards attention's share of the peak is
+# scaled by that ratio (not fitted).
+WARPGROUP_ATTENTION = 335 / 989 / 0.73
 
 
 @dataclass(frozen=True)
@@ -67,11 +76,11 @@ class TimingParams:
     # The values are bench/calibration.py's fit on every speed point (its output, to 4 digits). The matmul share
     # sits at its bound, 1: the fit explains all of the matmuls' shortfall by the bandwidth term.
     matmul: float = 1.0  # share of the dense tensor-core peak the linear layers' matmuls reach
-    attention: float = 0.3868  # share of the peak the attention kernels reach
-    tile_intensity: float = 744.9  # FLOPs per byte of memory traffic a tensor-core kernel's tiles sustain
-    elementwise_bytes: float = 55.48  # eager kernels: bytes per token per layer per (2 x hidden + intermediate)
-    fused_elementwise_bytes: float = 9.855  # the same under torch.compile or hand-fused kernels
-    overlap: float = 0.5336  # share of a micro-batch's compute that communication can hide behind
+    attention: float = 0.4204  # share of the peak the attention kernels reach
+    tile_intensity: float = 1231  # FLOPs per byte of memory traffic a tensor-core kernel's tiles sustain
+    elementwise_bytes: float = 56.84  # eager kernels: bytes per token per layer per (2 x hidden + intermediate)
+    fused_elementwise_bytes: float = 31.21  # the same under torch.compile or hand-fused kernels
+    overlap: float = 0.3659  # share of a micro-batch's compute that communication can hide behind
     pcie_share: float = PCIE_P2P_SHARE  # share of PCIe x16's line rate collectives reach between P2P PCIe cards
 
 
@@ -193,7 +202,8 @@ def microbatch(inv: ModelInventory, setup: Setup, gpu: Gpu, peak: float, lora: L
     adapters = lora.total if lora is not None and setup.uses_lora else 0
     streamed = 1 / (params.tile_intensity * memory_rate(gpu))  # seconds per FLOP of streaming operand tiles
     matmul = tokens * matmul_flops_per_token(inv, setup, adapters, recompute) * (1 / (params.matmul * peak) + streamed)
+    share = params.attention * (WARPGROUP_ATTENTION if gpu.warpgroup_mma else 1.0)
     attention = (tokens * attention_flops_per_token(inv, setup.seq_len, kernels.attention, recompute)
-                 * (1 / (params.attention * peak) + streamed))
+                 * (1 / (share * peak) + streamed))
     memory = memory_bytes_per_microbatch(inv, setup, lora, kernels, params, recompute) / memory_rate(gpu)
     return MicroBatch(matmul, attention, memory)

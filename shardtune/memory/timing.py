@@ -40,7 +40,7 @@ from shardtune.config.schema import published_defaults
 from shardtune.errors import UsageError
 from shardtune.hardware import PCIE_X16_BYTES_PER_S, Gpu, Link
 from shardtune.memory.compute import CALIBRATED, Kernels, TimingParams, inactive_expert_params, kernels_of, \
-    memory_rate, microbatch
+    MEMORY_EFFICIENCY, memory_rate, microbatch
 from shardtune.memory.formula import _Model, _optimizer_bytes_per_param
 from shardtune.memory.inventory import LoraCount, ModelInventory
 from shardtune.memory.setup import Setup, dtypes
@@ -49,10 +49,13 @@ OVERLAP = CALIBRATED.overlap  # what the report states
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket_cap_mb: one all-reduce per bucket
 # AdamW on the CPU (what runs under CPU offload) is memory-bound: PyTorch's default makes about a dozen unfused
 # elementwise passes over the fp32 parameter, gradient and two states (~100 bytes of traffic per parameter); the
-# fused kernel (adamw_torch_fused) reads the four once and writes three back (28 bytes). At the ~100 GB/s a
-# server's memory delivers (~50 GB/s on a desktop board's two channels). Per node: its GPUs' ranks share the CPU.
+# fused kernel (adamw_torch_fused) reads the four once and writes three back (28 bytes). Host memory moves bytes
+# at the share copy-like kernels reach (MEMORY_EFFICIENCY) of its channels' line rate: a GPU server has two
+# sockets of eight DDR4-3200 channels (a DGX A100's two EPYC 7742s), 25.6 GB/s each; a desktop board two channels
+# (~50 GB/s). Per node: its GPUs' ranks share the host memory (torchtune and shardtune split the CPU threads
+# between them).
 CPU_OPTIMIZER_BYTES_PER_PARAM = {"fused": 28.0, "unfused": 100.0}
-HOST_MEMORY_BYTES_PER_S = {"server": 100e9, "desktop": 50e9}
+HOST_MEMORY_BYTES_PER_S = {"server": 2 * 8 * 25.6e9 * MEMORY_EFFICIENCY, "desktop": 50e9}
 DEFAULT_PIPELINE_MICROBATCHES = published_defaults().distributed.pipeline_microbatches  # shardtune train's
 
 

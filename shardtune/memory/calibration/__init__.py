@@ -72,6 +72,7 @@ class Point:
     activation_offloading: bool = False
     lora_r: int = 8
     lora_targets: str = "all-linear"
+    lora_dropout: float = 0.0
     optimizer: str = "adamw_torch"
     interconnect: str | None = None
     inter_node: str | None = None
@@ -97,7 +98,7 @@ class Point:
             gradient_accumulation_steps=self.grad_accum, gradient_checkpointing=self.checkpointing != "none",
             activation_offloading=self.activation_offloading, mixed_precision=mixed,
             torch_dtype="bfloat16" if pure else None, optim=self.optimizer, lora_r=self.lora_r,
-            lora_target_modules=self.lora_targets, loss=self.loss,
+            lora_target_modules=self.lora_targets, lora_dropout=self.lora_dropout, loss=self.loss,
             attn_implementation=ATTN_IMPLEMENTATION[self.attention], separate_root_units=self.separate_root_units,
             logits_held=self.logits_held, fsdp1_init_cache=self.fsdp1_init))
 
