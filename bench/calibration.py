@@ -65,12 +65,7 @@ class Case:
 
 
 def speed_case(point: Point) -> Case:
-    from shardtune.memory.inventory import ModelAnalysis
-
-    setup = point.setup()
-    inv = point.inventory()
-    lora = ModelAnalysis(point.model_ref()).lora_of(setup) if setup.uses_lora else None
-    return Case(point, (inv, setup, point.card, point.links(), lora), {"kernels": point.kernels()})
+    return Case(point, *point.timing_args())
 
 
 def loss(cases: list[Case], x: list[float]) -> float:
@@ -207,15 +202,8 @@ def memory_rows(points: list[Point], trace: bool) -> list[dict]:
 
 
 def memory_row(p: Point, trace: bool) -> dict:
-    from shardtune.memory.inventory import ModelAnalysis
-    from shardtune.memory.recommend import evaluate_setup
-
-    setup = p.setup()
-    breakdown = evaluate_setup(ModelAnalysis(p.model_ref()), setup)
-    slack = sum(i.bytes for i in breakdown.items if i.label == "allocator cache and workspaces")
-    tensors_only = p.measured["counter"] in ("active", "allocated")
-    predicted = breakdown.total - (slack if tensors_only else 0)
-    measured = p.peak_bytes()
+    setup, tensors_only = p.setup(), p.tensors_only
+    predicted, measured = p.formula_peak(), p.peak_bytes()
     row = {"id": p.id, "source": p.source.title, "url": p.source.url, "gpu": p.card.label or p.card.name,
            "gpus": p.world_size, "method": p.method, "model": p.model if isinstance(p.model, str) else p.model_ref(),
            "counter": p.measured["counter"], "compared_with": "tensors" if tensors_only else "reserved",

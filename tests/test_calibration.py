@@ -117,6 +117,22 @@ def test_the_shipped_constants_are_the_committed_fit():
         assert math.isclose(value, fitted[name], rel_tol=5e-4, abs_tol=1e-6), name
 
 
+def test_the_committed_report_is_what_the_code_predicts():
+    """Every point is predicted by the shipped model as bench/results/calibration.json reports it: a change to the
+    time or memory model that is not re-run through bench/calibration.py fails here."""
+    from shardtune.memory.timing import step_time
+
+    report = json.loads((ROOT / "bench/results/calibration.json").read_text())
+    points = {p.id: p for p in load_points()}
+    assert {r["id"] for r in report["speed"] + report["memory"]} == set(points)
+    for row in report["speed"]:
+        args, kwargs = points[row["id"]].timing_args()
+        assert step_time(*args, params=CALIBRATED, **kwargs).tokens_per_s == pytest.approx(row["predicted"],
+                                                                                          rel=1e-3), row["id"]
+    for row in report["memory"]:
+        assert points[row["id"]].formula_peak() / GIB == pytest.approx(row["formula_gib"], rel=1e-9), row["id"]
+
+
 # --- Any card: --gpu-spec ------------------------------------------------------------------------------------------
 
 TABLE_AS_SPEC = {  # a table card and the same card described by its numbers

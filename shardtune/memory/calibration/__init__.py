@@ -146,6 +146,28 @@ class Point:
 
         return ModelAnalysis(self.model_ref()).inventory
 
+    @property
+    def tensors_only(self) -> bool:
+        """The source's counter sees tensors only (active or allocated memory), not the allocator's cache."""
+        return self.measured["counter"] in ("active", "allocated")
+
+    def formula_peak(self) -> float:
+        """The memory formula's peak for this run, as its source's counter sees it (bytes)."""
+        from shardtune.memory.inventory import ModelAnalysis
+        from shardtune.memory.recommend import evaluate_setup
+
+        breakdown = evaluate_setup(ModelAnalysis(self.model_ref()), self.setup())
+        slack = sum(i.bytes for i in breakdown.items if i.label == "allocator cache and workspaces")
+        return breakdown.total - (slack if self.tensors_only else 0)
+
+    def timing_args(self) -> tuple[tuple, dict]:
+        """``step_time``'s arguments for this run, less ``params``: built once, timed under many fits."""
+        from shardtune.memory.inventory import ModelAnalysis
+
+        setup = self.setup()
+        lora = ModelAnalysis(self.model_ref()).lora_of(setup) if setup.uses_lora else None
+        return (self.inventory(), setup, self.card, self.links(), lora), {"kernels": self.kernels()}
+
 
 def architecture_inventory(name: str, arch: dict) -> ModelInventory:
     """A GPT-style model (learned positions, LayerNorm, a plain two-matrix MLP) counted from its shapes: the
