@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     hw.add_argument("--gpu-memory", type=float, default=None, metavar="GIB", help="GPU memory in GiB")
     hw.add_argument("--gpu-spec", default=None, metavar="SPEC",
                     help="a card outside --gpu's list, by its data sheet's numbers: tflops= (dense bf16 TFLOP/s), "
-                         "memory= (GiB), bandwidth= (GB/s), optionally link= and host=; e.g. " + SPEC_EXAMPLE[11:])
+                         "memory= (GiB), bandwidth= (GB/s), optionally link=, host= and arch=hopper|blackwell; "
+                         "e.g. " + SPEC_EXAMPLE[11:])
     job = p.add_argument_group("the job (with --config the files describe it instead)")
     _job_options(job)
     _output_options(p)
