@@ -165,14 +165,10 @@ def needed_peak_share(case: Case, peak: float) -> float:
     """The share of its cards' dense peak the measured speed needs for its matmul and attention FLOPs alone (as
     the time model counts them: recomputation included), with nothing else taking any time. Near or above 1 the
     row cannot have run as its source describes on that card, whatever the model."""
-    from shardtune.memory.compute import attention_flops_per_token, matmul_flops_per_token, recompute_share
+    from shardtune.memory.compute import flops_per_token
 
     inv, setup, _, _, lora = case.args
-    kernels = case.kwargs["kernels"]
-    recompute = recompute_share(setup, kernels)
-    adapters = lora.total if lora is not None and setup.uses_lora else 0
-    flops = (matmul_flops_per_token(inv, setup, adapters, recompute)
-             + attention_flops_per_token(inv, setup.seq_len, kernels.attention, recompute))
+    flops = sum(flops_per_token(inv, setup, lora, case.kwargs["kernels"]))
     return case.point.tokens_per_s() * flops / (case.point.world_size * peak)
 
 
@@ -202,15 +198,14 @@ def memory_rows(points: list[Point], trace: bool) -> list[dict]:
 
 
 def memory_row(p: Point, trace: bool) -> dict:
-    setup, tensors_only = p.setup(), p.tensors_only
-    predicted, measured = p.formula_peak(), p.peak_bytes()
+    tensors_only, predicted, measured = p.tensors_only, p.formula_peak(), p.peak_bytes()
     row = {"id": p.id, "source": p.source.title, "url": p.source.url, "gpu": p.card.label or p.card.name,
            "gpus": p.world_size, "method": p.method, "model": p.model if isinstance(p.model, str) else p.model_ref(),
            "counter": p.measured["counter"], "compared_with": "tensors" if tensors_only else "reserved",
            "measured_gib": measured / 2**30, "formula_gib": predicted / 2**30, "formula_ratio": predicted / measured,
            "assumed": list(p.assumed)}
     if trace:
-        row.update(traced(p, setup, measured, tensors_only))
+        row.update(traced(p, p.setup(), measured, tensors_only))
     return row
 
 

@@ -228,14 +228,13 @@ def predict(point: Point, source: str) -> Prediction:
     analysis = ModelAnalysis(source, use_cache=False)
     lora = analysis.lora_of(setup)
     breakdown = estimate(analysis.inventory, setup, lora)
-    cache = sum(i.bytes for i in breakdown.items if i.label == "allocator cache and workspaces")
     started = time.perf_counter()
     traced, failed = None, None
     try:
         traced = trace_training_step(cfg, 1, target_device="cuda")
     except TraceUnsupported as exc:
         failed = str(exc)
-    return Prediction(formula_reserved_bytes=breakdown.total, formula_allocated_bytes=breakdown.total - cache,
+    return Prediction(formula_reserved_bytes=breakdown.total, formula_allocated_bytes=breakdown.tensors,
                       formula_phase=breakdown.phase, formula_items={i.label: i.bytes for i in breakdown.items},
                       trace_allocated_bytes=traced.peak_bytes if traced else None,
                       trace_reserved_bytes=traced.reserved_bytes if traced else None,

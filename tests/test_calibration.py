@@ -170,7 +170,7 @@ def test_the_spec_sets_what_it_names():
 def test_attention_on_a_hopper_card_runs_at_flashattention2s_share_of_its_peak():
     """The same numbers with arch=hopper: the matmuls and memory-bound work take as long, attention longer, by the
     FlashAttention-2 paper's H100 against A100 utilisation."""
-    from shardtune.memory.compute import WARPGROUP_ATTENTION, Kernels, microbatch
+    from shardtune.memory.compute import MEMORY_EFFICIENCY, WARPGROUP_ATTENTION, Kernels, microbatch
     from shardtune.memory.inventory import ModelAnalysis
     from shardtune.memory.setup import Setup
 
@@ -180,7 +180,7 @@ def test_attention_on_a_hopper_card_runs_at_flashattention2s_share_of_its_peak()
     other, hopper = (microbatch(inv, setup, gpu_from_spec(s), 989e12, kernels=Kernels(attention="flash"))
                      for s in (spec, spec + ",arch=hopper"))
     assert (hopper.matmul_s, hopper.memory_s) == (other.matmul_s, other.memory_s)
-    streamed = 1 / (CALIBRATED.tile_intensity * 3350e9 * 0.8)
+    streamed = 1 / (CALIBRATED.tile_intensity * 3350e9 * MEMORY_EFFICIENCY)
     compute_only = [m.attention_s / (1 / (share * 989e12) + streamed) for m, share in
                     ((other, CALIBRATED.attention), (hopper, CALIBRATED.attention * WARPGROUP_ATTENTION))]
     assert compute_only[0] == pytest.approx(compute_only[1])  # the same FLOPs, each at its rate

@@ -148,6 +148,14 @@ def attention_flops_per_token(inv: ModelInventory, seq_len: int, kernel: str, re
     return forward * ((3.0 if kernel == "eager" else 3.5) + recompute)
 
 
+def flops_per_token(inv: ModelInventory, setup: Setup, lora: LoraCount | None, kernels: Kernels) -> tuple[float, float]:
+    """Hardware FLOPs per token of the matmuls and of attention, as ``kernels`` run them (recomputation included)."""
+    recompute = recompute_share(setup, kernels)
+    adapters = lora.total if lora is not None and setup.uses_lora else 0
+    return (matmul_flops_per_token(inv, setup, adapters, recompute),
+            attention_flops_per_token(inv, setup.seq_len, kernels.attention, recompute))
+
+
 def memory_bytes_per_microbatch(inv: ModelInventory, setup: Setup, lora: LoraCount | None, kernels: Kernels,
                                 params: TimingParams, recompute: float) -> float:
     """What one micro-batch's memory-bound kernels read and write, all layers, forward and backward."""
@@ -199,11 +207,10 @@ def microbatch(inv: ModelInventory, setup: Setup, gpu: Gpu, peak: float, lora: L
     kernels = kernels or kernels_of(setup)
     recompute = recompute_share(setup, kernels)
     tokens = setup.batch_size * setup.seq_len
-    adapters = lora.total if lora is not None and setup.uses_lora else 0
+    matmul_flops, attention_flops = flops_per_token(inv, setup, lora, kernels)
     streamed = 1 / (params.tile_intensity * memory_rate(gpu))  # seconds per FLOP of streaming operand tiles
-    matmul = tokens * matmul_flops_per_token(inv, setup, adapters, recompute) * (1 / (params.matmul * peak) + streamed)
+    matmul = tokens * matmul_flops * (1 / (params.matmul * peak) + streamed)
     share = params.attention * (WARPGROUP_ATTENTION if gpu.warpgroup_mma else 1.0)
-    attention = (tokens * attention_flops_per_token(inv, setup.seq_len, kernels.attention, recompute)
-                 * (1 / (share * peak) + streamed))
+    attention = tokens * attention_flops * (1 / (share * peak) + streamed)
     memory = memory_bytes_per_microbatch(inv, setup, lora, kernels, params, recompute) / memory_rate(gpu)
     return MicroBatch(matmul, attention, memory)

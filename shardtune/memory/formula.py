@@ -86,6 +86,8 @@ def allocator_reserve(setup: Setup, activations: float, grads: float) -> int:
     return round(RESERVE_FIXED_BYTES + per_activation * activations + RESERVE_PER_GRADIENT * grads)
 
 
+# The item of what the caching allocator reserves beyond the tensors (Breakdown.tensors leaves it out).
+ALLOCATOR_CACHE = "allocator cache and workspaces"
 # torch/distributed/fsdp/_init_utils.py: PARAM_BROADCAST_BUCKET_SIZE, the bucket of sync_module_states' broadcast.
 FSDP1_BROADCAST_BUCKET = 250 * 1024 * 1024
 
@@ -175,6 +177,11 @@ class Breakdown:
     @property
     def total(self) -> int:
         return sum(i.bytes for i in self.items)
+
+    @property
+    def tensors(self) -> int:
+        """The total less the allocator's cache: what torch.cuda.max_memory_allocated should report."""
+        return self.total - sum(i.bytes for i in self.items if i.label == ALLOCATOR_CACHE)
 
     def per_gpu(self) -> dict[str, int]:
         out = {c: self.category(c) for c in CATEGORIES}
@@ -543,7 +550,7 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
         # FSDP1 gathers units on its unshard stream, whose pool cannot use these blocks.
         init = fsdp1_init_cache(_fsdp1_units(dp), shard, dp.offload)
         reserve = max(reserve, round(init - states.optim_b - ph["grads"] - dynamic))
-    items.append(Item("overhead", "allocator cache and workspaces", reserve))
+    items.append(Item("overhead", ALLOCATOR_CACHE, reserve))
     context = CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if setup.world_size > 1 else 0)
     cpu = round((states.storage + states.grads + states.optim) / shard * setup.num_gpus) if dp.offload else 0
     cpu += _offloaded_activation_bytes(inv, setup, dp.act, setup.num_gpus)
@@ -694,7 +701,7 @@ class _Stages:
             Item("grads", "gradients of this GPU's layers", round(fullest["grads"])),
             Item("optimizer", f"{setup.optimizer} states of this GPU's layers", round(fullest["optimizer"])),
             Item("activations", _activation_label(setup) + ", this GPU's layers", round(fullest["activations"])),
-            Item("overhead", "allocator cache and workspaces",
+            Item("overhead", ALLOCATOR_CACHE,
                  allocator_reserve(setup, fullest["activations"], fullest["grads"])),
         ]
         note = (f"layers per GPU: {', '.join(str(hi - lo) for lo, hi in bounds)}; GPU {worst} (layers {a}-{b - 1}) "

@@ -165,5 +165,4 @@ def formula_and_trace(model: str, setup: Setup) -> Calibration:
     analysis = ModelAnalysis(model)
     lora = analysis.lora_of(setup)
     breakdown = estimate(analysis.inventory, setup, lora)
-    slack = sum(i.bytes for i in breakdown.items if i.label == "allocator cache and workspaces")
-    return Calibration(breakdown.total - slack, breakdown.total, traced.peak_bytes, traced.reserved_bytes)
+    return Calibration(breakdown.tensors, breakdown.total, traced.peak_bytes, traced.reserved_bytes)

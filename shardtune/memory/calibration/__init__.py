@@ -157,8 +157,7 @@ class Point:
         from shardtune.memory.recommend import evaluate_setup
 
         breakdown = evaluate_setup(ModelAnalysis(self.model_ref()), self.setup())
-        slack = sum(i.bytes for i in breakdown.items if i.label == "allocator cache and workspaces")
-        return breakdown.total - (slack if self.tensors_only else 0)
+        return breakdown.tensors if self.tensors_only else breakdown.total
 
     def timing_args(self) -> tuple[tuple, dict]:
         """``step_time``'s arguments for this run, less ``params``: built once, timed under many fits."""
