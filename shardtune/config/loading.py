@@ -62,7 +62,7 @@ def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
-        repeated = [(key, at) for mapping in _mappings(node) for key, at in _key_lines(mapping).items() if len(at) > 1]
+        repeated = repeated_keys(node)
         flat_lines = _key_lines(node, lift="fsdp_config")  # before constructing, which folds '<<' merges in
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
@@ -99,6 +99,12 @@ def _mappings(node: yaml.Node | None, seen: set[int] | None = None) -> Iterator[
         for child in node.value:
             for part in child if isinstance(child, tuple) else (child,):
                 yield from _mappings(part, seen)
+
+
+def repeated_keys(node: yaml.Node | None) -> list[tuple[str, list[int]]]:
+    """Each key a mapping anywhere under ``node`` sets more than once, with its lines (``safe_load`` would keep the
+    last one silently)."""
+    return [(key, at) for mapping in _mappings(node) for key, at in _key_lines(mapping).items() if len(at) > 1]
 
 
 def _key_lines(node: yaml.Node | None, lift: str = "") -> dict[str, list[int]]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from shardtune.config.loading import repeated_keys
 from shardtune.errors import UsageError
 from shardtune.hardware import GIB, GPUS, INTER_NODE_LINKS, INTRA_NODE_LINKS, Gpu, gpu_from_spec, host_link
 from shardtune.memory.compute import ATTENTION_KERNELS, RECOMPUTE, Kernels
@@ -204,25 +205,18 @@ def load_points(folder: Path = FOLDER) -> list[Point]:
 PROVENANCE_FILES = ("cards.yaml", "links.yaml")  # where the hardware table's figures come from, not runs
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML that refuses a key given twice in one mapping (plain YAML keeps the last, silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
-        twice = sorted({str(k) for k in keys if keys.count(k) > 1})
-        if twice:
-            raise UsageError(f"{self.name}: line {node.start_mark.line + 1}: key {', '.join(twice)} given twice")
-        return super().construct_mapping(node, deep=deep)
-
-
 def _file_points(path: Path) -> list[Point]:
-    loader = _UniqueKeyLoader(path.read_text())
-    loader.name = path.name
+    where = path.name
+    loader = yaml.SafeLoader(path.read_text())
     try:
-        data = loader.get_single_data()
+        node = loader.get_single_node()
+        twice = repeated_keys(node)  # plain YAML keeps the last one, silently
+        if twice:
+            key, lines = twice[0]
+            raise UsageError(f"{where}: line {lines[1]}: key {key} given twice")
+        data = loader.construct_document(node) if node is not None else None
     finally:
         loader.dispose()
-    where = path.name
     if not isinstance(data, dict) or not {"sources", "points"} <= set(data):
         raise UsageError(f"{where}: needs 'sources' and 'points' (and optionally 'defaults')")
     sources = {s["id"]: _source(s, where) for s in data["sources"]}
