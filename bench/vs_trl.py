@@ -21,6 +21,20 @@ checkpointing, the end-of-run memory check). The report then holds both modes, m
     PYTHONPATH=/tmp/trl-site .venv/bin/python bench/vs_trl.py --device cuda   # CUDA, bf16 autocast
     PYTHONPATH=/tmp/trl-site .venv/bin/python bench/vs_trl.py --cases lora-256 --repeats 1 --profile  # quick look
 
+With ``--shapes`` the model is built from a catalog config instead (``llama-3.2-1b``, ``smollm2-135m``, ...): random
+weights saved once in bf16 as a checkpoint is, and a byte-level BPE tokenizer trained here on the same docstrings
+(ChatML with generation markers), so nothing is downloaded or carried; speed and memory do not depend on the weights'
+values, and the vocabulary the model computes its logits over is the real one. The rows are then multi-turn chats of
+those docstrings, each longer than the longest case, so every row is cut to exactly the case's length and no
+micro-batch holds padding. ``--variants compile,liger`` adds shardtune runs at the matched settings with
+``torch_compile`` / ``use_liger_kernel``. MFU is PaLM's model FLOPs (shardtune.train.metrics.flops_per_token, as
+``shardtune train`` reports it) over the card's dense bf16 peak. ``--max-minutes`` starts no run after that many
+minutes and lists the runs it skipped; the report is written after every case. ``--tiny`` shrinks each shape to two
+narrow layers (its vocabulary kept) for a dry run on a CPU.
+
+    PYTHONPATH=/tmp/trl-site .venv/bin/python bench/vs_trl.py --device cuda --shapes llama-3.2-1b,smollm2-135m \
+        --defaults --variants compile,liger --profile --max-minutes 5     # bench/gpu_session.sh trl-truth
+
 Tokens/s counts the same tokens for both (the non-padding input tokens of the timed steps, checked equal step by
 step) over the wall time from the end of the last warm-up step to the end of the last step. CPU memory is the
 child's peak RSS (os.wait4); CUDA memory is torch.cuda.max_memory_reserved at the end of training.
@@ -31,6 +45,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -44,7 +59,15 @@ BENCH = REPO / "bench"
 RESULTS = BENCH / "results"
 WORKER = BENCH / "vs_trl_worker.py"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CASES = {"lora-256": ("lora", 256), "lora-1024": ("lora", 1024), "full-256": ("full", 256)}
+CASES = {"lora-256": ("lora", 256), "lora-1024": ("lora", 1024), "full-256": ("full", 256),
+         "lora-2048": ("lora", 2048), "full-2048": ("full", 2048)}
+DEFAULT_CASES = {"gguf": "lora-256,lora-1024,full-256", "shapes": "lora-2048,full-2048"}
+# Extra shardtune runs at the matched settings (their own rows of the report, against the same TRL run).
+VARIANTS = {"compile": ["--torch_compile", "True"], "liger": ["--use_liger_kernel", "True"]}
+# --tiny: a shape's vocabulary and family kept, its layers cut to a CPU dry run's size.
+TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16}
+SHAPE_TOKENIZER_VOCAB = 8192  # the BPE made for --shapes: ids below this; the model's logits keep its own vocabulary
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # The agreement the losses must reach where both tools compute the same thing (fp32 on CPU); bf16 rounds each
 # matmul differently in the two forwards, so there the losses only agree to about a percent.
@@ -117,6 +140,65 @@ def docstring_rows() -> list[dict]:
     return rows
 
 
+def prepare_shape(cache: Path, shape: str, tiny: bool) -> Path:
+    """A model folder of catalog model ``shape``: its config, random weights (seed 0) saved in bf16 as checkpoints
+    are, and a byte-level BPE tokenizer trained on the docstrings (ChatML with generation markers). Built once."""
+    folder = cache / f"{shape}{'-tiny' if tiny else ''}-random"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardtune import catalog
+    from shardtune.errors import UsageError
+    from shardtune.testing.tiny import make_tokenizer
+
+    try:
+        config = catalog.load(shape)
+    except UsageError as exc:
+        fail(f"--shapes {exc}")
+    texts = [turn["content"] for row in docstring_rows() for turn in row["messages"]]
+    tokenizer = make_tokenizer(texts, vocab_size=SHAPE_TOKENIZER_VOCAB)
+    # BOS written by the template, as Llama-3's does: TRL renders it and shardtune finds it there (a tokenizer that
+    # adds BOS by itself gets it from shardtune alone, and the two tools' rows would start differently)
+    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    (partial / "config.json").write_text(json.dumps(config | (TINY if tiny else {}) | ids, indent=1))
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(partial), dtype=torch.bfloat16)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(folder)
+    return folder
+
+
+def write_long_rows(cache: Path, model_dir: Path, seq_len: int, num_rows: int) -> Path:
+    """``num_rows`` multi-turn chats of consecutive docstring questions and answers, each over ``seq_len`` tokens
+    in ``model_dir``'s tokenizer and template, so both tools cut every row to exactly ``seq_len``."""
+    from transformers import AutoTokenizer
+
+    path = cache / f"{model_dir.name}_chats_over_{seq_len}_x{num_rows}.jsonl"
+    if path.is_file():
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pairs, rows, messages, i = docstring_rows(), [], [], 0
+    while len(rows) < num_rows:
+        messages = messages + pairs[i % len(pairs)]["messages"]
+        i += 1
+        if len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)) > seq_len + 16:
+            rows.append({"messages": messages})
+            messages = []
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 def write_data(cache: Path) -> Path:
     path = cache / f"stdlib_docstrings_py{sys.version_info.major}{sys.version_info.minor}.jsonl"
     if not path.is_file():
@@ -176,7 +258,8 @@ def child_env(job: dict, clock: Path) -> dict:
     threads = str(job["threads"])
     env = os.environ | {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TQDM_DISABLE": "1",
                         "TOKENIZERS_PARALLELISM": "false", "VS_TRL_CLOCK": str(clock),
-                        "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), str(REPO), os.environ.get("PYTHONPATH")]))}
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), str(REPO),
+                                                                   os.environ.get("PYTHONPATH")]))}
     if job.get("profile_step"):
         env["VS_TRL_PROFILE_STEP"] = str(job["profile_step"])
     return env
@@ -199,7 +282,7 @@ def shardtune_cmd(job: dict, out: Path) -> list[str]:
     if job["method"] == "lora":
         cmd += ["--use_peft_lora", "True", "--lora_r", str(job["lora_r"]), "--lora_alpha", str(job["lora_alpha"]),
                 "--lora_dropout", "0", "--lora_target_modules", job["lora_target_modules"]]
-    return cmd
+    return cmd + VARIANTS.get(job.get("variant", ""), [])
 
 
 def run_shardtune(job: dict, out: Path) -> dict:
@@ -241,29 +324,46 @@ def measured(job: dict, clock: dict, steps: list[dict], wall: float, rss: int, c
             "command": " ".join(cmd)}
 
 
-def run_case(name: str, base: dict, root: Path, args: argparse.Namespace) -> list[dict]:
+def run_case(name: str, base: dict, root: Path, args: argparse.Namespace, skipped: list[str]) -> list[dict]:
     """Both tools on one case in each mode, alternating (tool inside mode inside repeat), ``args.repeats`` times
-    each; per mode the medians and the loss comparison. The load average is read before and after every run."""
+    each, with the shardtune variants after them in the matched mode; per mode the medians and the loss comparison.
+    The load average is read before and after every run. A run due after ``args.deadline`` is skipped and named in
+    ``skipped``; a mode that lost either tool's runs has no row."""
     method, seq_len = CASES[name]
-    runs = {mode: {"shardtune": [], "trl": []} for mode in args.modes}
+    tools = {mode: ["shardtune", "trl"] + ([f"shardtune+{v}" for v in args.variants] if mode == "matched" else [])
+             for mode in args.modes}
+    runs = {mode: {tool: [] for tool in tools[mode]} for mode in args.modes}
     loads: dict[str, list] = {mode: [] for mode in args.modes}
     for repeat in range(args.repeats):
         for mode in args.modes:
             job = base | {"method": method, "seq_len": seq_len, "mode": mode}
-            for tool, run in (("shardtune", run_shardtune), ("trl", run_trl)):
+            for tool in tools[mode]:
+                label = f"{base['shape']} {name} {mode} {tool} #{repeat + 1}"
+                if time.monotonic() > args.deadline:
+                    skipped.append(label)
+                    continue
                 load = wait_for_quiet(args.max_load, args.load_wait_s)
                 profile = args.profile and repeat == args.repeats - 1
+                run = run_trl if tool == "trl" else run_shardtune
                 # the last warm-up step: the profiler's overhead stays out of the timed steps
-                result = run(job | {"profile_step": job["warmup"] if profile else 0},
-                             root / f"{name}-{mode}-{tool}-{repeat}")
+                result = run(job | {"variant": tool.partition("+")[2], "profile_step": job["warmup"] if profile else 0},
+                             root / f"{base['shape']}-{name}-{mode}-{tool.replace('+', '-')}-{repeat}")
                 after = os.getloadavg()[0]
                 loads[mode].append([round(load, 2), round(after, 2)])
                 runs[mode][tool].append(result)
-                print(f"  {name} {mode} {tool} #{repeat + 1}: {result['tokens_per_s']:.0f} tok/s, peak "
+                print(f"  {label}: {result['tokens_per_s']:.0f} tok/s, peak "
                       f"{result['peak_memory_bytes'] / 2**20:.0f} MiB (load before {load:.2f}, after {after:.2f})",
                       flush=True)
-    return [summarise(name, base | {"method": method, "seq_len": seq_len, "mode": mode}, runs[mode], loads[mode])
-            for mode in args.modes]
+    return [summarise(name, base | {"method": method, "seq_len": seq_len, "mode": mode},
+                      {tool: rs for tool, rs in runs[mode].items() if rs}, loads[mode])
+            for mode in args.modes if runs[mode]["shardtune"] and runs[mode]["trl"]]
+
+
+def mfu(job: dict, tokens_per_s: float) -> float | None:
+    """Model FLOPs utilisation at ``tokens_per_s``: PaLM's FLOPs per token, as ``shardtune train`` counts them,
+    over the card's dense bf16 peak (None on a CPU or an unknown card)."""
+    peak = job.get("peak_flops")
+    return tokens_per_s * job["flops_per_token"][job["method"]][job["seq_len"]] / peak if peak else None
 
 
 def summarise(name: str, job: dict, runs: dict[str, list[dict]], loads: list[list[float]]) -> dict:
@@ -272,12 +372,20 @@ def summarise(name: str, job: dict, runs: dict[str, list[dict]], loads: list[lis
     relative = [abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"])]
     agree = (max(relative) <= DEFAULTS_LOSS_REL_TOL if job["mode"] == "defaults"
              else max(diffs) <= LOSS_TOL[job["device"]])
-    median = {tool: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
-                     "peak_memory_bytes": statistics.median(r["peak_memory_bytes"] for r in rs),
-                     "process_wall_s": statistics.median(r["process_wall_s"] for r in rs)}
-              for tool, rs in runs.items()}
-    return {"case": name, "mode": job["mode"], "method": job["method"], "seq_len": job["seq_len"],
-            "same_tokens": ours["tokens"] == theirs["tokens"],
+    median = {}
+    for tool, rs in runs.items():
+        speed = statistics.median(r["tokens_per_s"] for r in rs)
+        median[tool] = {"tokens_per_s": speed, "mfu": mfu(job, speed),
+                        "peak_memory_bytes": statistics.median(r["peak_memory_bytes"] for r in rs),
+                        "process_wall_s": statistics.median(r["process_wall_s"] for r in rs)}
+    # each variant against TRL, and its losses against plain shardtune's (the same rows, other kernels)
+    variants = {tool: {"tokens_per_s_ratio": median[tool]["tokens_per_s"] / median["trl"]["tokens_per_s"],
+                       "peak_memory_ratio": median[tool]["peak_memory_bytes"] / median["trl"]["peak_memory_bytes"],
+                       "max_loss_rel_diff_vs_shardtune": max(abs(a - b) / abs(b) for a, b in
+                                                             zip(rs[0]["losses"], ours["losses"]))}
+                for tool, rs in runs.items() if tool.startswith("shardtune+")}
+    return {"model": job["shape"], "case": name, "mode": job["mode"], "method": job["method"],
+            "seq_len": job["seq_len"], "same_tokens": ours["tokens"] == theirs["tokens"],
             "same_target_tokens": ours["target_tokens"] == theirs["target_tokens"],
             "first_batch_target_tokens": {"shardtune": ours["target_tokens"][0], "trl": theirs["target_tokens"][0]},
             "max_loss_diff": max(diffs), "max_loss_rel_diff": max(relative), "losses_agree": agree,
@@ -285,79 +393,106 @@ def summarise(name: str, job: dict, runs: dict[str, list[dict]], loads: list[lis
             "tokens_per_s_ratio": median["shardtune"]["tokens_per_s"] / median["trl"]["tokens_per_s"],
             "peak_memory_ratio": median["shardtune"]["peak_memory_bytes"] / median["trl"]["peak_memory_bytes"],
             "process_wall_ratio": median["shardtune"]["process_wall_s"] / median["trl"]["process_wall_s"],
-            "load_before_after_runs": loads, "runs": runs}
+            "variants": variants, "load_before_after_runs": loads, "runs": runs}
 
 
 def loss_table(row: dict) -> list[str]:
     ours, theirs = row["runs"]["shardtune"][0], row["runs"]["trl"][0]
-    lines = [f"Per-step losses, {row['case']}, {MODES[row['mode']]} (first repeat):", "",
-             "| step | tokens | target tokens | shardtune loss | TRL loss | abs diff | rel diff |",
-             "|---|---|---|---|---|---|---|"]
+    variants = [tool for tool in row["runs"] if tool.startswith("shardtune+")]
+    lines = [f"Per-step losses, {row.get('model', 'SmolLM2-135M-Instruct')} {row['case']}, {MODES[row['mode']]} "
+             f"(first repeat):", "",
+             "| step | tokens | target tokens | shardtune loss | TRL loss | abs diff | rel diff |"
+             + "".join(f" {tool} loss |" for tool in variants),
+             "|---|---|---|---|---|---|---|" + "---|" * len(variants)]
     for i, (a, b) in enumerate(zip(ours["losses"], theirs["losses"])):
         tokens = f"{ours['tokens'][i]}" + ("" if ours["tokens"][i] == theirs["tokens"][i]
                                            else f" / TRL {theirs['tokens'][i]}")
         targets = f"{ours['target_tokens'][i]}" + ("" if ours["target_tokens"][i] == theirs["target_tokens"][i]
                                                    else f" / TRL {theirs['target_tokens'][i]}")
         lines.append(f"| {i + 1} | {tokens} | {targets} | {a:.6f} | {b:.6f} | {abs(a - b):.2e} | "
-                     f"{abs(a - b) / abs(b):.2e} |")
+                     f"{abs(a - b) / abs(b):.2e} |"
+                     + "".join(f" {row['runs'][tool][0]['losses'][i]:.6f} |" for tool in variants))
     return lines + [""]
 
 
 def profile_lines(rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
-        for tool in ("shardtune", "trl"):
-            profile = row["runs"][tool][-1].get("profile")
+        for tool, runs in row["runs"].items():
+            profile = runs[-1].get("profile")
             if not profile:
                 continue
             parts = ", ".join(f"{k} {v:.3f}" for k, v in profile["parts_s"].items())
             ops = "; ".join(f"{o['name']} {o['self_s']:.3f}" for o in profile["top_ops"][:6])
-            lines += [f"- {row['case']} {row['mode']} {tool}: step {profile['wall_s']:.3f} s = {parts} (s). "
-                      f"Top self time: {ops}"]
-    return ["## Profile of the last warm-up step (torch.profiler, top-level ranges of the training thread)", ""] + lines + [""] \
-        if lines else []
+            lines += [f"- {row.get('model', '')} {row['case']} {row['mode']} {tool}: step {profile['wall_s']:.3f} s "
+                      f"= {parts} (s). Top CPU self time: {ops}"]
+            if profile.get("top_kernels"):
+                kernels = "; ".join(f"{k['name'][:60]} {k['self_s']:.4f}" for k in profile["top_kernels"][:8])
+                lines += [f"  GPU busy {profile['device_busy_s']:.3f} s of the step; top kernels: {kernels}"]
+    title = "## Profile of the last warm-up step (torch.profiler, top-level ranges of the training thread)"
+    return [title, ""] + lines + [""] if lines else []
 
 
 def header(report: dict) -> list[str]:
     m, job = report["machine"], report["job"]
     memory = "peak RSS of the child process" if report["device"] == "cpu" else "torch.cuda.max_memory_reserved"
     modes = "; ".join(f"{mode}: {MODES[mode]}" for mode in report["modes"])
+    model = report.get("model_note", "Model SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32, one folder for both)")
     return [f"# shardtune vs TRL {report['trl_version']} SFTTrainer ({report['device']}; {modes})", "",
             f"{report['date']}; {m['cpu']}, {m['cores']} cores, {report['threads']} threads per run; torch "
             f"{m['torch']}, transformers {m['transformers']}, peft {m['peft']}, Python {m['python']}.",
-            f"Model SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to fp32, one folder for both); "
-            f"{report['rows']} chat rows of standard-library docstrings; batch {job['batch']} x accumulation "
-            f"{job['accum']}, {job['steps']} steps ({job['warmup']} warm-up, the rest timed), AdamW lr {job['lr']}, "
-            f"seed {job['seed']}, loss on assistant replies and their <|im_end|>, LoRA r {job['lora_r']}, alpha "
-            f"{job['lora_alpha']}, dropout 0, {LORA_TARGETS}. Matched: {report['precision']}, constant schedule, no "
-            f"weight decay, max grad norm 1, packing and gradient checkpointing off. Defaults: nothing else set "
-            f"(see the commands). Median of {report['repeats']} alternating runs per tool; memory is the {memory}.",
-            ""]
+            f"{model}; {report['rows']} chat rows of standard-library docstrings; batch {job['batch']} x "
+            f"accumulation {job['accum']}, {job['steps']} steps ({job['warmup']} warm-up, the rest timed), AdamW lr "
+            f"{job['lr']}, seed {job['seed']}, loss on assistant replies and their <|im_end|>, LoRA r "
+            f"{job['lora_r']}, alpha {job['lora_alpha']}, dropout 0, {LORA_TARGETS}. Matched: {report['precision']}, "
+            f"constant schedule, no weight decay, max grad norm 1, packing and gradient checkpointing off. Defaults: "
+            f"nothing else set (see the commands). Median of {report['repeats']} alternating runs per tool; memory "
+            f"is the {memory}.", ""]
+
+
+def _mfu_text(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def markdown(report: dict) -> str:
     lines = header(report) + [
-        "| case | mode | shardtune tok/s | TRL tok/s | ratio | shardtune peak MiB | TRL peak MiB | ratio | shardtune "
-        "process s, start to exit | TRL process s | ratio | same tokens | max loss diff (rel) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| model | case | mode | shardtune tok/s | TRL tok/s | ratio | MFU shardtune | MFU TRL | shardtune peak MiB | "
+        "TRL peak MiB | ratio | shardtune process s, start to exit | TRL process s | ratio | same tokens | max loss "
+        "diff (rel) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["results"]:
         o, t = row["median"]["shardtune"], row["median"]["trl"]
-        lines.append(f"| {row['case']} | {row['mode']} | {o['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | "
-                     f"{row['tokens_per_s_ratio']:.2f}x | {o['peak_memory_bytes'] / 2**20:.0f} | "
+        lines.append(f"| {row.get('model', 'SmolLM2-135M-Instruct')} | {row['case']} | {row['mode']} | "
+                     f"{o['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} | {row['tokens_per_s_ratio']:.2f}x | "
+                     f"{_mfu_text(o.get('mfu'))} | {_mfu_text(t.get('mfu'))} | {o['peak_memory_bytes'] / 2**20:.0f} | "
                      f"{t['peak_memory_bytes'] / 2**20:.0f} | {row['peak_memory_ratio']:.2f}x | "
                      f"{o['process_wall_s']:.1f} | {t['process_wall_s']:.1f} | {row['process_wall_ratio']:.2f}x | "
                      f"{'yes' if row['same_tokens'] and row['same_target_tokens'] else 'NO'} | "
                      f"{row['max_loss_diff']:.1e} ({row['max_loss_rel_diff']:.1e})"
                      f"{'' if row['losses_agree'] else ' (over tolerance)'} |")
-    lines += ["", "1-minute load average [before, after] each run, in run order (2 cores): " + "; ".join(
+    variants = [(row, tool, v) for row in report["results"] for tool, v in row.get("variants", {}).items()]
+    if variants:
+        lines += ["", "shardtune's variants at the matched settings, against the same TRL run:", "",
+                  "| model | case | variant | tok/s | vs TRL | MFU | peak MiB | vs TRL | max loss rel diff vs "
+                  "shardtune |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row, tool, v in variants:
+            m = row["median"][tool]
+            lines.append(f"| {row['model']} | {row['case']} | {tool} | {m['tokens_per_s']:.0f} | "
+                         f"{v['tokens_per_s_ratio']:.2f}x | {_mfu_text(m['mfu'])} | "
+                         f"{m['peak_memory_bytes'] / 2**20:.0f} | "
+                         f"{v['peak_memory_ratio']:.2f}x | {v['max_loss_rel_diff_vs_shardtune']:.1e} |")
+    if report.get("skipped"):
+        lines += ["", f"Not run (past --max-minutes {report['max_minutes']}): " + "; ".join(report["skipped"])]
+    lines += ["", "1-minute load average [before, after] each run, in run order: " + "; ".join(
         f"{r['case']} {r['mode']} {r['load_before_after_runs']}" for r in report["results"]), ""]
     for row in report["results"]:
         lines += loss_table(row)
     lines += profile_lines(report["results"])
     lines += ["## Commands", "", f"    {report['command']}", ""]
     for row in report["results"]:
-        for tool in ("shardtune", "trl"):
-            lines.append(f"    {row['runs'][tool][0]['command']}")
+        for runs in row["runs"].values():
+            lines.append(f"    {runs[0]['command']}")
     return "\n".join(lines) + "\n"
 
 
@@ -381,7 +516,16 @@ def machine() -> dict:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    p.add_argument("--cases", default=None, help=f"comma-separated, of {', '.join(CASES)} (default: "
+                   f"{DEFAULT_CASES['gguf']}; with --shapes {DEFAULT_CASES['shapes']})")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated catalog models, each built from its config with random weights and a "
+                        "tokenizer made here, instead of the GGUF (see above)")
+    p.add_argument("--tiny", action="store_true", help="with --shapes: two narrow layers each (a CPU dry run)")
+    p.add_argument("--variants", default="", help=f"comma-separated, of {', '.join(VARIANTS)}: extra shardtune runs "
+                                                  f"at the matched settings")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no run after this many minutes from the start (the skipped ones are listed)")
     p.add_argument("--repeats", type=int, default=2, help="runs per tool and case, alternating; the median is kept")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run")
     p.add_argument("--timed", type=int, default=10, help="timed steps after the warm-up")
@@ -405,9 +549,18 @@ def parse_args() -> argparse.Namespace:
                         "vs_trl_DEVICE_defaults)")
     p.add_argument("--work", type=Path, default=None, help="output folders and logs (default: a new temp folder)")
     args = p.parse_args()
+    args.cases = args.cases or DEFAULT_CASES["shapes" if args.shapes else "gguf"]
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
         fail(f"--cases: {', '.join(unknown)} unknown; choose from {', '.join(CASES)}")
+    args.variants = [v for v in args.variants.split(",") if v]
+    if any(v not in VARIANTS for v in args.variants):
+        fail(f"--variants {','.join(args.variants)}: choose from {', '.join(VARIANTS)}")
+    if args.tiny and not args.shapes:
+        fail("--tiny shrinks the models of --shapes: give --shapes too")
+    if args.shapes and args.gguf:
+        fail("--shapes builds its models from configs; --gguf names the other model source: give one of them")
+    args.deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else math.inf
     if min(args.repeats, args.timed, args.batch, args.accum) < 1 or args.warmup < 1:
         fail("--repeats, --timed, --batch, --accum and --warmup must be at least 1")
     if args.profile and args.warmup < 2:
@@ -432,27 +585,73 @@ def main() -> None:
     args.cache.mkdir(parents=True, exist_ok=True)
     root = args.work or Path(tempfile.mkdtemp(prefix="vs-trl-"))
     root.mkdir(parents=True, exist_ok=True)
-    model = prepare_model(args.cache, args.gguf)
-    data = write_data(args.cache)
-    template = training_template(model, data, args.cache)
     bf16 = args.device == "cuda"
-    base = {"model": str(model), "data": str(data), "chat_template": str(template), "device": args.device,
-            "bf16": bf16, "steps": args.warmup + args.timed, "warmup": args.warmup, "batch": args.batch,
-            "accum": args.accum, "lr": args.lr, "seed": args.seed, "lora_r": args.lora_r,
-            "lora_alpha": args.lora_alpha, "lora_target_modules": LORA_TARGETS, "threads": args.threads}
-    print(f"model {model}, {sum(1 for _ in data.open())} rows in {data}; runs in {root}", flush=True)
-    results = [row for name in args.cases.split(",") for row in run_case(name, base, root, args)]
+    job = {"device": args.device, "bf16": bf16, "steps": args.warmup + args.timed, "warmup": args.warmup,
+           "batch": args.batch, "accum": args.accum, "lr": args.lr, "seed": args.seed, "lora_r": args.lora_r,
+           "lora_alpha": args.lora_alpha, "lora_target_modules": LORA_TARGETS, "threads": args.threads}
+    shapes = args.shapes.split(",") if args.shapes else [None]
+    name = args.name or f"vs_trl_{args.device}" + ("_shapes" if args.shapes else "") + (
+        "_defaults" if args.defaults else "")
     report = {"device": args.device, "precision": "bf16 autocast" if bf16 else "fp32",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "trl_version": trl.__version__, "threads": args.threads, "job": base,
-              "rows": sum(1 for _ in data.open()), "repeats": args.repeats, "modes": list(args.modes),
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "results": results}
-    text = markdown(report)
-    print(text)
+              "machine": machine(), "trl_version": trl.__version__, "threads": args.threads,
+              "job": job, "rows": 0, "repeats": args.repeats, "modes": list(args.modes),
+              "variants": args.variants, "max_minutes": args.max_minutes,
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "results": [], "skipped": []}
+    if args.shapes:
+        report["model_note"] = (f"Models {', '.join(shapes)} built from their catalog configs"
+                                f"{' (cut to two narrow layers, --tiny)' if args.tiny else ''}, random weights "
+                                f"stored in bf16, a {SHAPE_TOKENIZER_VOCAB}-token BPE made here (the logits keep "
+                                f"each model's vocabulary), every row cut to the case's length")
+    for shape in shapes:
+        if time.monotonic() > args.deadline:  # not even built
+            report["skipped"].append(f"{shape}: every run")
+            continue
+        base = model_base(job, args, shape)
+        report["rows"] = report["rows"] or base["rows"]
+        print(f"model {base['model']}, {base['rows']} rows in {base['data']}; runs in {root}", flush=True)
+        for case in args.cases.split(","):
+            report["results"] += run_case(case, base, root, args, report["skipped"])
+            write_report(report, name)  # after every case: a run cut short keeps what it measured
+    print(markdown(report))
+
+
+def model_base(job: dict, args: argparse.Namespace, shape: str | None) -> dict:
+    """``job`` with one model's folder, rows and chat template, and its FLOPs per token of each case for MFU."""
+    import torch
+
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.train.metrics import flops_per_token
+
+    if shape is None:
+        model = prepare_model(args.cache, args.gguf)
+        data = write_data(args.cache)
+        template = training_template(model, data, args.cache)
+    else:
+        model = prepare_shape(args.cache, shape, args.tiny)
+        longest = max(CASES[c][1] for c in args.cases.split(","))
+        data = write_long_rows(args.cache, model, longest, (args.warmup + args.timed) * args.batch * args.accum)
+        template = model / "chat_template.jinja"  # the tokenizer's own, with its generation markers
+    analysis = ModelAnalysis(str(model), use_cache=False)
+    inv, config = analysis.inventory, analysis.config
+    trainable = {"full": inv.parameters, "lora": analysis.lora(args.lora_r, LORA_TARGETS).total}
+    frozen = {"full": 0, "lora": inv.parameters}
+    per_token = {method: {seq: flops_per_token(config, frozen[method] + trainable[method], trainable[method], seq)
+                          for seq in {s for _, s in CASES.values()}} for method in trainable}
+    peak = None
+    if args.device == "cuda":
+        from shardtune.hardware import peak_bf16_flops
+
+        peak = peak_bf16_flops(torch.cuda.get_device_name())
+    return job | {"model": str(model), "data": str(data), "chat_template": str(template),
+                  "shape": shape or "SmolLM2-135M-Instruct", "rows": sum(1 for _ in data.open()),
+                  "flops_per_token": per_token, "peak_flops": peak}
+
+
+def write_report(report: dict, name: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = args.name or f"vs_trl_{args.device}" + ("_defaults" if args.defaults else "")
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (RESULTS / f"{name}.md").write_text(text)
+    (RESULTS / f"{name}.md").write_text(markdown(report))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,10 @@ class StepClock:
         if self.profile_step and step == self.profile_step - 1:
             import torch
 
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():  # the kernels too, with the time the GPU spent in them
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
         elif self.profiler is not None and step == self.profile_step:
             self.profiler.__exit__(None, None, None)
@@ -82,9 +85,19 @@ def breakdown(profiler, wall_s: float) -> dict:
         part = next((p for p, prefixes in PARTS if event.name.startswith(prefixes)), "forward")
         parts[part] += event.time_range.elapsed_us() / 1e6
     parts["python_outside_ops"] = max(0.0, wall_s - sum(parts.values()))
-    ops = sorted(profiler.key_averages(), key=lambda a: -a.self_cpu_time_total)[:10]
-    return {"wall_s": wall_s, "parts_s": parts,
-            "top_ops": [{"name": a.key, "self_s": a.self_cpu_time_total / 1e6, "calls": a.count} for a in ops]}
+    averages = profiler.key_averages()
+    ops = sorted(averages, key=lambda a: -a.self_cpu_time_total)[:10]
+    result = {"wall_s": wall_s, "parts_s": parts,
+              "top_ops": [{"name": a.key, "self_s": a.self_cpu_time_total / 1e6, "calls": a.count} for a in ops]}
+    # On CUDA: the kernels by the GPU time they took themselves, and the GPU's busy time in all of them (against
+    # the step's wall time: what is left is the GPU waiting on Python, launches or the host).
+    kernels = [a for a in averages if a.self_device_time_total > 0 and a.device_type.name == "CUDA"]
+    if kernels:
+        kernels.sort(key=lambda a: -a.self_device_time_total)
+        result["device_busy_s"] = sum(a.self_device_time_total for a in kernels) / 1e6
+        result["top_kernels"] = [{"name": a.key, "self_s": a.self_device_time_total / 1e6, "calls": a.count}
+                                 for a in kernels[:12]]
+    return result
 
 
 def _sampler_order(num_rows: int, spec: dict) -> list[int]:
