@@ -9,6 +9,13 @@
 #   bash bench/gpu_session.sh vs-trl     # GPU: vs_trl.py --device cuda (shardtune vs TRL, bf16, max_memory_reserved)
 #   bash bench/gpu_session.sh compile    # GPU: compile_speed.py --device cuda (tokens/s with and without torch_compile)
 #   bash bench/gpu_session.sh kernels    # GPU: memory_kernels_cuda.py (activation offloading, Liger; SmolLM2 as vs-trl)
+#   bash bench/gpu_session.sh trl-truth  # GPU: vs_trl.py --shapes (Llama-3.2-1B and SmolLM2-135M built from configs,
+#                                        #      nothing carried but .whl/): shardtune vs TRL at defaults and matched,
+#                                        #      LoRA and full, 2048-token rows, bf16; shardtune also compiled and with
+#                                        #      Liger; tokens/s, MFU, max_memory_reserved, losses, profiles (6 min)
+#   bash bench/gpu_session.sh cuda-paths # GPU: cuda_paths.py: every CUDA-only path once, pass/fail with figures
+#                                        #      (gpu tests, QLoRA 1B, 8-bit/paged optimizers resumed, offloading,
+#                                        #      Liger, generate, export to GGUF; 6 min)
 #
 # From the device tool: run(command="bash bench/gpu_session.sh memory", carry=[".whl/site"], timeout_s=480).
 # Each stage writes into bench/results/ and copies the files it wrote to $OUT where that is set. Copy them back into
@@ -63,10 +70,12 @@ prepare() {
     find .whl/site/bitsandbytes -name 'libbitsandbytes_*.so' ! -name 'libbitsandbytes_cuda13*' \
         ! -name 'libbitsandbytes_cpu.so' -delete
     find .whl/site -name __pycache__ -prune -exec rm -rf {} +
-    # datasets and the two of its requirements the image lacks, as wheels for the image's Python 3.12.
+    # datasets and the two of its requirements the image lacks, as wheels for the image's Python 3.12; pytest and
+    # its plugins for cuda-paths' gpu-marked tests (the image need not have them: an image's own copy comes first).
     local pins
     pins=$("$py" -c 'from importlib.metadata import version as v
-print(*(f"{n}=={v(n)}" for n in ("datasets", "dill", "multiprocess")))')
+print(*(f"{n}=={v(n)}" for n in ("datasets", "dill", "multiprocess", "pytest", "pluggy", "iniconfig",
+                                 "pytest-timeout")))')
     # shellcheck disable=SC2086 # one argument per pin
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $pins
@@ -93,8 +102,9 @@ return_results() {
 stage=${1:-}
 case "$stage" in
     prepare) prepare; exit 0 ;;
-    memory|others|loading|vs-trl|kernels|compile) ;;
-    *) echo "usage: bash bench/gpu_session.sh prepare|memory|others|loading|vs-trl|kernels|compile (got '${stage}')" >&2
+    memory|others|loading|vs-trl|kernels|compile|trl-truth|cuda-paths) ;;
+    *) echo "usage: bash bench/gpu_session.sh prepare|memory|others|loading|vs-trl|kernels|compile|trl-truth|cuda-paths" \
+            "(got '${stage}')" >&2
        exit 2 ;;
 esac
 
@@ -146,6 +156,23 @@ case "$stage" in
         "$PY" -m pytest -q -p no:cacheprovider tests/test_liger.py || echo "kernels: tests/test_liger.py failed (above)" >&2
         timeout 540 "$PY" bench/memory_kernels_cuda.py --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
             --cache /tmp/shardtune-bench --batch 8 --seq-len 2048 --steps 12 --repeats 2 ;;
+    # One call: run(command="bash bench/gpu_session.sh trl-truth", carry=[".whl"], timeout_s=390). No run starts
+    # after 4.5 minutes (the 1B cases first, the 1B LoRA first of all: the issue's goals are on them), so the stage
+    # ends by about 6 and a rerun still fits the device time. Dry run on a CPU, the same code at two narrow layers:
+    #   PYTHONPATH=/tmp/trl-site .venv/bin/python bench/vs_trl.py --shapes llama-3.2-1b,smollm2-135m --tiny \
+    #       --cases lora-256,full-256 --defaults --variants compile,liger --profile --repeats 1 --warmup 2 --timed 2 \
+    #       --batch 2 --accum 1 --max-load 100 --name vs_trl_cpu_shapes_dry_run
+    trl-truth)
+        nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+        timeout 380 "$PY" bench/vs_trl.py --device cuda --shapes llama-3.2-1b,smollm2-135m --defaults \
+            --variants compile,liger --profile --repeats 1 --batch 4 --accum 2 --warmup 3 --timed 8 \
+            --max-load 1000 --max-minutes 4.5 --cache /tmp/shardtune-bench --name vs_trl_cuda_shapes ;;
+    # One call: run(command="bash bench/gpu_session.sh cuda-paths", carry=[".whl"], timeout_s=390); no check
+    # starts after 4.5 minutes. Dry run on a CPU: .venv/bin/python bench/cuda_paths.py --device cpu --tiny
+    # --name cuda_paths_cpu_dry_run
+    cuda-paths)
+        nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+        timeout 380 "$PY" bench/cuda_paths.py --device cuda --max-minutes 4.5 --cache /tmp/shardtune-bench ;;
     # SmolLM2 as in vs-trl (carry the GGUF parts); eager and compiled twice each, every compiled run from a cold
     # inductor cache.
     compile)
