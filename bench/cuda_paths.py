@@ -109,10 +109,13 @@ def gib(n: float | None) -> float | None:
 # --- the checks: each returns its figures (a dict) or raises CheckFailed ----------------------------------------------
 
 def check_pytest_gpu(ctx: dict) -> dict:
-    text = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
-               ctx["work"] / "pytest.log", 300) if ctx["cuda"] else ""
+    # only the files that hold gpu-marked tests: collecting the whole suite would import what the GPU image lacks
+    files = sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").glob("test_*.py")
+                   if "pytest.mark.gpu" in f.read_text())
     if not ctx["cuda"]:  # every test of the marker skips without CUDA; running them proves nothing
-        return {"note": "no CUDA: the gpu-marked tests skip here (not run)"}
+        return {"note": f"no CUDA: the gpu-marked tests of {', '.join(files)} skip here (not run)"}
+    text = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files],
+               ctx["work"] / "pytest.log", 300)
     summary = text.strip().splitlines()[-1]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", summary)}
     if not counts.get("passed") or counts.get("failed") or counts.get("error"):
@@ -163,11 +166,15 @@ def check_optim(ctx: dict, optim: str) -> dict:
     again = train(ctx, f"{optim}-resumed", ctx["tiny"], ctx["sums"],
                   [*common, "--resume_from_checkpoint", str(step_2)], timeout=180)
     expected, found = losses(ref)[2:], losses(again)
-    if found != expected:
-        raise CheckFailed(f"resumed losses {found} != uninterrupted {expected}")
     if len(set(losses(ref))) < 2:
         raise CheckFailed(f"the optimizer did not move the loss: {losses(ref)}")
-    return {"losses": losses(ref), "resumed_steps_3_4": found}
+    # Step 3's loss is a forward of the restored weights: bitwise or the checkpoint is wrong. Step 4's also went
+    # through step 3's backward and the restored optimizer state; on CUDA a backward with atomic adds (flash
+    # attention's, embeddings') may round differently in two processes, so it is held to 1e-5 (a state restored
+    # wrongly moves it by far more) and whether it is bitwise is recorded.
+    if len(found) != 2 or found[0] != expected[0] or abs(found[1] - expected[1]) > 1e-5 * abs(expected[1]):
+        raise CheckFailed(f"resumed losses {found} != uninterrupted {expected}")
+    return {"losses": losses(ref), "resumed_steps_3_4": found, "bitwise": found == expected}
 
 
 def kernel_run(ctx: dict, name: str, extra: list[str]) -> dict:

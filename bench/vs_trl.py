@@ -81,6 +81,10 @@ DOC_MODULES = ("argparse", "collections", "csv", "datetime", "decimal", "difflib
                "tempfile", "textwrap", "threading", "typing", "unittest", "urllib.parse", "uuid", "zipfile")
 
 
+class RunFailed(Exception):
+    """One tool's run ended badly: recorded in the report (with its log's tail); the other runs go on."""
+
+
 def fail(message: str) -> None:
     print(f"vs_trl.py: {message}", file=sys.stderr)
     sys.exit(2)
@@ -250,7 +254,7 @@ def run_child(cmd: list[str], env: dict, log: Path) -> tuple[float, int]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
-        fail(f"{cmd[1:4]} exited with {proc.returncode}; its log is {log}:\n{tail}")
+        raise RunFailed(f"{cmd[1:4]} exited with {proc.returncode}; its log is {log}:\n{tail}")
     return time.perf_counter() - start, usage.ru_maxrss * 1024
 
 
@@ -312,7 +316,7 @@ def measured(job: dict, clock: dict, steps: list[dict], wall: float, rss: int, c
     """One run's figures: per-step losses and token counts, tokens/s of the timed steps, peak memory."""
     ends, warmup = clock["step_ends"], job["warmup"]
     if len(steps) != job["steps"] or len(ends) != job["steps"] + 1:
-        fail(f"expected {job['steps']} steps, got {len(steps)} records and {len(ends) - 1} step ends")
+        raise RunFailed(f"expected {job['steps']} steps, got {len(steps)} records and {len(ends) - 1} step ends")
     timed_tokens = sum(s["tokens"] for s in steps[warmup:])
     timed_s = ends[-1] - ends[warmup]
     peak = clock["peak_at_train_end"]
@@ -324,11 +328,12 @@ def measured(job: dict, clock: dict, steps: list[dict], wall: float, rss: int, c
             "command": " ".join(cmd)}
 
 
-def run_case(name: str, base: dict, root: Path, args: argparse.Namespace, skipped: list[str]) -> list[dict]:
+def run_case(name: str, base: dict, root: Path, args: argparse.Namespace, skipped: list[str],
+             failed: list[dict]) -> list[dict]:
     """Both tools on one case in each mode, alternating (tool inside mode inside repeat), ``args.repeats`` times
     each, with the shardtune variants after them in the matched mode; per mode the medians and the loss comparison.
     The load average is read before and after every run. A run due after ``args.deadline`` is skipped and named in
-    ``skipped``; a mode that lost either tool's runs has no row."""
+    ``skipped``, a run that fails is recorded in ``failed``; a mode that lost either tool's runs has no row."""
     method, seq_len = CASES[name]
     tools = {mode: ["shardtune", "trl"] + ([f"shardtune+{v}" for v in args.variants] if mode == "matched" else [])
              for mode in args.modes}
@@ -345,9 +350,14 @@ def run_case(name: str, base: dict, root: Path, args: argparse.Namespace, skippe
                 load = wait_for_quiet(args.max_load, args.load_wait_s)
                 profile = args.profile and repeat == args.repeats - 1
                 run = run_trl if tool == "trl" else run_shardtune
-                # the last warm-up step: the profiler's overhead stays out of the timed steps
-                result = run(job | {"variant": tool.partition("+")[2], "profile_step": job["warmup"] if profile else 0},
-                             root / f"{base['shape']}-{name}-{mode}-{tool.replace('+', '-')}-{repeat}")
+                try:  # the last warm-up step is profiled: the profiler's overhead stays out of the timed steps
+                    result = run(job | {"variant": tool.partition("+")[2],
+                                        "profile_step": job["warmup"] if profile else 0},
+                                 root / f"{base['shape']}-{name}-{mode}-{tool.replace('+', '-')}-{repeat}")
+                except RunFailed as exc:
+                    failed.append({"run": label, "error": str(exc)})
+                    print(f"  {label}: FAILED\n{exc}", flush=True)
+                    continue
                 after = os.getloadavg()[0]
                 loads[mode].append([round(load, 2), round(after, 2)])
                 runs[mode][tool].append(result)
@@ -482,6 +492,8 @@ def markdown(report: dict) -> str:
                          f"{v['tokens_per_s_ratio']:.2f}x | {_mfu_text(m['mfu'])} | "
                          f"{m['peak_memory_bytes'] / 2**20:.0f} | "
                          f"{v['peak_memory_ratio']:.2f}x | {v['max_loss_rel_diff_vs_shardtune']:.1e} |")
+    for failure in report.get("failed", []):
+        lines += ["", f"FAILED: {failure['run']}:", "", "    " + failure["error"].replace("\n", "\n    ")]
     if report.get("skipped"):
         lines += ["", f"Not run (past --max-minutes {report['max_minutes']}): " + "; ".join(report["skipped"])]
     lines += ["", "1-minute load average [before, after] each run, in run order: " + "; ".join(
@@ -597,7 +609,8 @@ def main() -> None:
               "machine": machine(), "trl_version": trl.__version__, "threads": args.threads,
               "job": job, "rows": 0, "repeats": args.repeats, "modes": list(args.modes),
               "variants": args.variants, "max_minutes": args.max_minutes,
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "results": [], "skipped": []}
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "results": [], "skipped": [],
+              "failed": []}
     if args.shapes:
         report["model_note"] = (f"Models {', '.join(shapes)} built from their catalog configs"
                                 f"{' (cut to two narrow layers, --tiny)' if args.tiny else ''}, random weights "
@@ -611,7 +624,7 @@ def main() -> None:
         report["rows"] = report["rows"] or base["rows"]
         print(f"model {base['model']}, {base['rows']} rows in {base['data']}; runs in {root}", flush=True)
         for case in args.cases.split(","):
-            report["results"] += run_case(case, base, root, args, report["skipped"])
+            report["results"] += run_case(case, base, root, args, report["skipped"], report["failed"])
             write_report(report, name)  # after every case: a run cut short keeps what it measured
     print(markdown(report))
 

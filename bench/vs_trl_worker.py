@@ -76,7 +76,7 @@ def breakdown(profiler, wall_s: float) -> dict:
     (Python between operators), and the ten operators of most self time."""
     by_thread: dict[int, list] = {}
     for event in profiler.events():
-        if event.cpu_parent is None:
+        if event.cpu_parent is None and event.device_type.name == "CPU":  # ranges, not the GPU's kernels
             by_thread.setdefault(event.thread, []).append(event)
     # the training thread: the one with the most time in ranges (CPU backward runs on it too)
     top = max(by_thread.values(), key=lambda evs: sum(e.time_range.elapsed_us() for e in evs), default=[])
