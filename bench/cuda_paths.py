@@ -60,14 +60,27 @@ class CheckFailed(Exception):
     """The path ran but did not do what it must (the message says what)."""
 
 
-def run(cmd: list[str], log: Path, timeout: float) -> str:
-    """Run ``cmd`` from the repository root; its output (also in ``log``), or CheckFailed with its last lines."""
+STOP_AT = math.inf  # time.monotonic() at which a running command is killed (--stop-minutes)
+
+
+def run(cmd: list[str], log: Path, timeout: float, *, stdout_only: bool = False) -> str:
+    """Run ``cmd`` from the repository root; its output (also in ``log``; with ``stdout_only`` the output is its
+    stdout alone and its stderr goes to the log), or CheckFailed with its last lines. Killed after ``timeout``
+    seconds or at STOP_AT, whichever comes first."""
     # the repository first, then what the caller had (on the GPU machine: the carried bitsandbytes, Liger, TRL)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    limit = max(1.0, min(timeout, STOP_AT - time.monotonic()))
     with log.open("w") as out:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                              env=os.environ | {"TQDM_DISABLE": "1", "PYTHONPATH": path})
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE if stdout_only else out,
+                                  stderr=out if stdout_only else subprocess.STDOUT, timeout=limit, text=True,
+                                  env=os.environ | {"TQDM_DISABLE": "1", "PYTHONPATH": path})
+        except subprocess.TimeoutExpired:
+            raise CheckFailed(f"{' '.join(cmd[1:4])} was still running after {limit:.0f} s (its timeout or "
+                              f"--stop-minutes); its log is {log}") from None
     text = log.read_text()
+    if stdout_only and proc.returncode == 0:
+        return proc.stdout
     if proc.returncode != 0:
         tail = "\n".join(text.splitlines()[-12:])
         raise CheckFailed(f"{' '.join(cmd[1:4])} exited with {proc.returncode}:\n{tail}")
@@ -94,8 +107,8 @@ def train(ctx: dict, name: str, model: Path, data: Path, args: list[str], timeou
 def formula_peak(ctx: dict, out: Path) -> int:
     """``shardtune estimate --config`` of the job a run wrote (its config.yaml): the formula's reserved peak."""
     text = run(shardtune("estimate", "--config", str(out / "config.yaml"), "--json"), ctx["work"] / "estimate.log",
-               120)
-    return json.loads(text[text.index("{"):])["per_gpu"]["total"]
+               120, stdout_only=True)
+    return json.loads(text)["per_gpu"]["total"]
 
 
 def losses(result: dict) -> list[float]:
@@ -125,7 +138,7 @@ def check_pytest_gpu(ctx: dict) -> dict:
 
 def check_qlora(ctx: dict) -> dict:
     seq, batch = ctx["seq_len"], ctx["batch"]
-    result = train(ctx, "qlora", ctx["shape"], ctx["rows"], [
+    result = train(ctx, "qlora", *shape(ctx), [
         "--use_peft_lora", "true", "--use_4bit_quantization", "true", "--bnb_4bit_quant_type", "nf4",
         "--use_nested_quant", "true", "--bnb_4bit_compute_dtype", "bfloat16", "--lora_r", "16",
         "--lora_target_modules", "all-linear", "--lora_dropout", "0", "--max_seq_len", str(seq),
@@ -140,6 +153,16 @@ def check_qlora(ctx: dict) -> dict:
     return figures
 
 
+def shape(ctx: dict) -> tuple[Path, Path]:
+    """The 1B-shaped model and its rows, built on first use (as bench/vs_trl.py builds them)."""
+    if "shape" not in ctx:
+        import vs_trl
+
+        folder = vs_trl.prepare_shape(ctx["cache"], SHAPE, ctx["tiny_shapes"])
+        ctx["shape"] = folder, vs_trl.write_long_rows(ctx["cache"], folder, ctx["seq_len"], 16 * ctx["batch"])
+    return ctx["shape"]
+
+
 def peak_figures(ctx: dict, result: dict) -> dict:
     """The run's measured peak, the formula's estimate of the same job and the memory check's trace."""
     check = result["memory"]  # on CUDA max_memory_reserved, as the formula's total counts it
@@ -147,7 +170,8 @@ def peak_figures(ctx: dict, result: dict) -> dict:
     formula = formula_peak(ctx, result["out"])
     traced = check["predicted_peak_bytes"] if check else None
     return {"measured_peak_gib": gib(measured),
-            "measured_by": check["measured_by"] if check else "summary.json peak_memory_bytes",
+            "measured_by": check["measured_by"] if check else (
+                "torch.cuda.max_memory_reserved" if ctx["cuda"] else "peak RSS"),
             "formula_gib": gib(formula),
             "formula_error": round(formula / measured - 1, 4), "trace_gib": gib(traced),
             "trace_error": round(traced / measured - 1, 4) if traced else None}
@@ -157,13 +181,13 @@ def check_optim(ctx: dict, optim: str) -> dict:
     common = ["--max_seq_len", "64", "--max_steps", "4", "--save_steps", "2", "--per_device_train_batch_size", "4",
               "--optim", optim, "--learning_rate", "1e-3", "--predict_memory", "false"]
     try:
-        ref = train(ctx, f"{optim}-ref", ctx["tiny"], ctx["sums"], common, timeout=180)
+        ref = train(ctx, f"{optim}-ref", ctx["wide"], ctx["sums"], common, timeout=180)
     except CheckFailed as exc:
         if not ctx["cuda"] and "paged" in optim and "no CUDA GPU is visible" in str(exc):
             return {"note": "refused without CUDA, as it must be: " + str(exc).splitlines()[-1][:160]}
         raise
     step_2 = ref["out"] / "checkpoints" / "step-2"
-    again = train(ctx, f"{optim}-resumed", ctx["tiny"], ctx["sums"],
+    again = train(ctx, f"{optim}-resumed", ctx["wide"], ctx["sums"],
                   [*common, "--resume_from_checkpoint", str(step_2)], timeout=180)
     expected, found = losses(ref)[2:], losses(again)
     if len(set(losses(ref))) < 2:
@@ -178,7 +202,9 @@ def check_optim(ctx: dict, optim: str) -> dict:
 
 
 def kernel_run(ctx: dict, name: str, extra: list[str]) -> dict:
-    return train(ctx, name, ctx["shape"], ctx["rows"], [
+    """A 1B-shape LoRA run; the memory check's trace is left to the QLoRA check (the estimate's formula is read
+    for these runs instead)."""
+    return train(ctx, name, *shape(ctx), ["--predict_memory", "false",
         "--use_peft_lora", "true", "--lora_r", "16", "--lora_target_modules", "all-linear", "--lora_dropout", "0",
         "--max_seq_len", str(ctx["seq_len"]), "--per_device_train_batch_size", str(ctx["batch"]), "--max_steps", "8",
         "--gradient_checkpointing", "true", "--save_strategy", "no", *extra])
@@ -237,12 +263,15 @@ def check_generate(ctx: dict) -> dict:
                ctx["work"] / "generate.log", 120)
     tokenizer = AutoTokenizer.from_pretrained(DEMO_BASE)
     model = AutoModelForCausalLM.from_pretrained(DEMO_BASE, dtype=dtype).to(ctx["device"])
-    from shardtune.infer.generate import encode_prompt
+    from shardtune.infer.generate import encode_prompt, stop_token_ids
 
-    # the prompt's ids as shardtune builds them (its template, BOS as in training): what is compared is decoding
+    # the prompt's ids as shardtune builds them (its template, BOS as in training) and its stop tokens: what is
+    # compared is the decoding
     ids = torch.tensor([encode_prompt(tokenizer, prompt)], device=ctx["device"])
     out = model.generate(ids, max_new_tokens=new, do_sample=False, use_cache=True,
+                         eos_token_id=sorted(stop_token_ids(model, tokenizer)),
                          pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:]
+    del model
     theirs = tokenizer.decode(out, skip_special_tokens=True).strip()
     ours = text.strip().splitlines()[-1].strip() if text.strip() else ""
     if not theirs or theirs not in text:
@@ -279,36 +308,33 @@ def check_export_gguf(ctx: dict) -> dict:
     return {"gguf_bytes": gguf.stat().st_size, "logits_max_rel_error": error, "train_loss": losses(result)}
 
 
-CHECKS = {"pytest-gpu": check_pytest_gpu, "qlora": check_qlora,
+# The most used path first (QLoRA); the gpu-marked tests last (Liger's unit test is also covered by 'liger').
+CHECKS = {"qlora": check_qlora, "liger": check_liger, "offloading": check_offloading,
           **{f"optim-{o}": (lambda ctx, o=o: check_optim(ctx, o)) for o in OPTIMS},
-          "offloading": check_offloading, "liger": check_liger, "generate": check_generate,
-          "export-gguf": check_export_gguf}
+          "generate": check_generate, "export-gguf": check_export_gguf, "pytest-gpu": check_pytest_gpu}
 
 
 # --- the driver ---------------------------------------------------------------------------------------------------
 
 def context(args: argparse.Namespace, work: Path) -> dict:
-    """The models and rows the checks share, built once: the 1B shape (as bench/vs_trl.py builds it), a tiny
-    model and addition rows for the short runs."""
+    """What the checks share: addition rows and, for the optimizers, a small model whose embedding and MLP
+    weights have over 1e5 elements (bitsandbytes pages only such tensors); the 1B shape is built on first use."""
     import torch
 
-    import vs_trl
     from shardtune.testing.tiny import make_model_folder
 
     args.cache.mkdir(parents=True, exist_ok=True)
-    shape = vs_trl.prepare_shape(args.cache, SHAPE, args.tiny)
-    seq_len = 256 if args.tiny else 2048
-    rows = vs_trl.write_long_rows(args.cache, shape, seq_len, 16 * args.batch)
-    tiny = work / "tiny"
-    if not (tiny / "config.json").is_file():
-        make_model_folder(tiny)
+    wide = work / "wide"
+    if not (wide / "config.json").is_file():
+        make_model_folder(wide, hidden_size=256, intermediate_size=512)
     sums = work / "sums.jsonl"
     sums.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"What is {a} plus {b}?"},
         {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}) + "\n"
         for a, b in ((i * 7 % 50, i * 13 % 50) for i in range(256))))
     return {"work": work, "device": args.device, "cuda": args.device == "cuda" and torch.cuda.is_available(),
-            "shape": shape, "rows": rows, "seq_len": seq_len, "batch": args.batch, "tiny": tiny, "sums": sums}
+            "cache": args.cache, "tiny_shapes": args.tiny, "seq_len": 256 if args.tiny else 2048,
+            "batch": args.batch, "wide": wide, "sums": sums}
 
 
 def markdown(report: dict) -> str:
@@ -340,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated, of {', '.join(CHECKS)}")
     p.add_argument("--batch", type=int, default=4, help="rows per micro-batch of the 1B runs")
     p.add_argument("--max-minutes", type=float, default=None, help="start no check after this many minutes")
+    p.add_argument("--stop-minutes", type=float, default=None,
+                   help="kill a command still running this many minutes from the start (its check fails)")
     p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "shardtune-bench")
     p.add_argument("--work", type=Path, default=None, help="the runs' folders and logs (default: a new temp folder)")
     p.add_argument("--name", default=None, help="results file name (default: cuda_paths_DEVICE)")
@@ -351,7 +379,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device; on a CPU run the dry run (--device cpu --tiny)")
-    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else math.inf
+    global STOP_AT
+    now = time.monotonic()
+    deadline = now + 60 * args.max_minutes if args.max_minutes else math.inf
+    STOP_AT = now + 60 * args.stop_minutes if args.stop_minutes else math.inf
     work = args.work or Path(tempfile.mkdtemp(prefix="cuda-paths-"))
     work.mkdir(parents=True, exist_ok=True)
     name = args.name or f"cuda_paths_{args.device}"

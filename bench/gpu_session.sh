@@ -70,12 +70,11 @@ prepare() {
     find .whl/site/bitsandbytes -name 'libbitsandbytes_*.so' ! -name 'libbitsandbytes_cuda13*' \
         ! -name 'libbitsandbytes_cpu.so' -delete
     find .whl/site -name __pycache__ -prune -exec rm -rf {} +
-    # datasets and the two of its requirements the image lacks, as wheels for the image's Python 3.12; pytest and
-    # its plugins for cuda-paths' gpu-marked tests (the image need not have them: an image's own copy comes first).
+    # datasets and the two of its requirements the image lacks, as wheels for the image's Python 3.12, and gguf
+    # (export to GGUF and its reader; the image's package list has no gguf). The image has pytest and its plugins.
     local pins
     pins=$("$py" -c 'from importlib.metadata import version as v
-print(*(f"{n}=={v(n)}" for n in ("datasets", "dill", "multiprocess", "pytest", "pluggy", "iniconfig",
-                                 "pytest-timeout")))')
+print(*(f"{n}=={v(n)}" for n in ("datasets", "dill", "multiprocess", "gguf")))')
     # shellcheck disable=SC2086 # one argument per pin
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $pins
@@ -112,11 +111,35 @@ PY=$(python_for_gpu)
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 use_carried_packages
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
-"$PY" - <<'EOF'
-import importlib.util, platform, torch, transformers
+# What each stage imports beyond torch, transformers and peft: imported here first (seconds), so a package the
+# image lacks or cannot load ends the stage before minutes of device time go by.
+case "$stage" in
+    trl-truth) NEEDS="datasets trl.trainer.sft_trainer liger_kernel" ;;
+    cuda-paths) NEEDS="datasets bitsandbytes liger_kernel gguf pytest" ;;
+    vs-trl) NEEDS="datasets trl.trainer.sft_trainer" ;;
+    kernels) NEEDS="datasets liger_kernel" ;;
+    *) NEEDS="" ;;
+esac
+NEEDS="$NEEDS" "$PY" - <<'EOF'
+import importlib, importlib.metadata as md, importlib.util, os, platform, sys, torch, transformers
 missing = [m for m in ("bitsandbytes", "datasets", "peft") if importlib.util.find_spec(m) is None]
 print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"{torch.cuda.get_device_name()}; missing: {', '.join(missing) or 'nothing'}")
+versions = []
+for name in ("huggingface_hub", "pyarrow", "fsspec", "datasets", "trl", "liger_kernel", "bitsandbytes", "gguf"):
+    try:
+        versions.append(f"{name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        versions.append(f"{name} -")
+print("; ".join(versions))
+failed = []
+for module in os.environ["NEEDS"].split():
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any failure to load ends the stage
+        failed.append(f"{module}: {type(exc).__name__}: {exc}")
+if failed:
+    sys.exit("this stage cannot run here:\n  " + "\n  ".join(failed))
 EOF
 
 trap return_results EXIT
@@ -157,22 +180,25 @@ case "$stage" in
         timeout 540 "$PY" bench/memory_kernels_cuda.py --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
             --cache /tmp/shardtune-bench --batch 8 --seq-len 2048 --steps 12 --repeats 2 ;;
     # One call: run(command="bash bench/gpu_session.sh trl-truth", carry=[".whl"], timeout_s=390). No run starts
-    # after 4.5 minutes (the 1B cases first, the 1B LoRA first of all: the issue's goals are on them), so the stage
-    # ends by about 6 and a rerun still fits the device time. Dry run on a CPU, the same code at two narrow layers:
+    # after 4.5 minutes and none goes on past 5.4 (the 1B cases first, the 1B LoRA first of all: the issue's goals
+    # are on them); the report is written after every run, so the stage ends by about 6 with what it measured and
+    # a rerun still fits the device time. Dry run on a CPU, the same code at two narrow layers:
     #   PYTHONPATH=/tmp/trl-site .venv/bin/python bench/vs_trl.py --shapes llama-3.2-1b,smollm2-135m --tiny \
     #       --cases lora-256,full-256 --defaults --variants compile,liger --profile --repeats 1 --warmup 2 --timed 2 \
     #       --batch 2 --accum 1 --max-load 100 --name vs_trl_cpu_shapes_dry_run
     trl-truth)
         nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-        timeout 380 "$PY" bench/vs_trl.py --device cuda --shapes llama-3.2-1b,smollm2-135m --defaults \
+        timeout 340 "$PY" bench/vs_trl.py --device cuda --shapes llama-3.2-1b,smollm2-135m --defaults \
             --variants compile,liger --profile --repeats 1 --batch 4 --accum 2 --warmup 3 --timed 8 \
-            --max-load 1000 --max-minutes 4.5 --cache /tmp/shardtune-bench --name vs_trl_cuda_shapes ;;
+            --max-load 1000 --max-minutes 4.5 --stop-minutes 5.4 --cache /tmp/shardtune-bench \
+            --name vs_trl_cuda_shapes ;;
     # One call: run(command="bash bench/gpu_session.sh cuda-paths", carry=[".whl"], timeout_s=390); no check
-    # starts after 4.5 minutes. Dry run on a CPU: .venv/bin/python bench/cuda_paths.py --device cpu --tiny
+    # starts after 4.5 minutes and no command goes on past 5.4. Dry run on a CPU: .venv/bin/python bench/cuda_paths.py --device cpu --tiny
     # --name cuda_paths_cpu_dry_run
     cuda-paths)
         nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-        timeout 380 "$PY" bench/cuda_paths.py --device cuda --max-minutes 4.5 --cache /tmp/shardtune-bench ;;
+        timeout 340 "$PY" bench/cuda_paths.py --device cuda --max-minutes 4.5 --stop-minutes 5.4 \
+            --cache /tmp/shardtune-bench ;;
     # SmolLM2 as in vs-trl (carry the GGUF parts); eager and compiled twice each, every compiled run from a cold
     # inductor cache.
     compile)

@@ -11,8 +11,8 @@ With ``--defaults`` a second mode runs beside that matched one: each tool as a u
 same model folder, rows, order, chat template and loss masks, LoRA, lengths, batch, accumulation, steps, learning
 rate and seed (the recipe a user writes); everything else is left to the tool: TRL's ``SFTConfig`` defaults (bf16
 autocast, gradient checkpointing on, the model loaded in fp32 from its path, linear schedule; ``use_cpu`` on a CPU,
-without which Transformers refuses bf16 there) and ``shardtune train``'s (its hardware's precision, no gradient
-checkpointing, the end-of-run memory check). The report then holds both modes, measured in alternation.
+without which Transformers refuses bf16 there) and ``shardtune train``'s (its hardware's precision, gradient
+checkpointing on, the end-of-run memory check). The report then holds both modes, measured in alternation.
 
     # TRL is the bench's, not the project's, dependency: keep it out of the project's environment
     .venv/bin/python -m pip install --no-deps --target /tmp/trl-site trl==1.16.0
@@ -180,6 +180,9 @@ def prepare_shape(cache: Path, shape: str, tiny: bool) -> Path:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.rename(folder)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # this process measures nothing, but its cache would sit on the runs' GPU
     return folder
 
 
@@ -245,13 +248,23 @@ def wait_for_quiet(max_load: float, wait_s: float) -> float:
     return load
 
 
-def run_child(cmd: list[str], env: dict, log: Path) -> tuple[float, int]:
-    """Run ``cmd`` to its end; (wall seconds, peak RSS bytes of the child and what it waited for)."""
+def run_child(cmd: list[str], env: dict, log: Path, stop_at: float = math.inf) -> tuple[float, int]:
+    """Run ``cmd`` to its end, or kill it at ``stop_at`` (time.monotonic); (wall seconds, peak RSS bytes of the
+    child and what it waited for)."""
+    import threading
+
     start = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        killer = threading.Timer(max(0.0, stop_at - time.monotonic()), proc.kill) if stop_at < math.inf else None
+        if killer:
+            killer.start()
         _, status, usage = os.wait4(proc.pid, 0)
+        if killer:
+            killer.cancel()
     proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0 and time.monotonic() >= stop_at:
+        raise RunFailed(f"{cmd[1:4]} stopped at --stop-minutes, unfinished; its log is {log}")
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise RunFailed(f"{cmd[1:4]} exited with {proc.returncode}; its log is {log}:\n{tail}")
@@ -289,11 +302,11 @@ def shardtune_cmd(job: dict, out: Path) -> list[str]:
     return cmd + VARIANTS.get(job.get("variant", ""), [])
 
 
-def run_shardtune(job: dict, out: Path) -> dict:
+def run_shardtune(job: dict, out: Path, stop_at: float = math.inf) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     clock_path = out.parent / f"{out.name}.clock.json"
     cmd = shardtune_cmd(job, out)
-    wall, rss = run_child(cmd, child_env(job, clock_path), out.parent / f"{out.name}.log")
+    wall, rss = run_child(cmd, child_env(job, clock_path), out.parent / f"{out.name}.log", stop_at)
     clock = json.loads(clock_path.read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [{"tokens": r["tokens"], "target_tokens": r["target_tokens"], "loss": r["loss"]}
@@ -301,13 +314,13 @@ def run_shardtune(job: dict, out: Path) -> dict:
     return measured(job, clock, steps, wall, rss, cmd)
 
 
-def run_trl(job: dict, out: Path) -> dict:
+def run_trl(job: dict, out: Path, stop_at: float = math.inf) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     spec = out.parent / f"{out.name}.spec.json"
     spec.write_text(json.dumps(job | {"output_dir": str(out)}))
     clock_path = out.parent / f"{out.name}.clock.json"
     cmd = [sys.executable, str(WORKER), str(spec)]
-    wall, rss = run_child(cmd, child_env(job, clock_path), out.parent / f"{out.name}.log")
+    wall, rss = run_child(cmd, child_env(job, clock_path), out.parent / f"{out.name}.log", stop_at)
     clock = json.loads(clock_path.read_text())
     return measured(job, clock, clock["steps"], wall, rss, cmd)
 
@@ -328,45 +341,55 @@ def measured(job: dict, clock: dict, steps: list[dict], wall: float, rss: int, c
             "command": " ".join(cmd)}
 
 
-def run_case(name: str, base: dict, root: Path, args: argparse.Namespace, skipped: list[str],
-             failed: list[dict]) -> list[dict]:
+def run_case(name: str, base: dict, root: Path, args: argparse.Namespace, report: dict, publish) -> list[dict]:
     """Both tools on one case in each mode, alternating (tool inside mode inside repeat), ``args.repeats`` times
-    each, with the shardtune variants after them in the matched mode; per mode the medians and the loss comparison.
-    The load average is read before and after every run. A run due after ``args.deadline`` is skipped and named in
-    ``skipped``, a run that fails is recorded in ``failed``; a mode that lost either tool's runs has no row."""
+    each, then the shardtune variants at the matched settings; per mode the medians and the loss comparison. The
+    load average is read before and after every run, and ``publish(rows)`` is called after every run with the
+    case's rows so far. A run due after ``args.deadline`` is skipped and named in ``report["skipped"]``; one that
+    fails, or is still running at ``args.stop_at``, is recorded in ``report["failed"]``; a mode that lost either
+    tool's runs has no row."""
     method, seq_len = CASES[name]
-    tools = {mode: ["shardtune", "trl"] + ([f"shardtune+{v}" for v in args.variants] if mode == "matched" else [])
-             for mode in args.modes}
-    runs = {mode: {tool: [] for tool in tools[mode]} for mode in args.modes}
+    order = [(mode, tool) for mode in args.modes for tool in ("shardtune", "trl")]
+    order += [("matched", f"shardtune+{v}") for v in args.variants if "matched" in args.modes]
+    runs = {mode: {tool: [] for m, tool in order if m == mode} for mode in args.modes}
     loads: dict[str, list] = {mode: [] for mode in args.modes}
+
+    def rows() -> list[dict]:
+        # a run whose partner failed or was not reached is kept on its own (no ratio without the partner)
+        report["unpaired"] = [r for r in report.get("unpaired", []) if r["case"] != f"{base['shape']} {name}"] + [
+            {"case": f"{base['shape']} {name}", "mode": mode, "tool": tool, "runs": rs}
+            for mode in args.modes if not (runs[mode]["shardtune"] and runs[mode]["trl"])
+            for tool, rs in runs[mode].items() if rs]
+        return [summarise(name, base | {"method": method, "seq_len": seq_len, "mode": mode},
+                          {tool: rs for tool, rs in runs[mode].items() if rs}, loads[mode])
+                for mode in args.modes if runs[mode]["shardtune"] and runs[mode]["trl"]]
+
     for repeat in range(args.repeats):
-        for mode in args.modes:
+        for mode, tool in order:
             job = base | {"method": method, "seq_len": seq_len, "mode": mode}
-            for tool in tools[mode]:
-                label = f"{base['shape']} {name} {mode} {tool} #{repeat + 1}"
-                if time.monotonic() > args.deadline:
-                    skipped.append(label)
-                    continue
-                load = wait_for_quiet(args.max_load, args.load_wait_s)
-                profile = args.profile and repeat == args.repeats - 1
-                run = run_trl if tool == "trl" else run_shardtune
-                try:  # the last warm-up step is profiled: the profiler's overhead stays out of the timed steps
-                    result = run(job | {"variant": tool.partition("+")[2],
-                                        "profile_step": job["warmup"] if profile else 0},
-                                 root / f"{base['shape']}-{name}-{mode}-{tool.replace('+', '-')}-{repeat}")
-                except RunFailed as exc:
-                    failed.append({"run": label, "error": str(exc)})
-                    print(f"  {label}: FAILED\n{exc}", flush=True)
-                    continue
-                after = os.getloadavg()[0]
-                loads[mode].append([round(load, 2), round(after, 2)])
-                runs[mode][tool].append(result)
-                print(f"  {label}: {result['tokens_per_s']:.0f} tok/s, peak "
-                      f"{result['peak_memory_bytes'] / 2**20:.0f} MiB (load before {load:.2f}, after {after:.2f})",
-                      flush=True)
-    return [summarise(name, base | {"method": method, "seq_len": seq_len, "mode": mode},
-                      {tool: rs for tool, rs in runs[mode].items() if rs}, loads[mode])
-            for mode in args.modes if runs[mode]["shardtune"] and runs[mode]["trl"]]
+            label = f"{base['shape']} {name} {mode} {tool} #{repeat + 1}"
+            if time.monotonic() > args.deadline:
+                report["skipped"].append(label)
+                continue
+            load = wait_for_quiet(args.max_load, args.load_wait_s)
+            profile = args.profile and repeat == args.repeats - 1
+            run = run_trl if tool == "trl" else run_shardtune
+            try:  # the last warm-up step is profiled: the profiler's overhead stays out of the timed steps
+                result = run(job | {"variant": tool.partition("+")[2], "profile_step": job["warmup"] if profile else 0},
+                             root / f"{base['shape']}-{name}-{mode}-{tool.replace('+', '-')}-{repeat}", args.stop_at)
+            except Exception as exc:  # noqa: BLE001 - one run's failure is a result; the others still run
+                error = str(exc) if isinstance(exc, RunFailed) else f"{type(exc).__name__}: {exc}"
+                report["failed"].append({"run": label, "error": error})
+                print(f"  {label}: FAILED\n{error}", flush=True)
+                continue
+            after = os.getloadavg()[0]
+            loads[mode].append([round(load, 2), round(after, 2)])
+            runs[mode][tool].append(result)
+            print(f"  {label}: {result['tokens_per_s']:.0f} tok/s, peak "
+                  f"{result['peak_memory_bytes'] / 2**20:.0f} MiB (load before {load:.2f}, after {after:.2f})",
+                  flush=True)
+            publish(rows())
+    return rows()
 
 
 def mfu(job: dict, tokens_per_s: float) -> float | None:
@@ -492,6 +515,10 @@ def markdown(report: dict) -> str:
                          f"{v['tokens_per_s_ratio']:.2f}x | {_mfu_text(m['mfu'])} | "
                          f"{m['peak_memory_bytes'] / 2**20:.0f} | "
                          f"{v['peak_memory_ratio']:.2f}x | {v['max_loss_rel_diff_vs_shardtune']:.1e} |")
+    for alone in report.get("unpaired", []):
+        r = alone["runs"][0]
+        lines += ["", f"Without its partner run: {alone['case']} {alone['mode']} {alone['tool']}: "
+                      f"{r['tokens_per_s']:.0f} tok/s, peak {r['peak_memory_bytes'] / 2**20:.0f} MiB"]
     for failure in report.get("failed", []):
         lines += ["", f"FAILED: {failure['run']}:", "", "    " + failure["error"].replace("\n", "\n    ")]
     if report.get("skipped"):
@@ -538,6 +565,8 @@ def parse_args() -> argparse.Namespace:
                                                   f"at the matched settings")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="start no run after this many minutes from the start (the skipped ones are listed)")
+    p.add_argument("--stop-minutes", type=float, default=None,
+                   help="kill a run still going this many minutes from the start (recorded as failed)")
     p.add_argument("--repeats", type=int, default=2, help="runs per tool and case, alternating; the median is kept")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run")
     p.add_argument("--timed", type=int, default=10, help="timed steps after the warm-up")
@@ -572,7 +601,9 @@ def parse_args() -> argparse.Namespace:
         fail("--tiny shrinks the models of --shapes: give --shapes too")
     if args.shapes and args.gguf:
         fail("--shapes builds its models from configs; --gguf names the other model source: give one of them")
-    args.deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes else math.inf
+    now = time.monotonic()
+    args.deadline = now + 60 * args.max_minutes if args.max_minutes else math.inf
+    args.stop_at = now + 60 * args.stop_minutes if args.stop_minutes else math.inf
     if min(args.repeats, args.timed, args.batch, args.accum) < 1 or args.warmup < 1:
         fail("--repeats, --timed, --batch, --accum and --warmup must be at least 1")
     if args.profile and args.warmup < 2:
@@ -620,12 +651,24 @@ def main() -> None:
         if time.monotonic() > args.deadline:  # not even built
             report["skipped"].append(f"{shape}: every run")
             continue
-        base = model_base(job, args, shape)
+        try:
+            base = model_base(job, args, shape)
+        except Exception as exc:  # noqa: BLE001 - the next model may still run
+            report["failed"].append({"run": f"{shape}: building the model and rows",
+                                     "error": f"{type(exc).__name__}: {exc}"})
+            write_report(report, name)
+            continue
         report["rows"] = report["rows"] or base["rows"]
         print(f"model {base['model']}, {base['rows']} rows in {base['data']}; runs in {root}", flush=True)
         for case in args.cases.split(","):
-            report["results"] += run_case(case, base, root, args, report["skipped"], report["failed"])
-            write_report(report, name)  # after every case: a run cut short keeps what it measured
+            done = list(report["results"])
+
+            def publish(rows: list[dict], done: list[dict] = done) -> None:  # after every run: a stage cut short
+                report["results"] = done + rows                            # keeps what it measured
+                write_report(report, name)
+
+            publish(run_case(case, base, root, args, report, publish))
+    write_report(report, name)  # the skipped runs too, and a report even where nothing ran
     print(markdown(report))
 
 

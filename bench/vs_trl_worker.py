@@ -50,11 +50,13 @@ class StepClock:
         self.ends = [time.perf_counter()]
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
+        import torch
+
+        if torch.cuda.is_available():  # the step's kernels done, not only queued
+            torch.cuda.synchronize()
         self.ends.append(time.perf_counter())
         step = len(self.ends) - 1  # optimizer steps done
         if self.profile_step and step == self.profile_step - 1:
-            import torch
-
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():  # the kernels too, with the time the GPU spent in them
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -62,8 +64,14 @@ class StepClock:
             self.profiler.__enter__()
         elif self.profiler is not None and step == self.profile_step:
             self.profiler.__exit__(None, None, None)
-            self.profile = breakdown(self.profiler, self.ends[-1] - self.ends[-2])
+            try:
+                self.profile = breakdown(self.profiler, self.ends[-1] - self.ends[-2])
+            except Exception as exc:  # noqa: BLE001 - a profile that cannot be read must not end the run
+                self.profile = {"error": f"{type(exc).__name__}: {exc}"}
             self.profiler = None
+            # Stopping the profiler (CUPTI's flush) and reading it took time that belongs to no step: the next,
+            # timed, step starts now.
+            self.ends[-1] = time.perf_counter()
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
         if self.path:
@@ -78,8 +86,11 @@ def breakdown(profiler, wall_s: float) -> dict:
     for event in profiler.events():
         if event.cpu_parent is None and event.device_type.name == "CPU":  # ranges, not the GPU's kernels
             by_thread.setdefault(event.thread, []).append(event)
-    # the training thread: the one with the most time in ranges (CPU backward runs on it too)
-    top = max(by_thread.values(), key=lambda evs: sum(e.time_range.elapsed_us() for e in evs), default=[])
+    # the training thread: the one with the most time in ranges (a CPU backward runs on it too); on CUDA the
+    # autograd engine runs backward on a thread of its own, whose ranges are added to it
+    main = max(by_thread, key=lambda t: sum(e.time_range.elapsed_us() for e in by_thread[t]), default=None)
+    top = [e for t, evs in by_thread.items() for e in evs
+           if t == main or e.name.startswith("autograd::engine::evaluate_function")]
     parts = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "data": 0.0}
     for event in top:
         part = next((p for p, prefixes in PARTS if event.name.startswith(prefixes)), "forward")
