@@ -455,6 +455,10 @@ def profile_lines(rows: list[dict]) -> list[str]:
             profile = runs[-1].get("profile")
             if not profile:
                 continue
+            if "error" in profile:
+                lines += [f"- {row.get('model', '')} {row['case']} {row['mode']} {tool}: the profile could not be "
+                          f"read ({profile['error']})"]
+                continue
             parts = ", ".join(f"{k} {v:.3f}" for k, v in profile["parts_s"].items())
             ops = "; ".join(f"{o['name']} {o['self_s']:.3f}" for o in profile["top_ops"][:6])
             lines += [f"- {row.get('model', '')} {row['case']} {row['mode']} {tool}: step {profile['wall_s']:.3f} s "
@@ -669,7 +673,7 @@ def main() -> None:
 
             publish(run_case(case, base, root, args, report, publish))
     write_report(report, name)  # the skipped runs too, and a report even where nothing ran
-    print(markdown(report))
+    print((RESULTS / f"{name}.md").read_text())
 
 
 def model_base(job: dict, args: argparse.Namespace, shape: str | None) -> dict:
@@ -707,7 +711,11 @@ def model_base(job: dict, args: argparse.Namespace, shape: str | None) -> dict:
 def write_report(report: dict, name: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (RESULTS / f"{name}.md").write_text(markdown(report))
+    try:
+        text = markdown(report)
+    except Exception as exc:  # noqa: BLE001 - the JSON above holds every figure; the table must not end the run
+        text = f"# The table could not be written ({type(exc).__name__}: {exc}); the figures are in {name}.json\n"
+    (RESULTS / f"{name}.md").write_text(text)
 
 
 if __name__ == "__main__":
