@@ -35,7 +35,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -47,7 +46,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]  # tests.trainutil's rows, vs_trl's models and machine line
 RESULTS = REPO / "bench" / "results"
 DEMO_BASE = REPO / "shardtune" / "demo" / "base_model"
 SHAPE = "llama-3.2-1b"
@@ -327,11 +326,9 @@ def context(args: argparse.Namespace, work: Path) -> dict:
     wide = work / "wide"
     if not (wide / "config.json").is_file():
         make_model_folder(wide, hidden_size=256, intermediate_size=512)
-    sums = work / "sums.jsonl"
-    sums.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": f"What is {a} plus {b}?"},
-        {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}) + "\n"
-        for a, b in ((i * 7 % 50, i * 13 % 50) for i in range(256))))
+    from tests.trainutil import write_sum_rows
+
+    sums = write_sum_rows(work / "sums.jsonl", rows=256)  # the resume tests' rows
     return {"work": work, "device": args.device, "cuda": args.device == "cuda" and torch.cuda.is_available(),
             "cache": args.cache, "tiny_shapes": args.tiny, "seq_len": 256 if args.tiny else 2048,
             "batch": args.batch, "wide": wide, "sums": sums}
@@ -351,12 +348,11 @@ def markdown(report: dict) -> str:
 
 
 def machine() -> str:
-    import torch
-    import transformers
+    import vs_trl
 
-    gpu = f"GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, Python {platform.python_version()}")
+    m = vs_trl.machine()
+    return (f"{m['cpu']}, {m['cores']} cores; torch {m['torch']}, transformers {m['transformers']}, peft {m['peft']}, "
+            f"Python {m['python']}")
 
 
 def main(argv: list[str] | None = None) -> int:

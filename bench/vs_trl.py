@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -125,6 +126,7 @@ def prepare_model(cache: Path, gguf: Path | None) -> Path:
     return folder
 
 
+@functools.cache
 def docstring_rows() -> list[dict]:
     """Chat rows from the standard library's docstrings: "What does X do?" answered by X's docstring."""
     import importlib
