@@ -46,13 +46,29 @@ def no_torchrun(monkeypatch):
     monkeypatch.setattr(launch, "run_torchrun", started)
 
 
-def pytest_configure(config):
-    """Under pytest-xdist (``make test`` runs two workers on two cores) each worker computes on one thread, and so
-    does every process it starts: two workers of two threads each would contend for the two cores."""
-    import os
+SESSION_CACHE = pytest.StashKey[str]()
 
+
+def pytest_configure(config):
+    """The session's environment, before any fixture: module- and session-scoped fixtures run before the autouse
+    fixture above, so its two settings are made here too (jobs started there would otherwise trace themselves
+    and write into ~/.cache). Under pytest-xdist (``make test`` runs two workers on two cores) each worker
+    computes on one thread, and so does every process it starts: two workers of two threads each would contend
+    for the two cores."""
+    import os
+    import tempfile
+
+    os.environ["SHARDTUNE_PREDICT_MEMORY"] = "0"
+    os.environ["SHARDTUNE_CACHE"] = config.stash[SESSION_CACHE] = tempfile.mkdtemp(prefix="shardtune-test-cache-")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         import torch
 
         torch.set_num_threads(1)
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    if SESSION_CACHE in config.stash:
+        shutil.rmtree(config.stash[SESSION_CACHE], ignore_errors=True)

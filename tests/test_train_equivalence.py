@@ -1,8 +1,10 @@
 """The same global batch gives the same losses on 1 process, with accumulation, on DDP x2 and FSDP2 x2.
 
-Real runs: single-process runs call ``shardtune train``; two-process runs go through ``shardtune launch``
-(torchrun, gloo on CPU). fp32 throughout (``--bf16 false``, pinned: the default is bf16 where the CPU has it, and
-bf16 rounds each strategy's sums differently) and no dropout, so the only differences are summation order.
+Real runs of ``shardtune train``, each through the command's own entry point: the 1-process runs one after
+another in one process, the 2-process runs in one pair of gloo processes (tests/trainutil.py ``train_jobs``:
+importing torch and transformers is most of a tiny run's time). fp32 throughout (``--bf16 false``, pinned: the
+default is bf16 where the CPU has it, and bf16 rounds each strategy's sums differently) and no dropout, so the only
+differences are summation order.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 
 import pytest
 
-from tests.trainutil import flags, losses, run_shardtune, write_chat_data
+from tests.trainutil import flags, losses, train_jobs, write_chat_data
 
 REL_TOL = 1e-4
 STEPS = 4
@@ -34,14 +36,15 @@ def common(model, data, out) -> list[str]:
             "--bf16", "false"]
 
 
-def train(assets, name: str, nproc: int, extra: list[str]) -> list[float]:
+def job(assets, name: str, nproc: int, extra: list[str]) -> tuple[str, tuple[int, list[str]]]:
     root, model, data = assets
-    out = root / name
-    args = flags(*common(model, data, out), *extra)
-    cmd = ["train", *args] if nproc == 1 else ["launch", "--num_processes", str(nproc), "train", *args]
-    result = run_shardtune(cmd, root)
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = losses(out)
+    return name, (nproc, flags(*common(model, data, root / name), *extra))
+
+
+def losses_of(runs, name: str) -> list[float]:
+    root, errors = runs
+    assert not errors[name], errors[name]
+    found = losses(root / name)
     assert len(found) == STEPS and all(math.isfinite(x) for x in found)
     return found
 
@@ -89,68 +92,70 @@ LORA_RUNS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def full_reference(assets):
-    return train(assets, "single", 1, ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"])
+SINGLE = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+GROUPED = ["--packing", "False", "--group_by_length", "True", "--max_seq_len", "48", *LORA]
+QLORA = [*LORA, "--use_4bit_quantization", "True", "--bf16", "True"]
+ADDED = ["--chat_template_format", "llama-3", "--add_special_tokens", "True", *LORA]
 
 
 @pytest.fixture(scope="module")
-def lora_reference(assets):
-    return train(assets, "lora_single", 1,
-                 ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", *LORA])
+def runs(assets):
+    """Every run of this module: the 1-process runs in one process, the 2-process runs in one pair (train_jobs);
+    each as ``shardtune train`` (``shardtune launch --num_processes 2``) runs it. (root, each run's error or "")."""
+    from shardtune.testing.families import make_family_folder
+
+    root, _, data = assets
+    tied = (root, make_family_folder(root / "llama3", "llama3"), data)
+    jobs = dict([
+        job(assets, "single", 1, SINGLE), job(assets, "lora_single", 1, [*SINGLE, *LORA]),
+        *(job(assets, name, nproc, extra) for name, nproc, extra in FULL),
+        *(job(assets, name, nproc, [*extra, *LORA]) for name, nproc, extra in LORA_RUNS),
+        job(assets, "grouped_single", 1, [*SINGLE, *GROUPED]),
+        job(assets, "grouped_ddp", 2, ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                                       "--distributed_type", "DDP", *GROUPED]),
+        job(assets, "qlora_single", 1, [*SINGLE, *QLORA]),
+        job(assets, "qlora_fsdp", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP", *QLORA]),
+        job(tied, "tied_single", 1, [*SINGLE, *ADDED]),
+        job(tied, "tied_fsdp", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP", *ADDED])])
+    return root, train_jobs(root, jobs)
 
 
-def test_full_fine_tuning_learns(full_reference):
-    assert full_reference[-1] < full_reference[0] - 0.5
+def test_full_fine_tuning_learns(runs):
+    reference = losses_of(runs, "single")
+    assert reference[-1] < reference[0] - 0.5
 
 
-@pytest.mark.parametrize("name,nproc,extra", FULL, ids=[r[0] for r in FULL])
-def test_full_fine_tuning_same_losses(assets, full_reference, name, nproc, extra):
-    assert_same(full_reference, train(assets, name, nproc, extra))
+@pytest.mark.parametrize("name", [r[0] for r in FULL])
+def test_full_fine_tuning_same_losses(runs, name):
+    assert_same(losses_of(runs, "single"), losses_of(runs, name))
 
 
-@pytest.mark.parametrize("name,nproc,extra", LORA_RUNS, ids=[r[0] for r in LORA_RUNS])
-def test_lora_same_losses(assets, lora_reference, name, nproc, extra):
-    assert lora_reference[-1] < lora_reference[0]
-    assert_same(lora_reference, train(assets, name, nproc, [*extra, *LORA]))
+@pytest.mark.parametrize("name", [r[0] for r in LORA_RUNS])
+def test_lora_same_losses(runs, name):
+    reference = losses_of(runs, "lora_single")
+    assert reference[-1] < reference[0]
+    assert_same(reference, losses_of(runs, name))
 
 
-def test_length_grouped_unpacked_rows_train_alike_on_one_process_and_ddp(assets):
+def test_length_grouped_unpacked_rows_train_alike_on_one_process_and_ddp(runs):
     """group_by_length on unpacked rows: every split of the global batch trains on the same steps, so DDP x2
     gives one process's losses, and the rows of each micro-batch are of about one length."""
-    grouped = ["--packing", "False", "--group_by_length", "True", "--max_seq_len", "48", *LORA]
-    single = train(assets, "grouped_single", 1, ["--per_device_train_batch_size", "4",
-                                                 "--gradient_accumulation_steps", "2", *grouped])
-    ddp = train(assets, "grouped_ddp", 2, ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
-                                           "2", "--distributed_type", "DDP", *grouped])
+    single = losses_of(runs, "grouped_single")
     assert single[-1] < single[0]
-    assert_same(single, ddp)
+    assert_same(single, losses_of(runs, "grouped_ddp"))
 
 
-def test_qlora_under_fsdp_trains_like_one_process(assets):
+def test_qlora_under_fsdp_trains_like_one_process(runs):
     """NF4 base (bf16 storage) sharded by FSDP2 on 2 ranks: finite, falling, and equal to one process."""
-    qlora = [*LORA, "--use_4bit_quantization", "True", "--bf16", "True"]
-    single = train(assets, "qlora_single", 1, ["--per_device_train_batch_size", "4",
-                                               "--gradient_accumulation_steps", "2", *qlora])
-    fsdp = train(assets, "qlora_fsdp", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP",
-                                           *qlora])
+    fsdp = losses_of(runs, "qlora_fsdp")
     assert fsdp[-1] < fsdp[0]
-    assert_same(single, fsdp)
+    assert_same(losses_of(runs, "qlora_single"), fsdp)
 
 
-def test_added_tokens_of_a_tied_head_train_alike_under_fsdp(tmp_path):
+def test_added_tokens_of_a_tied_head_train_alike_under_fsdp(runs):
     """A tied head and a tokenizer that gains tokens (llama-3's template tokens): PEFT's trainable token rows are
     one parameter held by the embeddings' and the head's adapters. Filled from rank 0 it once met a plain tensor
     under its second name; now FSDP x2 trains like one process, the new rows included (<|eot_id|> is a target)."""
-    from shardtune.testing.families import make_family_folder
-
-    model = make_family_folder(tmp_path / "model", "llama3")
-    data = write_chat_data(tmp_path / "chat.jsonl", rows=200)
-    added = ["--chat_template_format", "llama-3", "--add_special_tokens", "True", *LORA]
-    assets = (tmp_path, model, data)
-    single = train(assets, "tied_single", 1, ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
-                                             "2", *added])
-    fsdp = train(assets, "tied_fsdp", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP",
-                                          *added])
+    single = losses_of(runs, "tied_single")
     assert single[-1] < single[0]
-    assert_same(single, fsdp)
+    assert_same(single, losses_of(runs, "tied_fsdp"))

@@ -97,6 +97,59 @@ def run_shardtune(args: list[str], tmp_path: Path, timeout: int = 300) -> subpro
                           capture_output=True, text=True, timeout=timeout)
 
 
+JOB_MARK = "\n##### shardtune train job "  # tests/jobs_worker.py prints it before each job's output
+
+
+def train_jobs(work: Path, jobs: dict[str, tuple[int, list[str]]], timeout: int = 600) -> dict[str, str]:
+    """Each job ``name: (processes, ARGV)`` as ``shardtune train ARGV`` runs it (``processes`` 2: as ``shardtune
+    launch --num_processes 2`` does, on gloo), all 1-process jobs in one process and all 2-process jobs in one
+    pair of processes (tests/jobs_worker.py): a test module's runs pay for importing torch and transformers once.
+    Returns, for each job, "" when it exited 0, else what went wrong (its exit code or exception, and the log's
+    end): the test that owns the job asserts on it, so one failed job fails its own test only."""
+    from tests.ports import AGENT_STORE_ENV, held_stores
+
+    env = shardtune_env(work) | {"PYTHONPATH": str(REPO)}
+    results = work / "jobs_results.jsonl"
+    results.unlink(missing_ok=True)
+    codes: dict[int, list] = {}
+    job_logs: dict[str, list[str]] = {}
+    for nproc in sorted({n for n, _ in jobs.values()}):
+        names = [name for name, (n, _) in jobs.items() if n == nproc]
+        assert nproc in (1, 2), f"{names}: train_jobs runs 1 or 2 processes"
+        stores = held_stores(len(names)) if nproc == 2 else []  # one per job, held until both ranks are done
+        spec = work / f"jobs_{nproc}.json"
+        spec.write_text(json.dumps({"results": str(results), "jobs": [
+            {"name": name, "argv": jobs[name][1], "port": stores[i].port if stores else None}
+            for i, name in enumerate(names)]}))
+        ranks = [{}] if nproc == 1 else [AGENT_STORE_ENV | {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                                             "LOCAL_WORLD_SIZE": "2"} for r in range(2)]
+        logs = [work / f"jobs_{nproc}_rank{r}.log" for r in range(len(ranks))]
+        with contextlib.ExitStack() as files:
+            procs = [subprocess.Popen([sys.executable, "-m", "tests.jobs_worker", str(spec)], cwd=REPO,
+                                      env=env | extra, stdout=files.enter_context(log.open("w")),
+                                      stderr=subprocess.STDOUT) for log, extra in zip(logs, ranks)]
+            try:
+                codes[nproc] = [p.wait(timeout=timeout) for p in procs]
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                    p.wait()
+                codes[nproc] = [f"killed after {timeout} s"] * len(procs)
+        for log in logs:
+            sections = log.read_text().split(JOB_MARK)[1:]  # each begins with its job's name
+            for section in sections:
+                name, _, text = section.partition("\n")
+                job_logs.setdefault(name, []).append(text[-3000:])
+    ended = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())} if results.exists() else {}
+    out = {}
+    for name, (nproc, _) in jobs.items():
+        r = ended.get(name)
+        what = ("never ended" if r is None else "" if r["code"] == 0 else r.get("error") or f"exit code {r['code']}")
+        out[name] = what and (f"job {name}: {what} (workers' exit codes {codes[nproc]}); its log, rank by rank:\n"
+                              + "\n".join(job_logs.get(name, ["(nothing)"])))
+    return out
+
+
 def losses(output_dir: Path) -> list[float]:
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if "loss" in r]
