@@ -1,8 +1,9 @@
 """Pipeline parallel on 2 gloo processes gives the losses, gradient norms, eval losses and weights of one process,
 and a killed pipeline run resumes exactly.
 
-The one-process references run in this process (``train(cfg)``); the pipeline runs go through ``shardtune launch``
-(torchrun) like a user's. fp32, no dropout: the only differences are summation order.
+The one-process references run in this process (``train(cfg)``); the pipeline runs as ``shardtune launch`` runs
+them, both in one pair of gloo processes (tests/trainutil.py ``train_jobs``), the killed one through ``shardtune
+launch`` itself. fp32, no dropout: the only differences are summation order.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from shardtune.config import load_train_config
 from shardtune.errors import UsageError
 from tests.faults import CALLBACK as FAULTS
 from tests.faults import fault_env
-from tests.trainutil import flags, run_shardtune, write_chat_data
+from tests.trainutil import flags, run_shardtune, train_jobs, write_chat_data
 
 TOL = 1e-4
 STEPS = 3
@@ -26,6 +27,7 @@ STEPS = 3
 # and evaluation modes are exercised, and a resumed run evaluates again.
 EVAL = ["--eval_strategy", "steps", "--eval_steps", "1", "--eval_split_ratio", "0.05"]
 ONE_F_ONE_B = ["--pipeline_schedule", "1F1B", "--pipeline_microbatches", "2"]
+LORA = ["--use_peft_lora", "True", "--gradient_accumulation_steps", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,25 @@ def one_process(assets, out: str, extra: list[str]) -> list[dict]:
     return records(assets[0] / out)
 
 
-def pipeline(assets, out: str, extra: list[str]) -> list[dict]:
+PIPELINES = {"pp_1f1b": [*EVAL, *ONE_F_ONE_B],
+             "pp_gpipe_lora": [*LORA, "--pipeline_schedule", "GPipe", "--pipeline_microbatches", "4"]}
+
+
+@pytest.fixture(scope="module")
+def pipelines(assets) -> dict[str, str]:
+    """Both pipeline runs of PIPELINES, as ``shardtune launch --num_processes 2 train`` runs them, in one pair of
+    processes (train_jobs): each run's error, or ""."""
+    return train_jobs(assets[0], {out: (2, [*args(assets, out, extra), "--distributed_type", "PP"])
+                                  for out, extra in PIPELINES.items()})
+
+
+def pipeline(assets, pipelines, out: str) -> list[dict]:
+    assert not pipelines[out], pipelines[out]
+    return records(assets[0] / out)
+
+
+def launched(assets, out: str, extra: list[str]) -> list[dict]:
+    """A pipeline run through ``shardtune launch`` itself."""
     result = run_shardtune(["launch", "--num_processes", "2", "train", *args(assets, out, extra),
                             "--distributed_type", "PP"], assets[0])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -73,7 +93,8 @@ def records(out, key: str = "loss") -> list[dict]:
 def assert_same(reference: list[dict], other: list[dict]) -> None:
     for ref, got in zip(reference, other):
         for key in ("loss", "grad_norm"):
-            assert abs(ref[key] - got[key]) <= TOL * abs(ref[key]), f"step {ref['step']} {key}: {ref[key]} vs {got[key]}"
+            assert abs(ref[key] - got[key]) <= TOL * abs(ref[key]), \
+                f"step {ref['step']} {key}: {ref[key]} vs {got[key]}"
         assert ref["tokens"] == got["tokens"] and ref["target_tokens"] == got["target_tokens"]
 
 
@@ -84,9 +105,9 @@ def assert_same_eval(reference_out, other_out) -> None:
 
 
 @pytest.fixture(scope="module")
-def full_runs(assets) -> tuple[list[dict], list[dict]]:
+def full_runs(assets, pipelines) -> tuple[list[dict], list[dict]]:
     """The one-process full fine-tune and its 1F1B pipeline twin, both evaluating after every step."""
-    return one_process(assets, "ref_full", EVAL), pipeline(assets, "pp_1f1b", EVAL + ONE_F_ONE_B)
+    return one_process(assets, "ref_full", EVAL), pipeline(assets, pipelines, "pp_1f1b")
 
 
 def test_pp_1f1b_full_finetune_matches_one_process(assets, full_runs):
@@ -108,10 +129,9 @@ def test_pp_1f1b_full_finetune_matches_one_process(assets, full_runs):
     assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-3 * moved
 
 
-def test_pp_gpipe_lora_with_accumulation_matches_one_process(assets):
-    lora = ["--use_peft_lora", "True", "--gradient_accumulation_steps", "2"]
-    reference = one_process(assets, "ref_lora", lora)
-    piped = pipeline(assets, "pp_gpipe_lora", lora + ["--pipeline_schedule", "GPipe", "--pipeline_microbatches", "4"])
+def test_pp_gpipe_lora_with_accumulation_matches_one_process(assets, pipelines):
+    reference = one_process(assets, "ref_lora", LORA)
+    piped = pipeline(assets, pipelines, "pp_gpipe_lora")
     assert_same(reference, piped)
     from safetensors.torch import load_file
 
@@ -152,7 +172,7 @@ def test_pp_resume_reproduces_the_uninterrupted_run(assets, full_runs, monkeypat
     assert killed.returncode != 0 and (root / "pp_killed" / "checkpoints" / "step-2").is_dir()
     shutil.copytree(root / "pp_killed", root / "one_resumed")
     resume = [*extra, "--resume_from_checkpoint", "true"]
-    resumed = pipeline(assets, "pp_killed", resume)
+    resumed = launched(assets, "pp_killed", resume)
     want = {r["step"]: r["loss"] for r in full_runs[1]}
     assert {r["step"]: r["loss"] for r in resumed} == want
     assert records(root / "pp_killed", "eval_loss") == records(root / "pp_1f1b", "eval_loss")
