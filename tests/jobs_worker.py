@@ -6,8 +6,8 @@ each job is ``shardtune train ARGV`` through the command's own entry point (its 
 in this process. Importing torch and transformers is most of a tiny run's time, so a test module's runs share
 one process (or one pair) instead of starting one each. A two-process job joins a new process group on the
 TCPStore the test holds at ``port`` and leaves it at its end, as a launched run does (gloo cannot rejoin the group
-it left on the same store). Rank 0 appends each job's exit code, or the exception that escaped it, to the results
-file as soon as the job ends; a failed job does not stop the next.
+it left on the same store). Each rank appends its exit code of each job, or the exception that escaped it, to the
+results file as soon as the job ends; a failed job does not stop the next.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main(jobs_file: Path) -> None:
     from tests.trainutil import JOB_MARK
 
     spec = json.loads(jobs_file.read_text())
-    rank0 = os.environ.get("RANK", "0") == "0"
+    rank = int(os.environ.get("RANK", "0"))
     for job in spec["jobs"]:
         print(f"{JOB_MARK}{job['name']}", flush=True)
         if job["port"] is not None:
@@ -33,9 +33,8 @@ def main(jobs_file: Path) -> None:
             outcome = {"code": shardtune(["train", *job["argv"]])}
         except Exception:  # noqa: BLE001 - recorded for the test that owns this job; the others go on
             outcome = {"code": None, "error": traceback.format_exc()[-3000:]}
-        if rank0:
-            with open(spec["results"], "a") as f:
-                f.write(json.dumps({"name": job["name"], **outcome}) + "\n")
+        with open(spec["results"], "a") as f:  # one short line per write: the ranks' lines do not interleave
+            f.write(json.dumps({"name": job["name"], "rank": rank, **outcome}) + "\n")
 
 
 if __name__ == "__main__":

@@ -140,11 +140,18 @@ def train_jobs(work: Path, jobs: dict[str, tuple[int, list[str]]], timeout: int 
             for section in sections:
                 name, _, text = section.partition("\n")
                 job_logs.setdefault(name, []).append(text[-3000:])
-    ended = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())} if results.exists() else {}
+    ended: dict[str, list[dict]] = {}
+    for line in (results.read_text().splitlines() if results.exists() else []):
+        r = json.loads(line)
+        ended.setdefault(r["name"], []).append(r)
     out = {}
     for name, (nproc, _) in jobs.items():
-        r = ended.get(name)
-        what = ("never ended" if r is None else "" if r["code"] == 0 else r.get("error") or f"exit code {r['code']}")
+        ranks = ended.get(name, [])
+        wrong = [f"rank {r['rank']}: {r.get('error') or 'exit code ' + str(r['code'])}"
+                 for r in ranks if r["code"] != 0]
+        if len(ranks) < nproc:
+            wrong.append(f"{nproc - len(ranks)} of its {nproc} processes never ended it")
+        what = "; ".join(wrong)
         out[name] = what and (f"job {name}: {what} (workers' exit codes {codes[nproc]}); its log, rank by rank:\n"
                               + "\n".join(job_logs.get(name, ["(nothing)"])))
     return out
