@@ -8,8 +8,6 @@ import pytest
 def _isolated_cache(tmp_path, monkeypatch):
     """Each test counts models afresh and never writes into the user's ~/.cache."""
     monkeypatch.setenv("SHARDTUNE_CACHE", str(tmp_path / "cache"))
-    # Each training job would trace itself at the end (seconds); the test of that feature turns it back on.
-    monkeypatch.setenv("SHARDTUNE_PREDICT_MEMORY", "0")
     warnings.filterwarnings("ignore", module="transformers")
 
 
@@ -50,11 +48,11 @@ SESSION_CACHE = pytest.StashKey[str]()
 
 
 def pytest_configure(config):
-    """The session's environment, before any fixture: module- and session-scoped fixtures run before the autouse
-    fixture above, so its two settings are made here too (jobs started there would otherwise trace themselves
-    and write into ~/.cache). Under pytest-xdist (``make test`` runs two workers on two cores) each worker
-    computes on one thread, and so does every process it starts: two workers of two threads each would contend
-    for the two cores."""
+    """The session's environment, before any fixture (module- and session-scoped fixtures run before the autouse
+    one above): no training job traces itself at its end (seconds each; the test of that feature turns it back on
+    with monkeypatch), and the cache is a temporary folder, never the user's ~/.cache. Under pytest-xdist (``make
+    test`` runs two workers on two cores) each worker computes on one thread, and so does every process it
+    starts: two workers of two threads each would contend for the two cores."""
     import os
     import tempfile
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -166,21 +164,18 @@ def test_estimator_refuses_an_optimizer_it_does_not_know(model_dir, capsys):
 def resumed(tmp_path_factory) -> Path:
     """Every case of CASES trained on two gloo processes: uninterrupted, and resumed from its step 2 (optim_cases)."""
     from shardtune.testing.tiny import make_model_folder
-    from tests.ports import AGENT_STORE_ENV, held_stores
-    from tests.trainutil import shardtune_env, write_sum_rows
+    from tests.ports import held_stores
+    from tests.trainutil import run_ranks, shardtune_env, write_sum_rows
 
     work = tmp_path_factory.mktemp("optim_resume")
     make_model_folder(work / "M")
     write_sum_rows(work / "chat.jsonl")
     stores = held_stores(2 * len(CASES))  # one per run, held here until both ranks are done
     ports = ",".join(str(store.port) for store in stores)
-    env = shardtune_env(work) | AGENT_STORE_ENV | {"PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.optim_cases", str(work), ports, json.dumps(CASES)],
-                              cwd=REPO, env=env | {"RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=(work / f"rank{r}.log").open("w"), stderr=subprocess.STDOUT)
-             for r in range(2)]
-    codes = [p.wait(timeout=600) for p in procs]
-    assert codes == [0, 0], (work / "rank0.log").read_text()[-3000:] + (work / "rank1.log").read_text()[-3000:]
+    logs = [work / f"rank{r}.log" for r in range(2)]
+    codes = run_ranks(["-m", "tests.optim_cases", str(work), ports, json.dumps(CASES)],
+                      shardtune_env(work) | {"PYTHONPATH": str(REPO)}, logs, timeout=600)
+    assert codes == [0, 0], logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
     return work
 
 

@@ -97,6 +97,29 @@ def run_shardtune(args: list[str], tmp_path: Path, timeout: int = 300) -> subpro
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_ranks(argv: list[str], env: dict[str, str], logs: list[Path], timeout: int) -> list[int | str]:
+    """``python ARGV`` in the repository, one process per log file (its output), and their exit codes. More than
+    one: ranks 0, 1, ... of one job, whose process groups join, as clients, a store the caller holds
+    (tests/ports.py) at the MASTER_PORT the job sets. All are killed if any is still running after ``timeout``
+    seconds (their codes then say so)."""
+    from tests.ports import AGENT_STORE_ENV
+
+    world = len(logs)
+    ranks = [{}] if world == 1 else [AGENT_STORE_ENV | {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+                                                        "LOCAL_WORLD_SIZE": str(world)} for r in range(world)]
+    with contextlib.ExitStack() as files:
+        procs = [subprocess.Popen([sys.executable, *argv], cwd=REPO, env=env | extra,
+                                  stdout=files.enter_context(log.open("w")), stderr=subprocess.STDOUT)
+                 for log, extra in zip(logs, ranks)]
+        try:
+            return [p.wait(timeout=timeout) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.wait()
+            return [f"killed after {timeout} s"] * world
+
+
 JOB_MARK = "\n##### shardtune train job "  # tests/jobs_worker.py prints it before each job's output
 
 
@@ -106,7 +129,7 @@ def train_jobs(work: Path, jobs: dict[str, tuple[int, list[str]]], timeout: int 
     pair of processes (tests/jobs_worker.py): a test module's runs pay for importing torch and transformers once.
     Returns, for each job, "" when it exited 0, else what went wrong (its exit code or exception, and the log's
     end): the test that owns the job asserts on it, so one failed job fails its own test only."""
-    from tests.ports import AGENT_STORE_ENV, held_stores
+    from tests.ports import held_stores
 
     env = shardtune_env(work) | {"PYTHONPATH": str(REPO)}
     results = work / "jobs_results.jsonl"
@@ -121,20 +144,8 @@ def train_jobs(work: Path, jobs: dict[str, tuple[int, list[str]]], timeout: int 
         spec.write_text(json.dumps({"results": str(results), "jobs": [
             {"name": name, "argv": jobs[name][1], "port": stores[i].port if stores else None}
             for i, name in enumerate(names)]}))
-        ranks = [{}] if nproc == 1 else [AGENT_STORE_ENV | {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                                             "LOCAL_WORLD_SIZE": "2"} for r in range(2)]
-        logs = [work / f"jobs_{nproc}_rank{r}.log" for r in range(len(ranks))]
-        with contextlib.ExitStack() as files:
-            procs = [subprocess.Popen([sys.executable, "-m", "tests.jobs_worker", str(spec)], cwd=REPO,
-                                      env=env | extra, stdout=files.enter_context(log.open("w")),
-                                      stderr=subprocess.STDOUT) for log, extra in zip(logs, ranks)]
-            try:
-                codes[nproc] = [p.wait(timeout=timeout) for p in procs]
-            except subprocess.TimeoutExpired:
-                for p in procs:
-                    p.kill()
-                    p.wait()
-                codes[nproc] = [f"killed after {timeout} s"] * len(procs)
+        logs = [work / f"jobs_{nproc}_rank{r}.log" for r in range(nproc)]
+        codes[nproc] = run_ranks(["-m", "tests.jobs_worker", str(spec)], env, logs, timeout)
         for log in logs:
             sections = log.read_text().split(JOB_MARK)[1:]  # each begins with its job's name
             for section in sections:
