@@ -15,7 +15,7 @@
 #                                        #      Liger; tokens/s, MFU, max_memory_reserved, losses, profiles (6 min)
 #   bash bench/gpu_session.sh cuda-paths # GPU: cuda_paths.py: every CUDA-only path once, pass/fail with figures
 #                                        #      (gpu tests, QLoRA 1B, 8-bit/paged optimizers resumed, offloading,
-#                                        #      Liger, generate, export to GGUF; 6 min)
+#                                        #      Liger, generate, export to GGUF; 6.5 min)
 #
 # From the device tool: run(command="bash bench/gpu_session.sh memory", carry=[".whl/site"], timeout_s=480).
 # Each stage writes into bench/results/ and copies the files it wrote to $OUT where that is set. Copy them back into
@@ -192,12 +192,13 @@ case "$stage" in
             --variants compile,liger --profile --repeats 1 --batch 4 --accum 2 --warmup 3 --timed 8 \
             --max-load 1000 --max-minutes 4.5 --stop-minutes 5.4 --cache /tmp/shardtune-bench \
             --name vs_trl_cuda_shapes ;;
-    # One call: run(command="bash bench/gpu_session.sh cuda-paths", carry=[".whl"], timeout_s=390); no check
-    # starts after 4.5 minutes and no command goes on past 5.4. Dry run on a CPU: .venv/bin/python bench/cuda_paths.py --device cpu --tiny
-    # --name cuda_paths_cpu_dry_run
+    # One call: run(command="bash bench/gpu_session.sh cuda-paths", carry=[".whl"], timeout_s=450); no check
+    # starts after 5.5 minutes and no command goes on past 6.2. On a fresh H200 the checks before pytest-gpu took
+    # 5.2 minutes and pytest-gpu 24 s (the first run, with 4.5, left it out). Dry run on a CPU:
+    # .venv/bin/python bench/cuda_paths.py --device cpu --tiny --name cuda_paths_cpu_dry_run
     cuda-paths)
         nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-        timeout 340 "$PY" bench/cuda_paths.py --device cuda --max-minutes 4.5 --stop-minutes 5.4 \
+        timeout 390 "$PY" bench/cuda_paths.py --device cuda --max-minutes 5.5 --stop-minutes 6.2 \
             --cache /tmp/shardtune-bench ;;
     # SmolLM2 as in vs-trl (carry the GGUF parts); eager and compiled twice each, every compiled run from a cold
     # inductor cache.
