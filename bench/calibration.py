@@ -1,9 +1,12 @@
-"""The time and memory model against published measured runs (shardtune/memory/calibration/), leave-one-out.
+"""The time and memory model against measured runs (shardtune/memory/calibration/: published ones, and shardtune's
+own on a lent GPU), leave-one-out.
 
 Speed: the seven constants of the time model (shardtune/memory/compute.py ``TimingParams``) are fitted by least
 squares on log(predicted / measured) over the speed points. Each point is then predicted by a fit made without it
 (leave-one-out): that prediction is the one the figures judge, since no point helped set the constants it is
 checked with. The fit on all points is what ``CALIBRATED`` ships; this script prints it so it can be copied there.
+A point marked ``fit: false`` (its step is bound by something the model has no term for) is left out of every fit
+and predicted by the fit on the others, so it is judged like the rest without pulling the constants.
 
 Memory: each peak through the analytic formula (shardtune/memory/formula.py), compared with the counter the source
 reports (reserved memory against the formula's total; active or allocated memory against its tensors; an unstated
@@ -29,7 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shardtune.memory.calibration import Point, load_points
+from shardtune.memory.calibration import OWN_RESULTS, Point, load_points
 from shardtune.memory.compute import CALIBRATED, TimingParams
 from shardtune.memory.timing import StepTime, step_time
 
@@ -128,11 +131,13 @@ def fit(cases: list[Case], start: TimingParams = START, restarts: int = 20) -> T
 
 
 def speed_rows(cases: list[Case]) -> tuple[TimingParams, list[dict]]:
-    """The fit on every point, and each point's prediction by it and by the fit that left the point out."""
-    full = fit(cases)
+    """The fit on every fitted point, and each point's prediction by it and by the fit that left the point out (for
+    a point outside the fit, ``fit: false``, the two are the same)."""
+    fitted = [c for c in cases if c.point.fit]
+    full = fit(fitted)
     rows = []
     # The fits are independent: one process per core (forked, so the cases are not pickled).
-    _LEFT_OUT.update(cases=cases, full=full)
+    _LEFT_OUT.update(cases=cases, fitted=fitted, full=full)
     with ProcessPoolExecutor(os.cpu_count(), mp_context=multiprocessing.get_context("fork")) as pool:
         for row in pool.map(_left_out_row, range(len(cases))):
             rows.append(row)
@@ -145,8 +150,10 @@ _LEFT_OUT: dict = {}
 
 
 def _left_out_row(i: int) -> dict:
-    cases, full = _LEFT_OUT["cases"], _LEFT_OUT["full"]
-    return speed_row(cases[i], full, fit(cases[:i] + cases[i + 1:], full))
+    case, full = _LEFT_OUT["cases"][i], _LEFT_OUT["full"]
+    if not case.point.fit:
+        return speed_row(case, full, full)
+    return speed_row(case, full, fit([c for c in _LEFT_OUT["fitted"] if c is not case], full))
 
 
 def speed_row(case: Case, full: TimingParams, loo: TimingParams) -> dict:
@@ -158,7 +165,7 @@ def speed_row(case: Case, full: TimingParams, loo: TimingParams) -> dict:
             "predicted": fitted.tokens_per_s, "ratio": fitted.tokens_per_s / measured,
             "loo_predicted": left_out.tokens_per_s, "loo_ratio": left_out.tokens_per_s / measured,
             "loo_params": asdict(loo), "exposed_comm_share": fitted.exposed_comm_s / fitted.step_s,
-            "assumed": list(p.assumed)}
+            "assumed": list(p.assumed), "fitted": p.fit}
 
 
 def needed_peak_share(case: Case, peak: float) -> float:
@@ -182,7 +189,8 @@ def speed_summary(rows: list[dict]) -> dict:
     return {"points": len(rows), "within_1.5x": sum(factor(r) <= 1.5 for r in ratios),
             "median_abs_error": statistics.median(abs(r - 1) for r in ratios),
             "median_factor_error": statistics.median(factor(r) - 1 for r in ratios),
-            "worst_factor": max(factor(r) for r in ratios)}
+            "worst_factor": max(factor(r) for r in ratios),
+            "not_fitted": sum(not r.get("fitted", True) for r in rows)}
 
 
 def memory_rows(points: list[Point], trace: bool) -> list[dict]:
@@ -244,7 +252,7 @@ def write(result: dict, out: Path) -> None:
 
 
 def markdown(result: dict) -> str:
-    lines = ["# The time and memory model against published measured runs", "",
+    lines = ["# The time and memory model against measured runs (published, and shardtune's own)", "",
              "Written by `bench/calibration.py` from shardtune/memory/calibration/ (each point's source, quote and "
              "assumptions are there). Speed: leave-one-out, each run predicted by the constants fitted without it.",
              "", *summary_lines(result), "", *speed_table(result["speed"])]
@@ -257,7 +265,10 @@ def summary_lines(result: dict) -> list[str]:
     s, m = result["speed_summary"], result.get("memory_summary") or {}
     lines = [f"**Speed**: {s['points']} runs; leave-one-out within 1.5x: {s['within_1.5x']} of {s['points']}; "
              f"median error {s['median_abs_error']:.1%} (|predicted/measured - 1|), median factor "
-             f"{1 + s['median_factor_error']:.3f}x, worst {s['worst_factor']:.2f}x.", ""]
+             f"{1 + s['median_factor_error']:.3f}x, worst {s['worst_factor']:.2f}x."
+             + (f" {s['not_fitted']} of them are outside the fit (marked 'not fitted': the time model has no term "
+                "for what bounds them; their notes say what) and are predicted by the fit on the others."
+                if s.get("not_fitted") else ""), ""]
     if m:
         trace = (f" Trace: {m['traced']} traced, within 10%: {m['trace_within_10']}, mean error "
                  f"{m['trace_mean_abs_error']:.1%}." if m.get("traced") else "")
@@ -265,14 +276,15 @@ def summary_lines(result: dict) -> list[str]:
                   f"{m['points']}; mean error {m['mean_abs_error']:.1%}, largest {m['max_abs_error']:.1%}." + trace,
                   ""]
     params = ", ".join(f"{k} = {v:.4g}" for k, v in result["fitted_params"].items())
-    return lines + [f"Fitted on all speed points (shipped as `CALIBRATED` in shardtune/memory/compute.py): {params}."]
+    return lines + [f"Fitted on all fitted speed points (shipped as `CALIBRATED` in shardtune/memory/compute.py): "
+                    f"{params}."]
 
 
 def speed_table(rows: list[dict]) -> list[str]:
     out = ["| run | GPUs | card | method | measured tokens/s | needs of the peak | predicted (all-point fit) | "
            "leave-one-out | LOO / measured |", "|---|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        mark = "" if factor(r["loo_ratio"]) <= 1.5 else " **"
+        mark = ("" if factor(r["loo_ratio"]) <= 1.5 else " **") + ("" if r.get("fitted", True) else " (not fitted)")
         out.append(f"| {r['id']} | {r['gpus']} | {r['gpu']} | {r['method']} | {r['measured']:,.0f} | "
                    f"{r['needs_peak_share']:.0%} | {r['predicted']:,.0f} | {r['loo_predicted']:,.0f} | "
                    f"{r['loo_ratio']:.2f}{mark} |")
@@ -310,8 +322,13 @@ def plot(result: dict, path: Path) -> None:
         ax.plot([lo, hi], [lo, hi], color="black", lw=1)
         ax.fill_between([lo, hi], [lo / band, hi / band], [lo * band, hi * band], color="grey", alpha=0.2,
                         label=f"within {band:g}x" if key == "speed" else "within 10%")
-        ax.scatter(xs, ys, s=18, color="tab:blue" if key == "speed" else "tab:orange",
-                   label="leave-one-out" if key == "speed" else "formula")
+        own = [r["url"].startswith(OWN_RESULTS) for r in rows]
+        for mine, label in ((False, "published"), (True, "shardtune's own")):
+            pick = [i for i, o in enumerate(own) if o == mine]
+            if pick:
+                ax.scatter([xs[i] for i in pick], [ys[i] for i in pick], s=18, marker="s" if mine else "o",
+                           color="tab:red" if mine else ("tab:blue" if key == "speed" else "tab:orange"),
+                           label=f"{'leave-one-out' if key == 'speed' else 'formula'}, {label}")
         traced = [r for r in rows if "trace_gib" in r]
         if traced:
             ax.scatter([r["measured_gib"] for r in traced], [r["trace_gib"] for r in traced], s=30,
@@ -320,7 +337,7 @@ def plot(result: dict, path: Path) -> None:
                ylabel=f"predicted {unit}")
         for axis in (ax.xaxis, ax.yaxis):  # after the log scale, which resets the formatters
             axis.set_minor_formatter(NullFormatter())
-        ax.set_title(f"{key}: {len(rows)} published runs", fontsize=10)
+        ax.set_title(f"{key}: {len(rows)} measured runs ({sum(own)} of them shardtune's own)", fontsize=10)
         ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

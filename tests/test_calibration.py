@@ -31,7 +31,8 @@ def test_the_loader_reads_every_point_and_checks_it():
     assert len(speed) >= 25 and len(memory) >= 15
     assert len({p.id for p in points}) == len(points)
     for p in points:
-        assert p.quote.strip() and p.source.url.startswith("https://") and p.source.published
+        assert p.quote.strip() and p.source.published
+        assert p.source.url.startswith("https://") or (ROOT / p.source.url).is_file(), p.id
         assert set(p.assumed) <= {f for f in vars(p)}, p.id
         p.setup(), p.kernels(), p.links()  # the estimator's objects build
         if p.kind == "speed":
@@ -53,6 +54,25 @@ def test_measured_speeds_convert_as_their_sources_state():
     assert by_id["tune-70b-lora-8xa100"].tokens_per_s() == 3497
     assert by_id["tune-mem-405b-qlora-8xa100"].peak_bytes() == pytest.approx(44.8e9)
     assert by_id["tune-mem-8b-lora-4090"].peak_bytes() == pytest.approx(16.2 * GIB)
+
+
+def test_own_runs_are_the_committed_results_they_quote():
+    """shardtune's own points (source: a results file of this repository) carry the figure their quote names in
+    that file: "check: key [key ...] value" is the check's figures[key]... rounded."""
+    own = [p for p in load_points() if not p.source.url.startswith("https://")]
+    assert len(own) >= 7 and {p.kind for p in own} == {"speed", "memory"}
+    for p in own:
+        checks = {c["check"]: c["figures"] for c in json.loads((ROOT / p.source.url).read_text())["checks"]}
+        name, words = p.quote.split(": ", 1)
+        *keys, value = words.split()
+        found = checks[name]
+        for key in keys:
+            found = found[key]
+        assert found == float(value), p.id
+        measured = p.peak_bytes() / GIB if p.kind == "memory" else p.tokens_per_s()
+        assert measured == pytest.approx(found, rel=1e-5), p.id
+    # the speed points are outside the fit (notes say why) and the memory points are not fitted at all
+    assert all(not p.fit and "host" in p.notes for p in own if p.kind == "speed")
 
 
 def test_architectures_count_the_published_parameters():
@@ -86,6 +106,9 @@ def _write(tmp_path, point: dict, **extra) -> Path:
     ({"strategy": "DDP", "num_gpus": 2, "num_nodes": 2}, ["p1", "inter_node"]),
     ({"strategy": "single"}, ["p1", "strategy='single' is not one of NO, DDP, FSDP"]),
     ({"frobnicate": True}, ["p1", "unknown key frobnicate"]),
+    ({"fit": False}, ["p1", "fit: false is for a speed point, with notes"]),
+    ({"fit": False, "kind": "memory", "notes": "n", "measured": {"peak": 3, "unit": "GiB", "counter": "reserved"}},
+     ["p1", "fit: false is for a speed point"]),
 ])
 def test_a_bad_point_is_refused_naming_file_point_and_field(tmp_path, change, words):
     _write(tmp_path, change)

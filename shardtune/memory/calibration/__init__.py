@@ -84,6 +84,9 @@ class Point:
     fsdp1_init: bool = False  # FSDP1 wrapped a CPU/meta model (sync_module_states); no empty_cache before the peak
     overlap_comm: bool = True
     reduce_bytes: int | None = None
+    # False: the run is reported (predicted by the fit on the others) but left out of the speed fit, since its
+    # step is bound by something the time model has no term for; ``notes`` must say what.
+    fit: bool = True
     conversion: str = ""
     notes: str = ""
     assumed: tuple[str, ...] = ()
@@ -203,6 +206,7 @@ def load_points(folder: Path = FOLDER) -> list[Point]:
 
 
 PROVENANCE_FILES = ("cards.yaml", "links.yaml")  # where the hardware table's figures come from, not runs
+OWN_RESULTS = "bench/results/"  # shardtune's own measured runs, committed in this repository
 
 
 def _file_points(path: Path) -> list[Point]:
@@ -228,8 +232,10 @@ def _source(raw: dict, where: str) -> Source:
     missing = [f.name for f in fields(Source) if not raw.get(f.name)]
     if missing:
         raise UsageError(f"{where}: source {raw.get('id', '?')} lacks {', '.join(missing)}")
-    if not str(raw["url"]).startswith("https://"):
-        raise UsageError(f"{where}: source {raw['id']}: url must be an https:// address (got {raw['url']})")
+    url = str(raw["url"])
+    if not (url.startswith("https://") or url.startswith(OWN_RESULTS)):
+        raise UsageError(f"{where}: source {raw['id']}: url must be an https:// address, or for shardtune's own "
+                         f"measured runs a file under {OWN_RESULTS} (got {url})")
     return Source(**{f.name: str(raw[f.name]) for f in fields(Source)})
 
 
@@ -266,6 +272,9 @@ def _check(p: Point, place: str) -> None:
                  ("micro_batch", "seq_len", "num_gpus", "num_nodes", "grad_accum", "lora_r")
                  if not isinstance(getattr(p, k), int) or getattr(p, k) < 1]
     problems += [f"assumed names unknown field {name}" for name in p.assumed if name not in _NAMES]
+    if p.fit is not True:
+        problems += [] if p.fit is False and p.kind == "speed" and p.notes.strip() else [
+            "fit: false is for a speed point, with notes saying why the time model cannot explain it"]
     problems += _check_measured(p) + _check_model(p) + _check_hardware(p)
     if problems:
         raise UsageError(f"{place}: {'; '.join(problems)}")
