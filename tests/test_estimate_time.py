@@ -349,6 +349,26 @@ def test_json_carries_each_setups_time_and_cost(capsys):
                                            / (8 * GPUS["h100-80gb"].peak_bf16_flops))
 
 
+def test_small_models_carry_the_host_bound_caution_with_the_measured_ratio(capsys):
+    """A 1B model's estimate cautions that eager kernel launches can bound its step, quoting shardtune's own H200
+    run: the ratio it quotes is the calibration point's measured speed against this estimate of the same job."""
+    from shardtune.memory.calibration import load_points
+    from shardtune.memory.report import SMALL_MODEL_MEASURED
+
+    job = ["estimate", "llama-3.2-1b", "--method", "lora", "--lora-r", "16", "--gpu", "h200", "--time",
+           "--batch-size", "4", "--seq-len", "2048"]
+    assert main([*job, "--json"]) == 0
+    timing_out = json.loads(capsys.readouterr().out)["timing"]
+    predicted = timing_out["setups"][0]["tokens_per_s"]
+    measured = next(p for p in load_points() if p.id == "shardtune-h200-1b-lora").tokens_per_s()
+    assert f"ran {predicted / measured:.1f}x slower than predicted" in SMALL_MODEL_MEASURED
+    assert "1.2B parameters" in timing_out["caution"] and SMALL_MODEL_MEASURED in timing_out["caution"]
+    assert main(job) == 0
+    assert "caution: with 1.2B parameters" in capsys.readouterr().out
+    assert main(["estimate", "llama-3.1-8b", "--method", "lora", "--gpu", "h200", "--time", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["timing"]["caution"] is None
+
+
 def test_table_reads_at_80_columns_and_shows_the_price_as_typical(capsys):
     assert main(["estimate", *ARGS, "--price-per-gpu-hour", "2.5"]) == 0
     given = capsys.readouterr().out
