@@ -343,9 +343,11 @@ def host_bound_caution(r: Report) -> str | None:
     """A caution where the model is small enough for eager kernel launches to bound its step (None elsewhere)."""
     if r.inventory.parameters > HOST_BOUND_PARAMETERS:
         return None
-    return (f"caution: with {r.inventory.parameters / 1e9:.1f}B parameters, the GPU may wait on Python's kernel "
-            f"launches, which the step time does not count ({SMALL_MODEL_MEASURED}; torch_compile launches "
-            f"fewer kernels).")
+    s = r.breakdown.setup
+    return (f"caution: with {r.inventory.parameters / 1e9:.1f}B parameters and {s.batch_size * s.seq_len:,} tokens "
+            f"per micro-batch, the GPU may wait on Python's kernel launches, which the step time does not count "
+            f"({SMALL_MODEL_MEASURED} at 8,192 tokens; torch_compile launches fewer kernels, more tokens per "
+            f"micro-batch make each one longer).")
 
 
 def time_notes(r: Report, t: TimeReport) -> list[str]:
