@@ -8,7 +8,6 @@ runs `shardtune train` itself on two narrow Llamas (8 and 16 layers, hidden size
 counts every ATen operator its forward-and-backward dispatches (a TorchDispatchMode around the trainer's
 ``LocalRunner.forward_backward``: checkpointing's recompute and the fused loss included, the optimizer not: on
 CUDA it is one foreach kernel per group), and splits the count into per layer and per step from the two depths.
-It also times the step on this CPU, where tensors this small make the wall time the host's alone.
 
     .venv/bin/python bench/host_ops.py [--out bench/results/host_ops_cpu]
 """
@@ -19,7 +18,6 @@ import argparse
 import collections
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -41,13 +39,15 @@ CASES = {  # name: shardtune train arguments
     "LoRA all-linear, no checkpointing": [*LORA, "--lora_target_modules", "all-linear",
                                           "--gradient_checkpointing", "false"],
     "LoRA q,v": [*LORA, "--lora_target_modules", "q_proj,v_proj"],
+    "LoRA q,v, no checkpointing": [*LORA, "--lora_target_modules", "q_proj,v_proj",
+                                   "--gradient_checkpointing", "false"],
 }
 DEPTHS = (8, 16)
 STEPS = 4
 
 
 def count_case(model: Path, rows: Path, work: Path, args: list[str]) -> dict:
-    """Operators per step (all, and those that are not views) and the median step time of one run."""
+    """Operators per step of one run: all of them, and those that are not views."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import shardtune.train.runner as runner
@@ -84,14 +84,7 @@ def count_case(model: Path, rows: Path, work: Path, args: list[str]) -> dict:
         raise SystemExit(f"shardtune train {' '.join(args)} exited with {code}")
     counted_ops = sum(counter.ops.values()) / len(steps)
     kernels = sum(v for k, v in counter.ops.items() if k not in VIEWS) / len(steps)
-    # the host time of a step without the counting mode's own overhead: a second run, uncounted
-    code = main(["train", "--model_name_or_path", str(model), "--dataset_name", str(rows), "--splits", "train",
-                 "--max_seq_len", "64", "--per_device_train_batch_size", "4", "--max_steps", "24",
-                 "--logging_steps", "1", "--save_strategy", "no", "--predict_memory", "false", "--bf16", "false",
-                 "--overwrite_output_dir", "true", "--output_dir", str(out), *args])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    step_s = statistics.median([r["tokens"] / r["tokens_per_s"] for r in records if "loss" in r][4:])
-    return {"ops": counted_ops, "kernel_ops": kernels, "host_step_s_fp32": step_s}
+    return {"ops": counted_ops, "kernel_ops": kernels}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                "per_layer": per_layer, "per_step": {k: low[k] - DEPTHS[0] * per_layer[k] for k in per_layer}}
         results.append(row)
         print(f"{name}: {per_layer['ops']:.0f} operators per layer ({per_layer['kernel_ops']:.0f} not views), "
-              f"{row['per_step']['ops']:.0f} per step; host step {high['host_step_s_fp32'] * 1e3:.0f} ms at "
-              f"{DEPTHS[1]} layers", file=sys.stderr)
+              f"{row['per_step']['ops']:.0f} per step", file=sys.stderr)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"torch": torch.__version__, "depths": DEPTHS, "cases": results,
@@ -127,14 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# Operators `shardtune train` dispatches per step (bench/host_ops.py)", "",
              f"torch {torch.__version__}; narrow Llamas of {DEPTHS[0]} and {DEPTHS[1]} layers (hidden 64), bf16 "
              "autocast, 4 rows of about 33 tokens; forward and backward (recompute and fused loss included, the "
-             "optimizer not). Host step: the median wall time of a step at 16 layers in fp32 on this CPU, one "
-             "thread (tensors this small leave only the host's work).", "",
-             "| case | operators per layer | of them not views | per step besides | at 16 layers | host step, 16 "
-             "layers |", "|---|---:|---:|---:|---:|---:|"]
+             "optimizer not).", "",
+             "| case | operators per layer | of them not views | per step besides | at 16 layers |",
+             "|---|---:|---:|---:|---:|"]
     for r in results:
         lines.append(f"| {r['case']} | {r['per_layer']['ops']:.0f} | {r['per_layer']['kernel_ops']:.0f} | "
-                     f"{r['per_step']['ops']:.0f} | {r['by_depth'][str(DEPTHS[1])]['ops']:.0f} | "
-                     f"{r['by_depth'][str(DEPTHS[1])]['host_step_s_fp32'] * 1e3:.0f} ms |")
+                     f"{r['per_step']['ops']:.0f} | {r['by_depth'][str(DEPTHS[1])]['ops']:.0f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out}.json, .md", file=sys.stderr)
     return 0
