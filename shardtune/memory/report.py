@@ -329,8 +329,9 @@ def time_table(r: Report, t: TimeReport) -> Table:
     return table
 
 
-# Models up to this size (Llama-3.2-3B's 3.2B parameters) can be bound by the host in eager PyTorch: their kernels
-# are small enough for the launches to keep the GPU waiting, a time the step model does not count. Measured:
+# Models up to this size (Llama-3.2-3B's 3.2B parameters) can run slower than the time model says in eager PyTorch:
+# their kernels are short enough for the launches to keep the GPU waiting, or their memory-bound work is more than
+# the model counts (docs/estimator.md weighs the two; a GPU profile decides). Measured:
 # shardtune's own Llama-3.2-1B LoRA (r16 on every linear layer, 4 x 2048 tokens, bf16, checkpointing) on an H200
 # ran at 25,972 tokens/s (bench/results/cuda_paths_cuda.md) where `estimate --time` predicts 38,806 for that job;
 # torchtune's eager Llama-3.2-3B on an A100 ran 1.25x slower than predicted, its compiled runs within 5%
@@ -340,14 +341,15 @@ SMALL_MODEL_MEASURED = "shardtune's own Llama-3.2-1B LoRA on an H200 ran 1.5x sl
 
 
 def host_bound_caution(r: Report) -> str | None:
-    """A caution where the model is small enough for eager kernel launches to bound its step (None elsewhere)."""
+    """A caution where the model is small enough for its step to run slower than the time model says, as shardtune's
+    own 1B runs did (None elsewhere)."""
     if r.inventory.parameters > HOST_BOUND_PARAMETERS:
         return None
     s = r.breakdown.setup
     return (f"caution: with {r.inventory.parameters / 1e9:.1f}B parameters and {s.batch_size * s.seq_len:,} tokens "
-            f"per micro-batch, the GPU may wait on Python's kernel launches, which the step time does not count "
-            f"({SMALL_MODEL_MEASURED} at 8,192 tokens; torch_compile launches fewer kernels, more tokens per "
-            f"micro-batch make each one longer).")
+            f"per micro-batch, the step may take longer than this ({SMALL_MODEL_MEASURED} at 8,192 tokens): its many "
+            f"short kernels leave the GPU waiting on Python's launches, or move more memory than the model counts; "
+            f"torch_compile launches and moves less, and more tokens per micro-batch make each kernel longer.")
 
 
 def time_notes(r: Report, t: TimeReport) -> list[str]:
