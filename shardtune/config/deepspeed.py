@@ -195,8 +195,8 @@ def _optimizer(out: Mapped, block: Any) -> None:
 def _scheduler(out: Mapped, block: Any) -> None:
     kind = str(block.get("type", "")).lower() if isinstance(block, dict) else ""
     if kind not in SCHEDULERS:
-        out.refuse("scheduler", block, f"is not run: the types shardtune maps are WarmupLR, WarmupDecayLR and "
-                                       f"WarmupCosineLR; otherwise remove the block and set lr_scheduler_type")
+        out.refuse("scheduler", block, "is not run: the types shardtune maps are WarmupLR, WarmupDecayLR and "
+                                       "WarmupCosineLR; otherwise remove the block and set lr_scheduler_type")
         return
     out.values["lr_scheduler_type"] = SCHEDULERS[kind]
     out.lines.append(f"scheduler.type {block['type']} -> lr_scheduler_type {SCHEDULERS[kind]}")

@@ -296,22 +296,6 @@ def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_t
              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, use_cache: bool = True,
              stream: Callable[[str], None] | None = None, stop_ids: Collection[int] | None = None,
              stats: GenerationStats | None = None) -> list[int]:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids``; returns the new ids, without the stop token.
-
-    Greedy when ``temperature`` is 0, else temperature plus top-p sampling from a generator seeded with ``seed``.
-    ``stream`` receives the text as it is decoded. ``stop_ids`` defaults to :func:`stop_token_ids`; pass an empty
-    set to always run to ``max_new_tokens``. ``stats``, if given, is filled with timings.
-    """
-    check_sampling(max_new_tokens, temperature, top_p)
-    if not prompt_ids:
-        raise UsageError("the prompt is empty after tokenization; give some text.")
-
-
-@torch.inference_mode()
-def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = 128,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, use_cache: bool = True,
-             stream: Callable[[str], None] | None = None, stop_ids: Collection[int] | None = None,
-             stats: GenerationStats | None = None) -> list[int]:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` with ``model.generate``; returns the new ids, without
     the stop token.
 
