@@ -182,14 +182,16 @@ case "$stage" in
     # One call: run(command="bash bench/gpu_session.sh trl-truth", carry=[".whl"], timeout_s=390). No run starts
     # after 4.5 minutes and none goes on past 5.4 (the 1B cases first, the 1B LoRA first of all: the goals
     # are on them); the report is written after every run, so the stage ends by about 6 with what it measured and
-    # a rerun still fits the device time. Dry run on a CPU, the same code at two narrow layers:
+    # a rerun still fits the device time. pure-bf16 (the residual stream in bf16) beside the default's fp32 stream,
+    # and each run's device_busy_s against its wall time, say whether shardtune's own 1B runs are slower than the
+    # time model by memory traffic or by the host (docs/estimator.md). Dry run on a CPU, two narrow layers:
     #   PYTHONPATH=/tmp/trl-site .venv/bin/python bench/vs_trl.py --shapes llama-3.2-1b,smollm2-135m --tiny \
-    #       --cases lora-256,full-256 --defaults --variants compile,liger --profile --repeats 1 --warmup 2 --timed 2 \
-    #       --batch 2 --accum 1 --max-load 100 --name vs_trl_cpu_shapes_dry_run
+    #       --cases lora-256,full-256 --defaults --variants compile,liger,pure-bf16 --profile --repeats 1 --warmup 2 \
+    #       --timed 2 --batch 2 --accum 1 --max-load 100 --name vs_trl_cpu_shapes_dry_run
     trl-truth)
         nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
         timeout 340 "$PY" bench/vs_trl.py --device cuda --shapes llama-3.2-1b,smollm2-135m --defaults \
-            --variants compile,liger --profile --repeats 1 --batch 4 --accum 2 --warmup 3 --timed 8 \
+            --variants compile,liger,pure-bf16 --profile --repeats 1 --batch 4 --accum 2 --warmup 3 --timed 8 \
             --max-load 1000 --max-minutes 4.5 --stop-minutes 5.4 --cache /tmp/shardtune-bench \
             --name vs_trl_cuda_shapes ;;
     # One call: run(command="bash bench/gpu_session.sh cuda-paths", carry=[".whl"], timeout_s=450); no check

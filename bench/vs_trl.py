@@ -26,8 +26,8 @@ weights saved once in bf16 as a checkpoint is, and a byte-level BPE tokenizer tr
 (ChatML with generation markers), so nothing is downloaded or carried; speed and memory do not depend on the weights'
 values, and the vocabulary the model computes its logits over is the real one. The rows are then multi-turn chats of
 those docstrings, each longer than the longest case, so every row is cut to exactly the case's length and no
-micro-batch holds padding. ``--variants compile,liger`` adds shardtune runs at the matched settings with
-``torch_compile`` / ``use_liger_kernel``. MFU is PaLM's model FLOPs (shardtune.train.metrics.flops_per_token, as
+micro-batch holds padding. ``--variants compile,liger,pure-bf16`` adds shardtune runs at the matched settings with
+``torch_compile`` / ``use_liger_kernel`` / ``torch_dtype bfloat16``. MFU is PaLM's model FLOPs (shardtune.train.metrics.flops_per_token, as
 ``shardtune train`` reports it) over the card's dense bf16 peak. ``--max-minutes`` starts no run after that many
 minutes and lists the runs it skipped; the report is written after every case. ``--tiny`` shrinks each shape to two
 narrow layers (its vocabulary kept) for a dry run on a CPU.
@@ -64,7 +64,10 @@ CASES = {"lora-256": ("lora", 256), "lora-1024": ("lora", 1024), "full-256": ("f
          "lora-2048": ("lora", 2048), "full-2048": ("full", 2048)}
 DEFAULT_CASES = {"gguf": "lora-256,lora-1024,full-256", "shapes": "lora-2048,full-2048"}
 # Extra shardtune runs at the matched settings (their own rows of the report, against the same TRL run).
-VARIANTS = {"compile": ["--torch_compile", "True"], "liger": ["--use_liger_kernel", "True"]}
+# pure-bf16: LoRA's residual stream in bf16 (as TRL's), where shardtune's default autocast keeps it in fp32; the
+# difference is what that stream's traffic and casts cost (docs/estimator.md, shardtune's own runs)
+VARIANTS = {"compile": ["--torch_compile", "True"], "liger": ["--use_liger_kernel", "True"],
+            "pure-bf16": ["--torch_dtype", "bfloat16"]}
 # --tiny: a shape's vocabulary and family kept, its layers cut to a CPU dry run's size.
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16}
