@@ -27,13 +27,13 @@ weights saved once in bf16 as a checkpoint is, and a byte-level BPE tokenizer tr
 values, and the vocabulary the model computes its logits over is the real one. The rows are then multi-turn chats of
 those docstrings, each longer than the longest case, so every row is cut to exactly the case's length and no
 micro-batch holds padding. ``--variants compile,liger,pure-bf16`` adds shardtune runs at the matched settings with
-``torch_compile`` / ``use_liger_kernel`` / ``torch_dtype bfloat16``. MFU is PaLM's model FLOPs (shardtune.train.metrics.flops_per_token, as
-``shardtune train`` reports it) over the card's dense bf16 peak. ``--max-minutes`` starts no run after that many
-minutes and lists the runs it skipped; the report is written after every case. ``--tiny`` shrinks each shape to two
-narrow layers (its vocabulary kept) for a dry run on a CPU.
+``torch_compile`` / ``use_liger_kernel`` / ``torch_dtype bfloat16``. MFU is PaLM's model FLOPs
+(shardtune.train.metrics.flops_per_token, as ``shardtune train`` reports it) over the card's dense bf16 peak.
+``--max-minutes`` starts no run after that many minutes and lists the runs it skipped; the report is written after
+every case. ``--tiny`` shrinks each shape to two narrow layers (its vocabulary kept) for a dry run on a CPU.
 
     PYTHONPATH=/tmp/trl-site .venv/bin/python bench/vs_trl.py --device cuda --shapes llama-3.2-1b,smollm2-135m \
-        --defaults --variants compile,liger --profile --max-minutes 5     # bench/gpu_session.sh trl-truth
+        --defaults --variants compile,liger,pure-bf16 --profile --max-minutes 5   # bench/gpu_session.sh trl-truth
 
 Tokens/s counts the same tokens for both (the non-padding input tokens of the timed steps, checked equal step by
 step) over the wall time from the end of the last warm-up step to the end of the last step. CPU memory is the
