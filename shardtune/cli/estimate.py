@@ -342,7 +342,7 @@ def main(args: argparse.Namespace) -> int:
     if timed:
         from shardtune.memory.report import time_to_dict
 
-        extras["timing"] = time_to_dict(timed, report)
+        extras["timing"] = time_to_dict(timed, report.gpu)
     if args.json:
         from shardtune.memory.report import to_dict
 

@@ -196,6 +196,7 @@ class TimeReport:
     price_per_gpu_hour: float | None
     price_given: bool  # False: the typical list price of the card
     measured: Measured | None = None  # --measured: what 'shardtune bench strategies' measured, to compare
+    caution: str | None = None  # host_bound_caution: a small model's step may take longer than the model says
 
     @property
     def tokens(self) -> int:
@@ -239,11 +240,10 @@ def time_report(r: Report, links: Links, data: DataTokens | None = None, price_p
             for b in compared]
     given = price_per_gpu_hour is not None
     price = price_per_gpu_hour if given else TYPICAL_PRICE_PER_GPU_HOUR.get(r.gpu.name)
-    return TimeReport(rows, links, data, price, given, measured)
+    return TimeReport(rows, links, data, price, given, measured, host_bound_caution(r))
 
 
-def time_to_dict(t: TimeReport, r: Report) -> dict:
-    gpu = r.gpu
+def time_to_dict(t: TimeReport, gpu: Gpu) -> dict:
     return {
         "data_tokens": t.tokens,
         "data_tokens_counted": None if t.data is None else "given" if not t.data.rows else
@@ -258,7 +258,7 @@ def time_to_dict(t: TimeReport, r: Report) -> dict:
                     "data_seconds": t.seconds(st), "cost_usd": t.cost(st), **_against_measured(t, st)}
                    for b, st in t.rows],
         "measured_file": t.measured.path if t.measured else None,
-        "caution": host_bound_caution(r),
+        "caution": t.caution,
     }
 
 
@@ -376,8 +376,7 @@ def time_notes(r: Report, t: TimeReport) -> list[str]:
                      + ".")
     if len(fitting) < len(t.rows):
         lines.append("dim: does not fit; timed as if it did.")
-    caution = host_bound_caution(r)
-    return lines + ([caution] if caution else [])
+    return lines + ([t.caution] if t.caution else [])
 
 
 def render_time(r: Report, t: TimeReport, console: Console) -> None:

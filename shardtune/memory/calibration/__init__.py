@@ -272,9 +272,8 @@ def _check(p: Point, place: str) -> None:
                  ("micro_batch", "seq_len", "num_gpus", "num_nodes", "grad_accum", "lora_r")
                  if not isinstance(getattr(p, k), int) or getattr(p, k) < 1]
     problems += [f"assumed names unknown field {name}" for name in p.assumed if name not in _NAMES]
-    if p.fit is not True:
-        problems += [] if p.fit is False and p.kind == "speed" and p.notes.strip() else [
-            "fit: false is for a speed point, with notes saying why the time model cannot explain it"]
+    if p.fit is not True and not (p.fit is False and p.kind == "speed" and p.notes.strip()):
+        problems.append("fit: false is for a speed point, with notes saying why the time model cannot explain it")
     problems += _check_measured(p) + _check_model(p) + _check_hardware(p)
     if problems:
         raise UsageError(f"{place}: {'; '.join(problems)}")
