@@ -348,8 +348,9 @@ def host_bound_caution(r: Report) -> str | None:
     s = r.breakdown.setup
     return (f"caution: with {r.inventory.parameters / 1e9:.1f}B parameters and {s.batch_size * s.seq_len:,} tokens "
             f"per micro-batch, the step may take longer than this ({SMALL_MODEL_MEASURED} at 8,192 tokens): its many "
-            f"short kernels leave the GPU waiting on Python's launches, or move more memory than the model counts; "
-            f"torch_compile launches and moves less, and more tokens per micro-batch make each kernel longer.")
+            f"short kernels can leave the GPU waiting on their launches (the bytes they move, counted, explain at "
+            f"most a quarter of that); torch_compile launches fewer, and more tokens per micro-batch make each "
+            f"kernel longer.")
 
 
 def time_notes(r: Report, t: TimeReport) -> list[str]:
