@@ -202,8 +202,10 @@ def gpu_by_name(name: str) -> Gpu:
 WARPGROUP_ARCHS = ("hopper", "blackwell")
 SPEC_KEYS = {"tflops": "dense bf16 tensor-core TFLOP/s (half the data sheet's 'with sparsity' figure)",
              "memory": "memory in GiB", "bandwidth": "memory bandwidth in GB/s",
-             "link": f"the link between a node's GPUs ({', '.join(INTRA_NODE_LINKS)}; default pcie4)",
-             "host": "the PCIe link to the host: pcie5, pcie4 or pcie3 (default pcie4)",
+             "link": f"the link between a node's GPUs ({', '.join(INTRA_NODE_LINKS)}; default pcie4, pcie5 "
+                     f"with arch=hopper or blackwell)",
+             "host": "the PCIe link to the host: pcie5, pcie4 or pcie3 (default pcie4, pcie5 with arch=hopper or "
+                     "blackwell)",
              "arch": "hopper or blackwell for a data-centre card of those generations (H100, H200, B200: "
                      "attention kernels reach less of their peak), else other (default)"}
 SPEC_REQUIRED = ("tflops", "memory", "bandwidth")
@@ -226,9 +228,10 @@ def gpu_from_spec(text: str) -> Gpu:
         raise UsageError(f"--gpu-spec: missing {', '.join(f'{k}= ({SPEC_KEYS[k]})' for k in missing)}; "
                          f"e.g. {SPEC_EXAMPLE}")
     tflops, memory_gib, bandwidth_gbs = (_spec_number(fields, k) for k in SPEC_REQUIRED)
-    link = check_choice(fields.get("link", "pcie4"), INTRA_NODE_LINKS, "--gpu-spec link")
-    host = check_choice(fields.get("host", "pcie4"), ("pcie5", "pcie4", "pcie3"), "--gpu-spec host link")
     arch = check_choice(fields.get("arch", "other"), (*WARPGROUP_ARCHS, "other"), "--gpu-spec arch")
+    pcie = "pcie5" if arch in WARPGROUP_ARCHS else "pcie4"  # every Hopper and Blackwell data-centre card is PCIe 5.0
+    link = check_choice(fields.get("link", pcie), INTRA_NODE_LINKS, "--gpu-spec link")
+    host = check_choice(fields.get("host", pcie), ("pcie5", "pcie4", "pcie3"), "--gpu-spec host link")
     return Gpu(f"spec:{text}", int(memory_gib * GIB),
                label=f"GPU of {tflops:g} TFLOP/s, {memory_gib:g} GiB, {bandwidth_gbs:g} GB/s (--gpu-spec)",
                peak_bf16_flops=tflops * 1e12, memory_bandwidth=bandwidth_gbs * 1e9, interconnect=link,

@@ -162,6 +162,7 @@ TABLE_AS_SPEC = {  # a table card and the same card described by its numbers
     "l40s": "tflops=362.05,memory=44.98828125,bandwidth=864,link=pcie4,host=pcie4",
     "a100-80gb": "tflops=312,memory=80,bandwidth=2039,link=nvlink3,host=pcie4",
     "h100-80gb": "tflops=989,memory=79.6474609375,bandwidth=3350,link=nvlink4,host=pcie5,arch=hopper",
+    "h100-80gb-pcie": "tflops=756,memory=79.6474609375,bandwidth=2000,arch=hopper",  # links: PCIe 5.0 by default
 }
 
 
