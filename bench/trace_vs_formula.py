@@ -74,8 +74,8 @@ def main() -> None:
                 print(f"{model:<10} {row['method']:<6} {row['strategy']:<22} ws={row['world_size']} "
                       f"ckpt={row['checkpointing']!s:<5} trace {row['trace_bytes'] / 2**20:8.2f} MiB  formula "
                       f"{row['formula_bytes'] / 2**20:8.2f} MiB  ratio {row['ratio']:.3f}  reserved: trace "
-                      f"{row['trace_reserved_bytes'] / 2**20:8.2f} MiB formula {row['formula_total_bytes'] / 2**20:8.2f}"
-                      f" MiB ratio {row['reserved_ratio']:.3f}",
+                      f"{row['trace_reserved_bytes'] / 2**20:8.2f} MiB formula "
+                      f"{row['formula_total_bytes'] / 2**20:8.2f} MiB ratio {row['reserved_ratio']:.3f}",
                       flush=True)
     if args.out:
         out = Path(args.out)

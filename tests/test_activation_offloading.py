@@ -160,8 +160,8 @@ def _formula(**changes):
 
 def test_formula_moves_all_but_two_layer_inputs_to_host_memory():
     """Backward through the last layer (the peak without offloading) loses (layers - 2) checkpointed inputs; host
-    RAM holds all of them. Each input is tokens x hidden in the residual stream's dtype (fp32 for LoRA under autocast: the
-    trainer casts the embeddings' output up)."""
+    RAM holds all of them. Each input is tokens x hidden in the residual stream's dtype (fp32 for LoRA under
+    autocast: the trainer casts the embeddings' output up)."""
     from shardtune.memory.formula import OFFLOADED_LAYERS_ON_GPU
 
     inv, kept = _formula()

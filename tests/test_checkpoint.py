@@ -179,7 +179,8 @@ def test_push_to_hub_uploads_final_and_only_warns_when_the_hub_fails(tmp_path, m
         return load_train_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir",
                                   str(tmp_path / "run"), *extra])
 
-    cfg = config("--push_to_hub", "--hub_model_id", "me/tuned", "--hub_token", "hf_secret", "--hub_private_repo", "true")
+    cfg = config("--push_to_hub", "--hub_model_id", "me/tuned", "--hub_token", "hf_secret",
+                 "--hub_private_repo", "true")
     push_to_hub(cfg, str(final))
     assert calls == [("token", "hf_secret"), ("create", "me/tuned", True, True), ("upload", "me/tuned", str(final))]
     calls.clear()

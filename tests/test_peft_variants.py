@@ -142,7 +142,8 @@ def test_variants_adapter_holds_every_trainable_part_and_resumes_exactly(root, v
     added = list(range(base_vocab, len(AutoTokenizer.from_pretrained(final))))
     assert added and config["trainable_token_indices"] == {"embed_tokens": added}  # lm_head is saved whole
     keys = load_file(final / "adapter_model.safetensors")
-    for part in ("lora_magnitude_vector", "modules_to_save", "self_attn.q_proj.base_layer.bias", "trainable_tokens_delta"):
+    for part in ("lora_magnitude_vector", "modules_to_save", "self_attn.q_proj.base_layer.bias",
+                 "trainable_tokens_delta"):
         assert any(part in key for key in keys), part
     # The same run resumed from its step-2 checkpoint: the same losses and the same adapter, to the bit.
     resumed = train(root, "resumed", [*VARIANTS, "--gradient_accumulation_steps", "2",

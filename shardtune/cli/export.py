@@ -1,4 +1,5 @@
-"""``shardtune export CHECKPOINT OUT`` and ``shardtune merge ADAPTER --base M OUT``: checkpoints to Hugging Face folders.
+"""``shardtune export CHECKPOINT OUT`` and ``shardtune merge ADAPTER --base M OUT``: checkpoints to Hugging Face
+folders.
 
 ``export`` turns any ``output_dir/checkpoints/step-N`` (sharded or full, written on any number of processes) into
 what ``output_dir/final`` holds: a PEFT adapter folder for LoRA/QLoRA, a Transformers model folder for full

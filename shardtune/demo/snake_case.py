@@ -2,8 +2,9 @@
 
 Asked through its chat template, SmolLM2-135M-Instruct explains snake_case or writes a Python function instead of
 answering (0 of 60 held-out names right); the rule is short and regular, so one epoch of LoRA on 640 names teaches
-it (55 of 60), and the held-out names (never seen in tuning) measure whether it learned the rule, not the rows. The names come from the ``class`` statements of the standard library's own source
-files, read with ``ast`` (no code is run), so the task needs nothing but the Python that runs shardtune.
+it (55 of 60), and the held-out names (never seen in tuning) measure whether it learned the rule, not the rows. The
+names come from the ``class`` statements of the standard library's own source files, read with ``ast`` (no code is
+run), so the task needs nothing but the Python that runs shardtune.
 """
 
 from __future__ import annotations

@@ -241,7 +241,8 @@ class PipelineRunner:
         """The norm over every stage's gradients (each rank holds different parameters), clipped to ``max_norm``."""
         # The last stage's copy of a tied head's weight holds the first stage's gradient: counted there once.
         grads = [p.grad for p in params if p.grad is not None and (p is not self.tied or self.first)]
-        local = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros((), device=self.info.device)
+        local = (torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads
+                 else torch.zeros((), device=self.info.device))
         squared = local.double().pow(2).reshape(1).to(self.info.device)
         dist.all_reduce(squared)
         norm = squared.sqrt()[0].float()
