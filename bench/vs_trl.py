@@ -470,7 +470,8 @@ def profile_lines(rows: list[dict]) -> list[str]:
                       f"= {parts} (s). Top CPU self time: {ops}"]
             if profile.get("top_kernels"):
                 kernels = "; ".join(f"{k['name'][:60]} {k['self_s']:.4f}" for k in profile["top_kernels"][:8])
-                lines += [f"  GPU busy {profile['device_busy_s']:.3f} s of the step; top kernels: {kernels}"]
+                lines += [f"  GPU busy {profile['device_busy_s']:.3f} s of the step, in "
+                          f"{profile.get('kernels_launched', 0):,} kernels; top kernels: {kernels}"]
     title = "## Profile of the last warm-up step (torch.profiler, top-level ranges of the training thread)"
     return [title, ""] + lines + [""] if lines else []
 

@@ -106,6 +106,9 @@ def breakdown(profiler, wall_s: float) -> dict:
     if kernels:
         kernels.sort(key=lambda a: -a.self_device_time_total)
         result["device_busy_s"] = sum(a.self_device_time_total for a in kernels) / 1e6
+        # how many kernels the step launched: where the GPU waits, the step's wall time over this is the host's
+        # time per launch (what a host term of the time model needs, docs/estimator.md)
+        result["kernels_launched"] = sum(a.count for a in kernels)
         result["top_kernels"] = [{"name": a.key, "self_s": a.self_device_time_total / 1e6, "calls": a.count}
                                  for a in kernels[:12]]
     return result
