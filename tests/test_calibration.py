@@ -177,7 +177,7 @@ def test_a_card_given_by_its_numbers_is_estimated_as_the_table_card(card, capsys
     table, spec = out["--gpu"], out["--gpu-spec"]
     assert spec["per_gpu"] == table["per_gpu"] and spec["fits"] == table["fits"]
     assert [s["per_gpu"] for s in spec["strategies"]] == [s["per_gpu"] for s in table["strategies"]]
-    for a, b in zip(spec["timing"]["setups"], table["timing"]["setups"]):
+    for a, b in zip(spec["timing"]["setups"], table["timing"]["setups"], strict=True):
         assert (a["setup"], a["step_s"], a["tokens_per_s"], a["mfu"]) == (b["setup"], b["step_s"], b["tokens_per_s"],
                                                                          b["mfu"])
 
@@ -194,7 +194,7 @@ def test_the_spec_sets_what_it_names():
 def test_attention_on_a_hopper_card_runs_at_flashattention2s_share_of_its_peak():
     """The same numbers with arch=hopper: the matmuls and memory-bound work take as long, attention longer, by the
     FlashAttention-2 paper's H100 against A100 utilisation."""
-    from shardtune.memory.compute import MEMORY_EFFICIENCY, WARPGROUP_ATTENTION, Kernels, microbatch
+    from shardtune.memory.compute import MEMORY_EFFICIENCY, Kernels, microbatch
     from shardtune.memory.inventory import ModelAnalysis
     from shardtune.memory.setup import Setup
 
@@ -205,8 +205,9 @@ def test_attention_on_a_hopper_card_runs_at_flashattention2s_share_of_its_peak()
                      for s in (spec, spec + ",arch=hopper"))
     assert (hopper.matmul_s, hopper.memory_s) == (other.matmul_s, other.memory_s)
     streamed = 1 / (CALIBRATED.tile_intensity * 3350e9 * MEMORY_EFFICIENCY)
+    # the paper's figures: up to 335 TFLOP/s on an H100 (peak 989), 73% of the peak on an A100
     compute_only = [m.attention_s / (1 / (share * 989e12) + streamed) for m, share in
-                    ((other, CALIBRATED.attention), (hopper, CALIBRATED.attention * WARPGROUP_ATTENTION))]
+                    ((other, CALIBRATED.attention), (hopper, CALIBRATED.attention * 335 / 989 / 0.73))]
     assert compute_only[0] == pytest.approx(compute_only[1])  # the same FLOPs, each at its rate
     assert hopper.attention_s > 1.5 * other.attention_s
 

@@ -220,8 +220,9 @@ def test_no_op_makes_more_than_one_chunk_of_logits():
 
 
 def test_the_head_runs_only_on_positions_with_a_target():
-    """Prompts, padding and each row's last position never reach the head, and the loss and gradients are those
-    of every position's logits; a micro-batch without any target still gives a loss in the graph (0, zero
+    """The head projects the positions with a target, and others only to fill its last 64-row tile (prompts,
+    padding and each row's last position otherwise never reach it), and the loss and gradients are those of every
+    position's logits; a micro-batch without any target still gives a loss in the graph (0, zero
     gradients), so every rank's backward hooks run."""
     torch.manual_seed(0)
     hidden = torch.randn(4, 50, 8, requires_grad=True)
@@ -288,13 +289,16 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
         model, runner = parallelize(model, Plan(strategy=strategy, gradient_checkpointing=checkpointing), info)
         rows = []
         head = unwrap(model).get_output_embeddings()
-        hook = head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
-        results = []
+        # the positions each call of the head projects
+        hook = head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[:-1].numel()))
+        results, reference_rows = [], 0
         for fused in (False, True):
             runner.fused_loss = fused
             rows.clear()
             loss = runner.forward_backward([_batch(seed=rank)], scale=1.0)
-            # the model's own forward (its last position per row), then the chunks, then their recomputation
+            if not fused:  # the full logits: the model's forward projects every position, once
+                reference_rows = sum(rows)
+            # fused: the model's own forward (its last position per row), then the chunks, then their recomputation
             projected = sum(rows[1:]) // 2
             grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
                      for n, p in model.named_parameters() if p.grad is not None}
@@ -310,7 +314,8 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
         errors[case] = {"loss": abs(loss.item() / ref_loss.item() - 1), "grads": worst,
                         "eval_loss": abs(eval_loss.item() / ref_eval.item() - 1),
                         "same_names": sorted(grads) == sorted(ref_grads), "tensors": len(grads),
-                        "head_rows": projected, "positions": batch["input_ids"].numel(),
+                        "head_rows": projected, "reference_rows": reference_rows,
+                        "positions": batch["input_ids"].numel(),
                         "expected_rows": _head_rows(num_targets(batch["labels"]), batch["input_ids"].numel())}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(errors, f)
@@ -330,7 +335,8 @@ def test_fsdp2_two_processes_fused_equals_full_logits(tmp_path):
         for case, found in errors.items():
             assert found["same_names"] and found["tensors"] > 0, case
             assert max(found["loss"], found["grads"], found["eval_loss"]) <= REL_TOL, (case, found)
-            # the head projected the targets (in 64-row tiles) only, fewer than every position
+            # the reference ran the full logits (every position), the fused loss the targets (in 64-row tiles) only
+            assert found["reference_rows"] == found["positions"], (case, found)
             assert found["head_rows"] == found["expected_rows"] < found["positions"], (case, found)
 
 

@@ -61,9 +61,12 @@ class ConfigReads(ast.NodeVisitor):
     config by name."""
 
     def __init__(self, types: dict[str, str], attribute_sections: dict[str, str],
-                 passed: dict[tuple[str, str], str]) -> None:
+                 passed: dict[tuple[str, str], str], shared: dict[str, dict[str, str]]) -> None:
         self.types, self.attribute_sections = types, attribute_sections  # class name -> section; obj.attr -> section
         self.passed = passed  # (function name, "#position" or keyword) -> the section some call passes there
+        # learnt from every module: function name -> the section it returns (load_train_config -> the whole
+        # config); field name -> the section a field annotated with one holds (a Job's cfg: TrainConfig)
+        self.returns, self.fields = shared["returns"], shared["fields"]
         self.sections = set(types.values())
         self.names: dict[str, str] = {}  # local name -> section, in the function being read
         self.reads: set[tuple[str, str]] = set()
@@ -73,10 +76,18 @@ class ConfigReads(ast.NodeVisitor):
         if isinstance(node, ast.Name):
             return self.names.get(node.id)
         if isinstance(node, ast.Attribute):
-            return node.attr if node.attr in self.sections else self.attribute_sections.get(node.attr)
+            # cfg.run is a section only off the whole config: a wandb run's .run, a job's .data, torch.optim are not
+            if node.attr in self.sections and node.attr != "*":
+                return node.attr if self.section_of(node.value) == "*" else None
+            return self.attribute_sections.get(node.attr) or self.fields.get(node.attr)
+        if isinstance(node, ast.Call):
+            func = node.func
+            return self.returns.get(func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", ""))
         return None
 
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        if returned := _annotated_section(node.returns, self.types):
+            self.returns[node.name] = returned
         outer = dict(self.names)
         positional = [a for a in [*node.args.posonlyargs, *node.args.args] if a.arg not in ("self", "cls")]
         for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
@@ -110,7 +121,7 @@ class ConfigReads(ast.NodeVisitor):
         section = _annotated_section(node.annotation, self.types)
         if section and isinstance(node.target, ast.Name):
             self.names[node.target.id] = section  # also a class field: obj.<field> holds that section
-            self.attribute_sections[node.target.id] = section
+            self.fields[node.target.id] = section
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         if isinstance(node.ctx, ast.Load) and (section := self.section_of(node.value)):
@@ -179,17 +190,23 @@ def keys_read_from_sections(sections: dict[str, type]) -> set[str]:
     modules = product_modules()
     attribute_sections: list[dict[str, str]] = [{} for _ in modules]
     passed: dict[tuple[str, str], str] = {}
+    shared: dict[str, dict[str, str]] = {"returns": {}, "fields": {}}
+
+    def learnt() -> tuple[int, ...]:
+        return len(passed), sum(map(len, attribute_sections)), *map(len, shared.values())
+
     while True:  # again until no pass learns more: attributes methods assign, sections passed on through calls
-        learnt = (len(passed), sum(map(len, attribute_sections)))
-        scans = [ConfigReads(types, attributes, passed) for attributes in attribute_sections]
+        before = learnt()
+        scans = [ConfigReads(types, attributes, passed, shared) for attributes in attribute_sections]
         for scan, tree in zip(scans, modules):
             scan.visit(tree)
-        if (len(passed), sum(map(len, attribute_sections))) == learnt:
+        if learnt() == before:
             break
+    fields = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in sections.items()}
     found: set[str] = set()
     for scan in scans:
-        for read in scan.reads:
-            found |= methods.get(read, {read[1]})
+        for section, attr in scan.reads:  # a section's own field, or what its method or property reads
+            found |= methods.get((section, attr), {attr} & fields[section])
         found |= scan.flat
     return found & keys
 
@@ -203,19 +220,25 @@ def test_every_train_key_is_read_by_the_code_that_runs():
 
 @dataclasses.dataclass
 class PlantedRunConfig(RunConfig):
-    """RunConfig with two keys no product code reads from a config: one nobody mentions, and one named like an
-    attribute product code reads all over, off tensors (``x.shape``), never off a config."""
+    """RunConfig with keys no product code reads from a config: one nobody mentions, and some named like attributes
+    product code reads off other objects: tensors (``x.shape``), a tracker's run (``self.run.id``), a job's data
+    (``job.data.train``), ``torch.optim.SGD``, a LoRA count (``lora.total``)."""
 
     a_key_only_the_schema_mentions: bool = False
     shape: int = 0
+    id: str = ""
+    train: bool = False
+    SGD: bool = False
+    total: int = 0
 
 
 def test_the_reader_scan_reports_a_key_only_the_schema_mentions():
     """The scan itself: planted keys are reported, and so are the run keys read only inside shardtune/config/."""
     planted = {**SECTIONS, "run": PlantedRunConfig}
     run_keys = {f.name for f in dataclasses.fields(PlantedRunConfig)}
-    assert run_keys - keys_read_from_sections(planted) == {"a_key_only_the_schema_mentions", "shape",
-                                                             "hub_strategy", "save_safetensors"}
+    assert run_keys - keys_read_from_sections(planted) == {"a_key_only_the_schema_mentions", "shape", "id", "train",
+                                                             "SGD", "total", "hub_strategy",
+                                                             "save_safetensors"}
 
 
 def test_the_reader_scan_follows_sections_into_names_attributes_and_properties():
@@ -248,7 +271,8 @@ def test_deepspeed_is_translated_into_the_keys_that_run(tmp_path):
             plain.run.gradient_accumulation_steps) == (None, "FULL_SHARD", 1)
     assert (mapped.distributed.distributed_type, mapped.distributed.fsdp_sharding_strategy,
             mapped.run.gradient_accumulation_steps) == ("FSDP", "SHARD_GRAD_OP", 4)
-    assert TRANSLATED_AT_LOAD == {"deepspeed"}
+    # the scan's exemption is a key, and needed: no product code reads it, loading has translated it
+    assert TRANSLATED_AT_LOAD <= set(known_keys()) and not TRANSLATED_AT_LOAD & keys_read_by_product_code()
 
 
 def test_no_op_keys_are_not_train_keys_and_are_documented():
@@ -292,6 +316,23 @@ def test_an_acting_value_of_a_no_op_key_is_refused(tmp_path, key):
     acc.write_text(json.dumps({key: ACTING[key], "distributed_type": "NO"}))  # JSON is YAML
     with pytest.raises(UsageError, match=rf"{acc}, line 1: {key}=.* would change what runs .*: "):
         load_train_config(["--config_file", str(acc), *BASE])
+
+
+def test_disable_tqdm_turns_the_training_bar_off(tmp_path_factory, monkeypatch):
+    """The loop's progress bar is enabled by default on rank 0 and disabled with --disable_tqdm true."""
+    import shardtune.train.loop as loop
+    from tests.trainutil import logging_restored, tiny_workspace
+
+    work = tiny_workspace(tmp_path_factory, "disable-tqdm", rows=8)
+    enabled = []
+    bar = loop.progress_bar
+    monkeypatch.setattr(loop, "progress_bar", lambda total, initial, on: enabled.append(on) or bar(total, initial, on))
+    for value in ("false", "true"):
+        with logging_restored():
+            assert main(["train", "--model_name_or_path", str(work / "model"), "--dataset_name",
+                         str(work / "chat.jsonl"), "--output_dir", str(work / f"run-{value}"), "--max_steps", "1",
+                         "--save_strategy", "no", "--predict_memory", "false", "--disable_tqdm", value]) == 0
+    assert enabled == [True, False]
 
 
 def test_keys_that_used_to_be_ignored_now_act(tmp_path, capsys):
