@@ -73,20 +73,26 @@ def test_offloading_without_checkpointing_is_refused_naming_the_fix(tmp_path):
     assert load_train_config([*base, "--activation_offloading", "true"]).run.activation_offloading  # the default
 
 
-def test_runs_with_offloading_or_liger_on_cpu_have_the_same_losses(tmp_path, restore_logging, capfd):
-    """``shardtune train`` in this process, checkpointing on: with activation_offloading, and with
-    use_liger_kernel (on a CPU: one warning, transformers' modules), the losses equal the plain run's."""
+def test_runs_with_offloading_or_liger_on_cpu_have_the_same_losses(tmp_path, restore_logging, capfd, monkeypatch):
+    """``shardtune train`` in this process, checkpointing on: with activation_offloading (which moved the layers'
+    inputs to the host), and with use_liger_kernel (on a CPU: one warning, transformers' modules), the losses equal
+    the plain run's."""
+    import shardtune.train.parallelize as parallelize
     from shardtune.testing.tiny import make_model_folder
     from shardtune.train.liger import CPU_MESSAGE
     from shardtune.train.loop import train
     from tests.trainutil import losses, write_chat_data
 
+    offloaders = []
+    install = parallelize.offload_checkpointed_inputs
+    monkeypatch.setattr(parallelize, "offload_checkpointed_inputs", lambda m: offloaders.append(install(m)))
     model = make_model_folder(tmp_path / "model")
     data = write_chat_data(tmp_path / "chat.jsonl", rows=200)
-    found, logged = {}, {}
+    found, logged, packed = {}, {}, {}
     for name, extra in (("ref", []), ("offload", ["--activation_offloading", "true"]),
                         ("liger", ["--use_liger_kernel", "true"])):
         out = tmp_path / name
+        offloaders.clear()
         train(load_train_config(["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
                                  "--max_seq_len", "64", "--packing", "true", "--max_steps", "3", "--logging_steps",
                                  "1", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
@@ -94,7 +100,9 @@ def test_runs_with_offloading_or_liger_on_cpu_have_the_same_losses(tmp_path, res
                                  "--predict_memory", "false", "--output_dir", str(out), *extra]))
         found[name] = losses(out)
         logged[name] = capfd.readouterr().err.count(CPU_MESSAGE)
+        packed[name] = [o.packed_bytes > 0 for o in offloaders]
     assert logged == {"ref": 0, "offload": 0, "liger": 1}
+    assert packed == {"ref": [], "offload": [True], "liger": []}
     assert len(found["ref"]) == 3 and found["ref"][0] != found["ref"][-1]
     for name in ("offload", "liger"):
         for a, b in zip(found["ref"], found[name]):
@@ -107,12 +115,16 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
     from shardtune.config import LoraConfig
     from shardtune.dist import DistInfo, shutdown
     from shardtune.train.model import apply_lora
+    import shardtune.train.parallelize as parallelize_module
     from shardtune.train.parallelize import parallelize
     from shardtune.train.plan import Plan
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     info = DistInfo(rank=rank, world_size=2, local_rank=rank, local_world_size=2, device=torch.device("cpu"))
     lora = LoraConfig(use_peft_lora=True, lora_r=4, lora_alpha=8, lora_target_modules="all-linear")
+    offloaders = []
+    install = parallelize_module.offload_checkpointed_inputs
+    parallelize_module.offload_checkpointed_inputs = lambda m: offloaders.append(install(m))
     result = {}
     for offloading in (False, True):
         model = apply_lora(_llama(num_layers=3), lora, seed=1)
@@ -127,6 +139,7 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
             dist.all_reduce(loss)
             step_losses.append(loss.item())
         result[str(offloading)] = step_losses
+    result["packed"] = [o.packed_bytes for o in offloaders]  # the offloading run's: its layers' inputs moved
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     shutdown()  # not destroy_process_group alone: see test_dist_shutdown (SIGABRT at exit)
@@ -142,6 +155,7 @@ def test_fsdp2_two_processes_lora_checkpointing_same_losses_with_offloading(tmp_
     for rank in range(2):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert found["False"][0] != found["False"][-1]  # the adapters train: a test that could fail
+        assert len(found["packed"]) == 1 and found["packed"][0] > 0, found  # only the offloading run offloaded
         for a, b in zip(found["False"], found["True"]):
             assert abs(a - b) <= REL_TOL * abs(a), found
 

@@ -92,26 +92,29 @@ def test_plot_to_a_missing_folder_is_a_usage_error(tmp_path, capsys):
 
 def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
     """--config: a recipe, an Accelerate file and a DeepSpeed JSON give the estimate of exactly that job, the same
-    as the options that describe it; setup options beside --config are refused."""
+    as the options that describe it; setup options beside --config are refused. Each file sets what is not the
+    default (ZeRO-2, not Accelerate's ZeRO-3 for DEEPSPEED; no checkpointing; fp32), so each one is read."""
     from shardtune.cli import main
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("model_name_or_path: llama-3.1-8b\nuse_peft_lora: true\nlora_r: 16\nlora_target_modules: "
                       "all-linear\nper_device_train_batch_size: 2\ngradient_accumulation_steps: 4\nmax_seq_len: 4096\n"
-                      "gradient_checkpointing: true\nbf16: true\ndataset_name: d\n")
+                      "gradient_checkpointing: false\nbf16: false\ndataset_name: d\n")
     acc = tmp_path / "accelerate.yaml"
     acc.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 8\n"
-                   "num_machines: 1\nmixed_precision: bf16\n")
+                   "num_machines: 1\nmixed_precision: 'no'\n")
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}))
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     argv = ["estimate", "--gpu", "h100-80gb", "--json"]
     assert main([*argv, "--config", str(recipe), "--config", str(acc), "--config", str(ds)]) == 0
     from_files = json.loads(capsys.readouterr().out)
     assert main([*argv, "llama-3.1-8b", "--method", "lora", "--lora-r", "16", "--num-gpus", "8", "--strategy", "fsdp",
-                 "--sharding-strategy", "FULL_SHARD", "--batch-size", "2", "--gradient-accumulation-steps", "4",
-                 "--seq-len", "4096", "--gradient-checkpointing", "--mixed-precision", "bf16"]) == 0
+                 "--sharding-strategy", "SHARD_GRAD_OP", "--batch-size", "2", "--gradient-accumulation-steps", "4",
+                 "--seq-len", "4096", "--no-gradient-checkpointing", "--mixed-precision", "no"]) == 0
     from_options = json.loads(capsys.readouterr().out)
     assert from_files["per_gpu"] == from_options["per_gpu"] and from_files["per_gpu"]["total"] > 0
     assert from_files["trainable_parameters"] == from_options["trainable_parameters"]
+    assert main([*argv, "--config", str(recipe), "--config", str(acc)]) == 0  # without the JSON: ZeRO-3
+    assert json.loads(capsys.readouterr().out)["per_gpu"] != from_files["per_gpu"]
     assert main(["estimate", "--config", str(recipe), "--method", "full", "--num-gpus", "2"]) == 2
     assert "--method, --num-gpus: with --config the files describe the setup" in capsys.readouterr().err

@@ -45,10 +45,11 @@ def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
-def stepped(model: nn.Module, optim: str) -> torch.optim.Optimizer:
+def stepped(model: nn.Module, optim: str, device: str = "cpu") -> torch.optim.Optimizer:
     """``optim`` built as the trainer builds it, after one step (the states exist from the first step)."""
     torch.manual_seed(0)
-    optimizer = build_optimizer(model, OptimConfig(optim=optim, learning_rate=1e-3), torch.device("cpu"))
+    model.to(device)
+    optimizer = build_optimizer(model, OptimConfig(optim=optim, learning_rate=1e-3), torch.device(device))
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.randn_like(p)
@@ -122,8 +123,13 @@ def test_estimators_optimizer_bytes_equal_the_trainers(model_dir, capsys, optim,
     shared = 1024 * spec.moments if spec.state_bits == 8 else 0
     table = state_bytes(optim, shapes, weight_bytes=4)
     assert table == data["per_gpu"]["optimizer"] + 8 * per_tensor + shared
-    if not OPTIMIZERS[optim].paged:  # a paged optimizer keeps the same state; it cannot be built without CUDA
+    if not OPTIMIZERS[optim].paged:
         assert state_nbytes(stepped(model, optim)) == table
+    else:  # the state of its unpaged twin (whose case checks it against the trainer's), paged; built only on CUDA
+        twin = {"paged_adamw_8bit": "adamw_8bit", "paged_adamw_32bit": "adamw_torch"}[optim]
+        assert data["per_gpu"]["optimizer"] == estimate(twin)["per_gpu"]["optimizer"]
+        if torch.cuda.is_available():
+            assert state_nbytes(stepped(model, optim, "cuda")) == table
     if alias:
         assert estimate(alias)["per_gpu"]["optimizer"] == data["per_gpu"]["optimizer"]
 

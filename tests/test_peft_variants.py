@@ -189,6 +189,12 @@ def test_mutating_init_adapter_is_converted_for_the_untouched_base(root, init, n
     final = root / init / "final"
     config = json.loads((final / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["init_lora_weights"]) == (8, 16, True)
+    # [B, -B0]: the second half is the starting B the init computed, non-zero (a plain init's is zero, and its
+    # "converted" adapter would reproduce the logits as well)
+    from safetensors.torch import load_file
+
+    starts = [t[:, 4:] for k, t in load_file(final / "adapter_model.safetensors").items() if "lora_B" in k]
+    assert starts and all(t.abs().max() > 0 for t in starts)
     ids, trained = trained_logits(root, init)
     assert_close(adapter_logits(root / "model", final, ids), trained)
 

@@ -110,6 +110,9 @@ def test_weights_and_optimizer_state_are_bf16_and_half_of_fp32(tiny_model):
     def moment_bytes(opt):
         return sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
 
+    from shardtune.train.bf16_adamw import BF16AdamW
+
+    assert isinstance(pure_opt, BF16AdamW) and not isinstance(mixed_opt, BF16AdamW)  # stochastically rounded
     states = [s for s in pure_opt.state.values()]
     assert {s["exp_avg"].dtype for s in states} | {s["exp_avg_sq"].dtype for s in states} == {torch.bfloat16}
     assert 2 * moment_bytes(pure_opt) == moment_bytes(mixed_opt)
@@ -250,6 +253,13 @@ def test_resume_is_bitwise_and_export_is_bf16(runs):
     assert all(torch.equal(want[k].view(torch.int16), got[k].view(torch.int16)) for k in want)
     config = json.loads((single / "final" / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    # the trainer stepped the stochastically rounded AdamW: its param groups hold its own settings only, none of
+    # torch's AdamW (amsgrad, foreach, fused...)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(single / "checkpoints" / "step-2" / "dcp")).read_metadata().state_dict_metadata
+    groups = {key.rsplit(".", 1)[-1] for key in saved if key.startswith("optim.param_groups.")}
+    assert {"lr", "betas", "eps", "weight_decay"} <= groups and not groups & {"amsgrad", "foreach", "fused"}
 
 
 def test_an_older_config_yaml_with_dtype_unset_keeps_torch_dtype(tmp_path):
