@@ -9,7 +9,9 @@ differences are summation order.
 
 from __future__ import annotations
 
+import json
 import math
+import random
 
 import pytest
 
@@ -33,7 +35,7 @@ def common(model, data, out) -> list[str]:
     return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
             "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS), "--logging_steps", "1",
             "--learning_rate", "1e-2", "--seed", "7", "--save_strategy", "no", "--output_dir", str(out),
-            "--bf16", "false"]
+            "--bf16", "false", "--callbacks", "tests.setup_probe:SetupProbe"]  # what each run set up
 
 
 def job(assets, name: str, nproc: int, extra: list[str]) -> tuple[str, tuple[int, list[str]]]:
@@ -120,6 +122,46 @@ def runs(assets):
     return root, train_jobs(root, jobs)
 
 
+def _units(found: dict, key: str) -> set:
+    return {json.dumps(unit[key]) for unit in found["fsdp_units"] if unit["mesh_shape"] is not None}
+
+
+# What each row varies, as the run set it up (tests/setup_probe.py): on a CPU most of these change no loss, so the
+# losses alone could not tell a setting that acts from one that is dropped.
+SET_UP = {
+    "accum": lambda p: {len(step) for step in p["row_lengths"]} == {4},  # micro-batches per optimizer step
+    "eager_attention": lambda p: p["attn_implementation"] == "eager",
+    "ddp": lambda p: p["fsdp_units"] == [] and {len(step) for step in p["row_lengths"]} == {2},
+    "fsdp_full_shard": lambda p: _units(p, "reshard_after_forward") == {"true"}
+    and any(u["forward_prefetch"] for u in p["fsdp_units"]),
+    "fsdp_shard_grad_op": lambda p: _units(p, "reshard_after_forward") == {"false"},
+    "lora_ddp": lambda p: p["fsdp_units"] == [],
+    "lora_fsdp_checkpointed": lambda p: _units(p, "mesh_shape") == {"[2]"},
+    "lora_fsdp_one_process_offload": lambda p: _units(p, "offload") == {'["CPUOffloadPolicy"]'}
+    and _units(p, "mesh_shape") == {"[1]"},
+    "lora_fsdp_size_based_wrap": lambda p: "LlamaModel" in {u["module"] for u in p["fsdp_units"]},
+    "lora_fsdp_hybrid_shard": lambda p: _units(p, "mesh_dims") == {'["replicate", "shard"]'}
+    and _units(p, "mesh_shape") == {"[1, 2]"},
+    "lora_fsdp_no_shard": lambda p: _units(p, "mesh_shape") == {"[2, 1]"}
+    and _units(p, "reshard_after_forward") == {"false"},
+    "lora_fsdp_offload_two_processes": lambda p: _units(p, "offload") == {'["CPUOffloadPolicy"]'}
+    and _units(p, "mesh_shape") == {"[2]"},
+}
+
+
+def assert_set_up(runs, name: str) -> None:
+    """The setting the row varies acted, on every rank; the references ran without it."""
+    from tests.setup_probe import probe
+
+    root, _ = runs
+    for rank in range(dict((r[0], r[1]) for r in FULL + LORA_RUNS)[name]):
+        found = probe(root / name, rank)
+        assert SET_UP[name](found), (name, found)
+    for reference in ("single", "lora_single"):
+        found = probe(root / reference)
+        assert found["attn_implementation"] == "sdpa" and found["fsdp_units"] == [], found
+
+
 def test_full_fine_tuning_learns(runs):
     reference = losses_of(runs, "single")
     assert reference[-1] < reference[0] - 0.5
@@ -128,6 +170,7 @@ def test_full_fine_tuning_learns(runs):
 @pytest.mark.parametrize("name", [r[0] for r in FULL])
 def test_full_fine_tuning_same_losses(runs, name):
     assert_same(losses_of(runs, "single"), losses_of(runs, name))
+    assert_set_up(runs, name)
 
 
 @pytest.mark.parametrize("name", [r[0] for r in LORA_RUNS])
@@ -135,27 +178,56 @@ def test_lora_same_losses(runs, name):
     reference = losses_of(runs, "lora_single")
     assert reference[-1] < reference[0]
     assert_same(reference, losses_of(runs, name))
+    assert_set_up(runs, name)
 
 
 def test_length_grouped_unpacked_rows_train_alike_on_one_process_and_ddp(runs):
     """group_by_length on unpacked rows: every split of the global batch trains on the same steps, so DDP x2
     gives one process's losses, and the rows of each micro-batch are of about one length."""
+    from tests.setup_probe import probe
+
     single = losses_of(runs, "grouped_single")
     assert single[-1] < single[0]
     assert_same(single, losses_of(runs, "grouped_ddp"))
+    # Each micro-batch's rows are of about one length: their spread (longest - shortest) against the spread of the
+    # same rows dealt into micro-batches of the same size at random.
+    root, _ = runs
+    batches = [batch for step in probe(root / "grouped_single")["row_lengths"] for batch in step]
+    rows = [n for batch in batches for n in batch]
+    assert len(set(rows)) > 1  # the data's rows differ in length
+
+    def spread(groups) -> float:
+        return sum(max(g) - min(g) for g in groups) / len(groups)
+
+    dealt = random.Random(0).sample(rows, len(rows))
+    size = len(batches[0])
+    assert spread(batches) < 0.25 * spread([dealt[i:i + size] for i in range(0, len(dealt), size)])
 
 
 def test_qlora_under_fsdp_trains_like_one_process(runs):
     """NF4 base (bf16 storage) sharded by FSDP2 on 2 ranks: finite, falling, and equal to one process."""
+    from tests.setup_probe import probe
+
     fsdp = losses_of(runs, "qlora_fsdp")
     assert fsdp[-1] < fsdp[0]
     assert_same(losses_of(runs, "qlora_single"), fsdp)
+    root, _ = runs
+    layers = [probe(root / name, rank)["linear4bit"] for name, rank in (("qlora_single", 0), ("qlora_fsdp", 0),
+                                                                       ("qlora_fsdp", 1))]
+    assert layers[0] > 0 and len(set(layers)) == 1, layers  # the base's linear layers are NF4 in every run
 
 
 def test_added_tokens_of_a_tied_head_train_alike_under_fsdp(runs):
     """A tied head and a tokenizer that gains tokens (llama-3's template tokens): PEFT's trainable token rows are
     one parameter held by the embeddings' and the head's adapters. Filled from rank 0 it once met a plain tensor
     under its second name; now FSDP x2 trains like one process, the new rows included (<|eot_id|> is a target)."""
+    from tests.setup_probe import probe
+
     single = losses_of(runs, "tied_single")
     assert single[-1] < single[0]
     assert_same(single, losses_of(runs, "tied_fsdp"))
+    root, _ = runs
+    vocab = json.loads((root / "llama3" / "config.json").read_text())["vocab_size"]
+    rows = {probe(root / name, rank)["embedding_rows"] for name, rank in (("tied_single", 0), ("tied_fsdp", 1))}
+    assert len(rows) == 1 and rows.pop() > vocab  # the template's tokens were added to the embeddings
+

@@ -1,0 +1,67 @@
+"""A callback for tests (``--callbacks tests.setup_probe:SetupProbe``): what a run actually set up, written to
+``OUTPUT_DIR/setup_probe_rank{R}.json`` at the end, so that a test comparing two runs' losses can also check that the
+setting it varies took effect (on a CPU most settings change no number: FSDP's sharding, prefetch and offload, the
+attention kernel, length grouping).
+
+Recorded: the model's attention implementation, its embedding rows, its 4-bit linear layers; under FSDP2, each
+unit's module class, its device mesh (shape and dimension names), whether it reshards after forward, how many units
+it prefetches in forward, and its offload policy; and, step by step, the real (unpadded) length of every row of
+every micro-batch (unpacked rows).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _row_lengths(position_ids) -> list[int]:
+    """Each unpacked row's real length: it holds one document, whose positions count from 0, and the collator's
+    padding after it starts a segment of its own, from 0 again."""
+    lengths = []
+    for row in position_ids.tolist():
+        starts = [i for i, p in enumerate(row) if p == 0]
+        lengths.append(starts[1] if len(starts) > 1 else len(row))
+    return lengths
+
+
+class SetupProbe:
+    def __init__(self) -> None:
+        self.record: dict = {"row_lengths": []}
+
+    def on_train_begin(self, args, state, control, *, model, plan, info, **kwargs) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        from shardtune.train.plan import unwrap
+
+        self.output_dir, self.rank = Path(args.run.output_dir), info.rank
+        base = unwrap(model)
+        self.record["attn_implementation"] = getattr(base.config, "_attn_implementation", None)
+        self.record["embedding_rows"] = base.config.vocab_size  # resize_token_embeddings keeps it
+        self.record["linear4bit"] = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
+        units = []
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            fsdp = module._get_fsdp_state()
+            groups = fsdp._fsdp_param_groups
+            mesh = groups[0].mesh_info.mesh if groups else None
+            units.append({"module": type(module).__name__.removeprefix("FSDP"),
+                          "mesh_shape": list(mesh.shape) if mesh is not None else None,
+                          "mesh_dims": list(mesh.mesh_dim_names or ()) if mesh is not None else None,
+                          "reshard_after_forward": any(g.post_forward_mesh_info is not None for g in groups),
+                          "forward_prefetch": len(fsdp._states_to_forward_prefetch),
+                          "offload": sorted({type(g.offload_policy).__name__ for g in groups})})
+        self.record["fsdp_units"] = units
+
+    def on_step_begin(self, args, state, control, *, micro_batches, **kwargs) -> None:
+        self.record["row_lengths"].append([_row_lengths(b["position_ids"]) for b in micro_batches])
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        path = self.output_dir / f"setup_probe_rank{self.rank}.json"
+        path.write_text(json.dumps(self.record))
+
+
+def probe(output_dir: Path, rank: int = 0) -> dict:
+    """What ``SetupProbe`` recorded for the run in ``output_dir`` (rank ``rank``)."""
+    return json.loads((Path(output_dir) / f"setup_probe_rank{rank}.json").read_text())
