@@ -1,15 +1,14 @@
 """Naive model parallel (``distributed_type: MP``): one process, the decoder layers split across its devices.
 
 The split comes from the memory estimator (``shardtune train`` asks it and passes the bounds in):
-``shardtune estimate --strategy mp`` chooses contiguous stages that minimise the fullest device (the first stage
-also holds the embeddings, the last the head and the loss), so the stages are balanced by memory, not by layer
-count. Each module then runs on its stage's device, and a forward
-pre-hook moves whatever tensors it receives (hidden states, rotary tables, the attention mask) there; the logits
-come back to the first device, where the loss is computed like on one device. Only one device works at a time:
-that is what makes it "naive" (pipeline parallel, ``PP``, keeps the stages busy with micro-batches). The model's
-own forward runs, with the masks ``runner.LocalRunner`` gives every strategy (``runner.attention_masks``), so a
-family's sliding windows, per-layer-type masks and RoPE, soft caps and routing are those of one device; the hooks
-only move tensors.
+``shardtune estimate --strategy mp`` chooses contiguous stages that minimise the fullest device (the first stage also
+holds the embeddings, the last the head and the loss), so the stages are balanced by memory, not by layer count. Each
+module then runs on its stage's device, and a forward pre-hook moves whatever tensors it receives (hidden states,
+rotary tables, the attention mask) there; the logits come back to the first device, where the loss is computed like
+on one device. Only one device works at a time: that is what makes it "naive" (pipeline parallel, ``PP``, keeps the
+stages busy with micro-batches). The model's own forward runs, with the masks ``runner.LocalRunner`` gives every
+strategy (``runner.attention_masks``), so a family's sliding windows, per-layer-type masks and RoPE, soft caps and
+routing are those of one device; the hooks only move tensors.
 
 It also runs with several ``cpu`` entries in ``mp_devices``, which exercises the mechanics without GPUs.
 """
