@@ -68,14 +68,25 @@ def greedy_reference(model, prompt: list[int], new_tokens: int) -> list[int]:
 
 
 def test_kv_cache_matches_no_cache_token_for_token(loaded):
+    """With the cache each step feeds the model one new token (the prompt once, first); without it, the whole
+    sequence again: both give the written-out greedy tokens."""
     model, tokenizer = loaded
-    # a memorised reply, and text the model never saw (so it wanders far from anything learned)
-    for prompt in (encode_prompt(tokenizer, "Count please"),
-                   tokenizer("Seven blue birds and 42 red cars")["input_ids"]):
-        with_cache = generate(model, tokenizer, prompt, max_new_tokens=60, stop_ids=(), use_cache=True)
-        without = generate(model, tokenizer, prompt, max_new_tokens=60, stop_ids=(), use_cache=False)
-        assert len(with_cache) == 60
-        assert with_cache == without == greedy_reference(model, prompt, 60)
+    fed: list[int] = []  # tokens each forward is given
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        # a memorised reply, and text the model never saw (so it wanders far from anything learned)
+        for prompt in (encode_prompt(tokenizer, "Count please"),
+                       tokenizer("Seven blue birds and 42 red cars")["input_ids"]):
+            fed.clear()
+            with_cache = generate(model, tokenizer, prompt, max_new_tokens=60, stop_ids=(), use_cache=True)
+            assert fed == [len(prompt)] + [1] * 59
+            fed.clear()
+            without = generate(model, tokenizer, prompt, max_new_tokens=60, stop_ids=(), use_cache=False)
+            assert fed == [len(prompt) + i for i in range(60)]
+            assert len(with_cache) == 60
+            assert with_cache == without == greedy_reference(model, prompt, 60)
+    finally:
+        hook.remove()
 
 
 def test_the_models_own_generation_defaults_do_not_change_what_is_asked(loaded):

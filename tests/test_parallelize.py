@@ -24,6 +24,24 @@ def test_transformer_based_wrap_takes_each_decoder_layer(model):
     assert targets == list(model.model.layers)
 
 
+def _size_based_units(model: nn.Module, min_params: int) -> list[nn.Module]:
+    """The rule, worked bottom-up: a module that can run (not a ModuleList), is neither the root nor the head,
+    and holds at least ``min_params`` parameters no unit below it took, becomes a unit."""
+    units, claimed = [], set()
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if module is model or module is model.lm_head or type(module).forward is nn.Module.forward:
+            return
+        if sum(p.numel() for p in module.parameters() if id(p) not in claimed) >= min_params:
+            units.append(module)
+            claimed.update(id(p) for p in module.parameters())
+
+    visit(model)
+    return units
+
+
 @pytest.mark.parametrize("min_params", [10_000, 20_000, 40_000, 10**9])
 def test_size_based_wrap_units_reach_the_minimum_and_can_run(model, min_params):
     targets = _wrap_targets(model, Plan(strategy="FSDP", wrap_policy="SIZE_BASED_WRAP", min_num_params=min_params))
@@ -33,8 +51,9 @@ def test_size_based_wrap_units_reach_the_minimum_and_can_run(model, min_params):
         assert own >= min_params
         assert type(module).forward is not nn.Module.forward  # a ModuleList cannot be a unit
         claimed.update(id(p) for p in module.parameters())
-    if min_params > sum(p.numel() for p in model.parameters()):
-        assert targets == []
+    # every module the rule makes a unit is one, and no other: fewer units than the minimum allows is wrong too
+    assert targets == _size_based_units(model, min_params)
+    assert (targets == []) == (min_params > sum(p.numel() for p in model.parameters()))
 
 
 @pytest.mark.parametrize("policy", ["SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP"])

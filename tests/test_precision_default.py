@@ -238,9 +238,19 @@ class RecordDtypes:
                   "trained": sorted({str(t.dtype) for t, grad in local if grad}),
                   "moments": sorted({str(t.dtype) for s in self.optimizer.state.values() for t in s.values()
                                      if t.dim() > 0}),
-                  "gather": str(self.plan.param_dtype), "reduce": str(self.plan.reduce_dtype)}
+                  **self._fsdp_policy()}
         with open(f"{os.environ['RECORD_DTYPES']}-{self.info.rank}.json", "w") as f:
             json.dump(record, f)
+
+    def _fsdp_policy(self) -> dict[str, list[str]]:
+        """What FSDP2 was given for each unit (its MixedPrecisionPolicy), not what the plan asked for."""
+        from torch.distributed.fsdp import FSDPModule
+
+        groups = [g for m in self.model.modules() if isinstance(m, FSDPModule)
+                  for g in m._get_fsdp_state()._fsdp_param_groups]
+        return {"gather": sorted({str(g.mp_policy.param_dtype) for g in groups}),
+                "reduce": sorted({str(g.mp_policy.reduce_dtype) for g in groups})}
+
 
 
 def test_fsdp2_shards_keep_a_bf16_base_and_fp32_adapters(workspace, monkeypatch):
@@ -257,4 +267,4 @@ def test_fsdp2_shards_keep_a_bf16_base_and_fp32_adapters(workspace, monkeypatch)
     for rank in range(2):
         found = json.loads((workspace / f"dtypes-{rank}.json").read_text())
         assert found == {"frozen": ["torch.bfloat16"], "trained": ["torch.float32"], "moments": ["torch.float32"],
-                         "gather": "torch.bfloat16", "reduce": "torch.float32"}
+                         "gather": ["torch.bfloat16"], "reduce": ["torch.float32"]}
