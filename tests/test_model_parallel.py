@@ -50,10 +50,16 @@ def test_equal_bounds_cover_every_layer_once():
 
 
 def test_stages_follow_the_estimator_memory_plan(assets):
-    cfg = config(assets, "plan", ["--distributed_type", "MP", "--mp_devices", "cpu,cpu", "--gradient_checkpointing",
-                                  "false"])
+    """On a model whose memory plan is not the equal split (its head and embeddings outweigh a layer): the stages
+    `shardtune train` places are the estimator's."""
+    from shardtune.testing.tiny import make_model_folder
+
+    root, _, data = assets
+    uneven = make_model_folder(root / "uneven", num_layers=4, hidden_size=16, intermediate_size=32)
+    cfg = config((root, uneven, data), "plan", ["--distributed_type", "MP", "--mp_devices", "cpu,cpu",
+                                                "--gradient_checkpointing", "false"])
     bounds = stage_bounds_for_run(cfg, world_size=1)  # what `shardtune train` hands the trainer
-    assert bounds == stage_bounds(cfg, 2, 4)
+    assert bounds == stage_bounds(cfg, 2, 4) != equal_bounds(4, 2)
     plan, _ = place_stages(make_plan(cfg.distributed, single(), param_dtype=None, gradient_checkpointing=False,
                                      use_reentrant=False), cfg, single(), bounds)
     assert plan.stage_bounds == bounds
@@ -63,7 +69,7 @@ def test_stages_follow_the_estimator_memory_plan(assets):
     from shardtune.memory.recommend import evaluate_setup
     from tests.setups import checked_setup
 
-    analysis = ModelAnalysis(str(assets[1]))
+    analysis = ModelAnalysis(str(uneven))
     setup = checked_setup(method="full", distributed_type="MP", num_gpus=2, per_device_train_batch_size=4,
                           max_seq_len=64, gradient_checkpointing=False, mixed_precision="no")
     assert plan.stage_bounds == evaluate_setup(analysis, setup).stage_bounds
@@ -73,9 +79,16 @@ def test_stages_follow_the_estimator_memory_plan(assets):
 def test_mp_losses_equal_one_device(assets):
     from shardtune.train.loop import train
 
-    root = assets[0]
+    class Split:  # what the MP run set up: its stages, and the hooks that move each layer's inputs
+        def on_train_begin(self, args, state, control, *, model, plan, **kwargs) -> None:
+            self.found = (plan.strategy, plan.stage_bounds, plan.devices,
+                          [len(layer._forward_pre_hooks) for layer in model.model.layers])
+
+    root, split = assets[0], Split()
     train(config(assets, "one", []))
-    train(config(assets, "mp", ["--distributed_type", "MP", "--mp_devices", "cpu,cpu"]))
+    mp_config = config(assets, "mp", ["--distributed_type", "MP", "--mp_devices", "cpu,cpu"])
+    train(mp_config, [split])
+    assert split.found == ("MP", stage_bounds(mp_config, 2, 4), ("cpu", "cpu"), [1, 1, 1, 1])
     read = lambda out: [json.loads(line) for line in (root / out / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     one, mp = read("one"), read("mp")
     assert len(one) == len(mp) == STEPS
@@ -98,6 +111,17 @@ def test_split_moves_each_stage_and_hooks_its_inputs(assets):
     hooked = [len(layer._forward_pre_hooks) for layer in split.model.layers]
     assert hooked == [1, 1, 1, 1]
     assert torch.allclose(split(input_ids=ids).logits, expected)
+    # On two devices that differ (meta stands in for a second GPU): the last stage's weights are moved, and its
+    # hook moves what the layer receives, positional and keyword tensors, to its device; the first stage's stays.
+    split = split_across_devices(AutoModelForCausalLM.from_pretrained(str(assets[1])),
+                                 Plan(strategy="MP", stage_bounds=((0, 3), (3, 4)), devices=("cpu", "meta")))
+    layers = split.model.layers
+    assert [{p.device.type for p in layer.parameters()} for layer in layers] == [{"cpu"}] * 3 + [{"meta"}]
+    hidden, positions = torch.zeros(2, 16, 8), torch.arange(16)
+    for layer, device in ((layers[0], "cpu"), (layers[3], "meta")):
+        (hook,) = layer._forward_pre_hooks.values()
+        args, kwargs = hook(layer, (hidden,), {"position_ids": positions})
+        assert (args[0].device.type, kwargs["position_ids"].device.type) == (device, device)
 
 
 def test_mp_rejects_several_processes_and_bad_devices(assets):
