@@ -5,8 +5,8 @@ attention kernel, length grouping).
 
 Recorded: the model's attention implementation, its embedding rows, its 4-bit linear layers; under FSDP2, each
 unit's module class, its device mesh (shape and dimension names), whether it reshards after forward, how many units
-it prefetches in forward, and its offload policy; and, step by step, the real (unpadded) length of every row of
-every micro-batch (unpacked rows).
+it prefetches in forward, and its offload policy; step by step, the real (unpadded) length of every row of every
+micro-batch (unpacked rows); and the first step's schedule as the rank's last decoder layer sees it.
 """
 
 from __future__ import annotations
@@ -54,8 +54,34 @@ class SetupProbe:
                           "offload": sorted({type(g.offload_policy).__name__ for g in groups})})
         self.record["fsdp_units"] = units
 
+        self._watch_last_layer(model)
+
+    def _watch_last_layer(self, model) -> None:
+        """The schedule as this rank's last decoder layer sees step 1: "F<rows>" for each forward (the rows of its
+        micro-batch; a checkpoint's recompute inside backward is not one), "B" when its output's gradient arrives."""
+        import torch
+
+        layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        self.record["schedule"], self.recording = [], False
+        if not layers:
+            return
+
+        def forward(module, args, kwargs, output) -> None:
+            if not self.recording or torch._C._current_graph_task_id() != -1:
+                return
+            hidden = output[0] if isinstance(output, tuple) else output
+            self.record["schedule"].append(f"F{hidden.shape[0]}")
+            if hidden.requires_grad:
+                hidden.register_hook(lambda grad: self.record["schedule"].append("B") if self.recording else None)
+
+        layers[-1].register_forward_hook(forward, with_kwargs=True)
+
     def on_step_begin(self, args, state, control, *, micro_batches, **kwargs) -> None:
         self.record["row_lengths"].append([_row_lengths(b["position_ids"]) for b in micro_batches])
+        self.recording = state.step == 0  # the first step (state.step counts those done)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.recording = False
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
         path = self.output_dir / f"setup_probe_rank{self.rank}.json"

@@ -65,8 +65,8 @@ PIPELINES = {"pp_1f1b": [*EVAL, *ONE_F_ONE_B],
 def pipelines(assets) -> dict[str, str]:
     """Both pipeline runs of PIPELINES, as ``shardtune launch --num_processes 2 train`` runs them, in one pair of
     processes (train_jobs): each run's error, or ""."""
-    return train_jobs(assets[0], {out: (2, [*args(assets, out, extra), "--distributed_type", "PP"])
-                                  for out, extra in PIPELINES.items()})
+    return train_jobs(assets[0], {out: (2, [*args(assets, out, extra), "--distributed_type", "PP", "--callbacks",
+                                            "tests.setup_probe:SetupProbe"]) for out, extra in PIPELINES.items()})
 
 
 def pipeline(assets, pipelines, out: str) -> list[dict]:
@@ -111,8 +111,14 @@ def full_runs(assets, pipelines) -> tuple[list[dict], list[dict]]:
 
 
 def test_pp_1f1b_full_finetune_matches_one_process(assets, full_runs):
+    from tests.setup_probe import probe
+
     reference, piped = full_runs
     assert_same(reference, piped)
+    # 1F1B, 2 micro-batches of the 4 rows: the last stage runs each one's backward right after its forward (step 1
+    # also begins with one forward and backward of a micro-batch before the pattern)
+    schedule = probe(assets[0] / "pp_1f1b", rank=1)["schedule"]
+    assert schedule[-4:] == ["F2", "B", "F2", "B"] and set(schedule) == {"F2", "B"}
     assert_same_eval(assets[0] / "ref_full", assets[0] / "pp_1f1b")
     # The exported model is the whole unsplit model with the weights one process trained.
     from safetensors.torch import load_file
@@ -131,8 +137,14 @@ def test_pp_1f1b_full_finetune_matches_one_process(assets, full_runs):
 
 def test_pp_gpipe_lora_with_accumulation_matches_one_process(assets, pipelines):
     reference = one_process(assets, "ref_lora", LORA)
+    from tests.setup_probe import probe
+
     piped = pipeline(assets, pipelines, "pp_gpipe_lora")
     assert_same(reference, piped)
+    # GPipe, 4 micro-batches of each accumulated batch's 4 rows: all forwards, then all backwards, twice (step 1
+    # also begins with one forward and backward of a micro-batch before the pattern)
+    schedule = probe(assets[0] / "pp_gpipe_lora", rank=1)["schedule"]
+    assert schedule[-16:] == (["F1"] * 4 + ["B"] * 4) * 2 and set(schedule) == {"F1", "B"}
     from safetensors.torch import load_file
 
     ref = load_file(str(assets[0] / "ref_lora" / "final" / "adapter_model.safetensors"))
