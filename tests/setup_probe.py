@@ -6,7 +6,8 @@ attention kernel, length grouping).
 Recorded: the model's attention implementation, its embedding rows, its 4-bit linear layers; under FSDP2, each
 unit's module class, its device mesh (shape and dimension names), whether it reshards after forward, how many units
 it prefetches in forward, and its offload policy; step by step, the real (unpadded) length of every row of every
-micro-batch (unpacked rows); and the first step's schedule as the rank's last decoder layer sees it.
+micro-batch (unpacked rows); and the first step's schedule as the rank's last decoder layer sees it. FSDP2's and
+autograd's private attributes are read (torch 2.13): a torch upgrade may rename them.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ class SetupProbe:
                           "forward_prefetch": len(fsdp._states_to_forward_prefetch),
                           "offload": sorted({type(g.offload_policy).__name__ for g in groups})})
         self.record["fsdp_units"] = units
-
         self._watch_last_layer(model)
 
     def _watch_last_layer(self, model) -> None:
