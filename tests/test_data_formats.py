@@ -278,7 +278,10 @@ def test_config_validate_reports_every_problem():
     problems = data_problems(DataConfig(data_format="chatty", chat_template_format="chatmlx", max_seq_len=0,
                                         splits="test", eval_split_ratio=1.5))
     assert len(problems) == 6  # dataset_name missing, format, template, max_seq_len, ratio, splits
-    assert any("chatml" in p for p in problems) and all("\n" not in p for p in problems)
+    assert all("\n" not in p for p in problems)
+    # a misspelt choice gets the nearest one (the bad value and the list of choices name "chatml" anyway)
+    assert [p.rsplit(" (", 1)[-1] for p in problems if "did you mean" in p] == ["did you mean chat?)",
+                                                                             "did you mean chatml?)"]
     assert data_problems(DataConfig(dataset_name="x.jsonl")) == []
 
 

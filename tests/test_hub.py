@@ -37,9 +37,10 @@ def test_unreachable_hub_switches_to_the_local_cache_once(online_env, monkeypatc
 def test_a_reachable_hub_changes_nothing(online_env, monkeypatch):
     from shardtune import hub
 
-    monkeypatch.setattr(hub, "reachable", lambda endpoint, timeout=3.0: True)
+    asked = []
+    monkeypatch.setattr(hub, "reachable", lambda endpoint, timeout=3.0: asked.append(endpoint) or True)
     hub.offline_unless_reachable("org/model")
-    assert "HF_HUB_OFFLINE" not in os.environ
+    assert asked and "HF_HUB_OFFLINE" not in os.environ  # the hub was asked, answered, and nothing changed
 
 
 def test_reachable_counts_any_answer_and_no_answer_as_down():
