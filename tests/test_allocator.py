@@ -75,9 +75,9 @@ def test_without_merging_the_same_requests_would_not_fit():
         a.malloc(key, 4 * MIB)
     a.free("a")
     a.free("c")  # two separate free blocks: 4 MiB at the start, 12 MiB (c + the tail) at the end
-    a.malloc("d", 8 * MIB)  # fits only the merged tail
-    a.malloc("e", 8 * MIB)  # 4 MiB + 4 MiB left are not adjacent: a new segment
-    assert (a.reserved, a.segments) == (40 * MIB, 2)
+    a.malloc("d", 10 * MIB)  # fits only c merged with the tail (unmerged, 4 + 8 MiB: a 10 MiB segment of its own)
+    a.malloc("e", 8 * MIB)  # the 4 MiB and 2 MiB left are not adjacent: a new 20 MiB segment
+    assert (a.reserved, a.segments) == (40 * MIB, 2)  # unmerged: 30 MiB (e would take the 8 MiB tail)
 
 
 def test_resize_holds_the_old_and_new_blocks_at_once():
