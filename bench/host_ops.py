@@ -149,21 +149,16 @@ def split(runs: dict[tuple[int, int], dict], key: str) -> dict:
 
 
 def modelled_layer_bytes(args: list[str]) -> float:
-    """What the time model charges one layer per token for its memory-bound kernels (eager kernels, the
-    calibrated ``elementwise_bytes``, the LoRA adapters' bytes), at these widths and this case's settings."""
-    from shardtune.memory.compute import CALIBRATED, LORA_BYTES_PER_DIM
+    """What the time model charges one layer per token for its memory-bound kernels (compute.layer_bytes_per_token:
+    eager kernels, the calibrated constants), for Llama-3.2-1B (the widths above) and this case's settings."""
+    from shardtune.memory.compute import CALIBRATED, Kernels, layer_bytes_per_token
+    from shardtune.memory.inventory import ModelAnalysis
 
-    h, i = WIDTHS["hidden_size"], WIDTHS["intermediate_size"]
-    kv = h // WIDTHS["num_heads"] * WIDTHS["num_kv_heads"]
+    analysis = ModelAnalysis("llama-3.2-1b")
+    lora = (analysis.lora(int(args[args.index("--lora_r") + 1]), args[args.index("--lora_target_modules") + 1])
+            if "--use_peft_lora" in args else None)
     recompute = 0.0 if "--gradient_checkpointing" in args else 1.0
-    total = (2 * h + i) * CALIBRATED.elementwise_bytes
-    if "--use_peft_lora" in args:
-        targets = args[args.index("--lora_target_modules") + 1]
-        dims = {"q_proj": 2 * h, "k_proj": h + kv, "v_proj": h + kv, "o_proj": 2 * h, "gate_proj": h + i,
-                "up_proj": h + i, "down_proj": h + i}
-        total += LORA_BYTES_PER_DIM["eager"] * sum(d for n, d in dims.items()
-                                                   if targets == "all-linear" or n in targets.split(","))
-    return total * (1 + recompute / 3)
+    return layer_bytes_per_token(analysis.inventory, lora, Kernels(), CALIBRATED, recompute)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,18 +156,28 @@ def flops_per_token(inv: ModelInventory, setup: Setup, lora: LoraCount | None, k
             attention_flops_per_token(inv, setup.seq_len, kernels.attention, recompute))
 
 
+def layer_bytes_per_token(inv: ModelInventory, lora: LoraCount | None, kernels: Kernels, params: TimingParams,
+                          recompute: float) -> float:
+    """What one decoder layer's memory-bound kernels read and write per token, forward, backward and the
+    recompute: norms, activations, residual adds, RoPE and casts, and the LoRA adapters' traffic (``lora``: the
+    adapters trained, None for full fine-tuning)."""
+    width = 2 * inv.hidden_size + inv.intermediate_size * max(1, inv.experts_per_token)
+    total = width * (params.fused_elementwise_bytes if kernels.fused else params.elementwise_bytes)
+    if lora is not None:
+        style = "fused" if kernels.fused else "eager"
+        total += LORA_BYTES_PER_DIM[style] * lora.total / max(lora.r, 1) / inv.num_layers
+    return total * (1 + recompute / 3)  # a forward is ~1/3 of the traffic
+
+
 def memory_bytes_per_microbatch(inv: ModelInventory, setup: Setup, lora: LoraCount | None, kernels: Kernels,
                                 params: TimingParams, recompute: float) -> float:
     """What one micro-batch's memory-bound kernels read and write, all layers, forward and backward."""
     tokens = setup.batch_size * setup.seq_len
     style = "fused" if kernels.fused else "eager"
-    width = 2 * inv.hidden_size + inv.intermediate_size * max(1, inv.experts_per_token)
-    per_unit = params.fused_elementwise_bytes if kernels.fused else params.elementwise_bytes
-    total = tokens * inv.num_layers * width * per_unit * (1 + recompute / 3)  # a forward is ~1/3 of the traffic
+    adapters = lora if setup.uses_lora else None
+    total = tokens * inv.num_layers * layer_bytes_per_token(inv, adapters, kernels, params, recompute)
     loss = "chunked" if kernels.fused and setup.loss == "full" else setup.loss  # compiled with the model
     total += tokens * inv.vocab_size * LOSS_BYTES_PER_LOGIT[loss]
-    if lora is not None and setup.uses_lora:
-        total += tokens * LORA_BYTES_PER_DIM[style] * lora.total / max(lora.r, 1) * (1 + recompute / 3)
     scores = setup.batch_size * inv.num_heads * setup.seq_len ** 2 * inv.num_layers
     if kernels.attention == "eager":
         total += scores * EAGER_SCORE_BYTES[style] * (1 + recompute / 3)

@@ -330,8 +330,8 @@ def time_table(r: Report, t: TimeReport) -> Table:
 
 
 # Models up to this size (Llama-3.2-3B's 3.2B parameters) can run slower than the time model says in eager PyTorch:
-# their kernels are short enough for the launches to keep the GPU waiting, or their memory-bound work is more than
-# the model counts (docs/estimator.md weighs the two; a GPU profile decides). Measured:
+# their kernels are short enough for the launches to keep the GPU waiting (their memory-bound traffic, counted by
+# bench/host_ops.py, explains at most a quarter of the 1B run's shortfall; docs/estimator.md). Measured:
 # shardtune's own Llama-3.2-1B LoRA (r16 on every linear layer, 4 x 2048 tokens, bf16, checkpointing) on an H200
 # ran at 25,972 tokens/s (bench/results/cuda_paths_cuda.md) where `estimate --time` predicts 38,806 for that job;
 # torchtune's eager Llama-3.2-3B on an A100 ran 1.25x slower than predicted, its compiled runs within 5%
