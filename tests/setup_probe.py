@@ -26,13 +26,19 @@ def _row_lengths(position_ids) -> list[int]:
     return lengths
 
 
+def fsdp_units(model) -> list[tuple]:
+    """Each FSDP2 unit of ``model``: (module, its FSDP state, its parameter groups)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [(m, m._get_fsdp_state(), m._get_fsdp_state()._fsdp_param_groups) for m in model.modules()
+            if isinstance(m, FSDPModule)]
+
+
 class SetupProbe:
     def __init__(self) -> None:
         self.record: dict = {"row_lengths": []}
 
     def on_train_begin(self, args, state, control, *, model, plan, info, **kwargs) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
         from shardtune.train.plan import unwrap
 
         self.output_dir, self.rank = Path(args.run.output_dir), info.rank
@@ -41,11 +47,7 @@ class SetupProbe:
         self.record["embedding_rows"] = base.config.vocab_size  # resize_token_embeddings keeps it
         self.record["linear4bit"] = sum(type(m).__name__ == "Linear4bit" for m in model.modules())
         units = []
-        for module in model.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            fsdp = module._get_fsdp_state()
-            groups = fsdp._fsdp_param_groups
+        for module, fsdp, groups in fsdp_units(model):
             mesh = groups[0].mesh_info.mesh if groups else None
             units.append({"module": type(module).__name__.removeprefix("FSDP"),
                           "mesh_shape": list(mesh.shape) if mesh is not None else None,

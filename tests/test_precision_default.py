@@ -244,10 +244,9 @@ class RecordDtypes:
 
     def _fsdp_policy(self) -> dict[str, list[str]]:
         """What FSDP2 was given for each unit (its MixedPrecisionPolicy), not what the plan asked for."""
-        from torch.distributed.fsdp import FSDPModule
+        from tests.setup_probe import fsdp_units
 
-        groups = [g for m in self.model.modules() if isinstance(m, FSDPModule)
-                  for g in m._get_fsdp_state()._fsdp_param_groups]
+        groups = [g for _, _, unit_groups in fsdp_units(self.model) for g in unit_groups]
         return {"gather": sorted({str(g.mp_policy.param_dtype) for g in groups}),
                 "reduce": sorted({str(g.mp_policy.reduce_dtype) for g in groups})}
 
