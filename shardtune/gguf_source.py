@@ -107,13 +107,24 @@ def _bytes_promised(path: str, size: int, mtime_ns: int) -> int | None:  # noqa:
 
 
 def _bytes_promised_by_gguf(path: str) -> int | None:
-    from gguf import GGUFReader
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class TensorEnds(GGUFReader):
+        """The reader's parse of the header, each tensor's end taken from its header entry: the reader's own views
+        of the tensors' bytes would stop a file cut inside them as a cut header does (a reshape ValueError)."""
+
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            ends = [0]
+            for _, _, _, dims, raw_dtype, offset in (field.parts for field in fields):
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+                ends.append(start_offs + int(offset[0]) + int(np.prod(dims)) * size // block)
+            self.end = max(ends)
 
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError):  # its parser's ways of running off the end of a cut file
+        return TensorEnds(path).end
+    except (ValueError, IndexError, KeyError):  # its parser's ways of running off the end of a cut header
         return None
-    return max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
 
 
 def metadata(source: GgufFile) -> tuple[dict, dict[str, tuple[int, ...]]]:

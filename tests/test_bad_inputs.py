@@ -99,14 +99,20 @@ def test_the_whole_gguf_passes_and_the_end_is_read_from_its_header(ggufs):
 
 
 def test_the_gguf_package_reader_finds_the_same_cut(ggufs, monkeypatch, capsys):
-    """transformers before its fast GGUF reader: the gguf package's reader tells the same."""
+    """transformers before its fast GGUF reader: the gguf package's reader tells the same, word for word (a cut in
+    the tensors is not a cut header), and passes the whole file."""
     import shardtune.gguf_source as gguf_source
 
+    size = ggufs["whole"].stat().st_size  # the last tensor's end: GGUFWriter writes nothing after it
+    fast = {cut: refused(capsys, ["estimate", str(ggufs[cut])], "truncated GGUF file") for cut in ("header", "tensors")}
+    assert "its header ends early (64 bytes)" in fast["header"]
+    assert f"{size - 100:,} bytes of the {size:,} its header and tensors need" in fast["tensors"]
     monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.reader", None)
     gguf_source._bytes_promised.cache_clear()
     try:
         for cut in ("header", "tensors"):
-            refused(capsys, ["estimate", str(ggufs[cut])], "truncated GGUF file")
+            assert refused(capsys, ["estimate", str(ggufs[cut])]) == fast[cut]
+        assert gguf_source.find_gguf(ggufs["whole"]).path == ggufs["whole"].resolve()
     finally:
         gguf_source._bytes_promised.cache_clear()
 
