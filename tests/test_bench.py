@@ -53,11 +53,11 @@ def event(name, start, end, thread=1, parent=None):
 
 def test_split_step_time_counts_compute_and_uncovered_communication():
     """Times in microseconds, as the profiler gives them; two steps on thread 1, gloo's work on thread 2."""
-    gather = event("c10d::_allgather_base_", 150, 170)
+    gather = event("c10d::_allgather_base_", 450, 470)  # under the all-reduce below: no time of its own
     events = [
         event(STEP_MARK, 0, 1000), event(STEP_MARK, 1000, 2000),
         event("aten::mm", 100, 300), event("aten::add", 200, 400),  # overlapping: 300 us of compute
-        event("aten::copy_", 155, 165, parent=gather),  # inside a collective: not compute
+        event("aten::copy_", 455, 465, parent=gather),  # inside a collective, outside other compute: not compute
         event("aten::mm", 600, 700, thread=2),  # not the training thread
         event("gloo:all_reduce", 350, 800, thread=2),  # 50 us under compute, 400 us waiting
         event("aten::mm", 1100, 1600), event("gloo:all_gather", 1500, 2500, thread=2),  # cut at the step's end

@@ -144,12 +144,15 @@ def test_emit_config_for_layer_splitting_setups_loads_as_a_training_recipe(tmp_p
         assert cfg.distributed.pipeline_microbatches == microbatches
 
 
-@pytest.mark.parametrize("content", ["5", '{"results": [{"strategy": "ddp", "tokens_per_s": "n/a"}]}',
+@pytest.mark.parametrize("content", ["5", '{"results": [{"strategy": "fsdp", "tokens_per_s": 9}, '
+                                          '{"strategy": "ddp", "tokens_per_s": "n/a"}]}',
                                      '{"num_processes": "two", "results": [{"strategy": "ddp", "tokens_per_s": 9}]}'])
 def test_malformed_measurement_files_are_one_line_errors(tmp_path, content):
+    """A malformed row is refused, not skipped (a good row beside it would hide that), with the message that says
+    so: the other errors of ``Measured.load`` (no such file, no setup that ran) name ``bench strategies`` too."""
     path = tmp_path / "m.json"
     path.write_text(content)
-    with pytest.raises(UsageError, match="bench strategies --out"):
+    with pytest.raises(UsageError, match="not what 'shardtune bench strategies --out' writes"):
         Measured.load(path)
 
 
