@@ -97,6 +97,15 @@ def test_demo_fine_tune_raises_held_out_accuracy(tmp_path):
     assert result.after.accuracy >= result.before.accuracy + 0.3, (result.before.accuracy, result.after.accuracy)
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == SMALL_RUN_STEPS
+    # What ran is what is claimed: FSDP on 2 processes, and LoRA r=16 on every linear layer of the decoder layers
+    # (r x (in + out) each, from the bundled base model's shapes) is all that trained.
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert (summary["strategy"], summary["world_size"]) == ("FSDP", 2)
+    base = json.loads((BASE_MODEL_DIR / "config.json").read_text())
+    hidden, mlp, head = base["hidden_size"], base["intermediate_size"], base["head_dim"]
+    q, kv = base["num_attention_heads"] * head, base["num_key_value_heads"] * head
+    per_layer = 2 * (hidden + q) + 2 * (hidden + kv) + 3 * (hidden + mlp)  # q, o; k, v; gate, up, down
+    assert summary["trainable_parameters"] == base["num_hidden_layers"] * 16 * per_layer
 
 
 def test_demo_cli_rejects_bad_input_before_training(capsys):

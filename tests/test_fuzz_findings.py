@@ -259,11 +259,16 @@ def test_plot_of_metrics_that_are_no_text_names_the_line(tmp_path, capsys):
     (["--device", "cuda:7"], "--device cuda:7: this machine has"),  # AssertionError (no CUDA) traceback
     (["--temperature", "nan"], "temperature must be a number >= 0 (got nan)"),  # accepted
 ])
-def test_generate_options_are_checked_before_the_model_loads(work, capsys, extra, says):
+def test_generate_options_are_checked_before_the_model_loads(work, capsys, monkeypatch, extra, says):
     import torch
 
     if extra[1] == "cuda:7" and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before its options were checked")
+
+    monkeypatch.setattr("shardtune.infer.generate.load_for_generation", loaded)
     refused(capsys, ["generate", str(work / "model"), "--prompt", "hi", *extra], says)
 
 
