@@ -83,6 +83,19 @@ class Record:
         (self.out / "first_batch.json").write_text(json.dumps({"document_loss": self.first_loss}))
 
 
+class CountLayerCalls:
+    """Adds to summary.json how often the first decoder layer's attention ran in the run (this rank): once per
+    micro-batch, and once more in backward where gradient checkpointing recomputes the layer."""
+
+    def on_train_begin(self, args, state, control, *, model, **kwargs) -> None:
+        self.calls = 0
+        attention = next(m for name, m in model.named_modules() if name.endswith("layers.0.self_attn"))
+        attention.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+    def on_train_end(self, args, state, control, *, summary, **kwargs) -> None:
+        summary["layer_0_attention_calls"] = self.calls
+
+
 def main(root: Path, modes: list[str]) -> None:
     from shardtune import dist
     from shardtune.config import load_train_config
@@ -94,7 +107,7 @@ def main(root: Path, modes: list[str]) -> None:
     try:
         for mode, family, method in ((m, f, x) for m in modes for f in FAMILIES for x in METHODS):
             cfg = load_train_config(case_args(root, family, method, mode))
-            callbacks = [Record(Path(cfg.run.output_dir))] if mode == "single" else []
+            callbacks = {"single": [Record(Path(cfg.run.output_dir))], "fsdp": [CountLayerCalls()]}.get(mode, [])
             loop.train(cfg, callbacks=callbacks)
     finally:
         dist.shutdown()

@@ -114,14 +114,25 @@ def relative_error(reference: torch.Tensor, other: torch.Tensor) -> float:
     return ((other - reference).abs().max() / reference.abs().max()).item()
 
 
+def ran_as(run) -> dict:
+    """The run's summary.json: checkpointing and the layouts leave the losses as they are, so the summary says
+    which strategy on how many processes actually ran."""
+    return json.loads((run / "summary.json").read_text())
+
+
 @pytest.mark.parametrize("family,method", CASES, ids=IDS)
 def test_fsdp_two_processes_checkpointed_equal_one_process(root, family, method):
+    """Equal losses hold with or without checkpointing: the FSDP run's rank 0 also ran layer 0's attention twice
+    a step (its one micro-batch forward, then recomputed in backward), where without checkpointing it runs once."""
     single = losses(run_dir(root, "single", family, method))
     fsdp = losses(run_dir(root, "fsdp", family, method))
     assert len(single) == len(fsdp) == STEPS
     assert single[-1] < single[0] - 0.1, single  # it learns, so equal losses say something
     for step, (a, b) in enumerate(zip(single, fsdp), start=1):
         assert abs(a - b) <= REL_TOL * abs(a), f"step {step}: one process {a}, FSDP x2 {b}"
+    summary = ran_as(run_dir(root, "fsdp", family, method))
+    assert (summary["strategy"], summary["world_size"]) == ("FSDP", 2)
+    assert summary["layer_0_attention_calls"] == 2 * STEPS, "gradient checkpointing recomputed nothing"
 
 
 @pytest.mark.parametrize("mode", OTHER_SETUPS)
@@ -138,6 +149,9 @@ def test_ddp_mp_and_pp_equal_one_process(root, family, method, mode):
     for a, b in zip(single, split):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= REL_TOL * abs(a[key]), f"step {a['step']} {key}: {a[key]} vs {mode} {b[key]}"
+    # MP run as one device, or DDP as FSDP, gives these numbers too: the summary names the strategy that ran.
+    summary = ran_as(run_dir(root, mode, family, method))
+    assert (summary["strategy"], summary["world_size"]) == (mode.upper(), 1 if mode == "mp" else 2)
 
 
 def records(run) -> list[dict]:
