@@ -350,3 +350,19 @@ def test_output_dir_that_is_a_file_or_read_only_is_one_line(tiny, tmp_path, caps
     assert one_error_line(capsys) == (f"shardtune train: error: output_dir {tmp_path / 'new'} cannot be written "
                                       f"(read-only: Read-only file system): fix its permissions or give another "
                                       f"output_dir")
+
+
+def test_train_without_the_launcher_refuses_several_processes(tiny, tmp_path, capsys, monkeypatch):
+    """shardtune train starts no processes: num_processes 2 outside torchrun would train on one, silently (while
+    its dry run and estimate describe two)."""
+    from tests.trainutil import write_chat_data
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = write_chat_data(tmp_path / "chat.jsonl", rows=20)
+    argv = ["train", "--model_name_or_path", str(tiny), "--dataset_name", str(data), "--output_dir",
+            str(tmp_path / "out"), "--num_processes", "2", "--distributed_type", "DDP"]
+    exits_2(argv)
+    assert one_error_line(capsys) == ("shardtune train: error: num_processes=2: shardtune train runs one process; "
+                                      "start 2 with shardtune launch --num_processes 2 train ..., or set "
+                                      "num_processes 1")
+    assert not (tmp_path / "out").exists()

@@ -143,6 +143,9 @@ def test_bad_values_are_one_line_errors(argv, needle, capsys):
     (["--fsdp_backward_prefetch", "BACKWARD_POST"], "fsdp_backward_prefetch='BACKWARD_POST' is not accepted: FSDP2 "
                                                     "always prefetches"),
     (["--fsdp_backward_prefetch", "NO_PREFETCH"], "set fsdp_backward_prefetch BACKWARD_PRE or leave it out"),
+    (["--fsdp_offload_params", "true"], "fsdp_offload_params=true is FSDP's CPU offload, and distributed_type is "
+                                        "unset (NO or DDP): set distributed_type FSDP"),
+    (["--fsdp_offload_params", "true", "--distributed_type", "MULTI_GPU"], "and distributed_type is DDP"),
     (["--fsdp_forward_prefetch", "true", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP"],
      "fsdp_forward_prefetch=true prefetches the next decoder layer, which needs fsdp_auto_wrap_policy "
      "TRANSFORMER_BASED_WRAP (not SIZE_BASED_WRAP)"),

@@ -45,8 +45,8 @@ def test_zero2_with_auto_values_is_fsdp_shard_grad_op_and_leaves_the_rest_to_the
     assert flat([*BASE, *extra, "--deepspeed", str(ds)]) == expected
 
 
-@pytest.mark.parametrize("stage, kind, sharding", [(0, "DDP", "FULL_SHARD"), (1, "FSDP", "SHARD_GRAD_OP"),
-                                                   (2, "FSDP", "SHARD_GRAD_OP"), (3, "FSDP", "FULL_SHARD")])
+@pytest.mark.parametrize("stage, kind, sharding", [(1, "FSDP", "SHARD_GRAD_OP"), (2, "FSDP", "SHARD_GRAD_OP"),
+                                                   (3, "FSDP", "FULL_SHARD")])
 def test_each_zero_stage_and_the_values_a_file_sets(tmp_path, stage, kind, sharding):
     ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}},
                                       "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
@@ -61,6 +61,16 @@ def test_each_zero_stage_and_the_values_a_file_sets(tmp_path, stage, kind, shard
     assert (o.max_grad_norm, o.learning_rate, o.adam_beta1, o.adam_beta2, o.adam_epsilon, o.weight_decay) == \
         (0.5, 2e-4, 0.8, 0.95, 1e-6, 0.1)
     assert (o.lr_scheduler_type, o.warmup_steps) == ("cosine", 7)
+
+
+def test_zero_0_with_offload_is_refused_not_run_unoffloaded(tmp_path):
+    """ZeRO-0 is DDP, which offloads nothing: its offload_param would be dropped without a word."""
+    ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": 0, "offload_param": {"device": "cpu"}}})
+    with pytest.raises(UsageError, match="fsdp_offload_params=true is FSDP's CPU offload, and distributed_type is "
+                                         "DDP"):
+        load_train_config([*BASE, "--deepspeed", str(ds)])
+    ds = write(tmp_path / "ds0.json", {"zero_optimization": {"stage": 0}})
+    assert load_train_config([*BASE, "--deepspeed", str(ds)]).distributed.distributed_type == "DDP"
 
 
 def test_train_batch_size_gives_the_accumulation_or_must_agree(tmp_path):

@@ -118,3 +118,19 @@ def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["per_gpu"] != from_files["per_gpu"]
     assert main(["estimate", "--config", str(recipe), "--method", "full", "--num-gpus", "2"]) == 2
     assert "--method, --num-gpus: with --config the files describe the setup" in capsys.readouterr().err
+
+
+def test_estimate_of_a_recipe_reads_fsdp_reshard_after_forward(tmp_path, capsys):
+    """FSDP2 without resharding after forward is SHARD_GRAD_OP (train/plan.py): the estimate of a recipe that says
+    so counts what that job holds, not FULL_SHARD's."""
+    base = ("model_name_or_path: llama-3.2-1b\ndataset_name: d\ndistributed_type: FSDP\nnum_processes: 2\n"
+            "per_device_train_batch_size: 2\nmax_seq_len: 1024\n")
+    totals = {}
+    for name, extra in (("full", ""), ("no_reshard", "fsdp_reshard_after_forward: false\n"),
+                        ("grad_op", "fsdp_sharding_strategy: SHARD_GRAD_OP\n"),
+                        ("grad_op_reshard", "fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+                                            "fsdp_reshard_after_forward: true\n")):
+        (tmp_path / f"{name}.yaml").write_text(base + extra)
+        assert main(["estimate", "--config", str(tmp_path / f"{name}.yaml"), "--json"]) == 0
+        totals[name] = json.loads(capsys.readouterr().out)["per_gpu"]["total"]
+    assert totals["no_reshard"] == totals["grad_op"] != totals["full"] == totals["grad_op_reshard"]

@@ -13,7 +13,7 @@ import os
 import sys
 
 from shardtune.cli.common import TRAIN_HELP, leave_out_bitsandbytes_unless, load_job_config, sigterm_raises
-from shardtune.errors import first_line
+from shardtune.errors import UsageError, first_line
 from shardtune.strategies import resolve
 
 
@@ -59,6 +59,7 @@ def _run(argv: list[str]) -> int:
 
     # The run's own checks (placeholder data, missing paths, the resume folder) before any model is loaded.
     cfg = load_job_config(argv)
+    refuse_processes_without_launcher(cfg)
     from shardtune.bitsandbytes_use import needs_bitsandbytes
 
     leave_out_bitsandbytes_unless(lambda: needs_bitsandbytes(cfg))
@@ -100,6 +101,19 @@ def _run(argv: list[str]) -> int:
                              f"run the same command with resume_from_checkpoint true to finish")
         return EXIT_PREEMPTED
     return 0
+
+
+def refuse_processes_without_launcher(cfg) -> None:
+    """num_processes above 1 outside torchrun (no WORLD_SIZE): ``shardtune train`` starts no processes itself, so
+    the job would run on one process, unlike the dry run and the estimate of the same recipe. MP drives its
+    devices from one process."""
+    d = cfg.distributed
+    if cfg.run.dry_run or "WORLD_SIZE" in os.environ or d.num_processes == 1 or \
+            resolve(d.distributed_type, False).drives_several_devices:
+        return
+    raise UsageError(f"num_processes={d.num_processes}: shardtune train runs one process; start "
+                     f"{d.num_processes} with shardtune launch --num_processes {d.num_processes} train ..., or set "
+                     f"num_processes 1")
 
 
 def print_deepspeed_mapping(argv: list[str]) -> None:

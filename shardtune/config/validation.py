@@ -72,6 +72,11 @@ def _run_problems(cfg: TrainConfig) -> list[Problem]:
     if d.num_processes % d.num_machines:
         problems.append(Problem(("num_processes", "num_machines"), f"num_processes={d.num_processes} is the total "
                                 f"over all machines and must be a multiple of num_machines={d.num_machines}"))
+    if d.fsdp_offload_params and not _strategy(d).shards_parameters:
+        # Only FSDP2's fully_shard offloads (train/fsdp.py); elsewhere the key would be dropped without a word.
+        problems.append(Problem(("fsdp_offload_params", "distributed_type"), f"fsdp_offload_params=true is FSDP's "
+                                f"CPU offload, and distributed_type is {d.distributed_type or 'unset (NO or DDP)'}: "
+                                f"set distributed_type FSDP, or leave fsdp_offload_params out"))
     if d.fsdp_forward_prefetch and d.fsdp_auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
         problems.append(Problem(("fsdp_forward_prefetch", "fsdp_auto_wrap_policy"), f"fsdp_forward_prefetch=true "
                                 f"prefetches the next decoder layer, which needs fsdp_auto_wrap_policy "

@@ -123,7 +123,8 @@ def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAna
     """The parallel setups worth comparing for ``base``'s GPU count, in order of preference when they fit
     (pipeline parallel too when ``measured`` has it and the model's head is not tied to its embeddings, which
     live on different stages)."""
-    plain = base.with_(fsdp_offload_params=False)
+    # Each candidate names its own sharding: the base's fsdp_reshard_after_forward would override it.
+    plain = base.with_(fsdp_offload_params=False, fsdp_reshard_after_forward=None)
     fsdp = plain.with_(distributed_type=FSDP, fsdp_sharding_strategy="FULL_SHARD")
     if base.world_size == 1:
         return [plain.with_(distributed_type=NO), fsdp.with_(fsdp_offload_params=True)]

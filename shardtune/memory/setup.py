@@ -127,7 +127,12 @@ class Setup:
 
     @property
     def sharding_strategy(self) -> str:
-        return self.config.distributed.fsdp_sharding_strategy
+        """The sharding FSDP2 runs: fsdp_reshard_after_forward overrides what FULL_SHARD / SHARD_GRAD_OP imply
+        (``train/plan.py:make_plan``), and without resharding FULL_SHARD is SHARD_GRAD_OP."""
+        d = self.config.distributed
+        if d.fsdp_reshard_after_forward is None or d.fsdp_sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            return d.fsdp_sharding_strategy
+        return "FULL_SHARD" if d.fsdp_reshard_after_forward else "SHARD_GRAD_OP"
 
     @property
     def offload_params(self) -> bool:
