@@ -56,7 +56,8 @@ def test_precedence_defaults_file_yaml_override_flag(tmp_path):
     acc = tmp_path / "fsdp.yaml"
     acc.write_text(ACCELERATE_FSDP)
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("learning_rate: 0.001\nlora_r: 4\nseed: 3\nfsdp_sharding_strategy: SHARD_GRAD_OP\n")
+    recipe.write_text("learning_rate: 0.001\nuse_peft_lora: true\nlora_r: 4\nseed: 3\n"
+                      "fsdp_sharding_strategy: SHARD_GRAD_OP\n")
     cfg = load_train_config([str(recipe), "lora_r=16", "seed=5", "--seed", "9", "--config_file", str(acc), *BASE])
     assert cfg.optim.learning_rate == 0.001  # YAML over default
     assert cfg.lora.lora_r == 16  # key=value over YAML
@@ -155,6 +156,57 @@ def test_keys_for_what_the_trainer_does_not_run_are_refused(argv, needle, capsys
     assert needle in capsys.readouterr().err
 
 
+# Each key that acts only under a setting: a value other than its default, the setting's name, the flags that turn
+# it on, and those that turn it off where it is on by default.
+SWITCHED = {
+    "lora_r": "4", "lora_alpha": "8", "lora_dropout": "0.1", "lora_target_modules": "q_proj", "use_dora": "true",
+    "use_rslora": "true", "lora_modules_to_save": "lm_head", "init_lora_weights": "gaussian", "lora_bias": "all",
+    "bnb_4bit_quant_type": "fp4", "use_nested_quant": "false", "bnb_4bit_compute_dtype": "float32",
+    "bnb_4bit_quant_storage_dtype": "float32", "append_concat_token": "true", "use_reentrant": "true",
+    "ddp_find_unused_parameters": "true", "pipeline_schedule": "GPipe", "pipeline_microbatches": "4",
+    "mp_devices": "cpu,cpu"}
+SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
+                "use_4bit_quantization true": (["--use_peft_lora", "true", "--use_4bit_quantization", "true"], []),
+                "packing true": (["--packing", "true"], []),
+                "gradient_checkpointing true": ([], ["--gradient_checkpointing", "false"]),
+                "distributed_type PP": (["--distributed_type", "PP"], []),
+                "distributed_type MP": (["--distributed_type", "MP"], []),
+                "distributed_type DDP": (["--distributed_type", "DDP"], ["--num_processes", "1"])}
+
+
+def test_every_key_that_needs_a_setting_is_listed_here():
+    from shardtune.config.schema import all_keys
+
+    assert {d.name: d.meta.needs for d in all_keys() if d.meta.needs}.keys() == SWITCHED.keys()
+
+
+@pytest.mark.parametrize("name", sorted(SWITCHED))
+def test_a_key_set_without_the_setting_it_acts_under_is_refused(name, capsys):
+    """Nothing a user sets is dropped: lora_r on a full fine-tune, GPipe off PP, fp4 without 4-bit loading are
+    refused in one line naming the key, its value and the setting; with the setting on, the value is taken."""
+    from shardtune.config.schema import all_keys
+
+    needs = next(d.meta.needs for d in all_keys() if d.name == name)
+    on, off = SWITCH_FLAGS[needs]
+    assert main(["train", *BASE, *off, f"--{name}", SWITCHED[name]]) == 2
+    err = capsys.readouterr().err
+    assert f"{name}={SWITCHED[name]} set without {needs}: it acts only with it; set {needs}, or leave it out" in err
+    cfg = load_train_config([*BASE, *on, f"--{name}", SWITCHED[name]])
+    section = next(getattr(cfg, f.name) for f in dataclasses.fields(cfg) if hasattr(getattr(cfg, f.name), name))
+    assert str(getattr(section, name)).lower() in (SWITCHED[name].lower(), f"['{SWITCHED[name]}']")
+
+
+def test_keys_set_without_their_setting_are_named_together_with_their_file_line(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("learning_rate: 1e-4\nlora_r: 32\nlora_alpha: 64\n")
+    assert main(["train", str(recipe), *BASE]) == 2
+    assert (f"{recipe}, line 2: lora_r=32, lora_alpha=64 set without use_peft_lora true: they act only with it; "
+            f"set use_peft_lora true, or leave them out") in capsys.readouterr().err
+    # A value equal to the default changes nothing, so nothing is dropped: a copied recipe keeps it.
+    recipe.write_text("lora_r: 8\nuse_reentrant: false\n")
+    assert load_train_config([str(recipe), *BASE]).lora.lora_r == 8
+
+
 def test_keys_for_what_the_trainer_runs_are_accepted(tmp_path):
     cfg = load_train_config([*BASE, "--optim", "ADAMW_TORCH_FUSED", "--hub_strategy", "End", "--fsdp_version", "2"])
     assert (cfg.optim.optim, cfg.run.hub_strategy, cfg.distributed.fsdp_version) == ("adamw_torch_fused", "end", 2)
@@ -200,7 +252,7 @@ def test_all_problems_reported_together():
 def test_resolved_config_round_trips(tmp_path):
     from shardtune.config import save_resolved
 
-    cfg = load_train_config([*BASE, "--lora_r", "12", "--bf16", "true", "--packing", "true"])
+    cfg = load_train_config([*BASE, "--use_peft_lora", "true", "--lora_r", "12", "--bf16", "true", "--packing", "true"])
     save_resolved(cfg, tmp_path / "config.yaml")
     again = load_train_config([str(tmp_path / "config.yaml")])
     assert again == cfg

@@ -90,7 +90,7 @@ def test_yaml_merges_and_overrides_from_the_command_line_stay_legal(tmp_path):
     nested.write_text("defaults: &d {a: 1, b: 2}\nother:\n  <<: *d\n  b: 3\n")  # '<<' then a key: YAML's override
     assert read_yaml_recipe(nested)[0]["other"] == {"a": 1, "b": 3}
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("learning_rate: 1e-4\nseed: 1\nlora_r: 4\n")
+    recipe.write_text("learning_rate: 1e-4\nseed: 1\nuse_peft_lora: true\nlora_r: 4\n")
     cfg = load_job_config([str(recipe), *DRY_RUN, "learning_rate=2e-4", "--seed", "3"])
     assert (cfg.optim.learning_rate, cfg.run.seed, cfg.lora.lora_r) == (2e-4, 3, 4)  # YAML < key=value < --key
 

@@ -339,8 +339,8 @@ def test_keys_that_used_to_be_ignored_now_act(tmp_path, capsys):
     from shardtune.train.metrics import MetricsLog
     from shardtune.train.plan import make_plan
 
-    cfg = load_train_config([*BASE, "--ddp_find_unused_parameters", "true", "--logging_first_step", "false",
-                             "--disable_tqdm", "true", "--logging_steps", "5"])
+    cfg = load_train_config([*BASE, "--num_processes", "2", "--ddp_find_unused_parameters", "true",
+                             "--logging_first_step", "false", "--disable_tqdm", "true", "--logging_steps", "5"])
     from shardtune.dist import DistInfo
 
     import torch

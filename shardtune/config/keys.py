@@ -48,6 +48,9 @@ class Key:
     refused: Mapping[str, str] = dataclasses.field(default_factory=dict)  # a value outside the choices -> why
     refusal: str = ""  # what to say of any other value outside the choices, instead of listing them
     secret: bool = False  # never written into config.yaml
+    # The setting without which it does nothing, as the help says it ("use_peft_lora true"; validation.SWITCHES
+    # decides it): another value than its default is refused there, not dropped.
+    needs: str = ""
 
 
 def key(default: Any = None, help: str = "", *, factory: Any = None, **rules: Any) -> Any:  # noqa: A002
@@ -133,6 +136,8 @@ class Declared:
             text += f" Also read as {', '.join(f'{whose} `{a}`' for a, whose in self.meta.aliases.items())}."
         if self.meta.deepspeed:
             text += f" A DeepSpeed config sets it with {' or '.join(f'`{p}`' for p in self.meta.deepspeed)}."
+        if self.meta.needs:
+            text += f" Acts only with {self.meta.needs}."
         return text
 
     def type_text(self) -> str:

@@ -25,8 +25,8 @@ from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compi
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
 from shardtune.config.no_ops import NO_OPS, no_op_problem
 from shardtune.config.schema import ALIASES, TrainConfig, all_keys
-from shardtune.config.validation import (context_problems, device_problems, input_problems, model_folder_problems,
-                                         resolve_report_to, tracker_problems, validate)
+from shardtune.config.validation import (context_problems, device_problems, idle_keys, input_problems,
+                                         model_folder_problems, resolve_report_to, tracker_problems, validate)
 from shardtune.errors import UsageError, closest
 from shardtune.files import write_text
 from shardtune.strategies import FSDP
@@ -302,6 +302,13 @@ def build_config(layers: Layers, *, training: bool = True) -> TrainConfig:
         problems += input_problems(cfg, given)
     raise_problems(problems)
     return cfg
+
+
+def without_idle_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (a flat config) less the keys whose setting they leave off, which a job's config leaves out (the
+    estimator's LoRA rank on a full fine-tune); the rest is checked when the config is built."""
+    idle = idle_keys(_apply([(values, {})], training=True)[0])
+    return {name: value for name, value in values.items() if ALIASES.get(name, name) not in idle}
 
 
 def raise_problems(problems: list[str]) -> None:

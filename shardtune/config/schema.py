@@ -53,6 +53,10 @@ FLOAT16 = ("pure fp16 training diverges without an fp32 master copy (fp16's rang
 # YAML 1.1 (PyYAML) reads an unquoted no as false: for keys whose choices include "no", that is what was written.
 NO = {"FALSE": "no"}
 HUB = "Accepted so recipes run unchanged; acts only where the hub is reachable."
+# The settings some keys act under only (``needs=``; validation.SWITCHES decides each).
+LORA, QLORA, PACKING, CHECKPOINTING = ("use_peft_lora true", "use_4bit_quantization true", "packing true",
+                                       "gradient_checkpointing true")
+PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_type DDP"
 DTYPE_SPELLINGS = {"TORCH.FLOAT32": "float32", "TORCH.BFLOAT16": "bfloat16", "TORCH.FLOAT16": "float16",
                    "HALF": "float16"}
 
@@ -98,7 +102,8 @@ class DataConfig:
     chat_template_format: ChatTemplateFormat = key("none", "The chat template: none is the tokenizer's own.")
     add_special_tokens: bool = key(False, "Add the named template's special tokens to the tokenizer (and resize the "
                                           "embeddings).")
-    append_concat_token: bool = key(False, "When packing, end every document with EOS if it does not already.")
+    append_concat_token: bool = key(False, "When packing, end every document with EOS if it does not already.",
+                                    needs=PACKING)
     max_seq_len: int = key(2048, "Tokens per row; longer examples are truncated, packed rows are filled up to it. "
                                  "Refused (not capped) beyond the positions the model covers (its config's "
                                  "max_position_embeddings).", ge=2,
@@ -125,38 +130,40 @@ class DataConfig:
 class LoraConfig:
     use_peft_lora: bool = key(False, "Train LoRA adapters (PEFT) on a frozen base instead of every weight.",
                               aliases={"use_peft": "TRL's"})
-    lora_r: int = key(8, "LoRA rank.", ge=1)
-    lora_alpha: int = key(16, "LoRA scaling numerator (the update is scaled by alpha / r).")
-    lora_dropout: float = key(0.0, "Dropout on the LoRA input.", ge=0, lt=1)
+    lora_r: int = key(8, "LoRA rank.", ge=1, needs=LORA)
+    lora_alpha: int = key(16, "LoRA scaling numerator (the update is scaled by alpha / r).", needs=LORA)
+    lora_dropout: float = key(0.0, "Dropout on the LoRA input.", ge=0, lt=1, needs=LORA)
     lora_target_modules: str = key(
         "all-linear", "all-linear; comma-separated module names (q_proj,v_proj: each matches a module whose name ends "
         "with it); or `re:` and a regular expression that must match a module's whole name (PEFT's regex form), e.g. "
-        "`re:.*layers\\.[0-3]\\..*(q_proj|v_proj)`.")
+        "`re:.*layers\\.[0-3]\\..*(q_proj|v_proj)`.", needs=LORA)
     use_dora: bool = key(False, "DoRA (Liu et al. 2024): a trained magnitude per output feature of each adapted "
                                 "layer; sharded by FSDP with its layer, saved in checkpoints and final/, folded in by "
-                                "merge.")
-    use_rslora: bool = key(False, "rsLoRA: scale the update by lora_alpha / sqrt(r) instead of lora_alpha / r.")
+                                "merge.", needs=LORA)
+    use_rslora: bool = key(False, "rsLoRA: scale the update by lora_alpha / sqrt(r) instead of lora_alpha / r.",
+                           needs=LORA)
     lora_modules_to_save: list[str] = key(
         help="Modules trained in full beside the adapters and saved in the adapter (PEFT's modules_to_save), e.g. "
-        "lm_head or embed_tokens; a list or comma-separated names.", factory=list)
+        "lm_head or embed_tokens; a list or comma-separated names.", factory=list, needs=LORA)
     init_lora_weights: str = key(
         "true", "true (A random, B zero), false (both random: for tests), gaussian, pissa or pissa_niter_N (A, B from "
         "the base's top singular vectors), olora (from a QR of the base). PiSSA/OLoRA change the base: final/ and "
         "export hold the equivalent plain adapter of rank 2r for the unmodified base. Not with "
-        "use_4bit_quantization, use_dora or PP.")
+        "use_4bit_quantization, use_dora or PP.", needs=LORA)
     lora_bias: Literal["none", "all", "lora_only"] = key(
         "none", "PEFT's bias: which biases train, all of the model's or lora_only those of adapted layers; trained "
         "biases are saved in the adapter. PEFT's boolean lora_bias is refused.", spellings={"FALSE": "none"},
         refused={"true": "here lora_bias is PEFT's `bias` (none, all, lora_only); PEFT's boolean lora_bias (a bias "
-                         "on lora_B) is not run; use lora_bias all or lora_only, or leave it out"})
+                         "on lora_B) is not run; use lora_bias all or lora_only, or leave it out"}, needs=LORA)
     use_4bit_quantization: bool = key(False, "QLoRA: load the frozen base in 4 bits (bitsandbytes); needs "
                                              "use_peft_lora.", aliases={"load_in_4bit": "TRL's"})
-    bnb_4bit_quant_type: Literal["nf4", "fp4"] = key("nf4", "The 4-bit data type.")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = key("nf4", "The 4-bit data type.", needs=QLORA)
     use_nested_quant: bool = key(True, "Double quantisation of the quantisation constants (QLoRA paper, section 3).",
-                                 aliases={"use_bnb_nested_quant": "TRL's"})
-    bnb_4bit_compute_dtype: str = key("bfloat16", "The dtype 4-bit weights are dequantised to for the matmuls.")
+                                 aliases={"use_bnb_nested_quant": "TRL's"}, needs=QLORA)
+    bnb_4bit_compute_dtype: str = key("bfloat16", "The dtype 4-bit weights are dequantised to for the matmuls.",
+                                      needs=QLORA)
     bnb_4bit_quant_storage_dtype: str = key("bfloat16", "Storage dtype of the packed 4-bit weights; bf16 lets FSDP "
-                                                        "shard them with the rest.")
+                                                        "shard them with the rest.", needs=QLORA)
 
     @property
     def method(self) -> str:
@@ -206,7 +213,8 @@ class RunConfig:
                                              "it keeps only the layers' inputs, for about a third more compute. On "
                                              "by default, as TRL's SFTConfig has it; false where memory is plenty "
                                              "and speed counts.")
-    use_reentrant: bool = key(False, "Use the reentrant checkpointing implementation (PyTorch's older one).")
+    use_reentrant: bool = key(False, "Use the reentrant checkpointing implementation (PyTorch's older one).",
+                              needs=CHECKPOINTING)
     activation_offloading: bool = key(
         False, "Keep the input each checkpointed decoder layer saves (batch x seq x hidden per layer) in pinned CPU "
         "memory: copied on a side CUDA stream while the forward goes on, brought back one layer ahead in backward. "
@@ -345,7 +353,7 @@ class DistributedConfig:
                                            "(FullyShardedDataParallel) is not available; set fsdp_version 2 or leave "
                                            "it out (the fsdp_* keys keep their meaning)")
     ddp_find_unused_parameters: bool | None = key(None, "DDP's find_unused_parameters (true when some parameters get "
-                                                        "no gradient).")
+                                                        "no gradient).", needs=DDP_ONLY)
     mixed_precision: MixedPrecision | None = key(None, "Accelerate's key; the bf16/fp16 flags win when set (bf16 "
                                                        "false opts out of it); unset with them, the hardware decides "
                                                        "(see bf16).",
@@ -358,10 +366,11 @@ class DistributedConfig:
     main_process_ip: str | None = key(None, "Address of machine rank 0.")
     main_process_port: int | None = key(None, "Port of the rendezvous on machine rank 0.")
     rdzv_backend: str = key("static", "static, or c10d (elastic rendezvous).")
-    pipeline_schedule: PipelineSchedule = key("1F1B", "Pipeline parallel (PP): the schedule.")
+    pipeline_schedule: PipelineSchedule = key("1F1B", "Pipeline parallel (PP): the schedule.", needs=PP)
     pipeline_microbatches: int = key(2, "Pipeline parallel (PP): pipeline micro-batches each batch is split into.",
-                                     ge=1)
-    mp_devices: str | None = key(None, "MP: comma-separated devices (cuda:0,cuda:1); default: every visible GPU.")
+                                     ge=1, needs=PP)
+    mp_devices: str | None = key(None, "MP: comma-separated devices (cuda:0,cuda:1); default: every visible GPU.",
+                                 needs=MP)
 
 
 @dataclass

@@ -10,17 +10,18 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from shardtune.config.compile import compile_problems
-from shardtune.config.keys import Problem, value_problems
+from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
-from shardtune.config.schema import (DATASET_PLACEHOLDER, TRACKER_PACKAGES, DataConfig, DistributedConfig,
-                                     LoraConfig, OptimConfig, TrainConfig)
+from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, LORA, MP, PACKING, PP, QLORA,
+                                     TRACKER_PACKAGES, DataConfig, DistributedConfig, LoraConfig, OptimConfig,
+                                     TrainConfig, all_keys)
 from shardtune.errors import closest
 from shardtune.hub import looks_like_local_path, model_folder_problem
-from shardtune.strategies import NO, Strategy, lookup
+from shardtune.strategies import DDP, NO, Strategy, lookup
 
 
 def _strategy(d: DistributedConfig) -> Strategy:
@@ -38,8 +39,8 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[Problem]:
         problems.append(Problem("output_dir", "output_dir is required (e.g. --output_dir out)"))
     problems += [p for f in dataclasses.fields(cfg) if f.name != "data" for p in value_problems(getattr(cfg, f.name))]
     problems += data_problems(cfg.data)
-    for rules in (_run_problems, lora_variant_problems, _validate_pipeline, _best_model_problems, _optim_problems,
-                  dtype_problems):
+    for rules in (_run_problems, lora_variant_problems, switch_problems, _validate_pipeline, _best_model_problems,
+                  _optim_problems, dtype_problems):
         problems += rules(cfg)
     return problems + compile_problems(cfg.run)
 
@@ -156,15 +157,53 @@ def lora_variant_problems(cfg: TrainConfig) -> list[Problem]:
         except re.error as exc:
             problems.append(Problem("lora_target_modules", f"lora_target_modules={target!r}: not a regular "
                                     f"expression ({exc}); write re:<pattern>, e.g. re:.*\\.(q_proj|v_proj)"))
-    changed = [key for key, value in (("use_dora", lo.use_dora), ("use_rslora", lo.use_rslora),
-                                      ("lora_modules_to_save", lo.lora_modules_to_save),
-                                      ("init_lora_weights", init != "true"), ("lora_bias", lo.lora_bias != "none"))
-               if value]
-    if changed and not lo.use_peft_lora:
-        problems.append(Problem((*changed, "use_peft_lora"), f"{', '.join(changed)} set without use_peft_lora: they "
-                                f"shape LoRA adapters; set use_peft_lora true (full fine-tuning trains every weight "
-                                f"already)"))
     return problems
+
+
+# What each ``needs=`` of the schema means. A key declared with one does nothing without it, so a value other than
+# its default is refused there rather than dropped.
+SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
+    LORA: lambda cfg: cfg.lora.use_peft_lora,
+    QLORA: lambda cfg: cfg.lora.use_4bit_quantization,
+    PACKING: lambda cfg: cfg.data.packing,
+    CHECKPOINTING: lambda cfg: cfg.run.gradient_checkpointing or cfg.distributed.fsdp_activation_checkpointing,
+    PP: lambda cfg: _strategy(cfg.distributed).pipelined,
+    MP: lambda cfg: _strategy(cfg.distributed).drives_several_devices,
+    DDP_ONLY: lambda cfg: _strategy(cfg.distributed) is DDP or (_strategy(cfg.distributed).one_device
+                                                               and cfg.distributed.num_processes > 1),
+}
+
+
+def idle_keys(cfg: TrainConfig) -> set[str]:
+    """The keys whose setting ``cfg`` leaves off (lora_r of a full fine-tune): a config written for it leaves them
+    out."""
+    return {d.name for d in all_keys() if d.meta.needs and not SWITCHES[d.meta.needs](cfg)}
+
+
+def switch_problems(cfg: TrainConfig) -> list[Problem]:
+    """Keys set while the setting they act under is off, one line per setting."""
+    found: dict[str, list[str]] = {}
+    idle = idle_keys(cfg)
+    for d in all_keys():
+        if d.name in idle:
+            section = getattr(cfg, d.section)
+            value = getattr(section, d.name)
+            if _same(value) != _same(getattr(type(section)(), d.name)):
+                text = ",".join(map(str, value)) if isinstance(value, list) else shown(value)
+                found.setdefault(d.meta.needs, []).append(f"{d.name}={text}")
+    problems = []
+    for needs, given in found.items():
+        names = tuple(g.split("=")[0] for g in given)
+        them = "them" if len(given) > 1 else "it"
+        problems.append(Problem((*names, needs.split()[0]), f"{', '.join(given)} set without {needs}: "
+                                f"{'they act' if len(given) > 1 else 'it acts'} only with it; set {needs}, or leave "
+                                f"{them} out"))
+    return problems
+
+
+def _same(value: object) -> object:
+    """A value as compared with the default: strings in any case and without spaces around them."""
+    return value.strip().lower() if isinstance(value, str) else value
 
 
 # The eval record's metrics (step.evaluate); Transformers users may write them without "eval_".

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from shardtune.config import DATASET_PLACEHOLDER, TrainConfig, build_config
+from shardtune.config.loading import without_idle_keys
 from shardtune.hardware import GIB
 from shardtune.memory.setup import Setup
 from shardtune.strategies import NO, resolve
@@ -36,7 +37,7 @@ def config_from_setup(model: str, setup: Setup) -> TrainConfig:
         values.update(lora_alpha=2 * setup.lora_r)
     if setup.strategy.pipelined:  # one row per pipeline micro-batch: the most stages working at once
         values.update(pipeline_microbatches=setup.batch_size)
-    return build_config([(values, {})])
+    return build_config([(without_idle_keys(values), {})])
 
 
 def trace_or_formula(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -> dict[str, Any]:
