@@ -85,8 +85,8 @@ def test_deepspeed_zero_stage_maps_to_fsdp(tmp_path):
 
 
 def test_bare_flag_is_true_and_hub_flags_accepted():
-    cfg = load_train_config([*BASE, "--packing", "--push_to_hub", "False", "--hub_model_id", "me/x"])
-    assert cfg.data.packing is True and cfg.run.hub_model_id == "me/x"
+    cfg = load_train_config([*BASE, "--packing", "--push_to_hub", "--hub_model_id", "me/x"])
+    assert cfg.data.packing is True and cfg.run.push_to_hub is True and cfg.run.hub_model_id == "me/x"
 
 
 def sections_of_each_key(sections: dict[str, type]) -> dict[str, list[str]]:
@@ -164,14 +164,20 @@ SWITCHED = {
     "bnb_4bit_quant_type": "fp4", "use_nested_quant": "false", "bnb_4bit_compute_dtype": "float32",
     "bnb_4bit_quant_storage_dtype": "float32", "append_concat_token": "true", "use_reentrant": "true",
     "ddp_find_unused_parameters": "true", "pipeline_schedule": "GPipe", "pipeline_microbatches": "4",
-    "mp_devices": "cpu,cpu"}
+    "mp_devices": "cpu,cpu", "eval_steps": "5", "save_steps": "10", "save_total_limit": "2", "hub_model_id": "me/x",
+    "hub_private_repo": "true", "hub_token": "hf_secret", "run_name": "first"}
 SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "use_4bit_quantization true": (["--use_peft_lora", "true", "--use_4bit_quantization", "true"], []),
                 "packing true": (["--packing", "true"], []),
                 "gradient_checkpointing true": ([], ["--gradient_checkpointing", "false"]),
                 "distributed_type PP": (["--distributed_type", "PP"], []),
                 "distributed_type MP": (["--distributed_type", "MP"], []),
-                "distributed_type DDP": (["--distributed_type", "DDP"], ["--num_processes", "1"])}
+                "distributed_type DDP": (["--distributed_type", "DDP"], ["--num_processes", "1"]),
+                "eval_strategy steps": (["--eval_strategy", "steps"], []),
+                "save_strategy steps": ([], ["--save_strategy", "no"]),
+                "save_strategy steps or epoch": ([], ["--save_strategy", "no"]),
+                "push_to_hub true": (["--push_to_hub", "true"], []),
+                "report_to naming a tracker": (["--report_to", "tensorboard"], [])}
 
 
 def test_every_key_that_needs_a_setting_is_listed_here():
@@ -190,7 +196,9 @@ def test_a_key_set_without_the_setting_it_acts_under_is_refused(name, capsys):
     on, off = SWITCH_FLAGS[needs]
     assert main(["train", *BASE, *off, f"--{name}", SWITCHED[name]]) == 2
     err = capsys.readouterr().err
-    assert f"{name}={SWITCHED[name]} set without {needs}: it acts only with it; set {needs}, or leave it out" in err
+    shown = "(given)" if name == "hub_token" else SWITCHED[name]  # a secret is not echoed
+    assert f"{name}={shown} set without {needs}: it acts only with it; set {needs}, or leave it out" in err
+    assert name != "hub_token" or SWITCHED[name] not in err
     cfg = load_train_config([*BASE, *on, f"--{name}", SWITCHED[name]])
     section = next(getattr(cfg, f.name) for f in dataclasses.fields(cfg) if hasattr(getattr(cfg, f.name), name))
     assert str(getattr(section, name)).lower() in (SWITCHED[name].lower(), f"['{SWITCHED[name]}']")

@@ -134,3 +134,17 @@ def test_estimate_of_a_recipe_reads_fsdp_reshard_after_forward(tmp_path, capsys)
         assert main(["estimate", "--config", str(tmp_path / f"{name}.yaml"), "--json"]) == 0
         totals[name] = json.loads(capsys.readouterr().out)["per_gpu"]["total"]
     assert totals["no_reshard"] == totals["grad_op"] != totals["full"] == totals["grad_op_reshard"]
+
+
+@pytest.mark.parametrize("policy", ["NO_WRAP", "SIZE_BASED_WRAP"])
+def test_estimate_of_a_recipe_with_other_fsdp_units_asks_for_the_trace(tmp_path, capsys, policy):
+    """The formula counts a unit per decoder layer: a recipe that wraps otherwise (the whole model as one unit holds
+    every weight gathered at once) is refused without --trace rather than estimated as if per layer."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model_name_or_path: llama-3.2-1b\ndataset_name: d\ndistributed_type: FSDP\nnum_processes: 2\n"
+                      f"fsdp_auto_wrap_policy: {policy}\n")
+    assert main(["estimate", "--config", str(recipe)]) == 2
+    assert (f"fsdp_auto_wrap_policy {policy}: the estimate's formula counts one FSDP unit per decoder layer "
+            f"(TRANSFORMER_BASED_WRAP); add --trace") in capsys.readouterr().err
+    recipe.write_text(recipe.read_text().replace(policy, "TRANSFORMER_BASED_WRAP"))
+    assert main(["estimate", "--config", str(recipe), "--json"]) == 0

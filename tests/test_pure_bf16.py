@@ -203,7 +203,7 @@ def runs(tmp_path_factory, tiny_model):
     def command(name: str, *extra: str) -> list[str]:
         return ["train", *flags("--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--splits",
                                 "train", "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS),
-                                "--logging_steps", "1", "--learning_rate", "1e-3", "--seed", "7", "--save_steps", "2",
+                                "--logging_steps", "1", "--learning_rate", "1e-3", "--seed", "7",
                                 "--torch_dtype", "bfloat16", "--output_dir", str(root / name), *extra)]
 
     def ok(result) -> None:
@@ -216,11 +216,11 @@ def runs(tmp_path_factory, tiny_model):
                             cwd=root, env=shardtune_env(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        ok(run_shardtune(command("single", "--per_device_train_batch_size", "4"), root))
+        ok(run_shardtune(command("single", "--per_device_train_batch_size", "4", "--save_steps", "2"), root))
         # The resumed run continues the single run's own step-2 checkpoint, in a copy of its folder.
         shutil.copytree(root / "single", root / "resumed", ignore=shutil.ignore_patterns("final", "step-4"))
-        ok(run_shardtune(command("resumed", "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "true"),
-                         root))
+        ok(run_shardtune(command("resumed", "--per_device_train_batch_size", "4", "--save_steps", "2",
+                                 "--resume_from_checkpoint", "true"), root))
         stdout, stderr = fsdp.communicate(timeout=300)
     finally:
         if fsdp.poll() is None:  # a single-process run failed: torchrun passes SIGTERM on to its workers

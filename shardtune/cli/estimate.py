@@ -224,6 +224,11 @@ def setup_from_config_files(args: argparse.Namespace) -> Setup:
     cfg = load_train_config([*argv, "--output_dir", "unused-by-estimate"])
     args.model = cfg.model.model_name_or_path
     d = cfg.distributed
+    if d.distributed_type == "FSDP" and d.fsdp_auto_wrap_policy != "TRANSFORMER_BASED_WRAP" and not args.trace:
+        # The trace builds the job's own units on fake tensors; the formula has only the per-layer ones.
+        raise UsageError(f"fsdp_auto_wrap_policy {d.fsdp_auto_wrap_policy}: the estimate's formula counts one FSDP "
+                         f"unit per decoder layer (TRANSFORMER_BASED_WRAP); add --trace, which wraps the job's model "
+                         f"as it runs, or use TRANSFORMER_BASED_WRAP")
     return validate(setup_from_config(cfg, d.num_processes, d.num_machines if d.num_processes % d.num_machines == 0
                                       else 1, native_bf16=gpu_from_args(args).bf16))
 

@@ -57,6 +57,8 @@ HUB = "Accepted so recipes run unchanged; acts only where the hub is reachable."
 LORA, QLORA, PACKING, CHECKPOINTING = ("use_peft_lora true", "use_4bit_quantization true", "packing true",
                                        "gradient_checkpointing true")
 PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_type DDP"
+EVAL_STEPS, SAVE_STEPS, SAVING = "eval_strategy steps", "save_strategy steps", "save_strategy steps or epoch"
+PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
 DTYPE_SPELLINGS = {"TORCH.FLOAT32": "float32", "TORCH.BFLOAT16": "bfloat16", "TORCH.FLOAT16": "float16",
                    "HALF": "float16"}
 
@@ -252,7 +254,8 @@ class RunConfig:
     eval_strategy: Every = key("no", "When to evaluate: every eval_steps, at the end of each epoch, or never. steps "
                                      "or epoch with no eval rows (no eval split, eval_split_ratio 0) is refused.",
                                spellings=NO, aliases={"evaluation_strategy": "Transformers' former"})
-    eval_steps: int | None = key(None, "Evaluate every this many steps (unset: logging_steps).", ge=1)
+    eval_steps: int | None = key(None, "Evaluate every this many steps (unset: logging_steps).", ge=1,
+                                 needs=EVAL_STEPS)
     eval_on_start: bool = key(False, "Evaluate once before the first step, as a baseline (it takes no part in early "
                                      "stopping).")
     early_stopping_patience: int | None = key(None, "Stop when metric_for_best_model has not improved for this many "
@@ -272,7 +275,7 @@ class RunConfig:
         "tensorboard event files in output_dir/tensorboard/RUN_NAME.",
         factory=list, choices=(*TRACKER_PACKAGES, "all", "none"))
     run_name: str | None = key(None, "The run's name in every report_to tracker (default: the output_dir's folder "
-                                     "name).")
+                                     "name).", needs=TRACKER)
     ddp_timeout: int = key(1800, "Seconds a collective may wait before the run stops, naming the rank and "
                                  "operation.", ge=1)
     dry_run: bool = key(False, "Print the resolved config, trace one step of the job it describes on fake tensors "
@@ -286,9 +289,9 @@ class RunConfig:
                                     "default off).",
                                factory=lambda: os.environ.get("SHARDTUNE_PREDICT_MEMORY", "1") != "0")
     push_to_hub: bool = key(False, HUB)
-    hub_model_id: str | None = key(None, HUB)
-    hub_token: str | None = key(None, HUB, secret=True)
-    hub_private_repo: bool | None = key(None, HUB)
+    hub_model_id: str | None = key(None, HUB, needs=PUSH)
+    hub_token: str | None = key(None, HUB, secret=True, needs=PUSH)
+    hub_private_repo: bool | None = key(None, HUB, needs=PUSH)
     hub_strategy: HubStrategy = key("end", "When push_to_hub uploads: end, the final model once, after training "
                                            "(Transformers' every_save, checkpoint and all_checkpoints are refused).",
                                     refusal="push_to_hub uploads the final model once, at the end of training; use "
@@ -302,9 +305,9 @@ class RunConfig:
 class CheckpointConfig:
     save_strategy: Every = key("steps", "When to save a resumable checkpoint: every save_steps, each epoch, or "
                                         "never.", spellings=NO)
-    save_steps: int = key(500, "Save a resumable checkpoint every this many steps.", ge=1)
+    save_steps: int = key(500, "Save a resumable checkpoint every this many steps.", ge=1, needs=SAVE_STEPS)
     save_total_limit: int | None = key(None, "Keep at most this many checkpoints (oldest deleted first); the best one "
-                                             "is kept beyond it with load_best_model_at_end.", ge=1)
+                                             "is kept beyond it with load_best_model_at_end.", ge=1, needs=SAVING)
     load_best_model_at_end: bool = key(False, "Write final/ from the best checkpoint by metric_for_best_model, not "
                                               "the last step (needs save_strategy equal to eval_strategy, save_steps "
                                               "a multiple of eval_steps).")

@@ -16,9 +16,9 @@ from pathlib import Path
 from shardtune.config.compile import compile_problems
 from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
-from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, LORA, MP, PACKING, PP, QLORA,
-                                     TRACKER_PACKAGES, DataConfig, DistributedConfig, LoraConfig, OptimConfig,
-                                     TrainConfig, all_keys)
+from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, EVAL_STEPS, LORA, MP, PACKING,
+                                     PP, PUSH, QLORA, SAVE_STEPS, SAVING, TRACKER, TRACKER_PACKAGES, DataConfig,
+                                     DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
 from shardtune.hub import looks_like_local_path, model_folder_problem
 from shardtune.strategies import DDP, NO, Strategy, lookup
@@ -169,6 +169,11 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     CHECKPOINTING: lambda cfg: cfg.run.gradient_checkpointing or cfg.distributed.fsdp_activation_checkpointing,
     PP: lambda cfg: _strategy(cfg.distributed).pipelined,
     MP: lambda cfg: _strategy(cfg.distributed).drives_several_devices,
+    EVAL_STEPS: lambda cfg: cfg.run.eval_strategy == "steps",
+    SAVE_STEPS: lambda cfg: cfg.checkpoint.save_strategy == "steps",
+    SAVING: lambda cfg: cfg.checkpoint.save_strategy != "no",
+    PUSH: lambda cfg: cfg.run.push_to_hub,
+    TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),
     DDP_ONLY: lambda cfg: _strategy(cfg.distributed) is DDP or (_strategy(cfg.distributed).one_device
                                                                and cfg.distributed.num_processes > 1),
 }
@@ -189,7 +194,8 @@ def switch_problems(cfg: TrainConfig) -> list[Problem]:
             section = getattr(cfg, d.section)
             value = getattr(section, d.name)
             if _same(value) != _same(getattr(type(section)(), d.name)):
-                text = ",".join(map(str, value)) if isinstance(value, list) else shown(value)
+                text = "(given)" if d.meta.secret else ",".join(map(str, value)) if isinstance(value, list) else \
+                    shown(value)
                 found.setdefault(d.meta.needs, []).append(f"{d.name}={text}")
     problems = []
     for needs, given in found.items():
