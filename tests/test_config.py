@@ -71,10 +71,15 @@ def test_precedence_defaults_file_yaml_override_flag(tmp_path):
 
 def test_accelerate_aliases_and_fsdp1_numbers(tmp_path):
     acc = tmp_path / "acc.yaml"
+    acc.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\n")
+    assert load_train_config(["--config_file", str(acc), *BASE]).distributed.distributed_type == "DDP"
+    acc.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 4\nnum_processes: 4\n")
+    assert load_train_config(["--config_file", str(acc), *BASE]).distributed.fsdp_sharding_strategy == "HYBRID_SHARD"
+    # An fsdp_config beside MULTI_GPU would be dropped: refused, naming the file and line.
     acc.write_text("distributed_type: MULTI_GPU\nfsdp_config:\n  fsdp_sharding_strategy: 4\nnum_processes: 4\n")
-    cfg = load_train_config(["--config_file", str(acc), *BASE])
-    assert cfg.distributed.distributed_type == "DDP"
-    assert cfg.distributed.fsdp_sharding_strategy == "HYBRID_SHARD"
+    with pytest.raises(UsageError, match="acc.yaml, line 3: fsdp_sharding_strategy=HYBRID_SHARD set without "
+                                         "distributed_type FSDP"):
+        load_train_config(["--config_file", str(acc), *BASE])
 
 
 def test_deepspeed_zero_stage_maps_to_fsdp(tmp_path):
@@ -144,9 +149,8 @@ def test_bad_values_are_one_line_errors(argv, needle, capsys):
     (["--fsdp_backward_prefetch", "BACKWARD_POST"], "fsdp_backward_prefetch='BACKWARD_POST' is not accepted: FSDP2 "
                                                     "always prefetches"),
     (["--fsdp_backward_prefetch", "NO_PREFETCH"], "set fsdp_backward_prefetch BACKWARD_PRE or leave it out"),
-    (["--fsdp_offload_params", "true"], "fsdp_offload_params=true is FSDP's CPU offload, and distributed_type is "
-                                        "unset (NO or DDP): set distributed_type FSDP"),
-    (["--fsdp_offload_params", "true", "--distributed_type", "MULTI_GPU"], "and distributed_type is DDP"),
+    (["--fsdp_offload_params", "true", "--distributed_type", "MULTI_GPU"],
+     "fsdp_offload_params=true set without distributed_type FSDP"),
     (["--fsdp_forward_prefetch", "true", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP"],
      "fsdp_forward_prefetch=true prefetches the next decoder layer, which needs fsdp_auto_wrap_policy "
      "TRANSFORMER_BASED_WRAP (not SIZE_BASED_WRAP)"),
@@ -165,7 +169,11 @@ SWITCHED = {
     "bnb_4bit_quant_storage_dtype": "float32", "append_concat_token": "true", "use_reentrant": "true",
     "ddp_find_unused_parameters": "true", "pipeline_schedule": "GPipe", "pipeline_microbatches": "4",
     "mp_devices": "cpu,cpu", "eval_steps": "5", "save_steps": "10", "save_total_limit": "2", "hub_model_id": "me/x",
-    "hub_private_repo": "true", "hub_token": "hf_secret", "run_name": "first"}
+    "hub_private_repo": "true", "hub_token": "hf_secret", "run_name": "first",
+    "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_offload_params": "true", "fsdp_auto_wrap_policy": "NO_WRAP",
+    "fsdp_min_num_params": "1000",
+    "fsdp_cpu_ram_efficient_loading": "false", "fsdp_sync_module_states": "false",
+    "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_reshard_after_forward": "false", "fsdp_forward_prefetch": "true"}
 SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "use_4bit_quantization true": (["--use_peft_lora", "true", "--use_4bit_quantization", "true"], []),
                 "packing true": (["--packing", "true"], []),
@@ -177,7 +185,10 @@ SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "save_strategy steps": ([], ["--save_strategy", "no"]),
                 "save_strategy steps or epoch": ([], ["--save_strategy", "no"]),
                 "push_to_hub true": (["--push_to_hub", "true"], []),
-                "report_to naming a tracker": (["--report_to", "tensorboard"], [])}
+                "report_to naming a tracker": (["--report_to", "tensorboard"], []),
+                "distributed_type FSDP": (["--distributed_type", "FSDP"], []),
+                "fsdp_auto_wrap_policy SIZE_BASED_WRAP": (["--distributed_type", "FSDP", "--fsdp_auto_wrap_policy",
+                                                           "SIZE_BASED_WRAP"], [])}
 
 
 def test_every_key_that_needs_a_setting_is_listed_here():
@@ -202,6 +213,21 @@ def test_a_key_set_without_the_setting_it_acts_under_is_refused(name, capsys):
     cfg = load_train_config([*BASE, *on, f"--{name}", SWITCHED[name]])
     section = next(getattr(cfg, f.name) for f in dataclasses.fields(cfg) if hasattr(getattr(cfg, f.name), name))
     assert str(getattr(section, name)).lower() in (SWITCHED[name].lower(), f"['{SWITCHED[name]}']")
+
+
+def test_a_later_layer_that_turns_a_setting_off_resets_its_keys(tmp_path, capsys):
+    """A recipe's save_steps and fsdp_* keys under --save_strategy no --distributed_type DDP (as bench strategies
+    runs a recipe): the command line overrides the setting as a whole, so they go back to their defaults (and
+    config.yaml records those) rather than being refused; in the same layer as the setting they are refused."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("distributed_type: FSDP\nfsdp_sharding_strategy: SHARD_GRAD_OP\nsave_steps: 10\n")
+    cfg = load_train_config([str(recipe), *BASE, "--save_strategy", "no", "--distributed_type", "DDP"])
+    assert (cfg.checkpoint.save_steps, cfg.distributed.fsdp_sharding_strategy) == (500, "FULL_SHARD")
+    cfg = load_train_config([str(recipe), *BASE, "save_strategy=no"])
+    assert (cfg.checkpoint.save_steps, cfg.distributed.fsdp_sharding_strategy) == (500, "SHARD_GRAD_OP")
+    recipe.write_text("save_strategy: no\nsave_steps: 10\n")
+    assert main(["train", str(recipe), *BASE]) == 2
+    assert "save_steps=10 set without save_strategy steps" in capsys.readouterr().err
 
 
 def test_keys_set_without_their_setting_are_named_together_with_their_file_line(tmp_path, capsys):

@@ -197,7 +197,7 @@ def example_recipes(tmp_path: Path) -> dict[str, str]:
                  "--emit-config", str(tmp_path / "emitted.yaml")]) == 0
     found["estimate --emit-config"] = (tmp_path / "emitted.yaml").read_text()
     busy = load_train_config([*BASE, "--use_peft_lora", "true", "--report_to", "none", "--callbacks", "a.b:C",
-                              "--distributed_type", "multi_gpu", "--fsdp_sharding_strategy", "2"])
+                              "--distributed_type", "fsdp", "--fsdp_sharding_strategy", "2"])
     for name, cfg in (("default", TrainConfig()), ("busy", busy)):
         save_resolved(cfg, tmp_path / f"{name}.yaml")
         found[f"config.yaml ({name})"] = (tmp_path / f"{name}.yaml").read_text()

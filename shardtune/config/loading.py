@@ -26,7 +26,8 @@ from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
 from shardtune.config.no_ops import NO_OPS, no_op_problem
 from shardtune.config.schema import ALIASES, TrainConfig, all_keys
 from shardtune.config.validation import (context_problems, device_problems, idle_keys, input_problems,
-                                         model_folder_problems, resolve_report_to, tracker_problems, validate)
+                                         model_folder_problems, overruled_keys, resolve_report_to, tracker_problems,
+                                         validate)
 from shardtune.errors import UsageError, closest
 from shardtune.files import write_text
 from shardtune.strategies import FSDP
@@ -321,9 +322,10 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
     """The config ``layers`` make, where each key's value came from, and every problem found."""
     cfg = TrainConfig()
     given: dict[str, Origin] = {}
+    layer_of: dict[str, int] = {}
     declared = {d.name: d for d in all_keys()}
     problems: list[str] = []
-    for values, sources in layers:
+    for layer, (values, sources) in enumerate(layers):
         problems += _alias_problems(values, sources)
         for name, value in values.items():
             source, key = sources.get(name, Origin("config")), ALIASES.get(name, name)
@@ -334,7 +336,7 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
                 problems += [f"{source}: {problem}" for problem in refused]
                 for meant, setting in values_meant.items():
                     setattr(cfg.run, meant, setting)
-                    given[meant] = source
+                    given[meant], layer_of[meant] = source, layer
             elif key in NO_OPS:  # accepted from recipes and Accelerate files; a value that would act is refused
                 if problem := no_op_problem(key, value):
                     problems.append(f"{source}: {problem}")
@@ -345,11 +347,14 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
             else:
                 try:
                     setattr(getattr(cfg, declared[key].section), key, declared[key].coerce(value))
-                    given[key] = source
+                    given[key], layer_of[key] = source, layer
                 except ValueError as exc:
                     problems.append(f"{source}: {name}={value!r}: {exc}")
     cfg.run.report_to = resolve_report_to(cfg.run.report_to)
     normalise_compile(cfg.run, compile_set="torch_compile" in given)
+    for name in overruled_keys(cfg, layer_of):
+        section = getattr(cfg, declared[name].section)
+        setattr(section, name, getattr(type(section)(), name))
     problems += [_located(problem, given) for problem in validate(cfg, training=training)]
     return cfg, given, problems
 

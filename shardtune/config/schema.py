@@ -59,6 +59,7 @@ LORA, QLORA, PACKING, CHECKPOINTING = ("use_peft_lora true", "use_4bit_quantizat
 PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_type DDP"
 EVAL_STEPS, SAVE_STEPS, SAVING = "eval_strategy steps", "save_strategy steps", "save_strategy steps or epoch"
 PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
+FSDP_ONLY, SIZE_WRAP = "distributed_type FSDP", "fsdp_auto_wrap_policy SIZE_BASED_WRAP"
 DTYPE_SPELLINGS = {"TORCH.FLOAT32": "float32", "TORCH.BFLOAT16": "bfloat16", "TORCH.FLOAT16": "float16",
                    "HALF": "float16"}
 
@@ -327,21 +328,25 @@ class DistributedConfig:
         spellings=STRATEGY_SPELLINGS)
     fsdp_sharding_strategy: ShardingStrategy = key("FULL_SHARD", "What FSDP shards (FSDP1's numbers 1-5 are accepted "
                                                                  "too); see docs/choosing-a-setup.md.",
-                                                   spellings=SHARDING_NUMBERS)
-    fsdp_offload_params: bool = key(False, "Keep parameters, gradients and optimizer states in CPU memory.")
+                                                   spellings=SHARDING_NUMBERS, needs=FSDP_ONLY)
+    fsdp_offload_params: bool = key(False, "Keep parameters, gradients and optimizer states in CPU memory.",
+                                    needs=FSDP_ONLY)
     fsdp_auto_wrap_policy: WrapPolicy = key("TRANSFORMER_BASED_WRAP", "What becomes one FSDP unit (gathered and "
-                                                                      "freed together).")
+                                                                      "freed together).", needs=FSDP_ONLY)
     fsdp_transformer_layer_cls_to_wrap: str | None = key(None, "Class name of the unit to wrap (default: the model's "
                                                                "decoder layer).")
-    fsdp_min_num_params: int = key(100_000_000, "SIZE_BASED_WRAP: parameters per unit.")
+    fsdp_min_num_params: int = key(100_000_000, "SIZE_BASED_WRAP: parameters per unit.", needs=SIZE_WRAP)
     fsdp_cpu_ram_efficient_loading: bool = key(
         True, "Only rank 0 reads the weights (into CPU RAM, as every FSDP rank does: each GPU only ever holds its "
         "shards); the others build on the meta device and receive them. Not with QLoRA: each rank quantises its own "
-        "copy in CPU RAM.")
-    fsdp_sync_module_states: bool = key(True, "Broadcast rank 0's weights so every rank starts identical.")
+        "copy in CPU RAM.", needs=FSDP_ONLY)
+    fsdp_sync_module_states: bool = key(True, "Broadcast rank 0's weights so every rank starts identical.",
+                                        needs=FSDP_ONLY)
     fsdp_state_dict_type: StateDictType = key("SHARDED_STATE_DICT", "Checkpoints: each rank writes its shard "
-                                                                    "(SHARDED) or rank 0 writes all (FULL).")
-    fsdp_reshard_after_forward: bool | None = key(None, "FSDP2's name; overrides what the sharding strategy implies.")
+                                                                    "(SHARDED) or rank 0 writes all (FULL).",
+                                              needs=FSDP_ONLY)
+    fsdp_reshard_after_forward: bool | None = key(None, "FSDP2's name; overrides what the sharding strategy implies.",
+                                                  needs=FSDP_ONLY)
     fsdp_activation_checkpointing: bool = key(False, "Checkpoint every wrapped unit (Accelerate's key; same as "
                                                      "gradient_checkpointing).")
     fsdp_backward_prefetch: Literal["BACKWARD_PRE"] | None = key(
@@ -349,7 +354,8 @@ class DistributedConfig:
         "and NO_PREFETCH are refused.", refusal="FSDP2 always prefetches the next unit's parameters before the "
         "current one's backward (BACKWARD_PRE); set fsdp_backward_prefetch BACKWARD_PRE or leave it out")
     fsdp_forward_prefetch: bool = key(False, "Gather the next decoder layer while this one runs forward (FSDP2's "
-                                             "explicit forward prefetch); needs TRANSFORMER_BASED_WRAP.")
+                                             "explicit forward prefetch); needs TRANSFORMER_BASED_WRAP.",
+                                      needs=FSDP_ONLY)
     fsdp_version: FsdpVersion = key(2, "2: shardtune runs FSDP2 (fully_shard); 1 (FSDP1's FullyShardedDataParallel) "
                                       "is refused.",
                                    refusal="shardtune runs FSDP2 (fully_shard); fsdp_version 1 "

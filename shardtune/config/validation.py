@@ -16,8 +16,9 @@ from pathlib import Path
 from shardtune.config.compile import compile_problems
 from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
-from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, EVAL_STEPS, LORA, MP, PACKING,
-                                     PP, PUSH, QLORA, SAVE_STEPS, SAVING, TRACKER, TRACKER_PACKAGES, DataConfig,
+from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, EVAL_STEPS, FSDP_ONLY, LORA, MP,
+                                     PACKING, PP, PUSH, QLORA, SAVE_STEPS, SAVING, SIZE_WRAP, TRACKER,
+                                     TRACKER_PACKAGES, DataConfig,
                                      DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
 from shardtune.hub import looks_like_local_path, model_folder_problem
@@ -73,11 +74,6 @@ def _run_problems(cfg: TrainConfig) -> list[Problem]:
     if d.num_processes % d.num_machines:
         problems.append(Problem(("num_processes", "num_machines"), f"num_processes={d.num_processes} is the total "
                                 f"over all machines and must be a multiple of num_machines={d.num_machines}"))
-    if d.fsdp_offload_params and not _strategy(d).shards_parameters:
-        # Only FSDP2's fully_shard offloads (train/fsdp.py); elsewhere the key would be dropped without a word.
-        problems.append(Problem(("fsdp_offload_params", "distributed_type"), f"fsdp_offload_params=true is FSDP's "
-                                f"CPU offload, and distributed_type is {d.distributed_type or 'unset (NO or DDP)'}: "
-                                f"set distributed_type FSDP, or leave fsdp_offload_params out"))
     if d.fsdp_forward_prefetch and d.fsdp_auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
         problems.append(Problem(("fsdp_forward_prefetch", "fsdp_auto_wrap_policy"), f"fsdp_forward_prefetch=true "
                                 f"prefetches the next decoder layer, which needs fsdp_auto_wrap_policy "
@@ -174,6 +170,8 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     SAVING: lambda cfg: cfg.checkpoint.save_strategy != "no",
     PUSH: lambda cfg: cfg.run.push_to_hub,
     TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),
+    FSDP_ONLY: lambda cfg: _strategy(cfg.distributed).shards_parameters,
+    SIZE_WRAP: lambda cfg: cfg.distributed.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP",
     DDP_ONLY: lambda cfg: _strategy(cfg.distributed) is DDP or (_strategy(cfg.distributed).one_device
                                                                and cfg.distributed.num_processes > 1),
 }
@@ -183,6 +181,18 @@ def idle_keys(cfg: TrainConfig) -> set[str]:
     """The keys whose setting ``cfg`` leaves off (lora_r of a full fine-tune): a config written for it leaves them
     out."""
     return {d.name for d in all_keys() if d.meta.needs and not SWITCHES[d.meta.needs](cfg)}
+
+
+def overruled_keys(cfg: TrainConfig, layer_of: Mapping[str, int]) -> set[str]:
+    """Idle keys given in an earlier layer than the setting that turned them off (a recipe's save_steps under
+    --save_strategy no, its fsdp_* keys under --distributed_type DDP): the later layer overrides the setting as a
+    whole, so they are set back to their defaults rather than refused. ``layer_of``: each given key's layer."""
+    return {name for name in idle_keys(cfg) & set(layer_of)
+            if layer_of.get(_switch_key(name), -1) > layer_of[name]}
+
+
+def _switch_key(name: str) -> str:
+    return next(d.meta.needs for d in all_keys() if d.name == name).split()[0]
 
 
 def switch_problems(cfg: TrainConfig) -> list[Problem]:
