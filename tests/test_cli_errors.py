@@ -366,3 +366,9 @@ def test_train_without_the_launcher_refuses_several_processes(tiny, tmp_path, ca
                                       "start 2 with shardtune launch --num_processes 2 train ..., or set "
                                       "num_processes 1")
     assert not (tmp_path / "out").exists()
+    # The launcher's own keys place a process in a job that train alone never joins.
+    exits_2([*argv[:-4], "--machine_rank", "1", "--main_process_ip", "10.0.0.1"])
+    assert one_error_line(capsys) == ("shardtune train: error: machine_rank=1, main_process_ip=10.0.0.1: shardtune "
+                                      "launch reads these to start a job's processes, and shardtune train alone "
+                                      "starts none; run shardtune launch ... train ..., or leave them out")
+    assert not (tmp_path / "out").exists()
