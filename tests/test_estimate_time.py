@@ -69,6 +69,19 @@ def test_microbatch_by_hand():
     assert m.memory_s == pytest.approx((elementwise + loss + mask + weights) / bandwidth)
 
 
+@pytest.mark.parametrize("key", ["torch_compile", "use_liger_kernel"])
+def test_compiled_or_liger_kernels_are_timed_as_fused(key):
+    """torch_compile (inductor) and use_liger_kernel (Triton) fuse the norms, activations and RoPE: the estimate
+    of such a job charges fused_elementwise_bytes where eager modules cost elementwise_bytes, and nothing else
+    moves (an estimate of a recipe setting either had timed eager kernels)."""
+    setup = validate(checked_setup(per_device_train_batch_size=3, max_seq_len=SEQ))
+    eager = compute.microbatch(TINY, setup, CARD, 1e15)
+    fused = compute.microbatch(TINY, setup.with_(**{key: True}), CARD, 1e15)
+    saved = 3 * SEQ * LAYERS * (2 * HIDDEN + INTER) * (P.elementwise_bytes - P.fused_elementwise_bytes) * (1 + 1 / 3)
+    assert (fused.matmul_s, fused.attention_s) == (eager.matmul_s, eager.attention_s)
+    assert eager.memory_s - fused.memory_s == pytest.approx(saved / (2e12 * compute.MEMORY_EFFICIENCY))
+
+
 def test_ddp_step_by_hand():
     setup = validate(checked_setup(distributed_type="DDP", num_gpus=4, per_device_train_batch_size=3, max_seq_len=SEQ,
                                    gradient_accumulation_steps=2, gradient_checkpointing=False))

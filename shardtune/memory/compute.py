@@ -100,9 +100,12 @@ class Kernels:
 
 
 def kernels_of(setup: Setup) -> Kernels:
-    """The kernels ``shardtune train`` runs for ``setup``: its attention implementation, eager modules."""
+    """The kernels ``shardtune train`` runs for ``setup``: its attention implementation; the norms, activations and
+    RoPE fused where torch_compile (inductor) or use_liger_kernel (Liger's Triton kernels) asks, eager modules
+    otherwise."""
     attention = {"flash_attention_2": "flash", "eager": "eager"}.get(setup.attn_implementation, "sdpa-mask")
-    return Kernels(attention=attention)
+    run = setup.config.run
+    return Kernels(attention=attention, fused=run.torch_compile or run.use_liger_kernel)
 
 
 @dataclass(frozen=True)
