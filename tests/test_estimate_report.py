@@ -134,6 +134,15 @@ def test_estimate_of_a_recipe_reads_fsdp_reshard_after_forward(tmp_path, capsys)
         assert main(["estimate", "--config", str(tmp_path / f"{name}.yaml"), "--json"]) == 0
         totals[name] = json.loads(capsys.readouterr().out)["per_gpu"]["total"]
     assert totals["no_reshard"] == totals["grad_op"] != totals["full"] == totals["grad_op_reshard"]
+    # HYBRID_SHARD without resharding keeps its layers gathered inside the node as SHARD_GRAD_OP does: the same
+    # bytes more than HYBRID_SHARD, on 2 nodes of 2 GPUs (each shard over 2, as the pair above).
+    hybrid = base.replace("num_processes: 2", "num_processes: 4\nnum_machines: 2")
+    hybrid += "fsdp_sharding_strategy: HYBRID_SHARD\n"
+    for name, extra in (("hybrid", ""), ("hybrid_keep", "fsdp_reshard_after_forward: false\n")):
+        (tmp_path / f"{name}.yaml").write_text(hybrid + extra)
+        assert main(["estimate", "--config", str(tmp_path / f"{name}.yaml"), "--json"]) == 0
+        totals[name] = json.loads(capsys.readouterr().out)["per_gpu"]["total"]
+    assert totals["hybrid_keep"] - totals["hybrid"] == totals["grad_op"] - totals["full"] > 0
 
 
 @pytest.mark.parametrize("policy", ["NO_WRAP", "SIZE_BASED_WRAP"])

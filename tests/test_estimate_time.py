@@ -136,6 +136,21 @@ def test_fsdp_lora_across_nodes_by_hand():
                                              + hidden_behind(micro_comm + step_comm, micro))
 
 
+def test_hybrid_shard_without_resharding_gathers_its_layers_once_a_micro_batch():
+    """fsdp_reshard_after_forward false keeps each layer gathered from its forward to its backward (FSDP2, as
+    train/plan.py sets it): HYBRID_SHARD then all-gathers the decoder layers once per micro-batch inside the node,
+    not twice; the root is gathered once either way."""
+    def intra(**keys) -> float:
+        setup = validate(checked_setup(distributed_type="FSDP", fsdp_sharding_strategy="HYBRID_SHARD", num_gpus=2,
+                                       num_nodes=3, per_device_train_batch_size=2, max_seq_len=SEQ,
+                                       gradient_accumulation_steps=4, **keys))
+        return step_time(TINY, setup, CARD, LINKS, None).comm_bytes["intra"]
+
+    layers = 2 * LAYERS * LAYER  # bf16, as FSDP gathers them
+    assert intra() - intra(fsdp_reshard_after_forward=False) == pytest.approx((2 - 1) / 2 * layers * 4)
+    assert intra(fsdp_reshard_after_forward=True) == intra()
+
+
 def test_offload_copies_shards_over_pcie_and_steps_on_the_cpu():
     setup = validate(checked_setup(distributed_type="FSDP", fsdp_offload_params=True, num_gpus=2,
                                    per_device_train_batch_size=1, max_seq_len=SEQ))

@@ -405,7 +405,7 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
     # are fp32 (MixedPrecisionPolicy reduce_dtype); pure bf16 reduces the bf16 gradient itself.
     unit_grad = model.layer_trainable(biggest) * (dp.dt.compute + (4 if dp.dt.master == 4 else 0))
     root = model.root_gathered()
-    if setup.sharding_strategy == "SHARD_GRAD_OP" and dp.shard > 1:  # kept gathered from forward to backward
+    if not setup.reshards_after_forward and dp.shard > 1:  # kept gathered from forward to backward
         gathered_fwd = gathered_at_loss = sum(model.layer_gathered(i) for i in range(dp.inv.num_layers))
     else:
         gathered_fwd = 2 * unit  # the running layer and the prefetched next one
@@ -414,7 +414,7 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
         gathered_at_loss = 0 if dp.shard > 1 else gathered_fwd
     loss, backward = root + gathered_at_loss, root + gathered_fwd + unit_grad
     loss_backward = head = loss
-    if setup.separate_root_units and dp.shard > 1 and setup.sharding_strategy != "SHARD_GRAD_OP":
+    if setup.separate_root_units and dp.shard > 1 and setup.reshards_after_forward:
         # Embeddings and head are units of their own (torchtune custom_sharded_layers), resharded after their
         # forward: nothing of them is gathered while the decoder layers run backward. The head is gathered again
         # by its pre-backward hook (with its unsharded gradient beside it when it trains).
@@ -422,9 +422,9 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
         head_grad = head_unit if setup.method == "full" else 0  # its unsharded gradient, the same size
         loss, backward = gathered_at_loss, gathered_fwd + unit_grad
         loss_backward, head = loss, head_unit + head_grad
-    if setup.loss == "shardtune" and dp.shard > 1 and setup.sharding_strategy != "SHARD_GRAD_OP":
-        # FSDP2 reshards the root after forward (not under SHARD_GRAD_OP) and gathers it again from the
-        # pre-backward hook on its output, the loss: before the chunks' backward, the all-gather's output
+    if setup.loss == "shardtune" and dp.shard > 1 and setup.reshards_after_forward:
+        # FSDP2 reshards the root after forward (unless told not to, as SHARD_GRAD_OP does) and gathers it again
+        # from the pre-backward hook on its output, the loss: before the chunks' backward, the all-gather's output
         # beside the unsharded parameters it is copied into; the chunks then run with the root gathered.
         loss_backward, head = root + gathered_at_loss, 2 * root + gathered_at_loss
     return _Copies("FSDP all-gathered units (compute dtype)", loss, loss_backward, head, backward, backward)

@@ -135,6 +135,16 @@ class Setup:
         return "FULL_SHARD" if d.fsdp_reshard_after_forward else "SHARD_GRAD_OP"
 
     @property
+    def reshards_after_forward(self) -> bool:
+        """Whether FSDP2 frees each unit's gathered parameters after its forward and gathers them again for its
+        backward, as ``train/plan.py:make_plan`` sets it: fsdp_reshard_after_forward, else FULL_SHARD and
+        HYBRID_SHARD do and SHARD_GRAD_OP does not (HYBRID_SHARD without it keeps them gathered in the node)."""
+        d = self.config.distributed
+        if d.fsdp_reshard_after_forward is not None:
+            return d.fsdp_reshard_after_forward
+        return d.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+
+    @property
     def offload_params(self) -> bool:
         """FSDP's CPU offload of parameters, gradients and optimizer states (the key means nothing elsewhere)."""
         return self.strategy.shards_parameters and self.config.distributed.fsdp_offload_params

@@ -179,7 +179,7 @@ def _data_parallel_traffic(model: _Model, setup: Setup, links: Links, reduce_byt
         return traffic
     hybrid = setup.sharding_strategy == "HYBRID_SHARD"
     shard_nodes = 1 if hybrid else nodes  # HYBRID_SHARD shards inside a node
-    regather = setup.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    regather = setup.reshards_after_forward
     s, b = collective_s(root + layers * (2 if regather else 1), gpus, shard_nodes, links,
                         units + (inv.num_layers if regather else 0))
     traffic.add(s, b, accum, per_step=False)
