@@ -168,7 +168,7 @@ SWITCHED = {
     "bnb_4bit_quant_type": "fp4", "use_nested_quant": "false", "bnb_4bit_compute_dtype": "float32",
     "bnb_4bit_quant_storage_dtype": "float32", "append_concat_token": "true", "use_reentrant": "true",
     "ddp_find_unused_parameters": "true", "pipeline_schedule": "GPipe", "pipeline_microbatches": "4",
-    "mp_devices": "cpu,cpu", "eval_steps": "5", "save_steps": "10", "save_total_limit": "2", "hub_model_id": "me/x",
+    "mp_devices": "cpu,cpu", "eval_steps": "5", "save_steps": "10", "hub_model_id": "me/x",
     "hub_private_repo": "true", "hub_token": "hf_secret", "run_name": "first",
     "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_offload_params": "true", "fsdp_auto_wrap_policy": "NO_WRAP",
     "fsdp_min_num_params": "1000",
@@ -183,7 +183,6 @@ SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "distributed_type DDP": (["--distributed_type", "DDP"], ["--num_processes", "1"]),
                 "eval_strategy steps": (["--eval_strategy", "steps"], []),
                 "save_strategy steps": ([], ["--save_strategy", "no"]),
-                "save_strategy steps or epoch": ([], ["--save_strategy", "no"]),
                 "push_to_hub true": (["--push_to_hub", "true"], []),
                 "report_to naming a tracker": (["--report_to", "tensorboard"], []),
                 "distributed_type FSDP": (["--distributed_type", "FSDP"], []),
@@ -228,6 +227,34 @@ def test_a_later_layer_that_turns_a_setting_off_resets_its_keys(tmp_path, capsys
     recipe.write_text("save_strategy: no\nsave_steps: 10\n")
     assert main(["train", str(recipe), *BASE]) == 2
     assert "save_steps=10 set without save_strategy steps" in capsys.readouterr().err
+
+
+def test_what_acts_as_the_default_or_acts_anyway_is_accepted(tmp_path):
+    """An unset boolean reads as false (ddp_find_unused_parameters false, common in TRL recipes, is the default's
+    behaviour); save_total_limit acts under save_strategy no too, on the checkpoints a SIGTERM or a callback saves;
+    a reset setting takes its own keys along (a recipe's SIZE_BASED_WRAP and fsdp_min_num_params under
+    --distributed_type DDP, as bench strategies runs it)."""
+    cfg = load_train_config([*BASE, "--ddp_find_unused_parameters", "false", "--hub_private_repo", "false",
+                             "--save_strategy", "no", "--save_total_limit", "1"])
+    assert (cfg.distributed.ddp_find_unused_parameters, cfg.checkpoint.save_total_limit) == (False, 1)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("distributed_type: FSDP\nfsdp_auto_wrap_policy: SIZE_BASED_WRAP\nfsdp_min_num_params: 5000\n")
+    d = load_train_config([str(recipe), *BASE, "--distributed_type", "DDP"]).distributed
+    assert (d.fsdp_auto_wrap_policy, d.fsdp_min_num_params) == ("TRANSFORMER_BASED_WRAP", 100_000_000)
+
+
+def test_a_saved_config_with_keys_that_did_nothing_still_loads(tmp_path):
+    """export and resume read a run's config.yaml: one saved before idle keys were refused (lora_r of a full
+    fine-tune) loads with them left out, where a recipe would be refused."""
+    from shardtune.config.loading import load_saved_config
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text("model_name_or_path: m\ndataset_name: d.jsonl\noutput_dir: out\nlora_r: 16\nsave_strategy: no\n"
+                     "save_steps: 20\n")
+    with pytest.raises(UsageError, match="lora_r=16 set without use_peft_lora true"):
+        load_train_config([str(saved)])
+    cfg = load_saved_config(saved, ["--output_dir", "elsewhere"])
+    assert (cfg.lora.lora_r, cfg.checkpoint.save_steps, cfg.run.output_dir) == (8, 500, "elsewhere")
 
 
 def test_keys_set_without_their_setting_are_named_together_with_their_file_line(tmp_path, capsys):

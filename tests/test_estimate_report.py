@@ -157,3 +157,11 @@ def test_estimate_of_a_recipe_with_other_fsdp_units_asks_for_the_trace(tmp_path,
             f"(TRANSFORMER_BASED_WRAP); add --trace") in capsys.readouterr().err
     recipe.write_text(recipe.read_text().replace(policy, "TRANSFORMER_BASED_WRAP"))
     assert main(["estimate", "--config", str(recipe), "--json"]) == 0
+
+
+def test_an_emitted_recipe_for_several_gpus_names_the_launch_command(tmp_path, capsys):
+    """shardtune train runs one process: the recipe of a 2-GPU setup is run by shardtune launch, as printed."""
+    for gpus, command in (("2", "shardtune launch --num_processes 2 train"), ("1", "shardtune train")):
+        out = tmp_path / f"e{gpus}.yaml"
+        assert main(["estimate", "llama-3.2-1b", "--num-gpus", gpus, "--emit-config", str(out)]) == 0
+        assert f"then: {command} {out})" in capsys.readouterr().out

@@ -69,17 +69,28 @@ def test_microbatch_by_hand():
     assert m.memory_s == pytest.approx((elementwise + loss + mask + weights) / bandwidth)
 
 
-@pytest.mark.parametrize("key", ["torch_compile", "use_liger_kernel"])
-def test_compiled_or_liger_kernels_are_timed_as_fused(key):
+@pytest.mark.parametrize("keys, adapters_fused", [({"torch_compile": True}, True),
+                                                   ({"use_liger_kernel": True}, False)])
+def test_compiled_or_liger_kernels_are_timed_as_fused(keys, adapters_fused):
     """torch_compile (inductor) and use_liger_kernel (Triton) fuse the norms, activations and RoPE: the estimate
-    of such a job charges fused_elementwise_bytes where eager modules cost elementwise_bytes, and nothing else
-    moves (an estimate of a recipe setting either had timed eager kernels)."""
-    setup = validate(checked_setup(per_device_train_batch_size=3, max_seq_len=SEQ))
-    eager = compute.microbatch(TINY, setup, CARD, 1e15)
-    fused = compute.microbatch(TINY, setup.with_(**{key: True}), CARD, 1e15)
-    saved = 3 * SEQ * LAYERS * (2 * HIDDEN + INTER) * (P.elementwise_bytes - P.fused_elementwise_bytes) * (1 + 1 / 3)
+    of such a job charges fused_elementwise_bytes where eager modules cost elementwise_bytes. Inductor also fuses
+    PEFT's adapter kernels (LORA_BYTES_PER_DIM fused); Liger's kernels leave them eager. Matmuls and attention do
+    not move. (An estimate of a recipe setting either had timed eager kernels.)"""
+    per_layer = 8 * (4 * (HIDDEN + HIDDEN) + 2 * (HIDDEN + INTER) + (INTER + HIDDEN))  # r=8 on all seven
+    lora = LoraCount(8, ("all-linear",), (per_layer,) * LAYERS, 0)
+    setup = validate(checked_setup(method="lora", per_device_train_batch_size=3, max_seq_len=SEQ))
+    eager = compute.microbatch(TINY, setup, CARD, 1e15, lora)
+    fused = compute.microbatch(TINY, setup.with_(**keys), CARD, 1e15, lora)
+    tokens, passes = 3 * SEQ, 1 + 1 / 3  # forward, backward, the recomputed forward
+    saved = tokens * LAYERS * (2 * HIDDEN + INTER) * (P.elementwise_bytes - P.fused_elementwise_bytes) * passes
+    if adapters_fused:
+        dims = compute.LORA_BYTES_PER_DIM["eager"] - compute.LORA_BYTES_PER_DIM["fused"]
+        saved += tokens * LAYERS * dims * per_layer / 8 * passes  # bytes per unit of in + out, r = 8
     assert (fused.matmul_s, fused.attention_s) == (eager.matmul_s, eager.attention_s)
     assert eager.memory_s - fused.memory_s == pytest.approx(saved / (2e12 * compute.MEMORY_EFFICIENCY))
+    # Compiled with a backend that generates no kernels, nothing is fused.
+    plain = setup.with_(torch_compile=True, torch_compile_backend="aot_eager")
+    assert compute.microbatch(TINY, plain, CARD, 1e15, lora).memory_s == eager.memory_s
 
 
 def test_ddp_step_by_hand():

@@ -393,8 +393,17 @@ def _print_tables(report: Report, timed: TimeReport | None, extras: dict) -> Non
               f"accumulation steps = global batch {bp['global_batch_size']} (asked "
               f"{bp['requested_global_batch_size']}; at most {bp['largest_fitting_micro_batch']} fits per GPU)")
     if "emitted_config" in extras:
-        emitted = extras["emitted_config"]
-        print(f"wrote {emitted} (set dataset_name, then: shardtune train {emitted})")
+        emitted, job = extras["emitted_config"], report.breakdown.setup
+        print(f"wrote {emitted} (set dataset_name, then: {train_command(job, emitted)})")
+
+
+def train_command(setup: Setup, recipe: str) -> str:
+    """The command that runs an emitted recipe: shardtune train starts one process (MP drives its GPUs from it),
+    shardtune launch the others."""
+    if setup.strategy.drives_several_devices or setup.world_size == 1:
+        return f"shardtune train {recipe}"
+    machines = f" --num_machines {setup.num_nodes}" if setup.num_nodes > 1 else ""
+    return f"shardtune launch --num_processes {setup.world_size}{machines} train {recipe}"
 
 
 def _write_plots(plot: str, report: Report, timed: TimeReport | None) -> None:

@@ -352,9 +352,12 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
                     problems.append(f"{source}: {name}={value!r}: {exc}")
     cfg.run.report_to = resolve_report_to(cfg.run.report_to)
     normalise_compile(cfg.run, compile_set="torch_compile" in given)
-    for name in overruled_keys(cfg, layer_of):
-        section = getattr(cfg, declared[name].section)
-        setattr(section, name, getattr(type(section)(), name))
+    reset: set[str] = set()
+    while overruled := overruled_keys(cfg, layer_of, reset):  # a reset setting can leave its own keys idle
+        for name in overruled:
+            section = getattr(cfg, declared[name].section)
+            setattr(section, name, getattr(type(section)(), name))
+        reset |= overruled
     problems += [_located(problem, given) for problem in validate(cfg, training=training)]
     return cfg, given, problems
 
@@ -385,6 +388,14 @@ def load_train_config(argv: list[str], *, training: bool = True) -> TrainConfig:
     """Resolve ``shardtune train`` arguments into a validated TrainConfig (see the module docstring); ``training``
     False reads them for a command that writes nothing (no output_dir needed)."""
     return build_config(_layers(argv), training=training)
+
+
+def load_saved_config(path: str | Path, argv: list[str] | None = None) -> TrainConfig:
+    """A run's saved config.yaml (``argv``: what the command sets over it), as export and resume read it: a key
+    that did nothing in that run, saved before such keys were refused (lora_r of a full fine-tune), is left out
+    rather than refused."""
+    values, sources = read_yaml_recipe(path)
+    return build_config([(without_idle_keys(values), sources), *_layers(argv or [])])
 
 
 def load_run_config(argv: list[str]) -> TrainConfig:

@@ -57,7 +57,7 @@ HUB = "Accepted so recipes run unchanged; acts only where the hub is reachable."
 LORA, QLORA, PACKING, CHECKPOINTING = ("use_peft_lora true", "use_4bit_quantization true", "packing true",
                                        "gradient_checkpointing true")
 PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_type DDP"
-EVAL_STEPS, SAVE_STEPS, SAVING = "eval_strategy steps", "save_strategy steps", "save_strategy steps or epoch"
+EVAL_STEPS, SAVE_STEPS = "eval_strategy steps", "save_strategy steps"
 PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
 FSDP_ONLY, SIZE_WRAP = "distributed_type FSDP", "fsdp_auto_wrap_policy SIZE_BASED_WRAP"
 DTYPE_SPELLINGS = {"TORCH.FLOAT32": "float32", "TORCH.BFLOAT16": "bfloat16", "TORCH.FLOAT16": "float16",
@@ -292,7 +292,7 @@ class RunConfig:
     push_to_hub: bool = key(False, HUB)
     hub_model_id: str | None = key(None, HUB, needs=PUSH)
     hub_token: str | None = key(None, HUB, secret=True, needs=PUSH)
-    hub_private_repo: bool | None = key(None, HUB, needs=PUSH)
+    hub_private_repo: bool | None = key(False, HUB, needs=PUSH)
     hub_strategy: HubStrategy = key("end", "When push_to_hub uploads: end, the final model once, after training "
                                            "(Transformers' every_save, checkpoint and all_checkpoints are refused).",
                                     refusal="push_to_hub uploads the final model once, at the end of training; use "
@@ -308,7 +308,7 @@ class CheckpointConfig:
                                         "never.", spellings=NO)
     save_steps: int = key(500, "Save a resumable checkpoint every this many steps.", ge=1, needs=SAVE_STEPS)
     save_total_limit: int | None = key(None, "Keep at most this many checkpoints (oldest deleted first); the best one "
-                                             "is kept beyond it with load_best_model_at_end.", ge=1, needs=SAVING)
+                                             "is kept beyond it with load_best_model_at_end.", ge=1)
     load_best_model_at_end: bool = key(False, "Write final/ from the best checkpoint by metric_for_best_model, not "
                                               "the last step (needs save_strategy equal to eval_strategy, save_steps "
                                               "a multiple of eval_steps).")
@@ -361,7 +361,7 @@ class DistributedConfig:
                                    refusal="shardtune runs FSDP2 (fully_shard); fsdp_version 1 "
                                            "(FullyShardedDataParallel) is not available; set fsdp_version 2 or leave "
                                            "it out (the fsdp_* keys keep their meaning)")
-    ddp_find_unused_parameters: bool | None = key(None, "DDP's find_unused_parameters (true when some parameters get "
+    ddp_find_unused_parameters: bool | None = key(False, "DDP's find_unused_parameters (true when some parameters get "
                                                         "no gradient).", needs=DDP_ONLY)
     mixed_precision: MixedPrecision | None = key(None, "Accelerate's key; the bf16/fp16 flags win when set (bf16 "
                                                        "false opts out of it); unset with them, the hardware decides "

@@ -17,7 +17,7 @@ from shardtune.config.compile import compile_problems
 from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
 from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, EVAL_STEPS, FSDP_ONLY, LORA, MP,
-                                     PACKING, PP, PUSH, QLORA, SAVE_STEPS, SAVING, SIZE_WRAP, TRACKER,
+                                     PACKING, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
                                      TRACKER_PACKAGES, DataConfig,
                                      DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
@@ -167,7 +167,6 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     MP: lambda cfg: _strategy(cfg.distributed).drives_several_devices,
     EVAL_STEPS: lambda cfg: cfg.run.eval_strategy == "steps",
     SAVE_STEPS: lambda cfg: cfg.checkpoint.save_strategy == "steps",
-    SAVING: lambda cfg: cfg.checkpoint.save_strategy != "no",
     PUSH: lambda cfg: cfg.run.push_to_hub,
     TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),
     FSDP_ONLY: lambda cfg: _strategy(cfg.distributed).shards_parameters,
@@ -183,12 +182,13 @@ def idle_keys(cfg: TrainConfig) -> set[str]:
     return {d.name for d in all_keys() if d.meta.needs and not SWITCHES[d.meta.needs](cfg)}
 
 
-def overruled_keys(cfg: TrainConfig, layer_of: Mapping[str, int]) -> set[str]:
+def overruled_keys(cfg: TrainConfig, layer_of: Mapping[str, int], reset: set[str]) -> set[str]:
     """Idle keys given in an earlier layer than the setting that turned them off (a recipe's save_steps under
-    --save_strategy no, its fsdp_* keys under --distributed_type DDP): the later layer overrides the setting as a
+    --save_strategy no, its fsdp_* keys under --distributed_type DDP), or whose setting is itself such a key, now
+    ``reset`` (its fsdp_min_num_params, under its SIZE_BASED_WRAP): the later layer overrides the setting as a
     whole, so they are set back to their defaults rather than refused. ``layer_of``: each given key's layer."""
-    return {name for name in idle_keys(cfg) & set(layer_of)
-            if layer_of.get(_switch_key(name), -1) > layer_of[name]}
+    return {name for name in (idle_keys(cfg) & set(layer_of)) - reset
+            if layer_of.get(_switch_key(name), -1) > layer_of[name] or _switch_key(name) in reset}
 
 
 def _switch_key(name: str) -> str:
@@ -203,7 +203,7 @@ def switch_problems(cfg: TrainConfig) -> list[Problem]:
         if d.name in idle:
             section = getattr(cfg, d.section)
             value = getattr(section, d.name)
-            if _same(value) != _same(getattr(type(section)(), d.name)):
+            if not _acts_as(value, getattr(type(section)(), d.name)):
                 text = "(given)" if d.meta.secret else ",".join(map(str, value)) if isinstance(value, list) else \
                     shown(value)
                 found.setdefault(d.meta.needs, []).append(f"{d.name}={text}")
@@ -217,9 +217,14 @@ def switch_problems(cfg: TrainConfig) -> list[Problem]:
     return problems
 
 
-def _same(value: object) -> object:
-    """A value as compared with the default: strings in any case and without spaces around them."""
-    return value.strip().lower() if isinstance(value, str) else value
+def _acts_as(value: object, default: object) -> bool:
+    """Whether ``value`` does what the default does: strings in any case and without spaces around them; unset
+    where the default is false (recipes write ddp_find_unused_parameters: null for Transformers' "not set")."""
+    if isinstance(default, bool):
+        return bool(value) == default
+    if isinstance(value, str) and isinstance(default, str):
+        return value.strip().lower() == default.strip().lower()
+    return value == default
 
 
 # The eval record's metrics (step.evaluate); Transformers users may write them without "eval_".

@@ -94,18 +94,26 @@ class Kernels:
 
     attention: str = "sdpa-mask"  # flash | sdpa-mask | eager
     fused: bool = False  # torch.compile or hand-written fused norm and activation kernels
+    # Whether the rest of the graph is fused too (adapters, eager attention's scores, the loss): torch.compile's
+    # inductor is; hand-written kernels for the norms and activations alone (Liger) are not. None: as ``fused``.
+    whole_graph: bool | None = None
     recompute: str | None = None  # none | full | selective-layer | selective-op; None: full with checkpointing
     overlap_comm: bool = True  # gradients reduced during backward (DDP buckets, FSDP), not after it
     reduce_bytes: int | None = None  # bytes of a reduced gradient element; None: the master weights' size
 
+    @property
+    def graph_fused(self) -> bool:
+        return self.fused if self.whole_graph is None else self.whole_graph
+
 
 def kernels_of(setup: Setup) -> Kernels:
     """The kernels ``shardtune train`` runs for ``setup``: its attention implementation; the norms, activations and
-    RoPE fused where torch_compile (inductor) or use_liger_kernel (Liger's Triton kernels) asks, eager modules
-    otherwise."""
+    RoPE fused where torch_compile with inductor (the whole graph) or use_liger_kernel (Liger's Triton kernels for
+    those alone) asks, eager modules otherwise. Other compile backends (eager, aot_eager) generate no kernels."""
     attention = {"flash_attention_2": "flash", "eager": "eager"}.get(setup.attn_implementation, "sdpa-mask")
     run = setup.config.run
-    return Kernels(attention=attention, fused=run.torch_compile or run.use_liger_kernel)
+    inductor = run.torch_compile and (run.torch_compile_backend or "inductor") == "inductor"
+    return Kernels(attention=attention, fused=inductor or run.use_liger_kernel, whole_graph=inductor)
 
 
 @dataclass(frozen=True)
@@ -167,7 +175,7 @@ def layer_bytes_per_token(inv: ModelInventory, lora: LoraCount | None, kernels: 
     width = 2 * inv.hidden_size + inv.intermediate_size * max(1, inv.experts_per_token)
     total = width * (params.fused_elementwise_bytes if kernels.fused else params.elementwise_bytes)
     if lora is not None:
-        style = "fused" if kernels.fused else "eager"
+        style = "fused" if kernels.graph_fused else "eager"
         total += LORA_BYTES_PER_DIM[style] * lora.total / max(lora.r, 1) / inv.num_layers
     return total * (1 + recompute / 3)  # a forward is ~1/3 of the traffic
 
@@ -176,10 +184,10 @@ def memory_bytes_per_microbatch(inv: ModelInventory, setup: Setup, lora: LoraCou
                                 params: TimingParams, recompute: float) -> float:
     """What one micro-batch's memory-bound kernels read and write, all layers, forward and backward."""
     tokens = setup.batch_size * setup.seq_len
-    style = "fused" if kernels.fused else "eager"
+    style = "fused" if kernels.graph_fused else "eager"
     adapters = lora if setup.uses_lora else None
     total = tokens * inv.num_layers * layer_bytes_per_token(inv, adapters, kernels, params, recompute)
-    loss = "chunked" if kernels.fused and setup.loss == "full" else setup.loss  # compiled with the model
+    loss = "chunked" if kernels.graph_fused and setup.loss == "full" else setup.loss  # compiled with the model
     total += tokens * inv.vocab_size * LOSS_BYTES_PER_LOGIT[loss]
     scores = setup.batch_size * inv.num_heads * setup.seq_len ** 2 * inv.num_layers
     if kernels.attention == "eager":

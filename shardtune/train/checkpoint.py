@@ -42,7 +42,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from shardtune.config import TrainConfig, load_train_config
+from shardtune.config import TrainConfig
+from shardtune.config.loading import load_saved_config
 from shardtune.dist import DistInfo, RankFailed, run_and_share
 from shardtune.errors import TrainingStopped, UsageError, first_line, writing
 from shardtune.files import write_text
@@ -356,7 +357,7 @@ def resume_point(cfg: TrainConfig, info) -> ResumePoint | None:
     path = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.run.output_dir, info)
     if path is None:
         return None
-    old = load_train_config([str(path / "config.yaml")])
+    old = load_saved_config(path / "config.yaml")
     # A pipeline's stages all read the whole batch: its data is split over one rank, whatever the processes.
     saved_world = (int(read_json(path / MANIFEST)["world_size"])
                    if resolve(old.distributed.distributed_type, False).shards_batch else 1)

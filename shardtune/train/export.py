@@ -131,7 +131,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
 def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) -> tuple[nn.Module, object, bool, str]:
     """(model with the checkpoint's weights, its tokenizer, whether it is a PEFT model, the base model path) of
     ``checkpoint``, on CPU, one process."""
-    from shardtune.config import load_train_config
+    from shardtune.config.loading import load_saved_config
     from shardtune.data import load_tokenizer
     from shardtune.train.model import Precision, apply_lora, load_base_model, resize_for_tokenizer
 
@@ -139,7 +139,7 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
     if problem := checkpoint_folder_problem(path, str(checkpoint)):
         raise UsageError(problem)
     overrides = ["--model_name_or_path", base] if base else []
-    cfg = load_train_config([str(path / "config.yaml"), *overrides])
+    cfg = load_saved_config(path / "config.yaml", overrides)
     if damaged := checkpoint_damage(path):
         raise UsageError(f"{checkpoint}: {damaged}; export an earlier checkpoint")
     manifest = read_json(path / MANIFEST)
