@@ -75,6 +75,11 @@ def test_accelerate_aliases_and_fsdp1_numbers(tmp_path):
     assert load_train_config(["--config_file", str(acc), *BASE]).distributed.distributed_type == "DDP"
     acc.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 4\nnum_processes: 4\n")
     assert load_train_config(["--config_file", str(acc), *BASE]).distributed.fsdp_sharding_strategy == "HYBRID_SHARD"
+    # FSDP1's HYBRID_SHARD_ZERO2 (5) keeps the gathered parameters in the node: HYBRID_SHARD without resharding.
+    for spelled in ("5", "HYBRID_SHARD_ZERO2"):
+        acc.write_text(f"distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: {spelled}\nnum_processes: 4\n")
+        d = load_train_config(["--config_file", str(acc), *BASE]).distributed
+        assert (d.fsdp_sharding_strategy, d.fsdp_reshard_after_forward) == ("HYBRID_SHARD", False)
     # An fsdp_config beside MULTI_GPU would be dropped: refused, naming the file and line.
     acc.write_text("distributed_type: MULTI_GPU\nfsdp_config:\n  fsdp_sharding_strategy: 4\nnum_processes: 4\n")
     with pytest.raises(UsageError, match="acc.yaml, line 3: fsdp_sharding_strategy=HYBRID_SHARD set without "

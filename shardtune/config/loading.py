@@ -24,7 +24,7 @@ import yaml
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
 from shardtune.config.no_ops import NO_OPS, no_op_problem
-from shardtune.config.schema import ALIASES, TrainConfig, all_keys
+from shardtune.config.schema import ALIASES, ZERO2_HYBRID, TrainConfig, all_keys
 from shardtune.config.validation import (context_problems, device_problems, idle_keys, input_problems,
                                          model_folder_problems, overruled_keys, resolve_report_to, tracker_problems,
                                          validate)
@@ -218,7 +218,12 @@ def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin
     """A shardtune YAML recipe: flat keys (an ``fsdp_config:`` block is also accepted)."""
     data, lines = _yaml_with_lines(Path(path))
     flat = _flatten(data)
-    return flat, {k: Origin(str(path), lines.get(k)) for k in flat}
+    sources = {k: Origin(str(path), lines.get(k)) for k in flat}
+    if str(flat.get("fsdp_sharding_strategy", "")).strip().upper() in ZERO2_HYBRID:
+        # FSDP1's HYBRID_SHARD_ZERO2 keeps the gathered parameters from forward to backward.
+        flat.setdefault("fsdp_reshard_after_forward", False)
+        sources.setdefault("fsdp_reshard_after_forward", sources["fsdp_sharding_strategy"])
+    return flat, sources
 
 
 def _cli_items(argv: list[str]) -> list[tuple[str, str, Any, str]]:

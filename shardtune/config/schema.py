@@ -46,8 +46,11 @@ MAX_SEED = 2**32 - 1  # what numpy's and torch's generators take
 DATASET_PLACEHOLDER = "REPLACE_WITH_YOUR_DATASET"
 STRATEGY_SPELLINGS = {alias: s.name for s in STRATEGIES for alias in s.aliases}  # Accelerate's MULTI_GPU -> DDP
 # FSDP1's enum values, which older Accelerate files write as numbers; HYBRID_SHARD_ZERO2 (5) keeps gathered
-# parameters inside the node like SHARD_GRAD_OP, which FSDP2 spells HYBRID_SHARD without resharding.
-SHARDING_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD"}
+# parameters inside the node like SHARD_GRAD_OP, which FSDP2 spells HYBRID_SHARD without resharding (a file that
+# says it also gets fsdp_reshard_after_forward false: loading.read_yaml_recipe).
+SHARDING_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD",
+                    "HYBRID_SHARD_ZERO2": "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD"}
+ZERO2_HYBRID = ("5", "HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2")
 FLOAT16 = ("pure fp16 training diverges without an fp32 master copy (fp16's range overflows and small updates "
            "vanish); leave {key} out and set fp16 true for fp16 mixed precision, or use {key} bfloat16")
 # YAML 1.1 (PyYAML) reads an unquoted no as false: for keys whose choices include "no", that is what was written.
