@@ -127,3 +127,28 @@ def test_neftune_noises_training_embeddings_only_within_its_bound():
     assert 0.5 * bound < (noisy - plain).abs().max() <= bound
     model.eval()
     assert torch.equal(model.embed(ids), plain)
+
+
+def test_neftune_noise_alpha_reaches_the_trained_model(root):
+    """--neftune_noise_alpha is wired to the model the run trains: its input embeddings are noisy in training, by
+    at most alpha / sqrt(seq_len x hidden), and clean in evaluation."""
+    from shardtune.train.loop import train
+    from tests.trainutil import logging_restored
+
+    seen = {}
+
+    class Look:
+        def on_train_begin(self, args, state, control, *, model, **kwargs) -> None:
+            embed, ids = model.get_input_embeddings(), torch.randint(0, 100, (1, 64))
+            with torch.no_grad():
+                seen["noisy"], seen["again"] = embed(ids), embed(ids)
+                model.eval()
+                seen["clean"], seen["hidden"] = embed(ids), embed.weight.shape[1]
+                model.train()
+
+    with logging_restored():
+        train(load_train_config(args(root, "neftune", "--neftune_noise_alpha", "5", "--max_steps", "1",
+                                     "--save_strategy", "no")), callbacks=[Look()])
+    bound = 5 / (64 * seen["hidden"]) ** 0.5
+    assert 0 < (seen["noisy"] - seen["clean"]).abs().max() <= bound
+    assert not torch.equal(seen["noisy"], seen["again"])  # drawn afresh for each forward
