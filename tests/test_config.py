@@ -248,6 +248,16 @@ def test_what_acts_as_the_default_or_acts_anyway_is_accepted(tmp_path):
     assert (d.fsdp_auto_wrap_policy, d.fsdp_min_num_params) == ("TRANSFORMER_BASED_WRAP", 100_000_000)
 
 
+def test_ddp_keys_act_under_torchrun_started_by_hand(monkeypatch):
+    """torchrun --nproc_per_node 2 -m shardtune train, with no distributed_type, runs DDP whatever num_processes
+    says: its DDP keys act there, and stay refused in one process."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(UsageError, match="ddp_find_unused_parameters=true set without distributed_type DDP"):
+        load_train_config([*BASE, "--ddp_find_unused_parameters", "true"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert load_train_config([*BASE, "--ddp_find_unused_parameters", "true"]).distributed.ddp_find_unused_parameters
+
+
 def test_a_saved_config_with_keys_that_did_nothing_still_loads(tmp_path):
     """export and resume read a run's config.yaml: one saved before idle keys were refused (lora_r of a full
     fine-tune) loads with them left out, where a recipe would be refused."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -172,8 +173,14 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     FSDP_ONLY: lambda cfg: _strategy(cfg.distributed).shards_parameters,
     SIZE_WRAP: lambda cfg: cfg.distributed.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP",
     DDP_ONLY: lambda cfg: _strategy(cfg.distributed) is DDP or (_strategy(cfg.distributed).one_device
-                                                               and cfg.distributed.num_processes > 1),
+                                                               and _processes(cfg) > 1),
 }
+
+
+def _processes(cfg: TrainConfig) -> int:
+    """The job's processes: the config's, or torchrun's where it started this one (``torchrun -m shardtune train``
+    with no distributed_type runs DDP, whatever num_processes says)."""
+    return max(cfg.distributed.num_processes, int(os.environ.get("WORLD_SIZE", "1") or 1))
 
 
 def idle_keys(cfg: TrainConfig) -> set[str]:
