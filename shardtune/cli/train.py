@@ -103,22 +103,24 @@ def _run(argv: list[str]) -> int:
     return 0
 
 
-# What shardtune launch reads of a job's config to start its processes, with the values that start none.
-LAUNCH_KEYS = {"machine_rank": 0, "main_process_ip": None, "main_process_port": None, "rdzv_backend": "static"}
+# What shardtune launch reads of a job's config to start its processes; their defaults start none.
+LAUNCH_KEYS = ("machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
 
 
 def refuse_processes_without_launcher(cfg) -> None:
     """Outside torchrun (no WORLD_SIZE), ``shardtune train`` starts no processes itself: num_processes above 1
     would run on one process, unlike the dry run and the estimate of the same recipe (MP drives its devices from
     one process), and the launcher's keys would place it in no job."""
-    d = cfg.distributed
+    from shardtune.config.schema import DistributedConfig
+
+    d, defaults = cfg.distributed, DistributedConfig()
     if cfg.run.dry_run or "WORLD_SIZE" in os.environ:
         return
     if d.num_processes > 1 and not resolve(d.distributed_type, False).drives_several_devices:
         raise UsageError(f"num_processes={d.num_processes}: shardtune train runs one process; start "
                          f"{d.num_processes} with shardtune launch --num_processes {d.num_processes} train ..., or "
                          f"set num_processes 1")
-    given = [f"{name}={getattr(d, name)}" for name, idle in LAUNCH_KEYS.items() if getattr(d, name) != idle]
+    given = [f"{name}={getattr(d, name)}" for name in LAUNCH_KEYS if getattr(d, name) != getattr(defaults, name)]
     if given:
         raise UsageError(f"{', '.join(given)}: shardtune launch reads {'these' if len(given) > 1 else 'this'} to "
                          f"start a job's processes, and shardtune train alone starts none; run shardtune launch ... "

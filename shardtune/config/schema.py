@@ -384,6 +384,15 @@ class DistributedConfig:
     mp_devices: str | None = key(None, "MP: comma-separated devices (cuda:0,cuda:1); default: every visible GPU.",
                                  needs=MP)
 
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether FSDP2 frees each unit's gathered parameters after its forward and gathers them again for its
+        backward: fsdp_reshard_after_forward, else what the sharding implies (FULL_SHARD and HYBRID_SHARD do,
+        SHARD_GRAD_OP does not). The trainer's plan and the estimate both read it here."""
+        if self.fsdp_reshard_after_forward is not None:
+            return self.fsdp_reshard_after_forward
+        return self.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+
 
 @dataclass
 class TrainConfig:

@@ -183,10 +183,14 @@ def _processes(cfg: TrainConfig) -> int:
     return max(cfg.distributed.num_processes, int(os.environ.get("WORLD_SIZE", "1") or 1))
 
 
+# The keys declared with ``needs=``, each with its declaration.
+SWITCHED = {d.name: d for d in all_keys() if d.meta.needs}
+
+
 def idle_keys(cfg: TrainConfig) -> set[str]:
     """The keys whose setting ``cfg`` leaves off (lora_r of a full fine-tune): a config written for it leaves them
     out."""
-    return {d.name for d in all_keys() if d.meta.needs and not SWITCHES[d.meta.needs](cfg)}
+    return {name for name, d in SWITCHED.items() if not SWITCHES[d.meta.needs](cfg)}
 
 
 def overruled_keys(cfg: TrainConfig, layer_of: Mapping[str, int], reset: set[str]) -> set[str]:
@@ -199,28 +203,30 @@ def overruled_keys(cfg: TrainConfig, layer_of: Mapping[str, int], reset: set[str
 
 
 def _switch_key(name: str) -> str:
-    return next(d.meta.needs for d in all_keys() if d.name == name).split()[0]
+    """The key that turns ``name``'s setting on: the first word of its ``needs``."""
+    return SWITCHED[name].meta.needs.split()[0]
 
 
 def switch_problems(cfg: TrainConfig) -> list[Problem]:
     """Keys set while the setting they act under is off, one line per setting."""
-    found: dict[str, list[str]] = {}
+    found: dict[str, dict[str, str]] = {}  # setting -> {key: its value as written}
     idle = idle_keys(cfg)
-    for d in all_keys():
-        if d.name in idle:
-            section = getattr(cfg, d.section)
-            value = getattr(section, d.name)
-            if not _acts_as(value, getattr(type(section)(), d.name)):
-                text = "(given)" if d.meta.secret else ",".join(map(str, value)) if isinstance(value, list) else \
-                    shown(value)
-                found.setdefault(d.meta.needs, []).append(f"{d.name}={text}")
+    for name, d in SWITCHED.items():
+        if name not in idle:
+            continue
+        section = getattr(cfg, d.section)
+        value = getattr(section, name)
+        if not _acts_as(value, getattr(type(section)(), name)):
+            text = "(given)" if d.meta.secret else ",".join(map(str, value)) if isinstance(value, list) else \
+                shown(value)
+            found.setdefault(d.meta.needs, {})[name] = text
     problems = []
     for needs, given in found.items():
-        names = tuple(g.split("=")[0] for g in given)
-        them = "them" if len(given) > 1 else "it"
-        problems.append(Problem((*names, needs.split()[0]), f"{', '.join(given)} set without {needs}: "
-                                f"{'they act' if len(given) > 1 else 'it acts'} only with it; set {needs}, or leave "
-                                f"{them} out"))
+        several = len(given) > 1
+        problems.append(Problem((*given, _switch_key(next(iter(given)))),
+                                f"{', '.join(f'{k}={v}' for k, v in given.items())} set without {needs}: "
+                                f"{'they act' if several else 'it acts'} only with it; set {needs}, or leave "
+                                f"{'them' if several else 'it'} out"))
     return problems
 
 

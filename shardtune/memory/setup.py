@@ -127,22 +127,17 @@ class Setup:
 
     @property
     def sharding_strategy(self) -> str:
-        """The sharding FSDP2 runs: fsdp_reshard_after_forward overrides what FULL_SHARD / SHARD_GRAD_OP imply
-        (``train/plan.py:make_plan``), and without resharding FULL_SHARD is SHARD_GRAD_OP."""
+        """The sharding FSDP2 runs: FULL_SHARD without resharding after forward is SHARD_GRAD_OP, and the reverse
+        (``DistributedConfig.reshards_after_forward``)."""
         d = self.config.distributed
-        if d.fsdp_reshard_after_forward is None or d.fsdp_sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        if d.fsdp_sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
             return d.fsdp_sharding_strategy
-        return "FULL_SHARD" if d.fsdp_reshard_after_forward else "SHARD_GRAD_OP"
+        return "FULL_SHARD" if d.reshards_after_forward else "SHARD_GRAD_OP"
 
     @property
     def reshards_after_forward(self) -> bool:
-        """Whether FSDP2 frees each unit's gathered parameters after its forward and gathers them again for its
-        backward, as ``train/plan.py:make_plan`` sets it: fsdp_reshard_after_forward, else FULL_SHARD and
-        HYBRID_SHARD do and SHARD_GRAD_OP does not (HYBRID_SHARD without it keeps them gathered in the node)."""
-        d = self.config.distributed
-        if d.fsdp_reshard_after_forward is not None:
-            return d.fsdp_reshard_after_forward
-        return d.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        """As the trainer's plan sets it (HYBRID_SHARD without it keeps the layers gathered in the node)."""
+        return self.config.distributed.reshards_after_forward
 
     @property
     def offload_params(self) -> bool:

@@ -115,11 +115,9 @@ def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtyp
               reduce_dtype: torch.dtype = torch.float32,
               compile_backend: str | None = None, compile_mode: str | None = None) -> Plan:
     strategy = resolve_strategy(cfg, info)
-    reshard = cfg.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
-    if cfg.fsdp_reshard_after_forward is not None:
-        reshard = cfg.fsdp_reshard_after_forward
     layers = tuple(c.strip() for c in (cfg.fsdp_transformer_layer_cls_to_wrap or "").split(",") if c.strip())
-    return Plan(strategy=strategy, sharding=cfg.fsdp_sharding_strategy, reshard_after_forward=reshard,
+    return Plan(strategy=strategy, sharding=cfg.fsdp_sharding_strategy,
+                reshard_after_forward=cfg.reshards_after_forward,
                 offload=cfg.fsdp_offload_params, wrap_policy=cfg.fsdp_auto_wrap_policy, layer_classes=layers,
                 min_num_params=cfg.fsdp_min_num_params, param_dtype=param_dtype, compute_dtype=compute_dtype,
                 reduce_dtype=reduce_dtype,
