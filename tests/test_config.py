@@ -234,6 +234,23 @@ def test_a_later_layer_that_turns_a_setting_off_resets_its_keys(tmp_path, capsys
     assert "save_steps=10 set without save_strategy steps" in capsys.readouterr().err
 
 
+def test_a_setting_turned_off_by_another_of_its_keys_resets_its_keys(tmp_path, monkeypatch):
+    """Two processes with no distributed_type run DDP, so --num_processes 1 turns a recipe's DDP off as
+    --distributed_type NO would; checkpointing is gradient_checkpointing's or fsdp_activation_checkpointing's."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("num_processes: 2\nddp_find_unused_parameters: true\n")
+    cfg = load_train_config([str(recipe), *BASE, "--num_processes", "1"])
+    assert (cfg.distributed.num_processes, cfg.distributed.ddp_find_unused_parameters) == (1, False)
+    recipe.write_text("num_processes: 1\nddp_find_unused_parameters: true\n")
+    with pytest.raises(UsageError, match="ddp_find_unused_parameters=true set without distributed_type DDP"):
+        load_train_config([str(recipe), *BASE])
+    recipe.write_text("gradient_checkpointing: false\ndistributed_type: FSDP\nfsdp_activation_checkpointing: true\n"
+                      "use_reentrant: true\n")
+    cfg = load_train_config([str(recipe), *BASE, "--fsdp_activation_checkpointing", "false"])
+    assert (cfg.distributed.fsdp_activation_checkpointing, cfg.run.use_reentrant) == (False, False)
+
+
 def test_what_acts_as_the_default_or_acts_anyway_is_accepted(tmp_path):
     """An unset boolean reads as false (ddp_find_unused_parameters false, common in TRL recipes, is the default's
     behaviour); save_total_limit acts under save_strategy no too, on the checkpoints a SIGTERM or a callback saves;

@@ -199,12 +199,22 @@ def overruled_keys(cfg: TrainConfig, layer_of: Mapping[str, int], reset: set[str
     ``reset`` (its fsdp_min_num_params, under its SIZE_BASED_WRAP): the later layer overrides the setting as a
     whole, so they are set back to their defaults rather than refused. ``layer_of``: each given key's layer."""
     return {name for name in (idle_keys(cfg) & set(layer_of)) - reset
-            if layer_of.get(_switch_key(name), -1) > layer_of[name] or _switch_key(name) in reset}
+            if any(layer_of.get(key, -1) > layer_of[name] or key in reset for key in _switch_keys(name))}
+
+
+# Settings that more keys than the one their ``needs`` names turn on or off: a job of several processes with no
+# distributed_type runs DDP; checkpointing is either key's.
+SWITCHED_ALSO = {DDP_ONLY: ("num_processes",), CHECKPOINTING: ("fsdp_activation_checkpointing",)}
 
 
 def _switch_key(name: str) -> str:
     """The key that turns ``name``'s setting on: the first word of its ``needs``."""
     return SWITCHED[name].meta.needs.split()[0]
+
+
+def _switch_keys(name: str) -> tuple[str, ...]:
+    """Every key whose value decides whether ``name``'s setting is on."""
+    return (_switch_key(name), *SWITCHED_ALSO.get(SWITCHED[name].meta.needs, ()))
 
 
 def switch_problems(cfg: TrainConfig) -> list[Problem]:
