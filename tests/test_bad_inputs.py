@@ -275,6 +275,19 @@ def test_eval_strategy_without_an_eval_split_is_refused(work, tmp_path, capsys):
     assert line.startswith("shardtune train: error: ")
 
 
+def test_eval_on_start_without_an_eval_split_is_refused(work, tmp_path, capsys):
+    """eval_on_start asks for a baseline evaluation: with no eval rows it is refused like eval_strategy, not a run
+    that skips it without a word; per_device_eval_batch_size acts under it (and is refused with no evaluation)."""
+    with logging_restored():
+        refused(capsys, [*train_argv(work, tmp_path / "out"), "--eval_on_start", "true",
+                         "--per_device_eval_batch_size", "2"],
+                "eval_on_start true evaluates on the eval split", "has no eval rows (no rows in split(s) test)",
+                "eval_split_ratio 0.05, or set eval_on_start false")
+        refused(capsys, [*train_argv(work, tmp_path / "out"), "--per_device_eval_batch_size", "2"],
+                "per_device_eval_batch_size=2 set without eval_strategy steps or epoch, or eval_on_start true")
+    assert not (tmp_path / "out").exists()
+
+
 def test_eval_split_ratio_gives_the_eval_split_it_needs(work, tmp_path):
     out = tmp_path / "out"
     with logging_restored():

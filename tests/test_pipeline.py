@@ -196,6 +196,7 @@ def test_pp_resume_reproduces_the_uninterrupted_run(assets, full_runs, monkeypat
     (["--pipeline_microbatches", "3"], "multiple of pipeline_microbatches=3"),
     (["--pipeline_schedule", "zigzag"], "pipeline_schedule='zigzag'"),
     (["--eval_strategy", "steps", "--per_device_eval_batch_size", "3"], "per_device_eval_batch_size=3 must be"),
+    (["--eval_on_start", "true", "--per_device_eval_batch_size", "3"], "per_device_eval_batch_size=3 must be"),
     (["--fp16", "true"], "fp16 with distributed_type=PP: the pipeline's stages do not scale the loss"),
 ])
 def test_pipeline_config_errors(assets, extra, message):

@@ -61,6 +61,7 @@ LORA, QLORA, PACKING, CHECKPOINTING = ("use_peft_lora true", "use_4bit_quantizat
                                        "gradient_checkpointing true")
 PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_type DDP"
 EVAL_STEPS, SAVE_STEPS = "eval_strategy steps", "save_strategy steps"
+EVALUATES = "eval_strategy steps or epoch, or eval_on_start true"
 PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
 FSDP_ONLY, SIZE_WRAP = "distributed_type FSDP", "fsdp_auto_wrap_policy SIZE_BASED_WRAP"
 DTYPE_SPELLINGS = {"TORCH.FLOAT32": "float32", "TORCH.BFLOAT16": "bfloat16", "TORCH.FLOAT16": "float16",
@@ -212,7 +213,7 @@ class RunConfig:
     max_steps: int = key(-1, "Optimizer steps to train; -1 trains num_train_epochs.")
     per_device_train_batch_size: int = key(8, "Rows per micro-batch per process.", ge=1,
                                            deepspeed=("train_micro_batch_size_per_gpu",))
-    per_device_eval_batch_size: int = key(8, "Rows per eval batch per process.", ge=1)
+    per_device_eval_batch_size: int = key(8, "Rows per eval batch per process.", ge=1, needs=EVALUATES)
     gradient_accumulation_steps: int = key(1, "Micro-batches per optimizer step; the loss is normalised over all of "
                                               "them.", ge=1, deepspeed=("gradient_accumulation_steps",))
     gradient_checkpointing: bool = key(True, "Recompute each decoder layer's activations in the backward pass: "

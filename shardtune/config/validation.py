@@ -17,8 +17,8 @@ from pathlib import Path
 from shardtune.config.compile import compile_problems
 from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
-from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, EVAL_STEPS, FSDP_ONLY, LORA, MP,
-                                     PACKING, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
+from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, EVAL_STEPS, EVALUATES, FSDP_ONLY,
+                                     LORA, MP, PACKING, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
                                      TRACKER_PACKAGES, DataConfig,
                                      DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
@@ -167,6 +167,7 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     PP: lambda cfg: _strategy(cfg.distributed).pipelined,
     MP: lambda cfg: _strategy(cfg.distributed).drives_several_devices,
     EVAL_STEPS: lambda cfg: cfg.run.eval_strategy == "steps",
+    EVALUATES: lambda cfg: cfg.run.eval_strategy != "no" or cfg.run.eval_on_start,
     SAVE_STEPS: lambda cfg: cfg.checkpoint.save_strategy == "steps",
     PUSH: lambda cfg: cfg.run.push_to_hub,
     TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),
@@ -203,8 +204,9 @@ def overruled_keys(cfg: TrainConfig, layer_of: Mapping[str, int], reset: set[str
 
 
 # Settings that more keys than the one their ``needs`` names turn on or off: a job of several processes with no
-# distributed_type runs DDP; checkpointing is either key's.
-SWITCHED_ALSO = {DDP_ONLY: ("num_processes",), CHECKPOINTING: ("fsdp_activation_checkpointing",)}
+# distributed_type runs DDP; checkpointing is either key's, and so is evaluating.
+SWITCHED_ALSO = {DDP_ONLY: ("num_processes",), CHECKPOINTING: ("fsdp_activation_checkpointing",),
+                 EVALUATES: ("eval_on_start",)}
 
 
 def _switch_key(name: str) -> str:
@@ -298,7 +300,7 @@ def _validate_pipeline(cfg: TrainConfig) -> list[Problem]:
                         f"{size} must be a multiple of pipeline_microbatches={d.pipeline_microbatches} (each "
                         f"{'' if kind == 'train' else 'eval '}batch is split into them)")
                 for kind, size, used in (("train", r.per_device_train_batch_size, True),
-                                         ("eval", r.per_device_eval_batch_size, r.eval_strategy != "no"))
+                                         ("eval", r.per_device_eval_batch_size, SWITCHES[EVALUATES](cfg)))
                 if used and size % d.pipeline_microbatches]
     if cfg.mixed_precision == "fp16":
         # Each stage would need the loss scale in its backward and a skip decision shared by every stage.

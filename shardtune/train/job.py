@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from shardtune.config import TrainConfig
+from shardtune.config.schema import EVALUATES
+from shardtune.config.validation import SWITCHES
 from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
 from shardtune.gguf_source import parsed_once
@@ -55,14 +57,18 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
 
 
 def no_eval_split(cfg: TrainConfig) -> str:
-    """eval_strategy asks for evaluations and the data has no eval rows: refused (as Transformers' Trainer refuses
-    an eval_strategy without an eval_dataset) rather than a run that never evaluates what the user asked for."""
-    d = cfg.data
+    """eval_strategy or eval_on_start asks for evaluations and the data has no eval rows: refused (as Transformers'
+    Trainer refuses an eval_strategy without an eval_dataset) rather than a run that never evaluates what the user
+    asked for."""
+    d, r = cfg.data, cfg.run
     named = ", ".join(d.eval_split_names())
     where = f"no rows in split(s) {named}" if named else f"splits {d.splits} names none besides train"
-    return (f"eval_strategy {cfg.run.eval_strategy} evaluates on the eval split, and dataset_name '{d.dataset_name}' "
-            f"has no eval rows ({where}); add an eval split (e.g. test.jsonl beside train.jsonl), hold rows out of "
-            f"train with eval_split_ratio 0.05, or set eval_strategy no")
+    asked = f"eval_strategy {r.eval_strategy}" if r.eval_strategy != "no" else "eval_on_start true"
+    off = " and ".join(setting for setting, on in (("eval_strategy no", r.eval_strategy != "no"),
+                                                    ("eval_on_start false", r.eval_on_start)) if on)
+    return (f"{asked} evaluates on the eval split, and dataset_name '{d.dataset_name}' has no eval rows ({where}); "
+            f"add an eval split (e.g. test.jsonl beside train.jsonl), hold rows out of train with eval_split_ratio "
+            f"0.05, or set {off}")
 
 
 @parsed_once()  # a GGUF's metadata, read by the tokenizer and the model alike
@@ -73,7 +79,7 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
 
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed)
-    if cfg.run.eval_strategy != "no" and not (data.eval is not None and len(data.eval)):
+    if SWITCHES[EVALUATES](cfg) and not (data.eval is not None and len(data.eval)):
         raise UsageError(no_eval_split(cfg))
     if info.is_main:
         log.info("data: %s", data.report.format())
