@@ -22,8 +22,8 @@ declarations in `shardtune/config/schema.py`; `tests/test_docs_config.py` fails 
 
 Give keys in a YAML recipe (`key: value`), as `key=value` or as `--key value`; an Accelerate config
 file is read with `--config_file`. Precedence, lowest first: defaults < Accelerate config < YAML recipe
-< `key=value` < `--key value`. `shardtune train --help` prints the same list. Unknown keys are an error
-that names the closest known key.
+< the command line (`key=value` and `--key value` alike; one key given two different values there is refused).
+`shardtune train --help` prints the same list. Unknown keys are an error that names the closest known key.
 
 `shardtune config schema > shardtune.schema.json` writes the JSON Schema of a recipe, from the same declarations,
 so that an editor completes and checks the keys as you type: [recipe.yaml](recipe.yaml) is an example whose first
