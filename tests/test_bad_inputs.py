@@ -329,3 +329,29 @@ def test_a_rope_scaling_factor_extends_what_the_model_covers(tmp_path):
                                                   f"factor")
     (folder / "config.json").write_text(json.dumps({"n_positions": 1024}))  # GPT-2's name for it
     assert context_length(str(folder)) == (1024, f"{folder / 'config.json'}: n_positions")
+
+
+# ----------------------------------------------------------------------------------------------- attention kernel
+
+
+def test_an_attention_kernel_that_cannot_run_is_refused_before_anything_is_written(work, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """A misspelt attn_implementation, and flash attention where it cannot run (no CUDA here; and fp32), are one
+    line and exit 2, the dry run's too (it builds the model), where they were transformers' tracebacks (exit 1)
+    after the data was tokenised; use_flash_attn still falls back."""
+    import torch
+
+    out = tmp_path / "out"
+    with logging_restored():
+        refused(capsys, [*train_argv(work, out), "--attn_implementation", "sdpaa"],
+                "attn_implementation='sdpaa' is not accepted; use one of sdpa, eager, flash_attention_2, "
+                "flash_attention_3 (did you mean sdpa?)")
+        for dry in ("false", "true"):
+            refused(capsys, [*train_argv(work, out), "--attn_implementation", "flash_attention_2", "--dry_run", dry],
+                    "attn_implementation=flash_attention_2: it runs on CUDA GPUs only and none is visible; use "
+                    "attn_implementation sdpa (the default), or use_flash_attn true")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr("transformers.utils.is_flash_attn_2_available", lambda: True)
+        refused(capsys, [*train_argv(work, out), "--attn_implementation", "flash_attention_2", "--bf16", "false"],
+                "it computes in bf16 or fp16 only, and this job computes in fp32 (set bf16 true)")
+    assert not out.exists()

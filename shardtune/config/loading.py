@@ -25,9 +25,9 @@ from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compi
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
 from shardtune.config.no_ops import NO_OPS, no_op_problem
 from shardtune.config.schema import ALIASES, ZERO2_HYBRID, TrainConfig, all_keys
-from shardtune.config.validation import (context_problems, device_problems, idle_keys, input_problems,
-                                         model_folder_problems, overruled_keys, resolve_report_to, tracker_problems,
-                                         validate)
+from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
+                                         input_problems, model_folder_problems, overruled_keys, resolve_report_to,
+                                         tracker_problems, validate)
 from shardtune.errors import UsageError, closest
 from shardtune.files import write_text
 from shardtune.strategies import FSDP
@@ -425,6 +425,7 @@ def check_given_values(argv: list[str]) -> None:
 def run_config_problems(argv: list[str]) -> tuple[TrainConfig, dict[str, Origin], list[str]]:
     """The config of a job about to start, where each key was set, and every problem ``load_run_config`` reports."""
     cfg, given, problems = _apply(_layers(argv), training=True)
+    problems += [_located(problem, given) for problem in attention_problems(cfg)]  # a dry run builds the model too
     if not cfg.run.dry_run:
         folder = model_folder_problems(cfg, given)
         problems += (input_problems(cfg, given) + folder + (context_problems(cfg, given) if not folder else [])

@@ -34,10 +34,14 @@ FsdpVersion = Literal[2]  # the trainer shards with FSDP2's fully_shard
 DataFormat = Literal["auto", "chat", "prompt_completion", "alpaca", "text"]
 # none: the tokenizer's own template; the others are data/templates.py's TEMPLATES (a test holds them equal).
 ChatTemplateFormat = Literal["none", "chatml", "llama-3", "mistral", "alpaca", "zephyr"]
+# The attention kernels the collator makes packed batches for (a block mask for sdpa and eager, documents'
+# boundaries for flash attention).
+AttnImplementation = Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"]
 
 # The values of the choice keys that other modules read (the estimator's, data/templates.py's test).
 SHARDING_STRATEGIES, MIXED_PRECISIONS = get_args(ShardingStrategy), get_args(MixedPrecision)
 CHAT_TEMPLATES = get_args(ChatTemplateFormat)
+ATTN_IMPLEMENTATIONS = get_args(AttnImplementation)
 # report_to: each experiment tracker, the module it imports and the PyPI package that provides it.
 TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
                     "mlflow": ("mlflow", "mlflow-skinny"), "trackio": ("trackio", "trackio")}
@@ -71,7 +75,10 @@ DTYPE_SPELLINGS = {"TORCH.FLOAT32": "float32", "TORCH.BFLOAT16": "bfloat16", "TO
 @dataclass
 class ModelConfig:
     model_name_or_path: str | None = key(None, "Local model folder (config.json + weights + tokenizer) or a hub name.")
-    attn_implementation: str = key("sdpa", "Attention kernel: sdpa, eager, flash_attention_2, flash_attention_3.")
+    attn_implementation: AttnImplementation = key("sdpa", "Attention kernel. flash_attention_2 and 3 need their "
+                                                          "package (flash-attn) and a CUDA GPU computing in bf16 or "
+                                                          "fp16; use_flash_attn falls back to this one where they "
+                                                          "cannot run.")
     use_flash_attn: bool = key(False, "Use flash_attention_2 when installed and on CUDA; sdpa otherwise, with a "
                                       "warning.")
     trust_remote_code: bool = key(False, "Run a model's own Python code from its folder. Off unless you trust the "

@@ -366,6 +366,31 @@ def device_problems(cfg: TrainConfig) -> list[Problem]:
                              f"use optim {non_cuda_alternative(name)} (the same optimizer, not paged)")]
 
 
+FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3"}
+
+
+def attention_problems(cfg: TrainConfig) -> list[Problem]:
+    """Flash attention named as attn_implementation where it cannot run: transformers would refuse to build the
+    model after the data is tokenised (a dry run builds it too). use_flash_attn is the key that falls back."""
+    attn = cfg.model.attn_implementation
+    if attn not in FLASH_PACKAGES:
+        return []
+    import torch
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    if not torch.cuda.is_available():
+        why = "it runs on CUDA GPUs only and none is visible"
+    elif not (is_flash_attn_2_available() if attn == "flash_attention_2" else is_flash_attn_3_available()):
+        why = f"the {FLASH_PACKAGES[attn]} package is not installed (pip install {FLASH_PACKAGES[attn]})"
+    elif cfg.mixed_precision == "no" and not cfg.model.pure_bf16:
+        why = "it computes in bf16 or fp16 only, and this job computes in fp32 (set bf16 true)"
+    else:
+        return []
+    return [Problem("attn_implementation", f"attn_implementation={attn}: {why}; use attn_implementation sdpa (the "
+                                           f"default), or use_flash_attn true, which takes flash attention where it "
+                                           f"can run and sdpa elsewhere")]
+
+
 def bitsandbytes_problems(cfg: TrainConfig) -> list[Problem]:
     """QLoRA's 4-bit base and bitsandbytes' optimizers need the package to import (a missing one, or a build
     that does not load on this machine), found before anything is written rather than as a traceback after the

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from shardtune.config.schema import ATTN_IMPLEMENTATIONS
 from shardtune.data.encode import IGNORE
-
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
 class Collator:
