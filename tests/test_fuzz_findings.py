@@ -155,6 +155,32 @@ def test_a_damaged_model_folder_is_one_line_for_generate_merge_and_gguf_export(w
     refused(capsys, ["merge", str(work / "adapter"), "--base", str(model), str(tmp_path / "merged")], says)
 
 
+def test_a_model_folder_without_a_tokenizer_says_so_for_train_and_data_inspect(work, tmp_path, capsys):
+    """train and data inspect said "cannot load a tokenizer ... (give a local model folder or a hub id)" of a local
+    model folder, with transformers' words; now what generate says: the files missing and how to add them."""
+    model = damaged_model(work, tmp_path, "no_tokenizer")
+    says = f"model_name_or_path '{model}' holds no tokenizer (no tokenizer.json, tokenizer_config.json"
+    refused(capsys, ["train", "--model_name_or_path", str(model), "--dataset_name", str(work / "chat.jsonl"),
+                     "--output_dir", str(tmp_path / "out"), "--max_steps", "1"], says, "copy the base model's")
+    refused(capsys, ["data", "inspect", str(work / "chat.jsonl"), "--model_name_or_path", str(model)], says)
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_takes_the_adapters_own_tokenizer_where_the_base_has_none(work, tmp_path):
+    """A run's final/ keeps its tokenizer: merge reads that one, and no longer asks the base for its own (it
+    refused such a base as damaged)."""
+    from transformers import AutoTokenizer
+
+    from shardtune.cli import main
+
+    base = damaged_model(work, tmp_path, "no_tokenizer")
+    adapter = copy_of(work, "adapter", tmp_path)
+    AutoTokenizer.from_pretrained(str(work / "model")).save_pretrained(str(adapter))
+    assert main(["merge", str(adapter), "--base", str(base), str(tmp_path / "merged")]) == 0
+    merged = AutoTokenizer.from_pretrained(str(tmp_path / "merged"))
+    assert merged("7 + 8 =")["input_ids"] == AutoTokenizer.from_pretrained(str(adapter))("7 + 8 =")["input_ids"]
+
+
 # -------------------------------------------------------------------------------------------------- adapters
 
 

@@ -22,7 +22,7 @@ from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONL
                                      TRACKER_PACKAGES, DataConfig,
                                      DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
-from shardtune.hub import looks_like_local_path, model_folder_problem
+from shardtune.hub import looks_like_local_path, model_folder_problem, tokenizer_problem
 from shardtune.strategies import DDP, NO, Strategy, lookup
 
 
@@ -486,6 +486,9 @@ def model_folder_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list
     model = cfg.model.model_name_or_path
     if not model or not Path(model).expanduser().exists():  # an existing path is read, whatever its name
         return []
-    problem = model_folder_problem(model, f"model_name_or_path '{model}'", trust_fix="set trust_remote_code true",
+    name = f"model_name_or_path '{model}'"
+    problem = model_folder_problem(model, name, trust_fix="set trust_remote_code true",
                                    trust_remote_code=cfg.model.trust_remote_code)
+    if problem is None and Path(model).expanduser().is_dir():  # the trainer reads its tokenizer first
+        problem = tokenizer_problem(name, model)
     return [f"{given.get('model_name_or_path', 'config')}: {problem}"] if problem else []

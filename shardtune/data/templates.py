@@ -8,8 +8,10 @@ Templates that need the BOS token write ``bos_token``; the encoder never adds a 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from shardtune.errors import UsageError
+from shardtune.hub import tokenizer_problem
 
 
 # Tokens that end a turn in the common chat formats (ChatML/Qwen, Llama 3, Gemma, Phi-3, GPT-style, Llama 2/Mistral):
@@ -94,6 +96,9 @@ def load_tokenizer(model_name_or_path: str, cfg, *, trust_remote_code: bool = Fa
 
     if gguf := find_gguf(model_name_or_path):  # vocabulary, merges and chat template from the file's metadata
         return configure_tokenizer(load_gguf_tokenizer(gguf), cfg)
+    if Path(model_name_or_path).expanduser().is_dir() and (
+            problem := tokenizer_problem(f"model_name_or_path '{model_name_or_path}'", model_name_or_path)):
+        raise UsageError(problem)  # a local folder: what is missing, not transformers' guess at a hub id
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
-from shardtune.hub import adapter_folder_problem, adapter_weights_problem, loading_refused
+from shardtune.hub import adapter_folder_problem, adapter_weights_problem, has_tokenizer, loading_refused
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
 from shardtune.train.destination import publish, refuse_destination, temporary_sibling
 from shardtune.train.layout import MANIFEST, checkpoint_folder_problem
@@ -183,27 +183,28 @@ def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, ove
     return write_export(out, merged, merged.state_dict(), tokenizer, is_peft=False)
 
 
-def load_plain_model(path: str | Path, what: str, fix: str):
-    """A model folder or GGUF file as a float32 causal LM on CPU, and its tokenizer."""
+def load_plain_model(path: str | Path, what: str, fix: str, tokenizer_folder: str | Path | None = None):
+    """A model folder or GGUF file as a float32 causal LM on CPU, and its tokenizer (``tokenizer_folder``'s where
+    given: an adapter's own, so that a base without one is not asked for it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shardtune.gguf_source import find_gguf, load_model, load_tokenizer, parsed_once
 
+    own = AutoTokenizer.from_pretrained(str(tokenizer_folder)) if tokenizer_folder is not None else None
     if gguf := find_gguf(path):
         with parsed_once():
-            return load_model(gguf, dtype=torch.float32), load_tokenizer(gguf)
+            return load_model(gguf, dtype=torch.float32), own or load_tokenizer(gguf)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise UsageError(f"{what} {path}: cannot load a model ({str(exc).splitlines()[0]}); {fix}") from None
-    return model, AutoTokenizer.from_pretrained(str(path))
+    return model, own or AutoTokenizer.from_pretrained(str(path))
 
 
 def merged_model(adapter: str | Path, base: str | Path):
     """(the base model, a folder or GGUF file, with the LoRA adapter folded in; the adapter's tokenizer, or the
     base's where the adapter has none)."""
     from peft import PeftModel
-    from transformers import AutoTokenizer
 
     from shardtune.train.model import resize_for_tokenizer
 
@@ -212,8 +213,7 @@ def merged_model(adapter: str | Path, base: str | Path):
         raise UsageError(problem)
     with loading_refused(f"adapter {adapter} on --base {base}", "the folders are damaged or do not belong together: "
                                                                  "save them again, or use copies you trust"):
-        model, tokenizer = load_plain_model(base, "--base", "give the base model folder the adapter was trained on")
-        if (adapter / "tokenizer_config.json").is_file():
-            tokenizer = AutoTokenizer.from_pretrained(str(adapter))
+        model, tokenizer = load_plain_model(base, "--base", "give the base model folder the adapter was trained on",
+                                            adapter if has_tokenizer(adapter) else None)
         resize_for_tokenizer(model, len(tokenizer))
         return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload(), tokenizer
