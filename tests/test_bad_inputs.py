@@ -355,3 +355,16 @@ def test_an_attention_kernel_that_cannot_run_is_refused_before_anything_is_writt
         refused(capsys, [*train_argv(work, out), "--attn_implementation", "flash_attention_2", "--bf16", "false"],
                 "it computes in bf16 or fp16 only, and this job computes in fp32 (set bf16 true)")
     assert not out.exists()
+
+
+def test_lora_modules_to_save_that_name_no_module_and_a_zero_alpha_are_refused(work, tmp_path, capsys):
+    """PEFT trains nothing for a modules_to_save name that matches no module and says nothing (the run trained the
+    adapters alone and recorded the typo in adapter_config.json); lora_alpha 0 scales every update to nothing."""
+    with logging_restored():
+        refused(capsys, [*train_argv(work, tmp_path / "a"), "--use_peft_lora", "true", "--lora_modules_to_save",
+                         "lm_head,embed_tokns"],
+                "lora_modules_to_save=lm_head,embed_tokns: no module of the model is named embed_tokns (did you "
+                "mean embed_tokens?)")
+        refused(capsys, [*train_argv(work, tmp_path / "b"), "--use_peft_lora", "true", "--lora_alpha", "0"],
+                "lora_alpha=0 must be positive")
+    assert not (tmp_path / "b").exists()

@@ -90,6 +90,16 @@ def test_invalid_utf8_in_json_and_csv_files(model_dir, tmp_path):
     assert prepare(model_dir, csv_path, tmp_path / "cache", skip_bad_rows=True).report.documents == 2
 
 
+def test_a_csv_with_a_byte_order_mark_reads_as_one_without(model_dir, tmp_path):
+    """Excel writes a byte-order mark before the header; it was read into the first column's name, and the file
+    was refused as having no known columns."""
+    plain, marked = tmp_path / "plain.csv", tmp_path / "marked.csv"
+    plain.write_bytes(b"prompt,completion\nQ1,A1\nQ2,A2\n")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert (prepare(model_dir, marked, tmp_path / "cache").train.to_list()
+            == prepare(model_dir, plain, tmp_path / "cache").train.to_list())
+
+
 def _entry(cache):
     (entry,) = [p for p in cache.iterdir()]
     return entry

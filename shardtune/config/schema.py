@@ -145,7 +145,7 @@ class LoraConfig:
     use_peft_lora: bool = key(False, "Train LoRA adapters (PEFT) on a frozen base instead of every weight.",
                               aliases={"use_peft": "TRL's"})
     lora_r: int = key(8, "LoRA rank.", ge=1, needs=LORA)
-    lora_alpha: int = key(16, "LoRA scaling numerator (the update is scaled by alpha / r).", needs=LORA)
+    lora_alpha: int = key(16, "LoRA scaling numerator (the update is scaled by alpha / r).", gt=0, needs=LORA)
     lora_dropout: float = key(0.0, "Dropout on the LoRA input.", ge=0, lt=1, needs=LORA)
     lora_target_modules: str = key(
         "all-linear", "all-linear; comma-separated module names (q_proj,v_proj: each matches a module whose name ends "

@@ -158,7 +158,8 @@ def _not_utf8(line: bytes, start: int) -> str:
 
 def _iter_csv(path: Path, delimiter: str) -> Iterator[tuple[str, dict | BadRow]]:
     # csv reads in blocks, not lines: the bytes that are not UTF-8 are kept as escapes and looked for in each row
-    with path.open(newline="", encoding="utf-8", errors="surrogateescape") as f:
+    # utf-8-sig: a byte-order mark (Excel writes one) is dropped, not read into the first column's name
+    with path.open(newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
         reader = csv.DictReader(f, delimiter=delimiter)
         if reader.fieldnames and any(_ESCAPED_BYTE.search(name) for name in reader.fieldnames):
             raise UsageError(f"{path}:1: the header is not valid UTF-8; {REENCODE}.")

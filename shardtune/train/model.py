@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardtune.config import LoraConfig, ModelConfig, TrainConfig
-from shardtune.errors import UsageError
+from shardtune.errors import UsageError, closest
 
 log = logging.getLogger("shardtune")
 
@@ -360,6 +360,15 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids
     """
     from peft import get_peft_model
 
+    if missing := [name for name in lora.lora_modules_to_save
+                   if not any(module.endswith(name) for module, _ in model.named_modules())]:
+        # PEFT trains a copy of each module whose name ends with one of these, and says nothing of a name that
+        # matches none: the run would train the adapters alone.
+        short = sorted({module.rsplit(".", 1)[-1] for module, _ in model.named_modules() if module})
+        hints = [hint for name in missing if (hint := closest(name, short))]
+        raise UsageError(f"lora_modules_to_save={','.join(lora.lora_modules_to_save)}: no module of the model is "
+                         f"named {', '.join(missing)}" + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+                         + "; give the names of modules to train whole, e.g. lm_head,embed_tokens")
     peft_config = peft_lora_config(lora, added_token_targets(model, added_token_ids or [], lora))
     if mutates_base(lora) and next(model.parameters()).is_meta:
         # A rank built on meta gets all of rank 0's weights, its decomposed base included: nothing to take apart
