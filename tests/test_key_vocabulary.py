@@ -311,11 +311,27 @@ def test_every_no_op_with_acting_values_lists_one_here():
 
 
 @pytest.mark.parametrize("key", sorted(ACTING))
-def test_an_acting_value_of_a_no_op_key_is_refused(tmp_path, key):
+def test_an_acting_value_of_a_no_op_key_is_refused(tmp_path, monkeypatch, key):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # use_cpu acts only where a GPU is visible
     acc = tmp_path / "accelerate.yaml"
     acc.write_text(json.dumps({key: ACTING[key], "distributed_type": "NO"}))  # JSON is YAML
     with pytest.raises(UsageError, match=rf"{acc}, line 1: {key}=.* would change what runs .*: "):
         load_train_config(["--config_file", str(acc), *BASE])
+
+
+def test_accelerates_multi_cpu_file_loads_where_no_gpu_is_visible(tmp_path, monkeypatch):
+    """accelerate config writes use_cpu: true into every MULTI_CPU file; where torch sees no GPU that asks for what
+    runs anyway, so the file loads as it is (it was refused, naming a fix that could not help)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    acc = tmp_path / "accelerate.yaml"
+    acc.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n"
+                   "mixed_precision: 'no'\nuse_cpu: true\nmachine_rank: 0\nnum_machines: 1\n")
+    cfg = load_train_config(["--config_file", str(acc), *BASE])
+    assert (cfg.distributed.distributed_type, cfg.distributed.num_processes) == ("DDP", 2)
 
 
 def test_disable_tqdm_turns_the_training_bar_off(tmp_path_factory, monkeypatch):

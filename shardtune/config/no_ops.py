@@ -26,6 +26,14 @@ def _any(_value: Any) -> bool:
     return True
 
 
+def _gpu_visible() -> bool:
+    """Whether this machine shows torch a CUDA GPU: where none is, Accelerate's use_cpu true (which its MULTI_CPU
+    files always carry) asks for what runs anyway. torch is imported only for that question."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _one_of(*words: str) -> Callable[[Any], bool]:
     return lambda value: off(value) or str(value).strip().lower() in words
 
@@ -65,7 +73,7 @@ NO_OPS: dict[str, NoOp] = {
         ("tpu_env", "TPU-only"), ("tpu_use_cluster", "TPU-only"), ("tpu_use_sudo", "TPU-only"),
         ("tpu_name", "TPU-only"), ("tpu_zone", "TPU-only"), ("commands", "TPU pod commands"),
         ("command_file", "TPU pod commands"))},
-    "use_cpu": NoOp("Accelerate's switch to the CPU", off,
+    "use_cpu": NoOp("Accelerate's switch to the CPU", lambda value: off(value) or not _gpu_visible(),
                     "hide the GPUs instead: CUDA_VISIBLE_DEVICES= shardtune train ..."),
     "gpu_ids": NoOp("which GPUs Accelerate uses", _one_of("all"), "choose them with CUDA_VISIBLE_DEVICES=0,1"),
     "megatron_lm_config": NoOp("Megatron-LM", off, "shardtune does not run Megatron-LM: remove it"),
