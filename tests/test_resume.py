@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -211,13 +212,24 @@ def test_eval_epochs_match_training_records_and_a_finished_run_resumes_to_nothin
     assert sorted(evals) == [1, 2] and all(0 < e < 1 for e in evals.values()), logged
     assert evals == train  # the same epoch count as the training record of the same step (epoch 1 of N: 1/N)
 
-    # Resumed at its last step: nothing to train, said so; no record added, no "done: 2 steps".
+    # Resumed at its last step (a requeued job that had finished): nothing to train, said so; no record added, no
+    # "done: 2 steps", and final/ and summary.json stay as they are (they were moved aside and written again).
+    summary, final = (out / "summary.json").read_text(), (out / "final" / "adapter_model.safetensors").stat()
+    proc = shardtune(work, "evals", *args, "--resume_from_checkpoint", "true", nproc=0)
+    ok(proc)
+    assert (f"nothing to train: {Path('evals')} finished at step 2 already, its max_steps (2); its final/ and "
+            "summary.json are kept as they are; raise max_steps to train further") in proc.stderr
+    assert "done:" not in proc.stderr
+    assert records(out) == logged and (out / "summary.json").read_text() == summary
+    assert (out / "final" / "adapter_model.safetensors").stat().st_mtime_ns == final.st_mtime_ns
+    assert not list((out / "checkpoints").glob("superseded-*"))
+    # Killed after its last checkpoint, before final/: the resume writes final/ from it.
+    shutil.rmtree(out / "final")
+    (out / "summary.json").unlink()
     proc = shardtune(work, "evals", *args, "--resume_from_checkpoint", "true", nproc=0)
     ok(proc)
     assert ("nothing to train: resumed at step 2, already max_steps (2), so no step was taken (final/ written from "
             "evals/checkpoints/step-2); raise max_steps to train further") in proc.stderr
-    assert "done:" not in proc.stderr
-    assert records(out) == logged
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["steps"], summary["steps_this_run"], summary["resumed_from_step"]) == (2, 0, 2)
 

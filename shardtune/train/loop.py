@@ -144,6 +144,11 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     out = Path(cfg.run.output_dir)
     seed_everything(cfg.run.seed)
     job = make_job(cfg, info, stage_bounds)  # a refusal here has written nothing into output_dir
+    if resume is not None and (done := finished_summary(out, resume.step, job.state.max_steps)) is not None:
+        # A requeued job of a run that ended: its final/ and summary.json stay as they are.
+        log.info("nothing to train: %s finished at step %d already, its max_steps (%d); its final/ and summary.json "
+                 "are kept as they are; raise max_steps to train further", out, resume.step, job.state.max_steps)
+        return done
     checkpointer = Checkpointer(cfg, job.info, job.plan, job.model, job.optimizer, job.state,
                                 flat_optimizer=job.runner.flat_optimizer)
     if str(cfg.checkpoint.resume_from_checkpoint or "").lower() not in RESUME_OFF:
@@ -181,6 +186,22 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
         write_text(out / "summary.json", json.dumps(summary, indent=1))
         push_to_hub(cfg, summary.get("final"))
         log_summary(summary, cfg)
+    return summary
+
+
+def finished_summary(out: Path, step: int, max_steps: int) -> dict[str, Any] | None:
+    """The summary of a run in ``out`` that ended at ``step``, its final/ written, when a resume from ``step``
+    would train no step more (``max_steps``); else None."""
+    summary_path = out / "summary.json"
+    if step < max_steps or not summary_path.is_file():
+        return None
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("steps") != step or summary.get("stopped_by") == "SIGTERM" \
+            or not (out / "final").is_dir():
+        return None
     return summary
 
 
