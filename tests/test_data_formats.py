@@ -48,7 +48,9 @@ def assistant_text(conv, end):
 @pytest.mark.parametrize("template,end", [("none", "<|im_end|>"), ("chatml", "<|im_end|>"),
                                           ("llama-3", "<|eot_id|>"), ("zephyr", EOS), ("alpaca", EOS)])
 def test_chat_targets_are_assistant_turns_with_their_end_token(model_dir, tmp_path, template, end):
-    data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format=template, max_seq_len=256)
+    # The tiny tokenizer has ChatML's tokens and not Llama 3's: those are added
+    data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format=template, max_seq_len=256,
+                        add_special_tokens=template == "llama-3")
     assert len(data.train) == len(CHATS)
     for row, conv in zip(data.train, CHATS):
         assert targets(tok, row) == assistant_text(conv, end)  # multi-turn: every reply, no prompt text
@@ -67,8 +69,22 @@ def test_mistral_template_keeps_eos_as_target_and_never_doubles_bos(model_dir, t
     assert row["input_ids"].count(tok.bos_token_id) == 1
 
 
+def test_a_template_whose_tokens_the_tokenizer_lacks_is_refused_without_add_special_tokens(model_dir):
+    """Llama 3's turns on a tokenizer without its tokens trained <|eot_id|> as text spelled out in ten pieces, and
+    generation never stopped there; it is named, with the key that adds it. Zephyr's and Mistral's markers are
+    spelled in pieces by design (their turns end in EOS), so they need nothing added."""
+    with pytest.raises(UsageError) as exc:
+        load_tokenizer(model_dir, DataConfig(chat_template_format="llama-3"))
+    assert str(exc.value) == ("chat_template_format llama-3: the tokenizer has no token <|eot_id|>, the template's "
+                              "end of a turn: it would train as text spelled out in pieces, and generation would not "
+                              "stop there; set add_special_tokens true (adds the template's tokens and resizes the "
+                              "embeddings), or chat_template_format none to keep the tokenizer's own template")
+    for name in ("zephyr", "mistral"):
+        assert load_tokenizer(model_dir, DataConfig(chat_template_format=name)).chat_template
+
+
 def test_llama3_special_tokens_added_and_eos_becomes_end_of_turn(model_dir, tmp_path):
-    plain = load_tokenizer(model_dir, DataConfig(chat_template_format="llama-3"))
+    plain = load_tokenizer(model_dir, DataConfig())
     cfg = DataConfig(chat_template_format="llama-3", add_special_tokens=True)
     tok = load_tokenizer(model_dir, cfg)
     assert len(tok) == len(plain) + 3

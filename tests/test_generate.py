@@ -247,7 +247,8 @@ def test_prompt_ids_are_the_training_rows_prompt(tmp_path, template, appends_eos
     from shardtune.testing.tiny import make_model_folder
 
     folder = make_model_folder(tmp_path / "model", num_layers=1)
-    tokenizer = load_tokenizer(str(folder), DataConfig(chat_template_format=template))
+    tokenizer = load_tokenizer(str(folder), DataConfig(chat_template_format=template,
+                                                       add_special_tokens=template == "llama-3"))
     if appends_eos:
         bos, eos = tokenizer.bos_token, tokenizer.eos_token
         tokenizer._tokenizer.post_processor = TemplateProcessing(
@@ -261,4 +262,6 @@ def test_prompt_ids_are_the_training_rows_prompt(tmp_path, template, appends_eos
     first_target = next(i for i, label in enumerate(labels) if label != IGNORE)
     prompt = encode_prompt(tokenizer, messages=messages)
     assert prompt == ids[:first_target]
-    assert prompt.count(tokenizer.bos_token_id) == 1 and tokenizer.eos_token_id not in prompt
+    assert prompt.count(tokenizer.bos_token_id) == 1
+    # (Llama 3's EOS is its end of turn once its tokens are added: every turn of the prompt ends in it.)
+    assert prompt.count(tokenizer.eos_token_id) == (2 if template == "llama-3" else 0)

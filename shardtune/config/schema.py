@@ -113,7 +113,10 @@ class DataConfig:
                                     "evaluate.")
     dataset_text_field: str = key("text", "The column of raw-text rows.")
     data_format: DataFormat = key("auto", "The row format; auto looks at the first row.")
-    chat_template_format: ChatTemplateFormat = key("none", "The chat template: none is the tokenizer's own.")
+    chat_template_format: ChatTemplateFormat = key("none", "The chat template: none is the tokenizer's own. A named "
+                                                           "one whose end-of-turn token (chatml's <|im_end|>, "
+                                                           "llama-3's <|eot_id|>) the tokenizer lacks needs "
+                                                           "add_special_tokens true.")
     add_special_tokens: bool = key(False, "Add the named template's special tokens to the tokenizer (and resize the "
                                           "embeddings).")
     append_concat_token: bool = key(False, "When packing, end every document with EOS if it does not already.",

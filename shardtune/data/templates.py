@@ -116,6 +116,13 @@ def configure_tokenizer(tokenizer, cfg):
                              f"{', '.join(TEMPLATES)}.")
         template = TEMPLATES[name]
         tokenizer.chat_template = template.jinja
+        end = template.end_of_turn
+        if end is not None and not cfg.add_special_tokens and end not in tokenizer.get_vocab():
+            # (Markers spelled in pieces are how Zephyr and Mistral train; a turn must still end in one token.)
+            raise UsageError(f"chat_template_format {name}: the tokenizer has no token {end}, the template's end of "
+                             f"a turn: it would train as text spelled out in pieces, and generation would not stop "
+                             f"there; set add_special_tokens true (adds the template's tokens and resizes the "
+                             f"embeddings), or chat_template_format none to keep the tokenizer's own template")
         if cfg.add_special_tokens and template.special_tokens:
             # add_tokens(special_tokens=True) keeps the tokens already registered (add_special_tokens may replace them)
             tokenizer.add_tokens(list(template.special_tokens), special_tokens=True)
