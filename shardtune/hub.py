@@ -154,6 +154,12 @@ def context_length(model: str) -> tuple[int, str] | None:
         config = json.loads(config_file.read_text()) if config_file else None
     except (OSError, ValueError):
         return None
+    return config_context_length(config, str(config_file))
+
+
+def config_context_length(config: object, where: str) -> tuple[int, str] | None:
+    """(the longest sequence a model ``config`` (a dict, as config.json holds it) covers, the key it was read from,
+    led by ``where``); None where it says none."""
     if not isinstance(config, dict):
         return None
     key = next((k for k in CONTEXT_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
@@ -161,14 +167,17 @@ def context_length(model: str) -> tuple[int, str] | None:
         return None
     scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else {}
     factor = scaling.get("factor") if isinstance(scaling.get("factor"), (int, float)) else 1
-    return int(config[key] * max(1, factor)), f"{config_file}: {key}" + (" x rope_scaling factor" if factor > 1 else "")
+    return int(config[key] * max(1, factor)), f"{where}: {key}" + (" x rope_scaling factor" if factor > 1 else "")
 
 
 def _config_file(model: str) -> Path | None:
-    """config.json of a local model folder, or of a hub model in the local cache (no network); None otherwise."""
+    """config.json of a local model folder (or the file itself), or of a hub model in the local cache (no network);
+    None otherwise."""
     local = Path(model).expanduser() / "config.json"
     if local.is_file():
         return local
+    if Path(model).expanduser().is_file() and Path(model).name == "config.json":
+        return Path(model).expanduser()
     if looks_like_local_path(model) or Path(model).expanduser().exists():
         return None
     from huggingface_hub import try_to_load_from_cache

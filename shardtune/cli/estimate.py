@@ -330,6 +330,7 @@ def main(args: argparse.Namespace) -> int:
                          "'shardtune estimate --list' prints the catalog.")
     else:
         setup, auto = setup_from_args(args)
+    _check_seq_len(args.model, setup.seq_len, "max_seq_len" if args.config else "--seq-len")
     gpu = gpu_from_args(args)
     measured = None
     if args.measured:
@@ -358,6 +359,23 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         _write_plots(args.plot, report, timed)
     return 0
+
+
+def _check_seq_len(model: str, seq_len: int, option: str) -> None:
+    """What train refuses of the sequence length, refused here too, so that an estimate (and the recipe
+    --emit-config writes) is of a job that can run: fewer than 2 tokens, or more than the model's positions."""
+    from shardtune.hub import config_context_length, context_length
+
+    if seq_len < 2:
+        raise UsageError(f"{option} {seq_len}: a row needs at least 2 tokens (one to predict from, one to predict)")
+    name = catalog.canonical(model)
+    found = (config_context_length(catalog.load(name), f"catalog {name}") if name in catalog.names()
+             else context_length(model))
+    if found is not None and seq_len > found[0]:
+        limit, where = found
+        raise UsageError(f"{option} {seq_len} is beyond the {limit} positions {model} covers ({where}); give "
+                         f"{option} {limit} or less, or a model with a longer context (rope_scaling in its "
+                         f"config.json), as shardtune train would refuse it")
 
 
 def _trace(model: str, report: Report, chosen: Setup, gpu: Gpu) -> dict:
