@@ -406,3 +406,23 @@ def test_a_bad_value_in_a_recipe_names_its_file_and_line(tmp_path):
     assert f"{recipe}, line 2: lr_scheduler_type='cosin' is not accepted" in message
     assert f"{recipe}, line 3: per_device_train_batch_size=-1 must be at least 1" in message
     assert f"{recipe}, line 4: bf16 and fp16 are both true" in message
+
+
+def test_transformers_5_and_trl_spellings_of_keys_declared_here(tmp_path):
+    """A TRL recipe's gradient_checkpointing_kwargs {use_reentrant: ...} and Transformers 5's warmup_steps below 1
+    (a fraction of the steps; its warmup_ratio is gone) were refused as unknown or not an integer; they now set
+    use_reentrant and warmup_ratio. A fraction for the logging, saving or evaluation interval is refused naming what
+    to give, and a gradient_checkpointing_kwargs entry with no meaning here is named."""
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text("gradient_checkpointing: true\ngradient_checkpointing_kwargs:\n  use_reentrant: true\n"
+                      "warmup_steps: 0.03\n")
+    cfg = load_train_config([str(recipe), *BASE])
+    assert (cfg.run.use_reentrant, cfg.optim.warmup_ratio, cfg.optim.warmup_steps) == (True, 0.03, 0)
+    cfg = load_train_config([*BASE, "--gradient_checkpointing_kwargs", '{"use_reentrant": false}', "--warmup_steps",
+                             "5"])
+    assert (cfg.run.use_reentrant, cfg.optim.warmup_ratio, cfg.optim.warmup_steps) == (False, 0.0, 5)
+    with pytest.raises(UsageError, match=r"logging_steps=0.1: a fraction of the run's steps \(as Transformers 5 reads "
+                                         r"a value below 1\) is not read here; give a number of steps"):
+        load_train_config([*BASE, "--logging_steps", "0.1"])
+    with pytest.raises(UsageError, match="gradient_checkpointing_kwargs: preserve_rng_state is not read here"):
+        load_train_config([*BASE, "--gradient_checkpointing_kwargs", "{use_reentrant: false, preserve_rng_state: 1}"])

@@ -345,6 +345,12 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
             elif key in NO_OPS:  # accepted from recipes and Accelerate files; a value that would act is refused
                 if problem := no_op_problem(key, value):
                     problems.append(f"{source}: {problem}")
+            elif (meant := _transformers_form(key, value)) is not None:  # another spelling of keys declared here
+                keys_meant, refused = meant
+                problems += [f"{source}: {problem}" for problem in refused]
+                for meant_key, setting in keys_meant.items():
+                    setattr(getattr(cfg, declared[meant_key].section), meant_key, setting)
+                    given[meant_key], layer_of[meant_key] = source, layer
             elif key not in declared:
                 hint = closest(key, list(declared))
                 did_you_mean = f"; did you mean '{hint}'?" if hint else "; see 'shardtune train --help-keys'"
@@ -365,6 +371,43 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
         reset |= overruled
     problems += [_located(problem, given) for problem in validate(cfg, training=training)]
     return cfg, given, problems
+
+
+RATIO_STEP_KEYS = ("warmup_steps", "logging_steps", "save_steps", "eval_steps")
+
+
+def _transformers_form(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | None:
+    """Transformers' and TRL's spellings that say what keys declared here say: the keys and values meant, and the
+    problems of a value that has no meaning here; None for any other key or value.
+
+    - ``warmup_steps`` below 1 is Transformers 5's ratio of the run's steps (its warmup_ratio is gone): warmup_ratio.
+      A ratio of logging_steps, save_steps or eval_steps is refused, naming the steps to give instead.
+    - ``gradient_checkpointing_kwargs`` (TRL recipes: ``{use_reentrant: false}``) sets use_reentrant."""
+    if key in RATIO_STEP_KEYS:
+        try:
+            ratio = float(value)
+        except (TypeError, ValueError):
+            return None
+        if not 0 < ratio < 1 or isinstance(value, bool):
+            return None
+        if key == "warmup_steps":
+            return {"warmup_ratio": ratio}, []
+        return {}, [f"{key}={value}: a fraction of the run's steps (as Transformers 5 reads a value below 1) is not "
+                    f"read here; give a number of steps"]
+    if key != "gradient_checkpointing_kwargs":
+        return None
+    if isinstance(value, str):  # the command line's '{"use_reentrant": false}', as TRL's parser reads it
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            pass
+    if not isinstance(value, dict):
+        return {}, [f"gradient_checkpointing_kwargs={value!r}: expected a mapping such as {{use_reentrant: false}}"]
+    extra = sorted(set(value) - {"use_reentrant"})
+    refused = [f"gradient_checkpointing_kwargs: {', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not read "
+               f"here (only use_reentrant is); remove {'it' if len(extra) == 1 else 'them'}"] if extra else []
+    meant = {"use_reentrant": bool(value["use_reentrant"])} if value.get("use_reentrant") is not None else {}
+    return meant, refused
 
 
 def _alias_problems(values: dict[str, Any], sources: dict[str, Origin]) -> list[str]:

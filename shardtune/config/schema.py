@@ -194,7 +194,9 @@ class OptimConfig:
                                deepspeed=("optimizer.params.lr", "scheduler.params.warmup_max_lr"))
     lr_scheduler_type: Scheduler = key("linear", "The learning-rate schedule after warm-up.")
     warmup_ratio: float = key(0.0, "Fraction of the steps spent warming up (warmup_steps wins when set).", ge=0, le=1)
-    warmup_steps: int = key(0, "Steps of linear warm-up.", ge=0, deepspeed=("scheduler.params.warmup_num_steps",))
+    warmup_steps: int = key(0, "Steps of linear warm-up. A value below 1 is read as Transformers 5 reads it, a "
+                               "fraction of the run's steps (warmup_ratio).", ge=0,
+                            deepspeed=("scheduler.params.warmup_num_steps",))
     weight_decay: float = key(0.0, "Weight decay of the matrices (biases and norms are not decayed), for every "
                                    "optimizer.", ge=0, deepspeed=("optimizer.params.weight_decay",))
     max_grad_norm: float = key(1.0, "Clip the global gradient norm to this (0: no clipping).", ge=0,
@@ -230,7 +232,8 @@ class RunConfig:
                                              "it keeps only the layers' inputs, for about a third more compute. On "
                                              "by default, as TRL's SFTConfig has it; false where memory is plenty "
                                              "and speed counts.")
-    use_reentrant: bool = key(False, "Use the reentrant checkpointing implementation (PyTorch's older one).",
+    use_reentrant: bool = key(False, "Use the reentrant checkpointing implementation (PyTorch's older one). Also "
+                                     "read from TRL's gradient_checkpointing_kwargs: {use_reentrant: ...}.",
                               needs=CHECKPOINTING)
     activation_offloading: bool = key(
         False, "Keep the input each checkpointed decoder layer saves (batch x seq x hidden per layer) in pinned CPU "
