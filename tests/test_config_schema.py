@@ -251,3 +251,11 @@ def test_an_unquoted_no_reads_as_no(tmp_path):
     cfg = load_train_config([str(recipe), *BASE])
     assert (cfg.checkpoint.save_strategy, cfg.run.eval_strategy, cfg.run.logging_strategy,
             cfg.distributed.mixed_precision) == ("no", "no", "no", "no")
+
+
+def test_the_schema_takes_the_trl_and_transformers_5_spellings_shardtune_reads(schema, tmp_path):
+    recipe = {"gradient_checkpointing_kwargs": {"use_reentrant": False}, "warmup_steps": 0.03}
+    assert list(jsonschema.Draft202012Validator(schema).iter_errors(recipe)) == []
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    assert load_train_config([str(tmp_path / "r.yaml"), *BASE]).optim.warmup_ratio == 0.03
+    assert list(jsonschema.Draft202012Validator(schema).iter_errors({"gradient_checkpointing_kwargs": {"x": 1}}))

@@ -61,6 +61,11 @@ def recipe_schema() -> dict[str, Any]:
     accepted = {name: {"description": f"Accepted, changing nothing: {entry.why}."} for name, entry in NO_OPS.items()}
     dynamo = {name: {"description": "Accelerate's torch.compile setting, read as torch_compile, torch_compile_backend "
                                     "and torch_compile_mode."} for name in DYNAMO_KEYS}
+    # Other spellings of declared keys (loading._transformers_form)
+    keys["warmup_steps"] = {**keys["warmup_steps"], "type": "number"}
+    dynamo["gradient_checkpointing_kwargs"] = {
+        "type": "object", "properties": {"use_reentrant": {"type": "boolean"}}, "additionalProperties": False,
+        "description": "TRL's checkpointing arguments: use_reentrant is read as use_reentrant."}
     fsdp = {name: schema for name, schema in {**keys, **accepted}.items() if name.startswith("fsdp_")}
     blocks = {"fsdp_config": {"type": "object", "properties": fsdp, "additionalProperties": False,
                               "description": "Accelerate's FSDP block: its keys are read as top-level keys."},
