@@ -426,3 +426,13 @@ def test_transformers_5_and_trl_spellings_of_keys_declared_here(tmp_path):
         load_train_config([*BASE, "--logging_steps", "0.1"])
     with pytest.raises(UsageError, match="gradient_checkpointing_kwargs: preserve_rng_state is not read here"):
         load_train_config([*BASE, "--gradient_checkpointing_kwargs", "{use_reentrant: false, preserve_rng_state: 1}"])
+
+
+def test_a_recipe_whose_path_holds_an_equals_sign_is_read_as_a_recipe(tmp_path, monkeypatch):
+    """sweep/lr=1e-3/recipe.yaml was read as the key 'sweep/lr' ("did you mean 'seed'?"); an existing .yaml file is
+    the recipe, and key=value still sets a key."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sweep" / "lr=1e-3").mkdir(parents=True)
+    (tmp_path / "sweep" / "lr=1e-3" / "recipe.yaml").write_text("learning_rate: 0.001\n")
+    cfg = load_train_config(["sweep/lr=1e-3/recipe.yaml", *BASE, "seed=7"])
+    assert (cfg.optim.learning_rate, cfg.run.seed) == (0.001, 7)

@@ -244,7 +244,8 @@ def _cli_items(argv: list[str]) -> list[tuple[str, str, Any, str]]:
                 else:
                     value = "true"
             items.append(("flag", key.replace("-", "_"), value, typed))
-        elif "=" in arg:
+        elif "=" in arg and not (arg.endswith((".yaml", ".yml")) and Path(arg).expanduser().is_file()):
+            # (a recipe whose path holds '=', sweep/lr=1e-3/recipe.yaml, is a file: a key has no '/' or '.yaml')
             key, _, value = arg.partition("=")
             items.append(("override", key, value, arg))
         else:
