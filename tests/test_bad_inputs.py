@@ -368,3 +368,17 @@ def test_lora_modules_to_save_that_name_no_module_and_a_zero_alpha_are_refused(w
         refused(capsys, [*train_argv(work, tmp_path / "b"), "--use_peft_lora", "true", "--lora_alpha", "0"],
                 "lora_alpha=0 must be positive")
     assert not (tmp_path / "b").exists()
+
+
+def test_rows_left_out_of_each_epoch_are_said(work, tmp_path, capsys):
+    """Every step is a whole global batch, so the rows of an incomplete last one are not trained that epoch; that
+    was written only in a docstring (Transformers' Trainer trains a smaller last batch)."""
+    import re
+
+    with logging_restored():
+        assert main([*train_argv(work, tmp_path / "out"), "--per_device_train_batch_size", "3", "--splits",
+                     "train"]) == 0
+    said = re.findall(r"data: (\d+) of the (\d+) training rows are left out of each epoch: the last global batch of "
+                      r"(\d+) would be incomplete", capsys.readouterr().err)
+    (left, rows, batch), = [tuple(map(int, found)) for found in said]
+    assert (batch, rows) == (3, 16) and left == rows % batch == 1

@@ -97,6 +97,12 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
                                  gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
                                  world_size=world, rank=rank, seed=cfg.run.seed, lengths=lengths)
     steps = total_steps(cfg, sampler.steps_per_epoch)
+    if (left := len(data.train) % sampler.global_batch_size) and info.is_main:
+        # Every step is one whole global batch (the loss is normalised over it); Transformers' Trainer instead
+        # trains a smaller last batch.
+        log.info("data: %d of the %d training rows are left out of each epoch: the last global batch of %d would "
+                 "be incomplete (which rows, the epoch's order decides)", left, len(data.train),
+                 sampler.global_batch_size)
     optimizer = build_optimizer(model, cfg.optim, info.device, sharded_scaler=plan.sharded_grad_scaler,
                                 pure_bf16=precision.pure_bf16)
     scheduler = build_scheduler(optimizer, cfg.optim, steps)
