@@ -59,6 +59,22 @@ def _split_of(rel: Path, split_names: list[str]) -> str | None:
     return None
 
 
+def _unnamed_files_problem(dataset_name: str, root: Path, unnamed: list[Path], split_names: list[str]) -> str:
+    """A folder whose files are named after splits, but not all of them: which ones no split reads, and how to have
+    them read (splits naming another eval split, a validation.jsonl's; or a name after a split)."""
+    names = [str(f.relative_to(root)) for f in unnamed]
+    stems = sorted({f.relative_to(root).with_suffix("").parts[0].split("-")[0].split("_")[0] for f in unnamed})
+    evals = [stem for stem in stems if stem.lower() in ("validation", "valid", "val", "dev", "eval")]
+    train = next((s for s in split_names if "train" in s), "train")
+    fix = (f"set splits {train},{evals[0]} to evaluate on {'it' if len(names) == 1 else 'them'}" if evals else
+           f"name each file after its split ({', '.join(f'{s}.jsonl' for s in split_names)}; {train}-00001.jsonl "
+           f"counts too)")
+    return (f"dataset_name '{dataset_name}': {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} "
+            f"{'is' if len(names) == 1 else 'are'} named after none of the splits ({', '.join(split_names)}), while "
+            f"the folder's other files are, so no split would read {'it' if len(names) == 1 else 'them'}; {fix}, or "
+            f"move {'it' if len(names) == 1 else 'them'} out of the folder")
+
+
 def _content_fingerprint(files: list[Path], root: Path) -> str:
     # contents, not times: a copied or rewritten but identical file keeps its cache (one builder per node hashes)
     h = hashlib.sha256()
@@ -88,12 +104,17 @@ def resolve(dataset_name: str, split_names: list[str], config_name: str | None =
             raise UsageError(f"dataset_name '{dataset_name}': the folder holds no {', '.join(EXTENSIONS)} files and "
                              "is not a saved `datasets` folder.")
         split_files: dict[str, list[Path]] = {}
+        unnamed: list[Path] = []
         for f in data_files:
             split = _split_of(f.relative_to(path), split_names)
             if split is not None:
                 split_files.setdefault(split, []).append(f)
+            else:
+                unnamed.append(f)
         if not split_files:  # files not named after splits: all of them train
             split_files = {train_name: data_files}
+        elif unnamed:  # read by no split: refused rather than left out without a word
+            raise UsageError(_unnamed_files_problem(dataset_name, path, unnamed, split_names))
         return Source("files", dataset_name, split_files, _content_fingerprint(data_files, path))
     if looks_like_local_path(dataset_name):
         raise UsageError(f"dataset_name '{dataset_name}' does not exist: check the path.")
