@@ -38,6 +38,10 @@ def _one_of(*words: str) -> Callable[[Any], bool]:
     return lambda value: off(value) or str(value).strip().lower() in words
 
 
+def _true_or_unset(value: Any) -> bool:
+    return value is None or value is True or str(value).strip().lower() in ("true", "yes", "1", "null", "none")
+
+
 def _sizes_one(value: Any) -> bool:
     """Accelerate's parallelism_config: every *_size is 1 (data parallel size aside, which the launch decides)."""
     if not isinstance(value, dict):
@@ -58,6 +62,11 @@ NO_OPS: dict[str, NoOp] = {
     "do_train": NoOp("read by example scripts, not by the trainer"),
     "do_eval": NoOp("read by example scripts; shardtune evaluates when eval_strategy says"),
     "remove_unused_columns": NoOp("shardtune reads only the columns its data format needs"),
+    "assistant_only_loss": NoOp("TRL's loss on the assistant turns only, what shardtune trains unless "
+                                "train_on_prompt is true", _true_or_unset,
+                                "set train_on_prompt true to train on whole conversations"),
+    "completion_only_loss": NoOp("TRL's loss on the completions only, what shardtune trains unless train_on_prompt "
+                                 "is true", _true_or_unset, "set train_on_prompt true to train on the prompts too"),
     "dataloader_num_workers": NoOp("speed only: rows are tokenised once, before training, and collated in-process"),
     "include_num_input_tokens_seen": NoOp("metrics.jsonl always records tokens per step"),
     "logging_nan_inf_filter": NoOp("a non-finite loss stops the run with its step, so none is ever averaged in"),
