@@ -388,3 +388,22 @@ def test_train_without_the_launcher_refuses_several_processes(tiny, tmp_path, ca
                                       "launch reads these to start a job's processes, and shardtune train alone "
                                       "starts none; run shardtune launch ... train ..., or leave them out")
     assert not (tmp_path / "out").exists()
+
+
+def test_find_batch_size_says_what_one_row_needs_and_suggests_only_what_is_not_on(tiny, capsys):
+    """It suggested --gradient-checkpointing and --method lora to a job that had both, and never said what one row
+    needs against the card; a card smaller than the CUDA context is said to be that."""
+    import json as json_module
+
+    argv = ["estimate", "llama-3-70b", "--method", "qlora", "--gpu-memory", "10", "--gradient-checkpointing",
+            "--seq-len", "256", "--num-gpus", "2", "--strategy", "FSDP"]
+    assert main([*argv, "--batch-size", "1", "--json"]) == 0
+    one = json_module.loads(capsys.readouterr().out)
+    total = sum(item["bytes"] for item in one["items"]) / 2**30
+    assert main([*argv, "--find-batch-size"]) == 2
+    assert one_error_line(capsys) == (
+        f"shardtune estimate: error: --find-batch-size: not even a micro-batch of 1 fits a 10GiB with FSDP "
+        f"FULL_SHARD: it needs {total:.2f} GiB and 1.00 GiB of CUDA context, against 10.00 GiB; try --offload-params "
+        f"or more GPUs with --num-gpus and --strategy FSDP (each holds a shard)")
+    assert main(["estimate", str(tiny), "--method", "lora", "--find-batch-size", "--gpu-memory", "0.5"]) == 2
+    assert one_error_line(capsys).endswith("against 0.50 GiB; the CUDA context alone takes more than the card has")

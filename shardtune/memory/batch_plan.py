@@ -12,7 +12,7 @@ from pathlib import Path
 
 from shardtune import catalog
 from shardtune.errors import UsageError
-from shardtune.hardware import Gpu
+from shardtune.hardware import GIB, Gpu
 from shardtune.memory.setup import Setup
 
 
@@ -45,14 +45,34 @@ def plan_batch(largest_fitting: int, setup: Setup) -> BatchPlan:
 def find_batch_size(model: str, setup: Setup, gpu: Gpu) -> BatchPlan:
     """The batch plan for ``setup`` on ``gpu``; a UsageError when not even one sequence per GPU fits."""
     from shardtune.memory.inventory import ModelAnalysis
-    from shardtune.memory.recommend import max_batch_size
+    from shardtune.memory.recommend import evaluate_setup, max_batch_size
 
-    largest = max_batch_size(ModelAnalysis(model), setup, gpu)
+    analysis = ModelAnalysis(model)
+    largest = max_batch_size(analysis, setup, gpu)
     if largest == 0:
-        raise UsageError(f"--find-batch-size: not even a micro-batch of 1 fits a {gpu.name} with {setup.label()}; "
-                         f"try --gradient-checkpointing, more GPUs with --strategy FSDP, --method lora or qlora, "
-                         f"or a shorter --seq-len")
+        one = evaluate_setup(analysis, setup.with_(per_device_train_batch_size=1))
+        need = (f"it needs {one.total / GIB:.2f} GiB and {one.cuda_context / GIB:.2f} GiB of CUDA context, against "
+                f"{gpu.memory_bytes / GIB:.2f} GiB")
+        fix = ("the CUDA context alone takes more than the card has" if one.cuda_context >= gpu.memory_bytes
+               else _what_else(setup))
+        raise UsageError(f"--find-batch-size: not even a micro-batch of 1 fits a {gpu.name} with {setup.label()}: "
+                         f"{need}; {fix}")
     return plan_batch(largest, setup)
+
+
+def _what_else(setup: Setup) -> str:
+    """What would make a step smaller, of what ``setup`` does not do already."""
+    tries = []
+    if not setup.gradient_checkpointing:
+        tries.append("--gradient-checkpointing")
+    if setup.method != "qlora":
+        tries.append("--method lora or qlora" if setup.method == "full" else "--method qlora")
+    if setup.strategy.shards_parameters and not setup.offload_params:
+        tries.append("--offload-params")
+    tries.append("more GPUs with --num-gpus and --strategy FSDP (each holds a shard)")
+    if setup.seq_len > 512:
+        tries.append("a shorter --seq-len")
+    return f"try {', '.join(tries[:-1])}{' or ' if len(tries) > 1 else ''}{tries[-1]}"
 
 
 def emit_config(model: str, setup: Setup, path: str | Path) -> Path:
