@@ -62,6 +62,9 @@ NO_OPS: dict[str, NoOp] = {
     "do_train": NoOp("read by example scripts, not by the trainer"),
     "do_eval": NoOp("read by example scripts; shardtune evaluates when eval_strategy says"),
     "remove_unused_columns": NoOp("shardtune reads only the columns its data format needs"),
+    "model_revision": NoOp("TRL's hub revision of the model: shardtune loads model_name_or_path as it is (the hub's "
+                           "main)", _one_of("main"), "download that revision into a folder (hf download NAME "
+                           "--revision REV --local-dir DIR) and give the folder as model_name_or_path"),
     "assistant_only_loss": NoOp("TRL's loss on the assistant turns only, what shardtune trains unless "
                                 "train_on_prompt is true", _true_or_unset,
                                 "set train_on_prompt true to train on whole conversations"),
