@@ -223,9 +223,10 @@ def test_folder_splits_and_saved_dataset(model_dir, tmp_path):
 
 
 def test_a_folders_files_that_no_split_reads_are_refused_naming_them(model_dir, tmp_path):
-    """part1.jsonl beside test.jsonl, or validation.jsonl beside train.jsonl under the default splits, were left
-    out without a word (the error said only "no training rows in split(s) train"); each is named, with the way to
-    have it read. A folder whose files name no split at all still trains on every one."""
+    """part1.jsonl beside test.jsonl was left out without a word (the error said only "no training rows in split(s)
+    train"); it is named, with the way to have it read. A file named after a split the splits key leaves out
+    (test.jsonl under splits train) is left out on purpose, and a folder whose files name no split at all still
+    trains on every one."""
     folder = tmp_path / "folder"
     folder.mkdir()
     for name in ("part1", "part2", "test"):
@@ -236,18 +237,16 @@ def test_a_folders_files_that_no_split_reads_are_refused_naming_them(model_dir, 
                               "(train, test), while the folder's other files are, so no split would read them; name "
                               "each file after its split (train.jsonl, test.jsonl; train-00001.jsonl counts too), or "
                               "move them out of the folder")
-    (folder / "test.jsonl").rename(folder / "validation.jsonl")
     (folder / "part1.jsonl").rename(folder / "train.jsonl")
-    (folder / "part2.jsonl").unlink()
-    with pytest.raises(UsageError, match="validation.jsonl is named after none of the splits .train, test.*; set "
-                                         "splits train,validation to evaluate on it"):
-        prepare(model_dir, tmp_path, str(folder), splits="train,test", max_seq_len=256)
+    (folder / "part2.jsonl").rename(folder / "validation.jsonl")
+    data, _ = prepare(model_dir, tmp_path, str(folder), splits="train", max_seq_len=256)
+    assert len(data.train) == len(CHATS) and (data.eval is None or not len(data.eval))
     data, _ = prepare(model_dir, tmp_path, str(folder), splits="train,validation", max_seq_len=256)
     assert len(data.train) == len(data.eval) == len(CHATS)
-    (folder / "validation.jsonl").rename(folder / "more.jsonl")
-    (folder / "train.jsonl").rename(folder / "some.jsonl")
+    for name in ("train", "validation", "test"):
+        (folder / f"{name}.jsonl").rename(folder / f"some-{name}.jsonl")
     data, _ = prepare(model_dir, tmp_path, str(folder), splits="train,test", max_seq_len=256)
-    assert len(data.train) == 2 * len(CHATS)
+    assert len(data.train) == 3 * len(CHATS)
 
 
 def test_eval_split_ratio_holds_out_rows_by_seed(model_dir, tmp_path):

@@ -59,15 +59,17 @@ def _split_of(rel: Path, split_names: list[str]) -> str | None:
     return None
 
 
+# The split names data sets use: a file named after one of them that the splits key leaves out is left out on
+# purpose (splits train beside a test.jsonl).
+SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval", "evaluation")
+
+
 def _unnamed_files_problem(dataset_name: str, root: Path, unnamed: list[Path], split_names: list[str]) -> str:
     """A folder whose files are named after splits, but not all of them: which ones no split reads, and how to have
-    them read (splits naming another eval split, a validation.jsonl's; or a name after a split)."""
+    them read."""
     names = [str(f.relative_to(root)) for f in unnamed]
-    stems = sorted({f.relative_to(root).with_suffix("").parts[0].split("-")[0].split("_")[0] for f in unnamed})
-    evals = [stem for stem in stems if stem.lower() in ("validation", "valid", "val", "dev", "eval")]
     train = next((s for s in split_names if "train" in s), "train")
-    fix = (f"set splits {train},{evals[0]} to evaluate on {'it' if len(names) == 1 else 'them'}" if evals else
-           f"name each file after its split ({', '.join(f'{s}.jsonl' for s in split_names)}; {train}-00001.jsonl "
+    fix = (f"name each file after its split ({', '.join(f'{s}.jsonl' for s in split_names)}; {train}-00001.jsonl "
            f"counts too)")
     return (f"dataset_name '{dataset_name}': {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} "
             f"{'is' if len(names) == 1 else 'are'} named after none of the splits ({', '.join(split_names)}), while "
@@ -109,7 +111,7 @@ def resolve(dataset_name: str, split_names: list[str], config_name: str | None =
             split = _split_of(f.relative_to(path), split_names)
             if split is not None:
                 split_files.setdefault(split, []).append(f)
-            else:
+            elif _split_of(f.relative_to(path), list(SPLIT_NAMES)) is None:  # another split's is left out on purpose
                 unnamed.append(f)
         if not split_files:  # files not named after splits: all of them train
             split_files = {train_name: data_files}
