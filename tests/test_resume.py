@@ -217,12 +217,19 @@ def test_eval_epochs_match_training_records_and_a_finished_run_resumes_to_nothin
     summary, final = (out / "summary.json").read_text(), (out / "final" / "adapter_model.safetensors").stat()
     proc = shardtune(work, "evals", *args, "--resume_from_checkpoint", "true", nproc=0)
     ok(proc)
-    assert (f"nothing to train: {Path('evals')} finished at step 2 already, its max_steps (2); its final/ and "
+    assert ("nothing to train: evals finished at step 2 already (completed, max_steps 2); its final/ and "
             "summary.json are kept as they are; raise max_steps to train further") in proc.stderr
     assert "done:" not in proc.stderr
     assert records(out) == logged and (out / "summary.json").read_text() == summary
     assert (out / "final" / "adapter_model.safetensors").stat().st_mtime_ns == final.st_mtime_ns
     assert not list((out / "checkpoints").glob("superseded-*"))
+    # The same when the newest checkpoint is older than the end (save_steps not dividing max_steps): a requeue
+    # does not train the rest again.
+    shutil.move(out / "checkpoints" / "step-2", tmp_path_step2 := work / "evals-step-2")
+    ok(proc := shardtune(work, "evals", *args, "--resume_from_checkpoint", "true", nproc=0))
+    assert "nothing to train: evals finished at step 2 already" in proc.stderr
+    assert records(out) == logged and not list((out / "checkpoints").glob("superseded-*"))
+    shutil.move(tmp_path_step2, out / "checkpoints" / "step-2")
     # Killed after its last checkpoint, before final/: the resume writes final/ from it.
     shutil.rmtree(out / "final")
     (out / "summary.json").unlink()

@@ -144,14 +144,19 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     out = Path(cfg.run.output_dir)
     seed_everything(cfg.run.seed)
     job = make_job(cfg, info, stage_bounds)  # a refusal here has written nothing into output_dir
-    if resume is not None and (done := finished_summary(out, resume.step, job.state.max_steps)) is not None:
-        # A requeued job of a run that ended: its final/ and summary.json stay as they are.
-        log.info("nothing to train: %s finished at step %d already, its max_steps (%d); its final/ and summary.json "
-                 "are kept as they are; raise max_steps to train further", out, resume.step, job.state.max_steps)
+    resuming = str(cfg.checkpoint.resume_from_checkpoint or "").lower() not in RESUME_OFF
+    # The newest checkpoint asked for (a requeue's true, not a chosen one): a run that ended is left as it is.
+    done = run_and_share(lambda: finished_summary(out, job.state.max_steps), runs=info.is_main,
+                         what=f"reading {out / 'summary.json'}")[0] \
+        if str(cfg.checkpoint.resume_from_checkpoint).lower() == "true" else None
+    if done is not None:  # a requeued job of a run that ended: its final/ and summary.json stay as they are
+        log.info("nothing to train: %s finished at step %d already (%s, max_steps %d); its final/ and summary.json "
+                 "are kept as they are; raise max_steps to train further", out, done["steps"], done["stopped_by"],
+                 job.state.max_steps)
         return done
     checkpointer = Checkpointer(cfg, job.info, job.plan, job.model, job.optimizer, job.state,
                                 flat_optimizer=job.runner.flat_optimizer)
-    if str(cfg.checkpoint.resume_from_checkpoint or "").lower() not in RESUME_OFF:
+    if resuming:
         # Later checkpoints, final/ and summary.json of the run are moved aside before this run replaces any.
         run_and_share(lambda: set_aside_newer(out, resume.step if resume else 0), runs=info.is_main,
                       what=f"setting aside what {out} holds from after the resumed step")
@@ -189,20 +194,19 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     return summary
 
 
-def finished_summary(out: Path, step: int, max_steps: int) -> dict[str, Any] | None:
-    """The summary of a run in ``out`` that ended at ``step``, its final/ written, when a resume from ``step``
-    would train no step more (``max_steps``); else None."""
-    summary_path = out / "summary.json"
-    if step < max_steps or not summary_path.is_file():
-        return None
+def finished_summary(out: Path, max_steps: int) -> dict[str, Any] | None:
+    """The summary of a run in ``out`` that ended, its final/ written: it reached ``max_steps``, or early stopping
+    ended it. None otherwise (a run stopped by SIGTERM, or asked now for more steps), whatever checkpoint a resume
+    would start from."""
     try:
-        summary = json.loads(summary_path.read_text())
+        summary = json.loads((out / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(summary, dict) or summary.get("steps") != step or summary.get("stopped_by") == "SIGTERM" \
-            or not (out / "final").is_dir():
+    if not isinstance(summary, dict) or not (out / "final").is_dir() or not isinstance(summary.get("steps"), int):
         return None
-    return summary
+    ended = summary.get("stopped_by") == "early stopping" or (summary.get("stopped_by") == "completed"
+                                                              and summary["steps"] >= max_steps)
+    return summary if ended else None
 
 
 class Loop:
