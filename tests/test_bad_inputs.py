@@ -342,6 +342,7 @@ def test_an_attention_kernel_that_cannot_run_is_refused_before_anything_is_writt
     import torch
 
     out = tmp_path / "out"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on this project's CPU machines, anywhere
     with logging_restored():
         refused(capsys, [*train_argv(work, out), "--attn_implementation", "sdpaa"],
                 "attn_implementation='sdpaa' is not accepted; use one of sdpa, eager, flash_attention_2, "
@@ -349,7 +350,8 @@ def test_an_attention_kernel_that_cannot_run_is_refused_before_anything_is_writt
         for dry in ("false", "true"):
             refused(capsys, [*train_argv(work, out), "--attn_implementation", "flash_attention_2", "--dry_run", dry],
                     "attn_implementation=flash_attention_2: it runs on CUDA GPUs only and none is visible; use "
-                    "attn_implementation sdpa (the default), or use_flash_attn true")
+                    "attn_implementation sdpa (the default), with use_flash_attn true to take flash attention where "
+                    "it can run")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr("transformers.utils.is_flash_attn_2_available", lambda: True)
         refused(capsys, [*train_argv(work, out), "--attn_implementation", "flash_attention_2", "--bf16", "false"],

@@ -424,6 +424,9 @@ def test_transformers_5_and_trl_spellings_of_keys_declared_here(tmp_path):
     with pytest.raises(UsageError, match=r"logging_steps=0.1: a fraction of the run's steps \(as Transformers 5 reads "
                                          r"a value below 1\) is not read here; give a number of steps"):
         load_train_config([*BASE, "--logging_steps", "0.1"])
+    recipe.write_text("warmup_steps: 10\ngradient_checkpointing_kwargs:\n  use_reentrant: 'false'\n")
+    cfg = load_train_config([str(recipe), *BASE, "--warmup_steps", "0.1"])  # the later layer's ratio wins
+    assert (cfg.optim.warmup_steps, cfg.optim.warmup_ratio, cfg.run.use_reentrant) == (0, 0.1, False)
     with pytest.raises(UsageError, match="gradient_checkpointing_kwargs: preserve_rng_state is not read here"):
         load_train_config([*BASE, "--gradient_checkpointing_kwargs", "{use_reentrant: false, preserve_rng_state: 1}"])
 

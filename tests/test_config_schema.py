@@ -259,3 +259,4 @@ def test_the_schema_takes_the_trl_and_transformers_5_spellings_shardtune_reads(s
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     assert load_train_config([str(tmp_path / "r.yaml"), *BASE]).optim.warmup_ratio == 0.03
     assert list(jsonschema.Draft202012Validator(schema).iter_errors({"gradient_checkpointing_kwargs": {"x": 1}}))
+    assert list(jsonschema.Draft202012Validator(schema).iter_errors({"warmup_steps": 2.5}))  # refused by shardtune

@@ -69,12 +69,13 @@ def test_mistral_template_keeps_eos_as_target_and_never_doubles_bos(model_dir, t
     assert row["input_ids"].count(tok.bos_token_id) == 1
 
 
-def test_a_template_whose_tokens_the_tokenizer_lacks_is_refused_without_add_special_tokens(model_dir):
+def test_a_template_whose_tokens_the_tokenizer_lacks_is_refused_without_add_special_tokens(model_dir, tmp_path):
     """Llama 3's turns on a tokenizer without its tokens trained <|eot_id|> as text spelled out in ten pieces, and
     generation never stopped there; it is named, with the key that adds it. Zephyr's and Mistral's markers are
     spelled in pieces by design (their turns end in EOS), so they need nothing added."""
+    assert load_tokenizer(model_dir, DataConfig(chat_template_format="llama-3"))  # export of such a run loads it
     with pytest.raises(UsageError) as exc:
-        load_tokenizer(model_dir, DataConfig(chat_template_format="llama-3"))
+        prepare(model_dir, tmp_path, CHATS, chat_template_format="llama-3", max_seq_len=256)
     assert str(exc.value) == ("chat_template_format llama-3: the tokenizer has no token <|eot_id|>, the template's "
                               "end of a turn: it would train as text spelled out in pieces, and generation would not "
                               "stop there; set add_special_tokens true (adds the template's tokens and resizes the "

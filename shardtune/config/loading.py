@@ -350,6 +350,11 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
                 keys_meant, refused = meant
                 problems += [f"{source}: {problem}" for problem in refused]
                 for meant_key, setting in keys_meant.items():
+                    try:
+                        setting = declared[meant_key].coerce(setting)
+                    except ValueError as exc:
+                        problems.append(f"{source}: {name}: {meant_key}={setting!r}: {exc}")
+                        continue
                     setattr(getattr(cfg, declared[meant_key].section), meant_key, setting)
                     given[meant_key], layer_of[meant_key] = source, layer
             elif key not in declared:
@@ -391,8 +396,8 @@ def _transformers_form(key: str, value: Any) -> tuple[dict[str, Any], list[str]]
             return None
         if not 0 < ratio < 1 or isinstance(value, bool):
             return None
-        if key == "warmup_steps":
-            return {"warmup_ratio": ratio}, []
+        if key == "warmup_steps":  # and no step count from an earlier layer, which would win over the ratio
+            return {"warmup_ratio": ratio, "warmup_steps": 0}, []
         return {}, [f"{key}={value}: a fraction of the run's steps (as Transformers 5 reads a value below 1) is not "
                     f"read here; give a number of steps"]
     if key != "gradient_checkpointing_kwargs":
@@ -407,7 +412,7 @@ def _transformers_form(key: str, value: Any) -> tuple[dict[str, Any], list[str]]
     extra = sorted(set(value) - {"use_reentrant"})
     refused = [f"gradient_checkpointing_kwargs: {', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not read "
                f"here (only use_reentrant is); remove {'it' if len(extra) == 1 else 'them'}"] if extra else []
-    meant = {"use_reentrant": bool(value["use_reentrant"])} if value.get("use_reentrant") is not None else {}
+    meant = {"use_reentrant": value["use_reentrant"]} if value.get("use_reentrant") is not None else {}
     return meant, refused
 
 

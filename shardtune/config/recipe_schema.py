@@ -62,7 +62,9 @@ def recipe_schema() -> dict[str, Any]:
     dynamo = {name: {"description": "Accelerate's torch.compile setting, read as torch_compile, torch_compile_backend "
                                     "and torch_compile_mode."} for name in DYNAMO_KEYS}
     # Other spellings of declared keys (loading._transformers_form)
-    keys["warmup_steps"] = {**keys["warmup_steps"], "type": "number"}
+    steps = {k: v for k, v in keys["warmup_steps"].items() if k not in ("type", "minimum")}
+    keys["warmup_steps"] = {**steps, "anyOf": [{"type": "integer", "minimum": 0},
+                                               {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}]}
     dynamo["gradient_checkpointing_kwargs"] = {
         "type": "object", "properties": {"use_reentrant": {"type": "boolean"}}, "additionalProperties": False,
         "description": "TRL's checkpointing arguments: use_reentrant is read as use_reentrant."}

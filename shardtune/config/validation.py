@@ -387,8 +387,8 @@ def attention_problems(cfg: TrainConfig) -> list[Problem]:
     else:
         return []
     return [Problem("attn_implementation", f"attn_implementation={attn}: {why}; use attn_implementation sdpa (the "
-                                           f"default), or use_flash_attn true, which takes flash attention where it "
-                                           f"can run and sdpa elsewhere")]
+                                           f"default), with use_flash_attn true to take flash attention where it "
+                                           f"can run")]
 
 
 def bitsandbytes_problems(cfg: TrainConfig) -> list[Problem]:

@@ -30,6 +30,7 @@ from shardtune.data.encode import IGNORE, encode_batch, max_token_chars
 from shardtune.data.formats import detect_format, to_example
 from shardtune.data.readers import BadRow, Source, iter_split, resolve
 from shardtune.data.report import DataReport, length_histogram
+from shardtune.data.templates import end_of_turn_problem
 from shardtune.errors import UsageError
 
 CACHE_FORMAT = 2  # 2: a manifest of sizes and SHA-256s
@@ -305,6 +306,8 @@ def _load(path: Path, from_cache: bool) -> PreparedData:
 def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | None = None) -> PreparedData:
     """Tokenised (and packed) train/eval rows of ``cfg.dataset_name``, built once and cached."""
     raise_problems(data_problems(cfg))
+    if problem := end_of_turn_problem(tokenizer, cfg):
+        raise UsageError(problem)
     root = Path(cache_dir) if cache_dir else default_cache_dir()
 
     def source() -> Source:

@@ -107,6 +107,20 @@ def load_tokenizer(model_name_or_path: str, cfg, *, trust_remote_code: bool = Fa
     return configure_tokenizer(tokenizer, cfg)
 
 
+def end_of_turn_problem(tokenizer, cfg) -> str | None:
+    """A named template whose end-of-turn token the tokenizer lacks, for data about to be tokenised (a run
+    trained so still exports): the token would train as text spelled out in pieces, and generation would not
+    stop there. (Markers spelled in pieces are how Zephyr and Mistral train; a turn must still end in one token.)"""
+    template = TEMPLATES.get(cfg.chat_template_format)
+    end = template.end_of_turn if template is not None else None
+    if end is None or cfg.add_special_tokens or end in tokenizer.get_vocab():
+        return None
+    return (f"chat_template_format {cfg.chat_template_format}: the tokenizer has no token {end}, the template's end "
+            f"of a turn: it would train as text spelled out in pieces, and generation would not stop there; set "
+            f"add_special_tokens true (adds the template's tokens and resizes the embeddings), or "
+            f"chat_template_format none to keep the tokenizer's own template")
+
+
 def configure_tokenizer(tokenizer, cfg):
     """Apply ``cfg.chat_template_format`` / ``add_special_tokens`` and a distinct pad token to ``tokenizer``."""
     name = cfg.chat_template_format
@@ -116,13 +130,6 @@ def configure_tokenizer(tokenizer, cfg):
                              f"{', '.join(TEMPLATES)}.")
         template = TEMPLATES[name]
         tokenizer.chat_template = template.jinja
-        end = template.end_of_turn
-        if end is not None and not cfg.add_special_tokens and end not in tokenizer.get_vocab():
-            # (Markers spelled in pieces are how Zephyr and Mistral train; a turn must still end in one token.)
-            raise UsageError(f"chat_template_format {name}: the tokenizer has no token {end}, the template's end of "
-                             f"a turn: it would train as text spelled out in pieces, and generation would not stop "
-                             f"there; set add_special_tokens true (adds the template's tokens and resizes the "
-                             f"embeddings), or chat_template_format none to keep the tokenizer's own template")
         if cfg.add_special_tokens and template.special_tokens:
             # add_tokens(special_tokens=True) keeps the tokens already registered (add_special_tokens may replace them)
             tokenizer.add_tokens(list(template.special_tokens), special_tokens=True)

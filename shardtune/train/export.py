@@ -154,7 +154,8 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
                          f"in (the path may be relative) or give the base model folder with --base") from None
     added_token_ids = resize_for_tokenizer(model, len(tokenizer))
     if is_peft:
-        model = apply_lora(model, cfg.lora, seed=cfg.run.seed, added_token_ids=added_token_ids)
+        # (a run saved before a mistyped lora_modules_to_save was refused still exports: PEFT had ignored it)
+        model = apply_lora(model, cfg.lora, seed=cfg.run.seed, added_token_ids=added_token_ids, training=False)
     options = state_dict_options(is_peft)
     if manifest.get("state_dict_type", SHARDED) == FULL:
         state = load_safetensors(path / "model.safetensors")

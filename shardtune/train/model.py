@@ -350,7 +350,7 @@ def peft_lora_config(lora: LoraConfig, added_tokens: dict[str, list[int]] | None
 
 
 def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids: list[int] | None = None,
-               trainable_dtype: torch.dtype = torch.float32) -> nn.Module:
+               trainable_dtype: torch.dtype = torch.float32, training: bool = True) -> nn.Module:
     """Wrap ``model`` with PEFT LoRA adapters (``trainable_dtype`` weights: fp32, bf16 in pure bf16); the base is
     frozen.
 
@@ -360,8 +360,8 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids
     """
     from peft import get_peft_model
 
-    if missing := [name for name in lora.lora_modules_to_save
-                   if not any(module.endswith(name) for module, _ in model.named_modules())]:
+    if training and (missing := [name for name in lora.lora_modules_to_save
+                                 if not any(module.endswith(name) for module, _ in model.named_modules())]):
         # PEFT trains a copy of each module whose name ends with one of these, and says nothing of a name that
         # matches none: the run would train the adapters alone.
         short = sorted({module.rsplit(".", 1)[-1] for module, _ in model.named_modules() if module})
