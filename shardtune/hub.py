@@ -167,6 +167,9 @@ def config_context_length(config: object, where: str) -> tuple[int, str] | None:
         return None
     scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else {}
     factor = scaling.get("factor") if isinstance(scaling.get("factor"), (int, float)) else 1
+    original = scaling.get("original_max_position_embeddings")
+    if isinstance(original, int) and config[key] > original:  # Llama 3.1's: the positions already scaled
+        factor = 1
     return int(config[key] * max(1, factor)), f"{where}: {key}" + (" x rope_scaling factor" if factor > 1 else "")
 
 

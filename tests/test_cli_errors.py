@@ -82,13 +82,15 @@ def test_name_under_an_existing_local_folder_is_a_missing_path(tmp_path, monkeyp
 def test_estimate_refuses_the_sequence_lengths_train_refuses(tiny, tmp_path, capsys):
     """estimate said "fits" at a length beyond the model's positions and --emit-config wrote a recipe train then
     refused; a catalog model is read from its shipped config, a folder or config.json from its own."""
+    # Llama 3.1's max_position_embeddings is already scaled by its rope_scaling (it read as 8 x 131072).
     for model, seq_len, limit, where in (("llama-2-70b", 8192, 4096, "catalog llama-2-70b: max_position_embeddings"),
+                                         ("llama-3.1-8b", 200_000, 131072,
+                                          "catalog llama-3.1-8b: max_position_embeddings"),
                                          (str(tiny), 4096, 2048, f"{tiny / 'config.json'}: max_position_embeddings")):
         assert main(["estimate", model, "--seq-len", str(seq_len), "--emit-config", str(tmp_path / "r.yaml")]) == 2
         assert one_error_line(capsys) == (f"shardtune estimate: error: --seq-len {seq_len} is beyond the {limit} "
-                                          f"positions {model} covers ({where}); give --seq-len {limit} or less, or "
-                                          f"a model with a longer context (rope_scaling in its config.json), as "
-                                          f"shardtune train would refuse it")
+                                          f"positions {model} covers ({where}); set --seq-len {limit} or less, or "
+                                          f"give the model a longer context first (rope_scaling in its config.json)")
     assert main(["estimate", "llama-3.1-8b", "--seq-len", "1"]) == 2
     assert "--seq-len 1: a row needs at least 2 tokens" in one_error_line(capsys)
     assert not (tmp_path / "r.yaml").exists()

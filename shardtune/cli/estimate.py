@@ -364,6 +364,7 @@ def main(args: argparse.Namespace) -> int:
 def _check_seq_len(model: str, seq_len: int, option: str) -> None:
     """What train refuses of the sequence length, refused here too, so that an estimate (and the recipe
     --emit-config writes) is of a job that can run: fewer than 2 tokens, or more than the model's positions."""
+    from shardtune.config.validation import beyond_context
     from shardtune.hub import config_context_length, context_length
 
     if seq_len < 2:
@@ -371,11 +372,8 @@ def _check_seq_len(model: str, seq_len: int, option: str) -> None:
     name = catalog.canonical(model)
     found = (config_context_length(catalog.load(name), f"catalog {name}") if name in catalog.names()
              else context_length(model))
-    if found is not None and seq_len > found[0]:
-        limit, where = found
-        raise UsageError(f"{option} {seq_len} is beyond the {limit} positions {model} covers ({where}); give "
-                         f"{option} {limit} or less, or a model with a longer context (rope_scaling in its "
-                         f"config.json), as shardtune train would refuse it")
+    if problem := beyond_context(seq_len, found, f"{option} {seq_len}", model, option):
+        raise UsageError(problem)
 
 
 def _trace(model: str, report: Report, chosen: Setup, gpu: Gpu) -> dict:

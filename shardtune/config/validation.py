@@ -469,13 +469,20 @@ def context_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]
 
     model, seq_len = cfg.model.model_name_or_path, cfg.data.max_seq_len
     found = context_length(model) if model and isinstance(seq_len, int) else None
-    if found is None or seq_len <= found[0]:
-        return []
-    limit, where = found
     named = f"{given['max_seq_len']}: max_seq_len {seq_len}" if "max_seq_len" in given else \
         f"max_seq_len {seq_len} (the default)"
-    return [f"{named} is beyond the {limit} positions model_name_or_path '{model}' covers ({where}); set "
-            f"max_seq_len {limit} or less, or give the model a longer context first (rope_scaling in its config.json)"]
+    problem = beyond_context(seq_len, found, named, f"model_name_or_path '{model}'", "max_seq_len")
+    return [problem] if problem else []
+
+
+def beyond_context(seq_len: int, found: tuple[int, str] | None, named: str, model: str, option: str) -> str | None:
+    """A sequence length (``named``, as the user gave it) beyond the positions ``found`` for ``model`` (its
+    length and where it was read), as train and estimate refuse it; None within them."""
+    if found is None or seq_len <= found[0]:
+        return None
+    limit, where = found
+    return (f"{named} is beyond the {limit} positions {model} covers ({where}); set {option} {limit} or less, or "
+            f"give the model a longer context first (rope_scaling in its config.json)")
 
 
 def model_folder_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
