@@ -439,3 +439,17 @@ def test_a_recipe_whose_path_holds_an_equals_sign_is_read_as_a_recipe(tmp_path, 
     (tmp_path / "sweep" / "lr=1e-3" / "recipe.yaml").write_text("learning_rate: 0.001\n")
     cfg = load_train_config(["sweep/lr=1e-3/recipe.yaml", *BASE, "seed=7"])
     assert (cfg.optim.learning_rate, cfg.run.seed) == (0.001, 7)
+
+
+def test_trls_trained_token_keys_are_read_against_train_on_prompt():
+    """assistant_only_loss / completion_only_loss true is what shardtune trains; beside train_on_prompt true they
+    ask for the opposite (it loaded and trained the prompts), and false is refused naming the key that decides."""
+    cfg = load_train_config([*BASE, "--assistant_only_loss", "true", "--completion_only_loss", "true"])
+    assert cfg.data.train_on_prompt is False
+    with pytest.raises(UsageError, match="assistant_only_loss=true and train_on_prompt true ask for different tokens "
+                                         "to train; keep one"):
+        load_train_config([*BASE, "--assistant_only_loss", "true", "--train_on_prompt", "true"])
+    with pytest.raises(UsageError, match="completion_only_loss='false' would change what runs .*: remove it: shardtune "
+                                         "trains the assistant turns and completions, or every token with "
+                                         "train_on_prompt true"):
+        load_train_config([*BASE, "--completion_only_loss", "false", "--train_on_prompt", "true"])

@@ -23,7 +23,7 @@ import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
-from shardtune.config.no_ops import NO_OPS, no_op_problem
+from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, no_op_problem, off
 from shardtune.config.schema import ALIASES, ZERO2_HYBRID, TrainConfig, all_keys
 from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
                                          input_problems, model_folder_problems, overruled_keys, resolve_report_to,
@@ -329,6 +329,7 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
     cfg = TrainConfig()
     given: dict[str, Origin] = {}
     layer_of: dict[str, int] = {}
+    trained_tokens: dict[str, Origin] = {}  # TRL's assistant_only_loss / completion_only_loss given true
     declared = {d.name: d for d in all_keys()}
     problems: list[str] = []
     for layer, (values, sources) in enumerate(layers):
@@ -346,6 +347,8 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
             elif key in NO_OPS:  # accepted from recipes and Accelerate files; a value that would act is refused
                 if problem := no_op_problem(key, value):
                     problems.append(f"{source}: {problem}")
+                elif key in TRAINED_TOKEN_KEYS and not off(value):
+                    trained_tokens[key] = source
             elif (meant := _transformers_form(key, value)) is not None:  # another spelling of keys declared here
                 keys_meant, refused = meant
                 problems += [f"{source}: {problem}" for problem in refused]
@@ -367,6 +370,9 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
                     given[key], layer_of[key] = source, layer
                 except ValueError as exc:
                     problems.append(f"{source}: {name}={value!r}: {exc}")
+    if cfg.data.train_on_prompt:  # TRL's "the assistant turns (completions) only" against every token
+        problems += [f"{source}: {key}=true and train_on_prompt true ask for different tokens to train; keep one"
+                     for key, source in trained_tokens.items()]
     cfg.run.report_to = resolve_report_to(cfg.run.report_to)
     normalise_compile(cfg.run, compile_set="torch_compile" in given)
     reset: set[str] = set()

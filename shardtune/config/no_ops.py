@@ -38,6 +38,12 @@ def _one_of(*words: str) -> Callable[[Any], bool]:
     return lambda value: off(value) or str(value).strip().lower() in words
 
 
+# TRL's two keys for the trained tokens, which train_on_prompt decides here.
+TRAINED_TOKEN_KEYS = ("assistant_only_loss", "completion_only_loss")
+TRAINED_TOKENS = ("remove it: shardtune trains the assistant turns and completions, or every token with "
+                  "train_on_prompt true")
+
+
 def _true_or_unset(value: Any) -> bool:
     return value is None or value is True or str(value).strip().lower() in ("true", "yes", "1", "null", "none")
 
@@ -66,10 +72,9 @@ NO_OPS: dict[str, NoOp] = {
                            "main)", _one_of("main"), "download that revision into a folder (hf download NAME "
                            "--revision REV --local-dir DIR) and give the folder as model_name_or_path"),
     "assistant_only_loss": NoOp("TRL's loss on the assistant turns only, what shardtune trains unless "
-                                "train_on_prompt is true", _true_or_unset,
-                                "set train_on_prompt true to train on whole conversations"),
+                                "train_on_prompt is true", _true_or_unset, TRAINED_TOKENS),
     "completion_only_loss": NoOp("TRL's loss on the completions only, what shardtune trains unless train_on_prompt "
-                                 "is true", _true_or_unset, "set train_on_prompt true to train on the prompts too"),
+                                 "is true", _true_or_unset, TRAINED_TOKENS),
     "dataloader_num_workers": NoOp("speed only: rows are tokenised once, before training, and collated in-process"),
     "include_num_input_tokens_seen": NoOp("metrics.jsonl always records tokens per step"),
     "logging_nan_inf_filter": NoOp("a non-finite loss stops the run with its step, so none is ever averaged in"),
