@@ -392,7 +392,7 @@ def test_train_without_the_launcher_refuses_several_processes(tiny, tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
-def test_find_batch_size_says_what_one_row_needs_and_suggests_only_what_is_not_on(tiny, capsys):
+def test_find_batch_size_says_what_one_row_needs_and_suggests_only_what_is_not_on(tiny, capsys, tmp_path):
     """It suggested --gradient-checkpointing and --method lora to a job that had both, and never said what one row
     needs against the card; a card smaller than the CUDA context is said to be that."""
     import json as json_module
@@ -409,3 +409,10 @@ def test_find_batch_size_says_what_one_row_needs_and_suggests_only_what_is_not_o
         f"or more GPUs with --num-gpus and --strategy FSDP (each holds a shard)")
     assert main(["estimate", str(tiny), "--method", "lora", "--find-batch-size", "--gpu-memory", "0.5"]) == 2
     assert one_error_line(capsys).endswith("against 0.50 GiB; the CUDA context alone takes more than the card has")
+    recipe = tmp_path / "r.yaml"  # --config: the recipe's keys, since the options are refused beside it
+    recipe.write_text("model_name_or_path: llama-3-70b\ndataset_name: d.jsonl\nuse_peft_lora: true\n"
+                      "gradient_checkpointing: false\n")
+    assert main(["estimate", "--config", str(recipe), "--find-batch-size", "--gpu-memory", "20"]) == 2
+    assert one_error_line(capsys).endswith("try gradient_checkpointing true, use_4bit_quantization true, more "
+                                           "processes (num_processes) with distributed_type FSDP (each holds a "
+                                           "shard) or a shorter max_seq_len")

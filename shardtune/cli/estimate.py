@@ -302,7 +302,7 @@ def _batch_and_config(args: argparse.Namespace, setup: Setup, gpu: Gpu) -> tuple
     if args.find_batch_size:
         from shardtune.memory.batch_plan import find_batch_size
 
-        plan = find_batch_size(args.model, setup, gpu)
+        plan = find_batch_size(args.model, setup, gpu, recipe=bool(args.config))
         setup = setup.with_(per_device_train_batch_size=plan.micro_batch_size,
                             gradient_accumulation_steps=plan.gradient_accumulation_steps)
         out["batch_plan"] = plan.to_dict()

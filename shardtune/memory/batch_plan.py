@@ -42,8 +42,9 @@ def plan_batch(largest_fitting: int, setup: Setup) -> BatchPlan:
     return BatchPlan(micro, accumulation, micro * accumulation * world, requested, largest_fitting)
 
 
-def find_batch_size(model: str, setup: Setup, gpu: Gpu) -> BatchPlan:
-    """The batch plan for ``setup`` on ``gpu``; a UsageError when not even one sequence per GPU fits."""
+def find_batch_size(model: str, setup: Setup, gpu: Gpu, *, recipe: bool = False) -> BatchPlan:
+    """The batch plan for ``setup`` on ``gpu``; a UsageError when not even one sequence per GPU fits, naming what
+    else to try as options, or as recipe keys where the setup came from ``--config`` files (``recipe``)."""
     from shardtune.memory.inventory import ModelAnalysis
     from shardtune.memory.recommend import evaluate_setup, max_batch_size
 
@@ -54,24 +55,32 @@ def find_batch_size(model: str, setup: Setup, gpu: Gpu) -> BatchPlan:
         need = (f"it needs {one.total / GIB:.2f} GiB and {one.cuda_context / GIB:.2f} GiB of CUDA context, against "
                 f"{gpu.memory_bytes / GIB:.2f} GiB")
         fix = ("the CUDA context alone takes more than the card has" if one.cuda_context >= gpu.memory_bytes
-               else _what_else(setup))
+               else _what_else(setup, recipe))
         raise UsageError(f"--find-batch-size: not even a micro-batch of 1 fits a {gpu.name} with {setup.label()}: "
                          f"{need}; {fix}")
     return plan_batch(largest, setup)
 
 
-def _what_else(setup: Setup) -> str:
-    """What would make a step smaller, of what ``setup`` does not do already."""
+def _what_else(setup: Setup, recipe: bool) -> str:
+    """What would make a step smaller, of what ``setup`` does not do already: estimate's options, or the recipe's
+    keys (``recipe``)."""
+    said = {"ckpt": "gradient_checkpointing true", "lora": "use_peft_lora true (or QLoRA's use_4bit_quantization)",
+            "qlora": "use_4bit_quantization true", "offload": "fsdp_offload_params true",
+            "gpus": "more processes (num_processes) with distributed_type FSDP (each holds a shard)",
+            "seq": "a shorter max_seq_len"} if recipe else {
+        "ckpt": "--gradient-checkpointing", "lora": "--method lora or qlora", "qlora": "--method qlora",
+        "offload": "--offload-params", "gpus": "more GPUs with --num-gpus and --strategy FSDP (each holds a shard)",
+        "seq": "a shorter --seq-len"}
     tries = []
     if not setup.gradient_checkpointing:
-        tries.append("--gradient-checkpointing")
+        tries.append(said["ckpt"])
     if setup.method != "qlora":
-        tries.append("--method lora or qlora" if setup.method == "full" else "--method qlora")
+        tries.append(said["lora"] if setup.method == "full" else said["qlora"])
     if setup.strategy.shards_parameters and not setup.offload_params:
-        tries.append("--offload-params")
-    tries.append("more GPUs with --num-gpus and --strategy FSDP (each holds a shard)")
+        tries.append(said["offload"])
+    tries.append(said["gpus"])
     if setup.seq_len > 512:
-        tries.append("a shorter --seq-len")
+        tries.append(said["seq"])
     return f"try {', '.join(tries[:-1])}{' or ' if len(tries) > 1 else ''}{tries[-1]}"
 
 
