@@ -257,8 +257,10 @@ def _why(exc: Exception) -> str:
     return f"{type(exc).__name__}: {first_line(str(exc))[:120]}"
 
 
-# Files a folder's tokenizer is read from (fast, slow sentencepiece, or the config naming the class).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Files a folder's tokenizer is read from (fast, slow sentencepiece, or the config naming the class; a GPT-2
+# style vocab.json with its merges.txt, Mistral's tekken.json, a tiktoken file).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tekken.json",
+                   "tokenizer.tiktoken")
 # An adapter's weights, as PEFT's save_pretrained writes them.
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 

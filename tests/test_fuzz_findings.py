@@ -145,7 +145,8 @@ def damaged_model(work: Path, tmp_path: Path, change: str) -> Path:
 @pytest.mark.parametrize("change,says", [
     ("list_config", "config.json: not a JSON object (it holds a list)"),  # ValueError: Unrecognized model
     ("unknown_type", "config.json: model_type 'nonesuch' is not one transformers"),  # ValueError traceback
-    ("no_tokenizer", "holds no tokenizer (no tokenizer.json, tokenizer_config.json, tokenizer.model)"),
+    ("no_tokenizer", "holds no tokenizer (no tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, "
+                     "tekken.json, tokenizer.tiktoken)"),
     ("cut_weights", "model.safetensors: not a safetensors file"),
 ])
 def test_a_damaged_model_folder_is_one_line_for_generate_merge_and_gguf_export(work, tmp_path, capsys, change, says):
@@ -164,6 +165,10 @@ def test_a_model_folder_without_a_tokenizer_says_so_for_train_and_data_inspect(w
                      "--output_dir", str(tmp_path / "out"), "--max_steps", "1"], says, "copy the base model's")
     refused(capsys, ["data", "inspect", str(work / "chat.jsonl"), "--model_name_or_path", str(model)], says)
     assert not (tmp_path / "out").exists()
+    from shardtune.hub import has_tokenizer
+
+    (model / "vocab.json").write_text("{}")  # a GPT-2 style tokenizer's files count (AutoTokenizer reads them)
+    assert has_tokenizer(model)
 
 
 def test_merge_takes_the_adapters_own_tokenizer_where_the_base_has_none(work, tmp_path):
