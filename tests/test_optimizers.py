@@ -216,6 +216,8 @@ def test_8bit_state_made_over_two_shards_is_not_resumed_on_one(resumed, tmp_path
     out = tmp_path / "one"
     shutil.copytree(resumed / "adamw_8bit_ref", out)
     shutil.rmtree(out / "checkpoints" / "step-4")
+    shutil.rmtree(out / "final")  # a run that has not ended (one that has is left as it is, nothing resumed)
+    (out / "summary.json").unlink()
     argv = flags("--model_name_or_path", str(resumed / "M"), "--dataset_name", str(resumed / "chat.jsonl"), *COMMON,
                  *CASES["adamw_8bit"], "--distributed_type", "NO", "--gradient_accumulation_steps", "4",
                  "--output_dir", str(out), "--resume_from_checkpoint", "true")
