@@ -242,6 +242,8 @@ def test_a_folders_files_that_no_split_reads_are_refused_naming_them(model_dir, 
     (folder / "part2.jsonl").rename(folder / "validation.jsonl")
     data, _ = prepare(model_dir, tmp_path, str(folder), splits="train", max_seq_len=256)
     assert len(data.train) == len(CHATS) and (data.eval is None or not len(data.eval))
+    assert ("test.jsonl, validation.jsonl left out: named after a split that splits (train) does not list; add it "
+            "there to read it") in data.report.notes
     data, _ = prepare(model_dir, tmp_path, str(folder), splits="train,validation", max_seq_len=256)
     assert len(data.train) == len(data.eval) == len(CHATS)
     for name in ("train", "validation", "test"):

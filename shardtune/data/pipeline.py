@@ -203,7 +203,8 @@ def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedDat
     """Read, tokenise and pack every split, in memory."""
     train_examples, skipped, fmt = read_examples(source, cfg.train_split_names(), cfg, cfg.data_format)
     eval_examples, eval_skipped, _ = read_examples(source, cfg.eval_split_names(), cfg, fmt)
-    notes = []
+    notes = [f"{', '.join(source.left_out)} left out: named after a split that splits ({cfg.splits}) does not "
+             f"list; add it there to read it"] if source.left_out else []
     if not eval_examples and cfg.eval_split_ratio > 0 and train_examples:
         order = list(range(len(train_examples)))
         random.Random(seed).shuffle(order)

@@ -44,6 +44,7 @@ class Source:
     name: str
     split_files: dict[str, list[Path]] = field(default_factory=dict)  # kind == files
     fingerprint: str = ""
+    left_out: tuple[str, ...] = ()  # files named after a split that the splits key does not list
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -107,17 +108,21 @@ def resolve(dataset_name: str, split_names: list[str], config_name: str | None =
                              "is not a saved `datasets` folder.")
         split_files: dict[str, list[Path]] = {}
         unnamed: list[Path] = []
+        other_splits: list[str] = []
         for f in data_files:
             split = _split_of(f.relative_to(path), split_names)
             if split is not None:
                 split_files.setdefault(split, []).append(f)
-            elif _split_of(f.relative_to(path), list(SPLIT_NAMES)) is None:  # another split's is left out on purpose
+            elif _split_of(f.relative_to(path), list(SPLIT_NAMES)) is None:
                 unnamed.append(f)
+            else:  # another split's file, left out on purpose (or by a splits key that forgot it: said)
+                other_splits.append(str(f.relative_to(path)))
         if not split_files:  # files not named after splits: all of them train
             split_files = {train_name: data_files}
         elif unnamed:  # read by no split: refused rather than left out without a word
             raise UsageError(_unnamed_files_problem(dataset_name, path, unnamed, split_names))
-        return Source("files", dataset_name, split_files, _content_fingerprint(data_files, path))
+        return Source("files", dataset_name, split_files, _content_fingerprint(data_files, path),
+                      tuple(other_splits) if split_files != {train_name: data_files} else ())
     if looks_like_local_path(dataset_name):
         raise UsageError(f"dataset_name '{dataset_name}' does not exist: check the path.")
     # 'out/nodata' where ./out is a folder is a mistyped path, not an organisation on the hub.

@@ -56,7 +56,7 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     return max(1, math.ceil(cfg.run.num_train_epochs * steps_per_epoch))
 
 
-def no_eval_split(cfg: TrainConfig) -> str:
+def no_eval_split(cfg: TrainConfig, left_out: list[str] | None = None) -> str:
     """eval_strategy or eval_on_start asks for evaluations and the data has no eval rows: refused (as Transformers'
     Trainer refuses an eval_strategy without an eval_dataset) rather than a run that never evaluates what the user
     asked for."""
@@ -66,9 +66,10 @@ def no_eval_split(cfg: TrainConfig) -> str:
     asked = f"eval_strategy {r.eval_strategy}" if r.eval_strategy != "no" else "eval_on_start true"
     off = " and ".join(setting for setting, on in (("eval_strategy no", r.eval_strategy != "no"),
                                                     ("eval_on_start false", r.eval_on_start)) if on)
-    return (f"{asked} evaluates on the eval split, and dataset_name '{d.dataset_name}' has no eval rows ({where}); "
-            f"add an eval split (e.g. test.jsonl beside train.jsonl), hold rows out of train with eval_split_ratio "
-            f"0.05, or set {off}")
+    files = f" ({'; '.join(left_out)})" if left_out else ""
+    return (f"{asked} evaluates on the eval split, and dataset_name '{d.dataset_name}' has no eval rows ({where})"
+            f"{files}; add an eval split (e.g. test.jsonl beside train.jsonl), hold rows out of train with "
+            f"eval_split_ratio 0.05, or set {off}")
 
 
 @parsed_once()  # a GGUF's metadata, read by the tokenizer and the model alike
@@ -80,7 +81,7 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed)
     if SWITCHES[EVALUATES](cfg) and not (data.eval is not None and len(data.eval)):
-        raise UsageError(no_eval_split(cfg))
+        raise UsageError(no_eval_split(cfg, [note for note in data.report.notes if " left out: " in note]))
     if info.is_main:
         log.info("data: %s", data.report.format())
     precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
