@@ -23,6 +23,7 @@ import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
+from shardtune.config.keys import parse_bool
 from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, no_op_problem, off
 from shardtune.config.schema import ALIASES, ZERO2_HYBRID, TrainConfig, all_keys
 from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
@@ -338,28 +339,17 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
             source, key = sources.get(name, Origin("config")), ALIASES.get(name, name)
             if value is None and key != name:  # another tool's name left unset (an older config.yaml's dtype: null)
                 continue
-            if key in DYNAMO_KEYS:  # Accelerate's torch.compile settings, read as torch_compile* (compile.py)
-                values_meant, refused = dynamo_values(key, value)
+            if (meant := _other_spelling(key, value)) is not None:  # other tools' spellings of keys declared here
+                keys_meant, refused = meant
                 problems += [f"{source}: {problem}" for problem in refused]
-                for meant, setting in values_meant.items():
-                    setattr(cfg.run, meant, setting)
-                    given[meant], layer_of[meant] = source, layer
+                for meant_key, setting in keys_meant.items():
+                    setattr(getattr(cfg, declared[meant_key].section), meant_key, setting)
+                    given[meant_key], layer_of[meant_key] = source, layer
             elif key in NO_OPS:  # accepted from recipes and Accelerate files; a value that would act is refused
                 if problem := no_op_problem(key, value):
                     problems.append(f"{source}: {problem}")
                 elif key in TRAINED_TOKEN_KEYS and not off(value):
                     trained_tokens[key] = source
-            elif (meant := _transformers_form(key, value)) is not None:  # another spelling of keys declared here
-                keys_meant, refused = meant
-                problems += [f"{source}: {problem}" for problem in refused]
-                for meant_key, setting in keys_meant.items():
-                    try:
-                        setting = declared[meant_key].coerce(setting)
-                    except ValueError as exc:
-                        problems.append(f"{source}: {name}: {meant_key}={setting!r}: {exc}")
-                        continue
-                    setattr(getattr(cfg, declared[meant_key].section), meant_key, setting)
-                    given[meant_key], layer_of[meant_key] = source, layer
             elif key not in declared:
                 hint = closest(key, list(declared))
                 did_you_mean = f"; did you mean '{hint}'?" if hint else "; see 'shardtune train --help-keys'"
@@ -388,13 +378,16 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
 RATIO_STEP_KEYS = ("warmup_steps", "logging_steps", "save_steps", "eval_steps")
 
 
-def _transformers_form(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | None:
-    """Transformers' and TRL's spellings that say what keys declared here say: the keys and values meant, and the
-    problems of a value that has no meaning here; None for any other key or value.
+def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | None:
+    """Other tools' spellings that say what keys declared here say: the keys and values meant, and the problems of
+    a value that has no meaning here; None for any other key or value.
 
+    - Accelerate's dynamo keys are torch_compile, torch_compile_backend and torch_compile_mode (compile.py).
     - ``warmup_steps`` below 1 is Transformers 5's ratio of the run's steps (its warmup_ratio is gone): warmup_ratio.
       A ratio of logging_steps, save_steps or eval_steps is refused, naming the steps to give instead.
     - ``gradient_checkpointing_kwargs`` (TRL recipes: ``{use_reentrant: false}``) sets use_reentrant."""
+    if key in DYNAMO_KEYS:
+        return dynamo_values(key, value)
     if key in RATIO_STEP_KEYS:
         try:
             ratio = float(value)
@@ -418,8 +411,12 @@ def _transformers_form(key: str, value: Any) -> tuple[dict[str, Any], list[str]]
     extra = sorted(set(value) - {"use_reentrant"})
     refused = [f"gradient_checkpointing_kwargs: {', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not read "
                f"here (only use_reentrant is); remove {'it' if len(extra) == 1 else 'them'}"] if extra else []
-    meant = {"use_reentrant": value["use_reentrant"]} if value.get("use_reentrant") is not None else {}
-    return meant, refused
+    if value.get("use_reentrant") is None:
+        return {}, refused
+    try:
+        return {"use_reentrant": parse_bool(value["use_reentrant"])}, refused
+    except ValueError as exc:
+        return {}, [*refused, f"gradient_checkpointing_kwargs: use_reentrant={value['use_reentrant']!r}: {exc}"]
 
 
 def _alias_problems(values: dict[str, Any], sources: dict[str, Origin]) -> list[str]:
