@@ -349,7 +349,7 @@ def test_an_attention_kernel_that_cannot_run_is_refused_before_anything_is_writt
                 "flash_attention_3 (did you mean sdpa?)")
         for dry in ("false", "true"):
             refused(capsys, [*train_argv(work, out), "--attn_implementation", "flash_attention_2", "--dry_run", dry],
-                    "attn_implementation=flash_attention_2: it runs on CUDA GPUs only and none is visible; use "
+                    "attn_implementation=flash_attention_2: it runs on CUDA GPUs only and this job has none; use "
                     "attn_implementation sdpa (the default), with use_flash_attn true to take flash attention where "
                     "it can run")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

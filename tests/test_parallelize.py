@@ -106,23 +106,21 @@ def test_attention_is_chosen_for_the_device_the_model_runs_on_not_where_it_loads
 
 def test_flash_attention_only_where_its_kernels_run(monkeypatch):
     """flash-attn needs CUDA and bf16/fp16 compute (it has no fp32 kernels); elsewhere the configured attention."""
-    import importlib.util
-
     import torch
 
     from shardtune.config import ModelConfig
     from shardtune.train.model import attn_implementation
 
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
-                        else real_find_spec(name, *a))
+    monkeypatch.setattr("transformers.utils.is_flash_attn_2_available", lambda: True)
     cfg, gpu = ModelConfig(use_flash_attn=True), torch.device("cuda", 0)
     assert attn_implementation(cfg, gpu, torch.bfloat16) == "flash_attention_2"
     assert attn_implementation(cfg, gpu, torch.float16) == "flash_attention_2"
-    with pytest.warns(UserWarning, match="flash-attn computes in bf16/fp16 only and mixed precision is off"):
+    with pytest.warns(UserWarning, match="it computes in bf16 or fp16 only, and this job computes in fp32"):
         assert attn_implementation(cfg, gpu, torch.float32) == "sdpa"
     assert attn_implementation(cfg, torch.device("cpu"), torch.bfloat16) == "sdpa"
     assert attn_implementation(ModelConfig(), gpu, torch.bfloat16) == "sdpa"
+    monkeypatch.setattr("transformers.utils.is_flash_attn_2_available", lambda: False)  # the package is missing
+    assert attn_implementation(cfg, gpu, torch.bfloat16) == "sdpa"
 
 
 def test_model_parallel_moves_everything_off_the_cpu_including_unplaced_tensors():

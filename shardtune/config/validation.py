@@ -369,6 +369,20 @@ def device_problems(cfg: TrainConfig) -> list[Problem]:
 FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3"}
 
 
+def flash_unavailable(attn: str, on_cuda: bool, fp32: bool) -> str | None:
+    """Why flash attention (``attn``: flash_attention_2 or _3) cannot run on this job, or None where it can: the
+    one reason both the check before a job starts and use_flash_attn's fallback at run time give."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    if not on_cuda:
+        return "it runs on CUDA GPUs only and this job has none"
+    if not (is_flash_attn_2_available() if attn == "flash_attention_2" else is_flash_attn_3_available()):
+        return f"the {FLASH_PACKAGES[attn]} package is not installed (pip install {FLASH_PACKAGES[attn]})"
+    if fp32:
+        return "it computes in bf16 or fp16 only, and this job computes in fp32 (set bf16 true)"
+    return None
+
+
 def attention_problems(cfg: TrainConfig) -> list[Problem]:
     """Flash attention named as attn_implementation where it cannot run: transformers would refuse to build the
     model after the data is tokenised (a dry run builds it too). use_flash_attn is the key that falls back."""
@@ -376,15 +390,9 @@ def attention_problems(cfg: TrainConfig) -> list[Problem]:
     if attn not in FLASH_PACKAGES:
         return []
     import torch
-    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
-    if not torch.cuda.is_available():
-        why = "it runs on CUDA GPUs only and none is visible"
-    elif not (is_flash_attn_2_available() if attn == "flash_attention_2" else is_flash_attn_3_available()):
-        why = f"the {FLASH_PACKAGES[attn]} package is not installed (pip install {FLASH_PACKAGES[attn]})"
-    elif cfg.mixed_precision == "no" and not cfg.model.pure_bf16:
-        why = "it computes in bf16 or fp16 only, and this job computes in fp32 (set bf16 true)"
-    else:
+    why = flash_unavailable(attn, torch.cuda.is_available(), cfg.mixed_precision == "no" and not cfg.model.pure_bf16)
+    if why is None:
         return []
     return [Problem("attn_implementation", f"attn_implementation={attn}: {why}; use attn_implementation sdpa (the "
                                            f"default), with use_flash_attn true to take flash attention where it "

@@ -110,14 +110,11 @@ def attn_implementation(model_cfg: ModelConfig, device: torch.device, compute_dt
     kernels); otherwise the configured one (sdpa by default), with a warning saying why."""
     if not model_cfg.use_flash_attn:
         return model_cfg.attn_implementation
-    import importlib.util
+    from shardtune.config.validation import flash_unavailable
 
-    fp32 = compute_dtype == torch.float32
-    if device.type == "cuda" and not fp32 and importlib.util.find_spec("flash_attn") is not None:
+    why = flash_unavailable("flash_attention_2", device.type == "cuda", compute_dtype == torch.float32)
+    if why is None:
         return "flash_attention_2"
-    why = ("no CUDA device" if device.type != "cuda" else
-           "flash-attn computes in bf16/fp16 only and mixed precision is off" if fp32 else
-           "the flash_attn package is not installed")
     _warn_once(f"use_flash_attn: {why}, using {model_cfg.attn_implementation} attention instead")
     return model_cfg.attn_implementation
 
