@@ -91,8 +91,10 @@ def test_estimate_refuses_the_sequence_lengths_train_refuses(tiny, tmp_path, cap
         assert one_error_line(capsys) == (f"shardtune estimate: error: --seq-len {seq_len} is beyond the {limit} "
                                           f"positions {model} covers ({where}); set --seq-len {limit} or less, or "
                                           f"give the model a longer context first (rope_scaling in its config.json)")
-    assert main(["estimate", "llama-3.1-8b", "--seq-len", "1"]) == 2
-    assert "--seq-len 1: a row needs at least 2 tokens" in one_error_line(capsys)
+    for short in ("1", "0"):  # max_seq_len's declared bound, as train refuses it
+        assert main(["estimate", "llama-3.1-8b", "--seq-len", short]) == 2
+        assert one_error_line(capsys) == (f"shardtune estimate: error: --seq-len must be a whole number >= 2 (got "
+                                          f"{short}): a row needs one token to predict from and one to predict.")
     assert not (tmp_path / "r.yaml").exists()
     assert main(["estimate", "llama-2-70b", "--seq-len", "4096"]) == 0
 

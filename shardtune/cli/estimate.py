@@ -362,13 +362,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _check_seq_len(model: str, seq_len: int, option: str) -> None:
-    """What train refuses of the sequence length, refused here too, so that an estimate (and the recipe
-    --emit-config writes) is of a job that can run: fewer than 2 tokens, or more than the model's positions."""
+    """What train refuses of the sequence length beyond its declared bound (checked with the setup's numbers),
+    refused here too, so that an estimate (and the recipe --emit-config writes) is of a job that can run: more
+    tokens than the model's positions."""
     from shardtune.config.validation import beyond_context
     from shardtune.hub import config_context_length, context_length
 
-    if seq_len < 2:
-        raise UsageError(f"{option} {seq_len}: a row needs at least 2 tokens (one to predict from, one to predict)")
     name = catalog.canonical(model)
     found = (config_context_length(catalog.load(name), f"catalog {name}") if name in catalog.names()
              else context_length(model))

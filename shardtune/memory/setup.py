@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from shardtune.config.optimizers import ESTIMATE_ALIASES, OPTIMIZERS as OPTIMIZER_TABLE, canonical
-from shardtune.config.schema import MIXED_PRECISIONS, SHARDING_STRATEGIES, TrainConfig, known_keys
+from shardtune.config.schema import MIXED_PRECISIONS, SHARDING_STRATEGIES, TrainConfig, all_keys, known_keys
 from shardtune.errors import UsageError, check_choice
 from shardtune.strategies import ZERO_STAGES, Strategy, resolve, strategy_named, zero_stage
 
@@ -278,12 +278,21 @@ def normalize_sharding(value: str) -> str:
     return check_choice(value.upper(), SHARDING_STRATEGIES + ("ZERO1", "ZERO2", "ZERO3"), "sharding strategy")
 
 
+# The numbers the estimate reads, by their estimate option's name, each with the train key whose declared lower
+# bound it keeps (None: the estimate's own counts, at least 1).
+_NUMBERS = {"num_gpus": None, "num_nodes": None, "batch_size": "per_device_train_batch_size",
+            "seq_len": "max_seq_len", "gradient_accumulation_steps": "gradient_accumulation_steps", "lora_r": "lora_r"}
+
+
 def _checked_numbers(setup: Setup) -> None:
+    lowest = {d.name: d.meta.ge for d in all_keys()}
     problems = []
-    for name in ("num_gpus", "num_nodes", "batch_size", "seq_len", "gradient_accumulation_steps", "lora_r"):
-        value = getattr(setup, name)
-        if not isinstance(value, int) or value < 1:
-            problems.append(f"--{name.replace('_', '-')} must be a whole number >= 1 (got {value})")
+    for name, key in _NUMBERS.items():
+        value, low = getattr(setup, name), lowest[key] if key else 1
+        if not isinstance(value, int) or value < low:
+            problems.append(f"--{name.replace('_', '-')} must be a whole number >= {low} (got {value})"
+                            + (": a row needs one token to predict from and one to predict" if name == "seq_len"
+                               else ""))
     if problems:
         raise UsageError("; ".join(problems) + ".")
 
