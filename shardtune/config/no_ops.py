@@ -12,14 +12,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-_OFF = {"", "false", "no", "0", "none", "null", "off"}
+from shardtune.config.keys import parse_bool
+
+
+def _unset(value: Any) -> bool:
+    return value is None or str(value).strip().lower() in ("", "none", "null")
+
+
+def _word(value: Any) -> bool | None:
+    """parse_bool's reading of ``value``, None where it is not a boolean word."""
+    try:
+        return parse_bool(value.strip() if isinstance(value, str) else value)
+    except ValueError:
+        return None
 
 
 def off(value: Any) -> bool:
     """False, empty or unset, as YAML files and command lines write it."""
     if isinstance(value, (dict, list, tuple)):
         return all(off(v) for v in (value.values() if isinstance(value, dict) else value))
-    return value is None or value is False or str(value).strip().lower() in _OFF
+    return _unset(value) or _word(value) is False
 
 
 def _any(_value: Any) -> bool:
@@ -45,7 +57,7 @@ TRAINED_TOKENS = ("remove it: shardtune trains the assistant turns and completio
 
 
 def _true_or_unset(value: Any) -> bool:
-    return value is None or value is True or str(value).strip().lower() in ("true", "yes", "1", "null", "none")
+    return _unset(value) or _word(value) is True
 
 
 def _sizes_one(value: Any) -> bool:
