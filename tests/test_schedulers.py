@@ -346,6 +346,27 @@ def test_a_bad_train_key_is_refused_before_writing(capsys, tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []
 
 
+def test_use_cpu_is_checked_against_the_gpus_the_cluster_job_asks_for(capsys, tmp_path, monkeypatch):
+    """Accelerate's use_cpu true is decided by the nodes' GPUs (--gpus_per_node), not the login node's: a GPU job
+    is refused before it waits in a queue, and a CPU job loads on a login node that has a GPU."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    acc = tmp_path / "accelerate.yaml"
+    acc.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nmixed_precision: 'no'\n"
+                   "use_cpu: true\nmachine_rank: 0\nnum_machines: 1\nnum_processes: 2\n")
+    for login_has_gpu in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: login_has_gpu)
+        assert main(["launch", "--slurm", "--config_file", str(acc), "--gpus_per_node", "2", "--dry_run",
+                     "train", *TRAIN]) == 2
+        err = capsys.readouterr().err
+        assert "use_cpu=True would change what runs" in err and "--gpus_per_node 0" in err, err
+        assert main(["launch", "--slurm", "--config_file", str(acc), "--gpus_per_node", "0", "--dry_run",
+                     "train", *TRAIN]) == 0
+        assert "Slurm job 'shardtune': 1 node x 2 CPU processes, 2 processes." in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["accelerate.yaml"]
+
+
 def test_write_and_submit(tmp_path, monkeypatch, capsys):
     """The file is written where asked, and --submit hands it to sbatch (a stand-in that records its argument)."""
     bin_dir = tmp_path / "bin"

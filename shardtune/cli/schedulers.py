@@ -92,8 +92,13 @@ class JobShape:
         return self.num_machines * self.procs_per_node
 
     def describe(self, machines: str = "nodes") -> str:
-        per_node = f"{self.gpus_per_node} GPUs" if self.gpus_per_node else f"{self.procs_per_node} CPU processes"
-        return f"{self.num_machines} {machines} x {per_node}, {self.num_processes} processes"
+        """``2 nodes x 8 GPUs, 16 processes``; one of a kind in the singular (``1 node x 1 GPU, 1 process``)."""
+        def counted(n: int, things: str) -> str:  # things: a plural in -s, or -es after "ss"
+            return f"{n} {things if n != 1 else things[:-2] if things.endswith('sses') else things[:-1]}"
+
+        per_node = (counted(self.gpus_per_node, "GPUs") if self.gpus_per_node
+                    else counted(self.procs_per_node, "CPU processes"))
+        return f"{counted(self.num_machines, machines)} x {per_node}, {counted(self.num_processes, 'processes')}"
 
 
 def job_shape(opts: argparse.Namespace) -> JobShape:
@@ -154,17 +159,20 @@ def node_command(shape: JobShape, opts: argparse.Namespace, host: str, rdzv_id: 
 
 def node_train_config(opts: argparse.Namespace, shape: JobShape, train_args: list[str]) -> TrainConfig:
     """The config every node's ``shardtune train`` will read, checked here before it waits in a queue: keys and
-    values only, for the model, data and checkpoint paths are the nodes' (they check them when they start)."""
+    values only, for the model, data and checkpoint paths are the nodes' (they check them when they start), as the
+    nodes see them (with the GPUs the job asks for, whatever this machine has)."""
     from shardtune.cli.common import LAUNCHER_KEYS, TRAIN_HELP
     from shardtune.config import load_train_config, raise_problems
     from shardtune.config.loading import repeated_cli_keys
+    from shardtune.config.no_ops import job_gpus
 
     if any(a in TRAIN_HELP for a in train_args):
         raise UsageError("a cluster job runs training: ask 'shardtune train --help' for the train arguments")
     node_view = ["--num_processes", str(shape.num_processes), "--num_machines", str(shape.num_machines),
                  *(["--config_file", opts.config_file] if opts.config_file else []), *train_args]
     raise_problems(repeated_cli_keys(node_view, LAUNCHER_KEYS))
-    return load_train_config(node_view)
+    with job_gpus(shape.gpus_per_node > 0):  # the nodes' GPUs, not this login node's
+        return load_train_config(node_view)
 
 
 def resumable_train_args(cfg: TrainConfig, train_args: list[str]) -> tuple[list[str], str]:

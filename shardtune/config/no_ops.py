@@ -8,7 +8,9 @@ what to use instead. docs/config.md lists them (scripts/gen_config_docs.py reads
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,20 +36,50 @@ def off(value: Any) -> bool:
     return _unset(value) or _word(value) is False
 
 
-def _any(_value: Any) -> bool:
-    return True
+@dataclass(frozen=True)
+class Inert:
+    """The values of a no-op key that change nothing (``test``), and those values in words for the docs."""
+    test: Callable[[Any], bool]
+    says: str
+
+    def __call__(self, value: Any) -> bool:
+        return self.test(value)
+
+
+ANY = Inert(lambda _value: True, "any value")
+OFF = Inert(off, "false or unset")
+
+
+# Whether the job being checked will see a GPU, where that is not this machine's answer: a cluster job checked on
+# a login node (shardtune launch --slurm/--kubernetes) runs where its --gpus_per_node says. None: ask torch here.
+_JOB_HAS_GPUS: ContextVar[bool | None] = ContextVar("job_has_gpus", default=None)
+
+
+@contextmanager
+def job_gpus(has_gpus: bool) -> Iterator[None]:
+    """Check keys for a job that runs elsewhere, with GPUs or without (a cluster job's nodes)."""
+    token = _JOB_HAS_GPUS.set(has_gpus)
+    try:
+        yield
+    finally:
+        _JOB_HAS_GPUS.reset(token)
 
 
 def _gpu_visible() -> bool:
-    """Whether this machine shows torch a CUDA GPU: where none is, Accelerate's use_cpu true (which its MULTI_CPU
-    files always carry) asks for what runs anyway. torch is imported only for that question."""
+    """Whether the job will see a CUDA GPU: where none is, Accelerate's use_cpu true (which its MULTI_CPU files
+    always carry) asks for what runs anyway. torch is imported only for that question, and only where the job
+    runs here."""
+    job = _JOB_HAS_GPUS.get()
+    if job is not None:
+        return job
     import torch
 
     return torch.cuda.is_available()
 
 
-def _one_of(*words: str) -> Callable[[Any], bool]:
-    return lambda value: off(value) or str(value).strip().lower() in words
+def _one_of(*words: str) -> Inert:
+    return Inert(lambda value: off(value) or str(value).strip().lower() in words,
+                 f"{', '.join(words)}, or unset")
 
 
 # TRL's two keys for the trained tokens, which train_on_prompt decides here.
@@ -56,8 +88,7 @@ TRAINED_TOKENS = ("remove it: shardtune trains the assistant turns and completio
                   "train_on_prompt true")
 
 
-def _true_or_unset(value: Any) -> bool:
-    return _unset(value) or _word(value) is True
+TRUE_OR_UNSET = Inert(lambda value: _unset(value) or _word(value) is True, "true or unset")
 
 
 def _sizes_one(value: Any) -> bool:
@@ -68,10 +99,15 @@ def _sizes_one(value: Any) -> bool:
                for k, v in value.items() if k.endswith("_size"))
 
 
+SIZES_ONE = Inert(_sizes_one, "every tp/cp size 1, or unset")
+# Accelerate's use_cpu true where the job sees no GPU asks for what runs anyway.
+NO_GPU_OR_OFF = Inert(lambda value: off(value) or not _gpu_visible(), "false or unset; true where the job sees no GPU")
+
+
 @dataclass(frozen=True)
 class NoOp:
     why: str  # what the key means elsewhere and why it changes nothing here
-    inert: Callable[[Any], bool] = _any  # the values that change nothing; others are refused
+    inert: Inert = ANY  # the values that change nothing; others are refused
     instead: str = ""  # for a refused value: what to do instead
 
 
@@ -84,9 +120,9 @@ NO_OPS: dict[str, NoOp] = {
                            "main)", _one_of("main"), "download that revision into a folder (hf download NAME "
                            "--revision REV --local-dir DIR) and give the folder as model_name_or_path"),
     "assistant_only_loss": NoOp("TRL's loss on the assistant turns only, what shardtune trains unless "
-                                "train_on_prompt is true", _true_or_unset, TRAINED_TOKENS),
+                                "train_on_prompt is true", TRUE_OR_UNSET, TRAINED_TOKENS),
     "completion_only_loss": NoOp("TRL's loss on the completions only, what shardtune trains unless train_on_prompt "
-                                 "is true", _true_or_unset, TRAINED_TOKENS),
+                                 "is true", TRUE_OR_UNSET, TRAINED_TOKENS),
     "dataloader_num_workers": NoOp("speed only: rows are tokenised once, before training, and collated in-process"),
     "include_num_input_tokens_seen": NoOp("metrics.jsonl always records tokens per step"),
     "logging_nan_inf_filter": NoOp("a non-finite loss stops the run with its step, so none is ever averaged in"),
@@ -98,21 +134,22 @@ NO_OPS: dict[str, NoOp] = {
     "downcast_bf16": NoOp("TPU-only", _one_of("no"), "shardtune does not run on TPUs"),
     "same_network": NoOp("a hint for Accelerate's multi-machine set-up"),
     "enable_cpu_affinity": NoOp("speed only (NUMA pinning)"),
-    **{name: NoOp(what, off, "shardtune does not run on TPUs") for name, what in (
+    **{name: NoOp(what, OFF, "shardtune does not run on TPUs") for name, what in (
         ("tpu_env", "TPU-only"), ("tpu_use_cluster", "TPU-only"), ("tpu_use_sudo", "TPU-only"),
         ("tpu_name", "TPU-only"), ("tpu_zone", "TPU-only"), ("commands", "TPU pod commands"),
         ("command_file", "TPU pod commands"))},
-    "use_cpu": NoOp("Accelerate's switch to the CPU", lambda value: off(value) or not _gpu_visible(),
-                    "hide the GPUs instead: CUDA_VISIBLE_DEVICES= shardtune train ..."),
+    "use_cpu": NoOp("Accelerate's switch to the CPU", NO_GPU_OR_OFF,
+                    "hide the GPUs instead: CUDA_VISIBLE_DEVICES= shardtune train ... (a cluster job: "
+                    "--gpus_per_node 0)"),
     "gpu_ids": NoOp("which GPUs Accelerate uses", _one_of("all"), "choose them with CUDA_VISIBLE_DEVICES=0,1"),
-    "megatron_lm_config": NoOp("Megatron-LM", off, "shardtune does not run Megatron-LM: remove it"),
-    "ipex_config": NoOp("Intel Extension for PyTorch", off, "remove it"),
-    "mpirun_config": NoOp("mpirun launching", off, "launch with shardtune launch (torchrun)"),
-    "fp8_config": NoOp("FP8 training", off, "shardtune trains in bf16, fp16 or fp32: remove it"),
-    "parallelism_config": NoOp("tensor/context parallel sizes", _sizes_one,
+    "megatron_lm_config": NoOp("Megatron-LM", OFF, "shardtune does not run Megatron-LM: remove it"),
+    "ipex_config": NoOp("Intel Extension for PyTorch", OFF, "remove it"),
+    "mpirun_config": NoOp("mpirun launching", OFF, "launch with shardtune launch (torchrun)"),
+    "fp8_config": NoOp("FP8 training", OFF, "shardtune trains in bf16, fp16 or fp32: remove it"),
+    "parallelism_config": NoOp("tensor/context parallel sizes", SIZES_ONE,
                                "shardtune runs data parallel, FSDP, MP and PP: set tp/cp sizes to 1 or remove it"),
     "fsdp_use_orig_params": NoOp("FSDP1's flat parameters; FSDP2 keeps every parameter itself, whatever the value"),
-    "fsdp_offload_optimizer": NoOp("FSDP2 offloads the optimizer step with the parameters", off,
+    "fsdp_offload_optimizer": NoOp("FSDP2 offloads the optimizer step with the parameters", OFF,
                                    "set fsdp_offload_params true, which offloads both"),
 }
 
