@@ -53,10 +53,9 @@ def _no_op_section() -> list[str]:
     out = ["## Accepted, changing nothing", "",
            "Recipes and `accelerate config` files carry these; shardtune reads them and does nothing with them. A",
            "value that would change what runs is refused, naming what to do instead.", "",
-           "| key | why it changes nothing | refused values |", "|---|---|---|"]
+           "| key | why it changes nothing | accepted | any other value is refused: do instead |", "|---|---|---|---|"]
     for key, entry in NO_OPS.items():
-        refused = entry.instead and f"anything else: {entry.instead}"
-        out.append(f"| `{key}` | {entry.why} | {refused or '-'} |")
+        out.append(f"| `{key}` | {entry.why} | {entry.inert.says} | {entry.instead or '-'} |")
     return out + [""]
 
 

@@ -58,7 +58,10 @@ def recipe_schema() -> dict[str, Any]:
     keys = {d.name: key_schema(d, getattr(getattr(cfg, d.section), d.name)) for d in all_keys()}
     aliases = {alias: {**keys[key], "description": f"Another name for {key}: {keys[key]['description']}"}
                for alias, key in ALIASES.items()}
-    accepted = {name: {"description": f"Accepted, changing nothing: {entry.why}."} for name, entry in NO_OPS.items()}
+    refused = {name: f" Values: {entry.inert.says}; any other is refused." for name, entry in NO_OPS.items()
+               if entry.instead}
+    accepted = {name: {"description": f"Accepted, changing nothing: {entry.why}.{refused.get(name, '')}"}
+                for name, entry in NO_OPS.items()}
     dynamo = {name: {"description": "Accelerate's torch.compile setting, read as torch_compile, torch_compile_backend "
                                     "and torch_compile_mode."} for name in DYNAMO_KEYS}
     # Other spellings of declared keys (loading._transformers_form)
