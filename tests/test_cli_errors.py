@@ -391,6 +391,11 @@ def test_train_without_the_launcher_refuses_several_processes(tiny, tmp_path, ca
     assert one_error_line(capsys) == ("shardtune train: error: machine_rank=1, main_process_ip=10.0.0.1: shardtune "
                                       "launch reads these to start a job's processes, and shardtune train alone "
                                       "starts none; run shardtune launch ... train ..., or leave them out")
+    for key, value in (("main_process_port", "29555"), ("rdzv_backend", "c10d")):
+        exits_2([*argv[:-4], f"--{key}", value])
+        assert one_error_line(capsys) == (f"shardtune train: error: {key}={value}: shardtune launch reads this to "
+                                          f"start a job's processes, and shardtune train alone starts none; run "
+                                          f"shardtune launch ... train ..., or leave it out")
     assert not (tmp_path / "out").exists()
 
 

@@ -337,29 +337,36 @@ def test_accelerates_multi_cpu_file_loads_where_no_gpu_is_visible(tmp_path, monk
     assert (cfg.distributed.distributed_type, cfg.distributed.num_processes) == ("DDP", 2)
 
 
-def test_disable_tqdm_turns_the_training_bar_off(tmp_path_factory, monkeypatch):
-    """The loop's progress bar is enabled by default on rank 0 and disabled with --disable_tqdm true."""
+def test_disable_tqdm_and_logging_first_step_act_in_a_run(tmp_path_factory, monkeypatch):
+    """The loop's progress bar is enabled by default on rank 0 and disabled with --disable_tqdm true; the first
+    step is logged with --logging_first_step true beside every logging_steps-th and the last."""
     import shardtune.train.loop as loop
     from tests.trainutil import logging_restored, tiny_workspace
 
-    work = tiny_workspace(tmp_path_factory, "disable-tqdm", rows=8)
+    work = tiny_workspace(tmp_path_factory, "disable-tqdm", rows=24)
     enabled = []
     bar = loop.progress_bar
     monkeypatch.setattr(loop, "progress_bar", lambda total, initial, on: enabled.append(on) or bar(total, initial, on))
+    logged = {}
     for value in ("false", "true"):
+        out = work / f"run-{value}"
         with logging_restored():
             assert main(["train", "--model_name_or_path", str(work / "model"), "--dataset_name",
-                         str(work / "chat.jsonl"), "--output_dir", str(work / f"run-{value}"), "--max_steps", "1",
-                         "--save_strategy", "no", "--predict_memory", "false", "--disable_tqdm", value]) == 0
+                         str(work / "chat.jsonl"), "--output_dir", str(out), "--max_steps", "3", "--logging_steps",
+                         "2", "--save_strategy", "no", "--predict_memory", "false", "--disable_tqdm", value,
+                         "--logging_first_step", "true" if value == "false" else "false"]) == 0
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        logged[value] = [r["step"] for r in records if "loss" in r]
     assert enabled == [True, False]
+    assert logged == {"false": [1, 2, 3], "true": [2, 3]}
 
 
 def test_keys_that_used_to_be_ignored_now_act(tmp_path, capsys):
-    from shardtune.train.metrics import MetricsLog
+    """ddp_find_unused_parameters reaches DDP's plan, save_safetensors false is refused (logging_first_step and
+    disable_tqdm act in a run: the test above)."""
     from shardtune.train.plan import make_plan
 
-    cfg = load_train_config([*BASE, "--num_processes", "2", "--ddp_find_unused_parameters", "true",
-                             "--logging_first_step", "false", "--disable_tqdm", "true", "--logging_steps", "5"])
+    cfg = load_train_config([*BASE, "--num_processes", "2", "--ddp_find_unused_parameters", "true"])
     from shardtune.dist import DistInfo
 
     import torch
@@ -367,7 +374,5 @@ def test_keys_that_used_to_be_ignored_now_act(tmp_path, capsys):
     info = DistInfo(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"))
     plan = make_plan(cfg.distributed, info, param_dtype=None, gradient_checkpointing=False, use_reentrant=False)
     assert plan.strategy == "DDP" and plan.find_unused_parameters
-    log = MetricsLog(tmp_path, info, strategy="steps", every=5, first_step=cfg.run.logging_first_step)
-    assert [s for s in range(1, 11) if log.should_log(s, at_epoch_end=False, last=False)] == [5, 10]
     with pytest.raises(UsageError, match="save_safetensors=false asks for pickled .bin weights"):
         load_train_config([*BASE, "--save_safetensors", "false"])

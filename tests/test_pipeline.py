@@ -13,7 +13,6 @@ import math
 import shutil
 
 import pytest
-import torch
 
 from shardtune.config import load_train_config
 from shardtune.errors import UsageError
@@ -205,8 +204,10 @@ def test_pipeline_config_errors(assets, extra, message):
 
 
 def test_pp_config_is_accepted(assets):
+    """A PP recipe with every PP key off its default, lower-case spellings included, keeps each as given."""
     cfg = load_train_config(args(assets, "ok", ["--distributed_type", "pp", "--pipeline_schedule", "gpipe",
-                                                *EVAL, "--resume_from_checkpoint", "true"]))
-    assert cfg.distributed.distributed_type == "PP" and cfg.distributed.pipeline_microbatches == 2
-    assert cfg.run.eval_strategy == "steps" and cfg.checkpoint.resume_from_checkpoint
-    assert torch.distributed.is_available()
+                                                "--pipeline_microbatches", "4", *EVAL,
+                                                "--resume_from_checkpoint", "true"]))
+    d = cfg.distributed
+    assert (d.distributed_type, d.pipeline_schedule, d.pipeline_microbatches) == ("PP", "GPipe", 4)
+    assert cfg.run.eval_strategy == "steps" and cfg.checkpoint.resume_from_checkpoint == "true"
