@@ -101,7 +101,12 @@ ALIAS_VALUES = {"max_length": (64, []), "max_seq_length": (64, []), "dataset_con
                 "evaluation_strategy": ("steps", []), "dtype": ("bfloat16", [])}
 
 
-@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_the_other_names_are_the_ones_listed_here():
+    """Each accepted other name has its case below, and none is dropped without this list changing."""
+    assert sorted(ALIASES) == sorted(ALIAS_VALUES)
+
+
+@pytest.mark.parametrize("alias", sorted(ALIAS_VALUES))
 def test_another_tools_name_sets_its_key(alias, tmp_path):
     """Every accepted name acts: as the key it names."""
     d = next(d for d in all_keys() if d.name == ALIASES[alias])
