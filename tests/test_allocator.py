@@ -56,12 +56,13 @@ def test_a_long_lived_block_in_a_cached_hole_forces_a_new_segment():
     assert (a.reserved, a.peak_allocated, a.segments) == (24 * MIB, 16 * MIB, 2)
 
 
-def test_freed_neighbours_merge_and_best_fit_reuses_them():
+@pytest.mark.parametrize("order", ["ba", "ab"], ids=["into-the-next", "into-the-previous"])
+def test_freed_neighbours_merge_and_best_fit_reuses_them(order):
     a = CachingAllocatorModel()
     for key in "abc":  # 4 MiB each from one 20 MiB segment: 8 MiB stays free at its end
         a.malloc(key, 4 * MIB)
-    a.free("b")
-    a.free("a")  # merges with b: 8 MiB free at the start
+    for key in order:  # the second merges with the first, whichever side it is on: 8 MiB free at the start
+        a.free(key)
     a.malloc("d", 8 * MIB)
     a.malloc("e", 8 * MIB)  # the two 8 MiB blocks serve both; nothing new is reserved
     assert (a.reserved, a.segments, a.allocated) == (20 * MIB, 1, 20 * MIB)

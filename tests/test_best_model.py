@@ -131,7 +131,8 @@ def test_neftune_noises_training_embeddings_only_within_its_bound():
 
 def test_neftune_noise_alpha_reaches_the_trained_model(root):
     """--neftune_noise_alpha is wired to the model the run trains: its input embeddings are noisy in training, by
-    at most alpha / sqrt(seq_len x hidden), and clean in evaluation."""
+    at most alpha / sqrt(seq_len x hidden) and, over 64 x hidden uniform draws, more than half that (the alpha
+    given, not another), and clean in evaluation."""
     from shardtune.train.loop import train
     from tests.trainutil import logging_restored
 
@@ -150,5 +151,5 @@ def test_neftune_noise_alpha_reaches_the_trained_model(root):
         train(load_train_config(args(root, "neftune", "--neftune_noise_alpha", "5", "--max_steps", "1",
                                      "--save_strategy", "no")), callbacks=[Look()])
     bound = 5 / (64 * seen["hidden"]) ** 0.5
-    assert 0 < (seen["noisy"] - seen["clean"]).abs().max() <= bound
+    assert 0.5 * bound < (seen["noisy"] - seen["clean"]).abs().max() <= bound
     assert not torch.equal(seen["noisy"], seen["again"])  # drawn afresh for each forward
