@@ -241,6 +241,32 @@ def test_eval_epochs_match_training_records_and_a_finished_run_resumes_to_nothin
     assert (summary["steps"], summary["steps_this_run"], summary["resumed_from_step"]) == (2, 0, 2)
 
 
+def test_a_resume_refused_for_its_data_leaves_the_finished_run_as_it_was(work: Path) -> None:
+    """Raising max_steps of a finished run over other data (other tokens in as many rows; more rows) is refused,
+    and the run's final/, summary.json and checkpoints stay where they were (they were moved aside first); the
+    other spellings of true (latest) leave a finished run alone as true does."""
+    lines = (work / "chat.jsonl").read_text().splitlines()
+    data = work / "moved.jsonl"  # the file the run reads, edited in place below
+    data.write_text("\n".join(lines) + "\n")
+    args = ("--distributed_type", "NO", *LORA, "--max_steps", "2", "--dataset_name", data.name)
+    ok(shardtune(work, "moved", *args, nproc=0))
+    out = work / "moved"
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*") if "metrics" not in p.name)
+    edited = [lines[0].replace("plus", "added to"), *lines[1:]]
+    assert edited[0] != lines[0]
+    for rows, says in ((edited, "training rows are not the checkpoint's (as many, other tokens"),
+                       (lines + lines[:40], "the checkpoint's data order has num_rows=")):
+        data.write_text("\n".join(rows) + "\n")
+        proc = shardtune(work, "moved", *args, "--max_steps", "4", "--resume_from_checkpoint", "true", nproc=0)
+        assert proc.returncode == 2 and "cannot resume: " in proc.stderr and says in proc.stderr, proc.stderr[-2000:]
+        assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if "metrics" not in p.name) == before
+    data.write_text("\n".join(lines) + "\n")
+    proc = shardtune(work, "moved", *args, "--resume_from_checkpoint", "latest", nproc=0)
+    ok(proc)
+    assert "nothing to train: moved finished at step 2 already" in proc.stderr
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if "metrics" not in p.name) == before
+
+
 def test_checkpoint_at_an_epochs_last_step_resumes_with_the_next_epoch(work: Path) -> None:
     """A save_steps checkpoint that falls on an epoch's end records the epoch as done, and a run resumed from it
     with more epochs trains the next epoch exactly as an uninterrupted run does."""

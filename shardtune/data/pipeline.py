@@ -194,9 +194,22 @@ def build_split(examples: list[dict], cfg: DataConfig, tokenizer, split: str, fm
         about = "about " if report.estimated_rows else ""
         report.notes.append(f"{report.truncated_rows} rows were longer than max_seq_len {cfg.max_seq_len} and "
                             f"lost {about}{report.dropped_tokens} tokens; raise max_seq_len to keep them.")
+    report.rows_sha256 = rows_sha256(rows)
     int_list = datasets.Sequence(datasets.Value("int32"))
     features = datasets.Features({"input_ids": int_list, "labels": int_list, "seq_lens": int_list})
     return datasets.Dataset.from_dict(rows, features=features), report
+
+
+def rows_sha256(rows: dict[str, list[list[int]]]) -> str:
+    """SHA-256 of tokenised rows, each column as its rows' lengths then their values (int32, as cached)."""
+    import numpy as np
+
+    h = hashlib.sha256()
+    for name in ("input_ids", "labels", "seq_lens"):
+        column = rows[name]
+        h.update(np.fromiter(map(len, column), dtype=np.int64, count=len(column)).tobytes())
+        h.update(np.fromiter((t for row in column for t in row), dtype=np.int32).tobytes())
+    return h.hexdigest()
 
 
 def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedData:

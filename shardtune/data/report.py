@@ -26,6 +26,9 @@ class DataReport:
     packing_efficiency: float | None = None  # real tokens / (rows * max_seq_len)
     eval: DataReport | None = None
     notes: list[str] = field(default_factory=list)
+    # SHA-256 of the rows the model sees (ids, labels, packed lengths): a resume checks it against the checkpoint's,
+    # so other rows of the same count are not trained on from the middle of the first run's order. "": not known.
+    rows_sha256: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -29,12 +29,14 @@ class GlobalBatchSampler:
     """Yields, per optimizer step, this rank's ``gradient_accumulation_steps`` micro-batches of row indices."""
 
     def __init__(self, num_rows: int, *, micro_batch_size: int, gradient_accumulation_steps: int, world_size: int,
-                 rank: int, seed: int, shuffle: bool = True, lengths: Sequence[int] | None = None):
-        """``lengths``: each row's length in tokens, to group rows of similar length (``group_by_length``)."""
+                 rank: int, seed: int, shuffle: bool = True, lengths: Sequence[int] | None = None,
+                 rows_sha256: str = ""):
+        """``lengths``: each row's length in tokens, to group rows of similar length (``group_by_length``);
+        ``rows_sha256``: the rows' digest (``DataReport.rows_sha256``), which a resumed order must have too."""
         if min(micro_batch_size, gradient_accumulation_steps, world_size) < 1 or not 0 <= rank < world_size:
             raise ValueError("micro_batch_size, gradient_accumulation_steps and world_size must be >= 1 and "
                              "0 <= rank < world_size")
-        self.num_rows = num_rows
+        self.num_rows, self.rows_sha256 = num_rows, rows_sha256
         self.micro_batch_size = micro_batch_size
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.world_size = world_size
@@ -110,7 +112,7 @@ class GlobalBatchSampler:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed,
                 "num_rows": self.num_rows, "global_batch_size": self.global_batch_size, "shuffle": self.shuffle,
-                "group_by_length": self.lengths is not None}
+                "group_by_length": self.lengths is not None, "rows_sha256": self.rows_sha256}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue where ``state`` stopped; the world size and accumulation may differ, the global batch may not."""
@@ -120,6 +122,10 @@ class GlobalBatchSampler:
                 raise UsageError(f"cannot resume: the checkpoint's data order has {key}={state.get(key, False)}, this "
                                  f"run has {mine[key]}; keep the data set, seed, group_by_length and global batch "
                                  "size (per_device_train_batch_size x gradient_accumulation_steps x processes).")
+        if state.get("rows_sha256") and self.rows_sha256 and state["rows_sha256"] != self.rows_sha256:
+            raise UsageError(f"cannot resume: the {self.num_rows} training rows are not the checkpoint's (as many, "
+                             f"other tokens: the data, the tokenizer or its chat template changed); resume with the "
+                             f"data the run was started with, or start a new run in another output_dir.")
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
 
 

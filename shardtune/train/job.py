@@ -96,7 +96,8 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     lengths = [sum(lens) for lens in data.train["seq_lens"]] if cfg.data.group_by_length else None
     sampler = GlobalBatchSampler(len(data.train), micro_batch_size=cfg.run.per_device_train_batch_size,
                                  gradient_accumulation_steps=cfg.run.gradient_accumulation_steps,
-                                 world_size=world, rank=rank, seed=cfg.run.seed, lengths=lengths)
+                                 world_size=world, rank=rank, seed=cfg.run.seed, lengths=lengths,
+                                 rows_sha256=data.report.rows_sha256)
     steps = total_steps(cfg, sampler.steps_per_epoch)
     if (left := len(data.train) % sampler.global_batch_size) and info.is_main:
         # Every step is one whole global batch (the loss is normalised over it); Transformers' Trainer instead

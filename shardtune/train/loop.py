@@ -34,7 +34,7 @@ from shardtune.train.job import Job, make_job
 from shardtune.train.model import decide_precision
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
                                      progress_bar, start_peak_memory)
-from shardtune.train.layout import RESUME_OFF
+from shardtune.train.layout import RESUME_NEWEST, RESUME_OFF
 from shardtune.train.output_dir import OutputDirLock, claim_output_dir, set_aside_newer
 from shardtune.train.plan import needs_process_group, unwrap
 from shardtune.train.resume import with_accumulation
@@ -148,7 +148,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     # The newest checkpoint asked for (a requeue's true, not a chosen one): a run that ended is left as it is.
     done = run_and_share(lambda: finished_summary(out, job.state.max_steps), runs=info.is_main,
                          what=f"reading {out / 'summary.json'}")[0] \
-        if str(cfg.checkpoint.resume_from_checkpoint).lower() == "true" else None
+        if str(cfg.checkpoint.resume_from_checkpoint).lower() in RESUME_NEWEST else None
     if done is not None:  # a requeued job of a run that ended: its final/ and summary.json stay as they are
         log.info("nothing to train: %s finished at step %d already (%s, max_steps %d); its final/ and summary.json "
                  "are kept as they are; raise max_steps to train further", out, done["steps"], done["stopped_by"],
@@ -156,11 +156,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
         return done
     checkpointer = Checkpointer(cfg, job.info, job.plan, job.model, job.optimizer, job.state,
                                 flat_optimizer=job.runner.flat_optimizer)
-    if resuming:
-        # Later checkpoints, final/ and summary.json of the run are moved aside before this run replaces any.
-        run_and_share(lambda: set_aside_newer(out, resume.step if resume else 0), runs=info.is_main,
-                      what=f"setting aside what {out} holds from after the resumed step")
-    checkpointer.resume(resume)
+    checkpointer.resume(resume)  # a checkpoint this run cannot continue (its data order, say) stops it here
     if info.is_main:
         save_resolved(cfg, out / "config.yaml")
     start_step = job.state.step  # what this run adds is counted from here
@@ -169,6 +165,11 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
                          first_step=cfg.run.logging_first_step)
     hooks = CallbackList(callbacks, cfg, job.state)
     hooks.on_train_begin(model=job.model, optimizer=job.optimizer, plan=job.plan, info=job.info)
+    if resuming:
+        # Later checkpoints, final/ and summary.json of the run are moved aside before this run replaces any, once
+        # nothing can refuse the run any more (the resumed checkpoint, the trackers, the callbacks' start).
+        run_and_share(lambda: set_aside_newer(out, resume.step if resume else 0), runs=info.is_main,
+                      what=f"setting aside what {out} holds from after the resumed step")
     start_peak_memory(job.info.device)
     loop = Loop(job, checkpointer, Evaluator(cfg, job), metrics, hooks, sigterm)
     started = time.perf_counter()
