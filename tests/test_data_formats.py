@@ -60,6 +60,18 @@ def test_chat_targets_are_assistant_turns_with_their_end_token(model_dir, tmp_pa
         assert all(lab in (IGNORE, i) for lab, i in zip(row["labels"], row["input_ids"]))
 
 
+@pytest.mark.parametrize("template,end", [("none", "<|im_end|>"), ("chatml", "<|im_end|>"),
+                                          ("llama-3", "<|eot_id|>"), ("zephyr", EOS), ("alpaca", EOS)])
+def test_a_conversation_that_opens_with_the_assistant_trains_its_reply_not_its_header(model_dir, tmp_path,
+                                                                                     template, end):
+    """The first turn's header (<|im_start|>assistant and the like) was a target when no turn came before it."""
+    opening = [{"messages": [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"},
+                             {"role": "assistant", "content": "4"}]}]
+    data, tok = prepare(model_dir, tmp_path, opening, chat_template_format=template, max_seq_len=256,
+                        add_special_tokens=template == "llama-3")
+    assert targets(tok, data.train[0]) == assistant_text(opening[0], end)
+
+
 def test_mistral_template_keeps_eos_as_target_and_never_doubles_bos(model_dir, tmp_path):
     data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format="mistral", max_seq_len=256)
     row = data.train[1]

@@ -81,7 +81,7 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
         if m["role"] != "assistant" or i < target_from:
             continue
         try:
-            before = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+            before = _render(tokenizer, messages[:i], add_generation_prompt=True)  # i == 0: the header alone
             after = _render(tokenizer, messages[:i + 1]).rstrip()
         except Exception:  # noqa: BLE001 - a template that refuses a partial conversation (must end with a user)
             before = after = None
