@@ -40,14 +40,14 @@ class GgufFile:
 
 
 def find_gguf(name_or_path: str | Path | None) -> GgufFile | None:
-    """The GGUF file ``name_or_path`` names: a ``.gguf`` file, or a folder without config.json that holds exactly
-    one; None for anything else (a Transformers folder, a hub name). A ``.gguf`` that is not GGUF, or a folder
-    holding several, is a UsageError naming it."""
+    """The GGUF file ``name_or_path`` names: a ``.gguf`` file, or a folder without config.json or
+    adapter_config.json that holds exactly one; None for anything else (a Transformers or PEFT adapter folder, a
+    hub name). A ``.gguf`` that is not GGUF, or a folder holding several, is a UsageError naming it."""
     if not name_or_path:
         return None
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        if (path / "config.json").is_file():
+        if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
             return None
         found = sorted(p for p in path.glob(f"*{SUFFIX}") if p.is_file())
         if not found:

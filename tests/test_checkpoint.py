@@ -114,13 +114,15 @@ def test_trim_metrics_drops_records_after_the_checkpoint(tmp_path: Path) -> None
 def test_export_and_merge_cli_errors(tmp_path: Path, capsys) -> None:
     from shardtune.cli import main
 
-    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    source = tmp_path / "source"
+    source.mkdir()
+    assert main(["export", str(source), str(tmp_path / "out")]) == 2
     assert "not a complete shardtune checkpoint" in capsys.readouterr().err
-    assert main(["merge", str(tmp_path), "--base", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert main(["merge", str(source), "--base", str(source), str(tmp_path / "out")]) == 2
     assert "not a PEFT adapter folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     (tmp_path / "a-file").write_text("x")  # a file where OUT goes: refused before anything is loaded
-    for command in (["export", str(tmp_path)], ["merge", str(tmp_path), "--base", str(tmp_path)]):
+    for command in (["export", str(source)], ["merge", str(source), "--base", str(source)]):
         assert main([*command, str(tmp_path / "a-file")]) == 2
         assert "a file is there, where the folder goes; give another path" in capsys.readouterr().err
 

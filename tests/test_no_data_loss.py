@@ -69,6 +69,37 @@ def test_export_and_merge_refuse_to_write_over_their_source_run(made, run, capsy
     assert snapshot(run) == before
 
 
+def test_export_and_merge_refuse_folders_inside_their_source_or_what_a_run_manages(made, run, tmp_path, capsys):
+    """An export inside final/ or a checkpoint (which a resume moves aside, and save_total_limit or
+    overwrite_output_dir delete), or a GGUF written into the adapter folder it reads (generate then took the
+    folder for a GGUF one), is refused; a folder of its own in the run's output_dir is fine, and generate loads an
+    adapter folder that holds a .gguf as the adapter."""
+    before = snapshot(run)
+    step = run / "checkpoints" / "step-2"
+    cases = [(["export", str(step), str(step / "out")], run / "checkpoints", "export"),
+             (["export", str(run), str(run / "final" / "sub")], run / "final", "export"),
+             (["export", str(run), str(run / "final"), "--format", "gguf"], run / "final", "export"),
+             (["merge", str(run / "final"), "--base", str(made / "model"), str(run / "final" / "m")], run / "final",
+              "merge")]
+    for argv, inside, command in cases:
+        assert main(argv) == 2
+        out = argv[2] if command == "export" else argv[4]
+        shown = f"{out}/model-q8_0.gguf" if "gguf" in argv else out
+        assert one_error_line(capsys) == (f"shardtune {command}: error: OUT {shown}: is inside {inside}, which the run "
+                                          f"in {run} manages (a resume moves it aside; save_total_limit and "
+                                          f"overwrite_output_dir delete it); give a folder outside it, such as "
+                                          f"./exported")
+    assert snapshot(run) == before
+    adapter = Path(shutil.copytree(run / "final", tmp_path / "adapter"))
+    assert main(["export", str(adapter), str(adapter / "x.gguf"), "--format", "gguf"]) == 2
+    assert one_error_line(capsys).endswith(f"OUT {adapter / 'x.gguf'}: is inside the source {adapter}; give a folder "
+                                           f"outside it, such as ./exported")
+    assert main(["export", str(run), str(run / "gguf"), "--format", "gguf"]) == 0
+    capsys.readouterr()
+    (adapter / "stray.gguf").write_bytes((run / "gguf" / "model-q8_0.gguf").read_bytes())
+    assert main(["generate", str(adapter), "--prompt", "hi", "--max_new_tokens", "2"]) == 0
+
+
 def test_export_refuses_the_current_folder_and_a_folder_with_the_users_files(run, tmp_path, monkeypatch, capsys):
     here, notes = tmp_path / "here", tmp_path / "notes"
     for folder in (here, notes):

@@ -388,10 +388,9 @@ class Checkpointer:
         return self.settings.save_strategy == "steps" and not at_epoch_end and step % self.settings.save_steps == 0
 
     def resume(self, point: ResumePoint | None) -> Path | None:
-        """Restore model, optimizer and ``state`` from ``resume_point``'s answer, if any."""
+        """Restore model, optimizer and ``state`` from ``resume_point``'s answer, if any. Nothing in output_dir
+        changes here (a refusal leaves the run as it was): ``drop_redone_metrics`` trims metrics.jsonl after."""
         if point is None:
-            if self.info.is_main and str(self.settings.resume_from_checkpoint).lower() in RESUME_NEWEST:
-                trim_metrics(self.out, 0)  # killed before its first checkpoint: the run starts again at step 1
             return None
         path = point.path
         trainer_state = load_checkpoint(path, model=self.model, optimizer=self.optimizer,
@@ -399,15 +398,21 @@ class Checkpointer:
         self.state.load_state_dict(trainer_state)
         if "learning_rate" in point.changed:
             apply_learning_rate(self.optimizer, self.state.scheduler, self.learning_rate)
-        if self.info.is_main:
-            # A killed run may have logged steps after its last checkpoint: this run logs them again.
-            dropped = trim_metrics(self.out, self.state.step)
-            if dropped:
-                log.info("metrics.jsonl: dropped %d record(s) after step %d, which this run redoes", dropped,
-                         self.state.step)
         log.info("resumed from %s at step %d (epoch %g)", path, self.state.step, self.state.epochs_done)
         self.resumed_from, self.resumed_step, self.last = path, self.state.step, str(path)
         return path
+
+    def drop_redone_metrics(self) -> None:
+        """A killed run may have logged steps after the checkpoint this run resumed from (or, killed before its
+        first checkpoint, any step): this run logs them again, so they leave metrics.jsonl."""
+        if not self.info.is_main:
+            return
+        if self.resumed_from is not None:
+            if dropped := trim_metrics(self.out, self.state.step):
+                log.info("metrics.jsonl: dropped %d record(s) after step %d, which this run redoes", dropped,
+                         self.state.step)
+        elif str(self.settings.resume_from_checkpoint).lower() in RESUME_NEWEST:
+            trim_metrics(self.out, 0)  # the run starts again at step 1
 
     def save(self, reason: str) -> Path:
         """Write ``checkpoints/step-N`` for the current step; a failed write stops the run in one line."""

@@ -3,7 +3,8 @@
 A destination folder must be new or empty. ``--overwrite`` accepts one that holds an earlier export: the files that
 export listed in ``.shardtune-export.json`` are replaced or removed, every other file stays untouched, and a new
 file that would land on one of those is refused. The current folder, a folder that holds it, and a folder that
-holds the source (or the run it belongs to) are refused whatever the flags: an export never lands on what it reads.
+holds the source (or the run it belongs to) are refused whatever the flags: an export never lands on what it reads;
+so is a folder inside the source, or inside a run's final/ or checkpoints/ (which the run moves and deletes).
 
 The export is written into a fresh temporary sibling (``.tmp-NAME-XXXX``) and moved in when complete, so a failed
 or interrupted export leaves the destination as it was.
@@ -68,6 +69,30 @@ def _real(path: str | Path) -> Path:
     return Path(os.path.realpath(Path(path).expanduser()))
 
 
+def _is_run(folder: Path) -> bool:
+    """Whether ``folder`` is a training run's output_dir (its config.yaml beside checkpoints/, final/ or summary)."""
+    return (folder / "config.yaml").is_file() and any((folder / name).exists()
+                                                      for name in ("checkpoints", "final", "summary.json"))
+
+
+def inside_problem(where: Path, sources: Sequence[str | Path]) -> str | None:
+    """Why a destination folder ``where`` (resolved) inside a source, or inside a folder a run manages (its
+    final/, checkpoints/, trackers' folders), may not receive an export: a run's resume moves aside, and its
+    save_total_limit and overwrite_output_dir delete, what they hold; an export in an adapter folder changes what
+    the folder loads as. None otherwise (a folder of its own inside a run's output_dir is fine)."""
+    from shardtune.train.output_dir import RUN_FILES
+
+    for parent in (where, *where.parents):
+        if parent.name in RUN_FILES and _is_run(parent.parent):
+            return (f"is inside {parent}, which the run in {parent.parent} manages (a resume moves it aside; "
+                    f"save_total_limit and overwrite_output_dir delete it)")
+    for source in sources:
+        real = _real(source)
+        if real.is_dir() and _holds(real, where) and not _is_run(real):
+            return f"is inside the source {source}"
+    return None
+
+
 def destination_problem(out: str | Path, label: str, *, sources: Sequence[str | Path],
                         overwrite: bool) -> str | None:
     """Why the folder ``out`` may not receive an export (one line led by ``label``); None when it may."""
@@ -79,6 +104,8 @@ def destination_problem(out: str | Path, label: str, *, sources: Sequence[str | 
         if _holds(where, protected):
             place = f"is {what}" if where == protected else f"holds {what}"
             return f"{label} {out}: {place}, which an export never writes over; give a new folder, such as ./exported"
+    if inside := inside_problem(where, sources):
+        return f"{label} {out}: {inside}; give a folder outside it, such as ./exported"
     if not out.is_dir() or not any(out.iterdir()):
         return None
     if overwrite:

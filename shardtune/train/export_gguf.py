@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 from shardtune.errors import UsageError
@@ -93,6 +94,10 @@ def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite:
     user's own) and a GGUF that is a source of this export are kept, and refused.
     """
     modelfile = target.parent / "Modelfile"
+    from shardtune.train.destination import inside_problem
+
+    if inside := inside_problem(Path(os.path.realpath(target.parent)), sources):
+        return f"OUT {target}: {inside}; give a folder outside it, such as ./exported"
     for source in sources:
         path = Path(source).expanduser()
         read = [path] if path.is_file() else sorted(path.glob("*.gguf")) if path.is_dir() else []

@@ -170,6 +170,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
         # nothing can refuse the run any more (the resumed checkpoint, the trackers, the callbacks' start).
         run_and_share(lambda: set_aside_newer(out, resume.step if resume else 0), runs=info.is_main,
                       what=f"setting aside what {out} holds from after the resumed step")
+        checkpointer.drop_redone_metrics()
     start_peak_memory(job.info.device)
     loop = Loop(job, checkpointer, Evaluator(cfg, job), metrics, hooks, sigterm)
     started = time.perf_counter()
