@@ -80,6 +80,26 @@ def test_the_payload_runs_under_plain_pickle_and_dcp(tmp_path, runs):
     assert marker.exists()
 
 
+def test_a_pickled_value_inside_a_dcp_shard_is_refused_by_the_weights_only_reader(tmp_path):
+    """A DCP shard holds non-tensor values as pickles at offsets its .metadata records: one that would run code is
+    read by PyTorch's weights-only unpickler and refused by name, where torch's own DCP reader runs it (the test
+    above replaces whole files, which DCP cannot even read as far as a value)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from shardtune.train.safe_load import UnsafeCheckpoint, load_dcp
+
+    marker, folder = tmp_path / "ran", tmp_path / "dcp"
+    dcp.save({"weight": torch.zeros(2), "extra": Planted(marker)}, checkpoint_id=str(folder), no_dist=True)
+    assert not marker.exists()
+    with pytest.raises(UnsafeCheckpoint, match=r"^extra: refused to load a value of the checkpoint \(.*\); nothing "
+                                               r"of it was run$"):
+        load_dcp({"weight": torch.zeros(2), "extra": None}, folder, no_dist=True)
+    assert not marker.exists()
+    dcp.load({"weight": torch.zeros(2), "extra": None}, checkpoint_id=str(folder), no_dist=True)  # the control
+    assert marker.exists()
+
+
 @pytest.mark.parametrize("run", ["lora", "full"])
 def test_a_planted_pickle_in_any_checkpoint_file_never_runs(tmp_path, runs, run, restore_logging):
     from shardtune.train.export import export_checkpoint

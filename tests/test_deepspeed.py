@@ -38,10 +38,12 @@ def flat(argv: list[str]) -> dict:
 
 
 def test_zero2_with_auto_values_is_fsdp_shard_grad_op_and_leaves_the_rest_to_the_config(tmp_path):
-    ds = write(tmp_path / "ds.json", ZERO2)
+    # WarmupLR, as Transformers' ZeRO-2 example has it: a scheduler other than the default linear, so that the
+    # file's choice is seen to act
+    ds = write(tmp_path / "ds.json", {**ZERO2, "scheduler": {**ZERO2["scheduler"], "type": "WarmupLR"}})
     extra = ["--learning_rate", "3e-4", "--gradient_accumulation_steps", "4", "--bf16", "true"]
     expected = flat([*BASE, *extra, "--distributed_type", "FSDP", "--fsdp_sharding_strategy", "SHARD_GRAD_OP",
-                     "--lr_scheduler_type", "linear"])
+                     "--lr_scheduler_type", "constant_with_warmup"])
     assert flat([*BASE, *extra, "--deepspeed", str(ds)]) == expected
 
 

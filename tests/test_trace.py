@@ -106,6 +106,17 @@ def test_ddp_adds_one_bucket_copy_of_the_trainable_gradients(models):
     assert ddp.categories["ddp_gradient_buckets"] == total_bytes
     assert ddp.peak_bytes == single.peak_bytes + total_bytes
     assert any("reducer" in n for n in ddp.notes)
+    # LoRA: the buckets hold the adapters' gradients (fp32), not the frozen weights', counted here by PEFT itself
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        net = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(models["tiny"])),
+                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    adapters = sum(p.numel() for p in net.parameters() if p.requires_grad) * 4
+    lora = trace_training_step(config(models["tiny"], distributed_type="DDP", use_peft_lora=True, lora_r=4,
+                                      lora_target_modules="q_proj,v_proj"), 2)
+    assert 0 < lora.categories["ddp_gradient_buckets"] == adapters < total_bytes
 
 
 def test_modules_report_each_decoder_layer_under_fsdp(models):
