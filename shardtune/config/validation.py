@@ -340,6 +340,11 @@ def _optim_problems(cfg: TrainConfig) -> list[Problem]:
                                         f"setting); leave {key} out or pick an optimizer that reads it (e.g. "
                                         f"adamw_torch)")
                 for key in ADAM_KEYS if key not in spec.reads and getattr(o, key) != getattr(defaults, key)]
+    warm = [f"{key}={getattr(o, key)}" for key in ("warmup_steps", "warmup_ratio") if getattr(o, key)]
+    if o.lr_scheduler_type == "constant" and warm:  # Transformers' constant schedule ignores any warm-up
+        problems.append(Problem(("lr_scheduler_type", "warmup_steps", "warmup_ratio"), f"lr_scheduler_type=constant "
+                                f"with {' and '.join(warm)}: the constant schedule has no warm-up; use "
+                                f"lr_scheduler_type constant_with_warmup, or leave the warm-up out"))
     if spec.kind == "adafactor" and _strategy(cfg.distributed).shards_parameters:
         # Transformers' Adafactor averages the squared gradient over whole rows and columns and keeps that state
         # as plain tensors, which FSDP2's sharded (DTensor) parameters cannot mix with.
