@@ -441,6 +441,13 @@ def test_a_recipe_whose_path_holds_an_equals_sign_is_read_as_a_recipe(tmp_path, 
     assert (cfg.optim.learning_rate, cfg.run.seed) == (0.001, 7)
 
 
+def test_an_unquoted_no_in_yaml_is_distributed_type_no(tmp_path):
+    """YAML reads distributed_type: NO, unquoted, as false: it was refused as distributed_type='False'."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("distributed_type: NO\n")
+    assert load_train_config([str(recipe), *BASE]).distributed.distributed_type == "NO"
+
+
 def test_trls_trained_token_keys_are_read_against_train_on_prompt():
     """assistant_only_loss / completion_only_loss true is what shardtune trains; beside train_on_prompt true they
     ask for the opposite (it loaded and trained the prompts), and false is refused naming the key that decides."""

@@ -344,7 +344,7 @@ class DistributedConfig:
     distributed_type: DistributedType | None = key(
         None, f"How processes share the work: one of the strategies {', '.join(NAMES)} (Accelerate's "
         f"{' / '.join(STRATEGY_SPELLINGS)} mean DDP); unset: DDP when launched on several processes.",
-        spellings=STRATEGY_SPELLINGS)
+        spellings={**STRATEGY_SPELLINGS, "FALSE": "NO"})  # YAML reads an unquoted NO as false
     fsdp_sharding_strategy: ShardingStrategy = key("FULL_SHARD", "What FSDP shards (FSDP1's numbers 1-5 are accepted "
                                                                  "too); see docs/choosing-a-setup.md.",
                                                    spellings=SHARDING_NUMBERS, needs=FSDP_ONLY)
