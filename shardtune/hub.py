@@ -317,12 +317,21 @@ _LOADERS = ("transformers", "peft", "tokenizers", "huggingface_hub", "safetensor
 def loading_refused(what: str, fix: str) -> Iterator[None]:
     """Inside: an error that transformers, PEFT or the tokenizers raise about what a folder holds (a value of the
     wrong type in a config, an unknown model or PEFT type, a file it cannot parse) is one UsageError naming
-    ``what`` and the library's own first line, then ``fix``. An error raised in shardtune's own code keeps its
-    traceback: it is a bug, not bad input."""
+    ``what`` and the library's own first line, then ``fix``; weights of other shapes than the model's (an adapter
+    on another base) are said as such. An error raised in shardtune's own code keeps its traceback: it is a bug,
+    not bad input."""
     import traceback
 
     try:
         yield
+    except RuntimeError as exc:  # torch's load_state_dict: weights of other shapes than the model's
+        mismatch = re.search(r"size mismatch for ([\w.]+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+                             r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)", str(exc))
+        if not mismatch:
+            raise
+        name, saved, model = mismatch.groups()
+        raise UsageError(f"{what}: the weights do not fit the model ({name} is {saved} in the files, {model} in the "
+                         f"model): they were trained on a base model of other shapes; give that base model") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         frames = traceback.extract_tb(exc.__traceback__)
         where = Path(frames[-1].filename).parts if frames else ()

@@ -127,6 +127,35 @@ def test_export_and_merge_cli_errors(tmp_path: Path, capsys) -> None:
         assert "a file is there, where the folder goes; give another path" in capsys.readouterr().err
 
 
+def test_an_adapter_on_a_base_of_other_shapes_is_one_line(tmp_path: Path, capsys) -> None:
+    """merge, a GGUF export and generate of an adapter over a base it was not trained on gave torch's size-mismatch
+    traceback (exit 1); now one line naming a weight and its two shapes, exit 2, nothing written."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli import main
+    from shardtune.testing.tiny import make_model_folder, make_tokenizer
+
+    tok = make_tokenizer()
+    trained = make_model_folder(tmp_path / "trained", tokenizer=tok)
+    other = make_model_folder(tmp_path / "other", tokenizer=tok, hidden_size=32, intermediate_size=64)
+    adapter = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(trained), LoraConfig(r=2)).save_pretrained(adapter)
+    says = ("the weights do not fit the model (base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight "
+            "is [2, 64] in the files, [2, 32] in the model): they were trained on a base model of other shapes; give "
+            "that base model")
+    for argv in (["merge", str(adapter), "--base", str(other), str(tmp_path / "merged")],
+                 ["export", str(adapter), str(tmp_path / "gguf"), "--format", "gguf", "--base", str(other)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == f"shardtune {argv[0]}: error: adapter {adapter} on --base {other}: {says}"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(other)}))
+    assert main(["generate", str(adapter), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"shardtune generate: error: '{adapter}': {says}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "other", "trained"]
+
+
 def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, capsys, monkeypatch) -> None:
     import errno
 
