@@ -72,6 +72,44 @@ def test_a_conversation_that_opens_with_the_assistant_trains_its_reply_not_its_h
     assert targets(tok, data.train[0]) == assistant_text(opening[0], end)
 
 
+TOOL_TEMPLATE = (  # ChatML that writes an assistant turn's tool calls, as tool-aware templates (Qwen 2.5's) do
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message.tool_calls or [] %}{{ '<tool_call>' + call.function.name + ' ' }}"
+    "{{ call.function.arguments | tojson }}{{ '</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TOOL_CHATS = [
+    {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                  {"role": "tool", "content": "18C", "tool_call_id": "c1"},
+                  {"role": "assistant", "content": "It is 18C."}]},
+    {"messages": [{"role": "user", "content": "Find cats."},
+                  {"role": "assistant", "content": "", "tool_calls": [
+                      {"type": "function", "function": {"name": "search", "arguments": {"query": "cats", "n": 3}}}]},
+                  {"role": "tool", "content": "3 cats"}, {"role": "assistant", "content": "Three cats."}]},
+]
+
+
+def test_tool_calls_are_trained_as_the_template_writes_them_or_refused(model_dir, tmp_path):
+    """An assistant turn's tool_calls were dropped: it trained as an empty reply. The template writes them now,
+    each call with its own arguments only (the rows pass through an Arrow table); a template that does not write
+    them is refused for that row."""
+    import shutil
+
+    tools = shutil.copytree(model_dir, tmp_path / "tools")
+    tokenizer = load_tokenizer(model_dir, DataConfig())
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(tools)
+    data, tok = prepare(str(tools), tmp_path, TOOL_CHATS, max_seq_len=256)
+    assert [targets(tok, row) for row in data.train] == [
+        '<tool_call>get_weather {"city": "Paris"}</tool_call><|im_end|>It is 18C.<|im_end|>',
+        '<tool_call>search {"query": "cats", "n": 3}</tool_call><|im_end|>Three cats.<|im_end|>']
+    with pytest.raises(UsageError, match=r"data.jsonl:1: message 1: the chat template does not write its tool_calls "
+                                         r"\(get_weather\), so the turn would train as an empty reply"):
+        (plain := tmp_path / "plain").mkdir()
+        prepare(model_dir, plain, TOOL_CHATS, max_seq_len=256)
+
+
 def test_mistral_template_keeps_eos_as_target_and_never_doubles_bos(model_dir, tmp_path):
     data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format="mistral", max_seq_len=256)
     row = data.train[1]

@@ -7,6 +7,7 @@ across a document boundary.
 
 from __future__ import annotations
 
+from shardtune.data.formats import template_message
 from shardtune.data.readers import SKIP_HINT, BadRow
 from shardtune.data.templates import END_OF_TURN_TOKENS, TEMPLATES
 
@@ -75,6 +76,14 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
     turn gives where it ends. Templates that rewrite earlier turns fall back to finding each reply in the text.
     """
     full = _render(tokenizer, messages)
+    for i, m in enumerate(messages):
+        for call in m.get("tool_calls", ()):
+            name = (call.get("function") if isinstance(call.get("function"), dict) else call).get("name")
+            if not name or str(name) not in full:
+                called = name or "a call without a name"
+                raise BadRow("", f"message {i}: the chat template does not write its tool_calls ({called}), so the "
+                                 f"turn would train as an empty reply; use a chat template that renders tool calls "
+                                 f"(the model's own, where it has one), or leave them out")
     segments: list[tuple[str, bool]] = []
     cursor = 0
     for i, m in enumerate(messages):
@@ -139,8 +148,8 @@ def _encode(example: dict, tokenizer, *, prefix: list[int], train_on_prompt: boo
                                            "(chatml, llama-3, mistral, alpaca, zephyr)")
         template = TEMPLATES.get(chat_template_format)
         try:
-            segments = chat_segments(tokenizer, example["messages"], example["target_from"],
-                                     template.end_of_turn if template else None)
+            segments = chat_segments(tokenizer, [template_message(m) for m in example["messages"]],
+                                     example["target_from"], template.end_of_turn if template else None)
         except BadRow as exc:
             raise BadRow(example["where"], f"{exc.problem}; {SKIP_HINT}") from None
         except Exception as exc:  # noqa: BLE001 - jinja raise_exception, e.g. an unsupported role order

@@ -7,6 +7,8 @@ Every row is turned into one canonical example so that a single encoder handles 
 
 from __future__ import annotations
 
+import json
+
 from shardtune.data.readers import SKIP_HINT, BadRow
 from shardtune.data.templates import alpaca_prompt
 from shardtune.errors import UsageError, closest
@@ -50,10 +52,33 @@ def _messages(value, where: str) -> list[dict]:
             did = f" (did you mean '{hint}'?)" if hint else ""
             raise BadRow(where, f"message {i} has role {role!r}{did}: roles must be one of {', '.join(ROLES)}; "
                                 f"{SKIP_HINT}")
+        calls = m.get("tool_calls")
+        if calls is not None and (role != "assistant" or not isinstance(calls, list)
+                                  or not all(isinstance(call, dict) for call in calls)):
+            raise BadRow(where, f"message {i} ({role}): tool_calls must be a list of objects, on an assistant "
+                                f"message; {SKIP_HINT}")
+        if content is None and calls:  # the OpenAI form of a turn that only calls tools
+            content = ""
         if not isinstance(content, str):
             raise BadRow(where, f"message {i} ({role}) has no text 'content'; {SKIP_HINT}")
-        out.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        tools = {"tool_calls": calls} if calls else {}
+        tools.update({key: m[key] for key in ("tool_call_id", "name") if role == "tool" and key in m})
+        if tools:  # rendered by the chat template, which must write the calls (encode.chat_segments checks)
+            message[TOOLS] = json.dumps(tools)
+        out.append(message)
     return out
+
+
+# A message's tool calls (and a tool reply's call id and name), kept as JSON text: the examples pass through an
+# Arrow table, which would give every message and every call's arguments the keys of all the others.
+TOOLS = "tools_json"
+
+
+def template_message(message: dict) -> dict:
+    """A canonical message as a chat template reads it: role, content, and its tool keys where it has them."""
+    return {"role": message["role"], "content": message["content"],
+            **(json.loads(message[TOOLS]) if message.get(TOOLS) else {})}
 
 
 def _text(row: dict, key: str, where: str, allow_empty: bool = False) -> str:
