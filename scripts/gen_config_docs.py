@@ -23,7 +23,9 @@ declarations in `shardtune/config/schema.py`; `tests/test_docs_config.py` fails 
 Give keys in a YAML recipe (`key: value`), as `key=value` or as `--key value`; an Accelerate config
 file is read with `--config_file`. Precedence, lowest first: defaults < Accelerate config < YAML recipe
 < the command line (`key=value` and `--key value` alike; one key given two different values there is refused).
-`shardtune train --help` prints the same list. Unknown keys are an error that names the closest known key.
+`shardtune train --help` prints the same list. Unknown keys are an error that names the closest known key. A key
+set where the setting it acts under is off is refused, unless a later layer turned that setting off (a file's
+`fsdp_*` keys under `--distributed_type DDP`): then it is set back to its default, and `train` says so at start.
 
 `shardtune config schema > shardtune.schema.json` writes the JSON Schema of a recipe, from the same declarations,
 so that an editor completes and checks the keys as you type: [recipe.yaml](recipe.yaml) is an example whose first

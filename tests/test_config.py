@@ -265,6 +265,14 @@ def test_what_acts_as_the_default_or_acts_anyway_is_accepted(tmp_path):
     recipe.write_text("distributed_type: FSDP\nfsdp_auto_wrap_policy: SIZE_BASED_WRAP\nfsdp_min_num_params: 5000\n")
     d = load_train_config([str(recipe), *BASE, "--distributed_type", "DDP"]).distributed
     assert (d.fsdp_auto_wrap_policy, d.fsdp_min_num_params) == ("TRANSFORMER_BASED_WRAP", 100_000_000)
+    # and each reset is said (train prints these at start), naming where the value was set
+    from shardtune.config.loading import reset_notes
+
+    acts = "it acts under distributed_type FSDP, which a later setting turned off"
+    assert reset_notes([str(recipe), *BASE, "--distributed_type", "DDP"]) == [
+        f"fsdp_auto_wrap_policy=SIZE_BASED_WRAP ({recipe}, line 2) is set back to its default: {acts}",
+        f"fsdp_min_num_params=5000 ({recipe}, line 3) is set back to its default: it acts under "
+        f"fsdp_auto_wrap_policy SIZE_BASED_WRAP, which a later setting turned off"]
 
 
 def test_ddp_keys_act_under_torchrun_started_by_hand(monkeypatch):

@@ -64,7 +64,7 @@ def _run(argv: list[str]) -> int:
     from shardtune.bitsandbytes_use import needs_bitsandbytes
 
     leave_out_bitsandbytes_unless(lambda: needs_bitsandbytes(cfg))
-    print_deepspeed_mapping(argv)
+    print_config_notes(argv)
     offline_unless_reachable(cfg.model.model_name_or_path, None if cfg.run.dry_run else cfg.data.dataset_name)
     if cfg.run.dry_run:
         import yaml
@@ -128,12 +128,17 @@ def refuse_processes_without_launcher(cfg) -> None:
                          f"train ..., or leave {'them' if len(given) > 1 else 'it'} out")
 
 
-def print_deepspeed_mapping(argv: list[str]) -> None:
-    """Rank 0: what a DeepSpeed config became (config/deepspeed.py), one line per key, before anything runs."""
-    from shardtune.config.loading import deepspeed_mapping
+def print_config_notes(argv: list[str]) -> None:
+    """Rank 0: what a DeepSpeed config became (config/deepspeed.py), one line per key, before anything runs; and
+    the keys a later setting turned off (set back to their defaults)."""
+    from shardtune.config.loading import deepspeed_mapping, reset_notes
 
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for note in reset_notes(argv):
+        print(f"note: {note}", file=sys.stderr)
     mapping = deepspeed_mapping(argv)
-    if mapping is None or os.environ.get("RANK", "0") != "0":
+    if mapping is None:
         return
     source, lines = mapping
     print(f"DeepSpeed config {source}, as shardtune runs it:", file=sys.stderr)

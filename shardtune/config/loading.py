@@ -23,7 +23,7 @@ import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
 from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
-from shardtune.config.keys import parse_bool
+from shardtune.config.keys import parse_bool, shown
 from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, no_op_problem, off
 from shardtune.config.schema import ALIASES, ZERO2_HYBRID, TrainConfig, all_keys
 from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
@@ -168,6 +168,15 @@ def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] 
     raise_problems(problems)
     where = Origin(f"{path} (DeepSpeed, named at {origin})" if origin else f"{path} (DeepSpeed)")
     return mapped.values, {key: where for key in mapped.values}
+
+
+def reset_notes(argv: list[str]) -> list[str]:
+    """A line for each key of the job ``argv`` describes that a later layer's setting turned off, and that is set
+    back to its default rather than refused (a file's fsdp_* keys under --distributed_type DDP): what ``shardtune
+    train`` prints at start, so that no value a user set is dropped without a word."""
+    notes: list[str] = []
+    _apply(_layers(argv), training=False, notes=notes)
+    return notes
 
 
 def deepspeed_mapping(argv: list[str]) -> tuple[str, list[str]] | None:
@@ -325,8 +334,10 @@ def raise_problems(problems: list[str]) -> None:
         raise UsageError(" | ".join(problems) if len(problems) > 1 else problems[0])
 
 
-def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Origin], list[str]]:
-    """The config ``layers`` make, where each key's value came from, and every problem found."""
+def _apply(layers: Layers, *, training: bool,
+           notes: list[str] | None = None) -> tuple[TrainConfig, dict[str, Origin], list[str]]:
+    """The config ``layers`` make, where each key's value came from, and every problem found; ``notes`` gets a
+    line for each key a later layer's setting turned off and set back to its default."""
     cfg = TrainConfig()
     given: dict[str, Origin] = {}
     layer_of: dict[str, int] = {}
@@ -367,8 +378,11 @@ def _apply(layers: Layers, *, training: bool) -> tuple[TrainConfig, dict[str, Or
     normalise_compile(cfg.run, compile_set="torch_compile" in given)
     reset: set[str] = set()
     while overruled := overruled_keys(cfg, layer_of, reset):  # a reset setting can leave its own keys idle
-        for name in overruled:
+        for name in sorted(overruled):
             section = getattr(cfg, declared[name].section)
+            if notes is not None:
+                notes.append(f"{name}={shown(getattr(section, name))} ({given[name]}) is set back to its default: it "
+                             f"acts under {declared[name].meta.needs}, which a later setting turned off")
             setattr(section, name, getattr(type(section)(), name))
         reset |= overruled
     problems += [_located(problem, given) for problem in validate(cfg, training=training)]
