@@ -10,6 +10,7 @@ import torch
 
 from shardtune.cli import main
 from shardtune.errors import UsageError
+from shardtune.cli.generate import run_chat
 from shardtune.infer.generate import (ChatSession, GenerationStats, _Streamer, encode_prompt, generate,
                                       load_for_generation, stop_token_ids)
 
@@ -233,6 +234,39 @@ def test_chat_keeps_the_conversation_and_resets(trained, loaded, capsys, monkeyp
     monkeypatch.setattr("sys.stdin", io.StringIO("Count please\n"))  # end of input ends the chat
     assert main(["chat", str(trained), "--max_new_tokens", "100"]) == 0
     assert capsys.readouterr().out.count(ANSWER) == 1
+
+
+def test_generation_stops_at_the_models_last_position_and_chat_drops_its_earliest_turns(loaded, monkeypatch,
+                                                                                           capsys):
+    """Past max_position_embeddings a model's output is garbage (transformers only warned): generate stops at the
+    last position and says so, a prompt beyond it is refused in one line, and a chat drops its earliest turns
+    (saying so) or, for one message too long alone, says so and goes on."""
+    model, tokenizer = loaded
+    prompt = encode_prompt(tokenizer, "Count please")
+    monkeypatch.setattr(model.config, "max_position_embeddings", len(prompt) + 3)
+    stats = GenerationStats()
+    assert len(generate(model, tokenizer, prompt, max_new_tokens=100, stop_ids=set(), stats=stats)) == 3
+    assert stats.stop_reason == "context_length"
+    with pytest.raises(UsageError, match=rf"^the prompt is {len(prompt) + 5} tokens, and the model covers "
+                                         rf"{len(prompt) + 3} positions \(its config: max_position_embeddings\): "
+                                         rf"shorten it$"):
+        generate(model, tokenizer, prompt + prompt[-5:], max_new_tokens=10)
+    # the second turn's prompt, with the first exchange, leaves less room than a reply (4 tokens): it goes
+    monkeypatch.setattr(model.config, "max_position_embeddings", 2048)
+    notes = []
+    session = ChatSession(model, tokenizer, options={"max_new_tokens": 4})
+    session.reply("Count please", note=notes.append)
+    second = len(encode_prompt(tokenizer, messages=[*session.messages, {"role": "user", "content": "Count please"}]))
+    monkeypatch.setattr(model.config, "max_position_embeddings", second + 2)
+    session.reply("Count please", note=notes.append)
+    assert notes == [f"the conversation went beyond the model's {second + 2} positions: its earliest 2 turns are "
+                     f"left out from here"]
+    assert [m["role"] for m in session.messages] == ["user", "assistant"]
+    kept = list(session.messages)
+    out = io.StringIO()
+    run_chat(session, io.StringIO("Count please " * 40 + "\n"), out)
+    assert out.getvalue().startswith("[the prompt is ") and out.getvalue().endswith(": shorten it]\n")
+    assert session.messages == kept  # the refused message is not kept
 
 
 @pytest.mark.parametrize("template,appends_eos", [("none", False), ("llama-3", False), ("none", True)])

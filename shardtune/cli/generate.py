@@ -71,9 +71,12 @@ def _options(args: argparse.Namespace) -> dict:
             "seed": args.seed, "use_cache": args.use_cache}
 
 
-def _write(out: TextIO):
+def _write(out: TextIO, first: str = ""):
+    """A stream of text pieces to ``out``, flushed as they come; ``first`` written ahead of the first piece."""
+    ahead = [first]
+
     def stream(piece: str) -> None:
-        out.write(piece)
+        out.write(ahead.pop() + piece if ahead else piece)
         out.flush()
 
     return stream
@@ -119,8 +122,13 @@ def run_chat(session, lines: TextIO, out: TextIO, prompt: str = "you> ") -> None
         if text.startswith("/"):
             out.write(f"[unknown command {text.split()[0]}: use /reset or /exit]\n")
             continue
-        out.write("assistant> ")
-        session.reply(text, stream=_write(out))
+        stream = _write(out, first="assistant> ")  # written with the reply's first piece, after any note
+        try:
+            session.reply(text, stream=stream, note=lambda note: out.write(f"[{note}]\n"))
+        except UsageError as exc:  # a message the model cannot take: said, and the chat goes on without it
+            out.write(f"[{exc}]\n")
+            continue
+        stream("")
         out.write("\n")
 
 

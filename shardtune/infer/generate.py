@@ -30,6 +30,7 @@ from shardtune.gguf_source import load_tokenizer as load_gguf_tokenizer
 from shardtune.hub import (
     adapter_folder_problem,
     adapter_weights_problem,
+    config_context_length,
     has_tokenizer,
     loading_refused,
     model_folder_problem,
@@ -46,7 +47,7 @@ class GenerationStats:
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    stop_reason: str = ""  # "stop_token" or "max_new_tokens"
+    stop_reason: str = ""  # "stop_token", "max_new_tokens" or "context_length" (the model's last position)
     stop_token_id: int | None = None
     decode_steps: int = 0  # forwards after the prefill (the first token comes out of the prefill)
 
@@ -306,9 +307,13 @@ def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_t
     ``stats``, if given, is filled with timings.
     """
     _check_options(prompt_ids, max_new_tokens, temperature, top_p)
+    room = max_new_tokens
+    if covered := model_context(model):  # beyond its positions a model's output is garbage: stop there
+        _refuse_beyond(len(prompt_ids), covered)
+        room = min(max_new_tokens, covered[0] - len(prompt_ids))
     stops = stop_token_ids(model, tokenizer) if stop_ids is None else set(stop_ids)
     device = _model_device(model)
-    config = generation_config(tokenizer, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+    config = generation_config(tokenizer, max_new_tokens=room, temperature=temperature, top_p=top_p,
                                stops=stops, use_cache=use_cache)
     streamer = _Streamer(tokenizer, stream, stops)
     input_ids = torch.tensor([list(prompt_ids)], device=device)
@@ -323,11 +328,25 @@ def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_t
     stopped = bool(produced) and produced[-1] in stops
     new_ids = produced[:-1] if stopped else produced
     stats.prompt_tokens, stats.new_tokens = len(prompt_ids), len(new_ids)
-    stats.stop_reason = "stop_token" if stopped else "max_new_tokens"
+    stats.stop_reason = "stop_token" if stopped else "max_new_tokens" if room == max_new_tokens else "context_length"
     stats.stop_token_id = produced[-1] if stopped else None
     stats.decode_steps = max(len(produced) - 1, 0)  # the first token comes out of the prefill
     stats.prefill_s, stats.decode_s = streamer.timings()
     return new_ids
+
+
+def _refuse_beyond(prompt_tokens: int, covered: tuple[int, str]) -> None:
+    """A prompt that leaves the model no position to generate at, refused in one line."""
+    length, where = covered
+    if prompt_tokens >= length:
+        raise UsageError(f"the prompt is {prompt_tokens} tokens, and the model covers {length} positions ({where}): "
+                         f"shorten it")
+
+
+def model_context(model: Any) -> tuple[int, str] | None:
+    """(the positions a loaded model covers, where that was read), or None where its config says none."""
+    config = getattr(model, "config", None)
+    return config_context_length(config.to_dict(), "its config") if hasattr(config, "to_dict") else None
 
 
 def _model_device(model: Any) -> torch.device:
@@ -350,11 +369,27 @@ class ChatSession:
     def __post_init__(self) -> None:
         self.reset()
 
-    def reply(self, user_text: str, stream: Callable[[str], None] | None = None) -> str:
-        """Add the user's message, generate the assistant's answer, keep both, and return the answer."""
-        self.messages.append({"role": "user", "content": user_text})
-        prompt_ids = encode_prompt(self.tokenizer, messages=self.messages)
+    def reply(self, user_text: str, stream: Callable[[str], None] | None = None,
+              note: Callable[[str], None] | None = None) -> str:
+        """Add the user's message, generate the assistant's answer, keep both, and return the answer. Where the
+        conversation no longer fits the model's positions (with room for a reply), its earliest turns are dropped,
+        the system message kept, and ``note`` told; a message that cannot fit alone is refused and not kept."""
+        messages = [*self.messages, {"role": "user", "content": user_text}]
+        prompt_ids = encode_prompt(self.tokenizer, messages=messages)
+        covered, dropped = model_context(self.model), 0
+        if covered:
+            length, first = covered[0], 1 if self.system else 0
+            room = min(self.options.get("max_new_tokens", 128), length // 4)
+            while len(prompt_ids) > length - room and len(messages) - first > 1:
+                del messages[first:first + 2]  # the earliest user turn and its reply
+                dropped += 2
+                prompt_ids = encode_prompt(self.tokenizer, messages=messages)
+            _refuse_beyond(len(prompt_ids), covered)  # the message alone: nothing is dropped, nothing kept
+        if dropped and note:
+            note(f"the conversation went beyond the model's {covered[0]} positions: its earliest {dropped} turns "
+                 f"are left out from here")
         new_ids = generate(self.model, self.tokenizer, prompt_ids, stream=stream, **self.options)
+        self.messages = messages
         answer = self.tokenizer.decode(new_ids, skip_special_tokens=True)
         self.messages.append({"role": "assistant", "content": answer})
         return answer
