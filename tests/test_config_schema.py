@@ -248,6 +248,35 @@ def test_the_schema_takes_every_spelling_shardtune_reads(schema):
     assert list(jsonschema.Draft202012Validator(schema).iter_errors(recipe)) == []
 
 
+AGREED = [  # (a recipe, whether shardtune train takes it): the schema must say the same (found apart by an audit)
+    ("resume_from_checkpoint: true\n", True), ("lora_target_modules: [q_proj, v_proj]\nuse_peft_lora: true\n", True),
+    ("splits: [train, test]\n", True), ("fsdp_transformer_layer_cls_to_wrap: [LlamaDecoderLayer]\n"
+                                        "distributed_type: FSDP\n", True),
+    ("eval_strategy: false\n", True), ("distributed_type: NO\n", True), ("deepspeed_config: {zero_stage: 2}\n", True),
+    ("init_lora_weights: pissa_niter_4\nuse_peft_lora: true\n", True), ("fsdp_offload_optimizer: false\n", True),
+    ("tpu_env: []\n", True), ("model_revision: main\n", True), ("assistant_only_loss: true\n", True),
+    ("max_steps: 0\n", False), ("save_safetensors: false\n", False), ("model_revision: dev\n", False),
+    ("assistant_only_loss: false\n", False), ("compute_environment: AMAZON_SAGEMAKER\n", False),
+    ("fsdp_offload_optimizer: true\n", False), ("init_lora_weights: loftq\nuse_peft_lora: true\n", False),
+    ("dataset_name: [a.jsonl, b.jsonl]\n", False),
+]
+
+
+@pytest.mark.parametrize("text, taken", AGREED, ids=[text.split(":")[0] + ("-ok" if ok else "-refused")
+                                                    for text, ok in AGREED])
+def test_the_schema_and_train_agree(schema, tmp_path, text, taken):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    try:
+        load_train_config([str(recipe), *BASE] if "dataset_name" not in text else
+                          [str(recipe), "--model_name_or_path", "m", "--output_dir", "o"])
+        loaded = True
+    except UsageError:
+        loaded = False
+    errors = list(jsonschema.Draft202012Validator(schema).iter_errors(yaml.load(text, Yaml12Loader)))  # noqa: S506
+    assert (loaded, not errors) == (taken, taken), errors
+
+
 def test_an_unquoted_no_reads_as_no(tmp_path):
     """PyYAML (YAML 1.1) reads ``eval_strategy: no`` as false; for a key whose choices hold "no", that is what the
     recipe says (it was refused as 'false' before)."""

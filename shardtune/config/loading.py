@@ -134,7 +134,12 @@ def _flatten(data: dict[str, Any]) -> dict[str, Any]:
 
 def read_accelerate_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin]]:
     """An Accelerate config file (``accelerate config`` output) as flat shardtune keys, read as it is."""
-    values, sources = read_yaml_recipe(path)
+    return read_yaml_recipe(path)
+
+
+def _mapped_deepspeed_block(values: dict[str, Any], sources: dict[str, Origin], path: str | Path) -> None:
+    """Accelerate's ``distributed_type: DEEPSPEED`` and its ``deepspeed_config`` block, in a file's ``values``, as
+    the FSDP2 keys they mean (docs/deepspeed.md)."""
     block, where = values.pop("deepspeed_config", None), sources.pop("deepspeed_config", Origin(str(path)))
     if str(values.get("distributed_type", "")).upper() == "DEEPSPEED":
         values["distributed_type"] = FSDP.name  # ZeRO-3 unless the block says otherwise
@@ -143,7 +148,6 @@ def read_accelerate_config(path: str | Path) -> tuple[dict[str, Any], dict[str, 
         raise_problems(mapped.problems)
         values.update(mapped.values)
         sources.update({key: Origin(f"{path} (deepspeed_config)", where.line) for key in mapped.values})
-    return values, sources
 
 
 def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] | None:
@@ -190,9 +194,10 @@ def deepspeed_mapping(argv: list[str]) -> tuple[str, list[str]] | None:
             named = read_yaml_recipe(path)[0].get("deepspeed")
     if named not in (None, "", "none", "None"):
         return str(named), read_deepspeed_file(named).lines
-    block = _yaml_with_lines(Path(accelerate_file))[0].get("deepspeed_config") if accelerate_file else None
-    if isinstance(block, dict):
-        return f"{accelerate_file} (deepspeed_config)", map_accelerate_block(block, accelerate_file).lines
+    for path in [*reversed(files), *([accelerate_file] if accelerate_file else [])]:  # the highest layer's block
+        block = _yaml_with_lines(Path(path))[0].get("deepspeed_config")
+        if isinstance(block, dict):
+            return f"{path} (deepspeed_config)", map_accelerate_block(block, path).lines
     return None
 
 
@@ -225,10 +230,12 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin]]:
-    """A shardtune YAML recipe: flat keys (an ``fsdp_config:`` block is also accepted)."""
+    """A shardtune YAML recipe: flat keys (Accelerate's ``fsdp_config:`` and ``deepspeed_config:`` blocks are also
+    accepted, as in an Accelerate file)."""
     data, lines = _yaml_with_lines(Path(path))
     flat = _flatten(data)
     sources = {k: Origin(str(path), lines.get(k)) for k in flat}
+    _mapped_deepspeed_block(flat, sources, path)
     if str(flat.get("fsdp_sharding_strategy", "")).strip().upper() in ZERO2_HYBRID:
         # FSDP1's HYBRID_SHARD_ZERO2 keeps the gathered parameters from forward to backward.
         flat.setdefault("fsdp_reshard_after_forward", False)

@@ -38,16 +38,19 @@ def off(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Inert:
-    """The values of a no-op key that change nothing (``test``), and those values in words for the docs."""
+    """The values of a no-op key that change nothing (``test``), those values in words for the docs, and as
+    YAML values for the recipe's JSON Schema (``values``: booleans, null and words in any case; None: any)."""
     test: Callable[[Any], bool]
     says: str
+    values: tuple[Any, ...] | None = None
 
     def __call__(self, value: Any) -> bool:
         return self.test(value)
 
 
+_UNSET_VALUES = (None, "", "none", "null")
 ANY = Inert(lambda _value: True, "any value")
-OFF = Inert(off, "false or unset")
+OFF = Inert(off, "false or unset", (False, 0, "false", "no", "n", "off", "0", *_UNSET_VALUES))
 
 
 # Whether the job being checked will see a GPU, where that is not this machine's answer: a cluster job checked on
@@ -79,7 +82,7 @@ def _gpu_visible() -> bool:
 
 def _one_of(*words: str) -> Inert:
     return Inert(lambda value: off(value) or str(value).strip().lower() in words,
-                 f"{', '.join(words)}, or unset")
+                 f"{', '.join(words)}, or unset", (*words, *OFF.values))
 
 
 # TRL's two keys for the trained tokens, which train_on_prompt decides here.
@@ -88,7 +91,8 @@ TRAINED_TOKENS = ("remove it: shardtune trains the assistant turns and completio
                   "train_on_prompt true")
 
 
-TRUE_OR_UNSET = Inert(lambda value: _unset(value) or _word(value) is True, "true or unset")
+TRUE_OR_UNSET = Inert(lambda value: _unset(value) or _word(value) is True, "true or unset",
+                      (True, 1, "true", "yes", "y", "on", "1", *_UNSET_VALUES))
 
 
 def _sizes_one(value: Any) -> bool:

@@ -18,15 +18,20 @@ from shardtune.config.compile import DYNAMO_KEYS
 from shardtune.config.keys import Declared
 from shardtune.config.no_ops import NO_OPS
 from shardtune.config.schema import ALIASES, all_keys, published_defaults
+from shardtune.config.validation import LORA_INITS
 
 JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
 BOUNDS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
 
 
+def _spelled(word: str) -> str:
+    """A pattern matching ``word`` in any case (JSON Schema's regular expressions have no flag for it)."""
+    return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else re.escape(c) for c in word)
+
+
 def _any_case(words: list[str]) -> str:
-    """A pattern matching any of ``words`` in any case (JSON Schema's regular expressions have no flag for it)."""
-    spelled = ("".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else re.escape(c) for c in w) for w in words)
-    return f"^(?:{'|'.join(spelled)})$"
+    """A pattern matching any of ``words`` in any case."""
+    return f"^(?:{'|'.join(map(_spelled, words))})$"
 
 
 def _value_schema(d: Declared) -> dict[str, Any]:
@@ -39,14 +44,29 @@ def _value_schema(d: Declared) -> dict[str, Any]:
     if d.base is not str:
         return canonical
     words = [str(c) for c in d.choices] + [word for word, meant in d.meta.spellings.items() if meant in d.choices]
-    return {"anyOf": [canonical, {"type": "string", "pattern": _any_case(words)}]}
+    booleans = [{"const": False}] if "FALSE" in d.meta.spellings else []  # YAML's unquoted no (save_strategy: no)
+    return {"anyOf": [canonical, {"type": "string", "pattern": _any_case(words)}, *booleans]}
+
+
+def _literal_values(values: tuple[Any, ...] | None) -> dict[str, Any]:
+    """The schema of a value that must be one of ``values`` (booleans, numbers and null as they are, words in any
+    case); none where any value goes."""
+    if values is None:
+        return {}
+    words = [v for v in values if isinstance(v, str)]
+    scalar = [{"enum": [v for v in values if not isinstance(v, str)]},
+              {"type": "string", "pattern": _any_case(words)}]
+    nested = [{"type": "array", "items": {"anyOf": scalar}},
+              {"type": "object", "additionalProperties": {"anyOf": scalar}}]
+    return {"anyOf": [*scalar, *(nested if False in values else [])]}  # off: a list or block of off values too
 
 
 def key_schema(d: Declared, default: Any) -> dict[str, Any]:
     """The schema of key ``d``: its values, unset where allowed, a list's comma-separated form, its default."""
     one = _value_schema(d)
-    if d.is_list:
-        one = {"anyOf": [{"type": "array", "items": one}, {"type": "string"}]}
+    if d.is_list or d.meta.commas:
+        one = {"anyOf": [{"type": "array", "items": one}, {"type": "string"},
+                         *([{"type": "null"}] if d.optional else [])]}
     elif d.optional:
         one = {"anyOf": [one, {"type": "null"}]}
     return {**one, "default": default, "description": d.described()}
@@ -60,8 +80,19 @@ def recipe_schema() -> dict[str, Any]:
                for alias, key in ALIASES.items()}
     refused = {name: f" Values: {entry.inert.says}; any other is refused." for name, entry in NO_OPS.items()
                if entry.instead}
-    accepted = {name: {"description": f"Accepted, changing nothing: {entry.why}.{refused.get(name, '')}"}
+    accepted = {name: {**_literal_values(entry.inert.values),
+                       "description": f"Accepted, changing nothing: {entry.why}.{refused.get(name, '')}"}
                 for name, entry in NO_OPS.items()}
+    # What train accepts and refuses beyond a key's type (config/validation.py): YAML's true for a folder-or-true
+    # key, a PEFT init given as a boolean, max_steps 0, pickled weights.
+    for name in ("resume_from_checkpoint", "init_lora_weights"):
+        schema = keys[name]
+        one = schema.pop("anyOf") if "anyOf" in schema else [{"type": schema.pop("type")}]
+        keys[name] = {**schema, "anyOf": [*one, {"type": "boolean"}]}
+    named = "|".join(_spelled(init) for init in LORA_INITS if init != "pissa_niter_N")
+    keys["init_lora_weights"]["anyOf"][0] |= {"pattern": f"^(?:{named}|{_spelled('pissa_niter_')}[1-9][0-9]*)$"}
+    keys["max_steps"] |= {"minimum": -1, "not": {"const": 0}}
+    keys["save_safetensors"] |= {"const": True}
     dynamo = {name: {"description": "Accelerate's torch.compile setting, read as torch_compile, torch_compile_backend "
                                     "and torch_compile_mode."} for name in DYNAMO_KEYS}
     # Other spellings of declared keys (loading._transformers_form)

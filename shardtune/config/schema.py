@@ -110,7 +110,7 @@ class DataConfig:
     dataset_config_name: str | None = key(None, "The hub data set's configuration (subset).",
                                           aliases={"dataset_config": "TRL's"})
     splits: str = key("train,test", "Comma-separated split names; names containing `train` train, the others "
-                                    "evaluate.")
+                                    "evaluate.", commas=True)
     dataset_text_field: str = key("text", "The column of raw-text rows.")
     data_format: DataFormat = key("auto", "The row format; auto looks at the first row.")
     chat_template_format: ChatTemplateFormat = key("none", "The chat template: none is the tokenizer's own. A named "
@@ -153,7 +153,7 @@ class LoraConfig:
     lora_target_modules: str = key(
         "all-linear", "all-linear; comma-separated module names (q_proj,v_proj: each matches a module whose name ends "
         "with it); or `re:` and a regular expression that must match a module's whole name (PEFT's regex form), e.g. "
-        "`re:.*layers\\.[0-3]\\..*(q_proj|v_proj)`.", needs=LORA)
+        "`re:.*layers\\.[0-3]\\..*(q_proj|v_proj)`.", needs=LORA, commas=True)
     use_dora: bool = key(False, "DoRA (Liu et al. 2024): a trained magnitude per output feature of each adapted "
                                 "layer; sharded by FSDP with its layer, saved in checkpoints and final/, folded in by "
                                 "merge.", needs=LORA)
@@ -353,7 +353,7 @@ class DistributedConfig:
     fsdp_auto_wrap_policy: WrapPolicy = key("TRANSFORMER_BASED_WRAP", "What becomes one FSDP unit (gathered and "
                                                                       "freed together).", needs=FSDP_ONLY)
     fsdp_transformer_layer_cls_to_wrap: str | None = key(None, "Class name of the unit to wrap (default: the model's "
-                                                               "decoder layer).")
+                                                               "decoder layer); several comma-separated.", commas=True)
     fsdp_min_num_params: int = key(100_000_000, "SIZE_BASED_WRAP: parameters per unit.", needs=SIZE_WRAP)
     fsdp_cpu_ram_efficient_loading: bool = key(
         True, "Only rank 0 reads the weights (into CPU RAM, as every FSDP rank does: each GPU only ever holds its "
@@ -398,7 +398,7 @@ class DistributedConfig:
     pipeline_microbatches: int = key(2, "Pipeline parallel (PP): pipeline micro-batches each batch is split into.",
                                      ge=1, needs=PP)
     mp_devices: str | None = key(None, "MP: comma-separated devices (cuda:0,cuda:1); default: every visible GPU.",
-                                 needs=MP)
+                                 needs=MP, commas=True)
 
     @property
     def reshards_after_forward(self) -> bool:
