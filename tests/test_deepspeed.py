@@ -110,6 +110,32 @@ def test_what_cannot_be_mapped_exits_2_naming_the_key(tmp_path, capsys, data, na
     assert f"{ds}: DeepSpeed key '{named}'" in err and len(err.strip().splitlines()) == 1
 
 
+def test_transformers_fp16_loss_scaler_block_loads_unless_the_run_computes_in_fp16(tmp_path):
+    """Transformers' example ZeRO files carry an fp16 block with the loss scaler's settings under enabled auto: every
+    one of them was refused, though the run trains in bf16. They are unused (and said so) there, and refused where
+    the run computes in fp16 (asked on the command line, in a recipe or in an Accelerate file over the same file)."""
+    scaler = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+              "hysteresis": 2, "min_loss_scale": 1}
+    ds = write(tmp_path / "ds.json", {**ZERO2, "fp16": scaler})
+    from shardtune.config.deepspeed import read_deepspeed_file
+
+    assert ("fp16.hysteresis 2 -> unused: it tunes DeepSpeed's fp16 loss scaler, and a run in fp16 (where it is "
+            "refused) scales with torch's GradScaler defaults") in read_deepspeed_file(ds).lines
+    assert load_train_config([*BASE, "--deepspeed", str(ds), "--bf16", "true"]).run.bf16
+    assert load_train_config([*BASE, "--deepspeed", str(ds)])  # no precision asked: bf16 or fp32, never fp16
+    for fp16 in (["--fp16", "true"], ["--mixed_precision", "fp16"]):
+        with pytest.raises(UsageError) as refused:
+            load_train_config([*BASE, "--deepspeed", str(ds), *fp16])
+        assert str(refused.value).count("tunes DeepSpeed's loss scaler, and this run computes in fp16") == 4
+    accelerate = tmp_path / "accelerate.yaml"
+    accelerate.write_text(f"distributed_type: DEEPSPEED\nmixed_precision: fp16\ndeepspeed_config:\n"
+                          f"  deepspeed_config_file: {ds}\n")
+    with pytest.raises(UsageError, match="fp16.loss_scale_window' = 1000 tunes DeepSpeed's loss scaler"):
+        load_train_config(["--config_file", str(accelerate), *BASE])
+    accelerate.write_text(accelerate.read_text().replace("mixed_precision: fp16", "mixed_precision: bf16"))
+    assert load_train_config(["--config_file", str(accelerate), *BASE]).precision_on(True) == "bf16"
+
+
 def test_an_unreadable_file_is_one_line(tmp_path):
     with pytest.raises(UsageError, match="not valid JSON"):
         load_train_config([*BASE, "--deepspeed", str(write(tmp_path / "ds.json", "{oops"))])

@@ -35,6 +35,9 @@ SCHEDULERS = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear", "wa
 AS_IS = {path: d.name for d in all_keys() for path in d.meta.deepspeed}
 
 
+FP16_TUNING = "DeepSpeed fp16 loss scaler"  # a layer's entry (no key has spaces): the settings' problems if fp16
+
+
 @dataclass
 class Mapped:
     """What a DeepSpeed config becomes: shardtune keys, one printed line per decision, and the problems."""
@@ -44,6 +47,14 @@ class Mapped:
     lines: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     train_batch_size: int | None = None  # checked against micro-batch x accumulation x processes once known
+    # fp16 loss-scaler settings (Transformers' example files carry them): unused unless the run computes in fp16,
+    # where they are refused (loading._apply decides, once every layer is known: the layer carries them under
+    # FP16_TUNING, as the problem each would be)
+    fp16_tuning: list[str] = field(default_factory=list)
+
+    def carried(self) -> dict[str, Any]:
+        """The mapped keys, and the loss-scaler settings under FP16_TUNING where there are any."""
+        return {**self.values, **({FP16_TUNING: list(self.fp16_tuning)} if self.fp16_tuning else {})}
 
     def set(self, ds_key: str, value: Any, key: str, shown: Any = None) -> None:
         """``ds_key`` sets shardtune's ``key``; ``auto`` leaves it to the rest of the config."""
@@ -122,6 +133,12 @@ def _precision(out: Mapped, name: str, block: Any) -> None:
                 out.lines.append(f"{name}.enabled {_show(value)} -> {name} from the config")
         elif name == "fp16" and key == "loss_scale" and value == 0:
             out.lines.append("fp16.loss_scale 0 -> dynamic loss scaling (torch's GradScaler)")
+        elif name == "fp16" and not _is_auto(value):
+            out.fp16_tuning.append(f"{out.where}: DeepSpeed key '{name}.{key}' = {_show(value)} tunes DeepSpeed's "
+                                   f"loss scaler, and this run computes in fp16 with torch's GradScaler at its "
+                                   f"defaults: remove it or set it to auto")
+            out.lines.append(f"{name}.{key} {_show(value)} -> unused: it tunes DeepSpeed's fp16 loss scaler, and a "
+                             f"run in fp16 (where it is refused) scales with torch's GradScaler defaults")
         elif not _is_auto(value):
             out.refuse(f"{name}.{key}", value, "tunes DeepSpeed's loss scaler; shardtune runs torch's GradScaler "
                                                "with its defaults: remove it or set it to auto")

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
-from shardtune.config.deepspeed import map_accelerate_block, read_deepspeed_file
+from shardtune.config.deepspeed import FP16_TUNING, map_accelerate_block, read_deepspeed_file
 from shardtune.config.keys import parse_bool, shown
 from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, no_op_problem, off
 from shardtune.config.schema import ALIASES, ZERO2_HYBRID, TrainConfig, all_keys
@@ -146,7 +146,7 @@ def _mapped_deepspeed_block(values: dict[str, Any], sources: dict[str, Origin], 
     if block is not None:
         mapped = map_accelerate_block(block, str(path))
         raise_problems(mapped.problems)
-        values.update(mapped.values)
+        values.update(mapped.carried())
         sources.update({key: Origin(f"{path} (deepspeed_config)", where.line) for key in mapped.values})
 
 
@@ -171,7 +171,7 @@ def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] 
         problems += _check_train_batch_size(mapped, layers)
     raise_problems(problems)
     where = Origin(f"{path} (DeepSpeed, named at {origin})" if origin else f"{path} (DeepSpeed)")
-    return mapped.values, {key: where for key in mapped.values}
+    return mapped.carried(), {key: where for key in mapped.values}
 
 
 def reset_notes(argv: list[str]) -> list[str]:
@@ -351,9 +351,13 @@ def _apply(layers: Layers, *, training: bool,
     trained_tokens: dict[str, Origin] = {}  # TRL's assistant_only_loss / completion_only_loss given true
     declared = {d.name: d for d in all_keys()}
     problems: list[str] = []
+    fp16_tuning: list[str] = []  # a DeepSpeed file's loss-scaler settings: refused if the run computes in fp16
     for layer, (values, sources) in enumerate(layers):
         problems += _alias_problems(values, sources)
         for name, value in values.items():
+            if name == FP16_TUNING:
+                fp16_tuning += value
+                continue
             source, key = sources.get(name, Origin("config")), ALIASES.get(name, name)
             if value is None and key != name:  # another tool's name left unset (an older config.yaml's dtype: null)
                 continue
@@ -381,6 +385,8 @@ def _apply(layers: Layers, *, training: bool,
     if cfg.data.train_on_prompt:  # TRL's "the assistant turns (completions) only" against every token
         problems += [f"{source}: {key}=true and train_on_prompt true ask for different tokens to train; keep one"
                      for key, source in trained_tokens.items()]
+    if cfg.precision_on(False) == "fp16":  # fp16 is only ever asked for, never the hardware's choice
+        problems += fp16_tuning
     cfg.run.report_to = resolve_report_to(cfg.run.report_to)
     normalise_compile(cfg.run, compile_set="torch_compile" in given)
     reset: set[str] = set()
