@@ -116,7 +116,7 @@ def test_a_run_without_lr_or_eval_plots_what_it_has(tmp_path):
     assert [ln.get_label() for ln in loss_figure(metrics).axes[0].get_lines()] == ["train loss"]
 
 
-def test_missing_file_and_malformed_lines_are_usage_errors(tmp_path, capsys):
+def test_missing_file_and_malformed_lines_are_usage_errors(tmp_path, capsys, caplog):
     with pytest.raises(UsageError, match="no metrics.jsonl in"):
         read_metrics(tmp_path)
     good = [json.dumps(r) for r in synthetic_run(num_steps=3)]
@@ -127,6 +127,11 @@ def test_missing_file_and_malformed_lines_are_usage_errors(tmp_path, capsys):
         (tmp_path / "metrics.jsonl").write_text("\n".join(good + [bad]) + "\n")
         with pytest.raises(UsageError, match=message):
             read_metrics(tmp_path)
+    # the last line without its newline (a run writing it now, or cut short by a crash) is left out, said so
+    (tmp_path / "metrics.jsonl").write_text("\n".join(good) + '\n{"step": 4, "lo')
+    with caplog.at_level("WARNING", logger="shardtune"):
+        assert [r["step"] for r in read_metrics(tmp_path).train] == [1, 2, 3]
+    assert "line 4 is incomplete (a run still writing it, or one cut short): left out" in caplog.text
     (tmp_path / "metrics.jsonl").write_text("\n\n")
     with pytest.raises(UsageError, match="holds no records"):
         read_metrics(tmp_path)

@@ -7,12 +7,15 @@ global state and needs no display.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.errors import UsageError
 from shardtune.files import replacing
+
+log = logging.getLogger("shardtune")
 
 METRICS_FILE = "metrics.jsonl"
 TRAIN_COLOR, EVAL_COLOR = "tab:blue", "tab:orange"
@@ -82,7 +85,15 @@ def read_metrics(output_dir: str | Path) -> Metrics:
     latest: dict[tuple[str, int], dict] = {}
     with path.open("rb") as f:
         for line_number, raw in enumerate(f, start=1):
-            record = _parse_line(raw, path, line_number)
+            try:
+                record = _parse_line(raw, path, line_number)
+            except UsageError:
+                if raw.endswith(b"\n"):
+                    raise
+                # the last line, without its newline: a record the run is writing now, or one a crash cut short
+                log.warning("%s: line %d is incomplete (a run still writing it, or one cut short): left out", path,
+                            line_number)
+                continue
             if record is None:
                 continue
             # a resumed run re-logs steps: the last one is the truth; records with neither loss are other events
