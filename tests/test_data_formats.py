@@ -346,6 +346,7 @@ def test_skip_bad_rows_counts_and_drops(model_dir, tmp_path):
     assert data.report.bad_rows_skipped == 3 and data.report.documents == 2
     text = data.report.format()
     assert "bad rows skipped 3" in text and "note: skipped " + str(path) + ":2: malformed JSON" in text
+    assert "set skip_bad_rows true" not in text  # it is set: no note advises setting it
 
 
 def test_cache_is_reused_and_invalidated(model_dir, tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import uuid
 from dataclasses import asdict, dataclass
@@ -139,6 +140,11 @@ def _tokenise(examples: list[dict], cfg: DataConfig, tokenizer, split: str):
                    new_fingerprint=hashlib.sha256(f"{split}{id(raw)}".encode()).hexdigest()[:16])
 
 
+def skipped_note(problem: str) -> str:
+    """A bad row's problem as the note of a run that skips bad rows (without the advice to set skip_bad_rows)."""
+    return "skipped " + re.sub(r"(; fix it)?, or set skip_bad_rows true to drop bad rows$", "", problem)
+
+
 def _documents(encoded, cfg: DataConfig, eos_id: int, report: DataReport) -> tuple[list[list[int]], list[list[int]]]:
     """The documents to keep (ids, labels), counting bad, truncated and target-less rows into ``report``."""
     docs_ids, docs_labels = [], []
@@ -149,7 +155,7 @@ def _documents(encoded, cfg: DataConfig, eos_id: int, report: DataReport) -> tup
             if not cfg.skip_bad_rows:
                 raise UsageError(bad)
             report.bad_rows_skipped += 1
-            report.notes.append(f"skipped {bad}")
+            report.notes.append(skipped_note(bad))
             continue
         if dropped:
             report.truncated_rows += 1
@@ -170,7 +176,7 @@ def build_split(examples: list[dict], cfg: DataConfig, tokenizer, split: str, fm
     import datasets
 
     report = DataReport(split=split, data_format=fmt, max_seq_len=cfg.max_seq_len, packing=cfg.packing,
-                        bad_rows_skipped=len(skipped), notes=[f"skipped {m}" for m in skipped])
+                        bad_rows_skipped=len(skipped), notes=[skipped_note(m) for m in skipped])
     docs_ids, docs_labels = _documents(_tokenise(examples, cfg, tokenizer, split), cfg, tokenizer.eos_token_id,
                                        report)
     lengths = [len(x) for x in docs_ids]
