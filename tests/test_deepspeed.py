@@ -136,6 +136,15 @@ def test_transformers_fp16_loss_scaler_block_loads_unless_the_run_computes_in_fp
     assert load_train_config(["--config_file", str(accelerate), *BASE]).precision_on(True) == "bf16"
 
 
+def test_a_deepspeed_file_given_as_the_accelerate_config_names_the_option_to_use(tmp_path):
+    """It was eleven joined lines of unknown keys."""
+    ds = write(tmp_path / "ds.json", ZERO2)
+    with pytest.raises(UsageError) as refused:
+        load_train_config(["--config_file", str(ds), *BASE])
+    assert str(refused.value) == (f"--config_file {ds}: a DeepSpeed config, not an Accelerate one (it has "
+                                  f"train_micro_batch_size_per_gpu and zero_optimization): pass it as --deepspeed {ds}")
+
+
 def test_an_unreadable_file_is_one_line(tmp_path):
     with pytest.raises(UsageError, match="not valid JSON"):
         load_train_config([*BASE, "--deepspeed", str(write(tmp_path / "ds.json", "{oops"))])

@@ -133,8 +133,14 @@ def _flatten(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_accelerate_config(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin]]:
-    """An Accelerate config file (``accelerate config`` output) as flat shardtune keys, read as it is."""
-    return read_yaml_recipe(path)
+    """An Accelerate config file (``accelerate config`` output) as flat shardtune keys, read as it is; a DeepSpeed
+    JSON given in its place is named as one, with the option that reads it."""
+    values, sources = read_yaml_recipe(path)
+    deepspeed = sorted({"zero_optimization", "train_micro_batch_size_per_gpu"} & set(values))
+    if deepspeed and "distributed_type" not in values:
+        raise UsageError(f"--config_file {path}: a DeepSpeed config, not an Accelerate one (it has "
+                         f"{' and '.join(deepspeed)}): pass it as --deepspeed {path}")
+    return values, sources
 
 
 def _mapped_deepspeed_block(values: dict[str, Any], sources: dict[str, Origin], path: str | Path) -> None:
