@@ -299,3 +299,18 @@ def test_prompt_ids_are_the_training_rows_prompt(tmp_path, template, appends_eos
     assert prompt.count(tokenizer.bos_token_id) == 1
     # (Llama 3's EOS is its end of turn once its tokens are added: every turn of the prompt ends in it.)
     assert prompt.count(tokenizer.eos_token_id) == (2 if template == "llama-3" else 0)
+
+
+def test_a_run_folder_or_a_checkpoint_given_to_generate_names_what_to_give(tmp_path):
+    """They were "holds neither config.json nor adapter_config.json", with no word of final/ or export."""
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "checkpoints" / "step-2").mkdir(parents=True)
+    (run / "checkpoints" / "step-2" / "trainer_state.json").write_text("{}")
+    with pytest.raises(UsageError, match=rf"^'{run}' is a training run's output_dir: give its final/ "
+                                         rf"\({run / 'final'}\)$"):
+        load_for_generation(run)
+    step = run / "checkpoints" / "step-2"
+    with pytest.raises(UsageError, match=rf"^'{step}' is a training checkpoint: export it first \(shardtune export "
+                                         rf"{step} OUT\), then give OUT$"):
+        load_for_generation(step)

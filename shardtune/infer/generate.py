@@ -112,6 +112,11 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
                          f"PEFT adapter folder (with adapter_config.json).")
     is_adapter = (folder / "adapter_config.json").is_file()
     if not is_adapter and not (folder / "config.json").is_file():
+        if (folder / "final").is_dir():
+            raise UsageError(f"'{path}' is a training run's output_dir: give its final/ ({folder / 'final'})")
+        if (folder / "trainer_state.json").is_file():
+            raise UsageError(f"'{path}' is a training checkpoint: export it first (shardtune export {path} OUT), "
+                             f"then give OUT")
         raise UsageError(f"'{path}' holds neither config.json nor adapter_config.json; give a Transformers model "
                          f"folder or a PEFT adapter folder (e.g. a training run's final/).")
     if is_adapter and (problem := adapter_folder_problem(folder)):
