@@ -179,7 +179,8 @@ SWITCHED = {
     "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_offload_params": "true", "fsdp_auto_wrap_policy": "NO_WRAP",
     "fsdp_min_num_params": "1000",
     "fsdp_cpu_ram_efficient_loading": "false", "fsdp_sync_module_states": "false",
-    "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_reshard_after_forward": "false", "fsdp_forward_prefetch": "true"}
+    "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_reshard_after_forward": "false", "fsdp_forward_prefetch": "true",
+    "warmup_steps": "5", "warmup_ratio": "0.1"}
 SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "use_4bit_quantization true": (["--use_peft_lora", "true", "--use_4bit_quantization", "true"], []),
                 "packing true": (["--packing", "true"], []),
@@ -192,6 +193,7 @@ SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "save_strategy steps": ([], ["--save_strategy", "no"]),
                 "push_to_hub true": (["--push_to_hub", "true"], []),
                 "report_to naming a tracker": (["--report_to", "tensorboard"], []),
+                "lr_scheduler_type linear, cosine or constant_with_warmup": ([], ["--lr_scheduler_type", "constant"]),
                 "distributed_type FSDP": (["--distributed_type", "FSDP"], []),
                 "fsdp_auto_wrap_policy SIZE_BASED_WRAP": (["--distributed_type", "FSDP", "--fsdp_auto_wrap_policy",
                                                            "SIZE_BASED_WRAP"], [])}
@@ -292,11 +294,12 @@ def test_a_saved_config_with_keys_that_did_nothing_still_loads(tmp_path):
 
     saved = tmp_path / "config.yaml"
     saved.write_text("model_name_or_path: m\ndataset_name: d.jsonl\noutput_dir: out\nlora_r: 16\nsave_strategy: no\n"
-                     "save_steps: 20\n")
+                     "save_steps: 20\nlr_scheduler_type: constant\nwarmup_steps: 10\n")
     with pytest.raises(UsageError, match="lora_r=16 set without use_peft_lora true"):
         load_train_config([str(saved)])
     cfg = load_saved_config(saved, ["--output_dir", "elsewhere"])
     assert (cfg.lora.lora_r, cfg.checkpoint.save_steps, cfg.run.output_dir) == (8, 500, "elsewhere")
+    assert (cfg.optim.lr_scheduler_type, cfg.optim.warmup_steps) == ("constant", 0)  # a warm-up that never ran
 
 
 def test_keys_set_without_their_setting_are_named_together_with_their_file_line(tmp_path, capsys):

@@ -148,10 +148,11 @@ def _refusal(capsys, argv: list[str]) -> str:
     (["--optim", "adafactor", "--distributed_type", "FSDP"], "use DDP (or one process) for adafactor"),
     (["--optim", "lion_8bit", "--adam_epsilon", "1e-6"], "adam_epsilon=1e-06 does nothing with optim lion_8bit"),
     (["--optim", "sgd", "--adam_beta1", "0.8"], "adam_beta1=0.8 does nothing with optim sgd"),
-    (["--lr_scheduler_type", "constant", "--warmup_steps", "2"], "lr_scheduler_type=constant with warmup_steps=2: "
-     "the constant schedule has no warm-up; use lr_scheduler_type constant_with_warmup, or leave the warm-up out"),
-    (["--lr_scheduler_type", "constant", "--warmup_ratio", "0.1"], "lr_scheduler_type=constant with "
-     "warmup_ratio=0.1: the constant schedule has no warm-up"),
+    (["--lr_scheduler_type", "constant", "--warmup_steps", "2"], "warmup_steps=2 set without lr_scheduler_type "
+     "linear, cosine or constant_with_warmup: it acts only with it; set lr_scheduler_type linear, cosine or "
+     "constant_with_warmup, or leave it out"),
+    (["--lr_scheduler_type", "constant", "--warmup_ratio", "0.1"], "warmup_ratio=0.1 set without lr_scheduler_type "
+     "linear, cosine or constant_with_warmup"),
     pytest.param(["--optim", "paged_adamw_8bit"], "no CUDA GPU is visible; use optim adamw_8bit",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="paged optimizers run on CUDA")),
     pytest.param(["--optim", "paged_adamw_32bit"], "use optim adamw_torch (the same optimizer, not paged)",

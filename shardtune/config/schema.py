@@ -67,6 +67,7 @@ PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_ty
 EVAL_STEPS, SAVE_STEPS = "eval_strategy steps", "save_strategy steps"
 EVALUATES = "eval_strategy steps or epoch, or eval_on_start true"
 PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
+WARMS_UP = "lr_scheduler_type linear, cosine or constant_with_warmup"  # Transformers' constant has no warm-up
 FSDP_ONLY, SIZE_WRAP = "distributed_type FSDP", "fsdp_auto_wrap_policy SIZE_BASED_WRAP"
 DTYPE_SPELLINGS = {"TORCH.FLOAT32": "float32", "TORCH.BFLOAT16": "bfloat16", "TORCH.FLOAT16": "float16",
                    "HALF": "float16"}
@@ -193,10 +194,11 @@ class OptimConfig:
     learning_rate: float = key(5e-5, "Peak learning rate.", ge=0,
                                deepspeed=("optimizer.params.lr", "scheduler.params.warmup_max_lr"))
     lr_scheduler_type: Scheduler = key("linear", "The learning-rate schedule after warm-up.")
-    warmup_ratio: float = key(0.0, "Fraction of the steps spent warming up (warmup_steps wins when set).", ge=0, le=1)
+    warmup_ratio: float = key(0.0, "Fraction of the steps spent warming up (warmup_steps wins when set).", ge=0, le=1,
+                              needs=WARMS_UP)
     warmup_steps: int = key(0, "Steps of linear warm-up. A value below 1 is read as Transformers 5 reads it, a "
                                "fraction of the run's steps (warmup_ratio).", ge=0,
-                            deepspeed=("scheduler.params.warmup_num_steps",))
+                            deepspeed=("scheduler.params.warmup_num_steps",), needs=WARMS_UP)
     weight_decay: float = key(0.0, "Weight decay of the matrices (biases and norms are not decayed), for every "
                                    "optimizer.", ge=0, deepspeed=("optimizer.params.weight_decay",))
     max_grad_norm: float = key(1.0, "Clip the global gradient norm to this (0: no clipping).", ge=0,

@@ -18,7 +18,7 @@ from shardtune.config.compile import compile_problems
 from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
 from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, EVAL_STEPS, EVALUATES, FSDP_ONLY,
-                                     LORA, MP, PACKING, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
+                                     LORA, MP, PACKING, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER, WARMS_UP,
                                      TRACKER_PACKAGES, DataConfig,
                                      DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
@@ -171,6 +171,7 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     SAVE_STEPS: lambda cfg: cfg.checkpoint.save_strategy == "steps",
     PUSH: lambda cfg: cfg.run.push_to_hub,
     TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),
+    WARMS_UP: lambda cfg: cfg.optim.lr_scheduler_type != "constant",
     FSDP_ONLY: lambda cfg: _strategy(cfg.distributed).shards_parameters,
     SIZE_WRAP: lambda cfg: cfg.distributed.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP",
     DDP_ONLY: lambda cfg: _strategy(cfg.distributed) is DDP or (_strategy(cfg.distributed).one_device
@@ -340,11 +341,6 @@ def _optim_problems(cfg: TrainConfig) -> list[Problem]:
                                         f"setting); leave {key} out or pick an optimizer that reads it (e.g. "
                                         f"adamw_torch)")
                 for key in ADAM_KEYS if key not in spec.reads and getattr(o, key) != getattr(defaults, key)]
-    warm = [f"{key}={getattr(o, key)}" for key in ("warmup_steps", "warmup_ratio") if getattr(o, key)]
-    if o.lr_scheduler_type == "constant" and warm:  # Transformers' constant schedule ignores any warm-up
-        problems.append(Problem(("lr_scheduler_type", "warmup_steps", "warmup_ratio"), f"lr_scheduler_type=constant "
-                                f"with {' and '.join(warm)}: the constant schedule has no warm-up; use "
-                                f"lr_scheduler_type constant_with_warmup, or leave the warm-up out"))
     if spec.kind == "adafactor" and _strategy(cfg.distributed).shards_parameters:
         # Transformers' Adafactor averages the squared gradient over whole rows and columns and keeps that state
         # as plain tensors, which FSDP2's sharded (DTensor) parameters cannot mix with.
