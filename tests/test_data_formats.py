@@ -77,8 +77,8 @@ TOOL_TEMPLATE = (  # ChatML that writes an assistant turn's tool calls, as tool-
     "{% for call in message.tool_calls or [] %}{{ '<tool_call>' + call.function.name + ' ' }}"
     "{{ call.function.arguments | tojson }}{{ '</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-TOOL_CHATS = [
-    {"messages": [{"role": "user", "content": "Weather in Paris?"},
+TOOL_CHATS = [  # the user names the function: a template that drops the call must still be found out
+    {"messages": [{"role": "user", "content": "Weather in Paris? Use get_weather.", "tool_calls": []},
                   {"role": "assistant", "content": None, "tool_calls": [
                       {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
                   {"role": "tool", "content": "18C", "tool_call_id": "c1"},
@@ -104,8 +104,8 @@ def test_tool_calls_are_trained_as_the_template_writes_them_or_refused(model_dir
     assert [targets(tok, row) for row in data.train] == [
         '<tool_call>get_weather {"city": "Paris"}</tool_call><|im_end|>It is 18C.<|im_end|>',
         '<tool_call>search {"query": "cats", "n": 3}</tool_call><|im_end|>Three cats.<|im_end|>']
-    with pytest.raises(UsageError, match=r"data.jsonl:1: message 1: the chat template does not write its tool_calls "
-                                         r"\(get_weather\), so the turn would train as an empty reply"):
+    with pytest.raises(UsageError, match=r"data.jsonl:1: message 1: the chat template does not write its tool_calls, "
+                                         r"so the turn would train as an empty reply"):
         (plain := tmp_path / "plain").mkdir()
         prepare(model_dir, plain, TOOL_CHATS, max_seq_len=256)
 

@@ -69,6 +69,10 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def _without_calls(message: dict) -> dict:
+    return {key: value for key, value in message.items() if key != "tool_calls"}
+
+
 def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn: str | None) -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, is_target) pieces; targets are assistant turns with their end token.
 
@@ -77,13 +81,10 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
     """
     full = _render(tokenizer, messages)
     for i, m in enumerate(messages):
-        for call in m.get("tool_calls", ()):
-            name = (call.get("function") if isinstance(call.get("function"), dict) else call).get("name")
-            if not name or str(name) not in full:
-                called = name or "a call without a name"
-                raise BadRow("", f"message {i}: the chat template does not write its tool_calls ({called}), so the "
-                                 f"turn would train as an empty reply; use a chat template that renders tool calls "
-                                 f"(the model's own, where it has one), or leave them out")
+        if m.get("tool_calls") and _render(tokenizer, [*messages[:i], _without_calls(m), *messages[i + 1:]]) == full:
+            raise BadRow("", f"message {i}: the chat template does not write its tool_calls, so the turn would train "
+                             f"as an empty reply; use a chat template that renders tool calls (the model's own, where "
+                             f"it has one), or leave them out")
     segments: list[tuple[str, bool]] = []
     cursor = 0
     for i, m in enumerate(messages):

@@ -52,8 +52,8 @@ def _messages(value, where: str) -> list[dict]:
             did = f" (did you mean '{hint}'?)" if hint else ""
             raise BadRow(where, f"message {i} has role {role!r}{did}: roles must be one of {', '.join(ROLES)}; "
                                 f"{SKIP_HINT}")
-        calls = m.get("tool_calls")
-        if calls is not None and (role != "assistant" or not isinstance(calls, list)
+        calls = m.get("tool_calls")  # an empty list (OpenAI exports write one on every message) is no calls
+        if calls is not None and (not isinstance(calls, list) or (calls and role != "assistant")
                                   or not all(isinstance(call, dict) for call in calls)):
             raise BadRow(where, f"message {i} ({role}): tool_calls must be a list of objects, on an assistant "
                                 f"message; {SKIP_HINT}")
