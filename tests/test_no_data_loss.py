@@ -96,6 +96,12 @@ def test_export_and_merge_refuse_folders_inside_their_source_or_what_a_run_manag
                                            f"outside it, such as ./exported")
     assert main(["export", str(run), str(run / "gguf"), "--format", "gguf"]) == 0
     capsys.readouterr()
+    # a project of its own with a config.yaml and a checkpoints/ folder is no shardtune run: its folders are free
+    project = tmp_path / "project"
+    (project / "checkpoints").mkdir(parents=True)
+    (project / "config.yaml").write_text("lr: 0.1\n")
+    assert main(["export", str(step), str(project / "checkpoints" / "adapter")]) == 0
+    capsys.readouterr()
     (adapter / "stray.gguf").write_bytes((run / "gguf" / "model-q8_0.gguf").read_bytes())
     assert main(["generate", str(adapter), "--prompt", "hi", "--max_new_tokens", "2"]) == 0
 

@@ -70,9 +70,15 @@ def _real(path: str | Path) -> Path:
 
 
 def _is_run(folder: Path) -> bool:
-    """Whether ``folder`` is a training run's output_dir (its config.yaml beside checkpoints/, final/ or summary)."""
-    return (folder / "config.yaml").is_file() and any((folder / name).exists()
-                                                      for name in ("checkpoints", "final", "summary.json"))
+    """Whether ``folder`` is a shardtune run's output_dir: its config.yaml beside what only a run writes (its
+    metrics, summary or lock, or a checkpoint's manifest), not beside any folder called checkpoints/ or final/ (a
+    Hydra project's root has a config.yaml too)."""
+    from shardtune.train.layout import MANIFEST
+    from shardtune.train.output_dir import LOCK
+
+    return (folder / "config.yaml").is_file() and (
+        any((folder / name).is_file() for name in ("metrics.jsonl", "summary.json", LOCK))
+        or any((folder / "checkpoints").glob(f"step-*/{MANIFEST}")))
 
 
 def inside_problem(where: Path, sources: Sequence[str | Path]) -> str | None:
