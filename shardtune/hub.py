@@ -281,6 +281,10 @@ def tokenizer_problem(name: str, *folders: str | Path) -> str | None:
             f"into it (tokenizer.save_pretrained(folder) writes them)")
 
 
+# What to do about an adapter whose weights do not fit the base it is loaded on.
+ADAPTER_ON_ANOTHER_BASE = "the adapter was trained on a base model of other shapes; give that base model"
+
+
 def adapter_folder_problem(folder: str | Path) -> str | None:
     """What keeps the PEFT adapter folder ``folder`` from being read, as one line naming the file: no
     adapter_config.json, one that is not a JSON object, or a damaged file (``damaged_file_problem``); None when
@@ -314,12 +318,12 @@ _LOADERS = ("transformers", "peft", "tokenizers", "huggingface_hub", "safetensor
 
 
 @contextmanager
-def loading_refused(what: str, fix: str) -> Iterator[None]:
+def loading_refused(what: str, fix: str, mismatch_fix: str = "") -> Iterator[None]:
     """Inside: an error that transformers, PEFT or the tokenizers raise about what a folder holds (a value of the
     wrong type in a config, an unknown model or PEFT type, a file it cannot parse) is one UsageError naming
-    ``what`` and the library's own first line, then ``fix``; weights of other shapes than the model's (an adapter
-    on another base) are said as such. An error raised in shardtune's own code keeps its traceback: it is a bug,
-    not bad input."""
+    ``what`` and the library's own first line, then ``fix``; weights of other shapes than the model's are said as
+    such, then ``mismatch_fix`` where given (an adapter on another base). An error raised in shardtune's own code
+    keeps its traceback: it is a bug, not bad input."""
     import traceback
 
     try:
@@ -331,7 +335,7 @@ def loading_refused(what: str, fix: str) -> Iterator[None]:
             raise
         name, saved, model = mismatch.groups()
         raise UsageError(f"{what}: the weights do not fit the model ({name} is {saved} in the files, {model} in the "
-                         f"model): they were trained on a base model of other shapes; give that base model") from None
+                         f"model): {mismatch_fix or fix}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         frames = traceback.extract_tb(exc.__traceback__)
         where = Path(frames[-1].filename).parts if frames else ()

@@ -142,8 +142,8 @@ def test_an_adapter_on_a_base_of_other_shapes_is_one_line(tmp_path: Path, capsys
     adapter = tmp_path / "adapter"
     get_peft_model(AutoModelForCausalLM.from_pretrained(trained), LoraConfig(r=2)).save_pretrained(adapter)
     says = ("the weights do not fit the model (base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight "
-            "is [2, 64] in the files, [2, 32] in the model): they were trained on a base model of other shapes; give "
-            "that base model")
+            "is [2, 64] in the files, [2, 32] in the model): the adapter was trained on a base model of other shapes; "
+            "give that base model")
     for argv in (["merge", str(adapter), "--base", str(other), str(tmp_path / "merged")],
                  ["export", str(adapter), str(tmp_path / "gguf"), "--format", "gguf", "--base", str(other)]):
         assert main(argv) == 2

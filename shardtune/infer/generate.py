@@ -28,6 +28,7 @@ from shardtune.gguf_source import find_gguf, parsed_once
 from shardtune.gguf_source import load_model as load_gguf_model
 from shardtune.gguf_source import load_tokenizer as load_gguf_tokenizer
 from shardtune.hub import (
+    ADAPTER_ON_ANOTHER_BASE,
     adapter_folder_problem,
     adapter_weights_problem,
     config_context_length,
@@ -129,7 +130,8 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
         raise UsageError(problem)
     device = torch.device(device) if device is not None else default_device()
     with pickled_weights_refused(folder, base), loading_refused(
-            f"'{path}'", "the folder is damaged or was altered: save it again, or use a copy you trust"):
+            f"'{path}'", "the folder is damaged or was altered: save it again, or use a copy you trust",
+            ADAPTER_ON_ANOTHER_BASE if is_adapter else ""):
         model, tokenizer = _load(folder, base, is_adapter, dtype or default_dtype(device), trust_remote_code)
     return model.to(device).eval(), tokenizer
 

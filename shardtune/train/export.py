@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
-from shardtune.hub import adapter_folder_problem, adapter_weights_problem, has_tokenizer, loading_refused
+from shardtune.hub import (ADAPTER_ON_ANOTHER_BASE, adapter_folder_problem, adapter_weights_problem, has_tokenizer,
+                           loading_refused)
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
 from shardtune.train.destination import publish, refuse_destination, temporary_sibling
 from shardtune.train.layout import MANIFEST, checkpoint_folder_problem
@@ -213,7 +214,8 @@ def merged_model(adapter: str | Path, base: str | Path):
     if problem := adapter_folder_problem(adapter) or adapter_weights_problem(adapter):
         raise UsageError(problem)
     with loading_refused(f"adapter {adapter} on --base {base}", "the folders are damaged or do not belong together: "
-                                                                 "save them again, or use copies you trust"):
+                                                                 "save them again, or use copies you trust",
+                         ADAPTER_ON_ANOTHER_BASE):
         model, tokenizer = load_plain_model(base, "--base", "give the base model folder the adapter was trained on",
                                             adapter if has_tokenizer(adapter) else None)
         resize_for_tokenizer(model, len(tokenizer))
