@@ -145,7 +145,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     seed_everything(cfg.run.seed)
     job = make_job(cfg, info, stage_bounds)  # a refusal here has written nothing into output_dir
     resuming = str(cfg.checkpoint.resume_from_checkpoint or "").lower() not in RESUME_OFF
-    # The newest checkpoint asked for (a requeue's true, not a chosen one): a run that ended is left as it is.
+    # The newest checkpoint asked for (a requeue's true, or latest, yes, 1; not a chosen one): a run that ended is
+    # left as it is.
     done = run_and_share(lambda: finished_summary(out, job.state.max_steps), runs=info.is_main,
                          what=f"reading {out / 'summary.json'}")[0] \
         if str(cfg.checkpoint.resume_from_checkpoint).lower() in RESUME_NEWEST else None
@@ -157,8 +158,6 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     checkpointer = Checkpointer(cfg, job.info, job.plan, job.model, job.optimizer, job.state,
                                 flat_optimizer=job.runner.flat_optimizer)
     checkpointer.resume(resume)  # a checkpoint this run cannot continue (its data order, say) stops it here
-    if info.is_main:
-        save_resolved(cfg, out / "config.yaml")
     start_step = job.state.step  # what this run adds is counted from here
     trackers = start_trackers(cfg.run.report_to, out, cfg.run.run_name, cfg.to_flat(), enabled=job.info.is_main)
     metrics = MetricsLog(out, job.info, trackers, strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps,
@@ -171,6 +170,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
         run_and_share(lambda: set_aside_newer(out, resume.step if resume else 0), runs=info.is_main,
                       what=f"setting aside what {out} holds from after the resumed step")
         checkpointer.drop_redone_metrics()
+    if info.is_main:
+        save_resolved(cfg, out / "config.yaml")
     start_peak_memory(job.info.device)
     loop = Loop(job, checkpointer, Evaluator(cfg, job), metrics, hooks, sigterm)
     started = time.perf_counter()
