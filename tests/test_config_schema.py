@@ -258,7 +258,8 @@ AGREED = [  # (a recipe, whether shardtune train takes it): the schema must say 
     ("max_steps: 0\n", False), ("save_safetensors: false\n", False), ("model_revision: dev\n", False),
     ("assistant_only_loss: false\n", False), ("compute_environment: AMAZON_SAGEMAKER\n", False),
     ("fsdp_offload_optimizer: true\n", False), ("init_lora_weights: loftq\nuse_peft_lora: true\n", False),
-    ("dataset_name: [a.jsonl, b.jsonl]\n", False),
+    ("dataset_name: [a.jsonl, b.jsonl]\n", False), ("gpu_ids: all\n", True),
+    ("gpu_ids: 0\n", False),  # GPU 0 alone, not false
 ]
 
 

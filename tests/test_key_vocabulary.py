@@ -309,6 +309,15 @@ ACTING = {"compute_environment": "AMAZON_SAGEMAKER", "downcast_bf16": "yes", "tp
           "model_revision": "v1.0"}
 
 
+def test_the_values_a_no_op_key_publishes_are_the_ones_it_accepts():
+    """docs/config.md and the JSON Schema list each no-op key's accepted values (Inert.values): every one of them
+    is accepted, and the acting value below is not among them."""
+    for key, entry in NO_OPS.items():
+        assert all(entry.inert(value) for value in entry.inert.values or ()), key
+        if key in ACTING and entry.inert.values is not None:
+            assert ACTING[key] not in entry.inert.values, key
+
+
 def test_every_no_op_with_acting_values_lists_one_here():
     assert sorted(ACTING) == sorted(key for key, entry in NO_OPS.items() if entry.instead)
 

@@ -82,7 +82,7 @@ def _gpu_visible() -> bool:
 
 def _one_of(*words: str) -> Inert:
     return Inert(lambda value: off(value) or str(value).strip().lower() in words,
-                 f"{', '.join(words)}, or unset", (*words, *OFF.values))
+                 f"{', '.join(words)}, false or unset", (*words, *OFF.values))
 
 
 # TRL's two keys for the trained tokens, which train_on_prompt decides here.
@@ -145,7 +145,10 @@ NO_OPS: dict[str, NoOp] = {
     "use_cpu": NoOp("Accelerate's switch to the CPU", NO_GPU_OR_OFF,
                     "hide the GPUs instead: CUDA_VISIBLE_DEVICES= shardtune train ... (a cluster job: "
                     "--gpus_per_node 0)"),
-    "gpu_ids": NoOp("which GPUs Accelerate uses", _one_of("all"), "choose them with CUDA_VISIBLE_DEVICES=0,1"),
+    # gpu_ids 0 is GPU 0 alone, not false: only all (or nothing) leaves every GPU in use
+    "gpu_ids": NoOp("which GPUs Accelerate uses", Inert(lambda value: _unset(value) or str(value).strip().lower()
+                                                        == "all", "all, or unset", ("all", *_UNSET_VALUES)),
+                    "choose them with CUDA_VISIBLE_DEVICES=0,1"),
     "megatron_lm_config": NoOp("Megatron-LM", OFF, "shardtune does not run Megatron-LM: remove it"),
     "ipex_config": NoOp("Intel Extension for PyTorch", OFF, "remove it"),
     "mpirun_config": NoOp("mpirun launching", OFF, "launch with shardtune launch (torchrun)"),
