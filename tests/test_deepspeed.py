@@ -145,6 +145,22 @@ def test_a_deepspeed_file_given_as_the_accelerate_config_names_the_option_to_use
                                   f"train_micro_batch_size_per_gpu and zero_optimization): pass it as --deepspeed {ds}")
 
 
+def test_every_deepspeed_block_that_acts_is_printed(tmp_path):
+    """A recipe's deepspeed_config block and an Accelerate file's both apply (layered): both are printed at start,
+    where only the highest one was."""
+    from shardtune.config.loading import deepspeed_mappings
+
+    accelerate, recipe = tmp_path / "accelerate.yaml", tmp_path / "recipe.yaml"
+    accelerate.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n"
+                          "  offload_param_device: cpu\n")
+    recipe.write_text("deepspeed_config:\n  zero_stage: 2\n")
+    argv = ["--config_file", str(accelerate), str(recipe), *BASE]
+    printed = deepspeed_mappings(argv)
+    assert [source for source, _ in printed] == [f"{accelerate} (deepspeed_config)", f"{recipe} (deepspeed_config)"]
+    assert "zero_optimization.offload_param.device cpu -> fsdp_offload_params true" in printed[0][1]
+    assert load_train_config(argv).distributed.fsdp_offload_params  # the lower block's key applies
+
+
 def test_an_unreadable_file_is_one_line(tmp_path):
     with pytest.raises(UsageError, match="not valid JSON"):
         load_train_config([*BASE, "--deepspeed", str(write(tmp_path / "ds.json", "{oops"))])

@@ -131,19 +131,16 @@ def refuse_processes_without_launcher(cfg) -> None:
 def print_config_notes(argv: list[str]) -> None:
     """Rank 0: what a DeepSpeed config became (config/deepspeed.py), one line per key, before anything runs; and
     the keys a later setting turned off (set back to their defaults)."""
-    from shardtune.config.loading import deepspeed_mapping, reset_notes
+    from shardtune.config.loading import deepspeed_mappings, reset_notes
 
     if os.environ.get("RANK", "0") != "0":
         return
     for note in reset_notes(argv):
         print(f"note: {note}", file=sys.stderr)
-    mapping = deepspeed_mapping(argv)
-    if mapping is None:
-        return
-    source, lines = mapping
-    print(f"DeepSpeed config {source}, as shardtune runs it:", file=sys.stderr)
-    for line in lines:
-        print(f"  {line}", file=sys.stderr)
+    for source, lines in deepspeed_mappings(argv):
+        print(f"DeepSpeed config {source}, as shardtune runs it:", file=sys.stderr)
+        for line in lines:
+            print(f"  {line}", file=sys.stderr)
 
 
 def job_callbacks(cfg) -> list:

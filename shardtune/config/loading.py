@@ -189,22 +189,22 @@ def reset_notes(argv: list[str]) -> list[str]:
     return notes
 
 
-def deepspeed_mapping(argv: list[str]) -> tuple[str, list[str]] | None:
-    """(which DeepSpeed config, the line of each of its keys) for the job ``argv`` describes; None without one.
-    What ``shardtune train`` prints at start, so that a mapping is never silent."""
+def deepspeed_mappings(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """(which DeepSpeed config, the line of each of its keys) of every one the job ``argv`` describes reads: the
+    JSON that ``deepspeed`` names and each file's ``deepspeed_config`` block. What ``shardtune train`` prints at
+    start, so that a mapping is never silent."""
     files, overrides, flags, _ = parse_cli_pairs(argv)
     accelerate_file = flags.get("config_file") or overrides.get("config_file")
     named = flags.get("deepspeed") or overrides.get("deepspeed")
     for path in reversed(files):
         if named is None and path.endswith((".yaml", ".yml")):
             named = read_yaml_recipe(path)[0].get("deepspeed")
-    if named not in (None, "", "none", "None"):
-        return str(named), read_deepspeed_file(named).lines
-    for path in [*reversed(files), *([accelerate_file] if accelerate_file else [])]:  # the highest layer's block
+    found = [(str(named), read_deepspeed_file(named).lines)] if named not in (None, "", "none", "None") else []
+    for path in [*([accelerate_file] if accelerate_file else []), *files]:  # lowest layer first
         block = _yaml_with_lines(Path(path))[0].get("deepspeed_config")
         if isinstance(block, dict):
-            return f"{path} (deepspeed_config)", map_accelerate_block(block, path).lines
-    return None
+            found.append((f"{path} (deepspeed_config)", map_accelerate_block(block, path).lines))
+    return found
 
 
 def _check_train_batch_size(mapped, layers: Layers) -> list[str]:
