@@ -214,7 +214,8 @@ def rows_sha256(rows: dict[str, list[list[int]]]) -> str:
     for name in ("input_ids", "labels", "seq_lens"):
         column = rows[name]
         h.update(np.fromiter(map(len, column), dtype=np.int64, count=len(column)).tobytes())
-        h.update(np.fromiter((t for row in column for t in row), dtype=np.int32).tobytes())
+        for row in column:  # a row at a time: numpy converts its list in C, where a loop per token would not
+            h.update(np.asarray(row, dtype=np.int32).tobytes())
     return h.hexdigest()
 
 

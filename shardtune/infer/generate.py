@@ -299,8 +299,11 @@ def check_device(name: str | None) -> torch.device:
     return device
 
 
+MAX_NEW_TOKENS = 128  # generate()'s default, which a chat's room for a reply follows too
+
+
 @torch.inference_mode()
-def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = 128,
+def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = MAX_NEW_TOKENS,
              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, use_cache: bool = True,
              stream: Callable[[str], None] | None = None, stop_ids: Collection[int] | None = None,
              stats: GenerationStats | None = None) -> list[int]:
@@ -386,7 +389,7 @@ class ChatSession:
         covered, dropped = model_context(self.model), 0
         if covered:
             length, first = covered[0], 1 if self.system else 0
-            room = min(self.options.get("max_new_tokens", 128), length // 4)
+            room = min(self.options.get("max_new_tokens", MAX_NEW_TOKENS), length // 4)
             while len(prompt_ids) > length - room and len(messages) - first > 1:
                 del messages[first:first + 2]  # the earliest user turn and its reply
                 dropped += 2
