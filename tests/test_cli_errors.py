@@ -340,8 +340,8 @@ def test_ctrl_c_on_a_single_process_run_says_how_to_go_on(tiny, tmp_path, capsys
     assert main(["train", "--model_name_or_path", str(tiny), "--dataset_name", str(data), "--output_dir",
                  str(tmp_path / "out")]) == 130
     assert one_error_line(capsys) == ("shardtune train: interrupted; no checkpoint was saved for it: "
-                                      "resume_from_checkpoint true carries on from the newest one under "
-                                      "output_dir/checkpoints")
+                                      "resume_from_checkpoint true carries on from the newest earlier checkpoint "
+                                      "under output_dir/checkpoints, where there is one (else the run starts over)")
     monkeypatch.setenv("RANK", "0")  # a rank of a launched job: the launcher says it, once
     assert main(["train", "--model_name_or_path", str(tiny), "--dataset_name", str(data), "--output_dir",
                  str(tmp_path / "out")]) == 130

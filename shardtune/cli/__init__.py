@@ -61,8 +61,9 @@ def _passthrough(command: str, argv: list[str]) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         if command == "train" and "RANK" not in os.environ:  # under launch, the launcher says it once
-            print("shardtune train: interrupted; no checkpoint was saved for it: resume_from_checkpoint true "
-                  "carries on from the newest one under output_dir/checkpoints", file=sys.stderr)
+            from shardtune.cli.launch import RESUME_HINT
+
+            print(f"shardtune train: interrupted; no checkpoint was saved for it: {RESUME_HINT}", file=sys.stderr)
         return 130
 
 

@@ -93,6 +93,9 @@ def run(argv: list[str]) -> int:
     return run_torchrun(cmd[len(TORCHRUN):])
 
 
+# What carries a stopped run on, said where no checkpoint was saved for the stop.
+RESUME_HINT = ("resume_from_checkpoint true carries on from the newest earlier checkpoint under "
+               "output_dir/checkpoints, where there is one (else the run starts over)")
 # Set by the launcher for its workers: its pid (they die with it) and where they report how a SIGTERM ended them.
 LAUNCHER_PID = "SHARDTUNE_LAUNCHER_PID"
 STOP_REPORT = "SHARDTUNE_STOP_REPORT"
@@ -146,9 +149,8 @@ def _stopped_by_sigterm(report: str) -> int:
               f"{stop['last_checkpoint']} saved and verified: run the same command with resume_from_checkpoint "
               f"true to finish (exit code {EXIT_PREEMPTED})", file=sys.stderr)
         return EXIT_PREEMPTED
-    print("shardtune launch: stopped by SIGTERM before the workers saved a checkpoint: no checkpoint was saved for "
-          "it; resume_from_checkpoint true carries on from the newest earlier one under output_dir/checkpoints, "
-          "if any", file=sys.stderr)
+    print(f"shardtune launch: stopped by SIGTERM before the workers saved a checkpoint: no checkpoint was saved for "
+          f"it; {RESUME_HINT}", file=sys.stderr)
     return EXIT_FAILED
 
 
@@ -218,8 +220,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         if exc.sigval == signal.SIGTERM:
             return _stopped_by_sigterm(report)
         name = signal.Signals(int(exc.sigval)).name
-        print(f"shardtune launch: interrupted ({name}); no checkpoint was saved for it: resume_from_checkpoint true "
-              f"carries on from the newest one under output_dir/checkpoints", file=sys.stderr)
+        print(f"shardtune launch: interrupted ({name}); no checkpoint was saved for it: {RESUME_HINT}", file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
