@@ -161,6 +161,18 @@ def test_every_deepspeed_block_that_acts_is_printed(tmp_path):
     assert load_train_config(argv).distributed.fsdp_offload_params  # the lower block's key applies
 
 
+def test_zero3_init_flag_written_as_text_and_a_numeric_train_batch_size_are_read_and_said():
+    """zero3_init_flag 'false' (text) turned rank-0 loading on (bool('false') is true); a numeric train_batch_size
+    was checked but not printed."""
+    from shardtune.config.deepspeed import map_accelerate_block, map_deepspeed
+
+    mapped = map_accelerate_block({"zero_stage": 3, "zero3_init_flag": "false"}, "acc.yaml")
+    assert mapped.values["fsdp_cpu_ram_efficient_loading"] is False
+    assert ("train_batch_size 32 -> per_device_train_batch_size x gradient_accumulation_steps x processes must "
+            "make 32 (accumulation is derived from it where nothing sets it)") in map_deepspeed(
+                {"train_batch_size": 32}, "ds.json").lines
+
+
 def test_an_unreadable_file_is_one_line(tmp_path):
     with pytest.raises(UsageError, match="not valid JSON"):
         load_train_config([*BASE, "--deepspeed", str(write(tmp_path / "ds.json", "{oops"))])

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardtune.config.keys import parse_bool
 from shardtune.config.schema import all_keys
 from shardtune.errors import UsageError
 from shardtune.strategies import ZERO_STAGES
@@ -115,6 +116,8 @@ def _train_batch_size(out: Mapped, value: Any) -> None:
                          "processes")
     elif isinstance(value, int) and value >= 1:
         out.train_batch_size = value
+        out.lines.append(f"train_batch_size {value} -> per_device_train_batch_size x gradient_accumulation_steps x "
+                         f"processes must make {value} (accumulation is derived from it where nothing sets it)")
     else:
         out.refuse("train_batch_size", value, "must be a whole number of rows or auto")
 
@@ -263,7 +266,11 @@ def map_accelerate_block(block: dict[str, Any], where: str) -> Mapped:
         extra = sorted(set(block) - set(ACCELERATE_BLOCK) - {"deepspeed_multinode_launcher", "zero3_init_flag"})
         mapped.problems += [f"{where}: deepspeed_config.{key} has no counterpart in FSDP2: remove it" for key in extra]
     if block.get("zero3_init_flag") is not None:
-        mapped.values["fsdp_cpu_ram_efficient_loading"] = bool(block["zero3_init_flag"])
+        try:
+            mapped.values["fsdp_cpu_ram_efficient_loading"] = parse_bool(block["zero3_init_flag"])
+        except ValueError:
+            mapped.problems.append(f"{where}: deepspeed_config.zero3_init_flag = {_show(block['zero3_init_flag'])} "
+                                   f"must be true or false")
         mapped.lines.append(f"zero3_init_flag {_show(block['zero3_init_flag'])} -> fsdp_cpu_ram_efficient_loading")
     launcher = str(block.get("deepspeed_multinode_launcher", "standard")).lower()
     if launcher != "standard":
