@@ -382,20 +382,25 @@ def test_train_without_the_launcher_refuses_several_processes(tiny, tmp_path, ca
     argv = ["train", "--model_name_or_path", str(tiny), "--dataset_name", str(data), "--output_dir",
             str(tmp_path / "out"), "--num_processes", "2", "--distributed_type", "DDP"]
     exits_2(argv)
-    assert one_error_line(capsys) == ("shardtune train: error: num_processes=2: shardtune train runs one process; "
-                                      "start 2 with shardtune launch --num_processes 2 train ..., or set "
-                                      "num_processes 1")
+    assert one_error_line(capsys) == ("shardtune train: error: command line (--num_processes): num_processes=2: "
+                                      "shardtune train runs one process; start 2 with shardtune launch "
+                                      "--num_processes 2 train ..., or set num_processes 1")
     assert not (tmp_path / "out").exists()
+    accelerate = tmp_path / "accelerate.yaml"  # where a user meets it: an Accelerate file for several GPUs
+    accelerate.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    exits_2([*argv[:-4], "--config_file", str(accelerate)])
+    assert one_error_line(capsys).startswith(f"shardtune train: error: {accelerate}, line 2: num_processes=2: ")
     # The launcher's own keys place a process in a job that train alone never joins.
     exits_2([*argv[:-4], "--machine_rank", "1", "--main_process_ip", "10.0.0.1"])
-    assert one_error_line(capsys) == ("shardtune train: error: machine_rank=1, main_process_ip=10.0.0.1: shardtune "
+    assert one_error_line(capsys) == ("shardtune train: error: command line (--machine_rank); command line "
+                                      "(--main_process_ip): machine_rank=1, main_process_ip=10.0.0.1: shardtune "
                                       "launch reads these to start a job's processes, and shardtune train alone "
                                       "starts none; run shardtune launch ... train ..., or leave them out")
     for key, value in (("main_process_port", "29555"), ("rdzv_backend", "c10d")):
         exits_2([*argv[:-4], f"--{key}", value])
-        assert one_error_line(capsys) == (f"shardtune train: error: {key}={value}: shardtune launch reads this to "
-                                          f"start a job's processes, and shardtune train alone starts none; run "
-                                          f"shardtune launch ... train ..., or leave it out")
+        assert one_error_line(capsys) == (f"shardtune train: error: command line (--{key}): {key}={value}: shardtune "
+                                          f"launch reads this to start a job's processes, and shardtune train alone "
+                                          f"starts none; run shardtune launch ... train ..., or leave it out")
     assert not (tmp_path / "out").exists()
 
 

@@ -60,7 +60,7 @@ def _run(argv: list[str]) -> int:
 
     # The run's own checks (placeholder data, missing paths, the resume folder) before any model is loaded.
     cfg = load_job_config(argv)
-    refuse_processes_without_launcher(cfg)
+    refuse_processes_without_launcher(cfg, argv)
     from shardtune.bitsandbytes_use import needs_bitsandbytes
 
     leave_out_bitsandbytes_unless(lambda: needs_bitsandbytes(cfg))
@@ -108,22 +108,27 @@ def _run(argv: list[str]) -> int:
 LAUNCH_KEYS = ("machine_rank", "main_process_ip", "main_process_port", "rdzv_backend")
 
 
-def refuse_processes_without_launcher(cfg) -> None:
+def refuse_processes_without_launcher(cfg, argv: list[str]) -> None:
     """Outside torchrun (no WORLD_SIZE), ``shardtune train`` starts no processes itself: num_processes above 1
     would run on one process, unlike the dry run and the estimate of the same recipe (MP drives its devices from
-    one process), and the launcher's keys would place it in no job."""
+    one process), and the launcher's keys would place it in no job. Each refusal names where the key was set."""
+    from shardtune.config.loading import key_origins
     from shardtune.config.schema import DistributedConfig
 
     d, defaults = cfg.distributed, DistributedConfig()
     if cfg.run.dry_run or "WORLD_SIZE" in os.environ:
         return
     if d.num_processes > 1 and not resolve(d.distributed_type, False).drives_several_devices:
-        raise UsageError(f"num_processes={d.num_processes}: shardtune train runs one process; start "
+        raise UsageError(f"{key_origins(argv).get('num_processes', 'config')}: num_processes={d.num_processes}: "
+                         f"shardtune train runs one process; start "
                          f"{d.num_processes} with shardtune launch --num_processes {d.num_processes} train ..., or "
                          f"set num_processes 1")
-    given = [f"{name}={getattr(d, name)}" for name in LAUNCH_KEYS if getattr(d, name) != getattr(defaults, name)]
+    given = [name for name in LAUNCH_KEYS if getattr(d, name) != getattr(defaults, name)]
     if given:
-        raise UsageError(f"{', '.join(given)}: shardtune launch reads {'these' if len(given) > 1 else 'this'} to "
+        origins = key_origins(argv)
+        where = "; ".join(dict.fromkeys(str(origins.get(name, "config")) for name in given))
+        raise UsageError(f"{where}: {', '.join(f'{name}={getattr(d, name)}' for name in given)}: shardtune launch "
+                         f"reads {'these' if len(given) > 1 else 'this'} to "
                          f"start a job's processes, and shardtune train alone starts none; run shardtune launch ... "
                          f"train ..., or leave {'them' if len(given) > 1 else 'it'} out")
 

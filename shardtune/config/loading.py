@@ -180,6 +180,11 @@ def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] 
     return mapped.carried(), {key: where for key in mapped.values}
 
 
+def key_origins(argv: list[str]) -> dict[str, Origin]:
+    """Where each key the job ``argv`` describes was set (a file and line, or the command line)."""
+    return _apply(_layers(argv), training=False)[1]
+
+
 def reset_notes(argv: list[str]) -> list[str]:
     """A line for each key of the job ``argv`` describes that a later layer's setting turned off, and that is set
     back to its default rather than refused (a file's fsdp_* keys under --distributed_type DDP): what ``shardtune
