@@ -86,8 +86,8 @@ def test_export_and_merge_refuse_folders_inside_their_source_or_what_a_run_manag
         out = argv[2] if command == "export" else argv[4]
         shown = f"{out}/model-q8_0.gguf" if "gguf" in argv else out
         assert one_error_line(capsys) == (f"shardtune {command}: error: OUT {shown}: is inside {inside}, which the run "
-                                          f"in {run} manages (a resume moves it aside; save_total_limit and "
-                                          f"overwrite_output_dir delete it); give a folder outside it, such as "
+                                          f"in {run} manages (a resume, save_total_limit or overwrite_output_dir "
+                                          f"moves or deletes what it holds); give a folder outside it, such as "
                                           f"./exported")
     assert snapshot(run) == before
     adapter = Path(shutil.copytree(run / "final", tmp_path / "adapter"))

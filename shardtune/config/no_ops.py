@@ -17,8 +17,11 @@ from typing import Any
 from shardtune.config.keys import parse_bool
 
 
+_UNSET_VALUES = (None, "", "none", "null")  # unset, as YAML files and command lines write it
+
+
 def _unset(value: Any) -> bool:
-    return value is None or str(value).strip().lower() in ("", "none", "null")
+    return value is None or str(value).strip().lower() in _UNSET_VALUES
 
 
 def _word(value: Any) -> bool | None:
@@ -48,7 +51,6 @@ class Inert:
         return self.test(value)
 
 
-_UNSET_VALUES = (None, "", "none", "null")
 ANY = Inert(lambda _value: True, "any value")
 OFF = Inert(off, "false or unset", (False, 0, "false", "no", "n", "off", "0", *_UNSET_VALUES))
 

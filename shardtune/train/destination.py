@@ -90,8 +90,8 @@ def inside_problem(where: Path, sources: Sequence[str | Path]) -> str | None:
 
     for parent in (where, *where.parents):
         if parent.name in RUN_FILES and _is_run(parent.parent):
-            return (f"is inside {parent}, which the run in {parent.parent} manages (a resume moves it aside; "
-                    f"save_total_limit and overwrite_output_dir delete it)")
+            return (f"is inside {parent}, which the run in {parent.parent} manages (a resume, save_total_limit or "
+                    f"overwrite_output_dir moves or deletes what it holds)")
     for source in sources:
         real = _real(source)
         if real.is_dir() and _holds(real, where) and not _is_run(real):
