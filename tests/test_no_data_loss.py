@@ -106,6 +106,19 @@ def test_export_and_merge_refuse_folders_inside_their_source_or_what_a_run_manag
     assert main(["generate", str(adapter), "--prompt", "hi", "--max_new_tokens", "2"]) == 0
 
 
+def test_exporting_a_checkpoint_over_a_base_of_other_shapes_says_to_fix_base(run, tmp_path, capsys):
+    """It said the checkpoint was damaged and to resume from another one."""
+    from shardtune.testing.tiny import make_model_folder, make_tokenizer
+
+    other = make_model_folder(tmp_path / "other", tokenizer=make_tokenizer(), hidden_size=32, intermediate_size=64)
+    capsys.readouterr()  # the model folder's own progress bars
+    assert main(["export", str(run / "checkpoints" / "step-2"), str(tmp_path / "out"), "--base", str(other)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bars
+    assert line.startswith("shardtune export: error: ") and line.endswith(
+        "give --base the base model the run trained, or leave --base out"), line
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_refuses_the_current_folder_and_a_folder_with_the_users_files(run, tmp_path, monkeypatch, capsys):
     here, notes = tmp_path / "here", tmp_path / "notes"
     for folder in (here, notes):

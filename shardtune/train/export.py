@@ -158,13 +158,16 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
         # (a run saved before a mistyped lora_modules_to_save was refused still exports: PEFT had ignored it)
         model = apply_lora(model, cfg.lora, seed=cfg.run.seed, added_token_ids=added_token_ids, training=False)
     options = state_dict_options(is_peft)
+    fix = ("give --base the base model the run trained, or leave --base out" if base else
+           "export another checkpoint")
     if manifest.get("state_dict_type", SHARDED) == FULL:
         state = load_safetensors(path / "model.safetensors")
     else:
         state = {"model": get_model_state_dict(model, options=options)}
-        load_dcp(state, path / "dcp", no_dist=True)
+        load_dcp(state, path / "dcp", no_dist=True, fix=fix)
         state = state["model"]
-    set_model_state_dict(model, state, options=options)
+    with loading_refused(str(checkpoint), fix, fix):  # weights of other shapes than the base's
+        set_model_state_dict(model, state, options=options)
     return model, tokenizer, is_peft, cfg.model.model_name_or_path
 
 

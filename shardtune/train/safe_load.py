@@ -97,11 +97,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def load_dcp(state: dict[str, Any], folder: Path, *, no_dist: bool) -> None:
+def load_dcp(state: dict[str, Any], folder: Path, *, no_dist: bool,
+             fix: str = "resume from another checkpoint") -> None:
     """``dcp.load`` of ``folder`` into ``state`` through the safe reader and planner.
 
     DCP wraps a failure of any rank in a ``CheckpointException``; a refused file comes back out of it as the one
-    ``UnsafeCheckpoint`` line, on every rank.
+    ``UnsafeCheckpoint`` line, on every rank; one that cannot be read ends with ``fix``.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -115,10 +116,10 @@ def load_dcp(state: dict[str, Any], folder: Path, *, no_dist: bool) -> None:
         rank, (cause, _) = min(exc.failures.items())
         raise UnsafeCheckpoint(f"{folder}: cannot be read (rank {rank}: {type(cause).__name__}: "
                                f"{first_line(str(cause))}); the checkpoint is damaged or was written for another "
-                               f"model or setup: resume from another checkpoint") from None
+                               f"model or setup: {fix}") from None
     except (ValueError, RuntimeError, OSError) as exc:  # a damaged file read on one process, outside DCP's wrap
         raise UnsafeCheckpoint(f"{folder}: cannot be read ({type(exc).__name__}: {first_line(str(exc))}); the "
-                               f"checkpoint is damaged: resume from another checkpoint") from None
+                               f"checkpoint is damaged: {fix}") from None
 
 
 def load_pt(path: Path) -> Any:
