@@ -200,6 +200,17 @@ def train_in_process(argv: list[str], callbacks=()) -> dict:
         return train(load_train_config(argv), callbacks)
 
 
+def test_a_finished_run_without_checkpoints_requeued_says_only_that_it_finished(made, run, capfd):
+    """A run that saved no checkpoint (save_strategy no, or save_total_limit rotated them off) and finished,
+    requeued with resume_from_checkpoint true: it said "starting from scratch", then that it had nothing to train."""
+    shutil.rmtree(run / "checkpoints")
+    before = snapshot(run)
+    train_in_process(args(made, run, "--resume_from_checkpoint", "true"))
+    err = capfd.readouterr().err
+    assert "nothing to train" in err and "starting from scratch" not in err, err[-2000:]
+    assert snapshot(run) == before
+
+
 def test_resume_from_an_older_checkpoint_sets_the_newer_ones_and_final_aside(made, run, capfd):
     later = snapshot(run / "checkpoints" / "step-4", run / "final")
     summary = (run / "summary.json").read_bytes()

@@ -235,9 +235,7 @@ def resolve_resume(spec: str | None, output_dir: str | Path, info: DistInfo | No
         return None
     if str(spec).lower() in RESUME_NEWEST:
         found = complete_checkpoints(output_dir)
-        if not found:
-            log.warning("resume_from_checkpoint=true: no complete checkpoint in %s; starting from scratch",
-                        checkpoints_dir(output_dir))
+        if not found:  # the run starts from scratch, unless it ended already (the loop says which)
             return None
         for path in reversed(found):
             problem = checkpoint_problem(path, info)

@@ -155,6 +155,9 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
                  "are kept as they are; raise max_steps to train further", out, done["steps"], done["stopped_by"],
                  job.state.max_steps)
         return done
+    if resume is None and str(cfg.checkpoint.resume_from_checkpoint).lower() in RESUME_NEWEST:
+        log.warning("resume_from_checkpoint=true: no complete checkpoint in %s; starting from scratch",
+                    out / "checkpoints")
     checkpointer = Checkpointer(cfg, job.info, job.plan, job.model, job.optimizer, job.state,
                                 flat_optimizer=job.runner.flat_optimizer)
     checkpointer.resume(resume)  # a checkpoint this run cannot continue (its data order, say) stops it here
