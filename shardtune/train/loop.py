@@ -27,8 +27,8 @@ from shardtune.dist import (DistInfo, RankFailed, all_reduce_sum, ended_ranks, i
 from shardtune.errors import PeerLost, Terminated, TrainingStopped, UsageError, first_line
 from shardtune.files import write_text
 from shardtune.train.callbacks import CallbackList, load_callbacks
-from shardtune.train.checkpoint import (Checkpointer, checkpoint_damage, complete_checkpoints, resume_point,
-                                        write_failure, write_fix)
+from shardtune.train.checkpoint import (Checkpointer, checkpoint_damage, checkpoints_dir, complete_checkpoints,
+                                        resume_point, write_failure, write_fix)
 from shardtune.train.evaluate import Evaluator
 from shardtune.train.job import Job, make_job
 from shardtune.train.model import decide_precision
@@ -145,19 +145,19 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     seed_everything(cfg.run.seed)
     job = make_job(cfg, info, stage_bounds)  # a refusal here has written nothing into output_dir
     resuming = str(cfg.checkpoint.resume_from_checkpoint or "").lower() not in RESUME_OFF
-    # The newest checkpoint asked for (a requeue's true, or latest, yes, 1; not a chosen one): a run that ended is
-    # left as it is.
+    # The newest checkpoint asked for (a requeue's true, or latest, yes, 1; not a chosen one)
+    newest = str(cfg.checkpoint.resume_from_checkpoint).lower() in RESUME_NEWEST
+    # a run that ended is left as it is
     done = run_and_share(lambda: finished_summary(out, job.state.max_steps), runs=info.is_main,
-                         what=f"reading {out / 'summary.json'}")[0] \
-        if str(cfg.checkpoint.resume_from_checkpoint).lower() in RESUME_NEWEST else None
+                         what=f"reading {out / 'summary.json'}")[0] if newest else None
     if done is not None:  # a requeued job of a run that ended: its final/ and summary.json stay as they are
         log.info("nothing to train: %s finished at step %d already (%s, max_steps %d); its final/ and summary.json "
                  "are kept as they are; raise max_steps to train further", out, done["steps"], done["stopped_by"],
                  job.state.max_steps)
         return done
-    if resume is None and str(cfg.checkpoint.resume_from_checkpoint).lower() in RESUME_NEWEST:
+    if resume is None and newest:
         log.warning("resume_from_checkpoint=true: no complete checkpoint in %s; starting from scratch",
-                    out / "checkpoints")
+                    checkpoints_dir(out))
     checkpointer = Checkpointer(cfg, job.info, job.plan, job.model, job.optimizer, job.state,
                                 flat_optimizer=job.runner.flat_optimizer)
     checkpointer.resume(resume)  # a checkpoint this run cannot continue (its data order, say) stops it here
