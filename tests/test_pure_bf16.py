@@ -3,7 +3,8 @@
 - The update: plain bf16 AdamW rounds small steps away; the stochastically rounded one follows fp32 AdamW.
 - The state: bf16 everywhere, the moments half of fp32 AdamW's bytes, the total what the estimator's table counts.
 - Real runs: one process against FSDP2 on two gloo processes (losses within one bf16 rounding unit), an exact
-  resume (losses and final weights bitwise), bf16 export; the trace against the formula; refusals, exit 2.
+  resume (losses and final weights bitwise), bf16 export; the same for QLoRA (bf16 adapters on the 4-bit base);
+  the trace against the formula; refusals, exit 2.
 """
 
 from __future__ import annotations
@@ -146,8 +147,6 @@ def test_dtype_is_an_alias_and_bfloat16_selects_pure_bf16():
     (["--torch_dtype", "bfloat16", "--optim", "adamw_8bit"], "torch_dtype=bfloat16 with optim adamw_8bit"),
     (["--torch_dtype", "bfloat16", "--optim", "sgd"], "torch_dtype=bfloat16 with optim sgd"),
     (["--torch_dtype", "bfloat16", "--fp16", "true"], "torch_dtype=bfloat16 with fp16 mixed precision"),
-    (["--torch_dtype", "bfloat16", "--use_peft_lora", "true", "--use_4bit_quantization", "true"],
-     "torch_dtype=bfloat16 with use_4bit_quantization"),
 ])
 def test_refusals_are_one_line(extra, needle):
     with pytest.raises(UsageError) as exc:
@@ -164,14 +163,15 @@ def test_train_refuses_float16_with_exit_2(tmp_path, capsys):
     assert code == 2 and "fp16 mixed precision" in err and len(err.splitlines()) == 1
 
 
-def test_trace_of_a_pure_bf16_job_agrees_with_the_formula(small_model):
+@pytest.mark.parametrize("method, strategy, gpus", [("full", "FSDP", 4), ("qlora", "NO", 1)])
+def test_trace_of_a_pure_bf16_job_agrees_with_the_formula(small_model, method, strategy, gpus):
     """The trainer's step traced on fake tensors (bf16 weights, gradients, moments, the bf16 reduce-scatter; the
     stochastically rounded update's temporaries) against ``--pure-bf16``'s formula, within test_trace_formula.py's
-    7% (measured -1.3%; one process with checkpointing -4.4%, DDP x2 -3.7%, LoRA -1.6% to +2.3%)."""
+    7% (measured -1.3%; one process with checkpointing -4.4%, DDP x2 -3.7%, LoRA -1.6% to +2.3%, QLoRA +2.1%)."""
     from tests.setups import checked_setup
     from shardtune.memory.trace_setup import config_from_setup, formula_and_trace
 
-    setup = checked_setup(method="full", distributed_type="FSDP", num_gpus=4, per_device_train_batch_size=2,
+    setup = checked_setup(method=method, distributed_type=strategy, num_gpus=gpus, per_device_train_batch_size=2,
                           max_seq_len=256, gradient_checkpointing=True, mixed_precision="bf16", torch_dtype="bfloat16",
                           loss="shardtune")
     assert config_from_setup(small_model, setup).model.torch_dtype == "bfloat16"  # what --emit-config writes
@@ -194,17 +194,23 @@ def small_model(tmp_path_factory):
                                  intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4))
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_model):
+@pytest.fixture(scope="module", params=["full", "qlora"])
+def runs(request, tmp_path_factory, tiny_model):
+    """Full fine-tuning; QLoRA: bf16 adapters on the 4-bit base (torchtune's and fsdp_qlora's bf16 QLoRA)."""
+    job = ("--use_peft_lora", "true", "--use_4bit_quantization", "true", "--learning_rate", "1e-2")
+    return _three_runs(tmp_path_factory.mktemp(f"pure_bf16_{request.param}"), tiny_model,
+                       *(job if request.param == "qlora" else ()))
+
+
+def _three_runs(root, tiny_model, *job: str):
     """One process (checkpoint at step 2), FSDP2 on two processes, and the first resumed from its step 2."""
-    root = tmp_path_factory.mktemp("pure_bf16_runs")
     data = write_chat_data(root / "chat.jsonl", rows=300)  # 4 steps of 8 packed rows need ~100 dialogues
 
     def command(name: str, *extra: str) -> list[str]:
         return ["train", *flags("--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--splits",
                                 "train", "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS),
                                 "--logging_steps", "1", "--learning_rate", "1e-3", "--seed", "7",
-                                "--torch_dtype", "bfloat16", "--output_dir", str(root / name), *extra)]
+                                "--torch_dtype", "bfloat16", "--output_dir", str(root / name), *job, *extra)]
 
     def ok(result) -> None:
         assert result.returncode == 0, result.stderr[-3000:]
@@ -242,7 +248,9 @@ def test_one_process_and_fsdp_losses_agree_within_bf16_rounding(runs):
 def _weights(folder):
     from safetensors.torch import load_file
 
-    return load_file(str(folder / "final" / "model.safetensors"))
+    final = folder / "final"
+    return load_file(str(final / ("adapter_model.safetensors" if (final / "adapter_config.json").exists()
+                                  else "model.safetensors")))
 
 
 def test_resume_is_bitwise_and_export_is_bf16(runs):
@@ -251,15 +259,19 @@ def test_resume_is_bitwise_and_export_is_bf16(runs):
     want, got = _weights(single), _weights(resumed)
     assert want.keys() == got.keys() and {t.dtype for t in want.values()} == {torch.bfloat16}
     assert all(torch.equal(want[k].view(torch.int16), got[k].view(torch.int16)) for k in want)
-    config = json.loads((single / "final" / "config.json").read_text())
-    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    if not (single / "final" / "adapter_config.json").exists():
+        config = json.loads((single / "final" / "config.json").read_text())
+        assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
     # the trainer stepped the stochastically rounded AdamW: its param groups hold its own settings only, none of
-    # torch's AdamW (amsgrad, foreach, fused...)
+    # torch's AdamW (amsgrad, foreach, fused...), and its moments are bf16
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(str(single / "checkpoints" / "step-2" / "dcp")).read_metadata().state_dict_metadata
     groups = {key.rsplit(".", 1)[-1] for key in saved if key.startswith("optim.param_groups.")}
     assert {"lr", "betas", "eps", "weight_decay"} <= groups and not groups & {"amsgrad", "foreach", "fused"}
+    moments = {saved[key].properties.dtype for key in saved
+               if key.startswith("optim.state.") and key.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert moments == {torch.bfloat16}
 
 
 def test_an_older_config_yaml_with_dtype_unset_keeps_torch_dtype(tmp_path):

@@ -88,8 +88,10 @@ class ModelConfig:
         None, "TRL's model dtype: auto or float32 (unset) train fp32 weights under mixed precision; bfloat16 trains "
         "pure bf16: weights, gradients and AdamW moments in bf16, no fp32 master (half the optimizer memory), updates "
         "stochastically rounded so small steps are kept, FSDP reducing gradients in bf16, final/ saved in bf16. With "
-        "LoRA the base and the adapters are bf16. Runs adamw_torch/adamw_torch_fused with every distributed_type; "
-        "float16 is refused (use fp16 mixed precision).", spellings=DTYPE_SPELLINGS, refused={"float16": FLOAT16},
+        "LoRA the base and the adapters are bf16; with QLoRA the adapters and the unquantised weights are, as in "
+        "torchtune's and fsdp_qlora's bf16 QLoRA (PEFT and TRL keep adapters in fp32: leave torch_dtype out for "
+        "that). Runs adamw_torch/adamw_torch_fused with every distributed_type; float16 is refused (use fp16 mixed "
+        "precision).", spellings=DTYPE_SPELLINGS, refused={"float16": FLOAT16},
         aliases={"dtype": "Transformers 5's"})
 
     @property

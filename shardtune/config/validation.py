@@ -323,9 +323,6 @@ def dtype_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.mixed_precision == "fp16":
         problems.append(Problem((key, "fp16", "mixed_precision"), f"{key}=bfloat16 with fp16 mixed precision: bf16 "
                                 f"weights compute in bf16; set fp16 false (and mixed_precision bf16 or no)"))
-    if cfg.lora.use_4bit_quantization:
-        problems.append(Problem((key, "use_4bit_quantization"), f"{key}=bfloat16 with use_4bit_quantization: QLoRA's "
-                                f"base is 4-bit and its small adapters keep fp32 weights; leave {key} out"))
     return problems
 
 
