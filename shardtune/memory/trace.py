@@ -284,8 +284,9 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
                     device=torch.device("cpu"))
     precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
     plan, ddp = _traceable_plan(plan_for(cfg, info, precision), world_size)
-    # bitsandbytes' Params4bit cannot wrap a fake tensor: trace the QLoRA job with its base in bf16 and put the
-    # formula's NF4 bytes in place of the quantised weights afterwards (see _nf4_adjustment).
+    # bitsandbytes' Params4bit cannot wrap a fake tensor: trace the QLoRA job with its 4-bit layers as packed
+    # stand-ins (trace_qlora.PackedNF4Linear); for DoRA with its base in bf16, and the formula's NF4 bytes put in
+    # place of the quantised weights afterwards (_add_nf4_bytes).
     nf4_fallback = fake and cfg.lora.use_4bit_quantization
     job = cfg  # what the stand-in stands in for
     if nf4_fallback:
@@ -295,7 +296,16 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     notes: list[str] = []
     if ddp:
         _add_ddp_buckets(run, notes)
-    saving = _add_nf4_bytes(run, cfg, plan, info, notes) if nf4_fallback else 0
+    saving = 0
+    if nf4_fallback:
+        from shardtune.memory.trace_qlora import packable
+
+        if packable(job.lora):
+            notes.append("QLoRA: bitsandbytes.nn.Params4bit (a tensor subclass) cannot wrap a fake tensor, so each "
+                         "4-bit layer was traced as its NF4 bytes in a bf16 parameter (what FSDP shards and "
+                         "gathers) and a matmul that dequantises it for its forward and its backward")
+        else:
+            saving = _add_nf4_bytes(run, cfg, plan, info, notes)
     reserved = None if run.log is None else _replayed_reserved(run, steps, saving, notes)
     if fake:
         notes.append("host-side scalars (token counts, loss, gradient norm) read as 1 under fake tensors, and an "

@@ -36,8 +36,8 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
 
     ``weights="load"``: the pretrained weights (from disk, or from rank 0's copy on the other ranks).
     ``weights="init"``: initialised from ``config`` on ``info.device`` (the trace, under fake tensors).
-    ``stands_in_for``: the job whose precision rules apply, where ``cfg`` stands in for it (the trace's bf16
-    stand-in for a QLoRA job).
+    ``stands_in_for``: the job whose precision rules apply, where ``cfg`` stands in for it (the trace's stand-in
+    for a QLoRA job on fake tensors, its 4-bit layers packed as ``trace_qlora.PackedNF4Linear``).
     """
     lora = cfg.lora
     # QLoRA quantises while it loads, on every rank (a meta model has nothing to quantise).
@@ -46,6 +46,12 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
     with torch.device(info.device) if weights == "init" else contextlib.nullcontext():
         if weights == "init":
             model = init_base_model(cfg.model, lora, precision, info.device, config)
+            job_lora = (stands_in_for or cfg).lora
+            if job_lora.use_4bit_quantization and not lora.use_4bit_quantization:
+                from shardtune.memory.trace_qlora import pack_linears, packable
+
+                if packable(job_lora):  # the 4-bit weights' bytes, where fake tensors cannot hold Params4bit
+                    pack_linears(model, job_lora)
         else:
             model = load_base_model(cfg.model, lora, precision, info.device, load_on=load_device(plan, info),
                                     on_meta=on_meta and not info.is_main)

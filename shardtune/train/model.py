@@ -393,10 +393,11 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters; a 4-bit weight counts as the parameters it stands for."""
+    """(trainable, total) parameters; a 4-bit weight (or the trace's stand-in for one) counts as the parameters it
+    stands for."""
     trainable = total = 0
     for param in model.parameters():
-        n = param.numel()
+        n = getattr(param, "stands_for", param.numel())
         if param.__class__.__name__ == "Params4bit":
             n = getattr(param, "quant_state").shape.numel() if getattr(param, "quant_state", None) else n * 2
         total += n
