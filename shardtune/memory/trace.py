@@ -370,7 +370,8 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
         with _phase("building the model", fake), _swappable_fake_parameters(fake_mode if fake else None):
             # The trainer's own model building, with initialised weights (their values do not change memory).
             model, runner, trainable, total = build_model(cfg, plan, precision, info, vocab_size, weights="init",
-                                                          config=config, stands_in_for=job)
+                                                          config=config, stands_in_for=job,
+                                                          prepare_base=_packs_4bit_layers(cfg, job))
             if job.lora.use_4bit_quantization and not cfg.lora.use_4bit_quantization and target_device == "cuda":
                 # bitsandbytes' 4-bit LoRA layers skip PEFT's input cast under CUDA autocast (peft/tuners/lora/bnb.py)
                 keep_lora_input_dtype(model)
@@ -409,6 +410,16 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
         peak, categories = peak_breakdown(tracker)
         modules = module_peaks(tracker)
     return _Run(model, fsdp, peak, categories, modules, log, total, trainable)
+
+
+def _packs_4bit_layers(cfg: TrainConfig, job: TrainConfig):
+    """What build_model runs on the base of a QLoRA job's stand-in (``cfg``, traced without 4-bit weights):
+    its 4-bit layers packed at their NF4 size (trace_qlora.pack_linears), or None."""
+    from shardtune.memory.trace_qlora import pack_linears, packable
+
+    if not job.lora.use_4bit_quantization or cfg.lora.use_4bit_quantization or not packable(job.lora):
+        return None
+    return lambda model: pack_linears(model, job.lora)
 
 
 def _add_ddp_buckets(run: _Run, notes: list[str]) -> None:

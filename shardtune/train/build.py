@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -30,14 +31,15 @@ def load_device(plan: Plan, info: DistInfo) -> torch.device:
 
 
 def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, vocab_size: int, *,
-                weights: Literal["load", "init"] = "load", config=None,
-                stands_in_for: TrainConfig | None = None) -> tuple[nn.Module, Runner, int, int]:
+                weights: Literal["load", "init"] = "load", config=None, stands_in_for: TrainConfig | None = None,
+                prepare_base: Callable[[nn.Module], None] | None = None) -> tuple[nn.Module, Runner, int, int]:
     """The model, parallelized, and the runner that steps it; with its (trainable, total) parameter counts.
 
     ``weights="load"``: the pretrained weights (from disk, or from rank 0's copy on the other ranks).
     ``weights="init"``: initialised from ``config`` on ``info.device`` (the trace, under fake tensors).
-    ``stands_in_for``: the job whose precision rules apply, where ``cfg`` stands in for it (the trace's stand-in
-    for a QLoRA job on fake tensors, its 4-bit layers packed as ``trace_qlora.PackedNF4Linear``).
+    ``stands_in_for``: the job whose precision rules apply, where ``cfg`` stands in for it (the trace's bf16
+    stand-in for a QLoRA job). ``prepare_base``: run on the initialised base before the adapters (the trace packs
+    a QLoRA job's 4-bit layers there).
     """
     lora = cfg.lora
     # QLoRA quantises while it loads, on every rank (a meta model has nothing to quantise).
@@ -46,12 +48,8 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
     with torch.device(info.device) if weights == "init" else contextlib.nullcontext():
         if weights == "init":
             model = init_base_model(cfg.model, lora, precision, info.device, config)
-            job_lora = (stands_in_for or cfg).lora
-            if job_lora.use_4bit_quantization and not lora.use_4bit_quantization:
-                from shardtune.memory.trace_qlora import pack_linears, packable
-
-                if packable(job_lora):  # the 4-bit weights' bytes, where fake tensors cannot hold Params4bit
-                    pack_linears(model, job_lora)
+            if prepare_base is not None:
+                prepare_base(model)
         else:
             model = load_base_model(cfg.model, lora, precision, info.device, load_on=load_device(plan, info),
                                     on_meta=on_meta and not info.is_main)
