@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -288,24 +288,22 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     # stand-ins (trace_qlora.PackedNF4Linear); for DoRA with its base in bf16, and the formula's NF4 bytes put in
     # place of the quantised weights afterwards (_add_nf4_bytes).
     nf4_fallback = fake and cfg.lora.use_4bit_quantization
-    job = cfg  # what the stand-in stands in for
+    job, packs = cfg, None  # what the stand-in stands in for; what packs its 4-bit layers
     if nf4_fallback:
         cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, use_4bit_quantization=False))
+        packs = _packs_4bit_layers(job)
     run = _run_steps(cfg, plan, precision, info, fake=fake, target_device=target_device, steps=steps, job=job,
-                     target_tokens=target_tokens)
+                     target_tokens=target_tokens, prepare_base=packs)
     notes: list[str] = []
     if ddp:
         _add_ddp_buckets(run, notes)
     saving = 0
-    if nf4_fallback:
-        from shardtune.memory.trace_qlora import packable
-
-        if packable(job.lora):
-            notes.append("QLoRA: bitsandbytes.nn.Params4bit (a tensor subclass) cannot wrap a fake tensor, so each "
-                         "4-bit layer was traced as its NF4 bytes in a bf16 parameter (what FSDP shards and "
-                         "gathers) and a matmul that dequantises it for its forward and its backward")
-        else:
-            saving = _add_nf4_bytes(run, cfg, plan, info, notes)
+    if packs is not None:
+        notes.append("QLoRA: bitsandbytes.nn.Params4bit (a tensor subclass) cannot wrap a fake tensor, so each "
+                     "4-bit layer was traced as its NF4 bytes in a bf16 parameter (what FSDP shards and gathers) "
+                     "and a matmul that dequantises it for its forward and its backward")
+    elif nf4_fallback:
+        saving = _add_nf4_bytes(run, cfg, plan, info, notes)
     reserved = None if run.log is None else _replayed_reserved(run, steps, saving, notes)
     if fake:
         notes.append("host-side scalars (token counts, loss, gradient norm) read as 1 under fake tensors, and an "
@@ -350,9 +348,11 @@ class _Run:
 
 
 def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, *, fake: bool,
-               target_device: str, steps: int, job: TrainConfig, target_tokens: list[int] | None) -> _Run:
+               target_device: str, steps: int, job: TrainConfig, target_tokens: list[int] | None,
+               prepare_base: Callable[[torch.nn.Module], None] | None) -> _Run:
     """Build the job as the trainer does and run ``steps`` of ``train_step`` under the tracker (the last one).
-    ``cfg`` may be a stand-in for ``job`` (QLoRA's base in bf16 under fake tensors)."""
+    ``cfg`` may be a stand-in for ``job`` (QLoRA without its 4-bit weights under fake tensors), ``prepare_base``
+    what build_model runs on its base (the packing of its 4-bit layers)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from shardtune.train.build import build_model
@@ -371,7 +371,7 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
             # The trainer's own model building, with initialised weights (their values do not change memory).
             model, runner, trainable, total = build_model(cfg, plan, precision, info, vocab_size, weights="init",
                                                           config=config, stands_in_for=job,
-                                                          prepare_base=_packs_4bit_layers(cfg, job))
+                                                          prepare_base=prepare_base)
             if job.lora.use_4bit_quantization and not cfg.lora.use_4bit_quantization and target_device == "cuda":
                 # bitsandbytes' 4-bit LoRA layers skip PEFT's input cast under CUDA autocast (peft/tuners/lora/bnb.py)
                 keep_lora_input_dtype(model)
@@ -412,14 +412,12 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
     return _Run(model, fsdp, peak, categories, modules, log, total, trainable)
 
 
-def _packs_4bit_layers(cfg: TrainConfig, job: TrainConfig):
-    """What build_model runs on the base of a QLoRA job's stand-in (``cfg``, traced without 4-bit weights):
-    its 4-bit layers packed at their NF4 size (trace_qlora.pack_linears), or None."""
+def _packs_4bit_layers(job: TrainConfig) -> Callable[[torch.nn.Module], None] | None:
+    """What build_model runs on the base of a QLoRA job's stand-in (traced without 4-bit weights): its 4-bit
+    layers packed at their NF4 size (trace_qlora.pack_linears); None where they cannot be (DoRA)."""
     from shardtune.memory.trace_qlora import pack_linears, packable
 
-    if not job.lora.use_4bit_quantization or cfg.lora.use_4bit_quantization or not packable(job.lora):
-        return None
-    return lambda model: pack_linears(model, job.lora)
+    return (lambda model: pack_linears(model, job.lora)) if packable(job.lora) else None
 
 
 def _add_ddp_buckets(run: _Run, notes: list[str]) -> None:
