@@ -255,7 +255,7 @@ def test_a_setting_turned_off_by_another_of_its_keys_resets_its_keys(tmp_path, m
     assert (cfg.distributed.fsdp_activation_checkpointing, cfg.run.use_reentrant) == (False, False)
 
 
-def test_what_acts_as_the_default_or_acts_anyway_is_accepted(tmp_path):
+def test_what_acts_as_the_default_or_acts_anyway_is_accepted(tmp_path, capsys, monkeypatch):
     """An unset boolean reads as false (ddp_find_unused_parameters false, common in TRL recipes, is the default's
     behaviour); save_total_limit acts under save_strategy no too, on the checkpoints a SIGTERM or a callback saves;
     a reset setting takes its own keys along (a recipe's SIZE_BASED_WRAP and fsdp_min_num_params under
@@ -267,13 +267,19 @@ def test_what_acts_as_the_default_or_acts_anyway_is_accepted(tmp_path):
     recipe.write_text("distributed_type: FSDP\nfsdp_auto_wrap_policy: SIZE_BASED_WRAP\nfsdp_min_num_params: 5000\n")
     d = load_train_config([str(recipe), *BASE, "--distributed_type", "DDP"]).distributed
     assert (d.fsdp_auto_wrap_policy, d.fsdp_min_num_params) == ("TRANSFORMER_BASED_WRAP", 100_000_000)
-    # and each reset is said (train prints these at start), naming where the value was set
-    from shardtune.config.loading import reset_notes
+    # and each reset is said, naming where the value was set: train prints these at start
+    from shardtune.cli import main
+    from shardtune.testing.tiny import make_model_folder
 
     acts = "it acts under distributed_type FSDP, which a later setting turned off"
-    assert reset_notes([str(recipe), *BASE, "--distributed_type", "DDP"]) == [
-        f"fsdp_auto_wrap_policy=SIZE_BASED_WRAP ({recipe}, line 2) is set back to its default: {acts}",
-        f"fsdp_min_num_params=5000 ({recipe}, line 3) is set back to its default: it acts under "
+    model = make_model_folder(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", str(recipe), "--model_name_or_path", str(model), "--dataset_name", "d.jsonl", "--output_dir",
+                 "out", "--distributed_type", "DDP", "--dry_run", "true"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "is set back to its default" in line]
+    assert notes == [
+        f"note: fsdp_auto_wrap_policy=SIZE_BASED_WRAP ({recipe}, line 2) is set back to its default: {acts}",
+        f"note: fsdp_min_num_params=5000 ({recipe}, line 3) is set back to its default: it acts under "
         f"fsdp_auto_wrap_policy SIZE_BASED_WRAP, which a later setting turned off"]
 
 

@@ -162,16 +162,17 @@ LAUNCHER_KEYS = {key: f" (under 'shardtune launch', write --{key} before 'train'
                       f"what starts)" for key in ("num_processes", "num_machines", "config_file")}
 
 
-def load_job_config(argv: list[str]) -> TrainConfig:
+def load_job_config(argv: list[str], notes: list[str] | None = None) -> TrainConfig:
     """The config a ``train`` job is about to run, checked before any model loads: a key the command line gives
     two values, ``load_run_config``'s checks and the resume_from_checkpoint folder (train/layout.py), every
-    problem reported together. A dry run reads neither data nor checkpoint, so neither is checked for it."""
+    problem reported together. A dry run reads neither data nor checkpoint, so neither is checked for it.
+    ``notes``: the keys set back to their defaults (``run_config_problems``)."""
     from shardtune.config import raise_problems, run_config_problems
     from shardtune.config.loading import repeated_cli_keys
     from shardtune.train.layout import resume_problem
 
     repeated = repeated_cli_keys(argv, LAUNCHER_KEYS)
-    cfg, given, problems = run_config_problems(argv)
+    cfg, given, problems = run_config_problems(argv, notes)
     spec = cfg.checkpoint.resume_from_checkpoint
     where = given.get("resume_from_checkpoint", "config")
     if not cfg.run.dry_run and (problem := resume_problem(spec, f"{where}: resume_from_checkpoint={spec}")):

@@ -59,12 +59,13 @@ def _run(argv: list[str]) -> int:
     from shardtune.hub import offline_unless_reachable
 
     # The run's own checks (placeholder data, missing paths, the resume folder) before any model is loaded.
-    cfg = load_job_config(argv)
+    notes: list[str] = []
+    cfg = load_job_config(argv, notes)
     refuse_processes_without_launcher(cfg, argv)
     from shardtune.bitsandbytes_use import needs_bitsandbytes
 
     leave_out_bitsandbytes_unless(lambda: needs_bitsandbytes(cfg))
-    print_config_notes(argv)
+    print_config_notes(notes, argv)
     offline_unless_reachable(cfg.model.model_name_or_path, None if cfg.run.dry_run else cfg.data.dataset_name)
     if cfg.run.dry_run:
         import yaml
@@ -133,14 +134,14 @@ def refuse_processes_without_launcher(cfg, argv: list[str]) -> None:
                          f"train ..., or leave {'them' if len(given) > 1 else 'it'} out")
 
 
-def print_config_notes(argv: list[str]) -> None:
+def print_config_notes(notes: list[str], argv: list[str]) -> None:
     """Rank 0: what a DeepSpeed config became (config/deepspeed.py), one line per key, before anything runs; and
-    the keys a later setting turned off (set back to their defaults)."""
-    from shardtune.config.loading import deepspeed_mappings, reset_notes
+    ``notes``, the keys a later setting turned off (set back to their defaults)."""
+    from shardtune.config.loading import deepspeed_mappings
 
     if os.environ.get("RANK", "0") != "0":
         return
-    for note in reset_notes(argv):
+    for note in notes:
         print(f"note: {note}", file=sys.stderr)
     for source, lines in deepspeed_mappings(argv):
         print(f"DeepSpeed config {source}, as shardtune runs it:", file=sys.stderr)

@@ -185,15 +185,6 @@ def key_origins(argv: list[str]) -> dict[str, Origin]:
     return _apply(_layers(argv), training=False)[1]
 
 
-def reset_notes(argv: list[str]) -> list[str]:
-    """A line for each key of the job ``argv`` describes that a later layer's setting turned off, and that is set
-    back to its default rather than refused (a file's fsdp_* keys under --distributed_type DDP): what ``shardtune
-    train`` prints at start, so that no value a user set is dropped without a word."""
-    notes: list[str] = []
-    _apply(_layers(argv), training=False, notes=notes)
-    return notes
-
-
 def deepspeed_mappings(argv: list[str]) -> list[tuple[str, list[str]]]:
     """(which DeepSpeed config, the line of each of its keys) of every one the job ``argv`` describes reads: the
     JSON that ``deepspeed`` names and each file's ``deepspeed_config`` block. What ``shardtune train`` prints at
@@ -512,9 +503,13 @@ def check_given_values(argv: list[str]) -> None:
     raise_problems(problems)
 
 
-def run_config_problems(argv: list[str]) -> tuple[TrainConfig, dict[str, Origin], list[str]]:
-    """The config of a job about to start, where each key was set, and every problem ``load_run_config`` reports."""
-    cfg, given, problems = _apply(_layers(argv), training=True)
+def run_config_problems(argv: list[str], notes: list[str] | None = None) -> tuple[TrainConfig, dict[str, Origin],
+                                                                                 list[str]]:
+    """The config of a job about to start, where each key was set, and every problem ``load_run_config`` reports.
+    ``notes`` gets a line for each key that a later layer's setting turned off and that is set back to its default
+    rather than refused (a file's fsdp_* keys under --distributed_type DDP): what ``shardtune train`` prints at
+    start, so that no value a user set is dropped without a word."""
+    cfg, given, problems = _apply(_layers(argv), training=True, notes=notes)
     problems += [_located(problem, given) for problem in attention_problems(cfg)]  # a dry run builds the model too
     if not cfg.run.dry_run:
         folder = model_folder_problems(cfg, given)
