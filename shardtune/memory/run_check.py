@@ -54,7 +54,8 @@ class MemoryCheck:
             self.target_tokens = [max(pair) for pair in zip(targets, self.target_tokens or targets)]
         elif state.step + 1 == self.tracked_step:
             self.target_tokens = targets
-            from shardtune.memory.trace_tracker import fresh_module_stats_per_micro_batch, make_tracker, track_inputs
+            from shardtune.memory.trace_tracker import (dropped_graphs_freed, fresh_module_stats_per_micro_batch,
+                                                           make_tracker, track_inputs)
 
             self.seq_len = longest
             fsdp = self.plan.strategy.shards_parameters
@@ -62,6 +63,7 @@ class MemoryCheck:
             track_inputs(self._tracker, fsdp, [t for batch in micro_batches for t in batch.values()])
             self._tracking = contextlib.ExitStack()
             self._tracking.enter_context(fresh_module_stats_per_micro_batch(self._tracker, self.model))
+            self._tracking.enter_context(dropped_graphs_freed(self.model))
             self._tracking.enter_context(self._tracker)
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
