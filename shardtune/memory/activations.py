@@ -81,6 +81,11 @@ class Activations:
         # Gate output, activation output, up output, and the down projection's input, which only the down weight's
         # gradient needs (with a frozen base, adapters() counts what an adapter on it keeps).
         dense = (3 if self.frozen else 4) * e * inv.intermediate_size
+        if self.frozen and inv.num_experts == 1:
+            # The activation keeps the gate's output and its own, the product the up output (dora_output_bytes).
+            gate, up = (self._output_bytes(names) for names in (frozenset({"gate_proj", "gate_up_proj"}),
+                                                                frozenset({"up_proj", "gate_up_proj"})))
+            dense = (2 * gate + up) * inv.intermediate_size
         if inv.num_experts > 1:
             k = inv.experts_per_token
             # Each token goes through k experts: their MLP tensors, the gathered token copies, router logits.
@@ -132,12 +137,89 @@ class Activations:
         if not self.adapted:
             return 0
         r, e = self.setup.lora_r, self.dt.compute
+        # DoRA (peft/tuners/lora/dora.py) scales the base output and the adapter's by the magnitude over the weight
+        # norm: the two products keep both outputs for the magnitude's gradient.
+        dora = sum(2 * e * self._output_width(name) for name in self.adapted) if self.setup.use_dora else 0
         if self.autocast_adapters or self.setup.lora_dropout:
             mask = 1 if self.setup.lora_dropout else 0
-            return sum((e + mask) * self._input_width(name) + e * r for name in self.adapted)
+            return dora + sum((e + mask) * self._input_width(name) + e * r for name in self.adapted)
         shared = int(bool(self.adapted & ATTENTION_INPUT)) + int(bool(self.adapted & MLP_INPUT))
         down = e * self.inv.intermediate_size if self.adapted & MLP_DOWN else 0
-        return e * r * len(self.adapted) + shared * e * self.inv.hidden_size + down
+        return dora + e * r * len(self.adapted) + shared * e * self.inv.hidden_size + down
+
+    def _output_width(self, name: str) -> int:
+        inv = self.inv
+        return {"q_proj": inv.q_dim, "k_proj": inv.kv_dim, "v_proj": inv.kv_dim, "qkv_proj": inv.q_dim + 2 * inv.kv_dim,
+                "gate_proj": inv.intermediate_size, "up_proj": inv.intermediate_size,
+                "gate_up_proj": 2 * inv.intermediate_size, "gate": inv.num_experts}.get(name, inv.hidden_size)
+
+    @property
+    def _dora_promotes(self) -> bool:
+        """DoRA's fp32 magnitudes under torch.autocast turn its layers' bf16 outputs into fp32 ones (type
+        promotion of the scaling products), which the next ops keep; FSDP gathers them in bf16, pure bf16 stores
+        them so."""
+        dt = self.dt
+        return (self.setup.use_dora and dt.master == 4 and dt.compute != 4 and self.setup.strategy.autocasts)
+
+    def _output_bytes(self, names: frozenset[str]) -> int:
+        """Bytes per value of the output of a projection among ``names`` (fp32 where DoRA promotes it)."""
+        return 4 if self._dora_promotes and self.adapted and self.adapted & names else self.dt.compute
+
+    def dora_weight_norm(self) -> int:
+        """The most one adapted linear's DoRA holds while its forward computes the weight norm (not per token).
+
+        PEFT's DoraLinearLayer (peft/tuners/lora/dora.py) runs lora_B(lora_A(identity)) for the LoRA weight: an
+        in x in identity in the adapter's dtype, its compute-dtype cast under autocast, and the in x out product.
+        A's matmul keeps the identity it multiplied (the cast) for its gradient, so it stays while the LoRA weight
+        does, to the end of the module's forward, beside the weight norm of base + scaling x LoRA weight: both
+        weights in the input's dtype (a copy where it differs), the scaled weight and the sum. Forward and
+        recompute run it once per adapted linear and free it before the next. A 4-bit base's dequantised weight is
+        the formula's "NF4 weight dequantised" item.
+        """
+        if not (self.setup.use_dora and self.adapted):
+            return 0
+        e, r = self.dt.compute, self.setup.lora_r
+        adapter = e if self.dt.master == 2 or self.setup.strategy.shards_parameters else 4
+        cast = e if adapter != e and self.setup.strategy.autocasts else 0
+        kept = cast or adapter  # the identity A's matmul keeps
+        product = cast or adapter  # the LoRA weight as lora_B returns it
+        base = e if self.setup.method == "qlora" else self.dt.frozen
+        most = 0
+        for name in self.adapted:
+            d_in, d_out = self._input_width(name), self._output_width(name)
+            x = self._input_bytes(name)
+            identity = d_in * d_in * (adapter + cast) + d_in * r * product + d_in * d_out * product
+            copy = x if base != x else 0
+            norm = d_in * d_in * kept + d_in * d_out * (3 * x + copy)
+            most = max(most, identity, norm)
+        return most
+
+    def dora_kept_weights(self) -> int:
+        """What one layer's DoRA keeps for backward beyond its per-token tensors (bytes, not per token).
+
+        With ``lora_dropout`` PEFT recomputes the base output on the dropped-out input, F.linear(x, weight), and
+        the matmul keeps its weight for the input's gradient: the frozen weight itself, unless autocast casts it
+        (the fp32 copy made for an fp32 input). A 4-bit base's dequantised weight is not kept: measured on
+        CPU against bitsandbytes' layers, a QLoRA DoRA step with dropout holds what one without it does beyond the
+        dropout's tensors (``shardtune train``'s own memory check, real tensors).
+        """
+        if not (self.setup.use_dora and self.adapted and self.setup.lora_dropout):
+            return 0
+        e, total = self.dt.compute, 0
+        for name in self.adapted:
+            x = self._input_bytes(name)
+            copied = x != e and self.setup.strategy.autocasts
+            total += self._input_width(name) * self._output_width(name) * e if copied else 0
+        return total
+
+    def _input_bytes(self, name: str) -> int:
+        """Bytes per value of a projection's input: the normalised residual stream for those after a norm, the
+        attention output for o_proj, the MLP's product for down_proj."""
+        if name == "o_proj":
+            return self.dt.compute
+        if name in MLP_DOWN:
+            return max(self._output_bytes(MLP_INPUT), self.dt.compute)
+        return self.dt.residual
 
     def layer(self) -> int:
         """A decoder layer without checkpointing."""

@@ -356,18 +356,19 @@ class _Saved:
     recompute: float  # a recomputed layer's saved tensors (gradient checkpointing)
     batch: float  # the micro-batch itself: what is left outside the layers once backward is past the head
     first_layer: float  # the first layer at the end of backward: its saved tensors beside its checkpointed input
+    dora: float  # DoRA's weight norm while a layer's forward (or its recompute) runs: not per token
 
 
 def _saved_activations(dp: _DataParallel) -> _Saved:
     act, tokens, ckpt = dp.act, dp.tokens, dp.setup.gradient_checkpointing
-    per_layer = act.layer_checkpointed() if ckpt else act.layer()
+    per_layer = act.layer_checkpointed() if ckpt else act.layer() + act.dora_kept_weights() / tokens
     layers = tokens * _layers_on_gpu(dp.setup, dp.inv.num_layers) * per_layer + act.rope_tables()
-    recompute = tokens * act.layer_recomputed() if ckpt else 0
-    first_layer = tokens * act.layer_checkpointed() + recompute if ckpt else tokens * act.layer()
+    recompute = tokens * act.layer_recomputed() + act.dora_kept_weights() if ckpt else 0
+    first_layer = tokens * act.layer_checkpointed() + recompute if ckpt else tokens * per_layer
     if dp.setup.activation_offloading:  # at the second layer's backward the first one's input is back already
         first_layer += tokens * act.layer_checkpointed()
     return _Saved(layers, layers + tokens * act.outside_layers(), tokens * act.layer_backward_temporaries(),
-                  recompute, tokens * act.batch_inputs(), first_layer)
+                  recompute, tokens * act.batch_inputs(), first_layer, act.dora_weight_norm())
 
 
 @dataclass(frozen=True)
@@ -478,6 +479,8 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
             grads: _Gradients) -> dict[str, dict[str, float]]:
     """The bytes of each phase besides the parameters and optimizer states: gradients, activations, copies."""
     act, tokens, fused = dp.act, dp.tokens, dp.setup.loss == "shardtune"
+    # With checkpointing a layer's backward starts by recomputing its forward, DoRA's weight norm included.
+    in_layer = max(saved.layer_backward, saved.dora if dp.setup.gradient_checkpointing else 0)
     phases = {
         "forward (loss)": dict(grads=grads.carry, act=saved.all + act.loss_forward_bytes(tokens),
                                copies=copies.loss),
@@ -490,12 +493,12 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
         # its output) gathers it now, the all-gather's output beside the unsharded parameters it is copied into.
         "backward (head)": dict(grads=grads.carry, act=saved.all, copies=copies.head),
         "backward (last layer)": dict(grads=max(grads.carry, grads.head),
-                                      act=saved.layers + saved.batch + saved.recompute + saved.layer_backward,
+                                      act=saved.layers + saved.batch + saved.recompute + in_layer,
                                       copies=copies.backward),
         # The first layer's backward: the other layers' saved tensors (their autocast weight copies among them)
         # are gone, and nearly every gradient is there.
         "backward (first layer)": dict(grads=states.grads_b - grads.not_yet,
-                                       act=act.rope_tables() + saved.batch + saved.first_layer + saved.layer_backward,
+                                       act=act.rope_tables() + saved.batch + saved.first_layer + in_layer,
                                        copies=copies.end),
         # The embedding's backward reads the gradient of its output (the residual stream's first tensor).
         "backward (embeddings)": dict(grads=states.grads_b + grads.tied_pending,
@@ -503,6 +506,10 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
                                       copies=0),
         "optimizer step": dict(grads=states.grads_b, act=0, copies=0),
     }
+    if saved.dora and not dp.setup.gradient_checkpointing:
+        # The last layer's DoRA weight norm, every layer's saved tensors beside it.
+        phases["forward (last layer)"] = dict(grads=grads.carry, act=saved.layers + saved.batch + saved.dora,
+                                              copies=copies.loss)
     if dp.fsdp:
         # After the whole backward FSDP2 reduce-scatters the root's gradients (embeddings, head): its unsharded
         # gradient in compute dtype beside the fp32 copy it reduce-scatters (pure bf16 reduces the bf16 one), the
@@ -623,7 +630,7 @@ class _Stages:
         model, act = _Model(inv, one, dt, lora), Activations(inv, one, dt)
         tokens, ckpt = setup.batch_size * setup.seq_len, setup.gradient_checkpointing
         opt = _optimizer_bytes_per_param(setup, dt.master, inv)
-        per_layer_act = act.layer_checkpointed() if ckpt else act.layer()
+        per_layer_act = act.layer_checkpointed() if ckpt else act.layer() + act.dora_kept_weights() / tokens
         if setup.activation_offloading:  # the layers' inputs wait in host memory; a few are back (``transient``)
             per_layer_act = 0
 
@@ -640,9 +647,10 @@ class _Stages:
         last["params"] += model.autocast_copy_of_head()
         # The last stage runs the loss: its peak is the backward at the loss.
         last["activations"] += tokens * act.outside_layers() + act.loss_backward_bytes(tokens)
-        transient = tokens * act.layer_backward_temporaries()
+        # A layer's forward (or its recompute) may hold more than its backward: DoRA's weight norm.
+        transient = max(tokens * act.layer_backward_temporaries(), act.dora_weight_norm())
         if ckpt:
-            transient += tokens * act.layer_recomputed()
+            transient += tokens * act.layer_recomputed() + act.dora_kept_weights()
         if setup.activation_offloading:
             transient += tokens * _layers_on_gpu(setup, inv.num_layers) * act.layer_checkpointed()
         return cls(inv, setup, dt, act, layer_parts, first, last, transient)

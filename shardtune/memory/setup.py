@@ -167,7 +167,7 @@ class Setup:
 
     @property
     def use_dora(self) -> bool:
-        """DoRA's trained magnitudes (counted; its extra activations only the trace measures)."""
+        """DoRA: trained magnitudes, and what its weight norm and scaling hold (Activations.dora_weight_norm)."""
         return self.config.lora.use_dora
 
     @property
