@@ -241,16 +241,18 @@ class Activations:
 
         Its MLP's backward: two intermediate-sized gradients (of the down projection's input and of one of its
         factors) and two residual-sized ones. With checkpointing, fp32 adapters under autocast top that while the
-        layer is recomputed: at the down projection, PEFT's fp32 copy of its input (4 bytes x intermediate) stands
-        beside that input and the base projection's output, while the decoder layer's forward still holds the
-        post-attention norm's output and the mid-layer residual, and the gradient of the layer's output waits.
+        layer is recomputed: at the down projection, PEFT's fp32 copy of its input (4 bytes x intermediate), and
+        with ``lora_dropout`` the dropout's fp32 output, stand beside that input and the base projection's output,
+        while the decoder layer's forward still holds the post-attention norm's output and the mid-layer residual,
+        and the gradient of the layer's output waits.
         """
         inv, e, res, h = self.inv, self.dt.compute, self.dt.residual, self.inv.hidden_size
         width = inv.intermediate_size * (inv.experts_per_token if inv.num_experts > 1 else 1)
         gradients = 2 * e * width + 2 * res * h
         if not (self.setup.gradient_checkpointing and self.autocast_adapters and self.adapted & MLP_DOWN):
             return gradients
-        return max(gradients, (4 + e) * width + 2 * e * h + 2 * res * h)
+        dropped = 4 if self.setup.lora_dropout else 0
+        return max(gradients, (4 + dropped + e) * width + 2 * e * h + 2 * res * h)
 
     def batch_inputs(self) -> int:
         """The micro-batch on the GPU: input ids, labels and position ids (int64), and the attention mask that

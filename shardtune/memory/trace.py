@@ -315,6 +315,46 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
                        notes=notes, reserved_bytes=reserved)
 
 
+class _FusedDropout(torch.autograd.Function):
+    """What CUDA's fused dropout holds: its output and, for backward, a bool mask. CUDA draws the mask inside the
+    kernel; the values do not change memory, so the trace keeps every element (no random tensor to make)."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, p: float) -> torch.Tensor:
+        ctx.scale = 1 / (1 - p)
+        ctx.save_for_backward(torch.ones_like(input, dtype=torch.bool))
+        return input * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        return grad * mask * ctx.scale, None
+
+
+@contextlib.contextmanager
+def _dropout_as_on(target_device: str) -> Iterator[None]:
+    """``F.dropout`` as the target device runs it. On a GPU ATen takes its fused kernel (native_dropout), which keeps
+    a bool mask for backward; on CPU tensors, the trace's fake ones included, dropout multiplies by a mask in the
+    input's dtype and keeps that: 4 bytes a value instead of 1 for LoRA's fp32 adapter inputs."""
+    import torch.nn.functional as F
+
+    if target_device != "cuda":
+        yield
+        return
+    plain = F.dropout
+
+    def fused(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not training or inplace or not 0 < p < 1 or input.numel() == 0:
+            return plain(input, p, training, inplace)
+        return _FusedDropout.apply(input, p)
+
+    F.dropout = fused
+    try:
+        yield
+    finally:
+        F.dropout = plain
+
+
 def _traceable_plan(plan: Plan, world_size: int) -> tuple[Plan, bool]:
     """The plan the trace runs, and whether it is DDP traced as one replica; TraceUnsupported for the setups the
     trace cannot follow (a split model, host-resident shards)."""
@@ -366,7 +406,7 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
     fsdp = plan.strategy.shards_parameters
     fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with fake_process_group(info.world_size) if fsdp else contextlib.nullcontext(), \
-            torch.random.fork_rng(devices=[]), fake_mode:
+            torch.random.fork_rng(devices=[]), fake_mode, _dropout_as_on(target_device):
         with _phase("building the model", fake), _swappable_fake_parameters(fake_mode if fake else None):
             # The trainer's own model building, with initialised weights (their values do not change memory).
             model, runner, trainable, total = build_model(cfg, plan, precision, info, vocab_size, weights="init",
