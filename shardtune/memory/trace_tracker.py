@@ -132,6 +132,7 @@ def dropped_graphs_freed(root: nn.Module) -> Iterator[None]:
     # of it, so each costs what the step made (a 32-layer model's trace stays under a minute).
     gc.collect()
     gc.freeze()
+
     def collect(*_) -> None:  # returns nothing: a forward hook's return value would replace the module's output
         gc.collect()
 
