@@ -80,12 +80,11 @@ class Activations:
         inv, e = self.inv, self.dt.compute
         # Gate output, activation output, up output, and the down projection's input, which only the down weight's
         # gradient needs (with a frozen base, adapters() counts what an adapter on it keeps).
-        dense = (3 if self.frozen else 4) * e * inv.intermediate_size
-        if self.frozen and inv.num_experts == 1:
-            # The activation keeps the gate's output and its own, the product the up output (dora_output_bytes).
-            gate, up = (self._output_bytes(names) for names in (frozenset({"gate_proj", "gate_up_proj"}),
-                                                                frozenset({"up_proj", "gate_up_proj"})))
-            dense = (2 * gate + up) * inv.intermediate_size
+        # The activation keeps the gate's output and its own, the product the up output (fp32 where DoRA makes
+        # them so: _output_bytes).
+        gate, up = (self._output_bytes(names) for names in (frozenset({"gate_proj", "gate_up_proj"}),
+                                                            frozenset({"up_proj", "gate_up_proj"})))
+        dense = (2 * gate + up + (0 if self.frozen else e)) * inv.intermediate_size
         if inv.num_experts > 1:
             k = inv.experts_per_token
             # Each token goes through k experts: their MLP tensors, the gathered token copies, router logits.
@@ -112,15 +111,21 @@ class Activations:
         return self.inv.q_dim if name == "o_proj" else self.inv.hidden_size
 
     @property
+    def _fp32_under_autocast(self) -> bool:
+        """Trainable weights stored in fp32 (adapters, DoRA's magnitudes) and used under torch.autocast with a 16-bit
+        compute dtype: one process, DDP, MP and PP. FSDP gathers them in the compute dtype; pure bf16 stores them
+        so."""
+        dt = self.dt
+        return dt.master == 4 and dt.compute != 4 and self.setup.strategy.autocasts
+
+    @property
     def autocast_adapters(self) -> bool:
         """fp32 adapters (PEFT's, and the trainer's) run under torch.autocast, PEFT casting their input up to fp32
         first: single GPU, DDP and model parallel with a 16-bit compute dtype. Under FSDP the MixedPrecisionPolicy
         gathers them in the compute dtype instead, and PEFT's bitsandbytes 4-bit layers (QLoRA) skip that cast under
         CUDA autocast (peft/tuners/lora/bnb.py), so their adapters read the input as it is (measured on an H200:
         bench/results/estimate_cuda_nvidia-h200.md)."""
-        dt = self.dt
-        return (bool(self.adapted) and dt.master == 4 and dt.compute != 4 and self.setup.strategy.autocasts
-                and self.setup.method != "qlora")
+        return bool(self.adapted) and self._fp32_under_autocast and self.setup.method != "qlora"
 
     def adapters(self) -> int:
         """What LoRA adapters keep for backward: the input of A (for A's gradient) and A's r-wide output (for B's).
@@ -158,8 +163,7 @@ class Activations:
         """DoRA's fp32 magnitudes under torch.autocast turn its layers' bf16 outputs into fp32 ones (type
         promotion of the scaling products), which the next ops keep; FSDP gathers them in bf16, pure bf16 stores
         them so."""
-        dt = self.dt
-        return (self.setup.use_dora and dt.master == 4 and dt.compute != 4 and self.setup.strategy.autocasts)
+        return self.setup.use_dora and self._fp32_under_autocast
 
     def _output_bytes(self, names: frozenset[str]) -> int:
         """Bytes per value of the output of a projection among ``names`` (fp32 where DoRA promotes it)."""
@@ -179,18 +183,17 @@ class Activations:
         if not (self.setup.use_dora and self.adapted):
             return 0
         e, r = self.dt.compute, self.setup.lora_r
-        adapter = e if self.dt.master == 2 or self.setup.strategy.shards_parameters else 4
-        cast = e if adapter != e and self.setup.strategy.autocasts else 0
-        kept = cast or adapter  # the identity A's matmul keeps
-        product = cast or adapter  # the LoRA weight as lora_B returns it
+        # The identity in the adapter's dtype: fp32 beside its cast under autocast, else the compute dtype. A's
+        # matmul keeps it in the compute dtype, and lora_B returns the LoRA weight in it.
+        identity_bytes = 4 + e if self._fp32_under_autocast else e
         base = e if self.setup.method == "qlora" else self.dt.frozen
         most = 0
         for name in self.adapted:
             d_in, d_out = self._input_width(name), self._output_width(name)
             x = self._input_bytes(name)
-            identity = d_in * d_in * (adapter + cast) + d_in * r * product + d_in * d_out * product
+            identity = d_in * d_in * identity_bytes + d_in * r * e + d_in * d_out * e
             copy = x if base != x else 0
-            norm = d_in * d_in * kept + d_in * d_out * (3 * x + copy)
+            norm = d_in * d_in * e + d_in * d_out * (3 * x + copy)
             most = max(most, identity, norm)
         return most
 
@@ -218,7 +221,7 @@ class Activations:
         if name == "o_proj":
             return self.dt.compute
         if name in MLP_DOWN:
-            return max(self._output_bytes(MLP_INPUT), self.dt.compute)
+            return self._output_bytes(MLP_INPUT)
         return self.dt.residual
 
     def layer(self) -> int:
@@ -226,6 +229,14 @@ class Activations:
         inv = self.inv
         return (inv.norms_per_layer * self.norm() + self.linear_inputs() + self.attention() + self.mlp()
                 + self.adapters())
+
+    def layer_bytes(self, tokens: int) -> int:
+        """A decoder layer without checkpointing, for a micro-batch of ``tokens``: what DoRA keeps per layer too."""
+        return tokens * self.layer() + self.dora_kept_weights()
+
+    def layer_recomputed_bytes(self, tokens: int) -> int:
+        """A checkpointed layer while backward recomputes it, for a micro-batch of ``tokens``."""
+        return tokens * self.layer_recomputed() + self.dora_kept_weights()
 
     def layer_checkpointed(self) -> int:
         """A checkpointed layer keeps only its input."""

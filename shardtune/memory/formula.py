@@ -361,10 +361,10 @@ class _Saved:
 
 def _saved_activations(dp: _DataParallel) -> _Saved:
     act, tokens, ckpt = dp.act, dp.tokens, dp.setup.gradient_checkpointing
-    per_layer = act.layer_checkpointed() if ckpt else act.layer() + act.dora_kept_weights() / tokens
-    layers = tokens * _layers_on_gpu(dp.setup, dp.inv.num_layers) * per_layer + act.rope_tables()
-    recompute = tokens * act.layer_recomputed() + act.dora_kept_weights() if ckpt else 0
-    first_layer = tokens * act.layer_checkpointed() + recompute if ckpt else tokens * per_layer
+    per_layer = tokens * act.layer_checkpointed() if ckpt else act.layer_bytes(tokens)
+    layers = _layers_on_gpu(dp.setup, dp.inv.num_layers) * per_layer + act.rope_tables()
+    recompute = act.layer_recomputed_bytes(tokens) if ckpt else 0
+    first_layer = per_layer + recompute
     if dp.setup.activation_offloading:  # at the second layer's backward the first one's input is back already
         first_layer += tokens * act.layer_checkpointed()
     return _Saved(layers, layers + tokens * act.outside_layers(), tokens * act.layer_backward_temporaries(),
@@ -630,7 +630,7 @@ class _Stages:
         model, act = _Model(inv, one, dt, lora), Activations(inv, one, dt)
         tokens, ckpt = setup.batch_size * setup.seq_len, setup.gradient_checkpointing
         opt = _optimizer_bytes_per_param(setup, dt.master, inv)
-        per_layer_act = act.layer_checkpointed() if ckpt else act.layer() + act.dora_kept_weights() / tokens
+        per_layer_act = tokens * act.layer_checkpointed() if ckpt else act.layer_bytes(tokens)
         if setup.activation_offloading:  # the layers' inputs wait in host memory; a few are back (``transient``)
             per_layer_act = 0
 
@@ -638,7 +638,7 @@ class _Stages:
             return {"params": storage + copies, "grads": trainable * dt.master, "optimizer": trainable * opt,
                     "activations": activations}
 
-        layer_parts = [parts(model.layer_storage(i), model.layer_trainable(i), tokens * per_layer_act,
+        layer_parts = [parts(model.layer_storage(i), model.layer_trainable(i), per_layer_act,
                              0 if ckpt else model.autocast_copy_of_layer(i)) for i in range(inv.num_layers)]
         root_fraction = inv.embedding_params / max(inv.root_params, 1)
         root = parts(model.root_storage(), model.root_trainable(), 0, 0)
@@ -650,7 +650,7 @@ class _Stages:
         # A layer's forward (or its recompute) may hold more than its backward: DoRA's weight norm.
         transient = max(tokens * act.layer_backward_temporaries(), act.dora_weight_norm())
         if ckpt:
-            transient += tokens * act.layer_recomputed() + act.dora_kept_weights()
+            transient += act.layer_recomputed_bytes(tokens)
         if setup.activation_offloading:
             transient += tokens * _layers_on_gpu(setup, inv.num_layers) * act.layer_checkpointed()
         return cls(inv, setup, dt, act, layer_parts, first, last, transient)

@@ -124,7 +124,9 @@ def dropped_graphs_freed(root: nn.Module) -> Iterator[None]:
     """
     import gc
 
-    dora = [m for m in root.modules() if type(m).__name__ in ("DoraLinearLayer", "DoraEmbeddingLayer")]
+    from peft.tuners.lora.dora import DoraLinearLayer  # the embedding's and convolutions' subclass it
+
+    dora = [m for m in root.modules() if isinstance(m, DoraLinearLayer)]
     if not dora:
         yield
         return
