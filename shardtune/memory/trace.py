@@ -33,8 +33,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardtune.config import TrainConfig
 from shardtune.strategies import NO
 from shardtune.memory.allocator import CUBLAS_WORKSPACE_BYTES, CUBLAS_WORKSPACES, CachingAllocatorModel
-from shardtune.memory.trace_tracker import (AllocationLog, dropped_graphs_freed, fresh_module_stats_per_micro_batch,
-                                             make_tracker, module_peaks, peak_breakdown, track_inputs)
+from shardtune.memory.trace_tracker import (AllocationLog, GradientsSummedInPlace, dropped_graphs_freed,
+                                            fresh_module_stats_per_micro_batch, make_tracker, module_peaks,
+                                            peak_breakdown, track_inputs)
 
 if TYPE_CHECKING:
     from shardtune.dist import DistInfo
@@ -438,13 +439,14 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
         # fake mode. A later step holds everything the first one did plus the optimizer states, so its peak is the
         # job's. The allocation log covers every step: the first one shapes the allocator's cache.
         with log or contextlib.nullcontext():
-            with scalars:
+            with scalars, GradientsSummedInPlace():
                 for step in range(steps - 1):
                     with _phase(f"running training step {step + 1}", fake):
                         train_step(ctx, batches)
             tracker = make_tracker(model, optimizer, fsdp)
             track_inputs(tracker, fsdp, [t for b in on_device for t in b.values()])
-            with fresh_module_stats_per_micro_batch(tracker, model), dropped_graphs_freed(model), tracker, scalars:
+            with fresh_module_stats_per_micro_batch(tracker, model), dropped_graphs_freed(model), tracker, scalars, \
+                    GradientsSummedInPlace():
                 with _phase(f"running training step {steps}", fake):
                     train_step(ctx, batches)
         peak, categories = peak_breakdown(tracker)

@@ -147,6 +147,47 @@ def dropped_graphs_freed(root: nn.Module) -> Iterator[None]:
         gc.unfreeze()
 
 
+class GradientsSummedInPlace(TorchDispatchMode):
+    """Autograd's sums of two gradients of one tensor made in place, as a GPU step makes them.
+
+    When backward reaches a tensor by two paths (a tied embedding and its head, the head over the fused loss's
+    chunks, the residual stream), autograd's input buffer adds the new gradient to the one it holds, in place when
+    that one is its own (PyTorch's ``InputBuffer::accumulate``) and no Python dispatch mode is active. Under the
+    trace's trackers one always is, so every such sum is made out of place and a third tensor of the gradient's size
+    is held for a moment: one fp32 embedding at the end of a tied model's backward, one head-sized gradient at each
+    chunk of the loss, that a training step never holds. This mode, entered inside the trackers, makes those sums in
+    place again before the trackers see them.
+
+    The buffer's sum is told apart from an addition inside a backward formula by where its operands come from: the
+    held gradient was made by an earlier autograd node than the one running, the new one by the running node. Only
+    fake tensors are summed in place (their values mean nothing); real ones are left as autograd made them.
+    """
+
+    _MADE_BY = "_shardtune_made_by_node"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return func(*args, **(kwargs or {}))
+        running = (node.name(), node._sequence_nr())
+        if (func is torch.ops.aten.add.Tensor and not kwargs and len(args) == 2 and not torch.is_grad_enabled()
+                and all(isinstance(a, FakeTensor) for a in args)):
+            held, new = args
+            if (getattr(new, self._MADE_BY, None) == running and getattr(held, self._MADE_BY, running) != running
+                    and held.shape == new.shape and held.dtype == new.dtype and held.is_contiguous()):
+                return torch.ops.aten.add_.Tensor(held, new)
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                setattr(t, self._MADE_BY, running)
+        return out
+
+
 def track_inputs(tracker, fsdp: bool, tensors: list[torch.Tensor]) -> None:
     if fsdp:
         tracker.track_inputs(tuple(tensors))
