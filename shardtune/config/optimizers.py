@@ -50,6 +50,11 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
 # The others would round every small update of a bf16 weight away (bitsandbytes', Adafactor and SGD write their
 # result back to nearest), so they are refused with it.
 PURE_BF16_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# Its step works on one slice of a weight at a time, in fp32 and int64: the elements per slice, and the bytes per
+# element its temporaries peak at (the fp32 gradient, moments and weight, 16, and the stochastic rounding's int64
+# bit patterns, hash and result, 33, at its torch.where).
+PURE_BF16_SLICE_ELEMENTS = 1 << 21
+PURE_BF16_SLICE_BYTES_PER_ELEMENT = 49
 # The estimator's earlier spellings, kept working.
 ESTIMATE_ALIASES = {"adamw": "adamw_torch", "adamw-8bit": "adamw_8bit"}
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardtune.config.optimizers import PURE_BF16_SLICE_BYTES_PER_ELEMENT, PURE_BF16_SLICE_ELEMENTS
 from shardtune.hardware import MIB
 from shardtune.memory.activations import Activations
 from shardtune.memory.inventory import LoraCount, ModelInventory
@@ -504,7 +505,7 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
         "backward (embeddings)": dict(grads=states.grads_b + grads.tied_pending,
                                       act=act.rope_tables() + saved.batch + tokens * act.layer_checkpointed(),
                                       copies=0),
-        "optimizer step": dict(grads=states.grads_b, act=0, copies=0),
+        "optimizer step": dict(grads=states.grads_b, act=0, copies=0, step=_optimizer_step_bytes(dp, states)),
     }
     if saved.dora and not dp.setup.gradient_checkpointing:
         # The last layer's DoRA weight norm, every layer's saved tensors beside it.
@@ -521,6 +522,20 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
     return phases
 
 
+def _optimizer_step_bytes(dp: _DataParallel, states: _States) -> float:
+    """What the optimizer step allocates on the GPU besides the states: pure bf16's AdamW steps each weight (each
+    rank's shard of it under FSDP) one slice at a time in fp32 (config/optimizers.py). torch's fused AdamW works
+    in place."""
+    setup, inv = dp.setup, dp.inv
+    if not setup.pure_bf16 or not states.on_gpu:
+        return 0
+    if setup.method == "full":
+        largest = max(inv.embedding_params, inv.head_params, inv.largest_linear_params)
+    else:
+        largest = setup.lora_r * max(inv.hidden_size, inv.intermediate_size)
+    return min(-(-largest // dp.shard), PURE_BF16_SLICE_ELEMENTS) * PURE_BF16_SLICE_BYTES_PER_ELEMENT
+
+
 def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradients,
              phases: dict[str, dict[str, float]]) -> Breakdown:
     """The breakdown at the fullest phase, its items adding up to the total."""
@@ -532,7 +547,7 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
     totals = {}
     for name, ph in phases.items():
         dyn = ph["act"] + ph["copies"] + (dequant if ph["act"] else 0)
-        totals[name] = states.params_b + states.optim_b + buckets + ph["grads"] + dyn
+        totals[name] = states.params_b + states.optim_b + buckets + ph["grads"] + dyn + ph.get("step", 0)
     phase = max(totals, key=totals.get)
     ph = phases[phase]
     part = f" (1/{shard} shard)" if shard > 1 else ""
@@ -543,6 +558,8 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
         items.append(Item("grads", "DDP gradient buckets (a copy of the gradients)", round(buckets)))
     items += [Item("optimizer", f"{setup.optimizer} states" + part, round(states.optim_b)),
               Item("activations", _activation_label(setup), round(ph["act"]))]
+    if ph.get("step"):
+        items.append(Item("optimizer", "its step's fp32 work on one slice of a weight (pure bf16)", round(ph["step"])))
     if dequant and ph["act"]:
         items.append(Item("activations", "NF4 weight dequantised for its matmul", round(dequant)))
     if ph["copies"]:
