@@ -123,8 +123,10 @@ def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
 def test_estimate_of_a_recipe_reads_fsdp_reshard_after_forward(tmp_path, capsys):
     """FSDP2 without resharding after forward is SHARD_GRAD_OP (train/plan.py): the estimate of a recipe that says
     so counts what that job holds, not FULL_SHARD's."""
+    # LoRA: the peak is in the decoder layers' backward, where the layers kept gathered are (full fine-tuning of this
+    # model peaks at the end of backward, after each layer was resharded: the same bytes either way).
     base = ("model_name_or_path: llama-3.2-1b\ndataset_name: d\ndistributed_type: FSDP\nnum_processes: 2\n"
-            "per_device_train_batch_size: 2\nmax_seq_len: 1024\n")
+            "per_device_train_batch_size: 2\nmax_seq_len: 1024\nuse_peft_lora: true\n")
     totals = {}
     for name, extra in (("full", ""), ("no_reshard", "fsdp_reshard_after_forward: false\n"),
                         ("grad_op", "fsdp_sharding_strategy: SHARD_GRAD_OP\n"),

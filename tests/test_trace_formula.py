@@ -131,6 +131,28 @@ def test_tied_embeddings_hold_two_gradients_at_the_end_of_backward(tied_model, c
     assert (breakdown.phase, grads) == ("backward (embeddings)", (params + vocab * hidden) * 4)
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def wide_vocab_model(request, tmp_path_factory):
+    """1024 wide, 4 layers and a 32k vocabulary: the root unit (embeddings, head) is about 40% of the model, as in
+    Llama 3.2 1B and 3B."""
+    return _llama_config(tmp_path_factory.mktemp("calib") / "wide-vocab", 32000, tied=request.param,
+                         hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16)
+
+
+@pytest.mark.parametrize("gpus, sharding", [(2, "FULL_SHARD"), (4, "FULL_SHARD"), (4, "SHARD_GRAD_OP")])
+def test_fsdp_full_fine_tuning_holds_the_root_gradients_unsharded_to_the_end(wide_vocab_model, gpus, sharding):
+    """FSDP2 reduce-scatters the root unit after the whole backward: until then the head's gradient waits unsharded
+    in the compute dtype through every decoder layer's backward, the root stays gathered through the embedding's
+    backward beside the embedding's own gradient, and SHARD_GRAD_OP reshards each layer after its backward. The
+    formula gave 0.85-0.96 of the trace on these (it counted the head's gradient as a shard, and nothing of the
+    root at the embedding's backward); now 1.00-1.01."""
+    setup = checked_setup(method="full", distributed_type="FSDP", num_gpus=gpus, fsdp_sharding_strategy=sharding,
+                          per_device_train_batch_size=2, max_seq_len=512, gradient_checkpointing=True,
+                          mixed_precision="bf16", loss="shardtune", torch_dtype="bfloat16")
+    formula, _, traced, _ = formula_and_trace(wide_vocab_model, setup)
+    assert abs(formula / traced - 1) <= PATTERN_BOUND, f"formula {formula:,} B vs trace {traced:,} B"
+
+
 @pytest.mark.parametrize("gpus, sharding", [(2, "FULL_SHARD"), (4, "SHARD_GRAD_OP")])
 def test_pure_bf16_adamw_steps_a_weight_one_fp32_slice_at_a_time(big_vocab_model, gpus, sharding):
     """Pure bf16's AdamW (train/bf16_adamw.py) updates each weight shard in fp32 slices of 2M elements, with 49

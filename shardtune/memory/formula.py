@@ -181,8 +181,10 @@ class Breakdown:
 
     @property
     def tensors(self) -> int:
-        """The total less the allocator's cache: what torch.cuda.max_memory_allocated should report."""
-        return self.total - sum(i.bytes for i in self.items if i.label == ALLOCATOR_CACHE)
+        """What torch.cuda.max_memory_allocated should report: the tensors of the fullest phase, which need not be
+        the one whose tensors and allocator cache together make the reserved peak (the total)."""
+        at_peak = self.total - sum(i.bytes for i in self.items if i.label == ALLOCATOR_CACHE)
+        return max([at_peak, *self.phases.values()])
 
     def per_gpu(self) -> dict[str, int]:
         out = {c: self.category(c) for c in CATEGORIES}
@@ -382,6 +384,7 @@ class _Copies:
     head: float  # as the head's backward begins
     backward: float  # through the last decoder layer
     end: float  # through the first decoder layer
+    embeddings: float = 0  # while the embedding's backward runs
 
 
 def _weight_copies(dp: _DataParallel) -> _Copies:
@@ -407,29 +410,35 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
     # are fp32 (MixedPrecisionPolicy reduce_dtype); pure bf16 reduces the bf16 gradient itself.
     unit_grad = model.layer_trainable(biggest) * (dp.dt.compute + (4 if dp.dt.master == 4 else 0))
     root = model.root_gathered()
+    # Near the end of backward (the second layer's, the first one's prefetched) two layers are gathered, whether or
+    # not they were resharded after forward: each is resharded after its backward.
+    gathered_end = min(2, dp.inv.num_layers) * unit
     if not setup.reshards_after_forward and dp.shard > 1:  # kept gathered from forward to backward
         gathered_fwd = gathered_at_loss = sum(model.layer_gathered(i) for i in range(dp.inv.num_layers))
     else:
-        gathered_fwd = 2 * unit  # the running layer and the prefetched next one
+        gathered_fwd = gathered_end  # the running layer and the prefetched next one
         # Each layer is resharded after its forward, and the last one is gathered again only when backward
         # reaches it (its pre-backward hook): while the loss runs, only the root is unsharded.
         gathered_at_loss = 0 if dp.shard > 1 else gathered_fwd
-    loss, backward = root + gathered_at_loss, root + gathered_fwd + unit_grad
+    loss, backward, end = root + gathered_at_loss, root + gathered_fwd + unit_grad, root + gathered_end + unit_grad
     loss_backward = head = loss
+    # The embedding's backward runs inside the root unit, which its post-backward reshards only after it.
+    embeddings = root
     if setup.separate_root_units and dp.shard > 1 and setup.reshards_after_forward:
         # Embeddings and head are units of their own (torchtune custom_sharded_layers), resharded after their
         # forward: nothing of them is gathered while the decoder layers run backward. The head is gathered again
         # by its pre-backward hook (with its unsharded gradient beside it when it trains).
         head_unit = model.head_gathered()
         head_grad = head_unit if setup.method == "full" else 0  # its unsharded gradient, the same size
-        loss, backward = gathered_at_loss, gathered_fwd + unit_grad
+        loss, backward, end = gathered_at_loss, gathered_fwd + unit_grad, gathered_end + unit_grad
         loss_backward, head = loss, head_unit + head_grad
+        embeddings = root - model.head_gathered()  # gathered again by its own pre-backward hook
     if setup.loss == "shardtune" and dp.shard > 1 and setup.reshards_after_forward:
         # FSDP2 reshards the root after forward (unless told not to, as SHARD_GRAD_OP does) and gathers it again
         # from the pre-backward hook on its output, the loss: before the chunks' backward, the all-gather's output
         # beside the unsharded parameters it is copied into; the chunks then run with the root gathered.
         loss_backward, head = root + gathered_at_loss, 2 * root + gathered_at_loss
-    return _Copies("FSDP all-gathered units (compute dtype)", loss, loss_backward, head, backward, backward)
+    return _Copies("FSDP all-gathered units (compute dtype)", loss, loss_backward, head, backward, end, embeddings)
 
 
 @dataclass(frozen=True)
@@ -441,6 +450,11 @@ class _Gradients:
     not_yet: float  # not yet made while the first decoder layer runs its backward
     tied_pending: float  # a tied head's gradient waiting to be summed with the embedding's
     head_buffer: float  # the fused loss's sum of the head's weight gradient over its chunks
+    # FSDP, at the embedding's backward: the root's unsharded gradients made so far (the head's, and the
+    # embedding's), the first layer's reduce-scatter input, less the root's gradient shards not made yet
+    at_embeddings: float = 0
+    # FSDP: the head's gradient, held unsharded through every decoder layer's backward (in ``head`` too)
+    head_unsharded: float = 0
 
 
 def _pending_gradients(dp: _DataParallel, states: _States) -> _Gradients:
@@ -453,11 +467,22 @@ def _pending_gradients(dp: _DataParallel, states: _States) -> _Gradients:
     inv, setup, model, dt, on_gpu = dp.inv, dp.setup, dp.model, dp.dt, states.on_gpu
     full = setup.method == "full"
     carry = states.grads_b if setup.gradient_accumulation_steps > 1 else 0
-    head = (inv.head_params or inv.embedding_params) * dt.master / dp.shard if full else 0
-    head *= on_gpu
-    tied_pending = 0
+    head_params = (inv.head_params or inv.embedding_params) if full else 0
+    head = head_params * dt.master / dp.shard * on_gpu
+    tied_pending = at_embeddings = head_unsharded = 0
+    if dp.fsdp and not (setup.separate_root_units and dp.shard > 1):
+        # The head is in the root unit, which FSDP2 reduce-scatters after the whole backward: until then its
+        # gradient is unsharded, in the compute dtype (a tied one waits in autograd's buffer, the same size).
+        head = head_unsharded = head_params * dt.compute
     if dp.fsdp:
         not_yet = (model.layer_trainable(0) + model.root_trainable()) * dt.master / dp.shard * on_gpu
+        # The root's gradients are unsharded, in the compute dtype, until its post-backward reduce-scatters them
+        # after the embedding's backward; a tied head's waits beside the embedding's own until they are summed.
+        # The first layer's reduce-scatter input (fp32 when the master weights are) is kept until the next one.
+        root_grads = model.root_trainable() + (inv.embedding_params if full and inv.tied_embeddings else 0)
+        reduce_bytes = 4 if dt.master == 4 else dt.compute
+        at_embeddings = (root_grads * dt.compute + model.layer_trainable(0) * reduce_bytes
+                         - model.root_trainable() * dt.master / dp.shard * on_gpu)
     else:
         down = inv.hidden_size * inv.intermediate_size if full and inv.num_experts == 1 else 0
         not_yet = max(model.layer_trainable(0) - down, 0) * dt.master * on_gpu
@@ -473,7 +498,7 @@ def _pending_gradients(dp: _DataParallel, states: _States) -> _Gradients:
         # the matmul's dtype (the compute dtype under autocast and for FSDP's gathered weights).
         buffer = (inv.head_params or inv.embedding_params) * (dt.compute if dt.autocast_copies or dp.fsdp
                                                               else dt.master)
-    return _Gradients(carry, head, not_yet, tied_pending, buffer)
+    return _Gradients(carry, head, not_yet, tied_pending, buffer, at_embeddings, head_unsharded)
 
 
 def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
@@ -498,13 +523,13 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
                                       copies=copies.backward),
         # The first layer's backward: the other layers' saved tensors (their autocast weight copies among them)
         # are gone, and nearly every gradient is there.
-        "backward (first layer)": dict(grads=states.grads_b - grads.not_yet,
+        "backward (first layer)": dict(grads=states.grads_b - grads.not_yet + grads.head_unsharded,
                                        act=act.rope_tables() + saved.batch + saved.first_layer + in_layer,
                                        copies=copies.end),
         # The embedding's backward reads the gradient of its output (the residual stream's first tensor).
-        "backward (embeddings)": dict(grads=states.grads_b + grads.tied_pending,
+        "backward (embeddings)": dict(grads=states.grads_b + grads.tied_pending + grads.at_embeddings,
                                       act=act.rope_tables() + saved.batch + tokens * act.layer_checkpointed(),
-                                      copies=0),
+                                      copies=copies.embeddings),
         "optimizer step": dict(grads=states.grads_b, act=0, copies=0, step=_optimizer_step_bytes(dp, states)),
     }
     if saved.dora and not dp.setup.gradient_checkpointing:
@@ -544,16 +569,42 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
     # DDP's reducer copies every gradient into flat buckets for its all-reduce (gradient_as_bucket_view is off), a
     # second copy of the trainable gradients that it allocates when the model is wrapped and keeps.
     buckets = states.grads if setup.strategy.replicates and setup.world_size > 1 else 0
-    totals = {}
+
+    def reserve(ph: dict[str, float]) -> int:
+        """What the caching allocator holds beyond the tensors of phase ``ph``. Weight copies (autocast's, FSDP's
+        gathered layers) come back at the same sizes layer after layer and step after step: they reuse their
+        blocks."""
+        dynamic = ph["act"] + (dequant if ph["act"] else 0)
+        cache = allocator_reserve(setup, dynamic, ph["grads"])
+        if setup.fsdp1_init_cache and dp.fsdp:
+            # What FSDP1's wrapping left cached on the default stream is in the reserved peak from the start; the
+            # step's default-stream tensors made after it (gradients, optimizer states, activations) reuse it
+            # first. FSDP1 gathers units on its unshard stream, whose pool cannot use these blocks.
+            init = fsdp1_init_cache(_fsdp1_units(dp), shard, dp.offload)
+            cache = max(cache, round(init - states.optim_b - ph["grads"] - dynamic))
+        return cache
+
+    totals, reserves = {}, {}
     for name, ph in phases.items():
         dyn = ph["act"] + ph["copies"] + (dequant if ph["act"] else 0)
         totals[name] = states.params_b + states.optim_b + buckets + ph["grads"] + dyn + ph.get("step", 0)
-    phase = max(totals, key=totals.get)
+        reserves[name] = reserve(ph)
+    # The peak of reserved memory: the phase whose tensors and cache together are the most.
+    phase = max(totals, key=lambda name: totals[name] + reserves[name])
     ph = phases[phase]
     part = f" (1/{shard} shard)" if shard > 1 else ""
-    pending = " + the tied head's, not yet summed" if grads.tied_pending and phase == "backward (embeddings)" else ""
+    pending = ""
+    if phase == "backward (embeddings)" and grads.tied_pending:
+        pending = " + the tied head's, not yet summed"
+    elif phase == "backward (embeddings)" and grads.at_embeddings:
+        pending = ", the root's still unsharded, and the first layer's reduce-scatter input"
+    elif grads.head_unsharded and phase == "backward (first layer)":
+        pending = " + the head's, unsharded until the root's reduce-scatter"
+    grads_label = "gradients" + part + pending
+    if grads.head_unsharded and phase == "backward (last layer)" and ph["grads"] == grads.head_unsharded:
+        grads_label = "the head's gradient, unsharded until the root's reduce-scatter"
     items = [Item("params", _param_label(setup, shard, dp.offload), round(states.params_b)),
-             Item("grads", "gradients" + part + pending, round(ph["grads"]))]
+             Item("grads", grads_label, round(ph["grads"]))]
     if buckets:
         items.append(Item("grads", "DDP gradient buckets (a copy of the gradients)", round(buckets)))
     items += [Item("optimizer", f"{setup.optimizer} states" + part, round(states.optim_b)),
@@ -564,17 +615,7 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
         items.append(Item("activations", "NF4 weight dequantised for its matmul", round(dequant)))
     if ph["copies"]:
         items.append(Item("overhead" if dp.fsdp else "params", copies.label, round(ph["copies"])))
-    # Weight copies (autocast's, FSDP's gathered layers) come back at the same sizes layer after layer and step
-    # after step: they reuse their blocks.
-    dynamic = ph["act"] + (dequant if ph["act"] else 0)
-    reserve = allocator_reserve(setup, dynamic, ph["grads"])
-    if setup.fsdp1_init_cache and dp.fsdp:
-        # What FSDP1's wrapping left cached on the default stream is in the reserved peak from the start; the
-        # step's default-stream tensors made after it (gradients, optimizer states, activations) reuse it first.
-        # FSDP1 gathers units on its unshard stream, whose pool cannot use these blocks.
-        init = fsdp1_init_cache(_fsdp1_units(dp), shard, dp.offload)
-        reserve = max(reserve, round(init - states.optim_b - ph["grads"] - dynamic))
-    items.append(Item("overhead", ALLOCATOR_CACHE, reserve))
+    items.append(Item("overhead", ALLOCATOR_CACHE, reserves[phase]))
     context = CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if setup.world_size > 1 else 0)
     cpu = round((states.storage + states.grads + states.optim) / shard * setup.num_gpus) if dp.offload else 0
     cpu += _offloaded_activation_bytes(inv, setup, dp.act, setup.num_gpus)
