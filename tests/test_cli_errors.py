@@ -303,12 +303,15 @@ def test_estimate_trace_prints_no_library_noise(tiny, tmp_path):
     assert not [noise for noise in NOISE if noise in proc.stderr], proc.stderr
 
 
-def test_only_those_library_messages_are_silenced(tiny, tmp_path, caplog):
+def test_only_those_library_messages_are_silenced(tiny, tmp_path, caplog, monkeypatch):
     import torch
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny)
+    # A training run in this process (the trainer's loop, the demo's evaluation) sets bitsandbytes' logger to ERROR
+    # for its own duration and beyond: start from the library's default, as a fresh CLI process does.
+    monkeypatch.setattr(logging.getLogger("bitsandbytes"), "level", logging.NOTSET)
     bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
         warnings.simplefilter("always")  # every warning the CLI's filters let through is recorded
