@@ -385,6 +385,7 @@ class _Copies:
     backward: float  # through the last decoder layer
     end: float  # through the first decoder layer
     embeddings: float = 0  # while the embedding's backward runs
+    forward_start: float = 0  # as the first decoder layer's forward begins
 
 
 def _weight_copies(dp: _DataParallel) -> _Copies:
@@ -433,12 +434,20 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
         loss, backward, end = gathered_at_loss, gathered_fwd + unit_grad, gathered_end + unit_grad
         loss_backward, head = loss, head_unit + head_grad
         embeddings = root - model.head_gathered()  # gathered again by its own pre-backward hook
+    # In forward FSDP2 keeps each unit's all-gather output until the next unit's copy-out is done (to overlap
+    # them): as the first decoder layer's parameters are copied out of its all-gather output, the root's output
+    # is still there beside the root's parameters.
+    # FSDP1 (the published runs that set fsdp1_init_cache) gathers straight into a unit's flat parameter: no
+    # copy-out, no output kept.
+    first_unit = root - model.head_gathered() if setup.separate_root_units else root
+    forward_start = 2 * (first_unit + unit) if dp.shard > 1 and not setup.fsdp1_init_cache else 0
     if setup.loss == "shardtune" and dp.shard > 1 and setup.reshards_after_forward:
         # FSDP2 reshards the root after forward (unless told not to, as SHARD_GRAD_OP does) and gathers it again
         # from the pre-backward hook on its output, the loss: before the chunks' backward, the all-gather's output
         # beside the unsharded parameters it is copied into; the chunks then run with the root gathered.
         loss_backward, head = root + gathered_at_loss, 2 * root + gathered_at_loss
-    return _Copies("FSDP all-gathered units (compute dtype)", loss, loss_backward, head, backward, end, embeddings)
+    return _Copies("FSDP all-gathered units (compute dtype)", loss, loss_backward, head, backward, end, embeddings,
+                   forward_start)
 
 
 @dataclass(frozen=True)
@@ -532,6 +541,9 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
                                       copies=copies.embeddings),
         "optimizer step": dict(grads=states.grads_b, act=0, copies=0, step=_optimizer_step_bytes(dp, states)),
     }
+    if copies.forward_start:
+        phases["forward (first layer)"] = dict(grads=grads.carry, act=act.rope_tables() + saved.batch,
+                                               copies=copies.forward_start)
     if saved.dora and not dp.setup.gradient_checkpointing:
         # The last layer's DoRA weight norm, every layer's saved tensors beside it.
         phases["forward (last layer)"] = dict(grads=grads.carry, act=saved.layers + saved.batch + saved.dora,
