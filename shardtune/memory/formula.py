@@ -479,19 +479,24 @@ def _pending_gradients(dp: _DataParallel, states: _States) -> _Gradients:
     head_params = (inv.head_params or inv.embedding_params) if full else 0
     head = head_params * dt.master / dp.shard * on_gpu
     tied_pending = at_embeddings = head_unsharded = 0
-    if dp.fsdp and not (setup.separate_root_units and dp.shard > 1):
-        # The head is in the root unit, which FSDP2 reduce-scatters after the whole backward: until then its
-        # gradient is unsharded, in the compute dtype (a tied one waits in autograd's buffer, the same size).
-        head = head_unsharded = head_params * dt.compute
     if dp.fsdp:
         not_yet = (model.layer_trainable(0) + model.root_trainable()) * dt.master / dp.shard * on_gpu
-        # The root's gradients are unsharded, in the compute dtype, until its post-backward reduce-scatters them
-        # after the embedding's backward; a tied head's waits beside the embedding's own until they are summed.
-        # The first layer's reduce-scatter input (fp32 when the master weights are) is kept until the next one.
-        root_grads = model.root_trainable() + (inv.embedding_params if full and inv.tied_embeddings else 0)
+        # What the unit holding the embeddings reduce-scatters after their backward: the whole root, or (as its
+        # own unit, torchtune's custom_sharded_layers) the embeddings alone, the head's reduce-scattered already.
+        root_unit = unsummed = model.root_trainable()
+        if not (setup.separate_root_units and dp.shard > 1):
+            # The head is in the root unit, reduce-scattered after the whole backward: until then its gradient is
+            # unsharded, in the compute dtype (a tied one waits in autograd's buffer, the same size).
+            head = head_unsharded = head_params * dt.compute
+            unsummed += inv.embedding_params if full and inv.tied_embeddings else 0
+        elif full:
+            root_unit = unsummed = root_unit - inv.head_params
+        # At the embedding's backward those gradients are unsharded, in the compute dtype (a tied pair not yet
+        # summed), and their shards not made; the first layer's reduce-scatter input (fp32 when the master weights
+        # are) is kept until the next one.
         reduce_bytes = 4 if dt.master == 4 else dt.compute
-        at_embeddings = (root_grads * dt.compute + model.layer_trainable(0) * reduce_bytes
-                         - model.root_trainable() * dt.master / dp.shard * on_gpu)
+        at_embeddings = (unsummed * dt.compute + model.layer_trainable(0) * reduce_bytes
+                         - root_unit * dt.master / dp.shard * on_gpu)
     else:
         down = inv.hidden_size * inv.intermediate_size if full and inv.num_experts == 1 else 0
         not_yet = max(model.layer_trainable(0) - down, 0) * dt.master * on_gpu

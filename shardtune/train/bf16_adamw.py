@@ -23,11 +23,11 @@ import math
 
 import torch
 
+# Elements per slice of a tensor processed at once: bounds the fp32/int64 temporaries of one step (49 bytes per
+# element; config/optimizers.py holds both numbers, which the estimator counts) to ~100 MB whatever the size of the
+# largest weight (a large vocabulary's embedding).
 from shardtune.config.optimizers import PURE_BF16_SLICE_ELEMENTS as CHUNK_ELEMENTS
 
-# Elements per slice of a tensor processed at once: bounds the fp32/int64 temporaries of one step (49 bytes per
-# element, counted in config/optimizers.py for the estimator) to ~100 MB whatever the size of the largest weight
-# (a large vocabulary's embedding).
 _LOW16 = 0xFFFF
 _MIX = 0x45D9F3B  # an odd multiplier of a well-known 32-bit integer hash (two multiply-xorshift rounds)
 _STEP_SALT = 0x9E3779B1  # 2^32 / golden ratio: spreads consecutive step counts over the 32-bit range
