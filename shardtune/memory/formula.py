@@ -586,6 +586,10 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
     # DDP's reducer copies every gradient into flat buckets for its all-reduce (gradient_as_bucket_view is off), a
     # second copy of the trainable gradients that it allocates when the model is wrapped and keeps.
     buckets = states.grads if setup.strategy.replicates and setup.world_size > 1 else 0
+    # What FSDP1's wrapping left cached on the default stream is in the reserved peak from the start; the step's
+    # default-stream tensors made after it (gradients, optimizer states, activations) reuse it first. FSDP1 gathers
+    # units on its unshard stream, whose pool cannot use these blocks. The same for every phase: replayed once.
+    init = fsdp1_init_cache(_fsdp1_units(dp), shard, dp.offload) if setup.fsdp1_init_cache and dp.fsdp else None
 
     def reserve(ph: dict[str, float]) -> int:
         """What the caching allocator holds beyond the tensors of phase ``ph``. Weight copies (autocast's, FSDP's
@@ -593,11 +597,7 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
         blocks."""
         dynamic = ph["act"] + (dequant if ph["act"] else 0)
         cache = allocator_reserve(setup, dynamic, ph["grads"])
-        if setup.fsdp1_init_cache and dp.fsdp:
-            # What FSDP1's wrapping left cached on the default stream is in the reserved peak from the start; the
-            # step's default-stream tensors made after it (gradients, optimizer states, activations) reuse it
-            # first. FSDP1 gathers units on its unshard stream, whose pool cannot use these blocks.
-            init = fsdp1_init_cache(_fsdp1_units(dp), shard, dp.offload)
+        if init is not None:
             cache = max(cache, round(init - states.optim_b - ph["grads"] - dynamic))
         return cache
 
