@@ -5,7 +5,8 @@ attention kernel, length grouping).
 
 Recorded: the model's attention implementation, its embedding rows, its 4-bit linear layers; under FSDP2, each
 unit's module class, its device mesh (shape and dimension names), whether it reshards after forward, how many units
-it prefetches in forward, and its offload policy; step by step, the real (unpadded) length of every row of every
+it prefetches in forward, and its offload policy, and whether each of the first step's forwards reduces its
+gradients (deferred to the last micro-batch, or not); step by step, the real (unpadded) length of every row of every
 micro-batch (unpacked rows); and the first step's schedule as the rank's last decoder layer sees it. FSDP2's and
 autograd's private attributes are read (torch 2.13): a torch upgrade may rename them.
 """
@@ -57,6 +58,23 @@ class SetupProbe:
                           "offload": sorted({type(g.offload_policy).__name__ for g in groups})})
         self.record["fsdp_units"] = units
         self._watch_last_layer(model)
+        self._watch_gradient_sync(model)
+
+    def _watch_gradient_sync(self, model) -> None:
+        """Whether the root unit will reduce its gradients after each forward of step 1 (FSDP2 only)."""
+        import torch
+
+        self.record["gradient_sync"] = []
+        units = fsdp_units(model)
+        if not units:
+            return
+        root, _, groups = units[0]  # modules() yields the root first
+
+        def before(module, args) -> None:
+            if self.recording and torch._C._current_graph_task_id() == -1:
+                self.record["gradient_sync"].append(all(g.reduce_grads for g in groups))
+
+        root.register_forward_pre_hook(before)
 
     def _watch_last_layer(self, model) -> None:
         """The schedule as this rank's last decoder layer sees step 1: "F<rows>" for each forward (the rows of its

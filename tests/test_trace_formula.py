@@ -13,6 +13,7 @@ logit gradients at a long sequence.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from shardtune.memory.formula import estimate
 from shardtune.memory.inventory import ModelAnalysis
@@ -197,6 +198,29 @@ def test_pure_bf16_adamw_steps_a_weight_one_fp32_slice_at_a_time(big_vocab_model
     largest = min(32000 // gpus * 256, PURE_BF16_SLICE_ELEMENTS)
     assert result.categories["optimizer"] - moments == pytest.approx(largest * PURE_BF16_SLICE_BYTES_PER_ELEMENT,
                                                                      rel=0.01)
+
+
+def _no_shard(method: str, torch_dtype: str | None, strategy: str = "FSDP"):
+    return checked_setup(method=method, distributed_type=strategy, num_gpus=2, fsdp_sharding_strategy="NO_SHARD",
+                         per_device_train_batch_size=2, max_seq_len=512, gradient_checkpointing=True,
+                         mixed_precision="bf16", loss="shardtune", torch_dtype=torch_dtype)
+
+
+def test_no_shard_holds_every_parameter_once_as_ddp_does(untied_wide_vocab_model):
+    """NO_SHARD is DDP done by FSDP2, whose shard group is one GPU. FSDP2 still copies each unit into its gathered
+    parameters (its all-gather of one): kept from forward to backward, those copies held every parameter twice
+    (1.75x DDP's peak here). NO_SHARD now reshards after forward, so beyond DDP's peak it holds only the root's
+    copy and the running layer's (FSDP2 makes that copy as a unit runs: nothing is prefetched)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(untied_wide_vocab_model))
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    root = sum(p.numel() for p in model.parameters()) - len(model.model.layers) * layer
+    _, _, ddp, _ = formula_and_trace(untied_wide_vocab_model, _no_shard("lora", "bfloat16", "DDP"))
+    _, _, no_shard, _ = formula_and_trace(untied_wide_vocab_model, _no_shard("lora", "bfloat16"))
+    copies = (root + layer) * 2  # bf16
+    assert no_shard - ddp == pytest.approx(copies, rel=0.05), f"NO_SHARD {no_shard:,} B vs DDP {ddp:,} B"
 
 
 PATTERNS = [  # (model fixture, method, checkpointing): 1 x 2048 tokens

@@ -142,8 +142,10 @@ SET_UP = {
     "lora_fsdp_size_based_wrap": lambda p: "LlamaModel" in {u["module"] for u in p["fsdp_units"]},
     "lora_fsdp_hybrid_shard": lambda p: _units(p, "mesh_dims") == {'["replicate", "shard"]'}
     and _units(p, "mesh_shape") == {"[1, 2]"},
+    # NO_SHARD reshards after forward (kept, the gathered copies would hold every parameter twice) and reduces
+    # only on the last micro-batch (its shards are whole: deferring costs no memory)
     "lora_fsdp_no_shard": lambda p: _units(p, "mesh_shape") == {"[2, 1]"}
-    and _units(p, "reshard_after_forward") == {"false"},
+    and _units(p, "reshard_after_forward") == {"true"} and p["gradient_sync"] == [False, True],
     "lora_fsdp_offload_two_processes": lambda p: _units(p, "offload") == {'["CPUOffloadPolicy"]'}
     and _units(p, "mesh_shape") == {"[2]"},
 }

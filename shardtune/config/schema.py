@@ -368,8 +368,9 @@ class DistributedConfig:
     fsdp_state_dict_type: StateDictType = key("SHARDED_STATE_DICT", "Checkpoints: each rank writes its shard "
                                                                     "(SHARDED) or rank 0 writes all (FULL).",
                                               needs=FSDP_ONLY)
-    fsdp_reshard_after_forward: bool | None = key(None, "FSDP2's name; overrides what the sharding strategy implies.",
-                                                  needs=FSDP_ONLY)
+    fsdp_reshard_after_forward: bool | None = key(None, "FSDP2's name; overrides what the sharding strategy "
+                                                  "implies (FULL_SHARD, HYBRID_SHARD and NO_SHARD reshard, "
+                                                  "SHARD_GRAD_OP does not).", needs=FSDP_ONLY)
     fsdp_activation_checkpointing: bool = key(False, "Checkpoint every wrapped unit (Accelerate's key; same as "
                                                      "gradient_checkpointing).")
     fsdp_backward_prefetch: Literal["BACKWARD_PRE"] | None = key(
@@ -408,10 +409,12 @@ class DistributedConfig:
     def reshards_after_forward(self) -> bool:
         """Whether FSDP2 frees each unit's gathered parameters after its forward and gathers them again for its
         backward: fsdp_reshard_after_forward, else what the sharding implies (FULL_SHARD and HYBRID_SHARD do,
-        SHARD_GRAD_OP does not). The trainer's plan and the estimate both read it here."""
+        SHARD_GRAD_OP does not). NO_SHARD does too: its shard group is one GPU, so gathering again is a local copy,
+        while keeping the gathered copies would hold every parameter twice (FSDP2 copies even a whole "shard" into
+        its gather buffer), not once as DDP does. The trainer's plan and the estimate both read it here."""
         if self.fsdp_reshard_after_forward is not None:
             return self.fsdp_reshard_after_forward
-        return self.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        return self.fsdp_sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD", "NO_SHARD")
 
 
 @dataclass

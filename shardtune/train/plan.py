@@ -57,11 +57,13 @@ class Plan:
     def defers_gradient_sync(self) -> bool:
         """Whether gradients are reduced only on the last micro-batch of an accumulation.
 
-        DDP and FSDP without resharding hold full gradients anyway, so deferring saves communication for free.
-        FULL_SHARD / HYBRID_SHARD reduce-scatter every micro-batch instead: deferring would keep unsharded
-        gradients for the whole accumulation, the memory FULL_SHARD was chosen to save.
+        DDP, NO_SHARD (whose shards are whole) and FSDP without resharding hold full gradients anyway, so deferring
+        saves communication for free. FULL_SHARD / HYBRID_SHARD reduce-scatter every micro-batch instead: deferring
+        would keep unsharded gradients for the whole accumulation, the memory FULL_SHARD was chosen to save.
         """
-        return self.strategy.replicates or (self.strategy.shards_parameters and not self.reshard_after_forward)
+        if self.strategy.replicates:
+            return True
+        return self.strategy.shards_parameters and (self.sharding == "NO_SHARD" or not self.reshard_after_forward)
 
     @property
     def places_weights_itself(self) -> bool:
