@@ -77,12 +77,42 @@ def _frozen_aware_mem_tracker():
     return Tracker()
 
 
+def _post_backward_without_leak(self, fsdp_mod: nn.Module, orig_post_backward):
+    """``FSDPMemTracker``'s wrapper of a unit's post-backward (torch 2.13), less a leak: its loop over the unit's
+    parameters leaves the last one's unsharded gradient in a local variable through the whole post-backward. The
+    root unit's last parameter is an untied head, so the trace held the head's gradient, in the compute dtype,
+    beside the root's reduce-scatter buffers, where a training step has freed it (once copied in)."""
+    from functools import wraps
+
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState, _FSDPRefType, _FSDPState
+
+    def note(ref_type, param_of) -> None:
+        group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group else ():
+            grad = param_of(fsdp_param).grad
+            if grad is not None:
+                self._update_and_maybe_create_winfos(grad, ref_type,
+                                                     update_existing=ref_type is _FSDPRefType.UNSHARDED_GRAD)
+
+    @wraps(orig_post_backward)
+    def inner(*args, **kwargs) -> None:
+        note(_FSDPRefType.UNSHARDED_GRAD, lambda p: p._unsharded_param)
+        stats = self.memory_tracking[fsdp_mod]
+        stats.snapshots.setdefault(_FSDPModState.BEF_POST_BW, []).append(self.get_tracker_snapshot())
+        self._fsdp_state = _FSDPState.POST_BW
+        orig_post_backward(*args, **kwargs)
+        note(_FSDPRefType.SHARDED_GRAD, lambda p: p.sharded_param)
+        stats.snapshots.setdefault(_FSDPModState.AFT_POST_BW, []).append(self.get_tracker_snapshot())
+
+    return inner
+
+
 def make_tracker(model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool):
     if fsdp:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         class Tracker(_PeaksOfRunningModules, FSDPMemTracker):
-            pass
+            _fsdp_param_group_post_backward = _post_backward_without_leak
 
         return Tracker(model, optimizer)
     tracker = _frozen_aware_mem_tracker()
