@@ -325,16 +325,20 @@ class Activations:
             return tokens * max(8 * v, e * v + 4 * v)
         return tokens * (e * v + (4 * v if e != 4 else 0))
 
-    def loss_backward_bytes(self, tokens: int) -> int:
-        """The gradients of the logits at the start of backward (beyond the saved activations)."""
+    def loss_backward_bytes(self, tokens: int, head_gradient: float = 0) -> int:
+        """The gradients of the logits at the start of backward (beyond the saved activations). ``head_gradient``:
+        the bytes of the head's weight gradient as its matmul makes it (full fine-tuning's fused loss)."""
         v = self.inv.vocab_size
         if self.setup.loss == "shardtune":
             # Backward recomputes one chunk: its log-softmax, that output's gradient and the gradient of the fp32
-            # logits (12 bytes a value) at the log-softmax's backward. The chunks run last to first, and the
-            # gradients of the head's input wait for all of them (the split's backward joins them): at the first
-            # chunk, those of every other chunk are there.
+            # logits (12 bytes a value) at the log-softmax's backward. Then, when the head trains, its weight
+            # gradient's matmul writes a new head-sized gradient (summed into autograd's buffer after it) from the
+            # logits' gradient in the matmul's dtype. The chunks run last to first, and the gradients of the head's
+            # input wait for all of them (the split's backward joins them): at the first chunk, those of every
+            # other chunk are there.
             chunk = self.loss_chunk_tokens(tokens)
-            return 12 * v * chunk + (tokens - chunk) * self.dt.residual * self.inv.hidden_size
+            at_chunk = max(12 * v * chunk, head_gradient + self.dt.compute * v * chunk)
+            return int(at_chunk) + (tokens - chunk) * self.dt.residual * self.inv.hidden_size
         if self.setup.loss == "chunked":
             # Each chunk is its own branch of the graph: autograd runs one chunk's loss backward and then its slice
             # of the output projection, and frees that chunk's gradient before the next one, so one chunk's

@@ -411,16 +411,21 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
     # are fp32 (MixedPrecisionPolicy reduce_dtype); pure bf16 reduces the bf16 gradient itself.
     unit_grad = model.layer_trainable(biggest) * (dp.dt.compute + (4 if dp.dt.master == 4 else 0))
     root = model.root_gathered()
+    # FSDP2 copies a unit into its gathered parameters even when the shard is the whole unit (NO_SHARD), so what
+    # it holds follows resharding alone; but that copy is made as the unit runs, not prefetched. FSDP1 (the
+    # published runs that set fsdp1_init_cache) computes on a whole shard in place.
+    copies = dp.shard > 1 or not setup.fsdp1_init_cache
+    prefetched = 0 if copies and dp.shard == 1 else 1
     # Near the end of backward (the second layer's, the first one's prefetched) two layers are gathered, whether or
     # not they were resharded after forward: each is resharded after its backward.
-    gathered_end = min(2, dp.inv.num_layers) * unit
-    if not setup.reshards_after_forward and dp.shard > 1:  # kept gathered from forward to backward
+    gathered_end = min(1 + prefetched, dp.inv.num_layers) * unit
+    if not setup.reshards_after_forward and copies:  # kept gathered from forward to backward
         gathered_fwd = gathered_at_loss = sum(model.layer_gathered(i) for i in range(dp.inv.num_layers))
     else:
         gathered_fwd = gathered_end  # the running layer and the prefetched next one
         # Each layer is resharded after its forward, and the last one is gathered again only when backward
         # reaches it (its pre-backward hook): while the loss runs, only the root is unsharded.
-        gathered_at_loss = 0 if dp.shard > 1 else gathered_fwd
+        gathered_at_loss = 0 if copies else gathered_fwd
     loss, backward, end = root + gathered_at_loss, root + gathered_fwd + unit_grad, root + gathered_end + unit_grad
     loss_backward = head = loss
     # The embedding's backward runs inside the root unit, which its post-backward reshards only after it.
@@ -444,8 +449,9 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
     if setup.loss == "shardtune" and dp.shard > 1 and setup.reshards_after_forward:
         # FSDP2 reshards the root after forward (unless told not to, as SHARD_GRAD_OP does) and gathers it again
         # from the pre-backward hook on its output, the loss: before the chunks' backward, the all-gather's output
-        # beside the unsharded parameters it is copied into; the chunks then run with the root gathered.
-        loss_backward, head = root + gathered_at_loss, 2 * root + gathered_at_loss
+        # beside the unsharded parameters it is copied into; the chunks then run with the root gathered and the
+        # last layer's all-gather, which that hook prefetches, in flight beside it.
+        loss_backward, head = root + gathered_at_loss + unit, 2 * root + gathered_at_loss
     return _Copies("FSDP all-gathered units (compute dtype)", loss, loss_backward, head, backward, end, embeddings,
                    forward_start)
 
@@ -525,7 +531,7 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
         "forward (loss)": dict(grads=grads.carry, act=saved.all + act.loss_forward_bytes(tokens),
                                copies=copies.loss),
         "backward (loss)": dict(grads=grads.carry if fused else max(grads.carry, grads.head),
-                                act=saved.all + act.loss_backward_bytes(tokens) + grads.head_buffer,
+                                act=saved.all + act.loss_backward_bytes(tokens, grads.head_buffer) + grads.head_buffer,
                                 copies=copies.loss_backward),
         # The loss's backward is about to start (shardtune's: before its chunks, with the head inside them) or
         # the gradient of the logits is complete and the logits are gone (the other losses: the gradient takes
@@ -554,13 +560,17 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
         phases["forward (last layer)"] = dict(grads=grads.carry, act=saved.layers + saved.batch + saved.dora,
                                               copies=copies.loss)
     if dp.fsdp:
-        # After the whole backward FSDP2 reduce-scatters the root's gradients (embeddings, head): its unsharded
-        # gradient in compute dtype beside the fp32 copy it reduce-scatters (pure bf16 reduces the bf16 one), the
-        # root's gradient shards not made yet. Large for full fine-tuning of a large vocabulary.
-        root_trainable = dp.model.root_trainable()
+        # After the whole backward FSDP2 reduce-scatters the root's gradients (embeddings, head). It copies the
+        # unsharded gradient (compute dtype) into the reduce-scatter input (fp32 with fp32 master weights), frees
+        # it, then reduce-scatters into the new gradient shard, keeping the input to the end of backward: first the
+        # gradient beside the input with the root's shards not made yet, then the input beside the shards, which
+        # is the larger when the shard is the whole gradient (NO_SHARD). Large for full fine-tuning of a large
+        # vocabulary.
+        root_trainable, reduce_bytes = dp.model.root_trainable(), (4 if dp.dt.master == 4 else dp.dt.compute)
+        root_shards = root_trainable * dp.dt.master / dp.shard * states.on_gpu
         phases["backward (root gradients)"] = {
-            "grads": states.grads_b - root_trainable * dp.dt.master / dp.shard * states.on_gpu, "act": saved.batch,
-            "copies": root_trainable * (dp.dt.compute + (4 if dp.dt.master == 4 else 0))}
+            "grads": states.grads_b - root_shards, "act": saved.batch,
+            "copies": root_trainable * reduce_bytes + max(root_trainable * dp.dt.compute, root_shards)}
     return phases
 
 
