@@ -562,11 +562,11 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
     if dp.fsdp:
         # After the whole backward FSDP2 reduce-scatters the root's gradients (embeddings, head). It copies the
         # unsharded gradient (compute dtype) into the reduce-scatter input (fp32 with fp32 master weights), frees
-        # it, then reduce-scatters into the new gradient shard, keeping the input to the end of backward: first the
-        # gradient beside the input with the root's shards not made yet, then the input beside the shards, which
-        # is the larger when the shard is the whole gradient (NO_SHARD). Large for full fine-tuning of a large
-        # vocabulary. On more than one GPU the reduce-scatter (torch 2.13's foreach_reduce) keeps the unit's last
-        # gradient, an untied head's in the root, alive through it in a loop variable.
+        # it, then reduce-scatters into the new gradient shard: first the gradient beside the input with the root's
+        # shards not made yet, then the input beside the shards, which is the larger when the shard is the whole
+        # gradient (NO_SHARD). Large for full fine-tuning of a large vocabulary. On more than one GPU the
+        # reduce-scatter (torch 2.13's foreach_reduce) keeps the unit's last gradient, an untied head's in the
+        # root, alive through it in a loop variable.
         root_trainable, reduce_bytes = dp.model.root_trainable(), (4 if dp.dt.master == 4 else dp.dt.compute)
         root_shards = root_trainable * dp.dt.master / dp.shard * states.on_gpu
         last = dp.inv.head_params * dp.dt.compute if dp.setup.method == "full" and dp.shard > 1 else 0

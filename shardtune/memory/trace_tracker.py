@@ -81,7 +81,8 @@ def _post_backward_without_leak(self, fsdp_mod: nn.Module, orig_post_backward):
     """``FSDPMemTracker``'s wrapper of a unit's post-backward (torch 2.13), less a leak: its loop over the unit's
     parameters leaves the last one's unsharded gradient in a local variable through the whole post-backward. The
     root unit's last parameter is an untied head, so the trace held the head's gradient, in the compute dtype,
-    beside the root's reduce-scatter buffers, where a training step has freed it (once copied in)."""
+    beside the root's reduce-scatter buffers, where a training step on a shard group of one GPU (NO_SHARD) has
+    freed it once copied in (on more GPUs FSDP2's own reduce-scatter keeps it until it returns)."""
     from functools import wraps
 
     from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState, _FSDPRefType, _FSDPState
