@@ -3,7 +3,7 @@
 Bound: the formula (its allocator/workspace item left out, since the trace counts tensor bytes only) is within
 7% of the traced per-GPU peak at every grid point, with the formula's ``loss="shardtune"`` (the trainer's own
 loss). Two models: a 512-token vocabulary, where the layers dominate, and a 32k one, where the loss does. Known
-gaps (bench/results/trace_vs_formula_cpu.md): FSDP full fine-tuning on the 512-vocabulary model, formula ~6%
+gaps (bench/results/trace_vs_formula_cpu.md): FSDP full fine-tuning on the 512-vocabulary model, formula ~7%
 above (FSDP's gathered units and reduce-scatter buffers are counted as whole units at every phase). A second set
 pins, within 3%, the patterns that the 1B-3B grid (bench/results/estimate_cuda_predictions.md) showed: tied
 embeddings at the end of backward, LoRA adapters under autocast with and without checkpointing, and the loss's
