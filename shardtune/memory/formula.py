@@ -386,6 +386,9 @@ class _Copies:
     end: float  # through the first decoder layer
     embeddings: float = 0  # while the embedding's backward runs
     forward_start: float = 0  # as the first decoder layer's forward begins
+    # FSDP with fp32 master weights: a layer's fp32 reduce-scatter input, made after its backward, once the layer's
+    # own temporaries are gone (``backward`` and ``end`` leave it out)
+    reduce_input: float = 0
 
 
 def _weight_copies(dp: _DataParallel) -> _Copies:
@@ -407,9 +410,11 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
     """FSDP2's units gathered in the compute dtype: the running layer and the prefetched next one, the root."""
     model, setup, biggest = dp.model, dp.setup, dp.biggest_layer
     unit = model.layer_gathered(biggest)
-    # A layer's unsharded gradient in compute dtype, plus the fp32 copy reduce-scattered when the master weights
-    # are fp32 (MixedPrecisionPolicy reduce_dtype); pure bf16 reduces the bf16 gradient itself.
-    unit_grad = model.layer_trainable(biggest) * (dp.dt.compute + (4 if dp.dt.master == 4 else 0))
+    # A layer's unsharded gradient in compute dtype, and the fp32 copy reduce-scattered when the master weights are
+    # fp32 (MixedPrecisionPolicy reduce_dtype), made after the layer's backward (``_phases`` weighs it against the
+    # layer's temporaries); pure bf16 reduces the bf16 gradient.
+    reduce_input = model.layer_trainable(biggest) * (4 if dp.dt.master == 4 else 0)
+    unit_grad = model.layer_trainable(biggest) * dp.dt.compute
     root = model.root_gathered()
     # FSDP2 copies a unit into its gathered parameters even when the shard is the whole unit (NO_SHARD), so what
     # it holds follows resharding alone; but that copy is made as the unit runs, not prefetched. FSDP1 (the
@@ -453,7 +458,7 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
         # last layer's all-gather, which that hook prefetches, in flight beside it.
         loss_backward, head = root + gathered_at_loss + unit, 2 * root + gathered_at_loss
     return _Copies("FSDP all-gathered units (compute dtype)", loss, loss_backward, head, backward, end, embeddings,
-                   forward_start)
+                   forward_start, reduce_input)
 
 
 @dataclass(frozen=True)
@@ -540,12 +545,12 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
         "backward (head)": dict(grads=grads.carry, act=saved.all, copies=copies.head),
         "backward (last layer)": dict(grads=max(grads.carry, grads.head),
                                       act=saved.layers + saved.batch + saved.recompute + in_layer,
-                                      copies=copies.backward),
+                                      copies=copies.backward + max(copies.reduce_input - in_layer, 0)),
         # The first layer's backward: the other layers' saved tensors (their autocast weight copies among them)
         # are gone, and nearly every gradient is there.
         "backward (first layer)": dict(grads=states.grads_b - grads.not_yet + grads.head_unsharded,
                                        act=act.rope_tables() + saved.batch + saved.first_layer + in_layer,
-                                       copies=copies.end),
+                                       copies=copies.end + max(copies.reduce_input - in_layer, 0)),
         # The embedding's backward reads the gradient of its output (the residual stream's first tensor).
         "backward (embeddings)": dict(grads=states.grads_b + grads.tied_pending + grads.at_embeddings,
                                       act=act.rope_tables() + saved.batch + tokens * act.layer_checkpointed(),
