@@ -431,7 +431,9 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
         # Each layer is resharded after its forward, and the last one is gathered again only when backward
         # reaches it (its pre-backward hook): while the loss runs, only the root is unsharded.
         gathered_at_loss = 0 if copies else gathered_fwd
-    loss, backward, end = root + gathered_at_loss, root + gathered_fwd + unit_grad, root + gathered_end + unit_grad
+    # The decoder layers' part of the backward phases: through the last layer, and near the end (the first one).
+    layers_backward, layers_end = gathered_fwd + unit_grad, gathered_end + unit_grad
+    loss, backward, end = root + gathered_at_loss, root + layers_backward, root + layers_end
     loss_backward = head = loss
     # The embedding's backward runs inside the root unit, which its post-backward reshards only after it.
     embeddings = root
@@ -441,7 +443,7 @@ def _fsdp_gathered(dp: _DataParallel) -> _Copies:
         # by its pre-backward hook (with its unsharded gradient beside it when it trains).
         head_unit = model.head_gathered()
         head_grad = head_unit if setup.method == "full" else 0  # its unsharded gradient, the same size
-        loss, backward, end = gathered_at_loss, gathered_fwd + unit_grad, gathered_end + unit_grad
+        loss, backward, end = gathered_at_loss, layers_backward, layers_end
         loss_backward, head = loss, head_unit + head_grad
         embeddings = root - model.head_gathered()  # gathered again by its own pre-backward hook
     # In forward FSDP2 keeps each unit's all-gather output until the next unit's copy-out is done (to overlap
@@ -504,9 +506,8 @@ def _pending_gradients(dp: _DataParallel, states: _States) -> _Gradients:
             root_unit = unsummed = root_unit - inv.head_params
         # At the embedding's backward those gradients are unsharded, in the compute dtype (a tied pair not yet
         # summed), and their shards not made; the first layer's reduce-scatter input (fp32 when the master weights
-        # are) is kept until the next one.
-        reduce_bytes = 4 if dt.master == 4 else dt.compute
-        at_embeddings = (unsummed * dt.compute + model.layer_trainable(0) * reduce_bytes
+        # are; FSDP reduces in the master weights' dtype, Precision.reduce_dtype) is kept until the next one.
+        at_embeddings = (unsummed * dt.compute + model.layer_trainable(0) * dt.master
                          - root_unit * dt.master / dp.shard * on_gpu)
     else:
         down = inv.hidden_size * inv.intermediate_size if full and inv.num_experts == 1 else 0
@@ -532,6 +533,8 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
     act, tokens, fused = dp.act, dp.tokens, dp.setup.loss == "shardtune"
     # With checkpointing a layer's backward starts by recomputing its forward, DoRA's weight norm included.
     in_layer = max(saved.layer_backward, saved.dora if dp.setup.gradient_checkpointing else 0)
+    # Under FSDP with fp32 masters a layer's fp32 reduce-scatter input comes once its temporaries are gone.
+    after_layer = max(copies.reduce_input - in_layer, 0)
     phases = {
         "forward (loss)": dict(grads=grads.carry, act=saved.all + act.loss_forward_bytes(tokens),
                                copies=copies.loss),
@@ -545,12 +548,12 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
         "backward (head)": dict(grads=grads.carry, act=saved.all, copies=copies.head),
         "backward (last layer)": dict(grads=max(grads.carry, grads.head),
                                       act=saved.layers + saved.batch + saved.recompute + in_layer,
-                                      copies=copies.backward + max(copies.reduce_input - in_layer, 0)),
+                                      copies=copies.backward + after_layer),
         # The first layer's backward: the other layers' saved tensors (their autocast weight copies among them)
         # are gone, and nearly every gradient is there.
         "backward (first layer)": dict(grads=states.grads_b - grads.not_yet + grads.head_unsharded,
                                        act=act.rope_tables() + saved.batch + saved.first_layer + in_layer,
-                                       copies=copies.end + max(copies.reduce_input - in_layer, 0)),
+                                       copies=copies.end + after_layer),
         # The embedding's backward reads the gradient of its output (the residual stream's first tensor).
         "backward (embeddings)": dict(grads=states.grads_b + grads.tied_pending + grads.at_embeddings,
                                       act=act.rope_tables() + saved.batch + tokens * act.layer_checkpointed(),
@@ -572,12 +575,12 @@ def _phases(dp: _DataParallel, states: _States, saved: _Saved, copies: _Copies,
         # gradient (NO_SHARD). Large for full fine-tuning of a large vocabulary. On more than one GPU the
         # reduce-scatter (torch 2.13's foreach_reduce) keeps the unit's last gradient, an untied head's in the
         # root, alive through it in a loop variable.
-        root_trainable, reduce_bytes = dp.model.root_trainable(), (4 if dp.dt.master == 4 else dp.dt.compute)
+        root_trainable = dp.model.root_trainable()
         root_shards = root_trainable * dp.dt.master / dp.shard * states.on_gpu
         last = dp.inv.head_params * dp.dt.compute if dp.setup.method == "full" and dp.shard > 1 else 0
         phases["backward (root gradients)"] = {
             "grads": states.grads_b - root_shards, "act": saved.batch,
-            "copies": root_trainable * reduce_bytes + max(root_trainable * dp.dt.compute, root_shards + last)}
+            "copies": root_trainable * dp.dt.master + max(root_trainable * dp.dt.compute, root_shards + last)}
     return phases
 
 
