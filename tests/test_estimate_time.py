@@ -292,6 +292,26 @@ def test_h100_and_a100_speeds_of_tuned_stacks_bound_the_prediction():
     assert a100.mfu < 0.568  # eager transformers modules stay under torchtitan's tuned figure
 
 
+def test_a_mixture_of_experts_computes_with_the_experts_its_router_picks():
+    """Mixtral-8x7B: a token runs attention, the router and 2 of its 8 experts. transformers 5 stores the experts
+    as 3-D tensors, outside the nn.Linear count; the time must come from the routed experts all the same (it was
+    negative: the 6 idle experts were subtracted from a count that never held them)."""
+    from shardtune import catalog
+
+    c = catalog.load("mixtral-8x7b")
+    h, i, layers, kv = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["num_key_value_heads"]
+    head_dim = h // c["num_attention_heads"]
+    attention = 2 * h * h + 2 * h * kv * head_dim
+    per_layer = attention + c["num_local_experts"] * h + c["num_experts_per_tok"] * 3 * h * i + 2 * h  # + norms
+    inv = ModelAnalysis("mixtral-8x7b").inventory
+    assert compute.active_linear_params(inv) == layers * per_layer
+    for method, nodes in (("lora", 1), ("qlora", 1), ("full", 2)):
+        step = predict("mixtral-8x7b", checked_setup(distributed_type="FSDP", num_gpus=8, num_nodes=nodes,
+                                                     method=method, per_device_train_batch_size=2,
+                                                     max_seq_len=2048), "h100-80gb")
+        assert step.compute_s > 0 and 0.05 < step.mfu < 0.6, (method, step.compute_s, step.mfu)
+
+
 # --- Data, links and prices ---------------------------------------------------------------------------------------
 
 def _write_rows(path, rows):

@@ -98,10 +98,10 @@ def _job_options(job: argparse._ArgumentGroup) -> None:
 def _output_options(p: argparse.ArgumentParser) -> None:
     """What the estimate models besides the job, and what it writes."""
     p.add_argument("--loss", default="shardtune", choices=LOSSES,
-                   help="shardtune: shardtune train's loss (bf16 logits kept, fp32 one chunk at a time, recomputed "
-                        "in backward); full: transformers' loss, fp32 logits of the whole micro-batch; full-shifted: "
-                        "transformers <= 4.44's, which also keeps a shifted fp32 copy; chunked: "
-                        "torchtune's compiled chunked cross-entropy (default: shardtune)")
+                   help="shardtune: shardtune train's loss (fused with the head: one chunk of tokens' logits at a "
+                        "time, in fp32, recomputed in backward; no logits kept); full: transformers' loss, fp32 "
+                        "logits of the whole micro-batch; full-shifted: transformers <= 4.44's, which also keeps a "
+                        "shifted fp32 copy; chunked: torchtune's compiled chunked cross-entropy (default: shardtune)")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also write a PNG: the per-GPU breakdown of each setup against the GPU's memory; with "
                         "--time also FILE-time.png, each setup's time and cost")

@@ -142,9 +142,19 @@ def inactive_expert_params(inv: ModelInventory) -> int:
     return inv.num_layers * (inv.num_experts - inv.experts_per_token) * 3 * inv.hidden_size * inv.intermediate_size
 
 
+def active_linear_params(inv: ModelInventory) -> int:
+    """The decoder layers' matmul weights one token runs through: every linear layer of a dense model; of a
+    mixture of experts, the attention, the router and the k experts the router picks. transformers 5 stores the
+    experts as 3-D tensors, not nn.Linear (so not in ``layer_linear_params``): they are counted from
+    ``layer_params``, whatever their layout (the few norm weights in it are noise beside the matmuls)."""
+    if inv.num_experts <= 1:
+        return sum(inv.layer_linear_params)
+    return sum(inv.layer_params) - inactive_expert_params(inv)
+
+
 def matmul_flops_per_token(inv: ModelInventory, setup: Setup, adapters: int, recompute: float) -> float:
     """Hardware FLOPs of the linear layers and the LM head per token: forward, backward, recomputation."""
-    layers = sum(inv.layer_linear_params) - inactive_expert_params(inv)
+    layers = active_linear_params(inv)
     head = inv.vocab_size * inv.hidden_size
     frozen_base = setup.uses_lora
     backward = (2.0 if frozen_base else 4.0) * (layers + head) + 4.0 * adapters
@@ -201,7 +211,7 @@ def weight_bytes(inv: ModelInventory, setup: Setup, recompute: float) -> float:
     """Each pass reads the weights once per micro-batch (forward, backward's input gradient, the recompute); full
     fine-tuning adds each weight's gradient to its fp32 accumulator (read and write 4 bytes), and autocast casts
     fp32 weights to bf16 in every forward (read 4, write 2)."""
-    weights = sum(inv.layer_linear_params) - inactive_expert_params(inv) + inv.vocab_size * inv.hidden_size
+    weights = active_linear_params(inv) + inv.vocab_size * inv.hidden_size
     total = weights * 2 * (2 + recompute)
     if setup.method == "full":
         total += weights * 8
