@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,3 +31,37 @@ def write_text(path: str | Path, text: str) -> Path:
     with replacing(path) as tmp:
         tmp.write_text(text)
     return Path(path)
+
+
+# What marks a file as shardtune's own: a comment in its text files ("Written by 'shardtune launch'"), the
+# "written_by" key of its JSON, the Software or Creator field of its pictures (FIGURE_METADATA).
+WRITTEN_BY = "written by shardtune"
+_OURS = re.compile(rb"(?i)written[ _]by[\"':\s]*shardtune")
+_SCAN_BYTES = 4 << 20  # pictures keep their text fields near the start (PNG) or the end (PDF): all of a small file
+
+
+def figure_metadata(fmt: str) -> dict[str, str]:
+    """What ``savefig`` writes into a picture of format ``fmt`` so that shardtune later knows it as its own."""
+    field = {"png": "Software", "pdf": "Creator", "svg": "Creator"}.get(fmt)
+    return {field: WRITTEN_BY} if field else {}
+
+
+def written_by_shardtune(path: str | Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return bool(_OURS.search(f.read(_SCAN_BYTES)))
+    except OSError:
+        return False
+
+
+def foreign_file(path: str | Path, label: str) -> str | None:
+    """Why ``path`` cannot take a file that a command writes where its user said (one line, naming ``label``, the
+    option), or None: a folder is there, or a file shardtune did not write. A user's file is never replaced; an
+    earlier output of shardtune's is."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return f"{label} {path}: that is a folder; give a file name"
+    if path.exists() and not written_by_shardtune(path):
+        return (f"{label} {path}: a file that shardtune did not write is there, and it is left alone; move it away "
+                f"or give another path")
+    return None

@@ -303,3 +303,51 @@ def test_a_nan_right_after_a_resume_names_the_checkpoint(made, tmp_path):
                               f"{out / 'checkpoints' / 'step-2'}: that checkpoint is suspect (it put non-finite "
                               f"values in base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight)")
     assert "learning_rate" in message and "will not help" in message
+
+
+def test_files_written_where_the_user_says_never_replace_the_users_own(made, tmp_path, monkeypatch, capsys):
+    """The single files commands write at a path the user names (estimate's recipe and pictures, a run's plots in
+    a folder of the user's, bench's results, a cluster job): a file shardtune did not write there is refused
+    before any work, with one line, and left as it was; shardtune's own earlier output there is replaced."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    monkeypatch.chdir(tmp_path)
+    users = tmp_path / "mine"
+    users.mkdir()
+    recipe, picture = users / "recipe.yaml", users / "fit.png"
+    recipe.write_text("my: precious\n")
+    fig = plt.figure()
+    fig.savefig(picture, format="png")  # a PNG of the user's: matplotlib's, not shardtune's
+    plt.close(fig)
+    (users / "loss_vs_step.png").write_bytes(picture.read_bytes())
+    (users / "bench.md").write_text("# my notes\n")
+    (users / "job.sbatch").write_text("#!/bin/bash\necho mine\n")
+    estimate = ["estimate", "smollm2-135m", "--method", "lora", "--gpu", "rtx4090", "--seq-len", "512"]
+    attempts = {
+        "--emit-config": [*estimate, "--emit-config", str(recipe)],
+        "--plot": [*estimate, "--plot", str(picture)],
+        "--plot ": [*estimate, "--time", "--plot", str(users / "fit2.png")],  # its -time.png sibling is the user's
+        "--out": ["plot", str(made / "run"), "--out", str(users)],
+        "--out  ": ["bench", "strategies", str(made / "run" / "config.yaml"), "--out", str(users / "bench.json")],
+        "--slurm": ["launch", "--slurm", str(users / "job.sbatch"), "--num_machines", "2", "--gpus_per_node", "8",
+                    "train", "--model_name_or_path", "M", "--dataset_name", "d.jsonl", "--output_dir", "out"],
+    }
+    (users / "fit2-time.png").write_bytes(picture.read_bytes())
+    before = snapshot(users)
+    for option, argv in attempts.items():
+        assert main(argv) == 2, option
+        line = one_error_line(capsys)
+        assert option.strip() in line and "shardtune did not write" in line, line
+        assert snapshot(users) == before, option
+    # shardtune's own outputs are replaced when the same command runs again.
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    for _ in range(2):
+        assert main([*estimate, "--time", "--emit-config", str(ours / "r.yaml"), "--plot", str(ours / "p.png")]) == 0
+        assert main(["plot", str(made / "run"), "--out", str(ours)]) == 0
+    capsys.readouterr()
+    assert {p.name for p in ours.iterdir()} >= {"r.yaml", "p.png", "p-time.png", "loss_vs_step.png"}
+    assert snapshot(users) == before

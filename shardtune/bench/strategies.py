@@ -335,7 +335,9 @@ def strategy_figure(results: list[Result]):
 
 def write_plot(results: list[Result], path: Path) -> Path:
     """``strategy_figure`` as a PNG (written to a temporary name, then renamed)."""
-    tmp = path.with_name("." + path.name)
-    strategy_figure(results).savefig(tmp, format=path.suffix.lstrip(".") or "png")
-    tmp.replace(path)
+    from shardtune.files import figure_metadata, replacing
+
+    fmt = path.suffix.lstrip(".").lower() or "png"
+    with replacing(path) as tmp:
+        strategy_figure(results).savefig(tmp, format=fmt, metadata=figure_metadata(fmt))
     return path

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from shardtune.bench.strategies import BENCHED
 from shardtune.errors import UsageError
-from shardtune.files import write_text
+from shardtune.files import WRITTEN_BY, write_text
 from shardtune.strategies import lookup
 
 
@@ -74,12 +74,15 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"CONFIG {args.config}: no such file; give a training YAML recipe")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError(f"--timeout {args.timeout:g}: give the seconds allowed per setup, above 0 (default 600)")
-    from shardtune.cli.common import check_output_path
+    from shardtune.cli.common import check_output_file, check_output_path
 
-    for option, path, folder in (("--out", args.out, False), ("--plot", args.plot, False),
-                                 ("--work_dir", args.work_dir, True)):
+    # Before minutes of runs, not after them.
+    for option, path in (("--out", args.out), ("--out", args.out and Path(args.out).with_suffix(".md")),
+                         ("--plot", args.plot)):
         if path:
-            check_output_path(path, option, folder=folder)  # before minutes of runs, not after them
+            check_output_file(path, option)
+    if args.work_dir:
+        check_output_path(args.work_dir, "--work_dir", folder=True)
     extra = []
     for pair in args.extra:
         key, eq, value = pair.partition("=")
@@ -108,9 +111,9 @@ def main(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        saved = meta | {"results": [asdict(r) for r in results]}
+        saved = {"written_by": "shardtune bench strategies"} | meta | {"results": [asdict(r) for r in results]}
         for path, text in ((out, json.dumps(saved, indent=1)),
-                           (out.with_suffix(".md"), table + "\n")):
+                           (out.with_suffix(".md"), f"<!-- {WRITTEN_BY} bench strategies -->\n{table}\n")):
             write_text(path, text)
         print(f"saved {out} and {out.with_suffix('.md')} (rank setups by these speeds: shardtune estimate "
               f"MODEL --num-gpus {args.num_processes} --measured {out})")

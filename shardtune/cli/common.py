@@ -156,6 +156,16 @@ def check_output_path(path: str | Path, what: str, *, folder: bool) -> None:
             return
 
 
+def check_output_file(path: str | Path, what: str) -> None:
+    """A file a command writes where its user said (``check_output_path``), refused also when a file shardtune did
+    not write is there: a user's file is never replaced, an earlier output of shardtune's is."""
+    from shardtune.files import foreign_file
+
+    check_output_path(path, what, folder=False)
+    if problem := foreign_file(path, what):
+        raise UsageError(problem)
+
+
 # What ``shardtune launch`` passes on to train itself, ahead of the user's train arguments: a different value for
 # one of them after 'train' would configure the job for processes the launcher does not start.
 LAUNCHER_KEYS = {key: f" (under 'shardtune launch', write --{key} before 'train': the launcher's value decides "

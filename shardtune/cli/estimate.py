@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from shardtune import catalog
-from shardtune.cli.common import check_output_path
+from shardtune.cli.common import check_output_file
 from shardtune.config.schema import LoraConfig, TrainConfig, published_defaults
 from shardtune.errors import UsageError
 from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_LINKS, PRICES_AS_OF, SPEC_EXAMPLE, Gpu,
@@ -320,9 +320,10 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.pipeline_microbatches < 1:
         raise UsageError(f"--pipeline-microbatches must be a whole number >= 1 (got {args.pipeline_microbatches}).")
-    for option, path in (("--emit-config", args.emit_config), ("--plot", args.plot)):
+    for option, path in (("--emit-config", args.emit_config), ("--plot", args.plot),
+                         ("--plot", args.plot and wants_time(args) and time_plot_path(args.plot))):
         if path:
-            check_output_path(path, option, folder=False)  # before the estimate, not after it
+            check_output_file(path, option)  # before the estimate, not after it
     if args.config:
         setup, auto = setup_from_config_files(args), False
     elif not args.model:
@@ -428,5 +429,10 @@ def _write_plots(plot: str, report: Report, timed: TimeReport | None) -> None:
     if timed:
         from shardtune.memory.report import write_time_plot
 
-        path = Path(plot)
-        print(f"wrote {write_time_plot(report, timed, path.with_name(path.stem + '-time.png'))}", file=sys.stderr)
+        print(f"wrote {write_time_plot(report, timed, time_plot_path(plot))}", file=sys.stderr)
+
+
+def time_plot_path(plot: str) -> Path:
+    """--time's picture, beside --plot's: FILE-time.png."""
+    path = Path(plot)
+    return path.with_name(path.stem + "-time.png")

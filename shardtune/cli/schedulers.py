@@ -428,7 +428,11 @@ def write_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> int:
     if opts.dry_run:
         print(job.text, end="")
         return 0
-    Path(job.file).write_text(job.text)
+    from shardtune.cli.common import check_output_file
+    from shardtune.files import write_text
+
+    check_output_file(job.file, "--slurm" if job.slurm else "--kubernetes")
+    write_text(job.file, job.text)
     if job.slurm:
         Path(job.file).chmod(0o755)
     command = submit_command(job.slurm, job.file)

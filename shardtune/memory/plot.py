@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardtune.errors import UsageError
-from shardtune.files import replacing
+from shardtune.files import figure_metadata, replacing
 from shardtune.hardware import GIB
 from shardtune.memory.formula import CATEGORIES
 from shardtune.memory.report import Report, short_label
@@ -82,5 +82,5 @@ def write_plot(r: Report, path: str | Path) -> Path:
     if not path.parent.is_dir():
         raise UsageError(f"--plot {path}: the folder {path.parent} does not exist; create it or pick another.")
     with replacing(path) as tmp:
-        breakdown_figure(r).savefig(tmp, format="png", dpi=110)
+        breakdown_figure(r).savefig(tmp, format="png", dpi=110, metadata=figure_metadata("png"))
     return path

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardtune.errors import UsageError
-from shardtune.files import replacing
+from shardtune.files import figure_metadata, replacing
 from shardtune.hardware import GIB, GPUS, PRICES_AS_OF, SPEC_EXAMPLE, TYPICAL_PRICE_PER_GPU_HOUR, Gpu
 from shardtune.memory.formula import Breakdown
 from shardtune.memory.inventory import LoraCount, ModelInventory
@@ -433,5 +433,5 @@ def write_time_plot(r: Report, t: TimeReport, path: str | Path) -> Path:
     """Write ``time_figure`` as a PNG at ``path`` (through a temporary file and a rename)."""
     path = Path(path).expanduser()
     with replacing(path) as tmp:
-        time_figure(r, t).savefig(tmp, format="png", dpi=110)
+        time_figure(r, t).savefig(tmp, format="png", dpi=110, metadata=figure_metadata("png"))
     return path

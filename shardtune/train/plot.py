@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.errors import UsageError
-from shardtune.files import replacing
+from shardtune.files import figure_metadata, foreign_file, replacing
 
 log = logging.getLogger("shardtune")
 
@@ -186,16 +186,21 @@ def figures(metrics: Metrics) -> dict[str, object]:
 
 
 def write_plots(output_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write the run's PNGs into ``out_dir`` (default ``OUTPUT_DIR/plots``) and return their paths."""
+    """Write the run's PNGs into ``out_dir`` (default ``OUTPUT_DIR/plots``) and return their paths. A folder the
+    user names may hold files of theirs: one of the same name is refused before anything is written."""
     metrics = read_metrics(output_dir)
     run = Path(output_dir)
     run = run.parent if run.name == METRICS_FILE and run.is_file() else run  # the file itself was given
     target = Path(out_dir) if out_dir is not None else run / "plots"
+    pictures = {target / f"{name}.png": fig for name, fig in figures(metrics).items()}
+    if out_dir is not None:
+        for path in pictures:
+            if problem := foreign_file(path, "--out"):
+                raise UsageError(problem)
     target.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, fig in figures(metrics).items():
-        path = target / f"{name}.png"
+    for path, fig in pictures.items():
         with replacing(path) as tmp:  # a reader never sees half a file
-            fig.savefig(tmp, format="png")
+            fig.savefig(tmp, format="png", metadata=figure_metadata("png"))
         paths.append(path)
     return paths
