@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune.errors import UsageError
-from shardtune.files import replacing
+from shardtune.files import WRITTEN_BY, replacing
 from shardtune.gguf_vocab import add_vocab
 
 if TYPE_CHECKING:
@@ -171,6 +171,8 @@ def write_gguf(model, tokenizer, path: str | Path, quantize: str, *, name: str,
     with replacing(path) as tmp:
         writer = gguf.GGUFWriter(str(tmp), family.arch)
         try:
+            # First, so that an --overwrite later knows this file as shardtune's own (files.written_by_shardtune).
+            writer.add_string("shardtune.written_by", f"{WRITTEN_BY} export")
             add_hparams(writer, model.config, family, name)
             for key, value, types in (source.general if source else ()):
                 writer.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)

@@ -82,15 +82,6 @@ def modelfile_text(gguf_name: str, chat_template: str | None, eos_token: str | N
     return "\n".join(lines) + "\n"
 
 
-def written_by_shardtune(modelfile: Path) -> bool:
-    """Whether ``modelfile`` is one ``shardtune export`` wrote (its first line says so), not the user's own."""
-    try:
-        with modelfile.open(encoding="utf-8", errors="replace") as f:
-            return SIGNATURE in f.readline()
-    except OSError:
-        return False
-
-
 def write_modelfile(gguf_path: Path, chat_template: str | None, eos_token: str | None) -> Path:
     """``Modelfile`` beside ``gguf_path`` (written under a temporary name, then renamed)."""
     return write_text(gguf_path.parent / "Modelfile", modelfile_text(gguf_path.name, chat_template, eos_token))

@@ -191,6 +191,17 @@ def test_gguf_export_keeps_an_existing_gguf_and_the_users_modelfile(run, tmp_pat
     assert "is what the export reads" in one_error_line(capsys)
     assert main(["export", str(run), str(out), "--format", "gguf", "--quantize", "f16", "--overwrite"]) == 0
     assert set(snapshot(out)) == set(written)
+    # A GGUF of the user's (here a copy of ours with its shardtune mark rewritten) is refused even with --overwrite.
+    capsys.readouterr()
+    users = tmp_path / "users"
+    users.mkdir()
+    mine = users / "model-f16.gguf"
+    mine.write_bytes((out / "model-f16.gguf").read_bytes().replace(b"written by shardtune", b"written by somebody  "))
+    kept = snapshot(users)
+    assert main(["export", str(run), str(users), "--format", "gguf", "--quantize", "f16", "--overwrite"]) == 2
+    assert one_error_line(capsys).endswith(f"{mine} is there and shardtune did not write it; move it away or "
+                                           f"export into another folder")
+    assert snapshot(users) == kept
 
 
 def train_in_process(argv: list[str], callbacks=()) -> dict:

@@ -18,7 +18,8 @@ from shardtune.gguf_source import described, find_gguf, metadata, parsed_once
 from shardtune.gguf_vocab import template_for_gguf
 from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, loading_refused, model_folder_problem,
                            tokenizer_problem)
-from shardtune.ollama import write_modelfile, written_by_shardtune
+from shardtune.files import written_by_shardtune
+from shardtune.ollama import write_modelfile
 from shardtune.train.export import adapter_problem, load_checkpoint_model, load_plain_model, merged_model
 from shardtune.train.layout import MANIFEST
 
@@ -90,8 +91,8 @@ def _source_gguf(base_path: str | None):
 def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite: bool) -> str | None:
     """Why the GGUF file ``target`` and the Modelfile beside it may not be written (one line); None when they may.
 
-    Either already there is refused unless ``overwrite``; even then a Modelfile shardtune did not write (the
-    user's own) and a GGUF that is a source of this export are kept, and refused.
+    Either already there is refused unless ``overwrite``; even then a GGUF or a Modelfile shardtune did not write
+    (the user's own) and a GGUF that is a source of this export are kept, and refused.
     """
     modelfile = target.parent / "Modelfile"
     from shardtune.train.destination import inside_problem
@@ -103,9 +104,10 @@ def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite:
         read = [path] if path.is_file() else sorted(path.glob("*.gguf")) if path.is_dir() else []
         if target.resolve() in [p.resolve() for p in read]:
             return f"OUT {target}: is what the export reads ({source}), which it never writes over; give another OUT"
-    if modelfile.exists() and not written_by_shardtune(modelfile):
-        return (f"OUT {target}: {modelfile} is there and shardtune did not write it; move it away or export into "
-                f"another folder")
+    for path in (target, modelfile):
+        if path.exists() and not written_by_shardtune(path):
+            return (f"OUT {target}: {path} is there and shardtune did not write it; move it away or export into "
+                    f"another folder")
     if overwrite:
         return None
     there = [path for path in (target, modelfile) if path.exists()]
