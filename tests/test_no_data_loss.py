@@ -222,6 +222,30 @@ def test_a_finished_run_without_checkpoints_requeued_says_only_that_it_finished(
     assert snapshot(run) == before
 
 
+def test_overwrite_output_dir_deletes_the_earlier_runs_files_and_keeps_the_users(made, run, capfd):
+    """overwrite_output_dir true deletes what the earlier run wrote (its checkpoints by their manifests, final/ by
+    its export list, a folder a resume set aside) and names it; a user's notes in checkpoints/ and final/, and a
+    model card they edited, are kept (final/'s remainder moved aside, so that this run writes its own)."""
+    shutil.copytree(run / "checkpoints" / "step-2", run / "checkpoints" / "superseded-1" / "checkpoints" / "step-2")
+    (run / "checkpoints" / "my_notes.txt").write_text("lr 2e-4 diverged at step 900\n")
+    (run / "final" / "my_eval_results.txt").write_text("mmlu 61.2\n")
+    (run / "final" / "README.md").write_text("# my model card\n")
+    train_in_process(args(made, run, "--overwrite_output_dir", "true"))
+    err = capfd.readouterr().err
+    assert "deleted the earlier run" in err and "checkpoints/superseded-1" in err, err[-2000:]
+    assert "kept what shardtune did not write there: checkpoints/my_notes.txt, final/README.md, " \
+           "final/my_eval_results.txt" in err, err[-2000:]
+    assert (run / "checkpoints" / "my_notes.txt").read_text() == "lr 2e-4 diverged at step 900\n"
+    aside = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("superseded-2")]
+    assert len(aside) == 1, sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert sorted(p.name for p in (aside[0] / "final").iterdir()) == ["README.md", "my_eval_results.txt"]
+    assert (aside[0] / "final" / "my_eval_results.txt").read_text() == "mmlu 61.2\n"
+    assert not (run / "checkpoints" / "superseded-1").exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")) == \
+        ["step-2", "step-4"]
+    assert (run / "final" / "adapter_model.safetensors").is_file()
+
+
 def test_resume_from_an_older_checkpoint_sets_the_newer_ones_and_final_aside(made, run, capfd):
     later = snapshot(run / "checkpoints" / "step-4", run / "final")
     summary = (run / "summary.json").read_bytes()

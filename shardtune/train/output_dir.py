@@ -100,19 +100,76 @@ def claim_output_dir(cfg) -> OutputDirLock:
                     f"output_dir {folder} holds an earlier run ({', '.join(earlier)}): set resume_from_checkpoint "
                     f"true to carry on from its newest checkpoint, overwrite_output_dir true to delete it and start "
                     f"afresh, or give another output_dir")
-            for name in RUN_FILES:
-                path = folder / name
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
+            superseded = sorted(p.name for p in (folder / "checkpoints").glob(f"{SUPERSEDED}*"))
+            kept = delete_earlier_run(folder)
             (log.info if lock.restarted else log.warning)(
                 "%s: deleted the earlier run in %s (%s)", "restart" if lock.restarted else "overwrite_output_dir",
-                folder, ", ".join(earlier))
+                folder, ", ".join(earlier + [f"checkpoints/{name}" for name in superseded]))
+            if kept:
+                log.warning("kept what shardtune did not write there: %s%s", ", ".join(kept[:5]),
+                            f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+                if (aside := set_aside(folder, [folder / "final"])) is not None:
+                    log.warning("moved the rest of final/ to %s: this run writes its own final/", aside)
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+def delete_earlier_run(folder: Path) -> list[str]:
+    """Delete the files an earlier run wrote in ``folder`` (its ``RUN_FILES``) and no other: a checkpoint's are
+    those its manifest lists, final/'s those its export list names (unchanged since), a superseded folder's as a
+    run's own; what trackers wrote is theirs. The folders left empty go. Returns what is kept (a user's notes in
+    checkpoints/, an edited model card in final/), relative to ``folder``."""
+    for name in RUN_FILES:
+        path = folder / name
+        for file in _run_files(path, name):
+            file.unlink(missing_ok=True)
+        _remove_empty_folders(path)
+    kept = []
+    for name in RUN_FILES:
+        path = folder / name
+        if path.is_file():
+            kept.append(name)
+        elif path.is_dir():
+            kept += [str(p.relative_to(folder)) for p in path.rglob("*") if p.is_file()]
+    return sorted(kept)
+
+
+def _run_files(path: Path, name: str) -> list[Path]:
+    """The files of a run's entry ``path`` (called ``name`` in its output_dir) that shardtune wrote."""
+    from shardtune.train.destination import EXPORT_LIST, listed_files
+    from shardtune.train.layout import MANIFEST
+
+    if not path.is_dir():
+        return [path] if path.exists() else []
+    if name == "final":
+        return [path / EXPORT_LIST, *(path / f for f in listed_files(path))]
+    if name != "checkpoints":  # a tracker's logs (tensorboard, wandb, mlruns)
+        return [p for p in path.rglob("*") if p.is_file()]
+    files: list[Path] = []
+    for entry in path.iterdir():
+        if entry.name.startswith(".tmp-step-"):  # a save that was killed
+            files += [p for p in entry.rglob("*") if p.is_file()]
+        elif STEP_FOLDER.match(entry.name) and entry.is_dir():
+            try:
+                listed = list(json.loads((entry / MANIFEST).read_text())["files"])
+            except (OSError, ValueError, KeyError, TypeError):
+                listed = []
+            files += [entry / MANIFEST, *(entry / f for f in listed)] if listed else []
+        elif entry.name.startswith(SUPERSEDED) and entry.is_dir():  # an earlier run set aside: a run's own files
+            files += [f for n in RUN_FILES for f in _run_files(entry / n, n)]
+    return files
+
+
+def _remove_empty_folders(path: Path) -> None:
+    if not path.is_dir():
+        return
+    for folder in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    if not any(path.iterdir()):
+        path.rmdir()
 
 
 SUPERSEDED = "superseded-"  # checkpoints/superseded-<time>/: what a resume from an older checkpoint set aside
