@@ -55,3 +55,29 @@ def test_quoted_estimate_output_is_current(page, command, quoted, capsys, monkey
     printed = " ".join(capsys.readouterr().out.split())
     for stretch in quoted:
         assert stretch in printed, f"{page}: '{command}' no longer prints:\n{stretch}\n\nit prints:\n{printed}"
+
+
+def estimate_commands() -> list[tuple[str, str]]:
+    """(page, command) of every ``shardtune estimate`` line in the docs' bash blocks, $BASE the demo's model, less
+    those that read what another step makes (out/..., the reader's own .gguf) or trace (test_trace times that)."""
+    found = []
+    for page in PAGES:
+        for block in re.findall(r"```(?:bash|sh)\n(.*?)```", page.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                command = line.split("  #")[0].strip().replace("$BASE", str(ROOT / "shardtune/demo/base_model"))
+                if (command.startswith("shardtune estimate") and "--trace" not in command and " out/" not in command
+                        and ".gguf" not in command):
+                    found.append((page.name, command))
+    return found
+
+
+COMMANDS = estimate_commands()
+
+
+@pytest.mark.parametrize("page, command", COMMANDS, ids=[f"{p}: {c[19:80]}" for p, c in COMMANDS])
+def test_estimate_commands_in_the_docs_run(page, command, tmp_path, capsys, monkeypatch):
+    from shardtune.cli import main
+
+    assert len(COMMANDS) >= 5
+    monkeypatch.chdir(tmp_path)  # what a command writes (--emit-config recipe.yaml) lands here
+    assert main(shlex.split(command)[1:]) == 0, f"{page}: '{command}' fails: {capsys.readouterr().err[-500:]}"
