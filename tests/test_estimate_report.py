@@ -120,6 +120,24 @@ def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
     assert "--method, --num-gpus: with --config the files describe the setup" in capsys.readouterr().err
 
 
+def test_estimate_config_of_a_launcher_file_alone_needs_no_data(tmp_path, capsys):
+    """An Accelerate config or a DeepSpeed JSON is a whole setup without a recipe: the estimate of MODEL under it
+    needs no dataset_name (nothing is read), and is that of the options describing the same job."""
+    from shardtune.cli import main
+
+    acc = tmp_path / "accelerate.yaml"
+    acc.write_text("distributed_type: FSDP\nnum_processes: 4\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2}))
+    argv = ["estimate", "llama-3.2-1b", "--json"]
+    for files, options in (([acc], ["--num-gpus", "4", "--strategy", "FSDP", "--sharding-strategy", "FULL_SHARD"]),
+                           ([ds], ["--strategy", "zero2", "--batch-size", "2"])):
+        assert main([*argv, *(x for f in files for x in ("--config", str(f)))]) == 0, capsys.readouterr().err
+        from_files = json.loads(capsys.readouterr().out)
+        assert main([*argv, *options]) == 0
+        assert from_files["per_gpu"] == json.loads(capsys.readouterr().out)["per_gpu"]
+
+
 def test_estimate_of_a_recipe_reads_fsdp_reshard_after_forward(tmp_path, capsys):
     """FSDP2 without resharding after forward is SHARD_GRAD_OP (train/plan.py): the estimate of a recipe that says
     so counts what that job holds, not FULL_SHARD's."""

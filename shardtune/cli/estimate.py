@@ -209,7 +209,7 @@ def config_argv(files: list[str]) -> list[str]:
 def setup_from_config_files(args: argparse.Namespace) -> Setup:
     """``--config``: the Setup of the job the files describe (what ``shardtune train`` with them would run), and
     MODEL from them when not given. Setup options on the command line are refused: the files decide."""
-    from shardtune.config import load_train_config
+    from shardtune.config.loading import load_planned_config
     from shardtune.memory.trace_setup import setup_from_config
 
     typed = getattr(args, "argv", [])
@@ -221,7 +221,7 @@ def setup_from_config_files(args: argparse.Namespace) -> Setup:
     argv = config_argv(args.config)
     if args.model:
         argv += ["--model_name_or_path", args.model]
-    cfg = load_train_config([*argv, "--output_dir", "unused-by-estimate"])
+    cfg = load_planned_config(argv)
     args.model = cfg.model.model_name_or_path
     d = cfg.distributed
     if d.distributed_type == "FSDP" and d.fsdp_auto_wrap_policy != "TRANSFORMER_BASED_WRAP" and not args.trace:

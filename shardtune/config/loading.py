@@ -503,6 +503,16 @@ def check_given_values(argv: list[str]) -> None:
     raise_problems(problems)
 
 
+def load_planned_config(argv: list[str]) -> TrainConfig:
+    """The job ``argv`` describes, for a command that plans it and neither reads its data nor writes (``estimate
+    --config``): every key checked as for ``train``, the data set and output_dir allowed to be left out (their
+    placeholders lie below everything given, so a recipe's own are kept)."""
+    placeholders = ({"dataset_name": "DATA", "output_dir": "output"}, {})
+    cfg, _, problems = _apply([placeholders, *_layers(argv)], training=True)
+    raise_problems(problems)
+    return cfg
+
+
 def run_config_problems(argv: list[str], notes: list[str] | None = None) -> tuple[TrainConfig, dict[str, Origin],
                                                                                  list[str]]:
     """The config of a job about to start, where each key was set, and every problem ``load_run_config`` reports.
