@@ -138,6 +138,22 @@ def test_estimate_config_of_a_launcher_file_alone_needs_no_data(tmp_path, capsys
         assert from_files["per_gpu"] == json.loads(capsys.readouterr().out)["per_gpu"]
 
 
+@pytest.mark.parametrize("options", [["--offload-params"], ["--sharding-strategy", "SHARD_GRAD_OP"],
+                                     ["--sharding-strategy", "HYBRID_SHARD", "--num-gpus", "8", "--num-nodes", "2"]])
+def test_an_fsdp_option_estimates_fsdp_without_strategy(options, capsys):
+    """--offload-params or --sharding-strategy with the strategy left to shardtune ask for FSDP: the estimate is of
+    that job (it was of the setup the recommender preferred, the option dropped without a word)."""
+    from shardtune.cli import main
+
+    argv = ["estimate", "llama-3.2-1b", "--method", "lora", "--json", *options]
+    assert main(argv) == 0
+    left = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--strategy", "FSDP"]) == 0
+    named = json.loads(capsys.readouterr().out)
+    assert left["setup"] == named["setup"] and left["setup"]["strategy"] == "FSDP"
+    assert left["per_gpu"] == named["per_gpu"]
+
+
 def test_estimate_of_a_recipe_reads_fsdp_reshard_after_forward(tmp_path, capsys):
     """FSDP2 without resharding after forward is SHARD_GRAD_OP (train/plan.py): the estimate of a recipe that says
     so counts what that job holds, not FULL_SHARD's."""

@@ -238,15 +238,18 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
     left to the recommender."""
     keys = {dest: getattr(args, dest) for dest in args.setup_options
             if dest not in ("num_gpus", "num_nodes", "strategy") and getattr(args, dest) is not None}
-    auto = args.strategy.lower() == "auto"
+    # An FSDP option (offload, a sharding strategy) asks for FSDP: the recommender may not trade it away.
+    auto = args.strategy.lower() == "auto" and not (keys.get("fsdp_offload_params")
+                                                    or keys.get("fsdp_sharding_strategy"))
+    if args.strategy.lower() == "auto" and not auto:
+        keys["distributed_type"] = FSDP
     stage = zero_stage(args.strategy)
     if stage is not None:
         keys["distributed_type"], sharding = ZERO_STAGES[stage]
         keys.update({"fsdp_sharding_strategy": sharding} if sharding else {})
     elif auto:  # what is estimated first; the recommender then compares the candidates
-        several = args.num_gpus * args.num_nodes > 1 or keys.get("fsdp_offload_params")
-        keys["distributed_type"] = FSDP if several else NO
-    else:
+        keys["distributed_type"] = FSDP if args.num_gpus * args.num_nodes > 1 else NO
+    elif "distributed_type" not in keys:
         keys["distributed_type"] = strategy_named(args.strategy)
     setup = Setup(num_gpus=args.num_gpus, num_nodes=args.num_nodes, loss=args.loss,
                   native_bf16=gpu_from_args(args).bf16).with_(**keys)
