@@ -200,8 +200,11 @@ def test_batch_plan_keeps_the_requested_global_batch():
         assert plan.micro_batch_size <= fits
         assert plan.global_batch_size == 64  # 32 per GPU has divisors 1, 2, 4, 8, 16, 32
         assert plan.micro_batch_size * 2 > min(fits, 32)  # never less than half of what fits
-    odd = plan_batch(5, checked_setup(num_gpus=1, per_device_train_batch_size=7))  # 7 per GPU, 5 fit: 5 x 2 = 10 >= 7
-    assert (odd.micro_batch_size, odd.gradient_accumulation_steps, odd.global_batch_size) == (5, 2, 10)
+    # 7 per GPU, 5 fit, 7 is prime: two micro-batches, spread evenly (4 x 2 = 8, not 5 x 2 = 10).
+    odd = plan_batch(5, checked_setup(num_gpus=1, per_device_train_batch_size=7))
+    assert (odd.micro_batch_size, odd.gradient_accumulation_steps, odd.global_batch_size) == (4, 2, 8)
+    prime = plan_batch(29, checked_setup(num_gpus=1, per_device_train_batch_size=37))
+    assert (prime.micro_batch_size, prime.gradient_accumulation_steps, prime.global_batch_size) == (19, 2, 38)
 
 
 def test_find_batch_size_and_emit_config_write_a_recipe_the_trainer_reads(tmp_path, capsys):
@@ -242,6 +245,23 @@ def test_find_batch_size_with_the_setup_left_open_picks_the_setup_for_the_micro_
     cfg = load_train_config([str(path)])
     assert not cfg.distributed.fsdp_offload_params and cfg.distributed.distributed_type == "NO"
     assert cfg.run.per_device_train_batch_size * cfg.run.gradient_accumulation_steps == 64
+
+
+def test_find_batch_size_reports_the_batch_it_found_with_the_strategy_named(capsys):
+    """With the strategy named, --find-batch-size's tables and JSON are of the micro-batch found, which fits (they
+    said "nothing fits" at the asked one, beside the plan that did); the plan names the global batch asked."""
+    from shardtune.cli import main
+
+    assert main(["estimate", "llama-3.1-8b", *CHECKED_AT_ARGS, "--method", "full", "--num-gpus", "8", "--strategy",
+                 "FSDP", "--batch-size", "128", "--find-batch-size", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    plan = data["batch_plan"]
+    assert data["fits"] and data["setup"]["batch_size"] == plan["micro_batch_size"] < 128
+    assert plan["requested_global_batch_size"] == 128 * 8 == plan["global_batch_size"]
+    assert plan["micro_batch_size"] <= plan["largest_fitting_micro_batch"]
+    assert main(["estimate", "llama-3.2-1b", *CHECKED_AT_ARGS, "--method", "lora", "--gpu", "rtx4090",
+                 "--batch-size", "37", "--find-batch-size", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["batch_plan"]["requested_global_batch_size"] == 37
 
 
 RESERVED_GRID = [("small", 1, {"bf16": True, "gradient_checkpointing": True}),

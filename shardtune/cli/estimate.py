@@ -293,27 +293,20 @@ def _recommend_for_global_batch(model: str, setup: Setup, gpu: Gpu, measured):
     asked = free.breakdown.setup.with_(per_device_train_batch_size=setup.batch_size,
                                        gradient_accumulation_steps=setup.gradient_accumulation_steps)
     plan = find_batch_size(model, asked, gpu)
-    return estimate_report(model, setup.with_(per_device_train_batch_size=plan.micro_batch_size,
-                                           gradient_accumulation_steps=plan.gradient_accumulation_steps),
-                        gpu, True, measured)
+    return estimate_report(model, plan.applied_to(setup), gpu, True, measured), plan
 
 
-def _batch_and_config(args: argparse.Namespace, setup: Setup, gpu: Gpu) -> tuple[dict, Setup]:
-    """--find-batch-size and --emit-config (the emitted recipe uses the batch found, when searched); also the
-    setup they settled on, which --trace then traces."""
+def _batch_and_config(args: argparse.Namespace, setup: Setup, plan) -> dict:
+    """--find-batch-size's plan and --emit-config's recipe of ``setup`` (the report's: at the batch found, when
+    searched)."""
     out: dict = {}
-    if args.find_batch_size:
-        from shardtune.memory.batch_plan import find_batch_size
-
-        plan = find_batch_size(args.model, setup, gpu, recipe=bool(args.config))
-        setup = setup.with_(per_device_train_batch_size=plan.micro_batch_size,
-                            gradient_accumulation_steps=plan.gradient_accumulation_steps)
+    if plan is not None:
         out["batch_plan"] = plan.to_dict()
     if args.emit_config:
         from shardtune.memory.batch_plan import emit_config
 
         out["emitted_config"] = str(emit_config(args.model, setup, args.emit_config))
-    return out, setup
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -341,13 +334,20 @@ def main(args: argparse.Namespace) -> int:
         from shardtune.memory.recommend import Measured
 
         measured = Measured.load(args.measured)
+    plan = None
     if args.find_batch_size and auto:
-        report = _recommend_for_global_batch(args.model, setup, gpu, measured)
+        report, plan = _recommend_for_global_batch(args.model, setup, gpu, measured)
+    elif args.find_batch_size:
+        from shardtune.memory.batch_plan import find_batch_size
+
+        plan = find_batch_size(args.model, setup, gpu, recipe=bool(args.config))
+        report = estimate_report(args.model, plan.applied_to(setup), gpu, False, measured)
     else:
         report = estimate_report(args.model, setup, gpu, auto, measured)
-    extras, chosen = _batch_and_config(args, report.breakdown.setup, gpu)
+    # The tables, the JSON, the time, an emitted recipe and the trace: all of the report's setup (the batch found).
+    extras = _batch_and_config(args, report.breakdown.setup, plan)
     if args.trace:
-        extras["trace"] = _trace(args.model, report, chosen, gpu)
+        extras["trace"] = _trace(args.model, report, gpu)
     timed = time_from_args(args, report, measured) if wants_time(args) else None
     if timed:
         from shardtune.memory.report import time_to_dict
@@ -379,14 +379,12 @@ def _check_seq_len(model: str, seq_len: int, option: str) -> None:
         raise UsageError(problem)
 
 
-def _trace(model: str, report: Report, chosen: Setup, gpu: Gpu) -> dict:
-    """--trace: the traced peak of the setup the report settled on (``chosen``), with the formula's beside it."""
-    from shardtune.memory.inventory import ModelAnalysis
-    from shardtune.memory.recommend import evaluate_setup
+def _trace(model: str, report: Report, gpu: Gpu) -> dict:
+    """--trace: the traced peak of the setup the report settled on, with the formula's beside it."""
     from shardtune.memory.trace_setup import trace_for_estimate
 
-    breakdown = report.breakdown if chosen == report.breakdown.setup else evaluate_setup(ModelAnalysis(model), chosen)
-    return trace_for_estimate(model, chosen, breakdown.total, gpu_memory=gpu.memory_bytes,
+    breakdown = report.breakdown
+    return trace_for_estimate(model, breakdown.setup, breakdown.total, gpu_memory=gpu.memory_bytes,
                               cuda_context=breakdown.cuda_context)
 
 

@@ -27,18 +27,26 @@ class BatchPlan:
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
+    def applied_to(self, setup: Setup) -> Setup:
+        """``setup`` at this plan's micro-batch and accumulation."""
+        return setup.with_(per_device_train_batch_size=self.micro_batch_size,
+                           gradient_accumulation_steps=self.gradient_accumulation_steps)
+
 
 def plan_batch(largest_fitting: int, setup: Setup) -> BatchPlan:
-    """Largest micro-batch <= ``largest_fitting`` that keeps the requested global batch (exactly when possible)."""
+    """The micro-batch (at most ``largest_fitting``) and accumulation that keep the requested global batch:
+    exactly, with a micro-batch that divides each rank's share and uses more than half of what fits; otherwise
+    with the fewest accumulation steps that hold it, the share spread evenly over them (37 per GPU where 29 fit:
+    2 x 19 = 38, not 2 x 29 = 58)."""
     world = setup.world_size
     requested = setup.batch_size * setup.gradient_accumulation_steps * world
     per_rank = requested // world
     cap = max(1, min(largest_fitting, per_rank))
-    # Prefer a micro-batch that divides this rank's share, so the global batch stays exactly what was asked.
-    micro = next(m for m in range(cap, 0, -1) if per_rank % m == 0)
-    if micro * 2 <= cap:  # an exact divisor would waste more than half the memory: take the cap and round up
-        micro = cap
-    accumulation = math.ceil(per_rank / micro)
+    fewest = math.ceil(per_rank / cap)
+    exact = next((steps for steps in range(fewest, per_rank + 1)
+                  if per_rank % steps == 0 and per_rank // steps * 2 > cap), None)
+    accumulation = exact or fewest
+    micro = math.ceil(per_rank / accumulation)
     return BatchPlan(micro, accumulation, micro * accumulation * world, requested, largest_fitting)
 
 
