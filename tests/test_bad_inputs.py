@@ -384,3 +384,22 @@ def test_rows_left_out_of_each_epoch_are_said(work, tmp_path, capsys):
                       r"(\d+) would be incomplete", capsys.readouterr().err)
     (left, rows, batch), = [tuple(map(int, found)) for found in said]
     assert (batch, rows) == (3, 16) and left == rows % batch == 1
+
+
+# ------------------------------------------------------------------------------------ bitsandbytes' dtypes
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("bnb_4bit_compute_dtype", "float64", "bnb_4bit_compute_dtype='float64' is not accepted; use one of bfloat16, "
+                                          "float16, float32"),
+    ("bnb_4bit_quant_storage_dtype", "foo", "bnb_4bit_quant_storage_dtype='foo' is not accepted"),
+    ("bnb_4bit_quant_storage_dtype", "uint8", "bitsandbytes' uint8 storage would load the whole model in uint8"),
+])
+def test_a_4bit_dtype_shardtune_cannot_run_is_refused_before_anything_is_written(work, tmp_path, capsys, key, value,
+                                                                                 says):
+    """These values ended in a KeyError traceback (exit 1) after output_dir was made; uint8 is bitsandbytes' own
+    default storage, which the trainer cannot load a model in."""
+    out = tmp_path / "out"
+    refused(capsys, train_argv(work, out, "--use_peft_lora", "true", "--use_4bit_quantization", "true", f"--{key}",
+                               value), says)
+    assert not out.exists()

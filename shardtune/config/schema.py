@@ -69,6 +69,9 @@ EVALUATES = "eval_strategy steps or epoch, or eval_on_start true"
 PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
 WARMS_UP = "lr_scheduler_type linear, cosine or constant_with_warmup"  # Transformers' constant has no warm-up
 FSDP_ONLY, SIZE_WRAP = "distributed_type FSDP", "fsdp_auto_wrap_policy SIZE_BASED_WRAP"
+FloatDtype = Literal["bfloat16", "float16", "float32"]  # bitsandbytes' 4-bit compute and storage dtypes
+FLOAT_SPELLINGS = {"BF16": "bfloat16", "FP16": "float16", "FP32": "float32", "HALF": "float16", "FLOAT": "float32",
+                   "TORCH.BFLOAT16": "bfloat16", "TORCH.FLOAT16": "float16", "TORCH.FLOAT32": "float32"}
 DTYPE_SPELLINGS = {"TORCH.FLOAT32": "float32", "TORCH.BFLOAT16": "bfloat16", "TORCH.FLOAT16": "float16",
                    "HALF": "float16"}
 
@@ -180,10 +183,13 @@ class LoraConfig:
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = key("nf4", "The 4-bit data type.", needs=QLORA)
     use_nested_quant: bool = key(True, "Double quantisation of the quantisation constants (QLoRA paper, section 3).",
                                  aliases={"use_bnb_nested_quant": "TRL's"}, needs=QLORA)
-    bnb_4bit_compute_dtype: str = key("bfloat16", "The dtype 4-bit weights are dequantised to for the matmuls.",
-                                      needs=QLORA)
-    bnb_4bit_quant_storage_dtype: str = key("bfloat16", "Storage dtype of the packed 4-bit weights; bf16 lets FSDP "
-                                                        "shard them with the rest.", needs=QLORA)
+    bnb_4bit_compute_dtype: FloatDtype = key("bfloat16", "The dtype 4-bit weights are dequantised to for the "
+                                                         "matmuls.", spellings=FLOAT_SPELLINGS, needs=QLORA)
+    bnb_4bit_quant_storage_dtype: FloatDtype = key(
+        "bfloat16", "Storage dtype of the packed 4-bit weights, and the dtype the model loads in; bf16 lets FSDP "
+        "shard them with the rest.", spellings=FLOAT_SPELLINGS, needs=QLORA,
+        refused={"uint8": "bitsandbytes' uint8 storage would load the whole model in uint8 here (the storage dtype "
+                          "is the load dtype); use bfloat16 (the default), float16 or float32"})
 
     @property
     def method(self) -> str:
