@@ -180,7 +180,8 @@ SWITCHED = {
     "fsdp_min_num_params": "1000",
     "fsdp_cpu_ram_efficient_loading": "false", "fsdp_sync_module_states": "false",
     "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_reshard_after_forward": "false", "fsdp_forward_prefetch": "true",
-    "warmup_steps": "5", "warmup_ratio": "0.1"}
+    "warmup_steps": "5", "warmup_ratio": "0.1", "logging_steps": "5", "early_stopping_threshold": "0.5",
+    "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}
 SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "use_4bit_quantization true": (["--use_peft_lora", "true", "--use_4bit_quantization", "true"], []),
                 "packing true": (["--packing", "true"], []),
@@ -196,7 +197,13 @@ SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "lr_scheduler_type linear, cosine or constant_with_warmup": ([], ["--lr_scheduler_type", "constant"]),
                 "distributed_type FSDP": (["--distributed_type", "FSDP"], []),
                 "fsdp_auto_wrap_policy SIZE_BASED_WRAP": (["--distributed_type", "FSDP", "--fsdp_auto_wrap_policy",
-                                                           "SIZE_BASED_WRAP"], [])}
+                                                           "SIZE_BASED_WRAP"], []),
+                "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP under distributed_type FSDP": (
+                    ["--distributed_type", "FSDP"], []),
+                "logging_strategy steps (or eval_strategy steps without eval_steps)": (
+                    [], ["--logging_strategy", "no"]),
+                "early_stopping_patience": (["--early_stopping_patience", "2", "--eval_strategy", "steps",
+                                             "--eval_split_ratio", "0.1"], [])}
 
 
 def test_every_key_that_needs_a_setting_is_listed_here():
@@ -477,3 +484,17 @@ def test_trls_trained_token_keys_are_read_against_train_on_prompt():
                                          "trains the assistant turns and completions, or every token with "
                                          "train_on_prompt true"):
         load_train_config([*BASE, "--completion_only_loss", "false", "--train_on_prompt", "true"])
+
+
+def test_a_hub_subset_of_local_data_is_refused(tmp_path, capsys):
+    """dataset_config_name picks a hub data set's configuration; on a local file it did nothing, silently."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"text": "a"}\n')
+    argv = ["train", "--model_name_or_path", "m", "--dataset_name", str(data), "--output_dir", str(tmp_path / "o")]
+    assert main([*argv, "--dataset_config_name", "subset"]) == 2
+    assert f"dataset_config_name picks a configuration (subset) of a hub data set, and {data} is local; leave it " \
+           f"out" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    cfg = load_train_config(["--model_name_or_path", "m", "--dataset_name", "org/name", "--dataset_config_name",
+                             "subset", "--output_dir", "o"])
+    assert cfg.data.dataset_config_name == "subset"

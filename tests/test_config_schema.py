@@ -95,7 +95,8 @@ def test_templates_are_the_declared_chat_template_formats():
 
 
 # A value of each other name that is not its key's default, and the keys it needs beside it.
-ALIAS_VALUES = {"max_length": (64, []), "max_seq_length": (64, []), "dataset_config": ("subset", []),
+ALIAS_VALUES = {"max_length": (64, []), "max_seq_length": (64, []),
+                "dataset_config": ("subset", ["--dataset_name", "org/rows"]),  # a hub data set's subset
                 "use_peft": (True, []), "load_in_4bit": (True, ["--use_peft_lora", "true"]),
                 "use_bnb_nested_quant": (False, ["--use_peft_lora", "true", "--use_4bit_quantization", "true"]),
                 "evaluation_strategy": ("steps", []), "dtype": ("bfloat16", [])}

@@ -69,6 +69,9 @@ EVALUATES = "eval_strategy steps or epoch, or eval_on_start true"
 PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
 WARMS_UP = "lr_scheduler_type linear, cosine or constant_with_warmup"  # Transformers' constant has no warm-up
 FSDP_ONLY, SIZE_WRAP = "distributed_type FSDP", "fsdp_auto_wrap_policy SIZE_BASED_WRAP"
+TRANSFORMER_WRAP = "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP under distributed_type FSDP"
+LOGS_STEPS = "logging_strategy steps (or eval_strategy steps without eval_steps)"
+EARLY_STOPPING = "early_stopping_patience"
 FloatDtype = Literal["bfloat16", "float16", "float32"]  # bitsandbytes' 4-bit compute and storage dtypes
 FLOAT_SPELLINGS = {"BF16": "bfloat16", "FP16": "float16", "FP32": "float32", "HALF": "float16", "FLOAT": "float32",
                    "TORCH.BFLOAT16": "bfloat16", "TORCH.FLOAT16": "float16", "TORCH.FLOAT32": "float32"}
@@ -278,7 +281,8 @@ class RunConfig:
     fp16: bool = key(False, "fp16 mixed precision with a gradient scaler.")
     logging_steps: int = key(10, "Write a metrics.jsonl record every this many steps. Its loss, grad_norm and "
                                  "tokens are that step's, its tokens_per_s the steps' since the last record "
-                                 "(Transformers' Trainer logs the mean loss since its last record).", ge=1)
+                                 "(Transformers' Trainer logs the mean loss since its last record).", ge=1,
+                             needs=LOGS_STEPS)
     logging_strategy: Every = key("steps", "When to write metrics.jsonl records.", spellings=NO)
     log_level: LogLevel = key("passive", "Log level of rank 0 (passive: info); the other ranks log warnings only.")
     eval_strategy: Every = key("no", "When to evaluate: every eval_steps, at the end of each epoch, or never. steps "
@@ -292,7 +296,7 @@ class RunConfig:
                                                     "evaluations (the run then finishes as usual: final/ is written, "
                                                     "exit 0).", ge=1)
     early_stopping_threshold: float = key(0.0, "How much an evaluation must beat the best one by to count as an "
-                                               "improvement.", ge=0)
+                                               "improvement.", ge=0, needs=EARLY_STOPPING)
     neftune_noise_alpha: float | None = key(None, "NEFTune: uniform noise of +-alpha/sqrt(seq_len x hidden) on the "
                                                   "input embeddings while training (the paper uses 5); none in "
                                                   "evaluation and generation.", gt=0)
@@ -363,7 +367,8 @@ class DistributedConfig:
     fsdp_auto_wrap_policy: WrapPolicy = key("TRANSFORMER_BASED_WRAP", "What becomes one FSDP unit (gathered and "
                                                                       "freed together).", needs=FSDP_ONLY)
     fsdp_transformer_layer_cls_to_wrap: str | None = key(None, "Class name of the unit to wrap (default: the model's "
-                                                               "decoder layer); several comma-separated.", commas=True)
+                                                               "decoder layer); several comma-separated.", commas=True,
+                                                         needs=TRANSFORMER_WRAP)
     fsdp_min_num_params: int = key(100_000_000, "SIZE_BASED_WRAP: parameters per unit.", needs=SIZE_WRAP)
     fsdp_cpu_ram_efficient_loading: bool = key(
         True, "Only rank 0 reads the weights (into CPU RAM, as every FSDP rank does: each GPU only ever holds its "
@@ -382,7 +387,8 @@ class DistributedConfig:
     fsdp_backward_prefetch: Literal["BACKWARD_PRE"] | None = key(
         None, "BACKWARD_PRE (what FSDP2 does: the next unit is gathered before this one's backward); BACKWARD_POST "
         "and NO_PREFETCH are refused.", refusal="FSDP2 always prefetches the next unit's parameters before the "
-        "current one's backward (BACKWARD_PRE); set fsdp_backward_prefetch BACKWARD_PRE or leave it out")
+        "current one's backward (BACKWARD_PRE); set fsdp_backward_prefetch BACKWARD_PRE or leave it out",
+        needs=FSDP_ONLY)
     fsdp_forward_prefetch: bool = key(False, "Gather the next decoder layer while this one runs forward (FSDP2's "
                                              "explicit forward prefetch); needs TRANSFORMER_BASED_WRAP.",
                                       needs=FSDP_ONLY)

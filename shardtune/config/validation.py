@@ -17,9 +17,9 @@ from pathlib import Path
 from shardtune.config.compile import compile_problems
 from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
-from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, EVAL_STEPS, EVALUATES, FSDP_ONLY,
-                                     LORA, MP, PACKING, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER, WARMS_UP,
-                                     TRACKER_PACKAGES, DataConfig,
+from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, EARLY_STOPPING, EVAL_STEPS,
+                                     EVALUATES, FSDP_ONLY, LOGS_STEPS, LORA, MP, PACKING, PP, PUSH, QLORA, SAVE_STEPS,
+                                     SIZE_WRAP, TRACKER, TRANSFORMER_WRAP, WARMS_UP, TRACKER_PACKAGES, DataConfig,
                                      DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
 from shardtune.hub import looks_like_local_path, model_folder_problem, tokenizer_problem
@@ -93,6 +93,11 @@ def data_problems(data: DataConfig) -> list[Problem]:
     if not data.dataset_name:
         problems.append(Problem("dataset_name", "dataset_name is missing: give a JSONL/JSON/Parquet/CSV file or "
                                                 "folder, a saved `datasets` folder or a hub name."))
+    local = data.dataset_name and (looks_like_local_path(data.dataset_name)
+                                   or Path(data.dataset_name).expanduser().exists())
+    if data.dataset_config_name and local:
+        problems.append(Problem("dataset_config_name", f"dataset_config_name picks a configuration (subset) of a hub "
+                                                       f"data set, and {data.dataset_name} is local; leave it out"))
     if data.add_special_tokens and data.chat_template_format == "none":
         problems.append(Problem("add_special_tokens", "add_special_tokens needs a named chat_template_format (chatml, "
                                                       "llama-3, ...): the tokenizer's own template already has its "
@@ -174,6 +179,11 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     WARMS_UP: lambda cfg: cfg.optim.lr_scheduler_type != "constant",
     FSDP_ONLY: lambda cfg: _strategy(cfg.distributed).shards_parameters,
     SIZE_WRAP: lambda cfg: cfg.distributed.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP",
+    TRANSFORMER_WRAP: lambda cfg: (cfg.distributed.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+                                   and _strategy(cfg.distributed).shards_parameters),
+    LOGS_STEPS: lambda cfg: cfg.run.logging_strategy == "steps" or (cfg.run.eval_strategy == "steps"
+                                                                     and cfg.run.eval_steps is None),
+    EARLY_STOPPING: lambda cfg: cfg.run.early_stopping_patience is not None,
     DDP_ONLY: lambda cfg: _strategy(cfg.distributed) is DDP or (_strategy(cfg.distributed).one_device
                                                                and _processes(cfg) > 1),
 }
@@ -207,7 +217,8 @@ def overruled_keys(cfg: TrainConfig, layer_of: Mapping[str, int], reset: set[str
 # Settings that more keys than the one their ``needs`` names turn on or off: a job of several processes with no
 # distributed_type runs DDP; checkpointing is either key's, and so is evaluating.
 SWITCHED_ALSO = {DDP_ONLY: ("num_processes",), CHECKPOINTING: ("fsdp_activation_checkpointing",),
-                 EVALUATES: ("eval_on_start",)}
+                 EVALUATES: ("eval_on_start",), LOGS_STEPS: ("eval_strategy", "eval_steps"),
+                 TRANSFORMER_WRAP: ("distributed_type",)}
 
 
 def _switch_key(name: str) -> str:
