@@ -211,6 +211,31 @@ def train_in_process(argv: list[str], callbacks=()) -> dict:
         return train(load_train_config(argv), callbacks)
 
 
+def test_a_resume_takes_the_same_data_named_by_another_path(made, tmp_path, monkeypatch, capfd):
+    """A run given its data as a relative path resumes with the same file named ./data, absolutely, or relatively
+    from another working directory (it was refused: 'dataset_name was ... Set it back', impossible from there);
+    another file is still refused."""
+    work = tmp_path / "w"
+    work.mkdir()
+    shutil.copy(made / "chat.jsonl", work / "chat.jsonl")
+    monkeypatch.chdir(work)
+    job = ["--model_name_or_path", str(made / "model"), "--splits", "train", "--max_seq_len", "64", "--packing",
+           "True", "--max_steps", "4", "--save_steps", "2", "--per_device_train_batch_size", "2", "--use_peft_lora",
+           "True", "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj"]
+    train_in_process([*job, "--dataset_name", "chat.jsonl", "--output_dir", "run"])
+    monkeypatch.chdir(tmp_path)
+    step_2 = str(work / "run" / "checkpoints" / "step-2")
+    for data in ("w/chat.jsonl", "./w/chat.jsonl", str(work / "chat.jsonl")):
+        summary = train_in_process([*job, "--dataset_name", data, "--output_dir", str(work / "run"),
+                                    "--resume_from_checkpoint", step_2])
+        assert summary["steps"] == 4, data
+    capfd.readouterr()
+    shutil.copy(work / "chat.jsonl", tmp_path / "other.jsonl")
+    with pytest.raises(UsageError, match="dataset_name was 'chat.jsonl' when the checkpoint was saved"):
+        train_in_process([*job, "--dataset_name", "other.jsonl", "--output_dir", str(work / "run"),
+                          "--resume_from_checkpoint", step_2])
+
+
 def test_a_finished_run_without_checkpoints_requeued_says_only_that_it_finished(made, run, capfd):
     """A run that saved no checkpoint (save_strategy no, or save_total_limit rotated them off) and finished,
     requeued with resume_from_checkpoint true: it said "starting from scratch", then that it had nothing to train."""

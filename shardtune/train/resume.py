@@ -30,19 +30,28 @@ FIXED = ("model_name_or_path", "use_peft_lora", "use_4bit_quantization", "lora_r
 LORA_ONLY = ("lora_r", "lora_target_modules")
 
 
-def _same_model(old: Any, new: Any) -> bool:
-    """Two model names: equal as written, or the same local folder reached by two paths."""
+def _same_place(old: Any, new: Any) -> bool:
+    """Two model or data set names: equal as written, or the same local file or folder reached by two paths. The
+    checkpoint's config keeps a relative path as it was given, from the working directory of then: it names the
+    same place when this one's path ends in it (``data`` then, ``/work/data`` or ``./data`` now)."""
     if old == new:
         return True
     old_path, new_path = Path(str(old)).expanduser(), Path(str(new)).expanduser()
-    return old_path.exists() and new_path.exists() and old_path.resolve() == new_path.resolve()
+    if not new_path.exists():
+        return False
+    if old_path.exists() and old_path.resolve() == new_path.resolve():
+        return True
+    tail = tuple(part for part in old_path.parts if part != ".")
+    return (not old_path.is_absolute() and bool(tail) and ".." not in tail
+            and new_path.resolve().parts[-len(tail):] == tail)
 
 
 def _same(key: str, old: Any, new: Any) -> bool:
-    """A FIXED key unchanged: the same model folder by another path, or another name of the same optimizer
-    (adamw_torch and adamw_torch_fused keep the same state) count as unchanged."""
-    if key == "model_name_or_path":
-        return _same_model(old, new)
+    """A FIXED key unchanged: the same model folder or data by another path, or another name of the same optimizer
+    (adamw_torch and adamw_torch_fused keep the same state) count as unchanged. (A data set's rows are checked
+    too, by their SHA-256, when the data is read.)"""
+    if key in ("model_name_or_path", "dataset_name"):
+        return _same_place(old, new)
     if key == "optim":
         return old == new or (old in OPTIMIZERS and OPTIMIZERS.get(old) == OPTIMIZERS.get(new))
     return old == new
