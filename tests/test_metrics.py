@@ -47,3 +47,22 @@ def test_a_full_disk_leaves_metrics_whole_and_the_run_going(tmp_path, monkeypatc
     assert [json.loads(line)["step"] for line in lines] == [1, 4]
     warned = [r.getMessage() for r in caplog.records if r.name == "shardtune"]
     assert len(warned) == 1 and "the record of step 2 was not written (No space left on device)" in warned[0]
+
+
+def test_a_non_finite_number_is_written_as_null_so_the_file_stays_json(tmp_path):
+    """An fp16 step the loss scaler skips has grad_norm NaN: Python's json wrote a bare NaN, which strict readers
+    (jq, browsers, most languages) refuse, so one such step made the whole file unreadable to them."""
+    import json
+
+    from shardtune.dist import DistInfo
+    from shardtune.train import metrics
+
+    log = metrics.MetricsLog(tmp_path, DistInfo(0, 1, 0, 1, torch.device("cpu")))
+    log.write({"step": 1, "loss": 2.5, "grad_norm": float("nan"), "tokens_per_s": float("inf")})
+    line = (tmp_path / "metrics.jsonl").read_text()
+
+    def strict(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    assert json.loads(line, parse_constant=strict) == {"step": 1, "loss": 2.5, "grad_norm": None,
+                                                       "tokens_per_s": None}

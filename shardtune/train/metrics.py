@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import sys
@@ -91,7 +92,7 @@ class MetricsLog:
             return
         self.trackers.log(record)  # each tracker's own failures are its own: they never stop this file
         try:
-            append_line(self.path, json.dumps(record))
+            append_line(self.path, json.dumps(strict_json(record), allow_nan=False))
         except OSError as exc:
             if not self._write_failed:
                 log.warning("%s: the record of step %s was not written (%s); the file keeps only whole records and "
@@ -102,6 +103,14 @@ class MetricsLog:
     def close(self, failed: bool = False) -> None:
         """Finish the trackers' runs (``failed``: the run stopped with an error); a second call does nothing."""
         self.trackers.finish(failed)
+
+
+def strict_json(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with its non-finite numbers as null: JSON has no NaN or Infinity, and a strict reader (jq, a
+    browser, most languages) refuses a file that holds one (an fp16 step the loss scaler skipped has no finite
+    gradient norm)."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()}
 
 
 def append_line(path: Path, text: str) -> None:
