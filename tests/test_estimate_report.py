@@ -154,6 +154,28 @@ def test_an_fsdp_option_estimates_fsdp_without_strategy(options, capsys):
     assert left["per_gpu"] == named["per_gpu"]
 
 
+def test_the_estimate_compares_and_recommends_only_jobs_train_runs(tmp_path, capsys):
+    """Adafactor cannot run under FSDP (its factored state needs whole rows), and pure bf16 only with AdamW: the
+    estimate recommended FSDP SHARD_GRAD_OP for adafactor on 2 GPUs, whose recipe train then refused. Now FSDP is
+    not compared there (model parallel, the one that fits, is recommended and its recipe loads), and a job named
+    outright that train refuses is refused with train's words."""
+    from shardtune.cli import main
+    from shardtune.config import load_train_config
+
+    recipe = tmp_path / "r.yaml"
+    argv = ["estimate", "llama-3.1-8b", "--optimizer", "adafactor", "--num-gpus", "2"]
+    assert main([*argv, "--json", "--emit-config", str(recipe)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [row["strategy"] for row in data["strategies"]] == ["DDP", "MP"]
+    assert data["recommendation"]["strategy"] == "MP" and data["recommendation"]["fits"]
+    cfg = load_train_config([str(recipe), "--dataset_name", "d.jsonl"])
+    assert (cfg.distributed.distributed_type, cfg.optim.optim) == ("MP", "adafactor")
+    assert main([*argv, "--strategy", "FSDP"]) == 2
+    assert "optim adafactor with distributed_type FSDP: Adafactor's factored state" in capsys.readouterr().err
+    assert main(["estimate", "llama-3.1-8b", "--pure-bf16", "--optimizer", "adamw_8bit"]) == 2
+    assert "torch_dtype=bfloat16 with optim adamw_8bit" in capsys.readouterr().err
+
+
 def test_estimate_of_a_recipe_reads_fsdp_reshard_after_forward(tmp_path, capsys):
     """FSDP2 without resharding after forward is SHARD_GRAD_OP (train/plan.py): the estimate of a recipe that says
     so counts what that job holds, not FULL_SHARD's."""

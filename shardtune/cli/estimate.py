@@ -18,7 +18,7 @@ from shardtune.memory.report import Report, TimeReport, estimate_report
 from shardtune.memory.setup import (ATTENTION, LOSSES, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
                                     Setup, validate)
 from shardtune.memory.timing import DEFAULT_PIPELINE_MICROBATCHES
-from shardtune.strategies import FSDP, NAMES, NO, ZERO_STAGES, strategy_named, zero_stage
+from shardtune.strategies import DDP, FSDP, NAMES, NO, ZERO_STAGES, strategy_named, zero_stage
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -251,9 +251,15 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
         keys["distributed_type"] = FSDP if args.num_gpus * args.num_nodes > 1 else NO
     elif "distributed_type" not in keys:
         keys["distributed_type"] = strategy_named(args.strategy)
-    setup = Setup(num_gpus=args.num_gpus, num_nodes=args.num_nodes, loss=args.loss,
-                  native_bf16=gpu_from_args(args).bf16).with_(**keys)
-    return validate(setup), auto
+    setup = validate(Setup(num_gpus=args.num_gpus, num_nodes=args.num_nodes, loss=args.loss,
+                           native_bf16=gpu_from_args(args).bf16).with_(**keys))
+    from shardtune.memory.recommend import refusals
+
+    if auto and setup.world_size > 1 and refusals(setup):  # FSDP first, unless train refuses it
+        setup = validate(setup.with_(distributed_type=DDP))
+    if problems := refusals(setup):  # what train would refuse, in its words
+        raise UsageError(problems[0])
+    return setup, auto
 
 
 def gpu_from_args(args: argparse.Namespace) -> Gpu:

@@ -47,6 +47,13 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[Problem]:
     return problems + compile_problems(cfg.run)
 
 
+def setup_problems(cfg: TrainConfig) -> list[Problem]:
+    """The rules between the keys of a setup (strategy, precision, optimizer, method) that train refuses: those
+    that read neither the model, the data nor the output folder, so that an estimate (and the setups it compares
+    and recommends) is of a job that can run."""
+    return [*lora_variant_problems(cfg), *_validate_pipeline(cfg), *_optim_problems(cfg), *dtype_problems(cfg)]
+
+
 def _run_problems(cfg: TrainConfig) -> list[Problem]:
     """Training length and precision, and the pairings of run and distributed keys that cannot work."""
     r, d = cfg.run, cfg.distributed

@@ -15,9 +15,10 @@ joins the candidates when it was measured.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from shardtune.config.validation import setup_problems
 from shardtune.errors import UsageError
 from shardtune.hardware import Gpu
 from shardtune.memory.formula import Breakdown, estimate
@@ -134,7 +135,17 @@ def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAna
     out += [fsdp, fsdp.with_(fsdp_offload_params=True), plain.with_(distributed_type=MP)]
     if measured and PP.name in measured.tokens_per_s and not (analysis and analysis.inventory.tied_embeddings):
         out.append(plain.with_(distributed_type=PP))
-    return out
+    return [setup for setup in out if not refusals(setup)]  # none that train would refuse
+
+
+def refusals(setup: Setup) -> list[str]:
+    """What ``shardtune train`` would refuse of ``setup``'s job (an optimizer FSDP cannot shard, pure bf16 with
+    one that loses small updates), as the recipe --emit-config writes it: pipeline parallel with one row per
+    pipeline micro-batch."""
+    cfg = setup.config
+    if setup.strategy.pipelined:
+        cfg = replace(cfg, distributed=replace(cfg.distributed, pipeline_microbatches=setup.batch_size))
+    return setup_problems(cfg)
 
 
 def max_batch_size(analysis: ModelAnalysis, setup: Setup, gpu: Gpu) -> int:
@@ -200,12 +211,13 @@ def by_measured_speed(options: list[Setup], measured: Measured) -> list[Setup]:
 def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured | None = None) -> Recommendation:
     """The preferred setup that fits ``gpu`` at ``base``'s batch size, or the closest one and what would fit.
 
-    Without ``measured``, preferred means the order of ``candidates`` (MP is shown, never preferred over FSDP);
-    with it, the fastest measured kind that fits, then the unmeasured ones in that order.
+    Without ``measured``, preferred means the order of ``candidates``, model parallel last (one GPU computes at a
+    time: it is recommended only where nothing else fits); with it, the fastest measured kind that fits, then the
+    unmeasured ones in that order.
     """
     options = candidates(base, measured, analysis)
     if measured is None:
-        options = [s for s in options if not s.splits_layers]
+        options = [s for s in options if not s.splits_layers] + [s for s in options if s.splits_layers]
     else:
         options = by_measured_speed(options, measured)
     for setup in options:
@@ -300,6 +312,8 @@ def _more_gpus(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> str | None:
         gpus, nodes = (world, 1) if world <= per_node else (per_node, world // per_node)
         setup = base.with_(distributed_type=FSDP, fsdp_sharding_strategy="FULL_SHARD", num_gpus=gpus,
                            num_nodes=nodes, fsdp_offload_params=False)
+        if refusals(setup):  # FSDP is not for this job (adafactor): more GPUs hold no less each
+            return None
         if world > base.world_size:
             b = evaluate_setup(analysis, setup)
             if b.fits(gpu.memory_bytes):
