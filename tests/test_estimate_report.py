@@ -176,6 +176,22 @@ def test_the_estimate_compares_and_recommends_only_jobs_train_runs(tmp_path, cap
     assert "torch_dtype=bfloat16 with optim adamw_8bit" in capsys.readouterr().err
 
 
+def test_model_parallel_stays_on_one_machine_and_pure_bf16_needs_bf16(capsys):
+    """MP is one process driving its machine's GPUs: across nodes it was compared (and recommended when it alone
+    fit) though train cannot run it; named outright it is refused. --pure-bf16 with --mixed-precision no was taken
+    as pure bf16, where fp16 was refused."""
+    from shardtune.cli import main
+
+    assert main(["estimate", "llama-3.1-8b", "--method", "full", "--num-gpus", "1", "--num-nodes", "2",
+                 "--json"]) == 0
+    assert "MP" not in [row["strategy"] for row in json.loads(capsys.readouterr().out)["strategies"]]
+    assert main(["estimate", "llama-3.1-8b", "--strategy", "MP", "--num-gpus", "8", "--num-nodes", "2"]) == 2
+    assert "--strategy MP: one process drives the GPUs of its own machine" in capsys.readouterr().err
+    assert main(["estimate", "llama-3.1-8b", "--mixed-precision", "no", "--pure-bf16"]) == 2
+    assert "--pure-bf16 keeps weights in bfloat16: it needs --mixed-precision bf16, not no" in \
+        capsys.readouterr().err
+
+
 def test_estimate_of_a_recipe_reads_fsdp_reshard_after_forward(tmp_path, capsys):
     """FSDP2 without resharding after forward is SHARD_GRAD_OP (train/plan.py): the estimate of a recipe that says
     so counts what that job holds, not FULL_SHARD's."""

@@ -132,7 +132,9 @@ def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAna
     out = [plain.with_(distributed_type=DDP), fsdp.with_(fsdp_sharding_strategy="SHARD_GRAD_OP")]
     if base.num_nodes > 1:
         out.append(fsdp.with_(fsdp_sharding_strategy="HYBRID_SHARD"))
-    out += [fsdp, fsdp.with_(fsdp_offload_params=True), plain.with_(distributed_type=MP)]
+    out += [fsdp, fsdp.with_(fsdp_offload_params=True)]
+    if base.num_nodes == 1:  # one process drives the GPUs of its own machine
+        out.append(plain.with_(distributed_type=MP))
     if measured and PP.name in measured.tokens_per_s and not (analysis and analysis.inventory.tied_embeddings):
         out.append(plain.with_(distributed_type=PP))
     return [setup for setup in out if not refusals(setup)]  # none that train would refuse

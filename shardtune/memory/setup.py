@@ -313,8 +313,12 @@ def validate(setup: Setup) -> Setup:
     if asked is not None and asked.one_device and setup.world_size > 1:
         raise UsageError(f"--strategy {asked} uses one GPU but --num-gpus x --num-nodes is {setup.world_size}: "
                          f"use another strategy, or --num-gpus 1.")
-    if setup.pure_bf16 and setup.precision_asked == "fp16":
-        raise UsageError("--pure-bf16 keeps weights in bfloat16: it needs --mixed-precision bf16.")
+    if asked is not None and asked.drives_several_devices and setup.num_nodes > 1:
+        raise UsageError(f"--strategy {asked}: one process drives the GPUs of its own machine, not {setup.num_nodes} "
+                         f"machines; use PP (a process per GPU, across machines) or FSDP, or --num-nodes 1.")
+    if setup.pure_bf16 and setup.precision_asked in ("fp16", "no"):
+        raise UsageError(f"--pure-bf16 keeps weights in bfloat16: it needs --mixed-precision bf16, not "
+                         f"{setup.precision_asked}.")
     if setup.activation_offloading and not setup.gradient_checkpointing:
         raise UsageError("--activation-offloading moves the layer inputs that gradient checkpointing keeps to host "
                          "memory: use it with --gradient-checkpointing.")
