@@ -192,6 +192,29 @@ def test_model_parallel_stays_on_one_machine_and_pure_bf16_needs_bf16(capsys):
         capsys.readouterr().err
 
 
+def test_pipeline_micro_batches_are_the_jobs_in_the_time_and_the_recipe(tmp_path, capsys):
+    """PP's micro-batches per batch are part of the job: the time was of train's default 2 while the recipe
+    --emit-config wrote one row each (8), and a count that does not divide the batch was accepted."""
+    from shardtune.cli import main
+    from shardtune.config import load_train_config
+
+    argv = ["estimate", "llama-3.1-8b", "--method", "lora", "--num-gpus", "4", "--gpu", "a100-40gb", "--batch-size",
+            "8", "--strategy", "PP", "--time", "--json"]
+    steps = {}
+    for given, expected in ((None, 8), (2, 2)):
+        recipe = tmp_path / f"pp{given}.yaml"
+        assert main([*argv, *(["--pipeline-microbatches", str(given)] if given else []), "--emit-config",
+                     str(recipe)]) == 0
+        pp = [row for row in json.loads(capsys.readouterr().out)["timing"]["setups"]
+              if row["setup"] == "pipeline parallel"]
+        steps[expected] = pp[0]["step_s"]
+        assert load_train_config([str(recipe), "--dataset_name", "d.jsonl"]).distributed.pipeline_microbatches == \
+            expected
+    assert steps[8] < steps[2]  # more micro-batches, less of the pipeline idle
+    assert main([*argv, "--pipeline-microbatches", "3"]) == 2
+    assert "per_device_train_batch_size=8 must be a multiple of pipeline_microbatches=3" in capsys.readouterr().err
+
+
 def test_estimate_of_a_recipe_reads_fsdp_reshard_after_forward(tmp_path, capsys):
     """FSDP2 without resharding after forward is SHARD_GRAD_OP (train/plan.py): the estimate of a recipe that says
     so counts what that job holds, not FULL_SHARD's."""

@@ -17,7 +17,6 @@ from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_
 from shardtune.memory.report import Report, TimeReport, estimate_report
 from shardtune.memory.setup import (ATTENTION, LOSSES, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
                                     Setup, validate)
-from shardtune.memory.timing import DEFAULT_PIPELINE_MICROBATCHES
 from shardtune.strategies import DDP, FSDP, NAMES, NO, ZERO_STAGES, strategy_named, zero_stage
 
 
@@ -91,6 +90,9 @@ def _job_options(job: argparse._ArgumentGroup) -> None:
     job.add_argument("--lora-r", type=int, default=None, help=f"LoRA rank ({_default('lora_r')})")
     job.add_argument("--lora-target-modules", default=None,
                      help=f"all-linear or e.g. q_proj,v_proj ({_default('lora_target_modules')})")
+    job.add_argument("--pipeline-microbatches", type=int, default=None, metavar="M",
+                     help="micro-batches each batch is split into under PP (a divisor of --batch-size; default: "
+                          "one row each, as --emit-config writes it)")
     job.add_argument("--attn-implementation", default=None,
                      help=f"{' | '.join(ATTENTION)} ({_default('attn_implementation')})")
 
@@ -136,8 +138,6 @@ def _time_options(tm: argparse._ArgumentGroup) -> None:
     tm.add_argument("--inter-node", default=None, metavar="NAME",
                     help=f"network between nodes: {', '.join(INTER_NODE_LINKS)} (default: infiniband for "
                          f"H100/H200, infiniband-hdr for A100, ethernet-100g otherwise)")
-    tm.add_argument("--pipeline-microbatches", type=int, default=DEFAULT_PIPELINE_MICROBATCHES, metavar="M",
-                    help=f"micro-batches per batch under --strategy PP (default: {DEFAULT_PIPELINE_MICROBATCHES})")
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -177,7 +177,7 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
         from shardtune.memory.timing import DataTokens
 
         data = DataTokens(args.tokens)
-    return time_report(report, links, data, args.price_per_gpu_hour, args.pipeline_microbatches, measured)
+    return time_report(report, links, data, args.price_per_gpu_hour, measured=measured)
 
 
 ACCELERATE_KEYS = {"compute_environment", "fsdp_config", "deepspeed_config", "machine_rank", "num_machines",
@@ -237,7 +237,8 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
     """The Setup the options describe (train's defaults for the keys they leave out), and whether the strategy is
     left to the recommender."""
     keys = {dest: getattr(args, dest) for dest in args.setup_options
-            if dest not in ("num_gpus", "num_nodes", "strategy") and getattr(args, dest) is not None}
+            if dest not in ("num_gpus", "num_nodes", "strategy", "pipeline_microbatches")
+            and getattr(args, dest) is not None}
     # An FSDP option (offload, a sharding strategy) asks for FSDP: the recommender may not trade it away.
     auto = args.strategy.lower() == "auto" and not (keys.get("fsdp_offload_params")
                                                     or keys.get("fsdp_sharding_strategy"))
@@ -252,7 +253,8 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
     elif "distributed_type" not in keys:
         keys["distributed_type"] = strategy_named(args.strategy)
     setup = validate(Setup(num_gpus=args.num_gpus, num_nodes=args.num_nodes, loss=args.loss,
-                           native_bf16=gpu_from_args(args).bf16).with_(**keys))
+                           native_bf16=gpu_from_args(args).bf16,
+                           pipeline_microbatches=args.pipeline_microbatches).with_(**keys))
     from shardtune.memory.recommend import refusals
 
     if auto and setup.world_size > 1 and refusals(setup):  # FSDP first, unless train refuses it
@@ -320,7 +322,7 @@ def main(args: argparse.Namespace) -> int:
     if args.list:
         print_catalog()
         return 0
-    if args.pipeline_microbatches < 1:
+    if args.pipeline_microbatches is not None and args.pipeline_microbatches < 1:
         raise UsageError(f"--pipeline-microbatches must be a whole number >= 1 (got {args.pipeline_microbatches}).")
     for option, path in (("--emit-config", args.emit_config), ("--plot", args.plot),
                          ("--plot", args.plot and wants_time(args) and time_plot_path(args.plot))):

@@ -143,10 +143,10 @@ def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAna
 def refusals(setup: Setup) -> list[str]:
     """What ``shardtune train`` would refuse of ``setup``'s job (an optimizer FSDP cannot shard, pure bf16 with
     one that loses small updates), as the recipe --emit-config writes it: pipeline parallel with one row per
-    pipeline micro-batch."""
+    pipeline micro-batch unless the job says how many."""
     cfg = setup.config
     if setup.strategy.pipelined:
-        cfg = replace(cfg, distributed=replace(cfg.distributed, pipeline_microbatches=setup.batch_size))
+        cfg = replace(cfg, distributed=replace(cfg.distributed, pipeline_microbatches=setup.microbatches))
     return setup_problems(cfg)
 
 

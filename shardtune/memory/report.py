@@ -16,7 +16,7 @@ from shardtune.memory.formula import Breakdown
 from shardtune.memory.inventory import LoraCount, ModelInventory
 from shardtune.memory.recommend import Measured, Recommendation
 from shardtune.memory.setup import Setup
-from shardtune.memory.timing import DEFAULT_PIPELINE_MICROBATCHES, OVERLAP, DataTokens, Links, StepTime, duration
+from shardtune.memory.timing import OVERLAP, DataTokens, Links, StepTime, duration
 
 
 @dataclass
@@ -220,10 +220,10 @@ class TimeReport:
 
 
 def time_report(r: Report, links: Links, data: DataTokens | None = None, price_per_gpu_hour: float | None = None,
-                pipeline_microbatches: int = DEFAULT_PIPELINE_MICROBATCHES,
                 measured: Measured | None = None) -> TimeReport:
-    """Step time of every setup in ``r.table`` at its asked micro-batch, and the data set's time and cost; with
-    ``measured``, the measured speeds beside the predicted ones."""
+    """Step time of every setup in ``r.table`` at its asked micro-batch (PP's at the pipeline micro-batches its
+    recipe runs), and the data set's time and cost; with ``measured``, the measured speeds beside the predicted
+    ones."""
     from shardtune.memory.timing import step_time
 
     precision = r.breakdown.setup.mixed_precision
@@ -236,7 +236,7 @@ def time_report(r: Report, links: Links, data: DataTokens | None = None, price_p
     compared = [b for b, _ in r.table]
     if all(b.setup != r.breakdown.setup for b in compared):  # an asked setup the table leaves out (PP)
         compared.append(r.breakdown)
-    rows = [(b, step_time(r.inventory, b.setup, r.gpu, links, r.lora, b.stage_bounds, pipeline_microbatches))
+    rows = [(b, step_time(r.inventory, b.setup, r.gpu, links, r.lora, b.stage_bounds, b.setup.microbatches))
             for b in compared]
     given = price_per_gpu_hour is not None
     price = price_per_gpu_hour if given else TYPICAL_PRICE_PER_GPU_HOUR.get(r.gpu.name)

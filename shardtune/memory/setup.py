@@ -88,6 +88,14 @@ class Setup:
     # broadcast in 250 MB buckets, flattened and sharded there; the blocks this leaves cached on the default stream
     # are inside the reserved peak when the peak counter is reset without emptying the cache first.
     fsdp1_init_cache: bool = False
+    # PP's micro-batches per batch: the job's pipeline_microbatches where it says one (a recipe, or estimate's
+    # --pipeline-microbatches); None: one row each, as the recipe --emit-config writes (the most stages at work).
+    pipeline_microbatches: int | None = None
+
+    @property
+    def microbatches(self) -> int:
+        """The pipeline micro-batches each batch is split into under PP."""
+        return self.pipeline_microbatches or self.batch_size
 
     @classmethod
     def of(cls, **changes: Any) -> Setup:

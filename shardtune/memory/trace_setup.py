@@ -35,8 +35,8 @@ def config_from_setup(model: str, setup: Setup) -> TrainConfig:
         values.update(attn_implementation="sdpa", use_flash_attn=True)
     if setup.uses_lora and "lora_alpha" not in values:
         values.update(lora_alpha=2 * setup.lora_r)
-    if setup.strategy.pipelined:  # one row per pipeline micro-batch: the most stages working at once
-        values.update(pipeline_microbatches=setup.batch_size)
+    if setup.strategy.pipelined:
+        values.update(pipeline_microbatches=setup.microbatches)
     return build_config([(without_idle_keys(values), {})])
 
 
@@ -60,8 +60,8 @@ def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1, *,
     own loss, and its precision as ``shardtune train`` picks it on GPUs that do (or do not: ``native_bf16``)
     compute bf16, or on this machine (None)."""
     strategy = resolve(cfg.distributed.distributed_type, world_size > 1)
-    return Setup(cfg, num_gpus=world_size // num_nodes, num_nodes=num_nodes,
-                 native_bf16=native_bf16).with_(distributed_type=strategy)
+    return Setup(cfg, num_gpus=world_size // num_nodes, num_nodes=num_nodes, native_bf16=native_bf16,
+                 pipeline_microbatches=cfg.distributed.pipeline_microbatches).with_(distributed_type=strategy)
 
 
 def formula_for_config(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -> dict[str, Any]:
