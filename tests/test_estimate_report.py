@@ -262,3 +262,19 @@ def test_an_emitted_recipe_for_several_gpus_names_the_launch_command(tmp_path, c
         out = tmp_path / f"e{gpus}.yaml"
         assert main(["estimate", "llama-3.2-1b", "--num-gpus", gpus, "--emit-config", str(out)]) == 0
         assert f"then: {command} {out})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--gpu", "t4", "--mixed-precision", "bf16"], "--mixed-precision bf16: the NVIDIA T4 16GB does not compute bf16"),
+    (["--gpu", "t4", "--mixed-precision", "fp16", "--attn-implementation", "flash_attention_2"],
+     "FlashAttention-2 runs on Ampere and newer GPUs, not on the NVIDIA T4 16GB"),
+    (["--gpu", "a100-80gb", "--mixed-precision", "no", "--attn-implementation", "flash_attention_2"],
+     "flash attention computes in bf16 or fp16 only, and this job computes in fp32 on the NVIDIA A100 80GB"),
+])
+def test_what_the_card_cannot_run_is_refused_without_time(options, says, capsys):
+    """bf16 on a T4 was refused only with --time (and the emitted recipe said bf16 true); flash attention on a T4
+    or in fp32 was estimated as flash, where the trainer falls back to sdpa, which holds more."""
+    from shardtune.cli import main
+
+    assert main(["estimate", "llama-3.2-1b", "--method", "lora", *options]) == 2
+    assert says in capsys.readouterr().err

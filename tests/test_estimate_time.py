@@ -468,7 +468,7 @@ def test_plot_writes_the_time_and_cost_chart_beside_the_memory_one(tmp_path, cap
 @pytest.mark.parametrize("args, message", [
     (["--gpu-memory", "40", "--time"], "peak FLOPs"),
     (["--gpu", "a10g", "--time"], "--gpu-spec tflops="),  # a table card without a published tensor-core peak
-    (["--gpu", "t4", "--time"], "has no bf16; give --mixed-precision fp16"),
+    (["--gpu", "t4", "--time"], "does not compute bf16; give --mixed-precision fp16"),
     (["--gpu", "rtx4090", "--interconnect", "nvlink"], "has no NVLink"),
     (["--interconnect", "carrier-pigeon"], "unknown interconnect"),
     (["--tokens", "lots"], "not a token count"),

@@ -337,6 +337,7 @@ def main(args: argparse.Namespace) -> int:
         setup, auto = setup_from_args(args)
     _check_seq_len(args.model, setup.seq_len, "max_seq_len" if args.config else "--seq-len")
     gpu = gpu_from_args(args)
+    _check_precision_on(setup, gpu)
     measured = None
     if args.measured:
         from shardtune.memory.recommend import Measured
@@ -371,6 +372,23 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         _write_plots(args.plot, report, timed)
     return 0
+
+
+def _check_precision_on(setup: Setup, gpu: Gpu) -> None:
+    """What the card cannot compute, refused here as the trainer would meet it there: bf16 on a card without it,
+    and flash attention before Ampere or in a job that computes in fp32 (the trainer would fall back to sdpa,
+    which holds more)."""
+    card = gpu.label or gpu.name
+    if setup.mixed_precision == "bf16" and not gpu.bf16 and not setup.pure_bf16:
+        raise UsageError(f"--mixed-precision bf16: the {card} does not compute bf16; give --mixed-precision fp16 "
+                         f"(or no), or leave it out for what train picks there")
+    if setup.attn_implementation == "flash_attention_2" and not gpu.bf16:  # what lacks bf16 predates Ampere
+        raise UsageError(f"--attn-implementation flash_attention_2: FlashAttention-2 runs on Ampere and newer GPUs, "
+                         f"not on the {card}; leave --attn-implementation out (sdpa)")
+    if setup.attn_implementation == "flash_attention_2" and setup.mixed_precision == "no" and not setup.pure_bf16:
+        raise UsageError(f"--attn-implementation flash_attention_2: flash attention computes in bf16 or fp16 only, "
+                         f"and this job computes in fp32 on the {card}; give --mixed-precision fp16, or leave "
+                         f"--attn-implementation out")
 
 
 def _check_seq_len(model: str, seq_len: int, option: str) -> None:
