@@ -498,3 +498,13 @@ def test_a_hub_subset_of_local_data_is_refused(tmp_path, capsys):
     cfg = load_train_config(["--model_name_or_path", "m", "--dataset_name", "org/name", "--dataset_config_name",
                              "subset", "--output_dir", "o"])
     assert cfg.data.dataset_config_name == "subset"
+
+
+@pytest.mark.parametrize("key, hint", [
+    ("dataset_train_split", "here the split names go in one key: splits"), ("lr", "here it is learning_rate"),
+    ("preprocessing_num_workers", "here it is dataset_num_proc"), ("padding_free", "packing true does it here"),
+    ("load_in_8bit", "8-bit loading is not run here; use load_in_4bit")])
+def test_another_tools_key_without_a_counterpart_names_what_to_write(key, hint, capsys):
+    """Spelling alone offered dataset_num_proc for dataset_train_split and lora_r for lr."""
+    assert main(["train", *BASE, f"--{key}", "1"]) == 2
+    assert f"unknown key '{key}'; {hint}" in capsys.readouterr().err

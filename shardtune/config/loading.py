@@ -319,6 +319,17 @@ def repeated_cli_keys(argv: list[str], hints: Mapping[str, str] | None = None) -
 Layers = list[tuple[dict[str, Any], dict[str, Origin]]]
 
 
+# Other tools' keys with no counterpart of the same meaning here, and what to write instead: a spelling near
+# another key would otherwise be offered (dataset_train_split -> dataset_num_proc).
+_SPLITS = "here the split names go in one key: splits (e.g. splits train,test)"
+UNKNOWN_ELSEWHERE = {
+    "dataset_train_split": _SPLITS, "dataset_test_split": _SPLITS, "dataset_splits": _SPLITS,
+    "preprocessing_num_workers": "here it is dataset_num_proc", "lr": "here it is learning_rate",
+    "padding_free": "packing true does it here (packed rows never attend across their documents)",
+    "load_in_8bit": "8-bit loading is not run here; use load_in_4bit (QLoRA) or leave it out",
+}
+
+
 def build_config(layers: Layers, *, training: bool = True) -> TrainConfig:
     """Apply ``layers`` (lowest precedence first) onto the defaults; report every problem together. With
     ``training`` False (``data inspect``), nothing will be written, so no output_dir is needed, and the data set is
@@ -376,7 +387,8 @@ def _apply(layers: Layers, *, training: bool,
                     trained_tokens[key] = source
             elif key not in declared:
                 hint = closest(key, list(declared))
-                did_you_mean = f"; did you mean '{hint}'?" if hint else "; see 'shardtune train --help-keys'"
+                did_you_mean = (f"; {UNKNOWN_ELSEWHERE[key]}" if key in UNKNOWN_ELSEWHERE
+                                else f"; did you mean '{hint}'?" if hint else "; see 'shardtune train --help-keys'")
                 problems.append(f"{source}: unknown key '{key}'{did_you_mean}")
             else:
                 try:
