@@ -215,6 +215,21 @@ def test_pipeline_micro_batches_are_the_jobs_in_the_time_and_the_recipe(tmp_path
     assert "per_device_train_batch_size=8 must be a multiple of pipeline_microbatches=3" in capsys.readouterr().err
 
 
+def test_a_recipe_emitted_from_a_recipe_keeps_its_data_and_output_dir(tmp_path, capsys):
+    """--config recipe --emit-config: the written recipe trained into ./output (the recipe's output_dir dropped)
+    and the command said to set a dataset_name the recipe had."""
+    from shardtune.cli import main
+    from shardtune.config import load_train_config
+
+    recipe, emitted = tmp_path / "r.yaml", tmp_path / "out.yaml"
+    recipe.write_text("model_name_or_path: llama-3.2-1b\ndataset_name: mine.jsonl\noutput_dir: runs/mine\n"
+                      "use_peft_lora: true\n")
+    assert main(["estimate", "--config", str(recipe), "--find-batch-size", "--emit-config", str(emitted)]) == 0
+    assert f"wrote {emitted} (shardtune train {emitted})" in capsys.readouterr().out
+    cfg = load_train_config([str(emitted)])
+    assert (cfg.data.dataset_name, cfg.run.output_dir) == ("mine.jsonl", "runs/mine")
+
+
 def test_estimate_of_a_recipe_reads_fsdp_reshard_after_forward(tmp_path, capsys):
     """FSDP2 without resharding after forward is SHARD_GRAD_OP (train/plan.py): the estimate of a recipe that says
     so counts what that job holds, not FULL_SHARD's."""

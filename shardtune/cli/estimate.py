@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shardtune import catalog
 from shardtune.cli.common import check_output_file
-from shardtune.config.schema import LoraConfig, TrainConfig, published_defaults
+from shardtune.config.schema import DATASET_PLACEHOLDER, LoraConfig, TrainConfig, published_defaults
 from shardtune.errors import UsageError
 from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_LINKS, PRICES_AS_OF, SPEC_EXAMPLE, Gpu,
                                 custom_gpu, gpu_by_name, gpu_from_spec)
@@ -437,7 +437,9 @@ def _print_tables(report: Report, timed: TimeReport | None, extras: dict) -> Non
               f"{bp['requested_global_batch_size']}; at most {bp['largest_fitting_micro_batch']} fits per GPU)")
     if "emitted_config" in extras:
         emitted, job = extras["emitted_config"], report.breakdown.setup
-        print(f"wrote {emitted} (set dataset_name, then: {train_command(job, emitted)})")
+        data = job.config.data.dataset_name
+        first = "set dataset_name, then: " if data in (None, DATASET_PLACEHOLDER) else ""
+        print(f"wrote {emitted} ({first}{train_command(job, emitted)})")
 
 
 def train_command(setup: Setup, recipe: str) -> str:

@@ -25,7 +25,7 @@ from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compi
 from shardtune.config.deepspeed import FP16_TUNING, map_accelerate_block, read_deepspeed_file
 from shardtune.config.keys import parse_bool, shown
 from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, no_op_problem, off
-from shardtune.config.schema import ALIASES, ZERO2_HYBRID, TrainConfig, all_keys
+from shardtune.config.schema import ALIASES, DATASET_PLACEHOLDER, ZERO2_HYBRID, TrainConfig, all_keys
 from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
                                          input_problems, model_folder_problems, overruled_keys, resolve_report_to,
                                          tracker_problems, validate)
@@ -519,7 +519,7 @@ def load_planned_config(argv: list[str]) -> TrainConfig:
     """The job ``argv`` describes, for a command that plans it and neither reads its data nor writes (``estimate
     --config``): every key checked as for ``train``, the data set and output_dir allowed to be left out (their
     placeholders lie below everything given, so a recipe's own are kept)."""
-    placeholders = ({"dataset_name": "DATA", "output_dir": "output"}, {})
+    placeholders = ({"dataset_name": DATASET_PLACEHOLDER, "output_dir": "output"}, {})
     cfg, _, problems = _apply([placeholders, *_layers(argv)], training=True)
     raise_problems(problems)
     return cfg

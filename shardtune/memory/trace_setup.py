@@ -18,10 +18,11 @@ from shardtune.strategies import NO, resolve
 
 def config_from_setup(model: str, setup: Setup) -> TrainConfig:
     """The ``shardtune train`` config of ``setup`` (what --emit-config writes and --trace runs): its config's keys
-    that differ from the defaults, the model, an output folder, and the processes it launches."""
+    that differ from the defaults, the model, its output folder (``output`` where it names none), and the processes
+    it launches."""
     flat, defaults = setup.config.to_flat(), TrainConfig().to_flat()
     values: dict[str, Any] = {key: value for key, value in flat.items() if value != defaults[key]}
-    values.update(model_name_or_path=model, output_dir="output",
+    values.update(model_name_or_path=model, output_dir=setup.config.run.output_dir or "output",
                   dataset_name=setup.config.data.dataset_name or DATASET_PLACEHOLDER,
                   # MP is one process driving every GPU of the node; the others run one process per GPU.
                   num_processes=1 if setup.strategy.drives_several_devices else setup.world_size,
