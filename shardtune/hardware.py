@@ -222,6 +222,8 @@ def gpu_from_spec(text: str) -> Gpu:
         if not sep or key not in SPEC_KEYS:
             raise UsageError(f"--gpu-spec: '{item}' is not one of {', '.join(k + '=' for k in SPEC_KEYS)} "
                              f"(e.g. {SPEC_EXAMPLE})")
+        if key in fields and fields[key] != value.strip():
+            raise UsageError(f"--gpu-spec: {key}= is given twice ({fields[key]} and {value.strip()}); give it once")
         fields[key] = value.strip()
     missing = [k for k in SPEC_REQUIRED if k not in fields]
     if missing:

@@ -220,6 +220,7 @@ def test_attention_on_a_hopper_card_runs_at_flashattention2s_share_of_its_peak()
     ("tflops=121,memory=24,bandwidth=300,color=green", "'color=green' is not one of"),
     ("tflops=121,memory=24,bandwidth=300,link=carrier-pigeon", "unknown --gpu-spec link 'carrier-pigeon'"),
     ("tflops=121,memory=24,bandwidth=300,arch=pascal", "unknown --gpu-spec arch 'pascal'"),
+    ("tflops=121,memory=22,bandwidth=300,tflops=5", "tflops= is given twice (121 and 5); give it once"),
 ])
 def test_a_bad_spec_is_one_line_naming_the_field(spec, named):
     proc = subprocess.run([sys.executable, "-m", "shardtune", "estimate", "llama-3.2-1b", "--gpu-spec", spec,
