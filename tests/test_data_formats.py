@@ -436,3 +436,17 @@ def test_hub_cache_key_follows_the_datasets_revision(monkeypatch):
     assert "aaa111" in first.fingerprint and "bbb222" in second.fingerprint
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: keyed by the name, with a warning
     assert resolve("org/chats", ["train"], None).fingerprint.endswith(":unknown")
+
+
+def test_a_malformed_row_says_where_in_plain_words():
+    """json's message for a raw tab in a string ends in 'at'; the row's error read 'character at at column 15'."""
+    import json
+
+    from shardtune.data.readers import json_error
+
+    with pytest.raises(json.JSONDecodeError) as info:
+        json.loads('{"text": "a\tb"}')
+    assert json_error(info.value) == "Invalid control character at column 12"
+    with pytest.raises(json.JSONDecodeError) as info:
+        json.loads('{"text": "a"')
+    assert json_error(info.value) == "Expecting ',' delimiter at column 12"

@@ -47,6 +47,11 @@ class Source:
     left_out: tuple[str, ...] = ()  # files named after a split that the splits key does not list
 
 
+def json_error(exc: json.JSONDecodeError) -> str:
+    """What is wrong and where, in the row: json's own message ("Invalid control character at") names no place."""
+    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
+
+
 def _is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_dict.json").exists() or (path / "state.json").exists()
 
@@ -224,7 +229,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                yield where, BadRow(where, f"malformed JSON ({exc.msg} at column {exc.colno}); {SKIP_HINT}")
+                yield where, BadRow(where, f"malformed JSON ({json_error(exc)}); {SKIP_HINT}")
                 continue
             if not isinstance(row, dict):
                 yield where, BadRow(where, f"a row must be a JSON object, got {type(row).__name__}; {SKIP_HINT}")
@@ -250,7 +255,7 @@ def _iter_json(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
         if exc.msg == "Extra data":  # JSON lines saved as .json
             yield from _iter_jsonl(path)
             return
-        raise UsageError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno}); fix the file.") \
+        raise UsageError(f"{path}:{exc.lineno}: malformed JSON ({json_error(exc)}); fix the file.") \
             from exc
     if isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
