@@ -449,4 +449,4 @@ def test_a_malformed_row_says_where_in_plain_words():
     assert json_error(info.value) == "Invalid control character at column 12"
     with pytest.raises(json.JSONDecodeError) as info:
         json.loads('{"text": "a"')
-    assert json_error(info.value) == "Expecting ',' delimiter at column 12"
+    assert json_error(info.value) == "Expecting ',' delimiter at column 13"
