@@ -82,6 +82,20 @@ def test_a_run_writes_down_what_the_hardware_chose_and_says_why(monkeypatch, cap
     assert [r.levelno for r in caplog.records[1:]] == ([] if native else [logging.WARNING])
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_pure_bf16_is_said_as_such_not_as_mixed_precision(monkeypatch, caplog, native):
+    """torch_dtype bfloat16 with the precision left to the hardware logged 'bf16 mixed precision by default', then
+    'pure bf16 (no fp32 master)': two claims about one run."""
+    monkeypatch.setattr("shardtune.hardware.native_bf16", lambda kind: (native, f"{kind} says {native}"))
+    cfg = load_train_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o",
+                             "--torch_dtype", "bfloat16"])
+    with caplog.at_level(logging.INFO, logger="shardtune"):
+        model_module.decide_precision(cfg, torch.device("cpu"))
+    said = caplog.records[0].getMessage()
+    assert said.startswith("precision: pure bf16, as torch_dtype bfloat16 asks") and "mixed" not in said
+    assert ("emulated" in said) is (not native)
+
+
 def _cpu_has_bf16() -> bool:
     """Independently of shardtune: what torch reads of this CPU."""
     capabilities = torch.cpu.get_capabilities()

@@ -96,6 +96,10 @@ def decide_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     from shardtune.hardware import native_bf16
 
     native, why = native_bf16(device.type)
+    if cfg.precision_left_to_hardware and cfg.model.pure_bf16:  # torch_dtype bfloat16 decides: bf16 throughout
+        log.info("precision: pure bf16, as torch_dtype bfloat16 asks (weights and optimizer states in bf16, no fp32 "
+                 "master; %s)", why if native else f"{why}: bf16 is emulated there, slower than fp32")
+        return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, bf16=native))
     if cfg.precision_left_to_hardware:
         log.info("precision: %s by default (%s; %s)", "bf16 mixed precision" if native else "fp32", why,
                  "--bf16 false trains in fp32" if native else "bf16 would be emulated, slower than fp32")
