@@ -197,6 +197,21 @@ def test_unknown_option_names_the_subcommand_and_the_option_meant(argv, error, c
 # 4. launch
 
 
+@pytest.mark.parametrize("option, says", [
+    ("--mixed_precision", "it is a key of the job: write it after 'train' (shardtune launch ... train "
+                          "--mixed_precision VALUE)"),
+    ("--use_fsdp", "here the job says so after 'train': --distributed_type FSDP"),
+    ("--num_procs", "did you mean --num_processes?"),
+])
+def test_launch_says_where_a_jobs_key_goes(option, says, capsys):
+    """Accelerate's launcher takes mixed_precision and --use_fsdp before the script; here they are the job's, after
+    'train', and the error said only 'unknown option'."""
+    from tests.trainutil import refused
+
+    line = refused(capsys, ["launch", "--num_processes", "2", option, "bf16", "train", "--model_name_or_path", "M"])
+    assert line.startswith(f"shardtune launch: error: unknown option {option}; {says}")
+
+
 def test_launch_names_a_mistyped_command(capsys):
     assert main(["launch", "--num_processes", "2", "trian", "--model_name_or_path", "M"]) == 2
     assert one_error_line(capsys).startswith("shardtune launch: error: unknown command 'trian'; did you mean 'train'?")

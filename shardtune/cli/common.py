@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +45,9 @@ class OneLineParser(argparse.ArgumentParser):
     """
 
     _argv: list[str] = []
+    # Where an unknown option is known elsewhere: the rest of the message saying where it goes (None: a spelling
+    # hint). ``shardtune launch`` says that a training key goes after 'train'.
+    placed_elsewhere: Callable[[str], str | None] | None = None
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         self._argv = list(sys.argv[1:] if args is None else args)
@@ -76,6 +79,8 @@ class OneLineParser(argparse.ArgumentParser):
         if option is None:
             return f"unrecognized arguments: {' '.join(extras)}"
         name = option.split("=", 1)[0]
+        if self.placed_elsewhere is not None and (where := self.placed_elsewhere(name.lstrip("-"))):
+            return f"unknown option {name}; {where}"
         # Without the dashes every option shares, and stricter than for values: short names look alike by chance.
         known = {s.lstrip("-"): s for action in self._actions for s in action.option_strings if s.startswith("--")}
         hint = closest(name.lstrip("-"), known, cutoff=0.6)

@@ -26,10 +26,28 @@ DEFAULT_GRACE_S = 300
 DEFAULT_JOB_NAME = "shardtune"
 
 
+# Accelerate launch's flags that are keys of the job here: what to write after 'train' instead.
+ACCELERATE_FLAGS = {"use_fsdp": "--distributed_type FSDP", "multi_gpu": "--distributed_type DDP",
+                    "use_deepspeed": "--deepspeed ds_config.json (run as FSDP)"}
+
+
+def _train_key_placement(name: str) -> str | None:
+    """Where an option ``shardtune launch`` does not take goes, when it is the job's: after 'train'."""
+    from shardtune.config.schema import ALIASES, all_keys
+
+    key = name.replace("-", "_")
+    if key in ACCELERATE_FLAGS:
+        return f"here the job says so after 'train': {ACCELERATE_FLAGS[key]}"
+    if key in ALIASES or any(d.name == key for d in all_keys()):
+        return f"it is a key of the job: write it after 'train' (shardtune launch ... train --{key} VALUE)"
+    return None
+
+
 def launcher_parser() -> argparse.ArgumentParser:
     from shardtune.cli.common import OneLineParser
 
     p = OneLineParser(prog="shardtune launch", description=DESCRIPTION)
+    p.placed_elsewhere = _train_key_placement
     p.add_argument("--config_file", "--config-file", default=None,
                    help="an Accelerate config file (num_processes, num_machines, distributed_type, fsdp_config...)")
     p.add_argument("--num_processes", "--num-processes", type=int, default=None,
