@@ -255,7 +255,17 @@ def test_overwrite_output_dir_deletes_the_earlier_runs_files_and_keeps_the_users
     (run / "checkpoints" / "my_notes.txt").write_text("lr 2e-4 diverged at step 900\n")
     (run / "final" / "my_eval_results.txt").write_text("mmlu 61.2\n")
     (run / "final" / "README.md").write_text("# my model card\n")
+    # Nothing outside the run goes: a manifest naming a path out of its folder, a symlink in a tracker's folder.
+    outside = run.parent / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine\n")
+    forged = run / "checkpoints" / "step-99"
+    forged.mkdir()
+    (forged / "manifest.json").write_text(json.dumps({"files": {"../../../outside/keep.txt": {}}}))
+    (run / "tensorboard").mkdir(exist_ok=True)
+    (run / "tensorboard" / "linked").symlink_to(outside)
     train_in_process(args(made, run, "--overwrite_output_dir", "true"))
+    assert (outside / "keep.txt").read_text() == "mine\n"
     err = capfd.readouterr().err
     assert "deleted the earlier run" in err and "checkpoints/superseded-1" in err, err[-2000:]
     assert "kept what shardtune did not write there: checkpoints/my_notes.txt, final/README.md, " \

@@ -30,6 +30,7 @@ LOCK = ".shardtune.lock"
 # (wandb/ and mlruns/: report_to wandb and mlflow's local runs; MLFLOW_TRACKING_URI elsewhere is not touched.)
 RUN_FILES = ("checkpoints", "final", "tensorboard", "wandb", "mlruns", "config.yaml", "metrics.jsonl",
              "summary.json")
+TRACKER_FOLDERS = ("tensorboard", "wandb", "mlruns")
 
 
 class OutputDirLock:
@@ -123,8 +124,12 @@ def delete_earlier_run(folder: Path) -> list[str]:
     checkpoints/, an edited model card in final/), relative to ``folder``."""
     for name in RUN_FILES:
         path = folder / name
+        if path.is_dir() and not path.is_symlink() and name in TRACKER_FOLDERS:
+            shutil.rmtree(path)  # a tracker's logs, all of them its own (a symlink in them is removed, not followed)
+            continue
         for file in _run_files(path, name):
-            file.unlink(missing_ok=True)
+            if file.is_relative_to(path) and ".." not in file.relative_to(path).parts:  # never outside the run
+                file.unlink(missing_ok=True)
         _remove_empty_folders(path)
     kept = []
     for name in RUN_FILES:
@@ -145,12 +150,12 @@ def _run_files(path: Path, name: str) -> list[Path]:
         return [path] if path.exists() else []
     if name == "final":
         return [path / EXPORT_LIST, *(path / f for f in listed_files(path))]
-    if name != "checkpoints":  # a tracker's logs (tensorboard, wandb, mlruns)
-        return [p for p in path.rglob("*") if p.is_file()]
+    if name != "checkpoints":
+        return []
     files: list[Path] = []
     for entry in path.iterdir():
-        if entry.name.startswith(".tmp-step-"):  # a save that was killed
-            files += [p for p in entry.rglob("*") if p.is_file()]
+        if entry.name.startswith(".tmp-step-") and entry.is_dir() and not entry.is_symlink():  # a save killed
+            shutil.rmtree(entry)
         elif STEP_FOLDER.match(entry.name) and entry.is_dir():
             try:
                 listed = list(json.loads((entry / MANIFEST).read_text())["files"])
@@ -163,13 +168,12 @@ def _run_files(path: Path, name: str) -> list[Path]:
 
 
 def _remove_empty_folders(path: Path) -> None:
-    if not path.is_dir():
+    """The folders under ``path`` (and ``path``) that hold nothing, deepest first; symlinks are not followed."""
+    if not path.is_dir() or path.is_symlink():
         return
-    for folder in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-        if not any(folder.iterdir()):
-            folder.rmdir()
-    if not any(path.iterdir()):
-        path.rmdir()
+    for root, _, _ in os.walk(path, topdown=False):
+        if not any(Path(root).iterdir()):
+            Path(root).rmdir()
 
 
 SUPERSEDED = "superseded-"  # checkpoints/superseded-<time>/: what a resume from an older checkpoint set aside
