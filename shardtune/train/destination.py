@@ -51,9 +51,15 @@ def listed_files(folder: Path) -> set[str]:
     try:
         listed = json.loads((folder / EXPORT_LIST).read_text())["files"]
         return {name for name, stamp in listed.items()
-                if (folder / name).is_file() and _stamp(folder / name) == stamp}
+                if stays_inside(name) and (folder / name).is_file() and _stamp(folder / name) == stamp}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return set()
+
+
+def stays_inside(name: str) -> bool:
+    """A listed name that stays in its folder (no absolute path, no '..'): a list never reaches outside it."""
+    path = Path(name)
+    return not path.is_absolute() and ".." not in path.parts
 
 
 def protected_paths(sources: Iterable[str | Path]) -> list[tuple[Path, str]]:

@@ -128,8 +128,7 @@ def delete_earlier_run(folder: Path) -> list[str]:
             shutil.rmtree(path)  # a tracker's logs, all of them its own (a symlink in them is removed, not followed)
             continue
         for file in _run_files(path, name):
-            if file.is_relative_to(path) and ".." not in file.relative_to(path).parts:  # never outside the run
-                file.unlink(missing_ok=True)
+            file.unlink(missing_ok=True)
         _remove_empty_folders(path)
     kept = []
     for name in RUN_FILES:
@@ -143,7 +142,7 @@ def delete_earlier_run(folder: Path) -> list[str]:
 
 def _run_files(path: Path, name: str) -> list[Path]:
     """The files of a run's entry ``path`` (called ``name`` in its output_dir) that shardtune wrote."""
-    from shardtune.train.destination import EXPORT_LIST, listed_files
+    from shardtune.train.destination import EXPORT_LIST, listed_files, stays_inside
     from shardtune.train.layout import MANIFEST
 
     if not path.is_dir():
@@ -161,7 +160,8 @@ def _run_files(path: Path, name: str) -> list[Path]:
                 listed = list(json.loads((entry / MANIFEST).read_text())["files"])
             except (OSError, ValueError, KeyError, TypeError):
                 listed = []
-            files += [entry / MANIFEST, *(entry / f for f in listed)] if listed else []
+            # A manifest's names stay inside its checkpoint (one naming '../..' reaches nothing outside).
+            files += [entry / MANIFEST, *(entry / f for f in listed if stays_inside(f))] if listed else []
         elif entry.name.startswith(SUPERSEDED) and entry.is_dir():  # an earlier run set aside: a run's own files
             files += [f for n in RUN_FILES for f in _run_files(entry / n, n)]
     return files
