@@ -426,13 +426,13 @@ def test_files_written_where_the_user_says_never_replace_the_users_own(made, tmp
 def test_an_export_list_names_nothing_outside_its_folder(tmp_path):
     """--overwrite replaces and removes the files an earlier export listed: a list naming '../x' or an absolute
     path (with the file's true size and time) would have reached outside OUT."""
-    from shardtune.train.destination import EXPORT_LIST, _stamp, listed_files
+    from shardtune.train.layout import EXPORT_LIST, listed_files, stamp
 
     out, outside = tmp_path / "out", tmp_path / "outside.txt"
     out.mkdir()
     outside.write_text("mine\n")
     (out / "model.safetensors").write_bytes(b"x")
-    names = {"../outside.txt": _stamp(outside), str(outside): _stamp(outside),
-             "model.safetensors": _stamp(out / "model.safetensors")}
+    names = {"../outside.txt": stamp(outside), str(outside): stamp(outside),
+             "model.safetensors": stamp(out / "model.safetensors")}
     (out / EXPORT_LIST).write_text(json.dumps({"written_by": "shardtune export", "files": names}))
     assert listed_files(out) == {"model.safetensors"}

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from shardtune.errors import UsageError
+from shardtune.train.layout import EXPORT_LIST, listed_files, stamp
 
-EXPORT_LIST = ".shardtune-export.json"  # the files an export wrote, so that --overwrite touches those only
 # What save_pretrained writes for a model, an adapter and a tokenizer: such a file in OUT that an earlier export did
 # not write is refused before the export's work starts, not only when it would be replaced at the end.
 EXPORT_NAMES = ("README.md", "config.json", "generation_config.json", "adapter_config.json", "adapter_model.*",
@@ -38,28 +38,6 @@ def _holds(outer: Path, inner: Path) -> bool:
 def _listing(folder: Path, limit: int = 3) -> str:
     names = sorted(p.name for p in folder.iterdir())
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _stamp(path: Path) -> dict[str, int]:
-    stat = path.stat()
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-def listed_files(folder: Path) -> set[str]:
-    """The files (relative paths) an earlier export listed in ``folder`` and nobody changed since (same size and
-    modification time): a model card the user edited is the user's now. None when it wrote no list."""
-    try:
-        listed = json.loads((folder / EXPORT_LIST).read_text())["files"]
-        return {name for name, stamp in listed.items()
-                if stays_inside(name) and (folder / name).is_file() and _stamp(folder / name) == stamp}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return set()
-
-
-def stays_inside(name: str) -> bool:
-    """A listed name that stays in its folder (no absolute path, no '..'): a list never reaches outside it."""
-    path = Path(name)
-    return not path.is_absolute() and ".." not in path.parts
 
 
 def protected_paths(sources: Iterable[str | Path]) -> list[tuple[Path, str]]:
@@ -157,7 +135,7 @@ def publish(tmp: Path, target: Path, label: str) -> Path:
     earlier export, ``--overwrite`` having been checked) file by file, replacing and removing only the files
     the earlier export listed. ``tmp`` is gone afterwards."""
     written = _files(tmp)
-    stamps = {name: _stamp(tmp / name) for name in written}  # a rename keeps them
+    stamps = {name: stamp(tmp / name) for name in written}  # a rename keeps them
     (tmp / EXPORT_LIST).write_text(json.dumps({"written_by": "shardtune export", "files": stamps}, indent=1))
     if target.is_dir() and not any(target.iterdir()):
         target.rmdir()

@@ -6,6 +6,7 @@ loads, and the checkpointer writes and reads the same names.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -14,6 +15,30 @@ RESUME_NEWEST = ("true", "yes", "1", "latest")
 RESUME_OFF = ("false", "no", "0", "")
 MANIFEST = "manifest.json"  # written last into a checkpoint folder: its presence means the save completed
 STEP_FOLDER = re.compile(r"step-(\d+)$")
+EXPORT_LIST = ".shardtune-export.json"  # the files an export wrote, so that --overwrite touches those only
+
+
+def stamp(path: Path) -> dict[str, int]:
+    """What tells a file unchanged since it was listed: its size and modification time."""
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def listed_files(folder: Path) -> set[str]:
+    """The files (relative paths) an earlier export listed in ``folder`` and nobody changed since (same size and
+    modification time): a model card the user edited is the user's now. None when it wrote no list."""
+    try:
+        listed = json.loads((folder / EXPORT_LIST).read_text())["files"]
+        return {name for name, recorded in listed.items()
+                if stays_inside(name) and (folder / name).is_file() and stamp(folder / name) == recorded}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
+def stays_inside(name: str) -> bool:
+    """A listed name that stays in its folder (no absolute path, no '..'): a list never reaches outside it."""
+    path = Path(name)
+    return not path.is_absolute() and ".." not in path.parts
 
 
 def checkpoint_folder_problem(folder: str | Path, label: str, *, or_else: str = "") -> str | None:

@@ -142,8 +142,7 @@ def delete_earlier_run(folder: Path) -> list[str]:
 
 def _run_files(path: Path, name: str) -> list[Path]:
     """The files of a run's entry ``path`` (called ``name`` in its output_dir) that shardtune wrote."""
-    from shardtune.train.destination import EXPORT_LIST, listed_files, stays_inside
-    from shardtune.train.layout import MANIFEST
+    from shardtune.train.layout import EXPORT_LIST, MANIFEST, listed_files, stays_inside
 
     if not path.is_dir():
         return [path] if path.exists() else []
