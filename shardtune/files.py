@@ -40,9 +40,13 @@ _OURS = re.compile(rb"(?i)written[ _]by[\"':\s]*shardtune")
 _SCAN_BYTES = 4 << 20  # pictures keep their text fields near the start (PNG) or the end (PDF): all of a small file
 
 
+# The picture formats whose files carry the mark (matplotlib writes these fields; JPEG and TIFF take none).
+PICTURE_FIELDS = {"png": "Software", "pdf": "Creator", "svg": "Creator", "ps": "Creator", "eps": "Creator"}
+
+
 def figure_metadata(fmt: str) -> dict[str, str]:
     """What ``savefig`` writes into a picture of format ``fmt`` so that shardtune later knows it as its own."""
-    field = {"png": "Software", "pdf": "Creator", "svg": "Creator"}.get(fmt)
+    field = PICTURE_FIELDS.get(fmt)
     return {field: WRITTEN_BY} if field else {}
 
 

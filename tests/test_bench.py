@@ -373,3 +373,28 @@ def test_setups_run_the_recipes_callbacks_and_the_probe():
     args = job_args("r.yaml", "DDP", Path("out"), num_processes=2, steps=4, callbacks=["my.hooks:Stop"],
                     extra=["--callbacks", "my.hooks:Stop"])  # what --set callbacks=... adds: the recipe's too
     assert args[-2:] == ["--callbacks", "my.hooks:Stop,shardtune.bench.probe:Probe"]
+
+
+@pytest.mark.parametrize("logging", ["epoch", "no"])
+def test_a_recipe_logging_by_epoch_or_not_at_all_is_benched_every_step(tmp_path, logging):
+    """bench times every step (logging_steps 1): a recipe with logging_strategy epoch or no had every setup
+    refused (logging_steps acts only under logging_strategy steps), so the bench itself sets that too."""
+    from shardtune.bench.strategies import job_args
+    from shardtune.config import load_train_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model_name_or_path: m\ndataset_name: d.jsonl\nlogging_strategy: {logging}\n")
+    args = job_args(str(recipe), "DDP", tmp_path / "out", num_processes=2, steps=4, extra=[])
+    cfg = load_train_config(args)
+    assert (cfg.run.logging_strategy, cfg.run.logging_steps) == ("steps", 1)
+
+
+def test_a_plot_format_that_cannot_carry_shardtunes_mark_is_refused_before_the_runs(tmp_path, capsys):
+    """matplotlib takes no metadata for JPEG or TIFF: such a --plot crashed after every run, and without a mark
+    a second run could not replace it."""
+    from shardtune.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model_name_or_path: m\ndataset_name: d.jsonl\n")
+    assert main(["bench", "strategies", str(recipe), "--plot", str(tmp_path / "p.jpg")]) == 2
+    assert "--plot" in capsys.readouterr().err and not (tmp_path / "p.jpg").exists()

@@ -83,7 +83,8 @@ def job_args(config: str, strategy: Strategy | str, out: Path, *, num_processes:
     # slower than the others, which would count against those two setups.
     strategy = strategy_named(strategy)
     args = [config, "--distributed_type", strategy.name, "--output_dir", str(out),
-            "--max_steps", str(steps), "--logging_steps", "1", "--save_strategy", "no", "--eval_strategy", "no",
+            "--max_steps", str(steps), "--logging_strategy", "steps", "--logging_steps", "1", "--save_strategy", "no",
+            "--eval_strategy", "no",
             "--predict_memory", "false"]
     if strategy.drives_several_devices and not _cuda_devices():
         # No GPUs: one CPU "device" per stage, the same count as the other setups' processes.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from shardtune.bench.strategies import BENCHED
 from shardtune.errors import UsageError
-from shardtune.files import WRITTEN_BY, write_text
+from shardtune.files import PICTURE_FIELDS, WRITTEN_BY, write_text
 from shardtune.strategies import lookup
 
 
@@ -83,6 +83,8 @@ def main(args: argparse.Namespace) -> int:
             check_output_file(path, option)
     if args.work_dir:
         check_output_path(args.work_dir, "--work_dir", folder=True)
+    if args.plot and Path(args.plot).suffix.lstrip(".").lower() not in PICTURE_FIELDS:
+        raise UsageError(f"--plot {args.plot}: give a picture file of {', '.join(PICTURE_FIELDS)} (by its suffix)")
     extra = []
     for pair in args.extra:
         key, eq, value = pair.partition("=")
