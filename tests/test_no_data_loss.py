@@ -202,6 +202,11 @@ def test_gguf_export_keeps_an_existing_gguf_and_the_users_modelfile(run, tmp_pat
     assert one_error_line(capsys).endswith(f"{mine} is there and shardtune did not write it; move it away or "
                                            f"export into another folder")
     assert snapshot(users) == kept
+    # A GGUF exported before GGUFs carried the mark is known by the Modelfile shardtune wrote beside it.
+    older = (out / "model-f16.gguf").read_bytes().replace(b"written by shardtune", b"written by somebody  ")
+    (out / "model-f16.gguf").write_bytes(older)
+    assert main(["export", str(run), str(out), "--format", "gguf", "--quantize", "f16", "--overwrite"]) == 0
+    assert b"written by shardtune" in (out / "model-f16.gguf").read_bytes()
 
 
 def train_in_process(argv: list[str], callbacks=()) -> dict:
@@ -420,6 +425,10 @@ def test_files_written_where_the_user_says_never_replace_the_users_own(made, tmp
         assert main(["plot", str(made / "run"), "--out", str(ours)]) == 0
     capsys.readouterr()
     assert {p.name for p in ours.iterdir()} >= {"r.yaml", "p.png", "p-time.png", "loss_vs_step.png"}
+    # A recipe written before shardtune marked its files (every key of a resolved config) is replaced too.
+    older = ours / "r.yaml"
+    older.write_text("".join(older.read_text().splitlines(keepends=True)[1:]))
+    assert main([*estimate, "--emit-config", str(older)]) == 0
     assert snapshot(users) == before
 
 

@@ -167,8 +167,24 @@ def check_output_file(path: str | Path, what: str) -> None:
     from shardtune.files import foreign_file
 
     check_output_path(path, what, folder=False)
-    if problem := foreign_file(path, what):
+    if (problem := foreign_file(path, what)) and not _resolved_recipe(Path(path)):
         raise UsageError(problem)
+
+
+def _resolved_recipe(path: Path) -> bool:
+    """A recipe shardtune wrote before it marked its files: every key of a resolved config, and nothing else (a
+    person writes the keys they change)."""
+    if path.suffix.lower() not in (".yaml", ".yml") or not path.is_file() or path.stat().st_size > 1 << 20:
+        return False
+    import yaml
+
+    from shardtune.config.schema import TrainConfig
+
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(values, dict) and set(values) == set(TrainConfig().to_flat())
 
 
 # What ``shardtune launch`` passes on to train itself, ahead of the user's train arguments: a different value for

@@ -105,7 +105,7 @@ def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite:
         if target.resolve() in [p.resolve() for p in read]:
             return f"OUT {target}: is what the export reads ({source}), which it never writes over; give another OUT"
     for path in (target, modelfile):
-        if path.exists() and not written_by_shardtune(path):
+        if path.exists() and not (written_by_shardtune(path) or path == target and _named_by_our_modelfile(target)):
             return (f"OUT {target}: {path} is there and shardtune did not write it; move it away or export into "
                     f"another folder")
     if overwrite:
@@ -115,6 +115,15 @@ def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite:
         return (f"OUT {target}: {' and '.join(str(p) for p in there)} already exist{'s' if len(there) == 1 else ''}; "
                 f"add --overwrite to replace {'it' if len(there) == 1 else 'them'}, or give another OUT")
     return None
+
+
+def _named_by_our_modelfile(gguf: Path) -> bool:
+    """A GGUF exported before GGUFs carried shardtune's mark: the Modelfile shardtune wrote beside it names it."""
+    modelfile = gguf.parent / "Modelfile"
+    if not written_by_shardtune(modelfile):
+        return False
+    lines = modelfile.read_text(encoding="utf-8", errors="replace").splitlines()
+    return f"FROM ./{gguf.name}" in (line.strip() for line in lines)
 
 
 def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", base: str | None = None,
