@@ -269,16 +269,24 @@ def test_overwrite_output_dir_deletes_the_earlier_runs_files_and_keeps_the_users
     (forged / "manifest.json").write_text(json.dumps({"files": {"../../../outside/keep.txt": {}}}))
     (run / "tensorboard").mkdir(exist_ok=True)
     (run / "tensorboard" / "linked").symlink_to(outside)
+    # A note inside a checkpoint, and a checkpoint whose manifest lists no files (an older format): moved aside,
+    # never taken for the new run's nor replaced by it.
+    (run / "checkpoints" / "step-2" / "note.txt").write_text("good one\n")
+    (run / "checkpoints" / "step-500").mkdir()
+    (run / "checkpoints" / "step-500" / "manifest.json").write_text(json.dumps({"format": 1, "step": 500}))
     train_in_process(args(made, run, "--overwrite_output_dir", "true"))
     assert (outside / "keep.txt").read_text() == "mine\n"
     err = capfd.readouterr().err
     assert "deleted the earlier run" in err and "checkpoints/superseded-1" in err, err[-2000:]
-    assert "kept what shardtune did not write there: checkpoints/my_notes.txt, final/README.md, " \
+    assert "kept what the earlier run's manifests and lists do not name: checkpoints/my_notes.txt, " \
+           "checkpoints/step-2/note.txt, checkpoints/step-500/manifest.json, final/README.md, " \
            "final/my_eval_results.txt" in err, err[-2000:]
     assert (run / "checkpoints" / "my_notes.txt").read_text() == "lr 2e-4 diverged at step 900\n"
     aside = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("superseded-2")]
     assert len(aside) == 1, sorted(p.name for p in (run / "checkpoints").iterdir())
     assert sorted(p.name for p in (aside[0] / "final").iterdir()) == ["README.md", "my_eval_results.txt"]
+    assert (aside[0] / "checkpoints" / "step-2" / "note.txt").read_text() == "good one\n"
+    assert (aside[0] / "checkpoints" / "step-500" / "manifest.json").is_file()
     assert (aside[0] / "final" / "my_eval_results.txt").read_text() == "mmlu 61.2\n"
     assert not (run / "checkpoints" / "superseded-1").exists()
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-")) == \

@@ -107,10 +107,14 @@ def claim_output_dir(cfg) -> OutputDirLock:
                 "%s: deleted the earlier run in %s (%s)", "restart" if lock.restarted else "overwrite_output_dir",
                 folder, ", ".join(earlier + [f"checkpoints/{name}" for name in superseded]))
             if kept:
-                log.warning("kept what shardtune did not write there: %s%s", ", ".join(kept[:5]),
+                log.warning("kept what the earlier run's manifests and lists do not name: %s%s", ", ".join(kept[:5]),
                             f" and {len(kept) - 5} more" if len(kept) > 5 else "")
-                if (aside := set_aside(folder, [folder / "final"])) is not None:
-                    log.warning("moved the rest of final/ to %s: this run writes its own final/", aside)
+            # What is left where this run writes (final/, a step folder holding a user's file, or one whose manifest
+            # lists no files, from an older format) goes aside: never taken for this run's, never replaced by it.
+            left = [*sorted(p for p in (folder / "checkpoints").glob("step-*") if p.is_dir()), folder / "final"]
+            if (aside := set_aside(folder, left)) is not None:
+                log.warning("moved what remains of the earlier run's final/ and checkpoints to %s: this run writes "
+                            "its own", aside)
     except BaseException:
         lock.release()
         raise
