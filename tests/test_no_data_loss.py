@@ -453,3 +453,20 @@ def test_an_export_list_names_nothing_outside_its_folder(tmp_path):
              "model.safetensors": stamp(out / "model.safetensors")}
     (out / EXPORT_LIST).write_text(json.dumps({"written_by": "shardtune export", "files": names}))
     assert listed_files(out) == {"model.safetensors"}
+
+
+def test_a_path_ending_alike_is_the_same_data_only_where_the_old_path_names_nothing_here(tmp_path, monkeypatch):
+    """The relative path a checkpoint saved names the same place when this one ends in it, only for data (its rows'
+    SHA-256 is checked as they are read) and only when it names nothing from here: a base model found that way
+    could be another model's folder."""
+    from shardtune.train.resume import _same
+
+    for side in ("a", "b"):
+        (tmp_path / side / "models" / "llama").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a")
+    other = str(tmp_path / "b" / "models" / "llama")
+    assert not _same("model_name_or_path", "models/llama", other)  # names a/models/llama here: another folder
+    assert not _same("model_name_or_path", "llama", other)  # a model is never matched by its name's ending
+    assert not _same("dataset_name", "models/llama", other)
+    assert _same("dataset_name", "b/models/llama", other)  # names nothing from a/: the ending decides
+    assert _same("model_name_or_path", "models/llama", str(tmp_path / "a" / "models" / "llama"))
