@@ -58,11 +58,12 @@ def test_a_non_finite_number_is_written_as_null_so_the_file_stays_json(tmp_path)
     from shardtune.train import metrics
 
     log = metrics.MetricsLog(tmp_path, DistInfo(0, 1, 0, 1, torch.device("cpu")))
-    log.write({"step": 1, "loss": 2.5, "grad_norm": float("nan"), "tokens_per_s": float("inf")})
+    log.write({"step": 1, "loss": 2.5, "grad_norm": float("nan"), "tokens_per_s": float("inf"),
+               "per_task": {"a": float("nan"), "b": [1.0, float("-inf")]}})  # a callback's record, nested
     line = (tmp_path / "metrics.jsonl").read_text()
 
     def strict(constant):
         raise ValueError(f"not JSON: {constant}")
 
     assert json.loads(line, parse_constant=strict) == {"step": 1, "loss": 2.5, "grad_norm": None,
-                                                       "tokens_per_s": None}
+                                                       "tokens_per_s": None, "per_task": {"a": None, "b": [1.0, None]}}

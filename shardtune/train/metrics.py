@@ -105,12 +105,17 @@ class MetricsLog:
         self.trackers.finish(failed)
 
 
-def strict_json(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` with its non-finite numbers as null: JSON has no NaN or Infinity, and a strict reader (jq, a
-    browser, most languages) refuses a file that holds one (an fp16 step the loss scaler skipped has no finite
-    gradient norm)."""
-    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
-            for key, value in record.items()}
+def strict_json(value: Any) -> Any:
+    """``value`` (a record, and what it holds) with its non-finite numbers as null: JSON has no NaN or Infinity,
+    and a strict reader (jq, a browser, most languages) refuses a file that holds one (an fp16 step the loss
+    scaler skipped has no finite gradient norm; a callback's record may hold anything)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
 
 
 def append_line(path: Path, text: str) -> None:
