@@ -205,6 +205,14 @@ def test_batch_plan_keeps_the_requested_global_batch():
     assert (odd.micro_batch_size, odd.gradient_accumulation_steps, odd.global_batch_size) == (4, 2, 8)
     prime = plan_batch(29, checked_setup(num_gpus=1, per_device_train_batch_size=37))
     assert (prime.micro_batch_size, prime.gradient_accumulation_steps, prime.global_batch_size) == (19, 2, 38)
+    # PP with 4 pipeline micro-batches given: micro-batches stay multiples of 4 (train refuses 11); MP and PP
+    # send one batch through all their GPUs, so the global batch is not multiplied by them.
+    pp = plan_batch(11, checked_setup(num_gpus=2, distributed_type="PP", per_device_train_batch_size=44)
+                    .with_(pipeline_microbatches=4))
+    assert pp.micro_batch_size % 4 == 0 and pp.micro_batch_size <= 11 and pp.global_batch_size >= 44
+    assert (pp.micro_batch_size, pp.gradient_accumulation_steps, pp.requested_global_batch_size) == (8, 6, 44)
+    mp = plan_batch(17, checked_setup(num_gpus=4, distributed_type="MP", per_device_train_batch_size=8))
+    assert (mp.micro_batch_size, mp.global_batch_size, mp.requested_global_batch_size) == (8, 8, 8)
 
 
 def test_find_batch_size_and_emit_config_write_a_recipe_the_trainer_reads(tmp_path, capsys):

@@ -38,15 +38,20 @@ def plan_batch(largest_fitting: int, setup: Setup) -> BatchPlan:
     exactly, with a micro-batch that divides each rank's share and uses more than half of what fits; otherwise
     with the fewest accumulation steps that hold it, the share spread evenly over them (37 per GPU where 29 fit:
     2 x 19 = 38, not 2 x 29 = 58)."""
-    world = setup.world_size
+    # MP and PP split the layers, not the data: one batch goes through all their GPUs.
+    world = 1 if setup.splits_layers else setup.world_size
     requested = setup.batch_size * setup.gradient_accumulation_steps * world
     per_rank = requested // world
-    cap = max(1, min(largest_fitting, per_rank))
-    fewest = math.ceil(per_rank / cap)
-    exact = next((steps for steps in range(fewest, per_rank + 1)
-                  if per_rank % steps == 0 and per_rank // steps * 2 > cap), None)
+    # PP with its micro-batch count given: the micro-batch stays a multiple of it (train refuses another), so the
+    # plan is made in units of it.
+    unit = setup.pipeline_microbatches if setup.strategy.pipelined and setup.pipeline_microbatches else 1
+    share, most = per_rank // unit, max(1, largest_fitting // unit)
+    cap = max(1, min(most, share))
+    fewest = math.ceil(share / cap)
+    exact = next((steps for steps in range(fewest, share + 1) if share % steps == 0 and share // steps * 2 > cap),
+                 None)
     accumulation = exact or fewest
-    micro = math.ceil(per_rank / accumulation)
+    micro = math.ceil(share / accumulation) * unit
     return BatchPlan(micro, accumulation, micro * accumulation * world, requested, largest_fitting)
 
 
