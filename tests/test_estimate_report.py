@@ -293,3 +293,24 @@ def test_what_the_card_cannot_run_is_refused_without_time(options, says, capsys)
 
     assert main(["estimate", "llama-3.2-1b", "--method", "lora", *options]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_recipes_job_is_estimated_as_train_runs_it_on_the_card(tmp_path, capsys):
+    """Under --config the card checks named options --config refuses, and refused jobs train runs: a recipe's
+    use_flash_attn falls back to sdpa where flash cannot run (estimated so, and said), its bf16 runs emulated; an
+    attn_implementation flash_attention_2 it cannot run is refused by its key."""
+    from shardtune.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model_name_or_path: llama-3.2-1b\nuse_peft_lora: true\nuse_flash_attn: true\nbf16: true\n")
+    assert main(["estimate", "--config", str(recipe), "--gpu", "t4", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "note: use_flash_attn: FlashAttention-2 runs on Ampere and newer GPUs" in captured.err
+    sdpa = tmp_path / "sdpa.yaml"
+    sdpa.write_text("model_name_or_path: llama-3.2-1b\nuse_peft_lora: true\nbf16: true\n")
+    assert main(["estimate", "--config", str(sdpa), "--gpu", "t4", "--json"]) == 0
+    assert json.loads(captured.out)["per_gpu"] == json.loads(capsys.readouterr().out)["per_gpu"]
+    recipe.write_text("model_name_or_path: llama-3.2-1b\nattn_implementation: flash_attention_2\nbf16: false\n")
+    assert main(["estimate", "--config", str(recipe), "--gpu", "a100-80gb"]) == 2
+    assert "attn_implementation flash_attention_2: flash attention computes in bf16 or fp16 only" in \
+        capsys.readouterr().err

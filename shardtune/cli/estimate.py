@@ -337,7 +337,7 @@ def main(args: argparse.Namespace) -> int:
         setup, auto = setup_from_args(args)
     _check_seq_len(args.model, setup.seq_len, "max_seq_len" if args.config else "--seq-len")
     gpu = gpu_from_args(args)
-    _check_precision_on(setup, gpu)
+    setup = _as_run_on(setup, gpu, recipe=bool(args.config))
     measured = None
     if args.measured:
         from shardtune.memory.recommend import Measured
@@ -374,21 +374,34 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_precision_on(setup: Setup, gpu: Gpu) -> None:
-    """What the card cannot compute, refused here as the trainer would meet it there: bf16 on a card without it,
-    and flash attention before Ampere or in a job that computes in fp32 (the trainer would fall back to sdpa,
-    which holds more)."""
+def _as_run_on(setup: Setup, gpu: Gpu, *, recipe: bool) -> Setup:
+    """``setup`` as the trainer runs it on ``gpu``. Options asking for what the card cannot compute are refused:
+    bf16 on a card without it; flash attention before Ampere or in a job computing in fp32 (the trainer would
+    take sdpa, which holds more). A recipe's job is estimated as it would run: its bf16 emulated (train warns),
+    its use_flash_attn falling back to sdpa (said here); an attn_implementation flash_attention_2 it could not
+    run is refused by its key."""
     card = gpu.label or gpu.name
-    if setup.mixed_precision == "bf16" and not gpu.bf16 and not setup.pure_bf16:
-        raise UsageError(f"--mixed-precision bf16: the {card} does not compute bf16; give --mixed-precision fp16 "
-                         f"(or no), or leave it out for what train picks there")
-    if setup.attn_implementation == "flash_attention_2" and not gpu.bf16:  # what lacks bf16 predates Ampere
-        raise UsageError(f"--attn-implementation flash_attention_2: FlashAttention-2 runs on Ampere and newer GPUs, "
-                         f"not on the {card}; leave --attn-implementation out (sdpa)")
-    if setup.attn_implementation == "flash_attention_2" and setup.mixed_precision == "no" and not setup.pure_bf16:
-        raise UsageError(f"--attn-implementation flash_attention_2: flash attention computes in bf16 or fp16 only, "
-                         f"and this job computes in fp32 on the {card}; give --mixed-precision fp16, or leave "
-                         f"--attn-implementation out")
+    flash = setup.attn_implementation == "flash_attention_2"
+    bf16 = setup.mixed_precision == "bf16" and not setup.pure_bf16
+    why = (f"FlashAttention-2 runs on Ampere and newer GPUs, not on the {card}" if not gpu.bf16  # none before Ampere
+           else f"flash attention computes in bf16 or fp16 only, and this job computes in fp32 on the {card}"
+           if setup.mixed_precision == "no" and not setup.pure_bf16 else None)
+    if not recipe:
+        if bf16 and not gpu.bf16:
+            raise UsageError(f"--mixed-precision bf16: the {card} does not compute bf16; give --mixed-precision fp16 "
+                             f"(or no), or leave it out for what train picks there")
+        if flash and why:
+            raise UsageError(f"--attn-implementation flash_attention_2: {why}; leave --attn-implementation out "
+                             f"(sdpa){', or give --mixed-precision fp16' if gpu.bf16 else ''}")
+        return setup
+    if flash and why and not setup.config.model.use_flash_attn:
+        raise UsageError(f"attn_implementation flash_attention_2: {why}; set attn_implementation sdpa, with "
+                         f"use_flash_attn true to take flash attention where it can run")
+    if flash and why:
+        print(f"note: use_flash_attn: {why}: the trainer takes {setup.config.model.attn_implementation} there, and "
+              f"so does this estimate", file=sys.stderr)
+        return setup.with_(use_flash_attn=False)
+    return setup
 
 
 def _check_seq_len(model: str, seq_len: int, option: str) -> None:
