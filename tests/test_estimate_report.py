@@ -176,10 +176,9 @@ def test_the_estimate_compares_and_recommends_only_jobs_train_runs(tmp_path, cap
     assert "torch_dtype=bfloat16 with optim adamw_8bit" in capsys.readouterr().err
 
 
-def test_model_parallel_stays_on_one_machine_and_pure_bf16_needs_bf16(capsys):
+def test_model_parallel_stays_on_one_machine(capsys):
     """MP is one process driving its machine's GPUs: across nodes it was compared (and recommended when it alone
-    fit) though train cannot run it; named outright it is refused. --pure-bf16 with --mixed-precision no was taken
-    as pure bf16, where fp16 was refused."""
+    fit) though train cannot run it; named outright it is refused."""
     from shardtune.cli import main
 
     assert main(["estimate", "llama-3.1-8b", "--method", "full", "--num-gpus", "1", "--num-nodes", "2",
@@ -187,9 +186,6 @@ def test_model_parallel_stays_on_one_machine_and_pure_bf16_needs_bf16(capsys):
     assert "MP" not in [row["strategy"] for row in json.loads(capsys.readouterr().out)["strategies"]]
     assert main(["estimate", "llama-3.1-8b", "--strategy", "MP", "--num-gpus", "8", "--num-nodes", "2"]) == 2
     assert "--strategy MP: one process drives the GPUs of its own machine" in capsys.readouterr().err
-    assert main(["estimate", "llama-3.1-8b", "--mixed-precision", "no", "--pure-bf16"]) == 2
-    assert "--pure-bf16 keeps weights in bfloat16: it needs --mixed-precision bf16, not no" in \
-        capsys.readouterr().err
 
 
 def test_pipeline_micro_batches_are_the_jobs_in_the_time_and_the_recipe(tmp_path, capsys):
@@ -314,3 +310,15 @@ def test_a_recipes_job_is_estimated_as_train_runs_it_on_the_card(tmp_path, capsy
     assert main(["estimate", "--config", str(recipe), "--gpu", "a100-80gb"]) == 2
     assert "attn_implementation flash_attention_2: flash attention computes in bf16 or fp16 only" in \
         capsys.readouterr().err
+
+
+def test_pure_bf16_is_estimated_wherever_train_runs_it(tmp_path, capsys):
+    """Train runs torch_dtype bfloat16 with bf16 false, and on a card that only emulates bf16 (with a warning): the
+    estimate takes both too (a check this session added refused them, and was taken back)."""
+    from shardtune.cli import main
+
+    assert main(["estimate", "llama-3.2-1b", "--pure-bf16", "--gpu", "t4"]) == 0
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model_name_or_path: llama-3.2-1b\ntorch_dtype: bfloat16\nbf16: false\n")
+    assert main(["estimate", "--config", str(recipe)]) == 0
+    assert "pure bf16" in capsys.readouterr().out

@@ -324,9 +324,8 @@ def validate(setup: Setup) -> Setup:
     if asked is not None and asked.drives_several_devices and setup.num_nodes > 1:
         raise UsageError(f"--strategy {asked}: one process drives the GPUs of its own machine, not {setup.num_nodes} "
                          f"machines; use PP (a process per GPU, across machines) or FSDP, or --num-nodes 1.")
-    if setup.pure_bf16 and setup.precision_asked in ("fp16", "no"):
-        raise UsageError(f"--pure-bf16 keeps weights in bfloat16: it needs --mixed-precision bf16, not "
-                         f"{setup.precision_asked}.")
+    if setup.pure_bf16 and setup.precision_asked == "fp16":
+        raise UsageError("--pure-bf16 keeps weights in bfloat16: it needs --mixed-precision bf16.")
     if setup.activation_offloading and not setup.gradient_checkpointing:
         raise UsageError("--activation-offloading moves the layer inputs that gradient checkpointing keeps to host "
                          "memory: use it with --gradient-checkpointing.")
