@@ -240,9 +240,9 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
             if dest not in ("num_gpus", "num_nodes", "strategy", "pipeline_microbatches")
             and getattr(args, dest) is not None}
     # An FSDP option (offload, a sharding strategy) asks for FSDP: the recommender may not trade it away.
-    auto = args.strategy.lower() == "auto" and not (keys.get("fsdp_offload_params")
-                                                    or keys.get("fsdp_sharding_strategy"))
-    if args.strategy.lower() == "auto" and not auto:
+    left_open = args.strategy.lower() == "auto"
+    auto = left_open and not (keys.get("fsdp_offload_params") or keys.get("fsdp_sharding_strategy"))
+    if left_open and not auto:
         keys["distributed_type"] = FSDP
     stage = zero_stage(args.strategy)
     if stage is not None:

@@ -105,10 +105,10 @@ def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite:
         if target.resolve() in [p.resolve() for p in read]:
             return f"OUT {target}: is what the export reads ({source}), which it never writes over; give another OUT"
     for path in (target, modelfile):
-        ours = written_by_shardtune(path) or (path == target and _named_by_our_modelfile(target))
-        if path.exists() and not ours:
-            return (f"OUT {target}: {path} is there and shardtune did not write it; move it away or export into "
-                    f"another folder")
+        if not path.exists() or written_by_shardtune(path) or (path == target and _named_by_our_modelfile(target)):
+            continue
+        return (f"OUT {target}: {path} is there and shardtune did not write it; move it away or export into "
+                f"another folder")
     if overwrite:
         return None
     there = [path for path in (target, modelfile) if path.exists()]

@@ -26,7 +26,7 @@ def stamp(path: Path) -> dict[str, int]:
 
 def listed_files(folder: Path) -> set[str]:
     """The files (relative paths) an earlier export listed in ``folder`` and nobody changed since (same size and
-    modification time): a model card the user edited is the user's now. None when it wrote no list."""
+    modification time): a model card the user edited is the user's now. Empty when it wrote no list."""
     try:
         listed = json.loads((folder / EXPORT_LIST).read_text())["files"]
         return {name for name, recorded in listed.items()
