@@ -28,7 +28,7 @@ values, and the vocabulary the model computes its logits over is the real one. T
 those docstrings, each longer than the longest case, so every row is cut to exactly the case's length and no
 micro-batch holds padding. ``--variants compile,liger,pure-bf16`` adds shardtune runs at the matched settings with
 ``torch_compile`` / ``use_liger_kernel`` / ``torch_dtype bfloat16``. MFU is PaLM's model FLOPs
-(shardtune.train.metrics.flops_per_token, as ``shardtune train`` reports it) over the card's dense bf16 peak.
+(shardtune.hardware.model_flops_per_token, as ``shardtune train`` reports it) over the card's dense bf16 peak.
 ``--max-minutes`` starts no run after that many minutes and lists the runs it skipped; the report is written after
 every case. ``--tiny`` shrinks each shape to two narrow layers (its vocabulary kept) for a dry run on a CPU.
 
@@ -687,7 +687,7 @@ def model_base(job: dict, args: argparse.Namespace, shape: str | None) -> dict:
     import torch
 
     from shardtune.memory.inventory import ModelAnalysis
-    from shardtune.train.metrics import flops_per_token
+    from shardtune.memory.timing import model_flops_per_token
 
     if shape is None:
         model = prepare_model(args.cache, args.gguf)
@@ -699,10 +699,9 @@ def model_base(job: dict, args: argparse.Namespace, shape: str | None) -> dict:
         data = write_long_rows(args.cache, model, longest, (args.warmup + args.timed) * args.batch * args.accum)
         template = model / "chat_template.jinja"  # the tokenizer's own, with its generation markers
     analysis = ModelAnalysis(str(model), use_cache=False)
-    inv, config = analysis.inventory, analysis.config
+    inv = analysis.inventory
     trainable = {"full": inv.parameters, "lora": analysis.lora(args.lora_r, LORA_TARGETS).total}
-    frozen = {"full": 0, "lora": inv.parameters}
-    per_token = {method: {seq: flops_per_token(config, frozen[method] + trainable[method], trainable[method], seq)
+    per_token = {method: {seq: model_flops_per_token(inv, trainable[method], seq, frozen_base=method == "lora")
                           for seq in {s for _, s in CASES.values()}} for method in trainable}
     peak = None
     if args.device == "cuda":

@@ -265,6 +265,22 @@ def peak_bf16_flops(device_name: str) -> float | None:
     return max(found, key=lambda g: len(g.device_key)).peak_bf16_flops if found else None
 
 
+def model_flops_per_token(*, trained: int, frozen: int, layers: int, hidden: int, seq_len: int) -> float:
+    """Model FLOPs per trained token, PaLM's accounting (Chowdhery et al. 2022, appendix B), for MFU: the trainer's
+    (train/metrics.py) and the estimator's (memory/timing.py). Recomputation is not counted.
+
+    ``trained`` and ``frozen`` count the weights a token's matmuls multiply by: 2 FLOPs per weight forward and 4
+    backward, where a frozen weight skips its own gradient (2 of the 4: what LoRA saves). Neither counts an input
+    embedding the LM head does not share (a table lookup, as torchtitan counts it) nor the experts a router does not
+    pick (``inactive_expert_weights``). Attention adds 12 x layers x hidden x seq_len."""
+    return 6.0 * trained + 4.0 * frozen + 12.0 * layers * hidden * seq_len
+
+
+def inactive_expert_weights(*, layers: int, experts: int, per_token: int, hidden: int, intermediate: int) -> int:
+    """Weights of the experts a token does not run: gated MLP experts of 3 x hidden x intermediate each."""
+    return 0 if experts <= 1 else layers * (experts - per_token) * 3 * hidden * intermediate
+
+
 def intra_node_link(gpu: Gpu, name: str | None = None) -> Link:
     """The link between ``gpu``'s GPUs in one node: ``name`` (``--interconnect``), else the card's default."""
     if name is None:

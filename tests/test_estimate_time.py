@@ -98,7 +98,8 @@ def test_ddp_step_by_hand():
                                    gradient_accumulation_steps=2, gradient_checkpointing=False))
     t = step_time(TINY, setup, CARD, LINKS)
     assert t.tokens_per_step == 3 * SEQ * 2 * 4  # rows x tokens x accumulation x GPUs
-    flops = 6 * PARAMS + 12 * LAYERS * HIDDEN * SEQ  # every weight trains; attention over SEQ tokens
+    # Every weight trains, and all but the input embedding (a lookup) multiply; attention over SEQ tokens.
+    flops = 6 * (PARAMS - EMBED) + 12 * LAYERS * HIDDEN * SEQ
     assert t.model_flops_per_token == t.hardware_flops_per_token == flops
     micro = micro_seconds(setup)
     assert t.compute_s == pytest.approx(2 * micro)
@@ -124,7 +125,7 @@ def test_fsdp_lora_across_nodes_by_hand():
     t = step_time(TINY, setup, CARD, LINKS, lora)
     adapters = LAYERS * per_layer
     assert t.tokens_per_step == 2 * SEQ * 4 * 6
-    model = 6 * adapters + 4 * PARAMS + 12 * LAYERS * HIDDEN * SEQ
+    model = 6 * adapters + 4 * (PARAMS - EMBED) + 12 * LAYERS * HIDDEN * SEQ  # the input embedding: a lookup
     recompute = 2 * (LAYERS * LAYER + adapters) + 4 * LAYERS * HIDDEN * SEQ  # each layer's forward once more
     assert t.model_flops_per_token == model
     assert t.hardware_flops_per_token == model + recompute

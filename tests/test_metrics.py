@@ -67,3 +67,46 @@ def test_a_non_finite_number_is_written_as_null_so_the_file_stays_json(tmp_path)
 
     assert json.loads(line, parse_constant=strict) == {"step": 1, "loss": 2.5, "grad_norm": None,
                                                        "tokens_per_s": None, "per_task": {"a": None, "b": [1.0, None]}}
+
+
+def _flops_case(kind: str):
+    """A model on the meta device and what a token's matmuls multiply by, counted from its config by hand."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from shardtune.testing.tiny import tiny_llama_config
+
+    if kind == "mixtral":
+        config = MixtralConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2, tie_word_embeddings=False)
+    else:
+        config = tiny_llama_config(300, hidden_size=32, intermediate_size=48)
+        config.tie_word_embeddings = kind == "tied"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    lookup = 0 if kind == "tied" else 300 * 32
+    idle = 2 * (4 - 2) * 3 * 32 * 48 if kind == "mixtral" else 0  # layers x idle experts x gate, up, down
+    return config, model, parameters, parameters - lookup - idle
+
+
+@pytest.mark.parametrize("kind", ["untied", "tied", "mixtral"])
+def test_mfu_counts_the_weights_a_token_multiplies_by(tmp_path, kind):
+    """MFU's FLOPs leave out an untied input embedding (a lookup) and the experts a router does not pick, in the
+    trainer and the estimator alike; a tied embedding is the LM head's matmul and counts."""
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.timing import model_flops_per_token
+    from shardtune.train.metrics import flops_per_token
+
+    config, model, parameters, used = _flops_case(kind)
+    attention = 12 * 2 * 32 * 64
+    adapters = 1000
+    assert flops_per_token(model, parameters, parameters, 64, frozen_base=False) == 6 * used + attention
+    model.requires_grad_(False)  # LoRA's base
+    assert flops_per_token(model, parameters + adapters, adapters, 64, frozen_base=True) == \
+        6 * adapters + 4 * used + attention
+    config.save_pretrained(tmp_path)
+    inv = ModelAnalysis(str(tmp_path), use_cache=False).inventory
+    assert inv.parameters == parameters
+    assert model_flops_per_token(inv, parameters, 64, frozen_base=False) == 6 * used + attention
+    assert model_flops_per_token(inv, adapters, 64, frozen_base=True) == 6 * adapters + 4 * used + attention

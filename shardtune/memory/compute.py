@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardtune.hardware import PCIE_P2P_SHARE, Gpu
+from shardtune.hardware import PCIE_P2P_SHARE, Gpu, inactive_expert_weights
 from shardtune.memory.formula import nf4_bytes
 from shardtune.memory.inventory import LoraCount, ModelInventory
 from shardtune.memory.setup import Setup, dtypes
@@ -137,9 +137,8 @@ def recompute_share(setup: Setup, kernels: Kernels) -> float:
 
 def inactive_expert_params(inv: ModelInventory) -> int:
     """Weights of the experts a token does not run (gated MLP experts: 3 x hidden x intermediate each)."""
-    if inv.num_experts <= 1:
-        return 0
-    return inv.num_layers * (inv.num_experts - inv.experts_per_token) * 3 * inv.hidden_size * inv.intermediate_size
+    return inactive_expert_weights(layers=inv.num_layers, experts=inv.num_experts, per_token=inv.experts_per_token,
+                                   hidden=inv.hidden_size, intermediate=inv.intermediate_size)
 
 
 def active_linear_params(inv: ModelInventory) -> int:

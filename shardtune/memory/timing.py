@@ -4,9 +4,9 @@ The step is built from first principles; the constants it needs are stated here 
 runs in docs/estimator.md ("How long it takes"):
 
 - **FLOPs.** Per trained token, PaLM's accounting (Chowdhery et al. 2022, appendix B), the formula the trainer's MFU
-  uses (shardtune/train/metrics.py ``flops_per_token``, repeated in ``model_flops_per_token`` because that module
-  imports torch): 6 per trainable weight, 4 per frozen one (it skips its own gradient: what LoRA saves), and
-  12 x layers x hidden x seq_len for attention. A mixture-of-experts model counts the experts a token runs.
+  uses (``hardware.model_flops_per_token``): 6 per trainable weight, 4 per frozen one (it skips its own gradient:
+  what LoRA saves), and 12 x layers x hidden x seq_len for attention. A mixture-of-experts model counts the experts
+  a token runs; an input embedding the LM head does not share is a lookup and counts nothing.
   Gradient checkpointing runs each decoder layer's forward again in backward (2 per layer weight and 4 x hidden x
   seq_len per layer): hardware FLOPs, not in the MFU, which counts the model's FLOPs as PaLM and the trainer do.
 - **Compute**: each micro-batch's matmuls, attention and memory-bound kernels, timed by shardtune/memory/compute.py
@@ -39,6 +39,7 @@ from pathlib import Path
 from shardtune.config.schema import published_defaults
 from shardtune.errors import UsageError
 from shardtune.hardware import PCIE_X16_BYTES_PER_S, Gpu, Link
+from shardtune.hardware import model_flops_per_token as palm_flops
 from shardtune.memory.compute import CALIBRATED, Kernels, TimingParams, inactive_expert_params, kernels_of, \
     MEMORY_EFFICIENCY, memory_rate, microbatch
 from shardtune.memory.formula import _Model, _optimizer_bytes_per_param
@@ -106,13 +107,15 @@ class StepTime:
 
 
 def model_flops_per_token(inv: ModelInventory, trainable: int, seq_len: int, frozen_base: bool) -> float:
-    """PaLM's FLOPs per trained token (shardtune/train/metrics.py ``flops_per_token``, for the active weights).
+    """PaLM's FLOPs per trained token for MFU (``hardware.model_flops_per_token``, as the trainer counts them).
 
     ``trainable`` counts the weights with gradients; with ``frozen_base`` (LoRA, QLoRA) they are adapters on top of
-    the model's frozen ``inv.parameters``, otherwise they are the model's own."""
-    active = inv.parameters - inactive_expert_params(inv)
+    the model's frozen weights, otherwise they are the model's own. The weights a token's matmuls use are the
+    model's less an untied input embedding (a lookup) and the experts it does not run."""
+    lookup = 0 if inv.tied_embeddings else inv.embedding_params
+    active = inv.parameters - lookup - inactive_expert_params(inv)
     trained, frozen = (trainable, active) if frozen_base else (active, 0)
-    return 6.0 * trained + 4.0 * frozen + 12.0 * inv.num_layers * inv.hidden_size * seq_len
+    return palm_flops(trained=trained, frozen=frozen, layers=inv.num_layers, hidden=inv.hidden_size, seq_len=seq_len)
 
 
 def recompute_flops_per_token(inv: ModelInventory, layer_adapters: int, seq_len: int) -> float:

@@ -406,8 +406,8 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
     flops = peak_flops(info.device)
     mfu = None
     if flops and tokens:
-        per_token = flops_per_token(unwrap(job.model).config, job.parameters, job.trainable_parameters,
-                                    job.cfg.data.max_seq_len)
+        per_token = flops_per_token(unwrap(job.model), job.parameters, job.trainable_parameters,
+                                    job.cfg.data.max_seq_len, frozen_base=job.cfg.lora.use_peft_lora)
         mfu = per_token * tokens / wall / (flops * job.plan.num_devices(info))
     resumed = checkpointer.resumed_from is not None
     return {"steps": state.step, "max_steps": state.max_steps, "steps_this_run": state.step - start_step,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from shardtune.dist import DistInfo
-from shardtune.hardware import peak_bf16_flops
+from shardtune.hardware import inactive_expert_weights, model_flops_per_token, peak_bf16_flops
 from shardtune.train.trackers import Trackers
 
 log = logging.getLogger("shardtune")
@@ -150,13 +150,23 @@ def peak_flops(device: torch.device) -> float | None:
     return peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
-def flops_per_token(config, parameters: int, trainable: int, seq_len: int) -> float:
-    """Model FLOPs per trained token (PaLM's accounting, appendix B; recomputation not counted).
-
-    Matmuls cost 2 FLOPs per weight per token forward and 4 backward; a frozen weight skips its own gradient
-    (2 of the 4), which is what LoRA saves. Attention adds 12 * layers * hidden * seq_len.
-    """
-    frozen = parameters - trainable
-    layers = getattr(config, "num_hidden_layers", 0)
-    hidden = getattr(config, "hidden_size", 0)
-    return 6.0 * trainable + 4.0 * frozen + 12.0 * layers * hidden * seq_len
+def flops_per_token(model, parameters: int, trainable: int, seq_len: int, *, frozen_base: bool) -> float:
+    """Model FLOPs per trained token of the transformers ``model`` holding ``parameters`` weights, ``trainable`` of
+    them with gradients (with ``frozen_base``, LoRA's, the base model's weights are frozen):
+    ``hardware.model_flops_per_token`` (PaLM's accounting, recomputation not counted) over the weights its matmuls
+    use. An input embedding the LM head does not share is a lookup, and a mixture of experts runs
+    ``num_experts_per_tok`` of its experts per token."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers, hidden = getattr(config, "num_hidden_layers", 0), getattr(config, "hidden_size", 0)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    weight = getattr(embed, "weight", None)
+    lookup = 0 if weight is None or getattr(head, "weight", None) is weight else weight.numel()
+    lookup_trained = lookup if weight is not None and weight.requires_grad else 0
+    idle = inactive_expert_weights(
+        layers=layers, hidden=hidden, experts=getattr(config, "num_local_experts", None)
+        or getattr(config, "num_experts", None) or 1, per_token=getattr(config, "num_experts_per_tok", None) or 1,
+        intermediate=getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0))
+    idle_trained = 0 if frozen_base else idle
+    trained = trainable - lookup_trained - idle_trained
+    frozen = parameters - trainable - (lookup - lookup_trained) - (idle - idle_trained)
+    return model_flops_per_token(trained=trained, frozen=frozen, layers=layers, hidden=hidden, seq_len=seq_len)
