@@ -306,6 +306,13 @@ def test_a_recipes_job_is_estimated_as_train_runs_it_on_the_card(tmp_path, capsy
     sdpa.write_text("model_name_or_path: llama-3.2-1b\nuse_peft_lora: true\nbf16: true\n")
     assert main(["estimate", "--config", str(sdpa), "--gpu", "t4", "--json"]) == 0
     assert json.loads(captured.out)["per_gpu"] == json.loads(capsys.readouterr().out)["per_gpu"]
+    # Emulated bf16 has no speed to time it by: the refusal names the recipe's key, not an option --config refuses.
+    assert main(["estimate", "--config", str(sdpa), "--gpu", "t4", "--time"]) == 2
+    err = capsys.readouterr().err
+    assert f"set bf16 false (and fp16 true for fp16) at {sdpa}, line 3" in err and "--mixed-precision" not in err
+    sdpa.write_text("model_name_or_path: llama-3.2-1b\nmixed_precision: bf16\n")
+    assert main(["estimate", "--config", str(sdpa), "--gpu", "t4", "--time"]) == 2
+    assert f"set mixed_precision fp16 (or no) at {sdpa}, line 2" in capsys.readouterr().err
     recipe.write_text("model_name_or_path: llama-3.2-1b\nattn_implementation: flash_attention_2\nbf16: false\n")
     assert main(["estimate", "--config", str(recipe), "--gpu", "a100-80gb"]) == 2
     assert "attn_implementation flash_attention_2: flash attention computes in bf16 or fp16 only" in \

@@ -177,7 +177,14 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
         from shardtune.memory.timing import DataTokens
 
         data = DataTokens(args.tokens)
-    return time_report(report, links, data, args.price_per_gpu_hour, measured=measured)
+    fix = None
+    if args.config:  # the key to change is the files' own
+        from shardtune.config.loading import key_origins
+
+        origins = key_origins(config_argv(args.config))
+        fix = (f"set bf16 false (and fp16 true for fp16) at {origins['bf16']}" if "bf16" in origins else
+               f"set mixed_precision fp16 (or no) at {origins.get('mixed_precision', ' or '.join(args.config))}")
+    return time_report(report, links, data, args.price_per_gpu_hour, measured=measured, fix=fix)
 
 
 ACCELERATE_KEYS = {"compute_environment", "fsdp_config", "deepspeed_config", "machine_rank", "num_machines",
