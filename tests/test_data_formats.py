@@ -450,3 +450,92 @@ def test_a_malformed_row_says_where_in_plain_words():
     with pytest.raises(json.JSONDecodeError) as info:
         json.loads('{"text": "a"')
     assert json_error(info.value) == "Expecting ',' delimiter at column 13"
+
+
+def test_a_reply_is_never_taken_from_the_question_that_asks_for_it(model_dir, tmp_path):
+    """Mistral v0.3's template writes the system prompt into the last user turn, so the history rendered alone is
+    not a prefix of the conversation and the replies are found in the text: "OK" was found inside "Say OK or NO"
+    and the question trained, the reply not."""
+    template = ("{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+                "{% set users = messages | selectattr('role', 'equalto', 'user') | list %}"
+                "{% for m in messages if m['role'] != 'system' %}{% if m['role'] == 'user' %}"
+                "{{ '<|im_start|>user\n' }}{% if m == users[-1] and system %}{{ system + '\n\n' }}{% endif %}"
+                "{{ m['content'] + '<|im_end|>\n<|im_start|>assistant\n' }}"
+                "{% else %}{{ m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}")
+    conv = {"messages": [{"role": "system", "content": "Be terse."},
+                         {"role": "user", "content": "Is 2 > 1? Say OK or NO"}, {"role": "assistant", "content": "OK"},
+                         {"role": "user", "content": "Is 1 > 2? Say OK or NO"}, {"role": "assistant", "content": "NO"}]}
+    cfg = DataConfig(dataset_name=write_jsonl(tmp_path / "d.jsonl", [conv]), splits="train", max_seq_len=256)
+    tok = load_tokenizer(model_dir, cfg)
+    tok.chat_template = template
+    row = prepare_datasets(cfg, tok, seed=0, cache_dir=str(tmp_path / "cache")).train[0]
+    trained = [i for i, label in enumerate(row["labels"]) if label != IGNORE]
+    runs = [[i for i in trained if i >= start and all(j in trained for j in range(start, i + 1))]
+            for start in trained if start - 1 not in trained]
+    assert [tok.decode([row["input_ids"][i] for i in run]) for run in runs] == ["OK<|im_end|>", "NO<|im_end|>"]
+    for run, question in zip(runs, ("Is 2 > 1? Say OK or NO", "Be terse.\n\nIs 1 > 2? Say OK or NO")):
+        assert tok.decode(row["input_ids"][:run[0]]).endswith(question + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_dir(tmp_path_factory):
+    """A tiny model with a Llama-2/Mistral-style tokenizer: SentencePiece's Metaspace marks a text's start with
+    a space ("15" alone is "▁15"), which byte-level BPE, the other tests' tokenizer, does not."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from shardtune.testing.tiny import sample_corpus
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    sums = [f"What is {a} plus {b}? {a + b}" for a in range(20) for b in range(20)]
+    tok.train_from_iterator(sample_corpus(300) + sums,
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                                initial_alphabet=list("\n"), show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    return str(make_model_folder(tmp_path_factory.mktemp("sp") / "model", tokenizer=fast))
+
+
+def test_a_sentencepiece_row_is_tokenised_whole_as_trl_and_generation_tokenise_it(sentencepiece_dir, tmp_path):
+    """Each piece tokenised apart gave every reply and completion a leading "▁" (" 15": not what the model sees
+    when it generates, nor what TRL trains); the whole text is tokenised once and the targets marked in it."""
+    chat = {"messages": [{"role": "user", "content": "What is 7 plus 8?"}, {"role": "assistant", "content": "15"},
+                         {"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "4"}]}
+    pair = {"prompt": "What is 7 plus 8?", "completion": "15"}
+    for rows, template, whole in (([chat], "zephyr", None), ([pair], "none", "What is 7 plus 8?15")):
+        (tmp_path / template).mkdir()
+        data, tok = prepare(sentencepiece_dir, tmp_path / template, rows, chat_template_format=template,
+                            max_seq_len=128)
+        row = data.train[0]
+        whole = whole or tok.apply_chat_template(chat["messages"], tokenize=False)
+        expected = tok(whole, add_special_tokens=False).input_ids
+        assert row["input_ids"] == [tok.bos_token_id, *expected, *([tok.eos_token_id] if template == "none" else [])]
+        trained = [tok.convert_ids_to_tokens(t) for t in row["labels"] if t != IGNORE]
+        assert trained == (["1", "5", "</s>", "4", "</s>"] if template == "zephyr" else ["1", "5", "</s>"])
+
+
+def test_a_tokenizer_without_offsets_tokenises_each_piece(model_dir):
+    """A slow tokenizer gives no character offsets: the pieces are tokenised apart (where byte-level BPE gives
+    the same ids as the whole text)."""
+    from shardtune.data.encode import marked_ids
+
+    class Slow:
+        is_fast = False
+
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __call__(self, text, **kwargs):
+            assert "return_offsets_mapping" not in kwargs
+            return self.tok(text, **kwargs)
+
+    tok = load_tokenizer(model_dir, DataConfig(dataset_name="unused"))
+    segments = [("<|im_start|>user\nHow many cats?<|im_end|>\n<|im_start|>assistant\n", False),
+                ("Three cats and one dog.<|im_end|>", True), ("\n", False)]
+    whole = marked_ids(tok, segments, None, 8)
+    assert marked_ids(Slow(tok), segments, None, 8) == whole
+    ids, marks, length, estimated = whole
+    assert tok.decode([i for i, m in zip(ids, marks) if m]) == "Three cats and one dog.<|im_end|>"
+    assert length == len(ids) and not estimated

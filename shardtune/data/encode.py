@@ -32,28 +32,41 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids if text else []
 
 
+def _spans(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """``text``'s ids and each one's characters (start, end), from a fast tokenizer."""
+    if not text:
+        return [], []
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return encoded.input_ids, [tuple(span) for span in encoded.offset_mapping]
+
+
 def max_token_chars(tokenizer) -> int:
     """The longest entry of the vocabulary, in characters: no token covers more of a text (a byte-level token's
     entry has a character per byte, so it is at least as long as the text it covers)."""
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
-def ids_upto(tokenizer, text: str, limit: int, token_chars: int) -> tuple[list[int], int]:
-    """``text``'s ids as tokenising it whole gives them, and how many it has: all of them, or, for a text far longer
-    than ``limit`` tokens can cover, only the first ``limit`` and an estimate of the count.
+def ids_upto(tokenizer, text: str, limit: int | None, token_chars: int, *, spans: bool = False
+             ) -> tuple[list[int], int, list[tuple[int, int]]]:
+    """``text``'s ids as tokenising it whole gives them, how many it has, and (with ``spans``, from a fast
+    tokenizer) each one's characters: all of them, or, for a text far longer than ``limit`` tokens can cover, only
+    the first ``limit`` and an estimate of the count. ``limit`` None: the whole text.
 
     Truncation keeps only the first tokens, so a 20 MB row need not be tokenised whole (a minute and gigabytes).
     A prefix of ``(limit + CUT_MARGIN) * token_chars`` characters is tokenised instead; it is trusted only when it
     gives ``CUT_MARGIN`` tokens more than are kept, and grows until it does or is the whole text.
     """
-    chars = max(limit + CUT_MARGIN, 1) * max(token_chars, 1)
-    while chars < len(text):
-        ids = _ids(tokenizer, text[:chars])
+    def tokenize(part: str) -> tuple[list[int], list[tuple[int, int]]]:
+        return _spans(tokenizer, part) if spans else (_ids(tokenizer, part), [])
+
+    chars = max((limit or 0) + CUT_MARGIN, 1) * max(token_chars, 1)
+    while limit is not None and chars < len(text):
+        ids, found = tokenize(text[:chars])
         if len(ids) >= limit + CUT_MARGIN:
-            return ids[:limit], max(round(len(ids) * len(text) / chars), len(ids))
+            return ids[:limit], max(round(len(ids) * len(text) / chars), len(ids)), found[:limit]
         chars *= 4
-    ids = _ids(tokenizer, text)
-    return ids, len(ids)
+    ids, found = tokenize(text)
+    return ids, len(ids), found
 
 
 def with_prefix(prefix: list[int], ids: list[int], labels: list[int] | None = None) -> tuple[list[int], list[int]]:
@@ -77,7 +90,8 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
     """The rendered conversation cut into (text, is_target) pieces; targets are assistant turns with their end token.
 
     Rendering the history with the generation prompt gives where each assistant turn starts; rendering it with the
-    turn gives where it ends. Templates that rewrite earlier turns fall back to finding each reply in the text.
+    turn gives where it ends. Templates that rewrite earlier turns fall back to finding each reply in the text, after
+    the turns before it (``_past_history``), so a reply is never taken from inside the prompt that asks for it.
     """
     full = _render(tokenizer, messages)
     for i, m in enumerate(messages):
@@ -86,7 +100,7 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
                              f"as an empty reply; use a chat template that renders tool calls (the model's own, where "
                              f"it has one), or leave them out")
     segments: list[tuple[str, bool]] = []
-    cursor = 0
+    cursor = walked = 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i < target_from:
             continue
@@ -98,7 +112,7 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
         if before is not None and full.startswith(before) and full.startswith(after) and cursor <= len(before):
             start, end = len(before), len(after)
         else:
-            start = full.find(m["content"], cursor)
+            start = full.find(m["content"], _past_history(full, messages[walked:i], cursor))
             if start < 0:
                 raise BadRow("", "the chat template does not reproduce the assistant reply; use "
                                  "chat_template_format chatml or another named template")
@@ -111,10 +125,22 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
         if start > cursor:
             segments.append((full[cursor:start], False))
         segments.append((full[start:end], True))
-        cursor = end
+        cursor, walked = end, i + 1
     if cursor < len(full):
         segments.append((full[cursor:], False))
     return segments
+
+
+def _past_history(full: str, history: list[dict], cursor: int) -> int:
+    """Where the turns ``history`` end in the rendered ``full``, looking from ``cursor``: each turn's text found in
+    order. System turns are passed over (templates move them: Mistral's writes the system prompt into the last user
+    turn), and so is a turn the template leaves out. A short reply ("OK", "4") is often in its question too."""
+    for message in history:
+        content = message.get("content")
+        if message["role"] != "system" and isinstance(content, str) and content:
+            if (at := full.find(content, cursor)) >= 0:
+                cursor = at + len(content)
+    return cursor
 
 
 def encode_example(example: dict, tokenizer, *, prefix: list[int], train_on_prompt: bool,
@@ -125,52 +151,61 @@ def encode_example(example: dict, tokenizer, *, prefix: list[int], train_on_prom
     return ids, labels
 
 
+def _segments(example: dict, tokenizer, chat_template_format: str) -> list[tuple[str, bool]]:
+    """The example's text in (text, is_target) pieces: a chat rendered by its template, or prompt and completion."""
+    if example["kind"] != "chat":
+        return [(example["prompt"], False), (example["completion"], True)]
+    if not tokenizer.chat_template:
+        raise BadRow(example["where"], "the tokenizer has no chat template: set chat_template_format "
+                                       "(chatml, llama-3, mistral, alpaca, zephyr)")
+    template = TEMPLATES.get(chat_template_format)
+    try:
+        return chat_segments(tokenizer, [template_message(m) for m in example["messages"]], example["target_from"],
+                             template.end_of_turn if template else None)
+    except BadRow as exc:
+        raise BadRow(example["where"], f"{exc.problem}; {SKIP_HINT}") from None
+    except Exception as exc:  # noqa: BLE001 - jinja raise_exception, e.g. an unsupported role order
+        raise BadRow(example["where"], f"the chat template rejects this conversation ({exc}); {SKIP_HINT}") from None
+
+
+def marked_ids(tokenizer, segments: list[tuple[str, bool]], keep: int | None, token_chars: int
+               ) -> tuple[list[int], list[bool], int, bool]:
+    """(ids, is_target, length, estimated) of the segments' text tokenised whole, as TRL and generation tokenise
+    it: a token is a target where its characters overlap a target segment (TRL's assistant and completion masks).
+    Tokenising the pieces apart would differ where a tokenizer marks a text's start: SentencePiece's Llama-2 and
+    Mistral give every piece a leading space, so each reply would be trained as " reply". A tokenizer without
+    character offsets (a slow one) tokenises them apart. ``keep``, ``length``, ``estimated``: as ``ids_upto``."""
+    if not getattr(tokenizer, "is_fast", False):
+        ids: list[int] = []
+        marks: list[bool] = []
+        length = 0
+        for text, is_target in segments:
+            budget = None if keep is None else max(0, keep - length)
+            piece, count, _ = ids_upto(tokenizer, text, budget, token_chars)
+            ids, marks, length = ids + piece, marks + [is_target] * len(piece), length + count
+        return ids, marks, length, length > len(ids)
+    ids, length, found = ids_upto(tokenizer, "".join(text for text, _ in segments), keep, token_chars, spans=True)
+    targets, at = [], 0
+    for text, is_target in segments:
+        if is_target:
+            targets.append((at, at + len(text)))
+        at += len(text)
+    marks = [any(max(a, s) < min(b, e) or (a == b and s <= a < e) for s, e in targets) for a, b in found]
+    return ids, marks, length, length > len(ids)
+
+
 def _encode(example: dict, tokenizer, *, prefix: list[int], train_on_prompt: bool, chat_template_format: str,
             keep: int | None, token_chars: int) -> tuple[list[int], list[int], int, bool]:
     """(input_ids, labels, length, estimated): the ids and labels are exact for the first ``keep`` tokens (all
     when None); a text far longer than that is cut before tokenising, and then ``length`` is an estimate."""
+    ids, marks, length, estimated = marked_ids(tokenizer, _segments(example, tokenizer, chat_template_format),
+                                               keep, token_chars)
     eos = tokenizer.eos_token_id
-    length, estimated = 0, False  # tokens of the texts so far, counted or (after a cut) estimated
-
-    def tokens(text: str) -> list[int]:
-        nonlocal length, estimated
-        if keep is None:
-            piece = _ids(tokenizer, text)
-            count = len(piece)
-        else:  # once a text is cut, the budget is spent: the texts after it are only counted
-            piece, count = ids_upto(tokenizer, text, max(0, keep - length), token_chars)
-        length += count
-        estimated |= count > len(piece)
-        return piece
-
-    if example["kind"] == "chat":
-        if not tokenizer.chat_template:
-            raise BadRow(example["where"], "the tokenizer has no chat template: set chat_template_format "
-                                           "(chatml, llama-3, mistral, alpaca, zephyr)")
-        template = TEMPLATES.get(chat_template_format)
-        try:
-            segments = chat_segments(tokenizer, [template_message(m) for m in example["messages"]],
-                                     example["target_from"], template.end_of_turn if template else None)
-        except BadRow as exc:
-            raise BadRow(example["where"], f"{exc.problem}; {SKIP_HINT}") from None
-        except Exception as exc:  # noqa: BLE001 - jinja raise_exception, e.g. an unsupported role order
-            raise BadRow(example["where"], f"the chat template rejects this conversation ({exc}); {SKIP_HINT}") \
-                from None
-        ids: list[int] = []
-        labels: list[int] = []
-        for text, is_target in segments:
-            piece = tokens(text)
-            ids += piece
-            labels += piece if (is_target or train_on_prompt) else [IGNORE] * len(piece)
-    else:
-        prompt_ids = tokens(example["prompt"])
-        completion_ids = tokens(example["completion"])
-        # a cut completion's last token is unknown, but its EOS lies past the kept tokens either way
-        if not completion_ids or completion_ids[-1] != eos:
-            completion_ids = completion_ids + [eos]  # EOS is a target: the model learns to stop
-            length += 1
-        ids = prompt_ids + completion_ids
-        labels = (prompt_ids if train_on_prompt else [IGNORE] * len(prompt_ids)) + completion_ids
+    # EOS ends a prompt-completion row as a target, so the model learns to stop (a cut row's lies past the kept
+    # tokens either way); a chat's end-of-turn token is the template's.
+    if example["kind"] != "chat" and (not ids or ids[-1] != eos or estimated):
+        ids, marks, length = ids + [eos], marks + [True], length + 1
+    labels = [token if (is_target or train_on_prompt) else IGNORE for token, is_target in zip(ids, marks)]
     unprefixed = len(ids)
     ids, labels = with_prefix(prefix, ids, labels)
     if labels:
