@@ -313,6 +313,30 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_ones_and_final_aside(mad
     assert (run / "checkpoints" / "step-4" / "manifest.json").is_file() and (run / "final").is_dir()
 
 
+def test_a_resume_into_a_folder_holding_another_history_is_refused(made, run, tmp_path, capsys):
+    """A checkpoint carries on the losses logged before it: resumed into a folder whose metrics.jsonl logged other
+    ones (another run, or this run after a resume from an earlier step took another branch), the two runs' records
+    were mixed in one file. Refused, naming the fix, with nothing written; into an empty folder it carries on."""
+    train_in_process(args(made, run, "--resume_from_checkpoint", str(run / "checkpoints" / "step-2"),
+                          "--learning_rate", "1e-2"))  # another branch from step 2: its step 4 logs another loss
+    aside = next(p for p in (run / "checkpoints").iterdir() if p.name.startswith("superseded-"))
+    old = aside / "checkpoints" / "step-4"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    before = [json.loads(line) for line in (aside / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records if r["step"] == 4] != [r["loss"] for r in before if r["step"] == 4]
+    kept = snapshot(run)
+    with pytest.raises(UsageError) as refused:
+        train_in_process(args(made, run, "--resume_from_checkpoint", str(old)))
+    assert str(refused.value) == (
+        f"resume_from_checkpoint {old}: output_dir {run} holds another history (its metrics.jsonl up to step 4 is "
+        f"not what the checkpoint was trained through: another run, or another branch of this one); resume into "
+        f"the run folder that saved the checkpoint, or give an empty output_dir to carry on from it there")
+    assert snapshot(run) == kept
+    # The same branch's own checkpoint, and the old one into an empty folder, carry on.
+    assert train_in_process(args(made, run, "--resume_from_checkpoint", "true"))["steps"] == 4
+    assert train_in_process(args(made, tmp_path / "fresh", "--resume_from_checkpoint", str(old)))["steps"] == 4
+
+
 def test_a_refusal_writes_nothing(made, run, tmp_path, capsys, restore_logging):
     new = tmp_path / "new-run"
     assert main(["train", *flags(*args(made, new, "--lora_target_modules", "no_such_proj"))]) == 2

@@ -27,6 +27,7 @@ tensors only, and the rest is JSON and YAML (``yaml.safe_load``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -99,7 +100,8 @@ def _complete(tmp: Path, final: Path, trainer_state: dict[str, Any], config_yaml
     (tmp / small[0]).write_text(json.dumps(trainer_state, indent=1))
     (tmp / small[1]).write_text(config_yaml)
     digests = {**digests, **{name: file_digest(tmp / name) for name in small}}
-    manifest = {**manifest, "files": dict(sorted(digests.items()))}
+    history = _digest(logged_losses(final.parent.parent, manifest["step"]))  # checkpoints/step-N: in output_dir
+    manifest = {**manifest, "history": history, "files": dict(sorted(digests.items()))}
     (tmp / MANIFEST).write_text(json.dumps(manifest))
     if final.exists():
         shutil.rmtree(final)
@@ -298,6 +300,44 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     return read_json(path / "trainer_state.json")
 
 
+def logged_losses(output_dir: Path, step: int) -> list[list]:
+    """The (step, loss) records ``output_dir``'s metrics.jsonl logged up to ``step``: the history a checkpoint
+    saved at ``step`` carries on."""
+    logged = []
+    path = output_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if isinstance(record, dict) and "loss" in record and record.get("step", 0) <= step:
+            logged.append([record.get("step"), record["loss"]])
+    return logged
+
+
+def _digest(logged: list[list]) -> str:
+    return hashlib.sha256(json.dumps(logged).encode()).hexdigest()
+
+
+def history_problem(output_dir: Path, checkpoint: Path, step: int) -> str | None:
+    """Resuming ``checkpoint`` into ``output_dir``, whose metrics.jsonl must be the history the checkpoint carries
+    on (its manifest's ``history``): the run keeps the records up to ``step`` and logs after them. Another run's
+    folder, or this run's after a resume from an earlier step took another branch, would mix two runs' losses in
+    one file (and its trackers, and what save_total_limit keeps). None where they agree, or nothing tells (no
+    metrics.jsonl; an older manifest). Step ``step``'s own record may have come after the save (an epoch's end logs
+    again), so the history without it agrees too."""
+    saved = read_json(checkpoint / MANIFEST).get("history")
+    if saved is None or not (output_dir / "metrics.jsonl").is_file():
+        return None
+    logged = logged_losses(output_dir, step)
+    if saved in (_digest(logged), _digest([record for record in logged if record[0] != step])):
+        return None
+    return (f"resume_from_checkpoint {checkpoint}: output_dir {output_dir} holds another history (its metrics.jsonl "
+            f"up to step {step} is not what the checkpoint was trained through: another run, or another branch of "
+            f"this one); resume into the run folder that saved the checkpoint, or give an empty output_dir to "
+            f"carry on from it there")
+
+
 def trim_metrics(output_dir: str | Path, step: int) -> int:
     """Drop ``metrics.jsonl`` records after ``step``: a killed run logged steps that the resumed run redoes.
 
@@ -361,7 +401,10 @@ def resume_point(cfg: TrainConfig, info) -> ResumePoint | None:
                    if resolve(old.distributed.distributed_type, False).shards_batch else 1)
     world = info.world_size if resolve(cfg.distributed.distributed_type, False).shards_batch else 1
     step = read_json(path / "trainer_state.json")["step"]
-    return ResumePoint(path, step, *check_resume(path, old, cfg, saved_world=saved_world, world=world))
+    point = ResumePoint(path, step, *check_resume(path, old, cfg, saved_world=saved_world, world=world))
+    if problem := history_problem(Path(cfg.run.output_dir), path, step):
+        raise UsageError(problem)
+    return point
 
 
 class Checkpointer:
