@@ -186,6 +186,29 @@ def test_every_tracker_holds_the_losses_and_config_of_metrics_jsonl(root, tmp_pa
     assert trackio_config["learning_rate"] == 3e-3 and trackio_config["max_steps"] == 4
 
 
+def test_tensorboard_reads_each_step_once_after_a_resume(root, tmp_path, restore_logging):
+    """A resume redoes the steps after its checkpoint: metrics.jsonl drops the first tries, and TensorBoard, which
+    appends to the same folder, kept both (two loss values at one step)."""
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from shardtune.train.loop import train
+
+    out = tmp_path / "tb"
+    common = ("--report_to", "tensorboard", "--run_name", "tb", "--output_dir", str(out), "--save_strategy", "steps",
+              "--save_steps", "2")
+    train(load_train_config(args(root, *common)))
+    train(load_train_config(args(root, *common, "--resume_from_checkpoint", str(out / "checkpoints" / "step-2"),
+                                 "--learning_rate", "1e-2")))  # steps 3 and 4 log other losses
+    acc = EventAccumulator(str(out / "tensorboard" / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    events = [(tag, e.step, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = sorted((key, r["step"], float(np.float32(value))) for r in records for key, value in r.items()
+                    if key != "step" and type(value) in (int, float))  # epoch is in train and eval records
+    assert sorted(events) == logged
+
+
 def test_report_to_all_none_and_lists(root):
     installed = [name for name, (module, _) in TRACKER_PACKAGES.items() if importlib.util.find_spec(module)]
     assert load_train_config(args(root, "--report_to", "all")).run.report_to == installed

@@ -162,7 +162,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
                                 flat_optimizer=job.runner.flat_optimizer)
     checkpointer.resume(resume)  # a checkpoint this run cannot continue (its data order, say) stops it here
     start_step = job.state.step  # what this run adds is counted from here
-    trackers = start_trackers(cfg.run.report_to, out, cfg.run.run_name, cfg.to_flat(), enabled=job.info.is_main)
+    trackers = start_trackers(cfg.run.report_to, out, cfg.run.run_name, cfg.to_flat(), enabled=job.info.is_main,
+                              resumed_at=start_step if resuming else 0)
     metrics = MetricsLog(out, job.info, trackers, strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps,
                          first_step=cfg.run.logging_first_step)
     hooks = CallbackList(callbacks, cfg, job.state)

@@ -32,8 +32,10 @@ MLFLOW_MAX_PARAMS = 100  # MLflow's limit of params in one log_batch call
 class Tracker(Protocol):
     name: str
 
-    def start(self, run_name: str, config: dict[str, Any]) -> str:
-        """Open the run with ``config`` as its parameters; returns where it is written, in words."""
+    def start(self, run_name: str, config: dict[str, Any], resumed_at: int) -> str:
+        """Open the run with ``config`` as its parameters; returns where it is written, in words. ``resumed_at``:
+        the step a resumed run carries on from (0 for a fresh one): what was logged after it is logged again.
+        W&B, MLflow and Trackio open a run of their own each time; TensorBoard writes into the same folder."""
 
     def log(self, scalars: dict[str, float], step: int) -> None: ...
 
@@ -49,11 +51,13 @@ class TensorBoardTracker:
         self.root = output_dir / "tensorboard"
         self.writer = None
 
-    def start(self, run_name: str, config: dict[str, Any]) -> str:
+    def start(self, run_name: str, config: dict[str, Any], resumed_at: int = 0) -> str:
         from torch.utils.tensorboard import SummaryWriter
 
         folder = self.root / run_name.replace(os.sep, "_")
-        self.writer = SummaryWriter(log_dir=str(folder))
+        # A resumed run redoes the steps after its checkpoint: the folder's events from them on are purged, so each
+        # step is read once, as metrics.jsonl keeps it.
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=resumed_at + 1 if resumed_at else None)
         # Markdown shows a code block as it is; the reader strips the fence.
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```")
         return f"event files in {folder} (tensorboard --logdir {self.root})"
@@ -95,7 +99,7 @@ class WandbTracker:
         self.output_dir = output_dir
         self.run = None
 
-    def start(self, run_name: str, config: dict[str, Any]) -> str:
+    def start(self, run_name: str, config: dict[str, Any], resumed_at: int = 0) -> str:
         import wandb
 
         offline = not os.environ.get("WANDB_MODE") and not wandb_has_credentials()
@@ -125,7 +129,7 @@ class MlflowTracker:
         self.output_dir = output_dir
         self.client, self.run_id = None, None
 
-    def start(self, run_name: str, config: dict[str, Any]) -> str:
+    def start(self, run_name: str, config: dict[str, Any], resumed_at: int = 0) -> str:
         # Before the import: MLflow's usage telemetry would otherwise call its server.
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         uri = os.environ.get("MLFLOW_TRACKING_URI")
@@ -165,7 +169,7 @@ class TrackioTracker:
     def __init__(self, output_dir: Path) -> None:
         self.run = None
 
-    def start(self, run_name: str, config: dict[str, Any]) -> str:
+    def start(self, run_name: str, config: dict[str, Any], resumed_at: int = 0) -> str:
         import trackio
         from trackio.utils import TRACKIO_DIR
 
@@ -223,7 +227,7 @@ class Trackers:
 
 
 def start_trackers(names: Sequence[str], output_dir: str | Path, run_name: str | None, config: dict[str, Any],
-                   *, enabled: bool) -> Trackers:
+                   *, enabled: bool, resumed_at: int = 0) -> Trackers:
     """Start the trackers ``report_to`` names (``enabled``: on rank 0 only). One that cannot start stops the run
     in one line, after the ones already started are closed."""
     started = Trackers()
@@ -234,7 +238,7 @@ def start_trackers(names: Sequence[str], output_dir: str | Path, run_name: str |
     for name in names:
         tracker = TRACKERS[name](output_dir)
         try:
-            where = tracker.start(name_of_run, config)
+            where = tracker.start(name_of_run, config, resumed_at)
         except ImportError:
             started.finish(failed=True)
             raise UsageError(missing_tracker_message(name)) from None
