@@ -313,6 +313,21 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_ones_and_final_aside(mad
     assert (run / "checkpoints" / "step-4" / "manifest.json").is_file() and (run / "final").is_dir()
 
 
+def test_a_requeue_after_sigterm_sets_nothing_aside(tmp_path):
+    """SIGTERM saves step N and writes summary.json at step N; the requeue resumes at N. That summary was taken for
+    one "from later on": every preemption moved it into a superseded folder with a copy of metrics.jsonl, and said
+    so. A summary of a later step, final/ and later checkpoints are still set aside."""
+    from shardtune.train.output_dir import newer_than
+
+    (tmp_path / "checkpoints" / "step-5").mkdir(parents=True)
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 5, "stopped_by": "SIGTERM"}))
+    assert newer_than(tmp_path, 5) == []
+    assert newer_than(tmp_path, 4) == [tmp_path / "checkpoints" / "step-5", tmp_path / "summary.json"]
+    (tmp_path / "final").mkdir()
+    (tmp_path / "summary.json").write_text("{cut short")
+    assert newer_than(tmp_path, 5) == [tmp_path / "final", tmp_path / "summary.json"]
+
+
 def test_a_resume_into_a_folder_holding_another_history_is_refused(made, run, tmp_path, capsys):
     """A checkpoint carries on the losses logged before it: resumed into a folder whose metrics.jsonl logged other
     ones (another run, or this run after a resume from an earlier step took another branch), the two runs' records

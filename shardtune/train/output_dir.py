@@ -206,11 +206,21 @@ def set_aside(output_dir: Path, paths: list[Path]) -> Path | None:
 
 def newer_than(output_dir: Path, step: int) -> list[Path]:
     """What a later point of the run left when it resumes at ``step``: its checkpoints after ``step``
-    (complete or not), and final/ and summary.json."""
+    (complete or not), final/, and summary.json unless it says the run stopped at ``step`` (a preempted run's:
+    SIGTERM saves a checkpoint and writes the summary at the same step, and a requeue resumes right there)."""
     later = [path for path in (output_dir / "checkpoints").glob("step-*")
              if (m := STEP_FOLDER.match(path.name)) and int(m.group(1)) > step]
-    ends = [output_dir / name for name in ("final", "summary.json") if (output_dir / name).exists()]
-    return sorted(later, key=lambda p: int(STEP_FOLDER.match(p.name).group(1))) + ends
+    ends = [output_dir / "final"] + ([] if _summary_steps(output_dir) == step else [output_dir / "summary.json"])
+    return sorted(later, key=lambda p: int(STEP_FOLDER.match(p.name).group(1))) + [p for p in ends if p.exists()]
+
+
+def _summary_steps(output_dir: Path) -> int | None:
+    """The step summary.json says the run stopped at; None where there is none, or it cannot be read."""
+    try:
+        summary = json.loads((output_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary.get("steps") if isinstance(summary, dict) and isinstance(summary.get("steps"), int) else None
 
 
 def set_aside_newer(output_dir: Path, step: int) -> Path | None:
