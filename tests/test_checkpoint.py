@@ -233,15 +233,24 @@ def test_push_to_hub_uploads_final_and_only_warns_when_the_hub_fails(tmp_path, m
     assert "more detail" not in caplog.text
 
 
-def test_a_failed_sharded_write_leaves_no_temporary_folder(tmp_path, monkeypatch):
-    """DCP raises CheckpointException (a BaseException) on every rank; the half-written folder goes with it."""
+@pytest.mark.parametrize("cause, says", [
+    (OSError(28, "No space left on device"), "[Errno 28] No space left on device: '{}'"),
+    # what torch's writer says of a full disk: nothing names a file or the disk
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+     "[Errno 5] write failed, the disk may be full ([enforce fail at inline_container.cc:672] . unexpected pos 704 "
+     "vs 598): '{}'"),
+])
+def test_a_failed_sharded_write_leaves_no_temporary_folder(tmp_path, monkeypatch, cause, says):
+    """DCP raises CheckpointException (a BaseException) on every rank; the half-written folder goes with it, and
+    the failed write names the checkpoint's folder and the disk."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     def full_disk(*args, **kwargs):
-        raise CheckpointException("write failed", {0: (OSError(28, "No space left on device"), None)})
+        raise CheckpointException("write failed", {0: (cause, None)})
 
     monkeypatch.setattr(ckpt.dcp, "save", full_disk)
     model, optimizer = _trained(frozen=False)
-    with pytest.raises(CheckpointException):
+    with pytest.raises(OSError) as failed:
         _save(tmp_path, 3, model, optimizer, frozen=False, kind=ckpt.SHARDED)
+    assert str(failed.value) == says.format(ckpt.checkpoints_dir(tmp_path) / "step-3" / "dcp")
     assert list(ckpt.checkpoints_dir(tmp_path).iterdir()) == []
