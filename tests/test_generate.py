@@ -209,6 +209,9 @@ def test_cli_generate_streams_the_greedy_reply(trained, capsys):
     assert "stopped by stop_token" in captured.err and "KV cache on" in captured.err
     assert main(["generate", str(trained), "--prompt", STORY_START, "--no-chat-template", "--no-cache"]) == 0
     assert STORY_START + capsys.readouterr().out == STORY + "\n"
+    # One new token comes from the prefill: nothing was decoded, so no speed is given (it said "nan tokens/s").
+    assert main(["generate", str(trained), "--prompt", "Count please", "--max_new_tokens", "1"]) == 0
+    assert "; 1 new tokens; stopped by max_new_tokens;" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_sampling_values(trained, capsys):

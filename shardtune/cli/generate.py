@@ -90,9 +90,10 @@ def main_generate(args: argparse.Namespace) -> int:
     stats = GenerationStats()
     generate(model, tokenizer, prompt_ids, stream=_write(sys.stdout), stats=stats, **_options(args))
     sys.stdout.write("\n")
+    speed = f" at {stats.tokens_per_s:.1f} tokens/s" if stats.decode_steps else ""  # none decoded: no speed
     print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_s * 1e3:.0f} ms; {stats.new_tokens} new "
-          f"tokens at {stats.tokens_per_s:.1f} tokens/s; stopped by {stats.stop_reason}; "
-          f"KV cache {'on' if args.use_cache else 'off'}]", file=sys.stderr)
+          f"tokens{speed}; stopped by {stats.stop_reason}; KV cache {'on' if args.use_cache else 'off'}]",
+          file=sys.stderr)
     return 0
 
 
