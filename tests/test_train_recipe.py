@@ -91,6 +91,27 @@ def test_hung_rank_times_out_naming_itself(assets):
     assert os.path.exists(root / "hang" / "metrics.jsonl")
 
 
+def test_ranks_that_cannot_connect_are_not_called_a_timeout(assets, monkeypatch, capsys):
+    """Gloo's refused connection (a rank gone before the others joined) came within seconds, and was reported as
+    "a collective timed out after ddp_timeout=1800 s" because its text holds "timeout"."""
+    from shardtune.cli import main
+    from shardtune.train import loop
+
+    root, model, data = assets
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("Gloo connectFullMesh failed with [gloo/transport/tcp/pair.cc:144] Connection refused\n"
+                           "Exception raised from ... (timeout 1800000 ms)")
+
+    monkeypatch.setattr(loop, "train", refused)
+    assert main(["train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
+                 "--max_seq_len", "64", "--max_steps", "1", "--output_dir", str(root / "refused")]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "shardtune train: rank 0: could not connect to the other ranks (Gloo connectFullMesh failed with "
+        "[gloo/transport/tcp/pair.cc:144] Connection refused). One of them ended or never started (read its "
+        "messages above), or the rendezvous address is unreachable")
+
+
 def test_nan_loss_stops_with_step_and_advice(assets):
     root, model, data = assets
     result = run_shardtune(["train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits",

@@ -90,8 +90,13 @@ def _run(argv: list[str]) -> int:
             print(f"shardtune train: rank {rank}: stopped: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except RuntimeError as exc:
-        first = first_line(str(exc), type(exc).__name__)
-        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+        first, text = first_line(str(exc), type(exc).__name__), str(exc).lower()
+        if "connection refused" in text or "connectfullmesh" in text:  # at once, not after ddp_timeout
+            print(f"shardtune train: rank {rank}: could not connect to the other ranks ({first}). One of them "
+                  f"ended or never started (read its messages above), or the rendezvous address is unreachable",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        if "timed out" not in text and "timeout" not in text:
             raise
         print(f"shardtune train: rank {rank}: a collective timed out after ddp_timeout={cfg.run.ddp_timeout} s "
               f"({first}). Another rank is stuck or died: read its messages above; if a step legitimately takes "
