@@ -324,6 +324,9 @@ def test_bad_inputs_name_file_and_line(model_dir, tmp_path):
     path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "a"}) + "\n")
     with pytest.raises(UsageError, match=r"bad\.jsonl:2: the field 'completion' is missing"):
         prepare(model_dir, tmp_path, str(path))
+    path.write_text(json.dumps({"messages": "not a list"}) + "\n")  # it was "cannot tell the data format"
+    with pytest.raises(UsageError, match=r"bad\.jsonl:1: the field 'messages' is missing or not a list; fix it"):
+        prepare(model_dir, tmp_path, str(path))
     path.write_text(json.dumps({"question": "a", "answer": "b"}) + "\n")
     with pytest.raises(UsageError, match=r"bad\.jsonl:1: cannot tell the data format from the columns \['answer'"):
         prepare(model_dir, tmp_path, str(path))

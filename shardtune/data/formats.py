@@ -28,6 +28,8 @@ def detect_format(row: dict, text_field: str) -> str:
         return "alpaca"
     if text_field in row:
         return "chat" if isinstance(row[text_field], list) else "text"
+    if "messages" in row or "conversations" in row:
+        return "chat"  # whose messages are no list: reading them says so, at the row
     raise UsageError(f"cannot tell the data format from the columns {sorted(row)}: give rows with 'messages', "
                      f"'prompt'+'completion', 'instruction'+'output' or the text field '{text_field}' "
                      "(set dataset_text_field or data_format).")
