@@ -288,6 +288,21 @@ def test_eval_on_start_without_an_eval_split_is_refused(work, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_eval_split_whose_rows_have_no_targets_is_named_so(work, tmp_path, capsys):
+    """An eval file whose rows hold no reply was refused as having "no rows in split(s) test", which it has."""
+    import shutil
+
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(work / "chat.jsonl", data / "train.jsonl")
+    (data / "test.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    argv = ["train", "--model_name_or_path", str(work / "model"), "--dataset_name", str(data), "--output_dir",
+            str(tmp_path / "out"), "--max_steps", "1", "--eval_strategy", "steps", "--eval_steps", "1"]
+    with logging_restored():
+        refused(capsys, argv, "has no eval rows (split(s) test held 1 row(s), none with a target token: no assistant "
+                              "reply or completion, or truncated away by max_seq_len")
+
+
 def test_eval_split_ratio_gives_the_eval_split_it_needs(work, tmp_path):
     out = tmp_path / "out"
     with logging_restored():

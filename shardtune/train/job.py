@@ -56,13 +56,15 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     return max(1, math.ceil(cfg.run.num_train_epochs * steps_per_epoch))
 
 
-def no_eval_split(cfg: TrainConfig, left_out: list[str] | None = None) -> str:
+def no_eval_split(cfg: TrainConfig, left_out: list[str] | None = None, dropped: int = 0) -> str:
     """eval_strategy or eval_on_start asks for evaluations and the data has no eval rows: refused (as Transformers'
     Trainer refuses an eval_strategy without an eval_dataset) rather than a run that never evaluates what the user
     asked for."""
     d, r = cfg.data, cfg.run
     named = ", ".join(d.eval_split_names())
-    where = f"no rows in split(s) {named}" if named else f"splits {d.splits} names none besides train"
+    where = (f"split(s) {named} held {dropped} row(s), none with a target token: no assistant reply or completion, "
+             f"or truncated away by max_seq_len {d.max_seq_len}" if dropped else
+             f"no rows in split(s) {named}" if named else f"splits {d.splits} names none besides train")
     asked = f"eval_strategy {r.eval_strategy}" if r.eval_strategy != "no" else "eval_on_start true"
     off = " and ".join(setting for setting, on in (("eval_strategy no", r.eval_strategy != "no"),
                                                     ("eval_on_start false", r.eval_on_start)) if on)
@@ -81,7 +83,9 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed)
     if SWITCHES[EVALUATES](cfg) and not (data.eval is not None and len(data.eval)):
-        raise UsageError(no_eval_split(cfg, [note for note in data.report.notes if " left out: " in note]))
+        ev = data.report.eval
+        raise UsageError(no_eval_split(cfg, [note for note in data.report.notes if " left out: " in note],
+                                       ev.empty_rows_dropped + ev.bad_rows_skipped if ev is not None else 0))
     if info.is_main:
         log.info("data: %s", data.report.format())
     precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
