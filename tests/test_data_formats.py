@@ -402,6 +402,9 @@ def test_cli_inspect_prints_report_and_example(model_dir, tmp_path, capsys):
     rc = main(["data", "inspect", str(recipe), "max_seq_len=128", "--example", "0", "--cache_dir", str(tmp_path / "c")])
     assert rc == 0 and "max_seq_len 128, packed" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()  # inspecting writes no training output
+    # Beyond the model's positions (the tiny model's 2048) train refuses it, and so does inspect (it showed it).
+    rc = main(["data", "inspect", str(recipe), "max_seq_len=4096", "--cache_dir", str(tmp_path / "c")])
+    assert rc == 2 and "max_seq_len 4096 is beyond the 2048 positions" in capsys.readouterr().err
     rc = main(["data", "inspect", str(recipe), "--max_seq_lenn", "128"])
     assert rc == 2 and "did you mean 'max_seq_len'" in capsys.readouterr().err
     rc = main(["data", "inspect", str(recipe), "--example", "x"])

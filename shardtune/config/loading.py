@@ -333,10 +333,11 @@ UNKNOWN_ELSEWHERE = {
 def build_config(layers: Layers, *, training: bool = True) -> TrainConfig:
     """Apply ``layers`` (lowest precedence first) onto the defaults; report every problem together. With
     ``training`` False (``data inspect``), nothing will be written, so no output_dir is needed, and the data set is
-    read next, so it must be real data."""
+    read next, so it must be real data; a max_seq_len train would refuse is refused too (the rows shown are the
+    rows train would see)."""
     cfg, given, problems = _apply(layers, training=training)
     if not training:
-        problems += input_problems(cfg, given)
+        problems += input_problems(cfg, given) + context_problems(cfg, given)
     raise_problems(problems)
     return cfg
 
