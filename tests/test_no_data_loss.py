@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -361,6 +362,34 @@ def test_a_refusal_writes_nothing(made, run, tmp_path, capsys, restore_logging):
     assert main(["train", *flags(*args(made, run, "--resume_from_checkpoint", "true", "--lora_r", "8"))]) == 2
     assert "lora_r was 4 when the checkpoint was saved and is 8 now" in capsys.readouterr().err
     assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("change, refused", [
+    (("--init_lora_weights", "pissa"), "init_lora_weights was 'true' when the checkpoint was saved and is 'pissa'"),
+    (("--use_dora", "true"), "use_dora was False when the checkpoint was saved and is True"),
+    (("--lora_modules_to_save", "lm_head"), "lora_modules_to_save was [] when the checkpoint was saved"),
+    (("--lora_alpha", "64"), "lora_alpha was 16 when the checkpoint was saved and is 64"),
+    (("--use_rslora", "true"), "use_rslora was False when the checkpoint was saved"),
+    (("--lora_bias", "all"), "lora_bias was 'none' when the checkpoint was saved"),
+    (("--lora_target_modules", "v_proj, q_proj"), None),  # the same modules
+    (("--init_lora_weights", "gaussian"), None),  # only the adapters' first values, which the checkpoint replaces
+    (("--lora_dropout", "0.1"), None),
+])
+def test_a_resume_refuses_lora_settings_that_change_what_the_adapters_compute(made, change, refused):
+    """PiSSA's init rewrites the base weights, alpha and rsLoRA scale the update, DoRA, modules_to_save and biases
+    add tensors: changed on resume, they were accepted ("takes effect from here") and trained another model, or
+    failed to load naming the checkpoint damaged. Another order of the same targets was refused."""
+    from shardtune.train.resume import check_resume
+
+    checkpoint = made / "run" / "checkpoints" / "step-2"
+    saved = load_train_config(args(made, made / "run"))
+    now = load_train_config(args(made, made / "run", *change))
+    if refused is None:
+        assert check_resume(checkpoint, saved, now, saved_world=1, world=1).changed == \
+            (["lora_dropout"] if change[0] == "--lora_dropout" else [])
+    else:
+        with pytest.raises(UsageError, match=re.escape(refused)):
+            check_resume(checkpoint, saved, now, saved_world=1, world=1)
 
 
 def rewrite_state(checkpoint: Path, change) -> None:

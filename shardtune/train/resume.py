@@ -21,13 +21,20 @@ from typing import Any, NamedTuple
 from shardtune.config import TrainConfig
 from shardtune.config.optimizers import OPTIMIZERS
 from shardtune.errors import UsageError
+from shardtune.train.model import target_modules
 
 log = logging.getLogger("shardtune")
 
-# What the checkpoint's tensors and data position are tied to.
-FIXED = ("model_name_or_path", "use_peft_lora", "use_4bit_quantization", "lora_r", "lora_target_modules",
+# What the checkpoint's tensors and data position are tied to. The LoRA keys decide which tensors the adapters
+# hold (rank, targets, DoRA's magnitudes, modules_to_save's copies, biases) or what the same tensors compute
+# (alpha and rsLoRA scale the update; PiSSA and OLoRA's init rewrites the base weights the adapters were trained
+# on): changed, the resumed run would train another model from the checkpoint's step, or fail to load it.
+LORA_ONLY = ("lora_r", "lora_target_modules", "lora_alpha", "use_rslora", "use_dora", "lora_modules_to_save",
+             "lora_bias", "init_lora_weights")
+FIXED = ("model_name_or_path", "use_peft_lora", "use_4bit_quantization", "bnb_4bit_quant_type", *LORA_ONLY,
          "dataset_name", "max_seq_len", "packing", "group_by_length", "seed", "optim")
-LORA_ONLY = ("lora_r", "lora_target_modules")
+# init_lora_weights that only give the adapters their first values, which the checkpoint's replace.
+PLAIN_INIT = {"true", "false", "gaussian"}
 
 
 def _same_place(old: Any, new: Any, *, by_ending: bool = False) -> bool:
@@ -55,6 +62,14 @@ def _same(key: str, old: Any, new: Any) -> bool:
         return _same_place(old, new, by_ending=key == "dataset_name")
     if key == "optim":
         return old == new or (old in OPTIMIZERS and OPTIMIZERS.get(old) == OPTIMIZERS.get(new))
+    if key == "lora_target_modules":  # the same modules in another order or spacing
+        names = (target_modules(str(value)) for value in (old, new))
+        return len({name if isinstance(name, str) else frozenset(name) for name in names}) == 1
+    if key == "lora_modules_to_save":
+        return set(old or []) == set(new or [])
+    if key == "init_lora_weights":
+        old, new = str(old).strip().lower(), str(new).strip().lower()
+        return old == new or {old, new} <= PLAIN_INIT
     return old == new
 
 
@@ -104,7 +119,8 @@ def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, save
     old, new = saved.to_flat(), cfg.to_flat()
     label = f"resume_from_checkpoint={checkpoint}"
     for key in FIXED:
-        if key in LORA_ONLY and not old["use_peft_lora"]:
+        if key in LORA_ONLY and not old["use_peft_lora"] or key == "bnb_4bit_quant_type" and not \
+                old["use_4bit_quantization"]:
             continue
         if not _same(key, old.get(key), new.get(key)):
             raise UsageError(f"{label}: {key} was {old.get(key)!r} when the checkpoint was saved and is "
