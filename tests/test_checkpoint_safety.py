@@ -221,6 +221,23 @@ def test_resume_applies_a_new_learning_rate_and_refuses_new_lora_targets(tmp_pat
            if "lr" in r}
     assert lrs == {3: 5e-3, 4: 5e-3}
 
+    # Another schedule from the resumed step on: its own rate already for step 3, as a run on that schedule from
+    # the start has (the first resumed step took the rate the checkpoint's schedule had set, the next ones the new).
+    class Rates:
+        def __init__(self):
+            self.used = {}
+
+        def on_step_begin(self, args, state, control, optimizer, **kwargs):
+            self.used[state.global_step + 1] = optimizer.param_groups[0]["lr"]
+
+    linear = [*steps[:-1], "linear"]
+    resumed, from_start = Rates(), Rates()
+    train(load_train_config([*args(runs, "x", *LORA, *linear, "--resume_from_checkpoint", step_2), "--output_dir",
+                             str(tmp_path / "linear")]), [resumed])
+    train(load_train_config([*args(runs, "x", *LORA, *linear), "--output_dir", str(tmp_path / "from-start")]),
+          [from_start])
+    assert resumed.used == {3: 5e-4, 4: 2.5e-4} and from_start.used == {1: 1e-3, 2: 7.5e-4, 3: 5e-4, 4: 2.5e-4}
+
     saved_config = (first / "config.yaml").read_bytes()
     retargeted = [*args(runs, "x", "--use_peft_lora", "True", "--lora_r", "4", "--lora_target_modules", "q_proj",
                         *steps, "--resume_from_checkpoint", "true"), "--output_dir", str(first)]

@@ -451,8 +451,10 @@ class Checkpointer:
         trainer_state = load_checkpoint(path, model=self.model, optimizer=self.optimizer,
                                         trainable_only=self.trainable_only, info=self.info)
         self.state.load_state_dict(trainer_state)
-        if "learning_rate" in point.changed:
-            apply_learning_rate(self.optimizer, self.state.scheduler, self.learning_rate)
+        # The optimizer holds the rate the checkpoint's schedule set for the next step; this run's schedule (its
+        # learning_rate, max_steps, warm-up or type may have changed) sets it instead. Unchanged, it is the same
+        # value, computed the same way.
+        apply_learning_rate(self.optimizer, self.state.scheduler, self.learning_rate)
         log.info("resumed from %s at step %d (epoch %g)", path, self.state.step, self.state.epochs_done)
         self.resumed_from, self.resumed_step, self.last = path, self.state.step, str(path)
         return path

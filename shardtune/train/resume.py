@@ -144,10 +144,10 @@ def with_accumulation(cfg: TrainConfig, gradient_accumulation_steps: int) -> Tra
 
 
 def apply_learning_rate(optimizer, scheduler, learning_rate: float) -> None:
-    """Make a changed ``learning_rate`` the schedule's base from the resumed step on.
+    """Make ``learning_rate`` the schedule's base, and this run's schedule the rate of the resumed step.
 
-    The checkpoint's optimizer and scheduler state carry the old base rate (``initial_lr``, ``base_lrs``), which
-    would otherwise win over the new config silently.
+    The checkpoint's optimizer and scheduler state carry the old base rate (``initial_lr``, ``base_lrs``) and the
+    old schedule's rate for the next step, which would otherwise win over the new config silently.
     """
     scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
