@@ -329,6 +329,17 @@ def test_a_requeue_after_sigterm_sets_nothing_aside(tmp_path):
     assert newer_than(tmp_path, 5) == [tmp_path / "final", tmp_path / "summary.json"]
 
 
+def test_final_has_the_mode_of_a_plain_folder(made):
+    """final/ was made by mkdtemp and renamed: 0700, so a team's readers and a serving account could not read it,
+    where checkpoints/ has the umask's mode."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (made / "run" / "final").stat().st_mode & 0o777 == 0o777 & ~mask
+    assert (made / "run" / "checkpoints" / "step-2").stat().st_mode & 0o777 == 0o777 & ~mask
+
+
 def test_a_resume_into_a_folder_holding_another_history_is_refused(made, run, tmp_path, capsys):
     """A checkpoint carries on the losses logged before it: resumed into a folder whose metrics.jsonl logged other
     ones (another run, or this run after a resume from an earlier step took another branch), the two runs' records

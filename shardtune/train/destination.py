@@ -120,10 +120,16 @@ def refuse_destination(out: str | Path, label: str, *, sources: Sequence[str | P
 
 
 def temporary_sibling(target: Path) -> Path:
-    """A new, empty folder beside ``target`` (unique, so nothing of anyone else's is ever reused or removed)."""
+    """A new, empty folder beside ``target`` (unique, so nothing of anyone else's is ever reused or removed), with
+    the mode a plain mkdir gives under the umask: mkdtemp's 0700 would keep a team's readers and a serving
+    account out of the export it becomes."""
     if not target.parent.exists():
         target.parent.mkdir(parents=True)
-    return Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    folder = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    mask = os.umask(0)
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    return folder
 
 
 def _files(folder: Path) -> list[str]:
