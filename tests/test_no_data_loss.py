@@ -329,6 +329,23 @@ def test_a_requeue_after_sigterm_sets_nothing_aside(tmp_path):
     assert newer_than(tmp_path, 5) == [tmp_path / "final", tmp_path / "summary.json"]
 
 
+def test_a_manifest_missing_what_loading_reads_is_damage(run, caplog):
+    """A manifest.json without world_size stopped the resume with a KeyError traceback, and true did not go on to
+    the checkpoint before it."""
+    from shardtune.train.checkpoint import resolve_resume
+
+    manifest = run / "checkpoints" / "step-4" / "manifest.json"
+    values = json.loads(manifest.read_text())
+    del values["world_size"]
+    manifest.write_text(json.dumps(values))
+    with caplog.at_level("WARNING", logger="shardtune"):
+        assert resolve_resume("true", run) == run / "checkpoints" / "step-2"
+    assert f"skipping step-4: {manifest} has no world_size (a save writes a whole number >= 1 there)" in caplog.text
+    with pytest.raises(UsageError, match=re.escape(f"{manifest} has no world_size (a save writes a whole number >= 1 "
+                                                   f"there); resume from an earlier checkpoint")):
+        resolve_resume(str(manifest.parent), run)
+
+
 def test_final_has_the_mode_of_a_plain_folder(made):
     """final/ was made by mkdtemp and renamed: 0700, so a team's readers and a serving account could not read it,
     where checkpoints/ has the umask's mode."""

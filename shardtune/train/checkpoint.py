@@ -49,7 +49,8 @@ from shardtune.dist import DistInfo, RankFailed, run_and_share
 from shardtune.errors import TrainingStopped, UsageError, as_write_error, first_line, writing
 from shardtune.files import write_text
 from shardtune.strategies import resolve
-from shardtune.train.layout import MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, resume_problem
+from shardtune.train.layout import (MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, manifest_problem,
+                                    resume_problem)
 from shardtune.train.plan import Plan
 from shardtune.train.resume import apply_learning_rate, check_resume
 from shardtune.train.safe_load import damage, file_digest, file_digests, load_dcp, load_pt, load_safetensors, read_json
@@ -197,10 +198,14 @@ def complete_checkpoints(output_dir: str | Path, *, warn: bool = True) -> list[P
 
 
 def checkpoint_damage(path: Path, info: DistInfo | None = None) -> str | None:
-    """What in checkpoint ``path`` differs from its manifest (one line), or None. Every rank checks its share of
-    the files and all hear the first problem (in name order), so every rank reads 1/world of the checkpoint. A
-    checkpoint written before manifests listed their files (format 1) cannot be checked: None."""
-    digests = read_json(path / MANIFEST).get("files")
+    """What in checkpoint ``path`` differs from its manifest, or in the manifest from what a save writes (one line),
+    or None. Every rank checks its share of the files and all hear the first problem (in name order), so every
+    rank reads 1/world of the checkpoint. A checkpoint written before manifests listed their files (format 1)
+    cannot be checked: None."""
+    manifest = read_json(path / MANIFEST)
+    if problem := manifest_problem(manifest, path / MANIFEST):  # the same file on every rank: all return here
+        return problem
+    digests = manifest.get("files")
     if digests is None:
         return None
     found = [problem for problem in _gather(damage(path, digests, share=_share(info)), info) if problem]

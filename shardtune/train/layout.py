@@ -18,6 +18,26 @@ STEP_FOLDER = re.compile(r"step-(\d+)$")
 EXPORT_LIST = ".shardtune-export.json"  # the files an export wrote, so that --overwrite touches those only
 
 
+# The manifest's fields a load reads, each with what a save writes there: every format wrote the first two; the
+# others came later and are read with a default where absent.
+MANIFEST_NEEDS = {"world_size": "a whole number >= 1", "trainable_only": "true or false"}
+MANIFEST_MAY_HOLD = {"flat_optimizer": "true or false", "files": "an object of file names"}
+_HOLDS = {"a whole number >= 1": lambda v: type(v) is int and v >= 1, "true or false": lambda v: type(v) is bool,
+          "an object of file names": lambda v: isinstance(v, dict)}
+
+
+def manifest_problem(manifest: dict, where: Path) -> str | None:
+    """What in the manifest ``where`` (read as ``manifest``) no save wrote, as one line naming it; None when a
+    load can read it. The manifest lists the other files' hashes, not its own: its fields are checked here."""
+    for field, what in {**MANIFEST_NEEDS, **MANIFEST_MAY_HOLD}.items():
+        if field not in manifest:
+            if field in MANIFEST_NEEDS:
+                return f"{where} has no {field} (a save writes {what} there)"
+        elif not _HOLDS[what](manifest[field]):
+            return f"{where}: {field} is {manifest[field]!r}, where a save writes {what}"
+    return None
+
+
 def stamp(path: Path) -> dict[str, int]:
     """What tells a file unchanged since it was listed: its size and modification time."""
     stat = path.stat()
