@@ -329,6 +329,21 @@ def test_a_requeue_after_sigterm_sets_nothing_aside(tmp_path):
     assert newer_than(tmp_path, 5) == [tmp_path / "final", tmp_path / "summary.json"]
 
 
+def test_overwrite_output_dir_with_a_resume_says_the_resume_wins(made, run, capfd):
+    """Both set (Transformers' recipes often carry overwrite_output_dir): it was logged as "changed ... takes
+    effect from here" and then did nothing. The resume wins, as in Transformers, and the log says so."""
+    kept = snapshot(run / "checkpoints" / "step-2", run / "checkpoints" / "step-4")
+    train_in_process(args(made, run, "--resume_from_checkpoint", str(run / "checkpoints" / "step-2"),
+                          "--overwrite_output_dir", "true"))
+    said = capfd.readouterr().err
+    assert (f"overwrite_output_dir true: nothing is deleted, since resume_from_checkpoint {run}/checkpoints/step-2 "
+            f"carries the run in {run} on; set resume_from_checkpoint false to start afresh there") in said
+    assert "overwrite_output_dir changed" not in said
+    aside = next(p for p in (run / "checkpoints").iterdir() if p.name.startswith("superseded-"))
+    assert snapshot(run / "checkpoints" / "step-2").items() <= kept.items()
+    assert (aside / "checkpoints" / "step-4" / "manifest.json").is_file()
+
+
 def test_a_manifest_missing_what_loading_reads_is_damage(run, caplog):
     """A manifest.json without world_size stopped the resume with a KeyError traceback, and true did not go on to
     the checkpoint before it."""

@@ -95,6 +95,10 @@ def claim_output_dir(cfg) -> OutputDirLock:
     try:
         earlier = earlier_run(folder)
         resuming = str(cfg.checkpoint.resume_from_checkpoint or "").lower() not in RESUME_OFF
+        if resuming and cfg.run.overwrite_output_dir:  # Transformers' Trainer lets the resume win too
+            log.warning("overwrite_output_dir true: nothing is deleted, since resume_from_checkpoint %s carries the "
+                        "run in %s on; set resume_from_checkpoint false to start afresh there",
+                        cfg.checkpoint.resume_from_checkpoint, folder)
         if earlier and not resuming:
             if not (cfg.run.overwrite_output_dir or lock.restarted):  # a restart without resume starts over
                 raise UsageError(

@@ -128,7 +128,7 @@ def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, save
                              f"the first. Set {key} back, or start a new run in another output_dir")
     accumulation = accumulation_for(label, old, new, saved_world=saved_world, world=world)
     ignore = {"resume_from_checkpoint", "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
-              "num_processes", "num_machines", "distributed_type"}
+              "num_processes", "num_machines", "distributed_type", "overwrite_output_dir"}  # the last: see claim
     changed = [k for k in new if k not in ignore and k not in FIXED and old.get(k) != new.get(k)]
     for key in changed:
         log.info("resume: %s changed from %r to %r; the new value takes effect from here", key, old.get(key),
