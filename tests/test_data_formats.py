@@ -271,6 +271,16 @@ def test_folder_splits_and_saved_dataset(model_dir, tmp_path):
                           "test": datasets.Dataset.from_list(CHATS[2:])}).save_to_disk(str(saved))
     data2, _ = prepare(model_dir, tmp_path, str(saved), splits="train,test", max_seq_len=256)
     assert data2.train.to_list() == data.train.to_list() and data2.eval.to_list() == data.eval.to_list()
+    # Split words as `datasets` reads a folder (load_dataset, so a TRL script): these trained on the eval file too.
+    for train_file, eval_file, splits in (("training.jsonl", "testing.jsonl", "train,test"),
+                                          ("sums_train.jsonl", "sums_test.jsonl", "train,test"),
+                                          ("training.jsonl", "dev.jsonl", "train,validation")):
+        named = tmp_path / f"{train_file}-{eval_file}".replace(".", "-")
+        named.mkdir(parents=True)
+        write_jsonl(named / train_file, CHATS[:2])
+        write_jsonl(named / eval_file, CHATS[2:])
+        data3, _ = prepare(model_dir, tmp_path, str(named), splits=splits, max_seq_len=256)
+        assert data3.train.to_list() == data.train.to_list() and data3.eval.to_list() == data.eval.to_list()
 
 
 def test_a_folders_files_that_no_split_reads_are_refused_naming_them(model_dir, tmp_path):
@@ -296,8 +306,13 @@ def test_a_folders_files_that_no_split_reads_are_refused_naming_them(model_dir, 
             "there to read it") in data.report.notes
     data, _ = prepare(model_dir, tmp_path, str(folder), splits="train,validation", max_seq_len=256)
     assert len(data.train) == len(data.eval) == len(CHATS)
+    # A split's word in a longer name counts, as `datasets` reads it (load_dataset, and so a TRL script).
     for name in ("train", "validation", "test"):
         (folder / f"{name}.jsonl").rename(folder / f"some-{name}.jsonl")
+    data, _ = prepare(model_dir, tmp_path, str(folder), splits="train,test", max_seq_len=256)
+    assert len(data.train) == len(data.eval) == len(CHATS)
+    for name in ("train", "validation", "test"):
+        (folder / f"some-{name}.jsonl").rename(folder / f"part-{name[:2]}.jsonl")
     data, _ = prepare(model_dir, tmp_path, str(folder), splits="train,test", max_seq_len=256)
     assert len(data.train) == 3 * len(CHATS)
 

@@ -56,18 +56,31 @@ def _is_saved_dataset(path: Path) -> bool:
     return (path / "dataset_dict.json").exists() or (path / "state.json").exists()
 
 
+# The words that name a split in a file or folder name, as `datasets` reads a local folder (its
+# data_files.py keywords): what load_dataset(folder), and so a TRL script, takes for each split.
+SPLIT_WORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
+               "test": ("test", "testing", "eval", "evaluation")}
+# The split names data sets use: a file named after one of them that the splits key leaves out is left out on
+# purpose (splits train beside a test.jsonl).
+SPLIT_NAMES = tuple(word for words in SPLIT_WORDS.values() for word in words)
+
+
 def _split_of(rel: Path, split_names: list[str]) -> str | None:
-    """The split a file in a folder belongs to: train.jsonl, train-00000.parquet and train/part.jsonl are 'train'."""
-    for part in rel.with_suffix("").parts:
+    """The split a file in a folder belongs to: train.jsonl, train-00000.parquet and train/part.jsonl are 'train';
+    as for `datasets`, so are training.jsonl and sums_train.jsonl (a split's word between non-letters), and
+    dev.jsonl is 'validation' (or whichever of its words ``split_names`` lists)."""
+    parts = rel.with_suffix("").parts
+    for part in parts:
         for name in split_names:
             if part == name or part.startswith((name + "-", name + "_", name + ".")):
                 return name
+    for part in parts:
+        words = {word.lower() for word in re.split(r"[-._ 0-9]+", part) if word}
+        for name in split_names:
+            family = next((group for group in SPLIT_WORDS.values() if name.lower() in group), (name.lower(),))
+            if words & set(family):
+                return name
     return None
-
-
-# The split names data sets use: a file named after one of them that the splits key leaves out is left out on
-# purpose (splits train beside a test.jsonl).
-SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval", "evaluation")
 
 
 def _unnamed_files_problem(dataset_name: str, root: Path, unnamed: list[Path], split_names: list[str]) -> str:
