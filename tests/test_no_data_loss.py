@@ -415,7 +415,8 @@ def test_a_refusal_writes_nothing(made, run, tmp_path, capsys, restore_logging):
     (("--use_rslora", "true"), "use_rslora was False when the checkpoint was saved"),
     (("--lora_bias", "all"), "lora_bias was 'none' when the checkpoint was saved"),
     (("--lora_target_modules", "v_proj, q_proj"), None),  # the same modules
-    (("--init_lora_weights", "gaussian"), None),  # only the adapters' first values, which the checkpoint replaces
+    (("--init_lora_weights", "gaussian"), "init_lora_weights was 'true' when the checkpoint was saved and is "
+                                          "'gaussian'"),  # the adapters' first values: they were made long ago
     (("--lora_dropout", "0.1"), None),
 ])
 def test_a_resume_refuses_lora_settings_that_change_what_the_adapters_compute(made, change, refused):

@@ -28,13 +28,12 @@ log = logging.getLogger("shardtune")
 # What the checkpoint's tensors and data position are tied to. The LoRA keys decide which tensors the adapters
 # hold (rank, targets, DoRA's magnitudes, modules_to_save's copies, biases) or what the same tensors compute
 # (alpha and rsLoRA scale the update; PiSSA and OLoRA's init rewrites the base weights the adapters were trained
-# on): changed, the resumed run would train another model from the checkpoint's step, or fail to load it.
+# on): changed, the resumed run would train another model from the checkpoint's step, or fail to load it. Any
+# other init changed could never take effect: the adapters were initialised when the run began.
 LORA_ONLY = ("lora_r", "lora_target_modules", "lora_alpha", "use_rslora", "use_dora", "lora_modules_to_save",
              "lora_bias", "init_lora_weights")
 FIXED = ("model_name_or_path", "use_peft_lora", "use_4bit_quantization", "bnb_4bit_quant_type", *LORA_ONLY,
          "dataset_name", "max_seq_len", "packing", "group_by_length", "seed", "optim")
-# init_lora_weights that only give the adapters their first values, which the checkpoint's replace.
-PLAIN_INIT = {"true", "false", "gaussian"}
 
 
 def _same_place(old: Any, new: Any, *, by_ending: bool = False) -> bool:
@@ -67,9 +66,6 @@ def _same(key: str, old: Any, new: Any) -> bool:
         return len({name if isinstance(name, str) else frozenset(name) for name in names}) == 1
     if key == "lora_modules_to_save":
         return set(old or []) == set(new or [])
-    if key == "init_lora_weights":
-        old, new = str(old).strip().lower(), str(new).strip().lower()
-        return old == new or {old, new} <= PLAIN_INIT
     return old == new
 
 
