@@ -503,7 +503,14 @@ def test_a_hub_subset_of_local_data_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize("key, hint", [
     ("dataset_train_split", "here the split names go in one key: splits"), ("lr", "here it is learning_rate"),
     ("preprocessing_num_workers", "here it is dataset_num_proc"), ("padding_free", "packing true does it here"),
-    ("load_in_8bit", "8-bit loading is not run here; use load_in_4bit")])
+    ("load_in_8bit", "8-bit loading is not run here; use load_in_4bit"),
+    # TRL's SFTConfig keys: packing_strategy was offered logging_strategy, eos_token hub_token, loss_type torch_dtype
+    ("packing_strategy", "packing true packs by best-fit decreasing here"), ("eos_token", "the tokenizer's own EOS"),
+    ("pad_token", "the tokenizer's pad token is used here"), ("pad_to_multiple_of", "rows are padded to the longest"),
+    ("loss_type", "the loss here is cross-entropy averaged"), ("shuffle_dataset", "rows are shuffled here every epoch"),
+    ("chat_template_path", "a custom template goes in the model folder"),
+    ("eval_dataset_name", "eval rows come from dataset_name's own eval split"),
+    ("dataset_kwargs", "it is not read here: the rows' format")])
 def test_another_tools_key_without_a_counterpart_names_what_to_write(key, hint, capsys):
     """Spelling alone offered dataset_num_proc for dataset_train_split and lora_r for lr."""
     assert main(["train", *BASE, f"--{key}", "1"]) == 2

@@ -327,6 +327,22 @@ UNKNOWN_ELSEWHERE = {
     "preprocessing_num_workers": "here it is dataset_num_proc", "lr": "here it is learning_rate",
     "padding_free": "packing true does it here (packed rows never attend across their documents)",
     "load_in_8bit": "8-bit loading is not run here; use load_in_4bit (QLoRA) or leave it out",
+    # TRL's SFTConfig: what shardtune does instead, so that no near spelling of another key is offered.
+    "packing_strategy": "packing true packs by best-fit decreasing here (TRL's bfd), a document never split across "
+                        "rows; leave it out",
+    "eos_token": "the tokenizer's own EOS ends each completion here (a chat's turns end as its template writes); "
+                 "leave it out",
+    "pad_token": "the tokenizer's pad token is used here, or one set that is not EOS (so EOS stays a target); "
+                 "leave it out",
+    "pad_to_multiple_of": "rows are padded to the longest of their batch here (packed rows need none); leave it out",
+    "loss_type": "the loss here is cross-entropy averaged over every target token of the global batch (TRL's "
+                 "nll); leave it out",
+    "shuffle_dataset": "rows are shuffled here every epoch, by seed; leave it out",
+    "chat_template_path": "a custom template goes in the model folder as chat_template.jinja (chat_template_format "
+                          "none reads the tokenizer's own), or name one with chat_template_format",
+    "eval_dataset_name": "eval rows come from dataset_name's own eval split here (e.g. test.jsonl beside "
+                         "train.jsonl; the splits key names them) or from eval_split_ratio",
+    "dataset_kwargs": "it is not read here: the rows' format is found from their columns (data_format sets it)",
 }
 
 
