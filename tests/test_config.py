@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import textwrap
 
 import pytest
@@ -480,10 +481,13 @@ def test_trls_trained_token_keys_are_read_against_train_on_prompt():
     with pytest.raises(UsageError, match="assistant_only_loss=true and train_on_prompt true ask for different tokens "
                                          "to train; keep one"):
         load_train_config([*BASE, "--assistant_only_loss", "true", "--train_on_prompt", "true"])
-    with pytest.raises(UsageError, match="completion_only_loss='false' would change what runs .*: remove it: shardtune "
-                                         "trains the assistant turns and completions, or every token with "
-                                         "train_on_prompt true"):
-        load_train_config([*BASE, "--completion_only_loss", "false", "--train_on_prompt", "true"])
+    # It said "shardtune does not do it ... or every token with train_on_prompt true": it does, under that key.
+    for key, asks in (("completion_only_loss", "TRL's loss on the prompt too"),
+                      ("assistant_only_loss", "TRL's loss on every token of a conversation")):
+        with pytest.raises(UsageError, match=re.escape(
+                f"{key}='false' asks for {asks}, which shardtune trains with train_on_prompt true (it trains the "
+                f"assistant turns and completions unless that is set): set that instead")):
+            load_train_config([*BASE, f"--{key}", "false", "--train_on_prompt", "true"])
 
 
 def test_a_hub_subset_of_local_data_is_refused(tmp_path, capsys):

@@ -115,6 +115,9 @@ class NoOp:
     why: str  # what the key means elsewhere and why it changes nothing here
     inert: Inert = ANY  # the values that change nothing; others are refused
     instead: str = ""  # for a refused value: what to do instead
+    # a refused value that asks for every token's loss: what it asks for (the message then names train_on_prompt,
+    # which does it, not "shardtune does not do it")
+    asks_for: str = ""
 
 
 NO_OPS: dict[str, NoOp] = {
@@ -126,9 +129,10 @@ NO_OPS: dict[str, NoOp] = {
                            "main)", _one_of("main"), "download that revision into a folder (hf download NAME "
                            "--revision REV --local-dir DIR) and give the folder as model_name_or_path"),
     "assistant_only_loss": NoOp("TRL's loss on the assistant turns only, what shardtune trains unless "
-                                "train_on_prompt is true", TRUE_OR_UNSET, TRAINED_TOKENS),
+                                "train_on_prompt is true", TRUE_OR_UNSET, TRAINED_TOKENS,
+                                "TRL's loss on every token of a conversation"),
     "completion_only_loss": NoOp("TRL's loss on the completions only, what shardtune trains unless train_on_prompt "
-                                 "is true", TRUE_OR_UNSET, TRAINED_TOKENS),
+                                 "is true", TRUE_OR_UNSET, TRAINED_TOKENS, "TRL's loss on the prompt too"),
     "dataloader_num_workers": NoOp("speed only: rows are tokenised once, before training, and collated in-process"),
     "include_num_input_tokens_seen": NoOp("metrics.jsonl always records tokens per step"),
     "logging_nan_inf_filter": NoOp("a non-finite loss stops the run with its step, so none is ever averaged in"),
@@ -168,4 +172,7 @@ def no_op_problem(key: str, value: Any) -> str | None:
     entry = NO_OPS[key]
     if entry.inert(value):
         return None
+    if entry.asks_for:
+        return (f"{key}={value!r} asks for {entry.asks_for}, which shardtune trains with train_on_prompt true "
+                f"(it trains the assistant turns and completions unless that is set): set that instead")
     return f"{key}={value!r} would change what runs ({entry.why}), and shardtune does not do it: {entry.instead}"
