@@ -319,6 +319,18 @@ def test_a_folders_files_that_no_split_reads_are_refused_naming_them(model_dir, 
 
 def test_eval_split_ratio_holds_out_rows_by_seed(model_dir, tmp_path):
     rows = [{"prompt": f"Q{i}", "completion": f" A{i}"} for i in range(20)]
+    # The only row held out: it was blamed on the file ("empty data set, or every row skipped as bad").
+    with pytest.raises(UsageError, match=r"eval_split_ratio 0\.1 held out all 1 row\(s\), leaving none to train on"):
+        prepare(model_dir, tmp_path, rows[:1], eval_split_ratio=0.1, max_seq_len=32)
+    # Beside an eval split it holds nothing out, and says so (it was dropped without a word).
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", rows[:15])
+    write_jsonl(folder / "test.jsonl", rows[15:])
+    split, _ = prepare(model_dir, tmp_path, str(folder), splits="train,test", eval_split_ratio=0.3, max_seq_len=32)
+    assert (len(split.train), len(split.eval)) == (15, 5)
+    assert ("eval_split_ratio 0.3 holds nothing out: split(s) test give the eval rows (splits train alone would hold "
+            "them out of train instead).") in split.report.notes
     a, _ = prepare(model_dir, tmp_path, rows, eval_split_ratio=0.25, max_seq_len=32, seed=1)
     b, _ = prepare(model_dir, tmp_path, rows, eval_split_ratio=0.25, max_seq_len=32, seed=2)
     assert len(a.train) == 15 and len(a.eval) == 5

@@ -225,7 +225,8 @@ def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedDat
     eval_examples, eval_skipped, _ = read_examples(source, cfg.eval_split_names(), cfg, fmt)
     notes = [f"{', '.join(source.left_out)} left out: named after a split that splits ({cfg.splits}) does not "
              f"list; add it there to read it"] if source.left_out else []
-    if not eval_examples and cfg.eval_split_ratio > 0 and train_examples:
+    held_out = not eval_examples and cfg.eval_split_ratio > 0 and bool(train_examples)
+    if held_out:
         order = list(range(len(train_examples)))
         random.Random(seed).shuffle(order)
         held = set(order[:max(1, round(cfg.eval_split_ratio * len(order)))])
@@ -236,6 +237,13 @@ def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedDat
     elif not eval_examples and cfg.eval_split_names():
         notes.append(f"no eval rows in split(s) {', '.join(cfg.eval_split_names())}; set eval_split_ratio to hold "
                      "some out of train.")
+    elif eval_examples and cfg.eval_split_ratio > 0:
+        notes.append(f"eval_split_ratio {cfg.eval_split_ratio} holds nothing out: split(s) "
+                     f"{', '.join(cfg.eval_split_names())} give the eval rows (splits train alone would hold them "
+                     f"out of train instead).")
+    if not train_examples and held_out:
+        raise UsageError(f"dataset_name '{cfg.dataset_name}': eval_split_ratio {cfg.eval_split_ratio} held out all "
+                         f"{len(eval_examples)} row(s), leaving none to train on; lower it, or give more rows.")
     if not train_examples:
         raise UsageError(f"dataset_name '{cfg.dataset_name}': no training rows in split(s) "
                          f"{', '.join(cfg.train_split_names())} (empty data set, or every row skipped as bad); "
