@@ -190,7 +190,12 @@ def marked_ids(tokenizer, segments: list[tuple[str, bool]], keep: int | None, to
         if is_target:
             targets.append((at, at + len(text)))
         at += len(text)
-    marks = [any(max(a, s) < min(b, e) or (a == b and s <= a < e) for s, e in targets) for a, b in found]
+    marks, t = [], 0  # one sweep: tokens and targets both run left to right
+    for a, b in found:
+        while t < len(targets) and targets[t][1] <= a:
+            t += 1
+        s, e = targets[t] if t < len(targets) else (0, 0)
+        marks.append(t < len(targets) and (max(a, s) < min(b, e) or (a == b and s <= a < e)))
     return ids, marks, length, length > len(ids)
 
 
