@@ -284,7 +284,12 @@ def test_qwen2_biases_train_in_full_and_stay_frozen_under_lora(root):
     assert len(biases) == 2 * 3  # q, k and v in each of 2 layers
     for name in biases:
         assert (full[name] - base[name]).abs().max() > 1e-4, f"{name} did not train"
-    assert not any("bias" in name for name in adapter_tensors(run_dir(root, "single", "qwen2", "lora")))
+    lora = run_dir(root, "single", "qwen2", "lora")
+    adapters = adapter_tensors(lora)
+    assert not any("bias" in name for name in adapters)
+    # Frozen, not only unsaved: what trained is exactly the adapters saved (a base bias set to train was not seen).
+    trained = json.loads((lora / "summary.json").read_text())["trainable_parameters"]
+    assert trained == sum(t.numel() for t in adapters.values())
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])

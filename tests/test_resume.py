@@ -345,7 +345,10 @@ def test_a_second_run_in_a_used_folder_is_refused_before_writing(work: Path, sig
     # A folder holding a finished run (sigterm1's step-2 checkpoint and its records), whose lock was left behind by a
     # process that died: the lock is taken over with a warning, and the run refused, nothing written.
     used = work / "sigterm1"
-    before = {p.name: p.read_bytes() for p in used.iterdir() if p.is_file()}
+    def files() -> dict[str, bytes]:  # every file under it, checkpoints/ included (the top level alone missed them)
+        return {str(p.relative_to(used)): p.read_bytes() for p in used.rglob("*") if p.is_file()}
+
+    before = files()
     (used / ".shardtune.lock").write_text('{"host": "gone", "pid": 4242, "started": "yesterday"}\n')
     again = shardtune(work, "sigterm1", *LORA, nproc=0)
     assert again.returncode == 2, again.stderr[-3000:]
@@ -353,7 +356,7 @@ def test_a_second_run_in_a_used_folder_is_refused_before_writing(work: Path, sig
         in again.stderr
     assert ("output_dir sigterm1 holds an earlier run (checkpoints step-2, metrics.jsonl, summary.json): set "
             "resume_from_checkpoint true") in again.stderr
-    assert {p.name: p.read_bytes() for p in used.iterdir() if p.is_file()} == before  # lock released too
+    assert files() == before  # lock released too
 
     # overwrite_output_dir true: the earlier run's files go, and this run's are the only ones there.
     fresh = shardtune(work, "sigterm1", *LORA, "--max_steps", "1", "--overwrite_output_dir", "true", nproc=0)
