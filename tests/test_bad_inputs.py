@@ -153,10 +153,10 @@ def test_export_into_the_current_folder_is_one_line(work, tmp_path, monkeypatch,
                              (tmp_path / "deeper", "..", "OUT ..: holds the current folder")):
         where.mkdir(exist_ok=True)
         monkeypatch.chdir(where)
-        before = sorted(p.name for p in where.iterdir())
+        before = {str(p): p.read_bytes() if p.is_file() else None for p in where.rglob("*")}  # all of it, not names
         refused(capsys, ["export", str(checkpoint), out, "--base", str(work / "model")], says, "a new folder")
         refused(capsys, ["merge", str(work / "run" / "final"), "--base", str(work / "model"), out], says)
-        assert sorted(p.name for p in where.iterdir()) == before
+        assert {str(p): p.read_bytes() if p.is_file() else None for p in where.rglob("*")} == before
 
 
 # --------------------------------------------------------------------------------------------- launch options
