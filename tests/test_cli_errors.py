@@ -256,7 +256,7 @@ def run_dir(tmp_path) -> Path:
         folder = tmp_path / "out" / "checkpoints" / f"step-{step}"
         folder.mkdir(parents=True)
         if complete:
-            (folder / "manifest.json").write_text(json.dumps({"step": step}))
+            (folder / "manifest.json").write_text(json.dumps({"step": step, "world_size": 1, "trainable_only": False}))
             (folder / "trainer_state.json").write_text(json.dumps({"step": step, "epoch": step / 100, "sampler": {
                 "epoch": 0, "step_in_epoch": step, "num_rows": 100, "global_batch_size": 1}}))
     return tmp_path / "out"

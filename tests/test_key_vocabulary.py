@@ -329,7 +329,9 @@ def test_an_acting_value_of_a_no_op_key_is_refused(tmp_path, monkeypatch, key):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # use_cpu acts only where a GPU is visible
     acc = tmp_path / "accelerate.yaml"
     acc.write_text(json.dumps({key: ACTING[key], "distributed_type": "NO"}))  # JSON is YAML
-    with pytest.raises(UsageError, match=rf"{acc}, line 1: {key}=.* would change what runs .*: "):
+    # (assistant_only_loss / completion_only_loss false ask for what train_on_prompt true does: they name it)
+    with pytest.raises(UsageError, match=rf"{acc}, line 1: {key}=.* (would change what runs .*: |asks for .*: set "
+                                         rf"that instead)"):
         load_train_config(["--config_file", str(acc), *BASE])
 
 
