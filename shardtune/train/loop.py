@@ -35,7 +35,7 @@ from shardtune.train.model import decide_precision
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
                                      progress_bar, start_peak_memory)
 from shardtune.train.layout import RESUME_NEWEST, RESUME_OFF
-from shardtune.train.output_dir import OutputDirLock, claim_output_dir, set_aside_newer
+from shardtune.train.output_dir import OutputDirLock, claim_output_dir, read_summary, set_aside_newer
 from shardtune.train.plan import needs_process_group, unwrap
 from shardtune.train.resume import with_accumulation
 from shardtune.train.step import NonFiniteLoss, train_step
@@ -205,11 +205,8 @@ def finished_summary(out: Path, max_steps: int) -> dict[str, Any] | None:
     """The summary of a run in ``out`` that ended, its final/ written: it reached ``max_steps``, or early stopping
     ended it. None otherwise (a run stopped by SIGTERM, or asked now for more steps), whatever checkpoint a resume
     would start from."""
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(summary, dict) or not (out / "final").is_dir() or not isinstance(summary.get("steps"), int):
+    summary = read_summary(out)
+    if summary is None or not (out / "final").is_dir():
         return None
     ended = summary.get("stopped_by") == "early stopping" or (summary.get("stopped_by") == "completed"
                                                               and summary["steps"] >= max_steps)

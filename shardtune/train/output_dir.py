@@ -214,17 +214,19 @@ def newer_than(output_dir: Path, step: int) -> list[Path]:
     SIGTERM saves a checkpoint and writes the summary at the same step, and a requeue resumes right there)."""
     later = [path for path in (output_dir / "checkpoints").glob("step-*")
              if (m := STEP_FOLDER.match(path.name)) and int(m.group(1)) > step]
-    ends = [output_dir / "final"] + ([] if _summary_steps(output_dir) == step else [output_dir / "summary.json"])
+    summary = read_summary(output_dir)
+    ends = [output_dir / "final"] + ([] if summary and summary["steps"] == step else [output_dir / "summary.json"])
     return sorted(later, key=lambda p: int(STEP_FOLDER.match(p.name).group(1))) + [p for p in ends if p.exists()]
 
 
-def _summary_steps(output_dir: Path) -> int | None:
-    """The step summary.json says the run stopped at; None where there is none, or it cannot be read."""
+def read_summary(output_dir: Path) -> dict | None:
+    """The run's summary.json, with the step it stopped at (``steps``, a whole number); None where there is none,
+    or it cannot be read as one."""
     try:
         summary = json.loads((output_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    return summary.get("steps") if isinstance(summary, dict) and isinstance(summary.get("steps"), int) else None
+    return summary if isinstance(summary, dict) and isinstance(summary.get("steps"), int) else None
 
 
 def set_aside_newer(output_dir: Path, step: int) -> Path | None:
