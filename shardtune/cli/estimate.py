@@ -177,14 +177,15 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
         from shardtune.memory.timing import DataTokens
 
         data = DataTokens(args.tokens)
-    fix = None
-    if args.config:  # the key to change is the files' own
+    def recipe_fix() -> str:  # the key to change is the files' own; read again only for the refusal
         from shardtune.config.loading import key_origins
 
         origins = key_origins(config_argv(args.config))
-        fix = (f"set bf16 false (and fp16 true for fp16) at {origins['bf16']}" if "bf16" in origins else
-               f"set mixed_precision fp16 (or no) at {origins.get('mixed_precision', ' or '.join(args.config))}")
-    return time_report(report, links, data, args.price_per_gpu_hour, measured=measured, fix=fix)
+        return (f"set bf16 false (and fp16 true for fp16) at {origins['bf16']}" if "bf16" in origins else
+                f"set mixed_precision fp16 (or no) at {origins.get('mixed_precision', ' or '.join(args.config))}")
+
+    return time_report(report, links, data, args.price_per_gpu_hour, measured=measured,
+                       fix=recipe_fix if args.config else None)
 
 
 ACCELERATE_KEYS = {"compute_environment", "fsdp_config", "deepspeed_config", "machine_rank", "num_machines",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -220,17 +221,18 @@ class TimeReport:
 
 
 def time_report(r: Report, links: Links, data: DataTokens | None = None, price_per_gpu_hour: float | None = None,
-                measured: Measured | None = None, fix: str | None = None) -> TimeReport:
+                measured: Measured | None = None, fix: Callable[[], str] | None = None) -> TimeReport:
     """Step time of every setup in ``r.table`` at its asked micro-batch (PP's at the pipeline micro-batches its
     recipe runs), and the data set's time and cost; with ``measured``, the measured speeds beside the predicted
-    ones. ``fix``: how to change the precision where the setup came from files (their key, not an option)."""
+    ones. ``fix``: how to change the precision where the setup came from files (their key, not an option), asked
+    only for a refusal."""
     from shardtune.memory.timing import step_time
 
     precision = r.breakdown.setup.mixed_precision
     if precision == "bf16" and not r.gpu.bf16 and r.gpu.peak_flops("fp16"):
-        fix = fix or "give --mixed-precision fp16 (or no)"
+        how = fix() if fix else "give --mixed-precision fp16 (or no)"
         raise UsageError(f"--time: the {r.gpu.label or r.gpu.name} has no bf16 (it emulates it, at no speed a data "
-                         f"sheet states); {fix}")
+                         f"sheet states); {how}")
     if not r.gpu.peak_flops(precision):
         known = ", ".join(name for name, gpu in GPUS.items() if gpu.peak_flops(precision))
         raise UsageError(f"--time needs the GPU's peak FLOPs ({precision}), unknown for {r.gpu.label or r.gpu.name}: "
