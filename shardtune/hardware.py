@@ -276,6 +276,16 @@ def model_flops_per_token(*, trained: int, frozen: int, layers: int, hidden: int
     return 6.0 * trained + 4.0 * frozen + 12.0 * layers * hidden * seq_len
 
 
+def expert_shape(config) -> tuple[int, int, int]:
+    """(experts, experts a token runs, MLP width) of a transformers text ``config``, read where each family writes
+    them (Mixtral's num_local_experts, Qwen-MoE's num_experts and moe_intermediate_size); a dense model has 1 and 1.
+    The trainer's MFU reads all three here, the estimator's inventory the expert counts (its MLP width is required:
+    it reads the config's own, where the MFU takes 0 for a config without one)."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 1
+    width = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0)
+    return experts, getattr(config, "num_experts_per_tok", None) or 1, width
+
+
 def inactive_expert_weights(*, layers: int, experts: int, per_token: int, hidden: int, intermediate: int) -> int:
     """Weights of the experts a token does not run: gated MLP experts of 3 x hidden x intermediate each."""
     return 0 if experts <= 1 else layers * (experts - per_token) * 3 * hidden * intermediate

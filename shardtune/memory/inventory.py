@@ -27,6 +27,7 @@ from shardtune import catalog
 from shardtune.errors import UsageError
 from shardtune.files import write_text
 from shardtune.gguf_source import GgufFile, find_gguf, load_config, parameter_count
+from shardtune.hardware import expert_shape
 from shardtune.memory.lora_count import LoraCount, count_lora, linear_names, module_table
 
 __all__ = ["LoraCount", "ModelAnalysis", "ModelInventory", "normalize_targets"]
@@ -280,6 +281,7 @@ class ModelAnalysis:
         num_heads = text_cfg.num_attention_heads
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // num_heads
         is_gemma = self.config.model_type.startswith("gemma")
+        experts, per_token, _ = expert_shape(text_cfg)
         return ModelInventory(
             name=self.name,
             model_type=cfg.model_type,
@@ -298,8 +300,8 @@ class ModelAnalysis:
             layer_params=tuple(layer_params),
             layer_linear_params=tuple(layer_linear),
             largest_linear_params=largest,
-            num_experts=getattr(text_cfg, "num_local_experts", None) or getattr(text_cfg, "num_experts", None) or 1,
-            experts_per_token=getattr(text_cfg, "num_experts_per_tok", None) or 1,
+            num_experts=experts,
+            experts_per_token=per_token,
             fused_qkv=fused_qkv,
             fused_gate_up=fused_gate_up,
             norms_per_layer=norms,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from shardtune.dist import DistInfo
-from shardtune.hardware import inactive_expert_weights, model_flops_per_token, peak_bf16_flops
+from shardtune.hardware import expert_shape, inactive_expert_weights, model_flops_per_token, peak_bf16_flops
 from shardtune.train.trackers import Trackers
 
 log = logging.getLogger("shardtune")
@@ -162,10 +162,9 @@ def flops_per_token(model, parameters: int, trainable: int, seq_len: int, *, fro
     weight = getattr(embed, "weight", None)
     lookup = 0 if weight is None or getattr(head, "weight", None) is weight else weight.numel()
     lookup_trained = lookup if weight is not None and weight.requires_grad else 0
-    idle = inactive_expert_weights(
-        layers=layers, hidden=hidden, experts=getattr(config, "num_local_experts", None)
-        or getattr(config, "num_experts", None) or 1, per_token=getattr(config, "num_experts_per_tok", None) or 1,
-        intermediate=getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0))
+    experts, per_token, width = expert_shape(config)
+    idle = inactive_expert_weights(layers=layers, hidden=hidden, experts=experts, per_token=per_token,
+                                   intermediate=width)
     idle_trained = 0 if frozen_base else idle
     trained = trainable - lookup_trained - idle_trained
     frozen = parameters - trainable - (lookup - lookup_trained) - (idle - idle_trained)
