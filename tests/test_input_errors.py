@@ -140,6 +140,21 @@ def test_launch_passes_its_own_num_processes_to_train_without_a_conflict(capsys)
     assert "key 'num_processes' is given twice" in error_line(capsys)
 
 
+@pytest.mark.parametrize("train, refused", [
+    (["--learning_rate", "1e-4", "--learning_rate", "2e-4"],
+     "key 'learning_rate' is given twice (--learning_rate 1e-4 and --learning_rate 2e-4); keep one"),
+    (["--num_processes", "4"], "key 'num_processes' is given twice (--num_processes 2 and --num_processes 4); keep "
+                               "one (under 'shardtune launch', write --num_processes before 'train'"),
+])
+def test_launch_dry_run_refuses_a_key_given_twice_as_the_launch_does(train, refused, capsys):
+    """launch --dry_run shows the command a launch would run: it must not print one the launch then refuses."""
+    assert main(["launch", "--num_processes", "2", "--dry_run", "train", *train]) == 2
+    assert refused in error_line(capsys)
+    once = ["--learning_rate", "1e-4"] if "learning_rate" in refused else ["--num_processes", "2"]
+    assert main(["launch", "--num_processes", "2", "--dry_run", "train", *once]) == 0  # printed
+    assert "torch.distributed.run" in capsys.readouterr().out
+
+
 # 2. a model folder with config.json but no weights
 
 

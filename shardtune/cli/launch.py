@@ -72,7 +72,7 @@ def run(argv: list[str]) -> int:
     if opts.slurm is not None or opts.kubernetes is not None:
         return write_cluster_job(opts, argv[split + 1:])
     cmd = torchrun_command(opts, argv[split + 1:])
-    from shardtune.cli.common import TRAIN_HELP, load_job_config
+    from shardtune.cli.common import LAUNCHER_KEYS, TRAIN_HELP, load_job_config
     from shardtune.hub import offline_unless_reachable
 
     job = next(i for i in range(len(cmd)) if cmd[i:i + len(JOB)] == JOB)
@@ -81,7 +81,8 @@ def run(argv: list[str]) -> int:
         if not any(a in TRAIN_HELP for a in train_argv):
             from shardtune.config.loading import check_given_values
 
-            check_given_values(train_argv)  # a bad value is refused in a dry run too; missing paths are not
+            # a bad value is refused in a dry run too, and a key given twice; missing paths are not
+            check_given_values(train_argv, LAUNCHER_KEYS)
         print(shlex.join(cmd))
         return 0
     if not any(a in TRAIN_HELP for a in train_argv):

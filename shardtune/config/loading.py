@@ -524,12 +524,13 @@ def load_run_config(argv: list[str]) -> TrainConfig:
     return cfg
 
 
-def check_given_values(argv: list[str]) -> None:
+def check_given_values(argv: list[str], hints: Mapping[str, str] | None = None) -> None:
     """The training keys ``argv`` gives, checked as keys and values only, with the model, data and output_dir
-    allowed to be left out: what a dry run of ``shardtune launch`` shows the command for. Nothing is read."""
+    allowed to be left out: what a dry run of ``shardtune launch`` shows the command for. Nothing is read. A key
+    given two values is refused as the real launch refuses it (``hints``: as for ``repeated_cli_keys``)."""
     placeholders = ({"model_name_or_path": "MODEL", "dataset_name": "DATA"}, {})
     _, _, problems = _apply([placeholders, *_layers(argv)], training=False)
-    raise_problems(problems)
+    raise_problems(repeated_cli_keys(argv, hints) + problems)
 
 
 def load_planned_config(argv: list[str]) -> TrainConfig:
