@@ -81,6 +81,17 @@ def test_accelerate_aliases_and_fsdp1_numbers(tmp_path):
         acc.write_text(f"distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: {spelled}\nnum_processes: 4\n")
         d = load_train_config(["--config_file", str(acc), *BASE]).distributed
         assert (d.fsdp_sharding_strategy, d.fsdp_reshard_after_forward) == ("HYBRID_SHARD", False)
+    # The same from the command line, as key=value or --key (where a number is read as one).
+    for given in (["fsdp_sharding_strategy=5"], ["--fsdp_sharding_strategy", "5"],
+                  ["--fsdp_sharding_strategy", "HYBRID_SHARD_ZERO2"]):
+        d = load_train_config(["--distributed_type", "FSDP", *given, *BASE]).distributed
+        assert (d.fsdp_sharding_strategy, d.fsdp_reshard_after_forward) == ("HYBRID_SHARD", False), given
+    # ... unless the same layer says otherwise; plain HYBRID_SHARD reshards.
+    d = load_train_config(["--distributed_type", "FSDP", "--fsdp_sharding_strategy", "5",
+                           "--fsdp_reshard_after_forward", "true", *BASE]).distributed
+    assert d.fsdp_reshard_after_forward is True
+    d = load_train_config(["--distributed_type", "FSDP", "--fsdp_sharding_strategy", "4", *BASE]).distributed
+    assert d.reshards_after_forward and d.fsdp_reshard_after_forward is None
     # An fsdp_config beside MULTI_GPU would be dropped: refused, naming the file and line.
     acc.write_text("distributed_type: MULTI_GPU\nfsdp_config:\n  fsdp_sharding_strategy: 4\nnum_processes: 4\n")
     with pytest.raises(UsageError, match="acc.yaml, line 3: fsdp_sharding_strategy=HYBRID_SHARD set without "

@@ -238,11 +238,16 @@ def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin
     flat = _flatten(data)
     sources = {k: Origin(str(path), lines.get(k)) for k in flat}
     _mapped_deepspeed_block(flat, sources, path)
-    if str(flat.get("fsdp_sharding_strategy", "")).strip().upper() in ZERO2_HYBRID:
-        # FSDP1's HYBRID_SHARD_ZERO2 keeps the gathered parameters from forward to backward.
-        flat.setdefault("fsdp_reshard_after_forward", False)
-        sources.setdefault("fsdp_reshard_after_forward", sources["fsdp_sharding_strategy"])
+    _zero2_hybrid(flat, sources)
     return flat, sources
+
+
+def _zero2_hybrid(values: dict[str, Any], sources: dict[str, Origin]) -> None:
+    """FSDP1's HYBRID_SHARD_ZERO2 (5) keeps the gathered parameters from forward to backward: in the layer that
+    names it (a file, key=value or --key), HYBRID_SHARD and, unless that layer says otherwise, no resharding."""
+    if str(values.get("fsdp_sharding_strategy", "")).strip().upper() in ZERO2_HYBRID:
+        values.setdefault("fsdp_reshard_after_forward", False)
+        sources.setdefault("fsdp_reshard_after_forward", sources["fsdp_sharding_strategy"])
 
 
 def _cli_items(argv: list[str]) -> list[tuple[str, str, Any, str]]:
@@ -569,6 +574,8 @@ def _layers(argv: list[str]) -> Layers:
             raise UsageError(f"unexpected argument '{path}': give a YAML recipe (CONFIG.yaml), key=value or "
                              f"--key value")
         layers.append(read_yaml_recipe(path))
+    for given in (overrides, flags):
+        _zero2_hybrid(given, cli_sources)
     layers += [(overrides, cli_sources), (flags, cli_sources)]
     deepspeed = deepspeed_layer(layers)
     if deepspeed is not None:  # above the Accelerate file, below everything the user writes for shardtune
