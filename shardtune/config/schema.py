@@ -178,7 +178,8 @@ class LoraConfig:
         "use_4bit_quantization, use_dora or PP.", needs=LORA)
     lora_bias: Literal["none", "all", "lora_only"] = key(
         "none", "PEFT's bias: which biases train, all of the model's or lora_only those of adapted layers; trained "
-        "biases are saved in the adapter. PEFT's boolean lora_bias is refused.", spellings={"FALSE": "none"},
+        "biases are saved in the adapter. PEFT's boolean lora_bias true (a bias on lora_B) is refused; false "
+        "means none.", spellings={"FALSE": "none"},
         refused={"true": "here lora_bias is PEFT's `bias` (none, all, lora_only); PEFT's boolean lora_bias (a bias "
                          "on lora_B) is not run; use lora_bias all or lora_only, or leave it out"}, needs=LORA)
     use_4bit_quantization: bool = key(False, "QLoRA: load the frozen base in 4 bits (bitsandbytes); needs "
