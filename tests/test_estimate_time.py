@@ -356,6 +356,20 @@ def test_links_default_to_the_cards_own_and_can_be_overridden():
     assert set(TYPICAL_PRICE_PER_GPU_HOUR) <= set(GPUS)  # priced cards are offered ones
 
 
+def test_the_docs_list_every_link_the_options_take():
+    """docs/estimator.md's rows for --interconnect and --inter-node name every link they accept."""
+    from pathlib import Path
+
+    from shardtune.hardware import INTER_NODE_LINKS, INTRA_NODE_LINKS, LINK_ALIASES
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "estimator.md").read_text()
+    for option, links in (("--interconnect", INTRA_NODE_LINKS), ("--inter-node", INTER_NODE_LINKS)):
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{option} NAME`"))
+        named = set(re.findall(r"`([a-z0-9-]+)`", row))
+        assert set(links) <= named, f"{option}: the docs leave out {sorted(set(links) - named)}"
+        assert named - {option.lstrip("-")} <= set(links) | set(LINK_ALIASES), f"{option}: the docs name others"
+
+
 def test_a_card_without_a_typical_price_asks_for_yours(capsys):
     """The cards added with their data sheets (L4, T4, B200, ...) have no typical price recorded: the cost
     column says so instead of guessing."""
