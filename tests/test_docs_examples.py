@@ -81,3 +81,16 @@ def test_estimate_commands_in_the_docs_run(page, command, tmp_path, capsys, monk
     assert len(COMMANDS) >= 5
     monkeypatch.chdir(tmp_path)  # what a command writes (--emit-config recipe.yaml) lands here
     assert main(shlex.split(command)[1:]) == 0, f"{page}: '{command}' fails: {capsys.readouterr().err[-500:]}"
+
+
+def test_the_readme_names_every_estimate_option():
+    """The README's list of estimate options leaves none out (--help aside)."""
+    from shardtune.cli import build_parser
+
+    sub = next(a for a in build_parser("estimate")._actions if a.choices and "estimate" in a.choices)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    options = {o for action in sub.choices["estimate"]._actions for o in action.option_strings if o.startswith("--")}
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)(?![\w-])", readme))
+    named |= {f"--{o}" for pair in re.findall(r"--\[no-\]([a-z0-9-]+)", readme) for o in (pair, f"no-{pair}")}
+    missing = sorted(options - {"--help"} - named)
+    assert not missing, f"README.md does not name estimate's {missing}"
