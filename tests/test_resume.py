@@ -322,6 +322,8 @@ def test_sigterm_single_process_exits_preempted(work: Path, sigterm_single) -> N
     proc = sigterm_single
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "stopped by SIGTERM at step 2 of 6; checkpoint sigterm1/checkpoints/step-2 saved and verified" in proc.stderr
+    # The run's own last line says it stopped, not that it is done.
+    assert "] stopped by SIGTERM: 2 steps in " in proc.stderr and "] done: " not in proc.stderr, proc.stderr[-2000:]
     summary = json.loads((work / "sigterm1" / "summary.json").read_text())
     assert (summary["stopped_by"], summary["steps"]) == ("SIGTERM", 2)
     assert summary["last_checkpoint"].endswith("step-2")

@@ -460,7 +460,10 @@ def log_summary(summary: dict[str, Any], cfg: TrainConfig) -> None:
         f"{ran} steps (steps {resumed_from + 1}-{step}, resumed from step {resumed_from})"
     mfu = summary["mfu"]
     on_gpu = summary.get("device_type") == "cuda"
-    log.info("done: %s in %.1f s, %.0f tokens/s%s, peak memory %.2f GiB per %s", what, summary["wall_s"],
+    # A stopped run is not done: its last line says so (the command's own line then says how to carry it on).
+    ended = {"SIGTERM": "stopped by SIGTERM", "early stopping": "done (early stopping)"}.get(summary["stopped_by"],
+                                                                                          "done")
+    log.info("%s: %s in %.1f s, %.0f tokens/s%s, peak memory %.2f GiB per %s", ended, what, summary["wall_s"],
              summary["tokens_per_s"], f", MFU {mfu:.1%}" if mfu is not None else "",
              summary["peak_memory_bytes"] / 2**30,
              "GPU (reserved by PyTorch)" if on_gpu else "process (resident memory, the whole process)")
