@@ -271,6 +271,15 @@ def test_folder_splits_and_saved_dataset(model_dir, tmp_path):
                           "test": datasets.Dataset.from_list(CHATS[2:])}).save_to_disk(str(saved))
     data2, _ = prepare(model_dir, tmp_path, str(saved), splits="train,test", max_seq_len=256)
     assert data2.train.to_list() == data.train.to_list() and data2.eval.to_list() == data.eval.to_list()
+    assert not any("left out" in note for note in data2.report.notes)
+    # A saved split that splits does not list is left out with a word, as a folder's file is.
+    saved3 = tmp_path / "saved3"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(CHATS[:2]),
+                          "validation": datasets.Dataset.from_list(CHATS[2:])}).save_to_disk(str(saved3))
+    data4, _ = prepare(model_dir, tmp_path, str(saved3), splits="train,test", max_seq_len=256)
+    assert data4.train.to_list() == data.train.to_list() and (data4.eval is None or not len(data4.eval))
+    assert ("validation left out: named after a split that splits (train,test) does not list; add it there to read "
+            "it") in data4.report.notes
     # Split words as `datasets` reads a folder (load_dataset, so a TRL script): these trained on the eval file too.
     for train_file, eval_file, splits in (("training.jsonl", "testing.jsonl", "train,test"),
                                           ("sums_train.jsonl", "sums_test.jsonl", "train,test"),

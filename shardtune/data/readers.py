@@ -44,7 +44,7 @@ class Source:
     name: str
     split_files: dict[str, list[Path]] = field(default_factory=dict)  # kind == files
     fingerprint: str = ""
-    left_out: tuple[str, ...] = ()  # files named after a split that the splits key does not list
+    left_out: tuple[str, ...] = ()  # files named after a split, or a saved DatasetDict's splits, not in splits
 
 
 def json_error(exc: json.JSONDecodeError) -> str:
@@ -63,6 +63,14 @@ SPLIT_WORDS = {"train": ("train", "training"), "validation": ("validation", "val
 # The split names data sets use: a file named after one of them that the splits key leaves out is left out on
 # purpose (splits train beside a test.jsonl).
 SPLIT_NAMES = tuple(word for words in SPLIT_WORDS.values() for word in words)
+
+
+def _saved_splits(path: Path) -> list[str]:
+    """The splits of a saved ``DatasetDict`` (none for a saved single ``Dataset``, which every train split reads)."""
+    try:
+        return [str(s) for s in json.loads((path / "dataset_dict.json").read_text())["splits"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def _split_of(rel: Path, split_names: list[str]) -> str | None:
@@ -119,7 +127,8 @@ def resolve(dataset_name: str, split_names: list[str], config_name: str | None =
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
         if _is_saved_dataset(path):
-            return Source("saved", dataset_name, fingerprint=_content_fingerprint(files, path))
+            return Source("saved", dataset_name, fingerprint=_content_fingerprint(files, path),
+                          left_out=tuple(s for s in _saved_splits(path) if s not in split_names))
         data_files = [p for p in files if p.suffix.lower() in EXTENSIONS]
         if not data_files:
             raise UsageError(f"dataset_name '{dataset_name}': the folder holds no {', '.join(EXTENSIONS)} files and "
