@@ -322,16 +322,21 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
 def logged_losses(output_dir: Path, step: int) -> list[list]:
     """The (step, loss) records ``output_dir``'s metrics.jsonl logged up to ``step``: the history a checkpoint
     saved at ``step`` carries on."""
-    logged = []
-    path = output_dir / "metrics.jsonl"
+    return [[record.get("step"), record["loss"]] for _, record in _metric_records(output_dir / "metrics.jsonl")
+            if "loss" in record and record.get("step", 0) <= step]
+
+
+def _metric_records(path: Path) -> list[tuple[str, dict]]:
+    """Each line of a metrics.jsonl with its record; a line cut short by a kill is left out."""
+    records = []
     for line in path.read_text().splitlines() if path.is_file() else []:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-        if isinstance(record, dict) and "loss" in record and record.get("step", 0) <= step:
-            logged.append([record.get("step"), record["loss"]])
-    return logged
+            continue
+        if isinstance(record, dict):
+            records.append((line, record))
+    return records
 
 
 def _digest(logged: list[list]) -> str:
@@ -366,14 +371,7 @@ def trim_metrics(output_dir: str | Path, step: int) -> int:
     if not path.is_file():
         return 0
     lines = path.read_text().splitlines()
-    kept = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by the kill
-        if record.get("step", 0) <= step:
-            kept.append(line)
+    kept = [line for line, record in _metric_records(path) if record.get("step", 0) <= step]
     if len(kept) != len(lines):
         write_text(path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
