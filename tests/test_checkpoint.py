@@ -103,8 +103,9 @@ def test_lora_checkpoint_refuses_full_finetune_resume(tmp_path: Path) -> None:
 def test_trim_metrics_drops_records_after_the_checkpoint(tmp_path: Path) -> None:
     lines = [{"step": s, "loss": 1.0 / s} for s in range(1, 6)] + [{"step": 4, "eval_loss": 0.5}]
     text = "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 6, "lo'  # the kill cut the last line
-    (tmp_path / "metrics.jsonl").write_text(text)
-    assert ckpt.trim_metrics(tmp_path, 3) == 4
+    (tmp_path / "metrics.jsonl").write_text("[6]\n" + text)  # and a line that is JSON but no record
+    assert ckpt.trim_metrics(tmp_path, 3) == 5
+    assert ckpt.logged_losses(tmp_path, 3) == [[1, 1.0], [2, 0.5], [3, 1 / 3]]
     kept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert kept == lines[:3]
     assert ckpt.trim_metrics(tmp_path, 3) == 0
