@@ -152,6 +152,13 @@ def test_an_fsdp_option_estimates_fsdp_without_strategy(options, capsys):
     named = json.loads(capsys.readouterr().out)
     assert left["setup"] == named["setup"] and left["setup"]["strategy"] == "FSDP"
     assert left["per_gpu"] == named["per_gpu"]
+    # ... with the option itself: not plain FSDP, whose FULL_SHARD and no offload it replaces.
+    given = ({"offload_params": True} if "--offload-params" in options
+             else {"sharding_strategy": options[options.index("--sharding-strategy") + 1]})
+    assert {key: left["setup"][key] for key in given} == given
+    gpus = options[2:] if "--num-gpus" in options else []
+    assert main(["estimate", "llama-3.2-1b", "--method", "lora", "--json", *gpus, "--strategy", "FSDP"]) == 0
+    assert left["per_gpu"] != json.loads(capsys.readouterr().out)["per_gpu"]
 
 
 def test_the_estimate_compares_and_recommends_only_jobs_train_runs(tmp_path, capsys):

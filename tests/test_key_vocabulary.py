@@ -355,9 +355,15 @@ def test_disable_tqdm_and_logging_first_step_act_in_a_run(tmp_path_factory, monk
     from tests.trainutil import logging_restored, tiny_workspace
 
     work = tiny_workspace(tmp_path_factory, "disable-tqdm", rows=24)
-    enabled = []
+    shown = []  # whether each run's bar draws (tqdm's own disable flag on the bar the loop got)
     bar = loop.progress_bar
-    monkeypatch.setattr(loop, "progress_bar", lambda total, initial, on: enabled.append(on) or bar(total, initial, on))
+
+    def recorded(total, initial, on):
+        made = bar(total, initial, on)
+        shown.append(not made.disable)
+        return made
+
+    monkeypatch.setattr(loop, "progress_bar", recorded)
     logged = {}
     for value in ("false", "true"):
         out = work / f"run-{value}"
@@ -368,7 +374,7 @@ def test_disable_tqdm_and_logging_first_step_act_in_a_run(tmp_path_factory, monk
                          "--logging_first_step", "true" if value == "false" else "false"]) == 0
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         logged[value] = [r["step"] for r in records if "loss" in r]
-    assert enabled == [True, False]
+    assert shown == [True, False]
     assert logged == {"false": [1, 2, 3], "true": [2, 3]}
 
 
