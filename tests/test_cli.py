@@ -63,20 +63,46 @@ def test_recommends_ddp_when_a_replica_fits(capsys):
     assert out["recommendation"]["strategy"] == "DDP"
 
 
+@pytest.mark.parametrize("argv, strategy, last_resort", [
+    (["llama-3.1-8b", "--method", "lora", "--gpu", "rtx4090"], "NO", ["--strategy", "FSDP", "--offload-params"]),
+    (["llama-3.1-70b", "--method", "lora", "--num-gpus", "8", "--gpu", "a100-40gb"], "FSDP", ["--strategy", "MP"]),
+])
+def test_a_smaller_micro_batch_is_recommended_before_offload_or_model_parallel(argv, strategy, last_resort, capsys):
+    """The asked micro-batch (train's default 8) fits only with CPU offload or model parallel, slower than the
+    same global batch in smaller micro-batches on the GPUs: the estimate recommended offload for 8B LoRA on one
+    RTX 4090 and model parallel for 70B LoRA on 8 A100-40GB (6.5x the time). The largest micro-batch that divides
+    the 8 rows and fits is recommended, with the accumulation that keeps the global batch."""
+    out = run_json(capsys, argv)
+    rec, setup = out["recommendation"], out["setup"]
+    assert (rec["strategy"], rec["offload_params"], out["fits"]) == (strategy, False, True)
+    micro = setup["batch_size"]
+    assert micro < 8 and 8 % micro == 0 and setup["gradient_accumulation_steps"] == 8 // micro
+    assert f"at micro-batch {micro} x {8 // micro} accumulation steps" in rec["reason"]
+    # The asked micro-batch fits only as a last resort; the next larger divisor of 8 does not fit this strategy.
+    assert run_json(capsys, [*argv, *last_resort])["fits"]
+    named = ["--strategy", strategy] + (["--sharding-strategy", rec["sharding_strategy"]] if strategy == "FSDP" else [])
+    assert not run_json(capsys, [*argv, *named])["fits"]
+    assert not run_json(capsys, [*argv, *named, "--batch-size", str(2 * micro)])["fits"]
+
+
 def test_what_would_fit_when_nothing_does(capsys):
     # batch 4, no gradient checkpointing
     out = run_json(capsys, ["llama-3.1-70b", "--gpu", "rtx4090", "--seq-len", "2048", "--batch-size", "4",
                             "--no-gradient-checkpointing"])
     rec = out["recommendation"]
     assert rec["fits"] is False and out["fits"] is False
-    # Batch 1 with CPU offload fits, checkpointed (the 2.1B embedding and head parameters are gathered,
-    # activations are small); checkpointing was off, so the suggestion turns it on.
-    assert rec["suggestions"][0].startswith("batch size 1 and --gradient-checkpointing with FSDP FULL_SHARD + CPU "
+    # Micro-batch 2 with CPU offload fits, checkpointed (the 2.1B embedding and head parameters are gathered,
+    # activations are small), the largest below the asked 4 that does; checkpointing was off, so the suggestion
+    # turns it on, and keeps the global batch of 4 rows.
+    assert rec["suggestions"][0].startswith("batch size 2 and --gradient-checkpointing with FSDP FULL_SHARD + CPU "
                                             "offload")
-    assert "--gradient-accumulation-steps 4" in rec["suggestions"][0]
-    # Checkpointed already: the suggestion is batch 1 alone.
+    assert rec["suggestions"][0].endswith("--gradient-accumulation-steps 2")
+    offloaded = ["llama-3.1-70b", "--gpu", "rtx4090", "--strategy", "FSDP", "--offload-params", *CHECKED_AT_ARGS]
+    assert run_json(capsys, [*offloaded, "--batch-size", "2"])["fits"]
+    assert not run_json(capsys, [*offloaded, "--batch-size", "3"])["fits"]
+    # Checkpointed already: the suggestion is the smaller micro-batch alone.
     out = run_json(capsys, ["llama-3.1-70b", "--gpu", "rtx4090", *CHECKED_AT_ARGS, "--batch-size", "4"])
-    assert out["recommendation"]["suggestions"][0].startswith("batch size 1 with FSDP FULL_SHARD + CPU offload")
+    assert out["recommendation"]["suggestions"][0].startswith("batch size 2 with FSDP FULL_SHARD + CPU offload")
 
 
 def test_table_output_names_the_recommendation(capsys):

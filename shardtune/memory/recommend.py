@@ -225,6 +225,8 @@ def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured
     for setup in options:
         breakdown = evaluate_setup(analysis, setup)
         if breakdown.fits(gpu.memory_bytes):
+            if measured is None and _last_resort(setup) and (smaller := _smaller_micro_batch(analysis, options, gpu)):
+                return smaller
             biggest = max_batch_size(analysis, setup, gpu)
             reason = (f"{setup.label()}: {_why(setup)}." if measured is None
                       else _measured_reason(setup, measured, base, analysis, gpu))
@@ -236,6 +238,43 @@ def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured
     return Recommendation(smallest.setup, smallest, False, 0,
                           f"Nothing fits {gpu.label or gpu.name} with {base.method} at batch {base.batch_size}.",
                           what_would_fit(analysis, base, gpu))
+
+
+def _last_resort(setup: Setup) -> bool:
+    """CPU offload (every step crosses PCIe) and model parallel (one GPU computes at a time): slower than a smaller
+    micro-batch on a setup that keeps its work on the GPUs."""
+    return setup.offload_params or setup.splits_layers
+
+
+def _smaller_micro_batch(analysis: ModelAnalysis, options: list[Setup], gpu: Gpu) -> Recommendation | None:
+    """The first of ``options`` (in order) that is no last resort and fits at a smaller micro-batch, with the
+    gradient accumulation that keeps the asked global batch (the micro-batch a divisor of the rows each GPU takes
+    per optimizer step), at the largest such micro-batch; None where none does."""
+    for setup in (s for s in options if not _last_resort(s)):
+        if hit := _at_smaller_micro_batch(analysis, setup, gpu):
+            fitted, breakdown = hit
+            rows = setup.batch_size * setup.gradient_accumulation_steps
+            instead = "CPU offload or model parallel" if setup.world_size > 1 else "CPU offload"
+            reason = (f"{fitted.label()} at micro-batch {fitted.batch_size} x {fitted.gradient_accumulation_steps} "
+                      f"accumulation steps (the asked {rows} rows per GPU per optimizer step): micro-batch "
+                      f"{setup.batch_size} fits only with {instead}, slower than a smaller micro-batch; "
+                      f"{_why(fitted)}.")
+            return Recommendation(fitted, breakdown, True, max_batch_size(analysis, fitted, gpu), reason)
+    return None
+
+
+def _at_smaller_micro_batch(analysis: ModelAnalysis, setup: Setup, gpu: Gpu) -> tuple[Setup, Breakdown] | None:
+    """``setup`` at the largest micro-batch below its own that fits ``gpu`` and divides the rows each GPU takes per
+    optimizer step, the accumulation making up the rest; None where not even one row fits."""
+    rows = setup.batch_size * setup.gradient_accumulation_steps
+    for micro in range(setup.batch_size - 1, 0, -1):
+        if rows % micro:
+            continue
+        smaller = setup.with_(per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro)
+        breakdown = evaluate_setup(analysis, smaller)
+        if breakdown.fits(gpu.memory_bytes):
+            return smaller, breakdown
+    return None
 
 
 def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: ModelAnalysis, gpu: Gpu) -> str:
@@ -288,13 +327,14 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
     def gib(b: Breakdown) -> str:
         return f"{(b.total + b.cuda_context) / 2**30:.1f} GiB"
 
-    # One row alone, or (shardtune train's default is without it) with checkpointing as well.
-    one_row = base.with_(per_device_train_batch_size=1)
-    smaller = [one_row] + ([] if base.gradient_checkpointing else [one_row.with_(gradient_checkpointing=True)])
-    if base.batch_size > 1 and (hit := next(filter(None, (first_fit(candidates(s)) for s in smaller)), None)):
+    # The largest smaller micro-batch alone, or (where checkpointing is off) with checkpointing as well: the first
+    # setup, in order, that fits one.
+    as_asked = [base] + ([] if base.gradient_checkpointing else [base.with_(gradient_checkpointing=True)])
+    smaller = (_at_smaller_micro_batch(analysis, s, gpu) for asked in as_asked for s in candidates(asked))
+    if base.batch_size > 1 and (hit := next(filter(None, smaller), None)):
         also = " and --gradient-checkpointing" if hit[0].gradient_checkpointing != base.gradient_checkpointing else ""
-        out.append(f"batch size 1{also} with {hit[0].label()} ({gib(hit[1])}); keep the global batch with "
-                   f"--gradient-accumulation-steps {base.batch_size * base.gradient_accumulation_steps}")
+        out.append(f"batch size {hit[0].batch_size}{also} with {hit[0].label()} ({gib(hit[1])}); keep the global "
+                   f"batch with --gradient-accumulation-steps {hit[0].gradient_accumulation_steps}")
     if not base.gradient_checkpointing and (hit := first_fit(candidates(base.with_(gradient_checkpointing=True)))):
         out.append(f"--gradient-checkpointing with {hit[0].label()} ({gib(hit[1])})")
     methods = {"full": ("lora", "qlora"), "lora": ("qlora",), "qlora": ()}[base.method]

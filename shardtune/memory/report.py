@@ -72,6 +72,21 @@ def short_label(setup) -> str:
     return setup.label()
 
 
+def _row_label(r: Report, setup, rows: list) -> str:
+    """A table row's name, starred where it is the recommended kind of setup; with its micro-batch and
+    accumulation where they are not the asked ones (a smaller micro-batch recommended in place of a last resort)."""
+    rec = r.recommendation.setup
+    kind = setup.with_(per_device_train_batch_size=rec.batch_size,
+                       gradient_accumulation_steps=rec.gradient_accumulation_steps)
+    asked = r.table[0][0].setup if r.table else setup
+    batch = "" if setup.batch_size == asked.batch_size else \
+        f" b{setup.batch_size}x{setup.gradient_accumulation_steps}"
+    # The recommended row itself where the table (its setups ``rows``) has it, else its kind's row (at the asked
+    # micro-batch).
+    chosen = r.recommendation.fits and (setup == rec if rec in rows else kind == rec)
+    return short_label(setup) + batch + (" *" if chosen else "")
+
+
 SIDE_COLUMNS = ("setup", "params", "grads", "optim", "activ", "ovhd", "total", "fits", "max b")
 
 
@@ -84,8 +99,7 @@ def side_by_side(r: Report) -> Table:
     for sb, batch in r.table:
         pg = sb.per_gpu()
         ok = sb.fits(r.gpu.memory_bytes)
-        chosen = sb.setup == r.recommendation.setup and r.recommendation.fits
-        side.add_row(short_label(sb.setup) + (" *" if chosen else ""),
+        side.add_row(_row_label(r, sb.setup, [b.setup for b, _ in r.table]),
                      *(f"{pg[k] / GIB:.1f}" for k in ("params", "grads", "optimizer", "activations", "overhead",
                                                        "total")),
                      "[green]yes[/]" if ok else "[red]no[/]", str(batch))
@@ -325,10 +339,9 @@ def time_table(r: Report, t: TimeReport) -> Table:
         table.add_column(col, justify="left" if col == "setup" else "right", no_wrap=True)
     for b, st in t.rows:
         ok = b.fits(r.gpu.memory_bytes)
-        chosen = b.setup == r.recommendation.setup and r.recommendation.fits
         cells = [duration(st.step_s), f"{st.tokens_per_s:,.0f}", _mfu(st.mfu), duration(t.seconds(st)),
                  _money(t.cost(st))]
-        table.add_row(short_label(b.setup) + (" *" if chosen else ""), "[green]yes[/]" if ok else "[red]no[/]",
+        table.add_row(_row_label(r, b.setup, [row.setup for row, _ in t.rows]), "[green]yes[/]" if ok else "[red]no[/]",
                       *(c if ok else f"[dim]{c}[/]" for c in cells))
     return table
 
