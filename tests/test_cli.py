@@ -100,9 +100,15 @@ def test_what_would_fit_when_nothing_does(capsys):
     offloaded = ["llama-3.1-70b", "--gpu", "rtx4090", "--strategy", "FSDP", "--offload-params", *CHECKED_AT_ARGS]
     assert run_json(capsys, [*offloaded, "--batch-size", "2"])["fits"]
     assert not run_json(capsys, [*offloaded, "--batch-size", "3"])["fits"]
-    # Checkpointed already: the suggestion is the smaller micro-batch alone.
+    # Checkpointed already, as asked: the smaller micro-batch with offload is the recommendation itself, keeping
+    # the global batch (nothing holds micro-batch 4; offload, the last resort, holds 2).
     out = run_json(capsys, ["llama-3.1-70b", "--gpu", "rtx4090", *CHECKED_AT_ARGS, "--batch-size", "4"])
-    assert out["recommendation"]["suggestions"][0].startswith("batch size 2 with FSDP FULL_SHARD + CPU offload")
+    rec = out["recommendation"]
+    assert (rec["fits"], rec["strategy"], rec["offload_params"], rec["batch_size"]) == (True, "FSDP", True, 2)
+    assert out["setup"]["gradient_accumulation_steps"] == 2 and "at micro-batch 4 no setup holds it" in rec["reason"]
+    # What offload asks of the host, which the estimate cannot see, is said beside it.
+    host = out["cpu_bytes_per_node"] / 2**30
+    assert host > 100 and f"It keeps {host:,.0f} GiB per node in host RAM: check that each node" in rec["reason"]
 
 
 def test_table_output_names_the_recommendation(capsys):

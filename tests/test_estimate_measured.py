@@ -131,7 +131,7 @@ def test_cli_measured_json_and_bad_files(tmp_path, capsys):
 
 @pytest.mark.parametrize("strategy,kind,processes,microbatches", [("pp", "PP", 2, 4), ("mp", "MP", 1, None)])
 def test_emit_config_for_layer_splitting_setups_loads_as_a_training_recipe(tmp_path, strategy, kind, processes,
-                                                                             microbatches):
+                                                                             microbatches, capsys):
     from shardtune.config import load_train_config
 
     path = tmp_path / f"{strategy}.yaml"
@@ -142,6 +142,25 @@ def test_emit_config_for_layer_splitting_setups_loads_as_a_training_recipe(tmp_p
     assert cfg.run.per_device_train_batch_size == 4
     if microbatches:  # one row per micro-batch: the batch splits evenly, as PP requires
         assert cfg.distributed.pipeline_microbatches == microbatches
+    else:  # MP's one process names its two GPUs: the recipe estimates (and a dry run traces) as the 2 GPUs did
+        assert cfg.distributed.mp_devices == "cuda:0,cuda:1"
+    capsys.readouterr()
+    argv = ["estimate", "llama-2-7b", "--method", "lora", "--num-gpus", "2", "--strategy", strategy, "--batch-size",
+            "4", "--json"]
+    assert main(argv) == 0
+    emitted = json.loads(capsys.readouterr().out)
+    assert main(["estimate", "--config", str(path), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (again["per_gpu"], again["setup"]["world_size"]) == (emitted["per_gpu"], 2)
+
+
+def test_a_model_parallel_recipe_without_its_devices_is_refused_by_the_estimate(tmp_path, capsys):
+    """MP without mp_devices runs on every visible GPU: a count the recipe does not hold, so the estimate asks for
+    it rather than estimating one GPU (it said 22.5 GiB on "1 GPU" for a 2-GPU job of 14.9)."""
+    path = tmp_path / "mp.yaml"
+    path.write_text("model_name_or_path: llama-2-7b\ndistributed_type: MP\nuse_peft_lora: true\n")
+    assert main(["estimate", "--config", str(path)]) == 2
+    assert "set mp_devices (e.g. cuda:0,cuda:1 for two GPUs)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("content", ["5", '{"results": [{"strategy": "fsdp", "tokens_per_s": 9}, '

@@ -282,6 +282,28 @@ def test_an_emitted_recipe_for_several_gpus_names_the_launch_command(tmp_path, c
         assert f"then: {command} {out})" in capsys.readouterr().out
 
 
+def test_a_recipe_is_written_only_of_a_job_that_fits_and_trains_its_loss(tmp_path, capsys):
+    """--emit-config wrote the recipe of a setup that needed 98 GiB of an 80 GiB card ("Nothing fits" printed
+    above it), and with --loss full a recipe whose job (shardtune's loss) the estimate had not described. Both are
+    refused, nothing written; the job named outright that fits is written."""
+    from shardtune.cli import main
+
+    out = tmp_path / "x.yaml"
+    asked = ["estimate", "llama-3.1-8b", "--method", "lora", "--strategy", "NO", "--no-gradient-checkpointing",
+             "--batch-size", "8"]
+    assert main([*asked, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert not report["fits"]
+    assert main([*asked, "--emit-config", str(out)]) == 2
+    err = capsys.readouterr().err
+    need = (report["per_gpu"]["total"] + report["cuda_context"]) / 2**30
+    assert f"single GPU at micro-batch 8 needs {need:.1f} GiB per GPU, more than the 79.6 GiB" in err
+    assert "so no recipe is written" in err and not out.exists()
+    assert main(["estimate", "llama-3.1-8b", "--method", "lora", "--loss", "full", "--emit-config", str(out)]) == 2
+    assert "trains with shardtune's own loss, not --loss full" in capsys.readouterr().err and not out.exists()
+    assert main([*asked, "--batch-size", "1", "--emit-config", str(out)]) == 0 and out.is_file()
+
+
 @pytest.mark.parametrize("options, says", [
     (["--gpu", "t4", "--mixed-precision", "bf16"], "--mixed-precision bf16: the NVIDIA T4 16GB does not compute bf16"),
     (["--gpu", "t4", "--mixed-precision", "fp16", "--attn-implementation", "flash_attention_2"],

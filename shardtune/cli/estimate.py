@@ -114,7 +114,8 @@ def _output_options(p: argparse.ArgumentParser) -> None:
                    help="the largest micro-batch that fits, with the gradient accumulation that keeps the global "
                         "batch (--batch-size x --gradient-accumulation-steps x GPUs)")
     p.add_argument("--emit-config", default=None, metavar="FILE.yaml",
-                   help="write a ready-to-run 'shardtune train' recipe for the recommended setup (set dataset_name)")
+                   help="write a ready-to-run 'shardtune train' recipe of the estimated setup (the recommended "
+                        "one unless --strategy names one; set dataset_name); refused where it does not fit")
     p.add_argument("--measured", default=None, metavar="FILE.json",
                    help="rank the setups that fit by the speeds 'shardtune bench strategies --out FILE.json' "
                         "measured on your machine, instead of the usual order")
@@ -232,6 +233,9 @@ def setup_from_config_files(args: argparse.Namespace) -> Setup:
     cfg = load_planned_config(argv)
     args.model = cfg.model.model_name_or_path
     d = cfg.distributed
+    if d.distributed_type == "MP" and not d.mp_devices:
+        raise UsageError("distributed_type MP without mp_devices splits the layers over every visible GPU, a count "
+                         "the files do not hold: set mp_devices (e.g. cuda:0,cuda:1 for two GPUs) in the recipe")
     if d.distributed_type == "FSDP" and d.fsdp_auto_wrap_policy != "TRANSFORMER_BASED_WRAP" and not args.trace:
         # The trace builds the job's own units on fake tensors; the formula has only the per-layer ones.
         raise UsageError(f"fsdp_auto_wrap_policy {d.fsdp_auto_wrap_policy}: the estimate's formula counts one FSDP "
@@ -312,8 +316,8 @@ def _recommend_for_global_batch(model: str, setup: Setup, gpu: Gpu, measured):
     return estimate_report(model, plan.applied_to(setup), gpu, True, measured), plan
 
 
-def _batch_and_config(args: argparse.Namespace, setup: Setup, plan) -> dict:
-    """--find-batch-size's plan and --emit-config's recipe of ``setup`` (the report's: at the batch found, when
+def _batch_and_config(args: argparse.Namespace, report, plan) -> dict:
+    """--find-batch-size's plan and --emit-config's recipe of the report's setup (at the batch found, when
     searched)."""
     out: dict = {}
     if plan is not None:
@@ -321,8 +325,25 @@ def _batch_and_config(args: argparse.Namespace, setup: Setup, plan) -> dict:
     if args.emit_config:
         from shardtune.memory.batch_plan import emit_config
 
-        out["emitted_config"] = str(emit_config(args.model, setup, args.emit_config))
+        _check_emittable(args, report)
+        out["emitted_config"] = str(emit_config(args.model, report.breakdown.setup, args.emit_config))
     return out
+
+
+def _check_emittable(args: argparse.Namespace, report) -> None:
+    """A recipe is written only of a job that fits, and of the loss it trains with: 'shardtune train' computes its
+    own fused loss, so an estimate made for another (--loss) would not describe the recipe's job."""
+    if args.loss != "shardtune":
+        raise UsageError(f"--emit-config writes a 'shardtune train' recipe, which trains with shardtune's own loss, "
+                         f"not --loss {args.loss}; leave --loss out to estimate (and write) that job")
+    breakdown, gpu = report.breakdown, report.gpu
+    if not breakdown.fits(gpu.memory_bytes):
+        need = (breakdown.total + breakdown.cuda_context) / 2**30
+        fits = report.recommendation.suggestions[:1]
+        raise UsageError(f"--emit-config {args.emit_config}: {breakdown.setup.label()} at micro-batch "
+                         f"{breakdown.setup.batch_size} needs {need:.1f} GiB per GPU, more than the "
+                         f"{gpu.memory_bytes / 2**30:.1f} GiB of the {gpu.label or gpu.name}, so no recipe is written"
+                         + (f"; what would fit: {fits[0]}" if fits else "; change the job until it fits"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -362,7 +383,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         report = estimate_report(args.model, setup, gpu, auto, measured)
     # The tables, the JSON, the time, an emitted recipe and the trace: all of the report's setup (the batch found).
-    extras = _batch_and_config(args, report.breakdown.setup, plan)
+    extras = _batch_and_config(args, report, plan)
     if args.trace:
         extras["trace"] = _trace(args.model, report, gpu)
     timed = time_from_args(args, report, measured) if wants_time(args) else None

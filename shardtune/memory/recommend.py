@@ -225,15 +225,20 @@ def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured
     for setup in options:
         breakdown = evaluate_setup(analysis, setup)
         if breakdown.fits(gpu.memory_bytes):
-            if measured is None and _last_resort(setup) and (smaller := _smaller_micro_batch(analysis, options, gpu)):
+            if measured is None and _last_resort(setup) and (
+                    smaller := _smaller_micro_batch(analysis, options, gpu, held_by=setup)):
                 return smaller
             biggest = max_batch_size(analysis, setup, gpu)
             reason = (f"{setup.label()}: {_why(setup)}." if measured is None
                       else _measured_reason(setup, measured, base, analysis, gpu))
             if setup.uses_lora or setup.method == "full":
                 reason += f" Micro-batch up to {biggest} fits (at sequence length {setup.seq_len})."
-            return Recommendation(setup, breakdown, True, biggest, reason)
-    # Nothing fits as asked: show the least memory-hungry setup and say what would fit.
+            return Recommendation(setup, breakdown, True, biggest, reason + _host_memory(breakdown))
+    # Nothing fits at the asked micro-batch: a smaller one, on the GPUs, else with a last resort.
+    if measured is None and (smaller := _smaller_micro_batch(analysis, options, gpu)
+                             or _smaller_micro_batch(analysis, options, gpu, last_resorts=True)):
+        return smaller
+    # Nothing fits at all: show the least memory-hungry setup and say what would fit.
     smallest = min((evaluate_setup(analysis, s) for s in options), key=lambda b: b.total)
     return Recommendation(smallest.setup, smallest, False, 0,
                           f"Nothing fits {gpu.label or gpu.name} with {base.method} at batch {base.batch_size}.",
@@ -246,21 +251,30 @@ def _last_resort(setup: Setup) -> bool:
     return setup.offload_params or setup.splits_layers
 
 
-def _smaller_micro_batch(analysis: ModelAnalysis, options: list[Setup], gpu: Gpu) -> Recommendation | None:
-    """The first of ``options`` (in order) that is no last resort and fits at a smaller micro-batch, with the
-    gradient accumulation that keeps the asked global batch (the micro-batch a divisor of the rows each GPU takes
-    per optimizer step), at the largest such micro-batch; None where none does."""
-    for setup in (s for s in options if not _last_resort(s)):
+def _smaller_micro_batch(analysis: ModelAnalysis, options: list[Setup], gpu: Gpu, last_resorts: bool = False,
+                         held_by: Setup | None = None) -> Recommendation | None:
+    """The first of ``options`` (in order; the last resorts only with ``last_resorts``) that fits at a smaller
+    micro-batch, with the gradient accumulation that keeps the asked global batch (the micro-batch a divisor of the
+    rows each GPU takes per optimizer step), at the largest such micro-batch; None where none does. ``held_by``:
+    the last resort that holds the asked micro-batch (None: nothing does)."""
+    for setup in (s for s in options if _last_resort(s) == last_resorts):
         if hit := _at_smaller_micro_batch(analysis, setup, gpu):
             fitted, breakdown = hit
             rows = setup.batch_size * setup.gradient_accumulation_steps
-            instead = "CPU offload or model parallel" if setup.world_size > 1 else "CPU offload"
+            held = f"only {held_by.label()} holds it, slower than a smaller one" if held_by else "no setup holds it"
             reason = (f"{fitted.label()} at micro-batch {fitted.batch_size} x {fitted.gradient_accumulation_steps} "
-                      f"accumulation steps (the asked {rows} rows per GPU per optimizer step): micro-batch "
-                      f"{setup.batch_size} fits only with {instead}, slower than a smaller micro-batch; "
-                      f"{_why(fitted)}.")
+                      f"accumulation steps (the asked {rows} rows per GPU per optimizer step): at micro-batch "
+                      f"{setup.batch_size} {held}; {_why(fitted)}.{_host_memory(breakdown)}")
             return Recommendation(fitted, breakdown, True, max_batch_size(analysis, fitted, gpu), reason)
     return None
+
+
+def _host_memory(breakdown: Breakdown) -> str:
+    """What offloading asks of each node's RAM, which the estimate cannot see: said beside the recommendation."""
+    if not breakdown.cpu_bytes_per_node:
+        return ""
+    return (f" It keeps {breakdown.cpu_bytes_per_node / 2**30:,.0f} GiB per node in host RAM: check that each node "
+            f"has that much free.")
 
 
 def _at_smaller_micro_batch(analysis: ModelAnalysis, setup: Setup, gpu: Gpu) -> tuple[Setup, Breakdown] | None:
@@ -325,7 +339,8 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
         return None
 
     def gib(b: Breakdown) -> str:
-        return f"{(b.total + b.cuda_context) / 2**30:.1f} GiB"
+        host = f", {b.cpu_bytes_per_node / 2**30:,.0f} GiB of host RAM per node" if b.cpu_bytes_per_node else ""
+        return f"{(b.total + b.cuda_context) / 2**30:.1f} GiB{host}"
 
     # The largest smaller micro-batch alone, or (where checkpointing is off) with checkpointing as well: the first
     # setup, in order, that fits one.

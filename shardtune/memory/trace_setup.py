@@ -38,6 +38,8 @@ def config_from_setup(model: str, setup: Setup) -> TrainConfig:
         values.update(lora_alpha=2 * setup.lora_r)
     if setup.strategy.pipelined:
         values.update(pipeline_microbatches=setup.microbatches)
+    if setup.strategy.drives_several_devices:  # its GPUs by name: "every visible GPU" is a count no file holds
+        values.update(mp_devices=",".join(f"cuda:{i}" for i in range(setup.world_size)))
     return build_config([(without_idle_keys(values), {})])
 
 
@@ -61,6 +63,8 @@ def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1, *,
     own loss, and its precision as ``shardtune train`` picks it on GPUs that do (or do not: ``native_bf16``)
     compute bf16, or on this machine (None)."""
     strategy = resolve(cfg.distributed.distributed_type, world_size > 1)
+    if strategy.drives_several_devices and cfg.distributed.mp_devices:  # one process, a stage on each device
+        world_size = len([d for d in cfg.distributed.mp_devices.split(",") if d.strip()])
     return Setup(cfg, num_gpus=world_size // num_nodes, num_nodes=num_nodes, native_bf16=native_bf16,
                  pipeline_microbatches=cfg.distributed.pipeline_microbatches).with_(distributed_type=strategy)
 
