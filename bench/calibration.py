@@ -16,7 +16,7 @@ prediction.
 
 Writes bench/results/calibration.{json,md} and calibration.png (log-log, predicted against measured).
 
-    .venv/bin/python bench/calibration.py [--trace] [--memory-only] [--out bench/results/calibration]
+    .venv/bin/python bench/calibration.py [--trace] [--speed-only | --memory-only] [--out bench/results/calibration]
 """
 
 from __future__ import annotations
@@ -348,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/calibration")
     parser.add_argument("--trace", action="store_true", help="also trace each memory point (slow: minutes each)")
-    parser.add_argument("--speed-only", action="store_true")
+    parser.add_argument("--speed-only", action="store_true",
+                        help="refit and recompute the speed points; the memory rows (traced ones too) are kept "
+                             "from the .json")
     parser.add_argument("--memory-only", action="store_true",
                         help="recompute the memory points; the speed fit and rows are kept from the .json")
     parser.add_argument("--report-only", action="store_true",
@@ -365,7 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(points)} points: fitting the speed model with each left out", file=sys.stderr)
         full, speed = speed_rows([speed_case(p) for p in points if p.kind == "speed"])
         fitted = asdict(full)
-    memory = [] if args.speed_only else memory_rows([p for p in points if p.kind == "memory"], args.trace)
+    if args.speed_only:
+        memory = json.loads(Path(args.out).with_suffix(".json").read_text())["memory"]
+    else:
+        memory = memory_rows([p for p in points if p.kind == "memory"], args.trace)
     result = {"fitted_params": fitted, "speed": speed, "speed_summary": speed_summary(speed),
               "memory": memory, "memory_summary": memory_summary(memory) if memory else {}}
     write(result, Path(args.out))

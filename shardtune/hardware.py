@@ -45,7 +45,7 @@ class Link:
 # (shardtune/memory/compute.py ``TimingParams.pcie_share``; bench/results/calibration.md). Published multi-GPU PCIe
 # machines move FSDP's traffic at a few GB/s, far below the line rate (dual-socket boards, switches, no P2P).
 PCIE_X16_BYTES_PER_S = {"pcie3": 15.75e9, "pcie4": 31.5e9, "pcie5": 63e9}
-PCIE_P2P_SHARE = 0.147
+PCIE_P2P_SHARE = 0.1488
 # The other achieved rates, each from a measurement where one was read (shardtune/memory/calibration/links.yaml
 # quotes them): NVLink 3, 195 GB/s per direction (nccl-tests sendrecv, 8 x A100); NVLink 4, 339 GB/s (nccl-tests
 # all_reduce bus bandwidth over 2 x 8 H100, so a lower bound for one node); PCIe 3.0 x16 between GeForce cards,

@@ -57,6 +57,15 @@ class Strategy:
         """Every rank trains on its own rows and the gradients are reduced over the ranks."""
         return self.replicates or self.shards_parameters
 
+    def defers_gradient_sync(self, sharding: str) -> bool:
+        """Whether gradients are reduced only on the last micro-batch of an accumulation (``sharding``: the FSDP
+        sharding strategy). Where every rank holds whole gradients anyway (DDP, and NO_SHARD, whose shards are
+        whole) deferring saves communication for free. Every other FSDP sharding reduce-scatters each micro-batch
+        (as torchtitan and torchtune do): deferring would keep each rank's unsharded gradients, in the reduce dtype,
+        through the whole accumulation, the memory that sharding the gradients (ZeRO-2 and up) was chosen to save.
+        The trainer's runner and the estimate (memory/timing.py) both read it here."""
+        return self.replicates or (self.shards_parameters and sharding == "NO_SHARD")
+
     @property
     def autocasts(self) -> bool:
         """Mixed precision through torch.autocast (FSDP2 casts the gathered parameters itself instead)."""

@@ -131,21 +131,20 @@ def test_fsdp_lora_across_nodes_by_hand():
     assert t.hardware_flops_per_token == model + recompute
     root, layers = 2 * (2 * EMBED + HIDDEN), 2 * (LAYERS * LAYER + adapters)  # bf16, as FSDP gathers them
     gathered = root + 2 * layers  # forward: everything; backward: the decoder layers again (the root stays)
-    grads = 4 * adapters  # fp32 adapters' gradients, reduce-scattered once per optimizer step
+    grads = 4 * adapters  # fp32 adapters' gradients, reduce-scattered every micro-batch (they stay sharded)
     g, n = 2, 3
 
     def per_link(nbytes):  # hierarchical: (n-1)/n of the GPU's 1/g slice between nodes, (g-1)/g inside
         return {"intra": (g - 1) / g * nbytes, "inter": (n - 1) / n * nbytes / g}
 
-    expected = {k: 4 * per_link(gathered)[k] + per_link(grads)[k] for k in ("intra", "inter")}
+    expected = {k: 4 * (per_link(gathered)[k] + per_link(grads)[k]) for k in ("intra", "inter")}
     assert t.comm_bytes == pytest.approx(expected)
-    # Collectives: an all-gather per unit (2 layers and the root) forward and per layer backward; a reduce-scatter
-    # per unit. Each pays the latency of both links.
-    micro_comm = per_link(gathered)["intra"] / 1e11 + per_link(gathered)["inter"] / 1e10 + 5 * 3 * LAT
-    step_comm = per_link(grads)["intra"] / 1e11 + per_link(grads)["inter"] / 1e10 + 3 * 3 * LAT
+    # Collectives, every micro-batch: an all-gather per unit (2 layers and the root) forward and per layer
+    # backward; a reduce-scatter per unit. Each pays the latency of both links.
+    gather_comm = per_link(gathered)["intra"] / 1e11 + per_link(gathered)["inter"] / 1e10 + 5 * 3 * LAT
+    reduce_comm = per_link(grads)["intra"] / 1e11 + per_link(grads)["inter"] / 1e10 + 3 * 3 * LAT
     micro = micro_seconds(setup, lora)
-    assert t.exposed_comm_s == pytest.approx(3 * hidden_behind(micro_comm, micro)
-                                             + hidden_behind(micro_comm + step_comm, micro))
+    assert t.exposed_comm_s == pytest.approx(4 * hidden_behind(gather_comm + reduce_comm, micro))
 
 
 def test_hybrid_shard_without_resharding_gathers_its_layers_once_a_micro_batch():
@@ -378,6 +377,33 @@ def test_a_card_without_a_typical_price_asks_for_yours(capsys):
     out = json.loads(capsys.readouterr().out)["timing"]
     assert out["price_per_gpu_hour"] is None and all(row["cost_usd"] is None for row in out["setups"])
     assert "--price-per-gpu-hour" in out["price_source"]
+
+
+def test_gradients_are_reduced_as_often_as_the_trainer_reduces_them():
+    """Over an accumulation of 8 micro-batches the trainer reduce-scatters sharded gradients every micro-batch
+    (Strategy.defers_gradient_sync) and all-reduces whole ones (DDP, NO_SHARD) once: the estimate's traffic does the
+    same. It charged one reduce-scatter per step to every FSDP sharding, FULL_SHARD's step 10% too fast."""
+    from shardtune.strategies import lookup
+
+    def traffic(strategy: str, sharding: str, accum: int) -> dict:
+        out = io.StringIO()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sys, "stdout", out)
+            assert main(["estimate", "llama-3.2-1b", "--num-gpus", "8", "--strategy", strategy, "--sharding-strategy",
+                         sharding, "--batch-size", "1", "--gradient-accumulation-steps", str(accum), "--json",
+                         "--time", *CHECKED_AT_ARGS]) == 0
+        rows = json.loads(out.getvalue())["timing"]["setups"]
+        return next(r for r in rows if r["setup"].startswith(strategy if strategy == "DDP" else f"FSDP {sharding}"))
+
+    for strategy, sharding in (("FSDP", "FULL_SHARD"), ("FSDP", "SHARD_GRAD_OP"), ("FSDP", "NO_SHARD"),
+                               ("DDP", "FULL_SHARD")):
+        one, eight = (traffic(strategy, sharding, accum)["comm_bytes_per_gpu"]["intra"] for accum in (1, 8))
+        deferred = lookup(strategy).defers_gradient_sync(sharding)
+        assert deferred == (strategy == "DDP" or sharding == "NO_SHARD")
+        if deferred:  # the reduction once per step (DDP and NO_SHARD gather nothing: the same bytes over 8)
+            assert one == eight > 0, (strategy, sharding)
+        else:  # gathers and reduce-scatters, every micro-batch
+            assert eight == pytest.approx(8 * one), (strategy, sharding)
 
 
 def test_a_slower_network_slows_multi_node_fsdp():

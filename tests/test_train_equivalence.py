@@ -134,7 +134,9 @@ SET_UP = {
     "ddp": lambda p: p["fsdp_units"] == [] and {len(step) for step in p["row_lengths"]} == {2},
     "fsdp_full_shard": lambda p: _units(p, "reshard_after_forward") == {"true"}
     and any(u["forward_prefetch"] for u in p["fsdp_units"]),
-    "fsdp_shard_grad_op": lambda p: _units(p, "reshard_after_forward") == {"false"},
+    # Its gradients stay sharded: reduce-scattered every micro-batch, not held whole through the accumulation.
+    "fsdp_shard_grad_op": lambda p: _units(p, "reshard_after_forward") == {"false"}
+    and p["gradient_sync"] == [True, True],
     "lora_ddp": lambda p: p["fsdp_units"] == [],
     "lora_fsdp_checkpointed": lambda p: _units(p, "mesh_shape") == {"[2]"},
     "lora_fsdp_one_process_offload": lambda p: _units(p, "offload") == {'["CPUOffloadPolicy"]'}

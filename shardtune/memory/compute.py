@@ -76,11 +76,11 @@ class TimingParams:
     # The values are bench/calibration.py's fit on every speed point (its output, to 4 digits). The matmul share
     # sits at its bound, 1: the fit explains all of the matmuls' shortfall by the bandwidth term.
     matmul: float = 1.0  # share of the dense tensor-core peak the linear layers' matmuls reach
-    attention: float = 0.4204  # share of the peak the attention kernels reach
-    tile_intensity: float = 1231  # FLOPs per byte of memory traffic a tensor-core kernel's tiles sustain
-    elementwise_bytes: float = 56.84  # eager kernels: bytes per token per layer per (2 x hidden + intermediate)
-    fused_elementwise_bytes: float = 31.21  # the same under torch.compile or hand-fused kernels
-    overlap: float = 0.3659  # share of a micro-batch's compute that communication can hide behind
+    attention: float = 0.4164  # share of the peak the attention kernels reach
+    tile_intensity: float = 1315  # FLOPs per byte of memory traffic a tensor-core kernel's tiles sustain
+    elementwise_bytes: float = 57.75  # eager kernels: bytes per token per layer per (2 x hidden + intermediate)
+    fused_elementwise_bytes: float = 33.14  # the same under torch.compile or hand-fused kernels
+    overlap: float = 0.3626  # share of a micro-batch's compute that communication can hide behind
     pcie_share: float = PCIE_P2P_SHARE  # share of PCIe x16's line rate collectives reach between P2P PCIe cards
 
 

@@ -15,13 +15,14 @@ runs in docs/estimator.md ("How long it takes"):
   all-gather or a reduce-scatter (n-1)/n), hierarchical across nodes: inside a node over its links, and 1/G of the
   bytes per GPU between nodes (G GPUs per node). Per strategy:
   DDP and NO_SHARD all-reduce the trainable gradients once per optimizer step (no_sync on the other micro-batches);
-  FSDP FULL_SHARD all-gathers every unit in forward and the decoder layers again in backward, every micro-batch
-  (with LoRA the frozen weights too), and reduce-scatters the trainable gradients once per optimizer step;
+  FSDP FULL_SHARD all-gathers every unit in forward and the decoder layers again in backward (with LoRA the
+  frozen weights too), and reduce-scatters the trainable gradients, every micro-batch;
   SHARD_GRAD_OP gathers in forward only; HYBRID_SHARD gathers inside the node, reduce-scatters there and
-  all-reduces its shard between nodes; CPU offload first copies each shard from host memory over PCIe, copies the
-  gradients back, and runs the optimizer on the CPU; model parallel (MP) runs one stage at a time, so the step is
-  one GPU's work, and each stage boundary passes activations forward and gradients back; pipeline parallel (PP)
-  idles for its bubble, (stages - 1) / (micro-batches + stages - 1) of the step, at the pace of its slowest stage.
+  all-reduces its shard between nodes; CPU offload first copies each shard from host memory over PCIe and copies
+  the gradients back (every micro-batch), and runs the optimizer on the CPU; model parallel (MP) runs one stage
+  at a time, so the step is one GPU's work, and each stage boundary passes activations forward and gradients back;
+  pipeline parallel (PP) idles for its bubble, (stages - 1) / (micro-batches + stages - 1) of the step, at the pace
+  of its slowest stage.
 - **Latency.** Each collective also costs its link's fixed latency (``Link.latency_s``): FSDP runs one per unit
   per pass, DDP one per 25 MB gradient bucket.
 - **Overlap.** FSDP prefetches the next unit's all-gather and DDP reduces its buckets during backward, so a
@@ -175,7 +176,7 @@ def _data_parallel_traffic(model: _Model, setup: Setup, links: Links, reduce_byt
     grads = trainable * (reduce_bytes or model.dt.master)  # fp32 with fp32 master weights, bf16 under pure bf16
     if links.intra.name == "nvlink-bridge" and gpus > 2:  # a bridge joins pairs: the ring crosses PCIe too
         links = Links(links.host, links.inter, links.host)
-    if setup.strategy.replicates or setup.sharding_strategy == "NO_SHARD":
+    if setup.strategy.defers_gradient_sync(setup.sharding_strategy):
         buckets = units if setup.strategy.shards_parameters else max(1.0, math.ceil(grads / DDP_BUCKET_BYTES))
         s, b = collective_s(grads, gpus, nodes, links, buckets)
         traffic.add(2 * s, {k: 2 * v for k, v in b.items()}, 1, per_step=True)  # all-reduce
@@ -186,19 +187,21 @@ def _data_parallel_traffic(model: _Model, setup: Setup, links: Links, reduce_byt
     s, b = collective_s(root + layers * (2 if regather else 1), gpus, shard_nodes, links,
                         units + (inv.num_layers if regather else 0))
     traffic.add(s, b, accum, per_step=False)
+    # The gradients are reduce-scattered (and, offloaded, copied to the host) every micro-batch: sharded gradients
+    # are not held back (Strategy.defers_gradient_sync).
     s, b = collective_s(grads, gpus, shard_nodes, links, units)
-    traffic.add(s, b, 1, per_step=True)  # reduce-scatter
+    traffic.add(s, b, accum, per_step=False)  # reduce-scatter
     if hybrid and nodes > 1:  # each GPU's gradient shard all-reduced with its peers on the other nodes
         inter = 2 * (nodes - 1) / nodes * grads / gpus
-        traffic.add(inter / _inter_rate(links, gpus) + units * links.inter.latency_s, {"inter": inter}, 1,
-                    per_step=True)
+        traffic.add(inter / _inter_rate(links, gpus) + units * links.inter.latency_s, {"inter": inter}, accum,
+                    per_step=False)
     if setup.offload_params:
         world = setup.world_size
         storage = sum(model.layer_storage(i) for i in range(inv.num_layers))
         copied_in = (model.root_storage() + 2 * storage) / world  # the shard, before each all-gather
-        traffic.add(copied_in / links.host.bytes_per_s, {"host": copied_in}, accum, per_step=False)
         copied_out = trainable * model.dt.master / world
-        traffic.add(copied_out / links.host.bytes_per_s, {"host": copied_out}, 1, per_step=True)
+        traffic.add((copied_in + copied_out) / links.host.bytes_per_s, {"host": copied_in + copied_out}, accum,
+                    per_step=False)
     return traffic
 
 

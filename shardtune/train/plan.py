@@ -55,15 +55,8 @@ class Plan:
 
     @property
     def defers_gradient_sync(self) -> bool:
-        """Whether gradients are reduced only on the last micro-batch of an accumulation.
-
-        DDP, NO_SHARD (whose shards are whole) and FSDP without resharding hold full gradients anyway, so deferring
-        saves communication for free. FULL_SHARD / HYBRID_SHARD reduce-scatter every micro-batch instead: deferring
-        would keep unsharded gradients for the whole accumulation, the memory FULL_SHARD was chosen to save.
-        """
-        if self.strategy.replicates:
-            return True
-        return self.strategy.shards_parameters and (self.sharding == "NO_SHARD" or not self.reshard_after_forward)
+        """Whether gradients are reduced only on the last micro-batch of an accumulation (``Strategy``)."""
+        return self.strategy.defers_gradient_sync(self.sharding)
 
     @property
     def places_weights_itself(self) -> bool:
