@@ -135,10 +135,10 @@ def test_estimators_optimizer_bytes_equal_the_trainers(model_dir, capsys, optim,
 
 
 def _refusal(capsys, argv: list[str]) -> str:
-    from shardtune.cli import main
+    """Exit code 2 and exactly one stderr line besides progress bars (trainutil.refused): the refusal."""
+    from tests.trainutil import refused
 
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]  # after any progress bars, the one line
+    err = refused(capsys, argv)
     assert err.startswith("shardtune ") and ": error: " in err, err
     return err
 
