@@ -167,16 +167,42 @@ def test_train_refuses_float16_with_exit_2(tmp_path, capsys):
 def test_trace_of_a_pure_bf16_job_agrees_with_the_formula(small_model, method, strategy, gpus):
     """The trainer's step traced on fake tensors (bf16 weights, gradients, moments, the bf16 reduce-scatter; the
     stochastically rounded update's temporaries) against ``--pure-bf16``'s formula, within test_trace_formula.py's
-    7% (measured -1.3%; one process with checkpointing -4.4%, DDP x2 -3.7%, LoRA -1.6% to +2.3%, QLoRA +2.1%)."""
+    7% (measured -1.3%; one process with checkpointing -4.4%, DDP x2 -3.7%, LoRA -1.6% to +2.3%, QLoRA +2.1%).
+    The job must really be pure bf16 on both sides: the trace holds AdamW's two moments in bf16 (2 bytes each per
+    trainable parameter of this rank), and its peak is below the same job's mixed-precision trace by at least the
+    moments' halving (its weights and gradients shrink too); a pure_bf16 lost on both sides would agree as well."""
     from tests.setups import checked_setup
-    from shardtune.memory.trace_setup import config_from_setup, formula_and_trace
+    from shardtune.memory.formula import estimate
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.trace import trace_training_step
+    from shardtune.memory.trace_setup import config_from_setup
 
-    setup = checked_setup(method=method, distributed_type=strategy, num_gpus=gpus, per_device_train_batch_size=2,
-                          max_seq_len=256, gradient_checkpointing=True, mixed_precision="bf16", torch_dtype="bfloat16",
-                          loss="shardtune")
-    assert config_from_setup(small_model, setup).model.torch_dtype == "bfloat16"  # what --emit-config writes
-    formula, _, traced, _ = formula_and_trace(small_model, setup)
-    assert abs(formula / traced - 1) <= 0.07, f"formula {formula:,} B vs trace {traced:,} B"
+    def job(torch_dtype):
+        return checked_setup(method=method, distributed_type=strategy, num_gpus=gpus, per_device_train_batch_size=2,
+                             max_seq_len=256, gradient_checkpointing=True, mixed_precision="bf16",
+                             torch_dtype=torch_dtype, loss="shardtune")
+
+    def trace(setup):
+        return trace_training_step(config_from_setup(small_model, setup), setup.world_size, num_nodes=setup.num_nodes)
+
+    setup, mixed_setup = job("bfloat16"), job(None)
+    cfg = config_from_setup(small_model, setup)
+    assert cfg.model.torch_dtype == "bfloat16"  # what --emit-config writes
+    assert setup.pure_bf16 and cfg.model.pure_bf16
+    assert not mixed_setup.pure_bf16 and not config_from_setup(small_model, mixed_setup).model.pure_bf16
+    analysis = ModelAnalysis(small_model)
+    formula = estimate(analysis.inventory, setup, analysis.lora_of(setup)).tensors
+    pure, mixed = trace(setup), trace(mixed_setup)
+    assert abs(formula / pure.peak_bytes - 1) <= 0.07, f"formula {formula:,} B vs trace {pure.peak_bytes:,} B"
+
+    shards = gpus if strategy == "FSDP" else 1
+    moments = 2 * torch.bfloat16.itemsize * pure.trainable_parameters // shards
+    assert moments > 0
+    held = pure.categories["optimizer"]  # the moments and AdamW's 0-d fp32 step per tensor
+    assert moments <= held <= 1.01 * moments, (held, moments)
+    assert mixed.categories["optimizer"] >= 2 * moments  # fp32 moments
+    saved = mixed.categories["optimizer"] - held
+    assert mixed.peak_bytes - pure.peak_bytes >= saved, (pure.peak_bytes, mixed.peak_bytes, saved)
 
 
 @pytest.fixture(scope="module")
