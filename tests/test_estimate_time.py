@@ -249,12 +249,14 @@ def test_codellama_34b_fsdp_time_as_published():
     assert within(trelis("codellama-34b", 4, 4, "FSDP").seconds_for(TRELIS_TOKENS), 30 * 60)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="model parallel on one RTX 6000 Ada at a time is predicted 2.0x faster than "
-                   "Trelis published (23 min against 47): the card computes slower than its data sheet's peak says, "
-                   "as Answer.AI's 4 x RTX 6000 Ada run (1.53x too fast, bench/results/calibration.md) also shows")
 def test_codellama_34b_model_parallel_time_as_published():
-    assert within(trelis("codellama-34b", 4, 4, "MP").seconds_for(TRELIS_TOKENS), 47 * 60)
+    """Published: model parallel 47 min (batch 4, accumulation 4). The model predicts it about 2.0x faster (23
+    min): one RTX 6000 Ada computes slower than its data sheet's peak says, as Answer.AI's 4 x RTX 6000 Ada run
+    (1.53x too fast, bench/results/calibration.md) also shows, and the Trelis figures could not be re-read, so
+    they are not in the calibration set (docs/estimator.md). The test holds the known gap to its size: the
+    prediction stays 1.5x to 2.5x faster than published, so a change that moves it either way is caught."""
+    predicted = trelis("codellama-34b", 4, 4, "MP").seconds_for(TRELIS_TOKENS)
+    assert 1.5 <= 47 * 60 / predicted <= 2.5, f"predicted {predicted / 60:.1f} min against the published 47"
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
