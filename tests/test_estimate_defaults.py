@@ -65,6 +65,10 @@ def test_a_recipe_without_precision_is_estimated_as_the_gpu_would_train_it(tiny_
     recipe.write_text(f"model_name_or_path: {tiny_model}\ndataset_name: d\n")
     assert shardtune_main(["estimate", "--config", str(recipe), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["setup"]["mixed_precision"] == "bf16"  # the H100 computes bf16
+    # And the other way: on this machine with bf16, a V100 (no bf16) is estimated in fp32, as train runs there.
+    monkeypatch.setattr("shardtune.hardware.local_native_bf16", lambda: (True, ""))
+    assert shardtune_main(["estimate", "--config", str(recipe), "--gpu", "v100-32gb", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["mixed_precision"] == "no"
 
 
 def test_on_a_card_without_bf16_the_estimate_is_fp32_as_train_would_run(tiny_model, capsys):
