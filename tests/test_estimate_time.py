@@ -558,3 +558,11 @@ def test_measured_speeds_are_shown_beside_the_predicted_ones(tmp_path, capsys, m
     assert f"{ddp['tokens_per_s']:,.0f}" in out and f"{ddp['predicted_over_measured']:.2f}" in out
     assert "Caution: measured with tiny, predicted for llama-3.1-8b" in out
     assert "Caution: measured on cpu (2 cores)" in out
+    # Measured with the estimate's own model on CUDA GPUs, as many as it predicts for: the figures compare, no caution.
+    bench.write_text(json.dumps({"model": "llama-3.1-8b", "device": "cuda (NVIDIA H100 80GB HBM3)",
+                                 "num_processes": 2, "method": "lora",
+                                 "results": [{"strategy": "DDP", "tokens_per_s": 1000.0}]}))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Tokens/s predicted against measured (--measured)" in out and "measured: " in out
+    assert "Caution: measured" not in out, out
