@@ -234,4 +234,25 @@ def test_added_tokens_of_a_tied_head_train_alike_under_fsdp(runs):
     vocab = json.loads((root / "llama3" / "config.json").read_text())["vocab_size"]
     rows = {probe(root / name, rank)["embedding_rows"] for name, rank in (("tied_single", 0), ("tied_fsdp", 1))}
     assert len(rows) == 1 and rows.pop() > vocab  # the template's tokens were added to the embeddings
+    # The new rows trained and were saved: each final adapter holds PEFT's trainable token rows for exactly the
+    # added ids (the tied head shares them), moved from their zero start, and FSDP's equal one process's.
+    import torch
+    from safetensors.torch import load_file
+    from torch.testing import assert_close
+
+    added = list(range(vocab, probe(root / "tied_single")["embedding_rows"]))
+    deltas = []
+    for name in ("tied_single", "tied_fsdp"):
+        final = root / name / "final"
+        assert json.loads((final / "adapter_config.json").read_text())["trainable_token_indices"] == {
+            "embed_tokens": added}
+        found = {k: t for k, t in load_file(final / "adapter_model.safetensors").items()
+                 if "trainable_tokens_delta" in k}
+        # One parameter, saved under the embeddings' name and the tied head's.
+        assert any("embed_tokens" in k for k in found), sorted(found)
+        delta = next(iter(found.values()))
+        assert all(torch.equal(t, delta) for t in found.values()), sorted(found)
+        assert delta.shape[0] == len(added) and delta.abs().amax(dim=1).min() > 0, delta
+        deltas.append(delta)
+    assert_close(deltas[1], deltas[0], rtol=REL_TOL, atol=REL_TOL * float(deltas[0].abs().max()))
 
