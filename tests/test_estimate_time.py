@@ -235,13 +235,15 @@ def test_tinyllama_model_parallel_against_ddp_as_published():
     assert within(mp.seconds_for(TRELIS_TOKENS) / ddp.seconds_for(TRELIS_TOKENS), published_ratio, 1.25)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the time model fitted to the calibration set (bench/results/calibration.md) predicts these "
-                   "RTX 6000 Ada runs ~2.5x faster than Trelis published (21 s for DDP, 95 s for MP); the Trelis "
-                   "figures could not be re-read, so they are not in the calibration set")
 def test_tinyllama_times_as_published():
-    assert within(trelis("tinyllama-1.1b", 16, 2, "DDP").seconds_for(TRELIS_TOKENS), 59)
-    assert within(trelis("tinyllama-1.1b", 16, 2, "MP").seconds_for(TRELIS_TOKENS), 3 * 60 + 53)
+    """Published: DDP 59 s, MP 3 min 53 s. The model predicts both 2.5-2.8x faster (21 s and 95 s): the RTX 6000
+    Ada computes slower than its data sheet's peak says, as Answer.AI's 4 x RTX 6000 Ada run (1.54x too fast,
+    bench/results/calibration.md) also shows, and the Trelis figures could not be re-read, so they are not in the
+    calibration set (docs/estimator.md). The test holds the known gap to its size, so a change that moves it
+    either way is caught (the MP/DDP ratio, above, is as published)."""
+    for strategy, published in (("DDP", 59), ("MP", 3 * 60 + 53)):
+        predicted = trelis("tinyllama-1.1b", 16, 2, strategy).seconds_for(TRELIS_TOKENS)
+        assert 2.0 <= published / predicted <= 3.5, f"{strategy}: predicted {predicted:.0f} s against {published}"
 
 
 def test_codellama_34b_fsdp_time_as_published():
@@ -254,17 +256,11 @@ def test_codellama_34b_model_parallel_time_as_published():
     min): one RTX 6000 Ada computes slower than its data sheet's peak says, as Answer.AI's 4 x RTX 6000 Ada run
     (1.53x too fast, bench/results/calibration.md) also shows, and the Trelis figures could not be re-read, so
     they are not in the calibration set (docs/estimator.md). The test holds the known gap to its size: the
-    prediction stays 1.5x to 2.5x faster than published, so a change that moves it either way is caught."""
+    prediction stays 1.5x to 2.5x faster than published, so a change that moves it either way is caught. (With
+    FSDP's time as published and this one too fast, the model ranks MP ahead of FSDP here, where Trelis measured
+    FSDP faster.)"""
     predicted = trelis("codellama-34b", 4, 4, "MP").seconds_for(TRELIS_TOKENS)
     assert 1.5 <= 47 * 60 / predicted <= 2.5, f"predicted {predicted / 60:.1f} min against the published 47"
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="FSDP's time is predicted as published (27 min against 30), model parallel's too fast (23 "
-                   "min against 47): one RTX 6000 Ada computes slower than the model says")
-def test_codellama_34b_fsdp_beats_model_parallel_as_published():
-    assert (trelis("codellama-34b", 4, 4, "FSDP").seconds_for(TRELIS_TOKENS)
-            < trelis("codellama-34b", 4, 4, "MP").seconds_for(TRELIS_TOKENS))
 
 
 def test_offloaded_full_fine_tune_on_two_4090s_is_tens_of_times_slower_than_one_h100():
