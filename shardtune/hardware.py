@@ -298,11 +298,13 @@ def intra_node_link(gpu: Gpu, name: str | None = None) -> Link:
     choice = check_choice(name, [*INTRA_NODE_LINKS, "nvlink", "pcie"], "interconnect")
     if choice == "pcie":
         return INTRA_NODE_LINKS[gpu.host_link]
-    if choice == "nvlink":
+    if choice.startswith("nvlink"):
         if gpu.nvlink is None:
-            raise UsageError(f"--interconnect nvlink: the {gpu.label or gpu.name} has no NVLink; its GPUs talk over "
-                             f"PCIe (--interconnect pcie, or name a link: {', '.join(INTRA_NODE_LINKS)}).")
-        return INTRA_NODE_LINKS[gpu.nvlink]
+            raise UsageError(f"--interconnect {choice}: the {gpu.label or gpu.name} has no NVLink; its GPUs talk "
+                             f"over PCIe (--interconnect pcie, or name a link: "
+                             f"{', '.join(n for n in INTRA_NODE_LINKS if not n.startswith('nvlink'))}).")
+        if choice == "nvlink":
+            return INTRA_NODE_LINKS[gpu.nvlink]
     return INTRA_NODE_LINKS[choice]
 
 

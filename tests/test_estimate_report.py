@@ -358,3 +358,33 @@ def test_pure_bf16_is_estimated_wherever_train_runs_it(tmp_path, capsys):
     recipe.write_text("model_name_or_path: llama-3.2-1b\ntorch_dtype: bfloat16\nbf16: false\n")
     assert main(["estimate", "--config", str(recipe)]) == 0
     assert "pure bf16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--num-gpus", "2", "--strategy", "MP", "--sharding-strategy", "SHARD_GRAD_OP"],
+     "--sharding-strategy sets up FSDP, and --strategy MP is not FSDP"),
+    (["--num-gpus", "2", "--strategy", "DDP", "--offload-params"], "--offload-params sets up FSDP"),
+    (["--pipeline-microbatches", "4"], "--pipeline-microbatches splits the batch of pipeline parallel only"),
+    (["--time", "--inter-node", "ethernet-25g"], "--inter-node ethernet-25g: the job runs on one node"),
+    (["--time", "--interconnect", "pcie4"], "--interconnect pcie4: the job runs on one GPU per node"),
+    (["--time", "--gpu", "rtx4090", "--num-gpus", "2", "--interconnect", "nvlink4"],
+     "--interconnect nvlink4: the NVIDIA GeForce RTX 4090 24GB has no NVLink"),
+])
+def test_an_option_that_would_change_nothing_is_refused(options, says, capsys):
+    """Each of these was accepted and dropped without a word (a sharding for model parallel, micro-batches for no
+    pipeline, a link no collective crosses) or, for NVLink named on a card without it, used as if it were there."""
+    from shardtune.cli import main
+
+    assert main(["estimate", "llama-3.2-1b", *options]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_architecture_transformers_does_not_ship_is_one_short_line(tmp_path, capsys):
+    """transformers' own message lists every model type it knows: 9,000 characters in the "one line"."""
+    from shardtune.cli import main
+
+    (tmp_path / "config.json").write_text('{"model_type": "foo", "hidden_size": 64}')
+    assert main(["estimate", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model_type 'foo' is not in transformers " in err and len(err) < 300

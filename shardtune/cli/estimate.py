@@ -169,8 +169,15 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
 
     if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
         raise UsageError(f"--price-per-gpu-hour must be 0 or more US dollars (got {args.price_per_gpu_hour:g}).")
-    gpu = report.gpu
+    gpu, setup = report.gpu, report.breakdown.setup
     links = Links(intra_node_link(gpu, args.interconnect), inter_node_link(gpu, args.inter_node), host_link(gpu))
+    for option, given, idle in (("--interconnect", args.interconnect, setup.num_gpus == 1),
+                                ("--inter-node", args.inter_node, setup.num_nodes == 1)):
+        if given and idle:  # no collective crosses it: the option would change nothing
+            where = "one GPU per node" if option == "--interconnect" else "one node"
+            count = "--num-gpus" if option == "--interconnect" else "--num-nodes"
+            raise UsageError(f"{option} {given}: the job runs on {where}, so nothing crosses that link; give "
+                             f"{count} (or leave {option} out)")
     data = None
     if args.data:
         data = count_data_tokens(args.data, args.model, report.breakdown.setup.seq_len)
@@ -264,6 +271,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
         keys["distributed_type"] = FSDP if args.num_gpus * args.num_nodes > 1 else NO
     elif "distributed_type" not in keys:
         keys["distributed_type"] = strategy_named(args.strategy)
+    _check_strategy_options(args, keys, auto)
     setup = validate(Setup(num_gpus=args.num_gpus, num_nodes=args.num_nodes, loss=args.loss,
                            native_bf16=gpu_from_args(args).bf16,
                            pipeline_microbatches=args.pipeline_microbatches).with_(**keys))
@@ -274,6 +282,20 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
     if problems := refusals(setup):  # what train would refuse, in its words
         raise UsageError(problems[0])
     return setup, auto
+
+
+def _check_strategy_options(args: argparse.Namespace, keys: dict, auto: bool) -> None:
+    """An option of another strategy than the one named would be dropped without a word: refused instead."""
+    strategy = strategy_named(keys["distributed_type"])
+    if not strategy.shards_parameters:
+        for option, key in (("--sharding-strategy", "fsdp_sharding_strategy"), ("--offload-params",
+                                                                                "fsdp_offload_params")):
+            if keys.get(key) is not None and keys.get(key) is not False:
+                raise UsageError(f"{option} sets up FSDP, and --strategy {args.strategy} is not FSDP; leave {option} "
+                                 f"out or give --strategy FSDP")
+    if args.pipeline_microbatches is not None and not strategy.pipelined and not (auto and args.measured):
+        raise UsageError(f"--pipeline-microbatches splits the batch of pipeline parallel only, which --strategy "
+                         f"{args.strategy} is not; give --strategy PP (or --measured with PP's speed) or leave it out")
 
 
 def gpu_from_args(args: argparse.Namespace) -> Gpu:

@@ -149,10 +149,13 @@ def build_config(config_dict: dict, name: str):
     kwargs = copy.deepcopy({k: v for k, v in config_dict.items() if k != "model_type"})
     try:
         return AutoConfig.for_model(model_type, **kwargs)
-    except ValueError as exc:
+    except ValueError:
+        import transformers
+
+        # transformers' own words list every model type it knows (9,000 characters): the version says it.
         raise UsageError(
-            f"{name}: model_type '{model_type}' is not in this transformers version ({exc}); "
-            "upgrade transformers, or use a model whose architecture transformers ships (no remote code is run)."
+            f"{name}: model_type '{model_type}' is not in transformers {transformers.__version__}; upgrade "
+            "transformers, or use a model whose architecture transformers ships (no remote code is run)."
         ) from None
 
 
