@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -56,8 +57,12 @@ def one_process(assets, out: str, extra: list[str]) -> list[dict]:
     return records(assets[0] / out)
 
 
+# LoRA's variants whose tensors are not lora_A/lora_B: DoRA's magnitudes, a trained copy of the last stage's head
+# (modules_to_save), every bias (this Llama has none in its linears; the norms' weights are not biases).
+LORA_EXTRAS = [*LORA, "--use_dora", "True", "--lora_modules_to_save", "lm_head", "--lora_bias", "all"]
 PIPELINES = {"pp_1f1b": [*EVAL, *ONE_F_ONE_B],
-             "pp_gpipe_lora": [*LORA, "--pipeline_schedule", "GPipe", "--pipeline_microbatches", "4"]}
+             "pp_gpipe_lora": [*LORA, "--pipeline_schedule", "GPipe", "--pipeline_microbatches", "4"],
+             "pp_lora_extras": [*LORA_EXTRAS, *ONE_F_ONE_B]}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +157,31 @@ def test_pp_gpipe_lora_with_accumulation_matches_one_process(assets, pipelines):
     assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-5
 
 
+def test_pp_final_adapter_holds_every_stages_dora_and_modules_to_save(assets, pipelines):
+    """final/ of a pipeline run is PEFT's adapter of the whole model: it kept only tensors named '.lora_', so a
+    trained lm_head copy (modules_to_save) was dropped without a word and DoRA's magnitudes stopped the export.
+    Now it holds what one process's final/ holds, the same values, and loads into PEFT with the trained logits."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    assert_same(one_process(assets, "ref_lora_extras", LORA_EXTRAS), pipeline(assets, pipelines, "pp_lora_extras"))
+    ref = load_file(str(assets[0] / "ref_lora_extras" / "final" / "adapter_model.safetensors"))
+    got = load_file(str(assets[0] / "pp_lora_extras" / "final" / "adapter_model.safetensors"))
+    assert ref.keys() == got.keys()
+    assert any("lora_magnitude_vector" in k for k in ref) and any(k.endswith("lm_head.weight") for k in ref)
+    assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-5
+    ids = torch.arange(1, 33).unsqueeze(0)
+    logits = []
+    for out in ("ref_lora_extras", "pp_lora_extras"):
+        base = AutoModelForCausalLM.from_pretrained(str(assets[1]), dtype=torch.float32)
+        logits.append(PeftModel.from_pretrained(base, str(assets[0] / out / "final")).eval()(ids).logits)
+    assert torch.allclose(logits[0], logits[1], atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(str(assets[1]), dtype=torch.float32).eval()
+    assert not torch.allclose(base(ids).logits, logits[0], atol=1e-3)  # the adapter trained
+
+
 def test_keep_stage_keeps_original_names(assets):
     from transformers import AutoModelForCausalLM
 
@@ -165,6 +195,38 @@ def test_keep_stage_keeps_original_names(assets):
     assert first_names | last_names == names and not first_names & last_names
     assert "model.layers.3.self_attn.q_proj.weight" in last_names and "lm_head.weight" in last_names
     assert "model.embed_tokens.weight" in first_names and "model.layers.1.mlp.up_proj.weight" not in first_names
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("granite", "scales its input embeddings (embedding_multiplier 3.0) inside the forward every stage runs"),
+    ("tied-head-copy", "and the head alone is trained (lora_modules_to_save)"),
+    ("tied-embeddings-copy", "and the embeddings alone is trained (lora_modules_to_save)"),
+])
+def test_pp_refuses_what_its_stages_would_compute_apart(kind, says):
+    """Granite scales inputs_embeds in the forward each stage runs, so PP scaled the hidden states again on every
+    later stage (other losses than one process's, exit 0); a trained copy of one end of a tied head
+    (modules_to_save) made one stage all-reduce the tied gradient alone, and gloo aborted. Both are refused
+    before any step, one line."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from shardtune.train.pipeline_parallel import keep_stage
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    torch.manual_seed(0)
+    if kind == "granite":
+        model = transformers.AutoModelForCausalLM.from_config(transformers.GraniteConfig(**sizes,
+                                                                                       embedding_multiplier=3.0))
+    else:
+        base = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**sizes,
+                                                                                     tie_word_embeddings=True))
+        saved = "lm_head" if kind == "tied-head-copy" else "embed_tokens"
+        model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=[saved]))
+    for first, last in ((True, False), (False, True)):
+        with pytest.raises(UsageError, match=re.escape(says)):
+            keep_stage(model, (0, 1) if first else (1, 2), first=first, last=last)
 
 
 def test_pp_resume_reproduces_the_uninterrupted_run(assets, full_runs, monkeypatch):
@@ -197,6 +259,9 @@ def test_pp_resume_reproduces_the_uninterrupted_run(assets, full_runs, monkeypat
     (["--eval_strategy", "steps", "--per_device_eval_batch_size", "3"], "per_device_eval_batch_size=3 must be"),
     (["--eval_on_start", "true", "--per_device_eval_batch_size", "3"], "per_device_eval_batch_size=3 must be"),
     (["--fp16", "true"], "fp16 with distributed_type=PP: the pipeline's stages do not scale the loss"),
+    # 1F1B fills the pipeline with a micro-batch per stage: torch raised it on every rank, a traceback each.
+    (["--num_processes", "4", "--pipeline_microbatches", "2"],
+     "pipeline_schedule 1F1B needs at least one micro-batch per stage: pipeline_microbatches=2 for 4 stages"),
 ])
 def test_pipeline_config_errors(assets, extra, message):
     with pytest.raises(UsageError, match=message):
@@ -210,4 +275,7 @@ def test_pp_config_is_accepted(assets):
                                                 "--resume_from_checkpoint", "true"]))
     d = cfg.distributed
     assert (d.distributed_type, d.pipeline_schedule, d.pipeline_microbatches) == ("PP", "GPipe", 4)
+    # GPipe runs any number of micro-batches through any number of stages.
+    assert load_train_config(args(assets, "ok", ["--distributed_type", "PP", "--pipeline_schedule", "GPipe",
+                                                 "--num_processes", "4", "--pipeline_microbatches", "2"]))
     assert cfg.run.eval_strategy == "steps" and cfg.checkpoint.resume_from_checkpoint == "true"

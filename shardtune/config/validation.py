@@ -321,6 +321,14 @@ def _validate_pipeline(cfg: TrainConfig) -> list[Problem]:
                 for kind, size, used in (("train", r.per_device_train_batch_size, True),
                                          ("eval", r.per_device_eval_batch_size, SWITCHES[EVALUATES](cfg)))
                 if used and size % d.pipeline_microbatches]
+    stages = d.num_processes  # one stage per process, over all machines
+    if d.pipeline_schedule.upper() == "1F1B" and d.pipeline_microbatches < stages:
+        # torch.distributed.pipelining's 1F1B fills the pipeline with one micro-batch per stage before it steps.
+        problems.append(Problem(("pipeline_microbatches", "pipeline_schedule", "num_processes"),
+                                f"pipeline_schedule 1F1B needs at least one micro-batch per stage: "
+                                f"pipeline_microbatches={d.pipeline_microbatches} for {stages} stages (processes); "
+                                f"raise pipeline_microbatches to {stages} or more (per_device_train_batch_size a "
+                                f"multiple of it), or use pipeline_schedule GPipe"))
     if cfg.mixed_precision == "fp16":
         # Each stage would need the loss scale in its backward and a skip decision shared by every stage.
         problems.append(Problem(("fp16", "mixed_precision", "distributed_type"), f"fp16 with distributed_type="

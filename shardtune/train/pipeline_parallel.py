@@ -61,6 +61,7 @@ def keep_stage(model: nn.Module, bounds: tuple[int, int], *, first: bool, last: 
     refuse_router_aux_loss(causal_lm)
     if not (first and last):
         _refuse_trained_tied_adapters(causal_lm)
+        _refuse_scaled_embeddings(causal_lm)
     start, end = bounds
     for i in [*range(start), *range(end, len(inner.layers))]:
         inner.layers[i] = OtherStage()
@@ -83,6 +84,16 @@ def _is_tied(causal_lm: nn.Module) -> bool:
     return bool(getattr(causal_lm.config, "tie_word_embeddings", False))
 
 
+def _refuse_scaled_embeddings(causal_lm: nn.Module) -> None:
+    """Granite (and its MoE kin) scale ``inputs_embeds`` by ``embedding_multiplier`` inside the model's forward,
+    which every stage runs on the hidden states it is handed: each stage after the first would scale them again."""
+    multiplier = getattr(causal_lm.config, "embedding_multiplier", None)
+    if multiplier not in (None, 1, 1.0):
+        raise UsageError(f"distributed_type=PP: this {causal_lm.config.model_type} model scales its input embeddings "
+                         f"(embedding_multiplier {multiplier}) inside the forward every stage runs, so each stage "
+                         f"after the first would scale the hidden states again; use FSDP, DDP or MP")
+
+
 def _refuse_trained_tied_adapters(causal_lm: nn.Module) -> None:
     """A tied head is supported with its weight frozen or trained whole (``tied_weight``); another trained tensor
     that the embeddings and the head share (PEFT's rows for added tokens follow the embeddings into a tied head)
@@ -90,6 +101,13 @@ def _refuse_trained_tied_adapters(causal_lm: nn.Module) -> None:
     if not _is_tied(causal_lm):
         return
     embed, head = causal_lm.get_input_embeddings(), causal_lm.get_output_embeddings()
+    trained = {end: any(p.requires_grad for p in module.parameters()) for end, module in (("embeddings", embed),
+                                                                                           ("head", head))}
+    if trained["embeddings"] != trained["head"]:  # a trained copy of one end (PEFT's modules_to_save)
+        which = "head" if trained["head"] else "embeddings"
+        raise UsageError(f"distributed_type=PP: this model ties its LM head to the input embeddings, and the {which} "
+                         f"alone is trained (lora_modules_to_save), which the pipeline's two ends would hold "
+                         f"apart; use FSDP, DDP or MP, or leave lora_modules_to_save out")
     in_embed = {id(p) for p in embed.parameters()}
     shared = sorted(name for name, p in head.named_parameters()
                     if id(p) in in_embed and p.requires_grad and p is not embed.weight)
@@ -261,6 +279,11 @@ def split_for_stage(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
     if len(plan.stage_bounds) != info.world_size:
         raise UsageError(f"distributed_type=PP needs one stage per process: {len(plan.stage_bounds)} stages for "
                          f"{info.world_size} processes; launch as many processes as the model has layers or fewer")
+    if plan.pipeline_schedule.upper() == "1F1B" and plan.pipeline_microbatches < info.world_size:
+        # Checked with the config (num_processes) too; here for a launcher that set no num_processes.
+        raise UsageError(f"pipeline_schedule 1F1B needs at least one micro-batch per stage: pipeline_microbatches="
+                         f"{plan.pipeline_microbatches} for {info.world_size} stages (processes); raise "
+                         f"pipeline_microbatches to {info.world_size} or more, or use pipeline_schedule GPipe")
     last = info.world_size - 1
     # The model was loaded into CPU RAM: only this stage's part goes to the device.
     return keep_stage(model, plan.stage_bounds[info.rank], first=info.rank == 0, last=info.rank == last).to(info.device)
@@ -275,9 +298,14 @@ def export_stages(output_dir: str | Path, model: nn.Module, tokenizer, *, is_pef
     """
     # Plain tensors (no DTensor): each stage's own state dict is already complete for its modules. The last
     # stage's copy of a tied head is the first stage's embeddings again: the exported model ties them.
-    copy = _head_names(model) if info.rank > 0 and _is_tied(unwrap(model)) else set()
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()
-             if (not is_peft or ".lora_" in k) and k not in copy}
+    if is_peft:  # each stage's share of the adapter, as PEFT saves it: LoRA, DoRA's magnitudes, biases and
+        # modules_to_save copies, under their saved names
+        from peft import get_peft_model_state_dict
+
+        state = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(getattr(model, "module", model)).items()}
+    else:
+        copy = _head_names(model) if info.rank > 0 and _is_tied(unwrap(model)) else set()
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in copy}
     gathered: list[Any] = [None] * info.world_size if info.is_main else []
     dist.gather_object(state, gathered if info.is_main else None, dst=0)
     target = Path(output_dir) / "final"
@@ -302,16 +330,14 @@ def _head_names(model: nn.Module) -> set[str]:
 def _save_adapter(model: nn.Module, merged: dict[str, torch.Tensor], folder: Path) -> None:
     """A PEFT adapter folder holding every stage's adapters.
 
-    PEFT keeps only the adapters of modules this rank's (partial) model has, so its file is replaced by all the
-    LoRA tensors under PEFT's saved names (the adapter name dropped: ``lora_A.default.weight`` -> ``lora_A.weight``).
+    PEFT keeps only the adapters of modules this rank's (partial) model has, so its file is replaced by every
+    stage's share (``merged``, already under PEFT's saved names: ``get_peft_model_state_dict`` on each stage).
     """
     from safetensors.torch import load_file, save_file
 
     model.save_pretrained(str(folder), safe_serialization=True)
     path = folder / "adapter_model.safetensors"
-    own = load_file(str(path))
-    adapters = {k.replace(".default.", "."): v.contiguous() for k, v in merged.items() if ".lora_" in k}
-    missing = set(own) - set(adapters)
-    if missing:
+    missing = set(load_file(str(path))) - set(merged)
+    if missing:  # this stage's own share is in every stage's: a name PEFT saves and the gather left out
         raise RuntimeError(f"pipeline export lost adapter tensors: {sorted(missing)[:3]}")
-    save_file(adapters, str(path), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in merged.items()}, str(path), metadata={"format": "pt"})
