@@ -374,7 +374,7 @@ def test_an_attention_kernel_that_cannot_run_is_refused_before_anything_is_writt
     assert not out.exists()
 
 
-def test_lora_modules_to_save_that_name_no_module_and_a_zero_alpha_are_refused(work, tmp_path, capsys):
+def test_lora_modules_that_name_no_module_and_a_zero_alpha_are_refused(work, tmp_path, capsys):
     """PEFT trains nothing for a modules_to_save name that matches no module and says nothing (the run trained the
     adapters alone and recorded the typo in adapter_config.json); lora_alpha 0 scales every update to nothing."""
     with logging_restored():
@@ -384,6 +384,11 @@ def test_lora_modules_to_save_that_name_no_module_and_a_zero_alpha_are_refused(w
                 "mean embed_tokens?)")
         refused(capsys, [*train_argv(work, tmp_path / "b"), "--use_peft_lora", "true", "--lora_alpha", "0"],
                 "lora_alpha=0 must be positive")
+        # The same for a typo among the target modules: PEFT refuses a list none of whose names match, and adapted
+        # q_proj alone for q_proj,v_porj (2,048 parameters trained, no word).
+        refused(capsys, [*train_argv(work, tmp_path / "c"), "--use_peft_lora", "true", "--lora_target_modules",
+                         "q_proj,v_porj"],
+                "lora_target_modules=q_proj,v_porj: no module of the model is named v_porj (did you mean v_proj?)")
     assert not (tmp_path / "b").exists()
 
 
@@ -418,3 +423,22 @@ def test_a_4bit_dtype_shardtune_cannot_run_is_refused_before_anything_is_written
     refused(capsys, train_argv(work, out, "--use_peft_lora", "true", "--use_4bit_quantization", "true", f"--{key}",
                                value), says)
     assert not out.exists()
+
+
+def test_peft_refusing_a_target_module_is_one_readable_line():
+    """PEFT's refusal of a module it cannot adapt prints the module over several lines; the first line alone was
+    "Target module MixtralExperts(", which says nothing. Its whole message is kept, on one line."""
+    import transformers
+
+    from shardtune.config.schema import LoraConfig
+    from shardtune.errors import UsageError
+    from shardtune.testing.families import family_config
+    from shardtune.testing.tiny import make_tokenizer
+    from shardtune.train.model import apply_lora
+
+    model = transformers.AutoModelForCausalLM.from_config(family_config("mixtral", make_tokenizer()))
+    with pytest.raises(UsageError) as refused:
+        apply_lora(model, LoraConfig(lora_target_modules="experts"), seed=0)
+    said = str(refused.value)
+    assert "\n" not in said and "Target module MixtralExperts( (act_fn): SiLUActivation() ) is not supported" in said
+    assert said.endswith("use all-linear, names of the model's linear layers (e.g. q_proj,v_proj) or re:<regex>")

@@ -361,15 +361,17 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids
     """
     from peft import get_peft_model
 
-    if training and (missing := [name for name in lora.lora_modules_to_save
-                                 if not any(module.endswith(name) for module, _ in model.named_modules())]):
-        # PEFT trains a copy of each module whose name ends with one of these, and says nothing of a name that
-        # matches none: the run would train the adapters alone.
-        short = sorted({module.rsplit(".", 1)[-1] for module, _ in model.named_modules() if module})
-        hints = [hint for name in missing if (hint := closest(name, short))]
-        raise UsageError(f"lora_modules_to_save={','.join(lora.lora_modules_to_save)}: no module of the model is "
-                         f"named {', '.join(missing)}" + (f" (did you mean {', '.join(hints)}?)" if hints else "")
-                         + "; give the names of modules to train whole, e.g. lm_head,embed_tokens")
+    if training:
+        # PEFT trains a copy of each module whose name ends with one of lora_modules_to_save, and adapts each one
+        # named in a list of target modules; it says nothing of a name that matches none (a typo among the
+        # targets): the run would train less than asked.
+        targets = target_modules(lora.lora_target_modules)
+        for key, names, fix in (("lora_modules_to_save", list(lora.lora_modules_to_save),
+                                 "give the names of modules to train whole, e.g. lm_head,embed_tokens"),
+                                ("lora_target_modules", targets if isinstance(targets, list) else [],
+                                 "give the names of the model's linear layers (e.g. q_proj,v_proj), all-linear or "
+                                 "re:<regex>")):
+            _refuse_unmatched(model, key, names, fix)
     peft_config = peft_lora_config(lora, added_token_targets(model, added_token_ids or [], lora))
     if mutates_base(lora) and next(model.parameters()).is_meta:
         # A rank built on meta gets all of rank 0's weights, its decomposed base included: nothing to take apart
@@ -382,9 +384,11 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids
             warnings.filterwarnings("ignore", message=".*(pissa|olora|PiSSA|OLoRA).*")
             model = get_peft_model(model, peft_config)
     except ValueError as exc:
+        said = " ".join(str(exc).split())  # PEFT's message may print a whole module over many lines
         raise UsageError(f"lora_target_modules={lora.lora_target_modules!r}, lora_modules_to_save="
-                         f"{','.join(lora.lora_modules_to_save) or None}: {str(exc).splitlines()[0]}; use all-linear, "
-                         f"names of the model's linear layers (e.g. q_proj,v_proj) or re:<regex>") from None
+                         f"{','.join(lora.lora_modules_to_save) or None}: "
+                         f"{said if len(said) <= 300 else said[:297] + '...'}; use all-linear, names of the model's "
+                         f"linear layers (e.g. q_proj,v_proj) or re:<regex>") from None
     # Adapters train in fp32 whatever the base dtype: their updates are tiny and would vanish in bf16, unless pure
     # bf16 was asked for, whose optimizer rounds them stochastically instead.
     for param in model.parameters():
@@ -394,6 +398,22 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids
         model.initial_adapter = {name: param.detach().cpu().clone() for name, param in model.named_parameters()
                                  if param.requires_grad and ".lora_" in name and not param.is_meta}
     return model
+
+
+def _refuse_unmatched(model: nn.Module, key: str, names: list[str], fix: str) -> None:
+    """``key``'s ``names`` that no module of ``model`` is named after, as PEFT matches them (modules_to_save: the
+    end of a module's name; target modules: the whole name or its last dotted parts), refused in one line with the
+    nearest module names."""
+    modules = [module for module, _ in model.named_modules() if module]
+    if key == "lora_modules_to_save":
+        missing = [name for name in names if not any(m.endswith(name) for m in modules)]
+    else:
+        missing = [name for name in names if not any(m == name or m.endswith("." + name) for m in modules)]
+    if missing:
+        short = sorted({module.rsplit(".", 1)[-1] for module in modules})
+        hints = [hint for name in missing if (hint := closest(name, short))]
+        raise UsageError(f"{key}={','.join(names)}: no module of the model is named {', '.join(missing)}"
+                         + (f" (did you mean {', '.join(hints)}?)" if hints else "") + f"; {fix}")
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
