@@ -27,6 +27,8 @@ log = logging.getLogger("shardtune")
 
 # --quantize values: what each 2-D weight is stored as. 1-D tensors (norms, biases) stay float32, as llama.cpp's.
 QUANTIZE = ("f16", "bf16", "q8_0")
+# The metadata key that marks a GGUF as shardtune's own: --overwrite replaces only a file that carries it.
+MARK_KEY = "shardtune.written_by"
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,9 @@ def write_gguf(model, tokenizer, path: str | Path, quantize: str, *, name: str,
     with replacing(path) as tmp:
         writer = gguf.GGUFWriter(str(tmp), family.arch)
         try:
-            # First, so that an --overwrite later knows this file as shardtune's own (files.written_by_shardtune).
-            writer.add_string("shardtune.written_by", f"{WRITTEN_BY} export")
+            # First, so that an --overwrite later knows this file as shardtune's own
+            # (export_gguf.gguf_written_by_shardtune).
+            writer.add_string(MARK_KEY, f"{WRITTEN_BY} export")
             add_hparams(writer, model.config, family, name)
             for key, value, types in (source.general if source else ()):
                 writer.add_key_value(key, value, types[0], sub_type=types[1] if len(types) > 1 else None)

@@ -386,3 +386,59 @@ def test_a_gguf_that_is_not_gguf_is_one_line(tmp_path, capsys):
     assert shardtune_main(["estimate", str(bad), "--json"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not a GGUF file" in err and str(bad) in err, err
+
+
+# ------------------------------------------------------------------------------------- OUT: what is there already
+
+
+def sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_overwrite_keeps_a_users_gguf_that_a_shardtune_modelfile_names(tiny, tmp_path, capsys):
+    """The reviewer's case: a Modelfile from an earlier export copied beside the user's SmolLM2 GGUF renamed to
+    model-q8_0.gguf. The GGUF carries no shardtune.written_by key, so it is the user's: refused, byte for byte
+    kept."""
+    import shutil
+
+    folder, _, _ = tiny
+    assert shardtune_main(["export", str(folder), str(tmp_path / "ours"), "--format", "gguf"]) == 0
+    users = tmp_path / "users"
+    users.mkdir()
+    shutil.copy(tmp_path / "ours" / "Modelfile", users / "Modelfile")
+    mine = users / "model-q8_0.gguf"
+    shutil.copy(smollm2_gguf(), mine)
+    before = sha256(mine), sha256(users / "Modelfile")
+    capsys.readouterr()
+    assert shardtune_main(["export", str(folder), str(users), "--format", "gguf", "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"{mine} is there and shardtune did not write it; move it away or export into another "
+                        f"folder"), err
+    assert (sha256(mine), sha256(users / "Modelfile")) == before
+
+
+def test_overwrite_keeps_a_gguf_that_only_mentions_shardtune(tiny, tmp_path, capsys):
+    """The words 'written by shardtune' in a GGUF's description are not shardtune's mark: the key is."""
+    import gguf
+
+    folder, _, _ = tiny
+    mine = tmp_path / "model-f16.gguf"
+    writer = gguf.GGUFWriter(str(mine), "llama")
+    writer.add_description("fine-tuned by me; an earlier version was written by shardtune export")
+    writer.add_tensor("token_embd.weight", torch.ones(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    before = sha256(mine)
+    assert b"written by shardtune" in mine.read_bytes()
+    assert shardtune_main(["export", str(folder), str(mine), "--format", "gguf", "--quantize", "f16",
+                           "--overwrite"]) == 2
+    assert f"{mine} is there and shardtune did not write it" in capsys.readouterr().err
+    assert sha256(mine) == before
+    assert shardtune_main(["export", str(folder), str(tmp_path / "ours.gguf"), "--format", "gguf", "--quantize",
+                           "f16"]) == 0  # and a file of shardtune's own is replaced
+    assert shardtune_main(["export", str(folder), str(tmp_path / "ours.gguf"), "--format", "gguf", "--quantize",
+                           "f16", "--overwrite"]) == 0

@@ -203,11 +203,14 @@ def test_gguf_export_keeps_an_existing_gguf_and_the_users_modelfile(run, tmp_pat
     assert one_error_line(capsys).endswith(f"{mine} is there and shardtune did not write it; move it away or "
                                            f"export into another folder")
     assert snapshot(users) == kept
-    # A GGUF exported before GGUFs carried the mark is known by the Modelfile shardtune wrote beside it.
+    # A GGUF without the mark is the user's even beside a Modelfile of shardtune's naming it: a Modelfile is easily
+    # copied next to any file (tests/test_gguf.py has the user's SmolLM2 so).
     older = (out / "model-f16.gguf").read_bytes().replace(b"written by shardtune", b"written by somebody  ")
     (out / "model-f16.gguf").write_bytes(older)
-    assert main(["export", str(run), str(out), "--format", "gguf", "--quantize", "f16", "--overwrite"]) == 0
-    assert b"written by shardtune" in (out / "model-f16.gguf").read_bytes()
+    kept = snapshot(out)
+    assert main(["export", str(run), str(out), "--format", "gguf", "--quantize", "f16", "--overwrite"]) == 2
+    assert "shardtune did not write it" in one_error_line(capsys)
+    assert snapshot(out) == kept
 
 
 def train_in_process(argv: list[str], callbacks=()) -> dict:

@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 
 from shardtune.errors import UsageError
-from shardtune.gguf_export import check_quantize, family_of, write_gguf
-from shardtune.gguf_source import described, find_gguf, metadata, parsed_once
+from shardtune.gguf_export import MARK_KEY, check_quantize, family_of, write_gguf
+from shardtune.gguf_source import GgufFile, check_complete, described, find_gguf, metadata, parsed_once
 from shardtune.gguf_vocab import template_for_gguf
 from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, loading_refused, model_folder_problem,
                            tokenizer_problem)
-from shardtune.files import written_by_shardtune
+from shardtune.files import WRITTEN_BY, written_by_shardtune
 from shardtune.ollama import write_modelfile
 from shardtune.train.export import adapter_problem, load_checkpoint_model, load_plain_model, merged_model
 from shardtune.train.layout import MANIFEST
@@ -105,7 +105,7 @@ def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite:
         if target.resolve() in [p.resolve() for p in read]:
             return f"OUT {target}: is what the export reads ({source}), which it never writes over; give another OUT"
     for path in (target, modelfile):
-        if not path.exists() or written_by_shardtune(path) or (path == target and _named_by_our_modelfile(target)):
+        if not path.exists() or (gguf_written_by_shardtune(path) if path == target else written_by_shardtune(path)):
             continue
         return (f"OUT {target}: {path} is there and shardtune did not write it; move it away or export into "
                 f"another folder")
@@ -118,13 +118,18 @@ def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite:
     return None
 
 
-def _named_by_our_modelfile(gguf: Path) -> bool:
-    """A GGUF exported before GGUFs carried shardtune's mark: the Modelfile shardtune wrote beside it names it."""
-    modelfile = gguf.parent / "Modelfile"
-    if not written_by_shardtune(modelfile):
+def gguf_written_by_shardtune(path: Path) -> bool:
+    """Whether the GGUF file ``path`` carries shardtune's mark in its own metadata (``MARK_KEY``, which
+    ``write_gguf`` writes first): only such a file is shardtune's to replace. Nothing else makes a user's GGUF
+    shardtune's: not a Modelfile beside it naming it (a copied Modelfile names whatever file the user puts there),
+    nor the words anywhere else in its bytes (a description, a chat template)."""
+    try:
+        check_complete(path)
+        meta, _ = metadata(GgufFile(Path(path).resolve()))
+    except Exception:  # noqa: BLE001 - a file this reader cannot parse, whatever its parser raises, is not ours
         return False
-    lines = modelfile.read_text(encoding="utf-8", errors="replace").splitlines()
-    return f"FROM ./{gguf.name}" in (line.strip() for line in lines)
+    value = meta.get(MARK_KEY)
+    return isinstance(value, str) and value.startswith(WRITTEN_BY)
 
 
 def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", base: str | None = None,
