@@ -9,6 +9,7 @@ Jinja template writes (SmolLM2's) becomes ``SYSTEM``; the format's end-of-turn m
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +52,14 @@ ZEPHYR = ChatFormat(
     "{{- range .Messages }}<|{{ .Role }}|>\n{{ .Content }}</s>\n{{ end }}<|assistant|>\n",
     ("<|system|>", "<|user|>", "<|assistant|>", "</s>"), r"<\|system\|>\n([^{}'\"<]+?)</s>")
 FORMATS = (CHATML, LLAMA3, INST, ZEPHYR)
-SIGNATURE = "(written by shardtune export)"  # the first line's mark: --overwrite replaces only such a Modelfile
+SIGNATURE = "(written by shardtune export)"
+# The mark of a Modelfile shardtune wrote: this exact first line, and a last line holding the SHA-256 of every line
+# above it. --overwrite replaces only a Modelfile with both, and the digest matching: one the user edited (a SYSTEM
+# or PARAMETER changed, the first line kept) is the user's, as an edited file of an HF export is (there by its size
+# and modification time, recorded in the folder's export list; a GGUF's OUT may be a file in any folder, which has
+# no list of shardtune's, so the Modelfile carries its own record).
+FIRST_LINE = f"# Ollama: ollama create NAME -f Modelfile && ollama run NAME   {SIGNATURE}"
+MAX_BYTES = 1 << 20  # far more than any Modelfile shardtune writes; a larger file is not one
 
 
 def chat_format(chat_template: str | None) -> tuple[ChatFormat, bool]:
@@ -69,8 +77,7 @@ def _quoted(text: str) -> str:
 def modelfile_text(gguf_name: str, chat_template: str | None, eos_token: str | None) -> str:
     """The Modelfile for the GGUF file ``gguf_name`` in the same folder."""
     fmt, known = chat_format(chat_template)
-    lines = [f"# Ollama: ollama create NAME -f Modelfile && ollama run NAME   {SIGNATURE}",
-             f"FROM ./{gguf_name}"]
+    lines = [FIRST_LINE, f"FROM ./{gguf_name}"]
     if not known:
         lines.append("# The model's chat template is none of ChatML, Llama 3, [INST] or Zephyr"
                      + ("" if chat_template else " (it has none)") + ": ChatML is assumed; edit TEMPLATE to match.")
@@ -79,7 +86,35 @@ def modelfile_text(gguf_name: str, chat_template: str | None, eos_token: str | N
         lines.append(f"SYSTEM {_quoted(system.group(1).strip())}")
     stops = list(fmt.stops) + ([eos_token] if eos_token and eos_token not in fmt.stops else [])
     lines += [f'PARAMETER stop "{stop}"' for stop in stops]
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    return text + _digest_line(text) + "\n"
+
+
+def _digest_line(text: str) -> str:
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return f"# unedited: sha256 {digest} (an edited Modelfile is yours: --overwrite keeps it)"
+
+
+def modelfile_written_by_shardtune(path: str | Path) -> bool:
+    """Whether ``path`` is a Modelfile shardtune wrote and nobody edited since: its first line is exactly
+    ``FIRST_LINE`` and its last line the SHA-256 of the lines above it. The words 'written by shardtune' elsewhere
+    in a user's Modelfile (a comment, a SYSTEM prompt) do not make it shardtune's."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError:
+        return False
+    if len(data) > MAX_BYTES or not data.endswith(b"\n"):
+        return False
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    lines = text.splitlines(keepends=True)
+    if len(lines) < 2 or lines[0] != FIRST_LINE + "\n":
+        return False
+    body = "".join(lines[:-1])
+    return lines[-1] == _digest_line(body) + "\n"
 
 
 def write_modelfile(gguf_path: Path, chat_template: str | None, eos_token: str | None) -> Path:

@@ -442,3 +442,33 @@ def test_overwrite_keeps_a_gguf_that_only_mentions_shardtune(tiny, tmp_path, cap
                            "f16"]) == 0  # and a file of shardtune's own is replaced
     assert shardtune_main(["export", str(folder), str(tmp_path / "ours.gguf"), "--format", "gguf", "--quantize",
                            "f16", "--overwrite"]) == 0
+
+
+def test_overwrite_keeps_a_users_modelfile_that_mentions_shardtune_or_was_edited(tiny, tmp_path, capsys):
+    """A Modelfile is shardtune's only with its exact first line and, as the last, the SHA-256 of the lines above:
+    a user's Modelfile saying 'written by shardtune' in a comment or a SYSTEM prompt, and one of shardtune's whose
+    SYSTEM the user changed (first line kept), are the user's: refused with --overwrite, byte for byte kept."""
+    folder, _, _ = tiny
+    out = tmp_path / "out"
+    assert shardtune_main(["export", str(folder), str(out), "--format", "gguf", "--quantize", "f16"]) == 0
+    modelfile = out / "Modelfile"
+    ours = modelfile.read_text()
+    assert ours.splitlines()[0].endswith("(written by shardtune export)") and ours.count("\n# unedited: sha256 ") == 1
+    users = ['FROM ./model-f16.gguf\nSYSTEM """You were written by shardtune, in a way."""\n',
+             "# notes: the first version was written by shardtune export\nFROM ./model-f16.gguf\n",
+             ours.replace("FROM ./model-f16.gguf\n", 'FROM ./model-f16.gguf\nSYSTEM """Be brief."""\n'),
+             ours.replace('PARAMETER stop "<|im_end|>"', 'PARAMETER stop "<|im_end|>"\nPARAMETER temperature 0.2')]
+    for text in users:
+        modelfile.write_text(text)
+        before = sha256(modelfile), sha256(out / "model-f16.gguf")
+        capsys.readouterr()
+        assert shardtune_main(["export", str(folder), str(out), "--format", "gguf", "--quantize", "f16",
+                               "--overwrite"]) == 2, text
+        assert capsys.readouterr().err.strip().endswith(
+            f"{modelfile} is there and shardtune did not write it (or it was edited since); move it away or export "
+            f"into another folder")
+        assert (sha256(modelfile), sha256(out / "model-f16.gguf")) == before
+    modelfile.write_text(ours)  # unedited: shardtune's, replaced
+    assert shardtune_main(["export", str(folder), str(out), "--format", "gguf", "--quantize", "f16",
+                           "--overwrite"]) == 0
+    assert modelfile.read_text() == ours

@@ -177,8 +177,8 @@ def test_gguf_export_keeps_an_existing_gguf_and_the_users_modelfile(run, tmp_pat
     for extra in ([], ["--overwrite"]):
         assert main(["export", str(run), str(out), "--format", "gguf", "--quantize", "f16", *extra]) == 2
         assert one_error_line(capsys) == (f"shardtune export: error: OUT {out / 'model-f16.gguf'}: {out / 'Modelfile'} "
-                                          f"is there and shardtune did not write it; move it away or export into "
-                                          f"another folder")
+                                          f"is there and shardtune did not write it (or it was edited since); move it "
+                                          f"away or export into another folder")
     assert snapshot(run, out) == before
     (out / "Modelfile").unlink()
     assert main(["export", str(run), str(out), "--format", "gguf", "--quantize", "f16"]) == 0

@@ -18,8 +18,8 @@ from shardtune.gguf_source import GgufFile, check_complete, described, find_gguf
 from shardtune.gguf_vocab import template_for_gguf
 from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, loading_refused, model_folder_problem,
                            tokenizer_problem)
-from shardtune.files import WRITTEN_BY, written_by_shardtune
-from shardtune.ollama import write_modelfile
+from shardtune.files import WRITTEN_BY
+from shardtune.ollama import modelfile_written_by_shardtune, write_modelfile
 from shardtune.train.export import adapter_problem, load_checkpoint_model, load_plain_model, merged_model
 from shardtune.train.layout import MANIFEST
 
@@ -105,9 +105,12 @@ def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite:
         if target.resolve() in [p.resolve() for p in read]:
             return f"OUT {target}: is what the export reads ({source}), which it never writes over; give another OUT"
     for path in (target, modelfile):
-        if not path.exists() or (gguf_written_by_shardtune(path) if path == target else written_by_shardtune(path)):
+        if path == target and (not path.exists() or gguf_written_by_shardtune(path)):
             continue
-        return (f"OUT {target}: {path} is there and shardtune did not write it; move it away or export into "
+        if path == modelfile and (not path.exists() or modelfile_written_by_shardtune(path)):
+            continue
+        edited = " (or it was edited since)" if path == modelfile else ""
+        return (f"OUT {target}: {path} is there and shardtune did not write it{edited}; move it away or export into "
                 f"another folder")
     if overwrite:
         return None
