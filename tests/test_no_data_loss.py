@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -585,3 +586,23 @@ def test_a_path_ending_alike_is_the_same_data_only_where_the_old_path_names_noth
     assert not _same("dataset_name", "models/llama", other)
     assert _same("dataset_name", "b/models/llama", other)  # names nothing from a/: the ending decides
     assert _same("model_name_or_path", "models/llama", str(tmp_path / "a" / "models" / "llama"))
+
+
+def test_export_and_merge_refuse_an_out_that_is_a_symlink_before_any_work(made, run, tmp_path, capsys):
+    """OUT a symlink to an empty folder passed every check and failed only after the whole export, when the
+    finished folder was renamed onto it ('[Errno 20] Not a directory', exit 1). It is refused up front, naming the
+    folder to give instead; the link and the folder are left as they were, and no temporary folder stays."""
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "linkout"
+    link.symlink_to(real)
+    for argv in (["export", str(run / "checkpoints" / "step-2"), str(link)],
+                 ["merge", str(run / "final"), "--base", str(made / "model"), str(link)],
+                 ["merge", str(run / "final"), "--base", str(made / "model"), str(link), "--overwrite"]):
+        assert main(argv) == 2, argv
+        assert one_error_line(capsys) == (f"shardtune {argv[0]}: error: OUT {link}: a symlink to {real}, which an "
+                                          f"export does not follow; give the folder itself, {real}, or a new folder")
+        assert link.is_symlink() and os.readlink(link) == str(real) and list(real.iterdir()) == []
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["linkout", "real", "run"]
+    assert main(["merge", str(run / "final"), "--base", str(made / "model"), str(real)]) == 0  # the fix it names
+    assert (real / "model.safetensors").is_file()

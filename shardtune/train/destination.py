@@ -4,7 +4,8 @@ A destination folder must be new or empty. ``--overwrite`` accepts one that hold
 export listed in ``.shardtune-export.json`` are replaced or removed, every other file stays untouched, and a new
 file that would land on one of those is refused. The current folder, a folder that holds it, and a folder that
 holds the source (or the run it belongs to) are refused whatever the flags: an export never lands on what it reads;
-so is a folder inside the source, or inside a run's final/ or checkpoints/ (which the run moves and deletes).
+so is a folder inside the source, or inside a run's final/ or checkpoints/ (which the run moves and deletes), and
+an OUT that is a symlink (``_symlink_problem``).
 
 The export is written into a fresh temporary sibling (``.tmp-NAME-XXXX``) and moved in when complete, so a failed
 or interrupted export leaves the destination as it was.
@@ -87,6 +88,8 @@ def destination_problem(out: str | Path, label: str, *, sources: Sequence[str | 
                         overwrite: bool) -> str | None:
     """Why the folder ``out`` may not receive an export (one line led by ``label``); None when it may."""
     out = Path(out)
+    if out.is_symlink():
+        return _symlink_problem(label, out)
     if out.exists() and not out.is_dir():
         return f"{label} {out}: a file is there; give a new or empty folder"
     where = _real(out)
@@ -105,6 +108,19 @@ def destination_problem(out: str | Path, label: str, *, sources: Sequence[str | 
         return _not_ours(label, out, theirs) if theirs else None
     return (f"{label} {out}: not empty (it holds {_listing(out)}); give a new or empty folder, or add --overwrite to "
             f"replace the files of an earlier shardtune export there (nothing else is touched)")
+
+
+def _symlink_problem(label: str, out: Path) -> str:
+    """OUT that is a symlink is refused, whatever it leads to, rather than followed: ``publish`` renames the
+    finished folder onto OUT, which would replace the link itself (a link to an empty folder failed only then,
+    after all the work, as 'Not a directory'), and replacing files one by one in the folder it leads to can cross
+    to another filesystem, where a rename fails halfway through. Naming the folder it leads to is the fix: then
+    the export is a plain one there, with every check of a plain folder."""
+    real = _real(out)
+    if not real.exists():
+        return f"{label} {out}: a symlink that leads nowhere (or a loop of symlinks); remove it or give another path"
+    return f"{label} {out}: a symlink to {real}, which an export does not follow; give the folder itself, {real}, " \
+           f"or a new folder"
 
 
 def _not_ours(label: str, out: Path, theirs: list[str]) -> str:
