@@ -472,3 +472,32 @@ def test_overwrite_keeps_a_users_modelfile_that_mentions_shardtune_or_was_edited
     assert shardtune_main(["export", str(folder), str(out), "--format", "gguf", "--quantize", "f16",
                            "--overwrite"]) == 0
     assert modelfile.read_text() == ours
+
+
+def test_pickled_weights_that_ask_for_a_class_are_one_line_exit_2(tiny, tmp_path, capsys):
+    """A model folder's or an adapter's weights as a pickle (``*.bin``) asking for a class (argparse.Namespace),
+    which torch's weights-only unpickler refuses: one line naming the file, exit 2, as generate and merge say it;
+    not an UnpicklingError traceback, exit 1. Nothing is written."""
+    import argparse
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+
+    folder, model, _ = tiny
+    plain = Path(shutil.copytree(folder, tmp_path / "plain"))
+    (plain / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": argparse.Namespace()}, plain / "pytorch_model.bin")
+    adapter = tmp_path / "adapter"
+    get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(folder)}))
+    (adapter / "adapter_model.safetensors").unlink()
+    torch.save({"base_model.model.x.lora_A.weight": argparse.Namespace()}, adapter / "adapter_model.bin")
+    for source, weights in ((plain, plain / "pytorch_model.bin"), (adapter, adapter / "adapter_model.bin")):
+        capsys.readouterr()
+        assert shardtune_main(["export", str(source), str(tmp_path / "out"), "--format", "gguf"]) == 2, source
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("shardtune")]  # no progress
+        assert err == [f"shardtune export: error: {weights}: refused to load (it asks for argparse.Namespace, "
+                       f"which weights never hold); nothing of it was run. Use weights you trust, saved as "
+                       f"safetensors"], err
+        assert not (tmp_path / "out").exists()

@@ -17,7 +17,7 @@ from shardtune.gguf_export import MARK_KEY, check_quantize, family_of, write_ggu
 from shardtune.gguf_source import GgufFile, check_complete, described, find_gguf, metadata, parsed_once
 from shardtune.gguf_vocab import template_for_gguf
 from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, loading_refused, model_folder_problem,
-                           tokenizer_problem)
+                           pickled_weights_refused, tokenizer_problem)
 from shardtune.files import WRITTEN_BY
 from shardtune.ollama import modelfile_written_by_shardtune, write_modelfile
 from shardtune.train.export import adapter_problem, load_checkpoint_model, load_plain_model, merged_model
@@ -65,7 +65,8 @@ def load_source(source: str | Path, base: str | None = None) -> tuple[object, ob
         base_path = _adapter_base(path, base)
         if problem := tokenizer_problem(f"--base {base_path}", path, base_path) or adapter_weights_problem(path):
             raise UsageError(problem)
-        model, tokenizer = merged_model(path, base_path)
+        with pickled_weights_refused(path, Path(base_path)):  # as merge and generate: one line, not a traceback
+            model, tokenizer = merged_model(path, base_path)
         return model, tokenizer, base_path
     if find_gguf(path) or (path / "config.json").is_file():
         name = f"RUN_OR_CHECKPOINT {source}"
@@ -73,7 +74,8 @@ def load_source(source: str | Path, base: str | None = None) -> tuple[object, ob
                                            "trust_remote_code=True and save_pretrained it without its code first") \
                 or tokenizer_problem(name, path):
             raise UsageError(problem)
-        with loading_refused(name, "the folder is damaged or was altered: save it again, or use a copy you trust"):
+        with pickled_weights_refused(path), loading_refused(name, "the folder is damaged or was altered: save it "
+                                                                   "again, or use a copy you trust"):
             model, tokenizer = load_plain_model(path, "RUN_OR_CHECKPOINT", "give a Transformers model folder")
         return model, tokenizer, str(path)
     raise UsageError(f"RUN_OR_CHECKPOINT {source}: holds no final/, manifest.json, adapter_config.json or "
