@@ -44,13 +44,23 @@ FAMILIES = {"llama": Family("llama", True), "mistral": Family("llama", True), "q
 
 
 def family_of(config) -> Family:
-    """The family of ``config``, or one UsageError naming the architecture that cannot be written."""
+    """The family of ``config``, or one UsageError naming the architecture or the RoPE scaling that cannot be
+    written: all of it read from the config alone, so that an export asks before it loads the weights or makes a
+    folder."""
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise UsageError(f"--format gguf: architecture {model_type!r} ({', '.join(config.architectures or [])}) "
                          f"cannot be written; shardtune writes GGUF for {', '.join(FAMILIES)} models: export "
                          f"--format hf and convert it with llama.cpp's convert_hf_to_gguf.py")
+    rope_type = _rope_type(_rope_parameters(config))
+    if rope_type not in ("default", "linear", None):
+        raise UsageError(f"--format gguf: rope_type {rope_type!r} of this model is not written yet (default and "
+                         f"linear are); export --format hf and convert it with llama.cpp's convert_hf_to_gguf.py")
     return FAMILIES[model_type]
+
+
+def _rope_type(rope: dict) -> str | None:
+    return rope.get("rope_type", rope.get("type", "default"))
 
 
 def permute_for_rope(weight, num_heads: int):
@@ -94,13 +104,9 @@ def add_hparams(writer, config, family: Family, name: str) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_vocab_size(config.vocab_size)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "linear":
+    if _rope_type(rope) == "linear":  # any other but the default is refused by family_of
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
-    elif rope_type not in ("default", None):
-        raise UsageError(f"--format gguf: rope_type {rope_type!r} of this model is not written yet (default and "
-                         f"linear are); export --format hf and convert it with llama.cpp's convert_hf_to_gguf.py")
 
 
 def _storage(array, quantize: str):

@@ -501,3 +501,40 @@ def test_pickled_weights_that_ask_for_a_class_are_one_line_exit_2(tiny, tmp_path
                        f"which weights never hold); nothing of it was run. Use weights you trust, saved as "
                        f"safetensors"], err
         assert not (tmp_path / "out").exists()
+
+
+def test_a_refused_or_stopped_gguf_export_leaves_no_folder_it_made(tiny, tmp_path, monkeypatch, capsys):
+    """A Llama 3.1 RoPE (rope_type llama3), which cannot be written, is refused from the config before the model is
+    loaded and before OUT's folder is made; SIGTERM during the write removes the folders the export made (now
+    empty), and keeps an empty folder that was there before."""
+    import os
+    import signal
+
+    import shardtune.gguf_export as gguf_export
+    import shardtune.train.export_gguf as export_gguf
+    from shardtune.testing.families import make_family_folder
+
+    family = make_family_folder(tmp_path / "fam" / "llama3", "llama3")
+    real_load = export_gguf.load_source
+
+    def not_loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before its config was checked")
+
+    monkeypatch.setattr(export_gguf, "load_source", not_loaded)
+    assert shardtune_main(["export", str(family), str(tmp_path / "famg" / "llama3" / "llama3.gguf"),
+                           "--format", "gguf"]) == 2
+    assert "rope_type 'llama3'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fam"]
+    monkeypatch.setattr(export_gguf, "load_source", real_load)
+
+    def stopped(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(gguf_export, "add_tensors", stopped)
+    folder, _, _ = tiny
+    (tmp_path / "mine").mkdir()
+    for out in (tmp_path / "new" / "deeper", tmp_path / "mine", tmp_path / "new" / "m.gguf"):
+        assert shardtune_main(["export", str(folder), str(out), "--format", "gguf"]) == 143, out
+        assert "stopped by SIGTERM" in capsys.readouterr().err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["fam", "mine"], out
+        assert list((tmp_path / "mine").iterdir()) == []

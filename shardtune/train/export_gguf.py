@@ -7,14 +7,17 @@ writes it; an Ollama ``Modelfile`` goes beside it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from shardtune.errors import UsageError
 from shardtune.gguf_export import MARK_KEY, check_quantize, family_of, write_gguf
 from shardtune.gguf_source import GgufFile, check_complete, described, find_gguf, metadata, parsed_once
+from shardtune.gguf_source import load_config as load_gguf_config
 from shardtune.gguf_vocab import template_for_gguf
 from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, loading_refused, model_folder_problem,
                            pickled_weights_refused, tokenizer_problem)
@@ -146,6 +149,8 @@ def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", 
     if problem := gguf_destination_problem(target, [source, *([base] if base else [])], overwrite):
         raise UsageError(problem)
     with parsed_once():  # the base GGUF, read for its weights, is not parsed again for its description
+        if config := config_before_loading(source, base):
+            family_of(config)  # an architecture or RoPE scaling that cannot be written: refused before any load
         model, tokenizer, base_path = load_source(source, base)
         if base_path and (problem := gguf_destination_problem(target, [base_path], overwrite)):
             raise UsageError(problem)  # the base an adapter names, known only now
@@ -154,10 +159,53 @@ def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", 
         # the split in a way the name can be read back from
         pre = metadata(gguf)[0].get("tokenizer.ggml.pre") if gguf else None
         kept = described(gguf) if gguf else None
-    family_of(model.config)  # refused before the folder is made
-    target.parent.mkdir(parents=True, exist_ok=True)
+    family_of(model.config)  # refused before the folder is made (a checkpoint's config is known only now)
     name = Path(source).resolve().name
     name = Path(source).resolve().parent.name if name == "final" else name
-    write_gguf(model.eval(), tokenizer, target, quantize, name=name, tokenizer_pre=pre, source=kept)
-    write_modelfile(target, template_for_gguf(tokenizer.chat_template), tokenizer.eos_token)
+    with folder_made_for(target):
+        write_gguf(model.eval(), tokenizer, target, quantize, name=name, tokenizer_pre=pre, source=kept)
+        write_modelfile(target, template_for_gguf(tokenizer.chat_template), tokenizer.eos_token)
     return target
+
+
+def config_before_loading(source: str | Path, base: str | None = None):
+    """The transformers config of the model ``load_source`` would load, read without its weights: a model
+    folder's config.json, a GGUF's metadata, an adapter's base's. None where it is not had so cheaply (a
+    checkpoint, whose base its config.yaml names) or cannot be read: ``load_source`` then says what is wrong."""
+    from transformers import AutoConfig
+
+    path = Path(source)
+    if path.is_dir() and (path / "final").is_dir() and not (path / "config.json").is_file():
+        path = path / "final"
+    try:
+        if path.is_dir() and (path / MANIFEST).is_file():
+            return None
+        if path.is_dir() and adapter_problem(path) is None:
+            path = Path(_adapter_base(path, base)).expanduser()  # a hub name is not looked up here
+        if gguf := find_gguf(path):
+            return load_gguf_config(gguf)
+        if (path / "config.json").is_file():
+            return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception:  # noqa: BLE001 - whatever reading it raises, load_source refuses it in its own words
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def folder_made_for(target: Path) -> Iterator[None]:
+    """``target``'s folder, made (with any missing parents) for the block; the folders made here are removed
+    again when the block fails or is interrupted (SIGTERM, Ctrl-C) and they are still empty: a refused or stopped
+    export leaves no empty folder behind, and never removes one it did not make."""
+    made = []
+    for folder in (target.parent, *target.parent.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        made.append(folder)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for folder in made:  # the innermost first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
