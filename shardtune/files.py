@@ -33,6 +33,22 @@ def write_text(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
+def umask() -> int:
+    """This process's umask: set and set back, the one portable way to read it."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def give_plain_mode(*paths: str | Path) -> None:
+    """Give each file the mode a plain ``open`` creates one with under the umask (0644 under umask 022).
+    safetensors' ``save_file`` (0.8) creates its file 0600 whatever the umask, so the weights were the one file of
+    an export that a team's readers and a serving account could not read, the rest of it being 0644."""
+    mode = 0o666 & ~umask()
+    for path in paths:
+        os.chmod(path, mode)
+
+
 # What marks a file as shardtune's own: a comment in its text files ("Written by 'shardtune launch'"), the
 # "written_by" key of its JSON, the Software or Creator field of its pictures (FIGURE_METADATA).
 WRITTEN_BY = "written by shardtune"

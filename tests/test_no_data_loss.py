@@ -376,6 +376,32 @@ def test_final_has_the_mode_of_a_plain_folder(made):
     assert (made / "run" / "checkpoints" / "step-2").stat().st_mode & 0o777 == 0o777 & ~mask
 
 
+def test_exported_weights_have_the_mode_of_every_other_file(made, run, tmp_path, capsys):
+    """safetensors' save_file creates 0600 whatever the umask: final/'s, an export's and a merge's weights were
+    unreadable to a team where every other file was 0644. Every file has the umask's mode, here 0640 under 027."""
+    import os
+
+    def modes(folder: Path) -> dict[str, int]:
+        return {p.name: p.stat().st_mode & 0o777 for p in sorted(folder.iterdir()) if p.is_file()}
+
+    mask = os.umask(0o027)
+    try:
+        assert main(["export", str(run / "checkpoints" / "step-2"), str(tmp_path / "exported")]) == 0
+        assert main(["merge", str(run / "final"), "--base", str(made / "model"), str(tmp_path / "merged")]) == 0
+    finally:
+        os.umask(mask)
+    exported, merged = modes(tmp_path / "exported"), modes(tmp_path / "merged")
+    assert exported["adapter_model.safetensors"] == merged["model.safetensors"] == 0o640
+    assert set(exported.values()) == set(merged.values()) == {0o640}, (exported, merged)
+    final = modes(made / "run" / "final")
+    assert final["adapter_model.safetensors"] == 0o666 & ~mask and set(final.values()) == {0o666 & ~mask}, final
+    from shardtune.train.checkpoint import _write_full  # a FULL_STATE_DICT checkpoint's weights, likewise
+
+    (tmp_path / "full").mkdir()
+    _write_full(tmp_path / "full", {"w": torch.ones(2)}, {})
+    assert modes(tmp_path / "full") == {"model.safetensors": 0o666 & ~mask, "optimizer.pt": 0o666 & ~mask}
+
+
 def test_a_resume_into_a_folder_holding_another_history_is_refused(made, run, tmp_path, capsys):
     """A checkpoint carries on the losses logged before it: resumed into a folder whose metrics.jsonl logged other
     ones (another run, or this run after a resume from an earlier step took another branch), the two runs' records

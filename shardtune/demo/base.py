@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardtune.demo.task import MAX_OPERAND, all_sums, pretraining_lines
+from shardtune.files import give_plain_mode
 
 BASE_MODEL_DIR = Path(__file__).parent / "base_model"
 SPEC_FILE = "pretrain.json"
@@ -149,6 +150,7 @@ def _write_folder(out_dir: str | Path, model, tokenizer, spec: BaseSpec, stats: 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
+    give_plain_mode(*tmp.glob("*.safetensors"))  # safetensors writes 0600; the rest is the umask's mode
     tokenizer.save_pretrained(tmp)
     (tmp / SPEC_FILE).write_text(json.dumps({"spec": dataclasses.asdict(spec), "stats": stats}, indent=1) + "\n")
     old = out_dir.with_name(out_dir.name + ".old")

@@ -79,12 +79,15 @@ def _write_full(folder: Path, model_state: dict[str, torch.Tensor], optim_state:
     """FULL_STATE_DICT (rank 0): one model file and one optimizer file of the gathered state."""
     from safetensors.torch import save_file
 
+    from shardtune.files import give_plain_mode
+
     # Tied weights share storage, which safetensors refuses; each tensor gets its own copy.
     tensors = {k: v.detach().clone().contiguous() for k, v in model_state.items()}
     with writing(folder / "model.safetensors"):
         save_file(tensors, folder / "model.safetensors")
     with writing(folder / "optimizer.pt"):
         torch.save(optim_state, folder / "optimizer.pt")
+    give_plain_mode(folder / "model.safetensors")  # save_file's 0600 is no other file's mode in a checkpoint
 
 
 def _fresh_folder(tmp: Path) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from shardtune.errors import UsageError
+from shardtune.files import umask
 from shardtune.train.layout import EXPORT_LIST, listed_files, stamp
 
 # What save_pretrained writes for a model, an adapter and a tokenizer: such a file in OUT that an earlier export did
@@ -142,9 +143,7 @@ def temporary_sibling(target: Path) -> Path:
     if not target.parent.exists():
         target.parent.mkdir(parents=True)
     folder = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-    mask = os.umask(0)
-    os.umask(mask)
-    folder.chmod(0o777 & ~mask)
+    folder.chmod(0o777 & ~umask())
     return folder
 
 

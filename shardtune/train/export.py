@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
+from shardtune.files import give_plain_mode
 from shardtune.hub import (ADAPTER_ON_ANOTHER_BASE, adapter_folder_problem, adapter_weights_problem, has_tokenizer,
                            loading_refused)
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
@@ -51,6 +52,7 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
             if is_peft:
                 finish_adapter(tmp, getattr(getattr(model, "module", model), "initial_adapter", None))
             tokenizer.save_pretrained(str(tmp))
+            give_plain_mode(*(path for path in tmp.rglob("*") if path.is_file() and not path.is_symlink()))
         return publish(tmp, target, label)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind (gone already when published)
