@@ -255,3 +255,47 @@ def test_a_failed_sharded_write_leaves_no_temporary_folder(tmp_path, monkeypatch
         _save(tmp_path, 3, model, optimizer, frozen=False, kind=ckpt.SHARDED)
     assert str(failed.value) == says.format(ckpt.checkpoints_dir(tmp_path) / "step-3" / "dcp")
     assert list(ckpt.checkpoints_dir(tmp_path).iterdir()) == []
+
+
+@pytest.mark.parametrize("says", ["config", "weights"])
+def test_merge_saves_the_bases_own_dtype(tmp_path: Path, says: str) -> None:
+    """A bf16 base was merged and saved as float32, twice its size. The sum is taken in float32 and saved in the
+    base's dtype, as named by its config.json (or, without one there, by its weights): bit for bit PEFT's float32
+    merge rounded to bf16, half the bytes of the float32 merge."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli import main
+    from shardtune.testing.tiny import make_model_folder, make_tokenizer
+
+    tok = make_tokenizer()
+    fp32 = make_model_folder(tmp_path / "fp32", tokenizer=tok, seed=1)
+    base = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.bfloat16).save_pretrained(base)
+    tok.save_pretrained(base)
+    if says == "weights":
+        config = json.loads((base / "config.json").read_text())
+        (base / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "dtype"}))
+    adapter = tmp_path / "adapter"
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                LoraConfig(r=2, init_lora_weights=False))
+    peft_model.save_pretrained(adapter)
+    assert main(["merge", str(adapter), "--base", str(base), str(tmp_path / "merged")]) == 0
+    assert main(["merge", str(adapter), "--base", str(fp32), str(tmp_path / "merged32")]) == 0
+    saved = load_file(tmp_path / "merged" / "model.safetensors")
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                          str(adapter)).merge_and_unload().state_dict()
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, reference[name].to(torch.bfloat16)), name
+    changed = "model.layers.0.self_attn.q_proj.weight"
+    base_weights = load_file(base / "model.safetensors")
+    assert not torch.equal(saved[changed], base_weights[changed])  # the adapter is in it
+    with safe_open(str(tmp_path / "merged32" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}  # a float32 base stays float32
+    sizes = [(tmp_path / name / "model.safetensors").stat().st_size for name in ("merged", "merged32")]
+    assert sizes[0] < 0.51 * sizes[1], sizes
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -183,11 +183,50 @@ def adapter_problem(adapter: Path) -> str | None:
 
 def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
     """Fold a PEFT LoRA adapter into its base model and write a Transformers model folder (one process, CPU);
-    ``out`` as for ``export_checkpoint``."""
+    ``out`` as for ``export_checkpoint``. The sum is taken in float32 (``merged_model``) and saved in the base's
+    own dtype (``stored_dtype``), as PEFT's merge_and_unload of a base loaded as it is stored would: a bf16 base
+    merged stays bf16 rather than twice its size."""
     out = Path(out)
     refuse_destination(out, "OUT", sources=[adapter, base], overwrite=overwrite)
     merged, tokenizer = merged_model(adapter, base)
+    merged = merged.to(stored_dtype(base))
     return write_export(out, merged, merged.state_dict(), tokenizer, is_peft=False)
+
+
+SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def stored_dtype(base: str | Path) -> torch.dtype:
+    """The floating dtype the model folder ``base`` is stored in, as transformers' ``dtype="auto"`` picks it: its
+    config.json's ``dtype`` (``torch_dtype`` before transformers 5), else the first floating tensor of its
+    safetensors weights; float32 where neither says (and for a GGUF base, whose quantized weights were read as
+    float32: no dtype of its own fits them)."""
+    import json
+
+    from safetensors import safe_open
+
+    from shardtune.gguf_source import find_gguf
+
+    folder = Path(base).expanduser()
+    if find_gguf(folder) or not folder.is_dir():
+        return torch.float32
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        named = config.get("dtype") or config.get("torch_dtype")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    dtype = getattr(torch, named, None) if isinstance(named, str) else None
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt") as f:
+                for name in f.keys():
+                    if (dtype := SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())) is not None:
+                        return dtype
+        except Exception:  # noqa: BLE001 - weights this reader cannot open were refused before the merge; keep float32
+            continue
+    return torch.float32
 
 
 def load_plain_model(path: str | Path, what: str, fix: str, tokenizer_folder: str | Path | None = None):
