@@ -162,7 +162,8 @@ def add_tensors(writer, model, family: Family, quantize: str) -> int:
 def check_quantize(quantize: str) -> None:
     """Refuse (exit 2) a ``--quantize`` value shardtune cannot write, before anything is loaded or trained."""
     if quantize not in QUANTIZE:
-        raise UsageError(f"--quantize {quantize}: not a GGUF type shardtune writes; use one of {', '.join(QUANTIZE)}")
+        raise UsageError(f"--quantize {quantize or repr(quantize)}: not a GGUF type shardtune writes; use one of "
+                         f"{', '.join(QUANTIZE)}")
 
 
 def write_gguf(model, tokenizer, path: str | Path, quantize: str, *, name: str,

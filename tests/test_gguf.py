@@ -538,3 +538,18 @@ def test_a_refused_or_stopped_gguf_export_leaves_no_folder_it_made(tiny, tmp_pat
         assert "stopped by SIGTERM" in capsys.readouterr().err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["fam", "mine"], out
         assert list((tmp_path / "mine").iterdir()) == []
+
+
+def test_an_empty_quantize_and_a_base_for_a_whole_model_are_refused(tiny, tmp_path, capsys):
+    """--quantize "" was taken as q8_0, and --base given for a model folder (which has no base) was ignored: each
+    is now one line, exit 2, nothing written."""
+    folder, _, _ = tiny
+    assert shardtune_main(["export", str(folder), str(tmp_path / "o"), "--format", "gguf", "--quantize", ""]) == 2
+    assert capsys.readouterr().err.strip() == ("shardtune export: error: --quantize '': not a GGUF type shardtune "
+                                               "writes; use one of f16, bf16, q8_0")
+    assert shardtune_main(["export", str(folder), str(tmp_path / "o"), "--format", "gguf", "--base",
+                           str(folder)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"shardtune export: error: --base {folder}: RUN_OR_CHECKPOINT {folder} is a whole model (a model folder or "
+        f"GGUF), not an adapter or a checkpoint, and has no base to replace; leave --base out")
+    assert list(tmp_path.iterdir()) == []

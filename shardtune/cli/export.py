@@ -101,7 +101,8 @@ def main_export(args: argparse.Namespace) -> int:
     if args.format == "gguf":
         from shardtune.train.export_gguf import export_gguf
 
-        path = export_gguf(args.checkpoint, args.out, quantize=args.quantize or "q8_0", base=args.base,
+        quantize = "q8_0" if args.quantize is None else args.quantize  # an empty --quantize "" is refused
+        path = export_gguf(args.checkpoint, args.out, quantize=quantize, base=args.base,
                            overwrite=args.overwrite)
         print(f"wrote {path} and {path.parent / 'Modelfile'}")
         return 0

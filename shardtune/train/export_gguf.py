@@ -73,6 +73,9 @@ def load_source(source: str | Path, base: str | None = None) -> tuple[object, ob
         return model, tokenizer, base_path
     if find_gguf(path) or (path / "config.json").is_file():
         name = f"RUN_OR_CHECKPOINT {source}"
+        if base:  # silently ignored, it left the user believing the export was of their --base
+            raise UsageError(f"--base {base}: {name} is a whole model (a model folder or GGUF), not an adapter or a "
+                             f"checkpoint, and has no base to replace; leave --base out")
         if problem := model_folder_problem(path, name, trust_remote_code=False, trust_fix="load it in Python with "
                                            "trust_remote_code=True and save_pretrained it without its code first") \
                 or tokenizer_problem(name, path):
