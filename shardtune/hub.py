@@ -313,6 +313,27 @@ def adapter_weights_problem(folder: str | Path) -> str | None:
             f"them into it, or export the checkpoint again ('shardtune export CHECKPOINT OUT')")
 
 
+def adapter_left_out(model, folder: str | Path) -> str | None:
+    """What of the adapter folder ``folder`` the loaded ``PeftModel`` ``model`` holds no place for, as one line; None
+    when every tensor found a module. PEFT adapts the modules of the base that the adapter's config names and drops
+    the adapter's other tensors without a word: on a base of other module names (a Llama adapter on Phi-3, whose
+    q/k/v are one qkv_proj) a merge kept 4 of its 14 target modules."""
+    from peft import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    path = Path(folder).expanduser() / ADAPTER_WEIGHTS[0]
+    if not path.is_file():  # the pickled file is read (or refused) by PEFT itself
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        saved = set(f.keys())
+    missing = sorted(saved - set(get_peft_model_state_dict(model)))
+    if not missing:
+        return None
+    return (f"adapter {folder}: {len(missing)} of its {len(saved)} tensors fit no module of the base (e.g. "
+            f"{missing[0]}), so they would be left out; give the base model it was trained on (its "
+            f"adapter_config.json's base_model_name_or_path)")
+
+
 # The libraries that read model, tokenizer and adapter folders: what they raise about a folder's contents.
 _LOADERS = ("transformers", "peft", "tokenizers", "huggingface_hub", "safetensors")
 

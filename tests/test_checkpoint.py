@@ -299,3 +299,32 @@ def test_merge_saves_the_bases_own_dtype(tmp_path: Path, says: str) -> None:
     sizes = [(tmp_path / name / "model.safetensors").stat().st_size for name in ("merged", "merged32")]
     assert sizes[0] < 0.51 * sizes[1], sizes
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_an_adapter_whose_modules_the_base_lacks_is_refused(tmp_path: Path, capsys) -> None:
+    """PEFT adapts the base's modules that the adapter's config names and drops the adapter's other tensors: a
+    Llama adapter on every linear layer merged into a Phi-3 base (one qkv_proj, one gate_up_proj) kept o_proj and
+    down_proj alone, exit 0. merge and generate refuse it, naming how many tensors would be left out; the
+    adapter's own base still merges."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli import main
+    from shardtune.testing.families import make_family_folder
+    from shardtune.testing.tiny import make_tokenizer
+
+    tok = make_tokenizer()
+    llama, phi3 = (make_family_folder(tmp_path / family, family, tokenizer=tok) for family in ("llama2", "phi3"))
+    adapter = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(llama), LoraConfig(r=2, target_modules="all-linear")
+                   ).save_pretrained(adapter)
+    tok.save_pretrained(adapter)
+    assert main(["merge", str(adapter), "--base", str(phi3), str(tmp_path / "wrong")]) == 2
+    err = capsys.readouterr().err
+    assert f"adapter {adapter}: 20 of its 28 tensors fit no module of the base" in err, err
+    assert not (tmp_path / "wrong").exists()
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(phi3)}))
+    assert main(["generate", str(adapter), "--prompt", "hi", "--max_new_tokens", "1"]) == 2
+    assert "20 of its 28 tensors fit no module of the base" in capsys.readouterr().err
+    assert main(["merge", str(adapter), "--base", str(llama), str(tmp_path / "right")]) == 0

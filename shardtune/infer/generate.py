@@ -30,6 +30,7 @@ from shardtune.gguf_source import load_tokenizer as load_gguf_tokenizer
 from shardtune.hub import (
     ADAPTER_ON_ANOTHER_BASE,
     adapter_folder_problem,
+    adapter_left_out,
     adapter_weights_problem,
     config_context_length,
     has_tokenizer,
@@ -157,7 +158,10 @@ def _load(folder: Path, base: Path, is_adapter: bool, dtype: torch.dtype, trust_
     resize_for_tokenizer(model, len(tokenizer))
     with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing the user can fix
         warnings.simplefilter("ignore", FutureWarning)
-        return PeftModel.from_pretrained(model, folder, is_trainable=False, local_files_only=True), tokenizer
+        model = PeftModel.from_pretrained(model, folder, is_trainable=False, local_files_only=True)
+    if problem := adapter_left_out(model, folder):
+        raise UsageError(problem)
+    return model, tokenizer
 
 
 # ------------------------------------------------------------------------------------------------------ prompting

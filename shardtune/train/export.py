@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
 from shardtune.files import give_plain_mode
-from shardtune.hub import (ADAPTER_ON_ANOTHER_BASE, adapter_folder_problem, adapter_weights_problem, has_tokenizer,
-                           loading_refused)
+from shardtune.hub import (ADAPTER_ON_ANOTHER_BASE, adapter_folder_problem, adapter_left_out, adapter_weights_problem,
+                           has_tokenizer, loading_refused)
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
 from shardtune.train.destination import publish, refuse_destination, temporary_sibling
 from shardtune.train.layout import MANIFEST, checkpoint_folder_problem
@@ -263,4 +263,7 @@ def merged_model(adapter: str | Path, base: str | Path):
         model, tokenizer = load_plain_model(base, "--base", "give the base model folder the adapter was trained on",
                                             adapter if has_tokenizer(adapter) else None)
         resize_for_tokenizer(model, len(tokenizer))
-        return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload(), tokenizer
+        peft_model = PeftModel.from_pretrained(model, str(adapter))
+    if problem := adapter_left_out(peft_model, adapter):
+        raise UsageError(problem)
+    return peft_model.merge_and_unload(), tokenizer
