@@ -66,12 +66,55 @@ def figure_metadata(fmt: str) -> dict[str, str]:
     return {field: WRITTEN_BY} if field else {}
 
 
+# The last line of a text file shardtune writes for its user (a recipe, a cluster job, a table): the SHA-256 of
+# the lines above it, after a comment mark. A file whose last line still matches is shardtune's and nobody edited
+# it; an edited one is its user's, and no command replaces it.
+_DIGEST = "unedited: sha256 "
+_DIGEST_LINE = re.compile(rb"^(#|<!--) unedited: sha256 ([0-9a-f]{64})\b")
+
+
+def with_digest(text: str, comment: str = "#") -> str:
+    """``text`` (ending in a newline) with its digest line after it (``comment``: ``#``, or ``<!--`` in Markdown)."""
+    import hashlib
+
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    end = " -->" if comment == "<!--" else ""
+    return f"{text}{comment} {_DIGEST}{digest} (edit this file and it is yours: shardtune will not replace it){end}\n"
+
+
+def digest_holds(data: bytes) -> bool | None:
+    """Whether the last line of a text file's ``data`` (``with_digest``) is the SHA-256 of the lines above it; None
+    where its last line is no digest line."""
+    import hashlib
+
+    body, _, last = data.rstrip(b"\n").rpartition(b"\n")
+    if not (found := _DIGEST_LINE.match(last)):
+        return None
+    return hashlib.sha256(body + b"\n").hexdigest() == found.group(2).decode()
+
+
 def written_by_shardtune(path: str | Path) -> bool:
+    """Whether shardtune wrote ``path`` and nobody changed it since. A text file with a digest line
+    (``with_digest``) is shardtune's while the digest matches the text above it; one without (an earlier version's
+    recipe or job, a JSON) when its mark is in its first lines (a user's file that quotes the words further down
+    is not), or in a JSON's top-level ``written_by``; a picture by its Software or Creator field."""
+    import json
+
     try:
         with open(path, "rb") as f:
-            return bool(_OURS.search(f.read(_SCAN_BYTES)))
+            data = f.read(_SCAN_BYTES + 1)
     except OSError:
         return False
+    if (holds := digest_holds(data)) is not None and len(data) <= _SCAN_BYTES:
+        return holds
+    if data.lstrip().startswith(b"{"):
+        try:
+            return str(json.loads(data).get("written_by", "")).startswith("shardtune")
+        except (ValueError, AttributeError):
+            return False
+    if Path(path).suffix.lower().lstrip(".") in PICTURE_FIELDS:
+        return bool(_OURS.search(data[:_SCAN_BYTES]))
+    return bool(_OURS.search(b"\n".join(data.split(b"\n", 3)[:3])))
 
 
 def foreign_file(path: str | Path, label: str) -> str | None:

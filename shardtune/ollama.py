@@ -9,11 +9,10 @@ Jinja template writes (SmolLM2's) becomes ``SYSTEM``; the format's end-of-turn m
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from shardtune.files import write_text
+from shardtune.files import digest_holds, with_digest, write_text
 
 
 @dataclass(frozen=True)
@@ -86,13 +85,7 @@ def modelfile_text(gguf_name: str, chat_template: str | None, eos_token: str | N
         lines.append(f"SYSTEM {_quoted(system.group(1).strip())}")
     stops = list(fmt.stops) + ([eos_token] if eos_token and eos_token not in fmt.stops else [])
     lines += [f'PARAMETER stop "{stop}"' for stop in stops]
-    text = "\n".join(lines) + "\n"
-    return text + _digest_line(text) + "\n"
-
-
-def _digest_line(text: str) -> str:
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    return f"# unedited: sha256 {digest} (an edited Modelfile is yours: --overwrite keeps it)"
+    return with_digest("\n".join(lines) + "\n")
 
 
 def modelfile_written_by_shardtune(path: str | Path) -> bool:
@@ -110,11 +103,7 @@ def modelfile_written_by_shardtune(path: str | Path) -> bool:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return False
-    lines = text.splitlines(keepends=True)
-    if len(lines) < 2 or lines[0] != FIRST_LINE + "\n":
-        return False
-    body = "".join(lines[:-1])
-    return lines[-1] == _digest_line(body) + "\n"
+    return text.startswith(FIRST_LINE + "\n") and bool(digest_holds(data))
 
 
 def write_modelfile(gguf_path: Path, chat_template: str | None, eos_token: str | None) -> Path:

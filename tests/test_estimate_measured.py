@@ -91,8 +91,11 @@ def test_a_faster_setup_that_does_not_fit_is_passed_over(tmp_path):
 
 
 def test_pipeline_parallel_joins_only_when_measured_and_untied(tmp_path):
-    base = validate(checked_setup(method="lora", distributed_type="FSDP", num_gpus=4))
+    # 4 rows: one pipeline micro-batch per stage, as train's 1F1B needs (at 1 row PP is not a job train runs)
+    base = validate(checked_setup(method="lora", distributed_type="FSDP", num_gpus=4, per_device_train_batch_size=4))
     with_pp = Measured.load(measured_file(tmp_path, {"PP": 3000.0, "DDP": 1000.0}))
+    assert "PP" not in [s.strategy for s in candidates(base.with_(per_device_train_batch_size=1), with_pp,
+                                                       ModelAnalysis("llama-2-7b"))]
     untied, tied = ModelAnalysis("llama-2-7b"), ModelAnalysis("llama-3.2-1b")
     assert "PP" not in [s.strategy for s in candidates(base, None, untied)]
     assert "PP" in [s.strategy for s in candidates(base, with_pp, untied)]

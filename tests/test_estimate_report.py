@@ -204,7 +204,7 @@ def test_pipeline_micro_batches_are_the_jobs_in_the_time_and_the_recipe(tmp_path
     argv = ["estimate", "llama-3.1-8b", "--method", "lora", "--num-gpus", "4", "--gpu", "a100-40gb", "--batch-size",
             "8", "--strategy", "PP", "--time", "--json"]
     steps = {}
-    for given, expected in ((None, 8), (2, 2)):
+    for given, expected in ((None, 8), (4, 4)):
         recipe = tmp_path / f"pp{given}.yaml"
         assert main([*argv, *(["--pipeline-microbatches", str(given)] if given else []), "--emit-config",
                      str(recipe)]) == 0
@@ -213,9 +213,12 @@ def test_pipeline_micro_batches_are_the_jobs_in_the_time_and_the_recipe(tmp_path
         steps[expected] = pp[0]["step_s"]
         assert load_train_config([str(recipe), "--dataset_name", "d.jsonl"]).distributed.pipeline_microbatches == \
             expected
-    assert steps[8] < steps[2]  # more micro-batches, less of the pipeline idle
+    assert steps[8] < steps[4]  # more micro-batches, less of the pipeline idle
     assert main([*argv, "--pipeline-microbatches", "3"]) == 2
     assert "per_device_train_batch_size=8 must be a multiple of pipeline_microbatches=3" in capsys.readouterr().err
+    assert main([*argv, "--pipeline-microbatches", "2"]) == 2  # train's 1F1B needs one per stage, as train says
+    assert "1F1B needs at least one micro-batch per stage: pipeline_microbatches=2 for 4 stages" in \
+        capsys.readouterr().err
 
 
 def test_a_recipe_emitted_from_a_recipe_keeps_its_data_and_output_dir(tmp_path, capsys):

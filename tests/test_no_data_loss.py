@@ -429,7 +429,7 @@ def test_a_resume_into_a_folder_holding_another_history_is_refused(made, run, tm
 def test_a_refusal_writes_nothing(made, run, tmp_path, capsys, restore_logging):
     new = tmp_path / "new-run"
     assert main(["train", *flags(*args(made, new, "--lora_target_modules", "no_such_proj"))]) == 2
-    assert "Target modules {'no_such_proj'} not found in the base model" in capsys.readouterr().err
+    assert "lora_target_modules=no_such_proj: no module of the model is named no_such_proj" in capsys.readouterr().err
     assert not new.exists()
     before = snapshot(run)
     assert main(["train", *flags(*args(made, run, "--resume_from_checkpoint", "true", "--lora_r", "8"))]) == 2
@@ -577,9 +577,29 @@ def test_files_written_where_the_user_says_never_replace_the_users_own(made, tmp
     assert {p.name for p in ours.iterdir()} >= {"r.yaml", "p.png", "p-time.png", "loss_vs_step.png"}
     # A recipe written before shardtune marked its files (every key of a resolved config) is replaced too.
     older = ours / "r.yaml"
-    older.write_text("".join(older.read_text().splitlines(keepends=True)[1:]))
+    unmarked = [line for line in older.read_text().splitlines(keepends=True)[1:] if "unedited: sha256" not in line]
+    older.write_text("".join(unmarked))
     assert main([*estimate, "--emit-config", str(older)]) == 0
     assert snapshot(users) == before
+    # Edited, shardtune's own recipe and cluster job are their user's (their digest line no longer holds): kept.
+    # So is a file that quotes the mark below its first lines.
+    job = ours / "job.sbatch"
+    slurm = [*attempts["--slurm"][:2], str(job), *attempts["--slurm"][3:]]
+    assert main(slurm) == 0 and main(slurm) == 0  # its own job, replaced
+    capsys.readouterr()
+    for path, edit in ((older, lambda text: re.sub(r"(?m)^seed: \d+$", "seed: 7", text)),
+                       (job, lambda text: text.replace("set -euo pipefail", "set -eo pipefail"))):
+        edited = edit(path.read_text())
+        assert edited != path.read_text()
+        path.write_text(edited)
+    (ours / "quoting.yaml").write_text("learning_rate: 0.1\nseed: 1\nmax_steps: 5\n# like a recipe written by "
+                                       "shardtune\n")
+    mine = snapshot(ours)
+    for argv in ([*estimate, "--emit-config", str(older)], slurm,
+                 [*estimate, "--emit-config", str(ours / "quoting.yaml")]):
+        assert main(argv) == 2
+        assert "shardtune did not write" in one_error_line(capsys)
+    assert snapshot(ours) == mine
 
 
 def test_an_export_list_names_nothing_outside_its_folder(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from shardtune.bench.strategies import BENCHED
 from shardtune.errors import UsageError
-from shardtune.files import PICTURE_FIELDS, WRITTEN_BY, write_text
+from shardtune.files import PICTURE_FIELDS, WRITTEN_BY, with_digest, write_text
 from shardtune.strategies import lookup
 
 
@@ -115,7 +115,8 @@ def main(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         saved = {"written_by": "shardtune bench strategies"} | meta | {"results": [asdict(r) for r in results]}
         for path, text in ((out, json.dumps(saved, indent=1)),
-                           (out.with_suffix(".md"), f"<!-- {WRITTEN_BY} bench strategies -->\n{table}\n")):
+                           (out.with_suffix(".md"),
+                            with_digest(f"<!-- {WRITTEN_BY} bench strategies -->\n{table}\n", comment="<!--"))):
             write_text(path, text)
         print(f"saved {out} and {out.with_suffix('.md')} (rank setups by these speeds: shardtune estimate "
               f"MODEL --num-gpus {args.num_processes} --measured {out})")

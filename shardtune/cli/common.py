@@ -173,7 +173,8 @@ def check_output_file(path: str | Path, what: str) -> None:
 
 def _resolved_recipe(path: Path) -> bool:
     """A recipe shardtune wrote before it marked its files: every key of a resolved config, and nothing else (a
-    person writes the keys they change)."""
+    person writes the keys they change), and no mark (a marked recipe whose mark no longer holds was edited: its
+    user's)."""
     if path.suffix.lower() not in (".yaml", ".yml") or not path.is_file() or path.stat().st_size > 1 << 20:
         return False
     import yaml
@@ -181,10 +182,12 @@ def _resolved_recipe(path: Path) -> bool:
     from shardtune.config.schema import TrainConfig
 
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        values = yaml.safe_load(text)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
-    return isinstance(values, dict) and set(values) == set(TrainConfig().to_flat())
+    marked = "written by shardtune" in text.lower() or "unedited: sha256" in text
+    return not marked and isinstance(values, dict) and set(values) == set(TrainConfig().to_flat())
 
 
 # What ``shardtune launch`` passes on to train itself, ahead of the user's train arguments: a different value for

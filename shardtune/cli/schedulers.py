@@ -422,17 +422,19 @@ def submit_command(slurm: bool, file: str) -> str:
 
 def write_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> int:
     """``shardtune launch --slurm/--kubernetes``: write the job (print it with --dry_run), submit with --submit."""
+    from shardtune.files import with_digest, write_text
+
     job = render_cluster_job(opts, train_args)
+    text = with_digest(job.text)  # edited, the job is its user's: a later launch leaves it alone
     for note in job.notes:
         print(note, file=sys.stderr)
     if opts.dry_run:
-        print(job.text, end="")
+        print(text, end="")
         return 0
     from shardtune.cli.common import check_output_file
-    from shardtune.files import write_text
 
     check_output_file(job.file, "--slurm" if job.slurm else "--kubernetes")
-    write_text(job.file, job.text)
+    write_text(job.file, text)
     if job.slurm:
         Path(job.file).chmod(0o755)
     command = submit_command(job.slurm, job.file)

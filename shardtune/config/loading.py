@@ -30,7 +30,7 @@ from shardtune.config.validation import (attention_problems, context_problems, d
                                          input_problems, model_folder_problems, overruled_keys, resolve_report_to,
                                          tracker_problems, validate)
 from shardtune.errors import UsageError, closest
-from shardtune.files import write_text
+from shardtune.files import with_digest, write_text
 from shardtune.strategies import FSDP
 
 
@@ -585,5 +585,5 @@ def _layers(argv: list[str]) -> Layers:
 
 def save_resolved(cfg: TrainConfig, path: str | Path) -> None:
     """Write the resolved config as flat YAML, atomically (temp file then rename), marked as shardtune's own."""
-    write_text(path, f"# Written by shardtune: a 'shardtune train' recipe, every key resolved.\n"
-                     f"{yaml.safe_dump(cfg.to_flat(), sort_keys=False)}")
+    write_text(path, with_digest(f"# Written by shardtune: a 'shardtune train' recipe, every key resolved.\n"
+                                 f"{yaml.safe_dump(cfg.to_flat(), sort_keys=False)}"))

@@ -145,8 +145,9 @@ def refusals(setup: Setup) -> list[str]:
     one that loses small updates), as the recipe --emit-config writes it: pipeline parallel with one row per
     pipeline micro-batch unless the job says how many."""
     cfg = setup.config
-    if setup.strategy.pipelined:
-        cfg = replace(cfg, distributed=replace(cfg.distributed, pipeline_microbatches=setup.microbatches))
+    if setup.strategy.pipelined:  # one stage per process
+        cfg = replace(cfg, distributed=replace(cfg.distributed, pipeline_microbatches=setup.microbatches,
+                                               num_processes=setup.world_size))
     return setup_problems(cfg)
 
 
