@@ -184,6 +184,29 @@ def test_smollm2_round_trips_through_gguf(smol_merged, tmp_path, quantize):
     compare(merged, tokenizer, path, quantize, new_tokens=4)
 
 
+def test_a_full_fine_tune_of_a_gguf_keeps_its_description_in_the_export(smol_merged, tmp_path):
+    """A full fine-tune's final/ is a whole model folder, so the export read no GGUF beside it: SmolLM2's
+    license, names and base models went missing, its pre-tokenizer became gpt-2 and its padding id 0. The run's
+    config.yaml names the GGUF it trained from; the export keeps what that file says of itself, as it does for an
+    adapter or a checkpoint of the same run."""
+    import yaml
+
+    from shardtune.gguf_source import described, find_gguf, metadata
+
+    merged, tokenizer, _, _ = smol_merged
+    run = tmp_path / "run"
+    merged.save_pretrained(run / "final")
+    tokenizer.save_pretrained(run / "final")
+    (run / "config.yaml").write_text(yaml.safe_dump({"model_name_or_path": str(smollm2_gguf())}))
+    assert shardtune_main(["export", str(run), str(tmp_path / "out"), "--format", "gguf", "--quantize", "f16"]) == 0
+    source, out = find_gguf(smollm2_gguf()), find_gguf(tmp_path / "out" / "model-f16.gguf")
+    said, kept = described(source), described(out)
+    assert kept.pad_token_id == said.pad_token_id != 0
+    assert metadata(out)[0]["tokenizer.ggml.pre"] == metadata(source)[0]["tokenizer.ggml.pre"] == "smollm"
+    keys = dict((key, value) for key, value, _ in kept.general)
+    assert keys.get("general.license") == dict((key, value) for key, value, _ in said.general)["general.license"]
+
+
 def test_fsdp_x2_from_a_gguf_gives_one_processs_losses(smol_run):
     """The real model sharded by FSDP2 on 2 ranks (each reading the GGUF), half the batch each: the same global
     batches give the one-process run's losses."""

@@ -83,9 +83,25 @@ def load_source(source: str | Path, base: str | None = None) -> tuple[object, ob
         with pickled_weights_refused(path), loading_refused(name, "the folder is damaged or was altered: save it "
                                                                    "again, or use a copy you trust"):
             model, tokenizer = load_plain_model(path, "RUN_OR_CHECKPOINT", "give a Transformers model folder")
-        return model, tokenizer, str(path)
+        return model, tokenizer, _trained_from(path) or str(path)
     raise UsageError(f"RUN_OR_CHECKPOINT {source}: holds no final/, manifest.json, adapter_config.json or "
                      f"config.json; give a run's output_dir, its final/, a checkpoint or a model folder")
+
+
+def _trained_from(folder: Path) -> str | None:
+    """The GGUF a run's final/ (a full fine-tune's whole model) was trained from, as the run's config.yaml beside
+    it names it: what the export keeps of its description (license, names, the tokenizer's pre-tokenizer and
+    padding id) comes from there, as it does for an adapter or a checkpoint. None for any other folder."""
+    import yaml
+
+    config = folder.parent / "config.yaml"
+    if folder.name != "final" or not config.is_file():
+        return None
+    try:
+        named = (yaml.safe_load(config.read_text()) or {}).get("model_name_or_path")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return named if isinstance(named, str) and _source_gguf(named) else None
 
 
 def _source_gguf(base_path: str | None):
