@@ -148,7 +148,7 @@ def test_a_pipeline_stage_moves_only_its_own_layers_to_the_device():
 
     net = AutoModelForCausalLM.from_config(tiny_llama_config(512, num_layers=3))
     info = DistInfo(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("meta"))
-    stage = split_for_stage(net, Plan(strategy="PP", stage_bounds=((0, 2), (2, 3))), info)
+    stage = split_for_stage(net, Plan(strategy="PP", stage_bounds=((0, 2), (2, 3)), pipeline_microbatches=2), info)
     kept = [type(layer).__name__ for layer in stage.model.layers]
     assert kept == ["OtherStage", "OtherStage", "LlamaDecoderLayer"] and stage.model.embed_tokens is None
     assert {t.device.type for t in [*stage.parameters(), *stage.buffers()]} == {"meta"}

@@ -235,7 +235,8 @@ def test_find_batch_size_and_emit_config_write_a_recipe_the_trainer_reads(tmp_pa
 
 def test_find_batch_size_with_the_setup_left_open_picks_the_setup_for_the_micro_batch_it_finds(tmp_path, capsys):
     """A global batch only CPU offload holds as one micro-batch: the search splits it into micro-batches one GPU
-    holds, and the report and the recipe name that setup, not offload (the walkthrough found both disagreeing)."""
+    holds, and the report and the recipe name that setup, not offload (the walkthrough found both disagreeing).
+    The recommendation without the search does the same now (a smaller micro-batch before offload)."""
     from shardtune.cli import main
     from shardtune.config import load_train_config
 
@@ -243,7 +244,9 @@ def test_find_batch_size_with_the_setup_left_open_picks_the_setup_for_the_micro_
     common = ["estimate", "llama-3.1-8b", *CHECKED_AT_ARGS, "--method", "lora", "--gpu", "a100-80gb", "--json"]
     assert main([*common, "--batch-size", "64"]) == 0
     as_one = json.loads(capsys.readouterr().out)["recommendation"]
-    assert as_one["offload_params"]  # the premise: 64 sequences at once need offload
+    # 64 sequences at once need offload; the recommendation splits them into micro-batches one GPU holds.
+    assert "at micro-batch 64 only FSDP FULL_SHARD + CPU offload holds it" in as_one["reason"]
+    assert not as_one["offload_params"] and as_one["strategy"] == "NO" and 64 % as_one["batch_size"] == 0
     assert main([*common, "--batch-size", "64", "--find-batch-size", "--emit-config", str(path)]) == 0
     data = json.loads(capsys.readouterr().out)
     rec, plan = data["recommendation"], data["batch_plan"]
