@@ -2,9 +2,11 @@
 
 If the model, its gradients and optimizer states fit on one GPU, replicate it with DDP (fastest: one all-reduce per
 step). Otherwise shard with FSDP, preferring the variant that communicates least and still fits (SHARD_GRAD_OP keeps
-layers gathered from forward to backward; HYBRID_SHARD keeps all-gathers inside a node), then FULL_SHARD, then CPU
-offload (slowest: every step crosses PCIe). Where full fine-tuning cannot fit, LoRA, then QLoRA. The micro-batch is
-the largest that fits: the "start at batch 1 and grow until OOM" advice, done by the estimator instead of the GPU.
+layers gathered from forward to backward; HYBRID_SHARD keeps all-gathers inside a node), then FULL_SHARD, then the
+same global batch in smaller micro-batches (gradient accumulation), and only then CPU offload (slowest: every step
+crosses PCIe) or model parallel (one GPU computes at a time). Where full fine-tuning cannot fit, LoRA, then QLoRA.
+The micro-batch is the largest that fits: the "start at batch 1 and grow until OOM" advice, done by the estimator
+instead of the GPU.
 
 That order is what measurements usually show (``shardtune bench strategies``; docs/choosing-a-setup.md), but
 hardware decides: with ``measured`` (the file ``shardtune bench strategies --out`` writes for the user's own model
