@@ -576,3 +576,26 @@ def test_an_empty_quantize_and_a_base_for_a_whole_model_are_refused(tiny, tmp_pa
         f"shardtune export: error: --base {folder}: RUN_OR_CHECKPOINT {folder} is a whole model (a model folder or "
         f"GGUF), not an adapter or a checkpoint, and has no base to replace; leave --base out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sliding_window_the_gguf_cannot_carry_is_said(tmp_path, caplog):
+    """A Mistral with a sliding window exported without a word: llama.cpp attends to every earlier token, and the
+    GGUF's logits parted from the model's past the window (0.52 relative on a tiny model with a window of 16). The
+    export says so; a model without a window (or with one as long as its context) is exported without the line."""
+    import logging
+
+    from shardtune.testing.families import SLIDING_WINDOW, make_family_folder
+    from shardtune.testing.tiny import make_tokenizer
+
+    tok = make_tokenizer()
+    for family, said in (("mistral", True), ("llama2", False)):
+        folder = make_family_folder(tmp_path / family, family, tokenizer=tok)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardtune"):
+            assert shardtune_main(["export", str(folder), str(tmp_path / f"{family}-out"), "--format", "gguf",
+                                   "--quantize", "f16"]) == 0
+        warned = [r.getMessage() for r in caplog.records if "sliding_window" in r.getMessage()]
+        assert warned == ([f"--format gguf: the model attends to its last {SLIDING_WINDOW} tokens only "
+                           f"(sliding_window), which the GGUF does not carry: llama.cpp and Ollama attend to every "
+                           f"earlier token, so past {SLIDING_WINDOW} tokens of context its outputs differ from the "
+                           f"trained model's"] if said else []), family

@@ -179,12 +179,25 @@ def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", 
         pre = metadata(gguf)[0].get("tokenizer.ggml.pre") if gguf else None
         kept = described(gguf) if gguf else None
     family_of(model.config)  # refused before the folder is made (a checkpoint's config is known only now)
+    if window := sliding_window(model.config):
+        log.warning("--format gguf: the model attends to its last %d tokens only (sliding_window), which the GGUF "
+                    "does not carry: llama.cpp and Ollama attend to every earlier token, so past %d tokens of "
+                    "context its outputs differ from the trained model's", window, window)
     name = Path(source).resolve().name
     name = Path(source).resolve().parent.name if name == "final" else name
     with folder_made_for(target):
         write_gguf(model.eval(), tokenizer, target, quantize, name=name, tokenizer_pre=pre, source=kept)
         write_modelfile(target, template_for_gguf(tokenizer.chat_template), tokenizer.eos_token)
     return target
+
+
+def sliding_window(config) -> int | None:
+    """The attention window of a model that uses one shorter than its context (Mistral's ``sliding_window``, a
+    Qwen2 with ``use_sliding_window``), or None."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window if window < getattr(config, "max_position_embeddings", window + 1) else None
 
 
 def config_before_loading(source: str | Path, base: str | None = None):
