@@ -599,3 +599,24 @@ def test_a_sliding_window_the_gguf_cannot_carry_is_said(tmp_path, caplog):
                            f"(sliding_window), which the GGUF does not carry: llama.cpp and Ollama attend to every "
                            f"earlier token, so past {SLIDING_WINDOW} tokens of context its outputs differ from the "
                            f"trained model's"] if said else []), family
+
+
+def test_an_adapter_whose_recorded_base_moved_is_said_as_such(tiny, tmp_path, capsys):
+    """The adapter's base had moved: the error blamed '--base /.../gone/model' (no --base was given) with the hub's
+    'Repo id must be in the form' words. It names the adapter's record and the fix."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder, _, tokenizer = tiny
+    adapter = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(r=2)).save_pretrained(adapter)
+    tokenizer.save_pretrained(adapter)
+    gone = tmp_path / "gone" / "model"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(gone)}))
+    assert shardtune_main(["export", str(adapter), str(tmp_path / "out"), "--format", "gguf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"{adapter}/adapter_config.json names its base {gone}, which is not there (moved or "
+                        f"deleted?); give the base model with --base") and "Repo id" not in err
+    assert shardtune_main(["export", str(adapter), str(tmp_path / "out"), "--format", "gguf", "--base",
+                           str(folder), "--quantize", "f16"]) == 0

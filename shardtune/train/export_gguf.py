@@ -19,8 +19,8 @@ from shardtune.gguf_export import MARK_KEY, check_quantize, family_of, write_ggu
 from shardtune.gguf_source import GgufFile, check_complete, described, find_gguf, metadata, parsed_once
 from shardtune.gguf_source import load_config as load_gguf_config
 from shardtune.gguf_vocab import template_for_gguf
-from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, loading_refused, model_folder_problem,
-                           pickled_weights_refused, tokenizer_problem)
+from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, loading_refused, looks_like_local_path,
+                           model_folder_problem, pickled_weights_refused, tokenizer_problem)
 from shardtune.files import WRITTEN_BY
 from shardtune.ollama import modelfile_written_by_shardtune, write_modelfile
 from shardtune.train.export import adapter_problem, load_checkpoint_model, load_plain_model, merged_model
@@ -47,6 +47,10 @@ def _adapter_base(adapter: Path, base: str | None) -> str:
     recorded = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not recorded:
         raise UsageError(f"{adapter}/adapter_config.json names no base model; give it with --base")
+    if looks_like_local_path(recorded) and not Path(recorded).expanduser().exists():
+        # a moved base: said as the adapter's record, not as a --base nobody gave or a hub name it is not
+        raise UsageError(f"{adapter}/adapter_config.json names its base {recorded}, which is not there (moved or "
+                         f"deleted?); give the base model with --base")
     return recorded
 
 
