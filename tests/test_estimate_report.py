@@ -391,3 +391,18 @@ def test_an_architecture_transformers_does_not_ship_is_one_short_line(tmp_path, 
     assert main(["estimate", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "model_type 'foo' is not in transformers " in err and len(err) < 300
+
+
+def test_the_side_by_side_table_fits_80_columns_with_a_405b_models_totals(capsys, monkeypatch):
+    """A total of thousands of GiB was cut to '7826…' (and the header to 'max…') at the docs' 80 columns: such
+    figures are whole GiB with a thousands separator, and nothing in the table is cut."""
+    from shardtune.cli import main
+    from shardtune.memory.report import GIB
+
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["estimate", "llama-3.1-405b", "--num-gpus", "8", "--num-nodes", "2", "--json"]) == 0
+    ddp = next(row for row in json.loads(capsys.readouterr().out)["strategies"] if row["setup"] == "DDP")
+    assert main(["estimate", "llama-3.1-405b", "--num-gpus", "8", "--num-nodes", "2"]) == 0
+    table = capsys.readouterr().out.split("Setups side by side")[1].split("fits: total")[0]
+    assert "…" not in table and "max b" in table
+    assert f"{ddp['per_gpu']['total'] / GIB:,.0f}" in table

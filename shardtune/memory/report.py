@@ -100,10 +100,17 @@ def side_by_side(r: Report) -> Table:
         pg = sb.per_gpu()
         ok = sb.fits(r.gpu.memory_bytes)
         side.add_row(_row_label(r, sb.setup, [b.setup for b, _ in r.table]),
-                     *(f"{pg[k] / GIB:.1f}" for k in ("params", "grads", "optimizer", "activations", "overhead",
-                                                       "total")),
+                     *(_gib_cell(pg[k]) for k in ("params", "grads", "optimizer", "activations", "overhead",
+                                                  "total")),
                      "[green]yes[/]" if ok else "[red]no[/]", str(batch))
     return side
+
+
+def _gib_cell(nbytes: float) -> str:
+    """GiB in a table cell of the 80-column tables: one decimal below 1,000, whole GiB above (a 405B model's DDP
+    total of 7,826 GiB was cut to '7826…')."""
+    gib = nbytes / GIB
+    return f"{gib:.1f}" if gib < 999.95 else f"{gib:,.0f}"
 
 
 def side_by_side_note(r: Report) -> str:
