@@ -620,3 +620,22 @@ def test_an_adapter_whose_recorded_base_moved_is_said_as_such(tiny, tmp_path, ca
                         f"deleted?); give the base model with --base") and "Repo id" not in err
     assert shardtune_main(["export", str(adapter), str(tmp_path / "out"), "--format", "gguf", "--base",
                            str(folder), "--quantize", "f16"]) == 0
+
+
+def test_a_second_gguf_in_a_folder_keeps_the_first_ones_modelfile(tiny, tmp_path, capsys):
+    """Two GGUFs exported into one folder share one Modelfile: the second was refused with the advice to add
+    --overwrite, which then pointed the Modelfile at it and left the first GGUF without one. It is refused, with or
+    without --overwrite, naming the GGUF the Modelfile belongs to; exporting the same file again still replaces
+    both."""
+    folder, _, _ = tiny
+    out = tmp_path / "models"
+    assert shardtune_main(["export", str(folder), str(out / "first.gguf"), "--format", "gguf", "--quantize",
+                           "f16"]) == 0
+    modelfile = (out / "Modelfile").read_bytes()
+    for overwrite in ([], ["--overwrite"]):
+        assert shardtune_main(["export", str(folder), str(out / "second.gguf"), "--format", "gguf", "--quantize",
+                               "f16", *overwrite]) == 2
+        assert "the Modelfile there belongs to first.gguf" in capsys.readouterr().err
+    assert (out / "Modelfile").read_bytes() == modelfile and not (out / "second.gguf").exists()
+    assert shardtune_main(["export", str(folder), str(out / "first.gguf"), "--format", "gguf", "--quantize", "f16",
+                           "--overwrite"]) == 0

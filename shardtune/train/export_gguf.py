@@ -140,6 +140,10 @@ def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite:
         edited = " (or it was edited since)" if path == modelfile else ""
         return (f"OUT {target}: {path} is there and shardtune did not write it{edited}; move it away or export into "
                 f"another folder")
+    if (other := _modelfile_names(modelfile)) not in (None, target.name) and (target.parent / other).exists():
+        # One Modelfile per folder: replacing it would leave that GGUF without its own, even with --overwrite.
+        return (f"OUT {target}: the Modelfile there belongs to {other}, exported into the same folder earlier; "
+                f"export into another folder")
     if overwrite:
         return None
     there = [path for path in (target, modelfile) if path.exists()]
@@ -147,6 +151,15 @@ def gguf_destination_problem(target: Path, sources: list[str | Path], overwrite:
         return (f"OUT {target}: {' and '.join(str(p) for p in there)} already exist{'s' if len(there) == 1 else ''}; "
                 f"add --overwrite to replace {'it' if len(there) == 1 else 'them'}, or give another OUT")
     return None
+
+
+def _modelfile_names(modelfile: Path) -> str | None:
+    """The GGUF file a Modelfile's FROM line names beside it (``FROM ./NAME``), or None."""
+    try:
+        lines = modelfile.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.strip()[len("FROM ./"):] for line in lines if line.strip().startswith("FROM ./")), None)
 
 
 def gguf_written_by_shardtune(path: Path) -> bool:
