@@ -271,3 +271,29 @@ def test_an_auto_map_for_a_model_type_transformers_has_is_not_refused(tiny, tmp_
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_llama_old.LlamaForCausalLM"}
     (folder / "config.json").write_text(json.dumps(config))
     assert model_folder_problem(folder, "m", trust_remote_code=False, trust_fix="") is None
+
+
+def test_launch_refuses_processes_a_file_after_train_asks_for_and_it_would_not_start(tmp_path, capsys):
+    """A recipe of num_processes 2 (as estimate --emit-config writes one) or an Accelerate file given after 'train'
+    ran one process: the launcher's own values, written ahead of the user's arguments, won without a word. Refused,
+    naming the file, line and where the value goes; the same value given to the launcher starts it."""
+    recipe, accelerate = tmp_path / "r2.yaml", tmp_path / "acc.yaml"
+    recipe.write_text("model_name_or_path: M\ndataset_name: d.jsonl\nnum_processes: 2\n")
+    accelerate.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    for train in ([str(recipe)], ["--config_file", str(accelerate)]):
+        assert main(["launch", "--dry_run", "train", *train]) == 2
+        where = f"{recipe}, line 3" if train == [str(recipe)] else f"{accelerate}, line 2"
+        assert error_line(capsys) == (f"shardtune launch: error: {where}: num_processes=2, but the launcher starts 1; "
+                                      f"give it to the launcher (shardtune launch --num_processes 2 train ...), which "
+                                      f"decides what starts")
+        assert main(["launch", "--num_processes", "2", "--dry_run", "train", *train]) == 0
+        assert "--nproc_per_node 2" in capsys.readouterr().out
+
+
+def test_a_launcher_option_whose_value_is_train_is_read_as_its_value(capsys):
+    """--partition train (a common Slurm partition) was taken for the command: 'expected one argument'."""
+    job = ["--model_name_or_path", "M", "--dataset_name", "d.jsonl", "--output_dir", "o"]
+    assert main(["launch", "--slurm", "--partition", "train", "--gpus_per_node", "2", "--dry_run", "train", *job]) == 0
+    assert "#SBATCH --partition=train" in capsys.readouterr().out
+    assert main(["launch", "--slurm", "--job_name", "train", "--gpus_per_node", "2", "--dry_run", "train", *job]) == 0
+    assert "#SBATCH --job-name=train" in capsys.readouterr().out

@@ -37,18 +37,31 @@ def _is_bool_word(text: str) -> bool:
 # Launcher options that take no value (--dry_run may take true/false); every other one takes one (or is written
 # --option=value).
 LAUNCHER_FLAGS = ("--dry_run", "--dry-run", "-h", "--help", "--submit", "--requeue")
+OPTIONAL_VALUE = ("--slurm", "--kubernetes")  # a value (the job's file) or none
 EXAMPLE = "'shardtune launch --num_processes 2 train --model_name_or_path M ...'"
+
+
+def _command_at(argv: list[str]) -> int:
+    """Where the command (train) stands: the first word that is neither a launcher option nor its value, so that an
+    option's value spelled 'train' (--partition train, a Slurm partition) is read as the value it is."""
+    start = 0
+    while start < len(argv) and argv[start].startswith("-"):
+        following = argv[start + 1] if start + 1 < len(argv) else None
+        if argv[start] in LAUNCHER_FLAGS:
+            start += 2 if following is not None and _is_bool_word(following) else 1
+        elif argv[start] in OPTIONAL_VALUE:  # --slurm [FILE]: a file, unless the next word is an option or train
+            start += 1 if following is None or following.startswith("-") or following == "train" else 2
+        else:
+            start += 1 if "=" in argv[start] else 2
+    return start
 
 
 def _no_train(argv: list[str]) -> UsageError:
     """The error for a launch line without 'train': a mistyped launcher option, or command, or no job at all."""
-    start = 0  # the first word that is neither a launcher option nor its value
-    while start < len(argv) and argv[start].startswith("-"):
-        if argv[start] in LAUNCHER_FLAGS:
-            start += 2 if start + 1 < len(argv) and _is_bool_word(argv[start + 1]) else 1
-        else:
-            start += 1 if "=" in argv[start] else 2
-    launcher_parser().parse_args(argv[:start])  # an unknown launcher option is reported first
+    start = _command_at(argv)
+    # An unknown launcher option, or a bad value of one before a 'train' further on (--dry_run maybe train), is
+    # reported first.
+    launcher_parser().parse_args(argv[:argv.index("train", start) if "train" in argv[start:] else start])
     if start >= len(argv):
         return UsageError(f"nothing to launch: write the job after the launcher options, e.g. {EXAMPLE}")
     word = argv[start]
@@ -57,14 +70,32 @@ def _no_train(argv: list[str]) -> UsageError:
     return UsageError(f"unknown command '{word}': launch runs 'train' after its options, e.g. {EXAMPLE}")
 
 
+def _refuse_launcher_keys_in_files(user_args: list[str], train_argv: list[str]) -> None:
+    """The processes and machines a recipe or an Accelerate file after 'train' asks for, where the launcher starts
+    others: the launcher's own values, written ahead of the user's arguments, would win without a word (a recipe
+    of num_processes 2 ran one process). Refused, saying where the value goes."""
+    from shardtune.config.loading import key_origins, load_given_values
+
+    origins = key_origins(user_args)
+    asked, started = load_given_values(user_args), load_given_values(train_argv)
+    for key in ("num_processes", "num_machines"):
+        origin = origins.get(key)
+        if origin is None or "command line" in str(origin):  # two values on the line: refused as such later
+            continue
+        if asked[key] != started[key]:
+            raise UsageError(f"{origin}: {key}={asked[key]}, but the launcher starts {started[key]}; give it to "
+                             f"the launcher (shardtune launch --{key} {asked[key]} train ...), which decides what "
+                             f"starts")
+
+
 def run(argv: list[str]) -> int:
     """Entry point of ``shardtune launch``."""
-    if "train" not in argv:
+    split = _command_at(argv)
+    if split >= len(argv) or argv[split] != "train":
         if any(a in ("-h", "--help") for a in argv):
             launcher_parser().print_help()
             return 0
         raise _no_train(argv)
-    split = argv.index("train")
     opts = launcher_parser().parse_args(argv[:split])
     from shardtune.cli.schedulers import check_scheduler_options, write_cluster_job
 
@@ -77,6 +108,8 @@ def run(argv: list[str]) -> int:
 
     job = next(i for i in range(len(cmd)) if cmd[i:i + len(JOB)] == JOB)
     train_argv = cmd[job + len(JOB):]  # what every rank's 'shardtune train' reads
+    if not any(a in TRAIN_HELP for a in train_argv):
+        _refuse_launcher_keys_in_files(argv[split + 1:], train_argv)
     if opts.dry_run:
         if not any(a in TRAIN_HELP for a in train_argv):
             from shardtune.config.loading import check_given_values

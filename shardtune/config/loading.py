@@ -180,6 +180,11 @@ def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] 
     return mapped.carried(), {key: where for key in mapped.values}
 
 
+def load_given_values(argv: list[str]) -> dict[str, Any]:
+    """Every key's value in the job ``argv`` describes, checked as keys only (nothing is read), flat."""
+    return _apply(_layers(argv), training=False)[0].to_flat()
+
+
 def key_origins(argv: list[str]) -> dict[str, Origin]:
     """Where each key the job ``argv`` describes was set (a file and line, or the command line)."""
     return _apply(_layers(argv), training=False)[1]
