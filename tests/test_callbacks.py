@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -50,6 +51,7 @@ class Recorder:
     def on_train_begin(self, args, state, control, *, model, optimizer, plan, info, **kwargs):
         self.events.append(("train_begin", state.step))
         assert plan.strategy == "NO" and info.world_size == 1 and optimizer.param_groups
+        assert state.is_world_process_zero and state.is_local_process_zero  # Transformers' callbacks ask these
 
     def on_step_begin(self, args, state, control, *, micro_batches, **kwargs):
         self.events.append(("step_begin", state.global_step))
@@ -61,7 +63,7 @@ class Recorder:
         control.should_training_stop = state.step == 3
 
     def on_log(self, args, state, control, *, logs, **kwargs):
-        self.logged.append(logs["loss"])
+        self.logged.append(logs.get("loss", logs.get("eval_loss")))
 
     def on_save(self, args, state, control, *, checkpoint, **kwargs):
         self.saved.append(Path(checkpoint).name)
@@ -69,7 +71,7 @@ class Recorder:
     def on_train_end(self, args, state, control, *, summary, log, **kwargs):
         self.events.append(("train_end", state.step))
         summary["recorded_steps"] = state.step
-        log({"step": state.step, "note": "from a callback"})
+        log({"note": "from a callback"})  # no step: stamped with the last one, as plots and trackers need
 
 
 def test_events_arrive_in_order_and_control_steers_the_loop(assets):
@@ -87,6 +89,45 @@ def test_events_arrive_in_order_and_control_steers_the_loop(assets):
     assert recorder.logged == losses(out)  # on_log sees exactly what metrics.jsonl holds
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]) == {"step": 3, "note": "from a callback"}
     assert (out / "final" / "config.json").is_file()  # a stopped run still writes final/
+    # Stopped by a callback, the run is finished: resumed (as a cluster job resumes), it trains nothing and changes
+    # nothing (it retrained step 3 and set final/ and summary.json aside).
+    assert summary["stopped_by"] == "callback stop"
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    again = train(config(assets, "steered", "--resume_from_checkpoint", "true"), callbacks=[Recorder()])
+    assert again["steps"] == 3 and {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+class Terminated(Recorder):
+    """Sends itself a SIGTERM after step 3 (no save_steps checkpoint there); evaluates every 2 steps."""
+
+    def on_step_end(self, args, state, control, *, stats, **kwargs):
+        self.events.append(("step_end", state.step))
+        if state.step == 3:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_the_sigterm_checkpoint_and_eval_records_reach_their_events(assets):
+    """on_save was not called for the checkpoint a SIGTERM saves, nor on_log for eval records (both documented,
+    and Transformers logs eval metrics through on_log)."""
+    from shardtune.errors import TrainingStopped
+    from shardtune.train.loop import train
+
+    recorder = Terminated()
+    try:
+        train(config(assets, "terminated", "--eval_strategy", "steps", "--eval_steps", "2", "--eval_split_ratio",
+                     "0.1"), callbacks=[recorder])
+    except TrainingStopped:
+        pass
+    out = assets[0] / "terminated"
+    assert recorder.saved == ["step-2", "step-3"]  # save_steps at 2, the SIGTERM's at 3
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert recorder.logged == [r.get("loss", r.get("eval_loss")) for r in records
+                               if "loss" in r or "eval_loss" in r]  # eval records too
+    assert records[-1] == {"step": 3, "note": "from a callback"}  # on_train_end's log, at the last step
+    assert any("eval_loss" in r for r in records)
 
 
 def test_the_documented_example_stops_a_run(assets, tmp_path, monkeypatch):
@@ -107,6 +148,22 @@ def test_the_documented_example_stops_a_run(assets, tmp_path, monkeypatch):
 def test_a_bad_callback_name_is_refused_naming_it(spec, message):
     with pytest.raises(UsageError, match=re.escape(message)):
         load_callback(spec)
+
+
+def test_a_callback_with_no_events_is_refused_before_a_tracker_writes(assets, tmp_path):
+    """A callback class with none of the events was refused (exit 2) after the trackers had written into
+    output_dir, so the next run there was refused as 'an earlier run'; the callbacks are checked first."""
+    root, model, data = assets
+    (tmp_path / "no_events.py").write_text("class NoEvents:\n    pass\n")
+    proc = subprocess.run([sys.executable, "-m", "shardtune", "train", "--model_name_or_path", str(model),
+                           "--dataset_name", str(data), "--output_dir", str(root / "no-events"), "--max_steps", "1",
+                           "--report_to", "tensorboard", "--callbacks", "no_events:NoEvents"], cwd=root,
+                          env={**shardtune_env(root), "PYTHONPATH": os.pathsep.join(
+                              [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "NoEvents" in proc.stderr.strip().splitlines()[-1]
+    assert not (root / "no-events").exists()
 
 
 def test_a_bad_callback_stops_the_command_before_anything_is_written(assets):

@@ -162,11 +162,11 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
                                 flat_optimizer=job.runner.flat_optimizer)
     checkpointer.resume(resume)  # a checkpoint this run cannot continue (its data order, say) stops it here
     start_step = job.state.step  # what this run adds is counted from here
+    hooks = CallbackList(callbacks, cfg, job.state)  # a callback that cannot run is refused before any tracker writes
     trackers = start_trackers(cfg.run.report_to, out, cfg.run.run_name, cfg.to_flat(), enabled=job.info.is_main,
                               resumed_at=start_step if resuming else 0)
     metrics = MetricsLog(out, job.info, trackers, strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps,
                          first_step=cfg.run.logging_first_step)
-    hooks = CallbackList(callbacks, cfg, job.state)
     hooks.on_train_begin(model=job.model, optimizer=job.optimizer, plan=job.plan, info=job.info)
     if resuming:
         # Later checkpoints, final/ and summary.json of the run are moved aside before this run replaces any, once
@@ -183,7 +183,9 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
         stopped_by = loop.run()
         summary = run_summary(job, checkpointer, stopped_by=stopped_by, start_step=start_step, tokens=loop.tokens,
                               wall=time.perf_counter() - started)
-        hooks.on_train_end(model=job.model, summary=summary, log=metrics.write)  # trackers get these records too
+        # trackers get these records too, at the run's last step where they name none (plots and trackers need one)
+        hooks.on_train_end(model=job.model, summary=summary,
+                           log=lambda record: metrics.write({"step": job.state.step, **record}))
     except BaseException:
         metrics.close(failed=True)
         raise
@@ -208,8 +210,8 @@ def finished_summary(out: Path, max_steps: int) -> dict[str, Any] | None:
     summary = read_summary(out)
     if summary is None or not (out / "final").is_dir():
         return None
-    ended = summary.get("stopped_by") == "early stopping" or (summary.get("stopped_by") == "completed"
-                                                              and summary["steps"] >= max_steps)
+    ended = summary.get("stopped_by") in ("early stopping", "callback stop") or (
+        summary.get("stopped_by") == "completed" and summary["steps"] >= max_steps)
     return summary if ended else None
 
 
@@ -231,8 +233,8 @@ class Loop:
         self.early_stopped = False
 
     def run(self) -> str:
-        """Train to ``max_steps`` (or a callback's stop); returns ``"completed"``, ``"early stopping"`` or
-        ``"SIGTERM"``."""
+        """Train to ``max_steps`` (or a callback's stop); returns ``"completed"``, ``"early stopping"``,
+        ``"callback stop"`` or ``"SIGTERM"``."""
         job, state, sigterm = self.job, self.job.state, self.sigterm
         self.bar = progress_bar(state.max_steps, state.step, job.info.is_main and not job.cfg.run.disable_tqdm)
         sigterm.in_loop = True  # from here a SIGTERM is answered with a checkpoint
@@ -246,7 +248,7 @@ class Loop:
                     self.after_step(at_epoch_end=False, last=last)
                     if sigterm.any_rank(job.info.device):
                         if not self.checkpointer.just_saved():
-                            self.checkpointer.save("SIGTERM")
+                            self.hooks.on_save(checkpoint=self.checkpointer.save("SIGTERM"))
                         return "SIGTERM"
                     if last or control.should_training_stop:
                         state.end_epoch_if_complete()
@@ -259,7 +261,10 @@ class Loop:
                 # strategies.
                 self.after_step(at_epoch_end=True, last=True)
                 break
-            return "early stopping" if self.early_stopped else "completed"
+            if self.early_stopped:
+                return "early stopping"
+            # a callback's should_training_stop before max_steps ends the run as early stopping does
+            return "completed" if state.step >= state.max_steps else "callback stop"
         finally:
             self.bar.close()
 
@@ -301,6 +306,7 @@ class Loop:
         if result is None:
             return
         self.metrics.write(result)
+        self.hooks.on_log(logs=result)  # as Transformers logs eval metrics through on_log
         self.hooks.on_evaluate(metrics=result)
         if not counted:
             return
@@ -461,8 +467,8 @@ def log_summary(summary: dict[str, Any], cfg: TrainConfig) -> None:
     mfu = summary["mfu"]
     on_gpu = summary.get("device_type") == "cuda"
     # A stopped run is not done: its last line says so (the command's own line then says how to carry it on).
-    ended = {"SIGTERM": "stopped by SIGTERM", "early stopping": "done (early stopping)"}.get(summary["stopped_by"],
-                                                                                          "done")
+    ended = {"SIGTERM": "stopped by SIGTERM", "early stopping": "done (early stopping)",
+             "callback stop": "done (a callback stopped it)"}.get(summary["stopped_by"], "done")
     log.info("%s: %s in %.1f s, %.0f tokens/s%s, peak memory %.2f GiB per %s", ended, what, summary["wall_s"],
              summary["tokens_per_s"], f", MFU {mfu:.1%}" if mfu is not None else "",
              summary["peak_memory_bytes"] / 2**30,

@@ -63,6 +63,20 @@ class TrainState:
         return self.step
 
     @property
+    def is_world_process_zero(self) -> bool:
+        """``TrainerState``'s: whether this process is rank 0 of the job (Transformers' own callbacks ask it)."""
+        import torch.distributed as dist
+
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    @property
+    def is_local_process_zero(self) -> bool:
+        """``TrainerState``'s: whether this process is the first on its machine."""
+        import os
+
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+    @property
     def epochs_done(self) -> float:
         """Epochs trained so far, as Transformers counts them: 2.5 halfway through the third; 5.0 at the end of the
         fifth. The sampler's epoch is the one the last step belongs to, also after the loop counted it done."""
