@@ -395,9 +395,46 @@ def test_resume_given_by_the_user_is_kept_with_a_note(capsys):
 
 
 @pytest.mark.parametrize("text, seconds", [("90", 5400), ("10:30", 630), ("2:00:00", 7200), ("1-12", 129600),
-                                           ("1-00:30", 88200), ("0-00:00:45", 45), ("UNLIMITED", None)])
+                                           ("1-00:30", 88200), ("0-00:00:45", 45), ("UNLIMITED", None),
+                                           ("0", None), ("0:00", None)])  # Slurm: a limit of zero is none
 def test_slurm_time_limits(text, seconds):
     assert slurm_time_s(text) == seconds
+
+
+@pytest.mark.parametrize("option", ["--slurm", "--kubernetes"])
+def test_a_cluster_job_in_a_folder_that_does_not_exist_is_one_line(option, tmp_path, capsys, monkeypatch):
+    """The job file's folder missing: a 29-line FileNotFoundError traceback, exit 1."""
+    from shardtune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    extra = ["--image", "img"] if option == "--kubernetes" else []
+    argv = ["launch", option, "nodir/job", "--gpus_per_node", "2", *extra, "train", "--model_name_or_path", "M",
+            "--dataset_name", "d.jsonl", "--output_dir", "o"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the job's notes (a pod's own disk), then the error
+    assert err[-1] == (f"shardtune launch: error: {option} nodir/job: folder nodir does not exist; create it or "
+                       f"give another path") and not any("Traceback" in line for line in err)
+    assert not (tmp_path / "nodir").exists()
+
+
+def test_the_launcher_shares_out_the_cores_it_may_use(monkeypatch):
+    """OMP_NUM_THREADS came from the machine's core count: on a node shared by a Slurm allocation (or a container's
+    CPU set) the workers' threads oversubscribed the cores the job had. It shares out the cores this process may
+    run on."""
+    import os
+
+    import torch.distributed.run
+
+    from shardtune.cli import launch
+
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    for name in (launch.LAUNCHER_PID, launch.STOP_REPORT, "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    assert launch.run_torchrun(["--standalone", "--nproc_per_node", "2", "-m", "shardtune", "train"]) == 0
+    assert os.environ["OMP_NUM_THREADS"] == "2"
 
 
 def doc_examples() -> list[tuple[str, str]]:

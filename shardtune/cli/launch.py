@@ -223,10 +223,11 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     from shardtune.errors import EXIT_PREEMPTED
 
     args = get_args_parser().parse_args(torchrun_args)
-    # torchrun sets OMP_NUM_THREADS=1 for every worker with a four-line banner; the cores shared out instead, and
-    # said by nothing (a value the user set stays).
+    # torchrun sets OMP_NUM_THREADS=1 for every worker with a four-line banner; the cores this process may use (a
+    # Slurm or container allocation, not the machine's count) shared out instead, and said by nothing (a value the
+    # user set stays).
     per_node = max(1, int(args.nproc_per_node)) if str(args.nproc_per_node).isdigit() else 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // per_node)))
     # Restarted workers sharing the agent's rendezvous store can read the previous attempt's addresses and fail
     # to connect (pytorch/pytorch#135712): give the workers their own store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

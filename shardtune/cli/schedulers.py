@@ -205,10 +205,12 @@ def slurm_time_s(text: str) -> int | None:
                          f"D-HH:MM:SS (e.g. --time 2-00:00:00)")
     v = {k: int(x) for k, x in m.groupdict().items() if x is not None}
     if "d" in v:
-        return ((v["d"] * 24 + v["dh"]) * 60 + v.get("dm", 0)) * 60 + v.get("ds", 0)
-    if "m" not in v:  # a lone number is minutes
-        return v["mm"] * 60
-    return (v.get("h", 0) * 60 + v["m"]) * 60 + v["mm"]
+        seconds = ((v["d"] * 24 + v["dh"]) * 60 + v.get("dm", 0)) * 60 + v.get("ds", 0)
+    elif "m" not in v:  # a lone number is minutes
+        seconds = v["mm"] * 60
+    else:
+        seconds = (v.get("h", 0) * 60 + v["m"]) * 60 + v["mm"]
+    return seconds or None  # Slurm reads a limit of zero as no limit
 
 
 def _directives(shape: JobShape, opts: argparse.Namespace) -> list[str]:
@@ -435,7 +437,10 @@ def write_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> int:
         return 0
     from shardtune.cli.common import check_output_file
 
-    check_output_file(job.file, "--slurm" if job.slurm else "--kubernetes")
+    option = "--slurm" if job.slurm else "--kubernetes"
+    if not (folder := Path(job.file).parent).is_dir() and not folder.exists():
+        raise UsageError(f"{option} {job.file}: folder {folder} does not exist; create it or give another path")
+    check_output_file(job.file, option)
     write_text(job.file, text)
     if job.slurm:
         Path(job.file).chmod(0o755)
