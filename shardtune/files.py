@@ -82,6 +82,23 @@ def with_digest(text: str, comment: str = "#") -> str:
     return f"{text}{comment} {_DIGEST}{digest} (edit this file and it is yours: shardtune will not replace it){end}\n"
 
 
+JSON_DIGEST = "unedited_sha256"  # a JSON's own key: the SHA-256 of the rest of it (``with_json_digest``)
+
+
+def _json_digest(record: dict) -> str:
+    import hashlib
+    import json
+
+    rest = {key: value for key, value in record.items() if key != JSON_DIGEST}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def with_json_digest(record: dict) -> dict:
+    """``record`` (a JSON object shardtune writes for its user) with the digest of its values: edited, it is the
+    user's (``written_by_shardtune``); spacing and key order do not count."""
+    return {**record, JSON_DIGEST: _json_digest(record)}
+
+
 def digest_holds(data: bytes) -> bool | None:
     """Whether the last line of a text file's ``data`` (``with_digest``) is the SHA-256 of the lines above it; None
     where its last line is no digest line."""
@@ -109,9 +126,11 @@ def written_by_shardtune(path: str | Path) -> bool:
         return holds
     if data.lstrip().startswith(b"{"):
         try:
-            return str(json.loads(data).get("written_by", "")).startswith("shardtune")
+            record = json.loads(data)
+            ours = str(record.get("written_by", "")).startswith("shardtune")
         except (ValueError, AttributeError):
             return False
+        return ours and (JSON_DIGEST not in record or record[JSON_DIGEST] == _json_digest(record))
     if Path(path).suffix.lower().lstrip(".") in PICTURE_FIELDS:
         return bool(_OURS.search(data[:_SCAN_BYTES]))
     return bool(_OURS.search(b"\n".join(data.split(b"\n", 3)[:3])))

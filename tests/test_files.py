@@ -53,3 +53,27 @@ def test_a_modelfile_that_cannot_be_written_leaves_nothing(tmp_path: Path, monke
     with pytest.raises(OSError, match="No space left on device"):
         write_modelfile(tmp_path / "model.gguf", None, "</s>")
     assert os.listdir(tmp_path) == ["model.gguf"]
+
+
+def test_a_json_shardtune_wrote_is_its_users_once_edited(tmp_path: Path) -> None:
+    """bench strategies' results JSON was judged by its written_by key alone, so a user's edited copy was replaced
+    by the next run. Its digest of its values holds only while nobody changed them (spacing and key order aside);
+    one written before the digest is judged by its key, as before."""
+    import json
+
+    from shardtune.files import with_json_digest, written_by_shardtune
+
+    path = tmp_path / "bench.json"
+    record = {"written_by": "shardtune bench strategies", "results": [{"strategy": "DDP", "tokens_per_s": 900.0}]}
+    path.write_text(json.dumps(with_json_digest(record), indent=1))
+    assert written_by_shardtune(path)
+    path.write_text(json.dumps(json.loads(path.read_text()), indent=4, sort_keys=True))  # spacing and order only
+    assert written_by_shardtune(path)
+    edited = json.loads(path.read_text())
+    edited["results"][0]["tokens_per_s"] = 1200.0
+    path.write_text(json.dumps(edited))
+    assert not written_by_shardtune(path)
+    path.write_text(json.dumps(record))  # before the digest
+    assert written_by_shardtune(path)
+    path.write_text(json.dumps({**record, "written_by": "me"}))
+    assert not written_by_shardtune(path)

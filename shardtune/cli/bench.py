@@ -17,7 +17,7 @@ from pathlib import Path
 
 from shardtune.bench.strategies import BENCHED
 from shardtune.errors import UsageError
-from shardtune.files import PICTURE_FIELDS, WRITTEN_BY, with_digest, write_text
+from shardtune.files import PICTURE_FIELDS, WRITTEN_BY, with_digest, with_json_digest, write_text
 from shardtune.strategies import lookup
 
 
@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         saved = {"written_by": "shardtune bench strategies"} | meta | {"results": [asdict(r) for r in results]}
-        for path, text in ((out, json.dumps(saved, indent=1)),
+        for path, text in ((out, json.dumps(with_json_digest(saved), indent=1)),
                            (out.with_suffix(".md"),
                             with_digest(f"<!-- {WRITTEN_BY} bench strategies -->\n{table}\n", comment="<!--"))):
             write_text(path, text)
