@@ -297,3 +297,14 @@ def test_a_launcher_option_whose_value_is_train_is_read_as_its_value(capsys):
     assert "#SBATCH --partition=train" in capsys.readouterr().out
     assert main(["launch", "--slurm", "--job_name", "train", "--gpus_per_node", "2", "--dry_run", "train", *job]) == 0
     assert "#SBATCH --job-name=train" in capsys.readouterr().out
+
+
+def test_model_parallel_on_several_processes_is_refused_before_anything_starts(capsys):
+    """MP runs in one process over several devices: launched on 2 processes (or written into a cluster job), it
+    was refused only by every worker once started, on a cluster after the job's wait in the queue."""
+    job = ["--model_name_or_path", "M", "--dataset_name", "d.jsonl", "--output_dir", "o", "--distributed_type", "MP"]
+    for launcher in (["--num_processes", "2", "--dry_run"], ["--slurm", "--gpus_per_node", "2", "--dry_run"]):
+        assert main(["launch", *launcher, "train", *job]) == 2
+        assert "distributed_type=MP runs in one process over several devices (mp_devices), not on 2 processes" in \
+            error_line(capsys)
+    assert main(["launch", "--num_processes", "1", "--dry_run", "train", *job]) == 0

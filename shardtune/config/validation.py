@@ -311,8 +311,14 @@ def _best_model_problems(cfg: TrainConfig) -> list[Problem]:
 
 
 def _validate_pipeline(cfg: TrainConfig) -> list[Problem]:
-    """PP needs batches that split into whole pipeline micro-batches, and no fp16 loss scaling."""
+    """PP needs batches that split into whole pipeline micro-batches, and no fp16 loss scaling; MP one process."""
     d, r = cfg.distributed, cfg.run
+    if _strategy(d).drives_several_devices and d.num_processes > 1:
+        # Refused by every worker only once they had started (on a cluster, after the job's wait in the queue).
+        return [Problem(("distributed_type", "num_processes"), f"distributed_type={d.distributed_type} runs in one "
+                        f"process over several devices (mp_devices), not on {d.num_processes} processes; start it "
+                        f"with 'shardtune train' (or launch --num_processes 1), or use PP to split the layers "
+                        f"across processes")]
     if not _strategy(d).pipelined or d.pipeline_microbatches < 1:
         return []
     problems = [Problem((f"per_device_{kind}_batch_size", "pipeline_microbatches"), f"per_device_{kind}_batch_size="
