@@ -227,7 +227,8 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     # Slurm or container allocation, not the machine's count) shared out instead, and said by nothing (a value the
     # user set stays).
     per_node = max(1, int(args.nproc_per_node)) if str(args.nproc_per_node).isdigit() else 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // per_node)))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: none
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable // per_node)))
     # Restarted workers sharing the agent's rendezvous store can read the previous attempt's addresses and fail
     # to connect (pytorch/pytorch#135712): give the workers their own store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
