@@ -113,33 +113,3 @@ def test_the_launcher_names_the_rank_that_died_not_the_one_that_lost_it(monkeypa
     assert first_failure({1: failure(5, 17), 0: failure(5, 1)})[0] == 1
     # The agent's own SIGTERM to the others never wins a tie.
     assert first_failure({0: failure(5, -15), 1: failure(5, 1)})[0] == 1
-
-
-def test_the_launcher_gives_its_workers_the_grace_period_to_save_on_sigterm(monkeypatch):
-    """torchrun's agent SIGKILLs the workers 30 s after passing a SIGTERM on: a checkpoint that took longer was lost
-    and the job not requeued (exit 1, not 143). The launcher gives them the cluster jobs' grace period (300 s)
-    unless the environment says otherwise, and a job with a longer --grace_period says so in its environment."""
-    import argparse
-
-    import torch.distributed.run
-
-    from shardtune.cli import launch
-    from shardtune.cli.launch_command import DEFAULT_GRACE_S
-    from shardtune.cli.schedulers import job_env
-
-    seen = []
-
-    def torchrun(args):
-        seen.append(torch.distributed.run.config_from_args(args)[0].shutdown_timeout)
-
-    monkeypatch.setattr(torch.distributed.run, "run", torchrun)
-    for name in (launch.LAUNCHER_PID, launch.STOP_REPORT, "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)  # what run_torchrun sets for its workers is undone after the test
-    assert launch.run_torchrun(["--standalone", "--nproc_per_node", "2", "-m", "shardtune", "train"]) == 0
-    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "900")
-    assert launch.run_torchrun(["--standalone", "--nproc_per_node", "2", "-m", "shardtune", "train"]) == 0
-    assert seen == [DEFAULT_GRACE_S, 900]
-    shape = argparse.Namespace(grace_s=DEFAULT_GRACE_S + 300, cpus_per_task=None, network_interface=None)
-    assert job_env(shape) == [f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={DEFAULT_GRACE_S + 300}"]
-    assert job_env(argparse.Namespace(grace_s=DEFAULT_GRACE_S, cpus_per_task=None, network_interface=None)) == []

@@ -13,8 +13,8 @@ import signal
 import sys
 from typing import Any
 
-from shardtune.cli.launch_command import (DEFAULT_GRACE_S, DESCRIPTION, JOB, TORCHRUN, launcher_parser,
-                                          torchrun_command, true_or_false)
+from shardtune.cli.launch_command import (DESCRIPTION, JOB, TORCHRUN, launcher_parser, torchrun_command,
+                                          true_or_false)
 from shardtune.errors import UsageError, closest
 
 __all__ = ["JOB", "TORCHRUN", "launcher_parser", "run", "run_torchrun", "torchrun_command"]
@@ -232,10 +232,6 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     # Restarted workers sharing the agent's rendezvous store can read the previous attempt's addresses and fail
     # to connect (pytorch/pytorch#135712): give the workers their own store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    # On SIGTERM the workers save a checkpoint and exit; torchrun's agent would SIGKILL them after 30 s, in the
-    # middle of a save that takes longer. They get the grace period a cluster job gives (the scheduler's own kill
-    # still ends a hung one).
-    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(DEFAULT_GRACE_S))
     scratch = tempfile.mkdtemp(prefix="shardtune-launch-")
     report = os.path.join(scratch, "stop.json")
     os.environ[STOP_REPORT] = report

@@ -321,8 +321,6 @@ def sbatch_script(shape: JobShape, opts: argparse.Namespace, file: str, train_ar
 def job_env(shape: JobShape) -> list[str]:
     """``NAME=value`` for the workers' environment, the same in both forms."""
     env = []
-    if shape.grace_s > DEFAULT_GRACE_S:  # the launcher's wait for the workers' save (launch.run_torchrun) as long
-        env.append(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={shape.grace_s}")
     if shape.cpus_per_task:  # the node's cores shared out among its processes
         env.append(f"OMP_NUM_THREADS={max(1, shape.cpus_per_task // shape.procs_per_node)}")
     if shape.network_interface:
