@@ -69,7 +69,7 @@ def figure_metadata(fmt: str) -> dict[str, str]:
 # The last line of a text file shardtune writes for its user (a recipe, a cluster job, a table): the SHA-256 of
 # the lines above it, after a comment mark. A file whose last line still matches is shardtune's and nobody edited
 # it; an edited one is its user's, and no command replaces it.
-_DIGEST = "unedited: sha256 "
+DIGEST_MARK = "unedited: sha256 "
 _DIGEST_LINE = re.compile(rb"^(#|<!--) unedited: sha256 ([0-9a-f]{64})\b")
 
 
@@ -79,7 +79,8 @@ def with_digest(text: str, comment: str = "#") -> str:
 
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
     end = " -->" if comment == "<!--" else ""
-    return f"{text}{comment} {_DIGEST}{digest} (edit this file and it is yours: shardtune will not replace it){end}\n"
+    return (f"{text}{comment} {DIGEST_MARK}{digest} (edit this file and it is yours: shardtune will not replace "
+            f"it){end}\n")
 
 
 JSON_DIGEST = "unedited_sha256"  # a JSON's own key: the SHA-256 of the rest of it (``with_json_digest``)

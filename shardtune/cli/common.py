@@ -180,13 +180,14 @@ def _resolved_recipe(path: Path) -> bool:
     import yaml
 
     from shardtune.config.schema import TrainConfig
+    from shardtune.files import DIGEST_MARK, WRITTEN_BY
 
     try:
         text = path.read_text(encoding="utf-8")
         values = yaml.safe_load(text)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
-    marked = "written by shardtune" in text.lower() or "unedited: sha256" in text
+    marked = WRITTEN_BY in text.lower() or DIGEST_MARK in text
     return not marked and isinstance(values, dict) and set(values) == set(TrainConfig().to_flat())
 
 
