@@ -1,7 +1,23 @@
 import json
+import os
 import warnings
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_left_behind():
+    """A test that leaves a launcher's variables in this worker's environment fails here, not by the next test
+    that runs ``train`` in this process: that train took itself for the orphan of an ended launcher and SIGKILLed
+    the worker ("node down: Not properly terminated"), losing the test's name. Set up before ``monkeypatch`` and
+    so checked after it has undone what it set."""
+    from shardtune.cli.launch import LAUNCHER_PID, STOP_REPORT
+
+    before = {name: os.environ.get(name) for name in (LAUNCHER_PID, STOP_REPORT)}
+    yield
+    after = {name: os.environ.pop(name, None) for name in before}
+    os.environ.update({name: value for name, value in before.items() if value is not None})  # for the next test
+    assert after == before, f"the test left the launcher's variables in this process's environment: {after}"
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +69,6 @@ def pytest_configure(config):
     with monkeypatch), and the cache is a temporary folder, never the user's ~/.cache. Under pytest-xdist (``make
     test`` runs two workers on two cores) each worker computes on one thread, and so does every process it
     starts: two workers of two threads each would contend for the two cores."""
-    import os
     import tempfile
 
     os.environ["SHARDTUNE_PREDICT_MEMORY"] = "0"

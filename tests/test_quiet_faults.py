@@ -102,8 +102,6 @@ def test_the_launcher_names_the_rank_that_died_not_the_one_that_lost_it(monkeypa
         raise ChildFailedError("shardtune", failures)
 
     monkeypatch.setattr(torch.distributed.run, "run", torchrun)
-    for name in (launch.LAUNCHER_PID, launch.STOP_REPORT, "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
-        monkeypatch.setenv(name, "")  # what run_torchrun sets for its workers is undone after the test
     assert launch.run_torchrun(["--standalone", "--nproc_per_node", "2", "-m", "shardtune", "train"]) == 137
     assert capsys.readouterr().err == "shardtune launch: rank 1 was killed by signal 9 (see its messages above)\n"
     first_failure = launch.first_failure

@@ -427,14 +427,18 @@ def test_the_launcher_shares_out_the_cores_it_may_use(monkeypatch):
 
     from shardtune.cli import launch
 
-    monkeypatch.setattr(torch.distributed.run, "run", lambda args: None)
+    workers = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: workers.append(dict(os.environ)))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
-    for name in (launch.LAUNCHER_PID, launch.STOP_REPORT, "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-                 "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the test run's own
+    before = dict(os.environ)
     assert launch.run_torchrun(["--standalone", "--nproc_per_node", "2", "-m", "shardtune", "train"]) == 0
-    assert os.environ["OMP_NUM_THREADS"] == "2"
+    assert workers[0]["OMP_NUM_THREADS"] == "2"
+    assert workers[0][launch.LAUNCHER_PID] == str(os.getpid())
+    # ... and only the workers: this process's environment is as it was (a train run here after the launcher
+    # returned was killed as the orphan of a launcher that had ended: it took down a test worker).
+    assert dict(os.environ) == before
 
 
 def doc_examples() -> list[tuple[str, str]]:

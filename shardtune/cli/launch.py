@@ -11,6 +11,8 @@ import os
 import shlex
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from shardtune.cli.launch_command import (DESCRIPTION, JOB, TORCHRUN, launcher_parser, torchrun_command,
@@ -205,6 +207,23 @@ def first_failure(failures: dict) -> tuple[int, Any]:
     return rank, failure
 
 
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """The workers' environment, set in this process while the agent starts them and put back after: a caller that
+    goes on in this process (a notebook, a test) must not run its own ``train`` as a worker of a launcher that has
+    ended (``die_with_launcher`` would kill it)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run_torchrun(torchrun_args: list[str]) -> int:
     """Run torchrun's agent in this process; a failed worker becomes one line and its exit code.
 
@@ -228,16 +247,16 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     # user set stays).
     per_node = max(1, int(args.nproc_per_node)) if str(args.nproc_per_node).isdigit() else 1
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS: none
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable // per_node)))
-    # Restarted workers sharing the agent's rendezvous store can read the previous attempt's addresses and fail
-    # to connect (pytorch/pytorch#135712): give the workers their own store.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     scratch = tempfile.mkdtemp(prefix="shardtune-launch-")
     report = os.path.join(scratch, "stop.json")
-    os.environ[STOP_REPORT] = report
-    os.environ[LAUNCHER_PID] = str(os.getpid())
+    workers = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, usable // per_node)),
+               # Restarted workers sharing the agent's rendezvous store can read the previous attempt's addresses
+               # and fail to connect (pytorch/pytorch#135712): give the workers their own store.
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
+               STOP_REPORT: report, LAUNCHER_PID: str(os.getpid())}
     try:
-        torchrun(args)
+        with _environment(workers):
+            torchrun(args)
     except ChildFailedError as exc:
         rank, failure = first_failure(exc.failures)
         code = failure.exitcode
