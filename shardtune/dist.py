@@ -168,7 +168,7 @@ def ended_ranks(table: list[tuple[str, int]], rank: int, wait_s: float = 10.0) -
     here = [r for r, (h, _) in enumerate(table) if h == host and r != rank]
     deadline = time.monotonic() + wait_s
     while True:
-        states = {r: _state(table[r][1]) for r in here}
+        states = {r: process_state(table[r][1]) for r in here}
         gone = [r for r, state in states.items() if state == "gone"]
         if gone or not here:
             return gone or None
@@ -177,7 +177,20 @@ def ended_ranks(table: list[tuple[str, int]], rank: int, wait_s: float = 10.0) -
         time.sleep(0.05)
 
 
-def _state(pid: int) -> str:
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from Linux's /proc (elsewhere none)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # ended while this read it
+            continue
+        if parent == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def process_state(pid: int) -> str:
     """'running', 'zombie' (ended, its parent not told yet) or 'gone'."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

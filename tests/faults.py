@@ -12,6 +12,8 @@ every process torchrun starts can import it) and says where the fault strikes in
   puts a file where final/ goes and lets the job go on (rank 0's export of final/ then fails). POINT
   ``write_full`` (rank 0 writing a FULL_STATE_DICT checkpoint) with HOW ``ENOSPC`` fails as a full disk does, with
   ``INT`` the rank gets SIGINT (Ctrl-C) there.
+- ``FAULT_SLOW_SAVE=STEP:SECONDS``: every checkpoint from step STEP on takes SECONDS longer, between its tensors
+  and its manifest (a large model's save).
 - ``FAULT_LOGITS=PATH``: at the end of training, the trained model's logits on a fixed input go to PATH (every rank
   runs the forward, as FSDP must gather; rank 0 writes).
 
@@ -56,6 +58,8 @@ class Faults:
         self.step_fault = _parse(os.environ["FAULT_STEP"]) if os.environ.get("FAULT_STEP") else None
         self.save_fault = _parse(os.environ["FAULT_SAVE"]) if os.environ.get("FAULT_SAVE") else None
         self.logits_path = os.environ.get("FAULT_LOGITS")
+        slow = os.environ.get("FAULT_SLOW_SAVE")
+        self.slow_save = tuple(map(float, slow.split(":"))) if slow else None
 
     def _mine(self, fault, step: int) -> bool:
         return fault is not None and fault[1] == step and fault[2] in (None, self.rank) and _first_attempt()
@@ -64,6 +68,15 @@ class Faults:
         self.rank, self.state = info.rank, state
         if self.save_fault and self.save_fault[0] in ("during_save", "write_full"):
             self._patch_checkpoint_writes()
+        if self.slow_save:
+            original = checkpoint.rng_state
+
+            def rng_state():
+                if self.state.step >= self.slow_save[0]:
+                    time.sleep(self.slow_save[1])
+                return original()
+
+            checkpoint.rng_state = rng_state
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
         if not self._mine(self.step_fault, state.step + 1):

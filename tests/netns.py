@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardtune.dist import children
+
 ADDRESSES = ("10.200.0.1", "10.200.0.2")
 PREFIX_LEN = 24
 ETC_NETNS = Path("/etc/netns")
@@ -45,19 +47,6 @@ def unavailable() -> str | None:
         return f"'ip netns add' fails here: {getattr(exc, 'stderr', '') or exc}".strip()
     _ip("netns", "del", probe)
     return None
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def _kill(pid: int) -> None:

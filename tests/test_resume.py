@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardtune.dist import children, process_state
 from tests.faults import CALLBACK as FAULTS
 from tests.faults import fault_env
-from tests.netns import children
 from tests.trainutil import flags, write_sum_rows
 
 SHARDTUNE = [sys.executable, "-m", "shardtune"]
@@ -298,8 +298,11 @@ def test_checkpoint_at_an_epochs_last_step_resumes_with_the_next_epoch(work: Pat
 
 
 def test_sigterm_to_launcher_saves_and_exits_preempted(work: Path) -> None:
-    # Rank 0 sends SIGTERM to the launcher right after step-2 is saved, as a scheduler would before preemption.
-    proc = shardtune(work, "sigterm", "--distributed_type", "FSDP", *LORA, fault="after_save:2:0:TERM-LAUNCHER")
+    # Rank 0 sends SIGTERM to the launcher right after step-2 is saved, as a scheduler would before preemption. The
+    # checkpoint the SIGTERM saves takes 4 s, longer than torchrun's agent waits (set to 1 s here; 30 s by default,
+    # short of a large model's save) before it SIGKILLs the workers: the launcher waits for the save itself.
+    proc = shardtune(work, "sigterm", "--distributed_type", "FSDP", *LORA, fault="after_save:2:0:TERM-LAUNCHER",
+                     env={"FAULT_SLOW_SAVE": "3:4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"})
     summary = json.loads((work / "sigterm" / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGTERM" and summary["steps"] < 6
     last = Path(work / summary["last_checkpoint"])
@@ -369,11 +372,7 @@ def test_a_second_run_in_a_used_folder_is_refused_before_writing(work: Path, sig
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    return process_state(pid) == "running"
 
 
 def _launch(work: Path, out: str, *args: str) -> subprocess.Popen:

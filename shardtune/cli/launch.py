@@ -224,6 +224,68 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+# How long the launcher waits, after a SIGTERM, for its workers to finish their step and save; the scheduler's own
+# grace (Slurm's --signal=TERM@S, Kubernetes' terminationGracePeriodSeconds) is what really bounds it.
+SIGTERM_WAIT_S = 1800
+
+
+def _is_worker(pid: int, launcher: int) -> bool:
+    """A process this launcher's agent started as a rank (not, say, a resource tracker it also started)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return False
+    return f"{LAUNCHER_PID}={launcher}".encode() in env and any(v.startswith(b"LOCAL_RANK=") for v in env)
+
+
+@contextmanager
+def _sigterm_waits_for_the_save(args: argparse.Namespace, signal_exception: type[Exception]
+                                ) -> Iterator[dict[str, str]]:
+    """torchrun's agent answers SIGTERM by passing it on and SIGKILLing the workers 30 s later, which cuts a large
+    model's save short (a cluster job's grace is 300 s). That wait (its shutdown timeout) serves every stop, also
+    that of the ranks left after one failed, which never reach a step's end: it cannot simply be made longer.
+    So the launcher takes SIGTERM itself (Linux): it passes it on to its workers, waits until they have saved and
+    ended (up to SIGTERM_WAIT_S; a second SIGTERM ends the wait), then stops the agent as SIGTERM does. The agent
+    is told to leave SIGTERM alone (``args.signals_to_handle``, torchrun's --signals_to_handle); yields the same for
+    the environment, which is where torch releases before that option read it from."""
+    import threading
+    import time
+
+    from shardtune.dist import children, process_state
+
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        yield {}
+        return
+    launcher, waiting = os.getpid(), []
+
+    def stop(signum, frame) -> None:  # noqa: ARG001
+        if waiting:  # a second SIGTERM: stop now
+            raise signal_exception(f"Process {launcher} got signal: SIGTERM", sigval=signal.SIGTERM)
+        waiting.append(True)
+        workers = [pid for pid in children(launcher) if _is_worker(pid, launcher)]
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + SIGTERM_WAIT_S
+        while any(process_state(pid) == "running" for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        raise signal_exception(f"Process {launcher} got signal: SIGTERM", sigval=signal.SIGTERM)
+
+    handled = getattr(args, "signals_to_handle", None) or os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE",
+                                                                         "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    handled = ",".join(name for name in handled.split(",") if name.strip() != "SIGTERM")
+    if hasattr(args, "signals_to_handle"):
+        args.signals_to_handle = handled
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield {"TORCHELASTIC_SIGNALS_TO_HANDLE": handled}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_torchrun(torchrun_args: list[str]) -> int:
     """Run torchrun's agent in this process; a failed worker becomes one line and its exit code.
 
@@ -255,7 +317,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
                STOP_REPORT: report, LAUNCHER_PID: str(os.getpid())}
     try:
-        with _environment(workers):
+        with _sigterm_waits_for_the_save(args, SignalException) as agent, _environment(workers | agent):
             torchrun(args)
     except ChildFailedError as exc:
         rank, failure = first_failure(exc.failures)
