@@ -111,3 +111,55 @@ def test_the_launcher_names_the_rank_that_died_not_the_one_that_lost_it(monkeypa
     assert first_failure({1: failure(5, 17), 0: failure(5, 1)})[0] == 1
     # The agent's own SIGTERM to the others never wins a tie.
     assert first_failure({0: failure(5, -15), 1: failure(5, 1)})[0] == 1
+
+
+# A rank that notes each SIGTERM it gets and keeps running, as one still saving does.
+SAVING_RANK = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: open(sys.argv[1], "a").write("TERM\\n"))
+open(sys.argv[1], "a").write("up\\n")
+time.sleep(120)
+"""
+
+
+def test_a_second_sigterm_ends_the_launchers_wait_for_its_workers(monkeypatch, capsys, tmp_path):
+    """The launcher passes a SIGTERM on to its ranks (not to other children of its own) and waits for them to save;
+    a second SIGTERM stops that wait at once. Without the launcher's handler, this test's own handler raises."""
+    import threading
+
+    import torch.distributed.run
+
+    from shardtune.cli import launch
+    from shardtune.dist import process_state
+
+    started = []
+
+    def torchrun(args):
+        assert "SIGTERM" not in args.signals_to_handle  # the agent leaves SIGTERM to the launcher
+        for name, env in (("rank", {"LOCAL_RANK": "0"}), ("other", {})):
+            log = tmp_path / name
+            started.append((log, subprocess.Popen([sys.executable, "-c", SAVING_RANK, str(log)],
+                                                  env={**os.environ, **env})))
+        while not all(log.is_file() for log, _ in started):
+            time.sleep(0.05)
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # the second, during the wait
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the launcher's SIGTERM handler returned")
+
+    def not_handled(signum, frame):
+        raise AssertionError("SIGTERM reached the test, not the launcher")
+
+    monkeypatch.setattr(torch.distributed.run, "run", torchrun)
+    previous = signal.signal(signal.SIGTERM, not_handled)
+    begun = time.monotonic()
+    try:
+        code = launch.run_torchrun(["--standalone", "--nproc_per_node", "1", "-m", "shardtune", "train"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for _, proc in started:
+            proc.kill()
+            proc.wait()
+    assert time.monotonic() - begun < 30  # not the rank's 120 s, nor the launcher's 30 minutes
+    assert code == 1 and "stopped by SIGTERM before the workers saved a checkpoint" in capsys.readouterr().err
+    assert [log.read_text() for log, _ in started] == ["up\nTERM\n", "up\n"]
+    assert all(process_state(proc.pid) == "gone" for _, proc in started)
