@@ -398,3 +398,51 @@ def test_a_plot_format_that_cannot_carry_shardtunes_mark_is_refused_before_the_r
     recipe.write_text("model_name_or_path: m\ndataset_name: d.jsonl\n")
     assert main(["bench", "strategies", str(recipe), "--plot", str(tmp_path / "p.jpg")]) == 2
     assert "--plot" in capsys.readouterr().err and not (tmp_path / "p.jpg").exists()
+
+
+def test_the_bench_keys_a_set_cannot_change_are_the_ones_each_setup_sets():
+    """SET_BY_BENCH names every key job_args gives a setup (the probe's callbacks join the recipe's instead)."""
+    from shardtune.bench.strategies import SET_BY_BENCH, job_args
+
+    args = job_args("r.yaml", "MP", Path("out"), num_processes=2, steps=4, extra=[])
+    set_keys = {a[2:] for a in args if a.startswith("--")} - {"callbacks"}
+    assert set_keys <= set(SET_BY_BENCH)
+    assert set(SET_BY_BENCH) - set_keys <= {"mp_devices"}  # set only where MP runs on CPU stand-ins
+
+
+@pytest.mark.parametrize(("pair", "says"), [
+    ("max_steps=10", "--set 'max_steps=10': the bench sets max_steps for every setup itself; give --steps"),
+    ("max-steps=10", "--set 'max-steps=10': the bench sets max_steps for every setup itself; give --steps"),
+    ("evaluation_strategy=steps", "the bench sets eval_strategy for every setup itself"),
+    ("output_dir=runs", "the bench sets output_dir for every setup itself; give --work_dir"),
+])
+def test_a_set_of_a_key_the_bench_sets_is_refused_before_any_setup(tmp_path, monkeypatch, capsys, pair, says):
+    """--set max_steps=10 beside --steps went to every setup's job after the bench's own --max_steps, so the last
+    one won without a word (and output_dir sent every setup into one folder): each setup then failed or timed
+    something else than --steps asked, after minutes of runs."""
+    from shardtune.bench import strategies
+    from shardtune.cli import main
+
+    monkeypatch.setattr(strategies, "run_setup", lambda *args, **kwargs: pytest.fail("a setup was started"))
+    recipe = tiny_recipe(tmp_path)
+    assert main(["bench", "strategies", str(recipe), "--set", pair]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_work_dir_holding_an_earlier_bench_is_refused_before_any_setup(tmp_path, monkeypatch, capsys):
+    """Each setup refused its folder of an earlier bench (it holds a run), blamed on the recipe, after the setups
+    before it had run; and nothing of the earlier runs may go."""
+    from shardtune.bench import strategies
+    from shardtune.cli import main
+
+    monkeypatch.setattr(strategies, "run_setup", lambda *args, **kwargs: pytest.fail("a setup was started"))
+    recipe = tiny_recipe(tmp_path)
+    earlier = tmp_path / "work" / "FSDP"
+    earlier.mkdir(parents=True)
+    (earlier / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    assert main(["bench", "strategies", str(recipe), "--strategies", "ddp,fsdp", "--work_dir",
+                 str(tmp_path / "work")]) == 2
+    assert (f"--work_dir {tmp_path / 'work'}: {earlier} holds an earlier run; give a new or empty --work_dir "
+            f"(nothing in it is deleted)") in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "work").iterdir()] == ["FSDP"]
+    assert (earlier / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'

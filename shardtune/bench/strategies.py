@@ -76,6 +76,20 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
+# The keys job_args sets for every setup, and what to give ``bench strategies`` instead of ``--set KEY=VALUE``.
+SET_BY_BENCH = {
+    "output_dir": "give --work_dir to keep the setups' folders",
+    "max_steps": "give --steps",
+    "distributed_type": "choose the setups with --strategies",
+    "mp_devices": "MP runs on --num_processes devices",
+    "logging_strategy": "the figures need a record of every step",
+    "logging_steps": "the figures need a record of every step",
+    "save_strategy": "a setup saves no checkpoint, which would count in its step times",
+    "eval_strategy": "a setup evaluates nothing, which would count in its step times",
+    "predict_memory": "a setup runs no memory check, which would count in its step times",
+}
+
+
 def job_args(config: str, strategy: Strategy | str, out: Path, *, num_processes: int, steps: int,
              extra: list[str], callbacks: Sequence[str] = ()) -> list[str]:
     """``shardtune train`` arguments of one setup; ``callbacks``: the recipe's own, which run beside the probe."""

@@ -15,7 +15,8 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from shardtune.bench.strategies import BENCHED
+from shardtune.bench.strategies import BENCHED, SET_BY_BENCH
+from shardtune.config.schema import ALIASES
 from shardtune.errors import UsageError
 from shardtune.files import PICTURE_FIELDS, WRITTEN_BY, with_digest, with_json_digest, write_text
 from shardtune.strategies import lookup
@@ -83,6 +84,10 @@ def main(args: argparse.Namespace) -> int:
             check_output_file(path, option)
     if args.work_dir:
         check_output_path(args.work_dir, "--work_dir", folder=True)
+        for folder in (Path(args.work_dir) / strategy for strategy in strategies):
+            if folder.is_dir() and any(folder.iterdir()):  # each setup would refuse it, after the ones before ran
+                raise UsageError(f"--work_dir {args.work_dir}: {folder} holds an earlier run; give a new or empty "
+                                 f"--work_dir (nothing in it is deleted)")
     if args.plot and Path(args.plot).suffix.lstrip(".").lower() not in PICTURE_FIELDS:
         raise UsageError(f"--plot {args.plot}: give a picture file of {', '.join(PICTURE_FIELDS)} (by its suffix)")
     extra = []
@@ -90,6 +95,10 @@ def main(args: argparse.Namespace) -> int:
         key, eq, value = pair.partition("=")
         if not eq or not key:
             raise UsageError(f"--set {pair!r}: write KEY=VALUE, e.g. --set per_device_train_batch_size=4")
+        name = key.strip().lstrip("-").replace("-", "_")
+        if ALIASES.get(name, name) in SET_BY_BENCH:
+            own = ALIASES.get(name, name)
+            raise UsageError(f"--set {pair!r}: the bench sets {own} for every setup itself; {SET_BY_BENCH[own]}")
         extra += [f"--{key.strip()}", value]
     with tempfile.TemporaryDirectory(prefix="shardtune-bench-") as tmp:
         work = Path(args.work_dir or tmp)
