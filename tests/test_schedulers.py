@@ -73,6 +73,33 @@ def test_sbatch_script_2x8_numbers_and_words():
     assert "scontrol requeue" not in text  # only with --requeue
 
 
+def node_launch(job) -> tuple[list[str], list[str]]:
+    """(the launch options, the train arguments) each node of ``job`` runs 'shardtune launch' with."""
+    words = srun_words(job.text)[4:] if job.slurm else yaml.safe_load(job.text)["spec"]["pytorchReplicaSpecs"][
+        "Worker"]["template"]["spec"]["containers"][0]["command"]
+    train_at = words.index("train")
+    return words[words.index("launch") + 1:train_at], words[train_at + 1:]
+
+
+@pytest.mark.parametrize("form", [["--slurm"], ["--kubernetes", "--image", "img:1"]])
+def test_a_one_node_job_keeps_the_port_it_was_given(form):
+    """--main_process_port on one node was dropped without a word: the node's torchrun ran --standalone on a port
+    of its own choosing. It is the node's --master_port, as 'shardtune launch' on one machine makes it."""
+    job = render([*form, "--gpus_per_node", "4", "--main_process_port", "31234", "train", *TRAIN])
+    launch, train = node_launch(job)
+    assert launch == ["--num_machines", "1", "--num_processes", "4", "--main_process_port", "31234",
+                      "--max_restarts", "0"]
+    cmd = " ".join(torchrun_command(launcher_parser().parse_args(launch), train))
+    assert "--nnodes 1 --nproc_per_node 4 --max_restarts 0 --master_addr 127.0.0.1 --master_port 31234 -m" in cmd
+    if not job.slurm:  # the port the pod declares is the one it listens on
+        assert yaml.safe_load(job.text)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][
+            0]["ports"] == [{"name": "pytorchjob-port", "containerPort": 31234}]
+    # Not given, torchrun picks a free port itself, as before.
+    launch, train = node_launch(render([*form, "--gpus_per_node", "4", "train", *TRAIN]))
+    assert "--main_process_port" not in launch
+    assert "--standalone" in torchrun_command(launcher_parser().parse_args(launch), train)
+
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None,
                     reason="shellcheck is not installed (apt-get install shellcheck; `make test` installs it)")
 @pytest.mark.parametrize("extra", [[], ["--requeue", "--network_interface", "ib0", "--cpus_per_task", "64",

@@ -146,6 +146,8 @@ def node_command(shape: JobShape, opts: argparse.Namespace, host: str, rdzv_id: 
     if shape.num_machines > 1:
         launch += ["--rdzv_backend", "c10d", "--main_process_ip", host, "--main_process_port", str(shape.port),
                    "--rdzv_id", rdzv_id]
+    elif opts.main_process_port is not None:  # one node asked for a port: torchrun's --master_port there, as by hand
+        launch += ["--main_process_port", str(shape.port)]
     if opts.rdzv_conf is not None:  # refused below on one node, where no rendezvous is held
         launch += ["--rdzv_conf", opts.rdzv_conf]
     launch += ["--max_restarts", str(shape.max_restarts)]
