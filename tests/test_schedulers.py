@@ -366,6 +366,44 @@ def test_bad_combinations_exit_2_with_one_line(argv, says, capsys, monkeypatch, 
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+@pytest.mark.parametrize("output_dir, mount", [("/scratch/run", None), ("../run", None), ("/workspace2/run", None),
+                                               ("/workspace/run", "/data/")])
+def test_an_output_dir_outside_the_claim_is_refused(output_dir, mount, capsys, tmp_path, monkeypatch):
+    """--pvc mounts the claim at --mount_path, the pods' working directory: an output_dir outside it was written to
+    the pod's own disk without a word, and a restarted pod found no checkpoint to resume from."""
+    monkeypatch.chdir(tmp_path)
+    mounted = ["--mount_path", mount] if mount else []
+    assert main(["launch", "--kubernetes", "--image", "img:1", "--gpus_per_node", "8", "--pvc", "runs", *mounted,
+                 "train", *TRAIN[:-1], output_dir]) == 2
+    at = (mount or "/workspace").rstrip("/")
+    assert capsys.readouterr().err == (
+        f"shardtune launch: error: command line (--output_dir): output_dir {output_dir} is outside {at}, where --pvc "
+        f"runs is mounted: its checkpoints would be on the pod's own disk and go with the pod; give an output_dir "
+        f"under {at} (a relative one such as runs/NAME is kept there), or mount the claim above it (--mount_path)\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_dir_outside_the_claim_is_named_where_the_recipe_sets_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sft.yaml").write_text("model_name_or_path: M\ndataset_name: chat.jsonl\noutput_dir: /scratch/run\n")
+    assert main(["launch", "--kubernetes", "--dry_run", "--image", "img:1", "--gpus_per_node", "8", "--pvc", "runs",
+                 "train", "sft.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardtune launch: error: sft.yaml, line 3: output_dir /scratch/run is outside /workspace,")
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("output_dir, mount", [("out", None), ("runs/../out", None), ("/workspace/runs/a", None),
+                                               ("/workspace", None), ("/data/run", "/data"), ("run", "/data/")])
+def test_an_output_dir_on_the_claim_is_kept(output_dir, mount):
+    """Relative to the pods' working directory, the claim, or under its mount: written as given."""
+    doc = manifest([*TWO_BY_EIGHT, "--image", "img:1", "--pvc", "runs", *(["--mount_path", mount] if mount else []),
+                    "train", *TRAIN[:-1], output_dir])
+    (container,) = doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert container["workingDir"] == container["volumeMounts"][1]["mountPath"] == (mount or "/workspace")
+    assert container["command"][-4:] == ["--output_dir", output_dir, "--resume_from_checkpoint", "true"]
+
+
 def test_a_bad_train_key_is_refused_before_writing(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["launch", "--slurm", "--gpus_per_node", "8", "train", *TRAIN, "--learning_rat", "1e-4"]) == 2

@@ -24,6 +24,7 @@ instead (``--submit`` hands it to sbatch / kubectl).
 
 DEFAULT_GRACE_S = 300
 DEFAULT_JOB_NAME = "shardtune"
+DEFAULT_MOUNT_PATH = "/workspace"  # where --pvc is mounted in every pod, and its working directory
 
 
 # Accelerate launch's flags that are keys of the job here: what to write after 'train' instead.
@@ -316,4 +317,5 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pvc", default=None, metavar="CLAIM",
                    help="Kubernetes: a ReadWriteMany PersistentVolumeClaim mounted on every pod as the working "
                         "directory, so output_dir and its checkpoints outlive the pods")
-    g.add_argument("--mount_path", "--mount-path", default=None, help="where --pvc is mounted (default /workspace)")
+    g.add_argument("--mount_path", "--mount-path", default=None,
+                   help=f"where --pvc is mounted (default {DEFAULT_MOUNT_PATH})")

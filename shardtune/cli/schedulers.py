@@ -11,16 +11,18 @@ job carries on from its newest verified checkpoint.
 from __future__ import annotations
 
 import argparse
+import posixpath
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from shardtune.cli.launch_command import CLUSTER, DEFAULT_GRACE_S, DEFAULT_JOB_NAME, KUBERNETES_ONLY, SLURM_ONLY
+from shardtune.cli.launch_command import (CLUSTER, DEFAULT_GRACE_S, DEFAULT_JOB_NAME, DEFAULT_MOUNT_PATH,
+                                          KUBERNETES_ONLY, SLURM_ONLY)
 from shardtune.errors import UsageError
 
 if TYPE_CHECKING:
@@ -339,7 +341,7 @@ def _container(shape: JobShape, opts: argparse.Namespace, train_args: list[str])
     if env := job_env(shape):
         container["env"] = [dict(zip(("name", "value"), line.split("=", 1))) for line in env]
     if opts.pvc:
-        container["workingDir"] = opts.mount_path or "/workspace"
+        container["workingDir"] = opts.mount_path or DEFAULT_MOUNT_PATH
     resources: dict = {}
     if shape.gpus_per_node:
         resources["limits"] = {"nvidia.com/gpu": shape.gpus_per_node}
@@ -349,7 +351,7 @@ def _container(shape: JobShape, opts: argparse.Namespace, train_args: list[str])
         container["resources"] = resources
     container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if opts.pvc:
-        container["volumeMounts"].append({"name": "shared", "mountPath": opts.mount_path or "/workspace"})
+        container["volumeMounts"].append({"name": "shared", "mountPath": opts.mount_path or DEFAULT_MOUNT_PATH})
     return container
 
 
@@ -417,7 +419,25 @@ def render_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> Clust
     if output_dir and not opts.pvc:
         notes.append(f"note: output_dir {output_dir} is on each pod's own disk and goes with the pod: give --pvc "
                      f"CLAIM (a ReadWriteMany claim) to keep checkpoints for restarts")
+    elif output_dir:
+        check_output_dir_on_claim(opts, output_dir, train_args)
     return ClusterJob(False, file, manifest_text(shape, opts, file, args, output_dir), notes)
+
+
+def check_output_dir_on_claim(opts: argparse.Namespace, output_dir: str, train_args: list[str]) -> None:
+    """Refuse an ``output_dir`` that the pods would write outside the ``--pvc`` claim: on their own disk, its
+    checkpoints go with the pod that wrote them, and a restarted pod has none to resume from."""
+    from shardtune.config.loading import key_origins
+
+    mount = posixpath.normpath(opts.mount_path or DEFAULT_MOUNT_PATH)
+    in_pod = posixpath.normpath(posixpath.join(mount, output_dir))  # relative: under the working directory, the mount
+    if PurePosixPath(in_pod).is_relative_to(mount):
+        return
+    where = key_origins(train_args).get("output_dir", "the train arguments")
+    raise UsageError(f"{where}: output_dir {output_dir} is outside {mount}, where --pvc {opts.pvc} is mounted: its "
+                     f"checkpoints would be on the pod's own disk and go with the pod; give an output_dir under "
+                     f"{mount} (a relative one such as runs/NAME is kept there), or mount the claim above it "
+                     f"(--mount_path)")
 
 
 def submit_command(slurm: bool, file: str) -> str:
