@@ -129,7 +129,7 @@ def test_modules_report_each_decoder_layer_under_fsdp(models):
 def test_model_parallel_cannot_be_traced_and_estimate_falls_back_saying_why(models):
     from shardtune.memory.trace_setup import trace_or_formula
 
-    cfg = config(models["tiny"], distributed_type="MP", num_processes=2)
+    cfg = config(models["tiny"], distributed_type="MP", mp_devices="cpu,cpu")
     with pytest.raises(TraceUnsupported, match="model parallel"):
         trace_training_step(cfg, 2)
     out = trace_or_formula(cfg, 2)
