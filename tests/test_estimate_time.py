@@ -471,20 +471,42 @@ def test_small_models_carry_the_host_bound_caution_with_the_measured_ratio(capsy
     assert json.loads(capsys.readouterr().out)["timing"]["caution"] is None
 
 
+def time_rows_at_80_columns(args: list[str]) -> tuple[str, list[str]]:
+    """``estimate ARGS`` printed on an 80-column terminal: the whole text, and the time table's setup rows."""
+    with pytest.MonkeyPatch.context() as mp:
+        out = io.StringIO()
+        mp.setattr("rich.console.Console", lambda *a, **k: Console(file=out, width=80, color_system=None))
+        assert main(["estimate", *args]) == 0
+    text = out.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    table = text[text.index("Time and cost side by side"):]
+    return table, [line for line in table.splitlines() if re.match(r"^ ?(DDP|FSDP|model|single)", line)]
+
+
 def test_table_reads_at_80_columns_and_shows_the_price_as_typical(capsys):
     assert main(["estimate", *ARGS, "--price-per-gpu-hour", "2.5"]) == 0
     given = capsys.readouterr().out
     assert "$2.50 per GPU-hour (--price-per-gpu-hour)" in given
-    with pytest.MonkeyPatch.context() as mp:
-        out = io.StringIO()
-        mp.setattr("rich.console.Console", lambda *a, **k: Console(file=out, width=80, color_system=None))
-        assert main(["estimate", *ARGS]) == 0
-    text = out.getvalue()
-    assert max(len(line) for line in text.splitlines()) <= 80
-    table = text[text.index("Time and cost side by side"):]
-    rows = [line for line in table.splitlines() if re.match(r"^ ?(DDP|FSDP|model)", line)]
+    table, rows = time_rows_at_80_columns(ARGS)
     assert len(rows) == 5 and all("…" not in r for r in rows)
     assert "typical on-demand list price (2026-11" in table
+
+
+def test_the_longest_job_keeps_the_tables_columns_in_years_and_short_dollars(capsys):
+    """At the most tokens --tokens takes, on 1024 GPUs, model parallel's 169 tokens/s takes some 190,000 years and
+    $6 trillion: each row still reads whole at 80 columns, its time in years and its cost as $1.23M / $4.56B /
+    $7.89T, the figures the --json rows give."""
+    args = ["llama-3.1-405b", "--gpu", "h200", "--num-gpus", "1024", "--tokens", "1000T", *CHECKED_AT_ARGS]
+    assert main(["estimate", *args, "--json"]) == 0
+    setups = json.loads(capsys.readouterr().out)["timing"]["setups"]
+    _, rows = time_rows_at_80_columns(args)
+    assert len(rows) == len(setups) == 5 and all("…" not in r for r in rows)
+    units = {"M": 1e6, "B": 1e9, "T": 1e12}
+    for row, setup in zip(rows, setups, strict=True):
+        years, cost = re.search(r"(\S+) y +\$(\S+)$", row.rstrip()).groups()
+        assert float(years) == pytest.approx(setup["data_seconds"] / (365.25 * 86400), rel=5e-3)
+        assert float(cost[:-1]) * units[cost[-1]] == pytest.approx(setup["cost_usd"], rel=5e-3)
+    assert [row.rstrip()[-6:] for row in rows] == ["$11.5B", " $7.9B", "$8.68B", "$72.5B", "$6.41T"]
 
 
 def test_plot_writes_the_time_and_cost_chart_beside_the_memory_one(tmp_path, capsys, monkeypatch):
@@ -512,6 +534,8 @@ def test_plot_writes_the_time_and_cost_chart_beside_the_memory_one(tmp_path, cap
     (["--gpu", "rtx4090", "--interconnect", "nvlink"], "has no NVLink"),
     (["--interconnect", "carrier-pigeon"], "unknown interconnect"),
     (["--tokens", "lots"], "not a token count"),
+    (["--tokens", "1e30"], "'1e30' is more than 1,000T tokens"),  # past any data set: a typo, not a job
+    (["--tokens", "inf"], "'inf' is more than 1,000T tokens"),
     (["--data", "missing.jsonl"], "not a data file"),
 ])
 def test_bad_time_options_are_one_line_errors(args, message):

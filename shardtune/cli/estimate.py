@@ -127,7 +127,8 @@ def _time_options(tm: argparse._ArgumentGroup) -> None:
                          "(docs/estimator.md says how)")
     data = tm.add_mutually_exclusive_group()
     data.add_argument("--tokens", type=_token_count, default=None, metavar="N",
-                      help="trained tokens, e.g. 250M or 2e9 (default: time and cost per billion tokens)")
+                      help=f"trained tokens, e.g. 250M or 2e9, at most {MAX_TOKENS / 1e12:,.0f}T (default: time and "
+                           "cost per billion tokens)")
     data.add_argument("--data", default=None, metavar="FILE.jsonl",
                       help="count the tokens of this data file (jsonl, json, parquet, csv): with the model's "
                            "tokenizer when MODEL is a local folder, else about 4 characters a token")
@@ -142,6 +143,9 @@ def _time_options(tm: argparse._ArgumentGroup) -> None:
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+# 1,000T: some 25 times the largest pre-training corpora published (about 40T tokens); more is a typo, and past
+# float range (1e400, inf) the arithmetic itself breaks.
+MAX_TOKENS = 1e15
 
 
 def _token_count(text: str) -> int:
@@ -153,6 +157,9 @@ def _token_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"'{text}' is not a token count (e.g. 1000000, 2e9, 250M, 1.5B)") from None
     if not value >= 1:
         raise argparse.ArgumentTypeError(f"'{text}': give at least 1 token")
+    if value > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"'{text}' is more than {MAX_TOKENS / 1e12:,.0f}T tokens, beyond any data "
+                                         f"set trained on: give one pass over your data (e.g. 2e9, 250M, 15T)")
     return int(value)
 
 

@@ -327,10 +327,21 @@ def measured_notes(r: Report, t: TimeReport) -> list[str]:
     return lines
 
 
+_MONEY_SCALES = ((1e12, "T"), (1e9, "B"), (1e6, "M"))  # US short scale: million, billion, trillion
+
+
 def _money(usd: float | None) -> str:
+    """Dollars to the cent under $100, whole dollars under a million, then $1.23M, $4.56B, $7.89T: at most 9
+    characters, so the cost column keeps its width."""
     if usd is None:
         return "-"
-    return f"${usd:,.0f}" if usd >= 100 else f"${usd:,.2f}"
+    if usd < 1e6:
+        return f"${usd:,.0f}" if usd >= 100 else f"${usd:,.2f}"
+    rounded = float(f"{usd:.3g}")  # $999.7M reads $1B, not $1e+03M
+    if rounded >= 1e15:
+        return f"${rounded:.3g}"
+    scale, suffix = next((scale, suffix) for scale, suffix in _MONEY_SCALES if rounded >= scale)
+    return f"${rounded / scale:.3g}{suffix}"
 
 
 def _mfu(mfu: float) -> str:

@@ -327,8 +327,12 @@ def _even_stages(layers: int, stages: int) -> tuple[tuple[int, int], ...]:
     return tuple((cuts[i], cuts[i + 1]) for i in range(stages))
 
 
+SECONDS_PER_YEAR = 365.25 * 86400
+
+
 def duration(seconds: float) -> str:
-    """``seconds`` as people read a duration: 950 ms, 42 s, 12 min, 3.5 h, 4.2 d."""
+    """``seconds`` as people read a duration: 950 ms, 42 s, 12 min, 3.5 h, 4.2 d, 2.7 y; at most 10 characters, so
+    a table's time column keeps its width however long the job."""
     if not math.isfinite(seconds):
         return "-"
     if seconds < 1:
@@ -339,7 +343,9 @@ def duration(seconds: float) -> str:
         return f"{seconds / 60:.3g} min" if seconds < 600 else f"{seconds / 60:.0f} min"
     if seconds < 72 * 3600:
         return f"{seconds / 3600:.3g} h"
-    return f"{seconds / 86400:.3g} d"
+    if seconds < SECONDS_PER_YEAR:
+        return f"{seconds / 86400:.3g} d"
+    return f"{seconds / SECONDS_PER_YEAR:.3g} y"
 
 
 @dataclass(frozen=True)
