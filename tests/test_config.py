@@ -415,6 +415,28 @@ def test_launch_reads_accelerate_file(tmp_path, capsys):
     assert "--dry_run/--dry-run: expected true or false, got 'maybe'" in capsys.readouterr().err
 
 
+def test_fsdp1_strategy_under_reshard_after_forward_is_refused_naming_its_key(tmp_path, capsys):
+    """Accelerate's FSDP1 files (1.6 on) write the sharding strategy under fsdp_reshard_after_forward, FSDP2's
+    boolean: train and launch refuse it in one line with its file and line, naming fsdp_sharding_strategy and
+    FSDP2's boolean; each fix named loads as the job meant (gathered parameters kept from forward to backward)."""
+    acc = tmp_path / "acc.yaml"
+    acc.write_text(ACCELERATE_FSDP.replace("fsdp_sharding_strategy: FULL_SHARD",
+                                           "fsdp_reshard_after_forward: SHARD_GRAD_OP"))
+    for argv in (["train", "--config_file", str(acc), *BASE],
+                 ["launch", "--config_file", str(acc), "--dry_run", "train", *BASE]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert (f"{acc}, line 12: fsdp_reshard_after_forward='SHARD_GRAD_OP': a sharding strategy, as Accelerate's "
+                f"FSDP1 files write it; here (FSDP2) fsdp_reshard_after_forward is true or false: write "
+                f"fsdp_sharding_strategy: SHARD_GRAD_OP (or fsdp_reshard_after_forward: false)") in err
+    for fixed, sharding in (("fsdp_sharding_strategy: SHARD_GRAD_OP", "SHARD_GRAD_OP"),
+                            ("fsdp_reshard_after_forward: false", "FULL_SHARD")):
+        acc.write_text(ACCELERATE_FSDP.replace("fsdp_sharding_strategy: FULL_SHARD", fixed))
+        d = load_train_config(["--config_file", str(acc), *BASE]).distributed
+        assert (d.fsdp_sharding_strategy, d.reshards_after_forward) == (sharding, False)
+
+
 def test_launch_errors(capsys):
     assert main(["launch", "--num_processes", "3", "--num_machines", "2", "train"]) == 2
     assert "multiple of --num_machines 2" in capsys.readouterr().err

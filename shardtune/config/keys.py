@@ -98,7 +98,13 @@ class Declared:
             raise ValueError("a value is required")
         if isinstance(value, (list, tuple)) and not (self.base is str and self.meta.commas):
             raise ValueError("expected one value, not a list")
-        return self.normal(_COERCE[self.base](value))
+        try:
+            return self.normal(_COERCE[self.base](value))
+        except ValueError:  # a refused value of another type (a boolean key's FSDP1 strategy name) says why
+            why = {str(word).upper(): text for word, text in self.meta.refused.items()}.get(str(value).upper())
+            if why is None:
+                raise
+            raise ValueError(why.format(key=self.name)) from None
 
     def normal(self, value: Any) -> Any:
         """The canonical spelling of a value: the choice it matches in any case, or what a spelling means."""

@@ -55,6 +55,12 @@ STRATEGY_SPELLINGS = {alias: s.name for s in STRATEGIES for alias in s.aliases} 
 SHARDING_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD", "5": "HYBRID_SHARD",
                     "HYBRID_SHARD_ZERO2": "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD"}
 ZERO2_HYBRID = ("5", "HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2")
+# Accelerate's FSDP1 files (1.6 on) write the sharding strategy under fsdp_reshard_after_forward, where FSDP2 reads
+# a boolean: such a value is refused naming the key that takes it (and FSDP2's boolean where one says the same).
+FSDP1_RESHARD = {name: f"a sharding strategy, as Accelerate's FSDP1 files write it; here (FSDP2) {{key}} is true or "
+                       f"false: write fsdp_sharding_strategy: {name}"
+                       + {"FULL_SHARD": " (or {key}: true)", "SHARD_GRAD_OP": " (or {key}: false)"}.get(name, "")
+                 for name in (*SHARDING_STRATEGIES, *ZERO2_HYBRID[1:])}
 FLOAT16 = ("pure fp16 training diverges without an fp32 master copy (fp16's range overflows and small updates "
            "vanish); leave {key} out and set fp16 true for fp16 mixed precision, or use {key} bfloat16")
 # YAML 1.1 (PyYAML) reads an unquoted no as false: for keys whose choices include "no", that is what was written.
@@ -383,7 +389,8 @@ class DistributedConfig:
                                               needs=FSDP_ONLY)
     fsdp_reshard_after_forward: bool | None = key(None, "FSDP2's name; overrides what the sharding strategy "
                                                   "implies (FULL_SHARD, HYBRID_SHARD and NO_SHARD reshard, "
-                                                  "SHARD_GRAD_OP does not).", needs=FSDP_ONLY)
+                                                  "SHARD_GRAD_OP does not).", needs=FSDP_ONLY,
+                                                  refused=FSDP1_RESHARD)
     fsdp_activation_checkpointing: bool = key(False, "Checkpoint every wrapped unit (Accelerate's key; same as "
                                                      "gradient_checkpointing).")
     fsdp_backward_prefetch: Literal["BACKWARD_PRE"] | None = key(
