@@ -138,6 +138,22 @@ def context_length(model: str) -> tuple[int, str] | None:
     """(the longest sequence ``model``'s positions cover, where that was read) from its config.json (a local
     folder, or a hub model already in the local cache) or its GGUF metadata; None where no config can be read
     without loading the model. A ``rope_scaling`` factor counts: the config then covers that much more."""
+    return _config_number(model, "context_length", config_context_length)
+
+
+def num_layers(model: str) -> tuple[int, str] | None:
+    """(the decoder layers ``model`` has, where that was read) from its config.json's num_hidden_layers or its
+    GGUF's block_count, read as ``context_length`` reads; None where neither can be read without loading it."""
+    def from_config(config: object, where: str) -> tuple[int, str] | None:
+        layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
+        return (layers, f"{where}: num_hidden_layers") if type(layers) is int and layers > 0 else None
+
+    return _config_number(model, "block_count", from_config)
+
+
+def _config_number(model: str, gguf_field: str, from_config) -> tuple[int, str] | None:
+    """A number of ``model``'s architecture and where it was read: ``gguf_field`` of its GGUF metadata, else what
+    ``from_config(config.json's dict, its path)`` reads; None where it cannot be read without loading the model."""
     import json
 
     from shardtune.gguf_source import find_gguf, metadata
@@ -145,8 +161,8 @@ def context_length(model: str) -> tuple[int, str] | None:
     try:
         if gguf := find_gguf(model):
             meta = metadata(gguf)[0]
-            length = meta.get(f"{meta.get('general.architecture')}.context_length")
-            return (int(length), f"{gguf.path.name}: context_length") if isinstance(length, int) else None
+            value = meta.get(f"{meta.get('general.architecture')}.{gguf_field}")
+            return (int(value), f"{gguf.path.name}: {gguf_field}") if isinstance(value, int) else None
     except UsageError:  # a damaged GGUF is reported by the folder checks
         return None
     config_file = _config_file(model)
@@ -154,7 +170,7 @@ def context_length(model: str) -> tuple[int, str] | None:
         config = json.loads(config_file.read_text()) if config_file else None
     except (OSError, ValueError):
         return None
-    return config_context_length(config, str(config_file))
+    return from_config(config, str(config_file))
 
 
 def config_context_length(config: object, where: str) -> tuple[int, str] | None:

@@ -268,6 +268,29 @@ def test_pipeline_config_errors(assets, extra, message):
         load_train_config(args(assets, "bad", ["--distributed_type", "PP", *extra]))
 
 
+def test_pp_with_more_stages_than_layers_is_refused_before_any_process_starts(assets, monkeypatch, capsys):
+    """5 stages for the tiny model's 4 decoder layers: refused from its config.json in one line naming both counts,
+    by launch before torchrun starts a rank, and by each rank's train before its data is tokenised (it was refused
+    only once the stages were placed, after tokenising). 4 stages are accepted."""
+    from shardtune.cli import main
+    from shardtune.cli.common import load_job_config
+
+    started = []
+    monkeypatch.setattr("shardtune.cli.launch.run_torchrun", lambda argv: started.append(argv) or 0)
+    job = [*args(assets, "five", ["--distributed_type", "PP", "--pipeline_schedule", "GPipe"])]
+    model = assets[1]
+    says = (f"distributed_type=PP runs one pipeline stage per process: 5 stages for the 4 decoder layers of "
+            f"model_name_or_path '{model}' ({model}/config.json: num_hidden_layers); launch 4 processes or fewer "
+            f"(--num_processes 4)")
+    assert main(["launch", "--num_processes", "5", "train", *job]) == 2
+    err = capsys.readouterr().err
+    assert started == [] and err.count("\n") == 1 and f"command line (--num_processes): {says}" in err, err
+    with pytest.raises(UsageError) as refused:  # what each rank reads first
+        load_job_config([*job, "--num_processes", "5"])
+    assert str(refused.value) == f"command line (--num_processes): {says}"
+    assert main(["launch", "--num_processes", "4", "train", *job]) == 0 and len(started) == 1
+
+
 def test_pp_config_is_accepted(assets):
     """A PP recipe with every PP key off its default, lower-case spellings included, keeps each as given."""
     cfg = load_train_config(args(assets, "ok", ["--distributed_type", "pp", "--pipeline_schedule", "gpipe",

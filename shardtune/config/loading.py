@@ -28,7 +28,7 @@ from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, no_op_problem, o
 from shardtune.config.schema import ALIASES, DATASET_PLACEHOLDER, ZERO2_HYBRID, TrainConfig, all_keys
 from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
                                          input_problems, model_folder_problems, overruled_keys, resolve_report_to,
-                                         tracker_problems, validate)
+                                         stage_problems, tracker_problems, validate)
 from shardtune.errors import UsageError, closest
 from shardtune.files import with_digest, write_text
 from shardtune.strategies import FSDP
@@ -561,6 +561,7 @@ def run_config_problems(argv: list[str], notes: list[str] | None = None) -> tupl
     start, so that no value a user set is dropped without a word."""
     cfg, given, problems = _apply(_layers(argv), training=True, notes=notes)
     problems += [_located(problem, given) for problem in attention_problems(cfg)]  # a dry run builds the model too
+    problems += stage_problems(cfg, given)  # a dry run traces the stages
     if not cfg.run.dry_run:
         folder = model_folder_problems(cfg, given)
         problems += (input_problems(cfg, given) + folder + (context_problems(cfg, given) if not folder else [])

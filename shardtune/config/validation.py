@@ -22,7 +22,7 @@ from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONL
                                      SIZE_WRAP, TRACKER, TRANSFORMER_WRAP, WARMS_UP, TRACKER_PACKAGES, DataConfig,
                                      DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
-from shardtune.hub import looks_like_local_path, model_folder_problem, tokenizer_problem
+from shardtune.hub import looks_like_local_path, model_folder_problem, num_layers, tokenizer_problem
 from shardtune.strategies import DDP, NO, Strategy, lookup
 
 
@@ -511,6 +511,23 @@ def context_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]
         f"max_seq_len {seq_len} (the default)"
     problem = beyond_context(seq_len, found, named, f"model_name_or_path '{model}'", "max_seq_len")
     return [problem] if problem else []
+
+
+def stage_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
+    """PP with more stages (processes) than the model has decoder layers: some stage would hold none. Refused from
+    the model's config before the data is tokenised or a weight loaded (the trainer would only find it when
+    placing the stages); a model whose config cannot be read without loading it is left to that later check."""
+    d, model = cfg.distributed, cfg.model.model_name_or_path
+    if not _strategy(d).pipelined or d.num_processes < 2 or not model:
+        return []
+    found = num_layers(model)
+    if found is None or d.num_processes <= found[0]:
+        return []
+    layers, where = found
+    named = given.get("num_processes", "config")
+    return [f"{named}: distributed_type={d.distributed_type} runs one pipeline stage per process: "
+            f"{d.num_processes} stages for the {layers} decoder layers of model_name_or_path '{model}' ({where}); "
+            f"launch {layers} processes or fewer (--num_processes {layers})"]
 
 
 def beyond_context(seq_len: int, found: tuple[int, str] | None, named: str, model: str, option: str) -> str | None:
