@@ -84,12 +84,19 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def general_name(name: str) -> str:
+    """``name`` as general.name: the same, but "mistral" becomes "Mistral". transformers' GGUF reader takes a
+    llama-architecture file whose general.name is exactly "mistral" for a Mistral one, and gguf has no tensor map
+    for that architecture, so the file would not load; to llama.cpp the name is only a label."""
+    return "Mistral" if name == "mistral" else name
+
+
 def add_hparams(writer, config, family: Family, name: str) -> None:
     """The model's shape, RoPE and norm under llama.cpp's metadata keys."""
     import gguf
 
     rope = _rope_parameters(config)
-    writer.add_name(name)
+    writer.add_name(general_name(name))
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)

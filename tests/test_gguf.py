@@ -313,6 +313,22 @@ def test_export_of_a_model_folder_round_trips(tiny, tmp_path, quantize):
     assert f"FROM ./model-{quantize}.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
 
 
+def test_a_model_named_mistral_exports_a_gguf_transformers_reads(tiny, tmp_path):
+    # transformers' GGUF reader took a llama file whose general.name is exactly "mistral" (the name of the folder
+    # exported) for a Mistral one and could not map its tensors
+    import shutil
+
+    from shardtune.gguf_source import GgufFile, metadata
+
+    folder, model, tokenizer = tiny
+    named = shutil.copytree(folder, tmp_path / "mistral")
+    assert shardtune_main(["export", str(named), str(tmp_path / "out"), "--format", "gguf", "--quantize", "f16"]) == 0
+    path = tmp_path / "out" / "model-f16.gguf"
+    compare(model, tokenizer, path, "f16")
+    meta, _ = metadata(GgufFile(path))
+    assert (meta["general.name"], meta["general.architecture"]) == ("Mistral", "llama")
+
+
 def test_export_of_a_lora_run_merges_the_adapter(tiny, tmp_path):
     from peft import PeftModel
 
