@@ -54,15 +54,21 @@ def _adapter_base(adapter: Path, base: str | None) -> str:
     return recorded
 
 
+def _model_in(path: Path) -> Path:
+    """The folder that holds the model of ``path``: a run's output_dir (a folder with a final/ and no config.json
+    of its own) means its final/; any other path is itself."""
+    if path.is_dir() and (path / "final").is_dir() and not (path / "config.json").is_file():
+        return path / "final"
+    return path
+
+
 def load_source(source: str | Path, base: str | None = None) -> tuple[object, object, str | None]:
     """(a float32 model with any adapter merged, its tokenizer, the base model path it came from or None) of a
     run's output_dir, a final/ folder, a checkpoint, a PEFT adapter, a model folder or a GGUF file."""
-    path = Path(source)
+    path = _model_in(Path(source))
     if not path.exists():
         raise UsageError(f"RUN_OR_CHECKPOINT {source}: no such file or folder; give a run's output_dir, its final/, "
                          f"a checkpoint folder or a model folder")
-    if path.is_dir() and (path / "final").is_dir() and not (path / "config.json").is_file():
-        path = path / "final"
     if path.is_dir() and (path / MANIFEST).is_file():
         model, tokenizer, is_peft, model_path = load_checkpoint_model(path, base=base)
         return (model.merge_and_unload() if is_peft else model), tokenizer, model_path
@@ -223,9 +229,7 @@ def config_before_loading(source: str | Path, base: str | None = None):
     checkpoint, whose base its config.yaml names) or cannot be read: ``load_source`` then says what is wrong."""
     from transformers import AutoConfig
 
-    path = Path(source)
-    if path.is_dir() and (path / "final").is_dir() and not (path / "config.json").is_file():
-        path = path / "final"
+    path = _model_in(Path(source))
     try:
         if path.is_dir() and (path / MANIFEST).is_file():
             return None
