@@ -268,10 +268,10 @@ def test_pipeline_config_errors(assets, extra, message):
         load_train_config(args(assets, "bad", ["--distributed_type", "PP", *extra]))
 
 
-def test_pp_with_more_stages_than_layers_is_refused_before_any_process_starts(assets, monkeypatch, capsys):
-    """5 stages for the tiny model's 4 decoder layers: refused from its config.json in one line naming both counts,
-    by launch before torchrun starts a rank, and by each rank's train before its data is tokenised (it was refused
-    only once the stages were placed, after tokenising). 4 stages are accepted."""
+def test_more_stages_than_layers_is_refused_before_any_process_starts(assets, monkeypatch, capsys):
+    """PP (then MP, below) with 5 stages for the tiny model's 4 decoder layers: refused from its config.json in one
+    line naming both counts, by launch before torchrun starts a rank, and by each rank's train before its data is
+    tokenised (it was refused only once the stages were placed, after tokenising). 4 stages are accepted."""
     from shardtune.cli import main
     from shardtune.cli.common import load_job_config
 
@@ -289,6 +289,15 @@ def test_pp_with_more_stages_than_layers_is_refused_before_any_process_starts(as
         load_job_config([*job, "--num_processes", "5"])
     assert str(refused.value) == f"command line (--num_processes): {says}"
     assert main(["launch", "--num_processes", "4", "train", *job]) == 0 and len(started) == 1
+    # MP: one stage per device of mp_devices, refused the same way (it failed only when placing its stages).
+    mp = [*args(assets, "mp", ["--distributed_type", "MP"]), "--mp_devices"]
+    with pytest.raises(UsageError) as refused:
+        load_job_config([*mp, "cpu,cpu,cpu,cpu,cpu"])
+    assert str(refused.value) == (
+        f"command line (--mp_devices): distributed_type=MP runs one model-parallel stage per device: 5 stages for "
+        f"the 4 decoder layers of model_name_or_path '{model}' ({model}/config.json: num_hidden_layers); name 4 "
+        f"devices or fewer in mp_devices")
+    assert load_job_config([*mp, "cpu,cpu,cpu,cpu"]).distributed.mp_devices == "cpu,cpu,cpu,cpu"
 
 
 def test_pp_config_is_accepted(assets):

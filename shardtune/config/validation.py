@@ -514,20 +514,27 @@ def context_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]
 
 
 def stage_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
-    """PP with more stages (processes) than the model has decoder layers: some stage would hold none. Refused from
-    the model's config before the data is tokenised or a weight loaded (the trainer would only find it when
-    placing the stages); a model whose config cannot be read without loading it is left to that later check."""
-    d, model = cfg.distributed, cfg.model.model_name_or_path
-    if not _strategy(d).pipelined or d.num_processes < 2 or not model:
+    """PP with more stages (processes), or MP with more (its mp_devices), than the model has decoder layers: some
+    stage would hold none. Refused from the model's config before the data is tokenised or a weight loaded (the
+    trainer would only find it when placing the stages); a model whose config cannot be read without loading it,
+    and MP on every visible GPU (mp_devices unset), are left to that later check."""
+    d, model, strategy = cfg.distributed, cfg.model.model_name_or_path, _strategy(cfg.distributed)
+    if strategy.pipelined:
+        stages, key, each, kind = d.num_processes, "num_processes", "process", "pipeline"
+    elif strategy.drives_several_devices and d.mp_devices:
+        stages, key, each, kind = (len([name for name in d.mp_devices.split(",") if name.strip()]), "mp_devices",
+                                   "device", "model-parallel")
+    else:
         return []
-    found = num_layers(model)
-    if found is None or d.num_processes <= found[0]:
+    found = num_layers(model) if stages > 1 and model else None
+    if found is None or stages <= found[0]:
         return []
     layers, where = found
-    named = given.get("num_processes", "config")
-    return [f"{named}: distributed_type={d.distributed_type} runs one pipeline stage per process: "
-            f"{d.num_processes} stages for the {layers} decoder layers of model_name_or_path '{model}' ({where}); "
-            f"launch {layers} processes or fewer (--num_processes {layers})"]
+    fix = (f"launch {layers} processes or fewer (--num_processes {layers})" if key == "num_processes" else
+           f"name {layers} devices or fewer in mp_devices")
+    return [f"{given.get(key, 'config')}: distributed_type={d.distributed_type} runs one {kind} stage per "
+            f"{each}: {stages} stages for the {layers} decoder layers of model_name_or_path '{model}' "
+            f"({where}); {fix}"]
 
 
 def beyond_context(seq_len: int, found: tuple[int, str] | None, named: str, model: str, option: str) -> str | None:
