@@ -247,8 +247,8 @@ def _sigterm_waits_for_the_save(args: argparse.Namespace, signal_exception: type
     that of the ranks left after one failed, which never reach a step's end: it cannot simply be made longer.
     So the launcher takes SIGTERM itself (Linux): it passes it on to its workers, waits until they have saved and
     ended (up to SIGTERM_WAIT_S; a second SIGTERM ends the wait), then stops the agent as SIGTERM does. The agent
-    is told to leave SIGTERM alone (``args.signals_to_handle``, torchrun's --signals_to_handle); yields the same for
-    the environment, which is where torch releases before that option read it from."""
+    is told to leave SIGTERM alone (``args.signals_to_handle``, torchrun's --signals_to_handle); yields the same
+    list as an environment variable, where torch releases without that option read it."""
     import threading
     import time
 
