@@ -39,8 +39,9 @@ test: $(STAMP)
 	@# Go's text/template renders the exported Modelfiles as Ollama does (tests/test_gguf_ollama.py); the same rule.
 	@command -v go >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 		apt-get install -y -qq golang-go >/dev/null; } || echo "golang-go not installed: the Ollama template tests are skipped"
-	@# Two workers, one test file each at a time (tests/conftest.py: one thread each): CI has two cores.
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	@# Two workers, one test file each at a time (tests/conftest.py: one thread each): CI has two cores. A worker
+	@# that dies is its test's failure, not replaced: after a replacement, loadfile's scheduler has waited forever.
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart 0
 
 clean:
 	rm -rf $(VENV) build *.egg-info
