@@ -96,8 +96,8 @@ def main(args: argparse.Namespace) -> int:
         if not eq or not key:
             raise UsageError(f"--set {pair!r}: write KEY=VALUE, e.g. --set per_device_train_batch_size=4")
         name = key.strip().lstrip("-").replace("-", "_")
-        if ALIASES.get(name, name) in SET_BY_BENCH:
-            own = ALIASES.get(name, name)
+        own = ALIASES.get(name, name)
+        if own in SET_BY_BENCH:
             raise UsageError(f"--set {pair!r}: the bench sets {own} for every setup itself; {SET_BY_BENCH[own]}")
         extra += [f"--{key.strip()}", value]
     with tempfile.TemporaryDirectory(prefix="shardtune-bench-") as tmp:

@@ -240,8 +240,7 @@ def _is_worker(pid: int, launcher: int) -> bool:
 
 
 @contextmanager
-def _sigterm_waits_for_the_save(args: argparse.Namespace, signal_exception: type[Exception]
-                                ) -> Iterator[dict[str, str]]:
+def _sigterm_waits_for_the_save(args: argparse.Namespace) -> Iterator[dict[str, str]]:
     """torchrun's agent answers SIGTERM by passing it on and SIGKILLing the workers 30 s later, which cuts a large
     model's save short (a cluster job's grace is 300 s). That wait (its shutdown timeout) serves every stop, also
     that of the ranks left after one failed, which never reach a step's end: it cannot simply be made longer.
@@ -252,6 +251,8 @@ def _sigterm_waits_for_the_save(args: argparse.Namespace, signal_exception: type
     import threading
     import time
 
+    from torch.distributed.elastic.multiprocessing import SignalException
+
     from shardtune.dist import children, process_state
 
     if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
@@ -261,7 +262,7 @@ def _sigterm_waits_for_the_save(args: argparse.Namespace, signal_exception: type
 
     def stop(signum, frame) -> None:  # noqa: ARG001
         if waiting:  # a second SIGTERM: stop now
-            raise signal_exception(f"Process {launcher} got signal: SIGTERM", sigval=signal.SIGTERM)
+            raise SignalException(f"Process {launcher} got signal: SIGTERM", sigval=signal.SIGTERM)
         waiting.append(True)
         workers = [pid for pid in children(launcher) if _is_worker(pid, launcher)]
         for pid in workers:
@@ -272,7 +273,7 @@ def _sigterm_waits_for_the_save(args: argparse.Namespace, signal_exception: type
         deadline = time.monotonic() + SIGTERM_WAIT_S
         while any(process_state(pid) == "running" for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        raise signal_exception(f"Process {launcher} got signal: SIGTERM", sigval=signal.SIGTERM)
+        raise SignalException(f"Process {launcher} got signal: SIGTERM", sigval=signal.SIGTERM)
 
     handled = getattr(args, "signals_to_handle", None) or os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE",
                                                                          "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
@@ -317,7 +318,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
                STOP_REPORT: report, LAUNCHER_PID: str(os.getpid())}
     try:
-        with _sigterm_waits_for_the_save(args, SignalException) as agent, _environment(workers | agent):
+        with _sigterm_waits_for_the_save(args) as agent, _environment(workers | agent):
             torchrun(args)
     except ChildFailedError as exc:
         rank, failure = first_failure(exc.failures)

@@ -341,7 +341,7 @@ def _container(shape: JobShape, opts: argparse.Namespace, train_args: list[str])
     if env := job_env(shape):
         container["env"] = [dict(zip(("name", "value"), line.split("=", 1))) for line in env]
     if opts.pvc:
-        container["workingDir"] = opts.mount_path or DEFAULT_MOUNT_PATH
+        container["workingDir"] = _mount_path(opts)
     resources: dict = {}
     if shape.gpus_per_node:
         resources["limits"] = {"nvidia.com/gpu": shape.gpus_per_node}
@@ -351,7 +351,7 @@ def _container(shape: JobShape, opts: argparse.Namespace, train_args: list[str])
         container["resources"] = resources
     container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if opts.pvc:
-        container["volumeMounts"].append({"name": "shared", "mountPath": opts.mount_path or DEFAULT_MOUNT_PATH})
+        container["volumeMounts"].append({"name": "shared", "mountPath": _mount_path(opts)})
     return container
 
 
@@ -424,12 +424,17 @@ def render_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> Clust
     return ClusterJob(False, file, manifest_text(shape, opts, file, args, output_dir), notes)
 
 
+def _mount_path(opts: argparse.Namespace) -> str:
+    """Where ``--pvc`` is mounted in every pod, and its working directory."""
+    return opts.mount_path or DEFAULT_MOUNT_PATH
+
+
 def check_output_dir_on_claim(opts: argparse.Namespace, output_dir: str, train_args: list[str]) -> None:
     """Refuse an ``output_dir`` that the pods would write outside the ``--pvc`` claim: on their own disk, its
     checkpoints go with the pod that wrote them, and a restarted pod has none to resume from."""
     from shardtune.config.loading import key_origins
 
-    mount = posixpath.normpath(opts.mount_path or DEFAULT_MOUNT_PATH)
+    mount = posixpath.normpath(_mount_path(opts))
     in_pod = posixpath.normpath(posixpath.join(mount, output_dir))  # relative: under the working directory, the mount
     if PurePosixPath(in_pod).is_relative_to(mount):
         return

@@ -427,6 +427,11 @@ class DistributedConfig:
                                  needs=MP, commas=True)
 
     @property
+    def mp_device_names(self) -> tuple[str, ...]:
+        """The devices mp_devices names, in order; none when it is unset (MP then takes every visible GPU)."""
+        return tuple(name.strip() for name in (self.mp_devices or "").split(",") if name.strip())
+
+    @property
     def reshards_after_forward(self) -> bool:
         """Whether FSDP2 frees each unit's gathered parameters after its forward and gathers them again for its
         backward: fsdp_reshard_after_forward, else what the sharding implies (FULL_SHARD and HYBRID_SHARD do,

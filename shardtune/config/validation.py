@@ -522,8 +522,7 @@ def stage_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
     if strategy.pipelined:
         stages, key, each, kind = d.num_processes, "num_processes", "process", "pipeline"
     elif strategy.drives_several_devices and d.mp_devices:
-        stages, key, each, kind = (len([name for name in d.mp_devices.split(",") if name.strip()]), "mp_devices",
-                                   "device", "model-parallel")
+        stages, key, each, kind = len(d.mp_device_names), "mp_devices", "device", "model-parallel"
     else:
         return []
     found = num_layers(model) if stages > 1 and model else None

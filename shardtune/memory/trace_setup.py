@@ -64,7 +64,7 @@ def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1, *,
     compute bf16, or on this machine (None)."""
     strategy = resolve(cfg.distributed.distributed_type, world_size > 1)
     if strategy.drives_several_devices and cfg.distributed.mp_devices:  # one process, a stage on each device
-        world_size = len([d for d in cfg.distributed.mp_devices.split(",") if d.strip()])
+        world_size = len(cfg.distributed.mp_device_names)
     return Setup(cfg, num_gpus=world_size // num_nodes, num_nodes=num_nodes, native_bf16=native_bf16,
                  pipeline_microbatches=cfg.distributed.pipeline_microbatches).with_(distributed_type=strategy)
 
