@@ -148,6 +148,10 @@ def _refusal(capsys, argv: list[str]) -> str:
     (["--optim", "adafactor", "--distributed_type", "FSDP"], "use DDP (or one process) for adafactor"),
     (["--optim", "lion_8bit", "--adam_epsilon", "1e-6"], "adam_epsilon=1e-06 does nothing with optim lion_8bit"),
     (["--optim", "sgd", "--adam_beta1", "0.8"], "adam_beta1=0.8 does nothing with optim sgd"),
+    # torch's AdamW raised ValueError with a traceback after the model had loaded
+    (["--adam_beta1", "1.5"], "adam_beta1=1.5 must be in [0, 1)"),
+    (["--adam_beta2", "-0.1"], "adam_beta2=-0.1 must be in [0, 1)"),
+    (["--adam_epsilon", "-1e-8"], "adam_epsilon=-1e-08 must not be negative"),
     (["--lr_scheduler_type", "constant", "--warmup_steps", "2"], "warmup_steps=2 set without lr_scheduler_type "
      "linear, cosine or constant_with_warmup: it acts only with it; set lr_scheduler_type linear, cosine or "
      "constant_with_warmup, or leave it out"),

@@ -222,11 +222,11 @@ class OptimConfig:
     max_grad_norm: float = key(1.0, "Clip the global gradient norm to this (0: no clipping).", ge=0,
                                deepspeed=("gradient_clipping",))
     adam_beta1: float = key(0.9, "AdamW's and Lion's beta1; refused with adafactor and sgd, which have none.",
-                            deepspeed=("optimizer.params.betas[0]",))
+                            ge=0, lt=1, deepspeed=("optimizer.params.betas[0]",))
     adam_beta2: float = key(0.999, "AdamW's and Lion's beta2; refused with adafactor and sgd, which have none.",
-                            deepspeed=("optimizer.params.betas[1]",))
+                            ge=0, lt=1, deepspeed=("optimizer.params.betas[1]",))
     adam_epsilon: float = key(1e-8, "AdamW's epsilon; refused with Lion, adafactor and sgd, which have none.",
-                              deepspeed=("optimizer.params.eps",))
+                              ge=0, deepspeed=("optimizer.params.eps",))
     optim: str = key(
         "adamw_torch", "Transformers' optimizer name, run as Transformers runs it: adamw_torch(_fused) is torch's "
         "AdamW (fused on CUDA); the 8-bit, 32-bit and paged AdamW and Lion are bitsandbytes' (paged ones need CUDA; "
