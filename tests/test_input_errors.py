@@ -104,9 +104,12 @@ def test_yaml_merges_and_overrides_from_the_command_line_stay_legal(tmp_path):
     (["learning_rate=1e-4", "--learning_rate", "2e-4"], "learning_rate=1e-4 and --learning_rate 2e-4"),
     (["--learning_rate=1e-4", "learning_rate=2e-4"], "--learning_rate=1e-4 and learning_rate=2e-4"),
     (["--lora-r", "4", "--lora_r", "8"], "--lora-r 4 and --lora_r 8"),
+    # another tool's name as key=value and the key as a flag: the flag won without a word
+    (["max_length=256", "--max_seq_len", "128"], "max_length=256 and --max_seq_len 128"),
+    (["max_seq_len=256", "--max_length", "128"], "max_seq_len=256 and --max_length 128"),
 ])
 def test_a_key_given_twice_on_the_command_line_names_both_as_typed(given, typed, capsys, no_tokenising):
-    key = "lora_r" if "lora" in typed else "learning_rate"
+    key = "lora_r" if "lora" in typed else "max_seq_len" if "max_" in typed else "learning_rate"
     assert main(["train", *DRY_RUN, *given]) == 2
     assert error_line(capsys) == f"shardtune train: error: command line: key '{key}' is given twice ({typed}); keep one"
 

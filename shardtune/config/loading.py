@@ -308,19 +308,24 @@ def parse_cli_pairs(argv: list[str]) -> tuple[list[str], dict[str, Any], dict[st
 
 def repeated_cli_keys(argv: list[str], hints: Mapping[str, str] | None = None) -> list[str]:
     """One problem per key that the command line gives two different values (as ``--key v``, ``--key=v``,
-    ``key=v`` or a spelling with dashes): the one that would win depends on rules nobody should have to recall.
-    The same value twice loses nothing and passes (``shardtune launch`` repeats its --num_processes this way).
-    ``hints`` adds a word to the problem of a key, after the fix."""
-    given: dict[str, list[tuple[str, Any]]] = {}
+    ``key=v``, a spelling with dashes or another tool's name: TRL's ``max_length=v`` and ``--max_seq_len v``): the
+    one that would win depends on rules nobody should have to recall. The same value twice loses nothing and passes
+    (``shardtune launch`` repeats its --num_processes this way). Two names of one key, each once, among the
+    ``--key`` flags alone (or the ``key=value`` ones alone) are left to the config's own check, which names both
+    (``_alias_problems``). ``hints`` adds a word to the problem of a key, after the fix."""
+    given: dict[str, list[tuple[str, Any, str, str]]] = {}
     for kind, key, value, typed in _cli_items(argv):
         if kind != "file":
-            given.setdefault(key, []).append((typed, value))
+            given.setdefault(ALIASES.get(key, key), []).append((typed, value, kind, key))
     problems = []
     for key, uses in given.items():
-        if len({str(value) for _, value in uses}) < 2:
+        if len({str(value) for _, value, _, _ in uses}) < 2:
+            continue
+        names, kinds = [name for *_, name in uses], {kind for _, _, kind, _ in uses}
+        if len(kinds) == 1 and len(set(names)) == len(names) > 1:
             continue
         times = "twice" if len(uses) == 2 else f"{len(uses)} times"
-        listed = ", ".join(typed for typed, _ in uses[:-1]) + f" and {uses[-1][0]}"
+        listed = ", ".join(typed for typed, *_ in uses[:-1]) + f" and {uses[-1][0]}"
         hint = (hints or {}).get(key, "")
         problems.append(f"command line: key '{key}' is given {times} ({listed}); keep one{hint}")
     return problems
