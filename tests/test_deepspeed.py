@@ -92,6 +92,22 @@ def test_a_value_the_file_and_the_command_line_set_differently_is_refused(tmp_pa
     assert load_train_config([*BASE, "--deepspeed", str(ds), "--gradient_accumulation_steps", "4"])  # agree
 
 
+def test_two_entries_of_the_file_that_set_one_key_must_agree(tmp_path):
+    """optimizer.params.lr and the scheduler's warmup_max_lr are both learning_rate: the later one in the file
+    won without a word (scheduler first: the optimizer's 3e-4 trained, where DeepSpeed warms up to 1e-4)."""
+    optimizer = {"type": "AdamW", "params": {"lr": 3e-4}}
+    scheduler = {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-4, "warmup_num_steps": 10}}
+    for data in ({"scheduler": scheduler, "optimizer": optimizer}, {"optimizer": optimizer, "scheduler": scheduler}):
+        ds = write(tmp_path / "ds.json", data)
+        with pytest.raises(UsageError, match=r"'(optimizer.params.lr|scheduler.params.warmup_max_lr)' = "
+                                             r"0.000[13] and '(optimizer.params.lr|scheduler.params.warmup_max_lr)' "
+                                             r"= 0.000[13] both set learning_rate: make them agree"):
+            load_train_config([*BASE, "--deepspeed", str(ds)])
+    scheduler["params"]["warmup_max_lr"] = "3e-4"  # the same rate, written otherwise
+    ds = write(tmp_path / "ds.json", {"scheduler": scheduler, "optimizer": optimizer})
+    assert load_train_config([*BASE, "--deepspeed", str(ds)]).optim.learning_rate == 3e-4
+
+
 @pytest.mark.parametrize("data, named", [
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}},
      "zero_optimization.offload_param"),

@@ -52,6 +52,7 @@ class Mapped:
     # where they are refused (loading._apply decides, once every layer is known: the layer carries them under
     # FP16_TUNING, as the problem each would be)
     fp16_tuning: list[str] = field(default_factory=list)
+    set_by: dict[str, str] = field(default_factory=dict)  # key -> the entry that set it (two must agree)
 
     def carried(self) -> dict[str, Any]:
         """The mapped keys, and the loss-scaler settings under FP16_TUNING where there are any."""
@@ -62,11 +63,25 @@ class Mapped:
         if _is_auto(value):
             self.lines.append(f"{ds_key} auto -> {key} from the config")
             return
-        self.values[key] = value
+        # optimizer.params.lr and scheduler.params.warmup_max_lr both set learning_rate: the later entry in the
+        # file would win without a word (DeepSpeed itself warms up to warmup_max_lr, whatever the optimizer's lr)
+        if key in self.set_by and not same_value(self.values[key], value):
+            self.refuse(ds_key, value, f"and '{self.set_by[key]}' = {_show(self.values[key])} both set {key}: "
+                                       f"make them agree, or write auto in one")
+            return
+        self.values[key], self.set_by[key] = value, ds_key
         self.lines.append(f"{ds_key} {_show(value)} -> {key} {_show(shown if shown is not None else value)}")
 
     def refuse(self, ds_key: str, value: Any, why: str) -> None:
         self.problems.append(f"{self.where}: DeepSpeed key '{ds_key}' = {_show(value)} {why}")
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two settings of one key agree (1e-4 and 0.0001 do)."""
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return str(a).lower() == str(b).lower()
 
 
 def _is_auto(value: Any) -> bool:

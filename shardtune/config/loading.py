@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
-from shardtune.config.deepspeed import FP16_TUNING, map_accelerate_block, read_deepspeed_file
+from shardtune.config.deepspeed import FP16_TUNING, map_accelerate_block, read_deepspeed_file, same_value
 from shardtune.config.keys import parse_bool, shown
 from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, no_op_problem, off
 from shardtune.config.schema import ALIASES, DATASET_PLACEHOLDER, ZERO2_HYBRID, TrainConfig, all_keys
@@ -170,7 +170,7 @@ def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] 
     problems = list(mapped.problems)
     for key, value in mapped.values.items():
         for values, sources in layers:
-            if key in values and key != "deepspeed" and not _same_value(values[key], value):
+            if key in values and key != "deepspeed" and not same_value(values[key], value):
                 problems.append(f"{sources.get(key, Origin('config'))}: {key}={values[key]!r}, but the DeepSpeed "
                                 f"config {path} sets {value!r}: make them agree, or write auto in {path}")
     if mapped.train_batch_size is not None:
@@ -227,13 +227,6 @@ def _check_train_batch_size(mapped, layers: Layers) -> list[str]:
     return [f"{mapped.where}: train_batch_size {total} is not per_device_train_batch_size {micro} x "
             f"gradient_accumulation_steps {accum} x {procs} processes ({micro * accum * procs}): make them agree, "
             f"or write auto"]
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    try:
-        return float(a) == float(b)
-    except (TypeError, ValueError):
-        return str(a).lower() == str(b).lower()
 
 
 def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin]]:
