@@ -92,6 +92,15 @@ def test_a_value_the_file_and_the_command_line_set_differently_is_refused(tmp_pa
     assert load_train_config([*BASE, "--deepspeed", str(ds), "--gradient_accumulation_steps", "4"])  # agree
 
 
+def test_a_zero_stage_written_as_text_is_refused_saying_so(tmp_path):
+    """It read "DeepSpeed key 'zero_optimization.stage' = 3 must be 0, 1, 2 or 3"."""
+    ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": "3"}})
+    with pytest.raises(UsageError) as refused:
+        load_train_config([*BASE, "--deepspeed", str(ds)])
+    assert str(refused.value) == (f"{ds}: DeepSpeed key 'zero_optimization.stage' = \"3\" must be 0, 1, 2 or 3, a "
+                                  f"number (without quotes)")
+
+
 def test_two_entries_of_the_file_that_set_one_key_must_agree(tmp_path):
     """optimizer.params.lr and the scheduler's warmup_max_lr are both learning_rate: the later one in the file
     won without a word (scheduler first: the optimizer's 3e-4 trained, where DeepSpeed warms up to 1e-4)."""

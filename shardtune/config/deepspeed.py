@@ -167,8 +167,9 @@ def _zero(out: Mapped, block: Any) -> None:
         out.refuse("zero_optimization", block, 'must be an object such as {"stage": 2}')
         return
     stage = block.get("stage", 0)
-    if stage not in ZERO_STAGES:
-        out.refuse("zero_optimization.stage", stage, "must be 0, 1, 2 or 3")
+    if stage not in ZERO_STAGES:  # JSON's "3" is text: shown quoted, or "3 must be 0, 1, 2 or 3" reads as nonsense
+        out.refuse("zero_optimization.stage", json.dumps(stage) if isinstance(stage, str) else stage,
+                   "must be 0, 1, 2 or 3" + (", a number (without quotes)" if isinstance(stage, str) else ""))
     else:
         strategy, sharding = ZERO_STAGES[stage]
         out.values["distributed_type"] = strategy.name
