@@ -547,7 +547,14 @@ def test_a_hub_subset_of_local_data_is_refused(tmp_path, capsys):
     ("loss_type", "the loss here is cross-entropy averaged"), ("shuffle_dataset", "rows are shuffled here every epoch"),
     ("chat_template_path", "a custom template goes in the model folder"),
     ("eval_dataset_name", "eval rows come from dataset_name's own eval split"),
-    ("dataset_kwargs", "it is not read here: the rows' format")])
+    ("dataset_kwargs", "it is not read here: the rows' format"),
+    # TrainingArguments keys: offered lr_scheduler_type, optim, dataset_name, save_total_limit, ..., fsdp_version
+    ("lr_scheduler_kwargs", "the schedules here take no arguments"), ("optim_args", "the optimizer's settings are "
+     "keys of their own here"), ("data_seed", "seed orders the data here"), ("save_only_model", "checkpoints here "
+     "always hold what an exact resume needs"), ("eval_accumulation_steps", "evaluation here keeps no logits"),
+    ("fsdp", "here FSDP is distributed_type FSDP"), ("ddp_backend", "the backend here is NCCL on CUDA"),
+    ("local_rank", "torchrun gives each process its rank"), ("auto_find_batch_size", "shardtune estimate "
+     "--find-batch-size")])
 def test_another_tools_key_without_a_counterpart_names_what_to_write(key, hint, capsys):
     """Spelling alone offered dataset_num_proc for dataset_train_split and lora_r for lr."""
     assert main(["train", *BASE, f"--{key}", "1"]) == 2

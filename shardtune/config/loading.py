@@ -351,6 +351,21 @@ UNKNOWN_ELSEWHERE = {
     "eval_dataset_name": "eval rows come from dataset_name's own eval split here (e.g. test.jsonl beside "
                          "train.jsonl; the splits key names them) or from eval_split_ratio",
     "dataset_kwargs": "it is not read here: the rows' format is found from their columns (data_format sets it)",
+    # TrainingArguments: spelling alone offered lr_scheduler_type, optim, dataset_name, save_total_limit, ...
+    "lr_scheduler_kwargs": "the schedules here take no arguments (warm-up from 0, cosine and linear decay to 0); "
+                           "leave it out",
+    "optim_args": "the optimizer's settings are keys of their own here (adam_beta1, adam_beta2, adam_epsilon, "
+                  "weight_decay); leave it out",
+    "data_seed": "seed orders the data here (and seeds LoRA's initialisation and dropout); leave it out",
+    "save_only_model": "checkpoints here always hold what an exact resume needs, and final/ the model alone; leave "
+                       "it out",
+    "eval_accumulation_steps": "evaluation here keeps no logits to accumulate (only the loss is summed); leave it out",
+    "fsdp": "here FSDP is distributed_type FSDP, with fsdp_sharding_strategy (FULL_SHARD for full_shard) and "
+            "fsdp_offload_params true for offload",
+    "ddp_backend": "the backend here is NCCL on CUDA and gloo on CPUs; leave it out",
+    "local_rank": "torchrun gives each process its rank (shardtune launch starts them); leave it out",
+    "auto_find_batch_size": "shardtune estimate --find-batch-size finds the largest micro-batch that fits; set "
+                            "per_device_train_batch_size",
 }
 
 
