@@ -350,7 +350,8 @@ def test_accelerates_multi_cpu_file_loads_where_no_gpu_is_visible(tmp_path, monk
 
 def test_disable_tqdm_and_logging_first_step_act_in_a_run(tmp_path_factory, monkeypatch):
     """The loop's progress bar is enabled by default on rank 0 and disabled with --disable_tqdm true; the first
-    step is logged with --logging_first_step true beside every logging_steps-th and the last."""
+    step is logged with --logging_first_step true beside every logging_steps-th and the last, and under
+    logging_strategy epoch beside each epoch's end; unset, it logs the first step under steps only."""
     import shardtune.train.loop as loop
     from tests.trainutil import logging_restored, tiny_workspace
 
@@ -371,11 +372,27 @@ def test_disable_tqdm_and_logging_first_step_act_in_a_run(tmp_path_factory, monk
             assert main(["train", "--model_name_or_path", str(work / "model"), "--dataset_name",
                          str(work / "chat.jsonl"), "--output_dir", str(out), "--max_steps", "3", "--logging_steps",
                          "2", "--save_strategy", "no", "--predict_memory", "false", "--disable_tqdm", value,
-                         "--logging_first_step", "true" if value == "false" else "false"]) == 0
+                         *([] if value == "false" else ["--logging_first_step", "false"])]) == 0
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         logged[value] = [r["step"] for r in records if "loss" in r]
     assert shown == [True, False]
     assert logged == {"false": [1, 2, 3], "true": [2, 3]}
+    # logging_strategy epoch: each epoch's end (24 rows at 8 a step: 3 steps an epoch), and with logging_first_step
+    # true the first step beside them, as Transformers logs it (unset: not under epoch), logged once where an epoch
+    # ends on it.
+    for first, every in (("true", "3"), ("false", "3"), (None, "3"), ("true", "1")):
+        out = work / f"epoch-{first}-{every}"
+        given = [] if first is None else ["--logging_first_step", first]
+        with logging_restored():
+            assert main(["train", "--model_name_or_path", str(work / "model"), "--dataset_name",
+                         str(work / "chat.jsonl"), "--output_dir", str(out), "--max_steps", "6", "--logging_strategy",
+                         "epoch", "--per_device_train_batch_size", str(24 // int(every)), "--save_strategy", "no",
+                         "--predict_memory", "false", *given]) == 0
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        logged[first, every] = [r["step"] for r in records if "loss" in r]
+    assert logged["true", "3"] == [1, 3, 6]
+    assert logged["false", "3"] == logged[None, "3"] == [3, 6]
+    assert logged["true", "1"] == [1, 2, 3, 4, 5, 6]
 
 
 def test_keys_that_used_to_be_ignored_now_act(tmp_path, capsys):

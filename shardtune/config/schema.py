@@ -323,7 +323,9 @@ class RunConfig:
     dry_run: bool = key(False, "Print the resolved config, trace one step of the job it describes on fake tensors "
                                "(per-GPU peak: tensors and reserved memory, by category and module), and exit "
                                "without training.")
-    logging_first_step: bool = key(True, "Log the first step (shardtune's default; Transformers' is false).")
+    logging_first_step: bool | None = key(None, "Log the first step, under logging_strategy steps or epoch, as "
+                                                    "Transformers does. Unset: under steps only (Transformers' "
+                                                    "default is false).")
     disable_tqdm: bool = key(False, "No progress bar; log lines and metrics.jsonl are unchanged.")
     save_safetensors: bool = key(True, "Weights are written as safetensors; false (pickled .bin files) is refused.")
     predict_memory: bool = key(help="At the end, trace the job and record the predicted peak memory beside the "

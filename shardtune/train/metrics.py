@@ -51,23 +51,26 @@ class MetricsLog:
     and hands each record to the ``report_to`` trackers (``trackers.py``)."""
 
     def __init__(self, output_dir: str | Path, info: DistInfo, trackers: Trackers | None = None, *,
-                 strategy: str = "steps", every: int = 1, first_step: bool = True) -> None:
+                 strategy: str = "steps", every: int = 1, first_step: bool | None = None) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.info = info
         self.enabled = info.is_main
         self.strategy, self.every = strategy, every  # logging_strategy, logging_steps
-        self.first_step = first_step  # logging_first_step
+        self.first_step = strategy == "steps" if first_step is None else first_step  # logging_first_step
+        self._logged_step: int | None = None  # the step of the last record
         self._window_tokens, self._window_start = 0, time.perf_counter()
         self.trackers = trackers if trackers is not None else Trackers()
         self._write_failed = False
 
     def should_log(self, step: int, *, at_epoch_end: bool, last: bool) -> bool:
-        """``logging_strategy`` steps: every ``logging_steps``, the last step and (``logging_first_step``) the
-        first; epoch: each epoch's end."""
-        if self.strategy == "epoch":
-            return at_epoch_end
-        first = step == 1 and self.first_step
-        return self.strategy == "steps" and not at_epoch_end and (step % self.every == 0 or last or first)
+        """``logging_strategy`` steps: every ``logging_steps`` and the last step; epoch: each epoch's end (a step
+        logged already, not again); under either, the first step too with ``logging_first_step``, as Transformers'
+        Trainer logs it whatever the strategy. no: nothing."""
+        if self.strategy == "no":
+            return False
+        if at_epoch_end:
+            return self.strategy == "epoch" and step != self._logged_step
+        return (step == 1 and self.first_step) or (self.strategy == "steps" and (step % self.every == 0 or last))
 
     def count(self, tokens: int) -> None:
         """Tokens of a step just taken, for the tokens/s of the next record."""
@@ -82,6 +85,7 @@ class MetricsLog:
                   "target_tokens": stats.target_tokens, "tokens_per_s": self._window_tokens / max(elapsed, 1e-9),
                   "peak_memory_bytes": max_over_ranks(peak_memory_bytes(self.info.device), self.info.device)}
         self.write(record)
+        self._logged_step = state.step
         self._window_tokens, self._window_start = 0, time.perf_counter()
         return record
 
