@@ -287,9 +287,10 @@ class RunConfig:
         "autocast its embeddings' output is cast up to fp32, so the residual stream runs in fp32 as with fp32 "
         "weights.")
     fp16: bool = key(False, "fp16 mixed precision with a gradient scaler.")
-    logging_steps: int = key(10, "Write a metrics.jsonl record every this many steps. Its loss, grad_norm and "
-                                 "tokens are that step's, its tokens_per_s the steps' since the last record "
-                                 "(Transformers' Trainer logs the mean loss since its last record).", ge=1,
+    logging_steps: int = key(10, "Write a metrics.jsonl record every this many steps. Its loss, lr (the rate its "
+                                 "update used), grad_norm and tokens are that step's, its tokens_per_s the steps' "
+                                 "since the last record (Transformers' Trainer logs the mean loss since its last "
+                                 "record).", ge=1,
                              needs=LOGS_STEPS)
     logging_strategy: Every = key("steps", "When to write metrics.jsonl records.", spellings=NO)
     log_level: LogLevel = key("passive", "Log level of rank 0 (passive: info); the other ranks log warnings only.")

@@ -81,7 +81,7 @@ class MetricsLog:
         Every rank must call it: the peak memory is the maximum over ranks."""
         elapsed = time.perf_counter() - self._window_start
         record = {"step": state.step, "epoch": state.epochs_done, "loss": stats.loss,
-                  "lr": state.scheduler.get_last_lr()[0], "grad_norm": stats.grad_norm, "tokens": stats.tokens,
+                  "lr": stats.lr, "grad_norm": stats.grad_norm, "tokens": stats.tokens,
                   "target_tokens": stats.target_tokens, "tokens_per_s": self._window_tokens / max(elapsed, 1e-9),
                   "peak_memory_bytes": max_over_ranks(peak_memory_bytes(self.info.device), self.info.device)}
         self.write(record)

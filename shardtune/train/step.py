@@ -31,6 +31,7 @@ class StepStats:
     grad_norm: float
     tokens: int  # input tokens of the global batch, padding excluded
     target_tokens: int  # tokens the loss was computed on
+    lr: float  # the learning rate this step's update used (the schedule has moved on to the next step's)
 
 
 @dataclass
@@ -73,6 +74,7 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
     grad_norm = float(runner.grad_norm_and_clip(ctx.trainable, ctx.max_grad_norm))
     total_loss, total_tokens = _loss_and_count(loss_sum, tokens, device, runner.copies)
     mean_loss = total_loss / denominator
+    lr = ctx.scheduler.get_last_lr()[0]  # before the schedule moves on, as Transformers' Trainer logs it
     stepped = True
     if scaler:
         scale = scaler.get_scale()
@@ -88,7 +90,8 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
     ctx.optimizer.zero_grad(set_to_none=True)
     if not math.isfinite(mean_loss) or (not scaler and not math.isfinite(grad_norm)):
         raise NonFiniteLoss(f"loss {mean_loss}, gradient norm {grad_norm}")
-    return StepStats(loss=mean_loss, grad_norm=grad_norm, tokens=int(total_tokens), target_tokens=int(global_targets))
+    return StepStats(loss=mean_loss, grad_norm=grad_norm, tokens=int(total_tokens), target_tokens=int(global_targets),
+                     lr=lr)
 
 
 @torch.no_grad()
