@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardtune.config import load_train_config
-from tests.trainutil import tiny_workspace
+from tests.trainutil import flags, tiny_workspace
 
 
 @pytest.fixture(autouse=True)
@@ -25,10 +25,10 @@ def run(root: Path, out: str, *extra: str, callbacks=()) -> list[dict]:
     """A short run of the tiny model (batch 2, no packing); its metrics.jsonl records."""
     from shardtune.train.loop import train
 
-    train(load_train_config(["--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "chat.jsonl"),
-                             "--splits", "train", "--max_seq_len", "64", "--per_device_train_batch_size", "2",
-                             "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true",
-                             "--output_dir", str(root / out), *extra]), callbacks)
+    train(load_train_config(flags("--model_name_or_path", str(root / "model"), "--dataset_name",
+                                  str(root / "chat.jsonl"), "--splits", "train", "--max_seq_len", "64",
+                                  "--per_device_train_batch_size", "2", "--logging_steps", "1", "--save_strategy",
+                                  "no", "--disable_tqdm", "true", "--output_dir", str(root / out), *extra)), callbacks)
     return [json.loads(line) for line in (root / out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -50,3 +50,28 @@ def test_the_logged_learning_rate_is_the_one_the_step_used(root):
     logged = {r["step"]: r["lr"] for r in records if "lr" in r}
     assert logged == pytest.approx({1: 0.0, 2: 5e-4, 3: 1e-3, 4: 5e-4})
     assert logged == used.lr
+
+
+def test_the_last_step_is_evaluated_and_saved_when_steps_do_not_divide_max_steps(root):
+    """eval_strategy and save_strategy steps act at every eval_steps / save_steps and at the run's last step, as
+    Transformers' Trainer does: max_steps 5 with both every 2 evaluates and saves at 2, 4 and 5. The model a run
+    ends with went unevaluated (and load_best_model_at_end could not choose it), and a run given more steps
+    trained step 5 again from step-4."""
+    import shutil
+
+    every_2 = ["--eval_strategy", "steps", "--eval_steps", "2", "--eval_split_ratio", "0.1", "--save_strategy",
+               "steps", "--save_steps", "2", "--learning_rate", "1e-3", "--lr_scheduler_type", "constant"]
+    records = run(root, "end", "--max_steps", "5", *every_2)
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 5]
+    checkpoints = root / "end" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2", "step-4", "step-5"]
+    assert json.loads((checkpoints / "step-5" / "trainer_state.json").read_text())["step"] == 5
+
+    # More steps carry on from the last one; the resumed run's losses are those of a run of 7 from the start.
+    shutil.copytree(root / "end", root / "more")
+    resumed = run(root, "more", "--max_steps", "7", *every_2, "--resume_from_checkpoint", "true")
+    summary = json.loads((root / "more" / "summary.json").read_text())
+    assert (summary["resumed_from_step"], summary["steps_this_run"]) == (5, 2)
+    whole = run(root, "seven", "--max_steps", "7", *every_2)
+    assert [r["step"] for r in resumed if "loss" in r] == [r["step"] for r in whole if "loss" in r] == [*range(1, 8)]
+    assert [r["loss"] for r in resumed if "loss" in r] == pytest.approx([r["loss"] for r in whole if "loss" in r])

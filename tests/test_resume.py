@@ -368,7 +368,8 @@ def test_a_second_run_in_a_used_folder_is_refused_before_writing(work: Path, sig
     ok(fresh)
     assert "overwrite_output_dir: deleted the earlier run in sigterm1" in fresh.stderr
     assert [r["step"] for r in records(used)] == [1]
-    assert not (used / "checkpoints").exists() and (used / "final").is_dir()  # step 1 saves none (save_steps 2)
+    # the earlier run's step-2 is gone; step 1, the run's last, is saved as Transformers saves the last step
+    assert sorted(p.name for p in (used / "checkpoints").iterdir()) == ["step-1"] and (used / "final").is_dir()
 
 
 def _alive(pid: int) -> bool:

@@ -294,8 +294,9 @@ class RunConfig:
                              needs=LOGS_STEPS)
     logging_strategy: Every = key("steps", "When to write metrics.jsonl records.", spellings=NO)
     log_level: LogLevel = key("passive", "Log level of rank 0 (passive: info); the other ranks log warnings only.")
-    eval_strategy: Every = key("no", "When to evaluate: every eval_steps, at the end of each epoch, or never. steps "
-                                     "or epoch with no eval rows (no eval split, eval_split_ratio 0) is refused.",
+    eval_strategy: Every = key("no", "When to evaluate: every eval_steps and at the run's last step (as Transformers' "
+                                     "Trainer does), at the end of each epoch, or never. steps or epoch with no eval "
+                                     "rows (no eval split, eval_split_ratio 0) is refused.",
                                spellings=NO, aliases={"evaluation_strategy": "Transformers' former"})
     eval_steps: int | None = key(None, "Evaluate every this many steps (unset: logging_steps).", ge=1,
                                  needs=EVAL_STEPS)
@@ -348,8 +349,9 @@ class RunConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_strategy: Every = key("steps", "When to save a resumable checkpoint: every save_steps, each epoch, or "
-                                        "never.", spellings=NO)
+    save_strategy: Every = key("steps", "When to save a resumable checkpoint: every save_steps and at the run's last "
+                                        "step (as Transformers' Trainer does: a run given more max_steps carries on "
+                                        "from there), each epoch, or never.", spellings=NO)
     save_steps: int = key(500, "Save a resumable checkpoint every this many steps.", ge=1, needs=SAVE_STEPS)
     save_total_limit: int | None = key(None, "Keep at most this many checkpoints (oldest deleted first); the best one "
                                              "is kept beyond it with load_best_model_at_end.", ge=1)

@@ -443,10 +443,13 @@ class Checkpointer:
         self.resumed_step: int | None = None  # the step the run resumed at
         self.last: str | None = None
 
-    def should_save(self, step: int, *, at_epoch_end: bool) -> bool:
+    def should_save(self, step: int, *, at_epoch_end: bool, at_end: bool = False) -> bool:
+        """epoch: each epoch's end; steps: every save_steps and the run's last step (``at_end``: max_steps reached),
+        as Transformers' Trainer saves, so a run given more steps carries on from where it ended."""
         if self.settings.save_strategy == "epoch":
             return at_epoch_end
-        return self.settings.save_strategy == "steps" and not at_epoch_end and step % self.settings.save_steps == 0
+        return self.settings.save_strategy == "steps" and not at_epoch_end and (
+            step % self.settings.save_steps == 0 or at_end)
 
     def resume(self, point: ResumePoint | None) -> Path | None:
         """Restore model, optimizer and ``state`` from ``resume_point``'s answer, if any. Nothing in output_dir

@@ -23,10 +23,12 @@ class Evaluator:
         self.batch_size = cfg.run.per_device_eval_batch_size
         self.job = job
 
-    def should_evaluate(self, step: int, *, at_epoch_end: bool) -> bool:
+    def should_evaluate(self, step: int, *, at_epoch_end: bool, at_end: bool = False) -> bool:
+        """epoch: each epoch's end; steps: every ``every`` steps and the run's last step (``at_end``: max_steps
+        reached), as Transformers' Trainer evaluates the model it ends with."""
         if self.strategy == "epoch":
             return at_epoch_end
-        return self.strategy == "steps" and not at_epoch_end and step % self.every == 0
+        return self.strategy == "steps" and not at_epoch_end and (step % self.every == 0 or at_end)
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         from shardtune.data import EvalSampler

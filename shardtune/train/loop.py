@@ -290,12 +290,15 @@ class Loop:
             record = self.metrics.log_step(state, state.last_stats)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             self.hooks.on_log(logs=record)
-        if self.evaluator.should_evaluate(state.step, at_epoch_end=at_epoch_end) or control.should_evaluate:
+        at_end = state.step >= state.max_steps  # not a callback's or early stopping's stop, as in Transformers
+        if self.evaluator.should_evaluate(state.step, at_epoch_end=at_epoch_end, at_end=at_end) or \
+                control.should_evaluate:
             control.should_evaluate = False
             self.evaluate(counted=True)
-        if self.checkpointer.should_save(state.step, at_epoch_end=at_epoch_end) or control.should_save:
+        if self.checkpointer.should_save(state.step, at_epoch_end=at_epoch_end, at_end=at_end) or control.should_save:
             control.should_save = False
-            reason = ("end of training" if last else "end of epoch") if at_epoch_end else "save_steps"
+            reason = ("end of training" if last else "end of epoch") if at_epoch_end else \
+                "end of training" if at_end else "save_steps"
             state.best.on_save(state.step, self.last_eval)  # before the save: the checkpoint carries it
             self.hooks.on_save(checkpoint=self.checkpointer.save(reason))
 
