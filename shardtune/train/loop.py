@@ -300,17 +300,19 @@ class Loop:
             reason = ("end of training" if last else "end of epoch") if at_epoch_end else \
                 "end of training" if at_end else "save_steps"
             state.best.on_save(state.step, self.last_eval)  # before the save: the checkpoint carries it
-            self.hooks.on_save(checkpoint=self.checkpointer.save(reason))
+            with self.metrics.paused():
+                self.hooks.on_save(checkpoint=self.checkpointer.save(reason))
 
     def evaluate(self, *, counted: bool) -> None:
         """One eval pass, logged; ``counted``: it takes part in early stopping and the choice of the best."""
         state, patience = self.job.state, self.job.cfg.run.early_stopping_patience
-        result = self.evaluator.run()
-        if result is None:
-            return
-        self.metrics.write(result)
-        self.hooks.on_log(logs=result)  # as Transformers logs eval metrics through on_log
-        self.hooks.on_evaluate(metrics=result)
+        with self.metrics.paused():
+            result = self.evaluator.run()
+            if result is None:
+                return
+            self.metrics.write(result)
+            self.hooks.on_log(logs=result)  # as Transformers logs eval metrics through on_log
+            self.hooks.on_evaluate(metrics=result)
         if not counted:
             return
         self.last_eval = result

@@ -9,6 +9,8 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,16 @@ class MetricsLog:
     def count(self, tokens: int) -> None:
         """Tokens of a step just taken, for the tokens/s of the next record."""
         self._window_tokens += tokens
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent in here (an evaluation, a checkpoint's save) is no step's: the next record's tokens/s leaves
+        it out."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._window_start += time.perf_counter() - start
 
     def log_step(self, state, stats) -> dict[str, Any]:
         """The record of the step just taken (written on rank 0); tokens/s over the steps since the last record.
