@@ -47,6 +47,9 @@ GRID = [  # (model, world size, config values)
     ("tiny", 2, {"distributed_type": "FSDP", "fp16": True}),
     ("tiny", 1, {"use_peft_lora": True, "use_4bit_quantization": True, "bf16": True,
                  "gradient_checkpointing": True}),
+    # the template's tokens grow the embeddings (resized without the mean of fake values)
+    ("tiny", 1, {"chat_template_format": "llama-3", "add_special_tokens": True}),
+    ("tiny", 1, {"chat_template_format": "llama-3", "add_special_tokens": True, "use_peft_lora": True}),
 ]
 
 

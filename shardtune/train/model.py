@@ -290,9 +290,12 @@ def resize_for_tokenizer(model: nn.Module, vocab_size: int) -> list[int]:
     if vocab_size <= old_size:
         return []
     log.info("resizing token embeddings to %d for the added tokens", vocab_size)
-    # A model built on meta (FSDP ranks filled from rank 0 later) has no values to take a mean of.
-    on_meta = model.get_input_embeddings().weight.is_meta
-    model.resize_token_embeddings(vocab_size, mean_resizing=not on_meta)
+    # A model built on meta (FSDP ranks filled from rank 0 later) or of fake tensors (the memory trace) has no
+    # values to take a mean of.
+    from torch._subclasses.fake_tensor import is_fake
+
+    weight = model.get_input_embeddings().weight
+    model.resize_token_embeddings(vocab_size, mean_resizing=not (weight.is_meta or is_fake(weight)))
     return list(range(old_size, vocab_size))
 
 
