@@ -328,3 +328,37 @@ def test_an_adapter_whose_modules_the_base_lacks_is_refused(tmp_path: Path, caps
     assert main(["generate", str(adapter), "--prompt", "hi", "--max_new_tokens", "1"]) == 2
     assert "20 of its 28 tensors fit no module of the base" in capsys.readouterr().err
     assert main(["merge", str(adapter), "--base", str(llama), str(tmp_path / "right")]) == 0
+
+
+def test_a_model_folder_stops_at_the_eos_its_template_made_in_transformers_generate(tmp_path: Path) -> None:
+    """llama-3 with add_special_tokens makes <|eot_id|> the tokenizer's EOS, and every trained turn ends with it;
+    final/ (and export, merge) kept the base's generation_config, whose EOS ids transformers' generate stops at,
+    so a model folder loaded there talked past the end of its turn. The template's EOS is now listed first."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+    from shardtune.data import DataConfig
+    from shardtune.data.templates import configure_tokenizer
+    from shardtune.testing.tiny import make_model_folder
+    from shardtune.train.export import write_export
+    from shardtune.train.model import resize_for_tokenizer
+
+    base = make_model_folder(tmp_path / "base")
+    tokenizer = configure_tokenizer(AutoTokenizer.from_pretrained(base),
+                                    DataConfig(chat_template_format="llama-3", add_special_tokens=True))
+    model = AutoModelForCausalLM.from_pretrained(base)
+    base_eos = model.generation_config.eos_token_id
+    assert tokenizer.eos_token == "<|eot_id|>" and tokenizer.eos_token_id != base_eos
+    resize_for_tokenizer(model, len(tokenizer))
+    write_export(tmp_path / "final", model, model.state_dict(), tokenizer, is_peft=False)
+
+    class EndOfTurn(LogitsProcessor):  # a model that answers with the end of its turn at once
+        def __call__(self, input_ids, scores):
+            scores[:, tokenizer.eos_token_id] = scores.max() + 1
+            return scores
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    prompt = torch.tensor([[tokenizer.bos_token_id, 5, 6]])
+    out = saved.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False,
+                         logits_processor=LogitsProcessorList([EndOfTurn()]))
+    assert out[0, 3:].tolist() == [tokenizer.eos_token_id]
+    assert saved.generation_config.eos_token_id == [tokenizer.eos_token_id, base_eos]  # the base's EOS still stops

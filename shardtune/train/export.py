@@ -47,6 +47,7 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
             elif is_peft:
                 getattr(model, "module", model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
             else:
+                stop_at_tokenizer_eos(unwrap(model), tokenizer)
                 unwrap(model).save_pretrained(str(tmp), state_dict=drop_tied_copies(model, state),
                                               safe_serialization=True)
             if is_peft:
@@ -56,6 +57,22 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
         return publish(tmp, target, label)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind (gone already when published)
+
+
+def stop_at_tokenizer_eos(model: nn.Module, tokenizer) -> None:
+    """List the tokenizer's EOS among the EOS ids of the model's config and generation config, first, where it is
+    not there: a named template with add_special_tokens makes its end of turn (llama-3's <|eot_id|>, chatml's
+    <|im_end|>) the tokenizer's EOS, and every trained turn and completion ends with it, while transformers'
+    generate stops only at the generation config's ids (TRL's setup_chat_format sets them as well). The model's
+    own ids stay, so it still stops where it stopped before."""
+    eos = tokenizer.eos_token_id
+    for config in (model.config, getattr(model, "generation_config", None)):
+        if eos is None or config is None:
+            continue
+        ids = config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if eos not in ids:
+            config.eos_token_id = [eos, *ids] if ids else eos
 
 
 def drop_tied_copies(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
