@@ -220,6 +220,33 @@ def test_pad_token_never_eos(model_dir, tmp_path):
     assert fixed.pad_token == "<|pad|>" and len(fixed) == len(tok)
 
 
+@pytest.mark.parametrize("specials, pad", [
+    (["<|reserved_special_token_0|>", "<|finetune_right_pad_id|>"], "<|finetune_right_pad_id|>"),  # Llama 3.1
+    (["<|reserved_special_token_0|>", "<|reserved_special_token_1|>"], "<|reserved_special_token_0|>"),  # 3.0
+    ([], "<|pad|>"),  # nothing spare: a token is added (and the embeddings grow)
+])
+def test_a_tokenizer_without_pad_or_unk_pads_with_a_spare_special_token(tmp_path, specials, pad):
+    """No pad and no unk (Llama 3's tokenizer): a special token the vocabulary holds for padding or reserves is
+    used, so no embedding row is added; only without one is <|pad|> added."""
+    tok = make_tokenizer()
+    folder = tmp_path / "nopad"
+    tok.save_pretrained(folder)
+    text = (folder / "tokenizer.json").read_text().replace('"<|pad|>"', '"<|tool|>"')  # <|pad|>'s id, renamed
+    (folder / "tokenizer.json").write_text(text)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("pad_token")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    from transformers import AutoTokenizer
+
+    unpadded = AutoTokenizer.from_pretrained(folder)
+    unpadded.add_tokens(specials, special_tokens=True)
+    unpadded.save_pretrained(folder)
+    assert unpadded.pad_token is None and unpadded.unk_token is None
+    fixed = load_tokenizer(str(folder), DataConfig())
+    assert fixed.pad_token == pad and fixed.pad_token_id != fixed.eos_token_id
+    assert len(fixed) == len(unpadded) + (pad not in unpadded.get_vocab())
+
+
 def test_truncation_is_reported(model_dir, tmp_path):
     full, _ = prepare(model_dir, tmp_path, CHATS, max_seq_len=256)
     lengths = [len(r["input_ids"]) for r in full.train]

@@ -177,6 +177,36 @@ def test_adapter_trained_with_a_relative_base_generates_from_another_folder(root
     assert replies[0].strip() and replies[0] == replies[1]
 
 
+def without_pad(folder) -> None:
+    """The folder's tokenizer as Llama 3's is: no pad and no unk token, the <|pad|> slot a reserved special token."""
+    tokenizer_file, config_file = folder / "tokenizer.json", folder / "tokenizer_config.json"
+    text = tokenizer_file.read_text().replace('"<|pad|>"', '"<|reserved_special_token_0|>"')
+    tokenizer_file.write_text(text)
+    config = json.loads(config_file.read_text())
+    config.pop("pad_token")
+    config_file.write_text(json.dumps(config))
+
+
+def test_an_adapter_of_a_model_without_a_pad_token_loads_onto_its_base_as_it_is(root):
+    """A tokenizer with no pad and no unk (Llama 3's) got a <|pad|> added: the embeddings grew by a row, the adapter
+    carried it as a trainable token, and PeftModel.from_pretrained on the base as it is failed (index out of
+    bounds). A reserved special token pads instead: no row is added, and PEFT's load gives the trained logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_folder(root / "nopad")
+    without_pad(root / "nopad")
+    train(root, "nopad_lora", ["--use_peft_lora", "True", "--lora_r", "4"], model="nopad")
+    final = root / "nopad_lora" / "final"
+    ids, trained = trained_logits(root, "nopad_lora")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "nopad", dtype=torch.float32),
+                                      final).eval()
+    with torch.no_grad():
+        assert_close(model(input_ids=ids).logits.float(), trained)
+    assert AutoTokenizer.from_pretrained(final).pad_token == "<|reserved_special_token_0|>"
+    assert not json.loads((final / "adapter_config.json").read_text()).get("trainable_token_indices")
+
+
 @pytest.mark.parametrize("init,nproc", [("pissa", 1), ("olora", 2)])
 def test_mutating_init_adapter_is_converted_for_the_untouched_base(root, init, nproc):
     """PiSSA/OLoRA rewrite the base: final/ holds the equivalent plain adapter (rank 2r), which PEFT loads onto the

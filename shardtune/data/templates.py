@@ -144,8 +144,22 @@ def configure_tokenizer(tokenizer, cfg):
         unk = tokenizer.unk_token_id
         if unk is not None and unk not in (tokenizer.eos_token_id, tokenizer.bos_token_id):
             tokenizer.pad_token = tokenizer.unk_token
+        elif "<|pad|>" not in tokenizer.get_vocab() and (spare := spare_special_token(tokenizer)):
+            tokenizer.pad_token = spare
         else:
             if "<|pad|>" not in tokenizer.get_vocab():
                 tokenizer.add_tokens(["<|pad|>"], special_tokens=True)
             tokenizer.pad_token = "<|pad|>"
     return tokenizer
+
+
+def spare_special_token(tokenizer) -> str | None:
+    """A special token of the vocabulary that no text or template writes, to pad with: one named for padding
+    (Llama 3.1's <|finetune_right_pad_id|>), else a reserved one (Llama 3's <|reserved_special_token_0|>). Padding
+    with it grows no embeddings, so a LoRA adapter still loads onto the base as it is (PeftModel.from_pretrained);
+    a token added instead is a row the base lacks."""
+    used = {tokenizer.bos_token, tokenizer.eos_token, *END_OF_TURN_TOKENS,
+            *(token for template in TEMPLATES.values() for token in template.special_tokens)}
+    spare = [token.content for _, token in sorted(tokenizer.added_tokens_decoder.items())
+             if token.special and token.content not in used]
+    return next((token for word in ("pad", "reserved") for token in spare if word in token.lower()), None)
