@@ -192,7 +192,8 @@ SWITCHED = {
     "fsdp_min_num_params": "1000",
     "fsdp_cpu_ram_efficient_loading": "false", "fsdp_sync_module_states": "false",
     "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_reshard_after_forward": "false", "fsdp_forward_prefetch": "true",
-    "warmup_steps": "5", "warmup_ratio": "0.1", "logging_steps": "5", "early_stopping_threshold": "0.5",
+    "warmup_steps": "5", "warmup_ratio": "0.1", "min_lr_rate": "0.1", "logging_steps": "5",
+    "early_stopping_threshold": "0.5",
     "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}
 SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "use_4bit_quantization true": (["--use_peft_lora", "true", "--use_4bit_quantization", "true"], []),
@@ -206,7 +207,9 @@ SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "save_strategy steps": ([], ["--save_strategy", "no"]),
                 "push_to_hub true": (["--push_to_hub", "true"], []),
                 "report_to naming a tracker": (["--report_to", "tensorboard"], []),
-                "lr_scheduler_type linear, cosine or constant_with_warmup": ([], ["--lr_scheduler_type", "constant"]),
+                "lr_scheduler_type linear, cosine, cosine_with_min_lr or constant_with_warmup": (
+                    [], ["--lr_scheduler_type", "constant"]),
+                "lr_scheduler_type cosine_with_min_lr": (["--lr_scheduler_type", "cosine_with_min_lr"], []),
                 "distributed_type FSDP": (["--distributed_type", "FSDP"], []),
                 "fsdp_auto_wrap_policy SIZE_BASED_WRAP": (["--distributed_type", "FSDP", "--fsdp_auto_wrap_policy",
                                                            "SIZE_BASED_WRAP"], []),
@@ -489,6 +492,28 @@ def test_transformers_5_and_trl_spellings_of_keys_declared_here(tmp_path):
         load_train_config([*BASE, "--gradient_checkpointing_kwargs", "{use_reentrant: false, preserve_rng_state: 1}"])
 
 
+def test_trl_cosine_with_min_lr_and_its_kwargs_are_read_and_what_they_cannot_say_is_refused(tmp_path):
+    """TRL recipes' lr_scheduler_type cosine_with_min_lr with lr_scheduler_kwargs {min_lr_rate: ...} set the
+    schedule and min_lr_rate (both were refused); the schedule without its floor, the floor under another schedule,
+    and kwargs entries with no meaning here are refused in one line each, naming what to write."""
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text("lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs:\n  min_lr_rate: 0.05\n")
+    cfg = load_train_config([str(recipe), *BASE])
+    assert (cfg.optim.lr_scheduler_type, cfg.optim.min_lr_rate) == ("cosine_with_min_lr", 0.05)
+    for given, refused in (
+            ([], "lr_scheduler_type cosine_with_min_lr needs min_lr_rate"),
+            (["--lr_scheduler_kwargs", "{min_lr: 1e-5}"], "lr_scheduler_kwargs: min_lr is not read here (only "
+                                                          "min_lr_rate is); give min_lr_rate, min_lr / learning_rate"),
+            (["--lr_scheduler_kwargs", "{min_lr_rate: 0.1, num_cycles: 1}"], "num_cycles is not read here"),
+            (["--lr_scheduler_kwargs", "0.1"], "lr_scheduler_kwargs=0.1: expected a mapping such as "
+                                                "{min_lr_rate: 0.1}"),
+            (["--min_lr_rate", "1.5"], "min_lr_rate=1.5 must be")):
+        with pytest.raises(UsageError, match=re.escape(refused)):
+            load_train_config([*BASE, "--lr_scheduler_type", "cosine_with_min_lr", *given])
+    with pytest.raises(UsageError, match=r"min_lr_rate.*lr_scheduler_type cosine_with_min_lr"):
+        load_train_config([*BASE, "--lr_scheduler_type", "cosine", "--min_lr_rate", "0.1"])
+
+
 def test_a_recipe_whose_path_holds_an_equals_sign_is_read_as_a_recipe(tmp_path, monkeypatch):
     """sweep/lr=1e-3/recipe.yaml was read as the key 'sweep/lr' ("did you mean 'seed'?"); an existing .yaml file is
     the recipe, and key=value still sets a key."""
@@ -549,9 +574,9 @@ def test_a_hub_subset_of_local_data_is_refused(tmp_path, capsys):
     ("eval_dataset_name", "eval rows come from dataset_name's own eval split"),
     ("dataset_kwargs", "it is not read here: the rows' format"),
     # TrainingArguments keys: offered lr_scheduler_type, optim, dataset_name, save_total_limit, ..., fsdp_version
-    ("lr_scheduler_kwargs", "the schedules here take no arguments"), ("optim_args", "the optimizer's settings are "
-     "keys of their own here"), ("data_seed", "seed orders the data here"), ("save_only_model", "checkpoints here "
-     "always hold what an exact resume needs"), ("eval_accumulation_steps", "evaluation here keeps no logits"),
+    ("optim_args", "the optimizer's settings are keys of their own here"), ("data_seed", "seed orders the data here"),
+    ("save_only_model", "checkpoints here always hold what an exact resume needs"),
+    ("eval_accumulation_steps", "evaluation here keeps no logits"),
     ("fsdp", "here FSDP is distributed_type FSDP"), ("ddp_backend", "the backend here is NCCL on CUDA"),
     ("local_rank", "torchrun gives each process its rank"), ("auto_find_batch_size", "shardtune estimate "
      "--find-batch-size")])

@@ -52,6 +52,25 @@ def test_the_logged_learning_rate_is_the_one_the_step_used(root):
     assert logged == used.lr
 
 
+def test_cosine_with_min_lr_decays_to_its_floor_as_a_trl_recipe_writes_it(root, tmp_path):
+    """lr_scheduler_type cosine_with_min_lr with TRL's lr_scheduler_kwargs {min_lr_rate: 0.1} (it was refused, and
+    its kwargs): 1 warm-up step from 0, then half a cosine from 1e-3 down to 1e-4 over the other 4 steps, each step's
+    rate as the schedule's formula gives it; a DeepSpeed WarmupCosineLR with cos_min_ratio 0.1 runs the same."""
+    import math
+
+    records = run(root, "floor", "--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs",
+                  '{"min_lr_rate": 0.1}', "--max_steps", "5", "--learning_rate", "1e-3", "--warmup_steps", "1")
+    logged = {r["step"]: r["lr"] for r in records if "lr" in r}
+    floor = {1: 0.0, **{k + 1: 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (k - 1) / 4))) for k in range(1, 5)}}
+    assert logged == pytest.approx(floor)
+    assert logged[5] > 1e-4 > 0  # the floor is the rate after the last step, not one a step trained at
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"scheduler": {"type": "WarmupCosineLR", "params": {
+        "warmup_num_steps": 1, "cos_min_ratio": 0.1, "warmup_type": "linear"}}}))
+    records = run(root, "floor-ds", "--deepspeed", str(ds), "--max_steps", "5", "--learning_rate", "1e-3")
+    assert {r["step"]: r["lr"] for r in records if "lr" in r} == pytest.approx(floor)
+
+
 def test_the_last_step_is_evaluated_and_saved_when_steps_do_not_divide_max_steps(root):
     """eval_strategy and save_strategy steps act at every eval_steps / save_steps and at the run's last step, as
     Transformers' Trainer does: max_steps 5 with both every 2 evaluates and saves at 2, 4 and 5. The model a run

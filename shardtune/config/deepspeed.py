@@ -234,8 +234,10 @@ def _scheduler(out: Mapped, block: Any) -> None:
         out.refuse("scheduler", block, "is not run: the types shardtune maps are WarmupLR, WarmupDecayLR and "
                                        "WarmupCosineLR; otherwise remove the block and set lr_scheduler_type")
         return
-    out.values["lr_scheduler_type"] = SCHEDULERS[kind]
-    out.lines.append(f"scheduler.type {block['type']} -> lr_scheduler_type {SCHEDULERS[kind]}")
+    floor = block.get("params", {}).get("cos_min_ratio", 0) if kind == "warmupcosinelr" else 0
+    schedule = SCHEDULERS[kind] if _is_auto(floor) or floor == 0 else "cosine_with_min_lr"  # decays to the floor
+    out.values["lr_scheduler_type"] = schedule
+    out.lines.append(f"scheduler.type {block['type']} -> lr_scheduler_type {schedule}")
     for key, value in block.get("params", {}).items():
         if f"scheduler.params.{key}" in AS_IS:
             out.set(f"scheduler.params.{key}", value, AS_IS[f"scheduler.params.{key}"])
@@ -243,6 +245,8 @@ def _scheduler(out: Mapped, block: Any) -> None:
             out.lines.append("scheduler.params.warmup_type linear: the warm-up shardtune runs")
         elif key in ("warmup_min_lr", "warmup_min_ratio", "cos_min_ratio") and (_is_auto(value) or value == 0):
             out.lines.append(f"scheduler.params.{key} {_show(value)}: warm-up starts, and decay ends, at 0")
+        elif key == "cos_min_ratio" and kind == "warmupcosinelr":  # the cosine's floor, a share of the peak rate
+            out.set("scheduler.params.cos_min_ratio", value, "min_lr_rate")
         elif key == "total_num_steps" and _is_auto(value):
             out.lines.append("scheduler.params.total_num_steps auto -> the run's max_steps")
         else:

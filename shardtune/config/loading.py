@@ -23,7 +23,7 @@ import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
 from shardtune.config.deepspeed import FP16_TUNING, map_accelerate_block, read_deepspeed_file, same_value
-from shardtune.config.keys import parse_bool, shown
+from shardtune.config.keys import shown
 from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, no_op_problem, off
 from shardtune.config.schema import ALIASES, DATASET_PLACEHOLDER, ZERO2_HYBRID, TrainConfig, all_keys
 from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
@@ -352,8 +352,6 @@ UNKNOWN_ELSEWHERE = {
                          "train.jsonl; the splits key names them) or from eval_split_ratio",
     "dataset_kwargs": "it is not read here: the rows' format is found from their columns (data_format sets it)",
     # TrainingArguments: spelling alone offered lr_scheduler_type, optim, dataset_name, save_total_limit, ...
-    "lr_scheduler_kwargs": "the schedules here take no arguments (warm-up from 0, cosine and linear decay to 0); "
-                           "leave it out",
     "optim_args": "the optimizer's settings are keys of their own here (adam_beta1, adam_beta2, adam_epsilon, "
                   "weight_decay); leave it out",
     "data_seed": "seed orders the data here (and seeds LoRA's initialisation and dropout); leave it out",
@@ -466,7 +464,8 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
     - Accelerate's dynamo keys are torch_compile, torch_compile_backend and torch_compile_mode (compile.py).
     - ``warmup_steps`` below 1 is Transformers 5's ratio of the run's steps (its warmup_ratio is gone): warmup_ratio.
       A ratio of logging_steps, save_steps or eval_steps is refused, naming the steps to give instead.
-    - ``gradient_checkpointing_kwargs`` (TRL recipes: ``{use_reentrant: false}``) sets use_reentrant."""
+    - Transformers' argument mappings (``KWARGS``) set the keys their entries name: TRL recipes'
+      ``gradient_checkpointing_kwargs: {use_reentrant: false}`` and ``lr_scheduler_kwargs: {min_lr_rate: 0.1}``."""
     if key in DYNAMO_KEYS:
         return dynamo_values(key, value)
     if key in RATIO_STEP_KEYS:
@@ -480,24 +479,36 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
             return {"warmup_ratio": ratio, "warmup_steps": 0}, []
         return {}, [f"{key}={value}: a fraction of the run's steps (as Transformers 5 reads a value below 1) is not "
                     f"read here; give a number of steps"]
-    if key != "gradient_checkpointing_kwargs":
+    if key not in KWARGS:
         return None
+    read, example = KWARGS[key]
     if isinstance(value, str):  # the command line's '{"use_reentrant": false}', as TRL's parser reads it
         try:
             value = yaml.safe_load(value)
         except yaml.YAMLError:
             pass
     if not isinstance(value, dict):
-        return {}, [f"gradient_checkpointing_kwargs={value!r}: expected a mapping such as {{use_reentrant: false}}"]
-    extra = sorted(set(value) - {"use_reentrant"})
-    refused = [f"gradient_checkpointing_kwargs: {', '.join(extra)} {'is' if len(extra) == 1 else 'are'} not read "
-               f"here (only use_reentrant is); remove {'it' if len(extra) == 1 else 'them'}"] if extra else []
-    if value.get("use_reentrant") is None:
-        return {}, refused
-    try:
-        return {"use_reentrant": parse_bool(value["use_reentrant"])}, refused
-    except ValueError as exc:
-        return {}, [*refused, f"gradient_checkpointing_kwargs: use_reentrant={value['use_reentrant']!r}: {exc}"]
+        return {}, [f"{key}={value!r}: expected a mapping such as {example}"]
+    declared = {d.name: d for d in all_keys()}
+    meant, problems = {}, []
+    for name, setting in value.items():
+        if name not in read:
+            problems.append(f"{key}: {name} is not read here (only {', '.join(read)} is); "
+                            f"{KWARGS_ELSEWHERE.get((key, name), 'remove it')}")
+        elif setting is not None:
+            try:
+                meant[name] = declared[name].coerce(setting)
+            except ValueError as exc:
+                problems.append(f"{key}: {name}={setting!r}: {exc}")
+    return meant, problems
+
+
+# Transformers' and TRL's argument mappings read here: the entries each sets as the key of its name, and an example.
+KWARGS = {"gradient_checkpointing_kwargs": (("use_reentrant",), "{use_reentrant: false}"),
+          "lr_scheduler_kwargs": (("min_lr_rate",), "{min_lr_rate: 0.1}")}
+# What to write instead of an entry not read here.
+KWARGS_ELSEWHERE = {("lr_scheduler_kwargs", "min_lr"): "give min_lr_rate, min_lr / learning_rate",
+                    ("lr_scheduler_kwargs", "num_cycles"): "the cosine here is half a wave (num_cycles 0.5); remove it"}
 
 
 def _alias_problems(values: dict[str, Any], sources: dict[str, Origin]) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from shardtune.config.compile import DYNAMO_KEYS
 from shardtune.config.keys import Declared
+from shardtune.config.loading import KWARGS
 from shardtune.config.no_ops import NO_OPS
 from shardtune.config.schema import ALIASES, all_keys, published_defaults
 from shardtune.config.validation import LORA_INITS
@@ -99,9 +100,10 @@ def recipe_schema() -> dict[str, Any]:
     steps = {k: v for k, v in keys["warmup_steps"].items() if k not in ("type", "minimum")}
     keys["warmup_steps"] = {**steps, "anyOf": [{"type": "integer", "minimum": 0},
                                                {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}]}
-    dynamo["gradient_checkpointing_kwargs"] = {
-        "type": "object", "properties": {"use_reentrant": {"type": "boolean"}}, "additionalProperties": False,
-        "description": "TRL's checkpointing arguments: use_reentrant is read as use_reentrant."}
+    for name, (read, _) in KWARGS.items():
+        dynamo[name] = {"type": "object", "properties": {entry: keys[entry] for entry in read},
+                        "additionalProperties": False,
+                        "description": f"Transformers' {name}: {', '.join(read)} read as the key of its name."}
     fsdp = {name: schema for name, schema in {**keys, **accepted}.items() if name.startswith("fsdp_")}
     blocks = {"fsdp_config": {"type": "object", "properties": fsdp, "additionalProperties": False,
                               "description": "Accelerate's FSDP block: its keys are read as top-level keys."},

@@ -26,7 +26,7 @@ WrapPolicy = Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"]
 StateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
 TorchDtype = Literal["auto", "float32", "bfloat16"]  # float16 is refused: pure fp16 diverges without an fp32 master
-Scheduler = Literal["linear", "cosine", "constant", "constant_with_warmup"]
+Scheduler = Literal["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
 Every = Literal["steps", "epoch", "no"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
 HubStrategy = Literal["end"]  # the final model is uploaded once, after training (train/loop.py push_to_hub)
@@ -73,7 +73,8 @@ PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_ty
 EVAL_STEPS, SAVE_STEPS = "eval_strategy steps", "save_strategy steps"
 EVALUATES = "eval_strategy steps or epoch, or eval_on_start true"
 PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
-WARMS_UP = "lr_scheduler_type linear, cosine or constant_with_warmup"  # Transformers' constant has no warm-up
+WARMS_UP = "lr_scheduler_type linear, cosine, cosine_with_min_lr or constant_with_warmup"  # constant has none
+MIN_LR = "lr_scheduler_type cosine_with_min_lr"
 FSDP_ONLY, SIZE_WRAP = "distributed_type FSDP", "fsdp_auto_wrap_policy SIZE_BASED_WRAP"
 TRANSFORMER_WRAP = "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP under distributed_type FSDP"
 LOGS_STEPS = "logging_strategy steps (or eval_strategy steps without eval_steps)"
@@ -211,7 +212,12 @@ class LoraConfig:
 class OptimConfig:
     learning_rate: float = key(5e-5, "Peak learning rate.", ge=0,
                                deepspeed=("optimizer.params.lr", "scheduler.params.warmup_max_lr"))
-    lr_scheduler_type: Scheduler = key("linear", "The learning-rate schedule after warm-up.")
+    lr_scheduler_type: Scheduler = key("linear", "The learning-rate schedule after warm-up: linear or cosine decay "
+                                                 "to 0, cosine decay to min_lr_rate x learning_rate "
+                                                 "(cosine_with_min_lr), or constant.")
+    min_lr_rate: float | None = key(None, "cosine_with_min_lr (which needs it): the rate the cosine decays to, as a "
+                                          "share of learning_rate; read from Transformers' lr_scheduler_kwargs: "
+                                          "{min_lr_rate: ...} too.", ge=0, le=1, needs=MIN_LR)
     warmup_ratio: float = key(0.0, "Fraction of the steps spent warming up (warmup_steps wins when set).", ge=0, le=1,
                               needs=WARMS_UP)
     warmup_steps: int = key(0, "Steps of linear warm-up. A value below 1 is read as Transformers 5 reads it, a "

@@ -86,8 +86,10 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    """Linear warmup, then linear / cosine decay to zero, or constant (Transformers' ``get_scheduler``)."""
+    """Linear warmup, then linear / cosine decay to zero (or to ``min_lr_rate`` x the rate), or constant
+    (Transformers' ``get_scheduler``)."""
     from transformers import get_scheduler
 
+    floor = {"min_lr_rate": cfg.min_lr_rate} if cfg.lr_scheduler_type == "cosine_with_min_lr" else None
     return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(cfg, total_steps),
-                         num_training_steps=total_steps)
+                         num_training_steps=total_steps, scheduler_specific_kwargs=floor)
