@@ -53,6 +53,17 @@ def test_lora_count_equals_peft_injected_on_meta(name, r, targets):
     assert ours == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_lora_bias_count_of_a_catalog_model_equals_peft_injected_on_meta(bias):
+    """Qwen2.5, the catalog's family with biases (on q, k and v): the shipped table counts the biases PEFT's bias
+    trains, all of them or those of the adapted q_proj and o_proj."""
+    ours = ModelAnalysis("qwen2.5-7b").lora(4, "q_proj,o_proj", bias=bias).total
+    with torch.device("meta"):
+        peft_model = get_peft_model(ModelAnalysis("qwen2.5-7b").model,
+                                    LoraConfig(r=4, target_modules=["q_proj", "o_proj"], bias=bias))
+    assert ours == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+
 def test_unknown_target_module_names_the_real_ones():
     with pytest.raises(UsageError, match="q_proj"):
         ModelAnalysis("tinyllama-1.1b").lora(8, "query,value")

@@ -290,6 +290,44 @@ def test_estimate_of_a_recipe_counts_dora_and_modules_to_save_as_peft_does(root,
     assert trainable == peft_model.get_nb_trainable_parameters()[0]
 
 
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """The tiny Qwen2: biases on q, k and v, none elsewhere."""
+    from shardtune.testing.families import make_family_folder
+
+    return make_family_folder(tmp_path_factory.mktemp("qwen2") / "qwen2", "qwen2")
+
+
+@pytest.mark.parametrize("lora_bias, modules_to_save", [
+    ("none", []), ("all", []), ("lora_only", []),
+    ("all", ["k_proj"]),  # k_proj's copy trains with its bias; its frozen original's bias does not train
+])
+def test_estimate_counts_the_biases_lora_bias_trains_as_peft_does(qwen2, tmp_path, capsys, lora_bias,
+                                                                 modules_to_save):
+    """lora_bias trains the base's biases (all: every one; lora_only: those of adapted layers), each with a
+    gradient and optimizer states: `estimate --config` counts them as PEFT marks them trainable. q_proj and o_proj
+    adapted, so all (q, k and v's biases) and lora_only (q's) differ."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli import main as shardtune_main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({"model_name_or_path": str(qwen2), "dataset_name": "unused.jsonl",
+                                  "use_peft_lora": True, "lora_r": 4, "lora_target_modules": "q_proj,o_proj",
+                                  "lora_bias": lora_bias, "lora_modules_to_save": modules_to_save}))
+    assert shardtune_main(["estimate", "--config", str(recipe), "--json"]) == 0
+
+    def peft_count(bias: str) -> int:
+        config = LoraConfig(r=4, target_modules=["q_proj", "o_proj"], bias=bias,
+                            modules_to_save=modules_to_save or None)
+        return get_peft_model(AutoModelForCausalLM.from_pretrained(qwen2), config).get_nb_trainable_parameters()[0]
+
+    expected = peft_count(lora_bias)
+    assert json.loads(capsys.readouterr().out)["trainable_parameters"] == expected
+    assert (expected != peft_count("none")) == (lora_bias != "none")  # the model has biases the option trains
+
+
 def test_estimate_refuses_modules_to_save_it_cannot_count(root, tmp_path, capsys):
     from shardtune.cli import main as shardtune_main
 

@@ -355,3 +355,23 @@ def test_dora_trace_does_not_wait_on_the_garbage_collector(dora_model):
         gc.enable()
         gc.set_threshold(*threshold)
     assert never == always
+
+
+def test_trained_biases_are_held_as_the_trace_holds_them(tmp_path):
+    """lora_bias all trains Qwen2's q, k and v biases beside rank-1 adapters on q_proj (as many weights again): the
+    trainer holds them in fp32 with AdamW's states, and builds the count the estimator gives. The formula's weights
+    are the trace's to the byte; its optimizer states leave out only AdamW's 4-byte step per tensor."""
+    from shardtune.memory.trace import trace_training_step
+    from shardtune.memory.trace_setup import config_from_setup
+    from shardtune.testing.families import make_family_folder
+
+    model = str(make_family_folder(tmp_path / "qwen2", "qwen2"))
+    setup = checked_setup(method="lora", lora_r=1, lora_target_modules="q_proj", lora_bias="all", max_seq_len=64,
+                          loss="shardtune")
+    traced = trace_training_step(config_from_setup(model, setup), setup.world_size)
+    analysis = ModelAnalysis(model)
+    lora = analysis.lora_of(setup)
+    items = {item.label: item.bytes for item in estimate(analysis.inventory, setup, lora).items}
+    assert traced.trainable_parameters == lora.total
+    assert traced.categories["params"] == items["frozen base + LoRA adapters"]
+    assert items["adamw_torch states"] <= traced.categories["optimizer"] <= items["adamw_torch states"] * 1.02

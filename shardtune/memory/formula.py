@@ -216,32 +216,35 @@ class _Model:
         self.inv, self.setup, self.dt = inv, setup, dt
         self.lora_layer = lora.per_layer if lora else (0,) * inv.num_layers
         self.lora_root = lora.outside_layers if lora else 0
+        # The base's biases that train (lora_bias) are among the trainable weights above: the frozen base less them.
+        self.frozen_layer = [n - (lora.layer_bias(i) if lora else 0) for i, n in enumerate(inv.layer_params)]
+        self.frozen_root = inv.root_params - (lora.bias_outside if lora else 0)
 
     def layer_storage(self, i: int) -> float:
         inv, s, dt = self.inv, self.setup, self.dt
         if s.method == "full":
             return inv.layer_params[i] * dt.master
-        base = inv.layer_params[i] * dt.frozen
+        base = self.frozen_layer[i] * dt.frozen
         if s.method == "qlora":
             linear = inv.layer_linear_params[i]
-            base = (inv.layer_params[i] - linear) * dt.frozen + nf4_bytes(linear, s.nf4_double_quant)
+            base = (self.frozen_layer[i] - linear) * dt.frozen + nf4_bytes(linear, s.nf4_double_quant)
         return base + self.lora_layer[i] * dt.master
 
     def root_storage(self) -> float:
         if self.setup.method == "full":
             return self.inv.root_params * self.dt.master
-        return self.inv.root_params * self.dt.frozen + self.lora_root * self.dt.master
+        return self.frozen_root * self.dt.frozen + self.lora_root * self.dt.master
 
     def layer_gathered(self, i: int) -> float:
         """A layer as FSDP gathers it: everything in compute dtype, NF4 weights as they are stored."""
         inv, s, e = self.inv, self.setup, self.dt.compute
         if s.method == "qlora":
             linear = inv.layer_linear_params[i]
-            return (inv.layer_params[i] - linear + self.lora_layer[i]) * e + nf4_bytes(linear, s.nf4_double_quant)
-        return (inv.layer_params[i] + self.lora_layer[i]) * e
+            return (self.frozen_layer[i] - linear + self.lora_layer[i]) * e + nf4_bytes(linear, s.nf4_double_quant)
+        return (self.frozen_layer[i] + self.lora_layer[i]) * e
 
     def root_gathered(self) -> float:
-        return (self.inv.root_params + self.lora_root) * self.dt.compute
+        return (self.frozen_root + self.lora_root) * self.dt.compute
 
     def head_gathered(self) -> float:
         """The head as its own FSDP unit gathers it (the embeddings when tied)."""

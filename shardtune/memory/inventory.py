@@ -183,7 +183,7 @@ class _CountCache:
             version = importlib.metadata.version("transformers")
         except importlib.metadata.PackageNotFoundError:
             version = "none"
-        blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=3"
+        blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=4"
         self.path = cache_dir() / "counts" / (hashlib.sha256(blob.encode()).hexdigest()[:24] + ".json")
         try:
             self.data = json.loads(self.path.read_text())
@@ -209,7 +209,7 @@ class ModelAnalysis:
         self.name, self.config_dict = load_config_dict(model)
         self.use_packaged = use_packaged
         self._cache = _CountCache(self.config_dict) if use_cache else None
-        self._lora_cache: dict[tuple[int, tuple[str, ...]], LoraCount] = {}
+        self._lora_cache: dict[tuple, LoraCount] = {}
 
     @cached_property
     def config(self):
@@ -329,14 +329,15 @@ class ModelAnalysis:
         return table
 
     def lora(self, r: int, target_modules: str | list[str] | tuple[str, ...], *, dora: bool = False,
-             modules_to_save: tuple[str, ...] = ()) -> LoraCount:
+             modules_to_save: tuple[str, ...] = (), bias: str = "none") -> LoraCount:
         """Trainable parameters of LoRA rank ``r`` on ``target_modules``, matched exactly as PEFT matches them
-        (with DoRA's magnitudes and the trained copies of ``modules_to_save``, see ``count_lora``)."""
+        (with DoRA's magnitudes, the trained copies of ``modules_to_save`` and the biases PEFT's ``bias``
+        trains, see ``count_lora``)."""
         targets = normalize_targets(target_modules)
-        key = (r, targets, dora, tuple(modules_to_save))
+        key = (r, targets, dora, tuple(modules_to_save), bias)
         if key not in self._lora_cache:
             self._lora_cache[key] = count_lora(self.table, r, targets, self.name, dora=dora,
-                                               modules_to_save=tuple(modules_to_save))
+                                               modules_to_save=tuple(modules_to_save), bias=bias)
         return self._lora_cache[key]
 
     def lora_of(self, setup) -> LoraCount | None:
@@ -344,7 +345,7 @@ class ModelAnalysis:
         if not setup.uses_lora:
             return None
         return self.lora(setup.lora_r, setup.lora_target_modules, dora=setup.use_dora,
-                         modules_to_save=setup.lora_modules_to_save)
+                         modules_to_save=setup.lora_modules_to_save, bias=setup.lora_bias)
 
     def linear_module_names(self) -> list[str]:
         """Distinct short names of the linear layers inside a decoder layer (what LoRA can target)."""

@@ -1,10 +1,10 @@
 """LoRA's trainable parameters, counted from a table of the model's adaptable weights by PEFT's own target rules.
 
 The table lists every module and parameter LoRA can wrap, with its shape: ``nn.Linear`` and ``nn.Embedding``
-modules, and (transformers 5) the 3-D expert tensors and router weights of mixture-of-experts layers. It is built
-once from the model on the meta device (``module_table``) and is plain data, so counting needs neither torch nor
-PEFT: the catalog ships it (shardtune/memory/catalog_counts.json), and tests/test_estimate_catalog_data.py checks
-that the counts equal ``get_peft_model`` injected on meta.
+modules, and (transformers 5) the 3-D expert tensors and router weights of mixture-of-experts layers; and every
+bias, which ``lora_bias`` may train. It is built once from the model on the meta device (``module_table``) and is
+plain data, so counting needs neither torch nor PEFT: the catalog ships it (shardtune/memory/catalog_counts.json),
+and tests/test_estimate_catalog_data.py checks that the counts equal ``get_peft_model`` injected on meta.
 
 The rules are PEFT's (peft 0.21):
 - ``all-linear`` is every ``nn.Linear`` except the output head (tuners_utils._maybe_include_all_linear_layers);
@@ -13,7 +13,10 @@ The rules are PEFT's (peft 0.21):
 - transformers 5 fused Mixtral's experts into 3-D tensors; PEFT maps the transformers-4 names onto them
   (utils/transformers_weight_conversion.py, ``_MOE_TARGET_MODULE_MAPPING``): ``w1`` and ``w3`` onto
   ``gate_up_proj`` at rank 2r (both must be targeted), ``w2`` onto ``down_proj``, ``gate`` onto the router's
-  weight, and ``all-linear`` onto all of them. A 3-D tensor of E experts gets A (E*r x in) and B (out x E*r).
+  weight, and ``all-linear`` onto all of them. A 3-D tensor of E experts gets A (E*r x in) and B (out x E*r);
+- ``bias`` (lora_bias) trains base parameters too (tuners_utils._mark_only_adapters_as_trainable): ``all`` every
+  parameter named ``bias`` or ending in ``.bias``, norms' included; ``lora_only`` the ``bias`` of each module that
+  carries an adapter. A module of ``modules_to_save`` trains its copy, bias and all, never its original.
 """
 
 from __future__ import annotations
@@ -41,20 +44,29 @@ class LoraCount:
 
     r: int
     target_modules: tuple[str, ...]
-    per_layer: tuple[int, ...]  # adapters inside each decoder layer
-    outside_layers: int  # adapters on modules outside the decoder stack (e.g. lm_head if targeted)
+    per_layer: tuple[int, ...]  # trained inside each decoder layer: adapters, copies, the base's trained biases
+    outside_layers: int  # trained outside the decoder stack (e.g. lm_head's adapter if targeted)
+    # The base model's own biases that train (lora_bias), counted in per_layer and outside_layers too: they are
+    # held in the trainable dtype instead of the frozen one, and add nothing to the model's parameters.
+    bias_per_layer: tuple[int, ...] = ()
+    bias_outside: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.per_layer) + self.outside_layers
 
+    def layer_bias(self, i: int) -> int:
+        """The base's trained biases in decoder layer ``i``."""
+        return self.bias_per_layer[i] if self.bias_per_layer else 0
+
 
 def module_table(model, layers, model_type: str) -> dict:
     """The adaptable weights of ``model`` (built on meta) as plain data: see the module docstring.
 
-    Rows are ``[name, kind, dim_in, dim_out, experts]`` with kind ``linear``, ``embedding`` or ``param`` (a tensor
-    PEFT wraps as a parameter; a 3-D expert tensor has ``experts`` > 1 and its last two dims). Decoder-layer rows are
-    stored once, relative to the layer, when every layer has the same rows.
+    Rows are ``[name, kind, dim_in, dim_out, experts]`` with kind ``linear``, ``embedding``, ``param`` (a tensor
+    PEFT wraps as a parameter; a 3-D expert tensor has ``experts`` > 1 and its last two dims) or ``bias`` (a
+    parameter PEFT's ``bias`` option trains, named ``bias`` or ``*.bias``: its size is ``dim_in``, ``dim_out`` is
+    1). Decoder-layer rows are stored once, relative to the layer, when every layer has the same rows.
     """
     import torch.nn as nn
 
@@ -75,6 +87,8 @@ def module_table(model, layers, model_type: str) -> dict:
                     experts, d1, d2 = (p.shape[0], p.shape[1], p.shape[2]) if p.dim() == 3 else (1, p.shape[1],
                                                                                                 p.shape[0])
                     rows.append([full, "param", int(d1), int(d2), int(experts)])
+    rows += [[name, "bias", p.numel(), 1, 1] for name, p in model.named_parameters()
+             if name == "bias" or name.endswith(".bias")]
     per_layer: list[list[list]] = [[] for _ in layers]
     outside: list[list] = []
     for row in rows:
@@ -124,20 +138,23 @@ def _matches(full_name: str, kind: str, targets: tuple[str, ...], output_name: s
 
 
 def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *, dora: bool = False,
-               modules_to_save: tuple[str, ...] = ()) -> LoraCount:
+               modules_to_save: tuple[str, ...] = (), bias: str = "none") -> LoraCount:
     """Trainable parameters of LoRA rank ``r`` on ``targets`` for the model described by ``table``.
 
     ``dora``: each adapted linear or embedding also trains a magnitude per output feature (PEFT's
     ``lora_magnitude_vector``). ``modules_to_save``: PEFT trains a full copy of each module whose name ends with
-    one of these (``ModulesToSaveWrapper``), beside the frozen original.
+    one of these (``ModulesToSaveWrapper``), beside the frozen original. ``bias``: PEFT's (none, all, lora_only),
+    which of the base's biases train.
     """
     moe = _moe_targets(table, targets)
     saved = _saved_rows(table, modules_to_save)
 
-    def added(full_name: str, row: list) -> int:
+    def added(full_name: str, row: list, biases: dict[str, int]) -> int:
         _, kind, d_in, d_out, experts = row
+        if kind == "bias":
+            return 0
         if full_name in saved:
-            return d_in * d_out
+            return d_in * d_out + biases.get(full_name, 0)
         if kind == "param":
             times = next((n for t, n in moe.items() if full_name.endswith("." + t)), 0)
             return r * times * experts * (d_in + d_out)
@@ -145,17 +162,33 @@ def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *
             return 0
         return r * (d_in + d_out) + (d_out if dora else 0)
 
+    def scope(rows: list[tuple[str, list]]) -> tuple[int, int]:
+        """(adapters and copies, trained biases) of one decoder layer's rows, or of those outside the layers."""
+        biases = {name.rpartition(".")[0]: row[2] for name, row in rows if row[1] == "bias"}  # by their module
+        adapters, adapted = 0, set()
+        for name, row in rows:
+            count = added(name, row, biases)
+            adapters += count
+            if count and name not in saved:  # the module that holds a wrapped tensor carries its adapter
+                adapted.add(name.rpartition(".")[0] if row[1] == "param" else name)
+        if bias == "all":  # a saved module's original stays frozen; its copy's bias trains with the copy
+            return adapters, sum(n for module, n in biases.items() if module not in saved)
+        if bias == "lora_only":
+            return adapters, sum(biases.get(module, 0) for module in adapted)
+        return adapters, 0
+
     prefix = table["layers_prefix"]
-    per_layer = []
-    for i in range(table["num_layers"]):
-        per_layer.append(sum(added(f"{prefix}{i}.{row[0]}", row) for row in _layer_rows(table, i)))
-    outside = sum(added(row[0], row) for row in table["outside_rows"])
-    if sum(per_layer) + outside == 0:
+    layers = [scope([(f"{prefix}{i}.{row[0]}", row) for row in _layer_rows(table, i)])
+              for i in range(table["num_layers"])]
+    outside = scope([(row[0], row) for row in table["outside_rows"]])
+    if sum(adapters for adapters, _ in layers) + outside[0] == 0:
         raise UsageError(
             f"--lora-target-modules {','.join(targets)} matches no linear layer of {model_name}; "
             f"use all-linear or names such as {', '.join(linear_names(table)[:6])}."
         )
-    return LoraCount(r=r, target_modules=targets, per_layer=tuple(per_layer), outside_layers=outside)
+    return LoraCount(r=r, target_modules=targets, per_layer=tuple(sum(layer) for layer in layers),
+                     outside_layers=sum(outside), bias_per_layer=tuple(trained for _, trained in layers),
+                     bias_outside=outside[1])
 
 
 def _saved_rows(table: dict, modules_to_save: tuple[str, ...]) -> set[str]:
@@ -163,9 +196,9 @@ def _saved_rows(table: dict, modules_to_save: tuple[str, ...]) -> set[str]:
     if not modules_to_save:
         return set()
     prefix = table["layers_prefix"]
-    names = [row[0] for row in table["outside_rows"]]
+    names = [row[0] for row in table["outside_rows"] if row[1] != "bias"]
     for i in range(table["num_layers"]):
-        names += [f"{prefix}{i}.{row[0]}" for row in _layer_rows(table, i)]
+        names += [f"{prefix}{i}.{row[0]}" for row in _layer_rows(table, i) if row[1] != "bias"]
     found = {n for n in names if any(n == m or n.endswith("." + m) for m in modules_to_save)}
     missing = [m for m in modules_to_save if not any(n == m or n.endswith("." + m) for n in found)]
     if missing:

@@ -140,7 +140,8 @@ def render(r: Report, console: Console) -> None:
         gpus += f" ({s.num_nodes} nodes x {s.num_gpus})"
     console.print(f"[bold]{inv.name}[/] ({inv.model_type}): {inv.parameters:,} parameters, "
                   f"{r.trainable_parameters:,} trainable ({s.method}"
-                  + (f", r={s.lora_r} on {s.lora_target_modules}" if s.uses_lora else "") + ")")
+                  + (f", r={s.lora_r} on {s.lora_target_modules}" if s.uses_lora else "")
+                  + (f", lora_bias {s.lora_bias}" if s.uses_lora and s.lora_bias != "none" else "") + ")")
     console.print(f"{gpus} x {r.gpu.label or r.gpu.name} ({r.gpu.memory_bytes / GIB:.1f} GiB), {training_words(s)}")
     defaults = training_words(train_defaults(r.gpu))
     console.print("  (what shardtune train runs with no flags)" if defaults == training_words(s)

@@ -29,7 +29,7 @@ LOSSES = ("shardtune", "full", "full-shifted", "chunked")
 SUMMARY = ("method", "strategy", "sharding_strategy", "offload_params", "num_gpus", "num_nodes", "batch_size",
            "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "activation_offloading",
            "mixed_precision", "pure_bf16", "optimizer", "lora_r", "lora_target_modules", "use_dora",
-           "lora_modules_to_save", "attn_implementation", "nf4_double_quant", "loss", "world_size")
+           "lora_modules_to_save", "lora_bias", "attn_implementation", "nf4_double_quant", "loss", "world_size")
 
 
 def method_keys(method: str) -> dict[str, bool]:
@@ -182,6 +182,11 @@ class Setup:
     def lora_modules_to_save(self) -> tuple[str, ...]:
         """Modules PEFT trains a full copy of."""
         return tuple(self.config.lora.lora_modules_to_save)
+
+    @property
+    def lora_bias(self) -> str:
+        """PEFT's ``bias``: which of the base's biases train (none, all, lora_only)."""
+        return self.config.lora.lora_bias
 
     @property
     def nf4_double_quant(self) -> bool:

@@ -225,7 +225,9 @@ def step_time(inv: ModelInventory, setup: Setup, gpu: Gpu, links: Links, lora: L
     dt = dtypes(setup)
     adapters = lora.total if lora else 0
     model_flops = model_flops_per_token(inv, adapters, setup.seq_len, setup.uses_lora)
-    hw_flops = model_flops + (recompute_flops_per_token(inv, sum(lora.per_layer) if lora else 0, setup.seq_len)
+    # The base's trained biases (lora_bias) are in the layers' own weights already.
+    layer_adapters = sum(lora.per_layer) - sum(lora.bias_per_layer) if lora else 0
+    hw_flops = model_flops + (recompute_flops_per_token(inv, layer_adapters, setup.seq_len)
                               if setup.gradient_checkpointing else 0.0)
     kernels = kernels or kernels_of(setup)
     if links.intra.name in PCIE_X16_BYTES_PER_S:  # peer-to-peer PCIe: its achieved share is fitted
