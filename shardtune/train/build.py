@@ -14,7 +14,8 @@ from torch import nn
 
 from shardtune.config import TrainConfig
 from shardtune.dist import DistInfo
-from shardtune.train.model import (DTYPES, Precision, apply_lora, count_parameters, init_base_model, load_base_model,
+from shardtune.train.model import (DTYPES, Precision, apply_lora, count_parameters, init_base_model,
+                                   keep_4bit_layout_for_training, load_base_model,
                                    resize_for_tokenizer, upcast_embeddings_output)
 from shardtune.train.parallelize import Runner, load_from_rank0, parallelize
 from shardtune.train.plan import Plan
@@ -53,6 +54,8 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
         else:
             model = load_base_model(cfg.model, lora, precision, info.device, load_on=load_device(plan, info),
                                     on_meta=on_meta and not info.is_main)
+            if lora.use_4bit_quantization:
+                keep_4bit_layout_for_training(model)
         added_token_ids = resize_for_tokenizer(model, vocab_size)
         if lora.use_peft_lora:
             model = apply_lora(model, lora, seed=cfg.run.seed, added_token_ids=added_token_ids,

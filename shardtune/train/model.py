@@ -282,6 +282,18 @@ def quantize_linears(model: nn.Module, lora: LoraConfig) -> None:
     model.is_loaded_in_4bit = True  # what from_pretrained sets; PEFT reads it
 
 
+def keep_4bit_layout_for_training(model: nn.Module) -> None:
+    """Stop bitsandbytes repacking a 4-bit layer's weight for its CPU inference kernel the first time the layer
+    runs in eval mode (an evaluation) on a CPU with AVX512-BF16: that kernel has no backward, so every later training
+    step lost the gradient through the 4-bit layers (the adapters below them stopped learning), and under FSDP the
+    gathered weight was rewritten in place, giving a wrong eval_loss and a broken model from there on."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
 
 def resize_for_tokenizer(model: nn.Module, vocab_size: int) -> list[int]:
     """Grow the embeddings when the tokenizer gained tokens (chat template specials, a pad token); the ids of the
