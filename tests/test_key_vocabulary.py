@@ -293,6 +293,7 @@ def test_no_op_keys_load_with_the_values_that_change_nothing(tmp_path):
     cfg = load_train_config(["--config_file", str(acc), *BASE, "--do_train", "true", "--do_eval", "true",
                              "--remove_unused_columns", "false", "--dataloader_num_workers", "4",
                              "--include_num_input_tokens_seen", "true", "--logging_nan_inf_filter", "false",
+                             "--average_tokens_across_devices", "true", "--dataloader_drop_last", "true",
                              "--assistant_only_loss", "true", "--completion_only_loss", "true", "--model_revision",
                              "main"])
     assert (cfg.distributed.distributed_type, cfg.distributed.num_processes) == ("FSDP", 2)
@@ -306,7 +307,7 @@ ACTING = {"compute_environment": "AMAZON_SAGEMAKER", "downcast_bf16": "yes", "tp
           "ipex_config": {"ipex": True}, "mpirun_config": {"mpirun_hostfile": "hosts"},
           "fp8_config": {"backend": "TE"}, "parallelism_config": {"parallelism_config_tp_size": 2},
           "fsdp_offload_optimizer": True, "assistant_only_loss": False, "completion_only_loss": False,
-          "model_revision": "v1.0"}
+          "model_revision": "v1.0", "average_tokens_across_devices": False, "dataloader_drop_last": False}
 
 
 def test_the_values_a_no_op_key_publishes_are_the_ones_it_accepts():

@@ -136,6 +136,15 @@ NO_OPS: dict[str, NoOp] = {
     "dataloader_num_workers": NoOp("speed only: rows are tokenised once, before training, and collated in-process"),
     "include_num_input_tokens_seen": NoOp("metrics.jsonl always records tokens per step"),
     "logging_nan_inf_filter": NoOp("a non-finite loss stops the run with its step, so none is ever averaged in"),
+    "average_tokens_across_devices": NoOp(
+        "Transformers' loss over the target tokens of every process's batch, what shardtune always computes (over "
+        "every micro-batch of every process)", TRUE_OR_UNSET, "remove it: the loss here is always the mean over the "
+        "whole global batch's target tokens, so it does not change with the number of processes"),
+    "dataloader_drop_last": NoOp(
+        "leaving out an incomplete last batch, what shardtune does: each epoch leaves out the rows past its last "
+        "whole global batch (they come back, in another order, next epoch)", TRUE_OR_UNSET,
+        "remove it: every step here trains a whole global batch, whatever the processes; to use every row each "
+        "epoch, make per_device_train_batch_size x gradient_accumulation_steps x processes divide the rows"),
     # Accelerate config files
     "compute_environment": NoOp("where Accelerate runs", _one_of("local_machine"),
                                 "launch on the cluster with shardtune launch (--slurm / --kubernetes)"),
