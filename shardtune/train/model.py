@@ -294,7 +294,6 @@ def keep_4bit_layout_for_training(model: nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-
 def resize_for_tokenizer(model: nn.Module, vocab_size: int) -> list[int]:
     """Grow the embeddings when the tokenizer gained tokens (chat template specials, a pad token); the ids of the
     rows added (their values are drawn at random around the mean of the others)."""
