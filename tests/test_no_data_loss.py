@@ -299,6 +299,19 @@ def test_overwrite_output_dir_deletes_the_earlier_runs_files_and_keeps_the_users
     assert (run / "final" / "adapter_model.safetensors").is_file()
 
 
+def test_overwrite_output_dir_keeps_the_earlier_run_when_the_new_one_is_refused(made, run, tmp_path, capfd):
+    """A run that stops on bad input (data it cannot read, a LoRA target the model lacks) leaves the earlier run as
+    it was: overwrite_output_dir deleted it first, so a typo in the new command cost the old run."""
+    before = snapshot(run)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"body": "a row with no column shardtune reads"}) + "\n")
+    for extra in (("--dataset_name", str(bad)), ("--lora_target_modules", "no_such_proj")):
+        with pytest.raises(UsageError):
+            train_in_process(args(made, run, "--overwrite_output_dir", "true", *extra))
+        assert snapshot(run) == before, extra
+    assert "deleted the earlier run" not in capfd.readouterr().err
+
+
 def test_resume_from_an_older_checkpoint_sets_the_newer_ones_and_final_aside(made, run, capfd):
     later = snapshot(run / "checkpoints" / "step-4", run / "final")
     summary = (run / "summary.json").read_bytes()

@@ -245,7 +245,8 @@ class RunConfig:
     output_dir: str | None = key(None, "Where metrics.jsonl, config.yaml, checkpoints/ and final/ go.")
     overwrite_output_dir: bool = key(False, "A folder holding an earlier run is refused unless resuming; true "
                                             "deletes that run's files (checkpoints/, final/, metrics.jsonl, ...) "
-                                            "first. With resume_from_checkpoint set the resume wins, as in "
+                                            "once the model and data have loaded (a run refused for bad input "
+                                            "leaves them). With resume_from_checkpoint set the resume wins, as in "
                                             "Transformers, and nothing is deleted (said so).")
     seed: int = key(42, "Seeds data order, LoRA initialisation and dropout.", ge=0, le=MAX_SEED)
     num_train_epochs: float = key(1.0, "Epochs to train when max_steps is -1.")

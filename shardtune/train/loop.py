@@ -35,7 +35,8 @@ from shardtune.train.model import decide_precision
 from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes,
                                      progress_bar, start_peak_memory)
 from shardtune.train.layout import RESUME_NEWEST, RESUME_OFF
-from shardtune.train.output_dir import OutputDirLock, claim_output_dir, read_summary, set_aside_newer
+from shardtune.train.output_dir import (OutputDirLock, claim_output_dir, clear_earlier_run, read_summary,
+                                        set_aside_newer)
 from shardtune.train.plan import needs_process_group, unwrap
 from shardtune.train.resume import with_accumulation
 from shardtune.train.step import NonFiniteLoss, train_step
@@ -104,8 +105,8 @@ def train(cfg: TrainConfig, callbacks: Sequence[Any] = (), *,
         try:
             processes = process_table(info)  # who runs where: to name a rank that dies
             named = load_callbacks(cfg.run.callbacks)  # a bad name stops the run before anything is written
-            with output_dir_claimed(cfg, info):  # so does a folder in use, or one holding another run
-                return _train(cfg, info, [*named, *callbacks], stage_bounds, sigterm)
+            with output_dir_claimed(cfg, info) as claim:  # so does a folder in use, or one holding another run
+                return _train(cfg, info, [*named, *callbacks], stage_bounds, sigterm, claim)
         except RuntimeError as exc:
             if not (info.distributed and lost_peer(exc)):
                 raise
@@ -136,7 +137,7 @@ def peer_lost(cfg: TrainConfig, info: DistInfo, processes: list[tuple[str, int]]
 
 
 def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bounds,
-           sigterm: SigtermFlag) -> dict[str, Any]:
+           sigterm: SigtermFlag, claim: OutputDirLock | None) -> dict[str, Any]:
     cfg = decide_precision(cfg, info.device)  # bf16 where the hardware has it, unless the config says; recorded
     resume = resume_point(cfg, info)  # a damaged checkpoint, or a setting it cannot change, stops the run here
     if resume is not None:  # on another number of processes, accumulation keeps the checkpoint's global batch
@@ -163,6 +164,9 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     checkpointer.resume(resume)  # a checkpoint this run cannot continue (its data order, say) stops it here
     start_step = job.state.step  # what this run adds is counted from here
     hooks = CallbackList(callbacks, cfg, job.state)  # a callback that cannot run is refused before any tracker writes
+    # An earlier run this one replaces goes now, when nothing above refused this run, and before a tracker writes.
+    run_and_share(lambda: clear_earlier_run(claim) if claim else None, runs=info.is_main,
+                  what=f"deleting the earlier run in {out}")
     trackers = start_trackers(cfg.run.report_to, out, cfg.run.run_name, cfg.to_flat(), enabled=job.info.is_main,
                               resumed_at=start_step if resuming else 0)
     metrics = MetricsLog(out, job.info, trackers, strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps,
@@ -324,9 +328,10 @@ class Loop:
 
 
 @contextmanager
-def output_dir_claimed(cfg: TrainConfig, info: DistInfo) -> Iterator[None]:
-    """Rank 0 holds ``output_dir``'s lock for the run (``claim_output_dir``); every rank hears of a refusal. A run
-    that stops on bad input leaves no folder it made: an output_dir that did not exist and is empty goes again."""
+def output_dir_claimed(cfg: TrainConfig, info: DistInfo) -> Iterator[OutputDirLock | None]:
+    """Rank 0 holds ``output_dir``'s lock for the run (``claim_output_dir``; yielded there, None on the other ranks);
+    every rank hears of a refusal. A run that stops on bad input leaves no folder it made: an output_dir that did
+    not exist and is empty goes again."""
     held: list[OutputDirLock] = []
     folder = Path(cfg.run.output_dir)
     made = info.is_main and not folder.exists()
@@ -338,7 +343,7 @@ def output_dir_claimed(cfg: TrainConfig, info: DistInfo) -> Iterator[None]:
             raise
         raise UsageError(exc.message) from None  # rank 0 prints it; the others exit 2 with it
     try:
-        yield
+        yield held[0] if held else None
     except UsageError:
         for lock in held:
             lock.release()

@@ -40,6 +40,7 @@ class OutputDirLock:
         self.path = folder / LOCK
         self._fd: int | None = None
         self.restarted = False  # the lock was taken over from an earlier attempt of this torchrun job
+        self.earlier: list[str] = []  # an earlier run's files this run replaces (``clear_earlier_run``)
 
     def acquire(self) -> None:
         """Take the lock, or refuse in one line naming the run that holds it; a dead holder's lock is taken over."""
@@ -81,7 +82,8 @@ def claim_output_dir(cfg) -> OutputDirLock:
     """Rank 0, before anything is written: create ``output_dir``, lock it, and check it holds no other run.
 
     A folder with an earlier run's files is refused unless ``resume_from_checkpoint`` is set (the run carries on
-    from it) or ``overwrite_output_dir`` is true (its files are deleted first, and said so).
+    from it) or ``overwrite_output_dir`` is true: its files are deleted by ``clear_earlier_run``, once nothing can
+    refuse the new run (a typo in its data or targets does not cost the earlier run).
     """
     folder = Path(cfg.run.output_dir)
     if folder.exists() and not folder.is_dir():
@@ -105,24 +107,34 @@ def claim_output_dir(cfg) -> OutputDirLock:
                     f"output_dir {folder} holds an earlier run ({', '.join(earlier)}): set resume_from_checkpoint "
                     f"true to carry on from its newest checkpoint, overwrite_output_dir true to delete it and start "
                     f"afresh, or give another output_dir")
-            superseded = sorted(p.name for p in (folder / "checkpoints").glob(f"{SUPERSEDED}*"))
-            kept = delete_earlier_run(folder)
-            (log.info if lock.restarted else log.warning)(
-                "%s: deleted the earlier run in %s (%s)", "restart" if lock.restarted else "overwrite_output_dir",
-                folder, ", ".join(earlier + [f"checkpoints/{name}" for name in superseded]))
-            if kept:
-                log.warning("kept what the earlier run's manifests and lists do not name: %s%s", ", ".join(kept[:5]),
-                            f" and {len(kept) - 5} more" if len(kept) > 5 else "")
-            # What is left where this run writes (final/, a step folder holding a user's file, or one whose manifest
-            # lists no files, from an older format) goes aside: never taken for this run's, never replaced by it.
-            left = [*sorted(p for p in (folder / "checkpoints").glob("step-*") if p.is_dir()), folder / "final"]
-            if (aside := set_aside(folder, left)) is not None:
-                log.warning("moved what remains of the earlier run's final/ and checkpoints to %s: this run writes "
-                            "its own", aside)
+            lock.earlier = earlier
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+def clear_earlier_run(lock: OutputDirLock) -> None:
+    """Delete the earlier run ``claim_output_dir`` let this one start over (``overwrite_output_dir``, or a restart
+    without resume), and say so; nothing where it found none."""
+    folder, earlier = lock.path.parent, lock.earlier
+    if not earlier:
+        return
+    lock.earlier = []
+    superseded = sorted(p.name for p in (folder / "checkpoints").glob(f"{SUPERSEDED}*"))
+    kept = delete_earlier_run(folder)
+    (log.info if lock.restarted else log.warning)(
+        "%s: deleted the earlier run in %s (%s)", "restart" if lock.restarted else "overwrite_output_dir",
+        folder, ", ".join(earlier + [f"checkpoints/{name}" for name in superseded]))
+    if kept:
+        log.warning("kept what the earlier run's manifests and lists do not name: %s%s", ", ".join(kept[:5]),
+                    f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+    # What is left where this run writes (final/, a step folder holding a user's file, or one whose manifest lists
+    # no files, from an older format) goes aside: never taken for this run's, never replaced by it.
+    left = [*sorted(p for p in (folder / "checkpoints").glob("step-*") if p.is_dir()), folder / "final"]
+    if (aside := set_aside(folder, left)) is not None:
+        log.warning("moved what remains of the earlier run's final/ and checkpoints to %s: this run writes its own",
+                    aside)
 
 
 def delete_earlier_run(folder: Path) -> list[str]:
