@@ -514,6 +514,57 @@ def test_trl_cosine_with_min_lr_and_its_kwargs_are_read_and_what_they_cannot_say
         load_train_config([*BASE, "--lr_scheduler_type", "cosine", "--min_lr_rate", "0.1"])
 
 
+def test_trl_model_init_kwargs_set_the_model_keys_they_name(tmp_path):
+    """TRL's model_init_kwargs (from_pretrained's arguments) was an unknown key ("did you mean
+    'model_name_or_path'?"): its dtype, attn_implementation and trust_remote_code set those keys; what it cannot say
+    here is refused naming what to write."""
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text("model_init_kwargs:\n  dtype: bfloat16\n  attn_implementation: eager\n")
+    cfg = load_train_config([str(recipe), *BASE])
+    assert (cfg.model.torch_dtype, cfg.model.attn_implementation, cfg.model.trust_remote_code) == \
+        ("bfloat16", "eager", False)
+    cfg = load_train_config([*BASE, "--model_init_kwargs", '{"torch_dtype": "float32", "trust_remote_code": true}'])
+    assert (cfg.model.torch_dtype, cfg.model.trust_remote_code) == ("float32", True)
+    for given, refused in (
+            ("{device_map: auto}", "model_init_kwargs: device_map is not read here (only dtype, torch_dtype, "
+                                   "attn_implementation, trust_remote_code is); each process's device follows"),
+            ("{quantization_config: {load_in_4bit: true}}", "give load_in_4bit and the bnb_4bit_* keys"),
+            ("{dtype: bfloat16, torch_dtype: float32}", "torch_dtype='float32' and another name of torch_dtype "
+                                                        "disagree"),
+            ("{dtype: float16}", "torch_dtype=float16: pure fp16 training diverges")):
+        with pytest.raises(UsageError, match=re.escape(refused)):
+            load_train_config([*BASE, "--model_init_kwargs", given])
+
+
+@pytest.mark.parametrize("key, whose", [("tf32", "Transformers' TrainingArguments"),
+                                        ("ddp_bucket_cap_mb", "Transformers' TrainingArguments"),
+                                        ("truncation_mode", "TRL's SFTConfig")])
+def test_another_tools_key_is_not_offered_a_key_spelled_like_it(key, whose, capsys):
+    """tf32 was answered 'see --help-keys', ddp_bucket_cap_mb the same, truncation_mode was offered
+    trust_remote_code: a key of Transformers or TRL with no counterpart here says so instead."""
+    assert main(["train", *BASE, f"--{key}", "1"]) == 2
+    assert f"unknown key '{key}': {whose} key, which has no counterpart here; leave it out" in \
+        capsys.readouterr().err
+
+
+def test_no_training_arguments_key_is_offered_another_keys_spelling():
+    """Every key of the installed Transformers' TrainingArguments is a key here, another name of one, read as
+    a no-op or a mapping, or refused with what to write instead: never with a near spelling of an unrelated key (a
+    new Transformers key shows up here)."""
+    from transformers import TrainingArguments
+
+    offered = {}
+    for field in dataclasses.fields(TrainingArguments):
+        if field.name.startswith("_"):
+            continue
+        try:
+            load_train_config([*BASE, f"--{field.name}", "1"])
+        except UsageError as exc:
+            if "did you mean" in str(exc) or "--help-keys" in str(exc) and "no counterpart" not in str(exc):
+                offered[field.name] = str(exc)
+    assert offered == {}
+
+
 def test_a_recipe_whose_path_holds_an_equals_sign_is_read_as_a_recipe(tmp_path, monkeypatch):
     """sweep/lr=1e-3/recipe.yaml was read as the key 'sweep/lr' ("did you mean 'seed'?"); an existing .yaml file is
     the recipe, and key=value still sets a key."""

@@ -364,6 +364,35 @@ UNKNOWN_ELSEWHERE = {
     "local_rank": "torchrun gives each process its rank (shardtune launch starts them); leave it out",
     "auto_find_batch_size": "shardtune estimate --find-batch-size finds the largest micro-batch that fits; set "
                             "per_device_train_batch_size",
+    "eval_packing": "eval rows are packed here exactly when train rows are (packing); leave it out",
+    "label_smoothing_factor": "the loss here is plain cross-entropy, with no label smoothing; leave it out",
+    "router_aux_loss_coef": "the router's auxiliary loss is not added here (a model whose config sets "
+                            "output_router_logits is refused); leave it out",
+    "activation_checkpointing": "here it is gradient_checkpointing", "use_cache": "training runs without the KV "
+                                                                                  "cache here; leave it out",
+    "fsdp_config": "it is read as a block of a recipe or Accelerate config file (its fsdp_* keys as top-level "
+                   "keys); on the command line give those keys (fsdp_version, fsdp_sharding_strategy, ...)",
+    "accelerator_config": "Accelerate's settings are keys of their own here, named as in its config file; leave it "
+                          "out",
+    "optim_target_modules": "GaLore-style optimizers are not run here (optim names those that are); leave it out",
+    "do_predict": "shardtune train evaluates the loss (eval_strategy) and generates nothing; leave it out",
+    "log_level_replica": "ranks other than 0 log warnings and errors only here; leave it out (log_level sets rank "
+                         "0's)",
+}
+# Transformers' TrainingArguments and TRL's SFTConfig keys (transformers 5.24, TRL 1.16) that are neither keys here
+# nor read through UNKNOWN_ELSEWHERE's advice: whatever key is spelled near them here means something else.
+# tests/test_config.py checks the list against the installed TrainingArguments.
+OTHER_TOOLS_KEYS = {
+    **dict.fromkeys((
+        "activation_checkpointing_kwargs", "batch_eval_metrics", "bf16_full_eval", "dataloader_in_order",
+        "dataloader_multiprocessing_context", "ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph",
+        "enable_jit_checkpoint", "eval_delay", "eval_do_concat_batches", "eval_use_gather_object", "fp16_full_eval",
+        "full_determinism", "hub_always_push", "hub_revision", "ignore_data_skip", "include_for_metrics",
+        "label_names", "length_column_name", "liger_kernel_config", "log_on_each_node", "prediction_loss_only",
+        "project", "restore_callback_states_from_checkpoint", "save_on_each_node", "skip_memory_metrics", "tf32",
+        "torch_empty_cache_steps", "trackio_bucket_id", "trackio_space_id", "trackio_static_space_id",
+        "train_sampling_strategy"), "Transformers' TrainingArguments"),
+    "truncation_mode": "TRL's SFTConfig",
 }
 
 
@@ -426,6 +455,8 @@ def _apply(layers: Layers, *, training: bool,
             elif key not in declared:
                 hint = closest(key, list(declared))
                 did_you_mean = (f"; {UNKNOWN_ELSEWHERE[key]}" if key in UNKNOWN_ELSEWHERE
+                                else f": {OTHER_TOOLS_KEYS[key]} key, which has no counterpart here; leave it out "
+                                     f"('shardtune train --help-keys' lists the keys)" if key in OTHER_TOOLS_KEYS
                                 else f"; did you mean '{hint}'?" if hint else "; see 'shardtune train --help-keys'")
                 problems.append(f"{source}: unknown key '{key}'{did_you_mean}")
             else:
@@ -465,7 +496,8 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
     - ``warmup_steps`` below 1 is Transformers 5's ratio of the run's steps (its warmup_ratio is gone): warmup_ratio.
       A ratio of logging_steps, save_steps or eval_steps is refused, naming the steps to give instead.
     - Transformers' argument mappings (``KWARGS``) set the keys their entries name: TRL recipes'
-      ``gradient_checkpointing_kwargs: {use_reentrant: false}`` and ``lr_scheduler_kwargs: {min_lr_rate: 0.1}``."""
+      ``gradient_checkpointing_kwargs: {use_reentrant: false}``, ``lr_scheduler_kwargs: {min_lr_rate: 0.1}`` and
+      ``model_init_kwargs: {dtype: bfloat16}``."""
     if key in DYNAMO_KEYS:
         return dynamo_values(key, value)
     if key in RATIO_STEP_KEYS:
@@ -496,19 +528,31 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
             problems.append(f"{key}: {name} is not read here (only {', '.join(read)} is); "
                             f"{KWARGS_ELSEWHERE.get((key, name), 'remove it')}")
         elif setting is not None:
+            target = ALIASES.get(name, name)  # model_init_kwargs' dtype is torch_dtype
             try:
-                meant[name] = declared[name].coerce(setting)
+                coerced = declared[target].coerce(setting)
             except ValueError as exc:
                 problems.append(f"{key}: {name}={setting!r}: {exc}")
+                continue
+            if meant.setdefault(target, coerced) != coerced:  # dtype and torch_dtype both
+                problems.append(f"{key}: {name}={setting!r} and another name of {target} disagree; give one")
     return meant, problems
 
 
 # Transformers' and TRL's argument mappings read here: the entries each sets as the key of its name, and an example.
 KWARGS = {"gradient_checkpointing_kwargs": (("use_reentrant",), "{use_reentrant: false}"),
-          "lr_scheduler_kwargs": (("min_lr_rate",), "{min_lr_rate: 0.1}")}
+          "lr_scheduler_kwargs": (("min_lr_rate",), "{min_lr_rate: 0.1}"),
+          # TRL's from_pretrained arguments
+          "model_init_kwargs": (("dtype", "torch_dtype", "attn_implementation", "trust_remote_code"),
+                                "{dtype: bfloat16, attn_implementation: sdpa}")}
 # What to write instead of an entry not read here.
 KWARGS_ELSEWHERE = {("lr_scheduler_kwargs", "min_lr"): "give min_lr_rate, min_lr / learning_rate",
-                    ("lr_scheduler_kwargs", "num_cycles"): "the cosine here is half a wave (num_cycles 0.5); remove it"}
+                    ("lr_scheduler_kwargs", "num_cycles"): "the cosine here is half a wave (num_cycles 0.5); remove it",
+                    ("model_init_kwargs", "device_map"): "each process's device follows from the launch here "
+                                                         "(distributed_type, mp_devices); remove it",
+                    ("model_init_kwargs", "quantization_config"): "give load_in_4bit and the bnb_4bit_* keys",
+                    ("model_init_kwargs", "use_cache"): "training runs without the KV cache here; remove it",
+                    ("model_init_kwargs", "revision"): "give model_revision (see its note)"}
 
 
 def _alias_problems(values: dict[str, Any], sources: dict[str, Origin]) -> list[str]:

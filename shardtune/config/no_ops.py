@@ -134,6 +134,9 @@ NO_OPS: dict[str, NoOp] = {
     "completion_only_loss": NoOp("TRL's loss on the completions only, what shardtune trains unless train_on_prompt "
                                  "is true", TRUE_OR_UNSET, TRAINED_TOKENS, "TRL's loss on the prompt too"),
     "dataloader_num_workers": NoOp("speed only: rows are tokenised once, before training, and collated in-process"),
+    **dict.fromkeys(("dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor"),
+                    NoOp("speed only: batches are collated in-process, with no loader workers, and copied to the "
+                         "device as they are")),
     "include_num_input_tokens_seen": NoOp("metrics.jsonl always records tokens per step"),
     "logging_nan_inf_filter": NoOp("a non-finite loss stops the run with its step, so none is ever averaged in"),
     "average_tokens_across_devices": NoOp(

@@ -101,7 +101,7 @@ def recipe_schema() -> dict[str, Any]:
     keys["warmup_steps"] = {**steps, "anyOf": [{"type": "integer", "minimum": 0},
                                                {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}]}
     for name, (read, _) in KWARGS.items():
-        dynamo[name] = {"type": "object", "properties": {entry: keys[entry] for entry in read},
+        dynamo[name] = {"type": "object", "properties": {entry: keys[ALIASES.get(entry, entry)] for entry in read},
                         "additionalProperties": False,
                         "description": f"Transformers' {name}: {', '.join(read)} read as the key of its name."}
     fsdp = {name: schema for name, schema in {**keys, **accepted}.items() if name.startswith("fsdp_")}

@@ -92,11 +92,11 @@ class ModelConfig:
     attn_implementation: AttnImplementation = key("sdpa", "Attention kernel. flash_attention_2 and 3 need their "
                                                           "package (flash-attn) and a CUDA GPU computing in bf16 or "
                                                           "fp16; use_flash_attn falls back to this one where they "
-                                                          "cannot run.")
+                                                          "cannot run. Also read from TRL's model_init_kwargs.")
     use_flash_attn: bool = key(False, "Use flash_attention_2 when installed and on CUDA; sdpa otherwise, with a "
                                       "warning.")
     trust_remote_code: bool = key(False, "Run a model's own Python code from its folder. Off unless you trust the "
-                                         "model.")
+                                         "model. Also read from TRL's model_init_kwargs.")
     torch_dtype: TorchDtype | None = key(
         None, "TRL's model dtype: auto or float32 (unset) train fp32 weights under mixed precision; bfloat16 trains "
         "pure bf16: weights, gradients and AdamW moments in bf16, no fp32 master (half the optimizer memory), updates "
@@ -104,7 +104,8 @@ class ModelConfig:
         "LoRA the base and the adapters are bf16; with QLoRA the adapters and the unquantised weights are, as in "
         "torchtune's and fsdp_qlora's bf16 QLoRA (PEFT and TRL keep adapters in fp32: leave torch_dtype out for "
         "that). Runs adamw_torch/adamw_torch_fused with every distributed_type; float16 is refused (use fp16 mixed "
-        "precision).", spellings=DTYPE_SPELLINGS, refused={"float16": FLOAT16},
+        "precision). Also read from TRL's model_init_kwargs: {dtype: ...}.",
+        spellings=DTYPE_SPELLINGS, refused={"float16": FLOAT16},
         aliases={"dtype": "Transformers 5's"})
 
     @property
