@@ -6,7 +6,8 @@ import gc
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +19,23 @@ import torch.distributed as dist
 from shardtune.errors import first_line
 
 T = TypeVar("T")
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` set in this process's environment while in here, and what was there put back after: a caller that
+    goes on in this process (a notebook, a test) finds it as it was (``launch``'s workers' variables, a run's
+    ``full_determinism`` settings)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @dataclass(frozen=True)

@@ -536,11 +536,11 @@ def test_trl_model_init_kwargs_set_the_model_keys_they_name(tmp_path):
             load_train_config([*BASE, "--model_init_kwargs", given])
 
 
-@pytest.mark.parametrize("key, whose", [("tf32", "Transformers' TrainingArguments"),
+@pytest.mark.parametrize("key, whose", [("ignore_data_skip", "Transformers' TrainingArguments"),
                                         ("ddp_bucket_cap_mb", "Transformers' TrainingArguments"),
                                         ("truncation_mode", "TRL's SFTConfig")])
 def test_another_tools_key_is_not_offered_a_key_spelled_like_it(key, whose, capsys):
-    """tf32 was answered 'see --help-keys', ddp_bucket_cap_mb the same, truncation_mode was offered
+    """ignore_data_skip was answered 'see --help-keys', ddp_bucket_cap_mb the same, truncation_mode was offered
     trust_remote_code: a key of Transformers or TRL with no counterpart here says so instead."""
     assert main(["train", *BASE, f"--{key}", "1"]) == 2
     assert f"unknown key '{key}': {whose} key, which has no counterpart here; leave it out" in \

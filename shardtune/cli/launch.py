@@ -207,22 +207,6 @@ def first_failure(failures: dict) -> tuple[int, Any]:
     return rank, failure
 
 
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """The workers' environment, set in this process while the agent starts them and put back after: a caller that
-    goes on in this process (a notebook, a test) must not run its own ``train`` as a worker of a launcher that has
-    ended (``die_with_launcher`` would kill it)."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
 
 # How long the launcher waits, after a SIGTERM, for its workers to finish their step and save; the scheduler's own
 # grace (Slurm's --signal=TERM@S, Kubernetes' terminationGracePeriodSeconds) is what really bounds it.
@@ -302,6 +286,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
+    from shardtune.dist import environment
     from shardtune.errors import EXIT_PREEMPTED
 
     args = get_args_parser().parse_args(torchrun_args)
@@ -318,7 +303,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
                STOP_REPORT: report, LAUNCHER_PID: str(os.getpid())}
     try:
-        with _sigterm_waits_for_the_save(args) as agent, _environment(workers | agent):
+        with _sigterm_waits_for_the_save(args) as agent, environment(workers | agent):
             torchrun(args)
     except ChildFailedError as exc:
         rank, failure = first_failure(exc.failures)

@@ -250,6 +250,14 @@ class RunConfig:
                                             "leaves them). With resume_from_checkpoint set the resume wins, as in "
                                             "Transformers, and nothing is deleted (said so).")
     seed: int = key(42, "Seeds data order, LoRA initialisation and dropout.", ge=0, le=MAX_SEED)
+    full_determinism: bool = key(False, "Transformers' full determinism: PyTorch's deterministic algorithms only (an "
+                                        "operation that has none stops the run naming it), cuBLAS's deterministic "
+                                        "workspace and flash-attn's deterministic backward; repeated runs on one GPU "
+                                        "then match exactly, at some speed. On the CPU runs already repeat exactly.")
+    tf32: bool | None = key(None, "TensorFloat-32 for fp32 matmuls on NVIDIA Ampere and newer GPUs (faster, 10-bit "
+                                  "mantissa): true or false sets it for the run, unset leaves PyTorch's setting (off). "
+                                  "Matters where fp32 matmuls run: fp32 training, and the fp32 parts of mixed "
+                                  "precision. true needs such a GPU.")
     num_train_epochs: float = key(1.0, "Epochs to train when max_steps is -1.")
     max_steps: int = key(-1, "Optimizer steps to train; -1 trains num_train_epochs.")
     per_device_train_batch_size: int = key(8, "Rows per micro-batch per process.", ge=1,

@@ -391,7 +391,7 @@ def device_problems(cfg: TrainConfig) -> list[Problem]:
     bitsandbytes that QLoRA or the optimizer needs and that does not import, and a paged optimizer without CUDA,
     which bitsandbytes would silently run unpaged."""
     name = cfg.optim.optim
-    problems = bitsandbytes_problems(cfg)
+    problems = bitsandbytes_problems(cfg) + tf32_problems(cfg)
     if problems or name not in OPTIMIZERS or not OPTIMIZERS[name].needs_cuda:
         return problems
     import torch  # only asked for a paged optimizer: the other checks need no torch
@@ -400,6 +400,22 @@ def device_problems(cfg: TrainConfig) -> list[Problem]:
         return []
     return [Problem("optim", f"optim={name} pages its state through CUDA unified memory, and no CUDA GPU is visible; "
                              f"use optim {non_cuda_alternative(name)} (the same optimizer, not paged)")]
+
+
+def tf32_problems(cfg: TrainConfig) -> list[Problem]:
+    """tf32 true where no GPU has TensorFloat-32 (NVIDIA Ampere, compute capability 8.0, and newer), as
+    Transformers refuses it."""
+    if not cfg.run.tf32:
+        return []
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0):
+        return []
+    has = (f"this job's GPU, {torch.cuda.get_device_name()}, is compute capability "
+           f"{'.'.join(map(str, torch.cuda.get_device_capability()))}" if torch.cuda.is_available()
+           else "this job has no CUDA GPU")
+    return [Problem("tf32", f"tf32 true needs an NVIDIA GPU of the Ampere generation or newer (compute capability "
+                            f"8.0+), and {has}; leave tf32 out")]
 
 
 FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3"}

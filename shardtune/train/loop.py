@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from shardtune.config import TrainConfig, save_resolved
-from shardtune.dist import (DistInfo, RankFailed, all_reduce_sum, ended_ranks, init_distributed, lost_peer,
+from shardtune.dist import (DistInfo, RankFailed, all_reduce_sum, ended_ranks, environment, init_distributed, lost_peer,
                             process_table, run_and_share, shutdown)
 from shardtune.errors import PeerLost, Terminated, TrainingStopped, UsageError, first_line
 from shardtune.files import write_text
@@ -51,6 +51,36 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+# full_determinism's environment, as Transformers' enable_full_determinism sets it (less CUDA_LAUNCH_BLOCKING, which
+# serialises every kernel launch and adds nothing to determinism): cuBLAS's fixed workspace, which
+# torch.use_deterministic_algorithms needs for CUDA matmuls, and flash-attn's deterministic backward.
+DETERMINISM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "FLASH_ATTENTION_DETERMINISTIC": "1"}
+NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"  # PyTorch's refusal of such an operation
+
+
+@contextmanager
+def numerics(cfg: TrainConfig) -> Iterator[None]:
+    """The run under ``full_determinism`` and ``tf32``, as Transformers' TrainingArguments set them; PyTorch's
+    settings and the environment are put back afterwards (a run started from Python leaves its process as it found
+    it). tf32 goes through set_float32_matmul_precision, the setting torch.compile's inductor reads."""
+    algorithms = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    precision = torch.get_float32_matmul_precision() if cfg.run.tf32 is not None else None
+    try:
+        with environment(DETERMINISM_ENV if cfg.run.full_determinism else {}):
+            if cfg.run.full_determinism:
+                torch.use_deterministic_algorithms(True)
+                torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+            if cfg.run.tf32 is not None:
+                torch.set_float32_matmul_precision("high" if cfg.run.tf32 else "highest")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+        if precision is not None:
+            torch.set_float32_matmul_precision(precision)
 
 
 def setup_logging(level: str, info: DistInfo) -> None:
@@ -99,20 +129,24 @@ def train(cfg: TrainConfig, callbacks: Sequence[Any] = (), *,
     """
     sigterm = SigtermFlag()
     try:
-        info = init_distributed(cfg.run.ddp_timeout, group_for_one=needs_process_group(cfg.distributed))
-        setup_logging(cfg.run.log_level, info)
-        processes: list[tuple[str, int]] = []
-        try:
-            processes = process_table(info)  # who runs where: to name a rank that dies
-            named = load_callbacks(cfg.run.callbacks)  # a bad name stops the run before anything is written
-            with output_dir_claimed(cfg, info) as claim:  # so does a folder in use, or one holding another run
-                return _train(cfg, info, [*named, *callbacks], stage_bounds, sigterm, claim)
-        except RuntimeError as exc:
-            if not (info.distributed and lost_peer(exc)):
-                raise
-            raise peer_lost(cfg, info, processes) from None  # one line, not the backend's traceback
-        finally:
-            shutdown()
+        with numerics(cfg):  # before CUDA starts: cuBLAS reads its workspace setting once
+            info = init_distributed(cfg.run.ddp_timeout, group_for_one=needs_process_group(cfg.distributed))
+            setup_logging(cfg.run.log_level, info)
+            processes: list[tuple[str, int]] = []
+            try:
+                processes = process_table(info)  # who runs where: to name a rank that dies
+                named = load_callbacks(cfg.run.callbacks)  # a bad name stops the run before anything is written
+                with output_dir_claimed(cfg, info) as claim:  # so does a folder in use, or one holding another run
+                    return _train(cfg, info, [*named, *callbacks], stage_bounds, sigterm, claim)
+            except RuntimeError as exc:
+                if cfg.run.full_determinism and NO_DETERMINISTIC_KERNEL in str(exc):
+                    raise TrainingStopped(f"full_determinism true: {first_line(str(exc)).split(', but')[0]}; leave "
+                                          f"full_determinism out, or avoid that operation") from exc
+                if not (info.distributed and lost_peer(exc)):
+                    raise
+                raise peer_lost(cfg, info, processes) from None  # one line, not the backend's traceback
+            finally:
+                shutdown()
     finally:
         sigterm.restore()
 
