@@ -213,7 +213,7 @@ def test_push_to_hub_uploads_final_and_only_warns_when_the_hub_fails(tmp_path, m
 
     cfg = config("--push_to_hub", "--hub_model_id", "me/tuned", "--hub_token", "hf_secret",
                  "--hub_private_repo", "true")
-    push_to_hub(cfg, str(final))
+    assert push_to_hub(cfg, str(final)) == {"hub_model_id": "me/tuned"}  # summary.json records it
     assert calls == [("token", "hf_secret"), ("create", "me/tuned", True, True), ("upload", "me/tuned", str(final))]
     calls.clear()
     # Without hub_model_id the repository is named after the output folder; nothing happens unless asked.
@@ -229,8 +229,11 @@ def test_push_to_hub_uploads_final_and_only_warns_when_the_hub_fails(tmp_path, m
 
     monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
     with caplog.at_level("WARNING", logger="shardtune"):
-        push_to_hub(cfg, str(final))  # the run succeeded: a failed upload is a warning, not an error
+        # the run succeeded: a failed upload is a warning, not an error, which says how to upload it later, and
+        # summary.json says it failed
+        assert push_to_hub(cfg, str(final)) == {"push_to_hub_failed": "me/tuned: Name or service not known"}
     assert "could not upload" in caplog.text and "Name or service not known" in caplog.text
+    assert f"upload it once the hub is reachable with 'hf upload me/tuned {final}'" in caplog.text
     assert "more detail" not in caplog.text
 
 

@@ -350,7 +350,10 @@ class RunConfig:
                                     "measured one (the environment variable SHARDTUNE_PREDICT_MEMORY=0 turns the "
                                     "default off).",
                                factory=lambda: os.environ.get("SHARDTUNE_PREDICT_MEMORY", "1") != "0")
-    push_to_hub: bool = key(False, HUB)
+    push_to_hub: bool = key(False, "Upload final/ to hub_model_id (or the output folder's name) at the end. A "
+                                   "failed upload (no network, no token) leaves the run finished (exit 0), says how "
+                                   "to upload it later, and is recorded in summary.json (push_to_hub_failed; "
+                                   "hub_model_id where it was uploaded).")
     hub_model_id: str | None = key(None, HUB, needs=PUSH)
     hub_token: str | None = key(None, HUB, secret=True, needs=PUSH)
     hub_private_repo: bool | None = key(False, HUB, needs=PUSH)

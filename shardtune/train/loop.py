@@ -235,8 +235,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
             summary["best_model_checkpoint"] = str(best)
         summary["final"] = export_final(job, checkpointer)
     if job.info.is_main:
+        summary.update(push_to_hub(cfg, summary.get("final")))
         write_text(out / "summary.json", json.dumps(summary, indent=1))
-        push_to_hub(cfg, summary.get("final"))
         log_summary(summary, cfg)
     return summary
 
@@ -477,10 +477,11 @@ def compile_summary(job: Job) -> dict[str, Any] | None:
     return report.summary()
 
 
-def push_to_hub(cfg: TrainConfig, folder: str | None) -> None:
-    """``push_to_hub``: upload ``final/`` to ``hub_model_id``; where the hub cannot be reached, a warning."""
+def push_to_hub(cfg: TrainConfig, folder: str | None) -> dict[str, str]:
+    """``push_to_hub``: upload ``final/`` to ``hub_model_id``; where the hub cannot be reached, a warning saying how
+    to upload it later. What summary.json records of it: the repository, or why the upload failed."""
     if not cfg.run.push_to_hub or not folder:
-        return
+        return {}
     repo_id = cfg.run.hub_model_id or Path(cfg.run.output_dir).resolve().name
     try:
         from huggingface_hub import HfApi
@@ -489,10 +490,12 @@ def push_to_hub(cfg: TrainConfig, folder: str | None) -> None:
         api.create_repo(repo_id, private=bool(cfg.run.hub_private_repo), exist_ok=True)
         api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message="shardtune: final model")
         log.info("pushed %s to the hub as %s", folder, repo_id)
+        return {"hub_model_id": repo_id}
     except Exception as exc:  # noqa: BLE001 - the run succeeded; the upload is best effort, said loudly
         first = first_line(str(exc), type(exc).__name__)
-        log.warning("push_to_hub: could not upload %s to %s (%s); the model is saved locally", folder, repo_id,
-                    first)
+        log.warning("push_to_hub: could not upload %s to %s (%s); the model is saved locally: upload it once the hub "
+                    "is reachable with 'hf upload %s %s'", folder, repo_id, first, repo_id, folder)
+        return {"push_to_hub_failed": f"{repo_id}: {first}"}
 
 
 def log_summary(summary: dict[str, Any], cfg: TrainConfig) -> None:
