@@ -446,3 +446,17 @@ def test_a_work_dir_holding_an_earlier_bench_is_refused_before_any_setup(tmp_pat
             f"(nothing in it is deleted)") in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "work").iterdir()] == ["FSDP"]
     assert (earlier / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+
+
+@pytest.mark.parametrize("given, says", [
+    (["--num_processes", "0"], "--num_processes 0: give 1 or more"),
+    (["--steps", "1"], "--steps 1 --warmup_steps 1: the figures come from the steps after the warm-up ones"),
+    (["--warmup_steps", "-1"], "--steps 6 --warmup_steps -1: the figures come from the steps after the warm-up"),
+])
+def test_bad_step_and_process_counts_are_named(given, says, tmp_path, capsys):
+    """The three numbers were answered by one message naming all of them, and a negative --warmup_steps was taken
+    (its figures then counted from the end of the run)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: m\ndataset_name: d.jsonl\n")
+    assert shardtune_main(["bench", "strategies", str(recipe), *given]) == 2
+    assert says in capsys.readouterr().err

@@ -69,8 +69,12 @@ def main(args: argparse.Namespace) -> int:
     )
 
     strategies = parse_strategies(args.strategies)
-    if args.num_processes < 1 or args.steps <= args.warmup_steps:
-        raise UsageError("--num_processes must be at least 1 and --steps larger than --warmup_steps")
+    if args.num_processes < 1:
+        raise UsageError(f"--num_processes {args.num_processes}: give 1 or more (default 2)")
+    if args.warmup_steps < 0 or args.steps <= args.warmup_steps:
+        raise UsageError(f"--steps {args.steps} --warmup_steps {args.warmup_steps}: the figures come from the steps "
+                         f"after the warm-up ones, so give --warmup_steps 0 or more and --steps above it (defaults 6 "
+                         f"and 1)")
     if not Path(args.config).is_file():
         raise UsageError(f"CONFIG {args.config}: no such file; give a training YAML recipe")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
