@@ -442,3 +442,41 @@ def test_peft_refusing_a_target_module_is_one_readable_line():
     said = str(refused.value)
     assert "\n" not in said and "Target module MixtralExperts( (act_fn): SiLUActivation() ) is not supported" in said
     assert said.endswith("use all-linear, names of the model's linear layers (e.g. q_proj,v_proj) or re:<regex>")
+
+
+def test_mixtral_transformers_4_expert_names_train_and_dora_on_them_is_refused_as_estimate_refuses_it(tmp_path):
+    """A Mixtral recipe's q_proj,v_proj,w1,w2,w3 (the transformers-4 names PEFT maps onto the fused expert
+    tensors, as estimate counts them) was refused by train ("no module of the model is named w1, w2, w3"); it now
+    adapts what PEFT adapts, the count estimate gives. DoRA on those tensors, which PEFT cannot do, was counted by
+    estimate and refused by train with PEFT's words and a fix to "use all-linear": both now refuse it alike."""
+    import transformers
+    from peft import get_peft_model
+    from peft import LoraConfig as PeftLoraConfig
+
+    from shardtune.config.schema import LoraConfig
+    from shardtune.errors import UsageError
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.testing.families import family_config
+    from shardtune.testing.tiny import make_tokenizer
+    from shardtune.train.model import apply_lora
+
+    config = family_config("mixtral", make_tokenizer())
+    targets = ["q_proj", "v_proj", "w1", "w2", "w3"]
+    fresh = transformers.AutoModelForCausalLM.from_config
+    adapted = apply_lora(fresh(config), LoraConfig(lora_target_modules=",".join(targets), lora_r=4), seed=0)
+    trained = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    peft_model = get_peft_model(fresh(config), PeftLoraConfig(r=4, target_modules=targets))
+    assert trained == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    config.save_pretrained(tmp_path)
+    estimate = ModelAnalysis(str(tmp_path))
+    assert estimate.lora(4, targets).total == trained
+    for given in ("all-linear", "q_proj,w2"):
+        with pytest.raises(UsageError) as by_train:
+            apply_lora(fresh(config), LoraConfig(lora_target_modules=given, use_dora=True), seed=0)
+        with pytest.raises(UsageError) as by_estimate:
+            estimate.lora(8, given, dora=True)
+        assert str(by_train.value) == str(by_estimate.value)
+        assert str(by_train.value).startswith(f"use_dora with lora_target_modules {given}: PEFT's DoRA cannot adapt "
+                                              f"mixtral's mixture-of-experts weights")
+    with pytest.raises(ValueError, match="ParamWrapper does not work with use_dora"):  # PEFT's own refusal
+        get_peft_model(fresh(config), PeftLoraConfig(r=4, target_modules=["w2"], use_dora=True))

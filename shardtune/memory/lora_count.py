@@ -127,6 +127,21 @@ def _moe_targets(table: dict, targets: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
+def moe_dora_problem(model_type: str | None, targets: tuple[str, ...] | str) -> str | None:
+    """use_dora on targets that reach a mixture-of-experts weight transformers 5 stores as a 3-D tensor (all-linear,
+    or a transformers-4 name such as Mixtral's w1): PEFT adapts those through its ParamWrapper, which has no DoRA.
+    The refusal both ``estimate`` and ``train`` give; None where DoRA can run."""
+    mapping = MOE_TARGETS.get(model_type or "", {})
+    names = (targets,) if isinstance(targets, str) else tuple(targets)
+    reached = sorted(set(mapping) if names == ("all-linear",) else {t for t in names if t in mapping})
+    if not reached:
+        return None
+    return (f"use_dora with lora_target_modules {','.join(names)}: PEFT's DoRA cannot adapt {model_type}'s "
+            f"mixture-of-experts weights, which transformers 5 holds as parameters, not linear layers "
+            f"({', '.join(reached)}); name the other linear layers (e.g. q_proj,k_proj,v_proj,o_proj) or leave "
+            f"use_dora out")
+
+
 def _matches(full_name: str, kind: str, targets: tuple[str, ...], output_name: str | None) -> bool:
     if targets == ("all-linear",):
         return kind == "linear" and full_name != output_name
@@ -146,6 +161,8 @@ def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *
     one of these (``ModulesToSaveWrapper``), beside the frozen original. ``bias``: PEFT's (none, all, lora_only),
     which of the base's biases train.
     """
+    if dora and (problem := moe_dora_problem(table["model_type"], targets)):
+        raise UsageError(problem)
     moe = _moe_targets(table, targets)
     saved = _saved_rows(table, modules_to_save)
 
