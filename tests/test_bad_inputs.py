@@ -480,3 +480,33 @@ def test_mixtral_transformers_4_expert_names_train_and_dora_on_them_is_refused_a
                                               f"mixtral's mixture-of-experts weights")
     with pytest.raises(ValueError, match="ParamWrapper does not work with use_dora"):  # PEFT's own refusal
         get_peft_model(fresh(config), PeftLoraConfig(r=4, target_modules=["w2"], use_dora=True))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_qwen_moe_targets_are_counted_and_trained_as_peft_adapts_them(model_type, tmp_path):
+    """PEFT maps the transformers-4 expert names onto qwen3_moe's (and olmoe's, glm4_moe's, ...) fused expert tensors,
+    not qwen2_moe's (transformers' conversion map gives qwen2_moe itself no pattern). estimate applied the mapping by
+    the model type: qwen3_moe's all-linear was counted without its experts (3,584 where PEFT trains 15,392) and its
+    gate_proj,up_proj,down_proj refused, as train refused them; qwen2_moe's experts were counted where PEFT adapts
+    none (18,984 for 7,176)."""
+    import transformers
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from shardtune.config.schema import LoraConfig
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.train.model import apply_lora
+
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    config = (transformers.Qwen3MoeConfig(**shape, head_dim=16) if model_type == "qwen3_moe" else
+              transformers.Qwen2MoeConfig(**shape, shared_expert_intermediate_size=64))
+    config.save_pretrained(tmp_path)
+    fresh = transformers.AutoModelForCausalLM.from_config
+    for targets in ("all-linear", "gate_proj,up_proj,down_proj"):
+        peft_targets = targets if targets == "all-linear" else targets.split(",")
+        peft_model = get_peft_model(fresh(config), PeftLoraConfig(r=4, target_modules=peft_targets))
+        by_peft = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        assert ModelAnalysis(str(tmp_path), use_cache=False).lora(4, targets).total == by_peft, targets
+        adapted = apply_lora(fresh(config), LoraConfig(lora_target_modules=targets, lora_r=4), seed=0)
+        assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == by_peft, targets

@@ -183,7 +183,7 @@ class _CountCache:
             version = importlib.metadata.version("transformers")
         except importlib.metadata.PackageNotFoundError:
             version = "none"
-        blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=4"
+        blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=5"
         self.path = cache_dir() / "counts" / (hashlib.sha256(blob.encode()).hexdigest()[:24] + ".json")
         try:
             self.data = json.loads(self.path.read_text())

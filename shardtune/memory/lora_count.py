@@ -13,7 +13,8 @@ The rules are PEFT's (peft 0.21):
 - transformers 5 fused Mixtral's experts into 3-D tensors; PEFT maps the transformers-4 names onto them
   (utils/transformers_weight_conversion.py, ``_MOE_TARGET_MODULE_MAPPING``): ``w1`` and ``w3`` onto
   ``gate_up_proj`` at rank 2r (both must be targeted), ``w2`` onto ``down_proj``, ``gate`` onto the router's
-  weight, and ``all-linear`` onto all of them. A 3-D tensor of E experts gets A (E*r x in) and B (out x E*r);
+  weight, and ``all-linear`` onto all of them; the same for the model types transformers converts by qwen2_moe's
+  names (qwen3_moe, olmoe, ...: ``moe_family``). A 3-D tensor of E experts gets A (E*r x in) and B (out x E*r);
 - ``bias`` (lora_bias) trains base parameters too (tuners_utils._mark_only_adapters_as_trainable): ``all`` every
   parameter named ``bias`` or ending in ``.bias``, norms' included; ``lora_only`` the ``bias`` of each module that
   carries an adapter. A module of ``modules_to_save`` trains its copy, bias and all, never its original.
@@ -36,6 +37,23 @@ MOE_FUSED: dict[str, dict[str, tuple[str, ...]]] = {
     "mixtral": {"gate_up_proj": ("w1", "w3")},
     "qwen2_moe": {"gate_up_proj": ("gate_proj", "up_proj")},
 }
+
+
+def moe_family(model_type: str | None) -> str | None:
+    """The MOE_TARGETS entry PEFT converts ``model_type``'s targets by, or None: PEFT (utils/
+    transformers_weight_conversion.py) converts a model type transformers has a checkpoint conversion for, by the
+    pattern transformers' conversion map gives it (which PEFT extends with Mixtral). So qwen3_moe, olmoe, glm4_moe
+    and others go by qwen2_moe's names, while qwen2_moe itself, which the map gives no pattern, is not converted.
+    Read from the installed packages; without them, Mixtral alone."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return "mixtral" if model_type == "mixtral" else None
+    if not model_type or get_checkpoint_conversion_mapping(model_type) is None:
+        return None
+    family = _MODEL_TO_CONVERSION_PATTERN.get(model_type)
+    return family if family in MOE_TARGETS else None
 
 
 @dataclass(frozen=True)
@@ -73,7 +91,8 @@ def module_table(model, layers, model_type: str) -> dict:
     prefix = next(name for name, module in model.named_modules() if module is layers) + "."
     output = model.get_output_embeddings()
     output_name = next((n for n, m in model.named_modules() if m is output), None) if output is not None else None
-    moe_params = set(MOE_TARGETS.get(model_type, {}).values())
+    family = moe_family(model_type)
+    moe_params = set(MOE_TARGETS.get(family, {}).values())
     rows: list[list] = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
@@ -99,7 +118,7 @@ def module_table(model, layers, model_type: str) -> dict:
             outside.append(row)
     uniform = all(r == per_layer[0] for r in per_layer)
     return {"layers_prefix": prefix, "num_layers": len(layers), "output_name": output_name,
-            "model_type": model_type, "outside_rows": outside,
+            "model_type": model_type, "moe_family": family, "outside_rows": outside,
             "layer_rows": per_layer[0] if uniform else per_layer, "uniform": uniform}
 
 
@@ -109,14 +128,14 @@ def _layer_rows(table: dict, i: int) -> list[list]:
 
 def _moe_targets(table: dict, targets: tuple[str, ...]) -> dict[str, int]:
     """PEFT's MoE remapping: parameter short name -> rank multiplier, for the targets that name MoE weights."""
-    mapping = MOE_TARGETS.get(table["model_type"], {})
+    mapping = MOE_TARGETS.get(table["moe_family"], {})
     if not mapping:
         return {}
     named = set(mapping) if targets == ("all-linear",) else {t for t in targets if t in mapping}
     out: dict[str, int] = {}
     for old in named:
         out[mapping[old]] = 1
-    for fused, members in MOE_FUSED.get(table["model_type"], {}).items():
+    for fused, members in MOE_FUSED.get(table["moe_family"], {}).items():
         present = [m for m in members if m in named]
         if 0 < len(present) < len(members):
             raise UsageError(f"--lora-target-modules names {', '.join(present)} but not "
@@ -127,11 +146,11 @@ def _moe_targets(table: dict, targets: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
-def moe_dora_problem(model_type: str | None, targets: tuple[str, ...] | str) -> str | None:
+def moe_dora_problem(model_type: str | None, family: str | None, targets: tuple[str, ...] | str) -> str | None:
     """use_dora on targets that reach a mixture-of-experts weight transformers 5 stores as a 3-D tensor (all-linear,
     or a transformers-4 name such as Mixtral's w1): PEFT adapts those through its ParamWrapper, which has no DoRA.
     The refusal both ``estimate`` and ``train`` give; None where DoRA can run."""
-    mapping = MOE_TARGETS.get(model_type or "", {})
+    mapping = MOE_TARGETS.get(family or "", {})
     names = (targets,) if isinstance(targets, str) else tuple(targets)
     reached = sorted(set(mapping) if names == ("all-linear",) else {t for t in names if t in mapping})
     if not reached:
@@ -161,7 +180,7 @@ def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *
     one of these (``ModulesToSaveWrapper``), beside the frozen original. ``bias``: PEFT's (none, all, lora_only),
     which of the base's biases train.
     """
-    if dora and (problem := moe_dora_problem(table["model_type"], targets)):
+    if dora and (problem := moe_dora_problem(table["model_type"], table["moe_family"], targets)):
         raise UsageError(problem)
     moe = _moe_targets(table, targets)
     saved = _saved_rows(table, modules_to_save)

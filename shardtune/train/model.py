@@ -18,7 +18,7 @@ from torch import nn
 
 from shardtune.config import LoraConfig, ModelConfig, TrainConfig
 from shardtune.errors import UsageError, closest
-from shardtune.memory.lora_count import MOE_TARGETS, moe_dora_problem
+from shardtune.memory.lora_count import MOE_TARGETS, moe_dora_problem, moe_family
 
 log = logging.getLogger("shardtune")
 
@@ -388,7 +388,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids
                                  "re:<regex>")):
             _refuse_unmatched(model, key, names, fix)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if lora.use_dora and (problem := moe_dora_problem(model_type, targets)):
+        if lora.use_dora and (problem := moe_dora_problem(model_type, moe_family(model_type), targets)):
             raise UsageError(problem)
     peft_config = peft_lora_config(lora, added_token_targets(model, added_token_ids or [], lora))
     if mutates_base(lora) and next(model.parameters()).is_meta:
@@ -428,7 +428,7 @@ def _refuse_unmatched(model: nn.Module, key: str, names: list[str], fix: str) ->
     else:
         # A transformers-4 name of a mixture-of-experts weight that transformers 5 fused into a 3-D tensor (Mixtral's
         # w1, w2, w3): PEFT adapts the tensor it became (lora_count.MOE_TARGETS).
-        fused = MOE_TARGETS.get(getattr(getattr(model, "config", None), "model_type", None), {})
+        fused = MOE_TARGETS.get(moe_family(getattr(getattr(model, "config", None), "model_type", None)), {})
         modules += [f"{name[:-len(new)]}{old}" for name, _ in model.named_parameters()
                     for old, new in fused.items() if name.endswith("." + new)]
         missing = [name for name in names if not any(m == name or m.endswith("." + name) for m in modules)]
