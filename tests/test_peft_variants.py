@@ -288,6 +288,13 @@ def test_estimate_of_a_recipe_counts_dora_and_modules_to_save_as_peft_does(root,
                                 LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **peft_kwargs))
     trainable = json.loads(capsys.readouterr().out)["trainable_parameters"]
     assert trainable == peft_model.get_nb_trainable_parameters()[0]
+    # The same job given by estimate's own options (they reached it only through --config)
+    options = [*(["--use-dora"] if extra.get("use_dora") else []),
+               *(["--lora-modules-to-save", ",".join(extra["lora_modules_to_save"])]
+                 if "lora_modules_to_save" in extra else [])]
+    assert shardtune_main(["estimate", str(root / "model"), "--method", "lora", "--lora-r", "4",
+                           "--lora-target-modules", "q_proj,v_proj", *options, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trainable_parameters"] == trainable
 
 
 @pytest.fixture(scope="module")
@@ -325,6 +332,11 @@ def test_estimate_counts_the_biases_lora_bias_trains_as_peft_does(qwen2, tmp_pat
 
     expected = peft_count(lora_bias)
     assert json.loads(capsys.readouterr().out)["trainable_parameters"] == expected
+    options = ["--lora-bias", lora_bias, *(["--lora-modules-to-save", ",".join(modules_to_save)]
+                                           if modules_to_save else [])]
+    assert shardtune_main(["estimate", str(qwen2), "--method", "lora", "--lora-r", "4", "--lora-target-modules",
+                           "q_proj,o_proj", *options, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trainable_parameters"] == expected
     assert (expected != peft_count("none")) == (lora_bias != "none")  # the model has biases the option trains
 
 
@@ -336,3 +348,13 @@ def test_estimate_refuses_modules_to_save_it_cannot_count(root, tmp_path, capsys
                                   "use_peft_lora": True, "lora_modules_to_save": ["norm"]}))
     assert shardtune_main(["estimate", "--config", str(recipe), "--json"]) == 2
     assert "lora_modules_to_save norm" in capsys.readouterr().err
+
+
+def test_loras_estimate_options_on_a_full_fine_tune_are_refused(root, capsys):
+    """--lora-r, --use-dora, ... with --method full (the default) were dropped without a word: the estimate was of
+    a full fine-tune, which train refuses those keys with."""
+    from shardtune.cli import main as shardtune_main
+
+    assert shardtune_main(["estimate", str(root / "model"), "--lora-r", "16", "--use-dora"]) == 2
+    assert ("--lora-r, --use-dora: LoRA's options with --method full, which trains every weight and no adapters; "
+            "add --method lora (or qlora), or leave them out") in capsys.readouterr().err

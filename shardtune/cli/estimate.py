@@ -90,11 +90,24 @@ def _job_options(job: argparse._ArgumentGroup) -> None:
     job.add_argument("--lora-r", type=int, default=None, help=f"LoRA rank ({_default('lora_r')})")
     job.add_argument("--lora-target-modules", default=None,
                      help=f"all-linear or e.g. q_proj,v_proj ({_default('lora_target_modules')})")
+    job.add_argument("--use-dora", dest="use_dora", action="store_const", const=True,
+                     help="DoRA: a trained magnitude per output feature of each adapted layer (the trainer's use_dora)")
+    job.add_argument("--lora-bias", dest="lora_bias", default=None, choices=("none", "all", "lora_only"),
+                     help=f"which of the model's biases train beside the adapters, PEFT's bias "
+                          f"({_default('lora_bias')})")
+    job.add_argument("--lora-modules-to-save", dest="lora_modules_to_save", default=None, type=_names,
+                     metavar="NAMES", help="modules trained in full beside the adapters, e.g. lm_head,embed_tokens "
+                                           "(PEFT's modules_to_save)")
     job.add_argument("--pipeline-microbatches", type=int, default=None, metavar="M",
                      help="micro-batches each batch is split into under PP (a divisor of --batch-size; default: "
                           "one row each, as --emit-config writes it)")
     job.add_argument("--attn-implementation", default=None,
                      help=f"{' | '.join(ATTENTION)} ({_default('attn_implementation')})")
+
+
+def _names(text: str) -> list[str]:
+    """A comma-separated list of module names."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _output_options(p: argparse.ArgumentParser) -> None:
@@ -279,6 +292,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
     elif "distributed_type" not in keys:
         keys["distributed_type"] = strategy_named(args.strategy)
     _check_strategy_options(args, keys, auto)
+    _check_lora_options(args, keys)
     setup = validate(Setup(num_gpus=args.num_gpus, num_nodes=args.num_nodes, loss=args.loss,
                            native_bf16=gpu_from_args(args).bf16,
                            pipeline_microbatches=args.pipeline_microbatches).with_(**keys))
@@ -289,6 +303,19 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
     if problems := refusals(setup):  # what train would refuse, in its words
         raise UsageError(problems[0])
     return setup, auto
+
+
+LORA_OPTIONS = ("lora_r", "lora_target_modules", "use_dora", "lora_bias", "lora_modules_to_save")
+
+
+def _check_lora_options(args: argparse.Namespace, keys: dict) -> None:
+    """LoRA's options on a full fine-tune would be dropped without a word (train refuses those keys there)."""
+    method = keys.get("method") or LoraConfig().method
+    given = [args.setup_options[key][0] for key in LORA_OPTIONS if keys.get(key) is not None]
+    if method == "full" and given:
+        raise UsageError(f"{', '.join(given)}: LoRA's option{'s' if len(given) > 1 else ''} with --method full, "
+                         f"which trains every weight and no adapters; add --method lora (or qlora), or leave "
+                         f"{'them' if len(given) > 1 else 'it'} out")
 
 
 def _check_strategy_options(args: argparse.Namespace, keys: dict, auto: bool) -> None:
