@@ -110,6 +110,43 @@ def test_tool_calls_are_trained_as_the_template_writes_them_or_refused(model_dir
         prepare(model_dir, plain, TOOL_CHATS, max_seq_len=256)
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_a_rows_tools_are_written_into_its_prompt_by_the_template_or_refused(model_dir, tmp_path):
+    """TRL's tools column (the function definitions a tool-calling chat was made with) was dropped without a word:
+    the model learnt calls to functions its prompt never defined. The template writes them into the prompt now
+    (never a target); a template that does not, and a row format with no template, are refused for that row."""
+    import shutil
+
+    folder = shutil.copytree(model_dir, tmp_path / "tools")
+    tokenizer = load_tokenizer(model_dir, DataConfig())
+    tokenizer.chat_template = ("{% if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}"
+                               "{% endif %}" + TOOL_TEMPLATE)
+    tokenizer.save_pretrained(folder)
+    rows = [{**TOOL_CHATS[0], "tools": [WEATHER]}, TOOL_CHATS[1]]  # the second row has none (null in the table)
+    data, tok = prepare(str(folder), tmp_path, rows, max_seq_len=512)
+    prompt = [tok.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label == IGNORE])
+              for row in data.train]
+    assert prompt[0].startswith("<|begin_of_text|><|im_start|>system\nTools: [") and "Current weather" in prompt[0]
+    assert '"name": "get_weather"' in prompt[0] and "Tools:" not in prompt[1]
+    assert [targets(tok, row) for row in data.train] == [
+        '<tool_call>get_weather {"city": "Paris"}</tool_call><|im_end|>It is 18C.<|im_end|>',
+        '<tool_call>search {"query": "cats", "n": 3}</tool_call><|im_end|>Three cats.<|im_end|>']
+    plain = shutil.copytree(model_dir, tmp_path / "plain")
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(plain)
+    with pytest.raises(UsageError, match=r"data.jsonl:1: the chat template does not write the row's tools, so the "
+                                         r"model would learn its tool calls without their definitions"):
+        (tmp_path / "p1").mkdir()
+        prepare(str(plain), tmp_path / "p1", rows, max_seq_len=512)
+    with pytest.raises(UsageError, match=r"data.jsonl:1: its 'tools' reach the model only through a chat template"):
+        (tmp_path / "p2").mkdir()
+        prepare(str(folder), tmp_path / "p2", [{"prompt": "Weather?", "completion": " Sunny.", "tools": [WEATHER]}])
+
+
 def test_mistral_template_keeps_eos_as_target_and_never_doubles_bos(model_dir, tmp_path):
     data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format="mistral", max_seq_len=256)
     row = data.train[1]

@@ -7,6 +7,9 @@ across a document boundary.
 
 from __future__ import annotations
 
+import functools
+import json
+
 from shardtune.data.formats import template_message
 from shardtune.data.readers import SKIP_HINT, BadRow
 from shardtune.data.templates import END_OF_TURN_TOKENS, TEMPLATES
@@ -78,24 +81,33 @@ def with_prefix(prefix: list[int], ids: list[int], labels: list[int] | None = No
     return ids, labels
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None
+            ) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
 def _without_calls(message: dict) -> dict:
     return {key: value for key, value in message.items() if key != "tool_calls"}
 
 
-def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn: str | None) -> list[tuple[str, bool]]:
+def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn: str | None,
+                  tools: list[dict] | None = None) -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, is_target) pieces; targets are assistant turns with their end token.
+    ``tools``: the function definitions the template writes into the prompt (never a target).
 
     Rendering the history with the generation prompt gives where each assistant turn starts; rendering it with the
     turn gives where it ends. Templates that rewrite earlier turns fall back to finding each reply in the text, after
     the turns before it (``_past_history``), so a reply is never taken from inside the prompt that asks for it.
     """
-    full = _render(tokenizer, messages)
+    render = functools.partial(_render, tokenizer, tools=tools or None)
+    full = render(messages)
+    if tools and _render(tokenizer, messages) == full:
+        raise BadRow("", "the chat template does not write the row's tools, so the model would learn its tool calls "
+                         "without their definitions; use a chat template that renders tools (the model's own, where "
+                         "it has one), or leave them out")
     for i, m in enumerate(messages):
-        if m.get("tool_calls") and _render(tokenizer, [*messages[:i], _without_calls(m), *messages[i + 1:]]) == full:
+        if m.get("tool_calls") and render([*messages[:i], _without_calls(m), *messages[i + 1:]]) == full:
             raise BadRow("", f"message {i}: the chat template does not write its tool_calls, so the turn would train "
                              f"as an empty reply; use a chat template that renders tool calls (the model's own, where "
                              f"it has one), or leave them out")
@@ -105,8 +117,8 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
         if m["role"] != "assistant" or i < target_from:
             continue
         try:
-            before = _render(tokenizer, messages[:i], add_generation_prompt=True)  # i == 0: the header alone
-            after = _render(tokenizer, messages[:i + 1]).rstrip()
+            before = render(messages[:i], add_generation_prompt=True)  # i == 0: the header alone
+            after = render(messages[:i + 1]).rstrip()
         except Exception:  # noqa: BLE001 - a template that refuses a partial conversation (must end with a user)
             before = after = None
         if before is not None and full.startswith(before) and full.startswith(after) and cursor <= len(before):
@@ -161,7 +173,8 @@ def _segments(example: dict, tokenizer, chat_template_format: str) -> list[tuple
     template = TEMPLATES.get(chat_template_format)
     try:
         return chat_segments(tokenizer, [template_message(m) for m in example["messages"]], example["target_from"],
-                             template.end_of_turn if template else None)
+                             template.end_of_turn if template else None,
+                             json.loads(example["tools"]) if example.get("tools") else None)
     except BadRow as exc:
         raise BadRow(example["where"], f"{exc.problem}; {SKIP_HINT}") from None
     except Exception as exc:  # noqa: BLE001 - jinja raise_exception, e.g. an unsupported role order

@@ -2,7 +2,8 @@
 
 Every row is turned into one canonical example so that a single encoder handles all of them:
 ``{"kind": "chat" | "prompt_completion" | "text", "messages": [...], "target_from": int, "prompt": str,
-"completion": str, "where": str}``.
+"completion": str, "tools": str, "where": str}``: ``tools`` is a chat row's function definitions (TRL's ``tools``
+column, which the chat template writes into the prompt) as JSON text, or empty.
 """
 
 from __future__ import annotations
@@ -72,6 +73,23 @@ def _messages(value, where: str) -> list[dict]:
     return out
 
 
+def _tools(row: dict, where: str) -> str:
+    """The row's ``tools`` (TRL's column: a list of function definitions, JSON schemas) as JSON text; empty where
+    it has none (a null or an empty list: Arrow gives every row of a file that has the column one)."""
+    tools = row.get("tools")
+    if tools is None or tools == []:
+        return ""
+    if isinstance(tools, str):  # a JSON string, as some exports write the column
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            tools = None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise BadRow(where, f"'tools' must be a list of function definitions (objects, as TRL's tools column "
+                            f"holds them); {SKIP_HINT}")
+    return json.dumps(tools)
+
+
 # A message's tool calls (and a tool reply's call id and name), kept as JSON text: the examples pass through an
 # Arrow table, which would give every message and every call's arguments the keys of all the others.
 TOOLS = "tools_json"
@@ -94,17 +112,24 @@ def _text(row: dict, key: str, where: str, allow_empty: bool = False) -> str:
 
 def to_example(row: dict, where: str, fmt: str, text_field: str, alpaca_as_chat: bool) -> dict:
     """The canonical example of one row in format ``fmt``; raises BadRow when the row does not fit it."""
-    base = {"kind": "chat", "messages": [], "target_from": 0, "prompt": "", "completion": "", "where": where}
+    base = {"kind": "chat", "messages": [], "target_from": 0, "prompt": "", "completion": "", "tools": "",
+            "where": where}
+    tools = _tools(row, where)
     if fmt == "chat":
         key = next((k for k in ("messages", "conversations", text_field) if isinstance(row.get(k), list)), None)
         if key is None:
             raise BadRow(where, f"the field 'messages' is missing or not a list; {SKIP_HINT}")
-        return {**base, "messages": _messages(row[key], where)}
+        return {**base, "messages": _messages(row[key], where), "tools": tools}
     if fmt == "prompt_completion":
         prompt, completion = row.get("prompt"), row.get("completion")
         if isinstance(prompt, list) and isinstance(completion, list):  # conversational prompt/completion
             prompt_msgs = _messages(prompt, where) if prompt else []
-            return {**base, "messages": prompt_msgs + _messages(completion, where), "target_from": len(prompt_msgs)}
+            return {**base, "messages": prompt_msgs + _messages(completion, where), "target_from": len(prompt_msgs),
+                    "tools": tools}
+    if tools:
+        raise BadRow(where, f"its 'tools' reach the model only through a chat template: give the row as 'messages' "
+                            f"(or a conversational prompt and completion), or leave the tools out; {SKIP_HINT}")
+    if fmt == "prompt_completion":
         return {**base, "kind": "prompt_completion", "prompt": _text(row, "prompt", where, allow_empty=True),
                 "completion": _text(row, "completion", where)}
     if fmt == "alpaca":
