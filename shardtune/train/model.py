@@ -18,7 +18,7 @@ from torch import nn
 
 from shardtune.config import LoraConfig, ModelConfig, TrainConfig
 from shardtune.errors import UsageError, closest
-from shardtune.memory.lora_count import MOE_TARGETS, moe_dora_problem, moe_family
+from shardtune.moe import MOE_TARGETS, moe_dora_problem, moe_family
 
 log = logging.getLogger("shardtune")
 
@@ -427,7 +427,7 @@ def _refuse_unmatched(model: nn.Module, key: str, names: list[str], fix: str) ->
         missing = [name for name in names if not any(m.endswith(name) for m in modules)]
     else:
         # A transformers-4 name of a mixture-of-experts weight that transformers 5 fused into a 3-D tensor (Mixtral's
-        # w1, w2, w3): PEFT adapts the tensor it became (lora_count.MOE_TARGETS).
+        # w1, w2, w3): PEFT adapts the tensor it became (shardtune.moe).
         fused = MOE_TARGETS.get(moe_family(getattr(getattr(model, "config", None), "model_type", None)), {})
         modules += [f"{name[:-len(new)]}{old}" for name, _ in model.named_parameters()
                     for old, new in fused.items() if name.endswith("." + new)]
