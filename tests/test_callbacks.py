@@ -175,3 +175,26 @@ def test_a_bad_callback_stops_the_command_before_anything_is_written(assets):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "callbacks: cannot import 'no_such_module_xyz'" in proc.stderr
     assert not (root / "bad").exists()
+
+
+def test_a_transformers_callback_reads_the_config_by_its_trainingarguments_names(assets):
+    """A callback written for Transformers reads ``args.output_dir``, ``args.learning_rate``: on shardtune's
+    config that raised AttributeError (a traceback, after the training steps, and no final/)."""
+    from transformers import TrainerCallback
+
+    from shardtune.train.loop import train
+
+    class ReadsArgs(TrainerCallback):
+        seen: dict = {}
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.seen.update(output_dir=args.output_dir, learning_rate=args.learning_rate,
+                             max_length=args.max_length, save_steps=args.save_steps)  # max_length: TRL's alias
+            with pytest.raises(AttributeError, match="no attribute 'no_such_key'"):
+                args.no_such_key
+
+    reader = ReadsArgs()
+    out = assets[0] / "reads-args"
+    summary = train(config(assets, "reads-args", "--max_steps", "1", "--learning_rate", "3e-4"), callbacks=[reader])
+    assert reader.seen == {"output_dir": str(out), "learning_rate": 3e-4, "max_length": 64, "save_steps": 2}
+    assert summary["steps"] == 1 and (out / "final" / "config.json").is_file()

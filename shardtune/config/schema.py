@@ -508,6 +508,16 @@ class TrainConfig:
 
         return self.precision_on(local_native_bf16()[0])
 
+    def __getattr__(self, name: str) -> Any:
+        """A key by its flat name (``cfg.output_dir``, an alias such as ``max_length`` too): a callback written for
+        Transformers reads its ``args`` so, and here they are this config, not ``TrainingArguments``."""
+        if not name.startswith("_"):
+            key = ALIASES.get(name, name)
+            for section in vars(self).values():
+                if dataclasses.is_dataclass(section) and key in section.__dataclass_fields__:
+                    return getattr(section, key)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def to_flat(self) -> dict[str, Any]:
         """Every key at the top level, as ``shardtune train`` reads it back (secrets left out)."""
         return {k: v for section in dataclasses.fields(self) for k, v in

@@ -1,8 +1,10 @@
 """Callbacks: code of yours that runs at fixed points of the training loop, on every rank.
 
 The shape is Transformers' ``TrainerCallback``: each event is a method ``on_<event>(self, args, state, control,
-**kwargs)``, where ``args`` is the run's ``TrainConfig``, ``state`` the ``TrainState`` (``state.step`` optimizer
-steps done, also readable as ``state.global_step``; ``state.epoch``, a float as in Transformers; ``state.max_steps``)
+**kwargs)``, where ``args`` is the run's ``TrainConfig`` (its keys read by their flat names too, as
+``args.output_dir``), ``state`` the ``TrainState`` (``state.step`` optimizer steps done, also readable as
+``state.global_step``; ``state.epoch`` the epochs completed, ``state.epochs_done`` Transformers' float epoch;
+``state.max_steps``)
 and ``control`` a ``TrainerControl`` whose flags a callback may set: ``should_training_stop`` ends the run after
 this step (with a checkpoint and ``final/``, as reaching ``max_steps`` does), ``should_save`` and ``should_evaluate``
 ask for a checkpoint or an evaluation after this step. A callback defines only the events it needs; a
