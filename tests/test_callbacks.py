@@ -198,3 +198,45 @@ def test_a_transformers_callback_reads_the_config_by_its_trainingarguments_names
     summary = train(config(assets, "reads-args", "--max_steps", "1", "--learning_rate", "3e-4"), callbacks=[reader])
     assert reader.seen == {"output_dir": str(out), "learning_rate": 3e-4, "max_length": 64, "save_steps": 2}
     assert summary["steps"] == 1 and (out / "final" / "config.json").is_file()
+
+
+def test_a_transformers_callbacks_epoch_events_are_called_and_one_never_called_is_refused(assets, tmp_path):
+    """on_epoch_begin/on_epoch_end of a transformers.TrainerCallback were never called (the subclass was accepted,
+    its epoch code silently never ran); an event the loop has no place for is refused naming it."""
+    from transformers import TrainerCallback
+
+    from shardtune.train.loop import train
+
+    class EachEpoch(TrainerCallback):
+        def __init__(self):
+            self.events = []
+
+        def on_epoch_begin(self, args, state, control, **kwargs):
+            self.events.append(("begin", state.epoch, state.step))
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            self.events.append(("end", state.epoch, state.step))
+            control.should_save = True  # acted on at once, as in Transformers
+
+    root, model, _ = assets
+    data = write_chat_data(tmp_path / "twelve.jsonl", rows=12)  # 6 steps of 2 rows an epoch
+
+    def cfg(out):
+        return load_train_config(["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits",
+                                  "train", "--max_seq_len", "64", "--max_steps", "8", "--per_device_train_batch_size",
+                                  "2", "--save_strategy", "no", "--output_dir", str(root / out)])
+
+    each = EachEpoch()
+    train(cfg("epochs"), callbacks=[each])
+    # max_steps ends the run inside epoch 2: its on_epoch_end still comes, as in Transformers
+    assert each.events == [("begin", 0, 0), ("end", 1, 6), ("begin", 1, 6), ("end", 1, 8)]
+    assert sorted(p.name for p in (root / "epochs" / "checkpoints").iterdir()) == ["step-6", "step-8"]
+
+    class Substep(TrainerCallback):
+        def on_substep_end(self, args, state, control, **kwargs):
+            pass
+
+    refused = r"Substep\.on_substep_end would never be called.*move its code to on_step_end"
+    with pytest.raises(UsageError, match=refused):
+        train(cfg("substep"), callbacks=[Substep()])
+    assert not (root / "substep" / "metrics.jsonl").exists()

@@ -12,8 +12,11 @@ ask for a checkpoint or an evaluation after this step. A callback defines only t
 
 Events and their keyword arguments:
 - ``on_train_begin``: ``model``, ``optimizer``, ``plan`` (the strategy), ``info`` (rank, world size, device)
+- ``on_epoch_begin``: no arguments (``state.epoch``: the epochs completed before this one)
 - ``on_step_begin``: ``micro_batches`` (this rank's collated micro-batches of the step), ``model``, ``optimizer``
 - ``on_step_end``: ``stats`` (loss, grad_norm, tokens, target_tokens of the global batch)
+- ``on_epoch_end``: no arguments, before the epoch's log, evaluation and checkpoint (also when ``max_steps``
+  ends the run inside an epoch, as Transformers calls it)
 - ``on_log``: ``logs`` (the record written to metrics.jsonl)
 - ``on_evaluate``: ``metrics`` (eval_loss, eval_perplexity, eval_tokens)
 - ``on_save``: ``checkpoint`` (the folder just completed)
@@ -37,7 +40,13 @@ from shardtune.errors import UsageError, first_line
 
 log = logging.getLogger("shardtune")
 
-EVENTS = ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_evaluate", "on_save", "on_train_end")
+EVENTS = ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_step_end", "on_epoch_end", "on_log", "on_evaluate",
+          "on_save", "on_train_end")
+# Transformers' TrainerCallback events this loop has no place for: a callback that defines one is refused, not left
+# waiting for a call that never comes.
+NEVER_CALLED = {"on_init_end": "on_train_begin", "on_substep_end": "on_step_end",
+                "on_pre_optimizer_step": "on_step_end", "on_optimizer_step": "on_step_end",
+                "on_prediction_step": "on_evaluate", "on_predict": "on_evaluate", "on_push_begin": "on_train_end"}
 
 
 @dataclass
@@ -53,8 +62,10 @@ class TrainerCallback:
     """Base class with every event as a no-op (subclassing it is optional: any object with some ``on_*`` works)."""
 
     def on_train_begin(self, args, state, control, **kwargs) -> None: ...
+    def on_epoch_begin(self, args, state, control, **kwargs) -> None: ...
     def on_step_begin(self, args, state, control, **kwargs) -> None: ...
     def on_step_end(self, args, state, control, **kwargs) -> None: ...
+    def on_epoch_end(self, args, state, control, **kwargs) -> None: ...
     def on_log(self, args, state, control, **kwargs) -> None: ...
     def on_evaluate(self, args, state, control, **kwargs) -> None: ...
     def on_save(self, args, state, control, **kwargs) -> None: ...
@@ -100,6 +111,11 @@ class CallbackList:
         for callback in self.callbacks:
             if not any(callable(getattr(callback, event, None)) for event in EVENTS):
                 raise UsageError(f"callbacks: {type(callback).__name__} has none of the events {', '.join(EVENTS)}")
+            for event, instead in NEVER_CALLED.items():
+                if own_method(callback, event):
+                    raise UsageError(f"callbacks: {type(callback).__name__}.{event} would never be called: shardtune's "
+                                     f"loop has no such event; move its code to {instead} (the events: "
+                                     f"{', '.join(EVENTS)})")
 
     def __getattr__(self, event: str):
         if event not in EVENTS:
@@ -113,3 +129,11 @@ class CallbackList:
             return self.control
 
         return call
+
+
+def own_method(callback: Any, event: str) -> bool:
+    """Whether ``callback`` defines ``event`` itself, not as the no-op a ``transformers.TrainerCallback`` inherits."""
+    owner = next((k for k in type(callback).__mro__ if event in vars(k)), None)
+    if owner is None:
+        return callable(getattr(callback, event, None))  # set on the instance
+    return not owner.__module__.startswith("transformers.")

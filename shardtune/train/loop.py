@@ -281,7 +281,9 @@ class Loop:
             self.evaluate(counted=False)  # a baseline: it takes no part in early stopping or the best checkpoint
         try:
             while state.step < state.max_steps and not control.should_training_stop:
-                for rows in state.epoch_batches():
+                batches = state.epoch_batches()
+                self.hooks.on_epoch_begin()
+                for rows in batches:
                     last = self.step([job.collator([job.data.train[i] for i in indices]) for indices in rows])
                     self.after_step(at_epoch_end=False, last=last)
                     if sigterm.any_rank(job.info.device):
@@ -293,10 +295,12 @@ class Loop:
                         break
                 else:
                     state.epoch += 1  # the epoch ran to its end
+                    self.hooks.on_epoch_end()  # before the epoch's log, eval and save, which it may ask for
                     self.after_step(at_epoch_end=True, last=False)
                     continue
                 # Stopped inside an epoch (max_steps): Transformers still logs, evaluates and saves for epoch
                 # strategies.
+                self.hooks.on_epoch_end()
                 self.after_step(at_epoch_end=True, last=True)
                 break
             if self.early_stopped:
