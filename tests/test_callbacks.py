@@ -240,3 +240,33 @@ def test_a_transformers_callbacks_epoch_events_are_called_and_one_never_called_i
     with pytest.raises(UsageError, match=refused):
         train(cfg("substep"), callbacks=[Substep()])
     assert not (root / "substep" / "metrics.jsonl").exists()
+
+
+def test_a_transformers_callback_reads_log_history_and_the_best_checkpoint_from_state(assets):
+    """``state.log_history``, ``state.best_metric`` and ``state.best_model_checkpoint``, which Transformers'
+    callbacks read, raised AttributeError; log_history holds what metrics.jsonl holds, a resumed run's too."""
+    from transformers import TrainerCallback
+
+    from shardtune.train.loop import train
+
+    class ReadsState(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            self.history = [dict(r) for r in state.log_history]
+            self.best = (state.best_metric, state.best_model_checkpoint)
+
+    out = assets[0] / "log-history"
+    extra = ("--eval_strategy", "steps", "--eval_steps", "2", "--eval_split_ratio", "0.1",
+             "--load_best_model_at_end", "true", "--max_steps", "4")
+    first = ReadsState()
+    train(config(assets, "log-history", *extra), callbacks=[first])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert first.history == records and [r["step"] for r in records] == [1, 2, 2, 3, 4, 4]
+    evals = {r["step"]: r["eval_loss"] for r in records if "eval_loss" in r}
+    best_step = min(evals, key=evals.get)
+    assert first.best == (evals[best_step], str(out / "checkpoints" / f"step-{best_step}"))
+
+    again = ReadsState()  # resumed at step 2: the earlier run's records come back with the checkpoint
+    train(config(assets, "log-history", *extra, "--resume_from_checkpoint", str(out / "checkpoints" / "step-2")),
+          callbacks=[again])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert again.history == records and [r["step"] for r in records] == [1, 2, 2, 3, 4, 4]

@@ -4,7 +4,8 @@ The shape is Transformers' ``TrainerCallback``: each event is a method ``on_<eve
 **kwargs)``, where ``args`` is the run's ``TrainConfig`` (its keys read by their flat names too, as
 ``args.output_dir``), ``state`` the ``TrainState`` (``state.step`` optimizer steps done, also readable as
 ``state.global_step``; ``state.epoch`` the epochs completed, ``state.epochs_done`` Transformers' float epoch;
-``state.max_steps``)
+``state.max_steps``; ``state.log_history``, ``state.best_metric``, ``state.best_model_checkpoint``
+as Transformers' ``TrainerState`` has them)
 and ``control`` a ``TrainerControl`` whose flags a callback may set: ``should_training_stop`` ends the run after
 this step (with a checkpoint and ``final/``, as reaching ``max_steps`` does), ``should_save`` and ``should_evaluate``
 ask for a checkpoint or an evaluation after this step. A callback defines only the events it needs; a

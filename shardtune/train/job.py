@@ -115,7 +115,8 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     optimizer = build_optimizer(model, cfg.optim, info.device, sharded_scaler=plan.sharded_grad_scaler,
                                 pure_bf16=precision.pure_bf16)
     scheduler = build_scheduler(optimizer, cfg.optim, steps)
-    state = TrainState(sampler, scheduler, runner.scaler, max_steps=steps, best=best_for(cfg))
+    state = TrainState(sampler, scheduler, runner.scaler, max_steps=steps, best=best_for(cfg),
+                       output_dir=cfg.run.output_dir)
     step = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, runner=runner, info=info,
                        max_grad_norm=cfg.optim.max_grad_norm, pad_token_id=tokenizer.pad_token_id)
     return Job(cfg=cfg, info=info, plan=plan, tokenizer=tokenizer, data=data, collator=collator, model=model,

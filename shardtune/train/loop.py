@@ -204,7 +204,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     trackers = start_trackers(cfg.run.report_to, out, cfg.run.run_name, cfg.to_flat(), enabled=job.info.is_main,
                               resumed_at=start_step if resuming else 0)
     metrics = MetricsLog(out, job.info, trackers, strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps,
-                         first_step=cfg.run.logging_first_step)
+                         first_step=cfg.run.logging_first_step, history=job.state.log_history)
     hooks.on_train_begin(model=job.model, optimizer=job.optimizer, plan=job.plan, info=job.info)
     if resuming:
         # Later checkpoints, final/ and summary.json of the run are moved aside before this run replaces any, once

@@ -53,7 +53,8 @@ class MetricsLog:
     and hands each record to the ``report_to`` trackers (``trackers.py``)."""
 
     def __init__(self, output_dir: str | Path, info: DistInfo, trackers: Trackers | None = None, *,
-                 strategy: str = "steps", every: int = 1, first_step: bool | None = None) -> None:
+                 strategy: str = "steps", every: int = 1, first_step: bool | None = None,
+                 history: list[dict[str, Any]] | None = None) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.info = info
         self.enabled = info.is_main
@@ -63,6 +64,7 @@ class MetricsLog:
         self._window_tokens, self._window_start = 0, time.perf_counter()
         self.trackers = trackers if trackers is not None else Trackers()
         self._write_failed = False
+        self.history = history if history is not None else []  # every rank's: TrainState.log_history
 
     def should_log(self, step: int, *, at_epoch_end: bool, last: bool) -> bool:
         """``logging_strategy`` steps: every ``logging_steps`` and the last step; epoch: each epoch's end (a step
@@ -104,6 +106,7 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         """Append one record as a whole line. A failed write (a full disk) leaves the file as it was and the run
         going, with one warning: the next checkpoint's save says in one line whether the disk is still full."""
+        self.history.append(record)
         if not self.enabled:
             return
         self.trackers.log(record)  # each tracker's own failures are its own: they never stop this file

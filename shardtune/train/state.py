@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from shardtune.data.sampler import GlobalBatchSampler
 from shardtune.train.best import Best
+from shardtune.train.metrics import strict_json
 
 
 def rng_state() -> dict[str, Any]:
@@ -45,17 +47,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class TrainState:
     """The run's position: ``step`` (optimizer steps done), ``epoch`` (epochs completed, the sampler's next one),
-    the sampler, scheduler and loss scaler, and the best checkpoint and early-stopping count (``best``).
-    ``last_stats`` (the last step's) is not saved."""
+    the sampler, scheduler and loss scaler, the best checkpoint and early-stopping count (``best``), and
+    ``log_history`` (every record metrics.jsonl got, as Transformers' ``TrainerState`` keeps them; a checkpoint
+    carries it, so a resumed run's holds the earlier run's records). ``last_stats`` (the last step's) is not saved."""
 
     def __init__(self, sampler: GlobalBatchSampler, scheduler, scaler, max_steps: int,
-                 best: Best | None = None) -> None:
+                 best: Best | None = None, output_dir: str | None = None) -> None:
         self.sampler, self.scheduler, self.scaler = sampler, scheduler, scaler
         self.max_steps = max_steps
         self.best = best or Best()
         self.step = 0
         self.epoch = 0
         self.last_stats = None
+        self.log_history: list[dict[str, Any]] = []
+        self.output_dir = output_dir  # where best_model_checkpoint lies
 
     @property
     def global_step(self) -> int:
@@ -77,6 +82,18 @@ class TrainState:
         return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
     @property
+    def best_metric(self) -> float | None:
+        """``TrainerState``'s: the best evaluation's ``metric_for_best_model`` so far (None before one)."""
+        return self.best.eval_value
+
+    @property
+    def best_model_checkpoint(self) -> str | None:
+        """``TrainerState``'s: the folder of the best checkpoint so far (None before one), as summary.json
+        names it."""
+        step = self.best.checkpoint_step
+        return None if step is None else str(Path(self.output_dir or ".") / "checkpoints" / f"step-{step}")
+
+    @property
     def epochs_done(self) -> float:
         """Epochs trained so far, as Transformers counts them: 2.5 halfway through the third; 5.0 at the end of the
         fifth. The sampler's epoch is the one the last step belongs to, also after the loop counted it done."""
@@ -96,7 +113,7 @@ class TrainState:
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epochs_done, "sampler": self.sampler.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
-                "best": self.best.state_dict()}
+                "best": self.best.state_dict(), "log_history": strict_json(self.log_history)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
@@ -109,6 +126,8 @@ class TrainState:
             self.scaler.load_state_dict(state["scaler"])
         if state.get("best"):  # checkpoints from before best-model tracking have none
             self.best.load_state_dict(state["best"])
+        history = state.get("log_history")
+        self.log_history[:] = history if isinstance(history, list) else []  # none in checkpoints before it was kept
 
 
 def _whole(value: Any) -> bool:
