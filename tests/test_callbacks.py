@@ -270,3 +270,26 @@ def test_a_transformers_callback_reads_log_history_and_the_best_checkpoint_from_
           callbacks=[again])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert again.history == records and [r["step"] for r in records] == [1, 2, 2, 3, 4, 4]
+
+
+def test_control_should_log_writes_the_step_once(assets):
+    """A callback's control.should_log (Transformers' flag) was silently ignored: the step it asked for had no
+    record. Now it logs that step once, under any logging_strategy, and a step logged already is not repeated."""
+    from shardtune.train.loop import train
+
+    class LogsSome:
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_log = state.step in (2, 3)  # 3 is logging_steps' own step: one record, not two
+
+    out = assets[0] / "should-log"
+    train(config(assets, "should-log", "--logging_steps", "3", "--max_steps", "4"), callbacks=[LogsSome()])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and all("loss" in r for r in records)
+
+    root, model, data = assets
+    quiet = load_train_config(["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
+                               "--max_seq_len", "64", "--packing", "True", "--max_steps", "4", "--logging_strategy",
+                               "no", "--per_device_train_batch_size", "2", "--output_dir", str(root / "should-log-no")])
+    train(quiet, callbacks=[LogsSome()])
+    records = [json.loads(line) for line in (assets[0] / "should-log-no" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 3]

@@ -4,11 +4,11 @@ The shape is Transformers' ``TrainerCallback``: each event is a method ``on_<eve
 **kwargs)``, where ``args`` is the run's ``TrainConfig`` (its keys read by their flat names too, as
 ``args.output_dir``), ``state`` the ``TrainState`` (``state.step`` optimizer steps done, also readable as
 ``state.global_step``; ``state.epoch`` the epochs completed, ``state.epochs_done`` Transformers' float epoch;
-``state.max_steps``; ``state.log_history``, ``state.best_metric``, ``state.best_model_checkpoint``
-as Transformers' ``TrainerState`` has them)
-and ``control`` a ``TrainerControl`` whose flags a callback may set: ``should_training_stop`` ends the run after
-this step (with a checkpoint and ``final/``, as reaching ``max_steps`` does), ``should_save`` and ``should_evaluate``
-ask for a checkpoint or an evaluation after this step. A callback defines only the events it needs; a
+``state.max_steps``; ``state.log_history``, ``state.best_metric``, ``state.best_model_checkpoint`` as
+Transformers' ``TrainerState`` has them) and ``control`` a ``TrainerControl`` whose flags a callback may set:
+``should_training_stop`` ends the run after this step (with a checkpoint and ``final/``, as reaching ``max_steps``
+does), ``should_save``, ``should_evaluate`` and ``should_log`` ask for a checkpoint, an evaluation or a
+metrics.jsonl record after this step. A callback defines only the events it needs; a
 ``transformers.TrainerCallback`` subclass works as it is (its other methods are no-ops).
 
 Events and their keyword arguments:
@@ -52,11 +52,13 @@ NEVER_CALLED = {"on_init_end": "on_train_begin", "on_substep_end": "on_step_end"
 
 @dataclass
 class TrainerControl:
-    """Flags callbacks set to steer the loop; the loop clears ``should_save``/``should_evaluate`` once acted on."""
+    """Flags callbacks set to steer the loop; the loop clears ``should_save``/``should_evaluate``/``should_log`` once
+    acted on."""
 
     should_training_stop: bool = False
     should_save: bool = False
     should_evaluate: bool = False
+    should_log: bool = False
 
 
 class TrainerCallback:

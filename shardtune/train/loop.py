@@ -328,7 +328,9 @@ class Loop:
 
     def after_step(self, *, at_epoch_end: bool, last: bool) -> None:
         state, control = self.job.state, self.hooks.control
-        if self.metrics.should_log(state.step, at_epoch_end=at_epoch_end, last=last) and state.last_stats:
+        asked, control.should_log = control.should_log, False
+        if self.metrics.should_log(state.step, at_epoch_end=at_epoch_end, last=last, asked=asked) and \
+                state.last_stats:
             record = self.metrics.log_step(state, state.last_stats)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             self.hooks.on_log(logs=record)

@@ -66,10 +66,13 @@ class MetricsLog:
         self._write_failed = False
         self.history = history if history is not None else []  # every rank's: TrainState.log_history
 
-    def should_log(self, step: int, *, at_epoch_end: bool, last: bool) -> bool:
+    def should_log(self, step: int, *, at_epoch_end: bool, last: bool, asked: bool = False) -> bool:
         """``logging_strategy`` steps: every ``logging_steps`` and the last step; epoch: each epoch's end (a step
         logged already, not again); under either, the first step too with ``logging_first_step``, as Transformers'
-        Trainer logs it whatever the strategy. no: nothing."""
+        Trainer logs it whatever the strategy. no: nothing. ``asked``: a callback's ``control.should_log``, which
+        logs the step under any strategy (once), as in Transformers."""
+        if asked and step != self._logged_step:
+            return True
         if self.strategy == "no":
             return False
         if at_epoch_end:
