@@ -153,3 +153,16 @@ def test_neftune_noise_alpha_reaches_the_trained_model(root):
     bound = 5 / (64 * seen["hidden"]) ** 0.5
     assert 0.5 * bound < (seen["noisy"] - seen["clean"]).abs().max() <= bound
     assert not torch.equal(seen["noisy"], seen["again"])  # drawn afresh for each forward
+
+
+def test_the_summary_names_the_best_checkpoint_when_it_is_the_last(root, restore_logging):
+    """summary.json named best_model_checkpoint only when final/ was loaded from an earlier checkpoint: where the
+    last step was the best, the key was missing (a script reading it failed on the run that went best)."""
+    from shardtune.train.loop import train
+
+    out = root / "best-last"
+    summary = train(load_train_config(args(root, "best-last", *WATCH, "--max_steps", "2")))
+    assert (summary["steps"], summary["best_step"]) == (2, 2)
+    assert summary["best_model_checkpoint"] == str(out / "checkpoints" / "step-2")
+    assert json.loads((out / "summary.json").read_text())["best_model_checkpoint"] == str(out / "checkpoints" /
+                                                                                          "step-2")

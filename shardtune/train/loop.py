@@ -231,8 +231,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     if stopped_by == "SIGTERM":
         verify_stop_checkpoint(job, checkpointer)
     else:
-        if cfg.checkpoint.load_best_model_at_end and (best := checkpointer.load_best()):
-            summary["best_model_checkpoint"] = str(best)
+        if cfg.checkpoint.load_best_model_at_end:
+            checkpointer.load_best()  # None where the last step's weights are the best: they are in the model
         summary["final"] = export_final(job, checkpointer)
     if job.info.is_main:
         summary.update(push_to_hub(cfg, summary.get("final")))
@@ -450,7 +450,8 @@ def best_summary(job: Job) -> dict[str, Any]:
     if not (cfg.checkpoint.load_best_model_at_end or cfg.run.early_stopping_patience):
         return {}
     return {"metric_for_best_model": best.metric, "best_metric": best.checkpoint_value,
-            "best_step": best.checkpoint_step, "best_eval_metric": best.eval_value}
+            "best_step": best.checkpoint_step, "best_eval_metric": best.eval_value,
+            "best_model_checkpoint": job.state.best_model_checkpoint}
 
 
 def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_step: int, tokens: int,
