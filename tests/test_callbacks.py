@@ -46,6 +46,7 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[tuple[str, int]] = []
         self.logged: list[float] = []
+        self.records: list[dict] = []  # every record on_log got
         self.saved: list[str] = []
 
     def on_train_begin(self, args, state, control, *, model, optimizer, plan, info, **kwargs):
@@ -63,7 +64,9 @@ class Recorder:
         control.should_training_stop = state.step == 3
 
     def on_log(self, args, state, control, *, logs, **kwargs):
-        self.logged.append(logs.get("loss", logs.get("eval_loss")))
+        self.records.append(dict(logs))
+        if "loss" in logs or "eval_loss" in logs:
+            self.logged.append(logs.get("loss", logs.get("eval_loss")))
 
     def on_save(self, args, state, control, *, checkpoint, **kwargs):
         self.saved.append(Path(checkpoint).name)
@@ -88,6 +91,8 @@ def test_events_arrive_in_order_and_control_steers_the_loop(assets):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1", "step-2"]
     assert recorder.logged == losses(out)  # on_log sees exactly what metrics.jsonl holds
     assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1]) == {"step": 3, "note": "from a callback"}
+    # on_log gets every record, on_train_end's too (it got none of those: a callback forwarding records missed them)
+    assert recorder.records == [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert (out / "final" / "config.json").is_file()  # a stopped run still writes final/
     # Stopped by a callback, the run is finished: resumed (as a cluster job resumes), it trains nothing and changes
     # nothing (it retrained step 3 and set final/ and summary.json aside).

@@ -22,7 +22,7 @@ Events and their keyword arguments:
 - ``on_evaluate``: ``metrics`` (eval_loss, eval_perplexity, eval_tokens)
 - ``on_save``: ``checkpoint`` (the folder just completed)
 - ``on_train_end``: ``model``, ``summary`` (the dict written to summary.json; a callback may add keys), ``log`` (a
-  function that appends one record to metrics.jsonl)
+  function that appends one record to metrics.jsonl and hands it to ``on_log``)
 
 Give them to ``train(cfg, callbacks=[...])``, or name them in the config (``callbacks: [pkg.module:Class]``, or
 ``--callbacks pkg.module:Class,other.module:Other``) so that every process torchrun starts makes its own: the class

@@ -222,8 +222,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
         summary = run_summary(job, checkpointer, stopped_by=stopped_by, start_step=start_step, tokens=loop.tokens,
                               wall=time.perf_counter() - started)
         # trackers get these records too, at the run's last step where they name none (plots and trackers need one)
-        hooks.on_train_end(model=job.model, summary=summary,
-                           log=lambda record: metrics.write({"step": job.state.step, **record}))
+        hooks.on_train_end(model=job.model, summary=summary, log=lambda record: log_record(metrics, hooks, record))
     except BaseException:
         metrics.close(failed=True)
         raise
@@ -239,6 +238,14 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
         write_text(out / "summary.json", json.dumps(summary, indent=1))
         log_summary(summary, cfg)
     return summary
+
+
+def log_record(metrics: MetricsLog, hooks: CallbackList, record: dict[str, Any]) -> None:
+    """on_train_end's ``log``: ``record`` into metrics.jsonl and the trackers, at the run's last step where it names
+    none, and to every callback's on_log, as each record is."""
+    record = {"step": hooks.state.step, **record}
+    metrics.write(record)
+    hooks.on_log(logs=record)
 
 
 def finished_summary(out: Path, max_steps: int) -> dict[str, Any] | None:
