@@ -287,3 +287,28 @@ def test_other_ranks_start_no_tracker(tmp_path, monkeypatch):
 
     monkeypatch.setattr(trackers, "TRACKERS", {})  # any tracker made would be a KeyError
     assert trackers.start_trackers(list(TRACKER_PACKAGES), tmp_path, None, {}, enabled=False).trackers == []
+
+
+def test_tensorboard_reads_each_step_once_after_a_resume_that_found_no_checkpoint(root, tmp_path, restore_logging):
+    """resume_from_checkpoint true with no checkpoint yet (the run was killed before its first) starts again at
+    step 1: metrics.jsonl dropped the killed run's records, but TensorBoard kept them beside the new ones."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from shardtune.train.loop import train
+
+    class Crash:
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.step == 3:
+                raise RuntimeError("killed")
+
+    out = tmp_path / "tb-scratch"
+    common = ("--report_to", "tensorboard", "--run_name", "tb", "--output_dir", str(out), "--resume_from_checkpoint",
+              "true")
+    with pytest.raises(RuntimeError, match="killed"):
+        train(load_train_config(args(root, *common)), callbacks=[Crash()])  # steps 1-3 logged, no checkpoint
+    train(load_train_config(args(root, *common, "--learning_rate", "1e-2")))  # from step 1, other losses
+    acc = EventAccumulator(str(out / "tensorboard" / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"], rel=1e-6))
+                                                                 for r in records if "loss" in r]

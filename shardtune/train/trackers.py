@@ -56,8 +56,9 @@ class TensorBoardTracker:
 
         folder = self.root / run_name.replace(os.sep, "_")
         # A resumed run redoes the steps after its checkpoint: the folder's events from them on are purged, so each
-        # step is read once, as metrics.jsonl keeps it.
-        self.writer = SummaryWriter(log_dir=str(folder), purge_step=resumed_at + 1 if resumed_at else None)
+        # step is read once, as metrics.jsonl keeps it. That is every step for a resume that found no checkpoint
+        # (resumed_at 0: the folder holds what the run logged before it was killed); a fresh run's folder is empty.
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=resumed_at + 1)
         # Markdown shows a code block as it is; the reader strips the fence.
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```")
         return f"event files in {folder} (tensorboard --logdir {self.root})"
