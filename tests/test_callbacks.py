@@ -298,3 +298,18 @@ def test_control_should_log_writes_the_step_once(assets):
     train(quiet, callbacks=[LogsSome()])
     records = [json.loads(line) for line in (assets[0] / "should-log-no" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 3]
+
+
+def test_logging_first_step_logs_step_1_under_logging_strategy_no(assets):
+    """logging_first_step true with logging_strategy no was accepted and did nothing (no record at all), where
+    Transformers' Trainer logs the first step whatever the strategy."""
+    from shardtune.train.loop import train
+
+    root, model, data = assets
+    cfg = load_train_config(["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
+                             "--max_seq_len", "64", "--packing", "True", "--max_steps", "3", "--logging_strategy",
+                             "no", "--logging_first_step", "true", "--per_device_train_batch_size", "2",
+                             "--output_dir", str(root / "first-step-no")])
+    train(cfg)
+    records = [json.loads(line) for line in (root / "first-step-no" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1] and records[0]["loss"] > 0

@@ -341,7 +341,7 @@ class RunConfig:
     dry_run: bool = key(False, "Print the resolved config, trace one step of the job it describes on fake tensors "
                                "(per-GPU peak: tensors and reserved memory, by category and module), and exit "
                                "without training.")
-    logging_first_step: bool | None = key(None, "Log the first step, under logging_strategy steps or epoch, as "
+    logging_first_step: bool | None = key(None, "Log the first step, under any logging_strategy (no too), as "
                                                     "Transformers does. Unset: under steps only (Transformers' "
                                                     "default is false).")
     disable_tqdm: bool = key(False, "No progress bar; log lines and metrics.jsonl are unchanged.")

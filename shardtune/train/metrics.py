@@ -68,16 +68,16 @@ class MetricsLog:
 
     def should_log(self, step: int, *, at_epoch_end: bool, last: bool, asked: bool = False) -> bool:
         """``logging_strategy`` steps: every ``logging_steps`` and the last step; epoch: each epoch's end (a step
-        logged already, not again); under either, the first step too with ``logging_first_step``, as Transformers'
-        Trainer logs it whatever the strategy. no: nothing. ``asked``: a callback's ``control.should_log``, which
-        logs the step under any strategy (once), as in Transformers."""
-        if asked and step != self._logged_step:
+        logged already, not again); no: nothing. Under any of them the first step too with ``logging_first_step``,
+        as Transformers' Trainer logs it whatever the strategy, and a step a callback asked for with
+        ``control.should_log`` (``asked``), once."""
+        if (asked or (step == 1 and self.first_step)) and step != self._logged_step:
             return True
         if self.strategy == "no":
             return False
         if at_epoch_end:
             return self.strategy == "epoch" and step != self._logged_step
-        return (step == 1 and self.first_step) or (self.strategy == "steps" and (step % self.every == 0 or last))
+        return self.strategy == "steps" and (step % self.every == 0 or last)
 
     def count(self, tokens: int) -> None:
         """Tokens of a step just taken, for the tokens/s of the next record."""
