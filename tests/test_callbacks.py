@@ -313,3 +313,33 @@ def test_logging_first_step_logs_step_1_under_logging_strategy_no(assets):
     train(cfg)
     records = [json.loads(line) for line in (root / "first-step-no" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1] and records[0]["loss"] > 0
+
+
+def test_every_event_gets_the_model_optimizer_scheduler_and_tokenizer_as_in_transformers(assets):
+    """Transformers hands every event model, processing_class, optimizer and lr_scheduler; here on_evaluate,
+    on_save and on_log got None for them (a callback generating samples on_evaluate failed on model.generate).
+    A callback whose event names only its own arguments is still called with just those."""
+    from transformers import TrainerCallback
+
+    from shardtune.train.loop import train
+
+    class UsesModel(TrainerCallback):
+        seen: list = []
+
+        def on_evaluate(self, args, state, control, model=None, processing_class=None, **kwargs):
+            self.seen.append((type(model).__name__, processing_class.eos_token_id is not None))
+
+        def on_save(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+            self.seen.append((bool(optimizer.param_groups), lr_scheduler is state.scheduler))
+
+    class Strict:
+        saved: list = []
+
+        def on_save(self, args, state, control, checkpoint):  # no **kwargs: the documented argument only
+            self.saved.append(Path(checkpoint).name)
+
+    uses, strict = UsesModel(), Strict()
+    train(config(assets, "common-kwargs", "--max_steps", "2", "--eval_strategy", "steps", "--eval_steps", "2",
+                 "--eval_split_ratio", "0.1"), callbacks=[uses, strict])
+    assert uses.seen == [("LlamaForCausalLM", True), (True, True)]
+    assert strict.saved == ["step-2"]

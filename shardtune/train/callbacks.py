@@ -11,7 +11,8 @@ does), ``should_save``, ``should_evaluate`` and ``should_log`` ask for a checkpo
 metrics.jsonl record after this step. A callback defines only the events it needs; a
 ``transformers.TrainerCallback`` subclass works as it is (its other methods are no-ops).
 
-Events and their keyword arguments:
+Events and their keyword arguments (each also gets ``model``, ``processing_class``, ``optimizer`` and
+``lr_scheduler``, as Transformers hands them to every event, where its method takes them):
 - ``on_train_begin``: ``model``, ``optimizer``, ``plan`` (the strategy), ``info`` (rank, world size, device)
 - ``on_epoch_begin``: no arguments (``state.epoch``: the epochs completed before this one)
 - ``on_step_begin``: ``micro_batches`` (this rank's collated micro-batches of the step), ``model``, ``optimizer``
@@ -32,6 +33,7 @@ is imported and called with no arguments.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,9 +109,12 @@ def load_callback(spec: str) -> Any:
 class CallbackList:
     """Calls an event on every callback in order: those named in the config first, then those passed in code."""
 
-    def __init__(self, callbacks: Sequence[Any], args, state) -> None:
+    def __init__(self, callbacks: Sequence[Any], args, state, **common: Any) -> None:
         self.callbacks = list(callbacks)
         self.args, self.state = args, state
+        # Transformers hands every event model, processing_class, optimizer and lr_scheduler: so does this, to an
+        # event that takes them (by name or **kwargs), beside the event's own arguments.
+        self.common = common
         self.control = TrainerControl()
         for callback in self.callbacks:
             if not any(callable(getattr(callback, event, None)) for event in EVENTS):
@@ -128,7 +133,9 @@ class CallbackList:
             for callback in self.callbacks:
                 method = getattr(callback, event, None)
                 if method is not None:
-                    method(self.args, self.state, self.control, **kwargs)
+                    extra = {key: value for key, value in self.common.items()
+                             if key not in kwargs and takes(method, key)}
+                    method(self.args, self.state, self.control, **kwargs, **extra)
             return self.control
 
         return call
@@ -140,3 +147,12 @@ def own_method(callback: Any, event: str) -> bool:
     if owner is None:
         return callable(getattr(callback, event, None))  # set on the instance
     return not owner.__module__.startswith("transformers.")
+
+
+def takes(method: Any, name: str) -> bool:
+    """Whether ``method`` accepts the keyword argument ``name`` (named, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): give it only its event's arguments
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -197,7 +197,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
                                 flat_optimizer=job.runner.flat_optimizer)
     checkpointer.resume(resume)  # a checkpoint this run cannot continue (its data order, say) stops it here
     start_step = job.state.step  # what this run adds is counted from here
-    hooks = CallbackList(callbacks, cfg, job.state)  # a callback that cannot run is refused before any tracker writes
+    hooks = CallbackList(callbacks, cfg, job.state, model=job.model, processing_class=job.tokenizer,
+                         optimizer=job.optimizer, lr_scheduler=job.state.scheduler)  # refused before a tracker writes
     # An earlier run this one replaces goes now, when nothing above refused this run, and before a tracker writes.
     run_and_share(lambda: clear_earlier_run(claim) if claim else None, runs=info.is_main,
                   what=f"deleting the earlier run in {out}")
