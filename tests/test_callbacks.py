@@ -343,3 +343,16 @@ def test_every_event_gets_the_model_optimizer_scheduler_and_tokenizer_as_in_tran
                  "--eval_split_ratio", "0.1"), callbacks=[uses, strict])
     assert uses.seen == [("LlamaForCausalLM", True), (True, True)]
     assert strict.saved == ["step-2"]
+
+
+def test_a_run_early_stopping_ends_logs_its_last_step(assets):
+    """logging_steps and the last step are logged; a run early stopping ended at step 4 (not a multiple of
+    logging_steps 3) had no record of its last step, where a callback's stop or max_steps logs it."""
+    from shardtune.train.loop import train
+
+    out = assets[0] / "early-last"
+    summary = train(config(assets, "early-last", "--logging_steps", "3", "--eval_strategy", "steps", "--eval_steps",
+                           "2", "--eval_split_ratio", "0.1", "--learning_rate", "0", "--early_stopping_patience", "1"))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert summary["stopped_by"] == "early stopping" and summary["steps"] == 4
+    assert [(r["step"], "loss" in r) for r in records] == [(1, True), (2, False), (3, True), (4, False), (4, True)]

@@ -337,16 +337,14 @@ class Loop:
     def after_step(self, *, at_epoch_end: bool, last: bool) -> None:
         state, control = self.job.state, self.hooks.control
         asked, control.should_log = control.should_log, False
-        if self.metrics.should_log(state.step, at_epoch_end=at_epoch_end, last=last, asked=asked) and \
-                state.last_stats:
-            record = self.metrics.log_step(state, state.last_stats)
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            self.hooks.on_log(logs=record)
+        self.log(at_epoch_end=at_epoch_end, last=last, asked=asked)
         at_end = state.step >= state.max_steps  # not a callback's or early stopping's stop, as in Transformers
         if self.evaluator.should_evaluate(state.step, at_epoch_end=at_epoch_end, at_end=at_end) or \
                 control.should_evaluate:
             control.should_evaluate = False
             self.evaluate(counted=True)
+            if self.early_stopped:  # this evaluation made the step the run's last: logged as the last is (under
+                self.log(at_epoch_end=False, last=True)  # logging_strategy steps; epoch logs at the epoch's end)
         if self.checkpointer.should_save(state.step, at_epoch_end=at_epoch_end, at_end=at_end) or control.should_save:
             control.should_save = False
             reason = ("end of training" if last else "end of epoch") if at_epoch_end else \
@@ -354,6 +352,15 @@ class Loop:
             state.best.on_save(state.step, self.last_eval)  # before the save: the checkpoint carries it
             with self.metrics.paused():
                 self.hooks.on_save(checkpoint=self.checkpointer.save(reason))
+
+    def log(self, *, at_epoch_end: bool, last: bool, asked: bool = False) -> None:
+        """The step's metrics.jsonl record, when ``MetricsLog.should_log`` says so; to the bar and on_log too."""
+        state = self.job.state
+        if self.metrics.should_log(state.step, at_epoch_end=at_epoch_end, last=last, asked=asked) and \
+                state.last_stats:
+            record = self.metrics.log_step(state, state.last_stats)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            self.hooks.on_log(logs=record)
 
     def evaluate(self, *, counted: bool) -> None:
         """One eval pass, logged; ``counted``: it takes part in early stopping and the choice of the best."""

@@ -77,7 +77,7 @@ class MetricsLog:
             return False
         if at_epoch_end:
             return self.strategy == "epoch" and step != self._logged_step
-        return self.strategy == "steps" and (step % self.every == 0 or last)
+        return self.strategy == "steps" and (step % self.every == 0 or last) and step != self._logged_step
 
     def count(self, tokens: int) -> None:
         """Tokens of a step just taken, for the tokens/s of the next record."""
