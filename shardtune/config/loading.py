@@ -368,8 +368,8 @@ UNKNOWN_ELSEWHERE = {
     "label_smoothing_factor": "the loss here is plain cross-entropy, with no label smoothing; leave it out",
     "router_aux_loss_coef": "the router's auxiliary loss is not added here (a model whose config sets "
                             "output_router_logits is refused); leave it out",
-    "activation_checkpointing": "here it is gradient_checkpointing", "use_cache": "training runs without the KV "
-                                                                                  "cache here; leave it out",
+    "activation_checkpointing": "here it is gradient_checkpointing",
+    "use_cache": "training runs without the KV cache here; leave it out",
     "fsdp_config": "it is read as a block of a recipe or Accelerate config file (its fsdp_* keys as top-level "
                    "keys); on the command line give those keys (fsdp_version, fsdp_sharding_strategy, ...)",
     "accelerator_config": "Accelerate's settings are keys of their own here, named as in its config file; leave it "
@@ -387,9 +387,9 @@ OTHER_TOOLS_KEYS = {
         "activation_checkpointing_kwargs", "batch_eval_metrics", "bf16_full_eval", "dataloader_in_order",
         "dataloader_multiprocessing_context", "ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph",
         "enable_jit_checkpoint", "eval_delay", "eval_do_concat_batches", "eval_use_gather_object", "fp16_full_eval",
-        "hub_always_push", "hub_revision", "ignore_data_skip", "include_for_metrics",
-        "label_names", "length_column_name", "liger_kernel_config", "log_on_each_node", "prediction_loss_only",
-        "project", "restore_callback_states_from_checkpoint", "save_on_each_node", "skip_memory_metrics",
+        "hub_always_push", "hub_revision", "ignore_data_skip", "include_for_metrics", "label_names",
+        "length_column_name", "liger_kernel_config", "log_on_each_node", "prediction_loss_only", "project",
+        "restore_callback_states_from_checkpoint", "save_on_each_node", "skip_memory_metrics",
         "torch_empty_cache_steps", "trackio_bucket_id", "trackio_space_id", "trackio_static_space_id",
         "train_sampling_strategy"), "Transformers' TrainingArguments"),
     "truncation_mode": "TRL's SFTConfig",
