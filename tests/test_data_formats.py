@@ -7,6 +7,7 @@ import pytest
 
 from shardtune.data import DataConfig, load_tokenizer, prepare_datasets
 from shardtune.data.encode import IGNORE
+from shardtune.data.formats import to_example
 from shardtune.errors import UsageError
 from shardtune.testing.tiny import BOS, EOS, make_model_folder, make_tokenizer
 
@@ -142,6 +143,12 @@ def test_a_rows_tools_are_written_into_its_prompt_by_the_template_or_refused(mod
                                          r"model would learn its tool calls without their definitions"):
         (tmp_path / "p1").mkdir()
         prepare(str(plain), tmp_path / "p1", rows, max_seq_len=512)
+    # a row whose tools are empty has none, however its file writes that; a JSON string is read as the list
+    chat = {"messages": TOOL_CHATS[1]["messages"]}
+    assert [to_example({**chat, "tools": empty}, "x", "chat", "text", True)["tools"] for empty in (None, [], "", " ")] \
+        == [""] * 4
+    assert json.loads(to_example({**chat, "tools": json.dumps([WEATHER])}, "x", "chat", "text", True)["tools"]) == \
+        [WEATHER]
     with pytest.raises(UsageError, match=r"data.jsonl:1: its 'tools' reach the model only through a chat template"):
         (tmp_path / "p2").mkdir()
         prepare(str(folder), tmp_path / "p2", [{"prompt": "Weather?", "completion": " Sunny.", "tools": [WEATHER]}])

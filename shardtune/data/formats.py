@@ -75,9 +75,10 @@ def _messages(value, where: str) -> list[dict]:
 
 def _tools(row: dict, where: str) -> str:
     """The row's ``tools`` (TRL's column: a list of function definitions, JSON schemas) as JSON text; empty where
-    it has none (a null or an empty list: Arrow gives every row of a file that has the column one)."""
+    it has none (a null, an empty list or an empty string: Arrow gives every row of a file that has the column
+    one)."""
     tools = row.get("tools")
-    if tools is None or tools == []:
+    if tools is None or tools == [] or (isinstance(tools, str) and not tools.strip()):
         return ""
     if isinstance(tools, str):  # a JSON string, as some exports write the column
         try:
