@@ -406,6 +406,10 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
     real_batches = _micro_batches(cfg, pad_id, target_tokens)
     fsdp = plan.strategy.shards_parameters
     fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    if fake:
+        # PEFT deep-copies each module of lora_modules_to_save. Tensor.__deepcopy__ copies a fake tensor's __dict__,
+        # its fake mode with it, and tensors of two fake modes cannot meet: the copies must stay in this one.
+        fake_mode.__deepcopy__ = lambda memo: fake_mode
     with fake_process_group(info.world_size) if fsdp else contextlib.nullcontext(), \
             torch.random.fork_rng(devices=[]), fake_mode, _dropout_as_on(target_device):
         with _phase("building the model", fake), _swappable_fake_parameters(fake_mode if fake else None):
