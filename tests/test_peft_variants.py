@@ -350,6 +350,39 @@ def test_estimate_refuses_modules_to_save_it_cannot_count(root, tmp_path, capsys
     assert "lora_modules_to_save norm" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("targets, saved", [("q_proj", ["q_proj"]), ("lm_head", ["lm_head"]),
+                                            ("q_proj,v_proj", ["q_proj"])])
+def test_estimate_refuses_targets_that_are_all_saved_whole_as_peft_does(root, tmp_path, capsys, targets, saved):
+    """Targets that are all in lora_modules_to_save: PEFT trains them whole and adapts nothing, and refuses the job
+    (train exits 2), while estimate counted the copies (8,192 for q_proj). Where some target is left to adapt, PEFT
+    adapts it and the estimate's count is PEFT's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli import main as shardtune_main
+
+    try:
+        config = LoraConfig(r=4, target_modules=targets.split(","), modules_to_save=saved)
+        expected = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "model"),
+                                  config).get_nb_trainable_parameters()[0]
+    except ValueError as exc:
+        assert "No modules were targeted for adaptation" in str(exc)
+        expected = None
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({"model_name_or_path": str(root / "model"), "dataset_name": "unused.jsonl",
+                                  "use_peft_lora": True, "lora_r": 4, "lora_target_modules": targets,
+                                  "lora_modules_to_save": saved}))
+    capsys.readouterr()  # PEFT's loading above
+    code = shardtune_main(["estimate", "--config", str(recipe), "--json"])
+    out, err = capsys.readouterr()
+    if expected is None:
+        assert code == 2 and err.count("\n") == 1
+        assert err.startswith(f"shardtune estimate: error: lora_target_modules {targets}: every module it names is "
+                              f"also in lora_modules_to_save")
+    else:
+        assert code == 0 and json.loads(out)["trainable_parameters"] == expected
+
+
 def test_loras_estimate_options_on_a_full_fine_tune_are_refused(root, capsys):
     """--lora-r, --use-dora, ... with --method full (the default) were dropped without a word: the estimate was of
     a full fine-tune, which train refuses those keys with."""

@@ -155,8 +155,9 @@ def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *
             return 0
         return r * (d_in + d_out) + (d_out if dora else 0)
 
-    def scope(rows: list[tuple[str, list]]) -> tuple[int, int]:
-        """(adapters and copies, trained biases) of one decoder layer's rows, or of those outside the layers."""
+    def scope(rows: list[tuple[str, list]]) -> tuple[int, int, int]:
+        """(adapters and copies, trained biases, modules adapted) of one decoder layer's rows, or of those outside
+        the layers."""
         biases = {name.rpartition(".")[0]: row[2] for name, row in rows if row[1] == "bias"}  # by their module
         adapters, adapted = 0, set()
         for name, row in rows:
@@ -165,23 +166,40 @@ def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *
             if count and name not in saved:  # the module that holds a wrapped tensor carries its adapter
                 adapted.add(name.rpartition(".")[0] if row[1] == "param" else name)
         if bias == "all":  # a saved module's original stays frozen; its copy's bias trains with the copy
-            return adapters, sum(n for module, n in biases.items() if module not in saved)
+            return adapters, sum(n for module, n in biases.items() if module not in saved), len(adapted)
         if bias == "lora_only":
-            return adapters, sum(biases.get(module, 0) for module in adapted)
-        return adapters, 0
+            return adapters, sum(biases.get(module, 0) for module in adapted), len(adapted)
+        return adapters, 0, len(adapted)
 
     prefix = table["layers_prefix"]
     layers = [scope([(f"{prefix}{i}.{row[0]}", row) for row in _layer_rows(table, i)])
               for i in range(table["num_layers"])]
     outside = scope([(row[0], row) for row in table["outside_rows"]])
-    if sum(adapters for adapters, _ in layers) + outside[0] == 0:
+    if sum(adapted for _, _, adapted in layers) + outside[2] == 0:
+        if saved and any(_matches(name, kind, targets, table["output_name"])
+                         for name, kind in _named_kinds(table) if name in saved):
+            # PEFT leaves a module it trains whole unadapted, and refuses a config that adapts nothing.
+            raise UsageError(
+                f"lora_target_modules {','.join(targets)}: every module it names is also in lora_modules_to_save "
+                f"({','.join(modules_to_save)}), trained whole, so PEFT adapts none and refuses the job; target "
+                f"other modules too (e.g. all-linear) or leave them out of lora_modules_to_save")
         raise UsageError(
             f"--lora-target-modules {','.join(targets)} matches no linear layer of {model_name}; "
             f"use all-linear or names such as {', '.join(linear_names(table)[:6])}."
         )
-    return LoraCount(r=r, target_modules=targets, per_layer=tuple(sum(layer) for layer in layers),
-                     outside_layers=sum(outside), bias_per_layer=tuple(trained for _, trained in layers),
+    return LoraCount(r=r, target_modules=targets,
+                     per_layer=tuple(adapters + trained for adapters, trained, _ in layers),
+                     outside_layers=outside[0] + outside[1], bias_per_layer=tuple(trained for _, trained, _ in layers),
                      bias_outside=outside[1])
+
+
+def _named_kinds(table: dict) -> list[tuple[str, str]]:
+    """(full name, kind) of every row of the table."""
+    prefix = table["layers_prefix"]
+    rows = [(row[0], row[1]) for row in table["outside_rows"]]
+    for i in range(table["num_layers"]):
+        rows += [(f"{prefix}{i}.{row[0]}", row[1]) for row in _layer_rows(table, i)]
+    return rows
 
 
 def _saved_rows(table: dict, modules_to_save: tuple[str, ...]) -> set[str]:
