@@ -221,40 +221,6 @@ def test_pipeline_micro_batches_are_the_jobs_in_the_time_and_the_recipe(tmp_path
         capsys.readouterr().err
 
 
-def test_pp_and_mp_with_more_gpus_than_decoder_layers_are_refused_as_train_refuses_them(config_dir, tmp_path,
-                                                                                       capsys):
-    """PP with 4 GPUs (MP with 3) on a model of 2 decoder layers: train refuses the job (a stage would hold no layer),
-    while estimate gave it a table, and listed model parallel among the setups of 4 GPUs; both now refuse it."""
-    from shardtune.cli import main
-    from shardtune.config.loading import run_config_problems
-    from shardtune.testing.tiny import tiny_llama_config
-
-    model = config_dir(tiny_llama_config(256, num_layers=2).to_dict())
-    for strategy, gpus in (("PP", 4), ("MP", 3)):
-        devices = ["--mp_devices", ",".join(f"cuda:{i}" for i in range(gpus))] if strategy == "MP" else []
-        _, _, by_train = run_config_problems(["--model_name_or_path", model, "--dataset_name", "d.jsonl",
-                                              "--output_dir", str(tmp_path / "out"), "--distributed_type", strategy,
-                                              "--num_processes", str(gpus if strategy == "PP" else 1),
-                                              "--pipeline_microbatches", "4", "--dry_run", "true", *devices])
-        assert any(f"{gpus} stages for the 2 decoder layers" in p for p in by_train), by_train
-        assert main(["estimate", model, "--num-gpus", str(gpus), "--strategy", strategy, "--batch-size", "4",
-                     *(["--pipeline-microbatches", "4"] if strategy == "PP" else [])]) == 2
-        said = capsys.readouterr().err.strip()
-        assert "\n" not in said and f"{gpus} stages for the 2 decoder layers of {model}" in said, said
-        assert said.endswith("use 2 GPUs or fewer (--num-gpus), or FSDP or DDP")
-    recipe = tmp_path / "pp.yaml"
-    recipe.write_text(f"model_name_or_path: {model}\ndistributed_type: PP\nnum_processes: 4\n"
-                      f"pipeline_microbatches: 4\nper_device_train_batch_size: 4\n")
-    assert main(["estimate", "--config", str(recipe)]) == 2
-    assert capsys.readouterr().err.strip().endswith("stages for the 2 decoder layers of "
-                                                    f"{model} ({model}/config.json: num_hidden_layers); "
-                                                    "set num_processes 2 or fewer")
-    for gpus, expected in ((2, True), (4, False)):  # the setups side by side: model parallel where it can run
-        assert main(["estimate", model, "--num-gpus", str(gpus), "--json"]) == 0
-        setups = [row["setup"] for row in json.loads(capsys.readouterr().out)["strategies"]]
-        assert ("model parallel" in setups) == expected and "DDP" in setups, setups
-
-
 def test_a_recipe_emitted_from_a_recipe_keeps_its_data_and_output_dir(tmp_path, capsys):
     """--config recipe --emit-config: the written recipe trained into ./output (the recipe's output_dir dropped)
     and the command said to set a dataset_name the recipe had."""

@@ -421,7 +421,6 @@ def main(args: argparse.Namespace) -> int:
     else:
         setup, auto = setup_from_args(args)
     _check_seq_len(args.model, setup.seq_len, "max_seq_len" if args.config else "--seq-len")
-    _check_stages(args.model, setup, recipe=bool(args.config))
     gpu = gpu_from_args(args)
     setup = _as_run_on(setup, gpu, recipe=bool(args.config))
     measured = None
@@ -502,35 +501,6 @@ def _check_seq_len(model: str, seq_len: int, option: str) -> None:
              else context_length(model))
     if problem := beyond_context(seq_len, found, f"{option} {seq_len}", model, option):
         raise UsageError(problem)
-
-
-def _check_stages(model: str, setup: Setup, *, recipe: bool) -> None:
-    """PP and MP with more GPUs than the model has decoder layers, refused as train refuses them (some stage would
-    hold no layer), so that no estimate is made of a job that cannot start."""
-    from shardtune.hub import num_layers
-
-    strategy = setup.strategy
-    if not strategy.splits_layers or setup.world_size <= 1:
-        return
-    name = catalog.canonical(model)
-    if name in catalog.names():
-        layers = catalog.load(name).get("num_hidden_layers")
-        found = (layers, f"catalog {name}: num_hidden_layers") if isinstance(layers, int) else None
-    else:
-        found = num_layers(model)
-    if found is None or setup.world_size <= found[0]:
-        return
-    layers, where = found
-    if not recipe:
-        gpus = "--num-gpus" if setup.num_nodes == 1 else "--num-gpus x --num-nodes"
-        fix = f"use {layers} GPUs or fewer ({gpus}), or FSDP or DDP"
-    elif strategy.pipelined:
-        fix = f"set num_processes {layers} or fewer"
-    else:
-        fix = f"name {layers} devices or fewer in mp_devices"
-    raise UsageError(f"{'distributed_type=' if recipe else '--strategy '}{strategy.name} runs one "
-                     f"{'pipeline' if strategy.pipelined else 'model-parallel'} stage per GPU: {setup.world_size} "
-                     f"stages for the {layers} decoder layers of {model} ({where}); {fix}")
 
 
 def _trace(model: str, report: Report, gpu: Gpu) -> dict:

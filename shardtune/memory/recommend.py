@@ -139,10 +139,7 @@ def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAna
         out.append(plain.with_(distributed_type=MP))
     if measured and PP.name in measured.tokens_per_s and not (analysis and analysis.inventory.tied_embeddings):
         out.append(plain.with_(distributed_type=PP))
-    # none that train would refuse; nor PP or MP with a GPU that would hold no decoder layer
-    layers = analysis.inventory.num_layers if analysis else None
-    return [setup for setup in out if not refusals(setup)
-            and not (layers and setup.strategy.splits_layers and setup.world_size > layers)]
+    return [setup for setup in out if not refusals(setup)]  # none that train would refuse
 
 
 def refusals(setup: Setup) -> list[str]:
@@ -351,18 +348,16 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
     # The largest smaller micro-batch alone, or (where checkpointing is off) with checkpointing as well: the first
     # setup, in order, that fits one.
     as_asked = [base] + ([] if base.gradient_checkpointing else [base.with_(gradient_checkpointing=True)])
-    smaller = (_at_smaller_micro_batch(analysis, s, gpu) for asked in as_asked
-               for s in candidates(asked, analysis=analysis))
+    smaller = (_at_smaller_micro_batch(analysis, s, gpu) for asked in as_asked for s in candidates(asked))
     if base.batch_size > 1 and (hit := next(filter(None, smaller), None)):
         also = " and --gradient-checkpointing" if hit[0].gradient_checkpointing != base.gradient_checkpointing else ""
         out.append(f"batch size {hit[0].batch_size}{also} with {hit[0].label()} ({gib(hit[1])}); keep the global "
                    f"batch with --gradient-accumulation-steps {hit[0].gradient_accumulation_steps}")
-    checkpointed = base.with_(gradient_checkpointing=True)
-    if not base.gradient_checkpointing and (hit := first_fit(candidates(checkpointed, analysis=analysis))):
+    if not base.gradient_checkpointing and (hit := first_fit(candidates(base.with_(gradient_checkpointing=True)))):
         out.append(f"--gradient-checkpointing with {hit[0].label()} ({gib(hit[1])})")
     methods = {"full": ("lora", "qlora"), "lora": ("qlora",), "qlora": ()}[base.method]
     for method in methods:
-        if hit := first_fit(candidates(base.with_(method=method), analysis=analysis)):
+        if hit := first_fit(candidates(base.with_(method=method))):
             out.append(f"--method {method} with {hit[0].label()} ({gib(hit[1])})")
             break
     if hit := _more_gpus(analysis, base, gpu):
