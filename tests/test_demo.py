@@ -115,3 +115,26 @@ def test_demo_cli_rejects_bad_input_before_training(capsys):
     assert "h1000" in capsys.readouterr().err
     assert main(["demo", "--max-steps", "0"]) == 2
     assert "--max-steps must be at least 1" in capsys.readouterr().err
+
+
+def test_demo_leaves_a_users_data_set_in_its_output_dir_alone(tmp_path, capsys):
+    """'shardtune demo --output-dir .' in a project whose data/train.jsonl is the user's own: refused before
+    anything is written (it was replaced by the demo's sums); the demo's own files are written again as they were."""
+    from shardtune.cli import main
+    from shardtune.demo.task import split_task, write_dataset
+
+    mine = tmp_path / "data" / "train.jsonl"
+    mine.parent.mkdir()
+    mine.write_text('{"text": "my own data"}\n')
+    assert main(["demo", "--skip-estimate", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(mine) in err and "--output-dir" in err and "left alone" in err
+    assert mine.read_text() == '{"text": "my own data"}\n'
+    assert not (tmp_path / "data" / "test.jsonl").exists() and not (tmp_path / "run").exists()
+
+    splits = split_task(109, 60, seed=0)
+    write_dataset(splits, tmp_path / "again")
+    first = (tmp_path / "again" / "train.jsonl").read_text()
+    write_dataset(splits, tmp_path / "again")  # a rerun of the demo: its own data, the same bytes
+    assert (tmp_path / "again" / "train.jsonl").read_text() == first
+    assert len(first.splitlines()) == 109 and '"What is ' in first

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardtune.demo.task import write_jsonl
+from shardtune.demo.task import write_splits
 
 # Folders of the standard library left out: tests name their classes TestX by the hundred, and site-packages is
 # not the standard library.
@@ -112,7 +112,4 @@ def split_identifiers(names: Iterable[str], num_train: int, num_test: int, *, se
 
 def write_identifier_dataset(splits: IdentifierSplits, folder: str | Path) -> Path:
     """``folder/train.jsonl`` and ``folder/test.jsonl``, chat rows for ``--dataset_name folder --splits train,test``."""
-    folder = Path(folder)
-    write_jsonl((i.row() for i in splits.train), folder / "train.jsonl")
-    write_jsonl((i.row() for i in splits.test), folder / "test.jsonl")
-    return folder
+    return write_splits(folder, (i.row() for i in splits.train), (i.row() for i in splits.test))

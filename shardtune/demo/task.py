@@ -15,6 +15,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from shardtune.errors import UsageError
 from shardtune.files import write_text
 
 MAX_OPERAND = 12  # operands 0..12: 169 sums, few enough for a ~1M-parameter model to learn in minutes on a CPU
@@ -81,9 +82,23 @@ def write_jsonl(rows: Iterable[dict], path: str | Path) -> Path:
     return write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
-def write_dataset(splits: TaskSplits, folder: str | Path) -> Path:
-    """``folder/train.jsonl`` and ``folder/test.jsonl``: what ``--dataset_name folder --splits train,test`` reads."""
+def write_splits(folder: str | Path, train: Iterable[dict], test: Iterable[dict]) -> Path:
+    """``folder/train.jsonl`` and ``folder/test.jsonl``: what ``--dataset_name folder --splits train,test`` reads.
+    The demo's data is the same on every run, so a file there that holds anything else is a user's data set (an
+    ``--output-dir`` of their project): refused before either file is written, never replaced."""
     folder = Path(folder)
-    write_jsonl((s.row() for s in splits.train), folder / "train.jsonl")
-    write_jsonl((s.row() for s in splits.test), folder / "test.jsonl")
+    texts = {folder / name: "".join(json.dumps(r) + "\n" for r in rows)
+             for name, rows in (("train.jsonl", train), ("test.jsonl", test))}
+    for path, text in texts.items():
+        if path.is_symlink() or path.exists() and (not path.is_file() or path.read_bytes() != text.encode()):
+            raise UsageError(f"--output-dir: {path} holds a file the demo did not write, and it is left alone; "
+                             f"move it away or give another --output-dir")
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, text in texts.items():
+        write_text(path, text)
     return folder
+
+
+def write_dataset(splits: TaskSplits, folder: str | Path) -> Path:
+    """The sums' ``train.jsonl`` and ``test.jsonl`` in ``folder`` (``write_splits``)."""
+    return write_splits(folder, (s.row() for s in splits.train), (s.row() for s in splits.test))
