@@ -138,3 +138,23 @@ def test_demo_leaves_a_users_data_set_in_its_output_dir_alone(tmp_path, capsys):
     write_dataset(splits, tmp_path / "again")  # a rerun of the demo: its own data, the same bytes
     assert (tmp_path / "again" / "train.jsonl").read_text() == first
     assert len(first.splitlines()) == 109 and '"What is ' in first
+
+
+def test_a_rerun_replaces_the_earlier_demo_run_but_not_what_its_user_added(tmp_path):
+    """The demo's run folder from an earlier demo (or a run of the user's at --output-dir/run) held a user's notes:
+    the rerun deleted the whole folder; now only the earlier run's own files go, and its steps leave the metrics."""
+    from shardtune.demo.run import DemoSettings, fine_tune
+    from shardtune.demo.task import split_task, write_dataset
+
+    run_dir = tmp_path / "run"
+    (run_dir / "notes").mkdir(parents=True)
+    (run_dir / "notes" / "ideas.txt").write_text("try lora_r 32\n")
+    (run_dir / "config.yaml").write_text("max_steps: 99\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0}\n')
+    write_dataset(split_task(109, 60, seed=0), tmp_path / "data")
+    settings = DemoSettings(max_steps=1, logging_steps=1, eval_steps=1, num_processes=1)
+    fine_tune(settings, BASE_MODEL_DIR, tmp_path / "data", run_dir, capture=True)
+    assert (run_dir / "notes" / "ideas.txt").read_text() == "try lora_r 32\n"
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps and set(steps) == {1}
+    assert (run_dir / "final" / "adapter_model.safetensors").is_file()

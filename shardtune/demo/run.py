@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -113,7 +112,10 @@ def train_args(settings: DemoSettings, base_dir: Path, data_dir: Path, run_dir: 
             "lora_alpha": settings.lora_alpha, "learning_rate": settings.learning_rate,
             "lr_scheduler_type": "cosine", "warmup_ratio": 0.05, "logging_steps": settings.logging_steps,
             "eval_strategy": "steps", "eval_steps": settings.eval_steps, "save_strategy": "no",
-            "seed": settings.seed, "output_dir": run_dir}
+            "seed": settings.seed, "output_dir": run_dir,
+            # a rerun replaces the earlier demo run, whose metrics.jsonl would otherwise mix into this one's plots;
+            # train deletes only the files a run wrote, never one its user added
+            "overwrite_output_dir": True}
     return [item for key, value in keys.items() for item in (f"--{key}", str(value))]
 
 
@@ -125,10 +127,8 @@ def launch_command(settings: DemoSettings, base_dir: Path, data_dir: Path, run_d
 def fine_tune(settings: DemoSettings, base_dir: Path, data_dir: Path, run_dir: Path, *,
               capture: bool = False) -> float:
     """Run the fine-tune through ``shardtune launch``; returns its wall time. Raises when the job fails."""
-    if run_dir.exists():
-        if not (run_dir / "config.yaml").exists():
-            raise UsageError(f"{run_dir} exists and is not a shardtune run folder; choose another --output-dir.")
-        shutil.rmtree(run_dir)  # metrics.jsonl appends: a leftover run would mix into this one's plots
+    if run_dir.exists() and not (run_dir / "config.yaml").exists():
+        raise UsageError(f"{run_dir} exists and is not a shardtune run folder; choose another --output-dir.")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # one thread per process: 2 processes on 2 cores, no oversubscription
     cmd = launch_command(settings, base_dir, data_dir, run_dir)
