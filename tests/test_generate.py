@@ -219,6 +219,26 @@ def test_cli_rejects_bad_sampling_values(trained, capsys):
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
 
 
+def test_a_template_that_takes_no_system_turn_refuses_system_in_one_line(trained, tmp_path, capsys, monkeypatch):
+    """Gemma's and Mistral's templates raise on a system turn (raise_exception): --system was a jinja traceback."""
+    import shutil
+
+    folder = shutil.copytree(trained, tmp_path / "no_system")
+    template = folder / "chat_template.jinja"
+    template.write_text("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                        "{% endif %}" + template.read_text())
+    assert main(["generate", str(folder), "--prompt", "Count please", "--system", "Be brief."]) == 2
+    err = capsys.readouterr().err
+    assert "refuses this conversation (System role not supported): leave out --system" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+    monkeypatch.setattr("sys.stdin", io.StringIO("Count please\n"))
+    assert main(["chat", str(folder), "--system", "Be brief.", "--max_new_tokens", "100"]) == 2
+    assert "leave out --system" in capsys.readouterr().err
+    # without the system turn the same folder answers as it was trained to
+    assert main(["generate", str(folder), "--prompt", "Count please", "--max_new_tokens", "100"]) == 0
+    assert capsys.readouterr().out == ANSWER + "\n"
+
+
 def test_chat_keeps_the_conversation_and_resets(trained, loaded, capsys, monkeypatch):
     model, tokenizer = loaded
     session = ChatSession(model, tokenizer, options={"max_new_tokens": 100})

@@ -134,12 +134,14 @@ def run_chat(session, lines: TextIO, out: TextIO, prompt: str = "you> ") -> None
 
 
 def main_chat(args: argparse.Namespace) -> int:
-    from shardtune.infer.generate import ChatSession
+    from shardtune.infer.generate import ChatSession, encode_prompt
 
     model, tokenizer = _load(args)
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"the tokenizer of '{args.model}' has no chat template, so chat cannot tell the turns apart; "
                          f"use 'shardtune generate --no-chat-template' for plain-text continuation.")
+    if args.system:  # a template that takes no system turn refuses it here, not at every message
+        encode_prompt(tokenizer, "", system=args.system)
     session = ChatSession(model, tokenizer, system=args.system, options=_options(args))
     print("Chat with the model: /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
     run_chat(session, sys.stdin, sys.stdout)

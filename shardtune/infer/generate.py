@@ -196,7 +196,15 @@ def encode_prompt(tokenizer: Any, prompt: str | None = None, *, messages: Sequen
         if not getattr(tokenizer, "chat_template", None):
             raise UsageError("this tokenizer has no chat template; pass --no-chat-template to feed the prompt as "
                              "plain text, or use a model whose tokenizer_config.json carries one.")
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        from jinja2 import TemplateError
+
+        try:
+            text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        except TemplateError as exc:  # raise_exception in the template: Gemma's and Mistral's refuse a system turn
+            system_first = bool(messages) and messages[0].get("role") == "system"
+            fix = ("leave out --system, or put its text into the message" if system_first else
+                   "give a conversation of the roles it takes, or pass --no-chat-template for plain text")
+            raise UsageError(f"the tokenizer's chat template refuses this conversation ({exc}): {fix}") from None
     else:
         text = "\n".join(m["content"] for m in messages)
     return with_prefix(special_prefix(tokenizer), tokenizer(text, add_special_tokens=False)["input_ids"])[0]
