@@ -217,6 +217,12 @@ def test_cli_generate_streams_the_greedy_reply(trained, capsys):
 def test_cli_rejects_bad_sampling_values(trained, capsys):
     assert main(["generate", str(trained), "--prompt", "hi", "--top_p", "1.5"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    # A nucleus under greedy decoding (temperature's default, 0) changed nothing and said nothing: refused, as
+    # every accepted option acts; with a temperature it samples.
+    assert main(["generate", str(trained), "--prompt", "hi", "--top_p", "0.9"]) == 2
+    assert "top_p 0.9 acts only when sampling, and temperature 0 decodes greedily" in capsys.readouterr().err
+    assert main(["generate", str(trained), "--prompt", "hi", "--top_p", "0.9", "--temperature", "0.7",
+                 "--max_new_tokens", "3"]) == 0
 
 
 def test_a_template_that_takes_no_system_turn_refuses_system_in_one_line(trained, tmp_path, capsys, monkeypatch):

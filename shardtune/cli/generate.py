@@ -19,7 +19,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0 is greedy; above 0 samples (default: 0)")
     p.add_argument("--top_p", "--top-p", type=float, default=1.0, metavar="P",
-                   help="nucleus sampling: keep the most likely tokens up to this probability mass (default: 1)")
+                   help="nucleus sampling (with --temperature above 0): keep the most likely tokens up to this "
+                        "probability mass (default: 1)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampling generator (default: 0)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message put before the conversation")
     p.add_argument("--no-cache", dest="use_cache", action="store_false",

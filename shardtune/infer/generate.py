@@ -284,6 +284,9 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
         raise UsageError(f"temperature must be a number >= 0 (got {temperature:g}); use 0 for greedy decoding.")
     if not 0 < top_p <= 1:
         raise UsageError(f"top_p must be in (0, 1] (got {top_p:g}); 1 keeps every token.")
+    if temperature == 0 and top_p < 1:  # greedy decoding takes the likeliest token: a nucleus would change nothing
+        raise UsageError(f"top_p {top_p:g} acts only when sampling, and temperature 0 decodes greedily: set "
+                         f"temperature above 0 (e.g. 0.7) to sample, or leave top_p at 1.")
 
 
 def _check_options(prompt_ids: Sequence[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
