@@ -67,6 +67,16 @@ def _passthrough(command: str, argv: list[str]) -> int:
         return 130
 
 
+def reader_left() -> int:
+    """The reader of stdout went away (``shardtune generate ... | head``): stop without a word, as Unix tools and
+    rich's console do, with stdout pointed at /dev/null so the interpreter's last flush does not fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout without a file descriptor (a test's capture): nothing to flush there
+        pass
+    return 1
+
+
 def command() -> int:
     """The ``shardtune`` executable and ``python -m shardtune``: this process runs one subcommand and ends."""
     PROCESS["owned"] = True
@@ -97,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"shardtune {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        return reader_left()
     except OSError as exc:  # a write that failed (full disk, no permission, a file where a folder goes)
         print(f"shardtune {args.command}: error: {exc}; free disk space, fix the permissions or give another path",
               file=sys.stderr)
