@@ -149,7 +149,7 @@ def test_a_rerun_replaces_the_earlier_demo_run_but_not_what_its_user_added(tmp_p
     run_dir = tmp_path / "run"
     (run_dir / "notes").mkdir(parents=True)
     (run_dir / "notes" / "ideas.txt").write_text("try lora_r 32\n")
-    (run_dir / "config.yaml").write_text("max_steps: 99\n")
+    (run_dir / "config.yaml").write_text(f"dataset_name: {tmp_path / 'data'}\nmax_steps: 99\n")
     (run_dir / "metrics.jsonl").write_text('{"step": 99, "loss": 1.0}\n')
     write_dataset(split_task(109, 60, seed=0), tmp_path / "data")
     settings = DemoSettings(max_steps=1, logging_steps=1, eval_steps=1, num_processes=1)
@@ -158,3 +158,21 @@ def test_a_rerun_replaces_the_earlier_demo_run_but_not_what_its_user_added(tmp_p
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps and set(steps) == {1}
     assert (run_dir / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_the_demo_leaves_a_users_own_run_at_output_dir_run_alone(tmp_path, capsys):
+    """--output-dir DIR where DIR/run is a training run of the user's (other data): the demo deleted it to make
+    room for its own; now it is refused before the demo writes anything."""
+    from shardtune.cli import main
+
+    run_dir = tmp_path / "run"
+    (run_dir / "final").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("dataset_name: my_chats.jsonl\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 500, "loss": 0.5}\n')
+    (run_dir / "final" / "model.safetensors").write_bytes(b"weights of a week of training")
+    assert main(["demo", "--skip-estimate", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run_dir} holds a training run on my_chats.jsonl, not the demo's" in err and "--output-dir" in err
+    assert (run_dir / "final" / "model.safetensors").read_bytes() == b"weights of a week of training"
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 500, "loss": 0.5}\n'
+    assert not (tmp_path / "data").exists()

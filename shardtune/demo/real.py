@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from shardtune.demo.evaluate import Evaluation, evaluate_model
-from shardtune.demo.run import DemoSettings, fine_tune, launch_command
+from shardtune.demo.run import DemoSettings, check_run_dir, fine_tune, launch_command
 from shardtune.demo.snake_case import harvest, split_identifiers, stdlib_dir, write_identifier_dataset
 from shardtune.errors import UsageError
 
@@ -93,6 +93,7 @@ def run_real_demo(output_dir: str | Path, model: str | Path, *, settings: DemoSe
     console = console or Console()
     output_dir = Path(output_dir).resolve()
     data_dir, run_dir = output_dir / "data", output_dir / "run"
+    check_run_dir(run_dir, data_dir)
     splits = split_identifiers(harvest(), settings.num_train, settings.num_test, seed=settings.seed)
     write_identifier_dataset(splits, data_dir)
     console.print(f"Task: 'Convert to snake_case: XMLParser' -> 'xml_parser', on class names from {stdlib_dir()}: "

@@ -124,11 +124,28 @@ def launch_command(settings: DemoSettings, base_dir: Path, data_dir: Path, run_d
             + train_args(settings, base_dir, data_dir, run_dir))
 
 
+def check_run_dir(run_dir: Path, data_dir: Path) -> None:
+    """``run_dir`` is new, or an earlier demo's run (which the fine-tune replaces): a folder of the user's, or a
+    training run of theirs on other data, is refused before the demo writes anything."""
+    if not run_dir.exists():
+        return
+    if not (run_dir / "config.yaml").is_file():
+        raise UsageError(f"{run_dir} exists and is not a shardtune run folder; choose another --output-dir.")
+    import yaml
+
+    try:
+        trained_on = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("dataset_name")
+    except (OSError, ValueError, yaml.YAMLError, AttributeError):
+        trained_on = None
+    if trained_on != str(data_dir):
+        raise UsageError(f"{run_dir} holds a training run on {trained_on or 'other data'}, not the demo's "
+                         f"({data_dir}): it is left alone; choose another --output-dir.")
+
+
 def fine_tune(settings: DemoSettings, base_dir: Path, data_dir: Path, run_dir: Path, *,
               capture: bool = False) -> float:
     """Run the fine-tune through ``shardtune launch``; returns its wall time. Raises when the job fails."""
-    if run_dir.exists() and not (run_dir / "config.yaml").exists():
-        raise UsageError(f"{run_dir} exists and is not a shardtune run folder; choose another --output-dir.")
+    check_run_dir(run_dir, data_dir)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # one thread per process: 2 processes on 2 cores, no oversubscription
     cmd = launch_command(settings, base_dir, data_dir, run_dir)
@@ -166,6 +183,7 @@ def run_demo(output_dir: str | Path, *, settings: DemoSettings = DemoSettings(),
     console = console or Console()
     output_dir = Path(output_dir).resolve()
     data_dir, run_dir = output_dir / "data", output_dir / "run"
+    check_run_dir(run_dir, data_dir)
     splits = split_task(settings.num_train, settings.num_test, seed=settings.seed)
     write_dataset(splits, data_dir)
     console.print(f"Task: answer 'What is A plus B?' (A, B <= {MAX_OPERAND}) in a chat turn. {len(splits.train)} "
