@@ -123,3 +123,28 @@ def test_the_max_steps_help_states_both_demos_defaults(capsys):
         shardtune_main(["demo", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert f"(default: {DemoSettings().max_steps}, with --real {REAL_SETTINGS.max_steps})" in help_text
+
+
+def test_a_rerun_of_the_real_demo_replaces_its_gguf_but_never_a_users(tmp_path):
+    """A second 'shardtune demo --real' in the same folder trained for minutes, then failed at the export: its
+    earlier GGUF was there ('add --overwrite', which the demo has not). It replaces its own now; a Modelfile of
+    the user's there is refused before any training."""
+    from rich.console import Console
+
+    from shardtune.demo.base import BASE_MODEL_DIR
+    from shardtune.demo.real import REAL_SETTINGS, run_real_demo, with_overrides
+    from shardtune.errors import UsageError
+
+    settings = with_overrides(REAL_SETTINGS, num_train=8, num_test=2, max_steps=1, per_device_train_batch_size=2,
+                              logging_steps=1, eval_steps=1, num_processes=1)
+    runs = [run_real_demo(tmp_path, BASE_MODEL_DIR, settings=settings, quantize="f16", console=Console(quiet=True),
+                          capture_training=True) for _ in range(2)]
+    assert runs[1].gguf == runs[0].gguf == tmp_path / "gguf" / "model-f16.gguf" and runs[1].gguf.stat().st_size
+    assert "FROM ./model-f16.gguf" in (tmp_path / "gguf" / "Modelfile").read_text()
+    (tmp_path / "gguf" / "Modelfile").write_text("FROM ./model-f16.gguf\nPARAMETER temperature 0.2\n")
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(UsageError, match="Modelfile is there and shardtune did not write it"):
+        run_real_demo(tmp_path, BASE_MODEL_DIR, settings=settings, quantize="f16", console=Console(quiet=True),
+                      capture_training=True)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics  # refused before the fine-tune
+    assert "temperature 0.2" in (tmp_path / "gguf" / "Modelfile").read_text()

@@ -87,13 +87,17 @@ def run_real_demo(output_dir: str | Path, model: str | Path, *, settings: DemoSe
     """Evaluate ``model`` on held-out names, fine-tune it through ``shardtune launch``, evaluate the adapter, and
     write the tuned model as ``output_dir/gguf/model-QUANTIZE.gguf`` with a Modelfile."""
     from shardtune.gguf_export import check_quantize
-    from shardtune.train.export_gguf import export_gguf
+    from shardtune.train.export_gguf import export_gguf, gguf_destination_problem, gguf_target
 
     check_quantize(quantize)  # before the fine-tune, not after it
     console = console or Console()
     output_dir = Path(output_dir).resolve()
     data_dir, run_dir = output_dir / "data", output_dir / "run"
     check_run_dir(run_dir, data_dir)
+    # A rerun replaces the GGUF and Modelfile an earlier demo wrote (never a user's): checked before the fine-tune,
+    # so a folder it cannot write into costs no minutes of training
+    if problem := gguf_destination_problem(gguf_target(output_dir / "gguf", quantize), [model], overwrite=True):
+        raise UsageError(problem)
     splits = split_identifiers(harvest(), settings.num_train, settings.num_test, seed=settings.seed)
     write_identifier_dataset(splits, data_dir)
     console.print(f"Task: 'Convert to snake_case: XMLParser' -> 'xml_parser', on class names from {stdlib_dir()}: "
@@ -108,7 +112,7 @@ def run_real_demo(output_dir: str | Path, model: str | Path, *, settings: DemoSe
     after = evaluate_model(run_dir / "final", data_dir, splits.test, max_seq_len=settings.max_seq_len,
                            max_new_tokens=None)
     console.print(f"$ shardtune export {run_dir} {output_dir / 'gguf'} --format gguf --quantize {quantize}")
-    gguf = export_gguf(run_dir, output_dir / "gguf", quantize=quantize)
+    gguf = export_gguf(run_dir, output_dir / "gguf", quantize=quantize, overwrite=True)
     return RealDemoResult(before=before, after=after, run_dir=run_dir, gguf=gguf, train_s=train_s)
 
 
