@@ -137,3 +137,15 @@ def test_missing_file_and_malformed_lines_are_usage_errors(tmp_path, capsys, cap
         read_metrics(tmp_path)
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_a_file_where_the_plots_folder_goes_is_one_line_naming_it(tmp_path, capsys):
+    """It said '[Errno 17] File exists: ...; free disk space, fix the permissions or give another path'."""
+    run = write_metrics(tmp_path / "run", synthetic_run(num_steps=3))
+    (run / "plots").write_text("my notes\n")
+    assert main(["plot", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"{run / 'plots'}: a file is there, where the run's plots folder goes" in err and "--out DIR" in err
+    assert "free disk space" not in err and (run / "plots").read_text() == "my notes\n"
+    assert main(["plot", str(run), "--out", str(tmp_path / "pngs")]) == 0
+    assert len(list((tmp_path / "pngs").glob("*.png"))) == 4

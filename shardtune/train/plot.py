@@ -192,6 +192,9 @@ def write_plots(output_dir: str | Path, out_dir: str | Path | None = None) -> li
     run = Path(output_dir)
     run = run.parent if run.name == METRICS_FILE and run.is_file() else run  # the file itself was given
     target = Path(out_dir) if out_dir is not None else run / "plots"
+    if out_dir is None and (target.is_symlink() or target.exists()) and not target.is_dir():
+        raise UsageError(f"{target}: a file is there, where the run's plots folder goes; move it away, or give "
+                         f"another folder with --out DIR")
     pictures = {target / f"{name}.png": fig for name, fig in figures(metrics).items()}
     if out_dir is not None:
         for path in pictures:
