@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from shardtune.errors import UsageError
 from shardtune.moe import MOE_FUSED, MOE_TARGETS, moe_dora_problem, moe_family
 
+
 @dataclass(frozen=True)
 class LoraCount:
     """Trainable LoRA parameters, split the way the memory formula needs them."""
