@@ -163,6 +163,30 @@ def test_variants_merge_and_peft_load_give_the_trained_logits(root, variants_sin
     assert_close(model_logits(root / "merged", ids), trained)
 
 
+def test_estimate_counts_the_added_token_rows_the_run_trained(root, variants_single, tmp_path, capsys):
+    """The llama-3 template's tokens grow the vocabulary: estimate --config counts the grown embeddings and head
+    and the rows PEFT trains in the input embeddings (lm_head is saved whole), the numbers the run reported."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.cli import main as shardtune_main
+
+    pairs = dict(zip(VARIANTS[0::2], VARIANTS[1::2]))
+    recipe = {key.lstrip("-"): value for key, value in pairs.items()}
+    recipe.update(model_name_or_path=str(root / "model"), dataset_name="unused.jsonl", bf16="false")
+    (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))
+    assert shardtune_main(["estimate", "--config", str(tmp_path / "recipe.yaml"), "--json"]) == 0
+    estimate = json.loads(capsys.readouterr().out)
+    summary = json.loads((root / "single" / "summary.json").read_text())
+    assert estimate["trainable_parameters"] == summary["trainable_parameters"]
+    # The base as train grew it: the template's three tokens (<|start_header_id|>, <|end_header_id|>, <|eot_id|>)
+    # add a row to the embeddings and one to the untied head.
+    base = AutoModelForCausalLM.from_pretrained(root / "model")
+    rows = len(AutoTokenizer.from_pretrained(root / "single" / "final")) - base.config.vocab_size
+    assert rows == 3
+    grown = sum(p.numel() for p in base.parameters()) + 2 * rows * base.config.hidden_size
+    assert estimate["parameters"] == grown
+
+
 def test_adapter_trained_with_a_relative_base_generates_from_another_folder(root, variants_single):
     config = json.loads((root / "single" / "final" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str((root / "model").resolve())

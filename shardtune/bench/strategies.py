@@ -188,12 +188,12 @@ def summarise(strategy: str, probe_dir: Path, warmup_steps: int) -> Result:
 def estimate_for(cfg: TrainConfig, strategy: str, n: int) -> tuple[int, str]:
     """The estimator's per-device total for the recipe ``cfg`` under ``strategy`` on ``n`` devices and, for MP/PP,
     its layer layout."""
-    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.inventory import analysis_for
     from shardtune.memory.recommend import evaluate_setup
     from shardtune.memory.setup import Setup
 
     setup = Setup(cfg, num_gpus=n).with_(distributed_type=strategy)
-    breakdown = evaluate_setup(ModelAnalysis(cfg.model.model_name_or_path), setup)
+    breakdown = evaluate_setup(analysis_for(cfg.model.model_name_or_path, cfg), setup)
     return breakdown.total, breakdown.stage_note
 
 

@@ -58,10 +58,10 @@ def plan_batch(largest_fitting: int, setup: Setup) -> BatchPlan:
 def find_batch_size(model: str, setup: Setup, gpu: Gpu, *, recipe: bool = False) -> BatchPlan:
     """The batch plan for ``setup`` on ``gpu``; a UsageError when not even one sequence per GPU fits, naming what
     else to try as options, or as recipe keys where the setup came from ``--config`` files (``recipe``)."""
-    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.inventory import analysis_for
     from shardtune.memory.recommend import evaluate_setup, max_batch_size
 
-    analysis = ModelAnalysis(model)
+    analysis = analysis_for(model, setup.config)
     largest = max_batch_size(analysis, setup, gpu)
     if largest == 0:
         one = evaluate_setup(analysis, setup.with_(per_device_train_batch_size=1))

@@ -14,12 +14,13 @@ the model built on meta (importing torch and transformers costs ~3 s).
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib.metadata
 import json
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -202,11 +203,67 @@ class _CountCache:
             pass
 
 
-class ModelAnalysis:
-    """A model built on the meta device, with its inventory and LoRA counts (cached per r and targets)."""
+def trained_vocab_size(model: str, cfg) -> int | None:
+    """``len(tokenizer)`` as ``shardtune train`` configures it for ``cfg`` (a named chat template's tokens with
+    add_special_tokens, a pad token it adds): the rows train resizes the embeddings to. None where there is no
+    tokenizer to read (a catalog name, a bare config.json, a hub id: nothing is downloaded)."""
+    facts = tokenizer_facts(model, cfg)
+    return facts[0] if facts else None
 
-    def __init__(self, model: str, use_cache: bool = True, use_packaged: bool = True):
-        self.name, self.config_dict = load_config_dict(model)
+
+def tokenizer_facts(model: str, cfg) -> tuple[int, int] | None:
+    """The length and pad id of the tokenizer train configures for ``cfg``, where ``model`` holds one."""
+    from shardtune.hub import TOKENIZER_FILES
+
+    path, data = Path(model).expanduser(), cfg.data
+    # A GGUF's tokenizer takes ~10 s to convert: it is read only for a template that adds tokens (the pad token
+    # train may add to a GGUF's tokenizer without one is not counted).
+    adds = data.chat_template_format != "none" and data.add_special_tokens
+    if not ((path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES))
+            or (adds and find_gguf(path))):
+        return None
+    return _configured_tokenizer(str(path.resolve()), data.chat_template_format, data.add_special_tokens,
+                                 cfg.model.trust_remote_code)
+
+
+@functools.lru_cache(maxsize=8)
+def _configured_tokenizer(path: str, chat_template_format: str, add_special_tokens: bool,
+                          trust_remote_code: bool) -> tuple[int, int]:
+    from types import SimpleNamespace
+
+    from shardtune.data import load_tokenizer
+
+    data = SimpleNamespace(chat_template_format=chat_template_format, add_special_tokens=add_special_tokens)
+    tokenizer = load_tokenizer(path, data, trust_remote_code=trust_remote_code)
+    return len(tokenizer), tokenizer.pad_token_id
+
+
+def _with_vocab(config_dict: dict, vocab_size: int | None) -> tuple[dict, int]:
+    """``config_dict`` with its vocabulary grown to ``vocab_size`` (train's resize), and the rows added."""
+    nested = "vocab_size" not in config_dict and isinstance(config_dict.get("text_config"), dict)
+    text = config_dict["text_config"] if nested else config_dict
+    old = text.get("vocab_size")
+    if vocab_size is None or not isinstance(old, int) or vocab_size <= old:
+        return config_dict, 0
+    grown = {**text, "vocab_size": vocab_size}
+    return ({**config_dict, "text_config": grown} if nested else grown), vocab_size - old
+
+
+def analysis_for(model: str, cfg, **kwargs) -> ModelAnalysis:
+    """The analysis of ``model`` as train builds it for the config ``cfg``: at the vocabulary it resizes to."""
+    return ModelAnalysis(model, vocab_size=trained_vocab_size(model, cfg), **kwargs)
+
+
+class ModelAnalysis:
+    """A model built on the meta device, with its inventory and LoRA counts (cached per r and targets).
+
+    ``vocab_size``: the tokenizer's length where train grows the embeddings to it (``trained_vocab_size``): the
+    model is counted at that size, and LoRA trains the added rows (PEFT's ``trainable_token_indices``), as train
+    does."""
+
+    def __init__(self, model: str, use_cache: bool = True, use_packaged: bool = True, vocab_size: int | None = None):
+        self.name, config_dict = load_config_dict(model)
+        self.config_dict, self.added_tokens = _with_vocab(config_dict, vocab_size)
         self.use_packaged = use_packaged
         self._cache = _CountCache(self.config_dict) if use_cache else None
         self._lora_cache: dict[tuple, LoraCount] = {}
@@ -336,9 +393,25 @@ class ModelAnalysis:
         targets = normalize_targets(target_modules)
         key = (r, targets, dora, tuple(modules_to_save), bias)
         if key not in self._lora_cache:
-            self._lora_cache[key] = count_lora(self.table, r, targets, self.name, dora=dora,
-                                               modules_to_save=tuple(modules_to_save), bias=bias)
+            count = count_lora(self.table, r, targets, self.name, dora=dora,
+                               modules_to_save=tuple(modules_to_save), bias=bias)
+            tokens = self.added_token_params(tuple(modules_to_save))
+            self._lora_cache[key] = replace(count, outside_layers=count.outside_layers + tokens)
         return self._lora_cache[key]
+
+    def added_token_params(self, modules_to_save: tuple[str, ...] = ()) -> int:
+        """What the rows train added to the vocabulary train besides the adapters: PEFT's trainable tokens in the
+        input embeddings and an untied head (``train.model.added_token_targets``), except in a module trained
+        whole (``modules_to_save``), which its copy already counts."""
+        if not self.added_tokens:
+            return 0
+        inv = self.inventory
+        width = inv.embedding_params // inv.vocab_size
+        names = {row[0] for row in self.table["outside_rows"] if row[1] == "embedding" and row[2] == inv.vocab_size}
+        if not inv.tied_embeddings and self.table["output_name"]:
+            names.add(self.table["output_name"])
+        trained = [name for name in names if name.rsplit(".", 1)[-1] not in modules_to_save]
+        return self.added_tokens * width * len(trained)
 
     def lora_of(self, setup) -> LoraCount | None:
         """The LoRA count of an estimator ``Setup`` (None when it trains no adapters)."""

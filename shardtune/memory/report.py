@@ -181,7 +181,7 @@ def render(r: Report, console: Console) -> None:
 def estimate_report(model: str, setup: Setup, gpu: Gpu, auto: bool = True, measured=None) -> Report:
     """Estimate ``setup`` for ``model`` on ``gpu``; with ``auto`` the strategy is the recommended one (ranked by
     ``measured`` speeds, a ``recommend.Measured``, when given)."""
-    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.inventory import analysis_for
     from shardtune.memory.recommend import (
         candidates,
         evaluate_setup,
@@ -189,7 +189,7 @@ def estimate_report(model: str, setup: Setup, gpu: Gpu, auto: bool = True, measu
         recommend,
     )
 
-    analysis = ModelAnalysis(model)
+    analysis = analysis_for(model, setup.config)
     inv = analysis.inventory
     if setup.strategy.pipelined and inv.tied_embeddings:
         raise UsageError(f"--strategy {setup.strategy}: {model} ties its LM head to its input embeddings, which "

@@ -11,13 +11,13 @@ from shardtune.config import TrainConfig
 
 def stage_bounds(cfg: TrainConfig, num_stages: int, batch_size: int) -> tuple[tuple[int, int], ...]:
     """[first, end) decoder layers of each of ``num_stages`` stages holding ``batch_size`` rows at once."""
-    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.inventory import analysis_for
     from shardtune.memory.recommend import evaluate_setup
     from shardtune.memory.setup import Setup
 
     # The job's own config: its strategy splits the layers, so the estimate is the model-parallel one.
     setup = Setup(cfg, num_gpus=num_stages).with_(per_device_train_batch_size=batch_size)
-    analysis = ModelAnalysis(cfg.model.model_name_or_path)
+    analysis = analysis_for(cfg.model.model_name_or_path, cfg)
     breakdown = evaluate_setup(analysis, setup)
     return breakdown.stage_bounds or ((0, analysis.inventory.num_layers),)
 

@@ -176,12 +176,10 @@ def _model_config(cfg: TrainConfig):
 
 def _vocab_and_pad(cfg: TrainConfig, config) -> tuple[int, int]:
     """The tokenizer's length and pad id as the trainer sees them (the model's vocabulary without a tokenizer)."""
-    path = Path(cfg.model.model_name_or_path).expanduser()
-    if path.is_dir() and any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        from shardtune.data import load_tokenizer
+    from shardtune.memory.inventory import tokenizer_facts
 
-        tokenizer = load_tokenizer(str(path), cfg.data, trust_remote_code=cfg.model.trust_remote_code)
-        return len(tokenizer), tokenizer.pad_token_id
+    if facts := tokenizer_facts(cfg.model.model_name_or_path, cfg):
+        return facts
     pad = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
     return config.vocab_size, pad
 

@@ -72,10 +72,10 @@ def setup_from_config(cfg: TrainConfig, world_size: int, num_nodes: int = 1, *,
 def formula_for_config(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -> dict[str, Any]:
     """The analytic estimate of the job ``cfg`` describes, in the trace's shape."""
     from shardtune.memory.formula import estimate
-    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.inventory import analysis_for
 
     setup = setup_from_config(cfg, world_size, num_nodes)
-    analysis = ModelAnalysis(cfg.model.model_name_or_path)
+    analysis = analysis_for(cfg.model.model_name_or_path, cfg)
     lora = analysis.lora_of(setup)
     breakdown = estimate(analysis.inventory, setup, lora)
     return {"peak_bytes": breakdown.total, "categories": breakdown.per_gpu(), "world_size": world_size,
@@ -164,11 +164,11 @@ def formula_and_trace(model: str, setup: Setup) -> Calibration:
     item against the trace's replayed allocations).
     """
     from shardtune.memory.formula import estimate
-    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.inventory import analysis_for
     from shardtune.memory.trace import trace_training_step
 
     traced = trace_training_step(config_from_setup(model, setup), setup.world_size, num_nodes=setup.num_nodes)
-    analysis = ModelAnalysis(model)
+    analysis = analysis_for(model, setup.config)
     lora = analysis.lora_of(setup)
     breakdown = estimate(analysis.inventory, setup, lora)
     return Calibration(breakdown.tensors, breakdown.total, traced.peak_bytes, traced.reserved_bytes)
