@@ -635,3 +635,13 @@ def test_another_tools_key_without_a_counterpart_names_what_to_write(key, hint, 
     """Spelling alone offered dataset_num_proc for dataset_train_split and lora_r for lr."""
     assert main(["train", *BASE, f"--{key}", "1"]) == 2
     assert f"unknown key '{key}'; {hint}" in capsys.readouterr().err
+
+
+def test_trls_config_option_reads_the_recipe(tmp_path, monkeypatch):
+    """`trl sft --config recipe.yaml` is how TRL users run a recipe: `shardtune train --config recipe.yaml` was
+    refused as the unknown key 'config'. It is the recipe, below key=value and --key value as the positional one."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipe.yaml").write_text("learning_rate: 0.001\nseed: 3\n")
+    cfg = load_train_config(["--config", "recipe.yaml", *BASE, "seed=7"])
+    assert (cfg.optim.learning_rate, cfg.run.seed) == (0.001, 7)
+    assert load_train_config([*BASE, "--config=recipe.yaml"]).run.seed == 3

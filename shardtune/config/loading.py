@@ -265,7 +265,10 @@ def _cli_items(argv: list[str]) -> list[tuple[str, str, Any, str]]:
                     i += 1
                 else:
                     value = "true"
-            items.append(("flag", key.replace("-", "_"), value, typed))
+            if key == "config" and value != "true":  # TRL's `trl sft --config recipe.yaml`: the recipe itself
+                items.append(("file", value, None, typed))
+            else:
+                items.append(("flag", key.replace("-", "_"), value, typed))
         elif "=" in arg and not (arg.endswith((".yaml", ".yml")) and Path(arg).expanduser().is_file()):
             # (a recipe whose path holds '=', sweep/lr=1e-3/recipe.yaml, is a file: a key has no '/' or '.yaml')
             key, _, value = arg.partition("=")
