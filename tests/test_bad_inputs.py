@@ -392,6 +392,24 @@ def test_lora_modules_that_name_no_module_and_a_zero_alpha_are_refused(work, tmp
     assert not (tmp_path / "b").exists()
 
 
+def test_a_lora_target_the_model_lacks_is_refused_where_it_was_written(work, tmp_path, capsys):
+    """Found only once the model is built, a recipe's lora_target_modules typo was refused without the file and
+    line that set it, and estimate --config named an option the user never typed (--lora-target-modules)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {work / 'model'}\ndataset_name: {work / 'chat.jsonl'}\n"
+                      f"use_peft_lora: true\nlora_target_modules: q_projj\n")
+    with logging_restored():
+        refused(capsys, ["train", str(recipe), "--output_dir", str(tmp_path / "run"), "--max_steps", "1"],
+                f"{recipe}, line 4: lora_target_modules=q_projj: no module of the model is named q_projj")
+    refused(capsys, ["estimate", "--config", str(recipe)],
+            f"{recipe}, line 4: lora_target_modules q_projj matches no linear layer of model")
+    # Given by estimate's options, the refusal names them
+    refused(capsys, ["estimate", str(work / "model"), "--method", "lora", "--lora-target-modules", "q_proj",
+                     "--lora-modules-to-save", "q_proj"],
+            "--lora-target-modules q_proj: every module it names is also in --lora-modules-to-save (q_proj)")
+    assert not (tmp_path / "run").exists()
+
+
 def test_rows_left_out_of_each_epoch_are_said(work, tmp_path, capsys):
     """Every step is a whole global batch, so the rows of an incomplete last one are not trained that epoch; that
     was written only in a docstring (Transformers' Trainer trains a smaller last batch)."""

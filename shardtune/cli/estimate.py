@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -404,6 +405,27 @@ def _check_emittable(args: argparse.Namespace, report) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """The estimate the options (or --config files) describe: the report, then what the extra options add."""
+    try:
+        return _estimate(args)
+    except UsageError as exc:
+        raise said_as_given(exc, args) from None
+
+
+def said_as_given(error: UsageError, args: argparse.Namespace) -> UsageError:
+    """A refusal about a job key (a LoRA target the model lacks) in the user's words: led by the recipe's file and
+    line with --config, by the option that set the key otherwise."""
+    from shardtune.config.loading import placed
+
+    if args.config:
+        return placed(error, config_argv(args.config))
+    problem = error.args[0] if error.args else None
+    keys = [key for key in getattr(problem, "keys", ()) if key in args.setup_options]
+    if not keys:
+        return error
+    return UsageError(re.sub(rf"\b({'|'.join(keys)})\b", lambda m: args.setup_options[m[1]][0], str(problem)))
+
+
+def _estimate(args: argparse.Namespace) -> int:
     if args.list:
         print_catalog()
         return 0

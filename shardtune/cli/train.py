@@ -79,12 +79,15 @@ def _run(argv: list[str]) -> int:
         print(render_text(trace_or_formula(cfg, world_size, num_nodes=nodes)))
         return 0
     from shardtune.cli.launch import report_stop
+    from shardtune.config.loading import placed
     from shardtune.errors import EXIT_FAILED, EXIT_PREEMPTED, TrainingStopped
     from shardtune.train.loop import train
 
     rank = os.environ.get("RANK", "0")
     try:
         summary = train(cfg, job_callbacks(cfg), stage_bounds=job_stage_bounds(cfg))
+    except UsageError as exc:  # found once the model loaded (a LoRA target it lacks): said where the key was set
+        raise placed(exc, argv) from None
     except TrainingStopped as exc:
         if not getattr(exc, "quiet", False):  # a rank that died: the lowest survivor says it, once
             print(f"shardtune train: rank {rank}: stopped: {exc}", file=sys.stderr)

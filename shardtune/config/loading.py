@@ -580,6 +580,15 @@ def _located(problem: str, given: dict[str, Origin]) -> str:
     return f"{lines[0]}: {problem}" if lines else problem
 
 
+def placed(error: UsageError, argv: list[str]) -> UsageError:
+    """``error`` led by the file and line of ``argv``'s recipe that set its key, where its message is a ``Problem``
+    found after the config was read (a LoRA target the model lacks); as it is otherwise."""
+    problem = error.args[0] if error.args else None
+    if not getattr(problem, "keys", None):
+        return error
+    return UsageError(_located(problem, key_origins(argv)))
+
+
 def load_train_config(argv: list[str], *, training: bool = True) -> TrainConfig:
     """Resolve ``shardtune train`` arguments into a validated TrainConfig (see the module docstring); ``training``
     False reads them for a command that writes nothing (no output_dir needed)."""

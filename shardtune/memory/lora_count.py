@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from shardtune.config.keys import Problem
 from shardtune.errors import UsageError
 from shardtune.moe import MOE_FUSED, MOE_TARGETS, moe_dora_problem, moe_family
 
@@ -139,7 +140,7 @@ def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *
     which of the base's biases train.
     """
     if dora and (problem := moe_dora_problem(table["model_type"], table["moe_family"], targets)):
-        raise UsageError(problem)
+        raise UsageError(Problem(("use_dora", "lora_target_modules"), problem))
     moe = _moe_targets(table, targets)
     saved = _saved_rows(table, modules_to_save)
 
@@ -180,14 +181,14 @@ def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *
         if saved and any(_matches(name, kind, targets, table["output_name"])
                          for name, kind in _named_kinds(table) if name in saved):
             # PEFT leaves a module it trains whole unadapted, and refuses a config that adapts nothing.
-            raise UsageError(
+            raise UsageError(Problem(("lora_target_modules", "lora_modules_to_save"),
                 f"lora_target_modules {','.join(targets)}: every module it names is also in lora_modules_to_save "
                 f"({','.join(modules_to_save)}), trained whole, so PEFT adapts none and refuses the job; target "
-                f"other modules too (e.g. all-linear) or leave them out of lora_modules_to_save")
-        raise UsageError(
-            f"--lora-target-modules {','.join(targets)} matches no linear layer of {model_name}; "
+                f"other modules too (e.g. all-linear) or leave them out of lora_modules_to_save"))
+        raise UsageError(Problem("lora_target_modules",
+            f"lora_target_modules {','.join(targets)} matches no linear layer of {model_name}; "
             f"use all-linear or names such as {', '.join(linear_names(table)[:6])}."
-        )
+        ))
     return LoraCount(r=r, target_modules=targets,
                      per_layer=tuple(adapters + trained for adapters, trained, _ in layers),
                      outside_layers=outside[0] + outside[1], bias_per_layer=tuple(trained for _, trained, _ in layers),

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shardtune.config import LoraConfig, ModelConfig, TrainConfig
+from shardtune.config.keys import Problem
 from shardtune.errors import UsageError, closest
 from shardtune.moe import MOE_TARGETS, moe_dora_problem, moe_family
 
@@ -389,7 +390,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int, added_token_ids
             _refuse_unmatched(model, key, names, fix)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if lora.use_dora and (problem := moe_dora_problem(model_type, moe_family(model_type), targets)):
-            raise UsageError(problem)
+            raise UsageError(Problem(("use_dora", "lora_target_modules"), problem))
     peft_config = peft_lora_config(lora, added_token_targets(model, added_token_ids or [], lora))
     if mutates_base(lora) and next(model.parameters()).is_meta:
         # A rank built on meta gets all of rank 0's weights, its decomposed base included: nothing to take apart
@@ -435,8 +436,9 @@ def _refuse_unmatched(model: nn.Module, key: str, names: list[str], fix: str) ->
     if missing:
         short = sorted({module.rsplit(".", 1)[-1] for module in modules})
         hints = [hint for name in missing if (hint := closest(name, short))]
-        raise UsageError(f"{key}={','.join(names)}: no module of the model is named {', '.join(missing)}"
-                         + (f" (did you mean {', '.join(hints)}?)" if hints else "") + f"; {fix}")
+        guess = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        raise UsageError(Problem(key, f"{key}={','.join(names)}: no module of the model is named "
+                                      f"{', '.join(missing)}{guess}; {fix}"))
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
