@@ -184,7 +184,8 @@ SWITCHED = {
     "use_rslora": "true", "lora_modules_to_save": "lm_head", "init_lora_weights": "gaussian", "lora_bias": "all",
     "bnb_4bit_quant_type": "fp4", "use_nested_quant": "false", "bnb_4bit_compute_dtype": "float32",
     "bnb_4bit_quant_storage_dtype": "float32", "append_concat_token": "true", "use_reentrant": "true",
-    "ddp_find_unused_parameters": "true", "pipeline_schedule": "GPipe", "pipeline_microbatches": "4",
+    "ddp_find_unused_parameters": "true", "ddp_bucket_cap_mb": "5", "ddp_broadcast_buffers": "false",
+    "ddp_static_graph": "true", "pipeline_schedule": "GPipe", "pipeline_microbatches": "4",
     "mp_devices": "cpu,cpu", "eval_steps": "5", "per_device_eval_batch_size": "2", "save_steps": "10",
     "hub_model_id": "me/x",
     "hub_private_repo": "true", "hub_token": "hf_secret", "run_name": "first",
@@ -537,10 +538,10 @@ def test_trl_model_init_kwargs_set_the_model_keys_they_name(tmp_path):
 
 
 @pytest.mark.parametrize("key, whose", [("ignore_data_skip", "Transformers' TrainingArguments"),
-                                        ("ddp_bucket_cap_mb", "Transformers' TrainingArguments"),
+                                        ("label_names", "Transformers' TrainingArguments"),
                                         ("truncation_mode", "TRL's SFTConfig")])
 def test_another_tools_key_is_not_offered_a_key_spelled_like_it(key, whose, capsys):
-    """ignore_data_skip was answered 'see --help-keys', ddp_bucket_cap_mb the same, truncation_mode was offered
+    """ignore_data_skip was answered 'see --help-keys', label_names the same, truncation_mode was offered
     trust_remote_code: a key of Transformers or TRL with no counterpart here says so instead."""
     assert main(["train", *BASE, f"--{key}", "1"]) == 2
     assert f"unknown key '{key}': {whose} key, which has no counterpart here; leave it out" in \

@@ -174,3 +174,31 @@ def test_forward_prefetch_chains_each_decoder_layer_to_the_next(tmp_path):
         assert prefetched == [[1], [2], []]
     finally:
         shutdown()
+
+
+@pytest.mark.parametrize("flags,expected", [
+    ([], (25 * 2**20, True, False)),  # torch's own defaults where the keys are unset
+    (["--ddp_bucket_cap_mb", "5", "--ddp_broadcast_buffers", "false", "--ddp_static_graph", "true"],
+     (5 * 2**20, False, True)),
+])
+def test_transformers_ddp_keys_reach_distributed_data_parallel(flags, expected):
+    """ddp_bucket_cap_mb, ddp_broadcast_buffers and ddp_static_graph (Transformers' TrainingArguments) were refused
+    as keys with no counterpart; they are DDP's arguments, as the Trainer passes them."""
+    import torch.distributed as dist
+
+    from shardtune.config import load_train_config
+    from shardtune.dist import DistInfo, shutdown
+    from shardtune.train.ddp import apply_ddp
+    from shardtune.train.plan import make_plan
+
+    cfg = load_train_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o",
+                             "--distributed_type", "DDP", *flags])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        # Two ranks as apply_ddp sees the job (one process wraps nothing); DDP itself runs on this one-rank group.
+        info = DistInfo(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"))
+        plan = make_plan(cfg.distributed, info, param_dtype=None, gradient_checkpointing=False, use_reentrant=False)
+        ddp = apply_ddp(nn.Linear(4, 4), plan, info)
+        assert (ddp.bucket_bytes_cap, ddp.broadcast_buffers, ddp.static_graph) == expected
+    finally:
+        shutdown()

@@ -388,12 +388,12 @@ UNKNOWN_ELSEWHERE = {
 OTHER_TOOLS_KEYS = {
     **dict.fromkeys((
         "activation_checkpointing_kwargs", "batch_eval_metrics", "bf16_full_eval", "dataloader_in_order",
-        "dataloader_multiprocessing_context", "ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph",
-        "enable_jit_checkpoint", "eval_delay", "eval_do_concat_batches", "eval_use_gather_object", "fp16_full_eval",
-        "hub_always_push", "hub_revision", "ignore_data_skip", "include_for_metrics", "label_names",
-        "length_column_name", "liger_kernel_config", "log_on_each_node", "prediction_loss_only", "project",
-        "restore_callback_states_from_checkpoint", "save_on_each_node", "skip_memory_metrics",
-        "torch_empty_cache_steps", "trackio_bucket_id", "trackio_space_id", "trackio_static_space_id",
+        "dataloader_multiprocessing_context", "enable_jit_checkpoint", "eval_delay", "eval_do_concat_batches",
+        "eval_use_gather_object", "fp16_full_eval", "hub_always_push", "hub_revision", "ignore_data_skip",
+        "include_for_metrics", "label_names", "length_column_name", "liger_kernel_config", "log_on_each_node",
+        "prediction_loss_only", "project", "restore_callback_states_from_checkpoint", "save_on_each_node",
+        "skip_memory_metrics", "torch_empty_cache_steps", "trackio_bucket_id", "trackio_space_id",
+        "trackio_static_space_id",
         "train_sampling_strategy"), "Transformers' TrainingArguments"),
     "truncation_mode": "TRL's SFTConfig",
 }

@@ -432,6 +432,12 @@ class DistributedConfig:
                                            "it out (the fsdp_* keys keep their meaning)")
     ddp_find_unused_parameters: bool | None = key(False, "DDP's find_unused_parameters (true when some parameters get "
                                                         "no gradient).", needs=DDP_ONLY)
+    ddp_bucket_cap_mb: int | None = key(None, "DDP's bucket_cap_mb: MB of gradients each all-reduce carries (unset: "
+                                              "torch's 25).", gt=0, needs=DDP_ONLY)
+    ddp_broadcast_buffers: bool | None = key(None, "DDP's broadcast_buffers: rank 0's buffers copied to the other "
+                                                   "ranks before each forward (unset: torch's true).", needs=DDP_ONLY)
+    ddp_static_graph: bool | None = key(None, "DDP's static_graph: the graph is the same every step, which lets DDP "
+                                              "overlap more of the reduction (unset: torch's false).", needs=DDP_ONLY)
     mixed_precision: MixedPrecision | None = key(None, "Accelerate's key; the bf16/fp16 flags win when set (bf16 "
                                                        "false opts out of it); unset with them, the hardware decides "
                                                        "(see bf16).",

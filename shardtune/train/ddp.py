@@ -15,4 +15,5 @@ def apply_ddp(model: nn.Module, plan: Plan, info: DistInfo) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [info.device.index] if info.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=plan.find_unused_parameters)
+    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=plan.find_unused_parameters,
+                                   **dict(plan.ddp_kwargs))

@@ -42,6 +42,8 @@ class Plan:
     pipeline_microbatches: int = 1
     forward_prefetch: bool = False  # FSDP: gather the next decoder layer while this one runs forward
     find_unused_parameters: bool = False  # DDP: ddp_find_unused_parameters
+    # DDP's other arguments set by the ddp_* keys (bucket_cap_mb, broadcast_buffers, static_graph); unset: torch's.
+    ddp_kwargs: tuple[tuple[str, object], ...] = ()
     compile_backend: str | None = None  # torch_compile: the backend that compiles each decoder layer; None: eager
     compile_mode: str | None = None  # torch_compile_mode
     # FSDP's fsdp_cpu_ram_efficient_loading with fsdp_sync_module_states on several ranks: rank 0 loads the
@@ -122,6 +124,9 @@ def make_plan(cfg: DistributedConfig, info: DistInfo, *, param_dtype: torch.dtyp
                 pipeline_microbatches=cfg.pipeline_microbatches,
                 state_dict_type=cfg.fsdp_state_dict_type if strategy.shards_parameters else "SHARDED_STATE_DICT",
                 forward_prefetch=cfg.fsdp_forward_prefetch, find_unused_parameters=bool(cfg.ddp_find_unused_parameters),
+                ddp_kwargs=tuple((name, value) for name, value in (
+                    ("bucket_cap_mb", cfg.ddp_bucket_cap_mb), ("broadcast_buffers", cfg.ddp_broadcast_buffers),
+                    ("static_graph", cfg.ddp_static_graph)) if value is not None),
                 compile_backend=compile_backend, compile_mode=compile_mode,
                 loads_from_rank0=(strategy.shards_parameters and info.distributed and cfg.fsdp_cpu_ram_efficient_loading
                                   and cfg.fsdp_sync_module_states))
