@@ -94,6 +94,14 @@ def test_the_last_step_is_evaluated_and_saved_when_steps_do_not_divide_max_steps
     whole = run(root, "seven", "--max_steps", "7", *every_2)
     assert [r["step"] for r in resumed if "loss" in r] == [r["step"] for r in whole if "loss" in r] == [*range(1, 8)]
     assert [r["loss"] for r in resumed if "loss" in r] == pytest.approx([r["loss"] for r in whole if "loss" in r])
+    # Trainer.train's metrics by their names: train_loss the mean loss of this run's own steps, epoch fractional.
+    trained = {r["step"]: r for r in resumed if "loss" in r}
+    assert summary["train_loss"] == pytest.approx((trained[6]["loss"] + trained[7]["loss"]) / 2)
+    assert summary["epoch"] == trained[7]["epoch"]
+    assert summary["train_runtime"] == summary["wall_s"]
+    assert summary["train_steps_per_second"] == pytest.approx(2 / summary["wall_s"])
+    seven = json.loads((root / "seven" / "summary.json").read_text())
+    assert seven["train_loss"] == pytest.approx(sum(r["loss"] for r in whole if "loss" in r) / 7)
 
 
 def test_tokens_per_s_leaves_out_evaluations_and_saves(root):

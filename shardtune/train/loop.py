@@ -221,7 +221,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     try:
         stopped_by = loop.run()
         summary = run_summary(job, checkpointer, stopped_by=stopped_by, start_step=start_step, tokens=loop.tokens,
-                              wall=time.perf_counter() - started)
+                              loss_sum=loop.loss_sum, wall=time.perf_counter() - started)
         # trackers get these records too, at the run's last step where they name none (plots and trackers need one)
         hooks.on_train_end(model=job.model, summary=summary, log=lambda record: log_record(metrics, hooks, record))
     except BaseException:
@@ -274,6 +274,7 @@ class Loop:
                                                                                 metrics, hooks)
         self.sigterm = sigterm
         self.tokens = 0  # trained by this run
+        self.loss_sum = 0.0  # of this run's steps' losses: summary.json's train_loss is their mean
         self.bar = None
         self.last_eval: dict[str, Any] | None = None  # the latest eval record, for the best checkpoint
         self.early_stopped = False
@@ -329,6 +330,7 @@ class Loop:
         state.step += 1
         state.last_stats = stats
         self.tokens += stats.tokens
+        self.loss_sum += stats.loss
         self.metrics.count(stats.tokens)
         self.bar.update(1)
         control = self.hooks.on_step_end(stats=stats)
@@ -470,8 +472,10 @@ def best_summary(job: Job) -> dict[str, Any]:
 
 
 def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_step: int, tokens: int,
-                wall: float) -> dict[str, Any]:
-    """What summary.json says of the run: steps, throughput, MFU on known GPUs, peak memory, how it ended."""
+                loss_sum: float, wall: float) -> dict[str, Any]:
+    """What summary.json says of the run: steps, throughput, MFU on known GPUs, peak memory, how it ended, and the
+    metrics Transformers' ``Trainer.train`` returns, by their names (train_loss: the mean of this run's steps'
+    losses; epoch: fractional)."""
     info, state = job.info, job.state
     flops = peak_flops(info.device)
     mfu = None
@@ -480,14 +484,16 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
                                     job.cfg.data.max_seq_len, frozen_base=job.cfg.lora.use_peft_lora)
         mfu = per_token * tokens / wall / (flops * job.plan.num_devices(info))
     resumed = checkpointer.resumed_from is not None
-    return {"steps": state.step, "max_steps": state.max_steps, "steps_this_run": state.step - start_step,
+    steps = state.step - start_step
+    return {"steps": state.step, "max_steps": state.max_steps, "steps_this_run": steps,
             "resumed_from_step": start_step if resumed else None, "epochs": state.epoch, "wall_s": wall,
             "tokens": tokens, "tokens_per_s": tokens / max(wall, 1e-9),
             "trainable_parameters": job.trainable_parameters, "parameters": job.parameters,
             "world_size": info.world_size, "strategy": job.plan.strategy.name, "device_type": info.device.type,
             "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
             "stopped_by": stopped_by, "last_checkpoint": checkpointer.last, **best_summary(job),
-            "compile": compile_summary(job)}
+            "compile": compile_summary(job), "train_loss": loss_sum / steps if steps else None,
+            "train_runtime": wall, "train_steps_per_second": steps / max(wall, 1e-9), "epoch": state.epochs_done}
 
 
 def compile_summary(job: Job) -> dict[str, Any] | None:
