@@ -517,6 +517,11 @@ def test_cli_inspect_prints_report_and_example(model_dir, tmp_path, capsys):
     rc = main(["data", "inspect", str(recipe), "--example", "x"])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--example: invalid int value: 'x'" in err
+    # A typo of inspect's own option was answered with the training keys ('see shardtune train --help-keys')
+    rc = main(["data", "inspect", str(recipe), "--examples", "3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--examples: no option of 'shardtune data inspect' and no training key; did you mean " \
+        "--example?" in err
 
 
 def test_template_that_rewrites_history_falls_back_to_finding_replies(model_dir, tmp_path):

@@ -41,6 +41,23 @@ def inspect_options() -> argparse.ArgumentParser:
     return own
 
 
+OWN_OPTIONS = ("example", "cache_dir")
+
+
+def refuse_near_own_options(rest: list[str]) -> None:
+    """A --option that is no training key but is spelled like one of inspect's own (--examples): said so, rather
+    than 'unknown key' with the training keys' list."""
+    from shardtune.config.schema import ALIASES, known_keys
+    from shardtune.errors import closest
+
+    keys = {*known_keys(), *ALIASES}
+    for arg in rest:
+        name = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else ""
+        if name and name not in keys and (near := closest(name, [*keys, *OWN_OPTIONS])) in OWN_OPTIONS:
+            raise UsageError(f"{arg.partition('=')[0]}: no option of 'shardtune data inspect' and no training key; "
+                             f"did you mean --{near}?")
+
+
 def run_inspect(argv: list[str]) -> int:
     """``shardtune data inspect ARGS``: the training arguments go through ``load_train_config``."""
     from rich.console import Console
@@ -55,6 +72,7 @@ def run_inspect(argv: list[str]) -> int:
 
         build_parser("data").parse_args(["data", "inspect", "--help"])
     own, rest = inspect_options().parse_known_args(argv)
+    refuse_near_own_options(rest)
     if rest and not rest[0].startswith("-") and "=" not in rest[0] and not rest[0].endswith((".yaml", ".yml")):
         rest = ["--dataset_name", rest[0], *rest[1:]]
     cfg = load_train_config(rest, training=False)
