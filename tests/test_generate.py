@@ -144,6 +144,14 @@ def test_sampling_is_reproducible_per_seed_and_differs_across_seeds(tmp_path):
     greedy = generate(model, tokenizer, prompt, max_new_tokens=30, stop_ids=())
     tiny_p = generate(model, tokenizer, prompt, max_new_tokens=30, temperature=1.0, top_p=1e-6, seed=3, stop_ids=())
     assert tiny_p == greedy
+    # top_k 1 keeps only the likeliest token: sampling decodes greedily (without it, seed 3 samples other text)
+    assert generate(model, tokenizer, prompt, max_new_tokens=30, temperature=1.0, seed=3, stop_ids=()) != greedy
+    top_1 = generate(model, tokenizer, prompt, max_new_tokens=30, temperature=1.0, top_k=1, seed=3, stop_ids=())
+    assert top_1 == greedy
+    # A huge repetition_penalty leaves no token of the prompt or of the reply to come back, where greedy repeats
+    assert len(set(greedy)) < len(greedy)
+    penalised = generate(model, tokenizer, prompt, max_new_tokens=30, repetition_penalty=1e9, stop_ids=())
+    assert len(set(penalised)) == len(penalised) == 30 and not set(penalised) & set(prompt)
 
 
 def test_stream_pieces_join_to_the_decoded_reply_without_splitting_characters(loaded):
@@ -235,6 +243,10 @@ def test_cli_rejects_bad_sampling_values(trained, capsys):
     assert "top_p 0.9 acts only when sampling, and temperature 0 decodes greedily" in capsys.readouterr().err
     assert main(["generate", str(trained), "--prompt", "hi", "--top_p", "0.9", "--temperature", "0.7",
                  "--max_new_tokens", "3"]) == 0
+    assert main(["generate", str(trained), "--prompt", "hi", "--top_k", "5"]) == 2
+    assert "top_k 5 acts only when sampling, and temperature 0 decodes greedily" in capsys.readouterr().err
+    assert main(["generate", str(trained), "--prompt", "hi", "--repetition_penalty", "0"]) == 2
+    assert "repetition_penalty must be a number above 0 (got 0)" in capsys.readouterr().err
 
 
 def test_a_template_that_takes_no_system_turn_refuses_system_in_one_line(trained, tmp_path, capsys, monkeypatch):

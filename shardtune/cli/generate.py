@@ -21,6 +21,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top_p", "--top-p", type=float, default=1.0, metavar="P",
                    help="nucleus sampling (with --temperature above 0): keep the most likely tokens up to this "
                         "probability mass (default: 1)")
+    p.add_argument("--top_k", "--top-k", type=int, default=0, metavar="K",
+                   help="top-k sampling (with --temperature above 0): keep the K most likely tokens; 0 keeps all "
+                        "(default: 0)")
+    p.add_argument("--repetition_penalty", "--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="above 1 makes tokens already in the prompt or the reply less likely, greedy or sampled "
+                        "(Transformers' repetition_penalty; default: 1, none)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampling generator (default: 0)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message put before the conversation")
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
@@ -59,7 +65,8 @@ def _load(args: argparse.Namespace):
     from shardtune.errors import check_choice
     from shardtune.infer.generate import check_device, check_sampling, load_for_generation, weights_source
 
-    check_sampling(args.max_new_tokens, args.temperature, args.top_p)  # before the model loads, and before a chat
+    # before the model loads, and before a chat
+    check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
     device = check_device(args.device)
     leave_out_bitsandbytes_unless(lambda: model_needs_bitsandbytes(weights_source(args.model)))
     dtype_name = check_choice(args.dtype, DTYPES, "--dtype")
@@ -69,6 +76,7 @@ def _load(args: argparse.Namespace):
 
 def _options(args: argparse.Namespace) -> dict:
     return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "repetition_penalty": args.repetition_penalty,
             "seed": args.seed, "use_cache": args.use_cache}
 
 

@@ -248,17 +248,17 @@ class _Streamer:
 
 
 def generation_config(tokenizer: Any, *, max_new_tokens: int, temperature: float, top_p: float,
-                      stops: Collection[int], use_cache: bool):
+                      stops: Collection[int], use_cache: bool, top_k: int = 0, repetition_penalty: float = 1.0):
     """Exactly what ``generate`` asks for, nothing the model's own generation_config.json adds (a default
     temperature, top_k or repetition penalty would change what ``--temperature 0`` means; ``_own_defaults_only``)."""
     from transformers import GenerationConfig
 
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": None} if temperature > 0 \
-        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k or None} \
+        if temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     stop_list = sorted(stops)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_list or [0])[0]
     return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=stop_list or None,
-                            pad_token_id=pad, use_cache=use_cache, **sampling)
+                            pad_token_id=pad, use_cache=use_cache, repetition_penalty=repetition_penalty, **sampling)
 
 
 @contextmanager
@@ -276,7 +276,8 @@ def _own_defaults_only(model: Any) -> Iterator[None]:
         inner.generation_config = saved
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int = 0,
+                   repetition_penalty: float = 1.0) -> None:
     """The sampling settings, refused in one line when no generation could use them (NaN included)."""
     if max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be at least 1 (got {max_new_tokens}).")
@@ -284,13 +285,21 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
         raise UsageError(f"temperature must be a number >= 0 (got {temperature:g}); use 0 for greedy decoding.")
     if not 0 < top_p <= 1:
         raise UsageError(f"top_p must be in (0, 1] (got {top_p:g}); 1 keeps every token.")
-    if temperature == 0 and top_p < 1:  # greedy decoding takes the likeliest token: a nucleus would change nothing
-        raise UsageError(f"top_p {top_p:g} acts only when sampling, and temperature 0 decodes greedily: set "
-                         f"temperature above 0 (e.g. 0.7) to sample, or leave top_p at 1.")
+    if top_k < 0:
+        raise UsageError(f"top_k must be 0 or more (got {top_k}); 0 keeps every token.")
+    if not 0 < repetition_penalty < math.inf:
+        raise UsageError(f"repetition_penalty must be a number above 0 (got {repetition_penalty:g}); 1 changes "
+                         f"nothing, above 1 makes tokens already in the text less likely.")
+    # greedy decoding takes the likeliest token: a nucleus or a top-k cut would change nothing
+    for name, value, neutral in (("top_p", top_p, 1), ("top_k", top_k, 0)):
+        if temperature == 0 and value != neutral:
+            raise UsageError(f"{name} {value:g} acts only when sampling, and temperature 0 decodes greedily: set "
+                             f"temperature above 0 (e.g. 0.7) to sample, or leave {name} at {neutral}.")
 
 
-def _check_options(prompt_ids: Sequence[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
-    check_sampling(max_new_tokens, temperature, top_p)
+def _check_options(prompt_ids: Sequence[int], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                   repetition_penalty: float) -> None:
+    check_sampling(max_new_tokens, temperature, top_p, top_k, repetition_penalty)
     if not prompt_ids:
         raise UsageError("the prompt is empty after tokenization; give some text.")
 
@@ -319,19 +328,22 @@ MAX_NEW_TOKENS = 128  # generate()'s default, which a chat's room for a reply fo
 
 @torch.inference_mode()
 def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = MAX_NEW_TOKENS,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, use_cache: bool = True,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
+             seed: int | None = None, use_cache: bool = True,
              stream: Callable[[str], None] | None = None, stop_ids: Collection[int] | None = None,
              stats: GenerationStats | None = None) -> list[int]:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` with ``model.generate``; returns the new ids, without
     the stop token.
 
-    Greedy when ``temperature`` is 0, else temperature plus top-p sampling, drawn from torch's generator seeded
-    with ``seed`` (the caller's random state is left as it was). ``stream`` receives the text as it is decoded.
+    Greedy when ``temperature`` is 0, else temperature plus top-p (and top-k, when above 0) sampling, drawn from
+    torch's generator seeded with ``seed`` (the caller's random state is left as it was); ``repetition_penalty``
+    (Transformers' CTRL-style penalty: a token already in the text has its logit divided by it where positive,
+    multiplied where negative) applies to both. ``stream`` receives the text as it is decoded.
     ``stop_ids`` defaults to :func:`stop_token_ids`; pass an empty set to always run to ``max_new_tokens``.
     ``use_cache=False`` recomputes the whole prefix at every step (the cache must change nothing but the speed).
     ``stats``, if given, is filled with timings.
     """
-    _check_options(prompt_ids, max_new_tokens, temperature, top_p)
+    _check_options(prompt_ids, max_new_tokens, temperature, top_p, top_k, repetition_penalty)
     room = max_new_tokens
     if covered := model_context(model):  # beyond its positions a model's output is garbage: stop there
         _refuse_beyond(len(prompt_ids), covered)
@@ -339,7 +351,7 @@ def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_t
     stops = stop_token_ids(model, tokenizer) if stop_ids is None else set(stop_ids)
     device = _model_device(model)
     config = generation_config(tokenizer, max_new_tokens=room, temperature=temperature, top_p=top_p,
-                               stops=stops, use_cache=use_cache)
+                               stops=stops, use_cache=use_cache, top_k=top_k, repetition_penalty=repetition_penalty)
     streamer = _Streamer(tokenizer, stream, stops)
     input_ids = torch.tensor([list(prompt_ids)], device=device)
     devices = [device] if device.type == "cuda" else []
