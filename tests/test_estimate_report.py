@@ -178,9 +178,9 @@ def test_the_estimate_compares_and_recommends_only_jobs_train_runs(tmp_path, cap
     cfg = load_train_config([str(recipe), "--dataset_name", "d.jsonl"])
     assert (cfg.distributed.distributed_type, cfg.optim.optim) == ("MP", "adafactor")
     assert main([*argv, "--strategy", "FSDP"]) == 2
-    assert "optim adafactor with distributed_type FSDP: Adafactor's factored state" in capsys.readouterr().err
+    assert "--optimizer adafactor with --strategy FSDP: Adafactor's factored state" in capsys.readouterr().err
     assert main(["estimate", "llama-3.1-8b", "--pure-bf16", "--optimizer", "adamw_8bit"]) == 2
-    assert "torch_dtype=bfloat16 with optim adamw_8bit" in capsys.readouterr().err
+    assert "--pure-bf16 with --optimizer adamw_8bit" in capsys.readouterr().err
 
 
 def test_model_parallel_stays_on_one_machine(capsys):
@@ -215,9 +215,9 @@ def test_pipeline_micro_batches_are_the_jobs_in_the_time_and_the_recipe(tmp_path
             expected
     assert steps[8] < steps[4]  # more micro-batches, less of the pipeline idle
     assert main([*argv, "--pipeline-microbatches", "3"]) == 2
-    assert "per_device_train_batch_size=8 must be a multiple of pipeline_microbatches=3" in capsys.readouterr().err
+    assert "--batch-size 8 must be a multiple of --pipeline-microbatches 3" in capsys.readouterr().err
     assert main([*argv, "--pipeline-microbatches", "2"]) == 2  # train's 1F1B needs one per stage, as train says
-    assert "1F1B needs at least one micro-batch per stage: pipeline_microbatches=2 for 4 stages" in \
+    assert "1F1B needs at least one micro-batch per stage: --pipeline-microbatches 2 for 4 stages" in \
         capsys.readouterr().err
 
 

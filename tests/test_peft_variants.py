@@ -401,8 +401,8 @@ def test_estimate_refuses_targets_that_are_all_saved_whole_as_peft_does(root, tm
     out, err = capsys.readouterr()
     if expected is None:
         assert code == 2 and err.count("\n") == 1
-        assert err.startswith(f"shardtune estimate: error: lora_target_modules {targets}: every module it names is "
-                              f"also in lora_modules_to_save")
+        assert err.startswith(f"shardtune estimate: error: {recipe}, line 1: lora_target_modules {targets}: every "
+                              f"module it names is also in lora_modules_to_save")
     else:
         assert code == 0 and json.loads(out)["trainable_parameters"] == expected
 

@@ -168,7 +168,7 @@ def test_estimate_trace_rejects_setups_the_trainer_cannot_run(models, capsys):
 
     # Pure bf16 runs AdamW only (its updates are stochastically rounded); 8-bit AdamW would round them away.
     assert main(["estimate", models["tiny"], "--pure-bf16", "--optimizer", "adamw-8bit", "--trace"]) == 2
-    assert "torch_dtype=bfloat16 with optim adamw_8bit" in capsys.readouterr().err
+    assert "--pure-bf16 with --optimizer adamw_8bit" in capsys.readouterr().err
 
 
 def test_train_dry_run_traces_the_configured_job(models, tmp_path, capsys):

@@ -46,7 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     _output_options(p)
     _time_options(p.add_argument_group("time and cost (--time; any of these options turns it on)"))
     p.set_defaults(func=main, setup_options={action.dest: tuple(action.option_strings)
-                                             for action in job._group_actions})
+                                             for action in job._group_actions},
+                   flag_options={action.dest for action in job._group_actions if action.nargs == 0})
 
 
 def _default(key: str) -> str:
@@ -419,10 +420,16 @@ def said_as_given(error: UsageError, args: argparse.Namespace) -> UsageError:
     if args.config:
         return placed(error, config_argv(args.config))
     problem = error.args[0] if error.args else None
-    keys = [key for key in getattr(problem, "keys", ()) if key in args.setup_options]
+    options = {**args.setup_options, "distributed_type": ("--strategy",)}
+    keys = [key for key in getattr(problem, "keys", ()) if key in options]
     if not keys:
         return error
-    return UsageError(re.sub(rf"\b({'|'.join(keys)})\b", lambda m: args.setup_options[m[1]][0], str(problem)))
+
+    def option(match: re.Match) -> str:  # a flag's option takes no value: "torch_dtype=bfloat16" is --pure-bf16
+        name = options[match[1]][0]
+        return name if match[1] in args.flag_options else name + (match[2] or "").replace("=", " ", 1)
+
+    return UsageError(re.sub(rf"\b({'|'.join(keys)})\b(=\S+)?", option, str(problem)))
 
 
 def _estimate(args: argparse.Namespace) -> int:
