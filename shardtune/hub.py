@@ -144,11 +144,14 @@ def context_length(model: str) -> tuple[int, str] | None:
 def num_layers(model: str) -> tuple[int, str] | None:
     """(the decoder layers ``model`` has, where that was read) from its config.json's num_hidden_layers or its
     GGUF's block_count, read as ``context_length`` reads; None where neither can be read without loading it."""
-    def from_config(config: object, where: str) -> tuple[int, str] | None:
-        layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
-        return (layers, f"{where}: num_hidden_layers") if type(layers) is int and layers > 0 else None
+    return _config_number(model, "block_count", config_num_layers)
 
-    return _config_number(model, "block_count", from_config)
+
+def config_num_layers(config: object, where: str) -> tuple[int, str] | None:
+    """(the decoder layers a model ``config`` (a dict, as config.json holds it) has, the key it was read from, led
+    by ``where``); None where it says none."""
+    layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
+    return (layers, f"{where}: num_hidden_layers") if type(layers) is int and layers > 0 else None
 
 
 def _config_number(model: str, gguf_field: str, from_config) -> tuple[int, str] | None:

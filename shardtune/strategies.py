@@ -86,6 +86,11 @@ class Strategy:
         """The weights load into CPU RAM and the strategy moves each part where it belongs (a shard, a stage)."""
         return self.shards_parameters or self.splits_layers
 
+    def leaves_a_stage_empty(self, num_stages: int, num_layers: int) -> bool:
+        """Splits ``num_layers`` decoder layers into more stages (MP's devices, PP's processes) than there are
+        layers: some stage would hold none, a job the trainer refuses and the estimator leaves out."""
+        return self.splits_layers and num_stages > num_layers
+
     def load(self, attribute: str) -> Any:
         """The function or class that ``attribute`` (``parallelize`` or ``runner``) names, imported now."""
         module, _, name = getattr(self, attribute).partition(":")

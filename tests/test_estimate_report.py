@@ -221,6 +221,64 @@ def test_pipeline_micro_batches_are_the_jobs_in_the_time_and_the_recipe(tmp_path
         capsys.readouterr().err
 
 
+def test_pp_and_mp_with_more_gpus_than_decoder_layers_are_refused_as_train_refuses_them(config_dir, tmp_path,
+                                                                                       capsys):
+    """PP with 4 GPUs (MP with 3) on a model of 2 decoder layers: train refuses the job (a stage would hold no layer),
+    while estimate gave it a table; it now refuses it in one line too, a recipe's in train's own words."""
+    from shardtune.config.loading import run_config_problems
+    from shardtune.testing.tiny import tiny_llama_config
+
+    model = config_dir(tiny_llama_config(256, num_layers=2).to_dict())
+    where = f"{model}/config.json: num_hidden_layers"
+    for strategy, gpus, each in (("PP", 4, "pipeline stage per"), ("MP", 3, "model-parallel stage per")):
+        devices = ["--mp_devices", ",".join(f"cuda:{i}" for i in range(gpus))] if strategy == "MP" else []
+        _, _, by_train = run_config_problems(["--model_name_or_path", model, "--dataset_name", "d.jsonl",
+                                              "--output_dir", str(tmp_path / "out"), "--distributed_type", strategy,
+                                              "--num_processes", str(gpus if strategy == "PP" else 1),
+                                              "--pipeline_microbatches", "4", "--dry_run", "true", *devices])
+        assert any(f"{gpus} stages for the 2 decoder layers of model_name_or_path '{model}'" in p
+                   for p in by_train), by_train
+        assert main(["estimate", model, "--num-gpus", str(gpus), "--strategy", strategy, "--batch-size", "4",
+                     *(["--pipeline-microbatches", "4"] if strategy == "PP" else [])]) == 2
+        assert capsys.readouterr().err == (
+            f"shardtune estimate: error: --strategy {strategy} runs one {each} GPU: {gpus} stages for the 2 decoder "
+            f"layers of {model} ({where}); use 2 GPUs or fewer (--num-gpus), or FSDP or DDP\n")
+    recipe = tmp_path / "pp.yaml"
+    recipe.write_text(f"model_name_or_path: {model}\ndistributed_type: PP\nnum_processes: 4\n"
+                      f"pipeline_microbatches: 4\nper_device_train_batch_size: 4\n")
+    assert main(["estimate", "--config", str(recipe)]) == 2
+    assert capsys.readouterr().err == (
+        f"shardtune estimate: error: {recipe}, line 3: distributed_type=PP runs one pipeline stage per process: 4 "
+        f"stages for the 2 decoder layers of model_name_or_path '{model}' ({where}); launch 2 processes or fewer "
+        f"(--num_processes 2)\n")
+    # As many GPUs as layers is a job train runs.
+    assert main(["estimate", model, "--num-gpus", "2", "--strategy", "PP", "--batch-size", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["num_gpus"] == 2
+
+
+def test_the_setups_side_by_side_leave_out_only_mp_and_pp_with_more_gpus_than_layers(config_dir, capsys):
+    """The comparison listed model parallel on 4 GPUs for a model of 2 decoder layers (and llama-3.1-405b's 126
+    layers on 1024 GPUs), a job train refuses; it is left out there, every other setup kept, and kept where each GPU
+    holds a layer (pipeline parallel too, where measured)."""
+    from shardtune.memory.inventory import analysis_for
+    from shardtune.memory.recommend import Measured, candidates
+    from shardtune.testing.tiny import tiny_llama_config
+
+    model = config_dir(tiny_llama_config(256, num_layers=2).to_dict())
+    others = ["DDP", "FSDP SHARD_GRAD_OP", "FSDP FULL_SHARD", "FSDP FULL_SHARD + CPU offload"]
+    for name, layers in ((model, 2), ("llama-3.1-405b", 126)):
+        for gpus, mp in ((layers, ["model parallel"]), (layers + 1, []), (layers * 2, [])):
+            assert main(["estimate", name, "--num-gpus", str(gpus), "--json"]) == 0
+            setups = [row["setup"] for row in json.loads(capsys.readouterr().out)["strategies"]]
+            assert setups == others + mp, (name, gpus)
+    measured = Measured("res.json", {"DDP": 3000.0, "MP": 1000.0, "PP": 2000.0})
+    analysis = analysis_for(model, checked_setup().config)
+    for gpus, split in ((2, ["model parallel", "pipeline parallel"]), (4, [])):  # 4 rows: one per stage under 1F1B
+        base = checked_setup(num_gpus=gpus, per_device_train_batch_size=4)
+        labels = [s.label() for s in candidates(base, measured, analysis)]
+        assert labels == others + split, gpus
+
+
 def test_a_recipe_emitted_from_a_recipe_keeps_its_data_and_output_dir(tmp_path, capsys):
     """--config recipe --emit-config: the written recipe trained into ./output (the recipe's output_dir dropped)
     and the command said to set a dataset_name the recipe had."""

@@ -493,10 +493,12 @@ def test_table_reads_at_80_columns_and_shows_the_price_as_typical(capsys):
 
 
 def test_the_longest_job_keeps_the_tables_columns_in_years_and_short_dollars(capsys):
-    """At the most tokens --tokens takes, on 1024 GPUs, model parallel's 169 tokens/s takes some 190,000 years and
-    $6 trillion: each row still reads whole at 80 columns, its time in years and its cost as $1.23M / $4.56B /
-    $7.89T, the figures the --json rows give."""
-    args = ["llama-3.1-405b", "--gpu", "h200", "--num-gpus", "1024", "--tokens", "1000T", *CHECKED_AT_ARGS]
+    """At the most tokens --tokens takes, on 126 GPUs (the most model parallel runs on: one per decoder layer) at
+    $10 per GPU-hour, model parallel's 169 tokens/s takes some 190,000 years and $2 trillion: each row still reads
+    whole at 80 columns, its time in years and its cost as $1.23M / $4.56B / $7.89T, the figures the --json rows
+    give."""
+    args = ["llama-3.1-405b", "--gpu", "h200", "--num-gpus", "126", "--tokens", "1000T", "--price-per-gpu-hour", "10",
+            *CHECKED_AT_ARGS]
     assert main(["estimate", *args, "--json"]) == 0
     setups = json.loads(capsys.readouterr().out)["timing"]["setups"]
     _, rows = time_rows_at_80_columns(args)
@@ -506,7 +508,8 @@ def test_the_longest_job_keeps_the_tables_columns_in_years_and_short_dollars(cap
         years, cost = re.search(r"(\S+) y +\$(\S+)$", row.rstrip()).groups()
         assert float(years) == pytest.approx(setup["data_seconds"] / (365.25 * 86400), rel=5e-3)
         assert float(cost[:-1]) * units[cost[-1]] == pytest.approx(setup["cost_usd"], rel=5e-3)
-    assert [row.rstrip()[-6:] for row in rows] == ["$11.5B", " $7.9B", "$8.68B", "$72.5B", "$6.41T"]
+    assert [row.rstrip()[-6:] for row in rows] == ["$30.1B", "$20.8B", "$22.8B", " $191B", "$2.07T"]
+    assert rows[-1].startswith(" model parallel") and " 169 " in rows[-1] and "1.88e+05 y" in rows[-1]
 
 
 def test_plot_writes_the_time_and_cost_chart_beside_the_memory_one(tmp_path, capsys, monkeypatch):

@@ -450,6 +450,7 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         setup, auto = setup_from_args(args)
     _check_seq_len(args.model, setup.seq_len, "max_seq_len" if args.config else "--seq-len")
+    _check_stages(args, setup)
     gpu = gpu_from_args(args)
     setup = _as_run_on(setup, gpu, recipe=bool(args.config))
     measured = None
@@ -530,6 +531,29 @@ def _check_seq_len(model: str, seq_len: int, option: str) -> None:
              else context_length(model))
     if problem := beyond_context(seq_len, found, f"{option} {seq_len}", model, option):
         raise UsageError(problem)
+
+
+def _check_stages(args: argparse.Namespace, setup: Setup) -> None:
+    """MP or PP with more GPUs than the model has decoder layers (some stage would hold none), refused as train
+    refuses it, so that no estimate is made of a job that cannot start: a recipe's in train's own words."""
+    from shardtune.config.loading import key_origins
+    from shardtune.config.validation import stage_problems, too_many_stages
+    from shardtune.hub import config_num_layers, num_layers
+
+    if not setup.splits_layers:
+        return
+    name = catalog.canonical(args.model)
+    found = (config_num_layers(catalog.load(name), f"catalog {name}") if name in catalog.names()
+             else num_layers(args.model))
+    if args.config:
+        problems = stage_problems(setup.config, key_origins(config_argv(args.config)), found)
+    else:
+        gpus = "--num-gpus" if setup.num_nodes == 1 else "--num-gpus x --num-nodes"
+        problem = too_many_stages(setup.strategy, setup.world_size, found, f"--strategy {setup.strategy}",
+                                  args.model, "GPU", f"use {{layers}} GPUs or fewer ({gpus}), or FSDP or DDP")
+        problems = [problem] if problem else []
+    if problems:
+        raise UsageError(problems[0])
 
 
 def _trace(model: str, report: Report, gpu: Gpu) -> dict:

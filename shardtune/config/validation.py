@@ -535,27 +535,40 @@ def context_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]
     return [problem] if problem else []
 
 
-def stage_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
+def stage_problems(cfg: TrainConfig, given: Mapping[str, object],
+                   layers: tuple[int, str] | None = None) -> list[str]:
     """PP with more stages (processes), or MP with more (its mp_devices), than the model has decoder layers: some
     stage would hold none. Refused from the model's config before the data is tokenised or a weight loaded (the
     trainer would only find it when placing the stages); a model whose config cannot be read without loading it,
-    and MP on every visible GPU (mp_devices unset), are left to that later check."""
+    and MP on every visible GPU (mp_devices unset), are left to that later check. ``layers``: the model's decoder
+    layers and where they were read, where the caller has them (a catalog model's); else read from the model."""
     d, model, strategy = cfg.distributed, cfg.model.model_name_or_path, _strategy(cfg.distributed)
     if strategy.pipelined:
-        stages, key, each, kind = d.num_processes, "num_processes", "process", "pipeline"
+        stages, key, each = d.num_processes, "num_processes", "process"
+        fix = "launch {layers} processes or fewer (--num_processes {layers})"
     elif strategy.drives_several_devices and d.mp_devices:
-        stages, key, each, kind = len(d.mp_device_names), "mp_devices", "device", "model-parallel"
+        stages, key, each = len(d.mp_device_names), "mp_devices", "device"
+        fix = "name {layers} devices or fewer in mp_devices"
     else:
         return []
-    found = num_layers(model) if stages > 1 and model else None
-    if found is None or stages <= found[0]:
-        return []
+    found = layers or (num_layers(model) if stages > 1 and model else None)
+    problem = too_many_stages(strategy, stages, found, f"distributed_type={d.distributed_type}",
+                              f"model_name_or_path '{model}'", each, fix)
+    return [f"{given.get(key, 'config')}: {problem}"] if problem else []
+
+
+def too_many_stages(strategy: Strategy, stages: int, found: tuple[int, str] | None, named: str, model: str,
+                    each: str, fix: str) -> str | None:
+    """``strategy`` (MP or PP, ``named`` as the user set it) over ``stages`` devices when ``found`` (the decoder
+    layers ``model`` has, and where that was read) are fewer, as train and estimate refuse it: one line with both
+    counts and ``fix`` (its ``{layers}`` the layer count); None where every stage holds a layer, or ``found`` is
+    None."""
+    if found is None or not strategy.leaves_a_stage_empty(stages, found[0]):
+        return None
     layers, where = found
-    fix = (f"launch {layers} processes or fewer (--num_processes {layers})" if key == "num_processes" else
-           f"name {layers} devices or fewer in mp_devices")
-    return [f"{given.get(key, 'config')}: distributed_type={d.distributed_type} runs one {kind} stage per "
-            f"{each}: {stages} stages for the {layers} decoder layers of model_name_or_path '{model}' "
-            f"({where}); {fix}"]
+    kind = "pipeline" if strategy.pipelined else "model-parallel"
+    return (f"{named} runs one {kind} stage per {each}: {stages} stages for the {layers} decoder layers of {model} "
+            f"({where}); {fix.format(layers=layers)}")
 
 
 def beyond_context(seq_len: int, found: tuple[int, str] | None, named: str, model: str, option: str) -> str | None:

@@ -125,7 +125,8 @@ def evaluate_setup(analysis: ModelAnalysis, setup: Setup) -> Breakdown:
 def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAnalysis | None = None) -> list[Setup]:
     """The parallel setups worth comparing for ``base``'s GPU count, in order of preference when they fit
     (pipeline parallel too when ``measured`` has it and the model's head is not tied to its embeddings, which
-    live on different stages)."""
+    live on different stages), without those train would refuse: with ``analysis``, MP and PP over more GPUs than
+    the model has decoder layers too."""
     # Each candidate names its own sharding: the base's fsdp_reshard_after_forward would override it.
     plain = base.with_(fsdp_offload_params=False, fsdp_reshard_after_forward=None)
     fsdp = plain.with_(distributed_type=FSDP, fsdp_sharding_strategy="FULL_SHARD")
@@ -139,7 +140,10 @@ def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAna
         out.append(plain.with_(distributed_type=MP))
     if measured and PP.name in measured.tokens_per_s and not (analysis and analysis.inventory.tied_embeddings):
         out.append(plain.with_(distributed_type=PP))
-    return [setup for setup in out if not refusals(setup)]  # none that train would refuse
+    # None that train would refuse: nor MP or PP with a stage that would hold no decoder layer.
+    layers = analysis.inventory.num_layers if analysis else None
+    return [setup for setup in out if not refusals(setup)
+            and not (layers and setup.strategy.leaves_a_stage_empty(setup.world_size, layers))]
 
 
 def refusals(setup: Setup) -> list[str]:
@@ -348,16 +352,18 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
     # The largest smaller micro-batch alone, or (where checkpointing is off) with checkpointing as well: the first
     # setup, in order, that fits one.
     as_asked = [base] + ([] if base.gradient_checkpointing else [base.with_(gradient_checkpointing=True)])
-    smaller = (_at_smaller_micro_batch(analysis, s, gpu) for asked in as_asked for s in candidates(asked))
+    smaller = (_at_smaller_micro_batch(analysis, s, gpu) for asked in as_asked
+               for s in candidates(asked, analysis=analysis))
     if base.batch_size > 1 and (hit := next(filter(None, smaller), None)):
         also = " and --gradient-checkpointing" if hit[0].gradient_checkpointing != base.gradient_checkpointing else ""
         out.append(f"batch size {hit[0].batch_size}{also} with {hit[0].label()} ({gib(hit[1])}); keep the global "
                    f"batch with --gradient-accumulation-steps {hit[0].gradient_accumulation_steps}")
-    if not base.gradient_checkpointing and (hit := first_fit(candidates(base.with_(gradient_checkpointing=True)))):
+    checkpointed = base.with_(gradient_checkpointing=True)
+    if not base.gradient_checkpointing and (hit := first_fit(candidates(checkpointed, analysis=analysis))):
         out.append(f"--gradient-checkpointing with {hit[0].label()} ({gib(hit[1])})")
     methods = {"full": ("lora", "qlora"), "lora": ("qlora",), "qlora": ()}[base.method]
     for method in methods:
-        if hit := first_fit(candidates(base.with_(method=method))):
+        if hit := first_fit(candidates(base.with_(method=method), analysis=analysis)):
             out.append(f"--method {method} with {hit[0].label()} ({gib(hit[1])})")
             break
     if hit := _more_gpus(analysis, base, gpu):

@@ -84,7 +84,7 @@ def place_stages(plan: Plan, cfg: TrainConfig, info: DistInfo,
         from transformers import AutoConfig
 
         num_layers = AutoConfig.from_pretrained(cfg.model.model_name_or_path).num_hidden_layers
-        if num_layers < stages:
+        if plan.strategy.leaves_a_stage_empty(stages, num_layers):
             raise UsageError(f"distributed_type={plan.strategy}: {stages} stages for a model of {num_layers} "
                              f"layers; use at most {num_layers} {'devices' if devices else 'processes'}")
         bounds = equal_bounds(num_layers, stages)
