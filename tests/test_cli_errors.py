@@ -202,6 +202,11 @@ def test_unknown_option_names_the_subcommand_and_the_option_meant(argv, error, c
                           "--mixed_precision VALUE)"),
     ("--use_fsdp", "here the job says so after 'train': --distributed_type FSDP"),
     ("--num_procs", "did you mean --num_processes?"),
+    # torchrun's own names (shardtune launch runs torchrun): --nproc_per_node was offered --gpus_per_node, a Slurm
+    # option, where processes per machine is what it means
+    ("--nproc_per_node", "that is torchrun's processes per machine, and here --num_processes counts those of all "
+                         "machines (Accelerate's meaning): give --num_processes (per machine x machines)"),
+    ("--master-port", "that is torchrun's rendezvous port: give --main_process_port"),
 ])
 def test_launch_says_where_a_jobs_key_goes(option, says, capsys):
     """Accelerate's launcher takes mixed_precision and --use_fsdp before the script; here they are the job's, after

@@ -32,11 +32,27 @@ ACCELERATE_FLAGS = {"use_fsdp": "--distributed_type FSDP", "multi_gpu": "--distr
                     "use_deepspeed": "--deepspeed ds_config.json (run as FSDP)"}
 
 
+# torchrun's rendezvous options, spelled as Accelerate spells them here (shardtune launch runs torchrun with them).
+TORCHRUN_OPTIONS = {
+    "nproc_per_node": "that is torchrun's processes per machine, and here --num_processes counts those of all "
+                      "machines (Accelerate's meaning): give --num_processes (per machine x machines)",
+    "nnodes": "that is torchrun's machine count: give --num_machines (N, or MIN:MAX for an elastic job)",
+    "node_rank": "that is torchrun's machine rank: give --machine_rank",
+    "master_addr": "that is torchrun's rendezvous address: give --main_process_ip",
+    "master_port": "that is torchrun's rendezvous port: give --main_process_port",
+    "rdzv_endpoint": "that is torchrun's rendezvous address and port: give --main_process_ip and --main_process_port",
+    "standalone": "that is torchrun's single-machine rendezvous, the default here: leave it out",
+}
+
+
 def _train_key_placement(name: str) -> str | None:
-    """Where an option ``shardtune launch`` does not take goes, when it is the job's: after 'train'."""
+    """Where an option ``shardtune launch`` does not take goes: torchrun's own under Accelerate's names, the job's
+    after 'train'."""
     from shardtune.config.schema import ALIASES, all_keys
 
     key = name.replace("-", "_")
+    if key in TORCHRUN_OPTIONS:
+        return TORCHRUN_OPTIONS[key]
     if key in ACCELERATE_FLAGS:
         return f"here the job says so after 'train': {ACCELERATE_FLAGS[key]}"
     if key in ALIASES or any(d.name == key for d in all_keys()):
