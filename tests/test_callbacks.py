@@ -345,9 +345,10 @@ def test_every_event_gets_the_model_optimizer_scheduler_and_tokenizer_as_in_tran
     assert strict.saved == ["step-2"]
 
 
-def test_a_run_early_stopping_ends_logs_its_last_step(assets):
+def test_a_run_early_stopping_ends_logs_its_last_step(assets, capsys):
     """logging_steps and the last step are logged; a run early stopping ended at step 4 (not a multiple of
-    logging_steps 3) had no record of its last step, where a callback's stop or max_steps logs it."""
+    logging_steps 3) had no record of its last step, where a callback's stop or max_steps logs it. Its line said
+    'for 1 evaluations'."""
     from shardtune.train.loop import train
 
     out = assets[0] / "early-last"
@@ -356,3 +357,4 @@ def test_a_run_early_stopping_ends_logs_its_last_step(assets):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert summary["stopped_by"] == "early stopping" and summary["steps"] == 4
     assert [(r["step"], "loss" in r) for r in records] == [(1, True), (2, False), (3, True), (4, False), (4, True)]
+    assert "has not improved on" in (err := capsys.readouterr().err) and " for 1 evaluation (early_stopping" in err

@@ -379,8 +379,9 @@ class Loop:
         self.last_eval = result
         state.best.on_evaluate(result)
         if patience is not None and state.best.evals_without_improvement >= patience:
-            log.info("early stopping at step %d: %s has not improved on %.6g for %d evaluations "
-                     "(early_stopping_patience)", state.step, state.best.metric, state.best.eval_value, patience)
+            log.info("early stopping at step %d: %s has not improved on %.6g for %d evaluation%s "
+                     "(early_stopping_patience)", state.step, state.best.metric, state.best.eval_value, patience,
+                     "" if patience == 1 else "s")
             self.hooks.control.should_training_stop = self.early_stopped = True
 
 
