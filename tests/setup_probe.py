@@ -7,7 +7,8 @@ Recorded: the model's attention implementation, its embedding rows, its 4-bit li
 unit's module class, its device mesh (shape and dimension names), whether it reshards after forward, how many units
 it prefetches in forward, and its offload policy, and whether each of the first step's forwards reduces its
 gradients (deferred to the last micro-batch, or not); step by step, the real (unpadded) length of every row of every
-micro-batch (unpacked rows); and the first step's schedule as the rank's last decoder layer sees it. FSDP2's and
+micro-batch (unpacked rows); the first step's schedule as the rank's last decoder layer sees it; and the class of
+the ``model`` that on_train_begin and on_step_end got. FSDP2's and
 autograd's private attributes are read (torch 2.13): a torch upgrade may rename them.
 """
 
@@ -43,6 +44,7 @@ class SetupProbe:
         from shardtune.train.plan import unwrap
 
         self.output_dir, self.rank = Path(args.run.output_dir), info.rank
+        self.record["model_class"] = {"on_train_begin": type(model).__name__}
         base = unwrap(model)
         self.record["attn_implementation"] = getattr(base.config, "_attn_implementation", None)
         self.record["embedding_rows"] = base.config.vocab_size  # resize_token_embeddings keeps it
@@ -100,8 +102,9 @@ class SetupProbe:
         self.record["row_lengths"].append([_row_lengths(b["position_ids"]) for b in micro_batches])
         self.recording = state.step == 0  # the first step (state.step counts those done)
 
-    def on_step_end(self, args, state, control, **kwargs) -> None:
+    def on_step_end(self, args, state, control, *, model, **kwargs) -> None:
         self.recording = False
+        self.record["model_class"]["on_step_end"] = type(model).__name__  # the model every event gets
 
     def on_train_end(self, args, state, control, **kwargs) -> None:
         path = self.output_dir / f"setup_probe_rank{self.rank}.json"

@@ -193,6 +193,21 @@ def test_lora_same_losses(runs, name):
     assert_set_up(runs, name)
 
 
+def test_callbacks_get_the_model_as_transformers_hands_it_not_the_ddp_wrapper(runs):
+    """Under DDP every callback event got ``model`` as DistributedDataParallel, where Transformers' Trainer hands
+    callbacks its ``self.model``: the model itself (a PEFT model stays one; FSDP2's module is the model)."""
+    from tests.setup_probe import probe
+
+    root, errors = runs
+    expected = {"ddp": "LlamaForCausalLM", "lora_ddp": "PeftModelForCausalLM",
+                "fsdp_full_shard": "FSDPLlamaForCausalLM", "single": "LlamaForCausalLM"}
+    for name, model_class in expected.items():
+        assert not errors[name], errors[name]
+        for rank in range(2 if name != "single" else 1):
+            assert probe(root / name, rank)["model_class"] == {"on_train_begin": model_class,
+                                                               "on_step_end": model_class}, (name, rank)
+
+
 def test_length_grouped_unpacked_rows_train_alike_on_one_process_and_ddp(runs):
     """group_by_length on unpacked rows: every split of the global batch trains on the same steps, so DDP x2
     gives one process's losses, and the rows of each micro-batch are of about one length."""

@@ -12,7 +12,8 @@ metrics.jsonl record after this step. A callback defines only the events it need
 ``transformers.TrainerCallback`` subclass works as it is (its other methods are no-ops).
 
 Events and their keyword arguments (each also gets ``model``, ``processing_class``, ``optimizer`` and
-``lr_scheduler``, as Transformers hands them to every event, where its method takes them):
+``lr_scheduler``, as Transformers hands them to every event, where its method takes them; ``model`` is not DDP's
+wrapper but the module in it, as Transformers' ``self.model``; a PEFT model stays one):
 - ``on_train_begin``: ``model``, ``optimizer``, ``plan`` (the strategy), ``info`` (rank, world size, device)
 - ``on_epoch_begin``: no arguments (``state.epoch``: the epochs completed before this one)
 - ``on_step_begin``: ``micro_batches`` (this rank's collated micro-batches of the step), ``model``, ``optimizer``

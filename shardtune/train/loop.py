@@ -37,7 +37,7 @@ from shardtune.train.metrics import (MetricsLog, flops_per_token, max_over_ranks
 from shardtune.train.layout import RESUME_NEWEST, RESUME_OFF
 from shardtune.train.output_dir import (OutputDirLock, claim_output_dir, clear_earlier_run, read_summary,
                                         set_aside_newer)
-from shardtune.train.plan import needs_process_group, unwrap
+from shardtune.train.plan import needs_process_group, unwrap, unwrap_ddp
 from shardtune.train.resume import with_accumulation
 from shardtune.train.step import NonFiniteLoss, train_step
 from shardtune.train.trackers import start_trackers
@@ -197,7 +197,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
                                 flat_optimizer=job.runner.flat_optimizer)
     checkpointer.resume(resume)  # a checkpoint this run cannot continue (its data order, say) stops it here
     start_step = job.state.step  # what this run adds is counted from here
-    hooks = CallbackList(callbacks, cfg, job.state, model=job.model, processing_class=job.tokenizer,
+    model = unwrap_ddp(job.model)  # callbacks get the model as Transformers hands it them: not DDP's wrapper
+    hooks = CallbackList(callbacks, cfg, job.state, model=model, processing_class=job.tokenizer,
                          optimizer=job.optimizer, lr_scheduler=job.state.scheduler)  # refused before a tracker writes
     # An earlier run this one replaces goes now, when nothing above refused this run, and before a tracker writes.
     run_and_share(lambda: clear_earlier_run(claim) if claim else None, runs=info.is_main,
@@ -206,7 +207,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
                               resumed_at=start_step if resuming else 0)
     metrics = MetricsLog(out, job.info, trackers, strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps,
                          first_step=cfg.run.logging_first_step, history=job.state.log_history)
-    hooks.on_train_begin(model=job.model, optimizer=job.optimizer, plan=job.plan, info=job.info)
+    hooks.on_train_begin(model=model, optimizer=job.optimizer, plan=job.plan, info=job.info)
     if resuming:
         # Later checkpoints, final/ and summary.json of the run are moved aside before this run replaces any, once
         # nothing can refuse the run any more (the resumed checkpoint, the trackers, the callbacks' start).
@@ -223,7 +224,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
         summary = run_summary(job, checkpointer, stopped_by=stopped_by, start_step=start_step, tokens=loop.tokens,
                               loss_sum=loop.loss_sum, wall=time.perf_counter() - started)
         # trackers get these records too, at the run's last step where they name none (plots and trackers need one)
-        hooks.on_train_end(model=job.model, summary=summary, log=lambda record: log_record(metrics, hooks, record))
+        hooks.on_train_end(model=model, summary=summary, log=lambda record: log_record(metrics, hooks, record))
     except BaseException:
         metrics.close(failed=True)
         raise
@@ -322,7 +323,8 @@ class Loop:
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> bool:
         """One optimizer step; returns whether it was the run's last."""
         job, state = self.job, self.job.state
-        self.hooks.on_step_begin(micro_batches=micro_batches, model=job.model, optimizer=job.optimizer)
+        self.hooks.on_step_begin(micro_batches=micro_batches, model=self.hooks.common["model"],
+                                 optimizer=job.optimizer)
         try:
             stats = train_step(job.step, micro_batches)
         except NonFiniteLoss as exc:

@@ -138,9 +138,15 @@ def layer_class_names(model: nn.Module, plan: Plan) -> set[str]:
     return set(plan.layer_classes) or set(getattr(unwrap(model), "_no_split_modules", None) or ())
 
 
+def unwrap_ddp(model: nn.Module) -> nn.Module:
+    """The model under DDP's wrapper (a PEFT model stays one): what Transformers' Trainer hands callbacks as
+    ``model`` (its ``self.model``; FSDP2 wraps in place, so nothing to peel)."""
+    return getattr(model, "module", model)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The transformers model under DDP and PEFT wrappers (FSDP2 wraps in place, so nothing to peel)."""
-    model = getattr(model, "module", model)  # DDP
+    model = unwrap_ddp(model)
     if hasattr(model, "get_base_model"):  # PEFT
         model = model.get_base_model()
     return model
