@@ -358,3 +358,41 @@ def test_a_run_early_stopping_ends_logs_its_last_step(assets, capsys):
     assert summary["stopped_by"] == "early stopping" and summary["steps"] == 4
     assert [(r["step"], "loss" in r) for r in records] == [(1, True), (2, False), (3, True), (4, False), (4, True)]
     assert "has not improved on" in (err := capsys.readouterr().err) and " for 1 evaluation (early_stopping" in err
+
+
+def test_every_event_gets_the_train_and_eval_dataloaders_as_in_transformers(assets):
+    """Transformers hands every event train_dataloader and eval_dataloader; here they were never given (a callback
+    reading len(train_dataloader) or the eval batches got None and failed). The train loader yields this
+    rank's micro-batches of the epoch as the steps train them, and reading it does not move the run's place."""
+    import torch
+    from transformers import TrainerCallback
+
+    from shardtune.train.loop import train
+    from shardtune.train.loss import num_targets
+
+    class ReadsLoaders(TrainerCallback):
+        def __init__(self):
+            self.trained, self.lengths, self.loaded, self.eval_targets, self.eval_tokens = [], set(), [], None, None
+
+        def on_step_begin(self, args, state, control, *, micro_batches, **kwargs):
+            self.trained += [b["input_ids"] for b in micro_batches]
+
+        def on_step_end(self, args, state, control, train_dataloader=None, **kwargs):
+            self.lengths.add(len(train_dataloader))
+            if state.step == 1:  # the whole epoch, read in the middle of the run
+                self.loaded = [b["input_ids"] for b in train_dataloader]
+
+        def on_evaluate(self, args, state, control, metrics=None, eval_dataloader=None, **kwargs):
+            self.eval_targets = sum(num_targets(b["labels"]) for b in eval_dataloader)
+            self.eval_tokens = metrics["eval_tokens"]
+
+    reads = ReadsLoaders()
+    summary = train(config(assets, "loaders", "--max_steps", "3", "--gradient_accumulation_steps", "2",
+                           "--eval_strategy", "steps", "--eval_steps", "3", "--eval_split_ratio", "0.1"),
+                    callbacks=[reads])
+    assert summary["steps"] == 3 and len(reads.trained) == 6  # 3 steps of 2 micro-batches
+    (per_epoch,) = reads.lengths
+    assert per_epoch == len(reads.loaded) > 6 and per_epoch % 2 == 0  # micro-batches of the epoch
+    # the loader's first micro-batches are the ones steps 1-3 trained, step 2 and 3 too (reading it moved nothing)
+    assert all(torch.equal(a, b) for a, b in zip(reads.trained, reads.loaded[:6], strict=True))
+    assert reads.eval_targets == reads.eval_tokens > 0  # the eval loader holds the rows the evaluation scored

@@ -109,6 +109,14 @@ class GlobalBatchSampler:
             self.step_in_epoch += 1
             yield self._split(order[step * g:(step + 1) * g])
 
+    def micro_batches(self) -> Iterator[list[int]]:
+        """This rank's micro-batches of the whole current epoch, in the order its steps train them, leaving the
+        position (``step_in_epoch``) as it is."""
+        order = self._order()
+        g = self.global_batch_size
+        for step in range(self.steps_per_epoch):
+            yield from self._split(order[step * g:(step + 1) * g])
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed,
                 "num_rows": self.num_rows, "global_batch_size": self.global_batch_size, "shuffle": self.shuffle,

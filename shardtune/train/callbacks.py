@@ -11,9 +11,10 @@ does), ``should_save``, ``should_evaluate`` and ``should_log`` ask for a checkpo
 metrics.jsonl record after this step. A callback defines only the events it needs; a
 ``transformers.TrainerCallback`` subclass works as it is (its other methods are no-ops).
 
-Events and their keyword arguments (each also gets ``model``, ``processing_class``, ``optimizer`` and
-``lr_scheduler``, as Transformers hands them to every event, where its method takes them; ``model`` is not DDP's
-wrapper but the module in it, as Transformers' ``self.model``; a PEFT model stays one):
+Events and their keyword arguments (each also gets ``model``, ``processing_class``, ``optimizer``,
+``lr_scheduler``, ``train_dataloader`` and ``eval_dataloader``, as Transformers hands them to every event, where
+its method takes them; ``model`` is not DDP's wrapper but the module in it, as Transformers' ``self.model``; a PEFT
+model stays one; the loaders are ``data.loaders``'s):
 - ``on_train_begin``: ``model``, ``optimizer``, ``plan`` (the strategy), ``info`` (rank, world size, device)
 - ``on_epoch_begin``: no arguments (``state.epoch``: the epochs completed before this one)
 - ``on_step_begin``: ``micro_batches`` (this rank's collated micro-batches of the step), ``model``, ``optimizer``
@@ -113,8 +114,8 @@ class CallbackList:
     def __init__(self, callbacks: Sequence[Any], args, state, **common: Any) -> None:
         self.callbacks = list(callbacks)
         self.args, self.state = args, state
-        # Transformers hands every event model, processing_class, optimizer and lr_scheduler: so does this, to an
-        # event that takes them (by name or **kwargs), beside the event's own arguments.
+        # Transformers hands every event model, processing_class, optimizer, lr_scheduler and the dataloaders: so
+        # does this, to an event that takes them (by name or **kwargs), beside the event's own arguments.
         self.common = common
         self.control = TrainerControl()
         for callback in self.callbacks:

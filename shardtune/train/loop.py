@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from shardtune.config import TrainConfig, save_resolved
+from shardtune.data.loaders import train_loader
 from shardtune.dist import (DistInfo, RankFailed, all_reduce_sum, ended_ranks, environment, init_distributed, lost_peer,
                             process_table, run_and_share, shutdown)
 from shardtune.errors import PeerLost, Terminated, TrainingStopped, UsageError, first_line
@@ -198,8 +199,11 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     checkpointer.resume(resume)  # a checkpoint this run cannot continue (its data order, say) stops it here
     start_step = job.state.step  # what this run adds is counted from here
     model = unwrap_ddp(job.model)  # callbacks get the model as Transformers hands it them: not DDP's wrapper
+    evaluator = Evaluator(cfg, job)
     hooks = CallbackList(callbacks, cfg, job.state, model=model, processing_class=job.tokenizer,
-                         optimizer=job.optimizer, lr_scheduler=job.state.scheduler)  # refused before a tracker writes
+                         optimizer=job.optimizer, lr_scheduler=job.state.scheduler,
+                         train_dataloader=train_loader(job.data.train, job.state.sampler, job.collator),
+                         eval_dataloader=evaluator.loader)  # refused before a tracker writes
     # An earlier run this one replaces goes now, when nothing above refused this run, and before a tracker writes.
     run_and_share(lambda: clear_earlier_run(claim) if claim else None, runs=info.is_main,
                   what=f"deleting the earlier run in {out}")
@@ -217,7 +221,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     if info.is_main:
         save_resolved(cfg, out / "config.yaml")
     start_peak_memory(job.info.device)
-    loop = Loop(job, checkpointer, Evaluator(cfg, job), metrics, hooks, sigterm)
+    loop = Loop(job, checkpointer, evaluator, metrics, hooks, sigterm)
     started = time.perf_counter()
     try:
         stopped_by = loop.run()
