@@ -396,3 +396,58 @@ def test_every_event_gets_the_train_and_eval_dataloaders_as_in_transformers(asse
     # the loader's first micro-batches are the ones steps 1-3 trained, step 2 and 3 too (reading it moved nothing)
     assert all(torch.equal(a, b) for a, b in zip(reads.trained, reads.loaded[:6], strict=True))
     assert reads.eval_targets == reads.eval_tokens > 0  # the eval loader holds the rows the evaluation scored
+
+
+class CutsEpochs:
+    """Ends each epoch after its second step (should_epoch_stop); records the events, and whether each epoch's first
+    step trained the first micro-batch of that epoch's order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int]] = []
+        self.first_of_epoch = None
+        self.began_at_the_start: list[bool] = []
+
+    def on_epoch_begin(self, args, state, control, *, train_dataloader, **kwargs):
+        self.events.append(("epoch_begin", state.step, state.epoch))
+        self.first_of_epoch = next(iter(train_dataloader))["input_ids"]
+
+    def on_step_begin(self, args, state, control, *, micro_batches, **kwargs):
+        if self.first_of_epoch is not None:
+            self.began_at_the_start.append(bool((micro_batches[0]["input_ids"] == self.first_of_epoch).all()))
+            self.first_of_epoch = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.events.append(("step_end", state.step, state.epoch))
+        control.should_epoch_stop = state.step % 2 == 0
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.events.append(("epoch_end", state.step, state.epoch))
+
+
+def test_should_epoch_stop_goes_on_with_the_next_epoch_and_resumes_there(assets):
+    """control.should_epoch_stop (Transformers' flag) was ignored: the epoch ran on. As in Transformers it now ends
+    the epoch (its end's log, evaluation and checkpoint) and training goes on at the next epoch's first step, for
+    num_train_epochs epochs; a checkpoint saved there resumes to the same losses."""
+    from shardtune.train.loop import train
+
+    epochs = ["--max_steps", "-1", "--num_train_epochs", "3"]  # save_steps 2: each epoch's last step
+    cuts = CutsEpochs()
+    summary = train(config(assets, "epoch-stop", *epochs), callbacks=[cuts])
+    out = assets[0] / "epoch-stop"
+    assert cuts.events == [(event, step, epoch) for e in range(3) for event, step, epoch in (
+        ("epoch_begin", 2 * e, e), ("step_end", 2 * e + 1, e), ("step_end", 2 * e + 2, e),
+        ("epoch_end", 2 * e + 2, e + 1))]
+    assert cuts.began_at_the_start == [True, True, True]  # not the epoch's third step
+    assert summary["steps"] == 6 and summary["epochs"] == 3 and summary["stopped_by"] == "callback stop"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4", "step-6"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+    # Transformers' float epoch: each epoch's first step counts from its start
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [int(r["epoch"]) for r in records] == [0, 0, 1, 1, 2, 2]
+    assert [r["epoch"] % 1 for r in records] == pytest.approx([records[0]["epoch"], records[1]["epoch"]] * 3)
+
+    resumed = CutsEpochs()
+    train(config(assets, "epoch-stop", *epochs, "--resume_from_checkpoint", str(out / "checkpoints" / "step-2")),
+          callbacks=[resumed])
+    assert resumed.events[0] == ("epoch_begin", 2, 1) and resumed.began_at_the_start == [True, True]
+    assert losses(out)[2:] == pytest.approx([r["loss"] for r in records][2:], rel=1e-5)

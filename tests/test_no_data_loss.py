@@ -501,6 +501,9 @@ def rewrite_state(checkpoint: Path, change) -> None:
     (lambda s: s["sampler"].update(epoch=2), "trainer_state.json: the sampler's position (epoch 2, step 4 of 68) is "
                                              "not step 4"),
     (lambda s: s.update(epoch=float("nan")), "trainer_state.json: epoch nan is not a finite number >= 0"),
+    (lambda s: s.update(steps_cut=-1), "trainer_state.json: steps_cut -1 is not a whole number >= 0"),
+    (lambda s: s.update(steps_cut=1), "trainer_state.json: the sampler's position (epoch 0, step 4 of 68, less "
+                                      "steps_cut 1) is not step 4"),
 ])
 def test_a_checkpoints_trainer_state_is_range_checked(made, run, change, problem, caplog):
     from shardtune.train.checkpoint import checkpoint_problem, resolve_resume

@@ -7,9 +7,11 @@ The shape is Transformers' ``TrainerCallback``: each event is a method ``on_<eve
 ``state.max_steps``; ``state.log_history``, ``state.best_metric``, ``state.best_model_checkpoint`` as
 Transformers' ``TrainerState`` has them) and ``control`` a ``TrainerControl`` whose flags a callback may set:
 ``should_training_stop`` ends the run after this step (with a checkpoint and ``final/``, as reaching ``max_steps``
-does), ``should_save``, ``should_evaluate`` and ``should_log`` ask for a checkpoint, an evaluation or a
-metrics.jsonl record after this step. A callback defines only the events it needs; a
-``transformers.TrainerCallback`` subclass works as it is (its other methods are no-ops).
+does), ``should_epoch_stop`` ends this epoch after it (training goes on at the next epoch's first step, as in
+Transformers, for ``state.num_train_epochs`` epochs in all), ``should_save``, ``should_evaluate`` and
+``should_log`` ask for a checkpoint, an evaluation or a metrics.jsonl record after this step. A callback defines
+only the events it needs; a ``transformers.TrainerCallback`` subclass works as it is (its other methods are
+no-ops).
 
 Events and their keyword arguments (each also gets ``model``, ``processing_class``, ``optimizer``,
 ``lr_scheduler``, ``train_dataloader`` and ``eval_dataloader``, as Transformers hands them to every event, where
@@ -20,7 +22,7 @@ model stays one; the loaders are ``data.loaders``'s):
 - ``on_step_begin``: ``micro_batches`` (this rank's collated micro-batches of the step), ``model``, ``optimizer``
 - ``on_step_end``: ``stats`` (loss, grad_norm, tokens, target_tokens of the global batch)
 - ``on_epoch_end``: no arguments, before the epoch's log, evaluation and checkpoint (also when ``max_steps``
-  ends the run inside an epoch, as Transformers calls it)
+  ends the run inside an epoch, or ``should_epoch_stop`` the epoch, as Transformers calls it)
 - ``on_log``: ``logs`` (the record written to metrics.jsonl)
 - ``on_evaluate``: ``metrics`` (eval_loss, eval_perplexity, eval_tokens)
 - ``on_save``: ``checkpoint`` (the folder just completed)
@@ -57,9 +59,10 @@ NEVER_CALLED = {"on_init_end": "on_train_begin", "on_substep_end": "on_step_end"
 @dataclass
 class TrainerControl:
     """Flags callbacks set to steer the loop; the loop clears ``should_save``/``should_evaluate``/``should_log`` once
-    acted on."""
+    acted on, and ``should_epoch_stop`` as each epoch begins."""
 
     should_training_stop: bool = False
+    should_epoch_stop: bool = False
     should_save: bool = False
     should_evaluate: bool = False
     should_log: bool = False

@@ -294,9 +294,11 @@ class Loop:
         if job.cfg.run.eval_on_start and state.step == 0:
             self.evaluate(counted=False)  # a baseline: it takes no part in early stopping or the best checkpoint
         try:
-            while state.step < state.max_steps and not control.should_training_stop:
+            while not self.finished():
+                control.should_epoch_stop = False  # as Transformers clears it when an epoch begins
                 batches = state.epoch_batches()
                 self.hooks.on_epoch_begin()
+                last = False
                 for rows in batches:
                     last = self.step([job.collator([job.data.train[i] for i in indices]) for indices in rows])
                     self.after_step(at_epoch_end=False, last=last)
@@ -304,25 +306,30 @@ class Loop:
                         if not self.checkpointer.just_saved():
                             self.hooks.on_save(checkpoint=self.checkpointer.save("SIGTERM"))
                         return "SIGTERM"
-                    if last or control.should_training_stop:
-                        state.end_epoch_if_complete()
+                    if last or control.should_training_stop or control.should_epoch_stop:
                         break
-                else:
-                    state.epoch += 1  # the epoch ran to its end
-                    self.hooks.on_epoch_end()  # before the epoch's log, eval and save, which it may ask for
-                    self.after_step(at_epoch_end=True, last=False)
-                    continue
-                # Stopped inside an epoch (max_steps): Transformers still logs, evaluates and saves for epoch
-                # strategies.
-                self.hooks.on_epoch_end()
-                self.after_step(at_epoch_end=True, last=True)
-                break
+                # The epoch ran to its end, or a callback's should_epoch_stop skips the rest of it (as Transformers
+                # goes on with the next epoch), or the run stops inside it (max_steps, should_training_stop).
+                if control.should_epoch_stop and not (last or control.should_training_stop):
+                    state.cut_epoch()  # where after_step has not already (a flag on_save set)
+                state.end_epoch()
+                # Transformers logs, evaluates and saves for epoch strategies at each of these ends.
+                self.hooks.on_epoch_end()  # before the epoch's log, eval and save, which it may ask for
+                self.after_step(at_epoch_end=True, last=self.finished())
             if self.early_stopped:
                 return "early stopping"
-            # a callback's should_training_stop before max_steps ends the run as early stopping does
+            # a callback's should_training_stop before max_steps (or its should_epoch_stop, cutting epochs short)
+            # ends the run as early stopping does
             return "completed" if state.step >= state.max_steps else "callback stop"
         finally:
             self.bar.close()
+
+    def finished(self) -> bool:
+        """Whether the run is done: ``max_steps`` trained, a stop asked for, or its epochs all begun (fewer steps
+        than max_steps when should_epoch_stop cut some short, as Transformers' Trainer runs its epochs)."""
+        state = self.job.state
+        return state.step >= state.max_steps or self.hooks.control.should_training_stop or \
+            state.epoch >= state.num_train_epochs
 
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> bool:
         """One optimizer step; returns whether it was the run's last."""
@@ -353,6 +360,8 @@ class Loop:
             self.evaluate(counted=True)
             if self.early_stopped:  # this evaluation made the step the run's last: logged as the last is (under
                 self.log(at_epoch_end=False, last=True)  # logging_strategy steps; epoch logs at the epoch's end)
+        if control.should_epoch_stop and not (at_epoch_end or last or control.should_training_stop):
+            state.cut_epoch()  # before this step's checkpoint, which then resumes at the next epoch's first step
         if self.checkpointer.should_save(state.step, at_epoch_end=at_epoch_end, at_end=at_end) or control.should_save:
             control.should_save = False
             reason = ("end of training" if last else "end of epoch") if at_epoch_end else \

@@ -8,6 +8,7 @@ RNG states as tensors (``rng/rank-R.pt``, loaded with ``weights_only=True``).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +59,7 @@ class TrainState:
         self.best = best or Best()
         self.step = 0
         self.epoch = 0
+        self.steps_cut = 0  # the steps of epochs that should_epoch_stop cut short: never trained
         self.last_stats = None
         self.log_history: list[dict[str, Any]] = []
         self.output_dir = output_dir  # where best_model_checkpoint lies
@@ -105,18 +107,36 @@ class TrainState:
         self.sampler.set_epoch(self.epoch)
         return iter(self.sampler)
 
-    def end_epoch_if_complete(self) -> None:
-        """After the run's last step: count the epoch as done when that step was also the epoch's last."""
-        if self.sampler.step_in_epoch == self.sampler.steps_per_epoch:
+    @property
+    def num_train_epochs(self) -> int:
+        """The epochs the run may begin, as Transformers' Trainer counts them: as many as ``max_steps`` reaches into
+        (fewer steps in all where a callback's should_epoch_stop cut epochs short)."""
+        return math.ceil(self.max_steps / self.sampler.steps_per_epoch)
+
+    def cut_epoch(self) -> None:
+        """A callback's should_epoch_stop: skip the rest of this epoch. The sampler then stands at the next epoch's
+        first step, where a checkpoint saved now resumes; the skipped steps are counted (``steps_cut``). Once an
+        epoch (a second call does nothing)."""
+        sampler = self.sampler
+        if sampler.epoch == self.epoch and sampler.step_in_epoch < sampler.steps_per_epoch:
+            self.steps_cut += sampler.steps_per_epoch - sampler.step_in_epoch
+            sampler.set_epoch(self.epoch + 1)
+
+    def end_epoch(self) -> None:
+        """After an epoch's last step: count it done when it ran to its end or was cut short; a run that stopped
+        inside an epoch (max_steps, a stop) leaves it unfinished."""
+        if self.sampler.epoch > self.epoch or self.sampler.step_in_epoch == self.sampler.steps_per_epoch:
             self.epoch += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "epoch": self.epochs_done, "sampler": self.sampler.state_dict(),
+        return {"step": self.step, "epoch": self.epochs_done, "steps_cut": self.steps_cut,
+                "sampler": self.sampler.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
                 "best": self.best.state_dict(), "log_history": strict_json(self.log_history)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
+        self.steps_cut = state.get("steps_cut", 0)  # none in checkpoints from before should_epoch_stop acted
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         # Epochs completed, from where the sampler stopped: a checkpoint taken at an epoch's last step (save_steps
@@ -157,13 +177,17 @@ def trainer_state_problem(state: Any, *, folder_step: int | None, manifest_step:
                                                 ("epoch", "step_in_epoch", "num_rows", "global_batch_size")):
         return "trainer_state.json: the sampler's position (epoch, step_in_epoch, num_rows, global_batch_size) is " \
                "missing or not whole numbers >= 0"
+    steps_cut = state.get("steps_cut", 0)
+    if not _whole(steps_cut):
+        return f"trainer_state.json: steps_cut {steps_cut!r} is not a whole number >= 0"
     if sampler["global_batch_size"] == 0:
         return "trainer_state.json: the sampler's global_batch_size is 0"
     per_epoch = sampler["num_rows"] // sampler["global_batch_size"]
     if sampler["step_in_epoch"] > per_epoch:
         return (f"trainer_state.json: the sampler is at step {sampler['step_in_epoch']} of an epoch that has "
                 f"{per_epoch} ({sampler['num_rows']} rows, {sampler['global_batch_size']} a step)")
-    if sampler["epoch"] * per_epoch + sampler["step_in_epoch"] != step:
+    if sampler["epoch"] * per_epoch + sampler["step_in_epoch"] - steps_cut != step:
+        cut = f", less steps_cut {steps_cut}" if steps_cut else ""  # the steps should_epoch_stop skipped
         return (f"trainer_state.json: the sampler's position (epoch {sampler['epoch']}, step {sampler['step_in_epoch']}"
-                f" of {per_epoch}) is not step {step}")
+                f" of {per_epoch}{cut}) is not step {step}")
     return None
