@@ -18,6 +18,8 @@ every process torchrun starts can import it) and says where the fault strikes in
   runs the forward, as FSDP must gather; rank 0 writes).
 
 Faults strike on the first attempt of an elastic job only, so a restarted job runs through.
+
+``tests.faults:OneRankSteers`` is a callback's fault: it sets control flags on rank 1 only.
 """
 
 from __future__ import annotations
@@ -152,3 +154,30 @@ def _dump_logits(model: torch.nn.Module, path: str) -> None:
         logits = model(input_ids=ids).logits.float()
     model.train(was_training)
     torch.save({"input_ids": ids.cpu(), "logits": logits.cpu()}, path)
+
+
+class OneRankSteers:
+    """Steers from rank 1 only, as a callback deciding from its own rank's clock or files does: asks for a
+    checkpoint after step 1, an evaluation after step 2 and the stop after step 3. Each rank writes what it did to
+    ``OUTPUT_DIR/one_rank_steers_rank{R}.json``: the steps it evaluated at, its checkpoints, the step it ended at."""
+
+    def on_train_begin(self, args, state, control, *, info, **kwargs) -> None:
+        self.rank, self.seen = info.rank, {"evaluated": [], "saved": []}
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self.rank == 1:
+            control.should_save = state.step == 1
+            control.should_evaluate = state.step == 2
+            control.should_training_stop = state.step == 3
+
+    def on_evaluate(self, args, state, control, **kwargs) -> None:
+        self.seen["evaluated"].append(state.step)
+
+    def on_save(self, args, state, control, *, checkpoint, **kwargs) -> None:
+        self.seen["saved"].append(Path(checkpoint).name)
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        import json
+
+        self.seen["ended_at"] = state.step
+        (Path(args.run.output_dir) / f"one_rank_steers_rank{self.rank}.json").write_text(json.dumps(self.seen))

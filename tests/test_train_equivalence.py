@@ -125,6 +125,11 @@ def runs(assets):
         job(with_eval, "qlora_single", 1, [*SINGLE, *QLORA]),
         job(with_eval, "qlora_fsdp", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP", *QLORA,
                                          *EVALUATED]),
+        # A callback setting flags on rank 1 only (a regression would hang its collectives: ddp_timeout bounds it)
+        job(with_eval, "ddp_one_rank_flags", 2, ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
+                                                 "2", "--distributed_type", "DDP", "--splits", "train,test",
+                                                 "--ddp_timeout", "120", "--callbacks",
+                                                 "tests.setup_probe:SetupProbe,tests.faults:OneRankSteers"]),
         job(tied, "tied_single", 1, [*SINGLE, *ADDED]),
         job(tied, "tied_fsdp", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP", *ADDED])])
     return root, train_jobs(root, jobs)
@@ -206,6 +211,20 @@ def test_callbacks_get_the_model_as_transformers_hands_it_not_the_ddp_wrapper(ru
         for rank in range(2 if name != "single" else 1):
             assert probe(root / name, rank)["model_class"] == {"on_train_begin": model_class,
                                                                "on_step_end": model_class}, (name, rank)
+
+
+def test_a_flag_one_ranks_callback_sets_acts_on_every_rank(runs):
+    """A callback setting should_save, should_evaluate or should_training_stop on one rank only (as one deciding
+    from its rank's own clock does) had the ranks part ways in their collectives; the flags are now agreed over the
+    ranks, so every rank saves, evaluates and stops together, and the steps train as on one process."""
+    root, errors = runs
+    name = "ddp_one_rank_flags"
+    assert not errors[name], errors[name]
+    seen = [json.loads((root / name / f"one_rank_steers_rank{rank}.json").read_text()) for rank in range(2)]
+    assert seen[0] == seen[1] == {"evaluated": [2], "saved": ["step-1"], "ended_at": 3}, seen
+    summary = json.loads((root / name / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["stopped_by"] == "callback stop"
+    assert_same(losses_of(runs, "single")[:3], losses(root / name))
 
 
 def test_length_grouped_unpacked_rows_train_alike_on_one_process_and_ddp(runs):

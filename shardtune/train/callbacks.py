@@ -11,7 +11,7 @@ does), ``should_epoch_stop`` ends this epoch after it (training goes on at the n
 Transformers, for ``state.num_train_epochs`` epochs in all), ``should_save``, ``should_evaluate`` and
 ``should_log`` ask for a checkpoint, an evaluation or a metrics.jsonl record after this step. A callback defines
 only the events it needs; a ``transformers.TrainerCallback`` subclass works as it is (its other methods are
-no-ops).
+no-ops). A flag set on one rank acts on all (``CallbackList.agreed``).
 
 Events and their keyword arguments (each also gets ``model``, ``processing_class``, ``optimizer``,
 ``lr_scheduler``, ``train_dataloader`` and ``eval_dataloader``, as Transformers hands them to every event, where
@@ -40,10 +40,14 @@ import importlib
 import inspect
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
+from shardtune.dist import all_reduce_sum
 from shardtune.errors import UsageError, first_line
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("shardtune")
 
@@ -114,7 +118,9 @@ def load_callback(spec: str) -> Any:
 class CallbackList:
     """Calls an event on every callback in order: those named in the config first, then those passed in code."""
 
-    def __init__(self, callbacks: Sequence[Any], args, state, **common: Any) -> None:
+    def __init__(self, callbacks: Sequence[Any], args, state, *, ranks_device: torch.device | None = None,
+                 **common: Any) -> None:
+        """``ranks_device``: in a job of several processes, the device its collectives run on (None: one)."""
         self.callbacks = list(callbacks)
         self.args, self.state = args, state
         # Transformers hands every event model, processing_class, optimizer, lr_scheduler and the dataloaders: so
@@ -129,12 +135,29 @@ class CallbackList:
                     raise UsageError(f"callbacks: {type(callback).__name__}.{event} would never be called: shardtune's "
                                      f"loop has no such event; move its code to {instead} (the events: "
                                      f"{', '.join(EVENTS)})")
+        # A save, an evaluation and a stop are collectives: a flag one rank's callback set (rank 0's only, or one
+        # decided from that rank's own clock) must act on every rank, or they hang or part ways. Where any rank has
+        # callbacks, ``agreed`` sets it on all; one collective, after events ran, each time the loop reads the flags.
+        self.device = ranks_device if ranks_device is not None and \
+            all_reduce_sum([float(len(self.callbacks))], ranks_device)[0].item() > 0 else None
+        self.unagreed = False
+
+    def agreed(self) -> TrainerControl:
+        """``control``, each flag set on every rank where a callback set it on any (logical OR over the ranks)."""
+        if self.unagreed and self.device is not None:
+            flags = [field.name for field in fields(self.control)]
+            counts = all_reduce_sum([float(getattr(self.control, flag)) for flag in flags], self.device).tolist()
+            for flag, count in zip(flags, counts):
+                setattr(self.control, flag, count > 0)
+        self.unagreed = False
+        return self.control
 
     def __getattr__(self, event: str):
         if event not in EVENTS:
             raise AttributeError(event)
 
         def call(**kwargs) -> TrainerControl:
+            self.unagreed = True  # every rank calls each event at the same point, callbacks or not
             for callback in self.callbacks:
                 method = getattr(callback, event, None)
                 if method is not None:

@@ -203,7 +203,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     hooks = CallbackList(callbacks, cfg, job.state, model=model, processing_class=job.tokenizer,
                          optimizer=job.optimizer, lr_scheduler=job.state.scheduler,
                          train_dataloader=train_loader(job.data.train, job.state.sampler, job.collator),
-                         eval_dataloader=evaluator.loader)  # refused before a tracker writes
+                         eval_dataloader=evaluator.loader,  # refused before a tracker writes
+                         ranks_device=job.info.device if job.info.distributed else None)
     # An earlier run this one replaces goes now, when nothing above refused this run, and before a tracker writes.
     run_and_share(lambda: clear_earlier_run(claim) if claim else None, runs=info.is_main,
                   what=f"deleting the earlier run in {out}")
@@ -306,6 +307,7 @@ class Loop:
                         if not self.checkpointer.just_saved():
                             self.hooks.on_save(checkpoint=self.checkpointer.save("SIGTERM"))
                         return "SIGTERM"
+                    self.hooks.agreed()  # a flag on_log, on_evaluate or on_save set on one rank acts on all
                     if last or control.should_training_stop or control.should_epoch_stop:
                         break
                 # The epoch ran to its end, or a callback's should_epoch_stop skips the rest of it (as Transformers
@@ -328,7 +330,7 @@ class Loop:
         """Whether the run is done: ``max_steps`` trained, a stop asked for, or its epochs all begun (fewer steps
         than max_steps when should_epoch_stop cut some short, as Transformers' Trainer runs its epochs)."""
         state = self.job.state
-        return state.step >= state.max_steps or self.hooks.control.should_training_stop or \
+        return state.step >= state.max_steps or self.hooks.agreed().should_training_stop or \
             state.epoch >= state.num_train_epochs
 
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> bool:
@@ -346,21 +348,22 @@ class Loop:
         self.loss_sum += stats.loss
         self.metrics.count(stats.tokens)
         self.bar.update(1)
-        control = self.hooks.on_step_end(stats=stats)
-        return state.step >= state.max_steps or control.should_training_stop
+        self.hooks.on_step_end(stats=stats)
+        return state.step >= state.max_steps or self.hooks.agreed().should_training_stop
 
     def after_step(self, *, at_epoch_end: bool, last: bool) -> None:
-        state, control = self.job.state, self.hooks.control
+        # Each read of the flags after events ran agrees them over the ranks first (hooks.agreed).
+        state, control = self.job.state, self.hooks.agreed()
         asked, control.should_log = control.should_log, False
         self.log(at_epoch_end=at_epoch_end, last=last, asked=asked)
         at_end = state.step >= state.max_steps  # not a callback's or early stopping's stop, as in Transformers
         if self.evaluator.should_evaluate(state.step, at_epoch_end=at_epoch_end, at_end=at_end) or \
-                control.should_evaluate:
+                self.hooks.agreed().should_evaluate:
             control.should_evaluate = False
             self.evaluate(counted=True)
             if self.early_stopped:  # this evaluation made the step the run's last: logged as the last is (under
                 self.log(at_epoch_end=False, last=True)  # logging_strategy steps; epoch logs at the epoch's end)
-        if control.should_epoch_stop and not (at_epoch_end or last or control.should_training_stop):
+        if self.hooks.agreed().should_epoch_stop and not (at_epoch_end or last or control.should_training_stop):
             state.cut_epoch()  # before this step's checkpoint, which then resumes at the next epoch's first step
         if self.checkpointer.should_save(state.step, at_epoch_end=at_epoch_end, at_end=at_end) or control.should_save:
             control.should_save = False
