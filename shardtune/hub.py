@@ -12,6 +12,7 @@ leaf module: the config checks, the data readers and the commands ask it, and it
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -302,6 +303,25 @@ def tokenizer_problem(name: str, *folders: str | Path) -> str | None:
 
 # What to do about an adapter whose weights do not fit the base it is loaded on.
 ADAPTER_ON_ANOTHER_BASE = "the adapter was trained on a base model of other shapes; give that base model"
+
+
+def adapter_base(adapter_dir: Path) -> Path:
+    """The base model folder (or GGUF) an adapter's adapter_config.json names, resolved as given or relative to the
+    adapter folder; a UsageError naming the file where it names none, or none on this machine."""
+    from shardtune.gguf_source import find_gguf
+
+    config_file = adapter_dir / "adapter_config.json"
+    try:
+        base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{config_file}: not valid JSON ({exc}); re-save the adapter with save_pretrained.") from exc
+    if not base:
+        raise UsageError(f"{config_file}: no 'base_model_name_or_path'; set it to the local base model folder.")
+    for candidate in (Path(base).expanduser(), adapter_dir / base):
+        if (candidate / "config.json").is_file() or find_gguf(candidate):  # a GGUF base: its .gguf file
+            return candidate
+    raise UsageError(f"{config_file}: base_model_name_or_path '{base}' is not a local model folder (nothing is "
+                     f"downloaded); point it at the folder that holds the base model's config.json.")
 
 
 def adapter_folder_problem(folder: str | Path) -> str | None:

@@ -304,6 +304,34 @@ def test_merge_saves_the_bases_own_dtype(tmp_path: Path, says: str) -> None:
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_merge_without_base_takes_the_one_the_adapter_names(tmp_path: Path, capsys) -> None:
+    """merge required --base where the adapter's adapter_config.json names its base (generate and export read it
+    there): without --base it merges into that base, and where that names nothing on this machine it says so."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli import main
+    from shardtune.testing.tiny import make_model_folder
+
+    base = make_model_folder(tmp_path / "base", seed=1)
+    adapter = tmp_path / "adapter"
+    torch.manual_seed(0)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, init_lora_weights=False)) \
+        .save_pretrained(adapter)
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    assert main(["merge", str(adapter), "--base", str(base), str(tmp_path / "given")]) == 0
+    assert main(["merge", str(adapter), str(tmp_path / "named")]) == 0
+    given, named = (load_file(tmp_path / name / "model.safetensors") for name in ("given", "named"))
+    assert given.keys() == named.keys() and all(torch.equal(given[k], named[k]) for k in given)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/hub-model"}))
+    capsys.readouterr()
+    assert main(["merge", str(adapter), str(tmp_path / "nowhere")]) == 2
+    assert "base_model_name_or_path 'org/hub-model' is not a local model folder" in capsys.readouterr().err
+    assert not (tmp_path / "nowhere").exists()
+
+
 def test_an_adapter_whose_modules_the_base_lacks_is_refused(tmp_path: Path, capsys) -> None:
     """PEFT adapts the base's modules that the adapter's config names and drops the adapter's other tensors: a
     Llama adapter on every linear layer merged into a Phi-3 base (one qkv_proj, one gate_up_proj) kept o_proj and

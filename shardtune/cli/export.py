@@ -1,4 +1,4 @@
-"""``shardtune export CHECKPOINT OUT`` and ``shardtune merge ADAPTER --base M OUT``: checkpoints to Hugging Face
+"""``shardtune export CHECKPOINT OUT`` and ``shardtune merge ADAPTER [--base M] OUT``: checkpoints to Hugging Face
 folders.
 
 ``export`` turns any ``output_dir/checkpoints/step-N`` (sharded or full, written on any number of processes) into
@@ -50,9 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=stopped_by_sigterm_reported(main_export))
     m = sub.add_parser("merge", help="fold a LoRA adapter into its base model (a full Transformers folder)",
                        description="Merge the LoRA adapter in ADAPTER (OUTPUT_DIR/final of a LoRA run, or a "
-                                   "'shardtune export' folder) into --base and write a Transformers model folder.")
+                                   "'shardtune export' folder) into its base model (--base, else the one the "
+                                   "adapter names) and write a Transformers model folder.")
     m.add_argument("adapter", metavar="ADAPTER", help="a PEFT adapter folder")
-    m.add_argument("--base", required=True, help="the base model folder the adapter was trained on")
+    m.add_argument("--base", default=None,
+                   help="the base model folder the adapter was trained on (default: the one its "
+                        "adapter_config.json names, as given or relative to ADAPTER)")
     m.add_argument("out", metavar="OUT", help="the folder to write: new or empty (see --overwrite)")
     m.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     m.set_defaults(func=stopped_by_sigterm_reported(main_merge))
@@ -119,7 +122,18 @@ def main_export(args: argparse.Namespace) -> int:
 def main_merge(args: argparse.Namespace) -> int:
     _check_base(args.base, "give the base model folder the adapter was trained on")
     _check_out(args.out, whole_folder=True)
-    _check_merge_inputs(Path(args.adapter), args.base, Path(args.out), overwrite=args.overwrite)
+    label = f"--base {args.base}"
+    if args.base is None:
+        from shardtune.hub import adapter_base, adapter_folder_problem
+
+        if problem := adapter_folder_problem(Path(args.adapter)):
+            raise UsageError(problem)
+        try:
+            args.base = str(adapter_base(Path(args.adapter)))
+        except UsageError as exc:
+            raise UsageError(f"{exc} Or give it as --base") from None
+        label = f"the base model {args.base} (the adapter's base_model_name_or_path)"
+    _check_merge_inputs(Path(args.adapter), args.base, Path(args.out), overwrite=args.overwrite, label=label)
     from shardtune.bitsandbytes_use import model_needs_bitsandbytes
     from shardtune.cli.common import leave_out_bitsandbytes_unless
     from shardtune.hub import pickled_weights_refused
@@ -133,9 +147,9 @@ def main_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_merge_inputs(adapter: Path, base: str, out: Path, *, overwrite: bool) -> None:
+def _check_merge_inputs(adapter: Path, base: str, out: Path, *, overwrite: bool, label: str) -> None:
     """What ``merge`` reads and writes, checked before anything is loaded: OUT, the adapter's files and the base
-    model folder (config.json, weights, no code of its own: merge runs none)."""
+    model folder (config.json, weights, no code of its own: merge runs none), named in messages as ``label``."""
     from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, model_folder_problem,
                                tokenizer_problem)
     from shardtune.train.destination import refuse_destination
@@ -143,9 +157,9 @@ def _check_merge_inputs(adapter: Path, base: str, out: Path, *, overwrite: bool)
     refuse_destination(out, "OUT", sources=[adapter, base], overwrite=overwrite)
     if problem := adapter_folder_problem(adapter):
         raise UsageError(problem)
-    if problem := model_folder_problem(base, f"--base {base}", trust_remote_code=False,
+    if problem := model_folder_problem(base, label, trust_remote_code=False,
                                        trust_fix="merge it in Python with PEFT (PeftModel.from_pretrained(...)"
                                                  ".merge_and_unload()), where trust_remote_code=True can be passed"):
         raise UsageError(problem)
-    if problem := tokenizer_problem(f"--base {base}", adapter, base) or adapter_weights_problem(adapter):
+    if problem := tokenizer_problem(label, adapter, base) or adapter_weights_problem(adapter):
         raise UsageError(problem)

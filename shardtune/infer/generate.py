@@ -9,7 +9,6 @@ the speed, and to measure by how much.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import warnings
@@ -29,6 +28,7 @@ from shardtune.gguf_source import load_model as load_gguf_model
 from shardtune.gguf_source import load_tokenizer as load_gguf_tokenizer
 from shardtune.hub import (
     ADAPTER_ON_ANOTHER_BASE,
+    adapter_base,
     adapter_folder_problem,
     adapter_left_out,
     adapter_weights_problem,
@@ -62,22 +62,6 @@ class GenerationStats:
 # --------------------------------------------------------------------------------------------------------- loading
 
 
-def _read_adapter_base(adapter_dir: Path) -> Path:
-    """The base model folder an adapter names, resolved as given or relative to the adapter folder."""
-    config_file = adapter_dir / "adapter_config.json"
-    try:
-        base = json.loads(config_file.read_text()).get("base_model_name_or_path")
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{config_file}: not valid JSON ({exc}); re-save the adapter with save_pretrained.") from exc
-    if not base:
-        raise UsageError(f"{config_file}: no 'base_model_name_or_path'; set it to the local base model folder.")
-    for candidate in (Path(base).expanduser(), adapter_dir / base):
-        if (candidate / "config.json").is_file() or find_gguf(candidate):  # a GGUF base: its .gguf file
-            return candidate
-    raise UsageError(f"{config_file}: base_model_name_or_path '{base}' is not a local model folder (nothing is "
-                     f"downloaded); point it at the folder that holds the base model's config.json.")
-
-
 def weights_source(path: str | Path) -> Path | None:
     """The model folder or GGUF whose weights ``load_for_generation(path)`` loads: an adapter's base, else ``path``
     itself; None where the adapter's config does not tell (loading says what is wrong)."""
@@ -85,7 +69,7 @@ def weights_source(path: str | Path) -> Path | None:
     if not (folder / "adapter_config.json").is_file():
         return folder
     try:
-        return _read_adapter_base(folder)
+        return adapter_base(folder)
     except UsageError:
         return None
 
@@ -123,7 +107,7 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
                          f"folder or a PEFT adapter folder (e.g. a training run's final/).")
     if is_adapter and (problem := adapter_folder_problem(folder)):
         raise UsageError(problem)
-    base = _read_adapter_base(folder) if is_adapter else folder
+    base = adapter_base(folder) if is_adapter else folder
     name = f"{folder / 'adapter_config.json'}: base model folder '{base}'" if is_adapter else f"'{path}'"
     if problem := model_folder_problem(base, name, trust_remote_code=trust_remote_code,
                                        trust_fix="pass --trust_remote_code") or tokenizer_problem(name, folder, base) \
