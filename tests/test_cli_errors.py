@@ -276,6 +276,12 @@ def test_export_of_a_missing_checkpoint_lists_the_ones_there(run_dir, tmp_path, 
     assert "not a complete shardtune checkpoint (no manifest.json); give an output_dir/" in one_error_line(capsys)
     assert main(["export", str(tmp_path / "elsewhere" / "step-1"), str(tmp_path / "x")]) == 2
     assert "does not exist either); give an output_dir/checkpoints/step-N folder" in one_error_line(capsys)
+    # The run's output_dir (or its checkpoints/) given for a checkpoint: its newest complete one is named
+    for given in (run_dir, run_dir / "checkpoints"):
+        assert main(["export", str(given), str(tmp_path / "x")]) == 2
+        assert one_error_line(capsys) == (f"shardtune export: error: {given}: not a checkpoint, but it holds "
+                                          f"checkpoints: give one of them, e.g. the newest, "
+                                          f"{run_dir / 'checkpoints' / 'step-20'}")
 
 
 def test_resume_from_a_missing_checkpoint_fails_before_the_model_loads(run_dir, capsys, monkeypatch):

@@ -70,11 +70,15 @@ def checkpoint_folder_problem(folder: str | Path, label: str, *, or_else: str = 
     if (path / MANIFEST).is_file():
         return None
     if path.exists():
+        # a run's output_dir, or its checkpoints/ folder: its newest complete checkpoint is the likely one
+        for holder in (path / "checkpoints", path):
+            if found := [p for _, p in _step_folders(holder) if (p / MANIFEST).is_file()]:
+                return (f"{label}: not a checkpoint, but it holds checkpoints: give one of them, e.g. the "
+                        f"newest, {found[-1]}{or_else}")
         return (f"{label}: not a complete shardtune checkpoint (no {MANIFEST}); give an "
                 f"output_dir/checkpoints/step-N folder{or_else}")
     parent = path.parent
-    steps = sorted((int(m.group(1)), p) for p in parent.iterdir() if (m := STEP_FOLDER.match(p.name))
-                   and p.is_dir()) if parent.is_dir() else []
+    steps = _step_folders(parent)
     complete = [p.name for _, p in steps if (p / MANIFEST).is_file()]
     if complete:
         return f"{label}: no such folder; {parent} holds {', '.join(complete)}: give one of those{or_else}"
@@ -83,6 +87,12 @@ def checkpoint_folder_problem(folder: str | Path, label: str, *, or_else: str = 
     else:
         beside = f"{parent} holds no step-N folder" if parent.is_dir() else f"{parent} does not exist either"
     return f"{label}: no such folder ({beside}); give an output_dir/checkpoints/step-N folder{or_else}"
+
+
+def _step_folders(folder: Path) -> list[tuple[int, Path]]:
+    """The step-N folders in ``folder``, by step."""
+    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_FOLDER.match(p.name))
+                  and p.is_dir()) if folder.is_dir() else []
 
 
 def resume_problem(spec: str | None, label: str) -> str | None:
