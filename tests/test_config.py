@@ -566,6 +566,36 @@ def test_no_training_arguments_key_is_offered_another_keys_spelling():
     assert offered == {}
 
 
+# TRL 1.16's ModelConfig and ScriptArguments, the other half of a `trl sft --config` recipe (TRL is not installed
+# with shardtune, so its fields are named here).
+TRL_MODEL_AND_SCRIPT_KEYS = (
+    "model_name_or_path", "model_revision", "dtype", "attn_implementation", "use_peft", "lora_r", "lora_alpha",
+    "lora_dropout", "lora_target_modules", "lora_target_parameters", "lora_modules_to_save", "lora_task_type",
+    "use_rslora", "use_dora", "load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+    "bnb_4bit_quant_storage", "dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split",
+    "dataset_streaming", "ignore_bias_buffers")
+
+
+def test_no_trl_model_or_script_key_is_offered_another_keys_spelling():
+    """lora_task_type was offered lora_bias, dataset_streaming dataset_name, ignore_bias_buffers
+    ddp_broadcast_buffers and bnb_4bit_quant_storage its dtype-suffixed name: each TRL key is a key here, another
+    name of one, a no-op, or refused saying what to write instead."""
+    offered = {}
+    for name in TRL_MODEL_AND_SCRIPT_KEYS:
+        try:
+            load_train_config([*BASE, "--use_peft", "true", f"--{name}", "1"])
+        except UsageError as exc:
+            if "did you mean" in str(exc) or "--help-keys" in str(exc):
+                offered[name] = str(exc)
+    assert offered == {}
+    # the accepted ones act as TRL's: the quantisation storage dtype, CAUSAL_LM (what runs here), no streaming
+    cfg = load_train_config([*BASE, "--load_in_4bit", "true", "--use_peft", "true", "--bnb_4bit_quant_storage",
+                             "float16", "--lora_task_type", "CAUSAL_LM", "--dataset_streaming", "false"])
+    assert cfg.lora.bnb_4bit_quant_storage_dtype == "float16"
+    with pytest.raises(UsageError, match="lora_task_type='SEQ_CLS' would change what runs"):
+        load_train_config([*BASE, "--use_peft", "true", "--lora_task_type", "SEQ_CLS"])
+
+
 def test_a_recipe_whose_path_holds_an_equals_sign_is_read_as_a_recipe(tmp_path, monkeypatch):
     """sweep/lr=1e-3/recipe.yaml was read as the key 'sweep/lr' ("did you mean 'seed'?"); an existing .yaml file is
     the recipe, and key=value still sets a key."""

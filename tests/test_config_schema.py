@@ -99,7 +99,8 @@ ALIAS_VALUES = {"max_length": (64, []), "max_seq_length": (64, []),
                 "dataset_config": ("subset", ["--dataset_name", "org/rows"]),  # a hub data set's subset
                 "use_peft": (True, []), "load_in_4bit": (True, ["--use_peft_lora", "true"]),
                 "use_bnb_nested_quant": (False, ["--use_peft_lora", "true", "--use_4bit_quantization", "true"]),
-                "evaluation_strategy": ("steps", []), "dtype": ("bfloat16", [])}
+                "evaluation_strategy": ("steps", []), "dtype": ("bfloat16", []),
+                "bnb_4bit_quant_storage": ("float16", ["--use_peft_lora", "true", "--use_4bit_quantization", "true"])}
 
 
 def test_the_other_names_are_the_ones_listed_here():

@@ -354,6 +354,9 @@ UNKNOWN_ELSEWHERE = {
     "eval_dataset_name": "eval rows come from dataset_name's own eval split here (e.g. test.jsonl beside "
                          "train.jsonl; the splits key names them) or from eval_split_ratio",
     "dataset_kwargs": "it is not read here: the rows' format is found from their columns (data_format sets it)",
+    # TRL's ModelConfig and ScriptArguments
+    "lora_target_parameters": "here lora_target_modules adapts a mixture-of-experts model's expert tensors too "
+                              "(all-linear, or their names, e.g. Mixtral's w1,w2,w3); give them there",
     # TrainingArguments: spelling alone offered lr_scheduler_type, optim, dataset_name, save_total_limit, ...
     "optim_args": "the optimizer's settings are keys of their own here (adam_beta1, adam_beta2, adam_epsilon, "
                   "weight_decay); leave it out",

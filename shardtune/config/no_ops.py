@@ -133,6 +133,12 @@ NO_OPS: dict[str, NoOp] = {
                                 "TRL's loss on every token of a conversation"),
     "completion_only_loss": NoOp("TRL's loss on the completions only, what shardtune trains unless train_on_prompt "
                                  "is true", TRUE_OR_UNSET, TRAINED_TOKENS, "TRL's loss on the prompt too"),
+    "lora_task_type": NoOp("TRL's PEFT task type: shardtune fine-tunes causal language models, PEFT's CAUSAL_LM",
+                           _one_of("causal_lm"), "set it to CAUSAL_LM, or leave it out"),
+    "dataset_streaming": NoOp("TRL's streamed reading of a hub data set", OFF,
+                              "rows are read, tokenised and cached before training here: leave it out"),
+    "ignore_bias_buffers": NoOp("TRL's scripts' fix for boolean buffers under DDP", OFF,
+                                "set ddp_broadcast_buffers false, which stops DDP broadcasting any buffer"),
     "dataloader_num_workers": NoOp("speed only: rows are tokenised once, before training, and collated in-process"),
     **dict.fromkeys(("dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor"),
                     NoOp("speed only: batches are collated in-process, with no loader workers, and copied to the "

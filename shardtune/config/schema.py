@@ -200,6 +200,7 @@ class LoraConfig:
     bnb_4bit_quant_storage_dtype: FloatDtype = key(
         "bfloat16", "Storage dtype of the packed 4-bit weights, and the dtype the model loads in; bf16 lets FSDP "
         "shard them with the rest.", spellings=FLOAT_SPELLINGS, needs=QLORA,
+        aliases={"bnb_4bit_quant_storage": "TRL's"},
         refused={"uint8": "bitsandbytes' uint8 storage would load the whole model in uint8 here (the storage dtype "
                           "is the load dtype); use bfloat16 (the default), float16 or float32"})
 
