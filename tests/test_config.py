@@ -596,6 +596,25 @@ def test_no_trl_model_or_script_key_is_offered_another_keys_spelling():
         load_train_config([*BASE, "--use_peft", "true", "--lora_task_type", "SEQ_CLS"])
 
 
+def test_no_peft_lora_config_key_is_offered_another_keys_spelling():
+    """A recipe written for PEFT's get_peft_model: task_type was offered torch_dtype, layers_to_transform
+    max_grad_norm, fan_in_fan_out train_on_prompt, r nothing. Every field of the installed LoraConfig is a key
+    here, a no-op, or refused naming the key to write or saying it has no counterpart (a new PEFT field shows up)."""
+    import peft
+
+    offered = {}
+    for field in dataclasses.fields(peft.LoraConfig):
+        try:
+            load_train_config([*BASE, "--use_peft", "true", f"--{field.name}", "1"])
+        except UsageError as exc:
+            if "did you mean" in str(exc) or "--help-keys" in str(exc) and "no counterpart" not in str(exc):
+                offered[field.name] = str(exc)
+    assert offered == {}
+    with pytest.raises(UsageError, match="unknown key 'r'; PEFT's rank is lora_r here"):
+        load_train_config([*BASE, "--use_peft", "true", "--r", "8"])
+    assert load_train_config([*BASE, "--use_peft", "true", "--task_type", "CAUSAL_LM", "--peft_type", "LORA"])
+
+
 def test_a_recipe_whose_path_holds_an_equals_sign_is_read_as_a_recipe(tmp_path, monkeypatch):
     """sweep/lr=1e-3/recipe.yaml was read as the key 'sweep/lr' ("did you mean 'seed'?"); an existing .yaml file is
     the recipe, and key=value still sets a key."""

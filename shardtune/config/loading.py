@@ -355,8 +355,15 @@ UNKNOWN_ELSEWHERE = {
                          "train.jsonl; the splits key names them) or from eval_split_ratio",
     "dataset_kwargs": "it is not read here: the rows' format is found from their columns (data_format sets it)",
     # TRL's ModelConfig and ScriptArguments
-    "lora_target_parameters": "here lora_target_modules adapts a mixture-of-experts model's expert tensors too "
-                              "(all-linear, or their names, e.g. Mixtral's w1,w2,w3); give them there",
+    **dict.fromkeys(("lora_target_parameters", "target_parameters"),
+                    "here lora_target_modules adapts a mixture-of-experts model's expert tensors too (all-linear, or "
+                    "their names, e.g. Mixtral's w1,w2,w3); give them there"),
+    # PEFT's LoraConfig (a recipe written for get_peft_model): the key each is here
+    "r": "PEFT's rank is lora_r here", "target_modules": "PEFT's target_modules is lora_target_modules here",
+    "bias": "PEFT's bias (none, all, lora_only) is lora_bias here",
+    "modules_to_save": "PEFT's modules_to_save is lora_modules_to_save here",
+    "trainable_token_indices": "train trains the embedding rows of the tokens a chat template adds by itself (PEFT's "
+                               "trainable_token_indices); leave it out",
     # TrainingArguments: spelling alone offered lr_scheduler_type, optim, dataset_name, save_total_limit, ...
     "optim_args": "the optimizer's settings are keys of their own here (adam_beta1, adam_beta2, adam_epsilon, "
                   "weight_decay); leave it out",
@@ -399,6 +406,13 @@ OTHER_TOOLS_KEYS = {
         "trackio_static_space_id",
         "train_sampling_strategy"), "Transformers' TrainingArguments"),
     "truncation_mode": "TRL's SFTConfig",
+    # PEFT 0.21's LoraConfig; tests/test_config.py walks the installed one
+    **dict.fromkeys((
+        "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode", "exclude_modules",
+        "fan_in_fan_out", "layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern", "megatron_config",
+        "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config", "velora_config",
+        "alora_invocation_tokens", "use_qalora", "qalora_group_size", "monteclora_config", "layer_replication",
+        "runtime_config", "use_bdlora", "arrow_config", "kasa_config", "ensure_weight_tying"), "PEFT's LoraConfig"),
 }
 
 

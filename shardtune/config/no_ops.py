@@ -133,8 +133,11 @@ NO_OPS: dict[str, NoOp] = {
                                 "TRL's loss on every token of a conversation"),
     "completion_only_loss": NoOp("TRL's loss on the completions only, what shardtune trains unless train_on_prompt "
                                  "is true", TRUE_OR_UNSET, TRAINED_TOKENS, "TRL's loss on the prompt too"),
-    "lora_task_type": NoOp("TRL's PEFT task type: shardtune fine-tunes causal language models, PEFT's CAUSAL_LM",
-                           _one_of("causal_lm"), "set it to CAUSAL_LM, or leave it out"),
+    **{name: NoOp(f"{whose} task type: shardtune fine-tunes causal language models, PEFT's CAUSAL_LM",
+                  _one_of("causal_lm"), "set it to CAUSAL_LM, or leave it out")
+       for name, whose in (("lora_task_type", "TRL's PEFT"), ("task_type", "PEFT's"))},
+    "peft_type": NoOp("PEFT's adapter type: shardtune trains LoRA (use_peft_lora)", _one_of("lora"),
+                      "set it to LORA, or leave it out"),
     "dataset_streaming": NoOp("TRL's streamed reading of a hub data set", OFF,
                               "rows are read, tokenised and cached before training here: leave it out"),
     "ignore_bias_buffers": NoOp("TRL's scripts' fix for boolean buffers under DDP", OFF,
