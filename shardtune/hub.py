@@ -151,8 +151,17 @@ def num_layers(model: str) -> tuple[int, str] | None:
 def config_num_layers(config: object, where: str) -> tuple[int, str] | None:
     """(the decoder layers a model ``config`` (a dict, as config.json holds it) has, the key it was read from, led
     by ``where``); None where it says none."""
+    config, where = _text_part(config, where, "num_hidden_layers")
     layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
-    return (layers, f"{where}: num_hidden_layers") if type(layers) is int and layers > 0 else None
+    return (layers, f"{where}num_hidden_layers") if type(layers) is int and layers > 0 else None
+
+
+def _text_part(config: object, where: str, *keys: str) -> tuple[object, str]:
+    """The part of ``config`` that holds ``keys``: itself, or a multimodal model's text_config (Gemma 3, Llama 4),
+    and ``where`` led to it ("config.json: text_config.")."""
+    if isinstance(config, dict) and not any(k in config for k in keys) and isinstance(config.get("text_config"), dict):
+        return config["text_config"], f"{where}: text_config."
+    return config, f"{where}: "
 
 
 def _config_number(model: str, gguf_field: str, from_config) -> tuple[int, str] | None:
@@ -180,6 +189,7 @@ def _config_number(model: str, gguf_field: str, from_config) -> tuple[int, str] 
 def config_context_length(config: object, where: str) -> tuple[int, str] | None:
     """(the longest sequence a model ``config`` (a dict, as config.json holds it) covers, the key it was read from,
     led by ``where``); None where it says none."""
+    config, where = _text_part(config, where, *CONTEXT_KEYS)
     if not isinstance(config, dict):
         return None
     key = next((k for k in CONTEXT_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
@@ -190,7 +200,7 @@ def config_context_length(config: object, where: str) -> tuple[int, str] | None:
     original = scaling.get("original_max_position_embeddings")
     if isinstance(original, int) and config[key] > original:  # Llama 3.1's: the positions already scaled
         factor = 1
-    return int(config[key] * max(1, factor)), f"{where}: {key}" + (" x rope_scaling factor" if factor > 1 else "")
+    return int(config[key] * max(1, factor)), f"{where}{key}" + (" x rope_scaling factor" if factor > 1 else "")
 
 
 def _config_file(model: str) -> Path | None:

@@ -346,6 +346,22 @@ def test_a_rope_scaling_factor_extends_what_the_model_covers(tmp_path):
     assert context_length(str(folder)) == (1024, f"{folder / 'config.json'}: n_positions")
 
 
+def test_a_multimodal_configs_text_part_gives_its_positions_and_layers(tmp_path):
+    """Gemma 3's and Llama 4's config.json hold the language model's shape in text_config: the positions and the
+    decoder layers were read from the top level only, so max_seq_len beyond them and PP or MP over more GPUs than
+    layers went unchecked until the model loaded."""
+    from shardtune.hub import context_length, num_layers
+
+    folder = tmp_path / "gemma3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {"num_hidden_layers": 27},
+                                                    "text_config": {"max_position_embeddings": 131072,
+                                                                    "num_hidden_layers": 34}}))
+    config = folder / "config.json"
+    assert context_length(str(folder)) == (131072, f"{config}: text_config.max_position_embeddings")
+    assert num_layers(str(folder)) == (34, f"{config}: text_config.num_hidden_layers")
+
+
 # ----------------------------------------------------------------------------------------------- attention kernel
 
 
