@@ -243,6 +243,8 @@ def test_cli_rejects_bad_sampling_values(trained, capsys):
     assert "top_p 0.9 acts only when sampling, and temperature 0 decodes greedily" in capsys.readouterr().err
     assert main(["generate", str(trained), "--prompt", "hi", "--top_p", "0.9", "--temperature", "0.7",
                  "--max_new_tokens", "3"]) == 0
+    assert main(["generate", str(trained), "--prompt", "hi", "--seed", "3"]) == 2  # greedy: nothing is drawn
+    assert "--seed 3 acts only when sampling, and temperature 0 decodes greedily" in capsys.readouterr().err
     assert main(["generate", str(trained), "--prompt", "hi", "--top_k", "5"]) == 2
     assert "top_k 5 acts only when sampling, and temperature 0 decodes greedily" in capsys.readouterr().err
     assert main(["generate", str(trained), "--prompt", "hi", "--repetition_penalty", "0"]) == 2

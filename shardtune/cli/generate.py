@@ -27,7 +27,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition_penalty", "--repetition-penalty", type=float, default=1.0, metavar="R",
                    help="above 1 makes tokens already in the prompt or the reply less likely, greedy or sampled "
                         "(Transformers' repetition_penalty; default: 1, none)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the sampling generator (default: 0)")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="seed of the sampling generator (with --temperature above 0; default: 0)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message put before the conversation")
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="recompute the whole prefix every token instead of using the KV cache (slow; for checks)")
@@ -67,6 +68,9 @@ def _load(args: argparse.Namespace):
 
     # before the model loads, and before a chat
     check_sampling(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.repetition_penalty)
+    if args.seed is not None and args.temperature == 0:  # greedy decoding draws nothing to seed
+        raise UsageError(f"--seed {args.seed} acts only when sampling, and temperature 0 decodes greedily: set "
+                         f"--temperature above 0 (e.g. 0.7) to sample, or leave --seed out.")
     device = check_device(args.device)
     leave_out_bitsandbytes_unless(lambda: model_needs_bitsandbytes(weights_source(args.model)))
     dtype_name = check_choice(args.dtype, DTYPES, "--dtype")
@@ -77,7 +81,7 @@ def _load(args: argparse.Namespace):
 def _options(args: argparse.Namespace) -> dict:
     return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "top_k": args.top_k, "repetition_penalty": args.repetition_penalty,
-            "seed": args.seed, "use_cache": args.use_cache}
+            "seed": 0 if args.seed is None else args.seed, "use_cache": args.use_cache}
 
 
 def _write(out: TextIO, first: str = ""):
