@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -369,3 +370,41 @@ def test_a_run_folder_or_a_checkpoint_given_to_generate_names_what_to_give(tmp_p
     with pytest.raises(UsageError, match=rf"^'{step}' is a training checkpoint: export it first \(shardtune export "
                                          rf"{step} OUT\), then give OUT$"):
         load_for_generation(step)
+
+
+def test_a_run_trained_on_plain_prompts_is_prompted_as_it_trained(tmp_path, capsys):
+    """A run's final/ trained on plain prompt/completion rows was prompted through the chat template by default,
+    a format it never saw; summary.json now says how the run wrote its prompts and generate follows it (with a
+    note), --chat-template overriding. A chat-trained run keeps the template."""
+    from transformers import AutoTokenizer
+
+    from shardtune.testing.tiny import make_model_folder
+    from tests.trainutil import logging_restored, write_chat_data
+
+    make_model_folder(tmp_path / "model")
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"prompt": f"What is {i} plus 1? ",
+                                                              "completion": f"{i + 1}."}) + "\n" for i in range(16)))
+    write_chat_data(tmp_path / "chat.jsonl", rows=16)
+    for data in ("plain", "chat"):
+        with logging_restored():
+            assert main(["train", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name",
+                         str(tmp_path / f"{data}.jsonl"), "--output_dir", str(tmp_path / data), "--max_steps", "1",
+                         "--use_peft_lora", "true", "--max_seq_len", "64", "--predict_memory", "false"]) == 0
+    styles = [json.loads((tmp_path / data / "summary.json").read_text())["prompt_style"] for data in ("plain", "chat")]
+    assert styles == ["plain text", "chat template"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "plain" / "final")
+    prompt = "What is 3 plus 1? "
+    counts = {}
+    for name, flags in (("default", []), ("template", ["--chat-template"])):
+        capsys.readouterr()
+        assert main(["generate", str(tmp_path / "plain" / "final"), "--prompt", prompt, "--max_new_tokens", "2",
+                     *flags]) == 0
+        err = capsys.readouterr().err
+        counts[name] = int(re.search(r"\[(\d+) prompt tokens", err)[1])
+        assert ("the run trained on plain prompts" in err) == (name == "default"), err
+    assert counts == {"default": len(encode_prompt(tokenizer, prompt, chat_template=False)),
+                      "template": len(encode_prompt(tokenizer, prompt))}
+    assert counts["default"] < counts["template"]
+    assert main(["generate", str(tmp_path / "chat" / "final"), "--prompt", "What is 3 plus 1?",
+                 "--max_new_tokens", "2"]) == 0
+    assert "plain prompts" not in capsys.readouterr().err

@@ -45,8 +45,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_common(g)
     g.add_argument("--prompt", required=True, metavar="TEXT",
                    help="the user's message (plain text with --no-chat-template)")
-    g.add_argument("--no-chat-template", dest="chat_template", action="store_false",
-                   help="feed the prompt as plain text instead of through the chat template")
+    template = g.add_mutually_exclusive_group()
+    template.add_argument("--no-chat-template", dest="chat_template", action="store_false", default=None,
+                          help="feed the prompt as plain text instead of through the chat template")
+    template.add_argument("--chat-template", dest="chat_template", action="store_true", default=None,
+                          help="feed it through the chat template (the default, except for a run's final/ "
+                               "trained on plain prompts: prompt/completion or text rows)")
     g.set_defaults(func=main_generate)
     c = sub.add_parser("chat", help="chat with a model in the terminal (/reset, /exit)",
                        description="An interactive conversation: type a message, the reply streams back. "
@@ -99,7 +103,13 @@ def main_generate(args: argparse.Namespace) -> int:
     from shardtune.infer.generate import GenerationStats, encode_prompt, generate
 
     model, tokenizer = _load(args)
-    prompt_ids = encode_prompt(tokenizer, args.prompt, chat_template=args.chat_template, system=args.system)
+    chat_template = args.chat_template
+    if chat_template is None:  # as the run fed its prompts, where MODEL is a run's final/ that says
+        chat_template = trained_prompt_style(args.model) != "plain text"
+        if not chat_template:
+            print("[the run trained on plain prompts (prompt/completion or text rows): the prompt goes in as plain "
+                  "text; --chat-template puts it through the chat template]", file=sys.stderr)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, chat_template=chat_template, system=args.system)
     stats = GenerationStats()
     generate(model, tokenizer, prompt_ids, stream=_write(sys.stdout), stats=stats, **_options(args))
     sys.stdout.write("\n")
@@ -108,6 +118,20 @@ def main_generate(args: argparse.Namespace) -> int:
           f"tokens{speed}; stopped by {stats.stop_reason}; KV cache {'on' if args.use_cache else 'off'}]",
           file=sys.stderr)
     return 0
+
+
+def trained_prompt_style(model: str) -> str | None:
+    """How the run whose final/ ``model`` is wrote its prompts (its summary.json's prompt_style: "chat template",
+    "plain text" or "mixed"); None for any other folder."""
+    import json
+    from pathlib import Path
+
+    folder = Path(model).expanduser()
+    try:
+        summary = json.loads((folder.parent / "summary.json").read_text()) if folder.name == "final" else {}
+    except (OSError, ValueError):
+        return None
+    return summary.get("prompt_style") if isinstance(summary, dict) else None
 
 
 def run_chat(session, lines: TextIO, out: TextIO, prompt: str = "you> ") -> None:

@@ -175,8 +175,10 @@ def build_split(examples: list[dict], cfg: DataConfig, tokenizer, split: str, fm
     """Tokenise, truncate and (optionally) pack ``examples``: the rows as a ``datasets.Dataset`` and its report."""
     import datasets
 
+    styles = {"chat template" if e["kind"] == "chat" else "plain text" for e in examples}
     report = DataReport(split=split, data_format=fmt, max_seq_len=cfg.max_seq_len, packing=cfg.packing,
-                        bad_rows_skipped=len(skipped), notes=[skipped_note(m) for m in skipped])
+                        bad_rows_skipped=len(skipped), notes=[skipped_note(m) for m in skipped],
+                        prompt_style=styles.pop() if len(styles) == 1 else "mixed" if styles else "")
     docs_ids, docs_labels = _documents(_tokenise(examples, cfg, tokenizer, split), cfg, tokenizer.eos_token_id,
                                        report)
     lengths = [len(x) for x in docs_ids]

@@ -29,6 +29,10 @@ class DataReport:
     # SHA-256 of the rows the model sees (ids, labels, packed lengths): a resume checks it against the checkpoint's,
     # so other rows of the same count are not trained on from the middle of the first run's order. "": not known.
     rows_sha256: str = ""
+    # How the prompts were written: "chat template" (chat rows, conversational prompt/completion), "plain text"
+    # (plain prompt/completion, alpaca, text rows), "mixed"; "" where not known (an older cache). shardtune
+    # generate feeds a prompt to a run's final/ the same way.
+    prompt_style: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -511,7 +511,8 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
             "world_size": info.world_size, "strategy": job.plan.strategy.name, "device_type": info.device.type,
             "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
             "stopped_by": stopped_by, "last_checkpoint": checkpointer.last, **best_summary(job),
-            "compile": compile_summary(job), "train_loss": loss_sum / steps if steps else None,
+            "compile": compile_summary(job), "prompt_style": job.data.report.prompt_style or None,
+            "train_loss": loss_sum / steps if steps else None,
             "train_runtime": wall, "train_steps_per_second": steps / max(wall, 1e-9), "epoch": state.epochs_done}
 
 
