@@ -102,6 +102,24 @@ def as_write_error(exc: BaseException, path: str | Path) -> OSError | None:
     return None
 
 
+# What to do about a failed file operation, by its errno (a write that failed, a path that cannot be made).
+_OS_ERROR_FIX = {
+    errno.ENOSPC: "free disk space or give a path on another disk",
+    errno.EDQUOT: "free disk space (the disk quota is used up) or give a path on another disk",
+    errno.EACCES: "fix the permissions or give another path", errno.EPERM: "fix the permissions or give another path",
+    errno.EROFS: "the file system is read-only: give a path on a writable one",
+    errno.EEXIST: "something is already there: move it away or give another path",
+    errno.ENOTDIR: "a file stands where a folder is needed: move it away or give another path",
+    errno.EISDIR: "a folder stands where a file is needed: move it away or give another path",
+    errno.ENAMETOOLONG: "give a shorter path",
+}
+
+
+def os_error_fix(exc: OSError) -> str:
+    """What to do about ``exc``, in a few words chosen by its errno."""
+    return _OS_ERROR_FIX.get(exc.errno, "free disk space, fix the permissions or give another path")
+
+
 @contextmanager
 def writing(path: str | Path) -> Iterator[None]:
     """Inside: a failed write of ``path`` raises an OSError naming ``path`` (see ``as_write_error``), the

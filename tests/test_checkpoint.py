@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -157,7 +158,13 @@ def test_an_adapter_on_a_base_of_other_shapes_is_one_line(tmp_path: Path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "other", "trained"]
 
 
-def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, capsys, monkeypatch) -> None:
+@pytest.mark.parametrize("code,fix", [
+    ("ENOSPC", "free disk space or give a path on another disk"),
+    # the fix was 'free disk space, fix the permissions or give another path' whatever the cause
+    ("EROFS", "the file system is read-only: give a path on a writable one"),
+])
+def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, capsys, monkeypatch, code,
+                                                                fix) -> None:
     import errno
 
     import transformers.modeling_utils
@@ -172,7 +179,8 @@ def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, ca
     get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2)).save_pretrained(adapter)
 
     def disk_full(tensors, filename, *args, **kwargs):  # what safetensors raises when the disk fills up
-        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+        number = getattr(errno, code)
+        raise OSError(number, os.strerror(number), str(filename))
 
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", disk_full)  # save_pretrained's writer
     out = tmp_path / "merged"
@@ -180,8 +188,9 @@ def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, ca
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
-    assert "shardtune merge: error: [Errno 28] No space left on device" in errors[0]
-    assert str(tmp_path) in errors[0] and errors[0].endswith("give another path")
+    number = getattr(errno, code)
+    assert errors[0].startswith(f"shardtune merge: error: [Errno {number}] {os.strerror(number)}: '{tmp_path}")
+    assert errors[0].endswith(f"'; {fix}"), errors[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base"]  # no OUT, no temporary folder
 
 

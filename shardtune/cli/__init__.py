@@ -110,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return reader_left()
     except OSError as exc:  # a write that failed (full disk, no permission, a file where a folder goes)
-        print(f"shardtune {args.command}: error: {exc}; free disk space, fix the permissions or give another path",
-              file=sys.stderr)
+        from shardtune.errors import os_error_fix
+
+        print(f"shardtune {args.command}: error: {exc}; {os_error_fix(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
