@@ -419,6 +419,9 @@ def test_a_lora_target_the_model_lacks_is_refused_where_it_was_written(work, tmp
                 f"{recipe}, line 4: lora_target_modules=q_projj: no module of the model is named q_projj")
     refused(capsys, ["estimate", "--config", str(recipe)],
             f"{recipe}, line 4: lora_target_modules q_projj matches no linear layer of model")
+    # A typo beside a good name: train refused it, estimate counted q_proj alone (2,048 trainable)
+    refused(capsys, ["estimate", str(work / "model"), "--method", "lora", "--lora-target-modules", "q_proj,v_porj"],
+            "--lora-target-modules q_proj,v_porj: no linear layer of model is named v_porj (did you mean v_proj?)")
     # Given by estimate's options, the refusal names them
     refused(capsys, ["estimate", str(work / "model"), "--method", "lora", "--lora-target-modules", "q_proj",
                      "--lora-modules-to-save", "q_proj"],
@@ -528,6 +531,7 @@ def test_qwen_moe_targets_are_counted_and_trained_as_peft_adapts_them(model_type
     from peft import get_peft_model
 
     from shardtune.config.schema import LoraConfig
+    from shardtune.errors import UsageError
     from shardtune.memory.inventory import ModelAnalysis
     from shardtune.train.model import apply_lora
 
@@ -537,6 +541,11 @@ def test_qwen_moe_targets_are_counted_and_trained_as_peft_adapts_them(model_type
               transformers.Qwen2MoeConfig(**shape, shared_expert_intermediate_size=64))
     config.save_pretrained(tmp_path)
     fresh = transformers.AutoModelForCausalLM.from_config
+    if model_type == "qwen2_moe":  # its router 'gate' is no linear layer: PEFT refuses it, and so do train and estimate
+        with pytest.raises(UsageError, match="no linear layer of .* is named gate"):
+            ModelAnalysis(str(tmp_path), use_cache=False).lora(4, "q_proj,gate")
+        with pytest.raises(UsageError, match="Qwen2MoeTopKRouter"):
+            apply_lora(fresh(config), LoraConfig(lora_target_modules="q_proj,gate", lora_r=4), seed=0)
     for targets in ("all-linear", "gate_proj,up_proj,down_proj"):
         peft_targets = targets if targets == "all-linear" else targets.split(",")
         peft_model = get_peft_model(fresh(config), PeftLoraConfig(r=4, target_modules=peft_targets))

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 from shardtune.config.keys import Problem
-from shardtune.errors import UsageError
+from shardtune.errors import UsageError, closest
 from shardtune.moe import MOE_FUSED, MOE_TARGETS, moe_dora_problem, moe_family
 
 
@@ -143,6 +143,7 @@ def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *
         raise UsageError(Problem(("use_dora", "lora_target_modules"), problem))
     moe = _moe_targets(table, targets)
     saved = _saved_rows(table, modules_to_save)
+    _refuse_unmatched_names(table, targets, model_name)
 
     def added(full_name: str, row: list, biases: dict[str, int]) -> int:
         _, kind, d_in, d_out, experts = row
@@ -193,6 +194,23 @@ def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *
                      per_layer=tuple(adapters + trained for adapters, trained, _ in layers),
                      outside_layers=outside[0] + outside[1], bias_per_layer=tuple(trained for _, trained, _ in layers),
                      bias_outside=outside[1])
+
+
+def _refuse_unmatched_names(table: dict, targets: tuple[str, ...], model_name: str) -> None:
+    """A listed target that names no linear layer or embedding of the model (a typo among q_proj,v_porj; a module
+    PEFT cannot adapt, such as qwen2_moe's router 'gate'): refused, as train refuses it, where PEFT would adapt
+    the other names alone or refuse the model."""
+    if targets == ("all-linear",) or (len(targets) == 1 and targets[0].startswith("re:")):
+        return
+    mapped = MOE_TARGETS.get(table["moe_family"], {})  # transformers-4 expert names PEFT maps onto tensors
+    names = [name for name, kind in _named_kinds(table) if kind in ("linear", "embedding")]
+    missing = [t for t in targets if t not in mapped and not any(n == t or n.endswith("." + t) for n in names)]
+    if missing and len(missing) < len(targets):  # none matching at all is said below, with the names to use
+        hints = [hint for t in missing if (hint := closest(t, linear_names(table)))]
+        raise UsageError(Problem("lora_target_modules",
+            f"lora_target_modules {','.join(targets)}: no linear layer of {model_name} is named {', '.join(missing)}"
+            + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+            + "; give the names of the model's linear layers (e.g. q_proj,v_proj), all-linear or re:<regex>"))
 
 
 def _named_kinds(table: dict) -> list[tuple[str, str]]:
