@@ -372,7 +372,7 @@ def test_a_run_folder_or_a_checkpoint_given_to_generate_names_what_to_give(tmp_p
         load_for_generation(step)
 
 
-def test_a_run_trained_on_plain_prompts_is_prompted_as_it_trained(tmp_path, capsys):
+def test_a_run_trained_on_plain_prompts_is_prompted_as_it_trained(tmp_path, capsys, monkeypatch):
     """A run's final/ trained on plain prompt/completion rows was prompted through the chat template by default,
     a format it never saw; summary.json now says how the run wrote its prompts and generate follows it (with a
     note), --chat-template overriding. A chat-trained run keeps the template."""
@@ -408,3 +408,8 @@ def test_a_run_trained_on_plain_prompts_is_prompted_as_it_trained(tmp_path, caps
     assert main(["generate", str(tmp_path / "chat" / "final"), "--prompt", "What is 3 plus 1?",
                  "--max_new_tokens", "2"]) == 0
     assert "plain prompts" not in capsys.readouterr().err
+    # chat always uses the template: for the plain-trained run it says so
+    for data in ("plain", "chat"):
+        monkeypatch.setattr("sys.stdin", io.StringIO("/exit\n"))
+        assert main(["chat", str(tmp_path / data / "final")]) == 0
+        assert ("the run trained on plain prompts" in capsys.readouterr().err) == (data == "plain")

@@ -179,6 +179,10 @@ def main_chat(args: argparse.Namespace) -> int:
                          f"use 'shardtune generate --no-chat-template' for plain-text continuation.")
     if args.system:  # a template that takes no system turn refuses it here, not at every message
         encode_prompt(tokenizer, "", system=args.system)
+    if trained_prompt_style(args.model) == "plain text":
+        print("[the run trained on plain prompts (prompt/completion or text rows), and chat puts every turn through "
+              "the chat template, a format it did not train on; 'shardtune generate' feeds a prompt as plain text]",
+              file=sys.stderr)
     session = ChatSession(model, tokenizer, system=args.system, options=_options(args))
     print("Chat with the model: /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
     run_chat(session, sys.stdin, sys.stdout)
