@@ -181,6 +181,10 @@ def test_the_estimate_compares_and_recommends_only_jobs_train_runs(tmp_path, cap
     assert "--optimizer adafactor with --strategy FSDP: Adafactor's factored state" in capsys.readouterr().err
     assert main(["estimate", "llama-3.1-8b", "--pure-bf16", "--optimizer", "adamw_8bit"]) == 2
     assert "--pure-bf16 with --optimizer adamw_8bit" in capsys.readouterr().err
+    # Every refusal at once, as train gives them (the first alone was said)
+    assert main([*argv, "--strategy", "FSDP", "--pure-bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "--optimizer adafactor with --strategy FSDP" in err and " | --pure-bf16 with --optimizer adafactor" in err
 
 
 def test_model_parallel_stays_on_one_machine(capsys):

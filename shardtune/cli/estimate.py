@@ -302,8 +302,8 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
 
     if auto and setup.world_size > 1 and refusals(setup):  # FSDP first, unless train refuses it
         setup = validate(setup.with_(distributed_type=DDP))
-    if problems := refusals(setup):  # what train would refuse, in its words
-        raise UsageError(problems[0])
+    if problems := refusals(setup):  # what train would refuse, every one, naming the options as typed
+        raise UsageError(" | ".join(as_typed(problem, args) for problem in problems))
     return setup, auto
 
 
@@ -420,16 +420,22 @@ def said_as_given(error: UsageError, args: argparse.Namespace) -> UsageError:
     if args.config:
         return placed(error, config_argv(args.config))
     problem = error.args[0] if error.args else None
+    typed = as_typed(problem, args) if isinstance(problem, str) else problem
+    return error if typed is problem else UsageError(typed)
+
+
+def as_typed(problem: str, args: argparse.Namespace) -> str:
+    """A ``Problem`` about job keys with each key named by the option that set it (as it is where it names none)."""
     options = {**args.setup_options, "distributed_type": ("--strategy",)}
     keys = [key for key in getattr(problem, "keys", ()) if key in options]
     if not keys:
-        return error
+        return problem
 
     def option(match: re.Match) -> str:  # a flag's option takes no value: "torch_dtype=bfloat16" is --pure-bf16
         name = options[match[1]][0]
         return name if match[1] in args.flag_options else name + (match[2] or "").replace("=", " ", 1)
 
-    return UsageError(re.sub(rf"\b({'|'.join(keys)})\b(=\S+)?", option, str(problem)))
+    return re.sub(rf"\b({'|'.join(keys)})\b(=\S+)?", option, str(problem))
 
 
 def _estimate(args: argparse.Namespace) -> int:
