@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import TextIO
 
 from shardtune.errors import UsageError
@@ -123,9 +125,6 @@ def main_generate(args: argparse.Namespace) -> int:
 def trained_prompt_style(model: str) -> str | None:
     """How the run whose final/ ``model`` is wrote its prompts (its summary.json's prompt_style: "chat template",
     "plain text" or "mixed"); None for any other folder."""
-    import json
-    from pathlib import Path
-
     folder = Path(model).expanduser()
     try:
         summary = json.loads((folder.parent / "summary.json").read_text()) if folder.name == "final" else {}
