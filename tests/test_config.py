@@ -590,10 +590,13 @@ def test_no_trl_model_or_script_key_is_offered_another_keys_spelling():
     assert offered == {}
     # the accepted ones act as TRL's: the quantisation storage dtype, CAUSAL_LM (what runs here), no streaming
     cfg = load_train_config([*BASE, "--load_in_4bit", "true", "--use_peft", "true", "--bnb_4bit_quant_storage",
-                             "float16", "--lora_task_type", "CAUSAL_LM", "--dataset_streaming", "false"])
+                             "float16", "--lora_task_type", "CAUSAL_LM", "--dataset_streaming", "false",
+                             "--dataset_train_split", "train", "--dataset_test_split", "test"])
     assert cfg.lora.bnb_4bit_quant_storage_dtype == "float16"
     with pytest.raises(UsageError, match="lora_task_type='SEQ_CLS' would change what runs"):
         load_train_config([*BASE, "--use_peft", "true", "--lora_task_type", "SEQ_CLS"])
+    with pytest.raises(UsageError, match="dataset_train_split='train_sft' would change what runs .* splits"):
+        load_train_config([*BASE, "--dataset_train_split", "train_sft"])
 
 
 def test_no_peft_lora_config_key_is_offered_another_keys_spelling():
@@ -664,7 +667,7 @@ def test_a_hub_subset_of_local_data_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("key, hint", [
-    ("dataset_train_split", "here the split names go in one key: splits"), ("lr", "here it is learning_rate"),
+    ("dataset_splits", "here the split names go in one key: splits"), ("lr", "here it is learning_rate"),
     ("preprocessing_num_workers", "here it is dataset_num_proc"), ("padding_free", "packing true does it here"),
     ("load_in_8bit", "8-bit loading is not run here; use load_in_4bit"),
     # TRL's SFTConfig keys: packing_strategy was offered logging_strategy, eos_token hub_token, loss_type torch_dtype
@@ -682,7 +685,7 @@ def test_a_hub_subset_of_local_data_is_refused(tmp_path, capsys):
     ("local_rank", "torchrun gives each process its rank"), ("auto_find_batch_size", "shardtune estimate "
      "--find-batch-size")])
 def test_another_tools_key_without_a_counterpart_names_what_to_write(key, hint, capsys):
-    """Spelling alone offered dataset_num_proc for dataset_train_split and lora_r for lr."""
+    """Spelling alone offered dataset_num_proc for dataset_splits and lora_r for lr."""
     assert main(["train", *BASE, f"--{key}", "1"]) == 2
     assert f"unknown key '{key}'; {hint}" in capsys.readouterr().err
 

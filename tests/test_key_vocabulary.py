@@ -309,7 +309,7 @@ ACTING = {"compute_environment": "AMAZON_SAGEMAKER", "downcast_bf16": "yes", "tp
           "fsdp_offload_optimizer": True, "assistant_only_loss": False, "completion_only_loss": False,
           "model_revision": "v1.0", "average_tokens_across_devices": False, "dataloader_drop_last": False,
           "lora_task_type": "SEQ_CLS", "task_type": "SEQ_CLS", "peft_type": "IA3", "ignore_bias_buffers": True,
-          "dataset_streaming": True}
+          "dataset_streaming": True, "dataset_train_split": "train_sft", "dataset_test_split": "test_sft"}
 
 
 def test_the_values_a_no_op_key_publishes_are_the_ones_it_accepts():

@@ -334,7 +334,7 @@ Layers = list[tuple[dict[str, Any], dict[str, Origin]]]
 # another key would otherwise be offered (dataset_train_split -> dataset_num_proc).
 _SPLITS = "here the split names go in one key: splits (e.g. splits train,test)"
 UNKNOWN_ELSEWHERE = {
-    "dataset_train_split": _SPLITS, "dataset_test_split": _SPLITS, "dataset_splits": _SPLITS,
+    "dataset_splits": _SPLITS,
     "preprocessing_num_workers": "here it is dataset_num_proc", "lr": "here it is learning_rate",
     "padding_free": "packing true does it here (packed rows never attend across their documents)",
     "load_in_8bit": "8-bit loading is not run here; use load_in_4bit (QLoRA) or leave it out",

@@ -138,6 +138,10 @@ NO_OPS: dict[str, NoOp] = {
        for name, whose in (("lora_task_type", "TRL's PEFT"), ("task_type", "PEFT's"))},
     "peft_type": NoOp("PEFT's adapter type: shardtune trains LoRA (use_peft_lora)", _one_of("lora"),
                       "set it to LORA, or leave it out"),
+    # TRL's split names at TRL's defaults, which are splits' own (train,test); another name goes in splits
+    **{name: NoOp(f"TRL's {what} split, '{split}' by default as here", _one_of(split),
+                  "name the splits in one key: splits (e.g. splits train,validation)")
+       for name, what, split in (("dataset_train_split", "training", "train"), ("dataset_test_split", "eval", "test"))},
     "dataset_streaming": NoOp("TRL's streamed reading of a hub data set", OFF,
                               "rows are read, tokenised and cached before training here: leave it out"),
     "ignore_bias_buffers": NoOp("TRL's scripts' fix for boolean buffers under DDP", OFF,
