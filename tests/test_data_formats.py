@@ -482,9 +482,15 @@ def test_cache_is_reused_and_invalidated(model_dir, tmp_path, monkeypatch):
 def test_config_validate_reports_every_problem():
     from shardtune.config.validation import data_problems
 
-    problems = data_problems(DataConfig(data_format="chatty", chat_template_format="chatmlx", max_seq_len=0,
-                                        splits="test", eval_split_ratio=1.5))
-    assert len(problems) == 6  # dataset_name missing, format, template, max_seq_len, ratio, splits
+    bad = {"data_format": "chatty", "chat_template_format": "chatmlx", "max_seq_len": 0, "splits": "test",
+           "eval_split_ratio": 1.5}
+    problems = data_problems(DataConfig(**bad))
+    # One problem for each bad value and for the missing dataset_name, each carrying its own key (the key puts a
+    # recipe's file and line in front of it) and naming the key and the value given.
+    assert sorted(p.keys for p in problems) == sorted([(key,) for key in bad] + [("dataset_name",)])
+    for p in problems:
+        (key,) = p.keys
+        assert p.startswith(key) and (key == "dataset_name" or str(bad[key]) in p), p
     assert all("\n" not in p for p in problems)
     # a misspelt choice gets the nearest one (the bad value and the list of choices name "chatml" anyway)
     assert [p.rsplit(" (", 1)[-1] for p in problems if "did you mean" in p] == ["did you mean chat?)",
