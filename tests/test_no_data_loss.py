@@ -42,14 +42,26 @@ def args(root: Path, out: Path, *extra: str) -> list[str]:
             "--lora_target_modules", "q_proj,v_proj", "--output_dir", str(out), *extra]
 
 
+# The umask the run of ``made`` trains under, whatever the shell's: under 077 mkdtemp's 0700 is also the umask's
+# mode, and the tests of the modes it wrote could not tell them apart.
+RUN_UMASK = 0o022
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory) -> Path:
-    """A tiny model, chat data, and a finished LoRA run (checkpoints step-2 and step-4, final/)."""
+    """A tiny model, chat data, and a finished LoRA run (checkpoints step-2 and step-4, final/), trained under
+    RUN_UMASK."""
+    import os
+
     from shardtune.train.loop import train
 
     root = tiny_workspace(tmp_path_factory, "keep", rows=200)
-    with logging_restored():
-        train(load_train_config(args(root, root / "run")))
+    mask = os.umask(RUN_UMASK)
+    try:
+        with logging_restored():
+            train(load_train_config(args(root, root / "run")))
+    finally:
+        os.umask(mask)
     return root
 
 
@@ -381,12 +393,8 @@ def test_a_manifest_missing_what_loading_reads_is_damage(run, caplog):
 def test_final_has_the_mode_of_a_plain_folder(made):
     """final/ was made by mkdtemp and renamed: 0700, so a team's readers and a serving account could not read it,
     where checkpoints/ has the umask's mode."""
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    assert (made / "run" / "final").stat().st_mode & 0o777 == 0o777 & ~mask
-    assert (made / "run" / "checkpoints" / "step-2").stat().st_mode & 0o777 == 0o777 & ~mask
+    assert (made / "run" / "final").stat().st_mode & 0o777 == 0o777 & ~RUN_UMASK
+    assert (made / "run" / "checkpoints" / "step-2").stat().st_mode & 0o777 == 0o777 & ~RUN_UMASK
 
 
 def test_exported_weights_have_the_mode_of_every_other_file(made, run, tmp_path, capsys):
@@ -406,13 +414,18 @@ def test_exported_weights_have_the_mode_of_every_other_file(made, run, tmp_path,
     exported, merged = modes(tmp_path / "exported"), modes(tmp_path / "merged")
     assert exported["adapter_model.safetensors"] == merged["model.safetensors"] == 0o640
     assert set(exported.values()) == set(merged.values()) == {0o640}, (exported, merged)
-    final = modes(made / "run" / "final")
-    assert final["adapter_model.safetensors"] == 0o666 & ~mask and set(final.values()) == {0o666 & ~mask}, final
+    final = modes(made / "run" / "final")  # written under RUN_UMASK
+    assert final["adapter_model.safetensors"] == 0o666 & ~RUN_UMASK and set(final.values()) == {0o666 & ~RUN_UMASK}, \
+        final
     from shardtune.train.checkpoint import _write_full  # a FULL_STATE_DICT checkpoint's weights, likewise
 
     (tmp_path / "full").mkdir()
-    _write_full(tmp_path / "full", {"w": torch.ones(2)}, {})
-    assert modes(tmp_path / "full") == {"model.safetensors": 0o666 & ~mask, "optimizer.pt": 0o666 & ~mask}
+    mask = os.umask(0o027)
+    try:
+        _write_full(tmp_path / "full", {"w": torch.ones(2)}, {})
+    finally:
+        os.umask(mask)
+    assert modes(tmp_path / "full") == {"model.safetensors": 0o640, "optimizer.pt": 0o640}
 
 
 def test_a_resume_into_a_folder_holding_another_history_is_refused(made, run, tmp_path, capsys):
