@@ -257,7 +257,8 @@ def test_a_shortened_gpu_name_suggests_the_gpu_it_starts(capsys):
 
 @pytest.fixture
 def run_dir(tmp_path) -> Path:
-    for step, complete in ((10, True), (20, True), (30, False)):
+    # step-9 before step-10: listed and picked by their numbers, which their names sort the other way
+    for step, complete in ((9, True), (10, True), (20, True), (30, False)):
         folder = tmp_path / "out" / "checkpoints" / f"step-{step}"
         folder.mkdir(parents=True)
         if complete:
@@ -271,7 +272,7 @@ def test_export_of_a_missing_checkpoint_lists_the_ones_there(run_dir, tmp_path, 
     missing = run_dir / "checkpoints" / "step-99"
     assert main(["export", str(missing), str(tmp_path / "x")]) == 2
     assert one_error_line(capsys) == (f"shardtune export: error: {missing}: no such folder; {missing.parent} holds "
-                                      f"step-10, step-20: give one of those")
+                                      f"step-9, step-10, step-20: give one of those")
     assert main(["export", str(run_dir / "checkpoints" / "step-30"), str(tmp_path / "x")]) == 2
     assert "not a complete shardtune checkpoint (no manifest.json); give an output_dir/" in one_error_line(capsys)
     assert main(["export", str(tmp_path / "elsewhere" / "step-1"), str(tmp_path / "x")]) == 2
@@ -295,14 +296,14 @@ def test_resume_from_a_missing_checkpoint_fails_before_the_model_loads(run_dir, 
     assert main(["train", "--model_name_or_path", "M", "--dataset_name", "d.jsonl", "--output_dir", str(run_dir),
                  "--resume_from_checkpoint", str(missing)]) == 2
     error = one_error_line(capsys)
-    assert f"resume_from_checkpoint={missing}: no such folder; {missing.parent} holds step-10, step-20" in error
+    assert f"resume_from_checkpoint={missing}: no such folder; {missing.parent} holds step-9, step-10, step-20" in error
     assert error.endswith("give one of those, or true for the newest one")
 
 
 def test_resolve_resume_says_the_folder_is_missing(run_dir):
     from shardtune.train.checkpoint import resolve_resume
 
-    with pytest.raises(UsageError, match="step-99: no such folder; .* holds step-10, step-20"):
+    with pytest.raises(UsageError, match="step-99: no such folder; .* holds step-9, step-10, step-20:"):
         resolve_resume(str(run_dir / "checkpoints" / "step-99"), run_dir)
     assert resolve_resume(str(run_dir / "checkpoints" / "step-20"), run_dir) == run_dir / "checkpoints" / "step-20"
 
