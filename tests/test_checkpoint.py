@@ -76,22 +76,22 @@ def test_round_trip_restores_weights_optimizer_and_rng(tmp_path: Path, kind: str
 
 def test_save_total_limit_and_incomplete_checkpoints(tmp_path: Path, caplog) -> None:
     model, optimizer = _trained(False)
-    for step in (2, 4, 6):
+    for step in (4, 6, 8):  # then step 10: the newest by number, the oldest by name
         _save(tmp_path, step, model, optimizer, False, ckpt.SHARDED)
-    ckpt.save_checkpoint(tmp_path, 8, model=model, optimizer=optimizer, trainable_only=False, trainer_state=_state(8),
-                         config_yaml="", info=INFO, save_total_limit=2)
-    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-6", "step-8"]
+    ckpt.save_checkpoint(tmp_path, 10, model=model, optimizer=optimizer, trainable_only=False,
+                         trainer_state=_state(10), config_yaml="", info=INFO, save_total_limit=2)
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-8", "step-10"]
     # A save killed before its rename leaves .tmp-step-N; a step folder without a manifest is not complete either.
-    (tmp_path / "checkpoints" / ".tmp-step-10" / "dcp").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "step-12").mkdir()
+    (tmp_path / "checkpoints" / ".tmp-step-12" / "dcp").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-14").mkdir()
     with caplog.at_level("WARNING", logger="shardtune"):
-        assert ckpt.resolve_resume("true", tmp_path) == tmp_path / "checkpoints" / "step-8"
-    assert ".tmp-step-10" in caplog.text and "step-12" in caplog.text
+        assert ckpt.resolve_resume("true", tmp_path) == tmp_path / "checkpoints" / "step-10"
+    assert ".tmp-step-12" in caplog.text and "step-14" in caplog.text
     assert ckpt.resolve_resume("false", tmp_path) is None
     assert ckpt.resolve_resume(None, tmp_path) is None
     assert ckpt.resolve_resume("true", tmp_path / "nowhere") is None
-    with pytest.raises(UsageError, match="step-12.*manifest.json"):
-        ckpt.resolve_resume(str(tmp_path / "checkpoints" / "step-12"), tmp_path)
+    with pytest.raises(UsageError, match="step-14.*manifest.json"):
+        ckpt.resolve_resume(str(tmp_path / "checkpoints" / "step-14"), tmp_path)
 
 
 def test_lora_checkpoint_refuses_full_finetune_resume(tmp_path: Path) -> None:
