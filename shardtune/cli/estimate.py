@@ -525,6 +525,13 @@ def _as_run_on(setup: Setup, gpu: Gpu, *, recipe: bool) -> Setup:
     return setup
 
 
+def _model_number(model: str, from_config, from_model) -> tuple[int, str] | None:
+    """A number of MODEL's architecture and where it was read (hub's ``config_context_length``/``context_length``
+    pairs): from the catalog's config for a catalog name, else from the model itself."""
+    name = catalog.canonical(model)
+    return from_config(catalog.load(name), f"catalog {name}") if name in catalog.names() else from_model(model)
+
+
 def _check_seq_len(model: str, seq_len: int, option: str) -> None:
     """What train refuses of the sequence length beyond its declared bound (checked with the setup's numbers),
     refused here too, so that an estimate (and the recipe --emit-config writes) is of a job that can run: more
@@ -532,9 +539,7 @@ def _check_seq_len(model: str, seq_len: int, option: str) -> None:
     from shardtune.config.validation import beyond_context
     from shardtune.hub import config_context_length, context_length
 
-    name = catalog.canonical(model)
-    found = (config_context_length(catalog.load(name), f"catalog {name}") if name in catalog.names()
-             else context_length(model))
+    found = _model_number(model, config_context_length, context_length)
     if problem := beyond_context(seq_len, found, f"{option} {seq_len}", model, option):
         raise UsageError(problem)
 
@@ -548,9 +553,7 @@ def _check_stages(args: argparse.Namespace, setup: Setup) -> None:
 
     if not setup.splits_layers:
         return
-    name = catalog.canonical(args.model)
-    found = (config_num_layers(catalog.load(name), f"catalog {name}") if name in catalog.names()
-             else num_layers(args.model))
+    found = _model_number(args.model, config_num_layers, num_layers)
     if args.config:
         problems = stage_problems(setup.config, key_origins(config_argv(args.config)), found)
     else:

@@ -86,8 +86,11 @@ class GlobalBatchSampler:
 
     def global_batch(self, step: int) -> list[int]:
         """All rows of optimizer step ``step`` of the current epoch, over every rank."""
+        return self._step_rows(self._order(), step)
+
+    def _step_rows(self, order: list[int], step: int) -> list[int]:
         g = self.global_batch_size
-        return self._order()[step * g:(step + 1) * g]
+        return order[step * g:(step + 1) * g]
 
     def _split(self, rows: list[int]) -> list[list[int]]:
         # micro-step a of rank r reads a contiguous slice; which slice is immaterial to the set of rows in the step
@@ -102,20 +105,18 @@ class GlobalBatchSampler:
 
     def __iter__(self) -> Iterator[list[list[int]]]:
         order = self._order()
-        g = self.global_batch_size
         while self.step_in_epoch < self.steps_per_epoch:
             step = self.step_in_epoch
             # advance before yielding: a checkpoint taken after this step's update must point at the next one
             self.step_in_epoch += 1
-            yield self._split(order[step * g:(step + 1) * g])
+            yield self._split(self._step_rows(order, step))
 
     def micro_batches(self) -> Iterator[list[int]]:
         """This rank's micro-batches of the whole current epoch, in the order its steps train them, leaving the
         position (``step_in_epoch``) as it is."""
         order = self._order()
-        g = self.global_batch_size
         for step in range(self.steps_per_epoch):
-            yield from self._split(order[step * g:(step + 1) * g])
+            yield from self._split(self._step_rows(order, step))
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed,
