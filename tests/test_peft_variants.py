@@ -291,6 +291,9 @@ def test_estimator_counts_regex_targets_as_peft_does(root):
 @pytest.mark.parametrize("extra,peft_kwargs", [
     ({"use_dora": True}, {"use_dora": True}),
     ({"lora_modules_to_save": ["lm_head"]}, {"modules_to_save": ["lm_head"]}),
+    # PEFT saves every module whose name ends with the entry, dot or not: 'head' is lm_head (train ran it; estimate
+    # refused it, matching at dots as for target_modules)
+    ({"lora_modules_to_save": ["head"]}, {"modules_to_save": ["head"]}),
     ({"use_dora": True, "lora_modules_to_save": ["embed_tokens", "lm_head"]},
      {"use_dora": True, "modules_to_save": ["embed_tokens", "lm_head"]}),
 ])

@@ -26,8 +26,9 @@ import re
 from dataclasses import dataclass
 
 from shardtune.config.keys import Problem
-from shardtune.errors import UsageError, closest
+from shardtune.errors import UsageError
 from shardtune.moe import MOE_FUSED, MOE_TARGETS, moe_dora_problem, moe_family
+from shardtune.peft_names import did_you_mean, saves_module, targets_module, unmatched
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def _matches(full_name: str, kind: str, targets: tuple[str, ...], output_name: s
         return False
     if len(targets) == 1 and targets[0].startswith("re:"):  # the trainer's regex form: PEFT full-matches it
         return re.fullmatch(targets[0][3:], full_name) is not None
-    return any(full_name == t or full_name.endswith("." + t) for t in targets)
+    return any(targets_module(full_name, t) for t in targets)
 
 
 def count_lora(table: dict, r: int, targets: tuple[str, ...], model_name: str, *, dora: bool = False,
@@ -204,12 +205,11 @@ def _refuse_unmatched_names(table: dict, targets: tuple[str, ...], model_name: s
         return
     mapped = MOE_TARGETS.get(table["moe_family"], {})  # transformers-4 expert names PEFT maps onto tensors
     names = [name for name, kind in _named_kinds(table) if kind in ("linear", "embedding")]
-    missing = [t for t in targets if t not in mapped and not any(n == t or n.endswith("." + t) for n in names)]
+    missing = unmatched([t for t in targets if t not in mapped], names)
     if missing and len(missing) < len(targets):  # none matching at all is said below, with the names to use
-        hints = [hint for t in missing if (hint := closest(t, linear_names(table)))]
         raise UsageError(Problem("lora_target_modules",
             f"lora_target_modules {','.join(targets)}: no linear layer of {model_name} is named {', '.join(missing)}"
-            + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+            + did_you_mean(missing, linear_names(table))
             + "; give the names of the model's linear layers (e.g. q_proj,v_proj), all-linear or re:<regex>"))
 
 
@@ -230,8 +230,8 @@ def _saved_rows(table: dict, modules_to_save: tuple[str, ...]) -> set[str]:
     names = [row[0] for row in table["outside_rows"] if row[1] != "bias"]
     for i in range(table["num_layers"]):
         names += [f"{prefix}{i}.{row[0]}" for row in _layer_rows(table, i) if row[1] != "bias"]
-    found = {n for n in names if any(n == m or n.endswith("." + m) for m in modules_to_save)}
-    missing = [m for m in modules_to_save if not any(n == m or n.endswith("." + m) for n in found)]
+    found = {n for n in names if any(saves_module(n, m) for m in modules_to_save)}
+    missing = unmatched(modules_to_save, found, saved=True)
     if missing:
         raise UsageError(f"lora_modules_to_save {','.join(missing)}: the estimator counts linear and embedding "
                          f"modules only, and no such module has that name (e.g. lm_head, embed_tokens); use "

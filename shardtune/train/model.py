@@ -18,8 +18,9 @@ from torch import nn
 
 from shardtune.config import LoraConfig, ModelConfig, TrainConfig
 from shardtune.config.keys import Problem
-from shardtune.errors import UsageError, closest
+from shardtune.errors import UsageError
 from shardtune.moe import MOE_TARGETS, moe_dora_problem, moe_family
+from shardtune.peft_names import did_you_mean, unmatched
 
 log = logging.getLogger("shardtune")
 
@@ -424,19 +425,15 @@ def _refuse_unmatched(model: nn.Module, key: str, names: list[str], fix: str) ->
     end of a module's name; target modules: the whole name or its last dotted parts), refused in one line with the
     nearest module names."""
     modules = [module for module, _ in model.named_modules() if module]
-    if key == "lora_modules_to_save":
-        missing = [name for name in names if not any(m.endswith(name) for m in modules)]
-    else:
+    if key != "lora_modules_to_save":
         # A transformers-4 name of a mixture-of-experts weight that transformers 5 fused into a 3-D tensor (Mixtral's
         # w1, w2, w3): PEFT adapts the tensor it became (shardtune.moe).
         fused = MOE_TARGETS.get(moe_family(getattr(getattr(model, "config", None), "model_type", None)), {})
         modules += [f"{name[:-len(new)]}{old}" for name, _ in model.named_parameters()
                     for old, new in fused.items() if name.endswith("." + new)]
-        missing = [name for name in names if not any(m == name or m.endswith("." + name) for m in modules)]
+    missing = unmatched(names, modules, saved=key == "lora_modules_to_save")
     if missing:
-        short = sorted({module.rsplit(".", 1)[-1] for module in modules})
-        hints = [hint for name in missing if (hint := closest(name, short))]
-        guess = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        guess = did_you_mean(missing, sorted({module.rsplit(".", 1)[-1] for module in modules}))
         raise UsageError(Problem(key, f"{key}={','.join(names)}: no module of the model is named "
                                       f"{', '.join(missing)}{guess}; {fix}"))
 
