@@ -199,7 +199,7 @@ def test_push_to_hub_uploads_final_and_only_warns_when_the_hub_fails(tmp_path, m
     import huggingface_hub
 
     from shardtune.config import load_train_config
-    from shardtune.train.loop import push_to_hub
+    from shardtune.train.run_end import push_to_hub
 
     calls: list[tuple] = []
 

@@ -29,7 +29,7 @@ TorchDtype = Literal["auto", "float32", "bfloat16"]  # float16 is refused: pure 
 Scheduler = Literal["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
 Every = Literal["steps", "epoch", "no"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
-HubStrategy = Literal["end"]  # the final model is uploaded once, after training (train/loop.py push_to_hub)
+HubStrategy = Literal["end"]  # the final model is uploaded once, after training (train/run_end.py push_to_hub)
 FsdpVersion = Literal[2]  # the trainer shards with FSDP2's fully_shard
 DataFormat = Literal["auto", "chat", "prompt_completion", "alpaca", "text"]
 # none: the tokenizer's own template; the others are data/templates.py's TEMPLATES (a test holds them equal).
