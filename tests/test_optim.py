@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from shardtune.config import OptimConfig
-from shardtune.train.optim import build_optimizer
+from shardtune.train.optim import build_optimizer, build_scheduler
 
 
 def _scaled_step(optimizer: torch.optim.Optimizer, model: nn.Module, scaler) -> None:
@@ -54,7 +54,6 @@ def test_an_overflowed_fp16_step_leaves_the_learning_rate_schedule_where_it_was(
 
     from shardtune.dist import DistInfo
     from shardtune.testing.tiny import tiny_llama_config
-    from shardtune.train.optim import build_scheduler
     from shardtune.train.plan import Plan
     from shardtune.train.runner import LocalRunner
     from shardtune.train.step import StepContext, train_step
@@ -125,3 +124,37 @@ def test_adamw_steps_fsdp2_shards_locally_exactly_as_torchs_adamw_steps_dtensors
         assert a.keys() == b.keys() and isinstance(a["exp_avg"], DTensor)
         assert all(torch.equal(torch.as_tensor(a[k].full_tensor() if isinstance(a[k], DTensor) else a[k]),
                                torch.as_tensor(b[k].full_tensor() if isinstance(b[k], DTensor) else b[k])) for k in a)
+
+
+def rates(steps: int, **settings) -> list[float]:
+    """The rate each of ``steps`` steps trains at, under build_scheduler's schedule of learning_rate 1."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_scheduler(optimizer, OptimConfig(learning_rate=1.0, **settings), total_steps=steps)
+    found = []
+    for _ in range(steps):
+        found.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return found
+
+
+def test_schedule_settings_left_unset_are_transformers_defaults():
+    """What a recipe that names the schedule and none of its settings runs, as Transformers runs it: one cosine
+    decay to 0 for cosine_with_restarts, a linear decay to 1e-7 for polynomial (the declared lr_end and power are
+    Transformers' defaults), and for inverse_sqrt a timescale of the warm-up steps, or 10000 without warm-up."""
+    import inspect
+    import math
+
+    from transformers.optimization import get_polynomial_decay_schedule_with_warmup
+
+    given = inspect.signature(get_polynomial_decay_schedule_with_warmup).parameters
+    assert (OptimConfig().lr_end, OptimConfig().power) == (given["lr_end"].default, given["power"].default)
+    assert rates(5, lr_scheduler_type="cosine_with_restarts") == pytest.approx(
+        [(1 + math.cos(math.pi * k / 5)) / 2 for k in range(5)], rel=1e-12)
+    assert rates(5, lr_scheduler_type="polynomial") == pytest.approx(
+        [1e-7 + (1 - 1e-7) * (5 - k) / 5 for k in range(5)], rel=1e-12)
+    # a timescale of 2: 1 / sqrt(k / 2) from the end of warm-up (k = 2) on
+    assert rates(5, lr_scheduler_type="inverse_sqrt", warmup_steps=2) == pytest.approx(
+        [0, 0.5, 1, (2 / 3) ** 0.5, (2 / 4) ** 0.5], rel=1e-12)
+    assert rates(3, lr_scheduler_type="inverse_sqrt") == pytest.approx(
+        [(10000 / (10000 + k)) ** 0.5 for k in range(3)], rel=1e-12)

@@ -143,6 +143,9 @@ def _refusal(capsys, argv: list[str]) -> str:
     return err
 
 
+WARMING = "linear, cosine, cosine_with_min_lr, cosine_with_restarts, polynomial, inverse_sqrt or constant_with_warmup"
+
+
 @pytest.mark.parametrize("args,says", [
     (["--optim", "adamw_apex_fused"], "optim='adamw_apex_fused' is not accepted; use one of adamw_torch,"),
     (["--optim", "adafactor", "--distributed_type", "FSDP"], "use DDP (or one process) for adafactor"),
@@ -153,10 +156,9 @@ def _refusal(capsys, argv: list[str]) -> str:
     (["--adam_beta2", "-0.1"], "adam_beta2=-0.1 must be in [0, 1)"),
     (["--adam_epsilon", "-1e-8"], "adam_epsilon=-1e-08 must not be negative"),
     (["--lr_scheduler_type", "constant", "--warmup_steps", "2"], "warmup_steps=2 set without lr_scheduler_type "
-     "linear, cosine, cosine_with_min_lr or constant_with_warmup: it acts only with it; set lr_scheduler_type "
-     "linear, cosine, cosine_with_min_lr or constant_with_warmup, or leave it out"),
+     f"{WARMING}: it acts only with it; set lr_scheduler_type {WARMING}, or leave it out"),
     (["--lr_scheduler_type", "constant", "--warmup_ratio", "0.1"], "warmup_ratio=0.1 set without lr_scheduler_type "
-     "linear, cosine, cosine_with_min_lr or constant_with_warmup"),
+     f"{WARMING}"),
     pytest.param(["--optim", "paged_adamw_8bit"], "no CUDA GPU is visible; use optim adamw_8bit",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="paged optimizers run on CUDA")),
     pytest.param(["--optim", "paged_adamw_32bit"], "use optim adamw_torch (the same optimizer, not paged)",

@@ -545,7 +545,7 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
     meant, problems = {}, []
     for name, setting in value.items():
         if name not in read:
-            problems.append(f"{key}: {name} is not read here (only {', '.join(read)} is); "
+            problems.append(f"{key}: {name} is not read here (only {', '.join(read)} {'are' if read[1:] else 'is'}); "
                             f"{KWARGS_ELSEWHERE.get((key, name), 'remove it')}")
         elif setting is not None:
             target = ALIASES.get(name, name)  # model_init_kwargs' dtype is torch_dtype
@@ -561,13 +561,14 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
 
 # Transformers' and TRL's argument mappings read here: the entries each sets as the key of its name, and an example.
 KWARGS = {"gradient_checkpointing_kwargs": (("use_reentrant",), "{use_reentrant: false}"),
-          "lr_scheduler_kwargs": (("min_lr_rate",), "{min_lr_rate: 0.1}"),
+          # each schedule's settings (a setting its schedule does not read is refused as the key it sets)
+          "lr_scheduler_kwargs": (("min_lr_rate", "num_cycles", "lr_end", "power", "timescale"),
+                                  "{min_lr_rate: 0.1}"),
           # TRL's from_pretrained arguments
           "model_init_kwargs": (("dtype", "torch_dtype", "attn_implementation", "trust_remote_code"),
                                 "{dtype: bfloat16, attn_implementation: sdpa}")}
 # What to write instead of an entry not read here.
 KWARGS_ELSEWHERE = {("lr_scheduler_kwargs", "min_lr"): "give min_lr_rate, min_lr / learning_rate",
-                    ("lr_scheduler_kwargs", "num_cycles"): "the cosine here is half a wave (num_cycles 0.5); remove it",
                     ("model_init_kwargs", "device_map"): "each process's device follows from the launch here "
                                                          "(distributed_type, mp_devices); remove it",
                     ("model_init_kwargs", "quantization_config"): "give load_in_4bit and the bnb_4bit_* keys",

@@ -26,7 +26,8 @@ WrapPolicy = Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"]
 StateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
 TorchDtype = Literal["auto", "float32", "bfloat16"]  # float16 is refused: pure fp16 diverges without an fp32 master
-Scheduler = Literal["linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"]
+Scheduler = Literal["linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts", "polynomial", "inverse_sqrt",
+                    "constant", "constant_with_warmup"]
 Every = Literal["steps", "epoch", "no"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
 HubStrategy = Literal["end"]  # the final model is uploaded once, after training (train/run_end.py push_to_hub)
@@ -73,8 +74,11 @@ PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_ty
 EVAL_STEPS, SAVE_STEPS = "eval_strategy steps", "save_strategy steps"
 EVALUATES = "eval_strategy steps or epoch, or eval_on_start true"
 PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
-WARMS_UP = "lr_scheduler_type linear, cosine, cosine_with_min_lr or constant_with_warmup"  # constant has none
-MIN_LR = "lr_scheduler_type cosine_with_min_lr"
+# Every schedule but constant warms up first (Transformers' get_scheduler hands each of them num_warmup_steps).
+_WARMING = [name for name in get_args(Scheduler) if name != "constant"]
+WARMS_UP = f"lr_scheduler_type {', '.join(_WARMING[:-1])} or {_WARMING[-1]}"
+MIN_LR, RESTARTS = "lr_scheduler_type cosine_with_min_lr", "lr_scheduler_type cosine_with_restarts"
+POLYNOMIAL, INVERSE_SQRT = "lr_scheduler_type polynomial", "lr_scheduler_type inverse_sqrt"
 FSDP_ONLY, SIZE_WRAP = "distributed_type FSDP", "fsdp_auto_wrap_policy SIZE_BASED_WRAP"
 TRANSFORMER_WRAP = "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP under distributed_type FSDP"
 LOGS_STEPS = "logging_strategy steps (or eval_strategy steps without eval_steps)"
@@ -214,12 +218,33 @@ class LoraConfig:
 class OptimConfig:
     learning_rate: float = key(5e-5, "Peak learning rate.", ge=0,
                                deepspeed=("optimizer.params.lr", "scheduler.params.warmup_max_lr"))
-    lr_scheduler_type: Scheduler = key("linear", "The learning-rate schedule after warm-up: linear or cosine decay "
-                                                 "to 0, cosine decay to min_lr_rate x learning_rate "
-                                                 "(cosine_with_min_lr), or constant.")
+    lr_scheduler_type: Scheduler = key(
+        "linear", "The learning-rate schedule after warm-up, as Transformers' get_scheduler runs it: linear or cosine "
+        "decay to 0, cosine decay to min_lr_rate x learning_rate (cosine_with_min_lr), num_cycles cosine decays to 0 "
+        "each restarting at learning_rate (cosine_with_restarts), polynomial decay to lr_end (polynomial), an "
+        "inverse square-root decay at the pace of timescale, whatever the run's length (inverse_sqrt), or constant.")
     min_lr_rate: float | None = key(None, "cosine_with_min_lr (which needs it): the rate the cosine decays to, as a "
                                           "share of learning_rate; read from Transformers' lr_scheduler_kwargs: "
                                           "{min_lr_rate: ...} too.", ge=0, le=1, needs=MIN_LR)
+    # Unset rather than 1: Transformers' cosine reads num_cycles too (as waves: 1 goes down and back up), so any
+    # num_cycles given with cosine is refused, never taken for this default.
+    num_cycles: int | None = key(
+        None, "cosine_with_restarts: how many cosine decays from learning_rate to 0 share the steps after warm-up, "
+        "each but the first starting again at learning_rate (unset: 1, a single decay, as in Transformers). "
+        "Transformers' cosine and cosine_with_min_lr read a num_cycles of their own (waves of one cosine, 0.5 by "
+        "default); here they always run that half wave, so num_cycles with them is refused. Read from "
+        "Transformers' lr_scheduler_kwargs: {num_cycles: ...} too.", ge=1, needs=RESTARTS)
+    lr_end: float = key(1e-7, "polynomial: the learning rate the decay reaches at the last step, a rate (not a share "
+                              "of learning_rate) below learning_rate. Read from Transformers' lr_scheduler_kwargs: "
+                              "{lr_end: ...} too.", ge=0, needs=POLYNOMIAL)
+    power: float = key(1.0, "polynomial: the decay's power; the rate is lr_end + (learning_rate - lr_end) x (steps "
+                            "left / steps after warm-up) ^ power (1: a straight line). Read from Transformers' "
+                            "lr_scheduler_kwargs: {power: ...} too.", ge=0, needs=POLYNOMIAL)
+    timescale: int | None = key(
+        None, "inverse_sqrt: after warm-up the rate is learning_rate / sqrt((step - warm-up steps + timescale) / "
+        "timescale): learning_rate when warm-up ends, half of it 3 x timescale steps later (unset: the warm-up "
+        "steps, or 10000 without warm-up, as in Transformers). Read from Transformers' lr_scheduler_kwargs: "
+        "{timescale: ...} too.", ge=1, needs=INVERSE_SQRT)
     warmup_ratio: float = key(0.0, "Fraction of the steps spent warming up (warmup_steps wins when set).", ge=0, le=1,
                               needs=WARMS_UP)
     warmup_steps: int = key(0, "Steps of linear warm-up. A value below 1 is read as Transformers 5 reads it, a "

@@ -18,9 +18,10 @@ from shardtune.config.compile import compile_problems
 from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
 from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, EARLY_STOPPING, EVAL_STEPS,
-                                     EVALUATES, FSDP_ONLY, LOGS_STEPS, LORA, MIN_LR, MP, PACKING, PP, PUSH, QLORA,
-                                     SAVE_STEPS, SIZE_WRAP, TRACKER, TRANSFORMER_WRAP, WARMS_UP, TRACKER_PACKAGES,
-                                     DataConfig, DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
+                                     EVALUATES, FSDP_ONLY, INVERSE_SQRT, LOGS_STEPS, LORA, MIN_LR, MP, PACKING,
+                                     POLYNOMIAL, PP, PUSH, QLORA, RESTARTS, SAVE_STEPS, SIZE_WRAP, TRACKER,
+                                     TRANSFORMER_WRAP, WARMS_UP, TRACKER_PACKAGES, DataConfig, DistributedConfig,
+                                     LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
 from shardtune.hub import looks_like_local_path, model_folder_problem, num_layers, tokenizer_problem
 from shardtune.strategies import DDP, NO, Strategy, lookup
@@ -185,6 +186,9 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),
     WARMS_UP: lambda cfg: cfg.optim.lr_scheduler_type != "constant",
     MIN_LR: lambda cfg: cfg.optim.lr_scheduler_type == "cosine_with_min_lr",
+    RESTARTS: lambda cfg: cfg.optim.lr_scheduler_type == "cosine_with_restarts",
+    POLYNOMIAL: lambda cfg: cfg.optim.lr_scheduler_type == "polynomial",
+    INVERSE_SQRT: lambda cfg: cfg.optim.lr_scheduler_type == "inverse_sqrt",
     FSDP_ONLY: lambda cfg: _strategy(cfg.distributed).shards_parameters,
     SIZE_WRAP: lambda cfg: cfg.distributed.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP",
     TRANSFORMER_WRAP: lambda cfg: (cfg.distributed.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
@@ -359,23 +363,34 @@ def dtype_problems(cfg: TrainConfig) -> list[Problem]:
     return problems
 
 
+def _schedule_problems(o: OptimConfig) -> list[Problem]:
+    """A schedule that Transformers' get_scheduler would refuse to build with its settings."""
+    problems = []
+    if o.lr_scheduler_type == "cosine_with_min_lr" and o.min_lr_rate is None:  # its floor: min_lr or min_lr_rate
+        problems.append(Problem(("lr_scheduler_type",), "lr_scheduler_type cosine_with_min_lr needs min_lr_rate, the "
+                                "share of learning_rate the cosine decays to (e.g. min_lr_rate 0.1); set it, or use "
+                                "cosine (decay to 0)"))
+    if o.lr_scheduler_type == "polynomial" and o.lr_end >= o.learning_rate:  # a decay that does not go down
+        problems.append(Problem(("lr_end", "learning_rate"), f"lr_end={o.lr_end} with learning_rate "
+                                f"{o.learning_rate}: the polynomial decay runs from learning_rate down to lr_end, a "
+                                f"rate (not a share of learning_rate) that must be below it; lower lr_end or raise "
+                                f"learning_rate"))
+    return problems
+
+
 def _optim_problems(cfg: TrainConfig) -> list[Problem]:
-    """A setting the optimizer would not read, or a pairing that cannot run."""
+    """A setting the optimizer or the schedule would not read, or a pairing that cannot run."""
     o = cfg.optim
-    # Transformers refuses the schedule without its floor (min_lr or min_lr_rate in lr_scheduler_kwargs).
-    floor = [Problem(("lr_scheduler_type",), "lr_scheduler_type cosine_with_min_lr needs min_lr_rate, the share of "
-                                             "learning_rate the cosine decays to (e.g. min_lr_rate 0.1); set it, or "
-                                             "use cosine (decay to 0)")] if (
-        o.lr_scheduler_type == "cosine_with_min_lr" and o.min_lr_rate is None) else []
+    schedule = _schedule_problems(o)
     if o.optim not in OPTIMIZERS:  # a problem of its own value
-        return floor
+        return schedule
     spec = OPTIMIZERS[o.optim]
     defaults = OptimConfig()
     # Transformers passes these only to the optimizers that have them; here that is told.
     problems = [Problem((key, "optim"), f"{key}={getattr(o, key)} does nothing with optim {o.optim} (it has no such "
                                         f"setting); leave {key} out or pick an optimizer that reads it (e.g. "
                                         f"adamw_torch)")
-                for key in ADAM_KEYS if key not in spec.reads and getattr(o, key) != getattr(defaults, key)] + floor
+                for key in ADAM_KEYS if key not in spec.reads and getattr(o, key) != getattr(defaults, key)] + schedule
     if spec.kind == "adafactor" and _strategy(cfg.distributed).shards_parameters:
         # Transformers' Adafactor averages the squared gradient over whole rows and columns and keeps that state
         # as plain tensors, which FSDP2's sharded (DTensor) parameters cannot mix with.

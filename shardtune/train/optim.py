@@ -86,10 +86,19 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
-    """Linear warmup, then linear / cosine decay to zero (or to ``min_lr_rate`` x the rate), or constant
-    (Transformers' ``get_scheduler``)."""
+    """Linear warm-up, then ``lr_scheduler_type``'s schedule with the settings it reads, as Transformers'
+    ``get_scheduler`` builds it from ``lr_scheduler_kwargs``."""
     from transformers import get_scheduler
 
-    floor = {"min_lr_rate": cfg.min_lr_rate} if cfg.lr_scheduler_type == "cosine_with_min_lr" else None
     return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(cfg, total_steps),
-                         num_training_steps=total_steps, scheduler_specific_kwargs=floor)
+                         num_training_steps=total_steps, scheduler_specific_kwargs=schedule_settings(cfg))
+
+
+def schedule_settings(cfg: OptimConfig) -> dict[str, float]:
+    """The settings ``cfg``'s schedule reads (validation refuses them under any other); one left unset takes
+    Transformers' default (num_cycles 1, timescale: the warm-up steps or 10000)."""
+    read = {"cosine_with_min_lr": {"min_lr_rate": cfg.min_lr_rate},
+            "cosine_with_restarts": {"num_cycles": cfg.num_cycles},
+            "polynomial": {"lr_end": cfg.lr_end, "power": cfg.power},
+            "inverse_sqrt": {"timescale": cfg.timescale}}.get(cfg.lr_scheduler_type, {})
+    return {name: value for name, value in read.items() if value is not None}
