@@ -107,6 +107,40 @@ def test_transformers_schedules_train_at_their_rates_and_resume_exactly(root, sc
     assert [(r["step"], r["lr"], r["loss"]) for r in resumed if "loss" in r] == trained
 
 
+def test_torch_empty_cache_steps_empties_the_device_cache_after_every_nth_step(root, monkeypatch, capsys):
+    """Transformers' torch_empty_cache_steps was refused as another tool's key: with 2, a run of 5 steps empties
+    the device cache after steps 2 and 4 (unset: never); on CUDA that is one torch.cuda.empty_cache, on a CPU
+    nothing. 0 exits 2 naming it, as Transformers refuses it."""
+    import torch
+
+    from shardtune.cli import main
+    from shardtune.train import loop
+
+    emptied, at = [], []
+
+    class Steps:
+        def on_step_begin(self, args, state, control, **kwargs):
+            at.append(state.global_step + 1)
+
+    monkeypatch.setattr(loop, "empty_device_cache", lambda device: emptied.append((at[-1], device.type)))
+    run(root, "cache", "--max_steps", "5", "--learning_rate", "1e-3", "--torch_empty_cache_steps", "2",
+        callbacks=[Steps()])
+    assert emptied == [(2, "cpu"), (4, "cpu")]
+    emptied.clear()
+    run(root, "no-cache", "--max_steps", "2", "--learning_rate", "1e-3", callbacks=[Steps()])
+    assert emptied == [] and at[-2:] == [1, 2]
+    monkeypatch.undo()
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("emptied"))
+    loop.empty_device_cache(torch.device("cpu"))
+    assert calls == []
+    loop.empty_device_cache(torch.device("cuda"))
+    assert calls == ["emptied"]
+    assert main(["train", "--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "chat.jsonl"),
+                 "--output_dir", str(root / "never"), "--torch_empty_cache_steps", "0"]) == 2
+    assert "torch_empty_cache_steps=0 must be at least 1" in capsys.readouterr().err
+
+
 def test_the_last_step_is_evaluated_and_saved_when_steps_do_not_divide_max_steps(root):
     """eval_strategy and save_strategy steps act at every eval_steps / save_steps and at the run's last step, as
     Transformers' Trainer does: max_steps 5 with both every 2 evaluates and saves at 2, 4 and 5. The model a run

@@ -402,8 +402,7 @@ OTHER_TOOLS_KEYS = {
         "eval_use_gather_object", "fp16_full_eval", "hub_always_push", "hub_revision", "ignore_data_skip",
         "include_for_metrics", "label_names", "length_column_name", "liger_kernel_config", "log_on_each_node",
         "prediction_loss_only", "project", "restore_callback_states_from_checkpoint", "save_on_each_node",
-        "skip_memory_metrics", "torch_empty_cache_steps", "trackio_bucket_id", "trackio_space_id",
-        "trackio_static_space_id",
+        "skip_memory_metrics", "trackio_bucket_id", "trackio_space_id", "trackio_static_space_id",
         "train_sampling_strategy"), "Transformers' TrainingArguments"),
     "truncation_mode": "TRL's SFTConfig",
     # PEFT 0.21's LoraConfig; tests/test_config.py walks the installed one

@@ -330,6 +330,9 @@ class Loop:
         except NonFiniteLoss as exc:
             raise TrainingStopped(non_finite_message(exc, job, self.checkpointer)) from None
         state.step += 1
+        every = job.cfg.run.torch_empty_cache_steps
+        if every and state.step % every == 0:
+            empty_device_cache(job.info.device)
         state.last_stats = stats
         self.tokens += stats.tokens
         self.loss_sum += stats.loss
@@ -388,6 +391,13 @@ class Loop:
                      "(early_stopping_patience)", state.step, state.best.metric, state.best.eval_value, patience,
                      "" if patience == 1 else "s")
             self.hooks.control.should_training_stop = self.early_stopped = True
+
+
+def empty_device_cache(device: torch.device) -> None:
+    """``torch_empty_cache_steps``: the CUDA allocator's cached blocks that no tensor uses go back to the driver (on
+    every device of the process); a CPU has no such cache."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @contextmanager
