@@ -193,7 +193,7 @@ SWITCHED = {
     "fsdp_min_num_params": "1000",
     "fsdp_cpu_ram_efficient_loading": "false", "fsdp_sync_module_states": "false",
     "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_reshard_after_forward": "false", "fsdp_forward_prefetch": "true",
-    "warmup_steps": "5", "warmup_ratio": "0.1", "min_lr_rate": "0.1", "num_cycles": "2", "lr_end": "1e-06",
+    "warmup_steps": "5", "warmup_ratio": "0.1", "min_lr_rate": "0.1", "num_cycles": "2.0", "lr_end": "1e-06",
     "power": "2.0", "timescale": "4", "logging_steps": "5",
     "early_stopping_threshold": "0.5",
     "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}
@@ -212,7 +212,8 @@ SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "lr_scheduler_type linear, cosine, cosine_with_min_lr, cosine_with_restarts, polynomial, inverse_sqrt "
                 "or constant_with_warmup": ([], ["--lr_scheduler_type", "constant"]),
                 "lr_scheduler_type cosine_with_min_lr": (["--lr_scheduler_type", "cosine_with_min_lr"], []),
-                "lr_scheduler_type cosine_with_restarts": (["--lr_scheduler_type", "cosine_with_restarts"], []),
+                "lr_scheduler_type cosine, cosine_with_min_lr or cosine_with_restarts": (
+                    ["--lr_scheduler_type", "cosine_with_restarts"], []),
                 "lr_scheduler_type polynomial": (["--lr_scheduler_type", "polynomial"], []),
                 "lr_scheduler_type inverse_sqrt": (["--lr_scheduler_type", "inverse_sqrt"], []),
                 "distributed_type FSDP": (["--distributed_type", "FSDP"], []),
@@ -510,8 +511,6 @@ def test_trl_cosine_with_min_lr_and_its_kwargs_are_read_and_what_they_cannot_say
             (["--lr_scheduler_kwargs", "{min_lr: 1e-5}"], "lr_scheduler_kwargs: min_lr is not read here (only "
                                                           "min_lr_rate, num_cycles, lr_end, power, timescale are); "
                                                           "give min_lr_rate, min_lr / learning_rate"),
-            (["--lr_scheduler_kwargs", "{min_lr_rate: 0.1, num_cycles: 1}"], "num_cycles=1 set without "
-                                                                             "lr_scheduler_type cosine_with_restarts"),
             (["--lr_scheduler_kwargs", "0.1"], "lr_scheduler_kwargs=0.1: expected a mapping such as "
                                                 "{min_lr_rate: 0.1}"),
             (["--min_lr_rate", "1.5"], "min_lr_rate=1.5 must be")):
@@ -523,26 +522,29 @@ def test_trl_cosine_with_min_lr_and_its_kwargs_are_read_and_what_they_cannot_say
 
 def test_lr_scheduler_kwargs_set_each_schedules_settings_and_one_its_schedule_does_not_read_exits_2(tmp_path, capsys):
     """Transformers' lr_scheduler_kwargs for cosine_with_restarts (num_cycles), polynomial (lr_end, power) and
-    inverse_sqrt (timescale), schedules that were refused, set those keys. Under a schedule that does not read
-    them they exit 2 naming the key, its value and the schedule it needs, at the recipe's line (num_cycles under
-    cosine was refused as "half a wave"; Transformers' cosine reads it as waves, so num_cycles 1 there is no
-    default to drop); so does a polynomial lr_end not below learning_rate, which Transformers refuses."""
+    inverse_sqrt (timescale), schedules that were refused, set those keys, and so does the cosines' num_cycles (it
+    was refused: "the cosine here is half a wave"). Under a schedule that does not read them they exit 2 naming
+    the key, its value and the schedules it acts with, at the recipe's line; so does a polynomial lr_end not below
+    learning_rate, which Transformers refuses."""
     recipe = tmp_path / "trl.yaml"
     for schedule, kwargs, meant in (("cosine_with_restarts", "{num_cycles: 3}", (3, 1e-7, 1.0, None)),
+                                    ("cosine", "{num_cycles: 1}", (1, 1e-7, 1.0, None)),
+                                    ("cosine_with_min_lr", "{min_lr_rate: 0.1, num_cycles: 1.5}",
+                                     (1.5, 1e-7, 1.0, None)),
                                     ("polynomial", "{lr_end: 1.0e-6, power: 2}", (None, 1e-6, 2.0, None)),
                                     ("inverse_sqrt", "{timescale: 8}", (None, 1e-7, 1.0, 8))):
         recipe.write_text(f"lr_scheduler_type: {schedule}\nlr_scheduler_kwargs: {kwargs}\n")
         o = load_train_config([str(recipe), *BASE]).optim
         assert (o.lr_scheduler_type, o.num_cycles, o.lr_end, o.power, o.timescale) == (schedule, *meant)
     for schedule, kwargs, says in (
-            ("cosine", "{num_cycles: 1}", "num_cycles=1 set without lr_scheduler_type cosine_with_restarts: it acts "
-                                          "only with it"),
-            ("linear", "{lr_end: 1.0e-6, power: 2}", "lr_end=1e-06, power=2.0 set without lr_scheduler_type "
+            ("linear", "{num_cycles: 1}", "num_cycles=1.0 set without lr_scheduler_type cosine, cosine_with_min_lr "
+                                          "or cosine_with_restarts: it acts only with it"),
+            ("cosine", "{lr_end: 1.0e-6, power: 2}", "lr_end=1e-06, power=2.0 set without lr_scheduler_type "
                                                      "polynomial: they act only with it"),
             ("constant_with_warmup", "{timescale: 8}", "timescale=8 set without lr_scheduler_type inverse_sqrt"),
             ("polynomial", "{lr_end: 1.0e-4}", "lr_end=0.0001 with learning_rate 5e-05: the polynomial decay runs "
                                                "from learning_rate down to lr_end"),
-            ("cosine_with_restarts", "{num_cycles: 0}", "num_cycles=0 must be at least 1"),
+            ("cosine_with_restarts", "{num_cycles: 0}", "num_cycles=0.0 must be positive"),
             ("inverse_sqrt", "{timescale: 0}", "timescale=0 must be at least 1")):
         recipe.write_text(f"lr_scheduler_type: {schedule}\nlr_scheduler_kwargs: {kwargs}\n")
         assert main(["train", str(recipe), *BASE]) == 2

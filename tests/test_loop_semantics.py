@@ -71,37 +71,40 @@ def test_cosine_with_min_lr_decays_to_its_floor_as_a_trl_recipe_writes_it(root, 
     assert {r["step"]: r["lr"] for r in records if "lr" in r} == pytest.approx(floor)
 
 
-# Transformers' schedules as TRL recipes set them (lr_scheduler_kwargs), with learning_rate 1e-3: the settings, the
-# warm-up steps, and the rate each step trains at, in units of 1e-3, worked out by hand.
+# Transformers' schedules as TRL recipes set them (lr_scheduler_kwargs), with learning_rate 1e-3: the schedule, its
+# settings, the warm-up steps, and the rate each step trains at, in units of 1e-3, worked out by hand.
 SCHEDULES = {
     # two cosine decays over the 6 steps after warm-up, each 3 steps from 1e-3: 1, (1 + cos(pi/3)) / 2, and
     # (1 + cos(2 pi/3)) / 2, then the rate starts again at 1e-3
-    "cosine_with_restarts": ({"num_cycles": 2}, 1, [0, 1, 0.75, 0.25, 1, 0.75, 0.25]),
+    "cosine_with_restarts": ("cosine_with_restarts", {"num_cycles": 2}, 1, [0, 1, 0.75, 0.25, 1, 0.75, 0.25]),
+    # a whole wave over the 4 steps after warm-up: (1 + cos(2 pi k/4)) / 2, down to 0 and half way up again
+    "cosine-num_cycles": ("cosine", {"num_cycles": 1}, 1, [0, 1, 0.5, 0, 0.5]),
     # 1e-4 + (1e-3 - 1e-4) x (steps left of the 4 after warm-up / 4) ^ 2
-    "polynomial": ({"lr_end": 1e-4, "power": 2}, 1, [0, 1, 0.1 + 0.9 * 0.75**2, 0.1 + 0.9 * 0.5**2,
-                                                     0.1 + 0.9 * 0.25**2]),
+    "polynomial": ("polynomial", {"lr_end": 1e-4, "power": 2}, 1, [0, 1, 0.1 + 0.9 * 0.75**2, 0.1 + 0.9 * 0.5**2,
+                                                                   0.1 + 0.9 * 0.25**2]),
     # 1e-3 / sqrt((steps since warm-up + 4) / 4) = 2e-3 / sqrt(steps since warm-up + 4)
-    "inverse_sqrt": ({"timescale": 4}, 2, [0, 0.5, 1, 2 / 5**0.5, 2 / 6**0.5, 2 / 7**0.5]),
+    "inverse_sqrt": ("inverse_sqrt", {"timescale": 4}, 2, [0, 0.5, 1, 2 / 5**0.5, 2 / 6**0.5, 2 / 7**0.5]),
 }
 
 
-@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_transformers_schedules_train_at_their_rates_and_resume_exactly(root, schedule):
-    """cosine_with_restarts, polynomial and inverse_sqrt with their lr_scheduler_kwargs (all three were refused):
-    each step trains at the rate the schedule gives it, and a run resumed from its step-3 checkpoint trains the
-    same later steps, at the same rates to the bit and to the same losses, as the run that went on."""
+@pytest.mark.parametrize("case", sorted(SCHEDULES))
+def test_transformers_schedules_train_at_their_rates_and_resume_exactly(root, case):
+    """cosine_with_restarts, polynomial and inverse_sqrt, and cosine's num_cycles, with their lr_scheduler_kwargs
+    (all were refused): each step trains at the rate the schedule gives it, and a run resumed from its step-3
+    checkpoint trains the same later steps, at the same rates to the bit and to the same losses, as the run that
+    went on."""
     import shutil
 
-    settings, warmup, rates = SCHEDULES[schedule]
+    schedule, settings, warmup, rates = SCHEDULES[case]
     args = ["--lr_scheduler_type", schedule, "--lr_scheduler_kwargs", json.dumps(settings), "--warmup_steps",
             str(warmup), "--max_steps", str(len(rates)), "--learning_rate", "1e-3", "--save_strategy", "steps",
             "--save_steps", "3"]
-    whole = run(root, schedule, *args)
+    whole = run(root, case, *args)
     assert [r["lr"] for r in whole if "loss" in r] == pytest.approx([1e-3 * rate for rate in rates], rel=1e-9)
-    shutil.copytree(root / schedule, root / f"{schedule}-resumed")
-    resumed = run(root, f"{schedule}-resumed", *args, "--resume_from_checkpoint",
-                  str(root / f"{schedule}-resumed" / "checkpoints" / "step-3"))
-    summary = json.loads((root / f"{schedule}-resumed" / "summary.json").read_text())
+    shutil.copytree(root / case, root / f"{case}-resumed")
+    resumed = run(root, f"{case}-resumed", *args, "--resume_from_checkpoint",
+                  str(root / f"{case}-resumed" / "checkpoints" / "step-3"))
+    summary = json.loads((root / f"{case}-resumed" / "summary.json").read_text())
     assert (summary["resumed_from_step"], summary["steps_this_run"]) == (3, len(rates) - 3)
     trained = [(r["step"], r["lr"], r["loss"]) for r in whole if "loss" in r]
     assert [(r["step"], r["lr"], r["loss"]) for r in resumed if "loss" in r] == trained

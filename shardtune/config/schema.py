@@ -77,7 +77,8 @@ PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
 # Every schedule but constant warms up first (Transformers' get_scheduler hands each of them num_warmup_steps).
 _WARMING = [name for name in get_args(Scheduler) if name != "constant"]
 WARMS_UP = f"lr_scheduler_type {', '.join(_WARMING[:-1])} or {_WARMING[-1]}"
-MIN_LR, RESTARTS = "lr_scheduler_type cosine_with_min_lr", "lr_scheduler_type cosine_with_restarts"
+MIN_LR = "lr_scheduler_type cosine_with_min_lr"
+COSINES = "lr_scheduler_type cosine, cosine_with_min_lr or cosine_with_restarts"
 POLYNOMIAL, INVERSE_SQRT = "lr_scheduler_type polynomial", "lr_scheduler_type inverse_sqrt"
 FSDP_ONLY, SIZE_WRAP = "distributed_type FSDP", "fsdp_auto_wrap_policy SIZE_BASED_WRAP"
 TRANSFORMER_WRAP = "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP under distributed_type FSDP"
@@ -221,19 +222,18 @@ class OptimConfig:
     lr_scheduler_type: Scheduler = key(
         "linear", "The learning-rate schedule after warm-up, as Transformers' get_scheduler runs it: linear or cosine "
         "decay to 0, cosine decay to min_lr_rate x learning_rate (cosine_with_min_lr), num_cycles cosine decays to 0 "
-        "each restarting at learning_rate (cosine_with_restarts), polynomial decay to lr_end (polynomial), an "
+        "each starting at learning_rate (cosine_with_restarts), polynomial decay to lr_end (polynomial), an "
         "inverse square-root decay at the pace of timescale, whatever the run's length (inverse_sqrt), or constant.")
     min_lr_rate: float | None = key(None, "cosine_with_min_lr (which needs it): the rate the cosine decays to, as a "
                                           "share of learning_rate; read from Transformers' lr_scheduler_kwargs: "
                                           "{min_lr_rate: ...} too.", ge=0, le=1, needs=MIN_LR)
-    # Unset rather than 1: Transformers' cosine reads num_cycles too (as waves: 1 goes down and back up), so any
-    # num_cycles given with cosine is refused, never taken for this default.
-    num_cycles: int | None = key(
-        None, "cosine_with_restarts: how many cosine decays from learning_rate to 0 share the steps after warm-up, "
-        "each but the first starting again at learning_rate (unset: 1, a single decay, as in Transformers). "
-        "Transformers' cosine and cosine_with_min_lr read a num_cycles of their own (waves of one cosine, 0.5 by "
-        "default); here they always run that half wave, so num_cycles with them is refused. Read from "
-        "Transformers' lr_scheduler_kwargs: {num_cycles: ...} too.", ge=1, needs=RESTARTS)
+    # Unset: each schedule's own default in Transformers, which differ (0.5 waves, 1 decay).
+    num_cycles: float | None = key(
+        None, "The cosine's cycles over the steps after warm-up, as Transformers' schedules read it: for cosine and "
+        "cosine_with_min_lr the waves of one cosine (unset: 0.5, half a wave from learning_rate down to 0 or the "
+        "floor; 1 goes down and back up), for cosine_with_restarts the decays from learning_rate to 0, each after "
+        "the first starting again at learning_rate (unset: 1). Read from Transformers' lr_scheduler_kwargs: "
+        "{num_cycles: ...} too.", gt=0, needs=COSINES)
     lr_end: float = key(1e-7, "polynomial: the learning rate the decay reaches at the last step, a rate (not a share "
                               "of learning_rate) below learning_rate. Read from Transformers' lr_scheduler_kwargs: "
                               "{lr_end: ...} too.", ge=0, needs=POLYNOMIAL)

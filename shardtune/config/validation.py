@@ -17,9 +17,9 @@ from pathlib import Path
 from shardtune.config.compile import compile_problems
 from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
-from shardtune.config.schema import (CHECKPOINTING, DATASET_PLACEHOLDER, DDP_ONLY, EARLY_STOPPING, EVAL_STEPS,
-                                     EVALUATES, FSDP_ONLY, INVERSE_SQRT, LOGS_STEPS, LORA, MIN_LR, MP, PACKING,
-                                     POLYNOMIAL, PP, PUSH, QLORA, RESTARTS, SAVE_STEPS, SIZE_WRAP, TRACKER,
+from shardtune.config.schema import (CHECKPOINTING, COSINES, DATASET_PLACEHOLDER, DDP_ONLY, EARLY_STOPPING,
+                                     EVAL_STEPS, EVALUATES, FSDP_ONLY, INVERSE_SQRT, LOGS_STEPS, LORA, MIN_LR, MP,
+                                     PACKING, POLYNOMIAL, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
                                      TRANSFORMER_WRAP, WARMS_UP, TRACKER_PACKAGES, DataConfig, DistributedConfig,
                                      LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
@@ -186,7 +186,7 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),
     WARMS_UP: lambda cfg: cfg.optim.lr_scheduler_type != "constant",
     MIN_LR: lambda cfg: cfg.optim.lr_scheduler_type == "cosine_with_min_lr",
-    RESTARTS: lambda cfg: cfg.optim.lr_scheduler_type == "cosine_with_restarts",
+    COSINES: lambda cfg: cfg.optim.lr_scheduler_type in ("cosine", "cosine_with_min_lr", "cosine_with_restarts"),
     POLYNOMIAL: lambda cfg: cfg.optim.lr_scheduler_type == "polynomial",
     INVERSE_SQRT: lambda cfg: cfg.optim.lr_scheduler_type == "inverse_sqrt",
     FSDP_ONLY: lambda cfg: _strategy(cfg.distributed).shards_parameters,

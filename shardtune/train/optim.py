@@ -96,8 +96,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
 
 def schedule_settings(cfg: OptimConfig) -> dict[str, float]:
     """The settings ``cfg``'s schedule reads (validation refuses them under any other); one left unset takes
-    Transformers' default (num_cycles 1, timescale: the warm-up steps or 10000)."""
-    read = {"cosine_with_min_lr": {"min_lr_rate": cfg.min_lr_rate},
+    the schedule's default in Transformers (num_cycles 0.5 or 1, timescale: the warm-up steps or 10000)."""
+    read = {"cosine": {"num_cycles": cfg.num_cycles},
+            "cosine_with_min_lr": {"min_lr_rate": cfg.min_lr_rate, "num_cycles": cfg.num_cycles},
             "cosine_with_restarts": {"num_cycles": cfg.num_cycles},
             "polynomial": {"lr_end": cfg.lr_end, "power": cfg.power},
             "inverse_sqrt": {"timescale": cfg.timescale}}.get(cfg.lr_scheduler_type, {})
