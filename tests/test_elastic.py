@@ -94,8 +94,10 @@ def test_accumulation_keeps_the_checkpoints_global_batch(world, batch, accumulat
 def test_a_global_batch_no_accumulation_can_keep_is_refused_naming_the_fix():
     with pytest.raises(UsageError) as err:
         accumulation_for("ckpt", saved(2, 2), saved(2, 2), saved_world=2, world=3)
-    assert ("ckpt: the checkpoint's global batch of 8 rows per step (2 process(es)) cannot be kept on 3: 8 is not a "
-            "multiple of per_device_train_batch_size 2 x 3 process(es)") in str(err.value)
+    assert str(err.value) == (
+        "ckpt: the checkpoint's global batch of 8 rows per step (2 process(es)) cannot be kept on 3: 8 is not a "
+        "multiple of per_device_train_batch_size 2 x 3 process(es). Resume on a number of processes that divides "
+        "it, or set per_device_train_batch_size so that it does")
 
 
 def test_changing_the_global_batch_on_the_same_world_is_still_refused():
