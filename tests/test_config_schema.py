@@ -139,12 +139,16 @@ def test_each_description_is_the_declarations_own_everywhere_it_is_shown(capsys)
     rows = dict(re.findall(r"^\| `(\w+)` \| [^|]+ \| `[^`]*` \| (.*) \|$", doc, re.M))
     properties = recipe_schema()["properties"]
     assert main(["train", "--help-keys"]) == 0
-    shown = " ".join(capsys.readouterr().out.split())
+    # --help-keys: each key's line, then its description's indented lines up to the next key or section
+    blocks = re.findall(r"^  --(\w+) (\(.*\))\n((?:      .*\n?)*)", capsys.readouterr().out, re.M)
+    shown = {name: (header, " ".join(text.split())) for name, header, text in blocks}
+    assert len(blocks) == len(shown) == len(all_keys())
     for d in all_keys():
         assert d.meta.help, f"{d.name} has no description"
         assert rows[d.name].replace("\\|", "|") == d.described()
         assert properties[d.name]["description"] == d.described()
-        assert f"--{d.name} ({d.type_text()}, default " in shown and " ".join(d.described().split()) in shown
+        header, described = shown[d.name]
+        assert header.startswith(f"({d.type_text()}, default ") and described == " ".join(d.described().split())
 
 
 def test_the_docs_generator_describes_no_key_itself():
