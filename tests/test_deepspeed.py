@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -199,10 +201,17 @@ def test_zero3_init_flag_written_as_text_and_a_numeric_train_batch_size_are_read
 
 
 def test_an_unreadable_file_is_one_line(tmp_path):
-    with pytest.raises(UsageError, match="not valid JSON"):
-        load_train_config([*BASE, "--deepspeed", str(write(tmp_path / "ds.json", "{oops"))])
-    with pytest.raises(UsageError, match="cannot be read"):
-        load_train_config([*BASE, "--deepspeed", str(tmp_path / "missing.json")])
+    """One line naming the file, what is wrong with it (json's own words, with its line and column) and the fix."""
+    bad, missing = write(tmp_path / "ds.json", "{oops"), tmp_path / "missing.json"
+    with pytest.raises(json.JSONDecodeError) as cause:
+        json.loads(bad.read_text())
+    with pytest.raises(UsageError) as err:
+        load_train_config([*BASE, "--deepspeed", str(bad)])
+    assert str(err.value) == f"deepspeed {bad}: not valid JSON ({cause.value}); fix the file"
+    with pytest.raises(UsageError) as err:
+        load_train_config([*BASE, "--deepspeed", str(missing)])
+    assert str(err.value) == (f"deepspeed {missing}: cannot be read ({os.strerror(errno.ENOENT)}); give the "
+                              f"DeepSpeed config JSON")
 
 
 def test_an_accelerate_file_with_a_deepspeed_config_file(tmp_path):
