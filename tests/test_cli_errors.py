@@ -309,12 +309,17 @@ def test_resolve_resume_says_the_folder_is_missing(run_dir):
 
 
 def test_a_saved_config_with_a_rotated_resume_folder_still_loads(run_dir):
-    from shardtune.config import load_train_config
+    from shardtune.config import load_train_config, save_resolved
+    from shardtune.config.loading import load_saved_config
 
     # export reads a run's config.yaml, whose resume folder may since have been deleted (save_total_limit)
+    rotated = str(run_dir / "checkpoints" / "step-5")
     cfg = load_train_config(["--model_name_or_path", "M", "--dataset_name", "d.jsonl", "--output_dir", str(run_dir),
-                             "--resume_from_checkpoint", str(run_dir / "checkpoints" / "step-5")])
-    assert cfg.checkpoint.resume_from_checkpoint.endswith("step-5")
+                             "--resume_from_checkpoint", rotated])
+    assert cfg.checkpoint.resume_from_checkpoint == rotated
+    saved = run_dir / "checkpoints" / "step-20" / "config.yaml"
+    save_resolved(cfg, saved)
+    assert load_saved_config(saved).checkpoint.resume_from_checkpoint == rotated  # as export and resume read it
 
 
 # 7. library noise on stderr
