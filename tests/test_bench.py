@@ -192,8 +192,12 @@ def test_bad_strategy_is_a_usage_error():
 
     assert parse_strategies("MP, fsdp") == ["MP", "FSDP"]  # any case in, the registry's names out
     assert parse_strategies(None) == ["DDP", "FSDP", "MP", "PP"]  # every strategy that spreads a job
-    with pytest.raises(UsageError, match="zero"):
-        parse_strategies("mp,zero")
+    # a name the registry lacks, one it has that spreads nothing over processes (NO), and an empty list
+    for text, bad in (("mp,zero", "zero"), ("fsdp,no", "no"), (" , ", "empty list")):
+        with pytest.raises(UsageError) as err:
+            parse_strategies(text)
+        assert str(err.value) == (f"--strategies {text!r}: unknown {bad}; use a comma-separated list of "
+                                  f"{', '.join(parse_strategies(None))}")
 
 
 def test_bench_command_end_to_end_mp_and_ddp(tmp_path, capsys):
