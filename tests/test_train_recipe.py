@@ -78,8 +78,10 @@ def test_seed_recipe_runs_unchanged(assets, restore_logging):
 
 
 def test_hung_rank_times_out_naming_itself(assets):
+    """Rank 0 hangs, so the rank that times out is rank 1, and it must name itself. (With rank 1 hung the waiting
+    rank was rank 0, the number a rank read from the wrong variable also says, by default.)"""
     root, model, data = assets
-    env = shardtune_env(root) | fault_env(step="hang:2:1")
+    env = shardtune_env(root) | fault_env(step="hang:2:0")
     result = subprocess.run([sys.executable, "-m", "shardtune", "launch", "--num_processes", "2", "train",
                              "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
                              "--max_seq_len", "64", "--max_steps", "3", "--per_device_train_batch_size", "2",
@@ -87,7 +89,8 @@ def test_hung_rank_times_out_naming_itself(assets):
                              "--callbacks", FAULTS],
                             cwd=root, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode != 0
-    assert "rank 0: a collective timed out after ddp_timeout=10 s" in result.stderr
+    assert "rank 1: a collective timed out after ddp_timeout=10 s" in result.stderr, result.stderr[-3000:]
+    assert "rank 0: a collective timed out" not in result.stderr  # the hung rank is not the one that waited
     assert os.path.exists(root / "hang" / "metrics.jsonl")
 
 
