@@ -206,8 +206,11 @@ def test_bench_command_end_to_end_mp_and_ddp(tmp_path, capsys):
     model = make_model_folder(tmp_path / "model", num_layers=4)
     data = write_chat_data(tmp_path / "chat.jsonl", rows=400)
     recipe = tmp_path / "recipe.yaml"
+    # As a run's saved config.yaml holds them (README: bench a run's config.yaml): the processes it ran on and the
+    # checkpoint it resumed from, gone since. Each setup runs on the bench's processes and starts afresh.
     recipe.write_text(f"model_name_or_path: {model}\ndataset_name: {data}\nsplits: train\nmax_seq_len: 64\n"
-                      f"packing: true\nper_device_train_batch_size: 4\n")
+                      f"packing: true\nper_device_train_batch_size: 4\nnum_processes: 1\nnum_machines: 1\n"
+                      f"resume_from_checkpoint: {tmp_path / 'earlier' / 'checkpoints' / 'step-20'}\n")
     result = run_shardtune(["bench", "strategies", str(recipe), "--strategies", "mp,ddp", "--steps", "3",
                             "--out", str(tmp_path / "res.json"), "--work_dir", str(tmp_path / "work")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -412,6 +415,9 @@ def test_the_bench_keys_a_set_cannot_change_are_the_ones_each_setup_sets():
     set_keys = {a[2:] for a in args if a.startswith("--")} - {"callbacks"}
     assert set_keys <= set(SET_BY_BENCH)
     assert set(SET_BY_BENCH) - set_keys <= {"mp_devices"}  # set only where MP runs on CPU stand-ins
+    assert args[args.index("--num_processes") + 1] == "1"  # one process drives MP's stages
+    ddp = job_args("r.yaml", "DDP", Path("out"), num_processes=2, steps=4, extra=[])
+    assert ddp[ddp.index("--num_processes") + 1] == "2"
 
 
 @pytest.mark.parametrize(("pair", "says"), [

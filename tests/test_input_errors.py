@@ -288,7 +288,8 @@ def test_launch_refuses_processes_a_file_after_train_asks_for_and_it_would_not_s
         where = f"{recipe}, line 3" if train == [str(recipe)] else f"{accelerate}, line 2"
         assert error_line(capsys) == (f"shardtune launch: error: {where}: num_processes=2, but the launcher starts 1; "
                                       f"give it to the launcher (shardtune launch --num_processes 2 train ...), which "
-                                      f"decides what starts")
+                                      f"decides what starts, or to start 1 take num_processes out of the file (a "
+                                      f"run's saved config.yaml records the num_processes it ran on)")
         assert main(["launch", "--num_processes", "2", "--dry_run", "train", *train]) == 0
         assert "--nproc_per_node 2" in capsys.readouterr().out
 

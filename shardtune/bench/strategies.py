@@ -40,7 +40,8 @@ def load_recipe(config: str, extra: list[str], output_dir: Path) -> TrainConfig:
     from shardtune.errors import UsageError
 
     try:
-        return load_run_config([config, "--output_dir", str(output_dir), *extra])
+        # No setup resumes (job_args), so a saved config.yaml's checkpoint, rotated away since, does not matter.
+        return load_run_config([config, "--output_dir", str(output_dir), "--resume_from_checkpoint", "false", *extra])
     except UsageError as exc:
         raise UsageError(f"CONFIG {config} cannot train, so no setup was started: {exc}") from None
 
@@ -87,6 +88,10 @@ SET_BY_BENCH = {
     "save_strategy": "a setup saves no checkpoint, which would count in its step times",
     "eval_strategy": "a setup evaluates nothing, which would count in its step times",
     "predict_memory": "a setup runs no memory check, which would count in its step times",
+    # A run's saved config.yaml holds the processes it ran on and the checkpoint it resumed from.
+    "num_processes": "give --num_processes (MP runs in one process)",
+    "num_machines": "the setups run on this machine",
+    "resume_from_checkpoint": "every setup starts afresh, so that their steps compare",
 }
 
 
@@ -96,7 +101,9 @@ def job_args(config: str, strategy: Strategy | str, out: Path, *, num_processes:
     # No memory check: on CPU it runs step 2 of DDP and FSDP (not MP, PP) under the memory tracker, several times
     # slower than the others, which would count against those two setups.
     strategy = strategy_named(strategy)
+    processes = 1 if strategy.drives_several_devices else num_processes  # MP: one process drives every stage
     args = [config, "--distributed_type", strategy.name, "--output_dir", str(out),
+            "--num_processes", str(processes), "--num_machines", "1", "--resume_from_checkpoint", "false",
             "--max_steps", str(steps), "--logging_strategy", "steps", "--logging_steps", "1", "--save_strategy", "no",
             "--eval_strategy", "no",
             "--predict_memory", "false"]

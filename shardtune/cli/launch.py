@@ -87,7 +87,8 @@ def _refuse_launcher_keys_in_files(user_args: list[str], train_argv: list[str]) 
         if asked[key] != started[key]:
             raise UsageError(f"{origin}: {key}={asked[key]}, but the launcher starts {started[key]}; give it to "
                              f"the launcher (shardtune launch --{key} {asked[key]} train ...), which decides what "
-                             f"starts")
+                             f"starts, or to start {started[key]} take {key} out of the file (a run's saved "
+                             f"config.yaml records the {key} it ran on)")
 
 
 def run(argv: list[str]) -> int:
