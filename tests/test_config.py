@@ -575,11 +575,11 @@ def test_trl_model_init_kwargs_set_the_model_keys_they_name(tmp_path):
 
 
 @pytest.mark.parametrize("key, whose", [("ignore_data_skip", "Transformers' TrainingArguments"),
-                                        ("label_names", "Transformers' TrainingArguments"),
-                                        ("truncation_mode", "TRL's SFTConfig")])
+                                        ("label_names", "Transformers' TrainingArguments")])
 def test_another_tools_key_is_not_offered_a_key_spelled_like_it(key, whose, capsys):
-    """ignore_data_skip was answered 'see --help-keys', label_names the same, truncation_mode was offered
-    trust_remote_code: a key of Transformers or TRL with no counterpart here says so instead."""
+    """ignore_data_skip was answered 'see --help-keys', label_names the same: a key of Transformers or TRL with
+    no counterpart here says so instead (TRL's truncation_mode, offered trust_remote_code once, is a no-op at its
+    keep_start now)."""
     assert main(["train", *BASE, f"--{key}", "1"]) == 2
     assert f"unknown key '{key}': {whose} key, which has no counterpart here; leave it out" in \
         capsys.readouterr().err
@@ -705,15 +705,10 @@ def test_a_hub_subset_of_local_data_is_refused(tmp_path, capsys):
 
 @pytest.mark.parametrize("key, hint", [
     ("dataset_splits", "here the split names go in one key: splits"), ("lr", "here it is learning_rate"),
-    ("preprocessing_num_workers", "here it is dataset_num_proc"), ("padding_free", "packing true does it here"),
+    ("preprocessing_num_workers", "here it is dataset_num_proc"),
     ("load_in_8bit", "8-bit loading is not run here; use load_in_4bit"),
-    # TRL's SFTConfig keys: packing_strategy was offered logging_strategy, eos_token hub_token, loss_type torch_dtype
-    ("packing_strategy", "packing true packs by best-fit decreasing here"), ("eos_token", "the tokenizer's own EOS"),
-    ("pad_token", "the tokenizer's pad token is used here"), ("pad_to_multiple_of", "rows are padded to the longest"),
-    ("loss_type", "the loss here is cross-entropy averaged"), ("shuffle_dataset", "rows are shuffled here every epoch"),
-    ("chat_template_path", "a custom template goes in the model folder"),
+    # (TRL's SFTConfig keys at their defaults are no-ops: tests/test_key_vocabulary.py)
     ("eval_dataset_name", "eval rows come from dataset_name's own eval split"),
-    ("dataset_kwargs", "it is not read here: the rows' format"),
     # TrainingArguments keys: offered lr_scheduler_type, optim, dataset_name, save_total_limit, ..., fsdp_version
     ("optim_args", "the optimizer's settings are keys of their own here"), ("data_seed", "seed orders the data here"),
     ("save_only_model", "checkpoints here always hold what an exact resume needs"),

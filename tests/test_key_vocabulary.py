@@ -23,6 +23,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from shardtune.cli import main
 from shardtune.config import load_train_config
@@ -309,7 +310,33 @@ ACTING = {"compute_environment": "AMAZON_SAGEMAKER", "downcast_bf16": "yes", "tp
           "fsdp_offload_optimizer": True, "assistant_only_loss": False, "completion_only_loss": False,
           "model_revision": "v1.0", "average_tokens_across_devices": False, "dataloader_drop_last": False,
           "lora_task_type": "SEQ_CLS", "task_type": "SEQ_CLS", "peft_type": "IA3", "ignore_bias_buffers": True,
-          "dataset_streaming": True, "dataset_train_split": "train_sft", "dataset_test_split": "test_sft"}
+          "dataset_streaming": True, "dataset_train_split": "train_sft", "dataset_test_split": "test_sft",
+          "truncation_mode": "keep_end", "packing_strategy": "wrapped", "loss_type": "dft", "pad_to_multiple_of": 8,
+          "eval_packing": True, "router_aux_loss_coef": 0.001, "eos_token": "<|im_end|>", "pad_token": "<pad>",
+          "dataset_kwargs": {"skip_prepare_dataset": True}, "chat_template_path": "template.jinja"}
+
+
+# TRL 1.16's SFTConfig defaults of its keys that are no-ops here (its own fields; TrainingArguments' are above).
+TRL_SFT_DEFAULTS = {"truncation_mode": "keep_start", "packing_strategy": "bfd", "loss_type": "nll",
+                    "padding_free": False, "shuffle_dataset": False, "pad_to_multiple_of": "auto",
+                    "eval_packing": None, "router_aux_loss_coef": None, "eos_token": None, "pad_token": None,
+                    "dataset_kwargs": None, "chat_template_path": None, "completion_only_loss": None}
+# (its assistant_only_loss false trains every token of a conversation: refused here, naming train_on_prompt)
+
+
+def test_a_trl_recipe_with_sftconfigs_defaults_written_out_loads(tmp_path):
+    """A recipe holding TRL's SFTConfig defaults (packing_strategy bfd, loss_type nll, truncation_mode keep_start,
+    ...) asks for what runs here: it was refused key by key as unknown. The values that mean other behaviour stay
+    refused (ACTING above); padding_free and shuffle_dataset change speed or order only."""
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(yaml.safe_dump({**TRL_SFT_DEFAULTS, "model_name_or_path": "m", "dataset_name": "d.jsonl",
+                                      "output_dir": "o", "packing": True}))
+    cfg = load_train_config([str(recipe)])
+    assert cfg.data.packing and cfg.run.output_dir == "o"
+    for key, value in {"padding_free": True, "shuffle_dataset": True, "router_aux_loss_coef": 0.0,
+                       "dataset_kwargs": {"skip_prepare_dataset": False}}.items():
+        recipe.write_text(yaml.safe_dump({key: value, "model_name_or_path": "m", "dataset_name": "d.jsonl"}))
+        assert load_train_config([str(recipe), "--output_dir", "o"]).data.packing is False, key
 
 
 def test_the_values_a_no_op_key_publishes_are_the_ones_it_accepts():

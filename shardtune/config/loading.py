@@ -336,24 +336,10 @@ _SPLITS = "here the split names go in one key: splits (e.g. splits train,test)"
 UNKNOWN_ELSEWHERE = {
     "dataset_splits": _SPLITS,
     "preprocessing_num_workers": "here it is dataset_num_proc", "lr": "here it is learning_rate",
-    "padding_free": "packing true does it here (packed rows never attend across their documents)",
     "load_in_8bit": "8-bit loading is not run here; use load_in_4bit (QLoRA) or leave it out",
     # TRL's SFTConfig: what shardtune does instead, so that no near spelling of another key is offered.
-    "packing_strategy": "packing true packs by best-fit decreasing here (TRL's bfd), a document never split across "
-                        "rows; leave it out",
-    "eos_token": "the tokenizer's own EOS ends each completion here (a chat's turns end as its template writes); "
-                 "leave it out",
-    "pad_token": "the tokenizer's pad token is used here, or one set that is not EOS (so EOS stays a target); "
-                 "leave it out",
-    "pad_to_multiple_of": "rows are padded to the longest of their batch here (packed rows need none); leave it out",
-    "loss_type": "the loss here is cross-entropy averaged over every target token of the global batch (TRL's "
-                 "nll); leave it out",
-    "shuffle_dataset": "rows are shuffled here every epoch, by seed; leave it out",
-    "chat_template_path": "a custom template goes in the model folder as chat_template.jinja (chat_template_format "
-                          "none reads the tokenizer's own), or name one with chat_template_format",
     "eval_dataset_name": "eval rows come from dataset_name's own eval split here (e.g. test.jsonl beside "
                          "train.jsonl; the splits key names them) or from eval_split_ratio",
-    "dataset_kwargs": "it is not read here: the rows' format is found from their columns (data_format sets it)",
     # TRL's ModelConfig and ScriptArguments
     **dict.fromkeys(("lora_target_parameters", "target_parameters"),
                     "here lora_target_modules adapts a mixture-of-experts model's expert tensors too (all-linear, or "
@@ -377,10 +363,7 @@ UNKNOWN_ELSEWHERE = {
     "local_rank": "torchrun gives each process its rank (shardtune launch starts them); leave it out",
     "auto_find_batch_size": "shardtune estimate --find-batch-size finds the largest micro-batch that fits; set "
                             "per_device_train_batch_size",
-    "eval_packing": "eval rows are packed here exactly when train rows are (packing); leave it out",
     "label_smoothing_factor": "the loss here is plain cross-entropy, with no label smoothing; leave it out",
-    "router_aux_loss_coef": "the router's auxiliary loss is not added here (a model whose config sets "
-                            "output_router_logits is refused); leave it out",
     "activation_checkpointing": "here it is gradient_checkpointing",
     "use_cache": "training runs without the KV cache here; leave it out",
     "fsdp_config": "it is read as a block of a recipe or Accelerate config file (its fsdp_* keys as top-level "
@@ -404,7 +387,6 @@ OTHER_TOOLS_KEYS = {
         "prediction_loss_only", "project", "restore_callback_states_from_checkpoint", "save_on_each_node",
         "skip_memory_metrics", "trackio_bucket_id", "trackio_space_id", "trackio_static_space_id",
         "train_sampling_strategy"), "Transformers' TrainingArguments"),
-    "truncation_mode": "TRL's SFTConfig",
     # PEFT 0.21's LoraConfig; tests/test_config.py walks the installed one
     **dict.fromkeys((
         "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode", "exclude_modules",

@@ -93,6 +93,19 @@ TRAINED_TOKENS = ("remove it: shardtune trains the assistant turns and completio
                   "train_on_prompt true")
 
 
+UNSET = Inert(_unset, "unset", _UNSET_VALUES)
+
+
+def _zero_or_unset(value: Any) -> bool:
+    try:
+        return _unset(value) or float(value) == 0
+    except (TypeError, ValueError):
+        return False
+
+
+ZERO_OR_UNSET = Inert(_zero_or_unset, "0 or unset", (0, 0.0, "0", *_UNSET_VALUES))
+
+
 TRUE_OR_UNSET = Inert(lambda value: _unset(value) or _word(value) is True, "true or unset",
                       (True, 1, "true", "yes", "y", "on", "1", *_UNSET_VALUES))
 
@@ -142,6 +155,41 @@ NO_OPS: dict[str, NoOp] = {
     **{name: NoOp(f"TRL's {what} split, '{split}' by default as here", _one_of(split),
                   "name the splits in one key: splits (e.g. splits train,validation)")
        for name, what, split in (("dataset_train_split", "training", "train"), ("dataset_test_split", "eval", "test"))},
+    # TRL's SFTConfig: its defaults (and the values that mean them) are what runs here; another value is refused,
+    # saying what runs
+    "truncation_mode": NoOp("TRL's side of a too-long row that is kept: keep_start, its only value, as here (a row "
+                            "keeps its first max_seq_len tokens)", _one_of("keep_start"),
+                            "rows keep their first max_seq_len tokens here; leave it out"),
+    "packing_strategy": NoOp("TRL's packing: bfd (best-fit decreasing, a too-long row truncated), how packing true "
+                             "packs here", _one_of("bfd"), "packing true packs by best-fit decreasing here, a document "
+                             "never split across rows; leave it out"),
+    "loss_type": NoOp("TRL's loss: nll, the cross-entropy averaged over every target token of the global batch, the "
+                      "loss here", _one_of("nll"), "the loss here is nll; leave it out"),
+    "padding_free": NoOp("speed and memory only: packing true packs rows with no padding here, each document "
+                         "attending only to itself; unpacked rows are padded to the longest of their batch"),
+    "shuffle_dataset": NoOp("rows are shuffled every epoch here, by seed (packing sorts them by length first), so a "
+                            "shuffle before training changes nothing"),
+    "pad_to_multiple_of": NoOp("TRL's padding to a multiple (auto pads on AWS Neuron only); rows are padded to the "
+                               "longest of their batch here", _one_of("auto"),
+                               "rows are padded to the longest of their batch here (packed rows need none); leave it "
+                               "out"),
+    "eval_packing": NoOp("TRL's packing of the eval rows, unset to follow packing: eval rows are packed here exactly "
+                         "when train rows are", UNSET, "leave it out: eval rows are packed exactly when train rows are "
+                         "(packing)"),
+    "router_aux_loss_coef": NoOp("the weight of a mixture-of-experts router's auxiliary loss, which is not added "
+                                 "here (a model whose config sets output_router_logits is refused)", ZERO_OR_UNSET,
+                                 "leave it out"),
+    "eos_token": NoOp("TRL's end-of-turn token, unset for the tokenizer's own EOS, which ends each completion here "
+                      "(a chat's turns end as its template writes)", UNSET, "leave it out"),
+    "pad_token": NoOp("TRL's deprecated pad token: the tokenizer's own is used here, or one set that is not EOS (so "
+                      "EOS stays a target)", UNSET, "leave it out"),
+    "dataset_kwargs": NoOp("TRL's dataset preparation ({skip_prepare_dataset: false}): rows are read from their "
+                           "columns and tokenised here (data_format sets the format)", OFF,
+                           "rows are tokenised here from their text or chat columns; remove it"),
+    "chat_template_path": NoOp("TRL's chat template from a file or tokenizer, unset for the tokenizer's own",
+                               UNSET, "put the template in the model folder as chat_template.jinja "
+                               "(chat_template_format none reads the tokenizer's own), or name one with "
+                               "chat_template_format"),
     "dataset_streaming": NoOp("TRL's streamed reading of a hub data set", OFF,
                               "rows are read, tokenised and cached before training here: leave it out"),
     "ignore_bias_buffers": NoOp("TRL's scripts' fix for boolean buffers under DDP", OFF,
