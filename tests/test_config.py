@@ -574,6 +574,18 @@ def test_trl_model_init_kwargs_set_the_model_keys_they_name(tmp_path):
             load_train_config([*BASE, "--model_init_kwargs", given])
 
 
+def test_an_unset_argument_mapping_is_no_entries(tmp_path):
+    """lr_scheduler_kwargs: null (Transformers' own default, as a dump of TrainingArguments writes it) was refused
+    as 'expected a mapping'; unset, it sets nothing, and a schedule's own setting still comes from its key."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("lr_scheduler_kwargs: null\ngradient_checkpointing_kwargs: null\nmodel_init_kwargs: null\n"
+                      "lr_scheduler_type: cosine_with_min_lr\nmin_lr_rate: 0.2\n")
+    cfg = load_train_config([str(recipe), *BASE])
+    assert (cfg.optim.min_lr_rate, cfg.run.use_reentrant, cfg.model.torch_dtype) == (0.2, False, None)
+    with pytest.raises(UsageError, match=re.escape("lr_scheduler_kwargs=3: expected a mapping")):
+        load_train_config([*BASE, "--lr_scheduler_kwargs", "3"])
+
+
 @pytest.mark.parametrize("key, whose", [("ignore_data_skip", "Transformers' TrainingArguments"),
                                         ("label_names", "Transformers' TrainingArguments")])
 def test_another_tools_key_is_not_offered_a_key_spelled_like_it(key, whose, capsys):

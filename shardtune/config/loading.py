@@ -520,6 +520,8 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
             value = yaml.safe_load(value)
         except yaml.YAMLError:
             pass
+    if value is None:  # unset, as Transformers' own default writes it (lr_scheduler_kwargs: null): no entries
+        return {}, []
     if not isinstance(value, dict):
         return {}, [f"{key}={value!r}: expected a mapping such as {example}"]
     declared = {d.name: d for d in all_keys()}
