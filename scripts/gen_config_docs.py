@@ -50,7 +50,7 @@ def render() -> str:
 
 def _no_op_section() -> list[str]:
     """The keys accepted from recipes and Accelerate files that change nothing here (shardtune/config/no_ops.py)."""
-    from shardtune.config.no_ops import NO_OPS
+    from shardtune.config.no_ops import NO_OPS, TRANSFORMERS_DEFAULTS
 
     out = ["## Accepted, changing nothing", "",
            "Recipes and `accelerate config` files carry these; shardtune reads them and does nothing with them. A",
@@ -58,7 +58,11 @@ def _no_op_section() -> list[str]:
            "| key | why it changes nothing | accepted | any other value is refused: do instead |", "|---|---|---|---|"]
     for key, entry in NO_OPS.items():
         out.append(f"| `{key}` | {entry.why} | {entry.inert.says} | {entry.instead or '-'} |")
-    return out + [""]
+    written = ", ".join(f"`{key}`" for key in TRANSFORMERS_DEFAULTS)
+    return out + ["", "A recipe written out from Transformers' TrainingArguments (or TRL's SFTConfig) also holds its "
+                  "keys that have no counterpart here. At the value Transformers gives them when they are not set "
+                  "they ask for what runs here, or change nothing here, and load; any other value is refused, "
+                  f"naming what to do instead: {written}.", ""]
 
 
 def main() -> int:

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -440,3 +441,55 @@ def test_keys_that_used_to_be_ignored_now_act(tmp_path, capsys):
     assert plan.strategy == "DDP" and plan.find_unused_parameters
     with pytest.raises(UsageError, match="save_safetensors=false asks for pickled .bin weights"):
         load_train_config([*BASE, "--save_safetensors", "false"])
+
+
+def written_training_arguments(tmp_path) -> dict:
+    """What a TrainingArguments left at its defaults writes out (to_json_string), as a recipe would hold it."""
+    from transformers import TrainingArguments
+
+    return json.loads(TrainingArguments(output_dir=str(tmp_path / "o")).to_json_string())
+
+
+def test_transformers_defaults_are_the_installed_ones(tmp_path):
+    """Every TrainingArguments key refused here as having no counterpart loads at the installed Transformers'
+    default, and that default is the one TRANSFORMERS_DEFAULTS holds (a new Transformers shows up here)."""
+    from shardtune.config.loading import OTHER_TOOLS_KEYS, UNKNOWN_ELSEWHERE
+    from shardtune.config.no_ops import TRANSFORMERS_DEFAULTS
+
+    written = written_training_arguments(tmp_path)
+    assert set(TRANSFORMERS_DEFAULTS) == (set(OTHER_TOOLS_KEYS) | set(UNKNOWN_ELSEWHERE)) & set(written)
+    assert {key: written[key] for key in TRANSFORMERS_DEFAULTS} == TRANSFORMERS_DEFAULTS
+
+
+def test_a_written_out_training_arguments_loads_but_for_what_would_run_otherwise(tmp_path):
+    """A recipe written out from TrainingArguments held 40 keys with no counterpart here, each refused as unknown,
+    though at Transformers' defaults they ask for what runs here (no label smoothing, the data resumed where it
+    stopped, no evaluation metrics, ...). They load now. What stays refused is what Transformers' defaults would run
+    otherwise: the incomplete last batch of an epoch kept, a hub upload at every save (and the token written out
+    for it); without those three the recipe loads as it is."""
+    written = written_training_arguments(tmp_path)
+    recipe = tmp_path / "args.yaml"
+    recipe.write_text(yaml.safe_dump({**written, "model_name_or_path": "m", "dataset_name": "d.jsonl"}))
+    with pytest.raises(UsageError) as refused:
+        load_train_config([str(recipe)])
+    assert re.findall(r"line \d+: (\w+)=", str(refused.value)) == ["dataloader_drop_last", "hub_strategy",
+                                                                   "hub_token"]
+    for key in ("dataloader_drop_last", "hub_strategy", "hub_token"):
+        del written[key]
+    recipe.write_text(yaml.safe_dump({**written, "model_name_or_path": "m", "dataset_name": "d.jsonl"}))
+    cfg = load_train_config([str(recipe)])
+    assert (cfg.run.output_dir, cfg.optim.lr_scheduler_type) == (str(tmp_path / "o"), "linear")
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("label_smoothing_factor", 0.1, "unknown key 'label_smoothing_factor'; the loss here is plain cross-entropy"),
+    ("ignore_data_skip", True, "unknown key 'ignore_data_skip': Transformers' TrainingArguments key"),
+    ("log_level_replica", "info", "unknown key 'log_level_replica'; ranks other than 0 log warnings"),
+    ("include_for_metrics", ["inputs"], "unknown key 'include_for_metrics': Transformers' TrainingArguments key"),
+    ("eval_delay", 2, "unknown key 'eval_delay'"), ("fsdp", "full_shard", "here FSDP is distributed_type FSDP"),
+    ("accelerator_config", {"split_batches": True}, "unknown key 'accelerator_config'")])
+def test_a_transformers_key_at_another_value_than_its_default_is_refused(tmp_path, key, value, says):
+    recipe = tmp_path / "args.yaml"
+    recipe.write_text(yaml.safe_dump({key: value, "model_name_or_path": "m", "dataset_name": "d.jsonl"}))
+    with pytest.raises(UsageError, match=re.escape(says)):
+        load_train_config([str(recipe), "--output_dir", "o"])

@@ -24,7 +24,7 @@ import yaml
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
 from shardtune.config.deepspeed import FP16_TUNING, map_accelerate_block, read_deepspeed_file, same_value
 from shardtune.config.keys import shown
-from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, no_op_problem, off
+from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, at_transformers_default, no_op_problem, off
 from shardtune.config.schema import ALIASES, DATASET_PLACEHOLDER, ZERO2_HYBRID, TrainConfig, all_keys
 from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
                                          input_problems, model_folder_problems, overruled_keys, resolve_report_to,
@@ -453,6 +453,8 @@ def _apply(layers: Layers, *, training: bool,
                     problems.append(f"{source}: {problem}")
                 elif key in TRAINED_TOKEN_KEYS and not off(value):
                     trained_tokens[key] = source
+            elif key not in declared and at_transformers_default(key, value):
+                pass  # a written-out TrainingArguments' key with no counterpart here, at Transformers' default
             elif key not in declared:
                 hint = closest(key, list(declared))
                 did_you_mean = (f"; {UNKNOWN_ELSEWHERE[key]}" if key in UNKNOWN_ELSEWHERE

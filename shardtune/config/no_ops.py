@@ -249,3 +249,48 @@ def no_op_problem(key: str, value: Any) -> str | None:
         return (f"{key}={value!r} asks for {entry.asks_for}, which shardtune trains with train_on_prompt true "
                 f"(it trains the assistant turns and completions unless that is set): set that instead")
     return f"{key}={value!r} would change what runs ({entry.why}), and shardtune does not do it: {entry.instead}"
+
+
+# Transformers' TrainingArguments keys with no counterpart here (config/loading.py's OTHER_TOOLS_KEYS and
+# UNKNOWN_ELSEWHERE), at the value a TrainingArguments left at its defaults holds (transformers 5.24,
+# ``TrainingArguments(output_dir=...).to_dict()``; tests/test_key_vocabulary.py checks them against the installed
+# one). A recipe written out from a TrainingArguments or an SFTConfig holds every one of them: at that value each
+# asks for what Transformers does when it is not set, which is what runs here or changes nothing here (no label
+# smoothing, the data resumed where it stopped, evaluation metrics off, logging on rank 0), so it loads; any other
+# value is refused, with what to do instead.
+TRANSFORMERS_DEFAULTS: dict[str, Any] = {
+    "accelerator_config": {"split_batches": False, "dispatch_batches": None, "even_batches": True,
+                           "use_seedable_sampler": True, "non_blocking": False, "gradient_accumulation_kwargs": None},
+    "activation_checkpointing": False, "activation_checkpointing_kwargs": None, "auto_find_batch_size": False,
+    "batch_eval_metrics": False, "bf16_full_eval": False, "data_seed": None, "dataloader_in_order": True,
+    "dataloader_multiprocessing_context": None, "ddp_backend": None, "do_predict": False,
+    "enable_jit_checkpoint": False, "eval_accumulation_steps": None, "eval_delay": 0, "eval_do_concat_batches": True,
+    "eval_use_gather_object": False, "fp16_full_eval": False, "fsdp": None, "fsdp_config": None,
+    "hub_always_push": False, "hub_revision": None, "ignore_data_skip": False, "include_for_metrics": [],
+    "label_names": None, "label_smoothing_factor": 0.0, "length_column_name": "length", "liger_kernel_config": None,
+    "local_rank": -1, "log_level_replica": "warning", "log_on_each_node": True, "optim_args": None,
+    "optim_target_modules": None, "prediction_loss_only": False, "project": "huggingface",
+    "restore_callback_states_from_checkpoint": False, "save_on_each_node": False, "save_only_model": False,
+    "skip_memory_metrics": True, "trackio_bucket_id": None, "trackio_space_id": None,
+    "trackio_static_space_id": None, "train_sampling_strategy": "random", "use_cache": False,
+}
+
+
+def at_transformers_default(key: str, value: Any) -> bool:
+    """Whether ``key: value`` is a TRANSFORMERS_DEFAULTS key at Transformers' default, as YAML files and command
+    lines write it (null, '' or [] for an unset default; true/false words; numbers as text)."""
+    if key not in TRANSFORMERS_DEFAULTS:
+        return False
+    default = TRANSFORMERS_DEFAULTS[key]
+    if default is None or default == []:
+        return _unset(value) or value == [] or value == {}
+    if isinstance(default, bool):
+        return _word(value) is default
+    if isinstance(default, (int, float)):
+        try:
+            return not isinstance(value, bool) and float(value) == default
+        except (TypeError, ValueError):
+            return False
+    if isinstance(default, str):
+        return isinstance(value, str) and value.strip().lower() == default
+    return value == default
