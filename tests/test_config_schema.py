@@ -100,6 +100,7 @@ ALIAS_VALUES = {"max_length": (64, []), "max_seq_length": (64, []),
                 "use_peft": (True, []), "load_in_4bit": (True, ["--use_peft_lora", "true"]),
                 "use_bnb_nested_quant": (False, ["--use_peft_lora", "true", "--use_4bit_quantization", "true"]),
                 "evaluation_strategy": ("steps", []), "dtype": ("bfloat16", []),
+                "activation_checkpointing": (False, []),
                 "bnb_4bit_quant_storage": ("float16", ["--use_peft_lora", "true", "--use_4bit_quantization", "true"])}
 
 

@@ -465,20 +465,27 @@ def test_a_written_out_training_arguments_loads_but_for_what_would_run_otherwise
     """A recipe written out from TrainingArguments held 40 keys with no counterpart here, each refused as unknown,
     though at Transformers' defaults they ask for what runs here (no label smoothing, the data resumed where it
     stopped, no evaluation metrics, ...). They load now. What stays refused is what Transformers' defaults would run
-    otherwise: the incomplete last batch of an epoch kept, a hub upload at every save (and the token written out
-    for it); without those three the recipe loads as it is."""
+    otherwise: the incomplete last batch of an epoch kept, a hub upload at every save; without those two the recipe
+    loads as it is. Its hub_token is written out as '<HUB_TOKEN>', hiding the value: that says none.
+    activation_checkpointing, Transformers 5's name of gradient_checkpointing, sets it (false, as written)."""
     written = written_training_arguments(tmp_path)
     recipe = tmp_path / "args.yaml"
     recipe.write_text(yaml.safe_dump({**written, "model_name_or_path": "m", "dataset_name": "d.jsonl"}))
     with pytest.raises(UsageError) as refused:
         load_train_config([str(recipe)])
-    assert re.findall(r"line \d+: (\w+)=", str(refused.value)) == ["dataloader_drop_last", "hub_strategy",
-                                                                   "hub_token"]
-    for key in ("dataloader_drop_last", "hub_strategy", "hub_token"):
+    assert re.findall(r"line \d+: (\w+)=", str(refused.value)) == ["dataloader_drop_last", "hub_strategy"]
+    for key in ("dataloader_drop_last", "hub_strategy"):
         del written[key]
+    assert written["hub_token"] == "<HUB_TOKEN>" and written["activation_checkpointing"] is False
     recipe.write_text(yaml.safe_dump({**written, "model_name_or_path": "m", "dataset_name": "d.jsonl"}))
     cfg = load_train_config([str(recipe)])
-    assert (cfg.run.output_dir, cfg.optim.lr_scheduler_type) == (str(tmp_path / "o"), "linear")
+    assert (cfg.run.output_dir, cfg.optim.lr_scheduler_type, cfg.run.hub_token, cfg.run.gradient_checkpointing) == \
+        (str(tmp_path / "o"), "linear", None, False)
+    assert load_train_config([*BASE, "--activation_checkpointing", "false"]).run.gradient_checkpointing is False
+    cfg = load_train_config([*BASE, "--activation_checkpointing_kwargs", '{"use_reentrant": true}'])
+    assert (cfg.run.gradient_checkpointing, cfg.run.use_reentrant) == (True, True)
+    with pytest.raises(UsageError, match="activation_checkpointing=true and gradient_checkpointing=false disagree"):
+        load_train_config([*BASE, "--activation_checkpointing", "true", "--gradient_checkpointing", "false"])
 
 
 @pytest.mark.parametrize("key, value, says", [

@@ -364,7 +364,6 @@ UNKNOWN_ELSEWHERE = {
     "auto_find_batch_size": "shardtune estimate --find-batch-size finds the largest micro-batch that fits; set "
                             "per_device_train_batch_size",
     "label_smoothing_factor": "the loss here is plain cross-entropy, with no label smoothing; leave it out",
-    "activation_checkpointing": "here it is gradient_checkpointing",
     "use_cache": "training runs without the KV cache here; leave it out",
     "fsdp_config": "it is read as a block of a recipe or Accelerate config file (its fsdp_* keys as top-level "
                    "keys); on the command line give those keys (fsdp_version, fsdp_sharding_strategy, ...)",
@@ -380,7 +379,7 @@ UNKNOWN_ELSEWHERE = {
 # tests/test_config.py checks the list against the installed TrainingArguments.
 OTHER_TOOLS_KEYS = {
     **dict.fromkeys((
-        "activation_checkpointing_kwargs", "batch_eval_metrics", "bf16_full_eval", "dataloader_in_order",
+        "batch_eval_metrics", "bf16_full_eval", "dataloader_in_order",
         "dataloader_multiprocessing_context", "enable_jit_checkpoint", "eval_delay", "eval_do_concat_batches",
         "eval_use_gather_object", "fp16_full_eval", "hub_always_push", "hub_revision", "ignore_data_skip",
         "include_for_metrics", "label_names", "length_column_name", "liger_kernel_config", "log_on_each_node",
@@ -442,6 +441,8 @@ def _apply(layers: Layers, *, training: bool,
             source, key = sources.get(name, Origin("config")), ALIASES.get(name, name)
             if value is None and key != name:  # another tool's name left unset (an older config.yaml's dtype: null)
                 continue
+            if name.endswith("_token") and value == f"<{name.upper()}>":
+                continue  # Transformers' to_json_string writes a *_token key so, hiding its value: it says none
             if (meant := _other_spelling(key, value)) is not None:  # other tools' spellings of keys declared here
                 keys_meant, refused = meant
                 problems += [f"{source}: {problem}" for problem in refused]
@@ -545,7 +546,8 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
 
 
 # Transformers' and TRL's argument mappings read here: the entries each sets as the key of its name, and an example.
-KWARGS = {"gradient_checkpointing_kwargs": (("use_reentrant",), "{use_reentrant: false}"),
+KWARGS = {**dict.fromkeys(("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),  # the latter:
+                         (("use_reentrant",), "{use_reentrant: false}")),  # Transformers 5's name
           # each schedule's settings (a setting its schedule does not read is refused as the key it sets)
           "lr_scheduler_kwargs": (("min_lr_rate", "num_cycles", "lr_end", "power", "timescale"),
                                   "{min_lr_rate: 0.1}"),

@@ -261,7 +261,7 @@ def no_op_problem(key: str, value: Any) -> str | None:
 TRANSFORMERS_DEFAULTS: dict[str, Any] = {
     "accelerator_config": {"split_batches": False, "dispatch_batches": None, "even_batches": True,
                            "use_seedable_sampler": True, "non_blocking": False, "gradient_accumulation_kwargs": None},
-    "activation_checkpointing": False, "activation_checkpointing_kwargs": None, "auto_find_batch_size": False,
+    "auto_find_batch_size": False,
     "batch_eval_metrics": False, "bf16_full_eval": False, "data_seed": None, "dataloader_in_order": True,
     "dataloader_multiprocessing_context": None, "ddp_backend": None, "do_predict": False,
     "enable_jit_checkpoint": False, "eval_accumulation_steps": None, "eval_delay": 0, "eval_do_concat_batches": True,

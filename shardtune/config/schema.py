@@ -294,7 +294,8 @@ class RunConfig:
     gradient_checkpointing: bool = key(True, "Recompute each decoder layer's activations in the backward pass: "
                                              "it keeps only the layers' inputs, for about a third more compute. On "
                                              "by default, as TRL's SFTConfig has it; false where memory is plenty "
-                                             "and speed counts.")
+                                             "and speed counts.",
+                                       aliases={"activation_checkpointing": "Transformers 5's"})
     use_reentrant: bool = key(False, "Use the reentrant checkpointing implementation (PyTorch's older one). Also "
                                      "read from TRL's gradient_checkpointing_kwargs: {use_reentrant: ...}.",
                               needs=CHECKPOINTING)
