@@ -263,6 +263,42 @@ def test_fsdp1_wrapping_cache_makes_the_reserved_peak_independent_of_the_context
     assert abs(short - long) < 0.02 and 0.9 < long / 10.22 < 1.0
 
 
+def test_fsdp1_offload_pools_hold_the_largest_shard_and_every_gradient_shard():
+    """FSDP1's CPU offload copies each unit's shard to the GPU before its all-gather (pre-unshard stream) and keeps
+    every trainable unit's gradient shard there until backward ends (post-backward stream); both pools stay
+    reserved. Llama-2-7B, LoRA r64 on q, k, v, gate, up, down, bf16, two GPUs, by hand from its shapes."""
+    from shardtune.memory.formula import FSDP1_OFFLOAD_POOLS
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import evaluate_setup
+    from shardtune.memory.setup import Setup, validate
+
+    vocab, hidden, inter, layers = 32000, 4096, 11008, 32
+    root = (2 * vocab * hidden + hidden) * 2  # embeddings, final norm, head: one flat parameter, bf16
+    layer = (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) * 2  # attention, MLP, two norms
+    assert root > layer
+    lora_per_layer = 64 * (3 * (hidden + hidden) + 3 * (hidden + inter))  # A: r x in, B: out x r
+    grad_shards = layers * lora_per_layer * 2 // 2  # bf16 gradients, half on each of the two GPUs
+    expected = root // 2 + grad_shards
+    assert expected == 262_148_096 + 143_130_624
+
+    model = ModelAnalysis("llama-2-7b")
+    targets = "q_proj,k_proj,v_proj,gate_proj,up_proj,down_proj"
+    job = dict(method="lora", distributed_type="FSDP", fsdp_sharding_strategy="FULL_SHARD", num_gpus=2,
+               fsdp_offload_params=True, lora_r=64, lora_target_modules=targets, torch_dtype="bfloat16",
+               mixed_precision="bf16", max_seq_len=2048, per_device_train_batch_size=2, gradient_checkpointing=True)
+
+    def pools(**changes):
+        b = evaluate_setup(model, validate(Setup.of(**{**job, **changes})))
+        return sum(i.bytes for i in b.items if i.label == FSDP1_OFFLOAD_POOLS), b
+
+    fsdp1, b = pools(fsdp1_init_cache=True)
+    assert fsdp1 == expected
+    assert b.total - b.tensors >= expected  # reserved in their streams' pools, not tensors at the peak
+    # shardtune's own FSDP2 offload and FSDP1 without offload have no such pools.
+    assert pools(fsdp1_init_cache=False)[0] == 0
+    assert pools(fsdp1_init_cache=True, fsdp_offload_params=False)[0] == 0
+
+
 def test_held_fp32_logits_add_one_fp32_vocabulary_row_per_token_to_the_loss_backward():
     """transformers 4.38's loss upcasts the logits (kept in the output until after backward by fsdp_qlora's loop)
     and shifts them into a second fp32 copy."""

@@ -89,6 +89,8 @@ def allocator_reserve(setup: Setup, activations: float, grads: float) -> int:
 
 # The item of what the caching allocator reserves beyond the tensors (Breakdown.tensors leaves it out).
 ALLOCATOR_CACHE = "allocator cache and workspaces"
+# The item of what FSDP1's CPU offload keeps reserved in its own streams' pools (Breakdown.tensors leaves it out).
+FSDP1_OFFLOAD_POOLS = "FSDP1 offload: a unit's shard copied in, the gradient shards (their streams' pools)"
 # torch/distributed/fsdp/_init_utils.py: PARAM_BROADCAST_BUCKET_SIZE, the bucket of sync_module_states' broadcast.
 FSDP1_BROADCAST_BUCKET = 250 * 1024 * 1024
 
@@ -139,6 +141,30 @@ def fsdp1_init_cache(units: list[list[int]], shard: int, offload: bool) -> int:
     return alloc.reserved - alloc.allocated
 
 
+def fsdp1_offload_pools(units: list[list[int]], shard: int, grad_bytes: float) -> int:
+    """Bytes FSDP1's CPU offload (torch 2.2; 2.0 and 2.13 alike) keeps reserved on the GPU in the pools of two of
+    its own streams, which the caching allocator keeps apart from the default stream's (a freed block serves its own
+    stream only):
+
+    - pre-unshard stream: before its all-gather, a unit's shard is copied from the host into a new GPU tensor
+      (_flat_param.py FlatParamHandle.pre_unshard -> flat_param_to, under _runtime_utils.py _unshard), dropped
+      when the unsharded parameter takes its place and reusable once the all-gather that reads it is done (its
+      block is recorded on the stream that reads it). Units are copied one
+      after another, each shard the same size every step, so the pool keeps at least the largest one: counted.
+      More than one in flight (the prefetched unit's copy made before the running one's all-gather is done)
+      depends on timing: not counted.
+    - post-backward stream: each trainable unit's reduce-scattered gradient shard is made there
+      (_runtime_utils.py _reduce_grad -> _get_reduce_scatter_tensors) and kept as ``_saved_grad_shard``
+      (_accumulate_sharded_grad) after its copy to the host (_offload_grad), until backward ends
+      (_post_backward_final_callback -> _finalize_params -> FlatParamHandle.prepare_gradient_for_optim): all of
+      them at once, ``grad_bytes`` (every trainable gradient, unsharded, in the parameters' dtype) over the shard
+      group.
+
+    ``units``: each unit's tensor sizes in bytes, as stored (the flat parameter's)."""
+    largest_shard = max(-(-sum(sizes) // shard) for sizes in units)
+    return round(largest_shard + grad_bytes / shard)
+
+
 def _fsdp1_units(dp: "_DataParallel") -> list[list[int]]:
     """The frozen units of a LoRA/QLoRA model as fsdp_qlora wraps it: a decoder layer each (its linear weights
     as stored, then its two norms), the root last (embeddings, final norm, head). The adapters' own tiny units are
@@ -183,7 +209,7 @@ class Breakdown:
     def tensors(self) -> int:
         """What torch.cuda.max_memory_allocated should report: the tensors of the fullest phase, which need not be
         the one whose tensors and allocator cache together make the reserved peak (the total)."""
-        at_peak = self.total - sum(i.bytes for i in self.items if i.label == ALLOCATOR_CACHE)
+        at_peak = self.total - sum(i.bytes for i in self.items if i.label in (ALLOCATOR_CACHE, FSDP1_OFFLOAD_POOLS))
         return max([at_peak, *self.phases.values()])
 
     def per_gpu(self) -> dict[str, int]:
@@ -613,6 +639,11 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
     # default-stream tensors made after it (gradients, optimizer states, activations) reuse it first. FSDP1 gathers
     # units on its unshard stream, whose pool cannot use these blocks. The same for every phase: replayed once.
     init = fsdp1_init_cache(_fsdp1_units(dp), shard, dp.offload) if setup.fsdp1_init_cache and dp.fsdp else None
+    # FSDP1's CPU offload copies, in pools of their own: reserved in every phase from the first step on. FSDP2's
+    # offload (shardtune's own) is modelled by the states and copies above.
+    offload_pools = 0
+    if setup.fsdp1_init_cache and dp.offload:
+        offload_pools = fsdp1_offload_pools(_fsdp1_units(dp), shard, states.grads)
 
     def reserve(ph: dict[str, float]) -> int:
         """What the caching allocator holds beyond the tensors of phase ``ph``. Weight copies (autocast's, FSDP's
@@ -628,7 +659,7 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
     for name, ph in phases.items():
         dyn = ph["act"] + ph["copies"] + (dequant if ph["act"] else 0)
         totals[name] = states.params_b + states.optim_b + buckets + ph["grads"] + dyn + ph.get("step", 0)
-        reserves[name] = reserve(ph)
+        reserves[name] = reserve(ph) + offload_pools
     # The peak of reserved memory: the phase whose tensors and cache together are the most.
     phase = max(totals, key=lambda name: totals[name] + reserves[name])
     ph = phases[phase]
@@ -655,7 +686,9 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
         items.append(Item("activations", "NF4 weight dequantised for its matmul", round(dequant)))
     if ph["copies"]:
         items.append(Item("overhead" if dp.fsdp else "params", copies.label, round(ph["copies"])))
-    items.append(Item("overhead", ALLOCATOR_CACHE, reserves[phase]))
+    if offload_pools:
+        items.append(Item("overhead", FSDP1_OFFLOAD_POOLS, offload_pools))
+    items.append(Item("overhead", ALLOCATOR_CACHE, reserves[phase] - offload_pools))
     context = CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if setup.world_size > 1 else 0)
     cpu = round((states.storage + states.grads + states.optim) / shard * setup.num_gpus) if dp.offload else 0
     cpu += _offloaded_activation_bytes(inv, setup, dp.act, setup.num_gpus)
