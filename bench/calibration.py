@@ -208,13 +208,19 @@ def memory_rows(points: list[Point], trace: bool) -> list[dict]:
 def memory_row(p: Point, trace: bool) -> dict:
     tensors_only, predicted, measured = p.tensors_only, p.formula_peak(), p.peak_bytes()
     row = {"id": p.id, "source": p.source.title, "url": p.source.url, "gpu": p.card.label or p.card.name,
-           "gpus": p.world_size, "method": p.method, "model": p.model if isinstance(p.model, str) else p.model_ref(),
+           "gpus": p.world_size, "method": p.method,
+           "model": p.model if isinstance(p.model, str) else _in_repo(p.model_ref()),
            "counter": p.measured["counter"], "compared_with": "tensors" if tensors_only else "reserved",
            "measured_gib": measured / 2**30, "formula_gib": predicted / 2**30, "formula_ratio": predicted / measured,
            "assumed": list(p.assumed)}
     if trace:
         row.update(traced(p, p.setup(), measured, tensors_only))
     return row
+
+
+def _in_repo(path: str) -> str:
+    """A model config's path as the repository names it (the same wherever the repository is checked out)."""
+    return str(Path(path).resolve().relative_to(Path(__file__).resolve().parents[1]))
 
 
 def traced(p: Point, setup, measured: float, tensors_only: bool) -> dict:
