@@ -358,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="refit and recompute the speed points; the memory rows (traced ones too) are kept "
                              "from the .json")
     parser.add_argument("--memory-only", action="store_true",
-                        help="recompute the memory points; the speed fit and rows are kept from the .json")
+                        help="recompute the memory points; the speed fit and rows are kept from the .json (and "
+                             "without --trace each point's traced figures)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the .md and .png from the .json an earlier run wrote, computing nothing")
     args = parser.parse_args(argv)
@@ -377,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
         memory = json.loads(Path(args.out).with_suffix(".json").read_text())["memory"]
     else:
         memory = memory_rows([p for p in points if p.kind == "memory"], args.trace)
+        if args.memory_only and not args.trace:  # the formula changed, shardtune's traced step did not
+            traced_before = {row["id"]: row for row in json.loads(Path(args.out).with_suffix(".json").read_text())
+                             ["memory"]}
+            for row in memory:
+                row.update({key: value for key, value in traced_before.get(row["id"], {}).items()
+                            if key.startswith("trace_")})
     result = {"fitted_params": fitted, "speed": speed, "speed_summary": speed_summary(speed),
               "memory": memory, "memory_summary": memory_summary(memory) if memory else {}}
     write(result, Path(args.out))

@@ -311,3 +311,32 @@ def test_held_fp32_logits_add_one_fp32_vocabulary_row_per_token_to_the_loss_back
     setups = [validate(Setup.of(**job, logits_held=on)) for on in (True, False)]
     held, dropped = (Activations(inv, setup, dtypes(setup)) for setup in setups)
     assert held.loss_backward_bytes(1000) - dropped.loss_backward_bytes(1000) == 1000 * 4 * inv.vocab_size
+
+
+def test_fsdp_qlora_loader_leaves_the_quantisation_statistics_whole_on_every_gpu():
+    """fsdp_qlora's loader quantises each weight on the GPU and moves only its packed data to the CPU (or meta):
+    FSDP shards and offloads parameters only, so every GPU keeps every weight's absmax statistics, whole. Llama-2-70B
+    QLoRA with double quantisation on two GPUs, by hand from its shapes: an 8-bit absmax per 64 weights and an fp32
+    one per 256 blocks, over the linear weights of 80 layers."""
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import evaluate_setup
+    from shardtune.memory.setup import Setup, validate
+
+    hidden, kv, inter, layers = 8192, 1024, 28672, 80
+    linear = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter  # q, o; k, v; gate, up, down
+    stats = layers * linear / 64 * (1 + 4 / 256)
+    assert round(stats) == 1_086_259_200
+
+    model = ModelAnalysis("llama-2-70b")
+    job = dict(method="qlora", distributed_type="FSDP", fsdp_sharding_strategy="FULL_SHARD", num_gpus=2,
+               lora_r=64, torch_dtype="bfloat16", mixed_precision="bf16", max_seq_len=2048,
+               per_device_train_batch_size=2, gradient_checkpointing=True)
+
+    def params(**changes) -> int:
+        b = evaluate_setup(model, validate(Setup.of(**{**job, **changes})))
+        return sum(i.bytes for i in b.items if i.category == "params" and i.label.startswith("NF4 base"))
+
+    assert params(fsdp_offload_params=True, nf4_stats_whole=True) == round(stats)  # the rest is on the host
+    assert params(fsdp_offload_params=True) == 0
+    sharded = params()  # half of everything: packed weights, statistics, norms, root, adapters
+    assert params(nf4_stats_whole=True) - sharded == round(stats / 2)  # the other half of the statistics

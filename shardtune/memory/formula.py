@@ -223,8 +223,13 @@ class Breakdown:
 
 def nf4_bytes(numel: int, double_quant: bool) -> float:
     """Bytes of a weight stored in NF4 with block size 64."""
-    per_block = 1 + 4 / 256 if double_quant else 4
-    return numel / 2 + numel / 64 * per_block
+    return numel / 2 + nf4_stats_bytes(numel, double_quant)
+
+
+def nf4_stats_bytes(numel: int, double_quant: bool) -> float:
+    """Bytes of the quantisation statistics of an NF4 weight: an absmax per 64 weights, in 8 bits with an fp32
+    absmax per 256 blocks when double quantisation is on, else in fp32."""
+    return numel / 64 * (1 + 4 / 256 if double_quant else 4)
 
 
 def _optimizer_bytes_per_param(setup: Setup, master: int, inv: ModelInventory) -> float:
@@ -356,10 +361,11 @@ class _States:
     optim: float  # the optimizer's states
     shard: int
     on_gpu: int  # 0: CPU offload keeps the sharded parameters, gradients and optimizer states on the host
+    whole: float = 0  # of ``storage``, what each GPU holds whole, neither sharded nor offloaded (nf4_stats_whole)
 
     @property
     def params_b(self) -> float:
-        return self.on_gpu * self.storage / self.shard
+        return self.on_gpu * (self.storage - self.whole) / self.shard + self.whole
 
     @property
     def grads_b(self) -> float:
@@ -375,7 +381,10 @@ def _model_states(dp: _DataParallel) -> _States:
     storage = sum(model.layer_storage(i) for i in layers) + model.root_storage()
     trainable = sum(model.layer_trainable(i) for i in layers) + model.root_trainable()
     optim = trainable * _optimizer_bytes_per_param(dp.setup, dp.dt.master, dp.inv)
-    return _States(storage, trainable * dp.dt.master, optim, dp.shard, 0 if dp.offload else 1)
+    whole = 0.0
+    if dp.setup.nf4_stats_whole and dp.setup.method == "qlora":
+        whole = sum(nf4_stats_bytes(dp.inv.layer_linear_params[i], dp.setup.nf4_double_quant) for i in layers)
+    return _States(storage, trainable * dp.dt.master, optim, dp.shard, 0 if dp.offload else 1, whole)
 
 
 @dataclass(frozen=True)
@@ -699,9 +708,10 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
 def _param_label(setup: Setup, shard: int, offload: bool) -> str:
     kind = {"full": "weights", "lora": "frozen base + LoRA adapters", "qlora": "NF4 base + LoRA adapters"}
     text = kind[setup.method]
+    whole = " (quantisation statistics whole on each GPU)" if setup.nf4_stats_whole and setup.method == "qlora" else ""
     if offload:
-        return text + " (on CPU)"
-    return text + (f" (1/{shard} shard)" if shard > 1 else "")
+        return text + (" (on CPU" + ("; its quantisation statistics whole on each GPU)" if whole else ")"))
+    return text + (f" (1/{shard} shard)" if shard > 1 else "") + whole
 
 
 def _layers_on_gpu(setup: Setup, num_layers: int) -> int:

@@ -88,6 +88,10 @@ class Setup:
     # broadcast in 250 MB buckets, flattened and sharded there; the blocks this leaves cached on the default stream
     # are inside the reserved peak when the peak counter is reset without emptying the cache first.
     fsdp1_init_cache: bool = False
+    # fsdp_qlora's loader (train.py load_and_quantize, low_memory) quantises each weight on the GPU and then moves
+    # only its packed data to the CPU or meta: bitsandbytes' quantisation statistics (absmax, and the nested ones)
+    # stay on every GPU, whole, since FSDP shards, gathers and offloads parameters and buffers only.
+    nf4_stats_whole: bool = False
     # PP's micro-batches per batch: the job's pipeline_microbatches where it says one (a recipe, or estimate's
     # --pipeline-microbatches); None: one row each, as the recipe --emit-config writes (the most stages at work).
     pipeline_microbatches: int | None = None

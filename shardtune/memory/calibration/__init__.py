@@ -82,6 +82,7 @@ class Point:
     loss: str = "full"
     logits_held: bool = False  # the loop keeps the model's output (its fp32 logits) until after backward
     fsdp1_init: bool = False  # FSDP1 wrapped a CPU/meta model (sync_module_states); no empty_cache before the peak
+    nf4_stats_whole: bool = False  # the loader left the NF4 quantisation statistics whole on every GPU (Setup's)
     overlap_comm: bool = True
     reduce_bytes: int | None = None
     # False: the run is reported (predicted by the fit on the others) but left out of the speed fit, since its
@@ -104,7 +105,7 @@ class Point:
             torch_dtype="bfloat16" if pure else None, optim=self.optimizer, lora_r=self.lora_r,
             lora_target_modules=self.lora_targets, lora_dropout=self.lora_dropout, loss=self.loss,
             attn_implementation=ATTN_IMPLEMENTATION[self.attention], separate_root_units=self.separate_root_units,
-            logits_held=self.logits_held, fsdp1_init_cache=self.fsdp1_init))
+            logits_held=self.logits_held, fsdp1_init_cache=self.fsdp1_init, nf4_stats_whole=self.nf4_stats_whole))
 
     def kernels(self) -> Kernels:
         return Kernels(attention=self.attention, fused=self.elementwise == "fused", recompute=self.checkpointing,
