@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -583,10 +584,17 @@ def test_measured_speeds_are_shown_beside_the_predicted_ones(tmp_path, capsys, m
     assert "Caution: measured with tiny, predicted for llama-3.1-8b" in out
     assert "Caution: measured on cpu (2 cores)" in out
     # Measured with the estimate's own model on CUDA GPUs, as many as it predicts for: the figures compare, no caution.
-    bench.write_text(json.dumps({"model": "llama-3.1-8b", "device": "cuda (NVIDIA H100 80GB HBM3)",
-                                 "num_processes": 2, "method": "lora",
-                                 "results": [{"strategy": "DDP", "tokens_per_s": 1000.0}]}))
-    assert main(argv) == 0
-    out = capsys.readouterr().out
-    assert "Tokens/s predicted against measured (--measured)" in out and "measured: " in out
-    assert "Caution: measured" not in out, out
+    # The model named as the bench names it, its size after the name (a local folder as its folder's name).
+    from shardtune.bench.strategies import model_label
+    from shardtune.demo import run as demo_run
+
+    demo = Path(demo_run.__file__).parent / "base_model"
+    for model, measured_with in (("llama-3.1-8b", "llama-3.1-8b"), ("llama-3.1-8b", model_label("llama-3.1-8b")),
+                                 (str(demo), model_label(str(demo)))):
+        bench.write_text(json.dumps({"model": measured_with, "device": "cuda (NVIDIA H100 80GB HBM3)",
+                                     "num_processes": 2, "method": "lora",
+                                     "results": [{"strategy": "DDP", "tokens_per_s": 1000.0}]}))
+        assert main(["estimate", model, *argv[2:], "--seq-len", "128"]) == 0
+        out = capsys.readouterr().out
+        assert "Tokens/s predicted against measured (--measured)" in out and f"measured with {measured_with}" in out
+        assert "Caution: measured" not in out and "Caution: the speeds were measured with" not in out, out

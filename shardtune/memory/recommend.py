@@ -107,6 +107,16 @@ class Measured:
             return None
         return self.tokens_per_s.get(setup.strategy.name)
 
+    @property
+    def model_name(self) -> str:
+        """The measured model's name: the file gives its size after it ("tiny-llama (4 layers x 256 hidden, 3.2 M
+        parameters)")."""
+        return self.model.split(" (")[0]
+
+    def measured_another_model(self, model: str) -> bool:
+        """Whether the file was measured with a model other than ``model`` (a catalog name or a folder)."""
+        return bool(self.model_name) and self.model_name not in (model, Path(model).name)
+
     def describe(self) -> str:
         ranked = sorted(self.tokens_per_s.items(), key=lambda kv: -kv[1])
         model = f" with {Path(self.model).name or self.model}" if self.model else ""
@@ -319,9 +329,8 @@ def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: M
         f" Without measurements it would be {usual.setup.label()}." if usual.fits else ""
     if PP.name in measured.tokens_per_s and analysis.inventory.tied_embeddings:
         text += " PP is left out: this model ties its LM head to its embeddings, which would be on different stages."
-    measured_name = measured.model.split(" (")[0]
-    if measured_name and measured_name != analysis.inventory.name:
-        text += (f" Caution: the speeds were measured with {measured_name}, not {analysis.inventory.name}; run "
+    if measured.measured_another_model(analysis.inventory.name):
+        text += (f" Caution: the speeds were measured with {measured.model_name}, not {analysis.inventory.name}; run "
                  f"'shardtune bench strategies' with this model's recipe for figures that apply to it.")
     if measured.method and measured.method != base.method:
         text += (f" Caution: the speeds were measured with --method {measured.method}, this estimate is for "

@@ -315,9 +315,8 @@ def measured_notes(r: Report, t: TimeReport) -> list[str]:
     """What the measured speeds are comparable with, so a ratio is read for what it is."""
     m = t.measured
     lines = [f"measured: {m.describe()}."]
-    model_name = Path(m.model).name if m.model else ""
-    if model_name and model_name not in (r.inventory.name, Path(r.inventory.name).name):
-        lines.append(f"Caution: measured with {model_name}, predicted for {r.inventory.name}: compare the ratios "
+    if m.measured_another_model(r.inventory.name):
+        lines.append(f"Caution: measured with {m.model}, predicted for {r.inventory.name}: compare the ratios "
                      f"between setups, not the figures.")
     if m.device and not m.device.startswith("cuda"):
         lines.append(f"Caution: measured on {m.device}; the prediction is for {r.gpu.label or r.gpu.name}. CPU "
