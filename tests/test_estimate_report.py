@@ -260,6 +260,24 @@ def test_pp_and_mp_with_more_gpus_than_decoder_layers_are_refused_as_train_refus
     assert json.loads(capsys.readouterr().out)["setup"]["num_gpus"] == 2
 
 
+def test_pipeline_stages_count_nccls_buffers_as_the_other_multi_process_setups_do(capsys):
+    """PP's breakdown said "CUDA context and NCCL ... 0.75" GiB under a table whose note counted 1.00 for the same
+    GPUs: its stages are processes that talk over NCCL, like DDP's and FSDP's ranks, where MP's one process does
+    not. The context is 768 MiB, plus 256 MiB of NCCL buffers for every setup of several processes."""
+    from shardtune.memory.formula import CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES
+
+    contexts = {}
+    for strategy, gpus in (("PP", 2), ("MP", 2), ("DDP", 2), ("NO", 1)):
+        assert main(["estimate", "llama-3.1-8b", "--method", "lora", "--num-gpus", str(gpus), "--strategy", strategy,
+                     "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        contexts[strategy] = report["cuda_context"]
+        assert report["nvidia_smi_bytes"] == report["per_gpu"]["total"] + report["cuda_context"]
+    assert contexts == {"PP": CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES, "MP": CUDA_CONTEXT_BYTES,
+                        "DDP": CUDA_CONTEXT_BYTES + NCCL_BUFFER_BYTES, "NO": CUDA_CONTEXT_BYTES}
+    assert CUDA_CONTEXT_BYTES == 768 * 2**20 and NCCL_BUFFER_BYTES == 256 * 2**20  # what docs/choosing-a-setup.md says
+
+
 def test_the_setups_side_by_side_leave_out_only_mp_and_pp_with_more_gpus_than_layers(config_dir, capsys):
     """The comparison listed model parallel on 4 GPUs for a model of 2 decoder layers (and llama-3.1-405b's 126
     layers on 1024 GPUs), a job train refuses; it is left out there, every other setup kept, and kept where each GPU

@@ -67,6 +67,13 @@ OFFLOADED_LAYERS_ON_GPU = 2
 # training steps on an H200 (torch 2.11, CUDA 13.0, lazy module loading; bench/results/estimate_cuda_nvidia-h200.md).
 CUDA_CONTEXT_BYTES = 768 * MIB
 NCCL_BUFFER_BYTES = 256 * MIB
+
+
+def cuda_context_bytes(setup: Setup) -> int:
+    """What each GPU holds outside PyTorch's allocator: the CUDA context, and NCCL's buffers where the job's
+    processes communicate (DDP, FSDP and PP's stages; MP's one process drives all its GPUs without NCCL)."""
+    several_processes = setup.world_size > 1 and not setup.strategy.drives_several_devices
+    return CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if several_processes else 0)
 # The caching allocator reserves more than the tensors' peak: freed blocks stay cached, split and rounded, and a
 # request that fits none of them reserves a new segment. Fitted to the reserved-minus-allocated of 133 measured
 # single-GPU steps on an H200 (docs/estimator.md, "Against a real GPU"), in four parts of the step that come and go:
@@ -698,7 +705,7 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
     if offload_pools:
         items.append(Item("overhead", FSDP1_OFFLOAD_POOLS, offload_pools))
     items.append(Item("overhead", ALLOCATOR_CACHE, reserves[phase] - offload_pools))
-    context = CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if setup.world_size > 1 else 0)
+    context = cuda_context_bytes(setup)
     cpu = round((states.storage + states.grads + states.optim) / shard * setup.num_gpus) if dp.offload else 0
     cpu += _offloaded_activation_bytes(inv, setup, dp.act, setup.num_gpus)
     return Breakdown(setup=setup, phase=phase, items=items, cuda_context=context, cpu_bytes_per_node=cpu,
@@ -860,5 +867,5 @@ class _Stages:
         if setup.world_size > len(bounds):
             note += f"; {setup.world_size - len(bounds)} GPU(s) left idle"
         return Breakdown(setup=setup, phase="backward (loss)" if b == layers else "backward", items=items,
-                         cuda_context=CUDA_CONTEXT_BYTES, stage_note=note, stage_bounds=tuple(bounds),
+                         cuda_context=cuda_context_bytes(setup), stage_note=note, stage_bounds=tuple(bounds),
                          cpu_bytes_per_node=_offloaded_activation_bytes(self.inv, setup, self.act, 1))
