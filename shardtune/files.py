@@ -102,12 +102,12 @@ def with_json_digest(record: dict) -> dict:
 
 def digest_holds(data: bytes) -> bool | None:
     """Whether the last line of a text file's ``data`` (``with_digest``) is the SHA-256 of the lines above it; None
-    where its last line is no digest line."""
+    where the file has no digest line. A digest line with lines after it does not hold: they were added since."""
     import hashlib
 
     body, _, last = data.rstrip(b"\n").rpartition(b"\n")
     if not (found := _DIGEST_LINE.match(last)):
-        return None
+        return False if any(_DIGEST_LINE.match(line) for line in body.split(b"\n")) else None
     return hashlib.sha256(body + b"\n").hexdigest() == found.group(2).decode()
 
 

@@ -77,3 +77,34 @@ def test_a_json_shardtune_wrote_is_its_users_once_edited(tmp_path: Path) -> None
     assert written_by_shardtune(path)
     path.write_text(json.dumps({**record, "written_by": "me"}))
     assert not written_by_shardtune(path)
+
+
+def test_a_text_file_with_lines_added_after_its_digest_is_its_users(tmp_path: Path, capsys) -> None:
+    """A recipe from --emit-config with 'max_steps: 100' added at its end (or a cluster job with a command added
+    after its last line) was replaced by the next run of the same command, the user's line lost: its last line was
+    no longer the digest, so the file was judged as one written before shardtune marked its files, by the mark in
+    its first line. A file whose digest line has lines after it was edited; one without any digest line is still
+    judged by its mark."""
+    from shardtune.cli import main
+    from shardtune.files import with_digest, written_by_shardtune
+
+    path = tmp_path / "job.sbatch"
+    text = "#!/bin/bash\n# Written by 'shardtune launch'.\nsrun true\n"
+    path.write_text(with_digest(text))
+    assert written_by_shardtune(path)
+    path.write_text(with_digest(text) + "\n\n")  # blank lines after it change nothing
+    assert written_by_shardtune(path)
+    path.write_text(with_digest(text) + "echo done\n")
+    assert not written_by_shardtune(path)
+    path.write_text(text)  # written before the digest: its mark decides
+    assert written_by_shardtune(path)
+
+    recipe = tmp_path / "r.yaml"
+    argv = ["estimate", "llama-3.1-8b", "--method", "lora", "--emit-config", str(recipe)]
+    assert main(argv) == 0 and main(argv) == 0  # its own recipe, replaced
+    capsys.readouterr()
+    recipe.write_text(recipe.read_text() + "max_steps: 100\n")
+    mine = recipe.read_text()
+    assert main(argv) == 2
+    assert f"--emit-config {recipe}: a file that shardtune did not write is there" in capsys.readouterr().err
+    assert recipe.read_text() == mine
