@@ -134,9 +134,9 @@ def evaluate_setup(analysis: ModelAnalysis, setup: Setup) -> Breakdown:
 
 def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAnalysis | None = None) -> list[Setup]:
     """The parallel setups worth comparing for ``base``'s GPU count, in order of preference when they fit
-    (pipeline parallel too when ``measured`` has it and the model's head is not tied to its embeddings, which
-    live on different stages), without those train would refuse: with ``analysis``, MP and PP over more GPUs than
-    the model has decoder layers too."""
+    (pipeline parallel too when ``measured`` has it and the model's head is not tied to its embeddings, whose
+    stages the estimator does not plan yet), without those train would refuse: with ``analysis``, MP and PP over
+    more GPUs than the model has decoder layers too."""
     # Each candidate names its own sharding: the base's fsdp_reshard_after_forward would override it.
     plain = base.with_(fsdp_offload_params=False, fsdp_reshard_after_forward=None)
     fsdp = plain.with_(distributed_type=FSDP, fsdp_sharding_strategy="FULL_SHARD")
@@ -328,7 +328,8 @@ def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: M
     text += f" It is also the usual choice: {_why(chosen)}." if same else \
         f" Without measurements it would be {usual.setup.label()}." if usual.fits else ""
     if PP.name in measured.tokens_per_s and analysis.inventory.tied_embeddings:
-        text += " PP is left out: this model ties its LM head to its embeddings, which would be on different stages."
+        text += (" PP is left out: this model ties its LM head to its embeddings, and the estimator does not plan "
+                 "pipeline stages for such a model yet.")
     if measured.measured_another_model(analysis.inventory.name):
         text += (f" Caution: the speeds were measured with {measured.model_name}, not {analysis.inventory.name}; run "
                  f"'shardtune bench strategies' with this model's recipe for figures that apply to it.")
