@@ -211,10 +211,42 @@ def test_bad_paths_are_usage_errors(tmp_path):
         load_for_generation(tmp_path / "adapter")
 
 
-def test_cli_generate_streams_the_greedy_reply(trained, capsys):
-    assert main(["generate", str(trained), "--prompt", "Count please", "--max_new_tokens", "100"]) == 0
+class _Timeline(io.StringIO):
+    """stdout that notes, for each write and flush, how many module forwards had run by then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+        self.events: list[tuple[str, str, int]] = []
+
+    def write(self, text: str) -> int:
+        self.events.append(("write", text, self.forwards))
+        return super().write(text)
+
+    def flush(self) -> None:
+        self.events.append(("flush", "", self.forwards))
+
+
+def test_cli_generate_streams_the_greedy_reply(trained, capsys, monkeypatch):
+    out = _Timeline()
+    monkeypatch.setattr("sys.stdout", out)
+
+    def count(*_):
+        out.forwards += 1
+
+    hook = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        assert main(["generate", str(trained), "--prompt", "Count please", "--max_new_tokens", "100"]) == 0
+    finally:
+        hook.remove()
+    monkeypatch.undo()
+    assert out.getvalue() == ANSWER + "\n"
+    # streamed as it is decoded: the words come out piece by piece while the model still runs, each piece flushed
+    # before the next forward (written whole at the end, or buffered, the reply would come out in one moment)
+    writes = [(i, at) for i, (kind, text, at) in enumerate(out.events) if kind == "write" and text.strip()]
+    assert len({at for _, at in writes}) > len(ANSWER.split()) // 2 and writes[0][1] < out.forwards
+    assert all(out.events[i + 1] == ("flush", "", at) for i, at in writes)
     captured = capsys.readouterr()
-    assert captured.out == ANSWER + "\n"
     assert "stopped by stop_token" in captured.err and "KV cache on" in captured.err
     assert main(["generate", str(trained), "--prompt", STORY_START, "--no-chat-template", "--no-cache"]) == 0
     assert STORY_START + capsys.readouterr().out == STORY + "\n"
