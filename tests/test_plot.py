@@ -144,8 +144,9 @@ def test_a_file_where_the_plots_folder_goes_is_one_line_naming_it(tmp_path, caps
     run = write_metrics(tmp_path / "run", synthetic_run(num_steps=3))
     (run / "plots").write_text("my notes\n")
     assert main(["plot", str(run)]) == 2
-    err = capsys.readouterr().err
-    assert f"{run / 'plots'}: a file is there, where the run's plots folder goes" in err and "--out DIR" in err
-    assert "free disk space" not in err and (run / "plots").read_text() == "my notes\n"
+    assert capsys.readouterr().err.splitlines() == [
+        f"shardtune plot: error: {run / 'plots'}: a file is there, where the run's plots folder goes; move it away, "
+        "or give another folder with --out DIR"]
+    assert (run / "plots").read_text() == "my notes\n"
     assert main(["plot", str(run), "--out", str(tmp_path / "pngs")]) == 0
     assert len(list((tmp_path / "pngs").glob("*.png"))) == 4
