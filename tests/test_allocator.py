@@ -95,6 +95,13 @@ def test_at_capacity_wholly_free_segments_go_back_to_the_driver(capacity, out_of
     a.malloc("b", 30 * MIB)  # above 40 MiB: the cached segment is released first; above 30 MiB even that fails
     assert a.reserved == 30 * MIB and a.out_of_memory is out_of_memory
     assert a.peak_reserved == 30 * MIB
+    # only a wholly free segment goes: one that holds a live block keeps its free rest, reserved
+    b = CachingAllocatorModel(capacity=capacity)
+    b.malloc("live", 4 * MIB)  # a 20 MiB segment, 16 MiB of it free
+    b.malloc("c", 30 * MIB)  # nothing wholly free to give back: the 30 MiB segment comes on top, past capacity
+    assert (b.reserved, b.segments, b.out_of_memory) == (50 * MIB, 2, True)
+    b.malloc("rest", 16 * MIB)  # the kept free rest serves it
+    assert b.reserved == 50 * MIB
 
 
 def test_each_stream_reuses_only_its_own_freed_blocks():
