@@ -326,7 +326,8 @@ def test_max_seq_len_beyond_the_models_positions_is_refused(work, short_model, t
     """Refused, not capped: the user asked for rows that long, and a row past 48 positions would train positions
     the model never learned."""
     argv = train_argv(work, tmp_path / "out", model=short_model)
-    refused(capsys, [*argv, "--max_seq_len", "64"], "command line (--max_seq_len): max_seq_len 64 is beyond the 48 "
+    # 49: the first position beyond the 48 the model covers (a refusal from 50 on, or 64, would pass as well)
+    refused(capsys, [*argv, "--max_seq_len", "49"], "command line (--max_seq_len): max_seq_len 49 is beyond the 48 "
             f"positions model_name_or_path '{short_model}' covers ({short_model / 'config.json'}: "
             "max_position_embeddings); set max_seq_len 48 or less")
     refused(capsys, argv, "max_seq_len 2048 (the default) is beyond the 48 positions")
