@@ -171,6 +171,11 @@ def test_offload_copies_shards_over_pcie_and_steps_on_the_cpu():
     copied_in = (fp32_root + 2 * fp32_layers) / 2  # the GPU's shard, before each all-gather
     copied_out = 4 * PARAMS / 2  # its gradient shard back to the host
     assert t.comm_bytes["host"] == pytest.approx(copied_in + copied_out)
+    # over PCIe: the copies take their bytes at the host link's rate, on top of the collectives the job runs anyway
+    plain = step_time(TINY, validate(checked_setup(distributed_type="FSDP", num_gpus=2, per_device_train_batch_size=1,
+                                                   max_seq_len=SEQ)), CARD, LINKS)
+    assert t.comm_bytes["intra"] == plain.comm_bytes["intra"]
+    assert t.comm_s - plain.comm_s == pytest.approx((copied_in + copied_out) / LINKS.host.bytes_per_s)
     # PyTorch's unfused CPU AdamW: ~100 bytes of memory traffic per parameter, at 80% of a server's two sockets
     # of eight DDR4-3200 channels (25.6 GB/s each).
     host = 0.8 * 2 * 8 * 25.6e9
