@@ -417,6 +417,10 @@ def test_eval_split_ratio_holds_out_rows_by_seed(model_dir, tmp_path):
     held_a = sorted(map(tuple, a.eval["input_ids"]))
     assert held_a != sorted(map(tuple, b.eval["input_ids"]))
     assert not set(held_a) & set(map(tuple, a.train["input_ids"]))
+    # by the seed alone: the same seed, prepared afresh (no cache to hand the first split back), holds out the same rows
+    (tmp_path / "again").mkdir()
+    again, _ = prepare(model_dir, tmp_path / "again", rows, eval_split_ratio=0.25, max_seq_len=32, seed=1)
+    assert sorted(map(tuple, again.eval["input_ids"])) == held_a
 
 
 def test_bad_inputs_name_file_and_line(model_dir, tmp_path):
