@@ -131,17 +131,32 @@ def test_fp16_trains_with_a_gradient_scaler(assets):
     """The losses alone fall without a scaler too: the step-6 checkpoint's trainer state holds the scaler, at
     torch's initial scale 2**16 with 6 overflow-free updates counted towards its growth (interval 2000)."""
     root, model, data = assets
-    result = run_shardtune(["train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits",
-                            "train", "--max_seq_len", "64", "--packing", "True", "--max_steps", "6",
-                            "--per_device_train_batch_size", "4", "--logging_steps", "1", "--learning_rate", "1e-2",
-                            "--fp16", "True", "--save_steps", "6", "--output_dir", str(root / "fp16")], root)
-    assert result.returncode == 0, result.stderr[-2000:]
+
+    def run(name: str, *extra: str):
+        result = run_shardtune(["train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits",
+                                "train", "--max_seq_len", "64", "--packing", "True", "--per_device_train_batch_size",
+                                "4", "--logging_steps", "1", "--learning_rate", "1e-2", *extra, "--output_dir",
+                                str(root / name)], root)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result
+
+    result = run("fp16", "--max_steps", "6", "--fp16", "True", "--save_steps", "6")
     assert "mixed precision fp16" in result.stderr
     found = losses(root / "fp16")
     assert len(found) == 6 and found[-1] < found[0]
     state = json.loads((root / "fp16" / "checkpoints" / "step-6" / "trainer_state.json").read_text())
     assert state["scaler"] is not None, "fp16 ran without a loss scaler"
     assert (state["scaler"]["scale"], state["scaler"]["_growth_tracker"]) == (2.0**16, 6), state["scaler"]
+    # The loss is scaled before backward and the gradients unscaled before clipping and the step: the first step's
+    # gradient norm is fp32's (the loss backward unscaled, then divided by the scale, read 2**16 times smaller, and
+    # AdamW, blind to a gradient's scale, still lowered the loss).
+    run("fp32", "--max_steps", "1", "--fp16", "False", "--bf16", "False")
+
+    def first_grad_norm(name: str) -> float:
+        records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+        return next(r["grad_norm"] for r in records if r.get("step") == 1 and "loss" in r)
+
+    assert first_grad_norm("fp16") == pytest.approx(first_grad_norm("fp32"), rel=0.01)
 
 
 def test_epoch_logging_and_epoch_count(assets, tmp_path):
