@@ -151,3 +151,14 @@ def test_the_step_runs_on_the_first_stage_device_not_local_ranks():
     moved = step_info(info, Plan(strategy="MP", devices=("meta", "cpu")))
     assert moved.device == torch.device("meta") and (moved.rank, moved.world_size) == (0, 1)
     assert step_info(info, Plan(strategy="MP")).device == torch.device("cpu")
+    # and it is the device the trainer gets: placing MP's stages over mp_devices hands back the first one's
+    import dataclasses
+
+    from shardtune.config.schema import TrainConfig
+    from shardtune.train.model_parallel import place_stages
+
+    cfg = TrainConfig()
+    cfg = dataclasses.replace(cfg, distributed=dataclasses.replace(cfg.distributed, distributed_type="MP",
+                                                                   mp_devices="meta,cpu"))
+    plan, placed = place_stages(Plan(strategy="MP"), cfg, info, bounds=((0, 3), (3, 4)))
+    assert plan.devices == ("meta", "cpu") and placed.device == torch.device("meta")
