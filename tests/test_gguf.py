@@ -599,6 +599,7 @@ def test_a_sliding_window_the_gguf_cannot_carry_is_said(tmp_path, caplog):
     GGUF's logits parted from the model's past the window (0.52 relative on a tiny model with a window of 16). The
     export says so; a model without a window (or with one as long as its context) is exported without the line."""
     import logging
+    import shutil
 
     from shardtune.testing.families import SLIDING_WINDOW, make_family_folder
     from shardtune.testing.tiny import make_tokenizer
@@ -615,6 +616,16 @@ def test_a_sliding_window_the_gguf_cannot_carry_is_said(tmp_path, caplog):
                            f"(sliding_window), which the GGUF does not carry: llama.cpp and Ollama attend to every "
                            f"earlier token, so past {SLIDING_WINDOW} tokens of context its outputs differ from the "
                            f"trained model's"] if said else []), family
+    # A window as long as the context leaves no earlier token out: nothing to say.
+    whole = shutil.copytree(tmp_path / "mistral", tmp_path / "mistral-whole")
+    config = json.loads((whole / "config.json").read_text())
+    config["sliding_window"] = config["max_position_embeddings"]
+    (whole / "config.json").write_text(json.dumps(config))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shardtune"):
+        assert shardtune_main(["export", str(whole), str(tmp_path / "whole-out"), "--format", "gguf", "--quantize",
+                               "f16"]) == 0
+    assert not [r.getMessage() for r in caplog.records if "sliding_window" in r.getMessage()]
 
 
 def test_an_adapter_whose_recorded_base_moved_is_said_as_such(tiny, tmp_path, capsys):
