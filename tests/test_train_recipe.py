@@ -120,11 +120,15 @@ def test_nan_loss_stops_with_step_and_advice(assets):
     result = run_shardtune(["train", "--model_name_or_path", str(model), "--dataset_name", str(data), "--splits",
                             "train", "--max_seq_len", "64", "--max_steps", "5", "--per_device_train_batch_size", "2",
                             "--save_strategy", "no", "--output_dir", str(root / "nan"), "--learning_rate", "1e30",
-                            "--max_grad_norm", "0"], root)
+                            "--max_grad_norm", "0", "--logging_steps", "1"], root)
     assert result.returncode == 1
     line = [x for x in result.stderr.splitlines() if "stopped:" in x][0]
-    assert "step " in line and "Last good checkpoint: none" in line and "learning_rate" in line
-    assert losses(root / "nan")  # the steps before the blow-up were logged
+    logged = losses(root / "nan")  # the steps before the blow-up, each logged (logging_steps 1)
+    assert logged
+    # the step named is the one whose loss was not finite, the first not logged
+    assert line.startswith(f"shardtune train: rank 0: stopped: step {len(logged) + 1}: loss "), line
+    assert line.endswith(". Last good checkpoint: none. Likely causes: learning_rate 1e+30 too high, fp16 overflow "
+                         "(use bf16), or a bad batch; resume from the checkpoint with a lower learning rate"), line
 
 
 def test_fp16_trains_with_a_gradient_scaler(assets):
