@@ -35,6 +35,19 @@ def test_the_estimators_setup_defaults_are_trains(tiny_model):
     assert Setup().to_dict() == _train_defaults(tiny_model, native_bf16=True).to_dict()
     assert Setup(native_bf16=False).to_dict() == _train_defaults(tiny_model, native_bf16=False).to_dict()
     assert TrainConfig().precision_on(True) == "bf16" and TrainConfig().precision_on(False) == "no"
+    # Both sides above are Setups: one reading a key wrongly agrees with itself. Each is also the value train's
+    # config holds under the key the trainer reads.
+    cfg = load_train_config(["--model_name_or_path", tiny_model, "--dataset_name", "d", "--output_dir", "o"])
+    setup = Setup().to_dict()
+    assert {name: setup[name] for name in ("batch_size", "seq_len", "gradient_accumulation_steps",
+                                           "gradient_checkpointing", "activation_offloading", "optimizer", "lora_r",
+                                           "lora_target_modules", "attn_implementation")} == {
+        "batch_size": cfg.run.per_device_train_batch_size, "seq_len": cfg.data.max_seq_len,
+        "gradient_accumulation_steps": cfg.run.gradient_accumulation_steps,
+        "gradient_checkpointing": cfg.run.gradient_checkpointing,
+        "activation_offloading": cfg.run.activation_offloading,
+        "optimizer": cfg.optim.optim, "lora_r": cfg.lora.lora_r, "lora_target_modules": cfg.lora.lora_target_modules,
+        "attn_implementation": cfg.model.attn_implementation}
 
 
 def test_estimate_with_no_options_estimates_train_with_no_flags(tiny_model, capsys):
