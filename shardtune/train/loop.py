@@ -454,5 +454,3 @@ def first_non_finite(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
             if torch.is_tensor(value) and value.is_floating_point() and not torch.isfinite(value).all():
                 return f"the optimizer's {key} of {name}"
     return None
-
-
