@@ -195,8 +195,9 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
         cmd += ["--monitor_interval", str(opts.monitor_interval)]
     rdzv = check_choice(str(pick("rdzv_backend", "static")), RDZV_BACKENDS, "--rdzv_backend")
     port = pick.whole("main_process_port", None, 1, 65535, fix=" (the TCP port of machine rank 0; default 29500)")
+    others = "1" if num_machines == 2 else f"1 to {num_machines - 1}"
     rank = pick.whole("machine_rank", None, 0, num_machines - 1,
-                      fix=f" (--num_machines {num_machines}: 0 on the main machine, then 1, 2, ...)")
+                      fix=f" (--num_machines {num_machines}: 0 on the main machine, then {others})")
     if machines.elastic and rdzv != "c10d":
         raise UsageError(f"--num_machines {machines} is an elastic range: add --rdzv_backend c10d (a static "
                          f"rendezvous waits for a fixed number of machines), or give one number")
