@@ -35,5 +35,10 @@ def write_catalog_counts(path: Path = DATA_PATH) -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m shardtune.memory.catalog_build",
+                            description=f"Recount every catalog model on meta and rewrite {DATA_PATH.name} (run "
+                                        f"after changing the catalog or the counting code).").parse_args()
     write_catalog_counts()
     print(f"wrote {DATA_PATH}")
