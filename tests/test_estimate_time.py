@@ -470,11 +470,18 @@ def test_small_models_carry_the_host_bound_caution_with_the_measured_ratio(capsy
     predicted = timing_out["setups"][0]["tokens_per_s"]
     measured = next(p for p in load_points() if p.id == "shardtune-h200-1b-lora").tokens_per_s()
     assert f"ran {predicted / measured:.1f}x slower than predicted" in SMALL_MODEL_MEASURED
-    assert "1.2B parameters" in timing_out["caution"] and SMALL_MODEL_MEASURED in timing_out["caution"]
+    assert "1.2 B parameters" in timing_out["caution"] and SMALL_MODEL_MEASURED in timing_out["caution"]
     assert main(job) == 0
-    assert "caution: with 1.2B parameters" in capsys.readouterr().out
+    assert "caution: with 1.2 B parameters" in capsys.readouterr().out
     assert main(["estimate", "llama-3.1-8b", "--method", "lora", "--gpu", "h200", "--time", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["timing"]["caution"] is None
+    # The demo's 0.87M-parameter model was "with 0.0B parameters"
+    from shardtune.demo.base import BASE_MODEL_DIR
+
+    assert main(["estimate", str(BASE_MODEL_DIR), "--seq-len", "128", "--gpu", "h200", "--time", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 1e5 < out["parameters"] < 1e6
+    assert f"caution: with {out['parameters'] / 1e3:.1f} k parameters" in out["timing"]["caution"]
 
 
 def time_rows_at_80_columns(args: list[str]) -> tuple[str, list[str]]:

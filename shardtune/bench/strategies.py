@@ -204,28 +204,20 @@ def estimate_for(cfg: TrainConfig, strategy: str, n: int) -> tuple[int, str]:
     return breakdown.total, breakdown.stage_note
 
 
-def _count(n: int) -> str:
-    """A parameter count as people say it: 3.2 M, 8.0 B."""
-    for exponent, unit in ((9, "B"), (6, "M"), (3, "k")):
-        if n >= 10**exponent:
-            return f"{n / 10**exponent:.1f} {unit}"
-    return str(n)
-
-
 def model_label(model_name_or_path: str) -> str:
     """What the saved results call the model: its folder (or hub) name and its size, never the path it was read
     from (a benchmark's model may live in a temporary folder). ``shardtune estimate --measured`` quotes it
     ("measured with tiny-llama (4 layers x 256 hidden, 3.2 M parameters) on ..."), so it has no slash."""
     name = Path(model_name_or_path.rstrip("/")).name or model_name_or_path
     try:
-        from shardtune.memory.inventory import ModelAnalysis
+        from shardtune.memory.inventory import ModelAnalysis, spoken_count
 
         inventory = ModelAnalysis(model_name_or_path).inventory
     except Exception:  # noqa: BLE001 - a model the estimator cannot read is still named
         return name
     kind = "" if inventory.model_type.lower() in name.lower() else f"{inventory.model_type}, "
     return (f"{name} ({kind}{inventory.num_layers} layers x {inventory.hidden_size} hidden, "
-            f"{_count(inventory.parameters)} parameters)")
+            f"{spoken_count(inventory.parameters)} parameters)")
 
 
 def explain(res: Result, microbatches: int) -> str:

@@ -31,7 +31,15 @@ from shardtune.gguf_source import GgufFile, find_gguf, load_config, parameter_co
 from shardtune.hardware import expert_shape
 from shardtune.memory.lora_count import LoraCount, count_lora, linear_names, module_table
 
-__all__ = ["LoraCount", "ModelAnalysis", "ModelInventory", "normalize_targets"]
+__all__ = ["LoraCount", "ModelAnalysis", "ModelInventory", "normalize_targets", "spoken_count"]
+
+
+def spoken_count(n: int) -> str:
+    """A parameter count as people say it: 3.2 M, 8.0 B (not 0.0 B for a tiny model)."""
+    for exponent, unit in ((9, "B"), (6, "M"), (3, "k")):
+        if n >= 10**exponent:
+            return f"{n / 10**exponent:.1f} {unit}"
+    return str(n)
 
 
 @dataclass(frozen=True)

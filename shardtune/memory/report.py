@@ -14,7 +14,7 @@ from shardtune.errors import UsageError
 from shardtune.files import figure_metadata, replacing
 from shardtune.hardware import GIB, GPUS, PRICES_AS_OF, SPEC_EXAMPLE, TYPICAL_PRICE_PER_GPU_HOUR, Gpu
 from shardtune.memory.formula import Breakdown
-from shardtune.memory.inventory import LoraCount, ModelInventory
+from shardtune.memory.inventory import LoraCount, ModelInventory, spoken_count
 from shardtune.memory.recommend import Measured, Recommendation
 from shardtune.memory.setup import Setup
 from shardtune.memory.timing import OVERLAP, DataTokens, Links, StepTime, duration
@@ -382,7 +382,7 @@ def host_bound_caution(r: Report) -> str | None:
     if r.inventory.parameters > HOST_BOUND_PARAMETERS:
         return None
     s = r.breakdown.setup
-    return (f"caution: with {r.inventory.parameters / 1e9:.1f}B parameters and {s.batch_size * s.seq_len:,} tokens "
+    return (f"caution: with {spoken_count(r.inventory.parameters)} parameters and {s.batch_size * s.seq_len:,} tokens "
             f"per micro-batch, the step may take longer than this ({SMALL_MODEL_MEASURED} at 8,192 tokens): its many "
             f"short kernels can leave the GPU waiting on their launches (the bytes they move, counted, explain at "
             f"most a quarter of that); torch_compile launches fewer, and more tokens per micro-batch make each "
