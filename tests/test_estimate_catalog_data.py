@@ -51,3 +51,15 @@ def test_first_estimate_of_405b_reads_the_shipped_counts_and_imports_no_torch(tm
     # r=8 on the 7 projections of 126 layers: 126 * 8 * (in + out summed over q, k, v, o, gate, up, down)
     per_layer = 8 * ((16384 + 16384) + 2 * (16384 + 1024) + (16384 + 16384) + 3 * (16384 + 53248))
     assert result["trainable_parameters"] == 126 * per_layer
+
+
+def test_the_build_scripts_help_writes_nothing():
+    """`python -m shardtune.memory.catalog_build --help` recounted all 19 models and rewrote the shipped file."""
+    import subprocess
+    import sys
+
+    before = catalog_data.DATA_PATH.stat().st_mtime_ns
+    out = subprocess.run([sys.executable, "-m", "shardtune.memory.catalog_build", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "rewrite catalog_counts.json" in out.stdout
+    assert catalog_data.DATA_PATH.stat().st_mtime_ns == before
