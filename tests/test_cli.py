@@ -181,3 +181,16 @@ def test_estimate_without_options_describes_the_job_train_runs_without_options(c
                                  "--output_dir", "out"])
     assert out["setup"] == setup_from_config(trained, 1).to_dict()
     assert out["setup"]["strategy"] == "NO" and out["setup"]["batch_size"] == trained.run.per_device_train_batch_size
+
+
+@pytest.mark.parametrize("command", [["train"], ["estimate"], ["launch"], ["data", "inspect"], ["bench", "strategies"],
+                                     ["config", "schema"], ["demo"], ["plot"]])
+def test_help_shows_no_docstring_markup(command, capsys):
+    """The commands' descriptions are their module docstrings: --help showed their ``name`` markup as it is."""
+    try:
+        code = main([*command, "--help"])
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr().out
+    assert code == 0 and "shardtune" in out
+    assert "``" not in out

@@ -37,6 +37,11 @@ def leave_out_bitsandbytes_unless(needed: Callable[[], bool]) -> None:
         leave_out_unless(needed)
 
 
+def plain(text: str) -> str:
+    """A docstring's markup as a terminal should show it: ``name`` as 'name'."""
+    return text.replace("``", "'")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad argument on one line (exit 2) instead of the usage block plus the error.
 
@@ -55,6 +60,9 @@ class OneLineParser(argparse.ArgumentParser):
         if extras and self._subparsers is None:  # the last parser on the line: nobody else will take them
             self.error(self._unrecognized(extras))
         return namespace, extras
+
+    def format_help(self) -> str:
+        return plain(super().format_help())  # descriptions are the commands' docstrings
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if message.startswith("the following arguments are required"):

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from shardtune.cli.common import TRAIN_HELP, leave_out_bitsandbytes_unless, load_job_config, sigterm_raises
+from shardtune.cli.common import TRAIN_HELP, leave_out_bitsandbytes_unless, load_job_config, plain, sigterm_raises
 from shardtune.errors import UsageError, first_line
 from shardtune.strategies import resolve
 
@@ -40,7 +40,7 @@ def keys_help() -> str:
         lines.append(f"  --{d.name} ({d.type_text()}, default {shown(getattr(getattr(cfg, d.section), d.name))})")
         lines += textwrap.wrap(d.described(), 110, initial_indent=" " * 6, subsequent_indent=" " * 6,
                                break_on_hyphens=False, break_long_words=False)
-    return "\n".join(lines)
+    return plain("\n".join(lines))
 
 
 def run(argv: list[str]) -> int:
