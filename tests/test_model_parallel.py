@@ -162,3 +162,39 @@ def test_the_step_runs_on_the_first_stage_device_not_local_ranks():
                                                                    mp_devices="meta,cpu"))
     plan, placed = place_stages(Plan(strategy="MP"), cfg, info, bounds=((0, 3), (3, 4)))
     assert plan.devices == ("meta", "cpu") and placed.device == torch.device("meta")
+
+
+@pytest.mark.parametrize("schedule, in_flight", [("1F1B", [4, 3, 2, 1]), ("GPipe", [8, 8, 8, 8])])
+def test_pipeline_stages_hold_the_micro_batches_their_schedule_keeps_in_flight(schedule, in_flight):
+    """PP cuts the batch into pipeline micro-batches: a stage keeps the checkpointed inputs of those its schedule has
+    in flight (GPipe every one; 1F1B, stages - s at stage s) and recomputes one micro-batch at a time. The estimate
+    counted the whole batch on every stage, recompute and loss included, as if GPipe ran one micro-batch of it:
+    Llama-3.1-8B LoRA, 8 rows of 2048 tokens, 4 stages, one row per pipeline micro-batch."""
+    from shardtune.memory.formula import Activations, _Stages, dtypes
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import evaluate_setup
+    from shardtune.memory.setup import Setup, validate
+
+    analysis = ModelAnalysis("llama-3.1-8b")
+    job = dict(method="lora", num_gpus=4, per_device_train_batch_size=8, max_seq_len=2048,
+               gradient_checkpointing=True, pipeline_schedule=schedule)
+    setup = validate(Setup.of(distributed_type="PP", **job))
+    one = setup.with_(distributed_type="NO", num_gpus=1)
+    stages = _Stages.of(analysis.inventory, setup, one, analysis.lora_of(setup))
+    assert [stages.in_flight(s) for s in range(4)] == in_flight
+    act = Activations(analysis.inventory, one, dtypes(one))
+    per_layer = 2048 * act.layer_checkpointed()  # one row's checkpointed input of a layer
+    assert stages.transient == 2048 * act.layer_backward_temporaries() + act.layer_recomputed_bytes(2048)
+    for stage, (a, b) in enumerate(((0, 8), (8, 16), (16, 24))):  # the last holds the head and the loss too
+        assert stages.parts(a, b, stage)["activations"] == pytest.approx(
+            (b - a) * per_layer * in_flight[stage] + stages.transient)
+    # The balanced split costs each stage as parts() counts it, and the estimate reports its fullest stage.
+    breakdown = evaluate_setup(analysis, setup)
+    totals = [sum(stages.parts(a, b, s).values()) for s, (a, b) in enumerate(breakdown.stage_bounds)]
+    assert len(breakdown.stage_bounds) == 4
+    assert breakdown.tensors == pytest.approx(max(totals), rel=1e-9, abs=8)
+    # MP runs the whole batch as one micro-batch: its activations are the batch's, on every stage.
+    mp = validate(Setup.of(distributed_type="MP", **job))
+    mp_stages = _Stages.of(analysis.inventory, mp, one, analysis.lora_of(mp))
+    assert [mp_stages.in_flight(s) for s in range(4)] == [1, 1, 1, 1]
+    assert mp_stages.parts(0, 8, 0)["activations"] == pytest.approx(8 * 8 * per_layer + mp_stages.transient)

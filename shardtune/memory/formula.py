@@ -746,7 +746,10 @@ def _estimate_model_parallel(inv: ModelInventory, setup: Setup, lora: LoraCount 
 
     Each GPU holds its layers' weights, gradients, optimizer states and activations; the first also holds the
     embeddings, the last the final norm, the head and the loss. Stages are contiguous and chosen to minimise the
-    largest per-GPU total (a small dynamic programme over layer boundaries). One micro-batch is in flight at a time.
+    largest per-GPU total (a small dynamic programme over layer boundaries). MP: one micro-batch, the whole batch,
+    is in flight at a time. PP: the batch is cut into ``setup.microbatches`` pipeline micro-batches; a stage keeps
+    the activations of those in flight there (``_Stages.in_flight``) and recomputes, and runs the loss for, one at
+    a time.
     """
     one = setup.with_(distributed_type=NO, num_gpus=1, num_nodes=1)
     if setup.world_size == 1:
@@ -766,17 +769,20 @@ class _Stages:
     setup: Setup
     dt: Dtypes
     act: Activations
-    layer_parts: list[dict[str, float]]
+    layer_parts: list[dict[str, float]]  # activations: one micro-batch's
     first: dict[str, float]  # the embeddings
-    last: dict[str, float]  # the final norm, the head and the loss
+    last: dict[str, float]  # the final norm, the head and the loss (its activations: per micro-batch in flight)
     transient: float  # every stage recomputes one layer and holds its gradient temporaries during backward
+    last_once: float  # the last stage's loss backward, one micro-batch at a time
 
     @classmethod
     def of(cls, inv: ModelInventory, setup: Setup, one: Setup, lora: LoraCount | None) -> _Stages:
         """``one``: ``setup`` on one GPU, whose element sizes and activations each stage has."""
         dt = dtypes(one)
         model, act = _Model(inv, one, dt, lora), Activations(inv, one, dt)
-        tokens, ckpt = setup.batch_size * setup.seq_len, setup.gradient_checkpointing
+        # One micro-batch's tokens: PP's pipeline micro-batch, MP's whole batch.
+        rows = setup.batch_size // setup.microbatches if setup.strategy.pipelined else setup.batch_size
+        tokens, ckpt = max(rows, 1) * setup.seq_len, setup.gradient_checkpointing
         opt = _optimizer_bytes_per_param(setup, dt.master, inv)
         per_layer_act = tokens * act.layer_checkpointed() if ckpt else act.layer_bytes(tokens)
         if setup.activation_offloading:  # the layers' inputs wait in host memory; a few are back (``transient``)
@@ -793,37 +799,62 @@ class _Stages:
         first = {k: v * root_fraction for k, v in root.items()}
         last = {k: v - first[k] for k, v in root.items()}
         last["params"] += model.autocast_copy_of_head()
-        # The last stage runs the loss: its peak is the backward at the loss.
-        last["activations"] += tokens * act.outside_layers() + act.loss_backward_bytes(tokens)
+        # The last stage runs the loss: its peak is the backward at the loss, one micro-batch's.
+        last["activations"] += tokens * act.outside_layers()
+        last_once = act.loss_backward_bytes(tokens)
         # A layer's forward (or its recompute) may hold more than its backward: DoRA's weight norm.
         transient = max(tokens * act.layer_backward_temporaries(), act.dora_weight_norm())
         if ckpt:
             transient += act.layer_recomputed_bytes(tokens)
         if setup.activation_offloading:
             transient += tokens * _layers_on_gpu(setup, inv.num_layers) * act.layer_checkpointed()
-        return cls(inv, setup, dt, act, layer_parts, first, last, transient)
+        return cls(inv, setup, dt, act, layer_parts, first, last, transient, last_once)
 
-    def parts(self, a: int, b: int) -> dict[str, float]:
-        """What the GPU holding layers [a, b) holds, by category."""
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches whose activations stage ``stage`` holds at once: MP runs one; PP's GPipe runs every
+        forward before any backward; 1F1B (torch.distributed.pipelining's Schedule1F1B) starts backward as soon as
+        the last stage can, so stage s holds at most (stages - s) of them."""
+        setup = self.setup
+        if not setup.strategy.pipelined:
+            return 1
+        microbatches = setup.microbatches
+        if setup.config.distributed.pipeline_schedule.upper() == "GPIPE":
+            return microbatches
+        return max(1, min(microbatches, setup.world_size - stage))
+
+    def parts(self, a: int, b: int, stage: int) -> dict[str, float]:
+        """What GPU ``stage``, holding layers [a, b), holds, by category."""
         out = {c: sum(self.layer_parts[i][c] for i in range(a, b)) for c in PARTS}
         for extra, on in ((self.first, a == 0), (self.last, b == self.inv.num_layers)):
             if on:
                 for c in out:
                     out[c] += extra[c]
-        out["activations"] += self.transient
+        out["activations"] = out["activations"] * self.in_flight(stage) + self.transient
+        if b == self.inv.num_layers:
+            out["activations"] += self.last_once
         return out
 
     def balanced(self, gpus: int) -> list[tuple[int, int]]:
         """Contiguous [first, end) layers per GPU that minimise the fullest GPU (more GPUs than layers: some
         idle). ``best[g][j]``: the smallest possible largest-stage total placing the first j layers on g GPUs."""
         layers = self.inv.num_layers
-        prefix = [0.0]
+        held, acts = [0.0], [0.0]  # prefix sums of the layers' weights, gradients and states; of their activations
         for lp in self.layer_parts:
-            prefix.append(prefix[-1] + sum(lp.values()))
-        first, last = sum(self.first.values()), sum(self.last.values())
+            held.append(held[-1] + sum(v for c, v in lp.items() if c != "activations"))
+            acts.append(acts[-1] + lp["activations"])
+        flights = [self.in_flight(stage) for stage in range(gpus)]
 
-        def cost(a: int, b: int) -> float:
-            return prefix[b] - prefix[a] + ((first if a == 0 else 0) + (last if b == layers else 0)) + self.transient
+        def ends(part: dict[str, float]) -> tuple[float, float]:
+            return sum(v for c, v in part.items() if c != "activations"), part["activations"]
+
+        (first_held, first_act), (last_held, last_act) = ends(self.first), ends(self.last)
+
+        def cost(a: int, b: int, stage: int) -> float:
+            """sum(self.parts(a, b, stage).values()), in constant time."""
+            at_first, at_last = a == 0, b == layers
+            activations = acts[b] - acts[a] + (first_act if at_first else 0) + (last_act if at_last else 0)
+            return (held[b] - held[a] + (first_held if at_first else 0) + (last_held if at_last else 0)
+                    + activations * flights[stage] + self.transient + (self.last_once if at_last else 0))
 
         inf = float("inf")
         best = [[inf] * (layers + 1) for _ in range(gpus + 1)]
@@ -834,10 +865,12 @@ class _Stages:
                 for i in range(0, j):
                     if best[g - 1][i] == inf:
                         continue
-                    c = max(best[g - 1][i], cost(i, j))
+                    c = max(best[g - 1][i], cost(i, j, g - 1))
                     if c < best[g][j]:
                         best[g][j], cut[g][j] = c, i
-        used = min(range(1, gpus + 1), key=lambda g: best[g][layers])
+        # A pipeline has a stage on every GPU (its in-flight counts assume as many); MP may leave GPUs idle.
+        used = gpus if self.setup.strategy.pipelined and gpus <= layers else \
+            min(range(1, gpus + 1), key=lambda g: best[g][layers])
         bounds, j = [], layers
         for g in range(used, 0, -1):
             bounds.append((cut[g][j], j))
@@ -847,10 +880,10 @@ class _Stages:
     def breakdown(self, bounds: list[tuple[int, int]]) -> Breakdown:
         """The fullest GPU's bytes, and the layers per GPU."""
         setup, layers = self.setup, self.inv.num_layers
-        totals = [sum(self.parts(a, b).values()) for a, b in bounds]
+        totals = [sum(self.parts(a, b, stage).values()) for stage, (a, b) in enumerate(bounds)]
         worst = max(range(len(bounds)), key=totals.__getitem__)
         a, b = bounds[worst]
-        fullest = self.parts(a, b)
+        fullest = self.parts(a, b, worst)
         items = [
             Item("params", "weights of this GPU's layers" + (" + autocast copies" if self.dt.autocast_copies else ""),
                  round(fullest["params"])),
@@ -863,7 +896,8 @@ class _Stages:
         note = (f"layers per GPU: {', '.join(str(hi - lo) for lo, hi in bounds)}; GPU {worst} (layers {a}-{b - 1}) "
                 f"is the fullest")
         if setup.strategy.pipelined:
-            note += " (GPipe keeps every micro-batch's activations until the backward, as counted here; 1F1B fewer)"
+            note += (f" (its activations: {self.in_flight(worst)} of the {setup.microbatches} pipeline micro-batches "
+                     f"in flight under {setup.config.distributed.pipeline_schedule})")
         if setup.world_size > len(bounds):
             note += f"; {setup.world_size - len(bounds)} GPU(s) left idle"
         return Breakdown(setup=setup, phase="backward (loss)" if b == layers else "backward", items=items,

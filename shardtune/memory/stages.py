@@ -10,13 +10,17 @@ from shardtune.config import TrainConfig
 
 
 def stage_bounds(cfg: TrainConfig, num_stages: int, batch_size: int) -> tuple[tuple[int, int], ...]:
-    """[first, end) decoder layers of each of ``num_stages`` stages holding ``batch_size`` rows at once."""
+    """[first, end) decoder layers of each of ``num_stages`` stages for micro-batches of ``batch_size`` rows (PP
+    cuts each into the config's pipeline_microbatches, of which a stage holds those its schedule has in flight)."""
     from shardtune.memory.inventory import analysis_for
     from shardtune.memory.recommend import evaluate_setup
     from shardtune.memory.setup import Setup
+    from shardtune.strategies import resolve
 
     # The job's own config: its strategy splits the layers, so the estimate is the model-parallel one.
-    setup = Setup(cfg, num_gpus=num_stages).with_(per_device_train_batch_size=batch_size)
+    pipelined = resolve(cfg.distributed.distributed_type, False).pipelined
+    setup = Setup(cfg, num_gpus=num_stages, pipeline_microbatches=cfg.distributed.pipeline_microbatches
+                  if pipelined else None).with_(per_device_train_batch_size=batch_size)
     analysis = analysis_for(cfg.model.model_name_or_path, cfg)
     breakdown = evaluate_setup(analysis, setup)
     return breakdown.stage_bounds or ((0, analysis.inventory.num_layers),)
@@ -24,7 +28,7 @@ def stage_bounds(cfg: TrainConfig, num_stages: int, batch_size: int) -> tuple[tu
 
 def stage_bounds_for_run(cfg: TrainConfig, world_size: int) -> tuple[tuple[int, int], ...] | None:
     """The stages of an MP or PP run (None for the other strategies and for a single stage)."""
-    from shardtune.train.model_parallel import stage_batch_size, stage_count
+    from shardtune.train.model_parallel import stage_count
 
     stages = stage_count(cfg, world_size)
-    return stage_bounds(cfg, stages, stage_batch_size(cfg)) if stages > 1 else None
+    return stage_bounds(cfg, stages, cfg.run.per_device_train_batch_size) if stages > 1 else None

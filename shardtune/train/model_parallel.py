@@ -102,14 +102,6 @@ def stage_count(cfg: TrainConfig, world_size: int) -> int:
     return world_size if strategy.splits_layers else 1
 
 
-def stage_batch_size(cfg: TrainConfig) -> int:
-    """The rows one stage holds at once: the micro-batch, or in a pipeline one pipeline micro-batch of it."""
-    batch = cfg.run.per_device_train_batch_size
-    if resolve(cfg.distributed.distributed_type, False).pipelined:
-        batch //= cfg.distributed.pipeline_microbatches
-    return max(batch, 1)
-
-
 def _move_to(device: torch.device):
     def move(value):
         return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
