@@ -74,6 +74,8 @@ def cuda_context_bytes(setup: Setup) -> int:
     processes communicate (DDP, FSDP and PP's stages; MP's one process drives all its GPUs without NCCL)."""
     several_processes = setup.world_size > 1 and not setup.strategy.drives_several_devices
     return CUDA_CONTEXT_BYTES + (NCCL_BUFFER_BYTES if several_processes else 0)
+
+
 # The caching allocator reserves more than the tensors' peak: freed blocks stay cached, split and rounded, and a
 # request that fits none of them reserves a new segment. Fitted to the reserved-minus-allocated of 133 measured
 # single-GPU steps on an H200 (docs/estimator.md, "Against a real GPU"), in four parts of the step that come and go:
@@ -715,10 +717,11 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
 def _param_label(setup: Setup, shard: int, offload: bool) -> str:
     kind = {"full": "weights", "lora": "frozen base + LoRA adapters", "qlora": "NF4 base + LoRA adapters"}
     text = kind[setup.method]
-    whole = " (quantisation statistics whole on each GPU)" if setup.nf4_stats_whole and setup.method == "qlora" else ""
+    stats_whole = setup.nf4_stats_whole and setup.method == "qlora"
     if offload:
-        return text + (" (on CPU" + ("; its quantisation statistics whole on each GPU)" if whole else ")"))
-    return text + (f" (1/{shard} shard)" if shard > 1 else "") + whole
+        return text + (" (on CPU; its quantisation statistics whole on each GPU)" if stats_whole else " (on CPU)")
+    return (text + (f" (1/{shard} shard)" if shard > 1 else "")
+            + (" (quantisation statistics whole on each GPU)" if stats_whole else ""))
 
 
 def _layers_on_gpu(setup: Setup, num_layers: int) -> int:

@@ -14,13 +14,10 @@ def stage_bounds(cfg: TrainConfig, num_stages: int, batch_size: int) -> tuple[tu
     cuts each into the config's pipeline_microbatches, of which a stage holds those its schedule has in flight)."""
     from shardtune.memory.inventory import analysis_for
     from shardtune.memory.recommend import evaluate_setup
-    from shardtune.memory.setup import Setup
-    from shardtune.strategies import resolve
+    from shardtune.memory.trace_setup import setup_from_config
 
     # The job's own config: its strategy splits the layers, so the estimate is the model-parallel one.
-    pipelined = resolve(cfg.distributed.distributed_type, False).pipelined
-    setup = Setup(cfg, num_gpus=num_stages, pipeline_microbatches=cfg.distributed.pipeline_microbatches
-                  if pipelined else None).with_(per_device_train_batch_size=batch_size)
+    setup = setup_from_config(cfg, num_stages, native_bf16=True).with_(per_device_train_batch_size=batch_size)
     analysis = analysis_for(cfg.model.model_name_or_path, cfg)
     breakdown = evaluate_setup(analysis, setup)
     return breakdown.stage_bounds or ((0, analysis.inventory.num_layers),)
