@@ -33,6 +33,9 @@ def test_predicted_peak_recorded_beside_measured(tmp_path, monkeypatch, family, 
     cmd = ["train", *args] if nproc == 1 else ["launch", "--num_processes", str(nproc), "train", *args]
     result = run_shardtune(cmd, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    # the wait for the trace is announced before it, and its result after
+    announced = result.stderr.find("predicting this job's peak memory by tracing")
+    assert 0 <= announced < result.stderr.find("peak memory per process: predicted")
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     record = records[-1]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())

@@ -107,6 +107,8 @@ def memory_check(cfg: TrainConfig, info, tracked_peak: int, seq_len: int,
     from shardtune.memory.trace import predict_peak_bytes
 
     traced = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, max_seq_len=seq_len))
+    # The trace takes seconds to a minute (every operator of two steps on fake tensors): say what the wait is.
+    logger.info("predicting this job's peak memory by tracing two of its steps (predict_memory: false skips this)")
     try:
         predicted = predict_peak_bytes(traced, info.world_size, targets)
     except Exception as exc:  # noqa: BLE001 - the run succeeded; the check is a report, not a gate
