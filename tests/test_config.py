@@ -159,8 +159,11 @@ def test_bad_values_are_one_line_errors(argv, needle, capsys):
                                       "adamw_torch_fused, adamw_8bit"),
     (["--optim", "adafactor", "--distributed_type", "FSDP"], "optim adafactor with distributed_type FSDP: "
                                                              "Adafactor's factored state needs whole rows"),
-    (["--hub_strategy", "every_save"], "hub_strategy='every_save' is not accepted: push_to_hub uploads the final "
-                                       "model once, at the end of training; use hub_strategy end"),
+    (["--push_to_hub", "true", "--hub_strategy", "every_save"],
+     "hub_strategy='every_save' is not accepted: push_to_hub uploads the final model once, at the end of training; "
+     "use hub_strategy end"),
+    # Transformers' default does nothing without push_to_hub there either: accepted only where it is idle
+    (["--hub_strategy", "checkpoint"], "hub_strategy='checkpoint' is not accepted"),
     (["--fsdp_version", "1"], "fsdp_version=1 is not accepted: shardtune runs FSDP2 (fully_shard); fsdp_version 1 "
                               "(FullyShardedDataParallel) is not available; set fsdp_version 2"),
     (["--fsdp_backward_prefetch", "BACKWARD_POST"], "fsdp_backward_prefetch='BACKWARD_POST' is not accepted: FSDP2 "
@@ -188,7 +191,7 @@ SWITCHED = {
     "ddp_static_graph": "true", "pipeline_schedule": "GPipe", "pipeline_microbatches": "4",
     "mp_devices": "cpu,cpu", "eval_steps": "5", "per_device_eval_batch_size": "2", "save_steps": "10",
     "hub_model_id": "me/x",
-    "hub_private_repo": "true", "hub_token": "hf_secret", "run_name": "first",
+    "hub_private_repo": "true", "hub_token": "hf_secret", "run_name": "first", "hub_strategy": "checkpoint",
     "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_offload_params": "true", "fsdp_auto_wrap_policy": "NO_WRAP",
     "fsdp_min_num_params": "1000",
     "fsdp_cpu_ram_efficient_loading": "false", "fsdp_sync_module_states": "false",
@@ -246,6 +249,10 @@ def test_a_key_set_without_the_setting_it_acts_under_is_refused(name, capsys):
     shown = "(given)" if name == "hub_token" else SWITCHED[name]  # a secret is not echoed
     assert f"{name}={shown} set without {needs}: it acts only with it; set {needs}, or leave it out" in err
     assert name != "hub_token" or SWITCHED[name] not in err
+    if name == "hub_strategy":  # the one value that acts is its default: any other is refused with the setting on
+        with pytest.raises(UsageError, match="hub_strategy='checkpoint' is not accepted: push_to_hub uploads"):
+            load_train_config([*BASE, *on, f"--{name}", SWITCHED[name]])
+        return
     cfg = load_train_config([*BASE, *on, f"--{name}", SWITCHED[name]])
     section = next(getattr(cfg, f.name) for f in dataclasses.fields(cfg) if hasattr(getattr(cfg, f.name), name))
     assert str(getattr(section, name)).lower() in (SWITCHED[name].lower(), f"['{SWITCHED[name]}']")
@@ -350,6 +357,8 @@ def test_keys_set_without_their_setting_are_named_together_with_their_file_line(
 def test_keys_for_what_the_trainer_runs_are_accepted(tmp_path):
     cfg = load_train_config([*BASE, "--optim", "ADAMW_TORCH_FUSED", "--hub_strategy", "End", "--fsdp_version", "2"])
     assert (cfg.optim.optim, cfg.run.hub_strategy, cfg.distributed.fsdp_version) == ("adamw_torch_fused", "end", 2)
+    # Transformers' hub_strategy default, in any case, where push_to_hub is off (it uploads nothing there)
+    assert load_train_config([*BASE, "--hub_strategy", "EVERY_SAVE"]).run.hub_strategy == "every_save"
     acc = tmp_path / "fsdp2.yaml"
     acc.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n")
     with pytest.raises(UsageError, match=rf"{acc}, line 3: fsdp_version=1 is not accepted"):

@@ -40,7 +40,7 @@ NOT_ACTING = {"validate"}  # a section's method that checks every key acts on no
 FLAT_READERS = {"pick"}  # the flat config read by key: the launcher's pick("machine_rank", default), pick.whole(...)
 
 # Keys accepted only at the value that is what shardtune runs; every other value is refused (tested below).
-REFUSED = {"hub_strategy": ("every_save", "hub_strategy='every_save' is not accepted"),
+REFUSED = {"hub_strategy": ("checkpoint", "hub_strategy='checkpoint' is not accepted"),
            "fsdp_version": ("1", "fsdp_version=1 is not accepted"),
            "fsdp_backward_prefetch": ("BACKWARD_POST", "fsdp_backward_prefetch='BACKWARD_POST' is not accepted"),
            "save_safetensors": ("false", "save_safetensors=false asks for pickled .bin weights")}
@@ -465,17 +465,20 @@ def test_a_written_out_training_arguments_loads_but_for_what_would_run_otherwise
     """A recipe written out from TrainingArguments held 40 keys with no counterpart here, each refused as unknown,
     though at Transformers' defaults they ask for what runs here (no label smoothing, the data resumed where it
     stopped, no evaluation metrics, ...). They load now. What stays refused is what Transformers' defaults would run
-    otherwise: the incomplete last batch of an epoch kept, a hub upload at every save; without those two the recipe
-    loads as it is. Its hub_token is written out as '<HUB_TOKEN>', hiding the value: that says none.
+    otherwise: the incomplete last batch of an epoch kept; without it the recipe loads as it is. Its hub_strategy
+    every_save (a hub upload at every save) does nothing without push_to_hub, as in Transformers: accepted there,
+    refused with push_to_hub true. Its hub_token is written out as '<HUB_TOKEN>', hiding the value: that says none.
     activation_checkpointing, Transformers 5's name of gradient_checkpointing, sets it (false, as written)."""
     written = written_training_arguments(tmp_path)
     recipe = tmp_path / "args.yaml"
     recipe.write_text(yaml.safe_dump({**written, "model_name_or_path": "m", "dataset_name": "d.jsonl"}))
     with pytest.raises(UsageError) as refused:
         load_train_config([str(recipe)])
-    assert re.findall(r"line \d+: (\w+)=", str(refused.value)) == ["dataloader_drop_last", "hub_strategy"]
-    for key in ("dataloader_drop_last", "hub_strategy"):
-        del written[key]
+    assert re.findall(r"line \d+: (\w+)=", str(refused.value)) == ["dataloader_drop_last"]
+    assert (written["hub_strategy"], written["push_to_hub"]) == ("every_save", False)
+    with pytest.raises(UsageError, match=r"line \d+: hub_strategy='every_save' is not accepted: push_to_hub uploads"):
+        load_train_config([str(recipe), "--dataloader_drop_last", "true", "--push_to_hub", "true"])
+    del written["dataloader_drop_last"]
     assert written["hub_token"] == "<HUB_TOKEN>" and written["activation_checkpointing"] is False
     recipe.write_text(yaml.safe_dump({**written, "model_name_or_path": "m", "dataset_name": "d.jsonl"}))
     cfg = load_train_config([str(recipe)])

@@ -52,6 +52,9 @@ class Key:
     # The setting without which it does nothing, as the help says it ("use_peft_lora true"; validation.SWITCHES
     # decides it): another value than its default is refused there, not dropped.
     needs: str = ""
+    # Values that do nothing where that setting is off (another tool's default there: Transformers' hub_strategy
+    # every_save without push_to_hub): accepted there, refused as any other value where the key acts.
+    idle: tuple[Any, ...] = ()
 
 
 def key(default: Any = None, help: str = "", *, factory: Any = None, **rules: Any) -> Any:  # noqa: A002
@@ -110,7 +113,8 @@ class Declared:
         """The canonical spelling of a value: the choice it matches in any case, or what a spelling means."""
         if not isinstance(value, str):
             return value
-        spelled = {str(c).upper(): c for c in (*self.choices, *self.meta.refused)} | dict(self.meta.spellings)
+        spelled = {str(c).upper(): c for c in (*self.choices, *self.meta.refused, *self.meta.idle)} | dict(
+            self.meta.spellings)
         return spelled.get(value.upper(), value)
 
     def problems(self, value: Any) -> list[Problem]:
@@ -214,6 +218,8 @@ def declared(cls: type, section: str = "") -> tuple[Declared, ...]:
     return tuple(found)
 
 
-def value_problems(section: Any) -> list[Problem]:
-    """Every problem of a section's values one by one (choices and bounds); rules between keys are not here."""
-    return [problem for d in declared(type(section)) for problem in d.problems(getattr(section, d.name))]
+def value_problems(section: Any, idle: set[str] = frozenset()) -> list[Problem]:
+    """Every problem of a section's values one by one (choices and bounds); rules between keys are not here.
+    ``idle``: the keys whose setting is off, where their ``idle`` values are accepted."""
+    return [problem for d in declared(type(section)) if not (d.name in idle and getattr(section, d.name) in d.meta.idle)
+            for problem in d.problems(getattr(section, d.name))]

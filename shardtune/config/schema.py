@@ -390,9 +390,10 @@ class RunConfig:
     hub_token: str | None = key(None, HUB, secret=True, needs=PUSH)
     hub_private_repo: bool | None = key(False, HUB, needs=PUSH)
     hub_strategy: HubStrategy = key("end", "When push_to_hub uploads: end, the final model once, after training "
-                                           "(Transformers' every_save, checkpoint and all_checkpoints are refused).",
+                                           "(Transformers' every_save, checkpoint and all_checkpoints are refused "
+                                           "there; every_save, Transformers' default, is accepted without it).",
                                     refusal="push_to_hub uploads the final model once, at the end of training; use "
-                                            "hub_strategy end or leave it out")
+                                            "hub_strategy end or leave it out", needs=PUSH, idle=("every_save",))
     callbacks: list[str] = key(help="Your callback classes, package.module:Class (a YAML list, or comma-separated on "
                                     "the command line); every process makes its own, with no arguments. See "
                                     "docs/callbacks.md.", factory=list)

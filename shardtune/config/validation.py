@@ -40,7 +40,9 @@ def validate(cfg: TrainConfig, *, training: bool = True) -> list[Problem]:
                                                       "name (e.g. --model_name_or_path ./my-model)"))
     if training and not cfg.run.output_dir:
         problems.append(Problem("output_dir", "output_dir is required (e.g. --output_dir out)"))
-    problems += [p for f in dataclasses.fields(cfg) if f.name != "data" for p in value_problems(getattr(cfg, f.name))]
+    idle = idle_keys(cfg)
+    problems += [p for f in dataclasses.fields(cfg) if f.name != "data" for p in value_problems(getattr(cfg, f.name),
+                                                                                                idle)]
     problems += data_problems(cfg.data)
     for rules in (_run_problems, lora_variant_problems, switch_problems, _validate_pipeline, _best_model_problems,
                   _optim_problems, dtype_problems):
@@ -252,7 +254,7 @@ def switch_problems(cfg: TrainConfig) -> list[Problem]:
             continue
         section = getattr(cfg, d.section)
         value = getattr(section, name)
-        if not _acts_as(value, getattr(type(section)(), name)):
+        if not _acts_as(value, getattr(type(section)(), name)) and value not in d.meta.idle:
             text = "(given)" if d.meta.secret else ",".join(map(str, value)) if isinstance(value, list) else \
                 shown(value)
             found.setdefault(d.meta.needs, {})[name] = text
