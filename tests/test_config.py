@@ -197,7 +197,8 @@ SWITCHED = {
     "fsdp_cpu_ram_efficient_loading": "false", "fsdp_sync_module_states": "false",
     "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_reshard_after_forward": "false", "fsdp_forward_prefetch": "true",
     "warmup_steps": "5", "warmup_ratio": "0.1", "min_lr_rate": "0.1", "num_cycles": "2.0", "lr_end": "1e-06",
-    "power": "2.0", "timescale": "4", "logging_steps": "5",
+    "power": "2.0", "timescale": "4", "logging_steps": "5", "num_decay_steps": "3", "num_stable_steps": "2",
+    "warmup_type": "cosine", "decay_type": "1-sqrt", "min_lr_ratio": "0.1",
     "early_stopping_threshold": "0.5",
     "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}
 SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
@@ -212,11 +213,13 @@ SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "save_strategy steps": ([], ["--save_strategy", "no"]),
                 "push_to_hub true": (["--push_to_hub", "true"], []),
                 "report_to naming a tracker": (["--report_to", "tensorboard"], []),
-                "lr_scheduler_type linear, cosine, cosine_with_min_lr, cosine_with_restarts, polynomial, inverse_sqrt "
-                "or constant_with_warmup": ([], ["--lr_scheduler_type", "constant"]),
+                "lr_scheduler_type linear, cosine, cosine_with_min_lr, cosine_with_restarts, polynomial, inverse_sqrt, "
+                "warmup_stable_decay or constant_with_warmup": ([], ["--lr_scheduler_type", "constant"]),
                 "lr_scheduler_type cosine_with_min_lr": (["--lr_scheduler_type", "cosine_with_min_lr"], []),
-                "lr_scheduler_type cosine, cosine_with_min_lr or cosine_with_restarts": (
+                "lr_scheduler_type cosine, cosine_with_min_lr, cosine_with_restarts or warmup_stable_decay": (
                     ["--lr_scheduler_type", "cosine_with_restarts"], []),
+                "lr_scheduler_type warmup_stable_decay": (["--lr_scheduler_type", "warmup_stable_decay",
+                                                           "--num_decay_steps", "1"], []),
                 "lr_scheduler_type polynomial": (["--lr_scheduler_type", "polynomial"], []),
                 "lr_scheduler_type inverse_sqrt": (["--lr_scheduler_type", "inverse_sqrt"], []),
                 "distributed_type FSDP": (["--distributed_type", "FSDP"], []),
@@ -518,7 +521,9 @@ def test_trl_cosine_with_min_lr_and_its_kwargs_are_read_and_what_they_cannot_say
     for given, refused in (
             ([], "lr_scheduler_type cosine_with_min_lr needs min_lr_rate"),
             (["--lr_scheduler_kwargs", "{min_lr: 1e-5}"], "lr_scheduler_kwargs: min_lr is not read here (only "
-                                                          "min_lr_rate, num_cycles, lr_end, power, timescale are); "
+                                                          "min_lr_rate, num_cycles, lr_end, power, timescale, "
+                                                          "num_decay_steps, num_stable_steps, warmup_type, decay_type, "
+                                                          "min_lr_ratio are); "
                                                           "give min_lr_rate, min_lr / learning_rate"),
             (["--lr_scheduler_kwargs", "0.1"], "lr_scheduler_kwargs=0.1: expected a mapping such as "
                                                 "{min_lr_rate: 0.1}"),
@@ -530,11 +535,12 @@ def test_trl_cosine_with_min_lr_and_its_kwargs_are_read_and_what_they_cannot_say
 
 
 def test_lr_scheduler_kwargs_set_each_schedules_settings_and_one_its_schedule_does_not_read_exits_2(tmp_path, capsys):
-    """Transformers' lr_scheduler_kwargs for cosine_with_restarts (num_cycles), polynomial (lr_end, power) and
-    inverse_sqrt (timescale), schedules that were refused, set those keys, and so does the cosines' num_cycles (it
-    was refused: "the cosine here is half a wave"). Under a schedule that does not read them they exit 2 naming
-    the key, its value and the schedules it acts with, at the recipe's line; so does a polynomial lr_end not below
-    learning_rate, which Transformers refuses."""
+    """Transformers' lr_scheduler_kwargs for cosine_with_restarts (num_cycles), polynomial (lr_end, power),
+    inverse_sqrt (timescale) and warmup_stable_decay (its five), schedules that were refused, set those keys, and
+    so does the cosines' num_cycles (it was refused: "the cosine here is half a wave"). Under a schedule that does
+    not read them they exit 2 naming the key, its value and the schedules it acts with, at the recipe's line; so
+    does a polynomial lr_end not below learning_rate, which Transformers refuses, and warmup_stable_decay without
+    num_decay_steps, which it needs."""
     recipe = tmp_path / "trl.yaml"
     for schedule, kwargs, meant in (("cosine_with_restarts", "{num_cycles: 3}", (3, 1e-7, 1.0, None)),
                                     ("cosine", "{num_cycles: 1}", (1, 1e-7, 1.0, None)),
@@ -545,16 +551,30 @@ def test_lr_scheduler_kwargs_set_each_schedules_settings_and_one_its_schedule_do
         recipe.write_text(f"lr_scheduler_type: {schedule}\nlr_scheduler_kwargs: {kwargs}\n")
         o = load_train_config([str(recipe), *BASE]).optim
         assert (o.lr_scheduler_type, o.num_cycles, o.lr_end, o.power, o.timescale) == (schedule, *meant)
+    recipe.write_text("lr_scheduler_type: warmup_stable_decay\nlr_scheduler_kwargs: {num_decay_steps: 10, "
+                      "num_stable_steps: 20, warmup_type: 1-sqrt, decay_type: linear, min_lr_ratio: 0.05, "
+                      "num_cycles: 1}\n")
+    o = load_train_config([str(recipe), *BASE]).optim
+    assert (o.num_decay_steps, o.num_stable_steps, o.warmup_type, o.decay_type, o.min_lr_ratio, o.num_cycles) == \
+        (10, 20, "1-sqrt", "linear", 0.05, 1)
+    recipe.write_text("lr_scheduler_type: warmup_stable_decay\n")  # Transformers' get_wsd_schedule needs it too
+    assert main(["train", str(recipe), *BASE]) == 2
+    assert (f"{recipe}, line 1: lr_scheduler_type warmup_stable_decay needs num_decay_steps, the steps of its final "
+            f"decay") in capsys.readouterr().err
     for schedule, kwargs, says in (
-            ("linear", "{num_cycles: 1}", "num_cycles=1.0 set without lr_scheduler_type cosine, cosine_with_min_lr "
-                                          "or cosine_with_restarts: it acts only with it"),
+            ("linear", "{num_cycles: 1}", "num_cycles=1.0 set without lr_scheduler_type cosine, cosine_with_min_lr, "
+                                          "cosine_with_restarts or warmup_stable_decay: it acts only with it"),
             ("cosine", "{lr_end: 1.0e-6, power: 2}", "lr_end=1e-06, power=2.0 set without lr_scheduler_type "
                                                      "polynomial: they act only with it"),
             ("constant_with_warmup", "{timescale: 8}", "timescale=8 set without lr_scheduler_type inverse_sqrt"),
             ("polynomial", "{lr_end: 1.0e-4}", "lr_end=0.0001 with learning_rate 5e-05: the polynomial decay runs "
                                                "from learning_rate down to lr_end"),
             ("cosine_with_restarts", "{num_cycles: 0}", "num_cycles=0.0 must be positive"),
-            ("inverse_sqrt", "{timescale: 0}", "timescale=0 must be at least 1")):
+            ("inverse_sqrt", "{timescale: 0}", "timescale=0 must be at least 1"),
+            ("cosine", "{num_decay_steps: 10}", "num_decay_steps=10 set without lr_scheduler_type "
+                                                "warmup_stable_decay: it acts only with it"),
+            ("warmup_stable_decay", "{num_decay_steps: 10, decay_type: exponential}",
+             "decay_type='exponential' is not accepted; use one of linear, cosine, 1-sqrt")):
         recipe.write_text(f"lr_scheduler_type: {schedule}\nlr_scheduler_kwargs: {kwargs}\n")
         assert main(["train", str(recipe), *BASE]) == 2
         err = capsys.readouterr().err

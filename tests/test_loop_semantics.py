@@ -84,15 +84,19 @@ SCHEDULES = {
                                                                    0.1 + 0.9 * 0.25**2]),
     # 1e-3 / sqrt((steps since warm-up + 4) / 4) = 2e-3 / sqrt(steps since warm-up + 4)
     "inverse_sqrt": ("inverse_sqrt", {"timescale": 4}, 2, [0, 0.5, 1, 2 / 5**0.5, 2 / 6**0.5, 2 / 7**0.5]),
+    # 2 warm-up steps from 0.1 (min_lr_ratio) up, 7 - 2 - 3 = 2 stable steps at 1, then a straight decay over 3
+    # steps towards 0.1: 0.1 + 0.9 x (1 - k/3)
+    "warmup_stable_decay": ("warmup_stable_decay", {"num_decay_steps": 3, "decay_type": "linear",
+                                                    "min_lr_ratio": 0.1}, 2, [0.1, 0.55, 1, 1, 1, 0.7, 0.4]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(SCHEDULES))
 def test_transformers_schedules_train_at_their_rates_and_resume_exactly(root, case):
-    """cosine_with_restarts, polynomial and inverse_sqrt, and cosine's num_cycles, with their lr_scheduler_kwargs
-    (all were refused): each step trains at the rate the schedule gives it, and a run resumed from its step-3
-    checkpoint trains the same later steps, at the same rates to the bit and to the same losses, as the run that
-    went on."""
+    """cosine_with_restarts, polynomial, inverse_sqrt and warmup_stable_decay, and cosine's num_cycles, with their
+    lr_scheduler_kwargs (all were refused): each step trains at the rate the schedule gives it, and a run resumed
+    from its step-3 checkpoint trains the same later steps, at the same rates to the bit and to the same losses, as
+    the run that went on."""
     import shutil
 
     schedule, settings, warmup, rates = SCHEDULES[case]

@@ -141,7 +141,8 @@ def rates(steps: int, **settings) -> list[float]:
 def test_schedule_settings_left_unset_are_transformers_defaults():
     """What a recipe that names the schedule and none of its settings runs, as Transformers runs it: one cosine
     decay to 0 for cosine_with_restarts, a linear decay to 1e-7 for polynomial (the declared lr_end and power are
-    Transformers' defaults), and for inverse_sqrt a timescale of the warm-up steps, or 10000 without warm-up."""
+    Transformers' defaults), for inverse_sqrt a timescale of the warm-up steps, or 10000 without warm-up, and for
+    warmup_stable_decay its curves and floor (its decay's length has no default there, nor here)."""
     import inspect
     import math
 
@@ -158,3 +159,13 @@ def test_schedule_settings_left_unset_are_transformers_defaults():
         [0, 0.5, 1, (2 / 3) ** 0.5, (2 / 4) ** 0.5], rel=1e-12)
     assert rates(3, lr_scheduler_type="inverse_sqrt") == pytest.approx(
         [(10000 / (10000 + k)) ** 0.5 for k in range(3)], rel=1e-12)
+    # warmup_stable_decay: a linear warm-up from 0 and half a cosine wave down to 0, the stable steps what the
+    # warm-up and decay leave: 1 warm-up step, 7 - 1 - 4 = 2 stable, then (1 + cos(pi k/4)) / 2
+    from transformers.optimization import get_wsd_schedule
+
+    wsd = inspect.signature(get_wsd_schedule).parameters
+    o = OptimConfig()
+    assert (o.warmup_type, o.decay_type, o.min_lr_ratio) == tuple(wsd[name].default for name in
+                                                                  ("warmup_type", "decay_type", "min_lr_ratio"))
+    assert rates(7, lr_scheduler_type="warmup_stable_decay", num_decay_steps=4, warmup_steps=1) == pytest.approx(
+        [0, 1, 1, *((1 + math.cos(math.pi * k / 4)) / 2 for k in range(4))], rel=1e-12)

@@ -27,7 +27,8 @@ StateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
 TorchDtype = Literal["auto", "float32", "bfloat16"]  # float16 is refused: pure fp16 diverges without an fp32 master
 Scheduler = Literal["linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts", "polynomial", "inverse_sqrt",
-                    "constant", "constant_with_warmup"]
+                    "warmup_stable_decay", "constant", "constant_with_warmup"]
+WsdShape = Literal["linear", "cosine", "1-sqrt"]  # Transformers' get_wsd_schedule's warm-up and decay curves
 Every = Literal["steps", "epoch", "no"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
 HubStrategy = Literal["end"]  # the final model is uploaded once, after training (train/run_end.py push_to_hub)
@@ -78,8 +79,9 @@ PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
 _WARMING = [name for name in get_args(Scheduler) if name != "constant"]
 WARMS_UP = f"lr_scheduler_type {', '.join(_WARMING[:-1])} or {_WARMING[-1]}"
 MIN_LR = "lr_scheduler_type cosine_with_min_lr"
-COSINES = "lr_scheduler_type cosine, cosine_with_min_lr or cosine_with_restarts"
+COSINES = "lr_scheduler_type cosine, cosine_with_min_lr, cosine_with_restarts or warmup_stable_decay"
 POLYNOMIAL, INVERSE_SQRT = "lr_scheduler_type polynomial", "lr_scheduler_type inverse_sqrt"
+WSD = "lr_scheduler_type warmup_stable_decay"
 FSDP_ONLY, SIZE_WRAP = "distributed_type FSDP", "fsdp_auto_wrap_policy SIZE_BASED_WRAP"
 TRANSFORMER_WRAP = "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP under distributed_type FSDP"
 LOGS_STEPS = "logging_strategy steps (or eval_strategy steps without eval_steps)"
@@ -223,7 +225,9 @@ class OptimConfig:
         "linear", "The learning-rate schedule after warm-up, as Transformers' get_scheduler runs it: linear or cosine "
         "decay to 0, cosine decay to min_lr_rate x learning_rate (cosine_with_min_lr), num_cycles cosine decays to 0 "
         "each starting at learning_rate (cosine_with_restarts), polynomial decay to lr_end (polynomial), an "
-        "inverse square-root decay at the pace of timescale, whatever the run's length (inverse_sqrt), or constant.")
+        "inverse square-root decay at the pace of timescale, whatever the run's length (inverse_sqrt), warm-up, a "
+        "constant rate for num_stable_steps and a decay over the last num_decay_steps to min_lr_ratio x "
+        "learning_rate (warmup_stable_decay), or constant.")
     min_lr_rate: float | None = key(None, "cosine_with_min_lr (which needs it): the rate the cosine decays to, as a "
                                           "share of learning_rate; read from Transformers' lr_scheduler_kwargs: "
                                           "{min_lr_rate: ...} too.", ge=0, le=1, needs=MIN_LR)
@@ -232,8 +236,9 @@ class OptimConfig:
         None, "The cosine's cycles over the steps after warm-up, as Transformers' schedules read it: for cosine and "
         "cosine_with_min_lr the waves of one cosine (unset: 0.5, half a wave from learning_rate down to 0 or the "
         "floor; 1 goes down and back up), for cosine_with_restarts the decays from learning_rate to 0, each after "
-        "the first starting again at learning_rate (unset: 1). Read from Transformers' lr_scheduler_kwargs: "
-        "{num_cycles: ...} too.", gt=0, needs=COSINES)
+        "the first starting again at learning_rate (unset: 1), for warmup_stable_decay the waves of its cosine "
+        "decay (unset: 0.5). Read from Transformers' lr_scheduler_kwargs: {num_cycles: ...} too.", gt=0,
+        needs=COSINES)
     lr_end: float = key(1e-7, "polynomial: the learning rate the decay reaches at the last step, a rate (not a share "
                               "of learning_rate) below learning_rate. Read from Transformers' lr_scheduler_kwargs: "
                               "{lr_end: ...} too.", ge=0, needs=POLYNOMIAL)
@@ -245,6 +250,24 @@ class OptimConfig:
         "timescale): learning_rate when warm-up ends, half of it 3 x timescale steps later (unset: the warm-up "
         "steps, or 10000 without warm-up, as in Transformers). Read from Transformers' lr_scheduler_kwargs: "
         "{timescale: ...} too.", ge=1, needs=INVERSE_SQRT)
+    # Transformers' get_wsd_schedule: warm-up, a stable stretch at learning_rate, a decay; its keys as it names them.
+    num_decay_steps: int | None = key(
+        None, "warmup_stable_decay (which needs it): the steps of the final decay, from learning_rate to min_lr_ratio "
+        "x learning_rate; the rate stays there after them. Read from Transformers' lr_scheduler_kwargs: "
+        "{num_decay_steps: ...} too.", ge=0, needs=WSD)
+    num_stable_steps: int | None = key(
+        None, "warmup_stable_decay: the steps at learning_rate between warm-up and decay (unset: the run's steps "
+        "less the warm-up and decay steps). Read from Transformers' lr_scheduler_kwargs: {num_stable_steps: ...} "
+        "too.", ge=0, needs=WSD)
+    warmup_type: WsdShape = key("linear", "warmup_stable_decay: the warm-up's curve from min_lr_ratio x "
+                                          "learning_rate up to learning_rate. Read from Transformers' "
+                                          "lr_scheduler_kwargs: {warmup_type: ...} too.", needs=WSD)
+    decay_type: WsdShape = key("cosine", "warmup_stable_decay: the decay's curve (cosine: num_cycles waves, half "
+                                         "a wave unset). Read from Transformers' lr_scheduler_kwargs: "
+                                         "{decay_type: ...} too.", needs=WSD)
+    min_lr_ratio: float = key(0.0, "warmup_stable_decay: where warm-up starts and decay ends, as a share of "
+                                   "learning_rate. Read from Transformers' lr_scheduler_kwargs: {min_lr_ratio: ...} "
+                                   "too.", ge=0, le=1, needs=WSD)
     warmup_ratio: float = key(0.0, "Fraction of the steps spent warming up (warmup_steps wins when set).", ge=0, le=1,
                               needs=WARMS_UP)
     warmup_steps: int = key(0, "Steps of linear warm-up. A value below 1 is read as Transformers 5 reads it, a "

@@ -20,7 +20,7 @@ from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS,
 from shardtune.config.schema import (CHECKPOINTING, COSINES, DATASET_PLACEHOLDER, DDP_ONLY, EARLY_STOPPING,
                                      EVAL_STEPS, EVALUATES, FSDP_ONLY, INVERSE_SQRT, LOGS_STEPS, LORA, MIN_LR, MP,
                                      PACKING, POLYNOMIAL, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
-                                     TRANSFORMER_WRAP, WARMS_UP, TRACKER_PACKAGES, DataConfig, DistributedConfig,
+                                     TRANSFORMER_WRAP, WARMS_UP, WSD, TRACKER_PACKAGES, DataConfig, DistributedConfig,
                                      LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
 from shardtune.hub import looks_like_local_path, model_folder_problem, num_layers, tokenizer_problem
@@ -188,9 +188,11 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),
     WARMS_UP: lambda cfg: cfg.optim.lr_scheduler_type != "constant",
     MIN_LR: lambda cfg: cfg.optim.lr_scheduler_type == "cosine_with_min_lr",
-    COSINES: lambda cfg: cfg.optim.lr_scheduler_type in ("cosine", "cosine_with_min_lr", "cosine_with_restarts"),
+    COSINES: lambda cfg: cfg.optim.lr_scheduler_type in ("cosine", "cosine_with_min_lr", "cosine_with_restarts",
+                                                         "warmup_stable_decay"),
     POLYNOMIAL: lambda cfg: cfg.optim.lr_scheduler_type == "polynomial",
     INVERSE_SQRT: lambda cfg: cfg.optim.lr_scheduler_type == "inverse_sqrt",
+    WSD: lambda cfg: cfg.optim.lr_scheduler_type == "warmup_stable_decay",
     FSDP_ONLY: lambda cfg: _strategy(cfg.distributed).shards_parameters,
     SIZE_WRAP: lambda cfg: cfg.distributed.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP",
     TRANSFORMER_WRAP: lambda cfg: (cfg.distributed.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
@@ -372,6 +374,10 @@ def _schedule_problems(o: OptimConfig) -> list[Problem]:
         problems.append(Problem(("lr_scheduler_type",), "lr_scheduler_type cosine_with_min_lr needs min_lr_rate, the "
                                 "share of learning_rate the cosine decays to (e.g. min_lr_rate 0.1); set it, or use "
                                 "cosine (decay to 0)"))
+    if o.lr_scheduler_type == "warmup_stable_decay" and o.num_decay_steps is None:
+        problems.append(Problem(("lr_scheduler_type",), "lr_scheduler_type warmup_stable_decay needs num_decay_steps, "
+                                "the steps of its final decay (e.g. lr_scheduler_kwargs: {num_decay_steps: 100}); "
+                                "set it, or use another schedule"))
     if o.lr_scheduler_type == "polynomial" and o.lr_end >= o.learning_rate:  # a decay that does not go down
         problems.append(Problem(("lr_end", "learning_rate"), f"lr_end={o.lr_end} with learning_rate "
                                 f"{o.learning_rate}: the polynomial decay runs from learning_rate down to lr_end, a "

@@ -94,12 +94,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
                          num_training_steps=total_steps, scheduler_specific_kwargs=schedule_settings(cfg))
 
 
-def schedule_settings(cfg: OptimConfig) -> dict[str, float]:
+def schedule_settings(cfg: OptimConfig) -> dict[str, float | str]:
     """The settings ``cfg``'s schedule reads (validation refuses them under any other); one left unset takes
-    the schedule's default in Transformers (num_cycles 0.5 or 1, timescale: the warm-up steps or 10000)."""
+    the schedule's default in Transformers (num_cycles 0.5 or 1, timescale: the warm-up steps or 10000,
+    num_stable_steps: the steps the warm-up and decay leave)."""
     read = {"cosine": {"num_cycles": cfg.num_cycles},
             "cosine_with_min_lr": {"min_lr_rate": cfg.min_lr_rate, "num_cycles": cfg.num_cycles},
             "cosine_with_restarts": {"num_cycles": cfg.num_cycles},
             "polynomial": {"lr_end": cfg.lr_end, "power": cfg.power},
-            "inverse_sqrt": {"timescale": cfg.timescale}}.get(cfg.lr_scheduler_type, {})
+            "inverse_sqrt": {"timescale": cfg.timescale},
+            "warmup_stable_decay": {"num_decay_steps": cfg.num_decay_steps, "num_stable_steps": cfg.num_stable_steps,
+                                    "warmup_type": cfg.warmup_type, "decay_type": cfg.decay_type,
+                                    "min_lr_ratio": cfg.min_lr_ratio, "num_cycles": cfg.num_cycles}
+            }.get(cfg.lr_scheduler_type, {})
     return {name: value for name, value in read.items() if value is not None}
