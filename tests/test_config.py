@@ -573,6 +573,8 @@ def test_lr_scheduler_kwargs_set_each_schedules_settings_and_one_its_schedule_do
             ("inverse_sqrt", "{timescale: 0}", "timescale=0 must be at least 1"),
             ("cosine", "{num_decay_steps: 10}", "num_decay_steps=10 set without lr_scheduler_type "
                                                 "warmup_stable_decay: it acts only with it"),
+            ("warmup_stable_decay", "{num_decay_steps: 10, num_cycles: 2, decay_type: linear}",
+             "num_cycles=2.0 with decay_type linear: warmup_stable_decay reads it for a cosine decay only"),
             ("warmup_stable_decay", "{num_decay_steps: 10, decay_type: exponential}",
              "decay_type='exponential' is not accepted; use one of linear, cosine, 1-sqrt")):
         recipe.write_text(f"lr_scheduler_type: {schedule}\nlr_scheduler_kwargs: {kwargs}\n")

@@ -378,6 +378,10 @@ def _schedule_problems(o: OptimConfig) -> list[Problem]:
         problems.append(Problem(("lr_scheduler_type",), "lr_scheduler_type warmup_stable_decay needs num_decay_steps, "
                                 "the steps of its final decay (e.g. lr_scheduler_kwargs: {num_decay_steps: 100}); "
                                 "set it, or use another schedule"))
+    if o.lr_scheduler_type == "warmup_stable_decay" and o.num_cycles is not None and o.decay_type != "cosine":
+        problems.append(Problem(("num_cycles", "decay_type"), f"num_cycles={o.num_cycles} with decay_type "
+                                f"{o.decay_type}: warmup_stable_decay reads it for a cosine decay only; set "
+                                f"decay_type cosine, or leave num_cycles out"))
     if o.lr_scheduler_type == "polynomial" and o.lr_end >= o.learning_rate:  # a decay that does not go down
         problems.append(Problem(("lr_end", "learning_rate"), f"lr_end={o.lr_end} with learning_rate "
                                 f"{o.learning_rate}: the polynomial decay runs from learning_rate down to lr_end, a "
