@@ -552,11 +552,10 @@ def test_lr_scheduler_kwargs_set_each_schedules_settings_and_one_its_schedule_do
         o = load_train_config([str(recipe), *BASE]).optim
         assert (o.lr_scheduler_type, o.num_cycles, o.lr_end, o.power, o.timescale) == (schedule, *meant)
     recipe.write_text("lr_scheduler_type: warmup_stable_decay\nlr_scheduler_kwargs: {num_decay_steps: 10, "
-                      "num_stable_steps: 20, warmup_type: 1-sqrt, decay_type: linear, min_lr_ratio: 0.05, "
-                      "num_cycles: 1}\n")
+                      "num_stable_steps: 20, warmup_type: 1-sqrt, decay_type: linear, min_lr_ratio: 0.05}\n")
     o = load_train_config([str(recipe), *BASE]).optim
     assert (o.num_decay_steps, o.num_stable_steps, o.warmup_type, o.decay_type, o.min_lr_ratio, o.num_cycles) == \
-        (10, 20, "1-sqrt", "linear", 0.05, 1)
+        (10, 20, "1-sqrt", "linear", 0.05, None)
     recipe.write_text("lr_scheduler_type: warmup_stable_decay\n")  # Transformers' get_wsd_schedule needs it too
     assert main(["train", str(recipe), *BASE]) == 2
     assert (f"{recipe}, line 1: lr_scheduler_type warmup_stable_decay needs num_decay_steps, the steps of its final "
