@@ -375,7 +375,9 @@ def adapter_left_out(model, folder: str | Path) -> str | None:
         return None
     with safe_open(str(path), framework="pt") as f:
         saved = set(f.keys())
-    missing = sorted(saved - set(get_peft_model_state_dict(model)))
+    # every tensor the adapter may hold, the base's embeddings included (PEFT saves them where the vocabulary grew);
+    # "auto" would look for the base's config.json, which a GGUF base has not, and warn
+    missing = sorted(saved - set(get_peft_model_state_dict(model, save_embedding_layers=True)))
     if not missing:
         return None
     return (f"adapter {folder}: {len(missing)} of its {len(saved)} tensors fit no module of the base (e.g. "

@@ -1,4 +1,4 @@
-"""How PEFT matches the module names a recipe lists against a model's modules.
+"""How PEFT matches the module names a recipe lists against a model's modules, and what it saves of them.
 
 One rule for the estimate's count (memory/lora_count.py), which works on a table of the model's modules, and for
 the trainer's check of the names (train/model.py), which works on the live model: where they differed, estimate
@@ -8,6 +8,8 @@ refused a job that train ran.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 from shardtune.errors import closest
 
@@ -37,3 +39,14 @@ def did_you_mean(missing: Iterable[str], choices: Iterable[str]) -> str:
     choices = list(choices)
     hints = [hint for name in missing if (hint := closest(name, choices))]
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
+def embedding_layers_saved(model: Any) -> bool | str:
+    """PEFT's ``save_embedding_layers`` for the adapter of ``model`` (a PeftModel): "auto", where PEFT saves the
+    base's embeddings when the vocabulary differs from the one its base's config.json gives, except on a local base
+    with no config.json (a GGUF file): there PEFT warns that it found none and saves them not, which is False said
+    without the warning. Rows a run added to the vocabulary are in the adapter either way (train/model.py
+    added_token_targets)."""
+    config = model.peft_config[model.active_adapter]
+    base = Path(config.base_model_name_or_path).expanduser() if config.base_model_name_or_path else None
+    return False if base is not None and base.exists() and not (base / "config.json").is_file() else "auto"

@@ -123,6 +123,7 @@ def smol_run(tmp_path_factory):
                             "--eval_strategy", "steps", "--eval_steps", "2", "--eval_on_start", "true",
                             "--per_device_eval_batch_size", "2"], tmp)
     assert result.returncode == 0, result.stderr[-3000:]
+    (tmp / "train.stderr").write_text(result.stderr)
     return tmp / "run"
 
 
@@ -172,6 +173,24 @@ def test_lora_on_a_gguf_trains_and_its_adapter_loads_in_peft(smol_run, smol_merg
     adapter = json.loads((smol_run / "final" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(smollm2_gguf().resolve())
     assert adapter_effect > 1e-4  # the trained adapter changes the base's logits
+
+
+PEFT_NO_CONFIG = "Could not find a config file"  # PEFT's warning where a base has no config.json to compare with
+
+
+def test_saving_and_loading_an_adapter_on_a_gguf_base_says_nothing_of_its_missing_config(smol_run):
+    """PEFT looks for the base's config.json to see whether the vocabulary grew, and a GGUF base has none: the
+    run's export of final/, and loading the adapter for chat, merge or export, printed PEFT's warning that it could
+    not find one. The adapter holds what it held (the added rows are its trainable tokens)."""
+    import warnings
+
+    from shardtune.infer.generate import load_for_generation
+
+    assert PEFT_NO_CONFIG not in (smol_run.parent / "train.stderr").read_text()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_for_generation(smol_run / "final", dtype=torch.float32, device="cpu")
+    assert not [w for w in caught if PEFT_NO_CONFIG in str(w.message)]
 
 
 @pytest.mark.parametrize("quantize", ["f16", "q8_0"])

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
 from shardtune.files import give_plain_mode
+from shardtune.peft_names import embedding_layers_saved
 from shardtune.hub import (ADAPTER_ON_ANOTHER_BASE, adapter_folder_problem, adapter_left_out, adapter_weights_problem,
                            has_tokenizer, loading_refused)
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
@@ -45,7 +46,9 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
             if is_peft and save_adapter is not None:
                 save_adapter(model, state, tmp)
             elif is_peft:
-                getattr(model, "module", model).save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
+                peft_model = getattr(model, "module", model)
+                peft_model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True,
+                                           save_embedding_layers=embedding_layers_saved(peft_model))
             else:
                 stop_at_tokenizer_eos(unwrap(model), tokenizer)
                 unwrap(model).save_pretrained(str(tmp), state_dict=drop_tied_copies(model, state),

@@ -302,7 +302,11 @@ def export_stages(output_dir: str | Path, model: nn.Module, tokenizer, *, is_pef
         # modules_to_save copies, under their saved names
         from peft import get_peft_model_state_dict
 
-        state = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(getattr(model, "module", model)).items()}
+        from shardtune.peft_names import embedding_layers_saved
+
+        peft_model = getattr(model, "module", model)
+        saved = get_peft_model_state_dict(peft_model, save_embedding_layers=embedding_layers_saved(peft_model))
+        state = {k: v.detach().cpu() for k, v in saved.items()}
     else:
         copy = _head_names(model) if info.rank > 0 and _is_tied(unwrap(model)) else set()
         state = {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in copy}
