@@ -674,8 +674,33 @@ def test_no_trl_model_or_script_key_is_offered_another_keys_spelling():
     assert cfg.lora.bnb_4bit_quant_storage_dtype == "float16"
     with pytest.raises(UsageError, match="lora_task_type='SEQ_CLS' would change what runs"):
         load_train_config([*BASE, "--use_peft", "true", "--lora_task_type", "SEQ_CLS"])
-    with pytest.raises(UsageError, match="dataset_train_split='train_sft' would change what runs .* splits"):
-        load_train_config([*BASE, "--dataset_train_split", "train_sft"])
+
+
+def test_trls_split_keys_name_the_splits_they_train_and_evaluate(tmp_path, capsys):
+    """TRL's dataset_train_split and dataset_test_split (UltraChat's train_sft, test_sft) were refused unless they
+    named splits' own defaults: each now names its side of splits, the other side kept. A name that this side's
+    rule (a split trains when its name contains 'train') would put on the other side exits 2, and so does either
+    key beside splits in one file, naming the line."""
+    def splits(*argv: str) -> str:
+        return load_train_config([*BASE, *argv]).data.splits
+
+    assert splits("--dataset_train_split", "train_sft", "--dataset_test_split", "test_sft") == "train_sft,test_sft"
+    assert splits("--dataset_test_split", "validation") == "train,validation"
+    with pytest.raises(UsageError, match="dataset_train_split='train_gen' beside splits"):  # in one layer
+        splits("--splits", "train,dev", "--dataset_train_split", "train_gen")
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text("splits: train,dev\n")
+    assert load_train_config([str(recipe), *BASE, "--dataset_train_split", "train_gen"]).data.splits == \
+        "train_gen,dev"  # a later layer replaces one side of what the recipe named
+    for text, says in (("dataset_train_split: sft\n", "line 1: dataset_train_split='sft': the splits that train here "
+                                                      "are those whose names contain 'train'"),
+                       ("dataset_test_split: train_eval\n", "line 1: dataset_test_split='train_eval': the splits that "
+                                                            "train here"),
+                       ("splits: train,dev\ndataset_test_split: test_sft\n",
+                        "line 2: dataset_test_split='test_sft' beside splits: name the splits in one key")):
+        recipe.write_text(text)
+        assert main(["train", str(recipe), *BASE]) == 2
+        assert f"{recipe}, {says}" in capsys.readouterr().err
 
 
 def test_no_peft_lora_config_key_is_offered_another_keys_spelling():

@@ -311,7 +311,7 @@ ACTING = {"compute_environment": "AMAZON_SAGEMAKER", "downcast_bf16": "yes", "tp
           "fsdp_offload_optimizer": True, "assistant_only_loss": False, "completion_only_loss": False,
           "model_revision": "v1.0", "average_tokens_across_devices": False, "dataloader_drop_last": False,
           "lora_task_type": "SEQ_CLS", "task_type": "SEQ_CLS", "peft_type": "IA3", "ignore_bias_buffers": True,
-          "dataset_streaming": True, "dataset_train_split": "train_sft", "dataset_test_split": "test_sft",
+          "dataset_streaming": True,
           "truncation_mode": "keep_end", "packing_strategy": "wrapped", "loss_type": "dft", "pad_to_multiple_of": 8,
           "eval_packing": True, "router_aux_loss_coef": 0.001, "eos_token": "<|im_end|>", "pad_token": "<pad>",
           "dataset_kwargs": {"skip_prepare_dataset": True}, "chat_template_path": "template.jinja"}

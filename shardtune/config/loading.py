@@ -25,7 +25,7 @@ from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compi
 from shardtune.config.deepspeed import FP16_TUNING, map_accelerate_block, read_deepspeed_file, same_value
 from shardtune.config.keys import shown
 from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, at_transformers_default, no_op_problem, off
-from shardtune.config.schema import ALIASES, DATASET_PLACEHOLDER, ZERO2_HYBRID, TrainConfig, all_keys
+from shardtune.config.schema import ALIASES, DATASET_PLACEHOLDER, ZERO2_HYBRID, DataConfig, TrainConfig, all_keys
 from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
                                          input_problems, model_folder_problems, overruled_keys, resolve_report_to,
                                          stage_problems, tracker_problems, validate)
@@ -449,6 +449,11 @@ def _apply(layers: Layers, *, training: bool,
                 for meant_key, setting in keys_meant.items():
                     setattr(getattr(cfg, declared[meant_key].section), meant_key, setting)
                     given[meant_key], layer_of[meant_key] = source, layer
+            elif key in TRL_SPLITS:  # TRL's name of one side of splits
+                if problem := _trl_split(cfg.data, key, value, "splits" in values):
+                    problems.append(f"{source}: {problem}")
+                elif not off(value):
+                    given["splits"], layer_of["splits"] = source, layer
             elif key in NO_OPS:  # accepted from recipes and Accelerate files; a value that would act is refused
                 if problem := no_op_problem(key, value):
                     problems.append(f"{source}: {problem}")
@@ -490,6 +495,27 @@ def _apply(layers: Layers, *, training: bool,
 
 
 RATIO_STEP_KEYS = ("warmup_steps", "logging_steps", "save_steps", "eval_steps")
+# TRL's split keys, each naming one side of splits: the split that trains (True), the one that evaluates.
+TRL_SPLITS = {"dataset_train_split": True, "dataset_test_split": False}
+
+
+def _trl_split(data: DataConfig, key: str, value: Any, splits_beside: bool) -> str | None:
+    """TRL's ``dataset_train_split`` / ``dataset_test_split``: ``data.splits`` with its side (the names that train,
+    or those that evaluate) replaced by the split named, the other side kept; the problem as one line, or None.
+    ``splits_beside``: the same file or command line gives splits too."""
+    if off(value):  # unset (TRL's null test split): its side stays as it is
+        return None
+    name, trains = str(value).strip(), TRL_SPLITS[key]
+    if splits_beside:
+        return f"{key}={value!r} beside splits: name the splits in one key (e.g. splits train_sft,test_sft)"
+    if ("train" in name) != trains or "," in name:
+        fix = ("write that split to a file (datasets' to_json) and give the file as dataset_name" if trains else
+               "hold eval rows out of the training split with eval_split_ratio instead")
+        return (f"{key}={value!r}: the splits that train here are those whose names contain 'train', so '{name}' "
+                f"cannot be the one split that {'trains' if trains else 'evaluates'}; {fix}")
+    kept = data.eval_split_names() if trains else data.train_split_names()
+    data.splits = ",".join([name, *kept] if trains else [*kept, name])
+    return None
 
 
 def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | None:

@@ -151,10 +151,6 @@ NO_OPS: dict[str, NoOp] = {
        for name, whose in (("lora_task_type", "TRL's PEFT"), ("task_type", "PEFT's"))},
     "peft_type": NoOp("PEFT's adapter type: shardtune trains LoRA (use_peft_lora)", _one_of("lora"),
                       "set it to LORA, or leave it out"),
-    # TRL's split names at TRL's defaults, which are splits' own (train,test); another name goes in splits
-    **{name: NoOp(f"TRL's {what} split, '{split}' by default as here", _one_of(split),
-                  "name the splits in one key: splits (e.g. splits train,validation)")
-       for name, what, split in (("dataset_train_split", "training", "train"), ("dataset_test_split", "eval", "test"))},
     # TRL's SFTConfig: its defaults (and the values that mean them) are what runs here; another value is refused,
     # saying what runs
     "truncation_mode": NoOp("TRL's side of a too-long row that is kept: keep_start, its only value, as here (a row "

@@ -134,7 +134,8 @@ class DataConfig:
     dataset_config_name: str | None = key(None, "The hub data set's configuration (subset).",
                                           aliases={"dataset_config": "TRL's"})
     splits: str = key("train,test", "Comma-separated split names; names containing `train` train, the others "
-                                    "evaluate.", commas=True)
+                                    "evaluate. TRL's dataset_train_split and dataset_test_split each name one side "
+                                    "of it (dataset_train_split train_sft: splits train_sft,test).", commas=True)
     dataset_text_field: str = key("text", "The column of raw-text rows.")
     data_format: DataFormat = key("auto", "The row format; auto looks at the first row.")
     chat_template_format: ChatTemplateFormat = key("none", "The chat template: none is the tokenizer's own. A named "
