@@ -198,7 +198,7 @@ SWITCHED = {
     "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_reshard_after_forward": "false", "fsdp_forward_prefetch": "true",
     "warmup_steps": "5", "warmup_ratio": "0.1", "min_lr_rate": "0.1", "num_cycles": "2.0", "lr_end": "1e-06",
     "power": "2.0", "timescale": "4", "logging_steps": "5", "num_decay_steps": "3", "num_stable_steps": "2",
-    "warmup_type": "cosine", "decay_type": "1-sqrt", "min_lr_ratio": "0.1",
+    "warmup_type": "cosine", "decay_type": "1-sqrt", "min_lr_ratio": "0.1", "warmup_lr_rate": "0.2",
     "early_stopping_threshold": "0.5",
     "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}
 SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
@@ -213,10 +213,15 @@ SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "save_strategy steps": ([], ["--save_strategy", "no"]),
                 "push_to_hub true": (["--push_to_hub", "true"], []),
                 "report_to naming a tracker": (["--report_to", "tensorboard"], []),
-                "lr_scheduler_type linear, cosine, cosine_with_min_lr, cosine_with_restarts, polynomial, inverse_sqrt, "
-                "warmup_stable_decay or constant_with_warmup": ([], ["--lr_scheduler_type", "constant"]),
-                "lr_scheduler_type cosine_with_min_lr": (["--lr_scheduler_type", "cosine_with_min_lr"], []),
-                "lr_scheduler_type cosine, cosine_with_min_lr, cosine_with_restarts or warmup_stable_decay": (
+                "lr_scheduler_type linear, cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, "
+                "cosine_with_restarts, polynomial, inverse_sqrt, warmup_stable_decay or constant_with_warmup": (
+                    [], ["--lr_scheduler_type", "constant"]),
+                "lr_scheduler_type cosine_with_min_lr or cosine_warmup_with_min_lr": (
+                    ["--lr_scheduler_type", "cosine_with_min_lr"], []),
+                "lr_scheduler_type cosine_warmup_with_min_lr": (["--lr_scheduler_type", "cosine_warmup_with_min_lr",
+                                                                 "--min_lr_rate", "0.1"], []),
+                "lr_scheduler_type cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, cosine_with_restarts or "
+                "warmup_stable_decay": (
                     ["--lr_scheduler_type", "cosine_with_restarts"], []),
                 "lr_scheduler_type warmup_stable_decay": (["--lr_scheduler_type", "warmup_stable_decay",
                                                            "--num_decay_steps", "1"], []),
@@ -521,7 +526,8 @@ def test_trl_cosine_with_min_lr_and_its_kwargs_are_read_and_what_they_cannot_say
     for given, refused in (
             ([], "lr_scheduler_type cosine_with_min_lr needs min_lr_rate"),
             (["--lr_scheduler_kwargs", "{min_lr: 1e-5}"], "lr_scheduler_kwargs: min_lr is not read here (only "
-                                                          "min_lr_rate, num_cycles, lr_end, power, timescale, "
+                                                          "min_lr_rate, num_cycles, warmup_lr_rate, lr_end, power, "
+                                                          "timescale, "
                                                           "num_decay_steps, num_stable_steps, warmup_type, decay_type, "
                                                           "min_lr_ratio are); "
                                                           "give min_lr_rate, min_lr / learning_rate"),
@@ -562,7 +568,10 @@ def test_lr_scheduler_kwargs_set_each_schedules_settings_and_one_its_schedule_do
             f"decay") in capsys.readouterr().err
     for schedule, kwargs, says in (
             ("linear", "{num_cycles: 1}", "num_cycles=1.0 set without lr_scheduler_type cosine, cosine_with_min_lr, "
-                                          "cosine_with_restarts or warmup_stable_decay: it acts only with it"),
+                                          "cosine_warmup_with_min_lr, cosine_with_restarts or warmup_stable_decay: "
+                                          "it acts only with it"),
+            ("cosine_with_min_lr", "{min_lr_rate: 0.1, warmup_lr_rate: 0.5}",
+             "warmup_lr_rate=0.5 set without lr_scheduler_type cosine_warmup_with_min_lr: it acts only with it"),
             ("cosine", "{lr_end: 1.0e-6, power: 2}", "lr_end=1e-06, power=2.0 set without lr_scheduler_type "
                                                      "polynomial: they act only with it"),
             ("constant_with_warmup", "{timescale: 8}", "timescale=8 set without lr_scheduler_type inverse_sqrt"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,10 @@ SCHEDULES = {
                                                                    0.1 + 0.9 * 0.25**2]),
     # 1e-3 / sqrt((steps since warm-up + 4) / 4) = 2e-3 / sqrt(steps since warm-up + 4)
     "inverse_sqrt": ("inverse_sqrt", {"timescale": 4}, 2, [0, 0.5, 1, 2 / 5**0.5, 2 / 6**0.5, 2 / 7**0.5]),
+    # a straight warm-up from 0.5 (warmup_lr_rate) to 1 over the 2 warm-up steps, then a cosine over the 4 steps
+    # after them, counted from the first, down to 0.1 (min_lr_rate): 0.1 + 0.9 x (1 + cos(pi k/4)) / 2, k = 1..4
+    "cosine_warmup_with_min_lr": ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1, "warmup_lr_rate": 0.5}, 2,
+                                  [0.5, 1, *(0.1 + 0.9 * (1 + math.cos(math.pi * k / 4)) / 2 for k in range(1, 5))]),
     # 2 warm-up steps from 0.1 (min_lr_ratio) up, 7 - 2 - 3 = 2 stable steps at 1, then a straight decay over 3
     # steps towards 0.1: 0.1 + 0.9 x (1 - k/3)
     "warmup_stable_decay": ("warmup_stable_decay", {"num_decay_steps": 3, "decay_type": "linear",
@@ -93,10 +98,10 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("case", sorted(SCHEDULES))
 def test_transformers_schedules_train_at_their_rates_and_resume_exactly(root, case):
-    """cosine_with_restarts, polynomial, inverse_sqrt and warmup_stable_decay, and cosine's num_cycles, with their
-    lr_scheduler_kwargs (all were refused): each step trains at the rate the schedule gives it, and a run resumed
-    from its step-3 checkpoint trains the same later steps, at the same rates to the bit and to the same losses, as
-    the run that went on."""
+    """cosine_with_restarts, polynomial, inverse_sqrt, warmup_stable_decay and cosine_warmup_with_min_lr, and
+    cosine's num_cycles, with their lr_scheduler_kwargs (all were refused): each step trains at the rate the
+    schedule gives it, and a run resumed from its step-3 checkpoint trains the same later steps, at the same rates
+    to the bit and to the same losses, as the run that went on."""
     import shutil
 
     schedule, settings, warmup, rates = SCHEDULES[case]

@@ -159,6 +159,10 @@ def test_schedule_settings_left_unset_are_transformers_defaults():
         [0, 0.5, 1, (2 / 3) ** 0.5, (2 / 4) ** 0.5], rel=1e-12)
     assert rates(3, lr_scheduler_type="inverse_sqrt") == pytest.approx(
         [(10000 / (10000 + k)) ** 0.5 for k in range(3)], rel=1e-12)
+    # cosine_warmup_with_min_lr without warmup_lr_rate: warm-up step k at (k + 1) / warm-up steps, then the cosine
+    # down to min_lr_rate counted from the first step after warm-up
+    assert rates(5, lr_scheduler_type="cosine_warmup_with_min_lr", min_lr_rate=0.2, warmup_steps=2) == pytest.approx(
+        [0.5, 1, *(0.2 + 0.8 * (1 + math.cos(math.pi * k / 3)) / 2 for k in range(1, 4))], rel=1e-12)
     # warmup_stable_decay: a linear warm-up from 0 and half a cosine wave down to 0, the stable steps what the
     # warm-up and decay leave: 1 warm-up step, 7 - 1 - 4 = 2 stable, then (1 + cos(pi k/4)) / 2
     from transformers.optimization import get_wsd_schedule

@@ -575,8 +575,8 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
 KWARGS = {**dict.fromkeys(("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),  # the latter:
                          (("use_reentrant",), "{use_reentrant: false}")),  # Transformers 5's name
           # each schedule's settings (a setting its schedule does not read is refused as the key it sets)
-          "lr_scheduler_kwargs": (("min_lr_rate", "num_cycles", "lr_end", "power", "timescale", "num_decay_steps",
-                                   "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio"),
+          "lr_scheduler_kwargs": (("min_lr_rate", "num_cycles", "warmup_lr_rate", "lr_end", "power", "timescale",
+                                   "num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio"),
                                   "{min_lr_rate: 0.1}"),
           # TRL's from_pretrained arguments
           "model_init_kwargs": (("dtype", "torch_dtype", "attn_implementation", "trust_remote_code"),

@@ -26,8 +26,8 @@ WrapPolicy = Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"]
 StateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
 TorchDtype = Literal["auto", "float32", "bfloat16"]  # float16 is refused: pure fp16 diverges without an fp32 master
-Scheduler = Literal["linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts", "polynomial", "inverse_sqrt",
-                    "warmup_stable_decay", "constant", "constant_with_warmup"]
+Scheduler = Literal["linear", "cosine", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "cosine_with_restarts",
+                    "polynomial", "inverse_sqrt", "warmup_stable_decay", "constant", "constant_with_warmup"]
 WsdShape = Literal["linear", "cosine", "1-sqrt"]  # Transformers' get_wsd_schedule's warm-up and decay curves
 Every = Literal["steps", "epoch", "no"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
@@ -78,8 +78,10 @@ PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
 # Every schedule but constant warms up first (Transformers' get_scheduler hands each of them num_warmup_steps).
 _WARMING = [name for name in get_args(Scheduler) if name != "constant"]
 WARMS_UP = f"lr_scheduler_type {', '.join(_WARMING[:-1])} or {_WARMING[-1]}"
-MIN_LR = "lr_scheduler_type cosine_with_min_lr"
-COSINES = "lr_scheduler_type cosine, cosine_with_min_lr, cosine_with_restarts or warmup_stable_decay"
+MIN_LR = "lr_scheduler_type cosine_with_min_lr or cosine_warmup_with_min_lr"
+WARMUP_LR = "lr_scheduler_type cosine_warmup_with_min_lr"
+COSINES = ("lr_scheduler_type cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, cosine_with_restarts or "
+           "warmup_stable_decay")
 POLYNOMIAL, INVERSE_SQRT = "lr_scheduler_type polynomial", "lr_scheduler_type inverse_sqrt"
 WSD = "lr_scheduler_type warmup_stable_decay"
 FSDP_ONLY, SIZE_WRAP = "distributed_type FSDP", "fsdp_auto_wrap_policy SIZE_BASED_WRAP"
@@ -224,14 +226,21 @@ class OptimConfig:
                                deepspeed=("optimizer.params.lr", "scheduler.params.warmup_max_lr"))
     lr_scheduler_type: Scheduler = key(
         "linear", "The learning-rate schedule after warm-up, as Transformers' get_scheduler runs it: linear or cosine "
-        "decay to 0, cosine decay to min_lr_rate x learning_rate (cosine_with_min_lr), num_cycles cosine decays to 0 "
+        "decay to 0, cosine decay to min_lr_rate x learning_rate (cosine_with_min_lr; cosine_warmup_with_min_lr "
+        "also warms up from warmup_lr_rate x learning_rate, as Transformers counts it), num_cycles cosine decays to 0 "
         "each starting at learning_rate (cosine_with_restarts), polynomial decay to lr_end (polynomial), an "
         "inverse square-root decay at the pace of timescale, whatever the run's length (inverse_sqrt), warm-up, a "
         "constant rate for num_stable_steps and a decay over the last num_decay_steps to min_lr_ratio x "
         "learning_rate (warmup_stable_decay), or constant.")
-    min_lr_rate: float | None = key(None, "cosine_with_min_lr (which needs it): the rate the cosine decays to, as a "
-                                          "share of learning_rate; read from Transformers' lr_scheduler_kwargs: "
-                                          "{min_lr_rate: ...} too.", ge=0, le=1, needs=MIN_LR)
+    min_lr_rate: float | None = key(None, "cosine_with_min_lr and cosine_warmup_with_min_lr (which need it): the "
+                                          "rate the cosine decays to, as a share of learning_rate; read from "
+                                          "Transformers' lr_scheduler_kwargs: {min_lr_rate: ...} too.", ge=0, le=1,
+                                    needs=MIN_LR)
+    warmup_lr_rate: float | None = key(
+        None, "cosine_warmup_with_min_lr: the rate its warm-up starts at, as a share of learning_rate, rising in a "
+        "straight line to learning_rate at the last warm-up step (unset: Transformers' 1 / warm-up steps at the first "
+        "step, k / warm-up steps at step k). Read from Transformers' lr_scheduler_kwargs: {warmup_lr_rate: ...} "
+        "too.", ge=0, le=1, needs=WARMUP_LR)
     # Unset: each schedule's own default in Transformers, which differ (0.5 waves, 1 decay).
     num_cycles: float | None = key(
         None, "The cosine's cycles over the steps after warm-up, as Transformers' schedules read it: for cosine and "

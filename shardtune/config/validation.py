@@ -17,10 +17,10 @@ from pathlib import Path
 from shardtune.config.compile import compile_problems
 from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
-from shardtune.config.schema import (CHECKPOINTING, COSINES, DATASET_PLACEHOLDER, DDP_ONLY, EARLY_STOPPING,
-                                     EVAL_STEPS, EVALUATES, FSDP_ONLY, INVERSE_SQRT, LOGS_STEPS, LORA, MIN_LR, MP,
-                                     PACKING, POLYNOMIAL, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
-                                     TRANSFORMER_WRAP, WARMS_UP, WSD, TRACKER_PACKAGES, DataConfig, DistributedConfig,
+from shardtune.config.schema import (CHECKPOINTING, COSINES, DATASET_PLACEHOLDER, DDP_ONLY, EARLY_STOPPING, EVAL_STEPS,
+                                     EVALUATES, FSDP_ONLY, INVERSE_SQRT, LOGS_STEPS, LORA, MIN_LR, MP, PACKING,
+                                     POLYNOMIAL, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER, TRANSFORMER_WRAP,
+                                     WARMS_UP, WARMUP_LR, WSD, TRACKER_PACKAGES, DataConfig, DistributedConfig,
                                      LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
 from shardtune.hub import looks_like_local_path, model_folder_problem, num_layers, tokenizer_problem
@@ -187,9 +187,10 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     PUSH: lambda cfg: cfg.run.push_to_hub,
     TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),
     WARMS_UP: lambda cfg: cfg.optim.lr_scheduler_type != "constant",
-    MIN_LR: lambda cfg: cfg.optim.lr_scheduler_type == "cosine_with_min_lr",
-    COSINES: lambda cfg: cfg.optim.lr_scheduler_type in ("cosine", "cosine_with_min_lr", "cosine_with_restarts",
-                                                         "warmup_stable_decay"),
+    MIN_LR: lambda cfg: cfg.optim.lr_scheduler_type in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"),
+    WARMUP_LR: lambda cfg: cfg.optim.lr_scheduler_type == "cosine_warmup_with_min_lr",
+    COSINES: lambda cfg: cfg.optim.lr_scheduler_type in ("cosine", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                                                         "cosine_with_restarts", "warmup_stable_decay"),
     POLYNOMIAL: lambda cfg: cfg.optim.lr_scheduler_type == "polynomial",
     INVERSE_SQRT: lambda cfg: cfg.optim.lr_scheduler_type == "inverse_sqrt",
     WSD: lambda cfg: cfg.optim.lr_scheduler_type == "warmup_stable_decay",
@@ -370,10 +371,11 @@ def dtype_problems(cfg: TrainConfig) -> list[Problem]:
 def _schedule_problems(o: OptimConfig) -> list[Problem]:
     """A schedule that Transformers' get_scheduler would refuse to build with its settings."""
     problems = []
-    if o.lr_scheduler_type == "cosine_with_min_lr" and o.min_lr_rate is None:  # its floor: min_lr or min_lr_rate
-        problems.append(Problem(("lr_scheduler_type",), "lr_scheduler_type cosine_with_min_lr needs min_lr_rate, the "
-                                "share of learning_rate the cosine decays to (e.g. min_lr_rate 0.1); set it, or use "
-                                "cosine (decay to 0)"))
+    if o.lr_scheduler_type in ("cosine_with_min_lr", "cosine_warmup_with_min_lr") and o.min_lr_rate is None:
+        # its floor: min_lr or min_lr_rate
+        problems.append(Problem(("lr_scheduler_type",), f"lr_scheduler_type {o.lr_scheduler_type} needs min_lr_rate, "
+                                f"the share of learning_rate the cosine decays to (e.g. min_lr_rate 0.1); set it, or "
+                                f"use cosine (decay to 0)"))
     if o.lr_scheduler_type == "warmup_stable_decay" and o.num_decay_steps is None:
         problems.append(Problem(("lr_scheduler_type",), "lr_scheduler_type warmup_stable_decay needs num_decay_steps, "
                                 "the steps of its final decay (e.g. lr_scheduler_kwargs: {num_decay_steps: 100}); "

@@ -100,6 +100,8 @@ def schedule_settings(cfg: OptimConfig) -> dict[str, float | str]:
     num_stable_steps: the steps the warm-up and decay leave)."""
     read = {"cosine": {"num_cycles": cfg.num_cycles},
             "cosine_with_min_lr": {"min_lr_rate": cfg.min_lr_rate, "num_cycles": cfg.num_cycles},
+            "cosine_warmup_with_min_lr": {"min_lr_rate": cfg.min_lr_rate, "num_cycles": cfg.num_cycles,
+                                          "warmup_lr_rate": cfg.warmup_lr_rate},
             "cosine_with_restarts": {"num_cycles": cfg.num_cycles},
             "polynomial": {"lr_end": cfg.lr_end, "power": cfg.power},
             "inverse_sqrt": {"timescale": cfg.timescale},
