@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
 from shardtune.files import give_plain_mode
-from shardtune.peft_names import embedding_layers_saved
 from shardtune.hub import (ADAPTER_ON_ANOTHER_BASE, adapter_folder_problem, adapter_left_out, adapter_weights_problem,
                            has_tokenizer, loading_refused)
+from shardtune.peft_names import embedding_layers_saved
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
 from shardtune.train.destination import publish, refuse_destination, temporary_sibling
 from shardtune.train.layout import MANIFEST, checkpoint_folder_problem
