@@ -214,6 +214,16 @@ def test_an_unreadable_file_is_one_line(tmp_path):
                               f"DeepSpeed config JSON")
 
 
+def test_a_key_set_twice_in_the_file_is_refused_naming_it_and_its_lines(tmp_path):
+    """json.loads kept the last of two zero_optimization blocks without a word (stage 3 ran where the file's first
+    block said 2); a recipe's YAML with a key set twice is refused, so is the DeepSpeed file."""
+    ds = write(tmp_path / "ds.json", '{\n  "zero_optimization": {"stage": 2},\n  "bf16": {"enabled": true},\n'
+                                     '  "zero_optimization": {"stage": 3}\n}\n')
+    with pytest.raises(UsageError) as err:
+        load_train_config([*BASE, "--deepspeed", str(ds)])
+    assert str(err.value) == f"deepspeed {ds}: key 'zero_optimization' is set twice (lines 2 and 4); keep one"
+
+
 def test_an_accelerate_file_with_a_deepspeed_config_file(tmp_path):
     """The case that used to become FULL_SHARD with mixed precision 'no', dropping accumulation, clipping and
     offload: ZeRO-1, bf16, accumulation 4, clipping 0.7, optimizer offload."""

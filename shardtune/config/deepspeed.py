@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from shardtune.config.keys import parse_bool
 from shardtune.config.schema import all_keys
 from shardtune.errors import UsageError
@@ -96,7 +98,8 @@ def read_deepspeed_file(path: str | Path) -> Mapped:
     """A DeepSpeed JSON file, mapped; an unreadable one is one line naming it."""
     path = Path(path).expanduser()
     try:
-        data = json.loads(path.read_text())
+        text = path.read_text()
+        data = json.loads(text, object_pairs_hook=_refuse_repeats(path, text))
     except OSError as exc:
         raise UsageError(f"deepspeed {path}: cannot be read ({exc.strerror}); give the DeepSpeed config JSON") from None
     except (ValueError, UnicodeDecodeError) as exc:
@@ -104,6 +107,25 @@ def read_deepspeed_file(path: str | Path) -> Mapped:
     if not isinstance(data, dict):
         raise UsageError(f"deepspeed {path}: expected a JSON object of DeepSpeed settings")
     return map_deepspeed(data, str(path))
+
+
+def _refuse_repeats(path: Path, text: str):
+    """json.loads's hook that refuses a key set twice in one object (json keeps the last one without a word)."""
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in items]
+        repeated = next((key for key in keys if keys.count(key) > 1), None)
+        if repeated is None:
+            return dict(items)
+        from shardtune.config.loading import _repeated_key, repeated_keys  # loading imports this module
+        try:  # JSON is YAML: its parser knows each key's line
+            lines = dict(repeated_keys(yaml.compose(text))).get(repeated)
+        except yaml.YAMLError:
+            lines = None
+        if lines:
+            raise UsageError(f"deepspeed {_repeated_key(path, repeated, lines)}")
+        raise UsageError(f"deepspeed {path}: key '{repeated}' is set {keys.count(repeated)} times in one object; "
+                         f"keep one")
+    return pairs
 
 
 def map_deepspeed(data: dict[str, Any], where: str) -> Mapped:
