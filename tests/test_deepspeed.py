@@ -224,6 +224,16 @@ def test_a_key_set_twice_in_the_file_is_refused_naming_it_and_its_lines(tmp_path
     assert str(err.value) == f"deepspeed {ds}: key 'zero_optimization' is set twice (lines 2 and 4); keep one"
 
 
+def test_bf16_from_the_file_and_fp16_from_the_command_line_names_the_file(tmp_path):
+    """It read "bf16 and fp16 are both true; choose one", to a user who had set only --fp16: the bf16 was the
+    DeepSpeed file's."""
+    ds = write(tmp_path / "ds.json", {"bf16": {"enabled": True}})
+    with pytest.raises(UsageError) as err:
+        load_train_config([*BASE, "--deepspeed", str(ds), "--fp16", "true"])
+    assert str(err.value).startswith(f"{ds} (DeepSpeed, named at command line (--deepspeed)): bf16 and fp16 are "
+                                     f"both true")
+
+
 def test_an_accelerate_file_with_a_deepspeed_config_file(tmp_path):
     """The case that used to become FULL_SHARD with mixed precision 'no', dropping accumulation, clipping and
     offload: ZeRO-1, bf16, accumulation 4, clipping 0.7, optimizer offload."""

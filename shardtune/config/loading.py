@@ -606,9 +606,11 @@ def _alias_problems(values: dict[str, Any], sources: dict[str, Origin]) -> list[
 
 
 def _located(problem: str, given: dict[str, Origin]) -> str:
-    """``problem`` led by the file and line that set the first of its keys set in a file (the command line needs
+    """``problem`` led by the file (and line) that set the first of its keys set in a file (the command line needs
     no pointer: the key is on it)."""
-    lines = [given[key] for key in getattr(problem, "keys", ()) if key in given and given[key].line]
+    origins = [given[key] for key in getattr(problem, "keys", ()) if key in given]
+    # else a file without lines (a DeepSpeed JSON): bf16 from it and --fp16 would read as if only --fp16 were set
+    lines = [o for o in origins if o.line] or [o for o in origins if not o.where.startswith("command line")]
     return f"{lines[0]}: {problem}" if lines else problem
 
 
