@@ -161,6 +161,20 @@ def test_a_bad_callback_name_is_refused_naming_it(spec, message):
     assert str(exc.value) == message
 
 
+def test_a_callback_with_only_an_event_never_called_is_told_where_to_move_it():
+    """A plain class whose one event is on_init_end was told it 'has none of the events ...', not that
+    on_init_end is never called and that its code belongs in on_train_begin (as a TrainerCallback subclass is)."""
+    from shardtune.train.callbacks import CallbackList
+
+    class InitOnly:
+        def on_init_end(self, args, state, control, **kwargs):
+            pass
+
+    with pytest.raises(UsageError, match=r"InitOnly\.on_init_end would never be called.*move its code to "
+                                         r"on_train_begin"):
+        CallbackList([InitOnly()], None, None)
+
+
 def test_a_callback_with_no_events_is_refused_before_a_tracker_writes(assets, tmp_path):
     """A callback class with none of the events was refused (exit 2) after the trackers had written into
     output_dir, so the next run there was refused as 'an earlier run'; the callbacks are checked first."""

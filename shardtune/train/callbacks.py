@@ -128,13 +128,13 @@ class CallbackList:
         self.common = common
         self.control = TrainerControl()
         for callback in self.callbacks:
-            if not any(callable(getattr(callback, event, None)) for event in EVENTS):
-                raise UsageError(f"callbacks: {type(callback).__name__} has none of the events {', '.join(EVENTS)}")
-            for event, instead in NEVER_CALLED.items():
+            for event, instead in NEVER_CALLED.items():  # first: a class with only these has none of EVENTS
                 if own_method(callback, event):
                     raise UsageError(f"callbacks: {type(callback).__name__}.{event} would never be called: shardtune's "
                                      f"loop has no such event; move its code to {instead} (the events: "
                                      f"{', '.join(EVENTS)})")
+            if not any(callable(getattr(callback, event, None)) for event in EVENTS):
+                raise UsageError(f"callbacks: {type(callback).__name__} has none of the events {', '.join(EVENTS)}")
         # A save, an evaluation and a stop are collectives: a flag one rank's callback set (rank 0's only, or one
         # decided from that rank's own clock) must act on every rank, or they hang or part ways. Where any rank has
         # callbacks, ``agreed`` sets it on all; one collective, after events ran, each time the loop reads the flags.
