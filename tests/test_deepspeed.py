@@ -200,6 +200,18 @@ def test_zero3_init_flag_written_as_text_and_a_numeric_train_batch_size_are_read
                 {"train_batch_size": 32}, "ds.json").lines
 
 
+def test_an_offload_block_that_offloads_nothing_is_printed_too():
+    """Transformers' ZeRO-2 example's offload_optimizer {"device": "none", "pin_memory": true} printed no line at
+    all, where every other key of the file says what it became."""
+    from shardtune.config.deepspeed import map_deepspeed
+
+    lines = map_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none",
+                                                                                    "pin_memory": True}}},
+                          "ds.json").lines
+    assert "zero_optimization.offload_optimizer.device none: not offloaded" in lines
+    assert "zero_optimization.offload_optimizer.pin_memory true: DeepSpeed-engine tuning, not used" in lines
+
+
 def test_an_unreadable_file_is_one_line(tmp_path):
     """One line naming the file, what is wrong with it (json's own words, with its line and column) and the fix."""
     bad, missing = write(tmp_path / "ds.json", "{oops"), tmp_path / "missing.json"

@@ -218,13 +218,17 @@ def _offload(out: Mapped, ds_key: str, block: Any) -> None:
     if device not in ("cpu", "none"):
         out.refuse(ds_key, block, 'must be {"device": "cpu"} or {"device": "none"} (NVMe offload is not run)')
         return
-    for key, value in block.items():
-        if key not in ("device", *TUNING):
-            out.refuse(f"{ds_key}.{key}", value, "has no counterpart in FSDP2's CPU offload: remove it")
     if device == "cpu":
         out.values["fsdp_offload_params"] = True
         extra = "" if ds_key.endswith("param") else " (FSDP2 offloads parameters, gradients and optimizer together)"
         out.lines.append(f"{ds_key}.device cpu -> fsdp_offload_params true{extra}")
+    else:
+        out.lines.append(f"{ds_key}.device none: not offloaded")
+    for key, value in block.items():
+        if key in TUNING:
+            out.lines.append(f"{ds_key}.{key} {_show(value)}: DeepSpeed-engine tuning, not used")
+        elif key != "device":
+            out.refuse(f"{ds_key}.{key}", value, "has no counterpart in FSDP2's CPU offload: remove it")
 
 
 def _optimizer(out: Mapped, block: Any) -> None:
