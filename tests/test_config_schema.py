@@ -56,6 +56,19 @@ def test_values_are_coerced_and_checked_as_their_type_and_metadata_declare():
     assert all(p.keys == (p.split("=")[0],) for d in (kind, count) for p in d.problems("GH" if d is kind else 0))
 
 
+def test_a_list_key_given_a_mapping_is_refused_naming_the_file_and_line(tmp_path):
+    """'callbacks:' followed by an indented 'mypkg: hooks' was read as one callback named "{'mypkg': 'hooks'}",
+    refused much later as a module that cannot be imported; a mapping is not a list, nor is an item of one."""
+    _, _, _, names, _ = declared(Planted)
+    for value in ({"a": "b"}, ["x", {"a": "b"}], ["x", ["y"]]):
+        with pytest.raises(ValueError, match="expected a list"):
+            names.coerce(value)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model_name_or_path: m\ndataset_name: d.jsonl\noutput_dir: out\ncallbacks:\n  mypkg: hooks\n")
+    with pytest.raises(UsageError, match=rf"^{re.escape(str(recipe))}, line 4: callbacks=.*expected a list"):
+        load_train_config([str(recipe)])
+
+
 def problem_config() -> TrainConfig:
     """A config breaking a value rule and a rule between keys in every section."""
     cfg = TrainConfig()

@@ -94,6 +94,9 @@ class Declared:
         """A YAML or command-line value as this key's type; ValueError says the accepted form."""
         if self.is_list:  # a YAML list, or one string of comma-separated items (the command line's form)
             items = value if isinstance(value, (list, tuple)) else str(value or "").split(",")
+            if isinstance(value, dict) or any(isinstance(item, (dict, list, tuple)) for item in items):
+                raise ValueError("expected a list of values (a YAML list, or comma-separated text), not a mapping or "
+                                 "nested list")
             return [self.normal(str(item).strip()) for item in items if str(item).strip()]
         if value is None or (self.optional and isinstance(value, str) and value.lower() in ("none", "null")):
             if self.optional:
