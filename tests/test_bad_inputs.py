@@ -432,6 +432,13 @@ def test_a_lora_target_the_model_lacks_is_refused_where_it_was_written(work, tmp
     assert not (tmp_path / "run").exists()
 
 
+def test_estimate_config_given_a_folder_says_it_is_a_folder(tmp_path, capsys):
+    """``estimate --config runs/`` was told 'no such file' of a folder that is there."""
+    refused(capsys, ["estimate", "--config", str(tmp_path)],
+            f"--config {tmp_path}: a folder, not a file; give a training recipe, an Accelerate config file or a "
+            f"DeepSpeed JSON")
+
+
 def test_rows_left_out_of_each_epoch_are_said(work, tmp_path, capsys):
     """Every step is a whole global batch, so the rows of an incomplete last one are not trained that epoch; that
     was written only in a docstring (Transformers' Trainer trains a smaller last batch)."""

@@ -231,8 +231,9 @@ def config_argv(files: list[str]) -> list[str]:
     for name in files:
         path = Path(name)
         if not path.is_file():
-            raise UsageError(f"--config {name}: no such file; give a training recipe, an Accelerate config file "
-                             f"or a DeepSpeed JSON")
+            what = "a folder, not a file" if path.is_dir() else "no such file"
+            raise UsageError(f"--config {name}: {what}; give a training recipe, an Accelerate config file or a "
+                             f"DeepSpeed JSON")
         if path.suffix == ".json":
             argv += ["--deepspeed", name]
             continue
