@@ -439,6 +439,14 @@ def test_estimate_config_given_a_folder_says_it_is_a_folder(tmp_path, capsys):
             f"DeepSpeed JSON")
 
 
+def test_estimate_given_a_recipe_as_model_points_at_config(tmp_path, capsys):
+    """``estimate recipe.yaml`` was read as a config.json: 'invalid JSON at line 1, column 1'."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: m\n")
+    refused(capsys, ["estimate", str(recipe)], f"MODEL {recipe}: a YAML file, not a model; to estimate the job a "
+                                               f"training recipe describes, give it as --config {recipe}")
+
+
 def test_rows_left_out_of_each_epoch_are_said(work, tmp_path, capsys):
     """Every step is a whole global batch, so the rows of an incomplete last one are not trained that epoch; that
     was written only in a docstring (Transformers' Trainer trains a smaller last batch)."""

@@ -454,6 +454,9 @@ def _estimate(args: argparse.Namespace) -> int:
     elif not args.model:
         raise UsageError("give a MODEL (a catalog name, a model folder or a config.json); "
                          "'shardtune estimate --list' prints the catalog.")
+    elif Path(args.model).suffix in (".yaml", ".yml") and Path(args.model).is_file():  # read as a config.json
+        raise UsageError(f"MODEL {args.model}: a YAML file, not a model; to estimate the job a training recipe "
+                         f"describes, give it as --config {args.model}")
     else:
         setup, auto = setup_from_args(args)
     _check_seq_len(args.model, setup.seq_len, "max_seq_len" if args.config else "--seq-len")
