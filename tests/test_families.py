@@ -326,6 +326,22 @@ def test_packed_masks_carry_the_sliding_window(family, tokenizer):
     assert abs(bare / alone - 1) > 10 * 1e-5
 
 
+def test_gemma2_eager_attention_is_said_in_the_log_not_as_a_python_warning(tokenizer, caplog):
+    """The switch to eager was a Python UserWarning: 'shardtune/train/model.py:191: UserWarning: ...' followed by
+    the source line 'attn = family_attention(config, attn)', amid the run's log lines."""
+    import warnings
+
+    from shardtune.testing.families import family_config
+    from shardtune.train.model import _warn_once, family_attention
+
+    _warn_once.cache_clear()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING", logger="shardtune"):
+        warnings.simplefilter("always")
+        assert family_attention(family_config("gemma2", tokenizer), "sdpa") == "eager"
+    assert not caught
+    assert "Gemma2ForCausalLM has no sdpa attention, using eager instead" in caplog.text
+
+
 def with_config(root, family: str, folder, **changes):
     """A copy of ``family``'s model folder whose config.json has ``changes``."""
     import shutil

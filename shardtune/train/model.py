@@ -146,7 +146,7 @@ def family_attention(config, attn: str) -> str:
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     # The attention choice is asked for by the model loader and the collator: one warning is enough.
-    warnings.warn(message, stacklevel=3)
+    log.warning(message)
 
 
 def _quantization_config(lora: LoraConfig):
