@@ -342,6 +342,8 @@ def adapter_folder_problem(folder: str | Path) -> str | None:
 
     folder = Path(folder).expanduser()
     config = folder / "adapter_config.json"
+    if not config.is_file() and (folder / "final" / "adapter_config.json").is_file():  # export takes it; merge not
+        return f"{folder}: a LoRA run's output_dir, not its adapter; give {folder / 'final'}"
     if not config.is_file():
         return (f"{folder}: not a PEFT adapter folder (no adapter_config.json); give output_dir/final of a LoRA run "
                 f"or the folder 'shardtune export' wrote")

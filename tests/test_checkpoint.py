@@ -123,6 +123,11 @@ def test_export_and_merge_cli_errors(tmp_path: Path, capsys) -> None:
     assert main(["merge", str(source), "--base", str(source), str(tmp_path / "out")]) == 2
     assert "not a PEFT adapter folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    # A run's output_dir given where its final/ adapter goes (export takes either): pointed at final/
+    (source / "final").mkdir()
+    (source / "final" / "adapter_config.json").write_text("{}")
+    assert main(["merge", str(source), "--base", str(source), str(tmp_path / "out")]) == 2
+    assert f"give {source / 'final'}" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("x")  # a file where OUT goes: refused before anything is loaded
     for command in (["export", str(source)], ["merge", str(source), "--base", str(source)]):
         assert main([*command, str(tmp_path / "a-file")]) == 2
