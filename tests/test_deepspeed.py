@@ -103,6 +103,14 @@ def test_a_zero_stage_written_as_text_is_refused_saying_so(tmp_path):
                                   f"number (without quotes)")
 
 
+def test_a_precision_flag_written_as_text_is_refused_showing_the_quotes(tmp_path):
+    """It read "DeepSpeed key 'bf16.enabled' = true must be true, false or auto"."""
+    ds = write(tmp_path / "ds.json", {"bf16": {"enabled": "true"}})
+    with pytest.raises(UsageError) as refused:
+        load_train_config([*BASE, "--deepspeed", str(ds)])
+    assert str(refused.value) == f"{ds}: DeepSpeed key 'bf16.enabled' = \"true\" must be true, false or auto"
+
+
 def test_two_entries_of_the_file_that_set_one_key_must_agree(tmp_path):
     """optimizer.params.lr and the scheduler's warmup_max_lr are both learning_rate: the later one in the file
     won without a word (scheduler first: the optimizer's 3e-4 trained, where DeepSpeed warms up to 1e-4)."""

@@ -75,7 +75,9 @@ class Mapped:
         self.lines.append(f"{ds_key} {_show(value)} -> {key} {_show(shown if shown is not None else value)}")
 
     def refuse(self, ds_key: str, value: Any, why: str) -> None:
-        self.problems.append(f"{self.where}: DeepSpeed key '{ds_key}' = {_show(value)} {why}")
+        # JSON's "true" or "3" is text: shown quoted, or "'bf16.enabled' = true must be true" reads as nonsense
+        shown = json.dumps(value) if isinstance(value, str) else _show(value)
+        self.problems.append(f"{self.where}: DeepSpeed key '{ds_key}' = {shown} {why}")
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -189,8 +191,8 @@ def _zero(out: Mapped, block: Any) -> None:
         out.refuse("zero_optimization", block, 'must be an object such as {"stage": 2}')
         return
     stage = block.get("stage", 0)
-    if stage not in ZERO_STAGES:  # JSON's "3" is text: shown quoted, or "3 must be 0, 1, 2 or 3" reads as nonsense
-        out.refuse("zero_optimization.stage", json.dumps(stage) if isinstance(stage, str) else stage,
+    if stage not in ZERO_STAGES:
+        out.refuse("zero_optimization.stage", stage,
                    "must be 0, 1, 2 or 3" + (", a number (without quotes)" if isinstance(stage, str) else ""))
     else:
         strategy, sharding = ZERO_STAGES[stage]
