@@ -111,6 +111,16 @@ def test_a_precision_flag_written_as_text_is_refused_showing_the_quotes(tmp_path
     assert str(refused.value) == f"{ds}: DeepSpeed key 'bf16.enabled' = \"true\" must be true, false or auto"
 
 
+def test_bf16_enabled_false_trains_without_bf16_on_hardware_that_has_it(tmp_path):
+    """A file with bf16 and fp16 both enabled false (DeepSpeed's fp32) was printed 'bf16.enabled false -> bf16
+    from the config', and the unset bf16 became bf16 on a GPU or CPU that computes it: the file's false dropped."""
+    ds = write(tmp_path / "ds.json", {"bf16": {"enabled": False}, "fp16": {"enabled": False}})
+    cfg = load_train_config([*BASE, "--deepspeed", str(ds)])
+    assert (cfg.run.bf16, cfg.run.fp16, cfg.precision_on(True)) == (False, False, "no")
+    with pytest.raises(UsageError, match=r"bf16='true', but the DeepSpeed config .* sets False"):
+        load_train_config([*BASE, "--deepspeed", str(ds), "--bf16", "true"])
+
+
 def test_two_entries_of_the_file_that_set_one_key_must_agree(tmp_path):
     """optimizer.params.lr and the scheduler's warmup_max_lr are both learning_rate: the later one in the file
     won without a word (scheduler first: the optimizer's 3e-4 trained, where DeepSpeed warms up to 1e-4)."""

@@ -171,6 +171,8 @@ def _precision(out: Mapped, name: str, block: Any) -> None:
                 out.refuse(f"{name}.enabled", value, "must be true, false or auto")
             elif value is True:
                 out.set(f"{name}.enabled", True, name, shown="true (autocast, fp32 master weights)")
+            elif value is False:  # not "the config decides": unset bf16 is bf16 on hardware that computes it
+                out.set(f"{name}.enabled", False, name)
             else:
                 out.lines.append(f"{name}.enabled {_show(value)} -> {name} from the config")
         elif name == "fp16" and key == "loss_scale" and value == 0:
