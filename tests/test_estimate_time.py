@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -552,7 +553,9 @@ def test_plot_writes_the_time_and_cost_chart_beside_the_memory_one(tmp_path, cap
     (["--tokens", "lots"], "not a token count"),
     (["--tokens", "1e30"], "'1e30' is more than 1,000T tokens"),  # past any data set: a typo, not a job
     (["--tokens", "inf"], "'inf' is more than 1,000T tokens"),
-    (["--data", "missing.jsonl"], "not a data file"),
+    (["--data", "missing.jsonl"], "--data missing.jsonl: no such file"),  # it said 'not a data file' of a .jsonl
+    (["--data", tempfile.gettempdir()], "a folder, not a data file; give its training file"),  # train takes folders
+    (["--data", __file__], "not a data file"),
 ])
 def test_bad_time_options_are_one_line_errors(args, message):
     proc = subprocess.run([sys.executable, "-m", "shardtune", "estimate", "llama-3-8b", *CHECKED_AT_ARGS, *args],

@@ -398,6 +398,11 @@ def count_data_tokens(data: str, model: str, seq_len: int) -> DataTokens:
     from shardtune.hub import EXTENSIONS
 
     path = Path(data).expanduser()
+    if path.is_dir():  # shardtune train's dataset_name may be one; its files may be splits
+        raise UsageError(f"--data {data}: a folder, not a data file; give its training file (the one file whose "
+                         f"rows you train on), or the token count with --tokens N")
+    if not path.exists():
+        raise UsageError(f"--data {data}: no such file; check the path, or give the token count with --tokens N")
     if not path.is_file() or path.suffix.lower() not in EXTENSIONS:
         raise UsageError(f"--data {data}: not a data file; give a {', '.join(EXTENSIONS)} file, or the token "
                          f"count with --tokens N")
