@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -228,6 +229,18 @@ def test_an_offload_block_that_offloads_nothing_is_printed_too():
                           "ds.json").lines
     assert "zero_optimization.offload_optimizer.device none: not offloaded" in lines
     assert "zero_optimization.offload_optimizer.pin_memory true: DeepSpeed-engine tuning, not used" in lines
+
+
+def test_a_deepspeed_file_or_a_folder_given_as_the_recipe_says_what_to_do(tmp_path):
+    """'shardtune train ds.json' (and a folder) read 'unexpected argument ...: give a YAML recipe', with no word of
+    --deepspeed, the option a DeepSpeed file goes in."""
+    ds = write(tmp_path / "ds.json", ZERO2)
+    with pytest.raises(UsageError) as err:
+        load_train_config([str(ds), *BASE])
+    assert str(err.value) == (f"unexpected argument '{ds}': a DeepSpeed config JSON goes in --deepspeed {ds}; give a "
+                              f"YAML recipe (CONFIG.yaml), key=value or --key value")
+    with pytest.raises(UsageError, match=rf"unexpected argument '{re.escape(str(tmp_path))}': a folder; give a YAML"):
+        load_train_config([str(tmp_path), *BASE])
 
 
 def test_an_unreadable_file_is_one_line(tmp_path):

@@ -691,7 +691,9 @@ def _layers(argv: list[str]) -> Layers:
         layers.append(read_accelerate_config(accelerate_file))
     for path in files:
         if not path.endswith((".yaml", ".yml")):
-            raise UsageError(f"unexpected argument '{path}': give a YAML recipe (CONFIG.yaml), key=value or "
+            what = ("a folder; " if Path(path).is_dir() else
+                    f"a DeepSpeed config JSON goes in --deepspeed {path}; " if path.endswith(".json") else "")
+            raise UsageError(f"unexpected argument '{path}': {what}give a YAML recipe (CONFIG.yaml), key=value or "
                              f"--key value")
         layers.append(read_yaml_recipe(path))
     for given in (overrides, flags):
