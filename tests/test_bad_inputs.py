@@ -447,6 +447,16 @@ def test_estimate_given_a_recipe_as_model_points_at_config(tmp_path, capsys):
                                                f"training recipe describes, give it as --config {recipe}")
 
 
+def test_estimate_config_without_a_model_asks_for_model(tmp_path, capsys):
+    """'estimate --config ds.json' (no model anywhere) was told to give --model_name_or_path, which estimate refuses
+    as an unknown option."""
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 2}}')
+    line = refused(capsys, ["estimate", "--config", str(ds)],
+                   f"--config {ds}: no model_name_or_path in it; give MODEL ('shardtune estimate MODEL --config ...')")
+    assert "--model_name_or_path" not in line
+
+
 def test_rows_left_out_of_each_epoch_are_said(work, tmp_path, capsys):
     """Every step is a whole global batch, so the rows of an incomplete last one are not trained that epoch; that
     was written only in a docstring (Transformers' Trainer trains a smaller last batch)."""

@@ -248,7 +248,7 @@ def config_argv(files: list[str]) -> list[str]:
 def setup_from_config_files(args: argparse.Namespace) -> Setup:
     """``--config``: the Setup of the job the files describe (what ``shardtune train`` with them would run), and
     MODEL from them when not given. Setup options on the command line are refused: the files decide."""
-    from shardtune.config.loading import load_planned_config
+    from shardtune.config.loading import load_given_values, load_planned_config
     from shardtune.memory.trace_setup import setup_from_config
 
     typed = getattr(args, "argv", [])
@@ -260,6 +260,9 @@ def setup_from_config_files(args: argparse.Namespace) -> Setup:
     argv = config_argv(args.config)
     if args.model:
         argv += ["--model_name_or_path", args.model]
+    elif not load_given_values(argv).get("model_name_or_path"):  # train's fix names --model_name_or_path
+        raise UsageError(f"--config {', '.join(args.config)}: no model_name_or_path in it; give MODEL ('shardtune "
+                         f"estimate MODEL --config ...'), or set model_name_or_path in the recipe")
     cfg = load_planned_config(argv)
     args.model = cfg.model.model_name_or_path
     d = cfg.distributed
