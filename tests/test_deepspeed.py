@@ -122,6 +122,15 @@ def test_bf16_enabled_false_trains_without_bf16_on_hardware_that_has_it(tmp_path
         load_train_config([*BASE, "--deepspeed", str(ds), "--bf16", "true"])
 
 
+def test_a_bf16_block_setting_is_not_called_a_loss_scaler_setting(tmp_path):
+    """bf16.immediate_grad_update was refused as 'tunes DeepSpeed's loss scaler': bf16 has none."""
+    ds = write(tmp_path / "ds.json", {"bf16": {"enabled": True, "immediate_grad_update": False}})
+    with pytest.raises(UsageError) as refused:
+        load_train_config([*BASE, "--deepspeed", str(ds)])
+    assert "loss scaler" not in str(refused.value)
+    assert "'bf16.immediate_grad_update' = false tunes DeepSpeed's bf16 optimizer" in str(refused.value)
+
+
 def test_two_entries_of_the_file_that_set_one_key_must_agree(tmp_path):
     """optimizer.params.lr and the scheduler's warmup_max_lr are both learning_rate: the later one in the file
     won without a word (scheduler first: the optimizer's 3e-4 trained, where DeepSpeed warms up to 1e-4)."""

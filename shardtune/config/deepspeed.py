@@ -183,9 +183,9 @@ def _precision(out: Mapped, name: str, block: Any) -> None:
                                    f"defaults: remove it or set it to auto")
             out.lines.append(f"{name}.{key} {_show(value)} -> unused: it tunes DeepSpeed's fp16 loss scaler, and a "
                              f"run in fp16 (where it is refused) scales with torch's GradScaler defaults")
-        elif not _is_auto(value):
-            out.refuse(f"{name}.{key}", value, "tunes DeepSpeed's loss scaler; shardtune runs torch's GradScaler "
-                                               "with its defaults: remove it or set it to auto")
+        elif not _is_auto(value):  # bf16 has no loss scaler: its other keys tune DeepSpeed's bf16 optimizer
+            out.refuse(f"{name}.{key}", value, "tunes DeepSpeed's bf16 optimizer; shardtune's bf16 is torch's "
+                                               "autocast with fp32 master weights: remove it or set it to auto")
 
 
 def _zero(out: Mapped, block: Any) -> None:
