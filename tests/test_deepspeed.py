@@ -286,6 +286,20 @@ def test_bf16_from_the_file_and_fp16_from_the_command_line_names_the_file(tmp_pa
                                      f"both true")
 
 
+def test_a_deepspeed_file_a_recipe_names_but_cannot_be_read_names_the_recipe(tmp_path, monkeypatch):
+    """A recipe's 'deepspeed: ds.json', run from another folder, read only 'deepspeed ds.json: cannot be read',
+    without the recipe and line that named it or the folder the relative path was read from."""
+    (tmp_path / "sub").mkdir()
+    write(tmp_path / "sub" / "ds.json", ZERO2)
+    recipe = tmp_path / "sub" / "recipe.yaml"
+    recipe.write_text("deepspeed: ds.json\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as err:
+        load_train_config([str(recipe), *BASE])
+    assert str(err.value).startswith(f"{recipe}, line 1: deepspeed ds.json: cannot be read")
+    assert str(err.value).endswith(f"(a relative path is read from the working directory, {tmp_path})")
+
+
 def test_an_accelerate_file_with_a_deepspeed_config_file(tmp_path):
     """The case that used to become FULL_SHARD with mixed precision 'no', dropping accumulation, clipping and
     offload: ZeRO-1, bf16, accumulation 4, clipping 0.7, optimizer offload."""

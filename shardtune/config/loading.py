@@ -166,7 +166,14 @@ def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] 
     if not named:
         return None
     path, origin = named[-1]
-    mapped = read_deepspeed_file(path)
+    try:
+        mapped = read_deepspeed_file(path)
+    except UsageError as exc:  # named in a recipe: which one, and that a relative path is the working directory's
+        if origin is None or not origin.line:
+            raise
+        relative = "" if Path(path).expanduser().is_absolute() or Path(path).expanduser().exists() else \
+            f" (a relative path is read from the working directory, {Path.cwd()})"
+        raise UsageError(f"{origin}: {exc}{relative}") from None
     problems = list(mapped.problems)
     for key, value in mapped.values.items():
         for values, sources in layers:
