@@ -96,6 +96,11 @@ def test_a_problem_is_located_by_the_first_of_its_keys_that_a_file_sets(tmp_path
     with pytest.raises(UsageError) as info:
         load_train_config([str(recipe), "--model_name_or_path", "m", "--dataset_name", "d", "--bf16", "true"])
     assert str(info.value) == f"{recipe}, line 2: bf16 and fp16 are both true; choose one"
+    # The file sets both: the problem's first key (bf16) locates it, though fp16 comes first in the file.
+    recipe.write_text("output_dir: out\nfp16: true\nbf16: true\n")
+    with pytest.raises(UsageError) as info:
+        load_train_config([str(recipe), "--model_name_or_path", "m", "--dataset_name", "d"])
+    assert str(info.value) == f"{recipe}, line 3: bf16 and fp16 are both true; choose one"
 
 
 def test_templates_are_the_declared_chat_template_formats():
