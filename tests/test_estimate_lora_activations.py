@@ -74,7 +74,11 @@ CASES = [(arch, targets, True) for arch in CONFIGS for targets in TARGETS] + [
 def test_lora_activations_match_the_real_peft_model(arch, targets, pure_bf16, config_dir):
     folder = config_dir(CONFIGS[arch])
     measured = _measure_lora(CONFIGS[arch], targets, pure_bf16)
-    assert _predict(folder, targets, pure_bf16=pure_bf16) == pytest.approx(measured, rel=0.005)
+    predicted = _predict(folder, targets, pure_bf16=pure_bf16)
+    # Closer than one adapter's r-wide A output in every layer (BATCH x SEQ x RANK bf16 values a layer): a formula
+    # that left any adapter's output out is off by more. (rel=0.005 let q_proj,v_proj count one output of two.)
+    one_adapter = BATCH * SEQ * RANK * 2 * CONFIGS[arch]["num_hidden_layers"]
+    assert abs(predicted - measured) < one_adapter, (measured, predicted)
 
 
 def _cuda_dropout(x, p=0.5, training=True, inplace=False):
