@@ -80,14 +80,16 @@ def test_measurements_of_the_same_model_on_cpu_say_what_they_show(tmp_path):
 
 def test_a_faster_setup_that_does_not_fit_is_passed_over(tmp_path):
     # Full fine-tuning of a 7B model on two 80 GiB GPUs: no replica fits, so DDP cannot be used however fast (one
-    # checkpointed row per GPU: activations small enough that sharding fits).
+    # checkpointed row per GPU: activations small enough that sharding fits). The next fastest, MP, comes last in
+    # the usual order, so a pick that ignored the speeds (FSDP, first of the fitting candidates) is told apart.
     analysis, gpu = ModelAnalysis("llama-2-7b"), gpu_by_name("a100-80gb")
     base = validate(checked_setup(method="full", distributed_type="FSDP", num_gpus=2))
-    measured = Measured.load(measured_file(tmp_path, {"DDP": 5000.0, "FSDP": 800.0, "MP": 300.0, "PP": 700.0}))
+    measured = Measured.load(measured_file(tmp_path, {"DDP": 5000.0, "FSDP": 300.0, "MP": 800.0, "PP": 700.0}))
     assert not evaluate_setup(analysis, base.with_(distributed_type="DDP")).fits(gpu.memory_bytes)
     rec = recommend(analysis, base, gpu, measured)
     expected = fastest_fitting(analysis, base, gpu, measured)
-    assert rec.fits and rec.setup == expected and rec.setup.strategy != "DDP"
+    assert rec.fits and rec.setup == expected and rec.setup.strategy == "MP"
+    assert recommend(analysis, base, gpu).setup.strategy == "FSDP"  # without the measurements
 
 
 def test_pipeline_parallel_joins_only_when_measured_and_untied(tmp_path):
