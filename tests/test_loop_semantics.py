@@ -108,15 +108,30 @@ def test_transformers_schedules_train_at_their_rates_and_resume_exactly(root, ca
     args = ["--lr_scheduler_type", schedule, "--lr_scheduler_kwargs", json.dumps(settings), "--warmup_steps",
             str(warmup), "--max_steps", str(len(rates)), "--learning_rate", "1e-3", "--save_strategy", "steps",
             "--save_steps", "3"]
-    whole = run(root, case, *args)
-    assert [r["lr"] for r in whole if "loss" in r] == pytest.approx([1e-3 * rate for rate in rates], rel=1e-9)
+    used, used_resumed = RatesStepped(), RatesStepped()
+    whole = run(root, case, *args, callbacks=[used])
+    logged = [r["lr"] for r in whole if "loss" in r]
+    assert logged == pytest.approx([1e-3 * rate for rate in rates], rel=1e-9)
+    assert used.lr == logged  # the rates the updates were made with, not only the ones logged
     shutil.copytree(root / case, root / f"{case}-resumed")
     resumed = run(root, f"{case}-resumed", *args, "--resume_from_checkpoint",
-                  str(root / f"{case}-resumed" / "checkpoints" / "step-3"))
+                  str(root / f"{case}-resumed" / "checkpoints" / "step-3"), callbacks=[used_resumed])
     summary = json.loads((root / f"{case}-resumed" / "summary.json").read_text())
     assert (summary["resumed_from_step"], summary["steps_this_run"]) == (3, len(rates) - 3)
     trained = [(r["step"], r["lr"], r["loss"]) for r in whole if "loss" in r]
     assert [(r["step"], r["lr"], r["loss"]) for r in resumed if "loss" in r] == trained
+    assert used_resumed.lr == logged[3:]
+
+
+class RatesStepped:
+    """The learning rate of each optimizer step, read as the step runs (torch's step pre-hook): the rate the update
+    is made with, which a schedule stepped too early changes while the logged rate stays as it was."""
+
+    def __init__(self) -> None:
+        self.lr: list[float] = []
+
+    def on_train_begin(self, args, state, control, *, optimizer, **kwargs):
+        optimizer.register_step_pre_hook(lambda opt, *_: self.lr.append(opt.param_groups[0]["lr"]))
 
 
 def test_torch_empty_cache_steps_empties_the_device_cache_after_every_nth_step(root, monkeypatch, capsys):
