@@ -3,7 +3,8 @@
 The trainer carries no test hooks: a test names ``tests.faults:Faults`` (and puts the repository on PYTHONPATH, so
 every process torchrun starts can import it) and says where the fault strikes in an environment variable:
 
-- ``FAULT_STEP=hang:STEP:RANK`` sleeps forever when that rank begins step STEP; ``die:STEP:RANK`` exits with 17.
+- ``FAULT_STEP=hang:STEP:RANK`` sleeps forever when that rank begins step STEP; ``die:STEP:RANK`` exits with 17;
+  ``term-launcher:STEP:RANK`` sends SIGTERM to the launcher there (the workers get it inside that step).
 - ``FAULT_SAVE=POINT:STEP[:RANK[:HOW]]``: POINT ``after_save`` (the checkpoint of step STEP is complete) or
   ``during_save`` (its tensors are written, its manifest not yet) SIGKILLs the rank(s); HOW ``TERM`` sends SIGTERM
   instead, ``TERM-LAUNCHER`` sends it to the launcher, ``HOST`` SIGKILLs the launcher and then the rank(s), as a
@@ -90,6 +91,8 @@ class Faults:
             time.sleep(10**6)
         elif self.step_fault[0] == "die":
             os._exit(17)
+        elif self.step_fault[0] == "term-launcher":
+            _strike("TERM-LAUNCHER")
 
     def on_save(self, args, state, control, *, checkpoint, **kwargs) -> None:
         if self.save_fault and self.save_fault[0] == "after_save" and self._mine(self.save_fault, state.step):

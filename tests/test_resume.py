@@ -298,13 +298,16 @@ def test_checkpoint_at_an_epochs_last_step_resumes_with_the_next_epoch(work: Pat
 
 
 def test_sigterm_to_launcher_saves_and_exits_preempted(work: Path) -> None:
-    # Rank 0 sends SIGTERM to the launcher right after step-2 is saved, as a scheduler would before preemption. The
-    # checkpoint the SIGTERM saves takes 4 s, longer than torchrun's agent waits (set to 1 s here; 30 s by default,
-    # short of a large model's save) before it SIGKILLs the workers: the launcher waits for the save itself.
-    proc = shardtune(work, "sigterm", "--distributed_type", "FSDP", *LORA, fault="after_save:2:0:TERM-LAUNCHER",
-                     env={"FAULT_SLOW_SAVE": "3:4", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"})
+    # Rank 0 sends SIGTERM to the launcher as step 3 begins, as a scheduler would before preemption. The checkpoint
+    # the SIGTERM saves (step 3 or later) takes 4 s, longer than torchrun's agent waits (set to 1 s here; 30 s by
+    # default, short of a large model's save) before it SIGKILLs the workers: the launcher waits for the save
+    # itself. (Sent right after step-2's save, it often stopped the run at step 2, whose checkpoint was there
+    # already: nothing was saved after it, and a launcher that did not wait passed.)
+    proc = shardtune(work, "sigterm", "--distributed_type", "FSDP", *LORA,
+                     env={"FAULT_STEP": "term-launcher:3:0", "FAULT_SLOW_SAVE": "3:4",
+                          "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"})
     summary = json.loads((work / "sigterm" / "summary.json").read_text())
-    assert summary["stopped_by"] == "SIGTERM" and summary["steps"] < 6
+    assert summary["stopped_by"] == "SIGTERM" and 3 <= summary["steps"] < 6
     last = Path(work / summary["last_checkpoint"])
     assert last.name == f"step-{summary['steps']}" and (last / "manifest.json").is_file()
     assert not (work / "sigterm" / "final").exists()
