@@ -160,28 +160,29 @@ def test_ddp_lora_resumes_exactly(work: Path) -> None:
     assert_same_losses(work / "ddp_kill", work / "ddp_ref")
 
 
-def elastic_restart_from_step_2(work: Path, lora_ref: Path, out: str, fault: str) -> str:
-    """A 2-process FSDP LoRA job with ``fault``, restarted once by torchrun: it must go on from step-2 with the
-    uninterrupted run's losses. Returns its log."""
+def elastic_restart_from(work: Path, lora_ref: Path, out: str, fault: str, step: int = 2) -> str:
+    """A 2-process FSDP LoRA job with ``fault``, restarted once by torchrun: it must go on from step-``step`` with
+    the uninterrupted run's losses. Returns its log."""
     proc = shardtune(work, out, "--distributed_type", "FSDP", *LORA, *FP32, "--resume_from_checkpoint", "true",
                      fault=fault, launcher=("--max_restarts", "1"))
     ok(proc)
     log = (work / f"{out}.log").read_text()
-    assert f"resumed from {out}/checkpoints/step-2 at step 2" in log
+    assert f"resumed from {out}/checkpoints/step-{step} at step {step}" in log
     assert_same_losses(work / out, lora_ref)
     return log
 
 
 def test_elastic_restart_resumes_from_newest_complete_checkpoint(work: Path, lora_ref: Path) -> None:
-    # Rank 1 dies while writing step-4; torchrun restarts both workers, which find step-2 and carry on.
-    log = elastic_restart_from_step_2(work, lora_ref, "elastic", "during_save:4:1")
-    assert "ignoring incomplete checkpoint elastic/checkpoints/.tmp-step-4" in log
+    # Rank 1 dies while writing step-6; torchrun restarts both workers, which find step-2 and step-4 complete and
+    # carry on from step-4 (with only one complete checkpoint, the oldest would have passed for the newest).
+    log = elastic_restart_from(work, lora_ref, "elastic", "during_save:6:1", step=4)
+    assert "ignoring incomplete checkpoint elastic/checkpoints/.tmp-step-6" in log
 
 
 def test_elastic_restart_skips_a_damaged_newest_checkpoint(work: Path, lora_ref: Path) -> None:
     # Step-4 is complete but its first shard loses its second half, and rank 0 dies: the restarted workers find
     # step-4 damaged against its manifest, say so, and go on from step-2.
-    log = elastic_restart_from_step_2(work, lora_ref, "elastic_cut", "after_save:4:0:TRUNCATE")
+    log = elastic_restart_from(work, lora_ref, "elastic_cut", "after_save:4:0:TRUNCATE")
     assert "resume_from_checkpoint=true: skipping step-4: elastic_cut/checkpoints/step-4/dcp/__0_0.distcp has " in log
 
 
