@@ -275,10 +275,32 @@ def load_tokenizer(source: GgufFile, **kwargs):
 
     try:
         with _shared_reader():
-            return AutoTokenizer.from_pretrained(source.folder, gguf_file=source.name, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.name, **kwargs)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise UsageError(f"{source.path}: transformers cannot build its tokenizer ({str(exc).splitlines()[0]}); "
                          f"use a GGUF whose tokenizer transformers reads, or the original model folder") from None
+    listed = metadata(source)[0].get("tokenizer.ggml.tokens")
+    return _only_listed_tokens(tokenizer, listed) if isinstance(listed, int) else tokenizer
+
+
+def _only_listed_tokens(tokenizer, listed: int):
+    """``tokenizer`` without the added tokens past the file's ``listed`` ones that nothing names as special.
+    transformers builds a byte-level GGUF vocabulary with GPT2Tokenizer, which adds its default unknown, BOS and EOS
+    token, <|endoftext|>, where the file has none (a Llama 3 or shardtune's own export): one token more than the file
+    and the model's embeddings hold, for which training grew the embeddings and trained a row, and every merge and
+    export carried it."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    named = set(tokenizer.all_special_tokens)
+    unlisted = [t for t in spec.get("added_tokens", []) if t["id"] >= listed and t["content"] not in named]
+    if not unlisted:
+        return tokenizer
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t not in unlisted]
+    tokenizer._tokenizer = Tokenizer.from_str(json.dumps(spec))
+    return tokenizer
 
 
 # general.* keys an export writes for itself (what the new file is), not copied from the file it was made from.

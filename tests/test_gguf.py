@@ -332,6 +332,31 @@ def test_export_of_a_model_folder_round_trips(tiny, tmp_path, quantize):
     assert f"FROM ./model-{quantize}.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
 
 
+def test_a_gguf_without_endoftext_reads_back_with_its_own_tokens_and_trains_without_growing(tiny, tmp_path):
+    """transformers builds a byte-level GGUF's vocabulary with GPT2Tokenizer, which adds its default <|endoftext|>
+    where the file has none (shardtune's own export of this model; a Llama 3): the tokenizer read back had one token
+    more than the file, so a LoRA run on that GGUF grew the embeddings and trained a row for it. shardtune reads the
+    file's own tokens, encoding as the original does, and the run keeps the model's vocabulary."""
+    from shardtune.gguf_source import find_gguf, load_tokenizer
+
+    folder, _, tokenizer = tiny
+    assert "<|endoftext|>" not in tokenizer.get_vocab()
+    assert shardtune_main(["export", str(folder), str(tmp_path / "out"), "--format", "gguf", "--quantize", "f16"]) == 0
+    path = tmp_path / "out" / "model-f16.gguf"
+    read = load_tokenizer(find_gguf(path))
+    assert len(read) == len(tokenizer) and read.get_vocab() == tokenizer.get_vocab()
+    text = f"{tokenizer.bos_token}The river 123{tokenizer.eos_token} <|endoftext|>"
+    assert read(text)["input_ids"] == tokenizer(text)["input_ids"]
+    write_chat_data(tmp_path / "chat.jsonl", rows=8)
+    result = run_shardtune(["train", "--model_name_or_path", str(path), "--dataset_name", "chat.jsonl",
+                            "--max_seq_len", "64", "--max_steps", "1", "--use_peft_lora", "true", "--output_dir",
+                            "run", "--bf16", "false", "--predict_memory", "false"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resizing token embeddings" not in result.stderr
+    assert json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text()).get(
+        "trainable_token_indices") is None  # no added row trained
+
+
 def test_a_model_named_mistral_exports_a_gguf_transformers_reads(tiny, tmp_path):
     # transformers' GGUF reader took a llama file whose general.name is exactly "mistral" (the name of the folder
     # exported) for a Mistral one and could not map its tensors
