@@ -23,6 +23,7 @@ import yaml
 
 from shardtune.config.keys import parse_bool
 from shardtune.config.schema import all_keys
+from shardtune.config.yaml_keys import repeated_key_line, repeated_keys
 from shardtune.errors import UsageError
 from shardtune.strategies import ZERO_STAGES
 
@@ -118,13 +119,12 @@ def _refuse_repeats(path: Path, text: str):
         repeated = next((key for key in keys if keys.count(key) > 1), None)
         if repeated is None:
             return dict(items)
-        from shardtune.config.loading import _repeated_key, repeated_keys  # loading imports this module
         try:  # JSON is YAML: its parser knows each key's line
             lines = dict(repeated_keys(yaml.compose(text))).get(repeated)
         except yaml.YAMLError:
             lines = None
         if lines:
-            raise UsageError(f"deepspeed {_repeated_key(path, repeated, lines)}")
+            raise UsageError(f"deepspeed {repeated_key_line(path, repeated, lines)}")
         raise UsageError(f"deepspeed {path}: key '{repeated}' is set {keys.count(repeated)} times in one object; "
                          f"keep one")
     return pairs

@@ -14,7 +14,7 @@ The resolved config is written beside every checkpoint as flat YAML that ``shard
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from shardtune.config.schema import ALIASES, DATASET_PLACEHOLDER, ZERO2_HYBRID, 
 from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
                                          input_problems, model_folder_problems, overruled_keys, resolve_report_to,
                                          stage_problems, tracker_problems, validate)
+from shardtune.config.yaml_keys import key_lines, repeated_key_line, repeated_keys
 from shardtune.errors import UsageError, closest
 from shardtune.files import with_digest, write_text
 from shardtune.strategies import FSDP
@@ -45,12 +46,6 @@ class Origin:
         return f"{self.where}, line {self.line}" if self.line else self.where
 
 
-def _repeated_key(path: Path, key: Any, lines: list[int]) -> str:
-    times = "twice" if len(lines) == 2 else f"{len(lines)} times"
-    where = ", ".join(map(str, lines[:-1])) + f" and {lines[-1]}"
-    return f"{path}: key '{key}' is set {times} (lines {where}); keep one"
-
-
 def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """Load a YAML mapping and the line of each top-level (and fsdp_config) key; a key set twice is refused, also
     once at the top and once under fsdp_config (both become the same flat key)."""
@@ -65,7 +60,7 @@ def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     try:
         node = loader.get_single_node()
         repeated = repeated_keys(node)
-        flat_lines = _key_lines(node, lift="fsdp_config")  # before constructing, which folds '<<' merges in
+        flat_lines = key_lines(node, lift="fsdp_config")  # before constructing, which folds '<<' merges in
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -84,41 +79,8 @@ def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
                              f"(as 'accelerate config' writes it), got {type(data[section]).__name__}")
     found = {key for key, _ in repeated}
     repeated += [(key, at) for key, at in flat_lines.items() if len(at) > 1 and key not in found]
-    raise_problems([_repeated_key(path, key, at) for key, at in repeated])
+    raise_problems([repeated_key_line(path, key, at) for key, at in repeated])
     return data, {key: at[0] for key, at in flat_lines.items()}
-
-
-MERGE = "tag:yaml.org,2002:merge"  # '<<: *defaults' then a key: YAML's own override, not a key set twice
-
-
-def _mappings(node: yaml.Node | None, seen: set[int] | None = None) -> Iterator[yaml.MappingNode]:
-    """Every mapping in the tree under ``node``, once each (an alias is the node it points at)."""
-    seen = set() if seen is None else seen
-    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and id(node) not in seen:
-        seen.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            yield node
-        for child in node.value:
-            for part in child if isinstance(child, tuple) else (child,):
-                yield from _mappings(part, seen)
-
-
-def repeated_keys(node: yaml.Node | None) -> list[tuple[str, list[int]]]:
-    """Each key a mapping anywhere under ``node`` sets more than once, with its lines (``safe_load`` would keep the
-    last one silently)."""
-    return [(key, at) for mapping in _mappings(node) for key, at in _key_lines(mapping).items() if len(at) > 1]
-
-
-def _key_lines(node: yaml.Node | None, lift: str = "") -> dict[str, list[int]]:
-    """The lines of each key a mapping writes (before '<<' merges fold in), and those of its ``lift`` block."""
-    lines: dict[str, list[int]] = {}
-    for key, value in node.value if isinstance(node, yaml.MappingNode) else ():
-        if key.tag != MERGE and isinstance(key, yaml.ScalarNode):
-            lines.setdefault(key.value, []).append(key.start_mark.line + 1)
-        if lift and key.value == lift:
-            for name, at in _key_lines(value).items():
-                lines.setdefault(name, []).extend(at)
-    return lines
 
 
 NESTED_SECTIONS = ("fsdp_config", "deepspeed_config")  # the blocks of an Accelerate file that _flatten lifts

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from shardtune.config.loading import repeated_keys
+from shardtune.config.yaml_keys import repeated_keys
 from shardtune.errors import UsageError
 from shardtune.hardware import GIB, GPUS, INTER_NODE_LINKS, INTRA_NODE_LINKS, Gpu, gpu_from_spec, host_link
 from shardtune.memory.compute import ATTENTION_KERNELS, RECOMPUTE, Kernels
