@@ -143,7 +143,8 @@ def _refusal(capsys, argv: list[str]) -> str:
     return err
 
 
-WARMING = "linear, cosine, cosine_with_min_lr, cosine_with_restarts, polynomial, inverse_sqrt or constant_with_warmup"
+WARMING = ("linear, cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, cosine_with_restarts, polynomial, "
+           "inverse_sqrt, warmup_stable_decay or constant_with_warmup")
 
 
 @pytest.mark.parametrize("args,says", [

@@ -104,19 +104,26 @@ def test_attention_is_chosen_for_the_device_the_model_runs_on_not_where_it_loads
     assert {p.device.type for p in loaded.parameters()} == {"cpu"}
 
 
-def test_flash_attention_only_where_its_kernels_run(monkeypatch):
-    """flash-attn needs CUDA and bf16/fp16 compute (it has no fp32 kernels); elsewhere the configured attention."""
+def test_flash_attention_only_where_its_kernels_run(monkeypatch, caplog):
+    """flash-attn needs CUDA and bf16/fp16 compute (it has no fp32 kernels); elsewhere the configured attention,
+    said once in the log."""
+    import logging
+
     import torch
 
     from shardtune.config import ModelConfig
-    from shardtune.train.model import attn_implementation
+    from shardtune.train.model import _warn_once, attn_implementation
 
     monkeypatch.setattr("transformers.utils.is_flash_attn_2_available", lambda: True)
     cfg, gpu = ModelConfig(use_flash_attn=True), torch.device("cuda", 0)
     assert attn_implementation(cfg, gpu, torch.bfloat16) == "flash_attention_2"
     assert attn_implementation(cfg, gpu, torch.float16) == "flash_attention_2"
-    with pytest.warns(UserWarning, match="it computes in bf16 or fp16 only, and this job computes in fp32"):
+    _warn_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="shardtune"):
         assert attn_implementation(cfg, gpu, torch.float32) == "sdpa"
+        assert attn_implementation(cfg, gpu, torch.float32) == "sdpa"
+    said = [r.getMessage() for r in caplog.records if "it computes in bf16 or fp16 only" in r.getMessage()]
+    assert len(said) == 1 and "this job computes in fp32" in said[0]
     assert attn_implementation(cfg, torch.device("cpu"), torch.bfloat16) == "sdpa"
     assert attn_implementation(ModelConfig(), gpu, torch.bfloat16) == "sdpa"
     monkeypatch.setattr("transformers.utils.is_flash_attn_2_available", lambda: False)  # the package is missing
