@@ -215,11 +215,22 @@ def test_merged_adapter_gives_the_trained_logits(root, family, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_merge_refuses_a_full_fine_tune(root, family, tmp_path, capsys):
+def test_merge_refuses_a_full_fine_tune(root, family, tmp_path, capsys, monkeypatch):
     """Nothing to merge in a full run's final/: one line, exit 2, before any model loads."""
-    code, output = shardtune("merge", str(run_dir(root, "single", family, "full") / "final"), "--base",
-                             str(root / "models" / family), str(tmp_path / "merged"), capsys=capsys)
-    assert code == 2 and "not a PEFT adapter folder" in output, output
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def load(*args, **kwargs):
+        raise AssertionError("merge loaded a model before refusing a full run's final/")
+
+    for cls in (AutoModelForCausalLM, PeftModel):
+        monkeypatch.setattr(cls, "from_pretrained", load)
+    final = run_dir(root, "single", family, "full") / "final"
+    code, output = shardtune("merge", str(final), "--base", str(root / "models" / family), str(tmp_path / "merged"),
+                             capsys=capsys)
+    assert code == 2 and output.count("\n") == 1, output
+    assert output.startswith(f"shardtune merge: error: {final}: not a PEFT adapter folder (no adapter_config.json)")
+    assert not (tmp_path / "merged").exists()
 
 
 def meta_counts(model_dir, method: str) -> tuple[int, int]:
