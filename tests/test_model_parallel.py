@@ -125,17 +125,34 @@ def test_split_moves_each_stage_and_hooks_its_inputs(assets):
         assert (args[0].device.type, kwargs["position_ids"].device.type) == (device, device)
 
 
-def test_mp_rejects_several_processes_and_bad_devices(assets):
+def test_mp_rejects_several_processes_and_bad_devices(assets, monkeypatch):
     cfg = config(assets, "x", ["--distributed_type", "MP"])
     plan = make_plan(cfg.distributed, single(2), param_dtype=None, gradient_checkpointing=False, use_reentrant=False)
     with pytest.raises(UsageError, match="one process"):
         place_stages(plan, cfg, single(2))
     with pytest.raises(UsageError, match="mp_devices"):
         mp_devices("gpu0")
-    if not torch.cuda.is_available():
-        with pytest.raises(UsageError, match="does not exist"):
-            mp_devices("cuda:0,cuda:1")
-        assert mp_devices(None) == ("cpu",)
+    # The GPUs visible are set here, so that the same checks run with or without CUDA: cuda:N exists for N < count.
+    for count in (0, 1, 2):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda count=count: count)
+        assert mp_devices(None) == (tuple(f"cuda:{i}" for i in range(count)) or ("cpu",))
+        assert mp_devices("cpu,cpu") == ("cpu", "cpu")
+        for index in range(3):
+            if index < count:
+                assert mp_devices(f"cuda:{index}") == (f"cuda:{index}",)
+                continue
+            with pytest.raises(UsageError) as exc:
+                mp_devices(f"cuda:{index}")
+            assert str(exc.value) == (f"mp_devices: cuda:{index} does not exist ({count} GPU(s) visible); check "
+                                      f"CUDA_VISIBLE_DEVICES")
+        if count < 2:
+            with pytest.raises(UsageError, match=f"cuda:{count} does not exist"):
+                mp_devices("cuda:0,cuda:1")
+        if count:  # plain "cuda" is the first GPU
+            assert mp_devices("cuda,cpu") == ("cuda", "cpu")
+        else:
+            with pytest.raises(UsageError, match=r"^mp_devices: cuda does not exist \(0 GPU"):
+                mp_devices("cuda,cpu")
 
 
 def test_the_step_runs_on_the_first_stage_device_not_local_ranks():
