@@ -1,5 +1,7 @@
 """The global-batch sampler: same batches for any split of ranks and accumulation, exact resume; the eval sampler."""
 
+import math
+
 import pytest
 
 from shardtune.data import EvalSampler, GlobalBatchSampler
@@ -87,8 +89,12 @@ def test_too_few_rows_for_one_global_batch():
 
 @pytest.mark.parametrize("num_rows,batch,world", [(10, 3, 2), (7, 2, 4), (8, 2, 2), (1, 4, 3)])
 def test_eval_sampler_covers_every_row_once_with_equal_batches(num_rows, batch, world):
-    per_rank = [list(EvalSampler(num_rows, batch_size=batch, world_size=world, rank=r)) for r in range(world)]
-    assert len({len(p) for p in per_rank}) == 1 and all(len(b) == batch for p in per_rank for b in p)
+    samplers = [EvalSampler(num_rows, batch_size=batch, world_size=world, rank=r) for r in range(world)]
+    per_rank = [list(s) for s in samplers]
+    # as many batches on every rank, and no more than the rows need: a global batch takes batch x world rows
+    needed = math.ceil(num_rows / (batch * world))
+    assert [len(p) for p in per_rank] == [len(s) for s in samplers] == [needed] * world
+    assert all(len(b) == batch for p in per_rank for b in p)
     seen = [i for p in per_rank for b in p for i in b if i is not None]
     assert sorted(seen) == list(range(num_rows))
 
