@@ -45,6 +45,13 @@ class Origin:
     def __str__(self) -> str:
         return f"{self.where}, line {self.line}" if self.line else self.where
 
+    @property
+    def on_command_line(self) -> bool:
+        return self.where.startswith(COMMAND_LINE)
+
+
+COMMAND_LINE = "command line"  # how an Origin names the command line, before the flag it names
+
 
 def _yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """Load a YAML mapping and the line of each top-level (and fsdp_config) key; a key set twice is refused, also
@@ -262,10 +269,10 @@ def parse_cli_pairs(argv: list[str]) -> tuple[list[str], dict[str, Any], dict[st
     for kind, key, value, _ in _cli_items(argv):
         if kind == "flag":
             flags[key] = value
-            sources[key] = Origin(f"command line (--{key})")
+            sources[key] = Origin(f"{COMMAND_LINE} (--{key})")
         elif kind == "override":
             overrides[key] = value
-            sources.setdefault(key, Origin(f"command line ({key}=...)"))
+            sources.setdefault(key, Origin(f"{COMMAND_LINE} ({key}=...)"))
         else:
             files.append(key)
     return files, overrides, flags, sources
@@ -418,10 +425,12 @@ def _apply(layers: Layers, *, training: bool,
                 for meant_key, setting in keys_meant.items():
                     setattr(getattr(cfg, declared[meant_key].section), meant_key, setting)
                     given[meant_key], layer_of[meant_key] = source, layer
-            elif key in TRL_SPLITS:  # TRL's name of one side of splits
-                if problem := _trl_split(cfg.data, key, value, "splits" in values):
+            elif key in TRL_SPLITS:  # TRL's name of one side of splits; unset (TRL's null test split), none
+                if off(value):
+                    pass
+                elif problem := _trl_split(cfg.data, key, value, "splits" in values):
                     problems.append(f"{source}: {problem}")
-                elif not off(value):
+                else:
                     given["splits"], layer_of["splits"] = source, layer
             elif key in NO_OPS:  # accepted from recipes and Accelerate files; a value that would act is refused
                 if problem := no_op_problem(key, value):
@@ -472,8 +481,6 @@ def _trl_split(data: DataConfig, key: str, value: Any, splits_beside: bool) -> s
     """TRL's ``dataset_train_split`` / ``dataset_test_split``: ``data.splits`` with its side (the names that train,
     or those that evaluate) replaced by the split named, the other side kept; the problem as one line, or None.
     ``splits_beside``: the same file or command line gives splits too."""
-    if off(value):  # unset (TRL's null test split): its side stays as it is
-        return None
     name, trains = str(value).strip(), TRL_SPLITS[key]
     if splits_beside:
         return f"{key}={value!r} beside splits: name the splits in one key (e.g. splits train_sft,test_sft)"
@@ -579,7 +586,7 @@ def _located(problem: str, given: dict[str, Origin]) -> str:
     no pointer: the key is on it)."""
     origins = [given[key] for key in getattr(problem, "keys", ()) if key in given]
     # else a file without lines (a DeepSpeed JSON): bf16 from it and --fp16 would read as if only --fp16 were set
-    lines = [o for o in origins if o.line] or [o for o in origins if not o.where.startswith("command line")]
+    lines = [o for o in origins if o.line] or [o for o in origins if not o.on_command_line]
     return f"{lines[0]}: {problem}" if lines else problem
 
 

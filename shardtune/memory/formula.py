@@ -692,7 +692,7 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
     grads_label = "gradients" + part + pending
     if grads.head_unsharded and phase == "backward (last layer)" and ph["grads"] == grads.head_unsharded:
         grads_label = "the head's gradient, unsharded until the root's reduce-scatter"
-    items = [Item("params", _param_label(setup, shard, dp.offload), round(states.params_b)),
+    items = [Item("params", _param_label(setup, shard, dp.offload, states.whole > 0), round(states.params_b)),
              Item("grads", grads_label, round(ph["grads"]))]
     if buckets:
         items.append(Item("grads", "DDP gradient buckets (a copy of the gradients)", round(buckets)))
@@ -714,10 +714,10 @@ def _at_peak(dp: _DataParallel, states: _States, copies: _Copies, grads: _Gradie
                      phases={k: round(v) for k, v in totals.items()})
 
 
-def _param_label(setup: Setup, shard: int, offload: bool) -> str:
+def _param_label(setup: Setup, shard: int, offload: bool, stats_whole: bool) -> str:
+    """``stats_whole``: each GPU holds the NF4 quantisation statistics whole (``_States.whole``)."""
     kind = {"full": "weights", "lora": "frozen base + LoRA adapters", "qlora": "NF4 base + LoRA adapters"}
     text = kind[setup.method]
-    stats_whole = setup.nf4_stats_whole and setup.method == "qlora"
     if offload:
         return text + (" (on CPU; its quantisation statistics whole on each GPU)" if stats_whole else " (on CPU)")
     return (text + (f" (1/{shard} shard)" if shard > 1 else "")
