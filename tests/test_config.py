@@ -164,8 +164,8 @@ def test_bad_values_are_one_line_errors(argv, needle, capsys):
      "use hub_strategy end"),
     # Transformers' default does nothing without push_to_hub there either: accepted only where it is idle
     (["--hub_strategy", "checkpoint"], "hub_strategy='checkpoint' is not accepted"),
-    (["--fsdp_version", "1"], "fsdp_version=1 is not accepted: shardtune runs FSDP2 (fully_shard); fsdp_version 1 "
-                              "(FullyShardedDataParallel) is not available; set fsdp_version 2"),
+    (["--fsdp_version", "3"], "fsdp_version=3 is not accepted: shardtune runs FSDP2 (fully_shard), and FSDP1 files "
+                              "(fsdp_version 1) as FSDP2; set fsdp_version 2 or leave it out"),
     (["--fsdp_backward_prefetch", "BACKWARD_POST"], "fsdp_backward_prefetch='BACKWARD_POST' is not accepted: FSDP2 "
                                                     "always prefetches"),
     (["--fsdp_backward_prefetch", "NO_PREFETCH"], "set fsdp_backward_prefetch BACKWARD_PRE or leave it out"),
@@ -367,9 +367,9 @@ def test_keys_for_what_the_trainer_runs_are_accepted(tmp_path):
     assert (cfg.optim.optim, cfg.run.hub_strategy, cfg.distributed.fsdp_version) == ("adamw_torch_fused", "end", 2)
     # Transformers' hub_strategy default, in any case, where push_to_hub is off (it uploads nothing there)
     assert load_train_config([*BASE, "--hub_strategy", "EVERY_SAVE"]).run.hub_strategy == "every_save"
-    acc = tmp_path / "fsdp2.yaml"
-    acc.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 1\n")
-    with pytest.raises(UsageError, match=rf"{acc}, line 3: fsdp_version=1 is not accepted"):
+    acc = tmp_path / "fsdp3.yaml"
+    acc.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 3\n")
+    with pytest.raises(UsageError, match=rf"{acc}, line 3: fsdp_version=3 is not accepted"):
         load_train_config(["--config_file", str(acc), *BASE])
 
 
@@ -441,21 +441,83 @@ def test_launch_reads_accelerate_file(tmp_path, capsys):
     assert "--dry_run/--dry-run: expected true or false, got 'maybe'" in capsys.readouterr().err
 
 
-def test_fsdp1_strategy_under_reshard_after_forward_is_refused_naming_its_key(tmp_path, capsys):
-    """Accelerate's FSDP1 files (1.6 on) write the sharding strategy under fsdp_reshard_after_forward, FSDP2's
-    boolean: train and launch refuse it in one line with its file and line, naming fsdp_sharding_strategy and
-    FSDP2's boolean; each fix named loads as the job meant (gathered parameters kept from forward to backward)."""
-    acc = tmp_path / "acc.yaml"
-    acc.write_text(ACCELERATE_FSDP.replace("fsdp_sharding_strategy: FULL_SHARD",
-                                           "fsdp_reshard_after_forward: SHARD_GRAD_OP"))
-    for argv in (["train", "--config_file", str(acc), *BASE],
-                 ["launch", "--config_file", str(acc), "--dry_run", "train", *BASE]):
-        assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1, err
-        assert (f"{acc}, line 12: fsdp_reshard_after_forward='SHARD_GRAD_OP': a sharding strategy, as Accelerate's "
-                f"FSDP1 files write it; here (FSDP2) fsdp_reshard_after_forward is true or false: write "
-                f"fsdp_sharding_strategy: SHARD_GRAD_OP (or fsdp_reshard_after_forward: false)") in err
+# TRL's examples/accelerate_configs/fsdp1.yaml (TRL 1.16), as users pass it to accelerate launch
+TRL_FSDP1 = textwrap.dedent("""\
+    compute_environment: LOCAL_MACHINE
+    debug: false
+    distributed_type: FSDP
+    downcast_bf16: 'no'
+    enable_cpu_affinity: false
+    fsdp_config:
+      fsdp_activation_checkpointing: false
+      fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+      fsdp_backward_prefetch: BACKWARD_PRE
+      fsdp_cpu_ram_efficient_loading: true
+      fsdp_forward_prefetch: true
+      fsdp_offload_params: false
+      fsdp_reshard_after_forward: FULL_SHARD
+      fsdp_state_dict_type: FULL_STATE_DICT
+      fsdp_sync_module_states: true
+      fsdp_use_orig_params: true
+      fsdp_version: 1
+    machine_rank: 0
+    main_training_function: main
+    mixed_precision: bf16
+    num_machines: 1
+    num_processes: 8
+    rdzv_backend: static
+    same_network: true
+    tpu_env: []
+    tpu_use_cluster: false
+    tpu_use_sudo: false
+    use_cpu: false
+    """)
+
+
+def test_an_accelerate_fsdp1_file_runs_as_fsdp2_and_says_so(tmp_path, capsys, monkeypatch):
+    """TRL's fsdp1.yaml runs unchanged: Accelerate's FSDP1 files (1.6 on) write the sharding strategy under
+    fsdp_reshard_after_forward, which is read as fsdp_sharding_strategy there, and fsdp_version 1 runs as FSDP2,
+    which train says at start naming the file and line. Beside fsdp_version 2 (Accelerate refuses it too), or beside
+    an fsdp_sharding_strategy that says otherwise, the strategy name is refused in one line naming its place."""
+    from shardtune.config.loading import FSDP1_AS_FSDP2
+    from shardtune.testing.tiny import make_model_folder
+
+    acc = tmp_path / "fsdp1.yaml"
+    acc.write_text(TRL_FSDP1)
+    d = load_train_config(["--config_file", str(acc), *BASE]).distributed
+    assert (d.fsdp_version, d.fsdp_sharding_strategy, d.reshards_after_forward, d.fsdp_forward_prefetch,
+            d.fsdp_state_dict_type) == (2, "FULL_SHARD", True, True, "FULL_STATE_DICT")
+    for name, sharding, reshards in (("SHARD_GRAD_OP", "SHARD_GRAD_OP", False), ("NO_SHARD", "NO_SHARD", True),
+                                     ("HYBRID_SHARD_ZERO2", "HYBRID_SHARD", False)):
+        acc.write_text(TRL_FSDP1.replace("reshard_after_forward: FULL_SHARD", f"reshard_after_forward: {name}"))
+        d = load_train_config(["--config_file", str(acc), *BASE]).distributed
+        assert (d.fsdp_sharding_strategy, d.reshards_after_forward) == (sharding, reshards), name
+    assert load_train_config([*BASE, "--fsdp_version", "1", "--fsdp_reshard_after_forward", "shard_grad_op",
+                              "--distributed_type", "FSDP"]).distributed.fsdp_sharding_strategy == "SHARD_GRAD_OP"
+    # said at start, where the value was written
+    acc.write_text(TRL_FSDP1)
+    monkeypatch.chdir(tmp_path)
+    model = make_model_folder(tmp_path / "model")
+    assert main(["train", "--config_file", str(acc), "--model_name_or_path", str(model), "--dataset_name", "d.jsonl",
+                 "--output_dir", "out", "--dry_run", "true"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: fsdp_version=1 ({acc}, line 17): {FSDP1_AS_FSDP2}"]
+    # refused where the file is FSDP2's, or says its strategy twice, otherwise
+    for text, line, words in (
+            (TRL_FSDP1.replace("fsdp_version: 1", "fsdp_version: 2"), 13,
+             "fsdp_reshard_after_forward='FULL_SHARD': a sharding strategy, as Accelerate's FSDP1 files write it; "
+             "here (FSDP2) fsdp_reshard_after_forward is true or false: write fsdp_sharding_strategy: FULL_SHARD "
+             "(or fsdp_reshard_after_forward: true)"),
+            (TRL_FSDP1.replace("  fsdp_version: 1", "  fsdp_sharding_strategy: SHARD_GRAD_OP"), 13,
+             f"fsdp_reshard_after_forward='FULL_SHARD' is FSDP1's sharding strategy, and {acc}, line 17 says "
+             f"fsdp_sharding_strategy='SHARD_GRAD_OP': keep one of them")):
+        acc.write_text(text)
+        for argv in (["train", "--config_file", str(acc), *BASE],
+                     ["launch", "--config_file", str(acc), "--dry_run", "train", *BASE]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"{acc}, line {line}: {words}" in err, err
+    # what the old refusal named still loads as it said
     for fixed, sharding in (("fsdp_sharding_strategy: SHARD_GRAD_OP", "SHARD_GRAD_OP"),
                             ("fsdp_reshard_after_forward: false", "FULL_SHARD")):
         acc.write_text(ACCELERATE_FSDP.replace("fsdp_sharding_strategy: FULL_SHARD", fixed))

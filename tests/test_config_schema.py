@@ -252,7 +252,7 @@ def test_the_example_recipes_satisfy_the_schema_and_load(schema, tmp_path, capsy
     ({"lr_scheduler_type": "cosin"}, "lr_scheduler_type"),
     ({"per_device_train_batch_size": 0}, "per_device_train_batch_size"),
     ({"torch_dtype": "float16"}, "torch_dtype"),  # refused with its reason by shardtune too
-    ({"fsdp_version": 1}, "fsdp_version"),
+    ({"fsdp_version": 3}, "fsdp_version"),
     ({"fsdp_config": {"fsdp_sharding_strategy": "FULL"}}, "fsdp_config.fsdp_sharding_strategy"),
     ({"learning_rate": "fast"}, "learning_rate"),
 ])

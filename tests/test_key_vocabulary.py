@@ -41,7 +41,7 @@ FLAT_READERS = {"pick"}  # the flat config read by key: the launcher's pick("mac
 
 # Keys accepted only at the value that is what shardtune runs; every other value is refused (tested below).
 REFUSED = {"hub_strategy": ("checkpoint", "hub_strategy='checkpoint' is not accepted"),
-           "fsdp_version": ("1", "fsdp_version=1 is not accepted"),
+           "fsdp_version": ("3", "fsdp_version=3 is not accepted"),
            "fsdp_backward_prefetch": ("BACKWARD_POST", "fsdp_backward_prefetch='BACKWARD_POST' is not accepted"),
            "save_safetensors": ("false", "save_safetensors=false asks for pickled .bin weights")}
 # Keys that config loading translates into other keys (config/deepspeed.py), checked below by what they become.

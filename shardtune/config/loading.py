@@ -25,7 +25,8 @@ from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compi
 from shardtune.config.deepspeed import FP16_TUNING, map_accelerate_block, read_deepspeed_file, same_value
 from shardtune.config.keys import shown
 from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, at_transformers_default, no_op_problem, off
-from shardtune.config.schema import ALIASES, DATASET_PLACEHOLDER, ZERO2_HYBRID, DataConfig, TrainConfig, all_keys
+from shardtune.config.schema import (ALIASES, DATASET_PLACEHOLDER, FSDP1_RESHARD, ZERO2_HYBRID, DataConfig, TrainConfig,
+                                     all_keys)
 from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
                                          input_problems, model_folder_problems, overruled_keys, resolve_report_to,
                                          stage_problems, tracker_problems, validate)
@@ -212,13 +213,28 @@ def read_yaml_recipe(path: str | Path) -> tuple[dict[str, Any], dict[str, Origin
     flat = _flatten(data)
     sources = {k: Origin(str(path), lines.get(k)) for k in flat}
     _mapped_deepspeed_block(flat, sources, path)
-    _zero2_hybrid(flat, sources)
+    _fsdp1_spellings(flat, sources)
     return flat, sources
 
 
-def _zero2_hybrid(values: dict[str, Any], sources: dict[str, Origin]) -> None:
-    """FSDP1's HYBRID_SHARD_ZERO2 (5) keeps the gathered parameters from forward to backward: in the layer that
-    names it (a file, key=value or --key), HYBRID_SHARD and, unless that layer says otherwise, no resharding."""
+def _fsdp1_spellings(values: dict[str, Any], sources: dict[str, Origin]) -> None:
+    """Accelerate's FSDP1 spellings, read in the layer that writes them (a file, key=value or --key):
+
+    - its files from 1.6 on write the sharding strategy under ``fsdp_reshard_after_forward``, where FSDP2 reads a
+      boolean: in a layer that does not say ``fsdp_version: 2`` (Accelerate's FSDP1 is its default), such a value is
+      ``fsdp_sharding_strategy``;
+    - HYBRID_SHARD_ZERO2 (5) keeps the gathered parameters from forward to backward: HYBRID_SHARD and, unless that
+      layer says otherwise, no resharding."""
+    reshard = values.get("fsdp_reshard_after_forward")
+    if (str(reshard).strip().upper() in FSDP1_RESHARD and str(values.get("fsdp_version", 1)).strip() != "2"
+            and not isinstance(reshard, bool)):
+        said = values.get("fsdp_sharding_strategy")
+        if said is not None and str(said).strip().upper() != str(reshard).strip().upper():
+            raise UsageError(f"{sources['fsdp_reshard_after_forward']}: fsdp_reshard_after_forward={reshard!r} is "
+                             f"FSDP1's sharding strategy, and {sources['fsdp_sharding_strategy']} says "
+                             f"fsdp_sharding_strategy={said!r}: keep one of them")
+        values["fsdp_sharding_strategy"] = values.pop("fsdp_reshard_after_forward")
+        sources["fsdp_sharding_strategy"] = sources.pop("fsdp_reshard_after_forward")
     if str(values.get("fsdp_sharding_strategy", "")).strip().upper() in ZERO2_HYBRID:
         values.setdefault("fsdp_reshard_after_forward", False)
         sources.setdefault("fsdp_reshard_after_forward", sources["fsdp_sharding_strategy"])
@@ -421,6 +437,8 @@ def _apply(layers: Layers, *, training: bool,
                 continue  # Transformers' to_json_string writes a *_token key so, hiding its value: it says none
             if (meant := _other_spelling(key, value)) is not None:  # other tools' spellings of keys declared here
                 keys_meant, refused = meant
+                if key == "fsdp_version" and notes is not None:
+                    notes.append(f"fsdp_version={value} ({source}): {FSDP1_AS_FSDP2}")
                 problems += [f"{source}: {problem}" for problem in refused]
                 for meant_key, setting in keys_meant.items():
                     setattr(getattr(cfg, declared[meant_key].section), meant_key, setting)
@@ -472,6 +490,10 @@ def _apply(layers: Layers, *, training: bool,
     return cfg, given, problems
 
 
+# What an Accelerate file's fsdp_version 1 becomes, said at start (shardtune train's notes).
+FSDP1_AS_FSDP2 = ("FSDP1 runs here as FSDP2 (fully_shard), the FSDP shardtune has: the fsdp_* keys keep their "
+                  "meaning (the same units, sharded and gathered as the sharding strategy says); the parameters are "
+                  "sharded one by one rather than as FSDP1's flat parameters")
 RATIO_STEP_KEYS = ("warmup_steps", "logging_steps", "save_steps", "eval_steps")
 # TRL's split keys, each naming one side of splits: the split that trains (True), the one that evaluates.
 TRL_SPLITS = {"dataset_train_split": True, "dataset_test_split": False}
@@ -499,6 +521,7 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
     a value that has no meaning here; None for any other key or value.
 
     - Accelerate's dynamo keys are torch_compile, torch_compile_backend and torch_compile_mode (compile.py).
+    - Accelerate's ``fsdp_version: 1`` (TRL's fsdp1.yaml) runs as FSDP2, the FSDP here (``FSDP1_AS_FSDP2``).
     - ``warmup_steps`` below 1 is Transformers 5's ratio of the run's steps (its warmup_ratio is gone): warmup_ratio.
       A ratio of logging_steps, save_steps or eval_steps is refused, naming the steps to give instead.
     - Transformers' argument mappings (``KWARGS``) set the keys their entries name: TRL recipes'
@@ -506,6 +529,8 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
       ``model_init_kwargs: {dtype: bfloat16}``."""
     if key in DYNAMO_KEYS:
         return dynamo_values(key, value)
+    if key == "fsdp_version" and str(value).strip() == "1":
+        return {"fsdp_version": 2}, []
     if key in RATIO_STEP_KEYS:
         try:
             ratio = float(value)
@@ -673,7 +698,7 @@ def _layers(argv: list[str]) -> Layers:
                              f"--key value")
         layers.append(read_yaml_recipe(path))
     for given in (overrides, flags):
-        _zero2_hybrid(given, cli_sources)
+        _fsdp1_spellings(given, cli_sources)
     layers += [(overrides, cli_sources), (flags, cli_sources)]
     deepspeed = deepspeed_layer(layers)
     if deepspeed is not None:  # above the Accelerate file, below everything the user writes for shardtune

@@ -58,7 +58,8 @@ SHARDING_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4
                     "HYBRID_SHARD_ZERO2": "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2": "HYBRID_SHARD"}
 ZERO2_HYBRID = ("5", "HYBRID_SHARD_ZERO2", "_HYBRID_SHARD_ZERO2")
 # Accelerate's FSDP1 files (1.6 on) write the sharding strategy under fsdp_reshard_after_forward, where FSDP2 reads
-# a boolean: such a value is refused naming the key that takes it (and FSDP2's boolean where one says the same).
+# a boolean: read as fsdp_sharding_strategy where the file is FSDP1's (loading._fsdp1_spellings); beside
+# fsdp_version 2, refused naming the key that takes it (and FSDP2's boolean where one says the same).
 FSDP1_RESHARD = {name: f"a sharding strategy, as Accelerate's FSDP1 files write it; here (FSDP2) {{key}} is true or "
                        f"false: write fsdp_sharding_strategy: {name}"
                        + {"FULL_SHARD": " (or {key}: true)", "SHARD_GRAD_OP": " (or {key}: false)"}.get(name, "")
@@ -491,11 +492,12 @@ class DistributedConfig:
     fsdp_forward_prefetch: bool = key(False, "Gather the next decoder layer while this one runs forward (FSDP2's "
                                              "explicit forward prefetch); needs TRANSFORMER_BASED_WRAP.",
                                       needs=FSDP_ONLY)
-    fsdp_version: FsdpVersion = key(2, "2: shardtune runs FSDP2 (fully_shard); 1 (FSDP1's FullyShardedDataParallel) "
-                                      "is refused.",
-                                   refusal="shardtune runs FSDP2 (fully_shard); fsdp_version 1 "
-                                           "(FullyShardedDataParallel) is not available; set fsdp_version 2 or leave "
-                                           "it out (the fsdp_* keys keep their meaning)")
+    fsdp_version: FsdpVersion = key(2, "2: shardtune runs FSDP2 (fully_shard). 1 (an Accelerate FSDP1 file, TRL's "
+                                      "fsdp1.yaml) runs as FSDP2 too, said at start: the fsdp_* keys keep their "
+                                      "meaning.",
+                                   spellings={"1": 2},  # read as FSDP2 with a note (loading._other_spelling)
+                                   refusal="shardtune runs FSDP2 (fully_shard), and FSDP1 files (fsdp_version 1) "
+                                           "as FSDP2; set fsdp_version 2 or leave it out")
     ddp_find_unused_parameters: bool | None = key(False, "DDP's find_unused_parameters (true when some parameters get "
                                                         "no gradient).", needs=DDP_ONLY)
     ddp_bucket_cap_mb: int | None = key(None, "DDP's bucket_cap_mb: MB of gradients each all-reduce carries (unset: "
