@@ -69,6 +69,32 @@ def test_the_config_leaves_precision_to_the_hardware_unless_it_says(extra, nativ
     assert cfg.precision_left_to_hardware is (not extra)
 
 
+def test_a_mixed_precision_the_flags_overrule_is_said_at_start(tmp_path):
+    """Accelerate's mixed_precision where a bf16/fp16 flag decides otherwise (an Accelerate file's no beside a
+    recipe's bf16 true): the flag wins, as in Transformers, and a note names both places and what runs; where they
+    agree, or the flag is unset, nothing is said."""
+    from shardtune.config.loading import run_config_problems
+
+    acc, recipe = tmp_path / "acc.yaml", tmp_path / "recipe.yaml"
+    acc.write_text("distributed_type: NO\nmixed_precision: 'no'\n")
+    base = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--config_file", str(acc)]
+
+    def notes(*extra: str) -> list[str]:
+        said: list[str] = []
+        cfg = run_config_problems([*base, *extra], said)[0]
+        return [cfg.precision_on(True), *said]
+
+    recipe.write_text("learning_rate: 1e-4\nbf16: true\n")
+    assert notes(str(recipe)) == ["bf16", f"mixed_precision=no ({acc}, line 2) is set aside: bf16=true ({recipe}, "
+                                          f"line 2) decides, as in Transformers, and the run computes in bf16"]
+    assert notes("--fp16", "true")[1].endswith("fp16=true (command line (--fp16)) decides, as in Transformers, and "
+                                               "the run computes in fp16")
+    assert notes("--mixed_precision", "bf16", "--bf16", "false") == [
+        "no", "mixed_precision=bf16 (command line (--mixed_precision)) is set aside: bf16=false (command line "
+              "(--bf16)) decides, as in Transformers, and the run computes in fp32"]
+    assert notes() == ["no"] and notes("--bf16", "false") == ["no"]  # unset flag, or the same answer: nothing said
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_a_run_writes_down_what_the_hardware_chose_and_says_why(monkeypatch, caplog, native):
     monkeypatch.setattr("shardtune.hardware.native_bf16", lambda kind: (native, f"{kind} says {native}"))

@@ -475,6 +475,8 @@ def _apply(layers: Layers, *, training: bool,
                      for key, source in trained_tokens.items()]
     if cfg.precision_on(False) == "fp16":  # fp16 is only ever asked for, never the hardware's choice
         problems += fp16_tuning
+    if notes is not None and (note := _precision_set_aside(cfg, given)):
+        notes.append(note)
     cfg.run.report_to = resolve_report_to(cfg.run.report_to)
     normalise_compile(cfg.run, compile_set="torch_compile" in given)
     reset: set[str] = set()
@@ -494,6 +496,18 @@ def _apply(layers: Layers, *, training: bool,
 FSDP1_AS_FSDP2 = ("FSDP1 runs here as FSDP2 (fully_shard), the FSDP shardtune has: the fsdp_* keys keep their "
                   "meaning (the same units, sharded and gathered as the sharding strategy says); the parameters are "
                   "sharded one by one rather than as FSDP1's flat parameters")
+def _precision_set_aside(cfg: TrainConfig, given: dict[str, Origin]) -> str | None:
+    """Accelerate's ``mixed_precision`` where TrainingArguments' bf16/fp16 flag decides otherwise (an Accelerate
+    file's ``no`` beside a recipe's ``bf16: true``): the flag wins, as in Transformers, and this line says so."""
+    asked, precision = cfg.distributed.mixed_precision, cfg.precision_on(False)
+    if asked is None or asked.lower() == precision:
+        return None
+    flag = "fp16" if cfg.run.fp16 and not cfg.run.bf16 else "bf16"
+    return (f"mixed_precision={asked} ({given['mixed_precision']}) is set aside: {flag}="
+            f"{shown(getattr(cfg.run, flag))} ({given.get(flag, Origin('config'))}) decides, as in Transformers, and "
+            f"the run computes in {'fp32' if precision == 'no' else precision}")
+
+
 RATIO_STEP_KEYS = ("warmup_steps", "logging_steps", "save_steps", "eval_steps")
 # TRL's split keys, each naming one side of splits: the split that trains (True), the one that evaluates.
 TRL_SPLITS = {"dataset_train_split": True, "dataset_test_split": False}

@@ -506,9 +506,9 @@ class DistributedConfig:
                                                    "ranks before each forward (unset: torch's true).", needs=DDP_ONLY)
     ddp_static_graph: bool | None = key(None, "DDP's static_graph: the graph is the same every step, which lets DDP "
                                               "overlap more of the reduction (unset: torch's false).", needs=DDP_ONLY)
-    mixed_precision: MixedPrecision | None = key(None, "Accelerate's key; the bf16/fp16 flags win when set (bf16 "
-                                                       "false opts out of it); unset with them, the hardware decides "
-                                                       "(see bf16).",
+    mixed_precision: MixedPrecision | None = key(None, "Accelerate's key; the bf16/fp16 flags win when set, as in "
+                                                       "Transformers, said at start (bf16 false opts out of it); "
+                                                       "unset with them, the hardware decides (see bf16).",
                                                  spellings=NO)
     deepspeed: str | None = key(None, "A DeepSpeed config JSON (Transformers/TRL's --deepspeed), mapped onto FSDP2 "
                                       "and printed at start; what cannot be mapped is refused (docs/deepspeed.md).")
