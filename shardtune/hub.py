@@ -115,8 +115,11 @@ def model_folder_problem(folder: str | Path, name: str, *, trust_remote_code: bo
                 f"the one save_pretrained wrote")
     if not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
         kinds = ", ".join(WEIGHT_PATTERNS[:-1]) + f" or {WEIGHT_PATTERNS[-1]}"
+        ggufs = sorted(p.name for p in folder.glob("*.gguf") if p.is_file())  # a GGUF repository's config.json
+        gguf = (f", or give one of its GGUF files ({folder / ggufs[0]}{' ...' if ggufs[1:] else ''}), which holds "
+                f"the weights") if ggufs else ""
         return (f"{name} holds config.json but no weights (no {kinds} file; it holds {_holds(folder)}): copy the "
-                f"weight files into it, or give the folder that has them")
+                f"weight files into it, or give the folder that has them{gguf}")
     if damaged := damaged_file_problem(folder):
         return damaged
     config = json.loads(config_file.read_text())

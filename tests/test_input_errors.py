@@ -185,6 +185,16 @@ def test_train_refuses_a_model_folder_without_weights_before_tokenising(no_weigh
     assert not out.exists()
 
 
+def test_a_gguf_repository_folder_is_refused_naming_its_gguf_file(no_weights, data, tmp_path, capsys, no_tokenising):
+    """A GGUF repository (llama.cpp quantizations beside the original config.json) is a folder with config.json and
+    no Transformers weights: train refuses it, and names the GGUF file to give instead."""
+    (no_weights / "model.Q4_K_M.gguf").write_bytes(b"GGUF")
+    assert main(["train", "--model_name_or_path", str(no_weights), "--dataset_name", str(data), "--output_dir",
+                 str(tmp_path / "out")]) == 2
+    assert error_line(capsys).endswith(f"or give the folder that has them, or give one of its GGUF files "
+                                       f"({no_weights / 'model.Q4_K_M.gguf'}), which holds the weights")
+
+
 def test_generate_chat_and_merge_refuse_a_model_folder_without_weights(no_weights, tmp_path, capsys):
     for command in ("generate", "chat"):
         argv = [command, str(no_weights), *(["--prompt", "hi"] if command == "generate" else [])]
