@@ -71,6 +71,46 @@ def test_microbatch_by_hand():
     assert m.memory_s == pytest.approx((elementwise + loss + mask + weights) / bandwidth)
 
 
+def test_flash_attention_skips_the_keys_behind_a_sliding_window():
+    """Flash attention with a layer's sliding window (Mistral v0.1, Gemma 2's sliding layers) multiplies each query
+    by at most the window's keys; a kernel that computes the whole square (SDPA with a mask) gains nothing."""
+    import dataclasses
+
+    window = 8  # SEQ is 32: query i sees min(i + 1, 8) keys, the window's 8 beyond the first few
+    windowed = dataclasses.replace(TINY, attention_windows=(window, None))  # a sliding layer, then a full one
+    keys = sum(min(i + 1, window) for i in range(SEQ)) / SEQ  # 7.125, by counting
+    assert compute.keys_per_query(SEQ, window, causal=True) == pytest.approx(keys, rel=0.02)  # window - w^2 / 2L
+    assert compute.keys_per_query(SEQ, None, causal=True) == SEQ / 2
+    assert compute.keys_per_query(window, window, causal=True) == window / 2  # a row within the window: causal
+    assert compute.keys_per_query(SEQ, window, causal=False) == SEQ
+    flash = validate(checked_setup(per_device_train_batch_size=3, max_seq_len=SEQ,
+                                   attn_implementation="flash_attention_2"))
+    full, slid = (compute.microbatch(inv, flash, CARD, 1e15).attention_s for inv in (TINY, windowed))
+    assert slid / full == pytest.approx((window - window ** 2 / (2 * SEQ) + SEQ / 2) / (2 * SEQ / 2))
+    sdpa = validate(checked_setup(per_device_train_batch_size=3, max_seq_len=SEQ))
+    assert compute.microbatch(windowed, sdpa, CARD, 1e15) == compute.microbatch(TINY, sdpa, CARD, 1e15)
+
+
+def test_the_sliding_windows_are_read_as_transformers_runs_them():
+    """Mistral v0.1 and Phi-3 slide every layer, Gemma 2 its sliding_attention layer_types (every other layer),
+    Qwen2.5 none (use_sliding_window false), Llama none; and a 32k Mistral v0.1 step under flash attention is
+    faster than the same shapes without the window."""
+    windows = {name: ModelAnalysis(name).inventory.attention_windows
+               for name in ("mistral-7b", "phi-3-mini", "gemma-2-9b", "qwen2.5-7b", "llama-3.1-8b")}
+    assert windows == {"mistral-7b": (4096,) * 32, "phi-3-mini": (2047,) * 32, "gemma-2-9b": (4096, None) * 21,
+                       "qwen2.5-7b": (), "llama-3.1-8b": ()}
+    import dataclasses
+
+    mistral = ModelAnalysis("mistral-7b").inventory
+    setup = validate(checked_setup(per_device_train_batch_size=1, max_seq_len=32768,
+                                   attn_implementation="flash_attention_2"))
+    card = GPUS["h100-80gb"]
+    slid = compute.microbatch(mistral, setup, card, card.peak_bf16_flops).attention_s
+    full = compute.microbatch(dataclasses.replace(mistral, attention_windows=()), setup, card,
+                              card.peak_bf16_flops).attention_s
+    assert slid / full == pytest.approx((4096 - 4096 ** 2 / (2 * 32768)) / (32768 / 2))  # 0.234: 23% of the keys
+
+
 @pytest.mark.parametrize("keys, adapters_fused", [({"torch_compile": True}, True),
                                                    ({"use_liger_kernel": True}, False)])
 def test_compiled_or_liger_kernels_are_timed_as_fused(keys, adapters_fused):

@@ -160,11 +160,25 @@ def matmul_flops_per_token(inv: ModelInventory, setup: Setup, adapters: int, rec
     return 2.0 * (layers + adapters + head) + backward + recompute * 2.0 * (layers + adapters)
 
 
+def keys_per_query(seq_len: int, window: int | None, causal: bool) -> float:
+    """The keys each query of a ``seq_len`` row is multiplied with, on average. A kernel that computes the whole
+    square (SDPA handed a mask, eager) uses all of them, whatever the mask hides; a causal one skips the masked half,
+    and flash attention with a sliding ``window`` (its window_size) also skips the blocks behind the window: query
+    i sees min(i, window) keys, window - window^2 / (2 seq_len) on average once the row is longer than it."""
+    if not causal:
+        return float(seq_len)
+    if window is None or seq_len <= window:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
+
+
 def attention_flops_per_token(inv: ModelInventory, seq_len: int, kernel: str, recompute: float) -> float:
     """QK^T and PV per token: forward (2 matmuls), backward, and the recomputed forward. Eager attention's backward
     is 4 matmuls (2 x forward); a fused kernel's is 5 (it recomputes QK^T instead of keeping it: 2.5 x forward).
-    Causal kernels skip the masked half."""
-    forward = 4.0 * inv.num_layers * seq_len * inv.q_dim * (0.5 if kernel == "flash" else 1.0)
+    Causal kernels skip the masked half, and flash attention the keys behind a layer's sliding window."""
+    windows = inv.attention_windows or (None,) * inv.num_layers
+    keys = sum(keys_per_query(seq_len, window, kernel == "flash") for window in windows)
+    forward = 4.0 * keys * inv.q_dim
     return forward * ((3.0 if kernel == "eager" else 3.5) + recompute)
 
 

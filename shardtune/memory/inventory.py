@@ -71,6 +71,9 @@ class ModelInventory:
     pre_norms_per_layer: int = 2  # norms whose output feeds a linear layer (saved again as its input)
     norm_upcasts_weight: bool = False  # Gemma's RMSNorm multiplies in fp32 by (1 + weight)
     linear_names: tuple[str, ...] = ()  # short names of the nn.Linear modules of a decoder layer
+    # Each decoder layer's sliding attention window in tokens (None: the whole causal row); empty when no layer has
+    # one. Mistral v0.1 and Phi-3 window every layer, Gemma 2 and 3 their "sliding_attention" layer_types.
+    attention_windows: tuple[int | None, ...] = ()
 
     @property
     def q_dim(self) -> int:
@@ -84,6 +87,19 @@ class ModelInventory:
     def root_params(self) -> int:
         """Parameters outside the decoder layers: FSDP's root unit (embeddings, final norm, head)."""
         return self.embedding_params + self.head_params + self.other_params
+
+
+def attention_windows(config, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers runs it: ``layer_types`` names the layers that slide (Gemma 2
+    and 3, Qwen2's top layers with use_sliding_window); without it, a ``sliding_window`` slides every layer
+    (Mistral v0.1, Phi-3). Empty where no layer slides."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return ()
+    types = getattr(config, "layer_types", None)
+    windows = tuple(window if kind == "sliding_attention" else None for kind in types) if types else \
+        (window,) * num_layers
+    return windows if any(windows) else ()
 
 
 def inventory_from_dict(data: dict, name: str) -> ModelInventory:
@@ -192,7 +208,7 @@ class _CountCache:
             version = importlib.metadata.version("transformers")
         except importlib.metadata.PackageNotFoundError:
             version = "none"
-        blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=5"
+        blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=6"
         self.path = cache_dir() / "counts" / (hashlib.sha256(blob.encode()).hexdigest()[:24] + ".json")
         try:
             self.data = json.loads(self.path.read_text())
@@ -376,6 +392,7 @@ class ModelAnalysis:
             pre_norms_per_layer=2,
             norm_upcasts_weight=is_gemma,
             linear_names=tuple(linear_names),
+            attention_windows=attention_windows(text_cfg, num_layers),
         )
 
     @cached_property
