@@ -135,6 +135,12 @@ def test_missing_file_and_malformed_lines_are_usage_errors(tmp_path, capsys, cap
     (tmp_path / "metrics.jsonl").write_text("\n\n")
     with pytest.raises(UsageError, match="holds no records"):
         read_metrics(tmp_path)
+    # a file whose only line is cut short: one line saying both, not a warning above the error
+    (tmp_path / "metrics.jsonl").write_bytes(b"\x00\xff")
+    assert main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"shardtune plot: error: {tmp_path / 'metrics.jsonl'} holds no records with "
+                                       f"'loss' or 'eval_loss': line 1 is incomplete (a run still writing it, or one "
+                                       f"cut short); train for at least logging_steps steps first.\n")
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
 

@@ -83,6 +83,7 @@ def read_metrics(output_dir: str | Path) -> Metrics:
         raise UsageError(f"no {METRICS_FILE} in '{output_dir}'; give the output_dir of a training run "
                          f"(the folder 'shardtune train' writes metrics.jsonl into).")
     latest: dict[tuple[str, int], dict] = {}
+    cut = ""  # the last line, without its newline: a record the run is writing now, or one a crash cut short
     with path.open("rb") as f:
         for line_number, raw in enumerate(f, start=1):
             try:
@@ -90,9 +91,7 @@ def read_metrics(output_dir: str | Path) -> Metrics:
             except UsageError:
                 if raw.endswith(b"\n"):
                     raise
-                # the last line, without its newline: a record the run is writing now, or one a crash cut short
-                log.warning("%s: line %d is incomplete (a run still writing it, or one cut short): left out", path,
-                            line_number)
+                cut = f"line {line_number} is incomplete (a run still writing it, or one cut short)"
                 continue
             if record is None:
                 continue
@@ -102,8 +101,10 @@ def read_metrics(output_dir: str | Path) -> Metrics:
             if "eval_loss" in record:
                 latest[("eval", record["step"])] = record
     if not latest:
-        raise UsageError(f"{path} holds no records with 'loss' or 'eval_loss'; train for at least logging_steps "
-                         f"steps first.")
+        raise UsageError(f"{path} holds no records with 'loss' or 'eval_loss'{f': {cut}' if cut else ''}; train "
+                         f"for at least logging_steps steps first.")
+    if cut:
+        log.warning("%s: %s: left out", path, cut)
     ordered = sorted(latest.items(), key=lambda item: item[0][1])
     return Metrics(train=[r for (kind, _), r in ordered if kind == "train"],
                    eval=[r for (kind, _), r in ordered if kind == "eval"], name=path.resolve().parent.name)
