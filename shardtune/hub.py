@@ -251,17 +251,18 @@ def _needs_own_code(model_type: object, auto_map: object) -> bool:
         and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
-def damaged_file_problem(folder: str | Path) -> str | None:
+def damaged_file_problem(folder: str | Path, *, weights: bool = True) -> str | None:
     """The first file of a model or adapter folder that cannot be what its name says, as one line naming it: a
     JSON file that is no UTF-8 JSON object, a chat template that is no UTF-8 text, a safetensors file without a readable
-    header. Read before the libraries read them (they would stop with a traceback that names no file). Weights
-    in pickle files (``*.bin``) are left to transformers and PEFT, which read them with torch's weights-only
-    unpickler."""
+    header (unless ``weights`` is false: the estimate reads the settings and the tokenizer only). Read before the
+    libraries read them (they would stop with a traceback that names no file). Weights in pickle files (``*.bin``)
+    are left to transformers and PEFT, which read them with torch's weights-only unpickler."""
     import json
 
     from safetensors import SafetensorError, safe_open
 
-    kinds = {".json": "a JSON object", ".jinja": "UTF-8 text", ".safetensors": "a safetensors file"}
+    kinds = {".json": "a JSON object", ".jinja": "UTF-8 text", **({".safetensors": "a safetensors file"} if weights
+                                                                   else {})}
     for path in sorted(Path(folder).expanduser().iterdir()):
         if path.suffix not in kinds or not path.is_file():
             continue

@@ -156,6 +156,32 @@ def test_a_damaged_model_folder_is_one_line_for_generate_merge_and_gguf_export(w
     refused(capsys, ["merge", str(work / "adapter"), "--base", str(model), str(tmp_path / "merged")], says)
 
 
+@pytest.mark.parametrize("change,says", [
+    ("list_config", "config.json: holds a JSON list, not the object of a model's config"),  # TypeError traceback
+    ("unknown_type", "model_type 'nonesuch' is not in transformers"),  # transformers' warning above the error
+    ("broken_tokenizer", "tokenizer.json: not a JSON object (line 1: Expecting property name enclosed in double "
+                         "quotes)"),  # "cannot load a tokenizer ... (give a local model folder or a hub id)"
+])
+def test_estimate_reads_a_model_folders_settings_before_its_tokenizer(work, tmp_path, capsys, monkeypatch, change,
+                                                                      says):
+    """The estimate reads a folder's tokenizer (train grows the embeddings to its length): a damaged config.json
+    or tokenizer file is one line naming it, as for generate, found before transformers' tokenizer loader reads
+    the folder (it stopped with a traceback, or printed its warning above the error); damaged weights do not
+    matter to the estimate."""
+    import shardtune.data
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded from a damaged folder")
+
+    model = copy_of(work, "model", tmp_path) if change == "broken_tokenizer" else damaged_model(work, tmp_path, change)
+    if change == "broken_tokenizer":
+        (model / "tokenizer.json").write_text("{")
+    with monkeypatch.context() as patched:
+        patched.setattr(shardtune.data, "load_tokenizer", no_loading)
+        refused(capsys, ["estimate", str(model)], says)
+    assert main(["estimate", str(damaged_model(work, tmp_path / "cut", "cut_weights"))]) == 0
+
+
 def test_a_model_folder_without_a_tokenizer_says_so_for_train_and_data_inspect(work, tmp_path, capsys):
     """train and data inspect said "cannot load a tokenizer ... (give a local model folder or a hub id)" of a local
     model folder, with transformers' words; now what generate says: the files missing and how to add them."""

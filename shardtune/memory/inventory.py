@@ -246,6 +246,13 @@ def tokenizer_facts(model: str, cfg) -> tuple[int, int] | None:
     if not ((path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES))
             or (adds and find_gguf(path))):
         return None
+    if path.is_dir():  # the tokenizer's loader reads these too, and stops with a traceback or a warning
+        from shardtune.hub import damaged_file_problem
+
+        name, config_dict = load_config_dict(model)
+        build_config(config_dict, name)
+        if problem := damaged_file_problem(path, weights=False):
+            raise UsageError(problem)
     return _configured_tokenizer(str(path.resolve()), data.chat_template_format, data.add_special_tokens,
                                  cfg.model.trust_remote_code)
 
