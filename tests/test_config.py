@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import textwrap
 
@@ -502,6 +503,11 @@ def test_an_accelerate_fsdp1_file_runs_as_fsdp2_and_says_so(tmp_path, capsys, mo
                  "--output_dir", "out", "--dry_run", "true"]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
     assert notes == [f"note: fsdp_version=1 ({acc}, line 17): {FSDP1_AS_FSDP2}"]
+    # and the estimate of the same files says it too, beside a --json document that stays whole
+    assert main(["estimate", "llama-3.2-1b", "--config", str(acc), "--gpu", "h100-80gb", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["setup"]["sharding_strategy"] == "FULL_SHARD"
+    assert out.err.splitlines() == [f"note: fsdp_version=1 ({acc}, line 17): {FSDP1_AS_FSDP2}"]
     # refused where the file is FSDP2's, or says its strategy twice, otherwise
     for text, line, words in (
             (TRL_FSDP1.replace("fsdp_version: 1", "fsdp_version: 2"), 13,

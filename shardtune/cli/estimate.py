@@ -263,7 +263,10 @@ def setup_from_config_files(args: argparse.Namespace) -> Setup:
     elif not load_given_values(argv).get("model_name_or_path"):  # train's fix names --model_name_or_path
         raise UsageError(f"--config {', '.join(args.config)}: no model_name_or_path in it; give MODEL ('shardtune "
                          f"estimate MODEL --config ...'), or set model_name_or_path in the recipe")
-    cfg = load_planned_config(argv)
+    notes: list[str] = []
+    cfg = load_planned_config(argv, notes)
+    for note in notes:  # what train says at start of the same files (stderr: --json stays one document)
+        print(f"note: {note}", file=sys.stderr)
     args.model = cfg.model.model_name_or_path
     d = cfg.distributed
     if d.distributed_type == "MP" and not d.mp_devices:

@@ -672,12 +672,12 @@ def check_given_values(argv: list[str], hints: Mapping[str, str] | None = None) 
     raise_problems(repeated_cli_keys(argv, hints) + problems)
 
 
-def load_planned_config(argv: list[str]) -> TrainConfig:
+def load_planned_config(argv: list[str], notes: list[str] | None = None) -> TrainConfig:
     """The job ``argv`` describes, for a command that plans it and neither reads its data nor writes (``estimate
     --config``): every key checked as for ``train``, the data set and output_dir allowed to be left out (their
-    placeholders lie below everything given, so a recipe's own are kept)."""
+    placeholders lie below everything given, so a recipe's own are kept). ``notes``: as ``run_config_problems``'."""
     placeholders = ({"dataset_name": DATASET_PLACEHOLDER, "output_dir": "output"}, {})
-    cfg, _, problems = _apply([placeholders, *_layers(argv)], training=True)
+    cfg, _, problems = _apply([placeholders, *_layers(argv)], training=True, notes=notes)
     raise_problems(problems)
     return cfg
 
