@@ -258,13 +258,17 @@ def test_cli_generate_streams_the_greedy_reply(trained, capsys, monkeypatch):
 def test_a_reader_that_leaves_the_pipe_stops_generate_without_a_disk_error(trained, capsys, monkeypatch):
     """'shardtune generate ... | head -c 5': the closed pipe was reported as 'Broken pipe; free disk space, fix the
     permissions or give another path'. It ends quietly now, as Unix tools do, with exit code 1."""
+    tried = []
+
     class ClosedPipe(io.StringIO):
         def write(self, text):
+            tried.append(text)
             raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr("sys.stdout", ClosedPipe())
     assert main(["generate", str(trained), "--prompt", "Count please", "--max_new_tokens", "5"]) == 1
     assert capsys.readouterr().err == ""
+    assert len(tried) == 1, tried  # generation stopped at the first piece the closed pipe refused, not after all 5
 
 
 def test_cli_rejects_bad_sampling_values(trained, capsys):
