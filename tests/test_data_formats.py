@@ -245,12 +245,17 @@ def test_raw_text_trains_all_tokens_and_ends_with_eos(model_dir, tmp_path):
 
 
 def test_seed_recipe_content_text_field_still_reads_chat(model_dir, tmp_path):
-    data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format="chatml", add_special_tokens=False,
-                        append_concat_token=False, max_seq_len=128, packing=True, dataset_text_field="content")
-    assert data.report.data_format == "chat" and data.report.packing
-    got = sorted(targets(tok, {"labels": r["labels"]}) for r in data.train)
-    assert "".join(got).count("<|im_end|>") == sum(1 for c in CHATS for m in c["messages"]
-                                                   if m["role"] == "assistant")
+    # rows of messages alone, and rows that also hold a 'content' text column (the text field's name): chat both
+    with_text = [{**c, "content": " ".join(m["content"] for m in c["messages"])} for c in CHATS]
+    for i, rows in enumerate((CHATS, with_text)):
+        (tmp_path / str(i)).mkdir()
+        data, tok = prepare(model_dir, tmp_path / str(i), rows, chat_template_format="chatml",
+                            add_special_tokens=False, append_concat_token=False, max_seq_len=128, packing=True,
+                            dataset_text_field="content")
+        assert data.report.data_format == "chat" and data.report.packing
+        got = "".join(sorted(targets(tok, {"labels": r["labels"]}) for r in data.train))
+        # the targets are the assistant turns, each once with its end token, and nothing else
+        assert sorted(got) == sorted("".join(assistant_text(c, "<|im_end|>") for c in CHATS)), got
 
 
 def test_pad_token_never_eos(model_dir, tmp_path):
