@@ -294,8 +294,13 @@ def test_tinyllama_times_as_published():
 
 
 def test_codellama_34b_fsdp_time_as_published():
-    """Published: FSDP 30 min at ~100% utilisation (batch 4, accumulation 4)."""
-    assert within(trelis("codellama-34b", 4, 4, "FSDP").seconds_for(TRELIS_TOKENS), 30 * 60)
+    """Published: FSDP 30 min at ~100% utilisation (batch 4, accumulation 4). The model predicts 26.5 min, 1.13x
+    faster, most of it the all-gathers over PCIe. A factor of 2 either way (FACTOR) also took all-gathers that move
+    every byte instead of (G-1)/G of them (34 min): the band holds the known gap to its size, as the model
+    parallel test below does, so a change that moves the prediction either way is caught."""
+    predicted = trelis("codellama-34b", 4, 4, "FSDP").seconds_for(TRELIS_TOKENS)
+    assert within(predicted, 30 * 60)
+    assert 1.0 <= 30 * 60 / predicted <= 1.25, f"predicted {predicted / 60:.1f} min against the published 30"
 
 
 def test_codellama_34b_model_parallel_time_as_published():
