@@ -54,6 +54,10 @@ def test_size_based_wrap_units_reach_the_minimum_and_can_run(model, min_params):
     # every module the rule makes a unit is one, and no other: fewer units than the minimum allows is wrong too
     assert targets == _size_based_units(model, min_params)
     assert (targets == []) == (min_params > sum(p.numel() for p in model.parameters()))
+    if targets:  # reaching is at equality: with the first unit's own count as the minimum, it is a unit still
+        first_own = sum(p.numel() for p in targets[0].parameters())
+        exact = _wrap_targets(model, Plan(strategy="FSDP", wrap_policy="SIZE_BASED_WRAP", min_num_params=first_own))
+        assert exact[:1] == targets[:1] and first_own >= min_params
 
 
 @pytest.mark.parametrize("policy", ["SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP"])
