@@ -9,7 +9,7 @@ import json
 import pytest
 
 from shardtune import catalog
-from shardtune.memory import catalog_data
+from shardtune.memory import catalog_data, inventory
 from shardtune.memory.catalog_build import compute_entry
 from shardtune.memory.catalog_data import _load, config_sha256
 from tests.fresh import run_fresh
@@ -22,8 +22,13 @@ def test_shipped_counts_equal_the_model_rebuilt_on_meta(name, monkeypatch):
     def read_shipped(*args):
         raise AssertionError("the reference read the shipped counts instead of building the model")
 
-    # The reference must be built, not read: compared with the file itself, stale counts would pass.
+    def read_cached(*args):
+        raise AssertionError("the reference read the count cache instead of building the model")
+
+    # The reference must be built, not read: compared with the file itself (or with counts cached under
+    # ~/.cache/shardtune by an earlier version), stale counts would pass.
     monkeypatch.setattr(catalog_data, "packaged_counts", read_shipped)
+    monkeypatch.setattr(inventory._CountCache, "get", read_cached)
     assert shipped == json.loads(json.dumps(compute_entry(name)))  # tuples become lists, as in the file
     assert shipped["config_sha256"] == config_sha256(catalog.load(name))
 
