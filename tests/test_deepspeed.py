@@ -233,11 +233,15 @@ def test_an_offload_block_that_offloads_nothing_is_printed_too():
     all, where every other key of the file says what it became."""
     from shardtune.config.deepspeed import map_deepspeed
 
-    lines = map_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none",
-                                                                                    "pin_memory": True}}},
-                          "ds.json").lines
+    mapped = map_deepspeed({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none",
+                                                                                     "pin_memory": True}}},
+                           "ds.json")
+    lines = mapped.lines
     assert "zero_optimization.offload_optimizer.device none: not offloaded" in lines
     assert "zero_optimization.offload_optimizer.pin_memory true: DeepSpeed-engine tuning, not used" in lines
+    # and it offloads nothing: the keys are those of the same file without the block
+    without = map_deepspeed({"zero_optimization": {"stage": 2}}, "ds.json")
+    assert (mapped.values, mapped.problems) == (without.values, [])
 
 
 def test_a_deepspeed_file_or_a_folder_given_as_the_recipe_says_what_to_do(tmp_path):
