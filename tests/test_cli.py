@@ -1,6 +1,7 @@
 """The estimate command as a user runs it: JSON contract, tables, and one-line errors with exit code 2."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -113,11 +114,15 @@ def test_what_would_fit_when_nothing_does(capsys):
 
 def test_table_output_names_the_recommendation(capsys):
     assert main(["estimate", *DONE_WHEN]) == 0
-    text = " ".join(capsys.readouterr().out.split())
+    out = capsys.readouterr().out
+    text = " ".join(out.split())
     assert "68,976,648,192" in text
     # FULL_SHARD is named in the table's title and rows whatever is recommended: the recommendation is the line
     # and the starred row (a replica of 70B in bf16, 128 GiB, fits no 80 GB GPU, so DDP is never it).
     assert "Recommended: FSDP FULL_SHARD:" in text and " FSDP FULL_SHARD * " in text
+    # the one starred row of the side-by-side table (a star on every row would name nothing)
+    starred = [line.split(" *")[0].strip() for line in out.splitlines() if re.search(r" \*\s+\d", line)]
+    assert starred == ["FSDP FULL_SHARD"], starred
 
 
 @pytest.mark.parametrize("args,message", [
