@@ -416,7 +416,8 @@ def raise_problems(problems: list[str]) -> None:
 def _apply(layers: Layers, *, training: bool,
            notes: list[str] | None = None) -> tuple[TrainConfig, dict[str, Origin], list[str]]:
     """The config ``layers`` make, where each key's value came from, and every problem found; ``notes`` gets a
-    line for each key a later layer's setting turned off and set back to its default."""
+    line for each key a later layer's setting turned off and set back to its default, for an FSDP1 file run as
+    FSDP2, and for a mixed_precision the bf16/fp16 flags set aside."""
     cfg = TrainConfig()
     given: dict[str, Origin] = {}
     layer_of: dict[str, int] = {}
@@ -496,6 +497,8 @@ def _apply(layers: Layers, *, training: bool,
 FSDP1_AS_FSDP2 = ("FSDP1 runs here as FSDP2 (fully_shard), the FSDP shardtune has: the fsdp_* keys keep their "
                   "meaning (the same units, sharded and gathered as the sharding strategy says); the parameters are "
                   "sharded one by one rather than as FSDP1's flat parameters")
+
+
 def _precision_set_aside(cfg: TrainConfig, given: dict[str, Origin]) -> str | None:
     """Accelerate's ``mixed_precision`` where TrainingArguments' bf16/fp16 flag decides otherwise (an Accelerate
     file's ``no`` beside a recipe's ``bf16: true``): the flag wins, as in Transformers, and this line says so."""
