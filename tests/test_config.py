@@ -830,7 +830,24 @@ def test_trls_trained_token_keys_are_read_against_train_on_prompt():
         with pytest.raises(UsageError, match=re.escape(
                 f"{key}='false' asks for {asks}, which shardtune trains with train_on_prompt true (it trains the "
                 f"assistant turns and completions unless that is set): set that instead")):
-            load_train_config([*BASE, f"--{key}", "false", "--train_on_prompt", "true"])
+            load_train_config([*BASE, f"--{key}", "false"])
+
+
+def test_trls_trained_token_key_false_loads_beside_train_on_prompt(tmp_path):
+    """A written-out SFTConfig holds assistant_only_loss: false (TRL's default: every token of a conversation).
+    The refusal said to set train_on_prompt true instead; set, the recipe was still refused with the same line, and
+    a command-line --assistant_only_loss true over the file's false was refused too. false beside train_on_prompt
+    true asks for the same tokens, and the last layer's word counts."""
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text("assistant_only_loss: false\ncompletion_only_loss: null\n")
+    with pytest.raises(UsageError, match="line 1: assistant_only_loss=False asks for TRL's loss on every token"):
+        load_train_config([str(recipe), *BASE])
+    assert load_train_config([str(recipe), *BASE, "--train_on_prompt", "true"]).data.train_on_prompt is True
+    assert load_train_config([str(recipe), *BASE, "--assistant_only_loss", "true"]).data.train_on_prompt is False
+    assert load_train_config([str(recipe), *BASE, "--assistant_only_loss", "null"]).data.train_on_prompt is False
+    with pytest.raises(UsageError, match="command line .*assistant_only_loss=true and train_on_prompt true ask for "
+                                         "different tokens"):
+        load_train_config([str(recipe), *BASE, "--assistant_only_loss", "true", "--train_on_prompt", "true"])
 
 
 def test_a_hub_subset_of_local_data_is_refused(tmp_path, capsys):

@@ -24,7 +24,8 @@ import yaml
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
 from shardtune.config.deepspeed import FP16_TUNING, map_accelerate_block, read_deepspeed_file, same_value
 from shardtune.config.keys import shown
-from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS, at_transformers_default, no_op_problem, off
+from shardtune.config.no_ops import (NO_OPS, TRAINED_TOKEN_KEYS, UNSET, at_transformers_default, no_op_problem,
+                                     off)
 from shardtune.config.schema import (ALIASES, DATASET_PLACEHOLDER, FSDP1_RESHARD, ZERO2_HYBRID, DataConfig, TrainConfig,
                                      all_keys)
 from shardtune.config.validation import (attention_problems, context_problems, device_problems, idle_keys,
@@ -421,7 +422,9 @@ def _apply(layers: Layers, *, training: bool,
     cfg = TrainConfig()
     given: dict[str, Origin] = {}
     layer_of: dict[str, int] = {}
-    trained_tokens: dict[str, Origin] = {}  # TRL's assistant_only_loss / completion_only_loss given true
+    # TRL's assistant_only_loss / completion_only_loss given true or false (the last layer's word): read against
+    # train_on_prompt once every layer is in, as false asks for what train_on_prompt true trains
+    trained_tokens: dict[str, tuple[Origin, Any]] = {}
     declared = {d.name: d for d in all_keys()}
     problems: list[str] = []
     fp16_tuning: list[str] = []  # a DeepSpeed file's loss-scaler settings: refused if the run computes in fp16
@@ -452,10 +455,13 @@ def _apply(layers: Layers, *, training: bool,
                 else:
                     given["splits"], layer_of["splits"] = source, layer
             elif key in NO_OPS:  # accepted from recipes and Accelerate files; a value that would act is refused
-                if problem := no_op_problem(key, value):
+                if key in TRAINED_TOKEN_KEYS and (off(value) or no_op_problem(key, value) is None):
+                    if UNSET(value):
+                        trained_tokens.pop(key, None)
+                    else:
+                        trained_tokens[key] = (source, value)
+                elif problem := no_op_problem(key, value):
                     problems.append(f"{source}: {problem}")
-                elif key in TRAINED_TOKEN_KEYS and not off(value):
-                    trained_tokens[key] = source
             elif key not in declared and at_transformers_default(key, value):
                 pass  # a written-out TrainingArguments' key with no counterpart here, at Transformers' default
             elif key not in declared:
@@ -471,9 +477,7 @@ def _apply(layers: Layers, *, training: bool,
                     given[key], layer_of[key] = source, layer
                 except ValueError as exc:
                     problems.append(f"{source}: {name}={value!r}: {exc}")
-    if cfg.data.train_on_prompt:  # TRL's "the assistant turns (completions) only" against every token
-        problems += [f"{source}: {key}=true and train_on_prompt true ask for different tokens to train; keep one"
-                     for key, source in trained_tokens.items()]
+    problems += _trained_token_problems(trained_tokens, cfg.data.train_on_prompt)
     if cfg.precision_on(False) == "fp16":  # fp16 is only ever asked for, never the hardware's choice
         problems += fp16_tuning
     if notes is not None and (note := _precision_set_aside(cfg, given)):
@@ -509,6 +513,20 @@ def _precision_set_aside(cfg: TrainConfig, given: dict[str, Origin]) -> str | No
     return (f"mixed_precision={asked} ({given['mixed_precision']}) is set aside: {flag}="
             f"{shown(getattr(cfg.run, flag))} ({given.get(flag, Origin('config'))}) decides, as in Transformers, and "
             f"the run computes in {'fp32' if precision == 'no' else precision}")
+
+
+def _trained_token_problems(given: dict[str, tuple[Origin, Any]], train_on_prompt: bool) -> list[str]:
+    """TRL's assistant_only_loss / completion_only_loss (``given``: where each was set, and its value) against
+    train_on_prompt: true asks for the assistant turns (completions) only, false for every token, as
+    train_on_prompt true does."""
+    problems = []
+    for key, (source, value) in given.items():
+        if train_on_prompt and not off(value):
+            problems.append(f"{source}: {key}=true and train_on_prompt true ask for different tokens to train; "
+                            f"keep one")
+        elif not train_on_prompt and off(value):
+            problems.append(f"{source}: {no_op_problem(key, value)}")
+    return problems
 
 
 RATIO_STEP_KEYS = ("warmup_steps", "logging_steps", "save_steps", "eval_steps")

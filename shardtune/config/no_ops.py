@@ -90,7 +90,7 @@ def _one_of(*words: str) -> Inert:
 # TRL's two keys for the trained tokens, which train_on_prompt decides here.
 TRAINED_TOKEN_KEYS = ("assistant_only_loss", "completion_only_loss")
 TRAINED_TOKENS = ("remove it: shardtune trains the assistant turns and completions, or every token with "
-                  "train_on_prompt true")
+                  "train_on_prompt true (beside which false is accepted)")
 
 
 UNSET = Inert(_unset, "unset", _UNSET_VALUES)
