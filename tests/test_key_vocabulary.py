@@ -379,10 +379,11 @@ def test_accelerates_multi_cpu_file_loads_where_no_gpu_is_visible(tmp_path, monk
     assert (cfg.distributed.distributed_type, cfg.distributed.num_processes) == ("DDP", 2)
 
 
-def test_disable_tqdm_and_logging_first_step_act_in_a_run(tmp_path_factory, monkeypatch):
+def test_disable_tqdm_and_logging_first_step_act_in_a_run(tmp_path_factory, monkeypatch, capsys):
     """The loop's progress bar is enabled by default on rank 0 and disabled with --disable_tqdm true; the first
     step is logged with --logging_first_step true beside every logging_steps-th and the last, and under
-    logging_strategy epoch beside each epoch's end; unset, it logs the first step under steps only."""
+    logging_strategy epoch beside each epoch's end; unset, it logs the first step under steps only. Without the
+    bar, whose postfix was the only place the console showed the training loss, each record is a log line."""
     import shardtune.train.loop as loop
     from tests.trainutil import logging_restored, tiny_workspace
 
@@ -396,7 +397,7 @@ def test_disable_tqdm_and_logging_first_step_act_in_a_run(tmp_path_factory, monk
         return made
 
     monkeypatch.setattr(loop, "progress_bar", recorded)
-    logged = {}
+    logged, printed = {}, {}
     for value in ("false", "true"):
         out = work / f"run-{value}"
         with logging_restored():
@@ -406,8 +407,12 @@ def test_disable_tqdm_and_logging_first_step_act_in_a_run(tmp_path_factory, monk
                          *([] if value == "false" else ["--logging_first_step", "false"])]) == 0
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         logged[value] = [r["step"] for r in records if "loss" in r]
+        lines = re.findall(r"step (\d+): loss ([\d.]+), lr ", capsys.readouterr().err)
+        printed[value] = [(int(step), float(loss)) for step, loss in lines]
+        assert printed[value] in ([], [(r["step"], round(r["loss"], 4)) for r in records if "loss" in r]), value
     assert shown == [True, False]
     assert logged == {"false": [1, 2, 3], "true": [2, 3]}
+    assert printed["false"] == [] and [step for step, _ in printed["true"]] == [2, 3]
     # logging_strategy epoch: each epoch's end (24 rows at 8 a step: 3 steps an epoch), and with logging_first_step
     # true the first step beside them, as Transformers logs it (unset: not under epoch), logged once where an epoch
     # ends on it.

@@ -410,7 +410,8 @@ class RunConfig:
     logging_first_step: bool | None = key(None, "Log the first step, under any logging_strategy (no too), as "
                                                     "Transformers does. Unset: under steps only (Transformers' "
                                                     "default is false).")
-    disable_tqdm: bool = key(False, "No progress bar; log lines and metrics.jsonl are unchanged.")
+    disable_tqdm: bool = key(False, "No progress bar: each training record (loss, lr, grad_norm, tokens/s), which the "
+                                    "bar showed, is a log line instead; metrics.jsonl is unchanged.")
     save_safetensors: bool = key(True, "Weights are written as safetensors; false (pickled .bin files) is refused.")
     predict_memory: bool = key(help="At the end, trace the job and record the predicted peak memory beside the "
                                     "measured one (the environment variable SHARDTUNE_PREDICT_MEMORY=0 turns the "

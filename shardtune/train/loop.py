@@ -370,6 +370,9 @@ class Loop:
                 state.last_stats:
             record = self.metrics.log_step(state, state.last_stats)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if self.job.info.is_main and self.job.cfg.run.disable_tqdm:  # no bar to show it: a line, as eval's
+                log.info("step %d: loss %.4f, lr %.4g, grad_norm %.4g, %.0f tokens/s", state.step, record["loss"],
+                         record["lr"], record["grad_norm"], record["tokens_per_s"])
             self.hooks.on_log(logs=record)
 
     def evaluate(self, *, counted: bool) -> None:
