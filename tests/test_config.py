@@ -891,3 +891,18 @@ def test_trls_config_option_reads_the_recipe(tmp_path, monkeypatch):
     cfg = load_train_config(["--config", "recipe.yaml", *BASE, "seed=7"])
     assert (cfg.optim.learning_rate, cfg.run.seed) == (0.001, 7)
     assert load_train_config([*BASE, "--config=recipe.yaml"]).run.seed == 3
+
+
+def test_trls_space_separated_lora_lists_are_read_on_the_command_line(tmp_path):
+    """TRL's parser takes lora_target_modules and lora_modules_to_save as several words (nargs +): a TRL command
+    line's --lora_target_modules q_proj v_proj was refused as "unexpected argument 'v_proj'", naming no key. The
+    words are one comma-separated value; a flag, key=value or recipe after them ends them."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("use_peft_lora: true\nmax_steps: 3\n")
+    cfg = load_train_config([*BASE, "--lora_target_modules", "q_proj", "k_proj", "v_proj", str(recipe),
+                             "--lora-modules-to-save", "lm_head", "embed_tokens", "seed=7"])
+    assert cfg.lora.lora_target_modules == "q_proj,k_proj,v_proj"
+    assert cfg.lora.lora_modules_to_save == ["lm_head", "embed_tokens"]
+    assert (cfg.run.max_steps, cfg.run.seed, cfg.lora.use_peft_lora) == (3, 7, True)
+    with pytest.raises(UsageError, match="unexpected argument 'mlflow'"):  # one word elsewhere, as in TRL
+        load_train_config([*BASE, "--report_to", "tensorboard", "mlflow"])

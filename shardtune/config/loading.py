@@ -241,6 +241,17 @@ def _fsdp1_spellings(values: dict[str, Any], sources: dict[str, Origin]) -> None
         sources.setdefault("fsdp_reshard_after_forward", sources["fsdp_sharding_strategy"])
 
 
+# Keys whose values TRL's parser (HfArgumentParser, nargs +) takes as several words: --lora_target_modules q_proj
+# v_proj; here they are one comma-separated value.
+NARGS_KEYS = ("lora_target_modules", "lora_modules_to_save")
+
+
+def _another_value(arg: str) -> bool:
+    """Whether ``arg``, after a NARGS_KEYS key's value, is one more of its words: not a flag, a key=value or a
+    recipe file."""
+    return not arg.startswith("--") and "=" not in arg and not arg.endswith((".yaml", ".yml", ".json"))
+
+
 def _cli_items(argv: list[str]) -> list[tuple[str, str, Any, str]]:
     """Each argument as (kind, key, value, as typed): kind is ``file``, ``override`` (key=value) or ``flag``
     (--key value, whose dashes in the key read as underscores: --foo-bar is --foo_bar)."""
@@ -253,9 +264,13 @@ def _cli_items(argv: list[str]) -> list[tuple[str, str, Any, str]]:
             typed = arg
             if not eq:
                 if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                    value = argv[i + 1]
-                    typed = f"{arg} {value}"
+                    words = [argv[i + 1]]
                     i += 1
+                    if key.replace("-", "_") in NARGS_KEYS:  # TRL's --lora_target_modules q_proj v_proj
+                        while i + 1 < len(argv) and _another_value(argv[i + 1]):
+                            words.append(argv[i + 1])
+                            i += 1
+                    value, typed = ",".join(words), f"{arg} {' '.join(words)}"
                 else:
                     value = "true"
             if key == "config" and value != "true":  # TRL's `trl sft --config recipe.yaml`: the recipe itself

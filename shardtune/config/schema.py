@@ -180,7 +180,8 @@ class LoraConfig:
     lora_dropout: float = key(0.0, "Dropout on the LoRA input.", ge=0, lt=1, needs=LORA)
     lora_target_modules: str = key(
         "all-linear", "all-linear; comma-separated module names (q_proj,v_proj: each matches a module whose name ends "
-        "with it); or `re:` and a regular expression that must match a module's whole name (PEFT's regex form), e.g. "
+        "with it; the command line also takes TRL's --lora_target_modules q_proj v_proj); or `re:` and a regular "
+        "expression that must match a module's whole name (PEFT's regex form), e.g. "
         "`re:.*layers\\.[0-3]\\..*(q_proj|v_proj)`.", needs=LORA, commas=True)
     use_dora: bool = key(False, "DoRA (Liu et al. 2024): a trained magnitude per output feature of each adapted "
                                 "layer; sharded by FSDP with its layer, saved in checkpoints and final/, folded in by "
@@ -189,7 +190,8 @@ class LoraConfig:
                            needs=LORA)
     lora_modules_to_save: list[str] = key(
         help="Modules trained in full beside the adapters and saved in the adapter (PEFT's modules_to_save), e.g. "
-        "lm_head or embed_tokens; a list or comma-separated names.", factory=list, needs=LORA)
+        "lm_head or embed_tokens; a list or comma-separated names (on the command line also TRL's space-separated "
+        "ones).", factory=list, needs=LORA)
     init_lora_weights: str = key(
         "true", "true (A random, B zero), false (both random: for tests), gaussian, pissa or pissa_niter_N (A, B from "
         "the base's top singular vectors), olora (from a QR of the base). PiSSA/OLoRA change the base: final/ and "
