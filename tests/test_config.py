@@ -906,3 +906,29 @@ def test_trls_space_separated_lora_lists_are_read_on_the_command_line(tmp_path):
     assert (cfg.run.max_steps, cfg.run.seed, cfg.lora.use_peft_lora) == (3, 7, True)
     with pytest.raises(UsageError, match="unexpected argument 'mlflow'"):  # one word elsewhere, as in TRL
         load_train_config([*BASE, "--report_to", "tensorboard", "mlflow"])
+
+
+def test_a_json_recipe_is_read_as_transformers_example_scripts_read_one(tmp_path):
+    """Transformers' example scripts take their arguments as one JSON file (run_clm.py args.json, a written-out
+    TrainingArguments); shardtune train args.json was refused as "a DeepSpeed config JSON goes in --deepspeed". A
+    .json holding no DeepSpeed block is a recipe, with its lines; a DeepSpeed one keeps its pointer, and estimate
+    --config tells the two apart the same way."""
+    from shardtune.cli.estimate import config_argv
+
+    recipe = tmp_path / "args.json"
+    recipe.write_text(json.dumps({"model_name_or_path": "m", "dataset_name": "d", "output_dir": "o", "bf16": False,
+                                  "learning_rate": 0.0002, "gradient_accumulation_steps": 4, "max_steps": 7,
+                                  "lora_target_modules": ["q_proj", "v_proj"], "use_peft": True}, indent=1))
+    cfg = load_train_config([str(recipe), "--max_steps", "9"])
+    assert (cfg.optim.learning_rate, cfg.run.gradient_accumulation_steps, cfg.run.max_steps, cfg.run.bf16) == \
+        (0.0002, 4, 9, False)
+    assert cfg.lora.lora_target_modules == "q_proj,v_proj" and cfg.lora.use_peft_lora
+    assert load_train_config(["--config", str(recipe)]).run.max_steps == 7  # TRL's --config
+    recipe.write_text('{\n "model_name_or_path": "m",\n "seed": -1\n}\n')
+    with pytest.raises(UsageError, match=re.escape(f"{recipe}, line 3: seed=-1 must be from 0 to")):
+        load_train_config([str(recipe), *BASE])
+    deepspeed = tmp_path / "ds.json"
+    deepspeed.write_text('{"bf16": {"enabled": true}, "gradient_accumulation_steps": "auto"}')
+    with pytest.raises(UsageError, match=re.escape(f"a DeepSpeed config JSON goes in --deepspeed {deepspeed}")):
+        load_train_config([str(deepspeed), *BASE])
+    assert config_argv([str(recipe), str(deepspeed)]) == [str(recipe), "--deepspeed", str(deepspeed)]

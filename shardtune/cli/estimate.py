@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shardtune import catalog
 from shardtune.cli.common import check_output_file
+from shardtune.config.deepspeed import is_deepspeed_json
 from shardtune.config.schema import DATASET_PLACEHOLDER, LoraConfig, TrainConfig, published_defaults
 from shardtune.errors import UsageError
 from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_LINKS, PRICES_AS_OF, SPEC_EXAMPLE, Gpu,
@@ -234,7 +235,7 @@ def config_argv(files: list[str]) -> list[str]:
             what = "a folder, not a file" if path.is_dir() else "no such file"
             raise UsageError(f"--config {name}: {what}; give a training recipe, an Accelerate config file or a "
                              f"DeepSpeed JSON")
-        if path.suffix == ".json":
+        if path.suffix == ".json" and is_deepspeed_json(path):
             argv += ["--deepspeed", name]
             continue
         try:

@@ -1,10 +1,11 @@
 """``shardtune train [CONFIG.yaml] [key=value ...] [--key value ...]``: supervised fine-tuning.
 
 Keys are Transformers / TRL / PEFT / Accelerate names (``shardtune train --help`` lists them with defaults).
-The recipe may also be given as TRL takes it, ``--config CONFIG.yaml``. An Accelerate config file is read as it
-is with ``--config_file``. Precedence, lowest first: defaults < Accelerate config < YAML recipe < the command
-line (key=value and --key value alike; one key given two different values there is refused). Run it directly for
-one process, or under ``shardtune launch`` (torchrun) for DDP / FSDP2 on one or many machines.
+The recipe may also be given as TRL takes it, ``--config CONFIG.yaml``, or as a JSON file of the same keys, as
+Transformers' example scripts take one (``args.json``; a DeepSpeed JSON goes in ``--deepspeed``). An Accelerate
+config file is read as it is with ``--config_file``. Precedence, lowest first: defaults < Accelerate config <
+recipe < the command line (key=value and --key value alike; one key given two different values there is refused).
+Run it directly for one process, or under ``shardtune launch`` (torchrun) for DDP / FSDP2 on one or many machines.
 """
 
 from __future__ import annotations

@@ -97,6 +97,23 @@ def _show(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else str(value)
 
 
+# Top-level keys only a DeepSpeed config holds (bf16 and fp16 are DeepSpeed's when they hold a block).
+DEEPSPEED_ONLY = {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_clipping",
+                  "optimizer", "scheduler", *TUNING}
+
+
+def is_deepspeed_json(path: str | Path) -> bool:
+    """Whether the .json file ``path`` is a DeepSpeed config rather than a recipe (Transformers' example scripts
+    take their arguments as one JSON file, ``run_clm.py args.json``): one that cannot be read as a JSON object is
+    taken for DeepSpeed's, whose reader says what is wrong."""
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return True
+    return not isinstance(data, dict) or bool(DEEPSPEED_ONLY & set(data)) or \
+        any(isinstance(data.get(name), dict) for name in ("bf16", "fp16"))
+
+
 def read_deepspeed_file(path: str | Path) -> Mapped:
     """A DeepSpeed JSON file, mapped; an unreadable one is one line naming it."""
     path = Path(path).expanduser()

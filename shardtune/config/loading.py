@@ -22,7 +22,8 @@ from typing import Any
 import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
-from shardtune.config.deepspeed import FP16_TUNING, map_accelerate_block, read_deepspeed_file, same_value
+from shardtune.config.deepspeed import (FP16_TUNING, is_deepspeed_json, map_accelerate_block, read_deepspeed_file,
+                                       same_value)
 from shardtune.config.keys import shown
 from shardtune.config.no_ops import (NO_OPS, TRAINED_TOKEN_KEYS, UNSET, at_transformers_default, no_op_problem,
                                      off)
@@ -741,7 +742,7 @@ def _layers(argv: list[str]) -> Layers:
     if accelerate_file:
         layers.append(read_accelerate_config(accelerate_file))
     for path in files:
-        if not path.endswith((".yaml", ".yml")):
+        if not path.endswith((".yaml", ".yml")) and not (path.endswith(".json") and not is_deepspeed_json(path)):
             what = ("a folder; " if Path(path).is_dir() else
                     f"a DeepSpeed config JSON goes in --deepspeed {path}; " if path.endswith(".json") else "")
             raise UsageError(f"unexpected argument '{path}': {what}give a YAML recipe (CONFIG.yaml), key=value or "
