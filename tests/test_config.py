@@ -932,3 +932,15 @@ def test_a_json_recipe_is_read_as_transformers_example_scripts_read_one(tmp_path
     with pytest.raises(UsageError, match=re.escape(f"a DeepSpeed config JSON goes in --deepspeed {deepspeed}")):
         load_train_config([str(deepspeed), *BASE])
     assert config_argv([str(recipe), str(deepspeed)]) == [str(recipe), "--deepspeed", str(deepspeed)]
+
+
+def test_transformers_4s_logging_dir_and_an_inline_chat_template_name_what_to_do():
+    """A recipe from Transformers 4 holds logging_dir, and alignment-handbook's an inline chat_template: each was
+    refused offering a key that means something else (logging_first_step; chat_template_format, which takes a
+    template's name)."""
+    for key, said in (("logging_dir", "unknown key 'logging_dir'; TensorBoard's event files go to "
+                                      "output_dir/tensorboard/RUN_NAME here"),
+                      ("chat_template", "unknown key 'chat_template'; put the template in the model folder as "
+                                        "chat_template.jinja")):
+        with pytest.raises(UsageError, match=re.escape(said)):
+            load_train_config([*BASE, f"--{key}", "x"])

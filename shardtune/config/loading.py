@@ -382,6 +382,12 @@ UNKNOWN_ELSEWHERE = {
     "do_predict": "shardtune train evaluates the loss (eval_strategy) and generates nothing; leave it out",
     "log_level_replica": "ranks other than 0 log warnings and errors only here; leave it out (log_level sets rank "
                          "0's)",
+    # Transformers 4's TrainingArguments (recipes written before 5): spelling alone offered logging_first_step
+    "logging_dir": "TensorBoard's event files go to output_dir/tensorboard/RUN_NAME here (report_to tensorboard; "
+                   "run_name names it); leave it out",
+    # alignment-handbook's and TRL's scripts' inline template: spelling alone offered chat_template_format's names
+    "chat_template": "put the template in the model folder as chat_template.jinja (chat_template_format none reads "
+                     "the tokenizer's own), or name one with chat_template_format",
 }
 # Transformers' TrainingArguments and TRL's SFTConfig keys (transformers 5.24, TRL 1.16) that are neither keys here
 # nor read through UNKNOWN_ELSEWHERE's advice: whatever key is spelled near them here means something else.
