@@ -4,6 +4,7 @@ import csv
 import json
 
 import pytest
+import yaml
 
 from shardtune.data import DataConfig, load_tokenizer, prepare_datasets
 from shardtune.data.encode import IGNORE
@@ -529,6 +530,17 @@ def test_cli_inspect_prints_report_and_example(model_dir, tmp_path, capsys):
     assert rc == 2 and "max_seq_len 4096 is beyond the 2048 positions" in capsys.readouterr().err
     rc = main(["data", "inspect", str(recipe), "--max_seq_lenn", "128"])
     assert rc == 2 and "did you mean 'max_seq_len'" in capsys.readouterr().err
+    # A JSON recipe, as train reads one (it was read as the data set, and the model was missing); a JSON data file
+    # of rows stays the data set.
+    as_json = tmp_path / "args.json"
+    as_json.write_text(json.dumps(yaml.safe_load(recipe.read_text())))
+    rc = main(["data", "inspect", str(as_json), "max_seq_len=96", "--cache_dir", str(tmp_path / "c")])
+    assert rc == 0 and "max_seq_len 96, packed" in capsys.readouterr().out
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps(CHATS))
+    rc = main(["data", "inspect", str(rows), "--model_name_or_path", model_dir, "--max_seq_len", "64", "--splits",
+               "train", "--cache_dir", str(tmp_path / "c")])
+    assert rc == 0 and "max_seq_len 64)" in capsys.readouterr().out
     rc = main(["data", "inspect", str(recipe), "--example", "x"])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--example: invalid int value: 'x'" in err

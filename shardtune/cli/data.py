@@ -1,7 +1,7 @@
 """``shardtune data inspect``: what the model will learn from a data set, before any training.
 
-Reads the same arguments as ``shardtune train`` (a YAML recipe, ``key=value``, ``--key value``), so a recipe is
-inspected exactly as it will be trained; a first argument that is not a recipe is the data set
+Reads the same arguments as ``shardtune train`` (a YAML or JSON recipe, ``key=value``, ``--key value``), so a
+recipe is inspected exactly as it will be trained; a first argument that is not a recipe is the data set
 (``--dataset_name``). Prints the data report (rows, tokens, target tokens, truncation, length histogram, packing
 efficiency) and one rendered row with its target tokens highlighted. Its own options: ``--example N`` (the row to
 render, default 0) and ``--cache_dir DIR`` (where tokenised data is cached, default ``$SHARDTUNE_CACHE/data``).
@@ -63,6 +63,7 @@ def run_inspect(argv: list[str]) -> int:
     from rich.console import Console
 
     from shardtune.config import load_train_config
+    from shardtune.config.loading import is_json_recipe
     from shardtune.hub import offline_unless_reachable
     from shardtune.data.pipeline import prepare_datasets
     from shardtune.data.templates import load_tokenizer
@@ -73,7 +74,8 @@ def run_inspect(argv: list[str]) -> int:
         build_parser("data").parse_args(["data", "inspect", "--help"])
     own, rest = inspect_options().parse_known_args(argv)
     refuse_near_own_options(rest)
-    if rest and not rest[0].startswith("-") and "=" not in rest[0] and not rest[0].endswith((".yaml", ".yml")):
+    if rest and not rest[0].startswith("-") and "=" not in rest[0] and not rest[0].endswith((".yaml", ".yml")) and \
+            not (rest[0].endswith(".json") and is_json_recipe(rest[0])):
         rest = ["--dataset_name", rest[0], *rest[1:]]
     cfg = load_train_config(rest, training=False)
     offline_unless_reachable(cfg.model.model_name_or_path, cfg.data.dataset_name)

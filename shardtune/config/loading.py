@@ -14,6 +14,7 @@ The resolved config is written beside every checkpoint as flat YAML that ``shard
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -739,6 +740,17 @@ def run_config_problems(argv: list[str], notes: list[str] | None = None) -> tupl
         problems += (input_problems(cfg, given) + folder + (context_problems(cfg, given) if not folder else [])
                      + [_located(problem, given) for problem in device_problems(cfg)] + tracker_problems(cfg, given))
     return cfg, given, problems
+
+
+def is_json_recipe(path: str) -> bool:
+    """Whether ``path`` is a JSON recipe rather than a JSON data file (rows) or a DeepSpeed config: an object that
+    names a model, a data set or an output_dir (a written-out TrainingArguments always holds output_dir)."""
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and bool({"model_name_or_path", "dataset_name", "output_dir"} & set(data)) and \
+        not is_deepspeed_json(path)
 
 
 def _layers(argv: list[str]) -> Layers:
