@@ -207,6 +207,14 @@ def test_unknown_option_names_the_subcommand_and_the_option_meant(argv, error, c
     ("--nproc_per_node", "that is torchrun's processes per machine, and here --num_processes counts those of all "
                          "machines (Accelerate's meaning): give --num_processes (per machine x machines)"),
     ("--master-port", "that is torchrun's rendezvous port: give --main_process_port"),
+    # Accelerate launch's flags: --deepspeed_config_file was offered --config_file, --dynamo_backend --rdzv_backend,
+    # --cpu was "ambiguous" (a prefix of --cpus_per_task), --zero_stage and --gpu_ids got no word
+    ("--deepspeed_config_file", "here the job says so after 'train': --deepspeed ds_config.json (run as FSDP)"),
+    ("--zero_stage", "here the job says so after 'train': --deepspeed ds_config.json (its zero_optimization.stage"),
+    ("--dynamo_backend", "it is a key of the job: write it after 'train' (shardtune launch ... train "
+                         "--dynamo_backend VALUE)"),
+    ("--cpu", "to train on CPUs, hide the GPUs: CUDA_VISIBLE_DEVICES= shardtune launch ..."),
+    ("--gpu_ids", "choose the GPUs with CUDA_VISIBLE_DEVICES: CUDA_VISIBLE_DEVICES=0,1 shardtune launch ..."),
 ])
 def test_launch_says_where_a_jobs_key_goes(option, says, capsys):
     """Accelerate's launcher takes mixed_precision and --use_fsdp before the script; here they are the job's, after

@@ -941,6 +941,8 @@ def test_transformers_4s_logging_dir_and_an_inline_chat_template_name_what_to_do
     for key, said in (("logging_dir", "unknown key 'logging_dir'; TensorBoard's event files go to "
                                       "output_dir/tensorboard/RUN_NAME here"),
                       ("chat_template", "unknown key 'chat_template'; put the template in the model folder as "
-                                        "chat_template.jinja")):
+                                        "chat_template.jinja"),
+                      ("zero_stage", "unknown key 'zero_stage'; Accelerate's zero_stage is read inside a "
+                                     "deepspeed_config block")):
         with pytest.raises(UsageError, match=re.escape(said)):
             load_train_config([*BASE, f"--{key}", "x"])

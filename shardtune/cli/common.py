@@ -65,7 +65,10 @@ class OneLineParser(argparse.ArgumentParser):
         return plain(super().format_help())  # descriptions are the commands' docstrings
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        if message.startswith("the following arguments are required"):
+        ambiguous = message.startswith("ambiguous option: ") and message[18:].split(" ", 1)[0].split("=", 1)[0]
+        if ambiguous and self.placed_elsewhere is not None and (where := self.placed_elsewhere(ambiguous[2:])):
+            message = f"unknown option {ambiguous}; {where}"  # Accelerate's --cpu, a prefix of --cpus_per_task
+        elif message.startswith("the following arguments are required"):
             extras = self._extras_if_nothing_required()
             if any(_is_option(a) for a in extras):
                 message = self._unrecognized(extras)

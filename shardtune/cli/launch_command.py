@@ -29,7 +29,16 @@ DEFAULT_MOUNT_PATH = "/workspace"  # where --pvc is mounted in every pod, and it
 
 # Accelerate launch's flags that are keys of the job here: what to write after 'train' instead.
 ACCELERATE_FLAGS = {"use_fsdp": "--distributed_type FSDP", "multi_gpu": "--distributed_type DDP",
-                    "use_deepspeed": "--deepspeed ds_config.json (run as FSDP)"}
+                    "use_deepspeed": "--deepspeed ds_config.json (run as FSDP)",
+                    "deepspeed_config_file": "--deepspeed ds_config.json (run as FSDP)",
+                    "zero_stage": "--deepspeed ds_config.json (its zero_optimization.stage, run as FSDP), or "
+                                  "--distributed_type FSDP with --fsdp_sharding_strategy SHARD_GRAD_OP (ZeRO-1/2) or "
+                                  "FULL_SHARD (ZeRO-3)"}
+# Accelerate launch's flags that the environment says here.
+ACCELERATE_ENVIRONMENT = {"cpu": "to train on CPUs, hide the GPUs: CUDA_VISIBLE_DEVICES= shardtune launch ...",
+                          "gpu_ids": "choose the GPUs with CUDA_VISIBLE_DEVICES: CUDA_VISIBLE_DEVICES=0,1 shardtune "
+                                     "launch ...",
+                          "num_cpu_threads_per_process": "set OMP_NUM_THREADS: OMP_NUM_THREADS=N shardtune launch ..."}
 
 
 # torchrun's rendezvous options, spelled as Accelerate spells them here (shardtune launch runs torchrun with them).
@@ -48,6 +57,8 @@ TORCHRUN_OPTIONS = {
 def _train_key_placement(name: str) -> str | None:
     """Where an option ``shardtune launch`` does not take goes: torchrun's own under Accelerate's names, the job's
     after 'train'."""
+    from shardtune.config.compile import DYNAMO_KEYS
+    from shardtune.config.no_ops import NO_OPS
     from shardtune.config.schema import ALIASES, all_keys
 
     key = name.replace("-", "_")
@@ -55,7 +66,9 @@ def _train_key_placement(name: str) -> str | None:
         return TORCHRUN_OPTIONS[key]
     if key in ACCELERATE_FLAGS:
         return f"here the job says so after 'train': {ACCELERATE_FLAGS[key]}"
-    if key in ALIASES or any(d.name == key for d in all_keys()):
+    if key in ACCELERATE_ENVIRONMENT:
+        return ACCELERATE_ENVIRONMENT[key]
+    if key in ALIASES or key in DYNAMO_KEYS or key in NO_OPS or any(d.name == key for d in all_keys()):
         return f"it is a key of the job: write it after 'train' (shardtune launch ... train --{key} VALUE)"
     return None
 

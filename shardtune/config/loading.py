@@ -383,6 +383,9 @@ UNKNOWN_ELSEWHERE = {
     "do_predict": "shardtune train evaluates the loss (eval_strategy) and generates nothing; leave it out",
     "log_level_replica": "ranks other than 0 log warnings and errors only here; leave it out (log_level sets rank "
                          "0's)",
+    # Accelerate's ZeRO stage outside its deepspeed_config block: spelling alone offered save_strategy
+    "zero_stage": "Accelerate's zero_stage is read inside a deepspeed_config block (deepspeed_config: {zero_stage: 2}, "
+                  "run as FSDP), or give a DeepSpeed JSON with deepspeed",
     # Transformers 4's TrainingArguments (recipes written before 5): spelling alone offered logging_first_step
     "logging_dir": "TensorBoard's event files go to output_dir/tensorboard/RUN_NAME here (report_to tensorboard; "
                    "run_name names it); leave it out",
