@@ -681,3 +681,32 @@ def test_export_and_merge_refuse_an_out_that_is_a_symlink_before_any_work(made, 
         assert sorted(p.name for p in tmp_path.iterdir()) == ["linkout", "real", "run"]
     assert main(["merge", str(run / "final"), "--base", str(made / "model"), str(real)]) == 0  # the fix it names
     assert (real / "model.safetensors").is_file()
+
+
+def test_a_resume_that_derived_its_accumulation_resumes_again_on_as_many_processes(tmp_path_factory, tmp_path,
+                                                                                     capsys):
+    """A job saved on 2 processes resumes on 1 (an elastic job that lost a machine): gradient_accumulation_steps
+    2 -> 4 keeps the checkpoint's global batch. Restarted again on that 1 process (a second failure, a requeue) with
+    the same command, it was refused: "the global batch was 8 rows per step ... and is 4 now". The checkpoint
+    records the accumulation its run was given, and the same command keeps the derived one; another is refused."""
+    from tests.trainutil import run_shardtune
+
+    root = tiny_workspace(tmp_path_factory, "derived-accumulation", rows=48)
+    out = root / "run"
+    base = ["--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "chat.jsonl"), "--output_dir",
+            str(out), "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--save_steps", "1",
+            "--predict_memory", "false", "--disable_tqdm", "true", "--logging_steps", "1"]
+    launched = run_shardtune(["launch", "--num_processes", "2", "train", *base, "--max_steps", "1"], tmp_path)
+    assert launched.returncode == 0, launched.stderr[-2000:]
+    for steps in ("2", "3"):
+        with logging_restored():
+            assert main(["train", *base, "--max_steps", steps, "--resume_from_checkpoint", "true"]) == 0, steps
+    state = json.loads((out / "checkpoints" / "step-3" / "trainer_state.json").read_text())
+    assert (state["step"], state["sampler"]["global_batch_size"]) == (3, 8)
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == [1, 2, 3]
+    capsys.readouterr()
+    with logging_restored():
+        assert main(["train", *flags(*base, "--gradient_accumulation_steps", "6"), "--max_steps", "4",
+                     "--resume_from_checkpoint", "true"]) == 2
+    assert ("the global batch was 8 rows per step (per_device_train_batch_size x gradient_accumulation_steps x 1 "
+            "process(es)) and is 12 now") in capsys.readouterr().err

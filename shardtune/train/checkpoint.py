@@ -420,8 +420,10 @@ def resume_point(cfg: TrainConfig, info) -> ResumePoint | None:
     saved_world = (int(read_json(path / MANIFEST)["world_size"])
                    if resolve(old.distributed.distributed_type, False).shards_batch else 1)
     world = info.world_size if resolve(cfg.distributed.distributed_type, False).shards_batch else 1
-    step = read_json(path / "trainer_state.json")["step"]
-    point = ResumePoint(path, step, *check_resume(path, old, cfg, saved_world=saved_world, world=world))
+    state = read_json(path / "trainer_state.json")
+    step, given = state["step"], state.get("configured_gradient_accumulation_steps")
+    point = ResumePoint(path, step, *check_resume(path, old, cfg, saved_world=saved_world, world=world,
+                                                  given_accumulation=given))
     if problem := history_problem(Path(cfg.run.output_dir), path, step):
         raise UsageError(problem)
     return point

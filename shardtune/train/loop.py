@@ -174,11 +174,14 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
            sigterm: SigtermFlag, claim: OutputDirLock | None) -> dict[str, Any]:
     cfg = decide_precision(cfg, info.device)  # bf16 where the hardware has it, unless the config says; recorded
     resume = resume_point(cfg, info)  # a damaged checkpoint, or a setting it cannot change, stops the run here
+    configured = cfg.run.gradient_accumulation_steps
     if resume is not None:  # on another number of processes, accumulation keeps the checkpoint's global batch
         cfg = with_accumulation(cfg, resume.gradient_accumulation_steps)
     out = Path(cfg.run.output_dir)
     seed_everything(cfg.run.seed)
     job = make_job(cfg, info, stage_bounds)  # a refusal here has written nothing into output_dir
+    if configured != cfg.run.gradient_accumulation_steps:  # its checkpoints say so: the same command resumes them
+        job.state.configured_accumulation = configured
     resuming = str(cfg.checkpoint.resume_from_checkpoint or "").lower() not in RESUME_OFF
     # The newest checkpoint asked for (a requeue's true, or latest, yes, 1; not a chosen one)
     newest = str(cfg.checkpoint.resume_from_checkpoint).lower() in RESUME_NEWEST

@@ -5,7 +5,8 @@ data they were made with: changing those on resume is refused in one line naming
 rest (learning rate, max_steps, the logging, eval and save cadence, ...) takes effect and is logged.
 
 The global batch (per_device_train_batch_size x gradient_accumulation_steps x processes) is tied to the data
-position too. On as many processes as the checkpoint was saved on, changing it is refused. On another number of
+position too. On as many processes as the checkpoint was saved on, changing it is refused (the command of the run
+that saved it, which derived its accumulation as below, keeps that run's accumulation). On another number of
 processes (an elastic job that lost or regained a machine, or a resume elsewhere), gradient_accumulation_steps is
 derived from the checkpoint's global batch, with a logged line, and where no whole number of accumulation steps
 keeps it the resume is refused naming the fix.
@@ -73,13 +74,23 @@ def global_batch(values: dict[str, Any], data_world: int) -> int:
     return int(values["per_device_train_batch_size"]) * int(values["gradient_accumulation_steps"]) * data_world
 
 
-def accumulation_for(label: str, old: dict[str, Any], new: dict[str, Any], *, saved_world: int, world: int) -> int:
+def accumulation_for(label: str, old: dict[str, Any], new: dict[str, Any], *, saved_world: int, world: int,
+                     given_accumulation: int | None = None) -> int:
     """The gradient_accumulation_steps that keeps the checkpoint's global batch on ``world`` processes (see the
-    module's docstring); ``old`` / ``new``: the checkpoint's and this run's flat configs."""
+    module's docstring); ``old`` / ``new``: the checkpoint's and this run's flat configs; ``given_accumulation``:
+    the one the checkpoint's run was given where it ran another (derived on its own resume), else None."""
     before, now = global_batch(old, saved_world), global_batch(new, world)
     configured = int(new["gradient_accumulation_steps"])
     if before == now:
         return configured
+    if world == saved_world and configured == given_accumulation and \
+            int(new["per_device_train_batch_size"]) == int(old["per_device_train_batch_size"]):
+        # the command of the run that saved it (an elastic job restarted again on the machines it went on with)
+        log.warning("resume on %d process(es), as the checkpoint was saved, by a run that was given "
+                    "gradient_accumulation_steps %d and ran %d to keep its checkpoint's global batch: %d -> %d keeps "
+                    "it (%d rows per step)", world, configured, int(old["gradient_accumulation_steps"]), configured,
+                    int(old["gradient_accumulation_steps"]), before)
+        return int(old["gradient_accumulation_steps"])
     if world == saved_world:
         raise UsageError(f"{label}: the global batch was {before} rows per step (per_device_train_batch_size x "
                          f"gradient_accumulation_steps x {saved_world} process(es)) and is {now} now; the data "
@@ -105,12 +116,12 @@ class ResumeCheck(NamedTuple):
 
 
 def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, saved_world: int,
-                 world: int) -> ResumeCheck:
+                 world: int, given_accumulation: int | None = None) -> ResumeCheck:
     """Refuse a resume from ``checkpoint`` (saved with the config ``saved``) that changes what it is tied to;
     return the changed keys, which take effect, and the accumulation that keeps the global batch.
 
     ``saved_world`` / ``world``: how many ranks split each global batch then and now (pipeline stages read it
-    whole, so they count as one).
+    whole, so they count as one); ``given_accumulation``: see ``accumulation_for``.
     """
     old, new = saved.to_flat(), cfg.to_flat()
     label = f"resume_from_checkpoint={checkpoint}"
@@ -122,7 +133,8 @@ def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, save
             raise UsageError(f"{label}: {key} was {old.get(key)!r} when the checkpoint was saved and is "
                              f"{new.get(key)!r} now; its weights, optimizer state and data position belong to "
                              f"the first. Set {key} back, or start a new run in another output_dir")
-    accumulation = accumulation_for(label, old, new, saved_world=saved_world, world=world)
+    accumulation = accumulation_for(label, old, new, saved_world=saved_world, world=world,
+                                    given_accumulation=given_accumulation)
     ignore = {"resume_from_checkpoint", "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
               "num_processes", "num_machines", "distributed_type", "overwrite_output_dir"}  # the last: see claim
     changed = [k for k in new if k not in ignore and k not in FIXED and old.get(k) != new.get(k)]

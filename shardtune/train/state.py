@@ -63,6 +63,8 @@ class TrainState:
         self.last_stats = None
         self.log_history: list[dict[str, Any]] = []
         self.output_dir = output_dir  # where best_model_checkpoint lies
+        # the gradient_accumulation_steps this run was given, where a resume on other processes derived another
+        self.configured_accumulation: int | None = None
 
     @property
     def global_step(self) -> int:
@@ -132,7 +134,9 @@ class TrainState:
         return {"step": self.step, "epoch": self.epochs_done, "steps_cut": self.steps_cut,
                 "sampler": self.sampler.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
-                "best": self.best.state_dict(), "log_history": strict_json(self.log_history)}
+                "best": self.best.state_dict(), "log_history": strict_json(self.log_history),
+                **({} if self.configured_accumulation is None else
+                   {"configured_gradient_accumulation_steps": self.configured_accumulation})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
