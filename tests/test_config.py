@@ -946,3 +946,16 @@ def test_transformers_4s_logging_dir_and_an_inline_chat_template_name_what_to_do
                                      "deepspeed_config block")):
         with pytest.raises(UsageError, match=re.escape(said)):
             load_train_config([*BASE, f"--{key}", "x"])
+
+
+def test_trls_max_length_none_is_refused_not_dropped(tmp_path):
+    """TRL's max_length: null keeps every row whole; it was dropped without a word and rows were cut at the default
+    2048. TRL's former max_seq_length: null (its default then, a length of its choosing) still means the default."""
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text("max_length: null\n")
+    with pytest.raises(UsageError, match=re.escape(f"{recipe}, line 1: max_length=None asks for TRL's rows with no "
+                                                   f"truncation; rows here are cut at max_seq_len")):
+        load_train_config([str(recipe), *BASE])
+    recipe.write_text("max_seq_length: null\n")
+    assert load_train_config([str(recipe), *BASE]).data.max_seq_len == 2048
+    assert load_train_config([str(recipe), *BASE, "--max_length", "512"]).data.max_seq_len == 512

@@ -461,6 +461,10 @@ def _apply(layers: Layers, *, training: bool,
                 fp16_tuning += value
                 continue
             source, key = sources.get(name, Origin("config")), ALIASES.get(name, name)
+            if name == "max_length" and UNSET(value):  # TRL's None: no truncation, which was dropped for 2048
+                problems.append(f"{source}: max_length={value!r} asks for TRL's rows with no truncation; rows here are "
+                                f"cut at max_seq_len, at most the model's positions: give max_length a number")
+                continue
             if value is None and key != name:  # another tool's name left unset (an older config.yaml's dtype: null)
                 continue
             if name.endswith("_token") and value == f"<{name.upper()}>":
