@@ -325,6 +325,33 @@ def test_an_accelerate_file_with_a_deepspeed_config_file(tmp_path):
         load_train_config(["--config_file", str(inline), *BASE])
 
 
+def test_an_accelerate_deepspeed_block_and_a_key_set_otherwise_must_agree(tmp_path):
+    """An Accelerate file's deepspeed_config block set gradient_clipping 1.0 and the recipe max_grad_norm 0.3: the
+    recipe's 0.3 ran while train printed 'gradient_clipping 1.0 -> max_grad_norm 1.0'; in one recipe, the block's
+    1.0 replaced the recipe's own 0.3 without a word. Refused as a --deepspeed file's clash is (and Transformers');
+    agreeing values, auto, and a later --distributed_type (the launch's) load."""
+    acc = tmp_path / "accelerate.yaml"
+    acc.write_text("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 3\n"
+                   "  gradient_clipping: 1.0\n  gradient_accumulation_steps: 2\n")
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text("max_grad_norm: 0.3\n")
+    with pytest.raises(UsageError, match=re.escape(f"{recipe}, line 1: max_grad_norm=0.3, but the deepspeed_config "
+                                                   f"block of {acc} sets 1.0: make them agree, or write auto there")):
+        load_train_config(["--config_file", str(acc), str(recipe), *BASE])
+    with pytest.raises(UsageError, match="command line .*gradient_accumulation_steps='4', but the deepspeed_config"):
+        load_train_config(["--config_file", str(acc), *BASE, "--gradient_accumulation_steps", "4"])
+    both = tmp_path / "both.yaml"
+    both.write_text("max_grad_norm: 0.3\ndeepspeed_config:\n  gradient_clipping: 1.0\n")
+    with pytest.raises(UsageError, match=re.escape(f"{both}, line 1: max_grad_norm=0.3, but the deepspeed_config "
+                                                   f"block of {both} sets 1.0")):
+        load_train_config([str(both), *BASE])
+    cfg = load_train_config(["--config_file", str(acc), *BASE, "--max_grad_norm", "1", "--distributed_type", "DDP"])
+    assert (cfg.optim.max_grad_norm, cfg.run.gradient_accumulation_steps, cfg.distributed.distributed_type) == \
+        (1.0, 2, "DDP")
+    acc.write_text(acc.read_text().replace("gradient_clipping: 1.0", "gradient_clipping: auto"))
+    assert load_train_config(["--config_file", str(acc), str(recipe), *BASE]).optim.max_grad_norm == 0.3
+
+
 def test_a_zero2_run_prints_its_mapping_and_trains_like_the_keys_it_maps_to(tmp_path):
     """One process, FSDP on it: the --deepspeed run prints the mapping and has the losses of the run given the
     same keys directly."""

@@ -124,9 +124,24 @@ def _mapped_deepspeed_block(values: dict[str, Any], sources: dict[str, Origin], 
         values["distributed_type"] = FSDP.name  # ZeRO-3 unless the block says otherwise
     if block is not None:
         mapped = map_accelerate_block(block, str(path))
-        raise_problems(mapped.problems)
+        raise_problems(mapped.problems + _block_clashes(mapped.values, [(values, sources)], path))
         values.update(mapped.carried())
-        sources.update({key: Origin(f"{path} (deepspeed_config)", where.line) for key in mapped.values})
+        sources.update({key: Origin(f"{path}{IN_BLOCK}", where.line) for key in mapped.values})
+
+
+IN_BLOCK = " (deepspeed_config)"  # how an Origin names a value an Accelerate deepspeed_config block set
+
+
+def _block_clashes(block: dict[str, Any], layers: Layers, path: str | Path) -> list[str]:
+    """The training values of an Accelerate ``deepspeed_config`` block (``block``, of the file ``path``) that
+    ``layers`` set otherwise: refused, as a --deepspeed file's are and as Transformers refuses them (the block's
+    value was listed as what runs, and the other one ran). Its distributed keys are the launch's, which a later
+    --distributed_type may change."""
+    distributed = {d.name for d in all_keys() if d.section == "distributed"}
+    return [f"{sources.get(key, Origin('config'))}: {key}={values[key]!r}, but the deepspeed_config block of {path} "
+            f"sets {value!r}: make them agree, or write auto there"
+            for key, value in block.items() if key not in distributed
+            for values, sources in layers if key in values and not same_value(values[key], value)]
 
 
 def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] | None:
@@ -776,6 +791,10 @@ def _layers(argv: list[str]) -> Layers:
     for given in (overrides, flags):
         _fsdp1_spellings(given, cli_sources)
     layers += [(overrides, cli_sources), (flags, cli_sources)]
+    for at, (values, sources) in enumerate(layers):  # an Accelerate deepspeed_config block's values, set above it
+        block = {key: values[key] for key, origin in sources.items() if origin.where.endswith(IN_BLOCK)}
+        if block:
+            raise_problems(_block_clashes(block, layers[at + 1:], sources[next(iter(block))].where[:-len(IN_BLOCK)]))
     deepspeed = deepspeed_layer(layers)
     if deepspeed is not None:  # above the Accelerate file, below everything the user writes for shardtune
         layers.insert(1 if accelerate_file else 0, deepspeed)
