@@ -188,6 +188,18 @@ def test_merge_and_export_refuse_a_missing_base_folder_at_once(tmp_path, capsys)
     (["launch", "--num_procesess", "2", "train"], "shardtune launch: error: unknown option --num_procesess; "
                                                   "did you mean --num_processes?"),
     (["estimate", "llama-3.1-8b", "extra"], "shardtune estimate: error: unrecognized arguments: extra"),
+    # train's keys, as a recipe's user writes them: no word was said for most (--per_device_train_batch_size,
+    # --use_peft_lora, --learning_rate), and TRL's --max_length was offered nothing
+    (["estimate", "llama-3.1-8b", "--per_device_train_batch_size", "4"],
+     "shardtune estimate: error: unknown option --per_device_train_batch_size; per_device_train_batch_size is "
+     "--batch-size here"),
+    (["estimate", "llama-3.1-8b", "--max_length", "512"],
+     "shardtune estimate: error: unknown option --max_length; max_seq_len is --seq-len here"),
+    (["estimate", "llama-3.1-8b", "--use_peft"],
+     "shardtune estimate: error: unknown option --use_peft; use_peft_lora is --method lora here"),
+    (["estimate", "llama-3.1-8b", "--learning_rate", "1e-4"],
+     "shardtune estimate: error: unknown option --learning_rate; learning_rate is a 'shardtune train' key with no "
+     "estimate option: give the job as a recipe with --config FILE"),
 ])
 def test_unknown_option_names_the_subcommand_and_the_option_meant(argv, error, capsys):
     exits_2(argv)

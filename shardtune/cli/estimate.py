@@ -49,6 +49,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main, setup_options={action.dest: tuple(action.option_strings)
                                              for action in job._group_actions},
                    flag_options={action.dest for action in job._group_actions if action.nargs == 0})
+    options = {action.dest: action.option_strings[0] for action in job._group_actions}
+    p.placed_elsewhere = lambda name: _train_key_option(name, options)
+
+
+# Train keys that an estimate option other than the one of their name says.
+TRAIN_KEY_OPTIONS = {"use_peft_lora": "--method lora", "use_4bit_quantization": "--method qlora",
+                     "distributed_type": "--strategy", "num_processes": "--num-gpus (per node) and --num-nodes",
+                     "fsdp_activation_checkpointing": "--gradient-checkpointing"}
+
+
+def _train_key_option(name: str, options: dict[str, str]) -> str | None:
+    """Where the train key ``name`` (written as 'shardtune train' takes it) goes in an estimate: the option that sets
+    it, or --config for a recipe; None for a name that is no train key."""
+    from shardtune.config.schema import ALIASES, all_keys
+
+    key = ALIASES.get(name.replace("-", "_"), name.replace("-", "_"))
+    if not any(d.name == key for d in all_keys()):
+        return None
+    if key in TRAIN_KEY_OPTIONS or key in options:
+        return f"{key} is {TRAIN_KEY_OPTIONS.get(key) or options[key]} here"
+    return f"{key} is a 'shardtune train' key with no estimate option: give the job as a recipe with --config FILE"
 
 
 def _default(key: str) -> str:
