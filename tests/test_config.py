@@ -959,3 +959,16 @@ def test_trls_max_length_none_is_refused_not_dropped(tmp_path):
     recipe.write_text("max_seq_length: null\n")
     assert load_train_config([str(recipe), *BASE]).data.max_seq_len == 2048
     assert load_train_config([str(recipe), *BASE, "--max_length", "512"]).data.max_seq_len == 512
+
+
+def test_a_data_file_or_a_missing_file_given_as_the_recipe_is_named_so(tmp_path):
+    """shardtune train rows.jsonl (as data inspect takes its data) was told to give a YAML recipe, and a JSON file of
+    rows, or one that is not there, was called a DeepSpeed config for --deepspeed."""
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([{"text": "a"}]))
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n')
+    for path, says in ((rows, f"a data set goes in --dataset_name {rows}"),
+                       (tmp_path / "rows.jsonl", f"a data set goes in --dataset_name {tmp_path / 'rows.jsonl'}"),
+                       (tmp_path / "nothere.json", "no such file")):
+        with pytest.raises(UsageError, match=re.escape(f"unexpected argument '{path}': {says}; give a recipe")):
+            load_train_config([str(path), *BASE])

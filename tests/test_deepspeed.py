@@ -251,8 +251,8 @@ def test_a_deepspeed_file_or_a_folder_given_as_the_recipe_says_what_to_do(tmp_pa
     with pytest.raises(UsageError) as err:
         load_train_config([str(ds), *BASE])
     assert str(err.value) == (f"unexpected argument '{ds}': a DeepSpeed config JSON goes in --deepspeed {ds}; give a "
-                              f"YAML recipe (CONFIG.yaml), key=value or --key value")
-    with pytest.raises(UsageError, match=rf"unexpected argument '{re.escape(str(tmp_path))}': a folder; give a YAML"):
+                              f"recipe (CONFIG.yaml, or a JSON of its keys), key=value or --key value")
+    with pytest.raises(UsageError, match=rf"unexpected argument '{re.escape(str(tmp_path))}': a folder; give a recipe"):
         load_train_config([str(tmp_path), *BASE])
 
 

@@ -764,6 +764,16 @@ def run_config_problems(argv: list[str], notes: list[str] | None = None) -> tupl
     return cfg, given, problems
 
 
+def _data_file(path: str) -> bool:
+    """Whether ``path`` is a file of rows: JSONL, Parquet, CSV, or JSON holding a list."""
+    if path.endswith((".jsonl", ".parquet", ".csv")):
+        return True
+    try:
+        return path.endswith(".json") and isinstance(json.loads(Path(path).expanduser().read_text()), list)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+
+
 def is_json_recipe(path: str) -> bool:
     """Whether ``path`` is a JSON recipe rather than a JSON data file (rows) or a DeepSpeed config: an object that
     names a model, a data set or an output_dir (a written-out TrainingArguments always holds output_dir)."""
@@ -783,10 +793,13 @@ def _layers(argv: list[str]) -> Layers:
         layers.append(read_accelerate_config(accelerate_file))
     for path in files:
         if not path.endswith((".yaml", ".yml")) and not (path.endswith(".json") and not is_deepspeed_json(path)):
+            named = "/" in path or "." in path  # a path, not a stray word (a list's second value)
             what = ("a folder; " if Path(path).is_dir() else
+                    "no such file; " if named and not Path(path).expanduser().exists() else
+                    f"a data set goes in --dataset_name {path}; " if _data_file(path) else
                     f"a DeepSpeed config JSON goes in --deepspeed {path}; " if path.endswith(".json") else "")
-            raise UsageError(f"unexpected argument '{path}': {what}give a YAML recipe (CONFIG.yaml), key=value or "
-                             f"--key value")
+            raise UsageError(f"unexpected argument '{path}': {what}give a recipe (CONFIG.yaml, or a JSON of its keys), "
+                             f"key=value or --key value")
         layers.append(read_yaml_recipe(path))
     for given in (overrides, flags):
         _fsdp1_spellings(given, cli_sources)
