@@ -510,12 +510,7 @@ def _apply(layers: Layers, *, training: bool,
             elif key not in declared and at_transformers_default(key, value):
                 pass  # a written-out TrainingArguments' key with no counterpart here, at Transformers' default
             elif key not in declared:
-                hint = closest(key, list(declared))
-                did_you_mean = (f"; {UNKNOWN_ELSEWHERE[key]}" if key in UNKNOWN_ELSEWHERE
-                                else f": {OTHER_TOOLS_KEYS[key]} key, which has no counterpart here; leave it out "
-                                     f"('shardtune train --help-keys' lists the keys)" if key in OTHER_TOOLS_KEYS
-                                else f"; did you mean '{hint}'?" if hint else "; see 'shardtune train --help-keys'")
-                problems.append(f"{source}: unknown key '{key}'{did_you_mean}")
+                problems.append(f"{source}: {_unknown_key_problem(key, list(declared))}")
             else:
                 try:
                     setattr(getattr(cfg, declared[key].section), key, declared[key].coerce(value))
@@ -529,8 +524,28 @@ def _apply(layers: Layers, *, training: bool,
         notes.append(note)
     cfg.run.report_to = resolve_report_to(cfg.run.report_to)
     normalise_compile(cfg.run, compile_set="torch_compile" in given)
+    _reset_overruled(cfg, given, layer_of, notes)
+    problems += [_located(problem, given) for problem in validate(cfg, training=training)]
+    return cfg, given, problems
+
+
+def _unknown_key_problem(key: str, declared: list[str]) -> str:
+    """A key declared nowhere: what it is elsewhere and what to write instead, or the closest key here."""
+    hint = closest(key, declared)
+    did_you_mean = (f"; {UNKNOWN_ELSEWHERE[key]}" if key in UNKNOWN_ELSEWHERE
+                    else f": {OTHER_TOOLS_KEYS[key]} key, which has no counterpart here; leave it out "
+                         f"('shardtune train --help-keys' lists the keys)" if key in OTHER_TOOLS_KEYS
+                    else f"; did you mean '{hint}'?" if hint else "; see 'shardtune train --help-keys'")
+    return f"unknown key '{key}'{did_you_mean}"
+
+
+def _reset_overruled(cfg: TrainConfig, given: dict[str, Origin], layer_of: dict[str, int],
+                     notes: list[str] | None) -> None:
+    """Each key set in a layer below the one that turned its setting off, back to its default, with a note; a
+    reset setting can leave its own keys idle, so until none is left."""
+    declared = {d.name: d for d in all_keys()}
     reset: set[str] = set()
-    while overruled := overruled_keys(cfg, layer_of, reset):  # a reset setting can leave its own keys idle
+    while overruled := overruled_keys(cfg, layer_of, reset):
         for name in sorted(overruled):
             section = getattr(cfg, declared[name].section)
             if notes is not None:
@@ -538,8 +553,6 @@ def _apply(layers: Layers, *, training: bool,
                              f"acts under {declared[name].meta.needs}, which a later setting turned off")
             setattr(section, name, getattr(type(section)(), name))
         reset |= overruled
-    problems += [_located(problem, given) for problem in validate(cfg, training=training)]
-    return cfg, given, problems
 
 
 # What an Accelerate file's fsdp_version 1 becomes, said at start (shardtune train's notes).
