@@ -282,6 +282,8 @@ AGREED = [  # (a recipe, whether shardtune train takes it): the schema must say 
     ("tpu_env: []\n", True), ("model_revision: main\n", True), ("assistant_only_loss: true\n", True),
     ("max_steps: 0\n", False), ("save_safetensors: false\n", False), ("model_revision: dev\n", False),
     ("assistant_only_loss: false\n", False), ("compute_environment: AMAZON_SAGEMAKER\n", False),
+    ("assistant_only_loss: false\ntrain_on_prompt: true\n", True),  # a written-out SFTConfig training every token
+    ("completion_only_loss: false\ntrain_on_prompt: false\n", False),
     ("fsdp_offload_optimizer: true\n", False), ("init_lora_weights: loftq\nuse_peft_lora: true\n", False),
     ("dataset_name: [a.jsonl, b.jsonl]\n", False), ("gpu_ids: all\n", True),
     ("gpu_ids: 0\n", False),  # GPU 0 alone, not false

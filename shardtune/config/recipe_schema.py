@@ -17,7 +17,7 @@ from typing import Any
 from shardtune.config.compile import DYNAMO_KEYS
 from shardtune.config.keys import Declared
 from shardtune.config.loading import KWARGS
-from shardtune.config.no_ops import NO_OPS
+from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS
 from shardtune.config.schema import ALIASES, all_keys, published_defaults
 from shardtune.config.validation import LORA_INITS
 
@@ -109,6 +109,15 @@ def recipe_schema() -> dict[str, Any]:
                               "description": "Accelerate's FSDP block: its keys are read as top-level keys."},
               "deepspeed_config": {"type": "object", "description": "Accelerate's DeepSpeed block, mapped onto FSDP2 "
                                                                     "(docs/deepspeed.md)."}}
+    # TRL's assistant_only_loss / completion_only_loss false asks for every token's loss: what train_on_prompt true
+    # trains, so false is taken beside it in the same recipe (a rule between keys the schema can say).
+    prompt_trained = [{"if": {"properties": {name: {"enum": [False, "false"]}}, "required": [name]},
+                       "then": {"properties": {"train_on_prompt": {"enum": [True, "true"]}},
+                                "required": ["train_on_prompt"]}} for name in TRAINED_TOKEN_KEYS]
+    for name in TRAINED_TOKEN_KEYS:
+        accepted[name] = {"anyOf": [accepted[name], {"enum": [False, "false"]}],
+                          "description": accepted[name]["description"] + " false: with train_on_prompt true."}
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "shardtune recipe",
             "description": "A recipe for shardtune train: flat keys (docs/config.md).", "type": "object",
-            "properties": {**keys, **aliases, **dynamo, **blocks, **accepted}, "additionalProperties": False}
+            "properties": {**keys, **aliases, **dynamo, **blocks, **accepted}, "additionalProperties": False,
+            "allOf": prompt_trained}
