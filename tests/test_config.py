@@ -165,6 +165,8 @@ def test_bad_values_are_one_line_errors(argv, needle, capsys):
      "use hub_strategy end"),
     # Transformers' default does nothing without push_to_hub there either: accepted only where it is idle
     (["--hub_strategy", "checkpoint"], "hub_strategy='checkpoint' is not accepted"),
+    (["--mixed_precision", "FP8"], "mixed_precision=fp8: Accelerate's FP8 training (Transformer Engine, torchao or "
+                                   "MS-AMP) is not run here; use bf16"),  # it was 'did you mean fp16?'
     (["--fsdp_version", "3"], "fsdp_version=3 is not accepted: shardtune runs FSDP2 (fully_shard), and FSDP1 files "
                               "(fsdp_version 1) as FSDP2; set fsdp_version 2 or leave it out"),
     (["--fsdp_backward_prefetch", "BACKWARD_POST"], "fsdp_backward_prefetch='BACKWARD_POST' is not accepted: FSDP2 "

@@ -512,7 +512,9 @@ class DistributedConfig:
     mixed_precision: MixedPrecision | None = key(None, "Accelerate's key; the bf16/fp16 flags win when set, as in "
                                                        "Transformers, said at start (bf16 false opts out of it); "
                                                        "unset with them, the hardware decides (see bf16).",
-                                                 spellings=NO)
+                                                 spellings=NO,
+                                                 refused={"fp8": "Accelerate's FP8 training (Transformer Engine, "
+                                                                 "torchao or MS-AMP) is not run here; use bf16"})
     deepspeed: str | None = key(None, "A DeepSpeed config JSON (Transformers/TRL's --deepspeed), mapped onto FSDP2 "
                                       "and printed at start; what cannot be mapped is refused (docs/deepspeed.md).")
     num_processes: int = key(1, "Processes over all machines (set by shardtune launch).", ge=1)
