@@ -336,9 +336,9 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_ones_and_final_aside(mad
     assert (aside[0] / "summary.json").read_bytes() == summary
     assert (aside[0] / "metrics.jsonl").read_bytes() == metrics
     said = [line for line in capfd.readouterr().err.splitlines() if "superseded" in line]
-    assert len(said) == 1 and (f"resuming at step 2, but the run holds checkpoints/step-4, final, summary.json from "
-                               f"later on: moved to {aside[0]} (with a copy of metrics.jsonl) rather than replaced"
-                               in said[0])
+    assert len(said) == 1 and (f"resuming at step 2, but the run holds checkpoints/step-4, final, summary.json, "
+                               f"written after that checkpoint: moved to {aside[0]} (with a copy of metrics.jsonl) "
+                               f"rather than replaced" in said[0])
     # the resumed run wrote its own step-4 and final/, and the old ones are still aside
     assert (run / "checkpoints" / "step-4" / "manifest.json").is_file() and (run / "final").is_dir()
 

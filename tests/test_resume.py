@@ -475,3 +475,19 @@ def test_export_full_state_dict_checkpoint_matches_trained_model(work: Path, ful
     ok(cli(work, "export", str(full_ref / "checkpoints" / "step-6"), str(work / "full_export")))
     a, b = load_file(full_ref / "final" / "model.safetensors"), load_file(work / "full_export" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("ran, resumed_from, says", [
+    (1, 2, "done: 1 step (step 3, resumed from step 2) in"),  # was "1 steps (steps 3-3, ...)"
+    (4, 2, "done: 4 steps (steps 3-6, resumed from step 2) in"), (1, None, "done: 1 step in"),
+    (5, None, "done: 5 steps in")])
+def test_the_last_line_counts_this_runs_steps_in_words(caplog, ran, resumed_from, says):
+    from shardtune.config import TrainConfig
+    from shardtune.train.run_end import log_summary
+
+    summary = {"steps": ran + (resumed_from or 0), "steps_this_run": ran, "resumed_from_step": resumed_from,
+               "mfu": None, "device_type": "cpu", "stopped_by": None, "wall_s": 1.0, "tokens_per_s": 10.0,
+               "peak_memory_bytes": 1}
+    with caplog.at_level("INFO", logger="shardtune"):
+        log_summary(summary, TrainConfig())
+    assert says in caplog.text

@@ -248,8 +248,8 @@ def set_aside_newer(output_dir: Path, step: int) -> Path | None:
     names = ", ".join(str(path.relative_to(output_dir)) for path in later)
     folder = set_aside(output_dir, later)
     if folder is not None:
-        log.warning("resuming at step %d, but the run holds %s from later on: moved to %s (with a copy of "
-                    "metrics.jsonl) rather than replaced; this run writes its own", step, names, folder)
+        log.warning("resuming at step %d, but the run holds %s, written after that checkpoint: moved to %s (with a "
+                    "copy of metrics.jsonl) rather than replaced; this run writes its own", step, names, folder)
     return folder
 
 

@@ -129,8 +129,10 @@ def log_summary(summary: dict[str, Any], cfg: TrainConfig) -> None:
         log.info("nothing to train: resumed at step %d, already %s, so no step was taken%s; raise %s to train "
                  "further", step, limit, final, "max_steps" if by_steps else "num_train_epochs")
         return
-    what = f"{ran} steps" if resumed_from is None else \
-        f"{ran} steps (steps {resumed_from + 1}-{step}, resumed from step {resumed_from})"
+    what = f"{ran} step{'' if ran == 1 else 's'}"
+    if resumed_from is not None:
+        span = f"step {step}" if ran == 1 else f"steps {resumed_from + 1}-{step}"
+        what += f" ({span}, resumed from step {resumed_from})"
     mfu = summary["mfu"]
     on_gpu = summary.get("device_type") == "cuda"
     # A stopped run is not done: its last line says so (the command's own line then says how to carry it on).
