@@ -23,7 +23,8 @@ declarations in `shardtune/config/schema.py`; `tests/test_docs_config.py` fails 
 Give keys in a YAML recipe (`key: value`; a JSON file of the same keys, as Transformers' example scripts take
 one, is read alike), as `key=value` or as `--key value`; an Accelerate config file is read with `--config_file`.
 Precedence, lowest first: defaults < Accelerate config < YAML recipe < the command line (`key=value` and
-`--key value` alike; one key given two different values there is refused).
+`--key value` alike; one key given two different values there is refused). A key that takes several values takes
+them as a YAML list, comma-separated, or on the command line as an inline list (`--callbacks '["a.b:C"]'`).
 `shardtune train --help` prints the same list. Unknown keys are an error that names the closest known key. A key
 set where the setting it acts under is off is refused, unless a later layer turned that setting off (a file's
 `fsdp_*` keys under `--distributed_type DDP`): then it is set back to its default, and `train` says so at start.

@@ -974,3 +974,17 @@ def test_a_data_file_or_a_missing_file_given_as_the_recipe_is_named_so(tmp_path)
                        (tmp_path / "nothere.json", "no such file")):
         with pytest.raises(UsageError, match=re.escape(f"unexpected argument '{path}': {says}; give a recipe")):
             load_train_config([str(path), *BASE])
+
+
+def test_a_list_written_inline_on_the_command_line_is_read_as_its_items():
+    """'--lora_modules_to_save ["lm_head", "embed_tokens"]' (a JSON list, as a Python launcher or a notebook writes
+    one) was stored as the one name '["lm_head"', ...; --callbacks and the comma keys (splits,
+    lora_target_modules) took it literally too. An inline list is its items, as a YAML recipe's list is."""
+    cfg = load_train_config([*BASE, "--use_peft_lora", "true", "--lora_modules_to_save", '["lm_head", "embed_tokens"]',
+                             "--callbacks", "[pkg.hooks:Stop]", "--splits", "[train_sft, test_sft]",
+                             "--lora_target_modules", '["q_proj","v_proj"]'])
+    assert (cfg.lora.lora_modules_to_save, cfg.run.callbacks, cfg.data.splits, cfg.lora.lora_target_modules) == (
+        ["lm_head", "embed_tokens"], ["pkg.hooks:Stop"], "train_sft,test_sft", "q_proj,v_proj")
+    # a text that is not one whole inline list stays the text it is (the model's modules are checked when built)
+    assert load_train_config([*BASE, "--use_peft_lora", "true", "--lora_modules_to_save", "[lm_head"]
+                             ).lora.lora_modules_to_save == ["[lm_head"]

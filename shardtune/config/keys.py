@@ -92,6 +92,9 @@ class Declared:
 
     def coerce(self, value: Any) -> Any:
         """A YAML or command-line value as this key's type; ValueError says the accepted form."""
+        if (self.is_list or self.meta.commas) and isinstance(value, str) and value.strip().startswith("[") and \
+                value.strip().endswith("]"):
+            value = _flow_list(value)  # the command line's '["lm_head", "embed_tokens"]', a JSON list
         if self.is_list:  # a YAML list, or one string of comma-separated items (the command line's form)
             items = value if isinstance(value, (list, tuple)) else str(value or "").split(",")
             if isinstance(value, dict) or any(isinstance(item, (dict, list, tuple)) for item in items):
@@ -226,3 +229,14 @@ def value_problems(section: Any, idle: set[str] = frozenset()) -> list[Problem]:
     ``idle``: the keys whose setting is off, where their ``idle`` values are accepted."""
     return [problem for d in declared(type(section)) if not (d.name in idle and getattr(section, d.name) in d.meta.idle)
             for problem in d.problems(getattr(section, d.name))]
+
+
+def _flow_list(text: str) -> Any:
+    """A list written inline on the command line (JSON's or YAML's flow form, ``[a, b]``) as the list it says;
+    the text itself where it is not one."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
