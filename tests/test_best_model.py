@@ -111,6 +111,24 @@ def test_a_resumed_run_keeps_the_best_and_the_patience_count(root, watched, rest
     assert all(torch.equal(final[k], reference[k]) for k in reference)
 
 
+def test_a_resume_that_changes_the_metric_starts_the_best_afresh(root, restore_logging):
+    """Saved at step 4 choosing by eval_loss (higher is better: the best is step 2, one evaluation without
+    improvement), resumed choosing by eval_perplexity, lower is better: the checkpoint's best loss was compared with
+    perplexities (exp(loss) > loss: never an improvement), so step 6 stopped the run early with step 2's weights.
+    The new choice starts afresh: perplexity falls at 6 and 8, and the run completes with step 8 its best."""
+    from shardtune.train.loop import train
+
+    out = root / "remetric"
+    train(load_train_config(args(root, "remetric", *WATCH, "--max_steps", "4")))
+    summary = train(load_train_config(args(root, "remetric", *WATCH, "--max_steps", "8", "--resume_from_checkpoint",
+                                           "true", "--metric_for_best_model", "eval_perplexity",
+                                           "--greater_is_better", "false")))
+    evals = [r["eval_perplexity"] for r in records(out) if "eval_perplexity" in r]
+    assert evals[-2] > evals[-1]  # it learns: step 8 is the best of the resumed run
+    assert (summary["stopped_by"], summary["steps"], summary["best_step"]) == ("completed", 8, 8)
+    assert summary["best_metric"] == evals[-1]
+
+
 def test_neftune_noises_training_embeddings_only_within_its_bound():
     from torch import nn
 

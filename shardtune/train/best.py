@@ -56,8 +56,20 @@ class Best:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's best and count; where it chose them by another metric or direction, they would be compared
+        with this run's values as if they were of one kind (a loss against perplexities): start afresh instead."""
+        then = (state.get("metric", self.metric), state.get("greater_is_better", self.greater_is_better))
+        if then != (self.metric, self.greater_is_better):
+            log.warning("resume: the checkpoint's best was chosen by %s (%s is better), this run's by %s (%s is "
+                        "better): the best checkpoint and early stopping's count start afresh from here", then[0],
+                        _direction(then[1]), self.metric, _direction(self.greater_is_better))
+            return
         for key in ("checkpoint_step", "checkpoint_value", "eval_value", "evals_without_improvement"):
             setattr(self, key, state[key])
+
+
+def _direction(greater: bool) -> str:
+    return "higher" if greater else "lower"
 
 
 def greater_is_better(cfg: TrainConfig) -> bool:
