@@ -129,6 +129,24 @@ def test_a_resume_that_changes_the_metric_starts_the_best_afresh(root, restore_l
     assert summary["best_metric"] == evals[-1]
 
 
+def test_final_keeps_an_evaluated_last_step_that_beats_the_best_checkpoint(root, restore_logging):
+    """Evaluations at 2, 4 and 6, saves at 4; the eval loss falls, but an early_stopping_threshold no fall reaches
+    counts 4 and 6 as no improvement, so the run stops early at step 6, which saved nothing. Its weights evaluated
+    better than the best checkpoint's (step 4), yet final/ was loaded from step 4: load_best_model_at_end wrote a
+    worse model than the run ended with. final/ now holds step 6's weights, as the same run without it does."""
+    from shardtune.train.loop import train
+
+    stop = [*WATCH, "--greater_is_better", "false", "--save_steps", "4", "--save_total_limit", "2",
+            "--early_stopping_threshold", "100"]
+    summary = train(load_train_config(args(root, "lastbest", *stop)))
+    evals = [r["eval_loss"] for r in records(root / "lastbest") if "eval_loss" in r]
+    assert evals[0] > evals[1] > evals[2]
+    assert (summary["stopped_by"], summary["steps"], summary["best_step"]) == ("early stopping", 6, 4)
+    train(load_train_config(args(root, "lastplain", *stop, "--load_best_model_at_end", "false")))
+    final, last = adapter(root / "lastbest" / "final"), adapter(root / "lastplain" / "final")
+    assert all(torch.equal(final[k], last[k]) for k in last)
+
+
 def test_neftune_noises_training_embeddings_only_within_its_bound():
     from torch import nn
 

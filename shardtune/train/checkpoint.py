@@ -502,11 +502,19 @@ class Checkpointer:
         log.info("saved checkpoint %s (%s)", path, reason)
         return path
 
-    def load_best(self) -> Path | None:
+    def load_best(self, last_eval: dict[str, Any] | None = None) -> Path | None:
         """``load_best_model_at_end``: put the best checkpoint's weights in the model (None when the last step's
-        are the best). Its files are checked against its manifest first."""
+        are the best). Its files are checked against its manifest first. ``last_eval``: the run's latest eval
+        record; where it evaluated the last step (early stopping at a step that saved nothing) and beat the best
+        checkpoint, the last step's weights are the better ones and stay."""
         best = self.state.best
         if best.checkpoint_step is None or best.checkpoint_step == self.state.step:
+            return None
+        if last_eval is not None and last_eval.get("step") == self.state.step and \
+                best.better(last_eval[best.metric], best.checkpoint_value):
+            log.info("load_best_model_at_end: final/ holds the last step's weights (step %d, %s %.6g): they beat "
+                     "the best checkpoint, step-%d (%.6g)", self.state.step, best.metric, last_eval[best.metric],
+                     best.checkpoint_step, best.checkpoint_value)
             return None
         path = checkpoints_dir(self.out) / f"step-{best.checkpoint_step}"
         if problem := checkpoint_damage(path, self.info):

@@ -240,7 +240,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
         verify_stop_checkpoint(job, checkpointer)
     else:
         if cfg.checkpoint.load_best_model_at_end:
-            checkpointer.load_best()  # None where the last step's weights are the best: they are in the model
+            # None where the last step's weights are the best (evaluated there): they are in the model
+            checkpointer.load_best(loop.last_eval)
         summary["final"] = export_final(job, checkpointer)
     if job.info.is_main:
         summary.update(push_to_hub(cfg, summary.get("final")))
