@@ -358,6 +358,21 @@ def test_a_requeue_after_sigterm_sets_nothing_aside(tmp_path):
     assert newer_than(tmp_path, 5) == [tmp_path / "final", tmp_path / "summary.json"]
 
 
+def test_a_resume_at_a_finished_runs_last_step_sets_its_summary_aside(tmp_path):
+    """A run that completed at step 5 (max_steps raised, resume_from_checkpoint true): its final/ went aside, but
+    its summary.json, at the resumed step too, was taken for a preempted run's and stayed, to be overwritten by
+    the resumed run's: the finished run's train_loss, runtime and best checkpoint were lost."""
+    from shardtune.train.output_dir import set_aside_newer
+
+    (tmp_path / "checkpoints" / "step-5").mkdir(parents=True)
+    (tmp_path / "final").mkdir()
+    summary = json.dumps({"steps": 5, "stopped_by": "completed", "train_loss": 1.5})
+    (tmp_path / "summary.json").write_text(summary)
+    aside = set_aside_newer(tmp_path, 5)
+    assert (aside / "summary.json").read_text() == summary and (aside / "final").is_dir()
+    assert not (tmp_path / "summary.json").exists()
+
+
 def test_overwrite_output_dir_with_a_resume_says_the_resume_wins(made, run, capfd):
     """Both set (Transformers' recipes often carry overwrite_output_dir): it was logged as "changed ... takes
     effect from here" and then did nothing. The resume wins, as in Transformers, and the log says so."""

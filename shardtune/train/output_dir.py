@@ -222,12 +222,14 @@ def set_aside(output_dir: Path, paths: list[Path]) -> Path | None:
 
 def newer_than(output_dir: Path, step: int) -> list[Path]:
     """What a later point of the run left when it resumes at ``step``: its checkpoints after ``step``
-    (complete or not), final/, and summary.json unless it says the run stopped at ``step`` (a preempted run's:
-    SIGTERM saves a checkpoint and writes the summary at the same step, and a requeue resumes right there)."""
+    (complete or not), final/, and summary.json unless it says SIGTERM stopped the run at ``step`` (a preempted
+    run's: SIGTERM saves a checkpoint and writes the summary at the same step, and a requeue resumes right there).
+    A run that finished at ``step`` wrote its final/ and the summary describing it: both go aside."""
     later = [path for path in (output_dir / "checkpoints").glob("step-*")
              if (m := STEP_FOLDER.match(path.name)) and int(m.group(1)) > step]
     summary = read_summary(output_dir)
-    ends = [output_dir / "final"] + ([] if summary and summary["steps"] == step else [output_dir / "summary.json"])
+    preempted = summary and summary["steps"] == step and summary.get("stopped_by") == "SIGTERM"
+    ends = [output_dir / "final"] + ([] if preempted else [output_dir / "summary.json"])
     return sorted(later, key=lambda p: int(STEP_FOLDER.match(p.name).group(1))) + [p for p in ends if p.exists()]
 
 
