@@ -265,6 +265,14 @@ def test_a_resume_refused_for_its_data_leaves_the_finished_run_as_it_was(work: P
         assert proc.returncode == 2 and "cannot resume: " in proc.stderr and says in proc.stderr, proc.stderr[-2000:]
         assert files() == before
     data.write_text("\n".join(lines) + "\n")
+    # a tenth of the rows held out for eval: fewer training rows. The refusal named neither the checkpoint nor
+    # eval_split_ratio; it names both now
+    proc = shardtune(work, "moved", *args, "--max_steps", "4", "--eval_split_ratio", "0.1",
+                     "--resume_from_checkpoint", "true", nproc=0)
+    said = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and said.startswith("shardtune train: error: resume_from_checkpoint=") and \
+        f"{out.name}/checkpoints/step-2: cannot resume: " in said and "eval_split_ratio)" in said, said
+    assert files() == before
     proc = shardtune(work, "moved", *args, "--resume_from_checkpoint", "latest", nproc=0)
     ok(proc)
     assert "nothing to train: moved finished at step 2 already" in proc.stderr

@@ -128,9 +128,11 @@ class GlobalBatchSampler:
         mine = self.state_dict()
         for key in ("seed", "num_rows", "global_batch_size", "shuffle", "group_by_length"):
             if state.get(key, False) != mine[key]:  # checkpoints from before group_by_length did not group
+                why = " (the training rows changed: the data, splits or eval_split_ratio)" if key == "num_rows" else ""
                 raise UsageError(f"cannot resume: the checkpoint's data order has {key}={state.get(key, False)}, this "
-                                 f"run has {mine[key]}; keep the data set, seed, group_by_length and global batch "
-                                 "size (per_device_train_batch_size x gradient_accumulation_steps x processes).")
+                                 f"run has {mine[key]}{why}; keep the data set, splits, eval_split_ratio, seed, "
+                                 "group_by_length and global batch size (per_device_train_batch_size x "
+                                 "gradient_accumulation_steps x processes).")
         if state.get("rows_sha256") and self.rows_sha256 and state["rows_sha256"] != self.rows_sha256:
             raise UsageError(f"cannot resume: the {self.num_rows} training rows are not the checkpoint's (as many, "
                              f"other tokens: the data, the tokenizer or its chat template changed); resume with the "

@@ -461,7 +461,10 @@ class Checkpointer:
         path = point.path
         trainer_state = load_checkpoint(path, model=self.model, optimizer=self.optimizer,
                                         trainable_only=self.trainable_only, info=self.info)
-        self.state.load_state_dict(trainer_state)
+        try:
+            self.state.load_state_dict(trainer_state)
+        except UsageError as exc:  # the data order it cannot continue: named with the checkpoint the user gave
+            raise UsageError(f"resume_from_checkpoint={path}: {exc}") from None
         # The optimizer holds the rate the checkpoint's schedule set for the next step; this run's schedule (its
         # learning_rate, max_steps, warm-up or type may have changed) sets it instead. Unchanged, it is the same
         # value, computed the same way.
