@@ -94,6 +94,26 @@ def test_save_total_limit_and_incomplete_checkpoints(tmp_path: Path, caplog) -> 
         ckpt.resolve_resume(str(tmp_path / "checkpoints" / "step-14"), tmp_path)
 
 
+def test_save_total_limit_keeps_a_users_file_in_a_checkpoint(tmp_path: Path, caplog) -> None:
+    """save_total_limit deleted the oldest checkpoint folder whole, a file the user put in it (eval notes) too;
+    overwrite_output_dir keeps such a file. Now the files the manifest lists go, and what is left is moved aside
+    to checkpoints/superseded-*, and named."""
+    model, optimizer = _trained(False)
+    _save(tmp_path, 4, model, optimizer, False, ckpt.SHARDED)
+    (tmp_path / "checkpoints" / "step-4" / "eval").mkdir()
+    (tmp_path / "checkpoints" / "step-4" / "eval" / "notes.txt").write_text("mine")
+    with caplog.at_level("WARNING", logger="shardtune"):
+        ckpt.save_checkpoint(tmp_path, 6, model=model, optimizer=optimizer, trainable_only=False,
+                             trainer_state=_state(6), config_yaml="", info=INFO, save_total_limit=1)
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path)] == ["step-6"]
+    aside = list((tmp_path / "checkpoints").glob("superseded-*"))
+    assert len(aside) == 1 and not (tmp_path / "checkpoints" / "step-4").exists()
+    assert [str(p.relative_to(aside[0])) for p in aside[0].rglob("*") if p.is_file()] == \
+        ["checkpoints/step-4/eval/notes.txt"]
+    assert (aside[0] / "checkpoints" / "step-4" / "eval" / "notes.txt").read_text() == "mine"
+    assert "eval/notes.txt" in caplog.text
+
+
 def test_lora_checkpoint_refuses_full_finetune_resume(tmp_path: Path) -> None:
     model, optimizer = _trained(True)
     path = _save(tmp_path, 2, model, optimizer, True, ckpt.SHARDED)

@@ -442,7 +442,8 @@ class CheckpointConfig:
                                         "step (as Transformers' Trainer does: a run given more max_steps carries on "
                                         "from there), each epoch, or never.", spellings=NO)
     save_steps: int = key(500, "Save a resumable checkpoint every this many steps.", ge=1, needs=SAVE_STEPS)
-    save_total_limit: int | None = key(None, "Keep at most this many checkpoints (oldest deleted first); the best one "
+    save_total_limit: int | None = key(None, "Keep at most this many checkpoints (oldest deleted first; a file of "
+                                             "yours in one is kept, moved to checkpoints/superseded-*); the best one "
                                              "is kept beyond it with load_best_model_at_end.", ge=1)
     load_best_model_at_end: bool = key(False, "Write final/ from the best checkpoint by metric_for_best_model, not "
                                               "the last step (needs save_strategy equal to eval_strategy, save_steps "

@@ -51,6 +51,7 @@ from shardtune.files import write_text
 from shardtune.strategies import resolve
 from shardtune.train.layout import (MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, manifest_problem,
                                     resume_problem)
+from shardtune.train.output_dir import drop_checkpoint
 from shardtune.train.plan import Plan
 from shardtune.train.resume import apply_learning_rate, check_resume
 from shardtune.train.safe_load import damage, file_digest, file_digests, load_dcp, load_pt, load_safetensors, read_json
@@ -181,7 +182,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
     if info.is_main and save_total_limit:
         for old in complete_checkpoints(output_dir)[:-save_total_limit]:
             if keep is None or old.resolve() != keep.resolve():
-                shutil.rmtree(old, ignore_errors=True)
+                drop_checkpoint(old)  # a file of the user's in it is kept, moved aside
     return final
 
 

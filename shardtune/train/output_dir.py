@@ -162,7 +162,7 @@ def delete_earlier_run(folder: Path) -> list[str]:
 
 def _run_files(path: Path, name: str) -> list[Path]:
     """The files of a run's entry ``path`` (called ``name`` in its output_dir) that shardtune wrote."""
-    from shardtune.train.layout import EXPORT_LIST, MANIFEST, listed_files, stays_inside
+    from shardtune.train.layout import EXPORT_LIST, listed_files
 
     if not path.is_dir():
         return [path] if path.exists() else []
@@ -175,15 +175,41 @@ def _run_files(path: Path, name: str) -> list[Path]:
         if entry.name.startswith(".tmp-step-") and entry.is_dir() and not entry.is_symlink():  # a save killed
             shutil.rmtree(entry)
         elif STEP_FOLDER.match(entry.name) and entry.is_dir():
-            try:
-                listed = list(json.loads((entry / MANIFEST).read_text())["files"])
-            except (OSError, ValueError, KeyError, TypeError):
-                listed = []
-            # A manifest's names stay inside its checkpoint (one naming '../..' reaches nothing outside).
-            files += [entry / MANIFEST, *(entry / f for f in listed if stays_inside(f))] if listed else []
+            files += checkpoint_files(entry)
         elif entry.name.startswith(SUPERSEDED) and entry.is_dir():  # an earlier run set aside: a run's own files
             files += [f for n in RUN_FILES for f in _run_files(entry / n, n)]
     return files
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The files of checkpoint ``path`` that shardtune wrote: those its manifest lists, and the manifest; none where
+    it lists none (a manifest from before they were listed, or none)."""
+    from shardtune.train.layout import MANIFEST, stays_inside
+
+    try:
+        listed = list(json.loads((path / MANIFEST).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = []
+    # A manifest's names stay inside its checkpoint (one naming '../..' reaches nothing outside).
+    return [path / MANIFEST, *(path / f for f in listed if stays_inside(f))] if listed else []
+
+
+def drop_checkpoint(path: Path) -> None:
+    """``save_total_limit``'s deletion of checkpoint ``path`` (in output_dir/checkpoints): the files it wrote go; a
+    file of the user's in it is kept, moved aside with what holds it (``set_aside``), and named."""
+    files = checkpoint_files(path)
+    if not files:  # a checkpoint whose manifest lists no files (an older format): the folder is all its own
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for file in files:
+        file.unlink(missing_ok=True)
+    _remove_empty_folders(path)
+    if path.exists():
+        kept = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+        aside = set_aside(path.parent.parent, [path])
+        log.warning("save_total_limit: deleted checkpoint %s, but not what its manifest does not name (%s): moved "
+                    "to %s", path, ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else ""),
+                    aside)
 
 
 def _remove_empty_folders(path: Path) -> None:
