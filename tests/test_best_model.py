@@ -111,6 +111,26 @@ def test_a_resumed_run_keeps_the_best_and_the_patience_count(root, watched, rest
     assert all(torch.equal(final[k], reference[k]) for k in reference)
 
 
+def test_a_resume_into_another_output_dir_loads_the_best_from_the_run_it_came_from(root, watched, restore_logging):
+    """Run A stops at step 4 (best: step 2); run B resumes A's step-4 in an empty output_dir, trains to step 6,
+    then again (its own step-6) to 8. The best checkpoint was looked for in B's folder, where it never was: B
+    crashed with a FileNotFoundError after training, without final/. It is A's step-2 now, as summary.json says,
+    and final/ holds its weights."""
+    from shardtune.train.loop import train
+
+    train(load_train_config(args(root, "fromA", *WATCH, "--max_steps", "4")))
+    patient = [*WATCH, "--early_stopping_patience", "5"]
+    train(load_train_config(args(root, "intoB", *patient, "--max_steps", "6", "--resume_from_checkpoint",
+                                 str(root / "fromA" / "checkpoints" / "step-4"))))
+    shutil.rmtree(root / "intoB" / "final")
+    summary = train(load_train_config(args(root, "intoB", *patient, "--max_steps", "8", "--resume_from_checkpoint",
+                                           "true")))
+    assert (summary["stopped_by"], summary["steps"], summary["best_step"]) == ("completed", 8, 2)
+    assert summary["best_model_checkpoint"] == str(root / "fromA" / "checkpoints" / "step-2")
+    final, reference = adapter(root / "intoB" / "final"), adapter(root / "watched" / "final")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
 def test_a_resume_that_changes_the_metric_starts_the_best_afresh(root, restore_logging):
     """Saved at step 4 choosing by eval_loss (higher is better: the best is step 2, one evaluation without
     improvement), resumed choosing by eval_perplexity, lower is better: the checkpoint's best loss was compared with

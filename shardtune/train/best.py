@@ -29,6 +29,7 @@ class Best:
     threshold: float = 0.0
     checkpoint_step: int | None = None  # checkpoints/step-N holds the best weights saved so far
     checkpoint_value: float | None = None
+    checkpoint_dir: str | None = None  # the checkpoints folder it was saved in (another run's, after a resume there)
     eval_value: float | None = None  # the best evaluation so far, saved or not
     evals_without_improvement: int = 0
 
@@ -45,12 +46,13 @@ class Best:
         else:
             self.evals_without_improvement += 1
 
-    def on_save(self, step: int, record: dict[str, Any] | None) -> None:
-        """Before checkpoint ``step`` is saved: is it the best so far (by ``record``, that step's evaluation)?"""
+    def on_save(self, step: int, record: dict[str, Any] | None, folder: str | None = None) -> None:
+        """Before checkpoint ``step`` is saved (in the checkpoints ``folder``): is it the best so far (by ``record``,
+        that step's evaluation)?"""
         if record is None or record["step"] != step:
             return
         if self.better(record[self.metric], self.checkpoint_value):
-            self.checkpoint_step, self.checkpoint_value = step, record[self.metric]
+            self.checkpoint_step, self.checkpoint_value, self.checkpoint_dir = step, record[self.metric], folder
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,6 +68,7 @@ class Best:
             return
         for key in ("checkpoint_step", "checkpoint_value", "eval_value", "evals_without_improvement"):
             setattr(self, key, state[key])
+        self.checkpoint_dir = state.get("checkpoint_dir")  # none in checkpoints from before it was kept
 
 
 def _direction(greater: bool) -> str:

@@ -520,7 +520,10 @@ class Checkpointer:
                      "the best checkpoint, step-%d (%.6g)", self.state.step, best.metric, last_eval[best.metric],
                      best.checkpoint_step, best.checkpoint_value)
             return None
-        path = checkpoints_dir(self.out) / f"step-{best.checkpoint_step}"
+        path = Path(self.state.best_model_checkpoint)  # in the run resumed from, where it saved the best
+        if not (path / MANIFEST).is_file():
+            raise TrainingStopped(f"load_best_model_at_end: the best checkpoint, {path}, is gone (no {MANIFEST}); "
+                                  f"final/ was not written. Export the checkpoint you want with 'shardtune export'")
         if problem := checkpoint_damage(path, self.info):
             raise TrainingStopped(f"load_best_model_at_end: the best checkpoint is damaged ({problem}); final/ "
                                   f"was not written. Export an intact checkpoint with 'shardtune export'")

@@ -363,7 +363,8 @@ class Loop:
             control.should_save = False
             reason = ("end of training" if last else "end of epoch") if at_epoch_end else \
                 "end of training" if at_end else "save_steps"
-            state.best.on_save(state.step, self.last_eval)  # before the save: the checkpoint carries it
+            # before the save: the checkpoint carries it
+            state.best.on_save(state.step, self.last_eval, str(checkpoints_dir(self.job.cfg.run.output_dir)))
             with self.metrics.paused():
                 self.hooks.on_save(checkpoint=self.checkpointer.save(reason))
 

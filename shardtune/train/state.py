@@ -95,7 +95,12 @@ class TrainState:
         """``TrainerState``'s: the folder of the best checkpoint so far (None before one), as summary.json
         names it."""
         step = self.best.checkpoint_step
-        return None if step is None else str(Path(self.output_dir or ".") / "checkpoints" / f"step-{step}")
+        if step is None:
+            return None
+        here = Path(self.output_dir or ".") / "checkpoints" / f"step-{step}"
+        # saved by the run this one resumed from, in its own output_dir (a resume into another folder)
+        saved = Path(self.best.checkpoint_dir) / f"step-{step}" if self.best.checkpoint_dir else here
+        return str(here if here.is_dir() or not saved.is_dir() else saved)
 
     @property
     def epochs_done(self) -> float:
