@@ -164,7 +164,7 @@ def keys_per_query(seq_len: int, window: int | None, causal: bool) -> float:
     """The keys each query of a ``seq_len`` row is multiplied with, on average. A kernel that computes the whole
     square (SDPA handed a mask, eager) uses all of them, whatever the mask hides; a causal one skips the masked half,
     and flash attention with a sliding ``window`` (its window_size) also skips the blocks behind the window: query
-    i sees min(i, window) keys, window - window^2 / (2 seq_len) on average once the row is longer than it."""
+    i (counted from 1) sees min(i, window) keys: window - window^2 / (2 seq_len) on average once the row is longer."""
     if not causal:
         return float(seq_len)
     if window is None or seq_len <= window:
