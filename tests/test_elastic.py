@@ -89,6 +89,12 @@ def test_accumulation_keeps_the_checkpoints_global_batch(world, batch, accumulat
                         f"(per_device_train_batch_size {batch} x {got} x {world})"]
     else:
         assert said == []
+    # every rank checks; only rank 0 says it (each rank of a 4-process resume printed the line)
+    with caplog.at_level(logging.WARNING, logger="shardtune"):
+        caplog.clear()
+        assert accumulation_for("ckpt", saved(2, 2), saved(batch, accumulation), saved_world=2, world=world,
+                                main=False) == expected
+    assert caplog.records == []
 
 
 def test_a_global_batch_no_accumulation_can_keep_is_refused_naming_the_fix():

@@ -316,7 +316,7 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     rng_file = path / "rng" / f"rank-{info.rank}.pt"
     if rng_file.is_file():
         set_rng_state(load_pt(rng_file))
-    if manifest["world_size"] != info.world_size:
+    if manifest["world_size"] != info.world_size and info.is_main:
         log.warning("resuming a %d-process checkpoint on %d processes: weights and optimizer are resharded; "
                     "the data order is kept (same global batch), random draws such as dropout masks differ",
                     manifest["world_size"], info.world_size)
@@ -424,7 +424,7 @@ def resume_point(cfg: TrainConfig, info) -> ResumePoint | None:
     state = read_json(path / "trainer_state.json")
     step, given = state["step"], state.get("configured_gradient_accumulation_steps")
     point = ResumePoint(path, step, *check_resume(path, old, cfg, saved_world=saved_world, world=world,
-                                                  given_accumulation=given))
+                                                  given_accumulation=given, main=info.is_main))
     if problem := history_problem(Path(cfg.run.output_dir), path, step):
         raise UsageError(problem)
     return point

@@ -80,21 +80,22 @@ def global_batch(values: dict[str, Any], data_world: int) -> int:
 
 
 def accumulation_for(label: str, old: dict[str, Any], new: dict[str, Any], *, saved_world: int, world: int,
-                     given_accumulation: int | None = None) -> int:
+                     given_accumulation: int | None = None, main: bool = True) -> int:
     """The gradient_accumulation_steps that keeps the checkpoint's global batch on ``world`` processes (see the
     module's docstring); ``old`` / ``new``: the checkpoint's and this run's flat configs; ``given_accumulation``:
     the one the checkpoint's run was given where it ran another (derived on its own resume), else None."""
     before, now = global_batch(old, saved_world), global_batch(new, world)
+    warn = log.warning if main else log.debug  # every rank checks; rank 0 says it
     configured = int(new["gradient_accumulation_steps"])
     if before == now:
         return configured
     if world == saved_world and configured == given_accumulation and \
             int(new["per_device_train_batch_size"]) == int(old["per_device_train_batch_size"]):
         # the command of the run that saved it (an elastic job restarted again on the machines it went on with)
-        log.warning("resume on %d process(es), as the checkpoint was saved, by a run that was given "
-                    "gradient_accumulation_steps %d and ran %d to keep its checkpoint's global batch: %d -> %d keeps "
-                    "it (%d rows per step)", world, configured, int(old["gradient_accumulation_steps"]), configured,
-                    int(old["gradient_accumulation_steps"]), before)
+        warn("resume on %d process(es), as the checkpoint was saved, by a run that was given "
+             "gradient_accumulation_steps %d and ran %d to keep its checkpoint's global batch: %d -> %d keeps it (%d "
+             "rows per step)", world, configured, int(old["gradient_accumulation_steps"]), configured,
+             int(old["gradient_accumulation_steps"]), before)
         return int(old["gradient_accumulation_steps"])
     if world == saved_world:
         raise UsageError(f"{label}: the global batch was {before} rows per step (per_device_train_batch_size x "
@@ -109,9 +110,9 @@ def accumulation_for(label: str, old: dict[str, Any], new: dict[str, Any], *, sa
                          f"Resume on a number of processes that divides it, or set per_device_train_batch_size so "
                          f"that it does")
     steps = before // per_micro_step
-    log.warning("resume on %d process(es), the checkpoint was saved on %d: gradient_accumulation_steps %d -> %d "
-                "keeps its global batch of %d rows per step (per_device_train_batch_size %s x %d x %d)", world,
-                saved_world, configured, steps, before, new["per_device_train_batch_size"], steps, world)
+    warn("resume on %d process(es), the checkpoint was saved on %d: gradient_accumulation_steps %d -> %d keeps its "
+         "global batch of %d rows per step (per_device_train_batch_size %s x %d x %d)", world, saved_world,
+         configured, steps, before, new["per_device_train_batch_size"], steps, world)
     return steps
 
 
@@ -121,12 +122,13 @@ class ResumeCheck(NamedTuple):
 
 
 def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, saved_world: int,
-                 world: int, given_accumulation: int | None = None) -> ResumeCheck:
+                 world: int, given_accumulation: int | None = None, main: bool = True) -> ResumeCheck:
     """Refuse a resume from ``checkpoint`` (saved with the config ``saved``) that changes what it is tied to;
     return the changed keys, which take effect, and the accumulation that keeps the global batch.
 
     ``saved_world`` / ``world``: how many ranks split each global batch then and now (pipeline stages read it
-    whole, so they count as one); ``given_accumulation``: see ``accumulation_for``.
+    whole, so they count as one); ``given_accumulation``: see ``accumulation_for``; ``main``: this is the rank
+    that says what changed (each rank checks).
     """
     old, new = saved.to_flat(), cfg.to_flat()
     label = f"resume_from_checkpoint={checkpoint}"
@@ -139,7 +141,7 @@ def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, save
                              f"{new.get(key)!r} now; its weights, optimizer state and data position belong to "
                              f"the first. Set {key} back, or start a new run in another output_dir")
     accumulation = accumulation_for(label, old, new, saved_world=saved_world, world=world,
-                                    given_accumulation=given_accumulation)
+                                    given_accumulation=given_accumulation, main=main)
     ignore = {"resume_from_checkpoint", "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
               "num_processes", "num_machines", "distributed_type", "overwrite_output_dir"}  # the last: see claim
     changed = [k for k in new if k not in ignore and k not in FIXED and old.get(k) != new.get(k)]
