@@ -343,6 +343,18 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_ones_and_final_aside(mad
     assert (run / "checkpoints" / "step-4" / "manifest.json").is_file() and (run / "final").is_dir()
 
 
+def test_a_resume_at_max_steps_says_it_redoes_nothing(made, run, capfd):
+    """Resumed from step-2 with max_steps 2, the run trains nothing: the record of step 4 (the last step, which
+    logs) leaves metrics.jsonl (its copy goes aside with step-4 and final/), and the log said "which this run
+    redoes"."""
+    train_in_process(args(made, run, "--resume_from_checkpoint", str(run / "checkpoints" / "step-2"),
+                          "--max_steps", "2"))
+    said = capfd.readouterr().err
+    assert "metrics.jsonl: dropped 1 record(s) after step 2, where this run resumes and, at max_steps, ends" in said
+    assert "redoes" not in said
+    assert max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()) <= 2
+
+
 def test_a_requeue_after_sigterm_sets_nothing_aside(tmp_path):
     """SIGTERM saves step N and writes summary.json at step N; the requeue resumes at N. That summary was taken for
     one "from later on": every preemption moved it into a superseded folder with a copy of metrics.jsonl, and said

@@ -481,8 +481,9 @@ class Checkpointer:
             return
         if self.resumed_from is not None:
             if dropped := trim_metrics(self.out, self.state.step):
-                log.info("metrics.jsonl: dropped %d record(s) after step %d, which this run redoes", dropped,
-                         self.state.step)
+                ends = self.state.step >= self.state.max_steps  # max_steps reached there: nothing is redone
+                log.info("metrics.jsonl: dropped %d record(s) after step %d, %s", dropped, self.state.step,
+                         "where this run resumes and, at max_steps, ends" if ends else "which this run redoes")
         elif str(self.settings.resume_from_checkpoint).lower() in RESUME_NEWEST:
             trim_metrics(self.out, 0)  # the run starts again at step 1
 
