@@ -519,32 +519,6 @@ def test_a_resume_refuses_lora_settings_that_change_what_the_adapters_compute(ma
             check_resume(checkpoint, saved, now, saved_world=1, world=1)
 
 
-def test_a_resume_from_another_directory_takes_the_same_model_folder(tmp_path, monkeypatch, caplog):
-    """A run started as 'train --model_name_or_path models/base' in the project and resumed from elsewhere with
-    the folder's whole path was refused ("set model_name_or_path back"), and the relative path would load nothing
-    from there. The relative path now names the folder whose path ends in it, as for data, and the log says so;
-    another folder is still refused."""
-    from shardtune.train.resume import check_resume
-
-    base = tmp_path / "project" / "models" / "base"
-    base.mkdir(parents=True)
-    (tmp_path / "elsewhere").mkdir()
-    flags = ["--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "run")]
-    monkeypatch.chdir(tmp_path / "project")
-    saved = load_train_config(["--model_name_or_path", "models/base", *flags])
-    monkeypatch.chdir(tmp_path / "elsewhere")
-    with caplog.at_level("INFO", logger="shardtune"):
-        check_resume(tmp_path / "ck", saved, load_train_config(["--model_name_or_path", str(base), *flags]),
-                     saved_world=1, world=1)
-    assert f"resume: models/base (a relative path, read from the working directory the checkpoint's run had) " \
-           f"taken as {base}, the same path from here" in caplog.text
-    other = tmp_path / "other" / "models" / "big"
-    other.mkdir(parents=True)
-    with pytest.raises(UsageError, match="model_name_or_path was 'models/base' when the checkpoint was saved"):
-        check_resume(tmp_path / "ck", saved, load_train_config(["--model_name_or_path", str(other), *flags]),
-                     saved_world=1, world=1)
-
-
 def rewrite_state(checkpoint: Path, change) -> None:
     """Change ``trainer_state.json`` and record its new digest in the manifest, as a forger (or a buggy tool)
     would: the hashes then agree, so only a check of the values can tell."""

@@ -37,12 +37,11 @@ FIXED = ("model_name_or_path", "use_peft_lora", "use_4bit_quantization", "bnb_4b
          "dataset_name", "max_seq_len", "packing", "group_by_length", "seed", "optim")
 
 
-def _same_place(old: Any, new: Any) -> bool:
+def _same_place(old: Any, new: Any, *, by_ending: bool = False) -> bool:
     """Two model or data set names: equal as written, or the same local file or folder reached by two paths.
-    The checkpoint's config keeps a relative path as it was given, from the working directory of then; where it
-    names nothing from here, it names the same place when this one's path ends in it (``models/base`` then,
-    ``/work/models/base`` now: a resume from another directory). A data set's rows are checked by their SHA-256
-    as they are read; a model's weights by the checkpoint's shapes as they load, and the match is said."""
+    ``by_ending``: the checkpoint's config keeps a relative path as it was given, from the working directory of
+    then; where it names nothing from here, it names the same place when this one's path ends in it (``data``
+    then, ``/work/data`` or ``./data`` now). Only for data, whose rows' SHA-256 is checked as they are read."""
     if old == new:
         return True
     old_path, new_path = Path(str(old)).expanduser(), Path(str(new)).expanduser()
@@ -51,12 +50,8 @@ def _same_place(old: Any, new: Any) -> bool:
     if old_path.exists():
         return old_path.resolve() == new_path.resolve()
     tail = tuple(part for part in old_path.parts if part != ".")
-    same = (not old_path.is_absolute() and bool(tail) and ".." not in tail
+    return (by_ending and not old_path.is_absolute() and bool(tail) and ".." not in tail
             and new_path.resolve().parts[-len(tail):] == tail)
-    if same:
-        log.info("resume: %s (a relative path, read from the working directory the checkpoint's run had) taken as "
-                 "%s, the same path from here", old, new_path.resolve())
-    return same
 
 
 def _same(key: str, old: Any, new: Any) -> bool:
@@ -64,7 +59,7 @@ def _same(key: str, old: Any, new: Any) -> bool:
     (adamw_torch and adamw_torch_fused keep the same state) count as unchanged. (A data set's rows are checked
     too, by their SHA-256, when the data is read.)"""
     if key in ("model_name_or_path", "dataset_name"):
-        return _same_place(old, new)
+        return _same_place(old, new, by_ending=key == "dataset_name")
     if key == "optim":
         return old == new or (old in OPTIMIZERS and OPTIMIZERS.get(old) == OPTIMIZERS.get(new))
     if key == "lora_target_modules":  # the same modules in another order or spacing
