@@ -519,6 +519,30 @@ def test_a_resume_refuses_lora_settings_that_change_what_the_adapters_compute(ma
             check_resume(checkpoint, saved, now, saved_world=1, world=1)
 
 
+def test_a_resume_from_another_directory_says_where_the_models_relative_path_is_read(tmp_path, monkeypatch):
+    """A run started as 'train --model_name_or_path models/base' in the project and resumed from elsewhere with
+    the folder's whole path is refused (a model is not matched by its path's ending: it could be another model's
+    folder), and "set it back" could not work from there: the refusal now says to resume from where it started."""
+    from shardtune.train.resume import check_resume
+
+    base = tmp_path / "project" / "models" / "base"
+    base.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    flags = ["--dataset_name", "d.jsonl", "--output_dir", str(tmp_path / "run")]
+    monkeypatch.chdir(tmp_path / "project")
+    saved = load_train_config(["--model_name_or_path", "models/base", *flags])
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(UsageError, match=re.escape(
+            "Set model_name_or_path back (a relative path, read from the directory the run was started in: resume "
+            "from there), or start a new run")):
+        check_resume(tmp_path / "ck", saved, load_train_config(["--model_name_or_path", str(base), *flags]),
+                     saved_world=1, world=1)
+    monkeypatch.chdir(tmp_path / "project")  # from there, the same words say nothing more
+    with pytest.raises(UsageError, match=re.escape("Set model_name_or_path back, or start")):
+        check_resume(tmp_path / "ck", saved, load_train_config(["--model_name_or_path", str(tmp_path), *flags]),
+                     saved_world=1, world=1)
+
+
 def rewrite_state(checkpoint: Path, change) -> None:
     """Change ``trainer_state.json`` and record its new digest in the manifest, as a forger (or a buggy tool)
     would: the hashes then agree, so only a check of the values can tell."""

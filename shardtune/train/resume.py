@@ -132,9 +132,13 @@ def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, save
                 old["use_4bit_quantization"]:
             continue
         if not _same(key, old.get(key), new.get(key)):
+            was = Path(str(old.get(key))).expanduser()
+            relative = (f" (a relative path, read from the directory the run was started in: resume from there)"
+                        if key == "model_name_or_path" and not was.is_absolute() and not was.exists()
+                        and Path(str(new.get(key))).expanduser().exists() else "")
             raise UsageError(f"{label}: {key} was {old.get(key)!r} when the checkpoint was saved and is "
                              f"{new.get(key)!r} now; its weights, optimizer state and data position belong to "
-                             f"the first. Set {key} back, or start a new run in another output_dir")
+                             f"the first. Set {key} back{relative}, or start a new run in another output_dir")
     accumulation = accumulation_for(label, old, new, saved_world=saved_world, world=world,
                                     given_accumulation=given_accumulation, main=main)
     ignore = {"resume_from_checkpoint", "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
