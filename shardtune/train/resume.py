@@ -133,7 +133,7 @@ def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, save
             continue
         if not _same(key, old.get(key), new.get(key)):
             was = Path(str(old.get(key))).expanduser()
-            relative = (f" (a relative path, read from the directory the run was started in: resume from there)"
+            relative = (" (a relative path, read from the directory the run was started in: resume from there)"
                         if key == "model_name_or_path" and not was.is_absolute() and not was.exists()
                         and Path(str(new.get(key))).expanduser().exists() else "")
             raise UsageError(f"{label}: {key} was {old.get(key)!r} when the checkpoint was saved and is "
