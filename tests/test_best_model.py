@@ -84,7 +84,7 @@ def test_early_stopping_keeps_the_best_checkpoint_and_final_holds_it(root, watch
     assert evals[1]["eval_loss"] > evals[2]["eval_loss"] > evals[3]["eval_loss"]  # it learns: step 2 is "best"
     assert max(r["step"] for r in records(out) if "loss" in r) == 6
     assert summary["stopped_by"] == "early stopping" and summary["steps"] == 6
-    assert (summary["best_step"], summary["best_metric"]) == (2, evals[1]["eval_loss"])
+    assert (summary["best_step"], summary["best_metric"], summary["final_step"]) == (2, evals[1]["eval_loss"], 2)
     assert summary["best_model_checkpoint"].endswith("checkpoints/step-2")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-6"]
     export_checkpoint(out / "checkpoints" / "step-2", root / "step2")
@@ -162,6 +162,7 @@ def test_final_keeps_an_evaluated_last_step_that_beats_the_best_checkpoint(root,
     evals = [r["eval_loss"] for r in records(root / "lastbest") if "eval_loss" in r]
     assert evals[0] > evals[1] > evals[2]
     assert (summary["stopped_by"], summary["steps"], summary["best_step"]) == ("early stopping", 6, 4)
+    assert summary["final_step"] == 6  # summary.json says which weights final/ holds, not only the log
     train(load_train_config(args(root, "lastplain", *stop, "--load_best_model_at_end", "false")))
     final, last = adapter(root / "lastbest" / "final"), adapter(root / "lastplain" / "final")
     assert all(torch.equal(final[k], last[k]) for k in last)

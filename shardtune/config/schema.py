@@ -448,7 +448,8 @@ class CheckpointConfig:
     load_best_model_at_end: bool = key(False, "Write final/ from the best checkpoint by metric_for_best_model, not "
                                               "the last step (needs save_strategy equal to eval_strategy, save_steps "
                                               "a multiple of eval_steps); a last step that was evaluated and beats "
-                                              "it, unsaved (early stopping between saves), keeps its weights.")
+                                              "it, unsaved (early stopping between saves), keeps its weights. "
+                                              "summary.json's final_step says whose weights final/ holds.")
     metric_for_best_model: str | None = key(None, "The eval metric that picks the best checkpoint: eval_loss "
                                                   "(default) or eval_perplexity.")
     greater_is_better: bool | None = key(None, "Whether a larger metric is better (default: false for a loss or "

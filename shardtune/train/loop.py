@@ -241,7 +241,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     else:
         if cfg.checkpoint.load_best_model_at_end:
             # None where the last step's weights are the best (evaluated there): they are in the model
-            checkpointer.load_best(loop.last_eval)
+            loaded = checkpointer.load_best(loop.last_eval)
+            summary["final_step"] = job.state.best.checkpoint_step if loaded else job.state.step
         summary["final"] = export_final(job, checkpointer)
     if job.info.is_main:
         summary.update(push_to_hub(cfg, summary.get("final")))
