@@ -42,6 +42,9 @@ def plain(text: str) -> str:
     return text.replace("``", "'")
 
 
+AMBIGUOUS = "ambiguous option: "  # how argparse begins its message for a prefix of several options
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad argument on one line (exit 2) instead of the usage block plus the error.
 
@@ -65,7 +68,7 @@ class OneLineParser(argparse.ArgumentParser):
         return plain(super().format_help())  # descriptions are the commands' docstrings
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        ambiguous = message.startswith("ambiguous option: ") and message[18:].split(" ", 1)[0].split("=", 1)[0]
+        ambiguous = message.startswith(AMBIGUOUS) and message[len(AMBIGUOUS):].split(" ", 1)[0].split("=", 1)[0]
         if ambiguous and self.placed_elsewhere is not None and (where := self.placed_elsewhere(ambiguous[2:])):
             message = f"unknown option {ambiguous}; {where}"  # Accelerate's --cpu, a prefix of --cpus_per_task
         elif message.startswith("the following arguments are required"):

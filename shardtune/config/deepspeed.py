@@ -102,14 +102,23 @@ DEEPSPEED_ONLY = {"zero_optimization", "train_batch_size", "train_micro_batch_si
                   "optimizer", "scheduler", *TUNING}
 
 
-def is_deepspeed_json(path: str | Path) -> bool:
-    """Whether the .json file ``path`` is a DeepSpeed config rather than a recipe (Transformers' example scripts
-    take their arguments as one JSON file, ``run_clm.py args.json``): one that cannot be read as a JSON object is
-    taken for DeepSpeed's, whose reader says what is wrong."""
+UNREADABLE = object()  # json_document's answer for a file that holds no JSON
+
+
+def json_document(path: str | Path) -> Any:
+    """The JSON value the file ``path`` holds; ``UNREADABLE`` where it holds none (missing, not UTF-8, not JSON).
+    What tells a .json recipe, a DeepSpeed config and a data file of rows apart reads it once here."""
     try:
-        data = json.loads(Path(path).expanduser().read_text())
+        return json.loads(Path(path).expanduser().read_text())
     except (OSError, ValueError, UnicodeDecodeError):
-        return True
+        return UNREADABLE
+
+
+def is_deepspeed_json(path: str | Path, document: Any = None) -> bool:
+    """Whether the .json file ``path`` (its ``document`` where already read) is a DeepSpeed config rather than a
+    recipe (Transformers' example scripts take their arguments as one JSON file, ``run_clm.py args.json``): one
+    that is no JSON object is taken for DeepSpeed's, whose reader says what is wrong."""
+    data = json_document(path) if document is None else document
     return not isinstance(data, dict) or bool(DEEPSPEED_ONLY & set(data)) or \
         any(isinstance(data.get(name), dict) for name in ("bf16", "fp16"))
 

@@ -14,7 +14,6 @@ The resolved config is written beside every checkpoint as flat YAML that ``shard
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,8 @@ from typing import Any
 import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
-from shardtune.config.deepspeed import (FP16_TUNING, is_deepspeed_json, map_accelerate_block, read_deepspeed_file,
-                                       same_value)
+from shardtune.config.deepspeed import (FP16_TUNING, is_deepspeed_json, json_document, map_accelerate_block,
+                                       read_deepspeed_file, same_value)
 from shardtune.config.keys import shown
 from shardtune.config.no_ops import (NO_OPS, TRAINED_TOKEN_KEYS, UNSET, at_transformers_default, no_op_problem,
                                      off)
@@ -779,23 +778,16 @@ def run_config_problems(argv: list[str], notes: list[str] | None = None) -> tupl
 
 def _data_file(path: str) -> bool:
     """Whether ``path`` is a file of rows: JSONL, Parquet, CSV, or JSON holding a list."""
-    if path.endswith((".jsonl", ".parquet", ".csv")):
-        return True
-    try:
-        return path.endswith(".json") and isinstance(json.loads(Path(path).expanduser().read_text()), list)
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
+    return path.endswith((".jsonl", ".parquet", ".csv")) or (path.endswith(".json") and
+                                                               isinstance(json_document(path), list))
 
 
 def is_json_recipe(path: str) -> bool:
     """Whether ``path`` is a JSON recipe rather than a JSON data file (rows) or a DeepSpeed config: an object that
     names a model, a data set or an output_dir (a written-out TrainingArguments always holds output_dir)."""
-    try:
-        data = json.loads(Path(path).expanduser().read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
+    data = json_document(path)
     return isinstance(data, dict) and bool({"model_name_or_path", "dataset_name", "output_dir"} & set(data)) and \
-        not is_deepspeed_json(path)
+        not is_deepspeed_json(path, data)
 
 
 def _layers(argv: list[str]) -> Layers:

@@ -127,8 +127,7 @@ def clear_earlier_run(lock: OutputDirLock) -> None:
         "%s: deleted the earlier run in %s (%s)", "restart" if lock.restarted else "overwrite_output_dir",
         folder, ", ".join(earlier + [f"checkpoints/{name}" for name in superseded]))
     if kept:
-        log.warning("kept what the earlier run's manifests and lists do not name: %s%s", ", ".join(kept[:5]),
-                    f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+        log.warning("kept what the earlier run's manifests and lists do not name: %s", _first_names(kept))
     # What is left where this run writes (final/, a step folder holding a user's file, or one whose manifest lists
     # no files, from an older format) goes aside: never taken for this run's, never replaced by it.
     left = [*sorted(p for p in (folder / "checkpoints").glob("step-*") if p.is_dir()), folder / "final"]
@@ -208,8 +207,12 @@ def drop_checkpoint(path: Path) -> None:
         kept = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
         aside = set_aside(path.parent.parent, [path])
         log.warning("save_total_limit: deleted checkpoint %s, but not what its manifest does not name (%s): moved "
-                    "to %s", path, ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else ""),
-                    aside)
+                    "to %s", path, _first_names(kept), aside)
+
+
+def _first_names(names: list[str]) -> str:
+    """``names`` for a log line: the first five, and how many more."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _remove_empty_folders(path: Path) -> None:
