@@ -348,6 +348,11 @@ def adapter_folder_problem(folder: str | Path) -> str | None:
     config = folder / "adapter_config.json"
     if not config.is_file() and (folder / "final" / "adapter_config.json").is_file():  # export takes it; merge not
         return f"{folder}: a LoRA run's output_dir, not its adapter; give {folder / 'final'}"
+    if not config.is_file() and (folder / "config.json").is_file() and any(
+            any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):  # a full fine-tune's final/, or any model
+        return (f"{folder}: a whole model (config.json and its weights), not a PEFT adapter folder (no "
+                f"adapter_config.json): nothing to merge; use the folder as it is, or give a LoRA run's "
+                f"output_dir/final")
     if not config.is_file():
         return (f"{folder}: not a PEFT adapter folder (no adapter_config.json); give output_dir/final of a LoRA run "
                 f"or the folder 'shardtune export' wrote")

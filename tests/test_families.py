@@ -229,7 +229,8 @@ def test_merge_refuses_a_full_fine_tune(root, family, tmp_path, capsys, monkeypa
     code, output = shardtune("merge", str(final), "--base", str(root / "models" / family), str(tmp_path / "merged"),
                              capsys=capsys)
     assert code == 2 and output.count("\n") == 1, output
-    assert output.startswith(f"shardtune merge: error: {final}: not a PEFT adapter folder (no adapter_config.json)")
+    assert output.startswith(f"shardtune merge: error: {final}: a whole model (config.json and its weights), not a "
+                             f"PEFT adapter folder (no adapter_config.json): nothing to merge"), output
     assert not (tmp_path / "merged").exists()
 
 
