@@ -52,7 +52,8 @@ def adapter(folder: Path) -> dict[str, torch.Tensor]:
      "save_steps (4) to be a multiple of eval_steps (3)"),
     (["--metric_for_best_model", "accuracy", "--early_stopping_patience", "1", "--eval_strategy", "steps"],
      "metric_for_best_model='accuracy' is not a metric evaluation writes; use one of eval_loss, eval_perplexity"),
-    (["--greater_is_better", "true"], "which only load_best_model_at_end or early_stopping_patience use"),
+    (["--greater_is_better", "true"], "which only load_best_model_at_end, early_stopping_patience and "
+                                      "lr_scheduler_type reduce_lr_on_plateau use"),
     (["--early_stopping_patience", "0", "--eval_strategy", "steps"], "early_stopping_patience=0 must be at least 1"),
     (["--neftune_noise_alpha", "-1"], "neftune_noise_alpha=-1.0 must be positive"),
 ])
@@ -223,3 +224,84 @@ def test_the_summary_names_the_best_checkpoint_when_it_is_the_last(root, restore
     assert summary["best_model_checkpoint"] == str(out / "checkpoints" / "step-2")
     assert json.loads((out / "summary.json").read_text())["best_model_checkpoint"] == str(out / "checkpoints" /
                                                                                           "step-2")
+
+
+# reduce_lr_on_plateau, its arguments as a Transformers recipe hands them on: a threshold of half the best loss, which
+# no evaluation here reaches, so the rate is cut after every second evaluation without improvement.
+PLATEAU = ["--eval_strategy", "steps", "--eval_steps", "2", "--save_steps", "2", "--eval_split_ratio", "0.1",
+           "--learning_rate", "3e-3", "--lr_scheduler_type", "reduce_lr_on_plateau",
+           "--lr_scheduler_kwargs", '{"factor": 0.5, "patience": 1, "threshold": 0.5}', *LORA]
+
+
+def plateau_rates(out: Path, **settings) -> tuple[list[float], list[float]]:
+    """The rate each logged step trained at, and the rates torch's ReduceLROnPlateau gives the same steps when fed
+    the run's logged eval losses after the steps that evaluated (as Transformers' Trainer feeds it)."""
+    logged = records(out)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+    reference = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, **settings)
+    trained, expected = [], []
+    for record in logged:
+        if "eval_loss" in record:
+            reference.step(record["eval_loss"])
+        elif "lr" in record:
+            trained.append(record["lr"])
+            expected.append(optimizer.param_groups[0]["lr"])
+    return trained, expected
+
+
+@pytest.fixture(scope="module")
+def plateau(root):
+    """An uninterrupted reduce_lr_on_plateau run of 12 steps: its output_dir."""
+    from shardtune.train.loop import train
+    from tests.trainutil import logging_restored
+
+    with logging_restored():
+        train(load_train_config(args(root, "plateau", *PLATEAU, "--max_steps", "12")))
+    return root / "plateau"
+
+
+def test_reduce_lr_on_plateau_cuts_the_rate_as_torchs_scheduler_does(plateau):
+    """Each step's logged rate is the one torch's ReduceLROnPlateau (factor 0.5, patience 1, threshold 0.5) sets from
+    the evaluations before it, the arguments read from lr_scheduler_kwargs; no warm-up, no step-wise decay."""
+    trained, expected = plateau_rates(plateau, factor=0.5, patience=1, threshold=0.5)
+    assert len(trained) == 12 and trained == pytest.approx(expected, rel=1e-12)
+    assert sorted(set(trained), reverse=True) == pytest.approx([3e-3, 1.5e-3, 7.5e-4])  # cut twice in 12 steps
+
+
+def test_a_resumed_plateau_run_keeps_its_cuts_and_count(root, plateau, restore_logging):
+    """Stopped at step 6 (one cut made, one evaluation counted since), resumed to 12: the same rates and weights as
+    the run that was not stopped; the checkpoint's count and best carry over, so the next cut comes where it did."""
+    from shardtune.train.loop import train
+
+    out = root / "plateau-resumed"
+    train(load_train_config(args(root, "plateau-resumed", *PLATEAU, "--max_steps", "6")))
+    shutil.rmtree(out / "final")
+    train(load_train_config(args(root, "plateau-resumed", *PLATEAU, "--max_steps", "12",
+                                 "--resume_from_checkpoint", "true")))
+    assert plateau_rates(out, factor=0.5, patience=1, threshold=0.5)[0] == plateau_rates(plateau, factor=0.5,
+                                                                                          patience=1, threshold=0.5)[0]
+    final, reference = adapter(out / "final"), adapter(plateau / "final")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lr_scheduler_type", "reduce_lr_on_plateau"], "reduce_lr_on_plateau compare evaluations: set eval_strategy"),
+    ([*PLATEAU, "--warmup_steps", "3"], "warmup_steps=3 set without lr_scheduler_type linear"),
+    ([*PLATEAU, "--lr_scheduler_kwargs", '{"mode": "max"}'], "reduce_lr_on_plateau's direction follows "
+                                                              "greater_is_better"),
+    (["--plateau_patience", "3"], "plateau_patience=3 set without lr_scheduler_type reduce_lr_on_plateau"),
+    (["--lr_scheduler_type", "cosine_with_min_lr", "--min_lr", "1e-5", "--min_lr_rate", "0.1"],
+     "min_lr=1e-05 and min_lr_rate=0.1 both set the cosine's floor"),
+])
+def test_plateau_and_floor_settings_that_cannot_work_are_refused(root, extra, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_train_config(args(root, "refused", *extra))
+
+
+def test_plateau_keys_read_from_lr_scheduler_kwargs(root):
+    cfg = load_train_config(args(root, "read", *PLATEAU, "--lr_scheduler_kwargs",
+                                 '{"factor": 0.2, "patience": 3, "threshold": 0.01, "threshold_mode": "abs", '
+                                 '"cooldown": 2, "min_lr": 1e-6, "eps": 1e-9}'))
+    o = cfg.optim
+    assert (o.plateau_factor, o.plateau_patience, o.plateau_threshold, o.plateau_threshold_mode, o.plateau_cooldown,
+            o.min_lr, o.plateau_eps) == (0.2, 3, 0.01, "abs", 2, 1e-6, 1e-9)

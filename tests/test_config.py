@@ -202,7 +202,8 @@ SWITCHED = {
     "warmup_steps": "5", "warmup_ratio": "0.1", "min_lr_rate": "0.1", "num_cycles": "2.0", "lr_end": "1e-06",
     "power": "2.0", "timescale": "4", "logging_steps": "5", "num_decay_steps": "3", "num_stable_steps": "2",
     "warmup_type": "cosine", "decay_type": "1-sqrt", "min_lr_ratio": "0.1", "warmup_lr_rate": "0.2",
-    "early_stopping_threshold": "0.5",
+    "early_stopping_threshold": "0.5", "min_lr": "1e-06", "plateau_factor": "0.5", "plateau_patience": "3",
+    "plateau_threshold": "0.01", "plateau_threshold_mode": "abs", "plateau_cooldown": "1", "plateau_eps": "1e-09",
     "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}
 SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "use_4bit_quantization true": (["--use_peft_lora", "true", "--use_4bit_quantization", "true"], []),
@@ -229,6 +230,10 @@ SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "lr_scheduler_type warmup_stable_decay": (["--lr_scheduler_type", "warmup_stable_decay",
                                                            "--num_decay_steps", "1"], []),
                 "lr_scheduler_type polynomial": (["--lr_scheduler_type", "polynomial"], []),
+                **dict.fromkeys(("lr_scheduler_type cosine_with_min_lr, cosine_warmup_with_min_lr or "
+                                 "reduce_lr_on_plateau", "lr_scheduler_type reduce_lr_on_plateau"),
+                                (["--lr_scheduler_type", "reduce_lr_on_plateau", "--eval_strategy", "steps",
+                                  "--eval_split_ratio", "0.1"], [])),
                 "lr_scheduler_type inverse_sqrt": (["--lr_scheduler_type", "inverse_sqrt"], []),
                 "distributed_type FSDP": (["--distributed_type", "FSDP"], []),
                 "fsdp_auto_wrap_policy SIZE_BASED_WRAP": (["--distributed_type", "FSDP", "--fsdp_auto_wrap_policy",
@@ -586,21 +591,24 @@ def test_transformers_5_and_trl_spellings_of_keys_declared_here(tmp_path):
 
 
 def test_trl_cosine_with_min_lr_and_its_kwargs_are_read_and_what_they_cannot_say_is_refused(tmp_path):
-    """TRL recipes' lr_scheduler_type cosine_with_min_lr with lr_scheduler_kwargs {min_lr_rate: ...} set the
-    schedule and min_lr_rate (both were refused); the schedule without its floor, the floor under another schedule,
-    and kwargs entries with no meaning here are refused in one line each, naming what to write."""
+    """TRL recipes' lr_scheduler_type cosine_with_min_lr with lr_scheduler_kwargs {min_lr_rate: ...} (or {min_lr:
+    ...}) set the schedule and min_lr_rate (or min_lr; both were refused); the schedule without its floor, the
+    floor under another schedule, and kwargs entries with no meaning here are refused in one line each, naming what
+    to write."""
     recipe = tmp_path / "trl.yaml"
     recipe.write_text("lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs:\n  min_lr_rate: 0.05\n")
     cfg = load_train_config([str(recipe), *BASE])
     assert (cfg.optim.lr_scheduler_type, cfg.optim.min_lr_rate) == ("cosine_with_min_lr", 0.05)
+    recipe.write_text("lr_scheduler_type: cosine_with_min_lr\nlr_scheduler_kwargs:\n  min_lr: 1.0e-6\n")
+    assert load_train_config([str(recipe), *BASE]).optim.min_lr == 1e-6  # Transformers reads this floor too
     for given, refused in (
             ([], "lr_scheduler_type cosine_with_min_lr needs min_lr_rate"),
-            (["--lr_scheduler_kwargs", "{min_lr: 1e-5}"], "lr_scheduler_kwargs: min_lr is not read here (only "
-                                                          "min_lr_rate, num_cycles, warmup_lr_rate, lr_end, power, "
-                                                          "timescale, "
-                                                          "num_decay_steps, num_stable_steps, warmup_type, decay_type, "
-                                                          "min_lr_ratio are); "
-                                                          "give min_lr_rate, min_lr / learning_rate"),
+            (["--lr_scheduler_kwargs", "{min_lr: 1e-5, mode: max}"],
+             "lr_scheduler_kwargs: mode is not read here (only min_lr_rate, min_lr, num_cycles, warmup_lr_rate, "
+             "lr_end, power, timescale, num_decay_steps, num_stable_steps, warmup_type, decay_type, min_lr_ratio, "
+             "factor, patience, threshold, threshold_mode, cooldown, eps are); reduce_lr_on_plateau's direction "
+             "follows greater_is_better"),
+            (["--lr_scheduler_kwargs", "{min_lr: 1e-3}"], "min_lr=0.001 is above learning_rate 5e-05"),
             (["--lr_scheduler_kwargs", "0.1"], "lr_scheduler_kwargs=0.1: expected a mapping such as "
                                                 "{min_lr_rate: 0.1}"),
             (["--min_lr_rate", "1.5"], "min_lr_rate=1.5 must be")):

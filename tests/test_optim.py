@@ -173,3 +173,46 @@ def test_schedule_settings_left_unset_are_transformers_defaults():
                                                                   ("warmup_type", "decay_type", "min_lr_ratio"))
     assert rates(7, lr_scheduler_type="warmup_stable_decay", num_decay_steps=4, warmup_steps=1) == pytest.approx(
         [0, 1, 1, *((1 + math.cos(math.pi * k / 4)) / 2 for k in range(4))], rel=1e-12)
+
+
+def test_min_lr_is_the_floor_min_lr_rate_names_as_a_share():
+    """Transformers' cosine_with_min_lr reads min_lr, a rate, as min_lr_rate = min_lr / learning_rate."""
+    for schedule in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
+        by_rate = rates(6, lr_scheduler_type=schedule, min_lr_rate=0.25, warmup_steps=1)
+        assert rates(6, lr_scheduler_type=schedule, min_lr=0.25, warmup_steps=1) == pytest.approx(by_rate, rel=1e-12)
+        assert by_rate != pytest.approx(rates(6, lr_scheduler_type=schedule, min_lr_rate=0.0, warmup_steps=1))
+
+
+def test_a_plateau_resumed_with_another_learning_rate_keeps_its_cuts_and_floor():
+    """A checkpoint's plateau cut the rate twice (x 0.25); resumed with learning_rate 2 the rate is 0.5, not 2 nor
+    the checkpoint's 0.25, and never below min_lr. A step schedule resumed from a plateau's checkpoint continues at
+    the step the run had reached."""
+    from shardtune.train.optim import load_schedule_state
+    from shardtune.train.resume import apply_learning_rate
+
+    def plateau(lr: float, **settings):
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+        return optimizer, build_scheduler(optimizer, OptimConfig(learning_rate=lr, lr_scheduler_type=
+                                                                 "reduce_lr_on_plateau", plateau_factor=0.5,
+                                                                 plateau_patience=0, **settings), total_steps=10)
+
+    optimizer, scheduler = plateau(1.0)
+    for loss in (3.0, 3.0, 3.0):  # the first sets the best, each later one cuts
+        scheduler.step(loss)
+    assert optimizer.param_groups[0]["lr"] == 0.25
+    saved = scheduler.state_dict()
+    for lr, floor, expected in ((2.0, None, 0.5), (2.0, 0.8, 0.8), (1.0, None, 0.25)):
+        resumed_optimizer, resumed = plateau(lr, **({} if floor is None else {"min_lr": floor}))
+        load_schedule_state(resumed, saved, steps_done=7, same_metric=True)
+        apply_learning_rate(resumed_optimizer, resumed, lr)
+        assert (resumed_optimizer.param_groups[0]["lr"], resumed.get_last_lr()[0]) == (expected, expected)
+        assert (resumed.best, resumed.num_bad_epochs) == (3.0, 0)
+    resumed_optimizer, resumed = plateau(1.0)  # another metric: afresh, at learning_rate
+    load_schedule_state(resumed, saved, steps_done=7, same_metric=False)
+    apply_learning_rate(resumed_optimizer, resumed, 1.0)
+    assert (resumed_optimizer.param_groups[0]["lr"], resumed.best) == (1.0, float("inf"))
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    linear = build_scheduler(optimizer, OptimConfig(learning_rate=1.0), total_steps=10)
+    load_schedule_state(linear, saved, steps_done=7, same_metric=True)
+    apply_learning_rate(optimizer, linear, 1.0)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.3, rel=1e-12)  # (10 - 7) / 10

@@ -653,7 +653,7 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
             problems.append(f"{key}: {name} is not read here (only {', '.join(read)} {'are' if read[1:] else 'is'}); "
                             f"{KWARGS_ELSEWHERE.get((key, name), 'remove it')}")
         elif setting is not None:
-            target = ALIASES.get(name, name)  # model_init_kwargs' dtype is torch_dtype
+            target = kwargs_key(key, name)
             try:
                 coerced = declared[target].coerce(setting)
             except ValueError as exc:
@@ -664,18 +664,32 @@ def _other_spelling(key: str, value: Any) -> tuple[dict[str, Any], list[str]] | 
     return meant, problems
 
 
+# torch's ReduceLROnPlateau arguments that Transformers' lr_scheduler_kwargs hands on (min_lr: its own key; mode:
+# greater_is_better's).
+PLATEAU_ARGUMENTS = ("factor", "patience", "threshold", "threshold_mode", "cooldown", "eps")
 # Transformers' and TRL's argument mappings read here: the entries each sets as the key of its name, and an example.
 KWARGS = {**dict.fromkeys(("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),  # the latter:
                          (("use_reentrant",), "{use_reentrant: false}")),  # Transformers 5's name
           # each schedule's settings (a setting its schedule does not read is refused as the key it sets)
-          "lr_scheduler_kwargs": (("min_lr_rate", "num_cycles", "warmup_lr_rate", "lr_end", "power", "timescale",
-                                   "num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio"),
-                                  "{min_lr_rate: 0.1}"),
+          "lr_scheduler_kwargs": (("min_lr_rate", "min_lr", "num_cycles", "warmup_lr_rate", "lr_end", "power",
+                                   "timescale", "num_decay_steps", "num_stable_steps", "warmup_type", "decay_type",
+                                   "min_lr_ratio", *PLATEAU_ARGUMENTS), "{min_lr_rate: 0.1}"),
           # TRL's from_pretrained arguments
           "model_init_kwargs": (("dtype", "torch_dtype", "attn_implementation", "trust_remote_code"),
                                 "{dtype: bfloat16, attn_implementation: sdpa}")}
+# Entries read as a key of another name: torch's ReduceLROnPlateau arguments are the plateau_ keys.
+KWARGS_NAMES = {("lr_scheduler_kwargs", name): f"plateau_{name}" for name in PLATEAU_ARGUMENTS}
+
+
+def kwargs_key(mapping: str, entry: str) -> str:
+    """The key that ``mapping``'s ``entry`` sets: model_init_kwargs' dtype is torch_dtype, lr_scheduler_kwargs'
+    patience plateau_patience, use_reentrant is use_reentrant."""
+    return KWARGS_NAMES.get((mapping, entry)) or ALIASES.get(entry, entry)
+
+
 # What to write instead of an entry not read here.
-KWARGS_ELSEWHERE = {("lr_scheduler_kwargs", "min_lr"): "give min_lr_rate, min_lr / learning_rate",
+KWARGS_ELSEWHERE = {("lr_scheduler_kwargs", "mode"): "reduce_lr_on_plateau's direction follows greater_is_better "
+                                                     "(min, unless greater_is_better is true): set that",
                     ("model_init_kwargs", "device_map"): "each process's device follows from the launch here "
                                                          "(distributed_type, mp_devices); remove it",
                     ("model_init_kwargs", "quantization_config"): "give load_in_4bit and the bnb_4bit_* keys",

@@ -16,7 +16,7 @@ from typing import Any
 
 from shardtune.config.compile import DYNAMO_KEYS
 from shardtune.config.keys import Declared
-from shardtune.config.loading import KWARGS
+from shardtune.config.loading import KWARGS, kwargs_key
 from shardtune.config.no_ops import NO_OPS, TRAINED_TOKEN_KEYS
 from shardtune.config.schema import ALIASES, all_keys, published_defaults
 from shardtune.config.validation import LORA_INITS
@@ -101,7 +101,7 @@ def recipe_schema() -> dict[str, Any]:
     keys["warmup_steps"] = {**steps, "anyOf": [{"type": "integer", "minimum": 0},
                                                {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}]}
     for name, (read, _) in KWARGS.items():
-        dynamo[name] = {"type": "object", "properties": {entry: keys[ALIASES.get(entry, entry)] for entry in read},
+        dynamo[name] = {"type": "object", "properties": {entry: keys[kwargs_key(name, entry)] for entry in read},
                         "additionalProperties": False,
                         "description": f"Transformers' {name}: {', '.join(read)} read as the key of its name."}
     fsdp = {name: schema for name, schema in {**keys, **accepted}.items() if name.startswith("fsdp_")}

@@ -27,7 +27,8 @@ StateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 MixedPrecision = Literal["bf16", "fp16", "no"]
 TorchDtype = Literal["auto", "float32", "bfloat16"]  # float16 is refused: pure fp16 diverges without an fp32 master
 Scheduler = Literal["linear", "cosine", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "cosine_with_restarts",
-                    "polynomial", "inverse_sqrt", "warmup_stable_decay", "constant", "constant_with_warmup"]
+                    "polynomial", "inverse_sqrt", "warmup_stable_decay", "constant", "constant_with_warmup",
+                    "reduce_lr_on_plateau"]
 WsdShape = Literal["linear", "cosine", "1-sqrt"]  # Transformers' get_wsd_schedule's warm-up and decay curves
 Every = Literal["steps", "epoch", "no"]
 LogLevel = Literal["debug", "info", "warning", "error", "critical", "passive"]
@@ -76,10 +77,13 @@ PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_ty
 EVAL_STEPS, SAVE_STEPS = "eval_strategy steps", "save_strategy steps"
 EVALUATES = "eval_strategy steps or epoch, or eval_on_start true"
 PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
-# Every schedule but constant warms up first (Transformers' get_scheduler hands each of them num_warmup_steps).
-_WARMING = [name for name in get_args(Scheduler) if name != "constant"]
+# Every schedule but constant and reduce_lr_on_plateau warms up first (Transformers' get_scheduler hands each of
+# them num_warmup_steps; the plateau's rate moves on evaluations only).
+_WARMING = [name for name in get_args(Scheduler) if name not in ("constant", "reduce_lr_on_plateau")]
 WARMS_UP = f"lr_scheduler_type {', '.join(_WARMING[:-1])} or {_WARMING[-1]}"
 MIN_LR = "lr_scheduler_type cosine_with_min_lr or cosine_warmup_with_min_lr"
+FLOOR = "lr_scheduler_type cosine_with_min_lr, cosine_warmup_with_min_lr or reduce_lr_on_plateau"
+PLATEAU = "lr_scheduler_type reduce_lr_on_plateau"
 WARMUP_LR = "lr_scheduler_type cosine_warmup_with_min_lr"
 COSINES = ("lr_scheduler_type cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, cosine_with_restarts or "
            "warmup_stable_decay")
@@ -234,11 +238,38 @@ class OptimConfig:
         "each starting at learning_rate (cosine_with_restarts), polynomial decay to lr_end (polynomial), an "
         "inverse square-root decay at the pace of timescale, whatever the run's length (inverse_sqrt), warm-up, a "
         "constant rate for num_stable_steps and a decay over the last num_decay_steps to min_lr_ratio x "
-        "learning_rate (warmup_stable_decay), or constant.")
-    min_lr_rate: float | None = key(None, "cosine_with_min_lr and cosine_warmup_with_min_lr (which need it): the "
+        "learning_rate (warmup_stable_decay), constant, or a rate cut by plateau_factor each time the eval "
+        "metric (metric_for_best_model, eval_loss unset) has not improved for plateau_patience evaluations, as "
+        "torch's ReduceLROnPlateau cuts it (reduce_lr_on_plateau: no warm-up; it needs eval_strategy).")
+    min_lr_rate: float | None = key(None, "cosine_with_min_lr and cosine_warmup_with_min_lr (which need it or "
+                                          "min_lr): the "
                                           "rate the cosine decays to, as a share of learning_rate; read from "
                                           "Transformers' lr_scheduler_kwargs: {min_lr_rate: ...} too.", ge=0, le=1,
                                     needs=MIN_LR)
+    min_lr: float | None = key(
+        None, "A floor for the learning rate, a rate (not a share of learning_rate): cosine_with_min_lr's and "
+        "cosine_warmup_with_min_lr's (min_lr_rate = min_lr / learning_rate, as Transformers reads it; give one of "
+        "the two), or the rate reduce_lr_on_plateau does not cut below (unset: 0). Read from Transformers' "
+        "lr_scheduler_kwargs: {min_lr: ...} too.", ge=0, needs=FLOOR)
+    # torch's ReduceLROnPlateau arguments, as Transformers hands them on from lr_scheduler_kwargs (its names there
+    # are these without plateau_; early stopping's patience and threshold are other keys).
+    plateau_factor: float = key(0.1, "reduce_lr_on_plateau: each cut multiplies the rate by this. Read from "
+                                     "Transformers' lr_scheduler_kwargs: {factor: ...} too.", gt=0, lt=1,
+                                needs=PLATEAU)
+    plateau_patience: int = key(10, "reduce_lr_on_plateau: the evaluations without improvement it waits for, cutting "
+                                    "the rate at the next one. Read from Transformers' lr_scheduler_kwargs: "
+                                    "{patience: ...} too.", ge=0, needs=PLATEAU)
+    plateau_threshold: float = key(1e-4, "reduce_lr_on_plateau: how much an evaluation must beat the best one by to "
+                                         "count as an improvement, a share of the best (rel) or a difference (abs). "
+                                         "Read from Transformers' lr_scheduler_kwargs: {threshold: ...} too.", ge=0,
+                                   needs=PLATEAU)
+    plateau_threshold_mode: Literal["rel", "abs"] = key(
+        "rel", "reduce_lr_on_plateau: plateau_threshold as a share of the best metric (rel) or a difference (abs). "
+        "Read from Transformers' lr_scheduler_kwargs: {threshold_mode: ...} too.", needs=PLATEAU)
+    plateau_cooldown: int = key(0, "reduce_lr_on_plateau: the evaluations after a cut before it counts again. Read "
+                                   "from Transformers' lr_scheduler_kwargs: {cooldown: ...} too.", ge=0, needs=PLATEAU)
+    plateau_eps: float = key(1e-8, "reduce_lr_on_plateau: a cut smaller than this is not made. Read from "
+                                   "Transformers' lr_scheduler_kwargs: {eps: ...} too.", ge=0, needs=PLATEAU)
     warmup_lr_rate: float | None = key(
         None, "cosine_warmup_with_min_lr: the rate its warm-up starts at, as a share of learning_rate, rising in a "
         "straight line to learning_rate at the last warm-up step (unset: Transformers' 1 / warm-up steps at the first "

@@ -18,10 +18,10 @@ from shardtune.config.compile import compile_problems
 from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
 from shardtune.config.schema import (CHECKPOINTING, COSINES, DATASET_PLACEHOLDER, DDP_ONLY, EARLY_STOPPING, EVAL_STEPS,
-                                     EVALUATES, FSDP_ONLY, INVERSE_SQRT, LOGS_STEPS, LORA, MIN_LR, MP, PACKING,
-                                     POLYNOMIAL, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER, TRANSFORMER_WRAP,
-                                     WARMS_UP, WARMUP_LR, WSD, TRACKER_PACKAGES, DataConfig, DistributedConfig,
-                                     LoraConfig, OptimConfig, TrainConfig, all_keys)
+                                     EVALUATES, FLOOR, FSDP_ONLY, INVERSE_SQRT, LOGS_STEPS, LORA, MIN_LR, MP, PACKING,
+                                     PLATEAU, POLYNOMIAL, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
+                                     TRANSFORMER_WRAP, WARMS_UP, WARMUP_LR, WSD, TRACKER_PACKAGES, DataConfig,
+                                     DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
 from shardtune.hub import looks_like_local_path, model_folder_problem, num_layers, tokenizer_problem
 from shardtune.strategies import DDP, NO, Strategy, lookup
@@ -186,8 +186,11 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     SAVE_STEPS: lambda cfg: cfg.checkpoint.save_strategy == "steps",
     PUSH: lambda cfg: cfg.run.push_to_hub,
     TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),
-    WARMS_UP: lambda cfg: cfg.optim.lr_scheduler_type != "constant",
+    WARMS_UP: lambda cfg: cfg.optim.lr_scheduler_type not in ("constant", "reduce_lr_on_plateau"),
     MIN_LR: lambda cfg: cfg.optim.lr_scheduler_type in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"),
+    FLOOR: lambda cfg: cfg.optim.lr_scheduler_type in ("cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                                                       "reduce_lr_on_plateau"),
+    PLATEAU: lambda cfg: cfg.optim.lr_scheduler_type == "reduce_lr_on_plateau",
     WARMUP_LR: lambda cfg: cfg.optim.lr_scheduler_type == "cosine_warmup_with_min_lr",
     COSINES: lambda cfg: cfg.optim.lr_scheduler_type in ("cosine", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
                                                          "cosine_with_restarts", "warmup_stable_decay"),
@@ -295,18 +298,22 @@ def _best_model_problems(cfg: TrainConfig) -> list[Problem]:
     """The settings that cannot work together, one line each (exit 2 before anything runs)."""
     ck, r = cfg.checkpoint, cfg.run
     problems: list[Problem] = []
-    wanted = ck.load_best_model_at_end or r.early_stopping_patience is not None
+    plateau = cfg.optim.lr_scheduler_type == "reduce_lr_on_plateau"
+    wanted = ck.load_best_model_at_end or r.early_stopping_patience is not None or plateau
     if ck.metric_for_best_model is not None and metric_name(ck.metric_for_best_model) not in EVAL_METRICS:
         problems.append(Problem("metric_for_best_model", f"metric_for_best_model={ck.metric_for_best_model!r} is not "
                                 f"a metric evaluation writes; use one of {', '.join(EVAL_METRICS)}"))
     if (ck.metric_for_best_model is not None or ck.greater_is_better is not None) and not wanted:
         problems.append(Problem(("metric_for_best_model", "greater_is_better"), "metric_for_best_model and "
-                                "greater_is_better choose the best evaluation, which only load_best_model_at_end or "
-                                "early_stopping_patience use: set one of them, or leave these out"))
+                                "greater_is_better choose the best evaluation, which only load_best_model_at_end, "
+                                "early_stopping_patience and lr_scheduler_type reduce_lr_on_plateau use: set one of "
+                                "them, or leave these out"))
     if wanted and r.eval_strategy == "no":
-        problems.append(Problem(("load_best_model_at_end", "early_stopping_patience", "eval_strategy"),
-                                "load_best_model_at_end and early_stopping_patience compare evaluations: set "
-                                "eval_strategy (steps or epoch) and an eval split"))
+        problems.append(Problem(("load_best_model_at_end", "early_stopping_patience", "lr_scheduler_type",
+                                 "eval_strategy"),
+                                "load_best_model_at_end, early_stopping_patience and lr_scheduler_type "
+                                "reduce_lr_on_plateau compare evaluations: set eval_strategy (steps or epoch) and an "
+                                "eval split"))
     if ck.load_best_model_at_end and r.eval_strategy != "no":
         every = r.eval_steps or r.logging_steps
         if ck.save_strategy != r.eval_strategy:
@@ -371,11 +378,18 @@ def dtype_problems(cfg: TrainConfig) -> list[Problem]:
 def _schedule_problems(o: OptimConfig) -> list[Problem]:
     """A schedule that Transformers' get_scheduler would refuse to build with its settings."""
     problems = []
-    if o.lr_scheduler_type in ("cosine_with_min_lr", "cosine_warmup_with_min_lr") and o.min_lr_rate is None:
-        # its floor: min_lr or min_lr_rate
+    floored = o.lr_scheduler_type in ("cosine_with_min_lr", "cosine_warmup_with_min_lr")
+    if floored and o.min_lr_rate is None and o.min_lr is None:
         problems.append(Problem(("lr_scheduler_type",), f"lr_scheduler_type {o.lr_scheduler_type} needs min_lr_rate, "
-                                f"the share of learning_rate the cosine decays to (e.g. min_lr_rate 0.1); set it, or "
-                                f"use cosine (decay to 0)"))
+                                f"the share of learning_rate the cosine decays to (e.g. min_lr_rate 0.1), or min_lr, "
+                                f"that rate; set one, or use cosine (decay to 0)"))
+    if floored and o.min_lr_rate is not None and o.min_lr is not None:
+        problems.append(Problem(("min_lr", "min_lr_rate"), f"min_lr={o.min_lr} and min_lr_rate={o.min_lr_rate} both "
+                                f"set the cosine's floor (min_lr = min_lr_rate x learning_rate); give one"))
+    if floored and o.min_lr is not None and o.min_lr > o.learning_rate:
+        problems.append(Problem(("min_lr", "learning_rate"), f"min_lr={o.min_lr} is above learning_rate "
+                                f"{o.learning_rate}: the cosine decays from learning_rate down to min_lr; lower "
+                                f"min_lr or raise learning_rate"))
     if o.lr_scheduler_type == "warmup_stable_decay" and o.num_decay_steps is None:
         problems.append(Problem(("lr_scheduler_type",), "lr_scheduler_type warmup_stable_decay needs num_decay_steps, "
                                 "the steps of its final decay (e.g. lr_scheduler_kwargs: {num_decay_steps: 100}); "

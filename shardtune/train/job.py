@@ -114,8 +114,9 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
                  sampler.global_batch_size)
     optimizer = build_optimizer(model, cfg.optim, info.device, sharded_scaler=plan.sharded_grad_scaler,
                                 pure_bf16=precision.pure_bf16)
-    scheduler = build_scheduler(optimizer, cfg.optim, steps)
-    state = TrainState(sampler, scheduler, runner.scaler, max_steps=steps, best=best_for(cfg),
+    best = best_for(cfg)
+    scheduler = build_scheduler(optimizer, cfg.optim, steps, greater_is_better=best.greater_is_better)
+    state = TrainState(sampler, scheduler, runner.scaler, max_steps=steps, best=best,
                        output_dir=cfg.run.output_dir)
     step = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, runner=runner, info=info,
                        max_grad_norm=cfg.optim.max_grad_norm, pad_token_id=tokenizer.pad_token_id)

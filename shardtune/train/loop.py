@@ -34,6 +34,7 @@ from shardtune.train.job import Job, make_job
 from shardtune.train.model import decide_precision
 from shardtune.train.metrics import MetricsLog, progress_bar, start_peak_memory
 from shardtune.train.layout import RESUME_NEWEST, RESUME_OFF
+from shardtune.train.optim import plateau_step
 from shardtune.train.output_dir import OutputDirLock, claim_output_dir, clear_earlier_run, set_aside_newer
 from shardtune.train.plan import needs_process_group, unwrap_ddp
 from shardtune.train.resume import with_accumulation
@@ -395,6 +396,12 @@ class Loop:
             return
         self.last_eval = result
         state.best.on_evaluate(result)
+        before = state.scheduler.get_last_lr()[0]
+        plateau_step(state.scheduler, result[state.best.metric])
+        if (after := state.scheduler.get_last_lr()[0]) < before:
+            log.info("step %d: learning rate cut from %.4g to %.4g: %s has not improved for %d evaluations "
+                     "(reduce_lr_on_plateau)", state.step, before, after, state.best.metric,
+                     state.scheduler.patience + 1)
         if patience is not None and state.best.evals_without_improvement >= patience:
             log.info("early stopping at step %d: %s has not improved on %.6g for %d evaluation%s "
                      "(early_stopping_patience)", state.step, state.best.metric, state.best.eval_value, patience,

@@ -85,23 +85,69 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
     return cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, *,
+                    greater_is_better: bool = False):
     """Linear warm-up, then ``lr_scheduler_type``'s schedule with the settings it reads, as Transformers'
-    ``get_scheduler`` builds it from ``lr_scheduler_kwargs``."""
+    ``get_scheduler`` builds it from ``lr_scheduler_kwargs``; reduce_lr_on_plateau's cuts wait for a metric
+    that ``greater_is_better`` says the direction of (``plateau_step``)."""
     from transformers import get_scheduler
 
-    return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(cfg, total_steps),
-                         num_training_steps=total_steps, scheduler_specific_kwargs=schedule_settings(cfg))
+    settings = schedule_settings(cfg)
+    if is_plateau(cfg):
+        settings["mode"] = "max" if greater_is_better else "min"
+    scheduler = get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(cfg, total_steps),
+                              num_training_steps=total_steps, scheduler_specific_kwargs=settings)
+    if is_plateau(cfg):  # the rate its cuts start from, saved with it (a resume may change learning_rate)
+        scheduler.base_lrs = [group["lr"] for group in optimizer.param_groups]
+    return scheduler
+
+
+# ReduceLROnPlateau's progress, which a resume takes from the checkpoint; its other fields are this run's settings.
+PLATEAU_PROGRESS = ("best", "num_bad_epochs", "cooldown_counter", "last_epoch", "_last_lr", "base_lrs")
+
+
+def load_schedule_state(scheduler, saved: dict, *, steps_done: int, same_metric: bool) -> None:
+    """A checkpoint's schedule state into this run's ``scheduler``. Step schedules (every one but the plateau)
+    take it as saved, or continue at ``steps_done`` after a plateau's. reduce_lr_on_plateau keeps this run's
+    settings (plateau_* keys, min_lr, the metric's direction) and takes the checkpoint's progress (its best, its
+    count, its cuts) where the checkpoint's was one watching the same metric (``same_metric``); else it starts
+    afresh from learning_rate."""
+    saved_plateau = "num_bad_epochs" in saved
+    if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        if saved_plateau:
+            scheduler.last_epoch = steps_done
+        else:
+            scheduler.load_state_dict(saved)
+    elif saved_plateau and same_metric:
+        for name in PLATEAU_PROGRESS:
+            if name in saved:
+                setattr(scheduler, name, saved[name])
+
+
+def is_plateau(cfg: OptimConfig) -> bool:
+    """Whether the rate moves on evaluations (``plateau_step``) rather than after every optimizer step."""
+    return cfg.lr_scheduler_type == "reduce_lr_on_plateau"
+
+
+def plateau_step(scheduler, metric: float) -> None:
+    """reduce_lr_on_plateau: one evaluation's ``metric`` seen, the rate cut where it has stopped improving (as
+    Transformers' Trainer steps it after each evaluation); no other schedule moves here."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(metric)
 
 
 def schedule_settings(cfg: OptimConfig) -> dict[str, float | str]:
     """The settings ``cfg``'s schedule reads (validation refuses them under any other); one left unset takes
     the schedule's default in Transformers (num_cycles 0.5 or 1, timescale: the warm-up steps or 10000,
-    num_stable_steps: the steps the warm-up and decay leave)."""
+    num_stable_steps: the steps the warm-up and decay leave; torch's min_lr 0)."""
     read = {"cosine": {"num_cycles": cfg.num_cycles},
-            "cosine_with_min_lr": {"min_lr_rate": cfg.min_lr_rate, "num_cycles": cfg.num_cycles},
-            "cosine_warmup_with_min_lr": {"min_lr_rate": cfg.min_lr_rate, "num_cycles": cfg.num_cycles,
-                                          "warmup_lr_rate": cfg.warmup_lr_rate},
+            "cosine_with_min_lr": {"min_lr_rate": cfg.min_lr_rate, "min_lr": cfg.min_lr, "num_cycles": cfg.num_cycles},
+            "cosine_warmup_with_min_lr": {"min_lr_rate": cfg.min_lr_rate, "min_lr": cfg.min_lr,
+                                          "num_cycles": cfg.num_cycles, "warmup_lr_rate": cfg.warmup_lr_rate},
+            "reduce_lr_on_plateau": {"factor": cfg.plateau_factor, "patience": cfg.plateau_patience,
+                                     "threshold": cfg.plateau_threshold, "threshold_mode": cfg.plateau_threshold_mode,
+                                     "cooldown": cfg.plateau_cooldown, "min_lr": cfg.min_lr or 0.0,
+                                     "eps": cfg.plateau_eps},
             "cosine_with_restarts": {"num_cycles": cfg.num_cycles},
             "polynomial": {"lr_end": cfg.lr_end, "power": cfg.power},
             "inverse_sqrt": {"timescale": cfg.timescale},

@@ -161,8 +161,17 @@ def apply_learning_rate(optimizer, scheduler, learning_rate: float) -> None:
     """Make ``learning_rate`` the schedule's base, and this run's schedule the rate of the resumed step.
 
     The checkpoint's optimizer and scheduler state carry the old base rate (``initial_lr``, ``base_lrs``) and the
-    old schedule's rate for the next step, which would otherwise win over the new config silently.
+    old schedule's rate for the next step, which would otherwise win over the new config silently. Under
+    reduce_lr_on_plateau the rate is ``learning_rate`` times the cuts the checkpoint made (none, where it started
+    afresh: ``load_schedule_state``), not below min_lr.
     """
+    if not hasattr(scheduler, "lr_lambdas"):  # reduce_lr_on_plateau: its cuts so far, from the new rate
+        for group, base, now, floor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler._last_lr,
+                                           scheduler.min_lrs):
+            group["lr"] = max(learning_rate * now / base, floor) if base else learning_rate
+        scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        return
     scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group["initial_lr"] = learning_rate

@@ -20,6 +20,7 @@ import torch
 from shardtune.data.sampler import GlobalBatchSampler
 from shardtune.train.best import Best
 from shardtune.train.metrics import strict_json
+from shardtune.train.optim import load_schedule_state
 
 
 def rng_state() -> dict[str, Any]:
@@ -146,7 +147,10 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
         self.steps_cut = state.get("steps_cut", 0)  # none in checkpoints from before should_epoch_stop acted
-        self.scheduler.load_state_dict(state["scheduler"])
+        best = state.get("best") or {}
+        same_metric = (best.get("metric"), best.get("greater_is_better")) == (self.best.metric,
+                                                                               self.best.greater_is_better)
+        load_schedule_state(self.scheduler, state["scheduler"], steps_done=self.step, same_metric=same_metric)
         self.sampler.load_state_dict(state["sampler"])
         # Epochs completed, from where the sampler stopped: a checkpoint taken at an epoch's last step (save_steps
         # or the run's last step) resumes with the next epoch, whichever strategy wrote it.

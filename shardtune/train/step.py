@@ -85,7 +85,7 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
         stepped = scaler.get_scale() >= scale
     elif math.isfinite(grad_norm):
         ctx.optimizer.step()
-    if stepped:
+    if stepped and not isinstance(ctx.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # it moves on evals
         ctx.scheduler.step()
     ctx.optimizer.zero_grad(set_to_none=True)
     if not math.isfinite(mean_loss) or (not scaler and not math.isfinite(grad_norm)):
