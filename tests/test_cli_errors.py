@@ -200,6 +200,11 @@ def test_merge_and_export_refuse_a_missing_base_folder_at_once(tmp_path, capsys)
     (["estimate", "llama-3.1-8b", "--learning_rate", "1e-4"],
      "shardtune estimate: error: unknown option --learning_rate; learning_rate is a 'shardtune train' key with no "
      "estimate option: give the job as a recipe with --config FILE"),
+    (["estimate", "--model_name_or_path", "llama-3.1-8b", "--gpu", "rtx4090"],
+     "shardtune estimate: error: unknown option --model_name_or_path; the model is the first argument, not an "
+     "option: 'shardtune estimate MODEL [options]'"),
+    (["estimate", "--model", "llama-3.1-8b"], "shardtune estimate: error: unknown option --model; the model is the "
+                                              "first argument"),
 ])
 def test_unknown_option_names_the_subcommand_and_the_option_meant(argv, error, capsys):
     exits_2(argv)

@@ -65,6 +65,9 @@ def _train_key_option(name: str, options: dict[str, str]) -> str | None:
     from shardtune.config.schema import ALIASES, all_keys
 
     key = ALIASES.get(name.replace("-", "_"), name.replace("-", "_"))
+    if key in ("model", "model_name_or_path"):  # TRL's and most tools' spelling of the one positional argument
+        return ("the model is the first argument, not an option: 'shardtune estimate MODEL [options]' (a catalog "
+                "name, a local model folder or a config.json)")
     if not any(d.name == key for d in all_keys()):
         return None
     if key in TRAIN_KEY_OPTIONS or key in options:
