@@ -112,6 +112,29 @@ def test_what_would_fit_when_nothing_does(capsys):
     assert host > 100 and f"It keeps {host:,.0f} GiB per node in host RAM: check that each node" in rec["reason"]
 
 
+def test_a_last_resort_names_the_lighter_methods_that_fit_without_it(capsys):
+    """Full fine-tuning of Llama-3.1-8B on one RTX 4090 (train's defaults: micro-batch 8 x 2048 tokens) fits only
+    with CPU offload, 120 GiB of host RAM and every step across PCIe. Whether LoRA or QLoRA would fit on the GPU
+    alone is the question to answer next: each is named with its setup, and its figures are what estimating that
+    job says. A recommendation that needs no last resort names none."""
+    job = ["llama-3.1-8b", "--gpu", "rtx4090", "--seq-len", "2048", "--mixed-precision", "bf16"]
+    rec = run_json(capsys, job)["recommendation"]
+    assert (rec["fits"], rec["offload_params"]) == (True, True)
+    lora, qlora = rec["suggestions"]
+    assert lora.startswith("--method lora with single GPU at micro-batch 4 x 2 accumulation steps, the same rows")
+    on_gpu = [*job, "--strategy", "NO"]
+    assert not run_json(capsys, [*on_gpu, "--method", "lora"])["fits"]  # 8 rows at a time do not fit
+    held = run_json(capsys, [*on_gpu, "--method", "lora", "--batch-size", "4", "--gradient-accumulation-steps", "2"])
+    assert held["fits"] and lora.endswith(f"({held['nvidia_smi_bytes'] / 2**30:.1f} GiB)")
+    held = run_json(capsys, [*on_gpu, "--method", "qlora"])
+    assert held["fits"] and qlora == (f"--method qlora with single GPU ({held['nvidia_smi_bytes'] / 2**30:.1f} GiB), "
+                                      f"micro-batch up to {held['recommendation']['max_batch_size']}")
+    assert run_json(capsys, [*job, "--method", "qlora"])["recommendation"]["suggestions"] == []
+    assert main(["estimate", *job]) == 0
+    assert "Without CPU offload, a lighter method fits: - --method lora with single GPU" in " ".join(
+        capsys.readouterr().out.split())
+
+
 def test_table_output_names_the_recommendation(capsys):
     assert main(["estimate", *DONE_WHEN]) == 0
     out = capsys.readouterr().out

@@ -250,7 +250,8 @@ def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured
                       else _measured_reason(setup, measured, base, analysis, gpu))
             if setup.uses_lora or setup.method == "full":
                 reason += f" Micro-batch up to {biggest} fits (at sequence length {setup.seq_len})."
-            return Recommendation(setup, breakdown, True, biggest, reason + _host_memory(breakdown))
+            return Recommendation(setup, breakdown, True, biggest, reason + _host_memory(breakdown),
+                                  _on_the_gpus(analysis, base, gpu) if _last_resort(setup) else [])
     # Nothing fits at the asked micro-batch: a smaller one, on the GPUs, else with a last resort.
     if measured is None and (smaller := _smaller_micro_batch(analysis, options, gpu)
                              or _smaller_micro_batch(analysis, options, gpu, last_resorts=True)):
@@ -344,6 +345,30 @@ def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: M
     return text
 
 
+def _on_the_gpus(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
+    """Where only a last resort (CPU offload, model parallel) holds ``base``'s method: the lighter methods that fit
+    without one, each with its setup and per-GPU total (the question of full fine-tuning or LoRA or QLoRA)."""
+    out = []
+    for method in {"full": ("lora", "qlora"), "lora": ("qlora",), "qlora": ()}[base.method]:
+        options = [s for s in candidates(base.with_(method=method), analysis=analysis) if not _last_resort(s)]
+        fitting = ((s, evaluate_setup(analysis, s)) for s in options)
+        if hit := next(((s, b) for s, b in fitting if b.fits(gpu.memory_bytes)), None):
+            out.append(f"--method {method} with {hit[0].label()} ({_gib_on_gpu(hit[1])}), micro-batch up to "
+                       f"{max_batch_size(analysis, hit[0], gpu)}")
+        elif hit := next(filter(None, (_at_smaller_micro_batch(analysis, s, gpu) for s in options)), None):
+            out.append(f"--method {method} with {hit[0].label()} at micro-batch {hit[0].batch_size} x "
+                       f"{hit[0].gradient_accumulation_steps} accumulation steps, the same rows per optimizer step "
+                       f"({_gib_on_gpu(hit[1])})")
+    return out
+
+
+def _gib_on_gpu(breakdown: Breakdown) -> str:
+    """A setup's per-GPU total as nvidia-smi shows it, and the host RAM it keeps per node where it offloads."""
+    host = (f", {breakdown.cpu_bytes_per_node / 2**30:,.0f} GiB of host RAM per node"
+            if breakdown.cpu_bytes_per_node else "")
+    return f"{(breakdown.total + breakdown.cuda_context) / 2**30:.1f} GiB{host}"
+
+
 def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
     """Changes that make it fit, each with the per-GPU total it leads to, cheapest change first."""
     out = []
@@ -355,10 +380,6 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
                 return s, b
         return None
 
-    def gib(b: Breakdown) -> str:
-        host = f", {b.cpu_bytes_per_node / 2**30:,.0f} GiB of host RAM per node" if b.cpu_bytes_per_node else ""
-        return f"{(b.total + b.cuda_context) / 2**30:.1f} GiB{host}"
-
     # The largest smaller micro-batch alone, or (where checkpointing is off) with checkpointing as well: the first
     # setup, in order, that fits one.
     as_asked = [base] + ([] if base.gradient_checkpointing else [base.with_(gradient_checkpointing=True)])
@@ -366,15 +387,15 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
                for s in candidates(asked, analysis=analysis))
     if base.batch_size > 1 and (hit := next(filter(None, smaller), None)):
         also = " and --gradient-checkpointing" if hit[0].gradient_checkpointing != base.gradient_checkpointing else ""
-        out.append(f"batch size {hit[0].batch_size}{also} with {hit[0].label()} ({gib(hit[1])}); keep the global "
-                   f"batch with --gradient-accumulation-steps {hit[0].gradient_accumulation_steps}")
+        out.append(f"batch size {hit[0].batch_size}{also} with {hit[0].label()} ({_gib_on_gpu(hit[1])}); keep the "
+                   f"global batch with --gradient-accumulation-steps {hit[0].gradient_accumulation_steps}")
     checkpointed = base.with_(gradient_checkpointing=True)
     if not base.gradient_checkpointing and (hit := first_fit(candidates(checkpointed, analysis=analysis))):
-        out.append(f"--gradient-checkpointing with {hit[0].label()} ({gib(hit[1])})")
+        out.append(f"--gradient-checkpointing with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
     methods = {"full": ("lora", "qlora"), "lora": ("qlora",), "qlora": ()}[base.method]
     for method in methods:
         if hit := first_fit(candidates(base.with_(method=method), analysis=analysis)):
-            out.append(f"--method {method} with {hit[0].label()} ({gib(hit[1])})")
+            out.append(f"--method {method} with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
             break
     if hit := _more_gpus(analysis, base, gpu):
         out.append(hit)

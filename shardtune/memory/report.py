@@ -172,6 +172,11 @@ def render(r: Report, console: Console) -> None:
     rec = r.recommendation
     if rec.fits:
         console.print(f"[bold green]Recommended:[/] {rec.reason}")
+        if rec.suggestions:  # a last resort was needed: what a lighter method fits without one
+            resort = "CPU offload" if rec.setup.offload_params else "model parallel (one GPU computing at a time)"
+            console.print(f"Without {resort}, a lighter method fits:")
+            for line in rec.suggestions:
+                console.print(f"  - {line}")
     else:
         console.print(f"[bold red]{rec.reason}[/] What would fit:")
         for line in rec.suggestions:
