@@ -322,3 +322,16 @@ def test_model_parallel_on_several_processes_is_refused_before_anything_starts(c
         assert "distributed_type=MP runs in one process over several devices (mp_devices), not on 2 processes" in \
             error_line(capsys)
     assert main(["launch", "--num_processes", "1", "--dry_run", "train", *job]) == 0
+
+
+@pytest.mark.parametrize("given,typed", [
+    (["d.jsonl", "--max_seq_len", "32", "--max_seq_len", "128"], "--max_seq_len 32 and --max_seq_len 128"),
+    (["d.jsonl", "--dataset_name", "e.jsonl"], "--dataset_name d.jsonl and --dataset_name e.jsonl"),
+])
+def test_data_inspect_refuses_a_key_given_twice_as_train_does(given, typed, capsys, no_tokenising):
+    """'data inspect' reads train's arguments so that a recipe is inspected as it will be trained: it took the last
+    of two values without a word, where train refuses the same command line."""
+    key = typed.split()[0][2:]
+    assert main(["data", "inspect", *given, "--model_name_or_path", "m"]) == 2
+    assert error_line(capsys) == f"shardtune data inspect: error: command line: key '{key}' is given twice ({typed}); " \
+                                 "keep one"

@@ -62,8 +62,8 @@ def run_inspect(argv: list[str]) -> int:
     """``shardtune data inspect ARGS``: the training arguments go through ``load_train_config``."""
     from rich.console import Console
 
-    from shardtune.config import load_train_config
-    from shardtune.config.loading import is_json_recipe
+    from shardtune.config import load_train_config, raise_problems
+    from shardtune.config.loading import is_json_recipe, repeated_cli_keys
     from shardtune.hub import offline_unless_reachable
     from shardtune.data.pipeline import prepare_datasets
     from shardtune.data.templates import load_tokenizer
@@ -77,6 +77,8 @@ def run_inspect(argv: list[str]) -> int:
     if rest and not rest[0].startswith("-") and "=" not in rest[0] and not rest[0].endswith((".yaml", ".yml")) and \
             not (rest[0].endswith(".json") and is_json_recipe(rest[0])):
         rest = ["--dataset_name", rest[0], *rest[1:]]
+    # as train refuses it: a key given two values would otherwise be inspected with the last, trained with neither
+    raise_problems(repeated_cli_keys(rest))
     cfg = load_train_config(rest, training=False)
     offline_unless_reachable(cfg.model.model_name_or_path, cfg.data.dataset_name)
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
