@@ -31,13 +31,24 @@ PROBE_TIMEOUT_S = 3.0
 # Data files by suffix: a name ending like one is a local path, never a hub data set.
 EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv",
               ".tsv": "tsv"}
+# A data file compressed whole, as `datasets` (and so a TRL script) reads it: data.jsonl.gz is JSON lines.
+COMPRESSIONS = (".gz", ".bz2", ".xz")
+
+
+def data_file_kind(name: str | Path) -> str | None:
+    """The kind of rows a file of this name holds (``EXTENSIONS``' values), compressed or not; None for no data
+    file."""
+    suffixes = [suffix.lower() for suffix in Path(name).suffixes]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes.pop()
+    return EXTENSIONS.get(suffixes[-1]) if suffixes else None
 
 
 def looks_like_local_path(name: str) -> bool:
     """A name read as a local path, never a hub name: ./x, /x, ~/x, a/b/c, or one ending like a data file or a
     GGUF file."""
-    suffix = Path(name).suffix.lower()
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or suffix in EXTENSIONS or suffix == ".gguf"
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or data_file_kind(name) is not None or \
+        Path(name).suffix.lower() == ".gguf"
 
 
 def offline_already() -> bool:

@@ -334,6 +334,40 @@ def test_every_file_type_gives_the_same_rows(model_dir, tmp_path):
     assert all(v == results["jsonl"] for v in results.values())
 
 
+def test_compressed_files_are_read_as_datasets_reads_them(model_dir, tmp_path, capsys):
+    """data.jsonl.gz (and .bz2, .xz; a CSV or a JSON array too), which load_dataset and so a TRL script read, was
+    refused as an 'unsupported file type'; in a folder beside plain files it was left out without a word. A file
+    that does not decompress is one line naming it, exit 2."""
+    import bz2
+    import gzip
+    import lzma
+
+    from shardtune.cli import main
+
+    rows = [{"prompt": f"Question {i}?", "completion": f" Answer {i}."} for i in range(5)]
+    lines = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    plain = prepare(model_dir, tmp_path, rows, max_seq_len=64)[0].train.to_list()
+    text = "prompt,completion\n" + "".join(f'"{r["prompt"]}","{r["completion"]}"\n' for r in rows)
+    for name, data, opener in (("d.jsonl.gz", lines, gzip.open), ("d.jsonl.bz2", lines, bz2.open),
+                               ("d.jsonl.xz", lines, lzma.open), ("d.json.gz", json.dumps(rows).encode(), gzip.open),
+                               ("d.csv.gz", text.encode(), gzip.open)):
+        with opener(tmp_path / name, "wb") as f:
+            f.write(data)
+        assert prepare(model_dir, tmp_path, str(tmp_path / name), max_seq_len=64)[0].train.to_list() == plain, name
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_jsonl(folder / "part-0.jsonl", rows[:2])
+    with gzip.open(folder / "part-1.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows[2:]))
+    assert len(prepare(model_dir, tmp_path, str(folder), max_seq_len=64)[0].train) == 5
+    (tmp_path / "bad.jsonl.gz").write_bytes(lines)  # named .gz, not compressed
+    capsys.readouterr()
+    assert main(["data", "inspect", str(tmp_path / "bad.jsonl.gz"), "--model_name_or_path", model_dir,
+                 "--cache_dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path / 'bad.jsonl.gz'}: cannot decompress it as gz" in err[0], err
+
+
 def test_folder_splits_and_saved_dataset(model_dir, tmp_path):
     import datasets
 

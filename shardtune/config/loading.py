@@ -35,6 +35,7 @@ from shardtune.config.validation import (attention_problems, context_problems, d
 from shardtune.config.yaml_keys import key_lines, repeated_key_line, repeated_keys
 from shardtune.errors import UsageError, closest
 from shardtune.files import with_digest, write_text
+from shardtune.hub import data_file_kind
 from shardtune.strategies import FSDP
 
 
@@ -791,9 +792,9 @@ def run_config_problems(argv: list[str], notes: list[str] | None = None) -> tupl
 
 
 def _data_file(path: str) -> bool:
-    """Whether ``path`` is a file of rows: JSONL, Parquet, CSV, or JSON holding a list."""
-    return path.endswith((".jsonl", ".parquet", ".csv")) or (path.endswith(".json") and
-                                                               isinstance(json_document(path), list))
+    """Whether ``path`` is a file of rows: JSONL, Parquet, CSV (compressed or not), or JSON holding a list."""
+    kind = data_file_kind(path)
+    return kind not in (None, "json") or (path.endswith(".json") and isinstance(json_document(path), list))
 
 
 def is_json_recipe(path: str) -> bool:

@@ -136,8 +136,8 @@ class ModelConfig:
 class DataConfig:
     """Data settings, named as in TRL's SFT recipes and the Hugging Face PEFT examples."""
 
-    dataset_name: str | None = key(None, "A JSONL/JSON/Parquet/CSV file or folder, a saved `datasets` folder, or a "
-                                         "hub name.")
+    dataset_name: str | None = key(None, "A JSONL/JSON/Parquet/CSV file (or one compressed whole: .jsonl.gz, .bz2, "
+                                         ".xz) or folder, a saved `datasets` folder, or a hub name.")
     dataset_config_name: str | None = key(None, "The hub data set's configuration (subset).",
                                           aliases={"dataset_config": "TRL's"})
     splits: str = key("train,test", "Comma-separated split names; names containing `train` train, the others "

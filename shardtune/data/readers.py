@@ -1,4 +1,5 @@
-"""Readers: local JSONL / JSON / Parquet / CSV files and folders, saved ``datasets`` folders, and hub names.
+"""Readers: local JSONL / JSON / Parquet / CSV files (each also gzip, bz2 or xz compressed) and folders, saved
+``datasets`` folders, and hub names.
 
 Every row comes out as ``(where, row)``: ``where`` names the file and line (or row) so that an error points the user
 at the exact place to fix.
@@ -6,17 +7,21 @@ at the exact place to fix.
 
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
 import hashlib
+import io
 import json
 import logging
+import lzma
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardtune.errors import UsageError, first_line
-from shardtune.hub import EXTENSIONS, looks_like_local_path
+from shardtune.hub import COMPRESSIONS, EXTENSIONS, data_file_kind, looks_like_local_path
 
 log = logging.getLogger("shardtune")
 
@@ -120,16 +125,17 @@ def resolve(dataset_name: str, split_names: list[str], config_name: str | None =
     path = Path(dataset_name).expanduser()
     train_name = next((s for s in split_names if "train" in s), "train")
     if path.is_file():
-        if path.suffix.lower() not in EXTENSIONS:
+        if data_file_kind(path) is None:
             raise UsageError(f"dataset_name '{dataset_name}': unsupported file type '{path.suffix}'; use "
-                             f"{', '.join(EXTENSIONS)} or a folder of them.")
+                             f"{', '.join(EXTENSIONS)} (each may end in {', '.join(COMPRESSIONS)} too) or a folder "
+                             f"of them.")
         return Source("files", dataset_name, {train_name: [path]}, _content_fingerprint([path], path))
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
         if _is_saved_dataset(path):
             return Source("saved", dataset_name, fingerprint=_content_fingerprint(files, path),
                           left_out=tuple(s for s in _saved_splits(path) if s not in split_names))
-        data_files = [p for p in files if p.suffix.lower() in EXTENSIONS]
+        data_files = [p for p in files if data_file_kind(p) is not None]
         if not data_files:
             raise UsageError(f"dataset_name '{dataset_name}': the folder holds no {', '.join(EXTENSIONS)} files and "
                              "is not a saved `datasets` folder.")
@@ -184,9 +190,29 @@ def hub_revision(name: str) -> str | None:
     return sha
 
 
+_OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}  # one per COMPRESSIONS suffix
+
+
+def _open_bytes(path: Path):
+    """``path`` opened for reading its bytes, decompressed where its name ends in one of ``COMPRESSIONS``."""
+    return _OPENERS.get(path.suffix.lower(), open)(path, "rb")
+
+
 def iter_file(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
     """Rows of one file as (where, row); a malformed row is yielded as a BadRow, not raised, so it can be skipped."""
-    kind = EXTENSIONS[path.suffix.lower()]
+    if path.suffix.lower() not in COMPRESSIONS:
+        yield from _iter_rows(path)
+        return
+    try:
+        yield from _iter_rows(path)
+    except (OSError, EOFError, lzma.LZMAError) as exc:  # not compressed as its name says, or cut short
+        raise UsageError(f"{path}: cannot decompress it as {path.suffix.lower()[1:]} "
+                         f"({first_line(str(exc), type(exc).__name__)}); the file is damaged or not compressed as its "
+                         f"name says: check it (e.g. gzip -t), or give it uncompressed.") from exc
+
+
+def _iter_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
+    kind = data_file_kind(path)
     if kind == "jsonl":
         yield from _iter_jsonl(path)
     elif kind == "json":
@@ -195,7 +221,11 @@ def iter_file(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
         import pyarrow.parquet as pq
 
         try:
-            table = pq.read_table(path)
+            if path.suffix.lower() in COMPRESSIONS:
+                with _open_bytes(path) as f:
+                    table = pq.read_table(io.BytesIO(f.read()))
+            else:
+                table = pq.read_table(path)
         except Exception as exc:
             raise UsageError(f"{path}: not a readable Parquet file ({exc}).") from exc
         for i, row in enumerate(table.to_pylist()):
@@ -214,7 +244,7 @@ def _not_utf8(line: bytes, start: int) -> str:
 def _iter_csv(path: Path, delimiter: str) -> Iterator[tuple[str, dict | BadRow]]:
     # csv reads in blocks, not lines: the bytes that are not UTF-8 are kept as escapes and looked for in each row
     # utf-8-sig: a byte-order mark (Excel writes one) is dropped, not read into the first column's name
-    with path.open(newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
+    with io.TextIOWrapper(_open_bytes(path), newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
         reader = csv.DictReader(f, delimiter=delimiter)
         if reader.fieldnames and any(_ESCAPED_BYTE.search(name) for name in reader.fieldnames):
             raise UsageError(f"{path}:1: the header is not valid UTF-8; {REENCODE}.")
@@ -236,7 +266,7 @@ def _iter_csv(path: Path, delimiter: str) -> Iterator[tuple[str, dict | BadRow]]
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
     # bytes, decoded line by line: a byte that is not UTF-8 is then one bad row with its line number, not a
     # traceback from the middle of the file (and costs nothing next to json.loads)
-    with path.open("rb") as f:
+    with _open_bytes(path) as f:
         for line_no, raw in enumerate(f, 1):
             where = f"{path}:{line_no}"
             try:
@@ -260,7 +290,8 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
-    raw = path.read_bytes()
+    with _open_bytes(path) as f:
+        raw = f.read()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -395,7 +395,7 @@ def count_data_tokens(data: str, model: str, seq_len: int) -> DataTokens:
     no torch); otherwise about 4 characters make a token, which the result says is approximate. A chat template's
     own tokens are not counted."""
     from shardtune.data.readers import BadRow, iter_file
-    from shardtune.hub import EXTENSIONS
+    from shardtune.hub import EXTENSIONS, data_file_kind
 
     path = Path(data).expanduser()
     if path.is_dir():  # shardtune train's dataset_name may be one; its files may be splits
@@ -403,7 +403,7 @@ def count_data_tokens(data: str, model: str, seq_len: int) -> DataTokens:
                          f"rows you train on), or the token count with --tokens N")
     if not path.exists():
         raise UsageError(f"--data {data}: no such file; check the path, or give the token count with --tokens N")
-    if not path.is_file() or path.suffix.lower() not in EXTENSIONS:
+    if not path.is_file() or data_file_kind(path) is None:
         raise UsageError(f"--data {data}: not a data file; give a {', '.join(EXTENSIONS)} file, or the token "
                          f"count with --tokens N")
     texts = [_row_text(row) for _, row in iter_file(path) if not isinstance(row, BadRow)]
