@@ -333,5 +333,5 @@ def test_data_inspect_refuses_a_key_given_twice_as_train_does(given, typed, caps
     of two values without a word, where train refuses the same command line."""
     key = typed.split()[0][2:]
     assert main(["data", "inspect", *given, "--model_name_or_path", "m"]) == 2
-    assert error_line(capsys) == f"shardtune data inspect: error: command line: key '{key}' is given twice ({typed}); " \
-                                 "keep one"
+    assert error_line(capsys) == (f"shardtune data inspect: error: command line: key '{key}' is given twice "
+                                  f"({typed}); keep one")
