@@ -222,6 +222,21 @@ def test_conversational_prompt_completion_trains_only_the_completion(model_dir, 
     assert targets(tok, data.train[0]) == "One two.<|im_end|>"
 
 
+def test_a_prompt_and_completion_of_different_shapes_say_so(model_dir, tmp_path):
+    """A conversational prompt with a string completion was refused as "the field 'prompt' is missing or not a
+    non-empty string", of a prompt that is there. A null prompt before a conversational completion is an empty one,
+    as it is before a string completion."""
+    user, reply = [{"role": "user", "content": "Hi"}], [{"role": "assistant", "content": "One two."}]
+    for prompt, completion, says in ((user, "One two.", "'prompt' is a list of messages but 'completion' is a string"),
+                                     ("Hi", reply, "'prompt' is a string but 'completion' is a list of messages"),
+                                     (user, None, "'prompt' is a list of messages but 'completion' is empty")):
+        with pytest.raises(UsageError, match=rf"data\.jsonl:1: {says}: give both as lists of \{{role, content\}} "
+                                             rf"messages \(conversational\) or both as strings; fix it"):
+            prepare(model_dir, tmp_path, [{"prompt": prompt, "completion": completion}], max_seq_len=256)
+    data, tok = prepare(model_dir, tmp_path, [{"prompt": None, "completion": reply}], max_seq_len=256)
+    assert targets(tok, data.train[0]) == "One two.<|im_end|>"
+
+
 def test_alpaca_rows_plain_prompt_or_chat_template(model_dir, tmp_path):
     rows = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
             {"instruction": "Say yes.", "input": "", "output": "Yes."}]

@@ -111,6 +111,13 @@ def _text(row: dict, key: str, where: str, allow_empty: bool = False) -> str:
     return value
 
 
+def _shape(value) -> str:
+    """What a prompt or completion value is, in a user's words."""
+    if isinstance(value, list):
+        return "a list of messages"
+    return "empty" if value is None else "a string" if isinstance(value, str) else f"a {type(value).__name__}"
+
+
 def to_example(row: dict, where: str, fmt: str, text_field: str, alpaca_as_chat: bool) -> dict:
     """The canonical example of one row in format ``fmt``; raises BadRow when the row does not fit it."""
     base = {"kind": "chat", "messages": [], "target_from": 0, "prompt": "", "completion": "", "tools": "",
@@ -123,10 +130,15 @@ def to_example(row: dict, where: str, fmt: str, text_field: str, alpaca_as_chat:
         return {**base, "messages": _messages(row[key], where), "tools": tools}
     if fmt == "prompt_completion":
         prompt, completion = row.get("prompt"), row.get("completion")
-        if isinstance(prompt, list) and isinstance(completion, list):  # conversational prompt/completion
+        # conversational prompt/completion; a null prompt is an empty one, as for strings
+        if isinstance(completion, list) and (isinstance(prompt, list) or prompt is None):
             prompt_msgs = _messages(prompt, where) if prompt else []
             return {**base, "messages": prompt_msgs + _messages(completion, where), "target_from": len(prompt_msgs),
                     "tools": tools}
+        if isinstance(prompt, list) or isinstance(completion, list):  # one conversational, the other not
+            raise BadRow(where, f"'prompt' is {_shape(prompt)} but 'completion' is {_shape(completion)}: give both "
+                                f"as lists of {{role, content}} messages (conversational) or both as strings; "
+                                f"{SKIP_HINT}")
     if tools:
         raise BadRow(where, f"its 'tools' reach the model only through a chat template: give the row as 'messages' "
                             f"(or a conversational prompt and completion), or leave the tools out; {SKIP_HINT}")
