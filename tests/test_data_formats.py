@@ -349,6 +349,27 @@ def test_every_file_type_gives_the_same_rows(model_dir, tmp_path):
     assert all(v == results["jsonl"] for v in results.values())
 
 
+def test_a_jsonl_file_written_by_json_dump_is_read_as_datasets_reads_it(model_dir, tmp_path):
+    """json.dump(rows) into data.jsonl (a JSON list), or each row dumped with indent=2: load_dataset, and so a TRL
+    script, reads both, where this refused line 1 as malformed JSON or as 'a row must be a JSON object, got list'.
+    A broken list names the line where it breaks; a bad JSON line of a real JSON-lines file is still that line."""
+    rows = [{"prompt": f"Question {i}?", "completion": f" Answer {i}."} for i in range(5)]
+    plain = prepare(model_dir, tmp_path, rows, max_seq_len=64)[0].train.to_list()
+    for name, text in (("list.jsonl", json.dumps(rows, indent=2)), ("line.jsonl", json.dumps(rows)),
+                       ("pretty.jsonl", "\n".join(json.dumps(r, indent=2) for r in rows)),
+                       ("pretty.json", "\n".join(json.dumps(r, indent=2) for r in rows))):
+        (tmp_path / name).write_text(text)
+        assert prepare(model_dir, tmp_path, str(tmp_path / name), max_seq_len=64)[0].train.to_list() == plain, name
+    (tmp_path / "broken.jsonl").write_text('[\n  {"prompt": "a", "completion": "b"},\n  {"prompt": "a",}\n]\n')
+    with pytest.raises(UsageError, match=r"broken\.jsonl:3: malformed JSON \(Expecting property name .*; fix the file"):
+        prepare(model_dir, tmp_path, str(tmp_path / "broken.jsonl"))
+    (tmp_path / "typo.jsonl").write_text('{"prompt": "a", "completion": "b"\n{"prompt": "a", "completion": "b"}\n')
+    with pytest.raises(UsageError, match=r"typo\.jsonl:1: malformed JSON"):
+        prepare(model_dir, tmp_path, str(tmp_path / "typo.jsonl"))
+    data = prepare(model_dir, tmp_path, str(tmp_path / "typo.jsonl"), skip_bad_rows=True)[0]
+    assert len(data.train) == 1 and data.report.bad_rows_skipped == 1
+
+
 def test_compressed_files_are_read_as_datasets_reads_them(model_dir, tmp_path, capsys):
     """data.jsonl.gz (and .bz2, .xz; a CSV or a JSON array too), which load_dataset and so a TRL script read, was
     refused as an 'unsupported file type'; in a folder beside plain files it was left out without a word. A file

@@ -267,6 +267,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
     # bytes, decoded line by line: a byte that is not UTF-8 is then one bad row with its line number, not a
     # traceback from the middle of the file (and costs nothing next to json.loads)
     with _open_bytes(path) as f:
+        first = True
         for line_no, raw in enumerate(f, 1):
             where = f"{path}:{line_no}"
             try:
@@ -281,12 +282,48 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                yield where, BadRow(where, f"malformed JSON ({json_error(exc)}); {SKIP_HINT}")
+                row = BadRow(where, f"malformed JSON ({json_error(exc)}); {SKIP_HINT}")
+            if first and not isinstance(row, dict) and (whole := _json_document_rows(path)) is not None:
+                yield from whole  # not JSON lines, but rows as json.dump writes them: `datasets` reads those too
+                return
+            first = False
+            if isinstance(row, BadRow):
+                yield where, row
                 continue
             if not isinstance(row, dict):
                 yield where, BadRow(where, f"a row must be a JSON object, got {type(row).__name__}; {SKIP_HINT}")
                 continue
             yield where, row
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _json_document_rows(path: Path) -> list[tuple[str, dict | BadRow]] | None:
+    """The rows of a JSON-lines file whose first row is not one line: a JSON list of rows (``json.dump(rows)``) or
+    objects written one after another over several lines each (``json.dump(row, indent=2)``). `datasets`, and so a
+    TRL script, reads both from a .jsonl file. None when the file is neither: its lines are then reported."""
+    with _open_bytes(path) as f:
+        try:
+            text = f.read().decode("utf-8").removeprefix("\ufeff")
+        except UnicodeDecodeError:
+            return None
+    decoder, values, at, line_no, counted = json.JSONDecoder(), [], 0, 1, 0
+    while (at := _JSON_SPACE.match(text, at).end()) < len(text):
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError as exc:
+            if not values and text[at] == "[":  # a list of rows, broken somewhere: where, not its first line
+                raise UsageError(f"{path}:{exc.lineno}: malformed JSON ({json_error(exc)}); fix the file.") from None
+            return None
+        line_no, counted = line_no + text.count("\n", counted, at), at
+        values.append((f"{path}:{line_no}", value))
+        at = end
+    if len(values) == 1 and isinstance(values[0][1], list):
+        return [(f"{path} row {i + 1}", row if isinstance(row, dict) else
+                 BadRow(f"{path} row {i + 1}", f"a row must be a JSON object; {SKIP_HINT}"))
+                for i, row in enumerate(values[0][1])]
+    return values if values and all(isinstance(value, dict) for _, value in values) else None
 
 
 def _iter_json(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
