@@ -279,11 +279,14 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
                 line = line.removeprefix("\ufeff")  # the byte-order mark Windows editors write
             if not line.strip():
                 continue
+            unfinished = False  # a value that goes on past its line: the file may be one JSON document
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 row = BadRow(where, f"malformed JSON ({json_error(exc)}); {SKIP_HINT}")
-            if first and not isinstance(row, dict) and (whole := _json_document_rows(path)) is not None:
+                unfinished = exc.pos >= len(line.rstrip())
+            # read whole only then (not for a typo inside a line): a big file's bad first line costs no more
+            if first and (isinstance(row, list) or unfinished) and (whole := _json_document_rows(path)) is not None:
                 yield from whole  # not JSON lines, but rows as json.dump writes them: `datasets` reads those too
                 return
             first = False
