@@ -155,6 +155,36 @@ def test_a_rows_tools_are_written_into_its_prompt_by_the_template_or_refused(mod
         prepare(str(folder), tmp_path / "p2", [{"prompt": "Weather?", "completion": " Sunny.", "tools": [WEATHER]}])
 
 
+def test_tool_calls_and_tools_from_parquet_or_a_saved_data_set_train_without_arrows_nulls(model_dir, tmp_path):
+    """An Arrow column holds one struct type, so in Parquet, a saved data set or a hub one every call's arguments
+    carry the keys of all the others: search(query, n) trained as {"city": null, "query": "cats", "n": 3}, and each
+    tool definition carried the others' parameters as nulls. They now train as the JSON rows do."""
+    import shutil
+
+    import datasets
+
+    folder = shutil.copytree(model_dir, tmp_path / "tools")
+    tokenizer = load_tokenizer(model_dir, DataConfig())
+    tokenizer.chat_template = ("{% if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}"
+                               "{% endif %}" + TOOL_TEMPLATE)
+    tokenizer.save_pretrained(folder)
+    search = {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}, "n": {"type": "integer"}}}}}
+    rows = [{**TOOL_CHATS[0], "tools": [WEATHER]}, {**TOOL_CHATS[1], "tools": [search]}]
+    (tmp_path / "json").mkdir()
+    expected, tok = prepare(str(folder), tmp_path / "json", rows, max_seq_len=512)
+    assert '"n": 3' in targets(tok, expected.train[1])
+    dataset = datasets.Dataset.from_list(rows)
+    dataset.to_parquet(str(tmp_path / "tools.parquet"))
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    for name in ("tools.parquet", "saved"):
+        (tmp_path / f"cache-{name}").mkdir()
+        data, _ = prepare(str(folder), tmp_path / f"cache-{name}", str(tmp_path / name), max_seq_len=512)
+        assert [tok.decode(row["input_ids"]) for row in data.train] == \
+            [tok.decode(row["input_ids"]) for row in expected.train], name
+        assert data.train.to_list() == expected.train.to_list(), name
+
+
 def test_mistral_template_keeps_eos_as_target_and_never_doubles_bos(model_dir, tmp_path):
     data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format="mistral", max_seq_len=256)
     row = data.train[1]

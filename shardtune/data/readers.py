@@ -229,9 +229,34 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
         except Exception as exc:
             raise UsageError(f"{path}: not a readable Parquet file ({exc}).") from exc
         for i, row in enumerate(table.to_pylist()):
-            yield f"{path} row {i + 1}", row
+            yield f"{path} row {i + 1}", without_arrow_padding(row)
     else:
         yield from _iter_csv(path, delimiter="\t" if kind == "tsv" else ",")
+
+
+def without_arrow_padding(row: dict) -> dict:
+    """A row read from an Arrow table (Parquet, a saved or hub data set) without the nulls Arrow pads tool calls and
+    tool definitions with: a column holds one struct type, so every call's arguments get the keys of all the
+    others' (search(query) comes back as {"city": null, "query": ...}) and every tool the fields of all the others.
+    The template would write them out, a call's as a target. A null the data meant cannot be told from padding
+    there; a JSON file's rows keep theirs."""
+    out = dict(row)
+    for key, value in row.items():
+        if key == "tools" and isinstance(value, list):
+            out[key] = _without_nulls(value)
+        elif isinstance(value, list) and any(isinstance(m, dict) and m.get("tool_calls") for m in value):
+            out[key] = [{**m, "tool_calls": _without_nulls(m["tool_calls"])}
+                        if isinstance(m, dict) and isinstance(m.get("tool_calls"), list) else m for m in value]
+    return out
+
+
+def _without_nulls(value):
+    """``value`` without the keys, at any depth, whose value is null (a list's null items stay: they are data)."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
 
 
 def _not_utf8(line: bytes, start: int) -> str:
@@ -399,4 +424,4 @@ def iter_split(source: Source, split: str, config_name: str | None = None) -> It
                              f"({first_line(str(exc), type(exc).__name__)}); give a local file or folder, or check "
                              f"the hub name and the network.") from exc
     for i, row in enumerate(loaded):
-        yield f"{source.name}[{split}] row {i + 1}", row
+        yield f"{source.name}[{split}] row {i + 1}", without_arrow_padding(row)
