@@ -185,6 +185,23 @@ def test_tool_calls_and_tools_from_parquet_or_a_saved_data_set_train_without_arr
         assert data.train.to_list() == expected.train.to_list(), name
 
 
+def test_sharegpt_conversations_train_as_the_same_messages_do(model_dir, tmp_path):
+    """ShareGPT rows (conversations of from/value) give the ids and labels of the same chats as messages; a "tool"
+    turn (hermes-function-calling-v1 writes them) was refused as an unknown ShareGPT role, though a messages row
+    has that role."""
+    names = {"user": "human", "assistant": "gpt", "system": "system", "tool": "tool"}
+    chats = [*CHATS, {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                                   {"role": "assistant", "content": "<tool_call>get_weather Paris</tool_call>"},
+                                   {"role": "tool", "content": "18C"}, {"role": "assistant", "content": "18C."}]}]
+    sharegpt = [{"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in chat["messages"]]}
+                for chat in chats]
+    (tmp_path / "messages").mkdir()
+    expected, tok = prepare(model_dir, tmp_path / "messages", chats, max_seq_len=256)
+    data, _ = prepare(model_dir, tmp_path, sharegpt, max_seq_len=256)
+    assert data.train.to_list() == expected.train.to_list()
+    assert targets(tok, data.train[3]) == "<tool_call>get_weather Paris</tool_call><|im_end|>18C.<|im_end|>"
+
+
 def test_mistral_template_keeps_eos_as_target_and_never_doubles_bos(model_dir, tmp_path):
     data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format="mistral", max_seq_len=256)
     row = data.train[1]

@@ -15,7 +15,9 @@ from shardtune.data.templates import alpaca_prompt
 from shardtune.errors import UsageError, closest
 
 ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+# "tool": the tool replies of ShareGPT function-calling sets (NousResearch's hermes-function-calling-v1)
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant",
+                  "tool": "tool"}
 
 
 def detect_format(row: dict, text_field: str) -> str:
