@@ -555,6 +555,10 @@ def test_bad_inputs_name_file_and_line(model_dir, tmp_path):
         {"role": "user", "content": "hi"}, {"role": "asistant", "content": "yo"}]}) + "\n")
     with pytest.raises(UsageError, match=r"bad\.jsonl:2: message 1 has role 'asistant' \(did you mean 'assistant'"):
         prepare(model_dir, tmp_path, str(path))
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}) + "\n")
+    with pytest.raises(UsageError, match=r"bad\.jsonl:1: message 0 \(user\): 'content' is a list of parts "
+                                         r"\(\{type, text\}\), not text; write each message's content as one string"):
+        prepare(model_dir, tmp_path, str(path))  # it was "has no text 'content'", of text in its parts
     path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "a"}) + "\n")
     with pytest.raises(UsageError, match=r"bad\.jsonl:2: the field 'completion' is missing"):
         prepare(model_dir, tmp_path, str(path))

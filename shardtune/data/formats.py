@@ -64,6 +64,9 @@ def _messages(value, where: str) -> list[dict]:
                                 f"message; {SKIP_HINT}")
         if content is None and calls:  # the OpenAI form of a turn that only calls tools
             content = ""
+        if isinstance(content, list):  # OpenAI's content parts: templates join them each their own way, or fail
+            raise BadRow(where, f"message {i} ({role}): 'content' is a list of parts ({{type, text}}), not text; "
+                                f"write each message's content as one string (its parts' text joined); {SKIP_HINT}")
         if not isinstance(content, str):
             raise BadRow(where, f"message {i} ({role}) has no text 'content'; {SKIP_HINT}")
         message = {"role": role, "content": content}
