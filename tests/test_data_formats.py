@@ -202,6 +202,36 @@ def test_sharegpt_conversations_train_as_the_same_messages_do(model_dir, tmp_pat
     assert targets(tok, data.train[3]) == "<tool_call>get_weather Paris</tool_call><|im_end|>18C.<|im_end|>"
 
 
+def test_an_assistant_turn_of_weight_0_is_not_trained(model_dir, tmp_path):
+    """OpenAI's fine-tuning files mark an assistant turn not to learn from with weight 0: it was trained like the
+    others, without a word. Now it is context only, from JSON lines and from Parquet (where Arrow gives every other
+    message a null weight); a weight that is neither 0 nor 1, or 1 on a turn that never trains, is refused."""
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": "Name a red thing."},
+                          {"role": "assistant", "content": "A blue river.", "weight": 0},
+                          {"role": "user", "content": "Red, please."},
+                          {"role": "assistant", "content": "A red car.", "weight": 1}]},
+            {"messages": [{"role": "user", "content": "How many cats?", "weight": 0},
+                          {"role": "assistant", "content": "Three cats."}]}]
+    data, tok = prepare(model_dir, tmp_path, rows, max_seq_len=256)
+    assert [targets(tok, row) for row in data.train] == ["A red car.<|im_end|>", "Three cats.<|im_end|>"]
+    assert "A blue river." in tok.decode(data.train[0]["input_ids"])
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "w.parquet"))
+    (tmp_path / "parquet").mkdir()
+    from_parquet, _ = prepare(model_dir, tmp_path / "parquet", str(tmp_path / "w.parquet"), max_seq_len=256)
+    assert from_parquet.train.to_list() == data.train.to_list()
+    for role, weight in (("assistant", 0.5), ("user", 1)):
+        bad = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}]
+        bad[0]["messages"][role == "assistant"]["weight"] = weight
+        with pytest.raises(UsageError, match=rf"data\.jsonl:1: message {int(role == 'assistant')} \({role}\) has "
+                                             rf"weight {weight}: a weight is 0 \(not trained\) or 1"):
+            prepare(model_dir, tmp_path, bad, max_seq_len=256)
+    with pytest.raises(UsageError, match=r"data\.jsonl:1: message 1 \(assistant\) has weight 0, but train_on_prompt "
+                                         r"true trains every token: set train_on_prompt false, or drop the weight"):
+        prepare(model_dir, tmp_path, rows, max_seq_len=256, train_on_prompt=True)
+
+
 def test_mistral_template_keeps_eos_as_target_and_never_doubles_bos(model_dir, tmp_path):
     data, tok = prepare(model_dir, tmp_path, CHATS, chat_template_format="mistral", max_seq_len=256)
     row = data.train[1]

@@ -92,9 +92,10 @@ def _without_calls(message: dict) -> dict:
 
 
 def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn: str | None,
-                  tools: list[dict] | None = None) -> list[tuple[str, bool]]:
+                  tools: list[dict] | None = None, untrained: frozenset[int] = frozenset()) -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, is_target) pieces; targets are assistant turns with their end token.
-    ``tools``: the function definitions the template writes into the prompt (never a target).
+    ``tools``: the function definitions the template writes into the prompt (never a target). ``untrained``: the
+    indices of assistant turns that are no targets (OpenAI's weight 0).
 
     Rendering the history with the generation prompt gives where each assistant turn starts; rendering it with the
     turn gives where it ends. Templates that rewrite earlier turns fall back to finding each reply in the text, after
@@ -114,7 +115,7 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
     segments: list[tuple[str, bool]] = []
     cursor = walked = 0
     for i, m in enumerate(messages):
-        if m["role"] != "assistant" or i < target_from:
+        if m["role"] != "assistant" or i < target_from or i in untrained:
             continue
         try:
             before = render(messages[:i], add_generation_prompt=True)  # i == 0: the header alone
@@ -174,7 +175,8 @@ def _segments(example: dict, tokenizer, chat_template_format: str) -> list[tuple
     try:
         return chat_segments(tokenizer, [template_message(m) for m in example["messages"]], example["target_from"],
                              template.end_of_turn if template else None,
-                             json.loads(example["tools"]) if example.get("tools") else None)
+                             json.loads(example["tools"]) if example.get("tools") else None,
+                             frozenset(i for i, m in enumerate(example["messages"]) if m.get("weight") == 0))
     except BadRow as exc:
         raise BadRow(example["where"], f"{exc.problem}; {SKIP_HINT}") from None
     except Exception as exc:  # noqa: BLE001 - jinja raise_exception, e.g. an unsupported role order
@@ -216,6 +218,10 @@ def _encode(example: dict, tokenizer, *, prefix: list[int], train_on_prompt: boo
             keep: int | None, token_chars: int) -> tuple[list[int], list[int], int, bool]:
     """(input_ids, labels, length, estimated): the ids and labels are exact for the first ``keep`` tokens (all
     when None); a text far longer than that is cut before tokenising, and then ``length`` is an estimate."""
+    if train_on_prompt and (held := next((i for i, m in enumerate(example["messages"]) if m.get("weight") == 0),
+                                         None)) is not None:
+        raise BadRow(example["where"], f"message {held} (assistant) has weight 0, but train_on_prompt true trains "
+                                       f"every token: set train_on_prompt false, or drop the weight; {SKIP_HINT}")
     ids, marks, length, estimated = marked_ids(tokenizer, _segments(example, tokenizer, chat_template_format),
                                                keep, token_chars)
     eos = tokenizer.eos_token_id

@@ -70,6 +70,13 @@ def _messages(value, where: str) -> list[dict]:
         if not isinstance(content, str):
             raise BadRow(where, f"message {i} ({role}) has no text 'content'; {SKIP_HINT}")
         message = {"role": role, "content": content}
+        weight = m.get("weight")  # OpenAI's fine-tuning files: 0 on an assistant turn that is not to be trained
+        if weight is not None and (isinstance(weight, bool) or weight not in (0, 1) or
+                                   (weight == 1 and role != "assistant")):
+            raise BadRow(where, f"message {i} ({role}) has weight {weight!r}: a weight is 0 (not trained) or 1 "
+                                f"(trained, on an assistant message only); {SKIP_HINT}")
+        if weight == 0 and role == "assistant":
+            message["weight"] = 0
         tools = {"tool_calls": calls} if calls else {}
         tools.update({key: m[key] for key in ("tool_call_id", "name") if role == "tool" and key in m})
         if tools:  # rendered by the chat template, which must write the calls (encode.chat_segments checks)
