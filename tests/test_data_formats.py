@@ -473,6 +473,10 @@ def test_compressed_files_are_read_as_datasets_reads_them(model_dir, tmp_path, c
     with gzip.open(folder / "part-1.jsonl.gz", "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows[2:]))
     assert len(prepare(model_dir, tmp_path, str(folder), max_seq_len=64)[0].train) == 5
+    write_jsonl(folder / "part-1.jsonl", rows[2:])  # the file beside its compressed copy: refused, not read twice
+    with pytest.raises(UsageError, match=r"the folder holds both part-1\.jsonl and part-1\.jsonl\.gz, whose rows "
+                                         r"would train twice if they are copies; move one out of the folder"):
+        prepare(model_dir, tmp_path, str(folder), max_seq_len=64)
     (tmp_path / "bad.jsonl.gz").write_bytes(lines)  # named .gz, not compressed
     capsys.readouterr()
     assert main(["data", "inspect", str(tmp_path / "bad.jsonl.gz"), "--model_name_or_path", model_dir,

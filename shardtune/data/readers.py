@@ -139,6 +139,13 @@ def resolve(dataset_name: str, split_names: list[str], config_name: str | None =
         if not data_files:
             raise UsageError(f"dataset_name '{dataset_name}': the folder holds no {', '.join(EXTENSIONS)} files and "
                              "is not a saved `datasets` folder.")
+        # a file kept beside its compressed copy (or two copies) would train its rows twice
+        plain = set(data_files)
+        if twin := next((p for p in data_files if p.suffix.lower() in COMPRESSIONS and p.with_suffix("") in plain),
+                        None):
+            raise UsageError(f"dataset_name '{dataset_name}': the folder holds both {twin.with_suffix('').name} and "
+                             f"{twin.name}, whose rows would train twice if they are copies; move one out of the "
+                             f"folder.")
         split_files: dict[str, list[Path]] = {}
         unnamed: list[Path] = []
         other_splits: list[str] = []
