@@ -520,6 +520,19 @@ def test_folder_splits_and_saved_dataset(model_dir, tmp_path):
         assert data3.train.to_list() == data.train.to_list() and data3.eval.to_list() == data.eval.to_list()
 
 
+def test_each_split_reads_its_own_format(model_dir, tmp_path):
+    """Chats to train on and prompt/completion rows to evaluate (as TRL takes a train and an eval data set, each
+    read for itself): the eval file was read as chats and refused as "the field 'messages' is missing"."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", CHATS)
+    write_jsonl(folder / "test.jsonl", [{"prompt": "How many cats?", "completion": " Three cats."}])
+    data, tok = prepare(model_dir, tmp_path, str(folder), splits="train,test", max_seq_len=256)
+    assert targets(tok, data.train[0]) == "Four.<|im_end|>" and len(data.train) == 3
+    assert [targets(tok, row) for row in data.eval] == [" Three cats.<|end_of_text|>"]
+    assert (data.report.data_format, data.report.eval.data_format) == ("chat", "prompt_completion")
+
+
 def test_a_folders_files_that_no_split_reads_are_refused_naming_them(model_dir, tmp_path):
     """part1.jsonl beside test.jsonl was left out without a word (the error said only "no training rows in split(s)
     train"); it is named, with the way to have it read. A file named after a split the splits key leaves out

@@ -224,7 +224,8 @@ def rows_sha256(rows: dict[str, list[list[int]]]) -> str:
 def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedData:
     """Read, tokenise and pack every split, in memory."""
     train_examples, skipped, fmt = read_examples(source, cfg.train_split_names(), cfg, cfg.data_format)
-    eval_examples, eval_skipped, _ = read_examples(source, cfg.eval_split_names(), cfg, fmt)
+    # each split's first row decides its format (with data_format auto), as TRL prepares each data set apart
+    eval_examples, eval_skipped, eval_fmt = read_examples(source, cfg.eval_split_names(), cfg, cfg.data_format)
     notes = [f"{', '.join(source.left_out)} left out: named after a split that splits ({cfg.splits}) does not "
              f"list; add it there to read it"] if source.left_out else []
     held_out = not eval_examples and cfg.eval_split_ratio > 0 and bool(train_examples)
@@ -261,7 +262,8 @@ def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedDat
     report.notes += notes
     evaluation = None
     if eval_examples:
-        evaluation, report.eval = build_split(eval_examples, cfg, tokenizer, "eval", fmt, eval_skipped)
+        evaluation, report.eval = build_split(eval_examples, cfg, tokenizer, "eval", fmt if held_out else eval_fmt,
+                                              eval_skipped)
         if not report.eval.documents:
             evaluation = None
     return PreparedData(train=train, eval=evaluation, report=report, cache_path=None, from_cache=False)
