@@ -217,6 +217,12 @@ def test_an_assistant_turn_of_weight_0_is_not_trained(model_dir, tmp_path):
     data, tok = prepare(model_dir, tmp_path, rows, max_seq_len=256)
     assert [targets(tok, row) for row in data.train] == ["A red car.<|im_end|>", "Three cats.<|im_end|>"]
     assert "A blue river." in tok.decode(data.train[0]["input_ids"])
+    sharegpt = [{"conversations": [{"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"],
+                                    **({"weight": m["weight"]} if "weight" in m else {})} for m in row["messages"]]}
+                for row in rows]  # axolotl's ShareGPT rows carry the same weight
+    (tmp_path / "sharegpt").mkdir()
+    assert prepare(model_dir, tmp_path / "sharegpt", sharegpt, max_seq_len=256)[0].train.to_list() == \
+        data.train.to_list()
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "w.parquet"))
     (tmp_path / "parquet").mkdir()
     from_parquet, _ = prepare(model_dir, tmp_path / "parquet", str(tmp_path / "w.parquet"), max_seq_len=256)

@@ -50,7 +50,7 @@ def _messages(value, where: str) -> list[dict]:
             if role is None:
                 raise BadRow(where, f"message {i} has unknown ShareGPT role '{m['from']}': use one of "
                                     f"{', '.join(SHAREGPT_ROLES)}; {SKIP_HINT}")
-            m = {"role": role, "content": m["value"]}
+            m = {**m, "role": role, "content": m["value"]}  # its other keys (a weight) kept
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             hint = closest(str(role), ROLES) if role is not None else None
