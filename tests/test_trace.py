@@ -171,15 +171,28 @@ def test_estimate_trace_rejects_setups_the_trainer_cannot_run(models, capsys):
     assert "--pure-bf16 with --optimizer adamw_8bit" in capsys.readouterr().err
 
 
-def test_train_dry_run_traces_the_configured_job(models, tmp_path, capsys):
+def test_train_dry_run_traces_the_configured_job(models, tmp_path, capsys, monkeypatch):
     from shardtune.cli.train import run
+    from shardtune.memory import trace_setup
 
+    # The printed peak has 1 MiB steps, coarser than this job's parts (a 96-token trace of it printed the same
+    # 0.002 GiB): the traced bytes themselves are compared.
+    traced, real = [], trace_setup.trace_or_formula
+
+    def keep(*args, **kwargs):
+        traced.append(real(*args, **kwargs))
+        return traced[-1]
+
+    monkeypatch.setattr(trace_setup, "trace_or_formula", keep)
     argv = ["--model_name_or_path", models["tiny"], "--output_dir", str(tmp_path / "out"), "--dataset_name", "x",
             "--max_seq_len", "64", "--per_device_train_batch_size", "2", "--distributed_type", "FSDP",
             "--num_processes", "2", "--dry_run", "True"]
     assert run(argv) == 0
     out = capsys.readouterr().out
     expected = trace_training_step(config(models["tiny"], distributed_type="FSDP", num_processes=2), 2)
+    [result] = traced
+    assert (result["source"], result["world_size"], result["strategy"]) == ("trace", 2, "FSDP FULL_SHARD")
+    assert (result["peak_bytes"], result["categories"]) == (expected.peak_bytes, expected.to_dict()["categories"])
     assert f"traced peak per GPU: {expected.peak_bytes / 2**30:.3f} GiB" in out
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
 
