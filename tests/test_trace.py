@@ -159,7 +159,8 @@ def test_estimate_trace_json_and_text(models, capsys):
     assert traced["reserved_bytes"] > traced["peak_bytes"]  # an estimate is for a GPU: the allocator's view too
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "traced peak per GPU" in out
+    assert f"traced peak per GPU: {traced['peak_bytes'] / 2**30:.3f} GiB of tensors  (FSDP FULL_SHARD, world size 2" \
+        in out
     assert f"reserved from the GPU: {traced['reserved_bytes'] / 2**30:.3f} GiB" in out
 
 
