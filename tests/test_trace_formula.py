@@ -1,10 +1,10 @@
 """The analytic formula calibrated against the trace of the real step, on a grid of small models and setups.
 
 Bound: the formula (its allocator/workspace item left out, since the trace counts tensor bytes only) is within
-7% of the traced per-GPU peak at every grid point, with the formula's ``loss="shardtune"`` (the trainer's own
-loss). Two models: a 512-token vocabulary, where the layers dominate, and a 32k one, where the loss does. Known
-gaps (bench/results/trace_vs_formula_cpu.md): FSDP full fine-tuning on the 512-vocabulary model, formula ~7%
-above (FSDP's gathered units and reduce-scatter buffers are counted as whole units at every phase). A second set
+3% of the traced per-GPU peak at every point of the 512-token-vocabulary grid, where the layers dominate (QLoRA,
+4.8% above, within 6%), and within 7% on a 32k vocabulary, where the loss does; with the formula's
+``loss="shardtune"`` (the trainer's own loss). The gap bench/results/trace_vs_formula_cpu.md records, FSDP full
+fine-tuning ~7% above on the small grid, is closed (0.996 of the trace). A second set
 pins, within 3%, the patterns that the 1B-3B grid (bench/results/estimate_cuda_predictions.md) showed: tied
 embeddings at the end of backward, LoRA adapters under autocast with and without checkpointing, and the loss's
 logit gradients at a long sequence.
@@ -22,6 +22,9 @@ from shardtune.memory.trace_setup import formula_and_trace
 
 BOUND = 0.07
 PATTERN_BOUND = 0.03
+# The small grid's bound by method: it was BOUND everywhere, wide enough that a formula leaving FSDP's running layer
+# out of its gathered units (0.94 of the trace at full-FSDP-4) passed.
+GRID_BOUND = {"qlora": 0.06}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,8 @@ def test_formula_agrees_with_the_trace(small_model, method, strategy, gpus, chec
                           max_seq_len=256, gradient_checkpointing=checkpointing, mixed_precision="bf16",
                           loss="shardtune")
     formula, _, traced, _ = formula_and_trace(small_model, setup)
-    assert abs(formula / traced - 1) <= BOUND, f"formula {formula:,} B vs trace {traced:,} B"
+    bound = GRID_BOUND.get(method, PATTERN_BOUND)
+    assert abs(formula / traced - 1) <= bound, f"formula {formula:,} B vs trace {traced:,} B"
 
 
 @pytest.mark.parametrize("torch_dtype", [None, "bfloat16"])
