@@ -176,7 +176,10 @@ def test_a_card_given_by_its_numbers_is_estimated_as_the_table_card(card, capsys
         out[how[0]] = json.loads(capsys.readouterr().out)
     table, spec = out["--gpu"], out["--gpu-spec"]
     assert spec["per_gpu"] == table["per_gpu"] and spec["fits"] == table["fits"]
-    assert [s["per_gpu"] for s in spec["strategies"]] == [s["per_gpu"] for s in table["strategies"]]
+    # The card's memory acts through what fits: the largest micro-batch of every setup and the recommendation (memory=
+    # read as GB rather than GiB changed only those, 58 rows against 54 under DDP).
+    assert spec["gpu"]["memory_bytes"] == table["gpu"]["memory_bytes"]
+    assert spec["strategies"] == table["strategies"] and spec["recommendation"] == table["recommendation"]
     for a, b in zip(spec["timing"]["setups"], table["timing"]["setups"], strict=True):
         assert (a["setup"], a["step_s"], a["tokens_per_s"], a["mfu"]) == (b["setup"], b["step_s"], b["tokens_per_s"],
                                                                          b["mfu"])
