@@ -193,12 +193,10 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
     return model, tokenizer, is_peft, cfg.model.model_name_or_path
 
 
-def adapter_problem(adapter: Path) -> str | None:
-    """Why ``adapter`` is not a PEFT adapter folder, in one line; None when it is one."""
-    if (adapter / "adapter_config.json").is_file():
-        return None
-    return (f"{adapter}: not a PEFT adapter folder (no adapter_config.json); give output_dir/final of a LoRA run or "
-            f"the folder 'shardtune export' wrote")
+def is_adapter_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a PEFT adapter (its adapter_config.json); ``hub.adapter_folder_problem`` says
+    what keeps one from being read."""
+    return (folder / "adapter_config.json").is_file()
 
 
 def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:

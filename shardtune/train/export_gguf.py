@@ -23,7 +23,7 @@ from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, load
                            model_folder_problem, pickled_weights_refused, tokenizer_problem)
 from shardtune.files import WRITTEN_BY
 from shardtune.ollama import modelfile_written_by_shardtune, write_modelfile
-from shardtune.train.export import adapter_problem, load_checkpoint_model, load_plain_model, merged_model
+from shardtune.train.export import is_adapter_folder, load_checkpoint_model, load_plain_model, merged_model
 from shardtune.train.layout import MANIFEST
 
 log = logging.getLogger("shardtune")
@@ -72,7 +72,7 @@ def load_source(source: str | Path, base: str | None = None) -> tuple[object, ob
     if path.is_dir() and (path / MANIFEST).is_file():
         model, tokenizer, is_peft, model_path = load_checkpoint_model(path, base=base)
         return (model.merge_and_unload() if is_peft else model), tokenizer, model_path
-    if path.is_dir() and adapter_problem(path) is None:
+    if path.is_dir() and is_adapter_folder(path):
         if problem := adapter_folder_problem(path):  # before PEFT or safetensors stop on it with a traceback
             raise UsageError(problem)
         base_path = _adapter_base(path, base)
@@ -233,7 +233,7 @@ def config_before_loading(source: str | Path, base: str | None = None):
     try:
         if path.is_dir() and (path / MANIFEST).is_file():
             return None
-        if path.is_dir() and adapter_problem(path) is None:
+        if path.is_dir() and is_adapter_folder(path):
             path = Path(_adapter_base(path, base)).expanduser()  # a hub name is not looked up here
         if gguf := find_gguf(path):
             return load_gguf_config(gguf)
