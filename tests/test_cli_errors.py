@@ -488,3 +488,26 @@ def test_find_batch_size_says_what_one_row_needs_and_suggests_only_what_is_not_o
     assert one_error_line(capsys).endswith("try gradient_checkpointing true, use_4bit_quantization true, more "
                                            "processes (num_processes) with distributed_type FSDP (each holds a "
                                            "shard) or a shorter max_seq_len")
+
+
+def test_launch_on_a_port_in_use_is_one_line_naming_it(tiny, tmp_path, capsys):
+    """A --main_process_port that another program holds: torchrun's agent ended in a 40-line traceback (exit 1)
+    whose last words said EADDRINUSE; now one line names the option and the fix, before any worker starts."""
+    import socket
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = main(["launch", "--num_processes", "2", "--main_process_port", str(port), "train",
+                     "--model_name_or_path", str(tiny), "--dataset_name", str(data), "--output_dir",
+                     str(tmp_path / "out")])
+    assert code == 2
+    assert one_error_line(capsys) == (
+        f"shardtune launch: error: --main_process_port {port}: that port is already in use on this machine "
+        f"(another job's rendezvous, or another program): give a free one with --main_process_port (the same on "
+        f"every machine), or, on one machine, leave it out and a free port is picked")
+    assert not (tmp_path / "out").exists()

@@ -127,7 +127,25 @@ def run(argv: list[str]) -> int:
         cfg = load_job_config(train_argv)
         # Decided once for every rank (they inherit the environment), before torchrun starts them.
         offline_unless_reachable(cfg.model.model_name_or_path, cfg.data.dataset_name)
-    return run_torchrun(cmd[len(TORCHRUN):])
+    try:
+        return run_torchrun(cmd[len(TORCHRUN):])
+    except RuntimeError as exc:  # torch's DistNetworkError, from the agent's rendezvous before any worker starts
+        if "EADDRINUSE" not in str(exc):
+            raise
+        raise _port_in_use(opts) from None
+
+
+def _port_in_use(opts: argparse.Namespace) -> UsageError:
+    """The rendezvous port given is taken on this machine (another job's rendezvous, or another program): torch's
+    traceback said so only at its end."""
+    from shardtune.cli.launch_command import option_picker
+
+    pick = option_picker(opts)
+    given = pick.named("main_process_port") if pick("main_process_port", None) is not None else \
+        "--main_process_port 29500 (its default)"
+    return UsageError(f"{given}: that port is already in use on this machine (another job's rendezvous, or another "
+                      f"program): give a free one with --main_process_port (the same on every machine), or, on one "
+                      f"machine, leave it out and a free port is picked")
 
 
 # What carries a stopped run on, said where no checkpoint was saved for the stop.
