@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shardtune.errors import first_line
+from shardtune.errors import UsageError, first_line
 
 T = TypeVar("T")
 
@@ -61,6 +61,39 @@ class DistInfo:
         return max(1, self.world_size // self.local_world_size)
 
 
+# What torchrun sets for each process it starts (``shardtune launch`` runs it); a process group of several needs the
+# rendezvous address too.
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_environment_problem() -> str | None:
+    """What is wrong with torchrun's variables in this environment, where some of them are set but they describe no
+    job (a RANK exported in the shell, a launch script that sets half of them); None where none is set, or where
+    they describe one. torch found it only deep in a run, in a traceback (RANK=1 alone trained as rank 1 of 1
+    until the sampler refused it)."""
+    given = {name: os.environ[name] for name in RANK_VARIABLES if name in os.environ}
+    if not given:
+        return None
+    numbers = {name: int(value) for name, value in given.items() if value.strip().isdigit()}
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in given]
+    if len(numbers) < len(given):
+        problem = " and ".join(f"{name}={value!r}" for name, value in given.items() if name not in numbers) + \
+            " is not a whole number"
+    elif missing:
+        problem = f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not"
+    elif not numbers["RANK"] < numbers["WORLD_SIZE"]:
+        problem = f"RANK={numbers['RANK']} is not below WORLD_SIZE={numbers['WORLD_SIZE']}"
+    elif numbers["WORLD_SIZE"] > 1 and (missing := [name for name in RENDEZVOUS_VARIABLES if not os.environ.get(name)]):
+        problem = f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not"
+    else:
+        return None
+    shown = ", ".join(f"{name}={value}" for name, value in given.items())
+    return (f"the environment sets {shown}, but {problem}: these are torchrun's variables, which shardtune launch "
+            f"sets for each process it starts ({', '.join(RANK_VARIABLES + RENDEZVOUS_VARIABLES)}); run shardtune "
+            f"launch --num_processes N train ..., or unset {' '.join(given)} to train on one process")
+
+
 def init_distributed(timeout_s: int, *, group_for_one: bool = False) -> DistInfo:
     """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU); a lone process joins nothing.
 
@@ -69,6 +102,8 @@ def init_distributed(timeout_s: int, *, group_for_one: bool = False) -> DistInfo
     collective: the data pipeline waits on its own group. ``group_for_one`` makes a one-process group when
     nothing launched us, for FSDP on a single device (e.g. to offload parameters to the CPU).
     """
+    if problem := launch_environment_problem():
+        raise UsageError(problem)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

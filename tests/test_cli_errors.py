@@ -511,3 +511,35 @@ def test_launch_on_a_port_in_use_is_one_line_naming_it(tiny, tmp_path, capsys):
         f"(another job's rendezvous, or another program): give a free one with --main_process_port (the same on "
         f"every machine), or, on one machine, leave it out and a free port is picked")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("env, problem", [
+    ({"RANK": "1"}, "the environment sets RANK=1, but WORLD_SIZE is not"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "the environment sets RANK=0, WORLD_SIZE=2, but MASTER_ADDR and MASTER_PORT "
+                                       "are not"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "the environment sets RANK=2, WORLD_SIZE=2, but RANK=2 is not below WORLD_SIZE=2"),
+])
+def test_a_half_set_torchrun_environment_is_one_line(env, problem, tiny, tmp_path, capsys, monkeypatch,
+                                                      restore_logging):
+    """torchrun's variables set by hand, or a RANK left exported in the shell: RANK=1 alone trained as rank 1 of 1
+    until the sampler raised a ValueError, WORLD_SIZE=2 without MASTER_ADDR ended in torch's traceback, and with
+    RANK=1 in the shell every refusal of train and launch exited 2 without a word (only rank 0 of a job speaks)."""
+    from tests.trainutil import write_chat_data
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    data = write_chat_data(tmp_path / "chat.jsonl", rows=20)
+    argv = ["train", "--model_name_or_path", str(tiny), "--dataset_name", str(data), "--output_dir",
+            str(tmp_path / "out"), "--max_steps", "1"]
+    exits_2(argv)
+    assert one_error_line(capsys) == (
+        f"shardtune train: error: {problem}: these are torchrun's variables, which shardtune launch sets for each "
+        f"process it starts (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); run "
+        f"shardtune launch --num_processes N train ..., or unset {' '.join(n for n in env if 'MASTER' not in n)} "
+        f"to train on one process")
+    assert not (tmp_path / "out").exists()
+    exits_2(["launch", "--num_processes", "2", "train", "--max_stepz", "1"])  # the launcher is no rank: it speaks
+    assert "unknown key 'max_stepz'; did you mean 'max_steps'?" in one_error_line(capsys)

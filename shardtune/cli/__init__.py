@@ -50,8 +50,9 @@ def _passthrough(command: str, argv: list[str]) -> int:
     try:
         return {"train": train.run, "launch": launch.run, "data inspect": data.run_inspect}[command](argv)
     except UsageError as exc:
-        # Every rank of a launched job checks the same config: one copy of the message is enough.
-        if os.environ.get("RANK", "0") == "0":
+        # Every rank of a launched job checks the same config: one copy of the message is enough. A launcher is no
+        # rank, nor is a process whose RANK (left in the shell) belongs to no job: they say theirs.
+        if command != "train" or os.environ.get("RANK", "0") == "0" or _no_job_around():
             print(f"shardtune {command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except Terminated:  # SIGTERM before the first step (shardtune train)
@@ -65,6 +66,12 @@ def _passthrough(command: str, argv: list[str]) -> int:
 
             print(f"shardtune train: interrupted; no checkpoint was saved for it: {RESUME_HINT}", file=sys.stderr)
         return 130
+
+
+def _no_job_around() -> bool:
+    from shardtune.dist import launch_environment_problem
+
+    return launch_environment_problem() is not None
 
 
 def reader_left() -> int:
