@@ -211,6 +211,33 @@ def process_table(info: DistInfo) -> list[tuple[str, int]]:
     return [tuple(entry) for entry in table]
 
 
+def refuse_other_settings(settings: dict[str, Any], info: DistInfo, *, may_differ: tuple[str, ...] = ()) -> None:
+    """Every rank must run with the same ``settings`` (the resolved training keys): machines started with other
+    arguments ran together without a word, each rank with its own learning rate or batch (DDP's replicas drifted
+    apart, the sampler's shards overlapped). A UsageError on every rank names the keys and each rank's value;
+    ``may_differ`` (machine_rank) is left out. A collective; nothing on one process."""
+    if not info.distributed:
+        return
+    mine = {key: value for key, value in settings.items() if key not in may_differ}
+    every: list[Any] = [None] * info.world_size
+    dist.all_gather_object(every, mine)
+    differing = [key for key in mine if any(other.get(key) != mine[key] for other in every)]
+    if not differing:
+        return
+
+    def values(key: str) -> str:
+        by_value: dict[str, list[int]] = {}
+        for rank, other in enumerate(every):
+            by_value.setdefault(repr(other.get(key)), []).append(rank)
+        return " / ".join(f"{value} (rank {', '.join(map(str, ranks))})" for value, ranks in by_value.items())
+
+    shown = "; ".join(f"{key} {values(key)}" for key in differing[:4])
+    more = f"; and {len(differing) - 4} more" if len(differing) > 4 else ""
+    raise UsageError(f"the job's processes were started with different settings: {shown}{more}: every rank must "
+                     f"train with the same ones; give each machine's shardtune launch the same arguments after "
+                     f"'train' (only --machine_rank differs)")
+
+
 def ended_ranks(table: list[tuple[str, int]], rank: int, wait_s: float = 10.0) -> list[int] | None:
     """The ranks on this host whose processes have ended; None when every rank here still runs, so the one that is
     gone ran on another host. A rank that failed closes its connections a moment before its process ends, and its

@@ -543,3 +543,39 @@ def test_a_half_set_torchrun_environment_is_one_line(env, problem, tiny, tmp_pat
     assert not (tmp_path / "out").exists()
     exits_2(["launch", "--num_processes", "2", "train", "--max_stepz", "1"])  # the launcher is no rank: it speaks
     assert "unknown key 'max_stepz'; did you mean 'max_steps'?" in one_error_line(capsys)
+
+
+def test_machines_started_with_other_training_arguments_are_refused_on_each(tiny, tmp_path):
+    """Two machines of one job whose 'shardtune launch ... train' lines differ (another learning rate and batch on
+    machine 1) trained together, exit 0, each rank with its own values: DDP's replicas drifted apart and the
+    sampler's shards overlapped. Now every rank refuses at the start, each machine's log says which keys differ,
+    and nothing is written."""
+    from tests.ports import AGENT_STORE_ENV, held_stores
+    from tests.trainutil import REPO, shardtune_env, write_chat_data
+
+    data = write_chat_data(tmp_path / "chat.jsonl", rows=40)
+    common = ["-m", "shardtune", "train", "--model_name_or_path", str(tiny), "--dataset_name", str(data),
+              "--output_dir", str(tmp_path / "out"), "--max_steps", "1"]
+    machine_0 = ["--per_device_train_batch_size", "2"]
+    machine_1 = ["--learning_rate", "0.05", "--per_device_train_batch_size", "4", "--machine_rank", "1"]
+    [store] = held_stores(1)
+    procs = [subprocess.Popen(
+        [sys.executable, *common, *extra], cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=shardtune_env(tmp_path) | OFFLINE | AGENT_STORE_ENV | {
+            "PYTHONPATH": str(REPO), "MASTER_PORT": str(store.port), "RANK": str(rank), "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})  # one process on each of two machines
+        for rank, extra in enumerate((machine_0, machine_1))]
+    try:
+        said = [proc.communicate(timeout=120)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [2, 2], said
+    for err in said:
+        lines = [line for line in err.splitlines() if line.startswith("shardtune ")]
+        assert lines == [
+            "shardtune train: error: the job's processes were started with different settings: learning_rate 5e-05 "
+            "(rank 0) / 0.05 (rank 1); per_device_train_batch_size 2 (rank 0) / 4 (rank 1): every rank must train "
+            "with the same ones; give each machine's shardtune launch the same arguments after 'train' (only "
+            "--machine_rank differs)"], err[-3000:]
+    assert not (tmp_path / "out").exists()

@@ -50,9 +50,10 @@ def _passthrough(command: str, argv: list[str]) -> int:
     try:
         return {"train": train.run, "launch": launch.run, "data inspect": data.run_inspect}[command](argv)
     except UsageError as exc:
-        # Every rank of a launched job checks the same config: one copy of the message is enough. A launcher is no
-        # rank, nor is a process whose RANK (left in the shell) belongs to no job: they say theirs.
-        if command != "train" or os.environ.get("RANK", "0") == "0" or _no_job_around():
+        # Every rank of a launched job checks the same config: one copy of the message on each machine is enough
+        # (each machine's launcher says its ranks stopped, and points above). A launcher is no rank, nor is a
+        # process whose RANK (left in the shell) belongs to no job: they say theirs.
+        if command != "train" or os.environ.get("LOCAL_RANK", "0") == "0" or _no_job_around():
             print(f"shardtune {command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except Terminated:  # SIGTERM before the first step (shardtune train)
