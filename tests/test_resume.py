@@ -328,9 +328,10 @@ def test_sigterm_to_launcher_saves_and_exits_preempted(work: Path) -> None:
 
 @pytest.fixture(scope="module")
 def sigterm_single(work: Path) -> subprocess.CompletedProcess:
-    """One process, SIGTERM to itself right after step-2 is saved."""
+    """One process, SIGTERM to itself right after step-2 is saved; the end-of-run memory check on, as users have it
+    (the tests' environment turns it off)."""
     return shardtune(work, "sigterm1", "--distributed_type", "NO", *LORA, "--gradient_accumulation_steps", "4",
-                     fault="after_save:2:0:TERM", nproc=0)
+                     "--predict_memory", "true", fault="after_save:2:0:TERM", nproc=0)
 
 
 def test_sigterm_single_process_exits_preempted(work: Path, sigterm_single) -> None:
@@ -339,6 +340,10 @@ def test_sigterm_single_process_exits_preempted(work: Path, sigterm_single) -> N
     assert "stopped by SIGTERM at step 2 of 6; checkpoint sigterm1/checkpoints/step-2 saved and verified" in proc.stderr
     # The run's own last line says it stopped, not that it is done.
     assert "] stopped by SIGTERM: 2 steps in " in proc.stderr and "] done: " not in proc.stderr, proc.stderr[-2000:]
+    # The grace period is the checkpoint's: the end-of-run memory trace (seconds to a minute, before the checkpoint
+    # was verified) is left to the resumed run, whose end records it once.
+    assert "predicting this job's peak memory" not in proc.stderr
+    assert not [r for r in records(work / "sigterm1") if "predicted_peak_bytes" in r]
     summary = json.loads((work / "sigterm1" / "summary.json").read_text())
     assert (summary["stopped_by"], summary["steps"]) == ("SIGTERM", 2)
     assert summary["last_checkpoint"].endswith("step-2")

@@ -447,8 +447,8 @@ class RunConfig:
                                     "bar showed, is a log line instead; metrics.jsonl is unchanged.")
     save_safetensors: bool = key(True, "Weights are written as safetensors; false (pickled .bin files) is refused.")
     predict_memory: bool = key(help="At the end, trace the job and record the predicted peak memory beside the "
-                                    "measured one (the environment variable SHARDTUNE_PREDICT_MEMORY=0 turns the "
-                                    "default off).",
+                                    "measured one; not after a SIGTERM, whose grace period is the checkpoint's (the "
+                                    "environment variable SHARDTUNE_PREDICT_MEMORY=0 turns the default off).",
                                factory=lambda: os.environ.get("SHARDTUNE_PREDICT_MEMORY", "1") != "0")
     push_to_hub: bool = key(False, "Upload final/ to hub_model_id (or the output folder's name) at the end. A "
                                    "failed upload (no network, no token) leaves the run finished (exit 0), says how "

@@ -76,7 +76,10 @@ class MemoryCheck:
 
     def on_train_end(self, args: TrainConfig, state, control, *, summary: dict[str, Any], log, **kwargs) -> None:
         # A run that trained nothing (resumed at its last step) has no step to measure: no record, not a wrong one.
-        if not self.active or state.step == self.start_step:
+        # A run stopped by SIGTERM has a scheduler's grace period left, for its checkpoint: the trace (seconds to a
+        # minute) would spend it before the checkpoint is verified, and its record would stand in metrics.jsonl
+        # beside the one of the resumed run's end.
+        if not self.active or state.step == self.start_step or summary.get("stopped_by") == "SIGTERM":
             return
         memory = memory_check(args, self.info, self.tracked_peak, self.seq_len, self.target_tokens)
         if memory:
