@@ -579,3 +579,25 @@ def test_machines_started_with_other_training_arguments_are_refused_on_each(tiny
             "with the same ones; give each machine's shardtune launch the same arguments after 'train' (only "
             "--machine_rank differs)"], err[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_launch_refuses_restarts_that_would_refuse_their_own_run(monkeypatch, capsys, tmp_path):
+    """--max_restarts 1 without resume_from_checkpoint: rank 1 failed at step 3, torchrun restarted the workers, and
+    they refused output_dir as holding an earlier run (the failed attempt's step-2), so the launcher ended with
+    exit 2 and a message about output_dir, the real failure scrolled away. Refused before any worker starts;
+    with resume_from_checkpoint true, or overwrite_output_dir true, the restarts can go on."""
+    from shardtune.cli import launch
+
+    spawned = []
+    monkeypatch.setattr(launch, "run_torchrun", lambda args: spawned.append(args) or 0)
+    job = ["launch", "--num_processes", "2", "--max_restarts", "1", "train", "--model_name_or_path", "no/such-model",
+           "--dataset_name", "no/such-data", "--output_dir", str(tmp_path / "out")]
+    assert main(job) == 2
+    assert one_error_line(capsys) == (
+        "shardtune launch: error: --max_restarts 1: a restarted worker finds this run's own checkpoints in output_dir "
+        "and, without resume_from_checkpoint, refuses them as an earlier run: add --resume_from_checkpoint true "
+        "after 'train' (a restart then carries on from the newest complete checkpoint), or leave --max_restarts out")
+    assert spawned == []
+    for fix in (["--resume_from_checkpoint", "true"], ["--overwrite_output_dir", "true"]):
+        assert main([*job, *fix]) == 0
+    assert len(spawned) == 2
