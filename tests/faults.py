@@ -15,6 +15,8 @@ every process torchrun starts can import it) and says where the fault strikes in
   ``INT`` the rank gets SIGINT (Ctrl-C) there.
 - ``FAULT_SLOW_SAVE=STEP:SECONDS``: every checkpoint from step STEP on takes SECONDS longer, between its tensors
   and its manifest (a large model's save).
+- ``FAULT_END=TERM-LAUNCHER``: rank 0 sends SIGTERM to the launcher as training ends (``on_train_end``, before
+  final/ is written), and waits a moment so that it arrives while the run finishes.
 - ``FAULT_LOGITS=PATH``: at the end of training, the trained model's logits on a fixed input go to PATH (every rank
   runs the forward, as FSDP must gather; rank 0 writes).
 
@@ -61,6 +63,7 @@ class Faults:
         self.step_fault = _parse(os.environ["FAULT_STEP"]) if os.environ.get("FAULT_STEP") else None
         self.save_fault = _parse(os.environ["FAULT_SAVE"]) if os.environ.get("FAULT_SAVE") else None
         self.logits_path = os.environ.get("FAULT_LOGITS")
+        self.end_fault = os.environ.get("FAULT_END")
         slow = os.environ.get("FAULT_SLOW_SAVE")
         self.slow_save = tuple(map(float, slow.split(":"))) if slow else None
 
@@ -106,6 +109,9 @@ class Faults:
             _strike(self.save_fault[3])
 
     def on_train_end(self, args, state, control, *, model, **kwargs) -> None:
+        if self.end_fault and self.rank == 0 and _first_attempt():
+            _strike(self.end_fault)
+            time.sleep(1)
         if self.logits_path:
             _dump_logits(model, self.logits_path if self.rank == 0 else os.devnull)
 

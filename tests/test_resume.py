@@ -146,7 +146,13 @@ def test_ddp_lora_resumes_exactly(work: Path) -> None:
     """Rank 1 is SIGKILLed after step-4 is saved: rank 0, the survivor, says so in one line (which rank, the newest
     complete checkpoint), not the backend's traceback; the launcher exits 128 + 9, as the README's table says."""
     args = ("--distributed_type", "DDP", *LORA)
-    ok(shardtune(work, "ddp_ref", *args))
+    # The reference run gets a SIGTERM (to the launcher) as it ends: the workers finish and write final/, and the
+    # launcher said "stopped by SIGTERM before the workers saved a checkpoint", exit 1, of a finished run.
+    ref = shardtune(work, "ddp_ref", *args, env={"FAULT_END": "TERM-LAUNCHER"})
+    ok(ref)
+    assert "shardtune launch: SIGTERM came after training finished (6 steps; ddp_ref/final written): nothing to " \
+           "resume" in ref.stderr, ref.stderr[-3000:]
+    assert (work / "ddp_ref" / "final").is_dir()
     killed = shardtune(work, "ddp_kill", *args, fault="after_save:4:1")
     assert killed.returncode == 137, killed.stderr[-3000:]
     said = [line for line in killed.stderr.splitlines() if line.startswith("shardtune ")]

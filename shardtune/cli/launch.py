@@ -203,6 +203,20 @@ def report_stop(summary: dict | None, message: str) -> None:
     write_text(path, json.dumps(report))
 
 
+def report_finished(summary: dict) -> None:
+    """A worker that finished its run tells the launcher (each machine's first worker does): a SIGTERM that reaches
+    the launcher in the run's last moments (its export of final/), which the workers no longer answer with a
+    checkpoint, then ends the launch as the finished run it is, not as a stop before any checkpoint."""
+    path = os.environ.get(STOP_REPORT)
+    if not path or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    import json
+
+    from shardtune.files import write_text
+
+    write_text(path, json.dumps({"finished": True, "steps": summary.get("steps"), "final": summary.get("final")}))
+
+
 def _stopped_by_sigterm(report: str) -> int:
     """The launcher's line and exit code after SIGTERM, from what its workers reported."""
     import json
@@ -214,6 +228,10 @@ def _stopped_by_sigterm(report: str) -> int:
             stop = json.load(f)
     except (OSError, ValueError):
         stop = {}
+    if stop.get("finished"):
+        print(f"shardtune launch: SIGTERM came after training finished ({stop['steps']} steps; "
+              f"{stop['final'] or 'final/'} written): nothing to resume", file=sys.stderr)
+        return 0
     if stop.get("last_checkpoint"):
         print(f"shardtune launch: stopped by SIGTERM at step {stop['steps']} of {stop['max_steps']}; checkpoint "
               f"{stop['last_checkpoint']} saved and verified: run the same command with resume_from_checkpoint "

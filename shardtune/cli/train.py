@@ -79,7 +79,7 @@ def _run(argv: list[str]) -> int:
         nodes = cfg.distributed.num_machines if world_size % cfg.distributed.num_machines == 0 else 1
         print(render_text(trace_or_formula(cfg, world_size, num_nodes=nodes)))
         return 0
-    from shardtune.cli.launch import report_stop
+    from shardtune.cli.launch import report_finished, report_stop
     from shardtune.config.loading import placed
     from shardtune.errors import EXIT_FAILED, EXIT_PREEMPTED, TrainingStopped
     from shardtune.train.loop import train
@@ -111,6 +111,7 @@ def _run(argv: list[str]) -> int:
                              f"{summary['max_steps']}; checkpoint {summary['last_checkpoint']} saved and verified: "
                              f"run the same command with resume_from_checkpoint true to finish")
         return EXIT_PREEMPTED
+    report_finished(summary)
     return 0
 
 
