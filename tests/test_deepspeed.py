@@ -200,6 +200,20 @@ def test_a_deepspeed_file_given_as_the_accelerate_config_names_the_option_to_use
                                   f"train_micro_batch_size_per_gpu and zero_optimization): pass it as --deepspeed {ds}")
 
 
+def test_accelerates_deepspeed_type_given_as_a_key_names_the_option_to_use(tmp_path):
+    """--distributed_type DEEPSPEED (Accelerate's value, which an Accelerate file with a deepspeed_config block
+    runs as FSDP2) was refused listing NO, DDP, FSDP, MP, PP, without a word of where a DeepSpeed job goes."""
+    for value in ("DEEPSPEED", "deepspeed"):
+        with pytest.raises(UsageError) as refused:
+            load_train_config([*BASE, "--distributed_type", value])
+        assert "distributed_type=DEEPSPEED: Accelerate's DeepSpeed runs as FSDP2 here: give its DeepSpeed config as " \
+               "--deepspeed ds_config.json (its ZeRO stage picks the sharding), or set distributed_type FSDP with " \
+               "fsdp_sharding_strategy SHARD_GRAD_OP (ZeRO-1/2) or FULL_SHARD (ZeRO-3)" in str(refused.value)
+    accelerate = tmp_path / "accelerate.yaml"  # the file form is mapped as it was
+    accelerate.write_text("distributed_type: DEEPSPEED\nnum_processes: 2\n")
+    assert load_train_config(["--config_file", str(accelerate), *BASE]).distributed.distributed_type == "FSDP"
+
+
 def test_every_deepspeed_block_that_acts_is_printed(tmp_path):
     """A recipe's deepspeed_config block and an Accelerate file's both apply (layered): both are printed at start,
     where only the highest one was."""

@@ -494,7 +494,11 @@ class DistributedConfig:
     distributed_type: DistributedType | None = key(
         None, f"How processes share the work: one of the strategies {', '.join(NAMES)} (Accelerate's "
         f"{' / '.join(STRATEGY_SPELLINGS)} mean DDP); unset: DDP when launched on several processes.",
-        spellings={**STRATEGY_SPELLINGS, "FALSE": "NO"})  # YAML reads an unquoted NO as false
+        spellings={**STRATEGY_SPELLINGS, "FALSE": "NO"},  # YAML reads an unquoted NO as false
+        # Accelerate's value where its config file has a deepspeed_config block (such a file is mapped as it is)
+        refused={"DEEPSPEED": "Accelerate's DeepSpeed runs as FSDP2 here: give its DeepSpeed config as --deepspeed "
+                              "ds_config.json (its ZeRO stage picks the sharding), or set distributed_type FSDP with "
+                              "fsdp_sharding_strategy SHARD_GRAD_OP (ZeRO-1/2) or FULL_SHARD (ZeRO-3)"})
     fsdp_sharding_strategy: ShardingStrategy = key("FULL_SHARD", "What FSDP shards (FSDP1's numbers 1-5 are accepted "
                                                                  "too); see docs/choosing-a-setup.md.",
                                                    spellings=SHARDING_NUMBERS, needs=FSDP_ONLY)
