@@ -22,6 +22,11 @@ from tests.faults import fault_env
 from tests.trainutil import flags, run_shardtune, train_jobs, write_chat_data
 
 TOL = 1e-4
+# Trained weights against one process's: AdamW moves each weight by up to the learning rate (1e-2 here) a step,
+# whatever its gradient's size, so where a gradient is near zero the last bits of sums taken in another order (the
+# stages' boundary, another CPU's kernels) move it by a share of that. 1% of one step; a tensor left untrained or
+# taken from another stage is off by whole steps.
+WEIGHT_TOL = 1e-4
 STEPS = 3
 # Evaluate after every step: eval batches of 8 rows (training: 4) and each switch between the schedule's training
 # and evaluation modes are exercised, and a resumed run evaluates again.
@@ -154,7 +159,7 @@ def test_pp_gpipe_lora_with_accumulation_matches_one_process(assets, pipelines):
     ref = load_file(str(assets[0] / "ref_lora" / "final" / "adapter_model.safetensors"))
     got = load_file(str(assets[0] / "pp_gpipe_lora" / "final" / "adapter_model.safetensors"))
     assert ref.keys() == got.keys() and len(ref) > 0
-    assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-5
+    assert max((ref[k] - got[k]).abs().max().item() for k in ref) < WEIGHT_TOL
 
 
 def test_pp_final_adapter_holds_every_stages_dora_and_modules_to_save(assets, pipelines):
@@ -171,7 +176,7 @@ def test_pp_final_adapter_holds_every_stages_dora_and_modules_to_save(assets, pi
     got = load_file(str(assets[0] / "pp_lora_extras" / "final" / "adapter_model.safetensors"))
     assert ref.keys() == got.keys()
     assert any("lora_magnitude_vector" in k for k in ref) and any(k.endswith("lm_head.weight") for k in ref)
-    assert max((ref[k] - got[k]).abs().max().item() for k in ref) < 1e-5
+    assert max((ref[k] - got[k]).abs().max().item() for k in ref) < WEIGHT_TOL
     ids = torch.arange(1, 33).unsqueeze(0)
     logits = []
     for out in ("ref_lora_extras", "pp_lora_extras"):
