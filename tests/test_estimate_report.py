@@ -84,9 +84,21 @@ def test_plot_to_a_missing_folder_is_a_usage_error(tmp_path, capsys):
     """Exit 2 and one line naming the option, the folder that is missing and the fix; nothing made on disk."""
     path = tmp_path / "no" / "such.png"
     assert main(["estimate", "llama-3.2-1b", "--plot", str(path)]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert f"--plot {path}: the folder {path.parent} does not exist; create it or pick another" in err
+    assert out == ""  # refused before the estimate: no report printed above the error
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_not_a_png_is_refused_before_any_json(tmp_path, capsys):
+    """A --plot name that is no PNG is refused up front: with --json no object reaches stdout before exit 2 (a
+    script would otherwise read a whole answer from a command that failed)."""
+    path = tmp_path / "memory.jpg"
+    assert main(["estimate", "llama-3.2-1b", "--json", "--plot", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, (out[:200], err)
+    assert f"--plot {path}: the picture is a PNG; give a file name ending in .png." in err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -480,6 +480,10 @@ def _estimate(args: argparse.Namespace) -> int:
                          ("--plot", args.plot and wants_time(args) and time_plot_path(args.plot))):
         if path:
             check_output_file(path, option)  # before the estimate, not after it
+    if args.plot:
+        from shardtune.memory.plot import check_plot_path
+
+        check_plot_path(args.plot)
     if args.config:
         setup, auto = setup_from_config_files(args), False
     elif not args.model:

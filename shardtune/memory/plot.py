@@ -74,13 +74,20 @@ def bar_totals(fig) -> list[float]:
     return [totals[x] for x in sorted(totals)]
 
 
-def write_plot(r: Report, path: str | Path) -> Path:
-    """Write the figure as a PNG at ``path`` (through a temporary file and a rename)."""
+def check_plot_path(path: str | Path) -> Path:
+    """``--plot``'s file, refused before any estimate is made (not after its report is printed) where no PNG can be
+    written there: another suffix, or a folder that does not exist."""
     path = Path(path).expanduser()
     if path.suffix.lower() != ".png":
         raise UsageError(f"--plot {path}: the picture is a PNG; give a file name ending in .png.")
     if not path.parent.is_dir():
         raise UsageError(f"--plot {path}: the folder {path.parent} does not exist; create it or pick another.")
+    return path
+
+
+def write_plot(r: Report, path: str | Path) -> Path:
+    """Write the figure as a PNG at ``path`` (through a temporary file and a rename)."""
+    path = check_plot_path(path)
     with replacing(path) as tmp:
         breakdown_figure(r).savefig(tmp, format="png", dpi=110, metadata=figure_metadata("png"))
     return path
