@@ -294,6 +294,30 @@ def test_find_batch_size_reports_the_batch_it_found_with_the_strategy_named(caps
     assert json.loads(capsys.readouterr().out)["batch_plan"]["requested_global_batch_size"] == 37
 
 
+def test_find_batch_size_plans_from_what_fits_while_it_accumulates(tmp_path, capsys):
+    """A global batch that needs accumulation: the micro-batch found fits at the accumulation it comes with. It was
+    searched without accumulation (45 for Mistral-7B under SHARD_GRAD_OP on 8 H100s), so 88 per GPU became 44 x 2,
+    which the report beside it said does not fit (accumulating keeps the gradients between micro-batches), and
+    --emit-config refused the plan --find-batch-size had just made."""
+    from shardtune.cli import main
+
+    path = tmp_path / "recipe.yaml"
+    common = ["estimate", "mistral-7b", "--num-gpus", "8", "--gpu", "h100-80gb", "--json", "--find-batch-size"]
+    for setup in (["--strategy", "FSDP", "--sharding-strategy", "SHARD_GRAD_OP"], []):
+        assert main([*common, *setup, "--batch-size", "88", "--emit-config", str(path)]) == 0
+        data = json.loads(capsys.readouterr().out)
+        plan = data["batch_plan"]
+        assert plan["gradient_accumulation_steps"] > 1 and plan["global_batch_size"] == 88 * 8
+        assert data["fits"] and data["setup"]["batch_size"] == plan["micro_batch_size"]
+        # "at most N fits" is what the table and the recommendation say fits at this accumulation.
+        row = next(s for s in data["strategies"] if s["fits"] and s["strategy"] == data["setup"]["strategy"]
+                   and s["sharding_strategy"] == data["setup"]["sharding_strategy"]
+                   and s["offload_params"] == data["setup"]["offload_params"])
+        assert plan["largest_fitting_micro_batch"] == row["max_batch_size"] == data["recommendation"]["max_batch_size"]
+        assert plan["micro_batch_size"] <= plan["largest_fitting_micro_batch"]
+        path.unlink()
+
+
 RESERVED_GRID = [("small", 1, {"bf16": True, "gradient_checkpointing": True}),
                  ("small", 1, {"use_peft_lora": True, "bf16": True, "gradient_accumulation_steps": 2}),
                  ("small", 2, {"distributed_type": "FSDP", "bf16": True})]

@@ -62,7 +62,11 @@ def find_batch_size(model: str, setup: Setup, gpu: Gpu, *, recipe: bool = False)
     from shardtune.memory.recommend import evaluate_setup, max_batch_size
 
     analysis = analysis_for(model, setup.config)
-    largest = max_batch_size(analysis, setup, gpu)
+    # Searched without accumulation first: accumulating keeps each micro-batch's gradients until the optimizer step,
+    # so a plan that accumulates is made again from what fits while they are kept (45 fit alone, 42 accumulating).
+    largest = max_batch_size(analysis, setup.with_(gradient_accumulation_steps=1), gpu)
+    if largest and plan_batch(largest, setup).gradient_accumulation_steps > 1:
+        largest = max_batch_size(analysis, setup.with_(gradient_accumulation_steps=2), gpu)
     if largest == 0:
         one = evaluate_setup(analysis, setup.with_(per_device_train_batch_size=1))
         need = (f"it needs {one.total / GIB:.2f} GiB and {one.cuda_context / GIB:.2f} GiB of CUDA context, against "
