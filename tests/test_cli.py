@@ -186,16 +186,33 @@ def test_list_prints_the_catalog(capsys):
 
 
 def test_estimate_takes_a_catalog_models_hub_id_as_its_name(capsys):
-    """--list prints the hub ids and --emit-config writes them: estimate accepts them back, in any case."""
+    """--list prints the hub ids and --emit-config writes them: estimate accepts them back, in any case; and the
+    catalog names too, as a model card spells them (Llama-3.1-8B was refused with "did you mean 'llama-3.1-8b'")."""
     import json
 
     from shardtune.cli import main
 
     outputs = []
-    for name in ("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "META-LLAMA/llama-3.1-8b"):
+    for name in ("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "META-LLAMA/llama-3.1-8b", "Llama-3.1-8B"):
         assert main(["estimate", name, "--method", "lora", "--json"]) == 0
         outputs.append(json.loads(capsys.readouterr().out))
-    assert outputs[0]["model"] == "llama-3.1-8b" and outputs[1] == outputs[0] == outputs[2]
+    assert outputs[0]["model"] == "llama-3.1-8b" and all(out == outputs[0] for out in outputs)
+
+
+def test_emit_config_writes_the_hub_id_whatever_the_case_of_the_name(tmp_path, capsys):
+    """The recipe of a catalog model names the weights train downloads, its Hugging Face id as the catalog holds it,
+    however the user typed the name (Llama-3.1-8B was written as it was typed: no hub repository is called that)."""
+    from shardtune import catalog
+    from shardtune.cli import main
+    from shardtune.config import load_train_config
+
+    for typed in ("Llama-3.1-8B", "META-LLAMA/llama-3.1-8b"):
+        path = tmp_path / "recipe.yaml"
+        assert main(["estimate", typed, "--method", "lora", "--emit-config", str(path)]) == 0
+        capsys.readouterr()
+        recipe = load_train_config([str(path)])
+        assert recipe.model.model_name_or_path == catalog.metadata("llama-3.1-8b")["hf_id"]
+        path.unlink()
 
 
 def test_estimate_without_options_describes_the_job_train_runs_without_options(capsys):

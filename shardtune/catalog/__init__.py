@@ -27,12 +27,13 @@ def _read(name: str) -> dict:
 
 
 def canonical(name: str) -> str:
-    """The catalog name of ``name``: a catalog name as it is, or the model's Hugging Face id (any case), which is
-    what ``--list`` prints and ``--emit-config`` writes; anything else unchanged."""
+    """The catalog name of ``name``: a catalog name, or the model's Hugging Face id, which is what ``--list``
+    prints and ``--emit-config`` writes, each in any case (Llama-3.1-8B as the model card spells it); anything else
+    unchanged."""
     if name in names():
         return name
-    by_hub_id = {str(metadata(n).get("hf_id", "")).lower(): n for n in names()}
-    return by_hub_id.get(name.lower(), name)
+    by_lower = {str(metadata(n).get("hf_id", "")).lower(): n for n in names()} | {n.lower(): n for n in names()}
+    return by_lower.get(name.lower(), name)
 
 
 def load(name: str) -> dict:

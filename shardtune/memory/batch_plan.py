@@ -110,8 +110,8 @@ def emit_config(model: str, setup: Setup, path: str | Path) -> Path:
     if path.parent and not path.parent.exists():
         raise UsageError(f"--emit-config {path}: folder {path.parent} does not exist; create it or pick another path")
     cfg = config_from_setup(model, setup)
-    if not Path(model).expanduser().exists() and model in catalog.names():
+    if not Path(model).expanduser().exists() and (name := catalog.canonical(model)) in catalog.names():
         # A catalog name is shardtune's; the trainer loads the weights by their Hugging Face id.
-        cfg.model.model_name_or_path = catalog.metadata(model).get("hf_id") or model
+        cfg.model.model_name_or_path = catalog.metadata(name).get("hf_id") or name
     save_resolved(cfg, path)
     return path
