@@ -154,6 +154,10 @@ def test_table_output_names_the_recommendation(capsys):
     (["llama-2-7b", "--sharding-strategy", "FULL_SHARDING"], "unknown sharding strategy"),
     (["llama-2-7b", "--method", "qlor"], "Did you mean 'qlora'"),
     (["llama-2-7b", "--gpu", "h100"], "unknown GPU"),
+    # The fix names the option that asked for more than one GPU (it said "--num-gpus 1" where that was already 1).
+    (["llama-2-7b", "--strategy", "NO", "--num-nodes", "2"], "--num-gpus x --num-nodes is 2: use another strategy, "
+                                                              "or --num-nodes 1."),
+    (["llama-2-7b", "--strategy", "NO", "--num-gpus", "2", "--num-nodes", "2"], "or --num-gpus 1 --num-nodes 1."),
     # The estimator's earlier word for one GPU is no strategy's name; the strategy it meant is suggested.
     (["llama-2-7b", "--strategy", "single"], "unknown strategy 'single': choose one of NO, DDP, FSDP, MP, PP. Did "
                                              "you mean 'NO'?"),

@@ -328,8 +328,10 @@ def validate(setup: Setup) -> Setup:
                                          "attention implementation"),
         loss=check_choice(setup.loss, LOSSES, "loss"))
     if asked is not None and asked.one_device and setup.world_size > 1:
+        one = " ".join(f"--num-{what} 1" for what, count in (("gpus", setup.num_gpus), ("nodes", setup.num_nodes))
+                       if count > 1)  # the options that ask for more than one (not --num-gpus 1 when it is 1)
         raise UsageError(f"--strategy {asked} uses one GPU but --num-gpus x --num-nodes is {setup.world_size}: "
-                         f"use another strategy, or --num-gpus 1.")
+                         f"use another strategy, or {one}.")
     if asked is not None and asked.drives_several_devices and setup.num_nodes > 1:
         raise UsageError(f"--strategy {asked}: one process drives the GPUs of its own machine, not {setup.num_nodes} "
                          f"machines; use PP (a process per GPU, across machines) or FSDP, or --num-nodes 1.")
