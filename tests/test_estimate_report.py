@@ -377,6 +377,26 @@ def test_an_emitted_recipe_for_several_gpus_names_the_launch_command(tmp_path, c
         assert f"then: {command} {out})" in capsys.readouterr().out
 
 
+def test_the_launch_command_of_a_multi_machine_recipe_starts_it(tmp_path, capsys):
+    """The command printed for a recipe of several machines is one 'shardtune launch' takes, with the rank and the
+    main machine's address filled in (it printed no --machine_rank and no --main_process_ip, so the command as shown
+    was refused: 'multi-machine launch needs --main_process_ip')."""
+    from shardtune.cli.launch import launcher_parser, torchrun_command
+
+    out = tmp_path / "multi.yaml"
+    assert main(["estimate", "llama-3.1-8b", "--num-gpus", "4", "--num-nodes", "3", "--strategy", "FSDP",
+                 "--emit-config", str(out)]) == 0
+    shown = " ".join(capsys.readouterr().out.split(f"wrote {out} (")[1].rsplit(")", 1)[0].split())
+    words = shown.split(": ", 2)[-1].split(", RANK")[0].split()
+    assert words[:2] == ["shardtune", "launch"] and words[-2:] == ["train", str(out)]
+    for rank in range(3):
+        filled = [{"RANK": str(rank), "ADDRESS": "10.0.0.1"}.get(w, w) for w in words[2:-2]]
+        cmd = torchrun_command(launcher_parser().parse_args(filled), [str(out)])
+        assert cmd[cmd.index("--nnodes") + 1] == "3" and cmd[cmd.index("--nproc_per_node") + 1] == "4"
+        assert cmd[cmd.index("--node_rank") + 1] == str(rank) and cmd[cmd.index("--master_addr") + 1] == "10.0.0.1"
+    assert "RANK 0 on the main machine and 1 to 2 on the others, ADDRESS the main machine's" in shown
+
+
 def test_a_recipe_is_written_only_of_a_job_that_fits_and_trains_its_loss(tmp_path, capsys):
     """--emit-config wrote the recipe of a setup that needed 98 GiB of an 80 GiB card ("Nothing fits" printed
     above it), and with --loss full a recipe whose job (shardtune's loss) the estimate had not described. Both are

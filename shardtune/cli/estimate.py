@@ -643,11 +643,16 @@ def _print_tables(report: Report, timed: TimeReport | None, extras: dict) -> Non
 
 def train_command(setup: Setup, recipe: str) -> str:
     """The command that runs an emitted recipe: shardtune train starts one process (MP drives its GPUs from it),
-    shardtune launch the others."""
+    shardtune launch the others; on several machines, run on each with its rank and the main machine's address,
+    which launch needs and the recipe cannot know."""
     if setup.strategy.drives_several_devices or setup.world_size == 1:
         return f"shardtune train {recipe}"
-    machines = f" --num_machines {setup.num_nodes}" if setup.num_nodes > 1 else ""
-    return f"shardtune launch --num_processes {setup.world_size}{machines} train {recipe}"
+    if setup.num_nodes == 1:
+        return f"shardtune launch --num_processes {setup.world_size} train {recipe}"
+    others = "1" if setup.num_nodes == 2 else f"1 to {setup.num_nodes - 1}"
+    return (f"on each of the {setup.num_nodes} machines: shardtune launch --num_processes {setup.world_size} "
+            f"--num_machines {setup.num_nodes} --machine_rank RANK --main_process_ip ADDRESS train {recipe}, RANK "
+            f"0 on the main machine and {others} on the others, ADDRESS the main machine's")
 
 
 def _write_plots(plot: str, report: Report, timed: TimeReport | None) -> None:
