@@ -392,6 +392,46 @@ def test_data_tokens_with_the_models_tokenizer_and_approximately(tmp_path):
     assert not approx.exact and "approximate" in approx.describe()
 
 
+def test_data_tokens_count_only_the_columns_the_trainer_reads(tmp_path, capsys):
+    """A data set's other columns (an id, a source, UltraChat's prompt that its messages repeat) train no token:
+    --data counted every string of a row, so a chat file with a long metadata column came out several times the
+    tokens (and the hours and dollars) it trains on. Each row counts what its format reads; the text field is the
+    job's dataset_text_field."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["alpha", "beta", "gamma", "delta"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words + ["[UNK]"])}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder = tmp_path / "model"
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    chat = [{"role": "user", "content": "delta delta"}, {"role": "assistant", "content": "alpha"}]
+    rows = [{"prompt_id": "alpha " * 30, "prompt": "delta delta", "messages": chat, "source": "gamma " * 30},
+            {"id": "beta " * 30, "prompt": "beta", "completion": "gamma"},
+            {"instruction": "alpha", "input": "", "output": "beta", "url": "gamma " * 30},
+            {"content": "alpha beta", "meta": "gamma " * 30}]
+    data = _write_rows(tmp_path / "train.jsonl", rows)
+    read = [chat, ["beta", "gamma"], ["alpha", "", "beta"], ["alpha beta"]]  # what each row's format reads
+    exact = count_data_tokens(str(data), str(folder), seq_len=64, text_field="content")
+    assert exact.tokens == sum(len(tokenizer.encode(_every_string(r)).ids) for r in read) == 11
+    approx = count_data_tokens(str(data), "llama-3-8b", seq_len=64, text_field="content")
+    assert approx.tokens == sum(math.ceil(len(_every_string(r)) / 4) for r in read)
+    # The command line reads the text field of the job a --config recipe describes.
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: llama-3.2-1b\ndataset_name: d\ndataset_text_field: content\n"
+                      "max_seq_len: 64\n")
+    assert main(["estimate", "--config", str(recipe), "--gpu", "h100-80gb", "--data", str(data), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["timing"]["data_tokens"] == approx.tokens
+
+
+def _every_string(value) -> str:
+    """The strings of ``value`` one per line, as the count joins a row's (roles and contents of messages)."""
+    if isinstance(value, str):
+        return value
+    parts = value.values() if isinstance(value, dict) else value
+    return "\n".join(t for t in (_every_string(v) for v in parts) if t)
+
+
 def test_links_default_to_the_cards_own_and_can_be_overridden():
     assert intra_node_link(GPUS["h100-80gb"]).name == "nvlink4"
     assert intra_node_link(GPUS["a100-80gb"]).name == "nvlink3"

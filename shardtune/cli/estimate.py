@@ -227,7 +227,9 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
                              f"{count} (or leave {option} out)")
     data = None
     if args.data:
-        data = count_data_tokens(args.data, args.model, report.breakdown.setup.seq_len)
+        read = report.breakdown.setup.config.data
+        data = count_data_tokens(args.data, args.model, report.breakdown.setup.seq_len, read.dataset_text_field,
+                                 read.data_format)
     elif args.tokens:
         from shardtune.memory.timing import DataTokens
 

@@ -370,7 +370,7 @@ CHARS_PER_TOKEN = 4  # English text with a Llama-style BPE vocabulary: a rough f
 
 
 def _row_text(value) -> str:
-    """Every string in a row (messages' contents, prompt and completion, text), one per line."""
+    """Every string in a row (messages' roles and contents, prompt and completion, text), one per line."""
     if isinstance(value, str):
         return value
     if isinstance(value, dict):
@@ -378,6 +378,35 @@ def _row_text(value) -> str:
     elif not isinstance(value, list):
         return ""
     return "\n".join(t for t in (_row_text(v) for v in value) if t)
+
+
+def _row_format(row, text_field: str, data_format: str) -> str | None:
+    """The format the trainer reads ``row`` in: ``data_format`` where given, else the one its columns say (None
+    where they say none)."""
+    from shardtune.data.formats import detect_format
+
+    if data_format != "auto":
+        return data_format
+    try:
+        return detect_format(row, text_field) if isinstance(row, dict) else None
+    except UsageError:
+        return None
+
+
+def _read_columns(row, fmt: str | None, text_field: str) -> object:
+    """What of ``row`` the trainer reads in format ``fmt`` (data/formats.py's to_example): a chat's messages and
+    tools, a prompt and its completion, Alpaca's fields, the text field. A column it does not read (an id, a source,
+    UltraChat's prompt that its messages repeat) trains no token; a row of no known format is counted whole."""
+    if not isinstance(row, dict) or fmt is None:
+        return row
+    if fmt == "chat":
+        chat = next((k for k in ("messages", "conversations", text_field) if isinstance(row.get(k), list)), None)
+        keys: tuple[str, ...] = (chat, "tools") if chat else ()
+    else:
+        read = {"prompt_completion": ("prompt", "completion", "tools"), "text": (text_field,),
+                "alpaca": ("system", "instruction", "input", "output")}
+        keys = read.get(fmt, tuple(row))
+    return [row[k] for k in keys if k in row]
 
 
 def _tokenizer_file(model: str) -> Path | None:
@@ -388,12 +417,15 @@ def _tokenizer_file(model: str) -> Path | None:
     return found if found and found.is_file() else None
 
 
-def count_data_tokens(data: str, model: str, seq_len: int) -> DataTokens:
-    """Tokens of one pass over the data file ``data``, each row cut at ``seq_len`` as the trainer truncates it.
+def count_data_tokens(data: str, model: str, seq_len: int, text_field: str = "text",
+                      data_format: str = "auto") -> DataTokens:
+    """Tokens of one pass over the data file ``data``, each row cut at ``seq_len`` as the trainer truncates it,
+    counting only the columns the trainer reads in the rows' format (``data_format``, or as the trainer tells it
+    from the first row; ``text_field`` is its dataset_text_field).
 
     With a local model folder holding ``tokenizer.json`` the rows are tokenised by it (the ``tokenizers`` library,
     no torch); otherwise about 4 characters make a token, which the result says is approximate. A chat template's
-    own tokens are not counted."""
+    own tokens are not counted (its roles are)."""
     from shardtune.data.readers import BadRow, iter_file
     from shardtune.hub import EXTENSIONS, data_file_kind
 
@@ -406,7 +438,8 @@ def count_data_tokens(data: str, model: str, seq_len: int) -> DataTokens:
     if not path.is_file() or data_file_kind(path) is None:
         raise UsageError(f"--data {data}: not a data file; give a {', '.join(EXTENSIONS)} file, or the token "
                          f"count with --tokens N")
-    texts = [_row_text(row) for _, row in iter_file(path) if not isinstance(row, BadRow)]
+    texts = [_row_text(_read_columns(row, _row_format(row, text_field, data_format), text_field))
+             for _, row in iter_file(path) if not isinstance(row, BadRow)]
     if not texts:
         raise UsageError(f"--data {data}: no readable rows in it; give the file you will train on, or --tokens N")
     tokenizer_file = _tokenizer_file(model)
