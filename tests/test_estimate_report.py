@@ -272,6 +272,24 @@ def test_pp_and_mp_with_more_gpus_than_decoder_layers_are_refused_as_train_refus
     assert json.loads(capsys.readouterr().out)["setup"]["num_gpus"] == 2
 
 
+def test_pipeline_parallel_asked_for_is_compared_and_named_by_the_recommendation(capsys):
+    """--strategy PP at a batch only it holds: the setups table left PP out, and the recommendation said "at
+    micro-batch 64 no setup holds it" above a breakdown of the asked PP that fits. PP now sits in the table, with
+    the totals and the largest micro-batch its own estimate gives, and the recommendation names it."""
+    asked = ["estimate", "llama-3.1-8b", "--num-gpus", "4", "--gpu", "h100-80gb", "--batch-size", "64", "--json"]
+    assert main([*asked, "--strategy", "PP"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["setup"]["strategy"] == "PP" and data["fits"]
+    pp = [row for row in data["strategies"] if row["strategy"] == "PP"]
+    assert len(pp) == 1 and pp[0]["fits"] and pp[0]["per_gpu"] == data["per_gpu"]
+    others = [row for row in data["strategies"] if row["strategy"] != "PP"]
+    assert not any(row["fits"] for row in others)  # the case in question: PP alone holds 64 rows
+    reason = data["recommendation"]["reason"]
+    assert "no setup holds it" not in reason and "at micro-batch 64 only pipeline parallel holds it" in reason
+    assert main(asked) == 0  # PP is compared where asked for (or measured), as before otherwise
+    assert "PP" not in [row["strategy"] for row in json.loads(capsys.readouterr().out)["strategies"]]
+
+
 def test_pipeline_stages_count_nccls_buffers_as_the_other_multi_process_setups_do(capsys):
     """PP's breakdown said "CUDA context and NCCL ... 0.75" GiB under a table whose note counted 1.00 for the same
     GPUs: its stages are processes that talk over NCCL, like DDP's and FSDP's ranks, where MP's one process does

@@ -134,9 +134,9 @@ def evaluate_setup(analysis: ModelAnalysis, setup: Setup) -> Breakdown:
 
 def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAnalysis | None = None) -> list[Setup]:
     """The parallel setups worth comparing for ``base``'s GPU count, in order of preference when they fit
-    (pipeline parallel too when ``measured`` has it and the model's head is not tied to its embeddings, whose
-    stages the estimator does not plan yet), without those train would refuse: with ``analysis``, MP and PP over
-    more GPUs than the model has decoder layers too."""
+    (pipeline parallel too when ``base`` asks for it or ``measured`` has it, and the model's head is not tied to its
+    embeddings, whose stages the estimator does not plan yet), without those train would refuse: with
+    ``analysis``, MP and PP over more GPUs than the model has decoder layers too."""
     # Each candidate names its own sharding: the base's fsdp_reshard_after_forward would override it.
     plain = base.with_(fsdp_offload_params=False, fsdp_reshard_after_forward=None)
     fsdp = plain.with_(distributed_type=FSDP, fsdp_sharding_strategy="FULL_SHARD")
@@ -148,7 +148,9 @@ def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAna
     out += [fsdp, fsdp.with_(fsdp_offload_params=True)]
     if base.num_nodes == 1:  # one process drives the GPUs of its own machine
         out.append(plain.with_(distributed_type=MP))
-    if measured and PP.name in measured.tokens_per_s and not (analysis and analysis.inventory.tied_embeddings):
+    # PP asked for is compared too: left out, the recommendation said no setup held a batch the asked PP held.
+    pp_wanted = base.strategy.pipelined or bool(measured and PP.name in measured.tokens_per_s)
+    if pp_wanted and not (analysis and analysis.inventory.tied_embeddings):
         out.append(plain.with_(distributed_type=PP))
     # None that train would refuse: nor MP or PP with a stage that would hold no decoder layer.
     layers = analysis.inventory.num_layers if analysis else None
