@@ -591,6 +591,21 @@ def test_table_reads_at_80_columns_and_shows_the_price_as_typical(capsys):
     assert "typical on-demand list price (2026-11" in table
 
 
+def test_a_setup_at_a_smaller_micro_batch_keeps_the_figures_whole_at_80_columns(capsys):
+    """The recommended setup at a smaller micro-batch is labelled "FSDP SHARD_GRAD_OP b16x4 *": at 80 columns its
+    label squeezed every figure column, to "16.7…" seconds, "tokens…", "9.…" MFU. The label wraps instead, and each
+    row shows its --json figures."""
+    args = ["llama-3.1-8b", "--num-gpus", "4", "--gpu", "h100-80gb", "--batch-size", "64", "--time"]
+    assert main(["estimate", *args, "--json"]) == 0
+    setups = json.loads(capsys.readouterr().out)["timing"]["setups"]
+    table, rows = time_rows_at_80_columns(args)
+    assert "…" not in table and "tokens/s" in table and "b16x4" in table
+    assert len(rows) == len(setups) == 6
+    for row, setup in zip(rows, setups, strict=True):
+        mfu = f"{setup['mfu']:.0%}" if setup["mfu"] >= 0.1 else f"{setup['mfu']:.1%}"
+        assert f" {setup['tokens_per_s']:,.0f} " in row and f" {mfu} " in row
+
+
 def test_the_longest_job_keeps_the_tables_columns_in_years_and_short_dollars(capsys):
     """At the most tokens --tokens takes, on 126 GPUs (the most model parallel runs on: one per decoder layer) at
     $10 per GPU-hour, model parallel's 169 tokens/s takes some 190,000 years and $2 trillion: each row still reads

@@ -360,7 +360,9 @@ def time_table(r: Report, t: TimeReport) -> Table:
     table = Table(title="Time and cost side by side", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1), collapse_padding=True)
     for col in ("setup", "fits", "step", "tokens/s", "MFU", "time" + per, "cost" + per):
-        table.add_column(col, justify="left" if col == "setup" else "right", no_wrap=True)
+        # The setup's name wraps where 80 columns are too few (a setup at another micro-batch, "FSDP SHARD_GRAD_OP
+        # b16x4 *", beside the per-billion headers): the figures are never cut to "16.7…".
+        table.add_column(col, justify="left" if col == "setup" else "right", no_wrap=col != "setup")
     for b, st in t.rows:
         ok = b.fits(r.gpu.memory_bytes)
         cells = [duration(st.step_s), f"{st.tokens_per_s:,.0f}", _mfu(st.mfu), duration(t.seconds(st)),
