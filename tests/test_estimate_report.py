@@ -290,6 +290,31 @@ def test_pipeline_parallel_asked_for_is_compared_and_named_by_the_recommendation
     assert "PP" not in [row["strategy"] for row in json.loads(capsys.readouterr().out)["strategies"]]
 
 
+def test_a_largest_micro_batch_at_the_search_limit_reads_as_no_limit(capsys):
+    """Pipeline parallel keeps one row per stage in flight, so any micro-batch fits and the search stops at its
+    limit: the table said "max b 4096" and --find-batch-size "at most 4096 fits per GPU", a limit that is none.
+    They now say 4096+ and "4096 or more"; the JSON keeps the number searched to."""
+    from shardtune.memory.recommend import MAX_BATCH
+
+    asked = ["estimate", "llama-3.1-8b", "--num-gpus", "4", "--gpu", "h100-80gb", "--strategy", "PP", "--batch-size",
+             "64", "--find-batch-size"]
+    assert main([*asked, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    pp = next(row for row in data["strategies"] if row["strategy"] == "PP")
+    assert pp["max_batch_size"] == data["batch_plan"]["largest_fitting_micro_batch"] == MAX_BATCH
+    others = [row["max_batch_size"] for row in data["strategies"] if row["strategy"] != "PP"]
+    assert others and max(others) < MAX_BATCH  # the other rows keep their numbers
+    assert main(asked) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    cells = " ".join(f"{pp['per_gpu'][k] / GIB:.1f}" for k in ("params", "grads", "optimizer", "activations",
+                                                                  "overhead", "total"))
+    assert f" pipeline parallel {cells} yes {MAX_BATCH}+ " in text
+    assert f"max b: the largest micro-batch that fits (searched up to {MAX_BATCH})" in text
+    assert f"{MAX_BATCH} or more fit per GPU: the search stops there)" in text and f"at most {MAX_BATCH}" not in text
+    for batch in others:
+        assert f" no {batch} " in text
+
+
 def test_pipeline_stages_count_nccls_buffers_as_the_other_multi_process_setups_do(capsys):
     """PP's breakdown said "CUDA context and NCCL ... 0.75" GiB under a table whose note counted 1.00 for the same
     GPUs: its stages are processes that talk over NCCL, like DDP's and FSDP's ranks, where MP's one process does

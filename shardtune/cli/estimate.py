@@ -635,12 +635,20 @@ def _print_tables(report: Report, timed: TimeReport | None, extras: dict) -> Non
         bp = extras["batch_plan"]
         print(f"batch: micro-batch {bp['micro_batch_size']} per GPU x {bp['gradient_accumulation_steps']} "
               f"accumulation steps = global batch {bp['global_batch_size']} (asked "
-              f"{bp['requested_global_batch_size']}; at most {bp['largest_fitting_micro_batch']} fits per GPU)")
+              f"{bp['requested_global_batch_size']}; {_most_that_fits(bp['largest_fitting_micro_batch'])})")
     if "emitted_config" in extras:
         emitted, job = extras["emitted_config"], report.breakdown.setup
         data = job.config.data.dataset_name
         first = "set dataset_name, then: " if data in (None, DATASET_PLACEHOLDER) else ""
         print(f"wrote {emitted} ({first}{train_command(job, emitted)})")
+
+
+def _most_that_fits(largest: int) -> str:
+    """--find-batch-size's largest micro-batch, in words: the search stops at MAX_BATCH, which is no limit."""
+    from shardtune.memory.recommend import MAX_BATCH
+
+    return (f"{largest} or more fit per GPU: the search stops there" if largest >= MAX_BATCH
+            else f"at most {largest} fits per GPU")
 
 
 def train_command(setup: Setup, recipe: str) -> str:

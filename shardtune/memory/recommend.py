@@ -251,7 +251,8 @@ def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured
             reason = (f"{setup.label()}: {_why(setup)}." if measured is None
                       else _measured_reason(setup, measured, base, analysis, gpu))
             if setup.uses_lora or setup.method == "full":
-                reason += f" Micro-batch up to {biggest} fits (at sequence length {setup.seq_len})."
+                up_to = f"{biggest} or more" if biggest >= MAX_BATCH else f"up to {biggest}"
+                reason += f" Micro-batch {up_to} fits (at sequence length {setup.seq_len})."
             return Recommendation(setup, breakdown, True, biggest, reason + _host_memory(breakdown),
                                   _on_the_gpus(analysis, base, gpu) if _last_resort(setup) else [])
     # Nothing fits at the asked micro-batch: a smaller one, on the GPUs, else with a last resort.

@@ -15,7 +15,7 @@ from shardtune.files import figure_metadata, replacing
 from shardtune.hardware import GIB, GPUS, PRICES_AS_OF, SPEC_EXAMPLE, TYPICAL_PRICE_PER_GPU_HOUR, Gpu
 from shardtune.memory.formula import Breakdown
 from shardtune.memory.inventory import LoraCount, ModelInventory, spoken_count
-from shardtune.memory.recommend import Measured, Recommendation
+from shardtune.memory.recommend import MAX_BATCH, Measured, Recommendation
 from shardtune.memory.setup import Setup
 from shardtune.memory.timing import OVERLAP, DataTokens, Links, StepTime, duration
 
@@ -102,8 +102,14 @@ def side_by_side(r: Report) -> Table:
         side.add_row(_row_label(r, sb.setup, [b.setup for b, _ in r.table]),
                      *(_gib_cell(pg[k]) for k in ("params", "grads", "optimizer", "activations", "overhead",
                                                   "total")),
-                     "[green]yes[/]" if ok else "[red]no[/]", str(batch))
+                     "[green]yes[/]" if ok else "[red]no[/]", micro_batch_count(batch))
     return side
+
+
+def micro_batch_count(batch: int) -> str:
+    """A largest micro-batch as read: the search stops at MAX_BATCH, so one that reaches it is "4096+" (pipeline
+    parallel's one row in flight per stage holds any batch), not a limit."""
+    return f"{batch}+" if batch >= MAX_BATCH else str(batch)
 
 
 def _gib_cell(nbytes: float) -> str:
@@ -115,8 +121,9 @@ def _gib_cell(nbytes: float) -> str:
 
 def side_by_side_note(r: Report) -> str:
     context = max((b.cuda_context for b, _ in r.table), default=0)
+    searched = (f" (searched up to {MAX_BATCH})" if any(batch >= MAX_BATCH for _, batch in r.table) else "")
     return (f"fits: total + {context / GIB:.2f} GiB CUDA context <= {r.gpu.memory_bytes / GIB:.1f} GiB. "
-            "max b: the largest micro-batch that fits. * recommended.")
+            f"max b: the largest micro-batch that fits{searched}. * recommended.")
 
 
 def training_words(s: Setup) -> str:
