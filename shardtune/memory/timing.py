@@ -420,8 +420,8 @@ def _tokenizer_file(model: str) -> Path | None:
 def count_data_tokens(data: str, model: str, seq_len: int, text_field: str = "text",
                       data_format: str = "auto") -> DataTokens:
     """Tokens of one pass over the data file ``data``, each row cut at ``seq_len`` as the trainer truncates it,
-    counting only the columns the trainer reads in the rows' format (``data_format``, or as the trainer tells it
-    from the first row; ``text_field`` is its dataset_text_field).
+    counting only the columns the trainer reads in the rows' format (``data_format``, or the one each row's
+    columns say; ``text_field`` is its dataset_text_field).
 
     With a local model folder holding ``tokenizer.json`` the rows are tokenised by it (the ``tokenizers`` library,
     no torch); otherwise about 4 characters make a token, which the result says is approximate. A chat template's
