@@ -113,7 +113,7 @@ def load_schedule_state(scheduler, saved: dict, *, steps_done: int, same_metric:
     count, its cuts) where the checkpoint's was one watching the same metric (``same_metric``); else it starts
     afresh from learning_rate."""
     saved_plateau = "num_bad_epochs" in saved
-    if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+    if not moves_on_evaluations(scheduler):
         if saved_plateau:
             scheduler.last_epoch = steps_done
         else:
@@ -129,10 +129,16 @@ def is_plateau(cfg: OptimConfig) -> bool:
     return cfg.lr_scheduler_type == "reduce_lr_on_plateau"
 
 
+def moves_on_evaluations(scheduler) -> bool:
+    """Whether ``scheduler`` is reduce_lr_on_plateau's, which evaluations step (``plateau_step``), not the
+    optimizer's steps."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
 def plateau_step(scheduler, metric: float) -> None:
     """reduce_lr_on_plateau: one evaluation's ``metric`` seen, the rate cut where it has stopped improving (as
     Transformers' Trainer steps it after each evaluation); no other schedule moves here."""
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+    if moves_on_evaluations(scheduler):
         scheduler.step(metric)
 
 

@@ -23,6 +23,7 @@ from shardtune.config import TrainConfig
 from shardtune.config.optimizers import OPTIMIZERS
 from shardtune.errors import UsageError
 from shardtune.train.model import target_modules
+from shardtune.train.optim import moves_on_evaluations
 
 log = logging.getLogger("shardtune")
 
@@ -165,7 +166,7 @@ def apply_learning_rate(optimizer, scheduler, learning_rate: float) -> None:
     reduce_lr_on_plateau the rate is ``learning_rate`` times the cuts the checkpoint made (none, where it started
     afresh: ``load_schedule_state``), not below min_lr.
     """
-    if not hasattr(scheduler, "lr_lambdas"):  # reduce_lr_on_plateau: its cuts so far, from the new rate
+    if moves_on_evaluations(scheduler):  # reduce_lr_on_plateau: its cuts so far, from the new rate
         for group, base, now, floor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler._last_lr,
                                            scheduler.min_lrs):
             group["lr"] = max(learning_rate * now / base, floor) if base else learning_rate

@@ -18,6 +18,7 @@ from torch import nn
 
 from shardtune.dist import DistInfo, all_reduce_sum
 from shardtune.train.loss import num_targets
+from shardtune.train.optim import moves_on_evaluations
 from shardtune.train.parallelize import Runner
 
 
@@ -85,7 +86,7 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
         stepped = scaler.get_scale() >= scale
     elif math.isfinite(grad_norm):
         ctx.optimizer.step()
-    if stepped and not isinstance(ctx.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # it moves on evals
+    if stepped and not moves_on_evaluations(ctx.scheduler):
         ctx.scheduler.step()
     ctx.optimizer.zero_grad(set_to_none=True)
     if not math.isfinite(mean_loss) or (not scaler and not math.isfinite(grad_norm)):
