@@ -100,6 +100,29 @@ def test_a_pickled_value_inside_a_dcp_shard_is_refused_by_the_weights_only_reade
     assert marker.exists()
 
 
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, "Terminated"])
+def test_ctrl_c_or_sigterm_while_a_checkpoint_loads_is_not_called_damage(tmp_path, monkeypatch, stop):
+    """DCP wraps whatever a read raises, Ctrl-C included: ``shardtune export`` stopped by Ctrl-C while it read the
+    checkpoint said 'cannot be read (rank 0: KeyboardInterrupt: ); the checkpoint is damaged' with exit 2, of a
+    checkpoint that was fine. The interruption comes out as itself (exit 130, or 143 for SIGTERM)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from shardtune.errors import Terminated
+    from shardtune.train import safe_load
+
+    stop = Terminated if stop == "Terminated" else stop
+    folder = tmp_path / "dcp"
+    dcp.save({"weight": torch.ones(2)}, checkpoint_id=str(folder), no_dist=True)
+
+    def interrupted(self, *args, **kwargs):
+        raise stop
+
+    monkeypatch.setattr(safe_load.SafeReader, "read_data", interrupted)
+    with pytest.raises(stop):
+        safe_load.load_dcp({"weight": torch.zeros(2)}, folder, no_dist=True)
+
+
 @pytest.mark.parametrize("run", ["lora", "full"])
 def test_a_planted_pickle_in_any_checkpoint_file_never_runs(tmp_path, runs, run, restore_logging):
     from shardtune.train.export import export_checkpoint

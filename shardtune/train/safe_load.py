@@ -102,7 +102,8 @@ def load_dcp(state: dict[str, Any], folder: Path, *, no_dist: bool,
     """``dcp.load`` of ``folder`` into ``state`` through the safe reader and planner.
 
     DCP wraps a failure of any rank in a ``CheckpointException``; a refused file comes back out of it as the one
-    ``UnsafeCheckpoint`` line, on every rank; one that cannot be read ends with ``fix``.
+    ``UnsafeCheckpoint`` line, on every rank; one that cannot be read ends with ``fix``; an interruption (Ctrl-C,
+    SIGTERM's ``Terminated``) comes back out as itself.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -110,6 +111,10 @@ def load_dcp(state: dict[str, Any], folder: Path, *, no_dist: bool,
     try:
         dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner(), no_dist=no_dist)
     except CheckpointException as exc:
+        # DCP wraps every BaseException: Ctrl-C or SIGTERM while reading is an interruption to pass on, not damage
+        # (called damage, it was exit 2 and 'the checkpoint is damaged' for a stop a user or a scheduler asked for)
+        if stop := next((cause for cause, _ in exc.failures.values() if not isinstance(cause, Exception)), None):
+            raise stop from None
         refused = [cause for cause, _ in exc.failures.values() if isinstance(cause, UnsafeCheckpoint)]
         if refused:
             raise refused[0] from None
