@@ -140,17 +140,31 @@ def action_parsers(sub: argparse._SubParsersAction, name: str, help: str,  # noq
 def sigterm_raises() -> Iterator[None]:
     """Inside: SIGTERM (a scheduler's stop, ``kill``) raises ``Terminated`` in the main thread, so the ``finally``
     and ``except BaseException`` blocks on the way out run (a write's temporary files are removed) before the
-    command reports it. A second SIGTERM during that clean-up is ignored: it would cut the clean-up short."""
+    command reports it. A second SIGTERM during that clean-up is ignored: it would cut the clean-up short. One whose
+    ``Terminated`` a finalizer swallowed is delivered again."""
+    import os
+    import threading
+
     from shardtune.errors import Terminated
 
     def terminate(signum, frame) -> None:  # noqa: ARG001
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    def swallowed(unraisable) -> None:
+        # A handler that ran inside a finalizer (__del__, a weakref callback) raised there, and Python only prints
+        # that: SIGTERM is armed again and sent again, from a thread, so it lands once this hook has returned.
+        if not isinstance(unraisable.exc_value, Terminated):
+            return hook(unraisable)
+        signal.signal(signal.SIGTERM, terminate)
+        threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    previous, hook = signal.signal(signal.SIGTERM, terminate), sys.unraisablehook
+    sys.unraisablehook = swallowed
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         signal.signal(signal.SIGTERM, previous)
 
 
