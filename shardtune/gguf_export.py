@@ -43,19 +43,21 @@ class Family:
 FAMILIES = {"llama": Family("llama", True), "mistral": Family("llama", True), "qwen2": Family("qwen2", False)}
 
 
-def family_of(config) -> Family:
+CONVERT = "convert a Transformers model folder of it with llama.cpp's convert_hf_to_gguf.py"
+
+
+def family_of(config, fix: str = CONVERT) -> Family:
     """The family of ``config``, or one UsageError naming the architecture or the RoPE scaling that cannot be
-    written: all of it read from the config alone, so that an export asks before it loads the weights or makes a
-    folder."""
+    written, ending in ``fix`` (the steps from the user's source to a GGUF made elsewhere): all of it read from the
+    config alone, so that an export asks before it loads the weights or makes a folder."""
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise UsageError(f"--format gguf: architecture {model_type!r} ({', '.join(config.architectures or [])}) "
-                         f"cannot be written; shardtune writes GGUF for {', '.join(FAMILIES)} models: export "
-                         f"--format hf and convert it with llama.cpp's convert_hf_to_gguf.py")
+                         f"cannot be written; shardtune writes GGUF for {', '.join(FAMILIES)} models: {fix}")
     rope_type = _rope_type(_rope_parameters(config))
     if rope_type not in ("default", "linear", None):
         raise UsageError(f"--format gguf: rope_type {rope_type!r} of this model is not written yet (default and "
-                         f"linear are); export --format hf and convert it with llama.cpp's convert_hf_to_gguf.py")
+                         f"linear are); {fix}")
     return FAMILIES[model_type]
 
 
@@ -154,7 +156,7 @@ def add_tensors(writer, model, family: Family, quantize: str) -> int:
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise UsageError(f"--format gguf: no llama.cpp tensor for {hf_name!r} of this {config.model_type} model; "
-                             f"export --format hf and convert it with llama.cpp's convert_hf_to_gguf.py")
+                             f"{CONVERT}")
         array = tensor.detach().to(torch.float32).cpu().numpy()
         if family.permute_qk and name.endswith(("attn_q.weight", "attn_q.bias")):
             array = permute_for_rope(array, config.num_attention_heads)

@@ -455,6 +455,27 @@ def test_a_non_llama_architecture_is_refused_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_architecture_refused_says_the_steps_that_give_a_gguf_from_this_source(tmp_path, capsys):
+    """The refusal's fix was 'export --format hf and convert it with convert_hf_to_gguf.py' for every source: of a
+    LoRA run that export gives an adapter, which the converter cannot read, and a model folder has no --format hf
+    export at all (it is not a checkpoint). The fix now starts from the source given."""
+    from shardtune.testing.families import make_family_folder
+    from tests.trainutil import make_lora_adapter
+
+    model = make_family_folder(tmp_path / "gemma", "gemma2")
+    adapter = make_lora_adapter(model, tmp_path / "run" / "final")
+    capsys.readouterr()
+    steps = {model: f"convert {model}, a Transformers model folder, with llama.cpp's convert_hf_to_gguf.py",
+             adapter: f"run 'shardtune merge {adapter} MERGED' and convert MERGED with llama.cpp's "
+                      f"convert_hf_to_gguf.py"}
+    for source, fix in steps.items():
+        assert shardtune_main(["export", str(source), str(tmp_path / "out"), "--format", "gguf"]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert errors == [f"shardtune export: error: --format gguf: architecture 'gemma2' (Gemma2ForCausalLM) "
+                          f"cannot be written; shardtune writes GGUF for llama, mistral, qwen2 models: {fix}"], errors
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_bad_quantize_value_is_exit_2(tiny, tmp_path, capsys):
     folder, _, _ = tiny
     assert shardtune_main(["export", str(folder), str(tmp_path / "o"), "--format", "gguf", "--quantize", "q4"]) == 2

@@ -69,7 +69,7 @@ def check_model(path: str | Path) -> Path:
         raise UsageError(f"--real {path}: not a .gguf file nor a model folder with config.json; give a chat "
                          f"model's GGUF or Transformers folder, or --real alone for SmolLM2-135M-Instruct")
     try:
-        family_of(config)
+        family_of(config, "give a Llama, Mistral or Qwen2 chat model, or --real alone for SmolLM2-135M-Instruct")
     except UsageError as exc:
         raise UsageError(f"--real {path}: {exc}") from None
     return path

@@ -192,7 +192,7 @@ def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", 
         raise UsageError(problem)
     with parsed_once():  # the base GGUF, read for its weights, is not parsed again for its description
         if config := config_before_loading(source, base):
-            family_of(config)  # an architecture or RoPE scaling that cannot be written: refused before any load
+            family_of(config, how_to_convert(source))  # refused before any load: an architecture or RoPE scaling
         model, tokenizer, base_path = load_source(source, base)
         if base_path and (problem := gguf_destination_problem(target, [base_path], overwrite)):
             raise UsageError(problem)  # the base an adapter names, known only now
@@ -201,7 +201,7 @@ def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", 
         # the split in a way the name can be read back from
         pre = metadata(gguf)[0].get("tokenizer.ggml.pre") if gguf else None
         kept = described(gguf) if gguf else None
-    family_of(model.config)  # refused before the folder is made (a checkpoint's config is known only now)
+    family_of(model.config, how_to_convert(source))  # before the folder is made (a checkpoint's config is known now)
     if window := sliding_window(model.config):
         log.warning("--format gguf: the model attends to its last %d tokens only (sliding_window), which the GGUF "
                     "does not carry: llama.cpp and Ollama attend to every earlier token, so past %d tokens of "
@@ -212,6 +212,28 @@ def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", 
         write_gguf(model.eval(), tokenizer, target, quantize, name=name, tokenizer_pre=pre, source=kept)
         write_modelfile(target, template_for_gguf(tokenizer.chat_template), tokenizer.eos_token)
     return target
+
+
+def how_to_convert(source: str | Path) -> str:
+    """The steps from ``source`` to a GGUF of llama.cpp's own converter, which reads a whole Transformers model
+    folder: an adapter is merged into its base first, a checkpoint exported first ('export --format hf' of a LoRA
+    run, the one step once given for every source, gives an adapter, which the converter cannot read)."""
+    path = _model_in(Path(source))
+    convert = "with llama.cpp's convert_hf_to_gguf.py"
+    if path.is_dir() and (path / MANIFEST).is_file():
+        try:
+            lora = bool(json.loads((path / MANIFEST).read_text()).get("trainable_only"))
+        except (OSError, ValueError, AttributeError):
+            lora = False
+        if lora:
+            return (f"run 'shardtune export {path} ADAPTER', then 'shardtune merge ADAPTER MERGED', and convert "
+                    f"MERGED {convert}")
+        return f"run 'shardtune export {path} MODEL' and convert MODEL {convert}"
+    if path.is_dir() and is_adapter_folder(path):
+        return f"run 'shardtune merge {path} MERGED' and convert MERGED {convert}"
+    if _source_gguf(str(path)):
+        return "it is a GGUF already: llama.cpp's llama-quantize changes its quantization"
+    return f"convert {path}, a Transformers model folder, {convert}"
 
 
 def sliding_window(config) -> int | None:
