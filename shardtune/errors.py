@@ -123,9 +123,14 @@ def os_error_fix(exc: OSError) -> str:
 @contextmanager
 def writing(path: str | Path) -> Iterator[None]:
     """Inside: a failed write of ``path`` raises an OSError naming ``path`` (see ``as_write_error``), the
-    library's own error chained to it, so it is reported as one line like any other failed write."""
+    library's own error chained to it, so it is reported as one line like any other failed write. An OSError
+    that names no file (a full disk met by ``file.write``, as gguf's writer meets it) gets ``path``."""
     try:
         yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
     except Exception as exc:
         failed = as_write_error(exc, path)
         if failed is None:

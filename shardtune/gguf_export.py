@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardtune.errors import UsageError
+from shardtune.errors import UsageError, writing
 from shardtune.files import WRITTEN_BY, replacing
 from shardtune.gguf_vocab import add_vocab
 
@@ -186,7 +186,7 @@ def write_gguf(model, tokenizer, path: str | Path, quantize: str, *, name: str,
     check_quantize(quantize)
     family = family_of(model.config)
     path = Path(path)
-    with replacing(path) as tmp:
+    with writing(path), replacing(path) as tmp:  # a full disk named by the file it stopped
         writer = gguf.GGUFWriter(str(tmp), family.arch)
         try:
             # First, so that an --overwrite later knows this file as shardtune's own

@@ -476,6 +476,27 @@ def test_an_architecture_refused_says_the_steps_that_give_a_gguf_from_this_sourc
     assert not (tmp_path / "out").exists()
 
 
+def test_a_full_disk_during_the_gguf_write_names_the_file(tiny, tmp_path, monkeypatch, capsys):
+    """gguf's writer meets a full disk in ``file.write``, whose OSError names no file: the one line said '[Errno
+    28] No space left on device; free disk space ...' and not where. It names the GGUF now, and nothing stays."""
+    import errno
+    import os
+
+    import gguf
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", disk_full)
+    folder, _, _ = tiny
+    out = tmp_path / "my gguf" / "m.gguf"
+    assert shardtune_main(["export", str(folder), str(out), "--format", "gguf", "--quantize", "f16"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert errors == [f"shardtune export: error: [Errno 28] {os.strerror(errno.ENOSPC)}: '{out}'; free disk space "
+                      f"or give a path on another disk"], errors
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_bad_quantize_value_is_exit_2(tiny, tmp_path, capsys):
     folder, _, _ = tiny
     assert shardtune_main(["export", str(folder), str(tmp_path / "o"), "--format", "gguf", "--quantize", "q4"]) == 2
