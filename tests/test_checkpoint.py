@@ -208,7 +208,7 @@ def test_a_failed_export_write_is_one_line_and_leaves_nothing(tmp_path: Path, ca
         raise OSError(number, os.strerror(number), str(filename))
 
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", disk_full)  # save_pretrained's writer
-    out = tmp_path / "merged"
+    out = tmp_path / "new" / "merged"  # the folder made for it goes too (it stayed, empty, as 'new')
     assert main(["merge", str(adapter), "--base", str(base), str(out)]) == 1
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error" in line.lower()]

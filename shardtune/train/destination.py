@@ -13,12 +13,13 @@ or interrupted export leaves the destination as it was.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 from fnmatch import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from shardtune.errors import UsageError
@@ -174,3 +175,23 @@ def publish(tmp: Path, target: Path, label: str) -> Path:
         os.replace(tmp / name, target / name)
     shutil.rmtree(tmp)
     return target
+
+
+@contextlib.contextmanager
+def folder_made_for(target: Path) -> Iterator[None]:
+    """``target``'s folder, made (with any missing parents) for the block; the folders made here are removed
+    again when the block fails or is interrupted (SIGTERM, Ctrl-C) and they are still empty: a refused or stopped
+    export leaves no empty folder behind, and never removes one it did not make."""
+    made = []
+    for folder in (target.parent, *target.parent.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        made.append(folder)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for folder in made:  # the innermost first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise

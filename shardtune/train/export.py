@@ -23,7 +23,7 @@ from shardtune.hub import (ADAPTER_ON_ANOTHER_BASE, adapter_folder_problem, adap
                            has_tokenizer, loading_refused)
 from shardtune.peft_names import embedding_layers_saved
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
-from shardtune.train.destination import publish, refuse_destination, temporary_sibling
+from shardtune.train.destination import folder_made_for, publish, refuse_destination, temporary_sibling
 from shardtune.train.layout import MANIFEST, checkpoint_folder_problem
 from shardtune.train.plan import unwrap
 from shardtune.train.safe_load import load_dcp, load_safetensors, read_json
@@ -39,6 +39,13 @@ def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor],
     """
     if target.exists() and not target.is_dir():  # found before the (long) write, not after it
         raise NotADirectoryError(errno.ENOTDIR, "a file is where the exported folder goes; move it away", str(target))
+    with folder_made_for(target):  # the parents it makes go again if the write fails: no empty folders stay
+        return _write_and_publish(target, model, state, tokenizer, is_peft, save_adapter, label)
+
+
+def _write_and_publish(target: Path, model: nn.Module, state: dict[str, torch.Tensor], tokenizer, is_peft: bool,
+                       save_adapter: Callable[[nn.Module, dict[str, torch.Tensor], Path], None] | None,
+                       label: str) -> Path:
     with writing(target):
         tmp = temporary_sibling(target)
     try:

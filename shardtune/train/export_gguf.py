@@ -7,11 +7,9 @@ writes it; an Ollama ``Modelfile`` goes beside it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 from shardtune.errors import UsageError
@@ -23,6 +21,7 @@ from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, load
                            model_folder_problem, pickled_weights_refused, tokenizer_problem)
 from shardtune.files import WRITTEN_BY
 from shardtune.ollama import modelfile_written_by_shardtune, write_modelfile
+from shardtune.train.destination import folder_made_for
 from shardtune.train.export import is_adapter_folder, load_checkpoint_model, load_plain_model, merged_model
 from shardtune.train.layout import MANIFEST
 
@@ -264,23 +263,3 @@ def config_before_loading(source: str | Path, base: str | None = None):
     except Exception:  # noqa: BLE001 - whatever reading it raises, load_source refuses it in its own words
         return None
     return None
-
-
-@contextlib.contextmanager
-def folder_made_for(target: Path) -> Iterator[None]:
-    """``target``'s folder, made (with any missing parents) for the block; the folders made here are removed
-    again when the block fails or is interrupted (SIGTERM, Ctrl-C) and they are still empty: a refused or stopped
-    export leaves no empty folder behind, and never removes one it did not make."""
-    made = []
-    for folder in (target.parent, *target.parent.parents):
-        if folder.exists() or folder.is_symlink():
-            break
-        made.append(folder)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        yield
-    except BaseException:
-        for folder in made:  # the innermost first
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
