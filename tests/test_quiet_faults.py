@@ -88,18 +88,32 @@ def test_a_sigterm_that_lands_in_a_finalizer_still_stops_the_command():
     set SIGTERM aside, so the export ran on deaf to every later one and wrote OUT. It is delivered again."""
     from shardtune.cli.common import sigterm_raises
     from shardtune.errors import Terminated
+    from shardtune.train.loop import SigtermFlag
 
     class Dropped:
         def __del__(self):
             os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, inside the finalizer
 
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(Terminated), sigterm_raises():
+    def carry_on() -> None:
         Dropped()
         deadline = time.monotonic() + 5  # the command carrying on
         while time.monotonic() < deadline:
             time.sleep(0.01)
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated), sigterm_raises():
+        carry_on()
     assert signal.getsignal(signal.SIGTERM) == before
+    # Training's start-up handler (it raises until the loop runs, then a checkpoint answers SIGTERM) stays the one
+    # that answers: the signal is sent again to it, not to one put in its place.
+    with pytest.raises(Terminated), sigterm_raises():
+        flag = SigtermFlag()
+        try:
+            carry_on()
+        finally:
+            answering = signal.getsignal(signal.SIGTERM)
+            flag.restore()
+    assert answering == flag._handle
 
 
 def failure(timestamp: int, exitcode: int) -> SimpleNamespace:

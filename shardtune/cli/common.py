@@ -153,10 +153,12 @@ def sigterm_raises() -> Iterator[None]:
 
     def swallowed(unraisable) -> None:
         # A handler that ran inside a finalizer (__del__, a weakref callback) raised there, and Python only prints
-        # that: SIGTERM is armed again and sent again, from a thread, so it lands once this hook has returned.
+        # that: SIGTERM is armed again (where this one had set it aside; the training loop's stays) and sent
+        # again, from a thread, so it lands once this hook has returned.
         if not isinstance(unraisable.exc_value, Terminated):
             return hook(unraisable)
-        signal.signal(signal.SIGTERM, terminate)
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, terminate)
         threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM)).start()
 
     previous, hook = signal.signal(signal.SIGTERM, terminate), sys.unraisablehook
