@@ -152,6 +152,15 @@ def test_export_and_merge_cli_errors(tmp_path: Path, capsys) -> None:
     for command in (["export", str(source)], ["merge", str(source), "--base", str(source)]):
         assert main([*command, str(tmp_path / "a-file")]) == 2
         assert "a file is there, where the folder goes; give another path" in capsys.readouterr().err
+    # OUT named like a GGUF for a folder (a forgotten --format gguf): it wrote an adapter folder 'model.gguf'
+    gguf = tmp_path / "model.gguf"
+    merge_fix = f"give a folder name, or write a GGUF with 'shardtune export {source} {gguf} --format gguf'"
+    for command, fix in ((["export", str(source)], "add --format gguf to write a GGUF file, or give a folder name"),
+                         (["merge", str(source), "--base", str(source)], merge_fix)):
+        assert main([*command, str(gguf)]) == 2
+        assert capsys.readouterr().err == (f"shardtune {command[0]}: error: OUT {gguf}: a name ending in .gguf, but "
+                                           f"{command[0]} writes a Transformers/PEFT folder there; {fix}\n")
+    assert not gguf.exists()
 
 
 def test_an_adapter_on_a_base_of_other_shapes_is_one_line(tmp_path: Path, capsys) -> None:

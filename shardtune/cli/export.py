@@ -89,12 +89,19 @@ def _check_base(base: str | None, fix: str) -> None:
         raise UsageError(f"--base {base}: no such folder; {fix}")
 
 
-def _check_out(out: str, *, whole_folder: bool) -> None:
-    """OUT refused before anything loads when it cannot be made: a file or a dangling symlink in the way. What a
-    folder may already hold (nothing, or an earlier export with --overwrite; never the current folder or a source)
-    is ``train.destination``'s to say."""
+def _check_out(out: str, *, whole_folder: bool, merged: str | None = None) -> None:
+    """OUT refused before anything loads when it cannot be made: a file or a dangling symlink in the way, or a
+    name ending in .gguf for a folder (a forgotten --format gguf wrote a PEFT adapter folder called
+    'model.gguf', which llama.cpp and Ollama cannot open); ``merged``: the adapter a merge folds in. What a
+    folder may already hold (nothing, or an earlier export with --overwrite; never the current folder or a
+    source) is ``train.destination``'s to say."""
     from shardtune.cli.common import check_output_path
 
+    if whole_folder and out.lower().rstrip("/").endswith(".gguf"):
+        fix = ("add --format gguf to write a GGUF file, or give a folder name" if merged is None else
+               f"give a folder name, or write a GGUF with 'shardtune export {merged} {out} --format gguf'")
+        raise UsageError(f"OUT {out}: a name ending in .gguf, but {'export' if merged is None else 'merge'} writes "
+                         f"a Transformers/PEFT folder there; {fix}")
     check_output_path(out, "OUT", folder=whole_folder or not out.lower().endswith(".gguf"))
 
 
@@ -121,7 +128,7 @@ def main_export(args: argparse.Namespace) -> int:
 
 def main_merge(args: argparse.Namespace) -> int:
     _check_base(args.base, "give the base model folder the adapter was trained on")
-    _check_out(args.out, whole_folder=True)
+    _check_out(args.out, whole_folder=True, merged=args.adapter)
     label = f"--base {args.base}"
     if args.base is None:
         from shardtune.hub import adapter_base, adapter_folder_problem
