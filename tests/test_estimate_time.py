@@ -369,7 +369,8 @@ def _write_rows(path, rows):
     return path
 
 
-def test_data_tokens_with_the_models_tokenizer_and_approximately(tmp_path):
+def _word_tokenizer_folder(tmp_path):
+    """A model folder whose tokenizer.json makes one token of each whitespace-separated word."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = ["alpha", "beta", "gamma", "delta"]
@@ -378,6 +379,11 @@ def test_data_tokens_with_the_models_tokenizer_and_approximately(tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
     tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_data_tokens_with_the_models_tokenizer_and_approximately(tmp_path):
+    folder = _word_tokenizer_folder(tmp_path)
     rows = [{"text": "alpha beta gamma"},
             {"messages": [{"role": "user", "content": "delta delta"}, {"role": "assistant", "content": "alpha"}]},
             {"prompt": "beta " * 40, "completion": "gamma"}]
@@ -397,14 +403,7 @@ def test_data_tokens_count_only_the_columns_the_trainer_reads(tmp_path, capsys):
     --data counted every string of a row, so a chat file with a long metadata column came out several times the
     tokens (and the hours and dollars) it trains on. Each row counts what its format reads; the text field is the
     job's dataset_text_field."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["alpha", "beta", "gamma", "delta"]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words + ["[UNK]"])}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    folder = tmp_path / "model"
-    folder.mkdir()
-    tokenizer.save(str(folder / "tokenizer.json"))
+    folder = _word_tokenizer_folder(tmp_path)
     chat = [{"role": "user", "content": "delta delta"}, {"role": "assistant", "content": "alpha"}]
     rows = [{"prompt_id": "alpha " * 30, "prompt": "delta delta", "messages": chat, "source": "gamma " * 30},
             {"id": "beta " * 30, "prompt": "beta", "completion": "gamma"},
@@ -413,6 +412,9 @@ def test_data_tokens_count_only_the_columns_the_trainer_reads(tmp_path, capsys):
     data = _write_rows(tmp_path / "train.jsonl", rows)
     read = [chat, ["beta", "gamma"], ["alpha", "", "beta"], ["alpha beta"]]  # what each row's format reads
     exact = count_data_tokens(str(data), str(folder), seq_len=64, text_field="content")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     assert exact.tokens == sum(len(tokenizer.encode(_every_string(r)).ids) for r in read) == 11
     approx = count_data_tokens(str(data), "llama-3-8b", seq_len=64, text_field="content")
     assert approx.tokens == sum(math.ceil(len(_every_string(r)) / 4) for r in read)
