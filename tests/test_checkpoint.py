@@ -143,6 +143,22 @@ def test_export_and_merge_cli_errors(tmp_path: Path, capsys) -> None:
     assert main(["merge", str(source), "--base", str(source), str(tmp_path / "out")]) == 2
     assert "not a PEFT adapter folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    # A run's final/ (or an earlier export) is already in the form export writes: said so, with what to do instead.
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert main(["export", str(adapter), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"shardtune export: error: {adapter}: a PEFT adapter folder (a LoRA run's "
+                                       f"final/, or an export), already in the form export writes, not a checkpoint: "
+                                       f"load it with PEFT as it is, fold it into its base with 'shardtune merge', or "
+                                       f"convert it with --format gguf\n")
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    (whole / "config.json").write_text("{}")
+    (whole / "model.safetensors").write_bytes(b"")
+    assert main(["export", str(whole), str(tmp_path / "out")]) == 2
+    assert f"{whole}: a whole model folder (a full fine-tune's final/" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
     # A run's output_dir given where its final/ adapter goes (export takes either): pointed at final/
     (source / "final").mkdir()
     (source / "final" / "adapter_config.json").write_text("{}")

@@ -20,7 +20,7 @@ from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
 from shardtune.files import give_plain_mode
 from shardtune.hub import (ADAPTER_ON_ANOTHER_BASE, adapter_folder_problem, adapter_left_out, adapter_weights_problem,
-                           has_tokenizer, loading_refused)
+                           WEIGHT_PATTERNS, has_tokenizer, loading_refused)
 from shardtune.peft_names import embedding_layers_saved
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
 from shardtune.train.destination import folder_made_for, publish, refuse_destination, temporary_sibling
@@ -152,6 +152,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
     ``overwrite``) hold an earlier export, and never the checkpoint, its run or the current folder
     (``destination``).
     """
+    if problem := exported_already(Path(checkpoint)):
+        raise UsageError(problem)
     refuse_destination(out, "OUT", sources=[checkpoint], overwrite=overwrite)
     model, tokenizer, is_peft, _ = load_checkpoint_model(checkpoint, base=base)
     options = state_dict_options(is_peft)
@@ -198,6 +200,24 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
     with loading_refused(str(checkpoint), fix, fix):  # weights of other shapes than the base's
         set_model_state_dict(model, state, options=options)
     return model, tokenizer, is_peft, cfg.model.model_name_or_path
+
+
+def exported_already(folder: Path) -> str | None:
+    """A folder in the form export writes (a run's final/, an earlier export or merge) given as the checkpoint: it
+    needs no export to that form, which said only "no manifest.json; give a checkpoints/step-N folder". One line
+    saying what it is and what to do with it; None for anything else."""
+    if not folder.is_dir() or (folder / MANIFEST).is_file():
+        return None
+    if is_adapter_folder(folder):
+        kind, use = "a PEFT adapter folder (a LoRA run's final/, or an export)", \
+            "load it with PEFT as it is, fold it into its base with 'shardtune merge',"
+    elif (folder / "config.json").is_file() and any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+        kind, use = "a whole model folder (a full fine-tune's final/, an export or a merge)", \
+            "load it with transformers as it is,"
+    else:
+        return None
+    return (f"{folder}: {kind}, already in the form export writes, not a checkpoint: {use} or convert it with "
+            f"--format gguf")
 
 
 def is_adapter_folder(folder: Path) -> bool:
