@@ -93,6 +93,22 @@ def offline_unless_reachable(*names: str | None) -> None:
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.index.json")
 
 
+def holds_weights(folder: Path) -> bool:
+    """Whether ``folder`` holds a model's weight files (``WEIGHT_PATTERNS``)."""
+    return any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS)
+
+
+def is_whole_model_folder(folder: Path) -> bool:
+    """Whether ``folder`` is what save_pretrained writes for a whole model: config.json and its weights."""
+    return (folder / "config.json").is_file() and holds_weights(folder)
+
+
+def is_adapter_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a PEFT adapter (its adapter_config.json); ``adapter_folder_problem`` says what
+    keeps one from being read."""
+    return (folder / "adapter_config.json").is_file()
+
+
 def _holds(folder: Path, most: int = 6) -> str:
     names = sorted(p.name for p in folder.iterdir())
     if not names:
@@ -124,7 +140,7 @@ def model_folder_problem(folder: str | Path, name: str, *, trust_remote_code: bo
     if not config_file.is_file():
         return (f"{name} holds no config.json (it holds {_holds(folder)}): give a Transformers model folder, "
                 f"the one save_pretrained wrote")
-    if not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+    if not holds_weights(folder):
         kinds = ", ".join(WEIGHT_PATTERNS[:-1]) + f" or {WEIGHT_PATTERNS[-1]}"
         ggufs = sorted(p.name for p in folder.glob("*.gguf") if p.is_file())  # a GGUF repository's config.json
         gguf = (f", or give one of its GGUF files ({folder / ggufs[0]}{' ...' if ggufs[1:] else ''}), which holds "
@@ -357,10 +373,9 @@ def adapter_folder_problem(folder: str | Path) -> str | None:
 
     folder = Path(folder).expanduser()
     config = folder / "adapter_config.json"
-    if not config.is_file() and (folder / "final" / "adapter_config.json").is_file():  # export takes it; merge not
+    if not config.is_file() and is_adapter_folder(folder / "final"):  # export takes it; merge not
         return f"{folder}: a LoRA run's output_dir, not its adapter; give {folder / 'final'}"
-    if not config.is_file() and (folder / "config.json").is_file() and any(
-            any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):  # a full fine-tune's final/, or any model
+    if not config.is_file() and is_whole_model_folder(folder):  # a full fine-tune's final/, or any model
         return (f"{folder}: a whole model (config.json and its weights), not a PEFT adapter folder (no "
                 f"adapter_config.json): nothing to merge; use the folder as it is, or give a LoRA run's "
                 f"output_dir/final")

@@ -34,6 +34,7 @@ from shardtune.hub import (
     adapter_weights_problem,
     config_context_length,
     has_tokenizer,
+    is_adapter_folder,
     loading_refused,
     model_folder_problem,
     pickled_weights_refused,
@@ -66,7 +67,7 @@ def weights_source(path: str | Path) -> Path | None:
     """The model folder or GGUF whose weights ``load_for_generation(path)`` loads: an adapter's base, else ``path``
     itself; None where the adapter's config does not tell (loading says what is wrong)."""
     folder = Path(path).expanduser()
-    if not (folder / "adapter_config.json").is_file():
+    if not is_adapter_folder(folder):
         return folder
     try:
         return adapter_base(folder)
@@ -96,7 +97,7 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
     if not folder.is_dir():
         raise UsageError(f"MODEL_OR_ADAPTER '{path}' is not a folder; give a model folder (with config.json) or a "
                          f"PEFT adapter folder (with adapter_config.json).")
-    is_adapter = (folder / "adapter_config.json").is_file()
+    is_adapter = is_adapter_folder(folder)
     if not is_adapter and not (folder / "config.json").is_file():
         if (folder / "final").is_dir():
             raise UsageError(f"'{path}' is a training run's output_dir: give its final/ ({folder / 'final'})")

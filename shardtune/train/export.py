@@ -20,7 +20,7 @@ from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
 from shardtune.files import give_plain_mode
 from shardtune.hub import (ADAPTER_ON_ANOTHER_BASE, adapter_folder_problem, adapter_left_out, adapter_weights_problem,
-                           WEIGHT_PATTERNS, has_tokenizer, loading_refused)
+                           has_tokenizer, is_adapter_folder, is_whole_model_folder, loading_refused)
 from shardtune.peft_names import embedding_layers_saved
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
 from shardtune.train.destination import folder_made_for, publish, refuse_destination, temporary_sibling
@@ -211,19 +211,13 @@ def exported_already(folder: Path) -> str | None:
     if is_adapter_folder(folder):
         kind, use = "a PEFT adapter folder (a LoRA run's final/, or an export)", \
             "load it with PEFT as it is, fold it into its base with 'shardtune merge',"
-    elif (folder / "config.json").is_file() and any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+    elif is_whole_model_folder(folder):
         kind, use = "a whole model folder (a full fine-tune's final/, an export or a merge)", \
             "load it with transformers as it is,"
     else:
         return None
     return (f"{folder}: {kind}, already in the form export writes, not a checkpoint: {use} or convert it with "
             f"--format gguf")
-
-
-def is_adapter_folder(folder: Path) -> bool:
-    """Whether ``folder`` holds a PEFT adapter (its adapter_config.json); ``hub.adapter_folder_problem`` says
-    what keeps one from being read."""
-    return (folder / "adapter_config.json").is_file()
 
 
 def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:

@@ -17,12 +17,12 @@ from shardtune.gguf_export import MARK_KEY, check_quantize, family_of, write_ggu
 from shardtune.gguf_source import GgufFile, check_complete, described, find_gguf, metadata, parsed_once
 from shardtune.gguf_source import load_config as load_gguf_config
 from shardtune.gguf_vocab import template_for_gguf
-from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, loading_refused, looks_like_local_path,
-                           model_folder_problem, pickled_weights_refused, tokenizer_problem)
+from shardtune.hub import (adapter_folder_problem, adapter_weights_problem, is_adapter_folder, loading_refused,
+                           looks_like_local_path, model_folder_problem, pickled_weights_refused, tokenizer_problem)
 from shardtune.files import WRITTEN_BY
 from shardtune.ollama import modelfile_written_by_shardtune, write_modelfile
 from shardtune.train.destination import folder_made_for
-from shardtune.train.export import is_adapter_folder, load_checkpoint_model, load_plain_model, merged_model
+from shardtune.train.export import load_checkpoint_model, load_plain_model, merged_model
 from shardtune.train.layout import MANIFEST
 
 log = logging.getLogger("shardtune")
