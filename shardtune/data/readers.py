@@ -355,9 +355,7 @@ def _json_document_rows(path: Path) -> list[tuple[str, dict | BadRow]] | None:
         values.append((f"{path}:{line_no}", value))
         at = end
     if len(values) == 1 and isinstance(values[0][1], list):
-        return [(f"{path} row {i + 1}", row if isinstance(row, dict) else
-                 BadRow(f"{path} row {i + 1}", f"a row must be a JSON object; {SKIP_HINT}"))
-                for i, row in enumerate(values[0][1])]
+        return list(_list_rows(path, values[0][1]))
     return values if values and all(isinstance(value, dict) for _, value in values) else None
 
 
@@ -390,7 +388,12 @@ def _iter_json(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
         data = lists[0]
     if not isinstance(data, list):
         raise UsageError(f"{path}: a JSON file must hold a list of rows, got {type(data).__name__}.")
-    for i, row in enumerate(data):
+    yield from _list_rows(path, data)
+
+
+def _list_rows(path: Path, rows: list) -> Iterator[tuple[str, dict | BadRow]]:
+    """A JSON list's rows as (where, row), each by its place in the list; an item that is no object a BadRow."""
+    for i, row in enumerate(rows):
         where = f"{path} row {i + 1}"
         yield where, row if isinstance(row, dict) else BadRow(where, f"a row must be a JSON object; {SKIP_HINT}")
 
