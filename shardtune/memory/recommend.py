@@ -348,11 +348,15 @@ def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: M
     return text
 
 
+# The methods that hold less than each, lightest last: what to try where it does not fit.
+LIGHTER = {"full": ("lora", "qlora"), "lora": ("qlora",), "qlora": ()}
+
+
 def _on_the_gpus(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
     """Where only a last resort (CPU offload, model parallel) holds ``base``'s method: the lighter methods that fit
     without one, each with its setup and per-GPU total (the question of full fine-tuning or LoRA or QLoRA)."""
     out = []
-    for method in {"full": ("lora", "qlora"), "lora": ("qlora",), "qlora": ()}[base.method]:
+    for method in LIGHTER[base.method]:
         options = [s for s in candidates(base.with_(method=method), analysis=analysis) if not _last_resort(s)]
         fitting = ((s, evaluate_setup(analysis, s)) for s in options)
         if hit := next(((s, b) for s, b in fitting if b.fits(gpu.memory_bytes)), None):
@@ -395,8 +399,7 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
     checkpointed = base.with_(gradient_checkpointing=True)
     if not base.gradient_checkpointing and (hit := first_fit(candidates(checkpointed, analysis=analysis))):
         out.append(f"--gradient-checkpointing with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
-    methods = {"full": ("lora", "qlora"), "lora": ("qlora",), "qlora": ()}[base.method]
-    for method in methods:
+    for method in LIGHTER[base.method]:
         if hit := first_fit(candidates(base.with_(method=method), analysis=analysis)):
             out.append(f"--method {method} with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
             break
