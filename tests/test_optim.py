@@ -216,3 +216,44 @@ def test_a_plateau_resumed_with_another_learning_rate_keeps_its_cuts_and_floor()
     load_schedule_state(linear, saved, steps_done=7, same_metric=True)
     apply_learning_rate(optimizer, linear, 1.0)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.3, rel=1e-12)  # (10 - 7) / 10
+
+
+def test_each_plateau_setting_acts_as_torchs_argument_of_its_name():
+    """plateau_factor, _patience, _threshold, _threshold_mode, _cooldown, _eps and min_lr each change the rates a
+    run of evaluations gives, and give the rates torch's ReduceLROnPlateau gives with that argument."""
+    from shardtune.train.optim import plateau_step
+
+    metrics = [10.0, 9.8, 9.6, 9.5, 9.5, 9.5, 9.5, 9.5]
+    names = {"plateau_factor": "factor", "plateau_patience": "patience", "plateau_threshold": "threshold",
+             "plateau_threshold_mode": "threshold_mode", "plateau_cooldown": "cooldown", "plateau_eps": "eps",
+             "min_lr": "min_lr"}
+    base = {"plateau_factor": 0.5, "plateau_patience": 0, "plateau_threshold": 0.05}
+
+    def ours(**settings) -> list[float]:
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = build_scheduler(optimizer, OptimConfig(learning_rate=1.0, lr_scheduler_type="reduce_lr_on_plateau",
+                                                           **settings), total_steps=10)
+        out = []
+        for metric in metrics:
+            plateau_step(scheduler, metric)
+            out.append(optimizer.param_groups[0]["lr"])
+        return out
+
+    def torchs(**settings) -> list[float]:
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+        reference = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, **{names[k]: v for k, v in settings.items()})
+        out = []
+        for metric in metrics:
+            reference.step(metric)
+            out.append(optimizer.param_groups[0]["lr"])
+        return out
+
+    plain = ours(**base)
+    assert plain == torchs(**base)
+    for name, value in (("plateau_factor", 0.2), ("plateau_patience", 2), ("plateau_threshold", 0.001),
+                        ("plateau_threshold_mode", "abs"), ("plateau_cooldown", 2), ("min_lr", 0.3)):
+        settings = {**base, name: value}
+        assert ours(**settings) == torchs(**settings) != plain, name
+    # eps: a cut smaller than it is not made (here the floor leaves one of 0.01)
+    floored = {**base, "min_lr": 0.99}
+    assert ours(**floored, plateau_eps=0.1) == torchs(**floored, plateau_eps=0.1) != ours(**floored)
