@@ -561,3 +561,38 @@ def test_the_side_by_side_table_fits_80_columns_with_a_405b_models_totals(capsys
     table = capsys.readouterr().out.split("Setups side by side")[1].split("fits: total")[0]
     assert "…" not in table and "max b" in table
     assert f"{ddp['per_gpu']['total'] / GIB:,.0f}" in table
+
+
+def test_tight_margin_is_the_calibrated_error():
+    """"fits, tight" means less to spare than the formula's mean error on measured peaks: the constant is the one
+    bench/calibration.py reports, so a recalibration that moves it fails here until the constant follows."""
+    from pathlib import Path
+
+    from shardtune.memory.formula import MEASURED_ERROR
+
+    calibration = json.loads((Path(__file__).parent.parent / "bench/results/calibration.json").read_text())
+    assert MEASURED_ERROR == round(calibration["memory_summary"]["mean_abs_error"], 3)
+
+
+def test_a_setup_that_fits_within_the_estimates_error_is_tight_and_a_roomier_micro_batch_is_named(capsys):
+    """LoRA of Llama-3.1-8B on one RTX 4090 at 2 x 4096 tokens fits by 0.23 GiB where the estimate's error is about
+    2 GiB (and its trace leaves 0.03): it said "fits" as if that were certain. It is now "fits, tight", and the
+    recommendation names micro-batch 1 x 8 (the same 8 rows per optimizer step), with what that leaves."""
+    from shardtune.memory.formula import MEASURED_ERROR
+
+    asked = ["estimate", "llama-3.1-8b", "--method", "lora", "--gpu", "rtx4090", "--seq-len", "4096"]
+    assert main([*asked, "--batch-size", "2", "--gradient-accumulation-steps", "4", "--json"]) == 0
+    tight = json.loads(capsys.readouterr().out)
+    gpu, total, context = tight["gpu"]["memory_bytes"], tight["per_gpu"]["total"], tight["cuda_context"]
+    assert tight["fits"] and tight["spare_bytes"] == gpu - total - context
+    assert 0 <= tight["spare_bytes"] < MEASURED_ERROR * total and tight["tight"] and tight["recommendation"]["tight"]
+    assert main([*asked, "--batch-size", "1", "--gradient-accumulation-steps", "8", "--json"]) == 0
+    roomy = json.loads(capsys.readouterr().out)
+    assert roomy["spare_bytes"] >= MEASURED_ERROR * roomy["per_gpu"]["total"] and not roomy["tight"]
+    assert not roomy["recommendation"]["tight"] and "Tight" not in roomy["recommendation"]["reason"]
+    reason = " ".join(tight["recommendation"]["reason"].split())
+    assert (f"Tight: {tight['spare_bytes'] / GIB:.2f} GiB to spare is less than the estimate's mean error on measured "
+            f"peaks ({MEASURED_ERROR:.1%}, {MEASURED_ERROR * total / GIB:.2f} GiB here): micro-batch 1 x 8 "
+            f"accumulation steps leaves {roomy['spare_bytes'] / GIB:.2f} GiB.") in reason
+    assert main([*asked, "--batch-size", "2", "--gradient-accumulation-steps", "4"]) == 0
+    assert "fits, tight" in capsys.readouterr().out

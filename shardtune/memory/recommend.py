@@ -23,7 +23,7 @@ from pathlib import Path
 from shardtune.config.validation import setup_problems
 from shardtune.errors import UsageError
 from shardtune.hardware import Gpu
-from shardtune.memory.formula import Breakdown, estimate
+from shardtune.memory.formula import MEASURED_ERROR, Breakdown, estimate
 from shardtune.memory.inventory import ModelAnalysis
 from shardtune.memory.setup import Setup
 from shardtune.strategies import DDP, FSDP, MP, NO, PP, lookup
@@ -39,6 +39,7 @@ class Recommendation:
     max_batch_size: int
     reason: str
     suggestions: list[str] = field(default_factory=list)
+    tight: bool = False  # fits, within the estimate's error (Breakdown.tight)
 
     def to_dict(self) -> dict:
         s = self.setup
@@ -54,6 +55,7 @@ class Recommendation:
             "num_nodes": s.num_nodes,
             "batch_size": s.batch_size,
             "max_batch_size": self.max_batch_size,
+            "tight": self.tight,
             "reason": self.reason,
             "suggestions": self.suggestions,
         }
@@ -253,8 +255,10 @@ def recommend(analysis: ModelAnalysis, base: Setup, gpu: Gpu, measured: Measured
             if setup.uses_lora or setup.method == "full":
                 up_to = f"{biggest} or more" if biggest >= MAX_BATCH else f"up to {biggest}"
                 reason += f" Micro-batch {up_to} fits (at sequence length {setup.seq_len})."
-            return Recommendation(setup, breakdown, True, biggest, reason + _host_memory(breakdown),
-                                  _on_the_gpus(analysis, base, gpu) if _last_resort(setup) else [])
+            return Recommendation(setup, breakdown, True, biggest,
+                                  reason + _host_memory(breakdown) + _margin(analysis, breakdown, gpu),
+                                  _on_the_gpus(analysis, base, gpu) if _last_resort(setup) else [],
+                                  breakdown.tight(gpu.memory_bytes))
     # Nothing fits at the asked micro-batch: a smaller one, on the GPUs, else with a last resort.
     if measured is None and (smaller := _smaller_micro_batch(analysis, options, gpu)
                              or _smaller_micro_batch(analysis, options, gpu, last_resorts=True)):
@@ -285,8 +289,10 @@ def _smaller_micro_batch(analysis: ModelAnalysis, options: list[Setup], gpu: Gpu
             held = f"only {held_by.label()} holds it, slower than a smaller one" if held_by else "no setup holds it"
             reason = (f"{fitted.label()} at micro-batch {fitted.batch_size} x {fitted.gradient_accumulation_steps} "
                       f"accumulation steps (the asked {rows} rows per GPU per optimizer step): at micro-batch "
-                      f"{setup.batch_size} {held}; {_why(fitted)}.{_host_memory(breakdown)}")
-            return Recommendation(fitted, breakdown, True, max_batch_size(analysis, fitted, gpu), reason)
+                      f"{setup.batch_size} {held}; {_why(fitted)}.{_host_memory(breakdown)}"
+                      f"{_margin(analysis, breakdown, gpu)}")
+            return Recommendation(fitted, breakdown, True, max_batch_size(analysis, fitted, gpu), reason,
+                                  tight=breakdown.tight(gpu.memory_bytes))
     return None
 
 
@@ -298,16 +304,32 @@ def _host_memory(breakdown: Breakdown) -> str:
             f"has that much free.")
 
 
-def _at_smaller_micro_batch(analysis: ModelAnalysis, setup: Setup, gpu: Gpu) -> tuple[Setup, Breakdown] | None:
-    """``setup`` at the largest micro-batch below its own that fits ``gpu`` and divides the rows each GPU takes per
-    optimizer step, the accumulation making up the rest; None where not even one row fits."""
+def _margin(analysis: ModelAnalysis, breakdown: Breakdown, gpu: Gpu) -> str:
+    """Where ``breakdown``'s setup fits ``gpu`` within the estimate's error: what it leaves, and the smaller
+    micro-batch (same rows per optimizer step) that leaves more than the error; "" where it is not tight."""
+    if not breakdown.tight(gpu.memory_bytes):
+        return ""
+    text = (f" Tight: {breakdown.spare(gpu.memory_bytes) / 2**30:.2f} GiB to spare is less than the estimate's mean "
+            f"error on measured peaks ({MEASURED_ERROR:.1%}, {MEASURED_ERROR * breakdown.total / 2**30:.2f} GiB here)")
+    if hit := _at_smaller_micro_batch(analysis, breakdown.setup, gpu, roomy=True):
+        smaller, roomier = hit
+        return (f"{text}: micro-batch {smaller.batch_size} x {smaller.gradient_accumulation_steps} accumulation "
+                f"steps leaves {roomier.spare(gpu.memory_bytes) / 2**30:.2f} GiB.")
+    return f"{text}; --trace runs the step itself on fake tensors."
+
+
+def _at_smaller_micro_batch(analysis: ModelAnalysis, setup: Setup, gpu: Gpu,
+                            roomy: bool = False) -> tuple[Setup, Breakdown] | None:
+    """``setup`` at the largest micro-batch below its own that fits ``gpu`` (with ``roomy``, with more to spare
+    than the estimate's error) and divides the rows each GPU takes per optimizer step, the accumulation making up
+    the rest; None where not even one row does."""
     rows = setup.batch_size * setup.gradient_accumulation_steps
     for micro in range(setup.batch_size - 1, 0, -1):
         if rows % micro:
             continue
         smaller = setup.with_(per_device_train_batch_size=micro, gradient_accumulation_steps=rows // micro)
         breakdown = evaluate_setup(analysis, smaller)
-        if breakdown.fits(gpu.memory_bytes):
+        if breakdown.fits(gpu.memory_bytes) and not (roomy and breakdown.tight(gpu.memory_bytes)):
             return smaller, breakdown
     return None
 

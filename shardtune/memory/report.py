@@ -45,6 +45,8 @@ def to_dict(r: Report) -> dict:
         "cuda_context": b.cuda_context,
         "nvidia_smi_bytes": b.total + b.cuda_context,
         "fits": b.fits(r.gpu.memory_bytes),
+        "spare_bytes": b.spare(r.gpu.memory_bytes),
+        "tight": b.tight(r.gpu.memory_bytes),
         "peak_phase": b.phase,
         "phases": b.phases,
         "items": [asdict(i) for i in b.items],
@@ -163,8 +165,8 @@ def render(r: Report, console: Console) -> None:
     table.add_section()
     table.add_row("[bold]total[/]", "peak that torch.cuda.max_memory_reserved reports", f"[bold]{_gib(b.total)}[/]")
     table.add_row("", "CUDA context and NCCL (outside PyTorch's allocator)", _gib(b.cuda_context))
-    fits = b.fits(r.gpu.memory_bytes)
-    verdict = "[green]fits[/]" if fits else "[red]does not fit[/]"
+    verdict = ("[yellow]fits, tight[/]" if b.tight(r.gpu.memory_bytes) else "[green]fits[/]"
+               if b.fits(r.gpu.memory_bytes) else "[red]does not fit[/]")
     table.add_row("", f"what nvidia-smi shows, against {r.gpu.memory_bytes / GIB:.1f} GiB: {verdict}",
                   _gib(b.total + b.cuda_context))
     console.print(table)
