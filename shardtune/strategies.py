@@ -144,6 +144,15 @@ def resolve(distributed_type: str | Strategy | None, several_processes: bool) ->
     return DDP if chosen.one_device and several_processes else chosen
 
 
+def no_as_ddp(distributed_type: str | None, world_size: int, done: str) -> str:
+    """What ``train`` says at start (``done`` "trained") and ``estimate --config`` says ("estimated") where a
+    recipe's distributed_type NO runs on several processes, as DDP; "" otherwise."""
+    if distributed_type != "NO" or world_size < 2:
+        return ""
+    return (f"distributed_type NO on {world_size} processes: {done} as DDP, each process a slice of every batch (NO "
+            f"alone would have each train the whole model on its own)")
+
+
 # DeepSpeed's ZeRO stages and the strategy that keeps the same things sharded. FSDP has no optimizer-only sharding,
 # so ZeRO-1 becomes SHARD_GRAD_OP, which shards gradients as well (less memory than ZeRO-1, the same traffic).
 ZERO_STAGES: dict[int, tuple[Strategy, str | None]] = {

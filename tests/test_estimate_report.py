@@ -132,6 +132,25 @@ def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
     assert "--method, --num-gpus: with --config the files describe the setup" in capsys.readouterr().err
 
 
+
+def test_estimate_config_of_distributed_type_no_on_several_processes_says_it_is_ddp(tmp_path, capsys):
+    """A recipe with distributed_type NO and num_processes 2 trains as DDP (train says so at start); the estimate of
+    the same files showed a DDP table without saying why, so a user who wrote NO read it as the wrong job."""
+    from shardtune.cli import main
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: llama-3.2-1b\ndistributed_type: 'NO'\nnum_processes: 2\nuse_peft_lora: "
+                      "true\n")
+    assert main(["estimate", "--gpu", "h100-80gb", "--config", str(recipe), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["setup"]["strategy"] == "DDP"
+    assert ("note: distributed_type NO on 2 processes: estimated as DDP, each process a slice of every batch (NO "
+            "alone would have each train the whole model on its own)") in captured.err
+    recipe.write_text(recipe.read_text().replace("num_processes: 2", "num_processes: 1"))
+    assert main(["estimate", "--gpu", "h100-80gb", "--config", str(recipe), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["setup"]["strategy"] == "NO" and "DDP" not in captured.err
+
 def test_estimate_config_of_a_launcher_file_alone_needs_no_data(tmp_path, capsys):
     """An Accelerate config or a DeepSpeed JSON is a whole setup without a recipe: the estimate of MODEL under it
     needs no dataset_name (nothing is read), and is that of the options describing the same job."""

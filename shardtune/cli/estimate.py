@@ -19,7 +19,7 @@ from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_
 from shardtune.memory.report import Report, TimeReport, estimate_report
 from shardtune.memory.setup import (ATTENTION, LOSSES, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
                                     Setup, validate)
-from shardtune.strategies import DDP, FSDP, NAMES, NO, ZERO_STAGES, strategy_named, zero_stage
+from shardtune.strategies import DDP, FSDP, NAMES, NO, ZERO_STAGES, no_as_ddp, strategy_named, zero_stage
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -304,6 +304,8 @@ def setup_from_config_files(args: argparse.Namespace) -> Setup:
         raise UsageError(f"fsdp_auto_wrap_policy {d.fsdp_auto_wrap_policy}: the estimate's formula counts one FSDP "
                          f"unit per decoder layer (TRANSFORMER_BASED_WRAP); add --trace, which wraps the job's model "
                          f"as it runs, or use TRANSFORMER_BASED_WRAP")
+    if note := no_as_ddp(d.distributed_type, d.num_processes, "estimated"):
+        print(f"note: {note}", file=sys.stderr)
     return validate(setup_from_config(cfg, d.num_processes, d.num_machines if d.num_processes % d.num_machines == 0
                                       else 1, native_bf16=gpu_from_args(args).bf16))
 

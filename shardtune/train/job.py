@@ -19,6 +19,7 @@ from shardtune.config.validation import SWITCHES
 from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
 from shardtune.gguf_source import parsed_once
+from shardtune.strategies import no_as_ddp
 from shardtune.train.build import build_model, plan_for
 from shardtune.train.model import Precision, attn_implementation
 from shardtune.train.model_parallel import place_stages
@@ -94,9 +95,8 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     # writes the attention mask in the form the model's attention reads (eager adds it to the scores).
     collator = Collator(tokenizer.pad_token_id, pad_to_multiple_of=None if plan.shards_batch else cfg.data.max_seq_len,
                         attn_implementation=attn_implementation(cfg.model, info.device, precision.compute_dtype))
-    if cfg.distributed.distributed_type == "NO" and plan.strategy.name == "DDP" and info.is_main:
-        log.info("distributed_type NO on %d processes: trained as DDP, each process a slice of every batch (NO alone "
-                 "would have each train the whole model on its own)", info.world_size)
+    if (note := no_as_ddp(cfg.distributed.distributed_type, info.world_size, "trained")) and info.is_main:
+        log.info(note)
     log.info("strategy: %s, %s", plan.describe(info), precision.describe())
     model, runner, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer))
     world, rank = plan.data_split(info)
