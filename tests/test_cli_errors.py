@@ -112,6 +112,19 @@ def test_emitted_config_uses_the_placeholder_config_rejects(emitted):
     assert f"dataset_name: {DATASET_PLACEHOLDER}\n" in emitted.read_text()
 
 
+
+@pytest.mark.parametrize("name", ["recipe.json", "recipe.txt", "recipe"])
+def test_emit_config_to_a_file_train_cannot_read_is_refused_before_writing(tiny, tmp_path, name, capsys):
+    """--emit-config r.json wrote YAML into a .json file, which 'shardtune train r.json' then refused as not a
+    recipe; a name train reads (.yaml, .yml) is asked for before anything is estimated or written."""
+    path = tmp_path / name
+    assert main(["estimate", str(tiny), "--method", "lora", "--emit-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--emit-config {path}: the recipe is written in YAML" in err and f"name it {tmp_path}/recipe.yaml" in err
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+    assert main(["estimate", str(tiny), "--method", "lora", "--emit-config", str(tmp_path / "r.yml")]) == 0
+    assert (tmp_path / "r.yml").read_text().startswith("# Written by shardtune: a 'shardtune train' recipe")
+
 def test_placeholder_data_set_is_refused_before_the_model_loads(emitted, capsys, monkeypatch):
     import shardtune.data.templates
 

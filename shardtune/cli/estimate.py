@@ -484,6 +484,9 @@ def _estimate(args: argparse.Namespace) -> int:
                          ("--plot", args.plot and wants_time(args) and time_plot_path(args.plot))):
         if path:
             check_output_file(path, option)  # before the estimate, not after it
+    if args.emit_config and not args.emit_config.endswith((".yaml", ".yml")):  # what train reads as a recipe
+        raise UsageError(f"--emit-config {args.emit_config}: the recipe is written in YAML, which 'shardtune train' "
+                         f"reads from a .yaml or .yml file; name it {Path(args.emit_config).with_suffix('.yaml')}")
     if args.plot:
         from shardtune.memory.plot import check_plot_path
 
