@@ -334,6 +334,25 @@ def test_alpaca_rows_plain_prompt_or_chat_template(model_dir, tmp_path):
     assert targets(tok, chat.train[0]) == "5<|im_end|>"
 
 
+
+def test_an_alpaca_rows_system_text_reaches_the_model_with_or_without_a_template(model_dir, tmp_path):
+    """LLaMA-Factory's Alpaca files carry a 'system' column. Through a named template it was the system turn, but
+    through the plain Alpaca prompt (the default) it was dropped without a word. It now stands where the Alpaca
+    preamble (the format's own system prompt) is, is never a target, and a non-string one is a bad row."""
+    rows = [{"instruction": "Add the numbers.", "input": "2 and 3", "output": "5", "system": "You are terse."},
+            {"instruction": "Say yes.", "input": "", "output": "Yes.", "system": None}]
+    data, tok = prepare(model_dir, tmp_path, rows, max_seq_len=256)
+    first, second = (tok.decode(r["input_ids"]) for r in data.train)
+    assert first == (BOS + "You are terse.\n\n### Instruction:\nAdd the numbers.\n\n### Input:\n2 and 3\n\n"
+                     "### Response:\n5" + EOS)
+    assert second.startswith(BOS + "Below is an instruction that describes a task. Write a response")
+    assert [targets(tok, r) for r in data.train] == ["5" + EOS, "Yes." + EOS]
+    chat, tok = prepare(model_dir, tmp_path, rows, max_seq_len=256, chat_template_format="chatml")
+    assert tok.decode(chat.train[0]["input_ids"]).startswith(BOS + "<|im_start|>system\nYou are terse.<|im_end|>")
+    assert "system" not in tok.decode(chat.train[1]["input_ids"])
+    with pytest.raises(UsageError, match=r"data\.jsonl:1: the field 'system' is missing or not a non-empty string"):
+        prepare(model_dir, tmp_path, [{**rows[0], "system": ["You are terse."]}], max_seq_len=256)
+
 def test_raw_text_trains_all_tokens_and_ends_with_eos(model_dir, tmp_path):
     rows = [{"body": "The quick cat is happy."}, {"body": "Two plus two is four."}]
     data, tok = prepare(model_dir, tmp_path, rows, dataset_text_field="body", max_seq_len=256)

@@ -160,12 +160,13 @@ def to_example(row: dict, where: str, fmt: str, text_field: str, alpaca_as_chat:
     if fmt == "alpaca":
         instruction, output = _text(row, "instruction", where), _text(row, "output", where)
         input_text = _text(row, "input", where, allow_empty=True)
+        system = _text(row, "system", where, allow_empty=True)  # LLaMA-Factory's Alpaca column
         if alpaca_as_chat:
             user = instruction + (f"\n\n{input_text}" if input_text else "")
-            messages = ([{"role": "system", "content": row["system"]}] if isinstance(row.get("system"), str) else [])
+            messages = [{"role": "system", "content": system}] if system else []
             messages += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
             return {**base, "messages": messages}
-        return {**base, "kind": "prompt_completion", "prompt": alpaca_prompt(instruction, input_text),
+        return {**base, "kind": "prompt_completion", "prompt": alpaca_prompt(instruction, input_text, system),
                 "completion": output}
     if fmt == "text":
         return {**base, "kind": "text", "completion": _text(row, text_field, where)}

@@ -73,16 +73,18 @@ TEMPLATES: dict[str, ChatTemplate] = {"chatml": CHATML, "llama-3": LLAMA3, "mist
                                       "zephyr": ZEPHYR}
 
 # The prompt that turns an Alpaca row (instruction, input, output) into prompt/completion text.
-ALPACA_PROMPT = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
-                 "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
+ALPACA_PREAMBLE = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
+                   "completes the request.")
+ALPACA_PROMPT = "{preamble}\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
 
 
-def alpaca_prompt(instruction: str, input_text: str) -> str:
-    """The Alpaca prompt for one row; the row's output follows it as the completion."""
-    if input_text:
-        return ALPACA_PROMPT.format(with_input=", paired with an input that provides further context",
-                                    instruction=instruction, input_block=f"### Input:\n{input_text}\n\n")
-    return ALPACA_PROMPT.format(with_input="", instruction=instruction, input_block="")
+def alpaca_prompt(instruction: str, input_text: str, system: str = "") -> str:
+    """The Alpaca prompt for one row; the row's output follows it as the completion. A row's ``system`` text (the
+    column of LLaMA-Factory's Alpaca files) stands where the Alpaca preamble, the format's own system prompt, is."""
+    with_input = ", paired with an input that provides further context" if input_text else ""
+    return ALPACA_PROMPT.format(preamble=system or ALPACA_PREAMBLE.format(with_input=with_input),
+                                instruction=instruction,
+                                input_block=f"### Input:\n{input_text}\n\n" if input_text else "")
 
 
 def load_tokenizer(model_name_or_path: str, cfg, *, trust_remote_code: bool = False):
