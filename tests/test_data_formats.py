@@ -451,6 +451,26 @@ def test_every_file_type_gives_the_same_rows(model_dir, tmp_path):
     assert all(v == results["jsonl"] for v in results.values())
 
 
+
+def test_chat_rows_in_a_csv_hold_their_messages_as_json_text(model_dir, tmp_path):
+    """A CSV cell holds text only, so a chat data set exported to CSV (or Parquet from pandas with to_json'd
+    columns) holds each row's messages as JSON text: it was refused, "the field 'messages' is missing or not a
+    list", though the list is there. JSON text that is a list is now read as the list, giving the same rows as the
+    JSONL file; text that starts as a list and does not parse names the row and what is wrong."""
+    path = tmp_path / "chats.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["conversations"])
+        w.writeheader()
+        w.writerows({"conversations": json.dumps(c["messages"])} for c in CHATS)
+    from_csv = prepare(model_dir, tmp_path, str(path), max_seq_len=256)[0].train.to_list()
+    renamed = [{"conversations": c["messages"]} for c in CHATS]
+    assert from_csv == prepare(model_dir, tmp_path, renamed, max_seq_len=256)[0].train.to_list()
+    assert len(from_csv) == len(CHATS)
+    broken = [{"messages": json.dumps(CHATS[0]["messages"])[:-1]}]
+    with pytest.raises(UsageError, match=r"data\.jsonl:1: 'messages' is text that starts as a JSON list but does not "
+                                         r"parse \(Expecting ',' delimiter at character \d+\)"):
+        prepare(model_dir, tmp_path, broken, max_seq_len=256)
+
 def test_a_jsonl_file_written_by_json_dump_is_read_as_datasets_reads_it(model_dir, tmp_path):
     """json.dump(rows) into data.jsonl (a JSON list), or each row dumped with indent=2: load_dataset, and so a TRL
     script, reads both, where this refused line 1 as malformed JSON or as 'a row must be a JSON object, got list'.

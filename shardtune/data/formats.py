@@ -38,6 +38,18 @@ def detect_format(row: dict, text_field: str) -> str:
                      "(set dataset_text_field or data_format).")
 
 
+def _decoded(value, key: str, where: str):
+    """A column of messages written as JSON text (a CSV cell can hold nothing else) as its list; another value as
+    it is."""
+    if not (isinstance(value, str) and value.lstrip().startswith("[")):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise BadRow(where, f"'{key}' is text that starts as a JSON list but does not parse ({exc.msg} at character "
+                            f"{exc.pos}); {SKIP_HINT}") from None
+
+
 def _messages(value, where: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise BadRow(where, f"'messages' must be a non-empty list of {{role, content}} objects; {SKIP_HINT}")
@@ -136,10 +148,12 @@ def to_example(row: dict, where: str, fmt: str, text_field: str, alpaca_as_chat:
             "where": where}
     tools = _tools(row, where)
     if fmt == "chat":
-        key = next((k for k in ("messages", "conversations", text_field) if isinstance(row.get(k), list)), None)
+        columns = {k: _decoded(row.get(k), k, where) for k in ("messages", "conversations")}
+        columns.setdefault(text_field, row.get(text_field))  # a list in the text field; text there is no chat
+        key = next((k for k, value in columns.items() if isinstance(value, list)), None)
         if key is None:
             raise BadRow(where, f"the field 'messages' is missing or not a list; {SKIP_HINT}")
-        return {**base, "messages": _messages(row[key], where), "tools": tools}
+        return {**base, "messages": _messages(columns[key], where), "tools": tools}
     if fmt == "prompt_completion":
         prompt, completion = row.get("prompt"), row.get("completion")
         # conversational prompt/completion; a null prompt is an empty one, as for strings
