@@ -410,14 +410,26 @@ def test_data_tokens_count_only_the_columns_the_trainer_reads(tmp_path, capsys):
             {"instruction": "alpha", "input": "", "output": "beta", "url": "gamma " * 30},
             {"content": "alpha beta", "meta": "gamma " * 30}]
     data = _write_rows(tmp_path / "train.jsonl", rows)
-    read = [chat, ["beta", "gamma"], ["alpha", "", "beta"], ["alpha beta"]]  # what each row's format reads
+    from shardtune.data.templates import alpaca_prompt
+
+    # What each row's format reads: an Alpaca row without a chat template trains on the Alpaca prompt around its
+    # fields (the preamble's words count), with one as a user and an assistant turn.
+    read = [chat, ["beta", "gamma"], [alpaca_prompt("alpha", ""), "beta"], ["alpha beta"]]
     exact = count_data_tokens(str(data), str(folder), seq_len=64, text_field="content")
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    assert exact.tokens == sum(len(tokenizer.encode(_every_string(r)).ids) for r in read) == 11
+    assert exact.tokens == sum(len(tokenizer.encode(_every_string(r)).ids) for r in read)
     approx = count_data_tokens(str(data), "llama-3-8b", seq_len=64, text_field="content")
     assert approx.tokens == sum(math.ceil(len(_every_string(r)) / 4) for r in read)
+    read[2] = [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "beta"}]
+    as_chat = count_data_tokens(str(data), str(folder), seq_len=64, text_field="content", alpaca_as_chat=True)
+    assert as_chat.tokens == sum(len(tokenizer.encode(_every_string(r)).ids) for r in read) == 13
+    # A chat file in CSV holds its messages as JSON text, read as the trainer reads it: the roles and contents.
+    with (tmp_path / "chat.csv").open("w", newline="") as f:
+        f.write("messages,source\n" + '"' + json.dumps(chat).replace('"', '""') + '",' + "gamma " * 30 + "\n")
+    assert count_data_tokens(str(tmp_path / "chat.csv"), str(folder), seq_len=64).tokens == \
+        len(tokenizer.encode(_every_string(chat)).ids) == 5
     # The command line reads the text field of the job a --config recipe describes.
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("model_name_or_path: llama-3.2-1b\ndataset_name: d\ndataset_text_field: content\n"

@@ -229,7 +229,7 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
     if args.data:
         read = report.breakdown.setup.config.data
         data = count_data_tokens(args.data, args.model, report.breakdown.setup.seq_len, read.dataset_text_field,
-                                 read.data_format)
+                                 read.data_format, read.alpaca_as_chat)
     elif args.tokens:
         from shardtune.memory.timing import DataTokens
 

@@ -168,6 +168,12 @@ class DataConfig:
     dataset_num_proc: int | None = key(None, "Processes that tokenise (unset: one).", ge=1)
     skip_bad_rows: bool = key(False, "Drop malformed rows and count them instead of stopping at the first.")
 
+    @property
+    def alpaca_as_chat(self) -> bool:
+        """Alpaca rows become a user and an assistant turn of the named chat template; with none, the Alpaca
+        prompt (and its completion)."""
+        return self.chat_template_format != "none"
+
     def train_split_names(self) -> list[str]:
         return [s.strip() for s in self.splits.split(",") if "train" in s.strip()]
 

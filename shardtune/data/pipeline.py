@@ -88,7 +88,7 @@ def cache_key(cfg: DataConfig, source: Source, tokenizer, seed: int) -> str:
 def read_examples(source: Source, splits: list[str], cfg: DataConfig, fmt: str) -> tuple[list[dict], list[str], str]:
     """Canonical examples of ``splits``, the bad rows skipped (a message each) and the format (detected if 'auto')."""
     examples, skipped = [], []
-    alpaca_as_chat = cfg.chat_template_format != "none"
+    alpaca_as_chat = cfg.alpaca_as_chat
     for split in splits:
         for where, row in iter_split(source, split, cfg.dataset_config_name):
             try:

@@ -393,20 +393,21 @@ def _row_format(row, text_field: str, data_format: str) -> str | None:
         return None
 
 
-def _read_columns(row, fmt: str | None, text_field: str) -> object:
-    """What of ``row`` the trainer reads in format ``fmt`` (data/formats.py's to_example): a chat's messages and
-    tools, a prompt and its completion, Alpaca's fields, the text field. A column it does not read (an id, a source,
-    UltraChat's prompt that its messages repeat) trains no token; a row of no known format is counted whole."""
+def _read_text(row, fmt: str | None, text_field: str, alpaca_as_chat: bool) -> str:
+    """What of ``row`` the trainer tokenises in format ``fmt``: its example as data/formats.py's to_example makes it
+    (a chat's roles and contents and tools, a prompt and its completion, the Alpaca prompt around its fields, the
+    text field). A column it does not read (an id, a source, UltraChat's prompt that its messages repeat) trains no
+    token; a row of no known format, or one the trainer would refuse, is counted whole."""
+    from shardtune.data.formats import to_example
+    from shardtune.data.readers import BadRow
+
     if not isinstance(row, dict) or fmt is None:
-        return row
-    if fmt == "chat":
-        chat = next((k for k in ("messages", "conversations", text_field) if isinstance(row.get(k), list)), None)
-        keys: tuple[str, ...] = (chat, "tools") if chat else ()
-    else:
-        read = {"prompt_completion": ("prompt", "completion", "tools"), "text": (text_field,),
-                "alpaca": ("system", "instruction", "input", "output")}
-        keys = read.get(fmt, tuple(row))
-    return [row[k] for k in keys if k in row]
+        return _row_text(row)
+    try:
+        example = to_example(row, "", fmt, text_field, alpaca_as_chat)
+    except (BadRow, UsageError):
+        return _row_text(row)
+    return _row_text([example["messages"], example["tools"], example["prompt"], example["completion"]])
 
 
 def _tokenizer_file(model: str) -> Path | None:
@@ -418,10 +419,11 @@ def _tokenizer_file(model: str) -> Path | None:
 
 
 def count_data_tokens(data: str, model: str, seq_len: int, text_field: str = "text",
-                      data_format: str = "auto") -> DataTokens:
+                      data_format: str = "auto", alpaca_as_chat: bool = False) -> DataTokens:
     """Tokens of one pass over the data file ``data``, each row cut at ``seq_len`` as the trainer truncates it,
-    counting only the columns the trainer reads in the rows' format (``data_format``, or the one each row's
-    columns say; ``text_field`` is its dataset_text_field).
+    counting only what the trainer reads in the rows' format (``data_format``, or the one each row's columns say;
+    ``text_field`` is its dataset_text_field; ``alpaca_as_chat``: Alpaca rows go through a named chat template,
+    DataConfig.alpaca_as_chat).
 
     With a local model folder holding ``tokenizer.json`` the rows are tokenised by it (the ``tokenizers`` library,
     no torch); otherwise about 4 characters make a token, which the result says is approximate. A chat template's
@@ -438,7 +440,7 @@ def count_data_tokens(data: str, model: str, seq_len: int, text_field: str = "te
     if not path.is_file() or data_file_kind(path) is None:
         raise UsageError(f"--data {data}: not a data file; give a {', '.join(EXTENSIONS)} file, or the token "
                          f"count with --tokens N")
-    texts = [_row_text(_read_columns(row, _row_format(row, text_field, data_format), text_field))
+    texts = [_read_text(row, _row_format(row, text_field, data_format), text_field, alpaca_as_chat)
              for _, row in iter_file(path) if not isinstance(row, BadRow)]
     if not texts:
         raise UsageError(f"--data {data}: no readable rows in it; give the file you will train on, or --tokens N")
