@@ -243,3 +243,36 @@ def test_help_shows_no_docstring_markup(command, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "shardtune" in out
     assert "``" not in out
+
+
+def test_an_instruction_tuned_variants_hub_id_is_estimated_with_its_base_models_config(tmp_path, capsys):
+    """meta-llama/Llama-3.1-8B-Instruct (the model most people fine-tune), in a TRL recipe or typed, was "unknown
+    model ... did you mean 'llama-3.1-8b'?", though it is the catalog's Llama-3.1-8B fine-tuned. A variant named by
+    its owner's words (-Instruct, -it, -chat) whose base id is in the catalog is now estimated with that config,
+    saying so, and its recipe names the variant; a variant whose base is not there (Mistral v0.3) is still unknown."""
+    import json
+
+    from shardtune import catalog
+    from shardtune.cli import main
+    from shardtune.config import load_train_config
+
+    variants = {"meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b", "google/gemma-2-9b-it": "gemma-2-9b",
+                "meta-llama/Llama-2-7b-chat-hf": "llama-2-7b", "mistralai/Mistral-7B-Instruct-v0.1": "mistral-7b",
+                "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b"}
+    for variant, base in variants.items():
+        assert catalog.variant_of(variant) == catalog.metadata(base)["hf_id"] and catalog.canonical(variant) == base
+        assert main(["estimate", variant, "--method", "qlora", "--json"]) == 0
+        captured = capsys.readouterr()
+        assert main(["estimate", base, "--method", "qlora", "--json"]) == 0
+        assert json.loads(captured.out) == json.loads(capsys.readouterr().out)
+        assert (f"note: {variant} is estimated with its base model's config (catalog {base}, "
+                f"{catalog.metadata(base)['hf_id']})") in captured.err
+    recipe, emitted = tmp_path / "trl.yaml", tmp_path / "emitted.yaml"
+    recipe.write_text("model_name_or_path: meta-llama/Llama-3.1-8B-Instruct\nuse_peft_lora: true\ndataset_name: d\n")
+    assert main(["estimate", "--config", str(recipe), "--gpu", "h100-80gb", "--emit-config", str(emitted)]) == 0
+    capsys.readouterr()
+    assert load_train_config([str(emitted)]).model.model_name_or_path == "meta-llama/Llama-3.1-8B-Instruct"
+    for name in ("mistralai/Mistral-7B-Instruct-v0.3", "llama-3.1-8b-instruct", "microsoft/Phi-3-mini-4k-instruct"):
+        assert catalog.variant_of(name) is None
+    assert main(["estimate", "mistralai/Mistral-7B-Instruct-v0.3"]) == 2
+    assert "unknown model 'mistralai/Mistral-7B-Instruct-v0.3'" in capsys.readouterr().err

@@ -28,12 +28,36 @@ def _read(name: str) -> dict:
 
 def canonical(name: str) -> str:
     """The catalog name of ``name``: a catalog name, or the model's Hugging Face id, which is what ``--list``
-    prints and ``--emit-config`` writes, each in any case (Llama-3.1-8B as the model card spells it); anything else
-    unchanged."""
+    prints and ``--emit-config`` writes, each in any case (Llama-3.1-8B as the model card spells it), or an
+    instruction-tuned variant's id (``variant_of``); anything else unchanged."""
     if name in names():
         return name
+    return _by_id(name) or _by_id(variant_of(name) or "") or name
+
+
+def _by_id(name: str) -> str | None:
+    """The catalog name whose own name or Hugging Face id is ``name`` in any case; None where none is."""
     by_lower = {str(metadata(n).get("hf_id", "")).lower(): n for n in names()} | {n.lower(): n for n in names()}
-    return by_lower.get(name.lower(), name)
+    return by_lower.get(name.lower())
+
+
+# The words the owners' ids add for an instruction-tuned variant of a base model (meta-llama/Llama-3.1-8B-Instruct,
+# google/gemma-2-9b-it, meta-llama/Llama-2-7b-chat-hf, mistralai/Mistral-7B-Instruct-v0.1): fine-tuned from it,
+# the same architecture and vocabulary.
+VARIANT_WORDS = ("instruct", "it", "chat")
+
+
+def variant_of(name: str) -> str | None:
+    """The Hugging Face id of the base model in the catalog whose instruction-tuned variant the id ``name`` is, by
+    its owner's naming (``name`` without its -Instruct, -it or -chat part); None where ``name`` is no hub id, is in
+    the catalog itself, or that id is not."""
+    owner, slash, model = name.rpartition("/")
+    parts = model.split("-")
+    kept = [part for part in parts if part.lower() not in VARIANT_WORDS]
+    if not slash or _by_id(name) or len(kept) == len(parts) or not kept:
+        return None
+    base = owner + slash + "-".join(kept)
+    return base if _by_id(base) else None
 
 
 def load(name: str) -> dict:

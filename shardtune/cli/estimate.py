@@ -28,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                              "config.json. The job options set the 'shardtune train' keys they "
                                              "name, and default to train's defaults: with none, the estimate is "
                                              "of the job 'shardtune train' runs with none.")
-    p.add_argument("model", nargs="?", metavar="MODEL")
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="a catalog name or its Hugging Face id (an -Instruct/-it/-chat variant's id too), a local "
+                        "model folder, its config.json, or a GGUF file")
     p.add_argument("--list", action="store_true", help="print the catalog of known models and exit")
     p.add_argument("--config", action="append", default=[], metavar="FILE",
                    help="estimate exactly the job these files describe: a shardtune/TRL YAML recipe, an Accelerate "
@@ -502,6 +504,10 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         setup, auto = setup_from_args(args)
     _check_seq_len(args.model, setup.seq_len, "max_seq_len" if args.config else "--seq-len")
+    if not Path(args.model).expanduser().exists() and (base := catalog.variant_of(args.model)):
+        print(f"note: {args.model} is estimated with its base model's config (catalog {catalog.canonical(base)}, "
+              f"{base}): an instruction-tuned variant keeps its base's architecture; give its config.json for its "
+              f"own", file=sys.stderr)
     _check_stages(args, setup)
     gpu = gpu_from_args(args)
     setup = _as_run_on(setup, gpu, recipe=bool(args.config))

@@ -111,7 +111,8 @@ def emit_config(model: str, setup: Setup, path: str | Path) -> Path:
         raise UsageError(f"--emit-config {path}: folder {path.parent} does not exist; create it or pick another path")
     cfg = config_from_setup(model, setup)
     if not Path(model).expanduser().exists() and (name := catalog.canonical(model)) in catalog.names():
-        # A catalog name is shardtune's; the trainer loads the weights by their Hugging Face id.
-        cfg.model.model_name_or_path = catalog.metadata(name).get("hf_id") or name
+        # A catalog name is shardtune's; the trainer loads the weights by their Hugging Face id (a variant's own).
+        cfg.model.model_name_or_path = (model if catalog.variant_of(model) else
+                                        catalog.metadata(name).get("hf_id") or name)
     save_resolved(cfg, path)
     return path
