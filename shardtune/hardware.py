@@ -195,8 +195,15 @@ TYPICAL_PRICE_PER_GPU_HOUR: dict[str, float] = {
 
 
 def gpu_by_name(name: str) -> Gpu:
-    """The GPU called ``name`` (exit 2 with the list when unknown)."""
-    return GPUS[check_choice(name, GPUS, "GPU")]
+    """The GPU called ``name``, spelled with any case, spaces, dashes or underscores and NVIDIA's or GeForce's word
+    in front (RTX 4090, A100-80GB, NVIDIA GeForce RTX 3090); exit 2 with the list when unknown."""
+    spelled = {_squeezed(key): key for key in GPUS}
+    return GPUS[spelled.get(_squeezed(name)) or check_choice(name, GPUS, "GPU")]
+
+
+def _squeezed(name: str) -> str:
+    squeezed = "".join(c for c in name.lower() if c not in " -_")
+    return squeezed.removeprefix("nvidia").removeprefix("geforce")
 
 
 WARPGROUP_ARCHS = ("hopper", "blackwell")

@@ -290,6 +290,22 @@ def test_a_shortened_gpu_name_suggests_the_gpu_it_starts(capsys):
         assert one_error_line(capsys).endswith("Did you mean 'h100-80gb'?")
 
 
+
+def test_a_gpu_is_found_as_its_owner_spells_it(capsys):
+    """--gpu "RTX 4090" (as nvidia-smi and shops spell it), A100-80GB or "NVIDIA GeForce RTX 3090" were unknown GPUs
+    beside rtx4090, a100-80gb and rtx3090; case, spaces, dashes, underscores and NVIDIA's or GeForce's word no
+    longer matter. A name that stays ambiguous (h100: SXM or PCIe) still asks."""
+    from shardtune.hardware import GPUS, gpu_by_name
+
+    for typed, key in (("RTX 4090", "rtx4090"), ("rtx-4090", "rtx4090"), ("NVIDIA GeForce RTX 3090", "rtx3090"),
+                       ("A100-80GB", "a100-80gb"), ("a100 40gb", "a100-40gb"), ("H100_80GB_PCIe", "h100-80gb-pcie"),
+                       ("T4", "t4")):
+        assert gpu_by_name(typed) is GPUS[key]
+    assert main(["estimate", "llama-3.2-1b", "--gpu", "RTX 4090", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpu"]["name"] == "rtx4090"
+    assert main(["estimate", "llama-3.2-1b", "--gpu", "h100 pcie"]) == 2
+    assert one_error_line(capsys).endswith("Did you mean 'h100-80gb-pcie'?")
+
 # 6. checkpoint folders that do not exist
 
 
