@@ -41,11 +41,11 @@ def render(argv: list[str]):
 
 
 def srun_words(script: str) -> list[str]:
-    """The words of the script's srun line, as the shell reads them, with $head_node and $SLURM_JOB_ID left as
-    names (they expand to one word each)."""
+    """The words of the script's srun line, as the shell reads them, with $head_node, $rdzv_port and
+    $SLURM_JOB_ID left as names (they expand to one word each)."""
     text = script.replace("\\\n", " ")
     line = next(x for x in text.splitlines() if x.startswith("srun "))
-    return shlex.split(line.rstrip(" &").replace('"$', "'$").replace('_node"', "_node'").replace('_ID"', "_ID'"))
+    return shlex.split(re.sub(r'"(\$\w+)"', r"'\1'", line.rstrip(" &")))
 
 
 def test_sbatch_script_2x8_numbers_and_words():
@@ -64,11 +64,13 @@ def test_sbatch_script_2x8_numbers_and_words():
     train_at = words.index("train")
     assert words[train_at + 1:] == [*TRAIN, "--dataset_text_field", "it's a \"text\" $HOME",
                                     "--resume_from_checkpoint", "true"]
-    # What each node's 'shardtune launch' makes of its options: torchrun on 2 nodes x 8, c10d on the first node.
-    cmd = torchrun_command(launcher_parser().parse_args(words[8:train_at]), words[train_at + 1:])
+    # What each node's 'shardtune launch' makes of its options: torchrun on 2 nodes x 8, c10d on the first node
+    # (at the port of job 4242: test_two_slurm_jobs_on_one_first_node_meet_on_ports_of_their_own).
+    launch = [("24242" if w == "$rdzv_port" else w) for w in words[8:train_at]]
+    cmd = torchrun_command(launcher_parser().parse_args(launch), words[train_at + 1:])
     joined = " ".join(cmd)
     assert "--nnodes 2 --nproc_per_node 8 --max_restarts 0" in joined
-    assert "--rdzv_backend c10d --rdzv_endpoint $head_node:29500 --rdzv_id $SLURM_JOB_ID" in joined
+    assert "--rdzv_backend c10d --rdzv_endpoint $head_node:24242 --rdzv_id $SLURM_JOB_ID" in joined
     assert "-m shardtune train --num_processes 16 --num_machines 2" in joined
     assert "scontrol requeue" not in text  # only with --requeue
 
@@ -161,8 +163,8 @@ def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         for tool in ("srun", "scontrol"):
             (bin_dir / tool).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "FAULT_"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
-               SLURM_JOB_NODELIST="node[01-02]", FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), **extra)
+    env.update({"PATH": f"{bin_dir}:{env['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2",
+                "SLURM_JOB_NODELIST": "node[01-02]", "FAKE_SCONTROL_LOG": str(tmp_path / "scontrol.log"), **extra})
     return env
 
 
@@ -274,6 +276,32 @@ def test_cancel_or_preemption_waits_for_the_save_and_does_not_requeue(tmp_path):
 def test_no_requeue_without_requeue_option_or_on_failure(tmp_path):
     assert run_stopping(tmp_path, 143, cancel=False, requeue=False) == (143, "")
     assert run_stopping(tmp_path, 1, cancel=False) == (1, "")
+
+
+def srun_ran(tmp_path: Path, job, job_id: str) -> list[str]:
+    """The words the script hands srun, run as Slurm job ``job_id`` (srun stood in, writing them down)."""
+    (tmp_path / "job.sbatch").write_text(job.text)
+    dump = tmp_path / f"srun-{job_id}.json"
+    env = slurm_env(tmp_path, FAKE_SRUN="dump", FAKE_SRUN_DUMP=str(dump), SLURM_JOB_ID=job_id)
+    subprocess.run(["bash", "job.sbatch"], cwd=tmp_path, env=env, check=True, timeout=60)
+    return json.loads(dump.read_text())
+
+
+def test_two_slurm_jobs_on_one_first_node_meet_on_ports_of_their_own(tmp_path):
+    """Every 2-node job met on port 29500 of its first node: a second job there (the node's GPUs split between
+    jobs) found it taken, and torchrun's c10d joined the first job's store as a client without a word, so the
+    second job failed when the first one ended. Without --main_process_port the port is the job's own."""
+    job = render(["--slurm", "--num_machines", "2", "--gpus_per_node", "4", "train", *TRAIN])
+    ports = {}
+    for job_id in ("4242", "4243", "1234567"):
+        words = srun_ran(tmp_path, job, job_id)
+        ports[job_id] = words[words.index("--main_process_port") + 1]
+        assert words[words.index("--rdzv_id") + 1] == job_id
+    assert ports == {"4242": "24242", "4243": "24243", "1234567": "24567"}
+    given = render(["--slurm", "--num_machines", "2", "--gpus_per_node", "4", "--main_process_port", "29600", "train",
+                    *TRAIN])
+    words = srun_ran(tmp_path, given, "4242")
+    assert words[words.index("--main_process_port") + 1] == "29600"
 
 
 def manifest(argv: list[str]) -> dict:

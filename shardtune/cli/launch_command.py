@@ -88,7 +88,9 @@ def launcher_parser() -> argparse.ArgumentParser:
                         "any number of machines in that range")
     p.add_argument("--machine_rank", "--machine-rank", type=int, default=None)
     p.add_argument("--main_process_ip", "--main-process-ip", default=None)
-    p.add_argument("--main_process_port", "--main-process-port", type=int, default=None)
+    p.add_argument("--main_process_port", "--main-process-port", type=int, default=None,
+                   help="the rendezvous port on machine rank 0 (default 29500; on one machine a free one; a --slurm "
+                        "job of several nodes: 20000 + its job ID mod 10000)")
     p.add_argument("--rdzv_backend", "--rdzv-backend", default=None, help="static (default) or c10d")
     p.add_argument("--rdzv_id", "--rdzv-id", default=None,
                    help="c10d only: the job's rendezvous id, the same on every machine (torchrun's --rdzv_id)")

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from shardtune.config import TrainConfig
 
 DEFAULT_PORT = 29500  # the rendezvous port when --main_process_port is not given (torchrun's own default)
+# A Slurm job's first node may host other jobs' rendezvous (its GPUs split between jobs): there, without
+# --main_process_port, the port is the job's own, from its id, below Linux's ephemeral ports (32768 on), which an
+# outgoing connection could be holding.
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
 # Names of the Kubeflow training operator (training-operator v1.9, pkg/apis/kubeflow.org/v1/pytorch_types.go):
 # the container it reads the port from, and that port's name.
 KUBE_CONTAINER = "pytorch"
@@ -84,6 +88,7 @@ class JobShape:
     procs_per_node: int
     gpus_per_node: int  # 0: CPU processes, no GPU requested
     port: int
+    port_given: bool  # by --main_process_port or the Accelerate file
     max_restarts: int
     grace_s: int
     cpus_per_task: int | None
@@ -126,6 +131,7 @@ def job_shape(opts: argparse.Namespace) -> JobShape:
             raise UsageError(f"--{name} {getattr(opts, name)}: give 1 or more")
     return JobShape(name=opts.job_name or DEFAULT_JOB_NAME, num_machines=num_machines, procs_per_node=per_node,
                     gpus_per_node=gpus, port=pick.whole("main_process_port", DEFAULT_PORT, 1, 65535),
+                    port_given=pick("main_process_port", None) is not None,
                     max_restarts=opts.max_restarts, grace_s=opts.grace_period or DEFAULT_GRACE_S,
                     cpus_per_task=opts.cpus_per_task, network_interface=opts.network_interface)
 
@@ -139,9 +145,10 @@ def shell_word(word: str) -> str:
 
 
 def node_command(shape: JobShape, opts: argparse.Namespace, host: str, rdzv_id: str,
-                 train_args: list[str]) -> list[str]:
+                 train_args: list[str], port: str | None = None) -> list[str]:
     """What every node runs after its Python: ``-m shardtune launch ... train ...``, a c10d rendezvous on
-    ``host``. It is checked here by building the torchrun command that ``shardtune launch`` will build there."""
+    ``host`` at ``port`` (default: the shape's). It is checked here by building the torchrun command that
+    ``shardtune launch`` will build there (with the shape's port for one that the node's shell works out)."""
     from shardtune.cli.launch_command import launcher_parser, torchrun_command
 
     launch = ["--num_machines", str(shape.num_machines), "--num_processes", str(shape.num_processes)]
@@ -158,6 +165,8 @@ def node_command(shape: JobShape, opts: argparse.Namespace, host: str, rdzv_id: 
     if opts.config_file:
         launch += ["--config_file", opts.config_file]
     torchrun_command(launcher_parser().parse_args(launch), train_args)
+    if port is not None and shape.num_machines > 1:
+        launch[launch.index("--main_process_port") + 1] = port
     return ["-m", "shardtune", "launch", *launch, "train", *train_args]
 
 
@@ -277,7 +286,7 @@ set -euo pipefail
 # The first of the job's hosts (no pipe into head: scontrol could die of SIGPIPE under pipefail).
 hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 head_node=${{hosts%%$'\n'*}}
-
+{port}
 # Slurm signals this shell itself only when the whole job is cancelled or preempted (the time-limit warning
 # goes to the nodes' launchers alone): it then waits while they save{leave_requeue}.
 {trap}
@@ -294,6 +303,12 @@ done
 {requeue}exit "$status"
 """
 
+SLURM_PORT = f"""\
+# The rendezvous port, this job's own: on a port another job's rendezvous holds on that node, torchrun would join
+# that job's store without a word and fail when that job ends (--main_process_port P fixes one).
+rdzv_port=$(({SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))
+"""
+
 SLURM_REQUEUE = """\
 if [ "$status" -eq 143 ] && [ "$stopping" -eq 0 ]; then
     # Stopped by the time-limit warning after a verified checkpoint: queue the job again to carry on from it.
@@ -307,15 +322,18 @@ def sbatch_script(shape: JobShape, opts: argparse.Namespace, file: str, train_ar
     if opts.time and (limit := slurm_time_s(opts.time)) is not None and limit <= shape.grace_s:
         raise UsageError(f"--time {opts.time} leaves no training before the SIGTERM {shape.grace_s} s ahead of "
                          f"the limit (--grace_period): give a longer --time or a shorter --grace_period")
+    own_port = shape.num_machines > 1 and not shape.port_given
     words = [opts.python or sys.executable,
-             *node_command(shape, opts, ShellExpr("$head_node"), ShellExpr("$SLURM_JOB_ID"), train_args)]
+             *node_command(shape, opts, ShellExpr("$head_node"), ShellExpr("$SLURM_JOB_ID"), train_args,
+                           port=ShellExpr("$rdzv_port") if own_port else None)]
     srun = [f"--nodes={shape.num_machines}", "--ntasks-per-node=1"]
     if shape.cpus_per_task:  # srun no longer inherits sbatch's --cpus-per-task (Slurm 22.05)
         srun.append(f"--cpus-per-task={shape.cpus_per_task}")
     head = SLURM_HEAD.format(describe=f"Slurm job '{shape.name}': {shape.describe()}", file=file,
                              grace_s=shape.grace_s)
     env = ["PYTHONUNBUFFERED=1", *job_env(shape)]  # the training operator sets PYTHONUNBUFFERED in the pods
-    body = SLURM_BODY.format(env="".join(f"export {shlex.quote(line)}\n" for line in env), srun_options=" ".join(srun),
+    body = SLURM_BODY.format(port=SLURM_PORT if own_port else "", srun_options=" ".join(srun),
+                             env="".join(f"export {shlex.quote(line)}\n" for line in env),
                              command=wrap_words(words), requeue=SLURM_REQUEUE if opts.requeue else "",
                              leave_requeue=", and leaves any requeue to Slurm" if opts.requeue else "",
                              trap="stopping=0\ntrap 'stopping=1' TERM" if opts.requeue else "trap 'true' TERM")
