@@ -105,7 +105,8 @@ def test_a_one_node_job_keeps_the_port_it_was_given(form):
 @pytest.mark.skipif(shutil.which("shellcheck") is None,
                     reason="shellcheck is not installed (apt-get install shellcheck; `make test` installs it)")
 @pytest.mark.parametrize("extra", [[], ["--requeue", "--network_interface", "ib0", "--cpus_per_task", "64",
-                                        "--job_name", "my sft", "--error", "%x-%j.err"]])
+                                        "--job_name", "my sft", "--error", "%x-%j.err"],
+                                   ["--num_machines", "1"]])  # no first node to find: no head_node left unused
 def test_sbatch_script_is_shellcheck_clean(extra, tmp_path):
     job = render(["--slurm", *TWO_BY_EIGHT, *extra, "train", *TRAIN])
     (tmp_path / "job.sbatch").write_text(job.text)

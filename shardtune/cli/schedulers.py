@@ -271,23 +271,18 @@ def wrap_words(words: list[str], width: int = 100, indent: str = "    ") -> str:
     return " \\\n".join(indent + text for text in lines)
 
 
-SLURM_HEAD = """\
-#!/bin/bash
-# {describe}. Submit it with: sbatch {file}
-# Written by 'shardtune launch'. Each node runs 'shardtune launch' (torchrun) with a c10d rendezvous on the
-# job's first node. On SIGTERM ({grace_s} s before the time limit, on preemption or scancel) the workers save a
-# verified checkpoint and exit 143; resume_from_checkpoint true makes a requeued or re-submitted job carry on.
-"""
+SLURM_HEAD = ("#!/bin/bash\n"
+              "# {describe}. Submit it with: sbatch {file}\n"
+              "# Written by 'shardtune launch'. {meet}. On SIGTERM ({grace_s} s before the time limit, on preemption "
+              "or scancel) the workers save a\n"
+              "# verified checkpoint and exit 143; resume_from_checkpoint true makes a requeued or re-submitted job "
+              "carry on.\n")
 
 SLURM_BODY = """\
 set -euo pipefail
 
 {env}
-# The first of the job's hosts (no pipe into head: scontrol could die of SIGPIPE under pipefail).
-hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
-head_node=${{hosts%%$'\n'*}}
-{port}
-# Slurm signals this shell itself only when the whole job is cancelled or preempted (the time-limit warning
+{hosts}# Slurm signals this shell itself only when the whole job is cancelled or preempted (the time-limit warning
 # goes to the nodes' launchers alone): it then waits while they save{leave_requeue}.
 {trap}
 
@@ -303,11 +298,20 @@ done
 {requeue}exit "$status"
 """
 
+SLURM_HOSTS = """\
+# The first of the job's hosts (no pipe into head: scontrol could die of SIGPIPE under pipefail).
+hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+head_node=${hosts%%$'\n'*}
+"""
+
 SLURM_PORT = f"""\
 # The rendezvous port, this job's own: on a port another job's rendezvous holds on that node, torchrun would join
 # that job's store without a word and fail when that job ends (--main_process_port P fixes one).
 rdzv_port=$(({SLURM_PORT_BASE} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))
 """
+# Each of the script's two first lines of comment is its own: the wrapped lines of SLURM_HEAD.
+MEET_ON_FIRST_NODE = "Each node runs 'shardtune launch' (torchrun) with a c10d rendezvous on the\n# job's first node"
+ON_ONE_NODE = "The node runs 'shardtune launch' (torchrun), its processes meeting\n# on that node"
 
 SLURM_REQUEUE = """\
 if [ "$status" -eq 143 ] && [ "$stopping" -eq 0 ]; then
@@ -330,9 +334,11 @@ def sbatch_script(shape: JobShape, opts: argparse.Namespace, file: str, train_ar
     if shape.cpus_per_task:  # srun no longer inherits sbatch's --cpus-per-task (Slurm 22.05)
         srun.append(f"--cpus-per-task={shape.cpus_per_task}")
     head = SLURM_HEAD.format(describe=f"Slurm job '{shape.name}': {shape.describe()}", file=file,
-                             grace_s=shape.grace_s)
+                             grace_s=shape.grace_s, meet=MEET_ON_FIRST_NODE if shape.num_machines > 1 else ON_ONE_NODE)
+    # One node needs no first node's name: torchrun meets on the node itself (--standalone, or --master_port).
+    hosts = SLURM_HOSTS + (SLURM_PORT if own_port else "") + "\n" if shape.num_machines > 1 else ""
     env = ["PYTHONUNBUFFERED=1", *job_env(shape)]  # the training operator sets PYTHONUNBUFFERED in the pods
-    body = SLURM_BODY.format(port=SLURM_PORT if own_port else "", srun_options=" ".join(srun),
+    body = SLURM_BODY.format(hosts=hosts, srun_options=" ".join(srun),
                              env="".join(f"export {shlex.quote(line)}\n" for line in env),
                              command=wrap_words(words), requeue=SLURM_REQUEUE if opts.requeue else "",
                              leave_requeue=", and leaves any requeue to Slurm" if opts.requeue else "",
