@@ -511,6 +511,25 @@ def test_a_cluster_job_in_a_folder_that_does_not_exist_is_one_line(option, tmp_p
     assert not (tmp_path / "nodir").exists()
 
 
+@pytest.mark.parametrize("option", ["--output", "--error"])
+def test_a_log_folder_that_does_not_exist_is_refused(option, tmp_path, capsys, monkeypatch):
+    """--output logs/%x-%j.out without logs/: the script was written, and Slurm failed the job at its start with
+    no log anywhere to say why. Refused when the script is written; with the folder there, it is written."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["launch", "--slurm", "--gpus_per_node", "2", option, "logs/%x-%j.log", "train", *TRAIN]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"shardtune launch: error: {option} logs/%x-%j.log: folder logs does not exist here, and Slurm would fail the "
+        f"job without writing any log: create it (mkdir -p logs) or give another path")
+    assert not (tmp_path / "shardtune.sbatch").exists()
+    (tmp_path / "logs").mkdir()
+    assert main(argv) == 0
+    assert f"#SBATCH {option}=logs/%x-%j.log" in (tmp_path / "shardtune.sbatch").read_text()
+    # A folder named with Slurm's patterns (the user's, the job's) is Slurm's to read: not checked here.
+    assert main(["launch", "--slurm", "u.sbatch", "--gpus_per_node", "2", option, "/scratch/%u/%j.log", "train",
+                 *TRAIN]) == 0
+
+
 def test_the_launcher_shares_out_the_cores_it_may_use(monkeypatch):
     """OMP_NUM_THREADS came from the machine's core count: on a node shared by a Slurm allocation (or a container's
     CPU set) the workers' threads oversubscribed the cores the job had. It shares out the cores this process may

@@ -469,6 +469,18 @@ def check_output_dir_on_claim(opts: argparse.Namespace, output_dir: str, train_a
                      f"(--mount_path)")
 
 
+def check_log_folders(opts: argparse.Namespace) -> None:
+    """Refuse an ``--output`` / ``--error`` whose folder is missing: Slurm does not make it, and fails the job
+    before its first line, writing no log at all. Relative paths are read from this folder, as sbatch reads them
+    from the one it is run in; a folder written with a Slurm pattern (``%u``) cannot be checked here."""
+    for flag, path in (("--output", opts.output), ("--error", opts.error)):
+        folder = Path(path).parent if path else None
+        if folder is not None and "%" not in str(folder) and not folder.is_dir():
+            raise UsageError(f"{flag} {path}: folder {folder} does not exist here, and Slurm would fail the job "
+                             f"without writing any log: create it (mkdir -p {shlex.quote(str(folder))}) or give "
+                             f"another path")
+
+
 def submit_command(slurm: bool, file: str) -> str:
     return f"sbatch {shlex.quote(file)}" if slurm else f"kubectl apply -f {shlex.quote(file)}"
 
@@ -490,6 +502,8 @@ def write_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> int:
     if not (folder := Path(job.file).parent).is_dir() and not folder.exists():
         raise UsageError(f"{option} {job.file}: folder {folder} does not exist; create it or give another path")
     check_output_file(job.file, option)
+    if job.slurm:
+        check_log_folders(opts)
     write_text(job.file, text)
     if job.slurm:
         Path(job.file).chmod(0o755)
