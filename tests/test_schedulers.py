@@ -380,6 +380,8 @@ BAD = [
     (["--time", "10", "--num_processes", "2"], "--time is an option of a cluster job"),
     (["--slurm", "--gpus_per_node", "8", "--time", "3 days"], "--time 3 days: not a Slurm time limit"),
     (["--slurm", "--gpus_per_node", "8", "--time", "5"], "leaves no training"),
+    # sbatch refused the script it wrote: "Invalid --signal specification"
+    (["--slurm", "--gpus_per_node", "8", "--grace_period", "70000"], "--grace_period 70000: Slurm sends its signal"),
     (["--slurm", "--gpus_per_node", "8", "--submit"], "--submit runs sbatch, which is not on PATH"),
     (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--submit"], "--submit runs kubectl"),
 ]

@@ -204,6 +204,7 @@ def resumable_train_args(cfg: TrainConfig, train_args: list[str]) -> tuple[list[
                         f"resume_from_checkpoint true carries on from the newest checkpoint instead")
 
 
+SLURM_MAX_SIGNAL_S = 65535  # sbatch's bound on --signal's sig_time (man sbatch)
 SLURM_TIME = re.compile(r"^(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
                         r"|(?:(?:(?P<h>\d+):)?(?P<m>\d+):)?(?P<mm>\d+))$")
 
@@ -323,6 +324,10 @@ fi
 
 def sbatch_script(shape: JobShape, opts: argparse.Namespace, file: str, train_args: list[str]) -> str:
     """The sbatch script: one ``srun`` task per node, each running ``shardtune launch`` for its node."""
+    if shape.grace_s > SLURM_MAX_SIGNAL_S:
+        raise UsageError(f"--grace_period {shape.grace_s}: Slurm sends its signal at most {SLURM_MAX_SIGNAL_S} s "
+                         f"before the time limit (sbatch refuses --signal=TERM@{shape.grace_s}): give "
+                         f"--grace_period {SLURM_MAX_SIGNAL_S} or less")
     if opts.time and (limit := slurm_time_s(opts.time)) is not None and limit <= shape.grace_s:
         raise UsageError(f"--time {opts.time} leaves no training before the SIGTERM {shape.grace_s} s ahead of "
                          f"the limit (--grace_period): give a longer --time or a shorter --grace_period")
