@@ -38,6 +38,8 @@ def test_an_elastic_range_reaches_torchrun_and_counts_processes_at_its_largest()
      "--num_machines 1:2 is an elastic range: add --rdzv_backend c10d"),
     (["--num_machines", "3:2", *TWO_HOSTS], "--num_machines 3:2: the range MIN:MAX needs 1 <= MIN <= MAX"),
     (["--num_machines", "0:2", *TWO_HOSTS], "needs 1 <= MIN <= MAX"),
+    # a count of 0 (also in --slurm / --kubernetes) was told of ranges it never asked for
+    (["--num_machines", "0", *TWO_HOSTS], "--num_machines 0: a job runs on 1 machine or more: give --num_machines 1"),
     (["--num_machines", "1-2", *TWO_HOSTS], "--num_machines 1-2: give a number of machines N, or a range MIN:MAX"),
     (["--num_machines", "1:2", "--num_processes", "3", "--main_process_ip", "h", "--rdzv_backend", "c10d"],
      "--num_processes 3 is the total over all machines and must be a multiple of --num_machines 2"),

@@ -177,6 +177,8 @@ def machine_range(value: Any) -> MachineRange:
         raise UsageError(f"--num_machines {text}: give a number of machines N, or a range MIN:MAX such as 1:2 "
                          "(with --rdzv_backend c10d)")
     low, high = int(parts[0]), int(parts[-1])
+    if len(parts) == 1 and low < 1:  # a count, not a range: no MIN:MAX to speak of
+        raise UsageError(f"--num_machines {text}: a job runs on 1 machine or more: give --num_machines 1 or more")
     if low < 1 or high < low:
         raise UsageError(f"--num_machines {text}: the range MIN:MAX needs 1 <= MIN <= MAX, e.g. 1:2")
     return MachineRange(low, high)
