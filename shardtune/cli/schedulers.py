@@ -490,15 +490,19 @@ def submit_command(slurm: bool, file: str) -> str:
     return f"sbatch {shlex.quote(file)}" if slurm else f"kubectl apply -f {shlex.quote(file)}"
 
 
+def print_notes(job: ClusterJob) -> None:
+    for note in job.notes:
+        print(note, file=sys.stderr)
+
+
 def write_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> int:
     """``shardtune launch --slurm/--kubernetes``: write the job (print it with --dry_run), submit with --submit."""
     from shardtune.files import with_digest, write_text
 
     job = render_cluster_job(opts, train_args)
     text = with_digest(job.text)  # edited, the job is its user's: a later launch leaves it alone
-    for note in job.notes:
-        print(note, file=sys.stderr)
     if opts.dry_run:
+        print_notes(job)
         print(text, end="")
         return 0
     from shardtune.cli.common import check_output_file
@@ -509,6 +513,7 @@ def write_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> int:
     check_output_file(job.file, option)
     if job.slurm:
         check_log_folders(opts)
+    print_notes(job)  # after the checks: a refusal stays one line
     write_text(job.file, text)
     if job.slurm:
         Path(job.file).chmod(0o755)
