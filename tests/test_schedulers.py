@@ -513,12 +513,23 @@ def test_a_cluster_job_in_a_folder_that_does_not_exist_is_one_line(option, tmp_p
     assert not (tmp_path / "nodir").exists()
 
 
+def test_a_slurm_job_without_cpus_per_task_says_its_processes_share_one_cpu():
+    """Without --cpus_per_task sbatch asks 1 CPU per task, one task per node: a node's 8 GPU processes ran on one
+    core without a word (its OMP_NUM_THREADS 1). Said on writing; not said with the cores given, or one process."""
+    notes = render(["--slurm", *TWO_BY_EIGHT, "train", *TRAIN]).notes
+    assert [n for n in notes if "--cpus_per_task" in n] == [
+        "note: no --cpus_per_task: Slurm gives each node's task 1 CPU unless the cluster sets more (DefCpuPerGPU, "
+        "whole nodes), and the node's 8 processes would share it: give --cpus_per_task C, the cores for all of them"]
+    assert not render(["--slurm", *TWO_BY_EIGHT, "--cpus_per_task", "64", "train", *TRAIN]).notes
+    assert not render(["--slurm", "--num_machines", "2", "--gpus_per_node", "1", "train", *TRAIN]).notes
+
+
 @pytest.mark.parametrize("option", ["--output", "--error"])
 def test_a_log_folder_that_does_not_exist_is_refused(option, tmp_path, capsys, monkeypatch):
     """--output logs/%x-%j.out without logs/: the script was written, and Slurm failed the job at its start with
     no log anywhere to say why. Refused when the script is written; with the folder there, it is written."""
     monkeypatch.chdir(tmp_path)
-    argv = ["launch", "--slurm", "--gpus_per_node", "2", option, "logs/%x-%j.log", "train", *TRAIN]
+    argv = ["launch", "--slurm", "--gpus_per_node", "1", option, "logs/%x-%j.log", "train", *TRAIN]
     assert main(argv) == 2
     assert capsys.readouterr().err.strip() == (
         f"shardtune launch: error: {option} logs/%x-%j.log: folder logs does not exist here, and Slurm would fail the "
@@ -528,7 +539,7 @@ def test_a_log_folder_that_does_not_exist_is_refused(option, tmp_path, capsys, m
     assert main(argv) == 0
     assert f"#SBATCH {option}=logs/%x-%j.log" in (tmp_path / "shardtune.sbatch").read_text()
     # A folder named with Slurm's patterns (the user's, the job's) is Slurm's to read: not checked here.
-    assert main(["launch", "--slurm", "u.sbatch", "--gpus_per_node", "2", option, "/scratch/%u/%j.log", "train",
+    assert main(["launch", "--slurm", "u.sbatch", "--gpus_per_node", "1", option, "/scratch/%u/%j.log", "train",
                  *TRAIN]) == 0
 
 

@@ -443,6 +443,10 @@ def render_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> Clust
     args, note = resumable_train_args(cfg, train_args)
     notes = [note] if note else []
     if slurm:
+        if shape.cpus_per_task is None and shape.procs_per_node > 1:  # sbatch's default: 1 CPU per task
+            notes.append(f"note: no --cpus_per_task: Slurm gives each node's task 1 CPU unless the cluster sets "
+                         f"more (DefCpuPerGPU, whole nodes), and the node's {shape.procs_per_node} processes would "
+                         f"share it: give --cpus_per_task C, the cores for all of them")
         return ClusterJob(True, file, sbatch_script(shape, opts, file, args), notes)
     output_dir = cfg.run.output_dir
     if output_dir and not opts.pvc:
