@@ -513,6 +513,23 @@ def test_a_cluster_job_in_a_folder_that_does_not_exist_is_one_line(option, tmp_p
     assert not (tmp_path / "nodir").exists()
 
 
+@pytest.mark.parametrize("form", [["--slurm"], ["--kubernetes", "--image", "img:1"]])
+def test_restarts_that_the_nodes_would_refuse_are_refused_when_the_job_is_written(form, capsys, tmp_path,
+                                                                                    monkeypatch):
+    """--max_restarts 2 with resume_from_checkpoint false: the job was written with a note, and every node's
+    launcher then refused it (exit 2) once the job left the queue. Refused now as those launchers refuse it."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["launch", *form, *TWO_BY_EIGHT, "--cpus_per_task", "16", "--max_restarts", "2", "train", *TRAIN]
+    assert main([*argv, "--resume_from_checkpoint", "false"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardtune launch: error: --max_restarts 2: a restarted worker finds this run's own "
+                          "checkpoints") and "\n" not in err
+    assert list(tmp_path.iterdir()) == []
+    assert main([*argv, "--resume_from_checkpoint", "false", "--overwrite_output_dir", "true"]) == 0  # afresh
+    capsys.readouterr()
+    assert main([*argv[:2], "unset.job", *argv[2:]]) == 0  # left out, the job resumes: its restarts carry on
+
+
 def test_a_slurm_job_without_cpus_per_task_says_its_processes_share_one_cpu():
     """Without --cpus_per_task sbatch asks 1 CPU per task, one task per node: a node's 8 GPU processes ran on one
     core without a word (its OMP_NUM_THREADS 1). Said on writing; not said with the cores given, or one process."""

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from shardtune.cli.launch_command import (DESCRIPTION, JOB, TORCHRUN, launcher_parser, torchrun_command,
-                                          true_or_false)
+from shardtune.cli.launch_command import (DESCRIPTION, JOB, TORCHRUN, launcher_parser,
+                                          refuse_restarts_that_cannot_go_on, torchrun_command, true_or_false)
 from shardtune.errors import UsageError, closest
 
 __all__ = ["JOB", "TORCHRUN", "launcher_parser", "run", "run_torchrun", "torchrun_command"]
@@ -91,20 +91,6 @@ def _refuse_launcher_keys_in_files(user_args: list[str], train_argv: list[str]) 
                              f"config.yaml records the {key} it ran on)")
 
 
-def _refuse_restarts_that_cannot_go_on(opts: argparse.Namespace, cfg: Any) -> None:
-    """``--max_restarts`` without ``resume_from_checkpoint``: the restarted workers find the failed attempt's
-    checkpoints and metrics in output_dir and refuse them as an earlier run, so every restart ended in exit 2
-    (bad input) after the real failure. ``overwrite_output_dir true`` (start afresh each time) is left to act."""
-    from shardtune.train.layout import RESUME_OFF
-
-    resume = str(cfg.checkpoint.resume_from_checkpoint or "").lower()
-    if opts.max_restarts > 0 and resume in RESUME_OFF and not cfg.run.overwrite_output_dir:
-        raise UsageError(f"--max_restarts {opts.max_restarts}: a restarted worker finds this run's own checkpoints "
-                         f"in output_dir and, without resume_from_checkpoint, refuses them as an earlier run: add "
-                         f"--resume_from_checkpoint true after 'train' (a restart then carries on from the newest "
-                         f"complete checkpoint), or leave --max_restarts out")
-
-
 def run(argv: list[str]) -> int:
     """Entry point of ``shardtune launch``."""
     split = _command_at(argv)
@@ -139,7 +125,7 @@ def run(argv: list[str]) -> int:
         # Checked once here, as one line, rather than on every rank amid torchrun's output. Keys and values
         # only: neither the model nor the data is opened.
         cfg = load_job_config(train_argv)
-        _refuse_restarts_that_cannot_go_on(opts, cfg)
+        refuse_restarts_that_cannot_go_on(opts, cfg)
         # Decided once for every rank (they inherit the environment), before torchrun starts them.
         offline_unless_reachable(cfg.model.model_name_or_path, cfg.data.dataset_name)
     try:

@@ -353,3 +353,17 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
                         "directory, so output_dir and its checkpoints outlive the pods")
     g.add_argument("--mount_path", "--mount-path", default=None,
                    help=f"where --pvc is mounted (default {DEFAULT_MOUNT_PATH})")
+
+
+def refuse_restarts_that_cannot_go_on(opts: argparse.Namespace, cfg: Any) -> None:
+    """``--max_restarts`` without ``resume_from_checkpoint``: the restarted workers find the failed attempt's
+    checkpoints and metrics in output_dir and refuse them as an earlier run, so every restart ended in exit 2
+    (bad input) after the real failure. ``overwrite_output_dir true`` (start afresh each time) is left to act."""
+    from shardtune.train.layout import RESUME_OFF
+
+    resume = str(cfg.checkpoint.resume_from_checkpoint or "").lower()
+    if opts.max_restarts > 0 and resume in RESUME_OFF and not cfg.run.overwrite_output_dir:
+        raise UsageError(f"--max_restarts {opts.max_restarts}: a restarted worker finds this run's own checkpoints "
+                         f"in output_dir and, without resume_from_checkpoint, refuses them as an earlier run: add "
+                         f"--resume_from_checkpoint true after 'train' (a restart then carries on from the newest "
+                         f"complete checkpoint), or leave --max_restarts out")

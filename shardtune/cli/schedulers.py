@@ -440,6 +440,10 @@ def render_cluster_job(opts: argparse.Namespace, train_args: list[str]) -> Clust
     shape = job_shape(opts)
     file = (opts.slurm if slurm else opts.kubernetes) or f"{shape.name}.{'sbatch' if slurm else 'yaml'}"
     cfg = node_train_config(opts, shape, train_args)
+    from shardtune.cli.launch_command import refuse_restarts_that_cannot_go_on
+
+    if cfg.checkpoint.resume_from_checkpoint is not None:  # unset, the job adds resume_from_checkpoint true
+        refuse_restarts_that_cannot_go_on(opts, cfg)  # as every node's launcher would, after the wait in the queue
     args, note = resumable_train_args(cfg, train_args)
     notes = [note] if note else []
     if slurm:
