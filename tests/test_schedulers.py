@@ -384,6 +384,13 @@ BAD = [
     (["--slurm", "--gpus_per_node", "8", "--grace_period", "70000"], "--grace_period 70000: Slurm sends its signal"),
     (["--slurm", "--gpus_per_node", "8", "--submit"], "--submit runs sbatch, which is not on PATH"),
     (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--submit"], "--submit runs kubectl"),
+    # a --mount_path that did nothing (no --pvc), and one the pods could not start with (their runtime refuses it)
+    (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--mount_path", "/data"],
+     "--mount_path /data: it is where --pvc CLAIM is mounted, and no --pvc is given"),
+    (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--pvc", "runs", "--mount_path", "data"],
+     "--mount_path data: the claim is mounted at a folder of the container from its root"),
+    (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--pvc", "runs", "--mount_path", "/"],
+     "--mount_path /: the claim is mounted at a folder"),
 ]
 
 

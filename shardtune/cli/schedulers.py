@@ -69,6 +69,8 @@ def check_scheduler_options(opts: argparse.Namespace) -> None:
     if kube and not opts.image:
         raise UsageError("--kubernetes needs --image IMAGE: a container image with shardtune installed "
                          "(e.g. --image registry.example.com/team/shardtune:0.1)")
+    if kube and opts.mount_path is not None:
+        check_mount_path(opts)
     if opts.submit:
         if opts.dry_run:
             raise UsageError("--dry_run prints the job without writing it and --submit submits the written file: "
@@ -77,6 +79,17 @@ def check_scheduler_options(opts: argparse.Namespace) -> None:
         if shutil.which(tool) is None:
             raise UsageError(f"--submit runs {tool}, which is not on PATH here: leave --submit out and run "
                              f"'{submit_command(slurm, 'FILE')}' where {tool} is installed")
+
+
+def check_mount_path(opts: argparse.Namespace) -> None:
+    """``--mount_path`` says where ``--pvc`` goes: alone it would do nothing, and a relative one is refused by
+    the container runtime only when the pods start (the job applied, its pods never running)."""
+    if not opts.pvc:
+        raise UsageError(f"--mount_path {opts.mount_path}: it is where --pvc CLAIM is mounted, and no --pvc is "
+                         f"given: add --pvc CLAIM, or leave --mount_path out")
+    if not opts.mount_path.startswith("/") or posixpath.normpath(opts.mount_path) == "/":
+        raise UsageError(f"--mount_path {opts.mount_path}: the claim is mounted at a folder of the container from "
+                         f"its root, not at the root itself: give an absolute path such as {DEFAULT_MOUNT_PATH}")
 
 
 @dataclass(frozen=True)
