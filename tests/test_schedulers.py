@@ -391,6 +391,11 @@ BAD = [
      "--mount_path data: the claim is mounted at a folder of the container from its root"),
     (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--pvc", "runs", "--mount_path", "/"],
      "--mount_path /: the claim is mounted at a folder"),
+    # names Kubernetes refuses: the claim's only when the operator makes the pods, which never start
+    (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--pvc", "Shared_Runs"],
+     "--pvc Shared_Runs: not a name Kubernetes takes: lower-case letters, digits, '-' and '.'"),
+    (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--namespace", "ml.team"],
+     "--namespace ml.team: not a name Kubernetes takes: lower-case letters, digits and '-',"),
 ]
 
 

@@ -71,6 +71,8 @@ def check_scheduler_options(opts: argparse.Namespace) -> None:
                          "(e.g. --image registry.example.com/team/shardtune:0.1)")
     if kube and opts.mount_path is not None:
         check_mount_path(opts)
+    if kube:
+        check_kube_names(opts)
     if opts.submit:
         if opts.dry_run:
             raise UsageError("--dry_run prints the job without writing it and --submit submits the written file: "
@@ -90,6 +92,23 @@ def check_mount_path(opts: argparse.Namespace) -> None:
     if not opts.mount_path.startswith("/") or posixpath.normpath(opts.mount_path) == "/":
         raise UsageError(f"--mount_path {opts.mount_path}: the claim is mounted at a folder of the container from "
                          f"its root, not at the root itself: give an absolute path such as {DEFAULT_MOUNT_PATH}")
+
+
+# Kubernetes' names (RFC 1123): a namespace is a label, a claim a subdomain (labels joined by dots).
+KUBE_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+KUBE_NAMES = {"namespace": (re.compile(rf"^{KUBE_LABEL}$"), 63, "lower-case letters, digits and '-'"),
+              "pvc": (re.compile(rf"^{KUBE_LABEL}(\.{KUBE_LABEL})*$"), 253, "lower-case letters, digits, '-' and '.'")}
+
+
+def check_kube_names(opts: argparse.Namespace) -> None:
+    """A namespace or claim name Kubernetes refuses: the claim's only when the operator makes the pods, which
+    then never start, with the reason in the job's events alone."""
+    for option, (pattern, longest, letters) in KUBE_NAMES.items():
+        name = getattr(opts, option)
+        if name is not None and (not pattern.match(name) or len(name) > longest):
+            raise UsageError(f"--{option} {name}: not a name Kubernetes takes: {letters}, starting and ending "
+                             f"with a letter or digit, at most {longest} characters; give it as 'kubectl get "
+                             f"{'namespaces' if option == 'namespace' else 'pvc'}' lists it")
 
 
 @dataclass(frozen=True)
