@@ -177,7 +177,8 @@ def test_a_second_sigterm_ends_the_launchers_wait_for_its_workers(monkeypatch, c
                                                   env={**os.environ, **env})))
         while not all(log.is_file() for log, _ in started):
             time.sleep(0.05)
-        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # the second, during the wait
+        # the second, during the wait (sooner, it would be the first one delivered again: the test below)
+        threading.Timer(launch.SIGTERM_REPEAT_S + 1, os.kill, (os.getpid(), signal.SIGTERM)).start()
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("the launcher's SIGTERM handler returned")
 
@@ -198,3 +199,51 @@ def test_a_second_sigterm_ends_the_launchers_wait_for_its_workers(monkeypatch, c
     assert code == 1 and "stopped by SIGTERM before the workers saved a checkpoint" in capsys.readouterr().err
     assert [log.read_text() for log, _ in started] == ["up\nTERM\n", "up\n"]
     assert all(process_state(proc.pid) == "gone" for _, proc in started)
+
+
+# A rank that takes 3 s to save after SIGTERM, then reports its checkpoint as a stopped worker does.
+SLOW_SAVING_RANK = """
+import json, os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: open(sys.argv[1], "a").write("TERM\\n"))
+open(sys.argv[1], "a").write("up\\n")
+while "TERM" not in open(sys.argv[1]).read():
+    time.sleep(0.05)
+time.sleep(3)
+with open(os.environ["SHARDTUNE_STOP_REPORT"], "w") as f:
+    json.dump({"steps": 5, "max_steps": 10, "last_checkpoint": "out/checkpoints/step-5"}, f)
+sys.exit(143)
+"""
+
+
+def test_a_sigterm_delivered_twice_still_waits_for_the_save(monkeypatch, capsys, tmp_path):
+    """On scancel or preemption Slurm sends SIGTERM to every process of the job: each node's launcher gets one, and
+    srun, in the batch step, forwards its own a moment later. The launcher took that copy for a second SIGTERM and
+    stopped its workers in their save (torchrun's 30 s, not the preemption's grace). It waits on for the save."""
+    import threading
+
+    import torch.distributed.run
+
+    from shardtune.cli import launch
+
+    started = []
+
+    def torchrun(args):
+        log = tmp_path / "rank"
+        started.append(subprocess.Popen([sys.executable, "-c", SLOW_SAVING_RANK, str(log)],
+                                        env={**os.environ, "LOCAL_RANK": "0"}))
+        while not log.is_file():
+            time.sleep(0.05)
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()  # srun's copy
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the launcher's SIGTERM handler returned")
+
+    monkeypatch.setattr(torch.distributed.run, "run", torchrun)
+    try:
+        code = launch.run_torchrun(["--standalone", "--nproc_per_node", "1", "-m", "shardtune", "train"])
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
+    err = capsys.readouterr().err
+    assert code == 143 and "stopped by SIGTERM at step 5 of 10; checkpoint out/checkpoints/step-5 saved" in err, err
+    assert started[0].returncode == 143  # it ended on its own, its save done

@@ -249,6 +249,9 @@ def first_failure(failures: dict) -> tuple[int, Any]:
 # How long the launcher waits, after a SIGTERM, for its workers to finish their step and save; the scheduler's own
 # grace (Slurm's --signal=TERM@S, Kubernetes' terminationGracePeriodSeconds) is what really bounds it.
 SIGTERM_WAIT_S = 1800
+# A SIGTERM this soon after the first is the same stop, delivered twice: on scancel or preemption Slurm signals
+# every process of the job, the nodes' launchers and the batch step's srun, which forwards its own to them.
+SIGTERM_REPEAT_S = 5.0
 
 
 def _is_worker(pid: int, launcher: int) -> bool:
@@ -267,9 +270,10 @@ def _sigterm_waits_for_the_save(args: argparse.Namespace) -> Iterator[dict[str, 
     model's save short (a cluster job's grace is 300 s). That wait (its shutdown timeout) serves every stop, also
     that of the ranks left after one failed, which never reach a step's end: it cannot simply be made longer.
     So the launcher takes SIGTERM itself (Linux): it passes it on to its workers, waits until they have saved and
-    ended (up to SIGTERM_WAIT_S; a second SIGTERM ends the wait), then stops the agent as SIGTERM does. The agent
-    is told to leave SIGTERM alone (``args.signals_to_handle``, torchrun's --signals_to_handle); yields the same
-    list as an environment variable, where torch releases without that option read it."""
+    ended (up to SIGTERM_WAIT_S; a second SIGTERM, SIGTERM_REPEAT_S after the first or later, ends the wait), then
+    stops the agent as SIGTERM does. The agent is told to leave SIGTERM alone (``args.signals_to_handle``,
+    torchrun's --signals_to_handle); yields the same list as an environment variable, where torch releases without
+    that option read it."""
     import threading
     import time
 
@@ -283,9 +287,11 @@ def _sigterm_waits_for_the_save(args: argparse.Namespace) -> Iterator[dict[str, 
     launcher, waiting = os.getpid(), []
 
     def stop(signum, frame) -> None:  # noqa: ARG001
-        if waiting:  # a second SIGTERM: stop now
+        if waiting:  # a second SIGTERM: stop now, unless it is the first one again
+            if time.monotonic() - waiting[0] < SIGTERM_REPEAT_S:
+                return
             raise SignalException(f"Process {launcher} got signal: SIGTERM", sigval=signal.SIGTERM)
-        waiting.append(True)
+        waiting.append(time.monotonic())
         workers = [pid for pid in children(launcher) if _is_worker(pid, launcher)]
         for pid in workers:
             try:
