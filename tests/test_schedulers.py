@@ -567,6 +567,13 @@ def test_a_log_folder_that_does_not_exist_is_refused(option, tmp_path, capsys, m
     (tmp_path / "logs").mkdir()
     assert main(argv) == 0
     assert f"#SBATCH {option}=logs/%x-%j.log" in (tmp_path / "shardtune.sbatch").read_text()
+    # The folder itself, written where the log file goes: Slurm cannot open it as the log either.
+    for given in ("logs", "logs/"):
+        assert main(["launch", "--slurm", "d.sbatch", "--gpus_per_node", "1", option, given, "train", *TRAIN]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"shardtune launch: error: {option} {given}: a folder, where Slurm writes the log to a file: give a file "
+            f"in it, e.g. {option} logs/%x-%j.out")
+    assert not (tmp_path / "d.sbatch").exists()
     # A folder named with Slurm's patterns (the user's, the job's) is Slurm's to read: not checked here.
     assert main(["launch", "--slurm", "u.sbatch", "--gpus_per_node", "1", option, "/scratch/%u/%j.log", "train",
                  *TRAIN]) == 0

@@ -515,10 +515,14 @@ def check_output_dir_on_claim(opts: argparse.Namespace, output_dir: str, train_a
 
 
 def check_log_folders(opts: argparse.Namespace) -> None:
-    """Refuse an ``--output`` / ``--error`` whose folder is missing: Slurm does not make it, and fails the job
-    before its first line, writing no log at all. Relative paths are read from this folder, as sbatch reads them
-    from the one it is run in; a folder written with a Slurm pattern (``%u``) cannot be checked here."""
+    """Refuse an ``--output`` / ``--error`` whose folder is missing, or that names a folder itself: Slurm cannot
+    open the log, and fails the job before its first line, writing no log at all. Relative paths are read from this
+    folder, as sbatch reads them from the one it is run in; a folder written with a Slurm pattern (``%u``) cannot
+    be checked here."""
     for flag, path in (("--output", opts.output), ("--error", opts.error)):
+        if path and (path.endswith("/") or Path(path).is_dir()):
+            raise UsageError(f"{flag} {path}: a folder, where Slurm writes the log to a file: give a file in it, "
+                             f"e.g. {flag} {posixpath.join(path, '%x-%j.out')}")
         folder = Path(path).parent if path else None
         if folder is not None and "%" not in str(folder) and not folder.is_dir():
             raise UsageError(f"{flag} {path}: folder {folder} does not exist here, and Slurm would fail the job "
