@@ -384,6 +384,11 @@ BAD = [
     (["--slurm", "--gpus_per_node", "8", "--grace_period", "70000"], "--grace_period 70000: Slurm sends its signal"),
     (["--slurm", "--gpus_per_node", "8", "--submit"], "--submit runs sbatch, which is not on PATH"),
     (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--submit"], "--submit runs kubectl"),
+    # empty values: written as they were (#SBATCH --partition=, which sbatch refuses), or dropped for the default
+    (["--slurm", "--gpus_per_node", "8", "--partition="], "--partition '': an empty value; give one, or leave"),
+    (["--slurm", "--gpus_per_node", "8", "--time", ""], "--time '': an empty value"),
+    (["--slurm", "--gpus_per_node", "8", "--job_name", " "], "--job_name ' ': an empty value"),
+    (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--pvc="], "--pvc '': an empty value"),
     # a --mount_path that did nothing (no --pvc), and one the pods could not start with (their runtime refuses it)
     (["--kubernetes", "--image", "x", "--gpus_per_node", "8", "--mount_path", "/data"],
      "--mount_path /data: it is where --pvc CLAIM is mounted, and no --pvc is given"),

@@ -57,6 +57,9 @@ def check_scheduler_options(opts: argparse.Namespace) -> None:
     if stray := _given(opts, KUBERNETES_ONLY if slurm else SLURM_ONLY):
         other = "--kubernetes" if slurm else "--slurm"
         raise UsageError(f"{stray[0]} is an option of {other}, not of {form}: leave it out")
+    for name in CLUSTER + SLURM_ONLY + KUBERNETES_ONLY:  # an empty value was written as it was, or dropped
+        if isinstance(value := getattr(opts, name), str) and not value.strip():
+            raise UsageError(f"--{name} {value!r}: an empty value; give one, or leave --{name} out")
     if decided := _given(opts, ("machine_rank", "main_process_ip", "rdzv_id")):
         raise UsageError(f"{decided[0]}: with {form} the cluster decides each node's rank, and the rendezvous "
                          f"is the job's first node (c10d, named after the job): leave {decided[0]} out")
