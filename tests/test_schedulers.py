@@ -25,6 +25,7 @@ import yaml
 from shardtune.cli import main
 from shardtune.cli.launch import launcher_parser, torchrun_command
 from shardtune.cli.schedulers import check_scheduler_options, render_cluster_job, slurm_time_s
+from shardtune.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "tests" / "data" / "pytorchjob_v1_schema.json"
@@ -545,6 +546,23 @@ def test_restarts_that_the_nodes_would_refuse_are_refused_when_the_job_is_writte
     assert main([*argv, "--resume_from_checkpoint", "false", "--overwrite_output_dir", "true"]) == 0  # afresh
     capsys.readouterr()
     assert main([*argv[:2], "unset.job", *argv[2:]]) == 0  # left out, the job resumes: its restarts carry on
+
+
+def test_python_may_be_a_command_that_runs_it_in_a_container(tmp_path):
+    """--python "apptainer exec --nv IMG python3" (a Slurm cluster's container) was written as one quoted word,
+    a program of that name, which no node has. It is the command the nodes run, word by word."""
+    python = "apptainer exec --nv /shared/sft.sif python3"
+    job = render(["--slurm", *TWO_BY_EIGHT, "--cpus_per_task", "64", "--python", python, "train", *TRAIN])
+    words = srun_ran(tmp_path, job, "4242")  # as srun gets them from the script's shell
+    assert words[:8] == ["apptainer", "exec", "--nv", "/shared/sft.sif", "python3", "-m", "shardtune", "launch"]
+    command = yaml.safe_load(render(["--kubernetes", *TWO_BY_EIGHT, "--image", "img:1", "--python", python, "train",
+                                     *TRAIN]).text)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"][
+        "containers"][0]["command"]
+    assert command[:6] == ["apptainer", "exec", "--nv", "/shared/sft.sif", "python3", "-m"]
+    spaced = render(["--slurm", "--gpus_per_node", "1", "--python", "'/my venv/bin/python'", "train", *TRAIN])
+    assert srun_ran(tmp_path, spaced, "4242")[:2] == ["/my venv/bin/python", "-m"]
+    with pytest.raises(UsageError, match="--python '/my venv/bin/python: No closing quotation; quote a path"):
+        render(["--slurm", "--gpus_per_node", "1", "--python", "'/my venv/bin/python", "train", *TRAIN])
 
 
 def test_a_slurm_job_without_cpus_per_task_says_its_processes_share_one_cpu():

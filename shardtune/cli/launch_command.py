@@ -335,8 +335,9 @@ def add_scheduler_options(p: argparse.ArgumentParser) -> None:
                    help="time to save a checkpoint after SIGTERM: Slurm --signal=TERM@SECONDS before the time limit, "
                         f"Kubernetes terminationGracePeriodSeconds (default {DEFAULT_GRACE_S})")
     g.add_argument("--python", default=None,
-                   help="the nodes' Python with shardtune installed (default: this one for Slurm, python3 in the "
-                        "image for Kubernetes)")
+                   help="the nodes' Python with shardtune installed, or a command that runs it, split as the shell "
+                        "splits it (apptainer exec --nv IMAGE python3); default: this one for Slurm, python3 in the "
+                        "image for Kubernetes")
     g.add_argument("--network_interface", "--network-interface", default=None, metavar="IFACE",
                    help="the interface the nodes talk over (NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME)")
     g.add_argument("--time", default=None, help="Slurm time limit (minutes, HH:MM:SS, D-HH:MM, ...)")

@@ -171,6 +171,18 @@ def job_shape(opts: argparse.Namespace) -> JobShape:
                     cpus_per_task=opts.cpus_per_task, network_interface=opts.network_interface)
 
 
+def python_words(opts: argparse.Namespace, default: str) -> list[str]:
+    """The nodes' Python: ``--python`` split as the shell splits it, so that it may be a command that runs Python
+    in a container (``apptainer exec --nv IMAGE python3``); the default (this Python's path) is one word."""
+    if not opts.python:
+        return [default]
+    try:
+        return shlex.split(opts.python)
+    except ValueError as exc:  # an unclosed quote
+        raise UsageError(f"--python {opts.python}: {exc}; quote a path with spaces inside it, e.g. "
+                         f"--python \"'/path with spaces/python'\"") from None
+
+
 class ShellExpr(str):
     """A word of a generated script that the shell expands (``$head_node``): written in double quotes."""
 
@@ -367,7 +379,7 @@ def sbatch_script(shape: JobShape, opts: argparse.Namespace, file: str, train_ar
         raise UsageError(f"--time {opts.time} leaves no training before the SIGTERM {shape.grace_s} s ahead of "
                          f"the limit (--grace_period): give a longer --time or a shorter --grace_period")
     own_port = shape.num_machines > 1 and not shape.port_given
-    words = [opts.python or sys.executable,
+    words = [*python_words(opts, sys.executable),
              *node_command(shape, opts, ShellExpr("$head_node"), ShellExpr("$SLURM_JOB_ID"), train_args,
                            port=ShellExpr("$rdzv_port") if own_port else None)]
     srun = [f"--nodes={shape.num_machines}", "--ntasks-per-node=1"]
@@ -400,7 +412,8 @@ def _container(shape: JobShape, opts: argparse.Namespace, train_args: list[str])
     """The one container of every pod, named and with the port the training operator looks for."""
     host = f"{shape.name}-worker-0"  # the operator's name for the first pod, and its service
     container: dict = {"name": KUBE_CONTAINER, "image": opts.image,
-                       "command": [opts.python or "python3", *node_command(shape, opts, host, shape.name, train_args)],
+                       "command": [*python_words(opts, "python3"),
+                                   *node_command(shape, opts, host, shape.name, train_args)],
                        "ports": [{"name": KUBE_PORT_NAME, "containerPort": shape.port}]}
     if env := job_env(shape):
         container["env"] = [dict(zip(("name", "value"), line.split("=", 1))) for line in env]
