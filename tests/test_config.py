@@ -112,6 +112,21 @@ def test_bare_flag_is_true_and_hub_flags_accepted():
     assert cfg.data.packing is True and cfg.run.push_to_hub is True and cfg.run.hub_model_id == "me/x"
 
 
+
+@pytest.mark.parametrize("flag", ["--max_steps", "--learning_rate", "--output_dir", "--lr_scheduler_type",
+                                  "--lora_target_modules", "--max_length"])
+def test_a_flag_given_no_value_is_refused_unless_the_key_takes_true(flag):
+    """'--max_steps --learning_rate 1e-4' (a value forgotten) was refused as "max_steps='true': expected an integer",
+    and '--output_dir --max_steps 5' trained into a folder called 'true'. A bare --key means true for the keys that
+    take it (booleans, resume_from_checkpoint, init_lora_weights); for any other it is refused, naming the flag."""
+    given = BASE[:4] if flag == "--output_dir" else BASE  # BASE ends with --output_dir out
+    with pytest.raises(UsageError) as refused:
+        load_train_config([*given, flag, "--seed", "3"])
+    assert (f"command line ({flag}): {flag} is given no value (a flag reads as true, which only a true/false key "
+            f"takes); give it one: {flag} VALUE") in str(refused.value)
+    cfg = load_train_config([*BASE, "--resume_from_checkpoint", "--use_peft_lora", "--init_lora_weights"])
+    assert cfg.checkpoint.resume_from_checkpoint == "true" and cfg.lora.init_lora_weights == "true"
+
 def sections_of_each_key(sections: dict[str, type]) -> dict[str, list[str]]:
     """Every field of every section and the sections that declare it, read off the dataclasses themselves."""
     where: dict[str, list[str]] = {}

@@ -48,6 +48,7 @@ class Key:
     refused: Mapping[str, str] = dataclasses.field(default_factory=dict)  # a value outside the choices -> why
     refusal: str = ""  # what to say of any other value outside the choices, instead of listing them
     secret: bool = False  # never written into config.yaml
+    takes_true: bool = False  # not a boolean, but true is one of its values: a bare --key flag means it
     commas: bool = False  # a text of comma-separated items: a YAML list is read as its items joined by commas
     # The setting without which it does nothing, as the help says it ("use_peft_lora true"; validation.SWITCHES
     # decides it): another value than its default is refused there, not dropped.

@@ -269,6 +269,12 @@ def _another_value(arg: str) -> bool:
     return not arg.startswith("--") and "=" not in arg and not arg.endswith((".yaml", ".yml", ".json"))
 
 
+class BareFlag(str):
+    """The value of a ``--key`` given no value: true, as HfArgumentParser reads a flag; refused for a key that
+    takes no true (``--max_steps --lr 1e-4``, ``--output_dir --max_steps 5``: a missing value, not the text
+    'true'), naming the flag."""
+
+
 def _cli_items(argv: list[str]) -> list[tuple[str, str, Any, str]]:
     """Each argument as (kind, key, value, as typed): kind is ``file``, ``override`` (key=value) or ``flag``
     (--key value, whose dashes in the key read as underscores: --foo-bar is --foo_bar)."""
@@ -289,7 +295,7 @@ def _cli_items(argv: list[str]) -> list[tuple[str, str, Any, str]]:
                             i += 1
                     value, typed = ",".join(words), f"{arg} {' '.join(words)}"
                 else:
-                    value = "true"
+                    value = BareFlag("true")
             if key == "config" and value != "true":  # TRL's `trl sft --config recipe.yaml`: the recipe itself
                 items.append(("file", value, None, typed))
             else:
@@ -511,6 +517,9 @@ def _apply(layers: Layers, *, training: bool,
                 pass  # a written-out TrainingArguments' key with no counterpart here, at Transformers' default
             elif key not in declared:
                 problems.append(f"{source}: {_unknown_key_problem(key, list(declared))}")
+            elif isinstance(value, BareFlag) and declared[key].base is not bool and not declared[key].meta.takes_true:
+                problems.append(f"{source}: --{name} is given no value (a flag reads as true, which only a "
+                                f"true/false key takes); give it one: --{name} VALUE")
             else:
                 try:
                     setattr(getattr(cfg, declared[key].section), key, declared[key].coerce(value))

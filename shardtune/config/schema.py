@@ -206,7 +206,7 @@ class LoraConfig:
         "true", "true (A random, B zero), false (both random: for tests), gaussian, pissa or pissa_niter_N (A, B from "
         "the base's top singular vectors), olora (from a QR of the base). PiSSA/OLoRA change the base: final/ and "
         "export hold the equivalent plain adapter of rank 2r for the unmodified base. Not with "
-        "use_4bit_quantization, use_dora or PP.", needs=LORA)
+        "use_4bit_quantization, use_dora or PP.", needs=LORA, takes_true=True)
     lora_bias: Literal["none", "all", "lora_only"] = key(
         "none", "PEFT's bias: which biases train, all of the model's or lora_only those of adapted layers; trained "
         "biases are saved in the adapter. PEFT's boolean lora_bias true (a bias on lora_B) is refused; false "
@@ -492,7 +492,7 @@ class CheckpointConfig:
     greater_is_better: bool | None = key(None, "Whether a larger metric is better (default: false for a loss or "
                                                "perplexity).")
     resume_from_checkpoint: str | None = key(None, "A checkpoint folder, or true for the newest complete one in "
-                                                   "output_dir.")
+                                                   "output_dir.", takes_true=True)
 
 
 @dataclass
