@@ -117,6 +117,7 @@ ALIAS_VALUES = {"max_length": (64, []), "max_seq_length": (64, []),
                 "dataset_config": ("subset", ["--dataset_name", "org/rows"]),  # a hub data set's subset
                 "use_peft": (True, []), "load_in_4bit": (True, ["--use_peft_lora", "true"]),
                 "use_bnb_nested_quant": (False, ["--use_peft_lora", "true", "--use_4bit_quantization", "true"]),
+                "bnb_4bit_use_double_quant": (False, ["--use_peft_lora", "true", "--use_4bit_quantization", "true"]),
                 "evaluation_strategy": ("steps", []), "dtype": ("bfloat16", []),
                 "activation_checkpointing": (False, []),
                 "bnb_4bit_quant_storage": ("float16", ["--use_peft_lora", "true", "--use_4bit_quantization", "true"])}
@@ -322,3 +323,19 @@ def test_the_schema_takes_the_trl_and_transformers_5_spellings_shardtune_reads(s
     assert load_train_config([str(tmp_path / "r.yaml"), *BASE]).optim.warmup_ratio == 0.03
     assert list(jsonschema.Draft202012Validator(schema).iter_errors({"gradient_checkpointing_kwargs": {"x": 1}}))
     assert list(jsonschema.Draft202012Validator(schema).iter_errors({"warmup_steps": 2.5}))  # refused by shardtune
+
+
+def test_a_qlora_recipe_in_bitsandbytes_config_names_builds_that_quantisation(tmp_path):
+    """A QLoRA recipe copied from Transformers' BitsAndBytesConfig: bnb_4bit_use_double_quant was an unknown key
+    ("did you mean 'bnb_4bit_quant_type'?"). Each of its keys reaches the BitsAndBytesConfig the base loads with."""
+    import torch
+
+    from shardtune.train.model import _quantization_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("use_peft_lora: true\nload_in_4bit: true\nbnb_4bit_quant_type: fp4\n"
+                      "bnb_4bit_use_double_quant: false\nbnb_4bit_compute_dtype: float16\n"
+                      "bnb_4bit_quant_storage: float32\n")
+    built = _quantization_config(load_train_config([str(recipe), *BASE]).lora)
+    assert (built.bnb_4bit_quant_type, built.bnb_4bit_use_double_quant, built.bnb_4bit_compute_dtype,
+            built.bnb_4bit_quant_storage) == ("fp4", False, torch.float16, torch.float32)

@@ -217,7 +217,9 @@ class LoraConfig:
                                              "use_peft_lora.", aliases={"load_in_4bit": "TRL's"})
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = key("nf4", "The 4-bit data type.", needs=QLORA)
     use_nested_quant: bool = key(True, "Double quantisation of the quantisation constants (QLoRA paper, section 3).",
-                                 aliases={"use_bnb_nested_quant": "TRL's"}, needs=QLORA)
+                                 aliases={"use_bnb_nested_quant": "TRL's",
+                                          "bnb_4bit_use_double_quant": "Transformers' BitsAndBytesConfig's"},
+                                 needs=QLORA)
     bnb_4bit_compute_dtype: FloatDtype = key("bfloat16", "The dtype 4-bit weights are dequantised to for the "
                                                          "matmuls.", spellings=FLOAT_SPELLINGS, needs=QLORA)
     bnb_4bit_quant_storage_dtype: FloatDtype = key(
