@@ -778,6 +778,21 @@ def test_no_trl_model_or_script_key_is_offered_another_keys_spelling():
         load_train_config([*BASE, "--use_peft", "true", "--lora_task_type", "SEQ_CLS"])
 
 
+def test_an_8bit_switch_left_off_loads_and_turned_on_is_refused_naming_4bit(tmp_path, capsys):
+    """A written-out TRL ModelConfig holds load_in_8bit: false, and PEFT's examples/sft recipes
+    use_8bit_quantization: false: both were refused, the second offered use_4bit_quantization for it. Off is what
+    runs here (LoRA on the unquantised base); on is refused, in one line naming the key and load_in_4bit."""
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text("use_peft: true\nload_in_8bit: false\nuse_8bit_quantization: false\n")
+    assert load_train_config([str(recipe), *BASE]).lora.method == "lora"
+    for key in ("load_in_8bit", "use_8bit_quantization"):
+        assert main(["train", *BASE, "--use_peft", "true", f"--{key}", "true"]) == 2
+        err = capsys.readouterr().err
+        assert f"{key}='true' would change what runs (8-bit loading of the frozen base" in err
+        assert "use load_in_4bit true (QLoRA) for a quantised base, or leave it out" in err
+        assert "did you mean" not in err
+
+
 def test_trls_split_keys_name_the_splits_they_train_and_evaluate(tmp_path, capsys):
     """TRL's dataset_train_split and dataset_test_split (UltraChat's train_sft, test_sft) were refused unless they
     named splits' own defaults: each now names its side of splits, the other side kept. A name that this side's
@@ -892,7 +907,6 @@ def test_a_hub_subset_of_local_data_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize("key, hint", [
     ("dataset_splits", "here the split names go in one key: splits"), ("lr", "here it is learning_rate"),
     ("preprocessing_num_workers", "here it is dataset_num_proc"),
-    ("load_in_8bit", "8-bit loading is not run here; use load_in_4bit"),
     # (TRL's SFTConfig keys at their defaults are no-ops: tests/test_key_vocabulary.py)
     ("eval_dataset_name", "eval rows come from dataset_name's own eval split"),
     # TrainingArguments keys: offered lr_scheduler_type, optim, dataset_name, save_total_limit, ..., fsdp_version

@@ -367,7 +367,6 @@ _SPLITS = "here the split names go in one key: splits (e.g. splits train,test)"
 UNKNOWN_ELSEWHERE = {
     "dataset_splits": _SPLITS,
     "preprocessing_num_workers": "here it is dataset_num_proc", "lr": "here it is learning_rate",
-    "load_in_8bit": "8-bit loading is not run here; use load_in_4bit (QLoRA) or leave it out",
     # TRL's SFTConfig: what shardtune does instead, so that no near spelling of another key is offered.
     "eval_dataset_name": "eval rows come from dataset_name's own eval split here (e.g. test.jsonl beside "
                          "train.jsonl; the splits key names them) or from eval_split_ratio",

@@ -149,6 +149,11 @@ NO_OPS: dict[str, NoOp] = {
     **{name: NoOp(f"{whose} task type: shardtune fine-tunes causal language models, PEFT's CAUSAL_LM",
                   _one_of("causal_lm"), "set it to CAUSAL_LM, or leave it out")
        for name, whose in (("lora_task_type", "TRL's PEFT"), ("task_type", "PEFT's"))},
+    # TRL's ModelConfig (load_in_8bit) and PEFT's examples/sft script (use_8bit_quantization): false, their
+    # default, is the unquantised base LoRA trains on here
+    **dict.fromkeys(("load_in_8bit", "use_8bit_quantization"),
+                    NoOp("8-bit loading of the frozen base (bitsandbytes' LLM.int8)", OFF,
+                         "use load_in_4bit true (QLoRA) for a quantised base, or leave it out")),
     "peft_type": NoOp("PEFT's adapter type: shardtune trains LoRA (use_peft_lora)", _one_of("lora"),
                       "set it to LORA, or leave it out"),
     # TRL's SFTConfig: its defaults (and the values that mean them) are what runs here; another value is refused,
