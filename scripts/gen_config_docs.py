@@ -45,9 +45,14 @@ def render() -> str:
         out += [f"## {section}", "", "| key | type | default | what it does |", "|---|---|---|---|"]
         for d in (d for d in all_keys() if d.section == section):
             cells = (d.type_text(), f"`{shown(getattr(getattr(cfg, section), d.name))}`", d.described())
-            out.append(f"| `{d.name}` | " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+            out.append(_row(d.name, *cells))
         out.append("")
     return "\n".join(out + _no_op_section())
+
+
+def _row(key: str, *cells: str) -> str:
+    """A table row for ``key``; a ``|`` in a cell (a regex's alternatives) is escaped, not a column break."""
+    return f"| `{key}` | " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
 
 
 def _no_op_section() -> list[str]:
@@ -59,7 +64,7 @@ def _no_op_section() -> list[str]:
            "value that would change what runs is refused, naming what to do instead.", "",
            "| key | why it changes nothing | accepted | any other value is refused: do instead |", "|---|---|---|---|"]
     for key, entry in NO_OPS.items():
-        out.append(f"| `{key}` | {entry.why} | {entry.inert.says} | {entry.instead or '-'} |")
+        out.append(_row(key, entry.why, entry.inert.says, entry.instead or "-"))
     written = ", ".join(f"`{key}`" for key in TRANSFORMERS_DEFAULTS)
     return out + ["", "A recipe written out from Transformers' TrainingArguments (or TRL's SFTConfig) also holds its "
                   "keys that have no counterpart here. At the value Transformers gives them when they are not set "

@@ -839,6 +839,48 @@ def test_no_peft_lora_config_key_is_offered_another_keys_spelling():
     assert load_train_config([*BASE, "--use_peft", "true", "--task_type", "CAUSAL_LM", "--peft_type", "LORA"])
 
 
+def test_a_written_out_peft_lora_config_loads_and_a_layer_choice_is_refused_with_the_regex_that_makes_it(
+        tmp_path, capsys):
+    """layers_to_transform, layers_pattern, exclude_modules, rank_pattern, alpha_pattern and fan_in_fan_out were
+    refused at any value, PEFT's empty defaults too, saying "leave it out": followed, a run asked for layers 0 and 1
+    adapted every layer. Their unset or empty values (a written-out LoraConfig's) load; a value that picks layers
+    or ranks is refused naming what does it here, and the regex offered for layers_to_transform adapts exactly the
+    modules PEFT's layers_to_transform does."""
+    import transformers
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from shardtune.config.no_ops import NO_OPS
+    from shardtune.config.schema import LoraConfig
+    from shardtune.testing.tiny import make_tokenizer, tiny_llama_config
+    from shardtune.train.model import apply_lora
+
+    recipe = tmp_path / "peft.yaml"
+    recipe.write_text("use_peft: true\nlayers_to_transform: null\nlayers_pattern: null\nexclude_modules: null\n"
+                      "rank_pattern: {}\nalpha_pattern: {}\nfan_in_fan_out: false\n")
+    assert load_train_config([str(recipe), *BASE]).lora.method == "lora"
+    for key, value, says in (("layers_to_transform", "0,1", "adapt those layers with a lora_target_modules regex"),
+                             ("layers_pattern", "layers", "name the layers in a lora_target_modules regex"),
+                             ("exclude_modules", "k_proj", "give a regex that leaves the others out"),
+                             ("rank_pattern", "{q_proj: 4}", "every adapted module here has lora_r"),
+                             ("alpha_pattern", "{q_proj: 4}", "every adapted module here has lora_alpha"),
+                             ("fan_in_fan_out", "true", "PEFT sets it where a layer needs it")):
+        assert main(["train", *BASE, "--use_peft", "true", f"--{key}", value]) == 2
+        err = capsys.readouterr().err
+        assert f"{key}={value!r} would change what runs" in err and says in err, err
+    offered = re.search(r"e\.g\. (re:\S+)", NO_OPS["layers_to_transform"].instead).group(1)
+    config = tiny_llama_config(len(make_tokenizer()), num_layers=3)
+
+    def adapted(model) -> set[str]:
+        return {name for name, param in model.named_parameters() if param.requires_grad}
+
+    fresh = transformers.AutoModelForCausalLM.from_config
+    ours = adapted(apply_lora(fresh(config), LoraConfig(lora_target_modules=offered, lora_r=4), seed=0))
+    peft = adapted(get_peft_model(fresh(config), PeftLoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                layers_to_transform=[0, 1])))
+    assert ours == peft and len(ours) == 8 and not any(".layers.2." in name for name in ours)
+
+
 def test_a_recipe_whose_path_holds_an_equals_sign_is_read_as_a_recipe(tmp_path, monkeypatch):
     """sweep/lr=1e-3/recipe.yaml was read as the key 'sweep/lr' ("did you mean 'seed'?"); an existing .yaml file is
     the recipe, and key=value still sets a key."""

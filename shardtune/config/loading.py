@@ -427,8 +427,7 @@ OTHER_TOOLS_KEYS = {
         "train_sampling_strategy"), "Transformers' TrainingArguments"),
     # PEFT 0.21's LoraConfig; tests/test_config.py walks the installed one
     **dict.fromkeys((
-        "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode", "exclude_modules",
-        "fan_in_fan_out", "layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern", "megatron_config",
+        "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode", "megatron_config",
         "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config", "velora_config",
         "alora_invocation_tokens", "use_qalora", "qalora_group_size", "monteclora_config", "layer_replication",
         "runtime_config", "use_bdlora", "arrow_config", "kasa_config", "ensure_weight_tying"), "PEFT's LoraConfig"),

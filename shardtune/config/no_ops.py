@@ -94,6 +94,8 @@ TRAINED_TOKENS = ("remove it: shardtune trains the assistant turns and completio
 
 
 UNSET = Inert(_unset, "unset", _UNSET_VALUES)
+# unset, or PEFT's empty default (rank_pattern: {}, a written-out LoraConfig's)
+EMPTY = Inert(lambda value: _unset(value) or value in ([], {}), "unset or empty", (*_UNSET_VALUES, [], {}))
 
 
 def _zero_or_unset(value: Any) -> bool:
@@ -149,6 +151,22 @@ NO_OPS: dict[str, NoOp] = {
     **{name: NoOp(f"{whose} task type: shardtune fine-tunes causal language models, PEFT's CAUSAL_LM",
                   _one_of("causal_lm"), "set it to CAUSAL_LM, or leave it out")
        for name, whose in (("lora_task_type", "TRL's PEFT"), ("task_type", "PEFT's"))},
+    # PEFT's LoraConfig: what a written-out one holds loads; a value that would pick layers or ranks is refused with
+    # the lora_target_modules regex that picks those layers, where there is one
+    "layers_to_transform": NoOp("PEFT's adapters on the listed layers only", EMPTY,
+                                "adapt those layers with a lora_target_modules regex that names them, e.g. "
+                                "re:.*\\.layers\\.(0|1)\\..*\\.(q_proj|v_proj) for q_proj and v_proj of layers 0 "
+                                "and 1"),
+    "layers_pattern": NoOp("the name of the layer list layers_to_transform counts in", EMPTY,
+                           "name the layers in a lora_target_modules regex instead, e.g. re:.*\\.h\\.(0|1)\\..*c_attn"),
+    "exclude_modules": NoOp("PEFT's modules taken out of the targets", EMPTY,
+                            "name only the modules to adapt in lora_target_modules, or give a regex that leaves the "
+                            "others out, e.g. re:(?!.*\\.mlp\\.).*_proj (every *_proj outside the MLPs)"),
+    **{name: NoOp(f"PEFT's {what} per module", EMPTY, f"every adapted module here has {key}: remove it, and set "
+                  f"{key} to the one value you want")
+       for name, what, key in (("rank_pattern", "ranks", "lora_r"), ("alpha_pattern", "alphas", "lora_alpha"))},
+    "fan_in_fan_out": NoOp("PEFT's transposed weights, which PEFT sets true by itself on layers stored so (GPT-2's "
+                           "Conv1D)", OFF, "leave it out: PEFT sets it where a layer needs it"),
     # TRL's ModelConfig (load_in_8bit) and PEFT's examples/sft script (use_8bit_quantization): false, their
     # default, is the unquantised base LoRA trains on here
     **dict.fromkeys(("load_in_8bit", "use_8bit_quantization"),
