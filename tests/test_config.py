@@ -881,6 +881,22 @@ def test_a_written_out_peft_lora_config_loads_and_a_layer_choice_is_refused_with
     assert ours == peft and len(ours) == 8 and not any(".layers.2." in name for name in ours)
 
 
+def test_a_peft_regex_target_string_is_refused_before_loading_saying_how_to_write_it(tmp_path):
+    """PEFT reads a target_modules string as a regex: copied into lora_target_modules without re:, it was taken for
+    a module name, and the run stopped only after loading the model, offering v_proj alone for
+    .*\\.(q_proj|v_proj). It is refused with the config, giving the re: form, which loads."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("use_peft: true\nlora_target_modules: .*\\.(q_proj|v_proj)\n")
+    with pytest.raises(UsageError, match=re.escape(
+            "line 2: lora_target_modules='.*\\\\.(q_proj|v_proj)' is a regular expression (PEFT's target_modules "
+            "string), which is written with re: in front here: re:.*\\.(q_proj|v_proj)")):
+        load_train_config([str(recipe), *BASE])
+    assert load_train_config([*BASE, "--use_peft", "true", "--lora_target_modules",
+                              "re:.*\\.(q_proj|v_proj)"]).lora.lora_target_modules == "re:.*\\.(q_proj|v_proj)"
+    assert load_train_config([*BASE, "--use_peft", "true", "--lora_target_modules",
+                              "self_attn.q_proj,v_proj"]).lora.lora_target_modules == "self_attn.q_proj,v_proj"
+
+
 def test_a_recipe_whose_path_holds_an_equals_sign_is_read_as_a_recipe(tmp_path, monkeypatch):
     """sweep/lr=1e-3/recipe.yaml was read as the key 'sweep/lr' ("did you mean 'seed'?"); an existing .yaml file is
     the recipe, and key=value still sets a key."""

@@ -169,6 +169,12 @@ def lora_variant_problems(cfg: TrainConfig) -> list[Problem]:
         except re.error as exc:
             problems.append(Problem("lora_target_modules", f"lora_target_modules={target!r}: not a regular "
                                     f"expression ({exc}); write re:<pattern>, e.g. re:.*\\.(q_proj|v_proj)"))
+    elif target != "all-linear" and re.search(r"[*+?()\[\]{}|^$\\]", target):
+        # PEFT reads a target_modules string as a regex; here a name list is the plain form, and no module name
+        # holds these characters: the run would stop after loading the model, offered one of the names.
+        problems.append(Problem("lora_target_modules", f"lora_target_modules={target!r} is a regular expression "
+                                f"(PEFT's target_modules string), which is written with re: in front here: "
+                                f"re:{target}"))
     return problems
 
 
