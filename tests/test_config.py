@@ -881,20 +881,23 @@ def test_a_written_out_peft_lora_config_loads_and_a_layer_choice_is_refused_with
     assert ours == peft and len(ours) == 8 and not any(".layers.2." in name for name in ours)
 
 
-def test_a_peft_regex_target_string_is_refused_before_loading_saying_how_to_write_it(tmp_path):
-    """PEFT reads a target_modules string as a regex: copied into lora_target_modules without re:, it was taken for
-    a module name, and the run stopped only after loading the model, offering v_proj alone for
-    .*\\.(q_proj|v_proj). It is refused with the config, giving the re: form, which loads."""
+@pytest.mark.parametrize("given, says", [
+    # PEFT reads a target_modules string as a regex: copied without re:, it was taken for a module name, and the run
+    # stopped only after loading the model, offering v_proj alone for .*\\.(q_proj|v_proj)
+    (".*\\.(q_proj|v_proj)", "lora_target_modules='.*\\\\.(q_proj|v_proj)' is a regular expression (PEFT's "
+                            "target_modules string), which is written with re: in front here: re:.*\\.(q_proj|v_proj)"),
+    # a written-out TRL ModelConfig's null (PEFT's own targets for the model type) said "a value is required"
+    ("null", "lora_target_modules=None: unset (TRL's default) asks PEFT for its own targets for the model type, "
+             "q_proj,v_proj on Llama; name the modules (e.g. q_proj,v_proj) or give all-linear")])
+def test_a_target_string_copied_from_peft_or_trl_is_refused_with_the_config_saying_what_to_write(tmp_path, given,
+                                                                                                  says):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("use_peft: true\nlora_target_modules: .*\\.(q_proj|v_proj)\n")
-    with pytest.raises(UsageError, match=re.escape(
-            "line 2: lora_target_modules='.*\\\\.(q_proj|v_proj)' is a regular expression (PEFT's target_modules "
-            "string), which is written with re: in front here: re:.*\\.(q_proj|v_proj)")):
+    recipe.write_text(f"use_peft: true\nlora_target_modules: {given}\n")
+    with pytest.raises(UsageError, match=re.escape(f"line 2: {says}")):
         load_train_config([str(recipe), *BASE])
-    assert load_train_config([*BASE, "--use_peft", "true", "--lora_target_modules",
-                              "re:.*\\.(q_proj|v_proj)"]).lora.lora_target_modules == "re:.*\\.(q_proj|v_proj)"
-    assert load_train_config([*BASE, "--use_peft", "true", "--lora_target_modules",
-                              "self_attn.q_proj,v_proj"]).lora.lora_target_modules == "self_attn.q_proj,v_proj"
+    for written in ("re:.*\\.(q_proj|v_proj)", "self_attn.q_proj,v_proj"):  # the re: form, and dotted names, load
+        assert load_train_config([*BASE, "--use_peft", "true", "--lora_target_modules",
+                                  written]).lora.lora_target_modules == written
 
 
 def test_a_recipe_whose_path_holds_an_equals_sign_is_read_as_a_recipe(tmp_path, monkeypatch):

@@ -105,7 +105,7 @@ class Declared:
         if value is None or (self.optional and isinstance(value, str) and value.lower() in ("none", "null")):
             if self.optional:
                 return None
-            raise ValueError("a value is required")
+            raise ValueError(self.meta.refused.get("null", "a value is required"))
         if isinstance(value, (list, tuple)) and not (self.base is str and self.meta.commas):
             raise ValueError("expected one value, not a list")
         try:

@@ -192,7 +192,9 @@ class LoraConfig:
         "all-linear", "all-linear; comma-separated module names (q_proj,v_proj: each matches a module whose name ends "
         "with it; the command line also takes TRL's --lora_target_modules q_proj v_proj); or `re:` and a regular "
         "expression that must match a module's whole name (PEFT's regex form), e.g. "
-        "`re:.*layers\\.[0-3]\\..*(q_proj|v_proj)`.", needs=LORA, commas=True)
+        "`re:.*layers\\.[0-3]\\..*(q_proj|v_proj)`.", needs=LORA, commas=True,
+        refused={"null": "unset (TRL's default) asks PEFT for its own targets for the model type, q_proj,v_proj on "
+                         "Llama; name the modules (e.g. q_proj,v_proj) or give all-linear"})
     use_dora: bool = key(False, "DoRA (Liu et al. 2024): a trained magnitude per output feature of each adapted "
                                 "layer; sharded by FSDP with its layer, saved in checkpoints and final/, folded in by "
                                 "merge.", needs=LORA)
