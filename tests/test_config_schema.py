@@ -339,3 +339,27 @@ def test_a_qlora_recipe_in_bitsandbytes_config_names_builds_that_quantisation(tm
     built = _quantization_config(load_train_config([str(recipe), *BASE]).lora)
     assert (built.bnb_4bit_quant_type, built.bnb_4bit_use_double_quant, built.bnb_4bit_compute_dtype,
             built.bnb_4bit_quant_storage) == ("fp4", False, torch.float16, torch.float32)
+
+
+def test_a_written_out_bitsandbytes_config_loads_and_builds_the_same_quantisation(tmp_path):
+    """Its other keys were offered other keys' spellings: llm_int8_skip_modules lora_target_modules,
+    llm_int8_has_fp16_weight init_lora_weights, quant_method run_name. A BitsAndBytesConfig written out (its public
+    keys) now loads as the QLoRA recipe it is, and gives back the same BitsAndBytesConfig; a value that would act is
+    refused, naming what to do."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    from shardtune.train.model import _quantization_config
+
+    theirs = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False,
+                                bnb_4bit_compute_dtype=torch.float16, bnb_4bit_quant_storage=torch.float32)
+    written = {k: v for k, v in json.loads(theirs.to_json_string(use_diff=False)).items() if not k.startswith("_")}
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"use_peft_lora": True, **written}))
+    ours = _quantization_config(load_train_config([str(recipe), *BASE]).lora).to_dict()
+    assert ours == theirs.to_dict()
+    for name, value, says in (("llm_int8_skip_modules", "lm_head,embed_tokens", "quantises every linear layer but "
+                              "the output head"), ("quant_method", "gptq", "set it to bitsandbytes"),
+                             ("llm_int8_enable_fp32_cpu_offload", "true", "fsdp_offload_params true")):
+        with pytest.raises(UsageError, match=f"{name}='{value}' would change what runs .*{says}"):
+            load_train_config([str(recipe), *BASE, f"--{name}", value])

@@ -167,6 +167,17 @@ NO_OPS: dict[str, NoOp] = {
        for name, what, key in (("rank_pattern", "ranks", "lora_r"), ("alpha_pattern", "alphas", "lora_alpha"))},
     "fan_in_fan_out": NoOp("PEFT's transposed weights, which PEFT sets true by itself on layers stored so (GPT-2's "
                            "Conv1D)", OFF, "leave it out: PEFT sets it where a layer needs it"),
+    # Transformers' BitsAndBytesConfig (its 4-bit keys are keys here, or other names of them)
+    **dict.fromkeys(("llm_int8_threshold", "llm_int8_has_fp16_weight"),
+                    NoOp("read by 8-bit (LLM.int8) loading only; the 4-bit base here never reads it")),
+    "llm_int8_enable_fp32_cpu_offload": NoOp("layers a device_map puts on the CPU, kept in fp32", OFF,
+                                             "set fsdp_offload_params true to hold the weights in CPU memory"),
+    "llm_int8_skip_modules": NoOp("modules the 4-bit load leaves unquantised", EMPTY,
+                                  "the 4-bit base here quantises every linear layer but the output head; leave it "
+                                  "out, or set use_4bit_quantization false to keep every layer unquantised"),
+    "quant_method": NoOp("the quantisation library, bitsandbytes for QLoRA here (use_4bit_quantization)",
+                         _one_of("bitsandbytes"), "QLoRA here loads the base with bitsandbytes: set it to "
+                         "bitsandbytes, or leave it out"),
     # TRL's ModelConfig (load_in_8bit) and PEFT's examples/sft script (use_8bit_quantization): false, their
     # default, is the unquantised base LoRA trains on here
     **dict.fromkeys(("load_in_8bit", "use_8bit_quantization"),
