@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 import textwrap
+from collections.abc import Iterable
 
 import pytest
 
@@ -729,22 +730,27 @@ def test_another_tools_key_is_not_offered_a_key_spelled_like_it(key, whose, caps
         capsys.readouterr().err
 
 
+def offered_other_spellings(names: Iterable[str], *argv: str) -> dict[str, str]:
+    """Each of ``names`` that ``--NAME 1`` (beside ``argv``) refuses offering a near spelling of an unrelated key
+    here, with that refusal; a refusal naming what to write, or saying the key has no counterpart, is not one."""
+    offered = {}
+    for name in names:
+        try:
+            load_train_config([*BASE, *argv, f"--{name}", "1"])
+        except UsageError as exc:
+            if "did you mean" in str(exc) or "--help-keys" in str(exc) and "no counterpart" not in str(exc):
+                offered[name] = str(exc)
+    return offered
+
+
 def test_no_training_arguments_key_is_offered_another_keys_spelling():
     """Every key of the installed Transformers' TrainingArguments is a key here, another name of one, read as
     a no-op or a mapping, or refused with what to write instead: never with a near spelling of an unrelated key (a
     new Transformers key shows up here)."""
     from transformers import TrainingArguments
 
-    offered = {}
-    for field in dataclasses.fields(TrainingArguments):
-        if field.name.startswith("_"):
-            continue
-        try:
-            load_train_config([*BASE, f"--{field.name}", "1"])
-        except UsageError as exc:
-            if "did you mean" in str(exc) or "--help-keys" in str(exc) and "no counterpart" not in str(exc):
-                offered[field.name] = str(exc)
-    assert offered == {}
+    assert offered_other_spellings(f.name for f in dataclasses.fields(TrainingArguments)
+                                   if not f.name.startswith("_")) == {}
 
 
 # TRL 1.16's ModelConfig and ScriptArguments, the other half of a `trl sft --config` recipe (TRL is not installed
@@ -761,14 +767,7 @@ def test_no_trl_model_or_script_key_is_offered_another_keys_spelling():
     """lora_task_type was offered lora_bias, dataset_streaming dataset_name, ignore_bias_buffers
     ddp_broadcast_buffers and bnb_4bit_quant_storage its dtype-suffixed name: each TRL key is a key here, another
     name of one, a no-op, or refused saying what to write instead."""
-    offered = {}
-    for name in TRL_MODEL_AND_SCRIPT_KEYS:
-        try:
-            load_train_config([*BASE, "--use_peft", "true", f"--{name}", "1"])
-        except UsageError as exc:
-            if "did you mean" in str(exc) or "--help-keys" in str(exc):
-                offered[name] = str(exc)
-    assert offered == {}
+    assert offered_other_spellings(TRL_MODEL_AND_SCRIPT_KEYS, "--use_peft", "true") == {}
     # the accepted ones act as TRL's: the quantisation storage dtype, CAUSAL_LM (what runs here), no streaming
     cfg = load_train_config([*BASE, "--load_in_4bit", "true", "--use_peft", "true", "--bnb_4bit_quant_storage",
                              "float16", "--lora_task_type", "CAUSAL_LM", "--dataset_streaming", "false",
@@ -791,6 +790,27 @@ def test_an_8bit_switch_left_off_loads_and_turned_on_is_refused_naming_4bit(tmp_
         assert f"{key}='true' would change what runs (8-bit loading of the frozen base" in err
         assert "use load_in_4bit true (QLoRA) for a quantised base, or leave it out" in err
         assert "did you mean" not in err
+
+
+# PEFT's examples/sft/train.py ModelArguments and DataTrainingArguments (its README's QLoRA and FSDP recipes), not
+# installed with shardtune, so named here.
+PEFT_SFT_EXAMPLE_KEYS = (
+    "model_name_or_path", "chat_template_format", "lora_alpha", "lora_dropout", "lora_r", "lora_target_modules",
+    "use_nested_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage_dtype", "bnb_4bit_quant_type",
+    "use_flash_attn", "use_peft_lora", "use_8bit_quantization", "use_4bit_quantization", "use_reentrant",
+    "use_unsloth", "use_loftq", "use_loftq_callback", "dataset_name", "append_concat_token", "add_special_tokens",
+    "splits", "tokenizer_name_or_path", "packing", "dataset_text_field", "max_seq_length")
+
+
+def test_no_peft_sft_example_key_is_offered_another_keys_spelling():
+    """PEFT's own SFT example: use_loftq and use_unsloth were offered use_rslora, use_loftq_callback callbacks and
+    tokenizer_name_or_path model_name_or_path. Each is a key here, a no-op at the example's default, or refused
+    naming what runs here."""
+    assert offered_other_spellings(PEFT_SFT_EXAMPLE_KEYS, "--use_peft_lora", "true") == {}
+    assert load_train_config([*BASE, "--use_peft_lora", "true", "--use_loftq", "false", "--use_loftq_callback",
+                              "false", "--use_unsloth", "false", "--tokenizer_name_or_path", "null"])
+    with pytest.raises(UsageError, match="use_loftq='true' would change what runs .* init_lora_weights names"):
+        load_train_config([*BASE, "--use_peft_lora", "true", "--use_loftq", "true"])
 
 
 def test_trls_split_keys_name_the_splits_they_train_and_evaluate(tmp_path, capsys):
@@ -826,14 +846,7 @@ def test_no_peft_lora_config_key_is_offered_another_keys_spelling():
     here, a no-op, or refused naming the key to write or saying it has no counterpart (a new PEFT field shows up)."""
     import peft
 
-    offered = {}
-    for field in dataclasses.fields(peft.LoraConfig):
-        try:
-            load_train_config([*BASE, "--use_peft", "true", f"--{field.name}", "1"])
-        except UsageError as exc:
-            if "did you mean" in str(exc) or "--help-keys" in str(exc) and "no counterpart" not in str(exc):
-                offered[field.name] = str(exc)
-    assert offered == {}
+    assert offered_other_spellings((f.name for f in dataclasses.fields(peft.LoraConfig)), "--use_peft", "true") == {}
     with pytest.raises(UsageError, match="unknown key 'r'; PEFT's rank is lora_r here"):
         load_train_config([*BASE, "--use_peft", "true", "--r", "8"])
     assert load_train_config([*BASE, "--use_peft", "true", "--task_type", "CAUSAL_LM", "--peft_type", "LORA"])

@@ -315,6 +315,7 @@ ACTING = {"compute_environment": "AMAZON_SAGEMAKER", "downcast_bf16": "yes", "tp
           "layers_to_transform": [0, 1], "layers_pattern": "layers", "exclude_modules": ["k_proj"],
           "rank_pattern": {"q_proj": 4}, "alpha_pattern": {"q_proj": 4}, "fan_in_fan_out": True,
           "llm_int8_enable_fp32_cpu_offload": True, "llm_int8_skip_modules": ["lm_head"], "quant_method": "gptq",
+          "use_loftq": True, "use_loftq_callback": True, "use_unsloth": True, "tokenizer_name_or_path": "tok/",
           "dataset_streaming": True,
           "truncation_mode": "keep_end", "packing_strategy": "wrapped", "loss_type": "dft", "pad_to_multiple_of": 8,
           "eval_packing": True, "router_aux_loss_coef": 0.001, "eos_token": "<|im_end|>", "pad_token": "<pad>",

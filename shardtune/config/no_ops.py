@@ -178,6 +178,16 @@ NO_OPS: dict[str, NoOp] = {
     "quant_method": NoOp("the quantisation library, bitsandbytes for QLoRA here (use_4bit_quantization)",
                          _one_of("bitsandbytes"), "QLoRA here loads the base with bitsandbytes: set it to "
                          "bitsandbytes, or leave it out"),
+    # PEFT's examples/sft script's ModelArguments: their defaults (off, unset) are what runs here
+    **dict.fromkeys(("use_loftq", "use_loftq_callback"),
+                    NoOp("LoftQ initialisation of the adapters from a quantised base", OFF,
+                         "LoftQ is not run here; init_lora_weights names the initialisations that are (true, "
+                         "gaussian, pissa, olora): remove it")),
+    "use_unsloth": NoOp("Unsloth's patched model and kernels", OFF,
+                        "Unsloth is not run here (use_liger_kernel true fuses the loss and norms): remove it"),
+    "tokenizer_name_or_path": NoOp("a tokenizer from elsewhere than the model", UNSET,
+                                   "the tokenizer is read from model_name_or_path here: put its files in the model "
+                                   "folder, or leave it out"),
     # TRL's ModelConfig (load_in_8bit) and PEFT's examples/sft script (use_8bit_quantization): false, their
     # default, is the unquantised base LoRA trains on here
     **dict.fromkeys(("load_in_8bit", "use_8bit_quantization"),
