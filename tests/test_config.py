@@ -276,6 +276,10 @@ def test_a_key_set_without_the_setting_it_acts_under_is_refused(name, capsys):
 
     needs = next(d.meta.needs for d in all_keys() if d.name == name)
     on, off = SWITCH_FLAGS[needs]
+    if name == "use_nested_quant":  # its one value besides the default, false, is TRL's default: idle without it
+        assert load_train_config([*BASE, *off, f"--{name}", SWITCHED[name]]).lora.method != "qlora"
+        assert load_train_config([*BASE, *on, f"--{name}", SWITCHED[name]]).lora.use_nested_quant is False
+        return
     assert main(["train", *BASE, *off, f"--{name}", SWITCHED[name]]) == 2
     err = capsys.readouterr().err
     shown = "(given)" if name == "hub_token" else SWITCHED[name]  # a secret is not echoed
@@ -791,6 +795,20 @@ def test_an_8bit_switch_left_off_loads_and_turned_on_is_refused_naming_4bit(tmp_
         assert "use load_in_4bit true (QLoRA) for a quantised base, or leave it out" in err
         assert "did you mean" not in err
 
+
+
+def test_trls_nested_quant_default_loads_beside_plain_lora_and_acts_with_qlora(tmp_path):
+    """TRL's ModelConfig writes use_bnb_nested_quant: false (its default) into every recipe, QLoRA or not; beside
+    plain LoRA it was refused as set without use_4bit_quantization (shardtune's default is true, so false counted as
+    asked for). False does nothing without 4-bit there either: it now loads; with load_in_4bit it is read."""
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text("use_peft: true\nload_in_4bit: false\nuse_bnb_nested_quant: false\n")
+    assert load_train_config([str(recipe), *BASE]).lora.method == "lora"
+    recipe.write_text("use_peft: true\nload_in_4bit: true\nuse_bnb_nested_quant: false\n")
+    cfg = load_train_config([str(recipe), *BASE])
+    assert cfg.lora.method == "qlora" and cfg.lora.use_nested_quant is False
+    with pytest.raises(UsageError, match="use_bnb_nested_quant='maybe': expected true or false"):
+        load_train_config([*BASE, "--use_peft_lora", "true", "--use_bnb_nested_quant", "maybe"])
 
 # PEFT's examples/sft/train.py ModelArguments and DataTrainingArguments (its README's QLoRA and FSDP recipes), not
 # installed with shardtune, so named here.

@@ -221,7 +221,7 @@ class LoraConfig:
     use_nested_quant: bool = key(True, "Double quantisation of the quantisation constants (QLoRA paper, section 3).",
                                  aliases={"use_bnb_nested_quant": "TRL's",
                                           "bnb_4bit_use_double_quant": "Transformers' BitsAndBytesConfig's"},
-                                 needs=QLORA)
+                                 needs=QLORA, idle=(False,))
     bnb_4bit_compute_dtype: FloatDtype = key("bfloat16", "The dtype 4-bit weights are dequantised to for the "
                                                          "matmuls.", spellings=FLOAT_SPELLINGS, needs=QLORA)
     bnb_4bit_quant_storage_dtype: FloatDtype = key(
