@@ -40,7 +40,9 @@ LOGITS_INPUT = torch.arange(3, 83, dtype=torch.long).reshape(2, 40)
 
 def case_args(root: Path, family: str, method: str, mode: str) -> list[str]:
     return ["--model_name_or_path", str(root / "models" / family), "--dataset_name", str(root / "chat.jsonl"),
-            "--splits", "train", "--max_seq_len", "64", "--packing", "True", "--max_steps", str(STEPS),
+            # 128 tokens: the chat rows' documents (38 tokens) pack three to a row; at 64 each row held one, and
+            # no loss saw whether a document attends to the one before it in its row
+            "--splits", "train", "--max_seq_len", "128", "--packing", "True", "--max_steps", str(STEPS),
             "--logging_steps", "1", "--learning_rate", "1e-2", "--seed", "7", "--save_steps", str(STEPS),
             "--output_dir", str(root / mode / f"{family}-{method}"), *MODES[mode],
             # fp32: every layout must compute what one process does (bf16 rounds layouts differently)
@@ -48,21 +50,25 @@ def case_args(root: Path, family: str, method: str, mode: str) -> list[str]:
             *(LORA if method == "lora" else [])]
 
 
-def document_loss(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]]) -> float:
+def document_loss(model: torch.nn.Module, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
     """The batch's mean target-token loss with every packed document run alone through the model's own forward
-    (transformers' own masks, window and logit caps), before any update."""
-    total, targets = 0.0, 0
+    (transformers' own masks, window and logit caps), before any update; and how many of its rows hold more than
+    one trained document (where a mask that let documents see each other would change the loss)."""
+    total, targets, packed_rows = 0.0, 0, 0
     with torch.no_grad():
         for batch in micro_batches:
             for ids, labels, positions in zip(batch["input_ids"], batch["labels"], batch["position_ids"]):
                 starts = [*(positions == 0).nonzero().flatten().tolist(), len(ids)]
+                trained = [(start, end) for start, end in zip(starts, starts[1:])
+                           if (labels[start + 1:end] != IGNORE).any()]
+                packed_rows += len(trained) > 1
                 for start, end in zip(starts, starts[1:]):
                     doc_labels = labels[None, start:end]
                     if (doc_labels[:, 1:] != IGNORE).any():
                         logits = model(input_ids=ids[None, start:end]).logits
                         total += token_loss_sum(logits.float(), doc_labels).item()
                         targets += int((doc_labels[:, 1:] != IGNORE).sum())
-    return total / targets
+    return total / targets, packed_rows
 
 
 class Record:
@@ -73,14 +79,15 @@ class Record:
 
     def on_step_begin(self, args, state, control, *, micro_batches, model, **kwargs) -> None:
         if state.step == 0:
-            self.first_loss = document_loss(model, micro_batches)
+            self.first_loss, self.packed_rows = document_loss(model, micro_batches)
 
     def on_train_end(self, args, state, control, *, model, **kwargs) -> None:
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=LOGITS_INPUT).logits.float()
         torch.save({"input_ids": LOGITS_INPUT, "logits": logits}, self.out / "trained_logits.pt")
-        (self.out / "first_batch.json").write_text(json.dumps({"document_loss": self.first_loss}))
+        (self.out / "first_batch.json").write_text(json.dumps({"document_loss": self.first_loss,
+                                                                   "packed_rows": self.packed_rows}))
 
 
 class CountLayerCalls:
