@@ -261,20 +261,60 @@ SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "early_stopping_patience": (["--early_stopping_patience", "2", "--eval_strategy", "steps",
                                              "--eval_split_ratio", "0.1"], [])}
 
+# The setting each key acts under, stated here rather than read from the schema: a key declared to need the wrong
+# setting would be refused where it acts and dropped where it does not, and a test reading the declaration passes.
+ACTS_UNDER = {
+    "use_peft_lora true": ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_dora", "use_rslora",
+                           "lora_modules_to_save", "init_lora_weights", "lora_bias"),
+    "use_4bit_quantization true": ("bnb_4bit_quant_type", "use_nested_quant", "bnb_4bit_compute_dtype",
+                                   "bnb_4bit_quant_storage_dtype"),
+    "packing true": ("append_concat_token",),
+    "gradient_checkpointing true": ("use_reentrant",),
+    "lr_scheduler_type cosine_with_min_lr or cosine_warmup_with_min_lr": ("min_lr_rate",),
+    "lr_scheduler_type cosine_with_min_lr, cosine_warmup_with_min_lr or reduce_lr_on_plateau": ("min_lr",),
+    "lr_scheduler_type reduce_lr_on_plateau": ("plateau_factor", "plateau_patience", "plateau_threshold",
+                                               "plateau_threshold_mode", "plateau_cooldown", "plateau_eps"),
+    "lr_scheduler_type cosine_warmup_with_min_lr": ("warmup_lr_rate",),
+    "lr_scheduler_type cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, cosine_with_restarts or "
+    "warmup_stable_decay": ("num_cycles",),
+    "lr_scheduler_type polynomial": ("lr_end", "power"),
+    "lr_scheduler_type inverse_sqrt": ("timescale",),
+    "lr_scheduler_type warmup_stable_decay": ("num_decay_steps", "num_stable_steps", "warmup_type", "decay_type",
+                                              "min_lr_ratio"),
+    "lr_scheduler_type linear, cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, cosine_with_restarts, "
+    "polynomial, inverse_sqrt, warmup_stable_decay or constant_with_warmup": ("warmup_ratio", "warmup_steps"),
+    "eval_strategy steps or epoch, or eval_on_start true": ("per_device_eval_batch_size",),
+    "eval_strategy steps": ("eval_steps",),
+    "early_stopping_patience": ("early_stopping_threshold",),
+    "logging_strategy steps (or eval_strategy steps without eval_steps)": ("logging_steps",),
+    "save_strategy steps": ("save_steps",),
+    "report_to naming a tracker": ("run_name",),
+    "push_to_hub true": ("hub_model_id", "hub_token", "hub_private_repo", "hub_strategy"),
+    "distributed_type FSDP": ("fsdp_sharding_strategy", "fsdp_offload_params", "fsdp_auto_wrap_policy",
+                              "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_state_dict_type",
+                              "fsdp_reshard_after_forward", "fsdp_backward_prefetch", "fsdp_forward_prefetch"),
+    "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP under distributed_type FSDP": ("fsdp_transformer_layer_cls_to_wrap",),
+    "fsdp_auto_wrap_policy SIZE_BASED_WRAP": ("fsdp_min_num_params",),
+    "distributed_type DDP": ("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
+                             "ddp_static_graph"),
+    "distributed_type PP": ("pipeline_schedule", "pipeline_microbatches"),
+    "distributed_type MP": ("mp_devices",),
+}
+NEEDS = {name: setting for setting, names in ACTS_UNDER.items() for name in names}
+
 
 def test_every_key_that_needs_a_setting_is_listed_here():
     from shardtune.config.schema import all_keys
 
-    assert {d.name: d.meta.needs for d in all_keys() if d.meta.needs}.keys() == SWITCHED.keys()
+    assert NEEDS.keys() == SWITCHED.keys() and ACTS_UNDER.keys() == SWITCH_FLAGS.keys()
+    assert {d.name: d.meta.needs for d in all_keys() if d.meta.needs} == NEEDS
 
 
 @pytest.mark.parametrize("name", sorted(SWITCHED))
 def test_a_key_set_without_the_setting_it_acts_under_is_refused(name, capsys):
     """Nothing a user sets is dropped: lora_r on a full fine-tune, GPipe off PP, fp4 without 4-bit loading are
     refused in one line naming the key, its value and the setting; with the setting on, the value is taken."""
-    from shardtune.config.schema import all_keys
-
-    needs = next(d.meta.needs for d in all_keys() if d.name == name)
+    needs = NEEDS[name]
     on, off = SWITCH_FLAGS[needs]
     if name == "use_nested_quant":  # its one value besides the default, false, is TRL's default: idle without it
         assert load_train_config([*BASE, *off, f"--{name}", SWITCHED[name]]).lora.method != "qlora"
