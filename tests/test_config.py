@@ -959,7 +959,10 @@ def test_a_written_out_peft_lora_config_loads_and_a_layer_choice_is_refused_with
                             "target_modules string), which is written with re: in front here: re:.*\\.(q_proj|v_proj)"),
     # a written-out TRL ModelConfig's null (PEFT's own targets for the model type) said "a value is required"
     ("null", "lora_target_modules=None: unset (TRL's default) asks PEFT for its own targets for the model type, "
-             "q_proj,v_proj on Llama; name the modules (e.g. q_proj,v_proj) or give all-linear")])
+             "q_proj,v_proj on Llama; name the modules (e.g. q_proj,v_proj) or give all-linear"),
+    # TRL's command-line words written into YAML were one module name, refused only after the model loaded
+    ("q_proj v_proj, o_proj", "lora_target_modules='q_proj v_proj, o_proj': a module name holds no spaces; separate "
+                              "the names with commas: q_proj,v_proj,o_proj (or write them as a YAML list)")])
 def test_a_target_string_copied_from_peft_or_trl_is_refused_with_the_config_saying_what_to_write(tmp_path, given,
                                                                                                   says):
     recipe = tmp_path / "r.yaml"

@@ -175,6 +175,10 @@ def lora_variant_problems(cfg: TrainConfig) -> list[Problem]:
         problems.append(Problem("lora_target_modules", f"lora_target_modules={target!r} is a regular expression "
                                 f"(PEFT's target_modules string), which is written with re: in front here: "
                                 f"re:{target}"))
+    elif any(len(item.split()) > 1 for item in target.split(",")):  # TRL's command-line words, written in YAML
+        problems.append(Problem("lora_target_modules", f"lora_target_modules={target!r}: a module name holds no "
+                                f"spaces; separate the names with commas: {','.join(target.replace(',', ' ').split())}"
+                                f" (or write them as a YAML list)"))
     return problems
 
 
