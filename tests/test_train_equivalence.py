@@ -305,3 +305,34 @@ def test_added_tokens_of_a_tied_head_train_alike_under_fsdp(runs):
         deltas.append(delta)
     assert_close(deltas[1], deltas[0], rtol=REL_TOL, atol=REL_TOL * float(deltas[0].abs().max()))
 
+
+
+FP16_REL_TOL = 1e-3  # fp16's 10-bit mantissa: each strategy's sums round differently (2e-5 to 1e-4 seen at step 3)
+
+
+@pytest.fixture(scope="module")
+def fp16_runs(assets):
+    """fp16 mixed precision (a T4's or V100's choice) with its loss scaler: one process, DDP x2 and FSDP2 x2
+    (FSDP's sharded scaler), each with a checkpoint at its last step, and with the memory check a user's run
+    has (the tests turn it off elsewhere): DDP with accumulation crashed in it at step 2, its tracker refusing
+    the DDP wrapper's second forward."""
+    root, model, data = assets
+    fp16 = ["--fp16", "true", "--save_strategy", "steps", "--save_steps", str(STEPS), "--predict_memory", "true"]
+    jobs = dict([job(assets, "fp16_single", 1, [*SINGLE, *fp16]),
+                 job(assets, "fp16_ddp", 2, ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
+                                             "2", "--distributed_type", "DDP", *fp16]),
+                 job(assets, "fp16_fsdp", 2, ["--per_device_train_batch_size", "4", "--distributed_type", "FSDP",
+                                              *fp16])])
+    return root, train_jobs(root, jobs)
+
+
+@pytest.mark.parametrize("name", ["fp16_ddp", "fp16_fsdp"])
+def test_fp16_trains_alike_on_one_process_ddp_and_fsdp(fp16_runs, name):
+    reference = losses_of(fp16_runs, "fp16_single")
+    assert reference[-1] < reference[0]
+    for step, (a, b) in enumerate(zip(reference, losses_of(fp16_runs, name)), start=1):
+        assert abs(a - b) <= FP16_REL_TOL * abs(a), f"step {step}: {a} vs {b}"
+    root, _ = fp16_runs
+    state = json.loads((root / name / "checkpoints" / f"step-{STEPS}" / "trainer_state.json").read_text())
+    # torch's initial scale, every step an update counted towards the scale's growth: the scaler ran each step
+    assert (state["scaler"]["scale"], state["scaler"]["_growth_tracker"]) == (2.0**16, STEPS), state["scaler"]

@@ -125,13 +125,16 @@ def make_tracker(model: nn.Module, optimizer: torch.optim.Optimizer, fsdp: bool)
 def fresh_module_stats_per_micro_batch(tracker, root: nn.Module) -> Iterator[None]:
     """Clear the per-module stats when the model starts another micro-batch (gradient accumulation).
 
-    The trackers refuse a second forward of the root module without a reset. This global hook is registered
-    before the tracker's own, so it runs first; the overall peak is kept, only per-module stats restart.
+    The trackers refuse a second forward of the outermost module called without a reset: the model, or under DDP
+    its wrapper (the run's memory check holds the model unwrapped, as callbacks get it, while the runner calls
+    the wrapper). This global hook is registered before the tracker's own, so it runs first; the overall peak is
+    kept, only per-module stats restart.
     """
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     def reset(module: nn.Module, args) -> None:
-        if module is root and root in tracker.memory_tracking:
+        outermost = module is root or getattr(module, "module", None) is root
+        if outermost and module in tracker.memory_tracking:
             tracker.reset_mod_stats()
 
     handle = register_module_forward_pre_hook(reset)
