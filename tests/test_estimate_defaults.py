@@ -89,3 +89,17 @@ def test_on_a_card_without_bf16_the_estimate_is_fp32_as_train_would_run(tiny_mod
     assert json.loads(capsys.readouterr().out)["setup"]["mixed_precision"] == "no"
     assert shardtune_main(["estimate", tiny_model, "--gpu", "v100-32gb", "--mixed-precision", "fp16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["setup"]["mixed_precision"] == "fp16"
+
+
+@pytest.mark.parametrize("gpu,options,dtype", [("t4", ["--mixed-precision", "fp16"], "float16"),
+                                               ("t4", [], "float32"), ("h100-80gb", [], "bfloat16")])
+def test_a_qlora_recipe_computes_its_4bit_weights_in_the_cards_precision(tiny_model, tmp_path, capsys, gpu, options,
+                                                                         dtype):
+    """A T4 has no bf16: its QLoRA recipe said fp16 true beside bnb_4bit_compute_dtype bfloat16 (and bf16
+    storage, the dtype the model loads in), an emulated dtype there, which CPU autocast even refuses beside fp16."""
+    recipe = tmp_path / "recipe.yaml"
+    assert shardtune_main(["estimate", tiny_model, "--gpu", gpu, "--method", "qlora", *options,
+                           "--emit-config", str(recipe)]) == 0
+    capsys.readouterr()
+    cfg = load_train_config([str(recipe)])
+    assert (cfg.lora.bnb_4bit_compute_dtype, cfg.lora.bnb_4bit_quant_storage_dtype) == (dtype, dtype)

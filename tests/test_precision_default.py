@@ -307,3 +307,16 @@ def test_fsdp2_shards_keep_a_bf16_base_and_fp32_adapters(workspace, monkeypatch)
         found = json.loads((workspace / f"dtypes-{rank}.json").read_text())
         assert found == {"frozen": ["torch.bfloat16"], "trained": ["torch.float32"], "moments": ["torch.float32"],
                          "gather": ["torch.bfloat16"], "reduce": ["torch.float32"]}
+
+
+def test_qlora_in_fp16_trains_with_fp16_4bit_weights(workspace):
+    """QLoRA with fp16 true (a T4's choice) stopped at its first forward with CPU autocast's 'Unexpected floating
+    ScalarType': its 4-bit dtypes stayed bf16. Left unset, they follow the run's precision, written down."""
+    result = run_shardtune(["train", *_argv(workspace, "qlora_fp16", "--use_4bit_quantization", "true", "--fp16",
+                                            "true", "--max_steps", "2", "--learning_rate", "1e-3")], workspace)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = load_train_config([str(workspace / "qlora_fp16" / "config.yaml")])
+    assert (saved.lora.bnb_4bit_compute_dtype, saved.lora.bnb_4bit_quant_storage_dtype) == ("float16", "float16")
+    found = [json.loads(line)["loss"] for line in (workspace / "qlora_fp16" / "metrics.jsonl").read_text().splitlines()
+             if '"loss"' in line]
+    assert len(found) == 2 and found[1] < found[0]

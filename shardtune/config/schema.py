@@ -222,14 +222,28 @@ class LoraConfig:
                                  aliases={"use_bnb_nested_quant": "TRL's",
                                           "bnb_4bit_use_double_quant": "Transformers' BitsAndBytesConfig's"},
                                  needs=QLORA, idle=(False,))
-    bnb_4bit_compute_dtype: FloatDtype = key("bfloat16", "The dtype 4-bit weights are dequantised to for the "
-                                                         "matmuls.", spellings=FLOAT_SPELLINGS, needs=QLORA)
-    bnb_4bit_quant_storage_dtype: FloatDtype = key(
-        "bfloat16", "Storage dtype of the packed 4-bit weights, and the dtype the model loads in; bf16 lets FSDP "
-        "shard them with the rest.", spellings=FLOAT_SPELLINGS, needs=QLORA,
+    bnb_4bit_compute_dtype: FloatDtype | None = key(
+        None, "The dtype 4-bit weights are dequantised to for the matmuls; unset: the run's compute dtype "
+        "(bfloat16 under bf16, float16 under fp16, float32 in fp32), written down in config.yaml.",
+        spellings=FLOAT_SPELLINGS, needs=QLORA)
+    bnb_4bit_quant_storage_dtype: FloatDtype | None = key(
+        None, "Storage dtype of the packed 4-bit weights, and the dtype the model loads in; unset: the run's "
+        "compute dtype, as for bnb_4bit_compute_dtype (it lets FSDP shard them with the rest).",
+        spellings=FLOAT_SPELLINGS, needs=QLORA,
         aliases={"bnb_4bit_quant_storage": "TRL's"},
         refused={"uint8": "bitsandbytes' uint8 storage would load the whole model in uint8 here (the storage dtype "
-                          "is the load dtype); use bfloat16 (the default), float16 or float32"})
+                          "is the load dtype); leave it out (the run's compute dtype), or use bfloat16, float16 or "
+                          "float32"})
+
+    def with_4bit_dtypes(self, mixed_precision: str) -> LoraConfig:
+        """The 4-bit dtypes left unset written down for a run computing in ``mixed_precision`` (bf16, fp16 or no):
+        its compute dtype. A bf16 default on a card without bf16 (a T4 in fp16) would compute and keep the
+        residual stream in an emulated dtype, and CPU autocast refuses fp16 beside bf16 weights."""
+        if not self.use_4bit_quantization:  # the keys need QLoRA: a LoRA recipe holding them would be refused
+            return self
+        name = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed_precision, "float32")
+        return dataclasses.replace(self, bnb_4bit_compute_dtype=self.bnb_4bit_compute_dtype or name,
+                                   bnb_4bit_quant_storage_dtype=self.bnb_4bit_quant_storage_dtype or name)
 
     @property
     def method(self) -> str:
@@ -634,6 +648,12 @@ class TrainConfig:
         from shardtune.hardware import local_native_bf16
 
         return self.precision_on(local_native_bf16()[0])
+
+    def with_4bit_dtypes(self) -> TrainConfig:
+        """This config with the QLoRA dtypes it leaves unset written down for the precision it computes in (pure
+        bf16: bf16); call it once the precision no longer depends on the machine."""
+        compute = "bf16" if self.model.pure_bf16 else self.mixed_precision
+        return dataclasses.replace(self, lora=self.lora.with_4bit_dtypes(compute))
 
     def __getattr__(self, name: str) -> Any:
         """A key by its flat name (``cfg.output_dir``, an alias such as ``max_length`` too): a callback written for

@@ -281,6 +281,7 @@ def trace_training_step(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1
     started = time.perf_counter()
     info = DistInfo(rank=0, world_size=world_size, local_rank=0, local_world_size=world_size // num_nodes,
                     device=torch.device("cpu"))
+    cfg = cfg.with_4bit_dtypes()  # a --dry_run's config has not been through the trainer's decide_precision
     precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
     plan, ddp = _traceable_plan(plan_for(cfg, info, precision), world_size)
     # bitsandbytes' Params4bit cannot wrap a fake tensor: trace the QLoRA job with its 4-bit layers as packed

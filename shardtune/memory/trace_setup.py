@@ -40,7 +40,8 @@ def config_from_setup(model: str, setup: Setup) -> TrainConfig:
         values.update(pipeline_microbatches=setup.microbatches)
     if setup.strategy.drives_several_devices:  # its GPUs by name: "every visible GPU" is a count no file holds
         values.update(mp_devices=",".join(f"cuda:{i}" for i in range(setup.world_size)))
-    return build_config([(without_idle_keys(values), {})])
+    # QLoRA's 4-bit dtypes follow the precision picked above: the recipe says them (float16 for a T4 in fp16)
+    return build_config([(without_idle_keys(values), {})]).with_4bit_dtypes()
 
 
 def trace_or_formula(cfg: TrainConfig, world_size: int, *, num_nodes: int = 1) -> dict[str, Any]:

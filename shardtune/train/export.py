@@ -171,7 +171,7 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
     if problem := checkpoint_folder_problem(path, str(checkpoint)):
         raise UsageError(problem)
     overrides = ["--model_name_or_path", base] if base else []
-    cfg = load_saved_config(path / "config.yaml", overrides)
+    cfg = load_saved_config(path / "config.yaml", overrides).with_4bit_dtypes()  # config.yaml wrote them down
     if damaged := checkpoint_damage(path):
         raise UsageError(f"{checkpoint}: {damaged}; export an earlier checkpoint")
     manifest = read_json(path / MANIFEST)

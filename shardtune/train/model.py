@@ -93,23 +93,23 @@ class Precision:
 
 def decide_precision(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     """``cfg`` with its precision written down for ``device``: where the config leaves it to the hardware, bf16
-    true (native bf16) or false, so config.yaml and every checkpoint record the choice; the choice and why are
-    logged. bf16 asked of hardware that only emulates it runs as asked (as before this default existed), with a
-    warning that fp32 is faster there."""
+    true (native bf16) or false, and QLoRA's 4-bit dtypes, so config.yaml and every checkpoint record the choice;
+    the choice and why are logged. bf16 asked of hardware that only emulates it runs as asked (as before this
+    default existed), with a warning that fp32 is faster there."""
     from shardtune.hardware import native_bf16
 
     native, why = native_bf16(device.type)
     if cfg.precision_left_to_hardware and cfg.model.pure_bf16:  # torch_dtype bfloat16 decides: bf16 throughout
         log.info("precision: pure bf16, as torch_dtype bfloat16 asks (weights and optimizer states in bf16, no fp32 "
                  "master; %s)", why if native else f"{why}: bf16 is emulated there, slower than fp32")
-        return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, bf16=native))
+        return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, bf16=native)).with_4bit_dtypes()
     if cfg.precision_left_to_hardware:
         log.info("precision: %s by default (%s; %s)", "bf16 mixed precision" if native else "fp32", why,
                  "--bf16 false trains in fp32" if native else "bf16 would be emulated, slower than fp32")
-        return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, bf16=native))
+        return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, bf16=native)).with_4bit_dtypes()
     if not native and (cfg.mixed_precision == "bf16" or cfg.model.pure_bf16):
         log.warning("bf16 asked for, but %s: bf16 is emulated there and slower than fp32 (--bf16 false)", why)
-    return cfg
+    return cfg.with_4bit_dtypes()
 
 
 def attn_implementation(model_cfg: ModelConfig, device: torch.device, compute_dtype: torch.dtype) -> str:
