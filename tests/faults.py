@@ -23,6 +23,7 @@ every process torchrun starts can import it) and says where the fault strikes in
 Faults strike on the first attempt of an elastic job only, so a restarted job runs through.
 
 ``tests.faults:OneRankSteers`` is a callback's fault: it sets control flags on rank 1 only.
+``tests.faults:Fp16Overflow`` makes step 2's gradients infinite, as an fp16 overflow does.
 """
 
 from __future__ import annotations
@@ -190,3 +191,26 @@ class OneRankSteers:
 
         self.seen["ended_at"] = state.step
         (Path(args.run.output_dir) / f"one_rank_steers_rank{self.rank}.json").write_text(json.dumps(self.seen))
+
+
+class Fp16Overflow:
+    """Step 2's backward turns the gradient reaching the first decoder layer's output infinite, so every gradient
+    of that layer and below overflows, as a scaled fp16 gradient does (a hook on the activation, not on a
+    parameter: FSDP2 hands its sharded parameters their gradients without autograd)."""
+
+    handle = None
+
+    def on_step_begin(self, args, state, control, *, model, **kwargs) -> None:
+        if state.step == 1:  # steps done so far: this is step 2
+            layer = next(m for name, m in model.named_modules() if name.endswith("layers.0"))
+
+            def overflow(module, inputs, output):
+                hidden = output[0] if isinstance(output, tuple) else output
+                hidden.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+
+            self.handle = layer.register_forward_hook(overflow)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None

@@ -163,6 +163,28 @@ def test_fp16_trains_with_a_gradient_scaler(assets):
     assert first_grad_norm("fp16") == pytest.approx(first_grad_norm("fp32"), rel=0.01)
 
 
+def test_an_fp16_step_with_overflowing_gradients_is_skipped_and_said(assets):
+    """An fp16 step whose gradients hold inf is skipped: a warning names the step, the loss scale halves, the
+    schedule waits (step 3 runs at step 2's rate) and training goes on. The skip was said nowhere before."""
+    root, model, data = assets
+    out = root / "fp16_overflow"
+    result = subprocess.run([sys.executable, "-m", "shardtune", "train", "--model_name_or_path", str(model),
+                             "--dataset_name", str(data), "--splits", "train", "--max_seq_len", "64",
+                             "--per_device_train_batch_size", "2", "--max_steps", "3", "--logging_steps", "1",
+                             "--fp16", "true", "--save_strategy", "no", "--output_dir", str(out),
+                             "--callbacks", "tests.faults:Fp16Overflow"],
+                            cwd=root, env=shardtune_env(root) | fault_env(), capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if "overflowed" in line]
+    assert len(said) == 1 and "step 2: fp16 gradients overflowed (inf or NaN): no update, the loss scale lowered " \
+        "to 32768" in said[0], said
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["loss_scale"] for r in steps] == [2.0**16, 2.0**15, 2.0**15]
+    assert steps[2]["lr"] == steps[1]["lr"] < steps[0]["lr"] and steps[1]["grad_norm"] is None
+
+
 def test_epoch_logging_and_epoch_count(assets, tmp_path):
     """logging_strategy epoch writes one record per epoch; a run that ends with its epoch counts that epoch."""
     root, model, _ = assets

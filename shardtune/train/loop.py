@@ -337,6 +337,10 @@ class Loop:
         except NonFiniteLoss as exc:
             raise TrainingStopped(non_finite_message(exc, job, self.checkpointer)) from None
         state.step += 1
+        if stats.skipped:
+            log.warning("step %d: fp16 gradients overflowed (inf or NaN): no update, the loss scale lowered to %g "
+                        "and the learning-rate schedule held back; frequent skips: lower learning_rate, or use bf16 "
+                        "where the GPU has it", state.step, stats.loss_scale)
         every = job.cfg.run.torch_empty_cache_steps
         if every and state.step % every == 0:
             empty_device_cache(job.info.device)

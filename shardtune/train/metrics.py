@@ -101,6 +101,8 @@ class MetricsLog:
                   "lr": stats.lr, "grad_norm": stats.grad_norm, "tokens": stats.tokens,
                   "target_tokens": stats.target_tokens, "tokens_per_s": self._window_tokens / max(elapsed, 1e-9),
                   "peak_memory_bytes": max_over_ranks(peak_memory_bytes(self.info.device), self.info.device)}
+        if stats.loss_scale is not None:  # fp16: its fall shows the steps skipped for overflowing gradients
+            record["loss_scale"] = stats.loss_scale
         self.write(record)
         self._logged_step = state.step
         self._window_tokens, self._window_start = 0, time.perf_counter()

@@ -33,6 +33,8 @@ class StepStats:
     tokens: int  # input tokens of the global batch, padding excluded
     target_tokens: int  # tokens the loss was computed on
     lr: float  # the learning rate this step's update used (the schedule has moved on to the next step's)
+    loss_scale: float | None = None  # fp16's loss scale after this step (None without a scaler)
+    skipped: bool = False  # fp16's scaler found inf/NaN gradients: no update, the scale backed off
 
 
 @dataclass
@@ -76,14 +78,15 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
     total_loss, total_tokens = _loss_and_count(loss_sum, tokens, device, runner.copies)
     mean_loss = total_loss / denominator
     lr = ctx.scheduler.get_last_lr()[0]  # before the schedule moves on, as Transformers' Trainer logs it
-    stepped = True
+    stepped, loss_scale = True, None
     if scaler:
         scale = scaler.get_scale()
         scaler.step(ctx.optimizer)
         scaler.update()
         # An overflow skips the update and backs the scale off; the schedule then waits too (as in Transformers'
         # Trainer and Accelerate), so the learning rate follows the updates actually made.
-        stepped = scaler.get_scale() >= scale
+        loss_scale = scaler.get_scale()
+        stepped = loss_scale >= scale
     elif math.isfinite(grad_norm):
         ctx.optimizer.step()
     if stepped and not moves_on_evaluations(ctx.scheduler):
@@ -92,7 +95,7 @@ def train_step(ctx: StepContext, micro_batches: list[dict[str, torch.Tensor]]) -
     if not math.isfinite(mean_loss) or (not scaler and not math.isfinite(grad_norm)):
         raise NonFiniteLoss(f"loss {mean_loss}, gradient norm {grad_norm}")
     return StepStats(loss=mean_loss, grad_norm=grad_norm, tokens=int(total_tokens), target_tokens=int(global_targets),
-                     lr=lr)
+                     lr=lr, loss_scale=loss_scale, skipped=not stepped)
 
 
 @torch.no_grad()
