@@ -1117,7 +1117,13 @@ def test_transformers_4s_logging_dir_and_an_inline_chat_template_name_what_to_do
                       ("chat_template", "unknown key 'chat_template'; put the template in the model folder as "
                                         "chat_template.jinja"),
                       ("zero_stage", "unknown key 'zero_stage'; Accelerate's zero_stage is read inside a "
-                                     "deepspeed_config block")):
+                                     "deepspeed_config block"),
+                      # A T4 notebook's: offered mixed_precision, log_level, or nothing of what runs instead
+                      ("half_precision_backend", "unknown key 'half_precision_backend'; fp16 and bf16 run through "
+                                                 "torch.amp here"),
+                      ("fp16_opt_level", "unknown key 'fp16_opt_level'; apex's opt level is not run here"),
+                      ("fp16_full_eval", "unknown key 'fp16_full_eval'; evaluation here runs in the training's "
+                                         "precision")):
         with pytest.raises(UsageError, match=re.escape(said)):
             load_train_config([*BASE, f"--{key}", "x"])
 

@@ -409,6 +409,15 @@ UNKNOWN_ELSEWHERE = {
     # Transformers 4's TrainingArguments (recipes written before 5): spelling alone offered logging_first_step
     "logging_dir": "TensorBoard's event files go to output_dir/tensorboard/RUN_NAME here (report_to tensorboard; "
                    "run_name names it); leave it out",
+    # Transformers 4's half-precision keys (Colab T4 notebooks): spelling alone offered mixed_precision and log_level
+    **dict.fromkeys(("half_precision_backend", "fp16_backend"),
+                    "fp16 and bf16 run through torch.amp here (autocast, and a GradScaler for fp16: Transformers' "
+                    "auto or cpu_amp); apex is not run; leave it out"),
+    "fp16_opt_level": "apex's opt level is not run here: fp16 true is torch.amp's autocast over fp32 master weights "
+                      "with a GradScaler (apex O1's recipe); leave it out",
+    **dict.fromkeys(("fp16_full_eval", "bf16_full_eval"),
+                    "evaluation here runs in the training's precision (its autocast over the fp32 weights), never "
+                    "with the weights cast to half; leave it out"),
     # alignment-handbook's and TRL's scripts' inline template: spelling alone offered chat_template_format's names
     "chat_template": "put the template in the model folder as chat_template.jinja (chat_template_format none reads "
                      "the tokenizer's own), or name one with chat_template_format",
@@ -418,9 +427,9 @@ UNKNOWN_ELSEWHERE = {
 # tests/test_config.py checks the list against the installed TrainingArguments.
 OTHER_TOOLS_KEYS = {
     **dict.fromkeys((
-        "batch_eval_metrics", "bf16_full_eval", "dataloader_in_order",
+        "batch_eval_metrics", "dataloader_in_order",
         "dataloader_multiprocessing_context", "enable_jit_checkpoint", "eval_delay", "eval_do_concat_batches",
-        "eval_use_gather_object", "fp16_full_eval", "hub_always_push", "hub_revision", "ignore_data_skip",
+        "eval_use_gather_object", "hub_always_push", "hub_revision", "ignore_data_skip",
         "include_for_metrics", "label_names", "length_column_name", "liger_kernel_config", "log_on_each_node",
         "prediction_loss_only", "project", "restore_callback_states_from_checkpoint", "save_on_each_node",
         "skip_memory_metrics", "trackio_bucket_id", "trackio_space_id", "trackio_static_space_id",
