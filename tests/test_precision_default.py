@@ -108,6 +108,20 @@ def test_a_run_writes_down_what_the_hardware_chose_and_says_why(monkeypatch, cap
     assert [r.levelno for r in caplog.records[1:]] == ([] if native else [logging.WARNING])
 
 
+@pytest.mark.parametrize("kind", ["cuda", "cpu"])
+def test_bf16_asked_of_a_gpu_without_it_points_to_fp16(monkeypatch, caplog, kind):
+    """bf16 true on a T4 or V100 runs emulated; the warning offered only fp32, many times slower there than the
+    fp16 those cards compute natively."""
+    monkeypatch.setattr("shardtune.hardware.native_bf16", lambda kind: (False, f"{kind} says no"))
+    cfg = load_train_config(["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--bf16",
+                             "true"])
+    with caplog.at_level(logging.WARNING, logger="shardtune"):
+        model_module.decide_precision(cfg, torch.device(kind))
+    said = caplog.records[0].getMessage()
+    assert said.startswith(f"bf16 asked for, but {kind} says no: bf16 is emulated there and slower than fp32")
+    assert ("--fp16 true" in said) is (kind == "cuda")
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_pure_bf16_is_said_as_such_not_as_mixed_precision(monkeypatch, caplog, native):
     """torch_dtype bfloat16 with the precision left to the hardware logged 'bf16 mixed precision by default', then
