@@ -112,6 +112,19 @@ def test_what_would_fit_when_nothing_does(capsys):
     assert host > 100 and f"It keeps {host:,.0f} GiB per node in host RAM: check that each node" in rec["reason"]
 
 
+def test_what_would_fit_on_a_card_without_bf16_names_fp16(capsys):
+    """A T4 trains in fp32 by default; fp16 mixed precision halves the activations, and was never among the
+    changes offered where nothing fits. Its figure is what estimating that job says."""
+    job = ["llama-3.1-8b", "--gpu", "t4", "--method", "qlora", "--batch-size", "1", "--no-gradient-checkpointing",
+           "--seq-len", "1024"]
+    out = run_json(capsys, job)
+    assert out["fits"] is False and out["setup"]["mixed_precision"] == "no"
+    half = run_json(capsys, [*job, "--mixed-precision", "fp16", "--strategy", "NO"])
+    assert half["fits"]
+    gib = (half["per_gpu"]["total"] + half["cuda_context"]) / 2**30
+    assert f"--mixed-precision fp16 with single GPU ({gib:.1f} GiB)" in out["recommendation"]["suggestions"]
+
+
 def test_a_last_resort_names_the_lighter_methods_that_fit_without_it(capsys):
     """Full fine-tuning of Llama-3.1-8B on one RTX 4090 (train's defaults: micro-batch 8 x 2048 tokens) fits only
     with CPU offload, 120 GiB of host RAM and every step across PCIe. Whether LoRA or QLoRA would fit on the GPU

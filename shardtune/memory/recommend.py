@@ -421,6 +421,10 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
     checkpointed = base.with_(gradient_checkpointing=True)
     if not base.gradient_checkpointing and (hit := first_fit(candidates(checkpointed, analysis=analysis))):
         out.append(f"--gradient-checkpointing with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
+    if base.mixed_precision == "no":  # fp32 (a T4's or V100's default): half precision halves the activations
+        half = "bf16" if gpu.bf16 else "fp16"  # and a frozen base; fp16 on cards without bf16
+        if hit := first_fit(candidates(base.with_(mixed_precision=half), analysis=analysis)):
+            out.append(f"--mixed-precision {half} with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
     for method in LIGHTER[base.method]:
         if hit := first_fit(candidates(base.with_(method=method), analysis=analysis)):
             out.append(f"--method {method} with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
