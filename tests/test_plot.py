@@ -156,3 +156,20 @@ def test_a_file_where_the_plots_folder_goes_is_one_line_naming_it(tmp_path, caps
     assert (run / "plots").read_text() == "my notes\n"
     assert main(["plot", str(run), "--out", str(tmp_path / "pngs")]) == 0
     assert len(list((tmp_path / "pngs").glob("*.png"))) == 4
+
+
+def test_a_users_file_in_the_runs_plots_folder_is_never_overwritten(tmp_path, capsys):
+    """A picture of the user's named loss_vs_step.png in OUTPUT_DIR/plots was replaced by the default plot; only
+    --out DIR was checked."""
+    run = write_metrics(tmp_path / "run", synthetic_run(num_steps=3))
+    (run / "plots").mkdir()
+    (run / "plots" / "loss_vs_step.png").write_bytes(b"my own picture")
+    assert main(["plot", str(run)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"shardtune plot: error: {run / 'plots' / 'loss_vs_step.png'}: a file shardtune did not write is there, in "
+        f"the run's plots folder, and it is left alone; move it away, or give another folder with --out DIR"]
+    assert (run / "plots" / "loss_vs_step.png").read_bytes() == b"my own picture"
+    assert sorted(p.name for p in (run / "plots").iterdir()) == ["loss_vs_step.png"]  # nothing written before
+    (run / "plots" / "loss_vs_step.png").unlink()
+    first = write_plots(run)
+    assert write_plots(run) == first  # its own pictures of an earlier plot are replaced

@@ -187,8 +187,8 @@ def figures(metrics: Metrics) -> dict[str, object]:
 
 
 def write_plots(output_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write the run's PNGs into ``out_dir`` (default ``OUTPUT_DIR/plots``) and return their paths. A folder the
-    user names may hold files of theirs: one of the same name is refused before anything is written."""
+    """Write the run's PNGs into ``out_dir`` (default ``OUTPUT_DIR/plots``) and return their paths. Either folder
+    may hold files of the user's: one of the same name is refused before anything is written."""
     metrics = read_metrics(output_dir)
     run = Path(output_dir)
     run = run.parent if run.name == METRICS_FILE and run.is_file() else run  # the file itself was given
@@ -197,10 +197,12 @@ def write_plots(output_dir: str | Path, out_dir: str | Path | None = None) -> li
         raise UsageError(f"{target}: a file is there, where the run's plots folder goes; move it away, or give "
                          f"another folder with --out DIR")
     pictures = {target / f"{name}.png": fig for name, fig in figures(metrics).items()}
-    if out_dir is not None:
-        for path in pictures:
-            if problem := foreign_file(path, "--out"):
-                raise UsageError(problem)
+    for path in pictures:  # the run's plots folder too: a picture the user saved there as loss_vs_step.png stays
+        if (problem := foreign_file(path, "--out")) and out_dir is not None:
+            raise UsageError(problem)
+        if problem:
+            raise UsageError(f"{path}: a file shardtune did not write is there, in the run's plots folder, and it is "
+                             f"left alone; move it away, or give another folder with --out DIR")
     target.mkdir(parents=True, exist_ok=True)
     paths = []
     for path, fig in pictures.items():
