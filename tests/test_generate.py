@@ -449,3 +449,41 @@ def test_a_run_trained_on_plain_prompts_is_prompted_as_it_trained(tmp_path, caps
         monkeypatch.setattr("sys.stdin", io.StringIO("/exit\n"))
         assert main(["chat", str(tmp_path / data / "final")]) == 0
         assert ("the run trained on plain prompts" in capsys.readouterr().err) == (data == "plain")
+
+
+def test_rows_an_adapter_added_are_loaded_without_drawing_them_first(tmp_path, monkeypatch):
+    """An adapter whose run added tokens (llama-3's specials) grew the base's embeddings at every generate, merge and
+    export with transformers' mean resizing: the mean and covariance of every row (a minute and more on a 128k
+    vocabulary) and a warning that the new rows are drawn at random, for rows the adapter's saved ones replace."""
+    from safetensors.torch import load_file
+    from transformers import PreTrainedModel
+
+    from shardtune.testing.tiny import make_model_folder
+    from tests.trainutil import logging_restored, write_chat_data
+
+    make_model_folder(tmp_path / "model", num_layers=1)
+    write_chat_data(tmp_path / "chat.jsonl", rows=16)
+    run = tmp_path / "run"
+    with logging_restored():
+        assert main(["train", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name",
+                     str(tmp_path / "chat.jsonl"), "--output_dir", str(run), "--max_steps", "1", "--use_peft_lora",
+                     "true", "--chat_template_format", "llama-3", "--add_special_tokens", "true", "--max_seq_len", "64",
+                     "--learning_rate", "0.05", "--predict_memory", "false"]) == 0
+
+    def drawn(*args, **kwargs):
+        raise AssertionError("the added rows were drawn around the mean of the others")
+
+    monkeypatch.setattr(PreTrainedModel, "_init_added_embeddings_weights_with_mean", drawn)
+    model, tokenizer = load_for_generation(run / "final", device="cpu")
+    saved = load_file(run / "final" / "adapter_model.safetensors")
+    delta = next(v for k, v in saved.items() if "embed_tokens" in k)
+    added = tokenizer.convert_tokens_to_ids(["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    embedded = model.get_input_embeddings()(torch.tensor(added))
+    assert torch.equal(embedded, delta.to(embedded.dtype))  # the trained rows, as saved
+    assert main(["merge", str(run / "final"), str(tmp_path / "merged")]) == 0
+    assert main(["export", str(run / "checkpoints" / "step-1"), str(tmp_path / "exported")]) == 0
+    prompt = encode_prompt(tokenizer, "What is 2 plus 3?")
+    reply = generate(model, tokenizer, prompt, max_new_tokens=8, stop_ids=())
+    for folder in ("merged", "exported"):
+        other, _ = load_for_generation(tmp_path / folder, device="cpu")
+        assert generate(other, tokenizer, prompt, max_new_tokens=8, stop_ids=()) == reply

@@ -140,7 +140,7 @@ def _load(folder: Path, base: Path, is_adapter: bool, dtype: torch.dtype, trust_
     from shardtune.train.model import resize_for_tokenizer
 
     # The run may have added tokens (a pad, a template's specials) and saved the grown embeddings.
-    resize_for_tokenizer(model, len(tokenizer))
+    resize_for_tokenizer(model, len(tokenizer), saved_rows_follow=True)
     with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5; nothing the user can fix
         warnings.simplefilter("ignore", FutureWarning)
         model = PeftModel.from_pretrained(model, folder, is_trainable=False, local_files_only=True)

@@ -184,7 +184,7 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
     except UsageError as exc:
         raise UsageError(f"{checkpoint}: cannot load its base model ({exc}); run from the folder the training ran "
                          f"in (the path may be relative) or give the base model folder with --base") from None
-    added_token_ids = resize_for_tokenizer(model, len(tokenizer))
+    added_token_ids = resize_for_tokenizer(model, len(tokenizer), saved_rows_follow=True)
     if is_peft:
         # (a run saved before a mistyped lora_modules_to_save was refused still exports: PEFT had ignored it)
         model = apply_lora(model, cfg.lora, seed=cfg.run.seed, added_token_ids=added_token_ids, training=False)
@@ -301,7 +301,7 @@ def merged_model(adapter: str | Path, base: str | Path):
                          ADAPTER_ON_ANOTHER_BASE):
         model, tokenizer = load_plain_model(base, "--base", "give the base model folder the adapter was trained on",
                                             adapter if has_tokenizer(adapter) else None)
-        resize_for_tokenizer(model, len(tokenizer))
+        resize_for_tokenizer(model, len(tokenizer), saved_rows_follow=True)
         peft_model = PeftModel.from_pretrained(model, str(adapter))
     if problem := adapter_left_out(peft_model, adapter):
         raise UsageError(problem)

@@ -300,9 +300,12 @@ def keep_4bit_layout_for_training(model: nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def resize_for_tokenizer(model: nn.Module, vocab_size: int) -> list[int]:
+def resize_for_tokenizer(model: nn.Module, vocab_size: int, *, saved_rows_follow: bool = False) -> list[int]:
     """Grow the embeddings when the tokenizer gained tokens (chat template specials, a pad token); the ids of the
-    rows added (their values are drawn at random around the mean of the others)."""
+    rows added (their values are drawn at random around the mean of the others). ``saved_rows_follow``: the
+    trained rows of an adapter or checkpoint are loaded over them next, so no mean and covariance of the others
+    is taken (a minute and more on a 128k vocabulary, with transformers' warning that the rows are drawn at
+    random)."""
     old_size = model.get_input_embeddings().num_embeddings
     if vocab_size <= old_size:
         return []
@@ -312,7 +315,8 @@ def resize_for_tokenizer(model: nn.Module, vocab_size: int) -> list[int]:
     from torch._subclasses.fake_tensor import is_fake
 
     weight = model.get_input_embeddings().weight
-    model.resize_token_embeddings(vocab_size, mean_resizing=not (weight.is_meta or is_fake(weight)))
+    model.resize_token_embeddings(vocab_size, mean_resizing=not (saved_rows_follow or weight.is_meta
+                                                                 or is_fake(weight)))
     return list(range(old_size, vocab_size))
 
 
