@@ -218,6 +218,23 @@ def test_merge_and_export_refuse_a_missing_base_folder_at_once(tmp_path, capsys)
      "option: 'shardtune estimate MODEL [options]'"),
     (["estimate", "--model", "llama-3.1-8b"], "shardtune estimate: error: unknown option --model; the model is the "
                                               "first argument"),
+    # Transformers' generate() settings were 'unknown option' and no more: each says what to give instead
+    (["generate", "M", "--prompt", "hi", "--do_sample"],
+     "shardtune generate: error: unknown option --do_sample; --temperature above 0 samples (0 decodes greedily): "
+     "leave out --do_sample, and give --temperature 1.0 for Transformers' sampling default"),
+    (["chat", "M", "--num-beams=4"], "shardtune chat: error: unknown option --num-beams; beam search is not offered: "
+                                     "--temperature 0 decodes greedily (num_beams 1), above 0 samples"),
+    (["generate", "M", "--prompt", "hi", "--max_length", "20"],
+     "shardtune generate: error: unknown option --max_length; give --max_new_tokens N, the reply's length "
+     "(max_length counts the prompt too)"),
+    (["chat", "M", "--min_p", "0.1"],
+     "shardtune chat: error: unknown option --min_p; Transformers' generate() setting min_p is not offered; "
+     "shardtune chat takes --max_new_tokens, --temperature, --top_p, --top_k, --repetition_penalty and --seed"),
+    (["generate", "--model_name_or_path", "M", "--prompt", "hi"],
+     "shardtune generate: error: unknown option --model_name_or_path; the model is the first argument: "
+     "'shardtune generate MODEL_OR_ADAPTER' (a model folder, a run's final/ or a .gguf)"),
+    (["generate", "M", "--prompt", "hi", "--max_tokens", "3"],  # a near miss keeps the spelling hint
+     "shardtune generate: error: unknown option --max_tokens; did you mean --max_new_tokens?"),
 ])
 def test_unknown_option_names_the_subcommand_and_the_option_meant(argv, error, capsys):
     exits_2(argv)

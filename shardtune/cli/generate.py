@@ -40,6 +40,34 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="run Python code shipped in the model folder (only for folders you trust)")
 
 
+# Transformers' generate() settings (and a training recipe's model key) that these commands spell otherwise or do
+# not offer: what to give instead. Any other GenerationConfig field gets the list of what is offered.
+TRANSFORMERS_OPTIONS = {
+    "do_sample": "--temperature above 0 samples (0 decodes greedily): leave out --do_sample, and give "
+                 "--temperature 1.0 for Transformers' sampling default",
+    "num_beams": "beam search is not offered: --temperature 0 decodes greedily (num_beams 1), above 0 samples",
+    "max_length": "give --max_new_tokens N, the reply's length (max_length counts the prompt too)",
+    "num_return_sequences": "one reply per call: run it again with another --seed (with --temperature above 0)",
+    "use_cache": "the KV cache is on; --no-cache turns it off",
+    "model_name_or_path": "the model is the first argument: 'shardtune {command} MODEL_OR_ADAPTER' (a model folder, "
+                          "a run's final/ or a .gguf)",
+}
+OFFERED = "--max_new_tokens, --temperature, --top_p, --top_k, --repetition_penalty and --seed"
+
+
+def _transformers_option(name: str, command: str) -> str | None:
+    """What to give instead of Transformers' generate() setting ``name``; None for a name that is none of them."""
+    key = name.replace("-", "_")
+    key = "model_name_or_path" if key == "model" else key
+    if key in TRANSFORMERS_OPTIONS:
+        return TRANSFORMERS_OPTIONS[key].format(command=command)
+    from transformers import GenerationConfig
+
+    if key in GenerationConfig().to_dict():
+        return f"Transformers' generate() setting {key} is not offered; shardtune {command} takes {OFFERED}"
+    return None
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate a reply to one prompt, streamed as it is decoded",
                        description="Generate a reply to --prompt with a model folder or a PEFT adapter folder, "
@@ -54,11 +82,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                           help="feed it through the chat template (the default, except for a run's final/ "
                                "trained on plain prompts: prompt/completion or text rows)")
     g.set_defaults(func=main_generate)
+    g.placed_elsewhere = lambda name: _transformers_option(name, "generate")
     c = sub.add_parser("chat", help="chat with a model in the terminal (/reset, /exit)",
                        description="An interactive conversation: type a message, the reply streams back. "
                                    "/reset starts over, /exit or end of input (Ctrl-D) quits.")
     _add_common(c)
     c.set_defaults(func=main_chat)
+    c.placed_elsewhere = lambda name: _transformers_option(name, "chat")
 
 
 def _load(args: argparse.Namespace):
