@@ -406,6 +406,20 @@ def test_a_run_folder_or_a_checkpoint_given_to_generate_names_what_to_give(tmp_p
     with pytest.raises(UsageError, match=rf"^'{step}' is a training checkpoint: export it first \(shardtune export "
                                          rf"{step} OUT\), then give OUT$"):
         load_for_generation(step)
+    # a run still going, or stopped before final/, and its checkpoints/ folder: they said "holds neither
+    # config.json nor adapter_config.json ... (e.g. a training run's final/)", a folder the run has not written
+    (run / "final").rmdir()
+    for step_n in (2, 4, 6):
+        (run / "checkpoints" / f"step-{step_n}").mkdir(exist_ok=True)
+        (run / "checkpoints" / f"step-{step_n}" / "manifest.json").write_text("{}")
+    (run / "checkpoints" / "step-6" / "manifest.json").unlink()  # being written: not complete
+    newest = run / "checkpoints" / "step-4"
+    for given in (run, run / "checkpoints"):
+        with pytest.raises(UsageError) as refused:
+            load_for_generation(given)
+        assert str(refused.value) == (f"'{given}' holds training checkpoints, not a model: export one first, e.g. "
+                                      f"the newest (shardtune export {newest} OUT), then give OUT; a run that "
+                                      f"finished has its model in OUTPUT_DIR/final")
 
 
 def test_a_run_trained_on_plain_prompts_is_prompted_as_it_trained(tmp_path, capsys, monkeypatch):

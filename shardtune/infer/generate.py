@@ -40,6 +40,7 @@ from shardtune.hub import (
     pickled_weights_refused,
     tokenizer_problem,
 )
+from shardtune.train.layout import newest_checkpoint_in
 
 
 @dataclass
@@ -104,6 +105,10 @@ def load_for_generation(path: str | Path, *, dtype: torch.dtype | None = None, d
         if (folder / "trainer_state.json").is_file():
             raise UsageError(f"'{path}' is a training checkpoint: export it first (shardtune export {path} OUT), "
                              f"then give OUT")
+        if newest := newest_checkpoint_in(folder):  # a run still going, or stopped before its final/
+            raise UsageError(f"'{path}' holds training checkpoints, not a model: export one first, e.g. the newest "
+                             f"(shardtune export {newest} OUT), then give OUT; a run that finished has its model "
+                             f"in OUTPUT_DIR/final")
         raise UsageError(f"'{path}' holds neither config.json nor adapter_config.json; give a Transformers model "
                          f"folder or a PEFT adapter folder (e.g. a training run's final/).")
     if is_adapter and (problem := adapter_folder_problem(folder)):

@@ -70,11 +70,9 @@ def checkpoint_folder_problem(folder: str | Path, label: str, *, or_else: str = 
     if (path / MANIFEST).is_file():
         return None
     if path.exists():
-        # a run's output_dir, or its checkpoints/ folder: its newest complete checkpoint is the likely one
-        for holder in (path / "checkpoints", path):
-            if found := [p for _, p in _step_folders(holder) if (p / MANIFEST).is_file()]:
-                return (f"{label}: not a checkpoint, but it holds checkpoints: give one of them, e.g. the "
-                        f"newest, {found[-1]}{or_else}")
+        if newest := newest_checkpoint_in(path):
+            return (f"{label}: not a checkpoint, but it holds checkpoints: give one of them, e.g. the "
+                    f"newest, {newest}{or_else}")
         return (f"{label}: not a complete shardtune checkpoint (no {MANIFEST}); give an "
                 f"output_dir/checkpoints/step-N folder{or_else}")
     parent = path.parent
@@ -87,6 +85,15 @@ def checkpoint_folder_problem(folder: str | Path, label: str, *, or_else: str = 
     else:
         beside = f"{parent} holds no step-N folder" if parent.is_dir() else f"{parent} does not exist either"
     return f"{label}: no such folder ({beside}); give an output_dir/checkpoints/step-N folder{or_else}"
+
+
+def newest_checkpoint_in(folder: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run's output_dir, or of its checkpoints/ folder, ``folder``; None where
+    it holds none."""
+    for holder in (Path(folder) / "checkpoints", Path(folder)):
+        if found := [p for _, p in _step_folders(holder) if (p / MANIFEST).is_file()]:
+            return found[-1]
+    return None
 
 
 def _step_folders(folder: Path) -> list[tuple[int, Path]]:
