@@ -173,3 +173,16 @@ def test_a_users_file_in_the_runs_plots_folder_is_never_overwritten(tmp_path, ca
     (run / "plots" / "loss_vs_step.png").unlink()
     first = write_plots(run)
     assert write_plots(run) == first  # its own pictures of an earlier plot are replaced
+
+
+def test_out_given_a_picture_name_is_refused_rather_than_made_a_folder(tmp_path, capsys):
+    """--out loss.png made a folder named loss.png holding four PNGs."""
+    run = write_metrics(tmp_path / "run", synthetic_run(num_steps=3))
+    assert main(["plot", str(run), "--out", str(tmp_path / "loss.png")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"shardtune plot: error: --out {tmp_path / 'loss.png'}: plot writes one PNG per chart (loss, learning rate, "
+        f"grad norm) into a folder; give a folder, e.g. --out {tmp_path / 'loss'}"]
+    assert not (tmp_path / "loss.png").exists()
+    (tmp_path / "old.png").mkdir()  # a folder the user did name so: taken as the folder it is
+    assert main(["plot", str(run), "--out", str(tmp_path / "old.png")]) == 0
+    assert len(list((tmp_path / "old.png").glob("*.png"))) == 4

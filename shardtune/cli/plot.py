@@ -4,6 +4,11 @@ gradient norm, read from OUTPUT_DIR/metrics.jsonl."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from shardtune.errors import UsageError
+
+PICTURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg", ".pdf")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,6 +23,10 @@ def main(args: argparse.Namespace) -> int:
     from shardtune.train.plot import write_plots
 
     if args.out is not None:
+        out = Path(args.out)
+        if out.suffix.lower() in PICTURE_SUFFIXES and not out.is_dir():  # it would become a folder of that name
+            raise UsageError(f"--out {args.out}: plot writes one PNG per chart (loss, learning rate, grad norm) "
+                             f"into a folder; give a folder, e.g. --out {out.with_suffix('')}")
         check_output_path(args.out, "--out", folder=True)
 
     for path in write_plots(args.output_dir, args.out):
