@@ -348,7 +348,8 @@ ADAPTER_ON_ANOTHER_BASE = "the adapter was trained on a base model of other shap
 
 def adapter_base(adapter_dir: Path) -> Path:
     """The base model folder (or GGUF) an adapter's adapter_config.json names, resolved as given or relative to the
-    adapter folder; a UsageError naming the file where it names none, or none on this machine."""
+    adapter folder, or a hub name's snapshot in the local Hugging Face cache (where training read it); a
+    UsageError naming the file where it names none, or none on this machine."""
     from shardtune.gguf_source import find_gguf
 
     config_file = adapter_dir / "adapter_config.json"
@@ -361,8 +362,11 @@ def adapter_base(adapter_dir: Path) -> Path:
     for candidate in (Path(base).expanduser(), adapter_dir / base):
         if (candidate / "config.json").is_file() or find_gguf(candidate):  # a GGUF base: its .gguf file
             return candidate
-    raise UsageError(f"{config_file}: base_model_name_or_path '{base}' is not a local model folder (nothing is "
-                     f"downloaded); point it at the folder that holds the base model's config.json.")
+    if cached := _config_file(base):  # a run trained on a hub name keeps the name in its adapter
+        return cached.parent
+    raise UsageError(f"{config_file}: base_model_name_or_path '{base}' is neither a local model folder nor in the "
+                     f"local Hugging Face cache (nothing is downloaded); point it at the folder that holds the base "
+                     f"model's config.json.")
 
 
 def adapter_folder_problem(folder: str | Path) -> str | None:

@@ -387,7 +387,8 @@ def test_merge_without_base_takes_the_one_the_adapter_names(tmp_path: Path, caps
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/hub-model"}))
     capsys.readouterr()
     assert main(["merge", str(adapter), str(tmp_path / "nowhere")]) == 2
-    assert "base_model_name_or_path 'org/hub-model' is not a local model folder" in capsys.readouterr().err
+    assert ("base_model_name_or_path 'org/hub-model' is neither a local model folder nor in the local Hugging Face "
+            "cache" in capsys.readouterr().err)
     assert not (tmp_path / "nowhere").exists()
 
 

@@ -200,6 +200,35 @@ def test_adapter_folder_loads_and_matches_the_merged_model(trained, loaded, tmp_
     assert from_adapter == generate(adapted, tokenizer, prompt, max_new_tokens=40, stop_ids=(), use_cache=False)
 
 
+def test_an_adapter_of_a_run_on_a_hub_name_loads_its_base_from_the_local_cache(trained, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A run trained on model_name_or_path org/name keeps that name in final/adapter_config.json; generate, chat
+    and merge refused it ("not a local model folder"), though training had just read it from the local cache."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(trained, snapshot)
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    _make_adapter(trained, tmp_path / "adapter")
+    on_local_base, tokenizer = load_for_generation(tmp_path / "adapter", device="cpu")
+    config_file = tmp_path / "adapter" / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "base_model_name_or_path": "org/tiny"}))
+    on_cached_base, _ = load_for_generation(tmp_path / "adapter", device="cpu")
+    prompt = encode_prompt(tokenizer, "Count please")
+    assert generate(on_cached_base, tokenizer, prompt, max_new_tokens=20, stop_ids=()) == \
+        generate(on_local_base, tokenizer, prompt, max_new_tokens=20, stop_ids=())
+    assert main(["merge", str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    shutil.rmtree(cache)  # nothing there: said so, and nothing downloaded
+    with pytest.raises(UsageError, match=rf"^{config_file}: base_model_name_or_path 'org/tiny' is neither a local "
+                                         rf"model folder nor in the local Hugging Face cache \(nothing is downloaded"):
+        load_for_generation(tmp_path / "adapter")
+
+
 def test_bad_paths_are_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="not a folder"):
         load_for_generation(tmp_path / "missing")
