@@ -146,9 +146,11 @@ def main_generate(args: argparse.Namespace) -> int:
     generate(model, tokenizer, prompt_ids, stream=_write(sys.stdout), stats=stats, **_options(args))
     sys.stdout.write("\n")
     speed = f" at {stats.tokens_per_s:.1f} tokens/s" if stats.decode_steps else ""  # none decoded: no speed
+    # which stop token: the template's end of turn (<|im_end|>) and EOS (<|end_of_text|>) tell different stories
+    stopped = f"at {tokenizer.convert_ids_to_tokens(stats.stop_token_id)}" if stats.stop_token_id is not None \
+        else f"by {stats.stop_reason}"
     print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_s * 1e3:.0f} ms; {stats.new_tokens} new "
-          f"tokens{speed}; stopped by {stats.stop_reason}; KV cache {'on' if args.use_cache else 'off'}]",
-          file=sys.stderr)
+          f"tokens{speed}; stopped {stopped}; KV cache {'on' if args.use_cache else 'off'}]", file=sys.stderr)
     return 0
 
 
