@@ -273,6 +273,9 @@ def test_llama3_special_tokens_added_and_eos_becomes_end_of_turn(model_dir, tmp_
     from shardtune.infer.generate import stop_token_ids
 
     assert tok.convert_tokens_to_ids("<|eot_id|>") in stop_token_ids(None, tok)  # generation stops there
+    # and at the base's EOS, which neither this tokenizer nor a GGUF of the run names any more: generate on the
+    # GGUF ran past it ("65?<|end_of_text|>What is 5 plus 4? 9") where the adapter stopped, and llama.cpp stops
+    assert tok.convert_tokens_to_ids("<|end_of_text|>") in stop_token_ids(None, tok)
     data, tok2 = prepare(model_dir, tmp_path, CHATS, chat_template_format="llama-3", add_special_tokens=True,
                          max_seq_len=256)
     row = data.train[0]

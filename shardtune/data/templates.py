@@ -14,9 +14,12 @@ from shardtune.errors import UsageError
 from shardtune.hub import tokenizer_problem
 
 
-# Tokens that end a turn in the common chat formats (ChatML/Qwen, Llama 3, Gemma, Phi-3, GPT-style, Llama 2/Mistral):
-# the encoder keeps the one after a reply as a target, generation stops on any of them.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>")
+# Tokens that end a turn in the common chat formats (ChatML/Qwen, Llama 3, Gemma, Phi-3, GPT-style, Llama 2/Mistral),
+# and Llama 3's (and Granite's) end of text and end of message, which llama.cpp also stops on: a run whose template
+# made <|eot_id|> its EOS keeps only that in a GGUF's metadata, where the base's <|end_of_text|> still ends a reply.
+# The encoder keeps the one after a reply as a target, generation stops on any of them.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>",
+                      "<|end_of_text|>", "<|eom_id|>")
 
 
 @dataclass(frozen=True)
