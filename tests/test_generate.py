@@ -491,6 +491,15 @@ def test_a_run_trained_on_plain_prompts_is_prompted_as_it_trained(tmp_path, caps
     assert main(["generate", str(tmp_path / "chat" / "final"), "--prompt", "What is 3 plus 1?",
                  "--max_new_tokens", "2"]) == 0
     assert "plain prompts" not in capsys.readouterr().err
+    # its merge and its exported checkpoint too: they were prompted through the chat template, having no
+    # summary.json beside them; the export list now carries the run's prompt_style
+    assert main(["merge", str(tmp_path / "plain" / "final"), str(tmp_path / "merged")]) == 0
+    assert main(["export", str(tmp_path / "plain" / "checkpoints" / "step-1"), str(tmp_path / "exported")]) == 0
+    for folder in ("merged", "exported"):
+        capsys.readouterr()
+        assert main(["generate", str(tmp_path / folder), "--prompt", prompt, "--max_new_tokens", "2"]) == 0
+        err = capsys.readouterr().err
+        assert "the run trained on plain prompts" in err and f"[{counts['default']} prompt tokens" in err, err
     # chat always uses the template: for the plain-trained run it says so
     for data in ("plain", "chat"):
         monkeypatch.setattr("sys.stdin", io.StringIO("/exit\n"))

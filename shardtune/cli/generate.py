@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import TextIO
 
 from shardtune.errors import UsageError
@@ -133,6 +131,7 @@ def _write(out: TextIO, first: str = ""):
 
 def main_generate(args: argparse.Namespace) -> int:
     from shardtune.infer.generate import GenerationStats, encode_prompt, generate
+    from shardtune.train.layout import trained_prompt_style
 
     model, tokenizer = _load(args)
     chat_template = args.chat_template
@@ -152,17 +151,6 @@ def main_generate(args: argparse.Namespace) -> int:
     print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_s * 1e3:.0f} ms; {stats.new_tokens} new "
           f"tokens{speed}; stopped {stopped}; KV cache {'on' if args.use_cache else 'off'}]", file=sys.stderr)
     return 0
-
-
-def trained_prompt_style(model: str) -> str | None:
-    """How the run whose final/ ``model`` is wrote its prompts (its summary.json's prompt_style: "chat template",
-    "plain text" or "mixed"); None for any other folder."""
-    folder = Path(model).expanduser()
-    try:
-        summary = json.loads((folder.parent / "summary.json").read_text()) if folder.name == "final" else {}
-    except (OSError, ValueError):
-        return None
-    return summary.get("prompt_style") if isinstance(summary, dict) else None
 
 
 def run_chat(session, lines: TextIO, out: TextIO, prompt: str = "you> ") -> None:
@@ -203,6 +191,7 @@ def run_chat(session, lines: TextIO, out: TextIO, prompt: str = "you> ") -> None
 
 def main_chat(args: argparse.Namespace) -> int:
     from shardtune.infer.generate import ChatSession, encode_prompt
+    from shardtune.train.layout import trained_prompt_style
 
     model, tokenizer = _load(args)
     if not getattr(tokenizer, "chat_template", None):

@@ -152,13 +152,15 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
 
-def publish(tmp: Path, target: Path, label: str) -> Path:
+def publish(tmp: Path, target: Path, label: str, about: dict | None = None) -> Path:
     """Move the complete export in ``tmp`` to ``target``: a rename where ``target`` is new or empty; else (an
     earlier export, ``--overwrite`` having been checked) file by file, replacing and removing only the files
-    the earlier export listed. ``tmp`` is gone afterwards."""
+    the earlier export listed. ``tmp`` is gone afterwards. ``about``: what the export's list also records of the
+    run it came from (its ``prompt_style``)."""
     written = _files(tmp)
     stamps = {name: stamp(tmp / name) for name in written}  # a rename keeps them
-    (tmp / EXPORT_LIST).write_text(json.dumps({"written_by": "shardtune export", "files": stamps}, indent=1))
+    (tmp / EXPORT_LIST).write_text(json.dumps({"written_by": "shardtune export", **(about or {}), "files": stamps},
+                                              indent=1))
     if target.is_dir() and not any(target.iterdir()):
         target.rmdir()
     if not target.exists():

@@ -24,28 +24,29 @@ from shardtune.hub import (ADAPTER_ON_ANOTHER_BASE, adapter_folder_problem, adap
 from shardtune.peft_names import embedding_layers_saved
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
 from shardtune.train.destination import folder_made_for, publish, refuse_destination, temporary_sibling
-from shardtune.train.layout import MANIFEST, checkpoint_folder_problem
+from shardtune.train.layout import MANIFEST, PROMPT_STYLE, checkpoint_folder_problem, trained_prompt_style
 from shardtune.train.plan import unwrap
 from shardtune.train.safe_load import load_dcp, load_safetensors, read_json
 
 
 def write_export(target: Path, model: nn.Module, state: dict[str, torch.Tensor], tokenizer, is_peft: bool, *,
                  save_adapter: Callable[[nn.Module, dict[str, torch.Tensor], Path], None] | None = None,
-                 label: str = "OUT") -> Path:
+                 label: str = "OUT", about: dict | None = None) -> Path:
     """``save_pretrained`` of ``state`` into a temporary sibling folder, moved to ``target`` when complete
     (``destination.publish``: only an earlier export's files are ever replaced there).
 
     ``save_adapter`` replaces PEFT's own adapter writing (the pipeline's stages each hold part of the adapters).
+    ``about``: what the folder's export list records of the run (``publish``).
     """
     if target.exists() and not target.is_dir():  # found before the (long) write, not after it
         raise NotADirectoryError(errno.ENOTDIR, "a file is where the exported folder goes; move it away", str(target))
     with folder_made_for(target):  # the parents it makes go again if the write fails: no empty folders stay
-        return _write_and_publish(target, model, state, tokenizer, is_peft, save_adapter, label)
+        return _write_and_publish(target, model, state, tokenizer, is_peft, save_adapter, label, about)
 
 
 def _write_and_publish(target: Path, model: nn.Module, state: dict[str, torch.Tensor], tokenizer, is_peft: bool,
                        save_adapter: Callable[[nn.Module, dict[str, torch.Tensor], Path], None] | None,
-                       label: str) -> Path:
+                       label: str, about: dict | None) -> Path:
     with writing(target):
         tmp = temporary_sibling(target)
     try:
@@ -64,7 +65,7 @@ def _write_and_publish(target: Path, model: nn.Module, state: dict[str, torch.Te
                 finish_adapter(tmp, getattr(getattr(model, "module", model), "initial_adapter", None))
             tokenizer.save_pretrained(str(tmp))
             give_plain_mode(*(path for path in tmp.rglob("*") if path.is_file() and not path.is_symlink()))
-        return publish(tmp, target, label)
+        return publish(tmp, target, label, about)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind (gone already when published)
 
@@ -157,7 +158,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
     refuse_destination(out, "OUT", sources=[checkpoint], overwrite=overwrite)
     model, tokenizer, is_peft, _ = load_checkpoint_model(checkpoint, base=base)
     options = state_dict_options(is_peft)
-    return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft)
+    style = trained_prompt_style(Path(checkpoint).parent.parent / "final")  # the run's summary.json, once it ended
+    return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft,
+                        about={PROMPT_STYLE: style} if style else None)
 
 
 def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) -> tuple[nn.Module, object, bool, str]:
@@ -229,7 +232,9 @@ def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, ove
     refuse_destination(out, "OUT", sources=[adapter, base], overwrite=overwrite)
     merged, tokenizer = merged_model(adapter, base)
     merged = merged.to(stored_dtype(base))
-    return write_export(out, merged, merged.state_dict(), tokenizer, is_peft=False)
+    style = trained_prompt_style(adapter)  # a plain-prompt run's merge is prompted as plain text too
+    return write_export(out, merged, merged.state_dict(), tokenizer, is_peft=False,
+                        about={PROMPT_STYLE: style} if style else None)
 
 
 SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}

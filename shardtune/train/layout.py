@@ -16,6 +16,7 @@ RESUME_OFF = ("false", "no", "0", "")
 MANIFEST = "manifest.json"  # written last into a checkpoint folder: its presence means the save completed
 STEP_FOLDER = re.compile(r"step-(\d+)$")
 EXPORT_LIST = ".shardtune-export.json"  # the files an export wrote, so that --overwrite touches those only
+PROMPT_STYLE = "prompt_style"  # summary.json's (and an export list's): "chat template", "plain text" or "mixed"
 
 
 # The manifest's fields a load reads, each with what a save writes there: every format wrote the first two; the
@@ -42,6 +43,19 @@ def stamp(path: Path) -> dict[str, int]:
     """What tells a file unchanged since it was listed: its size and modification time."""
     stat = path.stat()
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def trained_prompt_style(model: str | Path) -> str | None:
+    """How the run that made the model folder ``model`` wrote its prompts (``PROMPT_STYLE``): said by the run's
+    summary.json beside its final/, or by the export list of a folder merged or exported from it; None where
+    neither says."""
+    folder = Path(model).expanduser()
+    record = folder.parent / "summary.json" if folder.name == "final" else folder / EXPORT_LIST
+    try:
+        said = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    return said.get(PROMPT_STYLE) if isinstance(said, dict) else None
 
 
 def listed_files(folder: Path) -> set[str]:

@@ -12,6 +12,7 @@ from shardtune.dist import RankFailed
 from shardtune.errors import TrainingStopped, first_line
 from shardtune.train.checkpoint import Checkpointer, checkpoint_damage, write_failure, write_fix
 from shardtune.train.job import Job
+from shardtune.train.layout import PROMPT_STYLE
 from shardtune.train.metrics import flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes
 from shardtune.train.output_dir import read_summary
 from shardtune.train.plan import unwrap
@@ -83,7 +84,7 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
             "world_size": info.world_size, "strategy": job.plan.strategy.name, "device_type": info.device.type,
             "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
             "stopped_by": stopped_by, "last_checkpoint": checkpointer.last, **best_summary(job),
-            "compile": compile_summary(job), "prompt_style": job.data.report.prompt_style or None,
+            "compile": compile_summary(job), PROMPT_STYLE: job.data.report.prompt_style or None,
             "train_loss": loss_sum / steps if steps else None,
             "train_runtime": wall, "train_steps_per_second": steps / max(wall, 1e-9), "epoch": state.epochs_done}
 
