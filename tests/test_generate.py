@@ -361,6 +361,36 @@ def test_chat_keeps_the_conversation_and_resets(trained, loaded, capsys, monkeyp
     assert capsys.readouterr().out.count(ANSWER) == 1
 
 
+def test_ctrl_c_during_a_reply_stops_the_reply_and_the_chat_goes_on(loaded):
+    """Ctrl-C mid-reply ended the whole chat (exit 130) and the conversation with it; terminal chats stop the reply
+    there. The interrupted turn is left out, so the next message does not see half an answer."""
+    model, tokenizer = loaded
+    session = ChatSession(model, tokenizer, options={"max_new_tokens": 100})
+    stops = iter([True])
+
+    def interrupted(piece: str) -> None:
+        if piece.strip() and next(stops, False):
+            raise KeyboardInterrupt
+
+    reply = session.reply
+
+    def reply_with_ctrl_c(text, stream=None, note=None):
+        return reply(text, stream=lambda piece: (stream(piece), interrupted(piece)), note=note)
+
+    session.reply = reply_with_ctrl_c
+    out = io.StringIO()
+    try:
+        run_chat(session, io.StringIO("Count please\nCount please\n"), out)
+    except KeyboardInterrupt:  # (not let through: pytest would take it for the user's and stop the session)
+        pytest.fail("Ctrl-C during a reply ended the chat")
+    first, said, second = out.getvalue().split("\n", 2)
+    assert first.startswith("assistant> ") and ANSWER.startswith(first[len("assistant> "):]) and first != \
+        "assistant> " + ANSWER  # stopped after its first words
+    assert said == "[reply stopped; the message and its reply are left out of the conversation]"
+    assert second == "assistant> " + ANSWER + "\n"
+    assert session.messages == [{"role": "user", "content": "Count please"}, {"role": "assistant", "content": ANSWER}]
+
+
 def test_generation_stops_at_the_models_last_position_and_chat_drops_its_earliest_turns(loaded, monkeypatch,
                                                                                            capsys):
     """Past max_position_embeddings a model's output is garbage (transformers only warned): generate stops at the

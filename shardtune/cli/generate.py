@@ -83,7 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.placed_elsewhere = lambda name: _transformers_option(name, "generate")
     c = sub.add_parser("chat", help="chat with a model in the terminal (/reset, /exit)",
                        description="An interactive conversation: type a message, the reply streams back. "
-                                   "/reset starts over, /exit or end of input (Ctrl-D) quits.")
+                                   "Ctrl-C stops a reply, /reset starts over, /exit or end of input (Ctrl-D) "
+                                   "quits.")
     _add_common(c)
     c.set_defaults(func=main_chat)
     c.placed_elsewhere = lambda name: _transformers_option(name, "chat")
@@ -185,6 +186,9 @@ def run_chat(session, lines: TextIO, out: TextIO, prompt: str = "you> ") -> None
         except UsageError as exc:  # a message the model cannot take: said, and the chat goes on without it
             out.write(f"[{exc}]\n")
             continue
+        except KeyboardInterrupt:  # Ctrl-C stops a reply, not the conversation (Ctrl-C at the prompt quits)
+            out.write("\n[reply stopped; the message and its reply are left out of the conversation]\n")
+            continue
         stream("")
         out.write("\n")
 
@@ -204,6 +208,6 @@ def main_chat(args: argparse.Namespace) -> int:
               "the chat template, a format it did not train on; 'shardtune generate' feeds a prompt as plain text]",
               file=sys.stderr)
     session = ChatSession(model, tokenizer, system=args.system, options=_options(args))
-    print("Chat with the model: /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
+    print("Chat with the model: Ctrl-C stops a reply, /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
     run_chat(session, sys.stdin, sys.stdout)
     return 0
