@@ -285,7 +285,7 @@ def test_cli_generate_streams_the_greedy_reply(trained, capsys, monkeypatch):
     assert "stopped at <|end_of_text|>; KV cache off" in captured.err
     # One new token comes from the prefill: nothing was decoded, so no speed is given (it said "nan tokens/s").
     assert main(["generate", str(trained), "--prompt", "Count please", "--max_new_tokens", "1"]) == 0
-    assert "; 1 new tokens; stopped by max_new_tokens;" in capsys.readouterr().err
+    assert "; 1 new token; stopped by max_new_tokens;" in capsys.readouterr().err
 
 
 def test_a_reader_that_leaves_the_pipe_stops_generate_without_a_disk_error(trained, capsys, monkeypatch):

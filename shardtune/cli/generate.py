@@ -149,8 +149,9 @@ def main_generate(args: argparse.Namespace) -> int:
     # which stop token: the template's end of turn (<|im_end|>) and EOS (<|end_of_text|>) tell different stories
     stopped = f"at {tokenizer.convert_ids_to_tokens(stats.stop_token_id)}" if stats.stop_token_id is not None \
         else f"by {stats.stop_reason}"
-    print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_s * 1e3:.0f} ms; {stats.new_tokens} new "
-          f"tokens{speed}; stopped {stopped}; KV cache {'on' if args.use_cache else 'off'}]", file=sys.stderr)
+    new = f"{stats.new_tokens} new token{'' if stats.new_tokens == 1 else 's'}"
+    print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_s * 1e3:.0f} ms; {new}{speed}; stopped "
+          f"{stopped}; KV cache {'on' if args.use_cache else 'off'}]", file=sys.stderr)
     return 0
 
 
