@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from shardtune.data import Collator, DataConfig, load_tokenizer, prepare_datasets
 from shardtune.data.encode import IGNORE
-from shardtune.data.pipeline import pack
+from shardtune.data.rows import pack
 from shardtune.testing.tiny import make_model_folder, sample_corpus
 
 
@@ -164,6 +164,50 @@ def test_pack_places_every_document_once_within_the_limit():
     assert all(sum(lengths[i] for i in b) <= 128 for b in bins)
     # best-fit decreasing is within 11/9 OPT + 1 of the optimum; OPT >= total / capacity
     assert len(bins) <= 11 / 9 * (-(-sum(lengths) // 128)) + 1
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_rows_are_built_without_a_python_object_per_token(monkeypatch, packing):
+    """Turning tokenised rows into training rows took 150 bytes per token as Python lists (an int object and a
+    list slot per token, for ids, labels, then the rows again, and `datasets` pickling the result to fingerprint
+    it): gigabytes for a few hundred thousand chat rows. A tokenised table stands in for tokenising here."""
+    import tracemalloc
+
+    import datasets
+    import numpy as np
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    from shardtune.data import pipeline
+
+    num_rows, length, eos = 20_000, 50, 3
+    offsets = pa.array(np.arange(num_rows + 1, dtype=np.int32) * length)
+    ids = np.tile(np.arange(1000, 1000 + length, dtype=np.int32), num_rows)  # no row ends with EOS
+    labels = np.where(np.arange(ids.size) % length < length // 2, IGNORE, ids).astype(np.int32)
+    encoded = datasets.Dataset(InMemoryTable(pa.table({
+        "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids)),
+        "labels": pa.ListArray.from_arrays(offsets, pa.array(labels)),
+        "dropped_tokens": pa.array(np.zeros(num_rows, np.int64)), "dropped_estimated": pa.array([False] * num_rows),
+        "bad": pa.array([""] * num_rows)})))
+    monkeypatch.setattr(pipeline, "_tokenise", lambda *args: encoded)
+    cfg = DataConfig(dataset_name="x.jsonl", max_seq_len=256, packing=packing, append_concat_token=packing)
+    tok = SimpleNamespace(eos_token_id=eos)
+    examples = [{"kind": "chat"}] * num_rows
+    tracemalloc.start()
+    try:
+        rows, report = pipeline.build_split(examples, cfg, tok, "train", "chat", [])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    per_document = length + packing  # the separator EOS
+    assert report.documents == num_rows and report.tokens == num_rows * per_document
+    assert report.target_tokens == num_rows * (length - length // 2)
+    assert report.rows == (-(-num_rows * per_document // (256 // per_document * per_document)) if packing else num_rows)
+    first = rows[0]
+    assert first["input_ids"][:length] == ids[:length].tolist() and first["seq_lens"][0] == per_document
+    assert first["input_ids"][length:length + 1] == ([eos] if packing else [])  # the separator
+    assert first["labels"][length:length + 1] == ([IGNORE] if packing else [])
+    assert peak / report.tokens < 30  # bytes per token, about 20; Python lists of ints took 150
 
 
 def test_collator_pads_and_restarts_positions():

@@ -10,7 +10,6 @@ torch.distributed the first process of each node builds it while the others wait
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import logging
@@ -27,10 +26,11 @@ from shardtune.checksums import sha256_file
 from shardtune.config.loading import raise_problems
 from shardtune.config.schema import DataConfig
 from shardtune.config.validation import data_problems
-from shardtune.data.encode import IGNORE, encode_batch, max_token_chars
+from shardtune.data.encode import encode_batch, max_token_chars
 from shardtune.data.formats import detect_format, to_example
 from shardtune.data.readers import BadRow, Source, iter_split, resolve
 from shardtune.data.report import DataReport, length_histogram
+from shardtune.data.rows import documents, pack, row_columns
 from shardtune.data.templates import end_of_turn_problem
 from shardtune.errors import UsageError
 
@@ -72,7 +72,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def _code_fingerprint() -> str:
     here = Path(__file__).parent
     h = hashlib.sha256(str(CACHE_FORMAT).encode())
-    for name in ("encode.py", "formats.py", "readers.py", "templates.py", "pipeline.py"):
+    for name in ("encode.py", "formats.py", "readers.py", "templates.py", "pipeline.py", "rows.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()
 
@@ -107,31 +107,15 @@ def read_examples(source: Source, splits: list[str], cfg: DataConfig, fmt: str) 
     return examples, skipped, fmt
 
 
-def pack(lengths: list[int], max_seq_len: int) -> list[list[int]]:
-    """Best-fit decreasing: document indices per row, each row holding at most ``max_seq_len`` tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (room left, bin), sorted, so the tightest bin that fits is found by bisect
-    for i in order:
-        n = lengths[i]
-        j = bisect.bisect_left(free, (n, -1))
-        if j < len(free):
-            room, b = free.pop(j)
-            bins[b].append(i)
-        else:
-            room, b = max_seq_len, len(bins)
-            bins.append([i])
-        if room - n > 0:
-            bisect.insort(free, (room - n, b))
-    return bins
-
-
 def _tokenise(examples: list[dict], cfg: DataConfig, tokenizer, split: str):
     """``datasets.map`` over the examples, in ``dataset_num_proc`` processes, with a progress bar."""
     import datasets
 
     raw = datasets.Dataset.from_list(examples)
-    return raw.map(encode_batch, batched=True, batch_size=256, num_proc=cfg.dataset_num_proc,
+    ids = datasets.Sequence(datasets.Value("int32"))  # int32 as cached, half of the int64 Arrow would infer
+    features = datasets.Features({"input_ids": ids, "labels": ids, "dropped_tokens": datasets.Value("int64"),
+                                  "dropped_estimated": datasets.Value("bool"), "bad": datasets.Value("string")})
+    return raw.map(encode_batch, batched=True, batch_size=256, num_proc=cfg.dataset_num_proc, features=features,
                    remove_columns=raw.column_names, desc=f"tokenising {split}",
                    fn_kwargs={"tokenizer": tokenizer, "max_seq_len": cfg.max_seq_len,
                               "train_on_prompt": cfg.train_on_prompt, "chat_template_format": cfg.chat_template_format,
@@ -145,53 +129,32 @@ def skipped_note(problem: str) -> str:
     return "skipped " + re.sub(r"(; fix it)?, or set skip_bad_rows true to drop bad rows$", "", problem)
 
 
-def _documents(encoded, cfg: DataConfig, eos_id: int, report: DataReport) -> tuple[list[list[int]], list[list[int]]]:
-    """The documents to keep (ids, labels), counting bad, truncated and target-less rows into ``report``."""
-    docs_ids, docs_labels = [], []
-    for ids, labels, dropped, estimated, bad in zip(encoded["input_ids"], encoded["labels"],
-                                                    encoded["dropped_tokens"], encoded["dropped_estimated"],
-                                                    encoded["bad"]):
-        if bad:
-            if not cfg.skip_bad_rows:
-                raise UsageError(bad)
-            report.bad_rows_skipped += 1
-            report.notes.append(skipped_note(bad))
-            continue
-        if dropped:
-            report.truncated_rows += 1
-            report.dropped_tokens += dropped
-            report.estimated_rows += estimated
-        if all(x == IGNORE for x in labels):
-            report.empty_rows_dropped += 1
-            continue
-        if cfg.packing and cfg.append_concat_token and ids[-1] != eos_id and len(ids) < cfg.max_seq_len:
-            ids, labels = ids + [eos_id], labels + [IGNORE]  # a separator, not a target
-        docs_ids.append(ids)
-        docs_labels.append(labels)
-    return docs_ids, docs_labels
-
-
 def build_split(examples: list[dict], cfg: DataConfig, tokenizer, split: str, fmt: str, skipped: list[str]):
     """Tokenise, truncate and (optionally) pack ``examples``: the rows as a ``datasets.Dataset`` and its report."""
     import datasets
+    from datasets.table import InMemoryTable
 
     styles = {"chat template" if e["kind"] == "chat" else "plain text" for e in examples}
     report = DataReport(split=split, data_format=fmt, max_seq_len=cfg.max_seq_len, packing=cfg.packing,
                         bad_rows_skipped=len(skipped), notes=[skipped_note(m) for m in skipped],
                         prompt_style=styles.pop() if len(styles) == 1 else "mixed" if styles else "")
-    docs_ids, docs_labels = _documents(_tokenise(examples, cfg, tokenizer, split), cfg, tokenizer.eos_token_id,
-                                       report)
-    lengths = [len(x) for x in docs_ids]
-    report.documents = len(docs_ids)
+    encoded = _tokenise(examples, cfg, tokenizer, split).with_format("arrow")[:]
+    docs, bad, counts = documents(encoded, eos_id=tokenizer.eos_token_id, max_seq_len=cfg.max_seq_len,
+                                  append_eos=cfg.packing and cfg.append_concat_token)
+    del encoded
+    if bad and not cfg.skip_bad_rows:
+        raise UsageError(bad[0])
+    report.bad_rows_skipped += len(bad)
+    report.notes += [skipped_note(b) for b in bad[:MAX_BAD_NOTES]]
+    for name, count in counts.items():
+        setattr(report, name, count)
+    lengths = docs.lengths.tolist()
+    report.documents = len(lengths)
     report.tokens = sum(lengths)
-    report.target_tokens = sum(sum(1 for x in lab if x != IGNORE) for lab in docs_labels)
+    report.target_tokens = docs.targets
     report.length_histogram = length_histogram(lengths, cfg.max_seq_len)
     groups = pack(lengths, cfg.max_seq_len) if cfg.packing else [[i] for i in range(len(lengths))]
-    rows = {"input_ids": [], "labels": [], "seq_lens": []}
-    for group in groups:
-        rows["input_ids"].append([t for i in group for t in docs_ids[i]])
-        rows["labels"].append([t for i in group for t in docs_labels[i]])
-        rows["seq_lens"].append([lengths[i] for i in group])
+    table, report.rows_sha256 = row_columns(docs, groups)
     report.rows = len(groups)
     if cfg.packing and groups:
         report.packing_efficiency = report.tokens / (report.rows * cfg.max_seq_len)
@@ -202,23 +165,8 @@ def build_split(examples: list[dict], cfg: DataConfig, tokenizer, split: str, fm
         about = "about " if report.estimated_rows else ""
         report.notes.append(f"{report.truncated_rows} rows were longer than max_seq_len {cfg.max_seq_len} and "
                             f"lost {about}{report.dropped_tokens} tokens; raise max_seq_len to keep them.")
-    report.rows_sha256 = rows_sha256(rows)
-    int_list = datasets.Sequence(datasets.Value("int32"))
-    features = datasets.Features({"input_ids": int_list, "labels": int_list, "seq_lens": int_list})
-    return datasets.Dataset.from_dict(rows, features=features), report
-
-
-def rows_sha256(rows: dict[str, list[list[int]]]) -> str:
-    """SHA-256 of tokenised rows, each column as its rows' lengths then their values (int32, as cached)."""
-    import numpy as np
-
-    h = hashlib.sha256()
-    for name in ("input_ids", "labels", "seq_lens"):
-        column = rows[name]
-        h.update(np.fromiter(map(len, column), dtype=np.int64, count=len(column)).tobytes())
-        for row in column:  # a row at a time: numpy converts its list in C, where a loop per token would not
-            h.update(np.asarray(row, dtype=np.int32).tobytes())
-    return h.hexdigest()
+    # the rows' digest is their fingerprint: without one, `datasets` pickles the whole table to hash it
+    return datasets.Dataset(InMemoryTable(table), fingerprint=report.rows_sha256[:16]), report
 
 
 def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedData:
