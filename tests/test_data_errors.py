@@ -135,6 +135,47 @@ def test_damaged_cache_is_named_and_rebuilt(model_dir, tmp_path, caplog, damage)
     assert third.from_cache and third.train.to_list() == rows
 
 
+# A process that writes the cache entry and stops inside the write: killed there (die), or held there (hold).
+_WRITER = """
+import os, signal, sys, time
+from shardtune.data import DataConfig, load_tokenizer, pipeline
+data, model, cache, how = sys.argv[1:]
+pipeline.sha256_file = lambda f: os.kill(os.getpid(), signal.SIGKILL) if how == "die" else time.sleep(600)
+cfg = DataConfig(dataset_name=data, splits="train")
+pipeline.prepare_datasets(cfg, load_tokenizer(model, cfg), seed=0, cache_dir=cache)
+"""
+
+
+def test_a_write_killed_midway_leaves_nothing_behind_and_a_live_one_is_left_alone(model_dir, tmp_path):
+    """A run killed while writing the cache (the OOM killer, a preempted node) never cleans up: its hidden folder,
+    as big as the tokenised data, stayed in the cache for good, one more each time."""
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(jsonl(ROWS))
+    cache = tmp_path / "cache"
+    hidden = lambda: sorted(p.name for p in cache.glob(".*"))  # noqa: E731
+    writer = [sys.executable, "-c", _WRITER, str(path), model_dir, str(cache)]
+    holder = subprocess.Popen(writer + ["hold"])
+    try:
+        deadline = time.monotonic() + 120
+        while not hidden() and time.monotonic() < deadline and holder.poll() is None:
+            time.sleep(0.2)
+        live = hidden()
+        assert len(live) == 1
+        assert subprocess.run(writer + ["die"]).returncode == -9
+        killed = sorted(set(hidden()) - set(live))
+        assert len(killed) == 1 and not any(p.name[0] != "." for p in cache.iterdir())  # half-written, never used
+        data = prepare(model_dir, path, cache)  # writes the same entry beside the live write
+        assert not data.from_cache and hidden() == live  # the killed write's folder is gone, the live one kept
+    finally:
+        holder.kill()
+        holder.wait()
+    assert prepare(model_dir, path, cache, max_seq_len=64).cache_path is not None and hidden() == []
+
+
 def test_cache_holds_only_json_and_arrow_and_loads_without_unpickling(model_dir, tmp_path, monkeypatch):
     import pickle
 

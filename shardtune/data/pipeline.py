@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import socket
 import uuid
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -217,14 +218,32 @@ def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedDat
     return PreparedData(train=train, eval=evaluation, report=report, cache_path=None, from_cache=False)
 
 
+# The temporary folders ``_save`` writes an entry into: .KEY.HOST.PID.RANDOM.tmp (and .old for the one it replaces)
+_WRITING = re.compile(r"^\.[0-9a-f]{32}\.(?P<host>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.(tmp|old)$")
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Remove the temporary folders of cache writes on this machine whose process is gone. A write killed mid-way
+    (the OOM killer, a preempted node, kill -9) never reaches its cleanup, and its hidden folder, as big as the
+    tokenised data, would stay in the cache for good; a live process's write (another run's) is left alone."""
+    from shardtune.dist import process_state
+
+    host = socket.gethostname()
+    for entry in root.glob(".*"):
+        if (match := _WRITING.match(entry.name)) and match["host"] == host \
+                and process_state(int(match["pid"])) != "running":
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def _save(data: PreparedData, path: Path, *, replace: bool) -> bool:
     """Write ``data`` as the cache entry ``path``, whole or not at all, and ``replace`` a damaged one there.
 
     Returns False, after one warning, when the cache cannot be written (a read-only or full disk): the run goes on
     with the data in memory. The manifest, written last, holds every file's size and SHA-256 for ``_damage``.
     """
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp = path.parent / f".{path.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     old = tmp.with_suffix(".old")
+    _remove_leftovers(path.parent)
     try:
         tmp.mkdir(parents=True)
         data.train.save_to_disk(str(tmp / "train"))
