@@ -33,6 +33,15 @@ def write_text(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
+def cache_root() -> Path:
+    """Where shardtune keeps what it can compute again (tokenised data in ``data/``, model counts in ``counts/``):
+    $SHARDTUNE_CACHE, else $XDG_CACHE_HOME/shardtune, else ~/.cache/shardtune. Hugging Face's caches follow
+    XDG_CACHE_HOME too, so a home with a small quota, its caches moved to scratch that way, is not filled by ours."""
+    if os.environ.get("SHARDTUNE_CACHE"):
+        return Path(os.environ["SHARDTUNE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardtune"
+
+
 def umask() -> int:
     """This process's umask: set and set back, the one portable way to read it."""
     mask = os.umask(0)

@@ -705,6 +705,24 @@ def test_cache_is_reused_and_invalidated(model_dir, tmp_path, monkeypatch):
     assert not changed.from_cache and len(changed.train) == 4
 
 
+def test_cache_lives_where_shardtune_cache_or_xdg_cache_home_says(model_dir, tmp_path, monkeypatch):
+    """A cluster home with a small quota: XDG_CACHE_HOME moves Hugging Face's caches to scratch, but the tokenised
+    data (gigabytes for a large data set) still filled ~/.cache/shardtune."""
+    cfg = DataConfig(dataset_name=write_jsonl(tmp_path / "d.jsonl", CHATS), splits="train", max_seq_len=256)
+    tok = load_tokenizer(model_dir, cfg)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SHARDTUNE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "scratch"))
+    data = prepare_datasets(cfg, tok, seed=0)
+    assert data.cache_path.parent == tmp_path / "scratch" / "shardtune" / "data"
+    assert not (tmp_path / "home").exists()
+    monkeypatch.setenv("SHARDTUNE_CACHE", str(tmp_path / "mine"))  # shardtune's own variable comes first
+    assert prepare_datasets(cfg, tok, seed=0).cache_path.parent == tmp_path / "mine" / "data"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.delenv("SHARDTUNE_CACHE")
+    assert prepare_datasets(cfg, tok, seed=0).cache_path.parent == tmp_path / "home" / ".cache" / "shardtune" / "data"
+
+
 def test_config_validate_reports_every_problem():
     from shardtune.config.validation import data_problems
 

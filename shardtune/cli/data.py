@@ -4,7 +4,8 @@ Reads the same arguments as ``shardtune train`` (a YAML or JSON recipe, ``key=va
 recipe is inspected exactly as it will be trained; a first argument that is not a recipe is the data set
 (``--dataset_name``). Prints the data report (rows, tokens, target tokens, truncation, length histogram, packing
 efficiency) and one rendered row with its target tokens highlighted. Its own options: ``--example N`` (the row to
-render, default 0) and ``--cache_dir DIR`` (where tokenised data is cached, default ``$SHARDTUNE_CACHE/data``).
+render, default 0) and ``--cache_dir DIR`` (where tokenised data is cached, default ``data/`` under
+$SHARDTUNE_CACHE, else $XDG_CACHE_HOME/shardtune, else ~/.cache/shardtune: where ``shardtune train`` keeps it).
 
     shardtune data inspect recipe.yaml
     shardtune data inspect chat.jsonl --model_name_or_path ./model --max_seq_len 2048 --packing

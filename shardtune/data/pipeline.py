@@ -34,6 +34,7 @@ from shardtune.data.report import DataReport, length_histogram
 from shardtune.data.rows import documents, pack, row_columns
 from shardtune.data.templates import end_of_turn_problem
 from shardtune.errors import UsageError
+from shardtune.files import cache_root
 
 CACHE_FORMAT = 2  # 2: a manifest of sizes and SHA-256s
 MANIFEST = "manifest.json"
@@ -54,7 +55,7 @@ class PreparedData:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune") / "data"
+    return cache_root() / "data"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

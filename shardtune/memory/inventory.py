@@ -18,7 +18,6 @@ import functools
 import hashlib
 import importlib.metadata
 import json
-import os
 import warnings
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from shardtune import catalog
 from shardtune.errors import UsageError
-from shardtune.files import write_text
+from shardtune.files import cache_root, write_text
 from shardtune.gguf_source import GgufFile, find_gguf, load_config, parameter_count
 from shardtune.hardware import expert_shape
 from shardtune.memory.lora_count import LoraCount, count_lora, linear_names, module_table
@@ -193,11 +192,6 @@ def _decoder_layers(model, num_layers: int):
     raise UsageError(f"cannot find the {num_layers} decoder layers in {type(model).__name__}.")
 
 
-def cache_dir() -> Path:
-    """Where counts are cached: $SHARDTUNE_CACHE, else ~/.cache/shardtune."""
-    return Path(os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune")
-
-
 class _CountCache:
     """Counts of one config, on disk: building the model needs torch and transformers (~3 s to import); a later
     estimate of the same config reads the numbers instead. Keyed by the config and the transformers version, so a
@@ -209,7 +203,7 @@ class _CountCache:
         except importlib.metadata.PackageNotFoundError:
             version = "none"
         blob = json.dumps(config_dict, sort_keys=True) + "|transformers=" + version + "|format=6"
-        self.path = cache_dir() / "counts" / (hashlib.sha256(blob.encode()).hexdigest()[:24] + ".json")
+        self.path = cache_root() / "counts" / (hashlib.sha256(blob.encode()).hexdigest()[:24] + ".json")
         try:
             self.data = json.loads(self.path.read_text())
         except (OSError, ValueError):
