@@ -750,6 +750,13 @@ def test_cli_inspect_prints_report_and_example(model_dir, tmp_path, capsys):
                "--splits", "train", "--cache_dir", str(tmp_path / "c")])
     out = capsys.readouterr().out
     assert rc == 0 and "packing efficiency" in out and "target tokens" in out and "⟦The blue river.<|im_end|>⟧" in out
+    # where the tokenised rows are, and whether this run made them: a user tells a reused cache from a new one
+    (entry,) = (tmp_path / "c").iterdir()
+    assert f"tokenised data: built now and cached in {entry}\n" in out
+    rc = main(["data", "inspect", path, "--model_name_or_path", model_dir, "--max_seq_len", "128", "--packing",
+               "--splits", "train", "--cache_dir", str(tmp_path / "c")])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"tokenised data: read from the cache {entry} (built by an earlier run" in out
     rc = main(["data", "inspect", str(tmp_path / "nope.jsonl"), "--model_name_or_path", model_dir])
     assert rc == 2 and "nope.jsonl" in capsys.readouterr().err
     # A training recipe is inspected as it will be trained: its keys, then the command line's on top.

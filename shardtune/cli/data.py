@@ -86,6 +86,7 @@ def run_inspect(argv: list[str]) -> int:
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed, cache_dir=own.cache_dir)
     console = Console()
     console.print(data.report.format(), highlight=False)
+    console.print(data.cache_note(), highlight=False, soft_wrap=True)
     if not 0 <= own.example < len(data.train):
         raise UsageError(f"--example {own.example} is out of range: the train split has {len(data.train)} rows.")
     row = data.train[own.example]

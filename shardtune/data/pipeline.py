@@ -53,6 +53,15 @@ class PreparedData:
     cache_path: Path | None  # None: the cache could not be written, the rows are in memory
     from_cache: bool
 
+    def cache_note(self) -> str:
+        """Whether the rows were tokenised now or read from the cache, and where it is (to delete, or to find)."""
+        if self.cache_path is None:
+            return "tokenised data: built now and kept in memory (the cache could not be written)"
+        if self.from_cache:
+            return (f"tokenised data: read from the cache {self.cache_path} (built by an earlier run with the same "
+                    "data, tokenizer and data settings)")
+        return f"tokenised data: built now and cached in {self.cache_path}"
+
 
 def default_cache_dir() -> Path:
     return cache_root() / "data"

@@ -89,6 +89,7 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
                                        ev.empty_rows_dropped + ev.bad_rows_skipped if ev is not None else 0))
     if info.is_main:
         log.info("data: %s", data.report.format())
+        log.info(data.cache_note())
     precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
     plan, info = place_stages(plan_for(cfg, info, precision), cfg, info, stage_bounds)
     # Pipeline stages exchange fixed-shape activations: every batch is padded to max_seq_len there. The collator
