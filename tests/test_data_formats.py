@@ -703,6 +703,14 @@ def test_cache_is_reused_and_invalidated(model_dir, tmp_path, monkeypatch):
     assert not other.from_cache
     changed, _ = prepare(model_dir, tmp_path, CHATS + CHATS[:1], max_seq_len=256)  # changed data: rebuilt
     assert not changed.from_cache and len(changed.train) == 4
+    # The same file spelt another way (relative or absolute, as inspect and a launch script may give it), or
+    # copied elsewhere, is the same data: a large one was tokenised again, and cached again, for each spelling.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "data.jsonl").write_bytes((tmp_path / "data.jsonl").read_bytes())
+    for spelling in ("data.jsonl", "./data.jsonl", str(tmp_path / "copy" / "data.jsonl")):
+        again, _ = prepare(model_dir, tmp_path, spelling, max_seq_len=256)
+        assert again.from_cache and again.cache_path == changed.cache_path, spelling
 
 
 def test_cache_lives_where_shardtune_cache_or_xdg_cache_home_says(model_dir, tmp_path, monkeypatch):

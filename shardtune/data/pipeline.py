@@ -90,6 +90,8 @@ def _code_fingerprint() -> str:
 
 def cache_key(cfg: DataConfig, source: Source, tokenizer, seed: int) -> str:
     settings = {k: v for k, v in asdict(cfg).items() if k != "dataset_num_proc"}
+    if source.kind != "hub":  # a local path is keyed by its files' names and contents, not by how it is spelt
+        del settings["dataset_name"]
     blob = json.dumps({"settings": settings, "data": source.fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer),
                        "code": _code_fingerprint(), "seed": seed if cfg.eval_split_ratio > 0 else None},
                       sort_keys=True)
