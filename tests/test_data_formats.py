@@ -846,6 +846,22 @@ def test_a_malformed_row_says_where_in_plain_words():
     assert json_error(info.value) == "Expecting ',' delimiter at column 13"
 
 
+def test_a_line_cut_short_inside_a_string_is_said_so(model_dir, tmp_path):
+    """A line of a large file cut short in the middle of a reply (a copy or a generator stopped there) was reported
+    as 'Invalid control character at column 52': its newline, read as part of the unclosed string."""
+    lines = [json.dumps(c) for c in CHATS]
+    lines[1] = lines[1][:60]
+    path = tmp_path / "cut.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(UsageError) as info:
+        prepare(model_dir, tmp_path, str(path))
+    at = lines[1].rindex('"') + 1
+    assert str(info.value) == (f"{path}:2: malformed JSON (the string at column {at} is never closed: is the line cut "
+                               "short?); fix it, or set skip_bad_rows true to drop bad rows")
+    data, _ = prepare(model_dir, tmp_path, str(path), skip_bad_rows=True)
+    assert data.report.bad_rows_skipped == 1 and data.report.documents == 2
+
+
 def test_a_reply_is_never_taken_from_the_question_that_asks_for_it(model_dir, tmp_path):
     """Mistral v0.3's template writes the system prompt into the last user turn, so the history rendered alone is
     not a prefix of the conversation and the replies are found in the text: "OK" was found inside "Say OK or NO"

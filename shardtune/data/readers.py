@@ -54,6 +54,8 @@ class Source:
 
 def json_error(exc: json.JSONDecodeError) -> str:
     """What is wrong and where, in the row: json's own message ("Invalid control character at") names no place."""
+    if exc.msg.startswith("Unterminated string"):  # most often a line or file cut short (a copy or a disk full)
+        return f"the string at column {exc.colno} is never closed: is the line cut short?"
     return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
 
 
@@ -313,7 +315,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
                 continue
             unfinished = False  # a value that goes on past its line: the file may be one JSON document
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))  # a line cut short then ends in its string, not in a newline
             except json.JSONDecodeError as exc:
                 row = BadRow(where, f"malformed JSON ({json_error(exc)}); {SKIP_HINT}")
                 unfinished = exc.pos >= len(line.rstrip())
