@@ -703,6 +703,15 @@ def test_cache_is_reused_and_invalidated(model_dir, tmp_path, monkeypatch):
     assert not other.from_cache
     changed, _ = prepare(model_dir, tmp_path, CHATS + CHATS[:1], max_seq_len=256)  # changed data: rebuilt
     assert not changed.from_cache and len(changed.train) == 4
+    # A new transformers (or tokenizers, or jinja2) may render or tokenise the same text otherwise: an upgrade
+    # trained on the ids the old one made.
+    import importlib.metadata
+
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "99.0" if name == "transformers" else version(name))
+    assert not prepare(model_dir, tmp_path, CHATS + CHATS[:1], max_seq_len=256)[0].from_cache
+    monkeypatch.setattr(importlib.metadata, "version", version)
     # The same file spelt another way (relative or absolute, as inspect and a launch script may give it), or
     # copied elsewhere, is the same data: a large one was tokenised again, and cached again, for each spelling.
     monkeypatch.chdir(tmp_path)

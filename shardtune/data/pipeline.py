@@ -1,7 +1,8 @@
 """``prepare_datasets``: read, format, tokenise, truncate and pack, once, cached on disk.
 
 The result is keyed by the data (its files' contents, or the hub revision), the tokenizer (its full definition and chat
-template), the settings and this package's encoding code, so a changed input never reuses a stale cache. A cache
+template), the settings, this package's encoding code and the versions of the libraries that render and tokenise
+(``TOKENISING_LIBRARIES``), so a changed input never reuses a stale cache. A cache
 entry lists its files' sizes and SHA-256s: one that no longer matches is named in a warning and built again, and
 where the cache cannot be written the run keeps the data in memory. Cache files are JSON and Arrow, never pickles. Under
 torch.distributed the first process of each node builds it while the others wait on a gloo group with a long timeout
@@ -11,6 +12,7 @@ torch.distributed the first process of each node builds it while the others wait
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -80,11 +82,21 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
+# The libraries that render chat templates and tokenise: a new version may give other ids for the same text
+TOKENISING_LIBRARIES = ("transformers", "tokenizers", "jinja2")
+
+
 def _code_fingerprint() -> str:
+    """This package's encoding code and the versions of the libraries it tokenises with."""
     here = Path(__file__).parent
     h = hashlib.sha256(str(CACHE_FORMAT).encode())
     for name in ("encode.py", "formats.py", "readers.py", "templates.py", "pipeline.py", "rows.py"):
         h.update((here / name).read_bytes())
+    for library in TOKENISING_LIBRARIES:
+        try:
+            h.update(f"{library}={importlib.metadata.version(library)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            h.update(f"{library}=none".encode())
     return h.hexdigest()
 
 
