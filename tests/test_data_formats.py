@@ -698,6 +698,8 @@ def test_cache_is_reused_and_invalidated(model_dir, tmp_path, monkeypatch):
     second, _ = prepare(model_dir, tmp_path, CHATS, max_seq_len=256)
     assert second.from_cache and second.train.to_list() == first.train.to_list()
     assert second.report == first.report
+    # settings that change no token: a run that only groups rows by length, or tokenises in 2 processes, reuses it
+    assert prepare(model_dir, tmp_path, CHATS, max_seq_len=256, group_by_length=True, dataset_num_proc=2)[0].from_cache
     monkeypatch.undo()
     other, _ = prepare(model_dir, tmp_path, CHATS, max_seq_len=255)  # another setting: another cache
     assert not other.from_cache

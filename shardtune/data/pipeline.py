@@ -100,8 +100,12 @@ def _code_fingerprint() -> str:
     return h.hexdigest()
 
 
+# Data settings that change no token: how many processes tokenise, and the order the sampler gives the rows in
+SAME_TOKENS = ("dataset_num_proc", "group_by_length")
+
+
 def cache_key(cfg: DataConfig, source: Source, tokenizer, seed: int) -> str:
-    settings = {k: v for k, v in asdict(cfg).items() if k != "dataset_num_proc"}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in SAME_TOKENS}
     if source.kind != "hub":  # a local path is keyed by its files' names and contents, not by how it is spelt
         del settings["dataset_name"]
     blob = json.dumps({"settings": settings, "data": source.fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer),
