@@ -135,23 +135,43 @@ def test_damaged_cache_is_named_and_rebuilt(model_dir, tmp_path, caplog, damage)
     assert third.from_cache and third.train.to_list() == rows
 
 
-# A process that writes the cache entry and stops inside the write: killed there (die), or held there (hold).
+# A process that writes the cache entry and stops inside the write: killed there (die), held there (hold), or
+# slowed there for 3 s (slow). The first two run as on a file system without flock, where runs do not wait.
 _WRITER = """
-import os, signal, sys, time
+import errno, fcntl, os, signal, sys, time
 from shardtune.data import DataConfig, load_tokenizer, pipeline
 data, model, cache, how = sys.argv[1:]
-pipeline.sha256_file = lambda f: os.kill(os.getpid(), signal.SIGKILL) if how == "die" else time.sleep(600)
+if how != "slow":
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+    fcntl.flock = no_flock
+digest, slowed = pipeline.sha256_file, []
+def stop(f):
+    if how == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0 if slowed else 600 if how == "hold" else 3)
+    slowed.append(f)
+    return digest(f)
+pipeline.sha256_file = stop
 cfg = DataConfig(dataset_name=data, splits="train")
 pipeline.prepare_datasets(cfg, load_tokenizer(model, cfg), seed=0, cache_dir=cache)
 """
 
 
-def test_a_write_killed_midway_leaves_nothing_behind_and_a_live_one_is_left_alone(model_dir, tmp_path):
+def test_a_write_killed_midway_leaves_nothing_behind_and_a_live_one_is_left_alone(model_dir, tmp_path,
+                                                                                   monkeypatch):
     """A run killed while writing the cache (the OOM killer, a preempted node) never cleans up: its hidden folder,
     as big as the tokenised data, stayed in the cache for good, one more each time."""
+    import errno
+    import fcntl
     import subprocess
     import sys
     import time
+
+    def no_flock(fd, operation):  # a file system without flock (some network ones): runs do not wait for each other
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
 
     path = tmp_path / "d.jsonl"
     path.write_bytes(jsonl(ROWS))
@@ -174,6 +194,30 @@ def test_a_write_killed_midway_leaves_nothing_behind_and_a_live_one_is_left_alon
         holder.kill()
         holder.wait()
     assert prepare(model_dir, path, cache, max_seq_len=64).cache_path is not None and hidden() == []
+
+
+def test_runs_started_together_tokenise_the_data_once(model_dir, tmp_path, caplog):
+    """A sweep started at once on one machine: every run tokenised the same data beside the others (as much memory
+    each, minutes each on a large data set) and wrote it again. A later run now waits for the first, then reads it."""
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(jsonl(ROWS))
+    cache = tmp_path / "cache"
+    first = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), model_dir, str(cache), "slow"])
+    try:
+        deadline = time.monotonic() + 120
+        while not list(cache.glob(".*.tmp")) and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.1)  # the first run is writing (for 3 s)
+        with caplog.at_level("INFO", logger="shardtune"):
+            data = prepare(model_dir, path, cache)
+        assert first.wait(timeout=120) == 0
+    finally:
+        first.kill()
+    assert data.from_cache and [r.getMessage() for r in caplog.records] == [
+        f"waiting for another run that is tokenising data into {cache} (it may be this data)"]
 
 
 def test_cache_holds_only_json_and_arrow_and_loads_without_unpickling(model_dir, tmp_path, monkeypatch):

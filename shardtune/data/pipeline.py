@@ -6,11 +6,14 @@ template), the settings, this package's encoding code and the versions of the li
 entry lists its files' sizes and SHA-256s: one that no longer matches is named in a warning and built again, and
 where the cache cannot be written the run keeps the data in memory. Cache files are JSON and Arrow, never pickles. Under
 torch.distributed the first process of each node builds it while the others wait on a gloo group with a long timeout
-(tokenising a large data set can outlast the collective timeout of the training process group), then all load it.
+(tokenising a large data set can outlast the collective timeout of the training process group), then all load it;
+separate runs sharing a cache folder build one at a time (``_one_builder``), so a sweep tokenises its data once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -21,6 +24,7 @@ import re
 import shutil
 import socket
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -331,6 +335,30 @@ def _load(path: Path, from_cache: bool) -> PreparedData:
     return PreparedData(train=train, eval=evaluation, report=report, cache_path=path, from_cache=from_cache)
 
 
+@contextlib.contextmanager
+def _one_builder(root: Path) -> Iterator[None]:
+    """Build in the cache ``root`` one run at a time: runs started together on one machine (a sweep) each tokenised
+    the same data beside the others, as much memory each, and wrote it N times; the later ones now wait, then read
+    what the first wrote. A lock on the folder itself (flock: dropped when its process ends, however it ends)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY)
+    except OSError:  # a cache that cannot be made: nothing will be written to wait for
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another run that is tokenising data into %s (it may be this data)", root)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock: build without waiting
+            pass
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
 def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | None = None) -> PreparedData:
     """Tokenised (and packed) train/eval rows of ``cfg.dataset_name``, built once and cached."""
     raise_problems(data_problems(cfg))
@@ -346,13 +374,14 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | 
         """(the whole cache entry, or "" when it cannot be written; the data when built here)."""
         src = source()
         path = root / cache_key(cfg, src, tokenizer, seed)
-        damage = _damage(path) if path.exists() else "absent"
-        if damage is None:
-            return str(path), None
-        if damage != "absent":
-            log.warning("the tokenised data cache is damaged: %s; tokenising the data again", damage)
-        data = _build(cfg, src, tokenizer, seed)
-        return (str(path) if _save(data, path, replace=damage != "absent") else ""), data
+        with _one_builder(root):
+            damage = _damage(path) if path.exists() else "absent"
+            if damage is None:
+                return str(path), None
+            if damage != "absent":
+                log.warning("the tokenised data cache is damaged: %s; tokenising the data again", damage)
+            data = _build(cfg, src, tokenizer, seed)
+            return (str(path) if _save(data, path, replace=damage != "absent") else ""), data
 
     import torch.distributed as dist
 
