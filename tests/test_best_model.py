@@ -224,6 +224,11 @@ def test_the_summary_names_the_best_checkpoint_when_it_is_the_last(root, restore
     assert summary["best_model_checkpoint"] == str(out / "checkpoints" / "step-2")
     assert json.loads((out / "summary.json").read_text())["best_model_checkpoint"] == str(out / "checkpoints" /
                                                                                           "step-2")
+    # and the last evaluation, which was only in metrics.jsonl: a script comparing runs read one file per run
+    evals = [r for r in records(out) if "eval_loss" in r]
+    written = json.loads((out / "summary.json").read_text())
+    assert evals and (written["eval_loss"], written["eval_perplexity"], written["eval_step"]) == (
+        evals[-1]["eval_loss"], evals[-1]["eval_perplexity"], evals[-1]["step"]) and evals[-1]["step"] == 2
 
 
 # reduce_lr_on_plateau, its arguments as a Transformers recipe hands them on: a threshold of half the best loss, which

@@ -85,8 +85,17 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
             "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
             "stopped_by": stopped_by, "last_checkpoint": checkpointer.last, **best_summary(job),
             "compile": compile_summary(job), PROMPT_STYLE: job.data.report.prompt_style or None,
-            "train_loss": loss_sum / steps if steps else None,
+            "train_loss": loss_sum / steps if steps else None, **last_evaluation(state.log_history),
             "train_runtime": wall, "train_steps_per_second": steps / max(wall, 1e-9), "epoch": state.epochs_done}
+
+
+def last_evaluation(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's last evaluation, by the names ``Trainer.evaluate`` returns (eval_loss, eval_perplexity) and the
+    step it was made at (eval_step); nothing where the run never evaluated."""
+    last = next((record for record in reversed(history) if "eval_loss" in record), None)
+    if last is None:
+        return {}
+    return {"eval_loss": last["eval_loss"], "eval_perplexity": last.get("eval_perplexity"), "eval_step": last["step"]}
 
 
 def compile_summary(job: Job) -> dict[str, Any] | None:
