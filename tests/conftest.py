@@ -40,9 +40,12 @@ def config_dir(tmp_path):
     return make
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def restore_logging():
-    """``train`` in this process sets up logging and warning filters as a training process does: undo it."""
+    """``train`` in this process sets up logging and warning filters as a training process does: undo it, after
+    every test. A test that ran ``shardtune train`` in-process under capsys left the shardtune logger writing to
+    that test's closed capture, so a later test's warning came out as "--- Logging error ---" (test_plot, when a
+    worker ran it after such a test)."""
     from tests.trainutil import logging_restored
 
     with logging_restored():
