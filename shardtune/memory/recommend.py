@@ -380,8 +380,7 @@ def _on_the_gpus(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
     out = []
     for method in LIGHTER[base.method]:
         options = [s for s in candidates(base.with_(method=method), analysis=analysis) if not _last_resort(s)]
-        fitting = ((s, evaluate_setup(analysis, s)) for s in options)
-        if hit := next(((s, b) for s, b in fitting if b.fits(gpu.memory_bytes)), None):
+        if hit := _first_fit(analysis, options, gpu):
             out.append(f"--method {method} with {hit[0].label()} ({_gib_on_gpu(hit[1])}), micro-batch up to "
                        f"{max_batch_size(analysis, hit[0], gpu)}")
         elif hit := next(filter(None, (_at_smaller_micro_batch(analysis, s, gpu) for s in options)), None):
@@ -389,6 +388,15 @@ def _on_the_gpus(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
                        f"{hit[0].gradient_accumulation_steps} accumulation steps, the same rows per optimizer step "
                        f"({_gib_on_gpu(hit[1])})")
     return out
+
+
+def _first_fit(analysis: ModelAnalysis, setups: list[Setup], gpu: Gpu) -> tuple[Setup, Breakdown] | None:
+    """The first of ``setups`` that fits ``gpu``, with its breakdown; None where none does."""
+    for setup in setups:
+        breakdown = evaluate_setup(analysis, setup)
+        if breakdown.fits(gpu.memory_bytes):
+            return setup, breakdown
+    return None
 
 
 def _gib_on_gpu(breakdown: Breakdown) -> str:
@@ -401,14 +409,6 @@ def _gib_on_gpu(breakdown: Breakdown) -> str:
 def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
     """Changes that make it fit, each with the per-GPU total it leads to, cheapest change first."""
     out = []
-
-    def first_fit(setups: list[Setup]) -> tuple[Setup, Breakdown] | None:
-        for s in setups:
-            b = evaluate_setup(analysis, s)
-            if b.fits(gpu.memory_bytes):
-                return s, b
-        return None
-
     # The largest smaller micro-batch alone, or (where checkpointing is off) with checkpointing as well: the first
     # setup, in order, that fits one.
     as_asked = [base] + ([] if base.gradient_checkpointing else [base.with_(gradient_checkpointing=True)])
@@ -419,14 +419,15 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
         out.append(f"batch size {hit[0].batch_size}{also} with {hit[0].label()} ({_gib_on_gpu(hit[1])}); keep the "
                    f"global batch with --gradient-accumulation-steps {hit[0].gradient_accumulation_steps}")
     checkpointed = base.with_(gradient_checkpointing=True)
-    if not base.gradient_checkpointing and (hit := first_fit(candidates(checkpointed, analysis=analysis))):
+    if not base.gradient_checkpointing and (
+            hit := _first_fit(analysis, candidates(checkpointed, analysis=analysis), gpu)):
         out.append(f"--gradient-checkpointing with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
     if base.mixed_precision == "no":  # fp32 (a T4's or V100's default): half precision halves the activations
         half = "bf16" if gpu.bf16 else "fp16"  # and a frozen base; fp16 on cards without bf16
-        if hit := first_fit(candidates(base.with_(mixed_precision=half), analysis=analysis)):
+        if hit := _first_fit(analysis, candidates(base.with_(mixed_precision=half), analysis=analysis), gpu):
             out.append(f"--mixed-precision {half} with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
     for method in LIGHTER[base.method]:
-        if hit := first_fit(candidates(base.with_(method=method), analysis=analysis)):
+        if hit := _first_fit(analysis, candidates(base.with_(method=method), analysis=analysis), gpu):
             out.append(f"--method {method} with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
             break
     if hit := _more_gpus(analysis, base, gpu):
