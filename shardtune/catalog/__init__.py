@@ -37,8 +37,14 @@ def canonical(name: str) -> str:
 
 def _by_id(name: str) -> str | None:
     """The catalog name whose own name or Hugging Face id is ``name`` in any case; None where none is."""
-    by_lower = {str(metadata(n).get("hf_id", "")).lower(): n for n in names()} | {n.lower(): n for n in names()}
-    return by_lower.get(name.lower())
+    return _lower_names().get(name.lower())
+
+
+@cache
+def _lower_names() -> dict[str, str]:
+    """Each catalog model's Hugging Face id and name, lower case, to its name (read once: ``canonical`` asks up
+    to four times a call, and an estimate calls it from several places)."""
+    return {str(metadata(n).get("hf_id", "")).lower(): n for n in names()} | {n.lower(): n for n in names()}
 
 
 # The words the owners' ids add for an instruction-tuned variant of a base model (meta-llama/Llama-3.1-8B-Instruct,
