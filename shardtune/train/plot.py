@@ -198,10 +198,9 @@ def write_plots(output_dir: str | Path, out_dir: str | Path | None = None) -> li
                          f"another folder with --out DIR")
     pictures = {target / f"{name}.png": fig for name, fig in figures(metrics).items()}
     for path in pictures:  # the run's plots folder too: a picture the user saved there as loss_vs_step.png stays
-        if (problem := foreign_file(path, "--out")) and out_dir is not None:
-            raise UsageError(problem)
-        if problem:
-            raise UsageError(f"{path}: a file shardtune did not write is there, in the run's plots folder, and it is "
+        if problem := foreign_file(path, "--out"):
+            raise UsageError(problem if out_dir is not None else
+                             f"{path}: a file shardtune did not write is there, in the run's plots folder, and it is "
                              f"left alone; move it away, or give another folder with --out DIR")
     target.mkdir(parents=True, exist_ok=True)
     paths = []
