@@ -4,7 +4,8 @@ Ollama writes prompts with Go templates, not the Jinja chat template the model w
 be translated in general. The chat formats fine-tunes use are few, though: the template is recognised by its
 markers and the matching Go template written (ChatML, Llama 3, Llama 2 / Mistral [INST], Zephyr). A template of
 none of them, or none at all, gets ChatML, and the Modelfile says so in a comment. A default system prompt the
-Jinja template writes (SmolLM2's) becomes ``SYSTEM``; the format's end-of-turn markers become ``stop``.
+Jinja template writes (SmolLM2's) becomes ``SYSTEM``; the format's end-of-turn markers become ``stop``. A run that
+trained on plain prompts (prompt/completion or text rows, no chat template) gets ``PLAIN``: the prompt as it is.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ ZEPHYR = ChatFormat(
     "{{- range .Messages }}<|{{ .Role }}|>\n{{ .Content }}</s>\n{{ end }}<|assistant|>\n",
     ("<|system|>", "<|user|>", "<|assistant|>", "</s>"), r"<\|system\|>\n([^{}'\"<]+?)</s>")
 FORMATS = (CHATML, LLAMA3, INST, ZEPHYR)
+# Ollama hands a template that does not range over .Messages the last user message as .Prompt: a run trained on
+# plain prompts is asked as it trained, the prompt's text alone, and stops at its EOS.
+PLAIN = ChatFormat("plain", (), "{{ .Prompt }}", (), "")
 SIGNATURE = "(written by shardtune export)"
 # The mark of a Modelfile shardtune wrote: this exact first line, and a last line holding the SHA-256 of every line
 # above it. --overwrite replaces only a Modelfile with both, and the digest matching: one the user edited (a SYSTEM
@@ -73,15 +77,20 @@ def _quoted(text: str) -> str:
     return '"""' + text.replace('"""', '\\"\\"\\"') + '"""'
 
 
-def modelfile_text(gguf_name: str, chat_template: str | None, eos_token: str | None) -> str:
-    """The Modelfile for the GGUF file ``gguf_name`` in the same folder."""
-    fmt, known = chat_format(chat_template)
+def modelfile_text(gguf_name: str, chat_template: str | None, eos_token: str | None, *,
+                   plain_text: bool = False) -> str:
+    """The Modelfile for the GGUF file ``gguf_name`` in the same folder; ``plain_text``: the model trained on plain
+    prompts, not through ``chat_template``."""
+    fmt, known = (PLAIN, True) if plain_text else chat_format(chat_template)
     lines = [FIRST_LINE, f"FROM ./{gguf_name}"]
-    if not known:
+    if plain_text:
+        lines.append("# The run trained on plain prompts (prompt/completion or text rows), not the chat template: "
+                     "TEMPLATE passes the prompt as it is; write it as the training rows' prompts were written.")
+    elif not known:
         lines.append("# The model's chat template is none of ChatML, Llama 3, [INST] or Zephyr"
                      + ("" if chat_template else " (it has none)") + ": ChatML is assumed; edit TEMPLATE to match.")
     lines.append(f"TEMPLATE {_quoted(fmt.go_template)}")
-    if known and (system := re.search(fmt.system_pattern, chat_template or "")):
+    if known and fmt.system_pattern and (system := re.search(fmt.system_pattern, chat_template or "")):
         lines.append(f"SYSTEM {_quoted(system.group(1).strip())}")
     stops = list(fmt.stops) + ([eos_token] if eos_token and eos_token not in fmt.stops else [])
     lines += [f'PARAMETER stop "{stop}"' for stop in stops]
@@ -106,6 +115,8 @@ def modelfile_written_by_shardtune(path: str | Path) -> bool:
     return text.startswith(FIRST_LINE + "\n") and bool(digest_holds(data))
 
 
-def write_modelfile(gguf_path: Path, chat_template: str | None, eos_token: str | None) -> Path:
+def write_modelfile(gguf_path: Path, chat_template: str | None, eos_token: str | None, *,
+                    plain_text: bool = False) -> Path:
     """``Modelfile`` beside ``gguf_path`` (written under a temporary name, then renamed)."""
-    return write_text(gguf_path.parent / "Modelfile", modelfile_text(gguf_path.name, chat_template, eos_token))
+    return write_text(gguf_path.parent / "Modelfile",
+                      modelfile_text(gguf_path.name, chat_template, eos_token, plain_text=plain_text))

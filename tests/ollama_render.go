@@ -3,7 +3,7 @@
 // Input (JSON on stdin): {"template": "...", "system": "the Modelfile's SYSTEM", "messages": [{"role", "content"}]}.
 // Ollama puts the Modelfile's SYSTEM in front of a conversation that has no system message, then hands the
 // template .System (every system message, joined) and .Messages (consecutive messages of one role merged; system
-// messages stay in the list). Output: the prompt text on stdout.
+// messages stay in the list), and .Prompt (the last user message). Output: the prompt text on stdout.
 package main
 
 import (
@@ -47,7 +47,15 @@ func main() {
 		}
 	}
 	tmpl := template.Must(template.New("").Parse(req.Template))
-	values := map[string]any{"System": strings.Join(system, "\n\n"), "Messages": merged, "Response": ""}
+	// A template that does not range over .Messages gets the last user message as .Prompt.
+	prompt := ""
+	for _, m := range merged {
+		if m.Role == "user" {
+			prompt = m.Content
+		}
+	}
+	values := map[string]any{"System": strings.Join(system, "\n\n"), "Messages": merged, "Prompt": prompt,
+		"Response": ""}
 	if err := tmpl.Execute(os.Stdout, values); err != nil {
 		panic(err)
 	}

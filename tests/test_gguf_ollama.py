@@ -9,6 +9,7 @@ Needs the Go toolchain (``make test`` installs Debian's golang-go where it can, 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -90,3 +91,35 @@ def test_a_fine_tune_of_a_gguf_keeps_what_the_gguf_says_of_itself(tmp_path):
     assert value["general.base_model.count"] == 1 and value["general.base_model.0.name"] == "Tiny Base"
     assert value["general.base_model.0.organization"] == "TinyOrg"
     assert value["tokenizer.ggml.padding_token_id"] == tokenizer.eos_token_id
+
+
+def test_a_run_trained_on_plain_prompts_gets_a_modelfile_that_passes_the_prompt_as_it_is(tmp_path, caplog):
+    """A prompt/completion run trains on plain prompts, but its GGUF's Modelfile wrapped every prompt in the
+    tokenizer's ChatML, a format the run never saw. Its final/ and its checkpoints now get ``{{ .Prompt }}``, the
+    prompt's text alone, and a note; a model that says nothing of how it trained keeps the chat template's."""
+    from shardtune.testing.tiny import make_model_folder
+    from tests.trainutil import logging_restored
+
+    make_model_folder(tmp_path / "model")
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps({"prompt": f"What is {i} plus 1? ",
+                                                              "completion": f"{i + 1}."}) + "\n" for i in range(16)))
+    with logging_restored():
+        assert main(["train", "--model_name_or_path", str(tmp_path / "model"), "--dataset_name",
+                     str(tmp_path / "plain.jsonl"), "--output_dir", str(tmp_path / "run"), "--max_steps", "1",
+                     "--save_steps", "1", "--use_peft_lora", "true", "--max_seq_len", "64",
+                     "--predict_memory", "false"]) == 0
+    templates = {}
+    for name, source in (("run", tmp_path / "run"), ("checkpoint", tmp_path / "run" / "checkpoints" / "step-1"),
+                         ("model", tmp_path / "model")):
+        caplog.clear()
+        out = tmp_path / f"{name}-gguf"
+        assert main(["export", str(source), str(out), "--format", "gguf", "--quantize", "f16"]) == 0
+        modelfile = (out / "Modelfile").read_text()
+        templates[name] = re.search(r'TEMPLATE """(.*?)"""', modelfile, re.S)[1]
+        assert ("trained on plain prompts" in modelfile) == (name != "model")
+        assert ("trained on plain prompts" in caplog.text) == (name != "model"), caplog.text
+    assert templates == {"run": "{{ .Prompt }}", "checkpoint": "{{ .Prompt }}", "model": chat_format("<|im_start|>")[0]
+                         .go_template}
+    if shutil.which("go"):
+        assert ollama_prompt(templates["run"], [{"role": "user", "content": "What is 3 plus 1? "}]) == \
+            "What is 3 plus 1? "

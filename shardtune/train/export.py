@@ -158,7 +158,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
     refuse_destination(out, "OUT", sources=[checkpoint], overwrite=overwrite)
     model, tokenizer, is_peft, _ = load_checkpoint_model(checkpoint, base=base)
     options = state_dict_options(is_peft)
-    style = trained_prompt_style(Path(checkpoint).parent.parent / "final")  # the run's summary.json, once it ended
+    style = trained_prompt_style(checkpoint)
     return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft,
                         about={PROMPT_STYLE: style} if style else None)
 

@@ -23,7 +23,7 @@ from shardtune.files import WRITTEN_BY
 from shardtune.ollama import modelfile_written_by_shardtune, write_modelfile
 from shardtune.train.destination import folder_made_for
 from shardtune.train.export import load_checkpoint_model, load_plain_model, merged_model
-from shardtune.train.layout import MANIFEST
+from shardtune.train.layout import MANIFEST, trained_prompt_style
 
 log = logging.getLogger("shardtune")
 
@@ -205,11 +205,16 @@ def export_gguf(source: str | Path, out: str | Path, *, quantize: str = "q8_0", 
         log.warning("--format gguf: the model attends to its last %d tokens only (sliding_window), which the GGUF "
                     "does not carry: llama.cpp and Ollama attend to every earlier token, so past %d tokens of "
                     "context its outputs differ from the trained model's", window, window)
+    if plain_text := trained_prompt_style(_model_in(Path(source))) == "plain text":
+        log.warning("--format gguf: the run trained on plain prompts, not the chat template the GGUF carries: the "
+                    "Modelfile passes a prompt as it is; in llama.cpp use completion (llama-completion, or "
+                    "llama-cli -no-cnv), not chat")
     name = Path(source).resolve().name
     name = Path(source).resolve().parent.name if name == "final" else name
     with folder_made_for(target):
         write_gguf(model.eval(), tokenizer, target, quantize, name=name, tokenizer_pre=pre, source=kept)
-        write_modelfile(target, template_for_gguf(tokenizer.chat_template), tokenizer.eos_token)
+        write_modelfile(target, template_for_gguf(tokenizer.chat_template), tokenizer.eos_token,
+                        plain_text=plain_text)
     return target
 
 

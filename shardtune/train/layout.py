@@ -46,10 +46,12 @@ def stamp(path: Path) -> dict[str, int]:
 
 
 def trained_prompt_style(model: str | Path) -> str | None:
-    """How the run that made the model folder ``model`` wrote its prompts (``PROMPT_STYLE``): said by the run's
-    summary.json beside its final/, or by the export list of a folder merged or exported from it; None where
-    neither says."""
+    """How the run that made the model folder ``model`` (or the checkpoint folder) wrote its prompts
+    (``PROMPT_STYLE``): said by the run's summary.json beside its final/ (once the run ended), or by the export list
+    of a folder merged or exported from it; None where neither says."""
     folder = Path(model).expanduser()
+    if (folder / MANIFEST).is_file():  # output_dir/checkpoints/step-N
+        folder = folder.parent.parent / "final"
     record = folder.parent / "summary.json" if folder.name == "final" else folder / EXPORT_LIST
     try:
         said = json.loads(record.read_text())
