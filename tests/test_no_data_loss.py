@@ -20,6 +20,7 @@ import torch
 from shardtune.cli import main
 from shardtune.config import load_train_config
 from shardtune.errors import TrainingStopped, UsageError
+from shardtune.train.plot import write_plots
 from tests.trainutil import flags, logging_restored, tiny_workspace
 
 
@@ -291,13 +292,19 @@ def test_overwrite_output_dir_deletes_the_earlier_runs_files_and_keeps_the_users
     (run / "checkpoints" / "step-2" / "note.txt").write_text("good one\n")
     (run / "checkpoints" / "step-500").mkdir()
     (run / "checkpoints" / "step-500" / "manifest.json").write_text(json.dumps({"format": 1, "step": 500}))
+    # The earlier run's plots (shardtune plot RUN) would show its curves beside the new run's metrics.jsonl; a
+    # picture of the user's in plots/ stays.
+    plotted = write_plots(run)
+    (run / "plots" / "my_chart.png").write_bytes(b"\x89PNG mine")
     train_in_process(args(made, run, "--overwrite_output_dir", "true"))
+    assert plotted and not any(path.exists() for path in plotted)
+    assert (run / "plots" / "my_chart.png").read_bytes() == b"\x89PNG mine"
     assert (outside / "keep.txt").read_text() == "mine\n"
     err = capfd.readouterr().err
     assert "deleted the earlier run" in err and "checkpoints/superseded-1" in err, err[-2000:]
     assert "kept what the earlier run's manifests and lists do not name: checkpoints/my_notes.txt, " \
            "checkpoints/step-2/note.txt, checkpoints/step-500/manifest.json, final/README.md, " \
-           "final/my_eval_results.txt" in err, err[-2000:]
+           "final/my_eval_results.txt and 1 more" in err, err[-2000:]
     assert (run / "checkpoints" / "my_notes.txt").read_text() == "lr 2e-4 diverged at step 900\n"
     aside = [p for p in (run / "checkpoints").iterdir() if p.name.startswith("superseded-2")]
     assert len(aside) == 1, sorted(p.name for p in (run / "checkpoints").iterdir())

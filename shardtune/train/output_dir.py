@@ -20,6 +20,7 @@ import socket
 import time
 from pathlib import Path
 
+from shardtune.files import written_by_shardtune
 from shardtune.errors import UsageError
 from shardtune.train.layout import RESUME_OFF, STEP_FOLDER
 
@@ -27,8 +28,9 @@ log = logging.getLogger("shardtune")
 
 LOCK = ".shardtune.lock"
 # What a run writes into output_dir; overwrite_output_dir removes these and nothing else.
-# (wandb/ and mlruns/: report_to wandb and mlflow's local runs; MLFLOW_TRACKING_URI elsewhere is not touched.)
-RUN_FILES = ("checkpoints", "final", "tensorboard", "wandb", "mlruns", "config.yaml", "metrics.jsonl",
+# (wandb/ and mlruns/: report_to wandb and mlflow's local runs; MLFLOW_TRACKING_URI elsewhere is not touched;
+# plots/: 'shardtune plot RUN' pictures of the run's metrics, which would show the earlier run's curves.)
+RUN_FILES = ("checkpoints", "final", "tensorboard", "wandb", "mlruns", "plots", "config.yaml", "metrics.jsonl",
              "summary.json")
 TRACKER_FOLDERS = ("tensorboard", "wandb", "mlruns")
 
@@ -167,6 +169,8 @@ def _run_files(path: Path, name: str) -> list[Path]:
         return [path] if path.exists() else []
     if name == "final":
         return [path / EXPORT_LIST, *(path / f for f in listed_files(path))]
+    if name == "plots":  # the pictures shardtune plot wrote; one of the user's stays
+        return [f for f in path.iterdir() if f.is_file() and not f.is_symlink() and written_by_shardtune(f)]
     if name != "checkpoints":
         return []
     files: list[Path] = []
