@@ -318,6 +318,31 @@ def test_find_batch_size_plans_from_what_fits_while_it_accumulates(tmp_path, cap
         path.unlink()
 
 
+def test_find_batch_size_leaves_the_estimates_error_to_spare_where_a_smaller_micro_batch_can(capsys):
+    """LoRA of Llama-3.1-8B on an RTX 4090 at 8 x 4096 tokens: --find-batch-size took micro-batch 2, the largest
+    that fits, and the report beside it said "tight" (0.23 GiB to spare of 24, within the estimate's 8.6% error)
+    and advised micro-batch 1. The plan now takes the largest micro-batch with more to spare than that error, and
+    the tightest fit only where nothing leaves more."""
+    from shardtune.cli import main
+    from shardtune.memory.formula import MEASURED_ERROR
+
+    common = ["estimate", "llama-3.1-8b", "--method", "lora", "--seq-len", "4096", "--batch-size", "8",
+              "--find-batch-size", "--json"]
+    plans = {}
+    for card in (["--gpu", "RTX 4090"], ["--gpu-memory", "21"]):
+        assert main([*common, *card]) == 0
+        data = json.loads(capsys.readouterr().out)
+        plan, spare = data["batch_plan"], data["spare_bytes"]
+        plans[card[1]] = (plan["micro_batch_size"], plan["gradient_accumulation_steps"],
+                          plan["largest_fitting_micro_batch"], plan["roomy_micro_batch"], data["tight"])
+        # the report's verdict is the estimate's own: tight exactly when less than its error is left
+        assert data["tight"] == (spare < MEASURED_ERROR * data["per_gpu"]["total"])
+    assert plans == {"RTX 4090": (1, 8, 2, 1, False), "21": (1, 8, 1, 0, True)}
+    assert main([*common[:-1], "--gpu", "RTX 4090"]) == 0
+    assert "(asked 8; at most 2 fits per GPU, 1 with more to spare than the estimate's error (8.6%))" in \
+        capsys.readouterr().out.replace("\n", " ")
+
+
 RESERVED_GRID = [("small", 1, {"bf16": True, "gradient_checkpointing": True}),
                  ("small", 1, {"use_peft_lora": True, "bf16": True, "gradient_accumulation_steps": 2}),
                  ("small", 2, {"distributed_type": "FSDP", "bf16": True})]

@@ -153,8 +153,9 @@ def _output_options(p: argparse.ArgumentParser) -> None:
                    help="also run the trainer's own step on fake tensors at this world size (no GPU, no memory) "
                         "and report its exact per-GPU peak, by category and by module")
     p.add_argument("--find-batch-size", action="store_true",
-                   help="the largest micro-batch that fits, with the gradient accumulation that keeps the global "
-                        "batch (--batch-size x --gradient-accumulation-steps x GPUs)")
+                   help="the largest micro-batch that fits with more to spare than the estimate's error (the "
+                        "tightest fit where none does), with the gradient accumulation that keeps the global batch "
+                        "(--batch-size x --gradient-accumulation-steps x GPUs)")
     p.add_argument("--emit-config", default=None, metavar="FILE.yaml",
                    help="write a ready-to-run 'shardtune train' recipe of the estimated setup (the recommended "
                         "one unless --strategy names one; set dataset_name); refused where it does not fit")
@@ -646,7 +647,7 @@ def _print_tables(report: Report, timed: TimeReport | None, extras: dict) -> Non
         bp = extras["batch_plan"]
         print(f"batch: micro-batch {bp['micro_batch_size']} per GPU x {bp['gradient_accumulation_steps']} "
               f"accumulation steps = global batch {bp['global_batch_size']} (asked "
-              f"{bp['requested_global_batch_size']}; {_most_that_fits(bp['largest_fitting_micro_batch'])})")
+              f"{bp['requested_global_batch_size']}; {_most_that_fits(bp)})")
     if "emitted_config" in extras:
         emitted, job = extras["emitted_config"], report.breakdown.setup
         data = job.config.data.dataset_name
@@ -654,12 +655,19 @@ def _print_tables(report: Report, timed: TimeReport | None, extras: dict) -> Non
         print(f"wrote {emitted} ({first}{train_command(job, emitted)})")
 
 
-def _most_that_fits(largest: int) -> str:
-    """--find-batch-size's largest micro-batch, in words: the search stops at MAX_BATCH, which is no limit."""
+def _most_that_fits(plan: dict) -> str:
+    """--find-batch-size's largest micro-batch, in words (the search stops at MAX_BATCH, which is no limit), and
+    the largest with more to spare than the estimate's error where that is smaller."""
+    from shardtune.memory.formula import MEASURED_ERROR
     from shardtune.memory.recommend import MAX_BATCH
 
-    return (f"{largest} or more fit per GPU: the search stops there" if largest >= MAX_BATCH
+    largest, roomy = plan["largest_fitting_micro_batch"], plan["roomy_micro_batch"]
+    text = (f"{largest} or more fit per GPU: the search stops there" if largest >= MAX_BATCH
             else f"at most {largest} fits per GPU")
+    if roomy == largest:
+        return text
+    return text + (f", {roomy} with more to spare than the estimate's error ({MEASURED_ERROR:.1%})" if roomy else
+                   f", none with more to spare than the estimate's error ({MEASURED_ERROR:.1%}): tight")
 
 
 def train_command(setup: Setup, recipe: str) -> str:

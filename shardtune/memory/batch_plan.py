@@ -1,7 +1,9 @@
 """``--find-batch-size`` and ``--emit-config``: the largest micro-batch that fits, and a config to run it.
 
-The micro-batch is searched with the analytic estimator (instant); gradient accumulation then restores the global
-batch the command line asked for (``--batch-size`` x ``--gradient-accumulation-steps`` x GPUs).
+The micro-batch is searched with the analytic estimator (instant): the largest that leaves more to spare than the
+estimate's mean error on measured peaks (``MEASURED_ERROR``), or, where none does, the largest that fits at all
+(the report then says tight). Gradient accumulation then restores the global batch the command line asked for
+(``--batch-size`` x ``--gradient-accumulation-steps`` x GPUs).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ class BatchPlan:
     global_batch_size: int  # micro x accumulation x world size
     requested_global_batch_size: int
     largest_fitting_micro_batch: int
+    # the largest with more to spare than the estimate's error (0: none), what the plan takes where there is one
+    roomy_micro_batch: int = 0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -33,8 +37,9 @@ class BatchPlan:
                            gradient_accumulation_steps=self.gradient_accumulation_steps)
 
 
-def plan_batch(largest_fitting: int, setup: Setup) -> BatchPlan:
-    """The micro-batch (at most ``largest_fitting``) and accumulation that keep the requested global batch:
+def plan_batch(largest_fitting: int, setup: Setup, roomy: int = 0) -> BatchPlan:
+    """The micro-batch (at most ``roomy``, or ``largest_fitting`` where that is 0) and accumulation that keep the
+    requested global batch:
     exactly, with a micro-batch that divides each rank's share and uses more than half of what fits; otherwise
     with the fewest accumulation steps that hold it, the share spread evenly over them (37 per GPU where 29 fit:
     2 x 19 = 38, not 2 x 29 = 58)."""
@@ -45,14 +50,14 @@ def plan_batch(largest_fitting: int, setup: Setup) -> BatchPlan:
     # PP with its micro-batch count given: the micro-batch stays a multiple of it (train refuses another), so the
     # plan is made in units of it.
     unit = setup.pipeline_microbatches if setup.strategy.pipelined and setup.pipeline_microbatches else 1
-    share, most = per_rank // unit, max(1, largest_fitting // unit)
+    share, most = per_rank // unit, max(1, (roomy or largest_fitting) // unit)
     cap = max(1, min(most, share))
     fewest = math.ceil(share / cap)
     exact = next((steps for steps in range(fewest, share + 1) if share % steps == 0 and share // steps * 2 > cap),
                  None)
     accumulation = exact or fewest
     micro = math.ceil(share / accumulation) * unit
-    return BatchPlan(micro, accumulation, micro * accumulation * world, requested, largest_fitting)
+    return BatchPlan(micro, accumulation, micro * accumulation * world, requested, largest_fitting, roomy)
 
 
 def find_batch_size(model: str, setup: Setup, gpu: Gpu, *, recipe: bool = False) -> BatchPlan:
@@ -64,9 +69,12 @@ def find_batch_size(model: str, setup: Setup, gpu: Gpu, *, recipe: bool = False)
     analysis = analysis_for(model, setup.config)
     # Searched without accumulation first: accumulating keeps each micro-batch's gradients until the optimizer step,
     # so a plan that accumulates is made again from what fits while they are kept (45 fit alone, 42 accumulating).
-    largest = max_batch_size(analysis, setup.with_(gradient_accumulation_steps=1), gpu)
-    if largest and plan_batch(largest, setup).gradient_accumulation_steps > 1:
-        largest = max_batch_size(analysis, setup.with_(gradient_accumulation_steps=2), gpu)
+    alone = setup.with_(gradient_accumulation_steps=1)
+    largest, roomy = max_batch_size(analysis, alone, gpu), max_batch_size(analysis, alone, gpu, roomy=True)
+    if largest and plan_batch(largest, setup, roomy).gradient_accumulation_steps > 1:
+        accumulating = setup.with_(gradient_accumulation_steps=2)
+        largest = max_batch_size(analysis, accumulating, gpu)
+        roomy = max_batch_size(analysis, accumulating, gpu, roomy=True)
     if largest == 0:
         one = evaluate_setup(analysis, setup.with_(per_device_train_batch_size=1))
         need = (f"it needs {one.total / GIB:.2f} GiB and {one.cuda_context / GIB:.2f} GiB of CUDA context, against "
@@ -75,7 +83,7 @@ def find_batch_size(model: str, setup: Setup, gpu: Gpu, *, recipe: bool = False)
                else _what_else(setup, recipe))
         raise UsageError(f"--find-batch-size: not even a micro-batch of 1 fits a {gpu.name} with {setup.label()}: "
                          f"{need}; {fix}")
-    return plan_batch(largest, setup)
+    return plan_batch(largest, setup, roomy)
 
 
 def _what_else(setup: Setup, recipe: bool) -> str:

@@ -171,11 +171,13 @@ def refusals(setup: Setup) -> list[str]:
     return setup_problems(cfg)
 
 
-def max_batch_size(analysis: ModelAnalysis, setup: Setup, gpu: Gpu) -> int:
-    """The largest per-device micro-batch that fits ``gpu`` (0 when even batch 1 does not)."""
+def max_batch_size(analysis: ModelAnalysis, setup: Setup, gpu: Gpu, roomy: bool = False) -> int:
+    """The largest per-device micro-batch that fits ``gpu`` (with ``roomy``, with more to spare than the estimate's
+    error: not ``tight``); 0 when even batch 1 does not."""
 
     def fits(b: int) -> bool:
-        return evaluate_setup(analysis, setup.with_(per_device_train_batch_size=b)).fits(gpu.memory_bytes)
+        breakdown = evaluate_setup(analysis, setup.with_(per_device_train_batch_size=b))
+        return breakdown.fits(gpu.memory_bytes) and not (roomy and breakdown.tight(gpu.memory_bytes))
 
     if not fits(1):
         return 0
