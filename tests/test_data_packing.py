@@ -1,6 +1,7 @@
 """Packing: documents share rows but never attention; the per-token losses prove it on a tiny model."""
 
 import json
+import math
 import random
 from types import SimpleNamespace
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from shardtune.data import Collator, DataConfig, load_tokenizer, prepare_datasets
 from shardtune.data.encode import IGNORE
+from shardtune.data.report import DataReport
 from shardtune.data.rows import pack
 from shardtune.testing.tiny import make_model_folder, sample_corpus
 
@@ -135,6 +137,14 @@ def test_packing_report_and_rows(setup):
     tokens = sum(len(r["input_ids"]) for r in data.train)
     assert rep.tokens == tokens and sum(sum(r["seq_lens"]) for r in data.train) == tokens
     assert rep.packing_efficiency == pytest.approx(tokens / (rep.rows * 160))
+    # the documents' lengths by nearest rank, from the packed rows' own document lengths
+    lengths = sorted(n for r in data.train for n in r["seq_lens"])
+    assert len(set(lengths)) > 4 and rep.length_percentiles == [
+        ("min", lengths[0]), ("median", lengths[math.ceil(len(lengths) / 2) - 1]),
+        ("p95", lengths[math.ceil(0.95 * len(lengths)) - 1]), ("max", lengths[-1])]
+    shown = ", ".join(f"{name} {n:,}" for name, n in rep.length_percentiles)
+    assert f"  document lengths (tokens): {shown}" in rep.lines()
+    assert DataReport.from_dict(json.loads(json.dumps(rep.to_dict()))) == rep  # as the cache keeps it
     assert rep.target_tokens == sum(1 for r in data.train for x in r["labels"] if x != IGNORE)
     assert all(len(r["input_ids"]) <= 160 for r in data.train)
     for r in data.train:  # the first token of every document is never a target

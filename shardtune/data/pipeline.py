@@ -36,7 +36,7 @@ from shardtune.config.validation import data_problems
 from shardtune.data.encode import encode_batch, max_token_chars
 from shardtune.data.formats import detect_format, to_example
 from shardtune.data.readers import BadRow, Source, iter_split, resolve
-from shardtune.data.report import DataReport, length_histogram
+from shardtune.data.report import DataReport, length_histogram, length_percentiles
 from shardtune.data.rows import documents, pack, row_columns
 from shardtune.data.templates import end_of_turn_problem
 from shardtune.errors import UsageError
@@ -186,6 +186,7 @@ def build_split(examples: list[dict], cfg: DataConfig, tokenizer, split: str, fm
     report.tokens = sum(lengths)
     report.target_tokens = docs.targets
     report.length_histogram = length_histogram(lengths, cfg.max_seq_len)
+    report.length_percentiles = length_percentiles(lengths)
     groups = pack(lengths, cfg.max_seq_len) if cfg.packing else [[i] for i in range(len(lengths))]
     table, report.rows_sha256 = row_columns(docs, groups)
     report.rows = len(groups)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 
@@ -23,6 +24,8 @@ class DataReport:
     bad_rows_skipped: int = 0
     empty_rows_dropped: int = 0  # rows with no target token left (e.g. the reply truncated away)
     length_histogram: list[tuple[int, int, int]] = field(default_factory=list)  # (low, high, documents), high incl.
+    # the documents' token counts (after truncation) at min, median, 95th percentile and max: ((name, tokens), ...)
+    length_percentiles: list[tuple[str, int]] = field(default_factory=list)
     packing_efficiency: float | None = None  # real tokens / (rows * max_seq_len)
     eval: DataReport | None = None
     notes: list[str] = field(default_factory=list)
@@ -41,7 +44,8 @@ class DataReport:
     def from_dict(cls, d: dict) -> DataReport:
         d = dict(d)
         ev = d.pop("eval", None)
-        d["length_histogram"] = [tuple(x) for x in d.get("length_histogram", [])]
+        for name in ("length_histogram", "length_percentiles"):
+            d[name] = [tuple(x) for x in d.get(name, [])]
         return cls(**d, eval=cls.from_dict(ev) if ev else None)
 
     def lines(self) -> list[str]:
@@ -60,7 +64,8 @@ class DataReport:
                        f"{self.rows:,} rows x {self.max_seq_len} slots)")
         if self.length_histogram:
             peak = max(c for _, _, c in self.length_histogram) or 1
-            out.append("  document lengths:")
+            shown = ", ".join(f"{name} {tokens:,}" for name, tokens in self.length_percentiles)
+            out.append(f"  document lengths{' (tokens): ' + shown if shown else ':'}")
             for low, high, count in self.length_histogram:
                 out.append(f"    {low:>6}-{high:<6} {count:>8,} {'#' * round(30 * count / peak)}")
         out += [f"  note: {n}" for n in self.notes]
@@ -86,3 +91,13 @@ def length_histogram(lengths: list[int], max_seq_len: int, bins: int = 8) -> lis
     for n in lengths:
         counts[min(bins - 1, max(0, (n - 1) // width))] += 1
     return [(i * width + 1, min((i + 1) * width, max_seq_len), c) for i, c in enumerate(counts)]
+
+
+def length_percentiles(lengths: list[int]) -> list[tuple[str, int]]:
+    """The documents' lengths at min, median, 95th percentile and max (nearest rank); none for no documents."""
+    if not lengths:
+        return []
+    ordered = sorted(lengths)
+    # the smallest length with at least that share of the documents at or below it (1e-9: 0.95 x 60 is 57.00000001)
+    return [(name, ordered[max(0, math.ceil(share * len(ordered) - 1e-9) - 1)])
+            for name, share in (("min", 0.0), ("median", 0.5), ("p95", 0.95), ("max", 1.0))]
