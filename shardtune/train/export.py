@@ -158,9 +158,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
     refuse_destination(out, "OUT", sources=[checkpoint], overwrite=overwrite)
     model, tokenizer, is_peft, _ = load_checkpoint_model(checkpoint, base=base)
     options = state_dict_options(is_peft)
-    style = trained_prompt_style(checkpoint)
     return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft,
-                        about={PROMPT_STYLE: style} if style else None)
+                        about=_prompt_style_record(checkpoint))
 
 
 def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) -> tuple[nn.Module, object, bool, str]:
@@ -232,9 +231,14 @@ def merge_adapter(adapter: str | Path, base: str | Path, out: str | Path, *, ove
     refuse_destination(out, "OUT", sources=[adapter, base], overwrite=overwrite)
     merged, tokenizer = merged_model(adapter, base)
     merged = merged.to(stored_dtype(base))
-    style = trained_prompt_style(adapter)  # a plain-prompt run's merge is prompted as plain text too
-    return write_export(out, merged, merged.state_dict(), tokenizer, is_peft=False,
-                        about={PROMPT_STYLE: style} if style else None)
+    # a plain-prompt run's merge is prompted as plain text too
+    return write_export(out, merged, merged.state_dict(), tokenizer, is_peft=False, about=_prompt_style_record(adapter))
+
+
+def _prompt_style_record(source: str | Path) -> dict | None:
+    """What an export list keeps of how the run that made ``source`` wrote its prompts; None where nothing says."""
+    style = trained_prompt_style(source)
+    return {PROMPT_STYLE: style} if style else None
 
 
 SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
