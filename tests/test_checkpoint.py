@@ -453,3 +453,35 @@ def test_a_model_folder_stops_at_the_eos_its_template_made_in_transformers_gener
                          logits_processor=LogitsProcessorList([EndOfTurn()]))
     assert out[0, 3:].tolist() == [tokenizer.eos_token_id]
     assert saved.generation_config.eos_token_id == [tokenizer.eos_token_id, base_eos]  # the base's EOS still stops
+
+
+def test_a_model_folder_stops_at_the_end_of_turn_of_its_own_template_in_transformers_generate(tmp_path: Path) -> None:
+    """A base whose own template ends a reply with a token that is not its EOS (Gemma's <end_of_turn>, Qwen2.5
+    base's <|im_end|>; here the tiny tokenizer's ChatML <|im_end|> beside <|end_of_text|>) trains every turn to end
+    there, but final/ (and export, merge) listed only the EOS in the generation config, so transformers' generate
+    talked past the end of the turn. The template's end of a reply is now listed too."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+    from shardtune.data import DataConfig
+    from shardtune.data.templates import configure_tokenizer
+    from shardtune.testing.tiny import IM_END, make_model_folder
+    from shardtune.train.export import write_export
+
+    base = make_model_folder(tmp_path / "base")
+    tokenizer = configure_tokenizer(AutoTokenizer.from_pretrained(base), DataConfig())
+    model = AutoModelForCausalLM.from_pretrained(base)
+    end = tokenizer.convert_tokens_to_ids(IM_END)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id != end
+    write_export(tmp_path / "final", model, model.state_dict(), tokenizer, is_peft=False)
+
+    class EndOfTurn(LogitsProcessor):  # a model that ends its reply at once, as it trained to
+        def __call__(self, input_ids, scores):
+            scores[:, end] = scores.max() + 1
+            return scores
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    prompt = torch.tensor([[tokenizer.bos_token_id, 5, 6]])
+    out = saved.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False,
+                         logits_processor=LogitsProcessorList([EndOfTurn()]))
+    assert out[0, 3:].tolist() == [end]
+    assert saved.generation_config.eos_token_id == [end, tokenizer.eos_token_id]

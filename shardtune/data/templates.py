@@ -158,6 +158,24 @@ def configure_tokenizer(tokenizer, cfg):
     return tokenizer
 
 
+def reply_end_token(tokenizer) -> str | None:
+    """The special token the tokenizer's chat template writes right after an assistant reply (Gemma's
+    <end_of_turn>, Qwen's <|im_end|>, Phi-3's <|end|>, Llama 3's <|eot_id|>), found by rendering a probe
+    conversation; None when the template writes none there, or refuses the probe. Trained replies end with it, so
+    a model folder must stop at it, whether or not it is the tokenizer's EOS."""
+    reply = "shardtune reply probe"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "probe"},
+                                              {"role": "assistant", "content": reply}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe (no user role, tools required...)
+        return None
+    if not isinstance(text, str) or (at := text.find(reply)) < 0:
+        return None
+    rest = text[at + len(reply):]
+    specials = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
+    return max((token for token in specials if token and rest.startswith(token)), key=len, default=None)
+
+
 def spare_special_token(tokenizer) -> str | None:
     """A special token of the vocabulary that no text or template writes, to pad with: one named for padding
     (Llama 3.1's <|finetune_right_pad_id|>), else a reserved one (Llama 3's <|reserved_special_token_0|>). Padding

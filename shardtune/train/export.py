@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from shardtune.data.templates import reply_end_token
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError, writing
 from shardtune.files import give_plain_mode
@@ -71,19 +72,24 @@ def _write_and_publish(target: Path, model: nn.Module, state: dict[str, torch.Te
 
 
 def stop_at_tokenizer_eos(model: nn.Module, tokenizer) -> None:
-    """List the tokenizer's EOS among the EOS ids of the model's config and generation config, first, where it is
-    not there: a named template with add_special_tokens makes its end of turn (llama-3's <|eot_id|>, chatml's
-    <|im_end|>) the tokenizer's EOS, and every trained turn and completion ends with it, while transformers'
-    generate stops only at the generation config's ids (TRL's setup_chat_format sets them as well). The model's
-    own ids stay, so it still stops where it stopped before."""
-    eos = tokenizer.eos_token_id
+    """List the tokenizer's EOS, and the token its chat template ends a reply with, among the EOS ids of the
+    model's config and generation config, first, where they are not there. Every trained turn ends with that
+    token, while transformers' generate (and vLLM) stop only at the generation config's ids: a named template
+    with add_special_tokens makes its end of turn the tokenizer's EOS (TRL's setup_chat_format sets the ids as
+    well), and a base model's own template ends turns with a token its generation config does not list (Gemma's
+    <end_of_turn>, Qwen2.5 base's <|im_end|>, Llama 3 base's <|eot_id|> under llama-3). The model's own ids stay,
+    so it still stops where it stopped before."""
+    end = reply_end_token(tokenizer)
+    stops = [token_id for token_id in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(end) if end else None)
+             if token_id is not None]
     for config in (model.config, getattr(model, "generation_config", None)):
-        if eos is None or config is None:
+        if not stops or config is None:
             continue
         ids = config.eos_token_id
         ids = [ids] if isinstance(ids, int) else list(ids or [])
-        if eos not in ids:
-            config.eos_token_id = [eos, *ids] if ids else eos
+        missing = [token_id for token_id in dict.fromkeys(stops) if token_id not in ids]
+        if missing:
+            config.eos_token_id = [*missing, *ids] if ids or len(missing) > 1 else missing[0]
 
 
 def drop_tied_copies(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
