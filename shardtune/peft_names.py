@@ -37,7 +37,8 @@ def unmatched(names: Iterable[str], modules: Iterable[str], *, saved: bool = Fal
 def did_you_mean(missing: Iterable[str], choices: Iterable[str]) -> str:
     """`` (did you mean q_proj, v_proj?)`` with the nearest of ``choices`` to each missing name; '' for none."""
     choices = list(choices)
-    hints = [hint for name in missing if (hint := closest(name, choices))]
+    # dict keys: two missing names near one module (Phi-3's fused qkv_proj for q_proj, v_proj) name it once
+    hints = list(dict.fromkeys(hint for name in missing if (hint := closest(name, choices))))
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 

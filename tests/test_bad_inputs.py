@@ -411,6 +411,23 @@ def test_lora_modules_that_name_no_module_and_a_zero_alpha_are_refused(work, tmp
     assert not (tmp_path / "b").exists()
 
 
+def test_q_proj_v_proj_on_phi3_points_once_at_its_fused_qkv_proj():
+    """Phi-3 fuses q, k and v into qkv_proj: a recipe's q_proj,v_proj was refused with 'did you mean qkv_proj,
+    qkv_proj?', one guess per missing name; the fused module is named once."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.config.schema import LoraConfig
+    from shardtune.errors import UsageError
+    from shardtune.testing.families import FAMILIES
+    from shardtune.train.model import apply_lora
+
+    model = AutoModelForCausalLM.from_config(FAMILIES["phi3"](vocab_size=64, pad_token_id=0))
+    with pytest.raises(UsageError) as refusal:
+        apply_lora(model, LoraConfig(use_peft_lora=True, lora_target_modules="q_proj,v_proj"), seed=0)
+    assert ("lora_target_modules=q_proj,v_proj: no module of the model is named q_proj, v_proj (did you mean "
+            "qkv_proj?);") in str(refusal.value)
+
+
 def test_a_lora_target_the_model_lacks_is_refused_where_it_was_written(work, tmp_path, capsys):
     """Found only once the model is built, a recipe's lora_target_modules typo was refused without the file and
     line that set it, and estimate --config named an option the user never typed (--lora-target-modules)."""
