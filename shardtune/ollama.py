@@ -4,8 +4,9 @@ Ollama writes prompts with Go templates, not the Jinja chat template the model w
 be translated in general. The chat formats fine-tunes use are few, though: the template is recognised by its
 markers and the matching Go template written (ChatML, Llama 3, Llama 2 / Mistral [INST], Zephyr). A template of
 none of them, or none at all, gets ChatML, and the Modelfile says so in a comment. A default system prompt the
-Jinja template writes (SmolLM2's) becomes ``SYSTEM``; the format's end-of-turn markers become ``stop``. A run that
-trained on plain prompts (prompt/completion or text rows, no chat template) gets ``PLAIN``: the prompt as it is.
+Jinja template writes (SmolLM2's, Qwen2.5's) becomes ``SYSTEM``; the format's end-of-turn markers become ``stop``.
+A run that trained on plain prompts (prompt/completion or text rows, no chat template) gets ``PLAIN``: the prompt as
+it is.
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ def modelfile_text(gguf_name: str, chat_template: str | None, eos_token: str | N
         lines.append("# The model's chat template is none of ChatML, Llama 3, [INST] or Zephyr"
                      + ("" if chat_template else " (it has none)") + ": ChatML is assumed; edit TEMPLATE to match.")
     lines.append(f"TEMPLATE {_quoted(fmt.go_template)}")
-    if known and fmt.system_pattern and (system := re.search(fmt.system_pattern, chat_template or "")):
+    # a Jinja string literal may spell a newline as the escape \n (Qwen2.5's does): read it as the newline it writes
+    if known and fmt.system_pattern and \
+            (system := re.search(fmt.system_pattern, (chat_template or "").replace("\\n", "\n"))):
         lines.append(f"SYSTEM {_quoted(system.group(1).strip())}")
     stops = list(fmt.stops) + ([eos_token] if eos_token and eos_token not in fmt.stops else [])
     lines += [f'PARAMETER stop "{stop}"' for stop in stops]

@@ -436,6 +436,21 @@ def test_modelfile_keeps_smollm2s_default_system_prompt():
     assert "ChatML is assumed" in modelfile_text("m.gguf", None, "</s>")
 
 
+def test_modelfile_keeps_qwen25s_default_system_prompt_written_with_escaped_newlines():
+    """Qwen2.5's template writes its default system prompt in a Jinja string with '\\n' escapes, not newlines:
+    the Modelfile had no SYSTEM, so in Ollama the fine-tune answered without the system prompt it trained under."""
+    from jinja2 import Template
+
+    from shardtune.ollama import modelfile_text
+
+    template = ("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+                "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
+                "You are a helpful assistant.<|im_end|>\\n' }}{%- endif %}")
+    system = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    assert Template(template).render(messages=[{"role": "user"}]) == f"<|im_start|>system\n{system}<|im_end|>\n"
+    assert f'SYSTEM """{system}"""' in modelfile_text("m.gguf", template, "<|im_end|>")
+
+
 # --------------------------------------------------------------------------------------------------------- errors
 
 
