@@ -420,3 +420,34 @@ def test_loras_estimate_options_on_a_full_fine_tune_are_refused(root, capsys):
     assert shardtune_main(["estimate", str(root / "model"), "--lora-r", "16", "--use-dora"]) == 2
     assert ("--lora-r, --use-dora: LoRA's options with --method full, which trains every weight and no adapters; "
             "add --method lora (or qlora), or leave them out") in capsys.readouterr().err
+
+
+def test_tokens_added_on_spare_rows_of_a_padded_vocabulary_train_under_lora(tmp_path):
+    """Phi-3 (32064 rows for 32011 tokens), Qwen2.5 and Gemma 3 hold spare rows past their tokenizer: a template's
+    tokens added there (llama-3's <|eot_id|>, the EOS every reply then ends with) needed no new rows, so LoRA left
+    them frozen at the base's untrained values and out of the adapter. They now train and travel in it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.cli import main
+    from shardtune.testing.tiny import make_tokenizer
+    from tests.trainutil import logging_restored
+
+    model_folder(tmp_path / "model", vocab_size=len(make_tokenizer()) + 16)
+    write_chat_data(tmp_path / "chat.jsonl", rows=16)
+    with logging_restored():
+        assert main(["train", *flags("--model_name_or_path", str(tmp_path / "model"), "--dataset_name",
+                                     str(tmp_path / "chat.jsonl"), "--max_seq_len", "64", "--max_steps", "2",
+                                     "--learning_rate", "1e-2", "--per_device_train_batch_size", "4",
+                                     "--save_strategy", "no", "--predict_memory", "false", "--output_dir",
+                                     str(tmp_path / "run"), "--use_peft_lora", "True", "--chat_template_format",
+                                     "llama-3", "--add_special_tokens", "True")]) == 0
+    final = tmp_path / "run" / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert eot < base.config.vocab_size == base.get_input_embeddings().num_embeddings  # a spare row, no growth
+    before = base.get_input_embeddings().weight[eot].clone()
+    trained = PeftModel.from_pretrained(base, final).merge_and_unload()
+    assert not torch.allclose(trained.get_input_embeddings().weight[eot], before)
+    assert eot in json.loads((final / "adapter_config.json").read_text())["trainable_token_indices"]["embed_tokens"]

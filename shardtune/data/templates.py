@@ -127,7 +127,26 @@ def end_of_turn_problem(tokenizer, cfg) -> str | None:
 
 
 def configure_tokenizer(tokenizer, cfg):
-    """Apply ``cfg.chat_template_format`` / ``add_special_tokens`` and a distinct pad token to ``tokenizer``."""
+    """Apply ``cfg.chat_template_format`` / ``add_special_tokens`` and a distinct pad token to ``tokenizer``; the
+    ids of the tokens added are ``added_token_ids(tokenizer)``."""
+    before = len(tokenizer)
+    _configure(tokenizer, cfg)
+    setattr(tokenizer, _ADDED_IDS, list(range(before, len(tokenizer))))  # add_tokens appends its ids
+    return tokenizer
+
+
+# Where configure_tokenizer leaves the ids it added on the tokenizer object (never saved with it).
+_ADDED_IDS = "_shardtune_added_token_ids"
+
+
+def added_token_ids(tokenizer) -> list[int]:
+    """The ids of the tokens ``configure_tokenizer`` added (a template's specials, a pad token). A model whose
+    vocabulary has spare rows past its tokenizer (Phi-3's 32064 for 32011 tokens, Qwen2.5's, Gemma 3's) gives them
+    rows it holds already, so the embeddings do not grow, yet those rows are new to the model and must train."""
+    return list(getattr(tokenizer, _ADDED_IDS, []))
+
+
+def _configure(tokenizer, cfg) -> None:
     name = cfg.chat_template_format
     if name != "none":
         if name not in TEMPLATES:
@@ -155,7 +174,6 @@ def configure_tokenizer(tokenizer, cfg):
             if "<|pad|>" not in tokenizer.get_vocab():
                 tokenizer.add_tokens(["<|pad|>"], special_tokens=True)
             tokenizer.pad_token = "<|pad|>"
-    return tokenizer
 
 
 def reply_end_token(tokenizer) -> str | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -33,14 +33,16 @@ def load_device(plan: Plan, info: DistInfo) -> torch.device:
 
 def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, vocab_size: int, *,
                 weights: Literal["load", "init"] = "load", config=None, stands_in_for: TrainConfig | None = None,
-                prepare_base: Callable[[nn.Module], None] | None = None) -> tuple[nn.Module, Runner, int, int]:
+                prepare_base: Callable[[nn.Module], None] | None = None,
+                added_token_ids: Sequence[int] = ()) -> tuple[nn.Module, Runner, int, int]:
     """The model, parallelized, and the runner that steps it; with its (trainable, total) parameter counts.
 
     ``weights="load"``: the pretrained weights (from disk, or from rank 0's copy on the other ranks).
     ``weights="init"``: initialised from ``config`` on ``info.device`` (the trace, under fake tensors).
     ``stands_in_for``: the job whose precision rules apply, where ``cfg`` stands in for it (the trace's bf16
     stand-in for a QLoRA job). ``prepare_base``: run on the initialised base before the adapters (the trace packs
-    a QLoRA job's 4-bit layers there).
+    a QLoRA job's 4-bit layers there). ``added_token_ids``: the tokens the run added to the tokenizer
+    (``data.templates.added_token_ids``), whose rows train under LoRA even where the embeddings need not grow.
     """
     lora = cfg.lora
     # QLoRA quantises while it loads, on every rank (a meta model has nothing to quantise).
@@ -56,9 +58,9 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
                                     on_meta=on_meta and not info.is_main)
             if lora.use_4bit_quantization:
                 keep_4bit_layout_for_training(model)
-        added_token_ids = resize_for_tokenizer(model, vocab_size)
+        new_rows = resize_for_tokenizer(model, vocab_size, added=added_token_ids)
         if lora.use_peft_lora:
-            model = apply_lora(model, lora, seed=cfg.run.seed, added_token_ids=added_token_ids,
+            model = apply_lora(model, lora, seed=cfg.run.seed, added_token_ids=new_rows,
                                trainable_dtype=precision.trainable_dtype)
         if precision.upcasts_residual((stands_in_for or cfg).lora, fsdp=plan.strategy == "FSDP"):
             upcast_embeddings_output(model)

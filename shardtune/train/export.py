@@ -173,6 +173,7 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
     ``checkpoint``, on CPU, one process."""
     from shardtune.config.loading import load_saved_config
     from shardtune.data import load_tokenizer
+    from shardtune.data.templates import added_token_ids as added_by_run
     from shardtune.train.model import Precision, apply_lora, load_base_model, resize_for_tokenizer
 
     path = Path(checkpoint)
@@ -192,7 +193,8 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
     except UsageError as exc:
         raise UsageError(f"{checkpoint}: cannot load its base model ({exc}); run from the folder the training ran "
                          f"in (the path may be relative) or give the base model folder with --base") from None
-    added_token_ids = resize_for_tokenizer(model, len(tokenizer), saved_rows_follow=True)
+    added_token_ids = resize_for_tokenizer(model, len(tokenizer), saved_rows_follow=True,
+                                           added=added_by_run(tokenizer))
     if is_peft:
         # (a run saved before a mistyped lora_modules_to_save was refused still exports: PEFT had ignored it)
         model = apply_lora(model, cfg.lora, seed=cfg.run.seed, added_token_ids=added_token_ids, training=False)

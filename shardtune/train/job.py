@@ -79,6 +79,7 @@ def no_eval_split(cfg: TrainConfig, left_out: list[str] | None = None, dropped: 
 def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, int], ...] | None = None) -> Job:
     """Tokenise the data, resolve the plan, build and parallelize the model, make the optimizer and schedule."""
     from shardtune.data import Collator, GlobalBatchSampler, load_tokenizer, prepare_datasets
+    from shardtune.data.templates import added_token_ids
     from shardtune.train.best import best_for
 
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
@@ -99,7 +100,8 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     if (note := no_as_ddp(cfg.distributed.distributed_type, info.world_size, "trained")) and info.is_main:
         log.info(note)
     log.info("strategy: %s, %s", plan.describe(info), precision.describe())
-    model, runner, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer))
+    model, runner, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer),
+                                                  added_token_ids=added_token_ids(tokenizer))
     world, rank = plan.data_split(info)
     lengths = [sum(lens) for lens in data.train["seq_lens"]] if cfg.data.group_by_length else None
     sampler = GlobalBatchSampler(len(data.train), micro_batch_size=cfg.run.per_device_train_batch_size,

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import logging
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -300,15 +301,19 @@ def keep_4bit_layout_for_training(model: nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def resize_for_tokenizer(model: nn.Module, vocab_size: int, *, saved_rows_follow: bool = False) -> list[int]:
+def resize_for_tokenizer(model: nn.Module, vocab_size: int, *, saved_rows_follow: bool = False,
+                         added: Sequence[int] = ()) -> list[int]:
     """Grow the embeddings when the tokenizer gained tokens (chat template specials, a pad token); the ids of the
-    rows added (their values are drawn at random around the mean of the others). ``saved_rows_follow``: the
+    rows added (their values are drawn at random around the mean of the others), with those of ``added`` (the
+    tokens the run added, ``data.templates.added_token_ids``) that fell on spare rows the model held already,
+    which are as new to it and train as well. ``saved_rows_follow``: the
     trained rows of an adapter or checkpoint are loaded over them next, so no mean and covariance of the others
     is taken (a minute and more on a 128k vocabulary, with transformers' warning that the rows are drawn at
     random)."""
     old_size = model.get_input_embeddings().num_embeddings
+    spare = sorted(token_id for token_id in set(added) if token_id < old_size)
     if vocab_size <= old_size:
-        return []
+        return spare
     log.info("resizing token embeddings to %d for the added tokens", vocab_size)
     # A model built on meta (FSDP ranks filled from rank 0 later) or of fake tensors (the memory trace) has no
     # values to take a mean of.
@@ -317,7 +322,7 @@ def resize_for_tokenizer(model: nn.Module, vocab_size: int, *, saved_rows_follow
     weight = model.get_input_embeddings().weight
     model.resize_token_embeddings(vocab_size, mean_resizing=not (saved_rows_follow or weight.is_meta
                                                                  or is_fake(weight)))
-    return list(range(old_size, vocab_size))
+    return spare + list(range(old_size, vocab_size))
 
 
 def added_token_targets(model: nn.Module, token_ids: list[int], lora: LoraConfig) -> dict[str, list[int]]:
