@@ -422,10 +422,11 @@ def test_loras_estimate_options_on_a_full_fine_tune_are_refused(root, capsys):
             "add --method lora (or qlora), or leave them out") in capsys.readouterr().err
 
 
-def test_tokens_added_on_spare_rows_of_a_padded_vocabulary_train_under_lora(tmp_path):
+def test_tokens_added_on_spare_rows_of_a_padded_vocabulary_train_under_lora(tmp_path, capsys):
     """Phi-3 (32064 rows for 32011 tokens), Qwen2.5 and Gemma 3 hold spare rows past their tokenizer: a template's
     tokens added there (llama-3's <|eot_id|>, the EOS every reply then ends with) needed no new rows, so LoRA left
-    them frozen at the base's untrained values and out of the adapter. They now train and travel in it."""
+    them frozen at the base's untrained values and out of the adapter. They now train and travel in it, and the
+    estimate counts them."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -451,3 +452,10 @@ def test_tokens_added_on_spare_rows_of_a_padded_vocabulary_train_under_lora(tmp_
     trained = PeftModel.from_pretrained(base, final).merge_and_unload()
     assert not torch.allclose(trained.get_input_embeddings().weight[eot], before)
     assert eot in json.loads((final / "adapter_config.json").read_text())["trainable_token_indices"]["embed_tokens"]
+    # shardtune estimate counts those rows as the trainer does
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    with logging_restored():
+        assert main(["estimate", "--config", str(tmp_path / "run" / "config.yaml"), "--json"]) == 0
+    out = capsys.readouterr().out
+    estimate = json.loads(out[out.index("{"):out.rindex("}") + 1])
+    assert estimate["trainable_parameters"] == summary["trainable_parameters"]

@@ -19,6 +19,7 @@ import hashlib
 import importlib.metadata
 import json
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -229,8 +230,9 @@ def trained_vocab_size(model: str, cfg) -> int | None:
     return facts[0] if facts else None
 
 
-def tokenizer_facts(model: str, cfg) -> tuple[int, int] | None:
-    """The length and pad id of the tokenizer train configures for ``cfg``, where ``model`` holds one."""
+def tokenizer_facts(model: str, cfg) -> tuple[int, int, tuple[int, ...]] | None:
+    """The length, pad id and added token ids (``data.templates.added_token_ids``) of the tokenizer train
+    configures for ``cfg``, where ``model`` holds one."""
     from shardtune.hub import TOKENIZER_FILES
 
     path, data = Path(model).expanduser(), cfg.data
@@ -253,30 +255,38 @@ def tokenizer_facts(model: str, cfg) -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=8)
 def _configured_tokenizer(path: str, chat_template_format: str, add_special_tokens: bool,
-                          trust_remote_code: bool) -> tuple[int, int]:
+                          trust_remote_code: bool) -> tuple[int, int, tuple[int, ...]]:
     from types import SimpleNamespace
 
     from shardtune.data import load_tokenizer
+    from shardtune.data.templates import added_token_ids
 
     data = SimpleNamespace(chat_template_format=chat_template_format, add_special_tokens=add_special_tokens)
     tokenizer = load_tokenizer(path, data, trust_remote_code=trust_remote_code)
-    return len(tokenizer), tokenizer.pad_token_id
+    return len(tokenizer), tokenizer.pad_token_id, tuple(added_token_ids(tokenizer))
 
 
-def _with_vocab(config_dict: dict, vocab_size: int | None) -> tuple[dict, int]:
-    """``config_dict`` with its vocabulary grown to ``vocab_size`` (train's resize), and the rows added."""
+def _with_vocab(config_dict: dict, vocab_size: int | None, added: Sequence[int] = ()) -> tuple[dict, int]:
+    """``config_dict`` with its vocabulary grown to ``vocab_size`` (train's resize), and the rows train adds as
+    new: those it grows, and those of the ``added`` token ids that fall on spare rows the model holds already
+    (``train.model.resize_for_tokenizer``)."""
     nested = "vocab_size" not in config_dict and isinstance(config_dict.get("text_config"), dict)
     text = config_dict["text_config"] if nested else config_dict
     old = text.get("vocab_size")
-    if vocab_size is None or not isinstance(old, int) or vocab_size <= old:
+    if not isinstance(old, int):
         return config_dict, 0
+    spare = len({token_id for token_id in added if token_id < old})
+    if vocab_size is None or vocab_size <= old:
+        return config_dict, spare
     grown = {**text, "vocab_size": vocab_size}
-    return ({**config_dict, "text_config": grown} if nested else grown), vocab_size - old
+    return ({**config_dict, "text_config": grown} if nested else grown), spare + vocab_size - old
 
 
 def analysis_for(model: str, cfg, **kwargs) -> ModelAnalysis:
     """The analysis of ``model`` as train builds it for the config ``cfg``: at the vocabulary it resizes to."""
-    return ModelAnalysis(model, vocab_size=trained_vocab_size(model, cfg), **kwargs)
+    facts = tokenizer_facts(model, cfg)
+    return ModelAnalysis(model, vocab_size=facts[0] if facts else None, added_token_ids=facts[2] if facts else (),
+                         **kwargs)
 
 
 class ModelAnalysis:
@@ -286,9 +296,10 @@ class ModelAnalysis:
     model is counted at that size, and LoRA trains the added rows (PEFT's ``trainable_token_indices``), as train
     does."""
 
-    def __init__(self, model: str, use_cache: bool = True, use_packaged: bool = True, vocab_size: int | None = None):
+    def __init__(self, model: str, use_cache: bool = True, use_packaged: bool = True, vocab_size: int | None = None,
+                 added_token_ids: Sequence[int] = ()):
         self.name, config_dict = load_config_dict(model)
-        self.config_dict, self.added_tokens = _with_vocab(config_dict, vocab_size)
+        self.config_dict, self.added_tokens = _with_vocab(config_dict, vocab_size, added_token_ids)
         self.use_packaged = use_packaged
         self._cache = _CountCache(self.config_dict) if use_cache else None
         self._lora_cache: dict[tuple, LoraCount] = {}

@@ -174,14 +174,15 @@ def _model_config(cfg: TrainConfig):
     return build_config(config_dict, name)
 
 
-def _vocab_and_pad(cfg: TrainConfig, config) -> tuple[int, int]:
-    """The tokenizer's length and pad id as the trainer sees them (the model's vocabulary without a tokenizer)."""
+def _vocab_and_pad(cfg: TrainConfig, config) -> tuple[int, int, tuple[int, ...]]:
+    """The tokenizer's length, pad id and added token ids as the trainer sees them (the model's vocabulary, and
+    none added, without a tokenizer)."""
     from shardtune.memory.inventory import tokenizer_facts
 
     if facts := tokenizer_facts(cfg.model.model_name_or_path, cfg):
         return facts
     pad = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
-    return config.vocab_size, pad
+    return config.vocab_size, pad, ()
 
 
 def _micro_batches(cfg: TrainConfig, pad_id: int,
@@ -401,7 +402,7 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
     from shardtune.train.step import StepContext, train_step
 
     config = _model_config(cfg)
-    vocab_size, pad_id = _vocab_and_pad(cfg, config)
+    vocab_size, pad_id, added_token_ids = _vocab_and_pad(cfg, config)
     real_batches = _micro_batches(cfg, pad_id, target_tokens)
     fsdp = plan.strategy.shards_parameters
     fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
@@ -415,7 +416,7 @@ def _run_steps(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInf
             # The trainer's own model building, with initialised weights (their values do not change memory).
             model, runner, trainable, total = build_model(cfg, plan, precision, info, vocab_size, weights="init",
                                                           config=config, stands_in_for=job,
-                                                          prepare_base=prepare_base)
+                                                          prepare_base=prepare_base, added_token_ids=added_token_ids)
             if job.lora.use_4bit_quantization and not cfg.lora.use_4bit_quantization and target_device == "cuda":
                 # bitsandbytes' 4-bit LoRA layers skip PEFT's input cast under CUDA autocast (peft/tuners/lora/bnb.py)
                 keep_lora_input_dtype(model)
