@@ -310,3 +310,20 @@ def test_plateau_keys_read_from_lr_scheduler_kwargs(root):
     o = cfg.optim
     assert (o.plateau_factor, o.plateau_patience, o.plateau_threshold, o.plateau_threshold_mode, o.plateau_cooldown,
             o.min_lr, o.plateau_eps) == (0.2, 3, 0.01, "abs", 2, 1e-6, 1e-9)
+
+
+def test_evaluating_leaves_the_training_steps_as_they_were(root, restore_logging):
+    """With LoRA dropout, a run evaluating after every step trained other weights than the same run evaluating only
+    at its end: each pass over the eval DataLoader drew a seed from torch's global generator, which draws the
+    dropout masks on CPU. The steps' losses and the final weights are now the same."""
+    from shardtune.train.loop import train
+
+    run = [*LORA, "--lora_dropout", "0.5", "--max_steps", "3", "--save_strategy", "no", "--eval_split_ratio", "0.1",
+           "--eval_strategy", "steps", "--learning_rate", "1e-2"]
+    train(load_train_config(args(root, "eval-each", *run, "--eval_steps", "1")))
+    train(load_train_config(args(root, "eval-end", *run, "--eval_steps", "3")))
+    each, end = records(root / "eval-each"), records(root / "eval-end")
+    assert [r["step"] for r in each if "eval_loss" in r] == [1, 2, 3]
+    assert [r["loss"] for r in each if "loss" in r] == [r["loss"] for r in end if "loss" in r]
+    final, reference = adapter(root / "eval-each" / "final"), adapter(root / "eval-end" / "final")
+    assert all(torch.equal(final[k], reference[k]) for k in reference)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from shardtune.data.sampler import EvalSampler, GlobalBatchSampler
@@ -42,9 +43,16 @@ class EpochMicroBatches:
         return self.sampler.micro_batches()
 
 
+def _loader(rows: Any, batch_sampler: Any, collate: Callable) -> DataLoader:
+    """A DataLoader of ``rows`` with a generator of its own: each pass over a DataLoader draws a seed for its
+    workers, from torch's global generator unless it is given one, and that generator draws the training's dropout
+    masks on CPU: an evaluation (or a callback reading a batch) would change every later training step."""
+    return DataLoader(Rows(rows), batch_sampler=batch_sampler, collate_fn=collate, generator=torch.Generator())
+
+
 def train_loader(rows: Any, sampler: GlobalBatchSampler, collate: Callable) -> DataLoader:
     """The training rows as this rank reads them in the current epoch: one collated micro-batch per item."""
-    return DataLoader(Rows(rows), batch_sampler=EpochMicroBatches(sampler), collate_fn=collate)
+    return _loader(rows, EpochMicroBatches(sampler), collate)
 
 
 def eval_loader(rows: Any, *, batch_size: int, world_size: int, rank: int, collate: Callable) -> DataLoader | None:
@@ -53,4 +61,4 @@ def eval_loader(rows: Any, *, batch_size: int, world_size: int, rank: int, colla
     if rows is None or len(rows) == 0:
         return None
     sampler = EvalSampler(len(rows), batch_size=batch_size, world_size=world_size, rank=rank)
-    return DataLoader(Rows(rows), batch_sampler=sampler, collate_fn=collate)
+    return _loader(rows, sampler, collate)
