@@ -208,7 +208,8 @@ SWITCHED = {
     "bnb_4bit_quant_storage_dtype": "float32", "append_concat_token": "true", "use_reentrant": "true",
     "ddp_find_unused_parameters": "true", "ddp_bucket_cap_mb": "5", "ddp_broadcast_buffers": "false",
     "ddp_static_graph": "true", "pipeline_schedule": "GPipe", "pipeline_microbatches": "4",
-    "mp_devices": "cpu,cpu", "eval_steps": "5", "per_device_eval_batch_size": "2", "save_steps": "10",
+    "mp_devices": "cpu,cpu", "eval_steps": "5", "per_device_eval_batch_size": "2", "eval_packing": "true",
+    "save_steps": "10",
     "hub_model_id": "me/x",
     "hub_private_repo": "true", "hub_token": "hf_secret", "run_name": "first", "hub_strategy": "checkpoint",
     "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_offload_params": "true", "fsdp_auto_wrap_policy": "NO_WRAP",
@@ -283,7 +284,7 @@ ACTS_UNDER = {
                                               "min_lr_ratio"),
     "lr_scheduler_type linear, cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, cosine_with_restarts, "
     "polynomial, inverse_sqrt, warmup_stable_decay or constant_with_warmup": ("warmup_ratio", "warmup_steps"),
-    "eval_strategy steps or epoch, or eval_on_start true": ("per_device_eval_batch_size",),
+    "eval_strategy steps or epoch, or eval_on_start true": ("per_device_eval_batch_size", "eval_packing"),
     "eval_strategy steps": ("eval_steps",),
     "early_stopping_patience": ("early_stopping_threshold",),
     "logging_strategy steps (or eval_strategy steps without eval_steps)": ("logging_steps",),

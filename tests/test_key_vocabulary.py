@@ -318,14 +318,14 @@ ACTING = {"compute_environment": "AMAZON_SAGEMAKER", "downcast_bf16": "yes", "tp
           "use_loftq": True, "use_loftq_callback": True, "use_unsloth": True, "tokenizer_name_or_path": "tok/",
           "dataset_streaming": True,
           "truncation_mode": "keep_end", "packing_strategy": "wrapped", "loss_type": "dft", "pad_to_multiple_of": 8,
-          "eval_packing": True, "router_aux_loss_coef": 0.001, "eos_token": "<|im_end|>", "pad_token": "<pad>",
+          "router_aux_loss_coef": 0.001, "eos_token": "<|im_end|>", "pad_token": "<pad>",
           "dataset_kwargs": {"skip_prepare_dataset": True}, "chat_template_path": "template.jinja"}
 
 
 # TRL 1.16's SFTConfig defaults of its keys that are no-ops here (its own fields; TrainingArguments' are above).
 TRL_SFT_DEFAULTS = {"truncation_mode": "keep_start", "packing_strategy": "bfd", "loss_type": "nll",
                     "padding_free": False, "shuffle_dataset": False, "pad_to_multiple_of": "auto",
-                    "eval_packing": None, "router_aux_loss_coef": None, "eos_token": None, "pad_token": None,
+                    "router_aux_loss_coef": None, "eos_token": None, "pad_token": None,
                     "dataset_kwargs": None, "chat_template_path": None, "completion_only_loss": None}
 # (its assistant_only_loss false trains every token of a conversation: refused here, naming train_on_prompt)
 

@@ -213,9 +213,6 @@ NO_OPS: dict[str, NoOp] = {
                                "longest of their batch here", _one_of("auto"),
                                "rows are padded to the longest of their batch here (packed rows need none); leave it "
                                "out"),
-    "eval_packing": NoOp("TRL's packing of the eval rows, unset to follow packing: eval rows are packed here exactly "
-                         "when train rows are", UNSET, "leave it out: eval rows are packed exactly when train rows are "
-                         "(packing)"),
     "router_aux_loss_coef": NoOp("the weight of a mixture-of-experts router's auxiliary loss, which is not added "
                                  "here (a model whose config sets output_router_logits is refused)", ZERO_OR_UNSET,
                                  "leave it out"),

@@ -158,6 +158,9 @@ class DataConfig:
                                  "max_position_embeddings).", ge=2,
                            aliases={"max_length": "TRL's", "max_seq_length": "TRL's former"})
     packing: bool = key(False, "Pack several examples into each row (attention never crosses examples).")
+    eval_packing: bool | None = key(None, "Pack the eval rows (unset: as packing, TRL's default). The eval loss is "
+                                          "the same either way (the same tokens; attention never crosses "
+                                          "examples): packed eval batches carry less padding.", needs=EVALUATES)
     group_by_length: bool = key(False, "Unpacked rows: each global batch holds rows of about one length, longest "
                                        "first, so micro-batches carry less padding; the batches stay the same for "
                                        "any world size and accumulation, and resume exactly (packing must be "

@@ -162,13 +162,18 @@ def skipped_note(problem: str) -> str:
     return "skipped " + re.sub(r"(; fix it)?, or set skip_bad_rows true to drop bad rows$", "", problem)
 
 
-def build_split(examples: list[dict], cfg: DataConfig, tokenizer, split: str, fmt: str, skipped: list[str]):
-    """Tokenise, truncate and (optionally) pack ``examples``: the rows as a ``datasets.Dataset`` and its report."""
+def build_split(examples: list[dict], cfg: DataConfig, tokenizer, split: str, fmt: str, skipped: list[str], *,
+                packing: bool | None = None):
+    """Tokenise, truncate and (optionally) pack ``examples``: the rows as a ``datasets.Dataset`` and its report.
+
+    ``packing`` (unset: ``cfg.packing``) groups the documents into rows; their tokens follow ``cfg`` alone, so
+    eval_packing changes the eval rows' padding, never their loss."""
+    packing = cfg.packing if packing is None else packing
     import datasets
     from datasets.table import InMemoryTable
 
     styles = {"chat template" if e["kind"] == "chat" else "plain text" for e in examples}
-    report = DataReport(split=split, data_format=fmt, max_seq_len=cfg.max_seq_len, packing=cfg.packing,
+    report = DataReport(split=split, data_format=fmt, max_seq_len=cfg.max_seq_len, packing=packing,
                         bad_rows_skipped=len(skipped), notes=[skipped_note(m) for m in skipped],
                         prompt_style=styles.pop() if len(styles) == 1 else "mixed" if styles else "")
     encoded = _tokenise(examples, cfg, tokenizer, split).with_format("arrow")[:]
@@ -187,10 +192,10 @@ def build_split(examples: list[dict], cfg: DataConfig, tokenizer, split: str, fm
     report.target_tokens = docs.targets
     report.length_histogram = length_histogram(lengths, cfg.max_seq_len)
     report.length_percentiles = length_percentiles(lengths)
-    groups = pack(lengths, cfg.max_seq_len) if cfg.packing else [[i] for i in range(len(lengths))]
+    groups = pack(lengths, cfg.max_seq_len) if packing else [[i] for i in range(len(lengths))]
     table, report.rows_sha256 = row_columns(docs, groups)
     report.rows = len(groups)
-    if cfg.packing and groups:
+    if packing and groups:
         report.packing_efficiency = report.tokens / (report.rows * cfg.max_seq_len)
     if report.bad_rows_skipped > MAX_BAD_NOTES:  # the first few show what is wrong; the count says how much
         more = report.bad_rows_skipped - MAX_BAD_NOTES
@@ -245,7 +250,7 @@ def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedDat
     evaluation = None
     if eval_examples:
         evaluation, report.eval = build_split(eval_examples, cfg, tokenizer, "eval", fmt if held_out else eval_fmt,
-                                              eval_skipped)
+                                              eval_skipped, packing=cfg.eval_packing)
         if not report.eval.documents:
             evaluation = None
     return PreparedData(train=train, eval=evaluation, report=report, cache_path=None, from_cache=False)
