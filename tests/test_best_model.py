@@ -56,6 +56,9 @@ def adapter(folder: Path) -> dict[str, torch.Tensor]:
                                       "lr_scheduler_type reduce_lr_on_plateau use"),
     (["--early_stopping_patience", "0", "--eval_strategy", "steps"], "early_stopping_patience=0 must be at least 1"),
     (["--neftune_noise_alpha", "-1"], "neftune_noise_alpha=-1.0 must be positive"),
+    # Transformers' save_strategy best: refused with what gives the same best model here
+    (["--eval_strategy", "steps", "--save_strategy", "best"], "save_strategy=best: Transformers' saving only on a "
+                                                              "new best is not done here; save on the eval steps"),
 ])
 def test_settings_that_cannot_work_are_refused(root, extra, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -498,7 +498,11 @@ class RunConfig:
 class CheckpointConfig:
     save_strategy: Every = key("steps", "When to save a resumable checkpoint: every save_steps and at the run's last "
                                         "step (as Transformers' Trainer does: a run given more max_steps carries on "
-                                        "from there), each epoch, or never.", spellings=NO)
+                                        "from there), each epoch, or never.", spellings=NO,
+                               refused={"best": "Transformers' saving only on a new best is not done here; save on "
+                                                "the eval steps instead (save_strategy as eval_strategy, save_steps a "
+                                                "multiple of eval_steps) with load_best_model_at_end true, which "
+                                                "keeps the best checkpoint beyond save_total_limit"})
     save_steps: int = key(500, "Save a resumable checkpoint every this many steps.", ge=1, needs=SAVE_STEPS)
     save_total_limit: int | None = key(None, "Keep at most this many checkpoints (oldest deleted first; a file of "
                                              "yours in one is kept, moved to checkpoints/superseded-*); the best one "
