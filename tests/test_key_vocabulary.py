@@ -513,3 +513,12 @@ def test_a_transformers_key_at_another_value_than_its_default_is_refused(tmp_pat
     recipe.write_text(yaml.safe_dump({key: value, "model_name_or_path": "m", "dataset_name": "d.jsonl"}))
     with pytest.raises(UsageError, match=re.escape(says)):
         load_train_config([str(recipe), "--output_dir", "o"])
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_prediction_loss_only_loads_either_way(value):
+    """Transformers' prediction_loss_only true (evaluate returns the loss alone) asks for what evaluation does here,
+    yet it was refused as having no counterpart; only its default, false, loaded. Both load now."""
+    cfg = load_train_config(["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o",
+                             "--eval_strategy", "steps", "--prediction_loss_only", value])
+    assert cfg.run.eval_strategy == "steps"

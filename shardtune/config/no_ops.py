@@ -139,6 +139,8 @@ NO_OPS: dict[str, NoOp] = {
     # TrainingArguments / TRL
     "do_train": NoOp("read by example scripts, not by the trainer"),
     "do_eval": NoOp("read by example scripts; shardtune evaluates when eval_strategy says"),
+    "prediction_loss_only": NoOp("Transformers' evaluation returning the loss alone (false also keeps logits for "
+                                 "compute_metrics): evaluation here computes only the loss, whichever it says"),
     "remove_unused_columns": NoOp("shardtune reads only the columns its data format needs"),
     "model_revision": NoOp("TRL's hub revision of the model: shardtune loads model_name_or_path as it is (the hub's "
                            "main)", _one_of("main"), "download that revision into a folder (hf download NAME "
@@ -306,7 +308,7 @@ TRANSFORMERS_DEFAULTS: dict[str, Any] = {
     "hub_always_push": False, "hub_revision": None, "ignore_data_skip": False, "include_for_metrics": [],
     "label_names": None, "label_smoothing_factor": 0.0, "length_column_name": "length", "liger_kernel_config": None,
     "local_rank": -1, "log_level_replica": "warning", "log_on_each_node": True, "optim_args": None,
-    "optim_target_modules": None, "prediction_loss_only": False, "project": "huggingface",
+    "optim_target_modules": None, "project": "huggingface",
     "restore_callback_states_from_checkpoint": False, "save_on_each_node": False, "save_only_model": False,
     "skip_memory_metrics": True, "trackio_bucket_id": None, "trackio_space_id": None,
     "trackio_static_space_id": None, "train_sampling_strategy": "random", "use_cache": False,
