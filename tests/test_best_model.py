@@ -330,3 +330,17 @@ def test_evaluating_leaves_the_training_steps_as_they_were(root, restore_logging
     assert [r["loss"] for r in each if "loss" in r] == [r["loss"] for r in end if "loss" in r]
     final, reference = adapter(root / "eval-each" / "final"), adapter(root / "eval-end" / "final")
     assert all(torch.equal(final[k], reference[k]) for k in reference)
+
+
+def test_eval_delay_holds_evaluation_and_early_stopping_back(root, restore_logging):
+    """Transformers' eval_delay was refused as a key with no counterpart. Evaluating every 2 steps from step 5 on
+    (eval_delay 5), the first evaluation is step 6's: with greater_is_better true the falling loss makes it the
+    best and step 8's the one without improvement that stops the run (patience 1), not steps 2 and 4."""
+    from shardtune.train.loop import train
+
+    summary = train(load_train_config(args(root, "delayed", *LORA, "--eval_strategy", "steps", "--eval_steps", "2",
+                                           "--eval_delay", "5", "--eval_split_ratio", "0.1", "--max_steps", "12",
+                                           "--greater_is_better", "true", "--early_stopping_patience", "1",
+                                           "--save_strategy", "no", "--learning_rate", "3e-3")))
+    assert [r["step"] for r in records(root / "delayed") if "eval_loss" in r] == [6, 8]
+    assert (summary["stopped_by"], summary["steps"]) == ("early stopping", 8)

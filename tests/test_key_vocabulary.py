@@ -506,7 +506,8 @@ def test_a_written_out_training_arguments_loads_but_for_what_would_run_otherwise
     ("ignore_data_skip", True, "unknown key 'ignore_data_skip': Transformers' TrainingArguments key"),
     ("log_level_replica", "info", "unknown key 'log_level_replica'; ranks other than 0 log warnings"),
     ("include_for_metrics", ["inputs"], "unknown key 'include_for_metrics': Transformers' TrainingArguments key"),
-    ("eval_delay", 2, "unknown key 'eval_delay'"), ("fsdp", "full_shard", "here FSDP is distributed_type FSDP"),
+    ("eval_do_concat_batches", False, "unknown key 'eval_do_concat_batches'"),
+    ("fsdp", "full_shard", "here FSDP is distributed_type FSDP"),
     ("accelerator_config", {"split_batches": True}, "unknown key 'accelerator_config'")])
 def test_a_transformers_key_at_another_value_than_its_default_is_refused(tmp_path, key, value, says):
     recipe = tmp_path / "args.yaml"

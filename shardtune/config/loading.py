@@ -428,7 +428,7 @@ UNKNOWN_ELSEWHERE = {
 OTHER_TOOLS_KEYS = {
     **dict.fromkeys((
         "batch_eval_metrics", "dataloader_in_order",
-        "dataloader_multiprocessing_context", "enable_jit_checkpoint", "eval_delay", "eval_do_concat_batches",
+        "dataloader_multiprocessing_context", "enable_jit_checkpoint", "eval_do_concat_batches",
         "eval_use_gather_object", "hub_always_push", "hub_revision", "ignore_data_skip",
         "include_for_metrics", "label_names", "length_column_name", "liger_kernel_config", "log_on_each_node",
         "project", "restore_callback_states_from_checkpoint", "save_on_each_node",

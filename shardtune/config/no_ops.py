@@ -303,7 +303,7 @@ TRANSFORMERS_DEFAULTS: dict[str, Any] = {
     "auto_find_batch_size": False,
     "batch_eval_metrics": False, "bf16_full_eval": False, "data_seed": None, "dataloader_in_order": True,
     "dataloader_multiprocessing_context": None, "ddp_backend": None, "do_predict": False,
-    "enable_jit_checkpoint": False, "eval_accumulation_steps": None, "eval_delay": 0, "eval_do_concat_batches": True,
+    "enable_jit_checkpoint": False, "eval_accumulation_steps": None, "eval_do_concat_batches": True,
     "eval_use_gather_object": False, "fp16_full_eval": False, "fsdp": None, "fsdp_config": None,
     "hub_always_push": False, "hub_revision": None, "ignore_data_skip": False, "include_for_metrics": [],
     "label_names": None, "label_smoothing_factor": 0.0, "length_column_name": "length", "liger_kernel_config": None,

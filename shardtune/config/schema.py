@@ -76,6 +76,7 @@ LORA, QLORA, PACKING, CHECKPOINTING = ("use_peft_lora true", "use_4bit_quantizat
 PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_type DDP"
 EVAL_STEPS, SAVE_STEPS = "eval_strategy steps", "save_strategy steps"
 EVALUATES = "eval_strategy steps or epoch, or eval_on_start true"
+EVALS_EVERY = "eval_strategy steps or epoch"
 PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
 # Every schedule but constant and reduce_lr_on_plateau warms up first (Transformers' get_scheduler hands each of
 # them num_warmup_steps; the plateau's rate moves on evaluations only).
@@ -444,6 +445,9 @@ class RunConfig:
                                  needs=EVAL_STEPS)
     eval_on_start: bool = key(False, "Evaluate once before the first step, as a baseline (it takes no part in early "
                                      "stopping).")
+    eval_delay: float = key(0.0, "No evaluation before this step (eval_strategy steps) or epoch (epoch), as "
+                                 "Transformers' eval_delay: early stopping and the best checkpoint then count only "
+                                 "the evaluations from there.", ge=0, needs=EVALS_EVERY)
     early_stopping_patience: int | None = key(None, "Stop when metric_for_best_model has not improved for this many "
                                                     "evaluations (the run then finishes as usual: final/ is written, "
                                                     "exit 0).", ge=1)

@@ -18,8 +18,8 @@ from shardtune.config.compile import compile_problems
 from shardtune.config.keys import Problem, shown, value_problems
 from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS, non_cuda_alternative
 from shardtune.config.schema import (CHECKPOINTING, COSINES, DATASET_PLACEHOLDER, DDP_ONLY, EARLY_STOPPING, EVAL_STEPS,
-                                     EVALUATES, FLOOR, FSDP_ONLY, INVERSE_SQRT, LOGS_STEPS, LORA, MIN_LR, MP, PACKING,
-                                     PLATEAU, POLYNOMIAL, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
+                                     EVALS_EVERY, EVALUATES, FLOOR, FSDP_ONLY, INVERSE_SQRT, LOGS_STEPS, LORA, MIN_LR,
+                                     MP, PACKING, PLATEAU, POLYNOMIAL, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
                                      TRANSFORMER_WRAP, WARMS_UP, WARMUP_LR, WSD, TRACKER_PACKAGES, DataConfig,
                                      DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
@@ -193,6 +193,7 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     MP: lambda cfg: _strategy(cfg.distributed).drives_several_devices,
     EVAL_STEPS: lambda cfg: cfg.run.eval_strategy == "steps",
     EVALUATES: lambda cfg: cfg.run.eval_strategy != "no" or cfg.run.eval_on_start,
+    EVALS_EVERY: lambda cfg: cfg.run.eval_strategy != "no",
     SAVE_STEPS: lambda cfg: cfg.checkpoint.save_strategy == "steps",
     PUSH: lambda cfg: cfg.run.push_to_hub,
     TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),

@@ -18,6 +18,7 @@ class Evaluator:
     def __init__(self, cfg: TrainConfig, job) -> None:
         self.strategy = cfg.run.eval_strategy
         self.every = cfg.run.eval_steps or cfg.run.logging_steps
+        self.delay = cfg.run.eval_delay
         self.job = job
         world, rank = job.plan.data_split(job.info)
         # this rank's eval batches; callbacks get it too, as Transformers' eval_dataloader
@@ -26,10 +27,12 @@ class Evaluator:
 
     def should_evaluate(self, step: int, *, at_epoch_end: bool, at_end: bool = False) -> bool:
         """epoch: each epoch's end; steps: every ``every`` steps and the run's last step (``at_end``: max_steps
-        reached), as Transformers' Trainer evaluates the model it ends with."""
+        reached), as Transformers' Trainer evaluates the model it ends with; none before ``eval_delay`` (a step, or
+        with epoch an epoch)."""
         if self.strategy == "epoch":
-            return at_epoch_end
-        return self.strategy == "steps" and not at_epoch_end and (step % self.every == 0 or at_end)
+            return at_epoch_end and self.job.state.epochs_done >= self.delay
+        return self.strategy == "steps" and not at_epoch_end and (step % self.every == 0 or at_end) and \
+            step >= self.delay
 
     def run(self) -> dict[str, Any] | None:
         """The eval record for the current step; None when there is no eval split."""
