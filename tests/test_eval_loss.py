@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.trainutil import flags, train_jobs, write_chat_data
 
@@ -44,20 +45,31 @@ def root(tmp_path_factory):
     return root
 
 
+# Early stopping with the best checkpoint loaded at the end, full fine-tuning, on 1 process and FSDP2 x2: evaluated
+# every 2 steps, the loss falls, so with greater_is_better true step 2 is the best and steps 4 and 6 stop the run.
+STOPPING = ["--max_steps", "20", "--eval_strategy", "steps", "--eval_steps", "2", "--save_strategy", "steps",
+            "--save_steps", "2",
+            "--load_best_model_at_end", "true", "--greater_is_better", "true", "--early_stopping_patience", "2",
+            "--learning_rate", "3e-3", "--lr_scheduler_type", "constant", "--packing", "true",
+            "--per_device_eval_batch_size", "3"]
+STOPPED = [("stop_single", 1, [*STOPPING, "--per_device_train_batch_size", "2"]),
+           ("stop_fsdp", 2, [*STOPPING, "--per_device_train_batch_size", "1", "--distributed_type", "FSDP"])]
+
+
 @pytest.fixture(scope="module")
 def runs(root):
     """(the workspace, each run's error or "")."""
     common = ["--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "data"), "--max_seq_len", "64",
               "--max_steps", "1", "--eval_on_start", "true", "--bf16", "false", "--save_strategy", "no",
               "--predict_memory", "false"]
-    jobs = {name: (nproc, flags(*common, "--output_dir", str(root / name), *extra)) for name, nproc, extra in RUNS}
+    jobs = {name: (nproc, flags(*common, "--output_dir", str(root / name), *extra))
+            for name, nproc, extra in [*RUNS, *STOPPED]}
     return root, train_jobs(root, jobs)
 
 
 def by_hand(root) -> tuple[float, int]:
     """The eval rows' mean token loss and target count, from Transformers: each conversation through the chat
     template, its assistant tokens the targets, one row at a time."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
@@ -113,3 +125,39 @@ def test_eval_packing_packs_the_eval_rows_alone(root, tmp_path, packing, eval_pa
     assert (len(data.eval) < EVAL_ROWS) == packed
     assert sum(map(len, data.eval["input_ids"])) == data.report.eval.tokens
     assert data.report.eval.documents == EVAL_ROWS and data.report.eval.packing == packed
+
+
+def test_early_stopping_and_the_best_model_are_the_same_on_fsdp(runs):
+    """FSDP2 x2 evaluates, stops and picks the best as one process does (the same eval losses, the stop at step 6,
+    step 2 the best), and its final/ holds the best checkpoint's weights, which are one process's."""
+    from safetensors.torch import load_file
+
+    from shardtune.train.export import export_checkpoint
+
+    root, errors = runs
+    found = {}
+    for name, _, _ in STOPPED:
+        assert not errors[name], errors[name]
+        lines = (root / name / "metrics.jsonl").read_text().splitlines()
+        evals = [(r["step"], r["eval_loss"]) for r in map(json.loads, lines) if "eval_loss" in r]
+        summary = json.loads((root / name / "summary.json").read_text())
+        assert [step for step, _ in evals] == [0, 2, 4, 6] and evals[1][1] > evals[2][1] > evals[3][1]
+        assert (summary["stopped_by"], summary["steps"], summary["best_step"], summary["final_step"]) == (
+            "early stopping", 6, 2, 2)
+        found[name] = evals, load_file(root / name / "final" / "model.safetensors")
+    (single, one), (fsdp, sharded) = found["stop_single"], found["stop_fsdp"]
+    assert [loss for _, loss in fsdp] == pytest.approx([loss for _, loss in single], rel=1e-5)
+    export_checkpoint(root / "stop_fsdp" / "checkpoints" / "step-2", root / "fsdp_step2")
+    best = load_file(root / "fsdp_step2" / "model.safetensors")
+    assert sorted(sharded) == sorted(best) == sorted(one)
+    assert all(torch.equal(sharded[k], best[k]) for k in best)
+    assert all(close(sharded[k], one[k]) for k in one)
+    last = root / "stop_fsdp" / "checkpoints" / "step-6"
+    export_checkpoint(last, root / "fsdp_step6")
+    assert not all(torch.equal(sharded[k], v) for k, v in load_file(root / "fsdp_step6" / "model.safetensors").items())
+
+
+def close(a, b) -> bool:
+    """Equal but for summation order: Adam's first steps move each weight by about the learning rate whatever
+    its gradient's size, so 1e-5 is 0.2% of the two steps' change (the weights of step 6 are 3 times as far)."""
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-5)
