@@ -172,6 +172,35 @@ def test_final_keeps_an_evaluated_last_step_that_beats_the_best_checkpoint(root,
     assert all(torch.equal(final[k], last[k]) for k in last)
 
 
+@pytest.mark.parametrize("greater_is_better", [False, True])
+def test_early_stopping_counts_evaluations_as_transformers_callback_does(greater_is_better):
+    """early_stopping_threshold 0.01 and an eval loss falling 0.006 an evaluation: Transformers' EarlyStoppingCallback
+    compares each evaluation with the best so far, which every better evaluation becomes, so no evaluation here
+    resets patience. shardtune kept the best where it last beat it by the threshold, so every second evaluation
+    (0.012 below it) reset patience and a recipe ran on where Transformers stopped it."""
+    from types import SimpleNamespace
+
+    from transformers import EarlyStoppingCallback
+
+    from shardtune.train.best import Best
+
+    sign = -1 if greater_is_better else 1
+    values = [sign * v for v in (1.0, 0.994, 0.988, 0.982, 0.976, 0.95, 0.951, 0.9, 0.8999)]
+    theirs, state = EarlyStoppingCallback(early_stopping_patience=100, early_stopping_threshold=0.01), \
+        SimpleNamespace(best_metric=None)
+    args = SimpleNamespace(greater_is_better=greater_is_better)
+    ours = Best(metric="eval_loss", greater_is_better=greater_is_better, threshold=0.01)
+    counts = []
+    for value in values:
+        theirs.check_metric_value(args, state, None, value)  # on_evaluate, then the Trainer updates its best
+        if state.best_metric is None or (value > state.best_metric if greater_is_better else value < state.best_metric):
+            state.best_metric = value
+        ours.on_evaluate({"eval_loss": value})
+        counts.append((ours.evals_without_improvement, ours.eval_value))
+        assert counts[-1] == (theirs.early_stopping_patience_counter, state.best_metric), (value, counts)
+    assert [count for count, _ in counts] == [0, 1, 2, 3, 4, 0, 1, 0, 1]
+
+
 def test_neftune_noises_training_embeddings_only_within_its_bound():
     from torch import nn
 

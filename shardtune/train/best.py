@@ -39,12 +39,14 @@ class Best:
         return value > than + threshold if self.greater_is_better else value < than - threshold
 
     def on_evaluate(self, record: dict[str, Any]) -> None:
-        """Count an evaluation for early stopping."""
+        """Count an evaluation for early stopping, as Transformers' EarlyStoppingCallback does: patience starts again
+        where it beats the best so far by more than the threshold, and any better evaluation is the best from then
+        on (so small gains do not add up to one that resets patience)."""
         value = record[self.metric]
-        if self.better(value, self.eval_value, self.threshold):
-            self.eval_value, self.evals_without_improvement = value, 0
-        else:
-            self.evals_without_improvement += 1
+        self.evals_without_improvement = 0 if self.better(value, self.eval_value, self.threshold) else \
+            self.evals_without_improvement + 1
+        if self.better(value, self.eval_value):
+            self.eval_value = value
 
     def on_save(self, step: int, record: dict[str, Any] | None, folder: str | None = None) -> None:
         """Before checkpoint ``step`` is saved (in the checkpoints ``folder``): is it the best so far (by ``record``,
