@@ -10,6 +10,10 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+# ``log.warning(..., extra=RANK_OWN)``: a warning about this rank alone (its machine's cache folder), which ranks other
+# than 0 print too; what every rank would say alike, rank 0 alone says (train/loop.py:quiet_other_rank).
+RANK_OWN = {"rank_own": True}
+
 
 class UsageError(Exception):
     """Bad input from the user: the CLI prints the message on one line and exits with code 2."""

@@ -504,7 +504,7 @@ def test_a_written_out_training_arguments_loads_but_for_what_would_run_otherwise
 @pytest.mark.parametrize("key, value, says", [
     ("label_smoothing_factor", 0.1, "unknown key 'label_smoothing_factor'; the loss here is plain cross-entropy"),
     ("ignore_data_skip", True, "unknown key 'ignore_data_skip': Transformers' TrainingArguments key"),
-    ("log_level_replica", "info", "unknown key 'log_level_replica'; ranks other than 0 log warnings"),
+    ("log_level_replica", "info", "unknown key 'log_level_replica'; ranks other than 0 print errors, and warnings"),
     ("include_for_metrics", ["inputs"], "unknown key 'include_for_metrics': Transformers' TrainingArguments key"),
     ("eval_do_concat_batches", False, "unknown key 'eval_do_concat_batches'"),
     ("fsdp", "full_shard", "here FSDP is distributed_type FSDP"),

@@ -312,3 +312,23 @@ def test_tensorboard_reads_each_step_once_after_a_resume_that_found_no_checkpoin
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"], rel=1e-6))
                                                                  for r in records if "loss" in r]
+
+
+def test_under_ddp_rank_1_prints_nothing_rank_0_says_and_only_rank_0_writes_the_events(root, tmp_path):
+    """Rank 1 ran the same code as rank 0 and printed its warnings again (a resume that found no checkpoint) and
+    transformers' "Loading weights" bar: once per process. Only rank 0 writes the tracker's files."""
+    from tests.trainutil import JOB_MARK, train_jobs
+
+    out = tmp_path / "ddp"
+    argv = args(root, "--report_to", "tensorboard", "--run_name", "ddp", "--output_dir", str(out),
+                "--distributed_type", "DDP", "--resume_from_checkpoint", "true", "--max_steps", "2",
+                "--predict_memory", "false")
+    errors = train_jobs(tmp_path, {"ddp": (2, argv)})
+    assert errors["ddp"] == "", errors["ddp"]
+    logs = [(tmp_path / f"jobs_2_rank{rank}.log").read_text().split(JOB_MARK)[1] for rank in range(2)]
+    assert logs[0].count("resume_from_checkpoint=true: no complete checkpoint") == 1
+    assert "Loading weights" in logs[0] and "shardtune rank 0]" in logs[0]
+    assert "shardtune rank 1]" not in logs[1] and "Loading weights" not in logs[1], logs[1]
+    (events,) = (out / "tensorboard" / "ddp").iterdir()
+    scalars, _ = read_tensorboard(out, "ddp")
+    assert sorted(scalars) == sorted(expected(out)) and len(scalars) > 0

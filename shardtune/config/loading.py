@@ -401,8 +401,8 @@ UNKNOWN_ELSEWHERE = {
                           "out",
     "optim_target_modules": "GaLore-style optimizers are not run here (optim names those that are); leave it out",
     "do_predict": "shardtune train evaluates the loss (eval_strategy) and generates nothing; leave it out",
-    "log_level_replica": "ranks other than 0 log warnings and errors only here; leave it out (log_level sets rank "
-                         "0's)",
+    "log_level_replica": "ranks other than 0 print errors, and warnings about themselves alone, here; leave it out "
+                         "(log_level sets rank 0's)",
     # Accelerate's ZeRO stage outside its deepspeed_config block: spelling alone offered save_strategy
     "zero_stage": "Accelerate's zero_stage is read inside a deepspeed_config block (deepspeed_config: {zero_stage: 2}, "
                   "run as FSDP), or give a DeepSpeed JSON with deepspeed",

@@ -436,7 +436,9 @@ class RunConfig:
                                  "record).", ge=1,
                              needs=LOGS_STEPS)
     logging_strategy: Every = key("steps", "When to write metrics.jsonl records.", spellings=NO)
-    log_level: LogLevel = key("passive", "Log level of rank 0 (passive: info); the other ranks log warnings only.")
+    log_level: LogLevel = key("passive", "Log level of rank 0 (passive: info). The other ranks print errors, and "
+                                         "warnings about themselves alone: what every rank would say, rank 0 says "
+                                         "once.")
     eval_strategy: Every = key("no", "When to evaluate: every eval_steps and at the run's last step (as Transformers' "
                                      "Trainer does), at the end of each epoch, or never. steps or epoch with no eval "
                                      "rows (no eval split, eval_split_ratio 0) is refused.",

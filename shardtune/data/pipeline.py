@@ -39,7 +39,7 @@ from shardtune.data.readers import BadRow, Source, iter_split, resolve
 from shardtune.data.report import DataReport, length_histogram, length_percentiles
 from shardtune.data.rows import documents, pack, row_columns
 from shardtune.data.templates import end_of_turn_problem
-from shardtune.errors import UsageError
+from shardtune.errors import RANK_OWN, UsageError
 from shardtune.files import cache_root
 
 CACHE_FORMAT = 2  # 2: a manifest of sizes and SHA-256s
@@ -301,7 +301,7 @@ def _save(data: PreparedData, path: Path, *, replace: bool) -> bool:
     except OSError as exc:
         log.warning("cannot write the tokenised data cache in %s (%s): this run keeps the data in memory and the "
                     "next one tokenises it again; make the folder writable, or point SHARDTUNE_CACHE (data "
-                    "inspect: --cache_dir) at a writable one", path.parent, exc)
+                    "inspect: --cache_dir) at a writable one", path.parent, exc, extra=RANK_OWN)
         return False
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -385,7 +385,8 @@ def prepare_datasets(cfg: DataConfig, tokenizer, *, seed: int, cache_dir: str | 
             if damage is None:
                 return str(path), None
             if damage != "absent":
-                log.warning("the tokenised data cache is damaged: %s; tokenising the data again", damage)
+                log.warning("the tokenised data cache is damaged: %s; tokenising the data again", damage,
+                            extra=RANK_OWN)
             data = _build(cfg, src, tokenizer, seed)
             return (str(path) if _save(data, path, replace=damage != "absent") else ""), data
 

@@ -25,7 +25,7 @@ from shardtune.config import TrainConfig, save_resolved
 from shardtune.data.loaders import train_loader
 from shardtune.dist import (DistInfo, RankFailed, all_reduce_sum, ended_ranks, environment, init_distributed, lost_peer,
                             process_table, refuse_other_settings, run_and_share, shutdown)
-from shardtune.errors import PeerLost, Terminated, TrainingStopped, UsageError, first_line
+from shardtune.errors import RANK_OWN, PeerLost, Terminated, TrainingStopped, UsageError, first_line
 from shardtune.files import write_text
 from shardtune.train.callbacks import CallbackList, load_callbacks
 from shardtune.train.checkpoint import Checkpointer, checkpoints_dir, complete_checkpoints, resume_point
@@ -97,7 +97,22 @@ def setup_logging(level: str, info: DistInfo) -> None:
     # Library deprecation notices are for us, not for the user, and every rank would print them again.
     warnings.filterwarnings("ignore", category=FutureWarning)
     if not info.is_main:
-        warnings.filterwarnings("ignore", category=UserWarning)
+        quiet_other_rank(handler)
+
+
+def quiet_other_rank(handler: logging.Handler) -> None:
+    """A rank other than 0 runs the same code as rank 0, so its warnings (a resume that found no checkpoint, an
+    fp16 step skipped) and the libraries' bars and notices would print once per process: it prints errors, and the
+    warnings about itself alone (``dist.RANK_OWN``)."""
+    handler.addFilter(lambda record: record.levelno >= logging.ERROR or all(getattr(record, key, False) == value
+                                                                            for key, value in RANK_OWN.items()))
+    warnings.filterwarnings("ignore", category=UserWarning)
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()  # "Loading weights" on every rank
+    datasets.disable_progress_bars()
 
 
 class SigtermFlag:
