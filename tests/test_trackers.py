@@ -40,7 +40,8 @@ def offline_env(monkeypatch, tmp: Path) -> None:
     itself are put back afterwards (set, then deleted: monkeypatch restores both)."""
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_PROJECT",
                  "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL",
-                 "TRACKIO_PROJECT", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_DISABLE_TELEMETRY"):
+                 "TRACKIO_PROJECT", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_DISABLE_TELEMETRY", "WANDB_DIR",
+                 "TENSORBOARD_LOGGING_DIR", "MLFLOW_RUN_ID", "MLFLOW_TAGS"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     (tmp / "netrc").write_text("")
@@ -332,3 +333,29 @@ def test_under_ddp_rank_1_prints_nothing_rank_0_says_and_only_rank_0_writes_the_
     (events,) = (out / "tensorboard" / "ddp").iterdir()
     scalars, _ = read_tensorboard(out, "ddp")
     assert sorted(scalars) == sorted(expected(out)) and len(scalars) > 0
+
+
+def test_tensorboard_logging_dir_and_wandb_dir_place_the_files_as_in_transformers(tmp_path, monkeypatch):
+    """TENSORBOARD_LOGGING_DIR (the event files' folder) and WANDB_DIR (where wandb/ goes), which Transformers'
+    callbacks honour, were overruled: the files went to output_dir/tensorboard/RUN_NAME and output_dir/wandb."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from shardtune.train.trackers import start_trackers
+
+    offline_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb_here"))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb_here"))
+    (tmp_path / "wb_here").mkdir()
+    import wandb
+
+    wandb.teardown()  # wandb reads WANDB_DIR once per process, into the settings an earlier test's run made
+    trackers = start_trackers(["tensorboard", "wandb"], tmp_path / "out", "named", {"learning_rate": 0.1},
+                              enabled=True)
+    for step, loss in ((1, 2.5), (2, 2.0)):
+        trackers.log({"step": step, "loss": loss})
+    trackers.finish()
+    acc = EventAccumulator(str(tmp_path / "tb_here"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 2.5), (2, 2.0)]
+    assert len(glob.glob(str(tmp_path / "wb_here" / "wandb" / "offline-run-*" / "*.wandb"))) == 1
+    assert not (tmp_path / "out").exists()

@@ -408,7 +408,8 @@ UNKNOWN_ELSEWHERE = {
                   "run as FSDP), or give a DeepSpeed JSON with deepspeed",
     # Transformers 4's TrainingArguments (recipes written before 5): spelling alone offered logging_first_step
     "logging_dir": "TensorBoard's event files go to output_dir/tensorboard/RUN_NAME here (report_to tensorboard; "
-                   "run_name names it); leave it out",
+                   "run_name names it); leave it out, or set the environment variable TENSORBOARD_LOGGING_DIR to "
+                   "that folder, as with Transformers 5",
     # Transformers 4's half-precision keys (Colab T4 notebooks): spelling alone offered mixed_precision and log_level
     **dict.fromkeys(("half_precision_backend", "fp16_backend"),
                     "fp16 and bf16 run through torch.amp here (autocast, and a GradScaler for fp16: Transformers' "

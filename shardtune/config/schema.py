@@ -462,9 +462,10 @@ class RunConfig:
         help="Experiment trackers that get every metrics.jsonl record (at its step) and this config, on rank 0: "
         "a list of the names below (comma-separated on the command line); all is every installed one. A tracker "
         "whose package is missing is refused at start (pip install 'shardtune[trackers]'). None needs the network: "
-        "wandb runs offline in output_dir/wandb unless WANDB_MODE or credentials say otherwise; mlflow writes a file "
-        "store in output_dir/mlruns unless MLFLOW_TRACKING_URI is set; trackio its local store (TRACKIO_DIR); "
-        "tensorboard event files in output_dir/tensorboard/RUN_NAME.",
+        "wandb runs offline in output_dir/wandb (WANDB_DIR/wandb where it is set) unless WANDB_MODE or credentials "
+        "say otherwise; mlflow writes a file store in output_dir/mlruns unless MLFLOW_TRACKING_URI is set; trackio "
+        "its local store (TRACKIO_DIR); tensorboard event files in output_dir/tensorboard/RUN_NAME, or in "
+        "TENSORBOARD_LOGGING_DIR where it is set.",
         factory=list, choices=(*TRACKER_PACKAGES, "all", "none"))
     run_name: str | None = key(None, "The run's name in every report_to tracker (default: the output_dir's folder "
                                      "name).", needs=TRACKER)

@@ -43,18 +43,21 @@ class Tracker(Protocol):
 
 
 class TensorBoardTracker:
-    """Event files under ``output_dir/tensorboard/RUN_NAME``, the config as a text summary."""
+    """Event files under ``output_dir/tensorboard/RUN_NAME``, or in TENSORBOARD_LOGGING_DIR itself where it is set
+    (as Transformers' TensorBoardCallback reads it); the config as a text summary."""
 
     name = "tensorboard"
 
     def __init__(self, output_dir: Path) -> None:
-        self.root = output_dir / "tensorboard"
+        chosen = os.environ.get("TENSORBOARD_LOGGING_DIR")
+        self.root = Path(chosen).expanduser() if chosen else output_dir / "tensorboard"
+        self.folder_is_run = bool(chosen)  # the events go in the folder named, no run's folder under it
         self.writer = None
 
     def start(self, run_name: str, config: dict[str, Any], resumed_at: int = 0) -> str:
         from torch.utils.tensorboard import SummaryWriter
 
-        folder = self.root / run_name.replace(os.sep, "_")
+        folder = self.root if self.folder_is_run else self.root / run_name.replace(os.sep, "_")
         # A resumed run redoes the steps after its checkpoint: the folder's events from them on are purged, so each
         # step is read once, as metrics.jsonl keeps it. That is every step for a resume that found no checkpoint
         # (resumed_at 0: the folder holds what the run logged before it was killed); a fresh run's folder is empty.
@@ -92,7 +95,8 @@ def wandb_default_host() -> str | None:
 
 
 class WandbTracker:
-    """A W&B run in ``output_dir/wandb``; offline unless WANDB_MODE is set or credentials are configured."""
+    """A W&B run in ``output_dir/wandb`` (in WANDB_DIR/wandb where it is set, as with Transformers); offline unless
+    WANDB_MODE is set or credentials are configured."""
 
     name = "wandb"
 
@@ -106,8 +110,9 @@ class WandbTracker:
         offline = not os.environ.get("WANDB_MODE") and not wandb_has_credentials()
         if offline:  # the global settings too: with only the run's, wandb's telemetry still calls its server
             wandb.setup(settings=wandb.Settings(mode="offline"))
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, config=config,
-                              dir=str(self.output_dir))
+        # wandb.init's dir would overrule the WANDB_DIR a user set
+        where = {} if os.environ.get("WANDB_DIR") else {"dir": str(self.output_dir)}
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, config=config, **where)
         folder = self.run.settings.sync_dir
         if offline:
             return (f"offline run in {folder} (no WANDB_API_KEY or ~/.netrc login, WANDB_MODE unset); "
