@@ -359,3 +359,32 @@ def test_tensorboard_logging_dir_and_wandb_dir_place_the_files_as_in_transformer
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 2.5), (2, 2.0)]
     assert len(glob.glob(str(tmp_path / "wb_here" / "wandb" / "offline-run-*" / "*.wandb"))) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_mlflow_run_id_carries_on_that_run_and_mlflow_tags_are_set_as_in_transformers(tmp_path, monkeypatch):
+    """MLFLOW_RUN_ID (Transformers' way to carry on a run, a resumed job's) and MLFLOW_TAGS were ignored: every
+    start made a new run, without the tags."""
+    from mlflow.tracking import MlflowClient
+
+    from shardtune.errors import UsageError
+    from shardtune.train.trackers import start_trackers
+
+    offline_env(monkeypatch, tmp_path)
+    out = tmp_path / "out"
+    first = start_trackers(["mlflow"], out, "named", {"learning_rate": 0.1}, enabled=True)
+    first.log({"step": 1, "loss": 2.5})
+    first.finish()
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("shardtune").experiment_id])
+    monkeypatch.setenv("MLFLOW_RUN_ID", run.info.run_id)
+    monkeypatch.setenv("MLFLOW_TAGS", '{"team": "nlp", "try": 2}')
+    again = start_trackers(["mlflow"], out, "named", {"learning_rate": 0.2, "seed": 7}, enabled=True)
+    again.log({"step": 2, "loss": 2.0})
+    again.finish()
+    (run,) = client.search_runs([client.get_experiment_by_name("shardtune").experiment_id])
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(1, 2.5), (2, 2.0)]
+    assert run.data.params == {"learning_rate": "0.1", "seed": "7"} and run.info.status == "FINISHED"
+    assert {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")} == {"team": "nlp", "try": "2"}
+    monkeypatch.setenv("MLFLOW_TAGS", "team=nlp")
+    with pytest.raises(UsageError, match="MLFLOW_TAGS='team=nlp' is not a JSON object"):
+        start_trackers(["mlflow"], out, "named", {}, enabled=True)

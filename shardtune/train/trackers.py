@@ -35,7 +35,9 @@ class Tracker(Protocol):
     def start(self, run_name: str, config: dict[str, Any], resumed_at: int) -> str:
         """Open the run with ``config`` as its parameters; returns where it is written, in words. ``resumed_at``:
         the step a resumed run carries on from (0 for a fresh one): what was logged after it is logged again.
-        W&B, MLflow and Trackio open a run of their own each time; TensorBoard writes into the same folder."""
+        W&B, MLflow and Trackio open a run of their own each time (an earlier one where WANDB_RUN_ID with
+        WANDB_RESUME, or MLFLOW_RUN_ID, names it: they cannot take back what it logged after ``resumed_at``, so a
+        redone step is logged twice there); TensorBoard writes into the same folder."""
 
     def log(self, scalars: dict[str, float], step: int) -> None: ...
 
@@ -127,7 +129,8 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    """An MLflow run at MLFLOW_TRACKING_URI, else in a file store at ``output_dir/mlruns``."""
+    """An MLflow run at MLFLOW_TRACKING_URI, else in a file store at ``output_dir/mlruns``; as with Transformers,
+    MLFLOW_RUN_ID names a run to carry on (a resumed job's) and MLFLOW_TAGS a JSON object of tags to set."""
 
     name = "mlflow"
 
@@ -146,15 +149,29 @@ class MlflowTracker:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
+        tags = mlflow_tags()
         self.client = MlflowClient(tracking_uri=uri)
-        experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
-        experiment = self.client.get_experiment_by_name(experiment_name)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(experiment_name)
-        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-        params = [Param(key, str(value)) for key, value in config.items()]
+        continued = os.environ.get("MLFLOW_RUN_ID")
+        if continued:
+            run = self.client.get_run(continued)  # one that does not exist stops the run here, naming it
+            self.run_id, logged = continued, run.data.params
+            self.client.update_run(continued, status="RUNNING")
+            experiment_name = self.client.get_experiment(run.info.experiment_id).name
+        else:
+            experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
+            experiment = self.client.get_experiment_by_name(experiment_name)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(experiment_name)
+            self.run_id, logged = self.client.create_run(experiment_id, run_name=run_name).info.run_id, {}
+        # MLflow refuses to change a param a run holds: a continued run keeps those it was first given
+        params = [Param(key, str(value)) for key, value in config.items() if key not in logged]
         for first in range(0, len(params), MLFLOW_MAX_PARAMS):
             self.client.log_batch(self.run_id, params=params[first:first + MLFLOW_MAX_PARAMS])
-        return f"run {self.run_id} in experiment {experiment_name} at {uri}"
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, value)
+        kept = sorted(key for key, value in config.items() if key in logged and logged[key] != str(value))
+        return (f"run {self.run_id}{' (MLFLOW_RUN_ID, carried on)' if continued else ''} in experiment "
+                f"{experiment_name} at {uri}" + (f"; it keeps the params it was first given for {', '.join(kept)}"
+                                                 if kept else ""))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -164,6 +181,21 @@ class MlflowTracker:
 
     def finish(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+def mlflow_tags() -> dict[str, str]:
+    """MLFLOW_TAGS, a JSON object, as Transformers' MLflowCallback reads it."""
+    text = os.environ.get("MLFLOW_TAGS")
+    if not text:
+        return {}
+    try:
+        tags = json.loads(text)
+    except json.JSONDecodeError as exc:
+        tags = exc
+    if not isinstance(tags, dict):
+        raise UsageError(f"the environment variable MLFLOW_TAGS={text!r} is not a JSON object; set it as "
+                         f"MLFLOW_TAGS='{{\"team\": \"nlp\"}}', or unset it")
+    return {str(key): str(value) for key, value in tags.items()}
 
 
 class TrackioTracker:
@@ -248,6 +280,9 @@ def start_trackers(names: Sequence[str], output_dir: str | Path, run_name: str |
         except ImportError:
             started.finish(failed=True)
             raise UsageError(missing_tracker_message(name)) from None
+        except UsageError:
+            started.finish(failed=True)
+            raise
         except Exception as exc:
             started.finish(failed=True)
             why = first_line(str(exc), type(exc).__name__)
