@@ -388,3 +388,17 @@ def test_mlflow_run_id_carries_on_that_run_and_mlflow_tags_are_set_as_in_transfo
     monkeypatch.setenv("MLFLOW_TAGS", "team=nlp")
     with pytest.raises(UsageError, match="MLFLOW_TAGS='team=nlp' is not a JSON object"):
         start_trackers(["mlflow"], out, "named", {}, enabled=True)
+
+
+def test_trackio_says_its_run_finished_once(tmp_path, monkeypatch):
+    """The run was finished, but trackio still held it as its current run: its exit handler finished it again and
+    printed a second "Run finished. Uploading logs" after the run's last line."""
+    import subprocess
+
+    offline_env(monkeypatch, tmp_path)
+    code = ("from shardtune.train.trackers import start_trackers; "
+            f"t = start_trackers(['trackio'], {str(tmp_path / 'out')!r}, 'once', {{}}, enabled=True); "
+            "t.log({'step': 1, 'loss': 2.5}); t.finish(); print('finished')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("Run finished") == 1 and done.stdout.rstrip().endswith("finished"), done.stdout

@@ -221,7 +221,13 @@ class TrackioTracker:
         self.run.log(scalars, step=step)
 
     def finish(self, failed: bool) -> None:
-        self.run.finish()
+        import trackio
+        from trackio import context_vars
+
+        if context_vars.current_run.get() is self.run:
+            trackio.finish()  # it also forgets the run, which trackio's exit handler would finish (and say so) again
+        else:
+            self.run.finish()
 
 
 TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker,
