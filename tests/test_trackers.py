@@ -402,3 +402,24 @@ def test_trackio_says_its_run_finished_once(tmp_path, monkeypatch):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("Run finished") == 1 and done.stdout.rstrip().endswith("finished"), done.stdout
+
+
+def test_transformers_5s_project_names_the_trackio_project(root, tmp_path, monkeypatch):
+    """Transformers 5's project (the Trackio project of report_to trackio) was refused as a key with no counterpart
+    here, and its default huggingface, as a written-out TrainingArguments holds it, dropped."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from shardtune.train.trackers import start_trackers
+
+    offline_env(monkeypatch, tmp_path)
+    cfg = load_train_config(args(root, "--report_to", "trackio", "--project", "myproj"))
+    trackers = start_trackers(cfg.run.report_to, tmp_path / "out", "proj-run", cfg.to_flat(), enabled=True,
+                              project=cfg.run.project)
+    trackers.log({"step": 1, "loss": 2.5})
+    trackers.finish()
+    assert [row["loss"] for row in SQLiteStorage.get_logs("myproj", "proj-run")] == [2.5]
+    assert load_train_config(args(root, "--project", "huggingface")).run.project == "huggingface"
+    from shardtune.errors import UsageError
+
+    with pytest.raises(UsageError, match="project=myproj set without report_to trackio"):
+        load_train_config(args(root, "--project", "myproj"))  # without trackio it would do nothing

@@ -432,7 +432,7 @@ OTHER_TOOLS_KEYS = {
         "dataloader_multiprocessing_context", "enable_jit_checkpoint", "eval_do_concat_batches",
         "eval_use_gather_object", "hub_always_push", "hub_revision", "ignore_data_skip",
         "include_for_metrics", "label_names", "length_column_name", "liger_kernel_config", "log_on_each_node",
-        "project", "restore_callback_states_from_checkpoint", "save_on_each_node",
+        "restore_callback_states_from_checkpoint", "save_on_each_node",
         "skip_memory_metrics", "trackio_bucket_id", "trackio_space_id", "trackio_static_space_id",
         "train_sampling_strategy"), "Transformers' TrainingArguments"),
     # PEFT 0.21's LoraConfig; tests/test_config.py walks the installed one

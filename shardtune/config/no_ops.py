@@ -308,7 +308,7 @@ TRANSFORMERS_DEFAULTS: dict[str, Any] = {
     "hub_always_push": False, "hub_revision": None, "ignore_data_skip": False, "include_for_metrics": [],
     "label_names": None, "label_smoothing_factor": 0.0, "length_column_name": "length", "liger_kernel_config": None,
     "local_rank": -1, "log_level_replica": "warning", "log_on_each_node": True, "optim_args": None,
-    "optim_target_modules": None, "project": "huggingface",
+    "optim_target_modules": None,
     "restore_callback_states_from_checkpoint": False, "save_on_each_node": False, "save_only_model": False,
     "skip_memory_metrics": True, "trackio_bucket_id": None, "trackio_space_id": None,
     "trackio_static_space_id": None, "train_sampling_strategy": "random", "use_cache": False,

@@ -77,7 +77,7 @@ PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_ty
 EVAL_STEPS, SAVE_STEPS = "eval_strategy steps", "save_strategy steps"
 EVALUATES = "eval_strategy steps or epoch, or eval_on_start true"
 EVALS_EVERY = "eval_strategy steps or epoch"
-PUSH, TRACKER = "push_to_hub true", "report_to naming a tracker"
+PUSH, TRACKER, TRACKIO = "push_to_hub true", "report_to naming a tracker", "report_to trackio"
 # Every schedule but constant and reduce_lr_on_plateau warms up first (Transformers' get_scheduler hands each of
 # them num_warmup_steps; the plateau's rate moves on evaluations only).
 _WARMING = [name for name in get_args(Scheduler) if name not in ("constant", "reduce_lr_on_plateau")]
@@ -469,6 +469,10 @@ class RunConfig:
         factory=list, choices=(*TRACKER_PACKAGES, "all", "none"))
     run_name: str | None = key(None, "The run's name in every report_to tracker (default: the output_dir's folder "
                                      "name).", needs=TRACKER)
+    project: str | None = key(None, "The Trackio project of report_to trackio, as Transformers 5's project (unset: "
+                                    "the environment variable TRACKIO_PROJECT, else shardtune). Transformers' default "
+                                    "huggingface, as a written-out TrainingArguments holds it, is accepted without "
+                                    "trackio.", needs=TRACKIO, idle=("huggingface",))
     ddp_timeout: int = key(1800, "Seconds a collective may wait before the run stops, naming the rank and "
                                  "operation.", ge=1)
     dry_run: bool = key(False, "Print the resolved config, trace one step of the job it describes on fake tensors "

@@ -20,7 +20,7 @@ from shardtune.config.optimizers import ADAM_KEYS, OPTIMIZERS, PURE_BF16_OPTIMS,
 from shardtune.config.schema import (CHECKPOINTING, COSINES, DATASET_PLACEHOLDER, DDP_ONLY, EARLY_STOPPING, EVAL_STEPS,
                                      EVALS_EVERY, EVALUATES, FLOOR, FSDP_ONLY, INVERSE_SQRT, LOGS_STEPS, LORA, MIN_LR,
                                      MP, PACKING, PLATEAU, POLYNOMIAL, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
-                                     TRANSFORMER_WRAP, WARMS_UP, WARMUP_LR, WSD, TRACKER_PACKAGES, DataConfig,
+                                     TRACKIO, TRANSFORMER_WRAP, WARMS_UP, WARMUP_LR, WSD, TRACKER_PACKAGES, DataConfig,
                                      DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
 from shardtune.errors import closest
 from shardtune.hub import looks_like_local_path, model_folder_problem, num_layers, tokenizer_problem
@@ -197,6 +197,7 @@ SWITCHES: dict[str, Callable[[TrainConfig], bool]] = {
     SAVE_STEPS: lambda cfg: cfg.checkpoint.save_strategy == "steps",
     PUSH: lambda cfg: cfg.run.push_to_hub,
     TRACKER: lambda cfg: any(name != "none" for name in cfg.run.report_to),
+    TRACKIO: lambda cfg: "trackio" in cfg.run.report_to,
     WARMS_UP: lambda cfg: cfg.optim.lr_scheduler_type not in ("constant", "reduce_lr_on_plateau"),
     MIN_LR: lambda cfg: cfg.optim.lr_scheduler_type in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"),
     FLOOR: lambda cfg: cfg.optim.lr_scheduler_type in ("cosine_with_min_lr", "cosine_warmup_with_min_lr",

@@ -228,7 +228,7 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     run_and_share(lambda: clear_earlier_run(claim) if claim else None, runs=info.is_main,
                   what=f"deleting the earlier run in {out}")
     trackers = start_trackers(cfg.run.report_to, out, cfg.run.run_name, cfg.to_flat(), enabled=job.info.is_main,
-                              resumed_at=start_step if resuming else 0)
+                              resumed_at=start_step if resuming else 0, project=cfg.run.project)
     metrics = MetricsLog(out, job.info, trackers, strategy=cfg.run.logging_strategy, every=cfg.run.logging_steps,
                          first_step=cfg.run.logging_first_step, history=job.state.log_history)
     hooks.on_train_begin(model=model, optimizer=job.optimizer, plan=job.plan, info=job.info)

@@ -200,18 +200,19 @@ def mlflow_tags() -> dict[str, str]:
 
 class TrackioTracker:
     """A Trackio run in its local store (TRACKIO_DIR, else HF_HOME/trackio); remote only where TRACKIO_SPACE_ID
-    or TRACKIO_SERVER_URL ask for it."""
+    or TRACKIO_SERVER_URL ask for it. ``project``: the config's (Transformers 5's key for Trackio's project);
+    unset, TRACKIO_PROJECT."""
 
     name = "trackio"
 
-    def __init__(self, output_dir: Path) -> None:
-        self.run = None
+    def __init__(self, output_dir: Path, project: str | None = None) -> None:
+        self.run, self.project = None, project
 
     def start(self, run_name: str, config: dict[str, Any], resumed_at: int = 0) -> str:
         import trackio
         from trackio.utils import TRACKIO_DIR
 
-        project = os.environ.get("TRACKIO_PROJECT", PROJECT)
+        project = self.project or os.environ.get("TRACKIO_PROJECT", PROJECT)
         self.run = trackio.init(project=project, name=run_name, config=config, embed=False)
         remote = os.environ.get("TRACKIO_SPACE_ID") or os.environ.get("TRACKIO_SERVER_URL")
         where = f"sent to {remote}" if remote else f"stored in {TRACKIO_DIR}"
@@ -271,16 +272,16 @@ class Trackers:
 
 
 def start_trackers(names: Sequence[str], output_dir: str | Path, run_name: str | None, config: dict[str, Any],
-                   *, enabled: bool, resumed_at: int = 0) -> Trackers:
+                   *, enabled: bool, resumed_at: int = 0, project: str | None = None) -> Trackers:
     """Start the trackers ``report_to`` names (``enabled``: on rank 0 only). One that cannot start stops the run
-    in one line, after the ones already started are closed."""
+    in one line, after the ones already started are closed. ``project``: the config's, Trackio's project."""
     started = Trackers()
     if not enabled:
         return started
     output_dir = Path(output_dir)
     name_of_run = run_name or output_dir.resolve().name
     for name in names:
-        tracker = TRACKERS[name](output_dir)
+        tracker = TRACKERS[name](output_dir, project) if name == "trackio" else TRACKERS[name](output_dir)
         try:
             where = tracker.start(name_of_run, config, resumed_at)
         except ImportError:
