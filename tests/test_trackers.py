@@ -386,8 +386,21 @@ def test_mlflow_run_id_carries_on_that_run_and_mlflow_tags_are_set_as_in_transfo
     assert run.data.params == {"learning_rate": "0.1", "seed": "7"} and run.info.status == "FINISHED"
     assert {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")} == {"team": "nlp", "try": "2"}
     monkeypatch.setenv("MLFLOW_TAGS", "team=nlp")
-    with pytest.raises(UsageError, match="MLFLOW_TAGS='team=nlp' is not a JSON object"):
+    with pytest.raises(UsageError, match="MLFLOW_TAGS='team=nlp' .report_to mlflow. is not a JSON object"):
         start_trackers(["mlflow"], out, "named", {}, enabled=True)
+
+
+def test_bad_mlflow_tags_are_refused_before_anything_is_written(root, tmp_path, capsys, monkeypatch):
+    """Read only as the tracker started, MLFLOW_TAGS that is no JSON object stopped the run after an earlier run it
+    replaced (overwrite_output_dir) was deleted; it is now refused with the config's problems."""
+    from tests.trainutil import refused
+
+    monkeypatch.setenv("MLFLOW_TAGS", "team=nlp")
+    out = tmp_path / "never"
+    refused(capsys, ["train", *args(root, "--report_to", "mlflow", "--output_dir", str(out))],
+            "MLFLOW_TAGS='team=nlp' (report_to mlflow) is not a JSON object")
+    assert not out.exists()
+    assert load_train_config(args(root, "--report_to", "tensorboard")).run.report_to == ["tensorboard"]  # not read
 
 
 def test_trackio_says_its_run_finished_once(tmp_path, monkeypatch):

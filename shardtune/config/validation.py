@@ -22,7 +22,7 @@ from shardtune.config.schema import (CHECKPOINTING, COSINES, DATASET_PLACEHOLDER
                                      MP, PACKING, PLATEAU, POLYNOMIAL, PP, PUSH, QLORA, SAVE_STEPS, SIZE_WRAP, TRACKER,
                                      TRACKIO, TRANSFORMER_WRAP, WARMS_UP, WARMUP_LR, WSD, TRACKER_PACKAGES, DataConfig,
                                      DistributedConfig, LoraConfig, OptimConfig, TrainConfig, all_keys)
-from shardtune.errors import closest
+from shardtune.errors import UsageError, closest
 from shardtune.hub import looks_like_local_path, model_folder_problem, num_layers, tokenizer_problem
 from shardtune.strategies import DDP, NO, Strategy, lookup
 
@@ -549,10 +549,34 @@ def missing_tracker_message(name: str) -> str:
 
 
 def tracker_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
-    """Trackers named in ``report_to`` whose package is missing, found before anything is written."""
+    """Trackers named in ``report_to`` whose package is missing, and their environment variables that cannot be
+    read, found before anything is written."""
     where = given.get("report_to", "config")
-    return [f"{where}: {missing_tracker_message(name)}" for name in cfg.run.report_to
-            if name in TRACKER_PACKAGES and not tracker_installed(name)]
+    problems = [f"{where}: {missing_tracker_message(name)}" for name in cfg.run.report_to
+                if name in TRACKER_PACKAGES and not tracker_installed(name)]
+    if "mlflow" in cfg.run.report_to:
+        try:
+            mlflow_tags()
+        except UsageError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def mlflow_tags() -> dict[str, str]:
+    """MLFLOW_TAGS, a JSON object of the MLflow run's tags, as Transformers' MLflowCallback reads it."""
+    import json
+
+    text = os.environ.get("MLFLOW_TAGS")
+    if not text:
+        return {}
+    try:
+        tags = json.loads(text)
+    except json.JSONDecodeError as exc:
+        tags = exc
+    if not isinstance(tags, dict):
+        raise UsageError(f"the environment variable MLFLOW_TAGS={text!r} (report_to mlflow) is not a JSON object; "
+                         f"set it as MLFLOW_TAGS='{{\"team\": \"nlp\"}}', or unset it")
+    return {str(key): str(value) for key, value in tags.items()}
 
 
 def input_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:

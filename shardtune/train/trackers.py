@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from shardtune.config.validation import missing_tracker_message
+from shardtune.config.validation import missing_tracker_message, mlflow_tags
 from shardtune.errors import TrainingStopped, UsageError, first_line
 
 log = logging.getLogger("shardtune")
@@ -181,21 +181,6 @@ class MlflowTracker:
 
     def finish(self, failed: bool) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
-
-
-def mlflow_tags() -> dict[str, str]:
-    """MLFLOW_TAGS, a JSON object, as Transformers' MLflowCallback reads it."""
-    text = os.environ.get("MLFLOW_TAGS")
-    if not text:
-        return {}
-    try:
-        tags = json.loads(text)
-    except json.JSONDecodeError as exc:
-        tags = exc
-    if not isinstance(tags, dict):
-        raise UsageError(f"the environment variable MLFLOW_TAGS={text!r} is not a JSON object; set it as "
-                         f"MLFLOW_TAGS='{{\"team\": \"nlp\"}}', or unset it")
-    return {str(key): str(value) for key, value in tags.items()}
 
 
 class TrackioTracker:
