@@ -436,3 +436,7 @@ def test_transformers_5s_project_names_the_trackio_project(root, tmp_path, monke
 
     with pytest.raises(UsageError, match="project=myproj set without report_to trackio"):
         load_train_config(args(root, "--project", "myproj"))  # without trackio it would do nothing
+    # its Space, Transformers 5's trackio_space_id, is trackio's own environment variable here
+    with pytest.raises(UsageError, match="unknown key 'trackio_space_id'; the Space report_to trackio sends to is the "
+                                         "environment variable TRACKIO_SPACE_ID here"):
+        load_train_config(args(root, "--report_to", "trackio", "--trackio_space_id", "me/space"))

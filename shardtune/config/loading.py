@@ -407,6 +407,8 @@ UNKNOWN_ELSEWHERE = {
     "zero_stage": "Accelerate's zero_stage is read inside a deepspeed_config block (deepspeed_config: {zero_stage: 2}, "
                   "run as FSDP), or give a DeepSpeed JSON with deepspeed",
     # Transformers 4's TrainingArguments (recipes written before 5): spelling alone offered logging_first_step
+    "trackio_space_id": "the Space report_to trackio sends to is the environment variable TRACKIO_SPACE_ID here "
+                        "(trackio reads it); set it instead",
     "logging_dir": "TensorBoard's event files go to output_dir/tensorboard/RUN_NAME here (report_to tensorboard; "
                    "run_name names it); leave it out, or set the environment variable TENSORBOARD_LOGGING_DIR to "
                    "that folder, as with Transformers 5",
@@ -433,7 +435,7 @@ OTHER_TOOLS_KEYS = {
         "eval_use_gather_object", "hub_always_push", "hub_revision", "ignore_data_skip",
         "include_for_metrics", "label_names", "length_column_name", "liger_kernel_config", "log_on_each_node",
         "restore_callback_states_from_checkpoint", "save_on_each_node",
-        "skip_memory_metrics", "trackio_bucket_id", "trackio_space_id", "trackio_static_space_id",
+        "skip_memory_metrics", "trackio_bucket_id", "trackio_static_space_id",
         "train_sampling_strategy"), "Transformers' TrainingArguments"),
     # PEFT 0.21's LoraConfig; tests/test_config.py walks the installed one
     **dict.fromkeys((
