@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -440,3 +441,25 @@ def test_transformers_5s_project_names_the_trackio_project(root, tmp_path, monke
     with pytest.raises(UsageError, match="unknown key 'trackio_space_id'; the Space report_to trackio sends to is the "
                                          "environment variable TRACKIO_SPACE_ID here"):
         load_train_config(args(root, "--report_to", "trackio", "--trackio_space_id", "me/space"))
+
+
+def test_the_mlflow_start_line_says_how_to_browse_the_file_store(tmp_path, monkeypatch, caplog):
+    """MLflow 3's own readers (mlflow ui, MlflowClient) refuse the file store the run wrote unless
+    MLFLOW_ALLOW_FILE_STORE is set in the user's shell too: the start line named the store's URI alone."""
+    import subprocess
+
+    from shardtune.train.trackers import start_trackers
+
+    offline_env(monkeypatch, tmp_path)
+    with caplog.at_level("INFO", logger="shardtune"):
+        start_trackers(["mlflow"], tmp_path / "out", "browse", {}, enabled=True).finish()
+    uri = (tmp_path / "out" / "mlruns").resolve().as_uri()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("report_to mlflow")]
+    assert line.endswith(f"at {uri} (browse it: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {uri})")
+    read = ("from mlflow.tracking import MlflowClient; "
+            f"print(MlflowClient(tracking_uri={uri!r}).search_experiments()[0].name)")
+    for allow, found in (("", "MLFLOW_ALLOW_FILE_STORE=true"), ("true", "shardtune")):  # the hint is needed
+        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_ALLOW_FILE_STORE"} | (
+            {"MLFLOW_ALLOW_FILE_STORE": allow} if allow else {})
+        done = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, env=env, timeout=120)
+        assert found in done.stdout + done.stderr

@@ -141,11 +141,13 @@ class MlflowTracker:
     def start(self, run_name: str, config: dict[str, Any], resumed_at: int = 0) -> str:
         # Before the import: MLflow's usage telemetry would otherwise call its server.
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        uri, browse = os.environ.get("MLFLOW_TRACKING_URI"), ""
         if not uri:
             uri = (self.output_dir / "mlruns").resolve().as_uri()
             # MLflow 3 keeps the file store working only on request; it needs no server and no database package.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            # which its own readers refuse as well, unless the user's shell asks for it too
+            browse = f" (browse it: MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {uri})"
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -170,8 +172,8 @@ class MlflowTracker:
             self.client.set_tag(self.run_id, key, value)
         kept = sorted(key for key, value in config.items() if key in logged and logged[key] != str(value))
         return (f"run {self.run_id}{' (MLFLOW_RUN_ID, carried on)' if continued else ''} in experiment "
-                f"{experiment_name} at {uri}" + (f"; it keeps the params it was first given for {', '.join(kept)}"
-                                                 if kept else ""))
+                f"{experiment_name} at {uri}{browse}" + (f"; it keeps the params it was first given for "
+                                                         f"{', '.join(kept)}" if kept else ""))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
