@@ -471,3 +471,25 @@ def test_should_epoch_stop_goes_on_with_the_next_epoch_and_resumes_there(assets)
           callbacks=[resumed])
     assert resumed.events[0] == ("epoch_begin", 2, 1) and resumed.began_at_the_start == [True, True]
     assert losses(out)[2:] == pytest.approx([r["loss"] for r in records][2:], rel=1e-5)
+
+
+def test_an_evaluation_shows_a_bar_of_its_batches_on_rank_0_unless_disable_tqdm(assets, capsys):
+    """An evaluation showed nothing until its result: on a large eval split, minutes of a still training bar. It
+    now has a bar of its batches, as in Transformers, that goes when done; disable_tqdm hides it too."""
+    from shardtune.train.loop import train
+
+    class Batches:
+        seen: list[int] = []
+
+        def on_evaluate(self, args, state, control, *, eval_dataloader, **kwargs):
+            self.seen.append(len(eval_dataloader))
+
+    evaluated = ("--eval_strategy", "steps", "--eval_steps", "3", "--eval_split_ratio", "0.1",
+                 "--per_device_eval_batch_size", "3", "--save_steps", "6", "--predict_memory", "false")
+    capsys.readouterr()
+    train(config(assets, "eval-bar", *evaluated), callbacks=[Batches()])
+    totals = re.findall(r"(?:^|[\r\n])eval: +\d+%\|[^|]*\| \d+/(\d+) ", capsys.readouterr().err)  # not tokenising's
+    assert len(Batches.seen) == 2 and Batches.seen[0] > 1
+    assert totals and set(totals) == {str(Batches.seen[0])}  # this rank's eval batches
+    train(config(assets, "eval-no-bar", *evaluated, "--disable_tqdm", "true"))
+    assert not re.search(r"(?:^|[\r\n])eval: +\d+%\|", capsys.readouterr().err)

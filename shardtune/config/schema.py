@@ -481,8 +481,9 @@ class RunConfig:
     logging_first_step: bool | None = key(None, "Log the first step, under any logging_strategy (no too), as "
                                                     "Transformers does. Unset: under steps only (Transformers' "
                                                     "default is false).")
-    disable_tqdm: bool = key(False, "No progress bar: each training record (loss, lr, grad_norm, tokens/s), which the "
-                                    "bar showed, is a log line instead; metrics.jsonl is unchanged.")
+    disable_tqdm: bool = key(False, "No progress bars (training's, and each evaluation's): each training record "
+                                    "(loss, lr, grad_norm, tokens/s), which the bar showed, is a log line instead; "
+                                    "metrics.jsonl is unchanged.")
     save_safetensors: bool = key(True, "Weights are written as safetensors; false (pickled .bin files) is refused.")
     predict_memory: bool = key(help="At the end, trace the job and record the predicted peak memory beside the "
                                     "measured one; not after a SIGTERM, whose grace period is the checkpoint's (the "

@@ -7,6 +7,7 @@ from typing import Any
 
 from shardtune.config import TrainConfig
 from shardtune.data.loaders import eval_loader
+from shardtune.train.metrics import progress_bar
 from shardtune.train.step import evaluate
 
 log = logging.getLogger("shardtune")
@@ -20,6 +21,7 @@ class Evaluator:
         self.every = cfg.run.eval_steps or cfg.run.logging_steps
         self.delay = cfg.run.eval_delay
         self.job = job
+        self.show_bar = job.info.is_main and not cfg.run.disable_tqdm
         world, rank = job.plan.data_split(job.info)
         # this rank's eval batches; callbacks get it too, as Transformers' eval_dataloader
         self.loader = eval_loader(job.data.eval, batch_size=cfg.run.per_device_eval_batch_size, world_size=world,
@@ -39,7 +41,13 @@ class Evaluator:
         if self.loader is None:
             return None
         state = self.job.state
-        result = evaluate(self.job.runner, self.loader, self.job.info)
+        # a bar of this rank's batches, as Transformers shows one: a long evaluation is not a hung run
+        bar = progress_bar(len(self.loader), 0, self.show_bar, iterable=self.loader, desc="eval", unit="batch",
+                           leave=False)
+        try:
+            result = evaluate(self.job.runner, bar, self.job.info)
+        finally:
+            bar.close()
         log.info("step %d: eval_loss %.4f, perplexity %.3f", state.step, result["eval_loss"],
                  result["eval_perplexity"])
         return {"step": state.step, "epoch": state.epochs_done, **result}

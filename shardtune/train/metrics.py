@@ -159,12 +159,14 @@ def append_line(path: Path, text: str) -> None:
         os.close(fd)
 
 
-def progress_bar(total: int, initial: int, enabled: bool):
-    """A tqdm bar with loss, tokens/s and ETA on rank 0; a silent stand-in elsewhere."""
+def progress_bar(total: int, initial: int, enabled: bool, *, iterable=None, desc: str = "train", unit: str = "step",
+                 leave: bool = True):
+    """A tqdm bar with loss, tokens/s and ETA on rank 0 (over ``iterable`` where given); a silent stand-in
+    elsewhere. ``leave`` False: it goes when done, as the evaluation's under the training bar."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc="train", unit="step", disable=not enabled, dynamic_ncols=True,
-                file=sys.stderr)
+    return tqdm(iterable, total=total, initial=initial, desc=desc, unit=unit, disable=not enabled, leave=leave,
+                dynamic_ncols=True, file=sys.stderr)
 
 
 def peak_flops(device: torch.device) -> float | None:
