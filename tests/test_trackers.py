@@ -463,3 +463,18 @@ def test_the_mlflow_start_line_says_how_to_browse_the_file_store(tmp_path, monke
             {"MLFLOW_ALLOW_FILE_STORE": allow} if allow else {})
         done = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, env=env, timeout=120)
         assert found in done.stdout + done.stderr
+
+
+def test_wandb_mode_disabled_says_nothing_is_logged(tmp_path, monkeypatch, caplog):
+    """WANDB_MODE=disabled started a run whose line named files in a folder wandb never writes."""
+    from shardtune.train.trackers import start_trackers
+
+    offline_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    with caplog.at_level("INFO", logger="shardtune"):
+        trackers = start_trackers(["wandb"], tmp_path / "out", "off", {}, enabled=True)
+        trackers.log({"step": 1, "loss": 2.5})
+        trackers.finish()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("report_to wandb")]
+    assert line == "report_to wandb: disabled by WANDB_MODE=disabled: nothing is logged to W&B (unset it to log)"
+    assert not (tmp_path / "out" / "wandb").exists()

@@ -119,6 +119,8 @@ class WandbTracker:
         if offline:
             return (f"offline run in {folder} (no WANDB_API_KEY or ~/.netrc login, WANDB_MODE unset); "
                     f"'wandb sync {folder}' uploads it")
+        if self.run.settings.mode == "disabled":  # wandb still names a folder, which it never writes
+            return "disabled by WANDB_MODE=disabled: nothing is logged to W&B (unset it to log)"
         return f"run {self.run.id} ({self.run.settings.mode}), files in {folder}"
 
     def log(self, scalars: dict[str, float], step: int) -> None:
