@@ -40,9 +40,9 @@ def offline_env(monkeypatch, tmp: Path) -> None:
     """No credentials, no tracking server, every tracker's files under ``tmp``; variables the product sets for
     itself are put back afterwards (set, then deleted: monkeypatch restores both)."""
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_PROJECT",
-                 "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL",
-                 "TRACKIO_PROJECT", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_DISABLE_TELEMETRY", "WANDB_DIR",
-                 "TENSORBOARD_LOGGING_DIR", "MLFLOW_RUN_ID", "MLFLOW_TAGS"):
+                 "WANDB_NAME", "WANDB_DIR", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID",
+                 "MLFLOW_TAGS", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_DISABLE_TELEMETRY", "TRACKIO_SPACE_ID",
+                 "TRACKIO_SERVER_URL", "TRACKIO_PROJECT", "TENSORBOARD_LOGGING_DIR"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     (tmp / "netrc").write_text("")
@@ -471,6 +471,9 @@ def test_wandb_mode_disabled_says_nothing_is_logged(tmp_path, monkeypatch, caplo
 
     offline_env(monkeypatch, tmp_path)
     monkeypatch.setenv("WANDB_MODE", "disabled")
+    import wandb
+
+    wandb.teardown()  # wandb reads WANDB_MODE once per process, into the settings an earlier test's run made
     with caplog.at_level("INFO", logger="shardtune"):
         trackers = start_trackers(["wandb"], tmp_path / "out", "off", {}, enabled=True)
         trackers.log({"step": 1, "loss": 2.5})
@@ -478,3 +481,18 @@ def test_wandb_mode_disabled_says_nothing_is_logged(tmp_path, monkeypatch, caplo
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("report_to wandb")]
     assert line == "report_to wandb: disabled by WANDB_MODE=disabled: nothing is logged to W&B (unset it to log)"
     assert not (tmp_path / "out" / "wandb").exists()
+
+
+def test_wandb_name_names_the_wandb_run_where_run_name_is_unset(tmp_path, monkeypatch):
+    """WANDB_NAME, which names the run of a Transformers job that sets no run_name, was overruled by the output
+    folder's name; run_name, where given, still names it."""
+    from shardtune.train.trackers import start_trackers
+
+    offline_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_NAME", "from-env")
+    names = []
+    for run_name, out in ((None, "out-a"), ("given", "out-b")):
+        trackers = start_trackers(["wandb"], tmp_path / out, run_name, {}, enabled=True)
+        names.append(trackers.trackers[0].run.name)
+        trackers.finish()
+    assert names == ["from-env", "given"]

@@ -468,7 +468,7 @@ class RunConfig:
         "TENSORBOARD_LOGGING_DIR where it is set.",
         factory=list, choices=(*TRACKER_PACKAGES, "all", "none"))
     run_name: str | None = key(None, "The run's name in every report_to tracker (default: the output_dir's folder "
-                                     "name).", needs=TRACKER)
+                                     "name; W&B's: WANDB_NAME where it is set, as with Transformers).", needs=TRACKER)
     project: str | None = key(None, "The Trackio project of report_to trackio, as Transformers 5's project (unset: "
                                     "the environment variable TRACKIO_PROJECT, else shardtune). Transformers' default "
                                     "huggingface, as a written-out TrainingArguments holds it, is accepted without "

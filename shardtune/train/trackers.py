@@ -101,6 +101,7 @@ class WandbTracker:
     WANDB_MODE is set or credentials are configured."""
 
     name = "wandb"
+    name_variable = "WANDB_NAME"
 
     def __init__(self, output_dir: Path) -> None:
         self.output_dir = output_dir
@@ -272,7 +273,9 @@ def start_trackers(names: Sequence[str], output_dir: str | Path, run_name: str |
     for name in names:
         tracker = TRACKERS[name](output_dir, project) if name == "trackio" else TRACKERS[name](output_dir)
         try:
-            where = tracker.start(name_of_run, config, resumed_at)
+            # a tracker's own variable for the name (WANDB_NAME), as Transformers leaves it to where run_name is unset
+            own = os.environ.get(getattr(tracker, "name_variable", "")) if run_name is None else None
+            where = tracker.start(own or name_of_run, config, resumed_at)
         except ImportError:
             started.finish(failed=True)
             raise UsageError(missing_tracker_message(name)) from None
