@@ -347,9 +347,6 @@ def test_tensorboard_logging_dir_and_wandb_dir_place_the_files_as_in_transformer
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb_here"))
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb_here"))
     (tmp_path / "wb_here").mkdir()
-    import wandb
-
-    wandb.teardown()  # wandb reads WANDB_DIR once per process, into the settings an earlier test's run made
     trackers = start_trackers(["tensorboard", "wandb"], tmp_path / "out", "named", {"learning_rate": 0.1},
                               enabled=True)
     for step, loss in ((1, 2.5), (2, 2.0)):
@@ -471,9 +468,6 @@ def test_wandb_mode_disabled_says_nothing_is_logged(tmp_path, monkeypatch, caplo
 
     offline_env(monkeypatch, tmp_path)
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    import wandb
-
-    wandb.teardown()  # wandb reads WANDB_MODE once per process, into the settings an earlier test's run made
     with caplog.at_level("INFO", logger="shardtune"):
         trackers = start_trackers(["wandb"], tmp_path / "out", "off", {}, enabled=True)
         trackers.log({"step": 1, "loss": 2.5})
@@ -496,3 +490,16 @@ def test_wandb_name_names_the_wandb_run_where_run_name_is_unset(tmp_path, monkey
         names.append(trackers.trackers[0].run.name)
         trackers.finish()
     assert names == ["from-env", "given"]
+
+
+def test_a_second_run_in_one_process_reads_wandb_mode_again(tmp_path, monkeypatch, caplog):
+    """The offline settings a run gave wandb stayed for the process's life: a notebook's next run, with WANDB_MODE
+    (or a login) set by then, was offline still."""
+    from shardtune.train.trackers import start_trackers
+
+    offline_env(monkeypatch, tmp_path)
+    start_trackers(["wandb"], tmp_path / "first", "first", {}, enabled=True).finish()  # offline
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    with caplog.at_level("INFO", logger="shardtune"):
+        start_trackers(["wandb"], tmp_path / "second", "second", {}, enabled=True).finish()
+    assert "report_to wandb: disabled by WANDB_MODE=disabled" in caplog.text

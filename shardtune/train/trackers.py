@@ -106,6 +106,7 @@ class WandbTracker:
     def __init__(self, output_dir: Path) -> None:
         self.output_dir = output_dir
         self.run = None
+        self.set_up_offline = False
 
     def start(self, run_name: str, config: dict[str, Any], resumed_at: int = 0) -> str:
         import wandb
@@ -113,6 +114,7 @@ class WandbTracker:
         offline = not os.environ.get("WANDB_MODE") and not wandb_has_credentials()
         if offline:  # the global settings too: with only the run's, wandb's telemetry still calls its server
             wandb.setup(settings=wandb.Settings(mode="offline"))
+        self.set_up_offline = offline
         # wandb.init's dir would overrule the WANDB_DIR a user set
         where = {} if os.environ.get("WANDB_DIR") else {"dir": str(self.output_dir)}
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_name, config=config, **where)
@@ -129,6 +131,12 @@ class WandbTracker:
 
     def finish(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+        if self.set_up_offline:
+            import wandb
+
+            # wandb keeps those settings for the process's life: a later run in it (a notebook's next train, with
+            # a login or WANDB_MODE set by now) would be offline still, and would not read WANDB_DIR again
+            wandb.teardown()
 
 
 class MlflowTracker:
