@@ -212,6 +212,7 @@ SWITCHED = {
     "eval_delay": "2.5", "save_steps": "10",
     "hub_model_id": "me/x",
     "hub_private_repo": "true", "hub_token": "hf_secret", "run_name": "first", "hub_strategy": "checkpoint",
+    "project": "sweep-7",
     "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_offload_params": "true", "fsdp_auto_wrap_policy": "NO_WRAP",
     "fsdp_min_num_params": "1000",
     "fsdp_cpu_ram_efficient_loading": "false", "fsdp_sync_module_states": "false",
@@ -235,6 +236,7 @@ SWITCH_FLAGS = {"use_peft_lora true": (["--use_peft_lora", "true"], []),
                 "save_strategy steps": ([], ["--save_strategy", "no"]),
                 "push_to_hub true": (["--push_to_hub", "true"], []),
                 "report_to naming a tracker": (["--report_to", "tensorboard"], []),
+                "report_to trackio": (["--report_to", "trackio"], []),
                 "lr_scheduler_type linear, cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, "
                 "cosine_with_restarts, polynomial, inverse_sqrt, warmup_stable_decay or constant_with_warmup": (
                     [], ["--lr_scheduler_type", "constant"]),
@@ -292,6 +294,7 @@ ACTS_UNDER = {
     "logging_strategy steps (or eval_strategy steps without eval_steps)": ("logging_steps",),
     "save_strategy steps": ("save_steps",),
     "report_to naming a tracker": ("run_name",),
+    "report_to trackio": ("project",),
     "push_to_hub true": ("hub_model_id", "hub_token", "hub_private_repo", "hub_strategy"),
     "distributed_type FSDP": ("fsdp_sharding_strategy", "fsdp_offload_params", "fsdp_auto_wrap_policy",
                               "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_state_dict_type",
