@@ -358,7 +358,8 @@ class OptimConfig:
     optim: str = key(
         "adamw_torch", "Transformers' optimizer name, run as Transformers runs it: adamw_torch(_fused) is torch's "
         "AdamW (fused on CUDA); the 8-bit, 32-bit and paged AdamW and Lion are bitsandbytes' (paged ones need CUDA; "
-        "under FSDP each rank steps its shard); adafactor is Transformers' Adafactor (not with FSDP); sgd is torch's "
+        "under FSDP each rank steps its shard; the 8-bit ones keep the embeddings' state in fp32, as Transformers' "
+        "Trainer does); adafactor is Transformers' Adafactor (not with FSDP); sgd is torch's "
         "SGD without momentum. State bytes per weight: docs/estimator.md.", choices=tuple(OPTIMIZERS))
 
 

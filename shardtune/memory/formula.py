@@ -263,6 +263,16 @@ def _optimizer_bytes_per_param(setup: Setup, master: int, inv: ModelInventory) -
     return bytes_per_param(setup.optimizer, master, matrix)
 
 
+def _embedding_state_extra(setup: Setup, master: int, inv: ModelInventory) -> float:
+    """What a trained embedding's optimizer state holds beyond the rate of the other weights: 8-bit optimizers
+    keep it in fp32 (config/optimizers.py); LoRA leaves the embeddings frozen."""
+    if setup.method != "full":
+        return 0.0
+    rate = _optimizer_bytes_per_param(setup, master, inv)
+    matrix = (inv.hidden_size, inv.hidden_size)
+    return inv.embedding_params * (bytes_per_param(setup.optimizer, master, matrix, embedding=True) - rate)
+
+
 class _Model:
     """Parameter bytes of the model as a given method stores it, per decoder layer and for the root."""
 
@@ -403,7 +413,8 @@ def _model_states(dp: _DataParallel) -> _States:
     model, layers = dp.model, range(dp.inv.num_layers)
     storage = sum(model.layer_storage(i) for i in layers) + model.root_storage()
     trainable = sum(model.layer_trainable(i) for i in layers) + model.root_trainable()
-    optim = trainable * _optimizer_bytes_per_param(dp.setup, dp.dt.master, dp.inv)
+    optim = trainable * _optimizer_bytes_per_param(dp.setup, dp.dt.master, dp.inv) \
+        + _embedding_state_extra(dp.setup, dp.dt.master, dp.inv)
     whole = 0.0
     if dp.setup.nf4_stats_whole and dp.setup.method == "qlora":
         whole = sum(nf4_stats_bytes(dp.inv.layer_linear_params[i], dp.setup.nf4_double_quant) for i in layers)
@@ -815,6 +826,7 @@ class _Stages:
         root = parts(model.root_storage(), model.root_trainable(), 0, 0)
         first = {k: v * root_fraction for k, v in root.items()}
         last = {k: v - first[k] for k, v in root.items()}
+        first["optimizer"] += _embedding_state_extra(setup, dt.master, inv)
         last["params"] += model.autocast_copy_of_head()
         # The last stage runs the loss: its peak is the backward at the loss, one micro-batch's.
         last["activations"] += tokens * act.outside_layers()

@@ -6,7 +6,8 @@ State bytes per trainable weight (the moments; what FSDP shards and the checkpoi
 - bitsandbytes 8-bit (AdamW: two moments, Lion: one): each moment 1 byte per value, plus one fp32 absmax per
   block of 256 values (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization"); a tensor with
   fewer than 4096 values keeps fp32 moments (bitsandbytes' ``min_8bit_size``, which Transformers leaves at its
-  default); the two 256-entry fp32 quantisation maps are shared by every tensor;
+  default); the two 256-entry fp32 quantisation maps are shared by every tensor; the embeddings keep fp32
+  moments (as Transformers' Trainer overrides them for its 8-bit optimizers);
 - bitsandbytes 32-bit (paged AdamW, Lion): fp32 moments whatever the weight's dtype;
 - Adafactor (Transformers', Shazeer & Stern 2018): no first moment (beta1 None, Transformers' default); the
   second moment of a matrix factored into a row and a column vector (fp32), of a vector kept whole; a 0-d fp32
@@ -25,22 +26,23 @@ MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 state for tensors smaller than t
 QMAP_BYTES = 256 * 4  # one 8-bit quantisation map: 256 fp32 values
 
 
-def _moment_bytes(spec: OptimizerSpec, numel: int, weight_bytes: int) -> float:
-    """One moment of a ``numel``-value tensor (8-bit: codes plus absmax per block)."""
-    if spec.state_bits == 8 and numel >= MIN_8BIT_SIZE:
+def _moment_bytes(spec: OptimizerSpec, numel: int, weight_bytes: int, embedding: bool = False) -> float:
+    """One moment of a ``numel``-value tensor (8-bit: codes plus absmax per block, but for an embedding's)."""
+    if spec.state_bits == 8 and numel >= MIN_8BIT_SIZE and not embedding:
         return numel + 4 * math.ceil(numel / QUANT_BLOCK)
     return numel * (weight_bytes if spec.state_bits == 0 else 4)
 
 
-def tensor_state_bytes(name: str, shape: tuple[int, ...], weight_bytes: int) -> int:
-    """Bytes of optimizer state one trainable tensor of ``shape`` gets (without the maps all tensors share)."""
+def tensor_state_bytes(name: str, shape: tuple[int, ...], weight_bytes: int, embedding: bool = False) -> int:
+    """Bytes of optimizer state one trainable tensor of ``shape`` gets (without the maps all tensors share);
+    ``embedding``: an ``nn.Embedding``'s weight."""
     spec = OPTIMIZERS[canonical(name)]
     numel = math.prod(shape)
     if spec.kind == "adafactor":
         factored = shape[-2] + shape[-1] if len(shape) >= 2 else numel
         return 4 * factored + 4  # + the running RMS
     step = 4 if spec.library == "torch" and spec.moments else 0  # torch keeps a 0-d fp32 step per tensor
-    return int(spec.moments * _moment_bytes(spec, numel, weight_bytes)) + step
+    return int(spec.moments * _moment_bytes(spec, numel, weight_bytes, embedding)) + step
 
 
 def shared_state_bytes(name: str, shapes: list[tuple[int, ...]]) -> int:
@@ -51,13 +53,16 @@ def shared_state_bytes(name: str, shapes: list[tuple[int, ...]]) -> int:
     return spec.moments * QMAP_BYTES if eight_bit else 0
 
 
-def state_bytes(name: str, shapes: list[tuple[int, ...]], weight_bytes: int) -> int:
-    """All optimizer state of trainable tensors of ``shapes``: what the trainer's optimizer holds after a step."""
-    return sum(tensor_state_bytes(name, s, weight_bytes) for s in shapes) + shared_state_bytes(name, shapes)
+def state_bytes(name: str, shapes: list[tuple[int, ...]], weight_bytes: int,
+                embedding_shapes: list[tuple[int, ...]] = ()) -> int:
+    """All optimizer state of trainable tensors of ``shapes`` and trainable embeddings of ``embedding_shapes``:
+    what the trainer's optimizer holds after a step."""
+    return (sum(tensor_state_bytes(name, s, weight_bytes) for s in shapes) + shared_state_bytes(name, shapes)
+            + sum(tensor_state_bytes(name, s, weight_bytes, embedding=True) for s in embedding_shapes))
 
 
-def bytes_per_param(name: str, weight_bytes: int, matrix: tuple[int, int]) -> float:
-    """State bytes per trainable weight in a large model: the estimator's rate.
+def bytes_per_param(name: str, weight_bytes: int, matrix: tuple[int, int], embedding: bool = False) -> float:
+    """State bytes per trainable weight in a large model: the estimator's rate (``embedding``: an embedding's).
 
     ``matrix`` is a representative trainable matrix (rows, cols); only Adafactor's factored state depends on it
     (4 (rows + cols) bytes per rows x cols weights). Per-tensor constants (torch's step, the shared maps) and
@@ -67,6 +72,6 @@ def bytes_per_param(name: str, weight_bytes: int, matrix: tuple[int, int]) -> fl
     if spec.kind == "adafactor":
         rows, cols = matrix
         return 4 * (rows + cols) / (rows * cols)
-    if spec.state_bits == 8:
+    if spec.state_bits == 8 and not embedding:
         return spec.moments * (1 + 4 / QUANT_BLOCK)
     return spec.moments * (weight_bytes if spec.state_bits == 0 else 4)

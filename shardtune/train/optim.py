@@ -47,7 +47,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, *,
         if spec.paged and device.type != "cuda":  # bitsandbytes would page nothing and say so only in a warning
             raise UsageError(f"optim={cfg.optim} pages its state through CUDA unified memory and this run is on "
                              f"{device.type}; use optim {non_cuda_alternative(cfg.optim)} (the same, not paged)")
-        return _bitsandbytes(spec, groups, cfg)
+        return _bitsandbytes(spec, groups, cfg, model)
     if spec.kind == "adafactor":
         from transformers.optimization import Adafactor
 
@@ -60,9 +60,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device, *,
                            eps=cfg.adam_epsilon, fused=fused or None, foreach=None if fused else True)
 
 
-def _bitsandbytes(spec: OptimizerSpec, groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+def _bitsandbytes(spec: OptimizerSpec, groups: list[dict], cfg: OptimConfig,
+                  model: nn.Module) -> torch.optim.Optimizer:
     """bitsandbytes' AdamW or Lion, 8 or 32-bit, paged or not; FSDP2's DTensor shards are stepped shard by shard
-    (optim_shards.py), plain tensors as bitsandbytes always does."""
+    (optim_shards.py), plain tensors as bitsandbytes always does. The 8-bit ones keep the embeddings' state in
+    fp32, as Transformers' Trainer has them do (8-bit state of embedding rows is what bitsandbytes warns is
+    unstable)."""
     import bitsandbytes as bnb
 
     base = {"adamw": bnb.optim.AdamW, "lion": bnb.optim.Lion}[spec.kind]
@@ -74,7 +77,10 @@ def _bitsandbytes(spec: OptimizerSpec, groups: list[dict], cfg: OptimConfig) -> 
     if spec.kind == "adamw":
         kwargs["eps"] = cfg.adam_epsilon
     # bitsandbytes' AdamW defaults weight_decay to 1e-2: every group carries its own, so none is defaulted.
-    return cls(groups, **kwargs)
+    optimizer = cls(groups, **kwargs)
+    if spec.state_bits == 8:
+        optimizer.fp32_state = frozenset(id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding))
+    return optimizer
 
 
 _SHARD_CLASSES: dict[type, type] = {}

@@ -55,9 +55,12 @@ class LocalShardSteps:
     """Mixin placed before a bitsandbytes optimizer class: DTensor parameters are stepped shard by shard."""
 
     _whole_numel: int | None = None
+    fp32_state: frozenset[int] = frozenset()  # ids of the parameters whose state stays fp32 (embeddings)
 
     def get_config(self, gindex, pindex, group):
         config = super().get_config(gindex, pindex, group)
+        if id(group["params"][pindex]) in self.fp32_state:
+            config["optim_bits"] = 32
         if self._whole_numel is not None:  # decide 8-bit vs fp32 state on the whole tensor: same on every rank
             config["min_8bit_size"] = 0 if self._whole_numel >= config["min_8bit_size"] else math.inf
         return config
