@@ -212,3 +212,23 @@ def test_tokens_per_s_leaves_out_evaluations_and_saves(root):
     step_3 = next(r for r in records if r["step"] == 3 and "loss" in r)
     # 2 s of eval and save went before step 3; the tiny model's step takes milliseconds
     assert step_3["tokens_per_s"] > step_3["tokens"] / 1.0, step_3
+
+
+@pytest.mark.parametrize("length, says", [
+    (["--max_steps", "5"], "warmup_steps=50 is longer than the run's 5 optimizer steps (max_steps 5)"),
+    (["--num_train_epochs", "1", "--per_device_train_batch_size", "40"],
+     "warmup_steps=50 is longer than the run's 2 optimizer steps (num_train_epochs 1 of 2 steps each)")])
+def test_a_warmup_longer_than_the_run_is_refused(root, capsys, length, says):
+    """A recipe's warmup_steps 50 kept in a 5-step trial run trained 5 steps at rates from 0 to 4e-6 of a
+    learning_rate 5e-5 it never reached (as Transformers' Trainer does, without a word): refused in one line."""
+    from shardtune.cli import main
+
+    argv = flags("--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "chat.jsonl"),
+                 "--splits", "train", "--max_seq_len", "64", "--per_device_train_batch_size", "2",
+                 "--save_strategy", "no", "--predict_memory", "false", "--output_dir", str(root / "long_warmup"),
+                 "--warmup_steps", "50", *length)
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(says + ": the run would end before its rate reached learning_rate 5e-05; set "
+                            f"warmup_steps to at most {says.split()[6]}, or give warmup_ratio (a share of the run) "
+                            "instead")

@@ -343,7 +343,8 @@ class OptimConfig:
     warmup_ratio: float = key(0.0, "Fraction of the steps spent warming up (warmup_steps wins when set).", ge=0, le=1,
                               needs=WARMS_UP)
     warmup_steps: int = key(0, "Steps of linear warm-up. A value below 1 is read as Transformers 5 reads it, a "
-                               "fraction of the run's steps (warmup_ratio).", ge=0,
+                               "fraction of the run's steps (warmup_ratio). More steps than the run has is refused.",
+                            ge=0,
                             deepspeed=("scheduler.params.warmup_num_steps",), needs=WARMS_UP)
     weight_decay: float = key(0.0, "Weight decay of the matrices (biases and norms are not decayed), for every "
                                    "optimizer.", ge=0, deepspeed=("optimizer.params.weight_decay",))

@@ -23,7 +23,7 @@ from shardtune.strategies import no_as_ddp
 from shardtune.train.build import build_model, plan_for
 from shardtune.train.model import Precision, attn_implementation
 from shardtune.train.model_parallel import place_stages
-from shardtune.train.optim import build_optimizer, build_scheduler
+from shardtune.train.optim import build_optimizer, build_scheduler, refuse_warmup_past_the_end
 from shardtune.train.parallelize import Runner
 from shardtune.train.plan import Plan
 from shardtune.train.state import TrainState
@@ -55,6 +55,13 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     if cfg.run.max_steps > 0:
         return cfg.run.max_steps
     return max(1, math.ceil(cfg.run.num_train_epochs * steps_per_epoch))
+
+
+def run_length(cfg: TrainConfig, steps_per_epoch: int) -> str:
+    """How the run's length was given, for messages: max_steps, or the epochs and their steps."""
+    if cfg.run.max_steps > 0:
+        return f"max_steps {cfg.run.max_steps}"
+    return f"num_train_epochs {cfg.run.num_train_epochs:g} of {steps_per_epoch} steps each"
 
 
 def no_eval_split(cfg: TrainConfig, left_out: list[str] | None = None, dropped: int = 0) -> str:
@@ -100,8 +107,6 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     if (note := no_as_ddp(cfg.distributed.distributed_type, info.world_size, "trained")) and info.is_main:
         log.info(note)
     log.info("strategy: %s, %s", plan.describe(info), precision.describe())
-    model, runner, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer),
-                                                  added_token_ids=added_token_ids(tokenizer))
     world, rank = plan.data_split(info)
     lengths = [sum(lens) for lens in data.train["seq_lens"]] if cfg.data.group_by_length else None
     sampler = GlobalBatchSampler(len(data.train), micro_batch_size=cfg.run.per_device_train_batch_size,
@@ -109,6 +114,9 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
                                  world_size=world, rank=rank, seed=cfg.run.seed, lengths=lengths,
                                  rows_sha256=data.report.rows_sha256)
     steps = total_steps(cfg, sampler.steps_per_epoch)
+    refuse_warmup_past_the_end(cfg.optim, steps, run_length(cfg, sampler.steps_per_epoch))
+    model, runner, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer),
+                                                  added_token_ids=added_token_ids(tokenizer))
     if (left := len(data.train) % sampler.global_batch_size) and info.is_main:
         # Every step is one whole global batch (the loss is normalised over it); Transformers' Trainer instead
         # trains a smaller last batch.

@@ -91,6 +91,16 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
     return cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
 
 
+def refuse_warmup_past_the_end(cfg: OptimConfig, total_steps: int, run_length: str) -> None:
+    """warmup_steps longer than the run (a recipe's warm-up kept in a shorter run): the rate would never reach
+    learning_rate and the schedule's decay would never start. Transformers' Trainer runs it without a word."""
+    if cfg.warmup_steps > total_steps:
+        raise UsageError(f"warmup_steps={cfg.warmup_steps} is longer than the run's {total_steps} optimizer steps "
+                         f"({run_length}): the run would end before its rate reached learning_rate "
+                         f"{cfg.learning_rate:g}; set warmup_steps to at most {total_steps}, or give warmup_ratio "
+                         "(a share of the run) instead")
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, *,
                     greater_is_better: bool = False):
     """Linear warm-up, then ``lr_scheduler_type``'s schedule with the settings it reads, as Transformers'
