@@ -190,6 +190,10 @@ WARMING = ("linear, cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, cosin
     (["--adam_beta1", "1.5"], "adam_beta1=1.5 must be in [0, 1)"),
     (["--adam_beta2", "-0.1"], "adam_beta2=-0.1 must be in [0, 1)"),
     (["--adam_epsilon", "-1e-8"], "adam_epsilon=-1e-08 must not be negative"),
+    # Accepted: the first step made NaN of every weight with a zero gradient, and the stop blamed learning_rate.
+    (["--adam_epsilon", "0"], "adam_epsilon=0 turns every weight whose gradient is 0 so far (unused embedding rows; "
+     "LoRA's A at the first step) into NaN with optim adamw_torch; use a small positive value such as 1e-8"),
+    (["--adam_epsilon", "0", "--optim", "adamw_8bit", "--use_peft_lora", "true"], "adam_epsilon=0 turns every"),
     (["--lr_scheduler_type", "constant", "--warmup_steps", "2"], "warmup_steps=2 set without lr_scheduler_type "
      f"{WARMING}: it acts only with it; set lr_scheduler_type {WARMING}, or leave it out"),
     (["--lr_scheduler_type", "constant", "--warmup_ratio", "0.1"], "warmup_ratio=0.1 set without lr_scheduler_type "

@@ -354,7 +354,8 @@ class OptimConfig:
                             ge=0, lt=1, deepspeed=("optimizer.params.betas[0]",))
     adam_beta2: float = key(0.999, "AdamW's and Lion's beta2; refused with adafactor and sgd, which have none.",
                             ge=0, lt=1, deepspeed=("optimizer.params.betas[1]",))
-    adam_epsilon: float = key(1e-8, "AdamW's epsilon; refused with Lion, adafactor and sgd, which have none.",
+    adam_epsilon: float = key(1e-8, "AdamW's epsilon (0 is refused: it makes NaN of zero gradients); refused with "
+                                    "Lion, adafactor and sgd, which have none.",
                               ge=0, deepspeed=("optimizer.params.eps",))
     optim: str = key(
         "adamw_torch", "Transformers' optimizer name, run as Transformers runs it: adamw_torch(_fused) is torch's "

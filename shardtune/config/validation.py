@@ -431,6 +431,12 @@ def _optim_problems(cfg: TrainConfig) -> list[Problem]:
                                         f"setting); leave {key} out or pick an optimizer that reads it (e.g. "
                                         f"adamw_torch)")
                 for key in ADAM_KEYS if key not in spec.reads and getattr(o, key) != getattr(defaults, key)] + schedule
+    if o.adam_epsilon == 0 and "adam_epsilon" in spec.reads:
+        # AdamW divides by sqrt(v) + epsilon: a weight whose gradient is still 0 makes 0 / 0.
+        problems.append(Problem(("adam_epsilon",), f"adam_epsilon=0 turns every weight whose gradient is 0 so far "
+                                                   f"(unused embedding rows; LoRA's A at the first step) into NaN "
+                                                   f"with optim {o.optim}; use a small positive value such as 1e-8 "
+                                                   f"(Transformers' default)"))
     if spec.kind == "adafactor" and _strategy(cfg.distributed).shards_parameters:
         # Transformers' Adafactor averages the squared gradient over whole rows and columns and keeps that state
         # as plain tensors, which FSDP2's sharded (DTensor) parameters cannot mix with.
