@@ -257,3 +257,28 @@ def test_each_plateau_setting_acts_as_torchs_argument_of_its_name():
     # eps: a cut smaller than it is not made (here the floor leaves one of 0.01)
     floored = {**base, "min_lr": 0.99}
     assert ours(**floored, plateau_eps=0.1) == torchs(**floored, plateau_eps=0.1) != ours(**floored)
+
+
+def test_weight_decay_falls_on_the_parameters_transformers_trainer_decays():
+    """The decayed set is the Trainer's (get_decay_parameter_names), each trainable parameter once: a tied Llama
+    trained whole, and one with DoRA adapters and a trained final norm. DoRA's 1-D magnitude vectors decay there;
+    here they did not (only matrices decayed), so a recipe with weight_decay trained them otherwise."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from shardtune.testing.tiny import tiny_llama_config
+    from shardtune.train.optim import param_groups
+
+    config = tiny_llama_config(300)
+    config.tie_word_embeddings = True
+    tied = AutoModelForCausalLM.from_config(config)
+    dora = get_peft_model(AutoModelForCausalLM.from_config(tiny_llama_config(300)),
+                          LoraConfig(r=4, target_modules="all-linear", use_dora=True, modules_to_save=["norm"]))
+    args = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
+    for model in (tied, dora):
+        theirs = Trainer(model=model, args=args).create_optimizer().param_groups
+        ours = param_groups(model, 0.1)
+        assert [[id(p) for p in g["params"]] for g in ours] == [[id(p) for p in g["params"]] for g in theirs]
+    names = {id(p): n for n, p in dora.named_parameters()}
+    assert any("lora_magnitude_vector" in names[id(p)] for p in ours[0]["params"])
+    assert any(names[id(p)].endswith("norm.modules_to_save.default.weight") for p in ours[1]["params"])

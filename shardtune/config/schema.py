@@ -346,7 +346,8 @@ class OptimConfig:
                                "fraction of the run's steps (warmup_ratio). More steps than the run has is refused.",
                             ge=0,
                             deepspeed=("scheduler.params.warmup_num_steps",), needs=WARMS_UP)
-    weight_decay: float = key(0.0, "Weight decay of the matrices (biases and norms are not decayed), for every "
+    weight_decay: float = key(0.0, "Weight decay of every trained parameter but biases and norm weights, told "
+                                   "apart as Transformers' Trainer tells them (by name and nn.LayerNorm), for every "
                                    "optimizer.", ge=0, deepspeed=("optimizer.params.weight_decay",))
     max_grad_norm: float = key(1.0, "Clip the global gradient norm to this (0: no clipping).", ge=0,
                                deepspeed=("gradient_clipping",))

@@ -4,6 +4,7 @@ meaning. Which optimizer each ``optim`` name is, and the state it keeps, is conf
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -14,12 +15,23 @@ from shardtune.errors import UsageError
 from shardtune.train.optim_shards import LocalShardAdamW, LocalShardSteps
 
 
+# Transformers' Trainer leaves undecayed the parameters whose name says bias or norm (layernorm, rmsnorm, a module
+# called norm or ending in _norm) and those of nn.LayerNorm modules; every other trainable parameter decays, DoRA's
+# 1-D magnitude vectors among them.
+_NOT_DECAYED_NAMES = re.compile(r"bias|layernorm|rmsnorm|(^|\.)norm($|\.)|_norm($|\.)")
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: biases and norm weights (1-D) are not decayed, as in Transformers' Trainer."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
+    """Transformers' Trainer's two groups: ``weight_decay`` for the trainable parameters it decays, 0 for biases
+    and norm weights, told apart as it tells them (by name and by nn.LayerNorm module)."""
+    decay, no_decay, seen = [], [], set()
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(prefix=module_name, recurse=False):
+            if not param.requires_grad or id(param) in seen:  # a tied weight: its first name decides
+                continue
+            seen.add(id(param))
+            skipped = isinstance(module, nn.LayerNorm) or _NOT_DECAYED_NAMES.search(name.lower())
+            (no_decay if skipped else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
