@@ -232,3 +232,26 @@ def test_a_warmup_longer_than_the_run_is_refused(root, capsys, length, says):
     assert err[-1].endswith(says + ": the run would end before its rate reached learning_rate 5e-05; set "
                             f"warmup_steps to at most {says.split()[6]}, or give warmup_ratio (a share of the run) "
                             "instead")
+
+
+class GroupsStepped:
+    """The settings of each optimizer step's parameter groups (weight_decay, betas, eps), read as the step runs."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[tuple]] = []
+
+    def on_train_begin(self, args, state, control, *, optimizer, **kwargs):
+        optimizer.register_step_pre_hook(lambda opt, *_: self.groups.append(
+            [(g["weight_decay"], g["betas"], g["eps"]) for g in opt.param_groups]))
+
+
+def test_optimizer_settings_changed_on_resume_take_effect_as_the_log_says(root):
+    """A resume with another weight_decay, adam_beta1 and adam_epsilon logged 'the new value takes effect from
+    here', and the checkpoint's optimizer state brought back the old ones: its steps trained with weight_decay 0.
+    The resumed steps use the new values (norms and biases still undecayed)."""
+    saving = ("--save_strategy", "steps", "--save_steps", "2", "--learning_rate", "1e-3")
+    run(root, "settings", "--max_steps", "2", *saving)
+    resumed = GroupsStepped()
+    run(root, "settings", "--max_steps", "3", *saving, "--resume_from_checkpoint", "true", "--weight_decay", "0.5",
+        "--adam_beta1", "0.5", "--adam_epsilon", "1e-3", callbacks=[resumed])
+    assert resumed.groups == [[(0.5, (0.5, 0.999), 1e-3), (0.0, (0.5, 0.999), 1e-3)]]

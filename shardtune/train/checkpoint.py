@@ -53,7 +53,7 @@ from shardtune.train.layout import (MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FO
                                     resume_problem)
 from shardtune.train.output_dir import drop_checkpoint
 from shardtune.train.plan import Plan
-from shardtune.train.resume import apply_learning_rate, check_resume
+from shardtune.train.resume import apply_learning_rate, check_resume, this_runs_optimizer_settings
 from shardtune.train.safe_load import damage, file_digest, file_digests, load_dcp, load_pt, load_safetensors, read_json
 from shardtune.train.state import TrainState, rng_state, set_rng_state, trainer_state_problem
 
@@ -460,8 +460,9 @@ class Checkpointer:
         if point is None:
             return None
         path = point.path
-        trainer_state = load_checkpoint(path, model=self.model, optimizer=self.optimizer,
-                                        trainable_only=self.trainable_only, info=self.info)
+        with this_runs_optimizer_settings(self.optimizer):
+            trainer_state = load_checkpoint(path, model=self.model, optimizer=self.optimizer,
+                                            trainable_only=self.trainable_only, info=self.info)
         try:
             self.state.load_state_dict(trainer_state)
         except UsageError as exc:  # the data order it cannot continue: named with the checkpoint the user gave

@@ -15,6 +15,8 @@ keeps it the resume is refused naming the fix.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -156,6 +158,18 @@ def with_accumulation(cfg: TrainConfig, gradient_accumulation_steps: int) -> Tra
     if gradient_accumulation_steps == cfg.run.gradient_accumulation_steps:
         return cfg
     return replace(cfg, run=replace(cfg.run, gradient_accumulation_steps=gradient_accumulation_steps))
+
+
+@contextmanager
+def this_runs_optimizer_settings(optimizer) -> Iterator[None]:
+    """Keep the settings of ``optimizer``'s groups as this run's config made them (weight_decay, betas, eps, ...)
+    through the load of a checkpoint's optimizer state, which brings the saved run's: a resume that changes one
+    trains with the new value, as it says. The rate is ``apply_learning_rate``'s."""
+    kept = [{k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+            for group in optimizer.param_groups]
+    yield
+    for group, settings in zip(optimizer.param_groups, kept, strict=True):
+        group.update(settings)
 
 
 def apply_learning_rate(optimizer, scheduler, learning_rate: float) -> None:
