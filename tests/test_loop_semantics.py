@@ -214,24 +214,35 @@ def test_tokens_per_s_leaves_out_evaluations_and_saves(root):
     assert step_3["tokens_per_s"] > step_3["tokens"] / 1.0, step_3
 
 
-@pytest.mark.parametrize("length, says", [
-    (["--max_steps", "5"], "warmup_steps=50 is longer than the run's 5 optimizer steps (max_steps 5)"),
-    (["--num_train_epochs", "1", "--per_device_train_batch_size", "40"],
-     "warmup_steps=50 is longer than the run's 2 optimizer steps (num_train_epochs 1 of 2 steps each)")])
-def test_a_warmup_longer_than_the_run_is_refused(root, capsys, length, says):
+WSD = ["--lr_scheduler_type", "warmup_stable_decay", "--max_steps", "5"]
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--warmup_steps", "50", "--max_steps", "5"], "warmup_steps=50 is longer than the run's 5 optimizer steps "
+     "(max_steps 5): the run would end before its rate reached learning_rate 5e-05; set warmup_steps to at most 5, "
+     "or give warmup_ratio (a share of the run) instead"),
+    (["--warmup_steps", "50", "--num_train_epochs", "1", "--per_device_train_batch_size", "40"],
+     "warmup_steps=50 is longer than the run's 2 optimizer steps (num_train_epochs 1 of 2 steps each)"),
+    # Its decay began at step 1 at half the rate (stable steps: 5 - 0 - 10 < 0), as in Transformers.
+    ([*WSD, "--lr_scheduler_kwargs", '{"num_decay_steps": 10}'], "lr_scheduler_type warmup_stable_decay: "
+     "num_decay_steps 10 steps, more than the run's 5 optimizer steps (max_steps 5): its decay would start midway, "
+     "at a fraction of learning_rate, or never; make them fit in 5 steps"),
+    ([*WSD, "--warmup_ratio", "0.5", "--lr_scheduler_kwargs", '{"num_decay_steps": 4}'],
+     "warmup_ratio 0.5's 3 + num_decay_steps 4 = 7 steps, more than the run's 5 optimizer steps"),
+    ([*WSD, "--lr_scheduler_kwargs", '{"num_decay_steps": 2, "num_stable_steps": 10}'],  # it never decayed
+     "num_stable_steps 10 + num_decay_steps 2 = 12 steps, more than the run's 5 optimizer steps")])
+def test_a_schedule_longer_than_the_run_is_refused(root, capsys, extra, says):
     """A recipe's warmup_steps 50 kept in a 5-step trial run trained 5 steps at rates from 0 to 4e-6 of a
-    learning_rate 5e-5 it never reached (as Transformers' Trainer does, without a word): refused in one line."""
+    learning_rate 5e-5 it never reached, and warmup_stable_decay's phases past the end started its decay midway
+    (as Transformers' Trainer does, without a word): refused in one line."""
     from shardtune.cli import main
 
     argv = flags("--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "chat.jsonl"),
                  "--splits", "train", "--max_seq_len", "64", "--per_device_train_batch_size", "2",
                  "--save_strategy", "no", "--predict_memory", "false", "--output_dir", str(root / "long_warmup"),
-                 "--warmup_steps", "50", *length)
+                 *extra)
     assert main(["train", *argv]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith(says + ": the run would end before its rate reached learning_rate 5e-05; set "
-                            f"warmup_steps to at most {says.split()[6]}, or give warmup_ratio (a share of the run) "
-                            "instead")
+    assert says in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 class GroupsStepped:

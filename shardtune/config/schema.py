@@ -325,8 +325,8 @@ class OptimConfig:
     # Transformers' get_wsd_schedule: warm-up, a stable stretch at learning_rate, a decay; its keys as it names them.
     num_decay_steps: int | None = key(
         None, "warmup_stable_decay (which needs it): the steps of the final decay, from learning_rate to min_lr_ratio "
-        "x learning_rate; the rate stays there after them. Read from Transformers' lr_scheduler_kwargs: "
-        "{num_decay_steps: ...} too.", ge=0, needs=WSD)
+        "x learning_rate; the rate stays there after them. Warm-up, stable and decay steps past the run's end are "
+        "refused. Read from Transformers' lr_scheduler_kwargs: {num_decay_steps: ...} too.", ge=0, needs=WSD)
     num_stable_steps: int | None = key(
         None, "warmup_stable_decay: the steps at learning_rate between warm-up and decay (unset: the run's steps "
         "less the warm-up and decay steps). Read from Transformers' lr_scheduler_kwargs: {num_stable_steps: ...} "

@@ -103,14 +103,28 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
     return cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
 
 
-def refuse_warmup_past_the_end(cfg: OptimConfig, total_steps: int, run_length: str) -> None:
-    """warmup_steps longer than the run (a recipe's warm-up kept in a shorter run): the rate would never reach
-    learning_rate and the schedule's decay would never start. Transformers' Trainer runs it without a word."""
+def refuse_schedule_past_the_end(cfg: OptimConfig, total_steps: int, run_length: str) -> None:
+    """A schedule longer than the run (a recipe's steps kept in a shorter run), which Transformers' Trainer runs
+    without a word: warmup_steps past the end never reach learning_rate; warmup_stable_decay's warm-up and decay
+    (and stable steps, where given) past the end start the decay midway, at a fraction of the rate, or never."""
     if cfg.warmup_steps > total_steps:
         raise UsageError(f"warmup_steps={cfg.warmup_steps} is longer than the run's {total_steps} optimizer steps "
                          f"({run_length}): the run would end before its rate reached learning_rate "
                          f"{cfg.learning_rate:g}; set warmup_steps to at most {total_steps}, or give warmup_ratio "
                          "(a share of the run) instead")
+    if cfg.lr_scheduler_type != "warmup_stable_decay":
+        return
+    warmup = "warmup_steps" if cfg.warmup_steps else f"warmup_ratio {cfg.warmup_ratio:g}'s"
+    phases = {warmup: warmup_steps(cfg, total_steps), "num_stable_steps": cfg.num_stable_steps,
+              "num_decay_steps": cfg.num_decay_steps}
+    given = {name: steps for name, steps in phases.items() if steps}
+    if sum(given.values()) > total_steps:
+        said = " + ".join(f"{name} {steps}" for name, steps in given.items())
+        said += f" = {sum(given.values())} steps" if len(given) > 1 else " steps"
+        raise UsageError(f"lr_scheduler_type warmup_stable_decay: {said}, more than "
+                         f"the run's {total_steps} optimizer steps ({run_length}): its decay would start midway, at "
+                         f"a fraction of learning_rate, or never; make them fit in {total_steps} steps "
+                         "(lr_scheduler_kwargs num_decay_steps, num_stable_steps; warmup_steps)")
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, *,
