@@ -183,6 +183,10 @@ WARMING = ("linear, cosine, cosine_with_min_lr, cosine_warmup_with_min_lr, cosin
 
 @pytest.mark.parametrize("args,says", [
     (["--optim", "adamw_apex_fused"], "optim='adamw_apex_fused' is not accepted; use one of adamw_torch,"),
+    # Transformers' torchao optimizers were answered 'did you mean adamw_torch?', 4 or 8 times their state.
+    (["--optim", "adamw_torch_8bit"], "optim=adamw_torch_8bit: torchao's 8-bit AdamW is not run here; use adamw_8bit, "
+     "bitsandbytes' 8-bit AdamW, with the same state bytes (adamw_torch keeps 4 times as many)"),
+    (["--optim", "adamw_torch_4bit"], "optim=adamw_torch_4bit: torchao's 4-bit AdamW is not run here; use adamw_8bit"),
     (["--optim", "adafactor", "--distributed_type", "FSDP"], "use DDP (or one process) for adafactor"),
     (["--optim", "lion_8bit", "--adam_epsilon", "1e-6"], "adam_epsilon=1e-06 does nothing with optim lion_8bit"),
     (["--optim", "sgd", "--adam_beta1", "0.8"], "adam_beta1=0.8 does nothing with optim sgd"),
