@@ -218,6 +218,10 @@ def test_optimizer_settings_that_cannot_act_are_refused_in_one_line(model_dir, t
 def test_estimator_refuses_an_optimizer_it_does_not_know(model_dir, capsys):
     err = _refusal(capsys, ["estimate", str(model_dir), "--optimizer", "rmsprop"])
     assert "unknown optimizer 'rmsprop'" in err and "adamw_8bit" in err
+    # Transformers' torchao names: as train's optim refuses them, not 'Did you mean adamw_torch?'
+    err = _refusal(capsys, ["estimate", str(model_dir), "--optimizer", "adamw_torch_8bit"])
+    assert err.endswith("--optimizer adamw_torch_8bit: torchao's 8-bit AdamW is not run here; use adamw_8bit, "
+                        "bitsandbytes' 8-bit AdamW, with the same state bytes (adamw_torch keeps 4 times as many)")
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,13 @@ PURE_BF16_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 # bit patterns, hash and result, 33, at its torch.where).
 PURE_BF16_SLICE_ELEMENTS = 1 << 21
 PURE_BF16_SLICE_BYTES_PER_ELEMENT = 49
+# Transformers' names that are not run here, and what to use: the closest spelling, adamw_torch, would keep 4 (8)
+# times the state these were chosen to save. train's optim and estimate's --optimizer refuse them with this.
+NOT_RUN = {"adamw_torch_8bit": "torchao's 8-bit AdamW is not run here; use adamw_8bit, bitsandbytes' 8-bit AdamW, "
+                               "with the same state bytes (adamw_torch keeps 4 times as many)",
+           "adamw_torch_4bit": "torchao's 4-bit AdamW is not run here; use adamw_8bit, bitsandbytes' 8-bit AdamW, "
+                               "the least AdamW state here (about twice the 4-bit one; adamw_torch keeps 8 times as "
+                               "much)"}
 # The estimator's earlier spellings, kept working.
 ESTIMATE_ALIASES = {"adamw": "adamw_torch", "adamw-8bit": "adamw_8bit"}
 

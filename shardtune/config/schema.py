@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from shardtune.config.keys import Declared, declared, key
-from shardtune.config.optimizers import OPTIMIZERS
+from shardtune.config.optimizers import NOT_RUN, OPTIMIZERS
 from shardtune.strategies import NAMES, STRATEGIES
 
 DistributedType = Literal[NAMES]  # the strategies' names (shardtune/strategies.py)
@@ -364,12 +364,7 @@ class OptimConfig:
         "under FSDP each rank steps its shard; the 8-bit ones keep the embeddings' state in fp32, as Transformers' "
         "Trainer does); adafactor is Transformers' Adafactor (not with FSDP); sgd is torch's "
         "SGD without momentum. State bytes per weight: docs/estimator.md.", choices=tuple(OPTIMIZERS),
-        # The closest name, adamw_torch, would keep 4 (8) times the state these were chosen to save.
-        refused={"adamw_torch_8bit": "torchao's 8-bit AdamW is not run here; use adamw_8bit, bitsandbytes' 8-bit "
-                                     "AdamW, with the same state bytes (adamw_torch keeps 4 times as many)",
-                 "adamw_torch_4bit": "torchao's 4-bit AdamW is not run here; use adamw_8bit, bitsandbytes' 8-bit "
-                                     "AdamW, the least AdamW state here (about twice the 4-bit one; adamw_torch keeps "
-                                     "8 times as much)"})
+        refused=NOT_RUN)
 
 
 @dataclass

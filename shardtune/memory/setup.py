@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from shardtune.config.optimizers import ESTIMATE_ALIASES, OPTIMIZERS as OPTIMIZER_TABLE, canonical
+from shardtune.config.optimizers import ESTIMATE_ALIASES, NOT_RUN, OPTIMIZERS as OPTIMIZER_TABLE, canonical
 from shardtune.config.schema import MIXED_PRECISIONS, SHARDING_STRATEGIES, TrainConfig, all_keys, known_keys
 from shardtune.errors import UsageError, check_choice
 from shardtune.strategies import ZERO_STAGES, Strategy, resolve, strategy_named, zero_stage
@@ -318,6 +318,8 @@ def validate(setup: Setup) -> Setup:
     """Check every setting the estimate reads, report the numbers' problems in one line, and return the setup with
     names normalised (the strategy by its registry name, the optimizer by the trainer's)."""
     _checked_numbers(setup)
+    if (refused := NOT_RUN.get(str(setup.optimizer).lower())) is not None:
+        raise UsageError(f"--optimizer {setup.optimizer}: {refused}")
     d = setup.config.distributed
     asked = strategy_named(d.distributed_type) if d.distributed_type is not None else None
     setup = setup.with_(
