@@ -217,32 +217,40 @@ def test_tokens_per_s_leaves_out_evaluations_and_saves(root):
 WSD = ["--lr_scheduler_type", "warmup_stable_decay", "--max_steps", "5"]
 
 
-@pytest.mark.parametrize("extra, says", [
-    (["--warmup_steps", "50", "--max_steps", "5"], "warmup_steps=50 is longer than the run's 5 optimizer steps "
-     "(max_steps 5): the run would end before its rate reached learning_rate 5e-05; set warmup_steps to at most 5, "
-     "or give warmup_ratio (a share of the run) instead"),
-    (["--warmup_steps", "50", "--num_train_epochs", "1", "--per_device_train_batch_size", "40"],
-     "warmup_steps=50 is longer than the run's 2 optimizer steps (num_train_epochs 1 of 2 steps each)"),
+@pytest.mark.parametrize("extra, steps, says", [
+    (["--warmup_steps", "50"], 5, "warmup_steps=50 is longer than the run's 5 optimizer steps (max_steps 5): it ends "
+     "before its rate reaches learning_rate 5e-05, as it would in Transformers; for more than a trial, set "
+     "warmup_steps to at most 5 or give warmup_ratio (a share of the run)"),
     # Its decay began at step 1 at half the rate (stable steps: 5 - 0 - 10 < 0), as in Transformers.
-    ([*WSD, "--lr_scheduler_kwargs", '{"num_decay_steps": 10}'], "lr_scheduler_type warmup_stable_decay: "
-     "num_decay_steps 10 steps, more than the run's 5 optimizer steps (max_steps 5): its decay would start midway, "
-     "at a fraction of learning_rate, or never; make them fit in 5 steps"),
-    ([*WSD, "--warmup_ratio", "0.5", "--lr_scheduler_kwargs", '{"num_decay_steps": 4}'],
+    ([*WSD, "--lr_scheduler_kwargs", '{"num_decay_steps": 10}'], 5, "lr_scheduler_type warmup_stable_decay: "
+     "num_decay_steps 10 steps, more than the run's 5 optimizer steps (max_steps 5): its decay starts midway, at a "
+     "fraction of learning_rate, or never, as it would in Transformers; for more than a trial, make them fit in 5 "
+     "steps"),
+    ([*WSD, "--warmup_ratio", "0.5", "--lr_scheduler_kwargs", '{"num_decay_steps": 4}'], 5,
      "warmup_ratio 0.5's 3 + num_decay_steps 4 = 7 steps, more than the run's 5 optimizer steps"),
-    ([*WSD, "--lr_scheduler_kwargs", '{"num_decay_steps": 2, "num_stable_steps": 10}'],  # it never decayed
-     "num_stable_steps 10 + num_decay_steps 2 = 12 steps, more than the run's 5 optimizer steps")])
-def test_a_schedule_longer_than_the_run_is_refused(root, capsys, extra, says):
+    ([*WSD, "--lr_scheduler_kwargs", '{"num_decay_steps": 2, "num_stable_steps": 10}'], 5,  # it never decayed
+     "num_stable_steps 10 + num_decay_steps 2 = 12 steps, more than the run's 5 optimizer steps"),
+    ([*WSD, "--lr_scheduler_kwargs", '{"num_decay_steps": 2, "num_stable_steps": 3}'], 5, None)])
+def test_a_schedule_longer_than_the_run_is_said(extra, steps, says):
     """A recipe's warmup_steps 50 kept in a 5-step trial run trained 5 steps at rates from 0 to 4e-6 of a
     learning_rate 5e-5 it never reached, and warmup_stable_decay's phases past the end started its decay midway
-    (as Transformers' Trainer does, without a word): refused in one line."""
-    from shardtune.cli import main
+    (as Transformers' Trainer does, without a word): said, and run as Transformers runs it (a trial of a recipe
+    meant for a longer run is no error)."""
+    from shardtune.config import load_train_config
+    from shardtune.train.optim import schedule_past_the_end
 
-    argv = flags("--model_name_or_path", str(root / "model"), "--dataset_name", str(root / "chat.jsonl"),
-                 "--splits", "train", "--max_seq_len", "64", "--per_device_train_batch_size", "2",
-                 "--save_strategy", "no", "--predict_memory", "false", "--output_dir", str(root / "long_warmup"),
-                 *extra)
-    assert main(["train", *argv]) == 2
-    assert says in capsys.readouterr().err.strip().splitlines()[-1]
+    cfg = load_train_config(flags("--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--output_dir", "o",
+                                  "--max_steps", "5", *extra))
+    notes = schedule_past_the_end(cfg.optim, steps, "max_steps 5")
+    assert [says in note for note in notes] == ([True] if says else [])
+
+
+def test_a_trial_of_a_recipe_with_a_longer_warmup_trains_and_says_so(root, capfd):
+    """The warning reaches the run's log, and the run trains at the rates Transformers' schedule gives."""
+    records = run(root, "long_warmup", "--max_steps", "3", "--warmup_steps", "50", "--learning_rate", "1e-3")
+    assert "warmup_steps=50 is longer than the run's 3 optimizer steps (max_steps 3)" in capfd.readouterr().err
+    rates = [r["lr"] for r in records if "lr" in r]
+    assert rates == pytest.approx([1e-3 * step / 50 for step in range(3)])
 
 
 class GroupsStepped:

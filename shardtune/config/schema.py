@@ -326,7 +326,8 @@ class OptimConfig:
     num_decay_steps: int | None = key(
         None, "warmup_stable_decay (which needs it): the steps of the final decay, from learning_rate to min_lr_ratio "
         "x learning_rate; the rate stays there after them. Warm-up, stable and decay steps past the run's end are "
-        "refused. Read from Transformers' lr_scheduler_kwargs: {num_decay_steps: ...} too.", ge=0, needs=WSD)
+        "run as Transformers runs them, with a warning (a trial of a recipe meant for a longer run). Read from "
+        "Transformers' lr_scheduler_kwargs: {num_decay_steps: ...} too.", ge=0, needs=WSD)
     num_stable_steps: int | None = key(
         None, "warmup_stable_decay: the steps at learning_rate between warm-up and decay (unset: the run's steps "
         "less the warm-up and decay steps). Read from Transformers' lr_scheduler_kwargs: {num_stable_steps: ...} "
@@ -343,8 +344,8 @@ class OptimConfig:
     warmup_ratio: float = key(0.0, "Fraction of the steps spent warming up (warmup_steps wins when set).", ge=0, le=1,
                               needs=WARMS_UP)
     warmup_steps: int = key(0, "Steps of linear warm-up. A value below 1 is read as Transformers 5 reads it, a "
-                               "fraction of the run's steps (warmup_ratio). More steps than the run has is refused.",
-                            ge=0,
+                               "fraction of the run's steps (warmup_ratio). More steps than the run has warns: "
+                               "its rate never reaches learning_rate.", ge=0,
                             deepspeed=("scheduler.params.warmup_num_steps",), needs=WARMS_UP)
     weight_decay: float = key(0.0, "Weight decay of every trained parameter but biases and norm weights, told "
                                    "apart as Transformers' Trainer tells them (by name and nn.LayerNorm), for every "

@@ -23,7 +23,7 @@ from shardtune.strategies import no_as_ddp
 from shardtune.train.build import build_model, plan_for
 from shardtune.train.model import Precision, attn_implementation
 from shardtune.train.model_parallel import place_stages
-from shardtune.train.optim import build_optimizer, build_scheduler, refuse_schedule_past_the_end
+from shardtune.train.optim import build_optimizer, build_scheduler, schedule_past_the_end
 from shardtune.train.parallelize import Runner
 from shardtune.train.plan import Plan
 from shardtune.train.state import TrainState
@@ -114,7 +114,9 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
                                  world_size=world, rank=rank, seed=cfg.run.seed, lengths=lengths,
                                  rows_sha256=data.report.rows_sha256)
     steps = total_steps(cfg, sampler.steps_per_epoch)
-    refuse_schedule_past_the_end(cfg.optim, steps, run_length(cfg, sampler.steps_per_epoch))
+    for note in schedule_past_the_end(cfg.optim, steps, run_length(cfg, sampler.steps_per_epoch)):
+        if info.is_main:
+            log.warning(note)
     model, runner, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer),
                                                   added_token_ids=added_token_ids(tokenizer))
     if (left := len(data.train) % sampler.global_batch_size) and info.is_main:

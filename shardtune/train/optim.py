@@ -103,17 +103,20 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
     return cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
 
 
-def refuse_schedule_past_the_end(cfg: OptimConfig, total_steps: int, run_length: str) -> None:
-    """A schedule longer than the run (a recipe's steps kept in a shorter run), which Transformers' Trainer runs
-    without a word: warmup_steps past the end never reach learning_rate; warmup_stable_decay's warm-up and decay
-    (and stable steps, where given) past the end start the decay midway, at a fraction of the rate, or never."""
+def schedule_past_the_end(cfg: OptimConfig, total_steps: int, run_length: str) -> list[str]:
+    """What of the schedule lies past the run's end (a recipe's steps kept in a shorter run, such as a trial of a
+    few steps), which Transformers' Trainer runs without a word: warmup_steps past the end never reach
+    learning_rate; warmup_stable_decay's warm-up and decay (and stable steps, where given) past the end start the
+    decay midway, at a fraction of the rate, or never. Warnings, not refusals: the run goes as Transformers runs
+    it, and a trial of a recipe meant for a longer run is a thing people do."""
+    notes = []
     if cfg.warmup_steps > total_steps:
-        raise UsageError(f"warmup_steps={cfg.warmup_steps} is longer than the run's {total_steps} optimizer steps "
-                         f"({run_length}): the run would end before its rate reached learning_rate "
-                         f"{cfg.learning_rate:g}; set warmup_steps to at most {total_steps}, or give warmup_ratio "
-                         "(a share of the run) instead")
+        notes.append(f"warmup_steps={cfg.warmup_steps} is longer than the run's {total_steps} optimizer steps "
+                     f"({run_length}): it ends before its rate reaches learning_rate {cfg.learning_rate:g}, as it "
+                     f"would in Transformers; for more than a trial, set warmup_steps to at most {total_steps} or "
+                     f"give warmup_ratio (a share of the run)")
     if cfg.lr_scheduler_type != "warmup_stable_decay":
-        return
+        return notes
     warmup = "warmup_steps" if cfg.warmup_steps else f"warmup_ratio {cfg.warmup_ratio:g}'s"
     phases = {warmup: warmup_steps(cfg, total_steps), "num_stable_steps": cfg.num_stable_steps,
               "num_decay_steps": cfg.num_decay_steps}
@@ -121,10 +124,11 @@ def refuse_schedule_past_the_end(cfg: OptimConfig, total_steps: int, run_length:
     if sum(given.values()) > total_steps:
         said = " + ".join(f"{name} {steps}" for name, steps in given.items())
         said += f" = {sum(given.values())} steps" if len(given) > 1 else " steps"
-        raise UsageError(f"lr_scheduler_type warmup_stable_decay: {said}, more than "
-                         f"the run's {total_steps} optimizer steps ({run_length}): its decay would start midway, at "
-                         f"a fraction of learning_rate, or never; make them fit in {total_steps} steps "
-                         "(lr_scheduler_kwargs num_decay_steps, num_stable_steps; warmup_steps)")
+        notes.append(f"lr_scheduler_type warmup_stable_decay: {said}, more than the run's {total_steps} optimizer "
+                     f"steps ({run_length}): its decay starts midway, at a fraction of learning_rate, or never, as "
+                     f"it would in Transformers; for more than a trial, make them fit in {total_steps} steps "
+                     "(lr_scheduler_kwargs num_decay_steps, num_stable_steps; warmup_steps)")
+    return notes
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, *,
