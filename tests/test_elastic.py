@@ -47,12 +47,12 @@ def test_an_elastic_range_reaches_torchrun_and_counts_processes_at_its_largest()
      "--rdzv_conf: unknown setting 'last_call'; did you mean last_call_timeout?"),
     (["--num_machines", "2", *TWO_HOSTS, "--rdzv_conf", "join_timeout=soon"],
      "--rdzv_conf join_timeout=soon: give a whole number of seconds"),
-    # each half of the rule alone: c10d on one machine, and several machines on the static rendezvous
+    # c10d on one machine, and a c10d setting on the static rendezvous
     (["--num_processes", "2", "--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=60"],
-     "--rdzv_conf join_timeout=60 configures a c10d rendezvous of several machines"),
+     "--rdzv_conf join_timeout=60 configures the rendezvous of several machines"),
     (["--num_machines", "2", "--num_processes", "4", "--main_process_ip", "10.200.0.1", "--machine_rank", "0",
-      "--rdzv_conf", "join_timeout=60"],
-     "--rdzv_conf join_timeout=60 configures a c10d rendezvous of several machines"),
+      "--rdzv_conf", "keep_alive_interval=60"],
+     "--rdzv_conf keep_alive_interval=60: the static rendezvous (the default) takes join_timeout alone"),
 ])
 def test_bad_elastic_options_are_refused_in_one_line(launch, message):
     with pytest.raises(UsageError) as err:

@@ -128,12 +128,21 @@ def run(argv: list[str]) -> int:
         refuse_restarts_that_cannot_go_on(opts, cfg)
         # Decided once for every rank (they inherit the environment), before torchrun starts them.
         offline_unless_reachable(cfg.model.model_name_or_path, cfg.data.dataset_name)
+    from shardtune.cli.launch_command import NOT_MET, meeting
+    from shardtune.errors import EXIT_FAILED
+
+    machines = meeting(opts)
+    if machines is not None:  # torchrun says nothing while it waits (15 min by default)
+        print(machines.announce(), file=sys.stderr, flush=True)
     try:
         return run_torchrun(cmd[len(TORCHRUN):])
     except RuntimeError as exc:  # torch's DistNetworkError, from the agent's rendezvous before any worker starts
-        if "EADDRINUSE" not in str(exc):
+        if "EADDRINUSE" in str(exc):
+            raise _port_in_use(opts) from None
+        if machines is None or not any(mark in str(exc) for mark in NOT_MET):
             raise
-        raise _port_in_use(opts) from None
+        print(machines.not_met(exc), file=sys.stderr)
+        return EXIT_FAILED
 
 
 def _port_in_use(opts: argparse.Namespace) -> UsageError:
@@ -315,6 +324,43 @@ def _sigterm_waits_for_the_save(args: argparse.Namespace) -> Iterator[dict[str, 
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def _stop_at_once_without_workers() -> Iterator[None]:
+    """Ctrl-C or SIGTERM while no worker runs (the machines still meeting, which torch waits for inside one C++
+    call that no Python signal handler interrupts: it ran on for the whole rendezvous timeout, 15 minutes) ends the
+    launch at once, saying so: there is nothing to save. The signal's byte reaches a thread through the wakeup fd,
+    which Python writes before any handler can run; with workers running, the handlers act as before."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from shardtune.dist import children
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    launcher = os.getpid()
+
+    def watch() -> None:
+        while signum := os.read(read_end, 1):
+            if signum[0] not in (signal.SIGINT, signal.SIGTERM) or \
+                    any(_is_worker(pid, launcher) for pid in children(launcher)):
+                continue
+            name = signal.Signals(signum[0]).name
+            print(f"shardtune launch: stopped by {name} while no worker ran (waiting for the machines to meet): "
+                  f"nothing was started or saved", file=sys.stderr, flush=True)
+            os._exit(128 + signum[0])
+        os.close(read_end)
+
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    threading.Thread(target=watch, name="shardtune-launch-signals", daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(write_end)  # the watcher reads the pipe's end, closes it and returns
+
+
 def run_torchrun(torchrun_args: list[str]) -> int:
     """Run torchrun's agent in this process; a failed worker becomes one line and its exit code.
 
@@ -347,7 +393,8 @@ def run_torchrun(torchrun_args: list[str]) -> int:
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
                STOP_REPORT: report, LAUNCHER_PID: str(os.getpid())}
     try:
-        with _sigterm_waits_for_the_save(args) as agent, environment(workers | agent):
+        with _sigterm_waits_for_the_save(args) as agent, environment(workers | agent), \
+                _stop_at_once_without_workers():
             torchrun(args)
     except ChildFailedError as exc:
         rank, failure = first_failure(exc.failures)

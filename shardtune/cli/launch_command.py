@@ -95,7 +95,9 @@ def launcher_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv_id", "--rdzv-id", default=None,
                    help="c10d only: the job's rendezvous id, the same on every machine (torchrun's --rdzv_id)")
     p.add_argument("--rdzv_conf", "--rdzv-conf", default=None, metavar="KEY=VALUE,...",
-                   help="c10d only: torchrun's rendezvous settings, in seconds: " + ", ".join(RDZV_CONF_KEYS))
+                   help="torchrun's rendezvous settings, in seconds: " + ", ".join(RDZV_CONF_KEYS) +
+                        " (the static rendezvous takes join_timeout alone: how long the machines wait for each "
+                        "other, 900 s by default; c10d's is 600 s)")
     p.add_argument("--max_restarts", "--max-restarts", type=int, default=0)
     p.add_argument("--monitor_interval", type=float, default=None)
     p.add_argument("--dry_run", "--dry-run", nargs="?", const=True, default=False, type=true_or_false,
@@ -218,9 +220,9 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
     if machines.elastic and rdzv != "c10d":
         raise UsageError(f"--num_machines {machines} is an elastic range: add --rdzv_backend c10d (a static "
                          f"rendezvous waits for a fixed number of machines), or give one number")
-    if opts.rdzv_conf is not None and not (num_machines > 1 and rdzv == "c10d"):
-        raise UsageError(f"--rdzv_conf {opts.rdzv_conf} configures a c10d rendezvous of several machines: add "
-                         f"--rdzv_backend c10d and --num_machines 2 or more, or leave --rdzv_conf out")
+    if opts.rdzv_conf is not None and num_machines < 2:
+        raise UsageError(f"--rdzv_conf {opts.rdzv_conf} configures the rendezvous of several machines: add "
+                         f"--num_machines 2 or more, or leave --rdzv_conf out")
     if opts.rdzv_id and not (num_machines > 1 and rdzv == "c10d"):
         raise UsageError(f"--rdzv_id {opts.rdzv_id} names a c10d rendezvous of several machines: add "
                          f"--rdzv_backend c10d and --num_machines 2 or more, or leave --rdzv_id out")
@@ -240,6 +242,8 @@ def torchrun_command(opts: argparse.Namespace, train_args: list[str]) -> list[st
             if rank is None:
                 raise UsageError("multi-machine launch needs --machine_rank (0 on the main machine, then 1, 2, ...)")
             cmd += ["--node_rank", str(rank), "--master_addr", str(ip), "--master_port", str(port)]
+            if opts.rdzv_conf is not None:
+                cmd += ["--rdzv_conf", f"timeout={join_timeout(opts.rdzv_conf, static=True)}"]
     elif port:
         cmd += ["--master_addr", str(ip or "127.0.0.1"), "--master_port", str(port)]
     else:
@@ -289,6 +293,74 @@ def rdzv_conf(text: str) -> str:
             raise UsageError(f"--rdzv_conf {key}={value}: give a whole number of seconds (or attempts), 1 or more, "
                              f"e.g. {key}=30")
     return ",".join(item.replace(" ", "") for item in text.split(","))
+
+
+# How long torchrun waits for the machines to meet, unless --rdzv_conf join_timeout says: its static rendezvous
+# (torch.distributed.launcher.api's default timeout) and its c10d one (dynamic_rendezvous's join_timeout).
+JOIN_TIMEOUT_S = {"static": 900, "c10d": 600}
+
+
+def join_timeout(text: str | None, *, static: bool) -> int | None:
+    """``--rdzv_conf``'s join_timeout (checked), or None where it gives none. The static rendezvous has no other
+    setting: another key is refused there, naming the c10d rendezvous that takes it."""
+    if text is None:
+        return None
+    rdzv_conf(text)
+    settings = dict(item.replace(" ", "").split("=", 1) for item in text.split(","))
+    others = [key for key in settings if key != "join_timeout"]
+    if static and others:
+        raise UsageError(f"--rdzv_conf {others[0]}={settings[others[0]]}: the static rendezvous (the default) takes "
+                         f"join_timeout alone; {others[0]} is a c10d setting: add --rdzv_backend c10d, or leave it out")
+    return int(settings["join_timeout"]) if "join_timeout" in settings else None
+
+
+class Meeting(NamedTuple):
+    """Where and how long the machines of a job of several wait for each other: what a launcher says it waits
+    for, and what to check when they never met."""
+
+    machines: MachineRange
+    rank: int | None  # None under c10d, where the rendezvous hands out the machine ranks
+    ip: str
+    port: int
+    timeout_s: int
+
+    def announce(self) -> str:
+        where = f"{self.ip}:{self.port}"
+        if self.rank == 0:
+            others = "1" if self.machines.max == 2 else f"1 to {self.machines.max - 1}"
+            return (f"shardtune launch: machine rank 0 of {self.machines}: waiting up to {self.timeout_s} s for the "
+                    f"other machines to join on {where} (the same command there, with --machine_rank {others})")
+        me = "a machine" if self.rank is None else f"machine rank {self.rank}"
+        return (f"shardtune launch: {me} of {self.machines}: joining the job's rendezvous on {where}, waiting up to "
+                f"{self.timeout_s} s for the other machines")
+
+    def not_met(self, exc: BaseException) -> str:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        ranks = "" if self.rank is None else f" and its own --machine_rank from 0 to {self.machines.max - 1}"
+        return (f"shardtune launch: the machines did not meet within {self.timeout_s} s on {self.ip}:{self.port} "
+                f"({first}): check that every machine runs the same command, with --num_machines {self.machines}, "
+                f"--main_process_ip {self.ip} (machine rank 0's address, reachable from the others) and "
+                f"--main_process_port {self.port} (open in machine rank 0's firewall){ranks}; "
+                f"--rdzv_conf join_timeout=SECONDS waits longer")
+
+
+# What torch's rendezvous raises when the machines never met: the store's server, no client joined; a client,
+# the server never answered.
+NOT_MET = ("waiting for clients", "while trying to connect to", "RendezvousTimeoutError", "timed out")
+
+
+def meeting(opts: argparse.Namespace) -> Meeting | None:
+    """The rendezvous this launcher waits in, for a job of several machines (None on one); the options have been
+    checked (``torchrun_command``)."""
+    pick = option_picker(opts)
+    machines = machine_range(pick("num_machines", 1))
+    if machines.max < 2:
+        return None
+    backend = str(pick("rdzv_backend", "static"))
+    rank = None if backend == "c10d" else int(pick("machine_rank", 0))
+    timeout_s = join_timeout(opts.rdzv_conf, static=backend != "c10d") or JOIN_TIMEOUT_S[backend]
+    return Meeting(machines, rank, str(pick("main_process_ip", "")), int(pick("main_process_port", 29500)),
+                   timeout_s)
 
 
 def true_or_false(text: str) -> bool:

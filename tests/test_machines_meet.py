@@ -1,0 +1,86 @@
+"""Machines of a job that never meet: each launcher says what it waits for and for how long, gives up after
+``--rdzv_conf join_timeout`` with a line naming what to check, and stops at once on Ctrl-C while it waits (torch
+waited out its 15-minute rendezvous timeout in silence, deaf to Ctrl-C and SIGTERM)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardtune.cli.launch_command import launcher_parser, meeting, torchrun_command
+from shardtune.errors import UsageError
+from tests.trainutil import shardtune_env, tiny_workspace
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tiny_workspace(tmp_path_factory, "meet", rows=8)
+
+
+def launcher(work, port: int, *extra: str) -> subprocess.Popen:
+    train = ["train", "--model_name_or_path", str(work / "model"), "--dataset_name", str(work / "chat.jsonl"),
+             "--max_steps", "1", "--output_dir", str(work / "out")]
+    return subprocess.Popen([sys.executable, "-m", "shardtune", "launch", "--num_machines", "2", "--num_processes",
+                             "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *extra, *train],
+                            cwd=work, env=shardtune_env(work), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True)
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_machine_alone_says_what_it_waits_for_gives_up_naming_what_to_check_and_stops_on_ctrl_c(work):
+    with socket.socket() as closed, socket.socket() as free:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: nobody answers there
+        free.bind(("127.0.0.1", 0))
+        port_0 = free.getsockname()[1]
+        free.close()
+        joining = launcher(work, closed.getsockname()[1], "--machine_rank", "1", "--rdzv_conf", "join_timeout=2")
+        hosting = launcher(work, port_0, "--machine_rank", "0")
+        try:
+            waiting = hosting.stderr.readline()
+            while not listening(port_0):  # until torch's agent waits in its store
+                time.sleep(0.2)
+            started = time.monotonic()
+            hosting.send_signal(signal.SIGINT)
+            _, hosting_err = hosting.communicate(timeout=30)
+            stopped_after_s = time.monotonic() - started
+            _, joining_err = joining.communicate(timeout=120)
+        finally:
+            for p in (joining, hosting):
+                p.kill()
+    assert waiting.startswith(f"shardtune launch: machine rank 0 of 2: waiting up to 900 s for the other machines to "
+                              f"join on 127.0.0.1:{port_0} (the same command there, with --machine_rank 1)")
+    assert hosting.returncode == 130 and stopped_after_s < 15, (hosting.returncode, stopped_after_s, hosting_err)
+    assert "stopped by SIGINT while no worker ran (waiting for the machines to meet)" in hosting_err
+    assert joining.returncode == 1, joining_err
+    assert "machine rank 1 of 2: joining the job's rendezvous on 127.0.0.1:" in joining_err
+    last = joining_err.strip().splitlines()[-1]
+    assert last.startswith("shardtune launch: the machines did not meet within 2 s on 127.0.0.1:"), joining_err
+    assert "--main_process_ip 127.0.0.1 (machine rank 0's address" in last and "join_timeout=SECONDS" in last
+    assert "Traceback" not in joining_err
+
+
+TWO = ["--num_machines", "2", "--num_processes", "2", "--main_process_ip", "10.0.0.1"]
+
+
+def parsed(*launch: str):
+    return launcher_parser().parse_args(list(launch))
+
+
+def test_join_timeout_reaches_the_static_rendezvous_and_its_other_settings_are_refused():
+    opts = parsed(*TWO, "--machine_rank", "1", "--rdzv_conf", "join_timeout=30")
+    cmd = torchrun_command(opts, [])
+    assert cmd[cmd.index("--rdzv_conf") + 1] == "timeout=30" and meeting(opts).timeout_s == 30
+    assert meeting(parsed(*TWO, "--machine_rank", "0")).timeout_s == 900
+    assert meeting(parsed(*TWO, "--rdzv_backend", "c10d")).timeout_s == 600
+    with pytest.raises(UsageError, match="static rendezvous .* takes join_timeout alone; last_call_timeout is a c10d"):
+        torchrun_command(parsed(*TWO, "--machine_rank", "0", "--rdzv_conf", "last_call_timeout=5"), [])
