@@ -4,6 +4,9 @@ waited out its 15-minute rendezvous timeout in silence, deaf to Ctrl-C and SIGTE
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -84,3 +87,35 @@ def test_join_timeout_reaches_the_static_rendezvous_and_its_other_settings_are_r
     assert meeting(parsed(*TWO, "--rdzv_backend", "c10d")).timeout_s == 600
     with pytest.raises(UsageError, match="static rendezvous .* takes join_timeout alone; last_call_timeout is a c10d"):
         torchrun_command(parsed(*TWO, "--machine_rank", "0", "--rdzv_conf", "last_call_timeout=5"), [])
+
+
+@pytest.mark.timeout(180)
+def test_an_output_dir_that_the_machines_do_not_share_is_refused_at_the_start(work):
+    """Machine rank 1 sees its own disk at output_dir's path (a mount namespace over it): the run trained until its
+    first checkpoint and failed there with 'Parent directory ... does not exist'."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("a mount namespace (the second machine's own disk) needs root and unshare")
+    disk = work / "disk"
+    disk.mkdir()
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    args = ["--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+            "--main_process_port", str(port), "--machine_rank", "{rank}", "train", "--model_name_or_path",
+            str(work / "model"), "--dataset_name", str(work / "chat.jsonl"), "--max_steps", "4", "--save_steps", "2",
+            "--predict_memory", "false", "--output_dir", str(disk / "run")]
+    launch = [sys.executable, "-m", "shardtune", "launch"]
+    own_disk = f"mount -t tmpfs tmpfs {shlex.quote(str(disk))} && exec {shlex.join(launch + args)}"
+    machines = [subprocess.Popen(launch + [a.format(rank=0) for a in args], cwd=work, env=shardtune_env(work),
+                                 stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True),
+                subprocess.Popen(["unshare", "-m", "sh", "-c", own_disk.format(rank=1)], cwd=work,
+                                 env=shardtune_env(work), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)]
+    try:
+        errors = [m.communicate(timeout=150)[1] for m in machines]
+    finally:
+        for m in machines:
+            m.kill()
+    for machine, err in zip(machines, errors):
+        assert machine.returncode == 2, err
+        assert f"output_dir {disk / 'run'} is not shared between the machines" in err, err
+    assert not any(disk.iterdir())  # rank 0's folder, made for the run, is gone

@@ -452,6 +452,7 @@ def output_dir_claimed(cfg: TrainConfig, info: DistInfo) -> Iterator[OutputDirLo
             raise
         raise UsageError(exc.message) from None  # rank 0 prints it; the others exit 2 with it
     try:
+        refuse_unshared_output_dir(cfg, info)
         yield held[0] if held else None
     except UsageError:
         for lock in held:
@@ -462,6 +463,31 @@ def output_dir_claimed(cfg: TrainConfig, info: DistInfo) -> Iterator[OutputDirLo
     finally:
         for lock in held:
             lock.release()
+
+
+def refuse_unshared_output_dir(cfg: TrainConfig, info: DistInfo) -> None:
+    """On several machines, every rank must see the output_dir rank 0 claimed: each rank writes its part of every
+    checkpoint there, and reads them all on resume. A folder on each machine's own disk trained until the first
+    save, then failed with 'Parent directory ... does not exist'. Rank 0's lock (its host, pid and start) is what
+    every rank reads back; a rank that reads something else is on another file system. A collective."""
+    from shardtune.train.output_dir import LOCK
+
+    saves = cfg.checkpoint.save_strategy != "no"
+    resumes = str(cfg.checkpoint.resume_from_checkpoint or "").lower() not in RESUME_OFF
+    if not info.distributed or info.num_nodes < 2 or not (saves or resumes):
+        return
+    import socket
+
+    lock = Path(cfg.run.output_dir) / LOCK
+    seen = lock.read_bytes() if lock.is_file() else b""
+    every: list[Any] = [None] * info.world_size
+    torch.distributed.all_gather_object(every, (socket.gethostname(), seen))
+    apart = sorted({host for host, other in every[1:] if other != every[0][1]})
+    if apart:
+        raise UsageError(f"output_dir {cfg.run.output_dir} is not shared between the machines: {', '.join(apart)} "
+                         f"{'does' if len(apart) == 1 else 'do'} not see the folder rank 0 made on {every[0][0]}, and "
+                         f"every rank writes its part of each checkpoint there and reads them all to resume; give an "
+                         f"output_dir on a file system every machine mounts at that path (NFS, a cluster file system)")
 
 
 def non_finite_message(exc: NonFiniteLoss, job: Job, checkpointer: Checkpointer) -> str:
