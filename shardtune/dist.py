@@ -211,19 +211,14 @@ def process_table(info: DistInfo) -> list[tuple[str, int]]:
     return [tuple(entry) for entry in table]
 
 
-def refuse_other_settings(settings: dict[str, Any], info: DistInfo, *, may_differ: tuple[str, ...] = ()) -> None:
-    """Every rank must run with the same ``settings`` (the resolved training keys): machines started with other
-    arguments ran together without a word, each rank with its own learning rate or batch (DDP's replicas drifted
-    apart, the sampler's shards overlapped). A UsageError on every rank names the keys and each rank's value;
-    ``may_differ`` (machine_rank) is left out. A collective; nothing on one process."""
-    if not info.distributed:
-        return
-    mine = {key: value for key, value in settings.items() if key not in may_differ}
+def _differing(mine: dict[str, Any], info: DistInfo) -> str | None:
+    """The keys of ``mine`` whose value differs between ranks, each with every rank's value; None where all agree.
+    A collective."""
     every: list[Any] = [None] * info.world_size
     dist.all_gather_object(every, mine)
     differing = [key for key in mine if any(other.get(key) != mine[key] for other in every)]
     if not differing:
-        return
+        return None
 
     def values(key: str) -> str:
         by_value: dict[str, list[int]] = {}
@@ -231,11 +226,48 @@ def refuse_other_settings(settings: dict[str, Any], info: DistInfo, *, may_diffe
             by_value.setdefault(repr(other.get(key)), []).append(rank)
         return " / ".join(f"{value} (rank {', '.join(map(str, ranks))})" for value, ranks in by_value.items())
 
-    shown = "; ".join(f"{key} {values(key)}" for key in differing[:4])
     more = f"; and {len(differing) - 4} more" if len(differing) > 4 else ""
-    raise UsageError(f"the job's processes were started with different settings: {shown}{more}: every rank must "
-                     f"train with the same ones; give each machine's shardtune launch the same arguments after "
-                     f"'train' (only --machine_rank differs)")
+    return "; ".join(f"{key} {values(key)}" for key in differing[:4]) + more
+
+
+def refuse_other_settings(settings: dict[str, Any], info: DistInfo, *, may_differ: tuple[str, ...] = ()) -> None:
+    """Every rank must run with the same ``settings`` (the resolved training keys): machines started with other
+    arguments ran together without a word, each rank with its own learning rate or batch (DDP's replicas drifted
+    apart, the sampler's shards overlapped). A UsageError on every rank names the keys and each rank's value;
+    ``may_differ`` (machine_rank) is left out. A collective; nothing on one process."""
+    if not info.distributed:
+        return
+    shown = _differing({key: value for key, value in settings.items() if key not in may_differ}, info)
+    if shown:
+        raise UsageError(f"the job's processes were started with different settings: {shown}: every rank must "
+                         f"train with the same ones; give each machine's shardtune launch the same arguments after "
+                         f"'train' (only --machine_rank differs)")
+
+
+# The packages whose versions decide what a step computes and how ranks talk: machines with others ran together.
+VERSIONED = ("transformers", "peft")
+
+
+def refuse_other_versions(info: DistInfo) -> None:
+    """Every rank must run the same shardtune, torch, transformers and peft: machines set up apart (pip install on
+    each VM) trained together with other versions without a word, their collectives or numbers apart. A UsageError
+    on every rank names the packages and each rank's version. A collective; nothing on one process."""
+    if not info.distributed:
+        return
+    from importlib import metadata
+
+    import shardtune
+
+    versions = {"shardtune": shardtune.__version__, "torch": torch.__version__}
+    for name in VERSIONED:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    shown = _differing(versions, info)
+    if shown:
+        raise UsageError(f"the job's machines run different versions: {shown}: install the same versions on every "
+                         f"machine (pip install shardtune==VERSION torch==VERSION ... on each)")
 
 
 def ended_ranks(table: list[tuple[str, int]], rank: int, wait_s: float = 10.0) -> list[int] | None:

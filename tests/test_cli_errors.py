@@ -596,27 +596,16 @@ def test_machines_started_with_other_training_arguments_are_refused_on_each(tiny
     machine 1) trained together, exit 0, each rank with its own values: DDP's replicas drifted apart and the
     sampler's shards overlapped. Now every rank refuses at the start, each machine's log says which keys differ,
     and nothing is written."""
-    from tests.ports import AGENT_STORE_ENV, held_stores
-    from tests.trainutil import REPO, shardtune_env, write_chat_data
+    from tests.trainutil import one_rank_per_machine, write_chat_data
 
     data = write_chat_data(tmp_path / "chat.jsonl", rows=40)
     common = ["-m", "shardtune", "train", "--model_name_or_path", str(tiny), "--dataset_name", str(data),
               "--output_dir", str(tmp_path / "out"), "--max_steps", "1"]
     machine_0 = ["--per_device_train_batch_size", "2"]
     machine_1 = ["--learning_rate", "0.05", "--per_device_train_batch_size", "4", "--machine_rank", "1"]
-    [store] = held_stores(1)
-    procs = [subprocess.Popen(
-        [sys.executable, *common, *extra], cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=shardtune_env(tmp_path) | OFFLINE | AGENT_STORE_ENV | {
-            "PYTHONPATH": str(REPO), "MASTER_PORT": str(store.port), "RANK": str(rank), "WORLD_SIZE": "2",
-            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})  # one process on each of two machines
-        for rank, extra in enumerate((machine_0, machine_1))]
-    try:
-        said = [proc.communicate(timeout=120)[1] for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert [proc.returncode for proc in procs] == [2, 2], said
+    ended = one_rank_per_machine([common + machine_0, common + machine_1], tmp_path, OFFLINE)
+    said = [err for _, err in ended]
+    assert [code for code, _ in ended] == [2, 2], said
     for err in said:
         lines = [line for line in err.splitlines() if line.startswith("shardtune ")]
         assert lines == [

@@ -119,3 +119,25 @@ def test_an_output_dir_that_the_machines_do_not_share_is_refused_at_the_start(wo
         assert machine.returncode == 2, err
         assert f"output_dir {disk / 'run'} is not shared between the machines" in err, err
     assert not any(disk.iterdir())  # rank 0's folder, made for the run, is gone
+
+
+@pytest.mark.timeout(150)
+def test_machines_with_other_versions_are_refused_naming_them(work):
+    """Two VMs set up apart, machine 1 with another torch: they trained together without a word. Every rank now
+    refuses at the start, naming the package and each rank's version, and nothing is written."""
+    import torch
+
+    from tests.trainutil import one_rank_per_machine
+
+    train = ["train", "--model_name_or_path", str(work / "model"), "--dataset_name", str(work / "chat.jsonl"),
+             "--output_dir", str(work / "versions"), "--max_steps", "1"]
+    other_torch = ("import runpy, sys, torch; torch.__version__ = '2.0.0'; sys.argv[0] = 'shardtune'; "
+                   "runpy.run_module('shardtune', run_name='__main__')")
+    ended = one_rank_per_machine([["-m", "shardtune", *train], ["-c", other_torch, *train]], work,
+                                 {"HF_HUB_OFFLINE": "1"})
+    said = [err for _, err in ended]
+    assert [code for code, _ in ended] == [2, 2], said
+    for err in said:
+        assert (f"shardtune train: error: the job's machines run different versions: torch '{torch.__version__}' "
+                f"(rank 0) / '2.0.0' (rank 1): install the same versions on every machine") in err, err[-3000:]
+    assert not (work / "versions").exists()

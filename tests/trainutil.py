@@ -204,3 +204,23 @@ def make_lora_adapter(model: Path, out: Path) -> Path:
     base = AutoModelForCausalLM.from_pretrained(model)
     get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(out)
     return out
+
+
+def one_rank_per_machine(starts: list[list[str]], cwd: Path, extra_env: dict[str, str], timeout: int = 120) -> list:
+    """``python START`` for each start, as ranks 0, 1, ... of one job with one process on each machine (joining a
+    store the test holds, tests/ports.py); returns each one's (exit code, stderr). All are killed on leaving."""
+    from tests.ports import AGENT_STORE_ENV, held_stores
+
+    [store] = held_stores(1)
+    procs = [subprocess.Popen(
+        [sys.executable, *start], cwd=cwd, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=shardtune_env(cwd) | AGENT_STORE_ENV | extra_env | {
+            "PYTHONPATH": str(REPO), "MASTER_PORT": str(store.port), "RANK": str(rank),
+            "WORLD_SIZE": str(len(starts)), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+        for rank, start in enumerate(starts)]
+    try:
+        said = [proc.communicate(timeout=timeout)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    return [(proc.returncode, err) for proc, err in zip(procs, said)]

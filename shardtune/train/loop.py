@@ -24,7 +24,8 @@ import torch
 from shardtune.config import TrainConfig, save_resolved
 from shardtune.data.loaders import train_loader
 from shardtune.dist import (DistInfo, RankFailed, all_reduce_sum, ended_ranks, environment, init_distributed, lost_peer,
-                            process_table, refuse_other_settings, run_and_share, shutdown)
+                            process_table, refuse_other_settings, refuse_other_versions, run_and_share,
+                            shutdown)
 from shardtune.errors import RANK_OWN, PeerLost, Terminated, TrainingStopped, UsageError, first_line
 from shardtune.files import write_text
 from shardtune.train.callbacks import CallbackList, load_callbacks
@@ -151,6 +152,7 @@ def train(cfg: TrainConfig, callbacks: Sequence[Any] = (), *,
             processes: list[tuple[str, int]] = []
             try:
                 processes = process_table(info)  # who runs where: to name a rank that dies
+                refuse_other_versions(info)  # before the settings: another version may read them otherwise
                 refuse_other_settings(cfg.to_flat(), info, may_differ=("machine_rank",))
                 named = load_callbacks(cfg.run.callbacks)  # a bad name stops the run before anything is written
                 with output_dir_claimed(cfg, info) as claim:  # so does a folder in use, or one holding another run
