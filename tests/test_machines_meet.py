@@ -141,3 +141,22 @@ def test_machines_with_other_versions_are_refused_naming_them(work):
         assert (f"shardtune train: error: the job's machines run different versions: torch '{torch.__version__}' "
                 f"(rank 0) / '2.0.0' (rank 1): install the same versions on every machine") in err, err[-3000:]
     assert not (work / "versions").exists()
+
+
+def test_a_survivor_names_the_machine_whose_rank_is_gone(tmp_path):
+    """Machine 0's rank saw a closed connection to a rank on the other machine: it said 'a rank on another machine is
+    gone' without saying which machine; the host that ran it, from the job's process table, is now named."""
+    import torch
+
+    from shardtune.config import TrainConfig
+    from shardtune.dist import DistInfo
+    from shardtune.train.loop import peer_lost
+
+    cfg = TrainConfig()
+    cfg.run.output_dir = str(tmp_path)
+    info = DistInfo(0, 3, 0, 1, torch.device("cpu"))
+    table = [(socket.gethostname(), os.getpid()), ("node-b", 1234), ("node-b", 1235)]
+    message = str(peer_lost(cfg, info, table))
+    assert message.startswith("a rank on another machine is gone (the connection to it closed); the job's other "
+                              "machine: node-b (rank 1 to 2): see that machine's messages, and training cannot go "
+                              "on without it; no checkpoint was saved yet"), message

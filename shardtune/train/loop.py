@@ -180,13 +180,27 @@ def peer_lost(cfg: TrainConfig, info: DistInfo, processes: list[tuple[str, int]]
               f"killed, out of memory, or stopped by its own error, printed above)"
         quiet = any(r < info.rank and r not in gone for r in range(info.world_size))
     else:
-        who = "a rank on another machine is gone (the connection to it closed): see that machine's messages"
+        who = f"a rank on another machine is gone (the connection to it closed){elsewhere(processes)}: see that " \
+              f"machine's messages"
         quiet = info.rank != 0
     found = complete_checkpoints(cfg.run.output_dir, warn=False)
     after = (f"newest complete checkpoint: {found[-1]}; run the same command with resume_from_checkpoint true to "
              f"carry on from it (its files are checked first)" if found else
              "no checkpoint was saved yet: run the same command to start again")
     return PeerLost(f"{who}, and training cannot go on without it; {after}", quiet=quiet)
+
+
+def elsewhere(processes: list[tuple[str, int]]) -> str:
+    """The other machines of the job and their ranks, for a survivor to say where the lost rank ran: a user with
+    two machines then knows which one to look at (and which to start again)."""
+    import socket
+
+    ranks: dict[str, list[int]] = {}
+    for rank, (host, _) in enumerate(processes):
+        if host != socket.gethostname():
+            ranks.setdefault(host, []).append(rank)
+    shown = [f"{host} (rank {rs[0]}{f' to {rs[-1]}' if len(rs) > 1 else ''})" for host, rs in ranks.items()][:4]
+    return f"; the job's other machine{'s' if len(ranks) > 1 else ''}: {', '.join(shown)}" if shown else ""
 
 
 def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bounds,
