@@ -47,6 +47,9 @@ def test_a_machine_alone_says_what_it_waits_for_gives_up_naming_what_to_check_an
         port_0 = free.getsockname()[1]
         free.close()
         joining = launcher(work, closed.getsockname()[1], "--machine_rank", "1", "--rdzv_conf", "join_timeout=2")
+        # c10d's rendezvous timed out with RendezvousTimeoutError's traceback
+        elastic = launcher(work, port_0 + 1 if port_0 < 65535 else port_0 - 1, "--rdzv_backend", "c10d",
+                           "--rdzv_conf", "join_timeout=2")
         hosting = launcher(work, port_0, "--machine_rank", "0")
         try:
             waiting = hosting.stderr.readline()
@@ -57,8 +60,9 @@ def test_a_machine_alone_says_what_it_waits_for_gives_up_naming_what_to_check_an
             _, hosting_err = hosting.communicate(timeout=30)
             stopped_after_s = time.monotonic() - started
             _, joining_err = joining.communicate(timeout=120)
+            _, elastic_err = elastic.communicate(timeout=120)
         finally:
-            for p in (joining, hosting):
+            for p in (joining, hosting, elastic):
                 p.kill()
     assert waiting.startswith(f"shardtune launch: machine rank 0 of 2: waiting up to 900 s for the other machines to "
                               f"join on 127.0.0.1:{port_0} (the same command there, with --machine_rank 1)")
@@ -70,6 +74,9 @@ def test_a_machine_alone_says_what_it_waits_for_gives_up_naming_what_to_check_an
     assert last.startswith("shardtune launch: the machines did not meet within 2 s on 127.0.0.1:"), joining_err
     assert "--main_process_ip 127.0.0.1 (machine rank 0's address" in last and "join_timeout=SECONDS" in last
     assert "Traceback" not in joining_err
+    assert elastic.returncode == 1 and "Traceback" not in elastic_err, elastic_err
+    assert elastic_err.strip().splitlines()[-1].startswith(
+        "shardtune launch: the machines did not meet within 2 s on 127.0.0.1:"), elastic_err
 
 
 TWO = ["--num_machines", "2", "--num_processes", "2", "--main_process_ip", "10.0.0.1"]

@@ -134,12 +134,14 @@ def run(argv: list[str]) -> int:
     machines = meeting(opts)
     if machines is not None:  # torchrun says nothing while it waits (15 min by default)
         print(machines.announce(), file=sys.stderr, flush=True)
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
     try:
         return run_torchrun(cmd[len(TORCHRUN):])
-    except RuntimeError as exc:  # torch's DistNetworkError, from the agent's rendezvous before any worker starts
+    except (RuntimeError, RendezvousTimeoutError) as exc:  # the agent's rendezvous, before any worker starts
         if "EADDRINUSE" in str(exc):
             raise _port_in_use(opts) from None
-        if machines is None or not any(mark in str(exc) for mark in NOT_MET):
+        if machines is None or not (isinstance(exc, RendezvousTimeoutError) or any(m in str(exc) for m in NOT_MET)):
             raise
         print(machines.not_met(exc), file=sys.stderr)
         return EXIT_FAILED

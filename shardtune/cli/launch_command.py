@@ -344,9 +344,9 @@ class Meeting(NamedTuple):
                 f"--rdzv_conf join_timeout=SECONDS waits longer")
 
 
-# What torch's rendezvous raises when the machines never met: the store's server, no client joined; a client,
-# the server never answered.
-NOT_MET = ("waiting for clients", "while trying to connect to", "RendezvousTimeoutError", "timed out")
+# What torch's static rendezvous raises when the machines never met: the store's server, no client joined; a
+# client, the server never answered (c10d's raises RendezvousTimeoutError).
+NOT_MET = ("waiting for clients", "while trying to connect to")
 
 
 def meeting(opts: argparse.Namespace) -> Meeting | None:
