@@ -167,3 +167,18 @@ def test_a_survivor_names_the_machine_whose_rank_is_gone(tmp_path):
     assert message.startswith("a rank on another machine is gone (the connection to it closed); the job's other "
                               "machine: node-b (rank 1 to 2): see that machine's messages, and training cannot go "
                               "on without it; no checkpoint was saved yet"), message
+
+
+def test_a_main_process_ip_this_machine_cannot_resolve_is_refused_at_once(monkeypatch, capsys):
+    """A typo in machine rank 0's host name: the launcher retried it in silence for 15 minutes."""
+    from shardtune.cli import launch
+    from shardtune.cli import main
+
+    monkeypatch.setattr(launch, "run_torchrun", lambda args: pytest.fail("torchrun started"))
+    code = main(["launch", "--num_machines", "2", "--num_processes", "2", "--machine_rank", "1", "--main_process_ip",
+                 "node-0.invalid", "train", "--model_name_or_path", "m", "--dataset_name", "d"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("shardtune launch: error: --main_process_ip node-0.invalid: this machine "
+                                            "cannot resolve that host ("), err
+    assert err[-1].endswith("give machine rank 0's IP address (e.g. 10.0.0.1), or a host name every machine "
+                            "resolves")

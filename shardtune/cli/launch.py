@@ -106,6 +106,8 @@ def run(argv: list[str]) -> int:
     if opts.slurm is not None or opts.kubernetes is not None:
         return write_cluster_job(opts, argv[split + 1:])
     cmd = torchrun_command(opts, argv[split + 1:])
+    if not opts.dry_run:
+        _refuse_unknown_host(opts)
     from shardtune.cli.common import LAUNCHER_KEYS, TRAIN_HELP, load_job_config
     from shardtune.hub import offline_unless_reachable
 
@@ -145,6 +147,24 @@ def run(argv: list[str]) -> int:
             raise
         print(machines.not_met(exc), file=sys.stderr)
         return EXIT_FAILED
+
+
+def _refuse_unknown_host(opts: argparse.Namespace) -> None:
+    """A --main_process_ip that this machine cannot resolve (node-O for node-0): torch retried it in silence until
+    the rendezvous timeout (15 minutes), then failed with a traceback."""
+    import socket
+
+    from shardtune.cli.launch_command import meeting, option_picker
+
+    machines = meeting(opts)
+    if machines is None:
+        return
+    try:
+        socket.getaddrinfo(machines.ip, machines.port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UsageError(f"{option_picker(opts).named('main_process_ip')}: this machine cannot resolve that host "
+                         f"({exc.strerror}): give machine rank 0's IP address (e.g. 10.0.0.1), or a host name every "
+                         f"machine resolves") from None
 
 
 def _port_in_use(opts: argparse.Namespace) -> UsageError:
