@@ -41,11 +41,14 @@ def listening(port: int) -> bool:
 
 @pytest.mark.timeout(90)
 def test_a_machine_alone_says_what_it_waits_for_gives_up_naming_what_to_check_and_stops_on_ctrl_c(work):
-    with socket.socket() as closed, socket.socket() as free:
+    with socket.socket() as closed, socket.socket() as free, socket.socket() as free_too:
         closed.bind(("127.0.0.1", 0))  # bound, never listening: nobody answers there
         free.bind(("127.0.0.1", 0))
-        port_0 = free.getsockname()[1]
+        free_too.bind(("127.0.0.1", 0))
+        port_0, port_term = free.getsockname()[1], free_too.getsockname()[1]
         free.close()
+        free_too.close()
+        terminated = launcher(work, port_term, "--machine_rank", "0")
         joining = launcher(work, closed.getsockname()[1], "--machine_rank", "1", "--rdzv_conf", "join_timeout=2")
         # c10d's rendezvous timed out with RendezvousTimeoutError's traceback
         elastic = launcher(work, port_0 + 1 if port_0 < 65535 else port_0 - 1, "--rdzv_backend", "c10d",
@@ -59,15 +62,22 @@ def test_a_machine_alone_says_what_it_waits_for_gives_up_naming_what_to_check_an
             hosting.send_signal(signal.SIGINT)
             _, hosting_err = hosting.communicate(timeout=30)
             stopped_after_s = time.monotonic() - started
+            while not listening(port_term):
+                time.sleep(0.2)
+            terminated.send_signal(signal.SIGTERM)
+            _, terminated_err = terminated.communicate(timeout=30)
             _, joining_err = joining.communicate(timeout=120)
             _, elastic_err = elastic.communicate(timeout=120)
         finally:
-            for p in (joining, hosting, elastic):
+            for p in (joining, hosting, elastic, terminated):
                 p.kill()
     assert waiting.startswith(f"shardtune launch: machine rank 0 of 2: waiting up to 900 s for the other machines to "
                               f"join on 127.0.0.1:{port_0} (the same command there, with --machine_rank 1)")
     assert hosting.returncode == 130 and stopped_after_s < 15, (hosting.returncode, stopped_after_s, hosting_err)
     assert "stopped by SIGINT while no worker ran (waiting for the machines to meet)" in hosting_err
+    # SIGTERM (a scheduler's stop): the code of a stop with no checkpoint saved for it, as once workers run
+    assert terminated.returncode == 1, terminated_err
+    assert "stopped by SIGTERM while no worker ran (waiting for the machines to meet)" in terminated_err
     assert joining.returncode == 1, joining_err
     assert "machine rank 1 of 2: joining the job's rendezvous on 127.0.0.1:" in joining_err
     last = joining_err.strip().splitlines()[-1]

@@ -358,6 +358,7 @@ def _stop_at_once_without_workers() -> Iterator[None]:
         yield
         return
     from shardtune.dist import children
+    from shardtune.errors import EXIT_FAILED
 
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
@@ -370,8 +371,9 @@ def _stop_at_once_without_workers() -> Iterator[None]:
                 continue
             name = signal.Signals(signum[0]).name
             print(f"shardtune launch: stopped by {name} while no worker ran (waiting for the machines to meet): "
-                  f"nothing was started or saved", file=sys.stderr, flush=True)
-            os._exit(128 + signum[0])
+                  f"nothing was started or saved; {RESUME_HINT}", file=sys.stderr, flush=True)
+            # as a stop with no checkpoint saved for it says: nothing new to resume from (Ctrl-C: its own code)
+            os._exit(EXIT_FAILED if signum[0] == signal.SIGTERM else 128 + signum[0])
         os.close(read_end)
 
     previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
