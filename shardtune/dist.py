@@ -237,11 +237,22 @@ def refuse_other_settings(settings: dict[str, Any], info: DistInfo, *, may_diffe
     ``may_differ`` (machine_rank) is left out. A collective; nothing on one process."""
     if not info.distributed:
         return
-    shown = _differing({key: value for key, value in settings.items() if key not in may_differ}, info)
-    if shown:
-        raise UsageError(f"the job's processes were started with different settings: {shown}: every rank must "
-                         f"train with the same ones; give each machine's shardtune launch the same arguments after "
-                         f"'train' (only --machine_rank differs)")
+    mine = {key: value for key, value in settings.items() if key not in may_differ}
+    shown = _differing(mine, info)
+    if not shown:
+        return
+    # the launcher's own options (--num_processes 2 on one machine, 4 on the other) go before 'train'
+    from shardtune.config.schema import LAUNCHER_SET
+
+    keys = [part.split(" ", 1)[0] for part in shown.split("; ")]  # the last may be "and N more"
+    launcher = [f"--{key}" for key in LAUNCHER_SET if key in keys]
+    where = " and ".join(filter(None, (
+        f"the same {' and '.join(launcher)}, counted over all machines" if launcher else "",
+        "the same arguments after 'train'" if len(keys) > len(launcher) else "")))
+    raise UsageError(f"the job's processes were started with different settings: {shown}: every rank must "
+                     f"train with the same ones; give each machine's shardtune launch {where} (only --machine_rank "
+                     f"differs)")
+
 
 
 # The packages whose versions decide what a step computes and how ranks talk: machines with others ran together.

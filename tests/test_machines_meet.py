@@ -192,3 +192,20 @@ def test_a_main_process_ip_this_machine_cannot_resolve_is_refused_at_once(monkey
                                             "cannot resolve that host ("), err
     assert err[-1].endswith("give machine rank 0's IP address (e.g. 10.0.0.1), or a host name every machine "
                             "resolves")
+
+
+@pytest.mark.timeout(150)
+def test_machines_given_other_process_counts_are_told_to_give_the_launcher_the_same_ones(work):
+    """--num_processes 2 on machine 0 and 4 on machine 1 (read as per machine, torchrun's way) was refused with
+    'give each machine's shardtune launch the same arguments after train', where the option goes before it."""
+    from tests.trainutil import one_rank_per_machine
+
+    train = ["-m", "shardtune", "train", "--model_name_or_path", str(work / "model"), "--dataset_name",
+             str(work / "chat.jsonl"), "--output_dir", str(work / "counts"), "--max_steps", "1", "--num_machines", "2"]
+    ended = one_rank_per_machine([train + ["--num_processes", "2"], train + ["--num_processes", "4"]], work,
+                                 {"HF_HUB_OFFLINE": "1"})
+    assert [code for code, _ in ended] == [2, 2], ended
+    for _, err in ended:
+        assert ("different settings: num_processes 2 (rank 0) / 4 (rank 1): every rank must train with the same ones; "
+                "give each machine's shardtune launch the same --num_processes, counted over all machines (only "
+                "--machine_rank differs)") in err, err[-3000:]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtune import __version__
+from shardtune.config.schema import LAUNCHER_SET
 from shardtune.errors import UsageError, closest
 
 if TYPE_CHECKING:
@@ -224,7 +225,7 @@ def _resolved_recipe(path: Path) -> bool:
 # What ``shardtune launch`` passes on to train itself, ahead of the user's train arguments: a different value for
 # one of them after 'train' would configure the job for processes the launcher does not start.
 LAUNCHER_KEYS = {key: f" (under 'shardtune launch', write --{key} before 'train': the launcher's value decides "
-                      f"what starts)" for key in ("num_processes", "num_machines", "config_file")}
+                      f"what starts)" for key in (*LAUNCHER_SET, "config_file")}
 
 
 def load_job_config(argv: list[str], notes: list[str] | None = None) -> TrainConfig:

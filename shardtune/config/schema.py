@@ -74,6 +74,8 @@ HUB = "Accepted so recipes run unchanged; acts only where the hub is reachable."
 LORA, QLORA, PACKING, CHECKPOINTING = ("use_peft_lora true", "use_4bit_quantization true", "packing true",
                                        "gradient_checkpointing true")
 PP, MP, DDP_ONLY = "distributed_type PP", "distributed_type MP", "distributed_type DDP"
+# The job's keys that shardtune launch passes to every rank from its own options (written before 'train').
+LAUNCHER_SET = ("num_processes", "num_machines")
 EVAL_STEPS, SAVE_STEPS = "eval_strategy steps", "save_strategy steps"
 EVALUATES = "eval_strategy steps or epoch, or eval_on_start true"
 EVALS_EVERY = "eval_strategy steps or epoch"
