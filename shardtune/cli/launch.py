@@ -351,23 +351,38 @@ def _stop_at_once_without_workers() -> Iterator[None]:
     """Ctrl-C or SIGTERM while no worker runs (the machines still meeting, which torch waits for inside one C++
     call that no Python signal handler interrupts: it ran on for the whole rendezvous timeout, 15 minutes) ends the
     launch at once, saying so: there is nothing to save. The signal's byte reaches a thread through the wakeup fd,
-    which Python writes before any handler can run; with workers running, the handlers act as before."""
+    which Python writes before any handler can run. Once a worker has begun (running, or ended and not yet
+    reaped), the launcher's handlers answer every signal, as before: a second SIGTERM after the workers saved and
+    ended ends the wait with the launcher's report, not with this exit."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    from shardtune.dist import children
+    import select
+
+    from shardtune.dist import children, process_state
     from shardtune.errors import EXIT_FAILED
 
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     launcher = os.getpid()
 
+    def workers_began() -> bool:  # a worker running, or one that ended and is not yet reaped
+        return any(_is_worker(pid, launcher) or process_state(pid) == "zombie" for pid in children(launcher))
+
     def watch() -> None:
-        while signum := os.read(read_end, 1):
-            if signum[0] not in (signal.SIGINT, signal.SIGTERM) or \
-                    any(_is_worker(pid, launcher) for pid in children(launcher)):
+        # Once a worker has begun, the launcher's own handlers answer every signal: a second SIGTERM after the
+        # workers saved and ended must not cut the launcher's report short. Until then, looked at every 0.2 s.
+        began = False
+        while True:
+            if not select.select([read_end], [], [], 0.2)[0]:
+                began = began or workers_began()
+                continue
+            if not (signum := os.read(read_end, 1)):
+                break
+            began = began or workers_began()
+            if began or signum[0] not in (signal.SIGINT, signal.SIGTERM):
                 continue
             name = signal.Signals(signum[0]).name
             print(f"shardtune launch: stopped by {name} while no worker ran (waiting for the machines to meet): "
