@@ -28,10 +28,12 @@ def work(tmp_path_factory):
 def launcher(work, port: int, *extra: str) -> subprocess.Popen:
     train = ["train", "--model_name_or_path", str(work / "model"), "--dataset_name", str(work / "chat.jsonl"),
              "--max_steps", "1", "--output_dir", str(work / "out")]
+    # Ctrl-C as a terminal delivers it: a test run started in the background of a script (nohup ... &) ignores
+    # SIGINT, and every process it starts would inherit that
     return subprocess.Popen([sys.executable, "-m", "shardtune", "launch", "--num_machines", "2", "--num_processes",
                              "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *extra, *train],
                             cwd=work, env=shardtune_env(work), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def listening(port: int) -> bool:
