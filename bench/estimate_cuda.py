@@ -312,10 +312,10 @@ def build(cfg: TrainConfig, device: torch.device) -> Trainee:
     info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device)
     precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
     config = _model_config(cfg)
-    vocab_size, pad_id = _vocab_and_pad(cfg, config)
+    vocab_size, pad_id, added_token_ids = _vocab_and_pad(cfg, config)
     torch.manual_seed(cfg.run.seed)
     model, runner, _, _ = build_model(cfg, plan_for(cfg, info, precision), precision, info, vocab_size,
-                                      weights="init", config=config)
+                                      weights="init", config=config, added_token_ids=added_token_ids)
     return Trainee(model, runner, info, pad_id)
 
 
