@@ -351,9 +351,9 @@ def _stop_at_once_without_workers() -> Iterator[None]:
     """Ctrl-C or SIGTERM while no worker runs (the machines still meeting, which torch waits for inside one C++
     call that no Python signal handler interrupts: it ran on for the whole rendezvous timeout, 15 minutes) ends the
     launch at once, saying so: there is nothing to save. The signal's byte reaches a thread through the wakeup fd,
-    which Python writes before any handler can run. Once a worker has begun (running, or ended and not yet
-    reaped), the launcher's handlers answer every signal, as before: a second SIGTERM after the workers saved and
-    ended ends the wait with the launcher's report, not with this exit."""
+    which Python writes before any handler can run. Once the launcher has started a process (a worker, running,
+    just forked, or ended and not yet reaped), its handlers answer every signal, as before: a SIGTERM while the
+    workers start, or a second one after they saved and ended, gets the launcher's report, not this exit."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -361,15 +361,17 @@ def _stop_at_once_without_workers() -> Iterator[None]:
         return
     import select
 
-    from shardtune.dist import children, process_state
+    from shardtune.dist import children
     from shardtune.errors import EXIT_FAILED
 
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     launcher = os.getpid()
 
-    def workers_began() -> bool:  # a worker running, or one that ended and is not yet reaped
-        return any(_is_worker(pid, launcher) or process_state(pid) == "zombie" for pid in children(launcher))
+    def workers_began() -> bool:
+        # Any child: the agent starts none before the machines meet, and a worker just forked has not yet the
+        # environment that tells it a worker (_is_worker) until it execs.
+        return bool(children(launcher))
 
     def watch() -> None:
         # Once a worker has begun, the launcher's own handlers answer every signal: a second SIGTERM after the
