@@ -211,14 +211,14 @@ def process_table(info: DistInfo) -> list[tuple[str, int]]:
     return [tuple(entry) for entry in table]
 
 
-def _differing(mine: dict[str, Any], info: DistInfo) -> str | None:
-    """The keys of ``mine`` whose value differs between ranks, each with every rank's value; None where all agree.
-    A collective."""
+def _differing(mine: dict[str, Any], info: DistInfo) -> tuple[list[str], str]:
+    """The keys of ``mine`` whose value differs between ranks, and the first four of them in words, each with every
+    rank's value ("" where all agree). A collective."""
     every: list[Any] = [None] * info.world_size
     dist.all_gather_object(every, mine)
     differing = [key for key in mine if any(other.get(key) != mine[key] for other in every)]
     if not differing:
-        return None
+        return [], ""
 
     def values(key: str) -> str:
         by_value: dict[str, list[int]] = {}
@@ -227,7 +227,7 @@ def _differing(mine: dict[str, Any], info: DistInfo) -> str | None:
         return " / ".join(f"{value} (rank {', '.join(map(str, ranks))})" for value, ranks in by_value.items())
 
     more = f"; and {len(differing) - 4} more" if len(differing) > 4 else ""
-    return "; ".join(f"{key} {values(key)}" for key in differing[:4]) + more
+    return differing, "; ".join(f"{key} {values(key)}" for key in differing[:4]) + more
 
 
 def refuse_other_settings(settings: dict[str, Any], info: DistInfo, *, may_differ: tuple[str, ...] = ()) -> None:
@@ -238,13 +238,13 @@ def refuse_other_settings(settings: dict[str, Any], info: DistInfo, *, may_diffe
     if not info.distributed:
         return
     mine = {key: value for key, value in settings.items() if key not in may_differ}
-    shown = _differing(mine, info)
-    if not shown:
+    keys, shown = _differing(mine, info)
+    if not keys:
         return
     # the launcher's own options (--num_processes 2 on one machine, 4 on the other) go before 'train'
     from shardtune.config.schema import LAUNCHER_SET
 
-    keys = [part.split(" ", 1)[0] for part in shown.split("; ")]  # the last may be "and N more"
+    keys = keys[:4]  # those the message names
     launcher = [f"--{key}" for key in LAUNCHER_SET if key in keys]
     where = " and ".join(filter(None, (
         f"the same {' and '.join(launcher)}, counted over all machines" if launcher else "",
@@ -252,7 +252,6 @@ def refuse_other_settings(settings: dict[str, Any], info: DistInfo, *, may_diffe
     raise UsageError(f"the job's processes were started with different settings: {shown}: every rank must "
                      f"train with the same ones; give each machine's shardtune launch {where} (only --machine_rank "
                      f"differs)")
-
 
 
 # The packages whose versions decide what a step computes and how ranks talk: machines with others ran together.
@@ -275,8 +274,8 @@ def refuse_other_versions(info: DistInfo) -> None:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    shown = _differing(versions, info)
-    if shown:
+    differing, shown = _differing(versions, info)
+    if differing:
         raise UsageError(f"the job's machines run different versions: {shown}: install the same versions on every "
                          f"machine (pip install shardtune==VERSION torch==VERSION ... on each)")
 

@@ -305,8 +305,7 @@ def join_timeout(text: str | None, *, static: bool) -> int | None:
     setting: another key is refused there, naming the c10d rendezvous that takes it."""
     if text is None:
         return None
-    rdzv_conf(text)
-    settings = dict(item.replace(" ", "").split("=", 1) for item in text.split(","))
+    settings = dict(item.split("=", 1) for item in rdzv_conf(text).split(","))
     others = [key for key in settings if key != "join_timeout"]
     if static and others:
         raise UsageError(f"--rdzv_conf {others[0]}={settings[others[0]]}: the static rendezvous (the default) takes "
