@@ -292,6 +292,21 @@ def test_a_manifest_that_is_no_object_is_one_line_for_export_and_resume(work, tm
 ])
 def test_an_output_path_that_cannot_be_made_is_refused_before_any_work(work, tmp_path, capsys, monkeypatch, argv,
                                                                        says):
+    """Before any work: the work each command does first (load a model, train the demo, run the bench's setups,
+    draw the plots) raises here, so an OUT checked only when it is written (merge's after loading and merging both
+    models) fails the test though its message is the same."""
+    import transformers
+
+    import shardtune.bench.strategies
+    import shardtune.demo.run
+    import shardtune.train.plot
+
+    def work_began(*args, **kwargs):
+        raise AssertionError("the command began its work before refusing OUT")
+
+    for owner, name in ((transformers.AutoModelForCausalLM, "from_pretrained"), (shardtune.demo.run, "run_demo"),
+                        (shardtune.bench.strategies, "bench_strategies"), (shardtune.train.plot, "write_plots")):
+        monkeypatch.setattr(owner, name, work_began)
     monkeypatch.chdir(tmp_path)
     for name in ("model", "adapter", "a_file"):
         (tmp_path / name).symlink_to(work / name)
