@@ -417,6 +417,11 @@ def test_estimate_trace_judges_the_fit_by_the_traced_reserved_memory(models, cap
     assert main([*args, "--gpu-memory", f"{traced / 2**30 + 0.01:.6f}", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)["trace"]
     assert result["fits"] is True
+    # a GPU that holds the traced tensors' peak but not the memory reserved for them: the reserved memory decides
+    allocated = data["trace"]["peak_bytes"] + data["trace"]["cuda_context_bytes"]
+    assert traced - allocated > 2**20, (allocated, traced)
+    assert main([*args, "--gpu-memory", f"{(allocated + traced) / 2 / 2**30:.6f}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trace"]["fits"] is False
     # the trace above the formula on a GPU between them: its verdict, and the warning
     lower = traced - result["cuda_context_bytes"] - 2**20
     result |= {"fits": False, "gpu_memory_bytes": traced - 2**19}
