@@ -52,7 +52,9 @@ class SetupProbe:
         units = []
         for module, fsdp, groups in fsdp_units(model):
             mesh = groups[0].mesh_info.mesh if groups else None
-            units.append({"module": type(module).__name__.removeprefix("FSDP"),
+            name = type(module).__name__.removeprefix("FSDP")  # fully_shard's subclass of the module's class
+            cls = next(c for c in type(module).__mro__ if c.__name__ == name)
+            units.append({"module": name, "package": cls.__module__.split(".")[0],  # torch, transformers or peft
                           "mesh_shape": list(mesh.shape) if mesh is not None else None,
                           "mesh_dims": list(mesh.mesh_dim_names or ()) if mesh is not None else None,
                           "reshard_after_forward": any(g.post_forward_mesh_info is not None for g in groups),

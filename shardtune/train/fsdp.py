@@ -61,11 +61,14 @@ def _wrap_targets(model: nn.Module, plan: Plan) -> list[nn.Module]:
     targets: list[nn.Module] = []
     claimed: set[int] = set()
 
-    def visit(module: nn.Module) -> int:
-        free = sum(visit(child) for child in module.children())
+    def visit(module: nn.Module, name: str = "") -> int:
+        free = sum(visit(child, child_name) for child_name, child in module.named_children())
         free += sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in claimed)
-        # Containers without a forward (ModuleList) cannot be units: their parameters go up to the parent.
-        runs = type(module).forward is not nn.Module.forward
+        # Containers without a forward (ModuleList) cannot be units: their parameters go up to the parent. Nor can
+        # a PEFT layer's base_layer, whose weight the layer reads without calling it (trainable token rows are
+        # copied into the embeddings' weight, DoRA takes the base weight's norm): FSDP gathers a unit's
+        # parameters only around its own forward.
+        runs = type(module).forward is not nn.Module.forward and name != "base_layer"
         if free >= plan.min_num_params and module is not model and runs and id(module) not in head:
             targets.append(module)
             claimed.update(id(p) for p in module.parameters())
