@@ -459,3 +459,64 @@ def test_tokens_added_on_spare_rows_of_a_padded_vocabulary_train_under_lora(tmp_
     out = capsys.readouterr().out
     estimate = json.loads(out[out.index("{"):out.rindex("}") + 1])
     assert estimate["trainable_parameters"] == summary["trainable_parameters"]
+
+
+def test_untrained_rows_start_at_the_mean_of_the_trained_ones():
+    """A base model's rows that pretraining never trained (near zero) among the tokens the data writes start at the
+    mean of the matrix's trained rows, each matrix on its own; trained rows and tokens the data does not write stay
+    as they were."""
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.testing.tiny import tiny_llama_config
+    from shardtune.train.model import revive_untrained_rows
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(64))
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    with torch.no_grad():
+        embed[[5, 6, 9]] = 0  # 9: untrained too, but not written by the data
+        head[6] = 1e-7 * head[7]  # near zero: weight decay's remains
+    before = embed.detach().clone(), head.detach().clone()
+    assert revive_untrained_rows(model, [5, 6, 7]) == [5, 6]
+    for weight, old, revived in ((embed, before[0], [5, 6]), (head, before[1], [6])):
+        trained = [row for row in range(64) if row not in ([5, 6, 9] if weight is embed else [6])]
+        mean = old[trained].mean(dim=0)
+        for row in range(64):
+            torch.testing.assert_close(weight[row], mean if row in revived else old[row], rtol=1e-6, atol=1e-7)
+
+
+def test_template_tokens_the_base_never_trained_train_under_lora_and_travel_in_its_adapter(tmp_path, capsys):
+    """Llama 3's base models hold (near) zero rows for their own chat template's tokens (<|eot_id|>, the end of
+    every reply): LoRA left them frozen there, so the fine-tune's head never learned to end a reply. They now start
+    at the mean of the trained rows, train in the adapter (PEFT's trainable_token_indices) and are said; an export
+    of the run's checkpoint carries them as its final/ does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.cli import main
+    from shardtune.testing.tiny import make_model_folder
+    from tests.trainutil import logging_restored
+
+    untrained = ["<|im_start|>", "<|im_end|>"]  # the tiny tokenizer's ChatML template tokens
+    make_model_folder(tmp_path / "model", untrained=untrained)
+    write_chat_data(tmp_path / "chat.jsonl", rows=16)
+    with logging_restored():
+        assert main(["train", *flags("--model_name_or_path", str(tmp_path / "model"), "--dataset_name",
+                                     str(tmp_path / "chat.jsonl"), "--max_seq_len", "64", "--max_steps", "2",
+                                     "--learning_rate", "1e-2", "--per_device_train_batch_size", "4",
+                                     "--save_strategy", "steps", "--save_steps", "2", "--predict_memory", "false",
+                                     "--output_dir", str(tmp_path / "run"), "--use_peft_lora", "True")]) == 0
+    assert ("model: the base model never trained the rows of <|im_start|>, <|im_end|>, which the data writes"
+            in capsys.readouterr().err)
+    ids = AutoTokenizer.from_pretrained(tmp_path / "model").convert_tokens_to_ids(untrained)
+    final = tmp_path / "run" / "final"
+    assert json.loads((final / "adapter_config.json").read_text())["trainable_token_indices"] == {
+        "embed_tokens": ids, "lm_head": ids}
+    with logging_restored():
+        assert main(["export", str(tmp_path / "run" / "checkpoints" / "step-2"), str(tmp_path / "exported")]) == 0
+    merged = [PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "model"), folder)
+              .merge_and_unload() for folder in (final, tmp_path / "exported")]
+    for matrix in ("get_input_embeddings", "get_output_embeddings"):
+        rows = [getattr(model, matrix)().weight[ids] for model in merged]
+        assert rows[0].norm(dim=1).min() > 0.1  # trained from the mean: a zero row would have stayed at 0
+        torch.testing.assert_close(rows[1], rows[0])

@@ -26,9 +26,14 @@ def assets(tmp_path_factory):
     from shardtune.testing.tiny import make_model_folder
 
     root = tmp_path_factory.mktemp("equivalence")
-    model = make_model_folder(root / "model")
+    # As Llama 3's base models hold their chat template's tokens, the tiny model's ChatML tokens, which the data
+    # writes, have rows it never trained: every run revives them, and LoRA trains them (trained_template_rows).
+    model = make_model_folder(root / "model", untrained=UNTRAINED)
     data = write_chat_data(root / "chat.jsonl")
     return root, model, data
+
+
+UNTRAINED = ("<|im_start|>", "<|im_end|>")
 
 
 def common(model, data, out) -> list[str]:
@@ -154,7 +159,11 @@ SET_UP = {
     "lora_fsdp_checkpointed": lambda p: _units(p, "mesh_shape") == {"[2]"},
     "lora_fsdp_one_process_offload": lambda p: _units(p, "offload") == {'["CPUOffloadPolicy"]'}
     and _units(p, "mesh_shape") == {"[1]"},
-    "lora_fsdp_size_based_wrap": lambda p: "LlamaModel" in {u["module"] for u in p["fsdp_units"]},
+    # Each adapted linear layer (2 layers x 7) is a unit with its base weight, which it reads itself; the template's
+    # trained token rows are one with the embeddings they are copied into.
+    "lora_fsdp_size_based_wrap": lambda p: sum((u["package"], u["module"]) == ("peft", "Linear")
+                                               for u in p["fsdp_units"]) == 2 * 7
+    and {"TrainableTokensLayer", "LlamaForCausalLM"} <= {u["module"] for u in p["fsdp_units"]},
     "lora_fsdp_hybrid_shard": lambda p: _units(p, "mesh_dims") == {'["replicate", "shard"]'}
     and _units(p, "mesh_shape") == {"[1, 2]"},
     # NO_SHARD reshards after forward (kept, the gathered copies would hold every parameter twice) and reduces
@@ -196,6 +205,28 @@ def test_lora_same_losses(runs, name):
     assert reference[-1] < reference[0]
     assert_same(reference, losses_of(runs, name))
     assert_set_up(runs, name)
+    # The template's rows the base never trained train in the adapter alike (FSDP's ranks on meta learn which from
+    # rank 0), from the mean of the trained rows.
+    from torch.testing import assert_close
+
+    expected = trained_template_rows(runs, "lora_single")
+    assert_close(trained_template_rows(runs, name), expected, rtol=REL_TOL, atol=REL_TOL * float(expected.abs().max()))
+
+
+def trained_template_rows(runs, name: str):
+    """The rows of ``UNTRAINED`` the run's final adapter holds (PEFT's trainable tokens: embeddings, then head),
+    after checking that it trains exactly those."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    root, _ = runs
+    final = root / name / "final"
+    ids = AutoTokenizer.from_pretrained(final).convert_tokens_to_ids(list(UNTRAINED))
+    assert json.loads((final / "adapter_config.json").read_text())["trainable_token_indices"] == {
+        "embed_tokens": ids, "lm_head": ids}
+    found = {k: t for k, t in load_file(final / "adapter_model.safetensors").items() if "trainable_tokens_delta" in k}
+    return torch.cat([found[k] for k in sorted(found)])
 
 
 def test_callbacks_get_the_model_as_transformers_hands_it_not_the_ddp_wrapper(runs):

@@ -204,3 +204,19 @@ def spare_special_token(tokenizer) -> str | None:
     spare = [token.content for _, token in sorted(tokenizer.added_tokens_decoder.items())
              if token.special and token.content not in used]
     return next((token for word in ("pad", "reserved") for token in spare if word in token.lower()), None)
+
+
+def special_tokens_written(dataset, tokenizer) -> dict[int, str]:
+    """The tokenizer's special tokens (a chat template's, BOS, EOS; not the pad, which the collator adds and no
+    loss or attention reads) that the tokenised ``dataset`` (a ``datasets.Dataset``) holds, by id; read from its
+    Arrow column, so a large data set costs no Python loop."""
+    import pyarrow.compute as pc
+
+    specials = {token_id: token.content for token_id, token in tokenizer.added_tokens_decoder.items()
+                if token.special and token_id != tokenizer.pad_token_id}
+    if not specials or dataset is None or not len(dataset):
+        return {}
+    present: set[int] = set()
+    for chunk in dataset.data.column("input_ids").chunks:
+        present.update(pc.unique(pc.list_flatten(chunk)).to_pylist())
+    return {token_id: specials[token_id] for token_id in sorted(present & specials.keys())}

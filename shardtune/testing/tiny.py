@@ -10,7 +10,7 @@ ChatML chat template with ``{% generation %}`` markers.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
@@ -79,8 +79,11 @@ def tiny_llama_config(vocab_size: int, *, num_layers: int = 2, hidden_size: int 
                        rms_norm_eps=1e-5, rope_theta=10000.0)
 
 
-def make_model_folder(path: str | Path, *, seed: int = 0, tokenizer=None, **config_kwargs) -> Path:
-    """Write a randomly initialised tiny Llama and its tokenizer as a Hugging Face model folder at ``path``."""
+def make_model_folder(path: str | Path, *, seed: int = 0, tokenizer=None, untrained: Sequence[str] = (),
+                      **config_kwargs) -> Path:
+    """Write a randomly initialised tiny Llama and its tokenizer as a Hugging Face model folder at ``path``;
+    ``untrained``: tokens whose rows of the embeddings and the head are zero, as in a base model that never saw
+    them (Llama 3's base models and their chat template's tokens)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -91,6 +94,10 @@ def make_model_folder(path: str | Path, *, seed: int = 0, tokenizer=None, **conf
                                **config_kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for token_id in tokenizer.convert_tokens_to_ids(list(untrained)):
+            model.get_input_embeddings().weight[token_id] = 0
+            model.get_output_embeddings().weight[token_id] = 0
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
 from torch import nn
 
 from shardtune.config import TrainConfig
-from shardtune.dist import DistInfo
+from shardtune.dist import DistInfo, run_and_share
 from shardtune.train.model import (DTYPES, Precision, apply_lora, count_parameters, init_base_model,
                                    keep_4bit_layout_for_training, load_base_model,
-                                   resize_for_tokenizer, upcast_embeddings_output)
+                                   resize_for_tokenizer, revive_untrained_rows, upcast_embeddings_output)
 from shardtune.train.parallelize import Runner, load_from_rank0, parallelize
 from shardtune.train.plan import Plan
 
@@ -34,7 +34,8 @@ def load_device(plan: Plan, info: DistInfo) -> torch.device:
 def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistInfo, vocab_size: int, *,
                 weights: Literal["load", "init"] = "load", config=None, stands_in_for: TrainConfig | None = None,
                 prepare_base: Callable[[nn.Module], None] | None = None,
-                added_token_ids: Sequence[int] = ()) -> tuple[nn.Module, Runner, int, int]:
+                added_token_ids: Sequence[int] = (), data_specials: Mapping[int, str] | None = None,
+                ) -> tuple[nn.Module, Runner, int, int]:
     """The model, parallelized, and the runner that steps it; with its (trainable, total) parameter counts.
 
     ``weights="load"``: the pretrained weights (from disk, or from rank 0's copy on the other ranks).
@@ -43,6 +44,8 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
     stand-in for a QLoRA job). ``prepare_base``: run on the initialised base before the adapters (the trace packs
     a QLoRA job's 4-bit layers there). ``added_token_ids``: the tokens the run added to the tokenizer
     (``data.templates.added_token_ids``), whose rows train under LoRA even where the embeddings need not grow.
+    ``data_specials``: the special tokens the data writes, by id (``data.templates.special_tokens_written``); those
+    the base model never trained start at the mean of its rows and train (``revive_untrained_rows``).
     """
     lora = cfg.lora
     # QLoRA quantises while it loads, on every rank (a meta model has nothing to quantise).
@@ -59,6 +62,9 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
             if lora.use_4bit_quantization:
                 keep_4bit_layout_for_training(model)
         new_rows = resize_for_tokenizer(model, vocab_size, added=added_token_ids)
+        if weights == "load" and data_specials:
+            new_rows = sorted(set(new_rows) | set(_revive(model, data_specials, info, shared=on_meta,
+                                                          lora=lora.use_peft_lora)))
         if lora.use_peft_lora:
             model = apply_lora(model, lora, seed=cfg.run.seed, added_token_ids=new_rows,
                                trainable_dtype=precision.trainable_dtype)
@@ -78,6 +84,23 @@ def build_model(cfg: TrainConfig, plan: Plan, precision: Precision, info: DistIn
         load_from_rank0(model, full_state, buffers, info, offload=plan.offload)
     model.train()
     return model, runner, trainable, total
+
+
+def _revive(model: nn.Module, specials: Mapping[int, str], info: DistInfo, *, shared: bool, lora: bool) -> list[int]:
+    """``revive_untrained_rows`` for the special tokens the data writes, said once; ``shared``: only rank 0 holds
+    the weights (the others are on meta and get its rows, the revived ones included), and tells the others which
+    rows train, so every rank's adapters are alike."""
+    if shared:
+        revived = run_and_share(lambda: revive_untrained_rows(model, list(specials)), runs=info.is_main,
+                                what="reading the base model's token rows")[0] or []
+    else:
+        revived = revive_untrained_rows(model, list(specials))
+    if revived and info.is_main:
+        log.warning("model: the base model never trained the rows of %s, which the data writes (near zero, as in "
+                    "Llama 3's base models): they start at the mean of its trained rows and train%s",
+                    ", ".join(specials[token_id] for token_id in revived),
+                    " with the adapters (PEFT's trainable_token_indices)" if lora else "")
+    return revived
 
 
 def add_neftune_noise(model: nn.Module, alpha: float) -> None:

@@ -51,6 +51,7 @@ from shardtune.files import write_text
 from shardtune.strategies import resolve
 from shardtune.train.layout import (MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, manifest_problem,
                                     resume_problem)
+from shardtune.train.model import trainable_token_ids
 from shardtune.train.output_dir import drop_checkpoint
 from shardtune.train.plan import Plan
 from shardtune.train.resume import apply_learning_rate, check_resume, this_runs_optimizer_settings
@@ -141,7 +142,8 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
     what = f"saving checkpoint {final}"
     manifest = {"format": FORMAT_VERSION, "step": step, "world_size": info.world_size,
                 "trainable_only": trainable_only, "state_dict_type": state_dict_type,
-                "flat_optimizer": flat_optimizer, "complete": True}
+                "flat_optimizer": flat_optimizer, "complete": True,
+                **({"trainable_token_ids": tokens} if (tokens := trainable_token_ids(model)) else {})}
 
     def drop_tmp() -> None:  # a failed write leaves nothing half-written (a killed save does: it is ignored)
         if info.is_main:

@@ -193,8 +193,9 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
     except UsageError as exc:
         raise UsageError(f"{checkpoint}: cannot load its base model ({exc}); run from the folder the training ran "
                          f"in (the path may be relative) or give the base model folder with --base") from None
-    added_token_ids = resize_for_tokenizer(model, len(tokenizer), saved_rows_follow=True,
-                                           added=added_by_run(tokenizer))
+    added_token_ids = sorted(set(resize_for_tokenizer(model, len(tokenizer), saved_rows_follow=True,
+                                                      added=added_by_run(tokenizer)))
+                             | set(manifest.get("trainable_token_ids", [])))
     if is_peft:
         # (a run saved before a mistyped lora_modules_to_save was refused still exports: PEFT had ignored it)
         model = apply_lora(model, cfg.lora, seed=cfg.run.seed, added_token_ids=added_token_ids, training=False)

@@ -86,7 +86,7 @@ def no_eval_split(cfg: TrainConfig, left_out: list[str] | None = None, dropped: 
 def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, int], ...] | None = None) -> Job:
     """Tokenise the data, resolve the plan, build and parallelize the model, make the optimizer and schedule."""
     from shardtune.data import Collator, GlobalBatchSampler, load_tokenizer, prepare_datasets
-    from shardtune.data.templates import added_token_ids
+    from shardtune.data.templates import added_token_ids, special_tokens_written
     from shardtune.train.best import best_for
 
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
@@ -118,7 +118,8 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
         if info.is_main:
             log.warning(note)
     model, runner, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer),
-                                                  added_token_ids=added_token_ids(tokenizer))
+                                                  added_token_ids=added_token_ids(tokenizer),
+                                                  data_specials=special_tokens_written(data.train, tokenizer))
     if (left := len(data.train) % sampler.global_batch_size) and info.is_main:
         # Every step is one whole global batch (the loss is normalised over it); Transformers' Trainer instead
         # trains a smaller last batch.

@@ -22,9 +22,13 @@ PROMPT_STYLE = "prompt_style"  # summary.json's (and an export list's): "chat te
 # The manifest's fields a load reads, each with what a save writes there: every format wrote the first two; the
 # others came later and are read with a default where absent.
 MANIFEST_NEEDS = {"world_size": "a whole number >= 1", "trainable_only": "true or false"}
-MANIFEST_MAY_HOLD = {"flat_optimizer": "true or false", "files": "an object of file names"}
+# trainable_token_ids: the token rows a LoRA run trains (PEFT's trainable_token_indices), which a load must wrap
+# alike; the rows the run added are found again from its tokenizer, those its base never trained are not.
+MANIFEST_MAY_HOLD = {"flat_optimizer": "true or false", "files": "an object of file names",
+                     "trainable_token_ids": "a list of token ids"}
 _HOLDS = {"a whole number >= 1": lambda v: type(v) is int and v >= 1, "true or false": lambda v: type(v) is bool,
-          "an object of file names": lambda v: isinstance(v, dict)}
+          "an object of file names": lambda v: isinstance(v, dict),
+          "a list of token ids": lambda v: isinstance(v, list) and all(type(i) is int and i >= 0 for i in v)}
 
 
 def manifest_problem(manifest: dict, where: Path) -> str | None:

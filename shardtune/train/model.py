@@ -325,6 +325,55 @@ def resize_for_tokenizer(model: nn.Module, vocab_size: int, *, saved_rows_follow
     return spare + list(range(old_size, vocab_size))
 
 
+# A row of the embeddings or the head whose norm is below this share of the matrix's median row norm was never
+# trained: pretraining never saw its token, and weight decay took it to (near) zero. Trained rows, rare tokens'
+# included, sit within a factor of a few of the median.
+UNTRAINED_ROW_NORM = 1e-3
+_ROWS_AT_ONCE = 8192  # rows measured at a time: a 128k x 4096 matrix is never copied to fp32 whole
+
+
+def _vocabulary_matrices(model: nn.Module) -> list[torch.Tensor]:
+    """The input embeddings' weight, and the head's where it is a matrix of its own (not tied, not 4-bit)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    matrices = [embed.weight]
+    if head is not None and head.weight is not embed.weight and type(head.weight) in (torch.Tensor, nn.Parameter) \
+            and tuple(head.weight.shape) == tuple(embed.weight.shape):
+        matrices.append(head.weight)
+    return matrices
+
+
+def revive_untrained_rows(model: nn.Module, token_ids: Sequence[int]) -> list[int]:
+    """Of ``token_ids`` (the special tokens the run's data writes), those whose row of the input embeddings or of
+    the head the base model never trained (``UNTRAINED_ROW_NORM``): Llama 3's base models have (near) zero rows for
+    <|start_header_id|>, <|end_header_id|> and <|eot_id|>, the tokens of their own chat template. Each such row is
+    set to the mean of the matrix's trained rows, as transformers starts rows it adds; the ids are returned, so
+    that they train under LoRA too (``added_token_targets``). Left at zero, a frozen head row keeps the reply's end
+    token at logit zero, so the fine-tuned model never stops, and an input row of zeros tells the model nothing."""
+    ids = sorted(set(token_ids))
+    revived: set[int] = set()
+    with torch.no_grad():
+        for weight in _vocabulary_matrices(model) if ids else []:
+            norms = torch.cat([rows.float().norm(dim=1) for rows in weight.detach().split(_ROWS_AT_ONCE)])
+            trained = norms > UNTRAINED_ROW_NORM * norms.median()
+            dead = [token_id for token_id in ids if token_id < len(norms) and not trained[token_id]]
+            if not dead or not trained.any():
+                continue
+            total = sum(rows[keep].float().sum(dim=0) for rows, keep in
+                        zip(weight.detach().split(_ROWS_AT_ONCE), trained.split(_ROWS_AT_ONCE)))
+            weight[dead] = (total / trained.sum()).to(weight.dtype)
+            revived.update(dead)
+    return sorted(revived)
+
+
+def trainable_token_ids(model: nn.Module) -> list[int]:
+    """The token rows ``model``'s adapters train (PEFT's ``trainable_token_indices``, on any of its modules)."""
+    ids: set[int] = set()
+    for module in model.modules():
+        if type(module).__name__ == "TrainableTokensLayer":
+            ids.update(token_id for indices in module.token_indices.values() for token_id in indices)
+    return sorted(ids)
+
+
 def added_token_targets(model: nn.Module, token_ids: list[int], lora: LoraConfig) -> dict[str, list[int]]:
     """PEFT's ``trainable_token_indices`` for rows the tokenizer added: the input embeddings, and an untied head
     (a tied one follows its embeddings in PEFT), except a module trained whole (``lora_modules_to_save``). Without

@@ -96,7 +96,8 @@ def _refuse_scaled_embeddings(causal_lm: nn.Module) -> None:
 
 def _refuse_trained_tied_adapters(causal_lm: nn.Module) -> None:
     """A tied head is supported with its weight frozen or trained whole (``tied_weight``); another trained tensor
-    that the embeddings and the head share (PEFT's rows for added tokens follow the embeddings into a tied head)
+    that the embeddings and the head share (PEFT's rows for added or revived tokens follow the embeddings into a
+    tied head)
     would be trained apart on the two ends of the pipeline."""
     if not _is_tied(causal_lm):
         return
@@ -114,8 +115,8 @@ def _refuse_trained_tied_adapters(causal_lm: nn.Module) -> None:
     if shared:
         raise UsageError(f"distributed_type=PP: this model ties its LM head to the input embeddings, and the head "
                          f"shares trained tensors with them ({', '.join(shared)}: PEFT's rows for tokens the "
-                         f"tokenizer added) that the pipeline's two ends would train apart; use FSDP or DDP, or a "
-                         f"tokenizer without added tokens")
+                         f"tokenizer added, or that the data writes and the base model never trained) that the "
+                         f"pipeline's two ends would train apart; use FSDP or DDP")
 
 
 def tied_weight(model: nn.Module, *, first: bool, last: bool) -> nn.Parameter | None:
