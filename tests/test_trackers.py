@@ -83,6 +83,19 @@ def expected(out: Path) -> dict[tuple[str, int], float]:
     return found
 
 
+def trainer_name(key: str, *, prefixed: bool = True) -> str:
+    """metrics.jsonl's ``key`` as a Trainer run logs it in a tracker: Trainer's learning_rate for lr, and where
+    ``prefixed`` (TensorBoard, W&B, Trackio) the name Transformers' own ``rewrite_logs`` gives it there."""
+    from transformers.integrations.integration_utils import rewrite_logs
+
+    named = "learning_rate" if key == "lr" else key
+    return next(iter(rewrite_logs({named: 0}))) if prefixed else named
+
+
+def trainer_logged(want: dict[tuple[str, int], float], *, prefixed: bool = True) -> dict[tuple[str, int], float]:
+    return {(trainer_name(key, prefixed=prefixed), step): value for (key, step), value in want.items()}
+
+
 def wandb_records(path: Path):
     """The records of a .wandb transaction log. wandb 0.31 ships no Python reader for it (wandb-core writes it;
     the old ``wandb.sdk.internal.datastore`` is gone), so this walks its framing (LevelDB's log format after a
@@ -168,23 +181,26 @@ def test_every_tracker_holds_the_losses_and_config_of_metrics_jsonl(root, tmp_pa
     assert sorted(s for k, s in losses if k == "eval_loss") == [2, 4]
     assert {"lr", "grad_norm", "tokens"} <= {k for k, _ in want}  # not the losses alone
 
+    # A Trainer (TRL) run's names: its charts and this run's line up in one project
+    assert {("train/loss", 1), ("train/learning_rate", 1), ("train/grad_norm", 1), ("eval/loss", 2)} <= set(
+        trainer_logged(want)) and ("learning_rate", 1) in trainer_logged(want, prefixed=False)
     name, config, history = read_wandb(out)
-    assert name == "tiny-run" and history == want  # every number, float64 as written
+    assert name == "tiny-run" and history == trainer_logged(want)  # every number, float64 as written
     assert (config["learning_rate"], config["report_to"], config["run_name"]) == (3e-3, list(TRACKER_PACKAGES),
                                                                                   "tiny-run")
     scalars, tb_config = read_tensorboard(out, "tiny-run")
     import numpy as np
 
-    assert scalars == {k: float(np.float32(v)) for k, v in want.items()}  # event files keep float32
+    assert scalars == {k: float(np.float32(v)) for k, v in trainer_logged(want).items()}  # event files: float32
     # the config the run recorded (config.yaml: its precision decided for this machine), not the one it was given
     recorded = yaml.safe_load((out / "config.yaml").read_text())
     assert recorded["bf16"] is not None and recorded["learning_rate"] == cfg.optim.learning_rate
     assert tb_config == json.loads(json.dumps(recorded, default=str))
     name, params, metrics = read_mlflow(out)
-    assert name == "tiny-run" and metrics == want
+    assert name == "tiny-run" and metrics == trainer_logged(want, prefixed=False)
     assert params == {key: str(value) for key, value in recorded.items()}
     trackio_config, metrics = read_trackio("tiny-run")
-    assert metrics == want
+    assert metrics == trainer_logged(want)
     assert trackio_config["learning_rate"] == 3e-3 and trackio_config["max_steps"] == 4
 
 
@@ -206,8 +222,8 @@ def test_tensorboard_reads_each_step_once_after_a_resume(root, tmp_path, restore
     acc.Reload()
     events = [(tag, e.step, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    logged = sorted((key, r["step"], float(np.float32(value))) for r in records for key, value in r.items()
-                    if key != "step" and type(value) in (int, float))  # epoch is in train and eval records
+    logged = sorted((trainer_name(key), r["step"], float(np.float32(value))) for r in records
+                    for key, value in r.items() if key != "step" and type(value) in (int, float))  # epoch: twice
     assert sorted(events) == logged
 
 
@@ -255,7 +271,7 @@ def test_a_failing_tracker_warns_once_and_the_others_go_on(caplog):
     from shardtune.train.trackers import Trackers
 
     class Broken:
-        name = "broken"
+        name, prefixed = "broken", False
 
         def log(self, scalars, step):
             raise OSError(28, "No space left on device")
@@ -264,7 +280,7 @@ def test_a_failing_tracker_warns_once_and_the_others_go_on(caplog):
             raise OSError(28, "No space left on device")
 
     class Kept:
-        name = "kept"
+        name, prefixed = "kept", False
         seen: list = []
 
         def log(self, scalars, step):
@@ -312,7 +328,7 @@ def test_tensorboard_reads_each_step_once_after_a_resume_that_found_no_checkpoin
     acc = EventAccumulator(str(out / "tensorboard" / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"], rel=1e-6))
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(r["step"], pytest.approx(r["loss"], rel=1e-6))
                                                                  for r in records if "loss" in r]
 
 
@@ -333,7 +349,7 @@ def test_under_ddp_rank_1_prints_nothing_rank_0_says_and_only_rank_0_writes_the_
     assert "shardtune rank 1]" not in logs[1] and "Loading weights" not in logs[1], logs[1]
     (events,) = (out / "tensorboard" / "ddp").iterdir()
     scalars, _ = read_tensorboard(out, "ddp")
-    assert sorted(scalars) == sorted(expected(out)) and len(scalars) > 0
+    assert sorted(scalars) == sorted(trainer_logged(expected(out))) and len(scalars) > 0
 
 
 def test_tensorboard_logging_dir_and_wandb_dir_place_the_files_as_in_transformers(tmp_path, monkeypatch):
@@ -354,7 +370,7 @@ def test_tensorboard_logging_dir_and_wandb_dir_place_the_files_as_in_transformer
     trackers.finish()
     acc = EventAccumulator(str(tmp_path / "tb_here"), size_guidance={"scalars": 0})
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 2.5), (2, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.5), (2, 2.0)]
     assert len(glob.glob(str(tmp_path / "wb_here" / "wandb" / "offline-run-*" / "*.wandb"))) == 1
     assert not (tmp_path / "out").exists()
 
@@ -428,7 +444,7 @@ def test_transformers_5s_project_names_the_trackio_project(root, tmp_path, monke
                               project=cfg.run.project)
     trackers.log({"step": 1, "loss": 2.5})
     trackers.finish()
-    assert [row["loss"] for row in SQLiteStorage.get_logs("myproj", "proj-run")] == [2.5]
+    assert [row["train/loss"] for row in SQLiteStorage.get_logs("myproj", "proj-run")] == [2.5]
     assert load_train_config(args(root, "--project", "huggingface")).run.project == "huggingface"
     from shardtune.errors import UsageError
 

@@ -467,7 +467,8 @@ class RunConfig:
                                                   "input embeddings while training (the paper uses 5); none in "
                                                   "evaluation and generation.", gt=0)
     report_to: list[str] = key(
-        help="Experiment trackers that get every metrics.jsonl record (at its step) and this config, on rank 0: "
+        help="Experiment trackers that get every metrics.jsonl record (at its step, under Trainer's names there: "
+        "train/loss, train/learning_rate, eval/loss; mlflow's unprefixed) and this config, on rank 0: "
         "a list of the names below (comma-separated on the command line); all is every installed one. A tracker "
         "whose package is missing is refused at start (pip install 'shardtune[trackers]'). None needs the network: "
         "wandb runs offline in output_dir/wandb (WANDB_DIR/wandb where it is set) unless WANDB_MODE or credentials "

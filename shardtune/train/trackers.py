@@ -1,10 +1,11 @@
 """Experiment trackers named by ``report_to``: TensorBoard, Weights & Biases, MLflow and Trackio.
 
-Each gets what ``metrics.jsonl`` gets (every numeric value of every record, at the record's ``step``) and the
-resolved config, on rank 0 only. Each is one small class: ``start(run_name, config)`` returns where the run is
-written, ``log(scalars, step)``, ``finish(failed)``. None of them needs the network: W&B runs offline unless it
-has credentials or WANDB_MODE says otherwise, MLflow writes a file store in the output folder unless
-MLFLOW_TRACKING_URI names another, Trackio writes its local SQLite store, TensorBoard event files. Their packages
+Each gets what ``metrics.jsonl`` gets (every numeric value of every record, at the record's ``step``, under
+the name a Trainer run gives it in that tracker: ``trainer_names``) and the resolved config, on rank 0 only.
+Each is one small class: ``start(run_name, config)`` returns where the run is written, ``log(scalars, step)``,
+``finish(failed)``. None of them needs the network: W&B runs offline unless it has credentials or WANDB_MODE says
+otherwise, MLflow writes a file store in the output folder unless MLFLOW_TRACKING_URI names another, Trackio
+writes its local SQLite store, TensorBoard event files. Their packages
 are optional (``pip install 'shardtune[trackers]'``) and imported only when named.
 """
 
@@ -31,6 +32,9 @@ MLFLOW_MAX_PARAMS = 100  # MLflow's limit of params in one log_batch call
 
 class Tracker(Protocol):
     name: str
+    # Whether Transformers' callback for this tracker writes its logs as train/<name> and eval/<name>
+    # (``trainer_names``): TensorBoard's, W&B's and Trackio's do, MLflow's keeps the names as logged.
+    prefixed: bool
 
     def start(self, run_name: str, config: dict[str, Any], resumed_at: int) -> str:
         """Open the run with ``config`` as its parameters; returns where it is written, in words. ``resumed_at``:
@@ -49,6 +53,7 @@ class TensorBoardTracker:
     (as Transformers' TensorBoardCallback reads it); the config as a text summary."""
 
     name = "tensorboard"
+    prefixed = True
 
     def __init__(self, output_dir: Path) -> None:
         chosen = os.environ.get("TENSORBOARD_LOGGING_DIR")
@@ -101,6 +106,7 @@ class WandbTracker:
     WANDB_MODE is set or credentials are configured."""
 
     name = "wandb"
+    prefixed = True
     name_variable = "WANDB_NAME"
 
     def __init__(self, output_dir: Path) -> None:
@@ -144,6 +150,7 @@ class MlflowTracker:
     MLFLOW_RUN_ID names a run to carry on (a resumed job's) and MLFLOW_TAGS a JSON object of tags to set."""
 
     name = "mlflow"
+    prefixed = False
 
     def __init__(self, output_dir: Path) -> None:
         self.output_dir = output_dir
@@ -202,6 +209,7 @@ class TrackioTracker:
     unset, TRACKIO_PROJECT."""
 
     name = "trackio"
+    prefixed = True
 
     def __init__(self, output_dir: Path, project: str | None = None) -> None:
         self.run, self.project = None, project
@@ -233,6 +241,21 @@ TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTr
                              "trackio": TrackioTracker}
 
 
+# metrics.jsonl's names that Transformers' Trainer logs under another name.
+TRAINER_KEYS = {"lr": "learning_rate"}
+
+
+def trainer_names(scalars: dict[str, float], *, prefixed: bool) -> dict[str, float]:
+    """``scalars`` under the names a Trainer (so TRL) run gives them in the same tracker, so that the charts of both
+    kinds of run in one project line up: ``learning_rate`` for ``lr``; ``prefixed``, ``eval/loss`` for
+    ``eval_loss`` and ``train/<name>`` for the rest (Transformers' ``rewrite_logs``)."""
+    named = {TRAINER_KEYS.get(key, key): value for key, value in scalars.items()}
+    if not prefixed:
+        return named
+    return {f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}": value
+            for key, value in named.items()}
+
+
 def scalars_of(record: dict[str, Any]) -> dict[str, float]:
     """The numbers of a metrics.jsonl record, ``step`` aside (it is the x axis); booleans and text left out."""
     return {key: value for key, value in record.items()
@@ -252,7 +275,8 @@ class Trackers:
         if "step" not in record or not scalars:
             return
         for tracker in self.trackers:
-            self._guard(tracker, "log", lambda t=tracker: t.log(scalars, int(record["step"])))
+            self._guard(tracker, "log", lambda t=tracker: t.log(trainer_names(scalars, prefixed=t.prefixed),
+                                                                int(record["step"])))
 
     def finish(self, failed: bool = False) -> None:
         trackers, self.trackers = self.trackers, []
