@@ -390,3 +390,32 @@ def test_a_zero2_run_prints_its_mapping_and_trains_like_the_keys_it_maps_to(tmp_
     assert f"DeepSpeed config {ds}, as shardtune runs it:" in runs["deepspeed"][0]
     assert "zero_optimization.stage 2: ZeRO-2 -> FSDP SHARD_GRAD_OP" in runs["deepspeed"][0]
     assert runs["deepspeed"][1] == runs["direct"][1] and len(runs["direct"][1]) == 3
+
+
+def test_a_zero3_offload_run_says_it_offloads_and_estimate_plans_the_same_setup(tmp_path):
+    """Transformers' ZeRO-3 example with CPU offload: the start-up log and summary.json say FSDP FULL_SHARD with CPU
+    offload (the log used to say "FSDP FULL_SHARD" alone), as `shardtune estimate` of the same files plans it."""
+    from shardtune.testing.tiny import make_model_folder
+    from tests.trainutil import run_shardtune
+
+    model = make_model_folder(tmp_path / "model")
+    data = write_chat_data(tmp_path / "chat.jsonl", rows=60)
+    zero3 = {**ZERO2, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                            "offload_param": {"device": "cpu", "pin_memory": True},
+                                            "stage3_gather_16bit_weights_on_model_save": True}}
+    ds = write(tmp_path / "ds.json", zero3)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {model}\ndataset_name: {data}\nsplits: train\nmax_seq_len: 32\n"
+                      f"max_steps: 1\nper_device_train_batch_size: 2\nsave_strategy: 'no'\noutput_dir: out\n"
+                      f"predict_memory: false\n")
+    proc = run_shardtune(["train", str(recipe), "--deepspeed", str(ds)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = "strategy: FSDP FULL_SHARD + CPU offload (parameters, gradients, optimizer step) on 1 process(es)"
+    assert said in proc.stderr, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    ran = {key: summary[key] for key in ("strategy", "sharding_strategy", "offload_params")}
+    assert ran == {"strategy": "FSDP", "sharding_strategy": "FULL_SHARD", "offload_params": True}
+    planned = run_shardtune(["estimate", "--config", str(recipe), "--config", str(ds), "--json"], tmp_path)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    setup = json.loads(planned.stdout)["setup"]
+    assert {key: setup[key] for key in ran} == ran

@@ -89,11 +89,21 @@ class Plan:
         return len(self.devices) if self.strategy.drives_several_devices else info.world_size
 
     def describe(self, info: DistInfo) -> str:
-        """The strategy in the start-up log: "a single process", "FSDP FULL_SHARD on 2 process(es)"."""
+        """The strategy in the start-up log: "a single process", "FSDP FULL_SHARD on 2 process(es)", "FSDP
+        FULL_SHARD + CPU offload (...) on 8 process(es)"."""
         if self.strategy.one_device:
             return "a single process"
-        sharding = f" {self.sharding}" if self.strategy.shards_parameters else ""
-        return f"{self.strategy.name}{sharding} on {info.world_size} process(es)"
+        setup = self.strategy.name
+        if self.strategy.shards_parameters:  # a DeepSpeed ZeRO stage with offload lands here: say all of it
+            setup += f" {self.sharding}" + (" + CPU offload (parameters, gradients, optimizer step)"
+                                              if self.offload else "")
+        return f"{setup} on {info.world_size} process(es)"
+
+    def summary(self) -> dict[str, object]:
+        """How the run was sharded, by the names ``shardtune estimate --json`` gives its setup, for summary.json."""
+        shards = self.strategy.shards_parameters
+        return {"strategy": self.strategy.name, "sharding_strategy": self.sharding if shards else None,
+                "offload_params": shards and self.offload}
 
 
 def needs_process_group(cfg: DistributedConfig) -> bool:

@@ -81,7 +81,7 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
             "resumed_from_step": start_step if resumed else None, "epochs": state.epoch, "wall_s": wall,
             "tokens": tokens, "tokens_per_s": tokens / max(wall, 1e-9),
             "trainable_parameters": job.trainable_parameters, "parameters": job.parameters,
-            "world_size": info.world_size, "strategy": job.plan.strategy.name, "device_type": info.device.type,
+            "world_size": info.world_size, **job.plan.summary(), "device_type": info.device.type,
             "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
             "stopped_by": stopped_by, "last_checkpoint": checkpointer.last, **best_summary(job),
             "compile": compile_summary(job), PROMPT_STYLE: job.data.report.prompt_style or None,
