@@ -88,11 +88,26 @@ def test_train_batch_size_gives_the_accumulation_or_must_agree(tmp_path):
 
 
 def test_a_value_the_file_and_the_command_line_set_differently_is_refused(tmp_path):
+    """Named as Transformers' mismatch check names it ("ds optimizer.params.lr=... vs hf learning_rate=..."): the
+    entry of the file, and a fix that can be done. It said "the DeepSpeed config sets 'FSDP': ... write auto in
+    ds.json", which named no entry, and zero_optimization.stage or scheduler.type cannot be auto."""
     ds = write(tmp_path / "ds.json", {"gradient_accumulation_steps": 4})
-    with pytest.raises(UsageError, match=r"command line \(--gradient_accumulation_steps\): "
-                                         r"gradient_accumulation_steps='3', but the DeepSpeed config .* sets 4"):
+    with pytest.raises(UsageError) as refused:
         load_train_config([*BASE, "--deepspeed", str(ds), "--gradient_accumulation_steps", "3"])
+    assert str(refused.value) == (f"command line (--gradient_accumulation_steps): gradient_accumulation_steps='3', "
+                                  f"but gradient_accumulation_steps in the DeepSpeed config {ds} makes it 4: leave "
+                                  f"gradient_accumulation_steps out there, or write auto for "
+                                  f"gradient_accumulation_steps in {ds}")
     assert load_train_config([*BASE, "--deepspeed", str(ds), "--gradient_accumulation_steps", "4"])  # agree
+    ds = write(tmp_path / "ds.json", {**ZERO2, "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.99]}}})
+    for flag, value, entry, fix in (
+            ("--lr_scheduler_type", "cosine", "scheduler.type", "change scheduler.type"),
+            ("--distributed_type", "DDP", "zero_optimization.stage", "change zero_optimization.stage"),
+            ("--adam_beta2", "0.95", "optimizer.params.betas[1]", "write auto for optimizer.params.betas")):
+        with pytest.raises(UsageError) as refused:
+            load_train_config([*BASE, "--deepspeed", str(ds), flag, value])
+        assert f"{value}', but {entry} in the DeepSpeed config {ds} makes it " in str(refused.value)
+        assert str(refused.value).endswith(f": leave {flag[2:]} out there, or {fix} in {ds}")
 
 
 def test_a_zero_stage_written_as_text_is_refused_saying_so(tmp_path):
@@ -118,7 +133,7 @@ def test_bf16_enabled_false_trains_without_bf16_on_hardware_that_has_it(tmp_path
     ds = write(tmp_path / "ds.json", {"bf16": {"enabled": False}, "fp16": {"enabled": False}})
     cfg = load_train_config([*BASE, "--deepspeed", str(ds)])
     assert (cfg.run.bf16, cfg.run.fp16, cfg.precision_on(True)) == (False, False, "no")
-    with pytest.raises(UsageError, match=r"bf16='true', but the DeepSpeed config .* sets False"):
+    with pytest.raises(UsageError, match=r"bf16='true', but bf16.enabled in the DeepSpeed config .* makes it False"):
         load_train_config([*BASE, "--deepspeed", str(ds), "--bf16", "true"])
 
 

@@ -56,6 +56,7 @@ class Mapped:
     # FP16_TUNING, as the problem each would be)
     fp16_tuning: list[str] = field(default_factory=list)
     set_by: dict[str, str] = field(default_factory=dict)  # key -> the entry that set it (two must agree)
+    takes_auto: set[str] = field(default_factory=set)  # the entries of set_by that could be written auto
 
     def carried(self) -> dict[str, Any]:
         """The mapped keys, and the loss-scaler settings under FP16_TUNING where there are any."""
@@ -72,8 +73,22 @@ class Mapped:
             self.refuse(ds_key, value, f"and '{self.set_by[key]}' = {_show(self.values[key])} both set {key}: "
                                        f"make them agree, or write auto in one")
             return
-        self.values[key], self.set_by[key] = value, ds_key
+        self.decide(ds_key, key, value)
+        self.takes_auto.add(ds_key)
         self.lines.append(f"{ds_key} {_show(value)} -> {key} {_show(shown if shown is not None else value)}")
+
+    def decide(self, ds_key: str, key: str, value: Any) -> None:
+        """``ds_key`` makes shardtune's ``key`` ``value`` (a ZeRO stage, an offload device, an optimizer type)."""
+        self.values[key], self.set_by[key] = value, ds_key
+
+    def clash(self, key: str, said: str) -> str:
+        """The problem of a value ``said`` ("recipe.yaml, line 3: lr=...") other than the one this file makes
+        ``key``: which entry of the file made it, and how to settle it (as Transformers' mismatch check names
+        "ds optimizer.params.lr=... vs hf learning_rate=..."). A ZeRO stage or an optimizer type cannot be auto."""
+        entry = self.set_by.get(key, key)
+        fix = (f"write auto for {entry.split('[')[0]}" if entry in self.takes_auto else f"change {entry}")
+        return (f"{said}, but {entry} in the DeepSpeed config {self.where} makes it {self.values[key]!r}: leave "
+                f"{key} out there, or {fix} in {self.where}")
 
     def refuse(self, ds_key: str, value: Any, why: str) -> None:
         # JSON's "true" or "3" is text: shown quoted, or "'bf16.enabled' = true must be true" reads as nonsense
@@ -224,9 +239,9 @@ def _zero(out: Mapped, block: Any) -> None:
                    "must be 0, 1, 2 or 3" + (", a number (without quotes)" if isinstance(stage, str) else ""))
     else:
         strategy, sharding = ZERO_STAGES[stage]
-        out.values["distributed_type"] = strategy.name
+        out.decide("zero_optimization.stage", "distributed_type", strategy.name)
         if sharding:
-            out.values["fsdp_sharding_strategy"] = sharding
+            out.decide("zero_optimization.stage", "fsdp_sharding_strategy", sharding)
         name = f"ZeRO-{stage}" if stage else "ZeRO-0 (off)"
         target = f"{strategy.name} {sharding}" if sharding else strategy.name
         note = (" (ZeRO-1 shards only optimizer states; SHARD_GRAD_OP also shards gradients: less memory, same "
@@ -249,7 +264,7 @@ def _offload(out: Mapped, ds_key: str, block: Any) -> None:
         out.refuse(ds_key, block, 'must be {"device": "cpu"} or {"device": "none"} (NVMe offload is not run)')
         return
     if device == "cpu":
-        out.values["fsdp_offload_params"] = True
+        out.decide(f"{ds_key}.device", "fsdp_offload_params", True)
         extra = "" if ds_key.endswith("param") else " (FSDP2 offloads parameters, gradients and optimizer together)"
         out.lines.append(f"{ds_key}.device cpu -> fsdp_offload_params true{extra}")
     else:
@@ -267,7 +282,7 @@ def _optimizer(out: Mapped, block: Any) -> None:
         out.refuse("optimizer", block, "is not run: shardtune maps DeepSpeed's Adam/AdamW (to optim adamw_torch); "
                                        "for others remove the block and set optim")
         return
-    out.values["optim"] = "adamw_torch"
+    out.decide("optimizer.type", "optim", "adamw_torch")
     out.lines.append(f"optimizer.type {block['type']} -> optim adamw_torch")
     for key, value in block.get("params", {}).items():
         path = f"optimizer.params.{key}"
@@ -292,7 +307,7 @@ def _scheduler(out: Mapped, block: Any) -> None:
         return
     floor = block.get("params", {}).get("cos_min_ratio", 0) if kind == "warmupcosinelr" else 0
     schedule = SCHEDULERS[kind] if _is_auto(floor) or floor == 0 else "cosine_with_min_lr"  # decays to the floor
-    out.values["lr_scheduler_type"] = schedule
+    out.decide("scheduler.type", "lr_scheduler_type", schedule)
     out.lines.append(f"scheduler.type {block['type']} -> lr_scheduler_type {schedule}")
     for key, value in block.get("params", {}).items():
         if f"scheduler.params.{key}" in AS_IS:
@@ -343,7 +358,7 @@ def map_accelerate_block(block: dict[str, Any], where: str) -> Mapped:
         mapped.problems += [f"{where}: deepspeed_config.{key} has no counterpart in FSDP2: remove it" for key in extra]
     if block.get("zero3_init_flag") is not None:
         try:
-            mapped.values["fsdp_cpu_ram_efficient_loading"] = parse_bool(block["zero3_init_flag"])
+            mapped.decide("zero3_init_flag", "fsdp_cpu_ram_efficient_loading", parse_bool(block["zero3_init_flag"]))
         except ValueError:
             mapped.problems.append(f"{where}: deepspeed_config.zero3_init_flag = {_show(block['zero3_init_flag'])} "
                                    f"must be true or false")

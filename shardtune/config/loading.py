@@ -166,8 +166,7 @@ def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] 
     for key, value in mapped.values.items():
         for values, sources in layers:
             if key in values and key != "deepspeed" and not same_value(values[key], value):
-                problems.append(f"{sources.get(key, Origin('config'))}: {key}={values[key]!r}, but the DeepSpeed "
-                                f"config {path} sets {value!r}: make them agree, or write auto in {path}")
+                problems.append(mapped.clash(key, f"{sources.get(key, Origin('config'))}: {key}={values[key]!r}"))
     if mapped.train_batch_size is not None:
         problems += _check_train_batch_size(mapped, layers)
     raise_problems(problems)
