@@ -110,6 +110,24 @@ def test_a_value_the_file_and_the_command_line_set_differently_is_refused(tmp_pa
         assert str(refused.value).endswith(f": leave {flag[2:]} out there, or {fix} in {ds}")
 
 
+def test_a_warmup_ratio_the_file_s_warmup_steps_would_drop_is_refused(tmp_path):
+    """A TRL recipe's warmup_ratio 0.1 beside a file's warmup_num_steps 10 trained with 10 warm-up steps, the ratio
+    dropped without a word (a step count wins over the ratio); Transformers' mismatch check refuses it."""
+    ds = write(tmp_path / "ds.json", {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}})
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("warmup_ratio: 0.1\n")
+    with pytest.raises(UsageError) as refused:
+        load_train_config([str(recipe), *BASE, "--deepspeed", str(ds)])
+    assert str(refused.value) == (f"{recipe}, line 1: warmup_ratio=0.1, but scheduler.params.warmup_num_steps in the "
+                                  f"DeepSpeed config {ds} makes warmup_steps 10, which decides over warmup_ratio: "
+                                  f"leave warmup_ratio out there, or write auto for scheduler.params.warmup_num_steps "
+                                  f"in {ds}")
+    cfg = load_train_config([*BASE, "--deepspeed", str(ds), "--warmup_ratio", "0"])  # no ratio to drop
+    assert (cfg.optim.warmup_steps, cfg.optim.warmup_ratio) == (10, 0.0)
+    ds = write(tmp_path / "ds.json", {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}})
+    assert load_train_config([str(recipe), *BASE, "--deepspeed", str(ds)]).optim.warmup_ratio == 0.1
+
+
 def test_a_zero_stage_written_as_text_is_refused_saying_so(tmp_path):
     """It read "DeepSpeed key 'zero_optimization.stage' = 3 must be 0, 1, 2 or 3"."""
     ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": "3"}})

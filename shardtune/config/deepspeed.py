@@ -81,14 +81,17 @@ class Mapped:
         """``ds_key`` makes shardtune's ``key`` ``value`` (a ZeRO stage, an offload device, an optimizer type)."""
         self.values[key], self.set_by[key] = value, ds_key
 
-    def clash(self, key: str, said: str) -> str:
-        """The problem of a value ``said`` ("recipe.yaml, line 3: lr=...") other than the one this file makes
-        ``key``: which entry of the file made it, and how to settle it (as Transformers' mismatch check names
-        "ds optimizer.params.lr=... vs hf learning_rate=..."). A ZeRO stage or an optimizer type cannot be auto."""
-        entry = self.set_by.get(key, key)
+    def clash(self, key: str, said: str, named: str | None = None) -> str:
+        """The problem of a value ``said`` ("recipe.yaml, line 3: lr=...") of ``named`` (``key``, or a key the
+        file's ``key`` decides over) other than what this file makes ``key``: which entry of the file made it, and
+        how to settle it (as Transformers' mismatch check names "ds optimizer.params.lr=... vs hf
+        learning_rate=..."). A ZeRO stage or an optimizer type cannot be auto."""
+        named, entry = named or key, self.set_by.get(key, key)
         fix = (f"write auto for {entry.split('[')[0]}" if entry in self.takes_auto else f"change {entry}")
-        return (f"{said}, but {entry} in the DeepSpeed config {self.where} makes it {self.values[key]!r}: leave "
-                f"{key} out there, or {fix} in {self.where}")
+        made = (f"makes it {self.values[key]!r}" if named == key else
+                f"makes {key} {self.values[key]!r}, which decides over {named}")
+        return (f"{said}, but {entry} in the DeepSpeed config {self.where} {made}: leave {named} out there, or {fix} "
+                f"in {self.where}")
 
     def refuse(self, ds_key: str, value: Any, why: str) -> None:
         # JSON's "true" or "3" is text: shown quoted, or "'bf16.enabled' = true must be true" reads as nonsense

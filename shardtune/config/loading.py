@@ -167,6 +167,10 @@ def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] 
         for values, sources in layers:
             if key in values and key != "deepspeed" and not same_value(values[key], value):
                 problems.append(mapped.clash(key, f"{sources.get(key, Origin('config'))}: {key}={values[key]!r}"))
+    for values, sources in layers:  # a warm-up step count wins over warmup_ratio: a ratio set above would be dropped
+        if "warmup_steps" in mapped.values and "warmup_ratio" in values and not same_value(values["warmup_ratio"], 0):
+            said = f"{sources.get('warmup_ratio', Origin('config'))}: warmup_ratio={values['warmup_ratio']!r}"
+            problems.append(mapped.clash("warmup_steps", said, "warmup_ratio"))
     if mapped.train_batch_size is not None:
         problems += _check_train_batch_size(mapped, layers)
     raise_problems(problems)
