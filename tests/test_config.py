@@ -101,6 +101,33 @@ def test_accelerate_aliases_and_fsdp1_numbers(tmp_path):
         load_train_config(["--config_file", str(acc), *BASE])
 
 
+def test_the_accelerate_docs_fsdp_file_with_its_backward_prefetch_policy_loads(tmp_path):
+    """Accelerate's and Transformers' FSDP docs write fsdp_backward_prefetch_policy (Accelerate's former name): it was
+    refused as an unknown key, so the docs' file could not be run as it is."""
+    acc = tmp_path / "fsdp_config.yaml"
+    acc.write_text(textwrap.dedent("""\
+        compute_environment: LOCAL_MACHINE
+        distributed_type: FSDP
+        fsdp_config:
+          fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+          fsdp_backward_prefetch_policy: BACKWARD_PRE
+          fsdp_forward_prefetch: false
+          fsdp_offload_params: true
+          fsdp_sharding_strategy: 1
+          fsdp_state_dict_type: SHARDED_STATE_DICT
+          fsdp_use_orig_params: true
+        mixed_precision: bf16
+        num_processes: 2
+        """))
+    d = load_train_config(["--config_file", str(acc), *BASE]).distributed
+    assert (d.fsdp_backward_prefetch, d.fsdp_sharding_strategy, d.fsdp_offload_params) == \
+        ("BACKWARD_PRE", "FULL_SHARD", True)
+    acc.write_text(acc.read_text().replace("BACKWARD_PRE", "BACKWARD_POST"))  # what FSDP2 cannot do: refused
+    with pytest.raises(UsageError, match=r"fsdp_config.yaml, line 5: fsdp_backward_prefetch='BACKWARD_POST' is not "
+                                         r"accepted"):
+        load_train_config(["--config_file", str(acc), *BASE])
+
+
 def test_deepspeed_zero_stage_maps_to_fsdp(tmp_path):
     acc = tmp_path / "ds.yaml"
     acc.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n")

@@ -120,6 +120,7 @@ ALIAS_VALUES = {"max_length": (64, []), "max_seq_length": (64, []),
                 "bnb_4bit_use_double_quant": (False, ["--use_peft_lora", "true", "--use_4bit_quantization", "true"]),
                 "evaluation_strategy": ("steps", []), "dtype": ("bfloat16", []),
                 "activation_checkpointing": (False, []),
+                "fsdp_backward_prefetch_policy": ("BACKWARD_PRE", ["--distributed_type", "FSDP"]),
                 "bnb_4bit_quant_storage": ("float16", ["--use_peft_lora", "true", "--use_4bit_quantization", "true"])}
 
 

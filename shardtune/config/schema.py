@@ -581,7 +581,7 @@ class DistributedConfig:
         None, "BACKWARD_PRE (what FSDP2 does: the next unit is gathered before this one's backward); BACKWARD_POST "
         "and NO_PREFETCH are refused.", refusal="FSDP2 always prefetches the next unit's parameters before the "
         "current one's backward (BACKWARD_PRE); set fsdp_backward_prefetch BACKWARD_PRE or leave it out",
-        needs=FSDP_ONLY)
+        needs=FSDP_ONLY, aliases={"fsdp_backward_prefetch_policy": "Accelerate's former"})
     fsdp_forward_prefetch: bool = key(False, "Gather the next decoder layer while this one runs forward (FSDP2's "
                                              "explicit forward prefetch); needs TRANSFORMER_BASED_WRAP.",
                                       needs=FSDP_ONLY)
