@@ -263,6 +263,22 @@ def test_every_deepspeed_block_that_acts_is_printed(tmp_path):
     assert load_train_config(argv).distributed.fsdp_offload_params  # the lower block's key applies
 
 
+def test_the_file_a_json_recipe_names_is_printed_with_the_accumulation_derived_from_train_batch_size(tmp_path):
+    """A Transformers args.json naming its DeepSpeed file ran ZeRO-2 as FSDP SHARD_GRAD_OP without a line printed
+    (only YAML recipes were looked in), and the accumulation derived from train_batch_size was never said."""
+    from shardtune.config.loading import deepspeed_mappings
+
+    ds = write(tmp_path / "ds.json", {**ZERO2, "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2})
+    args = write(tmp_path / "args.json", {"model_name_or_path": "m", "dataset_name": "d", "output_dir": "o",
+                                          "deepspeed": str(ds)})
+    argv = [str(args), "--num_processes", "2"]
+    assert load_train_config(argv).run.gradient_accumulation_steps == 4
+    [(source, lines)] = deepspeed_mappings(argv)
+    assert source == str(ds)
+    assert "zero_optimization.stage 2: ZeRO-2 -> FSDP SHARD_GRAD_OP" in lines
+    assert "train_batch_size 16 -> gradient_accumulation_steps 4 (= 16 / (2 x 2 processes))" in lines
+
+
 def test_zero3_init_flag_written_as_text_and_a_numeric_train_batch_size_are_read_and_said():
     """zero3_init_flag 'false' (text) turned rank-0 loading on (bool('false') is true); a numeric train_batch_size
     was checked but not printed."""

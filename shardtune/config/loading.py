@@ -22,8 +22,8 @@ from typing import Any
 import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
-from shardtune.config.deepspeed import (FP16_TUNING, is_deepspeed_json, json_document, map_accelerate_block,
-                                       read_deepspeed_file, same_value)
+from shardtune.config.deepspeed import (FP16_TUNING, Mapped, is_deepspeed_json, json_document,
+                                       map_accelerate_block, read_deepspeed_file, same_value)
 from shardtune.config.keys import shown
 from shardtune.config.no_ops import (NO_OPS, TRAINED_TOKEN_KEYS, UNSET, at_transformers_default, no_op_problem,
                                      off)
@@ -149,6 +149,17 @@ def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] 
     when no layer names one. Values its file sets that a higher layer sets otherwise are refused, as Transformers
     refuses them; ``train_batch_size`` must be micro-batch x accumulation x processes (accumulation is derived from
     it where nothing else sets it)."""
+    found = _mapped_deepspeed(layers)
+    if found is None:
+        return None
+    mapped, path, origin = found
+    where = Origin(f"{path} (DeepSpeed, named at {origin})" if origin else f"{path} (DeepSpeed)")
+    return mapped.carried(), {key: where for key in mapped.values}
+
+
+def _mapped_deepspeed(layers: Layers) -> tuple[Mapped, str, Origin | None] | None:
+    """The DeepSpeed JSON that ``layers`` name, mapped and checked against them (``deepspeed_layer``), with the path
+    as named and where it was named; None when no layer names one."""
     named = [(values["deepspeed"], sources.get("deepspeed")) for values, sources in layers
              if values.get("deepspeed") not in (None, "", "none", "None")]
     if not named:
@@ -174,8 +185,7 @@ def deepspeed_layer(layers: Layers) -> tuple[dict[str, Any], dict[str, Origin]] 
     if mapped.train_batch_size is not None:
         problems += _check_train_batch_size(mapped, layers)
     raise_problems(problems)
-    where = Origin(f"{path} (DeepSpeed, named at {origin})" if origin else f"{path} (DeepSpeed)")
-    return mapped.carried(), {key: where for key in mapped.values}
+    return mapped, str(path), origin
 
 
 def load_given_values(argv: list[str]) -> dict[str, Any]:
@@ -194,11 +204,9 @@ def deepspeed_mappings(argv: list[str]) -> list[tuple[str, list[str]]]:
     start, so that a mapping is never silent."""
     files, overrides, flags, _ = parse_cli_pairs(argv)
     accelerate_file = flags.get("config_file") or overrides.get("config_file")
-    named = flags.get("deepspeed") or overrides.get("deepspeed")
-    for path in reversed(files):
-        if named is None and path.endswith((".yaml", ".yml")):
-            named = read_yaml_recipe(path)[0].get("deepspeed")
-    found = [(str(named), read_deepspeed_file(named).lines)] if named not in (None, "", "none", "None") else []
+    # the file the job reads, as it reads it (a JSON recipe's too), with what the rest of the config made of it
+    mapped = _mapped_deepspeed(_user_layers(argv)[0])
+    found = [(mapped[1], mapped[0].lines)] if mapped else []
     for path in [*([accelerate_file] if accelerate_file else []), *files]:  # lowest layer first
         block = _yaml_with_lines(Path(path))[0].get("deepspeed_config")
         if isinstance(block, dict):
@@ -828,6 +836,18 @@ def is_json_recipe(path: str) -> bool:
 
 
 def _layers(argv: list[str]) -> Layers:
+    """Every layer of the job ``argv`` describes, lowest first: ``_user_layers`` and, above the Accelerate file and
+    below everything the user writes for shardtune, the DeepSpeed JSON that one of them names."""
+    layers, above_accelerate_file = _user_layers(argv)
+    deepspeed = deepspeed_layer(layers)
+    if deepspeed is not None:
+        layers.insert(above_accelerate_file, deepspeed)
+    return layers
+
+
+def _user_layers(argv: list[str]) -> tuple[Layers, int]:
+    """The layers ``argv`` gives, lowest first: the Accelerate file (--config_file), the recipes, key=value and
+    --key value; and where a DeepSpeed JSON's layer goes among them (just above the Accelerate file)."""
     files, overrides, flags, cli_sources = parse_cli_pairs(argv)
     layers: Layers = []
     accelerate_file = flags.pop("config_file", None) or overrides.pop("config_file", None)
@@ -850,10 +870,7 @@ def _layers(argv: list[str]) -> Layers:
         block = {key: values[key] for key, origin in sources.items() if origin.where.endswith(IN_BLOCK)}
         if block:
             raise_problems(_block_clashes(block, layers[at + 1:], sources[next(iter(block))].where[:-len(IN_BLOCK)]))
-    deepspeed = deepspeed_layer(layers)
-    if deepspeed is not None:  # above the Accelerate file, below everything the user writes for shardtune
-        layers.insert(1 if accelerate_file else 0, deepspeed)
-    return layers
+    return layers, 1 if accelerate_file else 0
 
 
 def save_resolved(cfg: TrainConfig, path: str | Path) -> None:
