@@ -128,6 +128,26 @@ def test_the_accelerate_docs_fsdp_file_with_its_backward_prefetch_policy_loads(t
         load_train_config(["--config_file", str(acc), *BASE])
 
 
+def test_a_wrap_class_the_model_lacks_is_refused_at_the_line_of_the_file_that_set_it(tmp_path):
+    """The Accelerate docs' fsdp_transformer_layer_cls_to_wrap: BertLayer, copied for a Llama, was refused only as
+    "fsdp_transformer_layer_cls_to_wrap=BertLayer: ...", with no word of which file set it."""
+    from shardtune.testing.tiny import make_model_folder
+    from tests.trainutil import run_shardtune, write_chat_data
+
+    model = make_model_folder(tmp_path / "model")
+    data = write_chat_data(tmp_path / "chat.jsonl", rows=20)
+    acc = tmp_path / "fsdp_config.yaml"
+    acc.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_transformer_layer_cls_to_wrap: BertLayer\n")
+    args = ["train", "--config_file", str(acc), "--model_name_or_path", str(model), "--dataset_name", str(data),
+            "--splits", "train", "--max_seq_len", "32", "--max_steps", "1", "--output_dir", str(tmp_path / "o"),
+            "--predict_memory", "false"]
+    said = (f"shardtune train: error: {acc}, line 3: fsdp_transformer_layer_cls_to_wrap=BertLayer: no module of this "
+            f"model has that class; its decoder layers are LlamaDecoderLayer")
+    for extra in (["--dry_run", "true"], []):  # the dry run's trace builds the wrap units as the run does
+        proc = run_shardtune([*args, *extra], tmp_path)
+        assert (proc.returncode, proc.stderr.strip().splitlines()[-1]) == (2, said), proc.stderr[-2000:]
+
+
 def test_deepspeed_zero_stage_maps_to_fsdp(tmp_path):
     acc = tmp_path / "ds.yaml"
     acc.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n")

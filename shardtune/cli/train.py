@@ -68,6 +68,8 @@ def _run(argv: list[str]) -> int:
     leave_out_bitsandbytes_unless(lambda: needs_bitsandbytes(cfg))
     print_config_notes(notes, argv)
     offline_unless_reachable(cfg.model.model_name_or_path, None if cfg.run.dry_run else cfg.data.dataset_name)
+    from shardtune.config.loading import placed
+
     if cfg.run.dry_run:
         import yaml
 
@@ -77,10 +79,12 @@ def _run(argv: list[str]) -> int:
         # Trace the job this config describes (one step on fake tensors) instead of running it.
         world_size = int(os.environ.get("WORLD_SIZE", cfg.distributed.num_processes))
         nodes = cfg.distributed.num_machines if world_size % cfg.distributed.num_machines == 0 else 1
-        print(render_text(trace_or_formula(cfg, world_size, num_nodes=nodes)))
+        try:
+            print(render_text(trace_or_formula(cfg, world_size, num_nodes=nodes)))
+        except UsageError as exc:  # found as the trace built the model: said where the key was set, as a run does
+            raise placed(exc, argv) from None
         return 0
     from shardtune.cli.launch import report_finished, report_stop
-    from shardtune.config.loading import placed
     from shardtune.errors import EXIT_FAILED, EXIT_PREEMPTED, TrainingStopped
     from shardtune.train.loop import train
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardtune.config.keys import Problem
 from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
 from shardtune.train.plan import Plan, layer_class_names, unwrap
@@ -25,9 +26,9 @@ from shardtune.train.plan import Plan, layer_class_names, unwrap
 def _layer_classes(model: nn.Module, plan: Plan) -> set[str]:
     names = layer_class_names(model, plan)
     if not names:
-        raise UsageError("fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP: cannot tell this model's decoder layer "
-                         "class; set fsdp_transformer_layer_cls_to_wrap (e.g. LlamaDecoderLayer) or use "
-                         "SIZE_BASED_WRAP")
+        raise UsageError(Problem("fsdp_auto_wrap_policy", "fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP: cannot "
+                                 "tell this model's decoder layer class; set fsdp_transformer_layer_cls_to_wrap (e.g. "
+                                 "LlamaDecoderLayer) or use SIZE_BASED_WRAP"))
     return names
 
 
@@ -54,8 +55,11 @@ def _wrap_targets(model: nn.Module, plan: Plan) -> list[nn.Module]:
         if not targets:
             # Otherwise only the root would be sharded: the whole model gathered at once, silently.
             own = sorted(getattr(unwrap(model), "_no_split_modules", None) or ())
-            raise UsageError(f"fsdp_transformer_layer_cls_to_wrap={','.join(sorted(names))}: no module of this "
-                             f"model has that class; its decoder layers are {', '.join(own) or 'unknown'}")
+            # a file's key (Accelerate docs' BertLayer copied for a Llama): placed at its line (cli.train)
+            raise UsageError(Problem("fsdp_transformer_layer_cls_to_wrap",
+                                     f"fsdp_transformer_layer_cls_to_wrap={','.join(sorted(names))}: no module of "
+                                     f"this model has that class; its decoder layers are "
+                                     f"{', '.join(own) or 'unknown'}"))
         return targets
     # SIZE_BASED_WRAP: post-order, a module becomes a unit once the parameters not yet in a unit reach the minimum.
     targets: list[nn.Module] = []
