@@ -279,6 +279,21 @@ def test_the_file_a_json_recipe_names_is_printed_with_the_accumulation_derived_f
     assert "train_batch_size 16 -> gradient_accumulation_steps 4 (= 16 / (2 x 2 processes))" in lines
 
 
+def test_the_zero3_save_option_says_what_final_holds_rather_than_engine_tuning():
+    """stage3_gather_16bit_weights_on_model_save (Accelerate's zero3_save_16bit_model) was printed as "DeepSpeed-engine
+    tuning, not used": it is what ZeRO-3 saves (false: no whole model at all), and final/ here is always whole."""
+    from shardtune.config.deepspeed import map_accelerate_block, map_deepspeed
+
+    said = ("final/ is always the whole model, gathered from the shards, in the dtype its weights trained in (fp32 "
+            "master weights under mixed precision)")
+    lines = map_deepspeed({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False,
+                                                 "overlap_comm": True}}, "ds.json").lines
+    assert f"zero_optimization.stage3_gather_16bit_weights_on_model_save false: {said}" in lines
+    assert "zero_optimization.overlap_comm true: DeepSpeed-engine tuning, not used" in lines
+    lines = map_accelerate_block({"zero_stage": 3, "zero3_save_16bit_model": True}, "acc.yaml").lines
+    assert f"stage3_gather_16bit_weights_on_model_save true: {said}" in lines
+
+
 def test_zero3_init_flag_written_as_text_and_a_numeric_train_batch_size_are_read_and_said():
     """zero3_init_flag 'false' (text) turned rank-0 loading on (bool('false') is true); a numeric train_batch_size
     was checked but not printed."""

@@ -186,11 +186,24 @@ def map_deepspeed(data: dict[str, Any], where: str) -> Mapped:
         if key in handlers:
             handlers[key](value)
         elif key in TUNING:
-            out.lines.append(f"{key} {_show(value)}: DeepSpeed-engine tuning, not used (FSDP2 tunes itself)")
+            _listed(out, key, value)
         else:
             out.refuse(key, value, "has no counterpart in shardtune's FSDP2 trainer: remove it (docs/deepspeed.md "
                                    "lists what maps)")
     return out
+
+
+SAVED_WHOLE = "stage3_gather_16bit_weights_on_model_save"  # Accelerate's zero3_save_16bit_model
+
+
+def _listed(out: Mapped, ds_key: str, value: Any) -> None:
+    """A TUNING entry's printed line: engine tuning, or, for ZeRO-3's save option, what final/ holds instead."""
+    if ds_key.endswith(SAVED_WHOLE):  # not tuning: with false, DeepSpeed saves no whole model at all
+        out.lines.append(f"{ds_key} {_show(value)}: final/ is always the whole model, gathered from the shards, in "
+                         f"the dtype its weights trained in (fp32 master weights under mixed precision)")
+    else:
+        out.lines.append(f"{ds_key} {_show(value)}: DeepSpeed-engine tuning, not used"
+                         + ("" if "." in ds_key else " (FSDP2 tunes itself)"))
 
 
 def _train_batch_size(out: Mapped, value: Any) -> None:
@@ -256,7 +269,7 @@ def _zero(out: Mapped, block: Any) -> None:
         if key in ("offload_param", "offload_optimizer"):
             _offload(out, f"zero_optimization.{key}", value)
         elif key in TUNING:
-            out.lines.append(f"zero_optimization.{key} {_show(value)}: DeepSpeed-engine tuning, not used")
+            _listed(out, f"zero_optimization.{key}", value)
         else:
             out.refuse(f"zero_optimization.{key}", value, "has no counterpart in FSDP2: remove it")
 
@@ -274,7 +287,7 @@ def _offload(out: Mapped, ds_key: str, block: Any) -> None:
         out.lines.append(f"{ds_key}.device none: not offloaded")
     for key, value in block.items():
         if key in TUNING:
-            out.lines.append(f"{ds_key}.{key} {_show(value)}: DeepSpeed-engine tuning, not used")
+            _listed(out, f"{ds_key}.{key}", value)
         elif key != "device":
             out.refuse(f"{ds_key}.{key}", value, "has no counterpart in FSDP2's CPU offload: remove it")
 
