@@ -294,6 +294,25 @@ def test_the_zero3_save_option_says_what_final_holds_rather_than_engine_tuning()
     assert f"stage3_gather_16bit_weights_on_model_save true: {said}" in lines
 
 
+def test_deepspeeds_former_offload_names_offload_as_the_blocks_they_stand_for(tmp_path):
+    """Transformers' older ZeRO examples wrote "cpu_offload": true (and stage3_gather_fp16_weights_on_model_save),
+    which DeepSpeed still reads; they were refused with "has no counterpart in FSDP2: remove it", and following
+    that fix dropped the offload the file asked for."""
+    ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": 2, "cpu_offload": True,
+                                                            "cpu_offload_use_pin_memory": True}})
+    assert load_train_config([*BASE, "--deepspeed", str(ds)]).distributed.fsdp_offload_params is True
+    ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": 3, "cpu_offload_param": True,
+                                                            "stage3_gather_fp16_weights_on_model_save": True}})
+    d = load_train_config([*BASE, "--deepspeed", str(ds)]).distributed
+    assert (d.fsdp_sharding_strategy, d.fsdp_offload_params) == ("FULL_SHARD", True)
+    ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": 3, "cpu_offload": False}})
+    assert load_train_config([*BASE, "--deepspeed", str(ds)]).distributed.fsdp_offload_params is False
+    ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": 3, "cpu_offload": "yes"}})
+    with pytest.raises(UsageError, match=r"DeepSpeed key 'zero_optimization.cpu_offload' = \"yes\" must be true or "
+                                         r"false"):
+        load_train_config([*BASE, "--deepspeed", str(ds)])
+
+
 def test_zero3_init_flag_written_as_text_and_a_numeric_train_batch_size_are_read_and_said():
     """zero3_init_flag 'false' (text) turned rank-0 loading on (bool('false') is true); a numeric train_batch_size
     was checked but not printed."""

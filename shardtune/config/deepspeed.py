@@ -33,7 +33,9 @@ TUNING = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgath
           "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
           "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "steps_per_print",
           "wall_clock_breakdown", "zero_allow_untested_optimizer", "memory_breakdown", "pin_memory", "buffer_count",
-          "fast_init", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients"}
+          "fast_init", "zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients",
+          # DeepSpeed's former names, which it still reads (Transformers' examples before 4.6 and 4.16 wrote them)
+          "cpu_offload_use_pin_memory", "stage3_gather_fp16_weights_on_model_save"}
 SCHEDULERS = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
 # The entries that set a key to their value, as the keys declare them (shardtune/config/schema.py).
 AS_IS = {path: d.name for d in all_keys() for path in d.meta.deepspeed}
@@ -193,7 +195,8 @@ def map_deepspeed(data: dict[str, Any], where: str) -> Mapped:
     return out
 
 
-SAVED_WHOLE = "stage3_gather_16bit_weights_on_model_save"  # Accelerate's zero3_save_16bit_model
+SAVED_WHOLE = ("stage3_gather_16bit_weights_on_model_save",  # Accelerate's zero3_save_16bit_model
+               "stage3_gather_fp16_weights_on_model_save")  # its former name
 
 
 def _listed(out: Mapped, ds_key: str, value: Any) -> None:
@@ -268,10 +271,28 @@ def _zero(out: Mapped, block: Any) -> None:
             continue
         if key in ("offload_param", "offload_optimizer"):
             _offload(out, f"zero_optimization.{key}", value)
+        elif key in FORMER_OFFLOAD:
+            _former_offload(out, key, value)
         elif key in TUNING:
             _listed(out, f"zero_optimization.{key}", value)
         else:
             out.refuse(f"zero_optimization.{key}", value, "has no counterpart in FSDP2: remove it")
+
+
+# DeepSpeed's former offload switches, which it still reads as the blocks named, with device cpu (Transformers'
+# ZeRO-2 example wrote "cpu_offload": true before 4.6): refused as unknown, the fix "remove it" dropped the offload.
+FORMER_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+
+
+def _former_offload(out: Mapped, key: str, value: Any) -> None:
+    ds_key = f"zero_optimization.{key}"
+    if not isinstance(value, bool):
+        out.refuse(ds_key, value, "must be true or false")
+    elif value:
+        out.decide(ds_key, "fsdp_offload_params", True)
+        out.lines.append(f"{ds_key} true (DeepSpeed's former {FORMER_OFFLOAD[key]} to cpu) -> fsdp_offload_params true")
+    else:
+        out.lines.append(f"{ds_key} false: not offloaded")
 
 
 def _offload(out: Mapped, ds_key: str, block: Any) -> None:
