@@ -313,6 +313,18 @@ def test_deepspeeds_former_offload_names_offload_as_the_blocks_they_stand_for(tm
         load_train_config([*BASE, "--deepspeed", str(ds)])
 
 
+def test_a_scheduler_without_warmup_type_says_its_warm_up_is_linear_not_deepspeeds_log():
+    """DeepSpeed's WarmupLR/WarmupDecayLR/WarmupCosineLR warm up logarithmically unless warmup_type says linear;
+    Transformers' example files leave it out, and the mapping said nothing of the linear warm-up that ran instead."""
+    from shardtune.config.deepspeed import map_deepspeed
+
+    said = ("scheduler.params.warmup_type not set: DeepSpeed's default warm-up is logarithmic, shardtune's linear "
+            "(write \"warmup_type\": \"linear\" to say so)")
+    assert said in map_deepspeed(ZERO2, "ds.json").lines
+    linear = {**ZERO2, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}}}
+    assert said not in map_deepspeed(linear, "ds.json").lines
+
+
 def test_zero3_init_flag_written_as_text_and_a_numeric_train_batch_size_are_read_and_said():
     """zero3_init_flag 'false' (text) turned rank-0 loading on (bool('false') is true); a numeric train_batch_size
     was checked but not printed."""

@@ -346,6 +346,9 @@ def _scheduler(out: Mapped, block: Any) -> None:
     schedule = SCHEDULERS[kind] if _is_auto(floor) or floor == 0 else "cosine_with_min_lr"  # decays to the floor
     out.decide("scheduler.type", "lr_scheduler_type", schedule)
     out.lines.append(f"scheduler.type {block['type']} -> lr_scheduler_type {schedule}")
+    if "warmup_type" not in block.get("params", {}):  # as in Transformers' example files, which then warm up so
+        out.lines.append("scheduler.params.warmup_type not set: DeepSpeed's default warm-up is logarithmic, "
+                         "shardtune's linear (write \"warmup_type\": \"linear\" to say so)")
     for key, value in block.get("params", {}).items():
         if f"scheduler.params.{key}" in AS_IS:
             out.set(f"scheduler.params.{key}", value, AS_IS[f"scheduler.params.{key}"])
