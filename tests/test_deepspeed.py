@@ -247,6 +247,32 @@ def test_accelerates_deepspeed_type_given_as_a_key_names_the_option_to_use(tmp_p
     assert load_train_config(["--config_file", str(accelerate), *BASE]).distributed.distributed_type == "FSDP"
 
 
+def test_an_accelerate_deepspeed_file_without_a_stage_runs_accelerates_zero2(tmp_path):
+    """Accelerate runs ZeRO-2 for distributed_type DEEPSPEED when its file names no zero_stage (DeepSpeedPlugin's
+    default); shardtune ran FULL_SHARD (ZeRO-3) without a word. A deepspeed_config_file without zero_optimization,
+    which Accelerate refuses, ran FULL_SHARD too."""
+    from shardtune.config.loading import deepspeed_mappings
+
+    acc = tmp_path / "accelerate.yaml"
+    for text in ("distributed_type: DEEPSPEED\nnum_processes: 2\n",
+                 "distributed_type: DEEPSPEED\ndeepspeed_config:\n  offload_optimizer_device: none\n"):
+        acc.write_text(text)
+        argv = ["--config_file", str(acc), *BASE]
+        d = load_train_config(argv).distributed
+        assert (d.distributed_type, d.fsdp_sharding_strategy) == ("FSDP", "SHARD_GRAD_OP"), text
+        [(_, lines)] = deepspeed_mappings(argv)
+        assert lines[:2] == ["zero_stage not set: Accelerate's default, 2 (a --deepspeed file's stage decides over it)",
+                             "zero_optimization.stage 2: ZeRO-2 -> FSDP SHARD_GRAD_OP"]
+    # Transformers' way, accelerate launch --config_file accelerate.yaml train.py --deepspeed ds.json: the file's stage
+    ds = write(tmp_path / "ds.json", {"zero_optimization": {"stage": 3}})
+    assert load_train_config([*argv, "--deepspeed", str(ds)]).distributed.fsdp_sharding_strategy == "FULL_SHARD"
+    write(tmp_path / "ds.json", {"bf16": {"enabled": True}})
+    acc.write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n")
+    with pytest.raises(UsageError, match=r"ds.json: no zero_optimization block \(this deepspeed_config_file of .*"
+                                         r"accelerate.yaml needs one, as Accelerate says\): add"):
+        load_train_config(["--config_file", str(acc), *BASE])
+
+
 def test_every_deepspeed_block_that_acts_is_printed(tmp_path):
     """A recipe's deepspeed_config block and an Accelerate file's both apply (layered): both are printed at start,
     where only the highest one was."""

@@ -105,7 +105,7 @@ def test_plot_not_a_png_is_refused_before_any_json(tmp_path, capsys):
 def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
     """--config: a recipe, an Accelerate file and a DeepSpeed JSON give the estimate of exactly that job, the same
     as the options that describe it; setup options beside --config are refused. Each file sets what is not the
-    default (ZeRO-2, not Accelerate's ZeRO-3 for DEEPSPEED; no checkpointing; fp32), so each one is read."""
+    default (ZeRO-3, not Accelerate's ZeRO-2 for DEEPSPEED; no checkpointing; fp32), so each one is read."""
     from shardtune.cli import main
 
     recipe = tmp_path / "recipe.yaml"
@@ -116,17 +116,17 @@ def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
     acc.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 8\n"
                    "num_machines: 1\nmixed_precision: 'no'\n")
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     argv = ["estimate", "--gpu", "h100-80gb", "--json"]
     assert main([*argv, "--config", str(recipe), "--config", str(acc), "--config", str(ds)]) == 0
     from_files = json.loads(capsys.readouterr().out)
     assert main([*argv, "llama-3.1-8b", "--method", "lora", "--lora-r", "16", "--num-gpus", "8", "--strategy", "fsdp",
-                 "--sharding-strategy", "SHARD_GRAD_OP", "--batch-size", "2", "--gradient-accumulation-steps", "4",
+                 "--sharding-strategy", "FULL_SHARD", "--batch-size", "2", "--gradient-accumulation-steps", "4",
                  "--seq-len", "4096", "--no-gradient-checkpointing", "--mixed-precision", "no"]) == 0
     from_options = json.loads(capsys.readouterr().out)
     assert from_files["per_gpu"] == from_options["per_gpu"] and from_files["per_gpu"]["total"] > 0
     assert from_files["trainable_parameters"] == from_options["trainable_parameters"]
-    assert main([*argv, "--config", str(recipe), "--config", str(acc)]) == 0  # without the JSON: ZeRO-3
+    assert main([*argv, "--config", str(recipe), "--config", str(acc)]) == 0  # without the JSON: ZeRO-2
     assert json.loads(capsys.readouterr().out)["per_gpu"] != from_files["per_gpu"]
     assert main(["estimate", "--config", str(recipe), "--method", "full", "--num-gpus", "2"]) == 2
     assert "--method, --num-gpus: with --config the files describe the setup" in capsys.readouterr().err

@@ -59,6 +59,7 @@ class Mapped:
     fp16_tuning: list[str] = field(default_factory=list)
     set_by: dict[str, str] = field(default_factory=dict)  # key -> the entry that set it (two must agree)
     takes_auto: set[str] = field(default_factory=set)  # the entries of set_by that could be written auto
+    defaulted: set[str] = field(default_factory=set)  # keys Accelerate's defaults set: a --deepspeed file overrides
 
     def carried(self) -> dict[str, Any]:
         """The mapped keys, and the loss-scaler settings under FP16_TUNING where there are any."""
@@ -374,6 +375,18 @@ ACCELERATE_BLOCK = {"zero_stage": ("zero_optimization", "stage"),
                     "zero3_save_16bit_model": ("stage3_gather_16bit_weights_on_model_save",)}
 
 
+ACCELERATE_ZERO_STAGE = 2  # what Accelerate runs for distributed_type DEEPSPEED when its file names no zero_stage
+
+
+def accelerate_block(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``deepspeed_config`` block of an Accelerate file's (or a recipe's) ``data`` to map: its own, an empty one
+    where ``distributed_type: DEEPSPEED`` comes without one (Accelerate's defaults), None where there is none."""
+    block = data.get("deepspeed_config")
+    if block is None and str(data.get("distributed_type", "")).upper() == "DEEPSPEED":
+        return {}
+    return block if isinstance(block, dict) else None
+
+
 def map_accelerate_block(block: dict[str, Any], where: str) -> Mapped:
     """Accelerate's ``deepspeed_config`` block: its ``deepspeed_config_file``, or its own keys."""
     if block.get("deepspeed_config_file"):
@@ -384,9 +397,14 @@ def map_accelerate_block(block: dict[str, Any], where: str) -> Mapped:
         mapped = read_deepspeed_file(Path(where).parent / Path(block["deepspeed_config_file"]).expanduser()
                                      if not Path(block["deepspeed_config_file"]).is_absolute()
                                      else block["deepspeed_config_file"])
+        if "distributed_type" not in mapped.values:  # as Accelerate refuses it, rather than guess a stage
+            mapped.problems.append(f"{mapped.where}: no zero_optimization block (this deepspeed_config_file of "
+                                   f"{where} needs one, as Accelerate says): add \"zero_optimization\": {{\"stage\": "
+                                   f"2}} with the stage meant")
     else:
+        given = block  # Accelerate's DeepSpeedPlugin runs ZeRO-2 when the file gives no stage
         data: dict[str, Any] = {}
-        for key, value in block.items():
+        for key, value in {"zero_stage": ACCELERATE_ZERO_STAGE, **given}.items():
             if key in ACCELERATE_BLOCK:
                 *parents, leaf = ACCELERATE_BLOCK[key]
                 node = data
@@ -394,6 +412,10 @@ def map_accelerate_block(block: dict[str, Any], where: str) -> Mapped:
                     node = node.setdefault(parent, {})
                 node[leaf] = value
         mapped = map_deepspeed(data, where)
+        if "zero_stage" not in given:
+            mapped.lines.insert(0, f"zero_stage not set: Accelerate's default, {ACCELERATE_ZERO_STAGE} (a --deepspeed "
+                                   f"file's stage decides over it)")
+            mapped.defaulted = {"distributed_type", "fsdp_sharding_strategy"}
         extra = sorted(set(block) - set(ACCELERATE_BLOCK) - {"deepspeed_multinode_launcher", "zero3_init_flag"})
         mapped.problems += [f"{where}: deepspeed_config.{key} has no counterpart in FSDP2: remove it" for key in extra]
     if block.get("zero3_init_flag") is not None:

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
-from shardtune.config.deepspeed import (FP16_TUNING, Mapped, is_deepspeed_json, json_document,
+from shardtune.config.deepspeed import (FP16_TUNING, Mapped, accelerate_block, is_deepspeed_json, json_document,
                                        map_accelerate_block, read_deepspeed_file, same_value)
 from shardtune.config.keys import shown
 from shardtune.config.no_ops import (NO_OPS, TRAINED_TOKEN_KEYS, UNSET, at_transformers_default, no_op_problem,
@@ -119,17 +119,20 @@ def read_accelerate_config(path: str | Path) -> tuple[dict[str, Any], dict[str, 
 def _mapped_deepspeed_block(values: dict[str, Any], sources: dict[str, Origin], path: str | Path) -> None:
     """Accelerate's ``distributed_type: DEEPSPEED`` and its ``deepspeed_config`` block, in a file's ``values``, as
     the FSDP2 keys they mean (docs/deepspeed.md)."""
-    block, where = values.pop("deepspeed_config", None), sources.pop("deepspeed_config", Origin(str(path)))
-    if str(values.get("distributed_type", "")).upper() == "DEEPSPEED":
-        values["distributed_type"] = FSDP.name  # ZeRO-3 unless the block says otherwise
+    block, where = accelerate_block(values), sources.pop("deepspeed_config", Origin(str(path)))
+    values.pop("deepspeed_config", None)
+    if str(values.get("distributed_type", "")).upper() == "DEEPSPEED":  # the block's stage says which FSDP
+        values["distributed_type"] = FSDP.name
     if block is not None:
         mapped = map_accelerate_block(block, str(path))
         raise_problems(mapped.problems + _block_clashes(mapped.values, [(values, sources)], path))
         values.update(mapped.carried())
-        sources.update({key: Origin(f"{path}{IN_BLOCK}", where.line) for key in mapped.values})
+        sources.update({key: Origin(f"{path}{DEFAULTED if key in mapped.defaulted else IN_BLOCK}", where.line)
+                        for key in mapped.values})
 
 
 IN_BLOCK = " (deepspeed_config)"  # how an Origin names a value an Accelerate deepspeed_config block set
+DEFAULTED = " (Accelerate's default ZeRO stage)"  # ... and one Accelerate's default gave: a --deepspeed file's wins
 
 
 def _block_clashes(block: dict[str, Any], layers: Layers, path: str | Path) -> list[str]:
@@ -176,7 +179,8 @@ def _mapped_deepspeed(layers: Layers) -> tuple[Mapped, str, Origin | None] | Non
     problems = list(mapped.problems)
     for key, value in mapped.values.items():
         for values, sources in layers:
-            if key in values and key != "deepspeed" and not same_value(values[key], value):
+            defaulted = sources.get(key, Origin("")).where.endswith(DEFAULTED)
+            if key in values and key != "deepspeed" and not defaulted and not same_value(values[key], value):
                 problems.append(mapped.clash(key, f"{sources.get(key, Origin('config'))}: {key}={values[key]!r}"))
     for values, sources in layers:  # a warm-up step count wins over warmup_ratio: a ratio set above would be dropped
         if "warmup_steps" in mapped.values and "warmup_ratio" in values and not same_value(values["warmup_ratio"], 0):
@@ -208,8 +212,8 @@ def deepspeed_mappings(argv: list[str]) -> list[tuple[str, list[str]]]:
     mapped = _mapped_deepspeed(_user_layers(argv)[0])
     found = [(mapped[1], mapped[0].lines)] if mapped else []
     for path in [*([accelerate_file] if accelerate_file else []), *files]:  # lowest layer first
-        block = _yaml_with_lines(Path(path))[0].get("deepspeed_config")
-        if isinstance(block, dict):
+        block = accelerate_block(_yaml_with_lines(Path(path))[0])
+        if block is not None:
             found.append((f"{path} (deepspeed_config)", map_accelerate_block(block, path).lines))
     return found
 
