@@ -417,12 +417,20 @@ def test_a_key_set_twice_in_the_file_is_refused_naming_it_and_its_lines(tmp_path
 
 def test_bf16_from_the_file_and_fp16_from_the_command_line_names_the_file(tmp_path):
     """It read "bf16 and fp16 are both true; choose one", to a user who had set only --fp16: the bf16 was the
-    DeepSpeed file's."""
+    DeepSpeed file's. Then "ds.json (DeepSpeed, ...): bf16 and fp16 are both true; choose one", which named
+    neither the file's entry nor where fp16 was set; now both, as Transformers' mismatch check does."""
     ds = write(tmp_path / "ds.json", {"bf16": {"enabled": True}})
     with pytest.raises(UsageError) as err:
         load_train_config([*BASE, "--deepspeed", str(ds), "--fp16", "true"])
-    assert str(err.value).startswith(f"{ds} (DeepSpeed, named at command line (--deepspeed)): bf16 and fp16 are "
-                                     f"both true")
+    assert str(err.value) == (f"command line (--fp16): fp16='true', but bf16.enabled in the DeepSpeed config {ds} "
+                              f"makes bf16 True, which cannot run with fp16: leave fp16 out there, or write auto for "
+                              f"bf16.enabled in {ds}")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("fp16: false\nbf16: true\n")  # agree with the file: no problem
+    assert load_train_config([str(recipe), *BASE, "--deepspeed", str(ds)]).run.bf16 is True
+    ds = write(tmp_path / "ds.json", {"fp16": {"enabled": True}})
+    with pytest.raises(UsageError, match=rf"{recipe}, line 2: bf16=True, but fp16.enabled in the DeepSpeed config "):
+        load_train_config([str(recipe), *BASE, "--deepspeed", str(ds)])
 
 
 def test_a_deepspeed_file_a_recipe_names_but_cannot_be_read_names_the_recipe(tmp_path, monkeypatch):

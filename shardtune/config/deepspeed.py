@@ -84,15 +84,15 @@ class Mapped:
         """``ds_key`` makes shardtune's ``key`` ``value`` (a ZeRO stage, an offload device, an optimizer type)."""
         self.values[key], self.set_by[key] = value, ds_key
 
-    def clash(self, key: str, said: str, named: str | None = None) -> str:
+    def clash(self, key: str, said: str, named: str | None = None, relation: str = "which decides over") -> str:
         """The problem of a value ``said`` ("recipe.yaml, line 3: lr=...") of ``named`` (``key``, or a key the
-        file's ``key`` decides over) other than what this file makes ``key``: which entry of the file made it, and
-        how to settle it (as Transformers' mismatch check names "ds optimizer.params.lr=... vs hf
+        file's ``key`` excludes, as ``relation`` says) other than what this file makes ``key``: which entry of the
+        file made it, and how to settle it (as Transformers' mismatch check names "ds optimizer.params.lr=... vs hf
         learning_rate=..."). A ZeRO stage or an optimizer type cannot be auto."""
         named, entry = named or key, self.set_by.get(key, key)
         fix = (f"write auto for {entry.split('[')[0]}" if entry in self.takes_auto else f"change {entry}")
         made = (f"makes it {self.values[key]!r}" if named == key else
-                f"makes {key} {self.values[key]!r}, which decides over {named}")
+                f"makes {key} {self.values[key]!r}, {relation} {named}")
         return (f"{said}, but {entry} in the DeepSpeed config {self.where} {made}: leave {named} out there, or {fix} "
                 f"in {self.where}")
 

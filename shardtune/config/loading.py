@@ -24,7 +24,7 @@ import yaml
 from shardtune.config.compile import DYNAMO_KEYS, dynamo_values, normalise_compile
 from shardtune.config.deepspeed import (FP16_TUNING, Mapped, accelerate_block, is_deepspeed_json, json_document,
                                        map_accelerate_block, read_deepspeed_file, same_value)
-from shardtune.config.keys import shown
+from shardtune.config.keys import parse_bool, shown
 from shardtune.config.no_ops import (NO_OPS, TRAINED_TOKEN_KEYS, UNSET, at_transformers_default, no_op_problem,
                                      off)
 from shardtune.config.schema import (ALIASES, DATASET_PLACEHOLDER, FSDP1_RESHARD, ZERO2_HYBRID, DataConfig, TrainConfig,
@@ -182,14 +182,30 @@ def _mapped_deepspeed(layers: Layers) -> tuple[Mapped, str, Origin | None] | Non
             defaulted = sources.get(key, Origin("")).where.endswith(DEFAULTED)
             if key in values and key != "deepspeed" and not defaulted and not same_value(values[key], value):
                 problems.append(mapped.clash(key, f"{sources.get(key, Origin('config'))}: {key}={values[key]!r}"))
-    for values, sources in layers:  # a warm-up step count wins over warmup_ratio: a ratio set above would be dropped
-        if "warmup_steps" in mapped.values and "warmup_ratio" in values and not same_value(values["warmup_ratio"], 0):
-            said = f"{sources.get('warmup_ratio', Origin('config'))}: warmup_ratio={values['warmup_ratio']!r}"
-            problems.append(mapped.clash("warmup_steps", said, "warmup_ratio"))
+    for mine, other, clashes, relation in EXCLUDED:
+        for values, sources in layers:
+            if mine in mapped.values and other in values and clashes(mapped.values[mine], values[other]):
+                said = f"{sources.get(other, Origin('config'))}: {other}={values[other]!r}"
+                problems.append(mapped.clash(mine, said, other, relation))
     if mapped.train_batch_size is not None:
         problems += _check_train_batch_size(mapped, layers)
     raise_problems(problems)
     return mapped, str(path), origin
+
+
+def _on(value: Any) -> bool:
+    try:
+        return parse_bool(value)
+    except ValueError:  # refused as a value of its key
+        return False
+
+
+# A key a DeepSpeed file sets, another key a layer may set, whether the two settings cannot both run, and how the
+# refusal says so: a warm-up step count wins over warmup_ratio (a ratio set above would be dropped), and bf16 and
+# fp16 cannot both compute (the refusal names the file's entry and the other setting's place, not only the file).
+EXCLUDED = (("warmup_steps", "warmup_ratio", lambda mine, other: not same_value(other, 0), "which decides over"),
+            ("bf16", "fp16", lambda mine, other: mine is True and _on(other), "which cannot run with"),
+            ("fp16", "bf16", lambda mine, other: mine is True and _on(other), "which cannot run with"))
 
 
 def load_given_values(argv: list[str]) -> dict[str, Any]:
