@@ -358,6 +358,8 @@ def test_zero3_init_flag_written_as_text_and_a_numeric_train_batch_size_are_read
 
     mapped = map_accelerate_block({"zero_stage": 3, "zero3_init_flag": "false"}, "acc.yaml")
     assert mapped.values["fsdp_cpu_ram_efficient_loading"] is False
+    # the value it became is said (the line ended at the key, and shardtune's default for it is true)
+    assert "zero3_init_flag false -> fsdp_cpu_ram_efficient_loading false" in mapped.lines
     assert ("train_batch_size 32 -> per_device_train_batch_size x gradient_accumulation_steps x processes must "
             "make 32 (accumulation is derived from it where nothing sets it)") in map_deepspeed(
                 {"train_batch_size": 32}, "ds.json").lines

@@ -424,7 +424,9 @@ def map_accelerate_block(block: dict[str, Any], where: str) -> Mapped:
         except ValueError:
             mapped.problems.append(f"{where}: deepspeed_config.zero3_init_flag = {_show(block['zero3_init_flag'])} "
                                    f"must be true or false")
-        mapped.lines.append(f"zero3_init_flag {_show(block['zero3_init_flag'])} -> fsdp_cpu_ram_efficient_loading")
+        loads = mapped.values.get("fsdp_cpu_ram_efficient_loading")  # unset where refused just above
+        mapped.lines.append(f"zero3_init_flag {_show(block['zero3_init_flag'])} -> fsdp_cpu_ram_efficient_loading"
+                            + ("" if loads is None else f" {_show(loads)}"))
     launcher = str(block.get("deepspeed_multinode_launcher", "standard")).lower()
     if launcher != "standard":
         mapped.problems.append(f"{where}: deepspeed_multinode_launcher {launcher}: shardtune launches through "
