@@ -213,6 +213,10 @@ def test_merge_and_export_refuse_a_missing_base_folder_at_once(tmp_path, capsys)
     (["estimate", "llama-3.1-8b", "--learning_rate", "1e-4"],
      "shardtune estimate: error: unknown option --learning_rate; learning_rate is a 'shardtune train' key with no "
      "estimate option: give the job as a recipe with --config FILE"),
+    # train's --deepspeed was told to give "a recipe with --config FILE": the DeepSpeed JSON itself is one
+    (["estimate", "llama-3.1-8b", "--deepspeed", "ds.json"],
+     "shardtune estimate: error: unknown option --deepspeed; deepspeed is --config DS_CONFIG.json (with the recipe's "
+     "--config beside it) here"),
     (["estimate", "--model_name_or_path", "llama-3.1-8b", "--gpu", "rtx4090"],
      "shardtune estimate: error: unknown option --model_name_or_path; the model is the first argument, not an "
      "option: 'shardtune estimate MODEL [options]'"),

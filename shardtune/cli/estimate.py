@@ -58,7 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 # Train keys that an estimate option other than the one of their name says.
 TRAIN_KEY_OPTIONS = {"use_peft_lora": "--method lora", "use_4bit_quantization": "--method qlora",
                      "distributed_type": "--strategy", "num_processes": "--num-gpus (per node) and --num-nodes",
-                     "fsdp_activation_checkpointing": "--gradient-checkpointing"}
+                     "fsdp_activation_checkpointing": "--gradient-checkpointing",
+                     # train's --deepspeed ds.json: the file itself is a --config (read as train reads it)
+                     "deepspeed": "--config DS_CONFIG.json (with the recipe's --config beside it)"}
 
 
 def _train_key_option(name: str, options: dict[str, str]) -> str | None:
