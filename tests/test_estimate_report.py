@@ -129,7 +129,15 @@ def test_estimate_config_reads_the_files_a_job_runs_with(tmp_path, capsys):
     assert main([*argv, "--config", str(recipe), "--config", str(acc)]) == 0  # without the JSON: ZeRO-2
     assert json.loads(capsys.readouterr().out)["per_gpu"] != from_files["per_gpu"]
     assert main(["estimate", "--config", str(recipe), "--method", "full", "--num-gpus", "2"]) == 2
-    assert "--method, --num-gpus: with --config the files describe the setup" in capsys.readouterr().err
+    assert "--method: with --config the files describe the setup" in capsys.readouterr().err
+    # The process count a launch gives (`shardtune launch --num_processes 8 train ...`) where the files hold none
+    counted = tmp_path / "accelerate_no_count.yaml"
+    counted.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nmixed_precision: 'no'\n")
+    assert main([*argv, "--config", str(recipe), "--config", str(counted), "--config", str(ds), "--num-gpus", "8"]) == 0
+    assert json.loads(capsys.readouterr().out)["per_gpu"] == from_files["per_gpu"]
+    assert main([*argv, "--config", str(recipe), "--config", str(acc), "--num-gpus", "4"]) == 2
+    assert (f"--num-gpus: the files set num_processes 8 ({acc}, line 3), num_machines 1 ({acc}, line 4), which "
+            f"decide with --config; change it there, or leave --num-gpus out") in capsys.readouterr().err
 
 
 

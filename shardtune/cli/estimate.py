@@ -88,8 +88,10 @@ def _job_options(job: argparse._ArgumentGroup) -> None:
     """The options that describe the job. Each one's dest is the train key it sets (``method`` sets
     use_peft_lora and use_4bit_quantization), left None when not given so that the key keeps train's default."""
     job.add_argument("--method", default=None, help=f"{' | '.join(METHODS)} (default: {LoraConfig().method})")
-    job.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default: 1)")
-    job.add_argument("--num-nodes", type=int, default=1, help="nodes (default: 1)")
+    job.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default: 1); with --config too, where "
+                     "the files set no num_processes (the launch's --num_processes, over the nodes)")
+    job.add_argument("--num-nodes", type=int, default=1, help="nodes (default: 1); with --config too, where the "
+                     "files set no num_machines")
     job.add_argument("--strategy", default="auto",
                      help=f"auto | {' | '.join(NAMES)}, in any case (zero1/zero2/zero3: DeepSpeed's ZeRO stages, "
                           f"run as FSDP); default: auto")
@@ -277,19 +279,40 @@ def config_argv(files: list[str]) -> list[str]:
     return argv
 
 
+# The process counts a recipe seldom holds: `shardtune launch --num_processes N train recipe.yaml` gives them.
+COUNT_OPTIONS = {"--num-gpus": "num_processes", "--num-nodes": "num_machines"}
+
+
+def _counts_of_the_launch(args: argparse.Namespace, counts: list[str]) -> list[str]:
+    """--num-gpus and --num-nodes with --config, as the launch's num_processes (every node's) and num_machines;
+    refused where the files set them (an Accelerate config's num_processes), which then decide."""
+    from shardtune.config.loading import key_origins, load_given_values
+
+    if not counts:
+        return []
+    argv = config_argv(args.config)
+    origins, values = key_origins(argv), load_given_values(argv)
+    if set_there := [f"{key} {values[key]} ({origins[key]})" for key in COUNT_OPTIONS.values() if key in origins]:
+        raise UsageError(f"{', '.join(counts)}: the files set {', '.join(set_there)}, which decide with --config; "
+                         f"change it there, or leave {' and '.join(counts)} out")
+    return ["--num_processes", str(args.num_gpus * args.num_nodes), "--num_machines", str(args.num_nodes)]
+
+
 def setup_from_config_files(args: argparse.Namespace) -> Setup:
     """``--config``: the Setup of the job the files describe (what ``shardtune train`` with them would run), and
-    MODEL from them when not given. Setup options on the command line are refused: the files decide."""
+    MODEL from them when not given. Setup options on the command line are refused: the files decide; except the
+    process counts, which a launch gives (``_counts_of_the_launch``)."""
     from shardtune.config.loading import load_given_values, load_planned_config
     from shardtune.memory.trace_setup import setup_from_config
 
     typed = getattr(args, "argv", [])
     given = [options[0] for dest, options in args.setup_options.items()
              if any(arg == o or arg.startswith(o + "=") for arg in typed for o in options)]
-    if given:
+    counts = [option for option in given if option in COUNT_OPTIONS]
+    if given := [option for option in given if option not in counts]:
         raise UsageError(f"{', '.join(given)}: with --config the files describe the setup; set "
                          f"{'it' if len(given) == 1 else 'them'} there (or leave --config out)")
-    argv = config_argv(args.config)
+    argv = config_argv(args.config) + _counts_of_the_launch(args, counts)
     if args.model:
         argv += ["--model_name_or_path", args.model]
     elif not load_given_values(argv).get("model_name_or_path"):  # train's fix names --model_name_or_path
