@@ -474,6 +474,28 @@ def test_chat_rows_in_a_csv_hold_their_messages_as_json_text(model_dir, tmp_path
                                          r"parse \(Expecting ',' delimiter at character \d+\)"):
         prepare(model_dir, tmp_path, broken, max_seq_len=256)
 
+def test_a_conversational_prompt_and_completion_in_a_csv_train_as_messages_not_json_text(model_dir, tmp_path):
+    """A conversational prompt/completion data set exported to CSV holds each prompt and completion as JSON text of
+    its messages: it trained the JSON itself ('[{"role": "assistant", ...') as the target, a model taught to answer
+    in JSON. It now gives the same rows as the JSONL file; a plain completion that is JSON but no messages stays
+    text."""
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+             "completion": [{"role": "assistant", "content": "Four."}]},
+            {"prompt": [{"role": "user", "content": "Name a red thing."}],
+             "completion": [{"role": "assistant", "content": "A red car."}]}]
+    path = tmp_path / "conv.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["prompt", "completion"])
+        w.writeheader()
+        w.writerows({k: json.dumps(v) for k, v in r.items()} for r in rows)
+    from_csv, tok = prepare(model_dir, tmp_path, str(path), max_seq_len=256)
+    assert [targets(tok, row) for row in from_csv.train] == ["Four.<|im_end|>", "A red car.<|im_end|>"]
+    assert from_csv.train.to_list() == prepare(model_dir, tmp_path, rows, max_seq_len=256)[0].train.to_list()
+    plain, tok = prepare(model_dir, tmp_path, [{"prompt": "Sort 3 1 2:", "completion": " [1, 2, 3]"}],
+                         max_seq_len=256)
+    assert targets(tok, plain.train[0]) == " [1, 2, 3]" + EOS
+
+
 def test_a_jsonl_file_written_by_json_dump_is_read_as_datasets_reads_it(model_dir, tmp_path):
     """json.dump(rows) into data.jsonl (a JSON list), or each row dumped with indent=2: load_dataset, and so a TRL
     script, reads both, where this refused line 1 as malformed JSON or as 'a row must be a JSON object, got list'.

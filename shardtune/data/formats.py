@@ -50,6 +50,20 @@ def _decoded(value, key: str, where: str):
                             f"{exc.pos}); {SKIP_HINT}") from None
 
 
+def _as_messages(value):
+    """A prompt or completion written as JSON text of a message list (a conversational data set exported to CSV) as
+    that list; any other value as it is. Unlike ``_decoded``, text that is not such a list stays text: a plain
+    completion may well be '[1, 2, 3]'."""
+    if not (isinstance(value, str) and value.lstrip().startswith("[")):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return value
+    listed = isinstance(parsed, list) and bool(parsed)
+    return parsed if listed and all(isinstance(m, dict) and ("role" in m or "from" in m) for m in parsed) else value
+
+
 def _messages(value, where: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise BadRow(where, f"'messages' must be a non-empty list of {{role, content}} objects; {SKIP_HINT}")
@@ -155,7 +169,7 @@ def to_example(row: dict, where: str, fmt: str, text_field: str, alpaca_as_chat:
             raise BadRow(where, f"the field 'messages' is missing or not a list; {SKIP_HINT}")
         return {**base, "messages": _messages(columns[key], where), "tools": tools}
     if fmt == "prompt_completion":
-        prompt, completion = row.get("prompt"), row.get("completion")
+        prompt, completion = _as_messages(row.get("prompt")), _as_messages(row.get("completion"))
         # conversational prompt/completion; a null prompt is an empty one, as for strings
         if isinstance(completion, list) and (isinstance(prompt, list) or prompt is None):
             prompt_msgs = _messages(prompt, where) if prompt else []
