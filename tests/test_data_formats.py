@@ -474,6 +474,25 @@ def test_chat_rows_in_a_csv_hold_their_messages_as_json_text(model_dir, tmp_path
                                          r"parse \(Expecting ',' delimiter at character \d+\)"):
         prepare(model_dir, tmp_path, broken, max_seq_len=256)
 
+def test_trls_eos_token_ends_each_completion_and_becomes_the_tokenizers_eos(model_dir, tmp_path):
+    """TRL's eos_token (<|im_end|> for a base model taught ChatML text) was refused, 'leave it out', which trained
+    every completion to end in the base's <|end_of_text|> instead. It now ends each text and prompt/completion row
+    as a target, as TRL's SFTTrainer appends it, and is the tokenizer's EOS; a token the tokenizer lacks is refused
+    naming the key."""
+    rows = [{"prompt": "What is two plus two?", "completion": " Four."},
+            {"prompt": "Hi", "completion": " Yo<|im_end|>"}]
+    data, tok = prepare(model_dir, tmp_path, rows, max_seq_len=256, eos_token="<|im_end|>")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token_id == im_end and tok.pad_token_id not in (im_end, None)
+    for row, src in zip(data.train, rows):
+        assert row["input_ids"][-1] == row["labels"][-1] == im_end
+        assert row["input_ids"].count(im_end) == 1 and tok.convert_tokens_to_ids(EOS) not in row["input_ids"]
+        assert targets(tok, row) == src["completion"].removesuffix("<|im_end|>") + "<|im_end|>"
+    with pytest.raises(UsageError, match=r"^eos_token '<\|eot\|>' is not a token of the tokenizer .*: give one of "
+                                         r"its tokens, e.g. <\|end_of_text\|>, its own EOS, or leave eos_token out\.$"):
+        prepare(model_dir, tmp_path, rows, max_seq_len=256, eos_token="<|eot|>")
+
+
 def test_a_conversational_prompt_and_completion_in_a_csv_train_as_messages_not_json_text(model_dir, tmp_path):
     """A conversational prompt/completion data set exported to CSV holds each prompt and completion as JSON text of
     its messages: it trained the JSON itself ('[{"role": "assistant", ...') as the target, a model taught to answer

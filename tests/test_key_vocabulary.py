@@ -318,7 +318,7 @@ ACTING = {"compute_environment": "AMAZON_SAGEMAKER", "downcast_bf16": "yes", "tp
           "use_loftq": True, "use_loftq_callback": True, "use_unsloth": True, "tokenizer_name_or_path": "tok/",
           "dataset_streaming": True,
           "truncation_mode": "keep_end", "packing_strategy": "wrapped", "loss_type": "dft", "pad_to_multiple_of": 8,
-          "router_aux_loss_coef": 0.001, "eos_token": "<|im_end|>", "pad_token": "<pad>",
+          "router_aux_loss_coef": 0.001, "pad_token": "<pad>",
           "dataset_kwargs": {"skip_prepare_dataset": True}, "chat_template_path": "template.jinja"}
 
 
@@ -343,6 +343,9 @@ def test_a_trl_recipe_with_sftconfigs_defaults_written_out_loads(tmp_path):
                        "dataset_kwargs": {"skip_prepare_dataset": False}}.items():
         recipe.write_text(yaml.safe_dump({key: value, "model_name_or_path": "m", "dataset_name": "d.jsonl"}))
         assert load_train_config([str(recipe), "--output_dir", "o"]).data.packing is False, key
+    recipe.write_text(yaml.safe_dump({**TRL_SFT_DEFAULTS, "eos_token": "<|im_end|>", "model_name_or_path": "m",
+                                      "dataset_name": "d.jsonl", "output_dir": "o"}))
+    assert load_train_config([str(recipe)]).data.eos_token == "<|im_end|>"  # TRL's eos_token acts here
 
 
 def test_the_values_a_no_op_key_publishes_are_the_ones_it_accepts():

@@ -218,8 +218,6 @@ NO_OPS: dict[str, NoOp] = {
     "router_aux_loss_coef": NoOp("the weight of a mixture-of-experts router's auxiliary loss, which is not added "
                                  "here (a model whose config sets output_router_logits is refused)", ZERO_OR_UNSET,
                                  "leave it out"),
-    "eos_token": NoOp("TRL's end-of-turn token, unset for the tokenizer's own EOS, which ends each completion here "
-                      "(a chat's turns end as its template writes)", UNSET, "leave it out"),
     "pad_token": NoOp("TRL's deprecated pad token: the tokenizer's own is used here, or one set that is not EOS (so "
                       "EOS stays a target)", UNSET, "leave it out"),
     "dataset_kwargs": NoOp("TRL's dataset preparation ({skip_prepare_dataset: false}): rows are read from their "

@@ -154,6 +154,12 @@ class DataConfig:
                                                            "add_special_tokens true.")
     add_special_tokens: bool = key(False, "Add the named template's special tokens to the tokenizer (and resize the "
                                           "embeddings).")
+    eos_token: str | None = key(None, "TRL's eos_token: the token that ends each text and prompt/completion row (as "
+                                      "a target, so the model learns to stop there) and that the saved tokenizer "
+                                      "names as its EOS, e.g. <|im_end|> for a base model trained on ChatML text; it "
+                                      "must be a token of the tokenizer. Unset: the tokenizer's own (a named template "
+                                      "with add_special_tokens: its end of turn). A chat's turns end as its template "
+                                      "writes them.")
     append_concat_token: bool = key(False, "When packing, end every document with EOS if it does not already.",
                                     needs=PACKING)
     max_seq_len: int = key(2048, "Tokens per row; longer examples are truncated, packed rows are filled up to it. "

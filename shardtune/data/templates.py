@@ -160,6 +160,12 @@ def _configure(tokenizer, cfg) -> None:
             if template.end_of_turn is not None:
                 # as in the PEFT chat examples: generation stops at the end of the assistant turn
                 tokenizer.eos_token = template.end_of_turn
+    if (eos := cfg.eos_token) is not None:  # after the template's end of turn, which it overrides
+        if eos not in tokenizer.get_vocab():
+            raise UsageError(f"eos_token '{eos}' is not a token of the tokenizer (it would be spelled out in pieces, "
+                             f"and generation would never stop at it): give one of its tokens, e.g. "
+                             f"{tokenizer.eos_token}, its own EOS, or leave eos_token out.")
+        tokenizer.eos_token = eos
     if tokenizer.eos_token_id is None:
         raise UsageError("the tokenizer has no EOS token: the model could never learn to stop. Use a tokenizer "
                          "with an eos_token.")

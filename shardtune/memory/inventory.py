@@ -250,18 +250,19 @@ def tokenizer_facts(model: str, cfg) -> tuple[int, int, tuple[int, ...]] | None:
         if problem := damaged_file_problem(path, weights=False):
             raise UsageError(problem)
     return _configured_tokenizer(str(path.resolve()), data.chat_template_format, data.add_special_tokens,
-                                 cfg.model.trust_remote_code)
+                                 cfg.model.trust_remote_code, data.eos_token)
 
 
 @functools.lru_cache(maxsize=8)
 def _configured_tokenizer(path: str, chat_template_format: str, add_special_tokens: bool,
-                          trust_remote_code: bool) -> tuple[int, int, tuple[int, ...]]:
+                          trust_remote_code: bool, eos_token: str | None = None) -> tuple[int, int, tuple[int, ...]]:
     from types import SimpleNamespace
 
     from shardtune.data import load_tokenizer
     from shardtune.data.templates import added_token_ids
 
-    data = SimpleNamespace(chat_template_format=chat_template_format, add_special_tokens=add_special_tokens)
+    data = SimpleNamespace(chat_template_format=chat_template_format, add_special_tokens=add_special_tokens,
+                           eos_token=eos_token)
     tokenizer = load_tokenizer(path, data, trust_remote_code=trust_remote_code)
     return len(tokenizer), tokenizer.pad_token_id, tuple(added_token_ids(tokenizer))
 
