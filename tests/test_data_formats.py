@@ -155,6 +155,52 @@ def test_a_rows_tools_are_written_into_its_prompt_by_the_template_or_refused(mod
         prepare(str(folder), tmp_path / "p2", [{"prompt": "Weather?", "completion": " Sunny.", "tools": [WEATHER]}])
 
 
+THINKING_TEMPLATE = (  # Qwen3's way: enable_thinking false writes an empty think block after the assistant header
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' and enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think></think>' }}{% endif %}{{ message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}{% endif %}{% endif %}")
+
+
+def test_a_rows_chat_template_kwargs_reach_the_template(model_dir, tmp_path):
+    """TRL's chat_template_kwargs column (the template's variables for a row: Qwen3's enable_thinking false) was
+    dropped without a word: the rows trained without the empty think block the model is prompted with at
+    inference. Each chat row's variables now reach every rendering of it (a JSON text cell's too, and a Parquet
+    table's without Arrow's null padding); other values are refused for that row."""
+    import shutil
+
+    import pandas as pd
+
+    folder = shutil.copytree(model_dir, tmp_path / "thinking")
+    tokenizer = load_tokenizer(model_dir, DataConfig())
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    hi = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    rows = [{"messages": hi, "chat_template_kwargs": {"enable_thinking": False}},
+            {"messages": hi, "chat_template_kwargs": {"enable_thinking": True}}]
+    conversational = [{"prompt": hi[:1], "completion": hi[1:],
+                       "chat_template_kwargs": json.dumps({"enable_thinking": False})}]  # as a CSV cell holds it
+    expected = [(BOS + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n" + think, "Hello<|im_end|>")
+                for think in ("<think></think>", "", "<think></think>")]
+    data, tok = prepare(str(folder), tmp_path, rows, max_seq_len=256)
+    (tmp_path / "pc").mkdir()
+    pc = prepare(str(folder), tmp_path / "pc", conversational, max_seq_len=256)[0]
+    for row, (prompt, reply) in zip([*data.train, *pc.train], expected, strict=True):
+        assert tok.decode(row["input_ids"]) == prompt + reply + "\n" and targets(tok, row) == reply
+        start, length = (len(tok(text, add_special_tokens=False).input_ids) for text in (prompt, reply))
+        assert [i for i, label in enumerate(row["labels"]) if label != IGNORE] == list(range(start, start + length))
+    pd.DataFrame(rows[:2]).to_parquet(tmp_path / "rows.parquet")  # row 2's struct gets row 1's keys as nulls
+    pd.DataFrame([rows[0], {"messages": hi, "chat_template_kwargs": {"other": 1}}]).to_parquet(tmp_path / "b.parquet")
+    assert prepare(str(folder), tmp_path, str(tmp_path / "rows.parquet"), max_seq_len=256)[0].train.to_list() == \
+        data.train.to_list()
+    padded = prepare(str(folder), tmp_path, str(tmp_path / "b.parquet"), max_seq_len=256)[0].train
+    assert tok.decode(padded[1]["input_ids"]) == expected[1][0] + "Hello<|im_end|>\n"
+    with pytest.raises(UsageError, match=r"data\.jsonl:1: 'chat_template_kwargs' names tools, which the template "
+                                         r"call sets itself: give an object of the chat template's variables"):
+        prepare(str(folder), tmp_path, [{"messages": hi, "chat_template_kwargs": {"tools": []}}], max_seq_len=256)
+
+
 def test_tool_calls_and_tools_from_parquet_or_a_saved_data_set_train_without_arrows_nulls(model_dir, tmp_path):
     """An Arrow column holds one struct type, so in Parquet, a saved data set or a hub one every call's arguments
     carry the keys of all the others: search(query, n) trained as {"city": null, "query": "cats", "n": 3}, and each

@@ -81,10 +81,10 @@ def with_prefix(prefix: list[int], ids: list[int], labels: list[int] | None = No
     return ids, labels
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None
-            ) -> str:
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
+            template_kwargs: dict | None = None) -> str:
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
 
 
 def _without_calls(message: dict) -> dict:
@@ -92,18 +92,20 @@ def _without_calls(message: dict) -> dict:
 
 
 def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn: str | None,
-                  tools: list[dict] | None = None, untrained: frozenset[int] = frozenset()) -> list[tuple[str, bool]]:
+                  tools: list[dict] | None = None, untrained: frozenset[int] = frozenset(),
+                  template_kwargs: dict | None = None) -> list[tuple[str, bool]]:
     """The rendered conversation cut into (text, is_target) pieces; targets are assistant turns with their end token.
     ``tools``: the function definitions the template writes into the prompt (never a target). ``untrained``: the
-    indices of assistant turns that are no targets (OpenAI's weight 0).
+    indices of assistant turns that are no targets (OpenAI's weight 0). ``template_kwargs``: the template's
+    variables for this conversation (TRL's chat_template_kwargs column), given to every rendering.
 
     Rendering the history with the generation prompt gives where each assistant turn starts; rendering it with the
     turn gives where it ends. Templates that rewrite earlier turns fall back to finding each reply in the text, after
     the turns before it (``_past_history``), so a reply is never taken from inside the prompt that asks for it.
     """
-    render = functools.partial(_render, tokenizer, tools=tools or None)
+    render = functools.partial(_render, tokenizer, tools=tools or None, template_kwargs=template_kwargs)
     full = render(messages)
-    if tools and _render(tokenizer, messages) == full:
+    if tools and _render(tokenizer, messages, template_kwargs=template_kwargs) == full:
         raise BadRow("", "the chat template does not write the row's tools, so the model would learn its tool calls "
                          "without their definitions; use a chat template that renders tools (the model's own, where "
                          "it has one), or leave them out")
@@ -176,7 +178,8 @@ def _segments(example: dict, tokenizer, chat_template_format: str) -> list[tuple
         return chat_segments(tokenizer, [template_message(m) for m in example["messages"]], example["target_from"],
                              template.end_of_turn if template else None,
                              json.loads(example["tools"]) if example.get("tools") else None,
-                             frozenset(i for i, m in enumerate(example["messages"]) if m.get("weight") == 0))
+                             frozenset(i for i, m in enumerate(example["messages"]) if m.get("weight") == 0),
+                             json.loads(example["template_kwargs"]) if example.get("template_kwargs") else None)
     except BadRow as exc:
         raise BadRow(example["where"], f"{exc.problem}; {SKIP_HINT}") from None
     except Exception as exc:  # noqa: BLE001 - jinja raise_exception, e.g. an unsupported role order

@@ -2,8 +2,9 @@
 
 Every row is turned into one canonical example so that a single encoder handles all of them:
 ``{"kind": "chat" | "prompt_completion" | "text", "messages": [...], "target_from": int, "prompt": str,
-"completion": str, "tools": str, "where": str}``: ``tools`` is a chat row's function definitions (TRL's ``tools``
-column, which the chat template writes into the prompt) as JSON text, or empty.
+"completion": str, "tools": str, "template_kwargs": str, "where": str}``: ``tools`` is a chat row's function
+definitions (TRL's ``tools`` column, which the chat template writes into the prompt) as JSON text, or empty;
+``template_kwargs`` its ``chat_template_kwargs`` (the template's variables for the row) as JSON text, or empty.
 """
 
 from __future__ import annotations
@@ -129,6 +130,30 @@ def _tools(row: dict, where: str) -> str:
     return json.dumps(tools)
 
 
+# apply_chat_template's own arguments, which a row's chat_template_kwargs cannot set
+TEMPLATE_OWN = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt", "tokenize",
+                "continue_final_message", "return_dict", "return_assistant_tokens_mask")
+
+
+def _template_kwargs(row: dict, where: str) -> str:
+    """The row's ``chat_template_kwargs`` (TRL's column: the chat template's own variables for this row, e.g.
+    Qwen3's enable_thinking) as JSON text; empty where it has none."""
+    kwargs = row.get("chat_template_kwargs")
+    if isinstance(kwargs, str) and kwargs.strip():  # a CSV cell's JSON text
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError:
+            pass
+    if kwargs is None or kwargs == {} or (isinstance(kwargs, str) and not kwargs.strip()):
+        return ""
+    if not isinstance(kwargs, dict) or (own := [k for k in kwargs if k in TEMPLATE_OWN]):
+        what = f"names {', '.join(own)}, which the template call sets itself" if isinstance(kwargs, dict) else \
+            f"is {_shape(kwargs)}"
+        raise BadRow(where, f"'chat_template_kwargs' {what}: give an object of the chat template's variables (TRL's "
+                            f"column), e.g. {{\"enable_thinking\": false}}; {SKIP_HINT}")
+    return json.dumps(kwargs)
+
+
 # A message's tool calls (and a tool reply's call id and name), kept as JSON text: the examples pass through an
 # Arrow table, which would give every message and every call's arguments the keys of all the others.
 TOOLS = "tools_json"
@@ -159,22 +184,23 @@ def _shape(value) -> str:
 def to_example(row: dict, where: str, fmt: str, text_field: str, alpaca_as_chat: bool) -> dict:
     """The canonical example of one row in format ``fmt``; raises BadRow when the row does not fit it."""
     base = {"kind": "chat", "messages": [], "target_from": 0, "prompt": "", "completion": "", "tools": "",
-            "where": where}
+            "template_kwargs": "", "where": where}
     tools = _tools(row, where)
+    template = {"tools": tools, "template_kwargs": _template_kwargs(row, where)}  # a chat's, as TRL renders it
     if fmt == "chat":
         columns = {k: _decoded(row.get(k), k, where) for k in ("messages", "conversations")}
         columns.setdefault(text_field, row.get(text_field))  # a list in the text field; text there is no chat
         key = next((k for k, value in columns.items() if isinstance(value, list)), None)
         if key is None:
             raise BadRow(where, f"the field 'messages' is missing or not a list; {SKIP_HINT}")
-        return {**base, "messages": _messages(columns[key], where), "tools": tools}
+        return {**base, "messages": _messages(columns[key], where), **template}
     if fmt == "prompt_completion":
         prompt, completion = _as_messages(row.get("prompt")), _as_messages(row.get("completion"))
         # conversational prompt/completion; a null prompt is an empty one, as for strings
         if isinstance(completion, list) and (isinstance(prompt, list) or prompt is None):
             prompt_msgs = _messages(prompt, where) if prompt else []
             return {**base, "messages": prompt_msgs + _messages(completion, where), "target_from": len(prompt_msgs),
-                    "tools": tools}
+                    **template}
         if isinstance(prompt, list) or isinstance(completion, list):  # one conversational, the other not
             raise BadRow(where, f"'prompt' is {_shape(prompt)} but 'completion' is {_shape(completion)}: give both "
                                 f"as lists of {{role, content}} messages (conversational) or both as strings; "

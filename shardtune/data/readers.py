@@ -246,12 +246,13 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
 def without_arrow_padding(row: dict) -> dict:
     """A row read from an Arrow table (Parquet, a saved or hub data set) without the nulls Arrow pads tool calls and
     tool definitions with: a column holds one struct type, so every call's arguments get the keys of all the
-    others' (search(query) comes back as {"city": null, "query": ...}) and every tool the fields of all the others.
+    others' (search(query) comes back as {"city": null, "query": ...}), every tool the fields of all the others, and
+    every row's chat_template_kwargs the variables of all the others'.
     The template would write them out, a call's as a target. A null the data meant cannot be told from padding
     there; a JSON file's rows keep theirs."""
     out = dict(row)
     for key, value in row.items():
-        if key == "tools" and isinstance(value, list):
+        if (key == "tools" and isinstance(value, list)) or (key == "chat_template_kwargs" and isinstance(value, dict)):
             out[key] = _without_nulls(value)
         elif isinstance(value, list) and any(isinstance(m, dict) and m.get("tool_calls") for m in value):
             out[key] = [{**m, "tool_calls": _without_nulls(m["tool_calls"])}
