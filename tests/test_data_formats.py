@@ -539,6 +539,22 @@ def test_trls_eos_token_ends_each_completion_and_becomes_the_tokenizers_eos(mode
         prepare(model_dir, tmp_path, rows, max_seq_len=256, eos_token="<|eot|>")
 
 
+def test_a_csv_chat_named_by_dataset_text_field_trains_as_messages_not_json_text(model_dir, tmp_path):
+    """dataset_text_field messages (or chat) naming a CSV's column of JSON message lists read each row as plain
+    text and trained the JSON itself, '[{"role": "user", ...', every token a target. It now gives the rows the JSONL
+    file gives."""
+    for field in ("messages", "chat"):
+        path = tmp_path / f"{field}.csv"
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=[field])
+            w.writeheader()
+            w.writerows({field: json.dumps(c["messages"])} for c in CHATS)
+        data, tok = prepare(model_dir, tmp_path, str(path), max_seq_len=256, dataset_text_field=field)
+        assert data.report.data_format == "chat"
+        assert [targets(tok, row) for row in data.train] == [assistant_text(c, "<|im_end|>") for c in CHATS]
+        assert data.train.to_list() == prepare(model_dir, tmp_path, CHATS, max_seq_len=256)[0].train.to_list()
+
+
 def test_a_conversational_prompt_and_completion_in_a_csv_train_as_messages_not_json_text(model_dir, tmp_path):
     """A conversational prompt/completion data set exported to CSV holds each prompt and completion as JSON text of
     its messages: it trained the JSON itself ('[{"role": "assistant", ...') as the target, a model taught to answer

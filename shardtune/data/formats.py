@@ -30,8 +30,8 @@ def detect_format(row: dict, text_field: str) -> str:
         return "prompt_completion"
     if "instruction" in row and "output" in row:
         return "alpaca"
-    if text_field in row:
-        return "chat" if isinstance(row[text_field], list) else "text"
+    if text_field in row:  # a list there (or its JSON text, as a CSV cell holds it) is a conversation
+        return "chat" if isinstance(_as_messages(row[text_field]), list) else "text"
     if "messages" in row or "conversations" in row:
         return "chat"  # whose messages are no list: reading them says so, at the row
     raise UsageError(f"cannot tell the data format from the columns {sorted(row)}: give rows with 'messages', "
@@ -189,7 +189,8 @@ def to_example(row: dict, where: str, fmt: str, text_field: str, alpaca_as_chat:
     template = {"tools": tools, "template_kwargs": _template_kwargs(row, where)}  # a chat's, as TRL renders it
     if fmt == "chat":
         columns = {k: _decoded(row.get(k), k, where) for k in ("messages", "conversations")}
-        columns.setdefault(text_field, row.get(text_field))  # a list in the text field; text there is no chat
+        # a list in the text field, or its JSON text; other text there is no chat
+        columns.setdefault(text_field, _as_messages(row.get(text_field)))
         key = next((k for k, value in columns.items() if isinstance(value, list)), None)
         if key is None:
             raise BadRow(where, f"the field 'messages' is missing or not a list; {SKIP_HINT}")
