@@ -577,6 +577,27 @@ def test_a_conversational_prompt_and_completion_in_a_csv_train_as_messages_not_j
     assert targets(tok, plain.train[0]) == " [1, 2, 3]" + EOS
 
 
+def test_a_json_file_with_a_byte_order_mark_is_read_as_datasets_reads_it(model_dir, tmp_path):
+    """A .json file that begins with UTF-8's byte-order mark (Windows PowerShell's Out-File -Encoding utf8 writes
+    one) was refused as 'malformed JSON (Unexpected UTF-8 BOM ...); fix the file', where load_dataset, and so a TRL
+    script, reads it; the JSONL and CSV readers already dropped the mark. A list of rows, an object holding one, and
+    JSON lines saved as .json (one of them not UTF-8: still that row's problem) now read as without it."""
+    bom = "\ufeff".encode()
+    rows = [{"text": "Two plus two is four."}, {"text": "The cat is red."}]
+    plain, tok = prepare(model_dir, tmp_path, rows, max_seq_len=64)
+    for name, body in (("list.json", json.dumps(rows)), ("object.json", json.dumps({"data": rows})),
+                       ("lines.json", "".join(json.dumps(r) + "\n" for r in rows))):
+        (tmp_path / name).write_bytes(bom + body.encode())
+        data = prepare(model_dir, tmp_path, str(tmp_path / name), max_seq_len=64)[0]
+        assert data.train.to_list() == plain.train.to_list(), name
+        assert [tok.decode(row["input_ids"]) for row in data.train] == [BOS + r["text"] + EOS for r in rows]
+    (tmp_path / "bad.json").write_bytes(bom + b'{"text": "caf\xe9"}\n' + json.dumps(rows[1]).encode() + b"\n")
+    with pytest.raises(UsageError, match=r"bad\.json:1: not valid UTF-8 \(byte 0xe9 at column 14\); re-encode"):
+        prepare(model_dir, tmp_path, str(tmp_path / "bad.json"), max_seq_len=64)
+    data = prepare(model_dir, tmp_path, str(tmp_path / "bad.json"), max_seq_len=64, skip_bad_rows=True)[0]
+    assert data.report.bad_rows_skipped == 1 and data.train.to_list() == plain.train.to_list()[1:]
+
+
 def test_a_jsonl_file_written_by_json_dump_is_read_as_datasets_reads_it(model_dir, tmp_path):
     """json.dump(rows) into data.jsonl (a JSON list), or each row dumped with indent=2: load_dataset, and so a TRL
     script, reads both, where this refused line 1 as malformed JSON or as 'a row must be a JSON object, got list'.

@@ -272,7 +272,7 @@ def _without_nulls(value):
 def _not_utf8(line: bytes, start: int) -> str:
     """The first byte of ``line`` that is not UTF-8 (at ``start``, from UnicodeDecodeError) and its column, in
     characters as an editor counts them: everything before it decodes."""
-    column = len(line[:start].decode("utf-8")) + 1
+    column = len(line[:start].decode("utf-8").removeprefix("\ufeff")) + 1  # a file's byte-order mark shows as nothing
     return f"not valid UTF-8 (byte 0x{line[start]:02x} at column {column})"
 
 
@@ -366,7 +366,7 @@ def _iter_json(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
     with _open_bytes(path) as f:
         raw = f.read()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # the byte-order mark Windows tools write, as datasets reads
     except UnicodeDecodeError as exc:
         if _is_json_lines(raw):  # JSON lines saved as .json: the bad line can be skipped
             yield from _iter_jsonl(path)
@@ -403,7 +403,7 @@ def _list_rows(path: Path, rows: list) -> Iterator[tuple[str, dict | BadRow]]:
 
 def _is_json_lines(raw: bytes) -> bool:
     try:
-        json.loads(raw.decode("utf-8", errors="replace"))
+        json.loads(raw.decode("utf-8", errors="replace").removeprefix("\ufeff"))
     except json.JSONDecodeError as exc:
         return exc.msg == "Extra data"
     return False
