@@ -598,6 +598,21 @@ def test_a_json_file_with_a_byte_order_mark_is_read_as_datasets_reads_it(model_d
     assert data.report.bad_rows_skipped == 1 and data.train.to_list() == plain.train.to_list()[1:]
 
 
+@pytest.mark.parametrize("name", ["data.jsonl", "data.json", "data.csv", "data.jsonl.gz"])
+def test_a_utf16_file_is_named_as_utf16_not_given_the_cp1252_advice(model_dir, tmp_path, name):
+    """Windows PowerShell's > and Out-File write UTF-16: its first line was 'not valid UTF-8 (byte 0xff at column
+    1)' with advice to re-encode from cp1252, which turns the file into garbage (and with skip_bad_rows every row was
+    skipped as malformed). The file is now refused whole, saying what it is and how to convert it."""
+    import gzip
+
+    body = ("text\nTwo plus two.\n" if name == "data.csv" else '{"text": "Two plus two."}\n').encode("utf-16")
+    (tmp_path / name).write_bytes(gzip.compress(body) if name.endswith(".gz") else body)
+    for skip in (False, True):
+        with pytest.raises(UsageError, match=rf"{name}: the file is UTF-16 text .*; re-encode it as UTF-8 \(e\.g\. "
+                                             r"iconv -f utf-16 -t utf-8 IN > OUT, or Out-File -Encoding utf8\)\.$"):
+            prepare(model_dir, tmp_path, str(tmp_path / name), max_seq_len=64, skip_bad_rows=skip)
+
+
 def test_a_jsonl_file_written_by_json_dump_is_read_as_datasets_reads_it(model_dir, tmp_path):
     """json.dump(rows) into data.jsonl (a JSON list), or each row dumped with indent=2: load_dataset, and so a TRL
     script, reads both, where this refused line 1 as malformed JSON or as 'a row must be a JSON object, got list'.

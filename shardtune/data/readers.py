@@ -8,6 +8,7 @@ at the exact place to fix.
 from __future__ import annotations
 
 import bz2
+import codecs
 import csv
 import gzip
 import hashlib
@@ -222,6 +223,13 @@ def iter_file(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
 
 def _iter_rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
     kind = data_file_kind(path)
+    if kind != "parquet":
+        with _open_bytes(path) as f:
+            head = f.read(2)
+        if head in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):  # every line would be 'not UTF-8', or garbage
+            raise UsageError(f"{path}: the file is UTF-16 text (it begins with UTF-16's byte-order mark, as Windows "
+                             f"PowerShell's > and Out-File write), not UTF-8; re-encode it as UTF-8 (e.g. iconv -f "
+                             f"utf-16 -t utf-8 IN > OUT, or Out-File -Encoding utf8).")
     if kind == "jsonl":
         yield from _iter_jsonl(path)
     elif kind == "json":
