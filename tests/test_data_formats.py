@@ -613,6 +613,17 @@ def test_a_utf16_file_is_named_as_utf16_not_given_the_cp1252_advice(model_dir, t
             prepare(model_dir, tmp_path, str(tmp_path / name), max_seq_len=64, skip_bad_rows=skip)
 
 
+def test_rows_already_tokenised_are_refused_saying_so(model_dir, tmp_path):
+    """TRL trains rows that hold input_ids as they are; here they were refused as 'cannot tell the data format',
+    which read as a misnamed column. The refusal now says they are tokenised rows, which are not read, and what to
+    give instead."""
+    rows = [{"input_ids": [1, 5, 6, 7], "labels": [-100, 5, 6, 7]}]
+    with pytest.raises(UsageError, match=r"data\.jsonl:1: the rows are already tokenised \(columns \['input_ids', "
+                                         r"'labels'\]\), which shardtune does not read: .*; give the rows as text "
+                                         r"instead: 'messages', 'prompt'\+'completion' or the text field 'content'"):
+        prepare(model_dir, tmp_path, rows, max_seq_len=64, dataset_text_field="content")
+
+
 def test_a_jsonl_file_written_by_json_dump_is_read_as_datasets_reads_it(model_dir, tmp_path):
     """json.dump(rows) into data.jsonl (a JSON list), or each row dumped with indent=2: load_dataset, and so a TRL
     script, reads both, where this refused line 1 as malformed JSON or as 'a row must be a JSON object, got list'.

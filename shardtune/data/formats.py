@@ -34,6 +34,11 @@ def detect_format(row: dict, text_field: str) -> str:
         return "chat" if isinstance(_as_messages(row[text_field]), list) else "text"
     if "messages" in row or "conversations" in row:
         return "chat"  # whose messages are no list: reading them says so, at the row
+    if "input_ids" in row:  # TRL trains such rows as they are (its skip_prepare_dataset data)
+        raise UsageError(f"the rows are already tokenised (columns {sorted(row)}), which shardtune does not read: it "
+                         f"tokenises each row itself, with the model's tokenizer and chat template, to mark its "
+                         f"targets; give the rows as text instead: 'messages', 'prompt'+'completion' or the text "
+                         f"field '{text_field}' (tokenizer.decode gives a row's text back).")
     raise UsageError(f"cannot tell the data format from the columns {sorted(row)}: give rows with 'messages', "
                      f"'prompt'+'completion', 'instruction'+'output' or the text field '{text_field}' "
                      "(set dataset_text_field or data_format).")
