@@ -343,6 +343,17 @@ def test_a_trl_recipe_with_sftconfigs_defaults_written_out_loads(tmp_path):
                        "dataset_kwargs": {"skip_prepare_dataset": False}}.items():
         recipe.write_text(yaml.safe_dump({key: value, "model_name_or_path": "m", "dataset_name": "d.jsonl"}))
         assert load_train_config([str(recipe), "--output_dir", "o"]).data.packing is False, key
+    # TRL's former dataset_kwargs of PEFT's SFT example: add_special_tokens (BOS once, here either way) loads; an
+    # append_concat_token that would act is refused naming the key that does it; skip_prepare_dataset true refused
+    for kwargs in ({"add_special_tokens": True, "append_concat_token": False}, {"add_special_tokens": False}):
+        recipe.write_text(yaml.safe_dump({"dataset_kwargs": kwargs, "model_name_or_path": "m", "dataset_name": "d"}))
+        assert load_train_config([str(recipe), "--output_dir", "o"]).data.append_concat_token is False
+    for kwargs, says in (({"append_concat_token": True}, "give TRL's former append_concat_token entry as the key "
+                                                         "append_concat_token"),
+                         ({"skip_prepare_dataset": True}, r"skip_prepare_dataset true is not run")):
+        recipe.write_text(yaml.safe_dump({"dataset_kwargs": kwargs, "model_name_or_path": "m", "dataset_name": "d"}))
+        with pytest.raises(UsageError, match=rf"line 1: dataset_kwargs=.* would change what runs .*{says}"):
+            load_train_config([str(recipe), "--output_dir", "o"])
     recipe.write_text(yaml.safe_dump({**TRL_SFT_DEFAULTS, "eos_token": "<|im_end|>", "model_name_or_path": "m",
                                       "dataset_name": "d.jsonl", "output_dir": "o"}))
     assert load_train_config([str(recipe)]).data.eos_token == "<|im_end|>"  # TRL's eos_token acts here

@@ -125,6 +125,14 @@ SIZES_ONE = Inert(_sizes_one, "every tp/cp size 1, or unset")
 NO_GPU_OR_OFF = Inert(lambda value: off(value) or not _gpu_visible(), "false or unset; true where the job sees no GPU")
 
 
+def _dataset_kwargs_inert(value: Any) -> bool:
+    """TRL's dataset_kwargs: skip_prepare_dataset (and its former append_concat_token) off; its former
+    add_special_tokens at any value, as BOS is written once here either way."""
+    if not isinstance(value, dict):
+        return off(value)
+    return off({name: entry for name, entry in value.items() if name != "add_special_tokens"})
+
+
 @dataclass(frozen=True)
 class NoOp:
     why: str  # what the key means elsewhere and why it changes nothing here
@@ -221,8 +229,12 @@ NO_OPS: dict[str, NoOp] = {
     "pad_token": NoOp("TRL's deprecated pad token: the tokenizer's own is used here, or one set that is not EOS (so "
                       "EOS stays a target)", UNSET, "leave it out"),
     "dataset_kwargs": NoOp("TRL's dataset preparation ({skip_prepare_dataset: false}): rows are read from their "
-                           "columns and tokenised here (data_format sets the format)", OFF,
-                           "rows are tokenised here from their text or chat columns; remove it"),
+                           "columns and tokenised here (data_format sets the format), each with the tokenizer's BOS "
+                           "once, whatever TRL's former add_special_tokens entry says",
+                           Inert(_dataset_kwargs_inert, "false or unset entries (add_special_tokens: any)"),
+                           "rows are tokenised here from their text or chat columns (skip_prepare_dataset true is not "
+                           "run); remove it, and give TRL's former append_concat_token entry as the key "
+                           "append_concat_token (with packing)"),
     "chat_template_path": NoOp("TRL's chat template from a file or tokenizer, unset for the tokenizer's own",
                                UNSET, "put the template in the model folder as chat_template.jinja "
                                "(chat_template_format none reads the tokenizer's own), or name one with "
