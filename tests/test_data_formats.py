@@ -399,7 +399,8 @@ def test_an_alpaca_rows_system_text_reaches_the_model_with_or_without_a_template
     chat, tok = prepare(model_dir, tmp_path, rows, max_seq_len=256, chat_template_format="chatml")
     assert tok.decode(chat.train[0]["input_ids"]).startswith(BOS + "<|im_start|>system\nYou are terse.<|im_end|>")
     assert "system" not in tok.decode(chat.train[1]["input_ids"])
-    with pytest.raises(UsageError, match=r"data\.jsonl:1: the field 'system' is missing or not a non-empty string"):
+    with pytest.raises(UsageError, match=r"data\.jsonl:1: the field 'system' is a list of messages, not text: give "
+                                         r"it as a non-empty string"):
         prepare(model_dir, tmp_path, [{**rows[0], "system": ["You are terse."]}], max_seq_len=256)
 
 def test_raw_text_trains_all_tokens_and_ends_with_eos(model_dir, tmp_path):
@@ -622,6 +623,24 @@ def test_rows_already_tokenised_are_refused_saying_so(model_dir, tmp_path):
                                          r"'labels'\]\), which shardtune does not read: .*; give the rows as text "
                                          r"instead: 'messages', 'prompt'\+'completion' or the text field 'content'"):
         prepare(model_dir, tmp_path, rows, max_seq_len=64, dataset_text_field="content")
+
+
+def test_a_text_field_of_another_type_is_named_by_what_it_holds(model_dir, tmp_path):
+    """A column whose type changes between rows (a number in row 2 of a JSONL file), or a Parquet binary column,
+    was refused as 'missing or not a non-empty string' of a field that is there. The refusal now says what the row
+    holds."""
+    import pandas as pd
+
+    for rows, says in (([{"text": "Two."}, {"text": 4}], r"data\.jsonl:2: the field 'text' is an int, not text"),
+                       ([{"text": "Two."}, {"text": ""}], r"data\.jsonl:2: the field 'text' is empty"),
+                       ([{"prompt": "Hi", "completion": "Yo"}, {"prompt": "Hi", "answer": "Yo"}],
+                        r"data\.jsonl:2: the field 'completion' is missing")):
+        with pytest.raises(UsageError, match=rf"{says}: give it as a non-empty string; fix it"):
+            prepare(model_dir, tmp_path, rows, max_seq_len=64)
+    pd.DataFrame([{"text": "caf\xe9".encode("latin-1")}]).to_parquet(tmp_path / "binary.parquet")
+    with pytest.raises(UsageError, match=r"binary\.parquet row 1: the field 'text' is bytes, not text \(a binary "
+                                         r"column: store it as UTF-8 strings\): give it as a non-empty string"):
+        prepare(model_dir, tmp_path, str(tmp_path / "binary.parquet"), max_seq_len=64)
 
 
 def test_a_jsonl_file_written_by_json_dump_is_read_as_datasets_reads_it(model_dir, tmp_path):

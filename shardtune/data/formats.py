@@ -174,16 +174,22 @@ def _text(row: dict, key: str, where: str, allow_empty: bool = False) -> str:
     value = row.get(key)
     if value is None and allow_empty:
         return ""
-    if not isinstance(value, str) or (not value and not allow_empty):
-        raise BadRow(where, f"the field '{key}' is missing or not a non-empty string; {SKIP_HINT}")
-    return value
+    if isinstance(value, str) and (value or allow_empty):
+        return value
+    # what the row holds there: a column whose type changes between rows (a number, a list) or a Parquet binary one
+    what = ("missing" if key not in row else "empty" if value in ("", None) else
+            "bytes, not text (a binary column: store it as UTF-8 strings)" if isinstance(value, bytes) else
+            f"{_shape(value)}, not text")
+    raise BadRow(where, f"the field '{key}' is {what}: give it as a non-empty string; {SKIP_HINT}")
 
 
 def _shape(value) -> str:
     """What a prompt or completion value is, in a user's words."""
     if isinstance(value, list):
         return "a list of messages"
-    return "empty" if value is None else "a string" if isinstance(value, str) else f"a {type(value).__name__}"
+    name = type(value).__name__
+    return "empty" if value is None else "a string" if isinstance(value, str) else \
+        f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def to_example(row: dict, where: str, fmt: str, text_field: str, alpaca_as_chat: bool) -> dict:
