@@ -163,6 +163,38 @@ THINKING_TEMPLATE = (  # Qwen3's way: enable_thinking false writes an empty thin
     "{% if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}{% endif %}{% endif %}")
 
 
+def test_an_assistant_turns_reasoning_reaches_the_template_and_trains(model_dir, tmp_path):
+    """A message's keys beyond role, content and tool calls were dropped: an assistant turn's thinking (gpt-oss's
+    key, TRL's Multilingual-Thinking recipe) or reasoning_content (Qwen3's) never reached the template, so a
+    reasoning data set trained its answers without their reasoning, where TRL trains both. They now reach it (a
+    Parquet table's null padding left out) and train as part of the reply."""
+    import shutil
+
+    import pandas as pd
+
+    folder = shutil.copytree(model_dir, tmp_path / "thinking")
+    tokenizer = load_tokenizer(model_dir, DataConfig())
+    tokenizer.chat_template = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message.thinking %}{{ '<think>' + message.thinking + '</think>' }}"
+        "{% elif message.reasoning_content %}{{ '<think>' + message.reasoning_content + '</think>' }}"
+        "{% endif %}{{ message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    tokenizer.save_pretrained(folder)
+    rows = [{"messages": [{"role": "user", "content": "2+2?"},
+                          {"role": "assistant", "content": "4", "thinking": "Two and two."}]},
+            {"messages": [{"role": "user", "content": "3+3?"},
+                          {"role": "assistant", "content": "6", "reasoning_content": "Three twice."}]}]
+    replies = ["<think>Two and two.</think>4<|im_end|>", "<think>Three twice.</think>6<|im_end|>"]
+    data, tok = prepare(str(folder), tmp_path, rows, max_seq_len=256)
+    assert [targets(tok, row) for row in data.train] == replies
+    first = tok.decode(data.train[0]["input_ids"])
+    assert first == BOS + "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n" + replies[0] + "\n"
+    pd.DataFrame(rows).to_parquet(tmp_path / "rows.parquet")  # each message gets both keys, one of them null
+    from_parquet = prepare(str(folder), tmp_path, str(tmp_path / "rows.parquet"), max_seq_len=256)[0]
+    assert from_parquet.train.to_list() == data.train.to_list()
+
+
 def test_a_rows_chat_template_kwargs_reach_the_template(model_dir, tmp_path):
     """TRL's chat_template_kwargs column (the template's variables for a row: Qwen3's enable_thinking false) was
     dropped without a word: the rows trained without the empty think block the model is prompted with at

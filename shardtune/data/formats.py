@@ -70,6 +70,11 @@ def _as_messages(value):
     return parsed if listed and all(isinstance(m, dict) and ("role" in m or "from" in m) for m in parsed) else value
 
 
+# A message's keys read here, not handed to the template as they are (ShareGPT's from and value are its role and
+# content; weight marks an untrained turn)
+OWN_KEYS = ("role", "content", "tool_calls", "weight", "from", "value")
+
+
 def _messages(value, where: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise BadRow(where, f"'messages' must be a non-empty list of {{role, content}} objects; {SKIP_HINT}")
@@ -109,10 +114,12 @@ def _messages(value, where: str) -> list[dict]:
                                 f"(trained, on an assistant message only); {SKIP_HINT}")
         if weight == 0 and role == "assistant":
             message["weight"] = 0
+        # the message's other keys reach the template as TRL hands them on: a tool reply's call id and name, an
+        # assistant turn's reasoning (Qwen3's reasoning_content, gpt-oss's thinking); a table's null padding dropped
         tools = {"tool_calls": calls} if calls else {}
-        tools.update({key: m[key] for key in ("tool_call_id", "name") if role == "tool" and key in m})
+        tools.update({key: value for key, value in m.items() if key not in OWN_KEYS and value is not None})
         if tools:  # rendered by the chat template, which must write the calls (encode.chat_segments checks)
-            message[TOOLS] = json.dumps(tools)
+            message[TOOLS] = json.dumps(tools, default=str)  # a table's dates as text
         out.append(message)
     return out
 
@@ -159,8 +166,9 @@ def _template_kwargs(row: dict, where: str) -> str:
     return json.dumps(kwargs)
 
 
-# A message's tool calls (and a tool reply's call id and name), kept as JSON text: the examples pass through an
-# Arrow table, which would give every message and every call's arguments the keys of all the others.
+# A message's tool calls and other keys for the template (a tool reply's call id, a turn's reasoning), kept as JSON
+# text: the examples pass through an Arrow table, which would give every message and every call's arguments the
+# keys of all the others.
 TOOLS = "tools_json"
 
 
