@@ -675,6 +675,22 @@ def test_a_text_field_of_another_type_is_named_by_what_it_holds(model_dir, tmp_p
         prepare(model_dir, tmp_path, str(tmp_path / "binary.parquet"), max_seq_len=64)
 
 
+def test_a_csv_cell_longer_than_128_kib_is_read_as_load_dataset_reads_it(model_dir, tmp_path):
+    """Python's csv refuses a field over 131072 characters: a CSV holding one long document (a book chapter, a code
+    file) stopped with the traceback '_csv.Error: field larger than field limit (131072)', where load_dataset reads
+    it. The row is read now, and truncated to max_seq_len as the same row from a JSONL file is."""
+    rows = [{"text": "The cat is red. " * 20000}, {"text": "Two plus two is four."}]
+    path = tmp_path / "long.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["text"])
+        w.writeheader()
+        w.writerows(rows)
+    data, tok = prepare(model_dir, tmp_path, str(path), max_seq_len=64)
+    assert data.train.to_list() == prepare(model_dir, tmp_path, rows, max_seq_len=64)[0].train.to_list()
+    assert [len(row["input_ids"]) for row in data.train] == [64, len(tok(rows[1]["text"]).input_ids) + 1]
+    assert data.report.truncated_rows == 1
+
+
 def test_a_jsonl_file_written_by_json_dump_is_read_as_datasets_reads_it(model_dir, tmp_path):
     """json.dump(rows) into data.jsonl (a JSON list), or each row dumped with indent=2: load_dataset, and so a TRL
     script, reads both, where this refused line 1 as malformed JSON or as 'a row must be a JSON object, got list'.

@@ -284,7 +284,13 @@ def _not_utf8(line: bytes, start: int) -> str:
     return f"not valid UTF-8 (byte 0x{line[start]:02x} at column {column})"
 
 
+# The longest CSV cell read: csv's own limit, 128 KiB, refuses the long documents (a book, a code file) that
+# load_dataset, through pandas, reads; this is the most a 32-bit C long holds.
+CSV_FIELD_CHARS = 2**31 - 1
+
+
 def _iter_csv(path: Path, delimiter: str) -> Iterator[tuple[str, dict | BadRow]]:
+    csv.field_size_limit(max(csv.field_size_limit(), CSV_FIELD_CHARS))  # process-wide: only ever raised
     # csv reads in blocks, not lines: the bytes that are not UTF-8 are kept as escapes and looked for in each row
     # utf-8-sig: a byte-order mark (Excel writes one) is dropped, not read into the first column's name
     with io.TextIOWrapper(_open_bytes(path), newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
