@@ -195,6 +195,21 @@ def test_an_assistant_turns_reasoning_reaches_the_template_and_trains(model_dir,
     assert from_parquet.train.to_list() == data.train.to_list()
 
 
+def test_trls_chat_template_path_renders_the_rows_with_that_template(model_dir, tmp_path):
+    """TRL's chat_template_path (a Jinja file for a base model without a template) was refused, so a TRL recipe
+    needed its template copied into the model folder. The file's template now renders every row, as TRL's
+    SFTTrainer sets it, and the tokenizer carries it into final/."""
+    template = tmp_path / "turns.jinja"
+    template.write_text("{% for message in messages %}{{ '### ' + message['role'] + ': ' + message['content'] }}"
+                        "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+                        "{% if add_generation_prompt %}{{ '### assistant: ' }}{% endif %}")
+    data, tok = prepare(model_dir, tmp_path, CHATS[:1], max_seq_len=256, chat_template_path=str(template))
+    assert tok.chat_template == template.read_text()
+    assert tok.decode(data.train[0]["input_ids"]) == (BOS + "### system: Be brief.\n### user: What is two plus two?\n"
+                                                      "### assistant: Four." + EOS + "\n")
+    assert targets(tok, data.train[0]) == "Four." + EOS
+
+
 def test_a_rows_chat_template_kwargs_reach_the_template(model_dir, tmp_path):
     """TRL's chat_template_kwargs column (the template's variables for a row: Qwen3's enable_thinking false) was
     dropped without a word: the rows trained without the empty think block the model is prompted with at

@@ -319,7 +319,7 @@ ACTING = {"compute_environment": "AMAZON_SAGEMAKER", "downcast_bf16": "yes", "tp
           "dataset_streaming": True,
           "truncation_mode": "keep_end", "packing_strategy": "wrapped", "loss_type": "dft", "pad_to_multiple_of": 8,
           "router_aux_loss_coef": 0.001, "pad_token": "<pad>",
-          "dataset_kwargs": {"skip_prepare_dataset": True}, "chat_template_path": "template.jinja"}
+          "dataset_kwargs": {"skip_prepare_dataset": True}}
 
 
 # TRL 1.16's SFTConfig defaults of its keys that are no-ops here (its own fields; TrainingArguments' are above).
@@ -354,6 +354,20 @@ def test_a_trl_recipe_with_sftconfigs_defaults_written_out_loads(tmp_path):
         recipe.write_text(yaml.safe_dump({"dataset_kwargs": kwargs, "model_name_or_path": "m", "dataset_name": "d"}))
         with pytest.raises(UsageError, match=rf"line 1: dataset_kwargs=.* would change what runs .*{says}"):
             load_train_config([str(recipe), "--output_dir", "o"])
+    # TRL's chat_template_path: a Jinja file acts (data/ reads it); a tokenizer folder, a missing file or a named
+    # chat_template_format beside it are refused naming the key
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    for path, also, says in ((tmp_path / "t.jinja", {}, None),
+                             (tmp_path, {}, "only a Jinja template file \\(.jinja or .j2\\) is read here"),
+                             (tmp_path / "gone.jinja", {}, "chat_template_path '.*gone.jinja' is not a file"),
+                             (tmp_path / "t.jinja", {"chat_template_format": "chatml"}, "both name the chat template")):
+        recipe.write_text(yaml.safe_dump({"chat_template_path": str(path), **also, "model_name_or_path": "m",
+                                          "dataset_name": "d", "output_dir": "o"}))
+        if says is None:  # (training False: the paths a job reads are checked, as before a run starts)
+            assert load_train_config([str(recipe)], training=False).data.chat_template_path == str(path)
+        else:
+            with pytest.raises(UsageError, match=says):
+                load_train_config([str(recipe)], training=False)
     recipe.write_text(yaml.safe_dump({**TRL_SFT_DEFAULTS, "eos_token": "<|im_end|>", "model_name_or_path": "m",
                                       "dataset_name": "d.jsonl", "output_dir": "o"}))
     assert load_train_config([str(recipe)]).data.eos_token == "<|im_end|>"  # TRL's eos_token acts here

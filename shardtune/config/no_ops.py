@@ -235,10 +235,6 @@ NO_OPS: dict[str, NoOp] = {
                            "rows are tokenised here from their text or chat columns (skip_prepare_dataset true is not "
                            "run); remove it, and give TRL's former append_concat_token entry as the key "
                            "append_concat_token (with packing)"),
-    "chat_template_path": NoOp("TRL's chat template from a file or tokenizer, unset for the tokenizer's own",
-                               UNSET, "put the template in the model folder as chat_template.jinja "
-                               "(chat_template_format none reads the tokenizer's own), or name one with "
-                               "chat_template_format"),
     "dataset_streaming": NoOp("TRL's streamed reading of a hub data set", OFF,
                               "rows are read, tokenised and cached before training here: leave it out"),
     "ignore_bias_buffers": NoOp("TRL's scripts' fix for boolean buffers under DDP", OFF,

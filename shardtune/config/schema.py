@@ -152,6 +152,10 @@ class DataConfig:
                                                            "one whose end-of-turn token (chatml's <|im_end|>, "
                                                            "llama-3's <|eot_id|>) the tokenizer lacks needs "
                                                            "add_special_tokens true.")
+    chat_template_path: str | None = key(
+        None, "TRL's chat_template_path: a Jinja file (.jinja or .j2) whose template the tokenizer uses instead of its "
+        "own (the tokens it writes must be the tokenizer's already); saved with the tokenizer in final/. A tokenizer "
+        "folder or hub name is not read: give its chat_template.jinja.")
     add_special_tokens: bool = key(False, "Add the named template's special tokens to the tokenizer (and resize the "
                                           "embeddings).")
     eos_token: str | None = key(None, "TRL's eos_token: the token that ends each text and prompt/completion row (as "

@@ -112,6 +112,14 @@ def data_problems(data: DataConfig) -> list[Problem]:
         problems.append(Problem("add_special_tokens", "add_special_tokens needs a named chat_template_format (chatml, "
                                                       "llama-3, ...): the tokenizer's own template already has its "
                                                       "tokens."))
+    if data.chat_template_path and not data.chat_template_path.lower().endswith((".jinja", ".j2")):
+        problems.append(Problem("chat_template_path", f"chat_template_path '{data.chat_template_path}': only a Jinja "
+                                                      f"template file (.jinja or .j2) is read here; for a tokenizer's "
+                                                      f"template, give its chat_template.jinja"))
+    if data.chat_template_path and data.chat_template_format != "none":
+        problems.append(Problem(("chat_template_path", "chat_template_format"),
+                                f"chat_template_path and chat_template_format {data.chat_template_format} both name "
+                                f"the chat template; give one of them"))
     if data.group_by_length and data.packing:
         problems.append(Problem(("group_by_length", "packing"), "group_by_length groups unpacked rows by length, and "
                                 "packed rows all have max_seq_len tokens: set packing false to group, or leave "
@@ -602,6 +610,10 @@ def input_problems(cfg: TrainConfig, given: Mapping[str, object]) -> list[str]:
                         f"file/folder or a hub data set)")
     elif data and looks_like_local_path(data) and not Path(data).expanduser().exists():
         problems.append(f"{where['dataset_name']}: dataset_name '{data}' does not exist: check the path")
+    template = cfg.data.chat_template_path
+    if template and not Path(template).expanduser().is_file():
+        problems.append(f"{given.get('chat_template_path', 'config')}: chat_template_path '{template}' is not a "
+                        f"file: check the path")
     return problems
 
 

@@ -160,6 +160,11 @@ def _configure(tokenizer, cfg) -> None:
             if template.end_of_turn is not None:
                 # as in the PEFT chat examples: generation stops at the end of the assistant turn
                 tokenizer.eos_token = template.end_of_turn
+    if path := cfg.chat_template_path:  # TRL's: a Jinja file's template
+        try:
+            tokenizer.chat_template = Path(path).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"chat_template_path '{path}': cannot read it ({exc}); give a UTF-8 Jinja file.") from None
     if (eos := cfg.eos_token) is not None:  # after the template's end of turn, which it overrides
         if eos not in tokenizer.get_vocab():
             raise UsageError(f"eos_token '{eos}' is not a token of the tokenizer (it would be spelled out in pieces, "

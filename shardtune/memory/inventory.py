@@ -261,8 +261,9 @@ def _configured_tokenizer(path: str, chat_template_format: str, add_special_toke
     from shardtune.data import load_tokenizer
     from shardtune.data.templates import added_token_ids
 
+    # (no chat_template_path: a template file adds no token to count)
     data = SimpleNamespace(chat_template_format=chat_template_format, add_special_tokens=add_special_tokens,
-                           eos_token=eos_token)
+                           eos_token=eos_token, chat_template_path=None)
     tokenizer = load_tokenizer(path, data, trust_remote_code=trust_remote_code)
     return len(tokenizer), tokenizer.pad_token_id, tuple(added_token_ids(tokenizer))
 
