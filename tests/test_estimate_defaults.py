@@ -70,6 +70,24 @@ def test_the_header_states_trains_defaults(tiny_model, capsys):
                 "adamw_torch, gradient checkpointing on, sdpa attention)" in out)
 
 
+def test_a_recipe_that_compiles_or_runs_liger_is_not_called_trains_defaults(tiny_model, tmp_path, capsys):
+    # torch_compile and use_liger_kernel change what train runs: the header names them (and no longer says "what
+    # shardtune train runs with no flags"), the JSON carries them, and the header says how memory counts them.
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: {tiny_model}\ndataset_name: d\ntorch_compile: true\n"
+                      "use_liger_kernel: true\n")
+    assert shardtune_main(["estimate", "--config", str(recipe)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "sdpa attention, torch_compile (inductor), Liger kernels" in out
+    assert "(what shardtune train runs with no flags)" not in out and "memory counted as transformers' eager" in out
+    assert shardtune_main(["estimate", "--config", str(recipe), "--json"]) == 0
+    setup = json.loads(capsys.readouterr().out)["setup"]
+    assert (setup["torch_compile"], setup["use_liger_kernel"]) == ("inductor", True)
+    assert shardtune_main(["estimate", tiny_model, "--json"]) == 0
+    setup = json.loads(capsys.readouterr().out)["setup"]
+    assert (setup["torch_compile"], setup["use_liger_kernel"]) == (None, False)
+
+
 def test_a_recipe_without_precision_is_estimated_as_the_gpu_would_train_it(tiny_model, tmp_path, capsys,
                                                                           monkeypatch):
     # This machine without bf16: the estimate still follows the GPU it is for.

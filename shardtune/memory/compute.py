@@ -111,9 +111,8 @@ def kernels_of(setup: Setup) -> Kernels:
     RoPE fused where torch_compile with inductor (the whole graph) or use_liger_kernel (Liger's Triton kernels for
     those alone) asks, eager modules otherwise. Other compile backends (eager, aot_eager) generate no kernels."""
     attention = {"flash_attention_2": "flash", "eager": "eager"}.get(setup.attn_implementation, "sdpa-mask")
-    run = setup.config.run
-    inductor = run.torch_compile and (run.torch_compile_backend or "inductor") == "inductor"
-    return Kernels(attention=attention, fused=inductor or run.use_liger_kernel, whole_graph=inductor)
+    inductor = setup.torch_compile == "inductor"
+    return Kernels(attention=attention, fused=inductor or setup.use_liger_kernel, whole_graph=inductor)
 
 
 @dataclass(frozen=True)

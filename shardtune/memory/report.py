@@ -134,7 +134,15 @@ def training_words(s: Setup) -> str:
                                                   "fp16": "fp16 mixed (fp32 master)"}[s.mixed_precision]
     return (f"micro-batch {s.batch_size} x {s.seq_len} tokens, {precision}, {s.optimizer}, gradient checkpointing "
             f"{'on' if s.gradient_checkpointing else 'off'}"
-            f"{' (inputs offloaded to CPU)' if s.activation_offloading else ''}, {s.attn_implementation} attention")
+            f"{' (inputs offloaded to CPU)' if s.activation_offloading else ''}, {s.attn_implementation} attention"
+            f"{f', torch_compile ({s.torch_compile})' if s.torch_compile else ''}"
+            f"{', Liger kernels' if s.use_liger_kernel else ''}")
+
+
+# Said under the header where the job compiles its layers or runs Liger's kernels: the trace and the formula follow
+# transformers' eager modules, which keep at least what those kernels keep for backward.
+EAGER_MEMORY_NOTE = ("  memory counted as transformers' eager modules keep it (fused kernels keep no more); time with "
+                     "the fused kernels")
 
 
 def train_defaults(gpu: Gpu) -> Setup:
@@ -155,6 +163,8 @@ def render(r: Report, console: Console) -> None:
     defaults = training_words(train_defaults(r.gpu))
     console.print("  (what shardtune train runs with no flags)" if defaults == training_words(s)
                   else f"  (shardtune train with no flags runs: {defaults})")
+    if s.torch_compile == "inductor" or s.use_liger_kernel:
+        console.print(EAGER_MEMORY_NOTE)
 
     table = Table(title=f"Per-GPU memory: {s.label()} (peak at {b.phase})", title_justify="left")
     table.add_column("category")

@@ -28,8 +28,9 @@ LOSSES = ("shardtune", "full", "full-shifted", "chunked")
 # What ``Setup.to_dict`` reports (the estimate's JSON "setup"): the properties below, by the CLI's option names.
 SUMMARY = ("method", "strategy", "sharding_strategy", "offload_params", "num_gpus", "num_nodes", "batch_size",
            "seq_len", "gradient_accumulation_steps", "gradient_checkpointing", "activation_offloading",
-           "mixed_precision", "pure_bf16", "optimizer", "lora_r", "lora_target_modules", "use_dora",
-           "lora_modules_to_save", "lora_bias", "attn_implementation", "nf4_double_quant", "loss", "world_size")
+           "mixed_precision", "pure_bf16", "optimizer", "torch_compile", "use_liger_kernel", "lora_r",
+           "lora_target_modules", "use_dora", "lora_modules_to_save", "lora_bias", "attn_implementation",
+           "nf4_double_quant", "loss", "world_size")
 
 
 def method_keys(method: str) -> dict[str, bool]:
@@ -223,6 +224,17 @@ class Setup:
     @property
     def pure_bf16(self) -> bool:
         return self.config.model.pure_bf16
+
+    @property
+    def torch_compile(self) -> str | None:
+        """The backend torch_compile compiles each decoder layer with (inductor unless named); None when off."""
+        run = self.config.run
+        return (run.torch_compile_backend or "inductor") if run.torch_compile else None
+
+    @property
+    def use_liger_kernel(self) -> bool:
+        """Liger's kernels for the norms, activations and RoPE (on CUDA)."""
+        return self.config.run.use_liger_kernel
 
     @property
     def mixed_precision(self) -> str:
