@@ -28,7 +28,7 @@ def test_on_a_cpu_the_model_is_left_as_it_is_with_one_warning(caplog):
     model = _model()
     forwards = {name: type(m).forward for name, m in model.named_modules()}
     with caplog.at_level("WARNING", logger="shardtune"):
-        assert apply_liger_kernel(model, torch.device("cpu")) == []
+        assert apply_liger_kernel(model, torch.device("cpu")).summary() == {"kernels": [], "fallback": CPU_MESSAGE}
     assert [r.getMessage() for r in caplog.records] == [CPU_MESSAGE]
     assert all("forward" not in m.__dict__ for m in model.modules())  # no instance patched
     assert forwards == {name: type(m).forward for name, m in model.named_modules()}
@@ -56,7 +56,7 @@ def test_on_cuda_liger_patches_norms_and_mlps_and_keeps_the_numbers():
     patched.load_state_dict(reference.state_dict())
     ids = torch.randint(0, 64, (2, 16), device="cuda")
     expected = reference(ids, labels=ids).loss  # before the patch: Liger's RoPE replaces the family's function
-    assert apply_liger_kernel(patched, torch.device("cuda")) == ["rope", "rms_norm", "swiglu"]
+    assert apply_liger_kernel(patched, torch.device("cuda")).kernels == ["rope", "rms_norm", "swiglu"]
     assert "forward" in patched.model.norm.__dict__ and "forward" in patched.model.layers[0].mlp.__dict__
     found = patched(ids, labels=ids).loss
     assert abs(found.item() - expected.item()) <= 1e-4 * abs(expected.item())

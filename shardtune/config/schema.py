@@ -416,7 +416,8 @@ class RunConfig:
         False, "Keep the input each checkpointed decoder layer saves (batch x seq x hidden per layer) in pinned CPU "
         "memory: copied on a side CUDA stream while the forward goes on, brought back one layer ahead in backward. "
         "The GPU holds about two layers' inputs instead of all; host RAM holds the rest. Needs gradient_checkpointing "
-        "(refused without it). torchtune's name (enable_activation_offloading).")
+        "(refused without it). summary.json's activation_offloading says the layers and bytes moved (rank 0's). "
+        "torchtune's name (enable_activation_offloading).")
     torch_empty_cache_steps: int | None = key(
         None, "After every this many optimizer steps, hand the blocks PyTorch's CUDA allocator caches but no tensor "
         "uses back to the driver (torch.cuda.empty_cache), as Transformers' Trainer does: less memory held "
@@ -425,7 +426,8 @@ class RunConfig:
     use_liger_kernel: bool = key(
         False, "Liger's Triton kernels (RMSNorm, RoPE, SwiGLU) patched into the model on CUDA; needs `pip install "
         "liger-kernel` (or `shardtune[liger]`). On a CPU: a warning and transformers' modules. The loss stays "
-        "shardtune's fused one (no logits kept). TRL's key.")
+        "shardtune's fused one (no logits kept). summary.json's liger names the kernels patched in, or why none "
+        "were. TRL's key.")
     torch_compile: bool = key(
         False, "Compile each decoder layer with torch.compile (its forward, checkpointing included; FSDP2's hooks "
         "stay outside), the sequence length dynamic so packed batches do not recompile; the count of compilations "

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from shardtune.errors import UsageError
+from shardtune.train.applied import LigerReport
 from shardtune.train.plan import unwrap
 
 log = logging.getLogger("shardtune")
@@ -26,19 +27,20 @@ KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True,
            "cross_entropy": False, "fused_linear_cross_entropy": False}
 
 
-def apply_liger_kernel(model: nn.Module, device: torch.device) -> list[str]:
+def apply_liger_kernel(model: nn.Module, device: torch.device) -> LigerReport:
     """Patch ``model`` (PEFT or not, before any parallel wrapper) with Liger's kernels; the names of those applied.
 
-    On a CPU: one warning, nothing changes. Under fake tensors (the estimator's trace) nothing changes either: the
-    trace follows transformers' modules, which keep at least what Liger's keep for backward.
+    On a CPU: one warning, nothing changes (the report says why). Under fake tensors (the estimator's trace)
+    nothing changes either: the trace follows transformers' modules, which keep at least what Liger's keep for
+    backward.
     """
     if device.type != "cuda":
         log.warning(CPU_MESSAGE)
-        return []
+        return LigerReport([], fallback=CPU_MESSAGE)
     from torch._guards import detect_fake_mode
 
     if detect_fake_mode() is not None:
-        return []
+        return LigerReport([], fallback="traced on fake tensors")
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as exc:
@@ -55,4 +57,4 @@ def apply_liger_kernel(model: nn.Module, device: torch.device) -> list[str]:
     apply(model=base, **kwargs)
     applied = [name for name, on in kwargs.items() if on]
     log.info("Liger kernels for %s: %s (loss: shardtune's fused one)", model_type, ", ".join(applied))
-    return applied
+    return LigerReport(applied)

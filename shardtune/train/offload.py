@@ -64,6 +64,7 @@ class ActivationOffloader:
 
     def __init__(self) -> None:
         self.packed_bytes = 0
+        self.layers = 0  # the checkpointed decoder layers whose saved inputs it moves
         self._seq = 0
         self._live: weakref.WeakValueDictionary[int, _Stashed] = weakref.WeakValueDictionary()
         self._streams: dict[torch.device, Any] = {}
@@ -155,6 +156,7 @@ def offload_checkpointed_inputs(model: nn.Module) -> ActivationOffloader:
         raise RuntimeError("activation offloading found no checkpointed decoder layer (enable checkpointing first)")
     for layer in layers:
         layer._gradient_checkpointing_func = _offloaded(layer._gradient_checkpointing_func, offloader)
+    offloader.layers = len(layers)
     return offloader
 
 

@@ -13,10 +13,11 @@ import logging
 from torch import nn
 
 from shardtune.dist import DistInfo
+from shardtune.train.applied import Applied
 from shardtune.train.compile import apply_compile
 from shardtune.train.fsdp import load_from_rank0
 from shardtune.train.liger import apply_liger_kernel
-from shardtune.train.offload import offload_checkpointed_inputs
+from shardtune.train.offload import ActivationOffloader, offload_checkpointed_inputs
 from shardtune.train.plan import Plan, unwrap
 from shardtune.train.runner import Runner
 
@@ -25,8 +26,9 @@ __all__ = ["Runner", "apply_checkpointing", "load_from_rank0", "parallelize"]
 log = logging.getLogger("shardtune")
 
 
-def apply_checkpointing(model: nn.Module, plan: Plan) -> None:
-    """Recompute each decoder layer in backward (transformers' own per-layer checkpointing)."""
+def apply_checkpointing(model: nn.Module, plan: Plan) -> ActivationOffloader | None:
+    """Recompute each decoder layer in backward (transformers' own per-layer checkpointing); the offloader that
+    moves the layers' saved inputs to host memory where activation_offloading asks for it."""
     base = unwrap(model)
     kwargs = {"use_reentrant": plan.use_reentrant}
     if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x's name
@@ -38,9 +40,10 @@ def apply_checkpointing(model: nn.Module, plan: Plan) -> None:
         # embedding (LoRA) nothing would, and the adapters would get no gradient.
         base.enable_input_require_grads()
     base.config.use_cache = False
-    if plan.activation_offloading:
-        # The inputs each checkpointed layer keeps wait in (pinned) host memory until backward recomputes it.
-        offload_checkpointed_inputs(base)
+    if not plan.activation_offloading:
+        return None
+    # The inputs each checkpointed layer keeps wait in (pinned) host memory until backward recomputes it.
+    return offload_checkpointed_inputs(base)
 
 
 def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> tuple[nn.Module, Runner]:
@@ -49,13 +52,15 @@ def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> tuple[nn.Module
     the run).
 
     A single process gets checkpointing only. PP's runner drives the pipeline schedule; the others run the whole
-    (wrapped) model on each rank's own micro-batches.
+    (wrapped) model on each rank's own micro-batches. The runner keeps what was applied (``applied.Applied``) for
+    summary.json.
     """
+    applied = Applied()
     if plan.liger_kernel:  # Liger patches the layers' modules, so before anything wraps or checkpoints them
-        apply_liger_kernel(model, info.device)
+        applied.liger = apply_liger_kernel(model, info.device)
     if plan.gradient_checkpointing:
-        apply_checkpointing(model, plan)
-    compiled = apply_compile(model, plan)  # each decoder layer, before FSDP2 wraps it (torchtitan's order)
+        applied.offloader = apply_checkpointing(model, plan)
+    applied.compiled = apply_compile(model, plan)  # each decoder layer, before FSDP2 wraps it (torchtitan's order)
     if plan.strategy.parallelize is not None:
         model = plan.strategy.load("parallelize")(model, plan, info)
-    return model, plan.strategy.load("runner")(model, plan, info, compiled=compiled)
+    return model, plan.strategy.load("runner")(model, plan, info, applied=applied)

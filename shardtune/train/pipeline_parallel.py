@@ -38,7 +38,7 @@ from torch import nn
 
 from shardtune.dist import DistInfo, run_and_share
 from shardtune.errors import UsageError
-from shardtune.train.compile import CompileReport
+from shardtune.train.applied import Applied
 from shardtune.train.export import write_export
 from shardtune.train.loss import head_loss_sum, logit_transform
 from shardtune.train.plan import Plan, unwrap
@@ -165,11 +165,11 @@ class PipelineRunner:
     flat_optimizer = True  # each stage holds other parameters: optimizer state keyed by name (checkpoint.py)
     scaler = None  # fp16 is refused under PP (the stages do not scale the loss)
 
-    def __init__(self, model: nn.Module, plan: Plan, info: DistInfo, *, compiled: CompileReport | None = None) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, info: DistInfo, *, applied: Applied | None = None) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         self.model, self.info = model, info
-        self.compiled = compiled  # torch_compile's report (None when off), for the end of the run
+        self.applied = applied or Applied()  # torch_compile's, Liger's and offloading's records, for summary.json
         self.num_stages = info.world_size
         self.copies = self.num_stages  # every stage reads the same batch: sums over ranks count it once per stage
         self.first, self.last = info.rank == 0, info.rank == info.world_size - 1

@@ -84,7 +84,8 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
             "world_size": info.world_size, **job.plan.summary(), "device_type": info.device.type,
             "mfu": mfu, "peak_memory_bytes": max_over_ranks(peak_memory_bytes(info.device), info.device),
             "stopped_by": stopped_by, "last_checkpoint": checkpointer.last, **best_summary(job),
-            "compile": compile_summary(job), PROMPT_STYLE: job.data.report.prompt_style or None,
+            "compile": compile_summary(job), **job.runner.applied.summary(),
+            PROMPT_STYLE: job.data.report.prompt_style or None,
             "train_loss": loss_sum / steps if steps else None, **last_evaluation(state.log_history),
             "train_runtime": wall, "train_steps_per_second": steps / max(wall, 1e-9), "epoch": state.epochs_done}
 
@@ -100,7 +101,7 @@ def last_evaluation(history: list[dict[str, Any]]) -> dict[str, Any]:
 
 def compile_summary(job: Job) -> dict[str, Any] | None:
     """torch_compile's record (layers, graphs, recompilations), logged here once; None when it is off."""
-    report = job.runner.compiled
+    report = job.runner.applied.compiled
     if report is None:
         return None
     log.info("%s", report.describe())

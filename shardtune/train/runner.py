@@ -18,7 +18,7 @@ from torch import nn
 from shardtune.data.collate import varlen_kwargs
 from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
-from shardtune.train.compile import CompileReport
+from shardtune.train.applied import Applied
 from shardtune.train.export import export_final
 from shardtune.train.loss import TARGET_INDEX, install_fused_loss, token_loss_sum
 from shardtune.train.plan import Plan, unwrap
@@ -145,9 +145,9 @@ class LocalRunner:
     copies = 1  # each rank reads its own rows, so sums over ranks count every row once
     flat_optimizer = False
 
-    def __init__(self, model: nn.Module, plan: Plan, info: DistInfo, *, compiled: CompileReport | None = None) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, info: DistInfo, *, applied: Applied | None = None) -> None:
         self.model, self.plan, self.info = model, plan, info
-        self.compiled = compiled  # torch_compile's report (None when off), for the end of the run
+        self.applied = applied or Applied()  # torch_compile's, Liger's and offloading's records, for summary.json
         self.scaler = grad_scaler(plan, info.device)
         self.varlen = uses_varlen_attention(model)
         self.masks = attention_masks(model)
