@@ -63,6 +63,38 @@ def test_each_step_moves_every_checkpointed_layer_input_and_frees_it():
     assert offloader.packed_bytes == 2 * expected
 
 
+def test_compiled_layers_with_offloading_compile_their_math_and_keep_the_numbers():
+    """torch_compile with activation_offloading: dynamo cannot trace the offloader's saved_tensors_hooks, so the
+    layers' compiled forwards broke into graphs that held none of their matmuls and ran eager. The checkpointed
+    function is compiled now: the backend sees every layer's projections, the inputs still move, the numbers hold."""
+    from torch._dynamo import list_backends, register_backend
+
+    from shardtune.dist import DistInfo
+    from shardtune.train.parallelize import parallelize
+    from shardtune.train.plan import Plan
+
+    linears: list[int] = []  # per graph the backend compiles: its linear projections
+    if "shardtune_test_counting" not in list_backends(exclude_tags=()):
+        @register_backend(name="shardtune_test_counting")
+        def counting(graph_module, example_inputs):
+            linears.append(sum(node.target is torch._C._nn.linear for node in graph_module.graph.nodes))
+            return graph_module.forward
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    found = {}
+    for name, backend in (("eager", None), ("compiled", "shardtune_test_counting")):
+        model, runner = parallelize(_llama(num_layers=2), Plan(strategy="NO", gradient_checkpointing=True,
+                                                               activation_offloading=True,
+                                                               compile_backend=backend), info)
+        loss = runner.forward_backward([_batch(0)], scale=1.0)
+        grads = [p.grad.clone() for p in model.parameters()]
+        found[name] = loss, grads, runner.applied.offloader.packed_bytes
+    assert max(linears, default=0) == 7, linears  # q, k, v, o, gate, up, down: the layer's math, in one graph
+    (loss, grads, moved), (loss_c, grads_c, moved_c) = found["eager"], found["compiled"]
+    assert torch.allclose(loss, loss_c, rtol=REL_TOL) and moved == moved_c > 0
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads, grads_c))
+
+
 def test_offloading_without_checkpointing_is_refused_naming_the_fix(tmp_path):
     base = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path / "o")]
     with pytest.raises(UsageError, match="activation_offloading=true .* set gradient_checkpointing true"):

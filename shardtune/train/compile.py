@@ -13,12 +13,16 @@ summary.json.
 
 Only the layer's ``forward`` is compiled, not the module call: its hooks (FSDP2's all-gathers, the dynamic mark)
 run eager, and checkpointing (transformers checkpoints inside ``forward``) is traced into the graph, as torchtitan
-does by compiling the checkpointed block. If the backend cannot compile (no C++ compiler for inductor, a backend
-that raises), the first call says why in one warning and the run goes on eager, with the same results.
+does by compiling the checkpointed block. With activation offloading the checkpoint call sits inside the
+offloader's ``saved_tensors_hooks``, which dynamo cannot trace, so there the function the checkpoint runs is what
+is compiled (``_compile_inside_offloaded_checkpoint``). If the backend cannot compile (no C++ compiler for
+inductor, a backend that raises), the first call says why in one warning and the run goes on eager, with the same
+results.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -174,6 +178,31 @@ def _under_fake_tensors(model: nn.Module) -> bool:
     return any(isinstance(p, FakeTensor) for p in model.parameters())
 
 
+def _compile_inside_offloaded_checkpoint(layer: nn.Module, plan: Plan, report: CompileReport) -> None:
+    """With activation offloading, compile the function the layer's checkpoint runs, not only its forward.
+
+    Offloading wraps the checkpoint call in ``saved_tensors_hooks``, which dynamo cannot trace: traced from the
+    compiled forward, the layer broke into graphs that held none of its math and ran eager. So the offloaded
+    checkpoint call stays eager (dynamo is told not to trace it), and what it checkpoints, transformers'
+    ``partial(forward, layer, **kwargs)``, is compiled: once per forward function, shared by the layers as their
+    compiled forward is. Without grad (evaluation) the layer's compiled forward serves as before.
+    """
+    checkpoint_fn = layer._gradient_checkpointing_func
+    compiled: dict[Any, _GuardedForward] = {}
+
+    @torch._dynamo.disable
+    def run(function, *args: Any, **kwargs: Any) -> Any:
+        inner = function.func if isinstance(function, functools.partial) else function
+        if inner not in compiled:
+            compiled[inner] = _GuardedForward(inner, torch.compile(inner, backend=plan.compile_backend,
+                                                                   mode=plan.compile_mode), report)
+        call = (functools.partial(compiled[inner], *function.args, **function.keywords)
+                if isinstance(function, functools.partial) else compiled[inner])
+        return checkpoint_fn(call, *args, **kwargs)
+
+    layer._gradient_checkpointing_func = run
+
+
 def apply_compile(model: nn.Module, plan: Plan) -> CompileReport | None:
     """Compile each decoder layer's forward in place (state-dict keys unchanged); None when torch_compile is off
     or the model is being traced on fake tensors (``shardtune estimate``, ``--dry_run``: nothing runs there)."""
@@ -191,6 +220,8 @@ def apply_compile(model: nn.Module, plan: Plan) -> CompileReport | None:
         # The forward, not the module call: hooks (FSDP2's gathers, the one above) stay eager, outside the graph.
         compiled = torch.compile(layer.forward, backend=plan.compile_backend, mode=plan.compile_mode)
         layer.forward = _GuardedForward(layer.forward, compiled, report)
+        if plan.activation_offloading:
+            _compile_inside_offloaded_checkpoint(layer, plan, report)
     report.layers = len(layers)
     log.info("torch_compile: %d decoder layers (%s) compiled with %s%s, on their first call", len(layers),
              type(layers[0]).__name__, plan.compile_backend,
