@@ -416,7 +416,7 @@ class RunConfig:
         False, "Keep the input each checkpointed decoder layer saves (batch x seq x hidden per layer) in pinned CPU "
         "memory: copied on a side CUDA stream while the forward goes on, brought back one layer ahead in backward. "
         "The GPU holds about two layers' inputs instead of all; host RAM holds the rest. Needs gradient_checkpointing "
-        "(refused without it). summary.json's activation_offloading says the layers and bytes moved (rank 0's). "
+        "(refused without it). summary.json's activation_offloading says the layers and the bytes rank 0 moved. "
         "torchtune's name (enable_activation_offloading).")
     torch_empty_cache_steps: int | None = key(
         None, "After every this many optimizer steps, hand the blocks PyTorch's CUDA allocator caches but no tensor "

@@ -35,8 +35,9 @@ class Applied:
     offloader: ActivationOffloader | None = None
 
     def summary(self) -> dict[str, Any]:
-        """summary.json's ``liger`` (the kernels, or why none) and ``activation_offloading`` (the layers whose
-        inputs this process moved to host memory, and the bytes); None for a switch that was off."""
+        """summary.json's ``liger`` (the kernels, or why none) and ``activation_offloading`` (the decoder layers
+        the offloader was installed on, the whole model's before PP splits it, and the bytes this process moved to
+        host memory); None for a switch that was off."""
         offloading = None if self.offloader is None else {"layers": self.offloader.layers,
                                                           "bytes_moved": self.offloader.packed_bytes}
         return {"liger": self.liger and self.liger.summary(), "activation_offloading": offloading}
