@@ -193,3 +193,43 @@ def test_a_bad_backend_name_exits_2_before_anything_runs(assets):
     result = run_shardtune(["train", *common(assets, "bad_backend", 1), "--torch_compile_backend", "indctor"], assets)
     assert result.returncode == 2 and "torch_compile_backend='indctor'" in result.stderr, result.stderr[-2000:]
     assert not (assets / "bad_backend").exists()
+
+
+class BreakingLayer(Layer):
+    """A layer whose whole forward runs inside a context manager dynamo cannot trace, as activation offloading's
+    saved_tensors_hooks were: dynamo compiles the frame but hands no graph to the backend."""
+
+    def forward(self, hidden):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return self.proj(hidden).relu()
+
+
+class TracedLayer(Layer):
+    """A layer dynamo traces whole (its own code object, so no other test's compiled graph serves it)."""
+
+    def forward(self, hidden):
+        return self.proj(hidden).tanh()
+
+
+def _two(layer: type) -> TwoLayers:
+    model = TwoLayers()
+    model.layers = torch.nn.ModuleList([layer(), layer()])
+    model._no_split_modules = [layer.__name__]
+    return model
+
+
+def test_layers_that_compile_to_no_graph_are_said_to_run_eager():
+    from shardtune.train.compile import apply_compile
+    from shardtune.train.plan import Plan
+
+    model = _two(BreakingLayer)
+    report = apply_compile(model, Plan(strategy="NO", compile_backend="eager"))
+    model(torch.randn(2, 5, 8, requires_grad=True)).sum().backward()
+    counts = report.counts()
+    assert counts["compiles"] >= 1 and counts["backend_graphs"] == 0 and report.compiled_nothing()
+    assert "ran eager" in report.describe()
+    working = _two(TracedLayer)
+    report = apply_compile(working, Plan(strategy="NO", compile_backend="eager"))
+    working(torch.randn(2, 5, 8, requires_grad=True))
+    assert report.counts()["backend_graphs"] >= 1 and not report.compiled_nothing()
+    assert "ran eager" not in report.describe()

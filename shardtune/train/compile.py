@@ -68,9 +68,13 @@ class _CompileEvents:
         on_compile_start(started)
         self._installed = True
 
-    def snapshot(self) -> tuple[int, int, frozenset[str]]:
+    def snapshot(self) -> tuple[int, int, frozenset[str], int]:
+        """Compilations, recompilations, frames, and the graphs dynamo handed a backend: a frame that breaks
+        everywhere (a context manager dynamo cannot trace) compiles without handing any, and then runs eager."""
+        from torch._dynamo.utils import counters
+
         with self._lock:
-            return self.compiles, self.recompiles, frozenset(self.frames)
+            return self.compiles, self.recompiles, frozenset(self.frames), counters["stats"]["unique_graphs"]
 
 
 EVENTS = _CompileEvents()
@@ -84,7 +88,7 @@ class CompileReport:
     mode: str | None
     layers: int = 0
     fallback: str | None = None  # why the run is eager although torch_compile was asked for
-    _start: tuple[int, int, frozenset[str]] = field(default_factory=EVENTS.snapshot, repr=False)
+    _start: tuple[int, int, frozenset[str], int] = field(default_factory=EVENTS.snapshot, repr=False)
 
     def fall_back(self, reason: str) -> None:
         """Go eager for the rest of the run, saying why once."""
@@ -97,10 +101,16 @@ class CompileReport:
 
     def counts(self) -> dict[str, int]:
         """Compilations since the layers were compiled: graphs (frames), compiles, recompiles and their bound."""
-        compiles, recompiles, frames = EVENTS.snapshot()
+        compiles, recompiles, frames, backend_graphs = EVENTS.snapshot()
         graphs = len(frames - self._start[2])
         return {"graphs": graphs, "compiles": compiles - self._start[0],
-                "recompiles": recompiles - self._start[1], "recompile_bound": RECOMPILES_PER_GRAPH * graphs}
+                "recompiles": recompiles - self._start[1], "recompile_bound": RECOMPILES_PER_GRAPH * graphs,
+                "backend_graphs": max(backend_graphs - self._start[3], 0)}
+
+    def compiled_nothing(self) -> bool:
+        """Dynamo ran on the layers but handed no graph to the backend: they ran eager, with no fallback said."""
+        c = self.counts()
+        return not self.fallback and c["compiles"] > 0 and not c["backend_graphs"]
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``compile`` record."""
@@ -115,6 +125,9 @@ class CompileReport:
         if self.fallback:
             return f"torch_compile: eager ({self.fallback})"
         c = self.counts()
+        if self.compiled_nothing():
+            return (f"torch_compile: {self.layers} decoder layers on {self.backend}: dynamo compiled {c['compiles']} "
+                    f"time(s) but broke every graph before any operation, so the layers ran eager")
         return (f"torch_compile: {self.layers} decoder layers on {self.backend}: {c['graphs']} graph(s), "
                 f"{c['compiles']} compilation(s), {c['recompiles']} recompilation(s) (expected at most "
                 f"{c['recompile_bound']})")

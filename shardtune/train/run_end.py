@@ -104,7 +104,7 @@ def compile_summary(job: Job) -> dict[str, Any] | None:
     report = job.runner.applied.compiled
     if report is None:
         return None
-    log.info("%s", report.describe())
+    (log.warning if report.compiled_nothing() else log.info)("%s", report.describe())
     return report.summary()
 
 
