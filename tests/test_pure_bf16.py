@@ -157,6 +157,22 @@ def test_refusals_are_one_line(extra, needle):
     assert needle in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_a_pure_bf16_checkpoint_resumed_with_fp32_master_weights_is_refused_naming_torch_dtype(tmp_path):
+    """Its BF16AdamW state cannot be read by torch's AdamW: the load failed calling the checkpoint damaged. The
+    other way (fp32 master weights resumed in pure bf16) loads, converting both, and is allowed."""
+    from shardtune.train.resume import check_resume
+
+    def cfg(*extra: str):
+        return load_train_config(["--model_name_or_path", "M", "--dataset_name", "chat.jsonl", "--output_dir",
+                                  str(tmp_path), *extra])
+
+    with pytest.raises(UsageError, match=r"torch_dtype was 'bfloat16' \(pure bf16\) when the checkpoint was saved "
+                                         r"and is None now; .* Set torch_dtype bfloat16 back"):
+        check_resume(tmp_path, cfg("--torch_dtype", "bfloat16"), cfg(), saved_world=1, world=1)
+    check_resume(tmp_path, cfg(), cfg("--torch_dtype", "bfloat16"), saved_world=1, world=1)
+    check_resume(tmp_path, cfg("--torch_dtype", "bfloat16"), cfg("--dtype", "bfloat16"), saved_world=1, world=1)
+
+
 def test_train_refuses_float16_with_exit_2(tmp_path, capsys):
     from shardtune.cli import main
 

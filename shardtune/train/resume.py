@@ -142,6 +142,12 @@ def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, save
             raise UsageError(f"{label}: {key} was {old.get(key)!r} when the checkpoint was saved and is "
                              f"{new.get(key)!r} now; its weights, optimizer state and data position belong to "
                              f"the first. Set {key} back{relative}, or start a new run in another output_dir")
+    if saved.model.pure_bf16 and not cfg.model.pure_bf16:
+        # The other way works: fp32 moments load into bf16 ones, and fp32 weights round to bf16.
+        raise UsageError(f"{label}: torch_dtype was 'bfloat16' (pure bf16) when the checkpoint was saved and is "
+                         f"{new.get('torch_dtype')!r} now; its optimizer state is pure bf16's AdamW, which fp32 "
+                         f"master weights cannot continue. Set torch_dtype bfloat16 back, or start a new run in "
+                         f"another output_dir")
     accumulation = accumulation_for(label, old, new, saved_world=saved_world, world=world,
                                     given_accumulation=given_accumulation, main=main)
     ignore = {"resume_from_checkpoint", "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
