@@ -507,6 +507,24 @@ def test_a_4bit_dtype_shardtune_cannot_run_is_refused_before_anything_is_written
     assert not out.exists()
 
 
+@pytest.mark.parametrize("precision,storage,fix", [
+    ("bf16", "float16", "set bnb_4bit_quant_storage_dtype bfloat16"),
+    ("fp16", "bfloat16", "set bnb_4bit_quant_storage_dtype float16"),
+])
+def test_a_4bit_storage_dtype_autocast_cannot_mix_is_refused_before_the_first_step(work, tmp_path, capsys, precision,
+                                                                                   storage, fix):
+    """The model loads in its 4-bit storage dtype: float16 storage under bf16 mixed precision (or bfloat16 under
+    fp16) trained to the first forward and ended there in a traceback, exit 1 ("Unexpected floating ScalarType in
+    at::autocast::prioritize"). float32 storage mixes with either, and the matching half dtype trains."""
+    out = tmp_path / "out"
+    qlora = ("--use_peft_lora", "true", "--use_4bit_quantization", "true", f"--{precision}", "true")
+    refused(capsys, train_argv(work, out, *qlora, "--bnb_4bit_quant_storage", storage),
+            f"bnb_4bit_quant_storage_dtype={storage} with {precision} mixed precision", fix)
+    assert not out.exists()
+    with logging_restored():
+        assert main(train_argv(work, out, *qlora, "--bnb_4bit_quant_storage", "float32")) == 0
+
+
 def test_peft_refusing_a_target_module_is_one_readable_line():
     """PEFT's refusal of a module it cannot adapt prints the module over several lines; the first line alone was
     "Target module MixtralExperts(", which says nothing. Its whole message is kept, on one line."""

@@ -867,9 +867,9 @@ def test_no_trl_model_or_script_key_is_offered_another_keys_spelling():
     assert offered_other_spellings(TRL_MODEL_AND_SCRIPT_KEYS, "--use_peft", "true") == {}
     # the accepted ones act as TRL's: the quantisation storage dtype, CAUSAL_LM (what runs here), no streaming
     cfg = load_train_config([*BASE, "--load_in_4bit", "true", "--use_peft", "true", "--bnb_4bit_quant_storage",
-                             "float16", "--lora_task_type", "CAUSAL_LM", "--dataset_streaming", "false",
+                             "float32", "--lora_task_type", "CAUSAL_LM", "--dataset_streaming", "false",
                              "--dataset_train_split", "train", "--dataset_test_split", "test"])
-    assert cfg.lora.bnb_4bit_quant_storage_dtype == "float16"
+    assert cfg.lora.bnb_4bit_quant_storage_dtype == "float32"
     with pytest.raises(UsageError, match="lora_task_type='SEQ_CLS' would change what runs"):
         load_train_config([*BASE, "--use_peft", "true", "--lora_task_type", "SEQ_CLS"])
 

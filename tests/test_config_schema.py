@@ -121,7 +121,7 @@ ALIAS_VALUES = {"max_length": (64, []), "max_seq_length": (64, []),
                 "evaluation_strategy": ("steps", []), "dtype": ("bfloat16", []),
                 "activation_checkpointing": (False, []),
                 "fsdp_backward_prefetch_policy": ("BACKWARD_PRE", ["--distributed_type", "FSDP"]),
-                "bnb_4bit_quant_storage": ("float16", ["--use_peft_lora", "true", "--use_4bit_quantization", "true"])}
+                "bnb_4bit_quant_storage": ("float32", ["--use_peft_lora", "true", "--use_4bit_quantization", "true"])}
 
 
 def test_the_other_names_are_the_ones_listed_here():

@@ -244,7 +244,8 @@ class LoraConfig:
         spellings=FLOAT_SPELLINGS, needs=QLORA)
     bnb_4bit_quant_storage_dtype: FloatDtype | None = key(
         None, "Storage dtype of the packed 4-bit weights, and the dtype the model loads in; unset: the run's "
-        "compute dtype, as for bnb_4bit_compute_dtype (it lets FSDP shard them with the rest).",
+        "compute dtype, as for bnb_4bit_compute_dtype (it lets FSDP shard them with the rest). A half dtype must be "
+        "the mixed precision's own (float16 under fp16, bfloat16 under bf16); float32 goes with either.",
         spellings=FLOAT_SPELLINGS, needs=QLORA,
         aliases={"bnb_4bit_quant_storage": "TRL's"},
         refused={"uint8": "bitsandbytes' uint8 storage would load the whole model in uint8 here (the storage dtype "

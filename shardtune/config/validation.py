@@ -381,6 +381,28 @@ def _validate_pipeline(cfg: TrainConfig) -> list[Problem]:
 
 
 def dtype_problems(cfg: TrainConfig) -> list[Problem]:
+    """What pure bf16 (torch_dtype bfloat16) pairs with, and QLoRA's storage dtype with the mixed precision."""
+    return [*_pure_bf16_problems(cfg), *_storage_dtype_problems(cfg)]
+
+
+def _storage_dtype_problems(cfg: TrainConfig) -> list[Problem]:
+    """The model loads in bnb_4bit_quant_storage_dtype: a half dtype other than autocast's has the first forward
+    fail deep in autocast ("Unexpected floating ScalarType in at::autocast::prioritize"), which mixes one half
+    dtype with float32 but never with the other."""
+    storage, precision = cfg.lora.bnb_4bit_quant_storage_dtype, cfg.mixed_precision
+    other = {"float16": "fp16", "bfloat16": "bf16"}.get(storage)  # float32, unset or a value refused on its own: None
+    if not cfg.lora.use_4bit_quantization or cfg.model.pure_bf16 or other is None or precision in ("no", other):
+        return []
+    autocast = {"bf16": "bfloat16", "fp16": "float16"}[precision]
+    return [Problem(("bnb_4bit_quant_storage_dtype", precision, "mixed_precision"), f"bnb_4bit_quant_storage_dtype="
+                    f"{storage} with {precision} mixed precision: the model loads in its storage dtype, and "
+                    f"{precision} autocast cannot mix {storage} weights into its {autocast} ops (the first step would "
+                    f"fail); set "
+                    f"bnb_4bit_quant_storage_dtype {autocast} (or leave it out: the run's compute dtype) or float32, "
+                    f"or compute in {other} ({other} true instead of {precision})")]
+
+
+def _pure_bf16_problems(cfg: TrainConfig) -> list[Problem]:
     """What pure bf16 (torch_dtype bfloat16) pairs with."""
     if not cfg.model.pure_bf16:
         return []
