@@ -874,6 +874,28 @@ def test_no_trl_model_or_script_key_is_offered_another_keys_spelling():
         load_train_config([*BASE, "--use_peft", "true", "--lora_task_type", "SEQ_CLS"])
 
 
+def test_a_qlora_recipe_that_leaves_nested_quant_out_is_told_it_differs_from_trls_default():
+    """A TRL QLoRA recipe (load_in_4bit true, no use_bnb_nested_quant) double-quantised its base here, where TRL,
+    PEFT's script and BitsAndBytesConfig default to false, and nothing said so. Now a note does; a recipe that sets
+    the key under any of its names gets its value and no note, and plain LoRA none either."""
+    from shardtune.config.loading import run_config_problems
+
+    def run(*extra: str) -> tuple[bool, list[str]]:
+        said: list[str] = []
+        cfg = run_config_problems([*BASE, "--use_peft", "true", *extra], said)[0]
+        return cfg.lora.use_nested_quant, [note for note in said if "use_nested_quant" in note]
+
+    nested, notes = run("--load_in_4bit", "true")
+    assert nested is True and len(notes) == 1
+    assert notes[0].startswith("use_nested_quant is left out, and shardtune's default is true") and \
+        "TRL's use_bnb_nested_quant, PEFT's use_nested_quant and Transformers' bnb_4bit_use_double_quant default " \
+        "to false; set use_nested_quant false" in notes[0]
+    for name in ("use_bnb_nested_quant", "bnb_4bit_use_double_quant", "use_nested_quant"):
+        assert run("--load_in_4bit", "true", f"--{name}", "false") == (False, [])
+    assert run("--load_in_4bit", "true", "--use_bnb_nested_quant", "true") == (True, [])
+    assert run() == (True, [])
+
+
 def test_an_8bit_switch_left_off_loads_and_turned_on_is_refused_naming_4bit(tmp_path, capsys):
     """A written-out TRL ModelConfig holds load_in_8bit: false, and PEFT's examples/sft recipes
     use_8bit_quantization: false: both were refused, the second offered use_4bit_quantization for it. Off is what

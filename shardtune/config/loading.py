@@ -506,7 +506,7 @@ def _apply(layers: Layers, *, training: bool,
            notes: list[str] | None = None) -> tuple[TrainConfig, dict[str, Origin], list[str]]:
     """The config ``layers`` make, where each key's value came from, and every problem found; ``notes`` gets a
     line for each key a later layer's setting turned off and set back to its default, for an FSDP1 file run as
-    FSDP2, and for a mixed_precision the bf16/fp16 flags set aside."""
+    FSDP2, for a mixed_precision the bf16/fp16 flags set aside, and for QLoRA's use_nested_quant left unset."""
     cfg = TrainConfig()
     given: dict[str, Origin] = {}
     layer_of: dict[str, int] = {}
@@ -570,8 +570,8 @@ def _apply(layers: Layers, *, training: bool,
     problems += _trained_token_problems(trained_tokens, cfg.data.train_on_prompt)
     if cfg.precision_on(False) == "fp16":  # fp16 is only ever asked for, never the hardware's choice
         problems += fp16_tuning
-    if notes is not None and (note := _precision_set_aside(cfg, given)):
-        notes.append(note)
+    if notes is not None:
+        notes += [note for note in (_precision_set_aside(cfg, given), _nested_quant_default(cfg, given)) if note]
     cfg.run.report_to = resolve_report_to(cfg.run.report_to)
     normalise_compile(cfg.run, compile_set="torch_compile" in given)
     _reset_overruled(cfg, given, layer_of, notes)
@@ -621,6 +621,17 @@ def _precision_set_aside(cfg: TrainConfig, given: dict[str, Origin]) -> str | No
     return (f"mixed_precision={asked} ({given['mixed_precision']}) is set aside: {flag}="
             f"{shown(getattr(cfg.run, flag))} ({given.get(flag, Origin('config'))}) decides, as in Transformers, and "
             f"the run computes in {'fp32' if precision == 'no' else precision}")
+
+
+def _nested_quant_default(cfg: TrainConfig, given: dict[str, Origin]) -> str | None:
+    """QLoRA with use_nested_quant left unset: this default (true) is not the one of the tools a recipe comes
+    from, so a recipe that leaves the key out would quantise its base otherwise than there without a word."""
+    if not cfg.lora.use_4bit_quantization or "use_nested_quant" in given:
+        return None
+    return ("use_nested_quant is left out, and shardtune's default is true (double quantisation, as in the QLoRA "
+            "paper): TRL's use_bnb_nested_quant, PEFT's use_nested_quant and Transformers' "
+            "bnb_4bit_use_double_quant default to false; set use_nested_quant false to quantise the base as they do, "
+            "or true to keep it")
 
 
 def _trained_token_problems(given: dict[str, tuple[Origin, Any]], train_on_prompt: bool) -> list[str]:

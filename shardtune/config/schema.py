@@ -234,7 +234,9 @@ class LoraConfig:
     use_4bit_quantization: bool = key(False, "QLoRA: load the frozen base in 4 bits (bitsandbytes); needs "
                                              "use_peft_lora.", aliases={"load_in_4bit": "TRL's"})
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = key("nf4", "The 4-bit data type.", needs=QLORA)
-    use_nested_quant: bool = key(True, "Double quantisation of the quantisation constants (QLoRA paper, section 3).",
+    use_nested_quant: bool = key(True, "Double quantisation of the quantisation constants (QLoRA paper, section 3). "
+                                       "TRL, PEFT and Transformers default to false: a QLoRA run that leaves it out "
+                                       "says so at start.",
                                  aliases={"use_bnb_nested_quant": "TRL's",
                                           "bnb_4bit_use_double_quant": "Transformers' BitsAndBytesConfig's"},
                                  needs=QLORA, idle=(False,))
