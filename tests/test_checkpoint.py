@@ -392,6 +392,55 @@ def test_merge_without_base_takes_the_one_the_adapter_names(tmp_path: Path, caps
     assert not (tmp_path / "nowhere").exists()
 
 
+def test_merge_and_generate_of_a_qlora_adapter_say_they_use_the_unquantised_base(tmp_path: Path, tmp_path_factory,
+                                                                                  capsys) -> None:
+    """merge folded a QLoRA run's adapter into the float32 base, and generate ran it on that base, without a word:
+    a user took the result for the 4-bit model the run trained. Both now say it, from the run's summary.json (its
+    final/) or the export list of a checkpoint exported; the merge is the unquantised base plus the adapter's
+    update, as PEFT makes it. A LoRA run's adapter gets no note."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.cli import main
+    from tests.trainutil import logging_restored, tiny_workspace
+
+    work = tiny_workspace(tmp_path_factory, "qlora-notes", rows=16)
+    runs = {}
+    for method, extra in (("qlora", ["--use_4bit_quantization", "true", "--bnb_4bit_quant_type", "fp4"]),
+                          ("lora", [])):
+        runs[method] = work / method
+        with logging_restored():
+            assert main(["train", "--model_name_or_path", str(work / "model"), "--dataset_name",
+                         str(work / "chat.jsonl"), "--output_dir", str(runs[method]), "--use_peft_lora", "true",
+                         "--max_steps", "2", "--save_steps", "1", "--max_seq_len", "64", "--bf16", "true",
+                         "--learning_rate", "1e-2", "--predict_memory", "false", *extra]) == 0
+    assert json.loads((runs["qlora"] / "summary.json").read_text())["base_quantization"] == "fp4"
+    capsys.readouterr()
+
+    def notes(*argv: str) -> list[str]:
+        assert main(list(argv)) == 0
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+
+    final = runs["qlora"] / "final"
+    said = (f"note: {final} was trained on a 4-bit (fp4) base (QLoRA); it is merged into the unquantised base "
+            f"{work / 'model'} (float32), the weights the 4-bit ones were quantised from")
+    (merge_note,) = notes("merge", str(final), str(tmp_path / "merged"))
+    assert merge_note.startswith(said)
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(work / "model"), str(final)) \
+        .merge_and_unload().state_dict()
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert all(torch.equal(tensor, reference[name]) for name, tensor in merged.items())
+    (generate_note,) = notes("generate", str(final), "--prompt", "What is 1 plus 2?", "--max_new_tokens", "2")
+    assert "generate runs it on its base model unquantised" in generate_note
+    assert main(["export", str(runs["qlora"] / "checkpoints" / "step-1"), str(tmp_path / "exported")]) == 0
+    capsys.readouterr()
+    (exported_note,) = notes("merge", str(tmp_path / "exported"), str(tmp_path / "merged_export"))
+    assert exported_note.startswith(f"note: {tmp_path / 'exported'} was trained on a 4-bit (fp4) base (QLoRA)")
+    assert notes("merge", str(runs["lora"] / "final"), str(tmp_path / "merged_lora")) == []
+    assert notes("generate", str(tmp_path / "merged"), "--prompt", "hi", "--max_new_tokens", "1") == []
+
+
 def test_an_adapter_whose_modules_the_base_lacks_is_refused(tmp_path: Path, capsys) -> None:
     """PEFT adapts the base's modules that the adapter's config names and drops the adapter's other tensors: a
     Llama adapter on every linear layer merged into a Phi-3 base (one qkv_proj, one gate_up_proj) kept o_proj and

@@ -38,6 +38,17 @@ def leave_out_bitsandbytes_unless(needed: Callable[[], bool]) -> None:
         leave_out_unless(needed)
 
 
+def say_base_unquantised(adapter: str | Path, what: str) -> None:
+    """Where ``adapter`` was trained by QLoRA (on a 4-bit base): a note on stderr that ``what`` (merge, generate,
+    chat) uses its base unquantised, so that nobody takes the result for the 4-bit model the run trained."""
+    from shardtune.train.layout import trained_base_quantization
+
+    if quantization := trained_base_quantization(adapter):
+        print(f"note: {adapter} was trained on a 4-bit ({quantization}) base (QLoRA); {what}, the weights the 4-bit "
+              f"ones were quantised from, so its outputs differ slightly from those of the model the run trained",
+              file=sys.stderr)
+
+
 def plain(text: str) -> str:
     """A docstring's markup as a terminal should show it: ``name`` as 'name'."""
     return text.replace("``", "'")

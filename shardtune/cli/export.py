@@ -150,6 +150,11 @@ def main_merge(args: argparse.Namespace) -> int:
 
     with pickled_weights_refused(Path(args.adapter), Path(args.base)):
         path = merge_adapter(args.adapter, args.base, args.out, overwrite=args.overwrite)
+    from shardtune.cli.common import say_base_unquantised
+    from shardtune.train.export import stored_dtype
+
+    say_base_unquantised(args.adapter, f"it is merged into the unquantised base {args.base} "
+                                       f"({str(stored_dtype(args.base)).removeprefix('torch.')})")
     print(f"wrote {path}")
     return 0
 

@@ -97,7 +97,7 @@ def _load(args: argparse.Namespace):
     hf_logging.disable_progress_bar()  # a "Loading weights" bar per run is noise before a chat
 
     from shardtune.bitsandbytes_use import model_needs_bitsandbytes
-    from shardtune.cli.common import leave_out_bitsandbytes_unless
+    from shardtune.cli.common import leave_out_bitsandbytes_unless, say_base_unquantised
     from shardtune.errors import check_choice
     from shardtune.infer.generate import check_device, check_sampling, load_for_generation, weights_source
 
@@ -110,7 +110,9 @@ def _load(args: argparse.Namespace):
     leave_out_bitsandbytes_unless(lambda: model_needs_bitsandbytes(weights_source(args.model)))
     dtype_name = check_choice(args.dtype, DTYPES, "--dtype")
     dtype = None if dtype_name == "auto" else getattr(torch, dtype_name)
-    return load_for_generation(args.model, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
+    loaded = load_for_generation(args.model, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
+    say_base_unquantised(args.model, f"{args.command} runs it on its base model unquantised")
+    return loaded
 
 
 def _options(args: argparse.Namespace) -> dict:

@@ -17,6 +17,8 @@ MANIFEST = "manifest.json"  # written last into a checkpoint folder: its presenc
 STEP_FOLDER = re.compile(r"step-(\d+)$")
 EXPORT_LIST = ".shardtune-export.json"  # the files an export wrote, so that --overwrite touches those only
 PROMPT_STYLE = "prompt_style"  # summary.json's (and an export list's): "chat template", "plain text" or "mixed"
+# summary.json's (and an adapter export list's): the 4-bit type (nf4, fp4) of a QLoRA run's base, null otherwise
+BASE_QUANTIZATION = "base_quantization"
 
 
 # The manifest's fields a load reads, each with what a save writes there: every format wrote the first two; the
@@ -53,6 +55,17 @@ def trained_prompt_style(model: str | Path) -> str | None:
     """How the run that made the model folder ``model`` (or the checkpoint folder) wrote its prompts
     (``PROMPT_STYLE``): said by the run's summary.json beside its final/ (once the run ended), or by the export list
     of a folder merged or exported from it; None where neither says."""
+    return _run_record(model, PROMPT_STYLE)
+
+
+def trained_base_quantization(adapter: str | Path) -> str | None:
+    """The 4-bit type (nf4, fp4) of the base a QLoRA run trained the adapter folder ``adapter`` on
+    (``BASE_QUANTIZATION``), said as ``trained_prompt_style`` finds it; None for LoRA, or where nothing says."""
+    return _run_record(adapter, BASE_QUANTIZATION)
+
+
+def _run_record(model: str | Path, field: str) -> str | None:
+    """``field`` of the record of the run that made ``model``: its summary.json, or the folder's export list."""
     folder = Path(model).expanduser()
     if (folder / MANIFEST).is_file():  # output_dir/checkpoints/step-N
         folder = folder.parent.parent / "final"
@@ -61,7 +74,8 @@ def trained_prompt_style(model: str | Path) -> str | None:
         said = json.loads(record.read_text())
     except (OSError, ValueError):
         return None
-    return said.get(PROMPT_STYLE) if isinstance(said, dict) else None
+    value = said.get(field) if isinstance(said, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def listed_files(folder: Path) -> set[str]:

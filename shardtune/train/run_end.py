@@ -12,7 +12,7 @@ from shardtune.dist import RankFailed
 from shardtune.errors import TrainingStopped, first_line
 from shardtune.train.checkpoint import Checkpointer, checkpoint_damage, write_failure, write_fix
 from shardtune.train.job import Job
-from shardtune.train.layout import PROMPT_STYLE
+from shardtune.train.layout import BASE_QUANTIZATION, PROMPT_STYLE
 from shardtune.train.metrics import flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes
 from shardtune.train.output_dir import read_summary
 from shardtune.train.plan import unwrap
@@ -86,6 +86,7 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
             "stopped_by": stopped_by, "last_checkpoint": checkpointer.last, **best_summary(job),
             "compile": compile_summary(job), **job.runner.applied.summary(),
             PROMPT_STYLE: job.data.report.prompt_style or None,
+            BASE_QUANTIZATION: job.cfg.lora.bnb_4bit_quant_type if job.cfg.lora.use_4bit_quantization else None,
             "train_loss": loss_sum / steps if steps else None, **last_evaluation(state.log_history),
             "train_runtime": wall, "train_steps_per_second": steps / max(wall, 1e-9), "epoch": state.epochs_done}
 
