@@ -208,6 +208,26 @@ def test_two_process_checkpoint_resumes_on_one_process(work: Path, lora_ref: Pat
     assert_memory_record(work / "one_proc", step=6)
 
 
+def test_a_two_process_qlora_checkpoint_exports_and_resumes_on_one_process(work: Path) -> None:
+    """An FSDP2 QLoRA checkpoint holds the adapters without the 4-bit base's quantisation state (absmax, quant_map,
+    ...), which one process's model also asked for: shardtune export (also --format gguf) and a 1-process resume
+    stopped at "Missing key ... base_layer.weight.absmax", calling the checkpoint damaged. Now the export equals
+    the run's final/ adapter, and the resumed steps give the 2-process run's losses."""
+    import torch
+    from safetensors.torch import load_file
+
+    qlora = ("--use_peft_lora", "True", "--use_4bit_quantization", "True", "--bf16", "True", "--max_steps", "4")
+    ok(shardtune(work, "qlora_fsdp", "--distributed_type", "FSDP", *qlora))
+    ok(cli(work, "export", "qlora_fsdp/checkpoints/step-4", "qlora_exported"))
+    exported, final = (load_file(work / folder / "adapter_model.safetensors")
+                       for folder in ("qlora_exported", "qlora_fsdp/final"))
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+    ok(shardtune(work, "qlora_one", "--distributed_type", "NO", *qlora, "--gradient_accumulation_steps", "4",
+                 "--resume_from_checkpoint", str(work / "qlora_fsdp" / "checkpoints" / "step-2"), nproc=0))
+    got, want = losses(work / "qlora_one"), losses(work / "qlora_fsdp")
+    assert sorted(got) == [3, 4] and all(abs(got[s] - want[s]) < 2e-3 for s in got), (got, want)
+
+
 def test_eval_epochs_match_training_records_and_a_finished_run_resumes_to_nothing(work: Path) -> None:
     args = ("--distributed_type", "NO", *LORA, "--max_steps", "2", "--eval_strategy", "steps", "--eval_steps", "1",
             "--eval_split_ratio", "0.1")

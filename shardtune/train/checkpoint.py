@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -75,6 +76,21 @@ def state_dict_options(trainable_only: bool, full: bool = False, flat_optimizer:
     # stages would load their groups without lr, betas, ...
     return StateDictOptions(ignore_frozen_params=trainable_only, full_state_dict=full, cpu_offload=full,
                             strict=not trainable_only, flatten_optimizer_state_dict=flat_optimizer)
+
+
+# What bitsandbytes' Linear4bit adds to a state dict beside its frozen weight (weight.absmax, weight.quant_map, the
+# nested ones, weight.quant_state.bitsandbytes__nf4): one process holds it, an FSDP2-sharded 4-bit weight does not.
+_QUANT_STATE_KEY = re.compile(r"\.weight\.(absmax|quant_map|nested_absmax|nested_quant_map|quant_state\.\w+)$")
+
+
+def model_state_dict(model: nn.Module, options: StateDictOptions) -> dict[str, Any]:
+    """``get_model_state_dict``, and with ``ignore_frozen_params`` (a LoRA/QLoRA checkpoint) without the 4-bit
+    base's quantisation state: it belongs to the frozen base, which every load quantises afresh, and an FSDP2
+    QLoRA checkpoint lacks it, so a 1-process resume or export that asked for it stopped at "Missing key"."""
+    state = get_model_state_dict(model, options=options)
+    if not options.ignore_frozen_params:
+        return state
+    return {key: value for key, value in state.items() if not _QUANT_STATE_KEY.search(key)}
 
 
 def _write_full(folder: Path, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
@@ -153,11 +169,11 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
     full_state = None
     if state_dict_type == FULL:  # every rank helps gather, rank 0 writes
         options = state_dict_options(trainable_only, full=True)
-        full_state = (get_model_state_dict(model, options=options),
+        full_state = (model_state_dict(model, options),
                       get_optimizer_state_dict(model, optimizer, options=options))
     else:
         options = state_dict_options(trainable_only, flat_optimizer=flat_optimizer)
-        state = {"model": get_model_state_dict(model, options=options),
+        state = {"model": model_state_dict(model, options),
                  "optim": get_optimizer_state_dict(model, optimizer, options=options)}
         try:  # DCP shares a failed write among the ranks itself (CheckpointException on every rank)
             dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not info.distributed)
@@ -309,7 +325,7 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     else:
         # The layout the checkpoint was written in (older checkpoints: param groups by index).
         options = state_dict_options(trainable_only, flat_optimizer=manifest.get("flat_optimizer", False))
-        state = {"model": get_model_state_dict(model, options=options),
+        state = {"model": model_state_dict(model, options),
                  "optim": get_optimizer_state_dict(model, optimizer, options=options)}
         load_dcp(state, path / "dcp", no_dist=not info.distributed)
         model_state, optim_state = state["model"], state["optim"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from shardtune.data.templates import reply_end_token
 from shardtune.dist import DistInfo, run_and_share
@@ -23,7 +23,7 @@ from shardtune.files import give_plain_mode
 from shardtune.hub import (ADAPTER_ON_ANOTHER_BASE, adapter_folder_problem, adapter_left_out, adapter_weights_problem,
                            has_tokenizer, is_adapter_folder, is_whole_model_folder, loading_refused)
 from shardtune.peft_names import embedding_layers_saved
-from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, state_dict_options
+from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, model_state_dict, state_dict_options
 from shardtune.train.destination import folder_made_for, publish, refuse_destination, temporary_sibling
 from shardtune.train.layout import (BASE_QUANTIZATION, MANIFEST, PROMPT_STYLE, checkpoint_folder_problem,
                                     trained_prompt_style)
@@ -144,7 +144,7 @@ def export_final(output_dir: str | Path, model: nn.Module, tokenizer, *, is_peft
     The full (gathered) state dict is assembled on CPU from every rank's shards, then rank 0 writes it through
     ``save_pretrained`` into a temporary folder that is renamed when complete; every rank learns if that failed.
     """
-    state = get_model_state_dict(model, options=state_dict_options(trainable_only=is_peft, full=True))
+    state = model_state_dict(model, state_dict_options(trainable_only=is_peft, full=True))
     target = Path(output_dir) / "final"
     run_and_share(lambda: write_export(target, model, state, tokenizer, is_peft), runs=info.is_main,
                   what=f"writing {target}")
@@ -168,7 +168,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
     about = _prompt_style_record(checkpoint) or {}
     if is_peft and (quantization := _base_quantization(Path(checkpoint))):  # merge and generate say it
         about[BASE_QUANTIZATION] = quantization
-    return write_export(Path(out), model, get_model_state_dict(model, options=options), tokenizer, is_peft,
+    return write_export(Path(out), model, model_state_dict(model, options), tokenizer, is_peft,
                         about=about or None)
 
 
@@ -217,7 +217,7 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
     if manifest.get("state_dict_type", SHARDED) == FULL:
         state = load_safetensors(path / "model.safetensors")
     else:
-        state = {"model": get_model_state_dict(model, options=options)}
+        state = {"model": model_state_dict(model, options)}
         load_dcp(state, path / "dcp", no_dist=True, fix=fix)
         state = state["model"]
     with loading_refused(str(checkpoint), fix, fix):  # weights of other shapes than the base's
