@@ -896,6 +896,28 @@ def test_a_qlora_recipe_that_leaves_nested_quant_out_is_told_it_differs_from_trl
     assert run() == (True, [])
 
 
+def test_an_accelerate_fsdp_files_rank0_loading_under_qlora_is_said_not_to_act(tmp_path):
+    """Accelerate's FSDP QLoRA configs set fsdp_cpu_ram_efficient_loading true; under QLoRA every rank loads and
+    quantises its own base (train/build.py), and the key was dropped without a word. A note names the file line;
+    without QLoRA, or with the key left to its default, nothing is said."""
+    from shardtune.config.loading import run_config_problems
+
+    acc = tmp_path / "fsdp.yaml"
+    acc.write_text(ACCELERATE_FSDP)
+
+    def notes(*extra: str) -> list[str]:
+        said: list[str] = []
+        run_config_problems([*BASE, *extra], said)
+        return [note for note in said if "fsdp_cpu_ram_efficient_loading" in note]
+
+    qlora = ("--use_peft_lora", "true", "--use_4bit_quantization", "true", "--use_nested_quant", "true")
+    assert notes("--config_file", str(acc), *qlora) == [
+        f"fsdp_cpu_ram_efficient_loading=true ({acc}, line 9) does not act with QLoRA (use_4bit_quantization): every "
+        f"rank loads and quantises its own copy of the base in CPU RAM, rank 0 does not load it for the others"]
+    assert notes("--config_file", str(acc), "--use_peft_lora", "true") == []
+    assert notes("--distributed_type", "FSDP", *qlora) == []
+
+
 def test_an_8bit_switch_left_off_loads_and_turned_on_is_refused_naming_4bit(tmp_path, capsys):
     """A written-out TRL ModelConfig holds load_in_8bit: false, and PEFT's examples/sft recipes
     use_8bit_quantization: false: both were refused, the second offered use_4bit_quantization for it. Off is what

@@ -570,11 +570,13 @@ def _apply(layers: Layers, *, training: bool,
     problems += _trained_token_problems(trained_tokens, cfg.data.train_on_prompt)
     if cfg.precision_on(False) == "fp16":  # fp16 is only ever asked for, never the hardware's choice
         problems += fp16_tuning
-    if notes is not None:
-        notes += [note for note in (_precision_set_aside(cfg, given), _nested_quant_default(cfg, given)) if note]
+    if notes is not None and (note := _precision_set_aside(cfg, given)):
+        notes.append(note)
     cfg.run.report_to = resolve_report_to(cfg.run.report_to)
     normalise_compile(cfg.run, compile_set="torch_compile" in given)
     _reset_overruled(cfg, given, layer_of, notes)
+    if notes is not None:  # QLoRA's keys as the reset left them
+        notes += [note for note in (_nested_quant_default(cfg, given), _rank0_loading_idle(cfg, given)) if note]
     problems += [_located(problem, given) for problem in validate(cfg, training=training)]
     return cfg, given, problems
 
@@ -632,6 +634,18 @@ def _nested_quant_default(cfg: TrainConfig, given: dict[str, Origin]) -> str | N
             "paper): TRL's use_bnb_nested_quant, PEFT's use_nested_quant and Transformers' "
             "bnb_4bit_use_double_quant default to false; set use_nested_quant false to quantise the base as they do, "
             "or true to keep it")
+
+
+def _rank0_loading_idle(cfg: TrainConfig, given: dict[str, Origin]) -> str | None:
+    """fsdp_cpu_ram_efficient_loading true, as Accelerate's FSDP QLoRA configs set it, does not act under QLoRA
+    (each rank loads and quantises its own copy of the base): said, not refused, so such a file still runs."""
+    d = cfg.distributed
+    if not (cfg.lora.use_4bit_quantization and d.distributed_type == "FSDP" and d.fsdp_cpu_ram_efficient_loading
+            and "fsdp_cpu_ram_efficient_loading" in given):
+        return None
+    return (f"fsdp_cpu_ram_efficient_loading=true ({given['fsdp_cpu_ram_efficient_loading']}) does not act with "
+            f"QLoRA (use_4bit_quantization): every rank loads and quantises its own copy of the base in CPU RAM, "
+            f"rank 0 does not load it for the others")
 
 
 def _trained_token_problems(given: dict[str, tuple[Origin, Any]], train_on_prompt: bool) -> list[str]:
