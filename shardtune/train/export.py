@@ -7,6 +7,8 @@ nothing half-written; a failed write names its file (``errors.writing``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import errno
 import shutil
 from collections.abc import Callable
@@ -180,9 +182,11 @@ def _base_quantization(checkpoint: Path) -> str | None:
     return lora.bnb_4bit_quant_type if lora.use_4bit_quantization else None
 
 
-def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) -> tuple[nn.Module, object, bool, str]:
+def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None,
+                          float32: bool = False) -> tuple[nn.Module, object, bool, str]:
     """(model with the checkpoint's weights, its tokenizer, whether it is a PEFT model, the base model path) of
-    ``checkpoint``, on CPU, one process."""
+    ``checkpoint``, on CPU, one process. ``float32``: every weight in float32 and a QLoRA run's base unquantised,
+    for a float merge of the adapters as ``merged_model`` makes one of the run's final/."""
     from shardtune.config.loading import load_saved_config
     from shardtune.data import load_tokenizer
     from shardtune.data.templates import added_token_ids as added_by_run
@@ -200,8 +204,9 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
     try:
         tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data,
                                    trust_remote_code=cfg.model.trust_remote_code)
-        precision = Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
-        model = load_base_model(cfg.model, cfg.lora, precision, torch.device("cpu"))
+        precision = Precision("no") if float32 else Precision(cfg.mixed_precision, pure_bf16=cfg.model.pure_bf16)
+        lora = dataclasses.replace(cfg.lora, use_4bit_quantization=False) if float32 else cfg.lora
+        model = load_base_model(cfg.model, lora, precision, torch.device("cpu"))
     except UsageError as exc:
         raise UsageError(f"{checkpoint}: cannot load its base model ({exc}); run from the folder the training ran "
                          f"in (the path may be relative) or give the base model folder with --base") from None
@@ -210,7 +215,7 @@ def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None) ->
                              | set(manifest.get("trainable_token_ids", [])))
     if is_peft:
         # (a run saved before a mistyped lora_modules_to_save was refused still exports: PEFT had ignored it)
-        model = apply_lora(model, cfg.lora, seed=cfg.run.seed, added_token_ids=added_token_ids, training=False)
+        model = apply_lora(model, lora, seed=cfg.run.seed, added_token_ids=added_token_ids, training=False)
     options = state_dict_options(is_peft)
     fix = ("give --base the base model the run trained, or leave --base out" if base else
            "export another checkpoint")

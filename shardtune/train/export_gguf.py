@@ -69,7 +69,9 @@ def load_source(source: str | Path, base: str | None = None) -> tuple[object, ob
         raise UsageError(f"RUN_OR_CHECKPOINT {source}: no such file or folder; give a run's output_dir, its final/, "
                          f"a checkpoint folder or a model folder")
     if path.is_dir() and (path / MANIFEST).is_file():
-        model, tokenizer, is_peft, model_path = load_checkpoint_model(path, base=base)
+        # the adapters merged in float32 into the base as stored, as a run's final/ is (merged_model): a QLoRA
+        # run's 4-bit base would keep bitsandbytes' packed weights, which no GGUF tensor type holds
+        model, tokenizer, is_peft, model_path = load_checkpoint_model(path, base=base, float32=True)
         return (model.merge_and_unload() if is_peft else model), tokenizer, model_path
     if path.is_dir() and is_adapter_folder(path):
         if problem := adapter_folder_problem(path):  # before PEFT or safetensors stop on it with a traceback
