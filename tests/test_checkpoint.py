@@ -441,7 +441,7 @@ def test_merge_and_generate_of_a_qlora_adapter_say_they_use_the_unquantised_base
     assert notes("generate", str(tmp_path / "merged"), "--prompt", "hi", "--max_new_tokens", "1") == []
 
 
-def test_a_qlora_checkpoint_exports_to_gguf_as_its_final_does(tmp_path: Path, tmp_path_factory) -> None:
+def test_a_qlora_checkpoint_exports_to_gguf_as_its_final_does(tmp_path: Path, tmp_path_factory, capsys) -> None:
     """shardtune export CHECKPOINT OUT --format gguf of a QLoRA run stopped at "no llama.cpp tensor for
     '...q_proj.weight.absmax'": the adapters were merged into the 4-bit base, whose packed weights no GGUF type
     holds. They are merged into the unquantised base, as the run's final/ is: the two GGUFs hold the same tensors."""
@@ -457,9 +457,12 @@ def test_a_qlora_checkpoint_exports_to_gguf_as_its_final_does(tmp_path: Path, tm
                      "--output_dir", str(run), "--use_peft_lora", "true", "--use_4bit_quantization", "true",
                      "--max_steps", "1", "--max_seq_len", "64", "--bf16", "true", "--learning_rate", "1e-2",
                      "--predict_memory", "false"]) == 0
+    capsys.readouterr()
     for source, out in ((run, "final"), (run / "checkpoints" / "step-1", "checkpoint")):
         assert main(["export", str(source), str(tmp_path / out / "m.gguf"), "--format", "gguf", "--quantize",
                      "f16"]) == 0
+        assert (f"note: {source} was trained on a 4-bit (nf4) base (QLoRA); the GGUF holds its adapters merged "
+                f"into its base unquantised") in capsys.readouterr().err
     final, checkpoint = ({t.name: t.data.copy() for t in gguf.GGUFReader(tmp_path / out / "m.gguf").tensors}
                          for out in ("final", "checkpoint"))
     assert final.keys() == checkpoint.keys() and all((final[k] == checkpoint[k]).all() for k in final)

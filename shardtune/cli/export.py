@@ -114,6 +114,9 @@ def main_export(args: argparse.Namespace) -> int:
         quantize = "q8_0" if args.quantize is None else args.quantize  # an empty --quantize "" is refused
         path = export_gguf(args.checkpoint, args.out, quantize=quantize, base=args.base,
                            overwrite=args.overwrite)
+        from shardtune.cli.common import say_base_unquantised
+
+        say_base_unquantised(args.checkpoint, "the GGUF holds its adapters merged into its base unquantised")
         print(f"wrote {path} and {path.parent / 'Modelfile'}")
         return 0
     if args.quantize is not None:

@@ -28,7 +28,7 @@ from shardtune.peft_names import embedding_layers_saved
 from shardtune.train.checkpoint import FULL, SHARDED, checkpoint_damage, model_state_dict, state_dict_options
 from shardtune.train.destination import folder_made_for, publish, refuse_destination, temporary_sibling
 from shardtune.train.layout import (BASE_QUANTIZATION, MANIFEST, PROMPT_STYLE, checkpoint_folder_problem,
-                                    trained_prompt_style)
+                                    trained_base_quantization, trained_prompt_style)
 from shardtune.train.plan import unwrap
 from shardtune.train.safe_load import load_dcp, load_safetensors, read_json
 
@@ -168,18 +168,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, base: str | No
     model, tokenizer, is_peft, _ = load_checkpoint_model(checkpoint, base=base)
     options = state_dict_options(is_peft)
     about = _prompt_style_record(checkpoint) or {}
-    if is_peft and (quantization := _base_quantization(Path(checkpoint))):  # merge and generate say it
+    if is_peft and (quantization := trained_base_quantization(checkpoint)):  # merge and generate say it
         about[BASE_QUANTIZATION] = quantization
     return write_export(Path(out), model, model_state_dict(model, options), tokenizer, is_peft,
                         about=about or None)
-
-
-def _base_quantization(checkpoint: Path) -> str | None:
-    """The 4-bit type of the base the checkpoint's run trained on (QLoRA), from its config.yaml; None for LoRA."""
-    from shardtune.config.loading import load_saved_config
-
-    lora = load_saved_config(checkpoint / "config.yaml").lora
-    return lora.bnb_4bit_quant_type if lora.use_4bit_quantization else None
 
 
 def load_checkpoint_model(checkpoint: str | Path, *, base: str | None = None,

@@ -59,9 +59,22 @@ def trained_prompt_style(model: str | Path) -> str | None:
 
 
 def trained_base_quantization(adapter: str | Path) -> str | None:
-    """The 4-bit type (nf4, fp4) of the base a QLoRA run trained the adapter folder ``adapter`` on
-    (``BASE_QUANTIZATION``), said as ``trained_prompt_style`` finds it; None for LoRA, or where nothing says."""
-    return _run_record(adapter, BASE_QUANTIZATION)
+    """The 4-bit type (nf4, fp4) of the base a QLoRA run trained ``adapter`` on (``BASE_QUANTIZATION``): a
+    checkpoint's config.yaml says it, else as ``trained_prompt_style`` finds it (a run's output_dir read as its
+    final/); None for LoRA, or where nothing says."""
+    folder = Path(adapter).expanduser()
+    if (folder / MANIFEST).is_file():  # a run still going, or stopped, has no summary.json yet
+        import yaml
+
+        try:
+            config = yaml.safe_load((folder / "config.yaml").read_text())
+        except (OSError, yaml.YAMLError):
+            return None
+        quantized = isinstance(config, dict) and config.get("use_4bit_quantization") is True
+        return str(config.get("bnb_4bit_quant_type")) if quantized else None
+    if (folder / "final").is_dir() and (folder / "summary.json").is_file():  # a run's output_dir
+        folder = folder / "final"
+    return _run_record(folder, BASE_QUANTIZATION)
 
 
 def _run_record(model: str | Path, field: str) -> str | None:
