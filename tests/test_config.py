@@ -929,7 +929,7 @@ def test_an_8bit_switch_left_off_loads_and_turned_on_is_refused_naming_4bit(tmp_
         assert main(["train", *BASE, "--use_peft", "true", f"--{key}", "true"]) == 2
         err = capsys.readouterr().err
         assert f"{key}='true' would change what runs (8-bit loading of the frozen base" in err
-        assert "use load_in_4bit true (QLoRA) for a quantised base, or leave it out" in err
+        assert "remove it: the quantised base here is 4-bit (load_in_4bit true, QLoRA)" in err
         assert "did you mean" not in err
 
 

@@ -198,7 +198,7 @@ def test_two_process_checkpoint_resumes_on_one_process(work: Path, lora_ref: Pat
                      "--resume_from_checkpoint", str(lora_ref / "checkpoints" / "step-4"), "--predict_memory", "True",
                      nproc=0)
     ok(proc)
-    assert "resuming a 2-process checkpoint on 1 processes" in proc.stderr
+    assert "resuming a 2-process checkpoint on 1 process:" in proc.stderr
     got, want = losses(work / "one_proc"), losses(lora_ref)
     assert sorted(got) == [5, 6]
     assert all(abs(got[s] - want[s]) < 5e-3 for s in got), (got, want)  # measured ~2e-4, 8e-4

@@ -202,7 +202,7 @@ NO_OPS: dict[str, NoOp] = {
     # default, is the unquantised base LoRA trains on here
     **dict.fromkeys(("load_in_8bit", "use_8bit_quantization"),
                     NoOp("8-bit loading of the frozen base (bitsandbytes' LLM.int8)", OFF,
-                         "use load_in_4bit true (QLoRA) for a quantised base, or leave it out")),
+                         "remove it: the quantised base here is 4-bit (load_in_4bit true, QLoRA)")),
     "peft_type": NoOp("PEFT's adapter type: shardtune trains LoRA (use_peft_lora)", _one_of("lora"),
                       "set it to LORA, or leave it out"),
     # TRL's SFTConfig: its defaults (and the values that mean them) are what runs here; another value is refused,

@@ -335,9 +335,9 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
     if rng_file.is_file():
         set_rng_state(load_pt(rng_file))
     if manifest["world_size"] != info.world_size and info.is_main:
-        log.warning("resuming a %d-process checkpoint on %d processes: weights and optimizer are resharded; "
+        log.warning("resuming a %d-process checkpoint on %d process%s: weights and optimizer are resharded; "
                     "the data order is kept (same global batch), random draws such as dropout masks differ",
-                    manifest["world_size"], info.world_size)
+                    manifest["world_size"], info.world_size, "" if info.world_size == 1 else "es")
     return read_json(path / "trainer_state.json")
 
 
