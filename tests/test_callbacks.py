@@ -473,9 +473,10 @@ def test_should_epoch_stop_goes_on_with_the_next_epoch_and_resumes_there(assets)
     assert losses(out)[2:] == pytest.approx([r["loss"] for r in records][2:], rel=1e-5)
 
 
-def test_an_evaluation_shows_a_bar_of_its_batches_on_rank_0_unless_disable_tqdm(assets, capsys):
+def test_an_evaluation_shows_a_bar_of_its_batches_unless_disable_tqdm(assets, capsys):
     """An evaluation showed nothing until its result: on a large eval split, minutes of a still training bar. It
-    now has a bar of its batches, as in Transformers, that goes when done; disable_tqdm hides it too."""
+    now has a bar of its batches, as in Transformers, that goes when done; disable_tqdm hides it too. (Rank 0's
+    alone on 2 processes: tests/test_eval_loss.py.)"""
     from shardtune.train.loop import train
 
     class Batches:

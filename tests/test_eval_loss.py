@@ -8,6 +8,7 @@ rows, a count that no batch size or world size here divides; fp32 throughout, so
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -155,6 +156,22 @@ def test_early_stopping_and_the_best_model_are_the_same_on_fsdp(runs):
     last = root / "stop_fsdp" / "checkpoints" / "step-6"
     export_checkpoint(last, root / "fsdp_step6")
     assert not all(torch.equal(sharded[k], v) for k, v in load_file(root / "fsdp_step6" / "model.safetensors").items())
+
+
+def test_only_rank_0_draws_the_eval_bar(runs):
+    """Each rank evaluates its own batches, and only rank 0 draws a bar of them: a bar from every rank was as many
+    interleaved bars in a launched job's log as processes. (tests/test_callbacks.py: the bar on one process.)"""
+    from tests.trainutil import JOB_MARK
+
+    root, errors = runs
+    assert not errors["ddp_unpacked_b3"], errors["ddp_unpacked_b3"]
+    bars = []
+    for rank in (0, 1):
+        sections = (root / f"jobs_2_rank{rank}.log").read_text().split(JOB_MARK)[1:]
+        log = next(text for name, _, text in (s.partition("\n") for s in sections) if name == "ddp_unpacked_b3")
+        bars.append(set(re.findall(r"(?:^|[\r\n])eval: +\d+%\|[^|]*\| \d+/(\d+) ", log)))
+    # rank 0's share of the 13 eval rows, in 3 batches of at most 3
+    assert bars == [{"3"}, set()]
 
 
 def close(a, b) -> bool:
