@@ -214,6 +214,21 @@ def test_tokens_per_s_leaves_out_evaluations_and_saves(root):
     assert step_3["tokens_per_s"] > step_3["tokens"] / 1.0, step_3
 
 
+def test_tokens_seen_counts_the_steps_between_records_and_goes_on_after_a_resume(root):
+    """At logging_steps 3 a record's tokens are its own step's, so the tokens of the two steps before it were in no
+    record (a plot over tokens, or a user adding them up, guessed them). Each record now carries tokens_seen, the
+    input tokens of every step so far (Transformers' num_input_tokens_seen), and a checkpoint carries it on."""
+    every_step = {r["step"]: r["tokens"] for r in run(root, "seen_each", "--max_steps", "7") if "loss" in r}
+    sums = {step: sum(every_step[s] for s in range(1, step + 1)) for step in every_step}
+    assert len(set(every_step.values())) > 1  # the steps differ in tokens: a count of one step times 3 is wrong
+    sparse = ["--max_steps", "7", "--logging_steps", "3", "--save_strategy", "steps", "--save_steps", "4"]
+    logged = {r["step"]: r["tokens_seen"] for r in run(root, "seen_sparse", *sparse) if "loss" in r}
+    assert logged == {step: sums[step] for step in (1, 3, 6, 7)}  # the first step too (logging_first_step)
+    resumed = run(root, "seen_resumed", *sparse, "--resume_from_checkpoint",
+                  str(root / "seen_sparse" / "checkpoints" / "step-4"))
+    assert {r["step"]: r["tokens_seen"] for r in resumed if "loss" in r} == {6: sums[6], 7: sums[7]}
+
+
 WSD = ["--lr_scheduler_type", "warmup_stable_decay", "--max_steps", "5"]
 
 

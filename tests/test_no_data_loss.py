@@ -575,6 +575,7 @@ def rewrite_state(checkpoint: Path, change) -> None:
     (lambda s: s.update(steps_cut=-1), "trainer_state.json: steps_cut -1 is not a whole number >= 0"),
     (lambda s: s.update(steps_cut=1), "trainer_state.json: the sampler's position (epoch 0, step 4 of 68, less "
                                       "steps_cut 1) is not step 4"),
+    (lambda s: s.update(tokens_seen=-5), "trainer_state.json: tokens_seen -5 is not a whole number >= 0"),
 ])
 def test_a_checkpoints_trainer_state_is_range_checked(made, run, change, problem, caplog):
     from shardtune.train.checkpoint import checkpoint_problem, resolve_resume

@@ -94,6 +94,10 @@ def test_sparse_logging_scales_tokens_by_the_steps_between_records(tmp_path):
     metrics = read_metrics(write_metrics(tmp_path / "run", records))
     assert line(loss_figure(metrics, "tokens"), "train loss")[0] == [5 * 105, 5 * 105 + 5 * 110,
                                                                      5 * 105 + 5 * 110 + 10 * 120]
+    # Records that carry tokens_seen (every step's tokens, logged or not) are plotted at it: no estimate.
+    counted = [{**r, "tokens_seen": seen} for r, seen in zip(records, (480, 1010, 2333))]
+    metrics = read_metrics(write_metrics(tmp_path / "counted", counted))
+    assert line(loss_figure(metrics, "tokens"), "train loss")[0] == [480, 1010, 2333]
 
 
 def test_write_plots_and_cli_print_non_empty_pngs(tmp_path, capsys):

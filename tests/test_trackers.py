@@ -84,11 +84,12 @@ def expected(out: Path) -> dict[tuple[str, int], float]:
 
 
 def trainer_name(key: str, *, prefixed: bool = True) -> str:
-    """metrics.jsonl's ``key`` as a Trainer run logs it in a tracker: Trainer's learning_rate for lr, and where
+    """metrics.jsonl's ``key`` as a Trainer run logs it in a tracker: Trainer's learning_rate for lr (and
+    num_input_tokens_seen for tokens_seen), and where
     ``prefixed`` (TensorBoard, W&B, Trackio) the name Transformers' own ``rewrite_logs`` gives it there."""
     from transformers.integrations.integration_utils import rewrite_logs
 
-    named = "learning_rate" if key == "lr" else key
+    named = {"lr": "learning_rate", "tokens_seen": "num_input_tokens_seen"}.get(key, key)
     return next(iter(rewrite_logs({named: 0}))) if prefixed else named
 
 

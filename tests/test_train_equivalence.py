@@ -197,6 +197,14 @@ def test_full_fine_tuning_learns(runs):
 def test_full_fine_tuning_same_losses(runs, name):
     assert_same(losses_of(runs, "single"), losses_of(runs, name))
     assert_set_up(runs, name)
+    # the same rows per step: the same tokens, counted over every rank and micro-batch
+    assert tokens_seen(runs, name) == tokens_seen(runs, "single")
+
+
+def tokens_seen(runs, name: str) -> list[int]:
+    root, _ = runs
+    records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["tokens_seen"] for r in records if "loss" in r]
 
 
 @pytest.mark.parametrize("name", [r[0] for r in LORA_RUNS])

@@ -243,7 +243,8 @@ NO_OPS: dict[str, NoOp] = {
     **dict.fromkeys(("dataloader_pin_memory", "dataloader_persistent_workers", "dataloader_prefetch_factor"),
                     NoOp("speed only: batches are collated in-process, with no loader workers, and copied to the "
                          "device as they are")),
-    "include_num_input_tokens_seen": NoOp("metrics.jsonl always records tokens per step"),
+    "include_num_input_tokens_seen": NoOp("metrics.jsonl's train records always carry tokens_seen, the input "
+                                           "tokens of every step so far (padding excluded), and tokens per step"),
     "logging_nan_inf_filter": NoOp("a non-finite loss stops the run with its step, so none is ever averaged in"),
     "average_tokens_across_devices": NoOp(
         "Transformers' loss over the target tokens of every process's batch, what shardtune always computes (over "

@@ -455,8 +455,8 @@ class RunConfig:
     fp16: bool = key(False, "fp16 mixed precision with a gradient scaler.")
     logging_steps: int = key(10, "Write a metrics.jsonl record every this many steps. Its loss, lr (the rate its "
                                  "update used), grad_norm and tokens are that step's, its tokens_per_s the steps' "
-                                 "since the last record (Transformers' Trainer logs the mean loss since its last "
-                                 "record).", ge=1,
+                                 "since the last record, its tokens_seen every step's so far (Transformers' Trainer "
+                                 "logs the mean loss since its last record).", ge=1,
                              needs=LOGS_STEPS)
     logging_strategy: Every = key("steps", "When to write metrics.jsonl records.", spellings=NO)
     log_level: LogLevel = key("passive", "Log level of rank 0 (passive: info). The other ranks print errors, and "

@@ -376,6 +376,8 @@ class Loop:
         if every and state.step % every == 0:
             empty_device_cache(job.info.device)
         state.last_stats = stats
+        if state.tokens_seen is not None:
+            state.tokens_seen += stats.tokens
         self.tokens += stats.tokens
         self.loss_sum += stats.loss
         self.metrics.count(stats.tokens)

@@ -101,6 +101,8 @@ class MetricsLog:
                   "lr": stats.lr, "grad_norm": stats.grad_norm, "tokens": stats.tokens,
                   "target_tokens": stats.target_tokens, "tokens_per_s": self._window_tokens / max(elapsed, 1e-9),
                   "peak_memory_bytes": max_over_ranks(peak_memory_bytes(self.info.device), self.info.device)}
+        if state.tokens_seen is not None:  # every step's, logged or not (Transformers' num_input_tokens_seen)
+            record["tokens_seen"] = state.tokens_seen
         if stats.loss_scale is not None:  # fp16: its fall shows the steps skipped for overflowing gradients
             record["loss_scale"] = stats.loss_scale
         self.write(record)

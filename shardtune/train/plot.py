@@ -35,14 +35,17 @@ class Metrics:
         return [r["step"] for r in rows], [float(r[key]) for r in rows]
 
     def cumulative_tokens(self) -> dict[int, float]:
-        """Tokens seen by the end of each logged train step.
+        """Tokens seen by the end of each logged train step: the record's ``tokens_seen``, every step's count.
 
-        ``tokens`` counts one optimizer step; when only every k-th step is logged, the k-1 steps in between are
-        taken to have the same count as the logged one, so the axis stays in tokens rather than logged records.
+        Records without it (files written before it was counted) estimate: ``tokens`` counts one optimizer step, and
+        when only every k-th step is logged the k-1 steps in between are taken to have the same count as the logged
+        one, so the axis stays in tokens rather than logged records.
         """
         total, previous_step, seen = 0.0, 0, {}
         for record in self.train:
-            if record.get("tokens") is not None:
+            if record.get("tokens_seen") is not None:
+                total = float(record["tokens_seen"])
+            elif record.get("tokens") is not None:
                 total += float(record["tokens"]) * (record["step"] - previous_step)
             previous_step = record["step"]
             seen[record["step"]] = total

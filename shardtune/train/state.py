@@ -61,6 +61,9 @@ class TrainState:
         self.step = 0
         self.epoch = 0
         self.steps_cut = 0  # the steps of epochs that should_epoch_stop cut short: never trained
+        # input tokens of every step trained (all ranks, padding excluded), carried through resumes; None after a
+        # resume from a checkpoint that did not count them
+        self.tokens_seen: int | None = 0
         self.last_stats = None
         self.log_history: list[dict[str, Any]] = []
         self.output_dir = output_dir  # where best_model_checkpoint lies
@@ -71,6 +74,11 @@ class TrainState:
     def global_step(self) -> int:
         """Transformers' name for ``step``, for callbacks written against ``TrainerState``."""
         return self.step
+
+    @property
+    def num_input_tokens_seen(self) -> int | None:
+        """``TrainerState``'s name for ``tokens_seen``."""
+        return self.tokens_seen
 
     @property
     def is_world_process_zero(self) -> bool:
@@ -138,6 +146,7 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epochs_done, "steps_cut": self.steps_cut,
+                **({} if self.tokens_seen is None else {"tokens_seen": self.tokens_seen}),
                 "sampler": self.sampler.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None,
                 "best": self.best.state_dict(), "log_history": strict_json(self.log_history),
@@ -147,6 +156,7 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
         self.steps_cut = state.get("steps_cut", 0)  # none in checkpoints from before should_epoch_stop acted
+        self.tokens_seen = state.get("tokens_seen")  # none in checkpoints from before it was counted: unknown
         best = state.get("best") or {}
         same_metric = (best.get("metric"), best.get("greater_is_better")) == (self.best.metric,
                                                                                self.best.greater_is_better)
@@ -193,6 +203,8 @@ def trainer_state_problem(state: Any, *, folder_step: int | None, manifest_step:
     steps_cut = state.get("steps_cut", 0)
     if not _whole(steps_cut):
         return f"trainer_state.json: steps_cut {steps_cut!r} is not a whole number >= 0"
+    if "tokens_seen" in state and not _whole(state["tokens_seen"]):
+        return f"trainer_state.json: tokens_seen {state['tokens_seen']!r} is not a whole number >= 0"
     if sampler["global_batch_size"] == 0:
         return "trainer_state.json: the sampler's global_batch_size is 0"
     per_epoch = sampler["num_rows"] // sampler["global_batch_size"]

@@ -242,7 +242,7 @@ TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTr
 
 
 # metrics.jsonl's names that Transformers' Trainer logs under another name.
-TRAINER_KEYS = {"lr": "learning_rate"}
+TRAINER_KEYS = {"lr": "learning_rate", "tokens_seen": "num_input_tokens_seen"}
 
 
 def trainer_names(scalars: dict[str, float], *, prefixed: bool) -> dict[str, float]:
