@@ -482,9 +482,9 @@ def test_rows_left_out_of_each_epoch_are_said(work, tmp_path, capsys):
     with logging_restored():
         assert main([*train_argv(work, tmp_path / "out"), "--per_device_train_batch_size", "3", "--splits",
                      "train"]) == 0
-    said = re.findall(r"data: (\d+) of the (\d+) training rows are left out of each epoch: the last global batch of "
-                      r"(\d+) would be incomplete", capsys.readouterr().err)
-    (left, rows, batch), = [tuple(map(int, found)) for found in said]
+    said = re.findall(r"batch: global batch of (\d+) rows per optimizer step .*; (\d+) of the (\d+) training rows "
+                      r"are left out of each epoch: the last global batch would be incomplete", capsys.readouterr().err)
+    (batch, left, rows), = [tuple(map(int, found)) for found in said]
     assert (batch, rows) == (3, 16) and left == rows % batch == 1
 
 

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from tests.trainutil import flags, train_jobs, write_chat_data
+from tests.trainutil import flags, job_log, train_jobs, write_chat_data
 
 REL_TOL = 1e-6
 EVAL_ROWS = 13
@@ -106,6 +106,27 @@ def test_eval_loss_is_the_mean_over_every_eval_token(runs, reference, name):
     loss, count = reference
     assert first["step"] == 0 and first["eval_tokens"] == count
     assert first["eval_loss"] == pytest.approx(loss, rel=REL_TOL)
+
+
+def test_the_global_batch_and_the_steps_it_makes_are_said_at_start(runs):
+    """The same per-device batch on 2 processes is twice the global batch: other steps, other losses, half the
+    steps per epoch. Nothing said so (only rows left out of an epoch were told); now every run states its global
+    batch, its factors and its steps, as Transformers' Trainer states its total train batch size."""
+    root, errors = runs
+    said = {}
+    for name, nproc in (("unpacked_b3", 1), ("ddp_unpacked_b3", 2)):
+        assert not errors[name], errors[name]
+        (line,) = [line for line in job_log(root, name, nproc).splitlines() if "batch: global batch" in line]
+        said[name] = line.split("] ", 1)[1]
+    # 60 unpacked rows, per_device_train_batch_size 8 (the default), no accumulation
+    assert said["unpacked_b3"] == (
+        "batch: global batch of 8 rows per optimizer step (per_device_train_batch_size 8 x "
+        "gradient_accumulation_steps 1 x 1 process), 7 steps per epoch, 1 in all (max_steps 1)"
+        "; 4 of the 60 training rows are left out of each epoch: the last global batch would be incomplete (which "
+        "rows, the epoch's order decides)")
+    assert said["ddp_unpacked_b3"].startswith(
+        "batch: global batch of 16 rows per optimizer step (per_device_train_batch_size 8 x "
+        "gradient_accumulation_steps 1 x 2 processes), 3 steps per epoch, 1 in all")
 
 
 @pytest.mark.parametrize("packing, eval_packing, packed", [("true", None, True), ("true", "false", False),

@@ -168,6 +168,12 @@ def train_jobs(work: Path, jobs: dict[str, tuple[int, list[str]]], timeout: int 
     return out
 
 
+def job_log(work: Path, name: str, nproc: int, rank: int = 0) -> str:
+    """What job ``name`` of a ``train_jobs`` call in ``work`` printed on ``rank`` (its ``processes``: ``nproc``)."""
+    sections = (work / f"jobs_{nproc}_rank{rank}.log").read_text().split(JOB_MARK)[1:]
+    return next(text for job, _, text in (s.partition("\n") for s in sections) if job == name)
+
+
 def losses(output_dir: Path) -> list[float]:
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if "loss" in r]

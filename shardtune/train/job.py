@@ -64,6 +64,26 @@ def run_length(cfg: TrainConfig, steps_per_epoch: int) -> str:
     return f"num_train_epochs {cfg.run.num_train_epochs:g} of {steps_per_epoch} steps each"
 
 
+def batch_note(cfg: TrainConfig, sampler, steps: int, processes: int) -> str:
+    """The global batch and the steps it makes, as Transformers' Trainer states its total train batch size: the
+    losses, the steps per epoch and the schedule follow from it, so a run on more processes with the same
+    per-device batch and accumulation trains other steps, and a user comparing the two needs to see why.
+    ``processes``: the job's; pipeline stages read the same rows, so they count as one."""
+    world = sampler.world_size
+    ranks = f"{world} process{'' if world == 1 else 'es'}" if world == processes else \
+        f"{world} (the {processes} processes are pipeline stages of the same rows)"
+    note = (f"batch: global batch of {sampler.global_batch_size} rows per optimizer step (per_device_train_batch_size "
+            f"{sampler.micro_batch_size} x gradient_accumulation_steps {sampler.gradient_accumulation_steps} x "
+            f"{ranks}), {sampler.steps_per_epoch} steps "
+            f"per epoch, {steps} in all ({run_length(cfg, sampler.steps_per_epoch)})")
+    if left := sampler.num_rows % sampler.global_batch_size:
+        # Every step is one whole global batch (the loss is normalised over it); Transformers' Trainer instead
+        # trains a smaller last batch.
+        note += (f"; {left} of the {sampler.num_rows} training rows are left out of each epoch: the last global "
+                 f"batch would be incomplete (which rows, the epoch's order decides)")
+    return note
+
+
 def no_eval_split(cfg: TrainConfig, left_out: list[str] | None = None, dropped: int = 0) -> str:
     """eval_strategy or eval_on_start asks for evaluations and the data has no eval rows: refused (as Transformers'
     Trainer refuses an eval_strategy without an eval_dataset) rather than a run that never evaluates what the user
@@ -120,12 +140,8 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     model, runner, trainable, total = build_model(cfg, plan, precision, info, len(tokenizer),
                                                   added_token_ids=added_token_ids(tokenizer),
                                                   data_specials=special_tokens_written(data.train, tokenizer))
-    if (left := len(data.train) % sampler.global_batch_size) and info.is_main:
-        # Every step is one whole global batch (the loss is normalised over it); Transformers' Trainer instead
-        # trains a smaller last batch.
-        log.info("data: %d of the %d training rows are left out of each epoch: the last global batch of %d would "
-                 "be incomplete (which rows, the epoch's order decides)", left, len(data.train),
-                 sampler.global_batch_size)
+    if info.is_main:
+        log.info(batch_note(cfg, sampler, steps, info.world_size))
     optimizer = build_optimizer(model, cfg.optim, info.device, sharded_scaler=plan.sharded_grad_scaler,
                                 pure_bf16=precision.pure_bf16)
     best = best_for(cfg)
