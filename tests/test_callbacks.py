@@ -494,3 +494,55 @@ def test_an_evaluation_shows_a_bar_of_its_batches_unless_disable_tqdm(assets, ca
     assert totals and set(totals) == {str(Batches.seen[0])}  # this rank's eval batches
     train(config(assets, "eval-no-bar", *evaluated, "--disable_tqdm", "true"))
     assert not re.search(r"(?:^|[\r\n])eval: +\d+%\|", capsys.readouterr().err)
+
+
+class FailsAtStep2:
+    """A callback with a bug: raises in on_step_end at step 2."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            raise ValueError("my bug")
+
+
+class ReadsTokensSeen:
+    """Reads a TrainerState attribute shardtune's state lacks (Transformers' num_input_tokens_seen)."""
+
+    def on_log(self, args, state, control, **kwargs):
+        print(state.num_input_tokens_seen)
+
+
+class ReadsArgsToDict:
+    """Calls TrainingArguments.to_dict, as W&B-style callbacks do; shardtune's args has to_flat."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        print(args.to_dict())
+
+
+@pytest.mark.parametrize("callback, error, message", [
+    (FailsAtStep2, "TrainingStopped", "callback tests.test_callbacks:FailsAtStep2.on_step_end raised ValueError: my "
+                                      "bug at step 2 (its traceback is above); fix it, or leave it out of callbacks"),
+    (ReadsTokensSeen, "UsageError", "callbacks: tests.test_callbacks:ReadsTokensSeen.on_log reads "
+                                    "state.num_input_tokens_seen, which shardtune's state does not have (Transformers' "
+                                    "TrainerState does); use on_step_end's stats.tokens (the step's tokens, every "
+                                    "rank's) (docs/callbacks.md)"),
+    (ReadsArgsToDict, "UsageError", "callbacks: tests.test_callbacks:ReadsArgsToDict.on_train_begin reads "
+                                    "args.to_dict, which shardtune's args does not have (Transformers' "
+                                    "TrainingArguments does); use args.to_flat() (every key by its flat name) "
+                                    "(docs/callbacks.md)")])
+def test_an_error_inside_a_callback_names_the_callback_and_its_event(assets, callback, error, message, capsys):
+    """A callback that raised mid-run gave a traceback from inside the loop and exit 1, naming neither the callback
+    nor the event; one reading a Transformers attribute shardtune lacks, an AttributeError traceback. Now: the
+    callback (module:Class), its event and the step, with its own frames logged; a missing attribute is bad input
+    (exit 2) with what to read instead."""
+    from shardtune.train.loop import train
+
+    with pytest.raises(Exception) as exc:
+        train(config(assets, f"fails-{callback.__name__}", "--max_steps", "3"), callbacks=[callback()])
+    assert type(exc.value).__name__ == error and str(exc.value) == message
+    if error == "UsageError":
+        assert exc.value.exit_code == 2
+    else:  # its traceback, from the callback's own frame on
+        logged = capsys.readouterr().err
+        assert f'Traceback (most recent call last):\n  File "{__file__}"' in logged
+        assert "loop.py" not in logged and 'raise ValueError("my bug")\nValueError: my bug' in logged
+

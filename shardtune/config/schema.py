@@ -706,7 +706,8 @@ class TrainConfig:
             for section in vars(self).values():
                 if dataclasses.is_dataclass(section) and key in section.__dataclass_fields__:
                     return getattr(section, key)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        # name and obj as Python's own lookup sets them: a callback's error says which of its reads failed
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     def to_flat(self) -> dict[str, Any]:
         """Every key at the top level, as ``shardtune train`` reads it back (secrets left out)."""

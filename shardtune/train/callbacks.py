@@ -39,12 +39,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from shardtune.dist import all_reduce_sum
-from shardtune.errors import UsageError, first_line
+from shardtune.dist import all_reduce_sum, lost_peer
+from shardtune.errors import TrainingStopped, UsageError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -163,10 +164,53 @@ class CallbackList:
                 if method is not None:
                     extra = {key: value for key, value in self.common.items()
                              if key not in kwargs and takes(method, key)}
-                    method(self.args, self.state, self.control, **kwargs, **extra)
+                    self.run(f"{type(callback).__module__}:{type(callback).__qualname__}.{event}", method,
+                             {**kwargs, **extra})
             return self.control
 
         return call
+
+    def run(self, where: str, method: Any, kwargs: dict[str, Any]) -> None:
+        """One callback's event; what it raises is reported naming it (``where``: module:Class.event), not as a
+        traceback from inside the loop. A Transformers attribute ``args`` or ``state`` lacks is bad input (exit 2)."""
+        try:
+            method(self.args, self.state, self.control, **kwargs)
+        except (UsageError, TrainingStopped):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's code: whatever it raised, say whose it was
+            if lost_peer(exc):  # a collective of the callback's found another rank gone: the loop says which
+                raise
+            owner = getattr(exc, "obj", None) if isinstance(exc, AttributeError) else None
+            if owner is not None and (owner is self.args or owner is self.state):
+                raise UsageError(missing_attribute(where, "args" if owner is self.args else "state",
+                                                   exc.name)) from None
+            # its own frames, below this call: where in the callback it failed
+            log.error("%s", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)).rstrip())
+            why = f"{type(exc).__name__}: {first_line(str(exc))}" if str(exc).strip() else type(exc).__name__
+            raise TrainingStopped(f"callback {where} raised {why} at step {self.state.step} (its traceback is "
+                                  f"above); fix it, or leave it out of callbacks") from exc
+
+
+# Where a Transformers callback finds here what ``TrainingArguments`` or ``TrainerState`` had under a name shardtune's
+# args and state do not have.
+INSTEAD = {"num_input_tokens_seen": "on_step_end's stats.tokens (the step's tokens, every rank's)",
+           "to_dict": "args.to_flat() (every key by its flat name)",
+           "to_sanitized_dict": "args.to_flat() (every key by its flat name)",
+           "world_size": "on_train_begin's info.world_size", "process_index": "on_train_begin's info.rank",
+           "local_process_index": "on_train_begin's info.local_rank", "local_rank": "on_train_begin's info.local_rank",
+           "device": "on_train_begin's info.device"}
+
+
+def missing_attribute(where: str, holder: str, name: str | None) -> str:
+    """One line for a callback that read ``args.<name>`` or ``state.<name>`` (as Transformers' have it) where
+    shardtune's have no such thing: what to read instead."""
+    origin = "TrainingArguments" if holder == "args" else "TrainerState"
+    offered = INSTEAD.get(name or "") or (
+        "args reads the run's config by its keys' names (shardtune train --help-keys lists them)" if holder == "args"
+        else "state has global_step, epoch, max_steps, num_train_epochs, log_history, best_metric, "
+             "best_model_checkpoint, is_world_process_zero, is_local_process_zero")
+    return (f"callbacks: {where} reads {holder}.{name}, which shardtune's {holder} does not have (Transformers' "
+            f"{origin} does); use {offered} (docs/callbacks.md)")
 
 
 def own_method(callback: Any, event: str) -> bool:
