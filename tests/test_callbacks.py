@@ -546,3 +546,21 @@ def test_an_error_inside_a_callback_names_the_callback_and_its_event(assets, cal
         assert f'Traceback (most recent call last):\n  File "{__file__}"' in logged
         assert "loop.py" not in logged and 'raise ValueError("my bug")\nValueError: my bug' in logged
 
+
+def test_a_callback_is_named_by_its_files_path(assets, tmp_path, monkeypatch):
+    """``callbacks: [hooks.py:StopAt2]``, a file beside the recipe, failed with a TypeError traceback from importlib
+    (a relative import without a package); the class is now made from that file, and a missing file is named."""
+    from shardtune.train.loop import train
+
+    (tmp_path / "my hooks").mkdir()
+    (tmp_path / "my hooks" / "stop_hooks.py").write_text(
+        "class StopAt2:\n    def on_step_end(self, args, state, control, **kwargs):\n"
+        "        control.should_training_stop = state.global_step == 2\n")
+    monkeypatch.chdir(tmp_path)  # a relative path reads from the folder the command runs in
+    summary = train(config(assets, "by-path", "--callbacks", "my hooks/stop_hooks.py:StopAt2"))
+    assert summary["steps"] == 2 and summary["stopped_by"] == "callback stop"
+    with pytest.raises(UsageError) as exc:
+        load_callback("hooks/missing.py:StopAt2")
+    assert str(exc.value) == (f"callbacks: 'hooks/missing.py:StopAt2' names the file hooks/missing.py, which does not "
+                              f"exist (from {tmp_path}); give the path of your .py file, or an importable module, "
+                              f"mypkg.hooks:StopOnPlateau")

@@ -525,9 +525,9 @@ class RunConfig:
                                            "there; every_save, Transformers' default, is accepted without it).",
                                     refusal="push_to_hub uploads the final model once, at the end of training; use "
                                             "hub_strategy end or leave it out", needs=PUSH, idle=("every_save",))
-    callbacks: list[str] = key(help="Your callback classes, package.module:Class (a YAML list, or comma-separated on "
-                                    "the command line); every process makes its own, with no arguments. See "
-                                    "docs/callbacks.md.", factory=list)
+    callbacks: list[str] = key(help="Your callback classes, package.module:Class or path/to/file.py:Class (a YAML "
+                                    "list, or comma-separated on the command line); every process makes its own, "
+                                    "with no arguments. See docs/callbacks.md.", factory=list)
 
 
 @dataclass

@@ -29,19 +29,23 @@ model stays one; the loaders are ``data.loaders``'s):
 - ``on_train_end``: ``model``, ``summary`` (the dict written to summary.json; a callback may add keys), ``log`` (a
   function that appends one record to metrics.jsonl and hands it to ``on_log``)
 
-Give them to ``train(cfg, callbacks=[...])``, or name them in the config (``callbacks: [pkg.module:Class]``, or
-``--callbacks pkg.module:Class,other.module:Other``) so that every process torchrun starts makes its own: the class
-is imported and called with no arguments.
+Give them to ``train(cfg, callbacks=[...])``, or name them in the config (``callbacks: [pkg.module:Class]``, a
+file's as ``[path/to/hooks.py:Class]``, or ``--callbacks pkg.module:Class,other.module:Other``) so that every
+process torchrun starts makes its own: the class is imported and called with no arguments.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import logging
+import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from shardtune.dist import all_reduce_sum, lost_peer
@@ -94,15 +98,18 @@ def load_callbacks(specs: Sequence[str]) -> list[Any]:
 
 def load_callback(spec: str) -> Any:
     """An instance of the class ``spec`` names (``package.module:Class``), made with no arguments."""
-    module_name, sep, class_name = spec.partition(":")
+    module_name, sep, class_name = spec.rpartition(":")  # the last colon: a file's path may hold one
     if not sep or not module_name or not class_name:
         raise UsageError(f"callbacks: {spec!r} is not 'package.module:Class'; name an importable class, e.g. "
                          f"mypkg.hooks:StopOnPlateau")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"callbacks: cannot import {module_name!r} for {spec!r} ({exc}); install it or put its "
-                         f"folder on PYTHONPATH (every process torchrun starts imports it)") from None
+    if module_name.endswith(".py"):
+        module = import_file(Path(module_name).expanduser(), spec)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise UsageError(f"callbacks: cannot import {module_name!r} for {spec!r} ({exc}); install it or put its "
+                             f"folder on PYTHONPATH (every process torchrun starts imports it)") from None
     cls = getattr(module, class_name, None)
     if cls is None or not callable(cls):
         raise UsageError(f"callbacks: {module_name} has no class {class_name!r} (for {spec!r})")
@@ -114,6 +121,26 @@ def load_callback(spec: str) -> Any:
                f"them from the environment), or pass an instance in code (train(cfg, [{class_name}(...)]))"
                if isinstance(exc, TypeError) else f"fix {class_name}.__init__, or leave it out of callbacks")
         raise UsageError(f"callbacks: {spec} failed as it was made, {class_name}() ({why}); {fix}") from None
+
+
+def import_file(path: Path, spec: str) -> ModuleType:
+    """The module a callback's ``path/to/hooks.py:Class`` names, run from its file (relative to the folder the
+    command runs in, as every process torchrun starts runs there)."""
+    if not path.is_file():
+        what = "is not a file" if path.exists() else "does not exist"
+        raise UsageError(f"callbacks: {spec!r} names the file {path}, which {what} (from {Path.cwd()}); give the "
+                         f"path of your .py file, or an importable module, mypkg.hooks:StopOnPlateau")
+    found = importlib.util.spec_from_file_location(path.stem, path)
+    assert found is not None and found.loader is not None  # a .py file always has a source loader
+    module = importlib.util.module_from_spec(found)
+    try:
+        found.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's file: whatever it raised, the run has not started
+        raise UsageError(f"callbacks: cannot import {path} for {spec!r} ({type(exc).__name__}: "
+                         f"{first_line(str(exc))}); fix the file, or leave it out of callbacks") from None
+    # under its file's name, where that names no other module (a class pickled or a dataclass in it finds it there)
+    sys.modules.setdefault(path.stem, module)
+    return module
 
 
 class CallbackList:
