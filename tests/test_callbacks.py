@@ -239,6 +239,9 @@ def test_a_transformers_callbacks_epoch_events_are_called_and_one_never_called_i
         def on_epoch_begin(self, args, state, control, **kwargs):
             self.events.append(("begin", state.epoch, state.step))
 
+        def on_step_end(self, args, state, control, **kwargs):
+            self.events.append(("step", state.epoch, state.step))
+
         def on_epoch_end(self, args, state, control, **kwargs):
             self.events.append(("end", state.epoch, state.step))
             control.should_save = True  # acted on at once, as in Transformers
@@ -253,8 +256,11 @@ def test_a_transformers_callbacks_epoch_events_are_called_and_one_never_called_i
 
     each = EachEpoch()
     train(cfg("epochs"), callbacks=[each])
-    # max_steps ends the run inside epoch 2: its on_epoch_end still comes, as in Transformers
-    assert each.events == [("begin", 0, 0), ("end", 1, 6), ("begin", 1, 6), ("end", 1, 8)]
+    # max_steps ends the run inside epoch 2: its on_epoch_end still comes, as in Transformers. state.epoch is
+    # Transformers' float epoch (it was the whole epochs completed: 0 all through the first epoch)
+    steps = [("step", round(step / 6, 4), step) for step in range(1, 9)]
+    assert each.events == [("begin", 0.0, 0), *steps[:6], ("end", 1.0, 6), ("begin", 1.0, 6), *steps[6:],
+                           ("end", 1.3333, 8)]
     assert sorted(p.name for p in (root / "epochs" / "checkpoints").iterdir()) == ["step-6", "step-8"]
 
     class Substep(TrainerCallback):
@@ -454,13 +460,14 @@ def test_should_epoch_stop_goes_on_with_the_next_epoch_and_resumes_there(assets)
     cuts = CutsEpochs()
     summary = train(config(assets, "epoch-stop", *epochs), callbacks=[cuts])
     out = assets[0] / "epoch-stop"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+    at = {r["step"]: r["epoch"] for r in records}  # state.epoch: Transformers' float, as metrics.jsonl has it
     assert cuts.events == [(event, step, epoch) for e in range(3) for event, step, epoch in (
-        ("epoch_begin", 2 * e, e), ("step_end", 2 * e + 1, e), ("step_end", 2 * e + 2, e),
+        ("epoch_begin", 2 * e, e), ("step_end", 2 * e + 1, at[2 * e + 1]), ("step_end", 2 * e + 2, at[2 * e + 2]),
         ("epoch_end", 2 * e + 2, e + 1))]
     assert cuts.began_at_the_start == [True, True, True]  # not the epoch's third step
     assert summary["steps"] == 6 and summary["epochs"] == 3 and summary["stopped_by"] == "callback stop"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4", "step-6"]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "loss" in line]
     # Transformers' float epoch: each epoch's first step counts from its start
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [int(r["epoch"]) for r in records] == [0, 0, 1, 1, 2, 2]

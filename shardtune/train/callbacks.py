@@ -3,9 +3,10 @@
 The shape is Transformers' ``TrainerCallback``: each event is a method ``on_<event>(self, args, state, control,
 **kwargs)``, where ``args`` is the run's ``TrainConfig`` (its keys read by their flat names too, as
 ``args.output_dir``), ``state`` the ``TrainState`` (``state.step`` optimizer steps done, also readable as
-``state.global_step``; ``state.epoch`` the epochs completed, ``state.epochs_done`` Transformers' float epoch;
-``state.max_steps``; ``state.log_history``, ``state.best_metric``, ``state.best_model_checkpoint`` as
-Transformers' ``TrainerState`` has them) and ``control`` a ``TrainerControl`` whose flags a callback may set:
+``state.global_step``; ``state.epoch`` Transformers' float epoch, 1.5 halfway through the second, also
+``state.epochs_done``; ``state.epochs_completed`` the whole epochs done; ``state.max_steps``;
+``state.log_history``, ``state.best_metric``, ``state.best_model_checkpoint`` as Transformers' ``TrainerState``
+has them) and ``control`` a ``TrainerControl`` whose flags a callback may set:
 ``should_training_stop`` ends the run after this step (with a checkpoint and ``final/``, as reaching ``max_steps``
 does), ``should_epoch_stop`` ends this epoch after it (training goes on at the next epoch's first step, as in
 Transformers, for ``state.num_train_epochs`` epochs in all), ``should_save``, ``should_evaluate`` and
@@ -18,7 +19,7 @@ Events and their keyword arguments (each also gets ``model``, ``processing_class
 its method takes them; ``model`` is not DDP's wrapper but the module in it, as Transformers' ``self.model``; a PEFT
 model stays one; the loaders are ``data.loaders``'s):
 - ``on_train_begin``: ``model``, ``optimizer``, ``plan`` (the strategy), ``info`` (rank, world size, device)
-- ``on_epoch_begin``: no arguments (``state.epoch``: the epochs completed before this one)
+- ``on_epoch_begin``: no arguments (``state.epochs_completed``: the epochs completed before this one)
 - ``on_step_begin``: ``micro_batches`` (this rank's collated micro-batches of the step), ``model``, ``optimizer``
 - ``on_step_end``: ``stats`` (loss, grad_norm, tokens, target_tokens of the global batch)
 - ``on_epoch_end``: no arguments, before the epoch's log, evaluation and checkpoint (also when ``max_steps``

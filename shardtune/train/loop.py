@@ -356,7 +356,7 @@ class Loop:
         than max_steps when should_epoch_stop cut some short, as Transformers' Trainer runs its epochs)."""
         state = self.job.state
         return state.step >= state.max_steps or self.hooks.agreed().should_training_stop or \
-            state.epoch >= state.num_train_epochs
+            state.epochs_completed >= state.num_train_epochs
 
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> bool:
         """One optimizer step; returns whether it was the run's last."""

@@ -78,7 +78,7 @@ def run_summary(job: Job, checkpointer: Checkpointer, *, stopped_by: str, start_
     resumed = checkpointer.resumed_from is not None
     steps = state.step - start_step
     return {"steps": state.step, "max_steps": state.max_steps, "steps_this_run": steps,
-            "resumed_from_step": start_step if resumed else None, "epochs": state.epoch, "wall_s": wall,
+            "resumed_from_step": start_step if resumed else None, "epochs": state.epochs_completed, "wall_s": wall,
             "tokens": tokens, "tokens_per_s": tokens / max(wall, 1e-9),
             "trainable_parameters": job.trainable_parameters, "parameters": job.parameters,
             "world_size": info.world_size, **job.plan.summary(), "device_type": info.device.type,

@@ -48,8 +48,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class TrainState:
-    """The run's position: ``step`` (optimizer steps done), ``epoch`` (epochs completed, the sampler's next one),
-    the sampler, scheduler and loss scaler, the best checkpoint and early-stopping count (``best``), and
+    """The run's position: ``step`` (optimizer steps done), ``epochs_completed`` (the sampler's next epoch; ``epoch``
+    is Transformers' float), the sampler, scheduler and loss scaler, the best checkpoint and early-stopping count
+    (``best``), and
     ``log_history`` (every record metrics.jsonl got, as Transformers' ``TrainerState`` keeps them; a checkpoint
     carries it, so a resumed run's holds the earlier run's records). ``last_stats`` (the last step's) is not saved."""
 
@@ -59,7 +60,7 @@ class TrainState:
         self.max_steps = max_steps
         self.best = best or Best()
         self.step = 0
-        self.epoch = 0
+        self.epochs_completed = 0  # the sampler's next epoch; ``epoch`` is Transformers' float
         self.steps_cut = 0  # the steps of epochs that should_epoch_stop cut short: never trained
         # input tokens of every step trained (all ranks, padding excluded), carried through resumes; None after a
         # resume from a checkpoint that did not count them
@@ -112,6 +113,12 @@ class TrainState:
         return str(here if here.is_dir() or not saved.is_dir() else saved)
 
     @property
+    def epoch(self) -> float:
+        """``TrainerState``'s ``epoch``: the float ``epochs_done`` (a callback ported from Transformers reads it so;
+        1.5 halfway through the second epoch), not the whole epochs completed (``epochs_completed``)."""
+        return self.epochs_done
+
+    @property
     def epochs_done(self) -> float:
         """Epochs trained so far, as Transformers counts them: 2.5 halfway through the third; 5.0 at the end of the
         fifth. The sampler's epoch is the one the last step belongs to, also after the loop counted it done."""
@@ -120,7 +127,7 @@ class TrainState:
 
     def epoch_batches(self) -> Iterator[list[list[int]]]:
         """The rows of each remaining step of the current epoch (a resumed run starts where it stopped)."""
-        self.sampler.set_epoch(self.epoch)
+        self.sampler.set_epoch(self.epochs_completed)
         return iter(self.sampler)
 
     @property
@@ -134,15 +141,15 @@ class TrainState:
         first step, where a checkpoint saved now resumes; the skipped steps are counted (``steps_cut``). Once an
         epoch (a second call does nothing)."""
         sampler = self.sampler
-        if sampler.epoch == self.epoch and sampler.step_in_epoch < sampler.steps_per_epoch:
+        if sampler.epoch == self.epochs_completed and sampler.step_in_epoch < sampler.steps_per_epoch:
             self.steps_cut += sampler.steps_per_epoch - sampler.step_in_epoch
-            sampler.set_epoch(self.epoch + 1)
+            sampler.set_epoch(self.epochs_completed + 1)
 
     def end_epoch(self) -> None:
         """After an epoch's last step: count it done when it ran to its end or was cut short; a run that stopped
         inside an epoch (max_steps, a stop) leaves it unfinished."""
-        if self.sampler.epoch > self.epoch or self.sampler.step_in_epoch == self.sampler.steps_per_epoch:
-            self.epoch += 1
+        if self.sampler.epoch > self.epochs_completed or self.sampler.step_in_epoch == self.sampler.steps_per_epoch:
+            self.epochs_completed += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epochs_done, "steps_cut": self.steps_cut,
@@ -164,7 +171,7 @@ class TrainState:
         self.sampler.load_state_dict(state["sampler"])
         # Epochs completed, from where the sampler stopped: a checkpoint taken at an epoch's last step (save_steps
         # or the run's last step) resumes with the next epoch, whichever strategy wrote it.
-        self.epoch = self.sampler.epoch + int(self.sampler.step_in_epoch == self.sampler.steps_per_epoch)
+        self.epochs_completed = self.sampler.epoch + int(self.sampler.step_in_epoch == self.sampler.steps_per_epoch)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if state.get("best"):  # checkpoints from before best-model tracking have none
