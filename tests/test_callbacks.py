@@ -239,6 +239,9 @@ def test_a_transformers_callbacks_epoch_events_are_called_and_one_never_called_i
         def on_epoch_begin(self, args, state, control, **kwargs):
             self.events.append(("begin", state.epoch, state.step))
 
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.events.append(("step_begin", state.epoch, state.step))
+
         def on_step_end(self, args, state, control, **kwargs):
             self.events.append(("step", state.epoch, state.step))
 
@@ -258,8 +261,10 @@ def test_a_transformers_callbacks_epoch_events_are_called_and_one_never_called_i
     train(cfg("epochs"), callbacks=[each])
     # max_steps ends the run inside epoch 2: its on_epoch_end still comes, as in Transformers. state.epoch is
     # Transformers' float epoch (it was the whole epochs completed: 0 all through the first epoch)
-    steps = [("step", round(step / 6, 4), step) for step in range(1, 9)]
-    assert each.events == [("begin", 0.0, 0), *steps[:6], ("end", 1.0, 6), ("begin", 1.0, 6), *steps[6:],
+    # on_step_begin sees the epoch the last step left (it was a step ahead: the sampler's, dealing this step's rows)
+    steps = [(event, round(step / 6, 4), step) for done in range(8) for event, step in (("step_begin", done),
+                                                                                        ("step", done + 1))]
+    assert each.events == [("begin", 0.0, 0), *steps[:12], ("end", 1.0, 6), ("begin", 1.0, 6), *steps[12:],
                            ("end", 1.3333, 8)]
     assert sorted(p.name for p in (root / "epochs" / "checkpoints").iterdir()) == ["step-6", "step-8"]
 

@@ -121,9 +121,9 @@ class TrainState:
     @property
     def epochs_done(self) -> float:
         """Epochs trained so far, as Transformers counts them: 2.5 halfway through the third; 5.0 at the end of the
-        fifth. The sampler's epoch is the one the last step belongs to, also after the loop counted it done."""
-        sampler = self.sampler
-        return round(sampler.epoch + sampler.step_in_epoch / sampler.steps_per_epoch, 4)
+        fifth. Counted from the steps done (and those should_epoch_stop skipped), not from the sampler, which is a
+        step ahead while one trains: on_step_begin sees the epoch as the last step left it, as in Transformers."""
+        return round((self.step + self.steps_cut) / self.sampler.steps_per_epoch, 4)
 
     def epoch_batches(self) -> Iterator[list[list[int]]]:
         """The rows of each remaining step of the current epoch (a resumed run starts where it stopped)."""
