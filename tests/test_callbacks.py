@@ -576,3 +576,31 @@ def test_a_callback_is_named_by_its_files_path(assets, tmp_path, monkeypatch):
     assert str(exc.value) == (f"callbacks: 'hooks/missing.py:StopAt2' names the file hooks/missing.py, which does not "
                               f"exist (from {tmp_path}); give the path of your .py file, or an importable module, "
                               f"mypkg.hooks:StopOnPlateau")
+
+
+def test_a_callback_class_passed_in_code_is_made_as_trainer_makes_it(assets):
+    """``train(cfg, callbacks=[StopAt2])``, a class as Transformers' Trainer takes one, had its events called
+    unbound: a TypeError at the first event, after the model was built. The class is now made with no arguments
+    (the run stops at step 2, as an instance would stop it); one that cannot be made is refused before the run."""
+    from shardtune.train.loop import train
+
+    class StopAt2:
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+
+    summary = train(config(assets, "class-given"), callbacks=[StopAt2])
+    assert summary["steps"] == 2 and summary["stopped_by"] == "callback stop"
+
+    class NeedsPatience(StopAt2):
+        def __init__(self, patience):
+            self.patience = patience
+
+    with pytest.raises(UsageError) as exc:
+        train(config(assets, "class-refused"), callbacks=[NeedsPatience])
+    assert str(exc.value).startswith(
+        "callbacks: test_a_callback_class_passed_in_code_is_made_as_trainer_makes_it.<locals>.NeedsPatience failed as "
+        "it was made, NeedsPatience() (TypeError: ")
+    assert str(exc.value).endswith("a callback class passed to train() is made as NeedsPatience(): give its "
+                                   "arguments defaults (or read them from the environment), or pass an instance in "
+                                   "code (train(cfg, [NeedsPatience(...)]))")
+    assert not (assets[0] / "class-refused").exists()

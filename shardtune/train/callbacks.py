@@ -92,9 +92,12 @@ class TrainerCallback:
     def on_train_end(self, args, state, control, **kwargs) -> None: ...
 
 
-def load_callbacks(specs: Sequence[str]) -> list[Any]:
-    """The config's ``callbacks``, made before the (long) data and model work so a bad name stops the run at once."""
-    return [load_callback(spec) for spec in specs]
+def load_callbacks(specs: Sequence[str], given: Sequence[Any] = ()) -> list[Any]:
+    """The config's ``callbacks``, then those ``given`` in code, made before the (long) data and model work so a bad
+    name stops the run at once. A class given in code is made with no arguments, as Transformers' Trainer makes
+    one in its ``callbacks``."""
+    return [*(load_callback(spec) for spec in specs),
+            *(made(c, c.__qualname__, named=False) if isinstance(c, type) else c for c in given)]
 
 
 def load_callback(spec: str) -> Any:
@@ -114,12 +117,20 @@ def load_callback(spec: str) -> Any:
     cls = getattr(module, class_name, None)
     if cls is None or not callable(cls):
         raise UsageError(f"callbacks: {module_name} has no class {class_name!r} (for {spec!r})")
+    return made(cls, spec, named=True)
+
+
+def made(cls: Any, spec: str, *, named: bool) -> Any:
+    """An instance of the callback class ``cls`` (``spec``: as the config or the code gave it), made with no
+    arguments; ``named``: by the config, else passed to ``train`` as a class."""
+    class_name = getattr(cls, "__name__", spec)
     try:
         return cls()
     except Exception as exc:  # noqa: BLE001 - the user's class: whatever it raised, the run has not started
         why = f"{type(exc).__name__}: {first_line(str(exc))}" if str(exc).strip() else type(exc).__name__
-        fix = (f"a callback named in the config is made as {class_name}(): give its arguments defaults (or read "
-               f"them from the environment), or pass an instance in code (train(cfg, [{class_name}(...)]))"
+        given = "a callback named in the config" if named else "a callback class passed to train()"
+        fix = (f"{given} is made as {class_name}(): give its arguments defaults (or read them from the "
+               f"environment), or pass an instance in code (train(cfg, [{class_name}(...)]))"
                if isinstance(exc, TypeError) else f"fix {class_name}.__init__, or leave it out of callbacks")
         raise UsageError(f"callbacks: {spec} failed as it was made, {class_name}() ({why}); {fix}") from None
 

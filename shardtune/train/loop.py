@@ -141,8 +141,9 @@ def train(cfg: TrainConfig, callbacks: Sequence[Any] = (), *,
           stage_bounds: tuple[tuple[int, int], ...] | None = None) -> dict[str, Any]:
     """Run the fine-tune the config describes; returns the summary (also written to summary.json).
 
-    ``callbacks``: objects with ``on_*`` events (``train.callbacks``), after those the config's ``callbacks``
-    names. ``stage_bounds``: MP/PP's decoder layers per stage (``shardtune train`` asks the memory estimator).
+    ``callbacks``: objects with ``on_*`` events (``train.callbacks``), or classes made with no arguments, after
+    those the config's ``callbacks`` names. ``stage_bounds``: MP/PP's decoder layers per stage (``shardtune train``
+    asks the memory estimator).
     """
     sigterm = SigtermFlag()
     try:
@@ -154,9 +155,10 @@ def train(cfg: TrainConfig, callbacks: Sequence[Any] = (), *,
                 processes = process_table(info)  # who runs where: to name a rank that dies
                 refuse_other_versions(info)  # before the settings: another version may read them otherwise
                 refuse_other_settings(cfg.to_flat(), info, may_differ=("machine_rank",))
-                named = load_callbacks(cfg.run.callbacks)  # a bad name stops the run before anything is written
+                # a bad name stops the run before anything is written
+                made = load_callbacks(cfg.run.callbacks, callbacks)
                 with output_dir_claimed(cfg, info) as claim:  # so does a folder in use, or one holding another run
-                    return _train(cfg, info, [*named, *callbacks], stage_bounds, sigterm, claim)
+                    return _train(cfg, info, made, stage_bounds, sigterm, claim)
             except RuntimeError as exc:
                 if cfg.run.full_determinism and NO_DETERMINISTIC_KERNEL in str(exc):
                     raise TrainingStopped(f"full_determinism true: {first_line(str(exc)).split(', but')[0]}; leave "
