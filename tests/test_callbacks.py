@@ -604,3 +604,31 @@ def test_a_callback_class_passed_in_code_is_made_as_trainer_makes_it(assets):
                                    "arguments defaults (or read them from the environment), or pass an instance in "
                                    "code (train(cfg, [NeedsPatience(...)]))")
     assert not (assets[0] / "class-refused").exists()
+
+
+def test_a_transformers_on_log_reads_learning_rate(assets):
+    """A callback written for Transformers reads ``logs["learning_rate"]`` in on_log (Trainer's name; shardtune's
+    record had only ``lr``): a KeyError stopped the run at the first logged step. Each step's record has it, the
+    rate the step used, in metrics.jsonl and state.log_history too."""
+    from transformers import TrainerCallback
+
+    from shardtune.train.loop import train
+
+    class LearningRates(TrainerCallback):
+        def __init__(self):
+            self.rates: list[tuple[int, float]] = []
+            self.used: dict[int, float] = {}
+
+        def on_step_end(self, args, state, control, *, stats, **kwargs):
+            self.used[state.global_step] = stats.lr
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in logs:
+                self.rates.append((state.global_step, logs["learning_rate"]))
+
+    rates = LearningRates()
+    train(config(assets, "learning-rate", "--max_steps", "4", "--warmup_steps", "2"), callbacks=[rates])
+    assert rates.rates == list(rates.used.items()) and [s for s, _ in rates.rates] == [1, 2, 3, 4]
+    assert rates.rates[0][1] < rates.rates[1][1]  # warming up: the rate of each step, not one number
+    records = [json.loads(line) for line in (assets[0] / "learning-rate" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["learning_rate"]) for r in records if "loss" in r] == rates.rates

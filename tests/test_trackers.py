@@ -223,8 +223,10 @@ def test_tensorboard_reads_each_step_once_after_a_resume(root, tmp_path, restore
     acc.Reload()
     events = [(tag, e.step, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    logged = sorted((trainer_name(key), r["step"], float(np.float32(value))) for r in records
-                    for key, value in r.items() if key != "step" and type(value) in (int, float))  # epoch: twice
+    # epoch: twice (step and eval records); lr and learning_rate, one scalar under Trainer's name
+    logged = sorted((name, r["step"], value) for r in records for name, value in {
+        trainer_name(key): float(np.float32(value)) for key, value in r.items()
+        if key != "step" and type(value) in (int, float)}.items())
     assert sorted(events) == logged
 
 

@@ -97,8 +97,9 @@ class MetricsLog:
         """The record of the step just taken (written on rank 0); tokens/s over the steps since the last record.
         Every rank must call it: the peak memory is the maximum over ranks."""
         elapsed = time.perf_counter() - self._window_start
+        # learning_rate beside lr: Transformers' name, which a callback's on_log (and log_history) reads
         record = {"step": state.step, "epoch": state.epochs_done, "loss": stats.loss,
-                  "lr": stats.lr, "grad_norm": stats.grad_norm, "tokens": stats.tokens,
+                  "lr": stats.lr, "learning_rate": stats.lr, "grad_norm": stats.grad_norm, "tokens": stats.tokens,
                   "target_tokens": stats.target_tokens, "tokens_per_s": self._window_tokens / max(elapsed, 1e-9),
                   "peak_memory_bytes": max_over_ranks(peak_memory_bytes(self.info.device), self.info.device)}
         if state.tokens_seen is not None:  # every step's, logged or not (Transformers' num_input_tokens_seen)
