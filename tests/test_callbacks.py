@@ -632,3 +632,29 @@ def test_a_transformers_on_log_reads_learning_rate(assets):
     assert rates.rates[0][1] < rates.rates[1][1]  # warming up: the rate of each step, not one number
     records = [json.loads(line) for line in (assets[0] / "learning-rate" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["learning_rate"]) for r in records if "loss" in r] == rates.rates
+
+
+def test_an_on_log_that_edits_its_logs_leaves_log_history_as_metrics_jsonl_has_it(assets):
+    """A callback's on_log that edits its ``logs`` (pops a key, rounds one, as Transformers' own callbacks do) edited
+    state.log_history with it, the same dict, and so the checkpoint's copy a resumed run reads back. As in
+    Transformers, log_history keeps the record as it was logged."""
+    from transformers import TrainerCallback
+
+    from shardtune.train.loop import train
+
+    class EditsLogs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs.pop("grad_norm", None)
+            if "loss" in logs:
+                logs["loss"] = round(logs["loss"], 1)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.history = [dict(r) for r in state.log_history]
+
+    edits = EditsLogs()
+    train(config(assets, "edits-logs", "--max_steps", "2", "--save_steps", "1"), callbacks=[edits])
+    out = assets[0] / "edits-logs"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert edits.history == records and all("grad_norm" in r for r in records if "loss" in r)
+    saved = json.loads((out / "checkpoints" / "step-1" / "trainer_state.json").read_text())["log_history"]
+    assert saved == records[:1]

@@ -114,7 +114,9 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         """Append one record as a whole line. A failed write (a full disk) leaves the file as it was and the run
         going, with one warning: the next checkpoint's save says in one line whether the disk is still full."""
-        self.history.append(record)
+        # a copy, as Trainer's log_history keeps one: a callback's on_log that edits its logs leaves the history
+        # (and the checkpoint's copy of it) as metrics.jsonl has it
+        self.history.append(dict(record))
         if not self.enabled:
             return
         self.trackers.log(record)  # each tracker's own failures are its own: they never stop this file
