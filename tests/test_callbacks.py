@@ -523,6 +523,13 @@ class ReadsTokensSeen:
         print(state.num_input_tokens_seen)
 
 
+class ReadsTotalFlos:
+    """Reads a TrainerState attribute shardtune's state lacks, with no counterpart here."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        print(state.total_flos)
+
+
 class ReadsArgsToDict:
     """Calls TrainingArguments.to_dict, as W&B-style callbacks do; shardtune's args has to_flat."""
 
@@ -537,6 +544,11 @@ class ReadsArgsToDict:
                                     "state.num_input_tokens_seen, which shardtune's state does not have (Transformers' "
                                     "TrainerState does); use on_step_end's stats.tokens (the step's tokens, every "
                                     "rank's) (docs/callbacks.md)"),
+    (ReadsTotalFlos, "UsageError", "callbacks: tests.test_callbacks:ReadsTotalFlos.on_train_begin reads "
+                                   "state.total_flos, which shardtune's state does not have (Transformers' "
+                                   "TrainerState does); use one of state.global_step, epoch, max_steps, "
+                                   "num_train_epochs, log_history, best_metric, best_model_checkpoint, "
+                                   "is_world_process_zero, is_local_process_zero (docs/callbacks.md)"),
     (ReadsArgsToDict, "UsageError", "callbacks: tests.test_callbacks:ReadsArgsToDict.on_train_begin reads "
                                     "args.to_dict, which shardtune's args does not have (Transformers' "
                                     "TrainingArguments does); use args.to_flat() (every key by its flat name) "

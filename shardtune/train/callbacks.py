@@ -245,8 +245,8 @@ def missing_attribute(where: str, holder: str, name: str | None) -> str:
     shardtune's have no such thing: what to read instead."""
     origin = "TrainingArguments" if holder == "args" else "TrainerState"
     offered = INSTEAD.get(name or "") or (
-        "args reads the run's config by its keys' names (shardtune train --help-keys lists them)" if holder == "args"
-        else "state has global_step, epoch, max_steps, num_train_epochs, log_history, best_metric, "
+        "a key of the run's config by its name (shardtune train --help-keys lists them)" if holder == "args"
+        else "one of state.global_step, epoch, max_steps, num_train_epochs, log_history, best_metric, "
              "best_model_checkpoint, is_world_process_zero, is_local_process_zero")
     return (f"callbacks: {where} reads {holder}.{name}, which shardtune's {holder} does not have (Transformers' "
             f"{origin} does); use {offered} (docs/callbacks.md)")
