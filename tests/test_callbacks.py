@@ -516,13 +516,6 @@ class FailsAtStep2:
             raise ValueError("my bug")
 
 
-class ReadsTokensSeen:
-    """Reads a TrainerState attribute shardtune's state lacks (Transformers' num_input_tokens_seen)."""
-
-    def on_log(self, args, state, control, **kwargs):
-        print(state.num_input_tokens_seen)
-
-
 class ReadsTotalFlos:
     """Reads a TrainerState attribute shardtune's state lacks, with no counterpart here."""
 
@@ -540,15 +533,12 @@ class ReadsArgsToDict:
 @pytest.mark.parametrize("callback, error, message", [
     (FailsAtStep2, "TrainingStopped", "callback tests.test_callbacks:FailsAtStep2.on_step_end raised ValueError: my "
                                       "bug at step 2 (its traceback is above); fix it, or leave it out of callbacks"),
-    (ReadsTokensSeen, "UsageError", "callbacks: tests.test_callbacks:ReadsTokensSeen.on_log reads "
-                                    "state.num_input_tokens_seen, which shardtune's state does not have (Transformers' "
-                                    "TrainerState does); use on_step_end's stats.tokens (the step's tokens, every "
-                                    "rank's) (docs/callbacks.md)"),
     (ReadsTotalFlos, "UsageError", "callbacks: tests.test_callbacks:ReadsTotalFlos.on_train_begin reads "
                                    "state.total_flos, which shardtune's state does not have (Transformers' "
                                    "TrainerState does); use one of state.global_step, epoch, max_steps, "
                                    "num_train_epochs, log_history, best_metric, best_model_checkpoint, "
-                                   "is_world_process_zero, is_local_process_zero (docs/callbacks.md)"),
+                                   "num_input_tokens_seen, is_world_process_zero, is_local_process_zero "
+                                   "(docs/callbacks.md)"),
     (ReadsArgsToDict, "UsageError", "callbacks: tests.test_callbacks:ReadsArgsToDict.on_train_begin reads "
                                     "args.to_dict, which shardtune's args does not have (Transformers' "
                                     "TrainingArguments does); use args.to_flat() (every key by its flat name) "

@@ -232,8 +232,7 @@ class CallbackList:
 
 # Where a Transformers callback finds here what ``TrainingArguments`` or ``TrainerState`` had under a name shardtune's
 # args and state do not have.
-INSTEAD = {"num_input_tokens_seen": "on_step_end's stats.tokens (the step's tokens, every rank's)",
-           "to_dict": "args.to_flat() (every key by its flat name)",
+INSTEAD = {"to_dict": "args.to_flat() (every key by its flat name)",
            "to_sanitized_dict": "args.to_flat() (every key by its flat name)",
            "world_size": "on_train_begin's info.world_size", "process_index": "on_train_begin's info.rank",
            "local_process_index": "on_train_begin's info.local_rank", "local_rank": "on_train_begin's info.local_rank",
@@ -247,7 +246,7 @@ def missing_attribute(where: str, holder: str, name: str | None) -> str:
     offered = INSTEAD.get(name or "") or (
         "a key of the run's config by its name (shardtune train --help-keys lists them)" if holder == "args"
         else "one of state.global_step, epoch, max_steps, num_train_epochs, log_history, best_metric, "
-             "best_model_checkpoint, is_world_process_zero, is_local_process_zero")
+             "best_model_checkpoint, num_input_tokens_seen, is_world_process_zero, is_local_process_zero")
     return (f"callbacks: {where} reads {holder}.{name}, which shardtune's {holder} does not have (Transformers' "
             f"{origin} does); use {offered} (docs/callbacks.md)")
 
