@@ -54,7 +54,9 @@ def test_full_determinism_holds_for_the_run_and_names_an_operation_without_a_det
     with pytest.raises(TrainingStopped) as stopped:
         run(work, "on", "--full_determinism", "true", "--tf32", "false", probe=on)
     assert on.seen == [(True, ":16:8", True, "highest")] * 2
-    assert str(stopped.value) == ("full_determinism true: scatter_add_cuda_kernel does not have a deterministic "
+    # (the operation ran in the probe, so the line names the callback it ran in too)
+    assert str(stopped.value) == ("full_determinism true: callback tests.test_determinism:Probe.on_step_end raised "
+                                  "RuntimeError: scatter_add_cuda_kernel does not have a deterministic "
                                   "implementation; leave full_determinism out, or avoid that operation")
     # and the process is as it was before the run
     assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
