@@ -331,6 +331,30 @@ def test_control_should_log_writes_the_step_once(assets):
     assert [r["step"] for r in records] == [2, 3]
 
 
+def test_flags_set_before_a_step_are_cleared_as_it_begins_as_in_transformers(assets):
+    """Transformers' callback handler clears should_log, should_evaluate and should_save as each step begins, so a
+    flag set in on_train_begin (or on_save) asks for nothing; here should_save acted after the next step: a
+    checkpoint at step 1 that no strategy asked for. A flag set in the step still acts."""
+    from shardtune.train.loop import train
+
+    class SetsEarly:
+        def on_train_begin(self, args, state, control, **kwargs):
+            control.should_save = control.should_log = True
+
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_log = state.step == 2
+
+    root, model, data = assets
+    train(load_train_config(["--model_name_or_path", str(model), "--dataset_name", str(data), "--splits", "train",
+                             "--max_seq_len", "64", "--packing", "True", "--max_steps", "3", "--logging_strategy",
+                             "no", "--save_strategy", "no", "--per_device_train_batch_size", "2", "--output_dir",
+                             str(root / "flags-early")]), callbacks=[SetsEarly()])
+    records = [json.loads(line) for line in (root / "flags-early" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2]
+    assert not (root / "flags-early" / "checkpoints").exists() or \
+        not any((root / "flags-early" / "checkpoints").iterdir())
+
+
 def test_logging_first_step_logs_step_1_under_logging_strategy_no(assets):
     """logging_first_step true with logging_strategy no was accepted and did nothing (no record at all), where
     Transformers' Trainer logs the first step whatever the strategy."""

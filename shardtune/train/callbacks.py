@@ -69,7 +69,8 @@ NEVER_CALLED = {"on_init_end": "on_train_begin", "on_substep_end": "on_step_end"
 @dataclass
 class TrainerControl:
     """Flags callbacks set to steer the loop; the loop clears ``should_save``/``should_evaluate``/``should_log`` once
-    acted on, and ``should_epoch_stop`` as each epoch begins."""
+    acted on and as each step begins (as Transformers' handler does), and ``should_epoch_stop`` as each epoch
+    begins."""
 
     should_training_stop: bool = False
     should_epoch_stop: bool = False

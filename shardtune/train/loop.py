@@ -363,6 +363,10 @@ class Loop:
     def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> bool:
         """One optimizer step; returns whether it was the run's last."""
         job, state = self.job, self.job.state
+        # As Transformers' callback handler does at each step's begin: a flag set outside a step (on_train_begin,
+        # on_save) asks for nothing; one set from here on acts after this step.
+        control = self.hooks.control
+        control.should_log = control.should_evaluate = control.should_save = False
         self.hooks.on_step_begin(micro_batches=micro_batches, model=self.hooks.common["model"],
                                  optimizer=job.optimizer)
         try:
