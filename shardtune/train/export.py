@@ -8,7 +8,6 @@ nothing half-written; a failed write names its file (``errors.writing``).
 from __future__ import annotations
 
 import dataclasses
-
 import errno
 import shutil
 from collections.abc import Callable

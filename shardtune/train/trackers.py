@@ -241,7 +241,8 @@ TRACKERS: dict[str, type] = {"tensorboard": TensorBoardTracker, "wandb": WandbTr
                              "trackio": TrackioTracker}
 
 
-# metrics.jsonl's names that Transformers' Trainer logs under another name.
+# metrics.jsonl's names that Transformers' Trainer logs under another name (a step record holds learning_rate
+# beside lr as well: mapped onto it, the rate reaches each tracker once).
 TRAINER_KEYS = {"lr": "learning_rate", "tokens_seen": "num_input_tokens_seen"}
 
 
