@@ -65,24 +65,35 @@ def test_settings_that_cannot_work_are_refused(root, extra, message):
         load_train_config(args(root, "refused", *extra))
 
 
+class AdapterAtTrainEnd:
+    """A callback keeping the adapter weights the model holds when ``on_train_end`` is called."""
+
+    def on_train_end(self, args, state, control, *, model, **kwargs):
+        from peft import get_peft_model_state_dict
+
+        self.adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
 @pytest.fixture(scope="module")
 def watched(root):
-    """The run of the next test: (its output_dir, its summary)."""
+    """The run of the next test: (its output_dir, its summary, the weights its on_train_end saw)."""
     from shardtune.train.loop import train
     from tests.trainutil import logging_restored
 
+    seen = AdapterAtTrainEnd()
     with logging_restored():
-        summary = train(load_train_config(args(root, "watched", *WATCH, "--eval_on_start", "true")))
-    return root / "watched", summary
+        summary = train(load_train_config(args(root, "watched", *WATCH, "--eval_on_start", "true")), callbacks=[seen])
+    return root / "watched", summary, seen.adapter
 
 
 def test_early_stopping_keeps_the_best_checkpoint_and_final_holds_it(root, watched):
     """eval_on_start gives a step-0 baseline that is not counted (counted, it would be the "best" and stop the run
     at step 4). Evaluations at 2 (best), 4 and 6 (no improvement: patience 2) stop the run at step 6 of 20;
-    save_total_limit 1 keeps step-6 and, beyond the limit, the best step-2, whose weights final/ holds."""
+    save_total_limit 1 keeps step-6 and, beyond the limit, the best step-2, whose weights final/ holds. A callback's
+    on_train_end sees them too, as Transformers' Trainer loads the best before on_train_end (it saw step 6's)."""
     from shardtune.train.export import export_checkpoint
 
-    out, summary = watched
+    out, summary, at_train_end = watched
     evals = [r for r in records(out) if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 2, 4, 6]
     assert evals[1]["eval_loss"] > evals[2]["eval_loss"] > evals[3]["eval_loss"]  # it learns: step 2 is "best"
@@ -96,6 +107,7 @@ def test_early_stopping_keeps_the_best_checkpoint_and_final_holds_it(root, watch
     final, best, last = adapter(out / "final"), adapter(root / "step2"), adapter(root / "step6")
     assert all(torch.equal(final[k], best[k]) for k in best)
     assert not all(torch.equal(final[k], last[k]) for k in last)
+    assert final.keys() == at_train_end.keys() and all(torch.equal(final[k], at_train_end[k]) for k in final)
 
 
 def test_a_resumed_run_keeps_the_best_and_the_patience_count(root, watched, restore_logging):

@@ -15,7 +15,7 @@ from typing import Any
 
 from shardtune.config import TrainConfig
 from shardtune.errors import first_line
-from shardtune.train.metrics import max_over_ranks, peak_memory_bytes
+from shardtune.train.metrics import max_over_ranks
 
 logger = logging.getLogger("shardtune")
 
@@ -81,7 +81,10 @@ class MemoryCheck:
         # beside the one of the resumed run's end.
         if not self.active or state.step == self.start_step or summary.get("stopped_by") == "SIGTERM":
             return
-        memory = memory_check(args, self.info, self.tracked_peak, self.seq_len, self.target_tokens)
+        # On CUDA the run's peak as summary.json has it, read before the best checkpoint loaded (which may reserve
+        # more): the step's peak is what the trace predicts. On CPU the tracked step's.
+        measured = summary["peak_memory_bytes"] if self.info.device.type == "cuda" else self.tracked_peak
+        memory = memory_check(args, self.info, measured, self.seq_len, self.target_tokens)
         if memory:
             summary.update(memory)
             log({"step": state.step, **memory})
@@ -92,17 +95,17 @@ class MemoryCheck:
                 memory["measured_peak_bytes"] / 2**30, memory["measured_by"], 100 * memory["peak_error"])
 
 
-def memory_check(cfg: TrainConfig, info, tracked_peak: int, seq_len: int,
+def memory_check(cfg: TrainConfig, info, measured_peak: int, seq_len: int,
                  target_tokens: list[int] | None = None) -> dict[str, Any] | None:
     """The traced prediction of this job's per-device peak beside the measured one (rank 0 gets the record).
 
-    Measured: ``torch.cuda.max_memory_reserved`` on CUDA; on CPU the memory tracker's peak of a real step.
+    ``measured_peak``: this rank's ``torch.cuda.max_memory_reserved`` on CUDA; on CPU the memory tracker's peak of
+    a real step.
     ``seq_len``: the padded length of the longest micro-batch measured; the trace runs micro-batches of that
     length, with ``target_tokens`` targets each (the most any rank had there), as the head projects only those.
     A failed prediction is a warning, never a failed run.
     """
-    on_cuda = info.device.type == "cuda"
-    measured = max_over_ranks(peak_memory_bytes(info.device) if on_cuda else tracked_peak, info.device)
+    measured = max_over_ranks(measured_peak, info.device)
     seq_len = max_over_ranks(seq_len, info.device)
     targets = [max_over_ranks(count, info.device) for count in target_tokens] if target_tokens else None
     if not info.is_main or measured <= 0 or seq_len <= 0:
@@ -120,4 +123,5 @@ def memory_check(cfg: TrainConfig, info, tracked_peak: int, seq_len: int,
         return None
     return {"predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
             "peak_error": (predicted - measured) / measured, "traced_seq_len": seq_len, "traced_target_tokens": targets,
-            "measured_by": "torch.cuda.max_memory_reserved" if on_cuda else "memory tracker, real tensors"}
+            "measured_by": "torch.cuda.max_memory_reserved" if info.device.type == "cuda"
+            else "memory tracker, real tensors"}

@@ -265,6 +265,11 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
         stopped_by = loop.run()
         summary = run_summary(job, checkpointer, stopped_by=stopped_by, start_step=start_step, tokens=loop.tokens,
                               loss_sum=loop.loss_sum, wall=time.perf_counter() - started)
+        if stopped_by != "SIGTERM" and cfg.checkpoint.load_best_model_at_end:
+            # Before on_train_end, as Transformers' Trainer loads it: a callback there sees what final/ will hold.
+            # None where the last step's weights are the best (evaluated there): they are in the model.
+            loaded = checkpointer.load_best(loop.last_eval)
+            summary["final_step"] = job.state.best.checkpoint_step if loaded else job.state.step
         # trackers get these records too, at the run's last step where they name none (plots and trackers need one)
         hooks.on_train_end(model=model, summary=summary, log=lambda record: log_record(metrics, hooks, record))
     except BaseException:
@@ -274,10 +279,6 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
     if stopped_by == "SIGTERM":
         verify_stop_checkpoint(job, checkpointer)
     else:
-        if cfg.checkpoint.load_best_model_at_end:
-            # None where the last step's weights are the best (evaluated there): they are in the model
-            loaded = checkpointer.load_best(loop.last_eval)
-            summary["final_step"] = job.state.best.checkpoint_step if loaded else job.state.step
         summary["final"] = export_final(job, checkpointer)
     if job.info.is_main:
         summary.update(push_to_hub(cfg, summary.get("final")))
