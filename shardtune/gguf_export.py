@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from shardtune.errors import UsageError, writing
 from shardtune.files import WRITTEN_BY, replacing
+from shardtune.gguf_source import ROPE_FREQS, default_inverse_frequencies
 from shardtune.gguf_vocab import add_vocab
 
 if TYPE_CHECKING:
@@ -54,11 +55,13 @@ def family_of(config, fix: str = CONVERT) -> Family:
     if model_type not in FAMILIES:
         raise UsageError(f"--format gguf: architecture {model_type!r} ({', '.join(config.architectures or [])}) "
                          f"cannot be written; shardtune writes GGUF for {', '.join(FAMILIES)} models: {fix}")
+    family = FAMILIES[model_type]
     rope_type = _rope_type(_rope_parameters(config))
-    if rope_type not in ("default", "linear", None):
-        raise UsageError(f"--format gguf: rope_type {rope_type!r} of this model is not written yet (default and "
-                         f"linear are); {fix}")
-    return FAMILIES[model_type]
+    written = ("default", "linear", None, *(("llama3",) if family.arch == "llama" else ()))
+    if rope_type not in written:
+        raise UsageError(f"--format gguf: rope_type {rope_type!r} of this {model_type} model is not written yet "
+                         f"({', '.join(t for t in written if t)} are); {fix}")
+    return family
 
 
 def _rope_type(rope: dict) -> str | None:
@@ -84,6 +87,20 @@ def _rope_parameters(config) -> dict:
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def llama3_frequency_factors(config):
+    """What llama.cpp's ``rope_freqs`` holds for a Llama 3 RoPE (rope_type llama3, Llama 3.1 to 3.3): the number
+    each plain rotary frequency is divided by (1 for the high ones, ``factor`` for the low ones, smoothly between),
+    taken from transformers' own Llama 3 frequencies for ``config``, so that llama.cpp turns the queries and keys
+    as the trained model did. float32, one per pair of rotary dimensions."""
+    import copy
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](copy.deepcopy(config), "cpu")  # it standardizes the config in place
+    plain = default_inverse_frequencies(float(_rope_parameters(config)["rope_theta"]), 2 * scaled.numel())
+    return (plain / scaled.to(plain.dtype)).numpy()
 
 
 def general_name(name: str) -> str:
@@ -113,7 +130,7 @@ def add_hparams(writer, config, family: Family, name: str) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_vocab_size(config.vocab_size)
-    if _rope_type(rope) == "linear":  # any other but the default is refused by family_of
+    if _rope_type(rope) == "linear":  # llama3's is the ROPE_FREQS tensor; any other is refused by family_of
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
 
@@ -165,6 +182,9 @@ def add_tensors(writer, model, family: Family, quantize: str) -> int:
         data, qtype = _storage(array, quantize)
         writer.add_tensor(name, data, raw_dtype=qtype)
         written += array.size
+    if _rope_type(_rope_parameters(config)) == "llama3":  # not a parameter: not counted
+        factors, _ = _storage(llama3_frequency_factors(config), quantize)
+        writer.add_tensor(ROPE_FREQS, factors, raw_dtype=gguf.GGMLQuantizationType.F32)
     return written
 
 

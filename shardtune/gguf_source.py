@@ -150,8 +150,10 @@ def _metadata_with_gguf(source: GgufFile) -> tuple[dict, dict[str, tuple[int, ..
     return meta, {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
 
 
-# Tensors of a GGUF that are no model parameter: llama.cpp stores Llama-3's RoPE frequency factors as one.
-NOT_PARAMETERS = ("rope_freqs.weight",)
+# The tensor in which llama.cpp's Llama graph takes Llama 3's RoPE: the number each rotary frequency is divided by.
+ROPE_FREQS = "rope_freqs.weight"
+# Tensors of a GGUF that are no model parameter.
+NOT_PARAMETERS = (ROPE_FREQS,)
 
 
 def parameter_count(source: GgufFile) -> int:
@@ -169,7 +171,8 @@ def _unsupported(source: GgufFile, exc: Exception) -> UsageError:
 
 
 def load_config(source: GgufFile):
-    """The transformers config the file's metadata describes, as a plain (unquantized) model's config."""
+    """The transformers config the file's metadata describes, as a plain (unquantized) model's config; a Llama 3
+    RoPE, which the file holds as a tensor that transformers' reader passes over, included (``_with_llama3_rope``)."""
     from transformers import AutoConfig
 
     try:
@@ -179,7 +182,102 @@ def load_config(source: GgufFile):
         raise _unsupported(source, exc) from None
     _forget_quantization(config)
     config._name_or_path = str(source.path)
+    return _with_llama3_rope(source, config)
+
+
+def default_inverse_frequencies(theta: float, dim: int):
+    """The rotary frequencies of the plain RoPE over ``dim`` dimensions, computed as transformers computes them
+    (float32 powers of ``theta``)."""
+    import torch
+
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+
+
+def _with_llama3_rope(source: GgufFile, config):
+    """``config`` with the Llama 3 RoPE (Llama 3.1 to 3.3) that the file's ``rope_freqs`` tensor describes.
+
+    llama.cpp keeps that RoPE as one tensor, the number each plain rotary frequency is divided by, and no metadata;
+    transformers' reader skips the tensor, so a Llama 3.1 GGUF loaded as the plain RoPE turned its low frequencies
+    up to ``factor`` times faster than it was trained with. The parameters are solved from the tensor (the low
+    frequencies' divisor is ``factor``; the smoothed band between fixes the two wavelengths where it starts and
+    ends, with Meta's low_freq_factor 1, and high_freq_factor 4 where the band holds one frequency only), then the
+    frequencies they give are checked against the tensor: a tensor they do not reproduce is refused in one line."""
+    factors = _float_tensor(source, ROPE_FREQS)
+    if factors is None:
+        return config
+    import math
+
+    import torch
+
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    plain = default_inverse_frequencies(theta, head_dim)
+    factors = torch.as_tensor(factors, dtype=torch.float32)
+    if config.model_type not in ("llama", "mistral") or factors.shape != plain.shape:
+        raise UsageError(f"{source.path}: its {ROPE_FREQS} ({factors.numel()} values) is not a Llama 3 RoPE of this "
+                         f"{config.model_type} model ({plain.numel()} rotary frequencies); use the original model "
+                         f"folder")
+    wavelengths = (2 * math.pi / plain).tolist()
+    factor = float(factors.max())
+    # the smoothed band: s = (L / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor) in (0, 1)
+    band = [(w, (1 / f - 1 / factor) / (1 - 1 / factor)) for w, f in zip(wavelengths, factors.tolist())
+            if 1 + 1e-6 < f < factor * (1 - 1e-6)]
+    high = 4.0
+    if len(band) >= 2:  # s is linear in 1 / wavelength: two points give both ends of the band
+        (w1, s1), (w2, s2) = band[0], band[-1]
+        slope = (s2 - s1) / (1 / w2 - 1 / w1)
+        high = 1 + 1 / (slope / w1 - s1) if slope / w1 != s1 else high
+    original = band[0][0] * (1 + band[0][1] * (high - 1)) if band else 8192
+    original, high = (round(original), round(high, 4)) if abs(original - round(original)) < 1e-3 * original \
+        else (original, round(high, 4))
+    llama3 = {**rope, "rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
+              "high_freq_factor": high, "original_max_position_embeddings": original}
+    if not torch.allclose(_llama3_factors(config, llama3, plain), factors, rtol=1e-4):
+        raise UsageError(f"{source.path}: its {ROPE_FREQS} holds RoPE frequency divisors that no Llama 3 RoPE "
+                         f"gives; transformers cannot run the model as llama.cpp does: use the original model folder")
+    if hasattr(config, "rope_parameters"):
+        config.rope_parameters = llama3
+    else:  # transformers 4
+        config.rope_scaling = {k: v for k, v in llama3.items() if k != "rope_theta"}
     return config
+
+
+def _llama3_factors(config, rope: dict, plain):
+    """The divisors ``rope`` gives each plain frequency, by transformers' own Llama 3 RoPE."""
+    import copy
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    trial = copy.deepcopy(config)
+    if hasattr(trial, "rope_parameters"):
+        trial.rope_parameters = dict(rope)
+    else:
+        trial.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](trial, "cpu")
+    return plain / scaled.to(plain.dtype)
+
+
+def _float_tensor(source: GgufFile, name: str):
+    """The values of the file's float32 tensor ``name`` (a numpy array), or None when the file has none."""
+    import numpy as np
+
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader
+    except ImportError:  # transformers before its fast reader: the gguf package's own one
+        import gguf
+
+        with _shared_reader():
+            found = [t for t in gguf.GGUFReader(str(source.path)).tensors if t.name == name]
+        return np.array(found[0].data, dtype=np.float32) if found else None
+    header = GgufHeader.from_file(str(source.path))
+    info = next((t for t in header.tensors if t.name == name), None)
+    if info is None:
+        return None
+    if info.ggml_type != 0:  # GGML_TYPE_F32, as llama.cpp writes it
+        raise UsageError(f"{source.path}: its {name} is not float32 (ggml type {info.ggml_type}); use the original "
+                         f"model folder")
+    return np.fromfile(source.path, dtype=np.float32, count=info.nbytes // 4, offset=header.data_start + info.offset)
 
 
 def _forget_quantization(config) -> None:
@@ -196,6 +294,8 @@ def load_model(source: GgufFile, **kwargs):
     from transformers import AutoModelForCausalLM, GgufConfig
 
     kwargs.setdefault("quantization_config", GgufConfig(dequantize=True))
+    if ROPE_FREQS in metadata(source)[1]:  # a Llama 3 RoPE, which transformers' reader would pass over
+        kwargs.setdefault("config", load_config(source))
     try:
         with _cached_tensor_name_maps(), _shared_reader():
             model = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.name, **kwargs)

@@ -20,10 +20,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from shardtune.cli import main as shardtune_main
+from shardtune.errors import UsageError
 from tests.trainutil import losses, run_shardtune, write_chat_data
 
 PROMPTS = ("The quick red fox", "What is 3 plus 4?", "Hello world 123", "Tell me about the river.", "a b c")
@@ -330,6 +332,42 @@ def test_export_of_a_model_folder_round_trips(tiny, tmp_path, quantize):
     compare(model, tokenizer, path, quantize)
     modelfile = (tmp_path / "out" / "Modelfile").read_text()
     assert f"FROM ./model-{quantize}.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+
+
+def test_a_llama3_rope_is_written_as_llama_cpps_rope_freqs_and_read_back(tmp_path, monkeypatch):
+    """Llama 3.1 to 3.3's RoPE (rope_type llama3) was refused by the export, and a GGUF holding it (llama.cpp's
+    rope_freqs tensor, which transformers' reader passes over) was loaded with the plain RoPE. The export now writes
+    rope_freqs as llama.cpp's Llama graph uses it (each plain rotary frequency divided by it gives the model's own),
+    and the read-back model has the same RoPE parameters and exactly the logits and greedy text of the reference
+    with its weights rounded as stored (``compare``). A rope_freqs no Llama 3 RoPE gives is refused in one line."""
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import shardtune.gguf_export as gguf_export
+    from shardtune.gguf_source import default_inverse_frequencies, find_gguf, load_config
+    from shardtune.testing.families import make_family_folder
+
+    folder = make_family_folder(tmp_path / "llama3", "llama3", seed=5)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert shardtune_main(["export", str(folder), str(tmp_path / "l3.gguf"), "--format", "gguf",
+                           "--quantize", "f16"]) == 0
+    reader = gguf.GGUFReader(str(tmp_path / "l3.gguf"))
+    stored = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    assert stored.tensor_type == gguf.GGMLQuantizationType.F32
+    own = model.model.rotary_emb.inv_freq
+    plain = default_inverse_frequencies(model.config.rope_parameters["rope_theta"], model.config.head_dim)
+    assert not torch.allclose(plain, own)  # the tiny model's RoPE is not the plain one
+    assert torch.allclose(plain / torch.from_numpy(stored.data.copy()), own, rtol=1e-6)
+    assert not any("rope.scaling" in key for key in reader.fields)  # llama.cpp reads the tensor alone
+    read = load_config(find_gguf(tmp_path / "l3.gguf")).rope_parameters
+    assert {k: read[k] for k in model.config.rope_parameters} == model.config.rope_parameters
+    compare(model, AutoTokenizer.from_pretrained(folder), tmp_path / "l3.gguf", "f16")
+
+    monkeypatch.setattr(gguf_export, "llama3_frequency_factors", lambda config: np.linspace(1, 3, 8, dtype=np.float32))
+    assert shardtune_main(["export", str(folder), str(tmp_path / "odd" / "odd.gguf"), "--format", "gguf"]) == 0
+    with pytest.raises(UsageError, match=r"odd\.gguf: its rope_freqs\.weight holds RoPE frequency divisors that no "
+                                         r"Llama 3 RoPE gives; .* use the original model folder"):
+        load_config(find_gguf(tmp_path / "odd" / "odd.gguf"))
 
 
 def test_a_gguf_without_endoftext_reads_back_with_its_own_tokens_and_trains_without_growing(tiny, tmp_path):
@@ -644,9 +682,9 @@ def test_pickled_weights_that_ask_for_a_class_are_one_line_exit_2(tiny, tmp_path
 
 
 def test_a_refused_or_stopped_gguf_export_leaves_no_folder_it_made(tiny, tmp_path, monkeypatch, capsys):
-    """A Llama 3.1 RoPE (rope_type llama3), which cannot be written, is refused from the config before the model is
-    loaded and before OUT's folder is made; SIGTERM during the write removes the folders the export made (now
-    empty), and keeps an empty folder that was there before."""
+    """A YaRN RoPE, which cannot be written, is refused from the config before the model is loaded and before OUT's
+    folder is made; SIGTERM during the write removes the folders the export made (now empty), and keeps an empty
+    folder that was there before."""
     import os
     import signal
 
@@ -654,16 +692,21 @@ def test_a_refused_or_stopped_gguf_export_leaves_no_folder_it_made(tiny, tmp_pat
     import shardtune.train.export_gguf as export_gguf
     from shardtune.testing.families import make_family_folder
 
-    family = make_family_folder(tmp_path / "fam" / "llama3", "llama3")
+    family = make_family_folder(tmp_path / "fam" / "yarn", "llama2")
+    config = json.loads((family / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": config["max_position_embeddings"] // 4}
+    (family / "config.json").write_text(json.dumps(config))
     real_load = export_gguf.load_source
 
     def not_loaded(*args, **kwargs):
         raise AssertionError("the model was loaded before its config was checked")
 
     monkeypatch.setattr(export_gguf, "load_source", not_loaded)
-    assert shardtune_main(["export", str(family), str(tmp_path / "famg" / "llama3" / "llama3.gguf"),
+    assert shardtune_main(["export", str(family), str(tmp_path / "famg" / "yarn" / "yarn.gguf"),
                            "--format", "gguf"]) == 2
-    assert "rope_type 'llama3'" in capsys.readouterr().err
+    assert "rope_type 'yarn' of this llama model is not written yet (default, linear, llama3 are)" in \
+        capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fam"]
     monkeypatch.setattr(export_gguf, "load_source", real_load)
 
