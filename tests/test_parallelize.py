@@ -150,6 +150,9 @@ def test_model_parallel_moves_everything_off_the_cpu_including_unplaced_tensors(
 
 
 def test_a_pipeline_stage_moves_only_its_own_layers_to_the_device():
+    """The other stages' layers and the embeddings this stage drops never reach the device: moving the whole model
+    first and dropping them after would put a model larger than one GPU on it. The meta device stands in for a GPU;
+    the dropped modules, held here, show whether they were moved."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -158,11 +161,13 @@ def test_a_pipeline_stage_moves_only_its_own_layers_to_the_device():
     from shardtune.train.pipeline_parallel import split_for_stage
 
     net = AutoModelForCausalLM.from_config(tiny_llama_config(512, num_layers=3))
+    dropped = [*net.model.layers[:2], net.model.embed_tokens]
     info = DistInfo(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("meta"))
     stage = split_for_stage(net, Plan(strategy="PP", stage_bounds=((0, 2), (2, 3)), pipeline_microbatches=2), info)
     kept = [type(layer).__name__ for layer in stage.model.layers]
     assert kept == ["OtherStage", "OtherStage", "LlamaDecoderLayer"] and stage.model.embed_tokens is None
     assert {t.device.type for t in [*stage.parameters(), *stage.buffers()]} == {"meta"}
+    assert {t.device.type for module in dropped for t in [*module.parameters(), *module.buffers()]} == {"cpu"}
 
 
 def test_forward_prefetch_chains_each_decoder_layer_to_the_next(tmp_path):
