@@ -300,6 +300,9 @@ def _weights(folder):
 
 def test_resume_is_bitwise_and_export_is_bf16(runs):
     single, _, resumed = runs
+    # It resumed, at step 2: a run that ignored the checkpoint and started over would log the same losses too.
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert (summary["resumed_from_step"], summary["steps_this_run"]) == (2, STEPS - 2), summary
     assert losses(resumed) == losses(single)  # steps 3-4 redone from the checkpoint: bitwise
     want, got = _weights(single), _weights(resumed)
     assert want.keys() == got.keys() and {t.dtype for t in want.values()} == {torch.bfloat16}
