@@ -197,6 +197,19 @@ def test_zero_stage_names_map_to_fsdp(capsys):
     assert zero2["setup"]["sharding_strategy"] == "SHARD_GRAD_OP"
 
 
+def test_a_zero_stage_beside_another_sharding_strategy_is_refused_naming_both(capsys):
+    """--strategy zero3 --sharding-strategy SHARD_GRAD_OP estimated FULL_SHARD, the sharding option dropped without
+    a word; the same sharding spelled either way is still taken."""
+    same = run_json(capsys, ["llama-3-8b", "--num-gpus", "8", "--strategy", "zero2", "--sharding-strategy",
+                             "shard_grad_op"])
+    assert same["setup"]["sharding_strategy"] == "SHARD_GRAD_OP"
+    assert main(["estimate", "llama-3-8b", "--num-gpus", "8", "--strategy", "zero3", "--sharding-strategy",
+                 "SHARD_GRAD_OP"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "shardtune estimate: error: --sharding-strategy SHARD_GRAD_OP contradicts --strategy zero3, which is FSDP "
+        "FULL_SHARD; give one of them: --strategy FSDP --sharding-strategy SHARD_GRAD_OP, or --strategy zero3 alone")
+
+
 def test_list_prints_the_catalog(capsys):
     assert main(["estimate", "--list"]) == 0
     assert "llama-3.1-405b" in capsys.readouterr().out

@@ -18,7 +18,7 @@ from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_
                                 custom_gpu, gpu_by_name, gpu_from_spec)
 from shardtune.memory.report import Report, TimeReport, estimate_report
 from shardtune.memory.setup import (ATTENTION, LOSSES, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
-                                    Setup, validate)
+                                    Setup, normalize_sharding, validate)
 from shardtune.strategies import DDP, FSDP, NAMES, NO, ZERO_STAGES, no_as_ddp, strategy_named, zero_stage
 
 
@@ -352,6 +352,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
     stage = zero_stage(args.strategy)
     if stage is not None:
         keys["distributed_type"], sharding = ZERO_STAGES[stage]
+        _check_zero_sharding(args, sharding)
         keys.update({"fsdp_sharding_strategy": sharding} if sharding else {})
     elif auto:  # what is estimated first; the recommender then compares the candidates
         keys["distributed_type"] = FSDP if args.num_gpus * args.num_nodes > 1 else NO
@@ -382,6 +383,17 @@ def _check_lora_options(args: argparse.Namespace, keys: dict) -> None:
         raise UsageError(f"{', '.join(given)}: LoRA's option{'s' if len(given) > 1 else ''} with --method full, "
                          f"which trains every weight and no adapters; add --method lora (or qlora), or leave "
                          f"{'them' if len(given) > 1 else 'it'} out")
+
+
+def _check_zero_sharding(args: argparse.Namespace, sharding: str | None) -> None:
+    """A ZeRO stage names its sharding itself: another --sharding-strategy beside it would be dropped without a
+    word (--strategy zero3 --sharding-strategy SHARD_GRAD_OP estimated FULL_SHARD)."""
+    given = args.fsdp_sharding_strategy
+    if given is None or sharding is None or normalize_sharding(given) == sharding:
+        return
+    raise UsageError(f"--sharding-strategy {given} contradicts --strategy {args.strategy}, which is FSDP {sharding}; "
+                     f"give one of them: --strategy FSDP --sharding-strategy {normalize_sharding(given)}, or "
+                     f"--strategy {args.strategy} alone")
 
 
 def _check_strategy_options(args: argparse.Namespace, keys: dict, auto: bool) -> None:
