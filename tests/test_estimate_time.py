@@ -727,3 +727,40 @@ def test_measured_speeds_are_shown_beside_the_predicted_ones(tmp_path, capsys, m
         out = capsys.readouterr().out
         assert "Tokens/s predicted against measured (--measured)" in out and f"measured with {measured_with}" in out
         assert "Caution: measured" not in out and "Caution: the speeds were measured with" not in out, out
+
+
+def test_the_jobs_epochs_and_max_steps_price_the_run(tmp_path, capsys, monkeypatch):
+    """A recipe's num_train_epochs and max_steps were dropped: --time priced one pass over --data whatever the
+    recipe said (and estimate's refusal of --num_train_epochs pointed at --config, where it did nothing)."""
+    monkeypatch.chdir(tmp_path)
+    data = _write_rows(tmp_path / "train.jsonl", [{"text": "alpha beta " * 300}] * 50)
+
+    def timing(args, recipe_lines=()):
+        files = []
+        if recipe_lines:
+            (tmp_path / "r.yaml").write_text("\n".join(["model_name_or_path: llama-3-8b", "use_peft_lora: true",
+                                                        "dataset_name: train.jsonl", *recipe_lines]) + "\n")
+            files = ["--config", "r.yaml"]
+        else:
+            files = ["llama-3-8b", "--method", "lora"]
+        assert main(["estimate", *files, *args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["timing"]
+
+    one = timing(["--data", str(data)], ["num_train_epochs: 1"])
+    three = timing(["--data", str(data)], ["num_train_epochs: 3"])
+    assert three["data_tokens"] == 3 * one["data_tokens"] and three["num_train_epochs"] == 3
+    for a, b in zip(one["setups"], three["setups"], strict=True):
+        assert b["data_seconds"] == pytest.approx(3 * a["data_seconds"]) and b["trained_tokens"] == 3 * a[
+            "trained_tokens"]
+    # The same job from the command line, its tokens given: --num-train-epochs multiplies them.
+    given = timing(["--tokens", f"{one['data_tokens']}", "--num-train-epochs", "3"])
+    assert [s["data_seconds"] for s in given["setups"]] == pytest.approx([s["data_seconds"] for s in three["setups"]])
+    # max_steps trains that many optimizer steps of each setup's global batch, whatever the data holds.
+    steps = timing(["--data", str(data)], ["num_train_epochs: 3", "max_steps: 100"])
+    assert steps["max_steps"] == 100 and "max_steps 100" in steps["data"]
+    for row in steps["setups"]:
+        assert row["data_seconds"] == pytest.approx(100 * row["step_s"])
+        assert row["trained_tokens"] == 100 * row["tokens_per_step"]
+    assert main(["estimate", "llama-3-8b", "--num-train-epochs", "2"]) == 2
+    assert "--num-train-epochs 2 multiplies the data's tokens: give the data with --data FILE" in \
+        capsys.readouterr().err

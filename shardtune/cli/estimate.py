@@ -134,6 +134,9 @@ def _job_options(job: argparse._ArgumentGroup) -> None:
     job.add_argument("--pipeline-microbatches", type=int, default=None, metavar="M",
                      help="micro-batches each batch is split into under PP (a divisor of --batch-size; default: "
                           "one row each, as --emit-config writes it)")
+    job.add_argument("--num-train-epochs", type=float, default=None, metavar="N",
+                     help="passes over the data that --time prices (--data FILE or --tokens N, one pass); "
+                          f"turns --time on ({_default('num_train_epochs')})")
     job.add_argument("--attn-implementation", default=None,
                      help=f"{' | '.join(ATTENTION)} ({_default('attn_implementation')})")
 
@@ -174,8 +177,8 @@ def _time_options(tm: argparse._ArgumentGroup) -> None:
                          "(docs/estimator.md says how)")
     data = tm.add_mutually_exclusive_group()
     data.add_argument("--tokens", type=_token_count, default=None, metavar="N",
-                      help=f"trained tokens, e.g. 250M or 2e9, at most {MAX_TOKENS / 1e12:,.0f}T (default: time and "
-                           "cost per billion tokens)")
+                      help=f"tokens in one pass over the data, e.g. 250M or 2e9, at most {MAX_TOKENS / 1e12:,.0f}T "
+                           "(x the job's num_train_epochs; default: time and cost per billion tokens)")
     data.add_argument("--data", default=None, metavar="FILE.jsonl",
                       help="count the tokens of this data file (jsonl, json, parquet, csv): with the model's "
                            "tokenizer when MODEL is a local folder, else about 4 characters a token")
@@ -212,7 +215,7 @@ def _token_count(text: str) -> int:
 
 def wants_time(args: argparse.Namespace) -> bool:
     return bool(args.time or args.tokens or args.data or args.price_per_gpu_hour is not None or args.interconnect
-                or args.inter_node)
+                or args.inter_node or args.num_train_epochs is not None)
 
 
 def time_from_args(args: argparse.Namespace, report, measured=None):
@@ -232,6 +235,12 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
             count = "--num-gpus" if option == "--interconnect" else "--num-nodes"
             raise UsageError(f"{option} {given}: the job runs on {where}, so nothing crosses that link; give "
                              f"{count} (or leave {option} out)")
+    if args.num_train_epochs is not None and not (math.isfinite(args.num_train_epochs) and args.num_train_epochs > 0):
+        raise UsageError(f"--num-train-epochs must be a positive number of passes over the data, e.g. 3 or 0.5 (got "
+                         f"{args.num_train_epochs:g})")
+    if args.num_train_epochs is not None and not (args.data or args.tokens):
+        raise UsageError(f"--num-train-epochs {args.num_train_epochs:g} multiplies the data's tokens: give the data "
+                         f"with --data FILE (or its tokens with --tokens N), or leave --num-train-epochs out")
     data = None
     if args.data:
         read = report.breakdown.setup.config.data

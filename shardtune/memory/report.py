@@ -245,13 +245,39 @@ class TimeReport:
     price_given: bool  # False: the typical list price of the card
     measured: Measured | None = None  # --measured: what 'shardtune bench strategies' measured, to compare
     caution: str | None = None  # host_bound_caution: a small model's step may take longer than the model says
+    epochs: float = 1.0  # the job's num_train_epochs: passes over the data
+    max_steps: int = -1  # the job's max_steps: where positive, the run is that many optimizer steps, whatever the data
+
+    @property
+    def per_billion(self) -> bool:
+        """No data and no step count: time and cost are shown per billion trained tokens."""
+        return self.data is None and self.max_steps <= 0
 
     @property
     def tokens(self) -> int:
-        return self.data.tokens if self.data else PER_TOKENS
+        """The data's tokens: every epoch's pass over it (one pass where max_steps decides; per billion without
+        data)."""
+        if self.data is None:
+            return PER_TOKENS
+        return round(self.data.tokens * self.epochs) if self.max_steps <= 0 else self.data.tokens
+
+    def trained_tokens(self, t: StepTime) -> int:
+        """The tokens the run trains with setup ``t``: max_steps of its global batch, else the data's epochs."""
+        return self.max_steps * t.tokens_per_step if self.max_steps > 0 else self.tokens
 
     def seconds(self, t: StepTime) -> float:
-        return t.seconds_for(self.tokens)
+        return self.max_steps * t.step_s if self.max_steps > 0 else t.seconds_for(self.tokens)
+
+    def data_text(self) -> str:
+        """What the time and cost are of, as the notes and the figure say it."""
+        if self.max_steps > 0:
+            return (f"max_steps {self.max_steps:,}: that many optimizer steps of each setup's global batch"
+                    + (", whatever the data holds" if self.data else ""))
+        if self.data is None:
+            return "per billion trained tokens"
+        if self.epochs == 1:
+            return self.data.describe()
+        return f"{self.data.describe()} x {self.epochs:g} epochs (num_train_epochs) = {self.tokens:,} tokens"
 
     def cost(self, t: StepTime) -> float | None:
         if self.price_per_gpu_hour is None:
@@ -291,7 +317,9 @@ def time_report(r: Report, links: Links, data: DataTokens | None = None, price_p
             for b in compared]
     given = price_per_gpu_hour is not None
     price = price_per_gpu_hour if given else TYPICAL_PRICE_PER_GPU_HOUR.get(r.gpu.name)
-    return TimeReport(rows, links, data, price, given, measured, host_bound_caution(r))
+    run = r.breakdown.setup.config.run
+    return TimeReport(rows, links, data, price, given, measured, host_bound_caution(r), run.num_train_epochs,
+                      run.max_steps)
 
 
 def time_to_dict(t: TimeReport, gpu: Gpu) -> dict:
@@ -299,14 +327,17 @@ def time_to_dict(t: TimeReport, gpu: Gpu) -> dict:
         "data_tokens": t.tokens,
         "data_tokens_counted": None if t.data is None else "given" if not t.data.rows else
         "tokenizer" if t.data.exact else "approximate (4 characters per token)",
-        "data": t.data.describe() if t.data else f"per {PER_TOKENS:,} tokens",
+        "data": t.data_text(),
+        "num_train_epochs": t.epochs,
+        "max_steps": t.max_steps,
         "price_per_gpu_hour": t.price_per_gpu_hour,
         "price_source": "given" if t.price_given else f"typical on-demand list price ({PRICES_AS_OF})"
         if t.price_per_gpu_hour is not None else "none known for this GPU: give --price-per-gpu-hour",
         "links": {"intra_node": t.links.intra.name, "inter_node": t.links.inter.name, "host": t.links.host.name},
         "overlap": OVERLAP,
         "setups": [{"setup": b.setup.label(), "fits": b.fits(gpu.memory_bytes), **st.to_dict(),
-                    "data_seconds": t.seconds(st), "cost_usd": t.cost(st), **_against_measured(t, st)}
+                    "trained_tokens": t.trained_tokens(st), "data_seconds": t.seconds(st), "cost_usd": t.cost(st),
+                    **_against_measured(t, st)}
                    for b, st in t.rows],
         "measured_file": t.measured.path if t.measured else None,
         "caution": t.caution,
@@ -375,7 +406,7 @@ def _mfu(mfu: float) -> str:
 
 def time_table(r: Report, t: TimeReport) -> Table:
     """Every compared setup's step time, speed, MFU, and the data set's time and cost; fits 80 columns."""
-    per = "" if t.data else " /1B tok"
+    per = " /1B tok" if t.per_billion else ""
     table = Table(title="Time and cost side by side", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1), collapse_padding=True)
     for col in ("setup", "fits", "step", "tokens/s", "MFU", "time" + per, "cost" + per):
@@ -418,7 +449,7 @@ def host_bound_caution(r: Report) -> str | None:
 def time_notes(r: Report, t: TimeReport) -> list[str]:
     s = r.breakdown.setup
     accum = s.gradient_accumulation_steps
-    lines = [f"data: {t.data.describe()}." if t.data else
+    lines = [f"data: {t.data_text()}." if not t.per_billion else
              "data: per billion trained tokens (--tokens N or --data FILE for yours).",
              f"step: micro-batch {s.batch_size} x {s.seq_len} tokens x {accum} accumulation step"
              f"{'s' if accum > 1 else ''} per GPU" + (f"; MFU counts all {s.world_size} GPUs of a setup."
@@ -461,7 +492,7 @@ def time_figure(r: Report, t: TimeReport):
     FigureCanvasAgg(fig)
     names = [short_label(b.setup).replace(" ", "\n", 1) for b, _ in t.rows]
     fits = [b.fits(r.gpu.memory_bytes) for b, _ in t.rows]
-    per = "" if t.data else " per 1B tokens"
+    per = " per 1B tokens" if t.per_billion else ""
     seconds = [t.seconds(st) for _, st in t.rows]
     panels = [("time" + per + " (hours)", [x / 3600 for x in seconds], [duration(x) for x in seconds], "#4c72b0")]
     if t.price_per_gpu_hour is not None:
@@ -486,7 +517,7 @@ def time_figure(r: Report, t: TimeReport):
         ax.set_title(title, fontsize=10)
         ax.set_ylim(0, max(values) * 1.25 or 1)
     s = r.breakdown.setup
-    data = t.data.describe() if t.data else "per billion tokens"
+    data = t.data_text()
     fig.suptitle(f"{r.inventory.name}, {s.method}, {s.world_size} x {r.gpu.label or r.gpu.name}: {data}", fontsize=10)
     return fig
 
