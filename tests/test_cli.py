@@ -302,3 +302,52 @@ def test_an_instruction_tuned_variants_hub_id_is_estimated_with_its_base_models_
         assert catalog.variant_of(name) is None
     assert main(["estimate", "mistralai/Mistral-7B-Instruct-v0.3"]) == 2
     assert "unknown model 'mistralai/Mistral-7B-Instruct-v0.3'" in capsys.readouterr().err
+
+
+def _cache_config(cache, repo_id: str, config: dict) -> None:
+    """``repo_id``'s config.json in a Hugging Face cache laid out as 'hf download REPO config.json' leaves it."""
+    root, revision = cache / f"models--{repo_id.replace('/', '--')}", "0" * 40
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(revision)
+    (root / "snapshots" / revision).mkdir(parents=True)
+    (root / "snapshots" / revision / "config.json").write_text(json.dumps(config))
+
+
+def test_a_hub_model_whose_config_the_local_cache_holds_is_estimated_with_it(tmp_path, capsys, monkeypatch):
+    """A hub id outside the catalog was 'unknown model' even with its config.json in the local Hugging Face cache,
+    where 'shardtune train' loads it from; and a cached instruct variant was counted as its catalog base."""
+    import huggingface_hub
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardtune.testing.tiny import tiny_llama_config
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    config = tiny_llama_config(512, num_layers=3, hidden_size=96, intermediate_size=256).to_dict()
+    _cache_config(cache, "someone/tiny-chat", config)
+    built = AutoModelForCausalLM.from_config(tiny_llama_config(512, num_layers=3, hidden_size=96,
+                                                               intermediate_size=256))
+    out = run_json(capsys, ["someone/tiny-chat", "--strategy", "NO"])
+    assert out["model"] == "someone/tiny-chat"
+    assert out["parameters"] == out["trainable_parameters"] == sum(p.numel() for p in built.parameters())
+    # fp32 master weights, and the state torch's AdamW keeps after a step, as the estimate counts it: its moments
+    # (the 0-d step tensors stay on the CPU unless capturable, so they take no GPU memory)
+    optimizer = torch.optim.AdamW(built.parameters())
+    for p in built.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    moments = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+                  if t.dim() > 0)
+    assert out["items"][0]["label"] == "weights" and out["items"][0]["bytes"] == 4 * out["parameters"]
+    assert next(i["bytes"] for i in out["items"] if i["category"] == "optimizer") == moments
+    # A variant's own cached config is read, not its catalog base's (Llama-3.1-8B's 8.03B), and no note says so.
+    _cache_config(cache, "meta-llama/Llama-3.1-8B-Instruct", config)
+    assert main(["estimate", "meta-llama/Llama-3.1-8B-Instruct", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["parameters"] == out["parameters"] and "base model's config" not in captured.err
+    # Not in the cache: the error says how to put its config there.
+    assert main(["estimate", "someone/other-model"]) == 2
+    assert "'hf download someone/other-model config.json' puts its config in the local Hugging Face cache" in \
+        capsys.readouterr().err

@@ -53,6 +53,11 @@ def _lower_names() -> dict[str, str]:
 VARIANT_WORDS = ("instruct", "it", "chat")
 
 
+def is_catalog_model(name: str) -> bool:
+    """Whether ``name`` is a catalog model's own name or Hugging Face id (in any case), not a variant's id."""
+    return name in names() or _by_id(name) is not None
+
+
 def variant_of(name: str) -> str | None:
     """The Hugging Face id of the base model in the catalog whose instruction-tuned variant the id ``name`` is, by
     its owner's naming (``name`` without its -Instruct, -it or -chat part); None where ``name`` is no hub id, is in
@@ -72,9 +77,11 @@ def load(name: str) -> dict:
     if name not in names():
         hint = closest(name, names())
         did_you_mean = f"did you mean '{hint}'? " if hint else ""
+        hub = (f"'hf download {name} config.json' puts its config in the local Hugging Face cache (no weights), "
+               f"which the estimate reads; " if name.count("/") == 1 else "")
         raise UsageError(
-            f"unknown model '{name}': not a catalog name, a local folder or a config.json; "
-            f"{did_you_mean}run 'shardtune estimate --list' to see the catalog."
+            f"unknown model '{name}': not a catalog name, a local folder, a config.json or a hub model in the local "
+            f"Hugging Face cache; {did_you_mean}{hub}run 'shardtune estimate --list' to see the catalog."
         )
     return {k: v for k, v in _read(name).items() if k != META_KEY}
 

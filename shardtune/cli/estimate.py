@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                              "of the job 'shardtune train' runs with none.")
     p.add_argument("model", nargs="?", metavar="MODEL",
                    help="a catalog name or its Hugging Face id (an -Instruct/-it/-chat variant's id too), a local "
-                        "model folder, its config.json, or a GGUF file")
+                        "model folder, its config.json, a GGUF file, or a hub id whose config.json the local Hugging "
+                        "Face cache holds ('hf download ID config.json')")
     p.add_argument("--list", action="store_true", help="print the catalog of known models and exit")
     p.add_argument("--config", action="append", default=[], metavar="FILE",
                    help="estimate exactly the job these files describe: a shardtune/TRL YAML recipe, an Accelerate "
@@ -551,7 +552,10 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         setup, auto = setup_from_args(args)
     _check_seq_len(args.model, setup.seq_len, "max_seq_len" if args.config else "--seq-len")
-    if not Path(args.model).expanduser().exists() and (base := catalog.variant_of(args.model)):
+    from shardtune.memory.inventory import cached_hub_config
+
+    if (not Path(args.model).expanduser().exists() and (base := catalog.variant_of(args.model))
+            and not cached_hub_config(args.model)):
         print(f"note: {args.model} is estimated with its base model's config (catalog {catalog.canonical(base)}, "
               f"{base}): an instruction-tuned variant keeps its base's architecture; give its config.json for its "
               f"own", file=sys.stderr)
@@ -627,8 +631,12 @@ def _as_run_on(setup: Setup, gpu: Gpu, *, recipe: bool) -> Setup:
 def _model_number(model: str, from_config, from_model) -> tuple[int, str] | None:
     """A number of MODEL's architecture and where it was read (hub's ``config_context_length``/``context_length``
     pairs): from the catalog's config for a catalog name, else from the model itself."""
+    from shardtune.memory.inventory import cached_hub_config
+
     name = catalog.canonical(model)
-    return from_config(catalog.load(name), f"catalog {name}") if name in catalog.names() else from_model(model)
+    if name in catalog.names() and not cached_hub_config(model):
+        return from_config(catalog.load(name), f"catalog {name}")
+    return from_model(model)
 
 
 def _check_seq_len(model: str, seq_len: int, option: str) -> None:

@@ -128,8 +128,8 @@ def _read_json(path: Path) -> dict:
 
 
 def load_config_dict(model: str) -> tuple[str, dict]:
-    """Resolve MODEL (catalog name, local folder, config.json path, or GGUF file) to a display name and a config
-    dict."""
+    """Resolve MODEL (catalog name or id, local folder, config.json path, GGUF file, or a hub model whose config.json
+    the local Hugging Face cache holds) to a display name and a config dict."""
     path = Path(model).expanduser()
     if gguf := find_gguf(path):
         return gguf.path.stem, gguf_config_dict(gguf)
@@ -142,7 +142,20 @@ def load_config_dict(model: str) -> tuple[str, dict]:
         return path.parent.name if path.name == "config.json" else path.stem, _read_json(path)
     if path.suffix == ".json" or model.startswith((".", "/", "~")):
         raise UsageError(f"{model}: no such file or folder.")
+    if cached := cached_hub_config(model):
+        return model, _read_json(cached)
     return catalog.canonical(model), catalog.load(model)
+
+
+def cached_hub_config(model: str) -> Path | None:
+    """The cached config.json the estimate reads for the hub id ``model``: where it is no catalog model's own name
+    or id (the catalog's copy is that config) and the local Hugging Face cache holds it (an instruction-tuned
+    variant's own config, then, rather than its catalog base's)."""
+    from shardtune.hub import cached_config_file
+
+    if catalog.is_catalog_model(model):
+        return None
+    return cached_config_file(model)
 
 
 def gguf_config_dict(gguf: GgufFile) -> dict:

@@ -162,7 +162,6 @@ def _model_config(cfg: TrainConfig):
     Hugging Face id of a catalog model (what ``--emit-config`` writes), read from the catalog without the hub."""
     from transformers import AutoConfig
 
-    from shardtune import catalog
     from shardtune.gguf_source import find_gguf
     from shardtune.memory.inventory import build_config, load_config_dict
 
@@ -170,7 +169,7 @@ def _model_config(cfg: TrainConfig):
     path = Path(model).expanduser()
     if path.is_dir() and not find_gguf(path):  # a GGUF's config is read from its metadata below
         return AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-    name, config_dict = load_config_dict(catalog.canonical(model))
+    name, config_dict = load_config_dict(model)
     return build_config(config_dict, name)
 
 
