@@ -112,6 +112,25 @@ def test_what_would_fit_when_nothing_does(capsys):
     assert host > 100 and f"It keeps {host:,.0f} GiB per node in host RAM: check that each node" in rec["reason"]
 
 
+def test_what_would_fit_names_each_lighter_method_as_it_would_run(capsys):
+    """Full fine-tuning of Llama-3.1-70B on two RTX 4090s without checkpointing: the one change offered was a
+    smaller micro-batch with checkpointing and CPU offload, 1 TB of host RAM; LoRA and QLoRA were tried only as
+    asked (micro-batch 8, no checkpointing), so the QLoRA that fits with 38 GiB of host RAM went unsaid. Each lighter
+    method is now offered as it would run, and its figure is what estimating that job says."""
+    job = ["llama-3.1-70b", "--gpu", "rtx4090", "--num-gpus", "2", "--no-gradient-checkpointing"]
+    rec = run_json(capsys, job)["recommendation"]
+    assert not rec["fits"]
+    qlora = next(line for line in rec["suggestions"] if line.startswith("--method qlora"))
+    assert qlora.startswith("--method qlora and --gradient-checkpointing with FSDP FULL_SHARD + CPU offload at "
+                            "micro-batch 4 x 2 accumulation steps (")
+    held = run_json(capsys, ["llama-3.1-70b", "--gpu", "rtx4090", "--num-gpus", "2", "--method", "qlora",
+                             "--gradient-checkpointing", "--strategy", "FSDP", "--offload-params", "--batch-size", "4",
+                             "--gradient-accumulation-steps", "2"])
+    assert held["fits"] and qlora.endswith(f"({held['nvidia_smi_bytes'] / 2**30:.1f} GiB, "
+                                           f"{held['cpu_bytes_per_node'] / 2**30:,.0f} GiB of host RAM per node)")
+    assert any(line.startswith("--method lora and --gradient-checkpointing with ") for line in rec["suggestions"])
+
+
 def test_what_would_fit_on_a_card_without_bf16_names_fp16(capsys):
     """A T4 trains in fp32 by default; fp16 mixed precision halves the activations, and was never among the
     changes offered where nothing fits. Its figure is what estimating that job says."""

@@ -429,12 +429,29 @@ def what_would_fit(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> list[str]:
         if hit := _first_fit(analysis, candidates(base.with_(mixed_precision=half), analysis=analysis), gpu):
             out.append(f"--mixed-precision {half} with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
     for method in LIGHTER[base.method]:
-        if hit := _first_fit(analysis, candidates(base.with_(method=method), analysis=analysis), gpu):
-            out.append(f"--method {method} with {hit[0].label()} ({_gib_on_gpu(hit[1])})")
-            break
+        if hit := next(filter(None, (_fitting(analysis, asked.with_(method=method), gpu) for asked in as_asked)),
+                       None):
+            fitted, breakdown = hit
+            also = " and --gradient-checkpointing" if fitted.gradient_checkpointing != base.gradient_checkpointing \
+                else ""
+            batch = (f" at micro-batch {fitted.batch_size} x {fitted.gradient_accumulation_steps} accumulation steps"
+                     if fitted.batch_size != base.batch_size else "")
+            out.append(f"--method {method}{also} with {fitted.label()}{batch} ({_gib_on_gpu(breakdown)})")
     if hit := _more_gpus(analysis, base, gpu):
         out.append(hit)
     return out or ["nothing within 4096 GPUs of this size: pick a smaller model or a GPU with more memory"]
+
+
+def _fitting(analysis: ModelAnalysis, asked: Setup, gpu: Gpu) -> tuple[Setup, Breakdown] | None:
+    """A setup of ``asked``'s job that fits, in the recommender's order: on the GPUs alone at the asked micro-batch,
+    then at a smaller one keeping the global batch, then the same with a last resort (CPU offload, model parallel);
+    with its breakdown, or None where none fits."""
+    options = candidates(asked, analysis=analysis)
+    for group in ([s for s in options if not _last_resort(s)], [s for s in options if _last_resort(s)]):
+        if hit := _first_fit(analysis, group, gpu) or next(
+                filter(None, (_at_smaller_micro_batch(analysis, s, gpu) for s in group)), None):
+            return hit
+    return None
 
 
 def _more_gpus(analysis: ModelAnalysis, base: Setup, gpu: Gpu) -> str | None:
