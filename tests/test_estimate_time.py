@@ -761,6 +761,8 @@ def test_the_jobs_epochs_and_max_steps_price_the_run(tmp_path, capsys, monkeypat
     for row in steps["setups"]:
         assert row["data_seconds"] == pytest.approx(100 * row["step_s"])
         assert row["trained_tokens"] == 100 * row["tokens_per_step"]
+    # The recipe's own data file, with --time alone: counted as --data counts it.
+    assert timing(["--time"], ["num_train_epochs: 3"])["setups"] == three["setups"]
     assert main(["estimate", "llama-3-8b", "--num-train-epochs", "2"]) == 2
     assert "--num-train-epochs 2 multiplies the data's tokens: give the data with --data FILE" in \
         capsys.readouterr().err

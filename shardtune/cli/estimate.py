@@ -182,7 +182,8 @@ def _time_options(tm: argparse._ArgumentGroup) -> None:
                            "(x the job's num_train_epochs; default: time and cost per billion tokens)")
     data.add_argument("--data", default=None, metavar="FILE.jsonl",
                       help="count the tokens of this data file (jsonl, json, parquet, csv): with the model's "
-                           "tokenizer when MODEL is a local folder, else about 4 characters a token")
+                           "tokenizer when MODEL is a local folder, else about 4 characters a token (default with "
+                           "--config: the recipe's dataset_name, where it is a local data file)")
     tm.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="USD",
                     help=f"what one GPU costs per hour (default: a typical on-demand list price, {PRICES_AS_OF})")
     tm.add_argument("--interconnect", default=None, metavar="NAME",
@@ -223,7 +224,7 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
     """The --time report for ``report``: links, data and price as the options say."""
     from shardtune.hardware import host_link, inter_node_link, intra_node_link
     from shardtune.memory.report import time_report
-    from shardtune.memory.timing import Links, count_data_tokens
+    from shardtune.memory.timing import Links
 
     if args.price_per_gpu_hour is not None and args.price_per_gpu_hour < 0:
         raise UsageError(f"--price-per-gpu-hour must be 0 or more US dollars (got {args.price_per_gpu_hour:g}).")
@@ -236,21 +237,8 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
             count = "--num-gpus" if option == "--interconnect" else "--num-nodes"
             raise UsageError(f"{option} {given}: the job runs on {where}, so nothing crosses that link; give "
                              f"{count} (or leave {option} out)")
-    if args.num_train_epochs is not None and not (math.isfinite(args.num_train_epochs) and args.num_train_epochs > 0):
-        raise UsageError(f"--num-train-epochs must be a positive number of passes over the data, e.g. 3 or 0.5 (got "
-                         f"{args.num_train_epochs:g})")
-    if args.num_train_epochs is not None and not (args.data or args.tokens):
-        raise UsageError(f"--num-train-epochs {args.num_train_epochs:g} multiplies the data's tokens: give the data "
-                         f"with --data FILE (or its tokens with --tokens N), or leave --num-train-epochs out")
-    data = None
-    if args.data:
-        read = report.breakdown.setup.config.data
-        data = count_data_tokens(args.data, args.model, report.breakdown.setup.seq_len, read.dataset_text_field,
-                                 read.data_format, read.alpaca_as_chat)
-    elif args.tokens:
-        from shardtune.memory.timing import DataTokens
+    data = _data_tokens(args, report)
 
-        data = DataTokens(args.tokens)
     def recipe_fix() -> str:  # the key to change is the files' own; read again only for the refusal
         from shardtune.config.loading import key_origins
 
@@ -260,6 +248,30 @@ def time_from_args(args: argparse.Namespace, report, measured=None):
 
     return time_report(report, links, data, args.price_per_gpu_hour, measured=measured,
                        fix=recipe_fix if args.config else None)
+
+
+def _data_tokens(args: argparse.Namespace, report):
+    """The tokens of one pass over the data --time prices: --data's file counted, --tokens as given, or else the
+    data file a --config recipe trains on (its dataset_name); None where there is none (per billion tokens)."""
+    from shardtune.hub import data_file_kind
+    from shardtune.memory.timing import DataTokens, count_data_tokens
+
+    if args.num_train_epochs is not None and not (math.isfinite(args.num_train_epochs) and args.num_train_epochs > 0):
+        raise UsageError(f"--num-train-epochs must be a positive number of passes over the data, e.g. 3 or 0.5 (got "
+                         f"{args.num_train_epochs:g})")
+    if args.num_train_epochs is not None and not (args.data or args.tokens):
+        raise UsageError(f"--num-train-epochs {args.num_train_epochs:g} multiplies the data's tokens: give the data "
+                         f"with --data FILE (or its tokens with --tokens N), or leave --num-train-epochs out")
+    if args.tokens:
+        return DataTokens(args.tokens)
+    read = report.breakdown.setup.config.data
+    data, named = args.data, read.dataset_name
+    if not data and args.config and named and data_file_kind(named) and Path(named).expanduser().is_file():
+        data = named  # the file the recipe trains on, read from where train reads it
+    if not data:
+        return None
+    return count_data_tokens(data, args.model, report.breakdown.setup.seq_len, read.dataset_text_field,
+                             read.data_format, read.alpaca_as_chat)
 
 
 ACCELERATE_KEYS = {"compute_environment", "fsdp_config", "deepspeed_config", "machine_rank", "num_machines",
