@@ -177,6 +177,24 @@ def test_estimate_config_of_a_launcher_file_alone_needs_no_data(tmp_path, capsys
         assert from_files["per_gpu"] == json.loads(capsys.readouterr().out)["per_gpu"]
 
 
+def test_estimate_config_of_a_deepspeed_file_says_what_it_became_as_train_does(tmp_path, capsys):
+    """A DeepSpeed JSON offloading the optimizer alone (ZeRO-2) is estimated as FSDP offloading parameters,
+    gradients and optimizer together: train prints that mapping at start, estimate --config printed nothing, so its
+    '+ CPU offload' and 120 GiB of host RAM came without a word of where they came from."""
+    from shardtune.cli import main
+    from shardtune.config.loading import deepspeed_mappings
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    assert main(["estimate", "llama-3.2-1b", "--num-gpus", "4", "--config", str(ds), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["setup"]["offload_params"] is True
+    ((source, lines),) = deepspeed_mappings(["--deepspeed", str(ds)])
+    said = [f"DeepSpeed config {source}, as shardtune runs it:", *(f"  {line}" for line in lines)]
+    assert captured.err.splitlines() == said
+    assert "zero_optimization.offload_optimizer.device cpu -> fsdp_offload_params true" in captured.err
+
+
 @pytest.mark.parametrize("options", [["--offload-params"], ["--sharding-strategy", "SHARD_GRAD_OP"],
                                      ["--sharding-strategy", "HYBRID_SHARD", "--num-gpus", "8", "--num-nodes", "2"]])
 def test_an_fsdp_option_estimates_fsdp_without_strategy(options, capsys):

@@ -256,3 +256,21 @@ def load_job_config(argv: list[str], notes: list[str] | None = None) -> TrainCon
         problems.append(problem)
     raise_problems(repeated + problems)
     return cfg
+
+
+def print_config_notes(notes: list[str], argv: list[str]) -> None:
+    """Rank 0: what a DeepSpeed config became (config/deepspeed.py), one line per key, before anything runs; and
+    ``notes``, the keys a later setting turned off (set back to their defaults). On stderr, so that a command's
+    JSON stays one document."""
+    import os
+
+    from shardtune.config.loading import deepspeed_mappings
+
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    for source, lines in deepspeed_mappings(argv):
+        print(f"DeepSpeed config {source}, as shardtune runs it:", file=sys.stderr)
+        for line in lines:
+            print(f"  {line}", file=sys.stderr)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from shardtune import catalog
-from shardtune.cli.common import check_output_file
+from shardtune.cli.common import check_output_file, print_config_notes
 from shardtune.config.deepspeed import is_deepspeed_json
 from shardtune.config.schema import DATASET_PLACEHOLDER, LoraConfig, TrainConfig, published_defaults
 from shardtune.errors import UsageError
@@ -342,8 +342,7 @@ def setup_from_config_files(args: argparse.Namespace) -> Setup:
                          f"estimate MODEL --config ...'), or set model_name_or_path in the recipe")
     notes: list[str] = []
     cfg = load_planned_config(argv, notes)
-    for note in notes:  # what train says at start of the same files (stderr: --json stays one document)
-        print(f"note: {note}", file=sys.stderr)
+    print_config_notes(notes, argv)  # what train says at start of the same files
     args.model = cfg.model.model_name_or_path
     d = cfg.distributed
     if d.distributed_type == "MP" and not d.mp_devices:

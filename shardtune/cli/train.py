@@ -14,7 +14,8 @@ import argparse
 import os
 import sys
 
-from shardtune.cli.common import TRAIN_HELP, leave_out_bitsandbytes_unless, load_job_config, plain, sigterm_raises
+from shardtune.cli.common import (TRAIN_HELP, leave_out_bitsandbytes_unless, load_job_config, plain, print_config_notes,
+                                  sigterm_raises)
 from shardtune.errors import UsageError, first_line
 from shardtune.strategies import resolve
 
@@ -146,21 +147,6 @@ def refuse_processes_without_launcher(cfg, argv: list[str]) -> None:
                          f"reads {'these' if len(given) > 1 else 'this'} to "
                          f"start a job's processes, and shardtune train alone starts none; run shardtune launch ... "
                          f"train ..., or leave {'them' if len(given) > 1 else 'it'} out")
-
-
-def print_config_notes(notes: list[str], argv: list[str]) -> None:
-    """Rank 0: what a DeepSpeed config became (config/deepspeed.py), one line per key, before anything runs; and
-    ``notes``, the keys a later setting turned off (set back to their defaults)."""
-    from shardtune.config.loading import deepspeed_mappings
-
-    if os.environ.get("RANK", "0") != "0":
-        return
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    for source, lines in deepspeed_mappings(argv):
-        print(f"DeepSpeed config {source}, as shardtune runs it:", file=sys.stderr)
-        for line in lines:
-            print(f"  {line}", file=sys.stderr)
 
 
 def job_callbacks(cfg) -> list:
