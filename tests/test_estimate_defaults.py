@@ -70,6 +70,23 @@ def test_the_header_states_trains_defaults(tiny_model, capsys):
                 "adamw_torch, gradient checkpointing on, sdpa attention)" in out)
 
 
+@pytest.mark.parametrize("loss, words", [
+    ("full", "transformers' loss, whole fp32 logits"),
+    ("full-shifted", "transformers <= 4.44's loss, fp32 logits and a shifted copy"),
+    ("chunked", "torchtune's chunked loss")])
+def test_another_loss_than_trains_is_not_called_trains_defaults(loss, words, capsys):
+    """--loss full counts transformers' whole fp32 logits (Llama-3.1-8B LoRA: 52.9 GiB, where train's fused loss
+    needs 28.3), and the header still said 'what shardtune train runs with no flags': it now names the loss."""
+    assert shardtune_main(["estimate", "llama-3.1-8b", "--method", "lora", "--loss", loss, "--json"]) == 0
+    other = json.loads(capsys.readouterr().out)["per_gpu"]["total"]
+    assert shardtune_main(["estimate", "llama-3.1-8b", "--method", "lora", "--json"]) == 0
+    assert other >= json.loads(capsys.readouterr().out)["per_gpu"]["total"] * (1.5 if loss == "full" else 1)
+    assert shardtune_main(["estimate", "llama-3.1-8b", "--method", "lora", "--loss", loss]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"sdpa attention, {words} (--loss {loss}) (shardtune train with no flags runs: " in out
+    assert "(what shardtune train runs with no flags)" not in out
+
+
 def test_a_recipe_that_compiles_or_runs_liger_is_not_called_trains_defaults(tiny_model, tmp_path, capsys):
     # torch_compile and use_liger_kernel change what train runs: the header names them (and no longer says "what
     # shardtune train runs with no flags"), the JSON carries them, and the header says how memory counts them.

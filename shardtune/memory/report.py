@@ -136,7 +136,14 @@ def training_words(s: Setup) -> str:
             f"{'on' if s.gradient_checkpointing else 'off'}"
             f"{' (inputs offloaded to CPU)' if s.activation_offloading else ''}, {s.attn_implementation} attention"
             f"{f', torch_compile ({s.torch_compile})' if s.torch_compile else ''}"
-            f"{', Liger kernels' if s.use_liger_kernel else ''}")
+            f"{', Liger kernels' if s.use_liger_kernel else ''}"
+            f"{f', {OTHER_LOSSES[s.loss]} (--loss {s.loss})' if s.loss in OTHER_LOSSES else ''}")
+
+
+# The losses --loss counts besides shardtune train's own (fused with the head, no logits kept), as the header says
+# them: a job with one of them is not the one train runs.
+OTHER_LOSSES = {"full": "transformers' loss, whole fp32 logits", "full-shifted": "transformers <= 4.44's loss, "
+                "fp32 logits and a shifted copy", "chunked": "torchtune's chunked loss"}
 
 
 # Said under the header where the job compiles its layers or runs Liger's kernels: the trace and the formula follow
