@@ -159,6 +159,16 @@ ZERO_STAGES: dict[int, tuple[Strategy, str | None]] = {
     0: (DDP, None), 1: (FSDP, "SHARD_GRAD_OP"), 2: (FSDP, "SHARD_GRAD_OP"), 3: (FSDP, "FULL_SHARD")}
 
 
+def zero_mapping(stage: int) -> str:
+    """What ZeRO stage ``stage`` runs as, in words: "ZeRO-2 -> FSDP SHARD_GRAD_OP" (with why for ZeRO-1)."""
+    strategy, sharding = ZERO_STAGES[stage]
+    name = f"ZeRO-{stage}" if stage else "ZeRO-0 (off)"
+    target = f"{strategy.name} {sharding}" if sharding else strategy.name
+    note = (" (ZeRO-1 shards only optimizer states; SHARD_GRAD_OP also shards gradients: less memory, same "
+            "traffic)") if stage == 1 else ""
+    return f"{name} -> {target}{note}"
+
+
 def zero_stage(name: str) -> int | None:
     """The ZeRO stage that ``name`` spells (zero3, ZeRO-3, zero_3, ZERO3), or None when it spells none."""
     key = str(name).lower().replace("-", "").replace("_", "")

@@ -216,6 +216,16 @@ def test_zero_stage_names_map_to_fsdp(capsys):
     assert zero2["setup"]["sharding_strategy"] == "SHARD_GRAD_OP"
 
 
+def test_a_zero_stage_says_what_it_runs_as(capsys):
+    """--strategy zero1 was estimated as FSDP SHARD_GRAD_OP without a word, where a DeepSpeed file's ZeRO-1 says at
+    start that it runs so (FSDP has no optimizer-only sharding): the same line is said on stderr."""
+    assert main(["estimate", "llama-3-8b", "--num-gpus", "8", "--strategy", "zero1", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["setup"]["sharding_strategy"] == "SHARD_GRAD_OP"
+    assert captured.err == ("note: --strategy zero1: ZeRO-1 -> FSDP SHARD_GRAD_OP (ZeRO-1 shards only optimizer "
+                            "states; SHARD_GRAD_OP also shards gradients: less memory, same traffic)\n")
+
+
 def test_a_zero_stage_beside_another_sharding_strategy_is_refused_naming_both(capsys):
     """--strategy zero3 --sharding-strategy SHARD_GRAD_OP estimated FULL_SHARD, the sharding option dropped without
     a word; the same sharding spelled either way is still taken."""

@@ -19,7 +19,8 @@ from shardtune.hardware import (DEFAULT_GPU, GPUS, INTER_NODE_LINKS, INTRA_NODE_
 from shardtune.memory.report import Report, TimeReport, estimate_report
 from shardtune.memory.setup import (ATTENTION, LOSSES, METHODS, MIXED_PRECISIONS, OPTIMIZERS, SHARDING_STRATEGIES,
                                     Setup, normalize_sharding, validate)
-from shardtune.strategies import DDP, FSDP, NAMES, NO, ZERO_STAGES, no_as_ddp, strategy_named, zero_stage
+from shardtune.strategies import (DDP, FSDP, NAMES, NO, ZERO_STAGES, no_as_ddp, strategy_named, zero_mapping,
+                                  zero_stage)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -374,6 +375,7 @@ def setup_from_args(args: argparse.Namespace) -> tuple[Setup, bool]:
     if stage is not None:
         keys["distributed_type"], sharding = ZERO_STAGES[stage]
         _check_zero_sharding(args, sharding)
+        print(f"note: --strategy {args.strategy}: {zero_mapping(stage)}", file=sys.stderr)  # as train says a file's
         keys.update({"fsdp_sharding_strategy": sharding} if sharding else {})
     elif auto:  # what is estimated first; the recommender then compares the candidates
         keys["distributed_type"] = FSDP if args.num_gpus * args.num_nodes > 1 else NO

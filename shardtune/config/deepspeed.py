@@ -25,7 +25,7 @@ from shardtune.config.keys import parse_bool
 from shardtune.config.schema import all_keys
 from shardtune.config.yaml_keys import repeated_key_line, repeated_keys
 from shardtune.errors import UsageError
-from shardtune.strategies import ZERO_STAGES
+from shardtune.strategies import ZERO_STAGES, zero_mapping
 
 # DeepSpeed-engine tuning with no FSDP2 counterpart: speed and logging, never the math. Accepted and listed.
 TUNING = {"overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
@@ -262,11 +262,7 @@ def _zero(out: Mapped, block: Any) -> None:
         out.decide("zero_optimization.stage", "distributed_type", strategy.name)
         if sharding:
             out.decide("zero_optimization.stage", "fsdp_sharding_strategy", sharding)
-        name = f"ZeRO-{stage}" if stage else "ZeRO-0 (off)"
-        target = f"{strategy.name} {sharding}" if sharding else strategy.name
-        note = (" (ZeRO-1 shards only optimizer states; SHARD_GRAD_OP also shards gradients: less memory, same "
-                "traffic)") if stage == 1 else ""
-        out.lines.append(f"zero_optimization.stage {stage}: {name} -> {target}{note}")
+        out.lines.append(f"zero_optimization.stage {stage}: {zero_mapping(stage)}")
     for key, value in block.items():
         if key == "stage":
             continue
