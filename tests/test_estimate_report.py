@@ -335,6 +335,21 @@ def test_pipeline_parallel_asked_for_is_compared_and_named_by_the_recommendation
     assert "PP" not in [row["strategy"] for row in json.loads(capsys.readouterr().out)["strategies"]]
 
 
+def test_the_batch_plan_line_agrees_with_its_json(capsys):
+    """--find-batch-size printed 'x 1 accumulation steps' where the plan keeps one: the line now says each figure of
+    --json's batch_plan in words that read."""
+    asked = ["estimate", "llama-3.1-8b", "--method", "lora", "--num-gpus", "4", "--find-batch-size"]
+    assert main([*asked, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["batch_plan"]
+    assert plan["gradient_accumulation_steps"] == 1
+    assert main(asked) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    line = (f"batch: micro-batch {plan['micro_batch_size']} per GPU x 1 accumulation step = global batch "
+            f"{plan['global_batch_size']} (asked {plan['requested_global_batch_size']}; at most "
+            f"{plan['largest_fitting_micro_batch']} fits per GPU, {plan['roomy_micro_batch']} with more to spare")
+    assert line in text
+
+
 def test_a_largest_micro_batch_at_the_search_limit_reads_as_no_limit(capsys):
     """Pipeline parallel keeps one row per stage in flight, so any micro-batch fits and the search stops at its
     limit: the table said "max b 4096" and --find-batch-size "at most 4096 fits per GPU", a limit that is none.

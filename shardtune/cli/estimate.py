@@ -712,8 +712,9 @@ def _print_tables(report: Report, timed: TimeReport | None, extras: dict) -> Non
         print(render_text(extras["trace"], extras["trace"]["formula_peak_bytes"]))
     if "batch_plan" in extras:
         bp = extras["batch_plan"]
-        print(f"batch: micro-batch {bp['micro_batch_size']} per GPU x {bp['gradient_accumulation_steps']} "
-              f"accumulation steps = global batch {bp['global_batch_size']} (asked "
+        steps = bp["gradient_accumulation_steps"]
+        print(f"batch: micro-batch {bp['micro_batch_size']} per GPU x {steps} accumulation "
+              f"step{'s' if steps != 1 else ''} = global batch {bp['global_batch_size']} (asked "
               f"{bp['requested_global_batch_size']}; {_most_that_fits(bp)})")
     if "emitted_config" in extras:
         emitted, job = extras["emitted_config"], report.breakdown.setup
