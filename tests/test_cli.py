@@ -380,3 +380,22 @@ def test_a_hub_model_whose_config_the_local_cache_holds_is_estimated_with_it(tmp
     assert main(["estimate", "someone/other-model"]) == 2
     assert "'hf download someone/other-model config.json' puts its config in the local Hugging Face cache" in \
         capsys.readouterr().err
+
+
+def test_a_size_alone_names_the_catalog_models_of_about_that_size(capsys):
+    """'shardtune estimate 8b' was 'unknown model' with nothing to go on: a size does not say the architecture, so
+    it is refused naming the catalog's models within a third of it (their published counts), nearest first."""
+    from shardtune import catalog
+
+    assert main(["estimate", "8B", "--method", "lora"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardtune estimate: error: unknown model '8B': a size alone does not say the "
+                          "architecture; the catalog's models of about that size: llama-3-8b, llama-3.1-8b, ")
+    named = err.split("that size: ")[1].split("; give")[0].split(", ")
+    counts = {n: catalog.metadata(n)["published_parameters"] for n in catalog.names()}
+    near = [n for n, c in counts.items() if abs(c - 8e9) <= 8e9 / 3]
+    assert named == sorted(near, key=lambda n: abs(counts[n] - 8e9))
+    assert "llama-3.2-3b" not in named and "llama-3.1-70b" not in named
+    assert main(["estimate", "2b"]) == 2
+    err = capsys.readouterr().err
+    assert "a size alone does not say the architecture; no catalog model is of about that size" in err

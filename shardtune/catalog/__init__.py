@@ -7,6 +7,7 @@ published parameter count (which the tests compare with the count of the model b
 from __future__ import annotations
 
 import json
+import re
 from functools import cache
 from pathlib import Path
 
@@ -71,9 +72,29 @@ def variant_of(name: str) -> str | None:
     return base if _by_id(base) else None
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([bm])", re.IGNORECASE)
+
+
+def of_about(size: str) -> list[str] | None:
+    """The catalog models whose published parameter count is within a third of ``size`` ("8b", "70B", "135M"),
+    nearest first; None where ``size`` is no such size."""
+    match = _SIZE.fullmatch(size.strip())
+    if not match:
+        return None
+    wanted = float(match[1]) * (1e9 if match[2].lower() == "b" else 1e6)
+    counts = {n: metadata(n).get("published_parameters") or 0 for n in names()}
+    near = [n for n, count in counts.items() if wanted > 0 and abs(count - wanted) <= wanted / 3]
+    return sorted(near, key=lambda n: (abs(counts[n] - wanted), n))
+
+
 def load(name: str) -> dict:
     """The config dict of a catalog model (without shardtune's own metadata); ``name`` may be its hub id."""
     name = canonical(name)
+    if (sized := of_about(name)) is not None:
+        which = (f"the catalog's models of about that size: {', '.join(sized)}; give one of them" if sized else
+                 "no catalog model is of about that size ('shardtune estimate --list' prints them); give one")
+        raise UsageError(f"unknown model '{name}': a size alone does not say the architecture; {which} (or a model "
+                         f"folder or its config.json)")
     if name not in names():
         hint = closest(name, names())
         did_you_mean = f"did you mean '{hint}'? " if hint else ""
