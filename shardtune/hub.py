@@ -246,13 +246,13 @@ def _config_file(model: str) -> Path | None:
     return cached_config_file(model)
 
 
-def cached_config_file(name: str) -> Path | None:
-    """config.json of the hub model ``name`` where the local Hugging Face cache holds it (no network: what an
-    earlier download or 'hf download NAME config.json' left there); None otherwise."""
+def cached_config_file(name: str, filename: str = "config.json") -> Path | None:
+    """``filename`` (config.json) of the hub model ``name`` where the local Hugging Face cache holds it (no
+    network: what an earlier download or 'hf download NAME config.json' left there); None otherwise."""
     from huggingface_hub import try_to_load_from_cache
 
     try:
-        cached = try_to_load_from_cache(name, "config.json")
+        cached = try_to_load_from_cache(name, filename)
     except ValueError:  # not a hub name
         return None
     return Path(cached) if isinstance(cached, str) else None

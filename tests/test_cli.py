@@ -345,7 +345,7 @@ def _cache_config(cache, repo_id: str, config: dict) -> None:
 def test_a_hub_model_whose_config_the_local_cache_holds_is_estimated_with_it(tmp_path, capsys, monkeypatch):
     """A hub id outside the catalog was 'unknown model' even with its config.json in the local Hugging Face cache,
     where 'shardtune train' loads it from; and a cached instruct variant was counted as its catalog base."""
-    import huggingface_hub
+    import huggingface_hub.constants
     import torch
     from transformers import AutoModelForCausalLM
 

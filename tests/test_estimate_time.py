@@ -398,6 +398,30 @@ def test_data_tokens_with_the_models_tokenizer_and_approximately(tmp_path):
     assert not approx.exact and "approximate" in approx.describe()
 
 
+def test_data_tokens_with_a_tokenizer_the_hub_cache_holds(tmp_path, monkeypatch):
+    """A catalog name or a hub id counted --data at about 4 characters a token even where the local Hugging Face
+    cache held the model's tokenizer.json: it is now read from there, by the catalog model's Hugging Face id."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    data = _write_rows(tmp_path / "train.jsonl", [{"text": "alpha beta gamma"}, {"text": "delta " * 40}])
+    before = count_data_tokens(str(data), "llama-3-8b", seq_len=16)
+    assert not before.exact and "'hf download ID tokenizer.json' puts in the cache" in before.describe()
+    tokenizer = _word_tokenizer_folder(tmp_path) / "tokenizer.json"
+    for repo in ("meta-llama/Meta-Llama-3-8B", "someone/word-model"):
+        snapshot = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / ("0" * 40)
+        snapshot.mkdir(parents=True)
+        (snapshot.parent.parent / "refs").mkdir()
+        (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+        shutil.copy(tokenizer, snapshot / "tokenizer.json")
+    for model in ("llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "someone/word-model"):
+        counted = count_data_tokens(str(data), model, seq_len=16)
+        assert (counted.tokens, counted.exact) == (3 + 16, True), model  # one token a word, the second row cut
+
+
 def test_data_tokens_count_only_the_columns_the_trainer_reads(tmp_path, capsys):
     """A data set's other columns (an id, a source, UltraChat's prompt that its messages repeat) train no token:
     --data counted every string of a row, so a chat file with a long metadata column came out several times the

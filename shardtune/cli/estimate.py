@@ -183,7 +183,8 @@ def _time_options(tm: argparse._ArgumentGroup) -> None:
                            "(x the job's num_train_epochs; default: time and cost per billion tokens)")
     data.add_argument("--data", default=None, metavar="FILE.jsonl",
                       help="count the tokens of this data file (jsonl, json, parquet, csv): with the model's "
-                           "tokenizer when MODEL is a local folder, else about 4 characters a token (default with "
+                           "tokenizer.json (its folder's, or the Hugging Face cache's for a hub or catalog model), "
+                           "else about 4 characters a token (default with "
                            "--config: the recipe's dataset_name, where it is a local data file)")
     tm.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="USD",
                     help=f"what one GPU costs per hour (default: a typical on-demand list price, {PRICES_AS_OF})")

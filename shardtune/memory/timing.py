@@ -362,7 +362,8 @@ class DataTokens:
     def describe(self) -> str:
         if not self.rows:
             return f"{self.tokens:,} tokens"
-        how = "the model's tokenizer" if self.exact else "about 4 characters per token, approximate"
+        how = ("the model's tokenizer" if self.exact else "about 4 characters per token, approximate: a model "
+               "folder's tokenizer.json, or one 'hf download ID tokenizer.json' puts in the cache, counts exactly")
         return f"{self.tokens:,} tokens in {self.rows:,} rows of {self.source} ({how})"
 
 
@@ -411,11 +412,21 @@ def _read_text(row, fmt: str | None, text_field: str, alpaca_as_chat: bool) -> s
 
 
 def _tokenizer_file(model: str) -> Path | None:
-    """The fast tokenizer of a local model folder (or of the folder of its config.json), if it has one."""
+    """The fast tokenizer of a local model folder (or of the folder of its config.json), if it has one; of a hub
+    model (a catalog model's by its Hugging Face id) where the local Hugging Face cache holds it."""
     path = Path(model).expanduser()
-    folder = path if path.is_dir() else path.parent if path.is_file() else None
-    found = folder / "tokenizer.json" if folder else None
-    return found if found and found.is_file() else None
+    if path.exists():
+        folder = path if path.is_dir() else path.parent
+        return folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else None
+    from shardtune import catalog
+    from shardtune.hub import cached_config_file, looks_like_local_path
+
+    if looks_like_local_path(model):
+        return None
+    name = catalog.canonical(model)
+    ids = [model] + ([catalog.metadata(name).get("hf_id") or ""] if name in catalog.names() else [])
+    return next(filter(None, (cached_config_file(i, "tokenizer.json") for i in dict.fromkeys(ids) if "/" in i)),
+                None)
 
 
 def count_data_tokens(data: str, model: str, seq_len: int, text_field: str = "text",
