@@ -244,6 +244,23 @@ def test_list_prints_the_catalog(capsys):
     assert "llama-3.1-405b" in capsys.readouterr().out
 
 
+def test_list_takes_json_and_refuses_an_estimate_beside_it(capsys):
+    """--list --json printed the table (--json did nothing), and --list llama-3.1-8b --method lora printed the
+    catalog, the estimate asked beside it dropped without a word."""
+    from shardtune import catalog
+
+    assert main(["estimate", "--list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [row["name"] for row in listed] == catalog.names()
+    assert all(row["parameters"] == catalog.metadata(row["name"])["published_parameters"]
+               and row["hf_id"] == catalog.metadata(row["name"])["hf_id"] for row in listed)
+    assert main(["estimate", "--list", "llama-3.1-8b", "--method", "lora"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "shardtune estimate: error: --list prints the catalog and estimates nothing, so MODEL llama-3.1-8b, --method "
+        "would do nothing beside it; run 'shardtune estimate --list' (--json for JSON) alone, then the estimate "
+        "without --list")
+
+
 def test_estimate_takes_a_catalog_models_hub_id_as_its_name(capsys):
     """--list prints the hub ids and --emit-config writes them: estimate accepts them back, in any case; and the
     catalog names too, as a model card spells them (Llama-3.1-8B was refused with "did you mean 'llama-3.1-8b'")."""

@@ -444,15 +444,20 @@ def gpu_from_args(args: argparse.Namespace) -> Gpu:
     return gpu_by_name(args.gpu or DEFAULT_GPU)
 
 
-def print_catalog() -> None:
+def print_catalog(as_json: bool = False) -> None:
+    """The catalog's models: a table, or with ``as_json`` one JSON list of {name, hf_id, parameters}."""
     from rich.console import Console
     from rich.table import Table
 
+    rows = [(name, catalog.metadata(name)) for name in catalog.names()]
+    if as_json:
+        print(json.dumps([{"name": name, "hf_id": meta.get("hf_id"), "parameters": meta.get("published_parameters")}
+                          for name, meta in rows], indent=2))
+        return
     table = Table(title="shardtune catalog (shardtune estimate NAME)", title_justify="left")
     for col in ("name", "Hugging Face id", "parameters"):
         table.add_column(col, justify="right" if col == "parameters" else "left")
-    for name in catalog.names():
-        meta = catalog.metadata(name)
+    for name, meta in rows:
         count = meta.get("published_parameters")
         table.add_row(name, meta.get("hf_id", ""), f"{count:,}" if count else "")
     Console().print(table)
@@ -540,7 +545,15 @@ def as_typed(problem: str, args: argparse.Namespace) -> str:
 
 def _estimate(args: argparse.Namespace) -> int:
     if args.list:
-        print_catalog()
+        # --list prints the catalog alone: an estimate's model or options beside it would do nothing
+        given = ([f"MODEL {args.model}"] if args.model else []) + [
+            arg.split("=")[0] for arg in getattr(args, "argv", []) if arg.startswith("-") and arg.split("=")[0]
+            not in ("--list", "--json")]
+        if given:
+            raise UsageError(f"--list prints the catalog and estimates nothing, so {', '.join(given)} would do "
+                             f"nothing beside it; run 'shardtune estimate --list' (--json for JSON) alone, then the "
+                             f"estimate without --list")
+        print_catalog(as_json=args.json)
         return 0
     if args.pipeline_microbatches is not None and args.pipeline_microbatches < 1:
         raise UsageError(f"--pipeline-microbatches must be a whole number >= 1 (got {args.pipeline_microbatches}).")
