@@ -107,6 +107,8 @@ def test_what_would_fit_when_nothing_does(capsys):
     rec = out["recommendation"]
     assert (rec["fits"], rec["strategy"], rec["offload_params"], rec["batch_size"]) == (True, "FSDP", True, 2)
     assert out["setup"]["gradient_accumulation_steps"] == 2 and "at micro-batch 4 no setup holds it" in rec["reason"]
+    # the accumulation the reason names is the recommendation's own figure in --json (it was left out)
+    assert rec["gradient_accumulation_steps"] == 2 and "at micro-batch 2 x 2 accumulation steps" in rec["reason"]
     # What offload asks of the host, which the estimate cannot see, is said beside it.
     host = out["cpu_bytes_per_node"] / 2**30
     assert host > 100 and f"It keeps {host:,.0f} GiB per node in host RAM: check that each node" in rec["reason"]

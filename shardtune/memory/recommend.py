@@ -54,6 +54,7 @@ class Recommendation:
             "num_gpus": s.num_gpus,
             "num_nodes": s.num_nodes,
             "batch_size": s.batch_size,
+            "gradient_accumulation_steps": s.gradient_accumulation_steps,
             "max_batch_size": self.max_batch_size,
             "tight": self.tight,
             "reason": self.reason,
