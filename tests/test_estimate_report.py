@@ -656,3 +656,31 @@ def test_a_setup_that_fits_within_the_estimates_error_is_tight_and_a_roomier_mic
             f"accumulation steps leaves {roomy['spare_bytes'] / GIB:.2f} GiB.") in reason
     assert main([*asked, "--batch-size", "2", "--gradient-accumulation-steps", "4"]) == 0
     assert "fits, tight" in capsys.readouterr().out
+
+
+def test_the_estimate_says_how_to_write_its_setup_as_a_recipe_and_that_recipe_estimates_the_same(tmp_path, capsys):
+    """The estimate ended at its recommendation with no word of how to train it; the recipe is one option away. The
+    last line now names --emit-config and the setup it writes, and the recipe written estimates to the same figures
+    (the smaller micro-batch and its accumulation included)."""
+    from shardtune.cli import main
+
+    job = ["estimate", "llama-3.1-8b", "--gpu", "rtx4090", "--num-gpus", "2", "--no-gradient-checkpointing",
+           "--batch-size", "16"]
+    assert main(job) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps at 80 columns
+    assert out.endswith("(slow: every step crosses PCIe). It keeps 120 GiB per node in host RAM: check that each "
+                        "node has that much free. to train it: add --emit-config FILE.yaml, which writes FSDP "
+                        "FULL_SHARD + CPU offload at micro-batch 1 x 16 accumulation steps as a 'shardtune train' "
+                        "recipe")
+    recipe = tmp_path / "r.yaml"
+    assert main([*job, "--json", "--emit-config", str(recipe)]) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert main(["estimate", "--config", str(recipe), "--gpu", "rtx4090", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["setup"] == estimated["setup"] and again["per_gpu"] == estimated["per_gpu"]
+    assert (again["setup"]["batch_size"], again["setup"]["gradient_accumulation_steps"]) == (1, 16)
+    assert main([*job, "--emit-config", str(tmp_path / "s.yaml")]) == 0  # written: the hint is not repeated
+    assert "to train it" not in capsys.readouterr().out
+    main(["estimate", "llama-3.1-70b", "--gpu", "rtx4090", "--no-gradient-checkpointing"])
+    out = capsys.readouterr().out
+    assert "Nothing fits" in out and "to train it" not in out  # no recipe to write

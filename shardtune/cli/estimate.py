@@ -730,11 +730,16 @@ def _print_tables(report: Report, timed: TimeReport | None, extras: dict) -> Non
         print(f"batch: micro-batch {bp['micro_batch_size']} per GPU x {steps} accumulation "
               f"step{'s' if steps != 1 else ''} = global batch {bp['global_batch_size']} (asked "
               f"{bp['requested_global_batch_size']}; {_most_that_fits(bp)})")
+    job = report.breakdown.setup
     if "emitted_config" in extras:
-        emitted, job = extras["emitted_config"], report.breakdown.setup
         data = job.config.data.dataset_name
         first = "set dataset_name, then: " if data in (None, DATASET_PLACEHOLDER) else ""
-        print(f"wrote {emitted} ({first}{train_command(job, emitted)})")
+        print(f"wrote {extras['emitted_config']} ({first}{train_command(job, extras['emitted_config'])})")
+    elif job.loss == "shardtune" and report.breakdown.fits(report.gpu.memory_bytes):  # the recipe --emit-config writes
+        accumulation = job.gradient_accumulation_steps
+        steps = f" x {accumulation} accumulation steps" if accumulation > 1 else ""
+        console.print(f"to train it: add --emit-config FILE.yaml, which writes {job.label()} at micro-batch "
+                      f"{job.batch_size}{steps} as a 'shardtune train' recipe")
 
 
 def _most_that_fits(plan: dict) -> str:
