@@ -519,7 +519,7 @@ def test_a_resume_refuses_lora_settings_that_change_what_the_adapters_compute(ma
     saved = load_train_config(args(made, made / "run"))
     now = load_train_config(args(made, made / "run", *change))
     if refused is None:
-        assert check_resume(checkpoint, saved, now, saved_world=1, world=1).changed == \
+        assert list(check_resume(checkpoint, saved, now, saved_world=1, world=1).changed) == \
             (["lora_dropout"] if change[0] == "--lora_dropout" else [])
     else:
         with pytest.raises(UsageError, match=re.escape(refused)):

@@ -298,6 +298,17 @@ def test_a_resume_refused_for_its_data_leaves_the_finished_run_as_it_was(work: P
     said = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and said.startswith("shardtune train: error: resume_from_checkpoint=") and \
         f"{out.name}/checkpoints/step-2: cannot resume: " in said and "eval_split_ratio)" in said, said
+    assert said.endswith("; eval_split_ratio was 0.0 when the checkpoint was saved and is 0.1 now: set it back"), said
+    assert files() == before
+    # as many rows, other labels: the key that changed them is named with both values (it was logged as taking
+    # effect, then refused as 'the data, the tokenizer or its chat template changed')
+    proc = shardtune(work, "moved", *args, "--max_steps", "4", "--train_on_prompt", "true",
+                     "--resume_from_checkpoint", "true", nproc=0)
+    said = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "training rows are not the checkpoint's" in said and said.endswith(
+        "; train_on_prompt was False when the checkpoint was saved and is True now: set it back"), said
+    assert "train_on_prompt changed from False to True; allowed where the training rows stay the checkpoint's" \
+        in proc.stderr and "takes effect" not in proc.stderr.split("train_on_prompt changed")[1].splitlines()[0]
     assert files() == before
     proc = shardtune(work, "moved", *args, "--resume_from_checkpoint", "latest", nproc=0)
     ok(proc)

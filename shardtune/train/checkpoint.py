@@ -55,7 +55,8 @@ from shardtune.train.layout import (MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FO
 from shardtune.train.model import trainable_token_ids
 from shardtune.train.output_dir import drop_checkpoint
 from shardtune.train.plan import Plan
-from shardtune.train.resume import apply_learning_rate, check_resume, this_runs_optimizer_settings
+from shardtune.train.resume import (apply_learning_rate, check_resume, rows_changed_by,
+                                    this_runs_optimizer_settings)
 from shardtune.train.safe_load import damage, file_digest, file_digests, load_dcp, load_pt, load_safetensors, read_json
 from shardtune.train.state import TrainState, rng_state, set_rng_state, trainer_state_problem
 
@@ -424,7 +425,7 @@ def write_fix(exc: BaseException, out: Path) -> str:
 class ResumePoint(NamedTuple):
     path: Path
     step: int  # the checkpoint's optimizer step (checked against its folder and manifest)
-    changed: list[str]  # the settings that differ from the checkpoint's and take effect from here
+    changed: dict[str, tuple[Any, Any]]  # the settings that differ from the checkpoint's: key -> (then, now)
     gradient_accumulation_steps: int  # keeps the checkpoint's global batch on this run's processes
 
 
@@ -484,7 +485,8 @@ class Checkpointer:
         try:
             self.state.load_state_dict(trainer_state)
         except UsageError as exc:  # the data order it cannot continue: named with the checkpoint the user gave
-            raise UsageError(f"resume_from_checkpoint={path}: {exc}") from None
+            raise UsageError(f"resume_from_checkpoint={path}: {str(exc).rstrip('.')}"
+                             f"{rows_changed_by(point.changed)}") from None
         # The optimizer holds the rate the checkpoint's schedule set for the next step; this run's schedule (its
         # learning_rate, max_steps, warm-up or type may have changed) sets it instead. Unchanged, it is the same
         # value, computed the same way.

@@ -2,7 +2,9 @@
 
 The trained weights, the optimizer's moments and the data position only mean something for the model, adapters and
 data they were made with: changing those on resume is refused in one line naming the key and both values. The
-rest (learning rate, max_steps, the logging, eval and save cadence, ...) takes effect and is logged.
+rest (learning rate, max_steps, the logging, eval and save cadence, ...) takes effect and is logged. A change of
+a key that shapes the training rows (the template, the labels, the split, ...) is allowed where the rows stay the
+checkpoint's (their SHA-256 is compared when the data is read); where they do not, the refusal names the keys.
 
 The global batch (per_device_train_batch_size x gradient_accumulation_steps x processes) is tied to the data
 position too. On as many processes as the checkpoint was saved on, changing it is refused (the command of the run
@@ -18,11 +20,12 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, NamedTuple
 
 from shardtune.config import TrainConfig
 from shardtune.config.optimizers import OPTIMIZERS
+from shardtune.config.schema import DataConfig
 from shardtune.errors import UsageError
 from shardtune.train.model import target_modules
 from shardtune.train.optim import moves_on_evaluations
@@ -38,6 +41,9 @@ LORA_ONLY = ("lora_r", "lora_target_modules", "lora_alpha", "use_rslora", "use_d
              "lora_bias", "init_lora_weights")
 FIXED = ("model_name_or_path", "use_peft_lora", "use_4bit_quantization", "bnb_4bit_quant_type", *LORA_ONLY,
          "dataset_name", "max_seq_len", "packing", "group_by_length", "seed", "optim")
+# The other data keys that decide the training rows: eval-only and speed keys aside, the rest of the data section.
+ROW_KEYS = tuple(f.name for f in fields(DataConfig)
+                 if f.name not in FIXED and f.name not in ("eval_packing", "dataset_num_proc"))
 
 
 def _same_place(old: Any, new: Any, *, by_ending: bool = False) -> bool:
@@ -115,7 +121,7 @@ def accumulation_for(label: str, old: dict[str, Any], new: dict[str, Any], *, sa
 
 
 class ResumeCheck(NamedTuple):
-    changed: list[str]  # settings that differ from the checkpoint's and take effect from here
+    changed: dict[str, tuple[Any, Any]]  # settings that differ from the checkpoint's: key -> (then, now)
     gradient_accumulation_steps: int  # what keeps the checkpoint's global batch on this run's processes
 
 
@@ -152,11 +158,21 @@ def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, save
                                     given_accumulation=given_accumulation, main=main)
     ignore = {"resume_from_checkpoint", "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
               "num_processes", "num_machines", "distributed_type", "overwrite_output_dir"}  # the last: see claim
-    changed = [k for k in new if k not in ignore and k not in FIXED and old.get(k) != new.get(k)]
-    for key in changed:
-        log.info("resume: %s changed from %r to %r; the new value takes effect from here", key, old.get(key),
-                 new.get(key))
+    changed = {k: (old.get(k), new.get(k)) for k in new
+               if k not in ignore and k not in FIXED and old.get(k) != new.get(k)}
+    for key, (then, now) in changed.items():
+        log.info("resume: %s changed from %r to %r; %s", key, then, now,
+                 "allowed where the training rows stay the checkpoint's (compared when the data is read)"
+                 if key in ROW_KEYS else "the new value takes effect from here")
     return ResumeCheck(changed, accumulation)
+
+
+def rows_changed_by(changed: dict[str, tuple[Any, Any]]) -> str:
+    """The keys among ``changed`` (``ResumeCheck.changed``) that shape the training rows, in words for a refusal
+    over the rows ('' where none did: the data file itself, the tokenizer or its template file changed)."""
+    keys = [f"{key} was {then!r} when the checkpoint was saved and is {now!r} now"
+            for key, (then, now) in changed.items() if key in ROW_KEYS]
+    return f"; {', '.join(keys)}: set {'it' if len(keys) == 1 else 'them'} back" if keys else ""
 
 
 def with_accumulation(cfg: TrainConfig, gradient_accumulation_steps: int) -> TrainConfig:
