@@ -270,6 +270,29 @@ def test_resume_applies_a_new_learning_rate_and_refuses_new_lora_targets(tmp_pat
     assert (first / "config.yaml").read_bytes() == saved_config
 
 
+def test_a_finished_schedule_given_more_steps_says_the_rate_it_resumes_at(tmp_path, runs, restore_logging, capfd):
+    """A finished linear run given more max_steps resumes on the stretched schedule (as Transformers' Trainer does):
+    step 5 of 8 trains at half the peak rate, where the checkpoint's schedule had reached 0. The only word of it was
+    'max_steps changed'; the rate the resumed step trains at, against the checkpoint's, is said in one line, and a
+    resume whose schedule is unchanged says nothing of it."""
+    from shardtune.train.loop import train
+
+    steps = ["--save_steps", "2", "--logging_steps", "1", "--learning_rate", "1e-3", "--lr_scheduler_type", "linear"]
+    run = tmp_path / "run"
+    train(load_train_config([*args(runs, "x", *LORA, *steps, "--max_steps", "4"), "--output_dir", str(run)]))
+    capfd.readouterr()
+    train(load_train_config([*args(runs, "x", *LORA, *steps, "--max_steps", "8", "--resume_from_checkpoint", "true"),
+                             "--output_dir", str(run)]))
+    said = capfd.readouterr().err
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+    assert lrs == {1: 1e-3, 2: 7.5e-4, 3: 5e-4, 4: 2.5e-4, 5: 5e-4, 6: 3.75e-4, 7: 2.5e-4, 8: 1.25e-4}
+    assert ("resume: step 5 trains at lr 0.0005, this run's schedule's rate, not 0, the checkpoint's schedule's for "
+            "that step: the rate follows the new settings from here") in said, said[-3000:]
+    train(load_train_config([*args(runs, "x", *LORA, *steps, "--max_steps", "8", "--resume_from_checkpoint",
+                                   str(run / "checkpoints" / "step-6")), "--output_dir", str(tmp_path / "same")]))
+    assert "trains at lr" not in capfd.readouterr().err
+
+
 def refused_or_ran_clean(argv: list[str], capsys, planted: Path) -> int:
     """Run a command; it either loads (exit 0) or refuses in one line naming the planted file (exit 2)."""
     from shardtune.cli import main

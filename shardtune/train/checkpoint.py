@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 import shutil
 from pathlib import Path
@@ -490,7 +491,14 @@ class Checkpointer:
         # The optimizer holds the rate the checkpoint's schedule set for the next step; this run's schedule (its
         # learning_rate, max_steps, warm-up or type may have changed) sets it instead. Unchanged, it is the same
         # value, computed the same way.
+        then = self.optimizer.param_groups[0]["lr"]
         apply_learning_rate(self.optimizer, self.state.scheduler, self.learning_rate)
+        now = self.optimizer.param_groups[0]["lr"]
+        if self.info.is_main and not math.isclose(then, now, rel_tol=1e-9, abs_tol=1e-15):
+            # e.g. a finished linear schedule stretched over more steps: its rate rises again, which no key says
+            log.info("resume: step %d trains at lr %.6g, this run's schedule's rate, not %.6g, the checkpoint's "
+                     "schedule's for that step: the rate follows the new settings from here", self.state.step + 1,
+                     now, then)
         log.info("resumed from %s at step %d (epoch %g)", path, self.state.step, self.state.epochs_done)
         self.resumed_from, self.resumed_step, self.last = path, self.state.step, str(path)
         return path
