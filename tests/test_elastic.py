@@ -108,6 +108,17 @@ def test_a_global_batch_no_accumulation_can_keep_is_refused_naming_the_fix():
         "it, or set per_device_train_batch_size so that it does")
 
 
-def test_changing_the_global_batch_on_the_same_world_is_still_refused():
-    with pytest.raises(UsageError, match="the global batch was 8 rows per step .* and is 16 now"):
-        accumulation_for("ckpt", saved(2, 2), saved(2, 4), saved_world=2, world=2)
+@pytest.mark.parametrize("now,is_now,fix", [
+    (saved(2, 4), "16 now (2 x 4 x 2)", "Set gradient_accumulation_steps 2 to keep it"),
+    (saved(1, 2), "4 now (1 x 2 x 2)", "Set gradient_accumulation_steps 4 to keep it"),
+    (saved(3, 1), "6 now (3 x 1 x 2)", "Set per_device_train_batch_size 2 and gradient_accumulation_steps 2 back"),
+])
+def test_changing_the_global_batch_on_the_same_world_is_still_refused(now, is_now, fix):
+    """The refusal named neither value of the keys that changed nor the accumulation that keeps the batch ('Keep the
+    global batch, e.g. with gradient_accumulation_steps'); it names both and the value to set."""
+    with pytest.raises(UsageError) as err:
+        accumulation_for("ckpt", saved(2, 2), now, saved_world=2, world=2)
+    assert str(err.value) == (
+        f"ckpt: the global batch was 8 rows per step (per_device_train_batch_size 2 x gradient_accumulation_steps 2 x "
+        f"2 process(es)) and is {is_now}; the data position counts steps of the first. {fix}, or start a new run in "
+        f"another output_dir")

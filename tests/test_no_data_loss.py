@@ -767,5 +767,6 @@ def test_a_resume_that_derived_its_accumulation_resumes_again_on_as_many_process
     with logging_restored():
         assert main(["train", *flags(*base, "--gradient_accumulation_steps", "6"), "--max_steps", "4",
                      "--resume_from_checkpoint", "true"]) == 2
-    assert ("the global batch was 8 rows per step (per_device_train_batch_size x gradient_accumulation_steps x 1 "
-            "process(es)) and is 12 now") in capsys.readouterr().err
+    assert ("the global batch was 8 rows per step (per_device_train_batch_size 2 x gradient_accumulation_steps 4 x 1 "
+            "process(es)) and is 12 now (2 x 6 x 1); the data position counts steps of the first. Set "
+            "gradient_accumulation_steps 4 to keep it") in capsys.readouterr().err

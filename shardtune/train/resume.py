@@ -101,12 +101,16 @@ def accumulation_for(label: str, old: dict[str, Any], new: dict[str, Any], *, sa
              "rows per step)", world, configured, int(old["gradient_accumulation_steps"]), configured,
              int(old["gradient_accumulation_steps"]), before)
         return int(old["gradient_accumulation_steps"])
-    if world == saved_world:
-        raise UsageError(f"{label}: the global batch was {before} rows per step (per_device_train_batch_size x "
-                         f"gradient_accumulation_steps x {saved_world} process(es)) and is {now} now; the data "
-                         f"position counts steps of the first. Keep the global batch, e.g. with "
-                         f"gradient_accumulation_steps")
     per_micro_step = int(new["per_device_train_batch_size"]) * world  # rows one micro-step reads on all ranks
+    if world == saved_world:
+        fix = (f"Set gradient_accumulation_steps {before // per_micro_step} to keep it" if before % per_micro_step == 0
+               else f"Set per_device_train_batch_size {old['per_device_train_batch_size']} and "
+                    f"gradient_accumulation_steps {old['gradient_accumulation_steps']} back")
+        raise UsageError(f"{label}: the global batch was {before} rows per step (per_device_train_batch_size "
+                         f"{old['per_device_train_batch_size']} x gradient_accumulation_steps "
+                         f"{old['gradient_accumulation_steps']} x {saved_world} process(es)) and is {now} now "
+                         f"({new['per_device_train_batch_size']} x {configured} x {world}); the data position "
+                         f"counts steps of the first. {fix}, or start a new run in another output_dir")
     if before % per_micro_step:
         raise UsageError(f"{label}: the checkpoint's global batch of {before} rows per step ({saved_world} "
                          f"process(es)) cannot be kept on {world}: {before} is not a multiple of "
