@@ -236,8 +236,9 @@ def train_in_process(argv: list[str], callbacks=()) -> dict:
 
 def test_a_resume_takes_the_same_data_named_by_another_path(made, tmp_path, monkeypatch, capfd):
     """A run given its data as a relative path resumes with the same file named ./data, absolutely, or relatively
-    from another working directory (it was refused: 'dataset_name was ... Set it back', impossible from there);
-    another file is still refused."""
+    from another working directory (it was refused: 'dataset_name was ... Set it back', impossible from there), and
+    from a copy elsewhere (a job that copies its data to the node's own disk, at another path each time, was refused
+    the same way on every requeue): the rows' SHA-256 decides. A file of other rows is refused naming dataset_name."""
     work = tmp_path / "w"
     work.mkdir()
     shutil.copy(made / "chat.jsonl", work / "chat.jsonl")
@@ -253,10 +254,21 @@ def test_a_resume_takes_the_same_data_named_by_another_path(made, tmp_path, monk
                                     "--resume_from_checkpoint", step_2])
         assert summary["steps"] == 4, data
     capfd.readouterr()
-    shutil.copy(work / "chat.jsonl", tmp_path / "other.jsonl")
-    with pytest.raises(UsageError, match="dataset_name was 'chat.jsonl' when the checkpoint was saved"):
+    copy = tmp_path / "node-local" / "copy.jsonl"
+    copy.parent.mkdir()
+    shutil.copy(work / "chat.jsonl", copy)
+    summary = train_in_process([*job, "--dataset_name", str(copy), "--output_dir", str(work / "run"),
+                                "--resume_from_checkpoint", step_2])
+    assert (summary["steps"], summary["resumed_from_step"]) == (4, 2)
+    assert f"resume: dataset_name changed from 'chat.jsonl' to '{copy}'; allowed where the training rows stay the " \
+           "checkpoint's (compared when the data is read)" in capfd.readouterr().err
+    lines = (work / "chat.jsonl").read_text().splitlines()
+    (tmp_path / "other.jsonl").write_text("\n".join([lines[0].replace("plus", "added to"), *lines[1:]]) + "\n")
+    with pytest.raises(UsageError) as refused:
         train_in_process([*job, "--dataset_name", "other.jsonl", "--output_dir", str(work / "run"),
                           "--resume_from_checkpoint", step_2])
+    assert "training rows are not the checkpoint's" in str(refused.value) and str(refused.value).endswith(
+        "; dataset_name was 'chat.jsonl' when the checkpoint was saved and is 'other.jsonl' now: set it back")
 
 
 def test_a_finished_run_without_checkpoints_requeued_says_only_that_it_finished(made, run, capfd):

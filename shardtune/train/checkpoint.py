@@ -444,7 +444,8 @@ def resume_point(cfg: TrainConfig, info) -> ResumePoint | None:
     state = read_json(path / "trainer_state.json")
     step, given = state["step"], state.get("configured_gradient_accumulation_steps")
     point = ResumePoint(path, step, *check_resume(path, old, cfg, saved_world=saved_world, world=world,
-                                                  given_accumulation=given, main=info.is_main))
+                                                  given_accumulation=given, main=info.is_main,
+                                                  rows_recorded=bool(state["sampler"].get("rows_sha256"))))
     if problem := history_problem(Path(cfg.run.output_dir), path, step):
         raise UsageError(problem)
     return point

@@ -3,8 +3,9 @@
 The trained weights, the optimizer's moments and the data position only mean something for the model, adapters and
 data they were made with: changing those on resume is refused in one line naming the key and both values. The
 rest (learning rate, max_steps, the logging, eval and save cadence, ...) takes effect and is logged. A change of
-a key that shapes the training rows (the template, the labels, the split, ...) is allowed where the rows stay the
-checkpoint's (their SHA-256 is compared when the data is read); where they do not, the refusal names the keys.
+a key that shapes the training rows (the template, the labels, the split, where the data is read from, ...) is
+allowed where the rows stay the checkpoint's (their SHA-256 is compared when the data is read); where they do not,
+the refusal names the keys.
 
 The global batch (per_device_train_batch_size x gradient_accumulation_steps x processes) is tied to the data
 position too. On as many processes as the checkpoint was saved on, changing it is refused (the command of the run
@@ -41,9 +42,12 @@ LORA_ONLY = ("lora_r", "lora_target_modules", "lora_alpha", "use_rslora", "use_d
              "lora_bias", "init_lora_weights")
 FIXED = ("model_name_or_path", "use_peft_lora", "use_4bit_quantization", "bnb_4bit_quant_type", *LORA_ONLY,
          "dataset_name", "max_seq_len", "packing", "group_by_length", "seed", "optim")
-# The other data keys that decide the training rows: eval-only and speed keys aside, the rest of the data section.
-ROW_KEYS = tuple(f.name for f in fields(DataConfig)
-                 if f.name not in FIXED and f.name not in ("eval_packing", "dataset_num_proc"))
+# The data keys whose change the training rows' SHA-256 judges: eval-only and speed keys aside, the data section
+# but for the FIXED keys that shape the rows' length, order or grouping. dataset_name is FIXED where the checkpoint
+# recorded no rows' SHA-256 (saved before it was); where it did, the same rows read from another place resume (a
+# copy on a node's own disk, a folder moved).
+ROW_KEYS = ("dataset_name", *(f.name for f in fields(DataConfig)
+                              if f.name not in FIXED and f.name not in ("eval_packing", "dataset_num_proc")))
 
 
 def _same_place(old: Any, new: Any, *, by_ending: bool = False) -> bool:
@@ -129,20 +133,21 @@ class ResumeCheck(NamedTuple):
     gradient_accumulation_steps: int  # what keeps the checkpoint's global batch on this run's processes
 
 
-def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, saved_world: int,
-                 world: int, given_accumulation: int | None = None, main: bool = True) -> ResumeCheck:
+def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, saved_world: int, world: int,
+                 given_accumulation: int | None = None, main: bool = True, rows_recorded: bool = False) -> ResumeCheck:
     """Refuse a resume from ``checkpoint`` (saved with the config ``saved``) that changes what it is tied to;
     return the changed keys, which take effect, and the accumulation that keeps the global batch.
 
     ``saved_world`` / ``world``: how many ranks split each global batch then and now (pipeline stages read it
     whole, so they count as one); ``given_accumulation``: see ``accumulation_for``; ``main``: this is the rank
-    that says what changed (each rank checks).
+    that says what changed (each rank checks); ``rows_recorded``: the checkpoint holds its training rows' SHA-256,
+    which the data's are compared with when it is read.
     """
     old, new = saved.to_flat(), cfg.to_flat()
     label = f"resume_from_checkpoint={checkpoint}"
     for key in FIXED:
         if key in LORA_ONLY and not old["use_peft_lora"] or key == "bnb_4bit_quant_type" and not \
-                old["use_4bit_quantization"]:
+                old["use_4bit_quantization"] or rows_recorded and key in ROW_KEYS:
             continue
         if not _same(key, old.get(key), new.get(key)):
             was = Path(str(old.get(key))).expanduser()
@@ -162,8 +167,8 @@ def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, save
                                     given_accumulation=given_accumulation, main=main)
     ignore = {"resume_from_checkpoint", "output_dir", "per_device_train_batch_size", "gradient_accumulation_steps",
               "num_processes", "num_machines", "distributed_type", "overwrite_output_dir"}  # the last: see claim
-    changed = {k: (old.get(k), new.get(k)) for k in new
-               if k not in ignore and k not in FIXED and old.get(k) != new.get(k)}
+    changed = {k: (old.get(k), new.get(k)) for k in new if k not in ignore and
+               (k not in FIXED or rows_recorded and k in ROW_KEYS) and not _same(k, old.get(k), new.get(k))}
     for key, (then, now) in changed.items():
         log.info("resume: %s changed from %r to %r; %s", key, then, now,
                  "allowed where the training rows stay the checkpoint's (compared when the data is read)"
