@@ -108,6 +108,18 @@ def test_a_global_batch_no_accumulation_can_keep_is_refused_naming_the_fix():
         "it, or set per_device_train_batch_size so that it does")
 
 
+def test_another_split_of_the_same_global_batch_is_said(caplog):
+    """per_device_train_batch_size 2 -> 4 with gradient_accumulation_steps 2 -> 1 on as many processes keeps the
+    global batch and the data order: it resumed without a word, where every other changed key is said."""
+    with caplog.at_level(logging.INFO, logger="shardtune"):
+        assert accumulation_for("ckpt", saved(2, 2), saved(4, 1), saved_world=2, world=2) == 1
+        assert accumulation_for("ckpt", saved(2, 2), saved(2, 2), saved_world=2, world=2) == 2
+        assert accumulation_for("ckpt", saved(2, 2), saved(4, 1), saved_world=2, world=2, main=False) == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == [
+        "resume: per_device_train_batch_size 2 -> 4 and gradient_accumulation_steps 2 -> 1 keep the checkpoint's "
+        "global batch of 8 rows per step, and so its data order"]
+
+
 @pytest.mark.parametrize("now,is_now,fix", [
     (saved(2, 4), "16 now (2 x 4 x 2)", "Set gradient_accumulation_steps 2 to keep it"),
     (saved(1, 2), "4 now (1 x 2 x 2)", "Set gradient_accumulation_steps 4 to keep it"),

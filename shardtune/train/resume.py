@@ -96,6 +96,13 @@ def accumulation_for(label: str, old: dict[str, Any], new: dict[str, Any], *, sa
     warn = log.warning if main else log.debug  # every rank checks; rank 0 says it
     configured = int(new["gradient_accumulation_steps"])
     if before == now:
+        # Another split of the same global batch on as many processes (on another number, load_checkpoint says so)
+        if world == saved_world and int(old["gradient_accumulation_steps"]) != configured:
+            (log.info if main else log.debug)(
+                "resume: per_device_train_batch_size %s -> %s and gradient_accumulation_steps %s -> %d keep the "
+                "checkpoint's global batch of %d rows per step, and so its data order",
+                old["per_device_train_batch_size"], new["per_device_train_batch_size"],
+                old["gradient_accumulation_steps"], configured, before)
         return configured
     if world == saved_world and configured == given_accumulation and \
             int(new["per_device_train_batch_size"]) == int(old["per_device_train_batch_size"]):
