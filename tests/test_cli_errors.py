@@ -375,6 +375,31 @@ def test_resume_from_a_missing_checkpoint_fails_before_the_model_loads(run_dir, 
     assert error.endswith("give one of those, or true for the newest one")
 
 
+@pytest.mark.parametrize("weights,how", [
+    ("adapter_config.json", "merge its adapter into the base (shardtune merge {ckpt} --base BASE MERGED) and give "
+                            "model_name_or_path MERGED"),
+    ("model.safetensors", "give model_name_or_path {ckpt}"),
+])
+def test_a_transformers_trainer_checkpoint_given_to_resume_is_named_as_one(tmp_path, capsys, monkeypatch, weights,
+                                                                            how):
+    """A run moved from Transformers' Trainer, resumed from its output_dir/checkpoint-500, was told 'not a complete
+    shardtune checkpoint (no manifest.json); give an output_dir/checkpoints/step-N folder', which it has not. It is
+    told what the folder is, that it cannot resume here, and how to train on from its weights."""
+    import shardtune.train.loop
+
+    monkeypatch.setattr(shardtune.train.loop, "train", lambda cfg: pytest.fail("the job started"))
+    ckpt = tmp_path / "trainer-out" / "checkpoint-500"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 500, "log_history": []}))
+    (ckpt / weights).write_text("{}")
+    assert main(["train", "--model_name_or_path", "M", "--dataset_name", "d.jsonl", "--output_dir",
+                 str(tmp_path / "out"), "--resume_from_checkpoint", str(ckpt)]) == 2
+    assert one_error_line(capsys).endswith(
+        f"resume_from_checkpoint={ckpt}: a Transformers Trainer checkpoint (global_step 500), which shardtune cannot "
+        f"resume: its optimizer, scheduler and data position are Trainer's. To train on from its weights, "
+        f"{how.format(ckpt=ckpt)}, with resume_from_checkpoint false and a new output_dir")
+
+
 def test_resolve_resume_says_the_folder_is_missing(run_dir):
     from shardtune.train.checkpoint import resolve_resume
 

@@ -154,4 +154,24 @@ def resume_problem(spec: str | None, label: str) -> str | None:
     it names one, or asks for the newest one, or for none."""
     if spec is None or spec.lower() in RESUME_NEWEST + RESUME_OFF:
         return None
-    return checkpoint_folder_problem(spec, label, or_else=", or true for the newest one")
+    return _trainer_checkpoint_problem(Path(spec), label) or checkpoint_folder_problem(
+        spec, label, or_else=", or true for the newest one")
+
+
+def _trainer_checkpoint_problem(path: Path, label: str) -> str | None:
+    """A Transformers Trainer checkpoint (``checkpoint-N``: its trainer_state.json has global_step, a shardtune one
+    step) given to resume, as one line saying so and how to train on from its weights; None for any other folder."""
+    try:
+        step = json.loads((path / "trainer_state.json").read_text()).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if (path / MANIFEST).is_file() or step is None:
+        return None
+    if (path / "adapter_config.json").is_file():
+        how = (f"merge its adapter into the base (shardtune merge {path} --base BASE MERGED) and give "
+               f"model_name_or_path MERGED")
+    else:
+        how = f"give model_name_or_path {path}"
+    return (f"{label}: a Transformers Trainer checkpoint (global_step {step}), which shardtune cannot resume: its "
+            f"optimizer, scheduler and data position are Trainer's. To train on from its weights, {how}, with "
+            f"resume_from_checkpoint false and a new output_dir")
