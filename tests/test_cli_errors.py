@@ -385,6 +385,7 @@ def test_a_transformers_trainer_checkpoint_given_to_resume_is_named_as_one(tmp_p
     """A run moved from Transformers' Trainer, resumed from its output_dir/checkpoint-500, was told 'not a complete
     shardtune checkpoint (no manifest.json); give an output_dir/checkpoints/step-N folder', which it has not. It is
     told what the folder is, that it cannot resume here, and how to train on from its weights."""
+    import shardtune.train.checkpoint
     import shardtune.train.loop
 
     monkeypatch.setattr(shardtune.train.loop, "train", lambda cfg: pytest.fail("the job started"))
@@ -398,6 +399,19 @@ def test_a_transformers_trainer_checkpoint_given_to_resume_is_named_as_one(tmp_p
         f"resume_from_checkpoint={ckpt}: a Transformers Trainer checkpoint (global_step 500), which shardtune cannot "
         f"resume: its optimizer, scheduler and data position are Trainer's. To train on from its weights, "
         f"{how.format(ckpt=ckpt)}, with resume_from_checkpoint false and a new output_dir")
+    # true in that Trainer's output_dir started from scratch beside its checkpoints ('no complete checkpoint')
+    older = tmp_path / "trainer-out" / "checkpoint-90"
+    older.mkdir()
+    (older / "trainer_state.json").write_text(json.dumps({"global_step": 90}))
+    resolve_resume = shardtune.train.checkpoint.resolve_resume
+    with pytest.raises(UsageError) as refused:
+        resolve_resume("true", ckpt.parent)
+    assert str(refused.value) == (
+        f"resume_from_checkpoint=true: no shardtune checkpoint in {ckpt.parent}, only {ckpt}: a Transformers Trainer "
+        f"checkpoint (global_step 500), which shardtune cannot resume: its optimizer, scheduler and data position are "
+        f"Trainer's. To train on from its weights, {how.format(ckpt=ckpt)}, with resume_from_checkpoint false and a "
+        f"new output_dir")
+    assert resolve_resume("true", older) is None and resolve_resume("true", tmp_path / "fresh") is None
 
 
 def test_resolve_resume_says_the_folder_is_missing(run_dir):

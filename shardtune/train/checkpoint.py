@@ -52,7 +52,7 @@ from shardtune.errors import TrainingStopped, UsageError, as_write_error, first_
 from shardtune.files import write_text
 from shardtune.strategies import resolve
 from shardtune.train.layout import (MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, manifest_problem,
-                                    resume_problem)
+                                    newest_trainer_checkpoint, resume_problem, trainer_checkpoint_problem)
 from shardtune.train.model import trainable_token_ids
 from shardtune.train.output_dir import drop_checkpoint
 from shardtune.train.plan import Plan
@@ -280,6 +280,10 @@ def resolve_resume(spec: str | None, output_dir: str | Path, info: DistInfo | No
         return None
     if str(spec).lower() in RESUME_NEWEST:
         found = complete_checkpoints(output_dir)
+        trainer = None if found else newest_trainer_checkpoint(output_dir)
+        if trainer:  # a run moved from Transformers' Trainer: starting from scratch is not what it asks for
+            raise UsageError(trainer_checkpoint_problem(trainer, f"resume_from_checkpoint=true: no shardtune "
+                                                                 f"checkpoint in {output_dir}, only {trainer}"))
         if not found:  # the run starts from scratch, unless it ended already (the loop says which)
             return None
         for path in reversed(found):

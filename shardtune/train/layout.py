@@ -154,18 +154,32 @@ def resume_problem(spec: str | None, label: str) -> str | None:
     it names one, or asks for the newest one, or for none."""
     if spec is None or spec.lower() in RESUME_NEWEST + RESUME_OFF:
         return None
-    return _trainer_checkpoint_problem(Path(spec), label) or checkpoint_folder_problem(
+    return trainer_checkpoint_problem(Path(spec), label) or checkpoint_folder_problem(
         spec, label, or_else=", or true for the newest one")
 
 
-def _trainer_checkpoint_problem(path: Path, label: str) -> str | None:
-    """A Transformers Trainer checkpoint (``checkpoint-N``: its trainer_state.json has global_step, a shardtune one
-    step) given to resume, as one line saying so and how to train on from its weights; None for any other folder."""
+def _trainer_step(path: Path) -> int | None:
+    """The global_step of the Transformers Trainer checkpoint ``path`` (``checkpoint-N``: its trainer_state.json
+    has global_step, a shardtune one step); None for any other folder."""
     try:
         step = json.loads((path / "trainer_state.json").read_text()).get("global_step")
     except (OSError, ValueError, AttributeError):
         return None
-    if (path / MANIFEST).is_file() or step is None:
+    return None if (path / MANIFEST).is_file() else step
+
+
+def newest_trainer_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest Transformers Trainer checkpoint (``checkpoint-N``) in ``output_dir``, or None."""
+    folder = Path(output_dir)
+    found = sorted((int(m.group(1)), p) for p in (folder.iterdir() if folder.is_dir() else ())
+                   if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and _trainer_step(p) is not None)
+    return found[-1][1] if found else None
+
+
+def trainer_checkpoint_problem(path: Path, label: str) -> str | None:
+    """A Transformers Trainer checkpoint given to resume, as one line (led by ``label``) saying so and how to train
+    on from its weights; None for any other folder."""
+    if (step := _trainer_step(path)) is None:
         return None
     if (path / "adapter_config.json").is_file():
         how = (f"merge its adapter into the base (shardtune merge {path} --base BASE MERGED) and give "
