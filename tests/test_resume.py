@@ -541,3 +541,24 @@ def test_the_last_line_counts_this_runs_steps_in_words(caplog, ran, resumed_from
     with caplog.at_level("INFO", logger="shardtune"):
         log_summary(summary, TrainConfig())
     assert says in caplog.text
+
+
+@pytest.mark.parametrize("max_steps, says", [
+    (4, "nothing to train: resumed at step 4, already max_steps (4), so no step was taken (final/ written from "
+        "run/checkpoints/step-4); raise max_steps to train further"),
+    # was "already max_steps (2)": final/ holds step 4's weights, which max_steps 2 did not ask for
+    (2, "nothing to train: resumed at step 4, past max_steps (2), so no step was taken (final/ written from "
+        "run/checkpoints/step-4); raise max_steps to train further, or resume from a checkpoint at or before step 2 "
+        "to end there")])
+def test_a_resume_at_or_past_max_steps_says_which(caplog, max_steps, says):
+    from dataclasses import replace
+
+    from shardtune.config import TrainConfig
+    from shardtune.train.run_end import log_summary
+
+    summary = {"steps": 4, "steps_this_run": 0, "resumed_from_step": 4, "final": "run/final",
+               "last_checkpoint": "run/checkpoints/step-4"}
+    cfg = TrainConfig()
+    with caplog.at_level("INFO", logger="shardtune"):
+        log_summary(summary, replace(cfg, run=replace(cfg.run, max_steps=max_steps)))
+    assert [r.getMessage() for r in caplog.records] == [says]

@@ -138,8 +138,11 @@ def log_summary(summary: dict[str, Any], cfg: TrainConfig) -> None:
         limit = f"max_steps ({cfg.run.max_steps})" if by_steps else \
             f"the last step of num_train_epochs {cfg.run.num_train_epochs:g}"
         final = f" (final/ written from {summary['last_checkpoint']})" if summary.get("final") else ""
-        log.info("nothing to train: resumed at step %d, already %s, so no step was taken%s; raise %s to train "
-                 "further", step, limit, final, "max_steps" if by_steps else "num_train_epochs")
+        past = by_steps and step > cfg.run.max_steps  # a checkpoint after the step max_steps asks to end at
+        earlier = f", or resume from a checkpoint at or before step {cfg.run.max_steps} to end there" if past else ""
+        log.info("nothing to train: resumed at step %d, %s %s, so no step was taken%s; raise %s to train further%s",
+                 step, "past" if past else "already", limit, final, "max_steps" if by_steps else "num_train_epochs",
+                 earlier)
         return
     what = f"{ran} step{'' if ran == 1 else 's'}"
     if resumed_from is not None:
