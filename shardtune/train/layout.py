@@ -181,11 +181,14 @@ def trainer_checkpoint_problem(path: Path, label: str) -> str | None:
     on from its weights; None for any other folder."""
     if (step := _trainer_step(path)) is None:
         return None
-    if (path / "adapter_config.json").is_file():
-        how = (f"merge its adapter into the base (shardtune merge {path} --base BASE MERGED) and give "
-               f"model_name_or_path MERGED")
-    else:
-        how = f"give model_name_or_path {path}"
     return (f"{label}: a Transformers Trainer checkpoint (global_step {step}), which shardtune cannot resume: its "
-            f"optimizer, scheduler and data position are Trainer's. To train on from its weights, {how}, with "
-            f"resume_from_checkpoint false and a new output_dir")
+            f"optimizer, scheduler and data position are Trainer's. To train on from its weights, "
+            f"{train_on_from(path)}, with resume_from_checkpoint false and a new output_dir")
+
+
+def train_on_from(weights: Path) -> str:
+    """How a new run starts from the model or adapter folder ``weights`` (the end of a sentence's 'to ...')."""
+    if (weights / "adapter_config.json").is_file():
+        return (f"merge its adapter into the base (shardtune merge {weights} --base BASE MERGED) and give "
+                f"model_name_or_path MERGED")
+    return f"give model_name_or_path {weights}"

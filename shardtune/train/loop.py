@@ -40,7 +40,7 @@ from shardtune.train.output_dir import OutputDirLock, claim_output_dir, clear_ea
 from shardtune.train.plan import needs_process_group, unwrap_ddp
 from shardtune.train.resume import with_accumulation
 from shardtune.train.run_end import (export_final, finished_summary, log_summary, push_to_hub, run_summary,
-                                     verify_stop_checkpoint)
+                                     starting_from_scratch, verify_stop_checkpoint)
 from shardtune.train.step import NonFiniteLoss, train_step
 from shardtune.train.trackers import start_trackers
 
@@ -228,9 +228,8 @@ def _train(cfg: TrainConfig, info: DistInfo, callbacks: Sequence[Any], stage_bou
                  "are kept as they are; raise max_steps to train further", out, done["steps"], done["stopped_by"],
                  job.state.max_steps)
         return done
-    if resume is None and newest:
-        log.warning("resume_from_checkpoint=true: no complete checkpoint in %s; starting from scratch",
-                    checkpoints_dir(out))
+    if resume is None and newest:  # a job stopped before its first checkpoint; not a run that ended here
+        starting_from_scratch(out, job.state.max_steps)
     checkpointer = Checkpointer(cfg, job.info, job.plan, job.model, job.optimizer, job.state,
                                 flat_optimizer=job.runner.flat_optimizer)
     checkpointer.resume(resume)  # a checkpoint this run cannot continue (its data order, say) stops it here

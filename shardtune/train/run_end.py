@@ -9,10 +9,11 @@ from typing import Any
 
 from shardtune.config import TrainConfig
 from shardtune.dist import RankFailed
-from shardtune.errors import TrainingStopped, first_line
-from shardtune.train.checkpoint import Checkpointer, checkpoint_damage, write_failure, write_fix
+from shardtune.errors import TrainingStopped, UsageError, first_line
+from shardtune.train.checkpoint import (Checkpointer, checkpoint_damage, checkpoints_dir, write_failure,
+                                       write_fix)
 from shardtune.train.job import Job
-from shardtune.train.layout import BASE_QUANTIZATION, PROMPT_STYLE
+from shardtune.train.layout import BASE_QUANTIZATION, PROMPT_STYLE, train_on_from
 from shardtune.train.metrics import flops_per_token, max_over_ranks, peak_flops, peak_memory_bytes
 from shardtune.train.output_dir import read_summary
 from shardtune.train.plan import unwrap
@@ -30,6 +31,21 @@ def finished_summary(out: Path, max_steps: int) -> dict[str, Any] | None:
     ended = summary.get("stopped_by") in ("early stopping", "callback stop") or (
         summary.get("stopped_by") == "completed" and summary["steps"] >= max_steps)
     return summary if ended else None
+
+
+def starting_from_scratch(out: Path, max_steps: int) -> None:
+    """resume_from_checkpoint true found no checkpoint in ``out``: a job stopped before its first one starts again,
+    with a warning. A run that finished there without saving any, asked now for ``max_steps`` (more than it ran),
+    is refused: training again from step 1 beside it is not carrying it on."""
+    summary = read_summary(out)
+    if summary is not None and summary.get("stopped_by") == "completed" and (out / "final").is_dir():
+        raise UsageError(f"resume_from_checkpoint=true: {out} holds a run that finished at step {summary['steps']} "
+                         f"and saved no checkpoint, so it cannot be carried on to max_steps {max_steps}: this run "
+                         f"would start again from step 1. To train on from its final/, {train_on_from(out / 'final')},"
+                         f" in a new output_dir; to train again from scratch here, set resume_from_checkpoint false "
+                         f"and overwrite_output_dir true")
+    log.warning("resume_from_checkpoint=true: no complete checkpoint in %s; starting from scratch",
+                checkpoints_dir(out))
 
 
 def verify_stop_checkpoint(job: Job, checkpointer: Checkpointer) -> None:
