@@ -286,7 +286,7 @@ def test_a_finished_run_without_checkpoints_requeued_says_only_that_it_finished(
         train_in_process(flags(*args(made, run, "--resume_from_checkpoint", "true"), "--max_steps", "6"))
     assert str(refused.value) == (
         f"resume_from_checkpoint=true: {run} holds a run that finished at step 4 and saved no checkpoint, so it "
-        f"cannot be carried on to max_steps 6: this run would start again from step 1. To train on from its final/, "
+        f"cannot be carried on to step 6: this run would start again from step 1. To train on from its final/, "
         f"merge its adapter into the base (shardtune merge {run / 'final'} --base BASE MERGED) and give "
         f"model_name_or_path MERGED, in a new output_dir; to train again from scratch here, set "
         f"resume_from_checkpoint false and overwrite_output_dir true")

@@ -40,7 +40,7 @@ def starting_from_scratch(out: Path, max_steps: int) -> None:
     summary = read_summary(out)
     if summary is not None and summary.get("stopped_by") == "completed" and (out / "final").is_dir():
         raise UsageError(f"resume_from_checkpoint=true: {out} holds a run that finished at step {summary['steps']} "
-                         f"and saved no checkpoint, so it cannot be carried on to max_steps {max_steps}: this run "
+                         f"and saved no checkpoint, so it cannot be carried on to step {max_steps}: this run "
                          f"would start again from step 1. To train on from its final/, {train_on_from(out / 'final')},"
                          f" in a new output_dir; to train again from scratch here, set resume_from_checkpoint false "
                          f"and overwrite_output_dir true")
