@@ -348,7 +348,16 @@ def test_export_of_a_missing_checkpoint_lists_the_ones_there(run_dir, tmp_path, 
     assert main(["export", str(missing), str(tmp_path / "x")]) == 2
     assert one_error_line(capsys) == (f"shardtune export: error: {missing}: no such folder; {missing.parent} holds "
                                       f"step-9, step-10, step-20: give one of those")
-    assert main(["export", str(run_dir / "checkpoints" / "step-30"), str(tmp_path / "x")]) == 2
+    # a half-written checkpoint (a save killed, a copy cut short) was answered 'give an output_dir/checkpoints/step-N
+    # folder', which it is: the complete ones beside it are named
+    for half in (run_dir / "checkpoints" / "step-30", run_dir / "checkpoints" / ".tmp-step-30"):
+        half.mkdir(exist_ok=True)
+        assert main(["export", str(half), str(tmp_path / "x")]) == 2
+        assert one_error_line(capsys) == (
+            f"shardtune export: error: {half}: not a complete shardtune checkpoint (no manifest.json: a save that did "
+            f"not finish, or a copy cut short); {half.parent} holds step-9, step-10, step-20: give one of those")
+    (tmp_path / "notes").mkdir()
+    assert main(["export", str(tmp_path / "notes"), str(tmp_path / "x")]) == 2
     assert "not a complete shardtune checkpoint (no manifest.json); give an output_dir/" in one_error_line(capsys)
     assert main(["export", str(tmp_path / "elsewhere" / "step-1"), str(tmp_path / "x")]) == 2
     assert "does not exist either); give an output_dir/checkpoints/step-N folder" in one_error_line(capsys)

@@ -116,15 +116,18 @@ def checkpoint_folder_problem(folder: str | Path, label: str, *, or_else: str = 
     path = Path(folder)
     if (path / MANIFEST).is_file():
         return None
+    parent = path.parent
+    steps = _step_folders(parent)
+    complete = [p.name for _, p in steps if (p / MANIFEST).is_file()]
     if path.exists():
         if newest := newest_checkpoint_in(path):
             return (f"{label}: not a checkpoint, but it holds checkpoints: give one of them, e.g. the "
                     f"newest, {newest}{or_else}")
+        if complete:  # a save that never finished (its .tmp-step-N folder), or a copy cut short, beside good ones
+            return (f"{label}: not a complete shardtune checkpoint (no {MANIFEST}: a save that did not finish, or a "
+                    f"copy cut short); {parent} holds {', '.join(complete)}: give one of those{or_else}")
         return (f"{label}: not a complete shardtune checkpoint (no {MANIFEST}); give an "
                 f"output_dir/checkpoints/step-N folder{or_else}")
-    parent = path.parent
-    steps = _step_folders(parent)
-    complete = [p.name for _, p in steps if (p / MANIFEST).is_file()]
     if complete:
         return f"{label}: no such folder; {parent} holds {', '.join(complete)}: give one of those{or_else}"
     if steps:
