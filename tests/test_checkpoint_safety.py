@@ -240,6 +240,10 @@ def test_resume_applies_a_new_learning_rate_and_refuses_new_lora_targets(tmp_pat
     train(load_train_config(moved))
     said = capfd.readouterr().err  # the trainer logs to stderr, as its processes do
     assert "resume: learning_rate changed from 0.001 to 0.005; the new value takes effect from here" in said
+    # another output_dir: its metrics.jsonl holds this run's steps only, and the log says where the others are
+    assert (f"metrics.jsonl: {tmp_path / 'faster' / 'metrics.jsonl'} holds only the steps after 2; the records up to "
+            f"step 2 are in the metrics.jsonl of the run that saved {step_2}, and in trainer_state.json's "
+            f"log_history") in said
     lrs = {r["step"]: r["lr"] for r in map(json.loads, (tmp_path / "faster" / "metrics.jsonl").read_text().splitlines())
            if "lr" in r}
     assert lrs == {3: 5e-3, 4: 5e-3}

@@ -514,6 +514,11 @@ class Checkpointer:
         if not self.info.is_main:
             return
         if self.resumed_from is not None:
+            elsewhere = self.out.resolve() not in self.resumed_from.resolve().parents  # another run's checkpoint
+            if elsewhere and self.state.step and not (self.out / "metrics.jsonl").exists():
+                log.info("metrics.jsonl: %s holds only the steps after %d; the records up to step %d are in the "
+                         "metrics.jsonl of the run that saved %s, and in trainer_state.json's log_history",
+                         self.out / "metrics.jsonl", self.state.step, self.state.step, self.resumed_from)
             if dropped := trim_metrics(self.out, self.state.step):
                 ends = self.state.step >= self.state.max_steps  # max_steps reached there: nothing is redone
                 log.info("metrics.jsonl: dropped %d record(s) after step %d, %s", dropped, self.state.step,
