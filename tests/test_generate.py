@@ -573,3 +573,38 @@ def test_rows_an_adapter_added_are_loaded_without_drawing_them_first(tmp_path, m
     for folder in ("merged", "exported"):
         other, _ = load_for_generation(tmp_path / folder, device="cpu")
         assert generate(other, tokenizer, prompt, max_new_tokens=8, stop_ids=()) == reply
+
+
+def test_generate_stops_at_the_end_of_turn_token_the_chat_template_writes(tmp_path):
+    """A template whose replies end in a token of its own (Command R's <|END_OF_TURN_TOKEN|>), which neither the
+    EOS nor the generation config names: training took it as each reply's last target, so the reply ends there,
+    as a merged export's generation_config (export.stop_at_tokenizer_eos) makes transformers stop."""
+    from shardtune.testing.tiny import make_model_folder, make_tokenizer
+
+    start, end = "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>"
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens([start, end], special_tokens=True)
+    tokenizer.chat_template = ("{% for m in messages %}{{ '" + start + "' + m['role'] + ': ' + m['content'] + '"
+                               + end + "' }}{% endfor %}{% if add_generation_prompt %}{{ '" + start
+                               + "assistant: ' }}{% endif %}")
+    folder = make_model_folder(tmp_path / "model", tokenizer=tokenizer, num_layers=1)
+    model, tokenizer = load_for_generation(folder, device="cpu")
+    end_id = tokenizer.convert_tokens_to_ids(end)
+    reply = tokenizer("one two three", add_special_tokens=False)["input_ids"]
+    past = tokenizer(" four five six seven eight", add_special_tokens=False)["input_ids"]
+    prompt = encode_prompt(tokenizer, "Count please")
+    seq = prompt + reply + [end_id] + past  # what follows the end of turn is what an unstopped reply would go on to
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(60):
+        ids = torch.tensor([seq])
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    assert generate(model, tokenizer, prompt, max_new_tokens=len(seq), stop_ids=())[:len(reply) + 1 + len(past)] \
+        == reply + [end_id] + past  # the model learned to go on past its end of turn
+    stats = GenerationStats()
+    assert generate(model, tokenizer, prompt, max_new_tokens=len(seq), stats=stats) == reply
+    assert stats.stop_token_id == end_id and stats.stop_reason == "stop_token"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from shardtune.data.encode import special_prefix, with_prefix
-from shardtune.data.templates import END_OF_TURN_TOKENS
+from shardtune.data.templates import END_OF_TURN_TOKENS, reply_end_token
 from shardtune.errors import UsageError
 from shardtune.gguf_source import find_gguf, parsed_once
 from shardtune.gguf_source import load_model as load_gguf_model
@@ -158,8 +158,10 @@ def _load(folder: Path, base: Path, is_adapter: bool, dtype: torch.dtype, trust_
 
 
 def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Every id that ends a reply: EOS of the tokenizer, config and generation config, and known end-of-turn tokens
-    (a model whose generation_config lists only the end-of-text token would otherwise talk past its own turn)."""
+    """Every id that ends a reply: EOS of the tokenizer, config and generation config, the token the tokenizer's
+    chat template ends a reply with (training's last target of each reply, as export lists it in a model folder's
+    generation_config), and known end-of-turn tokens (a model whose generation_config lists only the end-of-text
+    token would otherwise talk past its own turn)."""
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
         eos = getattr(source, "eos_token_id", None)
@@ -168,7 +170,7 @@ def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
         if tokenizer.eos_token_id is not None:
             ids.add(tokenizer.eos_token_id)
         vocab = tokenizer.get_vocab()
-        ids.update(vocab[token] for token in END_OF_TURN_TOKENS if token in vocab)
+        ids.update(vocab[token] for token in (*END_OF_TURN_TOKENS, reply_end_token(tokenizer)) if token in vocab)
     return ids
 
 
