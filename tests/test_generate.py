@@ -13,7 +13,7 @@ from shardtune.cli import main
 from shardtune.errors import UsageError
 from shardtune.cli.generate import run_chat
 from shardtune.infer.generate import (ChatSession, GenerationStats, _Streamer, encode_prompt, generate,
-                                      load_for_generation, stop_token_ids)
+                                      generate_batch, load_for_generation, stop_token_ids)
 
 ANSWER = ("one two three four five six seven eight nine ten the cat and the dog are red green blue small large "
           "quick slow happy sad tree house car road river bird fish")
@@ -608,3 +608,95 @@ def test_generate_stops_at_the_end_of_turn_token_the_chat_template_writes(tmp_pa
     stats = GenerationStats()
     assert generate(model, tokenizer, prompt, max_new_tokens=len(seq), stats=stats) == reply
     assert stats.stop_token_id == end_id and stats.stop_reason == "stop_token"
+
+
+def test_a_batch_of_prompts_gives_each_the_reply_it_gets_alone(loaded):
+    """Left-padded rows of different lengths, the pads masked out: greedy, each reply is token for token the one
+    generate gives its prompt alone, stop tokens and reasons too (a row that stopped is padded after its stop);
+    sampled in batches of one, each is the reply its seed draws alone."""
+    model, tokenizer = loaded
+    prompts = [encode_prompt(tokenizer, "Count please"), tokenizer(STORY_START)["input_ids"],
+               tokenizer("Seven blue birds and 42 red cars on the long road by the river")["input_ids"],
+               encode_prompt(tokenizer, "Count please", system="You count."), tokenizer("The")["input_ids"]]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    batch_rows: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: batch_rows.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    try:
+        batched = generate_batch(model, tokenizer, prompts, batch_size=3, max_new_tokens=40)
+    finally:
+        hook.remove()
+    assert set(batch_rows) == {3, 2}  # two batches: 3 prompts, then 2
+    for prompt, (new_ids, stats) in zip(prompts, batched):
+        alone = GenerationStats()
+        assert new_ids == generate(model, tokenizer, prompt, max_new_tokens=40, stats=alone)
+        assert (stats.new_tokens, stats.stop_reason, stats.stop_token_id, stats.prompt_tokens) == \
+            (alone.new_tokens, alone.stop_reason, alone.stop_token_id, alone.prompt_tokens)
+    assert tokenizer.decode(batched[0][0]) == ANSWER and batched[0][1].stop_token_id == \
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert batched[1][1].stop_token_id == tokenizer.eos_token_id
+    assert len({stats.new_tokens for _, stats in batched}) > 1  # rows that stopped early were padded after
+    sampled = generate_batch(model, tokenizer, prompts, batch_size=1, max_new_tokens=20, temperature=1.5, seed=4)
+    assert [ids for ids, _ in sampled] == [generate(model, tokenizer, prompt, max_new_tokens=20, temperature=1.5,
+                                                    seed=4) for prompt in prompts]
+
+
+def test_cli_generate_prompt_file_prints_each_reply_as_generate_gives_it(trained, loaded, tmp_path, capsys):
+    """--prompt_file: a text file's lines and a .jsonl file's prompt and messages rows (a last assistant turn, the
+    reference reply, left out), batched; each JSON line's reply and counts are those of the prompt generated alone."""
+    model, tokenizer = loaded
+    text_file = tmp_path / "prompts.txt"
+    text_file.write_text("Count please\n\nSeven blue birds\nHow many red cars are on the road by the river\n")
+    rows_file = tmp_path / "rows.jsonl"
+    rows_file.write_text(json.dumps({"prompt": "Count please"}) + "\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "You count."}, {"role": "user", "content": "Count please"},
+                      {"role": "assistant", "content": "the reference"}]}) + "\n")
+    expected = {}
+    for messages in ([{"role": "user", "content": "Count please"}], [{"role": "user", "content": "Seven blue birds"}],
+                     [{"role": "user", "content": "How many red cars are on the road by the river"}],
+                     [{"role": "system", "content": "You count."}, {"role": "user", "content": "Count please"}]):
+        stats = GenerationStats()
+        new_ids = generate(model, tokenizer, encode_prompt(tokenizer, messages=messages), max_new_tokens=40,
+                           stats=stats)
+        stopped = tokenizer.convert_ids_to_tokens(stats.stop_token_id) if stats.stop_token_id is not None \
+            else stats.stop_reason
+        expected[messages[-1]["content"], len(messages)] = {
+            "reply": tokenizer.decode(new_ids, skip_special_tokens=True), "prompt_tokens": stats.prompt_tokens,
+            "new_tokens": stats.new_tokens, "stopped": stopped}
+    assert expected["Count please", 1]["reply"] == ANSWER
+    assert main(["generate", str(trained), "--prompt_file", str(text_file), "--batch_size", "2",
+                 "--max_new_tokens", "40"]) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [line.pop("prompt") for line in lines] == ["Count please", "Seven blue birds",
+                                                      "How many red cars are on the road by the river"]
+    assert lines == [expected["Count please", 1], expected["Seven blue birds", 1],
+                     expected["How many red cars are on the road by the river", 1]]
+    assert "[3 prompts in batches of up to 2;" in captured.err
+    assert main(["generate", str(trained), "--prompt_file", str(rows_file), "--max_new_tokens", "40"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[1]["prompt"][-1] == {"role": "user", "content": "Count please"}
+    assert [{k: v for k, v in line.items() if k != "prompt"} for line in lines] == \
+        [expected["Count please", 1], expected["Count please", 2]]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt_file", "{tmp}/missing.txt"], "--prompt_file {tmp}/missing.txt: no such file; give a text file"),
+    (["--prompt_file", "{tmp}/bad.jsonl"], "--prompt_file {tmp}/bad.jsonl:2: neither a 'prompt' text nor "),
+    (["--prompt_file", "{tmp}/empty.txt"], "--prompt_file {tmp}/empty.txt: holds no prompt"),
+    (["--prompt_file", "{tmp}/long.txt"], "--prompt_file {tmp}/long.txt:2: its prompt is "),
+    (["--prompt_file", "{tmp}/empty.txt", "--batch_size", "0"], "--batch_size must be at least 1 (got 0)"),
+    (["--prompt", "hi", "--batch_size", "4"], "--batch_size 4 acts only with --prompt_file"),
+    (["--prompt", "hi", "--prompt_file", "{tmp}/bad.jsonl"], "not allowed with argument"),
+])
+def test_cli_generate_refuses_a_bad_prompt_file_in_one_line(trained, tmp_path, capsys, args, message):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"messages": [{"role": "assistant", "content": "x"}]}\n')
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    (tmp_path / "long.txt").write_text("Count please\n" + "Count please " * 1000 + "\n")
+    try:
+        code = main(["generate", str(trained), *(a.format(tmp=tmp_path) for a in args)])
+    except SystemExit as stop:  # argparse's own refusals (two of --prompt and --prompt_file) exit from the parser
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1, err

@@ -83,7 +83,7 @@ class OneLineParser(argparse.ArgumentParser):
         ambiguous = message.startswith(AMBIGUOUS) and message[len(AMBIGUOUS):].split(" ", 1)[0].split("=", 1)[0]
         if ambiguous and self.placed_elsewhere is not None and (where := self.placed_elsewhere(ambiguous[2:])):
             message = f"unknown option {ambiguous}; {where}"  # Accelerate's --cpu, a prefix of --cpus_per_task
-        elif message.startswith("the following arguments are required"):
+        elif message.startswith(("the following arguments are required", "one of the arguments")):
             extras = self._extras_if_nothing_required()
             if any(_is_option(a) for a in extras):
                 message = self._unrecognized(extras)
@@ -91,7 +91,9 @@ class OneLineParser(argparse.ArgumentParser):
 
     def _extras_if_nothing_required(self) -> list[str]:
         """What the last line leaves over when parsed with no argument required."""
-        required = [action for action in self._actions if action.required]
+        # a required group of options (generate's --prompt or --prompt_file) as well as required arguments
+        required = [*(action for action in self._actions if action.required),
+                    *(group for group in self._mutually_exclusive_groups if group.required)]
         for action in required:
             action.required = False
         try:

@@ -71,8 +71,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Generate a reply to --prompt with a model folder or a PEFT adapter folder, "
                                    "through the tokenizer's chat template, using the KV cache.")
     _add_common(g)
-    g.add_argument("--prompt", required=True, metavar="TEXT",
-                   help="the user's message (plain text with --no-chat-template)")
+    prompts = g.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", metavar="TEXT", help="the user's message (plain text with --no-chat-template)")
+    prompts.add_argument("--prompt_file", "--prompt-file", metavar="FILE",
+                         help="many prompts, batched: a text file of one prompt a line, or a .jsonl file of "
+                              "{\"prompt\": TEXT} or {\"messages\": [...]} rows (a last assistant turn, the "
+                              "reference reply, is left out); one JSON line a reply comes out, in the file's order")
+    g.add_argument("--batch_size", "--batch-size", type=int, default=None, metavar="N",
+                   help="with --prompt_file: prompts generated together, left-padded (default: 8); greedy replies "
+                        "are those each prompt gets alone")
     template = g.add_mutually_exclusive_group()
     template.add_argument("--no-chat-template", dest="chat_template", action="store_false", default=None,
                           help="feed the prompt as plain text instead of through the chat template")
@@ -136,6 +143,12 @@ def main_generate(args: argparse.Namespace) -> int:
     from shardtune.infer.generate import GenerationStats, encode_prompt, generate
     from shardtune.train.layout import trained_prompt_style
 
+    if args.batch_size is not None and args.prompt_file is None:
+        raise UsageError(f"--batch_size {args.batch_size} acts only with --prompt_file: leave it out, or give the "
+                         f"prompts as a file")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UsageError(f"--batch_size must be at least 1 (got {args.batch_size}); 1 generates one prompt at a time")
+    rows = read_prompt_file(args.prompt_file) if args.prompt_file is not None else None
     model, tokenizer = _load(args)
     chat_template = args.chat_template
     if chat_template is None:  # as the run fed its prompts, where MODEL is a run's final/ that says
@@ -143,6 +156,8 @@ def main_generate(args: argparse.Namespace) -> int:
         if not chat_template:
             print("[the run trained on plain prompts (prompt/completion or text rows): the prompt goes in as plain "
                   "text; --chat-template puts it through the chat template]", file=sys.stderr)
+    if rows is not None:
+        return _generate_file(args, model, tokenizer, rows, chat_template)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat_template=chat_template, system=args.system)
     stats = GenerationStats()
     generate(model, tokenizer, prompt_ids, stream=_write(sys.stdout), stats=stats, **_options(args))
@@ -154,6 +169,79 @@ def main_generate(args: argparse.Namespace) -> int:
     new = f"{stats.new_tokens} new token{'' if stats.new_tokens == 1 else 's'}"
     print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_s * 1e3:.0f} ms; {new}{speed}; stopped "
           f"{stopped}; KV cache {'on' if args.use_cache else 'off'}]", file=sys.stderr)
+    return 0
+
+
+def read_prompt_file(path: str) -> list[tuple[int, str | list[dict]]]:
+    """``--prompt_file``'s prompts with their line numbers: a line's text, or a .jsonl row's ``prompt`` text or
+    ``messages`` (without a last assistant turn); blank lines are skipped, and a bad line is refused naming it."""
+    import json
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UsageError(f"--prompt_file {path}: {'a folder' if file.is_dir() else 'no such file'}; give a text file "
+                         f"of one prompt a line, or a .jsonl file of prompt or messages rows")
+    try:
+        lines = file.read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--prompt_file {path}: not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    if not numbered:
+        raise UsageError(f"--prompt_file {path}: holds no prompt; give one a line")
+    if file.suffix.lower() != ".jsonl":
+        return numbered
+    prompts: list[tuple[int, str | list[dict]]] = []
+    for number, line in numbered:
+        fix = "give each line as {\"prompt\": TEXT} or {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"--prompt_file {path}:{number}: not JSON ({exc.msg}); {fix}") from None
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                           and isinstance(m.get("content"), str) for m in messages):
+            messages = messages[:-1] if messages[-1]["role"] == "assistant" else messages
+            if messages:
+                prompts.append((number, [{"role": m["role"], "content": m["content"]} for m in messages]))
+                continue
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and "messages" not in row:
+            prompts.append((number, row["prompt"]))
+            continue
+        raise UsageError(f"--prompt_file {path}:{number}: neither a 'prompt' text nor 'messages' of role and "
+                         f"content texts ending in a turn to answer; {fix}")
+    return prompts
+
+
+def _generate_file(args: argparse.Namespace, model, tokenizer, rows: list[tuple[int, str | list[dict]]],
+                   chat_template: bool) -> int:
+    """``--prompt_file``: each prompt's reply as one JSON line on stdout, in the file's order."""
+    import json
+    import time
+
+    from shardtune.infer.generate import encode_prompt, generate_batch
+
+    def encoded(row: str | list[dict]) -> list[int]:
+        if isinstance(row, str):
+            return encode_prompt(tokenizer, row, chat_template=chat_template, system=args.system)
+        system = [{"role": "system", "content": args.system}] if args.system and row[0]["role"] != "system" else []
+        return encode_prompt(tokenizer, messages=system + row, chat_template=chat_template)
+
+    prompts = [encoded(row) for _, row in rows]
+    started = time.perf_counter()
+    replies = generate_batch(model, tokenizer, prompts, batch_size=args.batch_size or 8,
+                             names=[f"--prompt_file {args.prompt_file}:{number}: its prompt" for number, _ in rows],
+                             **_options(args))
+    for (_, row), (new_ids, stats) in zip(rows, replies):
+        stopped = tokenizer.convert_ids_to_tokens(stats.stop_token_id) if stats.stop_token_id is not None \
+            else stats.stop_reason
+        print(json.dumps({"prompt": row, "reply": tokenizer.decode(new_ids, skip_special_tokens=True),
+                          "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens, "stopped": stopped},
+                         ensure_ascii=False), flush=True)
+    new = sum(stats.new_tokens for _, stats in replies)
+    print(f"[{len(rows)} prompt{'' if len(rows) == 1 else 's'} in batches of up to {args.batch_size or 8}; {new} new "
+          f"tokens in {time.perf_counter() - started:.1f} s; KV cache {'on' if args.use_cache else 'off'}]",
+          file=sys.stderr)
     return 0
 
 

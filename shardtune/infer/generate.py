@@ -336,39 +336,101 @@ def generate(model: Any, tokenizer: Any, prompt_ids: Sequence[int], *, max_new_t
     ``stats``, if given, is filled with timings.
     """
     _check_options(prompt_ids, max_new_tokens, temperature, top_p, top_k, repetition_penalty)
-    room = max_new_tokens
-    if covered := model_context(model):  # beyond its positions a model's output is garbage: stop there
-        _refuse_beyond(len(prompt_ids), covered)
-        room = min(max_new_tokens, covered[0] - len(prompt_ids))
+    room = _room(model, prompt_ids, max_new_tokens, "the prompt")
     stops = stop_token_ids(model, tokenizer) if stop_ids is None else set(stop_ids)
-    device = _model_device(model)
     config = generation_config(tokenizer, max_new_tokens=room, temperature=temperature, top_p=top_p,
                                stops=stops, use_cache=use_cache, top_k=top_k, repetition_penalty=repetition_penalty)
     streamer = _Streamer(tokenizer, stream, stops)
-    input_ids = torch.tensor([list(prompt_ids)], device=device)
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, enabled=temperature > 0), _own_defaults_only(model):
-        if temperature > 0:
-            torch.manual_seed(seed if seed is not None else int(torch.seed()))
-        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                             generation_config=config, streamer=streamer)
-    produced = out[0, input_ids.shape[1]:].tolist()
-    stats = stats if stats is not None else GenerationStats()
-    stopped = bool(produced) and produced[-1] in stops
-    new_ids = produced[:-1] if stopped else produced
-    stats.prompt_tokens, stats.new_tokens = len(prompt_ids), len(new_ids)
-    stats.stop_reason = "stop_token" if stopped else "max_new_tokens" if room == max_new_tokens else "context_length"
-    stats.stop_token_id = produced[-1] if stopped else None
-    stats.decode_steps = max(len(produced) - 1, 0)  # the first token comes out of the prefill
+    [produced] = _decode(model, [prompt_ids], config, seed=seed, streamer=streamer)
+    stats = _ended(produced, stops, len(prompt_ids), room < max_new_tokens, stats)
     stats.prefill_s, stats.decode_s = streamer.timings()
-    return new_ids
+    return produced[:stats.new_tokens]
 
 
-def _refuse_beyond(prompt_tokens: int, covered: tuple[int, str]) -> None:
+@torch.inference_mode()
+def generate_batch(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], *, batch_size: int = 8,
+                   max_new_tokens: int = MAX_NEW_TOKENS, temperature: float = 0.0, top_p: float = 1.0,
+                   top_k: int = 0, repetition_penalty: float = 1.0, seed: int | None = None, use_cache: bool = True,
+                   stop_ids: Collection[int] | None = None,
+                   names: Sequence[str] | None = None) -> list[tuple[list[int], GenerationStats]]:
+    """:func:`generate` for many prompts, ``batch_size`` at a time, left-padded (the pads masked out, positions
+    counted from each row's first token): each prompt's new ids and stats, in the order given. Greedy, each reply
+    is the one :func:`generate` gives its prompt alone. Sampling draws each batch from ``seed``, so with
+    ``batch_size`` 1 each reply is the one :func:`generate` samples alone; in a larger batch the rows share the draws.
+    Prompts are batched longest first (the least padding); one too close to the model's last position for
+    ``max_new_tokens`` goes alone, so that it stops there as it would alone. ``names``: what a refusal calls each
+    prompt (default: prompt 1, prompt 2 ...)."""
+    if batch_size < 1:
+        raise UsageError(f"batch_size must be at least 1 (got {batch_size}).")
+    if not prompts:
+        raise UsageError("no prompts to generate for; give at least one.")
+    for prompt_ids in prompts:
+        _check_options(prompt_ids, max_new_tokens, temperature, top_p, top_k, repetition_penalty)
+    names = names or [f"prompt {number}" for number in range(1, len(prompts) + 1)]
+    rooms = [_room(model, ids, max_new_tokens, name) for name, ids in zip(names, prompts)]
+    stops = stop_token_ids(model, tokenizer) if stop_ids is None else set(stop_ids)
+    longest_first = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    full_room = [i for i in longest_first if rooms[i] == max_new_tokens]
+    batches = [[i] for i in longest_first if rooms[i] < max_new_tokens] + \
+        [full_room[at:at + batch_size] for at in range(0, len(full_room), batch_size)]
+    results: dict[int, tuple[list[int], GenerationStats]] = {}
+    for batch in batches:
+        config = generation_config(tokenizer, max_new_tokens=rooms[batch[0]], temperature=temperature, top_p=top_p,
+                                   stops=stops, use_cache=use_cache, top_k=top_k,
+                                   repetition_penalty=repetition_penalty)
+        for i, produced in zip(batch, _decode(model, [prompts[i] for i in batch], config, seed=seed)):
+            stats = _ended(produced, stops, len(prompts[i]), rooms[i] < max_new_tokens)
+            results[i] = produced[:stats.new_tokens], stats
+    return [results[i] for i in range(len(prompts))]
+
+
+def _room(model: Any, prompt_ids: Sequence[int], max_new_tokens: int, what: str) -> int:
+    """How many tokens may follow ``prompt_ids``: ``max_new_tokens``, or fewer where the model's positions end
+    (beyond them its output is garbage); a prompt that leaves none is refused."""
+    if covered := model_context(model):
+        _refuse_beyond(len(prompt_ids), covered, what)
+        return min(max_new_tokens, covered[0] - len(prompt_ids))
+    return max_new_tokens
+
+
+def _decode(model: Any, rows: Sequence[Sequence[int]], config: Any, *, seed: int | None,
+            streamer: Any = None) -> list[list[int]]:
+    """``model.generate`` on ``rows`` left-padded to one width, each row's pads masked out (transformers counts its
+    positions from its first token): the ids each row produced, a finished row's padding included. Sampling
+    draws from torch's generator seeded with ``seed``, the caller's random state left as it was."""
+    device = _model_device(model)
+    width = max(len(row) for row in rows)
+    pads = [width - len(row) for row in rows]
+    input_ids = torch.tensor([[config.pad_token_id] * pad + list(row) for pad, row in zip(pads, rows)], device=device)
+    mask = torch.tensor([[0] * pad + [1] * len(row) for pad, row in zip(pads, rows)], device=device)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=config.do_sample), _own_defaults_only(model):
+        if config.do_sample:
+            torch.manual_seed(seed if seed is not None else int(torch.seed()))
+        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config, streamer=streamer)
+    return out[:, width:].tolist()
+
+
+def _ended(produced: list[int], stops: Collection[int], prompt_tokens: int, at_context_end: bool,
+           stats: GenerationStats | None = None) -> GenerationStats:
+    """``stats`` filled for a reply that produced ``produced``: it ends at its first stop token (a batch pads a
+    finished row after it), else ran to its room (``at_context_end``: the model's last position)."""
+    stats = stats if stats is not None else GenerationStats()
+    end = next((at for at, token_id in enumerate(produced) if token_id in stops), None)
+    stats.prompt_tokens, stats.new_tokens = prompt_tokens, len(produced) if end is None else end
+    stats.stop_reason = "stop_token" if end is not None else "context_length" if at_context_end else \
+        "max_new_tokens"
+    stats.stop_token_id = produced[end] if end is not None else None
+    forwards = len(produced) if end is None else end + 1
+    stats.decode_steps = max(forwards - 1, 0)  # the first token comes out of the prefill
+    return stats
+
+
+def _refuse_beyond(prompt_tokens: int, covered: tuple[int, str], what: str = "the prompt") -> None:
     """A prompt that leaves the model no position to generate at, refused in one line."""
     length, where = covered
     if prompt_tokens >= length:
-        raise UsageError(f"the prompt is {prompt_tokens} tokens, and the model covers {length} positions ({where}): "
+        raise UsageError(f"{what} is {prompt_tokens} tokens, and the model covers {length} positions ({where}): "
                          f"shorten it")
 
 
