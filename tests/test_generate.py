@@ -700,3 +700,61 @@ def test_cli_generate_refuses_a_bad_prompt_file_in_one_line(trained, tmp_path, c
     assert code == 2
     err = capsys.readouterr().err
     assert message.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1, err
+
+
+# Qwen3's switch, as its template reads it: a reply written without thinking has an empty think block, which
+# enable_thinking false puts into the prompt (the template's default leaves it to the reply)
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}")
+
+
+def test_chat_template_kwargs_give_generate_and_chat_the_prompt_the_rows_trained_on(tmp_path, capsys, monkeypatch):
+    """Rows trained with chat_template_kwargs {"enable_thinking": false} (TRL's column; Qwen3 fine-tunes that
+    answer without thinking) put an empty think block before every reply: generate was prompted without it, so
+    the fine-tune met a prompt it never trained on. --chat_template_kwargs (and a --prompt_file row's own) render
+    the prompt with them: its ids are the training row's up to its first target, in generate, a batch and chat."""
+    from shardtune.data.encode import IGNORE, encode_example, special_prefix
+    from shardtune.testing.tiny import make_model_folder, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = THINKING_TEMPLATE
+    folder = make_model_folder(tmp_path / "model", tokenizer=tokenizer, num_layers=1)
+    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+    kwargs = {"enable_thinking": False}
+    example = {"kind": "chat", "messages": messages + [{"role": "assistant", "content": "5"}], "target_from": 0,
+               "where": "test", "template_kwargs": json.dumps(kwargs)}
+    ids, labels = encode_example(example, tokenizer, prefix=special_prefix(tokenizer), train_on_prompt=False,
+                                 chat_template_format="none")
+    trained_prompt = ids[:next(i for i, label in enumerate(labels) if label != IGNORE)]
+    assert encode_prompt(tokenizer, messages=messages) != trained_prompt  # the template's default thinks
+    assert encode_prompt(tokenizer, messages=messages, template_kwargs=kwargs) == trained_prompt
+
+    seen: list[list[int]] = []  # the prompt of each row model.generate is given, its pads left out
+
+    def record(model, *args, input_ids, attention_mask, **options):
+        seen.extend(row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask))
+        return torch.cat([input_ids, torch.full((len(input_ids), 1), tokenizer.eos_token_id)], dim=1)
+
+    monkeypatch.setattr("transformers.GenerationMixin.generate", record)
+    flag = ["--chat_template_kwargs", json.dumps(kwargs)]
+    assert main(["generate", str(folder), "--prompt", messages[0]["content"], *flag]) == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO(messages[0]["content"] + "\n"))
+    assert main(["chat", str(folder), *flag]) == 0
+    assert seen == [trained_prompt, trained_prompt]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps(
+        {"messages": messages, "chat_template_kwargs": kwargs}) + "\n")
+    seen.clear()
+    assert main(["generate", str(folder), "--prompt_file", str(rows)]) == 0  # the second row brings its own
+    assert sorted(seen) == sorted([encode_prompt(tokenizer, messages=messages), trained_prompt])
+    capsys.readouterr()
+    for bad, says in (("[1]", "is not a JSON object"), ('{"tools": []}', "names tools, which the template call sets"),
+                      ("{nope", "is not JSON")):
+        assert main(["generate", str(folder), "--prompt", "hi", "--chat_template_kwargs", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"--chat_template_kwargs {bad}" in err and says in err and len(err.strip().splitlines()) == 1, err

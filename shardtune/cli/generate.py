@@ -30,6 +30,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S",
                    help="seed of the sampling generator (with --temperature above 0; default: 0)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message put before the conversation")
+    p.add_argument("--chat_template_kwargs", "--chat-template-kwargs", default=None, metavar="JSON",
+                   help="the chat template's own variables as a JSON object, e.g. '{\"enable_thinking\": false}' "
+                        "(Qwen3): give those the training rows' chat_template_kwargs gave, so the prompt is the one "
+                        "the run trained on")
     p.add_argument("--no-cache", dest="use_cache", action="store_false",
                    help="recompute the whole prefix every token instead of using the KV cache (slow; for checks)")
     p.add_argument("--dtype", default="auto", help=f"{' | '.join(DTYPES)} (default: bf16 on a GPU, else float32)")
@@ -122,6 +126,29 @@ def _load(args: argparse.Namespace):
     return loaded
 
 
+def template_kwargs(text: str | None, what: str) -> dict | None:
+    """A JSON object of the chat template's variables (``text``, or an object already), refused in one line naming
+    ``what`` where it is no object or names an argument of apply_chat_template itself."""
+    import json
+
+    from shardtune.data.formats import TEMPLATE_OWN
+
+    if text is None:
+        return None
+    try:
+        kwargs = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{what} is not JSON ({exc.msg}); give an object, e.g. '{{\"enable_thinking\": false}}'") \
+            from None
+    if not isinstance(kwargs, dict):
+        raise UsageError(f"{what} is not a JSON object; give the template's variables as one, e.g. "
+                         f"'{{\"enable_thinking\": false}}'")
+    if own := [key for key in kwargs if key in TEMPLATE_OWN]:
+        raise UsageError(f"{what} names {', '.join(own)}, which the template call sets itself; give only the "
+                         f"template's own variables")
+    return kwargs
+
+
 def _options(args: argparse.Namespace) -> dict:
     return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "top_k": args.top_k, "repetition_penalty": args.repetition_penalty,
@@ -148,6 +175,7 @@ def main_generate(args: argparse.Namespace) -> int:
                          f"prompts as a file")
     if args.batch_size is not None and args.batch_size < 1:
         raise UsageError(f"--batch_size must be at least 1 (got {args.batch_size}); 1 generates one prompt at a time")
+    kwargs = template_kwargs(args.chat_template_kwargs, f"--chat_template_kwargs {args.chat_template_kwargs}")
     rows = read_prompt_file(args.prompt_file) if args.prompt_file is not None else None
     model, tokenizer = _load(args)
     chat_template = args.chat_template
@@ -157,8 +185,9 @@ def main_generate(args: argparse.Namespace) -> int:
             print("[the run trained on plain prompts (prompt/completion or text rows): the prompt goes in as plain "
                   "text; --chat-template puts it through the chat template]", file=sys.stderr)
     if rows is not None:
-        return _generate_file(args, model, tokenizer, rows, chat_template)
-    prompt_ids = encode_prompt(tokenizer, args.prompt, chat_template=chat_template, system=args.system)
+        return _generate_file(args, model, tokenizer, rows, chat_template, kwargs)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, chat_template=chat_template, system=args.system,
+                               template_kwargs=kwargs)
     stats = GenerationStats()
     generate(model, tokenizer, prompt_ids, stream=_write(sys.stdout), stats=stats, **_options(args))
     sys.stdout.write("\n")
@@ -172,9 +201,13 @@ def main_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_prompt_file(path: str) -> list[tuple[int, str | list[dict]]]:
+Prompt = tuple[int, str | list[dict], dict | None]  # a line's number, its prompt, its chat_template_kwargs
+
+
+def read_prompt_file(path: str) -> list[Prompt]:
     """``--prompt_file``'s prompts with their line numbers: a line's text, or a .jsonl row's ``prompt`` text or
-    ``messages`` (without a last assistant turn); blank lines are skipped, and a bad line is refused naming it."""
+    ``messages`` (without a last assistant turn) and its ``chat_template_kwargs``; blank lines are skipped, and a
+    bad line is refused naming it."""
     import json
     from pathlib import Path
 
@@ -190,8 +223,8 @@ def read_prompt_file(path: str) -> list[tuple[int, str | list[dict]]]:
     if not numbered:
         raise UsageError(f"--prompt_file {path}: holds no prompt; give one a line")
     if file.suffix.lower() != ".jsonl":
-        return numbered
-    prompts: list[tuple[int, str | list[dict]]] = []
+        return [(number, line, None) for number, line in numbered]
+    prompts: list[Prompt] = []
     for number, line in numbered:
         fix = "give each line as {\"prompt\": TEXT} or {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}"
         try:
@@ -199,40 +232,44 @@ def read_prompt_file(path: str) -> list[tuple[int, str | list[dict]]]:
         except json.JSONDecodeError as exc:
             raise UsageError(f"--prompt_file {path}:{number}: not JSON ({exc.msg}); {fix}") from None
         messages = row.get("messages") if isinstance(row, dict) else None
+        kwargs = template_kwargs(row.get("chat_template_kwargs"), f"--prompt_file {path}:{number}: its "
+                                 f"chat_template_kwargs") if isinstance(row, dict) else None
         if isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                            and isinstance(m.get("content"), str) for m in messages):
             messages = messages[:-1] if messages[-1]["role"] == "assistant" else messages
             if messages:
-                prompts.append((number, [{"role": m["role"], "content": m["content"]} for m in messages]))
+                prompts.append((number, [{"role": m["role"], "content": m["content"]} for m in messages], kwargs))
                 continue
         elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and "messages" not in row:
-            prompts.append((number, row["prompt"]))
+            prompts.append((number, row["prompt"], kwargs))
             continue
         raise UsageError(f"--prompt_file {path}:{number}: neither a 'prompt' text nor 'messages' of role and "
                          f"content texts ending in a turn to answer; {fix}")
     return prompts
 
 
-def _generate_file(args: argparse.Namespace, model, tokenizer, rows: list[tuple[int, str | list[dict]]],
-                   chat_template: bool) -> int:
+def _generate_file(args: argparse.Namespace, model, tokenizer, rows: list[Prompt], chat_template: bool,
+                   kwargs: dict | None) -> int:
     """``--prompt_file``: each prompt's reply as one JSON line on stdout, in the file's order."""
     import json
     import time
 
     from shardtune.infer.generate import encode_prompt, generate_batch
 
-    def encoded(row: str | list[dict]) -> list[int]:
+    def encoded(row: str | list[dict], own: dict | None) -> list[int]:
+        variables = {**(kwargs or {}), **(own or {})} or None  # a row's own, over --chat_template_kwargs
         if isinstance(row, str):
-            return encode_prompt(tokenizer, row, chat_template=chat_template, system=args.system)
+            return encode_prompt(tokenizer, row, chat_template=chat_template, system=args.system,
+                                 template_kwargs=variables)
         system = [{"role": "system", "content": args.system}] if args.system and row[0]["role"] != "system" else []
-        return encode_prompt(tokenizer, messages=system + row, chat_template=chat_template)
+        return encode_prompt(tokenizer, messages=system + row, chat_template=chat_template, template_kwargs=variables)
 
-    prompts = [encoded(row) for _, row in rows]
+    prompts = [encoded(row, own) for _, row, own in rows]
     started = time.perf_counter()
     replies = generate_batch(model, tokenizer, prompts, batch_size=args.batch_size or 8,
-                             names=[f"--prompt_file {args.prompt_file}:{number}: its prompt" for number, _ in rows],
+                             names=[f"--prompt_file {args.prompt_file}:{number}: its prompt" for number, *_ in rows],
                              **_options(args))
-    for (_, row), (new_ids, stats) in zip(rows, replies):
+    for (_, row, _), (new_ids, stats) in zip(rows, replies):
         stopped = tokenizer.convert_ids_to_tokens(stats.stop_token_id) if stats.stop_token_id is not None \
             else stats.stop_reason
         print(json.dumps({"prompt": row, "reply": tokenizer.decode(new_ids, skip_special_tokens=True),
@@ -288,17 +325,18 @@ def main_chat(args: argparse.Namespace) -> int:
     from shardtune.infer.generate import ChatSession, encode_prompt
     from shardtune.train.layout import trained_prompt_style
 
+    kwargs = template_kwargs(args.chat_template_kwargs, f"--chat_template_kwargs {args.chat_template_kwargs}")
     model, tokenizer = _load(args)
     if not getattr(tokenizer, "chat_template", None):
         raise UsageError(f"the tokenizer of '{args.model}' has no chat template, so chat cannot tell the turns apart; "
                          f"use 'shardtune generate --no-chat-template' for plain-text continuation.")
     if args.system:  # a template that takes no system turn refuses it here, not at every message
-        encode_prompt(tokenizer, "", system=args.system)
+        encode_prompt(tokenizer, "", system=args.system, template_kwargs=kwargs)
     if trained_prompt_style(args.model) == "plain text":
         print("[the run trained on plain prompts (prompt/completion or text rows), and chat puts every turn through "
               "the chat template, a format it did not train on; 'shardtune generate' feeds a prompt as plain text]",
               file=sys.stderr)
-    session = ChatSession(model, tokenizer, system=args.system, options=_options(args))
+    session = ChatSession(model, tokenizer, system=args.system, options=_options(args), template_kwargs=kwargs)
     print("Chat with the model: Ctrl-C stops a reply, /reset starts over, /exit or Ctrl-D quits.", file=sys.stderr)
     run_chat(session, sys.stdin, sys.stdout)
     return 0

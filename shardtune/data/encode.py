@@ -81,8 +81,10 @@ def with_prefix(prefix: list[int], ids: list[int], labels: list[int] | None = No
     return ids, labels
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list[dict] | None = None,
-            template_kwargs: dict | None = None) -> str:
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
+                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+    """A conversation as the tokenizer's chat template writes it, with the template's own variables
+    (``template_kwargs``: a row's chat_template_kwargs); training and generation render through this one call."""
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
 
@@ -103,9 +105,9 @@ def chat_segments(tokenizer, messages: list[dict], target_from: int, end_of_turn
     turn gives where it ends. Templates that rewrite earlier turns fall back to finding each reply in the text, after
     the turns before it (``_past_history``), so a reply is never taken from inside the prompt that asks for it.
     """
-    render = functools.partial(_render, tokenizer, tools=tools or None, template_kwargs=template_kwargs)
+    render = functools.partial(render_chat, tokenizer, tools=tools or None, template_kwargs=template_kwargs)
     full = render(messages)
-    if tools and _render(tokenizer, messages, template_kwargs=template_kwargs) == full:
+    if tools and render_chat(tokenizer, messages, template_kwargs=template_kwargs) == full:
         raise BadRow("", "the chat template does not write the row's tools, so the model would learn its tool calls "
                          "without their definitions; use a chat template that renders tools (the model's own, where "
                          "it has one), or leave them out")

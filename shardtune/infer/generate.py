@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shardtune.data.encode import special_prefix, with_prefix
+from shardtune.data.encode import render_chat, special_prefix, with_prefix
 from shardtune.data.templates import END_OF_TURN_TOKENS, reply_end_token
 from shardtune.errors import UsageError
 from shardtune.gguf_source import find_gguf, parsed_once
@@ -175,8 +175,11 @@ def stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
 
 
 def encode_prompt(tokenizer: Any, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
-                  chat_template: bool = True, system: str | None = None) -> list[int]:
+                  chat_template: bool = True, system: str | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a prompt, through the tokenizer's chat template (with the assistant turn opened) unless told not to.
+    ``template_kwargs``: the template's own variables (Qwen3's enable_thinking), as training rows' chat_template_kwargs
+    give them: the prompt the rows trained on is rendered with those they were rendered with.
 
     The template is rendered to text and tokenized without special tokens, then the tokenizer's own prefix (BOS) is
     put in front unless the template wrote it: exactly what the trainer does to a conversation (``data.encode``), so
@@ -191,7 +194,7 @@ def encode_prompt(tokenizer: Any, prompt: str | None = None, *, messages: Sequen
         from jinja2 import TemplateError
 
         try:
-            text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            text = render_chat(tokenizer, list(messages), add_generation_prompt=True, template_kwargs=template_kwargs)
         except TemplateError as exc:  # raise_exception in the template: Gemma's and Mistral's refuse a system turn
             system_first = bool(messages) and messages[0].get("role") == "system"
             fix = ("leave out --system, or put its text into the message" if system_first else
@@ -452,6 +455,7 @@ class ChatSession:
     tokenizer: Any
     system: str | None = None
     options: dict = field(default_factory=dict)  # generate() keywords: max_new_tokens, temperature, top_p, seed ...
+    template_kwargs: dict | None = None  # the chat template's own variables (chat_template_kwargs)
     messages: list[dict] = field(default_factory=list)
 
     def reset(self) -> None:
@@ -466,7 +470,7 @@ class ChatSession:
         conversation no longer fits the model's positions (with room for a reply), its earliest turns are dropped,
         the system message kept, and ``note`` told; a message that cannot fit alone is refused and not kept."""
         messages = [*self.messages, {"role": "user", "content": user_text}]
-        prompt_ids = encode_prompt(self.tokenizer, messages=messages)
+        prompt_ids = encode_prompt(self.tokenizer, messages=messages, template_kwargs=self.template_kwargs)
         covered, dropped = model_context(self.model), 0
         if covered:
             length, first = covered[0], 1 if self.system else 0
@@ -474,7 +478,7 @@ class ChatSession:
             while len(prompt_ids) > length - room and len(messages) - first > 1:
                 del messages[first:first + 2]  # the earliest user turn and its reply
                 dropped += 2
-                prompt_ids = encode_prompt(self.tokenizer, messages=messages)
+                prompt_ids = encode_prompt(self.tokenizer, messages=messages, template_kwargs=self.template_kwargs)
             _refuse_beyond(len(prompt_ids), covered)  # the message alone: nothing is dropped, nothing kept
         if dropped and note:
             note(f"the conversation went beyond the model's {covered[0]} positions: its earliest {dropped} turns "
