@@ -758,3 +758,16 @@ def test_chat_template_kwargs_give_generate_and_chat_the_prompt_the_rows_trained
         assert main(["generate", str(folder), "--prompt", "hi", "--chat_template_kwargs", bad]) == 2
         err = capsys.readouterr().err
         assert f"--chat_template_kwargs {bad}" in err and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_generate_says_a_reply_stopped_at_the_models_last_position(tmp_path, capsys):
+    """It said 'stopped by context_length', a name from the code: it names the positions and where they are read."""
+    from shardtune.testing.tiny import make_model_folder
+
+    folder = make_model_folder(tmp_path / "model", num_layers=1, max_position_embeddings=30)
+    assert main(["generate", str(folder), "--prompt", "Count please", "--max_new_tokens", "100"]) == 0
+    err = capsys.readouterr().err
+    assert "new tokens at" in err and "; stopped at the model's last position (30 positions, its config: " \
+        "max_position_embeddings); KV cache on]" in err, err
+    prompt_tokens = int(re.search(r"\[(\d+) prompt tokens", err).group(1))
+    assert f"; {30 - prompt_tokens} new tokens at" in err

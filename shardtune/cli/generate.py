@@ -167,7 +167,7 @@ def _write(out: TextIO, first: str = ""):
 
 
 def main_generate(args: argparse.Namespace) -> int:
-    from shardtune.infer.generate import GenerationStats, encode_prompt, generate
+    from shardtune.infer.generate import GenerationStats, encode_prompt, generate, model_context
     from shardtune.train.layout import trained_prompt_style
 
     if args.batch_size is not None and args.prompt_file is None:
@@ -195,6 +195,8 @@ def main_generate(args: argparse.Namespace) -> int:
     # which stop token: the template's end of turn (<|im_end|>) and EOS (<|end_of_text|>) tell different stories
     stopped = f"at {tokenizer.convert_ids_to_tokens(stats.stop_token_id)}" if stats.stop_token_id is not None \
         else f"by {stats.stop_reason}"
+    if stats.stop_reason == "context_length" and (covered := model_context(model)):
+        stopped = f"at the model's last position ({covered[0]} positions, {covered[1]})"
     new = f"{stats.new_tokens} new token{'' if stats.new_tokens == 1 else 's'}"
     print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_s * 1e3:.0f} ms; {new}{speed}; stopped "
           f"{stopped}; KV cache {'on' if args.use_cache else 'off'}]", file=sys.stderr)
