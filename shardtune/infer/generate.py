@@ -358,7 +358,8 @@ def generate_batch(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
                    names: Sequence[str] | None = None) -> list[tuple[list[int], GenerationStats]]:
     """:func:`generate` for many prompts, ``batch_size`` at a time, left-padded (the pads masked out, positions
     counted from each row's first token): each prompt's new ids and stats, in the order given. Greedy, each reply
-    is the one :func:`generate` gives its prompt alone. Sampling draws each batch from ``seed``, so with
+    is the one :func:`generate` gives its prompt alone (in float32; in bf16 a padded batch rounds slightly
+    otherwise, and a near tie may go the other way). Sampling draws each batch from ``seed``, so with
     ``batch_size`` 1 each reply is the one :func:`generate` samples alone; in a larger batch the rows share the draws.
     Prompts are batched longest first (the least padding); one too close to the model's last position for
     ``max_new_tokens`` goes alone, so that it stops there as it would alone. ``names``: what a refusal calls each
