@@ -753,6 +753,9 @@ def test_chat_template_kwargs_give_generate_and_chat_the_prompt_the_rows_trained
     assert main(["generate", str(folder), "--prompt_file", str(rows)]) == 0  # the second row brings its own
     assert sorted(seen) == sorted([encode_prompt(tokenizer, messages=messages), trained_prompt])
     capsys.readouterr()
+    assert main(["generate", str(folder), "--prompt", "hi", "--no-chat-template", *flag]) == 2  # it would not act
+    err = capsys.readouterr().err
+    assert "acts only through the chat template, and the prompt goes in as plain text" in err, err
     for bad, says in (("[1]", "is not a JSON object"), ('{"tools": []}', "names tools, which the template call sets"),
                       ("{nope", "is not JSON")):
         assert main(["generate", str(folder), "--prompt", "hi", "--chat_template_kwargs", bad]) == 2

@@ -184,6 +184,9 @@ def main_generate(args: argparse.Namespace) -> int:
         if not chat_template:
             print("[the run trained on plain prompts (prompt/completion or text rows): the prompt goes in as plain "
                   "text; --chat-template puts it through the chat template]", file=sys.stderr)
+    if kwargs and not chat_template:
+        raise UsageError(f"--chat_template_kwargs {args.chat_template_kwargs} acts only through the chat template, "
+                         f"and the prompt goes in as plain text: leave it out, or pass --chat-template")
     if rows is not None:
         return _generate_file(args, model, tokenizer, rows, chat_template, kwargs)
     prompt_ids = encode_prompt(tokenizer, args.prompt, chat_template=chat_template, system=args.system,
