@@ -650,7 +650,8 @@ def test_cli_generate_prompt_file_prints_each_reply_as_generate_gives_it(trained
     rows_file = tmp_path / "rows.jsonl"
     rows_file.write_text(json.dumps({"prompt": "Count please"}) + "\n" + json.dumps(
         {"messages": [{"role": "system", "content": "You count."}, {"role": "user", "content": "Count please"},
-                      {"role": "assistant", "content": "the reference"}]}) + "\n")
+                      {"role": "assistant", "content": "the reference"}]}) + "\n" + json.dumps(  # TRL's prompt-only
+        {"prompt": [{"role": "system", "content": "You count."}, {"role": "user", "content": "Count please"}]}) + "\n")
     expected = {}
     for messages in ([{"role": "user", "content": "Count please"}], [{"role": "user", "content": "Seven blue birds"}],
                      [{"role": "user", "content": "How many red cars are on the road by the river"}],
@@ -677,12 +678,13 @@ def test_cli_generate_prompt_file_prints_each_reply_as_generate_gives_it(trained
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines[1]["prompt"][-1] == {"role": "user", "content": "Count please"}
     assert [{k: v for k, v in line.items() if k != "prompt"} for line in lines] == \
-        [expected["Count please", 1], expected["Count please", 2]]
+        [expected["Count please", 1], expected["Count please", 2], expected["Count please", 2]]
 
 
 @pytest.mark.parametrize("args,message", [
     (["--prompt_file", "{tmp}/missing.txt"], "--prompt_file {tmp}/missing.txt: no such file; give a text file"),
     (["--prompt_file", "{tmp}/bad.jsonl"], "--prompt_file {tmp}/bad.jsonl:2: neither a 'prompt' text nor "),
+    (["--prompt_file", "{tmp}/list.jsonl"], "--prompt_file {tmp}/list.jsonl:1: not a JSON object; give each line"),
     (["--prompt_file", "{tmp}/empty.txt"], "--prompt_file {tmp}/empty.txt: holds no prompt"),
     (["--prompt_file", "{tmp}/long.txt"], "--prompt_file {tmp}/long.txt:2: its prompt is "),
     (["--prompt_file", "{tmp}/empty.txt", "--batch_size", "0"], "--batch_size must be at least 1 (got 0)"),
@@ -692,6 +694,7 @@ def test_cli_generate_prompt_file_prints_each_reply_as_generate_gives_it(trained
 def test_cli_generate_refuses_a_bad_prompt_file_in_one_line(trained, tmp_path, capsys, args, message):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"messages": [{"role": "assistant", "content": "x"}]}\n')
     (tmp_path / "empty.txt").write_text("\n  \n")
+    (tmp_path / "list.jsonl").write_text('["hi"]\n')
     (tmp_path / "long.txt").write_text("Count please\n" + "Count please " * 1000 + "\n")
     try:
         code = main(["generate", str(trained), *(a.format(tmp=tmp_path) for a in args)])

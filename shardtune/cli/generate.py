@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     prompts.add_argument("--prompt", metavar="TEXT", help="the user's message (plain text with --no-chat-template)")
     prompts.add_argument("--prompt_file", "--prompt-file", metavar="FILE",
                          help="many prompts, batched: a text file of one prompt a line, or a .jsonl file of "
-                              "{\"prompt\": TEXT} or {\"messages\": [...]} rows (a last assistant turn, the "
+                              "{\"prompt\": TEXT or [...]} or {\"messages\": [...]} rows (a last assistant turn, the "
                               "reference reply, is left out); one JSON line a reply comes out, in the file's order")
     g.add_argument("--batch_size", "--batch-size", type=int, default=None, metavar="N",
                    help="with --prompt_file: prompts generated together, left-padded (default: 8); greedy replies "
@@ -230,26 +230,30 @@ def read_prompt_file(path: str) -> list[Prompt]:
     if file.suffix.lower() != ".jsonl":
         return [(number, line, None) for number, line in numbered]
     prompts: list[Prompt] = []
+    fix = ("give each line as {\"prompt\": TEXT} or {\"messages\": [{\"role\": ..., \"content\": ...}, ...]} (a "
+           "conversation as 'prompt' too, as TRL's prompt-only rows)")
     for number, line in numbered:
-        fix = "give each line as {\"prompt\": TEXT} or {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UsageError(f"--prompt_file {path}:{number}: not JSON ({exc.msg}); {fix}") from None
-        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(row, dict):
+            raise UsageError(f"--prompt_file {path}:{number}: not a JSON object; {fix}")
         kwargs = template_kwargs(row.get("chat_template_kwargs"), f"--prompt_file {path}:{number}: its "
-                                 f"chat_template_kwargs") if isinstance(row, dict) else None
-        if isinstance(messages, list) and messages and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                           and isinstance(m.get("content"), str) for m in messages):
-            messages = messages[:-1] if messages[-1]["role"] == "assistant" else messages
-            if messages:
-                prompts.append((number, [{"role": m["role"], "content": m["content"]} for m in messages], kwargs))
-                continue
-        elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and "messages" not in row:
-            prompts.append((number, row["prompt"], kwargs))
+                                 f"chat_template_kwargs")
+        # a chat's messages, or TRL's prompt: a text, or a conversation (its prompt-only and conversational rows)
+        prompt = row["messages"] if "messages" in row else row.get("prompt")
+        if isinstance(prompt, str) and "messages" not in row:
+            prompts.append((number, prompt, kwargs))
             continue
-        raise UsageError(f"--prompt_file {path}:{number}: neither a 'prompt' text nor 'messages' of role and "
-                         f"content texts ending in a turn to answer; {fix}")
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                       and isinstance(m.get("content"), str) for m in prompt):
+            prompt = prompt[:-1] if prompt[-1]["role"] == "assistant" else prompt
+            if prompt:
+                prompts.append((number, [{"role": m["role"], "content": m["content"]} for m in prompt], kwargs))
+                continue
+        raise UsageError(f"--prompt_file {path}:{number}: neither a 'prompt' text nor 'messages' (or a 'prompt') "
+                         f"of role and content texts ending in a turn to answer; {fix}")
     return prompts
 
 
