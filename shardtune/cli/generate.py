@@ -71,8 +71,10 @@ def _transformers_option(name: str, command: str) -> str | None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    g = sub.add_parser("generate", help="generate a reply to one prompt, streamed as it is decoded",
-                       description="Generate a reply to --prompt with a model folder or a PEFT adapter folder, "
+    g = sub.add_parser("generate", help="generate a reply to a prompt, streamed as it is decoded, or to each "
+                                        "prompt of a file, batched",
+                       description="Generate a reply to --prompt (streamed), or to each prompt of --prompt_file "
+                                   "(batched, one JSON line a reply), with a model folder or a PEFT adapter folder, "
                                    "through the tokenizer's chat template, using the KV cache.")
     _add_common(g)
     prompts = g.add_mutually_exclusive_group(required=True)
