@@ -777,3 +777,23 @@ def test_cli_generate_says_a_reply_stopped_at_the_models_last_position(tmp_path,
         "max_position_embeddings); KV cache on]" in err, err
     prompt_tokens = int(re.search(r"\[(\d+) prompt tokens", err).group(1))
     assert f"; {30 - prompt_tokens} new tokens at" in err
+
+
+def test_the_demos_questions_are_answered_in_batches_as_each_alone(loaded):
+    """The demo's before/after table (answer_questions) asked its 60 questions one at a time; batched, the same
+    replies come sooner (the real demo spent minutes on its base model's greedy replies)."""
+    from shardtune.demo.evaluate import answer_questions
+    from shardtune.demo.task import split_task
+
+    model, tokenizer = loaded
+    sums = split_task(10, 12).test
+    rows: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        answers = answer_questions(model, tokenizer, sums, max_new_tokens=6, batch_size=5)
+    finally:
+        hook.remove()
+    assert max(rows) == 5
+    assert [a.reply for a in answers] == [
+        tokenizer.decode(generate(model, tokenizer, encode_prompt(tokenizer, s.question()), max_new_tokens=6),
+                         skip_special_tokens=True) for s in sums]

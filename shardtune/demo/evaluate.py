@@ -72,20 +72,19 @@ def eval_loss(model: Any, tokenizer: Any, dataset_dir: str | Path, *, max_seq_le
 
 
 def answer_questions(model: Any, tokenizer: Any, sums: Sequence[Question], *,
-                     max_new_tokens: int | None = 8) -> list[Answer]:
+                     max_new_tokens: int | None = 8, batch_size: int = 16) -> list[Answer]:
     """Greedy replies to each question, asked through the tokenizer's chat template. ``max_new_tokens`` None: the
     longest expected answer's tokens plus 4, room for the stop token and for a too-long reply to show as one (a base
-    model that rambles costs seconds per token on a CPU)."""
-    from shardtune.infer.generate import encode_prompt, generate
+    model that rambles costs seconds per token on a CPU). The questions go ``batch_size`` at a time (the replies
+    are those each gets alone, in float32, a few times sooner)."""
+    from shardtune.infer.generate import encode_prompt, generate_batch
 
     if max_new_tokens is None:
         max_new_tokens = 4 + max(len(tokenizer(s.answer, add_special_tokens=False)["input_ids"]) for s in sums)
-    answers = []
-    for s in sums:
-        ids = generate(model, tokenizer, encode_prompt(tokenizer, s.question()), max_new_tokens=max_new_tokens,
-                       temperature=0.0)
-        answers.append(Answer(s.question(), s.answer, tokenizer.decode(ids, skip_special_tokens=True)))
-    return answers
+    replies = generate_batch(model, tokenizer, [encode_prompt(tokenizer, s.question()) for s in sums],
+                             batch_size=batch_size, max_new_tokens=max_new_tokens)
+    return [Answer(s.question(), s.answer, tokenizer.decode(ids, skip_special_tokens=True))
+            for s, (ids, _) in zip(sums, replies)]
 
 
 def evaluate_model(model_or_adapter: str | Path, dataset_dir: str | Path, sums: Sequence[Question], *,
