@@ -264,6 +264,8 @@ def test_pp_resume_reproduces_the_uninterrupted_run(assets, full_runs, monkeypat
     (["--eval_strategy", "steps", "--per_device_eval_batch_size", "3"], "per_device_eval_batch_size=3 must be"),
     (["--eval_on_start", "true", "--per_device_eval_batch_size", "3"], "per_device_eval_batch_size=3 must be"),
     (["--fp16", "true"], "fp16 with distributed_type=PP: the pipeline's stages do not scale the loss"),
+    # Reentrant checkpointing cannot give a stage the gradients of its received hidden states: a traceback on rank 1.
+    (["--use_reentrant", "true"], "use_reentrant true with distributed_type=PP: a pipeline stage's backward asks"),
     # 1F1B fills the pipeline with a micro-batch per stage: torch raised it on every rank, a traceback each.
     (["--num_processes", "4", "--pipeline_microbatches", "2"],
      "pipeline_schedule 1F1B needs at least one micro-batch per stage: pipeline_microbatches=2 for 4 stages"),

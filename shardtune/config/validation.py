@@ -377,6 +377,13 @@ def _validate_pipeline(cfg: TrainConfig) -> list[Problem]:
         problems.append(Problem(("fp16", "mixed_precision", "distributed_type"), f"fp16 with distributed_type="
                                 f"{d.distributed_type}: the pipeline's stages do not scale the loss, so fp16 gradients "
                                 f"would underflow; use bf16 (or mixed_precision no)"))
+    if r.gradient_checkpointing and r.use_reentrant:
+        # A stage's backward asks autograd for the gradients of the hidden states it received (to send them back),
+        # which reentrant checkpointing cannot give: every stage after the first stopped with a traceback.
+        problems.append(Problem(("use_reentrant", "distributed_type"), f"use_reentrant true with distributed_type="
+                                f"{d.distributed_type}: a pipeline stage's backward asks for the gradients of the "
+                                f"hidden states it received, which reentrant checkpointing cannot give; set "
+                                f"use_reentrant false (PyTorch's default checkpointing)"))
     return problems
 
 
