@@ -55,6 +55,7 @@ def keep_stage(model: nn.Module, bounds: tuple[int, int], *, first: bool, last: 
     stage as a copy of them (``tied_weight``: the two ends add their gradients of it), the embedding module kept
     there too (it runs only on the first stage) so that the stage's state dict names the weight as one process's
     does: under ``model.embed_tokens`` and ``lm_head``, or (frozen, trainable tensors only) ``lm_head`` alone.
+    Where PEFT trains a copy at each end (``_trains_copies``), the last stage keeps only the head's, as if untied.
     """
     causal_lm = unwrap(model)
     inner = causal_lm.model
@@ -65,7 +66,7 @@ def keep_stage(model: nn.Module, bounds: tuple[int, int], *, first: bool, last: 
     start, end = bounds
     for i in [*range(start), *range(end, len(inner.layers))]:
         inner.layers[i] = OtherStage()
-    if not first and not (last and _is_tied(causal_lm)):
+    if not first and not (last and _is_tied(causal_lm) and not _trains_copies(causal_lm)):
         inner.embed_tokens = None
     if not last:
         inner.norm = nn.Identity()
@@ -82,6 +83,15 @@ class OtherStage(nn.Module):
 
 def _is_tied(causal_lm: nn.Module) -> bool:
     return bool(getattr(causal_lm.config, "tie_word_embeddings", False))
+
+
+def _trains_copies(causal_lm: nn.Module) -> bool:
+    """A tied head whose ends PEFT trains as two copies of the weight (``lora_modules_to_save`` naming both): one
+    process trains each copy with its own gradient, so the stages keep them apart too (as an untied head)."""
+    from peft.utils import ModulesToSaveWrapper
+
+    ends = (causal_lm.get_input_embeddings(), causal_lm.get_output_embeddings())
+    return any(isinstance(end, ModulesToSaveWrapper) for end in ends)
 
 
 def _refuse_scaled_embeddings(causal_lm: nn.Module) -> None:
@@ -121,9 +131,10 @@ def _refuse_trained_tied_adapters(causal_lm: nn.Module) -> None:
 
 def tied_weight(model: nn.Module, *, first: bool, last: bool) -> nn.Parameter | None:
     """The trained weight that a tied head shares with the input embeddings, on a stage that holds one end of it
-    (the first holds the embeddings, the last the head); None on one stage, a middle stage, or when it is frozen."""
+    (the first holds the embeddings, the last the head); None on one stage, a middle stage, when it is frozen, or
+    when each end trains its own copy of it (``_trains_copies``)."""
     causal_lm = unwrap(model)
-    if not _is_tied(causal_lm) or first == last:
+    if not _is_tied(causal_lm) or first == last or _trains_copies(causal_lm):
         return None
     end = causal_lm.get_input_embeddings() if first else causal_lm.get_output_embeddings()
     return end.weight if end.weight.requires_grad else None
