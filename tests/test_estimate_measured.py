@@ -92,7 +92,7 @@ def test_a_faster_setup_that_does_not_fit_is_passed_over(tmp_path):
     assert recommend(analysis, base, gpu).setup.strategy == "FSDP"  # without the measurements
 
 
-def test_pipeline_parallel_joins_only_when_measured_and_untied(tmp_path):
+def test_pipeline_parallel_joins_only_when_measured(tmp_path):
     # 4 rows: one pipeline micro-batch per stage, as train's 1F1B needs (at 1 row PP is not a job train runs)
     base = validate(checked_setup(method="lora", distributed_type="FSDP", num_gpus=4, per_device_train_batch_size=4))
     with_pp = Measured.load(measured_file(tmp_path, {"PP": 3000.0, "DDP": 1000.0}))
@@ -101,11 +101,10 @@ def test_pipeline_parallel_joins_only_when_measured_and_untied(tmp_path):
     untied, tied = ModelAnalysis("llama-2-7b"), ModelAnalysis("llama-3.2-1b")
     assert "PP" not in [s.strategy for s in candidates(base, None, untied)]
     assert "PP" in [s.strategy for s in candidates(base, with_pp, untied)]
-    assert "PP" not in [s.strategy for s in candidates(base, with_pp, tied)]
+    assert "PP" in [s.strategy for s in candidates(base, with_pp, tied)]  # a tied head: planned as an untied one
     gpu = gpu_by_name("h100-80gb")
     assert recommend(untied, base, gpu, with_pp).setup.strategy == "PP"
-    rec = recommend(tied, base, gpu, with_pp)
-    assert rec.setup.strategy == "DDP" and "PP is left out" in rec.reason
+    assert recommend(tied, base, gpu, with_pp).setup.strategy == "PP"
 
 
 def test_files_from_before_the_strategies_were_spelled_one_way_still_load(tmp_path):
@@ -129,13 +128,8 @@ def test_cli_measured_json_and_bad_files(tmp_path, capsys):
     assert main(["estimate", "llama-3.2-1b", "--num-gpus", "2", "--measured", str(tmp_path / "none.json")]) == 2
     (tmp_path / "bad.json").write_text("{not json")
     assert main(["estimate", "llama-3.2-1b", "--num-gpus", "2", "--measured", str(tmp_path / "bad.json")]) == 2
-    assert main(["estimate", "llama-3.2-1b", "--num-gpus", "2", "--strategy", "pp"]) == 2  # tied embeddings
     err = capsys.readouterr().err
     assert "no such file" in err and "not a JSON file" in err
-    # train runs PP on a tied head (tests/test_pipeline.py); only the estimator does not plan it, and says so.
-    assert ("shardtune estimate: error: --strategy PP: llama-3.2-1b ties its LM head to its input embeddings, and "
-            "the estimator does not plan pipeline stages for such a model yet (shardtune train runs it, the head on "
-            "the first and the last stage); estimate DDP, FSDP or MP\n") in err
 
 
 @pytest.mark.parametrize("strategy,kind,processes,microbatches", [("pp", "PP", 2, 4), ("mp", "MP", 1, None)])

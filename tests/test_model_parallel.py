@@ -215,3 +215,45 @@ def test_pipeline_stages_hold_the_micro_batches_their_schedule_keeps_in_flight(s
     mp_stages = _Stages.of(analysis.inventory, mp, one, analysis.lora_of(mp))
     assert [mp_stages.in_flight(s) for s in range(4)] == [1, 1, 1, 1]
     assert mp_stages.parts(0, 8, 0)["activations"] == pytest.approx(8 * 8 * per_layer + mp_stages.transient)
+
+
+def test_pp_last_stage_holds_a_tied_head_as_its_own_copy(tmp_path, capsys):
+    """PP keeps a head tied to the embeddings on the last stage as its own tensor, trained there (gradient, optimizer
+    state) as an untied head is. The estimate counted it on the first stage only: `shardtune estimate --strategy pp`
+    refused tied models, and the stages `shardtune train` places (the same plan) gave the last stage too many
+    layers (Llama-3.2-1B in full: 6 and 10). A tied model and its untied twin now hold the same bytes per stage."""
+    from transformers import LlamaConfig
+
+    from shardtune.cli import main
+    from shardtune.memory.formula import _Stages
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.recommend import evaluate_setup
+    from shardtune.memory.setup import Setup, validate
+
+    sizes = dict(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=4)
+    folders = {tied: tmp_path / ("tied" if tied else "untied") for tied in (True, False)}
+    for tied, folder in folders.items():
+        LlamaConfig(**sizes, tie_word_embeddings=tied).save_pretrained(folder)
+    for method in ("full", "lora"):
+        setup = validate(Setup.of(distributed_type="PP", method=method, num_gpus=2, per_device_train_batch_size=4,
+                                  max_seq_len=512, gradient_checkpointing=True))
+        one = setup.with_(distributed_type="NO", num_gpus=1)
+        found = {}
+        for tied, folder in folders.items():
+            analysis = ModelAnalysis(str(folder))
+            assert analysis.inventory.tied_embeddings == tied
+            stages = _Stages.of(analysis.inventory, setup, one, analysis.lora_of(setup))
+            breakdown = evaluate_setup(analysis, setup)
+            found[tied] = ([stages.parts(a, b, s) for s, (a, b) in enumerate(((0, 4), (4, 8)))],
+                           breakdown.stage_bounds, breakdown.total)
+        (tied_parts, tied_bounds, tied_total), (parts, bounds, total) = found[True], found[False]
+        for tied_stage, stage in zip(tied_parts, parts):
+            assert tied_stage == pytest.approx(stage, rel=1e-12)
+        assert (tied_bounds, tied_total) == (bounds, total)
+    # and the command estimates it: the untied twin's figures
+    totals = []
+    for folder in folders.values():
+        assert main(["estimate", str(folder), "--strategy", "pp", "--num-gpus", "2", "--json"]) == 0
+        totals.append(json.loads(capsys.readouterr().out)["per_gpu"]["total"])
+    assert totals[0] == totals[1]

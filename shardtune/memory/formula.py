@@ -827,6 +827,11 @@ class _Stages:
         first = {k: v * root_fraction for k, v in root.items()}
         last = {k: v - first[k] for k, v in root.items()}
         first["optimizer"] += _embedding_state_extra(setup, dt.master, inv)
+        if setup.strategy.pipelined and inv.tied_embeddings:
+            # PP's last stage holds the tied head as its own copy of the embeddings, with its gradient and state
+            # (the two ends add their gradients: train/pipeline_parallel.py); MP's head stays on the first GPU.
+            for c in last:
+                last[c] += first[c]
         last["params"] += model.autocast_copy_of_head()
         # The last stage runs the loss: its peak is the backward at the loss, one micro-batch's.
         last["activations"] += tokens * act.outside_layers()

@@ -137,8 +137,7 @@ def evaluate_setup(analysis: ModelAnalysis, setup: Setup) -> Breakdown:
 
 def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAnalysis | None = None) -> list[Setup]:
     """The parallel setups worth comparing for ``base``'s GPU count, in order of preference when they fit
-    (pipeline parallel too when ``base`` asks for it or ``measured`` has it, and the model's head is not tied to its
-    embeddings, whose stages the estimator does not plan yet), without those train would refuse: with
+    (pipeline parallel too when ``base`` asks for it or ``measured`` has it), without those train would refuse: with
     ``analysis``, MP and PP over more GPUs than the model has decoder layers too."""
     # Each candidate names its own sharding: the base's fsdp_reshard_after_forward would override it.
     plain = base.with_(fsdp_offload_params=False, fsdp_reshard_after_forward=None)
@@ -153,7 +152,7 @@ def candidates(base: Setup, measured: Measured | None = None, analysis: ModelAna
         out.append(plain.with_(distributed_type=MP))
     # PP asked for is compared too: left out, the recommendation said no setup held a batch the asked PP held.
     pp_wanted = base.strategy.pipelined or bool(measured and PP.name in measured.tokens_per_s)
-    if pp_wanted and not (analysis and analysis.inventory.tied_embeddings):
+    if pp_wanted:
         out.append(plain.with_(distributed_type=PP))
     # None that train would refuse: nor MP or PP with a stage that would hold no decoder layer.
     layers = analysis.inventory.num_layers if analysis else None
@@ -356,9 +355,6 @@ def _measured_reason(chosen: Setup, measured: Measured, base: Setup, analysis: M
     text += f" ({measured.describe()})."
     text += f" It is also the usual choice: {_why(chosen)}." if same else \
         f" Without measurements it would be {usual.setup.label()}." if usual.fits else ""
-    if PP.name in measured.tokens_per_s and analysis.inventory.tied_embeddings:
-        text += (" PP is left out: this model ties its LM head to its embeddings, and the estimator does not plan "
-                 "pipeline stages for such a model yet.")
     if measured.measured_another_model(analysis.inventory.name):
         text += (f" Caution: the speeds were measured with {measured.model_name}, not {analysis.inventory.name}; run "
                  f"'shardtune bench strategies' with this model's recipe for figures that apply to it.")

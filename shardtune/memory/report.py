@@ -222,10 +222,6 @@ def estimate_report(model: str, setup: Setup, gpu: Gpu, auto: bool = True, measu
 
     analysis = analysis_for(model, setup.config)
     inv = analysis.inventory
-    if setup.strategy.pipelined and inv.tied_embeddings:
-        raise UsageError(f"--strategy {setup.strategy}: {model} ties its LM head to its input embeddings, and the "
-                         f"estimator does not plan pipeline stages for such a model yet (shardtune train runs it, "
-                         f"the head on the first and the last stage); estimate DDP, FSDP or MP")
     lora = analysis.lora_of(setup)
     trainable = lora.total if lora else inv.parameters
     rec = recommend(analysis, setup, gpu, measured)
