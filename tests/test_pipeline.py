@@ -68,13 +68,19 @@ def one_process(assets, out: str, extra: list[str]) -> list[dict]:
 # LoRA's variants whose tensors are not lora_A/lora_B: DoRA's magnitudes, a trained copy of the last stage's head
 # (modules_to_save), every bias (this Llama has none in its linears; the norms' weights are not biases).
 LORA_EXTRAS = [*LORA, "--use_dora", "True", "--lora_modules_to_save", "lm_head", "--lora_bias", "all"]
+# LoRA on the first decoder layer only: the last stage holds no trainable parameter.
+FIRST_STAGE = [*LORA, "--lora_target_modules", "layers.0.self_attn.q_proj"]
 TIED = "tied"  # the folder (in the module's root) of a tiny Qwen2, whose head is tied to its embeddings
 # PEFT trains a copy of each end of that tied head, each with its own gradient (lora_modules_to_save both ends).
 TIED_COPIES = [*LORA, "--lora_modules_to_save", "embed_tokens,lm_head"]
 PIPELINES = {"pp_1f1b": [*EVAL, *ONE_F_ONE_B],
              "pp_gpipe_lora": [*LORA, "--pipeline_schedule", "GPipe", "--pipeline_microbatches", "4"],
              "pp_lora_extras": [*LORA_EXTRAS, *ONE_F_ONE_B],
-             "pp_tied_copies": [*TIED_COPIES, *ONE_F_ONE_B]}
+             "pp_tied_copies": [*TIED_COPIES, *ONE_F_ONE_B],
+             "pp_first_stage": [*FIRST_STAGE, *ONE_F_ONE_B, "--save_strategy", "steps", "--save_steps", "2"],
+             # after pp_first_stage (the jobs run in this order): on from its step-2 checkpoint
+             "pp_first_stage_resumed": [*FIRST_STAGE, *ONE_F_ONE_B, "--resume_from_checkpoint",
+                                        "{root}/pp_first_stage/checkpoints/step-2"]}
 ON_TIED = {"pp_tied_copies", "ref_tied_copies"}  # the runs of the tied model
 
 
@@ -82,8 +88,10 @@ ON_TIED = {"pp_tied_copies", "ref_tied_copies"}  # the runs of the tied model
 def pipelines(assets) -> dict[str, str]:
     """Both pipeline runs of PIPELINES, as ``shardtune launch --num_processes 2 train`` runs them, in one pair of
     processes (train_jobs): each run's error, or ""."""
-    return train_jobs(assets[0], {out: (2, [*args(assets, out, extra), "--distributed_type", "PP", "--callbacks",
-                                            "tests.setup_probe:SetupProbe"]) for out, extra in PIPELINES.items()})
+    root = assets[0]
+    return train_jobs(root, {out: (2, [*args(assets, out, [a.format(root=root) for a in extra]), "--distributed_type",
+                                       "PP", "--callbacks", "tests.setup_probe:SetupProbe"])
+                             for out, extra in PIPELINES.items()})
 
 
 def pipeline(assets, pipelines, out: str) -> list[dict]:
@@ -212,6 +220,24 @@ def test_pp_trains_the_two_copies_of_a_tied_head_apart_as_one_process_does(asset
         assert (ref[k] - start).abs().max() > 1e-3  # each copy trained, and apart from the other
     assert (ref[copies[0]] - ref[copies[1]]).abs().max() > 1e-3
     assert max((ref[k] - got[k]).abs().max().item() for k in ref) < WEIGHT_TOL
+
+
+def test_a_stage_with_nothing_to_train_saves_and_resumes(assets, pipelines):
+    """LoRA on the first decoder layer only leaves the last stage without a trainable parameter: its checkpoint
+    stopped the run on torch's "optim state_dict is empty" (a traceback on rank 1, after the steps had run). Now it
+    saves, and a run resumed on 2 stages from its step-2 checkpoint goes on as it did, one process's losses."""
+    from safetensors.torch import load_file
+
+    whole = pipeline(assets, pipelines, "pp_first_stage")
+    assert_same(one_process(assets, "ref_first_stage", FIRST_STAGE), whole)
+    assert not pipelines["pp_first_stage_resumed"], pipelines["pp_first_stage_resumed"]
+    resumed = [json.loads(line) for line in (assets[0] / "pp_first_stage_resumed" / "metrics.jsonl").open()]
+    assert [(r["step"], r["loss"]) for r in resumed] == [(STEPS, whole[-1]["loss"])]
+    ref = load_file(str(assets[0] / "ref_first_stage" / "final" / "adapter_model.safetensors"))
+    for out in ("pp_first_stage", "pp_first_stage_resumed"):
+        got = load_file(str(assets[0] / out / "final" / "adapter_model.safetensors"))
+        assert ref.keys() == got.keys() and all("layers.0." in k for k in ref)
+        assert max((ref[k] - got[k]).abs().max().item() for k in ref) < WEIGHT_TOL
 
 
 def test_keep_stage_keeps_original_names(assets):

@@ -95,6 +95,19 @@ def model_state_dict(model: nn.Module, options: StateDictOptions) -> dict[str, A
     return {key: value for key, value in state.items() if not _QUANT_STATE_KEY.search(key)}
 
 
+def _optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                          options: StateDictOptions) -> dict[str, Any]:
+    """``get_optimizer_state_dict``, and {} for an optimizer that holds no parameter (a pipeline stage none of whose
+    modules LoRA adapts), which it refuses ("optim state_dict is empty")."""
+    if not _has_parameters(optimizer):
+        return {}
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def _has_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    return any(group["params"] for group in optimizer.param_groups)
+
+
 def _write_full(folder: Path, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
     """FULL_STATE_DICT (rank 0): one model file and one optimizer file of the gathered state."""
     from safetensors.torch import save_file
@@ -172,11 +185,11 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: nn.Module, opti
     if state_dict_type == FULL:  # every rank helps gather, rank 0 writes
         options = state_dict_options(trainable_only, full=True)
         full_state = (model_state_dict(model, options),
-                      get_optimizer_state_dict(model, optimizer, options=options))
+                      _optimizer_state_dict(model, optimizer, options))
     else:
         options = state_dict_options(trainable_only, flat_optimizer=flat_optimizer)
         state = {"model": model_state_dict(model, options),
-                 "optim": get_optimizer_state_dict(model, optimizer, options=options)}
+                 "optim": _optimizer_state_dict(model, optimizer, options)}
         try:  # DCP shares a failed write among the ranks itself (CheckpointException on every rank)
             dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not info.distributed)
         except CheckpointException as exc:
@@ -332,11 +345,12 @@ def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Opti
         # The layout the checkpoint was written in (older checkpoints: param groups by index).
         options = state_dict_options(trainable_only, flat_optimizer=manifest.get("flat_optimizer", False))
         state = {"model": model_state_dict(model, options),
-                 "optim": get_optimizer_state_dict(model, optimizer, options=options)}
+                 "optim": _optimizer_state_dict(model, optimizer, options)}
         load_dcp(state, path / "dcp", no_dist=not info.distributed)
         model_state, optim_state = state["model"], state["optim"]
     set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+    if _has_parameters(optimizer):
+        set_optimizer_state_dict(model, optimizer, optim_state, options=options)
     rng_file = path / "rng" / f"rank-{info.rank}.pt"
     if rng_file.is_file():
         set_rng_state(load_pt(rng_file))
