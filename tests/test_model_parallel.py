@@ -257,3 +257,36 @@ def test_pp_last_stage_holds_a_tied_head_as_its_own_copy(tmp_path, capsys):
         assert main(["estimate", str(folder), "--strategy", "pp", "--num-gpus", "2", "--json"]) == 0
         totals.append(json.loads(capsys.readouterr().out)["per_gpu"]["total"])
     assert totals[0] == totals[1]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_mp_estimate_counts_the_head_on_the_gpu_the_split_puts_it_on(tmp_path, tied):
+    """MP keeps a head tied to the embeddings, with the final norm, and so the logits and the loss, on the first
+    device; an untied head goes to the last. The estimate counted them on the last GPU either way: for
+    Llama-3.2-1B in full (8 rows of 4096 tokens, 2 GPUs) about 2 GiB on the wrong GPU, and the stages train places
+    gave the first GPU 7 layers of 16 where 5 fit the plan. Each stage now holds its layers and the ends it runs."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from shardtune.memory.formula import PARTS, _Stages
+    from shardtune.memory.inventory import ModelAnalysis
+    from shardtune.memory.setup import Setup, validate
+    from shardtune.train.model_parallel import split_across_devices
+    from shardtune.train.plan import Plan
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    config.save_pretrained(tmp_path)
+    bounds, devices = ((0, 2), (2, 4)), ("cpu", "meta")  # meta stands in for a second GPU
+    split = split_across_devices(AutoModelForCausalLM.from_config(config),
+                                 Plan(strategy="MP", stage_bounds=bounds, devices=devices))
+    head_stage = devices.index(split.lm_head.weight.device.type)
+    assert head_stage == (0 if tied else 1)
+    analysis = ModelAnalysis(str(tmp_path))
+    setup = validate(Setup.of(distributed_type="MP", method="full", num_gpus=2, per_device_train_batch_size=4,
+                              max_seq_len=512, gradient_checkpointing=True))
+    stages = _Stages.of(analysis.inventory, setup, setup.with_(distributed_type="NO", num_gpus=1), None)
+    for stage, (a, b) in enumerate(bounds):
+        ends = [end for end, on in ((stages.first, a == 0), (stages.last, stage == head_stage)) if on]
+        want = {c: sum(stages.layer_parts[i][c] for i in range(a, b)) + sum(end[c] for end in ends) for c in PARTS}
+        want["activations"] += stages.transient + (stages.last_once if stage == head_stage else 0)
+        assert stages.parts(a, b, stage) == pytest.approx(want, rel=1e-12)

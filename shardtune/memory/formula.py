@@ -856,15 +856,23 @@ class _Stages:
             return microbatches
         return max(1, min(microbatches, setup.world_size - stage))
 
+    def holds_head(self, a: int, b: int) -> bool:
+        """Whether the GPU holding layers [a, b) runs the final norm, the head and the loss (``last``): the last
+        one, but MP keeps a head tied to the embeddings on the first (train/model_parallel.py)."""
+        if self.setup.strategy.drives_several_devices and self.inv.tied_embeddings:
+            return a == 0
+        return b == self.inv.num_layers
+
     def parts(self, a: int, b: int, stage: int) -> dict[str, float]:
         """What GPU ``stage``, holding layers [a, b), holds, by category."""
         out = {c: sum(self.layer_parts[i][c] for i in range(a, b)) for c in PARTS}
-        for extra, on in ((self.first, a == 0), (self.last, b == self.inv.num_layers)):
+        head = self.holds_head(a, b)
+        for extra, on in ((self.first, a == 0), (self.last, head)):
             if on:
                 for c in out:
                     out[c] += extra[c]
         out["activations"] = out["activations"] * self.in_flight(stage) + self.transient
-        if b == self.inv.num_layers:
+        if head:
             out["activations"] += self.last_once
         return out
 
@@ -885,7 +893,7 @@ class _Stages:
 
         def cost(a: int, b: int, stage: int) -> float:
             """sum(self.parts(a, b, stage).values()), in constant time."""
-            at_first, at_last = a == 0, b == layers
+            at_first, at_last = a == 0, self.holds_head(a, b)
             activations = acts[b] - acts[a] + (first_act if at_first else 0) + (last_act if at_last else 0)
             return (held[b] - held[a] + (first_held if at_first else 0) + (last_held if at_last else 0)
                     + activations * flights[stage] + self.transient + (self.last_once if at_last else 0))
@@ -913,7 +921,7 @@ class _Stages:
 
     def breakdown(self, bounds: list[tuple[int, int]]) -> Breakdown:
         """The fullest GPU's bytes, and the layers per GPU."""
-        setup, layers = self.setup, self.inv.num_layers
+        setup = self.setup
         totals = [sum(self.parts(a, b, stage).values()) for stage, (a, b) in enumerate(bounds)]
         worst = max(range(len(bounds)), key=totals.__getitem__)
         a, b = bounds[worst]
@@ -934,6 +942,6 @@ class _Stages:
                      f"in flight under {setup.config.distributed.pipeline_schedule})")
         if setup.world_size > len(bounds):
             note += f"; {setup.world_size - len(bounds)} GPU(s) left idle"
-        return Breakdown(setup=setup, phase="backward (loss)" if b == layers else "backward", items=items,
+        return Breakdown(setup=setup, phase="backward (loss)" if self.holds_head(a, b) else "backward", items=items,
                          cuda_context=cuda_context_bytes(setup), stage_note=note, stage_bounds=tuple(bounds),
                          cpu_bytes_per_node=_offloaded_activation_bytes(self.inv, setup, self.act, 1))
