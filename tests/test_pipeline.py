@@ -74,7 +74,9 @@ TIED = "tied"  # the folder (in the module's root) of a tiny Qwen2, whose head i
 # PEFT trains a copy of each end of that tied head, each with its own gradient (lora_modules_to_save both ends).
 TIED_COPIES = [*LORA, "--lora_modules_to_save", "embed_tokens,lm_head"]
 PIPELINES = {"pp_1f1b": [*EVAL, *ONE_F_ONE_B],
-             "pp_gpipe_lora": [*LORA, "--pipeline_schedule", "GPipe", "--pipeline_microbatches", "4"],
+             # offloading the checkpointed inputs changes no number; each stage offloads its own layers' only
+             "pp_gpipe_lora": [*LORA, "--pipeline_schedule", "GPipe", "--pipeline_microbatches", "4",
+                               "--activation_offloading", "true"],
              "pp_lora_extras": [*LORA_EXTRAS, *ONE_F_ONE_B],
              "pp_tied_copies": [*TIED_COPIES, *ONE_F_ONE_B],
              "pp_first_stage": [*FIRST_STAGE, *ONE_F_ONE_B, "--save_strategy", "steps", "--save_steps", "2"],
@@ -176,6 +178,20 @@ def test_pp_gpipe_lora_with_accumulation_matches_one_process(assets, pipelines):
     got = load_file(str(assets[0] / "pp_gpipe_lora" / "final" / "adapter_model.safetensors"))
     assert ref.keys() == got.keys() and len(ref) > 0
     assert max((ref[k] - got[k]).abs().max().item() for k in ref) < WEIGHT_TOL
+
+
+def test_a_stage_offloads_only_the_layers_it_runs(assets, pipelines):
+    """Checkpointing, activation offloading and torch_compile were applied to the whole model before the pipeline
+    split it: summary.json (and the log) said the first stage offloaded (compiled) all 4 decoder layers of the
+    model. The stage is split first now, so they act on, and report, the layers it runs."""
+    from tests.trainutil import job_log
+
+    root = assets[0]
+    assert not pipelines["pp_gpipe_lora"], pipelines["pp_gpipe_lora"]
+    stages = re.search(r"PP stages \(decoder layers per stage\): (\d+)-(\d+),", job_log(root, "pp_gpipe_lora", 2))
+    first_stage_layers = int(stages[2]) - int(stages[1]) + 1
+    offloaded = json.loads((root / "pp_gpipe_lora" / "summary.json").read_text())["activation_offloading"]
+    assert offloaded["layers"] == first_stage_layers < 4 and offloaded["bytes_moved"] > 0
 
 
 def test_pp_final_adapter_holds_every_stages_dora_and_modules_to_save(assets, pipelines):

@@ -4,6 +4,7 @@ The order follows torchtitan's ``parallelize_llama``: activation checkpointing w
 ``torch_compile`` compiles each of them (``compile.py``), then the strategy wraps or splits what those produced:
 the function its entry in ``shardtune/strategies.py`` names (``fsdp.py:apply_fsdp``, ``ddp.py:apply_ddp``,
 ``model_parallel.py:split_across_devices``, ``pipeline_parallel.py:split_for_stage``), and its runner steps it.
+A pipeline stage is split first, as torchtitan splits a pipeline before it parallelises each stage.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def apply_checkpointing(model: nn.Module, plan: Plan) -> ActivationOffloader | N
 
 
 def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> tuple[nn.Module, Runner]:
-    """Checkpointing, compiled decoder layers (torch_compile), then the strategy's wrapping (DDP, FSDP2, MP's
-    split, PP's stage) as the plan says; and the strategy's runner (which keeps the compile report for the end of
+    """PP's stage first, then checkpointing, compiled decoder layers (torch_compile), then the strategy's wrapping
+    (DDP, FSDP2, MP's split) as the plan says; and the strategy's runner (which keeps the compile report for the end of
     the run).
 
     A single process gets checkpointing only. PP's runner drives the pipeline schedule; the others run the whole
@@ -56,11 +57,16 @@ def parallelize(model: nn.Module, plan: Plan, info: DistInfo) -> tuple[nn.Module
     summary.json.
     """
     applied = Applied()
+    split = plan.strategy.load("parallelize") if plan.strategy.parallelize is not None else None
+    if plan.strategy.pipelined:
+        # A stage first drops the other stages' layers (torchtitan splits a pipeline before it applies the rest),
+        # so checkpointing, offloading and compile act on, and report, the layers this process runs.
+        model, split = split(model, plan, info), None
     if plan.liger_kernel:  # Liger patches the layers' modules, so before anything wraps or checkpoints them
         applied.liger = apply_liger_kernel(model, info.device)
     if plan.gradient_checkpointing:
         applied.offloader = apply_checkpointing(model, plan)
     applied.compiled = apply_compile(model, plan)  # each decoder layer, before FSDP2 wraps it (torchtitan's order)
-    if plan.strategy.parallelize is not None:
-        model = plan.strategy.load("parallelize")(model, plan, info)
+    if split is not None:
+        model = split(model, plan, info)
     return model, plan.strategy.load("runner")(model, plan, info, applied=applied)
