@@ -324,6 +324,23 @@ def test_model_parallel_on_several_processes_is_refused_before_anything_starts(c
     assert main(["launch", "--num_processes", "1", "--dry_run", "train", *job]) == 0
 
 
+def test_pipeline_parallel_on_one_process_is_refused_before_the_data_is_tokenised(tiny, data, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """PP needs one process per stage: 'shardtune train --distributed_type PP' (no launch) tokenised the whole data
+    set (minutes for a large one) before it was refused."""
+    import shardtune.data
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the data was tokenised before the bad input was refused")
+
+    monkeypatch.setattr(shardtune.data, "prepare_datasets", refuse)
+    assert main(["train", "--model_name_or_path", str(tiny), "--dataset_name", str(data), "--output_dir",
+                 str(tmp_path / "out"), "--distributed_type", "PP"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "shardtune train: error: distributed_type=PP needs one process per pipeline stage: start it with 'shardtune "
+        "launch --num_processes N train ...'")
+
+
 @pytest.mark.parametrize("given,typed", [
     (["d.jsonl", "--max_seq_len", "32", "--max_seq_len", "128"], "--max_seq_len 32 and --max_seq_len 128"),
     (["d.jsonl", "--dataset_name", "e.jsonl"], "--dataset_name d.jsonl and --dataset_name e.jsonl"),

@@ -19,10 +19,10 @@ from shardtune.config.validation import SWITCHES
 from shardtune.dist import DistInfo
 from shardtune.errors import UsageError
 from shardtune.gguf_source import parsed_once
-from shardtune.strategies import no_as_ddp
+from shardtune.strategies import no_as_ddp, resolve
 from shardtune.train.build import build_model, plan_for
 from shardtune.train.model import Precision, attn_implementation
-from shardtune.train.model_parallel import place_stages
+from shardtune.train.model_parallel import check_processes, place_stages
 from shardtune.train.optim import build_optimizer, build_scheduler, schedule_past_the_end
 from shardtune.train.parallelize import Runner
 from shardtune.train.plan import Plan
@@ -109,6 +109,7 @@ def make_job(cfg: TrainConfig, info: DistInfo, stage_bounds: tuple[tuple[int, in
     from shardtune.data.templates import added_token_ids, special_tokens_written
     from shardtune.train.best import best_for
 
+    check_processes(resolve(cfg.distributed.distributed_type, info.world_size > 1), info)
     tokenizer = load_tokenizer(cfg.model.model_name_or_path, cfg.data, trust_remote_code=cfg.model.trust_remote_code)
     data = prepare_datasets(cfg.data, tokenizer, seed=cfg.run.seed)
     if SWITCHES[EVALUATES](cfg) and not (data.eval is not None and len(data.eval)):

@@ -59,6 +59,17 @@ def equal_bounds(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...
     return tuple(bounds)
 
 
+def check_processes(strategy, info: DistInfo) -> None:
+    """MP runs in one process, PP in one process per stage: anything else is refused here, which ``make_job`` asks
+    before it tokenises the data (minutes for a large set), not after."""
+    if strategy.splits_layers and strategy.drives_several_devices and info.distributed:
+        raise UsageError(f"distributed_type={strategy} runs in one process over several devices; start it "
+                         f"with 'shardtune train' (not launch), or use PP to split the layers across processes")
+    if strategy.splits_layers and not strategy.drives_several_devices and not info.distributed:
+        raise UsageError(f"distributed_type={strategy} needs one process per pipeline stage: start it with "
+                         f"'shardtune launch --num_processes N train ...'")
+
+
 def place_stages(plan: Plan, cfg: TrainConfig, info: DistInfo,
                  bounds: tuple[tuple[int, int], ...] | None = None) -> tuple[Plan, DistInfo]:
     """Fill ``plan.stage_bounds`` (and, for MP, ``plan.devices``) for MP and PP; other plans pass through.
@@ -69,16 +80,11 @@ def place_stages(plan: Plan, cfg: TrainConfig, info: DistInfo,
     """
     if not plan.strategy.splits_layers:
         return plan, info
+    check_processes(plan.strategy, info)
     if plan.strategy.drives_several_devices:
-        if info.distributed:
-            raise UsageError(f"distributed_type={plan.strategy} runs in one process over several devices; start it "
-                             f"with 'shardtune train' (not launch), or use PP to split the layers across processes")
         devices = mp_devices(cfg.distributed.mp_devices)
         stages = len(devices)
     else:
-        if not info.distributed:
-            raise UsageError(f"distributed_type={plan.strategy} needs one process per pipeline stage: start it with "
-                             f"'shardtune launch --num_processes N train ...'")
         devices, stages = (), info.world_size
     if bounds is None or len(bounds) != stages:
         from transformers import AutoConfig
