@@ -787,6 +787,10 @@ def test_the_jobs_epochs_and_max_steps_price_the_run(tmp_path, capsys, monkeypat
         assert row["trained_tokens"] == 100 * row["tokens_per_step"]
     # The recipe's own data file, with --time alone: counted as --data counts it.
     assert timing(["--time"], ["num_train_epochs: 3"])["setups"] == three["setups"]
+    # eval_split_ratio 0.1 holds 5 of the 50 rows out for evaluation: they were priced as trained.
+    held = timing(["--data", str(data)], ["num_train_epochs: 1", "eval_split_ratio: 0.1"])
+    assert held["data_tokens"] == round(one["data_tokens"] * 45 / 50)
+    assert "in 45 rows of train.jsonl" in held["data"] and "holds out 5 more rows for evaluation" in held["data"]
     assert main(["estimate", "llama-3-8b", "--num-train-epochs", "2"]) == 2
     assert "--num-train-epochs 2 multiplies the data's tokens: give the data with --data FILE" in \
         capsys.readouterr().err

@@ -358,13 +358,26 @@ class DataTokens:
     rows: int = 0
     exact: bool = True  # counted with the model's tokenizer (else about 4 characters per token)
     source: str = ""
+    held_out: int = 0  # rows eval_split_ratio holds out of the file for evaluation (not in ``rows``)
 
     def describe(self) -> str:
         if not self.rows:
             return f"{self.tokens:,} tokens"
         how = ("the model's tokenizer" if self.exact else "about 4 characters per token, approximate: a model "
                "folder's tokenizer.json, or one 'hf download ID tokenizer.json' puts in the cache, counts exactly")
-        return f"{self.tokens:,} tokens in {self.rows:,} rows of {self.source} ({how})"
+        held = (f"; eval_split_ratio holds out {self.held_out:,} more rows for evaluation, not trained on (their "
+                f"tokens taken at the rows' mean)") if self.held_out else ""
+        return f"{self.tokens:,} tokens in {self.rows:,} rows of {self.source} ({how}{held})"
+
+    def without_eval_rows(self, ratio: float) -> DataTokens:
+        """What training takes of a file that ``shardtune train`` splits itself (no eval split of its own): it
+        holds ``ratio`` of the rows out for evaluation, at least one, as the data pipeline does; their tokens are
+        taken at the rows' mean (which rows go depends on the seed)."""
+        if ratio <= 0 or not self.rows:
+            return self
+        held = min(self.rows, max(1, round(ratio * self.rows)))
+        kept = self.rows - held
+        return replace(self, tokens=round(self.tokens * kept / self.rows), rows=kept, held_out=held)
 
 
 CHARS_PER_TOKEN = 4  # English text with a Llama-style BPE vocabulary: a rough figure, shown as approximate
