@@ -246,6 +246,47 @@ def _config_file(model: str) -> Path | None:
     return cached_config_file(model)
 
 
+# What a model fingerprint reads of each weight file besides its name and size: this many pieces of this many
+# bytes, spread evenly over the file (a few MB read of a model of any size: a second, where hashing it whole takes
+# minutes). Another model of the same shapes (a base and its instruct variant) differs in every piece.
+FINGERPRINT_PIECES, FINGERPRINT_PIECE_BYTES = 16, 1 << 16
+# config.json keys that a save rewrites without the model changing
+FINGERPRINT_IGNORED_KEYS = ("transformers_version", "_name_or_path")
+
+
+def model_fingerprint(name_or_path: str) -> str | None:
+    """A SHA-256 that tells a model's files apart wherever they are: its config.json (but the keys a save rewrites)
+    and, for each weight file, its name, size and evenly spread pieces of its bytes. ``name_or_path``: a model
+    folder, a GGUF file, or a hub name whose snapshot the local cache holds; None where there are no files to read
+    (a hub name not downloaded)."""
+    import hashlib
+
+    from shardtune.gguf_source import find_gguf
+
+    gguf = find_gguf(name_or_path)
+    if gguf is not None:
+        config, weights = None, [gguf.path]
+    else:
+        config = _config_file(name_or_path)
+        if config is None:
+            return None
+        weights = sorted(p for pattern in WEIGHT_PATTERNS[:-1] for p in config.parent.glob(pattern))
+    digest = hashlib.sha256()
+    if config is not None:
+        values = json.loads(config.read_text())
+        for key in FINGERPRINT_IGNORED_KEYS:
+            values.pop(key, None)
+        digest.update(json.dumps(values, sort_keys=True).encode())
+    for path in weights:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            for piece in range(FINGERPRINT_PIECES):
+                f.seek(max(0, size - FINGERPRINT_PIECE_BYTES) * piece // max(1, FINGERPRINT_PIECES - 1))
+                digest.update(f.read(FINGERPRINT_PIECE_BYTES))
+    return digest.hexdigest()
+
+
 def cached_config_file(name: str, filename: str = "config.json") -> Path | None:
     """``filename`` (config.json) of the hub model ``name`` where the local Hugging Face cache holds it (no
     network: what an earlier download or 'hf download NAME config.json' left there); None otherwise."""

@@ -271,6 +271,37 @@ def test_a_resume_takes_the_same_data_named_by_another_path(made, tmp_path, monk
         "; dataset_name was 'chat.jsonl' when the checkpoint was saved and is 'other.jsonl' now: set it back")
 
 
+def test_a_resume_takes_the_same_model_from_another_path_and_refuses_other_weights(made, tmp_path, capfd):
+    """A job that copies its model to the node's own disk at a new path each run (as its data) could never resume:
+    'model_name_or_path was ... Set it back'. The checkpoint records the model files' fingerprint (config.json,
+    each weight file's size and pieces of its bytes), and a copy resumes with one line. Other weights put at the
+    model's path since (same config, another seed) carried the adapters over another base without a word: refused."""
+    from shardtune.hub import model_fingerprint
+    from shardtune.testing.tiny import make_model_folder
+
+    first, node = tmp_path / "job1" / "model", tmp_path / "job2" / "model"
+    shutil.copytree(made / "model", first)
+    job = ["--dataset_name", str(made / "chat.jsonl"), "--splits", "train", "--max_seq_len", "64", "--packing",
+           "True", "--max_steps", "4", "--save_steps", "2", "--per_device_train_batch_size", "2", "--use_peft_lora",
+           "True", "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj", "--output_dir", str(tmp_path / "run")]
+    train_in_process(["--model_name_or_path", str(first), *job])
+    step_2 = tmp_path / "run" / "checkpoints" / "step-2"
+    recorded = json.loads((step_2 / "trainer_state.json").read_text())["model_fingerprint"]
+    assert recorded == model_fingerprint(str(made / "model"))
+    shutil.copytree(first, node)
+    shutil.rmtree(first.parent)
+    capfd.readouterr()
+    summary = train_in_process(["--model_name_or_path", str(node), *job, "--resume_from_checkpoint", str(step_2)])
+    assert (summary["steps"], summary["resumed_from_step"]) == (4, 2)
+    assert f"resume: model_name_or_path '{first}' -> '{node}': the same model files" in capfd.readouterr().err
+    shutil.rmtree(node)
+    make_model_folder(node, seed=11)  # the same shapes and config, other weights
+    assert model_fingerprint(str(node)) != recorded
+    with pytest.raises(UsageError, match=r"the model at the same path is not the one the checkpoint was trained on"):
+        train_in_process(["--model_name_or_path", str(node), *job, "--resume_from_checkpoint",
+                          str(tmp_path / "run" / "checkpoints" / "step-4")])
+
+
 def test_a_finished_run_without_checkpoints_requeued_says_only_that_it_finished(made, run, capfd):
     """A run that saved no checkpoint (save_strategy no, or save_total_limit rotated them off) and finished,
     requeued with resume_from_checkpoint true: it said "starting from scratch", then that it had nothing to train."""

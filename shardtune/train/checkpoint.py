@@ -50,13 +50,14 @@ from shardtune.config.loading import load_saved_config
 from shardtune.dist import DistInfo, RankFailed, run_and_share
 from shardtune.errors import TrainingStopped, UsageError, as_write_error, first_line, writing
 from shardtune.files import write_text
+from shardtune.hub import model_fingerprint
 from shardtune.strategies import resolve
 from shardtune.train.layout import (MANIFEST, RESUME_NEWEST, RESUME_OFF, STEP_FOLDER, manifest_problem,
                                     newest_trainer_checkpoint, resume_problem, trainer_checkpoint_problem)
 from shardtune.train.model import trainable_token_ids
 from shardtune.train.output_dir import drop_checkpoint
 from shardtune.train.plan import Plan
-from shardtune.train.resume import (apply_learning_rate, check_resume, rows_changed_by,
+from shardtune.train.resume import (MODEL_FINGERPRINT, apply_learning_rate, check_resume, rows_changed_by,
                                     this_runs_optimizer_settings)
 from shardtune.train.safe_load import damage, file_digest, file_digests, load_dcp, load_pt, load_safetensors, read_json
 from shardtune.train.state import TrainState, rng_state, set_rng_state, trainer_state_problem
@@ -463,7 +464,8 @@ def resume_point(cfg: TrainConfig, info) -> ResumePoint | None:
     step, given = state["step"], state.get("configured_gradient_accumulation_steps")
     point = ResumePoint(path, step, *check_resume(path, old, cfg, saved_world=saved_world, world=world,
                                                   given_accumulation=given, main=info.is_main,
-                                                  rows_recorded=bool(state["sampler"].get("rows_sha256"))))
+                                                  rows_recorded=bool(state["sampler"].get("rows_sha256")),
+                                                  model_recorded=state.get(MODEL_FINGERPRINT)))
     if problem := history_problem(Path(cfg.run.output_dir), path, step):
         raise UsageError(problem)
     return point
@@ -484,6 +486,8 @@ class Checkpointer:
         self.resumed_from: Path | None = None
         self.resumed_step: int | None = None  # the step the run resumed at
         self.last: str | None = None
+        self.model_name_or_path = cfg.model.model_name_or_path
+        self._model_fingerprint: str | None = None  # read at the first save (``hub.model_fingerprint``)
 
     def should_save(self, step: int, *, at_epoch_end: bool, at_end: bool = False) -> bool:
         """epoch: each epoch's end; steps: every save_steps and the run's last step (``at_end``: max_steps reached),
@@ -544,9 +548,13 @@ class Checkpointer:
         """Write ``checkpoints/step-N`` for the current step; a failed write stops the run in one line."""
         step = self.state.step
         best = self.state.best.checkpoint_step
+        if self._model_fingerprint is None and self.info.is_main:  # only rank 0 writes trainer_state.json
+            self._model_fingerprint = model_fingerprint(self.model_name_or_path) or ""
+        trainer_state = {**self.state.state_dict(),
+                         **({MODEL_FINGERPRINT: self._model_fingerprint} if self._model_fingerprint else {})}
         try:
             path = save_checkpoint(self.out, step, model=self.model, optimizer=self.optimizer,
-                                   trainable_only=self.trainable_only, trainer_state=self.state.state_dict(),
+                                   trainable_only=self.trainable_only, trainer_state=trainer_state,
                                    config_yaml=self.config_yaml, info=self.info,
                                    save_total_limit=self.settings.save_total_limit,
                                    state_dict_type=self.plan.state_dict_type, flat_optimizer=self.flat_optimizer,

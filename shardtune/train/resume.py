@@ -140,21 +140,50 @@ class ResumeCheck(NamedTuple):
     gradient_accumulation_steps: int  # what keeps the checkpoint's global batch on this run's processes
 
 
+# trainer_state.json's record of the model's files (``hub.model_fingerprint``), absent in checkpoints before it
+MODEL_FINGERPRINT = "model_fingerprint"
+
+
+def _same_model(label: str, old: Any, new: Any, recorded: str | None, main: bool) -> bool | None:
+    """Whether ``new`` holds the model files the checkpoint was trained on, judged by the fingerprint it recorded:
+    True (a copy at another path is said in one line), or a refusal where they differ, at the same path too (other
+    weights put there since would carry the adapters over another base). None where nothing can be compared (no
+    fingerprint recorded; a hub name not in the local cache): the paths decide."""
+    from shardtune.hub import model_fingerprint
+
+    now = model_fingerprint(str(new)) if recorded else None
+    if now is None:
+        return None
+    if now != recorded:
+        at = "the same path" if _same_place(old, new) else f"{new!r}"
+        raise UsageError(f"{label}: the model at {at} is not the one the checkpoint was trained on ({old!r} then): "
+                         f"its config.json or weight files differ. Give that model, or start a new run in another "
+                         f"output_dir")
+    if not _same_place(old, new) and main:
+        log.info("resume: model_name_or_path %r -> %r: the same model files (config.json and weights), read from "
+                 "the new place", old, new)
+    return True
+
+
 def check_resume(checkpoint: Path, saved: TrainConfig, cfg: TrainConfig, *, saved_world: int, world: int,
-                 given_accumulation: int | None = None, main: bool = True, rows_recorded: bool = False) -> ResumeCheck:
+                 given_accumulation: int | None = None, main: bool = True, rows_recorded: bool = False,
+                 model_recorded: str | None = None) -> ResumeCheck:
     """Refuse a resume from ``checkpoint`` (saved with the config ``saved``) that changes what it is tied to;
     return the changed keys, which take effect, and the accumulation that keeps the global batch.
 
     ``saved_world`` / ``world``: how many ranks split each global batch then and now (pipeline stages read it
     whole, so they count as one); ``given_accumulation``: see ``accumulation_for``; ``main``: this is the rank
     that says what changed (each rank checks); ``rows_recorded``: the checkpoint holds its training rows' SHA-256,
-    which the data's are compared with when it is read.
+    which the data's are compared with when it is read; ``model_recorded``: its model files' fingerprint, which
+    decides for model_name_or_path where the new one can be read (``_same_model``).
     """
     old, new = saved.to_flat(), cfg.to_flat()
     label = f"resume_from_checkpoint={checkpoint}"
+    model_known = _same_model(label, old["model_name_or_path"], new["model_name_or_path"], model_recorded, main)
     for key in FIXED:
         if key in LORA_ONLY and not old["use_peft_lora"] or key == "bnb_4bit_quant_type" and not \
-                old["use_4bit_quantization"] or rows_recorded and key in ROW_KEYS:
+                old["use_4bit_quantization"] or rows_recorded and key in ROW_KEYS or \
+                key == "model_name_or_path" and model_known:
             continue
         if not _same(key, old.get(key), new.get(key)):
             was = Path(str(old.get(key))).expanduser()
