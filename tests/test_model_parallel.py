@@ -210,6 +210,16 @@ def test_pipeline_stages_hold_the_micro_batches_their_schedule_keeps_in_flight(s
     totals = [sum(stages.parts(a, b, s).values()) for s, (a, b) in enumerate(breakdown.stage_bounds)]
     assert len(breakdown.stage_bounds) == 4
     assert breakdown.tensors == pytest.approx(max(totals), rel=1e-9, abs=8)
+    # Each GPU's peak is reported (--json's stages, the text's peak GiB), not the fullest's alone: its tensors and
+    # the allocator's reserve on them, the fullest's equal to the estimate's total.
+    from shardtune.memory.formula import allocator_reserve
+
+    each = [round(total) + allocator_reserve(setup, stages.parts(a, b, s)["activations"],
+                                             stages.parts(a, b, s)["grads"])
+            for s, ((a, b), total) in enumerate(zip(breakdown.stage_bounds, totals))]
+    assert list(breakdown.stage_totals) == pytest.approx(each, abs=8) and len(set(each)) > 1
+    assert max(breakdown.stage_totals) == pytest.approx(breakdown.total, abs=8)
+    assert f"(peak GiB: {', '.join(f'{n / 2**30:.2f}' for n in breakdown.stage_totals)})" in breakdown.stage_note
     # MP runs the whole batch as one micro-batch: its activations are the batch's, on every stage.
     mp = validate(Setup.of(distributed_type="MP", **job))
     mp_stages = _Stages.of(analysis.inventory, mp, one, analysis.lora_of(mp))
@@ -255,7 +265,12 @@ def test_pp_last_stage_holds_a_tied_head_as_its_own_copy(tmp_path, capsys):
     totals = []
     for folder in folders.values():
         assert main(["estimate", str(folder), "--strategy", "pp", "--num-gpus", "2", "--json"]) == 0
-        totals.append(json.loads(capsys.readouterr().out)["per_gpu"]["total"])
+        report = json.loads(capsys.readouterr().out)
+        totals.append(report["per_gpu"]["total"])
+        # each stage's layers and peak: together every layer once, the fullest the per-GPU total
+        layers = [s["layers"] for s in report["stages"]]
+        assert len(layers) == 2 and layers[0][0] == 0 and layers[0][1] + 1 == layers[1][0] and layers[1][1] == 7
+        assert max(s["bytes"] for s in report["stages"]) == pytest.approx(totals[-1], abs=8)
     assert totals[0] == totals[1]
 
 

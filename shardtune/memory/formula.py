@@ -211,6 +211,7 @@ class Breakdown:
     cpu_bytes_per_node: int = 0  # what CPU offload (parameters, activations) keeps in host RAM
     stage_note: str = ""
     stage_bounds: tuple[tuple[int, int], ...] = ()  # model parallel: [first, end) decoder layers per GPU
+    stage_totals: tuple[int, ...] = ()  # MP and PP: each GPU's peak as ``total`` counts the fullest's
     phases: dict[str, int] = field(default_factory=dict)
 
     def category(self, name: str) -> int:
@@ -922,10 +923,11 @@ class _Stages:
     def breakdown(self, bounds: list[tuple[int, int]]) -> Breakdown:
         """The fullest GPU's bytes, and the layers per GPU."""
         setup = self.setup
-        totals = [sum(self.parts(a, b, stage).values()) for stage, (a, b) in enumerate(bounds)]
+        held = [self.parts(a, b, stage) for stage, (a, b) in enumerate(bounds)]
+        totals = [sum(parts.values()) for parts in held]
         worst = max(range(len(bounds)), key=totals.__getitem__)
         a, b = bounds[worst]
-        fullest = self.parts(a, b, worst)
+        fullest = held[worst]
         items = [
             Item("params", "weights of this GPU's layers" + (" + autocast copies" if self.dt.autocast_copies else ""),
                  round(fullest["params"])),
@@ -935,8 +937,10 @@ class _Stages:
             Item("overhead", ALLOCATOR_CACHE,
                  allocator_reserve(setup, fullest["activations"], fullest["grads"])),
         ]
-        note = (f"layers per GPU: {', '.join(str(hi - lo) for lo, hi in bounds)}; GPU {worst} (layers {a}-{b - 1}) "
-                f"is the fullest")
+        each = [round(sum(parts.values())) + allocator_reserve(setup, parts["activations"], parts["grads"])
+                for parts in held]
+        note = (f"layers per GPU: {', '.join(str(hi - lo) for lo, hi in bounds)} (peak GiB: "
+                f"{', '.join(f'{n / 2**30:.2f}' for n in each)}); GPU {worst} (layers {a}-{b - 1}) is the fullest")
         if setup.strategy.pipelined:
             note += (f" (its activations: {self.in_flight(worst)} of the {setup.microbatches} pipeline micro-batches "
                      f"in flight under {setup.config.distributed.pipeline_schedule})")
@@ -944,4 +948,5 @@ class _Stages:
             note += f"; {setup.world_size - len(bounds)} GPU(s) left idle"
         return Breakdown(setup=setup, phase="backward (loss)" if self.holds_head(a, b) else "backward", items=items,
                          cuda_context=cuda_context_bytes(setup), stage_note=note, stage_bounds=tuple(bounds),
+                         stage_totals=tuple(each),
                          cpu_bytes_per_node=_offloaded_activation_bytes(self.inv, setup, self.act, 1))

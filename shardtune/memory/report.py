@@ -52,6 +52,8 @@ def to_dict(r: Report) -> dict:
         "items": [asdict(i) for i in b.items],
         "cpu_bytes_per_node": b.cpu_bytes_per_node,
         "stage_note": b.stage_note or None,
+        "stages": [{"layers": [lo, hi - 1], "bytes": n} for (lo, hi), n in zip(b.stage_bounds, b.stage_totals)]
+        or None,  # MP and PP: each GPU's peak (bytes as per_gpu's total), the first stage's GPU first
         "strategies": [
             {"setup": s.setup.label(), "strategy": s.setup.strategy.name,
              "sharding_strategy": s.setup.sharding_strategy if s.setup.strategy.shards_parameters else None,
