@@ -255,15 +255,19 @@ def test_the_example_recipes_satisfy_the_schema_and_load(schema, tmp_path, capsy
     ({"per_device_train_batch_size": 0}, "per_device_train_batch_size"),
     ({"torch_dtype": "float16"}, "torch_dtype"),  # refused with its reason by shardtune too
     ({"fsdp_version": 3}, "fsdp_version"),
-    ({"fsdp_config": {"fsdp_sharding_strategy": "FULL"}}, "fsdp_config.fsdp_sharding_strategy"),
+    # with FSDP on: without it shardtune refused the key for being set off FSDP too, so a value it took passed
+    ({"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": "FULL"}},
+     "fsdp_config.fsdp_sharding_strategy"),
     ({"learning_rate": "fast"}, "learning_rate"),
 ])
 def test_the_schema_refuses_what_shardtune_refuses(schema, recipe, where, tmp_path):
     errors = list(jsonschema.Draft202012Validator(schema).iter_errors(recipe))
     assert errors and {".".join(map(str, e.path)) for e in errors} == {where}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError) as refused:
         load_train_config([str(tmp_path / "r.yaml"), *BASE])
+    key = where.split(".")[-1] or next(iter(recipe))  # refused for this key, not for another reason beside it
+    assert all(key in problem for problem in str(refused.value).split(" | ")), str(refused.value)
 
 
 def test_the_schema_takes_every_spelling_shardtune_reads(schema):
