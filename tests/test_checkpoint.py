@@ -561,3 +561,25 @@ def test_a_model_folder_stops_at_the_end_of_turn_of_its_own_template_in_transfor
                          logits_processor=LogitsProcessorList([EndOfTurn()]))
     assert out[0, 3:].tolist() == [end]
     assert saved.generation_config.eos_token_id == [end, tokenizer.eos_token_id]
+
+
+def test_a_model_folder_keeps_the_bases_kv_cache_setting_after_checkpointed_training(tmp_path: Path) -> None:
+    """Gradient checkpointing (on by default) set the model config's use_cache to false, and final/ saved that
+    config: a model loaded from final/ returned no KV cache from its forward, and final/config.json differed from
+    'shardtune export' of the same run's checkpoint. The config now keeps the base's value."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardtune.testing.tiny import make_model_folder
+    from shardtune.train.export import write_export
+    from shardtune.train.parallelize import parallelize
+    from shardtune.train.plan import Plan
+
+    base = make_model_folder(tmp_path / "base")
+    model, runner = parallelize(AutoModelForCausalLM.from_pretrained(base), Plan(strategy="NO",
+                                                                                gradient_checkpointing=True), INFO)
+    write_export(tmp_path / "final", model, model.state_dict(), AutoTokenizer.from_pretrained(base), is_peft=False)
+    saved = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert saved["use_cache"] is json.loads((base / "config.json").read_text())["use_cache"] is True
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    with torch.no_grad():
+        assert loaded(torch.tensor([[0, 5, 6]])).past_key_values is not None

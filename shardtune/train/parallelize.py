@@ -40,7 +40,8 @@ def apply_checkpointing(model: nn.Module, plan: Plan) -> ActivationOffloader | N
         # Reentrant checkpointing only backpropagates through inputs that require grad; with a frozen
         # embedding (LoRA) nothing would, and the adapters would get no gradient.
         base.enable_input_require_grads()
-    base.config.use_cache = False
+    # The config's use_cache stays as the base has it: final/ saves this config, and the runners already pass
+    # use_cache=False to every training forward.
     if not plan.activation_offloading:
         return None
     # The inputs each checkpointed layer keeps wait in (pinned) host memory until backward recomputes it.
