@@ -77,7 +77,8 @@ def _run(argv: list[str]) -> int:
         from shardtune.memory.trace_setup import render_text, trace_or_formula
 
         print(yaml.safe_dump(cfg.to_flat(), sort_keys=False), end="")
-        # Trace the job this config describes (one step on fake tensors) instead of running it.
+        # Trace the job this config describes (two steps on fake tensors: the second holds the optimizer
+        # states) instead of running it.
         world_size = int(os.environ.get("WORLD_SIZE", cfg.distributed.num_processes))
         nodes = cfg.distributed.num_machines if world_size % cfg.distributed.num_machines == 0 else 1
         try:

@@ -499,9 +499,9 @@ class RunConfig:
                                     "trackio.", needs=TRACKIO, idle=("huggingface",))
     ddp_timeout: int = key(1800, "Seconds a collective may wait before the run stops, naming the rank and "
                                  "operation.", ge=1)
-    dry_run: bool = key(False, "Print the resolved config, trace one step of the job it describes on fake tensors "
-                               "(per-GPU peak: tensors and reserved memory, by category and module), and exit "
-                               "without training.")
+    dry_run: bool = key(False, "Print the resolved config, trace two steps of the job it describes on fake tensors "
+                               "(the second holds the optimizer states; per-GPU peak: tensors and reserved memory, "
+                               "by category and module), and exit without training.")
     logging_first_step: bool | None = key(None, "Log the first step, under any logging_strategy (no too), as "
                                                     "Transformers does. Unset: under steps only (Transformers' "
                                                     "default is false).")
