@@ -306,6 +306,19 @@ def test_estimate_without_options_describes_the_job_train_runs_without_options(c
     assert out["setup"]["strategy"] == "NO" and out["setup"]["batch_size"] == trained.run.per_device_train_batch_size
 
 
+@pytest.mark.parametrize("args, strategy", [([], "NO"), (["--num-gpus", "2", "--strategy", "DDP"], "DDP"),
+                                            (["--num-gpus", "2", "--strategy", "FSDP", "--offload-params"], "FSDP")])
+def test_the_estimates_setup_names_the_sharding_as_a_runs_summary_does(args, strategy, capsys):
+    # README: summary.json's strategy, sharding_strategy and offload_params are the names of the estimate's `setup`;
+    # a strategy that shards nothing has no sharding strategy in either (null), not the FSDP key's default.
+    out = run_json(capsys, ["llama-3.2-1b", "--gpu-memory", "1000", *args])
+    sharding = "FULL_SHARD" if strategy == "FSDP" else None
+    assert (out["setup"]["strategy"], out["setup"]["sharding_strategy"]) == (strategy, sharding)
+    assert out["setup"]["offload_params"] is (strategy == "FSDP")
+    rows = {(r["strategy"], r["sharding_strategy"], r["offload_params"]) for r in out["strategies"]}
+    assert (strategy, sharding, strategy == "FSDP") in rows  # the side-by-side rows name it the same way
+
+
 @pytest.mark.parametrize("command", [["train"], ["estimate"], ["launch"], ["data", "inspect"], ["bench", "strategies"],
                                      ["config", "schema"], ["demo"], ["plot"]])
 def test_help_shows_no_docstring_markup(command, capsys):

@@ -47,7 +47,7 @@ class Recommendation:
             "fits": self.fits,
             "method": s.method,
             "strategy": s.strategy.name,
-            "sharding_strategy": s.sharding_strategy if s.strategy.shards_parameters else None,
+            "sharding_strategy": s.sharding_name,
             "offload_params": s.offload_params,
             "gradient_checkpointing": s.gradient_checkpointing,
             "activation_offloading": s.activation_offloading,

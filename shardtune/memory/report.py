@@ -56,7 +56,7 @@ def to_dict(r: Report) -> dict:
         or None,  # MP and PP: each GPU's peak (bytes as per_gpu's total), the first stage's GPU first
         "strategies": [
             {"setup": s.setup.label(), "strategy": s.setup.strategy.name,
-             "sharding_strategy": s.setup.sharding_strategy if s.setup.strategy.shards_parameters else None,
+             "sharding_strategy": s.setup.sharding_name,
              "offload_params": s.setup.offload_params, "per_gpu": s.per_gpu(), "cuda_context": s.cuda_context,
              "fits": s.fits(r.gpu.memory_bytes), "max_batch_size": batch}
             for s, batch in r.table

@@ -153,6 +153,11 @@ class Setup:
         return self.config.distributed.reshards_after_forward
 
     @property
+    def sharding_name(self) -> str | None:
+        """The sharding as a run's summary.json names it: None where the strategy shards no parameters."""
+        return self.sharding_strategy if self.strategy.shards_parameters else None
+
+    @property
     def offload_params(self) -> bool:
         """FSDP's CPU offload of parameters, gradients and optimizer states (the key means nothing elsewhere)."""
         return self.strategy.shards_parameters and self.config.distributed.fsdp_offload_params
@@ -267,7 +272,8 @@ class Setup:
     def to_dict(self) -> dict[str, Any]:
         """The setup by the CLI's option names, the strategy by its name (the estimate's JSON)."""
         out = {name: getattr(self, name) for name in SUMMARY}
-        out.update(strategy=self.strategy.name, lora_modules_to_save=list(self.lora_modules_to_save))
+        out.update(strategy=self.strategy.name, sharding_strategy=self.sharding_name,
+                   lora_modules_to_save=list(self.lora_modules_to_save))
         return out
 
 
