@@ -2,7 +2,8 @@
 
 Every console block of README.md and docs/*.md that runs ``shardtune estimate`` is run again at the docs' width (80
 columns); each stretch of the quoted output between ``...`` elisions must appear in the real output, whitespace
-aside. A formula change that moves a figure fails here until the page is regenerated.
+aside. A formula change that moves a figure fails here until the page is regenerated. The docs' links resolve inside
+the repository, and every option a docs command gives a subcommand is one that subcommand takes.
 """
 
 from __future__ import annotations
@@ -94,3 +95,63 @@ def test_the_readme_names_every_estimate_option():
     named |= {f"--{o}" for pair in re.findall(r"--\[no-\]([a-z0-9-]+)", readme) for o in (pair, f"no-{pair}")}
     missing = sorted(options - {"--help"} - named)
     assert not missing, f"README.md does not name estimate's {missing}"
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_resolve_inside_the_repository():
+    """Every relative link of README.md and docs/*.md names a file of the repository, and its #anchor a heading."""
+    broken = []
+    for page in PAGES:
+        for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if link.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.is_relative_to(ROOT) or not target.exists():
+                broken.append(f"{page.name}: {link} (no such file in the repository)")
+            elif anchor and target.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", target.read_text(), flags=re.M)
+                if anchor not in {github_anchor(h) for h in headings}:
+                    broken.append(f"{page.name}: {link} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def docs_commands() -> list[tuple[str, str]]:
+    """(page, command) of every ``shardtune ...`` the docs show, in code spans and in bash or console blocks."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        commands = re.findall(r"`(shardtune [^`]+)`", text)
+        for block in re.findall(r"```(?:bash|sh|console)\n(.*?)```", text, flags=re.S):
+            lines = (line.removeprefix("$ ").split("  #")[0] for line in block.replace("\\\n", " ").splitlines())
+            commands += [line for line in lines if line.startswith("shardtune ")]
+        found += [(page.name, " ".join(command.split())) for command in commands]
+    return found
+
+
+def test_every_option_the_docs_give_a_subcommand_is_one_it_takes():
+    """An option shown after ``shardtune estimate|generate|chat|export|merge|plot|bench ...`` is in its parser
+    (train, launch and data inspect take the training keys, which docs/config.md and test_docs_config check)."""
+    from shardtune.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.choices and "estimate" in a.choices)
+    taken = {name: parser for name, parser in sub.choices.items()}
+    for name, parser in list(taken.items()):
+        for action in parser._actions:
+            if isinstance(action.choices, dict):
+                taken |= {f"{name} {inner}": p for inner, p in action.choices.items()}
+    options = {name: {o for a in p._actions for o in a.option_strings} for name, p in taken.items()}
+    unknown = []
+    for page, command in docs_commands():
+        words = command.split()
+        name = " ".join(words[1:3]) if " ".join(words[1:3]) in options else words[1]
+        assert name in options, f"{page}: '{command}' names no shardtune subcommand"
+        if name in ("train", "launch", "data inspect"):
+            continue
+        unknown += [f"{page}: {word} in '{command}'" for word in words[2:]
+                    if word.startswith("--") and word.split("=")[0] not in options[name]]
+    assert not unknown, "\n".join(unknown)
