@@ -688,3 +688,13 @@ def test_launch_refuses_restarts_that_would_refuse_their_own_run(monkeypatch, ca
     for fix in (["--resume_from_checkpoint", "true"], ["--overwrite_output_dir", "true"]):
         assert main([*job, *fix]) == 0
     assert len(spawned) == 2
+
+
+def test_a_launch_dry_run_refuses_the_restarts_the_launch_refuses(capsys):
+    """README: --dry_run prints the torchrun command once the training values pass their checks; it printed one
+    for --max_restarts without resume_from_checkpoint, which the same launch without --dry_run refuses (exit 2)."""
+    job = ["launch", "--dry_run", "--num_processes", "2", "--max_restarts", "3", "train", "--learning_rate", "1e-4"]
+    assert main(job) == 2
+    assert one_error_line(capsys).startswith("shardtune launch: error: --max_restarts 3: a restarted worker finds")
+    assert main([*job, "--resume_from_checkpoint", "true"]) == 0
+    assert "--max_restarts 3" in capsys.readouterr().out

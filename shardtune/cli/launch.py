@@ -119,8 +119,9 @@ def run(argv: list[str]) -> int:
         if not any(a in TRAIN_HELP for a in train_argv):
             from shardtune.config.loading import check_given_values
 
-            # a bad value is refused in a dry run too, and a key given twice; missing paths are not
-            check_given_values(train_argv, LAUNCHER_KEYS)
+            # a bad value is refused in a dry run too, and a key given twice, and restarts the launch refuses;
+            # missing paths are not
+            refuse_restarts_that_cannot_go_on(opts, check_given_values(train_argv, LAUNCHER_KEYS))
         print(shlex.join(cmd))
         return 0
     if not any(a in TRAIN_HELP for a in train_argv):

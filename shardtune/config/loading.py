@@ -831,13 +831,15 @@ def load_run_config(argv: list[str]) -> TrainConfig:
     return cfg
 
 
-def check_given_values(argv: list[str], hints: Mapping[str, str] | None = None) -> None:
+def check_given_values(argv: list[str], hints: Mapping[str, str] | None = None) -> TrainConfig:
     """The training keys ``argv`` gives, checked as keys and values only, with the model, data and output_dir
     allowed to be left out: what a dry run of ``shardtune launch`` shows the command for. Nothing is read. A key
-    given two values is refused as the real launch refuses it (``hints``: as for ``repeated_cli_keys``)."""
+    given two values is refused as the real launch refuses it (``hints``: as for ``repeated_cli_keys``). Returns
+    the config they make, for the launcher's own checks."""
     placeholders = ({"model_name_or_path": "MODEL", "dataset_name": "DATA"}, {})
-    _, _, problems = _apply([placeholders, *_layers(argv)], training=False)
+    cfg, _, problems = _apply([placeholders, *_layers(argv)], training=False)
     raise_problems(repeated_cli_keys(argv, hints) + problems)
+    return cfg
 
 
 def load_planned_config(argv: list[str], notes: list[str] | None = None) -> TrainConfig:
