@@ -35,6 +35,21 @@ def small_model(tmp_path_factory):
                                  intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4))
 
 
+@pytest.fixture(scope="module")
+def calibrate():
+    """``formula_and_trace``, each (model, setup) traced once in this module: a setup that two tests check (NO_SHARD
+    LoRA on the wide untied model) costs one trace."""
+    done: dict[tuple[str, str], object] = {}
+
+    def calibrated(model: str, setup):
+        key = (model, repr(setup))
+        if key not in done:
+            done[key] = formula_and_trace(model, setup)
+        return done[key]
+
+    return calibrated
+
+
 GRID = [  # (method, strategy, GPUs, checkpointing)
     ("full", "NO", 1, False), ("full", "NO", 1, True), ("lora", "NO", 1, False),
     ("lora", "NO", 1, True), ("qlora", "NO", 1, True), ("full", "FSDP", 4, True),
@@ -49,11 +64,11 @@ def big_vocab_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method, strategy, gpus, checkpointing", GRID)
-def test_formula_agrees_with_the_trace(small_model, method, strategy, gpus, checkpointing):
+def test_formula_agrees_with_the_trace(calibrate, small_model, method, strategy, gpus, checkpointing):
     setup = checked_setup(method=method, distributed_type=strategy, num_gpus=gpus, per_device_train_batch_size=2,
                           max_seq_len=256, gradient_checkpointing=checkpointing, mixed_precision="bf16",
                           loss="shardtune")
-    formula, _, traced, _ = formula_and_trace(small_model, setup)
+    formula, _, traced, _ = calibrate(small_model, setup)
     bound = GRID_BOUND.get(method, PATTERN_BOUND)
     assert abs(formula / traced - 1) <= bound, f"formula {formula:,} B vs trace {traced:,} B"
 
@@ -82,10 +97,10 @@ def test_qlora_under_fsdp_gathers_its_4bit_layers_at_their_nf4_size(small_model,
 
 @pytest.mark.parametrize("method, strategy, gpus", [("full", "NO", 1), ("lora", "FSDP", 4),
                                                     ("qlora", "NO", 1)])
-def test_formula_agrees_with_the_trace_where_the_loss_dominates(big_vocab_model, method, strategy, gpus):
+def test_formula_agrees_with_the_trace_where_the_loss_dominates(calibrate, big_vocab_model, method, strategy, gpus):
     setup = checked_setup(method=method, distributed_type=strategy, num_gpus=gpus, per_device_train_batch_size=2,
                           max_seq_len=256, gradient_checkpointing=True, mixed_precision="bf16", loss="shardtune")
-    formula, _, traced, _ = formula_and_trace(big_vocab_model, setup)
+    formula, _, traced, _ = calibrate(big_vocab_model, setup)
     assert abs(formula / traced - 1) <= BOUND, f"formula {formula:,} B vs trace {traced:,} B"
 
 
@@ -113,7 +128,7 @@ def vocab_4k_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["ckpt", "no-ckpt"])
-def test_tied_embeddings_hold_two_gradients_at_the_end_of_backward(tied_model, checkpointing):
+def test_tied_embeddings_hold_two_gradients_at_the_end_of_backward(calibrate, tied_model, checkpointing):
     """The head's gradient of a tied weight waits for the embedding's: the formula counts both (full fine-tuning
     at a short sequence, where the end of backward is the peak).
 
@@ -123,7 +138,7 @@ def test_tied_embeddings_hold_two_gradients_at_the_end_of_backward(tied_model, c
     """
     setup = checked_setup(method="full", per_device_train_batch_size=1, max_seq_len=256,
                           gradient_checkpointing=checkpointing, mixed_precision="bf16", loss="shardtune")
-    formula, _, traced, _ = formula_and_trace(tied_model, setup)
+    formula, _, traced, _ = calibrate(tied_model, setup)
     assert abs(formula / traced - 1) <= PATTERN_BOUND, f"formula {formula:,} B vs trace {traced:,} B"
     # The bound alone does not see the pending gradient: without it the formula peaks in the loss's backward, 1.5%
     # lower (no-ckpt). Its peak is the end of backward, with every fp32 gradient and the head's, counted here from
@@ -143,37 +158,51 @@ def _wide_vocab(tmp_path_factory, tied: bool) -> str:
                          intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16)
 
 
+@pytest.fixture(scope="module")
+def wide_vocab_models(tmp_path_factory) -> dict[bool, str]:
+    """Both, by tied: one folder each for every test of this module, so ``calibrate`` sees a setup two tests
+    check as one."""
+    return {tied: _wide_vocab(tmp_path_factory, tied) for tied in (False, True)}
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def wide_vocab_model(request, tmp_path_factory):
-    return _wide_vocab(tmp_path_factory, request.param)
+def wide_vocab_model(request, wide_vocab_models):
+    return wide_vocab_models[request.param]
 
 
 @pytest.fixture(scope="module")
-def untied_wide_vocab_model(tmp_path_factory):
-    return _wide_vocab(tmp_path_factory, False)
+def untied_wide_vocab_model(wide_vocab_models):
+    return wide_vocab_models[False]
 
 
 @pytest.fixture(scope="module")
-def tied_wide_vocab_model(tmp_path_factory):
-    return _wide_vocab(tmp_path_factory, True)
+def tied_wide_vocab_model(wide_vocab_models):
+    return wide_vocab_models[True]
 
 
-@pytest.mark.parametrize("gpus, sharding", [(2, "FULL_SHARD"), (4, "FULL_SHARD"), (4, "SHARD_GRAD_OP")])
-def test_fsdp_full_fine_tuning_holds_the_root_gradients_unsharded_to_the_end(wide_vocab_model, gpus, sharding):
+@pytest.mark.parametrize("gpus, sharding", [(2, "FULL_SHARD"), (4, "SHARD_GRAD_OP")])
+def test_fsdp_full_fine_tuning_holds_the_root_gradients_unsharded_to_the_end(calibrate, wide_vocab_model, gpus,
+                                                                            sharding):
     """FSDP2 reduce-scatters the root unit after the whole backward: until then the head's gradient waits unsharded
     in the compute dtype through every decoder layer's backward, the root stays gathered through the embedding's
     backward beside the embedding's own gradient, and SHARD_GRAD_OP reshards each layer after its backward. The
     formula gave 0.85-0.96 of the trace on these (it counted the head's gradient as a shard, and nothing of the
-    root at the embedding's backward); now 1.00-1.01."""
+    root at the embedding's backward); now 1.00-1.01.
+
+    One case per path, tied and untied: FULL_SHARD (2 GPUs: each layer resharded after forward and gathered again
+    for its backward) and SHARD_GRAD_OP (4 GPUs: each layer kept gathered from its forward to its backward).
+    FULL_SHARD on 4 GPUs, a case here before, takes the first path with smaller shards; the small grid
+    (full-FSDP-4) and test_fsdp_layer_backward_holds_its_temporaries_then_its_fp32_reduce_input[untied-4] trace it."""
     setup = checked_setup(method="full", distributed_type="FSDP", num_gpus=gpus, fsdp_sharding_strategy=sharding,
                           per_device_train_batch_size=2, max_seq_len=512, gradient_checkpointing=True,
                           mixed_precision="bf16", loss="shardtune", torch_dtype="bfloat16")
-    formula, _, traced, _ = formula_and_trace(wide_vocab_model, setup)
+    formula, _, traced, _ = calibrate(wide_vocab_model, setup)
     assert abs(formula / traced - 1) <= PATTERN_BOUND, f"formula {formula:,} B vs trace {traced:,} B"
 
 
 @pytest.mark.parametrize("gpus, sharding", [(2, "FULL_SHARD"), (4, "SHARD_GRAD_OP")])
-def test_fsdp_forward_starts_with_the_roots_all_gather_output_still_held(untied_wide_vocab_model, gpus, sharding):
+def test_fsdp_forward_starts_with_the_roots_all_gather_output_still_held(calibrate, untied_wide_vocab_model, gpus,
+                                                                         sharding):
     """In forward FSDP2 frees a unit's all-gather output only once the next unit's copy-out is done: as the first
     decoder layer's parameters are copied out, the root's all-gather output and parameters are both there, beside
     the layer's own two. With LoRA and a large untied vocabulary that moment is the step's peak; the formula, which
@@ -181,7 +210,7 @@ def test_fsdp_forward_starts_with_the_roots_all_gather_output_still_held(untied_
     setup = checked_setup(method="lora", distributed_type="FSDP", num_gpus=gpus, fsdp_sharding_strategy=sharding,
                           per_device_train_batch_size=2, max_seq_len=512, gradient_checkpointing=True,
                           mixed_precision="bf16", loss="shardtune")
-    formula, _, traced, _ = formula_and_trace(untied_wide_vocab_model, setup)
+    formula, _, traced, _ = calibrate(untied_wide_vocab_model, setup)
     assert abs(formula / traced - 1) <= PATTERN_BOUND, f"formula {formula:,} B vs trace {traced:,} B"
 
 
@@ -197,12 +226,15 @@ def test_pure_bf16_adamw_steps_a_weight_one_fp32_slice_at_a_time(big_vocab_model
     setup = checked_setup(method="full", distributed_type="FSDP", num_gpus=gpus, fsdp_sharding_strategy=sharding,
                           per_device_train_batch_size=2, max_seq_len=256, gradient_checkpointing=True,
                           mixed_precision="bf16", loss="shardtune", torch_dtype="bfloat16")
-    formula, _, traced, _ = formula_and_trace(big_vocab_model, setup)
+    # One trace serves both checks (formula_and_trace would trace the step again; the config has no tokenizer, so
+    # its analysis is the model's own).
+    result = trace_training_step(config_from_setup(big_vocab_model, setup), setup.world_size)
+    analysis = ModelAnalysis(big_vocab_model)
+    formula, traced = estimate(analysis.inventory, setup, analysis.lora_of(setup)).tensors, result.peak_bytes
     assert abs(formula / traced - 1) <= PATTERN_BOUND, f"formula {formula:,} B vs trace {traced:,} B"
     # The trace's optimizer bytes at its peak, less the moments (bf16, two per weight of this rank's shard), are
     # the temporaries of the largest slice: a whole slice, or the embedding's shard (32000 / gpus rows of 256)
     # where that is smaller (4 GPUs).
-    result = trace_training_step(config_from_setup(big_vocab_model, setup), setup.world_size)
     moments = 2 * 2 * result.trainable_parameters / gpus
     largest = min(32000 // gpus * 256, PURE_BF16_SLICE_ELEMENTS)
     assert result.categories["optimizer"] - moments == pytest.approx(largest * PURE_BF16_SLICE_BYTES_PER_ELEMENT,
@@ -215,7 +247,7 @@ def _no_shard(method: str, torch_dtype: str | None, strategy: str = "FSDP"):
                          mixed_precision="bf16", loss="shardtune", torch_dtype=torch_dtype)
 
 
-def test_no_shard_holds_every_parameter_once_as_ddp_does(untied_wide_vocab_model):
+def test_no_shard_holds_every_parameter_once_as_ddp_does(calibrate, untied_wide_vocab_model):
     """NO_SHARD is DDP done by FSDP2, whose shard group is one GPU. FSDP2 still copies each unit into its gathered
     parameters (its all-gather of one): kept from forward to backward, those copies held every parameter twice
     (1.75x DDP's peak here). NO_SHARD now reshards after forward, so beyond DDP's peak it holds only the root's
@@ -226,25 +258,25 @@ def test_no_shard_holds_every_parameter_once_as_ddp_does(untied_wide_vocab_model
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(untied_wide_vocab_model))
     layer = sum(p.numel() for p in model.model.layers[0].parameters())
     root = sum(p.numel() for p in model.parameters()) - len(model.model.layers) * layer
-    _, _, ddp, _ = formula_and_trace(untied_wide_vocab_model, _no_shard("lora", "bfloat16", "DDP"))
-    _, _, no_shard, _ = formula_and_trace(untied_wide_vocab_model, _no_shard("lora", "bfloat16"))
+    _, _, ddp, _ = calibrate(untied_wide_vocab_model, _no_shard("lora", "bfloat16", "DDP"))
+    _, _, no_shard, _ = calibrate(untied_wide_vocab_model, _no_shard("lora", "bfloat16"))
     copies = (root + layer) * 2  # bf16
     assert no_shard - ddp == pytest.approx(copies, rel=0.05), f"NO_SHARD {no_shard:,} B vs DDP {ddp:,} B"
 
 
 @pytest.mark.parametrize("method, torch_dtype", [("lora", "bfloat16"), ("full", None), ("full", "bfloat16")])
-def test_formula_follows_no_shard(wide_vocab_model, method, torch_dtype):
+def test_formula_follows_no_shard(calibrate, wide_vocab_model, method, torch_dtype):
     """NO_SHARD under FSDP2: one unit gathered at a time, and after backward the root's reduce-scatter input (fp32
     with fp32 master weights) beside its output, which under NO_SHARD is the whole gradient. The formula, which
     kept every layer gathered or prefetched a second one and counted the reduce-scatter's output as a shard, failed
     three of these and gave 0.90-1.12 of the trace on a Llama-3.2-1B-shaped model."""
-    formula, _, traced, _ = formula_and_trace(wide_vocab_model, _no_shard(method, torch_dtype))
+    formula, _, traced, _ = calibrate(wide_vocab_model, _no_shard(method, torch_dtype))
     assert abs(formula / traced - 1) <= PATTERN_BOUND, f"formula {formula:,} B vs trace {traced:,} B"
 
 
 @pytest.mark.parametrize("strategy, gpus, sharding", [("NO", 1, "FULL_SHARD"), ("FSDP", 2, "FULL_SHARD"),
                                                       ("FSDP", 4, "SHARD_GRAD_OP")])
-def test_the_heads_gradient_matmul_at_the_loss(wide_vocab_model, strategy, gpus, sharding):
+def test_the_heads_gradient_matmul_at_the_loss(calibrate, wide_vocab_model, strategy, gpus, sharding):
     """Full fine-tuning, the fused loss: each chunk's backward ends in the head's weight-gradient matmul, which writes
     a new head-sized gradient beside autograd's buffer of the earlier chunks' sum (and, under FULL_SHARD, beside
     the last layer's all-gather, which the root's pre-backward hook has prefetched). Without checkpointing in pure
@@ -253,23 +285,23 @@ def test_the_heads_gradient_matmul_at_the_loss(wide_vocab_model, strategy, gpus,
     setup = checked_setup(method="full", distributed_type=strategy, num_gpus=gpus, fsdp_sharding_strategy=sharding,
                           per_device_train_batch_size=2, max_seq_len=512, gradient_checkpointing=False,
                           mixed_precision="bf16", loss="shardtune", torch_dtype="bfloat16")
-    formula, _, traced, _ = formula_and_trace(wide_vocab_model, setup)
+    formula, _, traced, _ = calibrate(wide_vocab_model, setup)
     assert abs(formula / traced - 1) <= 0.01, f"formula {formula:,} B vs trace {traced:,} B"
 
 
-def test_fsdp_reduce_scatter_keeps_its_last_gradient(untied_wide_vocab_model):
+def test_fsdp_reduce_scatter_keeps_its_last_gradient(calibrate, untied_wide_vocab_model):
     """On more than one GPU, FSDP2's reduce-scatter (torch 2.13's foreach_reduce) keeps the unit's last unsharded
     gradient alive through it in a loop variable: for the root unit of an untied model that is the head's, beside
     the reduce-scatter's fp32 input and output. With fp32 master weights and no checkpointing that moment is the
     peak on 2 GPUs; the formula gave 0.98 of the trace here without it."""
     setup = checked_setup(method="full", distributed_type="FSDP", num_gpus=2, per_device_train_batch_size=2,
                           max_seq_len=512, gradient_checkpointing=False, mixed_precision="bf16", loss="shardtune")
-    formula, _, traced, _ = formula_and_trace(untied_wide_vocab_model, setup)
+    formula, _, traced, _ = calibrate(untied_wide_vocab_model, setup)
     assert abs(formula / traced - 1) <= 0.01, f"formula {formula:,} B vs trace {traced:,} B"
 
 
 @pytest.mark.parametrize("fixture, gpus", [("untied_wide_vocab_model", 4), ("tied_wide_vocab_model", 2)])
-def test_fsdp_layer_backward_holds_its_temporaries_then_its_fp32_reduce_input(request, fixture, gpus):
+def test_fsdp_layer_backward_holds_its_temporaries_then_its_fp32_reduce_input(calibrate, request, fixture, gpus):
     """With fp32 master weights FSDP2 copies a layer's gradients into an fp32 reduce-scatter input after the
     layer's backward, once its temporaries are gone: the phase holds the larger of the two, not both. The formula,
     which counted both, was 2.4-2.6% above the trace here (no checkpointing). Tied, SHARD_GRAD_OP on 4 GPUs with
@@ -277,7 +309,7 @@ def test_fsdp_layer_backward_holds_its_temporaries_then_its_fp32_reduce_input(re
     one's reduce-scatter buffers, a moment the formula's phases do not separate."""
     setup = checked_setup(method="full", distributed_type="FSDP", num_gpus=gpus, per_device_train_batch_size=2,
                           max_seq_len=512, gradient_checkpointing=False, mixed_precision="bf16", loss="shardtune")
-    formula, _, traced, _ = formula_and_trace(request.getfixturevalue(fixture), setup)
+    formula, _, traced, _ = calibrate(request.getfixturevalue(fixture), setup)
     assert abs(formula / traced - 1) <= 0.01, f"formula {formula:,} B vs trace {traced:,} B"
 
 
@@ -291,10 +323,10 @@ PATTERNS = [  # (model fixture, method, checkpointing): 1 x 2048 tokens
 
 
 @pytest.mark.parametrize("fixture, method, checkpointing", PATTERNS)
-def test_formula_follows_the_trace_at_a_long_sequence(request, fixture, method, checkpointing):
+def test_formula_follows_the_trace_at_a_long_sequence(calibrate, request, fixture, method, checkpointing):
     setup = checked_setup(method=method, per_device_train_batch_size=1, max_seq_len=2048,
                           gradient_checkpointing=checkpointing, mixed_precision="bf16", lora_r=16, loss="shardtune")
-    formula, _, traced, _ = formula_and_trace(request.getfixturevalue(fixture), setup)
+    formula, _, traced, _ = calibrate(request.getfixturevalue(fixture), setup)
     assert abs(formula / traced - 1) <= PATTERN_BOUND, f"formula {formula:,} B vs trace {traced:,} B"
 
 
@@ -314,26 +346,27 @@ DORA = [  # (method, strategy, GPUs, checkpointing, torch_dtype, lora_dropout): 
 
 
 @pytest.mark.parametrize("method, strategy, gpus, checkpointing, torch_dtype, lora_dropout", DORA)
-def test_formula_follows_dora(dora_model, method, strategy, gpus, checkpointing, torch_dtype, lora_dropout):
+def test_formula_follows_dora(calibrate, dora_model, method, strategy, gpus, checkpointing, torch_dtype,
+                              lora_dropout):
     """DoRA's own memory: the base and adapter outputs its magnitude's gradient keeps, fp32 outputs under autocast,
     and the weight norm each adapted linear computes in forward and recompute (an in x in identity, weight-sized
     temporaries). Without them the formula gave 0.52-0.73 of the trace on this grid; now 0.93-1.07."""
     setup = checked_setup(method=method, distributed_type=strategy, num_gpus=gpus, per_device_train_batch_size=2,
                           max_seq_len=512, gradient_checkpointing=checkpointing, mixed_precision="bf16",
                           loss="shardtune", use_dora=True, torch_dtype=torch_dtype, lora_dropout=lora_dropout)
-    formula, _, traced, _ = formula_and_trace(dora_model, setup)
+    formula, _, traced, _ = calibrate(dora_model, setup)
     assert abs(formula / traced - 1) <= DORA_BOUND, f"formula {formula:,} B vs trace {traced:,} B"
 
 
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["ckpt", "no-ckpt"])
-def test_trace_of_a_gpu_job_keeps_dropout_masks_in_bool(dora_model, checkpointing):
+def test_trace_of_a_gpu_job_keeps_dropout_masks_in_bool(calibrate, dora_model, checkpointing):
     """CUDA's fused dropout keeps a bool mask for backward; dropout on CPU tensors (the trace's) keeps one in the
     input's dtype, fp32 for LoRA's adapters: the trace of a GPU job runs the former. Before, the formula (which
     counts the bool masks) came to 0.79-0.87 of the trace of LoRA with lora_dropout 0.05 here; now 0.94-0.99."""
     setup = checked_setup(method="lora", per_device_train_batch_size=2, max_seq_len=512,
                           gradient_checkpointing=checkpointing, mixed_precision="bf16", loss="shardtune",
                           lora_dropout=0.05)
-    formula, _, traced, _ = formula_and_trace(dora_model, setup)
+    formula, _, traced, _ = calibrate(dora_model, setup)
     assert abs(formula / traced - 1) <= BOUND, f"formula {formula:,} B vs trace {traced:,} B"
 
 
