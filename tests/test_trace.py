@@ -64,6 +64,9 @@ def test_fake_trace_matches_the_real_cpu_step_within_5_percent(models, model, wo
     assert real.peak_bytes > 0
     assert abs(fake.peak_bytes / real.peak_bytes - 1) <= 0.05, (fake.categories, real.categories)
     assert sum(fake.categories.values()) == fake.peak_bytes
+    # A CPU job has no caching allocator to model (checked here, on every path of the grid, rather than by a
+    # third trace in test_allocation_log_sees_every_tensor_the_tracker_counts_and_fake_replays_as_real)
+    assert fake.reserved_bytes is None
     # QLoRA is traced with a formula stand-in for the NF4 weights: the trace says so.
     assert any("Params4bit" in n for n in fake.notes) == bool(values.get("use_4bit_quantization"))
 
@@ -145,7 +148,28 @@ def test_model_parallel_cannot_be_traced_and_estimate_falls_back_saying_why(mode
     assert out["source"] == "formula" and "CPU offload" in out["fallback_reason"]
 
 
-def test_estimate_trace_json_and_text(models, capsys):
+@pytest.fixture
+def traced_once(monkeypatch) -> dict:
+    """``trace_or_formula`` run once per job: CLI calls that differ only in what they do with the trace (--json or
+    text, the GPU's size) share one trace of the same step. That two traces of one job agree is
+    test_train_dry_run_traces_the_configured_job's check (the CLI's trace against ``trace_training_step``)."""
+    import copy
+
+    from shardtune.memory import trace_setup
+
+    done, real = {}, trace_setup.trace_or_formula
+
+    def once(cfg, world_size: int, *, num_nodes: int = 1) -> dict:
+        key = (repr(cfg), world_size, num_nodes)
+        if key not in done:
+            done[key] = real(cfg, world_size, num_nodes=num_nodes)
+        return copy.deepcopy(done[key])  # the caller adds its own keys to the dict
+
+    monkeypatch.setattr(trace_setup, "trace_or_formula", once)
+    return done
+
+
+def test_estimate_trace_json_and_text(models, capsys, traced_once):
     from shardtune.cli import main
 
     args = ["estimate", models["tiny"], *CHECKED_AT_ARGS, "--method", "lora", "--num-gpus", "2", "--strategy", "fsdp",
@@ -162,6 +186,7 @@ def test_estimate_trace_json_and_text(models, capsys):
     assert f"traced peak per GPU: {traced['peak_bytes'] / 2**30:.3f} GiB of tensors  (FSDP FULL_SHARD, world size 2" \
         in out
     assert f"reserved from the GPU: {traced['reserved_bytes'] / 2**30:.3f} GiB" in out
+    assert len(traced_once) == 1  # both printed the one job
 
 
 def test_estimate_trace_rejects_setups_the_trainer_cannot_run(models, capsys):
@@ -387,10 +412,9 @@ def test_allocation_log_sees_every_tensor_the_tracker_counts_and_fake_replays_as
     streams = {stream for log in logs for _, nbytes, stream in log.events if nbytes}
     assert streams == ({0, 1, 2} if values.get("distributed_type") == "FSDP" else {0})
     assert any("caching allocator" in note for note in fake.notes)
-    assert trace_training_step(cfg, world_size, target_device="cpu").reserved_bytes is None
 
 
-def test_estimate_trace_judges_the_fit_by_the_traced_reserved_memory(models, capsys):
+def test_estimate_trace_judges_the_fit_by_the_traced_reserved_memory(models, capsys, traced_once):
     """On a GPU sized between the formula's figure and the trace's reserved memory, the trace's verdict is shown;
     where the formula says it fits and the trace says it does not, with a warning. On this small model the formula
     is the larger (its fitted reserve starts at 160 MiB), so the warning is checked on the same result with the
@@ -422,6 +446,7 @@ def test_estimate_trace_judges_the_fit_by_the_traced_reserved_memory(models, cap
     assert traced - allocated > 2**20, (allocated, traced)
     assert main([*args, "--gpu-memory", f"{(allocated + traced) / 2 / 2**30:.6f}", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["trace"]["fits"] is False
+    assert len(traced_once) == 1  # every --gpu-memory above judged the one job
     # the trace above the formula on a GPU between them: its verdict, and the warning
     lower = traced - result["cuda_context_bytes"] - 2**20
     result |= {"fits": False, "gpu_memory_bytes": traced - 2**19}
