@@ -228,9 +228,9 @@ def _with_llama3_rope(source: GgufFile, config):
         (w1, s1), (w2, s2) = band[0], band[-1]
         slope = (s2 - s1) / (1 / w2 - 1 / w1)
         high = 1 + 1 / (slope / w1 - s1) if slope / w1 != s1 else high
-    original = band[0][0] * (1 + band[0][1] * (high - 1)) if band else 8192
-    original, high = (round(original), round(high, 4)) if abs(original - round(original)) < 1e-3 * original \
-        else (original, round(high, 4))
+    original, high = band[0][0] * (1 + band[0][1] * (high - 1)) if band else 8192, round(high, 4)
+    if abs(original - round(original)) < 1e-3 * original:  # a context length, as configs give it
+        original = round(original)
     llama3 = {**rope, "rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
               "high_freq_factor": high, "original_max_position_embeddings": original}
     if not torch.allclose(_llama3_factors(config, llama3, plain), factors, rtol=1e-4):
