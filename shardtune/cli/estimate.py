@@ -274,7 +274,7 @@ def _data_tokens(args: argparse.Namespace, report):
         return None
     counted = count_data_tokens(data, args.model, report.breakdown.setup.seq_len, read.dataset_text_field,
                                 read.data_format, read.alpaca_as_chat)
-    return counted.without_eval_rows(read.eval_split_ratio)  # one file: train holds its eval rows out of it
+    return counted.without_eval_rows(read.rows_held_out(counted.rows))  # one file: train holds eval rows out of it
 
 
 ACCELERATE_KEYS = {"compute_environment", "fsdp_config", "deepspeed_config", "machine_rank", "num_machines",

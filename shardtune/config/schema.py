@@ -196,6 +196,11 @@ class DataConfig:
     def eval_split_names(self) -> list[str]:
         return [s.strip() for s in self.splits.split(",") if s.strip() and "train" not in s.strip()]
 
+    def rows_held_out(self, rows: int) -> int:
+        """How many of ``rows`` training rows eval_split_ratio holds out for evaluation where the data has no eval
+        split: at least one where it is set (the data pipeline splits so, and ``estimate --time`` counts so)."""
+        return max(1, round(self.eval_split_ratio * rows)) if self.eval_split_ratio > 0 and rows else 0
+
 
 @dataclass
 class LoraConfig:

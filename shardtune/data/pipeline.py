@@ -219,7 +219,7 @@ def _build(cfg: DataConfig, source: Source, tokenizer, seed: int) -> PreparedDat
     if held_out:
         order = list(range(len(train_examples)))
         random.Random(seed).shuffle(order)
-        held = set(order[:max(1, round(cfg.eval_split_ratio * len(order)))])
+        held = set(order[:cfg.rows_held_out(len(order))])
         eval_examples = [e for i, e in enumerate(train_examples) if i in held]
         train_examples = [e for i, e in enumerate(train_examples) if i not in held]
         notes.append(f"eval split: {len(eval_examples)} rows held out of train (eval_split_ratio "

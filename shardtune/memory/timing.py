@@ -369,13 +369,12 @@ class DataTokens:
                 f"tokens taken at the rows' mean)") if self.held_out else ""
         return f"{self.tokens:,} tokens in {self.rows:,} rows of {self.source} ({how}{held})"
 
-    def without_eval_rows(self, ratio: float) -> DataTokens:
-        """What training takes of a file that ``shardtune train`` splits itself (no eval split of its own): it
-        holds ``ratio`` of the rows out for evaluation, at least one, as the data pipeline does; their tokens are
-        taken at the rows' mean (which rows go depends on the seed)."""
-        if ratio <= 0 or not self.rows:
+    def without_eval_rows(self, held: int) -> DataTokens:
+        """What training takes of a file that ``shardtune train`` splits itself (no eval split of its own), ``held``
+        of its rows held out for evaluation (``DataConfig.rows_held_out``); their tokens are taken at the rows' mean
+        (which rows go depends on the seed)."""
+        if not held:
             return self
-        held = min(self.rows, max(1, round(ratio * self.rows)))
         kept = self.rows - held
         return replace(self, tokens=round(self.tokens * kept / self.rows), rows=kept, held_out=held)
 
