@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from shardtune.errors import UsageError, writing
 from shardtune.files import WRITTEN_BY, replacing
-from shardtune.gguf_source import ROPE_FREQS, default_inverse_frequencies
+from shardtune.gguf_source import ROPE_FREQS, llama3_frequency_factors
 from shardtune.gguf_vocab import add_vocab
 
 if TYPE_CHECKING:
@@ -87,20 +87,6 @@ def _rope_parameters(config) -> dict:
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def llama3_frequency_factors(config):
-    """What llama.cpp's ``rope_freqs`` holds for a Llama 3 RoPE (rope_type llama3, Llama 3.1 to 3.3): the number
-    each plain rotary frequency is divided by (1 for the high ones, ``factor`` for the low ones, smoothly between),
-    taken from transformers' own Llama 3 frequencies for ``config``, so that llama.cpp turns the queries and keys
-    as the trained model did. float32, one per pair of rotary dimensions."""
-    import copy
-
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](copy.deepcopy(config), "cpu")  # it standardizes the config in place
-    plain = default_inverse_frequencies(float(_rope_parameters(config)["rope_theta"]), 2 * scaled.numel())
-    return (plain / scaled.to(plain.dtype)).numpy()
 
 
 def general_name(name: str) -> str:
@@ -183,7 +169,7 @@ def add_tensors(writer, model, family: Family, quantize: str) -> int:
         writer.add_tensor(name, data, raw_dtype=qtype)
         written += array.size
     if _rope_type(_rope_parameters(config)) == "llama3":  # not a parameter: not counted
-        factors, _ = _storage(llama3_frequency_factors(config), quantize)
+        factors, _ = _storage(llama3_frequency_factors(config).numpy(), quantize)
         writer.add_tensor(ROPE_FREQS, factors, raw_dtype=gguf.GGMLQuantizationType.F32)
     return written
 

@@ -233,7 +233,7 @@ def _with_llama3_rope(source: GgufFile, config):
         original = round(original)
     llama3 = {**rope, "rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
               "high_freq_factor": high, "original_max_position_embeddings": original}
-    if not torch.allclose(_llama3_factors(config, llama3, plain), factors, rtol=1e-4):
+    if not torch.allclose(llama3_frequency_factors(config, llama3), factors, rtol=1e-4):
         raise UsageError(f"{source.path}: its {ROPE_FREQS} holds RoPE frequency divisors that no Llama 3 RoPE "
                          f"gives; transformers cannot run the model as llama.cpp does: use the original model folder")
     if hasattr(config, "rope_parameters"):
@@ -243,18 +243,23 @@ def _with_llama3_rope(source: GgufFile, config):
     return config
 
 
-def _llama3_factors(config, rope: dict, plain):
-    """The divisors ``rope`` gives each plain frequency, by transformers' own Llama 3 RoPE."""
+def llama3_frequency_factors(config, rope: dict | None = None):
+    """What llama.cpp's ``rope_freqs`` holds for a Llama 3 RoPE (rope_type llama3, Llama 3.1 to 3.3): the number
+    each plain rotary frequency is divided by (1 for the high ones, ``factor`` for the low ones, smoothly between),
+    by transformers' own Llama 3 frequencies for ``config`` (or for the parameters ``rope`` in its place), so that
+    llama.cpp turns the queries and keys as the model does. A float32 tensor, one per pair of rotary dimensions."""
     import copy
 
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    trial = copy.deepcopy(config)
-    if hasattr(trial, "rope_parameters"):
+    trial = copy.deepcopy(config)  # transformers standardizes the config's RoPE parameters in place
+    if rope is not None and hasattr(trial, "rope_parameters"):
         trial.rope_parameters = dict(rope)
-    else:
-        trial.rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    elif rope is not None:  # transformers 4
+        trial.rope_scaling, trial.rope_theta = {k: v for k, v in rope.items() if k != "rope_theta"}, rope["rope_theta"]
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](trial, "cpu")
+    theta = (getattr(trial, "rope_parameters", None) or {}).get("rope_theta", getattr(trial, "rope_theta", None))
+    plain = default_inverse_frequencies(float(theta), 2 * scaled.numel())
     return plain / scaled.to(plain.dtype)
 
 

@@ -20,7 +20,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -363,7 +362,7 @@ def test_a_llama3_rope_is_written_as_llama_cpps_rope_freqs_and_read_back(tmp_pat
     assert {k: read[k] for k in model.config.rope_parameters} == model.config.rope_parameters
     compare(model, AutoTokenizer.from_pretrained(folder), tmp_path / "l3.gguf", "f16")
 
-    monkeypatch.setattr(gguf_export, "llama3_frequency_factors", lambda config: np.linspace(1, 3, 8, dtype=np.float32))
+    monkeypatch.setattr(gguf_export, "llama3_frequency_factors", lambda config: torch.linspace(1, 3, 8))
     assert shardtune_main(["export", str(folder), str(tmp_path / "odd" / "odd.gguf"), "--format", "gguf"]) == 0
     with pytest.raises(UsageError, match=r"odd\.gguf: its rope_freqs\.weight holds RoPE frequency divisors that no "
                                          r"Llama 3 RoPE gives; .* use the original model folder"):
